@@ -1,0 +1,1946 @@
+/* litgpt.h — train GPT-2, Pythia/GPT-NeoX and Llama-family language models in the memory you have.
+
+   One stb-style header. In exactly one C or CUDA file:
+
+       #define LITGPT_IMPLEMENTATION
+       #include "litgpt.h"
+
+   Everywhere else include it without the define to get the API only.
+
+   Usage (the whole training loop of train.c, shortened):
+
+       lg_config cfg;  lg_error err;  lg_args args;
+       lg_args_default(&args);
+       if (lg_config_load(&cfg, "configs/pythia-14m.yaml", &err)) { puts(err.msg); exit(2); }
+       lg_model model;
+       lg_model_create(&model, &cfg, args.micro_batch_size, T, &err);
+       lg_model_init_weights(&model, args.seed);
+       lg_optimizer opt;  lg_optimizer_create(&opt, &model, &args, &err);
+       for (step ...) {
+           lg_model_zero_grad(&model);
+           for (each micro-batch) {
+               lg_model_forward(&model, inputs, targets, B, T);
+               lg_model_backward(&model, inputs, targets, B, T, 1.0f / tokens_in_global_batch);
+           }
+           float norm = lg_grad_norm(&model);  lg_grad_clip(&model, norm, args.max_norm);
+           lg_optimizer_step(&opt, &model, lg_learning_rate(&args, step));
+       }
+
+   Table of contents (the order data flows through a step):
+     1. utilities        errors, allocation, random numbers, timing
+     2. numbers          the arithmetic type, LG_HD per-element helpers shared with CUDA
+     3. config           lg_config: the architecture, LitGPT field names, YAML loader
+     4. args             lg_args: what the user asked for, defaults, checks
+     5. plan             the layouts of the parameter and activation buffers (sizes in one place)
+     6. kernels          CPU forward/backward of every op: gemm, linear, norms, rotary,
+                         attention, GELU/SwiGLU, embeddings, cross-entropy
+     7. model            lg_model: one parameter buffer, one activation buffer, forward, backward,
+                         generation
+     8. optimizers       AdamW, SGD with momentum, gradient clipping, learning-rate schedule
+     9. ranks            (one device for now; sharding lands with the devices issue)
+    10. data             llm.c token shards (uint16 / uint32), shuffled windows, the built-in task
+    11. tokenizer        the built-in character tokenizer (BPE lands with the data issue)
+    12. checkpoints      model.safetensors (fp32, LitGPT names), written atomically
+    13. trainer          evaluation and the per-step log line
+
+   Conventions: public names start with lg_ / LG_; no global mutable state; all memory through
+   LG_MALLOC / LG_FREE; functions that can fail return 0 on success, -1 with a message in an
+   lg_error. Shapes use B (batch), T (time), C (channels), V (vocabulary), L (layers),
+   NH (query heads), NQG (key/value groups), HS (head size), I (MLP hidden size).
+*/
+#ifndef LITGPT_H
+#define LITGPT_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------------------------------------
+   1. utilities (API)
+   ------------------------------------------------------------------------------------------- */
+
+#ifndef LG_MALLOC
+#include <stdlib.h>
+#define LG_MALLOC(size) malloc(size)
+#define LG_FREE(ptr) free(ptr)
+#endif
+
+typedef struct {
+    char msg[512]; /* one line: names the file, flag or sample at fault and what is wrong */
+} lg_error;
+
+typedef struct {
+    uint64_t state;
+} lg_rng;
+
+void lg_rng_seed(lg_rng *rng, uint64_t seed);
+uint64_t lg_rng_u64(lg_rng *rng);
+float lg_rng_uniform(lg_rng *rng); /* [0, 1) */
+float lg_rng_normal(lg_rng *rng);  /* standard normal */
+double lg_time_ms(void);           /* wall clock */
+
+/* ---------------------------------------------------------------------------------------------
+   2. numbers (API)
+   ------------------------------------------------------------------------------------------- */
+
+/* lg_real is the type of fp32 storage and of all arithmetic on the CPU backend. Tests compile
+   the library a second time with -DLG_REAL_DOUBLE to take finite differences of exactly the
+   same code in double precision. The lg_ math names follow the type. */
+#ifdef LG_REAL_DOUBLE
+typedef double lg_real;
+#define lg_sqrt sqrt
+#define lg_exp exp
+#define lg_log log
+#define lg_erf erf
+#define lg_tanh tanh
+#define lg_cos cos
+#define lg_sin sin
+#define lg_pow pow
+#define lg_fabs fabs
+#else
+typedef float lg_real;
+#define lg_sqrt sqrtf
+#define lg_exp expf
+#define lg_log logf
+#define lg_erf erff
+#define lg_tanh tanhf
+#define lg_cos cosf
+#define lg_sin sinf
+#define lg_pow powf
+#define lg_fabs fabsf
+#endif
+
+/* Per-element helpers shared by the CPU loops and the CUDA kernels. */
+#ifdef __CUDACC__
+#define LG_HD static inline __host__ __device__
+#else
+#define LG_HD static inline
+#endif
+
+typedef enum { LG_PRECISION_32_TRUE, LG_PRECISION_16_TRUE, LG_PRECISION_BF16_TRUE,
+               LG_PRECISION_16_MIXED, LG_PRECISION_BF16_MIXED } lg_precision;
+
+int lg_precision_parse(const char *text, lg_precision *out);
+const char *lg_precision_name(lg_precision p);
+
+/* ---------------------------------------------------------------------------------------------
+   3. config (API)
+   ------------------------------------------------------------------------------------------- */
+
+typedef enum { LG_NORM_LAYERNORM, LG_NORM_RMSNORM } lg_norm_class;
+typedef enum { LG_MLP_GPTNEOX, LG_MLP_LLAMA } lg_mlp_class;
+
+/* The architecture, with LitGPT's field names (see configs/NAME.yaml). */
+typedef struct {
+    char name[64];
+    int n_layer;            /* L */
+    int n_head;             /* NH: query heads */
+    int n_query_groups;     /* NQG: key/value heads; NH for multi-head, 1 for multi-query */
+    int n_embd;             /* C */
+    int head_size;          /* HS */
+    int intermediate_size;  /* I: MLP hidden size */
+    int block_size;         /* longest sequence the model supports */
+    int vocab_size;         /* V: real tokens */
+    int padded_vocab_size;  /* Vp >= V: rows of the embedding and the head */
+    lg_norm_class norm_class_name;
+    float norm_eps;
+    lg_mlp_class mlp_class_name;
+    int gelu_approximate_tanh;  /* gelu_approximate: tanh (GPT-2) or none (exact erf) */
+    float rotary_percentage;    /* share of each head's dims that rotary embeddings rotate */
+    float rope_base;
+    int parallel_residual;      /* x + attn(n1(x)) + mlp(n2(x)) instead of sequential */
+    int shared_attention_norm;  /* with parallel_residual: the MLP reads norm_1's output */
+    int bias;                   /* biases on linear layers and LayerNorm */
+    int attn_bias;              /* bias on the qkv projection even when bias is false */
+    int lm_head_bias;
+    int tie_embeddings;         /* lm_head shares transformer.wte.weight */
+    int learned_pos_embedding;  /* GPT-2's transformer.wpe */
+} lg_config;
+
+/* Loads a flat `key: value` YAML file; every field above is required. */
+int lg_config_load(lg_config *cfg, const char *path, lg_error *err);
+int lg_config_check(const lg_config *cfg, lg_error *err);
+/* The model of the built-in run (and its character vocabulary), without any file. */
+void lg_config_builtin(lg_config *cfg);
+int lg_config_qkv_size(const lg_config *cfg);  /* (NH + 2 NQG) HS */
+int lg_config_rope_dims(const lg_config *cfg); /* rotated dims of each head, even */
+
+/* ---------------------------------------------------------------------------------------------
+   4. args (API)
+   ------------------------------------------------------------------------------------------- */
+
+typedef enum { LG_OPTIMIZER_ADAMW, LG_OPTIMIZER_SGD } lg_optimizer_kind;
+
+/* Everything the user can ask for on the command line; train.c parses argv into this. */
+typedef struct {
+    const char *config;        /* -c: configs/NAME.yaml or a path; NULL: the built-in model */
+    const char *data;          /* --data: training token shard; NULL: the built-in task */
+    const char *val_data;      /* --val-data: validation token shard */
+    int micro_batch_size;      /* -b: samples per forward/backward */
+    int global_batch_size;     /* -g: samples per optimizer step over all devices; 0: = -b */
+    int max_seq_length;        /* -t: tokens per sample; 0: the model's block_size */
+    lg_precision precision;    /* -p */
+    int devices;               /* -d */
+    lg_optimizer_kind optimizer; /* -o adamw|sgd */
+    float lr, min_lr;
+    int warmup_steps;
+    float weight_decay, beta1, beta2, eps, momentum;
+    float max_norm;            /* gradient clipping by global norm; 0: off */
+    int max_steps;             /* 0: evaluate and exit */
+    int eval_every, eval_iters;
+    int sample_every, sample_tokens;
+    float temperature;         /* 0: greedy */
+    const char *prompt;
+    uint64_t seed;
+    const char *log_path;      /* --log: one JSON object per line */
+    const char *out_dir;       /* --out: the final model.safetensors */
+} lg_args;
+
+void lg_args_default(lg_args *args);
+/* Checks values that do not need the config; names the flag at fault. */
+int lg_args_check(const lg_args *args, lg_error *err);
+/* Gradient accumulation steps = global batch / devices / micro-batch; must divide exactly. */
+int lg_args_accumulation_steps(const lg_args *args, lg_error *err);
+
+/* ---------------------------------------------------------------------------------------------
+   5. plan (API): where every tensor lives in its buffer
+   ------------------------------------------------------------------------------------------- */
+
+#define LG_MAX_NAME 80
+
+typedef struct {
+    char name[LG_MAX_NAME]; /* LitGPT name, e.g. transformer.h.3.attn.qkv.weight */
+    int rows, cols;         /* a vector has rows == 1 */
+    size_t offset;          /* elements from the start of its buffer */
+    size_t count;           /* rows * cols */
+    int decay;              /* 1 for 2-D weights: weight decay applies */
+} lg_tensor_info;
+
+typedef struct {
+    lg_tensor_info *tensors; /* (n_tensors) */
+    int n_tensors;
+    size_t total;            /* elements in the buffer */
+} lg_tensor_table;
+
+/* One transformer block's tensors, as pointers into a buffer laid out by lg_params_layout. The
+   same struct points into the parameters or into the gradients. Absent tensors are NULL. */
+typedef struct {
+    lg_real *norm_1_w, *norm_1_b; /* (C) */
+    lg_real *qkv_w;               /* ((NH + 2 NQG) HS, C): query heads, then key, then value */
+    lg_real *qkv_b;               /* ((NH + 2 NQG) HS) */
+    lg_real *proj_w;              /* (C, NH HS) */
+    lg_real *proj_b;              /* (C) */
+    lg_real *norm_2_w, *norm_2_b; /* (C) */
+    lg_real *fc_w, *fc_b;         /* GptNeoxMLP: (I, C), (I); LLaMAMLP: fc_1 */
+    lg_real *fc_2_w, *fc_2_b;     /* LLaMAMLP only: (I, C), (I) */
+    lg_real *mlp_proj_w;          /* (C, I) */
+    lg_real *mlp_proj_b;          /* (C) */
+} lg_block_tensors;
+
+typedef struct {
+    lg_real *wte;              /* (Vp, C) */
+    lg_real *wpe;              /* (block_size, C) */
+    lg_block_tensors *h;       /* (L) */
+    lg_real *ln_f_w, *ln_f_b;  /* (C) */
+    lg_real *lm_head_w;        /* (Vp, C); == wte when tied */
+    lg_real *lm_head_b;        /* (Vp) */
+} lg_param_tensors;
+
+/* What one block keeps from its forward for its backward. */
+typedef struct {
+    lg_real *n1, *n1_mean, *n1_rstd; /* (B, T, C), (B, T), (B, T): norm_1 output, statistics */
+    lg_real *qkv;                    /* (B, T, (NH + 2 NQG) HS), rotary applied */
+    lg_real *att;                    /* (B, NH, T, T): attention probabilities */
+    lg_real *att_y;                  /* (B, T, NH HS): heads before the projection */
+    lg_real *x_mid;                  /* (B, T, C): input + attention branch */
+    lg_real *n2, *n2_mean, *n2_rstd; /* norm_2 output and statistics (absent when shared) */
+    lg_real *fc;                     /* (B, T, I): MLP pre-activation (fc or fc_1) */
+    lg_real *fc_2;                   /* (B, T, I): LLaMAMLP's second branch */
+    lg_real *act;                    /* (B, T, I): gelu(fc) or silu(fc_1) * fc_2 */
+} lg_block_acts;
+
+typedef struct {
+    lg_real **residual;              /* (L + 1) x (B, T, C): input of block l, last = output */
+    lg_block_acts *h;                /* (L) */
+    lg_real *ln_f, *ln_f_mean, *ln_f_rstd; /* (B, T, C), (B, T), (B, T) */
+    lg_real *logits;                 /* (B, T, Vp); the backward overwrites it with its gradient */
+    lg_real *losses;                 /* (B, T): per-token loss, 0 where ignored */
+    lg_real *rope_cos, *rope_sin;    /* (T, rope_dims / 2) */
+    /* the backward's working set, one block at a time */
+    lg_real *d_res_a, *d_res_b;      /* (B, T, C): gradient of the residual stream */
+    lg_real *d_mid, *d_norm;         /* (B, T, C) */
+    lg_real *d_qkv;                  /* (B, T, (NH + 2 NQG) HS) */
+    lg_real *d_att;                  /* (B, NH, T, T) */
+    lg_real *d_att_y;                /* (B, T, NH HS) */
+    lg_real *d_fc, *d_fc_2, *d_act;  /* (B, T, I) */
+} lg_act_tensors;
+
+/* Lays the parameters out in one buffer: fills `table` (may be NULL) and, when base is not
+   NULL, points `tensors` into base. Returns the element count. Call it with the parameter
+   buffer and again with the gradient buffer: both have this layout. */
+size_t lg_params_layout(const lg_config *cfg, lg_real *base, lg_param_tensors *tensors,
+                        lg_tensor_table *table);
+size_t lg_acts_layout(const lg_config *cfg, int B, int T, lg_real *base, lg_act_tensors *acts,
+                      lg_tensor_table *table);
+void lg_tensor_table_free(lg_tensor_table *table);
+
+/* ---------------------------------------------------------------------------------------------
+   7. model (API)
+   ------------------------------------------------------------------------------------------- */
+
+#define LG_IGNORE_INDEX (-100)
+
+typedef struct {
+    lg_config cfg;
+    int B, T;                   /* the largest micro-batch and sequence the buffers hold */
+    lg_real *params;            /* (n_params): all parameters, one buffer */
+    lg_real *grads;             /* (n_params): same layout */
+    lg_real *acts_memory;       /* (n_acts): all activations, one buffer */
+    size_t n_params, n_acts;
+    lg_tensor_table param_table;
+    lg_param_tensors p, g;      /* views of params and grads */
+    lg_act_tensors a;           /* views of acts_memory */
+    int rope_T;                 /* positions the rotary tables hold */
+} lg_model;
+
+int lg_model_create(lg_model *m, const lg_config *cfg, int B, int T, lg_error *err);
+void lg_model_free(lg_model *m);
+void lg_model_init_weights(lg_model *m, uint64_t seed);
+/* Forward of tokens (B, T) with B <= m->B and T <= m->T. With targets (B, T) (LG_IGNORE_INDEX
+   to skip a position) it fills the per-token losses and returns their sum; *n_targets gets the
+   count of non-ignored targets. Without targets it only computes logits and returns 0. */
+double lg_model_forward(lg_model *m, const int *tokens, const int *targets, int B, int T,
+                        int *n_targets);
+/* Adds to m->grads the gradient of (sum of token losses) * loss_scale; call after the forward
+   of the same batch. loss_scale = 1 / (non-ignored targets of the global batch). */
+void lg_model_backward(lg_model *m, const int *tokens, const int *targets, int B, int T,
+                       float loss_scale);
+void lg_model_zero_grad(lg_model *m);
+/* Appends n_new tokens to tokens[0..n_prompt) (room for n_prompt + n_new); greedy when
+   temperature is 0. Uses the model's buffers with B = 1. */
+void lg_model_generate(lg_model *m, int *tokens, int n_prompt, int n_new, float temperature,
+                       lg_rng *rng);
+
+/* ---------------------------------------------------------------------------------------------
+   8. optimizers (API)
+   ------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    lg_optimizer_kind kind;
+    float weight_decay, beta1, beta2, eps, momentum;
+    lg_real *m;   /* (n_params): AdamW first moment, SGD momentum buffer; NULL when unused */
+    lg_real *v;   /* (n_params): AdamW second moment */
+    int t;        /* updates taken */
+} lg_optimizer;
+
+int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_args *args,
+                        lg_error *err);
+void lg_optimizer_free(lg_optimizer *opt);
+void lg_optimizer_step(lg_optimizer *opt, lg_model *m, float lr);
+float lg_grad_norm(const lg_model *m);
+/* Scales the gradients to max_norm when their norm exceeds it (max_norm 0: off). */
+void lg_grad_clip(lg_model *m, float norm, float max_norm);
+/* Linear warmup over warmup_steps, then cosine from lr to min_lr at max_steps. */
+float lg_learning_rate(const lg_args *args, int step);
+
+/* ---------------------------------------------------------------------------------------------
+   10. data (API)
+   ------------------------------------------------------------------------------------------- */
+
+#define LG_SHARD_HEADER_INTS 256
+#define LG_SHARD_MAGIC_U16 20240520 /* llm.c, version 1: uint16 tokens */
+#define LG_SHARD_VERSION_U16 1
+#define LG_SHARD_MAGIC_U32 20240801 /* llm.c's Llama-3 variant, version 7: uint32 tokens */
+#define LG_SHARD_VERSION_U32 7
+
+/* A stream of tokens cut into windows of T + 1 (inputs and the targets shifted by one), either
+   a token shard read on demand or tokens held in memory (the built-in task). */
+typedef struct {
+    char path[512];            /* the file, or "(built-in)" */
+    FILE *file;                /* NULL when in memory */
+    int token_bytes;           /* 2 or 4 */
+    uint32_t *memory;          /* (n_tokens) when in memory */
+    size_t n_tokens;
+    int vocab_size;            /* tokens must be below it */
+    int T;                     /* window length */
+    size_t n_windows;          /* (n_tokens - 1) / T */
+    size_t *order;             /* (n_windows): the shuffled order of this epoch; NULL: file order */
+    size_t position;           /* next window in the order */
+    int epoch;
+    lg_rng rng;
+    uint32_t *scratch;         /* (T + 1) */
+} lg_loader;
+
+/* Opens a shard: checks magic, version, size and token count; names the file when wrong. */
+int lg_loader_open(lg_loader *ld, const char *path, int T, int vocab_size, int shuffle,
+                   uint64_t seed, lg_error *err);
+/* Takes ownership of tokens (allocated with LG_MALLOC). */
+int lg_loader_from_memory(lg_loader *ld, uint32_t *tokens, size_t n_tokens, int T,
+                          int vocab_size, int shuffle, uint64_t seed, lg_error *err);
+/* Fills inputs and targets (B, T) with the next B windows; reshuffles at each new epoch. */
+int lg_loader_next(lg_loader *ld, int B, int *inputs, int *targets, lg_error *err);
+void lg_loader_rewind(lg_loader *ld); /* back to the first window (validation) */
+void lg_loader_close(lg_loader *ld);
+/* Writes a shard (used by tools and tests). token_bytes 2 or 4. */
+int lg_shard_write(const char *path, const uint32_t *tokens, size_t n, int token_bytes,
+                   lg_error *err);
+
+/* The built-in task: sort the letters of a word, "dcab=abcd\n". Samples have 1 to
+   LG_BUILTIN_MAX_LETTERS letters, so their lengths differ. Returns the token stream
+   (LG_MALLOC) of concatenated samples with at least min_tokens tokens. */
+#define LG_BUILTIN_MAX_LETTERS 12
+uint32_t *lg_builtin_task_tokens(uint64_t seed, size_t min_tokens, size_t *n_tokens);
+
+/* ---------------------------------------------------------------------------------------------
+   11. tokenizer (API): the built-in task's characters
+   ------------------------------------------------------------------------------------------- */
+
+#define LG_CHAR_VOCAB 28 /* '\n', '=', 'a'..'z' */
+int lg_char_encode(const char *text, int *tokens, int max_tokens); /* -1 on a foreign char */
+char lg_char_decode(int token);
+
+/* ---------------------------------------------------------------------------------------------
+   12. checkpoints (API)
+   ------------------------------------------------------------------------------------------- */
+
+/* Writes DIR/model.safetensors (F32, LitGPT names) through a temporary file and a rename. */
+int lg_save_safetensors(const lg_model *m, const char *dir, lg_error *err);
+
+/* ---------------------------------------------------------------------------------------------
+   13. trainer (API)
+   ------------------------------------------------------------------------------------------- */
+
+/* Mean loss over all target tokens of n_batches micro-batches of B windows from the start. */
+int lg_evaluate(lg_model *m, lg_loader *ld, int B, int T, int n_batches, double *mean_loss,
+                lg_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* LITGPT_H */
+
+/* =============================================================================================
+   Implementation
+   ============================================================================================= */
+#ifdef LITGPT_IMPLEMENTATION
+
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <string.h>
+#include <time.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include <fcntl.h> /* POSIX: open, write, fsync, mkdir for atomic checkpoint files */
+#include <sys/stat.h>
+#include <unistd.h>
+
+#ifdef __CUDACC__
+#include "litgpt_cuda.cuh"
+#endif
+
+/* OpenMP pragmas that vanish, without a warning, when the compiler is not asked for OpenMP. */
+#ifdef _OPENMP
+#define LG_OMP(directive) _Pragma(#directive)
+#else
+#define LG_OMP(directive)
+#endif
+
+/* 1. utilities ------------------------------------------------------------------------------ */
+
+static int lg_char_encode_one(char ch); /* 11. tokenizer */
+
+static int lg_fail(lg_error *err, const char *fmt, ...) {
+    if (err) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+        va_end(ap);
+    }
+    return -1;
+}
+
+static void *lg_alloc_zeroed(size_t bytes) {
+    void *p = LG_MALLOC(bytes ? bytes : 1);
+    if (p) memset(p, 0, bytes);
+    return p;
+}
+
+/* splitmix64 scrambles the seed; xorshift64* draws. */
+void lg_rng_seed(lg_rng *rng, uint64_t seed) {
+    uint64_t z = seed + 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    rng->state = (z ^ (z >> 31)) | 1u;
+}
+
+uint64_t lg_rng_u64(lg_rng *rng) {
+    rng->state ^= rng->state >> 12;
+    rng->state ^= rng->state << 25;
+    rng->state ^= rng->state >> 27;
+    return rng->state * 0x2545F4914F6CDD1Dull;
+}
+
+float lg_rng_uniform(lg_rng *rng) { return (float)(lg_rng_u64(rng) >> 40) / 16777216.0f; }
+
+float lg_rng_normal(lg_rng *rng) {
+    float u1 = lg_rng_uniform(rng), u2 = lg_rng_uniform(rng);
+    if (u1 < 1e-7f) u1 = 1e-7f;
+    return sqrtf(-2.0f * logf(u1)) * cosf(6.28318530718f * u2);
+}
+
+double lg_time_ms(void) {
+    struct timespec ts;
+    timespec_get(&ts, TIME_UTC);
+    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+/* 2. numbers ---------------------------------------------------------------------------------- */
+
+static const char *const lg_precision_names[] = {"32-true", "16-true", "bf16-true", "16-mixed",
+                                                 "bf16-mixed"};
+
+int lg_precision_parse(const char *text, lg_precision *out) {
+    for (int i = 0; i < 5; i++)
+        if (strcmp(text, lg_precision_names[i]) == 0) { *out = (lg_precision)i; return 0; }
+    return -1;
+}
+
+const char *lg_precision_name(lg_precision p) { return lg_precision_names[p]; }
+
+LG_HD lg_real lg_gelu_erf(lg_real x) { return 0.5f * x * (1.0f + lg_erf(x * (lg_real)0.70710678118654752)); }
+
+LG_HD lg_real lg_gelu_erf_grad(lg_real x) {
+    lg_real cdf = 0.5f * (1.0f + lg_erf(x * (lg_real)0.70710678118654752));
+    lg_real pdf = (lg_real)0.39894228040143268 * lg_exp(-0.5f * x * x);
+    return cdf + x * pdf;
+}
+
+#define LG_GELU_TANH_SCALE ((lg_real)0.79788456080286536) /* sqrt(2 / pi) */
+#define LG_GELU_TANH_CUBIC ((lg_real)0.044715)
+
+LG_HD lg_real lg_gelu_tanh(lg_real x) {
+    lg_real u = LG_GELU_TANH_SCALE * (x + LG_GELU_TANH_CUBIC * x * x * x);
+    return 0.5f * x * (1.0f + lg_tanh(u));
+}
+
+LG_HD lg_real lg_gelu_tanh_grad(lg_real x) {
+    lg_real u = LG_GELU_TANH_SCALE * (x + LG_GELU_TANH_CUBIC * x * x * x);
+    lg_real th = lg_tanh(u);
+    lg_real du = LG_GELU_TANH_SCALE * (1.0f + 3.0f * LG_GELU_TANH_CUBIC * x * x);
+    return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * du;
+}
+
+LG_HD lg_real lg_sigmoid(lg_real x) { return 1.0f / (1.0f + lg_exp(-x)); }
+
+/* One AdamW element, PyTorch's order: decoupled decay, moments, bias-corrected step. */
+LG_HD lg_real lg_adamw_element(lg_real p, lg_real g, lg_real *m, lg_real *v, lg_real lr, lg_real beta1,
+                             lg_real beta2, lg_real bias_corr1, lg_real bias_corr2, lg_real eps,
+                             lg_real weight_decay) {
+    p -= lr * weight_decay * p;
+    *m = beta1 * *m + (1.0f - beta1) * g;
+    *v = beta2 * *v + (1.0f - beta2) * g * g;
+    lg_real m_hat = *m / bias_corr1, v_hat = *v / bias_corr2;
+    return p - lr * m_hat / (lg_sqrt(v_hat) + eps);
+}
+
+/* One SGD element, PyTorch's convention: L2 decay into the gradient, momentum buffer. */
+LG_HD lg_real lg_sgd_element(lg_real p, lg_real g, lg_real *buf, lg_real lr, lg_real momentum,
+                           lg_real weight_decay) {
+    g += weight_decay * p;
+    if (momentum != 0.0f) {
+        *buf = momentum * *buf + g;
+        g = *buf;
+    }
+    return p - lr * g;
+}
+
+/* 3. config ----------------------------------------------------------------------------------- */
+
+typedef enum { LG_FIELD_INT, LG_FIELD_FLOAT, LG_FIELD_BOOL, LG_FIELD_NAME, LG_FIELD_NORM,
+               LG_FIELD_MLP, LG_FIELD_GELU } lg_field_type;
+
+typedef struct {
+    const char *key;
+    lg_field_type type;
+    size_t offset;
+} lg_config_field;
+
+#define LG_FIELD(key, type) {#key, type, offsetof(lg_config, key)}
+static const lg_config_field lg_config_fields[] = {
+    LG_FIELD(name, LG_FIELD_NAME),
+    LG_FIELD(n_layer, LG_FIELD_INT),
+    LG_FIELD(n_head, LG_FIELD_INT),
+    LG_FIELD(n_query_groups, LG_FIELD_INT),
+    LG_FIELD(n_embd, LG_FIELD_INT),
+    LG_FIELD(head_size, LG_FIELD_INT),
+    LG_FIELD(intermediate_size, LG_FIELD_INT),
+    LG_FIELD(block_size, LG_FIELD_INT),
+    LG_FIELD(vocab_size, LG_FIELD_INT),
+    LG_FIELD(padded_vocab_size, LG_FIELD_INT),
+    LG_FIELD(norm_class_name, LG_FIELD_NORM),
+    LG_FIELD(norm_eps, LG_FIELD_FLOAT),
+    LG_FIELD(mlp_class_name, LG_FIELD_MLP),
+    {"gelu_approximate", LG_FIELD_GELU, offsetof(lg_config, gelu_approximate_tanh)},
+    LG_FIELD(rotary_percentage, LG_FIELD_FLOAT),
+    LG_FIELD(rope_base, LG_FIELD_FLOAT),
+    LG_FIELD(parallel_residual, LG_FIELD_BOOL),
+    LG_FIELD(shared_attention_norm, LG_FIELD_BOOL),
+    LG_FIELD(bias, LG_FIELD_BOOL),
+    LG_FIELD(attn_bias, LG_FIELD_BOOL),
+    LG_FIELD(lm_head_bias, LG_FIELD_BOOL),
+    LG_FIELD(tie_embeddings, LG_FIELD_BOOL),
+    LG_FIELD(learned_pos_embedding, LG_FIELD_BOOL),
+};
+#undef LG_FIELD
+#define LG_N_CONFIG_FIELDS ((int)(sizeof lg_config_fields / sizeof lg_config_fields[0]))
+
+static char *lg_trim(char *s) {
+    while (isspace((unsigned char)*s)) s++;
+    char *end = s + strlen(s);
+    while (end > s && isspace((unsigned char)end[-1])) *--end = '\0';
+    if (end - s >= 2 && (*s == '"' || *s == '\'') && end[-1] == *s) { end[-1] = '\0'; s++; }
+    return s;
+}
+
+/* Parses one value into its field; returns 0 or -1 when the text is not of the field's type. */
+static int lg_config_set(lg_config *cfg, const lg_config_field *f, const char *value) {
+    char *field = (char *)cfg + f->offset, *end = NULL;
+    switch (f->type) {
+    case LG_FIELD_INT: {
+        long v = strtol(value, &end, 10);
+        if (*value == '\0' || *end != '\0' || v < 0 || v > 2000000000L) return -1;
+        *(int *)field = (int)v;
+        return 0;
+    }
+    case LG_FIELD_FLOAT: {
+        double v = strtod(value, &end);
+        if (*value == '\0' || *end != '\0') return -1;
+        *(float *)field = (float)v;
+        return 0;
+    }
+    case LG_FIELD_BOOL:
+        if (strcmp(value, "true") == 0 || strcmp(value, "True") == 0) *(int *)field = 1;
+        else if (strcmp(value, "false") == 0 || strcmp(value, "False") == 0) *(int *)field = 0;
+        else return -1;
+        return 0;
+    case LG_FIELD_NAME:
+        if (strlen(value) >= sizeof cfg->name) return -1;
+        strcpy(field, value);
+        return 0;
+    case LG_FIELD_NORM:
+        if (strcmp(value, "LayerNorm") == 0) *(lg_norm_class *)field = LG_NORM_LAYERNORM;
+        else if (strcmp(value, "RMSNorm") == 0) *(lg_norm_class *)field = LG_NORM_RMSNORM;
+        else return -1;
+        return 0;
+    case LG_FIELD_MLP:
+        if (strcmp(value, "GptNeoxMLP") == 0) *(lg_mlp_class *)field = LG_MLP_GPTNEOX;
+        else if (strcmp(value, "LLaMAMLP") == 0) *(lg_mlp_class *)field = LG_MLP_LLAMA;
+        else return -1;
+        return 0;
+    case LG_FIELD_GELU:
+        if (strcmp(value, "tanh") == 0) *(int *)field = 1;
+        else if (strcmp(value, "none") == 0) *(int *)field = 0;
+        else return -1;
+        return 0;
+    }
+    return -1;
+}
+
+static const char *lg_field_expectation(lg_field_type type) {
+    switch (type) {
+    case LG_FIELD_INT: return "a non-negative integer";
+    case LG_FIELD_FLOAT: return "a number";
+    case LG_FIELD_BOOL: return "true or false";
+    case LG_FIELD_NAME: return "a name of at most 63 characters";
+    case LG_FIELD_NORM: return "LayerNorm or RMSNorm";
+    case LG_FIELD_MLP: return "GptNeoxMLP or LLaMAMLP";
+    case LG_FIELD_GELU: return "none or tanh";
+    }
+    return "";
+}
+
+/* Reads `key: value` lines; '#' starts a comment, indented lines (nested YAML) and keys this
+   trainer does not use are skipped, so LitGPT's own model_config.yaml files load too. */
+int lg_config_load(lg_config *cfg, const char *path, lg_error *err) {
+    FILE *f = fopen(path, "r");
+    if (!f) return lg_fail(err, "config %s: cannot open: %s", path, strerror(errno));
+    memset(cfg, 0, sizeof *cfg);
+    int seen[LG_N_CONFIG_FIELDS] = {0};
+    char line[1024];
+    int line_no = 0;
+    while (fgets(line, sizeof line, f)) {
+        line_no++;
+        char *hash = strchr(line, '#');
+        if (hash) *hash = '\0';
+        if (isspace((unsigned char)line[0]) && strchr(line, ':')) continue; /* nested */
+        char *colon = strchr(line, ':');
+        if (!colon) {
+            if (*lg_trim(line) == '\0') continue;
+            fclose(f);
+            return lg_fail(err, "config %s line %d: expected `key: value`", path, line_no);
+        }
+        *colon = '\0';
+        char *key = lg_trim(line), *value = lg_trim(colon + 1);
+        for (int i = 0; i < LG_N_CONFIG_FIELDS; i++) {
+            if (strcmp(key, lg_config_fields[i].key) != 0) continue;
+            if (lg_config_set(cfg, &lg_config_fields[i], value) != 0) {
+                fclose(f);
+                return lg_fail(err, "config %s line %d: %s is '%s', expected %s", path, line_no,
+                               key, value, lg_field_expectation(lg_config_fields[i].type));
+            }
+            seen[i] = 1;
+        }
+    }
+    fclose(f);
+    for (int i = 0; i < LG_N_CONFIG_FIELDS; i++)
+        if (!seen[i])
+            return lg_fail(err, "config %s: missing field %s", path, lg_config_fields[i].key);
+    if (lg_config_check(cfg, err) != 0) {
+        char inner[sizeof err->msg];
+        strcpy(inner, err->msg);
+        return lg_fail(err, "config %s: %s", path, inner);
+    }
+    return 0;
+}
+
+int lg_config_qkv_size(const lg_config *c) {
+    return (c->n_head + 2 * c->n_query_groups) * c->head_size;
+}
+
+int lg_config_rope_dims(const lg_config *c) {
+    int dims = (int)(c->rotary_percentage * c->head_size);
+    return dims - dims % 2;
+}
+
+int lg_config_check(const lg_config *c, lg_error *err) {
+    if (c->n_layer < 1) return lg_fail(err, "n_layer must be at least 1");
+    if (c->n_head < 1 || c->head_size < 1 || c->n_embd < 1 || c->intermediate_size < 1)
+        return lg_fail(err, "n_head, head_size, n_embd and intermediate_size must be positive");
+    if (c->n_query_groups < 1 || c->n_head % c->n_query_groups != 0)
+        return lg_fail(err, "n_query_groups (%d) must divide n_head (%d)", c->n_query_groups,
+                       c->n_head);
+    if (c->vocab_size < 1 || c->padded_vocab_size < c->vocab_size)
+        return lg_fail(err, "padded_vocab_size (%d) must be at least vocab_size (%d)",
+                       c->padded_vocab_size, c->vocab_size);
+    if (c->block_size < 1) return lg_fail(err, "block_size must be positive");
+    if (c->rotary_percentage < 0.0f || c->rotary_percentage > 1.0f)
+        return lg_fail(err, "rotary_percentage must be within [0, 1]");
+    if (c->norm_eps <= 0.0f) return lg_fail(err, "norm_eps must be positive");
+    if (c->shared_attention_norm && !c->parallel_residual)
+        return lg_fail(err, "shared_attention_norm needs parallel_residual");
+    return 0;
+}
+
+/* The built-in run's model: a small Llama (RMSNorm, rotary, SwiGLU, grouped-query attention)
+   over the 28 characters of the built-in task. */
+void lg_config_builtin(lg_config *c) {
+    memset(c, 0, sizeof *c);
+    strcpy(c->name, "builtin-sort");
+    c->n_layer = 3;
+    c->n_head = 4;
+    c->n_query_groups = 2;
+    c->n_embd = 96;
+    c->head_size = 24;
+    c->intermediate_size = 256;
+    c->block_size = 64;
+    c->vocab_size = LG_CHAR_VOCAB;
+    c->padded_vocab_size = 32;
+    c->norm_class_name = LG_NORM_RMSNORM;
+    c->norm_eps = 1e-5f;
+    c->mlp_class_name = LG_MLP_LLAMA;
+    c->rotary_percentage = 1.0f;
+    c->rope_base = 10000.0f;
+}
+
+/* 4. args ------------------------------------------------------------------------------------- */
+
+void lg_args_default(lg_args *a) {
+    memset(a, 0, sizeof *a);
+    a->micro_batch_size = 8;
+    a->precision = LG_PRECISION_32_TRUE;
+    a->devices = 1;
+    a->optimizer = LG_OPTIMIZER_ADAMW;
+    a->lr = 3e-3f;
+    a->min_lr = 3e-4f;
+    a->warmup_steps = 20;
+    a->weight_decay = 0.1f;
+    a->beta1 = 0.9f;
+    a->beta2 = 0.95f;
+    a->eps = 1e-8f;
+    a->momentum = 0.9f;
+    a->max_norm = 1.0f;
+    a->max_steps = 600;
+    a->eval_every = 100;
+    a->eval_iters = 10;
+    a->sample_tokens = 16;
+    a->seed = 1337;
+}
+
+int lg_args_check(const lg_args *a, lg_error *err) {
+    if (a->precision != LG_PRECISION_32_TRUE)
+        return lg_fail(err, "-p/--precision %s: not yet supported (only 32-true for now)",
+                       lg_precision_name(a->precision));
+    if (a->devices != 1)
+        return lg_fail(err, "-d/--devices %d: not yet supported (only 1 for now)", a->devices);
+    if (a->micro_batch_size < 1) return lg_fail(err, "-b/--micro-batch-size must be at least 1");
+    if (a->global_batch_size < 0) return lg_fail(err, "-g/--global-batch-size must be positive");
+    if (a->max_seq_length < 0) return lg_fail(err, "-t/--max-seq-length must be positive");
+    if (a->lr < 0.0f || a->min_lr < 0.0f) return lg_fail(err, "--lr and --min-lr must be >= 0");
+    if (a->min_lr > a->lr) return lg_fail(err, "--min-lr (%g) exceeds --lr (%g)", a->min_lr, a->lr);
+    if (a->beta1 < 0.0f || a->beta1 >= 1.0f) return lg_fail(err, "--beta1 must be within [0, 1)");
+    if (a->beta2 < 0.0f || a->beta2 >= 1.0f) return lg_fail(err, "--beta2 must be within [0, 1)");
+    if (a->momentum < 0.0f || a->momentum >= 1.0f)
+        return lg_fail(err, "--momentum must be within [0, 1)");
+    if (a->weight_decay < 0.0f) return lg_fail(err, "--weight-decay must be >= 0");
+    if (a->max_norm < 0.0f) return lg_fail(err, "--max-norm must be >= 0 (0 turns clipping off)");
+    if (a->max_steps < 0 || a->warmup_steps < 0 || a->eval_every < 0 || a->sample_every < 0)
+        return lg_fail(err, "--max-steps, --warmup-steps, --eval-every and --sample-every "
+                            "must be >= 0");
+    if (a->eval_iters < 1) return lg_fail(err, "--eval-iters must be at least 1");
+    if (a->temperature < 0.0f) return lg_fail(err, "--temperature must be >= 0");
+    return lg_args_accumulation_steps(a, err) > 0 ? 0 : -1;
+}
+
+int lg_args_accumulation_steps(const lg_args *a, lg_error *err) {
+    int global = a->global_batch_size ? a->global_batch_size : a->micro_batch_size * a->devices;
+    int per_step = a->micro_batch_size * a->devices;
+    if (global % per_step != 0)
+        return lg_fail(err,
+                       "-g/--global-batch-size %d is not a multiple of -b/--micro-batch-size %d "
+                       "x -d/--devices %d",
+                       global, a->micro_batch_size, a->devices);
+    return global / per_step;
+}
+
+/* 5. plan: buffer layouts ------------------------------------------------------------------ */
+
+/* Walks tensors in buffer order: each call to lg_layout_add takes the next `count` elements. */
+typedef struct {
+    lg_real *base;          /* NULL: only count and describe */
+    size_t offset;          /* elements taken so far */
+    lg_tensor_table *table; /* NULL: do not describe */
+} lg_layout;
+
+static lg_real *lg_layout_add(lg_layout *L, const char *name, int rows, int cols, int decay) {
+    size_t count = (size_t)rows * (size_t)cols;
+    if (L->table) {
+        lg_tensor_info *t = &L->table->tensors[L->table->n_tensors++];
+        snprintf(t->name, sizeof t->name, "%s", name);
+        t->rows = rows;
+        t->cols = cols;
+        t->offset = L->offset;
+        t->count = count;
+        t->decay = decay;
+        L->table->total = L->offset + count;
+    }
+    lg_real *p = L->base ? L->base + L->offset : NULL;
+    L->offset += count;
+    return p;
+}
+
+/* Upper bound of tensors a layout holds, to size a table. */
+static int lg_layout_capacity(const lg_config *c) { return 24 * c->n_layer + 32; }
+
+static int lg_table_alloc(lg_tensor_table *table, const lg_config *c) {
+    table->tensors = (lg_tensor_info *)lg_alloc_zeroed(sizeof(lg_tensor_info) *
+                                                       (size_t)lg_layout_capacity(c));
+    table->n_tensors = 0;
+    table->total = 0;
+    return table->tensors ? 0 : -1;
+}
+
+void lg_tensor_table_free(lg_tensor_table *table) {
+    LG_FREE(table->tensors);
+    table->tensors = NULL;
+    table->n_tensors = 0;
+}
+
+static void lg_block_params_layout(const lg_config *c, lg_layout *L, int l, lg_block_tensors *b) {
+    int C = c->n_embd, I = c->intermediate_size, QKV = lg_config_qkv_size(c);
+    int layer_norm_bias = c->norm_class_name == LG_NORM_LAYERNORM && c->bias;
+    char name[LG_MAX_NAME];
+#define LG_BLOCK_TENSOR(field, suffix, rows, cols, decay)                                     \
+    do {                                                                                       \
+        snprintf(name, sizeof name, "transformer.h.%d.%s", l, suffix);                         \
+        b->field = lg_layout_add(L, name, rows, cols, decay);                                  \
+    } while (0)
+    memset(b, 0, sizeof *b);
+    LG_BLOCK_TENSOR(norm_1_w, "norm_1.weight", 1, C, 0);
+    if (layer_norm_bias) LG_BLOCK_TENSOR(norm_1_b, "norm_1.bias", 1, C, 0);
+    LG_BLOCK_TENSOR(qkv_w, "attn.qkv.weight", QKV, C, 1);
+    if (c->bias || c->attn_bias) LG_BLOCK_TENSOR(qkv_b, "attn.qkv.bias", 1, QKV, 0);
+    LG_BLOCK_TENSOR(proj_w, "attn.proj.weight", C, c->n_head * c->head_size, 1);
+    if (c->bias) LG_BLOCK_TENSOR(proj_b, "attn.proj.bias", 1, C, 0);
+    if (!c->shared_attention_norm) {
+        LG_BLOCK_TENSOR(norm_2_w, "norm_2.weight", 1, C, 0);
+        if (layer_norm_bias) LG_BLOCK_TENSOR(norm_2_b, "norm_2.bias", 1, C, 0);
+    }
+    if (c->mlp_class_name == LG_MLP_GPTNEOX) {
+        LG_BLOCK_TENSOR(fc_w, "mlp.fc.weight", I, C, 1);
+        if (c->bias) LG_BLOCK_TENSOR(fc_b, "mlp.fc.bias", 1, I, 0);
+    } else {
+        LG_BLOCK_TENSOR(fc_w, "mlp.fc_1.weight", I, C, 1);
+        if (c->bias) LG_BLOCK_TENSOR(fc_b, "mlp.fc_1.bias", 1, I, 0);
+        LG_BLOCK_TENSOR(fc_2_w, "mlp.fc_2.weight", I, C, 1);
+        if (c->bias) LG_BLOCK_TENSOR(fc_2_b, "mlp.fc_2.bias", 1, I, 0);
+    }
+    LG_BLOCK_TENSOR(mlp_proj_w, "mlp.proj.weight", C, I, 1);
+    if (c->bias) LG_BLOCK_TENSOR(mlp_proj_b, "mlp.proj.bias", 1, C, 0);
+#undef LG_BLOCK_TENSOR
+}
+
+size_t lg_params_layout(const lg_config *c, lg_real *base, lg_param_tensors *p,
+                        lg_tensor_table *table) {
+    lg_layout L = {base, 0, table};
+    lg_param_tensors scratch;
+    lg_block_tensors block;
+    lg_block_tensors *h = p ? p->h : NULL; /* the caller owns p->h, (L) entries */
+    if (!p) p = &scratch;
+    int C = c->n_embd, Vp = c->padded_vocab_size;
+    int layer_norm_bias = c->norm_class_name == LG_NORM_LAYERNORM && c->bias;
+    p->wte = lg_layout_add(&L, "transformer.wte.weight", Vp, C, 1);
+    p->wpe = c->learned_pos_embedding
+                 ? lg_layout_add(&L, "transformer.wpe.weight", c->block_size, C, 1)
+                 : NULL;
+    for (int l = 0; l < c->n_layer; l++) lg_block_params_layout(c, &L, l, h ? &h[l] : &block);
+    p->ln_f_w = lg_layout_add(&L, "transformer.ln_f.weight", 1, C, 0);
+    p->ln_f_b = layer_norm_bias ? lg_layout_add(&L, "transformer.ln_f.bias", 1, C, 0) : NULL;
+    p->lm_head_w = c->tie_embeddings ? p->wte : lg_layout_add(&L, "lm_head.weight", Vp, C, 1);
+    p->lm_head_b = c->lm_head_bias ? lg_layout_add(&L, "lm_head.bias", 1, Vp, 0) : NULL;
+    p->h = h;
+    return L.offset;
+}
+
+size_t lg_acts_layout(const lg_config *c, int B, int T, lg_real *base, lg_act_tensors *a,
+                      lg_tensor_table *table) {
+    lg_layout L = {base, 0, table};
+    int N = B * T, C = c->n_embd, I = c->intermediate_size, QKV = lg_config_qkv_size(c);
+    int NH = c->n_head, ATT = c->n_head * c->head_size, R = lg_config_rope_dims(c) / 2;
+    int llama = c->mlp_class_name == LG_MLP_LLAMA, layer_norm = c->norm_class_name == LG_NORM_LAYERNORM;
+    char name[LG_MAX_NAME];
+    lg_block_acts block;
+    snprintf(name, sizeof name, "residual.0");
+    lg_real *res0 = lg_layout_add(&L, name, N, C, 0);
+    if (a) a->residual[0] = res0;
+    for (int l = 0; l < c->n_layer; l++) {
+        lg_block_acts *b = a ? &a->h[l] : &block;
+        memset(b, 0, sizeof *b);
+#define LG_ACT(field, suffix, rows, cols)                                                      \
+    do {                                                                                       \
+        snprintf(name, sizeof name, "h.%d.%s", l, suffix);                                     \
+        b->field = lg_layout_add(&L, name, rows, cols, 0);                                     \
+    } while (0)
+        LG_ACT(n1, "norm_1", N, C);
+        if (layer_norm) LG_ACT(n1_mean, "norm_1.mean", 1, N);
+        LG_ACT(n1_rstd, "norm_1.rstd", 1, N);
+        LG_ACT(qkv, "attn.qkv", N, QKV);
+        LG_ACT(att, "attn.probs", B * NH, T * T);
+        LG_ACT(att_y, "attn.y", N, ATT);
+        LG_ACT(x_mid, "residual_mid", N, C);
+        if (!c->shared_attention_norm) {
+            LG_ACT(n2, "norm_2", N, C);
+            if (layer_norm) LG_ACT(n2_mean, "norm_2.mean", 1, N);
+            LG_ACT(n2_rstd, "norm_2.rstd", 1, N);
+        }
+        LG_ACT(fc, llama ? "mlp.fc_1" : "mlp.fc", N, I);
+        if (llama) LG_ACT(fc_2, "mlp.fc_2", N, I);
+        LG_ACT(act, "mlp.act", N, I);
+#undef LG_ACT
+        snprintf(name, sizeof name, "residual.%d", l + 1);
+        lg_real *res = lg_layout_add(&L, name, N, C, 0);
+        if (a) a->residual[l + 1] = res;
+    }
+    lg_act_tensors scratch;
+    if (!a) a = &scratch;
+    a->ln_f = lg_layout_add(&L, "ln_f", N, C, 0);
+    a->ln_f_mean = layer_norm ? lg_layout_add(&L, "ln_f.mean", 1, N, 0) : NULL;
+    a->ln_f_rstd = lg_layout_add(&L, "ln_f.rstd", 1, N, 0);
+    a->logits = lg_layout_add(&L, "logits", N, c->padded_vocab_size, 0);
+    a->losses = lg_layout_add(&L, "losses", 1, N, 0);
+    a->rope_cos = R ? lg_layout_add(&L, "rope.cos", T, R, 0) : NULL;
+    a->rope_sin = R ? lg_layout_add(&L, "rope.sin", T, R, 0) : NULL;
+    a->d_res_a = lg_layout_add(&L, "grad.residual.a", N, C, 0);
+    a->d_res_b = lg_layout_add(&L, "grad.residual.b", N, C, 0);
+    a->d_mid = lg_layout_add(&L, "grad.residual_mid", N, C, 0);
+    a->d_norm = lg_layout_add(&L, "grad.norm", N, C, 0);
+    a->d_qkv = lg_layout_add(&L, "grad.attn.qkv", N, QKV, 0);
+    a->d_att = lg_layout_add(&L, "grad.attn.probs", B * NH, T * T, 0);
+    a->d_att_y = lg_layout_add(&L, "grad.attn.y", N, ATT, 0);
+    a->d_fc = lg_layout_add(&L, "grad.mlp.fc", N, I, 0);
+    a->d_fc_2 = llama ? lg_layout_add(&L, "grad.mlp.fc_2", N, I, 0) : NULL;
+    a->d_act = lg_layout_add(&L, "grad.mlp.act", N, I, 0);
+    return L.offset;
+}
+
+/* 6. kernels (CPU) ------------------------------------------------------------------------- */
+
+/* LG_GEMM_BEGIN: replaced by the blocked kernel */
+/* C(M, N) = beta C + op(A)(M, K) op(B)(K, N), row-major; beta is 0 or 1. */
+static void lg_gemm(int trans_a, int trans_b, int M, int N, int K, const lg_real *A, int lda,
+                    const lg_real *B, int ldb, lg_real beta, lg_real *C, int ldc) {
+LG_OMP(omp parallel for)
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            lg_real sum = 0;
+            for (int k = 0; k < K; k++)
+                sum += (trans_a ? A[(size_t)k * lda + i] : A[(size_t)i * lda + k]) *
+                       (trans_b ? B[(size_t)j * ldb + k] : B[(size_t)k * ldb + j]);
+            C[(size_t)i * ldc + j] = (beta != 0 ? C[(size_t)i * ldc + j] : 0) + sum;
+        }
+}
+/* LG_GEMM_END */
+
+/* out (N, OC) = inp (N, IC) weight (OC, IC)^T + bias (OC) */
+static void lg_linear_forward(lg_real *out, const lg_real *inp, const lg_real *weight,
+                              const lg_real *bias, int N, int IC, int OC) {
+    lg_gemm(0, 1, N, OC, IC, inp, IC, weight, IC, 0, out, OC);
+    if (!bias) return;
+LG_OMP(omp parallel for)
+    for (int n = 0; n < N; n++)
+        for (int o = 0; o < OC; o++) out[(size_t)n * OC + o] += bias[o];
+}
+
+/* dinp (N, IC) += dout (N, OC) weight (OC, IC); dweight (OC, IC) += dout^T inp;
+   dbias (OC) += column sums of dout. */
+static void lg_linear_backward(lg_real *dinp, lg_real *dweight, lg_real *dbias,
+                               const lg_real *dout, const lg_real *inp, const lg_real *weight,
+                               int N, int IC, int OC) {
+    lg_gemm(0, 0, N, IC, OC, dout, OC, weight, IC, 1, dinp, IC);
+    lg_gemm(1, 0, OC, IC, N, dout, OC, inp, IC, 1, dweight, IC);
+    if (!dbias) return;
+LG_OMP(omp parallel for)
+    for (int o = 0; o < OC; o++) {
+        lg_real sum = 0;
+        for (int n = 0; n < N; n++) sum += dout[(size_t)n * OC + o];
+        dbias[o] += sum;
+    }
+}
+
+/* out (N, C) = wte[tokens] (+ wpe[t]); tokens (B, T) */
+static void lg_embedding_forward(lg_real *out, const int *tokens, const lg_real *wte,
+                                 const lg_real *wpe, int B, int T, int C) {
+LG_OMP(omp parallel for)
+    for (int n = 0; n < B * T; n++) {
+        const lg_real *row = wte + (size_t)tokens[n] * C;
+        const lg_real *pos = wpe ? wpe + (size_t)(n % T) * C : NULL;
+        for (int i = 0; i < C; i++) out[(size_t)n * C + i] = row[i] + (pos ? pos[i] : 0);
+    }
+}
+
+/* dwte (Vp, C) and dwpe (block_size, C) += dout (N, C) scattered back. Threads split the
+   channels, so no two write the same element and the sums keep a fixed order. */
+static void lg_embedding_backward(lg_real *dwte, lg_real *dwpe, const lg_real *dout,
+                                  const int *tokens, int B, int T, int C) {
+LG_OMP(omp parallel for)
+    for (int i = 0; i < C; i++)
+        for (int n = 0; n < B * T; n++) {
+            lg_real d = dout[(size_t)n * C + i];
+            dwte[(size_t)tokens[n] * C + i] += d;
+            if (dwpe) dwpe[(size_t)(n % T) * C + i] += d;
+        }
+}
+
+/* LayerNorm (mean non-NULL) or RMSNorm (mean NULL) of each row of inp (N, C):
+   out (N, C), mean (N), rstd (N). bias may be NULL. */
+static void lg_norm_forward(lg_real *out, lg_real *mean, lg_real *rstd, const lg_real *inp,
+                            const lg_real *weight, const lg_real *bias, int N, int C, float eps) {
+LG_OMP(omp parallel for)
+    for (int n = 0; n < N; n++) {
+        const lg_real *x = inp + (size_t)n * C;
+        lg_real mu = 0, var = 0;
+        if (mean) {
+            for (int i = 0; i < C; i++) mu += x[i];
+            mu /= C;
+        }
+        for (int i = 0; i < C; i++) var += (x[i] - mu) * (x[i] - mu);
+        lg_real r = 1.0f / lg_sqrt(var / C + eps);
+        lg_real *y = out + (size_t)n * C;
+        for (int i = 0; i < C; i++) y[i] = (x[i] - mu) * r * weight[i] + (bias ? bias[i] : 0);
+        if (mean) mean[n] = mu;
+        rstd[n] = r;
+    }
+}
+
+/* dinp (N, C) += gradient through the norm; dweight, dbias (C) += their gradients.
+   xhat = (x - mean) rstd; dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), and for
+   RMSNorm the mean(dxhat) term is absent. */
+static void lg_norm_backward(lg_real *dinp, lg_real *dweight, lg_real *dbias, const lg_real *dout,
+                             const lg_real *inp, const lg_real *weight, const lg_real *mean,
+                             const lg_real *rstd, int N, int C) {
+LG_OMP(omp parallel for)
+    for (int n = 0; n < N; n++) {
+        const lg_real *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
+        lg_real mu = mean ? mean[n] : 0, r = rstd[n];
+        lg_real dxhat_mean = 0, dxhat_xhat_mean = 0;
+        for (int i = 0; i < C; i++) {
+            lg_real dxhat = dy[i] * weight[i];
+            dxhat_mean += dxhat;
+            dxhat_xhat_mean += dxhat * (x[i] - mu) * r;
+        }
+        dxhat_mean = mean ? dxhat_mean / C : 0;
+        dxhat_xhat_mean /= C;
+        lg_real *dx = dinp + (size_t)n * C;
+        for (int i = 0; i < C; i++) {
+            lg_real xhat = (x[i] - mu) * r;
+            dx[i] += r * (dy[i] * weight[i] - dxhat_mean - xhat * dxhat_xhat_mean);
+        }
+    }
+LG_OMP(omp parallel for)
+    for (int i = 0; i < C; i++) {
+        lg_real dw = 0, db = 0;
+        for (int n = 0; n < N; n++) {
+            lg_real dy = dout[(size_t)n * C + i];
+            dw += dy * (inp[(size_t)n * C + i] - (mean ? mean[n] : 0)) * rstd[n];
+            db += dy;
+        }
+        dweight[i] += dw;
+        if (dbias) dbias[i] += db;
+    }
+}
+
+/* Rotary tables for positions 0..T-1: cos, sin (T, R) with R = rope_dims / 2 frequencies. */
+static void lg_rope_tables(lg_real *cos_table, lg_real *sin_table, int T, int rope_dims,
+                           float base) {
+    int R = rope_dims / 2;
+    for (int j = 0; j < R; j++) {
+        double inv_freq = pow((double)base, -2.0 * j / rope_dims);
+        for (int t = 0; t < T; t++) {
+            cos_table[t * R + j] = (lg_real)cos(t * inv_freq);
+            sin_table[t * R + j] = (lg_real)sin(t * inv_freq);
+        }
+    }
+}
+
+/* Rotates the first 2R dims of every query and key head of qkv (B, T, (NH + 2 NQG) HS) in the
+   rotate-half convention: pairs (j, j + R). direction +1 applies it (forward), -1 applies the
+   inverse rotation, which is the backward of this orthogonal map. */
+static void lg_rope_rotate(lg_real *qkv, const lg_real *cos_table, const lg_real *sin_table,
+                           int B, int T, int NH, int NQG, int HS, int rope_dims, int direction) {
+    int R = rope_dims / 2, heads = NH + NQG, QKV = (NH + 2 * NQG) * HS;
+    if (R == 0) return;
+LG_OMP(omp parallel for)
+    for (int n = 0; n < B * T; n++) {
+        int t = n % T;
+        const lg_real *c = cos_table + (size_t)t * R, *s = sin_table + (size_t)t * R;
+        for (int h = 0; h < heads; h++) { /* the NH query heads, then the NQG key heads */
+            lg_real *x = qkv + (size_t)n * QKV + (size_t)h * HS;
+            for (int j = 0; j < R; j++) {
+                lg_real a = x[j], b = x[j + R], sn = direction * s[j];
+                x[j] = a * c[j] - b * sn;
+                x[j + R] = b * c[j] + a * sn;
+            }
+        }
+    }
+}
+
+/* Causal attention. qkv (B, T, (NH + 2 NQG) HS): query head h reads key/value group
+   h / (NH / NQG). att (B, NH, T, T) keeps the probabilities (upper triangle zero);
+   y (B, T, NH HS). */
+static void lg_attention_forward(lg_real *y, lg_real *att, const lg_real *qkv, int B, int T,
+                                 int NH, int NQG, int HS) {
+    int QKV = (NH + 2 * NQG) * HS, heads_per_group = NH / NQG;
+    lg_real scale = 1.0f / lg_sqrt((lg_real)HS);
+LG_OMP(omp parallel for collapse(2))
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < NH; h++) {
+            int g = h / heads_per_group;
+            const lg_real *base = qkv + (size_t)b * T * QKV;
+            for (int t = 0; t < T; t++) {
+                const lg_real *q = base + (size_t)t * QKV + (size_t)h * HS;
+                lg_real *row = att + (((size_t)b * NH + h) * T + t) * T;
+                lg_real max = -INFINITY;
+                for (int s = 0; s <= t; s++) {
+                    const lg_real *k = base + (size_t)s * QKV + (size_t)(NH + g) * HS;
+                    lg_real dot = 0;
+                    for (int i = 0; i < HS; i++) dot += q[i] * k[i];
+                    row[s] = dot * scale;
+                    if (row[s] > max) max = row[s];
+                }
+                lg_real sum = 0;
+                for (int s = 0; s <= t; s++) {
+                    row[s] = lg_exp(row[s] - max);
+                    sum += row[s];
+                }
+                for (int s = 0; s <= t; s++) row[s] /= sum;
+                for (int s = t + 1; s < T; s++) row[s] = 0;
+                lg_real *out = y + ((size_t)b * T + t) * NH * HS + (size_t)h * HS;
+                for (int i = 0; i < HS; i++) out[i] = 0;
+                for (int s = 0; s <= t; s++) {
+                    const lg_real *v = base + (size_t)s * QKV + (size_t)(NH + NQG + g) * HS;
+                    for (int i = 0; i < HS; i++) out[i] += row[s] * v[i];
+                }
+            }
+        }
+}
+
+/* dqkv (B, T, QKV) += gradient of the attention given dy (B, T, NH HS); datt (B, NH, T, T) is
+   scratch. Threads own a (batch, group) pair, so the key/value gradients shared by the heads
+   of a group are written by one thread only. */
+static void lg_attention_backward(lg_real *dqkv, lg_real *datt, const lg_real *dy,
+                                  const lg_real *qkv, const lg_real *att, int B, int T, int NH,
+                                  int NQG, int HS) {
+    int QKV = (NH + 2 * NQG) * HS, heads_per_group = NH / NQG;
+    lg_real scale = 1.0f / lg_sqrt((lg_real)HS);
+LG_OMP(omp parallel for collapse(2))
+    for (int b = 0; b < B; b++)
+        for (int g = 0; g < NQG; g++)
+            for (int h = g * heads_per_group; h < (g + 1) * heads_per_group; h++) {
+                const lg_real *base = qkv + (size_t)b * T * QKV;
+                lg_real *dbase = dqkv + (size_t)b * T * QKV;
+                for (int t = 0; t < T; t++) {
+                    const lg_real *p = att + (((size_t)b * NH + h) * T + t) * T;
+                    lg_real *dp = datt + (((size_t)b * NH + h) * T + t) * T;
+                    const lg_real *dout = dy + ((size_t)b * T + t) * NH * HS + (size_t)h * HS;
+                    /* y_t = sum_s p_ts v_s: dp_ts = dy_t . v_s, dv_s += p_ts dy_t */
+                    lg_real dot_p_dp = 0;
+                    for (int s = 0; s <= t; s++) {
+                        const lg_real *v = base + (size_t)s * QKV + (size_t)(NH + NQG + g) * HS;
+                        lg_real *dv = dbase + (size_t)s * QKV + (size_t)(NH + NQG + g) * HS;
+                        lg_real d = 0;
+                        for (int i = 0; i < HS; i++) {
+                            d += dout[i] * v[i];
+                            dv[i] += p[s] * dout[i];
+                        }
+                        dp[s] = d;
+                        dot_p_dp += p[s] * d;
+                    }
+                    /* softmax backward, then the scaled dot products q_t . k_s */
+                    const lg_real *q = base + (size_t)t * QKV + (size_t)h * HS;
+                    lg_real *dq = dbase + (size_t)t * QKV + (size_t)h * HS;
+                    for (int s = 0; s <= t; s++) {
+                        lg_real dscore = p[s] * (dp[s] - dot_p_dp) * scale;
+                        const lg_real *k = base + (size_t)s * QKV + (size_t)(NH + g) * HS;
+                        lg_real *dk = dbase + (size_t)s * QKV + (size_t)(NH + g) * HS;
+                        for (int i = 0; i < HS; i++) {
+                            dq[i] += dscore * k[i];
+                            dk[i] += dscore * q[i];
+                        }
+                    }
+                }
+            }
+}
+
+/* out (n) = gelu(inp (n)), exact or tanh approximation */
+static void lg_gelu_forward(lg_real *out, const lg_real *inp, size_t n, int tanh_approx) {
+LG_OMP(omp parallel for)
+    for (long i = 0; i < (long)n; i++)
+        out[i] = tanh_approx ? lg_gelu_tanh(inp[i]) : lg_gelu_erf(inp[i]);
+}
+
+/* dinp (n) = dout * gelu'(inp) */
+static void lg_gelu_backward(lg_real *dinp, const lg_real *dout, const lg_real *inp, size_t n,
+                             int tanh_approx) {
+LG_OMP(omp parallel for)
+    for (long i = 0; i < (long)n; i++)
+        dinp[i] = dout[i] * (tanh_approx ? lg_gelu_tanh_grad(inp[i]) : lg_gelu_erf_grad(inp[i]));
+}
+
+/* out (n) = silu(gate) * up */
+static void lg_swiglu_forward(lg_real *out, const lg_real *gate, const lg_real *up, size_t n) {
+LG_OMP(omp parallel for)
+    for (long i = 0; i < (long)n; i++) out[i] = gate[i] * lg_sigmoid(gate[i]) * up[i];
+}
+
+/* dgate, dup (n) = gradients of silu(gate) * up given dout */
+static void lg_swiglu_backward(lg_real *dgate, lg_real *dup, const lg_real *dout,
+                               const lg_real *gate, const lg_real *up, size_t n) {
+LG_OMP(omp parallel for)
+    for (long i = 0; i < (long)n; i++) {
+        lg_real sig = lg_sigmoid(gate[i]), silu = gate[i] * sig;
+        dup[i] = dout[i] * silu;
+        dgate[i] = dout[i] * up[i] * (sig + silu * (1.0f - sig));
+    }
+}
+
+/* Per-token loss (N) = logsumexp(logits[n, 0..V)) - logits[n, target]; 0 where the target is
+   ignored. logits (N, Vp): the Vp - V padded columns are never read. Returns the sum. */
+static double lg_crossentropy_forward(lg_real *losses, const lg_real *logits, const int *targets,
+                                      int N, int V, int Vp) {
+    double total = 0;
+LG_OMP(omp parallel for reduction(+ : total))
+    for (int n = 0; n < N; n++) {
+        const lg_real *z = logits + (size_t)n * Vp;
+        if (targets[n] == LG_IGNORE_INDEX) { losses[n] = 0; continue; }
+        lg_real max = z[0], sum = 0;
+        for (int v = 1; v < V; v++) max = z[v] > max ? z[v] : max;
+        for (int v = 0; v < V; v++) sum += lg_exp(z[v] - max);
+        losses[n] = lg_log(sum) + max - z[targets[n]];
+        total += losses[n];
+    }
+    return total;
+}
+
+/* dlogits (N, Vp) = (softmax(logits) - onehot(target)) * scale over the first V columns, 0 on
+   the padded columns and on ignored rows. dlogits may be logits (in place). */
+static void lg_crossentropy_backward(lg_real *dlogits, const lg_real *logits, const int *targets,
+                                     int N, int V, int Vp, lg_real scale) {
+LG_OMP(omp parallel for)
+    for (int n = 0; n < N; n++) {
+        const lg_real *z = logits + (size_t)n * Vp;
+        lg_real *dz = dlogits + (size_t)n * Vp;
+        if (targets[n] == LG_IGNORE_INDEX) {
+            for (int v = 0; v < Vp; v++) dz[v] = 0;
+            continue;
+        }
+        lg_real max = z[0], sum = 0;
+        for (int v = 1; v < V; v++) max = z[v] > max ? z[v] : max;
+        for (int v = 0; v < V; v++) sum += lg_exp(z[v] - max);
+        int target = targets[n];
+        for (int v = 0; v < V; v++) dz[v] = (lg_exp(z[v] - max) / sum - (v == target)) * scale;
+        for (int v = V; v < Vp; v++) dz[v] = 0;
+    }
+}
+
+static void lg_add(lg_real *out, const lg_real *a, const lg_real *b, size_t n) {
+LG_OMP(omp parallel for)
+    for (long i = 0; i < (long)n; i++) out[i] = a[i] + b[i];
+}
+
+/* 7. model ------------------------------------------------------------------------------------ */
+
+int lg_model_create(lg_model *m, const lg_config *cfg, int B, int T, lg_error *err) {
+    memset(m, 0, sizeof *m);
+    if (lg_config_check(cfg, err) != 0) return -1;
+    if (T > cfg->block_size)
+        return lg_fail(err, "sequence length %d exceeds the model's block_size %d", T,
+                       cfg->block_size);
+    m->cfg = *cfg;
+    m->B = B;
+    m->T = T;
+    int L = cfg->n_layer;
+    m->p.h = (lg_block_tensors *)lg_alloc_zeroed(sizeof(lg_block_tensors) * L);
+    m->g.h = (lg_block_tensors *)lg_alloc_zeroed(sizeof(lg_block_tensors) * L);
+    m->a.h = (lg_block_acts *)lg_alloc_zeroed(sizeof(lg_block_acts) * L);
+    m->a.residual = (lg_real **)lg_alloc_zeroed(sizeof(lg_real *) * (L + 1));
+    if (!m->p.h || !m->g.h || !m->a.h || !m->a.residual || lg_table_alloc(&m->param_table, cfg)) {
+        lg_model_free(m);
+        return lg_fail(err, "out of host memory for the model's tables");
+    }
+    m->n_params = lg_params_layout(cfg, NULL, NULL, &m->param_table);
+    m->n_acts = lg_acts_layout(cfg, B, T, NULL, NULL, NULL);
+    m->params = (lg_real *)lg_alloc_zeroed(m->n_params * sizeof(lg_real));
+    m->grads = (lg_real *)lg_alloc_zeroed(m->n_params * sizeof(lg_real));
+    m->acts_memory = (lg_real *)lg_alloc_zeroed(m->n_acts * sizeof(lg_real));
+    if (!m->params || !m->grads || !m->acts_memory) {
+        size_t bytes = (2 * m->n_params + m->n_acts) * sizeof(lg_real);
+        lg_model_free(m);
+        return lg_fail(err, "out of host memory: the model needs %.1f MiB (parameters, "
+                            "gradients, activations)", bytes / 1048576.0);
+    }
+    lg_params_layout(cfg, m->params, &m->p, NULL);
+    lg_params_layout(cfg, m->grads, &m->g, NULL);
+    lg_acts_layout(cfg, B, T, m->acts_memory, &m->a, NULL);
+    int rope_dims = lg_config_rope_dims(cfg);
+    if (rope_dims) lg_rope_tables(m->a.rope_cos, m->a.rope_sin, T, rope_dims, cfg->rope_base);
+    m->rope_T = T;
+    return 0;
+}
+
+void lg_model_free(lg_model *m) {
+    LG_FREE(m->params);
+    LG_FREE(m->grads);
+    LG_FREE(m->acts_memory);
+    LG_FREE(m->p.h);
+    LG_FREE(m->g.h);
+    LG_FREE(m->a.h);
+    LG_FREE(m->a.residual);
+    lg_tensor_table_free(&m->param_table);
+    memset(m, 0, sizeof *m);
+}
+
+/* GPT-2's scheme: weights N(0, 0.02), the two projections into the residual stream scaled by
+   1/sqrt(2 L), biases 0, norm weights 1. Padded vocabulary rows stay 0. */
+void lg_model_init_weights(lg_model *m, uint64_t seed) {
+    lg_rng rng;
+    lg_rng_seed(&rng, seed);
+    const lg_config *c = &m->cfg;
+    float residual_std = 0.02f / sqrtf(2.0f * c->n_layer);
+    for (int i = 0; i < m->param_table.n_tensors; i++) {
+        const lg_tensor_info *t = &m->param_table.tensors[i];
+        lg_real *w = m->params + t->offset;
+        int is_norm = strstr(t->name, "norm") != NULL || strstr(t->name, "ln_f") != NULL;
+        int is_bias = strstr(t->name, ".bias") != NULL;
+        int is_projection = strstr(t->name, "proj.weight") != NULL;
+        size_t rows = (size_t)t->rows;
+        if (strcmp(t->name, "transformer.wte.weight") == 0 || strcmp(t->name, "lm_head.weight") == 0)
+            rows = (size_t)c->vocab_size;
+        for (size_t k = 0; k < t->count; k++) {
+            if (is_norm && !is_bias) w[k] = 1;
+            else if (is_bias || k / t->cols >= rows) w[k] = 0;
+            else w[k] = (is_projection ? residual_std : 0.02f) * lg_rng_normal(&rng);
+        }
+    }
+}
+
+void lg_model_zero_grad(lg_model *m) { memset(m->grads, 0, m->n_params * sizeof(lg_real)); }
+
+static lg_real *lg_norm_mean_or_null(const lg_config *c, lg_real *mean) {
+    return c->norm_class_name == LG_NORM_LAYERNORM ? mean : NULL;
+}
+
+/* One block: residual[l] (B, T, C) -> residual[l + 1]. */
+static void lg_block_forward(lg_model *m, int l, int B, int T) {
+    const lg_config *c = &m->cfg;
+    const lg_block_tensors *w = &m->p.h[l];
+    lg_block_acts *a = &m->a.h[l];
+    int N = B * T, C = c->n_embd, I = c->intermediate_size, QKV = lg_config_qkv_size(c);
+    int NH = c->n_head, NQG = c->n_query_groups, HS = c->head_size;
+    const lg_real *x = m->a.residual[l];
+    lg_real *out = m->a.residual[l + 1];
+
+    lg_norm_forward(a->n1, lg_norm_mean_or_null(c, a->n1_mean), a->n1_rstd, x, w->norm_1_w,
+                    w->norm_1_b, N, C, c->norm_eps);
+    lg_linear_forward(a->qkv, a->n1, w->qkv_w, w->qkv_b, N, C, QKV);
+    lg_rope_rotate(a->qkv, m->a.rope_cos, m->a.rope_sin, B, T, NH, NQG, HS,
+                   lg_config_rope_dims(c), +1);
+    lg_attention_forward(a->att_y, a->att, a->qkv, B, T, NH, NQG, HS);
+    lg_linear_forward(a->x_mid, a->att_y, w->proj_w, w->proj_b, N, NH * HS, C);
+    lg_add(a->x_mid, a->x_mid, x, (size_t)N * C);
+
+    const lg_real *mlp_in = a->n1;
+    if (!c->shared_attention_norm) {
+        lg_norm_forward(a->n2, lg_norm_mean_or_null(c, a->n2_mean), a->n2_rstd,
+                        c->parallel_residual ? x : a->x_mid, w->norm_2_w, w->norm_2_b, N, C,
+                        c->norm_eps);
+        mlp_in = a->n2;
+    }
+    lg_linear_forward(a->fc, mlp_in, w->fc_w, w->fc_b, N, C, I);
+    if (c->mlp_class_name == LG_MLP_LLAMA) {
+        lg_linear_forward(a->fc_2, mlp_in, w->fc_2_w, w->fc_2_b, N, C, I);
+        lg_swiglu_forward(a->act, a->fc, a->fc_2, (size_t)N * I);
+    } else {
+        lg_gelu_forward(a->act, a->fc, (size_t)N * I, c->gelu_approximate_tanh);
+    }
+    lg_linear_forward(out, a->act, w->mlp_proj_w, w->mlp_proj_b, N, I, C);
+    lg_add(out, out, a->x_mid, (size_t)N * C);
+}
+
+double lg_model_forward(lg_model *m, const int *tokens, const int *targets, int B, int T,
+                        int *n_targets) {
+    const lg_config *c = &m->cfg;
+    int N = B * T, C = c->n_embd, L = c->n_layer;
+    lg_embedding_forward(m->a.residual[0], tokens, m->p.wte, m->p.wpe, B, T, C);
+    for (int l = 0; l < L; l++) lg_block_forward(m, l, B, T);
+    lg_norm_forward(m->a.ln_f, lg_norm_mean_or_null(c, m->a.ln_f_mean), m->a.ln_f_rstd,
+                    m->a.residual[L], m->p.ln_f_w, m->p.ln_f_b, N, C, c->norm_eps);
+    lg_linear_forward(m->a.logits, m->a.ln_f, m->p.lm_head_w, m->p.lm_head_b, N, C,
+                      c->padded_vocab_size);
+    if (n_targets) *n_targets = 0;
+    if (!targets) return 0;
+    if (n_targets)
+        for (int n = 0; n < N; n++) *n_targets += targets[n] != LG_IGNORE_INDEX;
+    return lg_crossentropy_forward(m->a.losses, m->a.logits, targets, N, c->vocab_size,
+                                   c->padded_vocab_size);
+}
+
+/* One block backward: d_out (B, T, C) is the gradient of residual[l + 1]; writes the gradient
+   of residual[l] into d_x and adds the block's parameter gradients. */
+static void lg_block_backward(lg_model *m, int l, int B, int T, const lg_real *d_out,
+                              lg_real *d_x) {
+    const lg_config *c = &m->cfg;
+    const lg_block_tensors *w = &m->p.h[l];
+    const lg_block_tensors *g = &m->g.h[l];
+    const lg_block_acts *a = &m->a.h[l];
+    lg_act_tensors *s = &m->a; /* the backward's working set */
+    int N = B * T, C = c->n_embd, I = c->intermediate_size, QKV = lg_config_qkv_size(c);
+    int NH = c->n_head, NQG = c->n_query_groups, HS = c->head_size;
+    size_t NC = (size_t)N * C, NI = (size_t)N * I;
+    const lg_real *x = m->a.residual[l];
+
+    /* out = x_mid + mlp(mlp_in): the residual passes d_out to x_mid unchanged */
+    memcpy(s->d_mid, d_out, NC * sizeof(lg_real));
+    memset(s->d_act, 0, NI * sizeof(lg_real));
+    lg_linear_backward(s->d_act, g->mlp_proj_w, g->mlp_proj_b, d_out, a->act, w->mlp_proj_w, N,
+                       I, C);
+    const lg_real *mlp_in = c->shared_attention_norm ? a->n1 : a->n2;
+    memset(s->d_norm, 0, NC * sizeof(lg_real));
+    if (c->mlp_class_name == LG_MLP_LLAMA) {
+        lg_swiglu_backward(s->d_fc, s->d_fc_2, s->d_act, a->fc, a->fc_2, NI);
+        lg_linear_backward(s->d_norm, g->fc_2_w, g->fc_2_b, s->d_fc_2, mlp_in, w->fc_2_w, N, C, I);
+    } else {
+        lg_gelu_backward(s->d_fc, s->d_act, a->fc, NI, c->gelu_approximate_tanh);
+    }
+    lg_linear_backward(s->d_norm, g->fc_w, g->fc_b, s->d_fc, mlp_in, w->fc_w, N, C, I);
+
+    /* the MLP's input norm: of x (parallel) or of x_mid (sequential); shared: d_norm stays and
+       joins norm_1's gradient below */
+    memcpy(d_x, s->d_mid, NC * sizeof(lg_real)); /* x_mid = x + attn: x receives d_mid */
+    if (!c->shared_attention_norm) {
+        lg_norm_backward(c->parallel_residual ? d_x : s->d_mid, g->norm_2_w, g->norm_2_b,
+                         s->d_norm, c->parallel_residual ? x : a->x_mid, w->norm_2_w,
+                         lg_norm_mean_or_null(c, a->n2_mean), a->n2_rstd, N, C);
+        if (!c->parallel_residual) memcpy(d_x, s->d_mid, NC * sizeof(lg_real));
+        memset(s->d_norm, 0, NC * sizeof(lg_real));
+    }
+
+    /* x_mid = x + proj(attention(rope(qkv(n1)))) */
+    memset(s->d_att_y, 0, (size_t)N * NH * HS * sizeof(lg_real));
+    lg_linear_backward(s->d_att_y, g->proj_w, g->proj_b, s->d_mid, a->att_y, w->proj_w, N,
+                       NH * HS, C);
+    memset(s->d_qkv, 0, (size_t)N * QKV * sizeof(lg_real));
+    lg_attention_backward(s->d_qkv, s->d_att, s->d_att_y, a->qkv, a->att, B, T, NH, NQG, HS);
+    lg_rope_rotate(s->d_qkv, m->a.rope_cos, m->a.rope_sin, B, T, NH, NQG, HS,
+                   lg_config_rope_dims(c), -1);
+    /* n1 feeds qkv and, when shared, the MLP: d_norm already holds the MLP's share */
+    lg_linear_backward(s->d_norm, g->qkv_w, g->qkv_b, s->d_qkv, a->n1, w->qkv_w, N, C, QKV);
+    lg_norm_backward(d_x, g->norm_1_w, g->norm_1_b, s->d_norm, x, w->norm_1_w,
+                     lg_norm_mean_or_null(c, a->n1_mean), a->n1_rstd, N, C);
+}
+
+void lg_model_backward(lg_model *m, const int *tokens, const int *targets, int B, int T,
+                       float loss_scale) {
+    const lg_config *c = &m->cfg;
+    int N = B * T, C = c->n_embd, L = c->n_layer, Vp = c->padded_vocab_size;
+    lg_real *d_logits = m->a.logits; /* in place: the logits are not needed any more */
+    lg_crossentropy_backward(d_logits, m->a.logits, targets, N, c->vocab_size, Vp, loss_scale);
+    lg_real *d_res = m->a.d_res_a, *d_next = m->a.d_res_b;
+    memset(m->a.d_norm, 0, (size_t)N * C * sizeof(lg_real));
+    lg_linear_backward(m->a.d_norm, m->g.lm_head_w, m->g.lm_head_b, d_logits, m->a.ln_f,
+                       m->p.lm_head_w, N, C, Vp);
+    memset(d_res, 0, (size_t)N * C * sizeof(lg_real));
+    lg_norm_backward(d_res, m->g.ln_f_w, m->g.ln_f_b, m->a.d_norm, m->a.residual[L], m->p.ln_f_w,
+                     lg_norm_mean_or_null(c, m->a.ln_f_mean), m->a.ln_f_rstd, N, C);
+    for (int l = L - 1; l >= 0; l--) {
+        lg_block_backward(m, l, B, T, d_res, d_next);
+        lg_real *swap = d_res;
+        d_res = d_next;
+        d_next = swap;
+    }
+    lg_embedding_backward(m->g.wte, m->g.wpe, d_res, tokens, B, T, C);
+}
+
+/* Picks the next token from the logits of one position: argmax, or a draw at temperature. */
+static int lg_sample_token(const lg_real *logits, int V, float temperature, lg_rng *rng) {
+    int best = 0;
+    for (int v = 1; v < V; v++) best = logits[v] > logits[best] ? v : best;
+    if (temperature <= 0.0f) return best;
+    double sum = 0;
+    for (int v = 0; v < V; v++) sum += exp((logits[v] - logits[best]) / temperature);
+    double r = lg_rng_uniform(rng) * sum;
+    for (int v = 0; v < V; v++) {
+        r -= exp((logits[v] - logits[best]) / temperature);
+        if (r <= 0) return v;
+    }
+    return best;
+}
+
+void lg_model_generate(lg_model *m, int *tokens, int n_prompt, int n_new, float temperature,
+                       lg_rng *rng) {
+    int Vp = m->cfg.padded_vocab_size;
+    for (int i = 0; i < n_new; i++) {
+        int n = n_prompt + i, start = n > m->T ? n - m->T : 0, T = n - start;
+        lg_model_forward(m, tokens + start, NULL, 1, T, NULL);
+        tokens[n] = lg_sample_token(m->a.logits + (size_t)(T - 1) * Vp, m->cfg.vocab_size,
+                                    temperature, rng);
+    }
+}
+
+/* 8. optimizers ------------------------------------------------------------------------------- */
+
+int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_args *args,
+                        lg_error *err) {
+    memset(opt, 0, sizeof *opt);
+    opt->kind = args->optimizer;
+    opt->weight_decay = args->weight_decay;
+    opt->beta1 = args->beta1;
+    opt->beta2 = args->beta2;
+    opt->eps = args->eps;
+    opt->momentum = args->momentum;
+    size_t bytes = m->n_params * sizeof(lg_real);
+    int needs_m = opt->kind == LG_OPTIMIZER_ADAMW || opt->momentum != 0.0f;
+    int needs_v = opt->kind == LG_OPTIMIZER_ADAMW;
+    if (needs_m && !(opt->m = (lg_real *)lg_alloc_zeroed(bytes)))
+        return lg_fail(err, "out of host memory for the optimizer state");
+    if (needs_v && !(opt->v = (lg_real *)lg_alloc_zeroed(bytes))) {
+        lg_optimizer_free(opt);
+        return lg_fail(err, "out of host memory for the optimizer state");
+    }
+    return 0;
+}
+
+void lg_optimizer_free(lg_optimizer *opt) {
+    LG_FREE(opt->m);
+    LG_FREE(opt->v);
+    opt->m = opt->v = NULL;
+}
+
+/* Updates every parameter tensor; weight decay only where the table marks it (2-D weights). */
+void lg_optimizer_step(lg_optimizer *opt, lg_model *m, float lr) {
+    opt->t++;
+    lg_real bias_corr1 = 1.0f - lg_pow(opt->beta1, (lg_real)opt->t);
+    lg_real bias_corr2 = 1.0f - lg_pow(opt->beta2, (lg_real)opt->t);
+    for (int i = 0; i < m->param_table.n_tensors; i++) {
+        const lg_tensor_info *t = &m->param_table.tensors[i];
+        lg_real decay = t->decay ? opt->weight_decay : 0.0f;
+        lg_real *p = m->params + t->offset, *g = m->grads + t->offset;
+        lg_real *mom = opt->m ? opt->m + t->offset : NULL, *v = opt->v ? opt->v + t->offset : NULL;
+        long n = (long)t->count;
+        if (opt->kind == LG_OPTIMIZER_ADAMW) {
+LG_OMP(omp parallel for)
+            for (long k = 0; k < n; k++)
+                p[k] = lg_adamw_element(p[k], g[k], &mom[k], &v[k], lr, opt->beta1, opt->beta2,
+                                        bias_corr1, bias_corr2, opt->eps, decay);
+        } else {
+            lg_real unused = 0;
+LG_OMP(omp parallel for firstprivate(unused))
+            for (long k = 0; k < n; k++)
+                p[k] = lg_sgd_element(p[k], g[k], mom ? &mom[k] : &unused, lr, opt->momentum,
+                                      decay);
+        }
+    }
+}
+
+float lg_grad_norm(const lg_model *m) {
+    double sum = 0;
+    long n = (long)m->n_params;
+LG_OMP(omp parallel for reduction(+ : sum))
+    for (long k = 0; k < n; k++) sum += (double)m->grads[k] * m->grads[k];
+    return (float)sqrt(sum);
+}
+
+void lg_grad_clip(lg_model *m, float norm, float max_norm) {
+    if (max_norm <= 0.0f || !(norm > max_norm)) return;
+    lg_real scale = max_norm / (norm + 1e-6f);
+    long n = (long)m->n_params;
+LG_OMP(omp parallel for)
+    for (long k = 0; k < n; k++) m->grads[k] *= scale;
+}
+
+float lg_learning_rate(const lg_args *a, int step) {
+    if (step < a->warmup_steps) return a->lr * (step + 1) / a->warmup_steps;
+    int decay_steps = a->max_steps - a->warmup_steps;
+    if (decay_steps <= 0) return a->lr;
+    float progress = (float)(step - a->warmup_steps) / decay_steps;
+    if (progress > 1.0f) progress = 1.0f;
+    return a->min_lr + 0.5f * (1.0f + cosf(3.14159265358979f * progress)) * (a->lr - a->min_lr);
+}
+
+/* 9. ranks: one device for now; lg_args_check refuses -d > 1 until sharding lands. --------- */
+
+/* 10. data ------------------------------------------------------------------------------------ */
+
+static void lg_loader_shuffle(lg_loader *ld) {
+    for (size_t i = 0; i < ld->n_windows; i++) ld->order[i] = i;
+    for (size_t i = ld->n_windows; i > 1; i--) {
+        size_t j = (size_t)(lg_rng_u64(&ld->rng) % i);
+        size_t tmp = ld->order[i - 1];
+        ld->order[i - 1] = ld->order[j];
+        ld->order[j] = tmp;
+    }
+}
+
+/* Shared tail of both constructors: windows, order, scratch. */
+static int lg_loader_finish(lg_loader *ld, int T, int vocab_size, int shuffle, uint64_t seed,
+                            lg_error *err) {
+    ld->T = T;
+    ld->vocab_size = vocab_size;
+    ld->n_windows = ld->n_tokens > 0 ? (ld->n_tokens - 1) / (size_t)T : 0;
+    if (ld->n_windows == 0) {
+        lg_fail(err, "data %s: %zu tokens, too few for one window of %d + 1", ld->path,
+                ld->n_tokens, T);
+        lg_loader_close(ld);
+        return -1;
+    }
+    lg_rng_seed(&ld->rng, seed);
+    ld->scratch = (uint32_t *)lg_alloc_zeroed(sizeof(uint32_t) * (T + 1));
+    if (shuffle) ld->order = (size_t *)lg_alloc_zeroed(sizeof(size_t) * ld->n_windows);
+    if (!ld->scratch || (shuffle && !ld->order)) {
+        lg_loader_close(ld);
+        return lg_fail(err, "data %s: out of host memory", ld->path);
+    }
+    if (shuffle) lg_loader_shuffle(ld);
+    return 0;
+}
+
+int lg_loader_open(lg_loader *ld, const char *path, int T, int vocab_size, int shuffle,
+                   uint64_t seed, lg_error *err) {
+    memset(ld, 0, sizeof *ld);
+    snprintf(ld->path, sizeof ld->path, "%s", path);
+    ld->file = fopen(path, "rb");
+    if (!ld->file) return lg_fail(err, "data %s: cannot open: %s", path, strerror(errno));
+    int32_t header[LG_SHARD_HEADER_INTS];
+    size_t got = fread(header, sizeof(int32_t), LG_SHARD_HEADER_INTS, ld->file);
+    fseek(ld->file, 0, SEEK_END);
+    long file_bytes = ftell(ld->file);
+    const long header_bytes = LG_SHARD_HEADER_INTS * (long)sizeof(int32_t);
+    if (got != LG_SHARD_HEADER_INTS) {
+        lg_loader_close(ld);
+        return lg_fail(err, "data %s: %ld bytes, shorter than the %ld-byte header", path,
+                       file_bytes, header_bytes);
+    }
+    if (header[0] == LG_SHARD_MAGIC_U16 && header[1] == LG_SHARD_VERSION_U16) ld->token_bytes = 2;
+    else if (header[0] == LG_SHARD_MAGIC_U32 && header[1] == LG_SHARD_VERSION_U32) ld->token_bytes = 4;
+    else {
+        lg_loader_close(ld);
+        return lg_fail(err, "data %s: not a token shard (magic %d version %d; expected %d/%d "
+                            "for uint16 or %d/%d for uint32 tokens)", path, header[0], header[1],
+                       LG_SHARD_MAGIC_U16, LG_SHARD_VERSION_U16, LG_SHARD_MAGIC_U32,
+                       LG_SHARD_VERSION_U32);
+    }
+    ld->n_tokens = (size_t)(uint32_t)header[2];
+    long expected = header_bytes + (long)ld->n_tokens * ld->token_bytes;
+    if (file_bytes != expected) {
+        lg_loader_close(ld);
+        return lg_fail(err, "data %s: header says %zu tokens (%ld bytes) but the file has %ld "
+                            "bytes (truncated or corrupt)", path, (size_t)(uint32_t)header[2],
+                       expected, file_bytes);
+    }
+    return lg_loader_finish(ld, T, vocab_size, shuffle, seed, err);
+}
+
+int lg_loader_from_memory(lg_loader *ld, uint32_t *tokens, size_t n_tokens, int T,
+                          int vocab_size, int shuffle, uint64_t seed, lg_error *err) {
+    memset(ld, 0, sizeof *ld);
+    snprintf(ld->path, sizeof ld->path, "(built-in)");
+    ld->memory = tokens;
+    ld->n_tokens = n_tokens;
+    ld->token_bytes = 4;
+    return lg_loader_finish(ld, T, vocab_size, shuffle, seed, err);
+}
+
+/* Reads tokens [start, start + T] of the stream into ld->scratch. */
+static int lg_loader_read_window(lg_loader *ld, size_t start, lg_error *err) {
+    size_t n = (size_t)ld->T + 1;
+    if (ld->memory) {
+        memcpy(ld->scratch, ld->memory + start, n * sizeof(uint32_t));
+    } else {
+        long at = LG_SHARD_HEADER_INTS * (long)sizeof(int32_t) + (long)(start * ld->token_bytes);
+        unsigned char raw[4];
+        if (fseek(ld->file, at, SEEK_SET) != 0)
+            return lg_fail(err, "data %s: cannot seek to token %zu", ld->path, start);
+        for (size_t i = 0; i < n; i++) {
+            if (fread(raw, 1, (size_t)ld->token_bytes, ld->file) != (size_t)ld->token_bytes)
+                return lg_fail(err, "data %s: read failed at token %zu", ld->path, start + i);
+            ld->scratch[i] = ld->token_bytes == 2
+                                 ? (uint32_t)(raw[0] | raw[1] << 8)
+                                 : (uint32_t)raw[0] | (uint32_t)raw[1] << 8 |
+                                       (uint32_t)raw[2] << 16 | (uint32_t)raw[3] << 24;
+        }
+    }
+    for (size_t i = 0; i < n; i++)
+        if (ld->scratch[i] >= (uint32_t)ld->vocab_size)
+            return lg_fail(err, "data %s: token %u at position %zu is outside the model's "
+                                "vocabulary of %d", ld->path, ld->scratch[i], start + i,
+                           ld->vocab_size);
+    return 0;
+}
+
+int lg_loader_next(lg_loader *ld, int B, int *inputs, int *targets, lg_error *err) {
+    int T = ld->T;
+    for (int b = 0; b < B; b++) {
+        if (ld->position == ld->n_windows) {
+            ld->position = 0;
+            ld->epoch++;
+            if (ld->order) lg_loader_shuffle(ld);
+        }
+        size_t window = ld->order ? ld->order[ld->position] : ld->position;
+        ld->position++;
+        if (lg_loader_read_window(ld, window * (size_t)T, err) != 0) return -1;
+        for (int t = 0; t < T; t++) {
+            inputs[b * T + t] = (int)ld->scratch[t];
+            targets[b * T + t] = (int)ld->scratch[t + 1];
+        }
+    }
+    return 0;
+}
+
+void lg_loader_rewind(lg_loader *ld) {
+    ld->position = 0;
+    ld->epoch = 0;
+}
+
+void lg_loader_close(lg_loader *ld) {
+    if (ld->file) fclose(ld->file);
+    LG_FREE(ld->memory);
+    LG_FREE(ld->order);
+    LG_FREE(ld->scratch);
+    memset(ld, 0, sizeof *ld);
+}
+
+int lg_shard_write(const char *path, const uint32_t *tokens, size_t n, int token_bytes,
+                   lg_error *err) {
+    FILE *f = fopen(path, "wb");
+    if (!f) return lg_fail(err, "data %s: cannot create: %s", path, strerror(errno));
+    int32_t header[LG_SHARD_HEADER_INTS];
+    memset(header, 0, sizeof header);
+    header[0] = token_bytes == 2 ? LG_SHARD_MAGIC_U16 : LG_SHARD_MAGIC_U32;
+    header[1] = token_bytes == 2 ? LG_SHARD_VERSION_U16 : LG_SHARD_VERSION_U32;
+    header[2] = (int32_t)n;
+    int ok = fwrite(header, sizeof header, 1, f) == 1;
+    for (size_t i = 0; ok && i < n; i++) {
+        unsigned char raw[4] = {(unsigned char)tokens[i], (unsigned char)(tokens[i] >> 8),
+                                (unsigned char)(tokens[i] >> 16), (unsigned char)(tokens[i] >> 24)};
+        ok = fwrite(raw, 1, (size_t)token_bytes, f) == (size_t)token_bytes;
+    }
+    if (fclose(f) != 0 || !ok) return lg_fail(err, "data %s: write failed", path);
+    return 0;
+}
+
+/* One sample of the built-in task: random letters, '=', the letters sorted, '\n'. */
+static size_t lg_builtin_sample(lg_rng *rng, uint32_t *out) {
+    int n = 1 + (int)(lg_rng_u64(rng) % LG_BUILTIN_MAX_LETTERS);
+    int counts[26] = {0};
+    size_t len = 0;
+    for (int i = 0; i < n; i++) {
+        int letter = (int)(lg_rng_u64(rng) % 26);
+        counts[letter]++;
+        out[len++] = (uint32_t)lg_char_encode_one((char)('a' + letter));
+    }
+    out[len++] = (uint32_t)lg_char_encode_one('=');
+    for (int letter = 0; letter < 26; letter++)
+        for (int k = 0; k < counts[letter]; k++)
+            out[len++] = (uint32_t)lg_char_encode_one((char)('a' + letter));
+    out[len++] = (uint32_t)lg_char_encode_one('\n');
+    return len;
+}
+
+uint32_t *lg_builtin_task_tokens(uint64_t seed, size_t min_tokens, size_t *n_tokens) {
+    size_t max_sample = 2 * LG_BUILTIN_MAX_LETTERS + 2;
+    uint32_t *tokens = (uint32_t *)LG_MALLOC(sizeof(uint32_t) * (min_tokens + max_sample));
+    if (!tokens) return NULL;
+    lg_rng rng;
+    lg_rng_seed(&rng, seed);
+    size_t n = 0;
+    while (n < min_tokens) n += lg_builtin_sample(&rng, tokens + n);
+    *n_tokens = n;
+    return tokens;
+}
+
+/* 11. tokenizer: the built-in task's characters ----------------------------------------------- */
+
+static int lg_char_encode_one(char ch) {
+    if (ch == '\n') return 0;
+    if (ch == '=') return 1;
+    if (ch >= 'a' && ch <= 'z') return 2 + (ch - 'a');
+    return -1;
+}
+
+int lg_char_encode(const char *text, int *tokens, int max_tokens) {
+    int n = 0;
+    for (; *text; text++) {
+        int token = lg_char_encode_one(*text);
+        if (token < 0 || n == max_tokens) return -1;
+        tokens[n++] = token;
+    }
+    return n;
+}
+
+char lg_char_decode(int token) {
+    if (token == 0) return '\n';
+    if (token == 1) return '=';
+    if (token >= 2 && token < LG_CHAR_VOCAB) return (char)('a' + token - 2);
+    return '?';
+}
+
+/* 12. checkpoints ----------------------------------------------------------------------------- */
+
+/* Appends the safetensors JSON header of the parameter table to buf; returns its length. */
+static size_t lg_safetensors_header(const lg_model *m, char *buf, size_t cap) {
+    size_t n = 0, offset = 0;
+    n += (size_t)snprintf(buf + n, cap - n, "{\"__metadata__\":{\"format\":\"pt\",\"config\":\"%s\"}",
+                          m->cfg.name);
+    for (int i = 0; i < m->param_table.n_tensors && n < cap; i++) {
+        const lg_tensor_info *t = &m->param_table.tensors[i];
+        size_t bytes = t->count * 4;
+        if (t->rows == 1)
+            n += (size_t)snprintf(buf + n, cap - n, ",\"%s\":{\"dtype\":\"F32\",\"shape\":[%d],", t->name, t->cols);
+        else
+            n += (size_t)snprintf(buf + n, cap - n, ",\"%s\":{\"dtype\":\"F32\",\"shape\":[%d,%d],", t->name, t->rows, t->cols);
+        if (n < cap)
+            n += (size_t)snprintf(buf + n, cap - n, "\"data_offsets\":[%zu,%zu]}", offset, offset + bytes);
+        offset += bytes;
+    }
+    if (n < cap) n += (size_t)snprintf(buf + n, cap - n, "}");
+    while (n < cap && n % 8 != 0) buf[n++] = ' '; /* the data starts 8-byte aligned */
+    return n;
+}
+
+/* Writes all of buf to fd; 0 on success. */
+static int lg_write_all(int fd, const void *buf, size_t bytes) {
+    const char *p = (const char *)buf;
+    while (bytes > 0) {
+        ssize_t n = write(fd, p, bytes);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return -1;
+        p += n;
+        bytes -= (size_t)n;
+    }
+    return 0;
+}
+
+/* Writes path.tmp (8-byte header length, header, data as F32), flushes it to disk, then renames
+   it over path: a crash never leaves a half file under the final name. */
+static int lg_write_atomically(const char *path, const char *header, size_t header_len,
+                               const lg_real *data, size_t count, lg_error *err) {
+    char tmp[1100];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) return lg_fail(err, "checkpoint %s: cannot create: %s", tmp, strerror(errno));
+    unsigned char len_le[8];
+    for (int i = 0; i < 8; i++) len_le[i] = (unsigned char)((uint64_t)header_len >> (8 * i));
+    int ok = lg_write_all(fd, len_le, 8) == 0 && lg_write_all(fd, header, header_len) == 0;
+    float chunk[4096];
+    for (size_t k = 0; ok && k < count; k += 4096) {
+        size_t n = count - k < 4096 ? count - k : 4096;
+        for (size_t i = 0; i < n; i++) chunk[i] = (float)data[k + i];
+        ok = lg_write_all(fd, chunk, n * sizeof(float)) == 0;
+    }
+    ok = ok && fsync(fd) == 0;
+    if (close(fd) != 0) ok = 0;
+    if (!ok || rename(tmp, path) != 0) {
+        int saved = errno;
+        remove(tmp);
+        return lg_fail(err, "checkpoint %s: write failed: %s", path, strerror(saved));
+    }
+    return 0;
+}
+
+int lg_save_safetensors(const lg_model *m, const char *dir, lg_error *err) {
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
+        return lg_fail(err, "--out %s: cannot create the directory: %s", dir, strerror(errno));
+    size_t cap = (size_t)m->param_table.n_tensors * 160 + 256;
+    char *header = (char *)LG_MALLOC(cap);
+    if (!header) return lg_fail(err, "checkpoint: out of host memory");
+    size_t len = lg_safetensors_header(m, header, cap);
+    char path[1024];
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    int rc = lg_write_atomically(path, header, len, m->params, m->n_params, err);
+    LG_FREE(header);
+    return rc;
+}
+
+/* 13. trainer --------------------------------------------------------------------------------- */
+
+int lg_evaluate(lg_model *m, lg_loader *ld, int B, int T, int n_batches, double *mean_loss,
+                lg_error *err) {
+    int *inputs = (int *)LG_MALLOC(sizeof(int) * (size_t)B * T);
+    int *targets = (int *)LG_MALLOC(sizeof(int) * (size_t)B * T);
+    if (!inputs || !targets) {
+        LG_FREE(inputs);
+        LG_FREE(targets);
+        return lg_fail(err, "evaluation: out of host memory");
+    }
+    lg_loader_rewind(ld);
+    double sum = 0;
+    long count = 0;
+    int rc = 0;
+    for (int i = 0; i < n_batches && rc == 0; i++) {
+        rc = lg_loader_next(ld, B, inputs, targets, err);
+        int n = 0;
+        if (rc == 0) sum += lg_model_forward(m, inputs, targets, B, T, &n);
+        count += n;
+    }
+    LG_FREE(inputs);
+    LG_FREE(targets);
+    *mean_loss = count ? sum / count : 0;
+    return rc;
+}
+
+#endif /* LITGPT_IMPLEMENTATION */
