@@ -418,6 +418,32 @@ int lg_save_safetensors(const lg_model *m, const char *dir, lg_error *err);
 int lg_evaluate(lg_model *m, lg_loader *ld, int B, int T, int n_batches, double *mean_loss,
                 lg_error *err);
 
+/* A model, its optimizer and the token buffers of one optimizer step. */
+typedef struct {
+    lg_model model;
+    lg_optimizer opt;
+    lg_args args;
+    int accumulation;   /* micro-batches per optimizer step */
+    int *inputs;        /* (accumulation, B, T) */
+    int *targets;       /* (accumulation, B, T) */
+} lg_trainer;
+
+typedef struct {
+    double loss;        /* mean over every non-ignored target of the step */
+    float lr, grad_norm; /* grad_norm before clipping */
+    double ms, tokens_per_s;
+    long n_targets;
+} lg_step_stats;
+
+int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args, int T,
+                      lg_error *err);
+/* One optimizer step: reads all micro-batches, accumulates gradients of the global mean loss,
+   clips, updates. Fails (without touching the weights) on a data error or a non-finite
+   gradient. */
+int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *stats,
+                    lg_error *err);
+void lg_trainer_free(lg_trainer *tr);
+
 #ifdef __cplusplus
 }
 #endif
@@ -1941,6 +1967,69 @@ int lg_evaluate(lg_model *m, lg_loader *ld, int B, int T, int n_batches, double 
     LG_FREE(targets);
     *mean_loss = count ? sum / count : 0;
     return rc;
+}
+
+int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args, int T,
+                      lg_error *err) {
+    memset(tr, 0, sizeof *tr);
+    tr->args = *args;
+    tr->accumulation = lg_args_accumulation_steps(args, err);
+    if (tr->accumulation < 1) return -1;
+    int B = args->micro_batch_size;
+    if (lg_model_create(&tr->model, cfg, B, T, err) != 0) return -1;
+    lg_model_init_weights(&tr->model, args->seed);
+    size_t tokens = (size_t)tr->accumulation * B * T;
+    tr->inputs = (int *)LG_MALLOC(sizeof(int) * tokens);
+    tr->targets = (int *)LG_MALLOC(sizeof(int) * tokens);
+    if (!tr->inputs || !tr->targets || lg_optimizer_create(&tr->opt, &tr->model, args, err)) {
+        lg_trainer_free(tr);
+        return lg_fail(err, "out of host memory for the trainer");
+    }
+    return 0;
+}
+
+int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *stats,
+                    lg_error *err) {
+    lg_model *m = &tr->model;
+    int B = tr->args.micro_batch_size, T = train->T;
+    size_t micro_tokens = (size_t)B * T;
+    double start = lg_time_ms();
+    /* every micro-batch first: the loss is the mean over all targets of the step */
+    long n_targets = 0;
+    for (int i = 0; i < tr->accumulation; i++) {
+        int *tg = tr->targets + i * micro_tokens;
+        if (lg_loader_next(train, B, tr->inputs + i * micro_tokens, tg, err) != 0) return -1;
+        for (size_t k = 0; k < micro_tokens; k++) n_targets += tg[k] != LG_IGNORE_INDEX;
+    }
+    lg_model_zero_grad(m);
+    double loss_sum = 0;
+    for (int i = 0; i < tr->accumulation && n_targets > 0; i++) {
+        int *in = tr->inputs + i * micro_tokens, *tg = tr->targets + i * micro_tokens;
+        loss_sum += lg_model_forward(m, in, tg, B, T, NULL);
+        lg_model_backward(m, in, tg, B, T, 1.0f / n_targets);
+    }
+    float norm = lg_grad_norm(m);
+    if (!isfinite(norm))
+        return lg_fail(err, "step %d: the gradient norm is %g; stopped before it reached the "
+                            "weights (try a lower --lr or a --max-norm)", step + 1, norm);
+    lg_grad_clip(m, norm, tr->args.max_norm);
+    float lr = lg_learning_rate(&tr->args, step);
+    lg_optimizer_step(&tr->opt, m, lr);
+    stats->ms = lg_time_ms() - start;
+    stats->loss = n_targets ? loss_sum / n_targets : 0;
+    stats->lr = lr;
+    stats->grad_norm = norm;
+    stats->n_targets = n_targets;
+    stats->tokens_per_s = micro_tokens * tr->accumulation / (stats->ms / 1e3);
+    return 0;
+}
+
+void lg_trainer_free(lg_trainer *tr) {
+    lg_optimizer_free(&tr->opt);
+    lg_model_free(&tr->model);
+    LG_FREE(tr->inputs);
+    LG_FREE(tr->targets);
+    tr->inputs = tr->targets = NULL;
 }
 
 #endif /* LITGPT_IMPLEMENTATION */

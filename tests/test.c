@@ -1,0 +1,799 @@
+/* tests/test.c — the test runner: `make test` builds it twice and runs it from the repository
+   root. Built normally (lg_real = float) it checks the PyTorch reference, training, data, the
+   command line and the configs; built with -DLG_REAL_DOUBLE it checks every op's backward and
+   every family's whole-model gradient against central finite differences in double precision.
+   The float runner starts the double one and adds its counts, so the last line,
+   "N passed, N failed", covers both. */
+#define LITGPT_IMPLEMENTATION
+#include "../litgpt.h"
+
+#include <math.h>
+#include <string.h>
+#include <sys/wait.h>
+
+typedef struct {
+    int passed, failed;
+} results;
+
+/* Records one check; prints failures always and passes as a dot-free line. */
+static void check(results *r, int ok, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    printf(ok ? "  ok    " : "  FAIL  ");
+    vprintf(fmt, ap);
+    printf("\n");
+    va_end(ap);
+    if (ok) r->passed++;
+    else r->failed++;
+}
+
+static void fill_normal(lg_real *x, size_t n, float std, lg_rng *rng) {
+    for (size_t i = 0; i < n; i++) x[i] = std * lg_rng_normal(rng);
+}
+
+static lg_real *new_reals(size_t n) { return (lg_real *)lg_alloc_zeroed(n * sizeof(lg_real)); }
+
+/* max |a - b| / max(max |b|, floor): error relative to the tensor's scale */
+static double rel_error(const lg_real *a, const lg_real *b, size_t n, double floor) {
+    double diff = 0, scale = floor;
+    for (size_t i = 0; i < n; i++) {
+        diff = fmax(diff, fabs((double)a[i] - (double)b[i]));
+        scale = fmax(scale, fabs((double)b[i]));
+    }
+    return diff / scale;
+}
+
+static int load_config_or_fail(results *r, lg_config *cfg, const char *name) {
+    char path[256];
+    lg_error err;
+    snprintf(path, sizeof path, "configs/%s.yaml", name);
+    if (lg_config_load(cfg, path, &err) == 0) return 0;
+    check(r, 0, "load %s: %s", path, err.msg);
+    return -1;
+}
+
+#ifdef LG_REAL_DOUBLE
+/* =============================================================================================
+   Double precision: backward of every op against central finite differences
+   ============================================================================================= */
+
+#define FD_EPS 1e-6
+#define FD_TOL 1e-6 /* central differences in double: truncation ~eps^2, rounding ~1e-16/eps */
+
+/* An op under test: forward maps the inputs to an output; the scalar is sum(out * probe). */
+typedef struct fd_case fd_case;
+struct fd_case {
+    const char *name;
+    int n_inputs;
+    lg_real *inputs[4]; /* the tensors finite differences perturb */
+    size_t sizes[4];
+    lg_real *grads[4];  /* filled by backward */
+    lg_real *out, *probe;
+    size_t out_size;
+    void (*forward)(fd_case *c);
+    void (*backward)(fd_case *c); /* adds d(sum(out * probe))/d input into grads */
+    int dims[8];                  /* op-specific sizes */
+    int flag;
+    lg_real *scratch[4];
+    const int *tokens;
+};
+
+static fd_case fd_named(const char *name) {
+    fd_case c;
+    memset(&c, 0, sizeof c);
+    c.name = name;
+    return c;
+}
+
+static double fd_objective(fd_case *c) {
+    c->forward(c);
+    double s = 0;
+    for (size_t i = 0; i < c->out_size; i++) s += (double)c->out[i] * c->probe[i];
+    return s;
+}
+
+static void fd_check(results *r, fd_case *c) {
+    for (int k = 0; k < c->n_inputs; k++) memset(c->grads[k], 0, c->sizes[k] * sizeof(lg_real));
+    c->forward(c);
+    c->backward(c);
+    double worst = 0;
+    for (int k = 0; k < c->n_inputs; k++) {
+        lg_real *fd = new_reals(c->sizes[k]);
+        for (size_t i = 0; i < c->sizes[k]; i++) {
+            lg_real saved = c->inputs[k][i];
+            c->inputs[k][i] = saved + FD_EPS;
+            double plus = fd_objective(c);
+            c->inputs[k][i] = saved - FD_EPS;
+            double minus = fd_objective(c);
+            c->inputs[k][i] = saved;
+            fd[i] = (plus - minus) / (2 * FD_EPS);
+        }
+        worst = fmax(worst, rel_error(c->grads[k], fd, c->sizes[k], 1e-3));
+        LG_FREE(fd);
+    }
+    check(r, worst < FD_TOL, "%-34s backward vs finite differences: rel err %.1e (< %.0e)",
+          c->name, worst, FD_TOL);
+}
+
+/* dims: N, IC, OC */
+static void linear_fwd(fd_case *c) {
+    lg_linear_forward(c->out, c->inputs[0], c->inputs[1], c->inputs[2], c->dims[0], c->dims[1], c->dims[2]);
+}
+static void linear_bwd(fd_case *c) {
+    lg_linear_backward(c->grads[0], c->grads[1], c->grads[2], c->probe, c->inputs[0],
+                       c->inputs[1], c->dims[0], c->dims[1], c->dims[2]);
+}
+/* dims: N, C; flag: 1 LayerNorm, 0 RMSNorm */
+static void norm_fwd(fd_case *c) {
+    lg_norm_forward(c->out, c->flag ? c->scratch[0] : NULL, c->scratch[1], c->inputs[0],
+                    c->inputs[1], c->flag ? c->inputs[2] : NULL, c->dims[0], c->dims[1], 1e-5f);
+}
+static void norm_bwd(fd_case *c) {
+    lg_norm_backward(c->grads[0], c->grads[1], c->flag ? c->grads[2] : NULL, c->probe,
+                     c->inputs[0], c->inputs[1], c->flag ? c->scratch[0] : NULL, c->scratch[1],
+                     c->dims[0], c->dims[1]);
+}
+/* dims: B, T, NH, NQG, HS, rope dims */
+static void rope_attn_fwd(fd_case *c) {
+    int B = c->dims[0], T = c->dims[1], NH = c->dims[2], NQG = c->dims[3], HS = c->dims[4];
+    size_t qkv = (size_t)B * T * (NH + 2 * NQG) * HS;
+    memcpy(c->scratch[0], c->inputs[0], qkv * sizeof(lg_real));
+    lg_rope_tables(c->scratch[2], c->scratch[3], T, c->dims[5], 10000.0f);
+    lg_rope_rotate(c->scratch[0], c->scratch[2], c->scratch[3], B, T, NH, NQG, HS, c->dims[5], +1);
+    lg_attention_forward(c->out, c->scratch[1], c->scratch[0], B, T, NH, NQG, HS);
+}
+static void rope_attn_bwd(fd_case *c) {
+    int B = c->dims[0], T = c->dims[1], NH = c->dims[2], NQG = c->dims[3], HS = c->dims[4];
+    size_t att = (size_t)B * NH * T * T;
+    lg_real *datt = new_reals(att);
+    lg_attention_backward(c->grads[0], datt, c->probe, c->scratch[0], c->scratch[1], B, T, NH, NQG, HS);
+    lg_rope_rotate(c->grads[0], c->scratch[2], c->scratch[3], B, T, NH, NQG, HS, c->dims[5], -1);
+    LG_FREE(datt);
+}
+/* flag: 0 gelu erf, 1 gelu tanh, 2 swiglu; dims[0]: n */
+static void act_fwd(fd_case *c) {
+    if (c->flag == 2) lg_swiglu_forward(c->out, c->inputs[0], c->inputs[1], c->dims[0]);
+    else lg_gelu_forward(c->out, c->inputs[0], c->dims[0], c->flag);
+}
+static void act_bwd(fd_case *c) {
+    if (c->flag == 2) lg_swiglu_backward(c->grads[0], c->grads[1], c->probe, c->inputs[0], c->inputs[1], c->dims[0]);
+    else lg_gelu_backward(c->grads[0], c->probe, c->inputs[0], c->dims[0], c->flag);
+}
+/* dims: B, T, C */
+static void embed_fwd(fd_case *c) {
+    lg_embedding_forward(c->out, c->tokens, c->inputs[0], c->inputs[1], c->dims[0], c->dims[1], c->dims[2]);
+}
+static void embed_bwd(fd_case *c) {
+    lg_embedding_backward(c->grads[0], c->grads[1], c->probe, c->tokens, c->dims[0], c->dims[1], c->dims[2]);
+}
+/* dims: N, V, Vp; the output is the per-token loss */
+static void ce_fwd(fd_case *c) {
+    lg_crossentropy_forward(c->out, c->inputs[0], c->tokens, c->dims[0], c->dims[1], c->dims[2]);
+}
+static void ce_bwd(fd_case *c) {
+    /* d(sum_n probe_n loss_n)/dlogits: the op's scale is one number, so use a uniform probe */
+    lg_crossentropy_backward(c->grads[0], c->inputs[0], c->tokens, c->dims[0], c->dims[1],
+                             c->dims[2], c->probe[0]);
+}
+
+static void fd_setup(fd_case *c, lg_rng *rng, int n_inputs, const size_t *sizes, size_t out_size) {
+    c->n_inputs = n_inputs;
+    for (int k = 0; k < n_inputs; k++) {
+        c->sizes[k] = sizes[k];
+        c->inputs[k] = new_reals(sizes[k]);
+        c->grads[k] = new_reals(sizes[k]);
+        fill_normal(c->inputs[k], sizes[k], 1.0f, rng);
+    }
+    c->out_size = out_size;
+    c->out = new_reals(out_size);
+    c->probe = new_reals(out_size);
+    fill_normal(c->probe, out_size, 1.0f, rng);
+}
+
+static void fd_free(fd_case *c) {
+    for (int k = 0; k < c->n_inputs; k++) { LG_FREE(c->inputs[k]); LG_FREE(c->grads[k]); }
+    for (int k = 0; k < 4; k++) LG_FREE(c->scratch[k]);
+    LG_FREE(c->out);
+    LG_FREE(c->probe);
+}
+
+static void test_op_gradients(results *r) {
+    printf("op gradients (double precision)\n");
+    lg_rng rng;
+    lg_rng_seed(&rng, 7);
+    { /* linear with bias: N=5, IC=7, OC=6 (odd sizes on purpose) */
+        fd_case c = fd_named("linear");
+        c.dims[0] = 5; c.dims[1] = 7; c.dims[2] = 6;
+        size_t sizes[3] = {5 * 7, 6 * 7, 6};
+        fd_setup(&c, &rng, 3, sizes, 5 * 6);
+        c.forward = linear_fwd; c.backward = linear_bwd;
+        fd_check(r, &c);
+        fd_free(&c);
+    }
+    for (int layer_norm = 0; layer_norm <= 1; layer_norm++) {
+        fd_case c = fd_named(layer_norm ? "layernorm" : "rmsnorm");
+        c.dims[0] = 4; c.dims[1] = 9; c.flag = layer_norm;
+        size_t sizes[3] = {4 * 9, 9, 9};
+        fd_setup(&c, &rng, layer_norm ? 3 : 2, sizes, 4 * 9);
+        c.scratch[0] = new_reals(4); c.scratch[1] = new_reals(4);
+        c.forward = norm_fwd; c.backward = norm_bwd;
+        fd_check(r, &c);
+        fd_free(&c);
+    }
+    /* attention with rotary: multi-head with full rotary, grouped-query, partial rotary */
+    const int shapes[3][6] = {{2, 5, 2, 2, 4, 4}, {2, 6, 4, 2, 4, 4}, {1, 7, 3, 1, 8, 2}};
+    const char *names[3] = {"rope+attention (MHA)", "rope+attention (GQA 4 heads/2 groups)",
+                            "rope+attention (MQA, partial rope)"};
+    for (int s = 0; s < 3; s++) {
+        fd_case c = fd_named(names[s]);
+        memcpy(c.dims, shapes[s], sizeof shapes[s]);
+        int B = c.dims[0], T = c.dims[1], NH = c.dims[2], NQG = c.dims[3], HS = c.dims[4];
+        size_t qkv = (size_t)B * T * (NH + 2 * NQG) * HS;
+        size_t sizes[1] = {qkv};
+        fd_setup(&c, &rng, 1, sizes, (size_t)B * T * NH * HS);
+        c.scratch[0] = new_reals(qkv);
+        c.scratch[1] = new_reals((size_t)B * NH * T * T);
+        c.scratch[2] = new_reals((size_t)T * HS);
+        c.scratch[3] = new_reals((size_t)T * HS);
+        c.forward = rope_attn_fwd; c.backward = rope_attn_bwd;
+        fd_check(r, &c);
+        fd_free(&c);
+    }
+    const char *act_names[3] = {"gelu (erf)", "gelu (tanh)", "swiglu"};
+    for (int flag = 0; flag < 3; flag++) {
+        fd_case c = fd_named(act_names[flag]);
+        c.flag = flag; c.dims[0] = 40;
+        size_t sizes[2] = {40, 40};
+        fd_setup(&c, &rng, flag == 2 ? 2 : 1, sizes, 40);
+        c.forward = act_fwd; c.backward = act_bwd;
+        fd_check(r, &c);
+        fd_free(&c);
+    }
+    { /* embedding with positions, repeated tokens */
+        int tokens[6] = {3, 1, 3, 0, 2, 3};
+        fd_case c = fd_named("embedding (+ positions)");
+        c.dims[0] = 2; c.dims[1] = 3; c.dims[2] = 5; c.tokens = tokens;
+        size_t sizes[2] = {4 * 5, 3 * 5};
+        fd_setup(&c, &rng, 2, sizes, 6 * 5);
+        c.forward = embed_fwd; c.backward = embed_bwd;
+        fd_check(r, &c);
+        fd_free(&c);
+    }
+    { /* cross-entropy over V=5 of Vp=8 columns, one ignored target */
+        int targets[4] = {4, LG_IGNORE_INDEX, 0, 2};
+        fd_case c = fd_named("cross-entropy (padded, ignore_index)");
+        c.dims[0] = 4; c.dims[1] = 5; c.dims[2] = 8; c.tokens = targets;
+        size_t sizes[1] = {4 * 8};
+        fd_setup(&c, &rng, 1, sizes, 4);
+        for (int i = 0; i < 4; i++) c.probe[i] = 0.7;
+        c.forward = ce_fwd; c.backward = ce_bwd;
+        fd_check(r, &c);
+        fd_free(&c);
+    }
+}
+
+/* The whole model: every parameter's gradient of the mean loss against finite differences. */
+static void test_model_gradient(results *r, const char *config_name) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, config_name)) return;
+    int B = 2, T = 6;
+    lg_model m;
+    lg_error err;
+    if (lg_model_create(&m, &cfg, B, T, &err)) { check(r, 0, "%s: %s", config_name, err.msg); return; }
+    lg_rng rng;
+    lg_rng_seed(&rng, 11);
+    fill_normal(m.params, m.n_params, 0.3f, &rng); /* large weights: gradients far from zero */
+    int tokens[12], targets[12];
+    for (int i = 0; i < B * T; i++) {
+        tokens[i] = (int)(lg_rng_u64(&rng) % cfg.vocab_size);
+        targets[i] = (int)(lg_rng_u64(&rng) % cfg.vocab_size);
+    }
+    targets[4] = LG_IGNORE_INDEX;
+    int n_targets;
+    lg_model_zero_grad(&m);
+    lg_model_forward(&m, tokens, targets, B, T, &n_targets);
+    lg_model_backward(&m, tokens, targets, B, T, 1.0f / n_targets);
+    lg_real *fd = new_reals(m.n_params);
+    for (size_t i = 0; i < m.n_params; i++) {
+        lg_real saved = m.params[i];
+        m.params[i] = saved + FD_EPS;
+        double plus = lg_model_forward(&m, tokens, targets, B, T, NULL) / n_targets;
+        m.params[i] = saved - FD_EPS;
+        double minus = lg_model_forward(&m, tokens, targets, B, T, NULL) / n_targets;
+        m.params[i] = saved;
+        fd[i] = (plus - minus) / (2 * FD_EPS);
+    }
+    double worst = 0;
+    const char *worst_name = "";
+    for (int k = 0; k < m.param_table.n_tensors; k++) {
+        const lg_tensor_info *t = &m.param_table.tensors[k];
+        double e = rel_error(m.grads + t->offset, fd + t->offset, t->count, 1e-3);
+        if (e > worst) { worst = e; worst_name = t->name; }
+    }
+    check(r, worst < FD_TOL, "%-34s whole-model gradient (%zu params) vs finite differences: "
+          "worst rel err %.1e in %s", config_name, m.n_params, worst, worst_name);
+    LG_FREE(fd);
+    lg_model_free(&m);
+}
+
+int main(void) {
+    results r = {0, 0};
+    test_op_gradients(&r);
+    printf("model gradients (double precision)\n");
+    test_model_gradient(&r, "test-gpt2");
+    test_model_gradient(&r, "test-pythia");
+    test_model_gradient(&r, "test-llama");
+    printf("%d passed, %d failed\n", r.passed, r.failed);
+    return r.failed ? 1 : 0;
+}
+
+#else
+/* =============================================================================================
+   Single precision: reference, training, data, command line, configs
+   ============================================================================================= */
+
+/* ---- the PyTorch reference ------------------------------------------------------------------ */
+
+typedef struct {
+    char name[LG_MAX_NAME];
+    int dtype; /* 0 float32, 1 int32 */
+    size_t count;
+    void *data;
+} ref_tensor;
+
+typedef struct {
+    ref_tensor *tensors;
+    int n;
+} ref_file;
+
+/* Reads tests/reference/NAME.bin (format in tests/make_reference.py). */
+static int ref_load(ref_file *rf, const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return -1;
+    char magic[8];
+    uint32_t count;
+    if (fread(magic, 1, 8, f) != 8 || memcmp(magic, "LGREF001", 8) != 0 ||
+        fread(&count, 4, 1, f) != 1 || count > 10000) { fclose(f); return -1; }
+    rf->tensors = (ref_tensor *)lg_alloc_zeroed(sizeof(ref_tensor) * count);
+    rf->n = (int)count;
+    for (uint32_t i = 0; i < count; i++) {
+        ref_tensor *t = &rf->tensors[i];
+        uint32_t len, dtype, ndim, dim;
+        if (fread(&len, 4, 1, f) != 1 || len >= LG_MAX_NAME || fread(t->name, 1, len, f) != len ||
+            fread(&dtype, 4, 1, f) != 1 || fread(&ndim, 4, 1, f) != 1) { fclose(f); return -1; }
+        t->dtype = (int)dtype;
+        t->count = 1;
+        for (uint32_t d = 0; d < ndim; d++) {
+            if (fread(&dim, 4, 1, f) != 1) { fclose(f); return -1; }
+            t->count *= dim;
+        }
+        t->data = LG_MALLOC(t->count * 4);
+        if (fread(t->data, 4, t->count, f) != t->count) { fclose(f); return -1; }
+    }
+    fclose(f);
+    return 0;
+}
+
+static const ref_tensor *ref_find(const ref_file *rf, const char *name) {
+    for (int i = 0; i < rf->n; i++)
+        if (strcmp(rf->tensors[i].name, name) == 0) return &rf->tensors[i];
+    return NULL;
+}
+
+static void ref_free(ref_file *rf) {
+    for (int i = 0; i < rf->n; i++) LG_FREE(rf->tensors[i].data);
+    LG_FREE(rf->tensors);
+}
+
+/* Loads the reference weights by name, runs forward and backward, compares loss (rel 1e-4),
+   logits (1e-4 of their scale) and every gradient (1e-3 of its scale). */
+static void test_reference(results *r, const char *config_name) {
+    char path[256];
+    snprintf(path, sizeof path, "tests/reference/%s.bin", config_name);
+    ref_file rf = {NULL, 0};
+    lg_config cfg;
+    if (ref_load(&rf, path) != 0) { check(r, 0, "%s: cannot read", path); return; }
+    if (load_config_or_fail(r, &cfg, config_name)) return;
+    const ref_tensor *idx = ref_find(&rf, "idx"), *tgt = ref_find(&rf, "targets");
+    const ref_tensor *loss = ref_find(&rf, "loss"), *logits = ref_find(&rf, "logits");
+    int B = 2, T = (int)(idx->count / 2);
+    lg_model m;
+    lg_error err;
+    lg_model_create(&m, &cfg, B, T, &err);
+    int names_match = 1, n_weight_tensors = 0;
+    for (int k = 0; k < m.param_table.n_tensors; k++) {
+        const lg_tensor_info *t = &m.param_table.tensors[k];
+        const ref_tensor *w = ref_find(&rf, t->name);
+        if (!w || w->count != t->count) { names_match = 0; printf("    missing %s\n", t->name); continue; }
+        for (size_t i = 0; i < t->count; i++) m.params[t->offset + i] = ((const float *)w->data)[i];
+        n_weight_tensors++;
+    }
+    int ref_params = 0;
+    for (int i = 0; i < rf.n; i++) ref_params += strncmp(rf.tensors[i].name, "grad.", 5) == 0;
+    check(r, names_match && ref_params == n_weight_tensors,
+          "%-12s the parameter names and shapes match PyTorch's (%d tensors)", config_name,
+          n_weight_tensors);
+    int n_targets;
+    lg_model_zero_grad(&m);
+    double sum = lg_model_forward(&m, (const int *)idx->data, (const int *)tgt->data, B, T, &n_targets);
+    double ref_loss = ((const float *)loss->data)[0];
+    double loss_err = fabs(sum / n_targets - ref_loss) / fabs(ref_loss);
+    check(r, loss_err < 1e-4, "%-12s loss %.6f vs PyTorch %.6f: rel err %.1e (< 1e-4)",
+          config_name, sum / n_targets, ref_loss, loss_err);
+    double logit_err = rel_error(m.a.logits, (const float *)logits->data, logits->count, 1e-6);
+    check(r, logit_err < 1e-4, "%-12s logits: rel err %.1e (< 1e-4)", config_name, logit_err);
+    lg_model_backward(&m, (const int *)idx->data, (const int *)tgt->data, B, T, 1.0f / n_targets);
+    double worst = 0;
+    const char *worst_name = "";
+    for (int k = 0; k < m.param_table.n_tensors; k++) {
+        const lg_tensor_info *t = &m.param_table.tensors[k];
+        char gname[LG_MAX_NAME + 8];
+        snprintf(gname, sizeof gname, "grad.%s", t->name);
+        const ref_tensor *g = ref_find(&rf, gname);
+        double e = g ? rel_error(m.grads + t->offset, (const float *)g->data, t->count, 1e-6) : 1;
+        if (e > worst) { worst = e; worst_name = t->name; }
+    }
+    check(r, worst < 1e-3, "%-12s gradients: worst rel err %.1e (< 1e-3) in %s", config_name,
+          worst, worst_name);
+    lg_model_free(&m);
+    ref_free(&rf);
+}
+
+/* ---- configs ---------------------------------------------------------------------------- */
+
+/* Parameter counts published for the real models (Hugging Face model cards / safetensors
+   metadata); with our padded vocabularies where they differ (GPT-2: 50257 -> 50304 rows). */
+static void test_config_param_counts(results *r) {
+    static const struct { const char *name; size_t params; } published[] = {
+        {"gpt2", 124439808 + (50304 - 50257) * 768}, {"pythia-14m", 14067712},
+        {"pythia-70m", 70426624}, {"pythia-160m", 162322944},
+        {"tiny-llama-1.1b", 1100048384}, {"Llama-2-7b-hf", 6738415616},
+        {"Llama-3.2-1B", 1235814400}, {"Meta-Llama-3-8B", 8030261248},
+        {"Mistral-7B-v0.1", 7241732096}, {"Qwen2.5-0.5B", 494032768},
+        {"SmolLM2-135M", 134515008},
+    };
+    for (size_t i = 0; i < sizeof published / sizeof published[0]; i++) {
+        lg_config cfg;
+        if (load_config_or_fail(r, &cfg, published[i].name)) continue;
+        size_t n = lg_params_layout(&cfg, NULL, NULL, NULL);
+        check(r, n == published[i].params, "config %-16s %zu parameters (published %zu)",
+              published[i].name, n, published[i].params);
+    }
+}
+
+static int write_text(const char *path, const char *text) {
+    FILE *f = fopen(path, "w");
+    if (!f) return -1;
+    fputs(text, f);
+    return fclose(f);
+}
+
+static void test_config_errors(results *r) {
+    lg_config cfg;
+    lg_error err;
+    /* a config missing one field: drop rope_base from test-llama */
+    FILE *in = fopen("configs/test-llama.yaml", "r");
+    char line[256], text[4096] = "";
+    while (in && fgets(line, sizeof line, in))
+        if (strncmp(line, "rope_base", 9) != 0) strcat(text, line);
+    if (in) fclose(in);
+    write_text("build/missing-field.yaml", text);
+    int rc = lg_config_load(&cfg, "build/missing-field.yaml", &err);
+    check(r, rc != 0 && strstr(err.msg, "missing field rope_base") &&
+          strstr(err.msg, "build/missing-field.yaml"),
+          "config missing a field is refused: \"%s\"", err.msg);
+    write_text("build/bad-value.yaml", "name: x\nn_layer: two\n");
+    rc = lg_config_load(&cfg, "build/bad-value.yaml", &err);
+    check(r, rc != 0 && strstr(err.msg, "line 2") && strstr(err.msg, "n_layer"),
+          "config with a bad value names the line and field: \"%s\"", err.msg);
+    rc = lg_config_load(&cfg, "build/no-such.yaml", &err);
+    check(r, rc != 0 && strstr(err.msg, "no-such.yaml"), "missing config file: \"%s\"", err.msg);
+}
+
+/* ---- data --------------------------------------------------------------------------------- */
+
+static void test_shards(results *r) {
+    lg_error err;
+    uint32_t tokens[101];
+    for (int i = 0; i < 101; i++) tokens[i] = (uint32_t)(i * 7 % 29); /* vocabulary 30 */
+    for (int bytes = 2; bytes <= 4; bytes += 2) {
+        const char *path = bytes == 2 ? "build/u16.bin" : "build/u32.bin";
+        lg_shard_write(path, tokens, 101, bytes, &err);
+        lg_loader ld;
+        int rc = lg_loader_open(&ld, path, 10, 30, 0, 0, &err);
+        int in[20], tg[20], ok = rc == 0 && ld.n_windows == 10;
+        /* validation order: windows from the start of the file */
+        ok = ok && lg_loader_next(&ld, 2, in, tg, &err) == 0;
+        for (int i = 0; ok && i < 20; i++) ok = in[i] == (int)tokens[i] && tg[i] == (int)tokens[i + 1];
+        check(r, ok, "uint%d shard: header, windows in file order, targets shifted by one", bytes * 8);
+        if (rc == 0) lg_loader_close(&ld);
+    }
+    { /* shuffled: tokens 0..100 make each window's first token 10 x its index */
+        uint32_t ramp[101];
+        for (int i = 0; i < 101; i++) ramp[i] = (uint32_t)i;
+        lg_shard_write("build/ramp.bin", ramp, 101, 2, &err);
+        lg_loader ld;
+        lg_loader_open(&ld, "build/ramp.bin", 10, 101, 1, 42, &err);
+        int seen[10] = {0}, in[10], tg[10], in_order = 1, ok = 1;
+        for (int i = 0; i < 10; i++) {
+            lg_loader_next(&ld, 1, in, tg, &err);
+            seen[in[0] / 10]++;
+            in_order = in_order && in[0] == 10 * i;
+        }
+        for (int i = 0; i < 10; i++) ok = ok && seen[i] == 1;
+        check(r, ok && !in_order, "shuffled windows: one epoch visits each of 10 windows once, not in file order");
+        lg_loader_close(&ld);
+    }
+    { /* truncated: drop the last 3 bytes */
+        FILE *f = fopen("build/u16.bin", "rb");
+        char buf[2048];
+        size_t n = fread(buf, 1, sizeof buf, f);
+        fclose(f);
+        f = fopen("build/truncated.bin", "wb");
+        fwrite(buf, 1, n - 3, f);
+        fclose(f);
+        lg_loader ld;
+        int rc = lg_loader_open(&ld, "build/truncated.bin", 10, 30, 0, 0, &err);
+        check(r, rc != 0 && strstr(err.msg, "truncated.bin") && strstr(err.msg, "truncated"),
+              "truncated shard refused: \"%s\"", err.msg);
+        buf[0] ^= 0x55; /* wrong magic */
+        f = fopen("build/bad-magic.bin", "wb");
+        fwrite(buf, 1, n, f);
+        fclose(f);
+        rc = lg_loader_open(&ld, "build/bad-magic.bin", 10, 30, 0, 0, &err);
+        check(r, rc != 0 && strstr(err.msg, "not a token shard"), "wrong magic refused: \"%s\"", err.msg);
+        rc = lg_loader_open(&ld, "build/u16.bin", 200, 30, 0, 0, &err);
+        check(r, rc != 0 && strstr(err.msg, "too few"), "shard shorter than one window: \"%s\"", err.msg);
+        lg_loader_open(&ld, "build/u16.bin", 10, 20, 0, 0, &err);
+        int in[10], tg[10];
+        rc = lg_loader_next(&ld, 1, in, tg, &err);
+        check(r, rc != 0 && strstr(err.msg, "outside the model's vocabulary"),
+              "token beyond the vocabulary refused: \"%s\"", err.msg);
+        lg_loader_close(&ld);
+    }
+}
+
+/* ---- optimizers and schedule ---------------------------------------------------------------- */
+
+static void test_optimizer_math(results *r) {
+    /* AdamW's first step moves each weight by lr * g / (|g| + eps) after the decoupled decay */
+    float m = 0, v = 0, p = 0.5f, g = -0.25f, lr = 0.1f, wd = 0.1f;
+    float expected = 0.5f * (1 - lr * wd) - lr * g / (fabsf(g) + 1e-8f);
+    float got = (float)lg_adamw_element(p, g, (lg_real *)&m, (lg_real *)&v, lr, 0.9f, 0.95f,
+                                        1 - 0.9f, 1 - 0.95f, 1e-8f, wd);
+    check(r, fabsf(got - expected) < 1e-6f, "AdamW first step: %.7f (expected %.7f)", got, expected);
+    /* SGD with momentum 0.5, no decay, constant gradient 1: updates 1, 1.5, 1.75 times lr */
+    float buf = 0, w = 0;
+    for (int i = 0; i < 3; i++) w = (float)lg_sgd_element(w, 1.0f, (lg_real *)&buf, 0.1f, 0.5f, 0.0f);
+    check(r, fabsf(w + 0.1f * (1 + 1.5f + 1.75f)) < 1e-6f, "SGD momentum: %.6f after 3 steps", w);
+    lg_args a;
+    lg_args_default(&a);
+    a.lr = 1.0f; a.min_lr = 0.1f; a.warmup_steps = 10; a.max_steps = 110;
+    float l0 = lg_learning_rate(&a, 0), l9 = lg_learning_rate(&a, 9);
+    float mid = lg_learning_rate(&a, 60), end = lg_learning_rate(&a, 110);
+    check(r, fabsf(l0 - 0.1f) < 1e-6f && fabsf(l9 - 1.0f) < 1e-6f && fabsf(mid - 0.55f) < 1e-6f &&
+          fabsf(end - 0.1f) < 1e-6f,
+          "schedule: warmup %.2f..%.2f, cosine midpoint %.3f, end %.3f", l0, l9, mid, end);
+}
+
+static void test_clipping(results *r) {
+    lg_config cfg;
+    lg_error err;
+    lg_model m;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    lg_model_create(&m, &cfg, 1, 4, &err);
+    lg_rng rng;
+    lg_rng_seed(&rng, 3);
+    fill_normal(m.grads, m.n_params, 1.0f, &rng);
+    float before = lg_grad_norm(&m);
+    lg_grad_clip(&m, before, 2.0f);
+    float after = lg_grad_norm(&m);
+    check(r, fabsf(after - 2.0f) < 1e-4f, "clipping: global norm %.1f -> %.5f (max 2)", before, after);
+    lg_model_free(&m);
+}
+
+/* ---- training ------------------------------------------------------------------------------ */
+
+/* Trains a config on the built-in task; returns the loss of each step in losses (steps). */
+static int train_builtin(const lg_config *cfg, const lg_args *a, int T, int steps, double *losses,
+                         lg_real **final_params, size_t *n_params) {
+    lg_error err;
+    lg_trainer tr;
+    if (lg_trainer_create(&tr, cfg, a, T, &err) != 0) { printf("    %s\n", err.msg); return -1; }
+    size_t n;
+    uint32_t *tokens = lg_builtin_task_tokens(1, 20000, &n);
+    lg_loader ld;
+    lg_loader_from_memory(&ld, tokens, n, T, cfg->vocab_size, 1, a->seed, &err);
+    for (int s = 0; s < steps; s++) {
+        lg_step_stats st;
+        if (lg_trainer_step(&tr, &ld, s, &st, &err) != 0) { printf("    %s\n", err.msg); return -1; }
+        losses[s] = st.loss;
+    }
+    if (final_params) {
+        *n_params = tr.model.n_params;
+        *final_params = new_reals(*n_params);
+        memcpy(*final_params, tr.model.params, *n_params * sizeof(lg_real));
+    }
+    lg_loader_close(&ld);
+    lg_trainer_free(&tr);
+    return 0;
+}
+
+static void test_accumulation(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-pythia")) return;
+    lg_args a;
+    lg_args_default(&a);
+    a.warmup_steps = 0;
+    double losses[3];
+    lg_real *p1 = NULL, *p8 = NULL;
+    size_t n = 0;
+    a.micro_batch_size = 1; a.global_batch_size = 8;
+    train_builtin(&cfg, &a, 16, 3, losses, &p1, &n);
+    a.micro_batch_size = 8; a.global_batch_size = 8;
+    train_builtin(&cfg, &a, 16, 3, losses, &p8, &n);
+    double e = p1 && p8 ? rel_error(p1, p8, n, 1e-3) : 1;
+    check(r, e < 1e-5, "-b 1 -g 8 and -b 8 -g 8: parameters after 3 steps, rel err %.1e (< 1e-5)", e);
+    LG_FREE(p1);
+    LG_FREE(p8);
+}
+
+static void test_determinism(results *r) {
+    lg_config cfg;
+    lg_config_builtin(&cfg);
+    lg_args a;
+    lg_args_default(&a);
+    double l1[5], l2[5];
+    train_builtin(&cfg, &a, 32, 5, l1, NULL, NULL);
+    train_builtin(&cfg, &a, 32, 5, l2, NULL, NULL);
+    check(r, memcmp(l1, l2, sizeof l1) == 0, "same seed, bitwise the same losses (%.6f ... %.6f)",
+          l1[0], l1[4]);
+}
+
+/* Each family memorises one fixed window: forward, backward and optimizer work together. */
+static void test_families_memorise(results *r) {
+    const char *names[3] = {"test-gpt2", "test-pythia", "test-llama"};
+    for (int i = 0; i < 3; i++) {
+        lg_config cfg;
+        if (load_config_or_fail(r, &cfg, names[i])) continue;
+        lg_args a;
+        lg_args_default(&a);
+        a.micro_batch_size = 1;
+        a.max_steps = 80;
+        a.warmup_steps = 5;
+        a.lr = 1e-2f;
+        a.min_lr = 1e-3f;
+        lg_error err;
+        lg_trainer tr;
+        lg_trainer_create(&tr, &cfg, &a, 16, &err);
+        size_t n;
+        uint32_t *tokens = lg_builtin_task_tokens(1, 17, &n);
+        lg_loader ld;
+        lg_loader_from_memory(&ld, tokens, 17, 16, cfg.vocab_size, 1, a.seed, &err);
+        lg_step_stats first, st = {0};
+        int rc = lg_trainer_step(&tr, &ld, 0, &first, &err);
+        for (int s = 1; s < a.max_steps && rc == 0; s++) rc = lg_trainer_step(&tr, &ld, s, &st, &err);
+        check(r, rc == 0 && st.loss < 0.05, "%-12s memorises one window: loss %.3f -> %.4f in %d steps (< 0.05)",
+              names[i], first.loss, st.loss, a.max_steps);
+        lg_loader_close(&ld);
+        lg_trainer_free(&tr);
+    }
+}
+
+/* ---- checkpoint -------------------------------------------------------------------------- */
+
+static void test_safetensors(results *r) {
+    lg_config cfg;
+    lg_error err;
+    lg_model m;
+    if (load_config_or_fail(r, &cfg, "test-gpt2")) return;
+    lg_model_create(&m, &cfg, 1, 4, &err);
+    lg_model_init_weights(&m, 5);
+    int rc = lg_save_safetensors(&m, "build/ckpt", &err);
+    FILE *f = fopen("build/ckpt/model.safetensors", "rb");
+    uint64_t header_len = 0;
+    int ok = rc == 0 && f && fread(&header_len, 8, 1, f) == 1 && header_len % 8 == 0;
+    char *header = (char *)lg_alloc_zeroed(header_len + 1);
+    ok = ok && fread(header, 1, header_len, f) == header_len;
+    ok = ok && strstr(header, "\"transformer.h.1.attn.qkv.weight\":{\"dtype\":\"F32\",\"shape\":[48,16]");
+    /* the last tensor ends where the file ends; its first value matches */
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    ok = ok && (size_t)size == 8 + header_len + m.n_params * 4;
+    float first;
+    fseek(f, (long)(8 + header_len), SEEK_SET);
+    ok = ok && fread(&first, 4, 1, f) == 1 && first == m.params[0];
+    check(r, ok, "model.safetensors: header names and shapes, sizes, data (%ld bytes)", size);
+    if (f) fclose(f);
+    LG_FREE(header);
+    lg_model_free(&m);
+}
+
+/* ---- the command line --------------------------------------------------------------------- */
+
+/* Runs ./train with args; checks the exit code and that the output contains want. */
+static void expect_cli(results *r, const char *args, int want_code, const char *want) {
+    char cmd[1024], out[8192] = "";
+    snprintf(cmd, sizeof cmd, "./train %s 2>&1", args);
+    FILE *p = popen(cmd, "r");
+    size_t n = p ? fread(out, 1, sizeof out - 1, p) : 0;
+    out[n] = '\0';
+    int status = p ? pclose(p) : -1;
+    int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    char *last = out + n;
+    while (last > out && (last[-1] == '\n')) *--last = '\0';
+    while (last > out && last[-1] != '\n') last--;
+    check(r, code == want_code && strstr(out, want), "./train %s -> exit %d: \"%s\"", args, code, last);
+}
+
+static void test_cli(results *r) {
+    expect_cli(r, "--bogus", 2, "unknown option --bogus");
+    expect_cli(r, "-b", 2, "-b needs a value");
+    expect_cli(r, "-b x", 2, "-b/--micro-batch-size: 'x' is not an integer");
+    expect_cli(r, "--lr fast", 2, "--lr: 'fast' is not a number");
+    expect_cli(r, "-p bf16-true", 2, "-p/--precision bf16-true: not yet supported");
+    expect_cli(r, "-p fp8", 2, "'fp8' is not one of");
+    expect_cli(r, "-d 4", 2, "-d/--devices 4: not yet supported");
+    expect_cli(r, "-b 3 -g 8", 2, "-g/--global-batch-size 8 is not a multiple of -b/--micro-batch-size 3");
+    expect_cli(r, "-t 100", 2, "-t/--max-seq-length 100 exceeds the model's block_size 64");
+    expect_cli(r, "-c no-such-model", 2, "no configs/no-such-model.yaml");
+    expect_cli(r, "-c build/missing-field.yaml", 2, "missing field rope_base");
+    expect_cli(r, "-c test-llama --data build/truncated.bin", 2, "truncated");
+    expect_cli(r, "-c test-llama --data build/bad-magic.bin", 2, "not a token shard");
+    expect_cli(r, "-c test-llama --data build/no-such.bin", 2, "build/no-such.bin: cannot open");
+    expect_cli(r, "--data build/u16.bin", 2, "--data needs -c/--config");
+    expect_cli(r, "-c test-llama --data build/u16.bin --val-data build/u32.bin -t 10 -b 2 "
+                  "--max-steps 0 --eval-iters 2", 0, "val loss");
+    expect_cli(r, "-c test-llama --data build/u16.bin -t 10 -b 2 --max-steps 2 --prompt \"1 2\" "
+                  "--sample-tokens 3 --log build/log.jsonl --out build/run", 0, "saved build/run/model.safetensors");
+    FILE *f = fopen("build/log.jsonl", "r");
+    char line[512] = "";
+    int ok = f && fgets(line, sizeof line, f) && strstr(line, "\"step\":1,\"loss\":") &&
+             strstr(line, "\"lr\":") && strstr(line, "\"grad_norm\":") && strstr(line, "\"ms\":") &&
+             strstr(line, "\"tokens_per_s\":");
+    if (f) fclose(f);
+    check(r, ok, "--log writes one JSON object a step: %s", line);
+}
+
+/* Runs the double-precision runner and adds its counts. */
+static void run_double_tests(results *r) {
+    FILE *p = popen("./tests/test64", "r");
+    char line[512];
+    int passed = 0, failed = 0, got = 0;
+    while (p && fgets(line, sizeof line, p)) {
+        if (sscanf(line, "%d passed, %d failed", &passed, &failed) == 2) got = 1;
+        else fputs(line, stdout);
+    }
+    if (p) pclose(p);
+    if (!got) { check(r, 0, "tests/test64 ran"); return; }
+    r->passed += passed;
+    r->failed += failed;
+}
+
+int main(void) {
+    results r = {0, 0};
+    printf("PyTorch reference (fp32)\n");
+    test_reference(&r, "test-gpt2");
+    test_reference(&r, "test-pythia");
+    test_reference(&r, "test-llama");
+    printf("configs\n");
+    test_config_param_counts(&r);
+    test_config_errors(&r);
+    printf("data\n");
+    test_shards(&r);
+    printf("optimizers\n");
+    test_optimizer_math(&r);
+    test_clipping(&r);
+    printf("training\n");
+    test_accumulation(&r);
+    test_determinism(&r);
+    test_families_memorise(&r);
+    printf("checkpoint\n");
+    test_safetensors(&r);
+    printf("command line\n");
+    test_cli(&r);
+    run_double_tests(&r);
+    printf("%d passed, %d failed\n", r.passed, r.failed);
+    return r.failed ? 1 : 0;
+}
+#endif

@@ -1,0 +1,340 @@
+/* train.c — the reference driver: command line -> args -> model and data -> train loop -> files.
+
+   make && ./train                    the built-in task (sort letters) on a small built-in model
+   ./train -c pythia-14m --data train.bin --val-data val.bin -b 4 -g 32 -t 256
+   ./train --help
+
+   Exit codes: 0 done, 1 the run failed (non-finite gradient, I/O), 2 bad flag, value or file. */
+#define LITGPT_IMPLEMENTATION
+#include "litgpt.h"
+
+#include <getopt.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <string.h>
+#include <sys/stat.h>
+
+static const char usage[] =
+    "usage: ./train [options]\n"
+    "  -c, --config NAME|PATH     model: configs/NAME.yaml or a file (default: built-in model)\n"
+    "      --data FILE            training tokens, llm.c shard (default: the built-in task)\n"
+    "      --val-data FILE        validation tokens, llm.c shard\n"
+    "  -b, --micro-batch-size N   samples per forward/backward (default 8)\n"
+    "  -g, --global-batch-size N  samples per optimizer step (default: = -b); accumulation\n"
+    "                             steps = global / devices / micro-batch\n"
+    "  -t, --max-seq-length N     tokens per sample (default: the model's block_size)\n"
+    "  -p, --precision P          32-true (16-true, bf16-true, 16-mixed, bf16-mixed: later)\n"
+    "  -d, --devices N            1 (sharding over devices: later)\n"
+    "  -o, --optimizer NAME       adamw (default) or sgd\n"
+    "      --lr X --min-lr X      peak and final learning rate (3e-3, 3e-4)\n"
+    "      --warmup-steps N       linear warmup, then cosine decay to --min-lr (20)\n"
+    "      --weight-decay X       on 2-D weights only (0.1)\n"
+    "      --beta1 X --beta2 X    AdamW (0.9, 0.95)\n"
+    "      --momentum X           SGD (0.9)\n"
+    "      --max-norm X           clip gradients to this global norm, 0: off (1.0)\n"
+    "      --max-steps N          optimizer steps; 0: evaluate and exit (600)\n"
+    "      --eval-every N         steps between validations, 0: only at the ends (100)\n"
+    "      --eval-iters N         validation micro-batches (10)\n"
+    "      --sample-every N       steps between generated samples, 0: only at the end (0)\n"
+    "      --sample-tokens N      tokens to generate (16)\n"
+    "      --temperature X        0: greedy (default), else sampling temperature\n"
+    "      --prompt TEXT          built-in task: letters, e.g. \"litgpt=\"; shards: token ids\n"
+    "      --seed N               weights, data order and sampling (1337)\n"
+    "      --log FILE             one JSON object per step and per evaluation\n"
+    "      --out DIR              write DIR/model.safetensors at the end\n"
+    "  -h, --help\n";
+
+static void die_usage(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("train: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputs(" (see ./train --help)\n", stderr);
+    va_end(ap);
+    exit(2);
+}
+
+static int parse_int(const char *flag, const char *text) {
+    char *end;
+    errno = 0;
+    long v = strtol(text, &end, 10);
+    if (*text == '\0' || *end != '\0' || errno || v < INT_MIN || v > INT_MAX)
+        die_usage("%s: '%s' is not an integer", flag, text);
+    return (int)v;
+}
+
+static float parse_float(const char *flag, const char *text) {
+    char *end;
+    errno = 0;
+    double v = strtod(text, &end);
+    if (*text == '\0' || *end != '\0' || errno || !isfinite(v))
+        die_usage("%s: '%s' is not a number", flag, text);
+    return (float)v;
+}
+
+enum { OPT_DATA = 256, OPT_VAL_DATA, OPT_LR, OPT_MIN_LR, OPT_WARMUP, OPT_WEIGHT_DECAY, OPT_BETA1,
+       OPT_BETA2, OPT_MOMENTUM, OPT_MAX_NORM, OPT_MAX_STEPS, OPT_EVAL_EVERY, OPT_EVAL_ITERS,
+       OPT_SAMPLE_EVERY, OPT_SAMPLE_TOKENS, OPT_TEMPERATURE, OPT_PROMPT, OPT_SEED, OPT_LOG,
+       OPT_OUT };
+
+static const struct option long_options[] = {
+    {"config", required_argument, 0, 'c'},
+    {"data", required_argument, 0, OPT_DATA},
+    {"val-data", required_argument, 0, OPT_VAL_DATA},
+    {"micro-batch-size", required_argument, 0, 'b'},
+    {"global-batch-size", required_argument, 0, 'g'},
+    {"max-seq-length", required_argument, 0, 't'},
+    {"precision", required_argument, 0, 'p'},
+    {"devices", required_argument, 0, 'd'},
+    {"optimizer", required_argument, 0, 'o'},
+    {"lr", required_argument, 0, OPT_LR},
+    {"min-lr", required_argument, 0, OPT_MIN_LR},
+    {"warmup-steps", required_argument, 0, OPT_WARMUP},
+    {"weight-decay", required_argument, 0, OPT_WEIGHT_DECAY},
+    {"beta1", required_argument, 0, OPT_BETA1},
+    {"beta2", required_argument, 0, OPT_BETA2},
+    {"momentum", required_argument, 0, OPT_MOMENTUM},
+    {"max-norm", required_argument, 0, OPT_MAX_NORM},
+    {"max-steps", required_argument, 0, OPT_MAX_STEPS},
+    {"eval-every", required_argument, 0, OPT_EVAL_EVERY},
+    {"eval-iters", required_argument, 0, OPT_EVAL_ITERS},
+    {"sample-every", required_argument, 0, OPT_SAMPLE_EVERY},
+    {"sample-tokens", required_argument, 0, OPT_SAMPLE_TOKENS},
+    {"temperature", required_argument, 0, OPT_TEMPERATURE},
+    {"prompt", required_argument, 0, OPT_PROMPT},
+    {"seed", required_argument, 0, OPT_SEED},
+    {"log", required_argument, 0, OPT_LOG},
+    {"out", required_argument, 0, OPT_OUT},
+    {"help", no_argument, 0, 'h'},
+    {0, 0, 0, 0},
+};
+
+/* The flag as the user typed it, for messages. */
+static const char *flag_name(int opt) {
+    for (const struct option *o = long_options; o->name; o++)
+        if (o->val == opt) {
+            static char name[64]; /* driver-only scratch for one message */
+            if (opt < 256) snprintf(name, sizeof name, "-%c/--%s", opt, o->name);
+            else snprintf(name, sizeof name, "--%s", o->name);
+            return name;
+        }
+    return "?";
+}
+
+static void parse_args(int argc, char **argv, lg_args *a) {
+    lg_args_default(a);
+    opterr = 0;
+    int opt;
+    while ((opt = getopt_long(argc, argv, ":c:b:g:t:p:d:o:h", long_options, NULL)) != -1) {
+        const char *f = flag_name(opt);
+        switch (opt) {
+        case 'c': a->config = optarg; break;
+        case OPT_DATA: a->data = optarg; break;
+        case OPT_VAL_DATA: a->val_data = optarg; break;
+        case 'b': a->micro_batch_size = parse_int(f, optarg); break;
+        case 'g': a->global_batch_size = parse_int(f, optarg); break;
+        case 't': a->max_seq_length = parse_int(f, optarg); break;
+        case 'p':
+            if (lg_precision_parse(optarg, &a->precision) != 0)
+                die_usage("%s: '%s' is not one of 32-true, 16-true, bf16-true, 16-mixed, "
+                          "bf16-mixed", f, optarg);
+            break;
+        case 'd': a->devices = parse_int(f, optarg); break;
+        case 'o':
+            if (strcmp(optarg, "adamw") == 0) a->optimizer = LG_OPTIMIZER_ADAMW;
+            else if (strcmp(optarg, "sgd") == 0) a->optimizer = LG_OPTIMIZER_SGD;
+            else die_usage("%s: '%s' is not adamw or sgd", f, optarg);
+            break;
+        case OPT_LR: a->lr = parse_float(f, optarg); break;
+        case OPT_MIN_LR: a->min_lr = parse_float(f, optarg); break;
+        case OPT_WARMUP: a->warmup_steps = parse_int(f, optarg); break;
+        case OPT_WEIGHT_DECAY: a->weight_decay = parse_float(f, optarg); break;
+        case OPT_BETA1: a->beta1 = parse_float(f, optarg); break;
+        case OPT_BETA2: a->beta2 = parse_float(f, optarg); break;
+        case OPT_MOMENTUM: a->momentum = parse_float(f, optarg); break;
+        case OPT_MAX_NORM: a->max_norm = parse_float(f, optarg); break;
+        case OPT_MAX_STEPS: a->max_steps = parse_int(f, optarg); break;
+        case OPT_EVAL_EVERY: a->eval_every = parse_int(f, optarg); break;
+        case OPT_EVAL_ITERS: a->eval_iters = parse_int(f, optarg); break;
+        case OPT_SAMPLE_EVERY: a->sample_every = parse_int(f, optarg); break;
+        case OPT_SAMPLE_TOKENS: a->sample_tokens = parse_int(f, optarg); break;
+        case OPT_TEMPERATURE: a->temperature = parse_float(f, optarg); break;
+        case OPT_PROMPT: a->prompt = optarg; break;
+        case OPT_SEED: a->seed = (uint64_t)parse_int(f, optarg); break;
+        case OPT_LOG: a->log_path = optarg; break;
+        case OPT_OUT: a->out_dir = optarg; break;
+        case 'h': fputs(usage, stdout); exit(0);
+        case ':': die_usage("%s needs a value", argv[optind - 1]); break;
+        default: die_usage("unknown option %s", argv[optind - 1]);
+        }
+    }
+    if (optind < argc) die_usage("unexpected argument '%s'", argv[optind]);
+    if (a->sample_tokens < 1) die_usage("--sample-tokens must be at least 1");
+    lg_error err;
+    if (lg_args_check(a, &err) != 0) die_usage("%s", err.msg);
+}
+
+static void die(int code, const lg_error *err) {
+    fprintf(stderr, "train: %s\n", err->msg);
+    exit(code);
+}
+
+/* -c NAME: a file at NAME, else configs/NAME.yaml; no -c: the built-in model. */
+static void load_config(const lg_args *a, lg_config *cfg) {
+    if (!a->config) { lg_config_builtin(cfg); return; }
+    char path[1024];
+    struct stat st;
+    if (stat(a->config, &st) == 0) snprintf(path, sizeof path, "%s", a->config);
+    else snprintf(path, sizeof path, "configs/%s.yaml", a->config);
+    if (stat(path, &st) != 0)
+        die_usage("-c/--config %s: no such file, and no %s", a->config, path);
+    lg_error err;
+    if (lg_config_load(cfg, path, &err) != 0) die(2, &err);
+}
+
+typedef struct {
+    lg_loader train, val;
+    int has_val;
+    int builtin;  /* the built-in task: character tokens */
+} run_data;
+
+#define BUILTIN_TRAIN_TOKENS 400000
+#define BUILTIN_VAL_TOKENS 20000
+#define BUILTIN_TRAIN_SEED 1
+#define BUILTIN_VAL_SEED 2
+
+static void open_data(const lg_args *a, const lg_config *cfg, int T, run_data *d) {
+    lg_error err;
+    memset(d, 0, sizeof *d);
+    if (!a->data) {
+        if (cfg->vocab_size < LG_CHAR_VOCAB)
+            die_usage("-c/--config %s: vocab_size %d is smaller than the built-in task's %d "
+                      "characters; give --data", a->config, cfg->vocab_size, LG_CHAR_VOCAB);
+        size_t n_train, n_val;
+        uint32_t *train = lg_builtin_task_tokens(BUILTIN_TRAIN_SEED, BUILTIN_TRAIN_TOKENS, &n_train);
+        uint32_t *val = lg_builtin_task_tokens(BUILTIN_VAL_SEED, BUILTIN_VAL_TOKENS, &n_val);
+        if (!train || !val) { fputs("train: out of host memory for the built-in task\n", stderr); exit(1); }
+        if (lg_loader_from_memory(&d->train, train, n_train, T, cfg->vocab_size, 1, a->seed, &err) ||
+            lg_loader_from_memory(&d->val, val, n_val, T, cfg->vocab_size, 0, 0, &err))
+            die(2, &err);
+        d->has_val = d->builtin = 1;
+        return;
+    }
+    if (!a->config)
+        die_usage("--data needs -c/--config: the built-in model knows only the built-in task's "
+                  "%d characters", LG_CHAR_VOCAB);
+    if (lg_loader_open(&d->train, a->data, T, cfg->vocab_size, 1, a->seed, &err) != 0) die(2, &err);
+    if (a->val_data) {
+        if (lg_loader_open(&d->val, a->val_data, T, cfg->vocab_size, 0, 0, &err) != 0) die(2, &err);
+        d->has_val = 1;
+    }
+}
+
+/* Prompt tokens: letters for the built-in task, else token ids separated by spaces or commas. */
+static int parse_prompt(const lg_args *a, const run_data *d, int vocab_size, int *tokens, int cap) {
+    if (d->builtin) {
+        int n = lg_char_encode(a->prompt ? a->prompt : "litgpt=", tokens, cap);
+        if (n <= 0) die_usage("--prompt '%s': the built-in task knows only a-z, '=' and newline", a->prompt);
+        return n;
+    }
+    const char *text = a->prompt ? a->prompt : "0";
+    int n = 0;
+    while (*text) {
+        char *end;
+        long id = strtol(text, &end, 10);
+        if (end == text || id < 0 || id >= vocab_size || n == cap)
+            die_usage("--prompt '%s': expected token ids below %d separated by spaces", a->prompt, vocab_size);
+        tokens[n++] = (int)id;
+        text = end;
+        while (*text == ' ' || *text == ',') text++;
+    }
+    return n;
+}
+
+static void print_sample(lg_model *m, const lg_args *a, const run_data *d, lg_rng *rng) {
+    int cap = m->T;
+    int *tokens = (int *)malloc(sizeof(int) * (size_t)(cap + a->sample_tokens));
+    int n = parse_prompt(a, d, m->cfg.vocab_size, tokens, cap);
+    lg_model_generate(m, tokens, n, a->sample_tokens, a->temperature, rng);
+    printf("sample: ");
+    for (int i = 0; i < n + a->sample_tokens; i++) {
+        if (!d->builtin) { printf("%d ", tokens[i]); continue; }
+        if (i >= n && tokens[i] == 0) break; /* the built-in task's samples end at newline */
+        putchar(lg_char_decode(tokens[i]));
+    }
+    putchar('\n');
+    free(tokens);
+}
+
+static void evaluate(lg_model *m, run_data *d, const lg_args *a, int step, FILE *log) {
+    if (!d->has_val) return;
+    double loss;
+    lg_error err;
+    if (lg_evaluate(m, &d->val, m->B, m->T, a->eval_iters, &loss, &err) != 0) die(2, &err);
+    printf("step %5d | val loss %.4f\n", step, loss);
+    if (log) { fprintf(log, "{\"step\":%d,\"val_loss\":%.6f}\n", step, loss); fflush(log); }
+}
+
+int main(int argc, char **argv) {
+    lg_args a;
+    parse_args(argc, argv, &a);
+    lg_config cfg;
+    load_config(&a, &cfg);
+    int T = a.max_seq_length ? a.max_seq_length : cfg.block_size;
+    if (T > cfg.block_size)
+        die_usage("-t/--max-seq-length %d exceeds the model's block_size %d", T, cfg.block_size);
+    lg_error err;
+    int accumulation = lg_args_accumulation_steps(&a, &err);
+    int B = a.micro_batch_size;
+    run_data data;
+    open_data(&a, &cfg, T, &data);
+    FILE *log = NULL;
+    if (a.log_path && !(log = fopen(a.log_path, "w")))
+        die_usage("--log %s: cannot create: %s", a.log_path, strerror(errno));
+
+    lg_trainer tr;
+    if (lg_trainer_create(&tr, &cfg, &a, T, &err) != 0) die(1, &err);
+    lg_model *model = &tr.model;
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    printf("model %s: %d layers, %.3fM parameters | data %s (%zu tokens)\n", cfg.name,
+           cfg.n_layer, model->n_params / 1e6, data.train.path, data.train.n_tokens);
+    printf("batch: -b %d x %d accumulation = %d samples of %d tokens a step | %s on the CPU, "
+           "%d threads | %s\n", B, accumulation, B * accumulation, T,
+           lg_precision_name(a.precision), threads,
+           a.optimizer == LG_OPTIMIZER_ADAMW ? "adamw" : "sgd");
+
+    lg_rng sample_rng;
+    lg_rng_seed(&sample_rng, a.seed + 1);
+    evaluate(model, &data, &a, 0, log);
+    for (int step = 0; step < a.max_steps; step++) {
+        lg_step_stats st;
+        if (lg_trainer_step(&tr, &data.train, step, &st, &err) != 0) die(1, &err);
+        printf("step %5d/%d | loss %.4f | lr %.2e | grad norm %.3f | %.1f ms | %.0f tok/s\n",
+               step + 1, a.max_steps, st.loss, st.lr, st.grad_norm, st.ms, st.tokens_per_s);
+        if (log) {
+            fprintf(log, "{\"step\":%d,\"loss\":%.6f,\"lr\":%.6e,\"grad_norm\":%.6f,"
+                         "\"ms\":%.3f,\"tokens_per_s\":%.1f}\n", step + 1, st.loss, st.lr,
+                    st.grad_norm, st.ms, st.tokens_per_s);
+            fflush(log);
+        }
+        int last = step + 1 == a.max_steps;
+        if (last || (a.eval_every && (step + 1) % a.eval_every == 0))
+            evaluate(model, &data, &a, step + 1, log);
+        if (!last && a.sample_every && (step + 1) % a.sample_every == 0)
+            print_sample(model, &a, &data, &sample_rng);
+    }
+    print_sample(model, &a, &data, &sample_rng);
+    if (a.out_dir) {
+        if (lg_save_safetensors(model, a.out_dir, &err) != 0) die(1, &err);
+        printf("saved %s/model.safetensors\n", a.out_dir);
+    }
+    if (log) fclose(log);
+    lg_trainer_free(&tr);
+    lg_loader_close(&data.train);
+    lg_loader_close(&data.val);
+    return 0;
+}
