@@ -348,6 +348,17 @@ void lg_grad_clip(lg_model *m, float norm, float max_norm);
 float lg_learning_rate(const lg_args *args, int step);
 
 /* ---------------------------------------------------------------------------------------------
+   9. ranks (API): the backend a rank runs on
+   ------------------------------------------------------------------------------------------- */
+
+typedef enum { LG_BACKEND_CPU, LG_BACKEND_CUDA } lg_backend;
+
+/* GPUs visible to a CUDA build (0 in a CPU build). */
+int lg_cuda_device_count(void);
+/* The backend this build runs: the CPU until the CUDA kernels land (litgpt_cuda.cuh). */
+lg_backend lg_backend_in_use(void);
+
+/* ---------------------------------------------------------------------------------------------
    10. data (API)
    ------------------------------------------------------------------------------------------- */
 
@@ -392,7 +403,7 @@ int lg_shard_write(const char *path, const uint32_t *tokens, size_t n, int token
 /* The built-in task: sort the letters of a word, "dcab=abcd\n". Samples have 1 to
    LG_BUILTIN_MAX_LETTERS letters, so their lengths differ. Returns the token stream
    (LG_MALLOC) of concatenated samples with at least min_tokens tokens. */
-#define LG_BUILTIN_MAX_LETTERS 12
+#define LG_BUILTIN_MAX_LETTERS 8
 uint32_t *lg_builtin_task_tokens(uint64_t seed, size_t min_tokens, size_t *n_tokens);
 
 /* ---------------------------------------------------------------------------------------------
@@ -789,21 +800,21 @@ void lg_config_builtin(lg_config *c) {
 
 void lg_args_default(lg_args *a) {
     memset(a, 0, sizeof *a);
-    a->micro_batch_size = 8;
+    a->micro_batch_size = 16;
     a->precision = LG_PRECISION_32_TRUE;
     a->devices = 1;
     a->optimizer = LG_OPTIMIZER_ADAMW;
-    a->lr = 3e-3f;
-    a->min_lr = 3e-4f;
-    a->warmup_steps = 20;
+    a->lr = 4e-3f;
+    a->min_lr = 4e-4f;
+    a->warmup_steps = 50;
     a->weight_decay = 0.1f;
     a->beta1 = 0.9f;
     a->beta2 = 0.95f;
     a->eps = 1e-8f;
     a->momentum = 0.9f;
     a->max_norm = 1.0f;
-    a->max_steps = 600;
-    a->eval_every = 100;
+    a->max_steps = 1000;
+    a->eval_every = 200;
     a->eval_iters = 10;
     a->sample_tokens = 16;
     a->seed = 1337;
@@ -1007,19 +1018,298 @@ size_t lg_acts_layout(const lg_config *c, int B, int T, lg_real *base, lg_act_te
 
 /* 6. kernels (CPU) ------------------------------------------------------------------------- */
 
-/* LG_GEMM_BEGIN: replaced by the blocked kernel */
-/* C(M, N) = beta C + op(A)(M, K) op(B)(K, N), row-major; beta is 0 or 1. */
-static void lg_gemm(int trans_a, int trans_b, int M, int N, int K, const lg_real *A, int lda,
-                    const lg_real *B, int ldb, lg_real beta, lg_real *C, int ldc) {
-LG_OMP(omp parallel for)
-    for (int i = 0; i < M; i++)
-        for (int j = 0; j < N; j++) {
-            lg_real sum = 0;
-            for (int k = 0; k < K; k++)
-                sum += (trans_a ? A[(size_t)k * lda + i] : A[(size_t)i * lda + k]) *
-                       (trans_b ? B[(size_t)j * ldb + k] : B[(size_t)k * ldb + j]);
-            C[(size_t)i * ldc + j] = (beta != 0 ? C[(size_t)i * ldc + j] : 0) + sum;
+/* LG_GEMM_BEGIN: the blocked matrix multiply */
+/* ------------------------------------------------------------------------
+ * lg_gemm: C(M, N) = beta * C + op(A)(M, K) . op(B)(K, N), all row-major.
+ *
+ *   op(A) = A (M, K), leading dim lda          when trans_a == 0
+ *         = A^T, A stored (K, M), leading dim lda  when trans_a != 0
+ *   op(B) = B (K, N) / B^T with B stored (N, K), likewise with trans_b.
+ *   beta == 0 overwrites C (NaN garbage in C is ignored); any other beta
+ *   gives beta * C + op(A) op(B).
+ *
+ * Blocking scheme (GotoBLAS / BLIS style):
+ *   C is cut into a tm x tn grid of thread tiles, one per OpenMP thread (no
+ *   sharing, no barriers).  Inside its tile each thread runs
+ *     jc: columns in chunks of NC
+ *       pc: K in chunks of KC            pack op(B)[pc:+kc, jc:+nc] -> Bp
+ *         ic: rows in chunks of MC       pack op(A)[ic:+mc, pc:+kc] -> Ap
+ *           jr: NR columns / ir: MR rows -> micro-kernel, one MR x NR C tile
+ *   A kc x NR micro-panel of Bp stays in L1 while the ir loop streams the
+ *   MR x kc micro-panels of Ap (whole Ap block sized for L2).
+ *   The micro-kernel is plain C: an MR x NR accumulator that gcc -O3 keeps in
+ *   vector registers (NR = two vectors, MR broadcasts per k step).
+ *
+ * Problems with M*N*K below LG_GEMM_SMALL use a simple loop (no packing, no
+ * threads); OpenMP is used only above LG_GEMM_PARALLEL and when not already
+ * inside a parallel region.
+ * ------------------------------------------------------------------------ */
+
+/* "#pragma omp simd" only where OpenMP is on (no unknown-pragma warnings) */
+#if defined(_OPENMP)
+#define LG_GEMM_SIMD _Pragma("omp simd")
+#define LG_GEMM_SIMD_SUM_S _Pragma("omp simd reduction(+ : s)")
+#else
+#define LG_GEMM_SIMD
+#define LG_GEMM_SIMD_SUM_S
+#endif
+
+/* vector width in bytes, to size the register tile */
+#if defined(__AVX512F__)
+#define LG_GEMM_VBYTES 64
+#elif defined(__AVX__)
+#define LG_GEMM_VBYTES 32
+#else
+#define LG_GEMM_VBYTES 16
+#endif
+
+/* register tile MR x NR: NR = 2 vectors, MR*2 accumulators + 3 temporaries
+   must fit the register file (32 vector registers with AVX-512, else 16) */
+#define LG_GEMM_NR ((int)(2 * LG_GEMM_VBYTES / sizeof(lg_real)))
+#if defined(__AVX512F__)
+#define LG_GEMM_MR 14
+#else
+#define LG_GEMM_MR 6
+#endif
+
+/* cache blocks (in elements): Bp micro-panel KC x NR in L1, Ap block
+   MC x KC in L2, Bp block KC x NC in L2/L3 */
+#ifndef LG_GEMM_KC
+#define LG_GEMM_KC 256
+#endif
+#ifndef LG_GEMM_MC
+#define LG_GEMM_MC (LG_GEMM_MR * 12) /* must be a multiple of MR */
+#endif
+#ifndef LG_GEMM_NC
+#define LG_GEMM_NC 2048              /* must be a multiple of NR */
+#endif
+
+#define LG_GEMM_SMALL (32.0 * 1024)          /* M*N*K below: simple loop */
+#define LG_GEMM_PARALLEL (128.0 * 128 * 128) /* M*N*K below: one thread */
+
+/* --- small problems: straightforward loops, no packing ------------------ */
+static void lg_gemm_simple(int trans_a, int trans_b, int M, int N, int K,
+                           const lg_real *A, int lda, const lg_real *B, int ldb,
+                           lg_real beta, lg_real *C, int ldc) {
+    int i, j, p;
+    for (i = 0; i < M; i++) {
+        lg_real *c = C + (size_t)i * ldc;
+        for (j = 0; j < N; j++) c[j] = (beta == 0) ? (lg_real)0 : beta * c[j];
+        if (!trans_b) {           /* c[:] += a_ip * B[p, :]   (axpy over N) */
+            for (p = 0; p < K; p++) {
+                const lg_real a = trans_a ? A[(size_t)p * lda + i] : A[(size_t)i * lda + p];
+                const lg_real *b = B + (size_t)p * ldb;
+LG_GEMM_SIMD
+                for (j = 0; j < N; j++) c[j] += a * b[j];
+            }
+        } else {                  /* c[j] += dot(op(A)[i, :], B[j, :]) */
+            for (j = 0; j < N; j++) {
+                const lg_real *b = B + (size_t)j * ldb;
+                lg_real s = 0;
+                if (!trans_a) {
+                    const lg_real *a = A + (size_t)i * lda;
+LG_GEMM_SIMD_SUM_S  /* sum into s */
+                    for (p = 0; p < K; p++) s += a[p] * b[p];
+                } else {
+                    for (p = 0; p < K; p++) s += A[(size_t)p * lda + i] * b[p];
+                }
+                c[j] += s;
+            }
         }
+    }
+}
+
+/* --- packing ------------------------------------------------------------ */
+/* Ap <- op(A)[i0 : i0+mc, p0 : p0+kc] as ceil(mc/MR) micro-panels; panel r
+   holds rows i0 + r*MR + (0..MR-1), element (i, p) at ap[p*MR + i];
+   rows past mc are zero. */
+static void lg_gemm_pack_a(int trans_a, const lg_real *A, int lda, int i0, int p0,
+                           int mc, int kc, lg_real *ap) {
+    int r, i, p;
+    for (r = 0; r < mc; r += LG_GEMM_MR, ap += (size_t)kc * LG_GEMM_MR) {
+        const int mr = (mc - r < LG_GEMM_MR) ? mc - r : LG_GEMM_MR;
+        if (trans_a) {            /* A stored (K, M): rows of A are contiguous in i */
+            for (p = 0; p < kc; p++) {
+                const lg_real *src = A + (size_t)(p0 + p) * lda + i0 + r;
+                lg_real *dst = ap + (size_t)p * LG_GEMM_MR;
+                for (i = 0; i < mr; i++) dst[i] = src[i];
+                for (; i < LG_GEMM_MR; i++) dst[i] = 0;
+            }
+        } else {                  /* A stored (M, K): read each row along p */
+            for (i = 0; i < mr; i++) {
+                const lg_real *src = A + (size_t)(i0 + r + i) * lda + p0;
+                for (p = 0; p < kc; p++) ap[(size_t)p * LG_GEMM_MR + i] = src[p];
+            }
+            for (; i < LG_GEMM_MR; i++)
+                for (p = 0; p < kc; p++) ap[(size_t)p * LG_GEMM_MR + i] = 0;
+        }
+    }
+}
+
+/* Bp <- op(B)[p0 : p0+kc, j0 : j0+nc] as ceil(nc/NR) micro-panels; panel r
+   holds columns j0 + r*NR + (0..NR-1), element (p, j) at bp[p*NR + j];
+   columns past nc are zero. */
+static void lg_gemm_pack_b(int trans_b, const lg_real *B, int ldb, int p0, int j0,
+                           int kc, int nc, lg_real *bp) {
+    int r, j, p;
+    for (r = 0; r < nc; r += LG_GEMM_NR, bp += (size_t)kc * LG_GEMM_NR) {
+        const int nr = (nc - r < LG_GEMM_NR) ? nc - r : LG_GEMM_NR;
+        if (!trans_b) {           /* B stored (K, N): rows contiguous in j */
+            for (p = 0; p < kc; p++) {
+                const lg_real *src = B + (size_t)(p0 + p) * ldb + j0 + r;
+                lg_real *dst = bp + (size_t)p * LG_GEMM_NR;
+                for (j = 0; j < nr; j++) dst[j] = src[j];
+                for (; j < LG_GEMM_NR; j++) dst[j] = 0;
+            }
+        } else {                  /* B stored (N, K): read each row along p */
+            for (j = 0; j < nr; j++) {
+                const lg_real *src = B + (size_t)(j0 + r + j) * ldb + p0;
+                for (p = 0; p < kc; p++) bp[(size_t)p * LG_GEMM_NR + j] = src[p];
+            }
+            for (; j < LG_GEMM_NR; j++)
+                for (p = 0; p < kc; p++) bp[(size_t)p * LG_GEMM_NR + j] = 0;
+        }
+    }
+}
+
+/* --- micro-kernel -------------------------------------------------------- */
+/* C[0:mr, 0:nr] = beta*C + a . b, where a is a kc x MR micro-panel of Ap and b
+   a kc x NR micro-panel of Bp.  acc (MR x NR) lives in vector registers. */
+static void lg_gemm_kernel(int kc, const lg_real *a, const lg_real *b,
+                           lg_real *C, int ldc, int mr, int nr, lg_real beta) {
+    lg_real acc[LG_GEMM_MR][LG_GEMM_NR];
+    int i, j, p;
+    for (i = 0; i < LG_GEMM_MR; i++)
+LG_GEMM_SIMD
+        for (j = 0; j < LG_GEMM_NR; j++) acc[i][j] = 0;
+    for (p = 0; p < kc; p++, a += LG_GEMM_MR, b += LG_GEMM_NR) {
+        for (i = 0; i < LG_GEMM_MR; i++) {
+            const lg_real ai = a[i];
+LG_GEMM_SIMD
+            for (j = 0; j < LG_GEMM_NR; j++) acc[i][j] += ai * b[j];
+        }
+    }
+    if (mr == LG_GEMM_MR && nr == LG_GEMM_NR) {  /* full tile: fixed bounds */
+        for (i = 0; i < LG_GEMM_MR; i++) {
+            lg_real *c = C + (size_t)i * ldc;
+            if (beta == 0) {
+LG_GEMM_SIMD
+                for (j = 0; j < LG_GEMM_NR; j++) c[j] = acc[i][j];
+            } else {
+LG_GEMM_SIMD
+                for (j = 0; j < LG_GEMM_NR; j++) c[j] = beta * c[j] + acc[i][j];
+            }
+        }
+    } else {                                     /* edge tile */
+        for (i = 0; i < mr; i++) {
+            lg_real *c = C + (size_t)i * ldc;
+            for (j = 0; j < nr; j++)
+                c[j] = (beta == 0) ? acc[i][j] : beta * c[j] + acc[i][j];
+        }
+    }
+}
+
+/* --- one thread's tile: C[m0:m1, n0:n1], all of K ------------------------ */
+/* ap: MC x KC scratch, bp: KC x NC scratch (see the pack functions) */
+static void lg_gemm_tile(int trans_a, int trans_b, int m0, int m1, int n0, int n1,
+                         int K, const lg_real *A, int lda, const lg_real *B, int ldb,
+                         lg_real beta, lg_real *C, int ldc, lg_real *ap, lg_real *bp) {
+    int jc, pc, ic, jr, ir;
+    for (jc = n0; jc < n1; jc += LG_GEMM_NC) {
+        const int nc = (n1 - jc < LG_GEMM_NC) ? n1 - jc : LG_GEMM_NC;
+        for (pc = 0; pc < K; pc += LG_GEMM_KC) {
+            const int kc = (K - pc < LG_GEMM_KC) ? K - pc : LG_GEMM_KC;
+            const lg_real bet = (pc == 0) ? beta : (lg_real)1;  /* later K blocks accumulate */
+            lg_gemm_pack_b(trans_b, B, ldb, pc, jc, kc, nc, bp);
+            for (ic = m0; ic < m1; ic += LG_GEMM_MC) {
+                const int mc = (m1 - ic < LG_GEMM_MC) ? m1 - ic : LG_GEMM_MC;
+                lg_gemm_pack_a(trans_a, A, lda, ic, pc, mc, kc, ap);
+                for (jr = 0; jr < nc; jr += LG_GEMM_NR) {
+                    const int nr = (nc - jr < LG_GEMM_NR) ? nc - jr : LG_GEMM_NR;
+                    for (ir = 0; ir < mc; ir += LG_GEMM_MR) {
+                        const int mr = (mc - ir < LG_GEMM_MR) ? mc - ir : LG_GEMM_MR;
+                        lg_gemm_kernel(kc, ap + (size_t)ir * kc, bp + (size_t)jr * kc,
+                                       C + (size_t)(ic + ir) * ldc + jc + jr, ldc,
+                                       mr, nr, bet);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* --- thread grid: nt = tm * tn, picking the split that minimises the
+   per-thread tile perimeter (= packing traffic) ------------------------------ */
+static void lg_gemm_grid(int nt, int M, int N, int *tm, int *tn) {
+    int t;
+    double best = -1;
+    *tm = 1; *tn = nt;
+    for (t = 1; t <= nt; t++) {
+        double cost;
+        if (nt % t) continue;
+        cost = (double)M / t + (double)N / (nt / t);
+        if (best < 0 || cost < best) { best = cost; *tm = t; *tn = nt / t; }
+    }
+}
+
+/* [lo, hi) of part `r` out of `parts`, splitting n in whole units of `unit` */
+static void lg_gemm_split(int n, int unit, int parts, int r, int *lo, int *hi) {
+    const int nb = (n + unit - 1) / unit;
+    *lo = (int)((long long)nb * r / parts) * unit;
+    *hi = (int)((long long)nb * (r + 1) / parts) * unit;
+    if (*lo > n) *lo = n;
+    if (*hi > n) *hi = n;
+}
+
+static void lg_gemm(int trans_a, int trans_b, int M, int N, int K,
+                    const lg_real *A, int lda, const lg_real *B, int ldb,
+                    lg_real beta, lg_real *C, int ldc) {
+    const double work = (double)M * N * K;
+    int kcap, mcap, ncap, nthreads = 1;
+    size_t per_thread;
+    char *raw;
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0 || work < LG_GEMM_SMALL) {
+        lg_gemm_simple(trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc);
+        return;
+    }
+#ifdef _OPENMP
+    if (work >= LG_GEMM_PARALLEL && !omp_in_parallel()) nthreads = omp_get_max_threads();
+#endif
+    /* scratch per thread: Ap (MC x KC) + Bp (KC x NC), capped by the problem
+       size, each rounded to whole micro-panels and to 64-byte lines */
+    kcap = K < LG_GEMM_KC ? K : LG_GEMM_KC;
+    mcap = (M < LG_GEMM_MC ? M : LG_GEMM_MC) + LG_GEMM_MR;
+    ncap = (N < LG_GEMM_NC ? N : LG_GEMM_NC) + LG_GEMM_NR;
+    per_thread = ((size_t)kcap * (mcap + ncap) * sizeof(lg_real) + 127) & ~(size_t)63;
+    raw = (char *)LG_MALLOC(per_thread * nthreads + 64);
+    if (!raw) {   /* out of memory: fall back to the unblocked loop */
+        lg_gemm_simple(trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc);
+        return;
+    }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+#endif
+    {
+        int tid = 0, nt = 1, tm, tn, m0, m1, n0, n1;
+        char *mine;
+        lg_real *ap, *bp;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        mine = raw + (64 - (size_t)((uintptr_t)raw % 64)) % 64 + per_thread * tid;
+        ap = (lg_real *)mine;
+        bp = ap + (size_t)kcap * mcap;
+        bp = (lg_real *)((char *)bp + (64 - (size_t)((uintptr_t)bp % 64)) % 64);
+        lg_gemm_grid(nt, M, N, &tm, &tn);
+        lg_gemm_split(M, LG_GEMM_MR, tm, tid / tn, &m0, &m1);
+        lg_gemm_split(N, LG_GEMM_NR, tn, tid % tn, &n0, &n1);
+        if (m0 < m1 && n0 < n1)
+            lg_gemm_tile(trans_a, trans_b, m0, m1, n0, n1, K, A, lda, B, ldb,
+                         beta, C, ldc, ap, bp);
+    }
+    LG_FREE(raw);
 }
 /* LG_GEMM_END */
 
@@ -1166,43 +1456,40 @@ LG_OMP(omp parallel for)
     }
 }
 
+/* Softmax of each row of scores (T, T) over its causal prefix s <= t, in place; the rest 0. */
+static void lg_causal_softmax(lg_real *scores, int T, lg_real scale) {
+    for (int t = 0; t < T; t++) {
+        lg_real *row = scores + (size_t)t * T;
+        lg_real max = -INFINITY, sum = 0;
+        for (int s = 0; s <= t; s++) max = row[s] > max ? row[s] : max;
+        for (int s = 0; s <= t; s++) {
+            row[s] = lg_exp((row[s] - max) * scale);
+            sum += row[s];
+        }
+        for (int s = 0; s <= t; s++) row[s] /= sum;
+        for (int s = t + 1; s < T; s++) row[s] = 0;
+    }
+}
+
 /* Causal attention. qkv (B, T, (NH + 2 NQG) HS): query head h reads key/value group
    h / (NH / NQG). att (B, NH, T, T) keeps the probabilities (upper triangle zero);
-   y (B, T, NH HS). */
+   y (B, T, NH HS). Each (batch, head) is two matrix products around a softmax. */
 static void lg_attention_forward(lg_real *y, lg_real *att, const lg_real *qkv, int B, int T,
                                  int NH, int NQG, int HS) {
     int QKV = (NH + 2 * NQG) * HS, heads_per_group = NH / NQG;
     lg_real scale = 1.0f / lg_sqrt((lg_real)HS);
-LG_OMP(omp parallel for collapse(2))
+    LG_OMP(omp parallel for collapse(2) schedule(dynamic))
     for (int b = 0; b < B; b++)
         for (int h = 0; h < NH; h++) {
             int g = h / heads_per_group;
-            const lg_real *base = qkv + (size_t)b * T * QKV;
-            for (int t = 0; t < T; t++) {
-                const lg_real *q = base + (size_t)t * QKV + (size_t)h * HS;
-                lg_real *row = att + (((size_t)b * NH + h) * T + t) * T;
-                lg_real max = -INFINITY;
-                for (int s = 0; s <= t; s++) {
-                    const lg_real *k = base + (size_t)s * QKV + (size_t)(NH + g) * HS;
-                    lg_real dot = 0;
-                    for (int i = 0; i < HS; i++) dot += q[i] * k[i];
-                    row[s] = dot * scale;
-                    if (row[s] > max) max = row[s];
-                }
-                lg_real sum = 0;
-                for (int s = 0; s <= t; s++) {
-                    row[s] = lg_exp(row[s] - max);
-                    sum += row[s];
-                }
-                for (int s = 0; s <= t; s++) row[s] /= sum;
-                for (int s = t + 1; s < T; s++) row[s] = 0;
-                lg_real *out = y + ((size_t)b * T + t) * NH * HS + (size_t)h * HS;
-                for (int i = 0; i < HS; i++) out[i] = 0;
-                for (int s = 0; s <= t; s++) {
-                    const lg_real *v = base + (size_t)s * QKV + (size_t)(NH + NQG + g) * HS;
-                    for (int i = 0; i < HS; i++) out[i] += row[s] * v[i];
-                }
-            }
+            const lg_real *q = qkv + (size_t)b * T * QKV + (size_t)h * HS; /* (T, HS), ld QKV */
+            const lg_real *k = qkv + (size_t)b * T * QKV + (size_t)(NH + g) * HS;
+            const lg_real *v = qkv + (size_t)b * T * QKV + (size_t)(NH + NQG + g) * HS;
+            lg_real *p = att + ((size_t)b * NH + h) * T * T;           /* (T, T) */
+            lg_real *out = y + (size_t)b * T * NH * HS + (size_t)h * HS; /* (T, HS), ld NH HS */
+            lg_gemm(0, 1, T, T, HS, q, QKV, k, QKV, 0, p, T);           /* scores = q k^T */
+            lg_causal_softmax(p, T, scale);
+            lg_gemm(0, 0, T, HS, T, p, T, v, QKV, 0, out, NH * HS);     /* y = p v */
         }
 }
 
@@ -1214,42 +1501,34 @@ static void lg_attention_backward(lg_real *dqkv, lg_real *datt, const lg_real *d
                                   int NQG, int HS) {
     int QKV = (NH + 2 * NQG) * HS, heads_per_group = NH / NQG;
     lg_real scale = 1.0f / lg_sqrt((lg_real)HS);
-LG_OMP(omp parallel for collapse(2))
+    LG_OMP(omp parallel for collapse(2) schedule(dynamic))
     for (int b = 0; b < B; b++)
         for (int g = 0; g < NQG; g++)
             for (int h = g * heads_per_group; h < (g + 1) * heads_per_group; h++) {
-                const lg_real *base = qkv + (size_t)b * T * QKV;
-                lg_real *dbase = dqkv + (size_t)b * T * QKV;
+                size_t at = (size_t)b * T * QKV;
+                const lg_real *q = qkv + at + (size_t)h * HS; /* (T, HS), ld QKV */
+                const lg_real *k = qkv + at + (size_t)(NH + g) * HS;
+                const lg_real *v = qkv + at + (size_t)(NH + NQG + g) * HS;
+                lg_real *dq = dqkv + at + (size_t)h * HS;
+                lg_real *dk = dqkv + at + (size_t)(NH + g) * HS;
+                lg_real *dv = dqkv + at + (size_t)(NH + NQG + g) * HS;
+                const lg_real *p = att + ((size_t)b * NH + h) * T * T; /* (T, T) */
+                lg_real *dp = datt + ((size_t)b * NH + h) * T * T;
+                const lg_real *dout = dy + (size_t)b * T * NH * HS + (size_t)h * HS;
+                /* y = p v: dp = dy v^T, dv += p^T dy */
+                lg_gemm(0, 1, T, T, HS, dout, NH * HS, v, QKV, 0, dp, T);
+                lg_gemm(1, 0, T, HS, T, p, T, dout, NH * HS, 1, dv, QKV);
+                /* softmax backward into the scaled scores: ds = p (dp - sum_s p dp) scale */
                 for (int t = 0; t < T; t++) {
-                    const lg_real *p = att + (((size_t)b * NH + h) * T + t) * T;
-                    lg_real *dp = datt + (((size_t)b * NH + h) * T + t) * T;
-                    const lg_real *dout = dy + ((size_t)b * T + t) * NH * HS + (size_t)h * HS;
-                    /* y_t = sum_s p_ts v_s: dp_ts = dy_t . v_s, dv_s += p_ts dy_t */
-                    lg_real dot_p_dp = 0;
-                    for (int s = 0; s <= t; s++) {
-                        const lg_real *v = base + (size_t)s * QKV + (size_t)(NH + NQG + g) * HS;
-                        lg_real *dv = dbase + (size_t)s * QKV + (size_t)(NH + NQG + g) * HS;
-                        lg_real d = 0;
-                        for (int i = 0; i < HS; i++) {
-                            d += dout[i] * v[i];
-                            dv[i] += p[s] * dout[i];
-                        }
-                        dp[s] = d;
-                        dot_p_dp += p[s] * d;
-                    }
-                    /* softmax backward, then the scaled dot products q_t . k_s */
-                    const lg_real *q = base + (size_t)t * QKV + (size_t)h * HS;
-                    lg_real *dq = dbase + (size_t)t * QKV + (size_t)h * HS;
-                    for (int s = 0; s <= t; s++) {
-                        lg_real dscore = p[s] * (dp[s] - dot_p_dp) * scale;
-                        const lg_real *k = base + (size_t)s * QKV + (size_t)(NH + g) * HS;
-                        lg_real *dk = dbase + (size_t)s * QKV + (size_t)(NH + g) * HS;
-                        for (int i = 0; i < HS; i++) {
-                            dq[i] += dscore * k[i];
-                            dk[i] += dscore * q[i];
-                        }
-                    }
+                    const lg_real *pr = p + (size_t)t * T;
+                    lg_real *dr = dp + (size_t)t * T, dot = 0;
+                    for (int s = 0; s <= t; s++) dot += pr[s] * dr[s];
+                    for (int s = 0; s <= t; s++) dr[s] = pr[s] * (dr[s] - dot) * scale;
+                    for (int s = t + 1; s < T; s++) dr[s] = 0;
                 }
+                /* scores = q k^T: dq += ds k, dk += ds^T q */
+                lg_gemm(0, 0, T, HS, T, dp, T, k, QKV, 1, dq, QKV);
+                lg_gemm(1, 0, T, HS, T, dp, T, q, QKV, 1, dk, QKV);
             }
 }
 
@@ -1649,6 +1928,16 @@ float lg_learning_rate(const lg_args *a, int step) {
 }
 
 /* 9. ranks: one device for now; lg_args_check refuses -d > 1 until sharding lands. --------- */
+
+int lg_cuda_device_count(void) {
+#ifdef LG_CUDA_DEVICE_COUNT
+    return LG_CUDA_DEVICE_COUNT();
+#else
+    return 0;
+#endif
+}
+
+lg_backend lg_backend_in_use(void) { return LG_BACKEND_CPU; }
 
 /* 10. data ------------------------------------------------------------------------------------ */
 

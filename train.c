@@ -20,21 +20,21 @@ static const char usage[] =
     "  -c, --config NAME|PATH     model: configs/NAME.yaml or a file (default: built-in model)\n"
     "      --data FILE            training tokens, llm.c shard (default: the built-in task)\n"
     "      --val-data FILE        validation tokens, llm.c shard\n"
-    "  -b, --micro-batch-size N   samples per forward/backward (default 8)\n"
+    "  -b, --micro-batch-size N   samples per forward/backward (default 16)\n"
     "  -g, --global-batch-size N  samples per optimizer step (default: = -b); accumulation\n"
     "                             steps = global / devices / micro-batch\n"
     "  -t, --max-seq-length N     tokens per sample (default: the model's block_size)\n"
     "  -p, --precision P          32-true (16-true, bf16-true, 16-mixed, bf16-mixed: later)\n"
     "  -d, --devices N            1 (sharding over devices: later)\n"
     "  -o, --optimizer NAME       adamw (default) or sgd\n"
-    "      --lr X --min-lr X      peak and final learning rate (3e-3, 3e-4)\n"
-    "      --warmup-steps N       linear warmup, then cosine decay to --min-lr (20)\n"
+    "      --lr X --min-lr X      peak and final learning rate (4e-3, 4e-4)\n"
+    "      --warmup-steps N       linear warmup, then cosine decay to --min-lr (50)\n"
     "      --weight-decay X       on 2-D weights only (0.1)\n"
     "      --beta1 X --beta2 X    AdamW (0.9, 0.95)\n"
     "      --momentum X           SGD (0.9)\n"
     "      --max-norm X           clip gradients to this global norm, 0: off (1.0)\n"
-    "      --max-steps N          optimizer steps; 0: evaluate and exit (600)\n"
-    "      --eval-every N         steps between validations, 0: only at the ends (100)\n"
+    "      --max-steps N          optimizer steps; 0: evaluate and exit (1000)\n"
+    "      --eval-every N         steps between validations, 0: only at the ends (200)\n"
     "      --eval-iters N         validation micro-batches (10)\n"
     "      --sample-every N       steps between generated samples, 0: only at the end (0)\n"
     "      --sample-tokens N      tokens to generate (16)\n"
@@ -231,40 +231,65 @@ static void open_data(const lg_args *a, const lg_config *cfg, int T, run_data *d
     }
 }
 
-/* Prompt tokens: letters for the built-in task, else token ids separated by spaces or commas. */
-static int parse_prompt(const lg_args *a, const run_data *d, int vocab_size, int *tokens, int cap) {
-    if (d->builtin) {
-        int n = lg_char_encode(a->prompt ? a->prompt : "litgpt=", tokens, cap);
-        if (n <= 0) die_usage("--prompt '%s': the built-in task knows only a-z, '=' and newline", a->prompt);
-        return n;
-    }
-    const char *text = a->prompt ? a->prompt : "0";
+/* Prompt tokens of a shard run: token ids separated by spaces or commas. */
+static int parse_token_ids(const char *text, int vocab_size, int *tokens, int cap) {
     int n = 0;
-    while (*text) {
+    for (const char *at = text; *at;) {
         char *end;
-        long id = strtol(text, &end, 10);
-        if (end == text || id < 0 || id >= vocab_size || n == cap)
-            die_usage("--prompt '%s': expected token ids below %d separated by spaces", a->prompt, vocab_size);
+        long id = strtol(at, &end, 10);
+        if (end == at || id < 0 || id >= vocab_size || n == cap)
+            die_usage("--prompt '%s': expected token ids below %d separated by spaces", text,
+                      vocab_size);
         tokens[n++] = (int)id;
-        text = end;
-        while (*text == ' ' || *text == ',') text++;
+        at = end;
+        while (*at == ' ' || *at == ',') at++;
     }
     return n;
 }
 
-static void print_sample(lg_model *m, const lg_args *a, const run_data *d, lg_rng *rng) {
-    int cap = m->T;
+/* Generates from one prompt and prints it: characters for the built-in task (with the answer
+   it should give), token ids otherwise. */
+static void print_sample(lg_model *m, const lg_args *a, const run_data *d, const char *prompt,
+                         lg_rng *rng) {
+    int cap = m->T, n;
     int *tokens = (int *)malloc(sizeof(int) * (size_t)(cap + a->sample_tokens));
-    int n = parse_prompt(a, d, m->cfg.vocab_size, tokens, cap);
+    if (d->builtin) {
+        n = lg_char_encode(prompt, tokens, cap);
+        if (n <= 0) die_usage("--prompt '%s': the built-in task knows only a-z and '='", prompt);
+    } else {
+        n = parse_token_ids(prompt, m->cfg.vocab_size, tokens, cap);
+    }
     lg_model_generate(m, tokens, n, a->sample_tokens, a->temperature, rng);
     printf("sample: ");
     for (int i = 0; i < n + a->sample_tokens; i++) {
         if (!d->builtin) { printf("%d ", tokens[i]); continue; }
-        if (i >= n && tokens[i] == 0) break; /* the built-in task's samples end at newline */
+        if (i >= n && tokens[i] == 0) break; /* the built-in task's samples end at a newline */
         putchar(lg_char_decode(tokens[i]));
+    }
+    const char *equals = d->builtin ? strchr(prompt, '=') : NULL;
+    if (equals && equals[1] == '\0') { /* the built-in task: show the right answer */
+        char sorted[256];
+        int len = (int)(equals - prompt);
+        snprintf(sorted, sizeof sorted, "%.*s", len, prompt);
+        for (int i = 1; i < len && i < (int)sizeof sorted; i++)
+            for (int j = i; j > 0 && sorted[j - 1] > sorted[j]; j--) {
+                char c = sorted[j];
+                sorted[j] = sorted[j - 1];
+                sorted[j - 1] = c;
+            }
+        printf("   (sorted: %s)", sorted);
     }
     putchar('\n');
     free(tokens);
+}
+
+/* --prompt, or for the built-in task a few words, or token 0 for a shard run. */
+static void print_samples(lg_model *m, const lg_args *a, const run_data *d, lg_rng *rng) {
+    static const char *const words[] = {"litgpt=", "memory=", "zebra="};
+    if (a->prompt) print_sample(m, a, d, a->prompt, rng);
+    else if (!d->builtin) print_sample(m, a, d, "0", rng);
+    else
+        for (int i = 0; i < 3; i++) print_sample(m, a, d, words[i], rng);
 }
 
 static void evaluate(lg_model *m, run_data *d, const lg_args *a, int step, FILE *log) {
@@ -302,6 +327,9 @@ int main(int argc, char **argv) {
 #endif
     printf("model %s: %d layers, %.3fM parameters | data %s (%zu tokens)\n", cfg.name,
            cfg.n_layer, model->n_params / 1e6, data.train.path, data.train.n_tokens);
+    if (lg_cuda_device_count() > 0)
+        printf("note: %d GPU(s) visible, but the CUDA kernels are not in this version yet: "
+               "running on the CPU\n", lg_cuda_device_count());
     printf("batch: -b %d x %d accumulation = %d samples of %d tokens a step | %s on the CPU, "
            "%d threads | %s\n", B, accumulation, B * accumulation, T,
            lg_precision_name(a.precision), threads,
@@ -325,9 +353,9 @@ int main(int argc, char **argv) {
         if (last || (a.eval_every && (step + 1) % a.eval_every == 0))
             evaluate(model, &data, &a, step + 1, log);
         if (!last && a.sample_every && (step + 1) % a.sample_every == 0)
-            print_sample(model, &a, &data, &sample_rng);
+            print_samples(model, &a, &data, &sample_rng);
     }
-    print_sample(model, &a, &data, &sample_rng);
+    print_samples(model, &a, &data, &sample_rng);
     if (a.out_dir) {
         if (lg_save_safetensors(model, a.out_dir, &err) != 0) die(1, &err);
         printf("saved %s/model.safetensors\n", a.out_dir);

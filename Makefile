@@ -1,0 +1,54 @@
+# litgpt.c — `make` builds ./train for the CPU; `make test` builds and runs every test.
+CC ?= gcc
+CFLAGS ?= -O3 -march=native
+WARNINGS = -std=c11 -Wall -Wextra -Werror
+OPENMP = -fopenmp
+LDLIBS = -lm
+NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+GPU_ARCH ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+HEADERS = litgpt.h litgpt_cuda.cuh
+
+.PHONY: all cpu cuda test bench clean
+
+all: train
+
+cpu: train
+
+train: train.c $(HEADERS)
+	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) train.c -o $@ $(LDLIBS)
+
+# The CUDA build of the same train.c (nvcc -x cu); until the kernels land it runs on the CPU.
+cuda: build/train_cuda
+
+build/train_cuda: train.c $(HEADERS)
+	@mkdir -p build
+	$(NVCC) -x cu -O3 $(GPU_ARCH) -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror,$(OPENMP) \
+		train.c -o $@ $(LDLIBS)
+
+tests/test: tests/test.c $(HEADERS)
+	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tests/test.c -o $@ $(LDLIBS)
+
+# the same tests/test.c with lg_real = double: finite differences of the library's own code
+tests/test64: tests/test.c $(HEADERS)
+	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) -DLG_REAL_DOUBLE tests/test.c -o $@ $(LDLIBS)
+
+tools/bench: tools/bench.c $(HEADERS)
+	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tools/bench.c -o $@ $(LDLIBS)
+
+# litgpt.h must stay valid C++ (the CUDA build compiles train.c as CUDA C++)
+test: train tests/test tests/test64
+	g++ -x c++ -std=c++17 -Wall -Wextra -Werror -fsyntax-only $(OPENMP) train.c
+	@if [ -n "$(NVCC)" ]; then $(MAKE) --no-print-directory cuda; \
+	 else echo "nvcc not found: CUDA build not checked"; fi
+	@mkdir -p build
+	./tests/test
+
+# Training tokens/s of configs/bench.yaml, litgpt.c and PyTorch side by side (PyTorch from the
+# python3-torch package, when installed).
+bench: tools/bench
+	./tools/bench
+	@if /usr/bin/python3 -c "import torch" 2>/dev/null; then /usr/bin/python3 tools/bench_torch.py; \
+	 else echo "PyTorch not installed (apt-get install python3-torch): no side-by-side figure"; fi
+
+clean:
+	rm -rf train tests/test tests/test64 tools/bench build
