@@ -212,12 +212,22 @@ int lg_args_accumulation_steps(const lg_args *args, lg_error *err);
 
 #define LG_MAX_NAME 80
 
+/* What a tensor is, for initialisation and weight decay. */
+typedef enum {
+    LG_TENSOR_ACTIVATION, /* not a parameter */
+    LG_TENSOR_EMBEDDING,  /* wte, wpe, lm_head: N(0, 0.02); padded vocabulary rows 0 */
+    LG_TENSOR_WEIGHT,     /* a linear layer's matrix: N(0, 0.02) */
+    LG_TENSOR_RESIDUAL,   /* a projection into the residual stream: N(0, 0.02 / sqrt(2 L)) */
+    LG_TENSOR_NORM,       /* a norm's scale: 1 */
+    LG_TENSOR_BIAS        /* 0 */
+} lg_tensor_kind;
+
 typedef struct {
     char name[LG_MAX_NAME]; /* LitGPT name, e.g. transformer.h.3.attn.qkv.weight */
     int rows, cols;         /* a vector has rows == 1 */
     size_t offset;          /* elements from the start of its buffer */
     size_t count;           /* rows * cols */
-    int decay;              /* 1 for 2-D weights: weight decay applies */
+    lg_tensor_kind kind;    /* weight decay applies to the 2-D kinds: embedding, weight, residual */
 } lg_tensor_info;
 
 typedef struct {
@@ -865,7 +875,8 @@ typedef struct {
     lg_tensor_table *table; /* NULL: do not describe */
 } lg_layout;
 
-static lg_real *lg_layout_add(lg_layout *L, const char *name, int rows, int cols, int decay) {
+static lg_real *lg_layout_add(lg_layout *L, const char *name, int rows, int cols,
+                              lg_tensor_kind kind) {
     size_t count = (size_t)rows * (size_t)cols;
     if (L->table) {
         lg_tensor_info *t = &L->table->tensors[L->table->n_tensors++];
@@ -874,7 +885,7 @@ static lg_real *lg_layout_add(lg_layout *L, const char *name, int rows, int cols
         t->cols = cols;
         t->offset = L->offset;
         t->count = count;
-        t->decay = decay;
+        t->kind = kind;
         L->table->total = L->offset + count;
     }
     lg_real *p = L->base ? L->base + L->offset : NULL;
@@ -903,33 +914,33 @@ static void lg_block_params_layout(const lg_config *c, lg_layout *L, int l, lg_b
     int C = c->n_embd, I = c->intermediate_size, QKV = lg_config_qkv_size(c);
     int layer_norm_bias = c->norm_class_name == LG_NORM_LAYERNORM && c->bias;
     char name[LG_MAX_NAME];
-#define LG_BLOCK_TENSOR(field, suffix, rows, cols, decay)                                     \
+#define LG_BLOCK_TENSOR(field, suffix, rows, cols, kind)                                      \
     do {                                                                                       \
         snprintf(name, sizeof name, "transformer.h.%d.%s", l, suffix);                         \
-        b->field = lg_layout_add(L, name, rows, cols, decay);                                  \
+        b->field = lg_layout_add(L, name, rows, cols, kind);                                   \
     } while (0)
     memset(b, 0, sizeof *b);
-    LG_BLOCK_TENSOR(norm_1_w, "norm_1.weight", 1, C, 0);
-    if (layer_norm_bias) LG_BLOCK_TENSOR(norm_1_b, "norm_1.bias", 1, C, 0);
-    LG_BLOCK_TENSOR(qkv_w, "attn.qkv.weight", QKV, C, 1);
-    if (c->bias || c->attn_bias) LG_BLOCK_TENSOR(qkv_b, "attn.qkv.bias", 1, QKV, 0);
-    LG_BLOCK_TENSOR(proj_w, "attn.proj.weight", C, c->n_head * c->head_size, 1);
-    if (c->bias) LG_BLOCK_TENSOR(proj_b, "attn.proj.bias", 1, C, 0);
+    LG_BLOCK_TENSOR(norm_1_w, "norm_1.weight", 1, C, LG_TENSOR_NORM);
+    if (layer_norm_bias) LG_BLOCK_TENSOR(norm_1_b, "norm_1.bias", 1, C, LG_TENSOR_BIAS);
+    LG_BLOCK_TENSOR(qkv_w, "attn.qkv.weight", QKV, C, LG_TENSOR_WEIGHT);
+    if (c->bias || c->attn_bias) LG_BLOCK_TENSOR(qkv_b, "attn.qkv.bias", 1, QKV, LG_TENSOR_BIAS);
+    LG_BLOCK_TENSOR(proj_w, "attn.proj.weight", C, c->n_head * c->head_size, LG_TENSOR_RESIDUAL);
+    if (c->bias) LG_BLOCK_TENSOR(proj_b, "attn.proj.bias", 1, C, LG_TENSOR_BIAS);
     if (!c->shared_attention_norm) {
-        LG_BLOCK_TENSOR(norm_2_w, "norm_2.weight", 1, C, 0);
-        if (layer_norm_bias) LG_BLOCK_TENSOR(norm_2_b, "norm_2.bias", 1, C, 0);
+        LG_BLOCK_TENSOR(norm_2_w, "norm_2.weight", 1, C, LG_TENSOR_NORM);
+        if (layer_norm_bias) LG_BLOCK_TENSOR(norm_2_b, "norm_2.bias", 1, C, LG_TENSOR_BIAS);
     }
     if (c->mlp_class_name == LG_MLP_GPTNEOX) {
-        LG_BLOCK_TENSOR(fc_w, "mlp.fc.weight", I, C, 1);
-        if (c->bias) LG_BLOCK_TENSOR(fc_b, "mlp.fc.bias", 1, I, 0);
+        LG_BLOCK_TENSOR(fc_w, "mlp.fc.weight", I, C, LG_TENSOR_WEIGHT);
+        if (c->bias) LG_BLOCK_TENSOR(fc_b, "mlp.fc.bias", 1, I, LG_TENSOR_BIAS);
     } else {
-        LG_BLOCK_TENSOR(fc_w, "mlp.fc_1.weight", I, C, 1);
-        if (c->bias) LG_BLOCK_TENSOR(fc_b, "mlp.fc_1.bias", 1, I, 0);
-        LG_BLOCK_TENSOR(fc_2_w, "mlp.fc_2.weight", I, C, 1);
-        if (c->bias) LG_BLOCK_TENSOR(fc_2_b, "mlp.fc_2.bias", 1, I, 0);
+        LG_BLOCK_TENSOR(fc_w, "mlp.fc_1.weight", I, C, LG_TENSOR_WEIGHT);
+        if (c->bias) LG_BLOCK_TENSOR(fc_b, "mlp.fc_1.bias", 1, I, LG_TENSOR_BIAS);
+        LG_BLOCK_TENSOR(fc_2_w, "mlp.fc_2.weight", I, C, LG_TENSOR_WEIGHT);
+        if (c->bias) LG_BLOCK_TENSOR(fc_2_b, "mlp.fc_2.bias", 1, I, LG_TENSOR_BIAS);
     }
-    LG_BLOCK_TENSOR(mlp_proj_w, "mlp.proj.weight", C, I, 1);
-    if (c->bias) LG_BLOCK_TENSOR(mlp_proj_b, "mlp.proj.bias", 1, C, 0);
+    LG_BLOCK_TENSOR(mlp_proj_w, "mlp.proj.weight", C, I, LG_TENSOR_RESIDUAL);
+    if (c->bias) LG_BLOCK_TENSOR(mlp_proj_b, "mlp.proj.bias", 1, C, LG_TENSOR_BIAS);
 #undef LG_BLOCK_TENSOR
 }
 
@@ -942,15 +953,18 @@ size_t lg_params_layout(const lg_config *c, lg_real *base, lg_param_tensors *p,
     if (!p) p = &scratch;
     int C = c->n_embd, Vp = c->padded_vocab_size;
     int layer_norm_bias = c->norm_class_name == LG_NORM_LAYERNORM && c->bias;
-    p->wte = lg_layout_add(&L, "transformer.wte.weight", Vp, C, 1);
+    p->wte = lg_layout_add(&L, "transformer.wte.weight", Vp, C, LG_TENSOR_EMBEDDING);
     p->wpe = c->learned_pos_embedding
-                 ? lg_layout_add(&L, "transformer.wpe.weight", c->block_size, C, 1)
+                 ? lg_layout_add(&L, "transformer.wpe.weight", c->block_size, C, LG_TENSOR_EMBEDDING)
                  : NULL;
     for (int l = 0; l < c->n_layer; l++) lg_block_params_layout(c, &L, l, h ? &h[l] : &block);
-    p->ln_f_w = lg_layout_add(&L, "transformer.ln_f.weight", 1, C, 0);
-    p->ln_f_b = layer_norm_bias ? lg_layout_add(&L, "transformer.ln_f.bias", 1, C, 0) : NULL;
-    p->lm_head_w = c->tie_embeddings ? p->wte : lg_layout_add(&L, "lm_head.weight", Vp, C, 1);
-    p->lm_head_b = c->lm_head_bias ? lg_layout_add(&L, "lm_head.bias", 1, Vp, 0) : NULL;
+    p->ln_f_w = lg_layout_add(&L, "transformer.ln_f.weight", 1, C, LG_TENSOR_NORM);
+    p->ln_f_b = layer_norm_bias ? lg_layout_add(&L, "transformer.ln_f.bias", 1, C, LG_TENSOR_BIAS)
+                                : NULL;
+    p->lm_head_w = c->tie_embeddings
+                       ? p->wte
+                       : lg_layout_add(&L, "lm_head.weight", Vp, C, LG_TENSOR_EMBEDDING);
+    p->lm_head_b = c->lm_head_bias ? lg_layout_add(&L, "lm_head.bias", 1, Vp, LG_TENSOR_BIAS) : NULL;
     p->h = h;
     return L.offset;
 }
@@ -964,7 +978,7 @@ size_t lg_acts_layout(const lg_config *c, int B, int T, lg_real *base, lg_act_te
     char name[LG_MAX_NAME];
     lg_block_acts block;
     snprintf(name, sizeof name, "residual.0");
-    lg_real *res0 = lg_layout_add(&L, name, N, C, 0);
+    lg_real *res0 = lg_layout_add(&L, name, N, C, LG_TENSOR_ACTIVATION);
     if (a) a->residual[0] = res0;
     for (int l = 0; l < c->n_layer; l++) {
         lg_block_acts *b = a ? &a->h[l] : &block;
@@ -972,7 +986,7 @@ size_t lg_acts_layout(const lg_config *c, int B, int T, lg_real *base, lg_act_te
 #define LG_ACT(field, suffix, rows, cols)                                                      \
     do {                                                                                       \
         snprintf(name, sizeof name, "h.%d.%s", l, suffix);                                     \
-        b->field = lg_layout_add(&L, name, rows, cols, 0);                                     \
+        b->field = lg_layout_add(&L, name, rows, cols, LG_TENSOR_ACTIVATION);                                     \
     } while (0)
         LG_ACT(n1, "norm_1", N, C);
         if (layer_norm) LG_ACT(n1_mean, "norm_1.mean", 1, N);
@@ -991,28 +1005,28 @@ size_t lg_acts_layout(const lg_config *c, int B, int T, lg_real *base, lg_act_te
         LG_ACT(act, "mlp.act", N, I);
 #undef LG_ACT
         snprintf(name, sizeof name, "residual.%d", l + 1);
-        lg_real *res = lg_layout_add(&L, name, N, C, 0);
+        lg_real *res = lg_layout_add(&L, name, N, C, LG_TENSOR_ACTIVATION);
         if (a) a->residual[l + 1] = res;
     }
     lg_act_tensors scratch;
     if (!a) a = &scratch;
-    a->ln_f = lg_layout_add(&L, "ln_f", N, C, 0);
-    a->ln_f_mean = layer_norm ? lg_layout_add(&L, "ln_f.mean", 1, N, 0) : NULL;
-    a->ln_f_rstd = lg_layout_add(&L, "ln_f.rstd", 1, N, 0);
-    a->logits = lg_layout_add(&L, "logits", N, c->padded_vocab_size, 0);
-    a->losses = lg_layout_add(&L, "losses", 1, N, 0);
-    a->rope_cos = R ? lg_layout_add(&L, "rope.cos", T, R, 0) : NULL;
-    a->rope_sin = R ? lg_layout_add(&L, "rope.sin", T, R, 0) : NULL;
-    a->d_res_a = lg_layout_add(&L, "grad.residual.a", N, C, 0);
-    a->d_res_b = lg_layout_add(&L, "grad.residual.b", N, C, 0);
-    a->d_mid = lg_layout_add(&L, "grad.residual_mid", N, C, 0);
-    a->d_norm = lg_layout_add(&L, "grad.norm", N, C, 0);
-    a->d_qkv = lg_layout_add(&L, "grad.attn.qkv", N, QKV, 0);
-    a->d_att = lg_layout_add(&L, "grad.attn.probs", B * NH, T * T, 0);
-    a->d_att_y = lg_layout_add(&L, "grad.attn.y", N, ATT, 0);
-    a->d_fc = lg_layout_add(&L, "grad.mlp.fc", N, I, 0);
-    a->d_fc_2 = llama ? lg_layout_add(&L, "grad.mlp.fc_2", N, I, 0) : NULL;
-    a->d_act = lg_layout_add(&L, "grad.mlp.act", N, I, 0);
+    a->ln_f = lg_layout_add(&L, "ln_f", N, C, LG_TENSOR_ACTIVATION);
+    a->ln_f_mean = layer_norm ? lg_layout_add(&L, "ln_f.mean", 1, N, LG_TENSOR_ACTIVATION) : NULL;
+    a->ln_f_rstd = lg_layout_add(&L, "ln_f.rstd", 1, N, LG_TENSOR_ACTIVATION);
+    a->logits = lg_layout_add(&L, "logits", N, c->padded_vocab_size, LG_TENSOR_ACTIVATION);
+    a->losses = lg_layout_add(&L, "losses", 1, N, LG_TENSOR_ACTIVATION);
+    a->rope_cos = R ? lg_layout_add(&L, "rope.cos", T, R, LG_TENSOR_ACTIVATION) : NULL;
+    a->rope_sin = R ? lg_layout_add(&L, "rope.sin", T, R, LG_TENSOR_ACTIVATION) : NULL;
+    a->d_res_a = lg_layout_add(&L, "grad.residual.a", N, C, LG_TENSOR_ACTIVATION);
+    a->d_res_b = lg_layout_add(&L, "grad.residual.b", N, C, LG_TENSOR_ACTIVATION);
+    a->d_mid = lg_layout_add(&L, "grad.residual_mid", N, C, LG_TENSOR_ACTIVATION);
+    a->d_norm = lg_layout_add(&L, "grad.norm", N, C, LG_TENSOR_ACTIVATION);
+    a->d_qkv = lg_layout_add(&L, "grad.attn.qkv", N, QKV, LG_TENSOR_ACTIVATION);
+    a->d_att = lg_layout_add(&L, "grad.attn.probs", B * NH, T * T, LG_TENSOR_ACTIVATION);
+    a->d_att_y = lg_layout_add(&L, "grad.attn.y", N, ATT, LG_TENSOR_ACTIVATION);
+    a->d_fc = lg_layout_add(&L, "grad.mlp.fc", N, I, LG_TENSOR_ACTIVATION);
+    a->d_fc_2 = llama ? lg_layout_add(&L, "grad.mlp.fc_2", N, I, LG_TENSOR_ACTIVATION) : NULL;
+    a->d_act = lg_layout_add(&L, "grad.mlp.act", N, I, LG_TENSOR_ACTIVATION);
     return L.offset;
 }
 
@@ -1660,8 +1674,7 @@ void lg_model_free(lg_model *m) {
     memset(m, 0, sizeof *m);
 }
 
-/* GPT-2's scheme: weights N(0, 0.02), the two projections into the residual stream scaled by
-   1/sqrt(2 L), biases 0, norm weights 1. Padded vocabulary rows stay 0. */
+/* GPT-2's scheme, by tensor kind (see lg_tensor_kind). */
 void lg_model_init_weights(lg_model *m, uint64_t seed) {
     lg_rng rng;
     lg_rng_seed(&rng, seed);
@@ -1670,16 +1683,17 @@ void lg_model_init_weights(lg_model *m, uint64_t seed) {
     for (int i = 0; i < m->param_table.n_tensors; i++) {
         const lg_tensor_info *t = &m->param_table.tensors[i];
         lg_real *w = m->params + t->offset;
-        int is_norm = strstr(t->name, "norm") != NULL || strstr(t->name, "ln_f") != NULL;
-        int is_bias = strstr(t->name, ".bias") != NULL;
-        int is_projection = strstr(t->name, "proj.weight") != NULL;
-        size_t rows = (size_t)t->rows;
-        if (strcmp(t->name, "transformer.wte.weight") == 0 || strcmp(t->name, "lm_head.weight") == 0)
-            rows = (size_t)c->vocab_size;
+        /* rows past the real vocabulary never see a token: keep them 0 */
+        int is_vocab = t->kind == LG_TENSOR_EMBEDDING && t->rows == c->padded_vocab_size;
+        size_t live = is_vocab ? (size_t)c->vocab_size * t->cols : t->count;
         for (size_t k = 0; k < t->count; k++) {
-            if (is_norm && !is_bias) w[k] = 1;
-            else if (is_bias || k / t->cols >= rows) w[k] = 0;
-            else w[k] = (is_projection ? residual_std : 0.02f) * lg_rng_normal(&rng);
+            switch (t->kind) {
+            case LG_TENSOR_NORM: w[k] = 1; break;
+            case LG_TENSOR_RESIDUAL: w[k] = residual_std * lg_rng_normal(&rng); break;
+            case LG_TENSOR_EMBEDDING:
+            case LG_TENSOR_WEIGHT: w[k] = k < live ? 0.02f * lg_rng_normal(&rng) : 0; break;
+            default: w[k] = 0; break;
+            }
         }
     }
 }
@@ -1876,14 +1890,18 @@ void lg_optimizer_free(lg_optimizer *opt) {
     opt->m = opt->v = NULL;
 }
 
-/* Updates every parameter tensor; weight decay only where the table marks it (2-D weights). */
+static int lg_tensor_decays(lg_tensor_kind kind) {
+    return kind == LG_TENSOR_EMBEDDING || kind == LG_TENSOR_WEIGHT || kind == LG_TENSOR_RESIDUAL;
+}
+
+/* Updates every parameter tensor; weight decay on 2-D weights only. */
 void lg_optimizer_step(lg_optimizer *opt, lg_model *m, float lr) {
     opt->t++;
     lg_real bias_corr1 = 1.0f - lg_pow(opt->beta1, (lg_real)opt->t);
     lg_real bias_corr2 = 1.0f - lg_pow(opt->beta2, (lg_real)opt->t);
     for (int i = 0; i < m->param_table.n_tensors; i++) {
         const lg_tensor_info *t = &m->param_table.tensors[i];
-        lg_real decay = t->decay ? opt->weight_decay : 0.0f;
+        lg_real decay = lg_tensor_decays(t->kind) ? opt->weight_decay : 0.0f;
         lg_real *p = m->params + t->offset, *g = m->grads + t->offset;
         lg_real *mom = opt->m ? opt->m + t->offset : NULL, *v = opt->v ? opt->v + t->offset : NULL;
         long n = (long)t->count;
@@ -2026,17 +2044,18 @@ static int lg_loader_read_window(lg_loader *ld, size_t start, lg_error *err) {
     if (ld->memory) {
         memcpy(ld->scratch, ld->memory + start, n * sizeof(uint32_t));
     } else {
+        /* read the window's raw little-endian tokens into the scratch, then widen in place
+           from the back (a uint16 window fills the first half of the buffer) */
         long at = LG_SHARD_HEADER_INTS * (long)sizeof(int32_t) + (long)(start * ld->token_bytes);
-        unsigned char raw[4];
-        if (fseek(ld->file, at, SEEK_SET) != 0)
-            return lg_fail(err, "data %s: cannot seek to token %zu", ld->path, start);
-        for (size_t i = 0; i < n; i++) {
-            if (fread(raw, 1, (size_t)ld->token_bytes, ld->file) != (size_t)ld->token_bytes)
-                return lg_fail(err, "data %s: read failed at token %zu", ld->path, start + i);
-            ld->scratch[i] = ld->token_bytes == 2
-                                 ? (uint32_t)(raw[0] | raw[1] << 8)
-                                 : (uint32_t)raw[0] | (uint32_t)raw[1] << 8 |
-                                       (uint32_t)raw[2] << 16 | (uint32_t)raw[3] << 24;
+        unsigned char *raw = (unsigned char *)ld->scratch;
+        if (fseek(ld->file, at, SEEK_SET) != 0 ||
+            fread(raw, (size_t)ld->token_bytes, n, ld->file) != n)
+            return lg_fail(err, "data %s: read failed at token %zu", ld->path, start);
+        for (size_t i = n; i-- > 0;) {
+            const unsigned char *b = raw + i * ld->token_bytes;
+            ld->scratch[i] = ld->token_bytes == 2 ? (uint32_t)(b[0] | b[1] << 8)
+                                                  : (uint32_t)b[0] | (uint32_t)b[1] << 8 |
+                                                        (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
         }
     }
     for (size_t i = 0; i < n; i++)

@@ -110,16 +110,15 @@ static const struct option long_options[] = {
     {0, 0, 0, 0},
 };
 
-/* The flag as the user typed it, for messages. */
-static const char *flag_name(int opt) {
+/* The flag's names for messages: "-b/--micro-batch-size" or "--lr". */
+static const char *flag_name(int opt, char *name, size_t size) {
+    snprintf(name, size, "?");
     for (const struct option *o = long_options; o->name; o++)
         if (o->val == opt) {
-            static char name[64]; /* driver-only scratch for one message */
-            if (opt < 256) snprintf(name, sizeof name, "-%c/--%s", opt, o->name);
-            else snprintf(name, sizeof name, "--%s", o->name);
-            return name;
+            if (opt < 256) snprintf(name, size, "-%c/--%s", opt, o->name);
+            else snprintf(name, size, "--%s", o->name);
         }
-    return "?";
+    return name;
 }
 
 static void parse_args(int argc, char **argv, lg_args *a) {
@@ -127,7 +126,8 @@ static void parse_args(int argc, char **argv, lg_args *a) {
     opterr = 0;
     int opt;
     while ((opt = getopt_long(argc, argv, ":c:b:g:t:p:d:o:h", long_options, NULL)) != -1) {
-        const char *f = flag_name(opt);
+        char name[64];
+        const char *f = flag_name(opt, name, sizeof name);
         switch (opt) {
         case 'c': a->config = optarg; break;
         case OPT_DATA: a->data = optarg; break;
