@@ -198,11 +198,18 @@ typedef struct {
     uint64_t seed;
     const char *log_path;      /* --log: one JSON object per line */
     const char *out_dir;       /* --out: the final model.safetensors */
+    int recompute;             /* --recompute block: 1 (planned, not yet run) */
+    int offload;               /* --offload: 1 (planned, not yet run) */
+    int plan_only;             /* --plan: print the plan and exit (1 table, 2 JSON) */
+    int micro_batch_auto;      /* -b auto: the largest micro-batch that fits */
+    size_t memory_limit;       /* --memory-limit: bytes a device may use; 0: no limit */
 } lg_args;
 
 void lg_args_default(lg_args *args);
 /* Checks values that do not need the config; names the flag at fault. */
 int lg_args_check(const lg_args *args, lg_error *err);
+/* The first flag this version can plan (--plan) but not run yet; NULL when it can run. */
+const char *lg_args_not_runnable(const lg_args *args);
 /* Gradient accumulation steps = global batch / devices / micro-batch; must divide exactly. */
 int lg_args_accumulation_steps(const lg_args *args, lg_error *err);
 
@@ -294,9 +301,88 @@ typedef struct {
    buffer and again with the gradient buffer: both have this layout. */
 size_t lg_params_layout(const lg_config *cfg, lg_real *base, lg_param_tensors *tensors,
                         lg_tensor_table *table);
-size_t lg_acts_layout(const lg_config *cfg, int B, int T, lg_real *base, lg_act_tensors *acts,
-                      lg_tensor_table *table);
 void lg_tensor_table_free(lg_tensor_table *table);
+
+/* The memory plan: every region of every rank, before anything is allocated. Ranks allocate
+   one arena per pool of exactly pool_bytes and carve the regions out of it. */
+
+typedef enum { LG_POOL_DEVICE, LG_POOL_HOST } lg_pool;
+#define LG_N_POOLS 2
+
+/* F32 is lg_real: 4 bytes, except in the test build with LG_REAL_DOUBLE where it is 8. */
+typedef enum { LG_DTYPE_F32, LG_DTYPE_BF16, LG_DTYPE_F16, LG_DTYPE_I32 } lg_dtype;
+
+/* What a region holds: the groups of the --plan table, in its order. */
+typedef enum {
+    LG_GROUP_WEIGHTS,        /* the weights the matmuls read */
+    LG_GROUP_MASTER,         /* fp32 master weights of the mixed precisions */
+    LG_GROUP_GRADIENTS,
+    LG_GROUP_OPTIMIZER,      /* optimizer states */
+    LG_GROUP_ACTIVATIONS,    /* what the forward keeps for the backward */
+    LG_GROUP_LOGITS,         /* logits and per-token losses */
+    LG_GROUP_BACKWARD,       /* the backward's working set, one block at a time */
+    LG_GROUP_COMMUNICATION,  /* gathered shards and reduce buffers (more than one device) */
+    LG_GROUP_WORKSPACE,      /* matmul packing buffers, one a thread */
+    LG_GROUP_DATA            /* token buffers of one optimizer step */
+} lg_group;
+#define LG_N_GROUPS 10
+
+#define LG_ALIGN 64 /* every region starts on a 64-byte boundary */
+
+typedef struct {
+    char name[LG_MAX_NAME]; /* e.g. "optimizer.m", "activations.h.3" */
+    lg_group group;
+    lg_pool pool;
+    lg_dtype dtype;
+    size_t count;           /* elements */
+    size_t bytes;           /* count x dtype size, rounded up to LG_ALIGN: what the arena holds */
+    size_t offset;          /* bytes from the start of its pool's arena */
+} lg_region;
+
+typedef struct {
+    lg_region *regions;     /* (n_regions) */
+    int n_regions, capacity;
+    size_t pool_bytes[LG_N_POOLS];
+} lg_rank_plan;
+
+/* Everything of a run that changes its memory. */
+typedef struct {
+    int B, T;               /* micro-batch, sequence length */
+    int accumulation;       /* micro-batches per optimizer step */
+    lg_precision precision;
+    int devices;            /* > 1: full-shard over that many ranks (planned, not yet run) */
+    int recompute;          /* 1: --recompute block (planned, not yet run) */
+    int offload;            /* 1: --offload (planned, not yet run) */
+    lg_optimizer_kind optimizer;
+    int momentum;           /* SGD keeps a momentum buffer */
+    int threads;            /* CPU threads: one matmul workspace each */
+} lg_plan_spec;
+
+typedef struct {
+    lg_config cfg;
+    lg_plan_spec spec;
+    int n_ranks;
+    lg_rank_plan *ranks;    /* (n_ranks) */
+} lg_plan;
+
+void lg_plan_spec_from_args(lg_plan_spec *spec, const lg_args *args, int T);
+int lg_plan_make(lg_plan *plan, const lg_config *cfg, const lg_plan_spec *spec, lg_error *err);
+void lg_plan_free(lg_plan *plan);
+/* The most any one rank needs in a pool. */
+size_t lg_plan_bytes(const lg_plan *plan, lg_pool pool);
+const lg_region *lg_plan_find(const lg_rank_plan *rank, const char *name);
+size_t lg_plan_group_bytes(const lg_rank_plan *rank, lg_group group, lg_pool pool);
+/* --plan: a table per device (grouped, with bars) or JSON. */
+void lg_plan_print(const lg_plan *plan, FILE *out);
+void lg_plan_print_json(const lg_plan *plan, FILE *out);
+const char *lg_dtype_name(lg_dtype dtype);
+size_t lg_dtype_size(lg_dtype dtype);
+const char *lg_group_name(lg_group group);
+const char *lg_pool_name(lg_pool pool);
+/* "24GiB", "512MiB", "1.5GB", "1000000" -> bytes; -1 when not a size. */
+int lg_parse_size(const char *text, size_t *bytes);
+/* "1.23 GiB" into buf. */
+const char *lg_format_bytes(size_t bytes, char *buf, size_t size);
 
 /* ---------------------------------------------------------------------------------------------
    7. model (API)
@@ -304,20 +390,33 @@ void lg_tensor_table_free(lg_tensor_table *table);
 
 #define LG_IGNORE_INDEX (-100)
 
+/* The matmul's packing buffers: `threads` slots of per_thread elements (see lg_gemm). */
+typedef struct {
+    lg_real *base;
+    size_t per_thread;
+    int threads;
+} lg_gemm_workspace;
+
+typedef struct lg_rank lg_rank;
+
 typedef struct {
     lg_config cfg;
     int B, T;                   /* the largest micro-batch and sequence the buffers hold */
-    lg_real *params;            /* (n_params): all parameters, one buffer */
-    lg_real *grads;             /* (n_params): same layout */
-    lg_real *acts_memory;       /* (n_acts): all activations, one buffer */
-    size_t n_params, n_acts;
+    lg_real *params;            /* (n_params): all parameters, the plan's "weights" region */
+    lg_real *grads;             /* (n_params): same layout, the "gradients" region */
+    size_t n_params;
     lg_tensor_table param_table;
     lg_param_tensors p, g;      /* views of params and grads */
-    lg_act_tensors a;           /* views of acts_memory */
-    int rope_T;                 /* positions the rotary tables hold */
+    lg_act_tensors a;           /* views of the activation regions */
+    lg_gemm_workspace workspace;
+    lg_rank *rank;              /* where the buffers live */
+    lg_plan *own_plan;          /* set when lg_model_create made its own plan and rank */
 } lg_model;
 
+/* A model with its own plan (no optimizer state) and rank: for tests and inference. */
 int lg_model_create(lg_model *m, const lg_config *cfg, int B, int T, lg_error *err);
+/* Points the model's tensors into the regions of a rank made from a plan of this config. */
+int lg_model_bind(lg_model *m, const lg_config *cfg, lg_rank *rank, lg_error *err);
 void lg_model_free(lg_model *m);
 void lg_model_init_weights(lg_model *m, uint64_t seed);
 /* Forward of tokens (B, T) with B <= m->B and T <= m->T. With targets (B, T) (LG_IGNORE_INDEX
@@ -362,6 +461,18 @@ float lg_learning_rate(const lg_args *args, int step);
    ------------------------------------------------------------------------------------------- */
 
 typedef enum { LG_BACKEND_CPU, LG_BACKEND_CUDA } lg_backend;
+
+/* One device: its part of the plan and one arena per pool of exactly the planned size. */
+struct lg_rank {
+    const lg_plan *plan;
+    int index;
+    unsigned char *arena[LG_N_POOLS]; /* (plan->ranks[index].pool_bytes[pool]) */
+};
+
+int lg_rank_create(lg_rank *rank, const lg_plan *plan, int index, lg_error *err);
+void lg_rank_free(lg_rank *rank);
+/* The memory of a region of this rank's plan; NULL when the plan has no such region. */
+void *lg_rank_region(const lg_rank *rank, const char *name);
 
 /* GPUs visible to a CUDA build (0 in a CPU build). */
 int lg_cuda_device_count(void);
@@ -439,14 +550,17 @@ int lg_save_safetensors(const lg_model *m, const char *dir, lg_error *err);
 int lg_evaluate(lg_model *m, lg_loader *ld, int B, int T, int n_batches, double *mean_loss,
                 lg_error *err);
 
-/* A model, its optimizer and the token buffers of one optimizer step. */
+/* A model, its optimizer and the token buffers of one optimizer step, all in the memory of
+   one rank allocated from one plan. */
 typedef struct {
+    lg_plan plan;
+    lg_rank rank;
     lg_model model;
     lg_optimizer opt;
     lg_args args;
     int accumulation;   /* micro-batches per optimizer step */
-    int *inputs;        /* (accumulation, B, T) */
-    int *targets;       /* (accumulation, B, T) */
+    int *inputs;        /* (accumulation, B, T): the plan's tokens.inputs */
+    int *targets;       /* (accumulation, B, T): the plan's tokens.targets */
 } lg_trainer;
 
 typedef struct {
@@ -830,12 +944,27 @@ void lg_args_default(lg_args *a) {
     a->seed = 1337;
 }
 
+/* What this version can plan but not yet run; NULL when the run can start. */
+const char *lg_args_not_runnable(const lg_args *a) {
+    if (a->precision != LG_PRECISION_32_TRUE) return "-p/--precision (only 32-true for now)";
+    if (a->devices != 1) return "-d/--devices (only 1 for now)";
+    if (a->recompute) return "--recompute block";
+    if (a->offload) return "--offload";
+    return NULL;
+}
+
 int lg_args_check(const lg_args *a, lg_error *err) {
-    if (a->precision != LG_PRECISION_32_TRUE)
-        return lg_fail(err, "-p/--precision %s: not yet supported (only 32-true for now)",
-                       lg_precision_name(a->precision));
-    if (a->devices != 1)
-        return lg_fail(err, "-d/--devices %d: not yet supported (only 1 for now)", a->devices);
+    const char *later = lg_args_not_runnable(a);
+    if (later && !a->plan_only) {
+        if (a->precision != LG_PRECISION_32_TRUE)
+            return lg_fail(err, "-p/--precision %s: not yet supported (only 32-true for now; "
+                                "--plan shows its memory)", lg_precision_name(a->precision));
+        if (a->devices != 1)
+            return lg_fail(err, "-d/--devices %d: not yet supported (only 1 for now; --plan "
+                                "shows its memory)", a->devices);
+        return lg_fail(err, "%s: not yet supported (--plan shows its memory)", later);
+    }
+    if (a->devices < 1) return lg_fail(err, "-d/--devices must be at least 1");
     if (a->micro_batch_size < 1) return lg_fail(err, "-b/--micro-batch-size must be at least 1");
     if (a->global_batch_size < 0) return lg_fail(err, "-g/--global-batch-size must be positive");
     if (a->max_seq_length < 0) return lg_fail(err, "-t/--max-seq-length must be positive");
@@ -969,65 +1098,440 @@ size_t lg_params_layout(const lg_config *c, lg_real *base, lg_param_tensors *p,
     return L.offset;
 }
 
-size_t lg_acts_layout(const lg_config *c, int B, int T, lg_real *base, lg_act_tensors *a,
-                      lg_tensor_table *table) {
-    lg_layout L = {base, 0, table};
+/* The activation regions. Each function lays out one region and is used twice: with NULL bases
+   to count for the plan, and with the rank's region memory to point the model's views. Pass
+   stats = 0 for the tensors stored in the activation type, 1 for the fp32 statistics. */
+
+static void lg_embedding_acts_layout(int B, int T, int C, lg_real *base, lg_act_tensors *a,
+                                     size_t *count) {
+    lg_layout L = {base, 0, NULL};
+    lg_real *x = lg_layout_add(&L, "residual.0", B * T, C, LG_TENSOR_ACTIVATION);
+    if (a) a->residual[0] = x;
+    *count = L.offset;
+}
+
+static void lg_block_acts_layout(const lg_config *c, int l, int B, int T, int stats,
+                                 lg_real *base, lg_act_tensors *a, size_t *count) {
+    lg_layout L = {base, 0, NULL};
     int N = B * T, C = c->n_embd, I = c->intermediate_size, QKV = lg_config_qkv_size(c);
-    int NH = c->n_head, ATT = c->n_head * c->head_size, R = lg_config_rope_dims(c) / 2;
-    int llama = c->mlp_class_name == LG_MLP_LLAMA, layer_norm = c->norm_class_name == LG_NORM_LAYERNORM;
-    char name[LG_MAX_NAME];
-    lg_block_acts block;
-    snprintf(name, sizeof name, "residual.0");
-    lg_real *res0 = lg_layout_add(&L, name, N, C, LG_TENSOR_ACTIVATION);
-    if (a) a->residual[0] = res0;
-    for (int l = 0; l < c->n_layer; l++) {
-        lg_block_acts *b = a ? &a->h[l] : &block;
-        memset(b, 0, sizeof *b);
-#define LG_ACT(field, suffix, rows, cols)                                                      \
+    int NH = c->n_head, ATT = c->n_head * c->head_size;
+    int llama = c->mlp_class_name == LG_MLP_LLAMA;
+    int layer_norm = c->norm_class_name == LG_NORM_LAYERNORM;
+    lg_block_acts scratch, *b = a ? &a->h[l] : &scratch;
+    if (!stats) memset(b, 0, sizeof *b);
+#define LG_ACT(field, is_stat, rows, cols)                                                     \
     do {                                                                                       \
-        snprintf(name, sizeof name, "h.%d.%s", l, suffix);                                     \
-        b->field = lg_layout_add(&L, name, rows, cols, LG_TENSOR_ACTIVATION);                                     \
+        if ((is_stat) == stats) b->field = lg_layout_add(&L, #field, rows, cols, LG_TENSOR_ACTIVATION); \
     } while (0)
-        LG_ACT(n1, "norm_1", N, C);
-        if (layer_norm) LG_ACT(n1_mean, "norm_1.mean", 1, N);
-        LG_ACT(n1_rstd, "norm_1.rstd", 1, N);
-        LG_ACT(qkv, "attn.qkv", N, QKV);
-        LG_ACT(att, "attn.probs", B * NH, T * T);
-        LG_ACT(att_y, "attn.y", N, ATT);
-        LG_ACT(x_mid, "residual_mid", N, C);
-        if (!c->shared_attention_norm) {
-            LG_ACT(n2, "norm_2", N, C);
-            if (layer_norm) LG_ACT(n2_mean, "norm_2.mean", 1, N);
-            LG_ACT(n2_rstd, "norm_2.rstd", 1, N);
-        }
-        LG_ACT(fc, llama ? "mlp.fc_1" : "mlp.fc", N, I);
-        if (llama) LG_ACT(fc_2, "mlp.fc_2", N, I);
-        LG_ACT(act, "mlp.act", N, I);
-#undef LG_ACT
-        snprintf(name, sizeof name, "residual.%d", l + 1);
-        lg_real *res = lg_layout_add(&L, name, N, C, LG_TENSOR_ACTIVATION);
-        if (a) a->residual[l + 1] = res;
+    LG_ACT(n1, 0, N, C);
+    if (layer_norm) LG_ACT(n1_mean, 1, 1, N);
+    LG_ACT(n1_rstd, 1, 1, N);
+    LG_ACT(qkv, 0, N, QKV);
+    LG_ACT(att, 0, B * NH, T * T);
+    LG_ACT(att_y, 0, N, ATT);
+    LG_ACT(x_mid, 0, N, C);
+    if (!c->shared_attention_norm) {
+        LG_ACT(n2, 0, N, C);
+        if (layer_norm) LG_ACT(n2_mean, 1, 1, N);
+        LG_ACT(n2_rstd, 1, 1, N);
     }
+    LG_ACT(fc, 0, N, I);
+    if (llama) LG_ACT(fc_2, 0, N, I);
+    LG_ACT(act, 0, N, I);
+#undef LG_ACT
+    if (!stats) {
+        lg_real *out = lg_layout_add(&L, "residual", N, C, LG_TENSOR_ACTIVATION);
+        if (a) a->residual[l + 1] = out;
+    }
+    *count = L.offset;
+}
+
+/* The final norm and the classifier: ln_f (B, T, C) and logits (B, T, Vp); statistics and the
+   per-token losses are fp32. */
+static void lg_head_acts_layout(const lg_config *c, int B, int T, int stats, lg_real *base,
+                                lg_act_tensors *a, size_t *count) {
+    lg_layout L = {base, 0, NULL};
     lg_act_tensors scratch;
+    int N = B * T;
     if (!a) a = &scratch;
-    a->ln_f = lg_layout_add(&L, "ln_f", N, C, LG_TENSOR_ACTIVATION);
-    a->ln_f_mean = layer_norm ? lg_layout_add(&L, "ln_f.mean", 1, N, LG_TENSOR_ACTIVATION) : NULL;
-    a->ln_f_rstd = lg_layout_add(&L, "ln_f.rstd", 1, N, LG_TENSOR_ACTIVATION);
-    a->logits = lg_layout_add(&L, "logits", N, c->padded_vocab_size, LG_TENSOR_ACTIVATION);
-    a->losses = lg_layout_add(&L, "losses", 1, N, LG_TENSOR_ACTIVATION);
+    if (!stats) {
+        a->ln_f = lg_layout_add(&L, "ln_f", N, c->n_embd, LG_TENSOR_ACTIVATION);
+        a->logits = lg_layout_add(&L, "logits", N, c->padded_vocab_size, LG_TENSOR_ACTIVATION);
+    } else {
+        a->ln_f_mean = c->norm_class_name == LG_NORM_LAYERNORM
+                           ? lg_layout_add(&L, "ln_f.mean", 1, N, LG_TENSOR_ACTIVATION)
+                           : NULL;
+        a->ln_f_rstd = lg_layout_add(&L, "ln_f.rstd", 1, N, LG_TENSOR_ACTIVATION);
+        a->losses = lg_layout_add(&L, "losses", 1, N, LG_TENSOR_ACTIVATION);
+    }
+    *count = L.offset;
+}
+
+/* Rotary tables (T, rope_dims / 2), fp32. */
+static void lg_rope_layout(const lg_config *c, int T, lg_real *base, lg_act_tensors *a,
+                           size_t *count) {
+    lg_layout L = {base, 0, NULL};
+    lg_act_tensors scratch;
+    int R = lg_config_rope_dims(c) / 2;
+    if (!a) a = &scratch;
     a->rope_cos = R ? lg_layout_add(&L, "rope.cos", T, R, LG_TENSOR_ACTIVATION) : NULL;
     a->rope_sin = R ? lg_layout_add(&L, "rope.sin", T, R, LG_TENSOR_ACTIVATION) : NULL;
-    a->d_res_a = lg_layout_add(&L, "grad.residual.a", N, C, LG_TENSOR_ACTIVATION);
-    a->d_res_b = lg_layout_add(&L, "grad.residual.b", N, C, LG_TENSOR_ACTIVATION);
-    a->d_mid = lg_layout_add(&L, "grad.residual_mid", N, C, LG_TENSOR_ACTIVATION);
-    a->d_norm = lg_layout_add(&L, "grad.norm", N, C, LG_TENSOR_ACTIVATION);
-    a->d_qkv = lg_layout_add(&L, "grad.attn.qkv", N, QKV, LG_TENSOR_ACTIVATION);
-    a->d_att = lg_layout_add(&L, "grad.attn.probs", B * NH, T * T, LG_TENSOR_ACTIVATION);
-    a->d_att_y = lg_layout_add(&L, "grad.attn.y", N, ATT, LG_TENSOR_ACTIVATION);
-    a->d_fc = lg_layout_add(&L, "grad.mlp.fc", N, I, LG_TENSOR_ACTIVATION);
-    a->d_fc_2 = llama ? lg_layout_add(&L, "grad.mlp.fc_2", N, I, LG_TENSOR_ACTIVATION) : NULL;
-    a->d_act = lg_layout_add(&L, "grad.mlp.act", N, I, LG_TENSOR_ACTIVATION);
-    return L.offset;
+    *count = L.offset;
+}
+
+/* The backward's working set: gradients of one block's activations at a time. */
+static void lg_backward_layout(const lg_config *c, int B, int T, lg_real *base,
+                               lg_act_tensors *a, size_t *count) {
+    lg_layout L = {base, 0, NULL};
+    lg_act_tensors scratch;
+    int N = B * T, C = c->n_embd, I = c->intermediate_size, QKV = lg_config_qkv_size(c);
+    if (!a) a = &scratch;
+    a->d_res_a = lg_layout_add(&L, "d_res_a", N, C, LG_TENSOR_ACTIVATION);
+    a->d_res_b = lg_layout_add(&L, "d_res_b", N, C, LG_TENSOR_ACTIVATION);
+    a->d_mid = lg_layout_add(&L, "d_mid", N, C, LG_TENSOR_ACTIVATION);
+    a->d_norm = lg_layout_add(&L, "d_norm", N, C, LG_TENSOR_ACTIVATION);
+    a->d_qkv = lg_layout_add(&L, "d_qkv", N, QKV, LG_TENSOR_ACTIVATION);
+    a->d_att = lg_layout_add(&L, "d_att", B * c->n_head, T * T, LG_TENSOR_ACTIVATION);
+    a->d_att_y = lg_layout_add(&L, "d_att_y", N, c->n_head * c->head_size, LG_TENSOR_ACTIVATION);
+    a->d_fc = lg_layout_add(&L, "d_fc", N, I, LG_TENSOR_ACTIVATION);
+    a->d_fc_2 = c->mlp_class_name == LG_MLP_LLAMA
+                    ? lg_layout_add(&L, "d_fc_2", N, I, LG_TENSOR_ACTIVATION)
+                    : NULL;
+    a->d_act = lg_layout_add(&L, "d_act", N, I, LG_TENSOR_ACTIVATION);
+    *count = L.offset;
+}
+
+/* --- the plan ----------------------------------------------------------------------------- */
+
+static const char *const lg_dtype_names[] = {"f32", "bf16", "f16", "i32"};
+static const char *const lg_group_names[] = {
+    "weights", "master weights", "gradients", "optimizer state", "activations",
+    "logits and loss", "backward working set", "communication", "workspace", "data"};
+
+const char *lg_dtype_name(lg_dtype d) { return lg_dtype_names[d]; }
+size_t lg_dtype_size(lg_dtype d) {
+    return d == LG_DTYPE_F32 ? sizeof(lg_real) : d == LG_DTYPE_I32 ? 4 : 2;
+}
+const char *lg_group_name(lg_group g) { return lg_group_names[g]; }
+const char *lg_pool_name(lg_pool p) { return p == LG_POOL_DEVICE ? "device" : "host"; }
+
+static size_t lg_align_up(size_t bytes) { return (bytes + LG_ALIGN - 1) / LG_ALIGN * LG_ALIGN; }
+
+/* Appends a region at the end of its pool. */
+static int lg_plan_add(lg_rank_plan *r, const char *name, lg_group group, lg_pool pool,
+                       lg_dtype dtype, size_t count) {
+    if (count == 0) return 0;
+    if (r->n_regions == r->capacity) {
+        int capacity = r->capacity ? 2 * r->capacity : 64;
+        lg_region *grown = (lg_region *)LG_MALLOC(sizeof(lg_region) * (size_t)capacity);
+        if (!grown) return -1;
+        if (r->regions) memcpy(grown, r->regions, sizeof(lg_region) * (size_t)r->n_regions);
+        LG_FREE(r->regions);
+        r->regions = grown;
+        r->capacity = capacity;
+    }
+    lg_region *g = &r->regions[r->n_regions++];
+    memset(g, 0, sizeof *g);
+    snprintf(g->name, sizeof g->name, "%s", name);
+    g->group = group;
+    g->pool = pool;
+    g->dtype = dtype;
+    g->count = count;
+    g->bytes = lg_align_up(count * lg_dtype_size(dtype));
+    g->offset = r->pool_bytes[pool];
+    r->pool_bytes[pool] += g->bytes;
+    return 0;
+}
+
+/* The storage types of a precision (the table in DESIGN.md). */
+typedef struct {
+    lg_dtype weights, grads, state, acts;
+    int master; /* mixed precisions keep fp32 master weights */
+} lg_precision_types;
+
+static lg_precision_types lg_types_of(lg_precision p) {
+    lg_dtype half = (p == LG_PRECISION_16_TRUE || p == LG_PRECISION_16_MIXED) ? LG_DTYPE_F16
+                                                                              : LG_DTYPE_BF16;
+    lg_precision_types t = {LG_DTYPE_F32, LG_DTYPE_F32, LG_DTYPE_F32, LG_DTYPE_F32, 0};
+    if (p == LG_PRECISION_32_TRUE) return t;
+    t.weights = t.acts = half;
+    if (p == LG_PRECISION_16_TRUE || p == LG_PRECISION_BF16_TRUE) t.grads = t.state = half;
+    else t.master = 1;
+    return t;
+}
+
+void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
+    memset(s, 0, sizeof *s);
+    s->B = a->micro_batch_size;
+    s->T = T;
+    s->accumulation = lg_args_accumulation_steps(a, NULL);
+    if (s->accumulation < 1) s->accumulation = 1;
+    s->precision = a->precision;
+    s->devices = a->devices;
+    s->recompute = a->recompute;
+    s->offload = a->offload;
+    s->optimizer = a->optimizer;
+    s->momentum = a->momentum != 0.0f;
+    s->threads = 1;
+#ifdef _OPENMP
+    s->threads = omp_get_max_threads();
+#endif
+}
+
+static size_t lg_gemm_workspace_count(void); /* 6. kernels: elements of one thread's buffers */
+
+/* Parameters, their master copy, gradients and optimizer state: the model state. With N > 1
+   devices each rank holds an equal shard (the flat buffer padded to a multiple of N) and
+   gathers one block at a time, prefetching the next (two gathered blocks alive). */
+static int lg_plan_model_state(lg_rank_plan *r, const lg_plan_spec *s,
+                               const lg_tensor_table *params) {
+    lg_precision_types t = lg_types_of(s->precision);
+    size_t n = params->total, shard = (n + s->devices - 1) / s->devices;
+    lg_pool state_pool = s->offload ? LG_POOL_HOST : LG_POOL_DEVICE;
+    int states = s->optimizer == LG_OPTIMIZER_ADAMW ? 2 : s->momentum;
+    int rc = lg_plan_add(r, "weights", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, t.weights, shard);
+    if (t.master)
+        rc |= lg_plan_add(r, "master_weights", LG_GROUP_MASTER, state_pool, LG_DTYPE_F32, shard);
+    rc |= lg_plan_add(r, "gradients", LG_GROUP_GRADIENTS, LG_POOL_DEVICE, t.grads, shard);
+    if (s->offload) /* the gradient shard goes to the host, where the optimizer runs */
+        rc |= lg_plan_add(r, "gradients.host", LG_GROUP_GRADIENTS, LG_POOL_HOST, t.grads, shard);
+    if (states == 2) {
+        rc |= lg_plan_add(r, "optimizer.m", LG_GROUP_OPTIMIZER, state_pool, t.state, shard);
+        rc |= lg_plan_add(r, "optimizer.v", LG_GROUP_OPTIMIZER, state_pool, t.state, shard);
+    } else if (states == 1) {
+        rc |= lg_plan_add(r, "optimizer.momentum", LG_GROUP_OPTIMIZER, state_pool, t.state, shard);
+    }
+    if (s->devices > 1) {
+        size_t unit = 0; /* the largest sharding unit: a block, or the embedding / head */
+        for (int i = 0; i < params->n_tensors; i++)
+            if (params->tensors[i].kind == LG_TENSOR_EMBEDDING && params->tensors[i].count > unit)
+                unit = params->tensors[i].count;
+        size_t per_block = 0;
+        for (int i = 0; i < params->n_tensors; i++)
+            if (strncmp(params->tensors[i].name, "transformer.h.0.", 16) == 0)
+                per_block += params->tensors[i].count;
+        if (per_block > unit) unit = per_block;
+        rc |= lg_plan_add(r, "gather.weights", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.weights,
+                          2 * unit);
+        rc |= lg_plan_add(r, "reduce_scatter.gradients", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE,
+                          t.grads, unit);
+    }
+    return rc;
+}
+
+/* What the forward keeps: all of every block's activations, or with recompute only each
+   block's output plus one block's full set, rebuilt during the backward. */
+static int lg_plan_activations(lg_rank_plan *r, const lg_config *c, const lg_plan_spec *s) {
+    lg_precision_types t = lg_types_of(s->precision);
+    int B = s->B, T = s->T, rc = 0;
+    size_t main_count, stats_count;
+    char name[LG_MAX_NAME];
+    lg_embedding_acts_layout(B, T, c->n_embd, NULL, NULL, &main_count);
+    rc |= lg_plan_add(r, "activations.embedding", LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, t.acts,
+                      main_count);
+    for (int l = 0; l < c->n_layer; l++) {
+        lg_block_acts_layout(c, l, B, T, 0, NULL, NULL, &main_count);
+        lg_block_acts_layout(c, l, B, T, 1, NULL, NULL, &stats_count);
+        if (s->recompute) {
+            main_count = (size_t)B * T * c->n_embd; /* the block's output only */
+            stats_count = 0;
+        }
+        snprintf(name, sizeof name, "activations.h.%d", l);
+        rc |= lg_plan_add(r, name, LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, t.acts, main_count);
+        snprintf(name, sizeof name, "activations.h.%d.stats", l);
+        rc |= lg_plan_add(r, name, LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, LG_DTYPE_F32, stats_count);
+    }
+    if (s->recompute) {
+        lg_block_acts_layout(c, 0, B, T, 0, NULL, NULL, &main_count);
+        lg_block_acts_layout(c, 0, B, T, 1, NULL, NULL, &stats_count);
+        rc |= lg_plan_add(r, "recompute.block", LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, t.acts,
+                          main_count);
+        rc |= lg_plan_add(r, "recompute.block.stats", LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE,
+                          LG_DTYPE_F32, stats_count);
+    }
+    lg_rope_layout(c, T, NULL, NULL, &main_count);
+    rc |= lg_plan_add(r, "rope", LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, LG_DTYPE_F32, main_count);
+    lg_head_acts_layout(c, B, T, 0, NULL, NULL, &main_count);
+    lg_head_acts_layout(c, B, T, 1, NULL, NULL, &stats_count);
+    rc |= lg_plan_add(r, "head", LG_GROUP_LOGITS, LG_POOL_DEVICE, t.acts, main_count);
+    rc |= lg_plan_add(r, "head.stats", LG_GROUP_LOGITS, LG_POOL_DEVICE, LG_DTYPE_F32, stats_count);
+    lg_backward_layout(c, B, T, NULL, NULL, &main_count);
+    rc |= lg_plan_add(r, "backward", LG_GROUP_BACKWARD, LG_POOL_DEVICE, t.acts, main_count);
+    return rc;
+}
+
+int lg_plan_make(lg_plan *plan, const lg_config *c, const lg_plan_spec *s, lg_error *err) {
+    memset(plan, 0, sizeof *plan);
+    if (lg_config_check(c, err) != 0) return -1;
+    if (s->B < 1 || s->T < 1 || s->devices < 1 || s->accumulation < 1)
+        return lg_fail(err, "plan: micro-batch, sequence length, devices and accumulation must "
+                            "be positive");
+    plan->cfg = *c;
+    plan->spec = *s;
+    plan->n_ranks = s->devices;
+    plan->ranks = (lg_rank_plan *)lg_alloc_zeroed(sizeof(lg_rank_plan) * (size_t)s->devices);
+    lg_tensor_table params;
+    if (!plan->ranks || lg_table_alloc(&params, c) != 0) {
+        lg_plan_free(plan);
+        return lg_fail(err, "plan: out of host memory");
+    }
+    lg_params_layout(c, NULL, NULL, &params);
+    size_t tokens = (size_t)s->accumulation * s->B * s->T;
+    int rc = 0;
+    for (int i = 0; i < plan->n_ranks; i++) { /* equal shards: every rank has the same plan */
+        lg_rank_plan *r = &plan->ranks[i];
+        rc |= lg_plan_model_state(r, s, &params);
+        rc |= lg_plan_activations(r, c, s);
+        rc |= lg_plan_add(r, "gemm.workspace", LG_GROUP_WORKSPACE, LG_POOL_DEVICE, LG_DTYPE_F32,
+                          lg_gemm_workspace_count() * (size_t)s->threads);
+        rc |= lg_plan_add(r, "tokens.inputs", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
+        rc |= lg_plan_add(r, "tokens.targets", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
+    }
+    lg_tensor_table_free(&params);
+    if (rc != 0) {
+        lg_plan_free(plan);
+        return lg_fail(err, "plan: out of host memory");
+    }
+    return 0;
+}
+
+void lg_plan_free(lg_plan *plan) {
+    for (int i = 0; plan->ranks && i < plan->n_ranks; i++) LG_FREE(plan->ranks[i].regions);
+    LG_FREE(plan->ranks);
+    plan->ranks = NULL;
+    plan->n_ranks = 0;
+}
+
+size_t lg_plan_bytes(const lg_plan *plan, lg_pool pool) {
+    size_t most = 0;
+    for (int i = 0; i < plan->n_ranks; i++)
+        if (plan->ranks[i].pool_bytes[pool] > most) most = plan->ranks[i].pool_bytes[pool];
+    return most;
+}
+
+const lg_region *lg_plan_find(const lg_rank_plan *r, const char *name) {
+    for (int i = 0; i < r->n_regions; i++)
+        if (strcmp(r->regions[i].name, name) == 0) return &r->regions[i];
+    return NULL;
+}
+
+size_t lg_plan_group_bytes(const lg_rank_plan *r, lg_group group, lg_pool pool) {
+    size_t sum = 0;
+    for (int i = 0; i < r->n_regions; i++)
+        if (r->regions[i].group == group && r->regions[i].pool == pool) sum += r->regions[i].bytes;
+    return sum;
+}
+
+/* --- sizes as people write them ------------------------------------------------------------- */
+
+int lg_parse_size(const char *text, size_t *bytes) {
+    static const struct { const char *suffix; double scale; } units[] = {
+        {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
+        {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}, {"K", 1024.0}, {"M", 1048576.0},
+        {"G", 1073741824.0}, {"B", 1.0}, {"", 1.0}};
+    char *end;
+    errno = 0;
+    double value = strtod(text, &end);
+    if (end == text || errno || !(value >= 0)) return -1;
+    while (*end == ' ') end++;
+    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++)
+        if (strcmp(end, units[i].suffix) == 0) {
+            double b = value * units[i].scale;
+            if (b > 1.8e19) return -1;
+            *bytes = (size_t)b;
+            return 0;
+        }
+    return -1;
+}
+
+const char *lg_format_bytes(size_t bytes, char *buf, size_t size) {
+    if (bytes >= 1073741824ull) snprintf(buf, size, "%.2f GiB", bytes / 1073741824.0);
+    else if (bytes >= 1048576ull) snprintf(buf, size, "%.1f MiB", bytes / 1048576.0);
+    else if (bytes >= 1024ull) snprintf(buf, size, "%.1f KiB", bytes / 1024.0);
+    else snprintf(buf, size, "%zu B", bytes);
+    return buf;
+}
+
+/* --- printing ------------------------------------------------------------------------------- */
+
+static void lg_plan_print_rank(const lg_plan *plan, int index, FILE *out) {
+    const lg_rank_plan *r = &plan->ranks[index];
+    char a[32], b[32];
+    for (int pool = 0; pool < LG_N_POOLS; pool++) {
+        size_t total = r->pool_bytes[pool];
+        if (total == 0) continue;
+        fprintf(out, "  %s pool: %s\n", lg_pool_name((lg_pool)pool),
+                lg_format_bytes(total, a, sizeof a));
+        for (int g = 0; g < LG_N_GROUPS; g++) {
+            size_t bytes = lg_plan_group_bytes(r, (lg_group)g, (lg_pool)pool);
+            if (bytes == 0) continue;
+            int regions = 0;
+            const lg_region *largest = NULL;
+            for (int i = 0; i < r->n_regions; i++) {
+                const lg_region *x = &r->regions[i];
+                if ((int)x->group != g || (int)x->pool != pool) continue;
+                regions++;
+                if (!largest || x->bytes > largest->bytes) largest = x;
+            }
+            char bar[41];
+            int width = (int)(40.0 * bytes / total + 0.5);
+            memset(bar, '#', (size_t)width);
+            bar[width] = '\0';
+            fprintf(out, "    %-22s %11s %5.1f%%  %-40s", lg_group_name((lg_group)g),
+                    lg_format_bytes(bytes, a, sizeof a), 100.0 * bytes / total, bar);
+            if (regions == 1)
+                fprintf(out, "  %s %s x %zu\n", largest->name, lg_dtype_name(largest->dtype),
+                        largest->count);
+            else
+                fprintf(out, "  %d regions, largest %s %s\n", regions, largest->name,
+                        lg_format_bytes(largest->bytes, b, sizeof b));
+        }
+    }
+}
+
+void lg_plan_print(const lg_plan *plan, FILE *out) {
+    const lg_plan_spec *s = &plan->spec;
+    char a[32], b[32];
+    fprintf(out, "plan: %s | -b %d -t %d (%d accumulation) | %s | %d device%s%s%s | %s%s\n",
+            plan->cfg.name, s->B, s->T, s->accumulation, lg_precision_name(s->precision),
+            s->devices, s->devices > 1 ? "s, full-shard" : "", s->recompute ? " | recompute block" : "",
+            s->offload ? " | offload" : "",
+            s->optimizer == LG_OPTIMIZER_ADAMW ? "adamw" : s->momentum ? "sgd (momentum)" : "sgd",
+            "");
+    for (int i = 0; i < plan->n_ranks; i++) {
+        /* ranks with identical plans print once */
+        if (i > 0 && plan->ranks[i].n_regions == plan->ranks[0].n_regions &&
+            plan->ranks[i].pool_bytes[0] == plan->ranks[0].pool_bytes[0] &&
+            plan->ranks[i].pool_bytes[1] == plan->ranks[0].pool_bytes[1])
+            continue;
+        if (plan->n_ranks > 1) fprintf(out, "each of the %d devices:\n", plan->n_ranks);
+        else fprintf(out, "device 0:\n");
+        lg_plan_print_rank(plan, i, out);
+    }
+    fprintf(out, "total per device: %s device, %s host\n",
+            lg_format_bytes(lg_plan_bytes(plan, LG_POOL_DEVICE), a, sizeof a),
+            lg_format_bytes(lg_plan_bytes(plan, LG_POOL_HOST), b, sizeof b));
+}
+
+void lg_plan_print_json(const lg_plan *plan, FILE *out) {
+    const lg_plan_spec *s = &plan->spec;
+    fprintf(out, "{\"config\":\"%s\",\"micro_batch_size\":%d,\"max_seq_length\":%d,"
+                 "\"accumulation\":%d,\"precision\":\"%s\",\"devices\":[",
+            plan->cfg.name, s->B, s->T, s->accumulation, lg_precision_name(s->precision));
+    for (int i = 0; i < plan->n_ranks; i++) {
+        const lg_rank_plan *r = &plan->ranks[i];
+        fprintf(out, "%s{\"device\":%d,\"device_bytes\":%zu,\"host_bytes\":%zu,\"regions\":[",
+                i ? "," : "", i, r->pool_bytes[LG_POOL_DEVICE], r->pool_bytes[LG_POOL_HOST]);
+        for (int k = 0; k < r->n_regions; k++) {
+            const lg_region *x = &r->regions[k];
+            fprintf(out, "%s{\"name\":\"%s\",\"group\":\"%s\",\"pool\":\"%s\",\"dtype\":\"%s\","
+                         "\"count\":%zu,\"bytes\":%zu}",
+                    k ? "," : "", x->name, lg_group_name(x->group), lg_pool_name(x->pool),
+                    lg_dtype_name(x->dtype), x->count, x->bytes);
+        }
+        fprintf(out, "]}");
+    }
+    fprintf(out, "]}\n");
 }
 
 /* 6. kernels (CPU) ------------------------------------------------------------------------- */
@@ -1275,62 +1779,62 @@ static void lg_gemm_split(int n, int unit, int parts, int r, int *lo, int *hi) {
     if (*hi > n) *hi = n;
 }
 
-static void lg_gemm(int trans_a, int trans_b, int M, int N, int K,
-                    const lg_real *A, int lda, const lg_real *B, int ldb,
-                    lg_real beta, lg_real *C, int ldc) {
+/* Elements of one thread's packing buffers (see lg_gemm_workspace): Ap (MC + MR) x KC and
+   Bp KC x (NC + NR), each rounded up to LG_ALIGN bytes. */
+static size_t lg_gemm_panel_a_count(void) {
+    return lg_align_up((size_t)(LG_GEMM_MC + LG_GEMM_MR) * LG_GEMM_KC * sizeof(lg_real)) /
+           sizeof(lg_real);
+}
+
+static size_t lg_gemm_workspace_count(void) {
+    size_t b = (size_t)LG_GEMM_KC * (LG_GEMM_NC + LG_GEMM_NR);
+    return lg_gemm_panel_a_count() + lg_align_up(b * sizeof(lg_real)) / sizeof(lg_real);
+}
+
+/* C(M, N) = beta C + op(A)(M, K) op(B)(K, N), row-major (see the top of this section). The
+   packing buffers come from ws, one slot a thread; called from inside a parallel region
+   (attention's heads) it runs on the calling thread's slot. Without ws, or for small
+   problems, the plain loop. */
+static void lg_gemm(const lg_gemm_workspace *ws, int trans_a, int trans_b, int M, int N, int K,
+                    const lg_real *A, int lda, const lg_real *B, int ldb, lg_real beta,
+                    lg_real *C, int ldc) {
     const double work = (double)M * N * K;
-    int kcap, mcap, ncap, nthreads = 1;
-    size_t per_thread;
-    char *raw;
+    int nthreads = 1, outer_slot = 0;
     if (M <= 0 || N <= 0) return;
-    if (K <= 0 || work < LG_GEMM_SMALL) {
+#ifdef _OPENMP
+    if (omp_in_parallel()) outer_slot = omp_get_thread_num();
+    else if (work >= LG_GEMM_PARALLEL) nthreads = omp_get_max_threads();
+#endif
+    if (K <= 0 || work < LG_GEMM_SMALL || !ws || outer_slot >= ws->threads) {
         lg_gemm_simple(trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc);
         return;
     }
-#ifdef _OPENMP
-    if (work >= LG_GEMM_PARALLEL && !omp_in_parallel()) nthreads = omp_get_max_threads();
-#endif
-    /* scratch per thread: Ap (MC x KC) + Bp (KC x NC), capped by the problem
-       size, each rounded to whole micro-panels and to 64-byte lines */
-    kcap = K < LG_GEMM_KC ? K : LG_GEMM_KC;
-    mcap = (M < LG_GEMM_MC ? M : LG_GEMM_MC) + LG_GEMM_MR;
-    ncap = (N < LG_GEMM_NC ? N : LG_GEMM_NC) + LG_GEMM_NR;
-    per_thread = ((size_t)kcap * (mcap + ncap) * sizeof(lg_real) + 127) & ~(size_t)63;
-    raw = (char *)LG_MALLOC(per_thread * nthreads + 64);
-    if (!raw) {   /* out of memory: fall back to the unblocked loop */
-        lg_gemm_simple(trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc);
-        return;
-    }
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-#endif
+    if (nthreads > ws->threads) nthreads = ws->threads;
+    LG_OMP(omp parallel num_threads(nthreads) if (nthreads > 1))
     {
         int tid = 0, nt = 1, tm, tn, m0, m1, n0, n1;
-        char *mine;
-        lg_real *ap, *bp;
 #ifdef _OPENMP
-        tid = omp_get_thread_num();
-        nt = omp_get_num_threads();
+        if (nthreads > 1) {
+            tid = omp_get_thread_num();
+            nt = omp_get_num_threads();
+        }
 #endif
-        mine = raw + (64 - (size_t)((uintptr_t)raw % 64)) % 64 + per_thread * tid;
-        ap = (lg_real *)mine;
-        bp = ap + (size_t)kcap * mcap;
-        bp = (lg_real *)((char *)bp + (64 - (size_t)((uintptr_t)bp % 64)) % 64);
+        lg_real *ap = ws->base + (size_t)(nthreads > 1 ? tid : outer_slot) * ws->per_thread;
+        lg_real *bp = ap + lg_gemm_panel_a_count();
         lg_gemm_grid(nt, M, N, &tm, &tn);
         lg_gemm_split(M, LG_GEMM_MR, tm, tid / tn, &m0, &m1);
         lg_gemm_split(N, LG_GEMM_NR, tn, tid % tn, &n0, &n1);
         if (m0 < m1 && n0 < n1)
-            lg_gemm_tile(trans_a, trans_b, m0, m1, n0, n1, K, A, lda, B, ldb,
-                         beta, C, ldc, ap, bp);
+            lg_gemm_tile(trans_a, trans_b, m0, m1, n0, n1, K, A, lda, B, ldb, beta, C, ldc, ap,
+                         bp);
     }
-    LG_FREE(raw);
 }
 /* LG_GEMM_END */
 
 /* out (N, OC) = inp (N, IC) weight (OC, IC)^T + bias (OC) */
-static void lg_linear_forward(lg_real *out, const lg_real *inp, const lg_real *weight,
-                              const lg_real *bias, int N, int IC, int OC) {
-    lg_gemm(0, 1, N, OC, IC, inp, IC, weight, IC, 0, out, OC);
+static void lg_linear_forward(const lg_gemm_workspace *ws, lg_real *out, const lg_real *inp,
+                              const lg_real *weight, const lg_real *bias, int N, int IC, int OC) {
+    lg_gemm(ws, 0, 1, N, OC, IC, inp, IC, weight, IC, 0, out, OC);
     if (!bias) return;
 LG_OMP(omp parallel for)
     for (int n = 0; n < N; n++)
@@ -1339,11 +1843,11 @@ LG_OMP(omp parallel for)
 
 /* dinp (N, IC) += dout (N, OC) weight (OC, IC); dweight (OC, IC) += dout^T inp;
    dbias (OC) += column sums of dout. */
-static void lg_linear_backward(lg_real *dinp, lg_real *dweight, lg_real *dbias,
-                               const lg_real *dout, const lg_real *inp, const lg_real *weight,
-                               int N, int IC, int OC) {
-    lg_gemm(0, 0, N, IC, OC, dout, OC, weight, IC, 1, dinp, IC);
-    lg_gemm(1, 0, OC, IC, N, dout, OC, inp, IC, 1, dweight, IC);
+static void lg_linear_backward(const lg_gemm_workspace *ws, lg_real *dinp, lg_real *dweight,
+                               lg_real *dbias, const lg_real *dout, const lg_real *inp,
+                               const lg_real *weight, int N, int IC, int OC) {
+    lg_gemm(ws, 0, 0, N, IC, OC, dout, OC, weight, IC, 1, dinp, IC);
+    lg_gemm(ws, 1, 0, OC, IC, N, dout, OC, inp, IC, 1, dweight, IC);
     if (!dbias) return;
 LG_OMP(omp parallel for)
     for (int o = 0; o < OC; o++) {
@@ -1488,8 +1992,8 @@ static void lg_causal_softmax(lg_real *scores, int T, lg_real scale) {
 /* Causal attention. qkv (B, T, (NH + 2 NQG) HS): query head h reads key/value group
    h / (NH / NQG). att (B, NH, T, T) keeps the probabilities (upper triangle zero);
    y (B, T, NH HS). Each (batch, head) is two matrix products around a softmax. */
-static void lg_attention_forward(lg_real *y, lg_real *att, const lg_real *qkv, int B, int T,
-                                 int NH, int NQG, int HS) {
+static void lg_attention_forward(const lg_gemm_workspace *ws, lg_real *y, lg_real *att,
+                                 const lg_real *qkv, int B, int T, int NH, int NQG, int HS) {
     int QKV = (NH + 2 * NQG) * HS, heads_per_group = NH / NQG;
     lg_real scale = 1.0f / lg_sqrt((lg_real)HS);
     LG_OMP(omp parallel for collapse(2) schedule(dynamic))
@@ -1501,18 +2005,18 @@ static void lg_attention_forward(lg_real *y, lg_real *att, const lg_real *qkv, i
             const lg_real *v = qkv + (size_t)b * T * QKV + (size_t)(NH + NQG + g) * HS;
             lg_real *p = att + ((size_t)b * NH + h) * T * T;           /* (T, T) */
             lg_real *out = y + (size_t)b * T * NH * HS + (size_t)h * HS; /* (T, HS), ld NH HS */
-            lg_gemm(0, 1, T, T, HS, q, QKV, k, QKV, 0, p, T);           /* scores = q k^T */
+            lg_gemm(ws, 0, 1, T, T, HS, q, QKV, k, QKV, 0, p, T);           /* scores = q k^T */
             lg_causal_softmax(p, T, scale);
-            lg_gemm(0, 0, T, HS, T, p, T, v, QKV, 0, out, NH * HS);     /* y = p v */
+            lg_gemm(ws, 0, 0, T, HS, T, p, T, v, QKV, 0, out, NH * HS);     /* y = p v */
         }
 }
 
 /* dqkv (B, T, QKV) += gradient of the attention given dy (B, T, NH HS); datt (B, NH, T, T) is
    scratch. Threads own a (batch, group) pair, so the key/value gradients shared by the heads
    of a group are written by one thread only. */
-static void lg_attention_backward(lg_real *dqkv, lg_real *datt, const lg_real *dy,
-                                  const lg_real *qkv, const lg_real *att, int B, int T, int NH,
-                                  int NQG, int HS) {
+static void lg_attention_backward(const lg_gemm_workspace *ws, lg_real *dqkv, lg_real *datt,
+                                  const lg_real *dy, const lg_real *qkv, const lg_real *att,
+                                  int B, int T, int NH, int NQG, int HS) {
     int QKV = (NH + 2 * NQG) * HS, heads_per_group = NH / NQG;
     lg_real scale = 1.0f / lg_sqrt((lg_real)HS);
     LG_OMP(omp parallel for collapse(2) schedule(dynamic))
@@ -1530,8 +2034,8 @@ static void lg_attention_backward(lg_real *dqkv, lg_real *datt, const lg_real *d
                 lg_real *dp = datt + ((size_t)b * NH + h) * T * T;
                 const lg_real *dout = dy + (size_t)b * T * NH * HS + (size_t)h * HS;
                 /* y = p v: dp = dy v^T, dv += p^T dy */
-                lg_gemm(0, 1, T, T, HS, dout, NH * HS, v, QKV, 0, dp, T);
-                lg_gemm(1, 0, T, HS, T, p, T, dout, NH * HS, 1, dv, QKV);
+                lg_gemm(ws, 0, 1, T, T, HS, dout, NH * HS, v, QKV, 0, dp, T);
+                lg_gemm(ws, 1, 0, T, HS, T, p, T, dout, NH * HS, 1, dv, QKV);
                 /* softmax backward into the scaled scores: ds = p (dp - sum_s p dp) scale */
                 for (int t = 0; t < T; t++) {
                     const lg_real *pr = p + (size_t)t * T;
@@ -1541,8 +2045,8 @@ static void lg_attention_backward(lg_real *dqkv, lg_real *datt, const lg_real *d
                     for (int s = t + 1; s < T; s++) dr[s] = 0;
                 }
                 /* scores = q k^T: dq += ds k, dk += ds^T q */
-                lg_gemm(0, 0, T, HS, T, dp, T, k, QKV, 1, dq, QKV);
-                lg_gemm(1, 0, T, HS, T, dp, T, q, QKV, 1, dk, QKV);
+                lg_gemm(ws, 0, 0, T, HS, T, dp, T, k, QKV, 1, dq, QKV);
+                lg_gemm(ws, 1, 0, T, HS, T, dp, T, q, QKV, 1, dk, QKV);
             }
 }
 
@@ -1624,53 +2128,110 @@ LG_OMP(omp parallel for)
 
 /* 7. model ------------------------------------------------------------------------------------ */
 
-int lg_model_create(lg_model *m, const lg_config *cfg, int B, int T, lg_error *err) {
+/* The memory of region `name` of the model's rank, or an error naming it. */
+static lg_real *lg_model_region(lg_model *m, const char *name, lg_error *err) {
+    lg_real *p = (lg_real *)lg_rank_region(m->rank, name);
+    if (!p) lg_fail(err, "the plan has no region %s", name);
+    return p;
+}
+
+int lg_model_bind(lg_model *m, const lg_config *cfg, lg_rank *rank, lg_error *err) {
+    const lg_plan_spec *s = &rank->plan->spec;
+    int B = s->B, T = s->T, L = cfg->n_layer;
     memset(m, 0, sizeof *m);
-    if (lg_config_check(cfg, err) != 0) return -1;
+    if (s->precision != LG_PRECISION_32_TRUE || s->devices != 1 || s->recompute || s->offload)
+        return lg_fail(err, "the model runs 32-true on one device without recompute or offload "
+                            "for now; this plan is for planning only");
     if (T > cfg->block_size)
         return lg_fail(err, "sequence length %d exceeds the model's block_size %d", T,
                        cfg->block_size);
     m->cfg = *cfg;
     m->B = B;
     m->T = T;
-    int L = cfg->n_layer;
+    m->rank = rank;
     m->p.h = (lg_block_tensors *)lg_alloc_zeroed(sizeof(lg_block_tensors) * L);
     m->g.h = (lg_block_tensors *)lg_alloc_zeroed(sizeof(lg_block_tensors) * L);
     m->a.h = (lg_block_acts *)lg_alloc_zeroed(sizeof(lg_block_acts) * L);
     m->a.residual = (lg_real **)lg_alloc_zeroed(sizeof(lg_real *) * (L + 1));
-    if (!m->p.h || !m->g.h || !m->a.h || !m->a.residual || lg_table_alloc(&m->param_table, cfg)) {
-        lg_model_free(m);
+    if (!m->p.h || !m->g.h || !m->a.h || !m->a.residual || lg_table_alloc(&m->param_table, cfg))
         return lg_fail(err, "out of host memory for the model's tables");
-    }
     m->n_params = lg_params_layout(cfg, NULL, NULL, &m->param_table);
-    m->n_acts = lg_acts_layout(cfg, B, T, NULL, NULL, NULL);
-    m->params = (lg_real *)lg_alloc_zeroed(m->n_params * sizeof(lg_real));
-    m->grads = (lg_real *)lg_alloc_zeroed(m->n_params * sizeof(lg_real));
-    m->acts_memory = (lg_real *)lg_alloc_zeroed(m->n_acts * sizeof(lg_real));
-    if (!m->params || !m->grads || !m->acts_memory) {
-        size_t bytes = (2 * m->n_params + m->n_acts) * sizeof(lg_real);
-        lg_model_free(m);
-        return lg_fail(err, "out of host memory: the model needs %.1f MiB (parameters, "
-                            "gradients, activations)", bytes / 1048576.0);
-    }
+    if (!(m->params = lg_model_region(m, "weights", err)) ||
+        !(m->grads = lg_model_region(m, "gradients", err)))
+        return -1;
     lg_params_layout(cfg, m->params, &m->p, NULL);
     lg_params_layout(cfg, m->grads, &m->g, NULL);
-    lg_acts_layout(cfg, B, T, m->acts_memory, &m->a, NULL);
+    /* the activation regions, each laid out by the function that sized it */
+    char name[LG_MAX_NAME];
+    size_t count;
+    lg_real *base = lg_model_region(m, "activations.embedding", err);
+    if (!base) return -1;
+    lg_embedding_acts_layout(B, T, cfg->n_embd, base, &m->a, &count);
+    for (int l = 0; l < L; l++) {
+        snprintf(name, sizeof name, "activations.h.%d", l);
+        if (!(base = lg_model_region(m, name, err))) return -1;
+        lg_block_acts_layout(cfg, l, B, T, 0, base, &m->a, &count);
+        snprintf(name, sizeof name, "activations.h.%d.stats", l);
+        if (!(base = lg_model_region(m, name, err))) return -1;
+        lg_block_acts_layout(cfg, l, B, T, 1, base, &m->a, &count);
+    }
+    lg_real *rope = (lg_real *)lg_rank_region(rank, "rope"); /* absent without rotary */
+    lg_rope_layout(cfg, T, rope, &m->a, &count);
+    if (!(base = lg_model_region(m, "head", err))) return -1;
+    lg_head_acts_layout(cfg, B, T, 0, base, &m->a, &count);
+    if (!(base = lg_model_region(m, "head.stats", err))) return -1;
+    lg_head_acts_layout(cfg, B, T, 1, base, &m->a, &count);
+    if (!(base = lg_model_region(m, "backward", err))) return -1;
+    lg_backward_layout(cfg, B, T, base, &m->a, &count);
+    if (!(m->workspace.base = lg_model_region(m, "gemm.workspace", err))) return -1;
+    m->workspace.per_thread = lg_gemm_workspace_count();
+    m->workspace.threads = s->threads;
     int rope_dims = lg_config_rope_dims(cfg);
     if (rope_dims) lg_rope_tables(m->a.rope_cos, m->a.rope_sin, T, rope_dims, cfg->rope_base);
-    m->rope_T = T;
+    return 0;
+}
+
+int lg_model_create(lg_model *m, const lg_config *cfg, int B, int T, lg_error *err) {
+    memset(m, 0, sizeof *m);
+    lg_args args;
+    lg_args_default(&args);
+    args.micro_batch_size = B;
+    args.optimizer = LG_OPTIMIZER_SGD; /* no optimizer state */
+    args.momentum = 0;
+    lg_plan_spec spec;
+    lg_plan_spec_from_args(&spec, &args, T);
+    lg_plan *plan = (lg_plan *)lg_alloc_zeroed(sizeof(lg_plan));
+    lg_rank *rank = (lg_rank *)lg_alloc_zeroed(sizeof(lg_rank));
+    if (!plan || !rank) {
+        LG_FREE(plan);
+        LG_FREE(rank);
+        return lg_fail(err, "out of host memory");
+    }
+    if (lg_plan_make(plan, cfg, &spec, err) != 0 || lg_rank_create(rank, plan, 0, err) != 0 ||
+        lg_model_bind(m, cfg, rank, err) != 0) {
+        lg_model_free(m);
+        lg_rank_free(rank);
+        lg_plan_free(plan);
+        LG_FREE(rank);
+        LG_FREE(plan);
+        return -1;
+    }
+    m->own_plan = plan;
     return 0;
 }
 
 void lg_model_free(lg_model *m) {
-    LG_FREE(m->params);
-    LG_FREE(m->grads);
-    LG_FREE(m->acts_memory);
     LG_FREE(m->p.h);
     LG_FREE(m->g.h);
     LG_FREE(m->a.h);
     LG_FREE(m->a.residual);
     lg_tensor_table_free(&m->param_table);
+    if (m->own_plan) {
+        lg_rank_free(m->rank);
+        LG_FREE(m->rank);
+        lg_plan_free(m->own_plan);
+        LG_FREE(m->own_plan);
+    }
     memset(m, 0, sizeof *m);
 }
 
@@ -1716,11 +2277,11 @@ static void lg_block_forward(lg_model *m, int l, int B, int T) {
 
     lg_norm_forward(a->n1, lg_norm_mean_or_null(c, a->n1_mean), a->n1_rstd, x, w->norm_1_w,
                     w->norm_1_b, N, C, c->norm_eps);
-    lg_linear_forward(a->qkv, a->n1, w->qkv_w, w->qkv_b, N, C, QKV);
+    lg_linear_forward(&m->workspace, a->qkv, a->n1, w->qkv_w, w->qkv_b, N, C, QKV);
     lg_rope_rotate(a->qkv, m->a.rope_cos, m->a.rope_sin, B, T, NH, NQG, HS,
                    lg_config_rope_dims(c), +1);
-    lg_attention_forward(a->att_y, a->att, a->qkv, B, T, NH, NQG, HS);
-    lg_linear_forward(a->x_mid, a->att_y, w->proj_w, w->proj_b, N, NH * HS, C);
+    lg_attention_forward(&m->workspace, a->att_y, a->att, a->qkv, B, T, NH, NQG, HS);
+    lg_linear_forward(&m->workspace, a->x_mid, a->att_y, w->proj_w, w->proj_b, N, NH * HS, C);
     lg_add(a->x_mid, a->x_mid, x, (size_t)N * C);
 
     const lg_real *mlp_in = a->n1;
@@ -1730,14 +2291,14 @@ static void lg_block_forward(lg_model *m, int l, int B, int T) {
                         c->norm_eps);
         mlp_in = a->n2;
     }
-    lg_linear_forward(a->fc, mlp_in, w->fc_w, w->fc_b, N, C, I);
+    lg_linear_forward(&m->workspace, a->fc, mlp_in, w->fc_w, w->fc_b, N, C, I);
     if (c->mlp_class_name == LG_MLP_LLAMA) {
-        lg_linear_forward(a->fc_2, mlp_in, w->fc_2_w, w->fc_2_b, N, C, I);
+        lg_linear_forward(&m->workspace, a->fc_2, mlp_in, w->fc_2_w, w->fc_2_b, N, C, I);
         lg_swiglu_forward(a->act, a->fc, a->fc_2, (size_t)N * I);
     } else {
         lg_gelu_forward(a->act, a->fc, (size_t)N * I, c->gelu_approximate_tanh);
     }
-    lg_linear_forward(out, a->act, w->mlp_proj_w, w->mlp_proj_b, N, I, C);
+    lg_linear_forward(&m->workspace, out, a->act, w->mlp_proj_w, w->mlp_proj_b, N, I, C);
     lg_add(out, out, a->x_mid, (size_t)N * C);
 }
 
@@ -1749,7 +2310,7 @@ double lg_model_forward(lg_model *m, const int *tokens, const int *targets, int 
     for (int l = 0; l < L; l++) lg_block_forward(m, l, B, T);
     lg_norm_forward(m->a.ln_f, lg_norm_mean_or_null(c, m->a.ln_f_mean), m->a.ln_f_rstd,
                     m->a.residual[L], m->p.ln_f_w, m->p.ln_f_b, N, C, c->norm_eps);
-    lg_linear_forward(m->a.logits, m->a.ln_f, m->p.lm_head_w, m->p.lm_head_b, N, C,
+    lg_linear_forward(&m->workspace, m->a.logits, m->a.ln_f, m->p.lm_head_w, m->p.lm_head_b, N, C,
                       c->padded_vocab_size);
     if (n_targets) *n_targets = 0;
     if (!targets) return 0;
@@ -1776,17 +2337,17 @@ static void lg_block_backward(lg_model *m, int l, int B, int T, const lg_real *d
     /* out = x_mid + mlp(mlp_in): the residual passes d_out to x_mid unchanged */
     memcpy(s->d_mid, d_out, NC * sizeof(lg_real));
     memset(s->d_act, 0, NI * sizeof(lg_real));
-    lg_linear_backward(s->d_act, g->mlp_proj_w, g->mlp_proj_b, d_out, a->act, w->mlp_proj_w, N,
+    lg_linear_backward(&m->workspace, s->d_act, g->mlp_proj_w, g->mlp_proj_b, d_out, a->act, w->mlp_proj_w, N,
                        I, C);
     const lg_real *mlp_in = c->shared_attention_norm ? a->n1 : a->n2;
     memset(s->d_norm, 0, NC * sizeof(lg_real));
     if (c->mlp_class_name == LG_MLP_LLAMA) {
         lg_swiglu_backward(s->d_fc, s->d_fc_2, s->d_act, a->fc, a->fc_2, NI);
-        lg_linear_backward(s->d_norm, g->fc_2_w, g->fc_2_b, s->d_fc_2, mlp_in, w->fc_2_w, N, C, I);
+        lg_linear_backward(&m->workspace, s->d_norm, g->fc_2_w, g->fc_2_b, s->d_fc_2, mlp_in, w->fc_2_w, N, C, I);
     } else {
         lg_gelu_backward(s->d_fc, s->d_act, a->fc, NI, c->gelu_approximate_tanh);
     }
-    lg_linear_backward(s->d_norm, g->fc_w, g->fc_b, s->d_fc, mlp_in, w->fc_w, N, C, I);
+    lg_linear_backward(&m->workspace, s->d_norm, g->fc_w, g->fc_b, s->d_fc, mlp_in, w->fc_w, N, C, I);
 
     /* the MLP's input norm: of x (parallel) or of x_mid (sequential); shared: d_norm stays and
        joins norm_1's gradient below */
@@ -1801,14 +2362,14 @@ static void lg_block_backward(lg_model *m, int l, int B, int T, const lg_real *d
 
     /* x_mid = x + proj(attention(rope(qkv(n1)))) */
     memset(s->d_att_y, 0, (size_t)N * NH * HS * sizeof(lg_real));
-    lg_linear_backward(s->d_att_y, g->proj_w, g->proj_b, s->d_mid, a->att_y, w->proj_w, N,
+    lg_linear_backward(&m->workspace, s->d_att_y, g->proj_w, g->proj_b, s->d_mid, a->att_y, w->proj_w, N,
                        NH * HS, C);
     memset(s->d_qkv, 0, (size_t)N * QKV * sizeof(lg_real));
-    lg_attention_backward(s->d_qkv, s->d_att, s->d_att_y, a->qkv, a->att, B, T, NH, NQG, HS);
+    lg_attention_backward(&m->workspace, s->d_qkv, s->d_att, s->d_att_y, a->qkv, a->att, B, T, NH, NQG, HS);
     lg_rope_rotate(s->d_qkv, m->a.rope_cos, m->a.rope_sin, B, T, NH, NQG, HS,
                    lg_config_rope_dims(c), -1);
     /* n1 feeds qkv and, when shared, the MLP: d_norm already holds the MLP's share */
-    lg_linear_backward(s->d_norm, g->qkv_w, g->qkv_b, s->d_qkv, a->n1, w->qkv_w, N, C, QKV);
+    lg_linear_backward(&m->workspace, s->d_norm, g->qkv_w, g->qkv_b, s->d_qkv, a->n1, w->qkv_w, N, C, QKV);
     lg_norm_backward(d_x, g->norm_1_w, g->norm_1_b, s->d_norm, x, w->norm_1_w,
                      lg_norm_mean_or_null(c, a->n1_mean), a->n1_rstd, N, C);
 }
@@ -1821,7 +2382,7 @@ void lg_model_backward(lg_model *m, const int *tokens, const int *targets, int B
     lg_crossentropy_backward(d_logits, m->a.logits, targets, N, c->vocab_size, Vp, loss_scale);
     lg_real *d_res = m->a.d_res_a, *d_next = m->a.d_res_b;
     memset(m->a.d_norm, 0, (size_t)N * C * sizeof(lg_real));
-    lg_linear_backward(m->a.d_norm, m->g.lm_head_w, m->g.lm_head_b, d_logits, m->a.ln_f,
+    lg_linear_backward(&m->workspace, m->a.d_norm, m->g.lm_head_w, m->g.lm_head_b, d_logits, m->a.ln_f,
                        m->p.lm_head_w, N, C, Vp);
     memset(d_res, 0, (size_t)N * C * sizeof(lg_real));
     lg_norm_backward(d_res, m->g.ln_f_w, m->g.ln_f_b, m->a.d_norm, m->a.residual[L], m->p.ln_f_w,
@@ -1872,23 +2433,18 @@ int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_args *arg
     opt->beta2 = args->beta2;
     opt->eps = args->eps;
     opt->momentum = args->momentum;
-    size_t bytes = m->n_params * sizeof(lg_real);
+    /* the states live in the model's rank, in the regions the plan made for them */
+    const char *first = opt->kind == LG_OPTIMIZER_ADAMW ? "optimizer.m" : "optimizer.momentum";
     int needs_m = opt->kind == LG_OPTIMIZER_ADAMW || opt->momentum != 0.0f;
     int needs_v = opt->kind == LG_OPTIMIZER_ADAMW;
-    if (needs_m && !(opt->m = (lg_real *)lg_alloc_zeroed(bytes)))
-        return lg_fail(err, "out of host memory for the optimizer state");
-    if (needs_v && !(opt->v = (lg_real *)lg_alloc_zeroed(bytes))) {
-        lg_optimizer_free(opt);
-        return lg_fail(err, "out of host memory for the optimizer state");
-    }
+    if (needs_m && !(opt->m = (lg_real *)lg_rank_region(m->rank, first)))
+        return lg_fail(err, "the plan has no region %s for the optimizer", first);
+    if (needs_v && !(opt->v = (lg_real *)lg_rank_region(m->rank, "optimizer.v")))
+        return lg_fail(err, "the plan has no region optimizer.v for the optimizer");
     return 0;
 }
 
-void lg_optimizer_free(lg_optimizer *opt) {
-    LG_FREE(opt->m);
-    LG_FREE(opt->v);
-    opt->m = opt->v = NULL;
-}
+void lg_optimizer_free(lg_optimizer *opt) { opt->m = opt->v = NULL; /* the rank owns them */ }
 
 static int lg_tensor_decays(lg_tensor_kind kind) {
     return kind == LG_TENSOR_EMBEDDING || kind == LG_TENSOR_WEIGHT || kind == LG_TENSOR_RESIDUAL;
@@ -1956,6 +2512,43 @@ int lg_cuda_device_count(void) {
 }
 
 lg_backend lg_backend_in_use(void) { return LG_BACKEND_CPU; }
+
+int lg_rank_create(lg_rank *rank, const lg_plan *plan, int index, lg_error *err) {
+    memset(rank, 0, sizeof *rank);
+    rank->plan = plan;
+    rank->index = index;
+    const lg_rank_plan *r = &plan->ranks[index];
+    for (int pool = 0; pool < LG_N_POOLS; pool++) {
+        if (r->pool_bytes[pool] == 0) continue;
+        /* one arena per pool, exactly the planned bytes, aligned for every region */
+        rank->arena[pool] = (unsigned char *)lg_alloc_zeroed(r->pool_bytes[pool] + LG_ALIGN);
+        if (!rank->arena[pool]) {
+            char size[32];
+            lg_rank_free(rank);
+            return lg_fail(err, "out of %s memory: the plan needs %s (see --plan)",
+                           lg_pool_name((lg_pool)pool),
+                           lg_format_bytes(r->pool_bytes[pool], size, sizeof size));
+        }
+    }
+    return 0;
+}
+
+/* The arena's first LG_ALIGN-aligned byte. */
+static unsigned char *lg_arena_start(const lg_rank *rank, lg_pool pool) {
+    uintptr_t p = (uintptr_t)rank->arena[pool];
+    return rank->arena[pool] + (LG_ALIGN - p % LG_ALIGN) % LG_ALIGN;
+}
+
+void *lg_rank_region(const lg_rank *rank, const char *name) {
+    const lg_region *x = lg_plan_find(&rank->plan->ranks[rank->index], name);
+    return x ? lg_arena_start(rank, x->pool) + x->offset : NULL;
+}
+
+void lg_rank_free(lg_rank *rank) {
+    if (!rank) return;
+    for (int pool = 0; pool < LG_N_POOLS; pool++) LG_FREE(rank->arena[pool]);
+    memset(rank, 0, sizeof *rank);
+}
 
 /* 10. data ------------------------------------------------------------------------------------ */
 
@@ -2283,16 +2876,18 @@ int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args,
     tr->args = *args;
     tr->accumulation = lg_args_accumulation_steps(args, err);
     if (tr->accumulation < 1) return -1;
-    int B = args->micro_batch_size;
-    if (lg_model_create(&tr->model, cfg, B, T, err) != 0) return -1;
-    lg_model_init_weights(&tr->model, args->seed);
-    size_t tokens = (size_t)tr->accumulation * B * T;
-    tr->inputs = (int *)LG_MALLOC(sizeof(int) * tokens);
-    tr->targets = (int *)LG_MALLOC(sizeof(int) * tokens);
-    if (!tr->inputs || !tr->targets || lg_optimizer_create(&tr->opt, &tr->model, args, err)) {
+    lg_plan_spec spec;
+    lg_plan_spec_from_args(&spec, args, T);
+    if (lg_plan_make(&tr->plan, cfg, &spec, err) != 0) return -1;
+    if (lg_rank_create(&tr->rank, &tr->plan, 0, err) != 0 ||
+        lg_model_bind(&tr->model, cfg, &tr->rank, err) != 0 ||
+        lg_optimizer_create(&tr->opt, &tr->model, args, err) != 0) {
         lg_trainer_free(tr);
-        return lg_fail(err, "out of host memory for the trainer");
+        return -1;
     }
+    lg_model_init_weights(&tr->model, args->seed);
+    tr->inputs = (int *)lg_rank_region(&tr->rank, "tokens.inputs");
+    tr->targets = (int *)lg_rank_region(&tr->rank, "tokens.targets");
     return 0;
 }
 
@@ -2335,8 +2930,8 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
 void lg_trainer_free(lg_trainer *tr) {
     lg_optimizer_free(&tr->opt);
     lg_model_free(&tr->model);
-    LG_FREE(tr->inputs);
-    LG_FREE(tr->targets);
+    lg_rank_free(&tr->rank);
+    lg_plan_free(&tr->plan);
     tr->inputs = tr->targets = NULL;
 }
 

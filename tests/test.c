@@ -117,10 +117,10 @@ static void fd_check(results *r, fd_case *c) {
 
 /* dims: N, IC, OC */
 static void linear_fwd(fd_case *c) {
-    lg_linear_forward(c->out, c->inputs[0], c->inputs[1], c->inputs[2], c->dims[0], c->dims[1], c->dims[2]);
+    lg_linear_forward(NULL, c->out, c->inputs[0], c->inputs[1], c->inputs[2], c->dims[0], c->dims[1], c->dims[2]);
 }
 static void linear_bwd(fd_case *c) {
-    lg_linear_backward(c->grads[0], c->grads[1], c->grads[2], c->probe, c->inputs[0],
+    lg_linear_backward(NULL, c->grads[0], c->grads[1], c->grads[2], c->probe, c->inputs[0],
                        c->inputs[1], c->dims[0], c->dims[1], c->dims[2]);
 }
 /* dims: N, C; flag: 1 LayerNorm, 0 RMSNorm */
@@ -140,13 +140,13 @@ static void rope_attn_fwd(fd_case *c) {
     memcpy(c->scratch[0], c->inputs[0], qkv * sizeof(lg_real));
     lg_rope_tables(c->scratch[2], c->scratch[3], T, c->dims[5], 10000.0f);
     lg_rope_rotate(c->scratch[0], c->scratch[2], c->scratch[3], B, T, NH, NQG, HS, c->dims[5], +1);
-    lg_attention_forward(c->out, c->scratch[1], c->scratch[0], B, T, NH, NQG, HS);
+    lg_attention_forward(NULL, c->out, c->scratch[1], c->scratch[0], B, T, NH, NQG, HS);
 }
 static void rope_attn_bwd(fd_case *c) {
     int B = c->dims[0], T = c->dims[1], NH = c->dims[2], NQG = c->dims[3], HS = c->dims[4];
     size_t att = (size_t)B * NH * T * T;
     lg_real *datt = new_reals(att);
-    lg_attention_backward(c->grads[0], datt, c->probe, c->scratch[0], c->scratch[1], B, T, NH, NQG, HS);
+    lg_attention_backward(NULL, c->grads[0], datt, c->probe, c->scratch[0], c->scratch[1], B, T, NH, NQG, HS);
     lg_rope_rotate(c->grads[0], c->scratch[2], c->scratch[3], B, T, NH, NQG, HS, c->dims[5], -1);
     LG_FREE(datt);
 }
