@@ -379,6 +379,35 @@ const char *lg_dtype_name(lg_dtype dtype);
 size_t lg_dtype_size(lg_dtype dtype);
 const char *lg_group_name(lg_group group);
 const char *lg_pool_name(lg_pool pool);
+/* One remedy of the OOM guide, priced by the planner. */
+typedef struct {
+    const char *what;     /* "smaller micro-batch", ... */
+    lg_args args;         /* the run with this change */
+    int T;                /* its sequence length */
+    char flags[96];       /* the change as flags, e.g. "-b 2 -g 16" */
+    size_t device_bytes;  /* what each device needs with it */
+    int fits;             /* device_bytes <= the limit */
+    int runnable;         /* this version can run it (not only plan it) */
+} lg_remedy;
+
+#define LG_MAX_REMEDIES 8
+
+/* Remedies in the order of the OOM guide (micro-batch, sequence, -true precision, devices,
+   recompute, offload, optimizer), each with the planner's total under `limit` bytes. Returns
+   how many; skips those that change nothing. */
+int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t limit,
+                     lg_remedy *out);
+/* The cheapest runnable change that fits: the first single remedy that does, else the guide's
+   runnable remedies combined in order until the run fits. Returns 0 and fills *best, or -1. */
+int lg_plan_cheapest_fit(const lg_config *cfg, const lg_args *args, int T, size_t limit,
+                         lg_remedy *best);
+/* Device bytes of the run args describes at sequence length T (0 when it cannot be planned). */
+size_t lg_plan_device_bytes_for(const lg_config *cfg, const lg_args *args, int T);
+/* -b auto: the largest micro-batch dividing the per-device batch whose plan fits; 0: none. */
+int lg_plan_auto_micro_batch(const lg_config *cfg, const lg_args *args, int T, size_t limit);
+/* Memory a run may use on this machine's CPU backend: MemAvailable, 0 when unknown. */
+size_t lg_host_available_bytes(void);
+
 /* "24GiB", "512MiB", "1.5GB", "1000000" -> bytes; -1 when not a size. */
 int lg_parse_size(const char *text, size_t *bytes);
 /* "1.23 GiB" into buf. */
@@ -1420,6 +1449,156 @@ size_t lg_plan_group_bytes(const lg_rank_plan *r, lg_group group, lg_pool pool) 
     for (int i = 0; i < r->n_regions; i++)
         if (r->regions[i].group == group && r->regions[i].pool == pool) sum += r->regions[i].bytes;
     return sum;
+}
+
+/* --- remedies --------------------------------------------------------------------------------- */
+
+size_t lg_plan_device_bytes_for(const lg_config *cfg, const lg_args *args, int T) {
+    lg_plan_spec spec;
+    lg_plan plan;
+    lg_plan_spec_from_args(&spec, args, T);
+    if (lg_plan_make(&plan, cfg, &spec, NULL) != 0) return 0;
+    size_t bytes = lg_plan_bytes(&plan, LG_POOL_DEVICE);
+    lg_plan_free(&plan);
+    return bytes;
+}
+
+static int lg_fits(const lg_config *cfg, const lg_args *args, int T, size_t limit) {
+    size_t bytes = lg_plan_device_bytes_for(cfg, args, T);
+    return bytes > 0 && bytes <= limit;
+}
+
+/* The global batch the run asked for (samples per optimizer step over all devices). */
+static int lg_global_batch(const lg_args *a) {
+    return a->global_batch_size ? a->global_batch_size : a->micro_batch_size * a->devices;
+}
+
+int lg_plan_auto_micro_batch(const lg_config *cfg, const lg_args *args, int T, size_t limit) {
+    lg_args a = *args;
+    int per_device = lg_global_batch(args) / args->devices;
+    for (int b = per_device; b >= 1; b--) {
+        if (per_device % b != 0) continue;
+        a.micro_batch_size = b;
+        a.global_batch_size = lg_global_batch(args);
+        if (lg_fits(cfg, &a, T, limit)) return b;
+    }
+    return 0;
+}
+
+/* Fills r from a changed run and prices it. */
+static void lg_remedy_price(lg_remedy *r, const char *what, const lg_config *cfg,
+                            const lg_args *a, int T, size_t limit) {
+    r->what = what;
+    r->args = *a;
+    r->T = T;
+    r->device_bytes = lg_plan_device_bytes_for(cfg, a, T);
+    r->fits = r->device_bytes > 0 && r->device_bytes <= limit;
+    r->runnable = lg_args_not_runnable(a) == NULL;
+}
+
+/* The largest sequence length below T that fits (halving when none does). */
+static int lg_fitting_seq_length(const lg_config *cfg, const lg_args *a, int T, size_t limit) {
+    int lo = 1, hi = T - 1, best = 0;
+    while (lo <= hi) {
+        int mid = lo + (hi - lo) / 2;
+        if (lg_fits(cfg, a, mid, limit)) { best = mid; lo = mid + 1; }
+        else hi = mid - 1;
+    }
+    return best ? best : (T / 2 > 0 ? T / 2 : 1);
+}
+
+int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t limit,
+                     lg_remedy *out) {
+    int n = 0, global = lg_global_batch(args);
+    lg_args a;
+    if (args->micro_batch_size > 1) { /* accumulation keeps the global batch */
+        a = *args;
+        a.global_batch_size = global;
+        a.micro_batch_size = lg_plan_auto_micro_batch(cfg, &a, T, limit);
+        if (a.micro_batch_size == 0) a.micro_batch_size = 1;
+        if (a.micro_batch_size < args->micro_batch_size) {
+            lg_remedy_price(&out[n], "smaller micro-batch", cfg, &a, T, limit);
+            snprintf(out[n++].flags, sizeof out[0].flags, "-b %d -g %d", a.micro_batch_size, global);
+        }
+    }
+    if (T > 1) {
+        int shorter = lg_fitting_seq_length(cfg, args, T, limit);
+        lg_remedy_price(&out[n], "shorter sequence", cfg, args, shorter, limit);
+        snprintf(out[n++].flags, sizeof out[0].flags, "-t %d", shorter);
+    }
+    if (args->precision != LG_PRECISION_BF16_TRUE && args->precision != LG_PRECISION_16_TRUE) {
+        a = *args;
+        a.precision = LG_PRECISION_BF16_TRUE;
+        lg_remedy_price(&out[n], "a -true precision", cfg, &a, T, limit);
+        snprintf(out[n++].flags, sizeof out[0].flags, "-p bf16-true");
+    }
+    a = *args; /* the fewest of 2, 4, 8 times the devices that fits */
+    for (a.devices = 2 * args->devices;; a.devices *= 2) {
+        int per_step = a.devices * a.micro_batch_size; /* keep -g a multiple of it */
+        a.global_batch_size = (global + per_step - 1) / per_step * per_step;
+        if (a.devices == 8 * args->devices || lg_fits(cfg, &a, T, limit)) break;
+    }
+    lg_remedy_price(&out[n], "more devices (full-shard)", cfg, &a, T, limit);
+    snprintf(out[n++].flags, sizeof out[0].flags, "-d %d", a.devices);
+    if (!args->recompute) {
+        a = *args;
+        a.recompute = 1;
+        lg_remedy_price(&out[n], "block recompute", cfg, &a, T, limit);
+        snprintf(out[n++].flags, sizeof out[0].flags, "--recompute block");
+    }
+    if (!args->offload) {
+        a = *args;
+        a.offload = 1;
+        lg_remedy_price(&out[n], "CPU offload", cfg, &a, T, limit);
+        snprintf(out[n++].flags, sizeof out[0].flags, "--offload");
+    }
+    if (args->optimizer == LG_OPTIMIZER_ADAMW || args->momentum != 0.0f) {
+        a = *args;
+        int to_sgd = args->optimizer == LG_OPTIMIZER_ADAMW;
+        a.optimizer = LG_OPTIMIZER_SGD;
+        if (!to_sgd) a.momentum = 0;
+        lg_remedy_price(&out[n], "an optimizer with less state", cfg, &a, T, limit);
+        snprintf(out[n++].flags, sizeof out[0].flags, to_sgd ? "-o sgd" : "--momentum 0");
+    }
+    return n;
+}
+
+int lg_plan_cheapest_fit(const lg_config *cfg, const lg_args *args, int T, size_t limit,
+                         lg_remedy *best) {
+    lg_remedy r[LG_MAX_REMEDIES];
+    int n = lg_plan_remedies(cfg, args, T, limit, r);
+    for (int i = 0; i < n; i++)
+        if (r[i].fits && r[i].runnable) { *best = r[i]; return 0; }
+    /* combine the runnable ones in the guide's order: micro-batch 1, lighter optimizer, then
+       the longest sequence that fits with both */
+    lg_args a = *args;
+    a.global_batch_size = lg_global_batch(args);
+    a.micro_batch_size = 1;
+    char flags[96];
+    snprintf(flags, sizeof flags, "-b 1 -g %d", a.global_batch_size);
+    if (!lg_fits(cfg, &a, T, limit) && a.optimizer == LG_OPTIMIZER_ADAMW) {
+        a.optimizer = LG_OPTIMIZER_SGD;
+        a.momentum = 0;
+        snprintf(flags + strlen(flags), sizeof flags - strlen(flags), " -o sgd --momentum 0");
+    }
+    int t = T;
+    if (!lg_fits(cfg, &a, T, limit)) {
+        t = lg_fitting_seq_length(cfg, &a, T, limit);
+        snprintf(flags + strlen(flags), sizeof flags - strlen(flags), " -t %d", t);
+    }
+    lg_remedy_price(best, "combined", cfg, &a, t, limit);
+    snprintf(best->flags, sizeof best->flags, "%s", flags);
+    return best->fits && best->runnable ? 0 : -1;
+}
+
+size_t lg_host_available_bytes(void) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    char line[256];
+    unsigned long long kib = 0;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
+    if (f) fclose(f);
+    return (size_t)kib * 1024;
 }
 
 /* --- sizes as people write them ------------------------------------------------------------- */

@@ -20,12 +20,20 @@ static const char usage[] =
     "  -c, --config NAME|PATH     model: configs/NAME.yaml or a file (default: built-in model)\n"
     "      --data FILE            training tokens, llm.c shard (default: the built-in task)\n"
     "      --val-data FILE        validation tokens, llm.c shard\n"
-    "  -b, --micro-batch-size N   samples per forward/backward (default 16)\n"
+    "  -b, --micro-batch-size N   samples per forward/backward (default 16); auto: the\n"
+    "                             largest that fits and divides the per-device batch (-g)\n"
     "  -g, --global-batch-size N  samples per optimizer step (default: = -b); accumulation\n"
     "                             steps = global / devices / micro-batch\n"
     "  -t, --max-seq-length N     tokens per sample (default: the model's block_size)\n"
-    "  -p, --precision P          32-true (16-true, bf16-true, 16-mixed, bf16-mixed: later)\n"
-    "  -d, --devices N            1 (sharding over devices: later)\n"
+    "  -p, --precision P          32-true (16-true, bf16-true, 16-mixed, bf16-mixed: --plan\n"
+    "                             only, for now)\n"
+    "  -d, --devices N            1 (more: --plan only, for now)\n"
+    "      --recompute MODE       none or block (block: --plan only, for now)\n"
+    "      --offload              optimizer state in host memory (--plan only, for now)\n"
+    "      --plan[=json]          print the memory plan per device and exit\n"
+    "      --memory-limit SIZE    memory a device may use, e.g. 24GiB (default: what the\n"
+    "                             machine has available); a run that does not fit exits 3\n"
+    "                             with a diagnosis and the cheapest change that fits\n"
     "  -o, --optimizer NAME       adamw (default) or sgd\n"
     "      --lr X --min-lr X      peak and final learning rate (4e-3, 4e-4)\n"
     "      --warmup-steps N       linear warmup, then cosine decay to --min-lr (50)\n"
@@ -76,7 +84,7 @@ static float parse_float(const char *flag, const char *text) {
 enum { OPT_DATA = 256, OPT_VAL_DATA, OPT_LR, OPT_MIN_LR, OPT_WARMUP, OPT_WEIGHT_DECAY, OPT_BETA1,
        OPT_BETA2, OPT_MOMENTUM, OPT_MAX_NORM, OPT_MAX_STEPS, OPT_EVAL_EVERY, OPT_EVAL_ITERS,
        OPT_SAMPLE_EVERY, OPT_SAMPLE_TOKENS, OPT_TEMPERATURE, OPT_PROMPT, OPT_SEED, OPT_LOG,
-       OPT_OUT };
+       OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT };
 
 static const struct option long_options[] = {
     {"config", required_argument, 0, 'c'},
@@ -106,6 +114,10 @@ static const struct option long_options[] = {
     {"seed", required_argument, 0, OPT_SEED},
     {"log", required_argument, 0, OPT_LOG},
     {"out", required_argument, 0, OPT_OUT},
+    {"recompute", required_argument, 0, OPT_RECOMPUTE},
+    {"offload", no_argument, 0, OPT_OFFLOAD},
+    {"plan", optional_argument, 0, OPT_PLAN},
+    {"memory-limit", required_argument, 0, OPT_MEMORY_LIMIT},
     {"help", no_argument, 0, 'h'},
     {0, 0, 0, 0},
 };
@@ -132,7 +144,10 @@ static void parse_args(int argc, char **argv, lg_args *a) {
         case 'c': a->config = optarg; break;
         case OPT_DATA: a->data = optarg; break;
         case OPT_VAL_DATA: a->val_data = optarg; break;
-        case 'b': a->micro_batch_size = parse_int(f, optarg); break;
+        case 'b':
+            a->micro_batch_auto = strcmp(optarg, "auto") == 0;
+            if (!a->micro_batch_auto) a->micro_batch_size = parse_int(f, optarg);
+            break;
         case 'g': a->global_batch_size = parse_int(f, optarg); break;
         case 't': a->max_seq_length = parse_int(f, optarg); break;
         case 'p':
@@ -164,20 +179,180 @@ static void parse_args(int argc, char **argv, lg_args *a) {
         case OPT_SEED: a->seed = (uint64_t)parse_int(f, optarg); break;
         case OPT_LOG: a->log_path = optarg; break;
         case OPT_OUT: a->out_dir = optarg; break;
+        case OPT_RECOMPUTE:
+            if (strcmp(optarg, "none") == 0) a->recompute = 0;
+            else if (strcmp(optarg, "block") == 0) a->recompute = 1;
+            else die_usage("%s: '%s' is not none or block", f, optarg);
+            break;
+        case OPT_OFFLOAD: a->offload = 1; break;
+        case OPT_PLAN:
+            if (!optarg) a->plan_only = 1;
+            else if (strcmp(optarg, "json") == 0) a->plan_only = 2;
+            else die_usage("--plan=%s: only --plan or --plan=json", optarg);
+            break;
+        case OPT_MEMORY_LIMIT:
+            if (lg_parse_size(optarg, &a->memory_limit) != 0 || a->memory_limit == 0)
+                die_usage("%s: '%s' is not a size (e.g. 24GiB, 512MiB, 8GB)", f, optarg);
+            break;
         case 'h': fputs(usage, stdout); exit(0);
         case ':': die_usage("%s needs a value", argv[optind - 1]); break;
         default: die_usage("unknown option %s", argv[optind - 1]);
         }
     }
     if (optind < argc) die_usage("unexpected argument '%s'", argv[optind]);
+    if (a->micro_batch_auto && !a->global_batch_size)
+        die_usage("-b auto needs -g/--global-batch-size: it picks a divisor of the per-device "
+                  "batch");
     if (a->sample_tokens < 1) die_usage("--sample-tokens must be at least 1");
-    lg_error err;
-    if (lg_args_check(a, &err) != 0) die_usage("%s", err.msg);
 }
 
 static void die(int code, const lg_error *err) {
     fprintf(stderr, "train: %s\n", err->msg);
     exit(code);
+}
+
+/* --- the memory plan: --plan, the fit check, the diagnosis ---------------------------------- */
+
+/* Does argv[i] set one of the options in `codes` (getopt values)? Sets *takes_value when the
+   value is the next argument. */
+static int sets_option(const char *arg, const int *codes, int n_codes, int *takes_value) {
+    *takes_value = 0;
+    if (arg[0] != '-' || arg[1] == '\0') return 0;
+    for (const struct option *o = long_options; o->name; o++) {
+        int match;
+        if (arg[1] == '-') {
+            size_t len = strcspn(arg + 2, "=");
+            match = strlen(o->name) == len && strncmp(arg + 2, o->name, len) == 0;
+            if (match) *takes_value = o->has_arg == required_argument && !strchr(arg, '=');
+        } else {
+            match = o->val == arg[1];
+            if (match) *takes_value = o->has_arg == required_argument && arg[2] == '\0';
+        }
+        if (!match) continue;
+        for (int k = 0; k < n_codes; k++)
+            if (codes[k] == o->val) return 1;
+        return 0;
+    }
+    return 0;
+}
+
+/* The user's command line with the options that `flags` sets replaced by `flags`. */
+static void print_command(int argc, char **argv, const char *flags) {
+    int codes[16], n_codes = 0, takes_value;
+    char copy[128];
+    snprintf(copy, sizeof copy, "%s", flags);
+    for (char *tok = strtok(copy, " "); tok && n_codes < 16; tok = strtok(NULL, " "))
+        if (tok[0] == '-')
+            for (const struct option *o = long_options; o->name; o++) {
+                int is_long = tok[1] == '-' && strcmp(tok + 2, o->name) == 0;
+                if (is_long || (tok[1] != '-' && o->val == tok[1])) codes[n_codes++] = o->val;
+            }
+    printf("  %s", argv[0]);
+    for (int i = 1; i < argc; i++) {
+        if (sets_option(argv[i], codes, n_codes, &takes_value)) {
+            i += takes_value;
+            continue;
+        }
+        printf(strchr(argv[i], ' ') ? " \"%s\"" : " %s", argv[i]);
+    }
+    printf(" %s\n", flags);
+}
+
+static void print_largest_regions(const lg_plan *plan, int how_many) {
+    const lg_rank_plan *r = &plan->ranks[0];
+    char size[32];
+    int shown[8] = {0};
+    for (int k = 0; k < how_many && k < 8; k++) {
+        int best = -1;
+        for (int i = 0; i < r->n_regions; i++) {
+            int taken = 0;
+            for (int j = 0; j < k; j++) taken |= shown[j] == i;
+            if (!taken && r->regions[i].pool == LG_POOL_DEVICE &&
+                (best < 0 || r->regions[i].bytes > r->regions[best].bytes))
+                best = i;
+        }
+        if (best < 0) break;
+        shown[k] = best;
+        const lg_region *x = &r->regions[best];
+        printf("  %-26s %11s  %s x %zu (%s)\n", x->name, lg_format_bytes(x->bytes, size, sizeof size),
+               lg_dtype_name(x->dtype), x->count, lg_group_name(x->group));
+    }
+}
+
+/* A run that does not fit: what it needs, what there is, the largest regions, the remedies
+   priced by the planner, the cheapest change that fits. Exits 3. */
+static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, const lg_args *a,
+                                 int T, const lg_plan *plan, size_t limit, const char *source) {
+    char need[32], have[32], size[32];
+    printf("train: this run needs %s on each device, but %s is available (%s)\n",
+           lg_format_bytes(lg_plan_bytes(plan, LG_POOL_DEVICE), need, sizeof need),
+           lg_format_bytes(limit, have, sizeof have), source);
+    printf("largest regions:\n");
+    print_largest_regions(plan, 5);
+    lg_remedy remedies[LG_MAX_REMEDIES];
+    int n = lg_plan_remedies(cfg, a, T, limit, remedies);
+    printf("remedies, in the order of the OOM guide (each alone):\n");
+    for (int i = 0; i < n; i++)
+        printf("  %-29s %-20s %11s  %s%s\n", remedies[i].what, remedies[i].flags,
+               lg_format_bytes(remedies[i].device_bytes, size, sizeof size),
+               remedies[i].fits ? "fits" : "does not fit",
+               remedies[i].runnable ? "" : " (planned only: not in this version yet)");
+    lg_remedy best;
+    if (lg_plan_cheapest_fit(cfg, a, T, limit, &best) == 0) {
+        printf("cheapest change that fits (%s):\n",
+               lg_format_bytes(best.device_bytes, size, sizeof size));
+        print_command(argc, argv, best.flags);
+    } else {
+        printf("no change this version can run fits in %s; even %s needs %s\n", have,
+               best.flags, lg_format_bytes(best.device_bytes, size, sizeof size));
+    }
+    exit(3);
+}
+
+/* The memory a device may use: --memory-limit, else what the machine has available. */
+static size_t device_limit(const lg_args *a, const char **source) {
+    if (a->memory_limit) {
+        *source = "--memory-limit";
+        return a->memory_limit;
+    }
+    *source = "available host memory";
+    return lg_host_available_bytes();
+}
+
+/* -b auto: the largest micro-batch that fits and divides the per-device batch. */
+static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T) {
+    const char *source;
+    size_t limit = device_limit(a, &source);
+    if (limit == 0) limit = (size_t)-1; /* unknown: no limit */
+    int b = lg_plan_auto_micro_batch(cfg, a, T, limit);
+    char size[32];
+    if (b == 0) {
+        a->micro_batch_size = 1;
+        return; /* the fit check explains */
+    }
+    a->micro_batch_size = b;
+    printf("-b auto: micro-batch %d (the largest dividing %d per device that fits in %s, %s)\n",
+           b, a->global_batch_size / a->devices, lg_format_bytes(limit, size, sizeof size), source);
+}
+
+/* --plan, and the check that the run fits before anything is allocated. */
+static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_config *cfg, int T) {
+    lg_plan_spec spec;
+    lg_plan plan;
+    lg_error err;
+    lg_plan_spec_from_args(&spec, a, T);
+    if (lg_plan_make(&plan, cfg, &spec, &err) != 0) die(2, &err);
+    if (a->plan_only) {
+        if (a->plan_only == 2) lg_plan_print_json(&plan, stdout);
+        else lg_plan_print(&plan, stdout);
+        lg_plan_free(&plan);
+        exit(0);
+    }
+    const char *source;
+    size_t limit = device_limit(a, &source);
+    if (limit > 0 && lg_plan_bytes(&plan, LG_POOL_DEVICE) > limit)
+        explain_does_not_fit(argc, argv, cfg, a, T, &plan, limit, source);
+    lg_plan_free(&plan);
 }
 
 /* -c NAME: a file at NAME, else configs/NAME.yaml; no -c: the built-in model. */
@@ -310,6 +485,9 @@ int main(int argc, char **argv) {
     if (T > cfg.block_size)
         die_usage("-t/--max-seq-length %d exceeds the model's block_size %d", T, cfg.block_size);
     lg_error err;
+    if (a.micro_batch_auto) choose_micro_batch(&a, &cfg, T);
+    if (lg_args_check(&a, &err) != 0) die_usage("%s", err.msg);
+    plan_and_check(argc, argv, &a, &cfg, T);
     int accumulation = lg_args_accumulation_steps(&a, &err);
     int B = a.micro_batch_size;
     run_data data;

@@ -4,6 +4,26 @@
    every family's whole-model gradient against central finite differences in double precision.
    The float runner starts the double one and adds its counts, so the last line,
    "N passed, N failed", covers both. */
+#include <stddef.h>
+#include <stdlib.h>
+
+/* Every allocation the library makes goes through LG_MALLOC: count them, to show that a rank
+   allocates its arenas and nothing else of size. */
+typedef struct {
+    int counting;        /* record while set */
+    int n;               /* allocations recorded */
+    size_t sizes[4096];  /* their sizes */
+} allocation_log;
+static allocation_log test_allocations; /* test-only: the library itself has no globals */
+
+static void *test_malloc(size_t bytes) {
+    allocation_log *log = &test_allocations;
+    if (log->counting && log->n < 4096) log->sizes[log->n++] = bytes;
+    return malloc(bytes);
+}
+#define LG_MALLOC(size) test_malloc(size)
+#define LG_FREE(ptr) free(ptr)
+
 #define LITGPT_IMPLEMENTATION
 #include "../litgpt.h"
 
@@ -752,7 +772,224 @@ static void test_cli(results *r) {
              strstr(line, "\"lr\":") && strstr(line, "\"grad_norm\":") && strstr(line, "\"ms\":") &&
              strstr(line, "\"tokens_per_s\":");
     if (f) fclose(f);
+    line[strcspn(line, "\n")] = '\0';
     check(r, ok, "--log writes one JSON object a step: %s", line);
+}
+
+/* ---- the memory plan ------------------------------------------------------------------------ */
+
+/* The trainer allocates one arena per pool of the planned size (plus alignment slack), small
+   tables besides, and nothing while it trains; every region the model, optimizer and data use
+   sits at its planned place in its arena. */
+static void check_allocations_match_plan(results *r, const char *config_name, int B, int T,
+                                         lg_optimizer_kind optimizer, float momentum, int accumulation) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, config_name)) return;
+    lg_args a;
+    lg_args_default(&a);
+    a.micro_batch_size = B;
+    a.global_batch_size = B * accumulation;
+    a.optimizer = optimizer;
+    a.momentum = momentum;
+    lg_error err;
+    lg_trainer tr;
+    test_allocations.n = 0;
+    test_allocations.counting = 1;
+    int rc = lg_trainer_create(&tr, &cfg, &a, T, &err);
+    test_allocations.counting = 0;
+    if (rc != 0) { check(r, 0, "%s: %s", config_name, err.msg); return; }
+    const lg_rank_plan *plan = &tr.plan.ranks[0];
+    int arenas_found = 0, ok = 1;
+    size_t other = 0;
+    for (int i = 0; i < test_allocations.n; i++) {
+        size_t bytes = test_allocations.sizes[i];
+        if (bytes == plan->pool_bytes[LG_POOL_DEVICE] + LG_ALIGN ||
+            bytes == plan->pool_bytes[LG_POOL_HOST] + LG_ALIGN)
+            arenas_found++;
+        else
+            other += bytes;
+    }
+    /* tables: the parameter table, per-layer views, the plan's region list */
+    size_t tables_bound = 32768 + (size_t)cfg.n_layer * 8192;
+    ok = arenas_found == 2 && other <= tables_bound;
+
+    /* the regions the trainer uses start where the plan puts them */
+    const lg_rank *rank = &tr.rank;
+    ok = ok && (void *)tr.model.params == lg_rank_region(rank, "weights") &&
+         (void *)tr.model.grads == lg_rank_region(rank, "gradients") &&
+         (void *)tr.inputs == lg_rank_region(rank, "tokens.inputs") &&
+         (void *)tr.model.workspace.base == lg_rank_region(rank, "gemm.workspace") &&
+         (void *)tr.model.a.residual[0] == lg_rank_region(rank, "activations.embedding") &&
+         (void *)tr.model.a.d_res_a == lg_rank_region(rank, "backward") &&
+         (void *)tr.model.a.ln_f == lg_rank_region(rank, "head");
+    ok = ok && (optimizer == LG_OPTIMIZER_SGD && momentum == 0
+                    ? tr.opt.m == NULL && lg_rank_region(rank, "optimizer.momentum") == NULL
+                    : (void *)tr.opt.m == lg_rank_region(rank, optimizer == LG_OPTIMIZER_ADAMW
+                                                                   ? "optimizer.m"
+                                                                   : "optimizer.momentum"));
+    for (int l = 0; l < cfg.n_layer; l++) {
+        char name[64];
+        snprintf(name, sizeof name, "activations.h.%d", l);
+        ok = ok && (void *)tr.model.a.h[l].n1 == lg_rank_region(rank, name);
+        /* the block's last tensor, its output, ends exactly at the region's count */
+        const lg_region *x = lg_plan_find(plan, name);
+        ok = ok && x && tr.model.a.residual[l + 1] + (size_t)B * T * cfg.n_embd ==
+                            (lg_real *)lg_rank_region(rank, name) + x->count;
+    }
+    /* the weights region holds exactly the parameters; regions stay inside their arena */
+    ok = ok && lg_plan_find(plan, "weights")->count == tr.model.n_params;
+    for (int i = 0; i < plan->n_regions; i++) {
+        const lg_region *x = &plan->regions[i];
+        ok = ok && x->offset + x->bytes <= plan->pool_bytes[x->pool] &&
+             x->bytes == (x->count * lg_dtype_size(x->dtype) + LG_ALIGN - 1) / LG_ALIGN * LG_ALIGN;
+    }
+    /* training allocates nothing */
+    size_t n_tokens = 0;
+    uint32_t *tokens = lg_builtin_task_tokens(1, (size_t)4 * B * T * accumulation + 1, &n_tokens);
+    lg_loader ld;
+    lg_loader_from_memory(&ld, tokens, n_tokens, T, cfg.vocab_size, 1, 1, &err);
+    test_allocations.n = 0;
+    test_allocations.counting = 1;
+    lg_step_stats st;
+    for (int s = 0; s < 2; s++) ok = ok && lg_trainer_step(&tr, &ld, s, &st, &err) == 0;
+    test_allocations.counting = 0;
+    ok = ok && test_allocations.n == 0;
+    char size[32];
+    check(r, ok, "%-12s -b %d -t %-3d %-5s x%d: arenas = plan (%s), %zu B of tables, regions in "
+          "place, no allocation while training", config_name, B, T,
+          optimizer == LG_OPTIMIZER_ADAMW ? "adamw" : momentum ? "sgd+m" : "sgd", accumulation,
+          lg_format_bytes(plan->pool_bytes[LG_POOL_DEVICE], size, sizeof size), other);
+    lg_loader_close(&ld);
+    lg_trainer_free(&tr);
+}
+
+static void test_plan_matches_allocations(results *r) {
+    const char *configs[3] = {"test-gpt2", "test-pythia", "test-llama"};
+    for (int i = 0; i < 3; i++) {
+        check_allocations_match_plan(r, configs[i], 1, 8, LG_OPTIMIZER_ADAMW, 0.9f, 1);
+        check_allocations_match_plan(r, configs[i], 4, 16, LG_OPTIMIZER_SGD, 0.9f, 2);
+        check_allocations_match_plan(r, configs[i], 3, 5, LG_OPTIMIZER_SGD, 0.0f, 3);
+    }
+}
+
+/* Model state of the 7B/8B plans against the arithmetic written out. */
+static void test_plan_large_models(results *r) {
+    /* Llama-2-7b: 32 blocks of q, k, v, o (4096 x 4096 each), three MLP matrices
+       (4096 x 11008) and two norms (4096); embedding and head (32000 x 4096); final norm */
+    size_t llama2 = 32 * (4 * 4096ull * 4096 + 3 * 4096ull * 11008 + 2 * 4096) +
+                    2 * 32000ull * 4096 + 4096;
+    /* Meta-Llama-3-8B: q and o 4096 x 4096, k and v 1024 x 4096 (8 groups of 128), MLP
+       4096 x 14336, vocabulary 128256 */
+    size_t llama3 = 32 * (2 * 4096ull * 4096 + 2 * 1024ull * 4096 + 3 * 4096ull * 14336 +
+                          2 * 4096) + 2 * 128256ull * 4096 + 4096;
+    const struct { const char *config; size_t n; } models[2] = {{"Llama-2-7b-hf", llama2},
+                                                                 {"Meta-Llama-3-8B", llama3}};
+    /* bytes per parameter: weights, master, gradients, each optimizer state (AdamW: two) */
+    const struct { lg_precision p; size_t w, master, g, state; } modes[3] = {
+        {LG_PRECISION_32_TRUE, 4, 0, 4, 4},
+        {LG_PRECISION_BF16_TRUE, 2, 0, 2, 2},
+        {LG_PRECISION_BF16_MIXED, 2, 4, 4, 4}};
+    for (int i = 0; i < 2; i++) {
+        lg_config cfg;
+        if (load_config_or_fail(r, &cfg, models[i].config)) continue;
+        for (int k = 0; k < 3; k++) {
+            lg_plan_spec spec;
+            memset(&spec, 0, sizeof spec);
+            spec.B = 1; spec.T = 2048; spec.accumulation = 1; spec.devices = 1; spec.threads = 1;
+            spec.precision = modes[k].p;
+            spec.optimizer = LG_OPTIMIZER_ADAMW;
+            lg_plan plan;
+            lg_error err;
+            int rc = lg_plan_make(&plan, &cfg, &spec, &err);
+            const lg_rank_plan *rp = &plan.ranks[0];
+            size_t n = models[i].n;
+            const lg_region *master = lg_plan_find(rp, "master_weights");
+            int ok = rc == 0 && lg_plan_find(rp, "weights")->bytes == n * modes[k].w &&
+                     lg_plan_find(rp, "gradients")->bytes == n * modes[k].g &&
+                     lg_plan_find(rp, "optimizer.m")->bytes == n * modes[k].state &&
+                     lg_plan_find(rp, "optimizer.v")->bytes == n * modes[k].state &&
+                     (modes[k].master ? master && master->bytes == n * modes[k].master : !master);
+            size_t state = n * (modes[k].w + modes[k].master + modes[k].g + 2 * modes[k].state);
+            check(r, ok, "%-16s %-10s model state %zu bytes = %zu params x %zu bytes",
+                  models[i].config, lg_precision_name(modes[k].p), state, n,
+                  modes[k].w + modes[k].master + modes[k].g + 2 * modes[k].state);
+            if (rc == 0) lg_plan_free(&plan);
+        }
+    }
+}
+
+static int run_capture(const char *args, char *out, size_t cap) {
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "./train %s 2>&1", args);
+    FILE *p = popen(cmd, "r");
+    size_t n = p ? fread(out, 1, cap - 1, p) : 0;
+    out[n] = '\0';
+    char rest[4096]; /* read what did not fit, so the child never meets a closed pipe */
+    while (p && fread(rest, 1, sizeof rest, p) > 0) continue;
+    int status = p ? pclose(p) : -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* A limit below the plan: exit 3, the diagnosis, and a suggested command that runs. */
+static void test_memory_limit(results *r) {
+    static char out[16384], again[16384];
+    const char *args = "-c test-llama -b 8 -g 8 -t 16 --memory-limit 4.7MiB --max-steps 1 --eval-iters 1";
+    int code = run_capture(args, out, sizeof out);
+    int ok = code == 3 && strstr(out, "this run needs") && strstr(out, "largest regions:") &&
+             strstr(out, "smaller micro-batch") && strstr(out, "shorter sequence") &&
+             strstr(out, "-p bf16-true") && strstr(out, "--recompute block") &&
+             strstr(out, "--offload") && strstr(out, "-o sgd");
+    char *cmd = strstr(out, "cheapest change that fits");
+    cmd = cmd ? strstr(cmd, "./train ") : NULL;
+    check(r, ok && cmd, "--memory-limit below the plan: exit %d with the diagnosis", code);
+    if (!cmd) return;
+    char *end = strchr(cmd, '\n');
+    if (end) *end = '\0';
+    printf("        suggested: %s\n", cmd);
+    code = run_capture(cmd + strlen("./train "), again, sizeof again);
+    check(r, code == 0 && strstr(again, "step     1/1"), "the suggested command trains under the same limit (exit %d)", code);
+}
+
+/* -b auto takes the largest divisor of the per-device batch that fits; the next does not. */
+static void test_auto_micro_batch(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    lg_args a;
+    lg_args_default(&a);
+    a.global_batch_size = 24;
+    int T = 16;
+    a.micro_batch_size = 6;
+    size_t limit = lg_plan_device_bytes_for(&cfg, &a, T); /* exactly what -b 6 needs */
+    int b = lg_plan_auto_micro_batch(&cfg, &a, T, limit);
+    a.micro_batch_size = 8; /* the next divisor of 24 */
+    size_t next = lg_plan_device_bytes_for(&cfg, &a, T);
+    check(r, b == 6 && next > limit, "-b auto -g 24 under the plan of -b 6: picks %d; -b 8 needs %zu > %zu", b, next, limit);
+    char out[4096];
+    int code = run_capture("-c test-llama -b auto -g 24 -t 16 --memory-limit 5MiB --max-steps 1 --eval-iters 1", out, sizeof out);
+    check(r, code == 0 && strstr(out, "-b auto: micro-batch"), "./train -b auto says what it chose: %.*s",
+          (int)(strchr(out, '\n') ? strchr(out, '\n') - out : 0), out);
+}
+
+static void test_plan_cli(results *r) {
+    static const char *configs[] = {"gpt2", "pythia-14m", "pythia-70m", "pythia-160m",
+                                    "tiny-llama-1.1b", "Llama-2-7b-hf", "Llama-3.2-1B",
+                                    "Meta-Llama-3-8B", "Mistral-7B-v0.1", "Qwen2.5-0.5B",
+                                    "SmolLM2-135M"};
+    static char out[65536];
+    int ok = 1;
+    double start = lg_time_ms();
+    for (size_t i = 0; i < sizeof configs / sizeof configs[0]; i++) {
+        char args[256];
+        snprintf(args, sizeof args, "--plan -c %s -b 1 -t 512", configs[i]);
+        ok = ok && run_capture(args, out, sizeof out) == 0 && strstr(out, "total per device");
+        snprintf(args, sizeof args, "--plan=json -c %s -t 512 -d 8 -p bf16-true --offload", configs[i]);
+        ok = ok && run_capture(args, out, sizeof out) == 0 && strstr(out, "\"device_bytes\":") &&
+             strstr(out, "\"host_bytes\":") && strstr(out, "\"dtype\":\"bf16\"");
+    }
+    check(r, ok, "--plan and --plan=json for all 11 shipped configs (%.0f ms for 22 runs)",
+          lg_time_ms() - start);
+    int code = run_capture("-c Meta-Llama-3-8B -t 256 -b 1", out, sizeof out);
+    check(r, code == 3, "an 8B run on this machine stops before allocating (exit %d)", code);
 }
 
 /* Runs the double-precision runner and adds its counts. */
@@ -792,6 +1029,12 @@ int main(void) {
     test_safetensors(&r);
     printf("command line\n");
     test_cli(&r);
+    printf("memory plan\n");
+    test_plan_matches_allocations(&r);
+    test_plan_large_models(&r);
+    test_memory_limit(&r);
+    test_auto_micro_batch(&r);
+    test_plan_cli(&r);
     run_double_tests(&r);
     printf("%d passed, %d failed\n", r.passed, r.failed);
     return r.failed ? 1 : 0;
