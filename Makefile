@@ -1,6 +1,6 @@
 # litgpt.c — `make` builds ./train for the CPU; `make test` builds and runs every test.
 CC ?= gcc
-CFLAGS ?= -O3 -march=native
+CFLAGS ?= -O3 -march=native -ffp-contract=fast
 WARNINGS = -std=c11 -Wall -Wextra -Werror
 OPENMP = -fopenmp
 LDLIBS = -lm

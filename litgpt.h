@@ -127,6 +127,17 @@ typedef enum { LG_PRECISION_32_TRUE, LG_PRECISION_16_TRUE, LG_PRECISION_BF16_TRU
 int lg_precision_parse(const char *text, lg_precision *out);
 const char *lg_precision_name(lg_precision p);
 
+/* Storage types. F32 is lg_real: 4 bytes, except in the test build with LG_REAL_DOUBLE where
+   it is 8. BF16 and F16 are 16-bit storage; arithmetic on them is in lg_real. */
+typedef enum { LG_DTYPE_F32, LG_DTYPE_BF16, LG_DTYPE_F16, LG_DTYPE_I32 } lg_dtype;
+
+/* A typed view of a tensor: where it is and how its elements are stored. Kernels read and
+   write elements through lg_get / lg_set, so one loop serves every precision. */
+typedef struct {
+    void *data;
+    lg_dtype dtype;
+} lg_buf;
+
 /* ---------------------------------------------------------------------------------------------
    3. config (API)
    ------------------------------------------------------------------------------------------- */
@@ -183,7 +194,7 @@ typedef struct {
     int micro_batch_size;      /* -b: samples per forward/backward */
     int global_batch_size;     /* -g: samples per optimizer step over all devices; 0: = -b */
     int max_seq_length;        /* -t: tokens per sample; 0: the model's block_size */
-    lg_precision precision;    /* -p */
+    lg_precision precision;    /* -p; default bf16-mixed (fp32 arithmetic, half storage) */
     int devices;               /* -d */
     lg_optimizer_kind optimizer; /* -o adamw|sgd */
     float lr, min_lr;
@@ -243,63 +254,67 @@ typedef struct {
     size_t total;            /* elements in the buffer */
 } lg_tensor_table;
 
-/* One transformer block's tensors, as pointers into a buffer laid out by lg_params_layout. The
-   same struct points into the parameters or into the gradients. Absent tensors are NULL. */
+/* One transformer block's tensors, as views into a buffer laid out by lg_params_layout. The
+   same struct views the parameters or the gradients. Absent tensors have data NULL. */
 typedef struct {
-    lg_real *norm_1_w, *norm_1_b; /* (C) */
-    lg_real *qkv_w;               /* ((NH + 2 NQG) HS, C): query heads, then key, then value */
-    lg_real *qkv_b;               /* ((NH + 2 NQG) HS) */
-    lg_real *proj_w;              /* (C, NH HS) */
-    lg_real *proj_b;              /* (C) */
-    lg_real *norm_2_w, *norm_2_b; /* (C) */
-    lg_real *fc_w, *fc_b;         /* GptNeoxMLP: (I, C), (I); LLaMAMLP: fc_1 */
-    lg_real *fc_2_w, *fc_2_b;     /* LLaMAMLP only: (I, C), (I) */
-    lg_real *mlp_proj_w;          /* (C, I) */
-    lg_real *mlp_proj_b;          /* (C) */
+    lg_buf norm_1_w, norm_1_b; /* (C) */
+    lg_buf qkv_w;              /* ((NH + 2 NQG) HS, C): query heads, then key, then value */
+    lg_buf qkv_b;              /* ((NH + 2 NQG) HS) */
+    lg_buf proj_w;             /* (C, NH HS) */
+    lg_buf proj_b;             /* (C) */
+    lg_buf norm_2_w, norm_2_b; /* (C) */
+    lg_buf fc_w, fc_b;         /* GptNeoxMLP: (I, C), (I); LLaMAMLP: fc_1 */
+    lg_buf fc_2_w, fc_2_b;     /* LLaMAMLP only: (I, C), (I) */
+    lg_buf mlp_proj_w;         /* (C, I) */
+    lg_buf mlp_proj_b;         /* (C) */
 } lg_block_tensors;
 
 typedef struct {
-    lg_real *wte;              /* (Vp, C) */
-    lg_real *wpe;              /* (block_size, C) */
+    lg_buf wte;                /* (Vp, C) */
+    lg_buf wpe;                /* (block_size, C) */
     lg_block_tensors *h;       /* (L) */
-    lg_real *ln_f_w, *ln_f_b;  /* (C) */
-    lg_real *lm_head_w;        /* (Vp, C); == wte when tied */
-    lg_real *lm_head_b;        /* (Vp) */
+    lg_buf ln_f_w, ln_f_b;     /* (C) */
+    lg_buf lm_head_w;          /* (Vp, C); == wte when tied */
+    lg_buf lm_head_b;          /* (Vp) */
 } lg_param_tensors;
 
-/* What one block keeps from its forward for its backward. */
+/* What one block keeps from its forward for its backward: tensors in the activation type,
+   statistics in lg_real. */
 typedef struct {
-    lg_real *n1, *n1_mean, *n1_rstd; /* (B, T, C), (B, T), (B, T): norm_1 output, statistics */
-    lg_real *qkv;                    /* (B, T, (NH + 2 NQG) HS), rotary applied */
-    lg_real *att;                    /* (B, NH, T, T): attention probabilities */
-    lg_real *att_y;                  /* (B, T, NH HS): heads before the projection */
-    lg_real *x_mid;                  /* (B, T, C): input + attention branch */
-    lg_real *n2, *n2_mean, *n2_rstd; /* norm_2 output and statistics (absent when shared) */
-    lg_real *fc;                     /* (B, T, I): MLP pre-activation (fc or fc_1) */
-    lg_real *fc_2;                   /* (B, T, I): LLaMAMLP's second branch */
-    lg_real *act;                    /* (B, T, I): gelu(fc) or silu(fc_1) * fc_2 */
+    lg_buf n1;                       /* (B, T, C): norm_1 output */
+    lg_real *n1_mean, *n1_rstd;      /* (B, T), (B, T): its statistics (mean: LayerNorm only) */
+    lg_buf qkv;                      /* (B, T, (NH + 2 NQG) HS), rotary applied */
+    lg_buf att;                      /* (B, NH, T, T): attention probabilities */
+    lg_buf att_y;                    /* (B, T, NH HS): heads before the projection */
+    lg_buf x_mid;                    /* (B, T, C): input + attention branch */
+    lg_buf n2;                       /* (B, T, C): norm_2 output (absent when shared) */
+    lg_real *n2_mean, *n2_rstd;      /* (B, T), (B, T) */
+    lg_buf fc;                       /* (B, T, I): MLP pre-activation (fc or fc_1) */
+    lg_buf fc_2;                     /* (B, T, I): LLaMAMLP's second branch */
+    lg_buf act;                      /* (B, T, I): gelu(fc) or silu(fc_1) * fc_2 */
 } lg_block_acts;
 
 typedef struct {
-    lg_real **residual;              /* (L + 1) x (B, T, C): input of block l, last = output */
+    lg_buf *residual;                /* (L + 1) x (B, T, C): input of block l, last = output */
     lg_block_acts *h;                /* (L) */
-    lg_real *ln_f, *ln_f_mean, *ln_f_rstd; /* (B, T, C), (B, T), (B, T) */
-    lg_real *logits;                 /* (B, T, Vp); the backward overwrites it with its gradient */
+    lg_buf ln_f;                     /* (B, T, C) */
+    lg_real *ln_f_mean, *ln_f_rstd;  /* (B, T), (B, T) */
+    lg_buf logits;                   /* (B, T, Vp); the backward overwrites it with its gradient */
     lg_real *losses;                 /* (B, T): per-token loss, 0 where ignored */
     lg_real *rope_cos, *rope_sin;    /* (T, rope_dims / 2) */
     /* the backward's working set, one block at a time */
-    lg_real *d_res_a, *d_res_b;      /* (B, T, C): gradient of the residual stream */
-    lg_real *d_mid, *d_norm;         /* (B, T, C) */
-    lg_real *d_qkv;                  /* (B, T, (NH + 2 NQG) HS) */
-    lg_real *d_att;                  /* (B, NH, T, T) */
-    lg_real *d_att_y;                /* (B, T, NH HS) */
-    lg_real *d_fc, *d_fc_2, *d_act;  /* (B, T, I) */
+    lg_buf d_res_a, d_res_b;         /* (B, T, C): gradient of the residual stream */
+    lg_buf d_mid, d_norm;            /* (B, T, C) */
+    lg_buf d_qkv;                    /* (B, T, (NH + 2 NQG) HS) */
+    lg_buf d_att;                    /* (B, NH, T, T) */
+    lg_buf d_att_y;                  /* (B, T, NH HS) */
+    lg_buf d_fc, d_fc_2, d_act;      /* (B, T, I) */
 } lg_act_tensors;
 
 /* Lays the parameters out in one buffer: fills `table` (may be NULL) and, when base is not
    NULL, points `tensors` into base. Returns the element count. Call it with the parameter
    buffer and again with the gradient buffer: both have this layout. */
-size_t lg_params_layout(const lg_config *cfg, lg_real *base, lg_param_tensors *tensors,
+size_t lg_params_layout(const lg_config *cfg, lg_buf base, lg_param_tensors *tensors,
                         lg_tensor_table *table);
 void lg_tensor_table_free(lg_tensor_table *table);
 
@@ -309,8 +324,6 @@ void lg_tensor_table_free(lg_tensor_table *table);
 typedef enum { LG_POOL_DEVICE, LG_POOL_HOST } lg_pool;
 #define LG_N_POOLS 2
 
-/* F32 is lg_real: 4 bytes, except in the test build with LG_REAL_DOUBLE where it is 8. */
-typedef enum { LG_DTYPE_F32, LG_DTYPE_BF16, LG_DTYPE_F16, LG_DTYPE_I32 } lg_dtype;
 
 /* What a region holds: the groups of the --plan table, in its order. */
 typedef enum {
@@ -431,8 +444,10 @@ typedef struct lg_rank lg_rank;
 typedef struct {
     lg_config cfg;
     int B, T;                   /* the largest micro-batch and sequence the buffers hold */
-    lg_real *params;            /* (n_params): all parameters, the plan's "weights" region */
-    lg_real *grads;             /* (n_params): same layout, the "gradients" region */
+    lg_buf params;              /* (n_params): all parameters, the plan's "weights" region, in
+                                   the weight type of the precision (the working copy) */
+    lg_buf grads;               /* (n_params): same layout, the "gradients" region */
+    lg_precision precision;
     size_t n_params;
     lg_tensor_table param_table;
     lg_param_tensors p, g;      /* views of params and grads */
@@ -470,18 +485,26 @@ void lg_model_generate(lg_model *m, int *tokens, int n_prompt, int n_new, float 
 typedef struct {
     lg_optimizer_kind kind;
     float weight_decay, beta1, beta2, eps, momentum;
-    lg_real *m;   /* (n_params): AdamW first moment, SGD momentum buffer; NULL when unused */
-    lg_real *v;   /* (n_params): AdamW second moment */
-    int t;        /* updates taken */
+    lg_buf m;          /* (n_params): AdamW first moment, SGD momentum; data NULL when unused */
+    lg_buf v;          /* (n_params): AdamW second moment */
+    lg_real *master;   /* (n_params): fp32 master weights of the mixed precisions, else NULL */
+    int stochastic;    /* half weights without a master copy: round updates stochastically */
+    uint64_t seed;     /* of the stochastic rounding */
+    int t;             /* updates taken */
 } lg_optimizer;
 
+/* Binds the state to the model's rank; a mixed precision's master weights start as a copy of
+   the model's weights. */
 int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_args *args,
                         lg_error *err);
 void lg_optimizer_free(lg_optimizer *opt);
-void lg_optimizer_step(lg_optimizer *opt, lg_model *m, float lr);
+/* Updates every parameter from its gradient times grad_multiplier (unscaling and clipping in
+   one factor); writes the weights back in their storage type. */
+void lg_optimizer_step(lg_optimizer *opt, lg_model *m, float lr, float grad_multiplier);
+/* The global norm of the gradients as stored (Inf or NaN when any element is). */
 float lg_grad_norm(const lg_model *m);
-/* Scales the gradients to max_norm when their norm exceeds it (max_norm 0: off). */
-void lg_grad_clip(lg_model *m, float norm, float max_norm);
+/* The factor that brings a gradient norm down to max_norm (1 when below, or max_norm 0). */
+float lg_clip_factor(float norm, float max_norm);
 /* Linear warmup over warmup_steps, then cosine from lr to min_lr at max_steps. */
 float lg_learning_rate(const lg_args *args, int step);
 
@@ -590,13 +613,20 @@ typedef struct {
     int accumulation;   /* micro-batches per optimizer step */
     int *inputs;        /* (accumulation, B, T): the plan's tokens.inputs */
     int *targets;       /* (accumulation, B, T): the plan's tokens.targets */
+    /* dynamic loss scaling (16-true, 16-mixed), as PyTorch's GradScaler */
+    int scaling;        /* 1 in the fp16 precisions */
+    float loss_scale;   /* multiplies the loss before the backward: 2^16 at the start */
+    int clean_steps;    /* steps since the scale last changed */
+    int scale_window;   /* clean steps before the scale doubles: 2000 */
 } lg_trainer;
 
 typedef struct {
     double loss;        /* mean over every non-ignored target of the step */
-    float lr, grad_norm; /* grad_norm before clipping */
+    float lr, grad_norm; /* grad_norm before clipping, unscaled */
     double ms, tokens_per_s;
     long n_targets;
+    int skipped;        /* an fp16 gradient overflowed: no update, the loss scale halved */
+    float loss_scale;   /* the scale this step used (1 without scaling) */
 } lg_step_stats;
 
 int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args, int T,
@@ -728,6 +758,122 @@ LG_HD lg_real lg_gelu_tanh_grad(lg_real x) {
 }
 
 LG_HD lg_real lg_sigmoid(lg_real x) { return 1.0f / (1.0f + lg_exp(-x)); }
+
+/* bf16 and fp16 as storage: conversions with round-to-nearest-even, NaN kept NaN (quiet, with
+   the payload's top bits), overflow to infinity, fp16 subnormals. */
+
+LG_HD uint32_t lg_f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+LG_HD float lg_bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+LG_HD uint16_t lg_f32_to_bf16(float f) {
+    uint32_t u = lg_f32_bits(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x0040u); /* quiet NaN */
+    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest, ties to even; may carry into Inf */
+    return (uint16_t)(u >> 16);
+}
+
+LG_HD float lg_bf16_to_f32(uint16_t h) { return lg_bits_f32((uint32_t)h << 16); }
+
+#define LG_F16_MAX_BITS_F32 0x477FF000u /* 65520: from here fp16 rounds to Inf */
+#define LG_F16_MIN_NORMAL_F32 0x38800000u /* 2^-14 */
+
+LG_HD uint16_t lg_f32_to_f16(float f) {
+    uint32_t u = lg_f32_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu)); /* NaN */
+    if (a >= LG_F16_MAX_BITS_F32) return (uint16_t)(sign | 0x7C00u);               /* Inf */
+    if (a <= 0x33000000u) return (uint16_t)sign; /* at most 2^-25, half the least subnormal:
+                                                    ties to even give 0 (and no slow
+                                                    arithmetic on fp32 subnormals) */
+    if (a < LG_F16_MIN_NORMAL_F32) {
+        /* subnormal: units of 2^-24; scaling by a power of two is exact, rintf rounds to
+           nearest even (1024 units is the smallest normal, encoded correctly too) */
+        return (uint16_t)(sign | (uint32_t)rintf(lg_bits_f32(a) * 16777216.0f));
+    }
+    a -= 0x38000000u;                /* rebias the exponent from 127 to 15 */
+    a += 0x0FFFu + ((a >> 13) & 1u); /* round to nearest, ties to even */
+    return (uint16_t)(sign | (a >> 13));
+}
+
+LG_HD float lg_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+    if (exp == 0) { /* zero or subnormal: mant x 2^-24 */
+        float v = (float)mant * (1.0f / 16777216.0f);
+        return lg_bits_f32(lg_f32_bits(v) | sign);
+    }
+    if (exp == 31) return lg_bits_f32(sign | 0x7F800000u | (mant << 13)); /* Inf, NaN */
+    return lg_bits_f32(sign | ((exp + 112) << 23) | (mant << 13));
+}
+
+static inline lg_real lg_get(lg_buf b, size_t i) {
+    switch (b.dtype) {
+    case LG_DTYPE_BF16: return lg_bf16_to_f32(((const uint16_t *)b.data)[i]);
+    case LG_DTYPE_F16: return lg_f16_to_f32(((const uint16_t *)b.data)[i]);
+    default: return ((const lg_real *)b.data)[i];
+    }
+}
+
+static inline void lg_set(lg_buf b, size_t i, lg_real v) {
+    switch (b.dtype) {
+    case LG_DTYPE_BF16: ((uint16_t *)b.data)[i] = lg_f32_to_bf16((float)v); break;
+    case LG_DTYPE_F16: ((uint16_t *)b.data)[i] = lg_f32_to_f16((float)v); break;
+    default: ((lg_real *)b.data)[i] = v; break;
+    }
+}
+
+static inline size_t lg_elem_size(lg_dtype d) {
+    return d == LG_DTYPE_F32 ? sizeof(lg_real) : d == LG_DTYPE_I32 ? 4 : 2;
+}
+
+/* The view `offset` elements further on. */
+static inline lg_buf lg_at(lg_buf b, size_t offset) {
+    lg_buf r = {b.data ? (char *)b.data + offset * lg_elem_size(b.dtype) : NULL, b.dtype};
+    return r;
+}
+
+static inline lg_buf lg_buf_of(lg_real *p) {
+    lg_buf b = {p, LG_DTYPE_F32};
+    return b;
+}
+
+/* A uniform draw in [0, 1) that depends only on (seed, index): stochastic rounding gives the
+   same bits whatever the thread count. */
+LG_HD float lg_hash_uniform(uint64_t seed, uint64_t index) {
+    uint64_t z = seed + 0x9E3779B97F4A7C15ull * (index + 1);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)(z >> 40) * (1.0f / 16777216.0f);
+}
+
+LG_HD uint16_t lg_half_from_f32(float v, lg_dtype dtype) {
+    return dtype == LG_DTYPE_BF16 ? lg_f32_to_bf16(v) : lg_f32_to_f16(v);
+}
+
+LG_HD float lg_half_to_f32(uint16_t h, lg_dtype dtype) {
+    return dtype == LG_DTYPE_BF16 ? lg_bf16_to_f32(h) : lg_f16_to_f32(h);
+}
+
+/* Rounds v to a half type stochastically, given a uniform draw u: to the neighbour beyond the
+   nearest with probability equal to v's distance from the nearest in units of their gap, so
+   the expected stored value is v. Exact values, NaN and overflow round as to nearest. */
+LG_HD uint16_t lg_round_stochastic(float v, lg_dtype dtype, float u) {
+    uint16_t near = lg_half_from_f32(v, dtype);
+    float nv = lg_half_to_f32(near, dtype);
+    if (nv == v || v != v || !isfinite(nv)) return near;
+    /* half bit patterns grow with magnitude within a sign: one step towards v */
+    uint16_t other = (uint16_t)(fabsf(v) > fabsf(nv) ? near + 1 : near - 1);
+    float ov = lg_half_to_f32(other, dtype);
+    return u < (v - nv) / (ov - nv) ? other : near;
+}
 
 /* One AdamW element, PyTorch's order: decoupled decay, moments, bias-corrected step. */
 LG_HD lg_real lg_adamw_element(lg_real p, lg_real g, lg_real *m, lg_real *v, lg_real lr, lg_real beta1,
@@ -954,7 +1100,7 @@ void lg_config_builtin(lg_config *c) {
 void lg_args_default(lg_args *a) {
     memset(a, 0, sizeof *a);
     a->micro_batch_size = 16;
-    a->precision = LG_PRECISION_32_TRUE;
+    a->precision = LG_PRECISION_BF16_MIXED; /* the design's default on the CPU backend */
     a->devices = 1;
     a->optimizer = LG_OPTIMIZER_ADAMW;
     a->lr = 4e-3f;
@@ -975,7 +1121,6 @@ void lg_args_default(lg_args *a) {
 
 /* What this version can plan but not yet run; NULL when the run can start. */
 const char *lg_args_not_runnable(const lg_args *a) {
-    if (a->precision != LG_PRECISION_32_TRUE) return "-p/--precision (only 32-true for now)";
     if (a->devices != 1) return "-d/--devices (only 1 for now)";
     if (a->recompute) return "--recompute block";
     if (a->offload) return "--offload";
@@ -985,9 +1130,6 @@ const char *lg_args_not_runnable(const lg_args *a) {
 int lg_args_check(const lg_args *a, lg_error *err) {
     const char *later = lg_args_not_runnable(a);
     if (later && !a->plan_only) {
-        if (a->precision != LG_PRECISION_32_TRUE)
-            return lg_fail(err, "-p/--precision %s: not yet supported (only 32-true for now; "
-                                "--plan shows its memory)", lg_precision_name(a->precision));
         if (a->devices != 1)
             return lg_fail(err, "-d/--devices %d: not yet supported (only 1 for now; --plan "
                                 "shows its memory)", a->devices);
@@ -1028,13 +1170,13 @@ int lg_args_accumulation_steps(const lg_args *a, lg_error *err) {
 
 /* Walks tensors in buffer order: each call to lg_layout_add takes the next `count` elements. */
 typedef struct {
-    lg_real *base;          /* NULL: only count and describe */
+    lg_buf base;            /* data NULL: only count and describe */
     size_t offset;          /* elements taken so far */
     lg_tensor_table *table; /* NULL: do not describe */
 } lg_layout;
 
-static lg_real *lg_layout_add(lg_layout *L, const char *name, int rows, int cols,
-                              lg_tensor_kind kind) {
+static lg_buf lg_layout_add(lg_layout *L, const char *name, int rows, int cols,
+                            lg_tensor_kind kind) {
     size_t count = (size_t)rows * (size_t)cols;
     if (L->table) {
         lg_tensor_info *t = &L->table->tensors[L->table->n_tensors++];
@@ -1046,9 +1188,23 @@ static lg_real *lg_layout_add(lg_layout *L, const char *name, int rows, int cols
         t->kind = kind;
         L->table->total = L->offset + count;
     }
-    lg_real *p = L->base ? L->base + L->offset : NULL;
+    lg_buf view = lg_at(L->base, L->offset);
     L->offset += count;
-    return p;
+    return view;
+}
+
+/* A layout over base (data may be NULL to count). */
+static lg_layout lg_layout_over(lg_buf base, lg_tensor_table *table) {
+    lg_layout L;
+    L.base = base;
+    L.offset = 0;
+    L.table = table;
+    return L;
+}
+
+static lg_buf lg_no_buf(void) {
+    lg_buf b = {NULL, LG_DTYPE_F32};
+    return b;
 }
 
 /* Upper bound of tensors a layout holds, to size a table. */
@@ -1102,9 +1258,9 @@ static void lg_block_params_layout(const lg_config *c, lg_layout *L, int l, lg_b
 #undef LG_BLOCK_TENSOR
 }
 
-size_t lg_params_layout(const lg_config *c, lg_real *base, lg_param_tensors *p,
+size_t lg_params_layout(const lg_config *c, lg_buf base, lg_param_tensors *p,
                         lg_tensor_table *table) {
-    lg_layout L = {base, 0, table};
+    lg_layout L = lg_layout_over(base, table);
     lg_param_tensors scratch;
     lg_block_tensors block;
     lg_block_tensors *h = p ? p->h : NULL; /* the caller owns p->h, (L) entries */
@@ -1114,72 +1270,80 @@ size_t lg_params_layout(const lg_config *c, lg_real *base, lg_param_tensors *p,
     p->wte = lg_layout_add(&L, "transformer.wte.weight", Vp, C, LG_TENSOR_EMBEDDING);
     p->wpe = c->learned_pos_embedding
                  ? lg_layout_add(&L, "transformer.wpe.weight", c->block_size, C, LG_TENSOR_EMBEDDING)
-                 : NULL;
+                 : lg_no_buf();
     for (int l = 0; l < c->n_layer; l++) lg_block_params_layout(c, &L, l, h ? &h[l] : &block);
     p->ln_f_w = lg_layout_add(&L, "transformer.ln_f.weight", 1, C, LG_TENSOR_NORM);
     p->ln_f_b = layer_norm_bias ? lg_layout_add(&L, "transformer.ln_f.bias", 1, C, LG_TENSOR_BIAS)
-                                : NULL;
+                                : lg_no_buf();
     p->lm_head_w = c->tie_embeddings
                        ? p->wte
                        : lg_layout_add(&L, "lm_head.weight", Vp, C, LG_TENSOR_EMBEDDING);
-    p->lm_head_b = c->lm_head_bias ? lg_layout_add(&L, "lm_head.bias", 1, Vp, LG_TENSOR_BIAS) : NULL;
+    p->lm_head_b = c->lm_head_bias ? lg_layout_add(&L, "lm_head.bias", 1, Vp, LG_TENSOR_BIAS)
+                                   : lg_no_buf();
     p->h = h;
     return L.offset;
 }
 
 /* The activation regions. Each function lays out one region and is used twice: with NULL bases
    to count for the plan, and with the rank's region memory to point the model's views. Pass
-   stats = 0 for the tensors stored in the activation type, 1 for the fp32 statistics. */
+   stats = 0 for the tensors stored in the activation type (base typed accordingly), 1 for the
+   lg_real statistics. */
 
-static void lg_embedding_acts_layout(int B, int T, int C, lg_real *base, lg_act_tensors *a,
+static void lg_embedding_acts_layout(int B, int T, int C, lg_buf base, lg_act_tensors *a,
                                      size_t *count) {
-    lg_layout L = {base, 0, NULL};
-    lg_real *x = lg_layout_add(&L, "residual.0", B * T, C, LG_TENSOR_ACTIVATION);
+    lg_layout L = lg_layout_over(base, NULL);
+    lg_buf x = lg_layout_add(&L, "residual.0", B * T, C, LG_TENSOR_ACTIVATION);
     if (a) a->residual[0] = x;
     *count = L.offset;
 }
 
 static void lg_block_acts_layout(const lg_config *c, int l, int B, int T, int stats,
-                                 lg_real *base, lg_act_tensors *a, size_t *count) {
-    lg_layout L = {base, 0, NULL};
+                                 lg_buf base, lg_act_tensors *a, size_t *count) {
+    lg_layout L = lg_layout_over(base, NULL);
     int N = B * T, C = c->n_embd, I = c->intermediate_size, QKV = lg_config_qkv_size(c);
     int NH = c->n_head, ATT = c->n_head * c->head_size;
     int llama = c->mlp_class_name == LG_MLP_LLAMA;
     int layer_norm = c->norm_class_name == LG_NORM_LAYERNORM;
     lg_block_acts scratch, *b = a ? &a->h[l] : &scratch;
     if (!stats) memset(b, 0, sizeof *b);
-#define LG_ACT(field, is_stat, rows, cols)                                                     \
+#define LG_ACT(field, rows, cols)                                                              \
     do {                                                                                       \
-        if ((is_stat) == stats) b->field = lg_layout_add(&L, #field, rows, cols, LG_TENSOR_ACTIVATION); \
+        if (!stats) b->field = lg_layout_add(&L, #field, rows, cols, LG_TENSOR_ACTIVATION);    \
     } while (0)
-    LG_ACT(n1, 0, N, C);
-    if (layer_norm) LG_ACT(n1_mean, 1, 1, N);
-    LG_ACT(n1_rstd, 1, 1, N);
-    LG_ACT(qkv, 0, N, QKV);
-    LG_ACT(att, 0, B * NH, T * T);
-    LG_ACT(att_y, 0, N, ATT);
-    LG_ACT(x_mid, 0, N, C);
+#define LG_STAT(field, rows, cols)                                                             \
+    do {                                                                                       \
+        if (stats)                                                                             \
+            b->field = (lg_real *)lg_layout_add(&L, #field, rows, cols, LG_TENSOR_ACTIVATION).data; \
+    } while (0)
+    LG_ACT(n1, N, C);
+    if (layer_norm) LG_STAT(n1_mean, 1, N);
+    LG_STAT(n1_rstd, 1, N);
+    LG_ACT(qkv, N, QKV);
+    LG_ACT(att, B * NH, T * T);
+    LG_ACT(att_y, N, ATT);
+    LG_ACT(x_mid, N, C);
     if (!c->shared_attention_norm) {
-        LG_ACT(n2, 0, N, C);
-        if (layer_norm) LG_ACT(n2_mean, 1, 1, N);
-        LG_ACT(n2_rstd, 1, 1, N);
+        LG_ACT(n2, N, C);
+        if (layer_norm) LG_STAT(n2_mean, 1, N);
+        LG_STAT(n2_rstd, 1, N);
     }
-    LG_ACT(fc, 0, N, I);
-    if (llama) LG_ACT(fc_2, 0, N, I);
-    LG_ACT(act, 0, N, I);
+    LG_ACT(fc, N, I);
+    if (llama) LG_ACT(fc_2, N, I);
+    LG_ACT(act, N, I);
 #undef LG_ACT
+#undef LG_STAT
     if (!stats) {
-        lg_real *out = lg_layout_add(&L, "residual", N, C, LG_TENSOR_ACTIVATION);
+        lg_buf out = lg_layout_add(&L, "residual", N, C, LG_TENSOR_ACTIVATION);
         if (a) a->residual[l + 1] = out;
     }
     *count = L.offset;
 }
 
 /* The final norm and the classifier: ln_f (B, T, C) and logits (B, T, Vp); statistics and the
-   per-token losses are fp32. */
-static void lg_head_acts_layout(const lg_config *c, int B, int T, int stats, lg_real *base,
+   per-token losses are lg_real. */
+static void lg_head_acts_layout(const lg_config *c, int B, int T, int stats, lg_buf base,
                                 lg_act_tensors *a, size_t *count) {
-    lg_layout L = {base, 0, NULL};
+    lg_layout L = lg_layout_over(base, NULL);
     lg_act_tensors scratch;
     int N = B * T;
     if (!a) a = &scratch;
@@ -1188,30 +1352,30 @@ static void lg_head_acts_layout(const lg_config *c, int B, int T, int stats, lg_
         a->logits = lg_layout_add(&L, "logits", N, c->padded_vocab_size, LG_TENSOR_ACTIVATION);
     } else {
         a->ln_f_mean = c->norm_class_name == LG_NORM_LAYERNORM
-                           ? lg_layout_add(&L, "ln_f.mean", 1, N, LG_TENSOR_ACTIVATION)
+                           ? (lg_real *)lg_layout_add(&L, "ln_f.mean", 1, N, LG_TENSOR_ACTIVATION).data
                            : NULL;
-        a->ln_f_rstd = lg_layout_add(&L, "ln_f.rstd", 1, N, LG_TENSOR_ACTIVATION);
-        a->losses = lg_layout_add(&L, "losses", 1, N, LG_TENSOR_ACTIVATION);
+        a->ln_f_rstd = (lg_real *)lg_layout_add(&L, "ln_f.rstd", 1, N, LG_TENSOR_ACTIVATION).data;
+        a->losses = (lg_real *)lg_layout_add(&L, "losses", 1, N, LG_TENSOR_ACTIVATION).data;
     }
     *count = L.offset;
 }
 
-/* Rotary tables (T, rope_dims / 2), fp32. */
+/* Rotary tables (T, rope_dims / 2), lg_real. */
 static void lg_rope_layout(const lg_config *c, int T, lg_real *base, lg_act_tensors *a,
                            size_t *count) {
-    lg_layout L = {base, 0, NULL};
+    lg_layout L = lg_layout_over(lg_buf_of(base), NULL);
     lg_act_tensors scratch;
     int R = lg_config_rope_dims(c) / 2;
     if (!a) a = &scratch;
-    a->rope_cos = R ? lg_layout_add(&L, "rope.cos", T, R, LG_TENSOR_ACTIVATION) : NULL;
-    a->rope_sin = R ? lg_layout_add(&L, "rope.sin", T, R, LG_TENSOR_ACTIVATION) : NULL;
+    a->rope_cos = R ? (lg_real *)lg_layout_add(&L, "rope.cos", T, R, LG_TENSOR_ACTIVATION).data : NULL;
+    a->rope_sin = R ? (lg_real *)lg_layout_add(&L, "rope.sin", T, R, LG_TENSOR_ACTIVATION).data : NULL;
     *count = L.offset;
 }
 
 /* The backward's working set: gradients of one block's activations at a time. */
-static void lg_backward_layout(const lg_config *c, int B, int T, lg_real *base,
-                               lg_act_tensors *a, size_t *count) {
-    lg_layout L = {base, 0, NULL};
+static void lg_backward_layout(const lg_config *c, int B, int T, lg_buf base, lg_act_tensors *a,
+                               size_t *count) {
+    lg_layout L = lg_layout_over(base, NULL);
     lg_act_tensors scratch;
     int N = B * T, C = c->n_embd, I = c->intermediate_size, QKV = lg_config_qkv_size(c);
     if (!a) a = &scratch;
@@ -1225,7 +1389,7 @@ static void lg_backward_layout(const lg_config *c, int B, int T, lg_real *base,
     a->d_fc = lg_layout_add(&L, "d_fc", N, I, LG_TENSOR_ACTIVATION);
     a->d_fc_2 = c->mlp_class_name == LG_MLP_LLAMA
                     ? lg_layout_add(&L, "d_fc_2", N, I, LG_TENSOR_ACTIVATION)
-                    : NULL;
+                    : lg_no_buf();
     a->d_act = lg_layout_add(&L, "d_act", N, I, LG_TENSOR_ACTIVATION);
     *count = L.offset;
 }
@@ -1355,12 +1519,12 @@ static int lg_plan_activations(lg_rank_plan *r, const lg_config *c, const lg_pla
     int B = s->B, T = s->T, rc = 0;
     size_t main_count, stats_count;
     char name[LG_MAX_NAME];
-    lg_embedding_acts_layout(B, T, c->n_embd, NULL, NULL, &main_count);
+    lg_embedding_acts_layout(B, T, c->n_embd, lg_no_buf(), NULL, &main_count);
     rc |= lg_plan_add(r, "activations.embedding", LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, t.acts,
                       main_count);
     for (int l = 0; l < c->n_layer; l++) {
-        lg_block_acts_layout(c, l, B, T, 0, NULL, NULL, &main_count);
-        lg_block_acts_layout(c, l, B, T, 1, NULL, NULL, &stats_count);
+        lg_block_acts_layout(c, l, B, T, 0, lg_no_buf(), NULL, &main_count);
+        lg_block_acts_layout(c, l, B, T, 1, lg_no_buf(), NULL, &stats_count);
         if (s->recompute) {
             main_count = (size_t)B * T * c->n_embd; /* the block's output only */
             stats_count = 0;
@@ -1371,8 +1535,8 @@ static int lg_plan_activations(lg_rank_plan *r, const lg_config *c, const lg_pla
         rc |= lg_plan_add(r, name, LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, LG_DTYPE_F32, stats_count);
     }
     if (s->recompute) {
-        lg_block_acts_layout(c, 0, B, T, 0, NULL, NULL, &main_count);
-        lg_block_acts_layout(c, 0, B, T, 1, NULL, NULL, &stats_count);
+        lg_block_acts_layout(c, 0, B, T, 0, lg_no_buf(), NULL, &main_count);
+        lg_block_acts_layout(c, 0, B, T, 1, lg_no_buf(), NULL, &stats_count);
         rc |= lg_plan_add(r, "recompute.block", LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, t.acts,
                           main_count);
         rc |= lg_plan_add(r, "recompute.block.stats", LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE,
@@ -1380,11 +1544,11 @@ static int lg_plan_activations(lg_rank_plan *r, const lg_config *c, const lg_pla
     }
     lg_rope_layout(c, T, NULL, NULL, &main_count);
     rc |= lg_plan_add(r, "rope", LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, LG_DTYPE_F32, main_count);
-    lg_head_acts_layout(c, B, T, 0, NULL, NULL, &main_count);
-    lg_head_acts_layout(c, B, T, 1, NULL, NULL, &stats_count);
+    lg_head_acts_layout(c, B, T, 0, lg_no_buf(), NULL, &main_count);
+    lg_head_acts_layout(c, B, T, 1, lg_no_buf(), NULL, &stats_count);
     rc |= lg_plan_add(r, "head", LG_GROUP_LOGITS, LG_POOL_DEVICE, t.acts, main_count);
     rc |= lg_plan_add(r, "head.stats", LG_GROUP_LOGITS, LG_POOL_DEVICE, LG_DTYPE_F32, stats_count);
-    lg_backward_layout(c, B, T, NULL, NULL, &main_count);
+    lg_backward_layout(c, B, T, lg_no_buf(), NULL, &main_count);
     rc |= lg_plan_add(r, "backward", LG_GROUP_BACKWARD, LG_POOL_DEVICE, t.acts, main_count);
     return rc;
 }
@@ -1404,7 +1568,7 @@ int lg_plan_make(lg_plan *plan, const lg_config *c, const lg_plan_spec *s, lg_er
         lg_plan_free(plan);
         return lg_fail(err, "plan: out of host memory");
     }
-    lg_params_layout(c, NULL, NULL, &params);
+    lg_params_layout(c, lg_no_buf(), NULL, &params);
     size_t tokens = (size_t)s->accumulation * s->B * s->T;
     int rc = 0;
     for (int i = 0; i < plan->n_ranks; i++) { /* equal shards: every rank has the same plan */
@@ -1785,60 +1949,41 @@ void lg_plan_print_json(const lg_plan *plan, FILE *out) {
 #define LG_GEMM_PARALLEL (128.0 * 128 * 128) /* M*N*K below: one thread */
 
 /* --- small problems: straightforward loops, no packing ------------------ */
-static void lg_gemm_simple(int trans_a, int trans_b, int M, int N, int K,
-                           const lg_real *A, int lda, const lg_real *B, int ldb,
-                           lg_real beta, lg_real *C, int ldc) {
-    int i, j, p;
-    for (i = 0; i < M; i++) {
-        lg_real *c = C + (size_t)i * ldc;
-        for (j = 0; j < N; j++) c[j] = (beta == 0) ? (lg_real)0 : beta * c[j];
-        if (!trans_b) {           /* c[:] += a_ip * B[p, :]   (axpy over N) */
-            for (p = 0; p < K; p++) {
-                const lg_real a = trans_a ? A[(size_t)p * lda + i] : A[(size_t)i * lda + p];
-                const lg_real *b = B + (size_t)p * ldb;
-LG_GEMM_SIMD
-                for (j = 0; j < N; j++) c[j] += a * b[j];
-            }
-        } else {                  /* c[j] += dot(op(A)[i, :], B[j, :]) */
-            for (j = 0; j < N; j++) {
-                const lg_real *b = B + (size_t)j * ldb;
-                lg_real s = 0;
-                if (!trans_a) {
-                    const lg_real *a = A + (size_t)i * lda;
-LG_GEMM_SIMD_SUM_S  /* sum into s */
-                    for (p = 0; p < K; p++) s += a[p] * b[p];
-                } else {
-                    for (p = 0; p < K; p++) s += A[(size_t)p * lda + i] * b[p];
-                }
-                c[j] += s;
-            }
+static void lg_gemm_simple(int trans_a, int trans_b, int M, int N, int K, lg_buf A, int lda,
+                           lg_buf B, int ldb, lg_real beta, lg_buf C, int ldc) {
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            lg_real s = 0;
+            for (int p = 0; p < K; p++)
+                s += lg_get(A, trans_a ? (size_t)p * lda + i : (size_t)i * lda + p) *
+                     lg_get(B, trans_b ? (size_t)j * ldb + p : (size_t)p * ldb + j);
+            size_t at = (size_t)i * ldc + j;
+            lg_set(C, at, beta == 0 ? s : beta * lg_get(C, at) + s);
         }
-    }
 }
 
-/* --- packing ------------------------------------------------------------ */
+/* --- packing: the only place the matmul reads A and B, converting half types to lg_real -- */
 /* Ap <- op(A)[i0 : i0+mc, p0 : p0+kc] as ceil(mc/MR) micro-panels; panel r
    holds rows i0 + r*MR + (0..MR-1), element (i, p) at ap[p*MR + i];
    rows past mc are zero. */
-static void lg_gemm_pack_a(int trans_a, const lg_real *A, int lda, int i0, int p0,
-                           int mc, int kc, lg_real *ap) {
-    int r, i, p;
-    for (r = 0; r < mc; r += LG_GEMM_MR, ap += (size_t)kc * LG_GEMM_MR) {
+static void lg_gemm_pack_a(int trans_a, lg_buf A, int lda, int i0, int p0, int mc, int kc,
+                           lg_real *ap) {
+    const lg_real *a32 = A.dtype == LG_DTYPE_F32 ? (const lg_real *)A.data : NULL;
+    for (int r = 0; r < mc; r += LG_GEMM_MR, ap += (size_t)kc * LG_GEMM_MR) {
         const int mr = (mc - r < LG_GEMM_MR) ? mc - r : LG_GEMM_MR;
-        if (trans_a) {            /* A stored (K, M): rows of A are contiguous in i */
-            for (p = 0; p < kc; p++) {
-                const lg_real *src = A + (size_t)(p0 + p) * lda + i0 + r;
-                lg_real *dst = ap + (size_t)p * LG_GEMM_MR;
-                for (i = 0; i < mr; i++) dst[i] = src[i];
-                for (; i < LG_GEMM_MR; i++) dst[i] = 0;
+        for (int p = 0; p < kc; p++) {
+            lg_real *dst = ap + (size_t)p * LG_GEMM_MR;
+            int i = 0;
+            if (trans_a) { /* A stored (K, M): rows of A are contiguous in i */
+                size_t at = (size_t)(p0 + p) * lda + i0 + r;
+                if (a32) for (; i < mr; i++) dst[i] = a32[at + i];
+                else for (; i < mr; i++) dst[i] = lg_get(A, at + i);
+            } else {       /* A stored (M, K) */
+                size_t at = (size_t)(i0 + r) * lda + p0 + p;
+                if (a32) for (; i < mr; i++) dst[i] = a32[at + (size_t)i * lda];
+                else for (; i < mr; i++) dst[i] = lg_get(A, at + (size_t)i * lda);
             }
-        } else {                  /* A stored (M, K): read each row along p */
-            for (i = 0; i < mr; i++) {
-                const lg_real *src = A + (size_t)(i0 + r + i) * lda + p0;
-                for (p = 0; p < kc; p++) ap[(size_t)p * LG_GEMM_MR + i] = src[p];
-            }
-            for (; i < LG_GEMM_MR; i++)
-                for (p = 0; p < kc; p++) ap[(size_t)p * LG_GEMM_MR + i] = 0;
+            for (; i < LG_GEMM_MR; i++) dst[i] = 0;
         }
     }
 }
@@ -1846,34 +1991,39 @@ static void lg_gemm_pack_a(int trans_a, const lg_real *A, int lda, int i0, int p
 /* Bp <- op(B)[p0 : p0+kc, j0 : j0+nc] as ceil(nc/NR) micro-panels; panel r
    holds columns j0 + r*NR + (0..NR-1), element (p, j) at bp[p*NR + j];
    columns past nc are zero. */
-static void lg_gemm_pack_b(int trans_b, const lg_real *B, int ldb, int p0, int j0,
-                           int kc, int nc, lg_real *bp) {
-    int r, j, p;
-    for (r = 0; r < nc; r += LG_GEMM_NR, bp += (size_t)kc * LG_GEMM_NR) {
+static void lg_gemm_pack_b(int trans_b, lg_buf B, int ldb, int p0, int j0, int kc, int nc,
+                           lg_real *bp) {
+    const lg_real *b32 = B.dtype == LG_DTYPE_F32 ? (const lg_real *)B.data : NULL;
+    for (int r = 0; r < nc; r += LG_GEMM_NR, bp += (size_t)kc * LG_GEMM_NR) {
         const int nr = (nc - r < LG_GEMM_NR) ? nc - r : LG_GEMM_NR;
-        if (!trans_b) {           /* B stored (K, N): rows contiguous in j */
-            for (p = 0; p < kc; p++) {
-                const lg_real *src = B + (size_t)(p0 + p) * ldb + j0 + r;
+        if (!trans_b) { /* B stored (K, N): rows contiguous in j */
+            for (int p = 0; p < kc; p++) {
+                size_t at = (size_t)(p0 + p) * ldb + j0 + r;
                 lg_real *dst = bp + (size_t)p * LG_GEMM_NR;
-                for (j = 0; j < nr; j++) dst[j] = src[j];
+                int j = 0;
+                if (b32) for (; j < nr; j++) dst[j] = b32[at + j];
+                else for (; j < nr; j++) dst[j] = lg_get(B, at + j);
                 for (; j < LG_GEMM_NR; j++) dst[j] = 0;
             }
-        } else {                  /* B stored (N, K): read each row along p */
-            for (j = 0; j < nr; j++) {
-                const lg_real *src = B + (size_t)(j0 + r + j) * ldb + p0;
-                for (p = 0; p < kc; p++) bp[(size_t)p * LG_GEMM_NR + j] = src[p];
+        } else {        /* B stored (N, K): read each row along p */
+            int j = 0;
+            for (; j < nr; j++) {
+                size_t at = (size_t)(j0 + r + j) * ldb + p0;
+                if (b32) for (int p = 0; p < kc; p++) bp[(size_t)p * LG_GEMM_NR + j] = b32[at + p];
+                else for (int p = 0; p < kc; p++) bp[(size_t)p * LG_GEMM_NR + j] = lg_get(B, at + p);
             }
             for (; j < LG_GEMM_NR; j++)
-                for (p = 0; p < kc; p++) bp[(size_t)p * LG_GEMM_NR + j] = 0;
+                for (int p = 0; p < kc; p++) bp[(size_t)p * LG_GEMM_NR + j] = 0;
         }
     }
 }
 
 /* --- micro-kernel -------------------------------------------------------- */
 /* C[0:mr, 0:nr] = beta*C + a . b, where a is a kc x MR micro-panel of Ap and b
-   a kc x NR micro-panel of Bp.  acc (MR x NR) lives in vector registers. */
-static void lg_gemm_kernel(int kc, const lg_real *a, const lg_real *b,
-                           lg_real *C, int ldc, int mr, int nr, lg_real beta) {
+   a kc x NR micro-panel of Bp.  acc (MR x NR) lives in vector registers; C
+   is written in its own type (rounded to nearest for half types). */
+static void lg_gemm_kernel(int kc, const lg_real *a, const lg_real *b, lg_buf C, size_t c0,
+                           int ldc, int mr, int nr, lg_real beta) {
     lg_real acc[LG_GEMM_MR][LG_GEMM_NR];
     int i, j, p;
     for (i = 0; i < LG_GEMM_MR; i++)
@@ -1886,9 +2036,9 @@ LG_GEMM_SIMD
             for (j = 0; j < LG_GEMM_NR; j++) acc[i][j] += ai * b[j];
         }
     }
-    if (mr == LG_GEMM_MR && nr == LG_GEMM_NR) {  /* full tile: fixed bounds */
+    if (C.dtype == LG_DTYPE_F32 && mr == LG_GEMM_MR && nr == LG_GEMM_NR) { /* fixed bounds */
         for (i = 0; i < LG_GEMM_MR; i++) {
-            lg_real *c = C + (size_t)i * ldc;
+            lg_real *c = (lg_real *)C.data + c0 + (size_t)i * ldc;
             if (beta == 0) {
 LG_GEMM_SIMD
                 for (j = 0; j < LG_GEMM_NR; j++) c[j] = acc[i][j];
@@ -1897,20 +2047,29 @@ LG_GEMM_SIMD
                 for (j = 0; j < LG_GEMM_NR; j++) c[j] = beta * c[j] + acc[i][j];
             }
         }
-    } else {                                     /* edge tile */
+    } else if (C.dtype == LG_DTYPE_BF16 || C.dtype == LG_DTYPE_F16) { /* half: convert */
+        int bf16 = C.dtype == LG_DTYPE_BF16;
         for (i = 0; i < mr; i++) {
-            lg_real *c = C + (size_t)i * ldc;
-            for (j = 0; j < nr; j++)
-                c[j] = (beta == 0) ? acc[i][j] : beta * c[j] + acc[i][j];
+            uint16_t *c = (uint16_t *)C.data + c0 + (size_t)i * ldc;
+            for (j = 0; j < nr; j++) {
+                float v = (float)acc[i][j];
+                if (beta != 0) v += (float)beta * (bf16 ? lg_bf16_to_f32(c[j]) : lg_f16_to_f32(c[j]));
+                c[j] = bf16 ? lg_f32_to_bf16(v) : lg_f32_to_f16(v);
+            }
+        }
+    } else {                                     /* fp32 edge tile */
+        for (i = 0; i < mr; i++) {
+            lg_real *c = (lg_real *)C.data + c0 + (size_t)i * ldc;
+            for (j = 0; j < nr; j++) c[j] = beta == 0 ? acc[i][j] : beta * c[j] + acc[i][j];
         }
     }
 }
 
 /* --- one thread's tile: C[m0:m1, n0:n1], all of K ------------------------ */
 /* ap: MC x KC scratch, bp: KC x NC scratch (see the pack functions) */
-static void lg_gemm_tile(int trans_a, int trans_b, int m0, int m1, int n0, int n1,
-                         int K, const lg_real *A, int lda, const lg_real *B, int ldb,
-                         lg_real beta, lg_real *C, int ldc, lg_real *ap, lg_real *bp) {
+static void lg_gemm_tile(int trans_a, int trans_b, int m0, int m1, int n0, int n1, int K,
+                         lg_buf A, int lda, lg_buf B, int ldb, lg_real beta, lg_buf C, int ldc,
+                         lg_real *ap, lg_real *bp) {
     int jc, pc, ic, jr, ir;
     for (jc = n0; jc < n1; jc += LG_GEMM_NC) {
         const int nc = (n1 - jc < LG_GEMM_NC) ? n1 - jc : LG_GEMM_NC;
@@ -1925,9 +2084,8 @@ static void lg_gemm_tile(int trans_a, int trans_b, int m0, int m1, int n0, int n
                     const int nr = (nc - jr < LG_GEMM_NR) ? nc - jr : LG_GEMM_NR;
                     for (ir = 0; ir < mc; ir += LG_GEMM_MR) {
                         const int mr = (mc - ir < LG_GEMM_MR) ? mc - ir : LG_GEMM_MR;
-                        lg_gemm_kernel(kc, ap + (size_t)ir * kc, bp + (size_t)jr * kc,
-                                       C + (size_t)(ic + ir) * ldc + jc + jr, ldc,
-                                       mr, nr, bet);
+                        lg_gemm_kernel(kc, ap + (size_t)ir * kc, bp + (size_t)jr * kc, C,
+                                       (size_t)(ic + ir) * ldc + jc + jr, ldc, mr, nr, bet);
                     }
                 }
             }
@@ -1975,8 +2133,7 @@ static size_t lg_gemm_workspace_count(void) {
    (attention's heads) it runs on the calling thread's slot. Without ws, or for small
    problems, the plain loop. */
 static void lg_gemm(const lg_gemm_workspace *ws, int trans_a, int trans_b, int M, int N, int K,
-                    const lg_real *A, int lda, const lg_real *B, int ldb, lg_real beta,
-                    lg_real *C, int ldc) {
+                    lg_buf A, int lda, lg_buf B, int ldb, lg_real beta, lg_buf C, int ldc) {
     const double work = (double)M * N * K;
     int nthreads = 1, outer_slot = 0;
     if (M <= 0 || N <= 0) return;
@@ -2010,72 +2167,87 @@ static void lg_gemm(const lg_gemm_workspace *ws, int trans_a, int trans_b, int M
 }
 /* LG_GEMM_END */
 
+/* The ops. Tensors are typed views (lg_buf): activations, weights and gradients may be stored
+   in bf16 or fp16; every op reads and writes elements in their storage type and does its
+   arithmetic, sums included, in lg_real. Statistics (norm means and reciprocal deviations,
+   rotary tables, per-token losses) are lg_real arrays in every precision. */
+
 /* out (N, OC) = inp (N, IC) weight (OC, IC)^T + bias (OC) */
-static void lg_linear_forward(const lg_gemm_workspace *ws, lg_real *out, const lg_real *inp,
-                              const lg_real *weight, const lg_real *bias, int N, int IC, int OC) {
+static void lg_linear_forward(const lg_gemm_workspace *ws, lg_buf out, lg_buf inp, lg_buf weight,
+                              lg_buf bias, int N, int IC, int OC) {
     lg_gemm(ws, 0, 1, N, OC, IC, inp, IC, weight, IC, 0, out, OC);
-    if (!bias) return;
-LG_OMP(omp parallel for)
+    if (!bias.data) return;
+    LG_OMP(omp parallel for)
     for (int n = 0; n < N; n++)
-        for (int o = 0; o < OC; o++) out[(size_t)n * OC + o] += bias[o];
+        for (int o = 0; o < OC; o++) {
+            size_t at = (size_t)n * OC + o;
+            lg_set(out, at, lg_get(out, at) + lg_get(bias, o));
+        }
 }
 
 /* dinp (N, IC) += dout (N, OC) weight (OC, IC); dweight (OC, IC) += dout^T inp;
    dbias (OC) += column sums of dout. */
-static void lg_linear_backward(const lg_gemm_workspace *ws, lg_real *dinp, lg_real *dweight,
-                               lg_real *dbias, const lg_real *dout, const lg_real *inp,
-                               const lg_real *weight, int N, int IC, int OC) {
+static void lg_linear_backward(const lg_gemm_workspace *ws, lg_buf dinp, lg_buf dweight,
+                               lg_buf dbias, lg_buf dout, lg_buf inp, lg_buf weight, int N,
+                               int IC, int OC) {
     lg_gemm(ws, 0, 0, N, IC, OC, dout, OC, weight, IC, 1, dinp, IC);
     lg_gemm(ws, 1, 0, OC, IC, N, dout, OC, inp, IC, 1, dweight, IC);
-    if (!dbias) return;
-LG_OMP(omp parallel for)
+    if (!dbias.data) return;
+    LG_OMP(omp parallel for)
     for (int o = 0; o < OC; o++) {
         lg_real sum = 0;
-        for (int n = 0; n < N; n++) sum += dout[(size_t)n * OC + o];
-        dbias[o] += sum;
+        for (int n = 0; n < N; n++) sum += lg_get(dout, (size_t)n * OC + o);
+        lg_set(dbias, o, lg_get(dbias, o) + sum);
     }
 }
 
 /* out (N, C) = wte[tokens] (+ wpe[t]); tokens (B, T) */
-static void lg_embedding_forward(lg_real *out, const int *tokens, const lg_real *wte,
-                                 const lg_real *wpe, int B, int T, int C) {
-LG_OMP(omp parallel for)
-    for (int n = 0; n < B * T; n++) {
-        const lg_real *row = wte + (size_t)tokens[n] * C;
-        const lg_real *pos = wpe ? wpe + (size_t)(n % T) * C : NULL;
-        for (int i = 0; i < C; i++) out[(size_t)n * C + i] = row[i] + (pos ? pos[i] : 0);
-    }
+static void lg_embedding_forward(lg_buf out, const int *tokens, lg_buf wte, lg_buf wpe, int B,
+                                 int T, int C) {
+    LG_OMP(omp parallel for)
+    for (int n = 0; n < B * T; n++)
+        for (int i = 0; i < C; i++) {
+            lg_real x = lg_get(wte, (size_t)tokens[n] * C + i);
+            if (wpe.data) x += lg_get(wpe, (size_t)(n % T) * C + i);
+            lg_set(out, (size_t)n * C + i, x);
+        }
 }
 
 /* dwte (Vp, C) and dwpe (block_size, C) += dout (N, C) scattered back. Threads split the
-   channels, so no two write the same element and the sums keep a fixed order. */
-static void lg_embedding_backward(lg_real *dwte, lg_real *dwpe, const lg_real *dout,
-                                  const int *tokens, int B, int T, int C) {
-LG_OMP(omp parallel for)
+   channels in chunks of 32 (a cache line of bf16), so no two write the same element or line
+   and the sums keep a fixed order. */
+static void lg_embedding_backward(lg_buf dwte, lg_buf dwpe, lg_buf dout, const int *tokens,
+                                  int B, int T, int C) {
+    LG_OMP(omp parallel for schedule(static, 32))
     for (int i = 0; i < C; i++)
         for (int n = 0; n < B * T; n++) {
-            lg_real d = dout[(size_t)n * C + i];
-            dwte[(size_t)tokens[n] * C + i] += d;
-            if (dwpe) dwpe[(size_t)(n % T) * C + i] += d;
+            lg_real d = lg_get(dout, (size_t)n * C + i);
+            size_t at = (size_t)tokens[n] * C + i;
+            lg_set(dwte, at, lg_get(dwte, at) + d);
+            if (dwpe.data) {
+                at = (size_t)(n % T) * C + i;
+                lg_set(dwpe, at, lg_get(dwpe, at) + d);
+            }
         }
 }
 
 /* LayerNorm (mean non-NULL) or RMSNorm (mean NULL) of each row of inp (N, C):
-   out (N, C), mean (N), rstd (N). bias may be NULL. */
-static void lg_norm_forward(lg_real *out, lg_real *mean, lg_real *rstd, const lg_real *inp,
-                            const lg_real *weight, const lg_real *bias, int N, int C, float eps) {
-LG_OMP(omp parallel for)
+   out (N, C), mean (N), rstd (N). bias may be absent. */
+static void lg_norm_forward(lg_buf out, lg_real *mean, lg_real *rstd, lg_buf inp, lg_buf weight,
+                            lg_buf bias, int N, int C, float eps) {
+    LG_OMP(omp parallel for)
     for (int n = 0; n < N; n++) {
-        const lg_real *x = inp + (size_t)n * C;
+        lg_buf x = lg_at(inp, (size_t)n * C), y = lg_at(out, (size_t)n * C);
         lg_real mu = 0, var = 0;
         if (mean) {
-            for (int i = 0; i < C; i++) mu += x[i];
+            for (int i = 0; i < C; i++) mu += lg_get(x, i);
             mu /= C;
         }
-        for (int i = 0; i < C; i++) var += (x[i] - mu) * (x[i] - mu);
+        for (int i = 0; i < C; i++) var += (lg_get(x, i) - mu) * (lg_get(x, i) - mu);
         lg_real r = 1.0f / lg_sqrt(var / C + eps);
-        lg_real *y = out + (size_t)n * C;
-        for (int i = 0; i < C; i++) y[i] = (x[i] - mu) * r * weight[i] + (bias ? bias[i] : 0);
+        for (int i = 0; i < C; i++)
+            lg_set(y, i, (lg_get(x, i) - mu) * r * lg_get(weight, i) +
+                             (bias.data ? lg_get(bias, i) : 0));
         if (mean) mean[n] = mu;
         rstd[n] = r;
     }
@@ -2084,37 +2256,38 @@ LG_OMP(omp parallel for)
 /* dinp (N, C) += gradient through the norm; dweight, dbias (C) += their gradients.
    xhat = (x - mean) rstd; dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), and for
    RMSNorm the mean(dxhat) term is absent. */
-static void lg_norm_backward(lg_real *dinp, lg_real *dweight, lg_real *dbias, const lg_real *dout,
-                             const lg_real *inp, const lg_real *weight, const lg_real *mean,
-                             const lg_real *rstd, int N, int C) {
-LG_OMP(omp parallel for)
+static void lg_norm_backward(lg_buf dinp, lg_buf dweight, lg_buf dbias, lg_buf dout, lg_buf inp,
+                             lg_buf weight, const lg_real *mean, const lg_real *rstd, int N,
+                             int C) {
+    LG_OMP(omp parallel for)
     for (int n = 0; n < N; n++) {
-        const lg_real *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
+        lg_buf x = lg_at(inp, (size_t)n * C), dy = lg_at(dout, (size_t)n * C);
+        lg_buf dx = lg_at(dinp, (size_t)n * C);
         lg_real mu = mean ? mean[n] : 0, r = rstd[n];
         lg_real dxhat_mean = 0, dxhat_xhat_mean = 0;
         for (int i = 0; i < C; i++) {
-            lg_real dxhat = dy[i] * weight[i];
+            lg_real dxhat = lg_get(dy, i) * lg_get(weight, i);
             dxhat_mean += dxhat;
-            dxhat_xhat_mean += dxhat * (x[i] - mu) * r;
+            dxhat_xhat_mean += dxhat * (lg_get(x, i) - mu) * r;
         }
         dxhat_mean = mean ? dxhat_mean / C : 0;
         dxhat_xhat_mean /= C;
-        lg_real *dx = dinp + (size_t)n * C;
         for (int i = 0; i < C; i++) {
-            lg_real xhat = (x[i] - mu) * r;
-            dx[i] += r * (dy[i] * weight[i] - dxhat_mean - xhat * dxhat_xhat_mean);
+            lg_real xhat = (lg_get(x, i) - mu) * r;
+            lg_real d = r * (lg_get(dy, i) * lg_get(weight, i) - dxhat_mean - xhat * dxhat_xhat_mean);
+            lg_set(dx, i, lg_get(dx, i) + d);
         }
     }
-LG_OMP(omp parallel for)
+    LG_OMP(omp parallel for)
     for (int i = 0; i < C; i++) {
         lg_real dw = 0, db = 0;
         for (int n = 0; n < N; n++) {
-            lg_real dy = dout[(size_t)n * C + i];
-            dw += dy * (inp[(size_t)n * C + i] - (mean ? mean[n] : 0)) * rstd[n];
+            lg_real dy = lg_get(dout, (size_t)n * C + i);
+            dw += dy * (lg_get(inp, (size_t)n * C + i) - (mean ? mean[n] : 0)) * rstd[n];
             db += dy;
         }
-        dweight[i] += dw;
-        if (dbias) dbias[i] += db;
+        lg_set(dweight, i, lg_get(dweight, i) + dw);
+        if (dbias.data) lg_set(dbias, i, lg_get(dbias, i) + db);
     }
 }
 
@@ -2134,68 +2307,65 @@ static void lg_rope_tables(lg_real *cos_table, lg_real *sin_table, int T, int ro
 /* Rotates the first 2R dims of every query and key head of qkv (B, T, (NH + 2 NQG) HS) in the
    rotate-half convention: pairs (j, j + R). direction +1 applies it (forward), -1 applies the
    inverse rotation, which is the backward of this orthogonal map. */
-static void lg_rope_rotate(lg_real *qkv, const lg_real *cos_table, const lg_real *sin_table,
+static void lg_rope_rotate(lg_buf qkv, const lg_real *cos_table, const lg_real *sin_table,
                            int B, int T, int NH, int NQG, int HS, int rope_dims, int direction) {
     int R = rope_dims / 2, heads = NH + NQG, QKV = (NH + 2 * NQG) * HS;
     if (R == 0) return;
-LG_OMP(omp parallel for)
+    LG_OMP(omp parallel for)
     for (int n = 0; n < B * T; n++) {
         int t = n % T;
         const lg_real *c = cos_table + (size_t)t * R, *s = sin_table + (size_t)t * R;
         for (int h = 0; h < heads; h++) { /* the NH query heads, then the NQG key heads */
-            lg_real *x = qkv + (size_t)n * QKV + (size_t)h * HS;
+            lg_buf x = lg_at(qkv, (size_t)n * QKV + (size_t)h * HS);
             for (int j = 0; j < R; j++) {
-                lg_real a = x[j], b = x[j + R], sn = direction * s[j];
-                x[j] = a * c[j] - b * sn;
-                x[j + R] = b * c[j] + a * sn;
+                lg_real a = lg_get(x, j), b = lg_get(x, j + R), sn = direction * s[j];
+                lg_set(x, j, a * c[j] - b * sn);
+                lg_set(x, j + R, b * c[j] + a * sn);
             }
         }
     }
 }
 
 /* Softmax of each row of scores (T, T) over its causal prefix s <= t, in place; the rest 0. */
-static void lg_causal_softmax(lg_real *scores, int T, lg_real scale) {
+static void lg_causal_softmax(lg_buf scores, int T, lg_real scale) {
     for (int t = 0; t < T; t++) {
-        lg_real *row = scores + (size_t)t * T;
+        lg_buf row = lg_at(scores, (size_t)t * T);
         lg_real max = -INFINITY, sum = 0;
-        for (int s = 0; s <= t; s++) max = row[s] > max ? row[s] : max;
-        for (int s = 0; s <= t; s++) {
-            row[s] = lg_exp((row[s] - max) * scale);
-            sum += row[s];
-        }
-        for (int s = 0; s <= t; s++) row[s] /= sum;
-        for (int s = t + 1; s < T; s++) row[s] = 0;
+        for (int s = 0; s <= t; s++) max = lg_get(row, s) > max ? lg_get(row, s) : max;
+        for (int s = 0; s <= t; s++) sum += lg_exp((lg_get(row, s) - max) * scale);
+        for (int s = 0; s <= t; s++) lg_set(row, s, lg_exp((lg_get(row, s) - max) * scale) / sum);
+        for (int s = t + 1; s < T; s++) lg_set(row, s, 0);
     }
 }
 
 /* Causal attention. qkv (B, T, (NH + 2 NQG) HS): query head h reads key/value group
    h / (NH / NQG). att (B, NH, T, T) keeps the probabilities (upper triangle zero);
    y (B, T, NH HS). Each (batch, head) is two matrix products around a softmax. */
-static void lg_attention_forward(const lg_gemm_workspace *ws, lg_real *y, lg_real *att,
-                                 const lg_real *qkv, int B, int T, int NH, int NQG, int HS) {
+static void lg_attention_forward(const lg_gemm_workspace *ws, lg_buf y, lg_buf att, lg_buf qkv,
+                                 int B, int T, int NH, int NQG, int HS) {
     int QKV = (NH + 2 * NQG) * HS, heads_per_group = NH / NQG;
     lg_real scale = 1.0f / lg_sqrt((lg_real)HS);
     LG_OMP(omp parallel for collapse(2) schedule(dynamic))
     for (int b = 0; b < B; b++)
         for (int h = 0; h < NH; h++) {
             int g = h / heads_per_group;
-            const lg_real *q = qkv + (size_t)b * T * QKV + (size_t)h * HS; /* (T, HS), ld QKV */
-            const lg_real *k = qkv + (size_t)b * T * QKV + (size_t)(NH + g) * HS;
-            const lg_real *v = qkv + (size_t)b * T * QKV + (size_t)(NH + NQG + g) * HS;
-            lg_real *p = att + ((size_t)b * NH + h) * T * T;           /* (T, T) */
-            lg_real *out = y + (size_t)b * T * NH * HS + (size_t)h * HS; /* (T, HS), ld NH HS */
-            lg_gemm(ws, 0, 1, T, T, HS, q, QKV, k, QKV, 0, p, T);           /* scores = q k^T */
+            lg_buf q = lg_at(qkv, (size_t)b * T * QKV + (size_t)h * HS); /* (T, HS), ld QKV */
+            lg_buf k = lg_at(qkv, (size_t)b * T * QKV + (size_t)(NH + g) * HS);
+            lg_buf v = lg_at(qkv, (size_t)b * T * QKV + (size_t)(NH + NQG + g) * HS);
+            lg_buf p = lg_at(att, ((size_t)b * NH + h) * T * T);           /* (T, T) */
+            lg_buf out = lg_at(y, (size_t)b * T * NH * HS + (size_t)h * HS); /* ld NH HS */
+            lg_gemm(ws, 0, 1, T, T, HS, q, QKV, k, QKV, 0, p, T); /* scores = q k^T */
             lg_causal_softmax(p, T, scale);
-            lg_gemm(ws, 0, 0, T, HS, T, p, T, v, QKV, 0, out, NH * HS);     /* y = p v */
+            lg_gemm(ws, 0, 0, T, HS, T, p, T, v, QKV, 0, out, NH * HS); /* y = p v */
         }
 }
 
 /* dqkv (B, T, QKV) += gradient of the attention given dy (B, T, NH HS); datt (B, NH, T, T) is
    scratch. Threads own a (batch, group) pair, so the key/value gradients shared by the heads
    of a group are written by one thread only. */
-static void lg_attention_backward(const lg_gemm_workspace *ws, lg_real *dqkv, lg_real *datt,
-                                  const lg_real *dy, const lg_real *qkv, const lg_real *att,
-                                  int B, int T, int NH, int NQG, int HS) {
+static void lg_attention_backward(const lg_gemm_workspace *ws, lg_buf dqkv, lg_buf datt,
+                                  lg_buf dy, lg_buf qkv, lg_buf att, int B, int T, int NH,
+                                  int NQG, int HS) {
     int QKV = (NH + 2 * NQG) * HS, heads_per_group = NH / NQG;
     lg_real scale = 1.0f / lg_sqrt((lg_real)HS);
     LG_OMP(omp parallel for collapse(2) schedule(dynamic))
@@ -2203,25 +2373,26 @@ static void lg_attention_backward(const lg_gemm_workspace *ws, lg_real *dqkv, lg
         for (int g = 0; g < NQG; g++)
             for (int h = g * heads_per_group; h < (g + 1) * heads_per_group; h++) {
                 size_t at = (size_t)b * T * QKV;
-                const lg_real *q = qkv + at + (size_t)h * HS; /* (T, HS), ld QKV */
-                const lg_real *k = qkv + at + (size_t)(NH + g) * HS;
-                const lg_real *v = qkv + at + (size_t)(NH + NQG + g) * HS;
-                lg_real *dq = dqkv + at + (size_t)h * HS;
-                lg_real *dk = dqkv + at + (size_t)(NH + g) * HS;
-                lg_real *dv = dqkv + at + (size_t)(NH + NQG + g) * HS;
-                const lg_real *p = att + ((size_t)b * NH + h) * T * T; /* (T, T) */
-                lg_real *dp = datt + ((size_t)b * NH + h) * T * T;
-                const lg_real *dout = dy + (size_t)b * T * NH * HS + (size_t)h * HS;
+                lg_buf q = lg_at(qkv, at + (size_t)h * HS); /* (T, HS), ld QKV */
+                lg_buf k = lg_at(qkv, at + (size_t)(NH + g) * HS);
+                lg_buf v = lg_at(qkv, at + (size_t)(NH + NQG + g) * HS);
+                lg_buf dq = lg_at(dqkv, at + (size_t)h * HS);
+                lg_buf dk = lg_at(dqkv, at + (size_t)(NH + g) * HS);
+                lg_buf dv = lg_at(dqkv, at + (size_t)(NH + NQG + g) * HS);
+                lg_buf p = lg_at(att, ((size_t)b * NH + h) * T * T); /* (T, T) */
+                lg_buf dp = lg_at(datt, ((size_t)b * NH + h) * T * T);
+                lg_buf dout = lg_at(dy, (size_t)b * T * NH * HS + (size_t)h * HS);
                 /* y = p v: dp = dy v^T, dv += p^T dy */
                 lg_gemm(ws, 0, 1, T, T, HS, dout, NH * HS, v, QKV, 0, dp, T);
                 lg_gemm(ws, 1, 0, T, HS, T, p, T, dout, NH * HS, 1, dv, QKV);
                 /* softmax backward into the scaled scores: ds = p (dp - sum_s p dp) scale */
                 for (int t = 0; t < T; t++) {
-                    const lg_real *pr = p + (size_t)t * T;
-                    lg_real *dr = dp + (size_t)t * T, dot = 0;
-                    for (int s = 0; s <= t; s++) dot += pr[s] * dr[s];
-                    for (int s = 0; s <= t; s++) dr[s] = pr[s] * (dr[s] - dot) * scale;
-                    for (int s = t + 1; s < T; s++) dr[s] = 0;
+                    lg_buf pr = lg_at(p, (size_t)t * T), dr = lg_at(dp, (size_t)t * T);
+                    lg_real dot = 0;
+                    for (int s = 0; s <= t; s++) dot += lg_get(pr, s) * lg_get(dr, s);
+                    for (int s = 0; s <= t; s++)
+                        lg_set(dr, s, lg_get(pr, s) * (lg_get(dr, s) - dot) * scale);
+                    for (int s = t + 1; s < T; s++) lg_set(dr, s, 0);
                 }
                 /* scores = q k^T: dq += ds k, dk += ds^T q */
                 lg_gemm(ws, 0, 0, T, HS, T, dp, T, k, QKV, 1, dq, QKV);
@@ -2230,50 +2401,57 @@ static void lg_attention_backward(const lg_gemm_workspace *ws, lg_real *dqkv, lg
 }
 
 /* out (n) = gelu(inp (n)), exact or tanh approximation */
-static void lg_gelu_forward(lg_real *out, const lg_real *inp, size_t n, int tanh_approx) {
-LG_OMP(omp parallel for)
-    for (long i = 0; i < (long)n; i++)
-        out[i] = tanh_approx ? lg_gelu_tanh(inp[i]) : lg_gelu_erf(inp[i]);
+static void lg_gelu_forward(lg_buf out, lg_buf inp, size_t n, int tanh_approx) {
+    LG_OMP(omp parallel for)
+    for (long i = 0; i < (long)n; i++) {
+        lg_real x = lg_get(inp, i);
+        lg_set(out, i, tanh_approx ? lg_gelu_tanh(x) : lg_gelu_erf(x));
+    }
 }
 
 /* dinp (n) = dout * gelu'(inp) */
-static void lg_gelu_backward(lg_real *dinp, const lg_real *dout, const lg_real *inp, size_t n,
-                             int tanh_approx) {
-LG_OMP(omp parallel for)
-    for (long i = 0; i < (long)n; i++)
-        dinp[i] = dout[i] * (tanh_approx ? lg_gelu_tanh_grad(inp[i]) : lg_gelu_erf_grad(inp[i]));
+static void lg_gelu_backward(lg_buf dinp, lg_buf dout, lg_buf inp, size_t n, int tanh_approx) {
+    LG_OMP(omp parallel for)
+    for (long i = 0; i < (long)n; i++) {
+        lg_real x = lg_get(inp, i);
+        lg_set(dinp, i, lg_get(dout, i) * (tanh_approx ? lg_gelu_tanh_grad(x) : lg_gelu_erf_grad(x)));
+    }
 }
 
 /* out (n) = silu(gate) * up */
-static void lg_swiglu_forward(lg_real *out, const lg_real *gate, const lg_real *up, size_t n) {
-LG_OMP(omp parallel for)
-    for (long i = 0; i < (long)n; i++) out[i] = gate[i] * lg_sigmoid(gate[i]) * up[i];
+static void lg_swiglu_forward(lg_buf out, lg_buf gate, lg_buf up, size_t n) {
+    LG_OMP(omp parallel for)
+    for (long i = 0; i < (long)n; i++) {
+        lg_real g = lg_get(gate, i);
+        lg_set(out, i, g * lg_sigmoid(g) * lg_get(up, i));
+    }
 }
 
 /* dgate, dup (n) = gradients of silu(gate) * up given dout */
-static void lg_swiglu_backward(lg_real *dgate, lg_real *dup, const lg_real *dout,
-                               const lg_real *gate, const lg_real *up, size_t n) {
-LG_OMP(omp parallel for)
+static void lg_swiglu_backward(lg_buf dgate, lg_buf dup, lg_buf dout, lg_buf gate, lg_buf up,
+                               size_t n) {
+    LG_OMP(omp parallel for)
     for (long i = 0; i < (long)n; i++) {
-        lg_real sig = lg_sigmoid(gate[i]), silu = gate[i] * sig;
-        dup[i] = dout[i] * silu;
-        dgate[i] = dout[i] * up[i] * (sig + silu * (1.0f - sig));
+        lg_real g = lg_get(gate, i), d = lg_get(dout, i);
+        lg_real sig = lg_sigmoid(g), silu = g * sig;
+        lg_set(dup, i, d * silu);
+        lg_set(dgate, i, d * lg_get(up, i) * (sig + silu * (1.0f - sig)));
     }
 }
 
 /* Per-token loss (N) = logsumexp(logits[n, 0..V)) - logits[n, target]; 0 where the target is
    ignored. logits (N, Vp): the Vp - V padded columns are never read. Returns the sum. */
-static double lg_crossentropy_forward(lg_real *losses, const lg_real *logits, const int *targets,
-                                      int N, int V, int Vp) {
+static double lg_crossentropy_forward(lg_real *losses, lg_buf logits, const int *targets, int N,
+                                      int V, int Vp) {
     double total = 0;
-LG_OMP(omp parallel for reduction(+ : total))
+    LG_OMP(omp parallel for reduction(+ : total))
     for (int n = 0; n < N; n++) {
-        const lg_real *z = logits + (size_t)n * Vp;
+        lg_buf z = lg_at(logits, (size_t)n * Vp);
         if (targets[n] == LG_IGNORE_INDEX) { losses[n] = 0; continue; }
-        lg_real max = z[0], sum = 0;
-        for (int v = 1; v < V; v++) max = z[v] > max ? z[v] : max;
-        for (int v = 0; v < V; v++) sum += lg_exp(z[v] - max);
-        losses[n] = lg_log(sum) + max - z[targets[n]];
+        lg_real max = lg_get(z, 0), sum = 0;
+        for (int v = 1; v < V; v++) max = lg_get(z, v) > max ? lg_get(z, v) : max;
+        for (int v = 0; v < V; v++) sum += lg_exp(lg_get(z, v) - max);
+        losses[n] = lg_log(sum) + max - lg_get(z, targets[n]);
         total += losses[n];
     }
     return total;
@@ -2281,92 +2459,122 @@ LG_OMP(omp parallel for reduction(+ : total))
 
 /* dlogits (N, Vp) = (softmax(logits) - onehot(target)) * scale over the first V columns, 0 on
    the padded columns and on ignored rows. dlogits may be logits (in place). */
-static void lg_crossentropy_backward(lg_real *dlogits, const lg_real *logits, const int *targets,
-                                     int N, int V, int Vp, lg_real scale) {
-LG_OMP(omp parallel for)
+static void lg_crossentropy_backward(lg_buf dlogits, lg_buf logits, const int *targets, int N,
+                                     int V, int Vp, lg_real scale) {
+    LG_OMP(omp parallel for)
     for (int n = 0; n < N; n++) {
-        const lg_real *z = logits + (size_t)n * Vp;
-        lg_real *dz = dlogits + (size_t)n * Vp;
+        lg_buf z = lg_at(logits, (size_t)n * Vp), dz = lg_at(dlogits, (size_t)n * Vp);
         if (targets[n] == LG_IGNORE_INDEX) {
-            for (int v = 0; v < Vp; v++) dz[v] = 0;
+            for (int v = 0; v < Vp; v++) lg_set(dz, v, 0);
             continue;
         }
-        lg_real max = z[0], sum = 0;
-        for (int v = 1; v < V; v++) max = z[v] > max ? z[v] : max;
-        for (int v = 0; v < V; v++) sum += lg_exp(z[v] - max);
+        lg_real max = lg_get(z, 0), sum = 0;
+        for (int v = 1; v < V; v++) max = lg_get(z, v) > max ? lg_get(z, v) : max;
+        for (int v = 0; v < V; v++) sum += lg_exp(lg_get(z, v) - max);
         int target = targets[n];
-        for (int v = 0; v < V; v++) dz[v] = (lg_exp(z[v] - max) / sum - (v == target)) * scale;
-        for (int v = V; v < Vp; v++) dz[v] = 0;
+        for (int v = 0; v < V; v++)
+            lg_set(dz, v, (lg_exp(lg_get(z, v) - max) / sum - (v == target)) * scale);
+        for (int v = V; v < Vp; v++) lg_set(dz, v, 0);
     }
 }
 
-static void lg_add(lg_real *out, const lg_real *a, const lg_real *b, size_t n) {
-LG_OMP(omp parallel for)
-    for (long i = 0; i < (long)n; i++) out[i] = a[i] + b[i];
+/* out (n) = a + b */
+static void lg_add(lg_buf out, lg_buf a, lg_buf b, size_t n) {
+    LG_OMP(omp parallel for)
+    for (long i = 0; i < (long)n; i++) lg_set(out, i, lg_get(a, i) + lg_get(b, i));
 }
+
+/* dst (n) = src (n), converting */
+static void lg_copy(lg_buf dst, lg_buf src, size_t n) {
+    if (dst.dtype == src.dtype) {
+        memcpy(dst.data, src.data, n * lg_elem_size(dst.dtype));
+        return;
+    }
+    LG_OMP(omp parallel for)
+    for (long i = 0; i < (long)n; i++) lg_set(dst, i, lg_get(src, i));
+}
+
+/* x (n) = 0 */
+static void lg_zero(lg_buf x, size_t n) { memset(x.data, 0, n * lg_elem_size(x.dtype)); }
 
 /* 7. model ------------------------------------------------------------------------------------ */
 
 /* The memory of region `name` of the model's rank, or an error naming it. */
-static lg_real *lg_model_region(lg_model *m, const char *name, lg_error *err) {
-    lg_real *p = (lg_real *)lg_rank_region(m->rank, name);
+static void *lg_model_region(lg_model *m, const char *name, lg_error *err) {
+    void *p = lg_rank_region(m->rank, name);
     if (!p) lg_fail(err, "the plan has no region %s", name);
     return p;
 }
 
+/* A region as a typed view; data NULL (and an error) when the plan lacks it. */
+static lg_buf lg_model_view(lg_model *m, const char *name, lg_dtype dtype, lg_error *err) {
+    lg_buf b = {lg_model_region(m, name, err), dtype};
+    return b;
+}
+
+/* Points the activation views into their regions, each laid out by the function that sized
+   it for the plan. */
+static int lg_model_bind_activations(lg_model *m, lg_dtype acts, lg_error *err) {
+    const lg_config *cfg = &m->cfg;
+    int B = m->B, T = m->T;
+    char name[LG_MAX_NAME];
+    size_t count;
+    lg_buf base = lg_model_view(m, "activations.embedding", acts, err);
+    if (!base.data) return -1;
+    lg_embedding_acts_layout(B, T, cfg->n_embd, base, &m->a, &count);
+    for (int l = 0; l < cfg->n_layer; l++) {
+        snprintf(name, sizeof name, "activations.h.%d", l);
+        if (!(base = lg_model_view(m, name, acts, err)).data) return -1;
+        lg_block_acts_layout(cfg, l, B, T, 0, base, &m->a, &count);
+        snprintf(name, sizeof name, "activations.h.%d.stats", l);
+        if (!(base = lg_model_view(m, name, LG_DTYPE_F32, err)).data) return -1;
+        lg_block_acts_layout(cfg, l, B, T, 1, base, &m->a, &count);
+    }
+    lg_real *rope = (lg_real *)lg_rank_region(m->rank, "rope"); /* absent without rotary */
+    lg_rope_layout(cfg, T, rope, &m->a, &count);
+    if (!(base = lg_model_view(m, "head", acts, err)).data) return -1;
+    lg_head_acts_layout(cfg, B, T, 0, base, &m->a, &count);
+    if (!(base = lg_model_view(m, "head.stats", LG_DTYPE_F32, err)).data) return -1;
+    lg_head_acts_layout(cfg, B, T, 1, base, &m->a, &count);
+    if (!(base = lg_model_view(m, "backward", acts, err)).data) return -1;
+    lg_backward_layout(cfg, B, T, base, &m->a, &count);
+    return 0;
+}
+
 int lg_model_bind(lg_model *m, const lg_config *cfg, lg_rank *rank, lg_error *err) {
     const lg_plan_spec *s = &rank->plan->spec;
-    int B = s->B, T = s->T, L = cfg->n_layer;
+    int L = cfg->n_layer;
     memset(m, 0, sizeof *m);
-    if (s->precision != LG_PRECISION_32_TRUE || s->devices != 1 || s->recompute || s->offload)
-        return lg_fail(err, "the model runs 32-true on one device without recompute or offload "
-                            "for now; this plan is for planning only");
-    if (T > cfg->block_size)
-        return lg_fail(err, "sequence length %d exceeds the model's block_size %d", T,
+    if (s->devices != 1 || s->recompute || s->offload)
+        return lg_fail(err, "the model runs on one device without recompute or offload for "
+                            "now; this plan is for planning only");
+    if (s->T > cfg->block_size)
+        return lg_fail(err, "sequence length %d exceeds the model's block_size %d", s->T,
                        cfg->block_size);
+    lg_precision_types types = lg_types_of(s->precision);
     m->cfg = *cfg;
-    m->B = B;
-    m->T = T;
+    m->B = s->B;
+    m->T = s->T;
+    m->precision = s->precision;
     m->rank = rank;
     m->p.h = (lg_block_tensors *)lg_alloc_zeroed(sizeof(lg_block_tensors) * L);
     m->g.h = (lg_block_tensors *)lg_alloc_zeroed(sizeof(lg_block_tensors) * L);
     m->a.h = (lg_block_acts *)lg_alloc_zeroed(sizeof(lg_block_acts) * L);
-    m->a.residual = (lg_real **)lg_alloc_zeroed(sizeof(lg_real *) * (L + 1));
+    m->a.residual = (lg_buf *)lg_alloc_zeroed(sizeof(lg_buf) * (L + 1));
     if (!m->p.h || !m->g.h || !m->a.h || !m->a.residual || lg_table_alloc(&m->param_table, cfg))
         return lg_fail(err, "out of host memory for the model's tables");
-    m->n_params = lg_params_layout(cfg, NULL, NULL, &m->param_table);
-    if (!(m->params = lg_model_region(m, "weights", err)) ||
-        !(m->grads = lg_model_region(m, "gradients", err)))
-        return -1;
+    m->n_params = lg_params_layout(cfg, lg_no_buf(), NULL, &m->param_table);
+    m->params = lg_model_view(m, "weights", types.weights, err);
+    m->grads = lg_model_view(m, "gradients", types.grads, err);
+    if (!m->params.data || !m->grads.data) return -1;
     lg_params_layout(cfg, m->params, &m->p, NULL);
     lg_params_layout(cfg, m->grads, &m->g, NULL);
-    /* the activation regions, each laid out by the function that sized it */
-    char name[LG_MAX_NAME];
-    size_t count;
-    lg_real *base = lg_model_region(m, "activations.embedding", err);
-    if (!base) return -1;
-    lg_embedding_acts_layout(B, T, cfg->n_embd, base, &m->a, &count);
-    for (int l = 0; l < L; l++) {
-        snprintf(name, sizeof name, "activations.h.%d", l);
-        if (!(base = lg_model_region(m, name, err))) return -1;
-        lg_block_acts_layout(cfg, l, B, T, 0, base, &m->a, &count);
-        snprintf(name, sizeof name, "activations.h.%d.stats", l);
-        if (!(base = lg_model_region(m, name, err))) return -1;
-        lg_block_acts_layout(cfg, l, B, T, 1, base, &m->a, &count);
-    }
-    lg_real *rope = (lg_real *)lg_rank_region(rank, "rope"); /* absent without rotary */
-    lg_rope_layout(cfg, T, rope, &m->a, &count);
-    if (!(base = lg_model_region(m, "head", err))) return -1;
-    lg_head_acts_layout(cfg, B, T, 0, base, &m->a, &count);
-    if (!(base = lg_model_region(m, "head.stats", err))) return -1;
-    lg_head_acts_layout(cfg, B, T, 1, base, &m->a, &count);
-    if (!(base = lg_model_region(m, "backward", err))) return -1;
-    lg_backward_layout(cfg, B, T, base, &m->a, &count);
-    if (!(m->workspace.base = lg_model_region(m, "gemm.workspace", err))) return -1;
+    if (lg_model_bind_activations(m, types.acts, err) != 0) return -1;
+    if (!(m->workspace.base = (lg_real *)lg_model_region(m, "gemm.workspace", err))) return -1;
     m->workspace.per_thread = lg_gemm_workspace_count();
     m->workspace.threads = s->threads;
     int rope_dims = lg_config_rope_dims(cfg);
-    if (rope_dims) lg_rope_tables(m->a.rope_cos, m->a.rope_sin, T, rope_dims, cfg->rope_base);
+    if (rope_dims) lg_rope_tables(m->a.rope_cos, m->a.rope_sin, m->T, rope_dims, cfg->rope_base);
     return 0;
 }
 
@@ -2375,6 +2583,7 @@ int lg_model_create(lg_model *m, const lg_config *cfg, int B, int T, lg_error *e
     lg_args args;
     lg_args_default(&args);
     args.micro_batch_size = B;
+    args.precision = LG_PRECISION_32_TRUE;
     args.optimizer = LG_OPTIMIZER_SGD; /* no optimizer state */
     args.momentum = 0;
     lg_plan_spec spec;
@@ -2422,23 +2631,25 @@ void lg_model_init_weights(lg_model *m, uint64_t seed) {
     float residual_std = 0.02f / sqrtf(2.0f * c->n_layer);
     for (int i = 0; i < m->param_table.n_tensors; i++) {
         const lg_tensor_info *t = &m->param_table.tensors[i];
-        lg_real *w = m->params + t->offset;
+        lg_buf w = lg_at(m->params, t->offset);
         /* rows past the real vocabulary never see a token: keep them 0 */
         int is_vocab = t->kind == LG_TENSOR_EMBEDDING && t->rows == c->padded_vocab_size;
         size_t live = is_vocab ? (size_t)c->vocab_size * t->cols : t->count;
         for (size_t k = 0; k < t->count; k++) {
+            lg_real v = 0;
             switch (t->kind) {
-            case LG_TENSOR_NORM: w[k] = 1; break;
-            case LG_TENSOR_RESIDUAL: w[k] = residual_std * lg_rng_normal(&rng); break;
+            case LG_TENSOR_NORM: v = 1; break;
+            case LG_TENSOR_RESIDUAL: v = residual_std * lg_rng_normal(&rng); break;
             case LG_TENSOR_EMBEDDING:
-            case LG_TENSOR_WEIGHT: w[k] = k < live ? 0.02f * lg_rng_normal(&rng) : 0; break;
-            default: w[k] = 0; break;
+            case LG_TENSOR_WEIGHT: v = k < live ? 0.02f * lg_rng_normal(&rng) : 0; break;
+            default: break;
             }
+            lg_set(w, k, v);
         }
     }
 }
 
-void lg_model_zero_grad(lg_model *m) { memset(m->grads, 0, m->n_params * sizeof(lg_real)); }
+void lg_model_zero_grad(lg_model *m) { lg_zero(m->grads, m->n_params); }
 
 static lg_real *lg_norm_mean_or_null(const lg_config *c, lg_real *mean) {
     return c->norm_class_name == LG_NORM_LAYERNORM ? mean : NULL;
@@ -2449,35 +2660,35 @@ static void lg_block_forward(lg_model *m, int l, int B, int T) {
     const lg_config *c = &m->cfg;
     const lg_block_tensors *w = &m->p.h[l];
     lg_block_acts *a = &m->a.h[l];
+    const lg_gemm_workspace *ws = &m->workspace;
     int N = B * T, C = c->n_embd, I = c->intermediate_size, QKV = lg_config_qkv_size(c);
     int NH = c->n_head, NQG = c->n_query_groups, HS = c->head_size;
-    const lg_real *x = m->a.residual[l];
-    lg_real *out = m->a.residual[l + 1];
+    lg_buf x = m->a.residual[l], out = m->a.residual[l + 1];
 
     lg_norm_forward(a->n1, lg_norm_mean_or_null(c, a->n1_mean), a->n1_rstd, x, w->norm_1_w,
                     w->norm_1_b, N, C, c->norm_eps);
-    lg_linear_forward(&m->workspace, a->qkv, a->n1, w->qkv_w, w->qkv_b, N, C, QKV);
+    lg_linear_forward(ws, a->qkv, a->n1, w->qkv_w, w->qkv_b, N, C, QKV);
     lg_rope_rotate(a->qkv, m->a.rope_cos, m->a.rope_sin, B, T, NH, NQG, HS,
                    lg_config_rope_dims(c), +1);
-    lg_attention_forward(&m->workspace, a->att_y, a->att, a->qkv, B, T, NH, NQG, HS);
-    lg_linear_forward(&m->workspace, a->x_mid, a->att_y, w->proj_w, w->proj_b, N, NH * HS, C);
+    lg_attention_forward(ws, a->att_y, a->att, a->qkv, B, T, NH, NQG, HS);
+    lg_linear_forward(ws, a->x_mid, a->att_y, w->proj_w, w->proj_b, N, NH * HS, C);
     lg_add(a->x_mid, a->x_mid, x, (size_t)N * C);
 
-    const lg_real *mlp_in = a->n1;
+    lg_buf mlp_in = a->n1;
     if (!c->shared_attention_norm) {
         lg_norm_forward(a->n2, lg_norm_mean_or_null(c, a->n2_mean), a->n2_rstd,
                         c->parallel_residual ? x : a->x_mid, w->norm_2_w, w->norm_2_b, N, C,
                         c->norm_eps);
         mlp_in = a->n2;
     }
-    lg_linear_forward(&m->workspace, a->fc, mlp_in, w->fc_w, w->fc_b, N, C, I);
+    lg_linear_forward(ws, a->fc, mlp_in, w->fc_w, w->fc_b, N, C, I);
     if (c->mlp_class_name == LG_MLP_LLAMA) {
-        lg_linear_forward(&m->workspace, a->fc_2, mlp_in, w->fc_2_w, w->fc_2_b, N, C, I);
+        lg_linear_forward(ws, a->fc_2, mlp_in, w->fc_2_w, w->fc_2_b, N, C, I);
         lg_swiglu_forward(a->act, a->fc, a->fc_2, (size_t)N * I);
     } else {
         lg_gelu_forward(a->act, a->fc, (size_t)N * I, c->gelu_approximate_tanh);
     }
-    lg_linear_forward(&m->workspace, out, a->act, w->mlp_proj_w, w->mlp_proj_b, N, I, C);
+    lg_linear_forward(ws, out, a->act, w->mlp_proj_w, w->mlp_proj_b, N, I, C);
     lg_add(out, out, a->x_mid, (size_t)N * C);
 }
 
@@ -2489,8 +2700,8 @@ double lg_model_forward(lg_model *m, const int *tokens, const int *targets, int 
     for (int l = 0; l < L; l++) lg_block_forward(m, l, B, T);
     lg_norm_forward(m->a.ln_f, lg_norm_mean_or_null(c, m->a.ln_f_mean), m->a.ln_f_rstd,
                     m->a.residual[L], m->p.ln_f_w, m->p.ln_f_b, N, C, c->norm_eps);
-    lg_linear_forward(&m->workspace, m->a.logits, m->a.ln_f, m->p.lm_head_w, m->p.lm_head_b, N, C,
-                      c->padded_vocab_size);
+    lg_linear_forward(&m->workspace, m->a.logits, m->a.ln_f, m->p.lm_head_w, m->p.lm_head_b, N,
+                      C, c->padded_vocab_size);
     if (n_targets) *n_targets = 0;
     if (!targets) return 0;
     if (n_targets)
@@ -2501,54 +2712,55 @@ double lg_model_forward(lg_model *m, const int *tokens, const int *targets, int 
 
 /* One block backward: d_out (B, T, C) is the gradient of residual[l + 1]; writes the gradient
    of residual[l] into d_x and adds the block's parameter gradients. */
-static void lg_block_backward(lg_model *m, int l, int B, int T, const lg_real *d_out,
-                              lg_real *d_x) {
+static void lg_block_backward(lg_model *m, int l, int B, int T, lg_buf d_out, lg_buf d_x) {
     const lg_config *c = &m->cfg;
     const lg_block_tensors *w = &m->p.h[l];
     const lg_block_tensors *g = &m->g.h[l];
     const lg_block_acts *a = &m->a.h[l];
-    lg_act_tensors *s = &m->a; /* the backward's working set */
+    const lg_act_tensors *s = &m->a; /* the backward's working set */
+    const lg_gemm_workspace *ws = &m->workspace;
     int N = B * T, C = c->n_embd, I = c->intermediate_size, QKV = lg_config_qkv_size(c);
     int NH = c->n_head, NQG = c->n_query_groups, HS = c->head_size;
     size_t NC = (size_t)N * C, NI = (size_t)N * I;
-    const lg_real *x = m->a.residual[l];
+    lg_buf x = m->a.residual[l];
 
     /* out = x_mid + mlp(mlp_in): the residual passes d_out to x_mid unchanged */
-    memcpy(s->d_mid, d_out, NC * sizeof(lg_real));
-    memset(s->d_act, 0, NI * sizeof(lg_real));
-    lg_linear_backward(&m->workspace, s->d_act, g->mlp_proj_w, g->mlp_proj_b, d_out, a->act, w->mlp_proj_w, N,
-                       I, C);
-    const lg_real *mlp_in = c->shared_attention_norm ? a->n1 : a->n2;
-    memset(s->d_norm, 0, NC * sizeof(lg_real));
+    lg_copy(s->d_mid, d_out, NC);
+    lg_zero(s->d_act, NI);
+    lg_linear_backward(ws, s->d_act, g->mlp_proj_w, g->mlp_proj_b, d_out, a->act, w->mlp_proj_w,
+                       N, I, C);
+    lg_buf mlp_in = c->shared_attention_norm ? a->n1 : a->n2;
+    lg_zero(s->d_norm, NC);
     if (c->mlp_class_name == LG_MLP_LLAMA) {
         lg_swiglu_backward(s->d_fc, s->d_fc_2, s->d_act, a->fc, a->fc_2, NI);
-        lg_linear_backward(&m->workspace, s->d_norm, g->fc_2_w, g->fc_2_b, s->d_fc_2, mlp_in, w->fc_2_w, N, C, I);
+        lg_linear_backward(ws, s->d_norm, g->fc_2_w, g->fc_2_b, s->d_fc_2, mlp_in, w->fc_2_w, N,
+                           C, I);
     } else {
         lg_gelu_backward(s->d_fc, s->d_act, a->fc, NI, c->gelu_approximate_tanh);
     }
-    lg_linear_backward(&m->workspace, s->d_norm, g->fc_w, g->fc_b, s->d_fc, mlp_in, w->fc_w, N, C, I);
+    lg_linear_backward(ws, s->d_norm, g->fc_w, g->fc_b, s->d_fc, mlp_in, w->fc_w, N, C, I);
 
     /* the MLP's input norm: of x (parallel) or of x_mid (sequential); shared: d_norm stays and
        joins norm_1's gradient below */
-    memcpy(d_x, s->d_mid, NC * sizeof(lg_real)); /* x_mid = x + attn: x receives d_mid */
+    lg_copy(d_x, s->d_mid, NC); /* x_mid = x + attn: x receives d_mid */
     if (!c->shared_attention_norm) {
         lg_norm_backward(c->parallel_residual ? d_x : s->d_mid, g->norm_2_w, g->norm_2_b,
                          s->d_norm, c->parallel_residual ? x : a->x_mid, w->norm_2_w,
                          lg_norm_mean_or_null(c, a->n2_mean), a->n2_rstd, N, C);
-        if (!c->parallel_residual) memcpy(d_x, s->d_mid, NC * sizeof(lg_real));
-        memset(s->d_norm, 0, NC * sizeof(lg_real));
+        if (!c->parallel_residual) lg_copy(d_x, s->d_mid, NC);
+        lg_zero(s->d_norm, NC);
     }
 
     /* x_mid = x + proj(attention(rope(qkv(n1)))) */
-    memset(s->d_att_y, 0, (size_t)N * NH * HS * sizeof(lg_real));
-    lg_linear_backward(&m->workspace, s->d_att_y, g->proj_w, g->proj_b, s->d_mid, a->att_y, w->proj_w, N,
+    lg_zero(s->d_att_y, (size_t)N * NH * HS);
+    lg_linear_backward(ws, s->d_att_y, g->proj_w, g->proj_b, s->d_mid, a->att_y, w->proj_w, N,
                        NH * HS, C);
-    memset(s->d_qkv, 0, (size_t)N * QKV * sizeof(lg_real));
-    lg_attention_backward(&m->workspace, s->d_qkv, s->d_att, s->d_att_y, a->qkv, a->att, B, T, NH, NQG, HS);
+    lg_zero(s->d_qkv, (size_t)N * QKV);
+    lg_attention_backward(ws, s->d_qkv, s->d_att, s->d_att_y, a->qkv, a->att, B, T, NH, NQG, HS);
     lg_rope_rotate(s->d_qkv, m->a.rope_cos, m->a.rope_sin, B, T, NH, NQG, HS,
                    lg_config_rope_dims(c), -1);
     /* n1 feeds qkv and, when shared, the MLP: d_norm already holds the MLP's share */
-    lg_linear_backward(&m->workspace, s->d_norm, g->qkv_w, g->qkv_b, s->d_qkv, a->n1, w->qkv_w, N, C, QKV);
+    lg_linear_backward(ws, s->d_norm, g->qkv_w, g->qkv_b, s->d_qkv, a->n1, w->qkv_w, N, C, QKV);
     lg_norm_backward(d_x, g->norm_1_w, g->norm_1_b, s->d_norm, x, w->norm_1_w,
                      lg_norm_mean_or_null(c, a->n1_mean), a->n1_rstd, N, C);
 }
@@ -2557,34 +2769,34 @@ void lg_model_backward(lg_model *m, const int *tokens, const int *targets, int B
                        float loss_scale) {
     const lg_config *c = &m->cfg;
     int N = B * T, C = c->n_embd, L = c->n_layer, Vp = c->padded_vocab_size;
-    lg_real *d_logits = m->a.logits; /* in place: the logits are not needed any more */
+    lg_buf d_logits = m->a.logits; /* in place: the logits are not needed any more */
     lg_crossentropy_backward(d_logits, m->a.logits, targets, N, c->vocab_size, Vp, loss_scale);
-    lg_real *d_res = m->a.d_res_a, *d_next = m->a.d_res_b;
-    memset(m->a.d_norm, 0, (size_t)N * C * sizeof(lg_real));
-    lg_linear_backward(&m->workspace, m->a.d_norm, m->g.lm_head_w, m->g.lm_head_b, d_logits, m->a.ln_f,
-                       m->p.lm_head_w, N, C, Vp);
-    memset(d_res, 0, (size_t)N * C * sizeof(lg_real));
+    lg_buf d_res = m->a.d_res_a, d_next = m->a.d_res_b;
+    lg_zero(m->a.d_norm, (size_t)N * C);
+    lg_linear_backward(&m->workspace, m->a.d_norm, m->g.lm_head_w, m->g.lm_head_b, d_logits,
+                       m->a.ln_f, m->p.lm_head_w, N, C, Vp);
+    lg_zero(d_res, (size_t)N * C);
     lg_norm_backward(d_res, m->g.ln_f_w, m->g.ln_f_b, m->a.d_norm, m->a.residual[L], m->p.ln_f_w,
                      lg_norm_mean_or_null(c, m->a.ln_f_mean), m->a.ln_f_rstd, N, C);
     for (int l = L - 1; l >= 0; l--) {
         lg_block_backward(m, l, B, T, d_res, d_next);
-        lg_real *swap = d_res;
+        lg_buf swap = d_res;
         d_res = d_next;
         d_next = swap;
     }
     lg_embedding_backward(m->g.wte, m->g.wpe, d_res, tokens, B, T, C);
 }
 
-/* Picks the next token from the logits of one position: argmax, or a draw at temperature. */
-static int lg_sample_token(const lg_real *logits, int V, float temperature, lg_rng *rng) {
+/* Picks the next token from the logits (V) of one position: argmax, or a draw at temperature. */
+static int lg_sample_token(lg_buf logits, int V, float temperature, lg_rng *rng) {
     int best = 0;
-    for (int v = 1; v < V; v++) best = logits[v] > logits[best] ? v : best;
+    for (int v = 1; v < V; v++) best = lg_get(logits, v) > lg_get(logits, best) ? v : best;
     if (temperature <= 0.0f) return best;
-    double sum = 0;
-    for (int v = 0; v < V; v++) sum += exp((logits[v] - logits[best]) / temperature);
+    double sum = 0, top = lg_get(logits, best);
+    for (int v = 0; v < V; v++) sum += exp((lg_get(logits, v) - top) / temperature);
     double r = lg_rng_uniform(rng) * sum;
     for (int v = 0; v < V; v++) {
-        r -= exp((logits[v] - logits[best]) / temperature);
+        r -= exp((lg_get(logits, v) - top) / temperature);
         if (r <= 0) return v;
     }
     return best;
@@ -2596,7 +2808,7 @@ void lg_model_generate(lg_model *m, int *tokens, int n_prompt, int n_new, float 
     for (int i = 0; i < n_new; i++) {
         int n = n_prompt + i, start = n > m->T ? n - m->T : 0, T = n - start;
         lg_model_forward(m, tokens + start, NULL, 1, T, NULL);
-        tokens[n] = lg_sample_token(m->a.logits + (size_t)(T - 1) * Vp, m->cfg.vocab_size,
+        tokens[n] = lg_sample_token(lg_at(m->a.logits, (size_t)(T - 1) * Vp), m->cfg.vocab_size,
                                     temperature, rng);
     }
 }
@@ -2612,45 +2824,65 @@ int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_args *arg
     opt->beta2 = args->beta2;
     opt->eps = args->eps;
     opt->momentum = args->momentum;
+    opt->seed = args->seed;
+    lg_precision_types types = lg_types_of(m->precision);
     /* the states live in the model's rank, in the regions the plan made for them */
     const char *first = opt->kind == LG_OPTIMIZER_ADAMW ? "optimizer.m" : "optimizer.momentum";
     int needs_m = opt->kind == LG_OPTIMIZER_ADAMW || opt->momentum != 0.0f;
     int needs_v = opt->kind == LG_OPTIMIZER_ADAMW;
-    if (needs_m && !(opt->m = (lg_real *)lg_rank_region(m->rank, first)))
+    opt->m.dtype = opt->v.dtype = types.state;
+    if (needs_m && !(opt->m.data = lg_rank_region(m->rank, first)))
         return lg_fail(err, "the plan has no region %s for the optimizer", first);
-    if (needs_v && !(opt->v = (lg_real *)lg_rank_region(m->rank, "optimizer.v")))
+    if (needs_v && !(opt->v.data = lg_rank_region(m->rank, "optimizer.v")))
         return lg_fail(err, "the plan has no region optimizer.v for the optimizer");
+    if (types.master) {
+        if (!(opt->master = (lg_real *)lg_rank_region(m->rank, "master_weights")))
+            return lg_fail(err, "the plan has no region master_weights");
+        lg_copy(lg_buf_of(opt->master), m->params, m->n_params);
+    }
+    opt->stochastic = !types.master && types.weights != LG_DTYPE_F32;
     return 0;
 }
 
-void lg_optimizer_free(lg_optimizer *opt) { opt->m = opt->v = NULL; /* the rank owns them */ }
+void lg_optimizer_free(lg_optimizer *opt) { memset(opt, 0, sizeof *opt); /* the rank owns the state */ }
 
 static int lg_tensor_decays(lg_tensor_kind kind) {
     return kind == LG_TENSOR_EMBEDDING || kind == LG_TENSOR_WEIGHT || kind == LG_TENSOR_RESIDUAL;
 }
 
-/* Updates every parameter tensor; weight decay on 2-D weights only. */
-void lg_optimizer_step(lg_optimizer *opt, lg_model *m, float lr) {
+/* The updated weight k goes to the master copy and its rounded working copy, or straight to
+   the weights: stochastically rounded when they are half without a master. */
+static void lg_store_weight(const lg_optimizer *opt, lg_buf params, size_t k, lg_real w) {
+    if (opt->master) opt->master[k] = w;
+    if (opt->stochastic) {
+        float u = lg_hash_uniform(opt->seed ^ ((uint64_t)opt->t << 40), k);
+        ((uint16_t *)params.data)[k] = lg_round_stochastic((float)w, params.dtype, u);
+    } else {
+        lg_set(params, k, w);
+    }
+}
+
+void lg_optimizer_step(lg_optimizer *opt, lg_model *m, float lr, float grad_multiplier) {
     opt->t++;
     lg_real bias_corr1 = 1.0f - lg_pow(opt->beta1, (lg_real)opt->t);
     lg_real bias_corr2 = 1.0f - lg_pow(opt->beta2, (lg_real)opt->t);
     for (int i = 0; i < m->param_table.n_tensors; i++) {
         const lg_tensor_info *t = &m->param_table.tensors[i];
         lg_real decay = lg_tensor_decays(t->kind) ? opt->weight_decay : 0.0f;
-        lg_real *p = m->params + t->offset, *g = m->grads + t->offset;
-        lg_real *mom = opt->m ? opt->m + t->offset : NULL, *v = opt->v ? opt->v + t->offset : NULL;
-        long n = (long)t->count;
-        if (opt->kind == LG_OPTIMIZER_ADAMW) {
-LG_OMP(omp parallel for)
-            for (long k = 0; k < n; k++)
-                p[k] = lg_adamw_element(p[k], g[k], &mom[k], &v[k], lr, opt->beta1, opt->beta2,
-                                        bias_corr1, bias_corr2, opt->eps, decay);
-        } else {
-            lg_real unused = 0;
-LG_OMP(omp parallel for firstprivate(unused))
-            for (long k = 0; k < n; k++)
-                p[k] = lg_sgd_element(p[k], g[k], mom ? &mom[k] : &unused, lr, opt->momentum,
-                                      decay);
+        long first = (long)t->offset, end = (long)(t->offset + t->count);
+        LG_OMP(omp parallel for)
+        for (long k = first; k < end; k++) {
+            lg_real w = opt->master ? opt->master[k] : lg_get(m->params, k);
+            lg_real g = lg_get(m->grads, k) * grad_multiplier;
+            lg_real mk = opt->m.data ? lg_get(opt->m, k) : 0, vk = opt->v.data ? lg_get(opt->v, k) : 0;
+            if (opt->kind == LG_OPTIMIZER_ADAMW)
+                w = lg_adamw_element(w, g, &mk, &vk, lr, opt->beta1, opt->beta2, bias_corr1,
+                                     bias_corr2, opt->eps, decay);
+            else
+                w = lg_sgd_element(w, g, &mk, lr, opt->momentum, decay);
+            if (opt->m.data) lg_set(opt->m, k, mk);
+            if (opt->v.data) lg_set(opt->v, k, vk);
+            lg_store_weight(opt, m->params, (size_t)k, w);
         }
     }
 }
@@ -2658,17 +2890,16 @@ LG_OMP(omp parallel for firstprivate(unused))
 float lg_grad_norm(const lg_model *m) {
     double sum = 0;
     long n = (long)m->n_params;
-LG_OMP(omp parallel for reduction(+ : sum))
-    for (long k = 0; k < n; k++) sum += (double)m->grads[k] * m->grads[k];
+    LG_OMP(omp parallel for reduction(+ : sum))
+    for (long k = 0; k < n; k++) {
+        double g = lg_get(m->grads, k);
+        sum += g * g;
+    }
     return (float)sqrt(sum);
 }
 
-void lg_grad_clip(lg_model *m, float norm, float max_norm) {
-    if (max_norm <= 0.0f || !(norm > max_norm)) return;
-    lg_real scale = max_norm / (norm + 1e-6f);
-    long n = (long)m->n_params;
-LG_OMP(omp parallel for)
-    for (long k = 0; k < n; k++) m->grads[k] *= scale;
+float lg_clip_factor(float norm, float max_norm) {
+    return max_norm > 0.0f && norm > max_norm ? max_norm / (norm + 1e-6f) : 1.0f;
 }
 
 float lg_learning_rate(const lg_args *a, int step) {
@@ -2984,7 +3215,7 @@ static int lg_write_all(int fd, const void *buf, size_t bytes) {
 /* Writes path.tmp (8-byte header length, header, data as F32), flushes it to disk, then renames
    it over path: a crash never leaves a half file under the final name. */
 static int lg_write_atomically(const char *path, const char *header, size_t header_len,
-                               const lg_real *data, size_t count, lg_error *err) {
+                               lg_buf data, size_t count, lg_error *err) {
     char tmp[1100];
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
     int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -2995,7 +3226,7 @@ static int lg_write_atomically(const char *path, const char *header, size_t head
     float chunk[4096];
     for (size_t k = 0; ok && k < count; k += 4096) {
         size_t n = count - k < 4096 ? count - k : 4096;
-        for (size_t i = 0; i < n; i++) chunk[i] = (float)data[k + i];
+        for (size_t i = 0; i < n; i++) chunk[i] = (float)lg_get(data, k + i);
         ok = lg_write_all(fd, chunk, n * sizeof(float)) == 0;
     }
     ok = ok && fsync(fd) == 0;
@@ -3026,13 +3257,10 @@ int lg_save_safetensors(const lg_model *m, const char *dir, lg_error *err) {
 
 int lg_evaluate(lg_model *m, lg_loader *ld, int B, int T, int n_batches, double *mean_loss,
                 lg_error *err) {
-    int *inputs = (int *)LG_MALLOC(sizeof(int) * (size_t)B * T);
-    int *targets = (int *)LG_MALLOC(sizeof(int) * (size_t)B * T);
-    if (!inputs || !targets) {
-        LG_FREE(inputs);
-        LG_FREE(targets);
-        return lg_fail(err, "evaluation: out of host memory");
-    }
+    /* the plan's token buffers hold at least one micro-batch */
+    int *inputs = (int *)lg_rank_region(m->rank, "tokens.inputs");
+    int *targets = (int *)lg_rank_region(m->rank, "tokens.targets");
+    if (!inputs || !targets) return lg_fail(err, "evaluation: the plan has no token buffers");
     lg_loader_rewind(ld);
     double sum = 0;
     long count = 0;
@@ -3043,8 +3271,6 @@ int lg_evaluate(lg_model *m, lg_loader *ld, int B, int T, int n_batches, double 
         if (rc == 0) sum += lg_model_forward(m, inputs, targets, B, T, &n);
         count += n;
     }
-    LG_FREE(inputs);
-    LG_FREE(targets);
     *mean_loss = count ? sum / count : 0;
     return rc;
 }
@@ -3059,12 +3285,18 @@ int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args,
     lg_plan_spec_from_args(&spec, args, T);
     if (lg_plan_make(&tr->plan, cfg, &spec, err) != 0) return -1;
     if (lg_rank_create(&tr->rank, &tr->plan, 0, err) != 0 ||
-        lg_model_bind(&tr->model, cfg, &tr->rank, err) != 0 ||
-        lg_optimizer_create(&tr->opt, &tr->model, args, err) != 0) {
+        lg_model_bind(&tr->model, cfg, &tr->rank, err) != 0) {
         lg_trainer_free(tr);
         return -1;
     }
     lg_model_init_weights(&tr->model, args->seed);
+    if (lg_optimizer_create(&tr->opt, &tr->model, args, err) != 0) { /* after the init: master */
+        lg_trainer_free(tr);
+        return -1;
+    }
+    tr->scaling = args->precision == LG_PRECISION_16_TRUE || args->precision == LG_PRECISION_16_MIXED;
+    tr->loss_scale = tr->scaling ? 65536.0f : 1.0f;
+    tr->scale_window = 2000;
     tr->inputs = (int *)lg_rank_region(&tr->rank, "tokens.inputs");
     tr->targets = (int *)lg_rank_region(&tr->rank, "tokens.targets");
     return 0;
@@ -3088,20 +3320,31 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
     for (int i = 0; i < tr->accumulation && n_targets > 0; i++) {
         int *in = tr->inputs + i * micro_tokens, *tg = tr->targets + i * micro_tokens;
         loss_sum += lg_model_forward(m, in, tg, B, T, NULL);
-        lg_model_backward(m, in, tg, B, T, 1.0f / n_targets);
+        lg_model_backward(m, in, tg, B, T, tr->loss_scale / n_targets);
     }
-    float norm = lg_grad_norm(m);
-    if (!isfinite(norm))
+    stats->loss = n_targets ? loss_sum / n_targets : 0;
+    stats->loss_scale = tr->loss_scale;
+    stats->skipped = 0;
+    stats->n_targets = n_targets;
+    stats->lr = lg_learning_rate(&tr->args, step);
+    float norm = lg_grad_norm(m) / tr->loss_scale;
+    stats->grad_norm = norm;
+    if (!isfinite(norm) && tr->scaling) { /* overflow: skip, halve, try again next step */
+        stats->skipped = 1;
+        tr->loss_scale *= 0.5f;
+        tr->clean_steps = 0;
+    } else if (!isfinite(norm)) {
         return lg_fail(err, "step %d: the gradient norm is %g; stopped before it reached the "
                             "weights (try a lower --lr or a --max-norm)", step + 1, norm);
-    lg_grad_clip(m, norm, tr->args.max_norm);
-    float lr = lg_learning_rate(&tr->args, step);
-    lg_optimizer_step(&tr->opt, m, lr);
+    } else {
+        float multiplier = lg_clip_factor(norm, tr->args.max_norm) / tr->loss_scale;
+        lg_optimizer_step(&tr->opt, m, stats->lr, multiplier);
+        if (tr->scaling && ++tr->clean_steps == tr->scale_window) {
+            tr->loss_scale *= 2.0f;
+            tr->clean_steps = 0;
+        }
+    }
     stats->ms = lg_time_ms() - start;
-    stats->loss = n_targets ? loss_sum / n_targets : 0;
-    stats->lr = lr;
-    stats->grad_norm = norm;
-    stats->n_targets = n_targets;
     stats->tokens_per_s = micro_tokens * tr->accumulation / (stats->ms / 1e3);
     return 0;
 }

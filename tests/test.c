@@ -13,13 +13,18 @@ typedef struct {
     int counting;        /* record while set */
     int n;               /* allocations recorded */
     size_t sizes[4096];  /* their sizes */
+    void *blocks[4096];  /* and addresses */
 } allocation_log;
 static allocation_log test_allocations; /* test-only: the library itself has no globals */
 
 static void *test_malloc(size_t bytes) {
     allocation_log *log = &test_allocations;
-    if (log->counting && log->n < 4096) log->sizes[log->n++] = bytes;
-    return malloc(bytes);
+    void *p = malloc(bytes);
+    if (log->counting && log->n < 4096) {
+        log->sizes[log->n] = bytes;
+        log->blocks[log->n++] = p;
+    }
+    return p;
 }
 #define LG_MALLOC(size) test_malloc(size)
 #define LG_FREE(ptr) free(ptr)
@@ -52,6 +57,9 @@ static void fill_normal(lg_real *x, size_t n, float std, lg_rng *rng) {
 }
 
 static lg_real *new_reals(size_t n) { return (lg_real *)lg_alloc_zeroed(n * sizeof(lg_real)); }
+
+/* The elements of a 32-true buffer. */
+static lg_real *reals(lg_buf b) { return (lg_real *)b.data; }
 
 /* max |a - b| / max(max |b|, floor): error relative to the tensor's scale */
 static double rel_error(const lg_real *a, const lg_real *b, size_t n, double floor) {
@@ -137,20 +145,21 @@ static void fd_check(results *r, fd_case *c) {
 
 /* dims: N, IC, OC */
 static void linear_fwd(fd_case *c) {
-    lg_linear_forward(NULL, c->out, c->inputs[0], c->inputs[1], c->inputs[2], c->dims[0], c->dims[1], c->dims[2]);
+    lg_linear_forward(NULL, lg_buf_of(c->out), lg_buf_of(c->inputs[0]), lg_buf_of(c->inputs[1]), lg_buf_of(c->inputs[2]), c->dims[0], c->dims[1],
+                      c->dims[2]);
 }
 static void linear_bwd(fd_case *c) {
-    lg_linear_backward(NULL, c->grads[0], c->grads[1], c->grads[2], c->probe, c->inputs[0],
-                       c->inputs[1], c->dims[0], c->dims[1], c->dims[2]);
+    lg_linear_backward(NULL, lg_buf_of(c->grads[0]), lg_buf_of(c->grads[1]), lg_buf_of(c->grads[2]), lg_buf_of(c->probe),
+                       lg_buf_of(c->inputs[0]), lg_buf_of(c->inputs[1]), c->dims[0], c->dims[1], c->dims[2]);
 }
 /* dims: N, C; flag: 1 LayerNorm, 0 RMSNorm */
 static void norm_fwd(fd_case *c) {
-    lg_norm_forward(c->out, c->flag ? c->scratch[0] : NULL, c->scratch[1], c->inputs[0],
-                    c->inputs[1], c->flag ? c->inputs[2] : NULL, c->dims[0], c->dims[1], 1e-5f);
+    lg_norm_forward(lg_buf_of(c->out), c->flag ? c->scratch[0] : NULL, c->scratch[1], lg_buf_of(c->inputs[0]),
+                    lg_buf_of(c->inputs[1]), lg_buf_of(c->flag ? c->inputs[2] : NULL), c->dims[0], c->dims[1], 1e-5f);
 }
 static void norm_bwd(fd_case *c) {
-    lg_norm_backward(c->grads[0], c->grads[1], c->flag ? c->grads[2] : NULL, c->probe,
-                     c->inputs[0], c->inputs[1], c->flag ? c->scratch[0] : NULL, c->scratch[1],
+    lg_norm_backward(lg_buf_of(c->grads[0]), lg_buf_of(c->grads[1]), lg_buf_of(c->flag ? c->grads[2] : NULL), lg_buf_of(c->probe),
+                     lg_buf_of(c->inputs[0]), lg_buf_of(c->inputs[1]), c->flag ? c->scratch[0] : NULL, c->scratch[1],
                      c->dims[0], c->dims[1]);
 }
 /* dims: B, T, NH, NQG, HS, rope dims */
@@ -159,40 +168,44 @@ static void rope_attn_fwd(fd_case *c) {
     size_t qkv = (size_t)B * T * (NH + 2 * NQG) * HS;
     memcpy(c->scratch[0], c->inputs[0], qkv * sizeof(lg_real));
     lg_rope_tables(c->scratch[2], c->scratch[3], T, c->dims[5], 10000.0f);
-    lg_rope_rotate(c->scratch[0], c->scratch[2], c->scratch[3], B, T, NH, NQG, HS, c->dims[5], +1);
-    lg_attention_forward(NULL, c->out, c->scratch[1], c->scratch[0], B, T, NH, NQG, HS);
+    lg_rope_rotate(lg_buf_of(c->scratch[0]), c->scratch[2], c->scratch[3], B, T, NH, NQG, HS, c->dims[5], +1);
+    lg_attention_forward(NULL, lg_buf_of(c->out), lg_buf_of(c->scratch[1]), lg_buf_of(c->scratch[0]), B, T, NH, NQG, HS);
 }
 static void rope_attn_bwd(fd_case *c) {
     int B = c->dims[0], T = c->dims[1], NH = c->dims[2], NQG = c->dims[3], HS = c->dims[4];
     size_t att = (size_t)B * NH * T * T;
     lg_real *datt = new_reals(att);
-    lg_attention_backward(NULL, c->grads[0], datt, c->probe, c->scratch[0], c->scratch[1], B, T, NH, NQG, HS);
-    lg_rope_rotate(c->grads[0], c->scratch[2], c->scratch[3], B, T, NH, NQG, HS, c->dims[5], -1);
+    lg_attention_backward(NULL, lg_buf_of(c->grads[0]), lg_buf_of(datt), lg_buf_of(c->probe), lg_buf_of(c->scratch[0]), lg_buf_of(c->scratch[1]), B,
+                          T, NH, NQG, HS);
+    lg_rope_rotate(lg_buf_of(c->grads[0]), c->scratch[2], c->scratch[3], B, T, NH, NQG, HS, c->dims[5], -1);
     LG_FREE(datt);
 }
 /* flag: 0 gelu erf, 1 gelu tanh, 2 swiglu; dims[0]: n */
 static void act_fwd(fd_case *c) {
-    if (c->flag == 2) lg_swiglu_forward(c->out, c->inputs[0], c->inputs[1], c->dims[0]);
-    else lg_gelu_forward(c->out, c->inputs[0], c->dims[0], c->flag);
+    if (c->flag == 2) lg_swiglu_forward(lg_buf_of(c->out), lg_buf_of(c->inputs[0]), lg_buf_of(c->inputs[1]), c->dims[0]);
+    else lg_gelu_forward(lg_buf_of(c->out), lg_buf_of(c->inputs[0]), c->dims[0], c->flag);
 }
 static void act_bwd(fd_case *c) {
-    if (c->flag == 2) lg_swiglu_backward(c->grads[0], c->grads[1], c->probe, c->inputs[0], c->inputs[1], c->dims[0]);
-    else lg_gelu_backward(c->grads[0], c->probe, c->inputs[0], c->dims[0], c->flag);
+    if (c->flag == 2) lg_swiglu_backward(lg_buf_of(c->grads[0]), lg_buf_of(c->grads[1]), lg_buf_of(c->probe), lg_buf_of(c->inputs[0]),
+                                          lg_buf_of(c->inputs[1]), c->dims[0]);
+    else lg_gelu_backward(lg_buf_of(c->grads[0]), lg_buf_of(c->probe), lg_buf_of(c->inputs[0]), c->dims[0], c->flag);
 }
 /* dims: B, T, C */
 static void embed_fwd(fd_case *c) {
-    lg_embedding_forward(c->out, c->tokens, c->inputs[0], c->inputs[1], c->dims[0], c->dims[1], c->dims[2]);
+    lg_embedding_forward(lg_buf_of(c->out), c->tokens, lg_buf_of(c->inputs[0]), lg_buf_of(c->inputs[1]), c->dims[0], c->dims[1],
+                         c->dims[2]);
 }
 static void embed_bwd(fd_case *c) {
-    lg_embedding_backward(c->grads[0], c->grads[1], c->probe, c->tokens, c->dims[0], c->dims[1], c->dims[2]);
+    lg_embedding_backward(lg_buf_of(c->grads[0]), lg_buf_of(c->grads[1]), lg_buf_of(c->probe), c->tokens, c->dims[0], c->dims[1],
+                          c->dims[2]);
 }
 /* dims: N, V, Vp; the output is the per-token loss */
 static void ce_fwd(fd_case *c) {
-    lg_crossentropy_forward(c->out, c->inputs[0], c->tokens, c->dims[0], c->dims[1], c->dims[2]);
+    lg_crossentropy_forward(c->out, lg_buf_of(c->inputs[0]), c->tokens, c->dims[0], c->dims[1], c->dims[2]);
 }
 static void ce_bwd(fd_case *c) {
     /* d(sum_n probe_n loss_n)/dlogits: the op's scale is one number, so use a uniform probe */
-    lg_crossentropy_backward(c->grads[0], c->inputs[0], c->tokens, c->dims[0], c->dims[1],
+    lg_crossentropy_backward(lg_buf_of(c->grads[0]), lg_buf_of(c->inputs[0]), c->tokens, c->dims[0], c->dims[1],
                              c->dims[2], c->probe[0]);
 }
 
@@ -302,7 +315,7 @@ static void test_model_gradient(results *r, const char *config_name) {
     if (lg_model_create(&m, &cfg, B, T, &err)) { check(r, 0, "%s: %s", config_name, err.msg); return; }
     lg_rng rng;
     lg_rng_seed(&rng, 11);
-    fill_normal(m.params, m.n_params, 0.3f, &rng); /* large weights: gradients far from zero */
+    fill_normal(reals(m.params), m.n_params, 0.3f, &rng); /* large weights: gradients far from zero */
     int tokens[12], targets[12];
     for (int i = 0; i < B * T; i++) {
         tokens[i] = (int)(lg_rng_u64(&rng) % cfg.vocab_size);
@@ -315,19 +328,19 @@ static void test_model_gradient(results *r, const char *config_name) {
     lg_model_backward(&m, tokens, targets, B, T, 1.0f / n_targets);
     lg_real *fd = new_reals(m.n_params);
     for (size_t i = 0; i < m.n_params; i++) {
-        lg_real saved = m.params[i];
-        m.params[i] = saved + FD_EPS;
+        lg_real *p = reals(m.params), saved = p[i];
+        p[i] = saved + FD_EPS;
         double plus = lg_model_forward(&m, tokens, targets, B, T, NULL) / n_targets;
-        m.params[i] = saved - FD_EPS;
+        p[i] = saved - FD_EPS;
         double minus = lg_model_forward(&m, tokens, targets, B, T, NULL) / n_targets;
-        m.params[i] = saved;
+        p[i] = saved;
         fd[i] = (plus - minus) / (2 * FD_EPS);
     }
     double worst = 0;
     const char *worst_name = "";
     for (int k = 0; k < m.param_table.n_tensors; k++) {
         const lg_tensor_info *t = &m.param_table.tensors[k];
-        double e = rel_error(m.grads + t->offset, fd + t->offset, t->count, 1e-3);
+        double e = rel_error(reals(m.grads) + t->offset, fd + t->offset, t->count, 1e-3);
         if (e > worst) { worst = e; worst_name = t->name; }
     }
     check(r, worst < FD_TOL, "%-34s whole-model gradient (%zu params) vs finite differences: "
@@ -425,7 +438,7 @@ static void test_reference(results *r, const char *config_name) {
         const lg_tensor_info *t = &m.param_table.tensors[k];
         const ref_tensor *w = ref_find(&rf, t->name);
         if (!w || w->count != t->count) { names_match = 0; printf("    missing %s\n", t->name); continue; }
-        for (size_t i = 0; i < t->count; i++) m.params[t->offset + i] = ((const float *)w->data)[i];
+        for (size_t i = 0; i < t->count; i++) reals(m.params)[t->offset + i] = ((const float *)w->data)[i];
         n_weight_tensors++;
     }
     int ref_params = 0;
@@ -440,7 +453,7 @@ static void test_reference(results *r, const char *config_name) {
     double loss_err = fabs(sum / n_targets - ref_loss) / fabs(ref_loss);
     check(r, loss_err < 1e-4, "%-12s loss %.6f vs PyTorch %.6f: rel err %.1e (< 1e-4)",
           config_name, sum / n_targets, ref_loss, loss_err);
-    double logit_err = rel_error(m.a.logits, (const float *)logits->data, logits->count, 1e-6);
+    double logit_err = rel_error(reals(m.a.logits), (const float *)logits->data, logits->count, 1e-6);
     check(r, logit_err < 1e-4, "%-12s logits: rel err %.1e (< 1e-4)", config_name, logit_err);
     lg_model_backward(&m, (const int *)idx->data, (const int *)tgt->data, B, T, 1.0f / n_targets);
     double worst = 0;
@@ -450,7 +463,7 @@ static void test_reference(results *r, const char *config_name) {
         char gname[LG_MAX_NAME + 8];
         snprintf(gname, sizeof gname, "grad.%s", t->name);
         const ref_tensor *g = ref_find(&rf, gname);
-        double e = g ? rel_error(m.grads + t->offset, (const float *)g->data, t->count, 1e-6) : 1;
+        double e = g ? rel_error(reals(m.grads) + t->offset, (const float *)g->data, t->count, 1e-6) : 1;
         if (e > worst) { worst = e; worst_name = t->name; }
     }
     check(r, worst < 1e-3, "%-12s gradients: worst rel err %.1e (< 1e-3) in %s", config_name,
@@ -475,7 +488,7 @@ static void test_config_param_counts(results *r) {
     for (size_t i = 0; i < sizeof published / sizeof published[0]; i++) {
         lg_config cfg;
         if (load_config_or_fail(r, &cfg, published[i].name)) continue;
-        size_t n = lg_params_layout(&cfg, NULL, NULL, NULL);
+        size_t n = lg_params_layout(&cfg, lg_no_buf(), NULL, NULL);
         check(r, n == published[i].params, "config %-16s %zu parameters (published %zu)",
               published[i].name, n, published[i].params);
     }
@@ -604,9 +617,9 @@ static void test_clipping(results *r) {
     lg_model_create(&m, &cfg, 1, 4, &err);
     lg_rng rng;
     lg_rng_seed(&rng, 3);
-    fill_normal(m.grads, m.n_params, 1.0f, &rng);
-    float before = lg_grad_norm(&m);
-    lg_grad_clip(&m, before, 2.0f);
+    fill_normal(reals(m.grads), m.n_params, 1.0f, &rng);
+    float before = lg_grad_norm(&m), factor = lg_clip_factor(before, 2.0f);
+    for (size_t k = 0; k < m.n_params; k++) reals(m.grads)[k] *= factor;
     float after = lg_grad_norm(&m);
     check(r, fabsf(after - 2.0f) < 1e-4f, "clipping: global norm %.1f -> %.5f (max 2)", before, after);
     lg_model_free(&m);
@@ -632,7 +645,7 @@ static int train_builtin(const lg_config *cfg, const lg_args *a, int T, int step
     if (final_params) {
         *n_params = tr.model.n_params;
         *final_params = new_reals(*n_params);
-        memcpy(*final_params, tr.model.params, *n_params * sizeof(lg_real));
+        lg_copy(lg_buf_of(*final_params), tr.model.params, *n_params);
     }
     lg_loader_close(&ld);
     lg_trainer_free(&tr);
@@ -722,7 +735,7 @@ static void test_safetensors(results *r) {
     ok = ok && (size_t)size == 8 + header_len + m.n_params * 4;
     float first;
     fseek(f, (long)(8 + header_len), SEEK_SET);
-    ok = ok && fread(&first, 4, 1, f) == 1 && first == m.params[0];
+    ok = ok && fread(&first, 4, 1, f) == 1 && first == (float)reals(m.params)[0];
     check(r, ok, "model.safetensors: header names and shapes, sizes, data (%ld bytes)", size);
     if (f) fclose(f);
     LG_FREE(header);
@@ -751,7 +764,7 @@ static void test_cli(results *r) {
     expect_cli(r, "-b", 2, "-b needs a value");
     expect_cli(r, "-b x", 2, "-b/--micro-batch-size: 'x' is not an integer");
     expect_cli(r, "--lr fast", 2, "--lr: 'fast' is not a number");
-    expect_cli(r, "-p bf16-true", 2, "-p/--precision bf16-true: not yet supported");
+    expect_cli(r, "-p 16-true --max-steps 1 --eval-iters 1", 0, "16-true");
     expect_cli(r, "-p fp8", 2, "'fp8' is not one of");
     expect_cli(r, "-d 4", 2, "-d/--devices 4: not yet supported");
     expect_cli(r, "-b 3 -g 8", 2, "-g/--global-batch-size 8 is not a multiple of -b/--micro-batch-size 3");
@@ -803,11 +816,11 @@ static void check_allocations_match_plan(results *r, const char *config_name, in
     size_t other = 0;
     for (int i = 0; i < test_allocations.n; i++) {
         size_t bytes = test_allocations.sizes[i];
-        if (bytes == plan->pool_bytes[LG_POOL_DEVICE] + LG_ALIGN ||
-            bytes == plan->pool_bytes[LG_POOL_HOST] + LG_ALIGN)
-            arenas_found++;
-        else
-            other += bytes;
+        int pool = test_allocations.blocks[i] == tr.rank.arena[LG_POOL_DEVICE] ? LG_POOL_DEVICE
+                   : test_allocations.blocks[i] == tr.rank.arena[LG_POOL_HOST] ? LG_POOL_HOST
+                                                                              : -1;
+        if (pool >= 0) arenas_found += bytes == plan->pool_bytes[pool] + LG_ALIGN;
+        else other += bytes;
     }
     /* tables: the parameter table, per-layer views, the plan's region list */
     size_t tables_bound = 32768 + (size_t)cfg.n_layer * 8192;
@@ -815,26 +828,27 @@ static void check_allocations_match_plan(results *r, const char *config_name, in
 
     /* the regions the trainer uses start where the plan puts them */
     const lg_rank *rank = &tr.rank;
-    ok = ok && (void *)tr.model.params == lg_rank_region(rank, "weights") &&
-         (void *)tr.model.grads == lg_rank_region(rank, "gradients") &&
+    ok = ok && tr.model.params.data == lg_rank_region(rank, "weights") &&
+         tr.model.grads.data == lg_rank_region(rank, "gradients") &&
          (void *)tr.inputs == lg_rank_region(rank, "tokens.inputs") &&
          (void *)tr.model.workspace.base == lg_rank_region(rank, "gemm.workspace") &&
-         (void *)tr.model.a.residual[0] == lg_rank_region(rank, "activations.embedding") &&
-         (void *)tr.model.a.d_res_a == lg_rank_region(rank, "backward") &&
-         (void *)tr.model.a.ln_f == lg_rank_region(rank, "head");
+         tr.model.a.residual[0].data == lg_rank_region(rank, "activations.embedding") &&
+         tr.model.a.d_res_a.data == lg_rank_region(rank, "backward") &&
+         tr.model.a.ln_f.data == lg_rank_region(rank, "head");
     ok = ok && (optimizer == LG_OPTIMIZER_SGD && momentum == 0
-                    ? tr.opt.m == NULL && lg_rank_region(rank, "optimizer.momentum") == NULL
-                    : (void *)tr.opt.m == lg_rank_region(rank, optimizer == LG_OPTIMIZER_ADAMW
+                    ? tr.opt.m.data == NULL && lg_rank_region(rank, "optimizer.momentum") == NULL
+                    : tr.opt.m.data == lg_rank_region(rank, optimizer == LG_OPTIMIZER_ADAMW
                                                                    ? "optimizer.m"
                                                                    : "optimizer.momentum"));
     for (int l = 0; l < cfg.n_layer; l++) {
         char name[64];
         snprintf(name, sizeof name, "activations.h.%d", l);
-        ok = ok && (void *)tr.model.a.h[l].n1 == lg_rank_region(rank, name);
+        ok = ok && tr.model.a.h[l].n1.data == lg_rank_region(rank, name);
         /* the block's last tensor, its output, ends exactly at the region's count */
         const lg_region *x = lg_plan_find(plan, name);
-        ok = ok && x && tr.model.a.residual[l + 1] + (size_t)B * T * cfg.n_embd ==
-                            (lg_real *)lg_rank_region(rank, name) + x->count;
+        ok = ok && x &&
+             (char *)lg_at(tr.model.a.residual[l + 1], (size_t)B * T * cfg.n_embd).data ==
+                 (char *)lg_rank_region(rank, name) + x->count * lg_dtype_size(x->dtype);
     }
     /* the weights region holds exactly the parameters; regions stay inside their arena */
     ok = ok && lg_plan_find(plan, "weights")->count == tr.model.n_params;
