@@ -489,6 +489,8 @@ typedef struct {
     lg_buf v;          /* (n_params): AdamW second moment */
     lg_real *master;   /* (n_params): fp32 master weights of the mixed precisions, else NULL */
     int stochastic;    /* half weights without a master copy: round updates stochastically */
+    int sqrt_v;        /* fp16 state: v is stored as sqrt(v), whose range fp16 can hold
+                          (g^2 of a gradient of 1e-4 would underflow fp16; g does not) */
     uint64_t seed;     /* of the stochastic rounding */
     int t;             /* updates taken */
 } lg_optimizer;
@@ -2841,6 +2843,7 @@ int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_args *arg
         lg_copy(lg_buf_of(opt->master), m->params, m->n_params);
     }
     opt->stochastic = !types.master && types.weights != LG_DTYPE_F32;
+    opt->sqrt_v = types.state == LG_DTYPE_F16;
     return 0;
 }
 
@@ -2875,13 +2878,14 @@ void lg_optimizer_step(lg_optimizer *opt, lg_model *m, float lr, float grad_mult
             lg_real w = opt->master ? opt->master[k] : lg_get(m->params, k);
             lg_real g = lg_get(m->grads, k) * grad_multiplier;
             lg_real mk = opt->m.data ? lg_get(opt->m, k) : 0, vk = opt->v.data ? lg_get(opt->v, k) : 0;
+            if (opt->sqrt_v) vk *= vk;
             if (opt->kind == LG_OPTIMIZER_ADAMW)
                 w = lg_adamw_element(w, g, &mk, &vk, lr, opt->beta1, opt->beta2, bias_corr1,
                                      bias_corr2, opt->eps, decay);
             else
                 w = lg_sgd_element(w, g, &mk, lr, opt->momentum, decay);
             if (opt->m.data) lg_set(opt->m, k, mk);
-            if (opt->v.data) lg_set(opt->v, k, vk);
+            if (opt->v.data) lg_set(opt->v, k, opt->sqrt_v ? lg_sqrt(vk) : vk);
             lg_store_weight(opt, m->params, (size_t)k, w);
         }
     }

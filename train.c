@@ -25,8 +25,7 @@ static const char usage[] =
     "  -g, --global-batch-size N  samples per optimizer step (default: = -b); accumulation\n"
     "                             steps = global / devices / micro-batch\n"
     "  -t, --max-seq-length N     tokens per sample (default: the model's block_size)\n"
-    "  -p, --precision P          32-true (16-true, bf16-true, 16-mixed, bf16-mixed: --plan\n"
-    "                             only, for now)\n"
+    "  -p, --precision P          bf16-mixed (default), 16-mixed, bf16-true, 16-true, 32-true\n"
     "  -d, --devices N            1 (more: --plan only, for now)\n"
     "      --recompute MODE       none or block (block: --plan only, for now)\n"
     "      --offload              optimizer state in host memory (--plan only, for now)\n"
@@ -133,7 +132,7 @@ static const char *flag_name(int opt, char *name, size_t size) {
     return name;
 }
 
-static void parse_args(int argc, char **argv, lg_args *a) {
+static void parse_args(int argc, char **argv, lg_args *a, int *precision_given) {
     lg_args_default(a);
     opterr = 0;
     int opt;
@@ -151,6 +150,7 @@ static void parse_args(int argc, char **argv, lg_args *a) {
         case 'g': a->global_batch_size = parse_int(f, optarg); break;
         case 't': a->max_seq_length = parse_int(f, optarg); break;
         case 'p':
+            *precision_given = 1;
             if (lg_precision_parse(optarg, &a->precision) != 0)
                 die_usage("%s: '%s' is not one of 32-true, 16-true, bf16-true, 16-mixed, "
                           "bf16-mixed", f, optarg);
@@ -478,7 +478,8 @@ static void evaluate(lg_model *m, run_data *d, const lg_args *a, int step, FILE 
 
 int main(int argc, char **argv) {
     lg_args a;
-    parse_args(argc, argv, &a);
+    int precision_given = 0;
+    parse_args(argc, argv, &a, &precision_given);
     lg_config cfg;
     load_config(&a, &cfg);
     int T = a.max_seq_length ? a.max_seq_length : cfg.block_size;
@@ -508,10 +509,15 @@ int main(int argc, char **argv) {
     if (lg_cuda_device_count() > 0)
         printf("note: %d GPU(s) visible, but the CUDA kernels are not in this version yet: "
                "running on the CPU\n", lg_cuda_device_count());
-    printf("batch: -b %d x %d accumulation = %d samples of %d tokens a step | %s on the CPU, "
-           "%d threads | %s\n", B, accumulation, B * accumulation, T,
-           lg_precision_name(a.precision), threads,
+    printf("batch: -b %d x %d accumulation = %d samples of %d tokens a step | CPU, %d threads | "
+           "%s\n", B, accumulation, B * accumulation, T, threads,
            a.optimizer == LG_OPTIMIZER_ADAMW ? "adamw" : "sgd");
+    if (precision_given)
+        printf("precision: %s\n", lg_precision_name(a.precision));
+    else
+        printf("precision: %s (the default on the CPU backend: bf16 storage for weights and "
+               "activations, fp32 arithmetic and master weights; -p 32-true for full fp32)\n",
+               lg_precision_name(a.precision));
 
     lg_rng sample_rng;
     lg_rng_seed(&sample_rng, a.seed + 1);
@@ -519,12 +525,19 @@ int main(int argc, char **argv) {
     for (int step = 0; step < a.max_steps; step++) {
         lg_step_stats st;
         if (lg_trainer_step(&tr, &data.train, step, &st, &err) != 0) die(1, &err);
-        printf("step %5d/%d | loss %.4f | lr %.2e | grad norm %.3f | %.1f ms | %.0f tok/s\n",
+        printf("step %5d/%d | loss %.4f | lr %.2e | grad norm %.3f | %.1f ms | %.0f tok/s",
                step + 1, a.max_steps, st.loss, st.lr, st.grad_norm, st.ms, st.tokens_per_s);
+        if (st.skipped)
+            printf(" | skipped: fp16 gradient overflow, loss scale %g -> %g", st.loss_scale,
+                   tr.loss_scale);
+        printf("\n");
         if (log) {
             fprintf(log, "{\"step\":%d,\"loss\":%.6f,\"lr\":%.6e,\"grad_norm\":%.6f,"
-                         "\"ms\":%.3f,\"tokens_per_s\":%.1f}\n", step + 1, st.loss, st.lr,
+                         "\"ms\":%.3f,\"tokens_per_s\":%.1f", step + 1, st.loss, st.lr,
                     st.grad_norm, st.ms, st.tokens_per_s);
+            if (tr.scaling) fprintf(log, ",\"loss_scale\":%g", st.loss_scale);
+            if (st.skipped) fprintf(log, ",\"skipped\":true");
+            fprintf(log, "}\n");
             fflush(log);
         }
         int last = step + 1 == a.max_steps;
