@@ -410,8 +410,10 @@ typedef struct {
    how many; skips those that change nothing. */
 int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                      lg_remedy *out);
-/* The cheapest runnable change that fits: the first single remedy that does, else the guide's
-   runnable remedies combined in order until the run fits. Returns 0 and fills *best, or -1. */
+/* The cheapest runnable change that fits: a smaller micro-batch first (the same training), then
+   a -true precision, an optimizer with less state, a shorter sequence, and their combinations,
+   each with the micro-batch and sequence as large as fits. Returns 0 and fills *best, or -1
+   with the most drastic combination in *best. */
 int lg_plan_cheapest_fit(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                          lg_remedy *best);
 /* Device bytes of the run args describes at sequence length T (0 when it cannot be planned). */
@@ -1729,32 +1731,66 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
     return n;
 }
 
+/* The changes the cheapest fit combines, cheapest first: a smaller micro-batch keeps the
+   training the same (accumulation keeps the global batch); a -true precision changes the
+   numerics a little; an optimizer with less state changes the optimisation; a shorter
+   sequence changes what the model sees. */
+enum { LG_FIX_MICRO_BATCH = 1, LG_FIX_PRECISION = 2, LG_FIX_OPTIMIZER = 4, LG_FIX_SEQUENCE = 8 };
+
+/* Applies a set of fixes to args and T; the micro-batch and the sequence length become the
+   largest that fit with the others. Fills the flags. */
+static void lg_apply_fixes(const lg_config *cfg, const lg_args *args, int T, size_t limit,
+                           int fixes, lg_args *a, int *t, char *flags, size_t size) {
+    *a = *args;
+    *t = T;
+    flags[0] = '\0';
+    a->global_batch_size = lg_global_batch(args);
+    if (fixes & LG_FIX_PRECISION) {
+        a->precision = LG_PRECISION_BF16_TRUE;
+        snprintf(flags + strlen(flags), size - strlen(flags), " -p bf16-true");
+    }
+    if (fixes & LG_FIX_OPTIMIZER) {
+        a->optimizer = LG_OPTIMIZER_SGD;
+        a->momentum = 0;
+        snprintf(flags + strlen(flags), size - strlen(flags), " -o sgd --momentum 0");
+    }
+    if (fixes & LG_FIX_MICRO_BATCH) {
+        a->micro_batch_size = 1; /* the sequence search below assumes the smallest */
+        if (!(fixes & LG_FIX_SEQUENCE)) {
+            int b = lg_plan_auto_micro_batch(cfg, a, T, limit);
+            a->micro_batch_size = b ? b : 1;
+        }
+    }
+    if (fixes & LG_FIX_SEQUENCE) {
+        *t = lg_fitting_seq_length(cfg, a, T, limit);
+        snprintf(flags + strlen(flags), size - strlen(flags), " -t %d", *t);
+    }
+    if (fixes & LG_FIX_MICRO_BATCH)
+        snprintf(flags + strlen(flags), size - strlen(flags), " -b %d -g %d", a->micro_batch_size,
+                 a->global_batch_size);
+}
+
 int lg_plan_cheapest_fit(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                          lg_remedy *best) {
-    lg_remedy r[LG_MAX_REMEDIES];
-    int n = lg_plan_remedies(cfg, args, T, limit, r);
-    for (int i = 0; i < n; i++)
-        if (r[i].fits && r[i].runnable) { *best = r[i]; return 0; }
-    /* combine the runnable ones in the guide's order: micro-batch 1, lighter optimizer, then
-       the longest sequence that fits with both */
-    lg_args a = *args;
-    a.global_batch_size = lg_global_batch(args);
-    a.micro_batch_size = 1;
+    /* sets of fixes, cheapest first: by the costliest fix in the set, then by size */
+    static const int order[] = {
+        LG_FIX_MICRO_BATCH,
+        LG_FIX_PRECISION, LG_FIX_PRECISION | LG_FIX_MICRO_BATCH,
+        LG_FIX_OPTIMIZER, LG_FIX_OPTIMIZER | LG_FIX_MICRO_BATCH,
+        LG_FIX_OPTIMIZER | LG_FIX_PRECISION, LG_FIX_OPTIMIZER | LG_FIX_PRECISION | LG_FIX_MICRO_BATCH,
+        LG_FIX_SEQUENCE, LG_FIX_SEQUENCE | LG_FIX_MICRO_BATCH,
+        LG_FIX_SEQUENCE | LG_FIX_PRECISION, LG_FIX_SEQUENCE | LG_FIX_PRECISION | LG_FIX_MICRO_BATCH,
+        LG_FIX_SEQUENCE | LG_FIX_OPTIMIZER | LG_FIX_PRECISION | LG_FIX_MICRO_BATCH};
     char flags[96];
-    snprintf(flags, sizeof flags, "-b 1 -g %d", a.global_batch_size);
-    if (!lg_fits(cfg, &a, T, limit) && a.optimizer == LG_OPTIMIZER_ADAMW) {
-        a.optimizer = LG_OPTIMIZER_SGD;
-        a.momentum = 0;
-        snprintf(flags + strlen(flags), sizeof flags - strlen(flags), " -o sgd --momentum 0");
+    lg_args a;
+    int t;
+    for (size_t i = 0; i < sizeof order / sizeof order[0]; i++) {
+        lg_apply_fixes(cfg, args, T, limit, order[i], &a, &t, flags, sizeof flags);
+        lg_remedy_price(best, "cheapest", cfg, &a, t, limit);
+        snprintf(best->flags, sizeof best->flags, "%s", flags + 1);
+        if (best->fits && best->runnable) return 0;
     }
-    int t = T;
-    if (!lg_fits(cfg, &a, T, limit)) {
-        t = lg_fitting_seq_length(cfg, &a, T, limit);
-        snprintf(flags + strlen(flags), sizeof flags - strlen(flags), " -t %d", t);
-    }
-    lg_remedy_price(best, "combined", cfg, &a, t, limit);
-    snprintf(best->flags, sizeof best->flags, "%s", flags);
-    return best->fits && best->runnable ? 0 : -1;
+    return -1; /* best holds the last, most drastic, attempt */
 }
 
 size_t lg_host_available_bytes(void) {
