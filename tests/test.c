@@ -1034,7 +1034,8 @@ static void test_loss_scaler(results *r) {
    tables besides, and nothing while it trains; every region the model, optimizer and data use
    sits at its planned place in its arena. */
 static void check_allocations_match_plan(results *r, const char *config_name, int B, int T,
-                                         lg_optimizer_kind optimizer, float momentum, int accumulation) {
+                                         lg_precision precision, lg_optimizer_kind optimizer,
+                                         float momentum, int accumulation) {
     lg_config cfg;
     if (load_config_or_fail(r, &cfg, config_name)) return;
     lg_args a;
@@ -1043,6 +1044,7 @@ static void check_allocations_match_plan(results *r, const char *config_name, in
     a.global_batch_size = B * accumulation;
     a.optimizer = optimizer;
     a.momentum = momentum;
+    a.precision = precision;
     lg_error err;
     lg_trainer tr;
     test_allocations.n = 0;
@@ -1108,8 +1110,9 @@ static void check_allocations_match_plan(results *r, const char *config_name, in
     test_allocations.counting = 0;
     ok = ok && test_allocations.n == 0;
     char size[32];
-    check(r, ok, "%-12s -b %d -t %-3d %-5s x%d: arenas = plan (%s), %zu B of tables, regions in "
-          "place, no allocation while training", config_name, B, T,
+    check(r, ok, "%-12s -b %d -t %-3d %-10s %-5s x%d: arenas = plan (%s), %zu B of tables, "
+          "regions in place, no allocation while training", config_name, B, T,
+          lg_precision_name(precision),
           optimizer == LG_OPTIMIZER_ADAMW ? "adamw" : momentum ? "sgd+m" : "sgd", accumulation,
           lg_format_bytes(plan->pool_bytes[LG_POOL_DEVICE], size, sizeof size), other);
     lg_loader_close(&ld);
@@ -1119,9 +1122,11 @@ static void check_allocations_match_plan(results *r, const char *config_name, in
 static void test_plan_matches_allocations(results *r) {
     const char *configs[3] = {"test-gpt2", "test-pythia", "test-llama"};
     for (int i = 0; i < 3; i++) {
-        check_allocations_match_plan(r, configs[i], 1, 8, LG_OPTIMIZER_ADAMW, 0.9f, 1);
-        check_allocations_match_plan(r, configs[i], 4, 16, LG_OPTIMIZER_SGD, 0.9f, 2);
-        check_allocations_match_plan(r, configs[i], 3, 5, LG_OPTIMIZER_SGD, 0.0f, 3);
+        check_allocations_match_plan(r, configs[i], 1, 8, LG_PRECISION_32_TRUE, LG_OPTIMIZER_ADAMW, 0.9f, 1);
+        check_allocations_match_plan(r, configs[i], 4, 16, LG_PRECISION_BF16_MIXED, LG_OPTIMIZER_SGD, 0.9f, 2);
+        check_allocations_match_plan(r, configs[i], 3, 5, LG_PRECISION_16_TRUE, LG_OPTIMIZER_SGD, 0.0f, 3);
+        check_allocations_match_plan(r, configs[i], 2, 12, LG_PRECISION_BF16_TRUE, LG_OPTIMIZER_ADAMW, 0.9f, 1);
+        check_allocations_match_plan(r, configs[i], 2, 7, LG_PRECISION_16_MIXED, LG_OPTIMIZER_ADAMW, 0.9f, 2);
     }
 }
 
