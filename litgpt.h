@@ -7,41 +7,43 @@
 
    Everywhere else include it without the define to get the API only.
 
-   Usage (the whole training loop of train.c, shortened):
+   Usage (what train.c does, shortened):
 
-       lg_config cfg;  lg_error err;  lg_args args;
-       lg_args_default(&args);
+       lg_config cfg;  lg_args args;  lg_error err;
+       lg_args_default(&args);                       // then set what the user asked for
        if (lg_config_load(&cfg, "configs/pythia-14m.yaml", &err)) { puts(err.msg); exit(2); }
-       lg_model model;
-       lg_model_create(&model, &cfg, args.micro_batch_size, T, &err);
-       lg_model_init_weights(&model, args.seed);
-       lg_optimizer opt;  lg_optimizer_create(&opt, &model, &args, &err);
-       for (step ...) {
-           lg_model_zero_grad(&model);
-           for (each micro-batch) {
-               lg_model_forward(&model, inputs, targets, B, T);
-               lg_model_backward(&model, inputs, targets, B, T, 1.0f / tokens_in_global_batch);
-           }
-           float norm = lg_grad_norm(&model);  lg_grad_clip(&model, norm, args.max_norm);
-           lg_optimizer_step(&opt, &model, lg_learning_rate(&args, step));
+       lg_plan plan;  lg_plan_spec spec;             // optional: what it will need, before
+       lg_plan_spec_from_args(&spec, &args, T);      // anything is allocated
+       lg_plan_make(&plan, &cfg, &spec, &err);  lg_plan_print(&plan, stdout);
+       lg_trainer tr;                                // plan -> rank arenas -> model, optimizer
+       if (lg_trainer_create(&tr, &cfg, &args, T, &err)) { puts(err.msg); exit(1); }
+       lg_loader data;
+       lg_loader_open(&data, "train.bin", T, cfg.vocab_size, 1, args.seed, &err);
+       for (int step = 0; step < args.max_steps; step++) {
+           lg_step_stats st;                         // accumulate, clip, unscale, update
+           if (lg_trainer_step(&tr, &data, step, &st, &err)) { puts(err.msg); break; }
        }
+       lg_trainer_free(&tr);
 
    Table of contents (the order data flows through a step):
      1. utilities        errors, allocation, random numbers, timing
-     2. numbers          the arithmetic type, LG_HD per-element helpers shared with CUDA
+     2. numbers          the arithmetic type, bf16/fp16 storage, stochastic rounding, LG_HD
+                         per-element helpers shared with CUDA
      3. config           lg_config: the architecture, LitGPT field names, YAML loader
      4. args             lg_args: what the user asked for, defaults, checks
-     5. plan             the layouts of the parameter and activation buffers (sizes in one place)
+     5. plan             the layouts of every buffer (sizes in one place), the memory plan of
+                         each rank, --plan tables, fit checks and the remedies of the OOM guide
      6. kernels          CPU forward/backward of every op: gemm, linear, norms, rotary,
                          attention, GELU/SwiGLU, embeddings, cross-entropy
-     7. model            lg_model: one parameter buffer, one activation buffer, forward, backward,
-                         generation
+     7. model            lg_model: all parameters in one buffer (gradients in another), the
+                         activations in the plan's regions; forward, backward, generation
      8. optimizers       AdamW, SGD with momentum, gradient clipping, learning-rate schedule
-     9. ranks            (one device for now; sharding lands with the devices issue)
+     9. ranks            one arena per memory pool, allocated from the plan (one device for now)
     10. data             llm.c token shards (uint16 / uint32), shuffled windows, the built-in task
     11. tokenizer        the built-in character tokenizer (BPE lands with the data issue)
     12. checkpoints      model.safetensors (fp32, LitGPT names), written atomically
-    13. trainer          evaluation and the per-step log line
+    13. trainer          lg_trainer: one optimizer step (accumulation, loss scaling, clipping),
+                         evaluation
 
    Conventions: public names start with lg_ / LG_; no global mutable state; all memory through
    LG_MALLOC / LG_FREE; functions that can fail return 0 on success, -1 with a message in an
