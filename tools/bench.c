@@ -1,6 +1,6 @@
 /* tools/bench.c — training throughput of litgpt.c on the CPU (make bench).
 
-   ./tools/bench [-c configs/bench.yaml] [-b 4] [-t 256] [-s steps]
+   ./tools/bench [-c configs/bench.yaml] [-b 4] [-t 256] [-s steps] [-p 32-true]
 
    Trains the model of configs/bench.yaml (6 layers, 384 wide, Llama-style) in 32-true with
    AdamW on random tokens: 2 warm-up steps, then times the next steps (forward + backward +
@@ -13,8 +13,10 @@
 int main(int argc, char **argv) {
     const char *config = "configs/bench.yaml";
     int B = 4, T = 256, steps = 5, warmup = 2;
+    lg_precision precision = LG_PRECISION_32_TRUE; /* as the PyTorch side */
     for (int i = 1; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "-c") == 0) config = argv[i + 1];
+        else if (strcmp(argv[i], "-p") == 0 && lg_precision_parse(argv[i + 1], &precision) == 0) continue;
         else if (strcmp(argv[i], "-b") == 0) B = atoi(argv[i + 1]);
         else if (strcmp(argv[i], "-t") == 0) T = atoi(argv[i + 1]);
         else if (strcmp(argv[i], "-s") == 0) steps = atoi(argv[i + 1]);
@@ -26,6 +28,7 @@ int main(int argc, char **argv) {
     lg_args args;
     lg_args_default(&args);
     args.micro_batch_size = B;
+    args.precision = precision;
     args.lr = 3e-4f;
     args.warmup_steps = 0;
     lg_trainer tr;
@@ -49,8 +52,9 @@ int main(int argc, char **argv) {
     threads = omp_get_max_threads();
 #endif
     double ms = total_ms / steps;
-    printf("litgpt.c threads=%d B=%d T=%d params=%zu tokens/s=%.0f ms/step=%.1f attention=exact(gemm per head)\n",
-           threads, B, T, tr.model.n_params, B * T / (ms / 1e3), ms);
+    printf("litgpt.c %s threads=%d B=%d T=%d params=%zu tokens/s=%.0f ms/step=%.1f "
+           "attention=exact(gemm per head)\n", lg_precision_name(precision), threads, B, T,
+           tr.model.n_params, B * T / (ms / 1e3), ms);
     lg_loader_close(&ld);
     lg_trainer_free(&tr);
     return 0;
