@@ -399,9 +399,10 @@ typedef struct {
     const char *what;     /* "smaller micro-batch", ... */
     lg_args args;         /* the run with this change */
     int T;                /* its sequence length */
-    char flags[96];       /* the change as flags, e.g. "-b 2 -g 16" */
+    char flags[128];      /* the change as flags, e.g. "-b 2 -g 16" */
     size_t device_bytes;  /* what each device needs with it */
-    int fits;             /* device_bytes <= the limit */
+    size_t host_bytes;    /* and the host, for each device */
+    int fits;             /* device_bytes <= the limit, host_bytes <= the host's memory */
     int runnable;         /* this version can run it (not only plan it) */
 } lg_remedy;
 
@@ -412,10 +413,11 @@ typedef struct {
    how many; skips those that change nothing. */
 int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                      lg_remedy *out);
-/* The cheapest runnable change that fits: a smaller micro-batch first (the same training), then
-   a -true precision, an optimizer with less state, a shorter sequence, and their combinations,
-   each with the micro-batch and sequence as large as fits. Returns 0 and fills *best, or -1
-   with the most drastic combination in *best. */
+/* The cheapest runnable change that fits: changes that keep the training the same first (a
+   smaller micro-batch, block recompute, offload), then a -true precision, an optimizer with
+   less state, a shorter sequence, and their combinations, each with the micro-batch and
+   sequence as large as fits. Returns 0 and fills *best, or -1 with the most drastic
+   combination in *best. */
 int lg_plan_cheapest_fit(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                          lg_remedy *best);
 /* Device bytes of the run args describes at sequence length T (0 when it cannot be planned). */
@@ -452,6 +454,8 @@ typedef struct {
                                    the weight type of the precision (the working copy) */
     lg_buf grads;               /* (n_params): same layout, the "gradients" region */
     lg_precision precision;
+    int recompute;              /* --recompute block: the blocks share one set of activations,
+                                   rebuilt from each block's input during the backward */
     size_t n_params;
     lg_tensor_table param_table;
     lg_param_tensors p, g;      /* views of params and grads */
@@ -507,6 +511,9 @@ void lg_optimizer_free(lg_optimizer *opt);
 /* Updates every parameter from its gradient times grad_multiplier (unscaling and clipping in
    one factor); writes the weights back in their storage type. */
 void lg_optimizer_step(lg_optimizer *opt, lg_model *m, float lr, float grad_multiplier);
+/* The same on explicit buffers laid out by `table`: the host copies when offloading. */
+void lg_optimizer_update(lg_optimizer *opt, const lg_tensor_table *table, lg_buf params,
+                         lg_buf grads, float lr, float grad_multiplier);
 /* The global norm of the gradients as stored (Inf or NaN when any element is). */
 float lg_grad_norm(const lg_model *m);
 /* The factor that brings a gradient norm down to max_norm (1 when below, or max_norm 0). */
@@ -624,6 +631,10 @@ typedef struct {
     float loss_scale;   /* multiplies the loss before the backward: 2^16 at the start */
     int clean_steps;    /* steps since the scale last changed */
     int scale_window;   /* clean steps before the scale doubles: 2000 */
+    /* --offload: the optimizer runs on host copies (the plan's host pool) */
+    lg_buf host_grads;   /* (n_params): gradients.host */
+    lg_buf host_weights; /* (n_params): weights.host; data NULL in the mixed precisions, whose
+                            master weights (in the host pool) play that part */
 } lg_trainer;
 
 typedef struct {
@@ -1128,8 +1139,6 @@ void lg_args_default(lg_args *a) {
 /* What this version can plan but not yet run; NULL when the run can start. */
 const char *lg_args_not_runnable(const lg_args *a) {
     if (a->devices != 1) return "-d/--devices (only 1 for now)";
-    if (a->recompute) return "--recompute block";
-    if (a->offload) return "--offload";
     return NULL;
 }
 
@@ -1492,8 +1501,11 @@ static int lg_plan_model_state(lg_rank_plan *r, const lg_plan_spec *s,
     if (t.master)
         rc |= lg_plan_add(r, "master_weights", LG_GROUP_MASTER, state_pool, LG_DTYPE_F32, shard);
     rc |= lg_plan_add(r, "gradients", LG_GROUP_GRADIENTS, LG_POOL_DEVICE, t.grads, shard);
-    if (s->offload) /* the gradient shard goes to the host, where the optimizer runs */
+    if (s->offload) { /* the gradient shard goes to the host, where the optimizer runs */
         rc |= lg_plan_add(r, "gradients.host", LG_GROUP_GRADIENTS, LG_POOL_HOST, t.grads, shard);
+        if (!t.master) /* the host's copy of the weights it updates (mixed: the master) */
+            rc |= lg_plan_add(r, "weights.host", LG_GROUP_WEIGHTS, LG_POOL_HOST, t.weights, shard);
+    }
     if (states == 2) {
         rc |= lg_plan_add(r, "optimizer.m", LG_GROUP_OPTIMIZER, state_pool, t.state, shard);
         rc |= lg_plan_add(r, "optimizer.v", LG_GROUP_OPTIMIZER, state_pool, t.state, shard);
@@ -1623,19 +1635,33 @@ size_t lg_plan_group_bytes(const lg_rank_plan *r, lg_group group, lg_pool pool) 
 
 /* --- remedies --------------------------------------------------------------------------------- */
 
-size_t lg_plan_device_bytes_for(const lg_config *cfg, const lg_args *args, int T) {
+/* Device bytes of a run (0 when it cannot be planned); its host bytes into *host. */
+static size_t lg_plan_pools_for(const lg_config *cfg, const lg_args *args, int T, size_t *host) {
     lg_plan_spec spec;
     lg_plan plan;
     lg_plan_spec_from_args(&spec, args, T);
+    *host = 0;
     if (lg_plan_make(&plan, cfg, &spec, NULL) != 0) return 0;
     size_t bytes = lg_plan_bytes(&plan, LG_POOL_DEVICE);
+    *host = lg_plan_bytes(&plan, LG_POOL_HOST);
     lg_plan_free(&plan);
     return bytes;
 }
 
+size_t lg_plan_device_bytes_for(const lg_config *cfg, const lg_args *args, int T) {
+    size_t host;
+    return lg_plan_pools_for(cfg, args, T, &host);
+}
+
+/* The device pool within the limit, and the host pool within the machine's memory. */
+static int lg_pools_fit(size_t device, size_t host, size_t limit) {
+    size_t host_available = lg_host_available_bytes();
+    return device > 0 && device <= limit && (host_available == 0 || host <= host_available);
+}
+
 static int lg_fits(const lg_config *cfg, const lg_args *args, int T, size_t limit) {
-    size_t bytes = lg_plan_device_bytes_for(cfg, args, T);
-    return bytes > 0 && bytes <= limit;
+    size_t host, device = lg_plan_pools_for(cfg, args, T, &host);
+    return lg_pools_fit(device, host, limit);
 }
 
 /* The global batch the run asked for (samples per optimizer step over all devices). */
@@ -1661,8 +1687,10 @@ static void lg_remedy_price(lg_remedy *r, const char *what, const lg_config *cfg
     r->what = what;
     r->args = *a;
     r->T = T;
-    r->device_bytes = lg_plan_device_bytes_for(cfg, a, T);
-    r->fits = r->device_bytes > 0 && r->device_bytes <= limit;
+    size_t host;
+    r->device_bytes = lg_plan_pools_for(cfg, a, T, &host);
+    r->host_bytes = host;
+    r->fits = lg_pools_fit(r->device_bytes, host, limit);
     r->runnable = lg_args_not_runnable(a) == NULL;
 }
 
@@ -1733,28 +1761,43 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
     return n;
 }
 
-/* The changes the cheapest fit combines, cheapest first: a smaller micro-batch keeps the
-   training the same (accumulation keeps the global batch); a -true precision changes the
-   numerics a little; an optimizer with less state changes the optimisation; a shorter
-   sequence changes what the model sees. */
-enum { LG_FIX_MICRO_BATCH = 1, LG_FIX_PRECISION = 2, LG_FIX_OPTIMIZER = 4, LG_FIX_SEQUENCE = 8 };
+/* The changes the cheapest fit combines. Three keep the training the same: a smaller
+   micro-batch (accumulation keeps the global batch), block recompute and offload (both give
+   the same bits, at a cost in time). The others change it, in order of how much: a -true
+   precision changes the numerics a little, an optimizer with less state the optimisation, a
+   shorter sequence what the model sees. */
+enum { LG_FIX_MICRO_BATCH = 1, LG_FIX_RECOMPUTE = 2, LG_FIX_OFFLOAD = 4, LG_FIX_PRECISION = 8,
+       LG_FIX_OPTIMIZER = 16, LG_FIX_SEQUENCE = 32 };
+
+static void lg_append(char *flags, size_t size, const char *text) {
+    snprintf(flags + strlen(flags), size - strlen(flags), "%s", text);
+}
 
 /* Applies a set of fixes to args and T; the micro-batch and the sequence length become the
    largest that fit with the others. Fills the flags. */
 static void lg_apply_fixes(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                            int fixes, lg_args *a, int *t, char *flags, size_t size) {
+    char number[64];
     *a = *args;
     *t = T;
     flags[0] = '\0';
     a->global_batch_size = lg_global_batch(args);
+    if (fixes & LG_FIX_RECOMPUTE) {
+        a->recompute = 1;
+        lg_append(flags, size, " --recompute block");
+    }
+    if (fixes & LG_FIX_OFFLOAD) {
+        a->offload = 1;
+        lg_append(flags, size, " --offload");
+    }
     if (fixes & LG_FIX_PRECISION) {
         a->precision = LG_PRECISION_BF16_TRUE;
-        snprintf(flags + strlen(flags), size - strlen(flags), " -p bf16-true");
+        lg_append(flags, size, " -p bf16-true");
     }
     if (fixes & LG_FIX_OPTIMIZER) {
         a->optimizer = LG_OPTIMIZER_SGD;
         a->momentum = 0;
-        snprintf(flags + strlen(flags), size - strlen(flags), " -o sgd --momentum 0");
+        lg_append(flags, size, " -o sgd --momentum 0");
     }
     if (fixes & LG_FIX_MICRO_BATCH) {
         a->micro_batch_size = 1; /* the sequence search below assumes the smallest */
@@ -1765,33 +1808,40 @@ static void lg_apply_fixes(const lg_config *cfg, const lg_args *args, int T, siz
     }
     if (fixes & LG_FIX_SEQUENCE) {
         *t = lg_fitting_seq_length(cfg, a, T, limit);
-        snprintf(flags + strlen(flags), size - strlen(flags), " -t %d", *t);
+        snprintf(number, sizeof number, " -t %d", *t);
+        lg_append(flags, size, number);
     }
-    if (fixes & LG_FIX_MICRO_BATCH)
-        snprintf(flags + strlen(flags), size - strlen(flags), " -b %d -g %d", a->micro_batch_size,
-                 a->global_batch_size);
+    if (fixes & LG_FIX_MICRO_BATCH) {
+        snprintf(number, sizeof number, " -b %d -g %d", a->micro_batch_size, a->global_batch_size);
+        lg_append(flags, size, number);
+    }
 }
 
 int lg_plan_cheapest_fit(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                          lg_remedy *best) {
-    /* sets of fixes, cheapest first: by the costliest fix in the set, then by size */
-    static const int order[] = {
-        LG_FIX_MICRO_BATCH,
-        LG_FIX_PRECISION, LG_FIX_PRECISION | LG_FIX_MICRO_BATCH,
-        LG_FIX_OPTIMIZER, LG_FIX_OPTIMIZER | LG_FIX_MICRO_BATCH,
-        LG_FIX_OPTIMIZER | LG_FIX_PRECISION, LG_FIX_OPTIMIZER | LG_FIX_PRECISION | LG_FIX_MICRO_BATCH,
-        LG_FIX_SEQUENCE, LG_FIX_SEQUENCE | LG_FIX_MICRO_BATCH,
-        LG_FIX_SEQUENCE | LG_FIX_PRECISION, LG_FIX_SEQUENCE | LG_FIX_PRECISION | LG_FIX_MICRO_BATCH,
-        LG_FIX_SEQUENCE | LG_FIX_OPTIMIZER | LG_FIX_PRECISION | LG_FIX_MICRO_BATCH};
-    char flags[96];
+    /* changes to the training, least first; within each, the same-training fixes by how many
+       (fewest first), then in the OOM guide's order */
+    static const int changes[] = {0, LG_FIX_PRECISION, LG_FIX_OPTIMIZER,
+                                  LG_FIX_OPTIMIZER | LG_FIX_PRECISION, LG_FIX_SEQUENCE,
+                                  LG_FIX_SEQUENCE | LG_FIX_PRECISION,
+                                  LG_FIX_SEQUENCE | LG_FIX_OPTIMIZER | LG_FIX_PRECISION};
+    static const int same_training[] = {0, LG_FIX_MICRO_BATCH, LG_FIX_RECOMPUTE, LG_FIX_OFFLOAD,
+                                        LG_FIX_MICRO_BATCH | LG_FIX_RECOMPUTE,
+                                        LG_FIX_MICRO_BATCH | LG_FIX_OFFLOAD,
+                                        LG_FIX_RECOMPUTE | LG_FIX_OFFLOAD,
+                                        LG_FIX_MICRO_BATCH | LG_FIX_RECOMPUTE | LG_FIX_OFFLOAD};
+    char flags[128];
     lg_args a;
     int t;
-    for (size_t i = 0; i < sizeof order / sizeof order[0]; i++) {
-        lg_apply_fixes(cfg, args, T, limit, order[i], &a, &t, flags, sizeof flags);
-        lg_remedy_price(best, "cheapest", cfg, &a, t, limit);
-        snprintf(best->flags, sizeof best->flags, "%s", flags + 1);
-        if (best->fits && best->runnable) return 0;
-    }
+    for (size_t i = 0; i < sizeof changes / sizeof changes[0]; i++)
+        for (size_t j = 0; j < sizeof same_training / sizeof same_training[0]; j++) {
+            int fixes = changes[i] | same_training[j];
+            if (fixes == 0) continue;
+            lg_apply_fixes(cfg, args, T, limit, fixes, &a, &t, flags, sizeof flags);
+            lg_remedy_price(best, "cheapest", cfg, &a, t, limit);
+            snprintf(best->flags, sizeof best->flags, "%s", flags + 1);
+            if (best->fits && best->runnable) return 0;
+        }
     return -1; /* best holds the last, most drastic, attempt */
 }
 
@@ -2563,12 +2613,22 @@ static int lg_model_bind_activations(lg_model *m, lg_dtype acts, lg_error *err) 
     if (!base.data) return -1;
     lg_embedding_acts_layout(B, T, cfg->n_embd, base, &m->a, &count);
     for (int l = 0; l < cfg->n_layer; l++) {
+        lg_buf own, stats;
         snprintf(name, sizeof name, "activations.h.%d", l);
-        if (!(base = lg_model_view(m, name, acts, err)).data) return -1;
-        lg_block_acts_layout(cfg, l, B, T, 0, base, &m->a, &count);
-        snprintf(name, sizeof name, "activations.h.%d.stats", l);
-        if (!(base = lg_model_view(m, name, LG_DTYPE_F32, err)).data) return -1;
-        lg_block_acts_layout(cfg, l, B, T, 1, base, &m->a, &count);
+        if (!(own = lg_model_view(m, name, acts, err)).data) return -1;
+        if (m->recompute) { /* every block lays out in the shared region; its output is its own */
+            lg_buf shared = lg_model_view(m, "recompute.block", acts, err);
+            if (!(stats = lg_model_view(m, "recompute.block.stats", LG_DTYPE_F32, err)).data ||
+                !shared.data)
+                return -1;
+            lg_block_acts_layout(cfg, l, B, T, 0, shared, &m->a, &count);
+            m->a.residual[l + 1] = own;
+        } else {
+            snprintf(name, sizeof name, "activations.h.%d.stats", l);
+            if (!(stats = lg_model_view(m, name, LG_DTYPE_F32, err)).data) return -1;
+            lg_block_acts_layout(cfg, l, B, T, 0, own, &m->a, &count);
+        }
+        lg_block_acts_layout(cfg, l, B, T, 1, stats, &m->a, &count);
     }
     lg_real *rope = (lg_real *)lg_rank_region(m->rank, "rope"); /* absent without rotary */
     lg_rope_layout(cfg, T, rope, &m->a, &count);
@@ -2585,9 +2645,9 @@ int lg_model_bind(lg_model *m, const lg_config *cfg, lg_rank *rank, lg_error *er
     const lg_plan_spec *s = &rank->plan->spec;
     int L = cfg->n_layer;
     memset(m, 0, sizeof *m);
-    if (s->devices != 1 || s->recompute || s->offload)
-        return lg_fail(err, "the model runs on one device without recompute or offload for "
-                            "now; this plan is for planning only");
+    if (s->devices != 1)
+        return lg_fail(err, "the model runs on one device for now; this plan is for planning "
+                            "only");
     if (s->T > cfg->block_size)
         return lg_fail(err, "sequence length %d exceeds the model's block_size %d", s->T,
                        cfg->block_size);
@@ -2596,6 +2656,7 @@ int lg_model_bind(lg_model *m, const lg_config *cfg, lg_rank *rank, lg_error *er
     m->B = s->B;
     m->T = s->T;
     m->precision = s->precision;
+    m->recompute = s->recompute;
     m->rank = rank;
     m->p.h = (lg_block_tensors *)lg_alloc_zeroed(sizeof(lg_block_tensors) * L);
     m->g.h = (lg_block_tensors *)lg_alloc_zeroed(sizeof(lg_block_tensors) * L);
@@ -2819,6 +2880,7 @@ void lg_model_backward(lg_model *m, const int *tokens, const int *targets, int B
     lg_norm_backward(d_res, m->g.ln_f_w, m->g.ln_f_b, m->a.d_norm, m->a.residual[L], m->p.ln_f_w,
                      lg_norm_mean_or_null(c, m->a.ln_f_mean), m->a.ln_f_rstd, N, C);
     for (int l = L - 1; l >= 0; l--) {
+        if (m->recompute) lg_block_forward(m, l, B, T); /* rebuild what the backward reads */
         lg_block_backward(m, l, B, T, d_res, d_next);
         lg_buf swap = d_res;
         d_res = d_next;
@@ -2904,17 +2966,22 @@ static void lg_store_weight(const lg_optimizer *opt, lg_buf params, size_t k, lg
 }
 
 void lg_optimizer_step(lg_optimizer *opt, lg_model *m, float lr, float grad_multiplier) {
+    lg_optimizer_update(opt, &m->param_table, m->params, m->grads, lr, grad_multiplier);
+}
+
+void lg_optimizer_update(lg_optimizer *opt, const lg_tensor_table *table, lg_buf params,
+                         lg_buf grads, float lr, float grad_multiplier) {
     opt->t++;
     lg_real bias_corr1 = 1.0f - lg_pow(opt->beta1, (lg_real)opt->t);
     lg_real bias_corr2 = 1.0f - lg_pow(opt->beta2, (lg_real)opt->t);
-    for (int i = 0; i < m->param_table.n_tensors; i++) {
-        const lg_tensor_info *t = &m->param_table.tensors[i];
+    for (int i = 0; i < table->n_tensors; i++) {
+        const lg_tensor_info *t = &table->tensors[i];
         lg_real decay = lg_tensor_decays(t->kind) ? opt->weight_decay : 0.0f;
         long first = (long)t->offset, end = (long)(t->offset + t->count);
         LG_OMP(omp parallel for)
         for (long k = first; k < end; k++) {
-            lg_real w = opt->master ? opt->master[k] : lg_get(m->params, k);
-            lg_real g = lg_get(m->grads, k) * grad_multiplier;
+            lg_real w = opt->master ? opt->master[k] : lg_get(params, k);
+            lg_real g = lg_get(grads, k) * grad_multiplier;
             lg_real mk = opt->m.data ? lg_get(opt->m, k) : 0, vk = opt->v.data ? lg_get(opt->v, k) : 0;
             if (opt->sqrt_v) vk *= vk;
             if (opt->kind == LG_OPTIMIZER_ADAMW)
@@ -2924,7 +2991,7 @@ void lg_optimizer_step(lg_optimizer *opt, lg_model *m, float lr, float grad_mult
                 w = lg_sgd_element(w, g, &mk, lr, opt->momentum, decay);
             if (opt->m.data) lg_set(opt->m, k, mk);
             if (opt->v.data) lg_set(opt->v, k, opt->sqrt_v ? lg_sqrt(vk) : vk);
-            lg_store_weight(opt, m->params, (size_t)k, w);
+            lg_store_weight(opt, params, (size_t)k, w);
         }
     }
 }
@@ -3336,12 +3403,31 @@ int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args,
         lg_trainer_free(tr);
         return -1;
     }
+    if (args->offload) {
+        lg_precision_types types = lg_types_of(args->precision);
+        tr->host_grads.data = lg_rank_region(&tr->rank, "gradients.host");
+        tr->host_grads.dtype = types.grads;
+        tr->host_weights.data = lg_rank_region(&tr->rank, "weights.host");
+        tr->host_weights.dtype = types.weights;
+        if (tr->host_weights.data) lg_copy(tr->host_weights, tr->model.params, tr->model.n_params);
+    }
     tr->scaling = args->precision == LG_PRECISION_16_TRUE || args->precision == LG_PRECISION_16_MIXED;
     tr->loss_scale = tr->scaling ? 65536.0f : 1.0f;
     tr->scale_window = 2000;
     tr->inputs = (int *)lg_rank_region(&tr->rank, "tokens.inputs");
     tr->targets = (int *)lg_rank_region(&tr->rank, "tokens.targets");
     return 0;
+}
+
+/* --offload: the gradients go to the host, the optimizer updates the host copy of the weights
+   (the master weights in the mixed precisions, which write their rounded working copy straight
+   back), and the updated weights return to the device in its precision. */
+static void lg_offloaded_update(lg_trainer *tr, float lr, float multiplier) {
+    lg_model *m = &tr->model;
+    lg_copy(tr->host_grads, m->grads, m->n_params);
+    lg_buf target = tr->host_weights.data ? tr->host_weights : m->params;
+    lg_optimizer_update(&tr->opt, &m->param_table, target, tr->host_grads, lr, multiplier);
+    if (tr->host_weights.data) lg_copy(m->params, tr->host_weights, m->n_params);
 }
 
 int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *stats,
@@ -3380,7 +3466,8 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
                             "weights (try a lower --lr or a --max-norm)", step + 1, norm);
     } else {
         float multiplier = lg_clip_factor(norm, tr->args.max_norm) / tr->loss_scale;
-        lg_optimizer_step(&tr->opt, m, stats->lr, multiplier);
+        if (tr->host_grads.data) lg_offloaded_update(tr, stats->lr, multiplier);
+        else lg_optimizer_step(&tr->opt, m, stats->lr, multiplier);
         if (tr->scaling && ++tr->clean_steps == tr->scale_window) {
             tr->loss_scale *= 2.0f;
             tr->clean_steps = 0;

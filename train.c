@@ -27,8 +27,10 @@ static const char usage[] =
     "  -t, --max-seq-length N     tokens per sample (default: the model's block_size)\n"
     "  -p, --precision P          bf16-mixed (default), 16-mixed, bf16-true, 16-true, 32-true\n"
     "  -d, --devices N            1 (more: --plan only, for now)\n"
-    "      --recompute MODE       none or block (block: --plan only, for now)\n"
-    "      --offload              optimizer state in host memory (--plan only, for now)\n"
+    "      --recompute MODE       none (default) or block: keep each block's input only and\n"
+    "                             recompute the block in the backward (same results)\n"
+    "      --offload              master weights and optimizer state in host memory; the\n"
+    "                             optimizer runs there (same results)\n"
     "      --plan[=json]          print the memory plan per device and exit\n"
     "      --memory-limit SIZE    memory a device may use, e.g. 24GiB (default: what the\n"
     "                             machine has available); a run that does not fit exits 3\n"
@@ -239,7 +241,7 @@ static int sets_option(const char *arg, const int *codes, int n_codes, int *take
 /* The user's command line with the options that `flags` sets replaced by `flags`. */
 static void print_command(int argc, char **argv, const char *flags) {
     int codes[16], n_codes = 0, takes_value;
-    char copy[128];
+    char copy[160];
     snprintf(copy, sizeof copy, "%s", flags);
     for (char *tok = strtok(copy, " "); tok && n_codes < 16; tok = strtok(NULL, " "))
         if (tok[0] == '-')
@@ -349,9 +351,16 @@ static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_con
         exit(0);
     }
     const char *source;
-    size_t limit = device_limit(a, &source);
+    size_t limit = device_limit(a, &source), host = lg_host_available_bytes();
+    char need[32], have[32];
     if (limit > 0 && lg_plan_bytes(&plan, LG_POOL_DEVICE) > limit)
         explain_does_not_fit(argc, argv, cfg, a, T, &plan, limit, source);
+    if (host > 0 && lg_plan_bytes(&plan, LG_POOL_HOST) > host) {
+        printf("train: the host pool needs %s but %s of host memory is available (see --plan)\n",
+               lg_format_bytes(lg_plan_bytes(&plan, LG_POOL_HOST), need, sizeof need),
+               lg_format_bytes(host, have, sizeof have));
+        exit(3);
+    }
     lg_plan_free(&plan);
 }
 

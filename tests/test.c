@@ -1028,6 +1028,132 @@ static void test_loss_scaler(results *r) {
     lg_trainer_free(&tr);
 }
 
+/* ---- recompute and offload ----------------------------------------------------------------- */
+
+/* Trains `steps` steps on the built-in task; returns the trainer (caller frees) and losses. */
+static int train_steps(lg_trainer *tr, const lg_config *cfg, const lg_args *a, int T, int steps,
+                       double *losses) {
+    lg_error err;
+    if (lg_trainer_create(tr, cfg, a, T, &err) != 0) { printf("    %s\n", err.msg); return -1; }
+    size_t n = 0;
+    uint32_t *tokens = lg_builtin_task_tokens(5, (size_t)(steps + 1) * a->micro_batch_size * T + 1, &n);
+    lg_loader ld;
+    lg_loader_from_memory(&ld, tokens, n, T, cfg->vocab_size, 1, a->seed, &err);
+    int rc = 0;
+    for (int s = 0; s < steps && rc == 0; s++) {
+        lg_step_stats st;
+        rc = lg_trainer_step(tr, &ld, s, &st, &err);
+        losses[s] = st.loss;
+    }
+    lg_loader_close(&ld);
+    return rc;
+}
+
+static int same_bits(lg_buf a, lg_buf b, size_t n) {
+    return a.dtype == b.dtype && memcmp(a.data, b.data, n * lg_elem_size(a.dtype)) == 0;
+}
+
+/* --recompute block and --offload give bitwise the losses, gradients and weights of a plain
+   run: the same arithmetic in the same order, only where the tensors live differs. */
+static void test_recompute_offload_bitwise(results *r) {
+    const char *names[3] = {"test-gpt2", "test-pythia", "test-llama"};
+    const lg_precision modes[5] = {LG_PRECISION_32_TRUE, LG_PRECISION_BF16_MIXED,
+                                   LG_PRECISION_16_MIXED, LG_PRECISION_BF16_TRUE,
+                                   LG_PRECISION_16_TRUE};
+    for (int variant = 0; variant < 2; variant++) {
+        int ok = 1, runs = 0;
+        for (int i = 0; i < 3; i++) {
+            lg_config cfg;
+            if (load_config_or_fail(r, &cfg, names[i])) return;
+            for (int k = 0; k < 5; k++) {
+                lg_args a;
+                lg_args_default(&a);
+                a.precision = modes[k];
+                a.micro_batch_size = 2;
+                a.global_batch_size = 4;
+                a.optimizer = k % 2 ? LG_OPTIMIZER_SGD : LG_OPTIMIZER_ADAMW;
+                double plain_losses[5], other_losses[5];
+                lg_trainer plain, other;
+                int rc = train_steps(&plain, &cfg, &a, 12, 5, plain_losses);
+                if (variant == 0) a.recompute = 1;
+                else a.offload = 1;
+                rc |= train_steps(&other, &cfg, &a, 12, 5, other_losses);
+                int same = rc == 0 && memcmp(plain_losses, other_losses, sizeof plain_losses) == 0 &&
+                           same_bits(plain.model.grads, other.model.grads, plain.model.n_params) &&
+                           same_bits(plain.model.params, other.model.params, plain.model.n_params);
+                if (!same) printf("    differs: %s %s\n", names[i], lg_precision_name(modes[k]));
+                ok = ok && same;
+                runs++;
+                lg_trainer_free(&plain);
+                lg_trainer_free(&other);
+            }
+        }
+        check(r, ok, "%s: bitwise the same losses, gradients and weights after 5 steps (%d runs: "
+              "3 families x 5 precisions, AdamW and SGD)",
+              variant == 0 ? "--recompute block" : "--offload", runs);
+    }
+}
+
+/* What recompute and offload save, as allocated: the arenas are the plan's, and the device
+   pool shrinks by exactly what the plan says. */
+static void test_recompute_offload_memory(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-pythia")) return;
+    size_t device[3], host[3];
+    const char *what[3] = {"plain", "--recompute block", "--offload"};
+    int ok = 1;
+    for (int v = 0; v < 3; v++) {
+        lg_args a;
+        lg_args_default(&a);
+        a.micro_batch_size = 4;
+        a.recompute = v == 1;
+        a.offload = v == 2;
+        lg_error err;
+        lg_trainer tr;
+        test_allocations.n = 0;
+        test_allocations.counting = 1;
+        int rc = lg_trainer_create(&tr, &cfg, &a, 16, &err);
+        test_allocations.counting = 0;
+        if (rc != 0) { check(r, 0, "%s", err.msg); return; }
+        const lg_rank_plan *p = &tr.plan.ranks[0];
+        device[v] = p->pool_bytes[LG_POOL_DEVICE];
+        host[v] = p->pool_bytes[LG_POOL_HOST];
+        for (int i = 0; i < test_allocations.n; i++)
+            for (int pool = 0; pool < LG_N_POOLS; pool++)
+                if (test_allocations.blocks[i] == tr.rank.arena[pool])
+                    ok = ok && test_allocations.sizes[i] == p->pool_bytes[pool] + LG_ALIGN;
+        if (v == 1) /* each block keeps only its output; the rest is one shared block */
+            for (int l = 0; l < cfg.n_layer; l++) {
+                char name[64];
+                snprintf(name, sizeof name, "activations.h.%d", l);
+                ok = ok && tr.model.a.residual[l + 1].data == lg_rank_region(&tr.rank, name) &&
+                     tr.model.a.h[l].n1.data == lg_rank_region(&tr.rank, "recompute.block");
+            }
+        if (v == 2)
+            ok = ok && tr.host_grads.data == lg_rank_region(&tr.rank, "gradients.host") &&
+                 lg_plan_find(p, "optimizer.m")->pool == LG_POOL_HOST &&
+                 lg_plan_find(p, "master_weights")->pool == LG_POOL_HOST;
+        lg_trainer_free(&tr);
+    }
+    /* the plan's own statement of the savings: activations and state regions */
+    lg_plan_spec spec;
+    lg_args a;
+    lg_args_default(&a);
+    a.micro_batch_size = 4;
+    lg_plan_spec_from_args(&spec, &a, 16);
+    lg_plan plain;
+    lg_plan_make(&plain, &cfg, &spec, NULL);
+    size_t state = lg_plan_group_bytes(&plain.ranks[0], LG_GROUP_MASTER, LG_POOL_DEVICE) +
+                   lg_plan_group_bytes(&plain.ranks[0], LG_GROUP_OPTIMIZER, LG_POOL_DEVICE);
+    lg_plan_free(&plain);
+    ok = ok && device[0] - device[2] == state && device[1] < device[0] && host[2] > host[0];
+    char s0[32], s1[32], s2[32];
+    check(r, ok, "arenas = plan: device pool %s plain, %s with %s, %s with %s (master and "
+          "optimizer state, %zu bytes, moved to the host)", lg_format_bytes(device[0], s0, sizeof s0),
+          lg_format_bytes(device[1], s1, sizeof s1), what[1], lg_format_bytes(device[2], s2, sizeof s2),
+          what[2], state);
+}
+
 /* ---- the memory plan ------------------------------------------------------------------------ */
 
 /* The trainer allocates one arena per pool of the planned size (plus alignment slack), small
@@ -1294,6 +1420,9 @@ int main(void) {
     test_precisions_train(&r);
     test_precision_memory(&r);
     test_loss_scaler(&r);
+    printf("recompute and offload\n");
+    test_recompute_offload_bitwise(&r);
+    test_recompute_offload_memory(&r);
     printf("memory plan\n");
     test_plan_matches_allocations(&r);
     test_plan_large_models(&r);
