@@ -47,6 +47,7 @@ test: train tests/test tests/test64
 # python3-torch package, when installed).
 bench: tools/bench
 	./tools/bench
+	./tools/bench --recompute
 	./tools/bench -p bf16-mixed
 	@if /usr/bin/python3 -c "import torch" 2>/dev/null; then /usr/bin/python3 tools/bench_torch.py; \
 	 else echo "PyTorch not installed (apt-get install python3-torch): no side-by-side figure"; fi

@@ -1,6 +1,7 @@
 /* tools/bench.c — training throughput of litgpt.c on the CPU (make bench).
 
-   ./tools/bench [-c configs/bench.yaml] [-b 4] [-t 256] [-s steps] [-p 32-true]
+   ./tools/bench [--recompute] [--offload] [-c configs/bench.yaml] [-b 4] [-t 256] [-s steps]
+                 [-p 32-true]
 
    Trains the model of configs/bench.yaml (6 layers, 384 wide, Llama-style) in 32-true with
    AdamW on random tokens: 2 warm-up steps, then times the next steps (forward + backward +
@@ -14,13 +15,17 @@ int main(int argc, char **argv) {
     const char *config = "configs/bench.yaml";
     int B = 4, T = 256, steps = 5, warmup = 2;
     lg_precision precision = LG_PRECISION_32_TRUE; /* as the PyTorch side */
-    for (int i = 1; i + 1 < argc; i += 2) {
-        if (strcmp(argv[i], "-c") == 0) config = argv[i + 1];
-        else if (strcmp(argv[i], "-p") == 0 && lg_precision_parse(argv[i + 1], &precision) == 0) continue;
-        else if (strcmp(argv[i], "-b") == 0) B = atoi(argv[i + 1]);
-        else if (strcmp(argv[i], "-t") == 0) T = atoi(argv[i + 1]);
-        else if (strcmp(argv[i], "-s") == 0) steps = atoi(argv[i + 1]);
-        else { fprintf(stderr, "bench: unknown option %s\n", argv[i]); return 2; }
+    int recompute = 0, offload = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *value = i + 1 < argc ? argv[i + 1] : NULL;
+        if (strcmp(argv[i], "--recompute") == 0) recompute = 1;
+        else if (strcmp(argv[i], "--offload") == 0) offload = 1;
+        else if (value && strcmp(argv[i], "-c") == 0) config = argv[++i];
+        else if (value && strcmp(argv[i], "-b") == 0) B = atoi(argv[++i]);
+        else if (value && strcmp(argv[i], "-t") == 0) T = atoi(argv[++i]);
+        else if (value && strcmp(argv[i], "-s") == 0) steps = atoi(argv[++i]);
+        else if (value && strcmp(argv[i], "-p") == 0 && lg_precision_parse(value, &precision) == 0) i++;
+        else { fprintf(stderr, "bench: unknown or incomplete option %s\n", argv[i]); return 2; }
     }
     lg_error err;
     lg_config cfg;
@@ -29,6 +34,8 @@ int main(int argc, char **argv) {
     lg_args_default(&args);
     args.micro_batch_size = B;
     args.precision = precision;
+    args.recompute = recompute;
+    args.offload = offload;
     args.lr = 3e-4f;
     args.warmup_steps = 0;
     lg_trainer tr;
@@ -52,8 +59,9 @@ int main(int argc, char **argv) {
     threads = omp_get_max_threads();
 #endif
     double ms = total_ms / steps;
-    printf("litgpt.c %s threads=%d B=%d T=%d params=%zu tokens/s=%.0f ms/step=%.1f "
-           "attention=exact(gemm per head)\n", lg_precision_name(precision), threads, B, T,
+    printf("litgpt.c %s%s%s threads=%d B=%d T=%d params=%zu tokens/s=%.0f ms/step=%.1f "
+           "attention=exact(gemm per head)\n", lg_precision_name(precision),
+           recompute ? " recompute" : "", offload ? " offload" : "", threads, B, T,
            tr.model.n_params, B * T / (ms / 1e3), ms);
     lg_loader_close(&ld);
     lg_trainer_free(&tr);
