@@ -186,7 +186,13 @@ int lg_config_rope_dims(const lg_config *cfg); /* rotated dims of each head, eve
    4. args (API)
    ------------------------------------------------------------------------------------------- */
 
-typedef enum { LG_OPTIMIZER_ADAMW, LG_OPTIMIZER_SGD } lg_optimizer_kind;
+typedef enum { LG_OPTIMIZER_ADAMW, LG_OPTIMIZER_SGD, LG_OPTIMIZER_LION } lg_optimizer_kind;
+
+const char *lg_optimizer_name(lg_optimizer_kind kind);
+/* States a parameter needs: AdamW 2 (m, v), Lion 1 (m), SGD 1 with momentum, else 0. */
+int lg_optimizer_states(lg_optimizer_kind kind, int momentum);
+/* The plan's name of state i ("optimizer.m", "optimizer.v", "optimizer.momentum"). */
+const char *lg_optimizer_state_name(lg_optimizer_kind kind, int i);
 
 /* Everything the user can ask for on the command line; train.c parses argv into this. */
 typedef struct {
@@ -903,6 +909,17 @@ LG_HD lg_real lg_adamw_element(lg_real p, lg_real g, lg_real *m, lg_real *v, lg_
     return p - lr * m_hat / (lg_sqrt(v_hat) + eps);
 }
 
+/* One Lion element (Chen et al. 2023): step along the sign of the interpolation
+   beta1 m + (1 - beta1) g, decoupled decay, then m moves towards g at rate 1 - beta2. */
+LG_HD lg_real lg_lion_element(lg_real p, lg_real g, lg_real *m, lg_real lr, lg_real beta1,
+                              lg_real beta2, lg_real weight_decay) {
+    lg_real c = beta1 * *m + (1.0f - beta1) * g;
+    lg_real direction = (lg_real)((c > 0) - (c < 0));
+    p -= lr * weight_decay * p;
+    *m = beta2 * *m + (1.0f - beta2) * g;
+    return p - lr * direction;
+}
+
 /* One SGD element, PyTorch's convention: L2 decay into the gradient, momentum buffer. */
 LG_HD lg_real lg_sgd_element(lg_real p, lg_real g, lg_real *buf, lg_real lr, lg_real momentum,
                            lg_real weight_decay) {
@@ -1134,6 +1151,19 @@ void lg_args_default(lg_args *a) {
     a->eval_iters = 10;
     a->sample_tokens = 16;
     a->seed = 1337;
+}
+
+static const char *const lg_optimizer_names[] = {"adamw", "sgd", "lion"};
+
+const char *lg_optimizer_name(lg_optimizer_kind kind) { return lg_optimizer_names[kind]; }
+
+int lg_optimizer_states(lg_optimizer_kind kind, int momentum) {
+    return kind == LG_OPTIMIZER_ADAMW ? 2 : kind == LG_OPTIMIZER_LION ? 1 : momentum != 0;
+}
+
+const char *lg_optimizer_state_name(lg_optimizer_kind kind, int i) {
+    if (kind == LG_OPTIMIZER_SGD) return "optimizer.momentum";
+    return i == 0 ? "optimizer.m" : "optimizer.v";
 }
 
 /* What this version can plan but not yet run; NULL when the run can start. */
@@ -1496,7 +1526,7 @@ static int lg_plan_model_state(lg_rank_plan *r, const lg_plan_spec *s,
     lg_precision_types t = lg_types_of(s->precision);
     size_t n = params->total, shard = (n + s->devices - 1) / s->devices;
     lg_pool state_pool = s->offload ? LG_POOL_HOST : LG_POOL_DEVICE;
-    int states = s->optimizer == LG_OPTIMIZER_ADAMW ? 2 : s->momentum;
+    int states = lg_optimizer_states(s->optimizer, s->momentum);
     int rc = lg_plan_add(r, "weights", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, t.weights, shard);
     if (t.master)
         rc |= lg_plan_add(r, "master_weights", LG_GROUP_MASTER, state_pool, LG_DTYPE_F32, shard);
@@ -1506,12 +1536,9 @@ static int lg_plan_model_state(lg_rank_plan *r, const lg_plan_spec *s,
         if (!t.master) /* the host's copy of the weights it updates (mixed: the master) */
             rc |= lg_plan_add(r, "weights.host", LG_GROUP_WEIGHTS, LG_POOL_HOST, t.weights, shard);
     }
-    if (states == 2) {
-        rc |= lg_plan_add(r, "optimizer.m", LG_GROUP_OPTIMIZER, state_pool, t.state, shard);
-        rc |= lg_plan_add(r, "optimizer.v", LG_GROUP_OPTIMIZER, state_pool, t.state, shard);
-    } else if (states == 1) {
-        rc |= lg_plan_add(r, "optimizer.momentum", LG_GROUP_OPTIMIZER, state_pool, t.state, shard);
-    }
+    for (int i = 0; i < states; i++)
+        rc |= lg_plan_add(r, lg_optimizer_state_name(s->optimizer, i), LG_GROUP_OPTIMIZER,
+                          state_pool, t.state, shard);
     if (s->devices > 1) {
         size_t unit = 0; /* the largest sharding unit: a block, or the embedding / head */
         for (int i = 0; i < params->n_tensors; i++)
@@ -1929,7 +1956,8 @@ void lg_plan_print(const lg_plan *plan, FILE *out) {
             plan->cfg.name, s->B, s->T, s->accumulation, lg_precision_name(s->precision),
             s->devices, s->devices > 1 ? "s, full-shard" : "", s->recompute ? " | recompute block" : "",
             s->offload ? " | offload" : "",
-            s->optimizer == LG_OPTIMIZER_ADAMW ? "adamw" : s->momentum ? "sgd (momentum)" : "sgd",
+            s->optimizer == LG_OPTIMIZER_SGD && s->momentum ? "sgd (momentum)"
+                                                             : lg_optimizer_name(s->optimizer),
             "");
     for (int i = 0; i < plan->n_ranks; i++) {
         /* ranks with identical plans print once */
@@ -2005,6 +2033,16 @@ void lg_plan_print_json(const lg_plan *plan, FILE *out) {
 #define LG_GEMM_SIMD_SUM_S
 #endif
 
+/* full unrolling of the MR loop keeps the accumulator in registers (gcc: at
+   -O2 too; clang: also stops it vectorising across MR with gathers) */
+#if defined(__clang__)
+#define LG_GEMM_UNROLL _Pragma("clang loop unroll(full) vectorize(disable)")
+#elif defined(__GNUC__) && !defined(__CUDACC__)
+#define LG_GEMM_UNROLL _Pragma("GCC unroll 16")
+#else
+#define LG_GEMM_UNROLL
+#endif
+
 /* vector width in bytes, to size the register tile */
 #if defined(__AVX512F__)
 #define LG_GEMM_VBYTES 64
@@ -2026,7 +2064,7 @@ void lg_plan_print_json(const lg_plan *plan, FILE *out) {
 /* cache blocks (in elements): Bp micro-panel KC x NR in L1, Ap block
    MC x KC in L2, Bp block KC x NC in L2/L3 */
 #ifndef LG_GEMM_KC
-#define LG_GEMM_KC 256
+#define LG_GEMM_KC 384
 #endif
 #ifndef LG_GEMM_MC
 #define LG_GEMM_MC (LG_GEMM_MR * 12) /* must be a multiple of MR */
@@ -2035,7 +2073,7 @@ void lg_plan_print_json(const lg_plan *plan, FILE *out) {
 #define LG_GEMM_NC 2048              /* must be a multiple of NR */
 #endif
 
-#define LG_GEMM_SMALL (32.0 * 1024)          /* M*N*K below: simple loop */
+#define LG_GEMM_SMALL (16.0 * 16 * 16)       /* M*N*K below: simple loop */
 #define LG_GEMM_PARALLEL (128.0 * 128 * 128) /* M*N*K below: one thread */
 
 /* --- small problems: straightforward loops, no packing ------------------ */
@@ -2116,10 +2154,12 @@ static void lg_gemm_kernel(int kc, const lg_real *a, const lg_real *b, lg_buf C,
                            int ldc, int mr, int nr, lg_real beta) {
     lg_real acc[LG_GEMM_MR][LG_GEMM_NR];
     int i, j, p;
+LG_GEMM_UNROLL
     for (i = 0; i < LG_GEMM_MR; i++)
 LG_GEMM_SIMD
         for (j = 0; j < LG_GEMM_NR; j++) acc[i][j] = 0;
     for (p = 0; p < kc; p++, a += LG_GEMM_MR, b += LG_GEMM_NR) {
+LG_GEMM_UNROLL
         for (i = 0; i < LG_GEMM_MR; i++) {
             const lg_real ai = a[i];
 LG_GEMM_SIMD
@@ -2127,6 +2167,7 @@ LG_GEMM_SIMD
         }
     }
     if (C.dtype == LG_DTYPE_F32 && mr == LG_GEMM_MR && nr == LG_GEMM_NR) { /* fixed bounds */
+LG_GEMM_UNROLL
         for (i = 0; i < LG_GEMM_MR; i++) {
             lg_real *c = (lg_real *)C.data + c0 + (size_t)i * ldc;
             if (beta == 0) {
@@ -2929,14 +2970,14 @@ int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_args *arg
     opt->seed = args->seed;
     lg_precision_types types = lg_types_of(m->precision);
     /* the states live in the model's rank, in the regions the plan made for them */
-    const char *first = opt->kind == LG_OPTIMIZER_ADAMW ? "optimizer.m" : "optimizer.momentum";
-    int needs_m = opt->kind == LG_OPTIMIZER_ADAMW || opt->momentum != 0.0f;
-    int needs_v = opt->kind == LG_OPTIMIZER_ADAMW;
-    opt->m.dtype = opt->v.dtype = types.state;
-    if (needs_m && !(opt->m.data = lg_rank_region(m->rank, first)))
-        return lg_fail(err, "the plan has no region %s for the optimizer", first);
-    if (needs_v && !(opt->v.data = lg_rank_region(m->rank, "optimizer.v")))
-        return lg_fail(err, "the plan has no region optimizer.v for the optimizer");
+    int states = lg_optimizer_states(opt->kind, opt->momentum != 0.0f);
+    lg_buf *state[2] = {&opt->m, &opt->v};
+    for (int i = 0; i < states; i++) {
+        const char *name = lg_optimizer_state_name(opt->kind, i);
+        state[i]->dtype = types.state;
+        if (!(state[i]->data = lg_rank_region(m->rank, name)))
+            return lg_fail(err, "the plan has no region %s for the optimizer", name);
+    }
     if (types.master) {
         if (!(opt->master = (lg_real *)lg_rank_region(m->rank, "master_weights")))
             return lg_fail(err, "the plan has no region master_weights");
@@ -2987,6 +3028,8 @@ void lg_optimizer_update(lg_optimizer *opt, const lg_tensor_table *table, lg_buf
             if (opt->kind == LG_OPTIMIZER_ADAMW)
                 w = lg_adamw_element(w, g, &mk, &vk, lr, opt->beta1, opt->beta2, bias_corr1,
                                      bias_corr2, opt->eps, decay);
+            else if (opt->kind == LG_OPTIMIZER_LION)
+                w = lg_lion_element(w, g, &mk, lr, opt->beta1, opt->beta2, decay);
             else
                 w = lg_sgd_element(w, g, &mk, lr, opt->momentum, decay);
             if (opt->m.data) lg_set(opt->m, k, mk);

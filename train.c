@@ -35,7 +35,8 @@ static const char usage[] =
     "      --memory-limit SIZE    memory a device may use, e.g. 24GiB (default: what the\n"
     "                             machine has available); a run that does not fit exits 3\n"
     "                             with a diagnosis and the cheapest change that fits\n"
-    "  -o, --optimizer NAME       adamw (default) or sgd\n"
+    "  -o, --optimizer NAME       adamw (default), sgd or lion (one state; betas 0.9 0.99\n"
+    "                             unless given)\n"
     "      --lr X --min-lr X      peak and final learning rate (4e-3, 4e-4)\n"
     "      --warmup-steps N       linear warmup, then cosine decay to --min-lr (50)\n"
     "      --weight-decay X       on 2-D weights only (0.1)\n"
@@ -134,7 +135,8 @@ static const char *flag_name(int opt, char *name, size_t size) {
     return name;
 }
 
-static void parse_args(int argc, char **argv, lg_args *a, int *precision_given) {
+static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
+                       int *beta2_given) {
     lg_args_default(a);
     opterr = 0;
     int opt;
@@ -161,14 +163,18 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given) 
         case 'o':
             if (strcmp(optarg, "adamw") == 0) a->optimizer = LG_OPTIMIZER_ADAMW;
             else if (strcmp(optarg, "sgd") == 0) a->optimizer = LG_OPTIMIZER_SGD;
-            else die_usage("%s: '%s' is not adamw or sgd", f, optarg);
+            else if (strcmp(optarg, "lion") == 0) a->optimizer = LG_OPTIMIZER_LION;
+            else die_usage("%s: '%s' is not adamw, sgd or lion", f, optarg);
             break;
         case OPT_LR: a->lr = parse_float(f, optarg); break;
         case OPT_MIN_LR: a->min_lr = parse_float(f, optarg); break;
         case OPT_WARMUP: a->warmup_steps = parse_int(f, optarg); break;
         case OPT_WEIGHT_DECAY: a->weight_decay = parse_float(f, optarg); break;
         case OPT_BETA1: a->beta1 = parse_float(f, optarg); break;
-        case OPT_BETA2: a->beta2 = parse_float(f, optarg); break;
+        case OPT_BETA2:
+            a->beta2 = parse_float(f, optarg);
+            *beta2_given = 1;
+            break;
         case OPT_MOMENTUM: a->momentum = parse_float(f, optarg); break;
         case OPT_MAX_NORM: a->max_norm = parse_float(f, optarg); break;
         case OPT_MAX_STEPS: a->max_steps = parse_int(f, optarg); break;
@@ -487,8 +493,9 @@ static void evaluate(lg_model *m, run_data *d, const lg_args *a, int step, FILE 
 
 int main(int argc, char **argv) {
     lg_args a;
-    int precision_given = 0;
-    parse_args(argc, argv, &a, &precision_given);
+    int precision_given = 0, beta2_given = 0;
+    parse_args(argc, argv, &a, &precision_given, &beta2_given);
+    if (a.optimizer == LG_OPTIMIZER_LION && !beta2_given) a.beta2 = 0.99f; /* Lion's default */
     lg_config cfg;
     load_config(&a, &cfg);
     int T = a.max_seq_length ? a.max_seq_length : cfg.block_size;
@@ -520,7 +527,11 @@ int main(int argc, char **argv) {
                "running on the CPU\n", lg_cuda_device_count());
     printf("batch: -b %d x %d accumulation = %d samples of %d tokens a step | CPU, %d threads | "
            "%s\n", B, accumulation, B * accumulation, T, threads,
-           a.optimizer == LG_OPTIMIZER_ADAMW ? "adamw" : "sgd");
+           lg_optimizer_name(a.optimizer));
+    if (a.optimizer == LG_OPTIMIZER_LION)
+        printf("lion: wants a learning rate 3-10x smaller and a weight decay 3-10x larger than "
+               "AdamW (here --lr %g, --weight-decay %g, betas %g %g)\n", a.lr, a.weight_decay,
+               a.beta1, a.beta2);
     if (precision_given)
         printf("precision: %s\n", lg_precision_name(a.precision));
     else

@@ -1317,7 +1317,17 @@ static int run_capture(const char *args, char *out, size_t cap) {
 /* A limit below the plan: exit 3, the diagnosis, and a suggested command that runs. */
 static void test_memory_limit(results *r) {
     static char out[16384], again[16384];
-    const char *args = "-c test-llama -b 8 -g 8 -t 16 --memory-limit 4.7MiB --max-steps 1 --eval-iters 1";
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    lg_args a;
+    lg_args_default(&a);
+    a.micro_batch_size = 8;
+    size_t needs = lg_plan_device_bytes_for(&cfg, &a, 16);
+    a.micro_batch_size = 1;
+    size_t least = lg_plan_device_bytes_for(&cfg, &a, 16);
+    char args[256]; /* a limit between what -b 1 and -b 8 need */
+    snprintf(args, sizeof args, "-c test-llama -b 8 -g 8 -t 16 --memory-limit %zu --max-steps 1 "
+             "--eval-iters 1", (needs + least) / 2);
     int code = run_capture(args, out, sizeof out);
     int ok = code == 3 && strstr(out, "this run needs") && strstr(out, "largest regions:") &&
              strstr(out, "smaller micro-batch") && strstr(out, "shorter sequence") &&
@@ -1348,8 +1358,10 @@ static void test_auto_micro_batch(results *r) {
     a.micro_batch_size = 8; /* the next divisor of 24 */
     size_t next = lg_plan_device_bytes_for(&cfg, &a, T);
     check(r, b == 6 && next > limit, "-b auto -g 24 under the plan of -b 6: picks %d; -b 8 needs %zu > %zu", b, next, limit);
-    char out[4096];
-    int code = run_capture("-c test-llama -b auto -g 24 -t 16 --memory-limit 5MiB --max-steps 1 --eval-iters 1", out, sizeof out);
+    char out[4096], args[256];
+    snprintf(args, sizeof args, "-c test-llama -b auto -g 24 -t 16 --memory-limit %zu --max-steps 1 "
+             "--eval-iters 1", limit);
+    int code = run_capture(args, out, sizeof out);
     check(r, code == 0 && strstr(out, "-b auto: micro-batch"), "./train -b auto says what it chose: %.*s",
           (int)(strchr(out, '\n') ? strchr(out, '\n') - out : 0), out);
 }
