@@ -131,7 +131,7 @@ const char *lg_precision_name(lg_precision p);
 
 /* Storage types. F32 is lg_real: 4 bytes, except in the test build with LG_REAL_DOUBLE where
    it is 8. BF16 and F16 are 16-bit storage; arithmetic on them is in lg_real. */
-typedef enum { LG_DTYPE_F32, LG_DTYPE_BF16, LG_DTYPE_F16, LG_DTYPE_I32 } lg_dtype;
+typedef enum { LG_DTYPE_F32, LG_DTYPE_BF16, LG_DTYPE_F16, LG_DTYPE_I32, LG_DTYPE_U8 } lg_dtype;
 
 /* A typed view of a tensor: where it is and how its elements are stored. Kernels read and
    write elements through lg_get / lg_set, so one loop serves every precision. */
@@ -188,6 +188,13 @@ int lg_config_rope_dims(const lg_config *cfg); /* rotated dims of each head, eve
 
 typedef enum { LG_OPTIMIZER_ADAMW, LG_OPTIMIZER_SGD, LG_OPTIMIZER_LION } lg_optimizer_kind;
 
+/* --optimizer-state: how AdamW stores its moments. As the precision says (fp32, or the half
+   type in -true modes), bf16, or 8 bits a value with one fp32 scale per block of
+   LG_QUANT_BLOCK. Tensors under LG_COMPACT_MIN elements keep fp32 state in the compact formats. */
+typedef enum { LG_STATE_AS_PRECISION, LG_STATE_BF16, LG_STATE_8BIT } lg_state_format;
+#define LG_QUANT_BLOCK 256
+#define LG_COMPACT_MIN 4096
+
 const char *lg_optimizer_name(lg_optimizer_kind kind);
 /* States a parameter needs: AdamW 2 (m, v), Lion 1 (m), SGD 1 with momentum, else 0. */
 int lg_optimizer_states(lg_optimizer_kind kind, int momentum);
@@ -221,6 +228,7 @@ typedef struct {
     int offload;               /* --offload: 1 (planned, not yet run) */
     int plan_only;             /* --plan: print the plan and exit (1 table, 2 JSON) */
     int micro_batch_auto;      /* -b auto: the largest micro-batch that fits */
+    lg_state_format optimizer_state; /* --optimizer-state bf16|8bit (AdamW) */
     size_t memory_limit;       /* --memory-limit: bytes a device may use; 0: no limit */
 } lg_args;
 
@@ -376,6 +384,7 @@ typedef struct {
     int offload;            /* 1: --offload (planned, not yet run) */
     lg_optimizer_kind optimizer;
     int momentum;           /* SGD keeps a momentum buffer */
+    lg_state_format optimizer_state;
     int threads;            /* CPU threads: one matmul workspace each */
 } lg_plan_spec;
 
@@ -505,6 +514,14 @@ typedef struct {
     int stochastic;    /* half weights without a master copy: round updates stochastically */
     int sqrt_v;        /* fp16 state: v is stored as sqrt(v), whose range fp16 can hold
                           (g^2 of a gradient of 1e-4 would underflow fp16; g does not) */
+    /* --optimizer-state bf16|8bit: m and v hold the tensors of LG_COMPACT_MIN elements or
+       more (8-bit: codes, in blocks of LG_QUANT_BLOCK per tensor); the small ones live in
+       fp32 here */
+    lg_state_format format;
+    lg_buf m_small, v_small;    /* fp32 */
+    float *m_scales, *v_scales; /* 8-bit: each block's largest magnitude */
+    float signed_map[256];      /* 8-bit codes of m, ascending values in [-1, 1] */
+    float unsigned_map[256];    /* 8-bit codes of v, ascending values in [0, 1] */
     uint64_t seed;     /* of the stochastic rounding */
     int t;             /* updates taken */
 } lg_optimizer;
@@ -853,7 +870,7 @@ static inline void lg_set(lg_buf b, size_t i, lg_real v) {
 }
 
 static inline size_t lg_elem_size(lg_dtype d) {
-    return d == LG_DTYPE_F32 ? sizeof(lg_real) : d == LG_DTYPE_I32 ? 4 : 2;
+    return d == LG_DTYPE_F32 ? sizeof(lg_real) : d == LG_DTYPE_I32 ? 4 : d == LG_DTYPE_U8 ? 1 : 2;
 }
 
 /* The view `offset` elements further on. */
@@ -1441,15 +1458,13 @@ static void lg_backward_layout(const lg_config *c, int B, int T, lg_buf base, lg
 
 /* --- the plan ----------------------------------------------------------------------------- */
 
-static const char *const lg_dtype_names[] = {"f32", "bf16", "f16", "i32"};
+static const char *const lg_dtype_names[] = {"f32", "bf16", "f16", "i32", "u8"};
 static const char *const lg_group_names[] = {
     "weights", "master weights", "gradients", "optimizer state", "activations",
     "logits and loss", "backward working set", "communication", "workspace", "data"};
 
 const char *lg_dtype_name(lg_dtype d) { return lg_dtype_names[d]; }
-size_t lg_dtype_size(lg_dtype d) {
-    return d == LG_DTYPE_F32 ? sizeof(lg_real) : d == LG_DTYPE_I32 ? 4 : 2;
-}
+size_t lg_dtype_size(lg_dtype d) { return lg_elem_size(d); }
 const char *lg_group_name(lg_group g) { return lg_group_names[g]; }
 const char *lg_pool_name(lg_pool p) { return p == LG_POOL_DEVICE ? "device" : "host"; }
 
@@ -1510,6 +1525,8 @@ void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
     s->offload = a->offload;
     s->optimizer = a->optimizer;
     s->momentum = a->momentum != 0.0f;
+    s->optimizer_state = a->optimizer == LG_OPTIMIZER_ADAMW ? a->optimizer_state
+                                                            : LG_STATE_AS_PRECISION;
     s->threads = 1;
 #ifdef _OPENMP
     s->threads = omp_get_max_threads();
@@ -1536,9 +1553,32 @@ static int lg_plan_model_state(lg_rank_plan *r, const lg_plan_spec *s,
         if (!t.master) /* the host's copy of the weights it updates (mixed: the master) */
             rc |= lg_plan_add(r, "weights.host", LG_GROUP_WEIGHTS, LG_POOL_HOST, t.weights, shard);
     }
-    for (int i = 0; i < states; i++)
-        rc |= lg_plan_add(r, lg_optimizer_state_name(s->optimizer, i), LG_GROUP_OPTIMIZER,
-                          state_pool, t.state, shard);
+    if (s->optimizer_state == LG_STATE_AS_PRECISION) {
+        for (int i = 0; i < states; i++)
+            rc |= lg_plan_add(r, lg_optimizer_state_name(s->optimizer, i), LG_GROUP_OPTIMIZER,
+                              state_pool, t.state, shard);
+    } else { /* compact moments for the large tensors, fp32 for the small ones */
+        size_t large = 0, small = 0, blocks = 0;
+        for (int i = 0; i < params->n_tensors; i++) {
+            size_t count = params->tensors[i].count;
+            if (count < LG_COMPACT_MIN) small += count;
+            else large += count, blocks += (count + LG_QUANT_BLOCK - 1) / LG_QUANT_BLOCK;
+        }
+        int quantized = s->optimizer_state == LG_STATE_8BIT;
+        char name[LG_MAX_NAME];
+        for (int i = 0; i < states; i++) {
+            const char *base = lg_optimizer_state_name(s->optimizer, i);
+            rc |= lg_plan_add(r, base, LG_GROUP_OPTIMIZER, state_pool,
+                              quantized ? LG_DTYPE_U8 : LG_DTYPE_BF16,
+                              quantized ? blocks * LG_QUANT_BLOCK : large);
+            snprintf(name, sizeof name, "%s.small", base);
+            rc |= lg_plan_add(r, name, LG_GROUP_OPTIMIZER, state_pool, LG_DTYPE_F32, small);
+            if (quantized) {
+                snprintf(name, sizeof name, "%s.scales", base);
+                rc |= lg_plan_add(r, name, LG_GROUP_OPTIMIZER, state_pool, LG_DTYPE_F32, blocks);
+            }
+        }
+    }
     if (s->devices > 1) {
         size_t unit = 0; /* the largest sharding unit: a block, or the embedding / head */
         for (int i = 0; i < params->n_tensors; i++)
@@ -2958,6 +2998,43 @@ void lg_model_generate(lg_model *m, int *tokens, int n_prompt, int n_new, float 
 
 /* 8. optimizers ------------------------------------------------------------------------------- */
 
+/* 8-bit codes for values in [-1, 1] (signed) or [0, 1] (unsigned), dense near zero: after
+   the sign bit, the number of leading zero bits E picks the decade 10^-E, and the bits after
+   the first one a linear step across [0.1, 1] of that decade (the dynamic quantization of
+   Dettmers' 8-bit optimizers). Stored ascending: a code is an index into the map. */
+static void lg_dynamic_map(float *map, int is_signed) {
+    int magnitude_bits = is_signed ? 7 : 8;
+    for (int code = 0; code < 256; code++) {
+        int bits = code & ((1 << magnitude_bits) - 1), zeros = 0;
+        while (zeros < magnitude_bits && !(bits & (1 << (magnitude_bits - 1 - zeros)))) zeros++;
+        float value = 0;
+        if (zeros < magnitude_bits) {
+            int fraction_bits = magnitude_bits - 1 - zeros;
+            int steps = (1 << fraction_bits) - 1, f = bits & steps;
+            value = powf(10.0f, (float)-zeros) * (0.1f + 0.9f * (steps ? (float)f / steps : 0));
+        }
+        map[code] = is_signed && code >= 128 ? -value : value;
+    }
+    for (int i = 1; i < 256; i++) /* insertion sort: 256 values, once */
+        for (int j = i; j > 0 && map[j - 1] > map[j]; j--) {
+            float swap = map[j];
+            map[j] = map[j - 1];
+            map[j - 1] = swap;
+        }
+}
+
+/* The code of the map entry nearest x. */
+static uint8_t lg_quantize(const float *map, float x) {
+    int lo = 0, hi = 255;
+    while (hi - lo > 1) {
+        int mid = (lo + hi) / 2;
+        if (map[mid] <= x) lo = mid;
+        else hi = mid;
+    }
+    return (uint8_t)(x - map[lo] <= map[hi] - x ? lo : hi);
+}
+
+
 int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_args *args,
                         lg_error *err) {
     memset(opt, 0, sizeof *opt);
@@ -2971,13 +3048,26 @@ int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_args *arg
     lg_precision_types types = lg_types_of(m->precision);
     /* the states live in the model's rank, in the regions the plan made for them */
     int states = lg_optimizer_states(opt->kind, opt->momentum != 0.0f);
-    lg_buf *state[2] = {&opt->m, &opt->v};
+    opt->format = m->rank->plan->spec.optimizer_state;
+    lg_buf *state[2] = {&opt->m, &opt->v}, *small[2] = {&opt->m_small, &opt->v_small};
+    float **scales[2] = {&opt->m_scales, &opt->v_scales};
     for (int i = 0; i < states; i++) {
         const char *name = lg_optimizer_state_name(opt->kind, i);
-        state[i]->dtype = types.state;
-        if (!(state[i]->data = lg_rank_region(m->rank, name)))
+        char extra[LG_MAX_NAME];
+        state[i]->dtype = opt->format == LG_STATE_8BIT   ? LG_DTYPE_U8
+                          : opt->format == LG_STATE_BF16 ? LG_DTYPE_BF16
+                                                         : types.state;
+        state[i]->data = lg_rank_region(m->rank, name);
+        small[i]->dtype = LG_DTYPE_F32;
+        snprintf(extra, sizeof extra, "%s.small", name);
+        small[i]->data = lg_rank_region(m->rank, extra);
+        snprintf(extra, sizeof extra, "%s.scales", name);
+        *scales[i] = (float *)lg_rank_region(m->rank, extra);
+        if (!state[i]->data && !small[i]->data)
             return lg_fail(err, "the plan has no region %s for the optimizer", name);
     }
+    lg_dynamic_map(opt->signed_map, 1);
+    lg_dynamic_map(opt->unsigned_map, 0);
     if (types.master) {
         if (!(opt->master = (lg_real *)lg_rank_region(m->rank, "master_weights")))
             return lg_fail(err, "the plan has no region master_weights");
@@ -3010,31 +3100,120 @@ void lg_optimizer_step(lg_optimizer *opt, lg_model *m, float lr, float grad_mult
     lg_optimizer_update(opt, &m->param_table, m->params, m->grads, lr, grad_multiplier);
 }
 
+/* One parameter's update; m and v in and out (v as a plain second moment). */
+static lg_real lg_optimizer_element(const lg_optimizer *opt, lg_real w, lg_real g, lg_real *mk,
+                                    lg_real *vk, float lr, lg_real bias_corr1, lg_real bias_corr2,
+                                    lg_real decay) {
+    if (opt->kind == LG_OPTIMIZER_ADAMW)
+        return lg_adamw_element(w, g, mk, vk, lr, opt->beta1, opt->beta2, bias_corr1, bias_corr2,
+                                opt->eps, decay);
+    if (opt->kind == LG_OPTIMIZER_LION)
+        return lg_lion_element(w, g, mk, lr, opt->beta1, opt->beta2, decay);
+    return lg_sgd_element(w, g, mk, lr, opt->momentum, decay);
+}
+
+/* Where one tensor's state lives: fp32 or half views indexed from the tensor's first element,
+   or 8-bit codes with one scale per block. */
+typedef struct {
+    lg_buf m, v;             /* data NULL when the optimizer has no such state */
+    float *m_scales, *v_scales; /* 8-bit only */
+} lg_tensor_state;
+
+/* Running offsets of the compact formats, advanced tensor by tensor in table order. */
+typedef struct {
+    size_t large, small, blocks;
+} lg_state_cursor;
+
+static lg_tensor_state lg_state_of(const lg_optimizer *opt, const lg_tensor_info *t,
+                                   lg_state_cursor *at) {
+    lg_tensor_state st;
+    memset(&st, 0, sizeof st);
+    if (opt->format == LG_STATE_AS_PRECISION) {
+        st.m = lg_at(opt->m, t->offset);
+        st.v = lg_at(opt->v, t->offset);
+        return st;
+    }
+    if (t->count < LG_COMPACT_MIN) {
+        st.m = lg_at(opt->m_small, at->small);
+        st.v = lg_at(opt->v_small, at->small);
+        at->small += t->count;
+        return st;
+    }
+    if (opt->format == LG_STATE_BF16) {
+        st.m = lg_at(opt->m, at->large);
+        st.v = lg_at(opt->v, at->large);
+        at->large += t->count;
+        return st;
+    }
+    st.m = lg_at(opt->m, at->blocks * LG_QUANT_BLOCK);
+    st.v = lg_at(opt->v, at->blocks * LG_QUANT_BLOCK);
+    st.m_scales = opt->m_scales ? opt->m_scales + at->blocks : NULL;
+    st.v_scales = opt->v_scales ? opt->v_scales + at->blocks : NULL;
+    at->blocks += (t->count + LG_QUANT_BLOCK - 1) / LG_QUANT_BLOCK;
+    return st;
+}
+
+/* Dequantizes n codes of a block into x; requantizes x into the codes and the block's scale. */
+static void lg_dequantize_block(const float *map, const uint8_t *codes, float scale, int n,
+                                lg_real *x) {
+    for (int i = 0; i < n; i++) x[i] = map[codes[i]] * scale;
+}
+
+static void lg_quantize_block(const float *map, uint8_t *codes, float *scale, int n,
+                              const lg_real *x) {
+    float absmax = 0;
+    for (int i = 0; i < n; i++) absmax = fabsf((float)x[i]) > absmax ? fabsf((float)x[i]) : absmax;
+    *scale = absmax;
+    for (int i = 0; i < n; i++) codes[i] = lg_quantize(map, absmax > 0 ? (float)x[i] / absmax : 0);
+}
+
 void lg_optimizer_update(lg_optimizer *opt, const lg_tensor_table *table, lg_buf params,
                          lg_buf grads, float lr, float grad_multiplier) {
     opt->t++;
     lg_real bias_corr1 = 1.0f - lg_pow(opt->beta1, (lg_real)opt->t);
     lg_real bias_corr2 = 1.0f - lg_pow(opt->beta2, (lg_real)opt->t);
+    lg_state_cursor cursor = {0, 0, 0};
     for (int i = 0; i < table->n_tensors; i++) {
         const lg_tensor_info *t = &table->tensors[i];
         lg_real decay = lg_tensor_decays(t->kind) ? opt->weight_decay : 0.0f;
-        long first = (long)t->offset, end = (long)(t->offset + t->count);
+        lg_tensor_state st = lg_state_of(opt, t, &cursor);
+        int quantized = st.m.dtype == LG_DTYPE_U8;
+        long blocks = quantized ? (long)((t->count + LG_QUANT_BLOCK - 1) / LG_QUANT_BLOCK) : 1;
+        long block_size = quantized ? LG_QUANT_BLOCK : (long)t->count;
+        /* 8-bit: a block at a time, dequantized into fp32, updated, requantized */
         LG_OMP(omp parallel for)
-        for (long k = first; k < end; k++) {
-            lg_real w = opt->master ? opt->master[k] : lg_get(params, k);
-            lg_real g = lg_get(grads, k) * grad_multiplier;
-            lg_real mk = opt->m.data ? lg_get(opt->m, k) : 0, vk = opt->v.data ? lg_get(opt->v, k) : 0;
-            if (opt->sqrt_v) vk *= vk;
-            if (opt->kind == LG_OPTIMIZER_ADAMW)
-                w = lg_adamw_element(w, g, &mk, &vk, lr, opt->beta1, opt->beta2, bias_corr1,
-                                     bias_corr2, opt->eps, decay);
-            else if (opt->kind == LG_OPTIMIZER_LION)
-                w = lg_lion_element(w, g, &mk, lr, opt->beta1, opt->beta2, decay);
-            else
-                w = lg_sgd_element(w, g, &mk, lr, opt->momentum, decay);
-            if (opt->m.data) lg_set(opt->m, k, mk);
-            if (opt->v.data) lg_set(opt->v, k, opt->sqrt_v ? lg_sqrt(vk) : vk);
-            lg_store_weight(opt, params, (size_t)k, w);
+        for (long b = 0; b < blocks; b++) {
+            lg_real m_block[LG_QUANT_BLOCK], v_block[LG_QUANT_BLOCK];
+            long first = b * block_size, n = (long)t->count - first;
+            if (n > block_size) n = block_size;
+            uint8_t *m_codes = quantized ? (uint8_t *)st.m.data + first : NULL;
+            uint8_t *v_codes = quantized && st.v.data ? (uint8_t *)st.v.data + first : NULL;
+            if (m_codes) lg_dequantize_block(opt->signed_map, m_codes, st.m_scales[b], (int)n, m_block);
+            if (v_codes) lg_dequantize_block(opt->unsigned_map, v_codes, st.v_scales[b], (int)n, v_block);
+            for (long j = 0; j < n; j++) {
+                size_t k = t->offset + (size_t)(first + j);
+                lg_real w = opt->master ? opt->master[k] : lg_get(params, k);
+                lg_real g = lg_get(grads, k) * grad_multiplier, mk = 0, vk = 0;
+                if (quantized) {
+                    mk = m_block[j];
+                    vk = v_codes ? v_block[j] : 0;
+                } else {
+                    mk = st.m.data ? lg_get(st.m, first + j) : 0;
+                    vk = st.v.data ? lg_get(st.v, first + j) : 0;
+                    if (opt->sqrt_v) vk *= vk;
+                }
+                w = lg_optimizer_element(opt, w, g, &mk, &vk, lr, bias_corr1, bias_corr2, decay);
+                if (quantized) {
+                    m_block[j] = mk;
+                    v_block[j] = vk;
+                } else {
+                    if (st.m.data) lg_set(st.m, first + j, mk);
+                    if (st.v.data) lg_set(st.v, first + j, opt->sqrt_v ? lg_sqrt(vk) : vk);
+                }
+                lg_store_weight(opt, params, k, w);
+            }
+            if (m_codes) lg_quantize_block(opt->signed_map, m_codes, &st.m_scales[b], (int)n, m_block);
+            if (v_codes) lg_quantize_block(opt->unsigned_map, v_codes, &st.v_scales[b], (int)n, v_block);
         }
     }
 }

@@ -37,6 +37,8 @@ static const char usage[] =
     "                             with a diagnosis and the cheapest change that fits\n"
     "  -o, --optimizer NAME       adamw (default), sgd or lion (one state; betas 0.9 0.99\n"
     "                             unless given)\n"
+    "      --optimizer-state FMT  AdamW's moments in bf16 or 8bit (block-wise quantized);\n"
+    "                             tensors under 4096 elements keep fp32 state\n"
     "      --lr X --min-lr X      peak and final learning rate (4e-3, 4e-4)\n"
     "      --warmup-steps N       linear warmup, then cosine decay to --min-lr (50)\n"
     "      --weight-decay X       on 2-D weights only (0.1)\n"
@@ -86,7 +88,7 @@ static float parse_float(const char *flag, const char *text) {
 enum { OPT_DATA = 256, OPT_VAL_DATA, OPT_LR, OPT_MIN_LR, OPT_WARMUP, OPT_WEIGHT_DECAY, OPT_BETA1,
        OPT_BETA2, OPT_MOMENTUM, OPT_MAX_NORM, OPT_MAX_STEPS, OPT_EVAL_EVERY, OPT_EVAL_ITERS,
        OPT_SAMPLE_EVERY, OPT_SAMPLE_TOKENS, OPT_TEMPERATURE, OPT_PROMPT, OPT_SEED, OPT_LOG,
-       OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT };
+       OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_OPTIMIZER_STATE };
 
 static const struct option long_options[] = {
     {"config", required_argument, 0, 'c'},
@@ -120,6 +122,7 @@ static const struct option long_options[] = {
     {"offload", no_argument, 0, OPT_OFFLOAD},
     {"plan", optional_argument, 0, OPT_PLAN},
     {"memory-limit", required_argument, 0, OPT_MEMORY_LIMIT},
+    {"optimizer-state", required_argument, 0, OPT_OPTIMIZER_STATE},
     {"help", no_argument, 0, 'h'},
     {0, 0, 0, 0},
 };
@@ -193,6 +196,11 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
             else die_usage("%s: '%s' is not none or block", f, optarg);
             break;
         case OPT_OFFLOAD: a->offload = 1; break;
+        case OPT_OPTIMIZER_STATE:
+            if (strcmp(optarg, "bf16") == 0) a->optimizer_state = LG_STATE_BF16;
+            else if (strcmp(optarg, "8bit") == 0) a->optimizer_state = LG_STATE_8BIT;
+            else die_usage("%s: '%s' is not bf16 or 8bit", f, optarg);
+            break;
         case OPT_PLAN:
             if (!optarg) a->plan_only = 1;
             else if (strcmp(optarg, "json") == 0) a->plan_only = 2;
