@@ -186,7 +186,8 @@ int lg_config_rope_dims(const lg_config *cfg); /* rotated dims of each head, eve
    4. args (API)
    ------------------------------------------------------------------------------------------- */
 
-typedef enum { LG_OPTIMIZER_ADAMW, LG_OPTIMIZER_SGD, LG_OPTIMIZER_LION } lg_optimizer_kind;
+typedef enum { LG_OPTIMIZER_ADAMW, LG_OPTIMIZER_SGD, LG_OPTIMIZER_LION,
+               LG_OPTIMIZER_SOPHIA } lg_optimizer_kind;
 
 /* --optimizer-state: how AdamW stores its moments. As the precision says (fp32, or the half
    type in -true modes), bf16, or 8 bits a value with one fp32 scale per block of
@@ -196,9 +197,10 @@ typedef enum { LG_STATE_AS_PRECISION, LG_STATE_BF16, LG_STATE_8BIT } lg_state_fo
 #define LG_COMPACT_MIN 4096
 
 const char *lg_optimizer_name(lg_optimizer_kind kind);
-/* States a parameter needs: AdamW 2 (m, v), Lion 1 (m), SGD 1 with momentum, else 0. */
+/* States a parameter needs: AdamW 2 (m, v), Sophia 2 (m, h), Lion 1 (m), SGD 1 with momentum,
+   else 0. */
 int lg_optimizer_states(lg_optimizer_kind kind, int momentum);
-/* The plan's name of state i ("optimizer.m", "optimizer.v", "optimizer.momentum"). */
+/* The plan's name of state i ("optimizer.m", "optimizer.v", "optimizer.h", "optimizer.momentum"). */
 const char *lg_optimizer_state_name(lg_optimizer_kind kind, int i);
 
 /* Everything the user can ask for on the command line; train.c parses argv into this. */
@@ -229,6 +231,8 @@ typedef struct {
     int plan_only;             /* --plan: print the plan and exit (1 table, 2 JSON) */
     int micro_batch_auto;      /* -b auto: the largest micro-batch that fits */
     lg_state_format optimizer_state; /* --optimizer-state bf16|8bit (AdamW) */
+    int hessian_interval;      /* Sophia: steps between Hessian estimates (10) */
+    float rho;                 /* Sophia: the clipping scale of m / h (0.04) */
     size_t memory_limit;       /* --memory-limit: bytes a device may use; 0: no limit */
 } lg_args;
 
@@ -508,8 +512,10 @@ void lg_model_generate(lg_model *m, int *tokens, int n_prompt, int n_new, float 
 typedef struct {
     lg_optimizer_kind kind;
     float weight_decay, beta1, beta2, eps, momentum;
-    lg_buf m;          /* (n_params): AdamW first moment, SGD momentum; data NULL when unused */
-    lg_buf v;          /* (n_params): AdamW second moment */
+    float rho;         /* Sophia's clipping scale */
+    lg_buf m;          /* (n_params): AdamW, Lion, Sophia first moment, SGD momentum; data NULL
+                          when unused */
+    lg_buf v;          /* (n_params): AdamW second moment, Sophia's Hessian estimate h */
     lg_real *master;   /* (n_params): fp32 master weights of the mixed precisions, else NULL */
     int stochastic;    /* half weights without a master copy: round updates stochastically */
     int sqrt_v;        /* fp16 state: v is stored as sqrt(v), whose range fp16 can hold
@@ -537,6 +543,10 @@ void lg_optimizer_step(lg_optimizer *opt, lg_model *m, float lr, float grad_mult
 /* The same on explicit buffers laid out by `table`: the host copies when offloading. */
 void lg_optimizer_update(lg_optimizer *opt, const lg_tensor_table *table, lg_buf params,
                          lg_buf grads, float lr, float grad_multiplier);
+/* Sophia: h = beta2 h + (1 - beta2) n_tokens (g_hat * grad_multiplier)^2, from the gradient of
+   the loss on labels sampled from the model (the Gauss-Newton-Bartlett estimator). */
+void lg_optimizer_hessian_update(lg_optimizer *opt, lg_buf sampled_grads, size_t n_params,
+                                 double n_tokens, float grad_multiplier);
 /* The global norm of the gradients as stored (Inf or NaN when any element is). */
 float lg_grad_norm(const lg_model *m);
 /* The factor that brings a gradient norm down to max_norm (1 when below, or max_norm 0). */
@@ -649,6 +659,7 @@ typedef struct {
     int accumulation;   /* micro-batches per optimizer step */
     int *inputs;        /* (accumulation, B, T): the plan's tokens.inputs */
     int *targets;       /* (accumulation, B, T): the plan's tokens.targets */
+    int *sampled;       /* (accumulation, B, T): Sophia's labels drawn from the model */
     /* dynamic loss scaling (16-true, 16-mixed), as PyTorch's GradScaler */
     int scaling;        /* 1 in the fp16 precisions */
     float loss_scale;   /* multiplies the loss before the backward: 2^16 at the start */
@@ -666,6 +677,7 @@ typedef struct {
     double ms, tokens_per_s;
     long n_targets;
     int skipped;        /* an fp16 gradient overflowed: no update, the loss scale halved */
+    int hessian;        /* Sophia refreshed its Hessian estimate: one more forward and backward */
     float loss_scale;   /* the scale this step used (1 without scaling) */
 } lg_step_stats;
 
@@ -937,6 +949,19 @@ LG_HD lg_real lg_lion_element(lg_real p, lg_real g, lg_real *m, lg_real lr, lg_r
     return p - lr * direction;
 }
 
+/* One SophiaG element (Liu et al. 2023): momentum, decoupled decay, then a step of the sign of
+   m scaled by |m| / (rho h), clipped at 1, so the step never exceeds lr. h is the diagonal
+   Hessian estimate (already multiplied by the batch's token count). */
+LG_HD lg_real lg_sophia_element(lg_real p, lg_real g, lg_real *m, lg_real h, lg_real lr,
+                                lg_real beta1, lg_real rho, lg_real weight_decay) {
+    *m = beta1 * *m + (1.0f - beta1) * g;
+    p -= lr * weight_decay * p;
+    lg_real denominator = rho * h > (lg_real)1e-15 ? rho * h : (lg_real)1e-15;
+    lg_real ratio = lg_fabs(*m) / denominator;
+    if (ratio > 1) ratio = 1;
+    return p - lr * (lg_real)((*m > 0) - (*m < 0)) * ratio;
+}
+
 /* One SGD element, PyTorch's convention: L2 decay into the gradient, momentum buffer. */
 LG_HD lg_real lg_sgd_element(lg_real p, lg_real g, lg_real *buf, lg_real lr, lg_real momentum,
                            lg_real weight_decay) {
@@ -1168,19 +1193,23 @@ void lg_args_default(lg_args *a) {
     a->eval_iters = 10;
     a->sample_tokens = 16;
     a->seed = 1337;
+    a->hessian_interval = 10;
+    a->rho = 0.04f;
 }
 
-static const char *const lg_optimizer_names[] = {"adamw", "sgd", "lion"};
+static const char *const lg_optimizer_names[] = {"adamw", "sgd", "lion", "sophia"};
 
 const char *lg_optimizer_name(lg_optimizer_kind kind) { return lg_optimizer_names[kind]; }
 
 int lg_optimizer_states(lg_optimizer_kind kind, int momentum) {
-    return kind == LG_OPTIMIZER_ADAMW ? 2 : kind == LG_OPTIMIZER_LION ? 1 : momentum != 0;
+    if (kind == LG_OPTIMIZER_ADAMW || kind == LG_OPTIMIZER_SOPHIA) return 2;
+    return kind == LG_OPTIMIZER_LION ? 1 : momentum != 0;
 }
 
 const char *lg_optimizer_state_name(lg_optimizer_kind kind, int i) {
     if (kind == LG_OPTIMIZER_SGD) return "optimizer.momentum";
-    return i == 0 ? "optimizer.m" : "optimizer.v";
+    if (i == 0) return "optimizer.m";
+    return kind == LG_OPTIMIZER_SOPHIA ? "optimizer.h" : "optimizer.v";
 }
 
 /* What this version can plan but not yet run; NULL when the run can start. */
@@ -1213,6 +1242,8 @@ int lg_args_check(const lg_args *a, lg_error *err) {
         return lg_fail(err, "--max-steps, --warmup-steps, --eval-every and --sample-every "
                             "must be >= 0");
     if (a->eval_iters < 1) return lg_fail(err, "--eval-iters must be at least 1");
+    if (a->hessian_interval < 1) return lg_fail(err, "--hessian-interval must be at least 1");
+    if (a->rho <= 0.0f) return lg_fail(err, "--rho must be positive");
     if (a->temperature < 0.0f) return lg_fail(err, "--temperature must be >= 0");
     return lg_args_accumulation_steps(a, err) > 0 ? 0 : -1;
 }
@@ -1664,6 +1695,8 @@ int lg_plan_make(lg_plan *plan, const lg_config *c, const lg_plan_spec *s, lg_er
                           lg_gemm_workspace_count() * (size_t)s->threads);
         rc |= lg_plan_add(r, "tokens.inputs", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
         rc |= lg_plan_add(r, "tokens.targets", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
+        if (s->optimizer == LG_OPTIMIZER_SOPHIA) /* labels drawn from the model for its Hessian */
+            rc |= lg_plan_add(r, "tokens.sampled", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
     }
     lg_tensor_table_free(&params);
     if (rc != 0) {
@@ -3024,7 +3057,7 @@ static void lg_dynamic_map(float *map, int is_signed) {
 }
 
 /* The code of the map entry nearest x. */
-static uint8_t lg_quantize(const float *map, float x) {
+LG_HD uint8_t lg_quantize(const float *map, float x) {
     int lo = 0, hi = 255;
     while (hi - lo > 1) {
         int mid = (lo + hi) / 2;
@@ -3044,6 +3077,7 @@ int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_args *arg
     opt->beta2 = args->beta2;
     opt->eps = args->eps;
     opt->momentum = args->momentum;
+    opt->rho = args->rho;
     opt->seed = args->seed;
     lg_precision_types types = lg_types_of(m->precision);
     /* the states live in the model's rank, in the regions the plan made for them */
@@ -3074,7 +3108,7 @@ int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_args *arg
         lg_copy(lg_buf_of(opt->master), m->params, m->n_params);
     }
     opt->stochastic = !types.master && types.weights != LG_DTYPE_F32;
-    opt->sqrt_v = types.state == LG_DTYPE_F16;
+    opt->sqrt_v = types.state == LG_DTYPE_F16 && opt->kind == LG_OPTIMIZER_ADAMW;
     return 0;
 }
 
@@ -3109,6 +3143,8 @@ static lg_real lg_optimizer_element(const lg_optimizer *opt, lg_real w, lg_real 
                                 opt->eps, decay);
     if (opt->kind == LG_OPTIMIZER_LION)
         return lg_lion_element(w, g, mk, lr, opt->beta1, opt->beta2, decay);
+    if (opt->kind == LG_OPTIMIZER_SOPHIA)
+        return lg_sophia_element(w, g, mk, *vk, lr, opt->beta1, opt->rho, decay);
     return lg_sgd_element(w, g, mk, lr, opt->momentum, decay);
 }
 
@@ -3215,6 +3251,16 @@ void lg_optimizer_update(lg_optimizer *opt, const lg_tensor_table *table, lg_buf
             if (m_codes) lg_quantize_block(opt->signed_map, m_codes, &st.m_scales[b], (int)n, m_block);
             if (v_codes) lg_quantize_block(opt->unsigned_map, v_codes, &st.v_scales[b], (int)n, v_block);
         }
+    }
+}
+
+void lg_optimizer_hessian_update(lg_optimizer *opt, lg_buf sampled_grads, size_t n_params,
+                                 double n_tokens, float grad_multiplier) {
+    LG_OMP(omp parallel for)
+    for (long k = 0; k < (long)n_params; k++) {
+        lg_real g = lg_get(sampled_grads, k) * grad_multiplier;
+        lg_real h = opt->beta2 * lg_get(opt->v, k) + (1.0f - opt->beta2) * (lg_real)n_tokens * g * g;
+        lg_set(opt->v, k, h);
     }
 }
 
@@ -3636,6 +3682,7 @@ int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args,
     tr->scaling = args->precision == LG_PRECISION_16_TRUE || args->precision == LG_PRECISION_16_MIXED;
     tr->loss_scale = tr->scaling ? 65536.0f : 1.0f;
     tr->scale_window = 2000;
+    tr->sampled = (int *)lg_rank_region(&tr->rank, "tokens.sampled");
     tr->inputs = (int *)lg_rank_region(&tr->rank, "tokens.inputs");
     tr->targets = (int *)lg_rank_region(&tr->rank, "tokens.targets");
     return 0;
@@ -3652,6 +3699,40 @@ static void lg_offloaded_update(lg_trainer *tr, float lr, float multiplier) {
     if (tr->host_weights.data) lg_copy(m->params, tr->host_weights, m->n_params);
 }
 
+/* A token drawn from softmax(logits (V)) with the uniform draw u. */
+static int lg_draw_token(lg_buf logits, int V, float u) {
+    lg_real max = lg_get(logits, 0), sum = 0;
+    for (int v = 1; v < V; v++) max = lg_get(logits, v) > max ? lg_get(logits, v) : max;
+    for (int v = 0; v < V; v++) sum += lg_exp(lg_get(logits, v) - max);
+    lg_real r = u * sum;
+    for (int v = 0; v < V; v++) {
+        r -= lg_exp(lg_get(logits, v) - max);
+        if (r <= 0) return v;
+    }
+    return V - 1;
+}
+
+/* Sophia's Gauss-Newton-Bartlett estimate: the gradient of the loss on labels drawn from the
+   model's own predictions for this step's inputs, squared into the Hessian estimate. */
+static void lg_trainer_hessian_pass(lg_trainer *tr, int step) {
+    lg_model *m = &tr->model;
+    int B = m->B, T = m->T, V = m->cfg.vocab_size, Vp = m->cfg.padded_vocab_size;
+    size_t micro_tokens = (size_t)B * T, tokens = micro_tokens * tr->accumulation;
+    lg_model_zero_grad(m);
+    for (int i = 0; i < tr->accumulation; i++) {
+        int *in = tr->inputs + i * micro_tokens, *labels = tr->sampled + i * micro_tokens;
+        lg_model_forward(m, in, NULL, B, T, NULL);
+        for (size_t n = 0; n < micro_tokens; n++)
+            labels[n] = lg_draw_token(lg_at(m->a.logits, n * Vp), V,
+                                      lg_hash_uniform(tr->args.seed ^ ((uint64_t)step << 32),
+                                                      i * micro_tokens + n));
+        lg_model_backward(m, in, labels, B, T, tr->loss_scale / tokens);
+    }
+    if (isfinite(lg_grad_norm(m))) /* an fp16 overflow leaves the estimate as it was */
+        lg_optimizer_hessian_update(&tr->opt, m->grads, m->n_params, (double)tokens,
+                                    1.0f / tr->loss_scale);
+}
+
 int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *stats,
                     lg_error *err) {
     lg_model *m = &tr->model;
@@ -3665,6 +3746,8 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
         if (lg_loader_next(train, B, tr->inputs + i * micro_tokens, tg, err) != 0) return -1;
         for (size_t k = 0; k < micro_tokens; k++) n_targets += tg[k] != LG_IGNORE_INDEX;
     }
+    stats->hessian = tr->sampled && step % tr->args.hessian_interval == 0;
+    if (stats->hessian) lg_trainer_hessian_pass(tr, step);
     lg_model_zero_grad(m);
     double loss_sum = 0;
     for (int i = 0; i < tr->accumulation && n_targets > 0; i++) {
@@ -3695,7 +3778,7 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
             tr->clean_steps = 0;
         }
     }
-    stats->ms = lg_time_ms() - start;
+    stats->ms = lg_time_ms() - start; /* with Sophia's extra pass when it ran */
     stats->tokens_per_s = micro_tokens * tr->accumulation / (stats->ms / 1e3);
     return 0;
 }

@@ -35,8 +35,11 @@ static const char usage[] =
     "      --memory-limit SIZE    memory a device may use, e.g. 24GiB (default: what the\n"
     "                             machine has available); a run that does not fit exits 3\n"
     "                             with a diagnosis and the cheapest change that fits\n"
-    "  -o, --optimizer NAME       adamw (default), sgd or lion (one state; betas 0.9 0.99\n"
-    "                             unless given)\n"
+    "  -o, --optimizer NAME       adamw (default), sgd, lion (one state; betas 0.9 0.99\n"
+    "                             unless given) or sophia (SophiaG; betas 0.965 0.99)\n"
+    "      --hessian-interval N   sophia: steps between Hessian estimates, each one more\n"
+    "                             forward and backward on labels drawn from the model (10)\n"
+    "      --rho X                sophia: clipping scale of the update (0.04)\n"
     "      --optimizer-state FMT  AdamW's moments in bf16 or 8bit (block-wise quantized);\n"
     "                             tensors under 4096 elements keep fp32 state\n"
     "      --lr X --min-lr X      peak and final learning rate (4e-3, 4e-4)\n"
@@ -88,7 +91,8 @@ static float parse_float(const char *flag, const char *text) {
 enum { OPT_DATA = 256, OPT_VAL_DATA, OPT_LR, OPT_MIN_LR, OPT_WARMUP, OPT_WEIGHT_DECAY, OPT_BETA1,
        OPT_BETA2, OPT_MOMENTUM, OPT_MAX_NORM, OPT_MAX_STEPS, OPT_EVAL_EVERY, OPT_EVAL_ITERS,
        OPT_SAMPLE_EVERY, OPT_SAMPLE_TOKENS, OPT_TEMPERATURE, OPT_PROMPT, OPT_SEED, OPT_LOG,
-       OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_OPTIMIZER_STATE };
+       OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_OPTIMIZER_STATE,
+       OPT_HESSIAN_INTERVAL, OPT_RHO };
 
 static const struct option long_options[] = {
     {"config", required_argument, 0, 'c'},
@@ -123,6 +127,8 @@ static const struct option long_options[] = {
     {"plan", optional_argument, 0, OPT_PLAN},
     {"memory-limit", required_argument, 0, OPT_MEMORY_LIMIT},
     {"optimizer-state", required_argument, 0, OPT_OPTIMIZER_STATE},
+    {"hessian-interval", required_argument, 0, OPT_HESSIAN_INTERVAL},
+    {"rho", required_argument, 0, OPT_RHO},
     {"help", no_argument, 0, 'h'},
     {0, 0, 0, 0},
 };
@@ -139,7 +145,7 @@ static const char *flag_name(int opt, char *name, size_t size) {
 }
 
 static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
-                       int *beta2_given) {
+                       int *beta1_given, int *beta2_given) {
     lg_args_default(a);
     opterr = 0;
     int opt;
@@ -167,13 +173,17 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
             if (strcmp(optarg, "adamw") == 0) a->optimizer = LG_OPTIMIZER_ADAMW;
             else if (strcmp(optarg, "sgd") == 0) a->optimizer = LG_OPTIMIZER_SGD;
             else if (strcmp(optarg, "lion") == 0) a->optimizer = LG_OPTIMIZER_LION;
-            else die_usage("%s: '%s' is not adamw, sgd or lion", f, optarg);
+            else if (strcmp(optarg, "sophia") == 0) a->optimizer = LG_OPTIMIZER_SOPHIA;
+            else die_usage("%s: '%s' is not adamw, sgd, lion or sophia", f, optarg);
             break;
         case OPT_LR: a->lr = parse_float(f, optarg); break;
         case OPT_MIN_LR: a->min_lr = parse_float(f, optarg); break;
         case OPT_WARMUP: a->warmup_steps = parse_int(f, optarg); break;
         case OPT_WEIGHT_DECAY: a->weight_decay = parse_float(f, optarg); break;
-        case OPT_BETA1: a->beta1 = parse_float(f, optarg); break;
+        case OPT_BETA1:
+            a->beta1 = parse_float(f, optarg);
+            *beta1_given = 1;
+            break;
         case OPT_BETA2:
             a->beta2 = parse_float(f, optarg);
             *beta2_given = 1;
@@ -196,6 +206,8 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
             else die_usage("%s: '%s' is not none or block", f, optarg);
             break;
         case OPT_OFFLOAD: a->offload = 1; break;
+        case OPT_HESSIAN_INTERVAL: a->hessian_interval = parse_int(f, optarg); break;
+        case OPT_RHO: a->rho = parse_float(f, optarg); break;
         case OPT_OPTIMIZER_STATE:
             if (strcmp(optarg, "bf16") == 0) a->optimizer_state = LG_STATE_BF16;
             else if (strcmp(optarg, "8bit") == 0) a->optimizer_state = LG_STATE_8BIT;
@@ -501,9 +513,12 @@ static void evaluate(lg_model *m, run_data *d, const lg_args *a, int step, FILE 
 
 int main(int argc, char **argv) {
     lg_args a;
-    int precision_given = 0, beta2_given = 0;
-    parse_args(argc, argv, &a, &precision_given, &beta2_given);
-    if (a.optimizer == LG_OPTIMIZER_LION && !beta2_given) a.beta2 = 0.99f; /* Lion's default */
+    int precision_given = 0, beta1_given = 0, beta2_given = 0;
+    parse_args(argc, argv, &a, &precision_given, &beta1_given, &beta2_given);
+    /* the papers' betas, unless given: Lion (0.9, 0.99), SophiaG (0.965, 0.99) */
+    if (a.optimizer == LG_OPTIMIZER_LION && !beta2_given) a.beta2 = 0.99f;
+    if (a.optimizer == LG_OPTIMIZER_SOPHIA && !beta1_given) a.beta1 = 0.965f;
+    if (a.optimizer == LG_OPTIMIZER_SOPHIA && !beta2_given) a.beta2 = 0.99f;
     lg_config cfg;
     load_config(&a, &cfg);
     int T = a.max_seq_length ? a.max_seq_length : cfg.block_size;
@@ -558,6 +573,7 @@ int main(int argc, char **argv) {
         if (st.skipped)
             printf(" | skipped: fp16 gradient overflow, loss scale %g -> %g", st.loss_scale,
                    tr.loss_scale);
+        if (st.hessian) printf(" | with Sophia's Hessian pass");
         printf("\n");
         if (log) {
             fprintf(log, "{\"step\":%d,\"loss\":%.6f,\"lr\":%.6e,\"grad_norm\":%.6f,"
@@ -565,6 +581,7 @@ int main(int argc, char **argv) {
                     st.grad_norm, st.ms, st.tokens_per_s);
             if (tr.scaling) fprintf(log, ",\"loss_scale\":%g", st.loss_scale);
             if (st.skipped) fprintf(log, ",\"skipped\":true");
+            if (st.hessian) fprintf(log, ",\"hessian\":true");
             fprintf(log, "}\n");
             fflush(log);
         }
