@@ -1805,6 +1805,27 @@ static int lg_fitting_seq_length(const lg_config *cfg, const lg_args *a, int T, 
     return best ? best : (T / 2 > 0 ? T / 2 : 1);
 }
 
+/* The step down in optimizer state: AdamW's moments in 8 bits, AdamW or Sophia to Lion's one
+   state, Lion or SGD with momentum to plain SGD. Returns 0 when there is none. */
+static int lg_lighter_optimizer(const lg_args *args, lg_args *a, char *flags, size_t size) {
+    *a = *args;
+    if (args->optimizer == LG_OPTIMIZER_ADAMW && args->optimizer_state != LG_STATE_8BIT) {
+        a->optimizer_state = LG_STATE_8BIT;
+        snprintf(flags, size, "--optimizer-state 8bit");
+    } else if (args->optimizer == LG_OPTIMIZER_ADAMW || args->optimizer == LG_OPTIMIZER_SOPHIA) {
+        a->optimizer = LG_OPTIMIZER_LION;
+        a->optimizer_state = LG_STATE_AS_PRECISION;
+        snprintf(flags, size, "-o lion");
+    } else if (args->optimizer == LG_OPTIMIZER_LION || args->momentum != 0.0f) {
+        a->optimizer = LG_OPTIMIZER_SGD;
+        a->momentum = 0;
+        snprintf(flags, size, "-o sgd --momentum 0");
+    } else {
+        return 0;
+    }
+    return 1;
+}
+
 int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                      lg_remedy *out) {
     int n = 0, global = lg_global_batch(args);
@@ -1850,14 +1871,8 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
         lg_remedy_price(&out[n], "CPU offload", cfg, &a, T, limit);
         snprintf(out[n++].flags, sizeof out[0].flags, "--offload");
     }
-    if (args->optimizer == LG_OPTIMIZER_ADAMW || args->momentum != 0.0f) {
-        a = *args;
-        int to_sgd = args->optimizer == LG_OPTIMIZER_ADAMW;
-        a.optimizer = LG_OPTIMIZER_SGD;
-        if (!to_sgd) a.momentum = 0;
-        lg_remedy_price(&out[n], "an optimizer with less state", cfg, &a, T, limit);
-        snprintf(out[n++].flags, sizeof out[0].flags, to_sgd ? "-o sgd" : "--momentum 0");
-    }
+    if (lg_lighter_optimizer(args, &a, out[n].flags, sizeof out[n].flags))
+        lg_remedy_price(&out[n++], "an optimizer with less state", cfg, &a, T, limit);
     return n;
 }
 
@@ -1894,10 +1909,12 @@ static void lg_apply_fixes(const lg_config *cfg, const lg_args *args, int T, siz
         a->precision = LG_PRECISION_BF16_TRUE;
         lg_append(flags, size, " -p bf16-true");
     }
-    if (fixes & LG_FIX_OPTIMIZER) {
-        a->optimizer = LG_OPTIMIZER_SGD;
-        a->momentum = 0;
-        lg_append(flags, size, " -o sgd --momentum 0");
+    char lighter[64];
+    lg_args step_down;
+    if ((fixes & LG_FIX_OPTIMIZER) && lg_lighter_optimizer(a, &step_down, lighter, sizeof lighter)) {
+        *a = step_down;
+        lg_append(flags, size, " ");
+        lg_append(flags, size, lighter);
     }
     if (fixes & LG_FIX_MICRO_BATCH) {
         a->micro_batch_size = 1; /* the sequence search below assumes the smallest */

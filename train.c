@@ -331,8 +331,12 @@ static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, co
                lg_format_bytes(best.device_bytes, size, sizeof size));
         print_command(argc, argv, best.flags);
     } else {
-        printf("no change this version can run fits in %s; even %s needs %s\n", have,
-               best.flags, lg_format_bytes(best.device_bytes, size, sizeof size));
+        char host[32];
+        printf("no change this version can run fits in %s; even %s needs %s on the device and "
+               "%s of host memory (%s available)\n", have, best.flags,
+               lg_format_bytes(best.device_bytes, size, sizeof size),
+               lg_format_bytes(best.host_bytes, host, sizeof host),
+               lg_format_bytes(lg_host_available_bytes(), need, sizeof need));
     }
     exit(3);
 }

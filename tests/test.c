@@ -1571,7 +1571,7 @@ static void test_memory_limit(results *r) {
     int ok = code == 3 && strstr(out, "this run needs") && strstr(out, "largest regions:") &&
              strstr(out, "smaller micro-batch") && strstr(out, "shorter sequence") &&
              strstr(out, "-p bf16-true") && strstr(out, "--recompute block") &&
-             strstr(out, "--offload") && strstr(out, "-o sgd");
+             strstr(out, "--offload") && strstr(out, "--optimizer-state 8bit");
     char *cmd = strstr(out, "cheapest change that fits");
     cmd = cmd ? strstr(cmd, "./train ") : NULL;
     check(r, ok && cmd, "--memory-limit below the plan: exit %d with the diagnosis", code);
