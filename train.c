@@ -321,7 +321,7 @@ static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, co
     int n = lg_plan_remedies(cfg, a, T, limit, remedies);
     printf("remedies, in the order of the OOM guide (each alone):\n");
     for (int i = 0; i < n; i++)
-        printf("  %-29s %-20s %11s  %s%s\n", remedies[i].what, remedies[i].flags,
+        printf("  %-29s %-24s %11s  %s%s\n", remedies[i].what, remedies[i].flags,
                lg_format_bytes(remedies[i].device_bytes, size, sizeof size),
                remedies[i].fits ? "fits" : "does not fit",
                remedies[i].runnable ? "" : " (planned only: not in this version yet)");
