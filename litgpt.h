@@ -1412,7 +1412,7 @@ static void lg_block_acts_layout(const lg_config *c, int l, int B, int T, int st
     if (layer_norm) LG_STAT(n1_mean, 1, N);
     LG_STAT(n1_rstd, 1, N);
     LG_ACT(qkv, N, QKV);
-    LG_ACT(att, B * NH, T * T);
+    LG_ACT(att, B * NH * T, T); /* (B, NH, T, T) as rows of T: T * T may not fit an int */
     LG_ACT(att_y, N, ATT);
     LG_ACT(x_mid, N, C);
     if (!c->shared_attention_norm) {
@@ -1477,7 +1477,7 @@ static void lg_backward_layout(const lg_config *c, int B, int T, lg_buf base, lg
     a->d_mid = lg_layout_add(&L, "d_mid", N, C, LG_TENSOR_ACTIVATION);
     a->d_norm = lg_layout_add(&L, "d_norm", N, C, LG_TENSOR_ACTIVATION);
     a->d_qkv = lg_layout_add(&L, "d_qkv", N, QKV, LG_TENSOR_ACTIVATION);
-    a->d_att = lg_layout_add(&L, "d_att", B * c->n_head, T * T, LG_TENSOR_ACTIVATION);
+    a->d_att = lg_layout_add(&L, "d_att", B * c->n_head * T, T, LG_TENSOR_ACTIVATION);
     a->d_att_y = lg_layout_add(&L, "d_att_y", N, c->n_head * c->head_size, LG_TENSOR_ACTIVATION);
     a->d_fc = lg_layout_add(&L, "d_fc", N, I, LG_TENSOR_ACTIVATION);
     a->d_fc_2 = c->mlp_class_name == LG_MLP_LLAMA
