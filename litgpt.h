@@ -1219,6 +1219,14 @@ const char *lg_args_not_runnable(const lg_args *a) {
 }
 
 int lg_args_check(const lg_args *a, lg_error *err) {
+    if (a->devices < 1) return lg_fail(err, "-d/--devices must be at least 1");
+    if (a->optimizer_state != LG_STATE_AS_PRECISION && a->optimizer != LG_OPTIMIZER_ADAMW)
+        return lg_fail(err, "--optimizer-state applies to AdamW only (-o %s)",
+                       lg_optimizer_name(a->optimizer));
+    if ((double)a->micro_batch_size * a->devices > 2147483647.0 ||
+        (double)a->global_batch_size > 2147483647.0)
+        return lg_fail(err, "-b/--micro-batch-size %d x -d/--devices %d is too large",
+                       a->micro_batch_size, a->devices);
     const char *later = lg_args_not_runnable(a);
     if (later && !a->plan_only) {
         if (a->devices != 1)
@@ -1675,6 +1683,13 @@ int lg_plan_make(lg_plan *plan, const lg_config *c, const lg_plan_spec *s, lg_er
     if (s->B < 1 || s->T < 1 || s->devices < 1 || s->accumulation < 1)
         return lg_fail(err, "plan: micro-batch, sequence length, devices and accumulation must "
                             "be positive");
+    if (s->optimizer_state != LG_STATE_AS_PRECISION && s->optimizer != LG_OPTIMIZER_ADAMW)
+        return lg_fail(err, "plan: --optimizer-state applies to AdamW only");
+    /* the layouts count rows in int: B T and B NH T (attention) must fit */
+    double rows = (double)s->B * s->T * (c->n_head > 1 ? c->n_head : 1);
+    if (rows > 2147483647.0 || (double)s->B * s->accumulation * s->T > 2147483647.0)
+        return lg_fail(err, "plan: -b/--micro-batch-size %d x -t/--max-seq-length %d is too "
+                            "large to lay out", s->B, s->T);
     plan->cfg = *c;
     plan->spec = *s;
     plan->n_ranks = s->devices;
@@ -1771,6 +1786,7 @@ static int lg_global_batch(const lg_args *a) {
 
 int lg_plan_auto_micro_batch(const lg_config *cfg, const lg_args *args, int T, size_t limit) {
     lg_args a = *args;
+    if (args->devices < 1) return 0;
     int per_device = lg_global_batch(args) / args->devices;
     for (int b = per_device; b >= 1; b--) {
         if (per_device % b != 0) continue;
@@ -2772,7 +2788,15 @@ static int lg_model_bind_activations(lg_model *m, lg_dtype acts, lg_error *err) 
     return 0;
 }
 
+static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank, lg_error *err);
+
 int lg_model_bind(lg_model *m, const lg_config *cfg, lg_rank *rank, lg_error *err) {
+    if (lg_model_bind_views(m, cfg, rank, err) == 0) return 0;
+    lg_model_free(m); /* the tables it made */
+    return -1;
+}
+
+static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank, lg_error *err) {
     const lg_plan_spec *s = &rank->plan->spec;
     int L = cfg->n_layer;
     memset(m, 0, sizeof *m);
@@ -3038,6 +3062,7 @@ static int lg_sample_token(lg_buf logits, int V, float temperature, lg_rng *rng)
 void lg_model_generate(lg_model *m, int *tokens, int n_prompt, int n_new, float temperature,
                        lg_rng *rng) {
     int Vp = m->cfg.padded_vocab_size;
+    if (n_prompt < 1) return; /* nothing to continue from */
     for (int i = 0; i < n_new; i++) {
         int n = n_prompt + i, start = n > m->T ? n - m->T : 0, T = n - start;
         lg_model_forward(m, tokens + start, NULL, 1, T, NULL);
@@ -3231,8 +3256,9 @@ void lg_optimizer_update(lg_optimizer *opt, const lg_tensor_table *table, lg_buf
         lg_real decay = lg_tensor_decays(t->kind) ? opt->weight_decay : 0.0f;
         lg_tensor_state st = lg_state_of(opt, t, &cursor);
         int quantized = st.m.dtype == LG_DTYPE_U8;
-        long blocks = quantized ? (long)((t->count + LG_QUANT_BLOCK - 1) / LG_QUANT_BLOCK) : 1;
-        long block_size = quantized ? LG_QUANT_BLOCK : (long)t->count;
+        /* blocks of LG_QUANT_BLOCK in every format: the threads' unit of work */
+        long block_size = LG_QUANT_BLOCK;
+        long blocks = (long)((t->count + LG_QUANT_BLOCK - 1) / LG_QUANT_BLOCK);
         /* 8-bit: a block at a time, dequantized into fp32, updated, requantized */
         LG_OMP(omp parallel for)
         for (long b = 0; b < blocks; b++) {
@@ -3393,6 +3419,9 @@ int lg_loader_open(lg_loader *ld, const char *path, int T, int vocab_size, int s
                    uint64_t seed, lg_error *err) {
     memset(ld, 0, sizeof *ld);
     snprintf(ld->path, sizeof ld->path, "%s", path);
+    struct stat st;
+    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode))
+        return lg_fail(err, "data %s: not a regular file", path);
     ld->file = fopen(path, "rb");
     if (!ld->file) return lg_fail(err, "data %s: cannot open: %s", path, strerror(errno));
     int32_t header[LG_SHARD_HEADER_INTS];
@@ -3651,10 +3680,14 @@ int lg_save_safetensors(const lg_model *m, const char *dir, lg_error *err) {
 
 int lg_evaluate(lg_model *m, lg_loader *ld, int B, int T, int n_batches, double *mean_loss,
                 lg_error *err) {
+    *mean_loss = 0;
     /* the plan's token buffers hold at least one micro-batch */
     int *inputs = (int *)lg_rank_region(m->rank, "tokens.inputs");
     int *targets = (int *)lg_rank_region(m->rank, "tokens.targets");
     if (!inputs || !targets) return lg_fail(err, "evaluation: the plan has no token buffers");
+    if (B > m->B || T > m->T || ld->T != T)
+        return lg_fail(err, "evaluation of %s: micro-batch %d x %d tokens (windows of %d) does "
+                            "not fit the model's %d x %d", ld->path, B, T, ld->T, m->B, m->T);
     lg_loader_rewind(ld);
     double sum = 0;
     long count = 0;
@@ -3756,6 +3789,9 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
     int B = tr->args.micro_batch_size, T = train->T;
     size_t micro_tokens = (size_t)B * T;
     double start = lg_time_ms();
+    if (T != m->T)
+        return lg_fail(err, "data %s: windows of %d tokens, but the trainer was made for %d",
+                       train->path, T, m->T);
     /* every micro-batch first: the loss is the mean over all targets of the step */
     long n_targets = 0;
     for (int i = 0; i < tr->accumulation; i++) {

@@ -197,7 +197,15 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
         case OPT_SAMPLE_TOKENS: a->sample_tokens = parse_int(f, optarg); break;
         case OPT_TEMPERATURE: a->temperature = parse_float(f, optarg); break;
         case OPT_PROMPT: a->prompt = optarg; break;
-        case OPT_SEED: a->seed = (uint64_t)parse_int(f, optarg); break;
+        case OPT_SEED: {
+            char *end;
+            errno = 0;
+            unsigned long long seed = strtoull(optarg, &end, 10);
+            if (*optarg == '\0' || *optarg == '-' || *end != '\0' || errno)
+                die_usage("%s: '%s' is not a non-negative integer", f, optarg);
+            a->seed = (uint64_t)seed;
+            break;
+        }
         case OPT_LOG: a->log_path = optarg; break;
         case OPT_OUT: a->out_dir = optarg; break;
         case OPT_RECOMPUTE:
@@ -231,7 +239,11 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
     if (a->micro_batch_auto && !a->global_batch_size)
         die_usage("-b auto needs -g/--global-batch-size: it picks a divisor of the per-device "
                   "batch");
-    if (a->sample_tokens < 1) die_usage("--sample-tokens must be at least 1");
+    if (a->sample_tokens < 1 || a->sample_tokens > 1000000)
+        die_usage("--sample-tokens must be within 1 and 1000000");
+    if (a->val_data && !a->data)
+        die_usage("--val-data needs --data (the built-in task brings its own validation set)");
+    if (a->devices < 1) die_usage("-d/--devices must be at least 1");
 }
 
 static void die(int code, const lg_error *err) {
@@ -445,19 +457,32 @@ static void open_data(const lg_args *a, const lg_config *cfg, int T, run_data *d
     }
 }
 
-/* Prompt tokens of a shard run: token ids separated by spaces or commas. */
-static int parse_token_ids(const char *text, int vocab_size, int *tokens, int cap) {
+/* The tokens of a prompt, at most cap of them, or exit 2 naming --prompt: letters of the
+   built-in task, else token ids below vocab_size separated by spaces or commas. */
+static int prompt_tokens(const char *prompt, int builtin, int vocab_size, int *tokens, int cap) {
     int n = 0;
-    for (const char *at = text; *at;) {
-        char *end;
-        long id = strtol(at, &end, 10);
-        if (end == at || id < 0 || id >= vocab_size || n == cap)
-            die_usage("--prompt '%s': expected token ids below %d separated by spaces", text,
-                      vocab_size);
-        tokens[n++] = (int)id;
-        at = end;
-        while (*at == ' ' || *at == ',') at++;
+    if (builtin) {
+        for (const char *c = prompt; *c; c++) {
+            char one[2] = {*c, '\0'};
+            if (n == cap) die_usage("--prompt: %zu characters, longer than -t %d", strlen(prompt), cap);
+            if (lg_char_encode(one, tokens + n, 1) != 1)
+                die_usage("--prompt '%s': the built-in task knows only a-z and '='", prompt);
+            n++;
+        }
+    } else {
+        for (const char *at = prompt; *at;) {
+            char *end;
+            long id = strtol(at, &end, 10);
+            if (end == at || id < 0 || id >= vocab_size)
+                die_usage("--prompt '%s': expected token ids below %d separated by spaces",
+                          prompt, vocab_size);
+            if (n == cap) die_usage("--prompt: more than -t %d tokens", cap);
+            tokens[n++] = (int)id;
+            at = end;
+            while (*at == ' ' || *at == ',') at++;
+        }
     }
+    if (n == 0) die_usage("--prompt: empty");
     return n;
 }
 
@@ -465,14 +490,9 @@ static int parse_token_ids(const char *text, int vocab_size, int *tokens, int ca
    it should give), token ids otherwise. */
 static void print_sample(lg_model *m, const lg_args *a, const run_data *d, const char *prompt,
                          lg_rng *rng) {
-    int cap = m->T, n;
-    int *tokens = (int *)malloc(sizeof(int) * (size_t)(cap + a->sample_tokens));
-    if (d->builtin) {
-        n = lg_char_encode(prompt, tokens, cap);
-        if (n <= 0) die_usage("--prompt '%s': the built-in task knows only a-z and '='", prompt);
-    } else {
-        n = parse_token_ids(prompt, m->cfg.vocab_size, tokens, cap);
-    }
+    int *tokens = (int *)malloc(sizeof(int) * ((size_t)m->T + (size_t)a->sample_tokens));
+    if (!tokens) { fputs("train: out of host memory for the sample\n", stderr); exit(1); }
+    int n = prompt_tokens(prompt, d->builtin, m->cfg.vocab_size, tokens, m->T);
     lg_model_generate(m, tokens, n, a->sample_tokens, a->temperature, rng);
     printf("sample: ");
     for (int i = 0; i < n + a->sample_tokens; i++) {
@@ -508,7 +528,7 @@ static void print_samples(lg_model *m, const lg_args *a, const run_data *d, lg_r
 
 static void evaluate(lg_model *m, run_data *d, const lg_args *a, int step, FILE *log) {
     if (!d->has_val) return;
-    double loss;
+    double loss = 0;
     lg_error err;
     if (lg_evaluate(m, &d->val, m->B, m->T, a->eval_iters, &loss, &err) != 0) die(2, &err);
     printf("step %5d | val loss %.4f\n", step, loss);
@@ -540,6 +560,13 @@ int main(int argc, char **argv) {
     if (a.log_path && !(log = fopen(a.log_path, "w")))
         die_usage("--log %s: cannot create: %s", a.log_path, strerror(errno));
 
+    if (a.prompt) { /* a bad prompt or --out should stop the run now, not after it */
+        int *scratch = (int *)malloc(sizeof(int) * (size_t)T);
+        prompt_tokens(a.prompt, data.builtin, cfg.vocab_size, scratch, T);
+        free(scratch);
+    }
+    if (a.out_dir && mkdir(a.out_dir, 0755) != 0 && errno != EEXIST)
+        die_usage("--out %s: cannot create the directory: %s", a.out_dir, strerror(errno));
     lg_trainer tr;
     if (lg_trainer_create(&tr, &cfg, &a, T, &err) != 0) die(1, &err);
     lg_model *model = &tr.model;
