@@ -304,7 +304,8 @@ typedef struct {
     lg_buf n1;                       /* (B, T, C): norm_1 output */
     lg_real *n1_mean, *n1_rstd;      /* (B, T), (B, T): its statistics (mean: LayerNorm only) */
     lg_buf qkv;                      /* (B, T, (NH + 2 NQG) HS), rotary applied */
-    lg_buf att;                      /* (B, NH, T, T): attention probabilities */
+    lg_real *att_lse;                /* (B, NH, T): log-sum-exp of each row of scaled scores;
+                                        the backward rebuilds the probabilities from it */
     lg_buf att_y;                    /* (B, T, NH HS): heads before the projection */
     lg_buf x_mid;                    /* (B, T, C): input + attention branch */
     lg_buf n2;                       /* (B, T, C): norm_2 output (absent when shared) */
@@ -326,7 +327,6 @@ typedef struct {
     lg_buf d_res_a, d_res_b;         /* (B, T, C): gradient of the residual stream */
     lg_buf d_mid, d_norm;            /* (B, T, C) */
     lg_buf d_qkv;                    /* (B, T, (NH + 2 NQG) HS) */
-    lg_buf d_att;                    /* (B, NH, T, T) */
     lg_buf d_att_y;                  /* (B, T, NH HS) */
     lg_buf d_fc, d_fc_2, d_act;      /* (B, T, I) */
 } lg_act_tensors;
@@ -464,6 +464,14 @@ typedef struct {
     int threads;
 } lg_gemm_workspace;
 
+/* Attention's rows for one (batch, head) at a time: scores or probabilities (T, T) and their
+   gradient (T, T), lg_real, one slot a thread. */
+typedef struct {
+    lg_real *base;
+    size_t per_thread; /* 2 T T */
+    int threads;
+} lg_attention_scratch;
+
 typedef struct lg_rank lg_rank;
 
 typedef struct {
@@ -480,6 +488,7 @@ typedef struct {
     lg_param_tensors p, g;      /* views of params and grads */
     lg_act_tensors a;           /* views of the activation regions */
     lg_gemm_workspace workspace;
+    lg_attention_scratch att_scratch;
     lg_rank *rank;              /* where the buffers live */
     lg_plan *own_plan;          /* set when lg_model_create made its own plan and rank */
 } lg_model;
@@ -1420,7 +1429,7 @@ static void lg_block_acts_layout(const lg_config *c, int l, int B, int T, int st
     if (layer_norm) LG_STAT(n1_mean, 1, N);
     LG_STAT(n1_rstd, 1, N);
     LG_ACT(qkv, N, QKV);
-    LG_ACT(att, B * NH * T, T); /* (B, NH, T, T) as rows of T: T * T may not fit an int */
+    LG_STAT(att_lse, B * NH, T);
     LG_ACT(att_y, N, ATT);
     LG_ACT(x_mid, N, C);
     if (!c->shared_attention_norm) {
@@ -1485,7 +1494,6 @@ static void lg_backward_layout(const lg_config *c, int B, int T, lg_buf base, lg
     a->d_mid = lg_layout_add(&L, "d_mid", N, C, LG_TENSOR_ACTIVATION);
     a->d_norm = lg_layout_add(&L, "d_norm", N, C, LG_TENSOR_ACTIVATION);
     a->d_qkv = lg_layout_add(&L, "d_qkv", N, QKV, LG_TENSOR_ACTIVATION);
-    a->d_att = lg_layout_add(&L, "d_att", B * c->n_head * T, T, LG_TENSOR_ACTIVATION);
     a->d_att_y = lg_layout_add(&L, "d_att_y", N, c->n_head * c->head_size, LG_TENSOR_ACTIVATION);
     a->d_fc = lg_layout_add(&L, "d_fc", N, I, LG_TENSOR_ACTIVATION);
     a->d_fc_2 = c->mlp_class_name == LG_MLP_LLAMA
@@ -1708,6 +1716,8 @@ int lg_plan_make(lg_plan *plan, const lg_config *c, const lg_plan_spec *s, lg_er
         rc |= lg_plan_activations(r, c, s);
         rc |= lg_plan_add(r, "gemm.workspace", LG_GROUP_WORKSPACE, LG_POOL_DEVICE, LG_DTYPE_F32,
                           lg_gemm_workspace_count() * (size_t)s->threads);
+        rc |= lg_plan_add(r, "attention.scratch", LG_GROUP_WORKSPACE, LG_POOL_DEVICE, LG_DTYPE_F32,
+                          2 * (size_t)s->T * s->T * (size_t)s->threads);
         rc |= lg_plan_add(r, "tokens.inputs", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
         rc |= lg_plan_add(r, "tokens.targets", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
         if (s->optimizer == LG_OPTIMIZER_SOPHIA) /* labels drawn from the model for its Hessian */
@@ -2563,49 +2573,74 @@ static void lg_rope_rotate(lg_buf qkv, const lg_real *cos_table, const lg_real *
     }
 }
 
-/* Softmax of each row of scores (T, T) over its causal prefix s <= t, in place; the rest 0. */
-static void lg_causal_softmax(lg_buf scores, int T, lg_real scale) {
+/* Softmax of each row of scores (T, T) scaled by `scale`, over its causal prefix s <= t, in
+   place (the rest 0); lse (T) gets each row's log-sum-exp of the scaled scores. */
+static void lg_causal_softmax(lg_real *scores, int T, lg_real scale, lg_real *lse) {
     for (int t = 0; t < T; t++) {
-        lg_buf row = lg_at(scores, (size_t)t * T);
+        lg_real *row = scores + (size_t)t * T;
         lg_real max = -INFINITY, sum = 0;
-        for (int s = 0; s <= t; s++) max = lg_get(row, s) > max ? lg_get(row, s) : max;
-        for (int s = 0; s <= t; s++) sum += lg_exp((lg_get(row, s) - max) * scale);
-        for (int s = 0; s <= t; s++) lg_set(row, s, lg_exp((lg_get(row, s) - max) * scale) / sum);
-        for (int s = t + 1; s < T; s++) lg_set(row, s, 0);
+        for (int s = 0; s <= t; s++) max = row[s] > max ? row[s] : max;
+        for (int s = 0; s <= t; s++) {
+            row[s] = lg_exp((row[s] - max) * scale);
+            sum += row[s];
+        }
+        for (int s = 0; s <= t; s++) row[s] /= sum;
+        for (int s = t + 1; s < T; s++) row[s] = 0;
+        lse[t] = max * scale + lg_log(sum);
     }
 }
 
+/* The probabilities again from the scores (T, T) and the saved log-sum-exp, in place. */
+static void lg_causal_probabilities(lg_real *scores, int T, lg_real scale, const lg_real *lse) {
+    for (int t = 0; t < T; t++) {
+        lg_real *row = scores + (size_t)t * T;
+        for (int s = 0; s <= t; s++) row[s] = lg_exp(row[s] * scale - lse[t]);
+        for (int s = t + 1; s < T; s++) row[s] = 0;
+    }
+}
+
+/* The calling thread's slot of the attention scratch. */
+static lg_real *lg_attention_rows(const lg_attention_scratch *sc) {
+    int slot = 0;
+#ifdef _OPENMP
+    slot = omp_get_thread_num();
+#endif
+    return sc->base + (size_t)slot * sc->per_thread;
+}
+
 /* Causal attention. qkv (B, T, (NH + 2 NQG) HS): query head h reads key/value group
-   h / (NH / NQG). att (B, NH, T, T) keeps the probabilities (upper triangle zero);
-   y (B, T, NH HS). Each (batch, head) is two matrix products around a softmax. */
-static void lg_attention_forward(const lg_gemm_workspace *ws, lg_buf y, lg_buf att, lg_buf qkv,
-                                 int B, int T, int NH, int NQG, int HS) {
+   h / (NH / NQG). y (B, T, NH HS); lse (B, NH, T) keeps each row's log-sum-exp, all the
+   backward needs to rebuild the probabilities, so memory grows with T, not T^2, per block.
+   Each (batch, head) is two matrix products around a softmax in the thread's scratch rows. */
+static void lg_attention_forward(const lg_gemm_workspace *ws, const lg_attention_scratch *sc,
+                                 lg_buf y, lg_real *lse, lg_buf qkv, int B, int T, int NH,
+                                 int NQG, int HS) {
     int QKV = (NH + 2 * NQG) * HS, heads_per_group = NH / NQG;
     lg_real scale = 1.0f / lg_sqrt((lg_real)HS);
-    LG_OMP(omp parallel for collapse(2) schedule(dynamic))
+    LG_OMP(omp parallel for collapse(2) schedule(dynamic) num_threads(sc->threads))
     for (int b = 0; b < B; b++)
         for (int h = 0; h < NH; h++) {
             int g = h / heads_per_group;
             lg_buf q = lg_at(qkv, (size_t)b * T * QKV + (size_t)h * HS); /* (T, HS), ld QKV */
             lg_buf k = lg_at(qkv, (size_t)b * T * QKV + (size_t)(NH + g) * HS);
             lg_buf v = lg_at(qkv, (size_t)b * T * QKV + (size_t)(NH + NQG + g) * HS);
-            lg_buf p = lg_at(att, ((size_t)b * NH + h) * T * T);           /* (T, T) */
             lg_buf out = lg_at(y, (size_t)b * T * NH * HS + (size_t)h * HS); /* ld NH HS */
-            lg_gemm(ws, 0, 1, T, T, HS, q, QKV, k, QKV, 0, p, T); /* scores = q k^T */
-            lg_causal_softmax(p, T, scale);
-            lg_gemm(ws, 0, 0, T, HS, T, p, T, v, QKV, 0, out, NH * HS); /* y = p v */
+            lg_real *p = lg_attention_rows(sc);                             /* (T, T) */
+            lg_gemm(ws, 0, 1, T, T, HS, q, QKV, k, QKV, 0, lg_buf_of(p), T); /* scores = q k^T */
+            lg_causal_softmax(p, T, scale, lse + ((size_t)b * NH + h) * T);
+            lg_gemm(ws, 0, 0, T, HS, T, lg_buf_of(p), T, v, QKV, 0, out, NH * HS); /* y = p v */
         }
 }
 
-/* dqkv (B, T, QKV) += gradient of the attention given dy (B, T, NH HS); datt (B, NH, T, T) is
-   scratch. Threads own a (batch, group) pair, so the key/value gradients shared by the heads
-   of a group are written by one thread only. */
-static void lg_attention_backward(const lg_gemm_workspace *ws, lg_buf dqkv, lg_buf datt,
-                                  lg_buf dy, lg_buf qkv, lg_buf att, int B, int T, int NH,
-                                  int NQG, int HS) {
+/* dqkv (B, T, QKV) += gradient of the attention given dy (B, T, NH HS). The probabilities are
+   rebuilt from q, k and the saved log-sum-exp. Threads own a (batch, group) pair, so the
+   key/value gradients shared by the heads of a group are written by one thread only. */
+static void lg_attention_backward(const lg_gemm_workspace *ws, const lg_attention_scratch *sc,
+                                  lg_buf dqkv, lg_buf dy, lg_buf qkv, const lg_real *lse, int B,
+                                  int T, int NH, int NQG, int HS) {
     int QKV = (NH + 2 * NQG) * HS, heads_per_group = NH / NQG;
     lg_real scale = 1.0f / lg_sqrt((lg_real)HS);
-    LG_OMP(omp parallel for collapse(2) schedule(dynamic))
+    LG_OMP(omp parallel for collapse(2) schedule(dynamic) num_threads(sc->threads))
     for (int b = 0; b < B; b++)
         for (int g = 0; g < NQG; g++)
             for (int h = g * heads_per_group; h < (g + 1) * heads_per_group; h++) {
@@ -2616,24 +2651,23 @@ static void lg_attention_backward(const lg_gemm_workspace *ws, lg_buf dqkv, lg_b
                 lg_buf dq = lg_at(dqkv, at + (size_t)h * HS);
                 lg_buf dk = lg_at(dqkv, at + (size_t)(NH + g) * HS);
                 lg_buf dv = lg_at(dqkv, at + (size_t)(NH + NQG + g) * HS);
-                lg_buf p = lg_at(att, ((size_t)b * NH + h) * T * T); /* (T, T) */
-                lg_buf dp = lg_at(datt, ((size_t)b * NH + h) * T * T);
                 lg_buf dout = lg_at(dy, (size_t)b * T * NH * HS + (size_t)h * HS);
+                lg_real *p = lg_attention_rows(sc), *dp = p + (size_t)T * T; /* (T, T) each */
+                lg_gemm(ws, 0, 1, T, T, HS, q, QKV, k, QKV, 0, lg_buf_of(p), T);
+                lg_causal_probabilities(p, T, scale, lse + ((size_t)b * NH + h) * T);
                 /* y = p v: dp = dy v^T, dv += p^T dy */
-                lg_gemm(ws, 0, 1, T, T, HS, dout, NH * HS, v, QKV, 0, dp, T);
-                lg_gemm(ws, 1, 0, T, HS, T, p, T, dout, NH * HS, 1, dv, QKV);
+                lg_gemm(ws, 0, 1, T, T, HS, dout, NH * HS, v, QKV, 0, lg_buf_of(dp), T);
+                lg_gemm(ws, 1, 0, T, HS, T, lg_buf_of(p), T, dout, NH * HS, 1, dv, QKV);
                 /* softmax backward into the scaled scores: ds = p (dp - sum_s p dp) scale */
                 for (int t = 0; t < T; t++) {
-                    lg_buf pr = lg_at(p, (size_t)t * T), dr = lg_at(dp, (size_t)t * T);
-                    lg_real dot = 0;
-                    for (int s = 0; s <= t; s++) dot += lg_get(pr, s) * lg_get(dr, s);
-                    for (int s = 0; s <= t; s++)
-                        lg_set(dr, s, lg_get(pr, s) * (lg_get(dr, s) - dot) * scale);
-                    for (int s = t + 1; s < T; s++) lg_set(dr, s, 0);
+                    lg_real *pr = p + (size_t)t * T, *dr = dp + (size_t)t * T, dot = 0;
+                    for (int s = 0; s <= t; s++) dot += pr[s] * dr[s];
+                    for (int s = 0; s <= t; s++) dr[s] = pr[s] * (dr[s] - dot) * scale;
+                    for (int s = t + 1; s < T; s++) dr[s] = 0;
                 }
                 /* scores = q k^T: dq += ds k, dk += ds^T q */
-                lg_gemm(ws, 0, 0, T, HS, T, dp, T, k, QKV, 1, dq, QKV);
-                lg_gemm(ws, 1, 0, T, HS, T, dp, T, q, QKV, 1, dk, QKV);
+                lg_gemm(ws, 0, 0, T, HS, T, lg_buf_of(dp), T, k, QKV, 1, dq, QKV);
+                lg_gemm(ws, 1, 0, T, HS, T, lg_buf_of(dp), T, q, QKV, 1, dk, QKV);
             }
 }
 
@@ -2829,6 +2863,9 @@ static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank,
     if (!(m->workspace.base = (lg_real *)lg_model_region(m, "gemm.workspace", err))) return -1;
     m->workspace.per_thread = lg_gemm_workspace_count();
     m->workspace.threads = s->threads;
+    if (!(m->att_scratch.base = (lg_real *)lg_model_region(m, "attention.scratch", err))) return -1;
+    m->att_scratch.per_thread = 2 * (size_t)m->T * m->T;
+    m->att_scratch.threads = s->threads;
     int rope_dims = lg_config_rope_dims(cfg);
     if (rope_dims) lg_rope_tables(m->a.rope_cos, m->a.rope_sin, m->T, rope_dims, cfg->rope_base);
     return 0;
@@ -2926,7 +2963,7 @@ static void lg_block_forward(lg_model *m, int l, int B, int T) {
     lg_linear_forward(ws, a->qkv, a->n1, w->qkv_w, w->qkv_b, N, C, QKV);
     lg_rope_rotate(a->qkv, m->a.rope_cos, m->a.rope_sin, B, T, NH, NQG, HS,
                    lg_config_rope_dims(c), +1);
-    lg_attention_forward(ws, a->att_y, a->att, a->qkv, B, T, NH, NQG, HS);
+    lg_attention_forward(ws, &m->att_scratch, a->att_y, a->att_lse, a->qkv, B, T, NH, NQG, HS);
     lg_linear_forward(ws, a->x_mid, a->att_y, w->proj_w, w->proj_b, N, NH * HS, C);
     lg_add(a->x_mid, a->x_mid, x, (size_t)N * C);
 
@@ -3012,7 +3049,8 @@ static void lg_block_backward(lg_model *m, int l, int B, int T, lg_buf d_out, lg
     lg_linear_backward(ws, s->d_att_y, g->proj_w, g->proj_b, s->d_mid, a->att_y, w->proj_w, N,
                        NH * HS, C);
     lg_zero(s->d_qkv, (size_t)N * QKV);
-    lg_attention_backward(ws, s->d_qkv, s->d_att, s->d_att_y, a->qkv, a->att, B, T, NH, NQG, HS);
+    lg_attention_backward(ws, &m->att_scratch, s->d_qkv, s->d_att_y, a->qkv, a->att_lse, B, T, NH,
+                          NQG, HS);
     lg_rope_rotate(s->d_qkv, m->a.rope_cos, m->a.rope_sin, B, T, NH, NQG, HS,
                    lg_config_rope_dims(c), -1);
     /* n1 feeds qkv and, when shared, the MLP: d_norm already holds the MLP's share */

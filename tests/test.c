@@ -103,6 +103,7 @@ struct fd_case {
     int dims[8];                  /* op-specific sizes */
     int flag;
     lg_real *scratch[4];
+    lg_real *rows; /* attention's per-thread scratch */
     const int *tokens;
 };
 
@@ -162,6 +163,16 @@ static void norm_bwd(fd_case *c) {
                      lg_buf_of(c->inputs[0]), lg_buf_of(c->inputs[1]), c->flag ? c->scratch[0] : NULL, c->scratch[1],
                      c->dims[0], c->dims[1]);
 }
+/* The attention's scratch rows for the op tests: 2 T T a thread, from the fd_case's buffer. */
+static lg_attention_scratch attention_scratch(fd_case *c) {
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads() < 64 ? omp_get_max_threads() : 64; /* c->rows holds 64 */
+#endif
+    lg_attention_scratch sc = {c->rows, 2 * (size_t)c->dims[1] * c->dims[1], threads};
+    return sc;
+}
+
 /* dims: B, T, NH, NQG, HS, rope dims */
 static void rope_attn_fwd(fd_case *c) {
     int B = c->dims[0], T = c->dims[1], NH = c->dims[2], NQG = c->dims[3], HS = c->dims[4];
@@ -169,16 +180,16 @@ static void rope_attn_fwd(fd_case *c) {
     memcpy(c->scratch[0], c->inputs[0], qkv * sizeof(lg_real));
     lg_rope_tables(c->scratch[2], c->scratch[3], T, c->dims[5], 10000.0f);
     lg_rope_rotate(lg_buf_of(c->scratch[0]), c->scratch[2], c->scratch[3], B, T, NH, NQG, HS, c->dims[5], +1);
-    lg_attention_forward(NULL, lg_buf_of(c->out), lg_buf_of(c->scratch[1]), lg_buf_of(c->scratch[0]), B, T, NH, NQG, HS);
+    lg_attention_scratch sc = attention_scratch(c);
+    lg_attention_forward(NULL, &sc, lg_buf_of(c->out), c->scratch[1], lg_buf_of(c->scratch[0]), B, T,
+                         NH, NQG, HS);
 }
 static void rope_attn_bwd(fd_case *c) {
     int B = c->dims[0], T = c->dims[1], NH = c->dims[2], NQG = c->dims[3], HS = c->dims[4];
-    size_t att = (size_t)B * NH * T * T;
-    lg_real *datt = new_reals(att);
-    lg_attention_backward(NULL, lg_buf_of(c->grads[0]), lg_buf_of(datt), lg_buf_of(c->probe), lg_buf_of(c->scratch[0]), lg_buf_of(c->scratch[1]), B,
-                          T, NH, NQG, HS);
+    lg_attention_scratch sc = attention_scratch(c);
+    lg_attention_backward(NULL, &sc, lg_buf_of(c->grads[0]), lg_buf_of(c->probe), lg_buf_of(c->scratch[0]),
+                          c->scratch[1], B, T, NH, NQG, HS);
     lg_rope_rotate(lg_buf_of(c->grads[0]), c->scratch[2], c->scratch[3], B, T, NH, NQG, HS, c->dims[5], -1);
-    LG_FREE(datt);
 }
 /* flag: 0 gelu erf, 1 gelu tanh, 2 swiglu; dims[0]: n */
 static void act_fwd(fd_case *c) {
@@ -226,6 +237,7 @@ static void fd_setup(fd_case *c, lg_rng *rng, int n_inputs, const size_t *sizes,
 static void fd_free(fd_case *c) {
     for (int k = 0; k < c->n_inputs; k++) { LG_FREE(c->inputs[k]); LG_FREE(c->grads[k]); }
     for (int k = 0; k < 4; k++) LG_FREE(c->scratch[k]);
+    LG_FREE(c->rows);
     LG_FREE(c->out);
     LG_FREE(c->probe);
 }
@@ -265,7 +277,8 @@ static void test_op_gradients(results *r) {
         size_t sizes[1] = {qkv};
         fd_setup(&c, &rng, 1, sizes, (size_t)B * T * NH * HS);
         c.scratch[0] = new_reals(qkv);
-        c.scratch[1] = new_reals((size_t)B * NH * T * T);
+        c.scratch[1] = new_reals((size_t)B * NH * T); /* the rows' log-sum-exp */
+        c.rows = new_reals(2 * (size_t)T * T * 64);  /* attention scratch for up to 64 threads */
         c.scratch[2] = new_reals((size_t)T * HS);
         c.scratch[3] = new_reals((size_t)T * HS);
         c.forward = rope_attn_fwd; c.backward = rope_attn_bwd;
