@@ -379,6 +379,26 @@ static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T) {
            b, a->global_batch_size / a->devices, lg_format_bytes(limit, size, sizeof size), source);
 }
 
+/* The table, then the activation memory of both --recompute choices. */
+static void print_plan_with_recompute_choice(const lg_plan *plan, const lg_args *a,
+                                             const lg_config *cfg, int T) {
+    lg_plan_print(plan, stdout);
+    lg_args other = *a;
+    other.recompute = !a->recompute;
+    lg_plan_spec spec;
+    lg_plan alternative;
+    lg_plan_spec_from_args(&spec, &other, T);
+    if (lg_plan_make(&alternative, cfg, &spec, NULL) != 0) return;
+    char none_size[32], block_size[32];
+    const lg_plan *none = a->recompute ? &alternative : plan, *block = a->recompute ? plan : &alternative;
+    printf("activations: %s with --recompute none, %s with --recompute block\n",
+           lg_format_bytes(lg_plan_group_bytes(&none->ranks[0], LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE),
+                           none_size, sizeof none_size),
+           lg_format_bytes(lg_plan_group_bytes(&block->ranks[0], LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE),
+                           block_size, sizeof block_size));
+    lg_plan_free(&alternative);
+}
+
 /* --plan, and the check that the run fits before anything is allocated. */
 static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_config *cfg, int T) {
     lg_plan_spec spec;
@@ -388,7 +408,7 @@ static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_con
     if (lg_plan_make(&plan, cfg, &spec, &err) != 0) die(2, &err);
     if (a->plan_only) {
         if (a->plan_only == 2) lg_plan_print_json(&plan, stdout);
-        else lg_plan_print(&plan, stdout);
+        else print_plan_with_recompute_choice(&plan, a, cfg, T);
         lg_plan_free(&plan);
         exit(0);
     }
