@@ -2599,12 +2599,14 @@ static void lg_causal_probabilities(lg_real *scores, int T, lg_real scale, const
     }
 }
 
-/* The calling thread's slot of the attention scratch. */
+/* The calling thread's slot of the attention scratch. The callers' num_threads clause keeps
+   the team within the planned slots; a larger thread number (never expected) shares the last. */
 static lg_real *lg_attention_rows(const lg_attention_scratch *sc) {
     int slot = 0;
 #ifdef _OPENMP
     slot = omp_get_thread_num();
 #endif
+    if (slot >= sc->threads) slot = sc->threads - 1;
     return sc->base + (size_t)slot * sc->per_thread;
 }
 
@@ -3860,6 +3862,8 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
     } else if (!isfinite(norm)) {
         return lg_fail(err, "step %d: the gradient norm is %g; stopped before it reached the "
                             "weights (try a lower --lr or a --max-norm)", step + 1, norm);
+    } else if (n_targets == 0) {
+        stats->skipped = 1; /* every target ignored: nothing to learn, no decay, no step */
     } else {
         float multiplier = lg_clip_factor(norm, tr->args.max_norm) / tr->loss_scale;
         if (tr->host_grads.data) lg_offloaded_update(tr, stats->lr, multiplier);
