@@ -3084,18 +3084,24 @@ void lg_model_backward(lg_model *m, const int *tokens, const int *targets, int B
     lg_embedding_backward(m->g.wte, m->g.wpe, d_res, tokens, B, T, C);
 }
 
-/* Picks the next token from the logits (V) of one position: argmax, or a draw at temperature. */
-static int lg_sample_token(lg_buf logits, int V, float temperature, lg_rng *rng) {
-    int best = 0;
-    for (int v = 1; v < V; v++) best = lg_get(logits, v) > lg_get(logits, best) ? v : best;
-    if (temperature <= 0.0f) return best;
-    double sum = 0, top = lg_get(logits, best);
-    for (int v = 0; v < V; v++) sum += exp((lg_get(logits, v) - top) / temperature);
-    double r = lg_rng_uniform(rng) * sum;
+/* A token drawn from softmax(logits (V) / temperature) with the uniform draw u. */
+static int lg_draw_token(lg_buf logits, int V, float temperature, float u) {
+    lg_real max = lg_get(logits, 0), sum = 0;
+    for (int v = 1; v < V; v++) max = lg_get(logits, v) > max ? lg_get(logits, v) : max;
+    for (int v = 0; v < V; v++) sum += lg_exp((lg_get(logits, v) - max) / temperature);
+    lg_real r = u * sum;
     for (int v = 0; v < V; v++) {
-        r -= exp((lg_get(logits, v) - top) / temperature);
+        r -= lg_exp((lg_get(logits, v) - max) / temperature);
         if (r <= 0) return v;
     }
+    return V - 1;
+}
+
+/* Picks the next token from the logits (V) of one position: argmax, or a draw at temperature. */
+static int lg_sample_token(lg_buf logits, int V, float temperature, lg_rng *rng) {
+    if (temperature > 0.0f) return lg_draw_token(logits, V, temperature, lg_rng_uniform(rng));
+    int best = 0;
+    for (int v = 1; v < V; v++) best = lg_get(logits, v) > lg_get(logits, best) ? v : best;
     return best;
 }
 
@@ -3789,19 +3795,6 @@ static void lg_offloaded_update(lg_trainer *tr, float lr, float multiplier) {
     if (tr->host_weights.data) lg_copy(m->params, tr->host_weights, m->n_params);
 }
 
-/* A token drawn from softmax(logits (V)) with the uniform draw u. */
-static int lg_draw_token(lg_buf logits, int V, float u) {
-    lg_real max = lg_get(logits, 0), sum = 0;
-    for (int v = 1; v < V; v++) max = lg_get(logits, v) > max ? lg_get(logits, v) : max;
-    for (int v = 0; v < V; v++) sum += lg_exp(lg_get(logits, v) - max);
-    lg_real r = u * sum;
-    for (int v = 0; v < V; v++) {
-        r -= lg_exp(lg_get(logits, v) - max);
-        if (r <= 0) return v;
-    }
-    return V - 1;
-}
-
 /* Sophia's Gauss-Newton-Bartlett estimate: the gradient of the loss on labels drawn from the
    model's own predictions for this step's inputs, squared into the Hessian estimate. */
 static void lg_trainer_hessian_pass(lg_trainer *tr, int step) {
@@ -3813,7 +3806,7 @@ static void lg_trainer_hessian_pass(lg_trainer *tr, int step) {
         int *in = tr->inputs + i * micro_tokens, *labels = tr->sampled + i * micro_tokens;
         lg_model_forward(m, in, NULL, B, T, NULL);
         for (size_t n = 0; n < micro_tokens; n++)
-            labels[n] = lg_draw_token(lg_at(m->a.logits, n * Vp), V,
+            labels[n] = lg_draw_token(lg_at(m->a.logits, n * Vp), V, 1.0f,
                                       lg_hash_uniform(tr->args.seed ^ ((uint64_t)step << 32),
                                                       i * micro_tokens + n));
         lg_model_backward(m, in, labels, B, T, tr->loss_scale / tokens);

@@ -623,21 +623,35 @@ static void test_optimizer_math(results *r) {
           "schedule: warmup %.2f..%.2f, cosine midpoint %.3f, end %.3f", l0, l9, mid, end);
 }
 
+/* A loader over `min_tokens` or more of the built-in task (its data seed), shuffled by seed. */
+static void builtin_loader(lg_loader *ld, const lg_config *cfg, int T, uint64_t data_seed,
+                           size_t min_tokens, uint64_t seed) {
+    lg_error err;
+    size_t n = 0;
+    uint32_t *tokens = lg_builtin_task_tokens(data_seed, min_tokens, &n);
+    lg_loader_from_memory(ld, tokens, n, T, cfg->vocab_size, 1, seed, &err);
+}
+
+/* Steps 0..steps-1 of tr on ld, each step's loss into losses; -1 (with the message printed)
+   when a step fails. */
+static int run_steps(lg_trainer *tr, lg_loader *ld, int steps, double *losses) {
+    lg_error err;
+    for (int s = 0; s < steps; s++) {
+        lg_step_stats st;
+        if (lg_trainer_step(tr, ld, s, &st, &err) != 0) { printf("    %s\n", err.msg); return -1; }
+        losses[s] = st.loss;
+    }
+    return 0;
+}
+
 /* Trains `steps` steps on the built-in task; returns the trainer (caller frees) and losses. */
 static int train_steps(lg_trainer *tr, const lg_config *cfg, const lg_args *a, int T, int steps,
                        double *losses) {
     lg_error err;
     if (lg_trainer_create(tr, cfg, a, T, &err) != 0) { printf("    %s\n", err.msg); return -1; }
-    size_t n = 0;
-    uint32_t *tokens = lg_builtin_task_tokens(5, (size_t)(steps + 1) * a->micro_batch_size * T + 1, &n);
     lg_loader ld;
-    lg_loader_from_memory(&ld, tokens, n, T, cfg->vocab_size, 1, a->seed, &err);
-    int rc = 0;
-    for (int s = 0; s < steps && rc == 0; s++) {
-        lg_step_stats st;
-        rc = lg_trainer_step(tr, &ld, s, &st, &err);
-        losses[s] = st.loss;
-    }
+    builtin_loader(&ld, cfg, T, 5, (size_t)(steps + 1) * a->micro_batch_size * T + 1, a->seed);
+    int rc = run_steps(tr, &ld, steps, losses);
     lg_loader_close(&ld);
     return rc;
 }
@@ -906,28 +920,23 @@ static void test_clipping(results *r) {
 /* ---- training ------------------------------------------------------------------------------ */
 
 /* Trains a config on the built-in task; returns the loss of each step in losses (steps). */
+/* Trains a config on the built-in task; returns the loss of each step in losses (steps). */
 static int train_builtin(const lg_config *cfg, const lg_args *a, int T, int steps, double *losses,
                          lg_real **final_params, size_t *n_params) {
     lg_error err;
     lg_trainer tr;
     if (lg_trainer_create(&tr, cfg, a, T, &err) != 0) { printf("    %s\n", err.msg); return -1; }
-    size_t n = 0;
-    uint32_t *tokens = lg_builtin_task_tokens(1, 20000, &n);
     lg_loader ld;
-    lg_loader_from_memory(&ld, tokens, n, T, cfg->vocab_size, 1, a->seed, &err);
-    for (int s = 0; s < steps; s++) {
-        lg_step_stats st;
-        if (lg_trainer_step(&tr, &ld, s, &st, &err) != 0) { printf("    %s\n", err.msg); return -1; }
-        losses[s] = st.loss;
-    }
-    if (final_params) {
+    builtin_loader(&ld, cfg, T, 1, 20000, a->seed);
+    int rc = run_steps(&tr, &ld, steps, losses);
+    if (rc == 0 && final_params) {
         *n_params = tr.model.n_params;
         *final_params = new_reals(*n_params);
         lg_copy(lg_buf_of(*final_params), tr.model.params, *n_params);
     }
     lg_loader_close(&ld);
     lg_trainer_free(&tr);
-    return 0;
+    return rc;
 }
 
 static void test_accumulation(results *r) {
