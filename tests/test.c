@@ -920,7 +920,6 @@ static void test_clipping(results *r) {
 /* ---- training ------------------------------------------------------------------------------ */
 
 /* Trains a config on the built-in task; returns the loss of each step in losses (steps). */
-/* Trains a config on the built-in task; returns the loss of each step in losses (steps). */
 static int train_builtin(const lg_config *cfg, const lg_args *a, int T, int steps, double *losses,
                          lg_real **final_params, size_t *n_params) {
     lg_error err;
