@@ -266,6 +266,11 @@ typedef struct {
     size_t offset;          /* elements from the start of its buffer */
     size_t count;           /* rows * cols */
     lg_tensor_kind kind;    /* weight decay applies to the 2-D kinds: embedding, weight, residual */
+    int block;              /* the transformer block it belongs to; -1: embeddings, final norm
+                               and head (the "ends", sharded as one unit) */
+    size_t origin;          /* the index of its first element in the whole parameter layout;
+                               differs from offset in a rank's shard table, whose entries are
+                               the pieces of tensors that rank holds */
 } lg_tensor_info;
 
 typedef struct {
@@ -333,10 +338,15 @@ typedef struct {
 
 /* Lays the parameters out in one buffer: fills `table` (may be NULL) and, when base is not
    NULL, points `tensors` into base. Returns the element count. Call it with the parameter
-   buffer and again with the gradient buffer: both have this layout. */
+   buffer and again with the gradient buffer: both have this layout. The order is the order of
+   the sharding units: first the ends (wte, wpe, ln_f, lm_head), then block 0, 1, ... */
 size_t lg_params_layout(const lg_config *cfg, lg_buf base, lg_param_tensors *tensors,
                         lg_tensor_table *table);
 void lg_tensor_table_free(lg_tensor_table *table);
+/* The units of sharding, in layout order: 0 the ends, 1 + l block l. Points p's views of one
+   unit into base (a buffer holding just that unit) when base is not NULL; returns the unit's
+   element count. */
+size_t lg_unit_layout(const lg_config *cfg, int unit, lg_buf base, lg_param_tensors *tensors);
 
 /* The memory plan: every region of every rank, before anything is allocated. Ranks allocate
    one arena per pool of exactly pool_bytes and carve the regions out of it. */
@@ -1283,6 +1293,7 @@ typedef struct {
     lg_buf base;            /* data NULL: only count and describe */
     size_t offset;          /* elements taken so far */
     lg_tensor_table *table; /* NULL: do not describe */
+    int block;              /* the block being laid out; -1 outside the blocks */
 } lg_layout;
 
 static lg_buf lg_layout_add(lg_layout *L, const char *name, int rows, int cols,
@@ -1296,6 +1307,8 @@ static lg_buf lg_layout_add(lg_layout *L, const char *name, int rows, int cols,
         t->offset = L->offset;
         t->count = count;
         t->kind = kind;
+        t->block = L->block;
+        t->origin = L->offset;
         L->table->total = L->offset + count;
     }
     lg_buf view = lg_at(L->base, L->offset);
@@ -1309,6 +1322,7 @@ static lg_layout lg_layout_over(lg_buf base, lg_tensor_table *table) {
     L.base = base;
     L.offset = 0;
     L.table = table;
+    L.block = -1;
     return L;
 }
 
@@ -1344,6 +1358,7 @@ static void lg_block_params_layout(const lg_config *c, lg_layout *L, int l, lg_b
         b->field = lg_layout_add(L, name, rows, cols, kind);                                   \
     } while (0)
     memset(b, 0, sizeof *b);
+    L->block = l;
     LG_BLOCK_TENSOR(norm_1_w, "norm_1.weight", 1, C, LG_TENSOR_NORM);
     if (layer_norm_bias) LG_BLOCK_TENSOR(norm_1_b, "norm_1.bias", 1, C, LG_TENSOR_BIAS);
     LG_BLOCK_TENSOR(qkv_w, "attn.qkv.weight", QKV, C, LG_TENSOR_WEIGHT);
@@ -1365,7 +1380,27 @@ static void lg_block_params_layout(const lg_config *c, lg_layout *L, int l, lg_b
     }
     LG_BLOCK_TENSOR(mlp_proj_w, "mlp.proj.weight", C, I, LG_TENSOR_RESIDUAL);
     if (c->bias) LG_BLOCK_TENSOR(mlp_proj_b, "mlp.proj.bias", 1, C, LG_TENSOR_BIAS);
+    L->block = -1;
 #undef LG_BLOCK_TENSOR
+}
+
+/* The ends unit: token (and position) embeddings, final norm, head. Tied embeddings: the
+   head's weight is wte. */
+static void lg_ends_params_layout(const lg_config *c, lg_layout *L, lg_param_tensors *p) {
+    int C = c->n_embd, Vp = c->padded_vocab_size;
+    int layer_norm_bias = c->norm_class_name == LG_NORM_LAYERNORM && c->bias;
+    p->wte = lg_layout_add(L, "transformer.wte.weight", Vp, C, LG_TENSOR_EMBEDDING);
+    p->wpe = c->learned_pos_embedding
+                 ? lg_layout_add(L, "transformer.wpe.weight", c->block_size, C, LG_TENSOR_EMBEDDING)
+                 : lg_no_buf();
+    p->ln_f_w = lg_layout_add(L, "transformer.ln_f.weight", 1, C, LG_TENSOR_NORM);
+    p->ln_f_b = layer_norm_bias ? lg_layout_add(L, "transformer.ln_f.bias", 1, C, LG_TENSOR_BIAS)
+                                : lg_no_buf();
+    p->lm_head_w = c->tie_embeddings
+                       ? p->wte
+                       : lg_layout_add(L, "lm_head.weight", Vp, C, LG_TENSOR_EMBEDDING);
+    p->lm_head_b = c->lm_head_bias ? lg_layout_add(L, "lm_head.bias", 1, Vp, LG_TENSOR_BIAS)
+                                   : lg_no_buf();
 }
 
 size_t lg_params_layout(const lg_config *c, lg_buf base, lg_param_tensors *p,
@@ -1375,22 +1410,18 @@ size_t lg_params_layout(const lg_config *c, lg_buf base, lg_param_tensors *p,
     lg_block_tensors block;
     lg_block_tensors *h = p ? p->h : NULL; /* the caller owns p->h, (L) entries */
     if (!p) p = &scratch;
-    int C = c->n_embd, Vp = c->padded_vocab_size;
-    int layer_norm_bias = c->norm_class_name == LG_NORM_LAYERNORM && c->bias;
-    p->wte = lg_layout_add(&L, "transformer.wte.weight", Vp, C, LG_TENSOR_EMBEDDING);
-    p->wpe = c->learned_pos_embedding
-                 ? lg_layout_add(&L, "transformer.wpe.weight", c->block_size, C, LG_TENSOR_EMBEDDING)
-                 : lg_no_buf();
+    lg_ends_params_layout(c, &L, p);
     for (int l = 0; l < c->n_layer; l++) lg_block_params_layout(c, &L, l, h ? &h[l] : &block);
-    p->ln_f_w = lg_layout_add(&L, "transformer.ln_f.weight", 1, C, LG_TENSOR_NORM);
-    p->ln_f_b = layer_norm_bias ? lg_layout_add(&L, "transformer.ln_f.bias", 1, C, LG_TENSOR_BIAS)
-                                : lg_no_buf();
-    p->lm_head_w = c->tie_embeddings
-                       ? p->wte
-                       : lg_layout_add(&L, "lm_head.weight", Vp, C, LG_TENSOR_EMBEDDING);
-    p->lm_head_b = c->lm_head_bias ? lg_layout_add(&L, "lm_head.bias", 1, Vp, LG_TENSOR_BIAS)
-                                   : lg_no_buf();
     p->h = h;
+    return L.offset;
+}
+
+size_t lg_unit_layout(const lg_config *c, int unit, lg_buf base, lg_param_tensors *p) {
+    lg_layout L = lg_layout_over(base, NULL);
+    lg_param_tensors scratch;
+    lg_block_tensors block;
+    if (unit == 0) lg_ends_params_layout(c, &L, p ? p : &scratch);
+    else lg_block_params_layout(c, &L, unit - 1, p && p->h ? &p->h[unit - 1] : &block);
     return L.offset;
 }
 
