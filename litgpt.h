@@ -38,7 +38,8 @@
      7. model            lg_model: all parameters in one buffer (gradients in another), the
                          activations in the plan's regions; forward, backward, generation
      8. optimizers       AdamW, SGD with momentum, gradient clipping, learning-rate schedule
-     9. ranks            one arena per memory pool, allocated from the plan (one device for now)
+     9. ranks            one arena per memory pool, allocated from the plan; the collectives
+                         (all-reduce, reduce-scatter, all-gather, broadcast) between ranks
     10. data             llm.c token shards (uint16 / uint32), shuffled windows, the built-in task
     11. tokenizer        the built-in character tokenizer (BPE lands with the data issue)
     12. checkpoints      model.safetensors (fp32, LitGPT names), written atomically
@@ -196,6 +197,17 @@ typedef enum { LG_STATE_AS_PRECISION, LG_STATE_BF16, LG_STATE_8BIT } lg_state_fo
 #define LG_QUANT_BLOCK 256
 #define LG_COMPACT_MIN 4096
 
+/* --strategy: how the model state is split over the ranks (FSDP's names). */
+typedef enum {
+    LG_STRATEGY_NO_SHARD,      /* DDP: every rank holds everything; gradients all-reduced */
+    LG_STRATEGY_SHARD_GRAD_OP, /* ZeRO-2: gradients and optimizer state sharded */
+    LG_STRATEGY_FULL_SHARD,    /* ZeRO-3: weights too, gathered one unit at a time */
+    LG_STRATEGY_HYBRID_SHARD   /* full-shard inside a node, replicas across nodes */
+} lg_strategy;
+#define LG_MAX_RANKS 64        /* devices x nodes */
+
+const char *lg_strategy_name(lg_strategy strategy);
+int lg_strategy_parse(const char *text, lg_strategy *out);
 const char *lg_optimizer_name(lg_optimizer_kind kind);
 /* States a parameter needs: AdamW 2 (m, v), Sophia 2 (m, h), Lion 1 (m), SGD 1 with momentum,
    else 0. */
@@ -212,7 +224,9 @@ typedef struct {
     int global_batch_size;     /* -g: samples per optimizer step over all devices; 0: = -b */
     int max_seq_length;        /* -t: tokens per sample; 0: the model's block_size */
     lg_precision precision;    /* -p; default bf16-mixed (fp32 arithmetic, half storage) */
-    int devices;               /* -d */
+    int devices;               /* -d: devices a node (GPUs, or simulated ranks on the CPU) */
+    int nodes;                 /* --nodes: ranks = devices x nodes */
+    lg_strategy strategy;      /* --strategy; full-shard by default */
     lg_optimizer_kind optimizer; /* -o adamw|sgd */
     float lr, min_lr;
     int warmup_steps;
@@ -239,9 +253,9 @@ typedef struct {
 void lg_args_default(lg_args *args);
 /* Checks values that do not need the config; names the flag at fault. */
 int lg_args_check(const lg_args *args, lg_error *err);
-/* The first flag this version can plan (--plan) but not run yet; NULL when it can run. */
-const char *lg_args_not_runnable(const lg_args *args);
-/* Gradient accumulation steps = global batch / devices / micro-batch; must divide exactly. */
+/* Ranks of the run: devices x nodes. */
+int lg_args_ranks(const lg_args *args);
+/* Gradient accumulation steps = global batch / ranks / micro-batch; must divide exactly. */
 int lg_args_accumulation_steps(const lg_args *args, lg_error *err);
 
 /* ---------------------------------------------------------------------------------------------
@@ -386,6 +400,10 @@ typedef struct {
     lg_region *regions;     /* (n_regions) */
     int n_regions, capacity;
     size_t pool_bytes[LG_N_POOLS];
+    int shard_index;        /* its place in its shard group (rank % shard_ranks) */
+    lg_tensor_table pieces; /* the tensors, or pieces of tensors, whose gradients, master weights
+                               and optimizer state this rank holds: offsets in its shard,
+                               origins in the whole layout (the whole table when unsharded) */
 } lg_rank_plan;
 
 /* Everything of a run that changes its memory. */
@@ -393,21 +411,48 @@ typedef struct {
     int B, T;               /* micro-batch, sequence length */
     int accumulation;       /* micro-batches per optimizer step */
     lg_precision precision;
-    int devices;            /* > 1: full-shard over that many ranks (planned, not yet run) */
-    int recompute;          /* 1: --recompute block (planned, not yet run) */
-    int offload;            /* 1: --offload (planned, not yet run) */
+    int devices, nodes;     /* ranks = devices x nodes */
+    lg_strategy strategy;   /* how the model state splits over the ranks */
+    int recompute;          /* 1: --recompute block */
+    int offload;            /* 1: --offload */
     lg_optimizer_kind optimizer;
     int momentum;           /* SGD keeps a momentum buffer */
     lg_state_format optimizer_state;
     int threads;            /* CPU threads: one matmul workspace each */
 } lg_plan_spec;
 
+/* What a strategy splits, over how many ranks. Rank r is member r % shard_ranks of shard group
+   r / shard_ranks, and member r / shard_ranks of replica group r % shard_ranks. */
+typedef struct {
+    int shard_ranks;        /* S: the ranks one copy of the model state is split over */
+    int replicas;           /* R: copies of it; S x R = ranks */
+    int weights_sharded;    /* full-shard, hybrid-shard: weights gathered unit by unit */
+    int grads_sharded;      /* gradients, master weights and optimizer state split (S > 1) */
+} lg_sharding;
+
+/* How the parameters split over the S ranks of a shard group: each unit (the ends, then each
+   block; see lg_unit_layout) is padded to a multiple of S and cut into S equal pieces; a
+   rank's shard is its piece of every unit, in unit order. With S = 1 the shard is the whole
+   layout. */
+typedef struct {
+    int n_units;            /* 1 + L */
+    int n_shards;           /* S */
+    size_t *unit_offset;    /* (n_units + 1): where unit u starts in the whole layout */
+    size_t *piece_count;    /* (n_units): ceil(elements of unit u / S) */
+    size_t *piece_offset;   /* (n_units + 1): where a rank's piece of unit u starts in its shard;
+                               the last entry is the shard's size */
+} lg_shard_layout;
+
 typedef struct {
     lg_config cfg;
     lg_plan_spec spec;
-    int n_ranks;
+    lg_sharding sharding;
+    lg_shard_layout shards;
+    int n_ranks;            /* devices x nodes */
     lg_rank_plan *ranks;    /* (n_ranks) */
 } lg_plan;
+
+lg_sharding lg_sharding_of(const lg_plan_spec *spec);
 
 void lg_plan_spec_from_args(lg_plan_spec *spec, const lg_args *args, int T);
 int lg_plan_make(lg_plan *plan, const lg_config *cfg, const lg_plan_spec *spec, lg_error *err);
@@ -432,7 +477,6 @@ typedef struct {
     size_t device_bytes;  /* what each device needs with it */
     size_t host_bytes;    /* and the host, for each device */
     int fits;             /* device_bytes <= the limit, host_bytes <= the host's memory */
-    int runnable;         /* this version can run it (not only plan it) */
 } lg_remedy;
 
 #define LG_MAX_REMEDIES 8
@@ -442,7 +486,7 @@ typedef struct {
    how many; skips those that change nothing. */
 int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                      lg_remedy *out);
-/* The cheapest runnable change that fits: changes that keep the training the same first (a
+/* The cheapest change that fits: changes that keep the training the same first (a
    smaller micro-batch, block recompute, offload), then a -true precision, an optimizer with
    less state, a shorter sequence, and their combinations, each with the micro-batch and
    sequence as large as fits. Returns 0 and fills *best, or -1 with the most drastic
@@ -487,9 +531,16 @@ typedef struct lg_rank lg_rank;
 typedef struct {
     lg_config cfg;
     int B, T;                   /* the largest micro-batch and sequence the buffers hold */
-    lg_buf params;              /* (n_params): all parameters, the plan's "weights" region, in
-                                   the weight type of the precision (the working copy) */
-    lg_buf grads;               /* (n_params): same layout, the "gradients" region */
+    lg_buf params;              /* the plan's "weights" region, in the weight type of the
+                                   precision (the working copy): (n_params) in the whole layout,
+                                   or (n_local) this rank's shard when weights_gathered */
+    lg_buf grads;               /* (n_local): the "gradients" region, laid out as `local` */
+    int weights_gathered;       /* full-shard: p's views point at gathered units */
+    int grads_gathered;         /* sharded gradients: g's views point at a unit's gradient buffer
+                                   until its reduce-scatter (see lg_model_point_unit) */
+    const lg_tensor_table *local; /* the pieces of grads (and of the master weights and optimizer
+                                   state): the whole table when unsharded; owned by the plan */
+    size_t n_local;             /* elements of grads */
     lg_precision precision;
     int recompute;              /* --recompute block: the blocks share one set of activations,
                                    rebuilt from each block's input during the backward */
@@ -507,7 +558,12 @@ typedef struct {
 int lg_model_create(lg_model *m, const lg_config *cfg, int B, int T, lg_error *err);
 /* Points the model's tensors into the regions of a rank made from a plan of this config. */
 int lg_model_bind(lg_model *m, const lg_config *cfg, lg_rank *rank, lg_error *err);
+/* Points the views of one unit (lg_unit_layout) at buffers holding the whole unit: its gathered
+   weights and/or its gradient buffer (data NULL: leave those views). */
+void lg_model_point_unit(lg_model *m, int unit, lg_buf weights, lg_buf grads);
 void lg_model_free(lg_model *m);
+/* GPT-2's initialisation of weights in the whole layout (the trainer does it unit by unit when
+   the weights are sharded, with the same numbers). */
 void lg_model_init_weights(lg_model *m, uint64_t seed);
 /* Forward of tokens (B, T) with B <= m->B and T <= m->T. With targets (B, T) (LG_IGNORE_INDEX
    to skip a position) it fills the per-token losses and returns their sum; *n_targets gets the
@@ -556,18 +612,27 @@ typedef struct {
 int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_args *args,
                         lg_error *err);
 void lg_optimizer_free(lg_optimizer *opt);
-/* Updates every parameter from its gradient times grad_multiplier (unscaling and clipping in
-   one factor); writes the weights back in their storage type. */
+/* Updates every parameter of the model's rank (its shard when sharded) from its gradient times
+   grad_multiplier (unscaling and clipping in one factor); writes the weights back in their
+   storage type. */
 void lg_optimizer_step(lg_optimizer *opt, lg_model *m, float lr, float grad_multiplier);
-/* The same on explicit buffers laid out by `table`: the host copies when offloading. */
+/* The same on explicit buffers: grads, the master weights and the state laid out as `table`
+   (entries' offsets), params too, or the whole layout (entries' origins) when params_whole: the
+   host copies when offloading, the replicated weights of shard-grad-op. */
 void lg_optimizer_update(lg_optimizer *opt, const lg_tensor_table *table, lg_buf params,
-                         lg_buf grads, float lr, float grad_multiplier);
+                         int params_whole, lg_buf grads, float lr, float grad_multiplier);
+/* Copies each entry of table between a buffer in the table's layout (offsets) and one in the
+   whole layout (origins). */
+void lg_copy_to_whole(const lg_tensor_table *table, lg_buf whole, lg_buf local);
+void lg_copy_from_whole(const lg_tensor_table *table, lg_buf local, lg_buf whole);
 /* Sophia: h = beta2 h + (1 - beta2) n_tokens (g_hat * grad_multiplier)^2, from the gradient of
    the loss on labels sampled from the model (the Gauss-Newton-Bartlett estimator). */
 void lg_optimizer_hessian_update(lg_optimizer *opt, lg_buf sampled_grads, size_t n_params,
                                  double n_tokens, float grad_multiplier);
-/* The global norm of the gradients as stored (Inf or NaN when any element is). */
+/* The norm of the model's gradients as stored (Inf or NaN when any element is): the global norm
+   on one rank; a sharded trainer adds the shards' squares (lg_sum_squares). */
 float lg_grad_norm(const lg_model *m);
+double lg_sum_squares(lg_buf x, size_t n);
 /* The factor that brings a gradient norm down to max_norm (1 when below, or max_norm 0). */
 float lg_clip_factor(float norm, float max_norm);
 /* Linear warmup over warmup_steps, then cosine from lr to min_lr at max_steps. */
@@ -590,6 +655,21 @@ int lg_rank_create(lg_rank *rank, const lg_plan *plan, int index, lg_error *err)
 void lg_rank_free(lg_rank *rank);
 /* The memory of a region of this rank's plan; NULL when the plan has no such region. */
 void *lg_rank_region(const lg_rank *rank, const char *name);
+
+/* Collectives over the members of a group, one buffer per member in member order: the shape of
+   NCCL's grouped calls made from one thread (litgpt_cuda.cuh). The CPU backend runs them in
+   this process: sums in lg_real, member by member in order, rounded once to the buffers'
+   type. */
+/* bufs[m] (count) = the sum over members of bufs */
+void lg_all_reduce_sum(int n, lg_buf *bufs, size_t count);
+/* piece[i] (piece_count) = the sum over members m of whole[m][i piece_count ..], each whole
+   holding n piece_count elements */
+void lg_reduce_scatter_sum(int n, const lg_buf *whole, lg_buf *piece, size_t piece_count);
+/* whole[m][i piece_count ..] = piece[i] for every m; piece[i] may be that place of whole[i]
+   (in place) */
+void lg_all_gather(int n, const lg_buf *piece, lg_buf *whole, size_t piece_count);
+/* bufs[m] = bufs[root] */
+void lg_broadcast(int n, int root, lg_buf *bufs, size_t count);
 
 /* GPUs visible to a CUDA build (0 in a CPU build). */
 int lg_cuda_device_count(void);
@@ -667,27 +747,43 @@ int lg_save_safetensors(const lg_model *m, const char *dir, lg_error *err);
 int lg_evaluate(lg_model *m, lg_loader *ld, int B, int T, int n_batches, double *mean_loss,
                 lg_error *err);
 
-/* A model, its optimizer and the token buffers of one optimizer step, all in the memory of
-   one rank allocated from one plan. */
+/* One rank of a trainer: its memory, its model, its optimizer over its shard, and views of its
+   plan's token and communication regions. */
 typedef struct {
-    lg_plan plan;
     lg_rank rank;
     lg_model model;
     lg_optimizer opt;
+    int *inputs;         /* (accumulation, B, T): the plan's tokens.inputs */
+    int *targets;        /* (accumulation, B, T): tokens.targets */
+    int *sampled;        /* (accumulation, B, T): Sophia's labels drawn from the model */
+    /* --offload: the optimizer runs on host copies (the plan's host pool) */
+    lg_buf host_grads;   /* (n_local): gradients.host */
+    lg_buf host_weights; /* (n_local): weights.host; data NULL in the mixed precisions, whose
+                            master weights (in the host pool) play that part */
+    /* sharded: whole units, padded to S pieces (lg_shard_layout) */
+    lg_buf gather_ends;  /* (S piece_count[0]): the gathered ends */
+    lg_buf gather_blocks;/* (slots, S piece_count[1]): gathered blocks, 2 slots (full-shard:
+                            one computing, the next prefetched) or 1 (shard-grad-op) */
+    lg_buf grad_ends;    /* (S piece_count[0]): the ends' gradients until their reduce-scatter */
+    lg_buf grad_blocks;  /* (2, S piece_count[1]): a block's gradients until theirs */
+    lg_buf reduce_out;   /* (largest piece): what one reduce-scatter hands this rank */
+} lg_trainer_rank;
+
+/* Ranks (one per device, or simulated), each allocated from one plan, driven from one thread:
+   every unit of the forward and backward runs on all ranks, with the collectives that the
+   strategy needs in between. */
+typedef struct {
+    lg_plan plan;
     lg_args args;
-    int accumulation;   /* micro-batches per optimizer step */
-    int *inputs;        /* (accumulation, B, T): the plan's tokens.inputs */
-    int *targets;       /* (accumulation, B, T): the plan's tokens.targets */
-    int *sampled;       /* (accumulation, B, T): Sophia's labels drawn from the model */
+    int n_ranks;               /* devices x nodes */
+    lg_trainer_rank *ranks;    /* (n_ranks) */
+    int block_slots;           /* gather_blocks slots: 2 or 1 */
+    int accumulation;          /* micro-batches per optimizer step and rank */
     /* dynamic loss scaling (16-true, 16-mixed), as PyTorch's GradScaler */
     int scaling;        /* 1 in the fp16 precisions */
     float loss_scale;   /* multiplies the loss before the backward: 2^16 at the start */
     int clean_steps;    /* steps since the scale last changed */
     int scale_window;   /* clean steps before the scale doubles: 2000 */
-    /* --offload: the optimizer runs on host copies (the plan's host pool) */
-    lg_buf host_grads;   /* (n_params): gradients.host */
-    lg_buf host_weights; /* (n_params): weights.host; data NULL in the mixed precisions, whose
-                            master weights (in the host pool) play that part */
 } lg_trainer;
 
 typedef struct {
@@ -702,11 +798,21 @@ typedef struct {
 
 int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args, int T,
                       lg_error *err);
-/* One optimizer step: reads all micro-batches, accumulates gradients of the global mean loss,
-   clips, updates. Fails (without touching the weights) on a data error or a non-finite
-   gradient. */
+/* One optimizer step: reads all micro-batches (micro-batch i of rank r is the (i ranks + r)-th
+   of the step, so any number of ranks sees the samples one rank would), accumulates gradients
+   of the global mean loss, clips by the global norm, updates every shard. Fails (without
+   touching the weights) on a data error or a non-finite gradient. */
 int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *stats,
                     lg_error *err);
+/* Mean loss over all targets of n_batches micro-batches from the start of ld, spread over the
+   ranks. */
+int lg_trainer_evaluate(lg_trainer *tr, lg_loader *ld, int n_batches, double *mean_loss,
+                        lg_error *err);
+/* lg_model_generate on rank 0 (the other ranks take part in the gathers). */
+void lg_trainer_generate(lg_trainer *tr, int *tokens, int n_prompt, int n_new,
+                         float temperature, lg_rng *rng);
+/* The weights (n_params) in the whole layout, into a buffer of any type. */
+void lg_trainer_weights(lg_trainer *tr, lg_buf whole);
 void lg_trainer_free(lg_trainer *tr);
 
 #ifdef __cplusplus
@@ -1197,6 +1303,8 @@ void lg_args_default(lg_args *a) {
     a->micro_batch_size = 16;
     a->precision = LG_PRECISION_BF16_MIXED; /* the design's default on the CPU backend */
     a->devices = 1;
+    a->nodes = 1;
+    a->strategy = LG_STRATEGY_FULL_SHARD;
     a->optimizer = LG_OPTIMIZER_ADAMW;
     a->lr = 4e-3f;
     a->min_lr = 4e-4f;
@@ -1231,29 +1339,32 @@ const char *lg_optimizer_state_name(lg_optimizer_kind kind, int i) {
     return kind == LG_OPTIMIZER_SOPHIA ? "optimizer.h" : "optimizer.v";
 }
 
-/* What this version can plan but not yet run; NULL when the run can start. */
-const char *lg_args_not_runnable(const lg_args *a) {
-    if (a->devices != 1) return "-d/--devices (only 1 for now)";
-    return NULL;
+static const char *const lg_strategy_names[] = {"no-shard", "shard-grad-op", "full-shard",
+                                                "hybrid-shard"};
+
+const char *lg_strategy_name(lg_strategy strategy) { return lg_strategy_names[strategy]; }
+
+int lg_strategy_parse(const char *text, lg_strategy *out) {
+    for (int i = 0; i < 4; i++)
+        if (strcmp(text, lg_strategy_names[i]) == 0) { *out = (lg_strategy)i; return 0; }
+    return -1;
 }
+
+int lg_args_ranks(const lg_args *a) { return a->devices * a->nodes; }
 
 int lg_args_check(const lg_args *a, lg_error *err) {
     if (a->devices < 1) return lg_fail(err, "-d/--devices must be at least 1");
+    if (a->nodes < 1) return lg_fail(err, "--nodes must be at least 1");
+    if ((long)a->devices * a->nodes > LG_MAX_RANKS)
+        return lg_fail(err, "-d/--devices %d x --nodes %d: at most %d ranks", a->devices, a->nodes,
+                       LG_MAX_RANKS);
     if (a->optimizer_state != LG_STATE_AS_PRECISION && a->optimizer != LG_OPTIMIZER_ADAMW)
         return lg_fail(err, "--optimizer-state applies to AdamW only (-o %s)",
                        lg_optimizer_name(a->optimizer));
-    if ((double)a->micro_batch_size * a->devices > 2147483647.0 ||
+    if ((double)a->micro_batch_size * lg_args_ranks(a) > 2147483647.0 ||
         (double)a->global_batch_size > 2147483647.0)
-        return lg_fail(err, "-b/--micro-batch-size %d x -d/--devices %d is too large",
-                       a->micro_batch_size, a->devices);
-    const char *later = lg_args_not_runnable(a);
-    if (later && !a->plan_only) {
-        if (a->devices != 1)
-            return lg_fail(err, "-d/--devices %d: not yet supported (only 1 for now; --plan "
-                                "shows its memory)", a->devices);
-        return lg_fail(err, "%s: not yet supported (--plan shows its memory)", later);
-    }
-    if (a->devices < 1) return lg_fail(err, "-d/--devices must be at least 1");
+        return lg_fail(err, "-b/--micro-batch-size %d x %d ranks is too large",
+                       a->micro_batch_size, lg_args_ranks(a));
     if (a->micro_batch_size < 1) return lg_fail(err, "-b/--micro-batch-size must be at least 1");
     if (a->global_batch_size < 0) return lg_fail(err, "-g/--global-batch-size must be positive");
     if (a->max_seq_length < 0) return lg_fail(err, "-t/--max-seq-length must be positive");
@@ -1276,13 +1387,14 @@ int lg_args_check(const lg_args *a, lg_error *err) {
 }
 
 int lg_args_accumulation_steps(const lg_args *a, lg_error *err) {
-    int global = a->global_batch_size ? a->global_batch_size : a->micro_batch_size * a->devices;
-    int per_step = a->micro_batch_size * a->devices;
+    int per_step = a->micro_batch_size * lg_args_ranks(a);
+    int global = a->global_batch_size ? a->global_batch_size : per_step;
+    if (per_step < 1) return lg_fail(err, "-b/--micro-batch-size must be at least 1");
     if (global % per_step != 0)
         return lg_fail(err,
                        "-g/--global-batch-size %d is not a multiple of -b/--micro-batch-size %d "
-                       "x -d/--devices %d",
-                       global, a->micro_batch_size, a->devices);
+                       "x -d/--devices %d x --nodes %d",
+                       global, a->micro_batch_size, a->devices, a->nodes);
     return global / per_step;
 }
 
@@ -1599,6 +1711,8 @@ void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
     if (s->accumulation < 1) s->accumulation = 1;
     s->precision = a->precision;
     s->devices = a->devices;
+    s->nodes = a->nodes;
+    s->strategy = a->strategy;
     s->recompute = a->recompute;
     s->offload = a->offload;
     s->optimizer = a->optimizer;
@@ -1613,16 +1727,93 @@ void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
 
 static size_t lg_gemm_workspace_count(void); /* 6. kernels: elements of one thread's buffers */
 
-/* Parameters, their master copy, gradients and optimizer state: the model state. With N > 1
-   devices each rank holds an equal shard (the flat buffer padded to a multiple of N) and
-   gathers one block at a time, prefetching the next (two gathered blocks alive). */
-static int lg_plan_model_state(lg_rank_plan *r, const lg_plan_spec *s,
-                               const lg_tensor_table *params) {
+lg_sharding lg_sharding_of(const lg_plan_spec *s) {
+    lg_sharding sh = {1, 1, 0, 0};
+    int ranks = s->devices * s->nodes;
+    if (ranks == 1) return sh;
+    switch (s->strategy) {
+    case LG_STRATEGY_NO_SHARD: sh.replicas = ranks; break;
+    case LG_STRATEGY_SHARD_GRAD_OP: sh.shard_ranks = ranks; break;
+    case LG_STRATEGY_FULL_SHARD: sh.shard_ranks = ranks; sh.weights_sharded = 1; break;
+    case LG_STRATEGY_HYBRID_SHARD:
+        sh.shard_ranks = s->devices;
+        sh.replicas = s->nodes;
+        sh.weights_sharded = s->devices > 1;
+        break;
+    }
+    sh.grads_sharded = sh.shard_ranks > 1;
+    return sh;
+}
+
+static void lg_shard_layout_free(lg_shard_layout *sl) {
+    LG_FREE(sl->unit_offset);
+    LG_FREE(sl->piece_count);
+    LG_FREE(sl->piece_offset);
+    memset(sl, 0, sizeof *sl);
+}
+
+static int lg_shard_layout_make(lg_shard_layout *sl, const lg_config *c, int S) {
+    int U = c->n_layer + 1;
+    sl->n_units = U;
+    sl->n_shards = S;
+    sl->unit_offset = (size_t *)lg_alloc_zeroed(sizeof(size_t) * (size_t)(U + 1));
+    sl->piece_count = (size_t *)lg_alloc_zeroed(sizeof(size_t) * (size_t)U);
+    sl->piece_offset = (size_t *)lg_alloc_zeroed(sizeof(size_t) * (size_t)(U + 1));
+    if (!sl->unit_offset || !sl->piece_count || !sl->piece_offset) {
+        lg_shard_layout_free(sl);
+        return -1;
+    }
+    for (int u = 0; u < U; u++) {
+        size_t count = lg_unit_layout(c, u, lg_no_buf(), NULL);
+        sl->unit_offset[u + 1] = sl->unit_offset[u] + count;
+        sl->piece_count[u] = (count + (size_t)S - 1) / (size_t)S;
+        sl->piece_offset[u + 1] = sl->piece_offset[u] + sl->piece_count[u];
+    }
+    return 0;
+}
+
+/* The pieces of the whole table that member `index` of a shard group holds (see
+   lg_rank_plan.pieces); out has room for whole->n_tensors entries. */
+static void lg_shard_table(const lg_shard_layout *sl, const lg_tensor_table *whole, int index,
+                           lg_tensor_table *out) {
+    out->n_tensors = 0;
+    out->total = sl->piece_offset[sl->n_units];
+    for (int k = 0; k < whole->n_tensors; k++) {
+        const lg_tensor_info *t = &whole->tensors[k];
+        int u = t->block + 1;
+        size_t lo = sl->unit_offset[u] + (size_t)index * sl->piece_count[u];
+        size_t hi = lo + sl->piece_count[u] < sl->unit_offset[u + 1] ? lo + sl->piece_count[u]
+                                                                     : sl->unit_offset[u + 1];
+        size_t first = t->offset > lo ? t->offset : lo;
+        size_t last = t->offset + t->count < hi ? t->offset + t->count : hi;
+        if (first >= last) continue;
+        lg_tensor_info *piece = &out->tensors[out->n_tensors++];
+        *piece = *t;
+        piece->origin = first;
+        piece->count = last - first;
+        piece->offset = sl->piece_offset[u] + (first - lo);
+        if (piece->count != t->count) { /* a slice of the flattened tensor */
+            piece->rows = 1;
+            piece->cols = (int)piece->count;
+        }
+    }
+}
+
+/* Parameters, their master copy, gradients and optimizer state: the model state. Sharded, each
+   rank holds its shard (lg_shard_layout) of what the strategy splits; full-shard gathers the
+   weights one unit at a time: the ends for the whole step, two blocks (one computing, the
+   next prefetched); gradients of a unit are reduce-scattered into the shards as soon as the
+   backward leaves it. */
+static int lg_plan_model_state(lg_rank_plan *r, const lg_plan *plan) {
+    const lg_plan_spec *s = &plan->spec;
+    const lg_sharding *sh = &plan->sharding;
+    const lg_shard_layout *sl = &plan->shards;
     lg_precision_types t = lg_types_of(s->precision);
-    size_t n = params->total, shard = (n + s->devices - 1) / s->devices;
+    size_t whole = sl->unit_offset[sl->n_units], shard = r->pieces.total;
+    size_t weights = sh->weights_sharded ? shard : whole;
     lg_pool state_pool = s->offload ? LG_POOL_HOST : LG_POOL_DEVICE;
     int states = lg_optimizer_states(s->optimizer, s->momentum);
-    int rc = lg_plan_add(r, "weights", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, t.weights, shard);
+    int rc = lg_plan_add(r, "weights", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, t.weights, weights);
     if (t.master)
         rc |= lg_plan_add(r, "master_weights", LG_GROUP_MASTER, state_pool, LG_DTYPE_F32, shard);
     rc |= lg_plan_add(r, "gradients", LG_GROUP_GRADIENTS, LG_POOL_DEVICE, t.grads, shard);
@@ -1637,8 +1828,8 @@ static int lg_plan_model_state(lg_rank_plan *r, const lg_plan_spec *s,
                               state_pool, t.state, shard);
     } else { /* compact moments for the large tensors, fp32 for the small ones */
         size_t large = 0, small = 0, blocks = 0;
-        for (int i = 0; i < params->n_tensors; i++) {
-            size_t count = params->tensors[i].count;
+        for (int i = 0; i < r->pieces.n_tensors; i++) {
+            size_t count = r->pieces.tensors[i].count;
             if (count < LG_COMPACT_MIN) small += count;
             else large += count, blocks += (count + LG_QUANT_BLOCK - 1) / LG_QUANT_BLOCK;
         }
@@ -1657,20 +1848,21 @@ static int lg_plan_model_state(lg_rank_plan *r, const lg_plan_spec *s,
             }
         }
     }
-    if (s->devices > 1) {
-        size_t unit = 0; /* the largest sharding unit: a block, or the embedding / head */
-        for (int i = 0; i < params->n_tensors; i++)
-            if (params->tensors[i].kind == LG_TENSOR_EMBEDDING && params->tensors[i].count > unit)
-                unit = params->tensors[i].count;
-        size_t per_block = 0;
-        for (int i = 0; i < params->n_tensors; i++)
-            if (strncmp(params->tensors[i].name, "transformer.h.0.", 16) == 0)
-                per_block += params->tensors[i].count;
-        if (per_block > unit) unit = per_block;
-        rc |= lg_plan_add(r, "gather.weights", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.weights,
-                          2 * unit);
-        rc |= lg_plan_add(r, "reduce_scatter.gradients", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE,
-                          t.grads, unit);
+    if (sh->grads_sharded) { /* whole units, padded to S pieces, for the collectives */
+        size_t S = (size_t)sl->n_shards, ends = sl->piece_count[0] * S;
+        size_t block = sl->piece_count[1] * S, piece = 0;
+        for (int u = 0; u < sl->n_units; u++)
+            piece = sl->piece_count[u] > piece ? sl->piece_count[u] : piece;
+        /* shard-grad-op gathers each updated unit once after the step: one block slot */
+        int block_slots = sh->weights_sharded ? 2 : 1;
+        rc |= lg_plan_add(r, "gather.ends", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.weights, ends);
+        rc |= lg_plan_add(r, "gather.blocks", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.weights,
+                          block_slots * block);
+        rc |= lg_plan_add(r, "gradients.ends", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.grads, ends);
+        rc |= lg_plan_add(r, "gradients.blocks", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.grads,
+                          2 * block);
+        rc |= lg_plan_add(r, "reduce_scatter.out", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.grads,
+                          piece);
     }
     return rc;
 }
@@ -1719,9 +1911,11 @@ static int lg_plan_activations(lg_rank_plan *r, const lg_config *c, const lg_pla
 int lg_plan_make(lg_plan *plan, const lg_config *c, const lg_plan_spec *s, lg_error *err) {
     memset(plan, 0, sizeof *plan);
     if (lg_config_check(c, err) != 0) return -1;
-    if (s->B < 1 || s->T < 1 || s->devices < 1 || s->accumulation < 1)
-        return lg_fail(err, "plan: micro-batch, sequence length, devices and accumulation must "
-                            "be positive");
+    if (s->B < 1 || s->T < 1 || s->devices < 1 || s->nodes < 1 || s->accumulation < 1)
+        return lg_fail(err, "plan: micro-batch, sequence length, devices, nodes and accumulation "
+                            "must be positive");
+    if (s->devices * s->nodes > LG_MAX_RANKS)
+        return lg_fail(err, "plan: at most %d ranks (devices x nodes)", LG_MAX_RANKS);
     if (s->optimizer_state != LG_STATE_AS_PRECISION && s->optimizer != LG_OPTIMIZER_ADAMW)
         return lg_fail(err, "plan: --optimizer-state applies to AdamW only");
     /* the layouts count rows in int: B T and B NH T (attention) must fit */
@@ -1731,19 +1925,26 @@ int lg_plan_make(lg_plan *plan, const lg_config *c, const lg_plan_spec *s, lg_er
                             "large to lay out", s->B, s->T);
     plan->cfg = *c;
     plan->spec = *s;
-    plan->n_ranks = s->devices;
-    plan->ranks = (lg_rank_plan *)lg_alloc_zeroed(sizeof(lg_rank_plan) * (size_t)s->devices);
+    plan->sharding = lg_sharding_of(s);
+    plan->n_ranks = s->devices * s->nodes;
+    plan->ranks = (lg_rank_plan *)lg_alloc_zeroed(sizeof(lg_rank_plan) * (size_t)plan->n_ranks);
     lg_tensor_table params;
-    if (!plan->ranks || lg_table_alloc(&params, c) != 0) {
+    params.tensors = NULL;
+    if (!plan->ranks || lg_table_alloc(&params, c) != 0 ||
+        lg_shard_layout_make(&plan->shards, c, plan->sharding.shard_ranks) != 0) {
+        lg_tensor_table_free(&params);
         lg_plan_free(plan);
         return lg_fail(err, "plan: out of host memory");
     }
     lg_params_layout(c, lg_no_buf(), NULL, &params);
     size_t tokens = (size_t)s->accumulation * s->B * s->T;
     int rc = 0;
-    for (int i = 0; i < plan->n_ranks; i++) { /* equal shards: every rank has the same plan */
+    for (int i = 0; i < plan->n_ranks && rc == 0; i++) {
         lg_rank_plan *r = &plan->ranks[i];
-        rc |= lg_plan_model_state(r, s, &params);
+        r->shard_index = i % plan->sharding.shard_ranks;
+        if (lg_table_alloc(&r->pieces, c) != 0) { rc = -1; break; }
+        lg_shard_table(&plan->shards, &params, r->shard_index, &r->pieces);
+        rc |= lg_plan_model_state(r, plan);
         rc |= lg_plan_activations(r, c, s);
         rc |= lg_plan_add(r, "gemm.workspace", LG_GROUP_WORKSPACE, LG_POOL_DEVICE, LG_DTYPE_F32,
                           lg_gemm_workspace_count() * (size_t)s->threads);
@@ -1763,8 +1964,12 @@ int lg_plan_make(lg_plan *plan, const lg_config *c, const lg_plan_spec *s, lg_er
 }
 
 void lg_plan_free(lg_plan *plan) {
-    for (int i = 0; plan->ranks && i < plan->n_ranks; i++) LG_FREE(plan->ranks[i].regions);
+    for (int i = 0; plan->ranks && i < plan->n_ranks; i++) {
+        LG_FREE(plan->ranks[i].regions);
+        lg_tensor_table_free(&plan->ranks[i].pieces);
+    }
     LG_FREE(plan->ranks);
+    lg_shard_layout_free(&plan->shards);
     plan->ranks = NULL;
     plan->n_ranks = 0;
 }
@@ -1822,13 +2027,13 @@ static int lg_fits(const lg_config *cfg, const lg_args *args, int T, size_t limi
 
 /* The global batch the run asked for (samples per optimizer step over all devices). */
 static int lg_global_batch(const lg_args *a) {
-    return a->global_batch_size ? a->global_batch_size : a->micro_batch_size * a->devices;
+    return a->global_batch_size ? a->global_batch_size : a->micro_batch_size * lg_args_ranks(a);
 }
 
 int lg_plan_auto_micro_batch(const lg_config *cfg, const lg_args *args, int T, size_t limit) {
     lg_args a = *args;
-    if (args->devices < 1) return 0;
-    int per_device = lg_global_batch(args) / args->devices;
+    if (lg_args_ranks(args) < 1) return 0;
+    int per_device = lg_global_batch(args) / lg_args_ranks(args);
     for (int b = per_device; b >= 1; b--) {
         if (per_device % b != 0) continue;
         a.micro_batch_size = b;
@@ -1848,7 +2053,6 @@ static void lg_remedy_price(lg_remedy *r, const char *what, const lg_config *cfg
     r->device_bytes = lg_plan_pools_for(cfg, a, T, &host);
     r->host_bytes = host;
     r->fits = lg_pools_fit(r->device_bytes, host, limit);
-    r->runnable = lg_args_not_runnable(a) == NULL;
 }
 
 /* The largest sequence length below T that fits (halving when none does). */
@@ -1910,10 +2114,11 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
     }
     a = *args; /* the fewest of 2, 4, 8 times the devices that fits */
     for (a.devices = 2 * args->devices;; a.devices *= 2) {
-        int per_step = a.devices * a.micro_batch_size; /* keep -g a multiple of it */
+        int per_step = lg_args_ranks(&a) * a.micro_batch_size; /* keep -g a multiple of it */
         a.global_batch_size = (global + per_step - 1) / per_step * per_step;
         if (a.devices == 8 * args->devices || lg_fits(cfg, &a, T, limit)) break;
     }
+    a.strategy = LG_STRATEGY_FULL_SHARD;
     lg_remedy_price(&out[n], "more devices (full-shard)", cfg, &a, T, limit);
     snprintf(out[n++].flags, sizeof out[0].flags, "-d %d", a.devices);
     if (!args->recompute) {
@@ -2014,7 +2219,7 @@ int lg_plan_cheapest_fit(const lg_config *cfg, const lg_args *args, int T, size_
             lg_apply_fixes(cfg, args, T, limit, fixes, &a, &t, flags, sizeof flags);
             lg_remedy_price(best, "cheapest", cfg, &a, t, limit);
             snprintf(best->flags, sizeof best->flags, "%s", flags + 1);
-            if (best->fits && best->runnable) return 0;
+            if (best->fits) return 0;
         }
     return -1; /* best holds the last, most drastic, attempt */
 }
@@ -2865,11 +3070,9 @@ int lg_model_bind(lg_model *m, const lg_config *cfg, lg_rank *rank, lg_error *er
 
 static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank, lg_error *err) {
     const lg_plan_spec *s = &rank->plan->spec;
+    const lg_rank_plan *rp = &rank->plan->ranks[rank->index];
     int L = cfg->n_layer;
     memset(m, 0, sizeof *m);
-    if (s->devices != 1)
-        return lg_fail(err, "the model runs on one device for now; this plan is for planning "
-                            "only");
     if (s->T > cfg->block_size)
         return lg_fail(err, "sequence length %d exceeds the model's block_size %d", s->T,
                        cfg->block_size);
@@ -2887,11 +3090,15 @@ static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank,
     if (!m->p.h || !m->g.h || !m->a.h || !m->a.residual || lg_table_alloc(&m->param_table, cfg))
         return lg_fail(err, "out of host memory for the model's tables");
     m->n_params = lg_params_layout(cfg, lg_no_buf(), NULL, &m->param_table);
+    m->weights_gathered = rank->plan->sharding.weights_sharded;
+    m->grads_gathered = rank->plan->sharding.grads_sharded;
+    m->local = &rp->pieces;
+    m->n_local = rp->pieces.total;
     m->params = lg_model_view(m, "weights", types.weights, err);
     m->grads = lg_model_view(m, "gradients", types.grads, err);
     if (!m->params.data || !m->grads.data) return -1;
-    lg_params_layout(cfg, m->params, &m->p, NULL);
-    lg_params_layout(cfg, m->grads, &m->g, NULL);
+    if (!m->weights_gathered) lg_params_layout(cfg, m->params, &m->p, NULL);
+    if (!m->grads_gathered) lg_params_layout(cfg, m->grads, &m->g, NULL);
     if (lg_model_bind_activations(m, types.acts, err) != 0) return -1;
     if (!(m->workspace.base = (lg_real *)lg_model_region(m, "gemm.workspace", err))) return -1;
     m->workspace.per_thread = lg_gemm_workspace_count();
@@ -2949,33 +3156,41 @@ void lg_model_free(lg_model *m) {
     memset(m, 0, sizeof *m);
 }
 
-/* GPT-2's scheme, by tensor kind (see lg_tensor_kind). */
-void lg_model_init_weights(lg_model *m, uint64_t seed) {
-    lg_rng rng;
-    lg_rng_seed(&rng, seed);
-    const lg_config *c = &m->cfg;
+/* GPT-2's scheme, by tensor kind (see lg_tensor_kind): one tensor, w holding its elements,
+   drawing from rng in element order. */
+static void lg_init_tensor(const lg_config *c, const lg_tensor_info *t, lg_buf w, lg_rng *rng) {
     float residual_std = 0.02f / sqrtf(2.0f * c->n_layer);
-    for (int i = 0; i < m->param_table.n_tensors; i++) {
-        const lg_tensor_info *t = &m->param_table.tensors[i];
-        lg_buf w = lg_at(m->params, t->offset);
-        /* rows past the real vocabulary never see a token: keep them 0 */
-        int is_vocab = t->kind == LG_TENSOR_EMBEDDING && t->rows == c->padded_vocab_size;
-        size_t live = is_vocab ? (size_t)c->vocab_size * t->cols : t->count;
-        for (size_t k = 0; k < t->count; k++) {
-            lg_real v = 0;
-            switch (t->kind) {
-            case LG_TENSOR_NORM: v = 1; break;
-            case LG_TENSOR_RESIDUAL: v = residual_std * lg_rng_normal(&rng); break;
-            case LG_TENSOR_EMBEDDING:
-            case LG_TENSOR_WEIGHT: v = k < live ? 0.02f * lg_rng_normal(&rng) : 0; break;
-            default: break;
-            }
-            lg_set(w, k, v);
+    /* rows past the real vocabulary never see a token: keep them 0 */
+    int is_vocab = t->kind == LG_TENSOR_EMBEDDING && t->rows == c->padded_vocab_size;
+    size_t live = is_vocab ? (size_t)c->vocab_size * t->cols : t->count;
+    for (size_t k = 0; k < t->count; k++) {
+        lg_real v = 0;
+        switch (t->kind) {
+        case LG_TENSOR_NORM: v = 1; break;
+        case LG_TENSOR_RESIDUAL: v = residual_std * lg_rng_normal(rng); break;
+        case LG_TENSOR_EMBEDDING:
+        case LG_TENSOR_WEIGHT: v = k < live ? 0.02f * lg_rng_normal(rng) : 0; break;
+        default: break;
         }
+        lg_set(w, k, v);
     }
 }
 
-void lg_model_zero_grad(lg_model *m) { lg_zero(m->grads, m->n_params); }
+void lg_model_init_weights(lg_model *m, uint64_t seed) {
+    lg_rng rng;
+    lg_rng_seed(&rng, seed);
+    for (int i = 0; i < m->param_table.n_tensors; i++) {
+        const lg_tensor_info *t = &m->param_table.tensors[i];
+        lg_init_tensor(&m->cfg, t, lg_at(m->params, t->offset), &rng);
+    }
+}
+
+void lg_model_zero_grad(lg_model *m) { lg_zero(m->grads, m->n_local); }
+
+void lg_model_point_unit(lg_model *m, int unit, lg_buf weights, lg_buf grads) {
+    if (weights.data) lg_unit_layout(&m->cfg, unit, weights, &m->p);
+    if (grads.data) lg_unit_layout(&m->cfg, unit, grads, &m->g);
+}
 
 static lg_real *lg_norm_mean_or_null(const lg_config *c, lg_real *mean) {
     return c->norm_class_name == LG_NORM_LAYERNORM ? mean : NULL;
@@ -3018,12 +3233,17 @@ static void lg_block_forward(lg_model *m, int l, int B, int T) {
     lg_add(out, out, a->x_mid, (size_t)N * C);
 }
 
-double lg_model_forward(lg_model *m, const int *tokens, const int *targets, int B, int T,
-                        int *n_targets) {
+/* The forward in three parts (embedding, blocks, head), so that a sharded trainer can gather
+   each unit's weights in between. */
+static void lg_model_embed(lg_model *m, const int *tokens, int B, int T) {
+    lg_embedding_forward(m->a.residual[0], tokens, m->p.wte, m->p.wpe, B, T, m->cfg.n_embd);
+}
+
+/* Final norm, logits and, with targets, the summed loss. */
+static double lg_model_head_forward(lg_model *m, const int *targets, int B, int T,
+                                    int *n_targets) {
     const lg_config *c = &m->cfg;
     int N = B * T, C = c->n_embd, L = c->n_layer;
-    lg_embedding_forward(m->a.residual[0], tokens, m->p.wte, m->p.wpe, B, T, C);
-    for (int l = 0; l < L; l++) lg_block_forward(m, l, B, T);
     lg_norm_forward(m->a.ln_f, lg_norm_mean_or_null(c, m->a.ln_f_mean), m->a.ln_f_rstd,
                     m->a.residual[L], m->p.ln_f_w, m->p.ln_f_b, N, C, c->norm_eps);
     lg_linear_forward(&m->workspace, m->a.logits, m->a.ln_f, m->p.lm_head_w, m->p.lm_head_b, N,
@@ -3034,6 +3254,13 @@ double lg_model_forward(lg_model *m, const int *tokens, const int *targets, int 
         for (int n = 0; n < N; n++) *n_targets += targets[n] != LG_IGNORE_INDEX;
     return lg_crossentropy_forward(m->a.losses, m->a.logits, targets, N, c->vocab_size,
                                    c->padded_vocab_size);
+}
+
+double lg_model_forward(lg_model *m, const int *tokens, const int *targets, int B, int T,
+                        int *n_targets) {
+    lg_model_embed(m, tokens, B, T);
+    for (int l = 0; l < m->cfg.n_layer; l++) lg_block_forward(m, l, B, T);
+    return lg_model_head_forward(m, targets, B, T, n_targets);
 }
 
 /* One block backward: d_out (B, T, C) is the gradient of residual[l + 1]; writes the gradient
@@ -3092,27 +3319,43 @@ static void lg_block_backward(lg_model *m, int l, int B, int T, lg_buf d_out, lg
                      lg_norm_mean_or_null(c, a->n1_mean), a->n1_rstd, N, C);
 }
 
-void lg_model_backward(lg_model *m, const int *tokens, const int *targets, int B, int T,
-                       float loss_scale) {
+/* The gradient of residual[k] (B, T, C) during the backward: the two working buffers take
+   turns, the head's output gradient in d_res_a. */
+static lg_buf lg_residual_grad(const lg_model *m, int k) {
+    return (m->cfg.n_layer - k) % 2 == 0 ? m->a.d_res_a : m->a.d_res_b;
+}
+
+/* The backward in three parts, mirroring the forward's. */
+static void lg_model_head_backward(lg_model *m, const int *targets, int B, int T,
+                                   float loss_scale) {
     const lg_config *c = &m->cfg;
     int N = B * T, C = c->n_embd, L = c->n_layer, Vp = c->padded_vocab_size;
     lg_buf d_logits = m->a.logits; /* in place: the logits are not needed any more */
     lg_crossentropy_backward(d_logits, m->a.logits, targets, N, c->vocab_size, Vp, loss_scale);
-    lg_buf d_res = m->a.d_res_a, d_next = m->a.d_res_b;
     lg_zero(m->a.d_norm, (size_t)N * C);
     lg_linear_backward(&m->workspace, m->a.d_norm, m->g.lm_head_w, m->g.lm_head_b, d_logits,
                        m->a.ln_f, m->p.lm_head_w, N, C, Vp);
+    lg_buf d_res = lg_residual_grad(m, L);
     lg_zero(d_res, (size_t)N * C);
     lg_norm_backward(d_res, m->g.ln_f_w, m->g.ln_f_b, m->a.d_norm, m->a.residual[L], m->p.ln_f_w,
                      lg_norm_mean_or_null(c, m->a.ln_f_mean), m->a.ln_f_rstd, N, C);
-    for (int l = L - 1; l >= 0; l--) {
-        if (m->recompute) lg_block_forward(m, l, B, T); /* rebuild what the backward reads */
-        lg_block_backward(m, l, B, T, d_res, d_next);
-        lg_buf swap = d_res;
-        d_res = d_next;
-        d_next = swap;
-    }
-    lg_embedding_backward(m->g.wte, m->g.wpe, d_res, tokens, B, T, C);
+}
+
+static void lg_model_block_backward(lg_model *m, int l, int B, int T) {
+    if (m->recompute) lg_block_forward(m, l, B, T); /* rebuild what the backward reads */
+    lg_block_backward(m, l, B, T, lg_residual_grad(m, l + 1), lg_residual_grad(m, l));
+}
+
+static void lg_model_embed_backward(lg_model *m, const int *tokens, int B, int T) {
+    lg_embedding_backward(m->g.wte, m->g.wpe, lg_residual_grad(m, 0), tokens, B, T,
+                          m->cfg.n_embd);
+}
+
+void lg_model_backward(lg_model *m, const int *tokens, const int *targets, int B, int T,
+                       float loss_scale) {
+    lg_model_head_backward(m, targets, B, T, loss_scale);
+    for (int l = m->cfg.n_layer - 1; l >= 0; l--) lg_model_block_backward(m, l, B, T);
+    lg_model_embed_backward(m, tokens, B, T);
 }
 
 /* A token drawn from softmax(logits (V) / temperature) with the uniform draw u. */
@@ -3224,7 +3467,8 @@ int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_args *arg
     if (types.master) {
         if (!(opt->master = (lg_real *)lg_rank_region(m->rank, "master_weights")))
             return lg_fail(err, "the plan has no region master_weights");
-        lg_copy(lg_buf_of(opt->master), m->params, m->n_params);
+        if (m->weights_gathered) lg_copy(lg_buf_of(opt->master), m->params, m->n_local);
+        else lg_copy_from_whole(m->local, lg_buf_of(opt->master), m->params);
     }
     opt->stochastic = !types.master && types.weights != LG_DTYPE_F32;
     opt->sqrt_v = types.state == LG_DTYPE_F16 && opt->kind == LG_OPTIMIZER_ADAMW;
@@ -3237,20 +3481,38 @@ static int lg_tensor_decays(lg_tensor_kind kind) {
     return kind == LG_TENSOR_EMBEDDING || kind == LG_TENSOR_WEIGHT || kind == LG_TENSOR_RESIDUAL;
 }
 
-/* The updated weight k goes to the master copy and its rounded working copy, or straight to
-   the weights: stochastically rounded when they are half without a master. */
-static void lg_store_weight(const lg_optimizer *opt, lg_buf params, size_t k, lg_real w) {
+/* The updated weight goes to the master copy (at k) and its rounded working copy (at kw), or
+   straight to the weights: stochastically rounded when they are half without a master, with a
+   draw that depends on the element's place in the whole layout (`origin`), so that sharded
+   runs round as one rank does. */
+static void lg_store_weight(const lg_optimizer *opt, lg_buf params, size_t k, size_t kw,
+                            size_t origin, lg_real w) {
     if (opt->master) opt->master[k] = w;
     if (opt->stochastic) {
-        float u = lg_hash_uniform(opt->seed ^ ((uint64_t)opt->t << 40), k);
-        ((uint16_t *)params.data)[k] = lg_round_stochastic((float)w, params.dtype, u);
+        float u = lg_hash_uniform(opt->seed ^ ((uint64_t)opt->t << 40), origin);
+        ((uint16_t *)params.data)[kw] = lg_round_stochastic((float)w, params.dtype, u);
     } else {
-        lg_set(params, k, w);
+        lg_set(params, kw, w);
     }
 }
 
 void lg_optimizer_step(lg_optimizer *opt, lg_model *m, float lr, float grad_multiplier) {
-    lg_optimizer_update(opt, &m->param_table, m->params, m->grads, lr, grad_multiplier);
+    lg_optimizer_update(opt, m->local, m->params, !m->weights_gathered, m->grads, lr,
+                        grad_multiplier);
+}
+
+void lg_copy_to_whole(const lg_tensor_table *table, lg_buf whole, lg_buf local) {
+    for (int i = 0; i < table->n_tensors; i++) {
+        const lg_tensor_info *t = &table->tensors[i];
+        lg_copy(lg_at(whole, t->origin), lg_at(local, t->offset), t->count);
+    }
+}
+
+void lg_copy_from_whole(const lg_tensor_table *table, lg_buf local, lg_buf whole) {
+    for (int i = 0; i < table->n_tensors; i++) {
+        const lg_tensor_info *t = &table->tensors[i];
+        lg_copy(lg_at(local, t->offset), lg_at(whole, t->origin), t->count);
+    }
 }
 
 /* One parameter's update; m and v in and out (v as a plain second moment). */
@@ -3323,7 +3585,7 @@ static void lg_quantize_block(const float *map, uint8_t *codes, float *scale, in
 }
 
 void lg_optimizer_update(lg_optimizer *opt, const lg_tensor_table *table, lg_buf params,
-                         lg_buf grads, float lr, float grad_multiplier) {
+                         int params_whole, lg_buf grads, float lr, float grad_multiplier) {
     opt->t++;
     lg_real bias_corr1 = 1.0f - lg_pow(opt->beta1, (lg_real)opt->t);
     lg_real bias_corr2 = 1.0f - lg_pow(opt->beta2, (lg_real)opt->t);
@@ -3347,8 +3609,9 @@ void lg_optimizer_update(lg_optimizer *opt, const lg_tensor_table *table, lg_buf
             if (m_codes) lg_dequantize_block(opt->signed_map, m_codes, st.m_scales[b], (int)n, m_block);
             if (v_codes) lg_dequantize_block(opt->unsigned_map, v_codes, st.v_scales[b], (int)n, v_block);
             for (long j = 0; j < n; j++) {
-                size_t k = t->offset + (size_t)(first + j);
-                lg_real w = opt->master ? opt->master[k] : lg_get(params, k);
+                size_t k = t->offset + (size_t)(first + j), origin = t->origin + (size_t)(first + j);
+                size_t kw = params_whole ? origin : k;
+                lg_real w = opt->master ? opt->master[k] : lg_get(params, kw);
                 lg_real g = lg_get(grads, k) * grad_multiplier, mk = 0, vk = 0;
                 if (quantized) {
                     mk = m_block[j];
@@ -3366,7 +3629,7 @@ void lg_optimizer_update(lg_optimizer *opt, const lg_tensor_table *table, lg_buf
                     if (st.m.data) lg_set(st.m, first + j, mk);
                     if (st.v.data) lg_set(st.v, first + j, opt->sqrt_v ? lg_sqrt(vk) : vk);
                 }
-                lg_store_weight(opt, params, k, w);
+                lg_store_weight(opt, params, k, kw, origin, w);
             }
             if (m_codes) lg_quantize_block(opt->signed_map, m_codes, &st.m_scales[b], (int)n, m_block);
             if (v_codes) lg_quantize_block(opt->unsigned_map, v_codes, &st.v_scales[b], (int)n, v_block);
@@ -3384,16 +3647,17 @@ void lg_optimizer_hessian_update(lg_optimizer *opt, lg_buf sampled_grads, size_t
     }
 }
 
-float lg_grad_norm(const lg_model *m) {
+double lg_sum_squares(lg_buf x, size_t n) {
     double sum = 0;
-    long n = (long)m->n_params;
     LG_OMP(omp parallel for reduction(+ : sum))
-    for (long k = 0; k < n; k++) {
-        double g = lg_get(m->grads, k);
+    for (long k = 0; k < (long)n; k++) {
+        double g = lg_get(x, (size_t)k);
         sum += g * g;
     }
-    return (float)sqrt(sum);
+    return sum;
 }
+
+float lg_grad_norm(const lg_model *m) { return (float)sqrt(lg_sum_squares(m->grads, m->n_local)); }
 
 float lg_clip_factor(float norm, float max_norm) {
     return max_norm > 0.0f && norm > max_norm ? max_norm / (norm + 1e-6f) : 1.0f;
@@ -3408,7 +3672,7 @@ float lg_learning_rate(const lg_args *a, int step) {
     return a->min_lr + 0.5f * (1.0f + cosf(3.14159265358979f * progress)) * (a->lr - a->min_lr);
 }
 
-/* 9. ranks: one device for now; lg_args_check refuses -d > 1 until sharding lands. --------- */
+/* 9. ranks and collectives ---------------------------------------------------------------- */
 
 int lg_cuda_device_count(void) {
 #ifdef LG_CUDA_DEVICE_COUNT
@@ -3455,6 +3719,40 @@ void lg_rank_free(lg_rank *rank) {
     if (!rank) return;
     for (int pool = 0; pool < LG_N_POOLS; pool++) LG_FREE(rank->arena[pool]);
     memset(rank, 0, sizeof *rank);
+}
+
+void lg_all_reduce_sum(int n, lg_buf *bufs, size_t count) {
+    LG_OMP(omp parallel for)
+    for (long k = 0; k < (long)count; k++) {
+        lg_real sum = 0;
+        for (int m = 0; m < n; m++) sum += lg_get(bufs[m], (size_t)k);
+        for (int m = 0; m < n; m++) lg_set(bufs[m], (size_t)k, sum);
+    }
+}
+
+void lg_reduce_scatter_sum(int n, const lg_buf *whole, lg_buf *piece, size_t piece_count) {
+    for (int i = 0; i < n; i++) {
+        size_t start = (size_t)i * piece_count;
+        LG_OMP(omp parallel for)
+        for (long k = 0; k < (long)piece_count; k++) {
+            lg_real sum = 0;
+            for (int m = 0; m < n; m++) sum += lg_get(whole[m], start + (size_t)k);
+            lg_set(piece[i], (size_t)k, sum);
+        }
+    }
+}
+
+void lg_all_gather(int n, const lg_buf *piece, lg_buf *whole, size_t piece_count) {
+    for (int m = 0; m < n; m++)
+        for (int i = 0; i < n; i++) {
+            lg_buf place = lg_at(whole[m], (size_t)i * piece_count);
+            if (place.data != piece[i].data) lg_copy(place, piece[i], piece_count);
+        }
+}
+
+void lg_broadcast(int n, int root, lg_buf *bufs, size_t count) {
+    for (int m = 0; m < n; m++)
+        if (m != root) lg_copy(bufs[m], bufs[root], count);
 }
 
 /* 10. data ------------------------------------------------------------------------------------ */
@@ -3779,6 +4077,246 @@ int lg_evaluate(lg_model *m, lg_loader *ld, int B, int T, int n_batches, double 
     return rc;
 }
 
+/* A region of rank r's plan as a typed view (data NULL when the plan has none). */
+static lg_buf lg_trainer_view(lg_trainer_rank *tr_r, const char *name, lg_dtype dtype) {
+    lg_buf b = {lg_rank_region(&tr_r->rank, name), dtype};
+    return b;
+}
+
+static void lg_trainer_bind_rank(lg_trainer *tr, lg_trainer_rank *tr_r) {
+    lg_precision_types types = lg_types_of(tr->args.precision);
+    tr_r->inputs = (int *)lg_rank_region(&tr_r->rank, "tokens.inputs");
+    tr_r->targets = (int *)lg_rank_region(&tr_r->rank, "tokens.targets");
+    tr_r->sampled = (int *)lg_rank_region(&tr_r->rank, "tokens.sampled");
+    tr_r->host_grads = lg_trainer_view(tr_r, "gradients.host", types.grads);
+    tr_r->host_weights = lg_trainer_view(tr_r, "weights.host", types.weights);
+    tr_r->gather_ends = lg_trainer_view(tr_r, "gather.ends", types.weights);
+    tr_r->gather_blocks = lg_trainer_view(tr_r, "gather.blocks", types.weights);
+    tr_r->grad_ends = lg_trainer_view(tr_r, "gradients.ends", types.grads);
+    tr_r->grad_blocks = lg_trainer_view(tr_r, "gradients.blocks", types.grads);
+    tr_r->reduce_out = lg_trainer_view(tr_r, "reduce_scatter.out", types.grads);
+}
+
+/* Elements of unit u padded to S pieces: the size of its gathered and gradient buffers. */
+static size_t lg_padded_unit(const lg_shard_layout *sl, int u) {
+    return sl->piece_count[u] * (size_t)sl->n_shards;
+}
+
+/* Where rank r's gathered weights of unit u go: the ends' buffer, or a block slot. */
+static lg_buf lg_unit_weights(const lg_trainer *tr, int r, int u) {
+    const lg_trainer_rank *tr_r = &tr->ranks[r];
+    if (u == 0) return tr_r->gather_ends;
+    return lg_at(tr_r->gather_blocks, (size_t)((u - 1) % tr->block_slots) *
+                                          lg_padded_unit(&tr->plan.shards, 1));
+}
+
+/* Where rank r's gradients of unit u wait for their reduce-scatter. */
+static lg_buf lg_unit_grads(const lg_trainer *tr, int r, int u) {
+    const lg_trainer_rank *tr_r = &tr->ranks[r];
+    if (u == 0) return tr_r->grad_ends;
+    return lg_at(tr_r->grad_blocks, (size_t)((u - 1) % 2) * lg_padded_unit(&tr->plan.shards, 1));
+}
+
+/* Full-shard: all-gathers unit u's weights in every shard group and points the models' views
+   at them. Nothing to do when every rank holds whole weights. */
+static void lg_trainer_gather_unit(lg_trainer *tr, int u) {
+    const lg_sharding *sh = &tr->plan.sharding;
+    const lg_shard_layout *sl = &tr->plan.shards;
+    if (!sh->weights_sharded) return;
+    int S = sh->shard_ranks;
+    lg_buf pieces[LG_MAX_RANKS], wholes[LG_MAX_RANKS];
+    for (int q = 0; q < sh->replicas; q++) {
+        for (int i = 0; i < S; i++) {
+            int r = q * S + i;
+            pieces[i] = lg_at(tr->ranks[r].model.params, sl->piece_offset[u]);
+            wholes[i] = lg_unit_weights(tr, r, u);
+        }
+        lg_all_gather(S, pieces, wholes, sl->piece_count[u]);
+    }
+    for (int r = 0; r < tr->n_ranks; r++)
+        lg_model_point_unit(&tr->ranks[r].model, u, lg_unit_weights(tr, r, u), lg_no_buf());
+}
+
+/* Sharded gradients: points unit u's gradient views at a zeroed buffer of the whole unit. */
+static void lg_trainer_open_unit_grads(lg_trainer *tr, int u) {
+    if (!tr->plan.sharding.grads_sharded) return;
+    for (int r = 0; r < tr->n_ranks; r++) {
+        lg_buf g = lg_unit_grads(tr, r, u);
+        lg_zero(g, lg_padded_unit(&tr->plan.shards, u));
+        lg_model_point_unit(&tr->ranks[r].model, u, lg_no_buf(), g);
+    }
+}
+
+/* Sharded gradients: reduce-scatters unit u's gradients in every shard group and adds each
+   rank's piece to its gradient shard (accumulating over micro-batches). */
+static void lg_trainer_reduce_unit(lg_trainer *tr, int u) {
+    const lg_sharding *sh = &tr->plan.sharding;
+    const lg_shard_layout *sl = &tr->plan.shards;
+    if (!sh->grads_sharded) return;
+    int S = sh->shard_ranks;
+    size_t count = sl->piece_count[u];
+    lg_buf wholes[LG_MAX_RANKS], outs[LG_MAX_RANKS];
+    for (int q = 0; q < sh->replicas; q++) {
+        for (int i = 0; i < S; i++) {
+            wholes[i] = lg_unit_grads(tr, q * S + i, u);
+            outs[i] = tr->ranks[q * S + i].reduce_out;
+        }
+        lg_reduce_scatter_sum(S, wholes, outs, count);
+    }
+    for (int r = 0; r < tr->n_ranks; r++) {
+        lg_buf shard = lg_at(tr->ranks[r].model.grads, sl->piece_offset[u]);
+        lg_add(shard, shard, tr->ranks[r].reduce_out, count);
+    }
+}
+
+/* Replicas (no-shard, hybrid-shard): all-reduce the gradients across them, once a step. */
+static void lg_trainer_sync_replicas(lg_trainer *tr) {
+    const lg_sharding *sh = &tr->plan.sharding;
+    if (sh->replicas == 1) return;
+    lg_buf bufs[LG_MAX_RANKS];
+    for (int i = 0; i < sh->shard_ranks; i++) {
+        for (int q = 0; q < sh->replicas; q++) bufs[q] = tr->ranks[q * sh->shard_ranks + i].model.grads;
+        lg_all_reduce_sum(sh->replicas, bufs, tr->ranks[i].model.n_local);
+    }
+}
+
+/* The norm of the whole gradient: each member of a shard group squares its shard, an
+   all-reduce adds them (replicas hold the same). */
+static float lg_trainer_grad_norm(lg_trainer *tr) {
+    int S = tr->plan.sharding.shard_ranks;
+    lg_real squares[LG_MAX_RANKS];
+    lg_buf bufs[LG_MAX_RANKS];
+    for (int i = 0; i < S; i++) {
+        const lg_model *m = &tr->ranks[i].model;
+        squares[i] = (lg_real)lg_sum_squares(m->grads, m->n_local);
+        bufs[i] = lg_buf_of(&squares[i]);
+    }
+    lg_all_reduce_sum(S, bufs, 1);
+    return (float)sqrt((double)squares[0]);
+}
+
+/* What one rank computes in a micro-step: B samples of T tokens; B = 0: nothing, the rank only
+   takes part in the collectives. */
+typedef struct {
+    const int *inputs;  /* (B, T) */
+    const int *targets; /* (B, T), or NULL: logits only */
+    int B, T;
+} lg_micro_batch;
+
+/* The forward on every rank, unit by unit: gather a unit (full-shard), compute it everywhere.
+   The next block is gathered before the current one computes (the prefetch a GPU overlaps);
+   two block slots hold them. Returns the summed loss of all ranks. */
+static double lg_trainer_forward(lg_trainer *tr, const lg_micro_batch *mb) {
+    int L = tr->plan.cfg.n_layer;
+    double loss = 0;
+    lg_trainer_gather_unit(tr, 0);
+    for (int r = 0; r < tr->n_ranks; r++)
+        if (mb[r].B) lg_model_embed(&tr->ranks[r].model, mb[r].inputs, mb[r].B, mb[r].T);
+    lg_trainer_gather_unit(tr, 1);
+    for (int l = 0; l < L; l++) {
+        if (l + 1 < L) lg_trainer_gather_unit(tr, l + 2);
+        for (int r = 0; r < tr->n_ranks; r++)
+            if (mb[r].B) lg_block_forward(&tr->ranks[r].model, l, mb[r].B, mb[r].T);
+    }
+    for (int r = 0; r < tr->n_ranks; r++)
+        if (mb[r].B)
+            loss += lg_model_head_forward(&tr->ranks[r].model, mb[r].targets, mb[r].B, mb[r].T,
+                                          NULL);
+    return loss;
+}
+
+/* The backward on every rank, unit by unit in reverse: gather the block again (full-shard),
+   compute its gradients into a whole-unit buffer, reduce-scatter them into the shards
+   (sharded gradients) before the next block. The ends' gradients collect from the head and
+   the embedding and go last. */
+static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float loss_scale) {
+    int L = tr->plan.cfg.n_layer;
+    lg_trainer_open_unit_grads(tr, 0);
+    for (int r = 0; r < tr->n_ranks; r++)
+        if (mb[r].B)
+            lg_model_head_backward(&tr->ranks[r].model, mb[r].targets, mb[r].B, mb[r].T,
+                                   loss_scale);
+    lg_trainer_gather_unit(tr, L);
+    for (int l = L - 1; l >= 0; l--) {
+        if (l > 0) lg_trainer_gather_unit(tr, l); /* prefetch block l - 1 */
+        lg_trainer_open_unit_grads(tr, l + 1);
+        for (int r = 0; r < tr->n_ranks; r++)
+            if (mb[r].B) lg_model_block_backward(&tr->ranks[r].model, l, mb[r].B, mb[r].T);
+        lg_trainer_reduce_unit(tr, l + 1);
+    }
+    for (int r = 0; r < tr->n_ranks; r++)
+        if (mb[r].B) lg_model_embed_backward(&tr->ranks[r].model, mb[r].inputs, mb[r].B, mb[r].T);
+    lg_trainer_reduce_unit(tr, 0);
+}
+
+/* Micro-batch i of every rank, from their token buffers. */
+static void lg_trainer_micro_batches(const lg_trainer *tr, int i, const int **labels,
+                                     lg_micro_batch *mb) {
+    int B = tr->args.micro_batch_size, T = tr->ranks[0].model.T;
+    size_t at = (size_t)i * B * T;
+    for (int r = 0; r < tr->n_ranks; r++) {
+        mb[r].inputs = tr->ranks[r].inputs + at;
+        mb[r].targets = labels ? labels[r] + at : NULL;
+        mb[r].B = B;
+        mb[r].T = T;
+    }
+}
+
+/* The same initial weights as one rank: with sharded weights, unit by unit in layout order
+   from one random stream on rank 0, broadcast, each rank keeping its piece. */
+static void lg_trainer_init_weights(lg_trainer *tr) {
+    const lg_sharding *sh = &tr->plan.sharding;
+    const lg_shard_layout *sl = &tr->plan.shards;
+    const lg_model *m0 = &tr->ranks[0].model;
+    if (!sh->weights_sharded) {
+        for (int r = 0; r < tr->n_ranks; r++)
+            lg_model_init_weights(&tr->ranks[r].model, tr->args.seed);
+        return;
+    }
+    lg_rng rng;
+    lg_rng_seed(&rng, tr->args.seed);
+    lg_buf slots[LG_MAX_RANKS];
+    for (int u = 0; u < sl->n_units; u++) {
+        lg_buf unit = lg_unit_weights(tr, 0, u);
+        for (int k = 0; k < m0->param_table.n_tensors; k++) {
+            const lg_tensor_info *t = &m0->param_table.tensors[k];
+            if (t->block + 1 == u)
+                lg_init_tensor(&tr->plan.cfg, t, lg_at(unit, t->offset - sl->unit_offset[u]), &rng);
+        }
+        for (int r = 0; r < tr->n_ranks; r++) slots[r] = lg_unit_weights(tr, r, u);
+        lg_broadcast(tr->n_ranks, 0, slots, sl->unit_offset[u + 1] - sl->unit_offset[u]);
+        for (int r = 0; r < tr->n_ranks; r++) {
+            size_t count = sl->piece_count[u], first = tr->plan.ranks[r].shard_index * count;
+            lg_copy(lg_at(tr->ranks[r].model.params, sl->piece_offset[u]), lg_at(slots[r], first),
+                    count);
+        }
+    }
+}
+
+/* Shard-grad-op: each rank updated its pieces of the whole weights; an all-gather a unit
+   (through the gather buffers, which hold the padding) gives every rank all of them. */
+static void lg_trainer_share_updated_weights(lg_trainer *tr) {
+    const lg_sharding *sh = &tr->plan.sharding;
+    const lg_shard_layout *sl = &tr->plan.shards;
+    if (!sh->grads_sharded || sh->weights_sharded) return;
+    int S = sh->shard_ranks;
+    lg_buf pieces[LG_MAX_RANKS], wholes[LG_MAX_RANKS];
+    for (int u = 0; u < sl->n_units; u++) {
+        size_t count = sl->piece_count[u], unit = sl->unit_offset[u + 1] - sl->unit_offset[u];
+        for (int i = 0; i < S; i++) { /* replicas = 1: rank i is member i */
+            size_t first = (size_t)i * count;
+            size_t live = first >= unit ? 0 : unit - first < count ? unit - first : count;
+            wholes[i] = lg_unit_weights(tr, i, u);
+            pieces[i] = lg_at(wholes[i], first);
+            lg_copy(pieces[i], lg_at(tr->ranks[i].model.params, sl->unit_offset[u] + first), live);
+            lg_zero(lg_at(pieces[i], live), count - live);
+        }
+        lg_all_gather(S, pieces, wholes, count);
+        for (int i = 0; i < S; i++)
+            lg_copy(lg_at(tr->ranks[i].model.params, sl->unit_offset[u]), wholes[i], unit);
+    }
+}
+
 int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args, int T,
                       lg_error *err) {
     memset(tr, 0, sizeof *tr);
@@ -3788,96 +4326,147 @@ int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args,
     lg_plan_spec spec;
     lg_plan_spec_from_args(&spec, args, T);
     if (lg_plan_make(&tr->plan, cfg, &spec, err) != 0) return -1;
-    if (lg_rank_create(&tr->rank, &tr->plan, 0, err) != 0 ||
-        lg_model_bind(&tr->model, cfg, &tr->rank, err) != 0) {
+    tr->n_ranks = tr->plan.n_ranks;
+    tr->block_slots = tr->plan.sharding.weights_sharded ? 2 : 1;
+    tr->ranks = (lg_trainer_rank *)lg_alloc_zeroed(sizeof(lg_trainer_rank) * (size_t)tr->n_ranks);
+    if (!tr->ranks) {
         lg_trainer_free(tr);
-        return -1;
+        return lg_fail(err, "out of host memory");
     }
-    lg_model_init_weights(&tr->model, args->seed);
-    if (lg_optimizer_create(&tr->opt, &tr->model, args, err) != 0) { /* after the init: master */
-        lg_trainer_free(tr);
-        return -1;
+    for (int r = 0; r < tr->n_ranks; r++) {
+        lg_trainer_rank *tr_r = &tr->ranks[r];
+        if (lg_rank_create(&tr_r->rank, &tr->plan, r, err) != 0 ||
+            lg_model_bind(&tr_r->model, cfg, &tr_r->rank, err) != 0) {
+            lg_trainer_free(tr);
+            return -1;
+        }
+        lg_trainer_bind_rank(tr, tr_r);
     }
-    if (args->offload) {
-        lg_precision_types types = lg_types_of(args->precision);
-        tr->host_grads.data = lg_rank_region(&tr->rank, "gradients.host");
-        tr->host_grads.dtype = types.grads;
-        tr->host_weights.data = lg_rank_region(&tr->rank, "weights.host");
-        tr->host_weights.dtype = types.weights;
-        if (tr->host_weights.data) lg_copy(tr->host_weights, tr->model.params, tr->model.n_params);
+    lg_trainer_init_weights(tr);
+    for (int r = 0; r < tr->n_ranks; r++) { /* after the init: the master copies it */
+        lg_trainer_rank *tr_r = &tr->ranks[r];
+        if (lg_optimizer_create(&tr_r->opt, &tr_r->model, args, err) != 0) {
+            lg_trainer_free(tr);
+            return -1;
+        }
+        const lg_model *m = &tr_r->model;
+        if (!tr_r->host_weights.data) continue;
+        if (m->weights_gathered) lg_copy(tr_r->host_weights, m->params, m->n_local);
+        else lg_copy_from_whole(m->local, tr_r->host_weights, m->params);
     }
     tr->scaling = args->precision == LG_PRECISION_16_TRUE || args->precision == LG_PRECISION_16_MIXED;
     tr->loss_scale = tr->scaling ? 65536.0f : 1.0f;
     tr->scale_window = 2000;
-    tr->sampled = (int *)lg_rank_region(&tr->rank, "tokens.sampled");
-    tr->inputs = (int *)lg_rank_region(&tr->rank, "tokens.inputs");
-    tr->targets = (int *)lg_rank_region(&tr->rank, "tokens.targets");
     return 0;
 }
 
-/* --offload: the gradients go to the host, the optimizer updates the host copy of the weights
-   (the master weights in the mixed precisions, which write their rounded working copy straight
-   back), and the updated weights return to the device in its precision. */
-static void lg_offloaded_update(lg_trainer *tr, float lr, float multiplier) {
-    lg_model *m = &tr->model;
-    lg_copy(tr->host_grads, m->grads, m->n_params);
-    lg_buf target = tr->host_weights.data ? tr->host_weights : m->params;
-    lg_optimizer_update(&tr->opt, &m->param_table, target, tr->host_grads, lr, multiplier);
-    if (tr->host_weights.data) lg_copy(m->params, tr->host_weights, m->n_params);
+/* One rank's optimizer step on its shard. --offload: the gradients go to the host, the
+   optimizer updates the host copy of the weights (the master weights in the mixed precisions,
+   which write their rounded working copy straight back), and the updated weights return to
+   the device in its precision. */
+static void lg_trainer_update_rank(lg_trainer_rank *tr_r, float lr, float multiplier) {
+    lg_model *m = &tr_r->model;
+    int whole = !m->weights_gathered;
+    if (!tr_r->host_grads.data) {
+        lg_optimizer_step(&tr_r->opt, m, lr, multiplier);
+        return;
+    }
+    lg_copy(tr_r->host_grads, m->grads, m->n_local);
+    if (!tr_r->host_weights.data) {
+        lg_optimizer_update(&tr_r->opt, m->local, m->params, whole, tr_r->host_grads, lr,
+                            multiplier);
+        return;
+    }
+    lg_optimizer_update(&tr_r->opt, m->local, tr_r->host_weights, 0, tr_r->host_grads, lr,
+                        multiplier);
+    if (whole) lg_copy_to_whole(m->local, m->params, tr_r->host_weights);
+    else lg_copy(m->params, tr_r->host_weights, m->n_local);
 }
 
 /* Sophia's Gauss-Newton-Bartlett estimate: the gradient of the loss on labels drawn from the
-   model's own predictions for this step's inputs, squared into the Hessian estimate. */
+   model's own predictions for this step's inputs, squared into the Hessian estimate. Each
+   label's draw depends on its place in the global batch, as with one rank. */
 static void lg_trainer_hessian_pass(lg_trainer *tr, int step) {
-    lg_model *m = &tr->model;
-    int B = m->B, T = m->T, V = m->cfg.vocab_size, Vp = m->cfg.padded_vocab_size;
-    size_t micro_tokens = (size_t)B * T, tokens = micro_tokens * tr->accumulation;
-    lg_model_zero_grad(m);
-    for (int i = 0; i < tr->accumulation; i++) {
-        int *in = tr->inputs + i * micro_tokens, *labels = tr->sampled + i * micro_tokens;
-        lg_model_forward(m, in, NULL, B, T, NULL);
-        for (size_t n = 0; n < micro_tokens; n++)
-            labels[n] = lg_draw_token(lg_at(m->a.logits, n * Vp), V, 1.0f,
-                                      lg_hash_uniform(tr->args.seed ^ ((uint64_t)step << 32),
-                                                      i * micro_tokens + n));
-        lg_model_backward(m, in, labels, B, T, tr->loss_scale / tokens);
+    const lg_config *c = &tr->plan.cfg;
+    int B = tr->args.micro_batch_size, T = tr->ranks[0].model.T, Vp = c->padded_vocab_size;
+    size_t micro_tokens = (size_t)B * T;
+    size_t tokens = micro_tokens * tr->accumulation * tr->n_ranks;
+    const int *labels[LG_MAX_RANKS];
+    lg_micro_batch mb[LG_MAX_RANKS];
+    for (int r = 0; r < tr->n_ranks; r++) {
+        lg_model_zero_grad(&tr->ranks[r].model);
+        labels[r] = tr->ranks[r].sampled;
     }
-    if (isfinite(lg_grad_norm(m))) /* an fp16 overflow leaves the estimate as it was */
-        lg_optimizer_hessian_update(&tr->opt, m->grads, m->n_params, (double)tokens,
+    for (int i = 0; i < tr->accumulation; i++) {
+        lg_trainer_micro_batches(tr, i, NULL, mb);
+        lg_trainer_forward(tr, mb);
+        for (int r = 0; r < tr->n_ranks; r++) {
+            int *drawn = tr->ranks[r].sampled + i * micro_tokens;
+            size_t first = ((size_t)i * tr->n_ranks + r) * micro_tokens;
+            for (size_t n = 0; n < micro_tokens; n++)
+                drawn[n] = lg_draw_token(lg_at(tr->ranks[r].model.a.logits, n * Vp), c->vocab_size,
+                                         1.0f, lg_hash_uniform(tr->args.seed ^ ((uint64_t)step << 32),
+                                                               first + n));
+        }
+        lg_trainer_micro_batches(tr, i, labels, mb);
+        lg_trainer_backward(tr, mb, tr->loss_scale / tokens);
+    }
+    lg_trainer_sync_replicas(tr);
+    if (!isfinite(lg_trainer_grad_norm(tr))) return; /* an fp16 overflow: keep the estimate */
+    for (int r = 0; r < tr->n_ranks; r++) {
+        lg_model *m = &tr->ranks[r].model;
+        lg_optimizer_hessian_update(&tr->ranks[r].opt, m->grads, m->n_local, (double)tokens,
                                     1.0f / tr->loss_scale);
+    }
+}
+
+/* Reads the step's micro-batches: micro-batch i of rank r is the (i ranks + r)-th. Returns the
+   count of non-ignored targets, or -1. */
+static long lg_trainer_read_step(lg_trainer *tr, lg_loader *train, lg_error *err) {
+    int B = tr->args.micro_batch_size, T = train->T;
+    size_t micro_tokens = (size_t)B * T;
+    long n_targets = 0;
+    for (int i = 0; i < tr->accumulation; i++)
+        for (int r = 0; r < tr->n_ranks; r++) {
+            int *tg = tr->ranks[r].targets + i * micro_tokens;
+            if (lg_loader_next(train, B, tr->ranks[r].inputs + i * micro_tokens, tg, err) != 0)
+                return -1;
+            for (size_t k = 0; k < micro_tokens; k++) n_targets += tg[k] != LG_IGNORE_INDEX;
+        }
+    return n_targets;
 }
 
 int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *stats,
                     lg_error *err) {
-    lg_model *m = &tr->model;
-    int B = tr->args.micro_batch_size, T = train->T;
-    size_t micro_tokens = (size_t)B * T;
+    int T = train->T;
     double start = lg_time_ms();
-    if (T != m->T)
+    if (T != tr->ranks[0].model.T)
         return lg_fail(err, "data %s: windows of %d tokens, but the trainer was made for %d",
-                       train->path, T, m->T);
+                       train->path, T, tr->ranks[0].model.T);
     /* every micro-batch first: the loss is the mean over all targets of the step */
-    long n_targets = 0;
-    for (int i = 0; i < tr->accumulation; i++) {
-        int *tg = tr->targets + i * micro_tokens;
-        if (lg_loader_next(train, B, tr->inputs + i * micro_tokens, tg, err) != 0) return -1;
-        for (size_t k = 0; k < micro_tokens; k++) n_targets += tg[k] != LG_IGNORE_INDEX;
-    }
-    stats->hessian = tr->sampled && step % tr->args.hessian_interval == 0;
+    long n_targets = lg_trainer_read_step(tr, train, err);
+    if (n_targets < 0) return -1;
+    stats->hessian = tr->ranks[0].sampled && step % tr->args.hessian_interval == 0;
     if (stats->hessian) lg_trainer_hessian_pass(tr, step);
-    lg_model_zero_grad(m);
+    const int *targets[LG_MAX_RANKS];
+    lg_micro_batch mb[LG_MAX_RANKS];
+    for (int r = 0; r < tr->n_ranks; r++) {
+        lg_model_zero_grad(&tr->ranks[r].model);
+        targets[r] = tr->ranks[r].targets;
+    }
     double loss_sum = 0;
     for (int i = 0; i < tr->accumulation && n_targets > 0; i++) {
-        int *in = tr->inputs + i * micro_tokens, *tg = tr->targets + i * micro_tokens;
-        loss_sum += lg_model_forward(m, in, tg, B, T, NULL);
-        lg_model_backward(m, in, tg, B, T, tr->loss_scale / n_targets);
+        lg_trainer_micro_batches(tr, i, targets, mb);
+        loss_sum += lg_trainer_forward(tr, mb);
+        lg_trainer_backward(tr, mb, tr->loss_scale / n_targets);
     }
+    lg_trainer_sync_replicas(tr);
     stats->loss = n_targets ? loss_sum / n_targets : 0;
     stats->loss_scale = tr->loss_scale;
     stats->skipped = 0;
     stats->n_targets = n_targets;
     stats->lr = lg_learning_rate(&tr->args, step);
-    float norm = lg_grad_norm(m) / tr->loss_scale;
+    float norm = lg_trainer_grad_norm(tr) / tr->loss_scale;
     stats->grad_norm = norm;
     if (!isfinite(norm) && tr->scaling) { /* overflow: skip, halve, try again next step */
         stats->skipped = 1;
@@ -3890,24 +4479,87 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
         stats->skipped = 1; /* every target ignored: nothing to learn, no decay, no step */
     } else {
         float multiplier = lg_clip_factor(norm, tr->args.max_norm) / tr->loss_scale;
-        if (tr->host_grads.data) lg_offloaded_update(tr, stats->lr, multiplier);
-        else lg_optimizer_step(&tr->opt, m, stats->lr, multiplier);
+        for (int r = 0; r < tr->n_ranks; r++) lg_trainer_update_rank(&tr->ranks[r], stats->lr, multiplier);
+        lg_trainer_share_updated_weights(tr);
         if (tr->scaling && ++tr->clean_steps == tr->scale_window) {
             tr->loss_scale *= 2.0f;
             tr->clean_steps = 0;
         }
     }
     stats->ms = lg_time_ms() - start; /* with Sophia's extra pass when it ran */
-    stats->tokens_per_s = micro_tokens * tr->accumulation / (stats->ms / 1e3);
+    stats->tokens_per_s = (double)T * tr->args.micro_batch_size * tr->accumulation * tr->n_ranks /
+                          (stats->ms / 1e3);
     return 0;
 }
 
+int lg_trainer_evaluate(lg_trainer *tr, lg_loader *ld, int n_batches, double *mean_loss,
+                        lg_error *err) {
+    int B = tr->args.micro_batch_size, T = tr->ranks[0].model.T;
+    *mean_loss = 0;
+    if (ld->T != T)
+        return lg_fail(err, "evaluation of %s: windows of %d tokens, but the trainer was made for "
+                            "%d", ld->path, ld->T, T);
+    lg_loader_rewind(ld);
+    lg_micro_batch mb[LG_MAX_RANKS];
+    double sum = 0;
+    long count = 0;
+    for (int first = 0; first < n_batches; first += tr->n_ranks) {
+        for (int r = 0; r < tr->n_ranks; r++) {
+            lg_trainer_rank *tr_r = &tr->ranks[r];
+            mb[r].inputs = tr_r->inputs;
+            mb[r].targets = tr_r->targets;
+            mb[r].T = T;
+            mb[r].B = first + r < n_batches ? B : 0;
+            if (mb[r].B && lg_loader_next(ld, B, tr_r->inputs, tr_r->targets, err) != 0) return -1;
+            for (size_t k = 0; k < (size_t)mb[r].B * T; k++) count += tr_r->targets[k] != LG_IGNORE_INDEX;
+        }
+        sum += lg_trainer_forward(tr, mb);
+    }
+    *mean_loss = count ? sum / count : 0;
+    return 0;
+}
+
+void lg_trainer_generate(lg_trainer *tr, int *tokens, int n_prompt, int n_new,
+                         float temperature, lg_rng *rng) {
+    const lg_model *m = &tr->ranks[0].model;
+    int Vp = m->cfg.padded_vocab_size;
+    lg_micro_batch mb[LG_MAX_RANKS];
+    memset(mb, 0, sizeof mb);
+    if (n_prompt < 1) return; /* nothing to continue from */
+    for (int i = 0; i < n_new; i++) {
+        int n = n_prompt + i, start = n > m->T ? n - m->T : 0;
+        mb[0].inputs = tokens + start;
+        mb[0].B = 1;
+        mb[0].T = n - start;
+        lg_trainer_forward(tr, mb);
+        tokens[n] = lg_sample_token(lg_at(m->a.logits, (size_t)(mb[0].T - 1) * Vp),
+                                    m->cfg.vocab_size, temperature, rng);
+    }
+}
+
+void lg_trainer_weights(lg_trainer *tr, lg_buf whole) {
+    const lg_shard_layout *sl = &tr->plan.shards;
+    const lg_model *m0 = &tr->ranks[0].model;
+    if (!m0->weights_gathered) {
+        lg_copy(whole, m0->params, m0->n_params);
+        return;
+    }
+    for (int u = 0; u < sl->n_units; u++) {
+        lg_trainer_gather_unit(tr, u);
+        lg_copy(lg_at(whole, sl->unit_offset[u]), lg_unit_weights(tr, 0, u),
+                sl->unit_offset[u + 1] - sl->unit_offset[u]);
+    }
+}
+
 void lg_trainer_free(lg_trainer *tr) {
-    lg_optimizer_free(&tr->opt);
-    lg_model_free(&tr->model);
-    lg_rank_free(&tr->rank);
+    for (int r = 0; tr->ranks && r < tr->n_ranks; r++) {
+        lg_optimizer_free(&tr->ranks[r].opt);
+        lg_model_free(&tr->ranks[r].model);
+        lg_rank_free(&tr->ranks[r].rank);
+    }
+    LG_FREE(tr->ranks);
+    tr->ranks = NULL;
     lg_plan_free(&tr->plan);
-    tr->inputs = tr->targets = NULL;
 }
 
 #endif /* LITGPT_IMPLEMENTATION */

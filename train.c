@@ -23,10 +23,15 @@ static const char usage[] =
     "  -b, --micro-batch-size N   samples per forward/backward (default 16); auto: the\n"
     "                             largest that fits and divides the per-device batch (-g)\n"
     "  -g, --global-batch-size N  samples per optimizer step (default: = -b); accumulation\n"
-    "                             steps = global / devices / micro-batch\n"
+    "                             steps = global / (devices x nodes) / micro-batch\n"
     "  -t, --max-seq-length N     tokens per sample (default: the model's block_size)\n"
     "  -p, --precision P          bf16-mixed (default), 16-mixed, bf16-true, 16-true, 32-true\n"
-    "  -d, --devices N            1 (more: --plan only, for now)\n"
+    "  -d, --devices N            devices a node (1); on the CPU backend, simulated ranks\n"
+    "      --nodes N              nodes (1); ranks = devices x nodes\n"
+    "      --strategy S           with more than one rank: full-shard (default; weights,\n"
+    "                             gradients and optimizer state split), shard-grad-op\n"
+    "                             (gradients and state), no-shard (DDP) or hybrid-shard\n"
+    "                             (full-shard in a node, replicas across nodes)\n"
     "      --recompute MODE       none (default) or block: keep each block's input only and\n"
     "                             recompute the block in the backward (same results)\n"
     "      --offload              master weights and optimizer state in host memory; the\n"
@@ -92,7 +97,7 @@ enum { OPT_DATA = 256, OPT_VAL_DATA, OPT_LR, OPT_MIN_LR, OPT_WARMUP, OPT_WEIGHT_
        OPT_BETA2, OPT_MOMENTUM, OPT_MAX_NORM, OPT_MAX_STEPS, OPT_EVAL_EVERY, OPT_EVAL_ITERS,
        OPT_SAMPLE_EVERY, OPT_SAMPLE_TOKENS, OPT_TEMPERATURE, OPT_PROMPT, OPT_SEED, OPT_LOG,
        OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_OPTIMIZER_STATE,
-       OPT_HESSIAN_INTERVAL, OPT_RHO };
+       OPT_HESSIAN_INTERVAL, OPT_RHO, OPT_STRATEGY, OPT_NODES };
 
 static const struct option long_options[] = {
     {"config", required_argument, 0, 'c'},
@@ -103,6 +108,8 @@ static const struct option long_options[] = {
     {"max-seq-length", required_argument, 0, 't'},
     {"precision", required_argument, 0, 'p'},
     {"devices", required_argument, 0, 'd'},
+    {"nodes", required_argument, 0, OPT_NODES},
+    {"strategy", required_argument, 0, OPT_STRATEGY},
     {"optimizer", required_argument, 0, 'o'},
     {"lr", required_argument, 0, OPT_LR},
     {"min-lr", required_argument, 0, OPT_MIN_LR},
@@ -169,6 +176,12 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
                           "bf16-mixed", f, optarg);
             break;
         case 'd': a->devices = parse_int(f, optarg); break;
+        case OPT_NODES: a->nodes = parse_int(f, optarg); break;
+        case OPT_STRATEGY:
+            if (lg_strategy_parse(optarg, &a->strategy) != 0)
+                die_usage("%s: '%s' is not no-shard, shard-grad-op, full-shard or hybrid-shard",
+                          f, optarg);
+            break;
         case 'o':
             if (strcmp(optarg, "adamw") == 0) a->optimizer = LG_OPTIMIZER_ADAMW;
             else if (strcmp(optarg, "sgd") == 0) a->optimizer = LG_OPTIMIZER_SGD;
@@ -244,6 +257,7 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
     if (a->val_data && !a->data)
         die_usage("--val-data needs --data (the built-in task brings its own validation set)");
     if (a->devices < 1) die_usage("-d/--devices must be at least 1");
+    if (a->nodes < 1) die_usage("--nodes must be at least 1");
 }
 
 static void die(int code, const lg_error *err) {
@@ -333,10 +347,9 @@ static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, co
     int n = lg_plan_remedies(cfg, a, T, limit, remedies);
     printf("remedies, in the order of the OOM guide (each alone):\n");
     for (int i = 0; i < n; i++)
-        printf("  %-29s %-24s %11s  %s%s\n", remedies[i].what, remedies[i].flags,
+        printf("  %-29s %-24s %11s  %s\n", remedies[i].what, remedies[i].flags,
                lg_format_bytes(remedies[i].device_bytes, size, sizeof size),
-               remedies[i].fits ? "fits" : "does not fit",
-               remedies[i].runnable ? "" : " (planned only: not in this version yet)");
+               remedies[i].fits ? "fits" : "does not fit");
     lg_remedy best;
     if (lg_plan_cheapest_fit(cfg, a, T, limit, &best) == 0) {
         printf("cheapest change that fits (%s):\n",
@@ -376,7 +389,7 @@ static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T) {
     }
     a->micro_batch_size = b;
     printf("-b auto: micro-batch %d (the largest dividing %d per device that fits in %s, %s)\n",
-           b, a->global_batch_size / a->devices, lg_format_bytes(limit, size, sizeof size), source);
+           b, a->global_batch_size / lg_args_ranks(a), lg_format_bytes(limit, size, sizeof size), source);
 }
 
 /* The table, then the activation memory of both --recompute choices. */
@@ -508,12 +521,13 @@ static int prompt_tokens(const char *prompt, int builtin, int vocab_size, int *t
 
 /* Generates from one prompt and prints it: characters for the built-in task (with the answer
    it should give), token ids otherwise. */
-static void print_sample(lg_model *m, const lg_args *a, const run_data *d, const char *prompt,
+static void print_sample(lg_trainer *tr, const lg_args *a, const run_data *d, const char *prompt,
                          lg_rng *rng) {
+    const lg_model *m = &tr->ranks[0].model;
     int *tokens = (int *)malloc(sizeof(int) * ((size_t)m->T + (size_t)a->sample_tokens));
     if (!tokens) { fputs("train: out of host memory for the sample\n", stderr); exit(1); }
     int n = prompt_tokens(prompt, d->builtin, m->cfg.vocab_size, tokens, m->T);
-    lg_model_generate(m, tokens, n, a->sample_tokens, a->temperature, rng);
+    lg_trainer_generate(tr, tokens, n, a->sample_tokens, a->temperature, rng);
     printf("sample: ");
     for (int i = 0; i < n + a->sample_tokens; i++) {
         if (!d->builtin) { printf("%d ", tokens[i]); continue; }
@@ -538,21 +552,35 @@ static void print_sample(lg_model *m, const lg_args *a, const run_data *d, const
 }
 
 /* --prompt, or for the built-in task a few words, or token 0 for a shard run. */
-static void print_samples(lg_model *m, const lg_args *a, const run_data *d, lg_rng *rng) {
+static void print_samples(lg_trainer *tr, const lg_args *a, const run_data *d, lg_rng *rng) {
     static const char *const words[] = {"litgpt=", "memory=", "zebra="};
-    if (a->prompt) print_sample(m, a, d, a->prompt, rng);
-    else if (!d->builtin) print_sample(m, a, d, "0", rng);
+    if (a->prompt) print_sample(tr, a, d, a->prompt, rng);
+    else if (!d->builtin) print_sample(tr, a, d, "0", rng);
     else
-        for (int i = 0; i < 3; i++) print_sample(m, a, d, words[i], rng);
+        for (int i = 0; i < 3; i++) print_sample(tr, a, d, words[i], rng);
 }
 
-static void evaluate(lg_model *m, run_data *d, const lg_args *a, int step, FILE *log) {
+static void evaluate(lg_trainer *tr, run_data *d, const lg_args *a, int step, FILE *log) {
     if (!d->has_val) return;
     double loss = 0;
     lg_error err;
-    if (lg_evaluate(m, &d->val, m->B, m->T, a->eval_iters, &loss, &err) != 0) die(2, &err);
+    if (lg_trainer_evaluate(tr, &d->val, a->eval_iters, &loss, &err) != 0) die(2, &err);
     printf("step %5d | val loss %.4f\n", step, loss);
     if (log) { fprintf(log, "{\"step\":%d,\"val_loss\":%.6f}\n", step, loss); fflush(log); }
+}
+
+/* --out: the weights of rank 0, gathered from the shards when they are split. */
+static void save_weights(lg_trainer *tr, const lg_config *cfg, const char *dir) {
+    lg_error err;
+    if (!tr->ranks[0].model.weights_gathered) {
+        if (lg_save_safetensors(&tr->ranks[0].model, dir, &err) != 0) die(1, &err);
+        return;
+    }
+    lg_model whole; /* weights only: the smallest activations */
+    if (lg_model_create(&whole, cfg, 1, 1, &err) != 0) die(1, &err);
+    lg_trainer_weights(tr, whole.params);
+    if (lg_save_safetensors(&whole, dir, &err) != 0) die(1, &err);
+    lg_model_free(&whole);
 }
 
 int main(int argc, char **argv) {
@@ -589,7 +617,7 @@ int main(int argc, char **argv) {
         die_usage("--out %s: cannot create the directory: %s", a.out_dir, strerror(errno));
     lg_trainer tr;
     if (lg_trainer_create(&tr, &cfg, &a, T, &err) != 0) die(1, &err);
-    lg_model *model = &tr.model;
+    const lg_model *model = &tr.ranks[0].model;
     int threads = 1;
 #ifdef _OPENMP
     threads = omp_get_max_threads();
@@ -599,9 +627,13 @@ int main(int argc, char **argv) {
     if (lg_cuda_device_count() > 0)
         printf("note: %d GPU(s) visible, but the CUDA kernels are not in this version yet: "
                "running on the CPU\n", lg_cuda_device_count());
-    printf("batch: -b %d x %d accumulation = %d samples of %d tokens a step | CPU, %d threads | "
-           "%s\n", B, accumulation, B * accumulation, T, threads,
-           lg_optimizer_name(a.optimizer));
+    printf("batch: -b %d x %d accumulation x %d rank%s = %d samples of %d tokens a step | CPU, "
+           "%d threads | %s\n", B, accumulation, tr.n_ranks, tr.n_ranks > 1 ? "s" : "",
+           B * accumulation * tr.n_ranks, T, threads, lg_optimizer_name(a.optimizer));
+    if (tr.n_ranks > 1)
+        printf("ranks: %d device%s x %d node%s, %s; on the CPU backend simulated in this process\n",
+               a.devices, a.devices > 1 ? "s" : "", a.nodes, a.nodes > 1 ? "s" : "",
+               lg_strategy_name(a.strategy));
     if (a.optimizer == LG_OPTIMIZER_LION)
         printf("lion: wants a learning rate 3-10x smaller and a weight decay 3-10x larger than "
                "AdamW (here --lr %g, --weight-decay %g, betas %g %g)\n", a.lr, a.weight_decay,
@@ -615,7 +647,7 @@ int main(int argc, char **argv) {
 
     lg_rng sample_rng;
     lg_rng_seed(&sample_rng, a.seed + 1);
-    evaluate(model, &data, &a, 0, log);
+    evaluate(&tr, &data, &a, 0, log);
     for (int step = 0; step < a.max_steps; step++) {
         lg_step_stats st;
         if (lg_trainer_step(&tr, &data.train, step, &st, &err) != 0) die(1, &err);
@@ -638,13 +670,13 @@ int main(int argc, char **argv) {
         }
         int last = step + 1 == a.max_steps;
         if (last || (a.eval_every && (step + 1) % a.eval_every == 0))
-            evaluate(model, &data, &a, step + 1, log);
+            evaluate(&tr, &data, &a, step + 1, log);
         if (!last && a.sample_every && (step + 1) % a.sample_every == 0)
-            print_samples(model, &a, &data, &sample_rng);
+            print_samples(&tr, &a, &data, &sample_rng);
     }
-    print_samples(model, &a, &data, &sample_rng);
+    print_samples(&tr, &a, &data, &sample_rng);
     if (a.out_dir) {
-        if (lg_save_safetensors(model, a.out_dir, &err) != 0) die(1, &err);
+        save_weights(&tr, &cfg, a.out_dir);
         printf("saved %s/model.safetensors\n", a.out_dir);
     }
     if (log) fclose(log);

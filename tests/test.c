@@ -892,7 +892,7 @@ static void test_optimizer_state_bytes(results *r) {
         size_t planned = lg_plan_group_bytes(&tr.plan.ranks[0], LG_GROUP_OPTIMIZER, LG_POOL_DEVICE);
         int arena_ok = 0;
         for (int i = 0; i < test_allocations.n; i++)
-            arena_ok |= test_allocations.blocks[i] == tr.rank.arena[LG_POOL_DEVICE] &&
+            arena_ok |= test_allocations.blocks[i] == tr.ranks[0].rank.arena[LG_POOL_DEVICE] &&
                         test_allocations.sizes[i] == tr.plan.ranks[0].pool_bytes[LG_POOL_DEVICE] + LG_ALIGN;
         check(r, planned == cases[k].bytes && arena_ok, "%-13s optimizer state %6zu bytes for %zu "
               "parameters (%zu in tensors of %d+ elements), allocated in the plan's arena",
@@ -929,9 +929,9 @@ static int train_builtin(const lg_config *cfg, const lg_args *a, int T, int step
     builtin_loader(&ld, cfg, T, 1, 20000, a->seed);
     int rc = run_steps(&tr, &ld, steps, losses);
     if (rc == 0 && final_params) {
-        *n_params = tr.model.n_params;
+        *n_params = tr.ranks[0].model.n_params;
         *final_params = new_reals(*n_params);
-        lg_copy(lg_buf_of(*final_params), tr.model.params, *n_params);
+        lg_copy(lg_buf_of(*final_params), tr.ranks[0].model.params, *n_params);
     }
     lg_loader_close(&ld);
     lg_trainer_free(&tr);
@@ -1053,7 +1053,8 @@ static void test_cli(results *r) {
     expect_cli(r, "--lr fast", 2, "--lr: 'fast' is not a number");
     expect_cli(r, "-p 16-true --max-steps 1 --eval-iters 1", 0, "16-true");
     expect_cli(r, "-p fp8", 2, "'fp8' is not one of");
-    expect_cli(r, "-d 4", 2, "-d/--devices 4: not yet supported");
+    expect_cli(r, "--strategy zero3", 2, "--strategy: 'zero3' is not no-shard");
+    expect_cli(r, "--nodes 0", 2, "--nodes must be at least 1");
     expect_cli(r, "-b 3 -g 8", 2, "-g/--global-batch-size 8 is not a multiple of -b/--micro-batch-size 3");
     expect_cli(r, "-t 100", 2, "-t/--max-seq-length 100 exceeds the model's block_size 64");
     expect_cli(r, "-c no-such-model", 2, "no configs/no-such-model.yaml");
@@ -1179,7 +1180,7 @@ static void test_stochastic_rounding_learns(results *r) {
         lg_error err;
         lg_trainer tr;
         lg_trainer_create(&tr, &cfg, &a, 16, &err);
-        tr.opt.stochastic = stochastic;
+        tr.ranks[0].opt.stochastic = stochastic;
         size_t n = 0;
         uint32_t *tokens = lg_builtin_task_tokens(1, 17, &n);
         lg_loader ld;
@@ -1252,7 +1253,7 @@ static void test_precision_memory(results *r) {
         lg_error err;
         lg_trainer tr;
         if (lg_trainer_create(&tr, &cfg, &a, 8, &err) != 0) { check(r, 0, "%s", err.msg); continue; }
-        size_t n = tr.model.n_params;
+        size_t n = tr.ranks[0].model.n_params;
         const lg_rank_plan *p = &tr.plan.ranks[0];
         const lg_region *master = lg_plan_find(p, "master_weights");
         size_t align = LG_ALIGN - 1;
@@ -1260,10 +1261,10 @@ static void test_precision_memory(results *r) {
         int ok = LG_TEST_BYTES("weights", table[k].w) && LG_TEST_BYTES("gradients", table[k].g) &&
                  LG_TEST_BYTES("optimizer.m", table[k].state) && LG_TEST_BYTES("optimizer.v", table[k].state) &&
                  (table[k].master ? master && master->bytes == (n * 4 + align) / LG_ALIGN * LG_ALIGN : !master) &&
-                 lg_dtype_size(tr.model.params.dtype) == table[k].w &&
-                 lg_dtype_size(tr.model.grads.dtype) == table[k].g &&
-                 lg_dtype_size(tr.opt.m.dtype) == table[k].state &&
-                 tr.model.a.h[0].qkv.dtype == table[k].acts && (tr.opt.master != NULL) == (table[k].master > 0);
+                 lg_dtype_size(tr.ranks[0].model.params.dtype) == table[k].w &&
+                 lg_dtype_size(tr.ranks[0].model.grads.dtype) == table[k].g &&
+                 lg_dtype_size(tr.ranks[0].opt.m.dtype) == table[k].state &&
+                 tr.ranks[0].model.a.h[0].qkv.dtype == table[k].acts && (tr.ranks[0].opt.master != NULL) == (table[k].master > 0);
 #undef LG_TEST_BYTES
         check(r, ok, "%-10s allocates %zu bytes a parameter (weights %zu, master %zu, grads %zu, "
               "AdamW state 2 x %zu), activations %s", lg_precision_name(table[k].p),
@@ -1293,13 +1294,13 @@ static void test_loss_scaler(results *r) {
     int ok = lg_trainer_step(&tr, &ld, 0, &st, &err) == 0 && !st.skipped && st.loss_scale == 65536.0f;
     /* force an overflow: a scale that takes fp16 activation gradients past 65504 */
     tr.loss_scale = 1073741824.0f; /* 2^30 */
-    lg_real *before = new_reals(tr.model.n_params);
-    lg_copy(lg_buf_of(before), tr.model.params, tr.model.n_params);
+    lg_real *before = new_reals(tr.ranks[0].model.n_params);
+    lg_copy(lg_buf_of(before), tr.ranks[0].model.params, tr.ranks[0].model.n_params);
     ok = ok && lg_trainer_step(&tr, &ld, 1, &st, &err) == 0 && st.skipped &&
          tr.loss_scale == 536870912.0f;
-    lg_real *after = new_reals(tr.model.n_params);
-    lg_copy(lg_buf_of(after), tr.model.params, tr.model.n_params);
-    int unchanged = memcmp(before, after, tr.model.n_params * sizeof(lg_real)) == 0;
+    lg_real *after = new_reals(tr.ranks[0].model.n_params);
+    lg_copy(lg_buf_of(after), tr.ranks[0].model.params, tr.ranks[0].model.n_params);
+    int unchanged = memcmp(before, after, tr.ranks[0].model.n_params * sizeof(lg_real)) == 0;
     /* back to a sane scale: the next steps are clean, and the window doubles it */
     tr.loss_scale = 1024.0f;
     tr.scale_window = 3;
@@ -1346,8 +1347,8 @@ static void test_recompute_offload_bitwise(results *r) {
                 else a.offload = 1;
                 rc |= train_steps(&other, &cfg, &a, 12, 5, other_losses);
                 int same = rc == 0 && memcmp(plain_losses, other_losses, sizeof plain_losses) == 0 &&
-                           same_bits(plain.model.grads, other.model.grads, plain.model.n_params) &&
-                           same_bits(plain.model.params, other.model.params, plain.model.n_params);
+                           same_bits(plain.ranks[0].model.grads, other.ranks[0].model.grads, plain.ranks[0].model.n_params) &&
+                           same_bits(plain.ranks[0].model.params, other.ranks[0].model.params, plain.ranks[0].model.n_params);
                 if (!same) printf("    differs: %s %s\n", names[i], lg_precision_name(modes[k]));
                 ok = ok && same;
                 runs++;
@@ -1387,17 +1388,17 @@ static void test_recompute_offload_memory(results *r) {
         host[v] = p->pool_bytes[LG_POOL_HOST];
         for (int i = 0; i < test_allocations.n; i++)
             for (int pool = 0; pool < LG_N_POOLS; pool++)
-                if (test_allocations.blocks[i] == tr.rank.arena[pool])
+                if (test_allocations.blocks[i] == tr.ranks[0].rank.arena[pool])
                     ok = ok && test_allocations.sizes[i] == p->pool_bytes[pool] + LG_ALIGN;
         if (v == 1) /* each block keeps only its output; the rest is one shared block */
             for (int l = 0; l < cfg.n_layer; l++) {
                 char name[64];
                 snprintf(name, sizeof name, "activations.h.%d", l);
-                ok = ok && tr.model.a.residual[l + 1].data == lg_rank_region(&tr.rank, name) &&
-                     tr.model.a.h[l].n1.data == lg_rank_region(&tr.rank, "recompute.block");
+                ok = ok && tr.ranks[0].model.a.residual[l + 1].data == lg_rank_region(&tr.ranks[0].rank, name) &&
+                     tr.ranks[0].model.a.h[l].n1.data == lg_rank_region(&tr.ranks[0].rank, "recompute.block");
             }
         if (v == 2)
-            ok = ok && tr.host_grads.data == lg_rank_region(&tr.rank, "gradients.host") &&
+            ok = ok && tr.ranks[0].host_grads.data == lg_rank_region(&tr.ranks[0].rank, "gradients.host") &&
                  lg_plan_find(p, "optimizer.m")->pool == LG_POOL_HOST &&
                  lg_plan_find(p, "master_weights")->pool == LG_POOL_HOST;
         lg_trainer_free(&tr);
@@ -1450,8 +1451,8 @@ static void check_allocations_match_plan(results *r, const char *config_name, in
     size_t other = 0;
     for (int i = 0; i < test_allocations.n; i++) {
         size_t bytes = test_allocations.sizes[i];
-        int pool = test_allocations.blocks[i] == tr.rank.arena[LG_POOL_DEVICE] ? LG_POOL_DEVICE
-                   : test_allocations.blocks[i] == tr.rank.arena[LG_POOL_HOST] ? LG_POOL_HOST
+        int pool = test_allocations.blocks[i] == tr.ranks[0].rank.arena[LG_POOL_DEVICE] ? LG_POOL_DEVICE
+                   : test_allocations.blocks[i] == tr.ranks[0].rank.arena[LG_POOL_HOST] ? LG_POOL_HOST
                                                                               : -1;
         if (pool >= 0) arenas_found += bytes == plan->pool_bytes[pool] + LG_ALIGN;
         else other += bytes;
@@ -1461,31 +1462,31 @@ static void check_allocations_match_plan(results *r, const char *config_name, in
     ok = arenas_found == 2 && other <= tables_bound;
 
     /* the regions the trainer uses start where the plan puts them */
-    const lg_rank *rank = &tr.rank;
-    ok = ok && tr.model.params.data == lg_rank_region(rank, "weights") &&
-         tr.model.grads.data == lg_rank_region(rank, "gradients") &&
-         (void *)tr.inputs == lg_rank_region(rank, "tokens.inputs") &&
-         (void *)tr.model.workspace.base == lg_rank_region(rank, "gemm.workspace") &&
-         tr.model.a.residual[0].data == lg_rank_region(rank, "activations.embedding") &&
-         tr.model.a.d_res_a.data == lg_rank_region(rank, "backward") &&
-         tr.model.a.ln_f.data == lg_rank_region(rank, "head");
+    const lg_rank *rank = &tr.ranks[0].rank;
+    ok = ok && tr.ranks[0].model.params.data == lg_rank_region(rank, "weights") &&
+         tr.ranks[0].model.grads.data == lg_rank_region(rank, "gradients") &&
+         (void *)tr.ranks[0].inputs == lg_rank_region(rank, "tokens.inputs") &&
+         (void *)tr.ranks[0].model.workspace.base == lg_rank_region(rank, "gemm.workspace") &&
+         tr.ranks[0].model.a.residual[0].data == lg_rank_region(rank, "activations.embedding") &&
+         tr.ranks[0].model.a.d_res_a.data == lg_rank_region(rank, "backward") &&
+         tr.ranks[0].model.a.ln_f.data == lg_rank_region(rank, "head");
     ok = ok && (optimizer == LG_OPTIMIZER_SGD && momentum == 0
-                    ? tr.opt.m.data == NULL && lg_rank_region(rank, "optimizer.momentum") == NULL
-                    : tr.opt.m.data == lg_rank_region(rank, optimizer == LG_OPTIMIZER_ADAMW
+                    ? tr.ranks[0].opt.m.data == NULL && lg_rank_region(rank, "optimizer.momentum") == NULL
+                    : tr.ranks[0].opt.m.data == lg_rank_region(rank, optimizer == LG_OPTIMIZER_ADAMW
                                                                    ? "optimizer.m"
                                                                    : "optimizer.momentum"));
     for (int l = 0; l < cfg.n_layer; l++) {
         char name[64];
         snprintf(name, sizeof name, "activations.h.%d", l);
-        ok = ok && tr.model.a.h[l].n1.data == lg_rank_region(rank, name);
+        ok = ok && tr.ranks[0].model.a.h[l].n1.data == lg_rank_region(rank, name);
         /* the block's last tensor, its output, ends exactly at the region's count */
         const lg_region *x = lg_plan_find(plan, name);
         ok = ok && x &&
-             (char *)lg_at(tr.model.a.residual[l + 1], (size_t)B * T * cfg.n_embd).data ==
+             (char *)lg_at(tr.ranks[0].model.a.residual[l + 1], (size_t)B * T * cfg.n_embd).data ==
                  (char *)lg_rank_region(rank, name) + x->count * lg_dtype_size(x->dtype);
     }
     /* the weights region holds exactly the parameters; regions stay inside their arena */
-    ok = ok && lg_plan_find(plan, "weights")->count == tr.model.n_params;
+    ok = ok && lg_plan_find(plan, "weights")->count == tr.ranks[0].model.n_params;
     for (int i = 0; i < plan->n_regions; i++) {
         const lg_region *x = &plan->regions[i];
         ok = ok && x->offset + x->bytes <= plan->pool_bytes[x->pool] &&

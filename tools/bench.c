@@ -62,7 +62,7 @@ int main(int argc, char **argv) {
     printf("litgpt.c %s%s%s threads=%d B=%d T=%d params=%zu tokens/s=%.0f ms/step=%.1f "
            "attention=exact(gemm per head)\n", lg_precision_name(precision),
            recompute ? " recompute" : "", offload ? " offload" : "", threads, B, T,
-           tr.model.n_params, B * T / (ms / 1e3), ms);
+           tr.ranks[0].model.n_params, B * T / (ms / 1e3), ms);
     lg_loader_close(&ld);
     lg_trainer_free(&tr);
     return 0;
