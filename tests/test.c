@@ -1547,12 +1547,14 @@ static void test_plan_large_models(results *r) {
         for (int k = 0; k < 3; k++) {
             lg_plan_spec spec;
             memset(&spec, 0, sizeof spec);
-            spec.B = 1; spec.T = 2048; spec.accumulation = 1; spec.devices = 1; spec.threads = 1;
+            spec.B = 1; spec.T = 2048; spec.accumulation = 1; spec.devices = spec.nodes = 1;
+            spec.threads = 1;
             spec.precision = modes[k].p;
             spec.optimizer = LG_OPTIMIZER_ADAMW;
             lg_plan plan;
             lg_error err;
             int rc = lg_plan_make(&plan, &cfg, &spec, &err);
+            if (rc != 0) { check(r, 0, "%s: %s", models[i].config, err.msg); continue; }
             const lg_rank_plan *rp = &plan.ranks[0];
             size_t n = models[i].n;
             const lg_region *master = lg_plan_find(rp, "master_weights");
@@ -1603,7 +1605,7 @@ static void test_memory_limit(results *r) {
              strstr(out, "--offload") && strstr(out, "--optimizer-state 8bit");
     char *cmd = strstr(out, "cheapest change that fits");
     cmd = cmd ? strstr(cmd, "./train ") : NULL;
-    check(r, ok && cmd, "--memory-limit below the plan: exit %d with the diagnosis", code);
+    check(r, ok && cmd, "--memory-limit below the plan: exit %d with the diagnosis (%s)", code, args);
     if (!cmd) return;
     char *end = strchr(cmd, '\n');
     if (end) *end = '\0';
