@@ -25,11 +25,11 @@ build/train_cuda: train.c $(HEADERS)
 	$(NVCC) -x cu -O3 $(GPU_ARCH) -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror,$(OPENMP) \
 		train.c -o $@ $(LDLIBS)
 
-tests/test: tests/test.c $(HEADERS)
+tests/test: tests/test.c $(wildcard tests/test_*.c) $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tests/test.c -o $@ $(LDLIBS)
 
 # the same tests/test.c with lg_real = double: finite differences of the library's own code
-tests/test64: tests/test.c $(HEADERS)
+tests/test64: tests/test.c $(wildcard tests/test_*.c) $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) -DLG_REAL_DOUBLE tests/test.c -o $@ $(LDLIBS)
 
 tools/bench: tools/bench.c $(HEADERS)

@@ -2304,9 +2304,14 @@ static void lg_plan_print_rank(const lg_plan *plan, int index, FILE *out) {
 void lg_plan_print(const lg_plan *plan, FILE *out) {
     const lg_plan_spec *s = &plan->spec;
     char a[32], b[32];
-    fprintf(out, "plan: %s | -b %d -t %d (%d accumulation) | %s | %d device%s%s%s | %s%s\n",
+    char ranks[64] = "";
+    if (s->nodes > 1) snprintf(ranks, sizeof ranks, " x %d nodes", s->nodes);
+    if (plan->n_ranks > 1)
+        snprintf(ranks + strlen(ranks), sizeof ranks - strlen(ranks), ", %s",
+                 lg_strategy_name(s->strategy));
+    fprintf(out, "plan: %s | -b %d -t %d (%d accumulation) | %s | %d device%s%s%s%s | %s%s\n",
             plan->cfg.name, s->B, s->T, s->accumulation, lg_precision_name(s->precision),
-            s->devices, s->devices > 1 ? "s, full-shard" : "", s->recompute ? " | recompute block" : "",
+            s->devices, s->devices > 1 ? "s" : "", ranks, s->recompute ? " | recompute block" : "",
             s->offload ? " | offload" : "",
             s->optimizer == LG_OPTIMIZER_SGD && s->momentum ? "sgd (momentum)"
                                                              : lg_optimizer_name(s->optimizer),
@@ -2317,7 +2322,7 @@ void lg_plan_print(const lg_plan *plan, FILE *out) {
             plan->ranks[i].pool_bytes[0] == plan->ranks[0].pool_bytes[0] &&
             plan->ranks[i].pool_bytes[1] == plan->ranks[0].pool_bytes[1])
             continue;
-        if (plan->n_ranks > 1) fprintf(out, "each of the %d devices:\n", plan->n_ranks);
+        if (plan->n_ranks > 1) fprintf(out, "each of the %d ranks:\n", plan->n_ranks);
         else fprintf(out, "device 0:\n");
         lg_plan_print_rank(plan, i, out);
     }

@@ -1658,6 +1658,8 @@ static void test_plan_cli(results *r) {
     check(r, code == 3, "an 8B run on this machine stops before allocating (exit %d)", code);
 }
 
+#include "test_sharding.c"
+
 /* Runs the double-precision runner and adds its counts. */
 static void run_double_tests(results *r) {
     FILE *p = popen("./tests/test64", "r");
@@ -1717,6 +1719,8 @@ int main(void) {
     test_memory_limit(&r);
     test_auto_micro_batch(&r);
     test_plan_cli(&r);
+    printf("devices and sharding\n");
+    test_sharding(&r);
     run_double_tests(&r);
     printf("%d passed, %d failed\n", r.passed, r.failed);
     return r.failed ? 1 : 0;
