@@ -662,6 +662,8 @@ uint32_t *lg_builtin_task_tokens(uint64_t seed, size_t min_tokens, size_t *n_tok
    (B, *T_batch), packed. */
 int lg_loader_next_batch(lg_loader *ld, int B, int *inputs, int *targets, int *T_batch,
                          lg_error *err);
+/* 1 when path is a fine-tuning sample file (by its magic), else 0. */
+int lg_samples_file(const char *path);
 /* Fine-tuning samples: the tokens of the longest sample after truncation (0 for a shard). */
 int lg_loader_longest(const lg_loader *ld);
 /* Fails naming the file, the first sample (index from 0) longer than block_size after
@@ -3596,6 +3598,11 @@ static int lg_loader_finish(lg_loader *ld, int T, int vocab_size, int shuffle, u
                             lg_error *err) {
     ld->T = T;
     ld->vocab_size = vocab_size;
+    if (T < 1) {
+        lg_fail(err, "data %s: windows of %d tokens; a token shard needs at least 1", ld->path, T);
+        lg_loader_close(ld);
+        return -1;
+    }
     ld->n_windows = ld->n_tokens > 0 ? (ld->n_tokens - 1) / (size_t)T : 0;
     if (ld->n_windows == 0) {
         lg_fail(err, "data %s: %zu tokens, too few for one window of %d + 1", ld->path,
@@ -3943,6 +3950,14 @@ int lg_loader_next_batch(lg_loader *ld, int B, int *inputs, int *targets, int *T
     if (lg_samples_next(ld, B, inputs, targets, T_batch) != 0)
         return lg_fail(err, "data %s: out of host memory", ld->path);
     return 0;
+}
+
+int lg_samples_file(const char *path) {
+    FILE *f = fopen(path, "rb");
+    unsigned char magic[4] = {0, 0, 0, 0};
+    int n = f ? (int)fread(magic, 1, 4, f) : 0;
+    if (f) fclose(f);
+    return n == 4 && lg_u32_le(magic) == LG_SAMPLES_MAGIC;
 }
 
 int lg_loader_longest(const lg_loader *ld) { return ld->n_samples ? ld->T : 0; }
@@ -5153,7 +5168,8 @@ static void lg_tokenizer_find_bytes(lg_tokenizer *tok) {
     }
 }
 
-/* GPT-2's vocab.bpe: a "#version" line, then one "left right" merge a line. */
+/* GPT-2's vocab.bpe: a "#version" line, then one "left right" merge a line (merges of '#'
+   start with '#' too: only the first line is a comment). */
 static int lg_merges_from_bpe_file(lg_tokenizer *tok, char *text, size_t len, const char *path,
                                    lg_error *err) {
     size_t lines = 0;
@@ -5167,15 +5183,16 @@ static int lg_merges_from_bpe_file(lg_tokenizer *tok, char *text, size_t len, co
         line_no++;
         size_t n = (size_t)(end - line);
         char *space = (char *)memchr(line, ' ', n);
-        if (n > 0 && line[0] != '#') {
+        if (n > 0 && !(line_no == 1 && n >= 8 && memcmp(line, "#version", 8) == 0)) {
             char where[64];
             snprintf(where, sizeof where, "vocab.bpe line %d", line_no);
             if (!space || space == line || space + 1 == end || memchr(space + 1, ' ', (size_t)(end - space - 1)))
-                return lg_fail(err, "tokenizer %s: expected `left right`", where);
+                return lg_fail(err, "tokenizer %s: %s: expected `left right`", tok->path, where);
             size_t left_n = (size_t)(space - line), right_n = (size_t)(end - space - 1);
             if (lg_bytes_from_alphabet(line, &left_n) != 0 ||
                 lg_bytes_from_alphabet(space + 1, &right_n) != 0)
-                return lg_fail(err, "tokenizer %s: a character outside GPT-2's byte alphabet", where);
+                return lg_fail(err, "tokenizer %s: %s: a character outside GPT-2's byte "
+                                    "alphabet", tok->path, where);
             if (lg_tokenizer_add_merge(tok, line, left_n, space + 1, right_n, where, err) != 0)
                 return -1;
         }

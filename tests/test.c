@@ -1670,6 +1670,10 @@ static void run_double_tests(results *r) {
     r->failed += failed;
 }
 
+/* ---- data: tokenizers, fine-tuning samples, readers ------------------------------------------ */
+
+#include "test_data.c"
+
 int main(void) {
     results r = {0, 0};
     printf("PyTorch reference (fp32)\n");
@@ -1714,6 +1718,7 @@ int main(void) {
     test_memory_limit(&r);
     test_auto_micro_batch(&r);
     test_plan_cli(&r);
+    test_data_all(&r);
     run_double_tests(&r);
     printf("%d passed, %d failed\n", r.passed, r.failed);
     return r.failed ? 1 : 0;
