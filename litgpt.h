@@ -5096,21 +5096,21 @@ static int lg_decode_sentencepiece(const char *p, size_t n, lg_text *out) {
 int lg_tokenizer_decode(const lg_tokenizer *tok, const int *ids, size_t n, lg_text *out,
                         lg_error *err) {
     if (lg_text_append(out, "", 0) != 0) return lg_fail(err, "tokenizer: out of host memory");
+    size_t start = out->n;
     for (size_t i = 0; i < n; i++) {
         if (ids[i] < 0 || ids[i] >= tok->vocab_size)
             return lg_fail(err, "tokenizer %s: token %d (position %zu) is outside the vocabulary "
                                 "of %d", tok->path, ids[i], i, tok->vocab_size);
         const char *p = tok->pieces + tok->piece_start[ids[i]];
         size_t len = tok->piece_start[ids[i] + 1] - tok->piece_start[ids[i]];
-        size_t before = out->n;
         int rc = tok->sentencepiece ? lg_decode_sentencepiece(p, len, out)
                                     : lg_text_append(out, p, len);
         if (rc != 0) return lg_fail(err, "tokenizer: out of host memory");
-        /* SentencePiece's prepended space goes again (Llama 2's decoder strips one) */
-        if (tok->sentencepiece && before == 0 && out->n > 0 && out->bytes[0] == ' ') {
-            memmove(out->bytes, out->bytes + 1, out->n);
-            out->n--;
-        }
+    }
+    /* SentencePiece's prepended space goes again (Llama 2's decoder strips one) */
+    if (tok->sentencepiece && start == 0 && out->n > 0 && out->bytes[0] == ' ') {
+        memmove(out->bytes, out->bytes + 1, out->n);
+        out->n--;
     }
     return 0;
 }

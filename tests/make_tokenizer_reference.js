@@ -1,12 +1,17 @@
 // Writes tests/reference/tokenizer-gpt2.jsonl: varied sentences (unicode, emoji, numbers,
 // whitespace runs, contractions, newlines) and their GPT-2 token ids from the npm package
-// gpt-3-encoder, the JavaScript port of OpenAI's encoder. tests/test_data.c checks that
-// litgpt.h's tokenizer gives the same ids. Run from the repository root after `make data`:
-//     node tests/make_tokenizer_reference.js data/npm/node_modules/gpt-3-encoder
+// gpt-3-encoder, the JavaScript port of OpenAI's encoder; and tokenizer-llama3.jsonl and
+// tokenizer-llama2.jsonl: the ids of the first LLAMA_TEXTS of those sentences from the npm
+// packages llama3-tokenizer-js and llama-tokenizer-js (no BOS/EOS). tests/test_data.c checks
+// that litgpt.h's tokenizers give the same ids. Run from the repository root after
+// `make tokenizers`:
+//     node tests/make_tokenizer_reference.js data/npm/node_modules
 // The sentences are generated here (seeded), so nothing third-party is committed.
 const path = require('path');
 const fs = require('fs');
-const { encode } = require(path.resolve(process.argv[2] || 'data/npm/node_modules/gpt-3-encoder'));
+const modules = path.resolve(process.argv[2] || 'data/npm/node_modules');
+const { encode } = require(path.join(modules, 'gpt-3-encoder'));
+const LLAMA_TEXTS = 800;
 
 let state = 12345;
 function random() { // xorshift32, seeded: the file is the same on every run
@@ -55,9 +60,10 @@ function sentence() {
     return text;
 }
 
-const lines = [];
+const lines = [], texts = [];
 for (let i = 0; i < 3000; i++) {
     const text = sentence();
+    texts.push(text);
     lines.push(JSON.stringify({ text, ids: encode(text) }));
 }
 // a few edge cases by hand
@@ -67,3 +73,16 @@ for (const text of ['', ' ', '\n', 'a', "it's", " 's", '    leading', 'trailing 
     lines.push(JSON.stringify({ text, ids: encode(text) }));
 fs.writeFileSync('tests/reference/tokenizer-gpt2.jsonl', lines.join('\n') + '\n');
 console.log(`wrote tests/reference/tokenizer-gpt2.jsonl: ${lines.length} texts`);
+
+async function llama() {
+    const { llama3Tokenizer } = require(path.join(modules,
+        'llama3-tokenizer-js/bundle/commonjs-llama3-tokenizer-with-baked-data.cjs'));
+    const { default: llama2 } = await import(path.join(modules, 'llama-tokenizer-js/llama-tokenizer.js'));
+    const first = texts.slice(0, LLAMA_TEXTS);
+    const ids3 = first.map(t => JSON.stringify(llama3Tokenizer.encode(t, { bos: false, eos: false })));
+    fs.writeFileSync('tests/reference/tokenizer-llama3.jsonl', ids3.join('\n') + '\n');
+    const ids2 = first.map(t => JSON.stringify(llama2.encode(t, false, true)));
+    fs.writeFileSync('tests/reference/tokenizer-llama2.jsonl', ids2.join('\n') + '\n');
+    console.log(`wrote tests/reference/tokenizer-llama3.jsonl, tokenizer-llama2.jsonl: ${first.length} texts`);
+}
+llama();

