@@ -25,6 +25,14 @@
        }
        lg_trainer_free(&tr);
 
+   Data (section 10, 11): lg_loader_open also reads fine-tuning sample files (tools/prepare
+   alpaca), whose micro-batches lg_loader_next_batch pads to their longest sample; text becomes
+   ids with a BPE tokenizer:
+
+       lg_tokenizer tok;  lg_tokens ids = {NULL, 0, 0};
+       lg_tokenizer_load(&tok, "data/gpt2", &err);   // encoder.json + vocab.bpe, or tokenizer.json
+       lg_tokenizer_encode(&tok, "Hello world", 11, &ids, &err);   // ids.ids = {15496, 995}
+
    Table of contents (the order data flows through a step):
      1. utilities        errors, allocation, random numbers, timing
      2. numbers          the arithmetic type, bf16/fp16 storage, stochastic rounding, LG_HD
