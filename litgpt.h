@@ -25,6 +25,14 @@
        }
        lg_trainer_free(&tr);
 
+   Data (section 10, 11): lg_loader_open also reads fine-tuning sample files (tools/prepare
+   alpaca), whose micro-batches lg_loader_next_batch pads to their longest sample; text becomes
+   ids with a BPE tokenizer:
+
+       lg_tokenizer tok;  lg_tokens ids = {NULL, 0, 0};
+       lg_tokenizer_load(&tok, "data/gpt2", &err);   // encoder.json + vocab.bpe, or tokenizer.json
+       lg_tokenizer_encode(&tok, "Hello world", 11, &ids, &err);   // ids.ids = {15496, 995}
+
    Table of contents (the order data flows through a step):
      1. utilities        errors, allocation, random numbers, timing
      2. numbers          the arithmetic type, bf16/fp16 storage, stochastic rounding, LG_HD
@@ -40,8 +48,11 @@
      8. optimizers       AdamW, SGD with momentum, gradient clipping, learning-rate schedule
      9. ranks            one arena per memory pool, allocated from the plan; the collectives
                          (all-reduce, reduce-scatter, all-gather, broadcast) between ranks
-    10. data             llm.c token shards (uint16 / uint32), shuffled windows, the built-in task
-    11. tokenizer        the built-in character tokenizer (BPE lands with the data issue)
+    10. data             llm.c token shards (uint16 / uint32), shuffled windows; fine-tuning
+                         sample files (truncation, right-padding, prompt masks); the built-in
+                         task; a JSON reader
+    11. tokenizer        byte-level BPE (GPT-2 files, tokenizer.json; GPT-2, Llama 3 and Qwen2
+                         pre-tokenizers), SentencePiece-style BPE, the built-in characters
     12. checkpoints      model.safetensors (fp32, LitGPT names), written atomically
     13. trainer          lg_trainer: one optimizer step (accumulation, loss scaling, clipping),
                          evaluation
@@ -686,8 +697,20 @@ lg_backend lg_backend_in_use(void);
 #define LG_SHARD_MAGIC_U32 20240801 /* llm.c's Llama-3 variant, version 7: uint32 tokens */
 #define LG_SHARD_VERSION_U32 7
 
+/* Fine-tuning samples (tools/prepare): a header of 256 int32 (magic, version, number of
+   samples, bytes per token 2 or 4, prompt masking 0 or 1, the rest 0), then per sample two
+   little-endian uint32 (its tokens n, its prompt tokens p <= n) and its n tokens. A loader
+   opened on such a file yields one sample per row, truncated to T tokens (T 0: none),
+   right-padded to the longest sample of the micro-batch. A sample of n tokens gives n
+   positions, as in LitGPT: inputs are its tokens, targets its tokens shifted by one; the last
+   target, padding and (when the file asks for masking) targets inside the prompt are
+   LG_IGNORE_INDEX. */
+#define LG_SAMPLES_MAGIC 20250612
+#define LG_SAMPLES_VERSION 1
+
 /* A stream of tokens cut into windows of T + 1 (inputs and the targets shifted by one), either
-   a token shard read on demand or tokens held in memory (the built-in task). */
+   a token shard read on demand or tokens held in memory; or fine-tuning samples held in
+   memory, one a row, truncated to T (then n_samples > 0 and a "window" is a sample). */
 typedef struct {
     char path[512];            /* the file, or "(built-in)" */
     FILE *file;                /* NULL when in memory */
@@ -702,15 +725,23 @@ typedef struct {
     int epoch;
     lg_rng rng;
     uint32_t *scratch;         /* (T + 1) */
+    size_t n_samples;          /* fine-tuning samples; 0 for a token stream */
+    size_t *sample_start;      /* (n_samples): where each sample's tokens start in memory */
+    uint32_t *sample_length;   /* (n_samples): its tokens, before truncation */
+    uint32_t *prompt_length;   /* (n_samples): its prompt's tokens */
+    int mask_prompt;           /* 1: targets inside the prompt are LG_IGNORE_INDEX */
 } lg_loader;
 
-/* Opens a shard: checks magic, version, size and token count; names the file when wrong. */
+/* Opens a shard or a sample file: checks magic, version, sizes and lengths; names the file
+   (and the sample) when wrong. For a sample file T truncates each sample (0: none) and
+   becomes the longest truncated sample. */
 int lg_loader_open(lg_loader *ld, const char *path, int T, int vocab_size, int shuffle,
                    uint64_t seed, lg_error *err);
 /* Takes ownership of tokens (allocated with LG_MALLOC). */
 int lg_loader_from_memory(lg_loader *ld, uint32_t *tokens, size_t n_tokens, int T,
                           int vocab_size, int shuffle, uint64_t seed, lg_error *err);
-/* Fills inputs and targets (B, T) with the next B windows; reshuffles at each new epoch. */
+/* Fills inputs and targets (B, T) with the next B windows (samples: padded to T); reshuffles
+   at each new epoch. */
 int lg_loader_next(lg_loader *ld, int B, int *inputs, int *targets, lg_error *err);
 void lg_loader_rewind(lg_loader *ld); /* back to the first window (validation) */
 void lg_loader_close(lg_loader *ld);
@@ -724,9 +755,138 @@ int lg_shard_write(const char *path, const uint32_t *tokens, size_t n, int token
 #define LG_BUILTIN_MAX_LETTERS 8
 uint32_t *lg_builtin_task_tokens(uint64_t seed, size_t min_tokens, size_t *n_tokens);
 
+/* One micro-batch of B rows: windows of ld->T, or samples right-padded to the longest one of
+   the batch. Writes the batch's row length to *T_batch (<= ld->T); inputs and targets are
+   (B, *T_batch), packed. */
+int lg_loader_next_batch(lg_loader *ld, int B, int *inputs, int *targets, int *T_batch,
+                         lg_error *err);
+/* 1 when path is a fine-tuning sample file (by its magic), else 0. */
+int lg_samples_file(const char *path);
+/* Fine-tuning samples: the tokens of the longest sample after truncation (0 for a shard). */
+int lg_loader_longest(const lg_loader *ld);
+/* Fails naming the file, the first sample (index from 0) longer than block_size after
+   truncation, its length and the limit. */
+int lg_loader_check_block_size(const lg_loader *ld, int block_size, lg_error *err);
+/* Writes a sample file: lengths[i] tokens of sample i follow each other in tokens. */
+int lg_samples_write(const char *path, const uint32_t *tokens, const uint32_t *lengths,
+                     const uint32_t *prompt_lengths, size_t n_samples, int token_bytes,
+                     int mask_prompt, lg_error *err);
+
+/* The built-in task as a fine-tuning set: n_samples in memory, prompt "letters=" masked, so
+   padding and -t truncation are exercised by ./train with no arguments. T as lg_loader_open. */
+int lg_builtin_task_samples(lg_loader *ld, uint64_t seed, size_t n_samples, int T, int shuffle,
+                            uint64_t shuffle_seed, lg_error *err);
+/* One sample of the built-in task as text: "dcab" and "abcd" (for tools/prepare builtin). */
+void lg_builtin_task_text(lg_rng *rng, char *letters, char *sorted);
+
+/* A JSON reader for tokenizer files and Alpaca data: the whole document becomes a flat array
+   of nodes; strings are decoded on request. Depth is limited to LG_JSON_MAX_DEPTH. */
+#define LG_JSON_MAX_DEPTH 64
+typedef enum { LG_JSON_NULL, LG_JSON_FALSE, LG_JSON_TRUE, LG_JSON_NUMBER, LG_JSON_STRING,
+               LG_JSON_ARRAY, LG_JSON_OBJECT } lg_json_kind;
+typedef struct {
+    lg_json_kind kind;
+    int first_child;   /* arrays: first element; objects: first key (keys and values
+                          alternate); -1 when empty or not a container */
+    int next;          /* the next sibling in the parent; -1 for the last */
+    size_t start, end; /* the value's bytes in the text; a string's without its quotes */
+} lg_json_node;
+typedef struct {
+    const char *text;    /* the document (not owned; must outlive the nodes) */
+    lg_json_node *nodes; /* (n_nodes) in document order; node 0 is the root */
+    int n_nodes, cap;
+} lg_json;
+
+/* source names the document in messages ("data/alpaca.json line 3"). */
+int lg_json_parse(lg_json *doc, const char *text, size_t len, const char *source, lg_error *err);
+/* An object's value under key (a plain ASCII key), or -1. */
+int lg_json_find(const lg_json *doc, int object, const char *key);
+/* A string node decoded to UTF-8 (LG_MALLOC, NUL-terminated, *len bytes); NULL if not a string. */
+char *lg_json_string(const lg_json *doc, int node, size_t *len);
+/* A number node as an integer; -1 with no change to *value when not an integer. */
+int lg_json_int(const lg_json *doc, int node, long *value);
+void lg_json_free(lg_json *doc);
+/* Reads a whole file (LG_MALLOC, NUL-terminated); what names it in the message. */
+char *lg_read_file(const char *path, size_t *len, const char *what, lg_error *err);
+
+typedef struct { int *ids; size_t n, cap; } lg_tokens; /* growing list of ids (LG_MALLOC) */
+typedef struct { char *bytes; size_t n, cap; } lg_text; /* growing bytes, NUL-terminated */
+
+/* Alpaca-style fine-tuning data: a JSON array of objects, or JSON lines, each with
+   "instruction", optional "input" and "output" strings. */
+typedef struct {
+    char *instruction;  /* UTF-8 (LG_MALLOC) */
+    char *input;        /* "" when absent */
+    char *output;
+} lg_alpaca_sample;
+typedef struct {
+    lg_alpaca_sample *samples; /* (n) */
+    size_t n;
+} lg_alpaca;
+
+/* Reads path; fails naming the file, the sample (from 0) and the field at fault. */
+int lg_alpaca_read(lg_alpaca *set, const char *path, lg_error *err);
+void lg_alpaca_free(lg_alpaca *set);
+/* Appends the Alpaca prompt of a sample (everything before the response) to out. */
+int lg_alpaca_prompt(const lg_alpaca_sample *sample, lg_text *out);
+
 /* ---------------------------------------------------------------------------------------------
-   11. tokenizer (API): the built-in task's characters
+   11. tokenizer (API): byte-level BPE, SentencePiece-style BPE, the built-in characters
    ------------------------------------------------------------------------------------------- */
+
+/* How text is cut into words before BPE: the regular expressions of GPT-2, Llama 3 and Qwen2
+   (written out as code, with Unicode letter and number tables), or none (SentencePiece). */
+typedef enum { LG_PRETOKENIZE_GPT2, LG_PRETOKENIZE_LLAMA3, LG_PRETOKENIZE_QWEN2,
+               LG_PRETOKENIZE_NONE } lg_pretokenizer;
+
+
+/* A BPE tokenizer loaded from a directory with GPT-2's encoder.json and vocab.bpe, or from a
+   Hugging Face tokenizer.json (model BPE: byte-level, or SentencePiece-style with byte
+   fallback). */
+typedef struct {
+    char path[512];          /* where it came from, for messages */
+    int vocab_size;          /* V: ids 0 .. V-1 (the largest id + 1) */
+    char *pieces;            /* every token's text, concatenated: raw bytes for byte-level
+                                vocabularies, the vocabulary's UTF-8 (with U+2581) for
+                                SentencePiece */
+    size_t *piece_start;     /* (V + 1): token i is pieces[piece_start[i] .. piece_start[i+1]) */
+    int *piece_table;        /* (piece_slots): hash of piece -> id, open addressing, -1 empty */
+    size_t piece_slots;      /* a power of two, at least twice V */
+    uint64_t *merge_pair;    /* (merge_slots): left id << 32 | right id; UINT64_MAX empty */
+    int *merge_rank;         /* (merge_slots): line of the merge in the list; lower goes first */
+    int *merge_result;       /* (merge_slots): the id of the merged token */
+    size_t merge_slots;      /* a power of two, at least twice the merges */
+    int n_merges;
+    int byte_token[256];     /* byte-level: the id of each single byte; SentencePiece: of its
+                                <0xXX> fallback token; -1 when none */
+    lg_pretokenizer pretokenizer;
+    int sentencepiece;       /* 1: spaces are U+2581, a U+2581 is prepended, merges start
+                                from characters, unknown characters fall back to bytes */
+    int ignore_merges;       /* a word that is itself a token is not split (Llama 3) */
+    int js_whitespace;       /* \s as JavaScript has it (GPT-2's files, checked against the
+                                JS reference) rather than Unicode White_Space */
+    int *special;            /* (n_special): added tokens matched verbatim before BPE */
+    int n_special;
+    int bos, eos, pad;       /* special ids named by the files; -1 when none */
+} lg_tokenizer;
+
+/* path: a directory holding encoder.json + vocab.bpe or tokenizer.json, or a tokenizer.json. */
+int lg_tokenizer_load(lg_tokenizer *tok, const char *path, lg_error *err);
+void lg_tokenizer_free(lg_tokenizer *tok);
+/* Appends the ids of len bytes of UTF-8 text to out (invalid UTF-8 is encoded byte by byte). */
+int lg_tokenizer_encode(const lg_tokenizer *tok, const char *text, size_t len, lg_tokens *out,
+                        lg_error *err);
+/* Appends the bytes of the ids to out; fails on an id outside the vocabulary. */
+int lg_tokenizer_decode(const lg_tokenizer *tok, const int *ids, size_t n, lg_text *out,
+                        lg_error *err);
+/* The id of a token given by its text in the vocabulary's form, or -1. */
+int lg_tokenizer_find(const lg_tokenizer *tok, const char *piece, size_t len);
+int lg_tokens_push(lg_tokens *list, int id);  /* -1 when out of memory */
+int lg_text_append(lg_text *text, const char *bytes, size_t n);
+void lg_tokens_free(lg_tokens *list);
+void lg_text_free(lg_text *text);
+
+/* The built-in task's characters. */
 
 #define LG_CHAR_VOCAB 28 /* '\n', '=', 'a'..'z' */
 int lg_char_encode(const char *text, int *tokens, int max_tokens); /* -1 on a foreign char */
@@ -743,7 +903,8 @@ int lg_save_safetensors(const lg_model *m, const char *dir, lg_error *err);
    13. trainer (API)
    ------------------------------------------------------------------------------------------- */
 
-/* Mean loss over all target tokens of n_batches micro-batches of B windows from the start. */
+/* Mean loss over all target tokens of n_batches micro-batches of B windows (or samples) from
+   the start. T: the longest row the model was made for. */
 int lg_evaluate(lg_model *m, lg_loader *ld, int B, int T, int n_batches, double *mean_loss,
                 lg_error *err);
 
@@ -756,6 +917,9 @@ typedef struct {
     int *inputs;         /* (accumulation, B, T): the plan's tokens.inputs */
     int *targets;        /* (accumulation, B, T): tokens.targets */
     int *sampled;        /* (accumulation, B, T): Sophia's labels drawn from the model */
+    int *micro_T;        /* (accumulation): tokens per row of each micro-batch of the step, <= T
+                            (fine-tuning samples pad to the longest of their micro-batch);
+                            micro-batch i sits packed (B, micro_T[i]) at i B T */
     /* --offload: the optimizer runs on host copies (the plan's host pool) */
     lg_buf host_grads;   /* (n_local): gradients.host */
     lg_buf host_weights; /* (n_local): weights.host; data NULL in the mixed precisions, whose
@@ -3777,6 +3941,11 @@ static int lg_loader_finish(lg_loader *ld, int T, int vocab_size, int shuffle, u
                             lg_error *err) {
     ld->T = T;
     ld->vocab_size = vocab_size;
+    if (T < 1) {
+        lg_fail(err, "data %s: windows of %d tokens; a token shard needs at least 1", ld->path, T);
+        lg_loader_close(ld);
+        return -1;
+    }
     ld->n_windows = ld->n_tokens > 0 ? (ld->n_tokens - 1) / (size_t)T : 0;
     if (ld->n_windows == 0) {
         lg_fail(err, "data %s: %zu tokens, too few for one window of %d + 1", ld->path,
@@ -3794,6 +3963,11 @@ static int lg_loader_finish(lg_loader *ld, int T, int vocab_size, int shuffle, u
     if (shuffle) lg_loader_shuffle(ld);
     return 0;
 }
+
+/* fine-tuning samples, below */
+static size_t lg_loader_take(lg_loader *ld);
+static int lg_samples_open(lg_loader *ld, int T, int shuffle, uint64_t seed, lg_error *err);
+static int lg_samples_next(lg_loader *ld, int B, int *inputs, int *targets, int *T_batch);
 
 int lg_loader_open(lg_loader *ld, const char *path, int T, int vocab_size, int shuffle,
                    uint64_t seed, lg_error *err) {
@@ -3814,14 +3988,18 @@ int lg_loader_open(lg_loader *ld, const char *path, int T, int vocab_size, int s
         return lg_fail(err, "data %s: %ld bytes, shorter than the %ld-byte header", path,
                        file_bytes, header_bytes);
     }
+    if (header[0] == LG_SAMPLES_MAGIC) {
+        ld->vocab_size = vocab_size;
+        return lg_samples_open(ld, T, shuffle, seed, err);
+    }
     if (header[0] == LG_SHARD_MAGIC_U16 && header[1] == LG_SHARD_VERSION_U16) ld->token_bytes = 2;
     else if (header[0] == LG_SHARD_MAGIC_U32 && header[1] == LG_SHARD_VERSION_U32) ld->token_bytes = 4;
     else {
         lg_loader_close(ld);
         return lg_fail(err, "data %s: not a token shard (magic %d version %d; expected %d/%d "
-                            "for uint16 or %d/%d for uint32 tokens)", path, header[0], header[1],
-                       LG_SHARD_MAGIC_U16, LG_SHARD_VERSION_U16, LG_SHARD_MAGIC_U32,
-                       LG_SHARD_VERSION_U32);
+                            "for uint16 or %d/%d for uint32 tokens, %d for fine-tuning samples)",
+                       path, header[0], header[1], LG_SHARD_MAGIC_U16, LG_SHARD_VERSION_U16,
+                       LG_SHARD_MAGIC_U32, LG_SHARD_VERSION_U32, LG_SAMPLES_MAGIC);
     }
     ld->n_tokens = (size_t)(uint32_t)header[2];
     long expected = header_bytes + (long)ld->n_tokens * ld->token_bytes;
@@ -3874,14 +4052,10 @@ static int lg_loader_read_window(lg_loader *ld, size_t start, lg_error *err) {
 
 int lg_loader_next(lg_loader *ld, int B, int *inputs, int *targets, lg_error *err) {
     int T = ld->T;
-    for (int b = 0; b < B; b++) {
-        if (ld->position == ld->n_windows) {
-            ld->position = 0;
-            ld->epoch++;
-            if (ld->order) lg_loader_shuffle(ld);
-        }
-        size_t window = ld->order ? ld->order[ld->position] : ld->position;
-        ld->position++;
+    if (ld->n_samples && lg_samples_next(ld, B, inputs, targets, NULL) != 0)
+        return lg_fail(err, "data %s: out of host memory", ld->path);
+    for (int b = 0; b < B && !ld->n_samples; b++) {
+        size_t window = lg_loader_take(ld);
         if (lg_loader_read_window(ld, window * (size_t)T, err) != 0) return -1;
         for (int t = 0; t < T; t++) {
             inputs[b * T + t] = (int)ld->scratch[t];
@@ -3901,6 +4075,9 @@ void lg_loader_close(lg_loader *ld) {
     LG_FREE(ld->memory);
     LG_FREE(ld->order);
     LG_FREE(ld->scratch);
+    LG_FREE(ld->sample_start);
+    LG_FREE(ld->sample_length);
+    LG_FREE(ld->prompt_length);
     memset(ld, 0, sizeof *ld);
 }
 
@@ -3953,7 +4130,1712 @@ uint32_t *lg_builtin_task_tokens(uint64_t seed, size_t min_tokens, size_t *n_tok
     return tokens;
 }
 
-/* 11. tokenizer: the built-in task's characters ----------------------------------------------- */
+/* --- fine-tuning samples ------------------------------------------------------------------- */
+
+static uint32_t lg_u32_le(const unsigned char *b) {
+    return (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
+}
+
+/* The sample tables of a loader holding n samples; 0 or -1 (out of memory). */
+static int lg_samples_alloc(lg_loader *ld, size_t n) {
+    ld->n_samples = n;
+    ld->sample_start = (size_t *)lg_alloc_zeroed(sizeof(size_t) * n);
+    ld->sample_length = (uint32_t *)lg_alloc_zeroed(sizeof(uint32_t) * n);
+    ld->prompt_length = (uint32_t *)lg_alloc_zeroed(sizeof(uint32_t) * n);
+    return ld->sample_start && ld->sample_length && ld->prompt_length ? 0 : -1;
+}
+
+/* Checks one sample record at raw[at..] and copies its tokens; names the sample when wrong. */
+static int lg_samples_read_one(lg_loader *ld, const unsigned char *raw, size_t size, size_t *at,
+                               size_t i, size_t *n_tokens, lg_error *err) {
+    if (size - *at < 8)
+        return lg_fail(err, "data %s: sample %zu: the file ends inside its lengths (truncated?)",
+                       ld->path, i);
+    uint32_t n = lg_u32_le(raw + *at), prompt = lg_u32_le(raw + *at + 4);
+    *at += 8;
+    if (n == 0) return lg_fail(err, "data %s: sample %zu has no tokens", ld->path, i);
+    if (prompt > n)
+        return lg_fail(err, "data %s: sample %zu: prompt of %u tokens in a sample of %u",
+                       ld->path, i, prompt, n);
+    if ((size - *at) / (size_t)ld->token_bytes < n)
+        return lg_fail(err, "data %s: sample %zu says %u tokens, past the end of the file "
+                            "(truncated or corrupt)", ld->path, i, n);
+    ld->sample_start[i] = *n_tokens;
+    ld->sample_length[i] = n;
+    ld->prompt_length[i] = prompt;
+    for (uint32_t k = 0; k < n; k++, *at += (size_t)ld->token_bytes) {
+        const unsigned char *b = raw + *at;
+        uint32_t token = ld->token_bytes == 2 ? (uint32_t)(b[0] | b[1] << 8) : lg_u32_le(b);
+        if (token >= (uint32_t)ld->vocab_size)
+            return lg_fail(err, "data %s: sample %zu: token %u is outside the model's "
+                                "vocabulary of %d", ld->path, i, token, ld->vocab_size);
+        ld->memory[(*n_tokens)++] = token;
+    }
+    return 0;
+}
+
+/* Parses a whole sample file held in raw; the header is already known to be a sample file. */
+static int lg_samples_parse(lg_loader *ld, const unsigned char *raw, size_t size, lg_error *err) {
+    const size_t header_bytes = LG_SHARD_HEADER_INTS * 4;
+    int32_t version = (int32_t)lg_u32_le(raw + 4), n = (int32_t)lg_u32_le(raw + 8);
+    int32_t token_bytes = (int32_t)lg_u32_le(raw + 12), mask = (int32_t)lg_u32_le(raw + 16);
+    if (version != LG_SAMPLES_VERSION)
+        return lg_fail(err, "data %s: sample file version %d, expected %d", ld->path, version,
+                       LG_SAMPLES_VERSION);
+    if (token_bytes != 2 && token_bytes != 4)
+        return lg_fail(err, "data %s: %d bytes a token, expected 2 or 4", ld->path, token_bytes);
+    if (mask != 0 && mask != 1)
+        return lg_fail(err, "data %s: prompt masking %d, expected 0 or 1", ld->path, mask);
+    if (n <= 0 || (size_t)n > (size - header_bytes) / 8)
+        return lg_fail(err, "data %s: header says %d samples, impossible in %zu bytes", ld->path,
+                       n, size);
+    ld->token_bytes = token_bytes;
+    ld->mask_prompt = mask;
+    ld->memory = (uint32_t *)LG_MALLOC(sizeof(uint32_t) * ((size - header_bytes) / token_bytes + 1));
+    if (!ld->memory || lg_samples_alloc(ld, (size_t)n) != 0)
+        return lg_fail(err, "data %s: out of host memory", ld->path);
+    size_t at = header_bytes, n_tokens = 0;
+    for (size_t i = 0; i < (size_t)n; i++)
+        if (lg_samples_read_one(ld, raw, size, &at, i, &n_tokens, err) != 0) return -1;
+    if (at != size)
+        return lg_fail(err, "data %s: %zu bytes after the last of %d samples (corrupt?)",
+                       ld->path, size - at, n);
+    ld->n_tokens = n_tokens;
+    return 0;
+}
+
+/* Shared tail of the sample constructors: truncation, the longest sample, order, scratch. */
+static int lg_samples_finish(lg_loader *ld, int T, int shuffle, uint64_t seed, lg_error *err) {
+    uint32_t longest = 0;
+    for (size_t i = 0; i < ld->n_samples; i++)
+        if (ld->sample_length[i] > longest) longest = ld->sample_length[i];
+    if (T < 0) return lg_fail(err, "data %s: truncation to %d tokens", ld->path, T);
+    if (T == 0 || (uint32_t)T > longest) T = (int)longest;
+    ld->T = T;
+    ld->n_windows = ld->n_samples;
+    lg_rng_seed(&ld->rng, seed);
+    ld->scratch = (uint32_t *)lg_alloc_zeroed(sizeof(uint32_t) * (T + 1));
+    if (shuffle) ld->order = (size_t *)lg_alloc_zeroed(sizeof(size_t) * ld->n_windows);
+    if (!ld->scratch || (shuffle && !ld->order))
+        return lg_fail(err, "data %s: out of host memory", ld->path);
+    if (shuffle) lg_loader_shuffle(ld);
+    return 0;
+}
+
+/* lg_loader_open's path for sample files: the whole file is read and checked up front. */
+static int lg_samples_open(lg_loader *ld, int T, int shuffle, uint64_t seed, lg_error *err) {
+    fseek(ld->file, 0, SEEK_END);
+    long size = ftell(ld->file);
+    unsigned char *raw = size > 0 ? (unsigned char *)LG_MALLOC((size_t)size) : NULL;
+    int rc = -1;
+    if (!raw) lg_fail(err, "data %s: out of host memory", ld->path);
+    else if (fseek(ld->file, 0, SEEK_SET) != 0 || fread(raw, 1, (size_t)size, ld->file) != (size_t)size)
+        lg_fail(err, "data %s: read failed", ld->path);
+    else rc = lg_samples_parse(ld, raw, (size_t)size, err);
+    LG_FREE(raw);
+    fclose(ld->file);
+    ld->file = NULL;
+    if (rc == 0) rc = lg_samples_finish(ld, T, shuffle, seed, err);
+    if (rc != 0) lg_loader_close(ld);
+    return rc;
+}
+
+/* Row b of a sample micro-batch of width T: tokens, shifted targets, padding, masks. */
+static void lg_samples_fill_row(const lg_loader *ld, size_t sample, int T, int *inputs,
+                                int *targets) {
+    const uint32_t *tokens = ld->memory + ld->sample_start[sample];
+    int n = (int)ld->sample_length[sample];
+    if (n > ld->T) n = ld->T;
+    int prompt = ld->mask_prompt ? (int)ld->prompt_length[sample] : 0;
+    for (int t = 0; t < T; t++) {
+        inputs[t] = t < n ? (int)tokens[t] : 0; /* any valid token: padding is never a target */
+        targets[t] = t + 1 < n && t + 1 >= prompt ? (int)tokens[t + 1] : LG_IGNORE_INDEX;
+    }
+}
+
+static size_t lg_loader_take(lg_loader *ld) {
+    if (ld->position == ld->n_windows) {
+        ld->position = 0;
+        ld->epoch++;
+        if (ld->order) lg_loader_shuffle(ld);
+    }
+    size_t next = ld->order ? ld->order[ld->position] : ld->position;
+    ld->position++;
+    return next;
+}
+
+static int lg_samples_next(lg_loader *ld, int B, int *inputs, int *targets, int *T_batch) {
+    size_t picked[64]; /* the batch is picked first, to know its longest row */
+    int width = 0;
+    size_t *rows = B <= 64 ? picked : (size_t *)LG_MALLOC(sizeof(size_t) * (size_t)B);
+    if (!rows) return -1;
+    for (int b = 0; b < B; b++) {
+        rows[b] = lg_loader_take(ld);
+        int n = (int)ld->sample_length[rows[b]];
+        width = n > width ? n : width;
+    }
+    if (width > ld->T) width = ld->T;
+    if (T_batch) *T_batch = width;
+    else width = ld->T; /* lg_loader_next: rows of the loader's full length */
+    for (int b = 0; b < B; b++)
+        lg_samples_fill_row(ld, rows[b], width, inputs + (size_t)b * width,
+                            targets + (size_t)b * width);
+    if (rows != picked) LG_FREE(rows);
+    return 0;
+}
+
+int lg_loader_next_batch(lg_loader *ld, int B, int *inputs, int *targets, int *T_batch,
+                         lg_error *err) {
+    if (ld->n_samples == 0) {
+        *T_batch = ld->T;
+        return lg_loader_next(ld, B, inputs, targets, err);
+    }
+    if (lg_samples_next(ld, B, inputs, targets, T_batch) != 0)
+        return lg_fail(err, "data %s: out of host memory", ld->path);
+    return 0;
+}
+
+int lg_samples_file(const char *path) {
+    FILE *f = fopen(path, "rb");
+    unsigned char magic[4] = {0, 0, 0, 0};
+    int n = f ? (int)fread(magic, 1, 4, f) : 0;
+    if (f) fclose(f);
+    return n == 4 && lg_u32_le(magic) == LG_SAMPLES_MAGIC;
+}
+
+int lg_loader_longest(const lg_loader *ld) { return ld->n_samples ? ld->T : 0; }
+
+int lg_loader_check_block_size(const lg_loader *ld, int block_size, lg_error *err) {
+    for (size_t i = 0; i < ld->n_samples; i++) {
+        int n = (int)ld->sample_length[i];
+        if (n > ld->T) n = ld->T;
+        if (n > block_size)
+            return lg_fail(err, "data %s: sample %zu has %d tokens, more than the model's "
+                                "block_size %d (truncate with -t/--max-seq-length)", ld->path, i,
+                           n, block_size);
+    }
+    return 0;
+}
+
+static void lg_put_u32(unsigned char *b, uint32_t v) {
+    for (int i = 0; i < 4; i++) b[i] = (unsigned char)(v >> (8 * i));
+}
+
+int lg_samples_write(const char *path, const uint32_t *tokens, const uint32_t *lengths,
+                     const uint32_t *prompt_lengths, size_t n_samples, int token_bytes,
+                     int mask_prompt, lg_error *err) {
+    FILE *f = fopen(path, "wb");
+    if (!f) return lg_fail(err, "data %s: cannot create: %s", path, strerror(errno));
+    unsigned char header[LG_SHARD_HEADER_INTS * 4];
+    memset(header, 0, sizeof header);
+    lg_put_u32(header, LG_SAMPLES_MAGIC);
+    lg_put_u32(header + 4, LG_SAMPLES_VERSION);
+    lg_put_u32(header + 8, (uint32_t)n_samples);
+    lg_put_u32(header + 12, (uint32_t)token_bytes);
+    lg_put_u32(header + 16, (uint32_t)(mask_prompt != 0));
+    int ok = fwrite(header, sizeof header, 1, f) == 1;
+    size_t at = 0;
+    for (size_t i = 0; ok && i < n_samples; i++) {
+        unsigned char lens[8], raw[4];
+        lg_put_u32(lens, lengths[i]);
+        lg_put_u32(lens + 4, prompt_lengths[i]);
+        ok = fwrite(lens, 8, 1, f) == 1;
+        for (uint32_t k = 0; ok && k < lengths[i]; k++) {
+            lg_put_u32(raw, tokens[at++]);
+            ok = fwrite(raw, 1, (size_t)token_bytes, f) == (size_t)token_bytes;
+        }
+    }
+    if (fclose(f) != 0 || !ok) return lg_fail(err, "data %s: write failed", path);
+    return 0;
+}
+
+void lg_builtin_task_text(lg_rng *rng, char *letters, char *sorted) {
+    int n = 1 + (int)(lg_rng_u64(rng) % LG_BUILTIN_MAX_LETTERS), counts[26] = {0}, len = 0;
+    for (int i = 0; i < n; i++) {
+        int letter = (int)(lg_rng_u64(rng) % 26);
+        counts[letter]++;
+        letters[i] = (char)('a' + letter);
+    }
+    letters[n] = '\0';
+    for (int letter = 0; letter < 26; letter++)
+        for (int k = 0; k < counts[letter]; k++) sorted[len++] = (char)('a' + letter);
+    sorted[len] = '\0';
+}
+
+int lg_builtin_task_samples(lg_loader *ld, uint64_t seed, size_t n_samples, int T, int shuffle,
+                            uint64_t shuffle_seed, lg_error *err) {
+    memset(ld, 0, sizeof *ld);
+    snprintf(ld->path, sizeof ld->path, "(built-in)");
+    ld->vocab_size = LG_CHAR_VOCAB;
+    ld->token_bytes = 4;
+    ld->mask_prompt = 1;
+    size_t max_sample = 2 * LG_BUILTIN_MAX_LETTERS + 2;
+    ld->memory = (uint32_t *)LG_MALLOC(sizeof(uint32_t) * max_sample * (n_samples ? n_samples : 1));
+    if (n_samples == 0 || !ld->memory || lg_samples_alloc(ld, n_samples) != 0) {
+        lg_loader_close(ld);
+        return lg_fail(err, "built-in task: %zu samples: out of host memory", n_samples);
+    }
+    lg_rng rng;
+    lg_rng_seed(&rng, seed);
+    for (size_t i = 0; i < n_samples; i++) {
+        uint32_t *out = ld->memory + ld->n_tokens;
+        size_t len = lg_builtin_sample(&rng, out);
+        uint32_t prompt = 0;
+        while (out[prompt] != (uint32_t)lg_char_encode_one('=')) prompt++;
+        ld->sample_start[i] = ld->n_tokens;
+        ld->sample_length[i] = (uint32_t)len;
+        ld->prompt_length[i] = prompt + 1; /* the letters and '=' */
+        ld->n_tokens += len;
+    }
+    if (lg_samples_finish(ld, T, shuffle, shuffle_seed, err) == 0) return 0;
+    lg_loader_close(ld);
+    return -1;
+}
+
+/* --- JSON ------------------------------------------------------------------------------------ */
+
+typedef struct {
+    lg_json *doc;
+    size_t at, len;
+    const char *source;
+    lg_error *err;
+} lg_json_parser;
+
+static int lg_json_error(lg_json_parser *p, const char *what) {
+    size_t line = 1;
+    for (size_t i = 0; i < p->at && i < p->len; i++) line += p->doc->text[i] == '\n';
+    return lg_fail(p->err, "%s: invalid JSON at line %zu (byte %zu): %s", p->source, line, p->at,
+                   what);
+}
+
+static void lg_json_skip_space(lg_json_parser *p) {
+    while (p->at < p->len && strchr(" \t\r\n", p->doc->text[p->at]) && p->doc->text[p->at])
+        p->at++;
+}
+
+static int lg_json_new_node(lg_json_parser *p, lg_json_kind kind) {
+    lg_json *d = p->doc;
+    if (d->n_nodes == d->cap) {
+        int cap = d->cap ? 2 * d->cap : 256;
+        lg_json_node *grown = (lg_json_node *)LG_MALLOC(sizeof(lg_json_node) * (size_t)cap);
+        if (!grown) return -1;
+        if (d->nodes) memcpy(grown, d->nodes, sizeof(lg_json_node) * (size_t)d->n_nodes);
+        LG_FREE(d->nodes);
+        d->nodes = grown;
+        d->cap = cap;
+    }
+    lg_json_node *n = &d->nodes[d->n_nodes];
+    n->kind = kind;
+    n->first_child = n->next = -1;
+    n->start = n->end = p->at;
+    return d->n_nodes++;
+}
+
+static int lg_json_hex4(const char *s, size_t avail, unsigned *value) {
+    *value = 0;
+    if (avail < 4) return -1;
+    for (int i = 0; i < 4; i++) {
+        char c = s[i];
+        int digit = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                  : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+        if (digit < 0) return -1;
+        *value = *value * 16 + (unsigned)digit;
+    }
+    return 0;
+}
+
+static int lg_json_scan_string(lg_json_parser *p, int node) {
+    const char *t = p->doc->text;
+    p->at++; /* the opening quote */
+    p->doc->nodes[node].start = p->at;
+    while (p->at < p->len && t[p->at] != '"') {
+        unsigned char c = (unsigned char)t[p->at];
+        unsigned hex;
+        if (c < 0x20) return lg_json_error(p, "control character inside a string");
+        if (c == '\\') {
+            if (++p->at == p->len) break;
+            if (t[p->at] == 'u' && lg_json_hex4(t + p->at + 1, p->len - p->at - 1, &hex) != 0)
+                return lg_json_error(p, "\\u needs four hex digits");
+            if (t[p->at] == 'u') p->at += 4;
+            else if (!strchr("\"\\/bfnrt", t[p->at]) || !t[p->at])
+                return lg_json_error(p, "unknown escape in a string");
+        }
+        p->at++;
+    }
+    if (p->at >= p->len) return lg_json_error(p, "unterminated string");
+    p->doc->nodes[node].end = p->at++;
+    return 0;
+}
+
+static int lg_json_scan_number(lg_json_parser *p, int node) {
+    const char *t = p->doc->text;
+    size_t start = p->at, digits = 0;
+    if (t[p->at] == '-') p->at++;
+    while (p->at < p->len && t[p->at] >= '0' && t[p->at] <= '9') p->at++, digits++;
+    if (p->at < p->len && t[p->at] == '.') {
+        p->at++;
+        while (p->at < p->len && t[p->at] >= '0' && t[p->at] <= '9') p->at++;
+    }
+    if (p->at < p->len && (t[p->at] == 'e' || t[p->at] == 'E')) {
+        p->at++;
+        if (p->at < p->len && (t[p->at] == '+' || t[p->at] == '-')) p->at++;
+        while (p->at < p->len && t[p->at] >= '0' && t[p->at] <= '9') p->at++;
+    }
+    if (digits == 0) { p->at = start; return lg_json_error(p, "expected a value"); }
+    p->doc->nodes[node].end = p->at;
+    return 0;
+}
+
+static int lg_json_value(lg_json_parser *p, int depth);
+
+/* The elements of an array or the key/value pairs of an object, linked as children. */
+static int lg_json_container(lg_json_parser *p, int node, int depth) {
+    int object = p->doc->nodes[node].kind == LG_JSON_OBJECT, last = -1;
+    char close = object ? '}' : ']';
+    p->at++;
+    lg_json_skip_space(p);
+    if (p->at < p->len && p->doc->text[p->at] == close) { p->at++; return 0; }
+    for (;;) {
+        for (int part = 0; part < 1 + object; part++) {
+            lg_json_skip_space(p);
+            if (part == 0 && object && (p->at >= p->len || p->doc->text[p->at] != '"'))
+                return lg_json_error(p, "expected a string key");
+            int child = p->doc->n_nodes;
+            if (lg_json_value(p, depth + 1) != 0) return -1;
+            if (last < 0) p->doc->nodes[node].first_child = child;
+            else p->doc->nodes[last].next = child;
+            last = child;
+            lg_json_skip_space(p);
+            if (part == 0 && object) {
+                if (p->at >= p->len || p->doc->text[p->at] != ':')
+                    return lg_json_error(p, "expected ':' after a key");
+                p->at++;
+            }
+        }
+        if (p->at < p->len && p->doc->text[p->at] == ',') { p->at++; continue; }
+        if (p->at < p->len && p->doc->text[p->at] == close) { p->at++; break; }
+        return lg_json_error(p, object ? "expected ',' or '}'" : "expected ',' or ']'");
+    }
+    p->doc->nodes[node].end = p->at;
+    return 0;
+}
+
+static int lg_json_value(lg_json_parser *p, int depth) {
+    lg_json_skip_space(p);
+    if (depth > LG_JSON_MAX_DEPTH) return lg_json_error(p, "nested too deeply");
+    if (p->at >= p->len) return lg_json_error(p, "unexpected end of the document");
+    const char *t = p->doc->text + p->at;
+    size_t avail = p->len - p->at;
+    static const char *const words[3] = {"null", "false", "true"};
+    for (int w = 0; w < 3; w++) {
+        size_t n = strlen(words[w]);
+        if (avail >= n && memcmp(t, words[w], n) == 0) {
+            int node = lg_json_new_node(p, (lg_json_kind)(LG_JSON_NULL + w));
+            if (node < 0) return lg_json_error(p, "out of host memory");
+            p->at += n;
+            p->doc->nodes[node].end = p->at;
+            return 0;
+        }
+    }
+    lg_json_kind kind = *t == '"' ? LG_JSON_STRING : *t == '[' ? LG_JSON_ARRAY
+                      : *t == '{' ? LG_JSON_OBJECT : LG_JSON_NUMBER;
+    int node = lg_json_new_node(p, kind);
+    if (node < 0) return lg_json_error(p, "out of host memory");
+    if (kind == LG_JSON_STRING) return lg_json_scan_string(p, node);
+    if (kind == LG_JSON_NUMBER) return lg_json_scan_number(p, node);
+    return lg_json_container(p, node, depth);
+}
+
+int lg_json_parse(lg_json *doc, const char *text, size_t len, const char *source, lg_error *err) {
+    memset(doc, 0, sizeof *doc);
+    doc->text = text;
+    lg_json_parser p = {doc, 0, len, source, err};
+    int rc = lg_json_value(&p, 0);
+    lg_json_skip_space(&p);
+    if (rc == 0 && p.at != len) rc = lg_json_error(&p, "text after the document");
+    if (rc != 0) lg_json_free(doc);
+    return rc;
+}
+
+int lg_json_find(const lg_json *doc, int object, const char *key) {
+    if (object < 0 || doc->nodes[object].kind != LG_JSON_OBJECT) return -1;
+    size_t n = strlen(key);
+    for (int k = doc->nodes[object].first_child; k >= 0; k = doc->nodes[doc->nodes[k].next].next) {
+        const lg_json_node *node = &doc->nodes[k];
+        if (node->end - node->start == n && memcmp(doc->text + node->start, key, n) == 0)
+            return node->next;
+    }
+    return -1;
+}
+
+/* Appends code point cp as UTF-8; returns the bytes written (1 to 4). */
+static int lg_utf8_put(char *out, uint32_t cp) {
+    if (cp < 0x80) { out[0] = (char)cp; return 1; }
+    if (cp < 0x800) {
+        out[0] = (char)(0xC0 | cp >> 6);
+        out[1] = (char)(0x80 | (cp & 0x3F));
+        return 2;
+    }
+    if (cp < 0x10000) {
+        out[0] = (char)(0xE0 | cp >> 12);
+        out[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
+        out[2] = (char)(0x80 | (cp & 0x3F));
+        return 3;
+    }
+    out[0] = (char)(0xF0 | cp >> 18);
+    out[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
+    out[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
+    out[3] = (char)(0x80 | (cp & 0x3F));
+    return 4;
+}
+
+/* The code point of the \uXXXX escape at s (after the backslash), joining surrogate pairs; a
+   lone surrogate becomes U+FFFD. *used: bytes consumed after the backslash. */
+static uint32_t lg_json_unicode_escape(const char *s, size_t avail, size_t *used) {
+    unsigned hi, lo;
+    lg_json_hex4(s + 1, avail - 1, &hi);
+    *used = 5;
+    if (hi < 0xD800 || hi > 0xDFFF) return hi;
+    if (hi <= 0xDBFF && avail >= 11 && s[5] == '\\' && s[6] == 'u' &&
+        lg_json_hex4(s + 7, avail - 7, &lo) == 0 && lo >= 0xDC00 && lo <= 0xDFFF) {
+        *used = 11;
+        return 0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00);
+    }
+    return 0xFFFD;
+}
+
+char *lg_json_string(const lg_json *doc, int node, size_t *len) {
+    if (node < 0 || doc->nodes[node].kind != LG_JSON_STRING) return NULL;
+    const char *s = doc->text + doc->nodes[node].start;
+    size_t n = doc->nodes[node].end - doc->nodes[node].start, out_n = 0;
+    char *out = (char *)LG_MALLOC(n + 1); /* escapes never grow: \uXXXX is 6 bytes, UTF-8 <= 4 */
+    if (!out) return NULL;
+    for (size_t i = 0; i < n;) {
+        if (s[i] != '\\') { out[out_n++] = s[i++]; continue; }
+        char c = s[i + 1];
+        if (c == 'u') {
+            size_t used;
+            out_n += (size_t)lg_utf8_put(out + out_n, lg_json_unicode_escape(s + i + 1, n - i - 1, &used));
+            i += 1 + used;
+            continue;
+        }
+        out[out_n++] = c == 'b' ? '\b' : c == 'f' ? '\f' : c == 'n' ? '\n' : c == 'r' ? '\r'
+                     : c == 't' ? '\t' : c;
+        i += 2;
+    }
+    out[out_n] = '\0';
+    if (len) *len = out_n;
+    return out;
+}
+
+int lg_json_int(const lg_json *doc, int node, long *value) {
+    if (node < 0 || doc->nodes[node].kind != LG_JSON_NUMBER) return -1;
+    const char *s = doc->text + doc->nodes[node].start;
+    size_t n = doc->nodes[node].end - doc->nodes[node].start, i = s[0] == '-';
+    long v = 0;
+    if (i == n || n - i > 15) return -1;
+    for (; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9') return -1;
+        v = v * 10 + (s[i] - '0');
+    }
+    *value = s[0] == '-' ? -v : v;
+    return 0;
+}
+
+void lg_json_free(lg_json *doc) {
+    LG_FREE(doc->nodes);
+    memset(doc, 0, sizeof *doc);
+}
+
+char *lg_read_file(const char *path, size_t *len, const char *what, lg_error *err) {
+    struct stat st;
+    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
+        lg_fail(err, "%s %s: not a regular file", what, path);
+        return NULL;
+    }
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        lg_fail(err, "%s %s: cannot open: %s", what, path, strerror(errno));
+        return NULL;
+    }
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *text = size >= 0 ? (char *)LG_MALLOC((size_t)size + 1) : NULL;
+    if (!text || fread(text, 1, (size_t)size, f) != (size_t)size) {
+        lg_fail(err, "%s %s: %s", what, path, text ? "read failed" : "out of host memory");
+        LG_FREE(text);
+        fclose(f);
+        return NULL;
+    }
+    fclose(f);
+    text[size] = '\0';
+    *len = (size_t)size;
+    return text;
+}
+
+/* --- Alpaca-style JSON ------------------------------------------------------------------------ */
+
+/* Field key of object node as a new string; "" for an absent optional field. */
+static char *lg_alpaca_field(const lg_json *doc, int node, const char *key, int required,
+                             const char *where, lg_error *err) {
+    int value = lg_json_find(doc, node, key);
+    if (value < 0 && !required) value = -2;
+    char *text = value == -2 ? (char *)lg_alloc_zeroed(1) : lg_json_string(doc, value, NULL);
+    if (!text && value >= 0 && doc->nodes[value].kind == LG_JSON_NULL && !required)
+        text = (char *)lg_alloc_zeroed(1);
+    if (!text)
+        lg_fail(err, "%s: %s \"%s\"", where, value < 0 ? "missing field" : "not a string:", key);
+    return text;
+}
+
+/* One object of the file into sample i. */
+static int lg_alpaca_take(lg_alpaca *set, const lg_json *doc, int node, const char *where,
+                          lg_error *err) {
+    if (doc->nodes[node].kind != LG_JSON_OBJECT)
+        return lg_fail(err, "%s: expected an object with instruction, input, output", where);
+    lg_alpaca_sample *s = &set->samples[set->n];
+    s->instruction = lg_alpaca_field(doc, node, "instruction", 1, where, err);
+    s->input = s->instruction ? lg_alpaca_field(doc, node, "input", 0, where, err) : NULL;
+    s->output = s->input ? lg_alpaca_field(doc, node, "output", 1, where, err) : NULL;
+    set->n++; /* counted even when incomplete, so lg_alpaca_free releases it */
+    return s->output ? 0 : -1;
+}
+
+/* A JSON array of objects. */
+static int lg_alpaca_array(lg_alpaca *set, const char *text, size_t len, const char *path,
+                           lg_error *err) {
+    lg_json doc;
+    if (lg_json_parse(&doc, text, len, path, err) != 0) return -1;
+    size_t count = 0;
+    for (int k = doc.nodes[0].first_child; k >= 0; k = doc.nodes[k].next) count++;
+    set->samples = (lg_alpaca_sample *)lg_alloc_zeroed(sizeof(lg_alpaca_sample) * (count + 1));
+    int rc = set->samples ? 0 : lg_fail(err, "%s: out of host memory", path);
+    for (int k = doc.nodes[0].first_child; k >= 0 && rc == 0; k = doc.nodes[k].next) {
+        char where[600];
+        snprintf(where, sizeof where, "%s sample %zu", path, set->n);
+        rc = lg_alpaca_take(set, &doc, k, where, err);
+    }
+    lg_json_free(&doc);
+    return rc;
+}
+
+/* JSON lines: one object a line; blank lines are skipped. */
+static int lg_alpaca_lines(lg_alpaca *set, const char *text, size_t len, const char *path,
+                           lg_error *err) {
+    size_t lines = 1;
+    for (size_t i = 0; i < len; i++) lines += text[i] == '\n';
+    set->samples = (lg_alpaca_sample *)lg_alloc_zeroed(sizeof(lg_alpaca_sample) * lines);
+    if (!set->samples) return lg_fail(err, "%s: out of host memory", path);
+    size_t line_no = 0;
+    for (size_t at = 0; at < len;) {
+        const char *end = (const char *)memchr(text + at, '\n', len - at);
+        size_t n = end ? (size_t)(end - (text + at)) : len - at;
+        line_no++;
+        size_t blank = 0;
+        while (blank < n && strchr(" \t\r", text[at + blank])) blank++;
+        if (blank < n) {
+            char where[600];
+            snprintf(where, sizeof where, "%s line %zu (sample %zu)", path, line_no, set->n);
+            lg_json doc;
+            if (lg_json_parse(&doc, text + at, n, where, err) != 0) return -1;
+            int rc = lg_alpaca_take(set, &doc, 0, where, err);
+            lg_json_free(&doc);
+            if (rc != 0) return -1;
+        }
+        at += n + 1;
+    }
+    return 0;
+}
+
+int lg_alpaca_read(lg_alpaca *set, const char *path, lg_error *err) {
+    memset(set, 0, sizeof *set);
+    size_t len;
+    char *text = lg_read_file(path, &len, "data", err);
+    if (!text) return -1;
+    size_t first = 0;
+    while (first < len && strchr(" \t\r\n", text[first]) && text[first]) first++;
+    int rc = first < len && text[first] == '[' ? lg_alpaca_array(set, text, len, path, err)
+                                               : lg_alpaca_lines(set, text, len, path, err);
+    if (rc == 0 && set->n == 0) rc = lg_fail(err, "%s: no samples", path);
+    LG_FREE(text);
+    if (rc != 0) lg_alpaca_free(set);
+    return rc;
+}
+
+void lg_alpaca_free(lg_alpaca *set) {
+    for (size_t i = 0; set->samples && i < set->n; i++) {
+        LG_FREE(set->samples[i].instruction);
+        LG_FREE(set->samples[i].input);
+        LG_FREE(set->samples[i].output);
+    }
+    LG_FREE(set->samples);
+    memset(set, 0, sizeof *set);
+}
+
+/* Stanford Alpaca's prompt, with and without an input. */
+int lg_alpaca_prompt(const lg_alpaca_sample *sample, lg_text *out) {
+    const char *intro = sample->input[0]
+        ? "Below is an instruction that describes a task, paired with an input that provides "
+          "further context. Write a response that appropriately completes the request.\n\n"
+        : "Below is an instruction that describes a task. Write a response that appropriately "
+          "completes the request.\n\n";
+    int rc = lg_text_append(out, intro, strlen(intro));
+    rc |= lg_text_append(out, "### Instruction:\n", 17);
+    rc |= lg_text_append(out, sample->instruction, strlen(sample->instruction));
+    if (sample->input[0]) {
+        rc |= lg_text_append(out, "\n\n### Input:\n", 13);
+        rc |= lg_text_append(out, sample->input, strlen(sample->input));
+    }
+    rc |= lg_text_append(out, "\n\n### Response:\n", 16);
+    return rc ? -1 : 0;
+}
+
+/* 11. tokenizer ------------------------------------------------------------------------------- */
+
+/* --- growing lists ---------------------------------------------------------------------------- */
+
+static int lg_grow(void **data, size_t *cap, size_t need, size_t item) {
+    if (need <= *cap) return 0;
+    size_t cap2 = *cap ? *cap : 64;
+    while (cap2 < need) cap2 *= 2;
+    void *grown = LG_MALLOC(cap2 * item);
+    if (!grown) return -1;
+    if (*data) memcpy(grown, *data, *cap * item);
+    LG_FREE(*data);
+    *data = grown;
+    *cap = cap2;
+    return 0;
+}
+
+int lg_tokens_push(lg_tokens *list, int id) {
+    if (lg_grow((void **)&list->ids, &list->cap, list->n + 1, sizeof(int)) != 0) return -1;
+    list->ids[list->n++] = id;
+    return 0;
+}
+
+int lg_text_append(lg_text *text, const char *bytes, size_t n) {
+    if (lg_grow((void **)&text->bytes, &text->cap, text->n + n + 1, 1) != 0) return -1;
+    memcpy(text->bytes + text->n, bytes, n);
+    text->n += n;
+    text->bytes[text->n] = '\0';
+    return 0;
+}
+
+void lg_tokens_free(lg_tokens *list) {
+    LG_FREE(list->ids);
+    memset(list, 0, sizeof *list);
+}
+
+void lg_text_free(lg_text *text) {
+    LG_FREE(text->bytes);
+    memset(text, 0, sizeof *text);
+}
+
+/* --- Unicode ---------------------------------------------------------------------------------- */
+
+/* Unicode 17.0 (tools/unicode_tables.js) */
+/* \p{L}: 684 ranges, first and last code point of each */
+static const uint32_t lg_unicode_letters[1368] = {
+    0x41,0x5a, 0x61,0x7a, 0xaa,0xaa, 0xb5,0xb5, 0xba,0xba, 0xc0,0xd6, 0xd8,0xf6, 0xf8,0x2c1,
+    0x2c6,0x2d1, 0x2e0,0x2e4, 0x2ec,0x2ec, 0x2ee,0x2ee, 0x370,0x374, 0x376,0x377, 0x37a,0x37d,
+    0x37f,0x37f, 0x386,0x386, 0x388,0x38a, 0x38c,0x38c, 0x38e,0x3a1, 0x3a3,0x3f5, 0x3f7,0x481,
+    0x48a,0x52f, 0x531,0x556, 0x559,0x559, 0x560,0x588, 0x5d0,0x5ea, 0x5ef,0x5f2, 0x620,0x64a,
+    0x66e,0x66f, 0x671,0x6d3, 0x6d5,0x6d5, 0x6e5,0x6e6, 0x6ee,0x6ef, 0x6fa,0x6fc, 0x6ff,0x6ff,
+    0x710,0x710, 0x712,0x72f, 0x74d,0x7a5, 0x7b1,0x7b1, 0x7ca,0x7ea, 0x7f4,0x7f5, 0x7fa,0x7fa,
+    0x800,0x815, 0x81a,0x81a, 0x824,0x824, 0x828,0x828, 0x840,0x858, 0x860,0x86a, 0x870,0x887,
+    0x889,0x88f, 0x8a0,0x8c9, 0x904,0x939, 0x93d,0x93d, 0x950,0x950, 0x958,0x961, 0x971,0x980,
+    0x985,0x98c, 0x98f,0x990, 0x993,0x9a8, 0x9aa,0x9b0, 0x9b2,0x9b2, 0x9b6,0x9b9, 0x9bd,0x9bd,
+    0x9ce,0x9ce, 0x9dc,0x9dd, 0x9df,0x9e1, 0x9f0,0x9f1, 0x9fc,0x9fc, 0xa05,0xa0a, 0xa0f,0xa10,
+    0xa13,0xa28, 0xa2a,0xa30, 0xa32,0xa33, 0xa35,0xa36, 0xa38,0xa39, 0xa59,0xa5c, 0xa5e,0xa5e,
+    0xa72,0xa74, 0xa85,0xa8d, 0xa8f,0xa91, 0xa93,0xaa8, 0xaaa,0xab0, 0xab2,0xab3, 0xab5,0xab9,
+    0xabd,0xabd, 0xad0,0xad0, 0xae0,0xae1, 0xaf9,0xaf9, 0xb05,0xb0c, 0xb0f,0xb10, 0xb13,0xb28,
+    0xb2a,0xb30, 0xb32,0xb33, 0xb35,0xb39, 0xb3d,0xb3d, 0xb5c,0xb5d, 0xb5f,0xb61, 0xb71,0xb71,
+    0xb83,0xb83, 0xb85,0xb8a, 0xb8e,0xb90, 0xb92,0xb95, 0xb99,0xb9a, 0xb9c,0xb9c, 0xb9e,0xb9f,
+    0xba3,0xba4, 0xba8,0xbaa, 0xbae,0xbb9, 0xbd0,0xbd0, 0xc05,0xc0c, 0xc0e,0xc10, 0xc12,0xc28,
+    0xc2a,0xc39, 0xc3d,0xc3d, 0xc58,0xc5a, 0xc5c,0xc5d, 0xc60,0xc61, 0xc80,0xc80, 0xc85,0xc8c,
+    0xc8e,0xc90, 0xc92,0xca8, 0xcaa,0xcb3, 0xcb5,0xcb9, 0xcbd,0xcbd, 0xcdc,0xcde, 0xce0,0xce1,
+    0xcf1,0xcf2, 0xd04,0xd0c, 0xd0e,0xd10, 0xd12,0xd3a, 0xd3d,0xd3d, 0xd4e,0xd4e, 0xd54,0xd56,
+    0xd5f,0xd61, 0xd7a,0xd7f, 0xd85,0xd96, 0xd9a,0xdb1, 0xdb3,0xdbb, 0xdbd,0xdbd, 0xdc0,0xdc6,
+    0xe01,0xe30, 0xe32,0xe33, 0xe40,0xe46, 0xe81,0xe82, 0xe84,0xe84, 0xe86,0xe8a, 0xe8c,0xea3,
+    0xea5,0xea5, 0xea7,0xeb0, 0xeb2,0xeb3, 0xebd,0xebd, 0xec0,0xec4, 0xec6,0xec6, 0xedc,0xedf,
+    0xf00,0xf00, 0xf40,0xf47, 0xf49,0xf6c, 0xf88,0xf8c, 0x1000,0x102a, 0x103f,0x103f,
+    0x1050,0x1055, 0x105a,0x105d, 0x1061,0x1061, 0x1065,0x1066, 0x106e,0x1070, 0x1075,0x1081,
+    0x108e,0x108e, 0x10a0,0x10c5, 0x10c7,0x10c7, 0x10cd,0x10cd, 0x10d0,0x10fa, 0x10fc,0x1248,
+    0x124a,0x124d, 0x1250,0x1256, 0x1258,0x1258, 0x125a,0x125d, 0x1260,0x1288, 0x128a,0x128d,
+    0x1290,0x12b0, 0x12b2,0x12b5, 0x12b8,0x12be, 0x12c0,0x12c0, 0x12c2,0x12c5, 0x12c8,0x12d6,
+    0x12d8,0x1310, 0x1312,0x1315, 0x1318,0x135a, 0x1380,0x138f, 0x13a0,0x13f5, 0x13f8,0x13fd,
+    0x1401,0x166c, 0x166f,0x167f, 0x1681,0x169a, 0x16a0,0x16ea, 0x16f1,0x16f8, 0x1700,0x1711,
+    0x171f,0x1731, 0x1740,0x1751, 0x1760,0x176c, 0x176e,0x1770, 0x1780,0x17b3, 0x17d7,0x17d7,
+    0x17dc,0x17dc, 0x1820,0x1878, 0x1880,0x1884, 0x1887,0x18a8, 0x18aa,0x18aa, 0x18b0,0x18f5,
+    0x1900,0x191e, 0x1950,0x196d, 0x1970,0x1974, 0x1980,0x19ab, 0x19b0,0x19c9, 0x1a00,0x1a16,
+    0x1a20,0x1a54, 0x1aa7,0x1aa7, 0x1b05,0x1b33, 0x1b45,0x1b4c, 0x1b83,0x1ba0, 0x1bae,0x1baf,
+    0x1bba,0x1be5, 0x1c00,0x1c23, 0x1c4d,0x1c4f, 0x1c5a,0x1c7d, 0x1c80,0x1c8a, 0x1c90,0x1cba,
+    0x1cbd,0x1cbf, 0x1ce9,0x1cec, 0x1cee,0x1cf3, 0x1cf5,0x1cf6, 0x1cfa,0x1cfa, 0x1d00,0x1dbf,
+    0x1e00,0x1f15, 0x1f18,0x1f1d, 0x1f20,0x1f45, 0x1f48,0x1f4d, 0x1f50,0x1f57, 0x1f59,0x1f59,
+    0x1f5b,0x1f5b, 0x1f5d,0x1f5d, 0x1f5f,0x1f7d, 0x1f80,0x1fb4, 0x1fb6,0x1fbc, 0x1fbe,0x1fbe,
+    0x1fc2,0x1fc4, 0x1fc6,0x1fcc, 0x1fd0,0x1fd3, 0x1fd6,0x1fdb, 0x1fe0,0x1fec, 0x1ff2,0x1ff4,
+    0x1ff6,0x1ffc, 0x2071,0x2071, 0x207f,0x207f, 0x2090,0x209c, 0x2102,0x2102, 0x2107,0x2107,
+    0x210a,0x2113, 0x2115,0x2115, 0x2119,0x211d, 0x2124,0x2124, 0x2126,0x2126, 0x2128,0x2128,
+    0x212a,0x212d, 0x212f,0x2139, 0x213c,0x213f, 0x2145,0x2149, 0x214e,0x214e, 0x2183,0x2184,
+    0x2c00,0x2ce4, 0x2ceb,0x2cee, 0x2cf2,0x2cf3, 0x2d00,0x2d25, 0x2d27,0x2d27, 0x2d2d,0x2d2d,
+    0x2d30,0x2d67, 0x2d6f,0x2d6f, 0x2d80,0x2d96, 0x2da0,0x2da6, 0x2da8,0x2dae, 0x2db0,0x2db6,
+    0x2db8,0x2dbe, 0x2dc0,0x2dc6, 0x2dc8,0x2dce, 0x2dd0,0x2dd6, 0x2dd8,0x2dde, 0x2e2f,0x2e2f,
+    0x3005,0x3006, 0x3031,0x3035, 0x303b,0x303c, 0x3041,0x3096, 0x309d,0x309f, 0x30a1,0x30fa,
+    0x30fc,0x30ff, 0x3105,0x312f, 0x3131,0x318e, 0x31a0,0x31bf, 0x31f0,0x31ff, 0x3400,0x4dbf,
+    0x4e00,0xa48c, 0xa4d0,0xa4fd, 0xa500,0xa60c, 0xa610,0xa61f, 0xa62a,0xa62b, 0xa640,0xa66e,
+    0xa67f,0xa69d, 0xa6a0,0xa6e5, 0xa717,0xa71f, 0xa722,0xa788, 0xa78b,0xa7dc, 0xa7f1,0xa801,
+    0xa803,0xa805, 0xa807,0xa80a, 0xa80c,0xa822, 0xa840,0xa873, 0xa882,0xa8b3, 0xa8f2,0xa8f7,
+    0xa8fb,0xa8fb, 0xa8fd,0xa8fe, 0xa90a,0xa925, 0xa930,0xa946, 0xa960,0xa97c, 0xa984,0xa9b2,
+    0xa9cf,0xa9cf, 0xa9e0,0xa9e4, 0xa9e6,0xa9ef, 0xa9fa,0xa9fe, 0xaa00,0xaa28, 0xaa40,0xaa42,
+    0xaa44,0xaa4b, 0xaa60,0xaa76, 0xaa7a,0xaa7a, 0xaa7e,0xaaaf, 0xaab1,0xaab1, 0xaab5,0xaab6,
+    0xaab9,0xaabd, 0xaac0,0xaac0, 0xaac2,0xaac2, 0xaadb,0xaadd, 0xaae0,0xaaea, 0xaaf2,0xaaf4,
+    0xab01,0xab06, 0xab09,0xab0e, 0xab11,0xab16, 0xab20,0xab26, 0xab28,0xab2e, 0xab30,0xab5a,
+    0xab5c,0xab69, 0xab70,0xabe2, 0xac00,0xd7a3, 0xd7b0,0xd7c6, 0xd7cb,0xd7fb, 0xf900,0xfa6d,
+    0xfa70,0xfad9, 0xfb00,0xfb06, 0xfb13,0xfb17, 0xfb1d,0xfb1d, 0xfb1f,0xfb28, 0xfb2a,0xfb36,
+    0xfb38,0xfb3c, 0xfb3e,0xfb3e, 0xfb40,0xfb41, 0xfb43,0xfb44, 0xfb46,0xfbb1, 0xfbd3,0xfd3d,
+    0xfd50,0xfd8f, 0xfd92,0xfdc7, 0xfdf0,0xfdfb, 0xfe70,0xfe74, 0xfe76,0xfefc, 0xff21,0xff3a,
+    0xff41,0xff5a, 0xff66,0xffbe, 0xffc2,0xffc7, 0xffca,0xffcf, 0xffd2,0xffd7, 0xffda,0xffdc,
+    0x10000,0x1000b, 0x1000d,0x10026, 0x10028,0x1003a, 0x1003c,0x1003d, 0x1003f,0x1004d,
+    0x10050,0x1005d, 0x10080,0x100fa, 0x10280,0x1029c, 0x102a0,0x102d0, 0x10300,0x1031f,
+    0x1032d,0x10340, 0x10342,0x10349, 0x10350,0x10375, 0x10380,0x1039d, 0x103a0,0x103c3,
+    0x103c8,0x103cf, 0x10400,0x1049d, 0x104b0,0x104d3, 0x104d8,0x104fb, 0x10500,0x10527,
+    0x10530,0x10563, 0x10570,0x1057a, 0x1057c,0x1058a, 0x1058c,0x10592, 0x10594,0x10595,
+    0x10597,0x105a1, 0x105a3,0x105b1, 0x105b3,0x105b9, 0x105bb,0x105bc, 0x105c0,0x105f3,
+    0x10600,0x10736, 0x10740,0x10755, 0x10760,0x10767, 0x10780,0x10785, 0x10787,0x107b0,
+    0x107b2,0x107ba, 0x10800,0x10805, 0x10808,0x10808, 0x1080a,0x10835, 0x10837,0x10838,
+    0x1083c,0x1083c, 0x1083f,0x10855, 0x10860,0x10876, 0x10880,0x1089e, 0x108e0,0x108f2,
+    0x108f4,0x108f5, 0x10900,0x10915, 0x10920,0x10939, 0x10940,0x10959, 0x10980,0x109b7,
+    0x109be,0x109bf, 0x10a00,0x10a00, 0x10a10,0x10a13, 0x10a15,0x10a17, 0x10a19,0x10a35,
+    0x10a60,0x10a7c, 0x10a80,0x10a9c, 0x10ac0,0x10ac7, 0x10ac9,0x10ae4, 0x10b00,0x10b35,
+    0x10b40,0x10b55, 0x10b60,0x10b72, 0x10b80,0x10b91, 0x10c00,0x10c48, 0x10c80,0x10cb2,
+    0x10cc0,0x10cf2, 0x10d00,0x10d23, 0x10d4a,0x10d65, 0x10d6f,0x10d85, 0x10e80,0x10ea9,
+    0x10eb0,0x10eb1, 0x10ec2,0x10ec7, 0x10f00,0x10f1c, 0x10f27,0x10f27, 0x10f30,0x10f45,
+    0x10f70,0x10f81, 0x10fb0,0x10fc4, 0x10fe0,0x10ff6, 0x11003,0x11037, 0x11071,0x11072,
+    0x11075,0x11075, 0x11083,0x110af, 0x110d0,0x110e8, 0x11103,0x11126, 0x11144,0x11144,
+    0x11147,0x11147, 0x11150,0x11172, 0x11176,0x11176, 0x11183,0x111b2, 0x111c1,0x111c4,
+    0x111da,0x111da, 0x111dc,0x111dc, 0x11200,0x11211, 0x11213,0x1122b, 0x1123f,0x11240,
+    0x11280,0x11286, 0x11288,0x11288, 0x1128a,0x1128d, 0x1128f,0x1129d, 0x1129f,0x112a8,
+    0x112b0,0x112de, 0x11305,0x1130c, 0x1130f,0x11310, 0x11313,0x11328, 0x1132a,0x11330,
+    0x11332,0x11333, 0x11335,0x11339, 0x1133d,0x1133d, 0x11350,0x11350, 0x1135d,0x11361,
+    0x11380,0x11389, 0x1138b,0x1138b, 0x1138e,0x1138e, 0x11390,0x113b5, 0x113b7,0x113b7,
+    0x113d1,0x113d1, 0x113d3,0x113d3, 0x11400,0x11434, 0x11447,0x1144a, 0x1145f,0x11461,
+    0x11480,0x114af, 0x114c4,0x114c5, 0x114c7,0x114c7, 0x11580,0x115ae, 0x115d8,0x115db,
+    0x11600,0x1162f, 0x11644,0x11644, 0x11680,0x116aa, 0x116b8,0x116b8, 0x11700,0x1171a,
+    0x11740,0x11746, 0x11800,0x1182b, 0x118a0,0x118df, 0x118ff,0x11906, 0x11909,0x11909,
+    0x1190c,0x11913, 0x11915,0x11916, 0x11918,0x1192f, 0x1193f,0x1193f, 0x11941,0x11941,
+    0x119a0,0x119a7, 0x119aa,0x119d0, 0x119e1,0x119e1, 0x119e3,0x119e3, 0x11a00,0x11a00,
+    0x11a0b,0x11a32, 0x11a3a,0x11a3a, 0x11a50,0x11a50, 0x11a5c,0x11a89, 0x11a9d,0x11a9d,
+    0x11ab0,0x11af8, 0x11bc0,0x11be0, 0x11c00,0x11c08, 0x11c0a,0x11c2e, 0x11c40,0x11c40,
+    0x11c72,0x11c8f, 0x11d00,0x11d06, 0x11d08,0x11d09, 0x11d0b,0x11d30, 0x11d46,0x11d46,
+    0x11d60,0x11d65, 0x11d67,0x11d68, 0x11d6a,0x11d89, 0x11d98,0x11d98, 0x11db0,0x11ddb,
+    0x11ee0,0x11ef2, 0x11f02,0x11f02, 0x11f04,0x11f10, 0x11f12,0x11f33, 0x11fb0,0x11fb0,
+    0x12000,0x12399, 0x12480,0x12543, 0x12f90,0x12ff0, 0x13000,0x1342f, 0x13441,0x13446,
+    0x13460,0x143fa, 0x14400,0x14646, 0x16100,0x1611d, 0x16800,0x16a38, 0x16a40,0x16a5e,
+    0x16a70,0x16abe, 0x16ad0,0x16aed, 0x16b00,0x16b2f, 0x16b40,0x16b43, 0x16b63,0x16b77,
+    0x16b7d,0x16b8f, 0x16d40,0x16d6c, 0x16e40,0x16e7f, 0x16ea0,0x16eb8, 0x16ebb,0x16ed3,
+    0x16f00,0x16f4a, 0x16f50,0x16f50, 0x16f93,0x16f9f, 0x16fe0,0x16fe1, 0x16fe3,0x16fe3,
+    0x16ff2,0x16ff3, 0x17000,0x18cd5, 0x18cff,0x18d1e, 0x18d80,0x18df2, 0x1aff0,0x1aff3,
+    0x1aff5,0x1affb, 0x1affd,0x1affe, 0x1b000,0x1b122, 0x1b132,0x1b132, 0x1b150,0x1b152,
+    0x1b155,0x1b155, 0x1b164,0x1b167, 0x1b170,0x1b2fb, 0x1bc00,0x1bc6a, 0x1bc70,0x1bc7c,
+    0x1bc80,0x1bc88, 0x1bc90,0x1bc99, 0x1d400,0x1d454, 0x1d456,0x1d49c, 0x1d49e,0x1d49f,
+    0x1d4a2,0x1d4a2, 0x1d4a5,0x1d4a6, 0x1d4a9,0x1d4ac, 0x1d4ae,0x1d4b9, 0x1d4bb,0x1d4bb,
+    0x1d4bd,0x1d4c3, 0x1d4c5,0x1d505, 0x1d507,0x1d50a, 0x1d50d,0x1d514, 0x1d516,0x1d51c,
+    0x1d51e,0x1d539, 0x1d53b,0x1d53e, 0x1d540,0x1d544, 0x1d546,0x1d546, 0x1d54a,0x1d550,
+    0x1d552,0x1d6a5, 0x1d6a8,0x1d6c0, 0x1d6c2,0x1d6da, 0x1d6dc,0x1d6fa, 0x1d6fc,0x1d714,
+    0x1d716,0x1d734, 0x1d736,0x1d74e, 0x1d750,0x1d76e, 0x1d770,0x1d788, 0x1d78a,0x1d7a8,
+    0x1d7aa,0x1d7c2, 0x1d7c4,0x1d7cb, 0x1df00,0x1df1e, 0x1df25,0x1df2a, 0x1e030,0x1e06d,
+    0x1e100,0x1e12c, 0x1e137,0x1e13d, 0x1e14e,0x1e14e, 0x1e290,0x1e2ad, 0x1e2c0,0x1e2eb,
+    0x1e4d0,0x1e4eb, 0x1e5d0,0x1e5ed, 0x1e5f0,0x1e5f0, 0x1e6c0,0x1e6de, 0x1e6e0,0x1e6e2,
+    0x1e6e4,0x1e6e5, 0x1e6e7,0x1e6ed, 0x1e6f0,0x1e6f4, 0x1e6fe,0x1e6ff, 0x1e7e0,0x1e7e6,
+    0x1e7e8,0x1e7eb, 0x1e7ed,0x1e7ee, 0x1e7f0,0x1e7fe, 0x1e800,0x1e8c4, 0x1e900,0x1e943,
+    0x1e94b,0x1e94b, 0x1ee00,0x1ee03, 0x1ee05,0x1ee1f, 0x1ee21,0x1ee22, 0x1ee24,0x1ee24,
+    0x1ee27,0x1ee27, 0x1ee29,0x1ee32, 0x1ee34,0x1ee37, 0x1ee39,0x1ee39, 0x1ee3b,0x1ee3b,
+    0x1ee42,0x1ee42, 0x1ee47,0x1ee47, 0x1ee49,0x1ee49, 0x1ee4b,0x1ee4b, 0x1ee4d,0x1ee4f,
+    0x1ee51,0x1ee52, 0x1ee54,0x1ee54, 0x1ee57,0x1ee57, 0x1ee59,0x1ee59, 0x1ee5b,0x1ee5b,
+    0x1ee5d,0x1ee5d, 0x1ee5f,0x1ee5f, 0x1ee61,0x1ee62, 0x1ee64,0x1ee64, 0x1ee67,0x1ee6a,
+    0x1ee6c,0x1ee72, 0x1ee74,0x1ee77, 0x1ee79,0x1ee7c, 0x1ee7e,0x1ee7e, 0x1ee80,0x1ee89,
+    0x1ee8b,0x1ee9b, 0x1eea1,0x1eea3, 0x1eea5,0x1eea9, 0x1eeab,0x1eebb, 0x20000,0x2a6df,
+    0x2a700,0x2b81d, 0x2b820,0x2cead, 0x2ceb0,0x2ebe0, 0x2ebf0,0x2ee5d, 0x2f800,0x2fa1d,
+    0x30000,0x3134a, 0x31350,0x33479,
+};
+
+/* \p{N}: 146 ranges, first and last code point of each */
+static const uint32_t lg_unicode_numbers[292] = {
+    0x30,0x39, 0xb2,0xb3, 0xb9,0xb9, 0xbc,0xbe, 0x660,0x669, 0x6f0,0x6f9, 0x7c0,0x7c9, 0x966,0x96f,
+    0x9e6,0x9ef, 0x9f4,0x9f9, 0xa66,0xa6f, 0xae6,0xaef, 0xb66,0xb6f, 0xb72,0xb77, 0xbe6,0xbf2,
+    0xc66,0xc6f, 0xc78,0xc7e, 0xce6,0xcef, 0xd58,0xd5e, 0xd66,0xd78, 0xde6,0xdef, 0xe50,0xe59,
+    0xed0,0xed9, 0xf20,0xf33, 0x1040,0x1049, 0x1090,0x1099, 0x1369,0x137c, 0x16ee,0x16f0,
+    0x17e0,0x17e9, 0x17f0,0x17f9, 0x1810,0x1819, 0x1946,0x194f, 0x19d0,0x19da, 0x1a80,0x1a89,
+    0x1a90,0x1a99, 0x1b50,0x1b59, 0x1bb0,0x1bb9, 0x1c40,0x1c49, 0x1c50,0x1c59, 0x2070,0x2070,
+    0x2074,0x2079, 0x2080,0x2089, 0x2150,0x2182, 0x2185,0x2189, 0x2460,0x249b, 0x24ea,0x24ff,
+    0x2776,0x2793, 0x2cfd,0x2cfd, 0x3007,0x3007, 0x3021,0x3029, 0x3038,0x303a, 0x3192,0x3195,
+    0x3220,0x3229, 0x3248,0x324f, 0x3251,0x325f, 0x3280,0x3289, 0x32b1,0x32bf, 0xa620,0xa629,
+    0xa6e6,0xa6ef, 0xa830,0xa835, 0xa8d0,0xa8d9, 0xa900,0xa909, 0xa9d0,0xa9d9, 0xa9f0,0xa9f9,
+    0xaa50,0xaa59, 0xabf0,0xabf9, 0xff10,0xff19, 0x10107,0x10133, 0x10140,0x10178, 0x1018a,0x1018b,
+    0x102e1,0x102fb, 0x10320,0x10323, 0x10341,0x10341, 0x1034a,0x1034a, 0x103d1,0x103d5,
+    0x104a0,0x104a9, 0x10858,0x1085f, 0x10879,0x1087f, 0x108a7,0x108af, 0x108fb,0x108ff,
+    0x10916,0x1091b, 0x109bc,0x109bd, 0x109c0,0x109cf, 0x109d2,0x109ff, 0x10a40,0x10a48,
+    0x10a7d,0x10a7e, 0x10a9d,0x10a9f, 0x10aeb,0x10aef, 0x10b58,0x10b5f, 0x10b78,0x10b7f,
+    0x10ba9,0x10baf, 0x10cfa,0x10cff, 0x10d30,0x10d39, 0x10d40,0x10d49, 0x10e60,0x10e7e,
+    0x10f1d,0x10f26, 0x10f51,0x10f54, 0x10fc5,0x10fcb, 0x11052,0x1106f, 0x110f0,0x110f9,
+    0x11136,0x1113f, 0x111d0,0x111d9, 0x111e1,0x111f4, 0x112f0,0x112f9, 0x11450,0x11459,
+    0x114d0,0x114d9, 0x11650,0x11659, 0x116c0,0x116c9, 0x116d0,0x116e3, 0x11730,0x1173b,
+    0x118e0,0x118f2, 0x11950,0x11959, 0x11bf0,0x11bf9, 0x11c50,0x11c6c, 0x11d50,0x11d59,
+    0x11da0,0x11da9, 0x11de0,0x11de9, 0x11f50,0x11f59, 0x11fc0,0x11fd4, 0x12400,0x1246e,
+    0x16130,0x16139, 0x16a60,0x16a69, 0x16ac0,0x16ac9, 0x16b50,0x16b59, 0x16b5b,0x16b61,
+    0x16d70,0x16d79, 0x16e80,0x16e96, 0x16ff4,0x16ff6, 0x1ccf0,0x1ccf9, 0x1d2c0,0x1d2d3,
+    0x1d2e0,0x1d2f3, 0x1d360,0x1d378, 0x1d7ce,0x1d7ff, 0x1e140,0x1e149, 0x1e2f0,0x1e2f9,
+    0x1e4f0,0x1e4f9, 0x1e5f1,0x1e5fa, 0x1e8c7,0x1e8cf, 0x1e950,0x1e959, 0x1ec71,0x1ecab,
+    0x1ecad,0x1ecaf, 0x1ecb1,0x1ecb4, 0x1ed01,0x1ed2d, 0x1ed2f,0x1ed3d, 0x1f100,0x1f10c,
+    0x1fbf0,0x1fbf9,
+};
+
+static int lg_in_ranges(const uint32_t *ranges, int n_ranges, uint32_t cp) {
+    int lo = 0, hi = n_ranges - 1;
+    while (lo <= hi) {
+        int mid = (lo + hi) / 2;
+        if (cp < ranges[2 * mid]) hi = mid - 1;
+        else if (cp > ranges[2 * mid + 1]) lo = mid + 1;
+        else return 1;
+    }
+    return 0;
+}
+
+static int lg_is_letter(uint32_t cp) {
+    return lg_in_ranges(lg_unicode_letters, (int)(sizeof lg_unicode_letters / 8), cp);
+}
+
+static int lg_is_number(uint32_t cp) {
+    return lg_in_ranges(lg_unicode_numbers, (int)(sizeof lg_unicode_numbers / 8), cp);
+}
+
+/* \s: Unicode White_Space; JavaScript's differs in U+0085 (not space) and U+FEFF (space). */
+static int lg_is_space(uint32_t cp, int js) {
+    if ((cp >= 9 && cp <= 13) || cp == ' ' || cp == 0xA0 || cp == 0x1680 ||
+        (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F ||
+        cp == 0x205F || cp == 0x3000)
+        return 1;
+    return js ? cp == 0xFEFF : cp == 0x85;
+}
+
+/* Decodes one UTF-8 character at s (n bytes left); malformed bytes decode one at a time as
+   0x110000 + byte, which no category holds. *size: its bytes. */
+static uint32_t lg_utf8_next(const unsigned char *s, size_t n, int *size) {
+    int len = s[0] < 0x80 ? 1 : (s[0] & 0xE0) == 0xC0 ? 2 : (s[0] & 0xF0) == 0xE0 ? 3
+            : (s[0] & 0xF8) == 0xF0 ? 4 : 0;
+    uint32_t cp = len == 1 ? s[0] : len == 2 ? s[0] & 0x1Fu : len == 3 ? s[0] & 0x0Fu : s[0] & 0x07u;
+    if (len == 0 || (size_t)len > n) { *size = 1; return 0x110000u + s[0]; }
+    for (int i = 1; i < len; i++) {
+        if ((s[i] & 0xC0) != 0x80) { *size = 1; return 0x110000u + s[0]; }
+        cp = cp << 6 | (s[i] & 0x3Fu);
+    }
+    static const uint32_t smallest[5] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < smallest[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) {
+        *size = 1;
+        return 0x110000u + s[0];
+    }
+    *size = len;
+    return cp;
+}
+
+/* --- pre-tokenizers: the regular expressions written out -------------------------------------- */
+
+/* Text as code points, with the byte offset of each (and of the end). */
+typedef struct {
+    uint32_t *cp;   /* (n) */
+    size_t *at;     /* (n + 1): byte offset of character i */
+    size_t n;
+    int js;         /* \s as JavaScript */
+} lg_chars;
+
+enum { LG_CLASS_LETTER, LG_CLASS_NUMBER, LG_CLASS_SPACE, LG_CLASS_OTHER };
+
+static int lg_class(const lg_chars *c, size_t i) {
+    uint32_t cp = c->cp[i];
+    return lg_is_letter(cp) ? LG_CLASS_LETTER : lg_is_number(cp) ? LG_CLASS_NUMBER
+         : lg_is_space(cp, c->js) ? LG_CLASS_SPACE : LG_CLASS_OTHER;
+}
+
+static size_t lg_run(const lg_chars *c, size_t i, int cls) {
+    while (i < c->n && lg_class(c, i) == cls) i++;
+    return i;
+}
+
+/* 's 't 're 've 'm 'll 'd at i (case-insensitive for Llama 3 and Qwen2): the end, or 0. */
+static size_t lg_contraction(const lg_chars *c, size_t i, int any_case) {
+    static const char *const endings[7] = {"s", "t", "re", "ve", "m", "ll", "d"};
+    if (c->cp[i] != '\'') return 0;
+    for (int e = 0; e < 7; e++) {
+        size_t k = 0, len = strlen(endings[e]);
+        for (; k < len && i + 1 + k < c->n; k++) {
+            uint32_t ch = c->cp[i + 1 + k];
+            if (any_case && ch >= 'A' && ch <= 'Z') ch += 32;
+            if (ch != (uint32_t)endings[e][k]) break;
+        }
+        if (k == len) return i + 1 + len;
+    }
+    return 0;
+}
+
+/* \s+(?!\S) then \s+ at a space i: the run, less its last character when a non-space follows
+   and the run is longer than one. */
+static size_t lg_space_run(const lg_chars *c, size_t i) {
+    size_t end = lg_run(c, i, LG_CLASS_SPACE);
+    return end < c->n && end - i >= 2 ? end - 1 : end;
+}
+
+/* GPT-2: 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+ */
+static size_t lg_match_gpt2(const lg_chars *c, size_t i) {
+    size_t end = lg_contraction(c, i, 0);
+    if (end) return end;
+    size_t k = i + (c->cp[i] == ' ' && i + 1 < c->n);
+    int cls = lg_class(c, k);
+    if (cls != LG_CLASS_SPACE) return lg_run(c, k, cls);
+    return lg_space_run(c, i);
+}
+
+static int lg_is_newline(uint32_t cp) { return cp == '\r' || cp == '\n'; }
+
+/* Llama 3 (digits in threes) and Qwen2 (single digits):
+   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|
+   \s*[\r\n]+|\s+(?!\S)|\s+ */
+static size_t lg_match_llama3(const lg_chars *c, size_t i, int max_digits) {
+    size_t end = lg_contraction(c, i, 1);
+    if (end) return end;
+    int cls = lg_class(c, i);
+    if (cls == LG_CLASS_LETTER) return lg_run(c, i, LG_CLASS_LETTER);
+    if (cls != LG_CLASS_NUMBER && !lg_is_newline(c->cp[i]) && i + 1 < c->n &&
+        lg_class(c, i + 1) == LG_CLASS_LETTER)
+        return lg_run(c, i + 1, LG_CLASS_LETTER);
+    if (cls == LG_CLASS_NUMBER) {
+        end = i;
+        while (end < c->n && end - i < (size_t)max_digits && lg_class(c, end) == LG_CLASS_NUMBER) end++;
+        return end;
+    }
+    size_t k = i + (c->cp[i] == ' ' && i + 1 < c->n);
+    if (lg_class(c, k) == LG_CLASS_OTHER) {
+        end = lg_run(c, k, LG_CLASS_OTHER);
+        while (end < c->n && lg_is_newline(c->cp[end])) end++;
+        return end;
+    }
+    size_t run = lg_run(c, i, LG_CLASS_SPACE), last_newline = 0;
+    for (size_t j = i; j < run; j++)
+        if (lg_is_newline(c->cp[j])) last_newline = j + 1;
+    return last_newline ? last_newline : lg_space_run(c, i);
+}
+
+/* Cuts text into words: calls emit for each [start, end) byte range. */
+static int lg_pretokenize(const lg_tokenizer *tok, const lg_chars *c,
+                          int (*emit)(const lg_tokenizer *, const char *, size_t, void *),
+                          const char *text, void *ctx) {
+    for (size_t i = 0; i < c->n;) {
+        size_t end = tok->pretokenizer == LG_PRETOKENIZE_GPT2 ? lg_match_gpt2(c, i)
+                   : tok->pretokenizer == LG_PRETOKENIZE_LLAMA3 ? lg_match_llama3(c, i, 3)
+                   : tok->pretokenizer == LG_PRETOKENIZE_QWEN2 ? lg_match_llama3(c, i, 1)
+                   : c->n;
+        if (end <= i) end = i + 1; /* never stall */
+        if (emit(tok, text + c->at[i], c->at[end] - c->at[i], ctx) != 0) return -1;
+        i = end;
+    }
+    return 0;
+}
+
+static int lg_chars_decode(lg_chars *c, const char *text, size_t len) {
+    c->cp = (uint32_t *)LG_MALLOC(sizeof(uint32_t) * (len + 1));
+    c->at = (size_t *)LG_MALLOC(sizeof(size_t) * (len + 1));
+    c->n = 0;
+    if (!c->cp || !c->at) return -1;
+    for (size_t at = 0; at < len;) {
+        int size;
+        c->at[c->n] = at;
+        c->cp[c->n++] = lg_utf8_next((const unsigned char *)text + at, len - at, &size);
+        at += (size_t)size;
+    }
+    c->at[c->n] = len;
+    return 0;
+}
+
+/* --- the vocabulary and merge tables ---------------------------------------------------------- */
+
+static uint64_t lg_hash_bytes(const char *s, size_t n) {
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)s[i]) * 1099511628211ull;
+    return h;
+}
+
+static uint64_t lg_hash_pair(uint64_t pair) {
+    pair ^= pair >> 33;
+    pair *= 0xff51afd7ed558ccdull;
+    return pair ^ (pair >> 33);
+}
+
+int lg_tokenizer_find(const lg_tokenizer *tok, const char *piece, size_t len) {
+    if (!tok->piece_table) return -1;
+    size_t mask = tok->piece_slots - 1;
+    for (size_t s = lg_hash_bytes(piece, len) & mask;; s = (s + 1) & mask) {
+        int id = tok->piece_table[s];
+        if (id < 0) return -1;
+        size_t start = tok->piece_start[id], n = tok->piece_start[id + 1] - start;
+        if (n == len && memcmp(tok->pieces + start, piece, len) == 0) return id;
+    }
+}
+
+/* The slot of a merge pair: where it is, or the empty slot where it would go. */
+static size_t lg_merge_slot(const lg_tokenizer *tok, uint64_t pair) {
+    size_t mask = tok->merge_slots - 1, s = lg_hash_pair(pair) & mask;
+    while (tok->merge_pair[s] != UINT64_MAX && tok->merge_pair[s] != pair) s = (s + 1) & mask;
+    return s;
+}
+
+/* The rank and result of merging left and right; rank INT32_MAX when they do not merge. */
+static int lg_merge_rank(const lg_tokenizer *tok, int left, int right, int *result) {
+    if (!tok->merge_slots) return INT32_MAX;
+    size_t s = lg_merge_slot(tok, (uint64_t)(uint32_t)left << 32 | (uint32_t)right);
+    if (tok->merge_pair[s] == UINT64_MAX) return INT32_MAX;
+    *result = tok->merge_result[s];
+    return tok->merge_rank[s];
+}
+
+/* Pieces given as (id, bytes) build the pieces buffer and its hash table. The pieces of ids
+   never given are empty. items[i] points to n[i] bytes. */
+static int lg_tokenizer_set_pieces(lg_tokenizer *tok, char **items, const size_t *n, int V) {
+    size_t total = 0;
+    for (int i = 0; i < V; i++) total += n[i];
+    tok->vocab_size = V;
+    tok->pieces = (char *)LG_MALLOC(total + 1);
+    tok->piece_start = (size_t *)LG_MALLOC(sizeof(size_t) * ((size_t)V + 1));
+    tok->piece_slots = 1;
+    while (tok->piece_slots < 2 * (size_t)V) tok->piece_slots *= 2;
+    tok->piece_table = (int *)LG_MALLOC(sizeof(int) * tok->piece_slots);
+    if (!tok->pieces || !tok->piece_start || !tok->piece_table) return -1;
+    memset(tok->piece_table, 0xFF, sizeof(int) * tok->piece_slots);
+    size_t at = 0;
+    for (int i = 0; i < V; i++) {
+        tok->piece_start[i] = at;
+        if (n[i]) memcpy(tok->pieces + at, items[i], n[i]);
+        at += n[i];
+    }
+    tok->piece_start[V] = at;
+    for (int i = 0; i < V; i++) {
+        const char *p = tok->pieces + tok->piece_start[i];
+        if (n[i] == 0 || lg_tokenizer_find(tok, p, n[i]) >= 0) continue; /* first id wins */
+        size_t mask = tok->piece_slots - 1, s = lg_hash_bytes(p, n[i]) & mask;
+        while (tok->piece_table[s] >= 0) s = (s + 1) & mask;
+        tok->piece_table[s] = i;
+    }
+    return 0;
+}
+
+static int lg_tokenizer_alloc_merges(lg_tokenizer *tok, size_t n_merges) {
+    tok->merge_slots = 1;
+    while (tok->merge_slots < 2 * n_merges + 2) tok->merge_slots *= 2;
+    tok->merge_pair = (uint64_t *)LG_MALLOC(sizeof(uint64_t) * tok->merge_slots);
+    tok->merge_rank = (int *)LG_MALLOC(sizeof(int) * tok->merge_slots);
+    tok->merge_result = (int *)LG_MALLOC(sizeof(int) * tok->merge_slots);
+    if (!tok->merge_pair || !tok->merge_rank || !tok->merge_result) return -1;
+    memset(tok->merge_pair, 0xFF, sizeof(uint64_t) * tok->merge_slots);
+    return 0;
+}
+
+/* Adds merge "left right" (pieces in the vocabulary's form) with the next rank; a merge whose
+   parts or result are not in the vocabulary fails (where says which line). */
+static int lg_tokenizer_add_merge(lg_tokenizer *tok, const char *left, size_t left_n,
+                                  const char *right, size_t right_n, const char *where,
+                                  lg_error *err) {
+    int a = lg_tokenizer_find(tok, left, left_n), b = lg_tokenizer_find(tok, right, right_n);
+    char joined[512];
+    if (left_n + right_n > sizeof joined)
+        return lg_fail(err, "tokenizer %s: %s: a merge longer than %zu bytes", tok->path, where,
+                       sizeof joined);
+    memcpy(joined, left, left_n);
+    memcpy(joined + left_n, right, right_n);
+    int merged = lg_tokenizer_find(tok, joined, left_n + right_n);
+    if (a < 0 || b < 0 || merged < 0)
+        return lg_fail(err, "tokenizer %s: %s: merge '%.*s' + '%.*s' names a token that is not "
+                            "in the vocabulary", tok->path, where, (int)left_n, left, (int)right_n,
+                       right);
+    size_t s = lg_merge_slot(tok, (uint64_t)(uint32_t)a << 32 | (uint32_t)b);
+    if (tok->merge_pair[s] != UINT64_MAX) return 0; /* a repeated merge keeps its first rank */
+    tok->merge_pair[s] = (uint64_t)(uint32_t)a << 32 | (uint32_t)b;
+    tok->merge_rank[s] = tok->n_merges++;
+    tok->merge_result[s] = merged;
+    return 0;
+}
+
+/* --- GPT-2's byte alphabet: each byte is a printable character in the vocabulary files -------- */
+
+static int lg_byte_is_printable(int b) {
+    return (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+}
+
+/* The byte a vocabulary character stands for, or -1. */
+static int lg_byte_of_char(uint32_t cp) {
+    if (cp < 256) return lg_byte_is_printable((int)cp) ? (int)cp : -1;
+    int n = 0;
+    for (int b = 0; b < 256; b++) {
+        if (lg_byte_is_printable(b)) continue;
+        if (cp == 256u + (uint32_t)n) return b;
+        n++;
+    }
+    return -1;
+}
+
+/* Vocabulary text in GPT-2's alphabet -> raw bytes, in place; -1 on a foreign character. */
+static int lg_bytes_from_alphabet(char *s, size_t *n) {
+    size_t out = 0;
+    for (size_t i = 0; i < *n;) {
+        int size;
+        int b = lg_byte_of_char(lg_utf8_next((const unsigned char *)s + i, *n - i, &size));
+        if (b < 0) return -1;
+        s[out++] = (char)b;
+        i += (size_t)size;
+    }
+    *n = out;
+    return 0;
+}
+
+/* --- encode and decode ------------------------------------------------------------------------ */
+
+/* BPE on one word given as symbols (ids): merge the lowest-ranked adjacent pair, leftmost
+   first, until no pair merges. Then append the symbols. */
+static int lg_bpe_symbols(const lg_tokenizer *tok, int *sym, size_t n, lg_tokens *out) {
+    while (n > 1) {
+        int best = INT32_MAX, merged = -1, result = -1;
+        size_t at = 0;
+        for (size_t i = 0; i + 1 < n; i++) {
+            int rank = lg_merge_rank(tok, sym[i], sym[i + 1], &result);
+            if (rank < best) { best = rank; at = i; merged = result; }
+        }
+        if (best == INT32_MAX) break;
+        sym[at] = merged;
+        memmove(sym + at + 1, sym + at + 2, sizeof(int) * (n - at - 2));
+        n--;
+    }
+    for (size_t i = 0; i < n; i++)
+        if (lg_tokens_push(out, sym[i]) != 0) return -1;
+    return 0;
+}
+
+typedef struct {
+    lg_tokens *out;
+    lg_error *err;
+} lg_encode_ctx;
+
+/* A word of a byte-level vocabulary: starts from its bytes. */
+static int lg_encode_word(const lg_tokenizer *tok, const char *word, size_t len, void *ctx_) {
+    lg_encode_ctx *ctx = (lg_encode_ctx *)ctx_;
+    int whole = tok->ignore_merges ? lg_tokenizer_find(tok, word, len) : -1;
+    if (whole >= 0) return lg_tokens_push(ctx->out, whole);
+    int *sym = (int *)LG_MALLOC(sizeof(int) * (len + 1));
+    if (!sym) return lg_fail(ctx->err, "tokenizer %s: out of host memory", tok->path);
+    for (size_t i = 0; i < len; i++) {
+        sym[i] = tok->byte_token[(unsigned char)word[i]];
+        if (sym[i] < 0) {
+            LG_FREE(sym);
+            return lg_fail(ctx->err, "tokenizer %s: no token for byte 0x%02x", tok->path,
+                           (unsigned char)word[i]);
+        }
+    }
+    int rc = lg_bpe_symbols(tok, sym, len, ctx->out);
+    LG_FREE(sym);
+    return rc == 0 ? 0 : lg_fail(ctx->err, "tokenizer %s: out of host memory", tok->path);
+}
+
+/* SentencePiece style: spaces become U+2581, one is prepended; symbols start as characters,
+   and a character outside the vocabulary falls back to its bytes' <0xXX> tokens. */
+static int lg_encode_sentencepiece(const lg_tokenizer *tok, const char *text, size_t len,
+                                   int first, lg_encode_ctx *ctx) {
+    lg_text norm = {NULL, 0, 0};
+    int rc = first ? lg_text_append(&norm, "\xE2\x96\x81", 3) : 0;
+    for (size_t i = 0; i < len && rc == 0; i++)
+        rc = text[i] == ' ' ? lg_text_append(&norm, "\xE2\x96\x81", 3) : lg_text_append(&norm, text + i, 1);
+    int *sym = rc == 0 ? (int *)LG_MALLOC(sizeof(int) * (norm.n + 1)) : NULL;
+    size_t n = 0;
+    for (size_t at = 0; sym && at < norm.n;) {
+        int size;
+        lg_utf8_next((const unsigned char *)norm.bytes + at, norm.n - at, &size);
+        int id = lg_tokenizer_find(tok, norm.bytes + at, (size_t)size);
+        for (int b = 0; b < size && id < 0; b++) {
+            sym[n] = tok->byte_token[(unsigned char)norm.bytes[at + b]];
+            if (sym[n++] < 0) rc = lg_fail(ctx->err, "tokenizer %s: no byte fallback token for "
+                                                    "0x%02x", tok->path, (unsigned char)norm.bytes[at + b]);
+        }
+        if (id >= 0) sym[n++] = id;
+        at += (size_t)size;
+    }
+    if (!sym && rc == 0) rc = lg_fail(ctx->err, "tokenizer %s: out of host memory", tok->path);
+    if (rc == 0 && lg_bpe_symbols(tok, sym, n, ctx->out) != 0)
+        rc = lg_fail(ctx->err, "tokenizer %s: out of host memory", tok->path);
+    LG_FREE(sym);
+    lg_text_free(&norm);
+    return rc;
+}
+
+/* Text without special tokens. */
+static int lg_encode_plain(const lg_tokenizer *tok, const char *text, size_t len, int first,
+                           lg_encode_ctx *ctx) {
+    if (len == 0) return 0;
+    if (tok->sentencepiece) return lg_encode_sentencepiece(tok, text, len, first, ctx);
+    lg_chars chars = {NULL, NULL, 0, tok->js_whitespace};
+    int rc = lg_chars_decode(&chars, text, len) == 0
+                 ? lg_pretokenize(tok, &chars, lg_encode_word, text, ctx)
+                 : lg_fail(ctx->err, "tokenizer %s: out of host memory", tok->path);
+    LG_FREE(chars.cp);
+    LG_FREE(chars.at);
+    return rc;
+}
+
+/* The longest special token starting at text, or -1. */
+static int lg_special_at(const lg_tokenizer *tok, const char *text, size_t len) {
+    int best = -1;
+    size_t best_n = 0;
+    for (int s = 0; s < tok->n_special; s++) {
+        int id = tok->special[s];
+        size_t start = tok->piece_start[id], n = tok->piece_start[id + 1] - start;
+        if (n > best_n && n <= len && memcmp(tok->pieces + start, text, n) == 0) {
+            best = id;
+            best_n = n;
+        }
+    }
+    return best;
+}
+
+int lg_tokenizer_encode(const lg_tokenizer *tok, const char *text, size_t len, lg_tokens *out,
+                        lg_error *err) {
+    lg_encode_ctx ctx = {out, err};
+    size_t plain = 0;
+    int first = 1;
+    for (size_t i = 0; i < len; i++) {
+        int id = tok->n_special ? lg_special_at(tok, text + i, len - i) : -1;
+        if (id < 0) continue;
+        if (lg_encode_plain(tok, text + plain, i - plain, first, &ctx) != 0) return -1;
+        if (lg_tokens_push(out, id) != 0) return lg_fail(err, "tokenizer: out of host memory");
+        first = 0;
+        i += tok->piece_start[id + 1] - tok->piece_start[id] - 1;
+        plain = i + 1;
+    }
+    return lg_encode_plain(tok, text + plain, len - plain, first, &ctx);
+}
+
+/* A SentencePiece token's text: <0xXX> is that byte, U+2581 a space. */
+static int lg_decode_sentencepiece(const char *p, size_t n, lg_text *out) {
+    unsigned hex;
+    if (n == 6 && p[0] == '<' && p[1] == '0' && p[2] == 'x' && p[5] == '>') {
+        char digits[5] = {'0', '0', p[3], p[4], 0};
+        if (lg_json_hex4(digits, 4, &hex) == 0) {
+            char byte = (char)hex;
+            return lg_text_append(out, &byte, 1);
+        }
+    }
+    for (size_t i = 0; i < n;) {
+        int space = n - i >= 3 && memcmp(p + i, "\xE2\x96\x81", 3) == 0;
+        if (lg_text_append(out, space ? " " : p + i, 1) != 0) return -1;
+        i += space ? 3 : 1;
+    }
+    return 0;
+}
+
+int lg_tokenizer_decode(const lg_tokenizer *tok, const int *ids, size_t n, lg_text *out,
+                        lg_error *err) {
+    if (lg_text_append(out, "", 0) != 0) return lg_fail(err, "tokenizer: out of host memory");
+    size_t start = out->n;
+    for (size_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= tok->vocab_size)
+            return lg_fail(err, "tokenizer %s: token %d (position %zu) is outside the vocabulary "
+                                "of %d", tok->path, ids[i], i, tok->vocab_size);
+        const char *p = tok->pieces + tok->piece_start[ids[i]];
+        size_t len = tok->piece_start[ids[i] + 1] - tok->piece_start[ids[i]];
+        int rc = tok->sentencepiece ? lg_decode_sentencepiece(p, len, out)
+                                    : lg_text_append(out, p, len);
+        if (rc != 0) return lg_fail(err, "tokenizer: out of host memory");
+    }
+    /* SentencePiece's prepended space goes again (Llama 2's decoder strips one) */
+    if (tok->sentencepiece && start == 0 && out->n > 0 && out->bytes[0] == ' ') {
+        memmove(out->bytes, out->bytes + 1, out->n);
+        out->n--;
+    }
+    return 0;
+}
+
+/* --- loading ---------------------------------------------------------------------------------- */
+
+static void lg_tokenizer_init(lg_tokenizer *tok, const char *path) {
+    memset(tok, 0, sizeof *tok);
+    snprintf(tok->path, sizeof tok->path, "%s", path);
+    tok->bos = tok->eos = tok->pad = -1;
+    for (int b = 0; b < 256; b++) tok->byte_token[b] = -1;
+}
+
+/* The vocabulary object {"piece": id, ...}: pieces decoded (from GPT-2's alphabet when
+   byte_level), placed by id. */
+static int lg_vocab_from_json(lg_tokenizer *tok, const lg_json *doc, int object, int byte_level,
+                              const char *source, lg_error *err) {
+    if (object < 0 || doc->nodes[object].kind != LG_JSON_OBJECT)
+        return lg_fail(err, "tokenizer %s: the vocabulary is not a JSON object", source);
+    long V = 0, id;
+    for (int k = doc->nodes[object].first_child; k >= 0; k = doc->nodes[doc->nodes[k].next].next) {
+        if (lg_json_int(doc, doc->nodes[k].next, &id) != 0 || id < 0 || id > (1L << 24))
+            return lg_fail(err, "tokenizer %s: the id of vocabulary entry '%.*s' is not an id "
+                                "between 0 and 2^24", source,
+                           (int)(doc->nodes[k].end - doc->nodes[k].start), doc->text + doc->nodes[k].start);
+        if (id + 1 > V) V = id + 1;
+    }
+    char **items = (char **)lg_alloc_zeroed(sizeof(char *) * (size_t)(V + 1));
+    size_t *lens = (size_t *)lg_alloc_zeroed(sizeof(size_t) * (size_t)(V + 1));
+    int rc = items && lens ? 0 : lg_fail(err, "tokenizer %s: out of host memory", source);
+    for (int k = doc->nodes[object].first_child; k >= 0 && rc == 0; k = doc->nodes[doc->nodes[k].next].next) {
+        lg_json_int(doc, doc->nodes[k].next, &id);
+        LG_FREE(items[id]);
+        items[id] = lg_json_string(doc, k, &lens[id]);
+        if (!items[id]) rc = lg_fail(err, "tokenizer %s: out of host memory", source);
+        else if (byte_level && lg_bytes_from_alphabet(items[id], &lens[id]) != 0)
+            rc = lg_fail(err, "tokenizer %s: vocabulary entry %ld is not in GPT-2's byte "
+                              "alphabet", source, id);
+    }
+    if (rc == 0 && lg_tokenizer_set_pieces(tok, items, lens, (int)V) != 0)
+        rc = lg_fail(err, "tokenizer %s: out of host memory", source);
+    for (long i = 0; items && i < V; i++) LG_FREE(items[i]);
+    LG_FREE(items);
+    LG_FREE(lens);
+    return rc;
+}
+
+/* The token of each single byte: the byte itself (byte-level) or <0xXX> (SentencePiece). */
+static void lg_tokenizer_find_bytes(lg_tokenizer *tok) {
+    for (int b = 0; b < 256; b++) {
+        char piece[8];
+        if (tok->sentencepiece) snprintf(piece, sizeof piece, "<0x%02X>", b);
+        else piece[0] = (char)b;
+        tok->byte_token[b] = lg_tokenizer_find(tok, piece, tok->sentencepiece ? 6 : 1);
+    }
+}
+
+/* GPT-2's vocab.bpe: a "#version" line, then one "left right" merge a line (merges of '#'
+   start with '#' too: only the first line is a comment). */
+static int lg_merges_from_bpe_file(lg_tokenizer *tok, char *text, size_t len, const char *path,
+                                   lg_error *err) {
+    size_t lines = 0;
+    for (size_t i = 0; i < len; i++) lines += text[i] == '\n';
+    if (lg_tokenizer_alloc_merges(tok, lines + 1) != 0)
+        return lg_fail(err, "tokenizer %s: out of host memory", path);
+    int line_no = 0;
+    for (char *line = text; line < text + len;) {
+        char *end = (char *)memchr(line, '\n', (size_t)(text + len - line));
+        if (!end) end = text + len;
+        line_no++;
+        size_t n = (size_t)(end - line);
+        char *space = (char *)memchr(line, ' ', n);
+        if (n > 0 && !(line_no == 1 && n >= 8 && memcmp(line, "#version", 8) == 0)) {
+            char where[64];
+            snprintf(where, sizeof where, "vocab.bpe line %d", line_no);
+            if (!space || space == line || space + 1 == end || memchr(space + 1, ' ', (size_t)(end - space - 1)))
+                return lg_fail(err, "tokenizer %s: %s: expected `left right`", tok->path, where);
+            size_t left_n = (size_t)(space - line), right_n = (size_t)(end - space - 1);
+            if (lg_bytes_from_alphabet(line, &left_n) != 0 ||
+                lg_bytes_from_alphabet(space + 1, &right_n) != 0)
+                return lg_fail(err, "tokenizer %s: %s: a character outside GPT-2's byte "
+                                    "alphabet", tok->path, where);
+            if (lg_tokenizer_add_merge(tok, line, left_n, space + 1, right_n, where, err) != 0)
+                return -1;
+        }
+        line = end + 1;
+    }
+    return 0;
+}
+
+/* DIR/encoder.json + DIR/vocab.bpe, as OpenAI published GPT-2's tokenizer. */
+static int lg_tokenizer_load_gpt2(lg_tokenizer *tok, const char *dir, lg_error *err) {
+    char path[1100];
+    size_t len;
+    snprintf(path, sizeof path, "%s/encoder.json", dir);
+    char *text = lg_read_file(path, &len, "tokenizer", err);
+    if (!text) return -1;
+    lg_json doc;
+    int rc = lg_json_parse(&doc, text, len, path, err);
+    if (rc == 0) rc = lg_vocab_from_json(tok, &doc, 0, 1, path, err);
+    lg_json_free(&doc);
+    LG_FREE(text);
+    snprintf(path, sizeof path, "%s/vocab.bpe", dir);
+    text = rc == 0 ? lg_read_file(path, &len, "tokenizer", err) : NULL;
+    if (!text) return -1;
+    rc = lg_merges_from_bpe_file(tok, text, len, path, err);
+    LG_FREE(text);
+    tok->pretokenizer = LG_PRETOKENIZE_GPT2;
+    tok->js_whitespace = 1;
+    lg_tokenizer_find_bytes(tok);
+    tok->eos = tok->bos = lg_tokenizer_find(tok, "<|endoftext|>", 13);
+    return rc;
+}
+
+/* The first node under node (at any depth) that is the value of key, or -1. */
+static int lg_json_find_deep(const lg_json *doc, int node, const char *key) {
+    size_t n = strlen(key);
+    for (int j = node + 1; j < doc->n_nodes && doc->nodes[j].start < doc->nodes[node].end; j++) {
+        const lg_json_node *k = &doc->nodes[j];
+        if (k->kind == LG_JSON_STRING && k->next >= 0 && k->end - k->start == n &&
+            memcmp(doc->text + k->start, key, n) == 0 && j > 0)
+            return k->next;
+    }
+    return -1;
+}
+
+static int lg_json_is_true(const lg_json *doc, int node) {
+    return node >= 0 && doc->nodes[node].kind == LG_JSON_TRUE;
+}
+
+/* Does the JSON text of node contain needle? */
+static int lg_json_mentions(const lg_json *doc, int node, const char *needle) {
+    if (node < 0) return 0;
+    size_t n = strlen(needle), end = doc->nodes[node].end;
+    for (size_t i = doc->nodes[node].start; i + n <= end; i++)
+        if (memcmp(doc->text + i, needle, n) == 0) return 1;
+    return 0;
+}
+
+/* The pre-tokenizer: its Split pattern when it has one, else GPT-2's (ByteLevel's own). */
+static int lg_tokenizer_json_pattern(lg_tokenizer *tok, const lg_json *doc, int pre,
+                                     lg_error *err) {
+    static const char *const patterns[3] = {
+        "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+",
+        "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+"
+        "[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+        "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+"
+        "[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"};
+    static const lg_pretokenizer kinds[3] = {LG_PRETOKENIZE_GPT2, LG_PRETOKENIZE_LLAMA3,
+                                             LG_PRETOKENIZE_QWEN2};
+    int regex = pre >= 0 ? lg_json_find_deep(doc, pre, "Regex") : -1;
+    tok->pretokenizer = LG_PRETOKENIZE_GPT2;
+    if (regex < 0) return 0;
+    size_t n;
+    char *pattern = lg_json_string(doc, regex, &n);
+    if (!pattern) return lg_fail(err, "tokenizer %s: the pre-tokenizer's Regex is not a string", tok->path);
+    int found = -1;
+    for (int i = 0; i < 3 && found < 0; i++)
+        if (strcmp(pattern, patterns[i]) == 0) found = i;
+    if (found >= 0) tok->pretokenizer = kinds[found];
+    else lg_fail(err, "tokenizer %s: pre-tokenizer pattern %.200s is not one this version "
+                      "knows (GPT-2, Llama 3, Qwen2)", tok->path, pattern);
+    LG_FREE(pattern);
+    return found >= 0 ? 0 : -1;
+}
+
+/* "merges": ["a b", ...] or [["a", "b"], ...], in the vocabulary's form. */
+static int lg_tokenizer_json_merges(lg_tokenizer *tok, const lg_json *doc, int merges,
+                                    lg_error *err) {
+    if (merges < 0 || doc->nodes[merges].kind != LG_JSON_ARRAY)
+        return lg_fail(err, "tokenizer %s: model.merges is missing or not an array", tok->path);
+    size_t count = 0;
+    for (int m = doc->nodes[merges].first_child; m >= 0; m = doc->nodes[m].next) count++;
+    if (lg_tokenizer_alloc_merges(tok, count) != 0)
+        return lg_fail(err, "tokenizer %s: out of host memory", tok->path);
+    int index = 0, rc = 0;
+    for (int m = doc->nodes[merges].first_child; m >= 0 && rc == 0; m = doc->nodes[m].next, index++) {
+        char where[64], *left = NULL, *right = NULL;
+        size_t left_n = 0, right_n = 0;
+        snprintf(where, sizeof where, "merge %d", index);
+        if (doc->nodes[m].kind == LG_JSON_ARRAY && doc->nodes[m].first_child >= 0) {
+            left = lg_json_string(doc, doc->nodes[m].first_child, &left_n);
+            right = lg_json_string(doc, doc->nodes[doc->nodes[m].first_child].next, &right_n);
+        } else if ((left = lg_json_string(doc, m, &left_n)) != NULL) {
+            char *space = strchr(left, ' ');
+            if (space) {
+                right = space + 1;
+                right_n = left_n - (size_t)(right - left);
+                left_n = (size_t)(space - left);
+            }
+        }
+        if (!left || !right || left_n == 0 || right_n == 0)
+            rc = lg_fail(err, "tokenizer %s: %s is not \"left right\" or [left, right]", tok->path, where);
+        else if (!tok->sentencepiece && (lg_bytes_from_alphabet(left, &left_n) != 0 ||
+                                         lg_bytes_from_alphabet(right, &right_n) != 0))
+            rc = lg_fail(err, "tokenizer %s: %s is not in GPT-2's byte alphabet", tok->path, where);
+        else rc = lg_tokenizer_add_merge(tok, left, left_n, right, right_n, where, err);
+        if (doc->nodes[m].kind == LG_JSON_ARRAY) LG_FREE(right);
+        LG_FREE(left);
+    }
+    return rc;
+}
+
+/* Added tokens, matched verbatim in text before BPE; their text is taken as written. */
+static int lg_tokenizer_json_added(lg_tokenizer *tok, const lg_json *doc, int added,
+                                   lg_error *err) {
+    if (added < 0) return 0;
+    if (doc->nodes[added].kind != LG_JSON_ARRAY)
+        return lg_fail(err, "tokenizer %s: added_tokens is not an array", tok->path);
+    int count = 0;
+    for (int a = doc->nodes[added].first_child; a >= 0; a = doc->nodes[a].next) count++;
+    tok->special = (int *)lg_alloc_zeroed(sizeof(int) * (size_t)(count + 1));
+    if (!tok->special) return lg_fail(err, "tokenizer %s: out of host memory", tok->path);
+    for (int a = doc->nodes[added].first_child; a >= 0; a = doc->nodes[a].next) {
+        long id;
+        size_t n;
+        char *content = lg_json_string(doc, lg_json_find(doc, a, "content"), &n);
+        int ok = lg_json_int(doc, lg_json_find(doc, a, "id"), &id) == 0 && id >= 0 &&
+                 id < tok->vocab_size && content &&
+                 tok->piece_start[id + 1] - tok->piece_start[id] == n &&
+                 memcmp(tok->pieces + tok->piece_start[id], content, n) == 0;
+        LG_FREE(content);
+        if (!ok) return lg_fail(err, "tokenizer %s: added token %d lacks an id or content, or "
+                                     "differs from the vocabulary", tok->path, tok->n_special);
+        tok->special[tok->n_special++] = (int)id;
+    }
+    return 0;
+}
+
+/* The vocabulary: model.vocab plus the added tokens (Llama 3's specials are only there). */
+static int lg_tokenizer_json_vocab(lg_tokenizer *tok, const lg_json *doc, int model, int added,
+                                   lg_error *err) {
+    int vocab = lg_json_find(doc, model, "vocab");
+    if (added < 0 || doc->nodes[added].kind != LG_JSON_ARRAY || doc->nodes[added].first_child < 0)
+        return lg_vocab_from_json(tok, doc, vocab, !tok->sentencepiece, tok->path, err);
+    /* a JSON object of the vocabulary with the added tokens appended, in the vocabulary's
+       alphabet for byte-level models (they are plain text in the file) */
+    lg_text merged = {NULL, 0, 0};
+    lg_text_append(&merged, "{", 1);
+    if (vocab >= 0 && doc->nodes[vocab].kind == LG_JSON_OBJECT)
+        lg_text_append(&merged, doc->text + doc->nodes[vocab].start + 1,
+                       doc->nodes[vocab].end - doc->nodes[vocab].start - 2);
+    for (int a = doc->nodes[added].first_child; a >= 0; a = doc->nodes[a].next) {
+        int content = lg_json_find(doc, a, "content"), id = lg_json_find(doc, a, "id");
+        if (content < 0 || id < 0 || doc->nodes[content].kind != LG_JSON_STRING) continue;
+        char *text = lg_json_string(doc, content, NULL);
+        int encoded = text && !tok->sentencepiece && strlen(text) < 256;
+        if (merged.n > 1) lg_text_append(&merged, ",", 1);
+        lg_text_append(&merged, "\"", 1);
+        for (const unsigned char *c = (const unsigned char *)text; encoded && *c; c++) {
+            char utf8[5]; /* each byte as its character of GPT-2's alphabet */
+            int b = *c, k = 0, nth = 0;
+            while (k < b) nth += !lg_byte_is_printable(k++);
+            int len = lg_utf8_put(utf8, lg_byte_is_printable(b) ? (uint32_t)b : 256u + (uint32_t)nth);
+            if (b == '"' || b == '\\') lg_text_append(&merged, "\\", 1);
+            lg_text_append(&merged, utf8, (size_t)len);
+        }
+        if (!encoded)
+            lg_text_append(&merged, doc->text + doc->nodes[content].start,
+                           doc->nodes[content].end - doc->nodes[content].start);
+        lg_text_append(&merged, "\":", 2);
+        lg_text_append(&merged, doc->text + doc->nodes[id].start, doc->nodes[id].end - doc->nodes[id].start);
+        LG_FREE(text);
+    }
+    lg_text_append(&merged, "}", 1);
+    lg_json whole;
+    int rc = merged.bytes ? lg_json_parse(&whole, merged.bytes, merged.n, tok->path, err)
+                          : lg_fail(err, "tokenizer %s: out of host memory", tok->path);
+    if (rc == 0) {
+        rc = lg_vocab_from_json(tok, &whole, 0, !tok->sentencepiece, tok->path, err);
+        lg_json_free(&whole);
+    }
+    lg_text_free(&merged);
+    return rc;
+}
+
+/* BOS, EOS and padding: tokenizer_config.json beside the file when it names them, else the
+   usual names of the families. */
+static int lg_tokenizer_guess_special(const lg_tokenizer *tok, const char *const *names) {
+    for (int i = 0; names[i]; i++) {
+        int id = lg_tokenizer_find(tok, names[i], strlen(names[i]));
+        if (id >= 0) return id;
+    }
+    return -1;
+}
+
+static void lg_tokenizer_config_special(lg_tokenizer *tok, const char *json_path) {
+    char path[1100];
+    const char *slash = strrchr(json_path, '/');
+    snprintf(path, sizeof path, "%.*stokenizer_config.json", slash ? (int)(slash - json_path + 1) : 0,
+             json_path);
+    size_t len;
+    char *text = lg_read_file(path, &len, "tokenizer", NULL);
+    lg_json doc;
+    if (!text || lg_json_parse(&doc, text, len, path, NULL) != 0) { LG_FREE(text); return; }
+    static const char *const keys[3] = {"bos_token", "eos_token", "pad_token"};
+    int *ids[3] = {&tok->bos, &tok->eos, &tok->pad};
+    for (int k = 0; k < 3; k++) {
+        int value = lg_json_find(&doc, 0, keys[k]);
+        if (value >= 0 && doc.nodes[value].kind == LG_JSON_OBJECT) value = lg_json_find(&doc, value, "content");
+        size_t n;
+        char *name = lg_json_string(&doc, value, &n);
+        int id = name ? lg_tokenizer_find(tok, name, n) : -1;
+        if (id >= 0) *ids[k] = id;
+        LG_FREE(name);
+    }
+    lg_json_free(&doc);
+    LG_FREE(text);
+}
+
+static int lg_tokenizer_load_json(lg_tokenizer *tok, const char *path, lg_error *err) {
+    size_t len;
+    char *text = lg_read_file(path, &len, "tokenizer", err);
+    if (!text) return -1;
+    lg_json doc;
+    int rc = lg_json_parse(&doc, text, len, path, err);
+    if (rc != 0) { LG_FREE(text); return -1; }
+    int model = lg_json_find(&doc, 0, "model"), type = lg_json_find(&doc, model, "type");
+    char *type_name = lg_json_string(&doc, type, NULL);
+    if (model < 0) rc = lg_fail(err, "tokenizer %s: no \"model\" object", path);
+    else if (type >= 0 && (!type_name || strcmp(type_name, "BPE") != 0))
+        rc = lg_fail(err, "tokenizer %s: model type %s; only BPE is supported", path,
+                     type_name ? type_name : "(not a string)");
+    LG_FREE(type_name);
+    int pre = lg_json_find(&doc, 0, "pre_tokenizer"), added = lg_json_find(&doc, 0, "added_tokens");
+    tok->sentencepiece = lg_json_is_true(&doc, lg_json_find(&doc, model, "byte_fallback")) ||
+                         lg_json_mentions(&doc, lg_json_find(&doc, 0, "normalizer"), "\xE2\x96\x81");
+    tok->ignore_merges = lg_json_is_true(&doc, lg_json_find(&doc, model, "ignore_merges"));
+    if (rc == 0) rc = lg_tokenizer_json_vocab(tok, &doc, model, added, err);
+    if (rc == 0) rc = lg_tokenizer_json_merges(tok, &doc, lg_json_find(&doc, model, "merges"), err);
+    if (rc == 0) rc = lg_tokenizer_json_added(tok, &doc, added, err);
+    if (rc == 0 && tok->sentencepiece) tok->pretokenizer = LG_PRETOKENIZE_NONE;
+    else if (rc == 0) rc = lg_tokenizer_json_pattern(tok, &doc, pre, err);
+    lg_json_free(&doc);
+    LG_FREE(text);
+    static const char *const bos[] = {"<|begin_of_text|>", "<s>", "<|endoftext|>", NULL};
+    static const char *const eos[] = {"<|end_of_text|>", "</s>", "<|endoftext|>", NULL};
+    static const char *const pad[] = {"<pad>", "<|pad|>", NULL};
+    tok->bos = lg_tokenizer_guess_special(tok, bos);
+    tok->eos = lg_tokenizer_guess_special(tok, eos);
+    tok->pad = lg_tokenizer_guess_special(tok, pad);
+    lg_tokenizer_config_special(tok, path);
+    lg_tokenizer_find_bytes(tok);
+    return rc;
+}
+
+int lg_tokenizer_load(lg_tokenizer *tok, const char *path, lg_error *err) {
+    lg_tokenizer_init(tok, path);
+    struct stat st;
+    char json_path[1100];
+    int rc;
+    if (stat(path, &st) != 0) rc = lg_fail(err, "tokenizer %s: no such file or directory", path);
+    else if (!S_ISDIR(st.st_mode)) rc = lg_tokenizer_load_json(tok, path, err);
+    else {
+        snprintf(json_path, sizeof json_path, "%s/encoder.json", path);
+        if (stat(json_path, &st) == 0) rc = lg_tokenizer_load_gpt2(tok, path, err);
+        else {
+            snprintf(json_path, sizeof json_path, "%s/tokenizer.json", path);
+            rc = stat(json_path, &st) == 0 ? lg_tokenizer_load_json(tok, json_path, err)
+                 : lg_fail(err, "tokenizer %s: neither encoder.json + vocab.bpe nor "
+                                "tokenizer.json is there", path);
+        }
+    }
+    if (rc == 0 && tok->vocab_size == 0) rc = lg_fail(err, "tokenizer %s: empty vocabulary", path);
+    if (rc != 0) lg_tokenizer_free(tok);
+    return rc;
+}
+
+void lg_tokenizer_free(lg_tokenizer *tok) {
+    LG_FREE(tok->pieces);
+    LG_FREE(tok->piece_start);
+    LG_FREE(tok->piece_table);
+    LG_FREE(tok->merge_pair);
+    LG_FREE(tok->merge_rank);
+    LG_FREE(tok->merge_result);
+    LG_FREE(tok->special);
+    char path[sizeof tok->path];
+    memcpy(path, tok->path, sizeof path);
+    lg_tokenizer_init(tok, path);
+}
+
+/* --- the built-in task's characters ----------------------------------------------------- */
 
 static int lg_char_encode_one(char ch) {
     if (ch == '\n') return 0;
@@ -4065,17 +5947,18 @@ int lg_evaluate(lg_model *m, lg_loader *ld, int B, int T, int n_batches, double 
     int *inputs = (int *)lg_rank_region(m->rank, "tokens.inputs");
     int *targets = (int *)lg_rank_region(m->rank, "tokens.targets");
     if (!inputs || !targets) return lg_fail(err, "evaluation: the plan has no token buffers");
-    if (B > m->B || T > m->T || ld->T != T)
-        return lg_fail(err, "evaluation of %s: micro-batch %d x %d tokens (windows of %d) does "
+    if (B > m->B || T > m->T || ld->T > T)
+        return lg_fail(err, "evaluation of %s: micro-batch %d x %d tokens (rows of %d) does "
                             "not fit the model's %d x %d", ld->path, B, T, ld->T, m->B, m->T);
     lg_loader_rewind(ld);
     double sum = 0;
     long count = 0;
     int rc = 0;
     for (int i = 0; i < n_batches && rc == 0; i++) {
-        rc = lg_loader_next(ld, B, inputs, targets, err);
+        int batch_T = 0; /* data issue: samples are padded to the longest of the batch */
+        rc = lg_loader_next_batch(ld, B, inputs, targets, &batch_T, err);
         int n = 0;
-        if (rc == 0) sum += lg_model_forward(m, inputs, targets, B, T, &n);
+        if (rc == 0) sum += lg_model_forward(m, inputs, targets, B, batch_T, &n);
         count += n;
     }
     *mean_loss = count ? sum / count : 0;
@@ -4254,17 +6137,31 @@ static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float 
     lg_trainer_reduce_unit(tr, 0);
 }
 
-/* Micro-batch i of every rank, from their token buffers. */
+/* Where micro-batch i starts in a rank's token buffers: they hold accumulation x (B, T). */
+static size_t lg_micro_batch_start(const lg_trainer *tr, int i) {
+    return (size_t)i * tr->args.micro_batch_size * tr->ranks[0].model.T;
+}
+
+/* Micro-batch i of every rank, from their token buffers (labels: each rank's targets, or NULL
+   for logits only). */
 static void lg_trainer_micro_batches(const lg_trainer *tr, int i, const int **labels,
                                      lg_micro_batch *mb) {
-    int B = tr->args.micro_batch_size, T = tr->ranks[0].model.T;
-    size_t at = (size_t)i * B * T;
+    size_t at = lg_micro_batch_start(tr, i);
     for (int r = 0; r < tr->n_ranks; r++) {
         mb[r].inputs = tr->ranks[r].inputs + at;
         mb[r].targets = labels ? labels[r] + at : NULL;
-        mb[r].B = B;
-        mb[r].T = T;
+        mb[r].B = tr->args.micro_batch_size;
+        mb[r].T = tr->ranks[r].micro_T[i];
     }
+}
+
+/* Tokens (rows x their length) of a step's micro-batches on all ranks. */
+static size_t lg_trainer_step_tokens(const lg_trainer *tr) {
+    size_t tokens = 0;
+    for (int r = 0; r < tr->n_ranks; r++)
+        for (int i = 0; i < tr->accumulation; i++)
+            tokens += (size_t)tr->args.micro_batch_size * tr->ranks[r].micro_T[i];
+    return tokens;
 }
 
 /* The same initial weights as one rank: with sharded weights, unit by unit in layout order
@@ -4346,6 +6243,11 @@ int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args,
             return -1;
         }
         lg_trainer_bind_rank(tr, tr_r);
+        tr_r->micro_T = (int *)lg_alloc_zeroed(sizeof(int) * (size_t)tr->accumulation);
+        if (!tr_r->micro_T) {
+            lg_trainer_free(tr);
+            return lg_fail(err, "trainer: out of host memory");
+        }
     }
     lg_trainer_init_weights(tr);
     for (int r = 0; r < tr->n_ranks; r++) { /* after the init: the master copies it */
@@ -4393,9 +6295,8 @@ static void lg_trainer_update_rank(lg_trainer_rank *tr_r, float lr, float multip
    label's draw depends on its place in the global batch, as with one rank. */
 static void lg_trainer_hessian_pass(lg_trainer *tr, int step) {
     const lg_config *c = &tr->plan.cfg;
-    int B = tr->args.micro_batch_size, T = tr->ranks[0].model.T, Vp = c->padded_vocab_size;
-    size_t micro_tokens = (size_t)B * T;
-    size_t tokens = micro_tokens * tr->accumulation * tr->n_ranks;
+    int Vp = c->padded_vocab_size;
+    size_t tokens = lg_trainer_step_tokens(tr);
     const int *labels[LG_MAX_RANKS];
     lg_micro_batch mb[LG_MAX_RANKS];
     for (int r = 0; r < tr->n_ranks; r++) {
@@ -4406,8 +6307,9 @@ static void lg_trainer_hessian_pass(lg_trainer *tr, int step) {
         lg_trainer_micro_batches(tr, i, NULL, mb);
         lg_trainer_forward(tr, mb);
         for (int r = 0; r < tr->n_ranks; r++) {
-            int *drawn = tr->ranks[r].sampled + i * micro_tokens;
-            size_t first = ((size_t)i * tr->n_ranks + r) * micro_tokens;
+            size_t stride = lg_micro_batch_start(tr, 1), micro_tokens = (size_t)mb[r].B * mb[r].T;
+            int *drawn = tr->ranks[r].sampled + i * stride;
+            size_t first = ((size_t)i * tr->n_ranks + r) * stride;
             for (size_t n = 0; n < micro_tokens; n++)
                 drawn[n] = lg_draw_token(lg_at(tr->ranks[r].model.a.logits, n * Vp), c->vocab_size,
                                          1.0f, lg_hash_uniform(tr->args.seed ^ ((uint64_t)step << 32),
@@ -4428,26 +6330,27 @@ static void lg_trainer_hessian_pass(lg_trainer *tr, int step) {
 /* Reads the step's micro-batches: micro-batch i of rank r is the (i ranks + r)-th. Returns the
    count of non-ignored targets, or -1. */
 static long lg_trainer_read_step(lg_trainer *tr, lg_loader *train, lg_error *err) {
-    int B = tr->args.micro_batch_size, T = train->T;
-    size_t micro_tokens = (size_t)B * T;
+    int B = tr->args.micro_batch_size;
     long n_targets = 0;
     for (int i = 0; i < tr->accumulation; i++)
         for (int r = 0; r < tr->n_ranks; r++) {
-            int *tg = tr->ranks[r].targets + i * micro_tokens;
-            if (lg_loader_next(train, B, tr->ranks[r].inputs + i * micro_tokens, tg, err) != 0)
+            lg_trainer_rank *tr_r = &tr->ranks[r];
+            size_t at = lg_micro_batch_start(tr, i);
+            int *tg = tr_r->targets + at;
+            if (lg_loader_next_batch(train, B, tr_r->inputs + at, tg, &tr_r->micro_T[i], err) != 0)
                 return -1;
-            for (size_t k = 0; k < micro_tokens; k++) n_targets += tg[k] != LG_IGNORE_INDEX;
+            for (size_t k = 0; k < (size_t)B * tr_r->micro_T[i]; k++)
+                n_targets += tg[k] != LG_IGNORE_INDEX;
         }
     return n_targets;
 }
 
 int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *stats,
                     lg_error *err) {
-    int T = train->T;
     double start = lg_time_ms();
-    if (T != tr->ranks[0].model.T)
-        return lg_fail(err, "data %s: windows of %d tokens, but the trainer was made for %d",
-                       train->path, T, tr->ranks[0].model.T);
+    if (train->T > tr->ranks[0].model.T)
+        return lg_fail(err, "data %s: rows of %d tokens, but the trainer was made for %d",
+                       train->path, train->T, tr->ranks[0].model.T);
     /* every micro-batch first: the loss is the mean over all targets of the step */
     long n_targets = lg_trainer_read_step(tr, train, err);
     if (n_targets < 0) return -1;
@@ -4492,8 +6395,7 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
         }
     }
     stats->ms = lg_time_ms() - start; /* with Sophia's extra pass when it ran */
-    stats->tokens_per_s = (double)T * tr->args.micro_batch_size * tr->accumulation * tr->n_ranks /
-                          (stats->ms / 1e3);
+    stats->tokens_per_s = (double)lg_trainer_step_tokens(tr) / (stats->ms / 1e3);
     return 0;
 }
 
@@ -4501,8 +6403,8 @@ int lg_trainer_evaluate(lg_trainer *tr, lg_loader *ld, int n_batches, double *me
                         lg_error *err) {
     int B = tr->args.micro_batch_size, T = tr->ranks[0].model.T;
     *mean_loss = 0;
-    if (ld->T != T)
-        return lg_fail(err, "evaluation of %s: windows of %d tokens, but the trainer was made for "
+    if (ld->T > T)
+        return lg_fail(err, "evaluation of %s: rows of %d tokens, but the trainer was made for "
                             "%d", ld->path, ld->T, T);
     lg_loader_rewind(ld);
     lg_micro_batch mb[LG_MAX_RANKS];
@@ -4515,8 +6417,11 @@ int lg_trainer_evaluate(lg_trainer *tr, lg_loader *ld, int n_batches, double *me
             mb[r].targets = tr_r->targets;
             mb[r].T = T;
             mb[r].B = first + r < n_batches ? B : 0;
-            if (mb[r].B && lg_loader_next(ld, B, tr_r->inputs, tr_r->targets, err) != 0) return -1;
-            for (size_t k = 0; k < (size_t)mb[r].B * T; k++) count += tr_r->targets[k] != LG_IGNORE_INDEX;
+            if (mb[r].B &&
+                lg_loader_next_batch(ld, B, tr_r->inputs, tr_r->targets, &mb[r].T, err) != 0)
+                return -1;
+            for (size_t k = 0; k < (size_t)mb[r].B * mb[r].T; k++)
+                count += tr_r->targets[k] != LG_IGNORE_INDEX;
         }
         sum += lg_trainer_forward(tr, mb);
     }
@@ -4559,6 +6464,7 @@ void lg_trainer_weights(lg_trainer *tr, lg_buf whole) {
 void lg_trainer_free(lg_trainer *tr) {
     for (int r = 0; tr->ranks && r < tr->n_ranks; r++) {
         lg_optimizer_free(&tr->ranks[r].opt);
+        LG_FREE(tr->ranks[r].micro_T);
         lg_model_free(&tr->ranks[r].model);
         lg_rank_free(&tr->ranks[r].rank);
     }

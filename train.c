@@ -18,13 +18,17 @@
 static const char usage[] =
     "usage: ./train [options]\n"
     "  -c, --config NAME|PATH     model: configs/NAME.yaml or a file (default: built-in model)\n"
-    "      --data FILE            training tokens, llm.c shard (default: the built-in task)\n"
-    "      --val-data FILE        validation tokens, llm.c shard\n"
+    "      --data FILE            training data: an llm.c token shard, or fine-tuning samples\n"
+    "                             from tools/prepare alpaca (default: the built-in task, a\n"
+    "                             fine-tuning set)\n"
+    "      --val-data FILE        validation data, of the same kind\n"
     "  -b, --micro-batch-size N   samples per forward/backward (default 16); auto: the\n"
     "                             largest that fits and divides the per-device batch (-g)\n"
     "  -g, --global-batch-size N  samples per optimizer step (default: = -b); accumulation\n"
     "                             steps = global / (devices x nodes) / micro-batch\n"
-    "  -t, --max-seq-length N     tokens per sample (default: the model's block_size)\n"
+    "  -t, --max-seq-length N     tokens per sample: shard windows, or the length fine-tuning\n"
+    "                             samples are truncated to (default: block_size for shards,\n"
+    "                             the longest sample for fine-tuning)\n"
     "  -p, --precision P          bf16-mixed (default), 16-mixed, bf16-true, 16-true, 32-true\n"
     "  -d, --devices N            devices a node (1); on the CPU backend, simulated ranks\n"
     "      --nodes N              nodes (1); ranks = devices x nodes\n"
@@ -458,36 +462,57 @@ typedef struct {
     int builtin;  /* the built-in task: character tokens */
 } run_data;
 
-#define BUILTIN_TRAIN_TOKENS 400000
-#define BUILTIN_VAL_TOKENS 20000
+/* The built-in task is a fine-tuning set: samples of 4 to 18 characters, prompts masked. */
+#define BUILTIN_TRAIN_SAMPLES 20000
+#define BUILTIN_VAL_SAMPLES 1000
 #define BUILTIN_TRAIN_SEED 1
 #define BUILTIN_VAL_SEED 2
 
-static void open_data(const lg_args *a, const lg_config *cfg, int T, run_data *d) {
+/* Fine-tuning samples: truncated to -t when given; every (truncated) sample must fit the
+   model; the rows are as long as the longest sample of train and validation (*T). */
+static void fit_samples(const lg_args *a, const lg_config *cfg, int *T, run_data *d) {
+    lg_error err;
+    if (lg_loader_check_block_size(&d->train, cfg->block_size, &err) != 0 ||
+        (d->has_val && lg_loader_check_block_size(&d->val, cfg->block_size, &err) != 0))
+        die(2, &err);
+    *T = lg_loader_longest(&d->train);
+    if (d->has_val && lg_loader_longest(&d->val) > *T) *T = lg_loader_longest(&d->val);
+    printf("fine-tuning samples: %zu (validation %zu), the longest %s%d tokens: micro-batches "
+           "are padded to their longest sample, at most %d\n", d->train.n_samples,
+           d->val.n_samples, a->max_seq_length ? "truncated to -t: " : "", *T, *T);
+}
+
+/* Opens the data; for fine-tuning samples *T becomes the longest (truncated) sample. */
+static void open_data(const lg_args *a, const lg_config *cfg, int *T, run_data *d) {
     lg_error err;
     memset(d, 0, sizeof *d);
     if (!a->data) {
         if (cfg->vocab_size < LG_CHAR_VOCAB)
             die_usage("-c/--config %s: vocab_size %d is smaller than the built-in task's %d "
                       "characters; give --data", a->config, cfg->vocab_size, LG_CHAR_VOCAB);
-        size_t n_train, n_val;
-        uint32_t *train = lg_builtin_task_tokens(BUILTIN_TRAIN_SEED, BUILTIN_TRAIN_TOKENS, &n_train);
-        uint32_t *val = lg_builtin_task_tokens(BUILTIN_VAL_SEED, BUILTIN_VAL_TOKENS, &n_val);
-        if (!train || !val) { fputs("train: out of host memory for the built-in task\n", stderr); exit(1); }
-        if (lg_loader_from_memory(&d->train, train, n_train, T, cfg->vocab_size, 1, a->seed, &err) ||
-            lg_loader_from_memory(&d->val, val, n_val, T, cfg->vocab_size, 0, 0, &err))
+        if (lg_builtin_task_samples(&d->train, BUILTIN_TRAIN_SEED, BUILTIN_TRAIN_SAMPLES,
+                                    a->max_seq_length, 1, a->seed, &err) ||
+            lg_builtin_task_samples(&d->val, BUILTIN_VAL_SEED, BUILTIN_VAL_SAMPLES,
+                                    a->max_seq_length, 0, 0, &err))
             die(2, &err);
         d->has_val = d->builtin = 1;
+        fit_samples(a, cfg, T, d);
         return;
     }
     if (!a->config)
         die_usage("--data needs -c/--config: the built-in model knows only the built-in task's "
                   "%d characters", LG_CHAR_VOCAB);
-    if (lg_loader_open(&d->train, a->data, T, cfg->vocab_size, 1, a->seed, &err) != 0) die(2, &err);
+    int samples = lg_samples_file(a->data);
+    if (a->val_data && lg_samples_file(a->val_data) != samples)
+        die_usage("--data %s and --val-data %s: one is a token shard, the other fine-tuning "
+                  "samples", a->data, a->val_data);
+    int t = samples ? a->max_seq_length : *T; /* samples: truncation, 0 for none */
+    if (lg_loader_open(&d->train, a->data, t, cfg->vocab_size, 1, a->seed, &err) != 0) die(2, &err);
     if (a->val_data) {
-        if (lg_loader_open(&d->val, a->val_data, T, cfg->vocab_size, 0, 0, &err) != 0) die(2, &err);
+        if (lg_loader_open(&d->val, a->val_data, t, cfg->vocab_size, 0, 0, &err) != 0) die(2, &err);
         d->has_val = 1;
     }
+    if (samples) fit_samples(a, cfg, T, d);
 }
 
 /* The tokens of a prompt, at most cap of them, or exit 2 naming --prompt: letters of the
@@ -524,9 +549,12 @@ static int prompt_tokens(const char *prompt, int builtin, int vocab_size, int *t
 static void print_sample(lg_trainer *tr, const lg_args *a, const run_data *d, const char *prompt,
                          lg_rng *rng) {
     const lg_model *m = &tr->ranks[0].model;
-    int *tokens = (int *)malloc(sizeof(int) * ((size_t)m->T + (size_t)a->sample_tokens));
+    /* a prompt may be longer than the rows (short fine-tuning samples): generation reads the
+       last m->T tokens */
+    size_t cap = strlen(prompt) + (size_t)m->T;
+    int *tokens = (int *)malloc(sizeof(int) * (cap + (size_t)a->sample_tokens));
     if (!tokens) { fputs("train: out of host memory for the sample\n", stderr); exit(1); }
-    int n = prompt_tokens(prompt, d->builtin, m->cfg.vocab_size, tokens, m->T);
+    int n = prompt_tokens(prompt, d->builtin, m->cfg.vocab_size, tokens, (int)cap);
     lg_trainer_generate(tr, tokens, n, a->sample_tokens, a->temperature, rng);
     printf("sample: ");
     for (int i = 0; i < n + a->sample_tokens; i++) {
@@ -597,13 +625,13 @@ int main(int argc, char **argv) {
     if (T > cfg.block_size)
         die_usage("-t/--max-seq-length %d exceeds the model's block_size %d", T, cfg.block_size);
     lg_error err;
+    run_data data; /* before the plan: for fine-tuning samples it sets T to the longest one */
+    open_data(&a, &cfg, &T, &data);
     if (a.micro_batch_auto) choose_micro_batch(&a, &cfg, T);
     if (lg_args_check(&a, &err) != 0) die_usage("%s", err.msg);
     plan_and_check(argc, argv, &a, &cfg, T);
     int accumulation = lg_args_accumulation_steps(&a, &err);
     int B = a.micro_batch_size;
-    run_data data;
-    open_data(&a, &cfg, T, &data);
     FILE *log = NULL;
     if (a.log_path && !(log = fopen(a.log_path, "w")))
         die_usage("--log %s: cannot create: %s", a.log_path, strerror(errno));

@@ -1675,6 +1675,10 @@ static void run_double_tests(results *r) {
     r->failed += failed;
 }
 
+/* ---- data: tokenizers, fine-tuning samples, readers ------------------------------------------ */
+
+#include "test_data.c"
+
 int main(void) {
     results r = {0, 0};
     printf("PyTorch reference (fp32)\n");
@@ -1719,6 +1723,7 @@ int main(void) {
     test_memory_limit(&r);
     test_auto_micro_batch(&r);
     test_plan_cli(&r);
+    test_data_all(&r);
     printf("devices and sharding\n");
     test_sharding(&r);
     run_double_tests(&r);
