@@ -4229,36 +4229,38 @@ static int lg_st_parse_tensor(lg_st_file *f, const lg_json *j, int key, lg_st_te
     return 0;
 }
 
-/* The tensors' byte ranges must tile the data section: no overlap, no gap, nothing after. */
+static int lg_st_by_begin(const void *a, const void *b) {
+    const lg_st_tensor *x = *(const lg_st_tensor *const *)a, *y = *(const lg_st_tensor *const *)b;
+    return x->begin < y->begin ? -1 : x->begin > y->begin ? 1 : x->end < y->end ? -1 : x->end > y->end;
+}
+
+static int lg_st_by_name(const void *a, const void *b) {
+    return strcmp((*(const lg_st_tensor *const *)a)->name, (*(const lg_st_tensor *const *)b)->name);
+}
+
+/* The tensors' byte ranges must tile the data section: no overlap, no gap, nothing after; and
+   no name twice. */
 static int lg_st_check_tiling(lg_st_file *f, uint64_t data_bytes, lg_error *err) {
     int n = f->n_tensors;
-    int *order = (int *)lg_alloc_zeroed(sizeof(int) * (size_t)(n + 1));
+    const lg_st_tensor **order = (const lg_st_tensor **)lg_alloc_zeroed(sizeof(lg_st_tensor *) * (size_t)(n + 1));
     if (!order) return lg_st_reject(f, err, "out of host memory");
-    for (int i = 0; i < n; i++) order[i] = i;
-    for (int i = 1; i < n; i++) /* insertion sort by begin (headers are usually in order) */
-        for (int k = i; k > 0 && f->tensors[order[k - 1]].begin > f->tensors[order[k]].begin; k--) {
-            int swap = order[k];
-            order[k] = order[k - 1];
-            order[k - 1] = swap;
-        }
+    for (int i = 0; i < n; i++) order[i] = &f->tensors[i];
+    qsort(order, (size_t)n, sizeof *order, lg_st_by_begin);
     uint64_t at = 0;
-    for (int i = 0; i < n; i++) {
-        const lg_st_tensor *t = &f->tensors[order[i]];
-        if (t->begin != at) {
-            LG_FREE(order);
-            return lg_st_reject(f, err, "tensor %s starts at byte %llu of the data, expected %llu "
-                                "(overlap or gap)", t->name, (unsigned long long)t->begin,
-                                (unsigned long long)at);
-        }
-        at = t->end;
+    char what[300] = "";
+    for (int i = 0; i < n && !what[0]; i++) {
+        if (order[i]->begin != at)
+            lg_format(what, sizeof what, "tensor %s starts at byte %llu of the data, expected %llu "
+                      "(overlap or gap)", order[i]->name, (unsigned long long)order[i]->begin,
+                      (unsigned long long)at);
+        at = order[i]->end;
     }
-    for (int i = 0; i < n; i++)
-        for (int k = i + 1; k < n; k++)
-            if (strcmp(f->tensors[i].name, f->tensors[k].name) == 0) {
-                LG_FREE(order);
-                return lg_st_reject(f, err, "tensor %s appears twice", f->tensors[i].name);
-            }
+    qsort(order, (size_t)n, sizeof *order, lg_st_by_name);
+    for (int i = 1; i < n && !what[0]; i++)
+        if (strcmp(order[i - 1]->name, order[i]->name) == 0)
+            lg_format(what, sizeof what, "tensor %s appears twice", order[i]->name);
     LG_FREE(order);
+    if (what[0]) return lg_st_reject(f, err, "%s", what);
     if (at != data_bytes)
         return lg_st_reject(f, err, "the tensors end at byte %llu of the data but the file holds "
                             "%llu (truncated or trailing bytes)", (unsigned long long)at,

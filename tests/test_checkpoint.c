@@ -422,6 +422,24 @@ static void test_corrupt_checkpoints(results *r) {
     truncate_file("build/corrupt-hf/model.safetensors", 5000);
     ok &= refused_with("hf truncated", lg_trainer_load_hf(&tr, "build/corrupt-hf", &err), &err,
                        "build/corrupt-hf/model.safetensors", "truncated");
+    /* a directory without a tensor the config needs */
+    lg_st_tensor only;
+    memset(&only, 0, sizeof only);
+    snprintf(only.name, sizeof only.name, "transformer.wte.weight");
+    only.ndim = 2;
+    only.shape[0] = 32;
+    only.shape[1] = 16;
+    system("mkdir -p build/missing-hf && cp tests/hf/gpt2/config.json build/missing-hf/");
+    lg_st_write("build/missing-hf/model.safetensors", &only, 1, NULL, 0, fill_pattern, &only, NULL, &err);
+    lg_config gpt2;
+    lg_model small;
+    if (lg_hf_config_read(&gpt2, "build/missing-hf", &err) == 0 && lg_model_create(&small, &gpt2, 1, 4, &err) == 0) {
+        ok &= refused_with("missing tensor", lg_hf_load_weights(&gpt2, small.params, "build/missing-hf", &err),
+                           &err, "build/missing-hf", "no tensor transformer.wpe.weight");
+        lg_model_free(&small);
+    } else {
+        ok = 0;
+    }
     write_bytes("build/corrupt-hf/config.json", "{\"architectures\": [\"BertModel\"], \"vocab_size\": 32}", 50);
     lg_config other;
     ok &= refused_with("architecture", lg_hf_config_read(&other, "build/corrupt-hf", &err), &err,
@@ -434,7 +452,7 @@ static void test_corrupt_checkpoints(results *r) {
                            &err, "optimizer adamw", "this run has sgd");
         lg_trainer_free(&sgd);
     }
-    check(r, ok, "truncated, bit-flipped, unmarked, foreign checkpoints refused with file and reason: %.300s", message);
+    check(r, ok, "truncated, bit-flipped, unmarked, foreign, incomplete checkpoints refused with file and reason: %.300s", message);
     lg_loader_close(&ld);
     lg_trainer_free(&tr);
 }
