@@ -53,7 +53,9 @@
                          task; a JSON reader
     11. tokenizer        byte-level BPE (GPT-2 files, tokenizer.json; GPT-2, Llama 3 and Qwen2
                          pre-tokenizers), SentencePiece-style BPE, the built-in characters
-    12. checkpoints      model.safetensors (fp32, LitGPT names), written atomically
+    12. checkpoints      safetensors read/write, Hugging Face layouts and config.json (GPT-2,
+                         GPT-NeoX, Llama/Mistral/Qwen2), step-N directories with resume state,
+                         atomic files, a COMPLETE marker with checksums written last
     13. trainer          lg_trainer: one optimizer step (accumulation, loss scaling, clipping),
                          evaluation
 
@@ -894,10 +896,134 @@ char lg_char_decode(int token);
 
 /* ---------------------------------------------------------------------------------------------
    12. checkpoints (API)
+
+   A checkpoint is a directory DIR/step-N written by lg_checkpoint_save:
+     model.safetensors            the weights in the Hugging Face layout of the model's family
+                                  (GPT2LMHeadModel, GPTNeoXForCausalLM, LlamaForCausalLM or
+                                  Qwen2ForCausalLM), in the run's weight dtype (F32, BF16, F16)
+     config.json                  the Hugging Face config of that family
+     model_config.yaml            the lg_config, LitGPT field names
+     training_state.safetensors   what resuming needs beyond the weights, in logical layout
+                                  (whole tensors by LitGPT parameter name): "master.NAME" (fp32
+                                  master weights), "optimizer.m.NAME", "optimizer.v.NAME", ...
+                                  as stored (fp32, bf16, fp16 or 8-bit codes with
+                                  "optimizer.m.scales.NAME"), "loader.order"; step, optimizer
+                                  step count, loss scale, clean steps and the loader's position
+                                  and random state in the header's __metadata__
+     COMPLETE                     written last: each file's name, size and 64-bit FNV-1a hash
+   Every file goes to NAME.tmp, is flushed with fsync and renamed; the directory is synced after
+   each rename. A directory without COMPLETE, or whose files differ from it, is refused.
    ------------------------------------------------------------------------------------------- */
 
-/* Writes DIR/model.safetensors (F32, LitGPT names) through a temporary file and a rename. */
-int lg_save_safetensors(const lg_model *m, const char *dir, lg_error *err);
+/* safetensors: an 8-byte little-endian header length, a JSON header giving each tensor's
+   dtype, shape and [begin, end) byte range within the data that follows, then the data. */
+typedef enum { LG_ST_F32, LG_ST_BF16, LG_ST_F16, LG_ST_U8, LG_ST_I64 } lg_st_dtype;
+#define LG_ST_MAX_NAME 128
+#define LG_ST_MAX_DIMS 4
+#define LG_ST_MAX_HEADER 100000000 /* the format's limit on the JSON header */
+
+typedef struct {
+    char name[LG_ST_MAX_NAME];      /* e.g. model.layers.0.self_attn.q_proj.weight */
+    lg_st_dtype dtype;
+    int ndim;                       /* 0..LG_ST_MAX_DIMS */
+    int64_t shape[LG_ST_MAX_DIMS];  /* (ndim) */
+    uint64_t begin, end;            /* bytes within the data section */
+} lg_st_tensor;
+
+typedef struct {
+    char key[64];     /* a __metadata__ entry: string to string */
+    char value[128];
+} lg_st_meta;
+
+/* An open safetensors file whose header has been read and checked. */
+typedef struct {
+    char path[1024];
+    FILE *file;
+    uint64_t data_start;      /* 8 + header length: where the data section begins */
+    uint64_t file_bytes;
+    lg_st_tensor *tensors;    /* (n_tensors), in header order */
+    int n_tensors;
+    lg_st_meta *meta;         /* (n_meta) */
+    int n_meta;
+} lg_st_file;
+
+/* Opens and checks: magic length, JSON syntax, dtypes, shapes, every byte range inside the
+   file, ranges that neither overlap nor leave gaps, unique names. Errors name the file. */
+int lg_st_open(lg_st_file *f, const char *path, lg_error *err);
+const lg_st_tensor *lg_st_find(const lg_st_file *f, const char *name);
+const char *lg_st_meta_get(const lg_st_file *f, const char *key); /* NULL when absent */
+/* Reads a tensor's bytes (t->end - t->begin of them) into out. */
+int lg_st_read(const lg_st_file *f, const lg_st_tensor *t, void *out, lg_error *err);
+void lg_st_close(lg_st_file *f);
+size_t lg_st_dtype_size(lg_st_dtype dtype);
+const char *lg_st_dtype_name(lg_st_dtype dtype);
+uint64_t lg_st_count(const lg_st_tensor *t); /* elements */
+
+/* Size and hash of a file as written (or read back). */
+typedef struct {
+    uint64_t bytes;
+    uint64_t hash;   /* 64-bit FNV-1a of every byte */
+} lg_file_digest;
+
+uint64_t lg_hash64(uint64_t hash, const void *data, size_t bytes); /* start from LG_HASH64_INIT */
+#define LG_HASH64_INIT 0xCBF29CE484222325ull
+
+/* Fills tensor `index`'s bytes (its end - begin) on request of lg_st_write. */
+typedef int (*lg_st_fill_fn)(void *ctx, int index, unsigned char *out, lg_error *err);
+/* Writes path atomically: assigns tensors[i].begin/end in order, writes path.tmp, fsyncs,
+   renames. digest (may be NULL) gets the size and hash of what was written. */
+int lg_st_write(const char *path, lg_st_tensor *tensors, int n, const lg_st_meta *meta,
+                int n_meta, lg_st_fill_fn fill, void *ctx, lg_file_digest *digest,
+                lg_error *err);
+
+/* Hugging Face layouts. */
+typedef enum { LG_HF_GPT2, LG_HF_GPTNEOX, LG_HF_LLAMA, LG_HF_QWEN2 } lg_hf_family;
+/* The family whose layout holds this architecture; -1 naming what none of them has. */
+int lg_hf_family_of(const lg_config *cfg, lg_hf_family *family, lg_error *err);
+/* DIR/config.json -> cfg (vocab_size = padded_vocab_size = the file's vocab_size; when DIR
+   also holds a model_config.yaml that agrees, its vocab_size and name). Unknown
+   architectures and unsupported settings (rope_scaling) are errors that name them. */
+int lg_hf_config_read(lg_config *cfg, const char *dir, lg_error *err);
+/* Loads DIR's weights (model.safetensors, or the shards of model.safetensors.index.json)
+   into dest, laid out by lg_params_layout(cfg): names, layouts and dtypes converted. When
+   DIR has a COMPLETE marker every file is verified first. */
+int lg_hf_load_weights(const lg_config *cfg, lg_buf dest, const char *dir, lg_error *err);
+/* Writes DIR (created if needed) with model.safetensors in the weights' dtype, config.json,
+   model_config.yaml and COMPLETE: a model alone, loadable by lg_hf_load_weights. */
+int lg_hf_save(const lg_model *m, const char *dir, lg_error *err);
+/* LitGPT's flat model_config.yaml of cfg into buf; returns the length. */
+size_t lg_config_to_yaml(const lg_config *cfg, char *buf, size_t cap);
+
+/* Checkpoints of a training run. */
+typedef struct lg_trainer lg_trainer; /* 13. trainer */
+#define LG_CHECKPOINT_MARKER "COMPLETE"
+#define LG_TRAINING_STATE "training_state.safetensors"
+
+/* Checks DIR/COMPLETE and each file it lists: present, of its size, of its hash. *step (may
+   be NULL) gets the step it records. */
+int lg_checkpoint_verify(const char *dir, int *step, lg_error *err);
+/* DIR itself when it holds a complete checkpoint, else its complete step-N with the largest
+   N (incomplete ones are skipped); path into found. */
+int lg_checkpoint_find(const char *dir, char *found, size_t cap, lg_error *err);
+/* Writes OUT/step-N (N = steps done) for the trainer and its training data. */
+int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const char *out,
+                       lg_error *err);
+/* Whether the trainer's state can be written in the whole layout (see lg_whole_state). */
+int lg_checkpoint_supported(const lg_trainer *tr, lg_error *err);
+/* Restores a trainer made with the run's arguments and a freshly opened loader from a
+   checkpoint directory (verified first); *step gets the steps done. */
+int lg_checkpoint_resume(lg_trainer *tr, lg_loader *data, const char *dir, int *step,
+                         lg_error *err);
+/* --load: the weights of a Hugging Face directory into a trainer (master weights in fp32 from
+   the file when the precision keeps them, the working copy rounded from those). */
+int lg_trainer_load_hf(lg_trainer *tr, const char *dir, lg_error *err);
+/* The training state in logical layout, whole tensors by name (see the top of this section),
+   whatever the ranks: sharded trainers gather their pieces to write and take their pieces on
+   reading, so a run resumes on any number of ranks. */
+int lg_training_state_write(lg_trainer *tr, const lg_loader *data, int step,
+                            const char *path, lg_file_digest *digest, lg_error *err);
+int lg_training_state_read(lg_trainer *tr, lg_loader *data, int *step, const char *path,
+                           lg_error *err);
 
 /* ---------------------------------------------------------------------------------------------
    13. trainer (API)
@@ -936,7 +1062,7 @@ typedef struct {
 /* Ranks (one per device, or simulated), each allocated from one plan, driven from one thread:
    every unit of the forward and backward runs on all ranks, with the collectives that the
    strategy needs in between. */
-typedef struct {
+typedef struct lg_trainer {
     lg_plan plan;
     lg_args args;
     int n_ranks;               /* devices x nodes */
@@ -977,6 +1103,9 @@ void lg_trainer_generate(lg_trainer *tr, int *tokens, int n_prompt, int n_new,
                          float temperature, lg_rng *rng);
 /* The weights (n_params) in the whole layout, into a buffer of any type. */
 void lg_trainer_weights(lg_trainer *tr, lg_buf whole);
+/* Sets every rank's weights, master weights and offload host copies from a whole-layout buffer
+   (n_params) of any type: loading a model. */
+void lg_trainer_set_weights(lg_trainer *tr, lg_buf whole);
 void lg_trainer_free(lg_trainer *tr);
 
 #ifdef __cplusplus
@@ -998,6 +1127,7 @@ void lg_trainer_free(lg_trainer *tr);
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#include <dirent.h> /* POSIX: the step-N directories of checkpoints */
 #include <fcntl.h> /* POSIX: open, write, fsync, mkdir for atomic checkpoint files */
 #include <sys/stat.h>
 #include <unistd.h>
@@ -5863,79 +5993,1804 @@ char lg_char_decode(int token) {
 
 /* 12. checkpoints ----------------------------------------------------------------------------- */
 
-/* Appends the safetensors JSON header of the parameter table to buf; returns its length. */
-static size_t lg_safetensors_header(const lg_model *m, char *buf, size_t cap) {
-    size_t n = 0, offset = 0;
-    n += (size_t)snprintf(buf + n, cap - n, "{\"__metadata__\":{\"format\":\"pt\",\"config\":\"%s\"}",
-                          m->cfg.name);
-    for (int i = 0; i < m->param_table.n_tensors && n < cap; i++) {
-        const lg_tensor_info *t = &m->param_table.tensors[i];
-        size_t bytes = t->count * 4;
-        if (t->rows == 1)
-            n += (size_t)snprintf(buf + n, cap - n, ",\"%s\":{\"dtype\":\"F32\",\"shape\":[%d],", t->name, t->cols);
-        else
-            n += (size_t)snprintf(buf + n, cap - n, ",\"%s\":{\"dtype\":\"F32\",\"shape\":[%d,%d],", t->name, t->rows, t->cols);
-        if (n < cap)
-            n += (size_t)snprintf(buf + n, cap - n, "\"data_offsets\":[%zu,%zu]}", offset, offset + bytes);
-        offset += bytes;
-    }
-    if (n < cap) n += (size_t)snprintf(buf + n, cap - n, "}");
-    while (n < cap && n % 8 != 0) buf[n++] = ' '; /* the data starts 8-byte aligned */
+/* snprintf for paths and names: truncation is checked by the reader of the result (a truncated
+   path does not open), so the compiler need not warn about it. */
+static int lg_format(char *out, size_t cap, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(out, cap, fmt, ap);
+    va_end(ap);
     return n;
 }
 
-/* Writes all of buf to fd; 0 on success. */
-static int lg_write_all(int fd, const void *buf, size_t bytes) {
+/* --- hashing and atomic files ---------------------------------------------------------------- */
+
+uint64_t lg_hash64(uint64_t hash, const void *data, size_t bytes) {
+    const unsigned char *p = (const unsigned char *)data;
+    for (size_t i = 0; i < bytes; i++) hash = (hash ^ p[i]) * 0x100000001B3ull;
+    return hash;
+}
+
+/* A file being written under a temporary name; committed by a rename. */
+typedef struct {
+    char path[1024];      /* the final name */
+    char tmp[1100];       /* path.tmp */
+    int fd;
+    lg_file_digest digest; /* of the bytes written so far */
+} lg_atomic_file;
+
+static int lg_atomic_open(lg_atomic_file *a, const char *path, lg_error *err) {
+    memset(a, 0, sizeof *a);
+    lg_format(a->path, sizeof a->path, "%s", path);
+    lg_format(a->tmp, sizeof a->tmp, "%s.tmp", path);
+    a->digest.hash = LG_HASH64_INIT;
+    a->fd = open(a->tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (a->fd < 0) return lg_fail(err, "checkpoint %s: cannot create: %s", a->tmp, strerror(errno));
+    return 0;
+}
+
+static int lg_atomic_write(lg_atomic_file *a, const void *buf, size_t bytes, lg_error *err) {
     const char *p = (const char *)buf;
+    a->digest.hash = lg_hash64(a->digest.hash, buf, bytes);
+    a->digest.bytes += bytes;
     while (bytes > 0) {
-        ssize_t n = write(fd, p, bytes);
+        ssize_t n = write(a->fd, p, bytes);
         if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) return -1;
+        if (n <= 0) return lg_fail(err, "checkpoint %s: write failed: %s", a->tmp, strerror(errno));
         p += n;
         bytes -= (size_t)n;
     }
     return 0;
 }
 
-/* Writes path.tmp (8-byte header length, header, data as F32), flushes it to disk, then renames
-   it over path: a crash never leaves a half file under the final name. */
-static int lg_write_atomically(const char *path, const char *header, size_t header_len,
-                               lg_buf data, size_t count, lg_error *err) {
-    char tmp[1100];
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd < 0) return lg_fail(err, "checkpoint %s: cannot create: %s", tmp, strerror(errno));
-    unsigned char len_le[8];
-    for (int i = 0; i < 8; i++) len_le[i] = (unsigned char)((uint64_t)header_len >> (8 * i));
-    int ok = lg_write_all(fd, len_le, 8) == 0 && lg_write_all(fd, header, header_len) == 0;
-    float chunk[4096];
-    for (size_t k = 0; ok && k < count; k += 4096) {
-        size_t n = count - k < 4096 ? count - k : 4096;
-        for (size_t i = 0; i < n; i++) chunk[i] = (float)lg_get(data, k + i);
-        ok = lg_write_all(fd, chunk, n * sizeof(float)) == 0;
-    }
-    ok = ok && fsync(fd) == 0;
-    if (close(fd) != 0) ok = 0;
-    if (!ok || rename(tmp, path) != 0) {
+static void lg_atomic_abort(lg_atomic_file *a) {
+    if (a->fd >= 0) close(a->fd);
+    a->fd = -1;
+    remove(a->tmp);
+}
+
+/* Syncs the directory holding path, so a rename inside it survives a crash. */
+static int lg_sync_parent(const char *path) {
+    char dir[1024];
+    lg_format(dir, sizeof dir, "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (slash) *slash = '\0';
+    else lg_format(dir, sizeof dir, ".");
+    int fd = open(dir, O_RDONLY);
+    if (fd < 0) return -1;
+    int rc = fsync(fd);
+    close(fd);
+    return rc;
+}
+
+/* fsync, close, rename over the final name, sync the directory. */
+static int lg_atomic_commit(lg_atomic_file *a, lg_file_digest *digest, lg_error *err) {
+    int ok = fsync(a->fd) == 0;
+    if (close(a->fd) != 0) ok = 0;
+    a->fd = -1;
+    if (!ok || rename(a->tmp, a->path) != 0) {
         int saved = errno;
-        remove(tmp);
-        return lg_fail(err, "checkpoint %s: write failed: %s", path, strerror(saved));
+        remove(a->tmp);
+        return lg_fail(err, "checkpoint %s: write failed: %s", a->path, strerror(saved));
+    }
+    lg_sync_parent(a->path);
+    if (digest) *digest = a->digest;
+    return 0;
+}
+
+static int lg_write_text_file(const char *path, const char *text, lg_file_digest *digest,
+                              lg_error *err) {
+    lg_atomic_file a;
+    if (lg_atomic_open(&a, path, err) != 0) return -1;
+    if (lg_atomic_write(&a, text, strlen(text), err) != 0) { lg_atomic_abort(&a); return -1; }
+    return lg_atomic_commit(&a, digest, err);
+}
+
+/* The whole of a small file (config.json, COMPLETE) as a NUL-terminated string. */
+static char *lg_read_text_file(const char *path, size_t max_bytes, size_t *length, lg_error *err) {
+    FILE *f = fopen(path, "rb");
+    if (!f) { lg_fail(err, "%s: cannot open: %s", path, strerror(errno)); return NULL; }
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    if (size < 0 || (size_t)size > max_bytes) {
+        fclose(f);
+        lg_fail(err, "%s: %ld bytes, more than the %zu expected of this file", path, size, max_bytes);
+        return NULL;
+    }
+    char *text = (char *)LG_MALLOC((size_t)size + 1);
+    if (!text || fread(text, 1, (size_t)size, f) != (size_t)size) {
+        fclose(f);
+        LG_FREE(text);
+        lg_fail(err, "%s: read failed", path);
+        return NULL;
+    }
+    fclose(f);
+    text[size] = '\0';
+    if (length) *length = (size_t)size;
+    return text;
+}
+
+/* --- JSON: a tokenizer in the manner of jsmn; every value is one token, containers followed
+   by their children ---------------------------------------------------------------------- */
+
+typedef enum { LG_STJSON_OBJECT, LG_STJSON_ARRAY, LG_STJSON_STRING, LG_STJSON_NUMBER,
+               LG_STJSON_LITERAL } lg_stjson_kind;
+
+typedef struct {
+    lg_stjson_kind kind;
+    size_t start, end; /* the text; a string's without its quotes */
+    int size;          /* children: members of an object (key and value count as one), elements */
+    int next;          /* the token after this one and all its children */
+} lg_stjson_token;
+
+typedef struct {
+    const char *text;
+    size_t len;
+    lg_stjson_token *tokens; /* (n) */
+    int n, cap;
+    char why[160];         /* what is wrong, when parsing fails */
+} lg_stjson;
+
+#define LG_STJSON_MAX_DEPTH 32
+
+static int lg_stjson_new_token(lg_stjson *j, lg_stjson_kind kind, size_t start) {
+    if (j->n == j->cap) {
+        int cap = j->cap ? 2 * j->cap : 64;
+        lg_stjson_token *t = (lg_stjson_token *)LG_MALLOC(sizeof(lg_stjson_token) * (size_t)cap);
+        if (!t) return -1;
+        if (j->n) memcpy(t, j->tokens, sizeof(lg_stjson_token) * (size_t)j->n);
+        LG_FREE(j->tokens);
+        j->tokens = t;
+        j->cap = cap;
+    }
+    lg_stjson_token *t = &j->tokens[j->n];
+    t->kind = kind;
+    t->start = t->end = start;
+    t->size = 0;
+    t->next = j->n + 1;
+    return j->n++;
+}
+
+static void lg_stjson_skip_space(const lg_stjson *j, size_t *pos) {
+    while (*pos < j->len && (j->text[*pos] == ' ' || j->text[*pos] == '\t' ||
+                             j->text[*pos] == '\n' || j->text[*pos] == '\r'))
+        (*pos)++;
+}
+
+static int lg_stjson_fail(lg_stjson *j, size_t pos, const char *what) {
+    lg_format(j->why, sizeof j->why, "%s at byte %zu", what, pos);
+    return -1;
+}
+
+static int lg_stjson_string_token(lg_stjson *j, size_t *pos) {
+    size_t p = *pos + 1;
+    while (p < j->len && j->text[p] != '"') {
+        unsigned char c = (unsigned char)j->text[p];
+        if (c < 0x20) return lg_stjson_fail(j, p, "control character in a string");
+        if (c == '\\') {
+            if (p + 1 >= j->len) return lg_stjson_fail(j, p, "unfinished escape");
+            char e = j->text[p + 1];
+            if (e == 'u') {
+                for (int k = 2; k < 6; k++)
+                    if (p + (size_t)k >= j->len || !isxdigit((unsigned char)j->text[p + k]))
+                        return lg_stjson_fail(j, p, "bad \\u escape");
+                p += 6;
+                continue;
+            }
+            if (!strchr("\"\\/bfnrt", e)) return lg_stjson_fail(j, p, "bad escape");
+            p += 2;
+            continue;
+        }
+        p++;
+    }
+    if (p >= j->len) return lg_stjson_fail(j, *pos, "unterminated string");
+    int t = lg_stjson_new_token(j, LG_STJSON_STRING, *pos + 1);
+    if (t < 0) return lg_stjson_fail(j, *pos, "out of memory");
+    j->tokens[t].end = p;
+    *pos = p + 1;
+    return 0;
+}
+
+static int lg_stjson_scalar_token(lg_stjson *j, size_t *pos) {
+    size_t p = *pos;
+    const char *s = j->text;
+    lg_stjson_kind kind = LG_STJSON_NUMBER;
+    if (s[p] == '-' || isdigit((unsigned char)s[p])) {
+        while (p < j->len && strchr("+-0123456789.eE", s[p])) p++;
+    } else {
+        static const char *const words[3] = {"true", "false", "null"};
+        size_t n = 0;
+        for (int w = 0; w < 3 && !n; w++)
+            if (j->len - p >= strlen(words[w]) && memcmp(s + p, words[w], strlen(words[w])) == 0)
+                n = strlen(words[w]);
+        if (!n) return lg_stjson_fail(j, p, "unexpected character");
+        p += n;
+        kind = LG_STJSON_LITERAL;
+    }
+    int t = lg_stjson_new_token(j, kind, *pos);
+    if (t < 0) return lg_stjson_fail(j, p, "out of memory");
+    j->tokens[t].end = p;
+    *pos = p;
+    return 0;
+}
+
+static int lg_stjson_value(lg_stjson *j, size_t *pos, int depth);
+
+/* An object or array at *pos (its opening bracket). */
+static int lg_stjson_container(lg_stjson *j, size_t *pos, int depth) {
+    int object = j->text[*pos] == '{';
+    char close = object ? '}' : ']';
+    if (depth >= LG_STJSON_MAX_DEPTH) return lg_stjson_fail(j, *pos, "nested too deeply");
+    int t = lg_stjson_new_token(j, object ? LG_STJSON_OBJECT : LG_STJSON_ARRAY, *pos);
+    if (t < 0) return lg_stjson_fail(j, *pos, "out of memory");
+    (*pos)++;
+    lg_stjson_skip_space(j, pos);
+    if (*pos < j->len && j->text[*pos] == close) {
+        (*pos)++;
+    } else {
+        for (;;) {
+            lg_stjson_skip_space(j, pos);
+            if (object) {
+                if (*pos >= j->len || j->text[*pos] != '"') return lg_stjson_fail(j, *pos, "expected a key");
+                if (lg_stjson_string_token(j, pos) != 0) return -1;
+                lg_stjson_skip_space(j, pos);
+                if (*pos >= j->len || j->text[*pos] != ':') return lg_stjson_fail(j, *pos, "expected ':'");
+                (*pos)++;
+            }
+            if (lg_stjson_value(j, pos, depth + 1) != 0) return -1;
+            j->tokens[t].size++;
+            lg_stjson_skip_space(j, pos);
+            if (*pos < j->len && j->text[*pos] == ',') { (*pos)++; continue; }
+            if (*pos < j->len && j->text[*pos] == close) { (*pos)++; break; }
+            return lg_stjson_fail(j, *pos, object ? "expected ',' or '}'" : "expected ',' or ']'");
+        }
+    }
+    j->tokens[t].end = *pos;
+    j->tokens[t].next = j->n;
+    return 0;
+}
+
+static int lg_stjson_value(lg_stjson *j, size_t *pos, int depth) {
+    lg_stjson_skip_space(j, pos);
+    if (*pos >= j->len) return lg_stjson_fail(j, *pos, "unexpected end");
+    char c = j->text[*pos];
+    if (c == '{' || c == '[') return lg_stjson_container(j, pos, depth);
+    if (c == '"') return lg_stjson_string_token(j, pos);
+    return lg_stjson_scalar_token(j, pos);
+}
+
+/* Parses text (len bytes, need not be NUL-terminated); the root is token 0. */
+static int lg_stjson_parse(lg_stjson *j, const char *text, size_t len) {
+    memset(j, 0, sizeof *j);
+    j->text = text;
+    j->len = len;
+    size_t pos = 0;
+    if (lg_stjson_value(j, &pos, 0) != 0) return -1;
+    lg_stjson_skip_space(j, &pos);
+    if (pos != len) return lg_stjson_fail(j, pos, "text after the JSON value");
+    return 0;
+}
+
+static void lg_stjson_free(lg_stjson *j) {
+    LG_FREE(j->tokens);
+    j->tokens = NULL;
+    j->n = j->cap = 0;
+}
+
+/* A string token decoded into out (cap bytes); -1 when it does not fit or holds a character
+   beyond ASCII. */
+static int lg_stjson_string(const lg_stjson *j, int t, char *out, size_t cap) {
+    const lg_stjson_token *tok = &j->tokens[t];
+    if (tok->kind != LG_STJSON_STRING) return -1;
+    size_t n = 0;
+    for (size_t p = tok->start; p < tok->end; p++) {
+        char c = j->text[p];
+        if (c == '\\') {
+            char e = j->text[++p];
+            if (e == 'u') {
+                char hex[5] = {j->text[p + 1], j->text[p + 2], j->text[p + 3], j->text[p + 4], 0};
+                long v = strtol(hex, NULL, 16);
+                if (v <= 0 || v >= 0x80) return -1;
+                c = (char)v;
+                p += 4;
+            } else {
+                c = e == 'b' ? '\b' : e == 'f' ? '\f' : e == 'n' ? '\n' : e == 'r' ? '\r'
+                  : e == 't' ? '\t' : e;
+            }
+        }
+        if (n + 1 >= cap) return -1;
+        out[n++] = c;
+    }
+    out[n] = '\0';
+    return 0;
+}
+
+/* The value of key in object token obj; -1 when absent. */
+static int lg_stjson_get(const lg_stjson *j, int obj, const char *key) {
+    if (obj < 0 || j->tokens[obj].kind != LG_STJSON_OBJECT) return -1;
+    char name[LG_ST_MAX_NAME];
+    int k = obj + 1;
+    for (int i = 0; i < j->tokens[obj].size; i++) {
+        if (lg_stjson_string(j, k, name, sizeof name) == 0 && strcmp(name, key) == 0) return k + 1;
+        k = j->tokens[k + 1].next;
+    }
+    return -1;
+}
+
+/* A number token as double; -1 when the token is not a number. */
+static int lg_stjson_double(const lg_stjson *j, int t, double *out) {
+    if (t < 0 || j->tokens[t].kind != LG_STJSON_NUMBER) return -1;
+    char buf[64];
+    size_t n = j->tokens[t].end - j->tokens[t].start;
+    if (n == 0 || n >= sizeof buf) return -1;
+    memcpy(buf, j->text + j->tokens[t].start, n);
+    buf[n] = '\0';
+    char *end;
+    *out = strtod(buf, &end);
+    return *end == '\0' && isfinite(*out) ? 0 : -1;
+}
+
+/* A non-negative integer token (digits only) up to limit. */
+static int lg_stjson_u64(const lg_stjson *j, int t, uint64_t limit, uint64_t *out) {
+    if (t < 0 || j->tokens[t].kind != LG_STJSON_NUMBER) return -1;
+    uint64_t v = 0;
+    size_t start = j->tokens[t].start, end = j->tokens[t].end;
+    if (start == end) return -1;
+    for (size_t p = start; p < end; p++) {
+        char c = j->text[p];
+        if (c < '0' || c > '9') return -1;
+        if (v > (limit - (uint64_t)(c - '0')) / 10) return -1;
+        v = v * 10 + (uint64_t)(c - '0');
+    }
+    *out = v;
+    return 0;
+}
+
+/* true / false (-1 otherwise). */
+static int lg_stjson_bool(const lg_stjson *j, int t, int *out) {
+    if (t < 0 || j->tokens[t].kind != LG_STJSON_LITERAL) return -1;
+    const char *s = j->text + j->tokens[t].start;
+    size_t n = j->tokens[t].end - j->tokens[t].start;
+    if (n == 4 && memcmp(s, "true", 4) == 0) { *out = 1; return 0; }
+    if (n == 5 && memcmp(s, "false", 5) == 0) { *out = 0; return 0; }
+    return -1;
+}
+
+static int lg_stjson_is_null(const lg_stjson *j, int t) {
+    return t >= 0 && j->tokens[t].kind == LG_STJSON_LITERAL &&
+           j->tokens[t].end - j->tokens[t].start == 4 && memcmp(j->text + j->tokens[t].start, "null", 4) == 0;
+}
+
+/* --- safetensors ---------------------------------------------------------------------------- */
+
+static const char *const lg_st_dtype_names[] = {"F32", "BF16", "F16", "U8", "I64"};
+
+size_t lg_st_dtype_size(lg_st_dtype d) {
+    return d == LG_ST_F32 ? 4 : d == LG_ST_U8 ? 1 : d == LG_ST_I64 ? 8 : 2;
+}
+
+const char *lg_st_dtype_name(lg_st_dtype d) { return lg_st_dtype_names[d]; }
+
+uint64_t lg_st_count(const lg_st_tensor *t) {
+    uint64_t n = 1;
+    for (int d = 0; d < t->ndim; d++) n *= (uint64_t)t->shape[d];
+    return n;
+}
+
+void lg_st_close(lg_st_file *f) {
+    if (f->file) fclose(f->file);
+    LG_FREE(f->tensors);
+    LG_FREE(f->meta);
+    memset(f, 0, sizeof *f);
+}
+
+/* Fails, closing the half-open file. */
+static int lg_st_reject(lg_st_file *f, lg_error *err, const char *fmt, ...) {
+    char what[400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    lg_fail(err, "safetensors %s: %s", f->path, what);
+    lg_st_close(f);
+    return -1;
+}
+
+/* The __metadata__ object: string keys to string values. */
+static int lg_st_parse_meta(lg_st_file *f, const lg_stjson *j, int obj, lg_error *err) {
+    if (j->tokens[obj].kind != LG_STJSON_OBJECT) return lg_st_reject(f, err, "__metadata__ is not an object");
+    f->meta = (lg_st_meta *)lg_alloc_zeroed(sizeof(lg_st_meta) * (size_t)(j->tokens[obj].size + 1));
+    if (!f->meta) return lg_st_reject(f, err, "out of host memory");
+    int k = obj + 1;
+    for (int i = 0; i < j->tokens[obj].size; i++, k = j->tokens[k + 1].next) {
+        lg_st_meta *m = &f->meta[f->n_meta];
+        if (lg_stjson_string(j, k, m->key, sizeof m->key) != 0 ||
+            lg_stjson_string(j, k + 1, m->value, sizeof m->value) != 0)
+            continue; /* long or non-string entries (e.g. other tools' notes) are not ours */
+        f->n_meta++;
     }
     return 0;
 }
 
-int lg_save_safetensors(const lg_model *m, const char *dir, lg_error *err) {
-    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
-        return lg_fail(err, "--out %s: cannot create the directory: %s", dir, strerror(errno));
-    size_t cap = (size_t)m->param_table.n_tensors * 160 + 256;
-    char *header = (char *)LG_MALLOC(cap);
-    if (!header) return lg_fail(err, "checkpoint: out of host memory");
-    size_t len = lg_safetensors_header(m, header, cap);
-    char path[1024];
-    snprintf(path, sizeof path, "%s/model.safetensors", dir);
-    int rc = lg_write_atomically(path, header, len, m->params, m->n_params, err);
+/* One tensor entry {"dtype": ..., "shape": [...], "data_offsets": [b, e]}. */
+static int lg_st_parse_tensor(lg_st_file *f, const lg_stjson *j, int key, lg_st_tensor *t,
+                              uint64_t data_bytes, lg_error *err) {
+    if (lg_stjson_string(j, key, t->name, sizeof t->name) != 0)
+        return lg_st_reject(f, err, "a tensor name longer than %d characters", LG_ST_MAX_NAME - 1);
+    int obj = key + 1, dtype = lg_stjson_get(j, obj, "dtype"), shape = lg_stjson_get(j, obj, "shape");
+    int offsets = lg_stjson_get(j, obj, "data_offsets");
+    char name[16] = "";
+    if (dtype < 0 || shape < 0 || offsets < 0)
+        return lg_st_reject(f, err, "tensor %s: needs dtype, shape and data_offsets", t->name);
+    lg_stjson_string(j, dtype, name, sizeof name);
+    int known = 0;
+    for (int d = 0; d < 5; d++)
+        if (strcmp(name, lg_st_dtype_names[d]) == 0) { t->dtype = (lg_st_dtype)d; known = 1; }
+    if (!known) return lg_st_reject(f, err, "tensor %s: dtype '%s' is not F32, BF16, F16, U8 or I64", t->name, name);
+    if (j->tokens[shape].kind != LG_STJSON_ARRAY || j->tokens[shape].size > LG_ST_MAX_DIMS)
+        return lg_st_reject(f, err, "tensor %s: shape is not a list of at most %d sizes", t->name, LG_ST_MAX_DIMS);
+    t->ndim = j->tokens[shape].size;
+    uint64_t count = 1, dim;
+    for (int d = 0; d < t->ndim; d++) {
+        if (lg_stjson_u64(j, shape + 1 + d, (uint64_t)1 << 40, &dim) != 0)
+            return lg_st_reject(f, err, "tensor %s: dimension %d is not a size", t->name, d);
+        t->shape[d] = (int64_t)dim;
+        if (dim && count > ((uint64_t)1 << 50) / dim) return lg_st_reject(f, err, "tensor %s: too large", t->name);
+        count *= dim;
+    }
+    if (j->tokens[offsets].kind != LG_STJSON_ARRAY || j->tokens[offsets].size != 2 ||
+        lg_stjson_u64(j, offsets + 1, data_bytes, &t->begin) != 0 ||
+        lg_stjson_u64(j, offsets + 2, data_bytes, &t->end) != 0)
+        return lg_st_reject(f, err, "tensor %s: data_offsets are not two offsets within the %llu "
+                            "bytes of data (truncated file?)", t->name, (unsigned long long)data_bytes);
+    if (t->end < t->begin || t->end - t->begin != count * lg_st_dtype_size(t->dtype))
+        return lg_st_reject(f, err, "tensor %s: data_offsets [%llu, %llu] do not hold %llu %s values",
+                            t->name, (unsigned long long)t->begin, (unsigned long long)t->end,
+                            (unsigned long long)count, name);
+    return 0;
+}
+
+static int lg_st_by_begin(const void *a, const void *b) {
+    const lg_st_tensor *x = *(const lg_st_tensor *const *)a, *y = *(const lg_st_tensor *const *)b;
+    return x->begin < y->begin ? -1 : x->begin > y->begin ? 1 : x->end < y->end ? -1 : x->end > y->end;
+}
+
+static int lg_st_by_name(const void *a, const void *b) {
+    return strcmp((*(const lg_st_tensor *const *)a)->name, (*(const lg_st_tensor *const *)b)->name);
+}
+
+/* The tensors' byte ranges must tile the data section: no overlap, no gap, nothing after; and
+   no name twice. */
+static int lg_st_check_tiling(lg_st_file *f, uint64_t data_bytes, lg_error *err) {
+    int n = f->n_tensors;
+    const lg_st_tensor **order = (const lg_st_tensor **)lg_alloc_zeroed(sizeof(lg_st_tensor *) * (size_t)(n + 1));
+    if (!order) return lg_st_reject(f, err, "out of host memory");
+    for (int i = 0; i < n; i++) order[i] = &f->tensors[i];
+    qsort(order, (size_t)n, sizeof *order, lg_st_by_begin);
+    uint64_t at = 0;
+    char what[300] = "";
+    for (int i = 0; i < n && !what[0]; i++) {
+        if (order[i]->begin != at)
+            lg_format(what, sizeof what, "tensor %s starts at byte %llu of the data, expected %llu "
+                      "(overlap or gap)", order[i]->name, (unsigned long long)order[i]->begin,
+                      (unsigned long long)at);
+        at = order[i]->end;
+    }
+    qsort(order, (size_t)n, sizeof *order, lg_st_by_name);
+    for (int i = 1; i < n && !what[0]; i++)
+        if (strcmp(order[i - 1]->name, order[i]->name) == 0)
+            lg_format(what, sizeof what, "tensor %s appears twice", order[i]->name);
+    LG_FREE(order);
+    if (what[0]) return lg_st_reject(f, err, "%s", what);
+    if (at != data_bytes)
+        return lg_st_reject(f, err, "the tensors end at byte %llu of the data but the file holds "
+                            "%llu (truncated or trailing bytes)", (unsigned long long)at,
+                            (unsigned long long)data_bytes);
+    return 0;
+}
+
+/* The header: a JSON object of tensor entries and an optional __metadata__. */
+static int lg_st_parse_header(lg_st_file *f, const char *header, size_t len, lg_error *err) {
+    lg_stjson j;
+    if (lg_stjson_parse(&j, header, len) != 0) {
+        lg_stjson_free(&j);
+        return lg_st_reject(f, err, "the header is not valid JSON (%s)", j.why);
+    }
+    if (j.tokens[0].kind != LG_STJSON_OBJECT) {
+        lg_stjson_free(&j);
+        return lg_st_reject(f, err, "the header is not a JSON object");
+    }
+    uint64_t data_bytes = f->file_bytes - f->data_start;
+    f->tensors = (lg_st_tensor *)lg_alloc_zeroed(sizeof(lg_st_tensor) * (size_t)(j.tokens[0].size + 1));
+    if (!f->tensors) { lg_stjson_free(&j); return lg_st_reject(f, err, "out of host memory"); }
+    int k = 1, rc = 0;
+    for (int i = 0; i < j.tokens[0].size && rc == 0; i++, k = j.tokens[k + 1].next) {
+        char name[LG_ST_MAX_NAME];
+        if (lg_stjson_string(&j, k, name, sizeof name) == 0 && strcmp(name, "__metadata__") == 0)
+            rc = lg_st_parse_meta(f, &j, k + 1, err);
+        else if (j.tokens[k + 1].kind != LG_STJSON_OBJECT)
+            rc = lg_st_reject(f, err, "entry %d of the header is not an object", i);
+        else if ((rc = lg_st_parse_tensor(f, &j, k, &f->tensors[f->n_tensors], data_bytes, err)) == 0)
+            f->n_tensors++;
+    }
+    lg_stjson_free(&j);
+    if (rc != 0) return -1;
+    return lg_st_check_tiling(f, data_bytes, err);
+}
+
+int lg_st_open(lg_st_file *f, const char *path, lg_error *err) {
+    memset(f, 0, sizeof *f);
+    lg_format(f->path, sizeof f->path, "%s", path);
+    struct stat st;
+    if (stat(path, &st) != 0) return lg_fail(err, "safetensors %s: cannot open: %s", path, strerror(errno));
+    if (!S_ISREG(st.st_mode)) return lg_fail(err, "safetensors %s: not a regular file", path);
+    f->file = fopen(path, "rb");
+    if (!f->file) return lg_fail(err, "safetensors %s: cannot open: %s", path, strerror(errno));
+    f->file_bytes = (uint64_t)st.st_size;
+    unsigned char len_le[8];
+    if (f->file_bytes < 8 || fread(len_le, 1, 8, f->file) != 8)
+        return lg_st_reject(f, err, "%llu bytes, shorter than the 8-byte header length",
+                            (unsigned long long)f->file_bytes);
+    uint64_t len = 0;
+    for (int i = 0; i < 8; i++) len |= (uint64_t)len_le[i] << (8 * i);
+    if (len < 2 || len > LG_ST_MAX_HEADER || len > f->file_bytes - 8)
+        return lg_st_reject(f, err, "header length %llu does not fit the file's %llu bytes "
+                            "(truncated or not safetensors)", (unsigned long long)len,
+                            (unsigned long long)f->file_bytes);
+    f->data_start = 8 + len;
+    char *header = (char *)LG_MALLOC((size_t)len);
+    if (!header) return lg_st_reject(f, err, "out of host memory for a %llu-byte header", (unsigned long long)len);
+    if (fread(header, 1, (size_t)len, f->file) != (size_t)len) {
+        LG_FREE(header);
+        return lg_st_reject(f, err, "cannot read the header");
+    }
+    if (header[0] != '{') {
+        LG_FREE(header);
+        return lg_st_reject(f, err, "the header does not start with '{'");
+    }
+    int rc = lg_st_parse_header(f, header, (size_t)len, err);
     LG_FREE(header);
     return rc;
+}
+
+const lg_st_tensor *lg_st_find(const lg_st_file *f, const char *name) {
+    for (int i = 0; i < f->n_tensors; i++)
+        if (strcmp(f->tensors[i].name, name) == 0) return &f->tensors[i];
+    return NULL;
+}
+
+const char *lg_st_meta_get(const lg_st_file *f, const char *key) {
+    for (int i = 0; i < f->n_meta; i++)
+        if (strcmp(f->meta[i].key, key) == 0) return f->meta[i].value;
+    return NULL;
+}
+
+int lg_st_read(const lg_st_file *f, const lg_st_tensor *t, void *out, lg_error *err) {
+    size_t bytes = (size_t)(t->end - t->begin);
+    if (fseek(f->file, (long)(f->data_start + t->begin), SEEK_SET) != 0 ||
+        fread(out, 1, bytes, f->file) != bytes)
+        return lg_fail(err, "safetensors %s: cannot read tensor %s", f->path, t->name);
+    return 0;
+}
+
+/* Appends text to a growing header; -1 when it does not fit. */
+static int lg_st_append(char *buf, size_t cap, size_t *n, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int w = vsnprintf(buf + *n, cap - *n, fmt, ap);
+    va_end(ap);
+    if (w < 0 || (size_t)w >= cap - *n) return -1;
+    *n += (size_t)w;
+    return 0;
+}
+
+/* The JSON header of tensors whose offsets are assigned; padded with spaces to 8 bytes. */
+static char *lg_st_header(lg_st_tensor *tensors, int n, const lg_st_meta *meta, int n_meta,
+                          size_t *len) {
+    size_t cap = (size_t)n * (LG_ST_MAX_NAME + 160) + (size_t)n_meta * 220 + 64, at = 0;
+    char *h = (char *)LG_MALLOC(cap);
+    if (!h) return NULL;
+    int ok = lg_st_append(h, cap, &at, "{\"__metadata__\":{") == 0;
+    for (int i = 0; i < n_meta && ok; i++)
+        ok = lg_st_append(h, cap, &at, "%s\"%s\":\"%s\"", i ? "," : "", meta[i].key, meta[i].value) == 0;
+    ok = ok && lg_st_append(h, cap, &at, "}") == 0;
+    uint64_t offset = 0;
+    for (int i = 0; i < n && ok; i++) {
+        lg_st_tensor *t = &tensors[i];
+        t->begin = offset;
+        t->end = offset += lg_st_count(t) * lg_st_dtype_size(t->dtype);
+        ok = lg_st_append(h, cap, &at, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[", t->name,
+                       lg_st_dtype_names[t->dtype]) == 0;
+        for (int d = 0; d < t->ndim && ok; d++)
+            ok = lg_st_append(h, cap, &at, "%s%lld", d ? "," : "", (long long)t->shape[d]) == 0;
+        ok = ok && lg_st_append(h, cap, &at, "],\"data_offsets\":[%llu,%llu]}",
+                             (unsigned long long)t->begin, (unsigned long long)t->end) == 0;
+    }
+    ok = ok && lg_st_append(h, cap, &at, "}") == 0;
+    while (ok && at % 8 != 0) ok = lg_st_append(h, cap, &at, " ") == 0;
+    if (!ok) { LG_FREE(h); return NULL; }
+    *len = at;
+    return h;
+}
+
+int lg_st_write(const char *path, lg_st_tensor *tensors, int n, const lg_st_meta *meta,
+                int n_meta, lg_st_fill_fn fill, void *ctx, lg_file_digest *digest,
+                lg_error *err) {
+    size_t len = 0, largest = 1;
+    char *header = lg_st_header(tensors, n, meta, n_meta, &len);
+    if (!header) return lg_fail(err, "safetensors %s: out of host memory for the header", path);
+    for (int i = 0; i < n; i++)
+        if (tensors[i].end - tensors[i].begin > largest) largest = (size_t)(tensors[i].end - tensors[i].begin);
+    unsigned char *buf = (unsigned char *)LG_MALLOC(largest);
+    lg_atomic_file a;
+    if (!buf || lg_atomic_open(&a, path, err) != 0) {
+        LG_FREE(header);
+        LG_FREE(buf);
+        return buf ? -1 : lg_fail(err, "safetensors %s: out of host memory", path);
+    }
+    unsigned char len_le[8];
+    for (int i = 0; i < 8; i++) len_le[i] = (unsigned char)((uint64_t)len >> (8 * i));
+    int rc = lg_atomic_write(&a, len_le, 8, err);
+    if (rc == 0) rc = lg_atomic_write(&a, header, len, err);
+    for (int i = 0; i < n && rc == 0; i++) {
+        rc = fill(ctx, i, buf, err);
+        if (rc == 0) rc = lg_atomic_write(&a, buf, (size_t)(tensors[i].end - tensors[i].begin), err);
+    }
+    LG_FREE(header);
+    LG_FREE(buf);
+    if (rc != 0) { lg_atomic_abort(&a); return -1; }
+    return lg_atomic_commit(&a, digest, err);
+}
+
+/* One element of file data as lg_real (F32, BF16 or F16). */
+static lg_real lg_st_get(lg_st_dtype dtype, const unsigned char *data, size_t i) {
+    if (dtype == LG_ST_F32) {
+        float v;
+        memcpy(&v, data + 4 * i, 4);
+        return (lg_real)v;
+    }
+    uint16_t h = (uint16_t)(data[2 * i] | data[2 * i + 1] << 8);
+    return dtype == LG_ST_BF16 ? (lg_real)lg_bf16_to_f32(h) : (lg_real)lg_f16_to_f32(h);
+}
+
+static void lg_st_set(lg_st_dtype dtype, unsigned char *data, size_t i, lg_real v) {
+    if (dtype == LG_ST_F32) {
+        float f = (float)v;
+        memcpy(data + 4 * i, &f, 4);
+        return;
+    }
+    uint16_t h = dtype == LG_ST_BF16 ? lg_f32_to_bf16((float)v) : lg_f32_to_f16((float)v);
+    data[2 * i] = (unsigned char)h;
+    data[2 * i + 1] = (unsigned char)(h >> 8);
+}
+
+/* --- Hugging Face layouts --------------------------------------------------------------------- */
+
+int lg_hf_family_of(const lg_config *c, lg_hf_family *family, lg_error *err) {
+    const char *why = NULL;
+    int mha = c->n_query_groups == c->n_head && c->n_head * c->head_size == c->n_embd;
+    if (c->lm_head_bias) why = "lm_head_bias";
+    else if (c->learned_pos_embedding) {
+        *family = LG_HF_GPT2;
+        if (c->norm_class_name != LG_NORM_LAYERNORM || c->mlp_class_name != LG_MLP_GPTNEOX ||
+            c->rotary_percentage != 0.0f || c->parallel_residual || !c->bias || !mha)
+            why = "learned position embeddings without GPT-2's other settings";
+    } else if (c->mlp_class_name == LG_MLP_LLAMA) {
+        *family = c->attn_bias && !c->bias ? LG_HF_QWEN2 : LG_HF_LLAMA;
+        if (c->norm_class_name != LG_NORM_RMSNORM || c->rotary_percentage != 1.0f ||
+            c->parallel_residual)
+            why = "LLaMAMLP without RMSNorm, full rotary and sequential residuals";
+    } else {
+        *family = LG_HF_GPTNEOX;
+        if (c->norm_class_name != LG_NORM_LAYERNORM || !c->bias || !mha || c->shared_attention_norm)
+            why = "GptNeoxMLP without GPT-NeoX's LayerNorm, biases, multi-head attention and two norms";
+    }
+    if (why) return lg_fail(err, "config %s: no Hugging Face layout holds this architecture (%s)", c->name, why);
+    return 0;
+}
+
+/* How a Hugging Face tensor's element i comes from its LitGPT tensor. */
+typedef enum {
+    LG_HF_COPY,      /* element start + i (q, k or v rows of the fused qkv: a contiguous range) */
+    LG_HF_TRANSPOSE, /* GPT-2's Conv1D stores (in, out): the LitGPT (out, in) transposed */
+    LG_HF_NEOX_QKV   /* GPT-NeoX's query_key_value: per head q, k, v rows; LitGPT: all q heads,
+                        then all k, then all v */
+} lg_hf_transform;
+
+typedef struct {
+    char name[LG_ST_MAX_NAME]; /* the Hugging Face name */
+    int source;                /* the LitGPT tensor: index into the parameter table */
+    lg_hf_transform how;
+    size_t start;              /* LG_HF_COPY: first element of the source */
+    int ndim;
+    int64_t shape[2];          /* the Hugging Face shape */
+} lg_hf_tensor;
+
+/* The Hugging Face name of a LitGPT block tensor ("norm_1.weight") in layer l. */
+static const char *lg_hf_block_name(lg_hf_family f, const char *suffix) {
+    static const char *const map[][4] = { /* LitGPT, GPT-2, GPT-NeoX, Llama */
+        {"norm_1.weight", "ln_1.weight", "input_layernorm.weight", "input_layernorm.weight"},
+        {"norm_1.bias", "ln_1.bias", "input_layernorm.bias", NULL},
+        {"norm_2.weight", "ln_2.weight", "post_attention_layernorm.weight", "post_attention_layernorm.weight"},
+        {"norm_2.bias", "ln_2.bias", "post_attention_layernorm.bias", NULL},
+        {"attn.qkv.weight", "attn.c_attn.weight", "attention.query_key_value.weight", NULL},
+        {"attn.qkv.bias", "attn.c_attn.bias", "attention.query_key_value.bias", NULL},
+        {"attn.proj.weight", "attn.c_proj.weight", "attention.dense.weight", "self_attn.o_proj.weight"},
+        {"attn.proj.bias", "attn.c_proj.bias", "attention.dense.bias", "self_attn.o_proj.bias"},
+        {"mlp.fc.weight", "mlp.c_fc.weight", "mlp.dense_h_to_4h.weight", NULL},
+        {"mlp.fc.bias", "mlp.c_fc.bias", "mlp.dense_h_to_4h.bias", NULL},
+        {"mlp.proj.weight", "mlp.c_proj.weight", "mlp.dense_4h_to_h.weight", "mlp.down_proj.weight"},
+        {"mlp.proj.bias", "mlp.c_proj.bias", "mlp.dense_4h_to_h.bias", "mlp.down_proj.bias"},
+        {"mlp.fc_1.weight", NULL, NULL, "mlp.gate_proj.weight"},
+        {"mlp.fc_1.bias", NULL, NULL, "mlp.gate_proj.bias"},
+        {"mlp.fc_2.weight", NULL, NULL, "mlp.up_proj.weight"},
+        {"mlp.fc_2.bias", NULL, NULL, "mlp.up_proj.bias"},
+    };
+    int column = f == LG_HF_GPT2 ? 1 : f == LG_HF_GPTNEOX ? 2 : 3;
+    for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
+        if (strcmp(map[i][0], suffix) == 0) return map[i][column];
+    return NULL;
+}
+
+/* The Hugging Face name of a LitGPT tensor outside the blocks. */
+static const char *lg_hf_top_name(lg_hf_family f, const char *name) {
+    static const char *const map[][4] = {
+        {"transformer.wte.weight", "transformer.wte.weight", "gpt_neox.embed_in.weight", "model.embed_tokens.weight"},
+        {"transformer.wpe.weight", "transformer.wpe.weight", NULL, NULL},
+        {"transformer.ln_f.weight", "transformer.ln_f.weight", "gpt_neox.final_layer_norm.weight", "model.norm.weight"},
+        {"transformer.ln_f.bias", "transformer.ln_f.bias", "gpt_neox.final_layer_norm.bias", NULL},
+        {"lm_head.weight", "lm_head.weight", "embed_out.weight", "lm_head.weight"},
+    };
+    int column = f == LG_HF_GPT2 ? 1 : f == LG_HF_GPTNEOX ? 2 : 3;
+    for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
+        if (strcmp(map[i][0], name) == 0) return map[i][column];
+    return NULL;
+}
+
+static void lg_hf_add(lg_hf_tensor *out, int *n, const char *name, int source, lg_hf_transform how,
+                      size_t start, int rows, int cols) {
+    lg_hf_tensor *h = &out[(*n)++];
+    lg_format(h->name, sizeof h->name, "%s", name);
+    h->source = source;
+    h->how = how;
+    h->start = start;
+    h->ndim = rows == 1 ? 1 : 2;
+    h->shape[0] = rows == 1 ? cols : rows;
+    h->shape[1] = rows == 1 ? 0 : cols;
+}
+
+/* Llama's q_proj, k_proj, v_proj: row ranges of the fused qkv (weight or bias). */
+static void lg_hf_add_split_qkv(const lg_config *c, const lg_tensor_info *t, int source,
+                                const char *prefix, lg_hf_tensor *out, int *n) {
+    int HS = c->head_size, rows[3] = {c->n_head * HS, c->n_query_groups * HS, c->n_query_groups * HS};
+    const char *part[3] = {"q_proj", "k_proj", "v_proj"};
+    int is_bias = t->rows == 1, first = 0;
+    for (int k = 0; k < 3; k++) {
+        char name[LG_ST_MAX_NAME];
+        lg_format(name, sizeof name, "%sself_attn.%s.%s", prefix, part[k], is_bias ? "bias" : "weight");
+        lg_hf_add(out, n, name, source, LG_HF_COPY, (size_t)first * (is_bias ? 1 : (size_t)t->cols),
+                  is_bias ? 1 : rows[k], is_bias ? rows[k] : t->cols);
+        first += rows[k];
+    }
+}
+
+/* The Hugging Face tensors of a config, each with its LitGPT source. *out: LG_MALLOC. */
+static int lg_hf_tensors(const lg_config *c, const lg_tensor_table *table, lg_hf_family f,
+                         lg_hf_tensor **out, int *n_out, lg_error *err) {
+    lg_hf_tensor *hf = (lg_hf_tensor *)lg_alloc_zeroed(sizeof(lg_hf_tensor) * (size_t)(table->n_tensors * 3 + 1));
+    if (!hf) return lg_fail(err, "out of host memory");
+    const char *prefix_fmt = f == LG_HF_GPT2 ? "transformer.h.%d." : f == LG_HF_GPTNEOX ? "gpt_neox.layers.%d." : "model.layers.%d.";
+    int n = 0;
+    for (int i = 0; i < table->n_tensors; i++) {
+        const lg_tensor_info *t = &table->tensors[i];
+        int layer, used = 0;
+        char prefix[64], name[LG_ST_MAX_NAME];
+        const char *hf_name;
+        if (sscanf(t->name, "transformer.h.%d.%n", &layer, &used) == 1 && used > 0) {
+            lg_format(prefix, sizeof prefix, prefix_fmt, layer);
+            if ((f == LG_HF_LLAMA || f == LG_HF_QWEN2) && strncmp(t->name + used, "attn.qkv.", 9) == 0) {
+                lg_hf_add_split_qkv(c, t, i, prefix, hf, &n);
+                continue;
+            }
+            hf_name = lg_hf_block_name(f, t->name + used);
+            lg_format(name, sizeof name, "%s%s", prefix, hf_name ? hf_name : "");
+        } else {
+            hf_name = lg_hf_top_name(f, t->name);
+            lg_format(name, sizeof name, "%s", hf_name ? hf_name : "");
+        }
+        if (!hf_name) {
+            LG_FREE(hf);
+            return lg_fail(err, "config %s: %s has no Hugging Face name", c->name, t->name);
+        }
+        int conv1d = f == LG_HF_GPT2 && t->rows > 1 && strncmp(t->name, "transformer.h.", 14) == 0;
+        int neox_qkv = f == LG_HF_GPTNEOX && strstr(t->name, ".attn.qkv.") != NULL;
+        if (conv1d) lg_hf_add(hf, &n, name, i, LG_HF_TRANSPOSE, 0, t->cols, t->rows);
+        else lg_hf_add(hf, &n, name, i, neox_qkv ? LG_HF_NEOX_QKV : LG_HF_COPY, 0, t->rows, t->cols);
+    }
+    *out = hf;
+    *n_out = n;
+    return 0;
+}
+
+/* Element i of a Hugging Face tensor: its index within the LitGPT source tensor. */
+static size_t lg_hf_source_index(const lg_config *c, const lg_hf_tensor *h, size_t i) {
+    if (h->how == LG_HF_COPY) return h->start + i;
+    size_t cols = h->ndim == 2 ? (size_t)h->shape[1] : 1, row = i / cols, col = i % cols;
+    if (h->how == LG_HF_TRANSPOSE) return col * (size_t)h->shape[0] + row;
+    size_t HS = (size_t)c->head_size, NH = (size_t)c->n_head; /* LG_HF_NEOX_QKV */
+    size_t head = row / (3 * HS), part = (row / HS) % 3, d = row % HS;
+    return ((part * NH + head) * HS + d) * cols + col;
+}
+
+static const char *lg_hf_dtype_label(lg_st_dtype d) {
+    return d == LG_ST_BF16 ? "bfloat16" : d == LG_ST_F16 ? "float16" : "float32";
+}
+
+/* config.json of a family. */
+static size_t lg_hf_config_json(const lg_config *c, lg_hf_family f, lg_st_dtype dtype, char *buf,
+                                size_t cap) {
+    size_t n = 0;
+    const char *gelu = c->gelu_approximate_tanh ? "gelu_new" : "gelu";
+    const char *tie = c->tie_embeddings ? "true" : "false";
+    if (f == LG_HF_GPT2)
+        lg_st_append(buf, cap, &n, "{\n  \"architectures\": [\"GPT2LMHeadModel\"],\n  \"model_type\": \"gpt2\",\n"
+                  "  \"vocab_size\": %d,\n  \"n_positions\": %d,\n  \"n_ctx\": %d,\n  \"n_embd\": %d,\n"
+                  "  \"n_layer\": %d,\n  \"n_head\": %d,\n  \"n_inner\": %d,\n  \"activation_function\": \"%s\",\n"
+                  "  \"layer_norm_epsilon\": %.9g,\n", c->padded_vocab_size, c->block_size, c->block_size,
+                  c->n_embd, c->n_layer, c->n_head, c->intermediate_size, gelu, c->norm_eps);
+    else if (f == LG_HF_GPTNEOX)
+        lg_st_append(buf, cap, &n, "{\n  \"architectures\": [\"GPTNeoXForCausalLM\"],\n  \"model_type\": \"gpt_neox\",\n"
+                  "  \"vocab_size\": %d,\n  \"max_position_embeddings\": %d,\n  \"hidden_size\": %d,\n"
+                  "  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n  \"intermediate_size\": %d,\n"
+                  "  \"hidden_act\": \"%s\",\n  \"rotary_pct\": %.9g,\n  \"rotary_emb_base\": %.9g,\n"
+                  "  \"layer_norm_eps\": %.9g,\n  \"use_parallel_residual\": %s,\n  \"attention_bias\": true,\n",
+                  c->padded_vocab_size, c->block_size, c->n_embd, c->n_layer, c->n_head,
+                  c->intermediate_size, gelu, c->rotary_percentage, c->rope_base, c->norm_eps,
+                  c->parallel_residual ? "true" : "false");
+    else
+        lg_st_append(buf, cap, &n, "{\n  \"architectures\": [\"%s\"],\n  \"model_type\": \"%s\",\n"
+                  "  \"vocab_size\": %d,\n  \"max_position_embeddings\": %d,\n  \"hidden_size\": %d,\n"
+                  "  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n  \"num_key_value_heads\": %d,\n"
+                  "  \"head_dim\": %d,\n  \"intermediate_size\": %d,\n  \"hidden_act\": \"silu\",\n"
+                  "  \"rms_norm_eps\": %.9g,\n  \"rope_theta\": %.9g,\n  \"attention_bias\": %s,\n  \"mlp_bias\": %s,\n",
+                  f == LG_HF_QWEN2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM", f == LG_HF_QWEN2 ? "qwen2" : "llama",
+                  c->padded_vocab_size, c->block_size, c->n_embd, c->n_layer, c->n_head, c->n_query_groups,
+                  c->head_size, c->intermediate_size, c->norm_eps, c->rope_base,
+                  c->bias ? "true" : "false", c->bias ? "true" : "false");
+    lg_st_append(buf, cap, &n, "  \"tie_word_embeddings\": %s,\n  \"torch_dtype\": \"%s\"\n}\n", tie,
+              lg_hf_dtype_label(dtype));
+    return n;
+}
+
+size_t lg_config_to_yaml(const lg_config *c, char *buf, size_t cap) {
+    size_t n = 0;
+    const char *b[2] = {"false", "true"};
+    lg_st_append(buf, cap, &n, "name: %s\nn_layer: %d\nn_head: %d\nn_query_groups: %d\nn_embd: %d\n"
+              "head_size: %d\nintermediate_size: %d\nblock_size: %d\nvocab_size: %d\n"
+              "padded_vocab_size: %d\nnorm_class_name: %s\nnorm_eps: %.9g\nmlp_class_name: %s\n"
+              "gelu_approximate: %s\nrotary_percentage: %.9g\nrope_base: %.9g\nparallel_residual: %s\n"
+              "shared_attention_norm: %s\nbias: %s\nattn_bias: %s\nlm_head_bias: %s\n"
+              "tie_embeddings: %s\nlearned_pos_embedding: %s\n",
+              c->name, c->n_layer, c->n_head, c->n_query_groups, c->n_embd, c->head_size,
+              c->intermediate_size, c->block_size, c->vocab_size, c->padded_vocab_size,
+              c->norm_class_name == LG_NORM_RMSNORM ? "RMSNorm" : "LayerNorm", c->norm_eps,
+              c->mlp_class_name == LG_MLP_LLAMA ? "LLaMAMLP" : "GptNeoxMLP",
+              c->gelu_approximate_tanh ? "tanh" : "none", c->rotary_percentage, c->rope_base,
+              b[!!c->parallel_residual], b[!!c->shared_attention_norm], b[!!c->bias],
+              b[!!c->attn_bias], b[!!c->lm_head_bias], b[!!c->tie_embeddings],
+              b[!!c->learned_pos_embedding]);
+    return n;
+}
+
+/* Reads one config.json field: required ints and floats, optional ones with a default. */
+typedef struct {
+    const lg_stjson *j;
+    const char *path;
+    lg_error *err;
+    int failed;
+} lg_hf_fields;
+
+static int lg_hf_int(lg_hf_fields *f, const char *key, int fallback, int required) {
+    int t = lg_stjson_get(f->j, 0, key);
+    double v;
+    if ((t < 0 || lg_stjson_is_null(f->j, t)) && !required) return fallback;
+    if (lg_stjson_double(f->j, t, &v) != 0 || v < 0 || v > 2e9 || v != (int)v) {
+        if (!f->failed) lg_fail(f->err, "%s: %s is %s, expected a non-negative integer", f->path, key,
+                                t < 0 ? "missing" : "not an integer");
+        f->failed = 1;
+        return 0;
+    }
+    return (int)v;
+}
+
+static float lg_hf_float(lg_hf_fields *f, const char *key, float fallback) {
+    int t = lg_stjson_get(f->j, 0, key);
+    double v = fallback;
+    if (t < 0 || lg_stjson_is_null(f->j, t)) return fallback;
+    if (lg_stjson_double(f->j, t, &v) != 0) {
+        if (!f->failed) lg_fail(f->err, "%s: %s is not a number", f->path, key);
+        f->failed = 1;
+    }
+    return (float)v;
+}
+
+static int lg_hf_bool(lg_hf_fields *f, const char *key, int fallback) {
+    int t = lg_stjson_get(f->j, 0, key), v = fallback;
+    if (t >= 0 && !lg_stjson_is_null(f->j, t) && lg_stjson_bool(f->j, t, &v) != 0) {
+        if (!f->failed) lg_fail(f->err, "%s: %s is not true or false", f->path, key);
+        f->failed = 1;
+    }
+    return v;
+}
+
+static void lg_hf_string(lg_hf_fields *f, const char *key, char *out, size_t cap) {
+    int t = lg_stjson_get(f->j, 0, key);
+    out[0] = '\0';
+    if (t >= 0 && f->j->tokens[t].kind == LG_STJSON_ARRAY && f->j->tokens[t].size > 0) t++;
+    if (t >= 0 && lg_stjson_string(f->j, t, out, cap) != 0) out[0] = '\0';
+}
+
+/* gelu (exact), or one of the names of the tanh approximation. */
+static int lg_hf_gelu(lg_hf_fields *f, const char *act) {
+    if (strcmp(act, "gelu") == 0) return 0;
+    if (strcmp(act, "gelu_new") == 0 || strcmp(act, "gelu_pytorch_tanh") == 0 || strcmp(act, "gelu_fast") == 0) return 1;
+    if (!f->failed) lg_fail(f->err, "%s: activation '%s' is not gelu or a tanh approximation of it", f->path, act);
+    f->failed = 1;
+    return 0;
+}
+
+static void lg_hf_config_gpt2(lg_hf_fields *f, lg_config *c) {
+    char act[32];
+    c->n_layer = lg_hf_int(f, "n_layer", 0, 1);
+    c->n_head = c->n_query_groups = lg_hf_int(f, "n_head", 0, 1);
+    c->n_embd = lg_hf_int(f, "n_embd", 0, 1);
+    c->head_size = c->n_head ? c->n_embd / c->n_head : 0;
+    c->intermediate_size = lg_hf_int(f, "n_inner", 4 * c->n_embd, 0);
+    c->block_size = lg_hf_int(f, "n_positions", 0, 1);
+    c->norm_class_name = LG_NORM_LAYERNORM;
+    c->norm_eps = lg_hf_float(f, "layer_norm_epsilon", 1e-5f);
+    c->mlp_class_name = LG_MLP_GPTNEOX;
+    lg_hf_string(f, "activation_function", act, sizeof act);
+    c->gelu_approximate_tanh = lg_hf_gelu(f, act[0] ? act : "gelu_new");
+    c->rope_base = 10000.0f; /* unused: no rotary embeddings */
+    c->bias = c->learned_pos_embedding = 1;
+    c->tie_embeddings = lg_hf_bool(f, "tie_word_embeddings", 1);
+}
+
+static void lg_hf_config_neox(lg_hf_fields *f, lg_config *c) {
+    char act[32];
+    c->n_layer = lg_hf_int(f, "num_hidden_layers", 0, 1);
+    c->n_head = c->n_query_groups = lg_hf_int(f, "num_attention_heads", 0, 1);
+    c->n_embd = lg_hf_int(f, "hidden_size", 0, 1);
+    c->head_size = c->n_head ? c->n_embd / c->n_head : 0;
+    c->intermediate_size = lg_hf_int(f, "intermediate_size", 0, 1);
+    c->block_size = lg_hf_int(f, "max_position_embeddings", 0, 1);
+    c->norm_class_name = LG_NORM_LAYERNORM;
+    c->norm_eps = lg_hf_float(f, "layer_norm_eps", 1e-5f);
+    c->mlp_class_name = LG_MLP_GPTNEOX;
+    lg_hf_string(f, "hidden_act", act, sizeof act);
+    c->gelu_approximate_tanh = lg_hf_gelu(f, act[0] ? act : "gelu");
+    c->rotary_percentage = lg_hf_float(f, "rotary_pct", 0.25f);
+    c->rope_base = lg_hf_float(f, "rotary_emb_base", 10000.0f);
+    c->parallel_residual = lg_hf_bool(f, "use_parallel_residual", 1);
+    c->bias = 1;
+    if (!lg_hf_bool(f, "attention_bias", 1) && !f->failed) {
+        lg_fail(f->err, "%s: attention_bias false is not supported (LitGPT's GPT-NeoX has biases)", f->path);
+        f->failed = 1;
+    }
+    c->tie_embeddings = lg_hf_bool(f, "tie_word_embeddings", 0);
+}
+
+static void lg_hf_config_llama(lg_hf_fields *f, lg_config *c, int qwen2) {
+    char act[32];
+    c->n_layer = lg_hf_int(f, "num_hidden_layers", 0, 1);
+    c->n_head = lg_hf_int(f, "num_attention_heads", 0, 1);
+    c->n_query_groups = lg_hf_int(f, "num_key_value_heads", c->n_head, 0);
+    c->n_embd = lg_hf_int(f, "hidden_size", 0, 1);
+    c->head_size = lg_hf_int(f, "head_dim", c->n_head ? c->n_embd / c->n_head : 0, 0);
+    c->intermediate_size = lg_hf_int(f, "intermediate_size", 0, 1);
+    c->block_size = lg_hf_int(f, "max_position_embeddings", 0, 1);
+    int window = lg_hf_int(f, "sliding_window", 0, 0); /* Mistral: exact up to the window */
+    if (window > 0 && window < c->block_size) c->block_size = window;
+    c->norm_class_name = LG_NORM_RMSNORM;
+    c->norm_eps = lg_hf_float(f, "rms_norm_eps", 1e-6f);
+    c->mlp_class_name = LG_MLP_LLAMA;
+    c->rotary_percentage = 1.0f;
+    c->rope_base = lg_hf_float(f, "rope_theta", 10000.0f);
+    lg_hf_string(f, "hidden_act", act, sizeof act);
+    if (act[0] && strcmp(act, "silu") != 0 && !f->failed) {
+        lg_fail(f->err, "%s: hidden_act '%s' is not silu", f->path, act);
+        f->failed = 1;
+    }
+    int rope_scaling = lg_stjson_get(f->j, 0, "rope_scaling");
+    if (rope_scaling >= 0 && !lg_stjson_is_null(f->j, rope_scaling) && !f->failed) {
+        lg_fail(f->err, "%s: rope_scaling is not supported (the model would compute other "
+                        "rotary frequencies than it was trained with)", f->path);
+        f->failed = 1;
+    }
+    c->bias = !qwen2 && lg_hf_bool(f, "attention_bias", 0);
+    if (!qwen2 && lg_hf_bool(f, "mlp_bias", 0) != c->bias && !f->failed) {
+        lg_fail(f->err, "%s: attention_bias and mlp_bias differ, which LitGPT's bias cannot express", f->path);
+        f->failed = 1;
+    }
+    c->attn_bias = qwen2;
+    c->tie_embeddings = lg_hf_bool(f, "tie_word_embeddings", 0);
+}
+
+/* Our own model_config.yaml beside config.json gives the real vocab_size and the name. */
+static void lg_hf_config_own_yaml(lg_config *cfg, const char *dir) {
+    char path[1100];
+    lg_config own;
+    lg_format(path, sizeof path, "%s/model_config.yaml", dir);
+    struct stat st;
+    if (stat(path, &st) != 0 || lg_config_load(&own, path, NULL) != 0) return;
+    lg_config same = *cfg;
+    same.vocab_size = own.vocab_size;
+    memcpy(same.name, own.name, sizeof same.name);
+    if (memcmp(&same, &own, sizeof own) == 0) *cfg = own;
+}
+
+int lg_hf_config_read(lg_config *cfg, const char *dir, lg_error *err) {
+    char path[1100], arch[64];
+    lg_format(path, sizeof path, "%s/config.json", dir);
+    size_t len;
+    char *text = lg_read_text_file(path, 1 << 20, &len, err);
+    if (!text) return -1;
+    lg_stjson j;
+    if (lg_stjson_parse(&j, text, len) != 0 || j.tokens[0].kind != LG_STJSON_OBJECT) {
+        lg_fail(err, "%s: not a JSON object (%s)", path, j.why[0] ? j.why : "another value");
+        lg_stjson_free(&j);
+        LG_FREE(text);
+        return -1;
+    }
+    lg_hf_fields f = {&j, path, err, 0};
+    memset(cfg, 0, sizeof *cfg);
+    lg_hf_string(&f, "architectures", arch, sizeof arch);
+    if (strcmp(arch, "GPT2LMHeadModel") == 0) lg_hf_config_gpt2(&f, cfg);
+    else if (strcmp(arch, "GPTNeoXForCausalLM") == 0) lg_hf_config_neox(&f, cfg);
+    else if (strcmp(arch, "LlamaForCausalLM") == 0 || strcmp(arch, "MistralForCausalLM") == 0)
+        lg_hf_config_llama(&f, cfg, 0);
+    else if (strcmp(arch, "Qwen2ForCausalLM") == 0) lg_hf_config_llama(&f, cfg, 1);
+    else {
+        lg_fail(err, "%s: architecture '%s' is not one of GPT2LMHeadModel, GPTNeoXForCausalLM, "
+                     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM", path, arch);
+        f.failed = 1;
+    }
+    cfg->vocab_size = cfg->padded_vocab_size = lg_hf_int(&f, "vocab_size", 0, 1);
+    lg_hf_string(&f, "model_type", cfg->name, sizeof cfg->name);
+    lg_stjson_free(&j);
+    LG_FREE(text);
+    if (f.failed) return -1;
+    lg_hf_config_own_yaml(cfg, dir);
+    lg_error why;
+    if (lg_config_check(cfg, &why) != 0) return lg_fail(err, "%s: %.400s", path, why.msg);
+    return 0;
+}
+
+/* --- loading and saving a model's weights --------------------------------------------------- */
+
+/* The safetensors files of a Hugging Face directory, opened. */
+typedef struct {
+    lg_st_file *files; /* (n) */
+    int n;
+} lg_hf_files;
+
+static void lg_hf_files_close(lg_hf_files *s) {
+    for (int i = 0; i < s->n; i++) lg_st_close(&s->files[i]);
+    LG_FREE(s->files);
+    s->files = NULL;
+    s->n = 0;
+}
+
+/* Opens a shard named by the index, refusing names that leave the directory. */
+static int lg_hf_open_shard(lg_hf_files *s, const char *dir, const char *name, lg_error *err) {
+    if (strchr(name, '/') || strstr(name, "..") || !strstr(name, ".safetensors"))
+        return lg_fail(err, "%s/model.safetensors.index.json: '%s' is not a shard file name", dir, name);
+    char path[1100];
+    lg_format(path, sizeof path, "%s/%s", dir, name);
+    for (int i = 0; i < s->n; i++)
+        if (strcmp(s->files[i].path, path) == 0) return 0;
+    return lg_st_open(&s->files[s->n++], path, err) == 0 ? 0 : (s->n--, -1);
+}
+
+/* model.safetensors, or every shard that model.safetensors.index.json names. */
+static int lg_hf_files_open(lg_hf_files *s, const char *dir, lg_error *err) {
+    char path[1100];
+    struct stat st;
+    memset(s, 0, sizeof *s);
+    lg_format(path, sizeof path, "%s/model.safetensors.index.json", dir);
+    if (stat(path, &st) != 0) {
+        lg_format(path, sizeof path, "%s/model.safetensors", dir);
+        if (stat(path, &st) != 0)
+            return lg_fail(err, "%s: no model.safetensors or model.safetensors.index.json (other "
+                                "formats, e.g. pytorch_model.bin, are not read)", dir);
+        s->files = (lg_st_file *)lg_alloc_zeroed(sizeof(lg_st_file));
+        if (!s->files) return lg_fail(err, "out of host memory");
+        if (lg_st_open(&s->files[0], path, err) != 0) { lg_hf_files_close(s); return -1; }
+        s->n = 1;
+        return 0;
+    }
+    size_t len;
+    char *text = lg_read_text_file(path, 64 << 20, &len, err);
+    if (!text) return -1;
+    lg_stjson j;
+    int rc = lg_stjson_parse(&j, text, len), map = rc == 0 ? lg_stjson_get(&j, 0, "weight_map") : -1;
+    if (map < 0 || j.tokens[map].kind != LG_STJSON_OBJECT) {
+        rc = lg_fail(err, "%s: no weight_map object (%s)", path, j.why[0] ? j.why : "not an index");
+    } else if (!(s->files = (lg_st_file *)lg_alloc_zeroed(sizeof(lg_st_file) * (size_t)(j.tokens[map].size + 1)))) {
+        rc = lg_fail(err, "out of host memory");
+    } else {
+        int k = map + 1;
+        for (int i = 0; i < j.tokens[map].size && rc == 0; i++, k = j.tokens[k + 1].next) {
+            char name[256];
+            if (lg_stjson_string(&j, k + 1, name, sizeof name) != 0)
+                rc = lg_fail(err, "%s: weight_map entry %d is not a file name", path, i);
+            else rc = lg_hf_open_shard(s, dir, name, err);
+        }
+    }
+    lg_stjson_free(&j);
+    LG_FREE(text);
+    if (rc != 0) lg_hf_files_close(s);
+    return rc;
+}
+
+static const lg_st_tensor *lg_hf_files_find(const lg_hf_files *s, const char *name, int *file) {
+    for (int i = 0; i < s->n; i++) {
+        const lg_st_tensor *t = lg_st_find(&s->files[i], name);
+        if (t) { *file = i; return t; }
+    }
+    return NULL;
+}
+
+/* Reads one Hugging Face tensor and scatters it into its LitGPT tensor of dest. */
+static int lg_hf_load_tensor(const lg_config *cfg, const lg_tensor_info *info, const lg_hf_tensor *h,
+                             const lg_hf_files *s, const char *dir, lg_buf dest, lg_error *err) {
+    int file = 0;
+    const lg_st_tensor *t = lg_hf_files_find(s, h->name, &file);
+    if (!t) return lg_fail(err, "%s: no tensor %s (LitGPT's %s)", dir, h->name, info->name);
+    int same = t->ndim == h->ndim;
+    for (int d = 0; d < h->ndim && same; d++) same = t->shape[d] == h->shape[d];
+    if (!same)
+        return lg_fail(err, "%s: tensor %s has shape [%lld%s%lld], the config needs [%lld%s%lld]",
+                       s->files[file].path, h->name, (long long)t->shape[0], t->ndim > 1 ? ", " : "",
+                       t->ndim > 1 ? (long long)t->shape[1] : 0LL, (long long)h->shape[0],
+                       h->ndim > 1 ? ", " : "", h->ndim > 1 ? (long long)h->shape[1] : 0LL);
+    if (t->dtype != LG_ST_F32 && t->dtype != LG_ST_BF16 && t->dtype != LG_ST_F16)
+        return lg_fail(err, "%s: tensor %s is %s, not F32, BF16 or F16", s->files[file].path,
+                       h->name, lg_st_dtype_name(t->dtype));
+    unsigned char *bytes = (unsigned char *)LG_MALLOC((size_t)(t->end - t->begin) + 1);
+    if (!bytes) return lg_fail(err, "out of host memory for %s", h->name);
+    if (lg_st_read(&s->files[file], t, bytes, err) != 0) { LG_FREE(bytes); return -1; }
+    size_t count = (size_t)lg_st_count(t);
+    for (size_t i = 0; i < count; i++)
+        lg_set(dest, info->offset + lg_hf_source_index(cfg, h, i), lg_st_get(t->dtype, bytes, i));
+    LG_FREE(bytes);
+    return 0;
+}
+
+/* lg_hf_load_weights without the verification of a COMPLETE marker. */
+static int lg_hf_load_into(const lg_config *cfg, lg_buf dest, const char *dir, lg_error *err) {
+    lg_hf_family family;
+    if (lg_hf_family_of(cfg, &family, err) != 0) return -1;
+    lg_tensor_table table;
+    if (lg_table_alloc(&table, cfg) != 0) return lg_fail(err, "out of host memory");
+    lg_params_layout(cfg, lg_no_buf(), NULL, &table);
+    lg_hf_tensor *hf = NULL;
+    int n = 0, rc = lg_hf_tensors(cfg, &table, family, &hf, &n, err);
+    lg_hf_files files = {NULL, 0};
+    if (rc == 0) rc = lg_hf_files_open(&files, dir, err);
+    for (int i = 0; i < n && rc == 0; i++)
+        rc = lg_hf_load_tensor(cfg, &table.tensors[hf[i].source], &hf[i], &files, dir, dest, err);
+    lg_hf_files_close(&files);
+    LG_FREE(hf);
+    lg_tensor_table_free(&table);
+    return rc;
+}
+
+int lg_hf_load_weights(const lg_config *cfg, lg_buf dest, const char *dir, lg_error *err) {
+    char marker[1100];
+    struct stat st;
+    lg_format(marker, sizeof marker, "%s/" LG_CHECKPOINT_MARKER, dir);
+    if (stat(marker, &st) == 0 && lg_checkpoint_verify(dir, NULL, err) != 0) return -1;
+    return lg_hf_load_into(cfg, dest, dir, err);
+}
+
+/* What lg_st_write asks of a model save: the weights and the Hugging Face tensor list. */
+typedef struct {
+    const lg_config *cfg;
+    const lg_tensor_table *table;
+    const lg_hf_tensor *hf;
+    lg_st_tensor *out;
+    lg_buf weights;
+} lg_hf_save_ctx;
+
+static int lg_hf_fill(void *ctx, int index, unsigned char *out, lg_error *err) {
+    const lg_hf_save_ctx *s = (const lg_hf_save_ctx *)ctx;
+    const lg_hf_tensor *h = &s->hf[index];
+    const lg_tensor_info *info = &s->table->tensors[h->source];
+    size_t count = (size_t)lg_st_count(&s->out[index]);
+    for (size_t i = 0; i < count; i++)
+        lg_st_set(s->out[index].dtype, out, i, lg_get(s->weights, info->offset + lg_hf_source_index(s->cfg, h, i)));
+    (void)err;
+    return 0;
+}
+
+static lg_st_dtype lg_st_dtype_of(lg_dtype d) {
+    return d == LG_DTYPE_BF16 ? LG_ST_BF16 : d == LG_DTYPE_F16 ? LG_ST_F16 : LG_ST_F32;
+}
+
+/* The files of a model: model.safetensors in the weights' dtype, config.json,
+   model_config.yaml; their digests into digests[0..2]. */
+static int lg_hf_write_model(const lg_model *m, const char *dir, lg_file_digest *digests,
+                             lg_error *err) {
+    lg_hf_family family;
+    if (lg_hf_family_of(&m->cfg, &family, err) != 0) return -1;
+    lg_hf_tensor *hf = NULL;
+    int n = 0;
+    if (lg_hf_tensors(&m->cfg, &m->param_table, family, &hf, &n, err) != 0) return -1;
+    lg_st_tensor *out = (lg_st_tensor *)lg_alloc_zeroed(sizeof(lg_st_tensor) * (size_t)(n + 1));
+    lg_st_dtype dtype = lg_st_dtype_of(m->params.dtype);
+    for (int i = 0; out && i < n; i++) {
+        lg_format(out[i].name, sizeof out[i].name, "%s", hf[i].name);
+        out[i].dtype = dtype;
+        out[i].ndim = hf[i].ndim;
+        out[i].shape[0] = hf[i].shape[0];
+        out[i].shape[1] = hf[i].shape[1];
+    }
+    lg_st_meta meta[1] = {{"format", "pt"}};
+    lg_hf_save_ctx ctx = {&m->cfg, &m->param_table, hf, out, m->params};
+    char path[1100], text[4096];
+    lg_format(path, sizeof path, "%s/model.safetensors", dir);
+    int rc = out ? lg_st_write(path, out, n, meta, 1, lg_hf_fill, &ctx, &digests[0], err)
+                 : lg_fail(err, "out of host memory");
+    LG_FREE(out);
+    LG_FREE(hf);
+    lg_format(path, sizeof path, "%s/config.json", dir);
+    lg_hf_config_json(&m->cfg, family, dtype, text, sizeof text);
+    if (rc == 0) rc = lg_write_text_file(path, text, &digests[1], err);
+    lg_format(path, sizeof path, "%s/model_config.yaml", dir);
+    lg_config_to_yaml(&m->cfg, text, sizeof text);
+    if (rc == 0) rc = lg_write_text_file(path, text, &digests[2], err);
+    return rc;
+}
+
+/* --- checkpoint directories ------------------------------------------------------------------ */
+
+#define LG_MARKER_HEADER "litgpt.c checkpoint 1"
+
+/* COMPLETE: the step and each file's size and hash; written last. */
+static int lg_write_marker(const char *dir, int step, const char *const *names,
+                           const lg_file_digest *digests, int n, lg_error *err) {
+    char text[2048], path[1100];
+    size_t at = 0;
+    lg_st_append(text, sizeof text, &at, "%s\nstep %d\n", LG_MARKER_HEADER, step);
+    for (int i = 0; i < n; i++)
+        lg_st_append(text, sizeof text, &at, "file %s %llu %016llx\n", names[i],
+                  (unsigned long long)digests[i].bytes, (unsigned long long)digests[i].hash);
+    lg_format(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
+    return lg_write_text_file(path, text, NULL, err);
+}
+
+/* Creates dir and removes an old marker from it before anything in it changes. */
+static int lg_checkpoint_begin(const char *dir, lg_error *err) {
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
+        return lg_fail(err, "checkpoint %s: cannot create the directory: %s", dir, strerror(errno));
+    char path[1100];
+    lg_format(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
+    if (remove(path) == 0) lg_sync_parent(path);
+    return 0;
+}
+
+/* Size and hash of a file as it is on disk. */
+static int lg_file_digest_of(const char *path, lg_file_digest *d) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return -1;
+    static const size_t chunk = 1 << 20;
+    unsigned char *buf = (unsigned char *)LG_MALLOC(chunk);
+    d->bytes = 0;
+    d->hash = LG_HASH64_INIT;
+    size_t got;
+    while (buf && (got = fread(buf, 1, chunk, f)) > 0) {
+        d->hash = lg_hash64(d->hash, buf, got);
+        d->bytes += got;
+    }
+    int rc = buf && !ferror(f) ? 0 : -1;
+    LG_FREE(buf);
+    fclose(f);
+    return rc;
+}
+
+/* One "file NAME BYTES HASH" line of COMPLETE checked against the file. */
+static int lg_verify_marker_line(const char *dir, const char *line, int line_no, lg_error *err) {
+    char name[256];
+    unsigned long long bytes, hash;
+    if (sscanf(line, "file %255s %llu %llx", name, &bytes, &hash) != 3 || strchr(name, '/') ||
+        strstr(name, ".."))
+        return lg_fail(err, "checkpoint %s: " LG_CHECKPOINT_MARKER " line %d is malformed", dir, line_no);
+    char path[1400];
+    lg_format(path, sizeof path, "%s/%s", dir, name);
+    lg_file_digest d;
+    struct stat st;
+    if (stat(path, &st) != 0) return lg_fail(err, "checkpoint %s: %s is missing", dir, name);
+    if ((unsigned long long)st.st_size != bytes)
+        return lg_fail(err, "checkpoint %s: %s has %llu bytes, " LG_CHECKPOINT_MARKER " records %llu "
+                            "(truncated or changed)", dir, name, (unsigned long long)st.st_size, bytes);
+    if (lg_file_digest_of(path, &d) != 0) return lg_fail(err, "checkpoint %s: cannot read %s", dir, name);
+    if (d.hash != hash)
+        return lg_fail(err, "checkpoint %s: %s does not match its checksum in " LG_CHECKPOINT_MARKER
+                            " (%016llx, recorded %016llx): corrupted", dir, name,
+                       (unsigned long long)d.hash, hash);
+    return 0;
+}
+
+int lg_checkpoint_verify(const char *dir, int *step, lg_error *err) {
+    char path[1100];
+    lg_format(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
+    struct stat st;
+    if (stat(path, &st) != 0)
+        return lg_fail(err, "checkpoint %s: no " LG_CHECKPOINT_MARKER " marker: the save did not "
+                            "finish (or this is not a checkpoint)", dir);
+    char *text = lg_read_text_file(path, 1 << 16, NULL, err);
+    if (!text) return -1;
+    int rc = 0, line_no = 0, files = 0, marker_step = -1;
+    for (char *line = text, *next; *line && rc == 0; line = next) {
+        char *newline = strchr(line, '\n');
+        next = newline ? newline + 1 : line + strlen(line);
+        if (newline) *newline = '\0';
+        line_no++;
+        if (line_no == 1 && strcmp(line, LG_MARKER_HEADER) != 0)
+            rc = lg_fail(err, "checkpoint %s: " LG_CHECKPOINT_MARKER " does not start with '%s'", dir, LG_MARKER_HEADER);
+        else if (line_no == 2 && sscanf(line, "step %d", &marker_step) != 1)
+            rc = lg_fail(err, "checkpoint %s: " LG_CHECKPOINT_MARKER " line 2 is not 'step N'", dir);
+        else if (line_no > 2 && (rc = lg_verify_marker_line(dir, line, line_no, err)) == 0)
+            files++;
+    }
+    LG_FREE(text);
+    if (rc == 0 && files == 0) rc = lg_fail(err, "checkpoint %s: " LG_CHECKPOINT_MARKER " lists no files", dir);
+    if (rc == 0 && step) *step = marker_step;
+    return rc;
+}
+
+int lg_checkpoint_find(const char *dir, char *found, size_t cap, lg_error *err) {
+    char path[1400];
+    struct stat st;
+    lg_format(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
+    if (stat(path, &st) == 0) {
+        lg_format(found, cap, "%s", dir);
+        return 0;
+    }
+    DIR *d = opendir(dir);
+    if (!d) return lg_fail(err, "checkpoint %s: cannot open: %s", dir, strerror(errno));
+    int best = -1, step, used;
+    for (struct dirent *e = readdir(d); e; e = readdir(d)) {
+        used = 0;
+        if (sscanf(e->d_name, "step-%d%n", &step, &used) != 1 || e->d_name[used] != '\0') continue;
+        lg_format(path, sizeof path, "%s/%s/" LG_CHECKPOINT_MARKER, dir, e->d_name);
+        if (step > best && stat(path, &st) == 0) best = step;
+    }
+    closedir(d);
+    if (best < 0)
+        return lg_fail(err, "checkpoint %s: no complete checkpoint in it or in a step-N directory", dir);
+    lg_format(found, cap, "%s/step-%d", dir, best);
+    return 0;
+}
+
+int lg_hf_save(const lg_model *m, const char *dir, lg_error *err) {
+    static const char *const names[3] = {"model.safetensors", "config.json", "model_config.yaml"};
+    lg_file_digest digests[3];
+    if (lg_checkpoint_begin(dir, err) != 0 || lg_hf_write_model(m, dir, digests, err) != 0) return -1;
+    return lg_write_marker(dir, 0, names, digests, 3, err);
+}
+
+/* --- training state: one rank's master weights, optimizer state, counters and data position,
+   in logical layout (whole tensors by LitGPT parameter name) ------------------------------- */
+
+/* A tensor of the training state: where it lives in the trainer and how it is stored. */
+typedef struct {
+    lg_st_tensor desc; /* name, file dtype, shape */
+    void *data;        /* the trainer's (or loader's) memory */
+    int is_real;       /* data holds lg_real, stored as F32 */
+    int is_index;      /* data holds size_t, stored as I64 (the loader's window order) */
+} lg_state_view;
+
+static void lg_state_view_add(lg_state_view *v, int *n, const char *prefix, const lg_tensor_info *t,
+                              void *data, lg_st_dtype dtype, int is_real, int64_t count) {
+    lg_state_view *s = &v[(*n)++];
+    memset(s, 0, sizeof *s);
+    lg_format(s->desc.name, sizeof s->desc.name, "%s.%s", prefix, t ? t->name : "order");
+    s->desc.dtype = dtype;
+    s->data = data;
+    s->is_real = is_real;
+    s->desc.ndim = t && t->rows > 1 && count == (int64_t)t->count ? 2 : 1;
+    s->desc.shape[0] = s->desc.ndim == 2 ? t->rows : count;
+    s->desc.shape[1] = s->desc.ndim == 2 ? t->cols : 0;
+}
+
+/* One parameter's optimizer states (fp32, half or 8-bit codes with block scales). */
+static void lg_state_views_of_tensor(const lg_optimizer *opt, const lg_tensor_info *t,
+                                     lg_state_cursor *cursor, lg_state_view *v, int *n) {
+    lg_tensor_state st = lg_state_of(opt, t, cursor);
+    lg_buf bufs[2] = {st.m, st.v};
+    float *scales[2] = {st.m_scales, st.v_scales};
+    int states = lg_optimizer_states(opt->kind, opt->momentum != 0.0f);
+    for (int k = 0; k < states && k < 2; k++) {
+        if (!bufs[k].data) continue;
+        const char *name = lg_optimizer_state_name(opt->kind, k);
+        lg_dtype d = bufs[k].dtype;
+        lg_st_dtype file = d == LG_DTYPE_U8 ? LG_ST_U8 : lg_st_dtype_of(d);
+        lg_state_view_add(v, n, name, t, bufs[k].data, file, d == LG_DTYPE_F32, (int64_t)t->count);
+        if (d == LG_DTYPE_U8 && scales[k]) {
+            char prefix[LG_MAX_NAME];
+            lg_format(prefix, sizeof prefix, "%s.scales", name);
+            lg_state_view_add(v, n, prefix, t, scales[k], LG_ST_F32, 0,
+                              (int64_t)((t->count + LG_QUANT_BLOCK - 1) / LG_QUANT_BLOCK));
+        }
+    }
+}
+
+/* Every tensor of the training state, in a fixed order: the master weights and optimizer state
+   of `opt` laid out by `table` (the whole layout), the loader's order. *out: LG_MALLOC. */
+static int lg_state_views(const lg_optimizer *opt, const lg_tensor_table *table,
+                          const lg_loader *data, lg_state_view **out, int *n) {
+    lg_state_view *v = (lg_state_view *)lg_alloc_zeroed(sizeof(lg_state_view) * (size_t)(5 * table->n_tensors + 2));
+    if (!v) return -1;
+    lg_state_cursor cursor = {0, 0, 0};
+    *n = 0;
+    for (int i = 0; i < table->n_tensors; i++) {
+        const lg_tensor_info *t = &table->tensors[i];
+        if (opt->master)
+            lg_state_view_add(v, n, "master", t, opt->master + t->offset, LG_ST_F32, 1, (int64_t)t->count);
+        lg_state_views_of_tensor(opt, t, &cursor, v, n);
+    }
+    if (data && data->order) {
+        lg_state_view_add(v, n, "loader", NULL, data->order, LG_ST_I64, 0, (int64_t)data->n_windows);
+        v[*n - 1].is_index = 1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* The master weights and optimizer state of a trainer in the whole layout. Unsharded, rank 0's
+   own (replicas hold the same); sharded, buffers of whole tensors (*owned, LG_MALLOC) that the
+   shards are copied into or out of. Compact state (bf16, 8-bit) is quantized in blocks of each
+   rank's pieces, which do not line up with whole tensors: a sharded run with it has no logical
+   state to write. */
+typedef struct {
+    lg_optimizer opt;          /* rank 0's, with master, m and v pointing at whole buffers */
+    const lg_tensor_table *table; /* the whole layout */
+    void *owned;               /* the whole buffers when sharded, else NULL */
+} lg_whole_state;
+
+int lg_checkpoint_supported(const lg_trainer *tr, lg_error *err) {
+    if (tr->plan.sharding.shard_ranks > 1 && tr->ranks[0].opt.format != LG_STATE_AS_PRECISION)
+        return lg_fail(err, "checkpoints of a sharded run (--strategy %s over %d ranks) with "
+                            "--optimizer-state bf16|8bit are not supported: the state is quantized "
+                            "in blocks of each shard; use --strategy no-shard or the default state",
+                       lg_strategy_name(tr->args.strategy), tr->plan.sharding.shard_ranks);
+    return 0;
+}
+
+static int lg_whole_state_make(const lg_trainer *tr, lg_whole_state *w, lg_error *err) {
+    const lg_model *m0 = &tr->ranks[0].model;
+    w->opt = tr->ranks[0].opt;
+    w->table = &m0->param_table;
+    w->owned = NULL;
+    if (tr->plan.sharding.shard_ranks == 1) return 0;
+    if (lg_checkpoint_supported(tr, err) != 0) return -1;
+    size_t n = m0->n_params, state = lg_elem_size(w->opt.m.dtype);
+    unsigned char *p = (unsigned char *)lg_alloc_zeroed(n * (sizeof(lg_real) + 2 * state));
+    if (!p) return lg_fail(err, "out of host memory for the training state");
+    w->owned = p;
+    if (w->opt.master) w->opt.master = (lg_real *)p;
+    if (w->opt.m.data) w->opt.m.data = p + n * sizeof(lg_real);
+    if (w->opt.v.data) w->opt.v.data = p + n * (sizeof(lg_real) + state);
+    return 0;
+}
+
+/* Unsharded replicas (no-shard): rank 0 read the state; the others take its regions as they
+   are. */
+static void lg_copy_state_to_replicas(lg_trainer *tr) {
+    const lg_rank_plan *plan0 = &tr->plan.ranks[0];
+    for (int r = 1; r < tr->n_ranks; r++)
+        for (int i = 0; i < plan0->n_regions; i++) {
+            const lg_region *x = &plan0->regions[i];
+            if (x->group != LG_GROUP_OPTIMIZER && x->group != LG_GROUP_MASTER) continue;
+            memcpy(lg_rank_region(&tr->ranks[r].rank, x->name),
+                   lg_rank_region(&tr->ranks[0].rank, x->name), x->bytes);
+        }
+}
+
+/* Sharded: copies each rank's pieces into the whole buffers (to_whole, the members of shard
+   group 0 suffice) or out of them (every rank, replicas included). Unsharded, reading: rank 0
+   holds the state, the replicas copy it. */
+static void lg_whole_state_exchange(lg_trainer *tr, lg_whole_state *w, int to_whole) {
+    if (!w->owned) {
+        if (!to_whole) lg_copy_state_to_replicas(tr);
+        return;
+    }
+    lg_buf whole[3] = {lg_buf_of(w->opt.master), w->opt.m, w->opt.v};
+    for (int r = 0; r < (to_whole ? tr->plan.sharding.shard_ranks : tr->n_ranks); r++) {
+        lg_optimizer *opt = &tr->ranks[r].opt;
+        const lg_tensor_table *local = tr->ranks[r].model.local;
+        lg_buf shard[3] = {lg_buf_of(opt->master), opt->m, opt->v};
+        for (int k = 0; k < 3; k++) {
+            if (!shard[k].data || !whole[k].data) continue;
+            if (to_whole) lg_copy_to_whole(local, whole[k], shard[k]);
+            else lg_copy_from_whole(local, shard[k], whole[k]);
+        }
+    }
+}
+
+static int lg_state_fill(void *ctx, int index, unsigned char *out, lg_error *err) {
+    const lg_state_view *s = &((const lg_state_view *)ctx)[index];
+    size_t count = (size_t)lg_st_count(&s->desc);
+    if (s->is_real) {
+        for (size_t i = 0; i < count; i++) lg_st_set(LG_ST_F32, out, i, ((const lg_real *)s->data)[i]);
+    } else if (s->is_index) {
+        for (size_t i = 0; i < count; i++) {
+            int64_t v = (int64_t)((const size_t *)s->data)[i];
+            memcpy(out + 8 * i, &v, 8);
+        }
+    } else {
+        memcpy(out, s->data, count * lg_st_dtype_size(s->desc.dtype));
+    }
+    (void)err;
+    return 0;
+}
+
+/* Copies a tensor's file bytes into its place; the loader's order is checked window by window. */
+static int lg_state_store(const lg_state_view *s, const unsigned char *bytes, size_t n_windows) {
+    size_t count = (size_t)lg_st_count(&s->desc);
+    if (s->is_real) {
+        for (size_t i = 0; i < count; i++) ((lg_real *)s->data)[i] = lg_st_get(LG_ST_F32, bytes, i);
+    } else if (s->is_index) {
+        for (size_t i = 0; i < count; i++) {
+            int64_t v;
+            memcpy(&v, bytes + 8 * i, 8);
+            if (v < 0 || (uint64_t)v >= n_windows) return -1;
+            ((size_t *)s->data)[i] = (size_t)v;
+        }
+    } else {
+        memcpy(s->data, bytes, count * lg_st_dtype_size(s->desc.dtype));
+    }
+    return 0;
+}
+
+/* The scalars of the state, as metadata strings. The ranks are not among them: the state is in
+   the whole layout, so a run may resume on another number of ranks. */
+static int lg_state_meta(const lg_trainer *tr, const lg_loader *data, int step, lg_st_meta *meta) {
+    const char *formats[3] = {"as-precision", "bf16", "8bit"};
+    const lg_model *m0 = &tr->ranks[0].model;
+    const lg_optimizer *opt0 = &tr->ranks[0].opt;
+    float scale = tr->loss_scale;
+    uint32_t scale_bits;
+    memcpy(&scale_bits, &scale, 4);
+    int n = 0;
+#define LG_META(key_, ...)                                                                     \
+    do {                                                                                       \
+        lg_format(meta[n].key, sizeof meta[n].key, "%s", key_);                                 \
+        lg_format(meta[n].value, sizeof meta[n].value, __VA_ARGS__);                            \
+        n++;                                                                                   \
+    } while (0)
+    LG_META("format", "litgpt.c training state 1");
+    LG_META("step", "%d", step);
+    LG_META("config", "%s", m0->cfg.name);
+    LG_META("n_params", "%zu", m0->n_params);
+    LG_META("precision", "%s", lg_precision_name(tr->args.precision));
+    LG_META("optimizer", "%s", lg_optimizer_name(opt0->kind));
+    LG_META("optimizer_state", "%s", formats[opt0->format]);
+    LG_META("seed", "%llu", (unsigned long long)tr->args.seed);
+    LG_META("global_batch", "%d", tr->args.micro_batch_size * tr->accumulation * tr->n_ranks);
+    LG_META("seq_length", "%d", m0->T);
+    LG_META("optimizer_updates", "%d", opt0->t);
+    LG_META("loss_scale_bits", "0x%08x", (unsigned)scale_bits);
+    LG_META("loss_scale", "%g", scale);
+    LG_META("clean_steps", "%d", tr->clean_steps);
+    LG_META("loader_windows", "%zu", data ? data->n_windows : (size_t)0);
+    LG_META("loader_position", "%zu", data ? data->position : (size_t)0);
+    LG_META("loader_epoch", "%d", data ? data->epoch : 0);
+    LG_META("loader_rng", "0x%016llx", data ? (unsigned long long)data->rng.state : 0ULL);
+#undef LG_META
+    return n;
+}
+
+int lg_training_state_write(lg_trainer *tr, const lg_loader *data, int step,
+                            const char *path, lg_file_digest *digest, lg_error *err) {
+    lg_whole_state w;
+    if (lg_whole_state_make(tr, &w, err) != 0) return -1;
+    lg_whole_state_exchange(tr, &w, 1);
+    lg_state_view *views = NULL;
+    int n = 0;
+    if (lg_state_views(&w.opt, w.table, data, &views, &n) != 0) {
+        LG_FREE(w.owned);
+        return lg_fail(err, "out of host memory");
+    }
+    lg_st_tensor *tensors = (lg_st_tensor *)lg_alloc_zeroed(sizeof(lg_st_tensor) * (size_t)(n + 1));
+    lg_st_meta meta[24];
+    int n_meta = lg_state_meta(tr, data, step, meta);
+    for (int i = 0; tensors && i < n; i++) tensors[i] = views[i].desc;
+    int rc = tensors ? lg_st_write(path, tensors, n, meta, n_meta, lg_state_fill, views, digest, err)
+                     : lg_fail(err, "out of host memory");
+    LG_FREE(tensors);
+    LG_FREE(views);
+    LG_FREE(w.owned);
+    return rc;
+}
+
+/* A metadata value as an unsigned integer (decimal or 0x hex); -1 naming the key. */
+static int lg_state_number(const lg_st_file *f, const char *key, unsigned long long *out,
+                           lg_error *err) {
+    const char *v = lg_st_meta_get(f, key);
+    char *end = NULL;
+    if (v) *out = strtoull(v, &end, 0);
+    if (!v || !*v || *end) return lg_fail(err, "training state %s: %s is %s", f->path, key, v ? "not a number" : "missing");
+    return 0;
+}
+
+/* The run must be the one that wrote the state: same model, precision, optimizer and batch. */
+static int lg_state_check_run(const lg_trainer *tr, const lg_loader *data, const lg_st_file *f,
+                              lg_error *err) {
+    lg_st_meta want[24];
+    int n = lg_state_meta(tr, data, 0, want);
+    static const char *const keys[] = {"config", "n_params", "precision", "optimizer", "optimizer_state",
+                                       "seed", "micro_batch_size", "accumulation", "seq_length", "loader_windows"};
+    const char *format = lg_st_meta_get(f, "format");
+    if (!format || strcmp(format, want[0].value) != 0)
+        return lg_fail(err, "training state %s: not a litgpt.c training state (format '%s')", f->path,
+                       format ? format : "missing");
+    for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++)
+        for (int i = 0; i < n; i++) {
+            if (strcmp(want[i].key, keys[k]) != 0) continue;
+            const char *have = lg_st_meta_get(f, keys[k]);
+            if (!have || strcmp(have, want[i].value) != 0)
+                return lg_fail(err, "training state %s: written with %s %s, this run has %s: resume "
+                                    "with the run's settings", f->path, keys[k], have ? have : "(none)",
+                               want[i].value);
+        }
+    return 0;
+}
+
+/* Reads every view's tensor, checking name, dtype and shape. */
+static int lg_state_read_views(const lg_st_file *f, const lg_state_view *views, int n,
+                               size_t n_windows, lg_error *err) {
+    for (int i = 0; i < n; i++) {
+        const lg_state_view *s = &views[i];
+        const lg_st_tensor *t = lg_st_find(f, s->desc.name);
+        if (!t) return lg_fail(err, "training state %s: no tensor %s", f->path, s->desc.name);
+        int same = t->dtype == s->desc.dtype && t->ndim == s->desc.ndim;
+        for (int d = 0; d < t->ndim && same; d++) same = t->shape[d] == s->desc.shape[d];
+        if (!same) return lg_fail(err, "training state %s: tensor %s has another dtype or shape than "
+                                       "this run's", f->path, t->name);
+        unsigned char *bytes = (unsigned char *)LG_MALLOC((size_t)(t->end - t->begin) + 1);
+        if (!bytes) return lg_fail(err, "out of host memory for %s", t->name);
+        int rc = lg_st_read(f, t, bytes, err);
+        if (rc == 0 && lg_state_store(s, bytes, n_windows) != 0)
+            rc = lg_fail(err, "training state %s: loader.order holds a window outside the data", f->path);
+        LG_FREE(bytes);
+        if (rc != 0) return -1;
+    }
+    return 0;
+}
+
+int lg_training_state_read(lg_trainer *tr, lg_loader *data, int *step, const char *path,
+                           lg_error *err) {
+    lg_st_file f;
+    if (lg_st_open(&f, path, err) != 0) return -1;
+    lg_state_view *views = NULL;
+    lg_whole_state w;
+    w.owned = NULL;
+    int n = 0, rc = lg_state_check_run(tr, data, &f, err);
+    unsigned long long v[8] = {0};
+    static const char *const keys[8] = {"step", "optimizer_updates", "loss_scale_bits", "clean_steps",
+                                        "loader_position", "loader_epoch", "loader_rng", "loader_windows"};
+    for (int k = 0; k < 8 && rc == 0; k++) rc = lg_state_number(&f, keys[k], &v[k], err);
+    if (rc == 0 && data && v[4] > data->n_windows)
+        rc = lg_fail(err, "training state %s: loader_position %llu is beyond the data's %zu windows",
+                     path, v[4], data->n_windows);
+    if (rc == 0) rc = lg_whole_state_make(tr, &w, err);
+    if (rc == 0 && lg_state_views(&w.opt, w.table, data, &views, &n) != 0)
+        rc = lg_fail(err, "out of host memory");
+    if (rc == 0) rc = lg_state_read_views(&f, views, n, data ? data->n_windows : 0, err);
+    LG_FREE(views);
+    lg_st_close(&f);
+    if (rc == 0) lg_whole_state_exchange(tr, &w, 0);
+    LG_FREE(w.owned);
+    if (rc != 0) return -1;
+    uint32_t scale_bits = (uint32_t)v[2];
+    *step = (int)v[0];
+    for (int r = 0; r < tr->n_ranks; r++) tr->ranks[r].opt.t = (int)v[1];
+    memcpy(&tr->loss_scale, &scale_bits, 4);
+    tr->clean_steps = (int)v[3];
+    if (data) {
+        data->position = (size_t)v[4];
+        data->epoch = (int)v[5];
+        data->rng.state = (uint64_t)v[6];
+    }
+    return 0;
+}
+
+/* --- trainer checkpoints ----------------------------------------------------------------------- */
+
+/* model.safetensors of the trainer's weights: rank 0's when whole, else gathered into a copy of
+   rank 0's model whose weights are a whole buffer of the same type. */
+static int lg_trainer_write_model(lg_trainer *tr, const char *dir, lg_file_digest *digests,
+                                  lg_error *err) {
+    const lg_model *m0 = &tr->ranks[0].model;
+    if (!m0->weights_gathered) return lg_hf_write_model(m0, dir, digests, err);
+    lg_model whole = *m0;
+    whole.params.data = LG_MALLOC(m0->n_params * lg_elem_size(m0->params.dtype) + 1);
+    if (!whole.params.data) return lg_fail(err, "out of host memory for the weights");
+    lg_trainer_weights(tr, whole.params);
+    int rc = lg_hf_write_model(&whole, dir, digests, err);
+    LG_FREE(whole.params.data);
+    return rc;
+}
+
+int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const char *out,
+                       lg_error *err) {
+    static const char *const names[4] = {"model.safetensors", "config.json", "model_config.yaml",
+                                         LG_TRAINING_STATE};
+    char dir[1100], path[1200];
+    lg_file_digest digests[4];
+    if (lg_checkpoint_supported(tr, err) != 0) return -1;
+    if (mkdir(out, 0755) != 0 && errno != EEXIST)
+        return lg_fail(err, "--out %s: cannot create the directory: %s", out, strerror(errno));
+    lg_format(dir, sizeof dir, "%s/step-%d", out, step);
+    lg_format(path, sizeof path, "%s/" LG_TRAINING_STATE, dir);
+    if (lg_checkpoint_begin(dir, err) != 0 || lg_trainer_write_model(tr, dir, digests, err) != 0 ||
+        lg_training_state_write(tr, data, step, path, &digests[3], err) != 0)
+        return -1;
+    return lg_write_marker(dir, step, names, digests, 4, err);
+}
+
+/* The checkpoint's architecture must be the trainer's. */
+static int lg_checkpoint_same_model(const lg_trainer *tr, const char *dir, lg_error *err) {
+    lg_config cfg;
+    if (lg_hf_config_read(&cfg, dir, err) != 0) return -1;
+    lg_config want = tr->plan.cfg;
+    memcpy(cfg.name, want.name, sizeof cfg.name);
+    cfg.vocab_size = want.vocab_size;
+    if (memcmp(&cfg, &want, sizeof cfg) != 0)
+        return lg_fail(err, "checkpoint %s: its config.json describes another model than the run's %s",
+                       dir, want.name);
+    return 0;
+}
+
+/* Reads a Hugging Face directory's weights (converted to lg_real) and sets the trainer's. */
+static int lg_trainer_read_weights(lg_trainer *tr, const char *dir, int with_load_checks,
+                                   lg_error *err) {
+    const lg_model *m0 = &tr->ranks[0].model;
+    lg_real *whole = (lg_real *)LG_MALLOC(m0->n_params * sizeof(lg_real) + 1);
+    if (!whole) return lg_fail(err, "out of host memory for the weights");
+    int rc = with_load_checks ? lg_hf_load_weights(&m0->cfg, lg_buf_of(whole), dir, err)
+                              : lg_hf_load_into(&m0->cfg, lg_buf_of(whole), dir, err);
+    if (rc == 0) lg_trainer_set_weights(tr, lg_buf_of(whole));
+    LG_FREE(whole);
+    return rc;
+}
+
+int lg_checkpoint_resume(lg_trainer *tr, lg_loader *data, const char *dir, int *step,
+                         lg_error *err) {
+    char path[1200];
+    int marker_step;
+    if (lg_checkpoint_verify(dir, &marker_step, err) != 0 ||
+        lg_checkpoint_same_model(tr, dir, err) != 0 || lg_checkpoint_supported(tr, err) != 0)
+        return -1;
+    lg_format(path, sizeof path, "%s/" LG_TRAINING_STATE, dir);
+    /* the weights as stored (the precision's type), then the master weights from the state */
+    if (lg_trainer_read_weights(tr, dir, 0, err) != 0 ||
+        lg_training_state_read(tr, data, step, path, err) != 0)
+        return -1;
+    if (*step != marker_step)
+        return lg_fail(err, "checkpoint %s: " LG_CHECKPOINT_MARKER " says step %d, the training state %d",
+                       dir, marker_step, *step);
+    return 0;
+}
+
+int lg_trainer_load_hf(lg_trainer *tr, const char *dir, lg_error *err) {
+    if (lg_checkpoint_same_model(tr, dir, err) != 0) return -1;
+    return lg_trainer_read_weights(tr, dir, 1, err);
 }
 
 /* 13. trainer --------------------------------------------------------------------------------- */
@@ -6458,6 +8313,17 @@ void lg_trainer_weights(lg_trainer *tr, lg_buf whole) {
         lg_trainer_gather_unit(tr, u);
         lg_copy(lg_at(whole, sl->unit_offset[u]), lg_unit_weights(tr, 0, u),
                 sl->unit_offset[u + 1] - sl->unit_offset[u]);
+    }
+}
+
+void lg_trainer_set_weights(lg_trainer *tr, lg_buf whole) {
+    for (int r = 0; r < tr->n_ranks; r++) {
+        lg_trainer_rank *tr_r = &tr->ranks[r];
+        lg_model *m = &tr_r->model;
+        if (m->weights_gathered) lg_copy_from_whole(m->local, m->params, whole);
+        else lg_copy(m->params, whole, m->n_params);
+        if (tr_r->opt.master) lg_copy_from_whole(m->local, lg_buf_of(tr_r->opt.master), whole);
+        if (tr_r->host_weights.data) lg_copy_from_whole(m->local, tr_r->host_weights, whole);
     }
 }
 

@@ -66,7 +66,16 @@ static const char usage[] =
     "      --prompt TEXT          built-in task: letters, e.g. \"litgpt=\"; shards: token ids\n"
     "      --seed N               weights, data order and sampling (1337)\n"
     "      --log FILE             one JSON object per step and per evaluation\n"
-    "      --out DIR              write DIR/model.safetensors at the end\n"
+    "      --out DIR              write checkpoints DIR/step-N/ at the end (and every\n"
+    "                             --save-every steps): model.safetensors and config.json\n"
+    "                             in the Hugging Face layout, model_config.yaml, the\n"
+    "                             training state, and a COMPLETE marker written last\n"
+    "      --save-every N         steps between checkpoints (0: only at the end)\n"
+    "      --load DIR             start from the weights of a Hugging Face directory\n"
+    "                             (config.json + model.safetensors or shards), instead of -c\n"
+    "      --resume DIR           continue a run from DIR/step-N (or the latest complete\n"
+    "                             step-N under DIR) with the run's flags: bitwise the same\n"
+    "                             losses as an uninterrupted run\n"
     "  -h, --help\n";
 
 static void die_usage(const char *fmt, ...) {
@@ -101,7 +110,8 @@ enum { OPT_DATA = 256, OPT_VAL_DATA, OPT_LR, OPT_MIN_LR, OPT_WARMUP, OPT_WEIGHT_
        OPT_BETA2, OPT_MOMENTUM, OPT_MAX_NORM, OPT_MAX_STEPS, OPT_EVAL_EVERY, OPT_EVAL_ITERS,
        OPT_SAMPLE_EVERY, OPT_SAMPLE_TOKENS, OPT_TEMPERATURE, OPT_PROMPT, OPT_SEED, OPT_LOG,
        OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_OPTIMIZER_STATE,
-       OPT_HESSIAN_INTERVAL, OPT_RHO, OPT_STRATEGY, OPT_NODES };
+       OPT_HESSIAN_INTERVAL, OPT_RHO, OPT_STRATEGY, OPT_NODES, OPT_SAVE_EVERY, OPT_LOAD,
+       OPT_RESUME };
 
 static const struct option long_options[] = {
     {"config", required_argument, 0, 'c'},
@@ -140,6 +150,9 @@ static const struct option long_options[] = {
     {"optimizer-state", required_argument, 0, OPT_OPTIMIZER_STATE},
     {"hessian-interval", required_argument, 0, OPT_HESSIAN_INTERVAL},
     {"rho", required_argument, 0, OPT_RHO},
+    {"save-every", required_argument, 0, OPT_SAVE_EVERY},
+    {"load", required_argument, 0, OPT_LOAD},
+    {"resume", required_argument, 0, OPT_RESUME},
     {"help", no_argument, 0, 'h'},
     {0, 0, 0, 0},
 };
@@ -155,9 +168,18 @@ static const char *flag_name(int opt, char *name, size_t size) {
     return name;
 }
 
+/* --- checkpoints: the flags that read and write them ------------------------------------- */
+typedef struct {
+    int save_every;       /* --save-every: steps between checkpoints; 0: only at the end */
+    const char *load;     /* --load: a Hugging Face directory to start from */
+    const char *resume;   /* --resume: a checkpoint, or a --out directory (its latest) */
+    char resume_dir[1100]; /* the step-N directory --resume resolved to */
+} checkpoint_flags;
+
 static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
-                       int *beta1_given, int *beta2_given) {
+                       int *beta1_given, int *beta2_given, checkpoint_flags *ck) {
     lg_args_default(a);
+    memset(ck, 0, sizeof *ck);
     opterr = 0;
     int opt;
     while ((opt = getopt_long(argc, argv, ":c:b:g:t:p:d:o:h", long_options, NULL)) != -1) {
@@ -233,6 +255,9 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
         case OPT_OFFLOAD: a->offload = 1; break;
         case OPT_HESSIAN_INTERVAL: a->hessian_interval = parse_int(f, optarg); break;
         case OPT_RHO: a->rho = parse_float(f, optarg); break;
+        case OPT_SAVE_EVERY: ck->save_every = parse_int(f, optarg); break;
+        case OPT_LOAD: ck->load = optarg; break;
+        case OPT_RESUME: ck->resume = optarg; break;
         case OPT_OPTIMIZER_STATE:
             if (strcmp(optarg, "bf16") == 0) a->optimizer_state = LG_STATE_BF16;
             else if (strcmp(optarg, "8bit") == 0) a->optimizer_state = LG_STATE_8BIT;
@@ -262,6 +287,12 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
         die_usage("--val-data needs --data (the built-in task brings its own validation set)");
     if (a->devices < 1) die_usage("-d/--devices must be at least 1");
     if (a->nodes < 1) die_usage("--nodes must be at least 1");
+    if (ck->save_every < 0) die_usage("--save-every must be 0 or more");
+    if (ck->save_every && !a->out_dir) die_usage("--save-every needs --out DIR");
+    if ((ck->load || ck->resume) && a->config)
+        die_usage("%s brings its model's config.json: drop -c/--config", ck->load ? "--load" : "--resume");
+    if (ck->load && ck->resume)
+        die_usage("--load and --resume: a resumed run already has its weights; give one");
 }
 
 static void die(int code, const lg_error *err) {
@@ -443,8 +474,18 @@ static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_con
     lg_plan_free(&plan);
 }
 
-/* -c NAME: a file at NAME, else configs/NAME.yaml; no -c: the built-in model. */
-static void load_config(const lg_args *a, lg_config *cfg) {
+/* -c NAME: a file at NAME, else configs/NAME.yaml; --load or --resume: the directory's
+   config.json; none: the built-in model. */
+static void load_config(lg_args *a, lg_config *cfg, checkpoint_flags *ck) {
+    lg_error err;
+    if (ck->resume && lg_checkpoint_find(ck->resume, ck->resume_dir, sizeof ck->resume_dir, &err) != 0)
+        die(2, &err);
+    const char *dir = ck->load ? ck->load : ck->resume ? ck->resume_dir : NULL;
+    if (dir) {
+        if (lg_hf_config_read(cfg, dir, &err) != 0) die(2, &err);
+        a->config = dir; /* the model now has a config: --data may follow */
+        return;
+    }
     if (!a->config) { lg_config_builtin(cfg); return; }
     char path[1024];
     struct stat st;
@@ -452,7 +493,6 @@ static void load_config(const lg_args *a, lg_config *cfg) {
     else snprintf(path, sizeof path, "configs/%s.yaml", a->config);
     if (stat(path, &st) != 0)
         die_usage("-c/--config %s: no such file, and no %s", a->config, path);
-    lg_error err;
     if (lg_config_load(cfg, path, &err) != 0) die(2, &err);
 }
 
@@ -597,30 +637,17 @@ static void evaluate(lg_trainer *tr, run_data *d, const lg_args *a, int step, FI
     if (log) { fprintf(log, "{\"step\":%d,\"val_loss\":%.6f}\n", step, loss); fflush(log); }
 }
 
-/* --out: the weights of rank 0, gathered from the shards when they are split. */
-static void save_weights(lg_trainer *tr, const lg_config *cfg, const char *dir) {
-    lg_error err;
-    if (!tr->ranks[0].model.weights_gathered) {
-        if (lg_save_safetensors(&tr->ranks[0].model, dir, &err) != 0) die(1, &err);
-        return;
-    }
-    lg_model whole; /* weights only: the smallest activations */
-    if (lg_model_create(&whole, cfg, 1, 1, &err) != 0) die(1, &err);
-    lg_trainer_weights(tr, whole.params);
-    if (lg_save_safetensors(&whole, dir, &err) != 0) die(1, &err);
-    lg_model_free(&whole);
-}
-
 int main(int argc, char **argv) {
     lg_args a;
     int precision_given = 0, beta1_given = 0, beta2_given = 0;
-    parse_args(argc, argv, &a, &precision_given, &beta1_given, &beta2_given);
+    checkpoint_flags ck;
+    parse_args(argc, argv, &a, &precision_given, &beta1_given, &beta2_given, &ck);
     /* the papers' betas, unless given: Lion (0.9, 0.99), SophiaG (0.965, 0.99) */
     if (a.optimizer == LG_OPTIMIZER_LION && !beta2_given) a.beta2 = 0.99f;
     if (a.optimizer == LG_OPTIMIZER_SOPHIA && !beta1_given) a.beta1 = 0.965f;
     if (a.optimizer == LG_OPTIMIZER_SOPHIA && !beta2_given) a.beta2 = 0.99f;
     lg_config cfg;
-    load_config(&a, &cfg);
+    load_config(&a, &cfg, &ck);
     int T = a.max_seq_length ? a.max_seq_length : cfg.block_size;
     if (T > cfg.block_size)
         die_usage("-t/--max-seq-length %d exceeds the model's block_size %d", T, cfg.block_size);
@@ -673,10 +700,18 @@ int main(int argc, char **argv) {
                "activations, fp32 arithmetic and master weights; -p 32-true for full fp32)\n",
                lg_precision_name(a.precision));
 
+    int first_step = 0, saved_step = -1;
+    if ((a.out_dir || ck.resume) && lg_checkpoint_supported(&tr, &err) != 0) die(2, &err);
+    if (ck.load && lg_trainer_load_hf(&tr, ck.load, &err) != 0) die(2, &err);
+    if (ck.load) printf("loaded the weights of %s\n", ck.load);
+    if (ck.resume && lg_checkpoint_resume(&tr, &data.train, ck.resume_dir, &first_step, &err) != 0)
+        die(2, &err);
+    if (ck.resume) printf("resumed %s: %d steps done\n", ck.resume_dir, first_step);
+
     lg_rng sample_rng;
     lg_rng_seed(&sample_rng, a.seed + 1);
-    evaluate(&tr, &data, &a, 0, log);
-    for (int step = 0; step < a.max_steps; step++) {
+    evaluate(&tr, &data, &a, first_step, log);
+    for (int step = first_step; step < a.max_steps; step++) {
         lg_step_stats st;
         if (lg_trainer_step(&tr, &data.train, step, &st, &err) != 0) die(1, &err);
         printf("step %5d/%d | loss %.4f | lr %.2e | grad norm %.3f | %.1f ms | %.0f tok/s",
@@ -696,6 +731,10 @@ int main(int argc, char **argv) {
             fprintf(log, "}\n");
             fflush(log);
         }
+        if (ck.save_every && (step + 1) % ck.save_every == 0) {
+            if (lg_checkpoint_save(&tr, &data.train, step + 1, a.out_dir, &err) != 0) die(1, &err);
+            printf("saved %s/step-%d\n", a.out_dir, saved_step = step + 1);
+        }
         int last = step + 1 == a.max_steps;
         if (last || (a.eval_every && (step + 1) % a.eval_every == 0))
             evaluate(&tr, &data, &a, step + 1, log);
@@ -703,9 +742,10 @@ int main(int argc, char **argv) {
             print_samples(&tr, &a, &data, &sample_rng);
     }
     print_samples(&tr, &a, &data, &sample_rng);
-    if (a.out_dir) {
-        save_weights(&tr, &cfg, a.out_dir);
-        printf("saved %s/model.safetensors\n", a.out_dir);
+    int final_step = first_step > a.max_steps ? first_step : a.max_steps;
+    if (a.out_dir && saved_step != final_step) {
+        if (lg_checkpoint_save(&tr, &data.train, final_step, a.out_dir, &err) != 0) die(1, &err);
+        printf("saved %s/step-%d\n", a.out_dir, final_step);
     }
     if (log) fclose(log);
     lg_trainer_free(&tr);

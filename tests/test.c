@@ -1000,35 +1000,6 @@ static void test_families_memorise(results *r) {
     }
 }
 
-/* ---- checkpoint -------------------------------------------------------------------------- */
-
-static void test_safetensors(results *r) {
-    lg_config cfg;
-    lg_error err;
-    lg_model m;
-    if (load_config_or_fail(r, &cfg, "test-gpt2")) return;
-    lg_model_create(&m, &cfg, 1, 4, &err);
-    lg_model_init_weights(&m, 5);
-    int rc = lg_save_safetensors(&m, "build/ckpt", &err);
-    FILE *f = fopen("build/ckpt/model.safetensors", "rb");
-    uint64_t header_len = 0;
-    int ok = rc == 0 && f && fread(&header_len, 8, 1, f) == 1 && header_len % 8 == 0;
-    char *header = (char *)lg_alloc_zeroed(header_len + 1);
-    ok = ok && fread(header, 1, header_len, f) == header_len;
-    ok = ok && strstr(header, "\"transformer.h.1.attn.qkv.weight\":{\"dtype\":\"F32\",\"shape\":[48,16]");
-    /* the last tensor ends where the file ends; its first value matches */
-    fseek(f, 0, SEEK_END);
-    long size = ftell(f);
-    ok = ok && (size_t)size == 8 + header_len + m.n_params * 4;
-    float first;
-    fseek(f, (long)(8 + header_len), SEEK_SET);
-    ok = ok && fread(&first, 4, 1, f) == 1 && first == (float)reals(m.params)[0];
-    check(r, ok, "model.safetensors: header names and shapes, sizes, data (%ld bytes)", size);
-    if (f) fclose(f);
-    LG_FREE(header);
-    lg_model_free(&m);
-}
-
 /* ---- the command line --------------------------------------------------------------------- */
 
 /* Runs ./train with args; checks the exit code and that the output contains want. */
@@ -1066,7 +1037,7 @@ static void test_cli(results *r) {
     expect_cli(r, "-c test-llama --data build/u16.bin --val-data build/u32.bin -t 10 -b 2 "
                   "--max-steps 0 --eval-iters 2", 0, "val loss");
     expect_cli(r, "-c test-llama --data build/u16.bin -t 10 -b 2 --max-steps 2 --prompt \"1 2\" "
-                  "--sample-tokens 3 --log build/log.jsonl --out build/run", 0, "saved build/run/model.safetensors");
+                  "--sample-tokens 3 --log build/log.jsonl --out build/run", 0, "saved build/run/step-2");
     FILE *f = fopen("build/log.jsonl", "r");
     char line[512] = "";
     int ok = f && fgets(line, sizeof line, f) && strstr(line, "\"step\":1,\"loss\":") &&
@@ -1660,6 +1631,10 @@ static void test_plan_cli(results *r) {
 
 #include "test_sharding.c"
 
+/* ---- checkpoints -------------------------------------------------------------------------- */
+
+#include "test_checkpoint.c"
+
 /* Runs the double-precision runner and adds its counts. */
 static void run_double_tests(results *r) {
     FILE *p = popen("./tests/test64", "r");
@@ -1703,8 +1678,8 @@ int main(void) {
     test_accumulation(&r);
     test_determinism(&r);
     test_families_memorise(&r);
-    printf("checkpoint\n");
-    test_safetensors(&r);
+    printf("checkpoints\n");
+    test_checkpoints(&r);
     printf("command line\n");
     test_cli(&r);
     printf("precision\n");

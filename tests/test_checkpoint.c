@@ -1,0 +1,504 @@
+/* tests/test_checkpoint.c — checkpoints: safetensors, Hugging Face layouts, resume, torn and
+   corrupted files. Included by tests/test.c in its single-precision section (it uses that
+   file's check, reference reader and training helpers). */
+
+#include <signal.h>
+
+static const char *const ckpt_families[3] = {"test-gpt2", "test-pythia", "test-llama"};
+static const lg_precision ckpt_precisions[5] = {LG_PRECISION_32_TRUE, LG_PRECISION_BF16_MIXED,
+                                                LG_PRECISION_16_MIXED, LG_PRECISION_BF16_TRUE,
+                                                LG_PRECISION_16_TRUE};
+
+/* Writes bytes to path (a test file, not a checkpoint). */
+static int write_file_bytes(const char *path, const void *data, size_t n) {
+    FILE *f = fopen(path, "wb");
+    int ok = f && fwrite(data, 1, n, f) == n;
+    if (f) fclose(f);
+    return ok ? 0 : -1;
+}
+
+/* A safetensors file from a header text and n zero data bytes. */
+static void write_safetensors_raw(const char *path, const char *header, size_t data_bytes) {
+    size_t len = strlen(header), total = 8 + len + data_bytes;
+    unsigned char *buf = (unsigned char *)lg_alloc_zeroed(total);
+    for (int i = 0; i < 8; i++) buf[i] = (unsigned char)((uint64_t)len >> (8 * i));
+    memcpy(buf + 8, header, len);
+    write_file_bytes(path, buf, total);
+    LG_FREE(buf);
+}
+
+/* Fills test tensors with their index bytes. */
+static int fill_pattern(void *ctx, int index, unsigned char *out, lg_error *err) {
+    const lg_st_tensor *t = &((const lg_st_tensor *)ctx)[index];
+    for (uint64_t i = 0; i < t->end - t->begin; i++) out[i] = (unsigned char)(i * 7 + (uint64_t)index);
+    (void)err;
+    return 0;
+}
+
+/* Writer and reader agree; malformed files are refused with the file name and the reason. */
+static void test_safetensors_format(results *r) {
+    lg_st_tensor t[3];
+    memset(t, 0, sizeof t);
+    snprintf(t[0].name, sizeof t[0].name, "a.weight");
+    t[0].dtype = LG_ST_F32; t[0].ndim = 2; t[0].shape[0] = 2; t[0].shape[1] = 3;
+    snprintf(t[1].name, sizeof t[1].name, "b");
+    t[1].dtype = LG_ST_BF16; t[1].ndim = 1; t[1].shape[0] = 5;
+    snprintf(t[2].name, sizeof t[2].name, "c.codes");
+    t[2].dtype = LG_ST_U8; t[2].ndim = 1; t[2].shape[0] = 7;
+    lg_st_meta meta[1] = {{"step", "12"}};
+    lg_error err;
+    lg_file_digest d;
+    mkdir("build", 0755);
+    int rc = lg_st_write("build/st-format.safetensors", t, 3, meta, 1, fill_pattern, t, &d, &err);
+    lg_st_file f;
+    int ok = rc == 0 && lg_st_open(&f, "build/st-format.safetensors", &err) == 0;
+    if (ok) {
+        const lg_st_tensor *b = lg_st_find(&f, "b");
+        unsigned char got[64], want[64];
+        fill_pattern(t, 1, want, &err);
+        ok = f.n_tensors == 3 && b && b->dtype == LG_ST_BF16 && b->shape[0] == 5 &&
+             b->end - b->begin == 10 && lg_st_read(&f, b, got, &err) == 0 && memcmp(got, want, 10) == 0 &&
+             lg_st_meta_get(&f, "step") && strcmp(lg_st_meta_get(&f, "step"), "12") == 0 &&
+             f.data_start % 8 == 0 && f.file_bytes == d.bytes;
+        lg_st_close(&f);
+    }
+    check(r, ok, "safetensors: F32, BF16 and U8 tensors and metadata written and read back (%llu bytes)",
+          (unsigned long long)d.bytes);
+    static const struct { const char *header; size_t data; const char *want; } bad[] = {
+        {"{\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}", 8, "not valid JSON"},
+        {"{\"x\":{\"dtype\":\"F64\",\"shape\":[1],\"data_offsets\":[0,8]}}", 8, "dtype 'F64'"},
+        {"{\"x\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]}}", 8, "do not hold 3 F32"},
+        {"{\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 4, "truncated"},
+        {"{\"x\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}", 8, "overlap or gap"},
+        {"{\"x\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 12, "trailing"},
+        {"{\"x\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+         "\"x\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}", 8, "appears twice"},
+        {"{\"x\":{\"dtype\":\"F32\",\"shape\":[-1],\"data_offsets\":[0,4]}}", 4, "not a size"},
+        {"[1,2]", 0, "does not start with '{'"},
+    };
+    int refused = 0, n_bad = (int)(sizeof bad / sizeof bad[0]);
+    for (int i = 0; i < n_bad; i++) {
+        write_safetensors_raw("build/st-bad.safetensors", bad[i].header, bad[i].data);
+        int named = lg_st_open(&f, "build/st-bad.safetensors", &err) != 0 &&
+                    strstr(err.msg, "build/st-bad.safetensors") && strstr(err.msg, bad[i].want);
+        if (!named) printf("    case %d: %s\n", i, err.msg);
+        refused += named;
+    }
+    unsigned char huge[8] = {0xFF, 0xFF, 0xFF, 0xFF, 0, 0, 0, 0};
+    write_file_bytes("build/st-bad.safetensors", huge, 8);
+    refused += lg_st_open(&f, "build/st-bad.safetensors", &err) != 0 && strstr(err.msg, "header length");
+    write_file_bytes("build/st-bad.safetensors", huge, 5);
+    refused += lg_st_open(&f, "build/st-bad.safetensors", &err) != 0 && strstr(err.msg, "shorter than");
+    check(r, refused == n_bad + 2, "safetensors: %d of %d malformed files refused with the file name "
+          "and the reason (last: %s)", refused, n_bad + 2, err.msg);
+}
+
+static lg_args ckpt_args(lg_precision p, lg_optimizer_kind kind) {
+    lg_args a;
+    lg_args_default(&a);
+    a.precision = p;
+    a.optimizer = kind;
+    a.micro_batch_size = 2;
+    a.global_batch_size = 4;
+    a.warmup_steps = 2;
+    a.max_steps = 6;
+    return a;
+}
+
+/* Save -> load gives bitwise the same weights, for each family and each precision, with the
+   file in the run's weight dtype. */
+static void test_checkpoint_round_trips(results *r) {
+    int ok = 1, runs = 0;
+    const char *dtypes[5] = {"F32", "BF16", "F16", "BF16", "F16"};
+    for (int i = 0; i < 3; i++) {
+        lg_config cfg;
+        if (load_config_or_fail(r, &cfg, ckpt_families[i])) return;
+        for (int k = 0; k < 5; k++) {
+            lg_args a = ckpt_args(ckpt_precisions[k], LG_OPTIMIZER_ADAMW);
+            lg_trainer saved, loaded;
+            lg_error err;
+            a.seed = 1;
+            int rc = lg_trainer_create(&saved, &cfg, &a, 8, &err);
+            a.seed = 2;
+            rc |= lg_trainer_create(&loaded, &cfg, &a, 8, &err);
+            rc = rc || lg_hf_save(&saved.ranks[0].model, "build/roundtrip", &err) ||
+                 lg_trainer_load_hf(&loaded, "build/roundtrip", &err);
+            lg_st_file f;
+            int dtype_ok = rc == 0 && lg_st_open(&f, "build/roundtrip/model.safetensors", &err) == 0;
+            if (dtype_ok) {
+                dtype_ok = strcmp(lg_st_dtype_name(f.tensors[0].dtype), dtypes[k]) == 0;
+                lg_st_close(&f);
+            }
+            int same = rc == 0 && dtype_ok && same_bits(saved.ranks[0].model.params, loaded.ranks[0].model.params, saved.ranks[0].model.n_params);
+            if (!same) printf("    %s %s: %s\n", ckpt_families[i], lg_precision_name(a.precision), rc ? err.msg : "differs");
+            ok = ok && same;
+            runs++;
+            lg_trainer_free(&saved);
+            lg_trainer_free(&loaded);
+        }
+    }
+    check(r, ok, "save -> load: bitwise the same weights, file in the run's weight dtype (%d runs: 3 "
+          "families x 5 precisions)", runs);
+}
+
+/* The Python-written Hugging Face directories load through --load's code and reproduce the
+   reference logits; our writer produces the same tensors as that independent conversion. */
+static void test_hf_directories(results *r) {
+    const char *dirs[3] = {"tests/hf/gpt2", "tests/hf/pythia", "tests/hf/llama"};
+    for (int i = 0; i < 3; i++) {
+        char path[256];
+        ref_file rf = {NULL, 0};
+        lg_config want, cfg;
+        lg_error err;
+        snprintf(path, sizeof path, "tests/reference/%s.bin", ckpt_families[i]);
+        if (ref_load(&rf, path) != 0 || load_config_or_fail(r, &want, ckpt_families[i])) {
+            check(r, 0, "%s: cannot read", path);
+            return;
+        }
+        int rc = lg_hf_config_read(&cfg, dirs[i], &err);
+        lg_config same = cfg;
+        memcpy(same.name, want.name, sizeof same.name);
+        same.vocab_size = want.vocab_size;
+        int config_ok = rc == 0 && memcmp(&same, &want, sizeof want) == 0 && cfg.vocab_size == want.padded_vocab_size;
+        const ref_tensor *idx = ref_find(&rf, "idx"), *logits = ref_find(&rf, "logits");
+        lg_model m;
+        double e = 1;
+        if (rc == 0 && lg_model_create(&m, &cfg, 2, 8, &err) == 0) {
+            rc = lg_hf_load_weights(&cfg, m.params, dirs[i], &err);
+            if (rc == 0) {
+                lg_model_forward(&m, (const int *)idx->data, NULL, 2, 8, NULL);
+                e = rel_error(reals(m.a.logits), (const float *)logits->data, logits->count, 1e-6);
+            }
+            lg_model_free(&m);
+        }
+        check(r, rc == 0 && config_ok && e < 1e-5, "%-16s Hugging Face directory: config.json = %s.yaml, "
+              "logits vs PyTorch rel err %.1e (< 1e-5)%s%s", dirs[i], ckpt_families[i], e,
+              rc ? ": " : "", rc ? err.msg : "");
+        /* our writer, from the reference weights, against the script's tensors */
+        int tensors_same = lg_model_create(&m, &want, 2, 8, &err) == 0, compared = 0;
+        for (int k = 0; tensors_same && k < m.param_table.n_tensors; k++) {
+            const lg_tensor_info *t = &m.param_table.tensors[k];
+            const ref_tensor *w = ref_find(&rf, t->name);
+            for (size_t j = 0; w && j < t->count; j++) reals(m.params)[t->offset + j] = ((const float *)w->data)[j];
+        }
+        lg_hf_files theirs = {NULL, 0};
+        lg_st_file ours;
+        tensors_same = tensors_same && lg_hf_save(&m, "build/hf-ours", &err) == 0 &&
+                       lg_st_open(&ours, "build/hf-ours/model.safetensors", &err) == 0;
+        if (tensors_same && lg_hf_files_open(&theirs, dirs[i], &err) == 0) {
+            for (int k = 0; k < ours.n_tensors && tensors_same; k++) {
+                int file = 0;
+                const lg_st_tensor *a = &ours.tensors[k], *b = lg_hf_files_find(&theirs, a->name, &file);
+                size_t n = (size_t)(a->end - a->begin);
+                unsigned char *x = (unsigned char *)LG_MALLOC(n + 1), *y = (unsigned char *)LG_MALLOC(n + 1);
+                tensors_same = b && b->end - b->begin == n && lg_st_read(&ours, a, x, &err) == 0 &&
+                               lg_st_read(&theirs.files[file], b, y, &err) == 0 && memcmp(x, y, n) == 0;
+                if (!tensors_same) printf("    differs: %s\n", a->name);
+                compared++;
+                LG_FREE(x);
+                LG_FREE(y);
+            }
+            int theirs_count = 0;
+            for (int k = 0; k < theirs.n; k++) theirs_count += theirs.files[k].n_tensors;
+            tensors_same = tensors_same && theirs_count == ours.n_tensors;
+            lg_hf_files_close(&theirs);
+        } else {
+            tensors_same = 0;
+        }
+        if (ours.file) lg_st_close(&ours);
+        check(r, tensors_same, "%-16s lg_hf_save writes bitwise the script's %d tensors", dirs[i], compared);
+        lg_model_free(&m);
+        ref_free(&rf);
+    }
+}
+
+/* Steps first..last-1, losses into losses[first..]. */
+static int run_step_range(lg_trainer *tr, lg_loader *ld, int first, int last, double *losses) {
+    lg_error err;
+    for (int s = first; s < last; s++) {
+        lg_step_stats st;
+        if (lg_trainer_step(tr, ld, s, &st, &err) != 0) { printf("    %s\n", err.msg); return -1; }
+        losses[s] = st.loss;
+    }
+    return 0;
+}
+
+/* 6 steps uninterrupted against 3 steps, a checkpoint, a fresh trainer and loader resumed from
+   it, 3 more steps: bitwise the same losses and weights. The data wraps around its epoch. */
+static int resume_matches(const lg_config *cfg, const lg_args *a, const char *label) {
+    const int steps = 6, half = 3, T = 8;
+    double uninterrupted[6], resumed[6];
+    lg_trainer full, first, second;
+    lg_loader l1, l2, l3;
+    lg_error err;
+    size_t tokens = 10 * (size_t)T + 1; /* 10 windows: 4 a step, a new epoch every 2.5 steps */
+    int rc = lg_trainer_create(&full, cfg, a, T, &err);
+    builtin_loader(&l1, cfg, T, 7, tokens, a->seed);
+    rc = rc || run_step_range(&full, &l1, 0, steps, uninterrupted);
+    rc = rc || lg_trainer_create(&first, cfg, a, T, &err);
+    builtin_loader(&l2, cfg, T, 7, tokens, a->seed);
+    rc = rc || run_step_range(&first, &l2, 0, half, resumed) ||
+         lg_checkpoint_save(&first, &l2, half, "build/resume", &err);
+    lg_trainer_free(&first);
+    lg_loader_close(&l2);
+    builtin_loader(&l3, cfg, T, 7, tokens, a->seed);
+    int step = -1;
+    rc = rc || lg_trainer_create(&second, cfg, a, T, &err);
+    if (rc == 0) { /* other weights: the resumed run must not depend on its initialisation */
+        lg_model_init_weights(&second.ranks[0].model, a->seed + 99);
+        if (second.ranks[0].opt.master) lg_copy(lg_buf_of(second.ranks[0].opt.master), second.ranks[0].model.params, second.ranks[0].model.n_params);
+    }
+    rc = rc || lg_checkpoint_resume(&second, &l3, "build/resume/step-3", &step, &err) || step != half ||
+         run_step_range(&second, &l3, half, steps, resumed);
+    int same = rc == 0 && memcmp(uninterrupted + half, resumed + half, sizeof(double) * (steps - half)) == 0 &&
+               same_bits(full.ranks[0].model.params, second.ranks[0].model.params, full.ranks[0].model.n_params) &&
+               (!full.ranks[0].opt.master || memcmp(full.ranks[0].opt.master, second.ranks[0].opt.master, full.ranks[0].model.n_params * sizeof(lg_real)) == 0);
+    if (!same) printf("    resume differs: %s%s%s\n", label, rc ? ": " : "", rc ? err.msg : "");
+    lg_trainer_free(&full);
+    if (rc == 0) lg_trainer_free(&second);
+    lg_loader_close(&l1);
+    lg_loader_close(&l3);
+    return same;
+}
+
+static void test_resume_bitwise(results *r) {
+    int ok = 1, runs = 0;
+    for (int opt = 0; opt < 2; opt++)
+        for (int k = 0; k < 5; k++) {
+            lg_config cfg;
+            const char *family = ckpt_families[(k + opt) % 3];
+            if (load_config_or_fail(r, &cfg, family)) return;
+            lg_args a = ckpt_args(ckpt_precisions[k], opt ? LG_OPTIMIZER_SGD : LG_OPTIMIZER_ADAMW);
+            char label[96];
+            snprintf(label, sizeof label, "%s %s %s", family, lg_precision_name(a.precision), lg_optimizer_name(a.optimizer));
+            ok = resume_matches(&cfg, &a, label) && ok;
+            runs++;
+        }
+    check(r, ok, "resume = uninterrupted, bitwise (losses of steps 4-6, weights, master weights): AdamW "
+          "and SGD x 5 precisions (%d runs, data across epochs)", runs);
+    /* the compact states, Lion, Sophia and the offloaded optimizer */
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    lg_args a = ckpt_args(LG_PRECISION_BF16_MIXED, LG_OPTIMIZER_ADAMW);
+    cfg.intermediate_size = 256; /* tensors of 4096 elements: compact state */
+    a.optimizer_state = LG_STATE_8BIT;
+    int compact = resume_matches(&cfg, &a, "8-bit AdamW");
+    a.optimizer_state = LG_STATE_BF16;
+    compact = resume_matches(&cfg, &a, "bf16-state AdamW") && compact;
+    lg_args b = ckpt_args(LG_PRECISION_16_MIXED, LG_OPTIMIZER_LION);
+    compact = resume_matches(&cfg, &b, "Lion") && compact;
+    b = ckpt_args(LG_PRECISION_32_TRUE, LG_OPTIMIZER_SOPHIA);
+    b.hessian_interval = 2;
+    compact = resume_matches(&cfg, &b, "Sophia") && compact;
+    b = ckpt_args(LG_PRECISION_BF16_TRUE, LG_OPTIMIZER_ADAMW);
+    b.offload = 1;
+    compact = resume_matches(&cfg, &b, "offload") && compact;
+    check(r, compact, "resume = uninterrupted, bitwise: 8-bit and bf16 AdamW state, Lion, Sophia, --offload");
+}
+
+/* Each step-N under dir either verifies or is refused as incomplete (never torn); counts both. */
+static int steps_complete_or_refused(const char *dir, int *complete, int *incomplete) {
+    int ok = 1;
+    for (int s = 2; s < 400; s++) {
+        char path[256];
+        struct stat st;
+        lg_error err;
+        snprintf(path, sizeof path, "%s/step-%d", dir, s);
+        if (stat(path, &st) != 0) continue;
+        if (lg_checkpoint_verify(path, NULL, &err) == 0) (*complete)++;
+        else if (strstr(err.msg, "no COMPLETE marker")) (*incomplete)++;
+        else { printf("    torn: %s\n", err.msg); ok = 0; }
+    }
+    return ok;
+}
+
+/* A child saves step-2, step-3, ... as fast as it can; SIGKILL at several moments. Every
+   directory is then complete and verified, or refused as incomplete; the latest complete one
+   (step-1 at worst) resumes. */
+static void test_kill_during_save(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    cfg.intermediate_size = 2048; /* larger files: the kills land inside writes */
+    lg_args a = ckpt_args(LG_PRECISION_BF16_MIXED, LG_OPTIMIZER_ADAMW);
+    lg_trainer tr, fresh;
+    lg_loader ld, l2;
+    lg_error err;
+    double losses[2];
+    if (lg_trainer_create(&tr, &cfg, &a, 8, &err) != 0 || lg_trainer_create(&fresh, &cfg, &a, 8, &err) != 0) {
+        check(r, 0, "kill test: %s", err.msg);
+        return;
+    }
+    builtin_loader(&ld, &cfg, 8, 7, 200, a.seed);
+    builtin_loader(&l2, &cfg, 8, 7, 200, a.seed);
+    if (system("rm -rf build/kill") != 0) printf("    cannot clear build/kill\n");
+    int ok = run_step_range(&tr, &ld, 0, 1, losses) == 0 && lg_checkpoint_save(&tr, &ld, 1, "build/kill", &err) == 0;
+    static const int delays_us[8] = {0, 1000, 5000, 20000, 50000, 100000, 200000, 400000};
+    int complete = 0, incomplete = 0, resumed = 0;
+    for (int i = 0; i < 8 && ok; i++) {
+        if (system("cd build/kill && ls | grep -v '^step-1$' | xargs rm -rf") != 0) ok = 0;
+        fflush(stdout);
+        pid_t pid = fork();
+        if (pid == 0)
+            for (int s = 2;; s++) lg_checkpoint_save(&tr, &ld, s, "build/kill", &err);
+        double until = lg_time_ms() + delays_us[i] / 1000.0; /* (usleep is not C11) */
+        while (lg_time_ms() < until) continue;
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        char found[1200];
+        int step = -1;
+        ok = steps_complete_or_refused("build/kill", &complete, &incomplete) &&
+             lg_checkpoint_verify("build/kill/step-1", NULL, &err) == 0 &&
+             lg_checkpoint_find("build/kill", found, sizeof found, &err) == 0 &&
+             lg_checkpoint_resume(&fresh, &l2, found, &step, &err) == 0;
+        resumed += ok && step >= 1;
+        if (!ok) printf("    after a kill at %d us: %s\n", delays_us[i], err.msg);
+    }
+    check(r, ok && resumed == 8, "SIGKILL while saving, at 8 moments (0-400 ms): step-1 verifies and the "
+          "latest complete step-N resumes each time; %d later checkpoints complete, %d refused as "
+          "incomplete, none torn", complete, incomplete);
+    lg_loader_close(&l2);
+    lg_loader_close(&ld);
+    lg_trainer_free(&fresh);
+    lg_trainer_free(&tr);
+}
+
+static void truncate_file(const char *path, long bytes) {
+    int fd = open(path, O_WRONLY);
+    if (fd < 0) return;
+    if (ftruncate(fd, bytes) != 0) printf("    cannot truncate %s\n", path);
+    close(fd);
+}
+
+static void flip_bit(const char *path, long at) {
+    FILE *f = fopen(path, "r+b");
+    if (!f) return;
+    fseek(f, at, SEEK_SET);
+    int c = fgetc(f);
+    fseek(f, at, SEEK_SET);
+    fputc(c ^ 0x10, f);
+    fclose(f);
+}
+
+static int refused_with(const char *what, int rc, const lg_error *err, const char *a, const char *b) {
+    int ok = rc != 0 && strstr(err->msg, a) && strstr(err->msg, b);
+    if (!ok) printf("    %s: %s\n", what, rc ? err->msg : "accepted");
+    return ok;
+}
+
+/* Truncated, bit-flipped, unmarked and foreign checkpoints are refused, naming file and reason. */
+static void test_corrupt_checkpoints(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-pythia")) return;
+    lg_args a = ckpt_args(LG_PRECISION_BF16_MIXED, LG_OPTIMIZER_ADAMW);
+    lg_trainer tr;
+    lg_loader ld;
+    lg_error err;
+    if (lg_trainer_create(&tr, &cfg, &a, 8, &err) != 0) return;
+    builtin_loader(&ld, &cfg, 8, 7, 200, a.seed);
+    int step, ok = 1;
+    system("rm -rf build/corrupt build/corrupt-hf");
+    lg_checkpoint_save(&tr, &ld, 5, "build/corrupt", &err);
+    system("cp -r build/corrupt/step-5 build/corrupt/copy");
+    truncate_file("build/corrupt/copy/model.safetensors", 1000);
+    ok &= refused_with("truncated", lg_checkpoint_resume(&tr, &ld, "build/corrupt/copy", &step, &err), &err,
+                       "model.safetensors", "truncated");
+    char message[600];
+    snprintf(message, sizeof message, "%s", err.msg);
+    system("rm -rf build/corrupt/copy && cp -r build/corrupt/step-5 build/corrupt/copy");
+    flip_bit("build/corrupt/copy/" LG_TRAINING_STATE, 3000);
+    ok &= refused_with("bit flip", lg_checkpoint_resume(&tr, &ld, "build/corrupt/copy", &step, &err), &err,
+                       LG_TRAINING_STATE, "corrupted");
+    snprintf(message + strlen(message), sizeof message - strlen(message), " | %s", err.msg);
+    system("rm -rf build/corrupt/copy && cp -r build/corrupt/step-5 build/corrupt/copy");
+    flip_bit("build/corrupt/copy/model.safetensors", 20);
+    ok &= refused_with("header bit flip", lg_trainer_load_hf(&tr, "build/corrupt/copy", &err), &err,
+                       "model.safetensors", "corrupted");
+    remove("build/corrupt/copy/" LG_CHECKPOINT_MARKER);
+    ok &= refused_with("no marker", lg_checkpoint_resume(&tr, &ld, "build/corrupt/copy", &step, &err), &err,
+                       "build/corrupt/copy", "no COMPLETE marker");
+    /* a Hugging Face directory has no marker: the reader's own checks */
+    system("mkdir -p build/corrupt-hf && cp build/corrupt/step-5/config.json build/corrupt/step-5/model.safetensors "
+           "build/corrupt-hf/");
+    truncate_file("build/corrupt-hf/model.safetensors", 5000);
+    ok &= refused_with("hf truncated", lg_trainer_load_hf(&tr, "build/corrupt-hf", &err), &err,
+                       "build/corrupt-hf/model.safetensors", "truncated");
+    /* a directory without a tensor the config needs */
+    lg_st_tensor only;
+    memset(&only, 0, sizeof only);
+    snprintf(only.name, sizeof only.name, "transformer.wte.weight");
+    only.ndim = 2;
+    only.shape[0] = 32;
+    only.shape[1] = 16;
+    system("mkdir -p build/missing-hf && cp tests/hf/gpt2/config.json build/missing-hf/");
+    lg_st_write("build/missing-hf/model.safetensors", &only, 1, NULL, 0, fill_pattern, &only, NULL, &err);
+    lg_config gpt2;
+    lg_model small;
+    if (lg_hf_config_read(&gpt2, "build/missing-hf", &err) == 0 && lg_model_create(&small, &gpt2, 1, 4, &err) == 0) {
+        ok &= refused_with("missing tensor", lg_hf_load_weights(&gpt2, small.params, "build/missing-hf", &err),
+                           &err, "build/missing-hf", "no tensor transformer.wpe.weight");
+        lg_model_free(&small);
+    } else {
+        ok = 0;
+    }
+    write_file_bytes("build/corrupt-hf/config.json", "{\"architectures\": [\"BertModel\"], \"vocab_size\": 32}", 50);
+    lg_config other;
+    ok &= refused_with("architecture", lg_hf_config_read(&other, "build/corrupt-hf", &err), &err,
+                       "config.json", "'BertModel' is not one of");
+    /* a state written by another run's settings */
+    lg_trainer sgd;
+    lg_args b = ckpt_args(LG_PRECISION_BF16_MIXED, LG_OPTIMIZER_SGD);
+    if (lg_trainer_create(&sgd, &cfg, &b, 8, &err) == 0) {
+        ok &= refused_with("other optimizer", lg_checkpoint_resume(&sgd, &ld, "build/corrupt/step-5", &step, &err),
+                           &err, "optimizer adamw", "this run has sgd");
+        lg_trainer_free(&sgd);
+    }
+    check(r, ok, "truncated, bit-flipped, unmarked, foreign, incomplete checkpoints refused with file and reason: %.300s", message);
+    lg_loader_close(&ld);
+    lg_trainer_free(&tr);
+}
+
+/* The flags: --save-every and --out, --resume (a step or the latest), --load. */
+static void test_checkpoint_cli(results *r) {
+    static char out[16384];
+    system("rm -rf build/cli-ckpt");
+    int a = run_capture("-b 4 -t 16 --max-steps 4 --eval-every 0 --save-every 2 --out build/cli-ckpt "
+                        "--log build/cli-a.jsonl", out, sizeof out);
+    int saved = a == 0 && strstr(out, "saved build/cli-ckpt/step-2") && strstr(out, "saved build/cli-ckpt/step-4");
+    int b = run_capture("-b 4 -t 16 --max-steps 4 --eval-every 0 --resume build/cli-ckpt/step-2 "
+                        "--log build/cli-b.jsonl", out, sizeof out);
+    int resumed = b == 0 && strstr(out, "resumed build/cli-ckpt/step-2: 2 steps done");
+    /* steps 3 and 4: the same loss and gradient norm in both logs */
+    char line_a[512], line_b[512], keep_a[2][512] = {"", ""}, keep_b[2][512] = {"", ""};
+    FILE *fa = fopen("build/cli-a.jsonl", "r"), *fb = fopen("build/cli-b.jsonl", "r");
+    while (fa && fgets(line_a, sizeof line_a, fa)) {
+        int s;
+        char *ms = strstr(line_a, ",\"ms\"");
+        if (ms && sscanf(line_a, "{\"step\":%d", &s) == 1 && s >= 3 && s <= 4) { *ms = 0; snprintf(keep_a[s - 3], 512, "%s", line_a); }
+    }
+    while (fb && fgets(line_b, sizeof line_b, fb)) {
+        int s;
+        char *ms = strstr(line_b, ",\"ms\"");
+        if (ms && sscanf(line_b, "{\"step\":%d", &s) == 1 && s >= 3 && s <= 4) { *ms = 0; snprintf(keep_b[s - 3], 512, "%s", line_b); }
+    }
+    if (fa) fclose(fa);
+    if (fb) fclose(fb);
+    int same = keep_a[1][0] && strcmp(keep_a[0], keep_b[0]) == 0 && strcmp(keep_a[1], keep_b[1]) == 0;
+    check(r, saved && resumed && same, "./train --save-every 2 --out, then --resume step-2: steps 3-4 log the "
+          "same (%s)", keep_b[1]);
+    int c = run_capture("-b 4 -t 16 --max-steps 4 --resume build/cli-ckpt", out, sizeof out);
+    check(r, c == 0 && strstr(out, "resumed build/cli-ckpt/step-4: 4 steps done"),
+          "./train --resume DIR continues from the latest complete step-N (exit %d)", c);
+    expect_cli(r, "--load tests/hf/llama -b 2 -t 8 --max-steps 1 --eval-iters 1", 0, "sample");
+    expect_cli(r, "--load build/no-such-dir -b 2 -t 8", 2, "build/no-such-dir/config.json: cannot open");
+    expect_cli(r, "--load tests/hf/llama -c test-llama", 2, "--load brings its model's config.json");
+}
+
+static void test_checkpoints(results *r) {
+    test_safetensors_format(r);
+    test_checkpoint_round_trips(r);
+    test_hf_directories(r);
+    test_resume_bitwise(r);
+    test_kill_during_save(r);
+    test_corrupt_checkpoints(r);
+    test_checkpoint_cli(r);
+}
