@@ -7634,7 +7634,7 @@ static int lg_state_check_run(const lg_trainer *tr, const lg_loader *data, const
     lg_st_meta want[24];
     int n = lg_state_meta(tr, data, 0, want);
     static const char *const keys[] = {"config", "n_params", "precision", "optimizer", "optimizer_state",
-                                       "seed", "micro_batch_size", "accumulation", "seq_length", "loader_windows"};
+                                       "seed", "global_batch", "seq_length", "loader_windows"};
     const char *format = lg_st_meta_get(f, "format");
     if (!format || strcmp(format, want[0].value) != 0)
         return lg_fail(err, "training state %s: not a litgpt.c training state (format '%s')", f->path,
