@@ -4,6 +4,7 @@ CFLAGS ?= -O3 -march=native -ffp-contract=fast
 WARNINGS = -std=c11 -Wall -Wextra -Werror
 OPENMP = -fopenmp
 LDLIBS = -lm
+CUDA_LIBS = -lnccl
 NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 GPU_ARCH ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
 HEADERS = litgpt.h litgpt_cuda.cuh
@@ -23,7 +24,7 @@ cuda: build/train_cuda
 build/train_cuda: train.c $(HEADERS)
 	@mkdir -p build
 	$(NVCC) -x cu -O3 $(GPU_ARCH) -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror,$(OPENMP) \
-		train.c -o $@ $(LDLIBS)
+		train.c -o $@ $(LDLIBS) $(CUDA_LIBS)
 
 tests/test: tests/test.c $(wildcard tests/test_*.c) $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tests/test.c -o $@ $(LDLIBS)

@@ -407,8 +407,10 @@ static size_t device_limit(const lg_args *a, const char **source) {
         *source = "--memory-limit";
         return a->memory_limit;
     }
-    *source = "available host memory";
-    return lg_host_available_bytes();
+    /* the CPU backend's simulated ranks share the machine */
+    *source = lg_args_ranks(a) > 1 ? "available host memory / simulated ranks"
+                                   : "available host memory";
+    return lg_host_available_bytes() / (size_t)lg_args_ranks(a);
 }
 
 /* -b auto: the largest micro-batch that fits and divides the per-device batch. */
@@ -461,7 +463,8 @@ static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_con
         exit(0);
     }
     const char *source;
-    size_t limit = device_limit(a, &source), host = lg_host_available_bytes();
+    size_t limit = device_limit(a, &source);
+    size_t host = lg_host_available_bytes() / (size_t)lg_args_ranks(a);
     char need[32], have[32];
     if (limit > 0 && lg_plan_bytes(&plan, LG_POOL_DEVICE) > limit)
         explain_does_not_fit(argc, argv, cfg, a, T, &plan, limit, source);
@@ -537,6 +540,11 @@ static void open_data(const lg_args *a, const lg_config *cfg, int *T, run_data *
             die(2, &err);
         d->has_val = d->builtin = 1;
         fit_samples(a, cfg, T, d);
+        if (a->config && a->max_seq_length > *T) { /* a real model on the toy task */
+            *T = a->max_seq_length;
+            printf("-t %d: planned and allocated as asked, though the built-in task's samples "
+                   "are shorter (--data for your own)\n", *T);
+        }
         return;
     }
     if (!a->config)
