@@ -781,8 +781,9 @@ int lg_builtin_task_samples(lg_loader *ld, uint64_t seed, size_t n_samples, int 
 /* One sample of the built-in task as text: "dcab" and "abcd" (for tools/prepare builtin). */
 void lg_builtin_task_text(lg_rng *rng, char *letters, char *sorted);
 
-/* A JSON reader for tokenizer files and Alpaca data: the whole document becomes a flat array
-   of nodes; strings are decoded on request. Depth is limited to LG_JSON_MAX_DEPTH. */
+/* A JSON reader for tokenizer files, Alpaca data, safetensors headers and Hugging Face
+   config.json: the whole document becomes a flat array of nodes; strings are decoded on
+   request. Depth is limited to LG_JSON_MAX_DEPTH. */
 #define LG_JSON_MAX_DEPTH 64
 typedef enum { LG_JSON_NULL, LG_JSON_FALSE, LG_JSON_TRUE, LG_JSON_NUMBER, LG_JSON_STRING,
                LG_JSON_ARRAY, LG_JSON_OBJECT } lg_json_kind;
@@ -805,8 +806,15 @@ int lg_json_parse(lg_json *doc, const char *text, size_t len, const char *source
 int lg_json_find(const lg_json *doc, int object, const char *key);
 /* A string node decoded to UTF-8 (LG_MALLOC, NUL-terminated, *len bytes); NULL if not a string. */
 char *lg_json_string(const lg_json *doc, int node, size_t *len);
+/* A string node decoded into out (cap bytes, NUL-terminated); -1 (out "") when it is not a
+   string, does not fit or holds a NUL. */
+int lg_json_string_copy(const lg_json *doc, int node, char *out, size_t cap);
 /* A number node as an integer; -1 with no change to *value when not an integer. */
 int lg_json_int(const lg_json *doc, int node, long *value);
+/* A number node as a double; -1 with no change to *value when not a finite number. */
+int lg_json_double(const lg_json *doc, int node, double *value);
+/* An array's elements or an object's members (key and value count as one); 0 for others. */
+int lg_json_count(const lg_json *doc, int node);
 void lg_json_free(lg_json *doc);
 /* Reads a whole file (LG_MALLOC, NUL-terminated); what names it in the message. */
 char *lg_read_file(const char *path, size_t *len, const char *what, lg_error *err);
@@ -4772,6 +4780,37 @@ int lg_json_int(const lg_json *doc, int node, long *value) {
     return 0;
 }
 
+int lg_json_string_copy(const lg_json *doc, int node, char *out, size_t cap) {
+    size_t n;
+    char *s = lg_json_string(doc, node, &n);
+    int fits = s && n < cap && strlen(s) == n;
+    if (fits) memcpy(out, s, n + 1);
+    else if (cap) out[0] = '\0';
+    LG_FREE(s);
+    return fits ? 0 : -1;
+}
+
+int lg_json_double(const lg_json *doc, int node, double *value) {
+    if (node < 0 || doc->nodes[node].kind != LG_JSON_NUMBER) return -1;
+    char buf[64], *end;
+    size_t n = doc->nodes[node].end - doc->nodes[node].start;
+    if (n >= sizeof buf) return -1;
+    memcpy(buf, doc->text + doc->nodes[node].start, n);
+    buf[n] = '\0';
+    double v = strtod(buf, &end);
+    if (*end != '\0' || !isfinite(v)) return -1;
+    *value = v;
+    return 0;
+}
+
+int lg_json_count(const lg_json *doc, int node) {
+    if (node < 0 || (doc->nodes[node].kind != LG_JSON_ARRAY && doc->nodes[node].kind != LG_JSON_OBJECT))
+        return 0;
+    int n = 0;
+    for (int k = doc->nodes[node].first_child; k >= 0; k = doc->nodes[k].next) n++;
+    return doc->nodes[node].kind == LG_JSON_OBJECT ? n / 2 : n;
+}
+
 void lg_json_free(lg_json *doc) {
     LG_FREE(doc->nodes);
     memset(doc, 0, sizeof *doc);
@@ -6111,257 +6150,6 @@ static char *lg_read_text_file(const char *path, size_t max_bytes, size_t *lengt
     return text;
 }
 
-/* --- JSON: a tokenizer in the manner of jsmn; every value is one token, containers followed
-   by their children ---------------------------------------------------------------------- */
-
-typedef enum { LG_STJSON_OBJECT, LG_STJSON_ARRAY, LG_STJSON_STRING, LG_STJSON_NUMBER,
-               LG_STJSON_LITERAL } lg_stjson_kind;
-
-typedef struct {
-    lg_stjson_kind kind;
-    size_t start, end; /* the text; a string's without its quotes */
-    int size;          /* children: members of an object (key and value count as one), elements */
-    int next;          /* the token after this one and all its children */
-} lg_stjson_token;
-
-typedef struct {
-    const char *text;
-    size_t len;
-    lg_stjson_token *tokens; /* (n) */
-    int n, cap;
-    char why[160];         /* what is wrong, when parsing fails */
-} lg_stjson;
-
-#define LG_STJSON_MAX_DEPTH 32
-
-static int lg_stjson_new_token(lg_stjson *j, lg_stjson_kind kind, size_t start) {
-    if (j->n == j->cap) {
-        int cap = j->cap ? 2 * j->cap : 64;
-        lg_stjson_token *t = (lg_stjson_token *)LG_MALLOC(sizeof(lg_stjson_token) * (size_t)cap);
-        if (!t) return -1;
-        if (j->n) memcpy(t, j->tokens, sizeof(lg_stjson_token) * (size_t)j->n);
-        LG_FREE(j->tokens);
-        j->tokens = t;
-        j->cap = cap;
-    }
-    lg_stjson_token *t = &j->tokens[j->n];
-    t->kind = kind;
-    t->start = t->end = start;
-    t->size = 0;
-    t->next = j->n + 1;
-    return j->n++;
-}
-
-static void lg_stjson_skip_space(const lg_stjson *j, size_t *pos) {
-    while (*pos < j->len && (j->text[*pos] == ' ' || j->text[*pos] == '\t' ||
-                             j->text[*pos] == '\n' || j->text[*pos] == '\r'))
-        (*pos)++;
-}
-
-static int lg_stjson_fail(lg_stjson *j, size_t pos, const char *what) {
-    lg_format(j->why, sizeof j->why, "%s at byte %zu", what, pos);
-    return -1;
-}
-
-static int lg_stjson_string_token(lg_stjson *j, size_t *pos) {
-    size_t p = *pos + 1;
-    while (p < j->len && j->text[p] != '"') {
-        unsigned char c = (unsigned char)j->text[p];
-        if (c < 0x20) return lg_stjson_fail(j, p, "control character in a string");
-        if (c == '\\') {
-            if (p + 1 >= j->len) return lg_stjson_fail(j, p, "unfinished escape");
-            char e = j->text[p + 1];
-            if (e == 'u') {
-                for (int k = 2; k < 6; k++)
-                    if (p + (size_t)k >= j->len || !isxdigit((unsigned char)j->text[p + k]))
-                        return lg_stjson_fail(j, p, "bad \\u escape");
-                p += 6;
-                continue;
-            }
-            if (!strchr("\"\\/bfnrt", e)) return lg_stjson_fail(j, p, "bad escape");
-            p += 2;
-            continue;
-        }
-        p++;
-    }
-    if (p >= j->len) return lg_stjson_fail(j, *pos, "unterminated string");
-    int t = lg_stjson_new_token(j, LG_STJSON_STRING, *pos + 1);
-    if (t < 0) return lg_stjson_fail(j, *pos, "out of memory");
-    j->tokens[t].end = p;
-    *pos = p + 1;
-    return 0;
-}
-
-static int lg_stjson_scalar_token(lg_stjson *j, size_t *pos) {
-    size_t p = *pos;
-    const char *s = j->text;
-    lg_stjson_kind kind = LG_STJSON_NUMBER;
-    if (s[p] == '-' || isdigit((unsigned char)s[p])) {
-        while (p < j->len && strchr("+-0123456789.eE", s[p])) p++;
-    } else {
-        static const char *const words[3] = {"true", "false", "null"};
-        size_t n = 0;
-        for (int w = 0; w < 3 && !n; w++)
-            if (j->len - p >= strlen(words[w]) && memcmp(s + p, words[w], strlen(words[w])) == 0)
-                n = strlen(words[w]);
-        if (!n) return lg_stjson_fail(j, p, "unexpected character");
-        p += n;
-        kind = LG_STJSON_LITERAL;
-    }
-    int t = lg_stjson_new_token(j, kind, *pos);
-    if (t < 0) return lg_stjson_fail(j, p, "out of memory");
-    j->tokens[t].end = p;
-    *pos = p;
-    return 0;
-}
-
-static int lg_stjson_value(lg_stjson *j, size_t *pos, int depth);
-
-/* An object or array at *pos (its opening bracket). */
-static int lg_stjson_container(lg_stjson *j, size_t *pos, int depth) {
-    int object = j->text[*pos] == '{';
-    char close = object ? '}' : ']';
-    if (depth >= LG_STJSON_MAX_DEPTH) return lg_stjson_fail(j, *pos, "nested too deeply");
-    int t = lg_stjson_new_token(j, object ? LG_STJSON_OBJECT : LG_STJSON_ARRAY, *pos);
-    if (t < 0) return lg_stjson_fail(j, *pos, "out of memory");
-    (*pos)++;
-    lg_stjson_skip_space(j, pos);
-    if (*pos < j->len && j->text[*pos] == close) {
-        (*pos)++;
-    } else {
-        for (;;) {
-            lg_stjson_skip_space(j, pos);
-            if (object) {
-                if (*pos >= j->len || j->text[*pos] != '"') return lg_stjson_fail(j, *pos, "expected a key");
-                if (lg_stjson_string_token(j, pos) != 0) return -1;
-                lg_stjson_skip_space(j, pos);
-                if (*pos >= j->len || j->text[*pos] != ':') return lg_stjson_fail(j, *pos, "expected ':'");
-                (*pos)++;
-            }
-            if (lg_stjson_value(j, pos, depth + 1) != 0) return -1;
-            j->tokens[t].size++;
-            lg_stjson_skip_space(j, pos);
-            if (*pos < j->len && j->text[*pos] == ',') { (*pos)++; continue; }
-            if (*pos < j->len && j->text[*pos] == close) { (*pos)++; break; }
-            return lg_stjson_fail(j, *pos, object ? "expected ',' or '}'" : "expected ',' or ']'");
-        }
-    }
-    j->tokens[t].end = *pos;
-    j->tokens[t].next = j->n;
-    return 0;
-}
-
-static int lg_stjson_value(lg_stjson *j, size_t *pos, int depth) {
-    lg_stjson_skip_space(j, pos);
-    if (*pos >= j->len) return lg_stjson_fail(j, *pos, "unexpected end");
-    char c = j->text[*pos];
-    if (c == '{' || c == '[') return lg_stjson_container(j, pos, depth);
-    if (c == '"') return lg_stjson_string_token(j, pos);
-    return lg_stjson_scalar_token(j, pos);
-}
-
-/* Parses text (len bytes, need not be NUL-terminated); the root is token 0. */
-static int lg_stjson_parse(lg_stjson *j, const char *text, size_t len) {
-    memset(j, 0, sizeof *j);
-    j->text = text;
-    j->len = len;
-    size_t pos = 0;
-    if (lg_stjson_value(j, &pos, 0) != 0) return -1;
-    lg_stjson_skip_space(j, &pos);
-    if (pos != len) return lg_stjson_fail(j, pos, "text after the JSON value");
-    return 0;
-}
-
-static void lg_stjson_free(lg_stjson *j) {
-    LG_FREE(j->tokens);
-    j->tokens = NULL;
-    j->n = j->cap = 0;
-}
-
-/* A string token decoded into out (cap bytes); -1 when it does not fit or holds a character
-   beyond ASCII. */
-static int lg_stjson_string(const lg_stjson *j, int t, char *out, size_t cap) {
-    const lg_stjson_token *tok = &j->tokens[t];
-    if (tok->kind != LG_STJSON_STRING) return -1;
-    size_t n = 0;
-    for (size_t p = tok->start; p < tok->end; p++) {
-        char c = j->text[p];
-        if (c == '\\') {
-            char e = j->text[++p];
-            if (e == 'u') {
-                char hex[5] = {j->text[p + 1], j->text[p + 2], j->text[p + 3], j->text[p + 4], 0};
-                long v = strtol(hex, NULL, 16);
-                if (v <= 0 || v >= 0x80) return -1;
-                c = (char)v;
-                p += 4;
-            } else {
-                c = e == 'b' ? '\b' : e == 'f' ? '\f' : e == 'n' ? '\n' : e == 'r' ? '\r'
-                  : e == 't' ? '\t' : e;
-            }
-        }
-        if (n + 1 >= cap) return -1;
-        out[n++] = c;
-    }
-    out[n] = '\0';
-    return 0;
-}
-
-/* The value of key in object token obj; -1 when absent. */
-static int lg_stjson_get(const lg_stjson *j, int obj, const char *key) {
-    if (obj < 0 || j->tokens[obj].kind != LG_STJSON_OBJECT) return -1;
-    char name[LG_ST_MAX_NAME];
-    int k = obj + 1;
-    for (int i = 0; i < j->tokens[obj].size; i++) {
-        if (lg_stjson_string(j, k, name, sizeof name) == 0 && strcmp(name, key) == 0) return k + 1;
-        k = j->tokens[k + 1].next;
-    }
-    return -1;
-}
-
-/* A number token as double; -1 when the token is not a number. */
-static int lg_stjson_double(const lg_stjson *j, int t, double *out) {
-    if (t < 0 || j->tokens[t].kind != LG_STJSON_NUMBER) return -1;
-    char buf[64];
-    size_t n = j->tokens[t].end - j->tokens[t].start;
-    if (n == 0 || n >= sizeof buf) return -1;
-    memcpy(buf, j->text + j->tokens[t].start, n);
-    buf[n] = '\0';
-    char *end;
-    *out = strtod(buf, &end);
-    return *end == '\0' && isfinite(*out) ? 0 : -1;
-}
-
-/* A non-negative integer token (digits only) up to limit. */
-static int lg_stjson_u64(const lg_stjson *j, int t, uint64_t limit, uint64_t *out) {
-    if (t < 0 || j->tokens[t].kind != LG_STJSON_NUMBER) return -1;
-    uint64_t v = 0;
-    size_t start = j->tokens[t].start, end = j->tokens[t].end;
-    if (start == end) return -1;
-    for (size_t p = start; p < end; p++) {
-        char c = j->text[p];
-        if (c < '0' || c > '9') return -1;
-        if (v > (limit - (uint64_t)(c - '0')) / 10) return -1;
-        v = v * 10 + (uint64_t)(c - '0');
-    }
-    *out = v;
-    return 0;
-}
-
-/* true / false (-1 otherwise). */
-static int lg_stjson_bool(const lg_stjson *j, int t, int *out) {
-    if (t < 0 || j->tokens[t].kind != LG_STJSON_LITERAL) return -1;
-    const char *s = j->text + j->tokens[t].start;
-    size_t n = j->tokens[t].end - j->tokens[t].start;
-    if (n == 4 && memcmp(s, "true", 4) == 0) { *out = 1; return 0; }
-    if (n == 5 && memcmp(s, "false", 5) == 0) { *out = 0; return 0; }
-    return -1;
-}
-
-static int lg_stjson_is_null(const lg_stjson *j, int t) {
-    return t >= 0 && j->tokens[t].kind == LG_STJSON_LITERAL &&
-           j->tokens[t].end - j->tokens[t].start == 4 && memcmp(j->text + j->tokens[t].start, "null", 4) == 0;
-}
-
 /* --- safetensors ---------------------------------------------------------------------------- */
 
 static const char *const lg_st_dtype_names[] = {"F32", "BF16", "F16", "U8", "I64"};
@@ -6397,51 +6185,63 @@ static int lg_st_reject(lg_st_file *f, lg_error *err, const char *fmt, ...) {
     return -1;
 }
 
+/* A non-negative integer node (digits only) up to limit. */
+static int lg_st_json_size(const lg_json *j, int node, uint64_t limit, uint64_t *out) {
+    long v;
+    if (node < 0 || lg_json_int(j, node, &v) != 0 || j->text[j->nodes[node].start] == '-' ||
+        (uint64_t)v > limit)
+        return -1;
+    *out = (uint64_t)v;
+    return 0;
+}
+
 /* The __metadata__ object: string keys to string values. */
-static int lg_st_parse_meta(lg_st_file *f, const lg_stjson *j, int obj, lg_error *err) {
-    if (j->tokens[obj].kind != LG_STJSON_OBJECT) return lg_st_reject(f, err, "__metadata__ is not an object");
-    f->meta = (lg_st_meta *)lg_alloc_zeroed(sizeof(lg_st_meta) * (size_t)(j->tokens[obj].size + 1));
+static int lg_st_parse_meta(lg_st_file *f, const lg_json *j, int obj, lg_error *err) {
+    if (j->nodes[obj].kind != LG_JSON_OBJECT) return lg_st_reject(f, err, "__metadata__ is not an object");
+    f->meta = (lg_st_meta *)lg_alloc_zeroed(sizeof(lg_st_meta) * (size_t)(lg_json_count(j, obj) + 1));
     if (!f->meta) return lg_st_reject(f, err, "out of host memory");
-    int k = obj + 1;
-    for (int i = 0; i < j->tokens[obj].size; i++, k = j->tokens[k + 1].next) {
+    for (int k = j->nodes[obj].first_child; k >= 0; k = j->nodes[j->nodes[k].next].next) {
         lg_st_meta *m = &f->meta[f->n_meta];
-        if (lg_stjson_string(j, k, m->key, sizeof m->key) != 0 ||
-            lg_stjson_string(j, k + 1, m->value, sizeof m->value) != 0)
+        if (lg_json_string_copy(j, k, m->key, sizeof m->key) != 0 ||
+            lg_json_string_copy(j, j->nodes[k].next, m->value, sizeof m->value) != 0)
             continue; /* long or non-string entries (e.g. other tools' notes) are not ours */
         f->n_meta++;
     }
     return 0;
 }
 
-/* One tensor entry {"dtype": ..., "shape": [...], "data_offsets": [b, e]}. */
-static int lg_st_parse_tensor(lg_st_file *f, const lg_stjson *j, int key, lg_st_tensor *t,
+/* One tensor entry {"dtype": ..., "shape": [...], "data_offsets": [b, e]}; key is its name. */
+static int lg_st_parse_tensor(lg_st_file *f, const lg_json *j, int key, lg_st_tensor *t,
                               uint64_t data_bytes, lg_error *err) {
-    if (lg_stjson_string(j, key, t->name, sizeof t->name) != 0)
-        return lg_st_reject(f, err, "a tensor name longer than %d characters", LG_ST_MAX_NAME - 1);
-    int obj = key + 1, dtype = lg_stjson_get(j, obj, "dtype"), shape = lg_stjson_get(j, obj, "shape");
-    int offsets = lg_stjson_get(j, obj, "data_offsets");
+    if (lg_json_string_copy(j, key, t->name, sizeof t->name) != 0)
+        return lg_st_reject(f, err, "a tensor name longer than %d characters or holding a NUL",
+                            LG_ST_MAX_NAME - 1);
+    int obj = j->nodes[key].next, dtype = lg_json_find(j, obj, "dtype"), shape = lg_json_find(j, obj, "shape");
+    int offsets = lg_json_find(j, obj, "data_offsets");
     char name[16] = "";
     if (dtype < 0 || shape < 0 || offsets < 0)
         return lg_st_reject(f, err, "tensor %s: needs dtype, shape and data_offsets", t->name);
-    lg_stjson_string(j, dtype, name, sizeof name);
+    lg_json_string_copy(j, dtype, name, sizeof name);
     int known = 0;
     for (int d = 0; d < 5; d++)
         if (strcmp(name, lg_st_dtype_names[d]) == 0) { t->dtype = (lg_st_dtype)d; known = 1; }
     if (!known) return lg_st_reject(f, err, "tensor %s: dtype '%s' is not F32, BF16, F16, U8 or I64", t->name, name);
-    if (j->tokens[shape].kind != LG_STJSON_ARRAY || j->tokens[shape].size > LG_ST_MAX_DIMS)
+    if (j->nodes[shape].kind != LG_JSON_ARRAY || lg_json_count(j, shape) > LG_ST_MAX_DIMS)
         return lg_st_reject(f, err, "tensor %s: shape is not a list of at most %d sizes", t->name, LG_ST_MAX_DIMS);
-    t->ndim = j->tokens[shape].size;
+    t->ndim = lg_json_count(j, shape);
     uint64_t count = 1, dim;
-    for (int d = 0; d < t->ndim; d++) {
-        if (lg_stjson_u64(j, shape + 1 + d, (uint64_t)1 << 40, &dim) != 0)
+    int e = j->nodes[shape].first_child;
+    for (int d = 0; d < t->ndim; d++, e = j->nodes[e].next) {
+        if (lg_st_json_size(j, e, (uint64_t)1 << 40, &dim) != 0)
             return lg_st_reject(f, err, "tensor %s: dimension %d is not a size", t->name, d);
         t->shape[d] = (int64_t)dim;
         if (dim && count > ((uint64_t)1 << 50) / dim) return lg_st_reject(f, err, "tensor %s: too large", t->name);
         count *= dim;
     }
-    if (j->tokens[offsets].kind != LG_STJSON_ARRAY || j->tokens[offsets].size != 2 ||
-        lg_stjson_u64(j, offsets + 1, data_bytes, &t->begin) != 0 ||
-        lg_stjson_u64(j, offsets + 2, data_bytes, &t->end) != 0)
+    int begin = j->nodes[offsets].first_child, end = begin >= 0 ? j->nodes[begin].next : -1;
+    if (j->nodes[offsets].kind != LG_JSON_ARRAY || lg_json_count(j, offsets) != 2 ||
+        lg_st_json_size(j, begin, data_bytes, &t->begin) != 0 ||
+        lg_st_json_size(j, end, data_bytes, &t->end) != 0)
         return lg_st_reject(f, err, "tensor %s: data_offsets are not two offsets within the %llu "
                             "bytes of data (truncated file?)", t->name, (unsigned long long)data_bytes);
     if (t->end < t->begin || t->end - t->begin != count * lg_st_dtype_size(t->dtype))
@@ -6492,29 +6292,29 @@ static int lg_st_check_tiling(lg_st_file *f, uint64_t data_bytes, lg_error *err)
 
 /* The header: a JSON object of tensor entries and an optional __metadata__. */
 static int lg_st_parse_header(lg_st_file *f, const char *header, size_t len, lg_error *err) {
-    lg_stjson j;
-    if (lg_stjson_parse(&j, header, len) != 0) {
-        lg_stjson_free(&j);
-        return lg_st_reject(f, err, "the header is not valid JSON (%s)", j.why);
-    }
-    if (j.tokens[0].kind != LG_STJSON_OBJECT) {
-        lg_stjson_free(&j);
+    lg_json j;
+    lg_error why;
+    if (lg_json_parse(&j, header, len, "header", &why) != 0)
+        return lg_st_reject(f, err, "the header is not valid JSON (%s)", why.msg);
+    if (j.nodes[0].kind != LG_JSON_OBJECT) {
+        lg_json_free(&j);
         return lg_st_reject(f, err, "the header is not a JSON object");
     }
     uint64_t data_bytes = f->file_bytes - f->data_start;
-    f->tensors = (lg_st_tensor *)lg_alloc_zeroed(sizeof(lg_st_tensor) * (size_t)(j.tokens[0].size + 1));
-    if (!f->tensors) { lg_stjson_free(&j); return lg_st_reject(f, err, "out of host memory"); }
-    int k = 1, rc = 0;
-    for (int i = 0; i < j.tokens[0].size && rc == 0; i++, k = j.tokens[k + 1].next) {
+    f->tensors = (lg_st_tensor *)lg_alloc_zeroed(sizeof(lg_st_tensor) * (size_t)(lg_json_count(&j, 0) + 1));
+    if (!f->tensors) { lg_json_free(&j); return lg_st_reject(f, err, "out of host memory"); }
+    int rc = 0, i = 0;
+    for (int k = j.nodes[0].first_child; k >= 0 && rc == 0; k = j.nodes[j.nodes[k].next].next, i++) {
+        int value = j.nodes[k].next;
         char name[LG_ST_MAX_NAME];
-        if (lg_stjson_string(&j, k, name, sizeof name) == 0 && strcmp(name, "__metadata__") == 0)
-            rc = lg_st_parse_meta(f, &j, k + 1, err);
-        else if (j.tokens[k + 1].kind != LG_STJSON_OBJECT)
+        if (lg_json_string_copy(&j, k, name, sizeof name) == 0 && strcmp(name, "__metadata__") == 0)
+            rc = lg_st_parse_meta(f, &j, value, err);
+        else if (j.nodes[value].kind != LG_JSON_OBJECT)
             rc = lg_st_reject(f, err, "entry %d of the header is not an object", i);
         else if ((rc = lg_st_parse_tensor(f, &j, k, &f->tensors[f->n_tensors], data_bytes, err)) == 0)
             f->n_tensors++;
     }
-    lg_stjson_free(&j);
+    lg_json_free(&j);
     if (rc != 0) return -1;
     return lg_st_check_tiling(f, data_bytes, err);
 }
@@ -6885,17 +6685,23 @@ size_t lg_config_to_yaml(const lg_config *c, char *buf, size_t cap) {
 
 /* Reads one config.json field: required ints and floats, optional ones with a default. */
 typedef struct {
-    const lg_stjson *j;
+    const lg_json *j;
     const char *path;
     lg_error *err;
     int failed;
 } lg_hf_fields;
 
+/* The value of key in the root object; -1 when absent or null. */
+static int lg_hf_find(const lg_hf_fields *f, const char *key) {
+    int t = lg_json_find(f->j, 0, key);
+    return t >= 0 && f->j->nodes[t].kind == LG_JSON_NULL ? -1 : t;
+}
+
 static int lg_hf_int(lg_hf_fields *f, const char *key, int fallback, int required) {
-    int t = lg_stjson_get(f->j, 0, key);
+    int t = lg_json_find(f->j, 0, key);
     double v;
-    if ((t < 0 || lg_stjson_is_null(f->j, t)) && !required) return fallback;
-    if (lg_stjson_double(f->j, t, &v) != 0 || v < 0 || v > 2e9 || v != (int)v) {
+    if ((t < 0 || f->j->nodes[t].kind == LG_JSON_NULL) && !required) return fallback;
+    if (lg_json_double(f->j, t, &v) != 0 || v < 0 || v > 2e9 || v != (int)v) {
         if (!f->failed) lg_fail(f->err, "%s: %s is %s, expected a non-negative integer", f->path, key,
                                 t < 0 ? "missing" : "not an integer");
         f->failed = 1;
@@ -6905,10 +6711,10 @@ static int lg_hf_int(lg_hf_fields *f, const char *key, int fallback, int require
 }
 
 static float lg_hf_float(lg_hf_fields *f, const char *key, float fallback) {
-    int t = lg_stjson_get(f->j, 0, key);
+    int t = lg_hf_find(f, key);
     double v = fallback;
-    if (t < 0 || lg_stjson_is_null(f->j, t)) return fallback;
-    if (lg_stjson_double(f->j, t, &v) != 0) {
+    if (t < 0) return fallback;
+    if (lg_json_double(f->j, t, &v) != 0) {
         if (!f->failed) lg_fail(f->err, "%s: %s is not a number", f->path, key);
         f->failed = 1;
     }
@@ -6916,19 +6722,20 @@ static float lg_hf_float(lg_hf_fields *f, const char *key, float fallback) {
 }
 
 static int lg_hf_bool(lg_hf_fields *f, const char *key, int fallback) {
-    int t = lg_stjson_get(f->j, 0, key), v = fallback;
-    if (t >= 0 && !lg_stjson_is_null(f->j, t) && lg_stjson_bool(f->j, t, &v) != 0) {
-        if (!f->failed) lg_fail(f->err, "%s: %s is not true or false", f->path, key);
-        f->failed = 1;
-    }
-    return v;
+    int t = lg_hf_find(f, key);
+    if (t < 0) return fallback;
+    if (f->j->nodes[t].kind == LG_JSON_TRUE || f->j->nodes[t].kind == LG_JSON_FALSE)
+        return f->j->nodes[t].kind == LG_JSON_TRUE;
+    if (!f->failed) lg_fail(f->err, "%s: %s is not true or false", f->path, key);
+    f->failed = 1;
+    return fallback;
 }
 
+/* A string, or the first of a list of strings ("architectures"); "" otherwise. */
 static void lg_hf_string(lg_hf_fields *f, const char *key, char *out, size_t cap) {
-    int t = lg_stjson_get(f->j, 0, key);
-    out[0] = '\0';
-    if (t >= 0 && f->j->tokens[t].kind == LG_STJSON_ARRAY && f->j->tokens[t].size > 0) t++;
-    if (t >= 0 && lg_stjson_string(f->j, t, out, cap) != 0) out[0] = '\0';
+    int t = lg_json_find(f->j, 0, key);
+    if (t >= 0 && f->j->nodes[t].kind == LG_JSON_ARRAY) t = f->j->nodes[t].first_child;
+    lg_json_string_copy(f->j, t, out, cap);
 }
 
 /* gelu (exact), or one of the names of the tanh approximation. */
@@ -7003,8 +6810,7 @@ static void lg_hf_config_llama(lg_hf_fields *f, lg_config *c, int qwen2) {
         lg_fail(f->err, "%s: hidden_act '%s' is not silu", f->path, act);
         f->failed = 1;
     }
-    int rope_scaling = lg_stjson_get(f->j, 0, "rope_scaling");
-    if (rope_scaling >= 0 && !lg_stjson_is_null(f->j, rope_scaling) && !f->failed) {
+    if (lg_hf_find(f, "rope_scaling") >= 0 && !f->failed) {
         lg_fail(f->err, "%s: rope_scaling is not supported (the model would compute other "
                         "rotary frequencies than it was trained with)", f->path);
         f->failed = 1;
@@ -7037,10 +6843,10 @@ int lg_hf_config_read(lg_config *cfg, const char *dir, lg_error *err) {
     size_t len;
     char *text = lg_read_text_file(path, 1 << 20, &len, err);
     if (!text) return -1;
-    lg_stjson j;
-    if (lg_stjson_parse(&j, text, len) != 0 || j.tokens[0].kind != LG_STJSON_OBJECT) {
-        lg_fail(err, "%s: not a JSON object (%s)", path, j.why[0] ? j.why : "another value");
-        lg_stjson_free(&j);
+    lg_json j;
+    if (lg_json_parse(&j, text, len, path, err) != 0 || j.nodes[0].kind != LG_JSON_OBJECT) {
+        if (j.nodes) lg_fail(err, "%s: not a JSON object", path);
+        lg_json_free(&j);
         LG_FREE(text);
         return -1;
     }
@@ -7059,7 +6865,7 @@ int lg_hf_config_read(lg_config *cfg, const char *dir, lg_error *err) {
     }
     cfg->vocab_size = cfg->padded_vocab_size = lg_hf_int(&f, "vocab_size", 0, 1);
     lg_hf_string(&f, "model_type", cfg->name, sizeof cfg->name);
-    lg_stjson_free(&j);
+    lg_json_free(&j);
     LG_FREE(text);
     if (f.failed) return -1;
     lg_hf_config_own_yaml(cfg, dir);
@@ -7114,22 +6920,23 @@ static int lg_hf_files_open(lg_hf_files *s, const char *dir, lg_error *err) {
     size_t len;
     char *text = lg_read_text_file(path, 64 << 20, &len, err);
     if (!text) return -1;
-    lg_stjson j;
-    int rc = lg_stjson_parse(&j, text, len), map = rc == 0 ? lg_stjson_get(&j, 0, "weight_map") : -1;
-    if (map < 0 || j.tokens[map].kind != LG_STJSON_OBJECT) {
-        rc = lg_fail(err, "%s: no weight_map object (%s)", path, j.why[0] ? j.why : "not an index");
-    } else if (!(s->files = (lg_st_file *)lg_alloc_zeroed(sizeof(lg_st_file) * (size_t)(j.tokens[map].size + 1)))) {
+    lg_json j;
+    int rc = lg_json_parse(&j, text, len, path, err), map = rc == 0 ? lg_json_find(&j, 0, "weight_map") : -1;
+    if (rc == 0 && (map < 0 || j.nodes[map].kind != LG_JSON_OBJECT)) {
+        rc = lg_fail(err, "%s: no weight_map object (not an index)", path);
+    } else if (rc == 0 && !(s->files = (lg_st_file *)lg_alloc_zeroed(
+                                sizeof(lg_st_file) * (size_t)(lg_json_count(&j, map) + 1)))) {
         rc = lg_fail(err, "out of host memory");
-    } else {
-        int k = map + 1;
-        for (int i = 0; i < j.tokens[map].size && rc == 0; i++, k = j.tokens[k + 1].next) {
+    } else if (rc == 0) {
+        int i = 0;
+        for (int k = j.nodes[map].first_child; k >= 0 && rc == 0; k = j.nodes[j.nodes[k].next].next, i++) {
             char name[256];
-            if (lg_stjson_string(&j, k + 1, name, sizeof name) != 0)
+            if (lg_json_string_copy(&j, j.nodes[k].next, name, sizeof name) != 0)
                 rc = lg_fail(err, "%s: weight_map entry %d is not a file name", path, i);
             else rc = lg_hf_open_shard(s, dir, name, err);
         }
     }
-    lg_stjson_free(&j);
+    lg_json_free(&j);
     LG_FREE(text);
     if (rc != 0) lg_hf_files_close(s);
     return rc;
