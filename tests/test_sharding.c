@@ -190,6 +190,38 @@ static void test_sharding_memory(results *r) {
           lg_format_bytes(no_shard, no_shard_size, sizeof no_shard_size));
 }
 
+/* 16-mixed on 2 full-shard ranks: an overflow is seen through the global norm, so every rank
+   skips the step (no weight changes anywhere) and the one scale halves. */
+static void test_sharding_loss_scaler(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    lg_args a;
+    lg_args_default(&a);
+    a.precision = LG_PRECISION_16_MIXED;
+    a.micro_batch_size = 2;
+    a.global_batch_size = 4;
+    ranks_of(LG_STRATEGY_FULL_SHARD, 2, &a);
+    lg_error err;
+    lg_trainer tr;
+    if (lg_trainer_create(&tr, &cfg, &a, 8, &err) != 0) { check(r, 0, "%s", err.msg); return; }
+    lg_loader ld;
+    builtin_loader(&ld, &cfg, 8, 3, 400, 1);
+    lg_step_stats st;
+    int ok = lg_trainer_step(&tr, &ld, 0, &st, &err) == 0 && !st.skipped;
+    tr.loss_scale = 1073741824.0f; /* 2^30: fp16 activation gradients overflow */
+    lg_real *before = trained_weights(&tr);
+    ok = ok && lg_trainer_step(&tr, &ld, 1, &st, &err) == 0 && st.skipped &&
+         tr.loss_scale == 536870912.0f;
+    lg_real *after = trained_weights(&tr);
+    int unchanged = memcmp(before, after, tr.ranks[0].model.n_params * sizeof(lg_real)) == 0;
+    check(r, ok && unchanged, "16-mixed on 2 full-shard ranks: an overflow skips the step on "
+          "every rank (weights unchanged) and halves the scale");
+    LG_FREE(before);
+    LG_FREE(after);
+    lg_loader_close(&ld);
+    lg_trainer_free(&tr);
+}
+
 static void test_sharding_cli(results *r) {
     static char out[65536];
     int code = run_capture("-d 2 --nodes 2 --strategy hybrid-shard -b 2 -g 8 --max-steps 2 "
@@ -209,5 +241,6 @@ static void test_sharding(results *r) {
     test_sharding_equals_one_rank(r);
     test_sharding_allocations(r);
     test_sharding_memory(r);
+    test_sharding_loss_scaler(r);
     test_sharding_cli(r);
 }
