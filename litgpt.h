@@ -668,6 +668,8 @@ int lg_rank_create(lg_rank *rank, const lg_plan *plan, int index, lg_error *err)
 void lg_rank_free(lg_rank *rank);
 /* The memory of a region of this rank's plan; NULL when the plan has no such region. */
 void *lg_rank_region(const lg_rank *rank, const char *name);
+/* The same as a typed view (data NULL when the plan has no such region). */
+lg_buf lg_rank_view(const lg_rank *rank, const char *name, lg_dtype dtype);
 
 /* Collectives over the members of a group, one buffer per member in member order: the shape of
    NCCL's grouped calls made from one thread (litgpt_cuda.cuh). The CPU backend runs them in
@@ -3324,7 +3326,8 @@ static void *lg_model_region(lg_model *m, const char *name, lg_error *err) {
 
 /* A region as a typed view; data NULL (and an error) when the plan lacks it. */
 static lg_buf lg_model_view(lg_model *m, const char *name, lg_dtype dtype, lg_error *err) {
-    lg_buf b = {lg_model_region(m, name, err), dtype};
+    lg_buf b = lg_rank_view(m->rank, name, dtype);
+    if (!b.data) lg_fail(err, "the plan has no region %s", name);
     return b;
 }
 
@@ -3546,6 +3549,13 @@ static void lg_model_embed(lg_model *m, const int *tokens, int B, int T) {
     lg_embedding_forward(m->a.residual[0], tokens, m->p.wte, m->p.wpe, B, T, m->cfg.n_embd);
 }
 
+/* Targets (n) that count towards the loss: all but LG_IGNORE_INDEX. */
+static long lg_count_targets(const int *targets, size_t n) {
+    long count = 0;
+    for (size_t k = 0; k < n; k++) count += targets[k] != LG_IGNORE_INDEX;
+    return count;
+}
+
 /* Final norm, logits and, with targets, the summed loss. */
 static double lg_model_head_forward(lg_model *m, const int *targets, int B, int T,
                                     int *n_targets) {
@@ -3557,8 +3567,7 @@ static double lg_model_head_forward(lg_model *m, const int *targets, int B, int 
                       C, c->padded_vocab_size);
     if (n_targets) *n_targets = 0;
     if (!targets) return 0;
-    if (n_targets)
-        for (int n = 0; n < N; n++) *n_targets += targets[n] != LG_IGNORE_INDEX;
+    if (n_targets) *n_targets = (int)lg_count_targets(targets, (size_t)N);
     return lg_crossentropy_forward(m->a.losses, m->a.logits, targets, N, c->vocab_size,
                                    c->padded_vocab_size);
 }
@@ -4015,6 +4024,11 @@ int lg_rank_create(lg_rank *rank, const lg_plan *plan, int index, lg_error *err)
 static unsigned char *lg_arena_start(const lg_rank *rank, lg_pool pool) {
     uintptr_t p = (uintptr_t)rank->arena[pool];
     return rank->arena[pool] + (LG_ALIGN - p % LG_ALIGN) % LG_ALIGN;
+}
+
+lg_buf lg_rank_view(const lg_rank *rank, const char *name, lg_dtype dtype) {
+    lg_buf b = {lg_rank_region(rank, name), dtype};
+    return b;
 }
 
 void *lg_rank_region(const lg_rank *rank, const char *name) {
@@ -7627,24 +7641,18 @@ int lg_evaluate(lg_model *m, lg_loader *ld, int B, int T, int n_batches, double 
     return rc;
 }
 
-/* A region of rank r's plan as a typed view (data NULL when the plan has none). */
-static lg_buf lg_trainer_view(lg_trainer_rank *tr_r, const char *name, lg_dtype dtype) {
-    lg_buf b = {lg_rank_region(&tr_r->rank, name), dtype};
-    return b;
-}
-
 static void lg_trainer_bind_rank(lg_trainer *tr, lg_trainer_rank *tr_r) {
     lg_precision_types types = lg_types_of(tr->args.precision);
     tr_r->inputs = (int *)lg_rank_region(&tr_r->rank, "tokens.inputs");
     tr_r->targets = (int *)lg_rank_region(&tr_r->rank, "tokens.targets");
     tr_r->sampled = (int *)lg_rank_region(&tr_r->rank, "tokens.sampled");
-    tr_r->host_grads = lg_trainer_view(tr_r, "gradients.host", types.grads);
-    tr_r->host_weights = lg_trainer_view(tr_r, "weights.host", types.weights);
-    tr_r->gather_ends = lg_trainer_view(tr_r, "gather.ends", types.weights);
-    tr_r->gather_blocks = lg_trainer_view(tr_r, "gather.blocks", types.weights);
-    tr_r->grad_ends = lg_trainer_view(tr_r, "gradients.ends", types.grads);
-    tr_r->grad_blocks = lg_trainer_view(tr_r, "gradients.blocks", types.grads);
-    tr_r->reduce_out = lg_trainer_view(tr_r, "reduce_scatter.out", types.grads);
+    tr_r->host_grads = lg_rank_view(&tr_r->rank, "gradients.host", types.grads);
+    tr_r->host_weights = lg_rank_view(&tr_r->rank, "weights.host", types.weights);
+    tr_r->gather_ends = lg_rank_view(&tr_r->rank, "gather.ends", types.weights);
+    tr_r->gather_blocks = lg_rank_view(&tr_r->rank, "gather.blocks", types.weights);
+    tr_r->grad_ends = lg_rank_view(&tr_r->rank, "gradients.ends", types.grads);
+    tr_r->grad_blocks = lg_rank_view(&tr_r->rank, "gradients.blocks", types.grads);
+    tr_r->reduce_out = lg_rank_view(&tr_r->rank, "reduce_scatter.out", types.grads);
 }
 
 /* Elements of unit u padded to S pieces: the size of its gathered and gradient buffers. */
@@ -7958,7 +7966,7 @@ static void lg_trainer_update_rank(lg_trainer_rank *tr_r, float lr, float multip
 static void lg_trainer_hessian_pass(lg_trainer *tr, int step) {
     const lg_config *c = &tr->plan.cfg;
     int Vp = c->padded_vocab_size;
-    size_t tokens = lg_trainer_step_tokens(tr);
+    size_t tokens = lg_trainer_step_tokens(tr), stride = lg_micro_batch_start(tr, 1);
     const int *labels[LG_MAX_RANKS];
     lg_micro_batch mb[LG_MAX_RANKS];
     for (int r = 0; r < tr->n_ranks; r++) {
@@ -7969,7 +7977,7 @@ static void lg_trainer_hessian_pass(lg_trainer *tr, int step) {
         lg_trainer_micro_batches(tr, i, NULL, mb);
         lg_trainer_forward(tr, mb);
         for (int r = 0; r < tr->n_ranks; r++) {
-            size_t stride = lg_micro_batch_start(tr, 1), micro_tokens = (size_t)mb[r].B * mb[r].T;
+            size_t micro_tokens = (size_t)mb[r].B * mb[r].T;
             int *drawn = tr->ranks[r].sampled + i * stride;
             size_t first = ((size_t)i * tr->n_ranks + r) * stride;
             for (size_t n = 0; n < micro_tokens; n++)
@@ -8001,8 +8009,7 @@ static long lg_trainer_read_step(lg_trainer *tr, lg_loader *train, lg_error *err
             int *tg = tr_r->targets + at;
             if (lg_loader_next_batch(train, B, tr_r->inputs + at, tg, &tr_r->micro_T[i], err) != 0)
                 return -1;
-            for (size_t k = 0; k < (size_t)B * tr_r->micro_T[i]; k++)
-                n_targets += tg[k] != LG_IGNORE_INDEX;
+            n_targets += lg_count_targets(tg, (size_t)B * tr_r->micro_T[i]);
         }
     return n_targets;
 }
@@ -8082,8 +8089,7 @@ int lg_trainer_evaluate(lg_trainer *tr, lg_loader *ld, int n_batches, double *me
             if (mb[r].B &&
                 lg_loader_next_batch(ld, B, tr_r->inputs, tr_r->targets, &mb[r].T, err) != 0)
                 return -1;
-            for (size_t k = 0; k < (size_t)mb[r].B * mb[r].T; k++)
-                count += tr_r->targets[k] != LG_IGNORE_INDEX;
+            count += lg_count_targets(tr_r->targets, (size_t)mb[r].B * mb[r].T);
         }
         sum += lg_trainer_forward(tr, mb);
     }

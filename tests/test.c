@@ -378,6 +378,16 @@ int main(void) {
    Single precision: reference, training, data, command line, configs
    ============================================================================================= */
 
+/* lg_trainer_create, with the allocations it makes recorded in test_allocations. */
+static int create_counting(lg_trainer *tr, const lg_config *cfg, const lg_args *a, int T,
+                           lg_error *err) {
+    test_allocations.n = 0;
+    test_allocations.counting = 1;
+    int rc = lg_trainer_create(tr, cfg, a, T, err);
+    test_allocations.counting = 0;
+    return rc;
+}
+
 /* ---- the PyTorch reference ------------------------------------------------------------------ */
 
 typedef struct {
@@ -884,10 +894,7 @@ static void test_optimizer_state_bytes(results *r) {
         a.optimizer_state = cases[k].format;
         lg_error err;
         lg_trainer tr;
-        test_allocations.n = 0;
-        test_allocations.counting = 1;
-        int rc = lg_trainer_create(&tr, &cfg, &a, 8, &err);
-        test_allocations.counting = 0;
+        int rc = create_counting(&tr, &cfg, &a, 8, &err);
         if (rc != 0) { check(r, 0, "%s", err.msg); continue; }
         size_t planned = lg_plan_group_bytes(&tr.plan.ranks[0], LG_GROUP_OPTIMIZER, LG_POOL_DEVICE);
         int arena_ok = 0;
@@ -1349,10 +1356,7 @@ static void test_recompute_offload_memory(results *r) {
         a.offload = v == 2;
         lg_error err;
         lg_trainer tr;
-        test_allocations.n = 0;
-        test_allocations.counting = 1;
-        int rc = lg_trainer_create(&tr, &cfg, &a, 16, &err);
-        test_allocations.counting = 0;
+        int rc = create_counting(&tr, &cfg, &a, 16, &err);
         if (rc != 0) { check(r, 0, "%s", err.msg); return; }
         const lg_rank_plan *p = &tr.plan.ranks[0];
         device[v] = p->pool_bytes[LG_POOL_DEVICE];
@@ -1412,10 +1416,7 @@ static void check_allocations_match_plan(results *r, const char *config_name, in
     a.precision = precision;
     lg_error err;
     lg_trainer tr;
-    test_allocations.n = 0;
-    test_allocations.counting = 1;
-    int rc = lg_trainer_create(&tr, &cfg, &a, T, &err);
-    test_allocations.counting = 0;
+    int rc = create_counting(&tr, &cfg, &a, T, &err);
     if (rc != 0) { check(r, 0, "%s: %s", config_name, err.msg); return; }
     const lg_rank_plan *plan = &tr.plan.ranks[0];
     int arenas_found = 0, ok = 1;

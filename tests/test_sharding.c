@@ -91,12 +91,9 @@ static void test_sharding_allocations(results *r) {
         a.global_batch_size = 24;
         ranks_of((lg_strategy)s, s == LG_STRATEGY_HYBRID_SHARD ? 4 : 3, &a);
         a.offload = s == LG_STRATEGY_SHARD_GRAD_OP; /* and the host pool */
-        test_allocations.n = 0;
-        test_allocations.counting = 1;
         lg_trainer tr;
         lg_error err;
-        int ok = lg_trainer_create(&tr, &cfg, &a, 8, &err) == 0;
-        test_allocations.counting = 0;
+        int ok = create_counting(&tr, &cfg, &a, 8, &err) == 0;
         if (!ok) {
             check(r, 0, "%s: %s", lg_strategy_name(a.strategy), err.msg);
             continue;
