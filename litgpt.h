@@ -228,10 +228,15 @@ int lg_optimizer_states(lg_optimizer_kind kind, int momentum);
 /* The plan's name of state i ("optimizer.m", "optimizer.v", "optimizer.h", "optimizer.momentum"). */
 const char *lg_optimizer_state_name(lg_optimizer_kind kind, int i);
 
+/* Where a rank's memory lives and its ops run. A CUDA build picks LG_BACKEND_CUDA when a GPU
+   is visible (lg_backend_in_use); a CPU build always runs on the CPU. */
+typedef enum { LG_BACKEND_CPU, LG_BACKEND_CUDA } lg_backend;
+
 /* Everything the user can ask for on the command line; train.c parses argv into this. */
 typedef struct {
     const char *config;        /* -c: configs/NAME.yaml or a path; NULL: the built-in model */
     const char *data;          /* --data: training token shard; NULL: the built-in task */
+    lg_backend backend;        /* where the ranks run: the CPU, or the GPUs of a CUDA build */
     const char *val_data;      /* --val-data: validation token shard */
     int micro_batch_size;      /* -b: samples per forward/backward */
     int global_batch_size;     /* -g: samples per optimizer step over all devices; 0: = -b */
@@ -432,6 +437,7 @@ typedef struct {
     int momentum;           /* SGD keeps a momentum buffer */
     lg_state_format optimizer_state;
     int threads;            /* CPU threads: one matmul workspace each */
+    lg_backend backend;     /* the CPU's scratch regions, or a GPU's workspace */
 } lg_plan_spec;
 
 /* What a strategy splits, over how many ranks. Rank r is member r % shard_ranks of shard group
@@ -540,6 +546,16 @@ typedef struct {
 } lg_attention_scratch;
 
 typedef struct lg_rank lg_rank;
+typedef struct lg_cuda_rank lg_cuda_rank; /* litgpt_cuda.cuh: a GPU's streams and handles */
+
+/* How and where a rank's ops run: the first argument of every op of section 6. NULL runs the
+   CPU loops without scratch (matmuls unblocked; attention needs the scratch). */
+typedef struct {
+    lg_backend backend;
+    lg_gemm_workspace gemm;          /* CPU: the matmul's packing buffers */
+    lg_attention_scratch attention;  /* CPU: attention's rows */
+    lg_cuda_rank *cuda;              /* CUDA: the GPU's stream, cuBLASLt handle, workspace */
+} lg_exec;
 
 typedef struct {
     lg_config cfg;
@@ -561,8 +577,7 @@ typedef struct {
     lg_tensor_table param_table;
     lg_param_tensors p, g;      /* views of params and grads */
     lg_act_tensors a;           /* views of the activation regions */
-    lg_gemm_workspace workspace;
-    lg_attention_scratch att_scratch;
+    lg_exec exec;               /* the rank's backend and its scratch */
     lg_rank *rank;              /* where the buffers live */
     lg_plan *own_plan;          /* set when lg_model_create made its own plan and rank */
 } lg_model;
@@ -632,20 +647,23 @@ void lg_optimizer_step(lg_optimizer *opt, lg_model *m, float lr, float grad_mult
 /* The same on explicit buffers: grads, the master weights and the state laid out as `table`
    (entries' offsets), params too, or the whole layout (entries' origins) when params_whole: the
    host copies when offloading, the replicated weights of shard-grad-op. */
-void lg_optimizer_update(lg_optimizer *opt, const lg_tensor_table *table, lg_buf params,
-                         int params_whole, lg_buf grads, float lr, float grad_multiplier);
+void lg_optimizer_update(lg_optimizer *opt, const lg_exec *ex, const lg_tensor_table *table,
+                         lg_buf params, int params_whole, lg_buf grads, float lr,
+                         float grad_multiplier);
 /* Copies each entry of table between a buffer in the table's layout (offsets) and one in the
    whole layout (origins). */
-void lg_copy_to_whole(const lg_tensor_table *table, lg_buf whole, lg_buf local);
-void lg_copy_from_whole(const lg_tensor_table *table, lg_buf local, lg_buf whole);
+void lg_copy_to_whole(const lg_exec *ex, const lg_tensor_table *table, lg_buf whole,
+                      lg_buf local);
+void lg_copy_from_whole(const lg_exec *ex, const lg_tensor_table *table, lg_buf local,
+                        lg_buf whole);
 /* Sophia: h = beta2 h + (1 - beta2) n_tokens (g_hat * grad_multiplier)^2, from the gradient of
    the loss on labels sampled from the model (the Gauss-Newton-Bartlett estimator). */
-void lg_optimizer_hessian_update(lg_optimizer *opt, lg_buf sampled_grads, size_t n_params,
-                                 double n_tokens, float grad_multiplier);
+void lg_optimizer_hessian_update(lg_optimizer *opt, const lg_exec *ex, lg_buf sampled_grads,
+                                 size_t n_params, double n_tokens, float grad_multiplier);
 /* The norm of the model's gradients as stored (Inf or NaN when any element is): the global norm
    on one rank; a sharded trainer adds the shards' squares (lg_sum_squares). */
 float lg_grad_norm(const lg_model *m);
-double lg_sum_squares(lg_buf x, size_t n);
+double lg_sum_squares(const lg_exec *ex, lg_buf x, size_t n);
 /* The factor that brings a gradient norm down to max_norm (1 when below, or max_norm 0). */
 float lg_clip_factor(float norm, float max_norm);
 /* Linear warmup over warmup_steps, then cosine from lr to min_lr at max_steps. */
@@ -655,13 +673,14 @@ float lg_learning_rate(const lg_args *args, int step);
    9. ranks (API): the backend a rank runs on
    ------------------------------------------------------------------------------------------- */
 
-typedef enum { LG_BACKEND_CPU, LG_BACKEND_CUDA } lg_backend;
-
 /* One device: its part of the plan and one arena per pool of exactly the planned size. */
 struct lg_rank {
     const lg_plan *plan;
     int index;
-    unsigned char *arena[LG_N_POOLS]; /* (plan->ranks[index].pool_bytes[pool]) */
+    lg_backend backend;               /* the plan's: where the arenas live and the ops run */
+    lg_cuda_rank *cuda;               /* CUDA: its GPU, streams and handles, else NULL */
+    unsigned char *arena[LG_N_POOLS]; /* (plan->ranks[index].pool_bytes[pool]); on a GPU the
+                                         device arena is GPU memory, the host one pinned */
 };
 
 int lg_rank_create(lg_rank *rank, const lg_plan *plan, int index, lg_error *err);
@@ -670,6 +689,9 @@ void lg_rank_free(lg_rank *rank);
 void *lg_rank_region(const lg_rank *rank, const char *name);
 /* The same as a typed view (data NULL when the plan has no such region). */
 lg_buf lg_rank_view(const lg_rank *rank, const char *name, lg_dtype dtype);
+/* Waits for the rank's queued work (a GPU's streams); the host may then read and write its
+   memory. Nothing to wait for on the CPU. */
+void lg_rank_sync(const lg_rank *rank);
 
 /* Collectives over the members of a group, one buffer per member in member order: the shape of
    NCCL's grouped calls made from one thread (litgpt_cuda.cuh). The CPU backend runs them in
@@ -1294,7 +1316,7 @@ LG_HD float lg_f16_to_f32(uint16_t h) {
     return lg_bits_f32(sign | ((exp + 112) << 23) | (mant << 13));
 }
 
-static inline lg_real lg_get(lg_buf b, size_t i) {
+LG_HD lg_real lg_get(lg_buf b, size_t i) {
     switch (b.dtype) {
     case LG_DTYPE_BF16: return lg_bf16_to_f32(((const uint16_t *)b.data)[i]);
     case LG_DTYPE_F16: return lg_f16_to_f32(((const uint16_t *)b.data)[i]);
@@ -1302,7 +1324,7 @@ static inline lg_real lg_get(lg_buf b, size_t i) {
     }
 }
 
-static inline void lg_set(lg_buf b, size_t i, lg_real v) {
+LG_HD void lg_set(lg_buf b, size_t i, lg_real v) {
     switch (b.dtype) {
     case LG_DTYPE_BF16: ((uint16_t *)b.data)[i] = lg_f32_to_bf16((float)v); break;
     case LG_DTYPE_F16: ((uint16_t *)b.data)[i] = lg_f32_to_f16((float)v); break;
@@ -1310,17 +1332,17 @@ static inline void lg_set(lg_buf b, size_t i, lg_real v) {
     }
 }
 
-static inline size_t lg_elem_size(lg_dtype d) {
+LG_HD size_t lg_elem_size(lg_dtype d) {
     return d == LG_DTYPE_F32 ? sizeof(lg_real) : d == LG_DTYPE_I32 ? 4 : d == LG_DTYPE_U8 ? 1 : 2;
 }
 
 /* The view `offset` elements further on. */
-static inline lg_buf lg_at(lg_buf b, size_t offset) {
+LG_HD lg_buf lg_at(lg_buf b, size_t offset) {
     lg_buf r = {b.data ? (char *)b.data + offset * lg_elem_size(b.dtype) : NULL, b.dtype};
     return r;
 }
 
-static inline lg_buf lg_buf_of(lg_real *p) {
+LG_HD lg_buf lg_buf_of(lg_real *p) {
     lg_buf b = {p, LG_DTYPE_F32};
     return b;
 }
@@ -2658,6 +2680,23 @@ void lg_plan_print_json(const lg_plan *plan, FILE *out) {
 
 /* 6. kernels (CPU) ------------------------------------------------------------------------- */
 
+/* Every op takes the rank's lg_exec first. On a GPU rank it hands its arguments to the CUDA op
+   of the same name (litgpt_cuda.cuh) and returns; otherwise the loops below run. */
+#ifdef LG_CUDA
+#define LG_ON_GPU(ex, call)                                                                    \
+    do {                                                                                       \
+        if ((ex) && (ex)->backend == LG_BACKEND_CUDA) { call; return; }                        \
+    } while (0)
+#define LG_ON_GPU_RETURN(ex, call)                                                             \
+    do {                                                                                       \
+        if ((ex) && (ex)->backend == LG_BACKEND_CUDA) return call;                             \
+    } while (0)
+#else
+#define LG_ON_GPU(ex, call) (void)(ex)
+#define LG_ON_GPU_RETURN(ex, call) (void)(ex)
+#endif
+
+
 /* LG_GEMM_BEGIN: the blocked matrix multiply */
 /* ------------------------------------------------------------------------
  * lg_gemm: C(M, N) = beta * C + op(A)(M, K) . op(B)(K, N), all row-major.
@@ -2959,14 +2998,19 @@ static void lg_gemm(const lg_gemm_workspace *ws, int trans_a, int trans_b, int M
 }
 /* LG_GEMM_END */
 
+/* The matmul workspace of an exec context (NULL: matmuls without packing). */
+static const lg_gemm_workspace *lg_gemm_space(const lg_exec *ex) { return ex ? &ex->gemm : NULL; }
+
 /* The ops. Tensors are typed views (lg_buf): activations, weights and gradients may be stored
    in bf16 or fp16; every op reads and writes elements in their storage type and does its
    arithmetic, sums included, in lg_real. Statistics (norm means and reciprocal deviations,
    rotary tables, per-token losses) are lg_real arrays in every precision. */
 
 /* out (N, OC) = inp (N, IC) weight (OC, IC)^T + bias (OC) */
-static void lg_linear_forward(const lg_gemm_workspace *ws, lg_buf out, lg_buf inp, lg_buf weight,
+static void lg_linear_forward(const lg_exec *ex, lg_buf out, lg_buf inp, lg_buf weight,
                               lg_buf bias, int N, int IC, int OC) {
+    LG_ON_GPU(ex, lg_cuda_linear_forward(ex, out, inp, weight, bias, N, IC, OC));
+    const lg_gemm_workspace *ws = lg_gemm_space(ex);
     lg_gemm(ws, 0, 1, N, OC, IC, inp, IC, weight, IC, 0, out, OC);
     if (!bias.data) return;
     LG_OMP(omp parallel for)
@@ -2979,9 +3023,10 @@ static void lg_linear_forward(const lg_gemm_workspace *ws, lg_buf out, lg_buf in
 
 /* dinp (N, IC) += dout (N, OC) weight (OC, IC); dweight (OC, IC) += dout^T inp;
    dbias (OC) += column sums of dout. */
-static void lg_linear_backward(const lg_gemm_workspace *ws, lg_buf dinp, lg_buf dweight,
-                               lg_buf dbias, lg_buf dout, lg_buf inp, lg_buf weight, int N,
-                               int IC, int OC) {
+static void lg_linear_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweight, lg_buf dbias,
+                               lg_buf dout, lg_buf inp, lg_buf weight, int N, int IC, int OC) {
+    LG_ON_GPU(ex, lg_cuda_linear_backward(ex, dinp, dweight, dbias, dout, inp, weight, N, IC, OC));
+    const lg_gemm_workspace *ws = lg_gemm_space(ex);
     lg_gemm(ws, 0, 0, N, IC, OC, dout, OC, weight, IC, 1, dinp, IC);
     lg_gemm(ws, 1, 0, OC, IC, N, dout, OC, inp, IC, 1, dweight, IC);
     if (!dbias.data) return;
@@ -2994,8 +3039,9 @@ static void lg_linear_backward(const lg_gemm_workspace *ws, lg_buf dinp, lg_buf 
 }
 
 /* out (N, C) = wte[tokens] (+ wpe[t]); tokens (B, T) */
-static void lg_embedding_forward(lg_buf out, const int *tokens, lg_buf wte, lg_buf wpe, int B,
-                                 int T, int C) {
+static void lg_embedding_forward(const lg_exec *ex, lg_buf out, const int *tokens, lg_buf wte,
+                                 lg_buf wpe, int B, int T, int C) {
+    LG_ON_GPU(ex, lg_cuda_embedding_forward(ex, out, tokens, wte, wpe, B, T, C));
     LG_OMP(omp parallel for)
     for (int n = 0; n < B * T; n++)
         for (int i = 0; i < C; i++) {
@@ -3008,8 +3054,9 @@ static void lg_embedding_forward(lg_buf out, const int *tokens, lg_buf wte, lg_b
 /* dwte (Vp, C) and dwpe (block_size, C) += dout (N, C) scattered back. Threads split the
    channels in chunks of 32 (a cache line of bf16), so no two write the same element or line
    and the sums keep a fixed order. */
-static void lg_embedding_backward(lg_buf dwte, lg_buf dwpe, lg_buf dout, const int *tokens,
-                                  int B, int T, int C) {
+static void lg_embedding_backward(const lg_exec *ex, lg_buf dwte, lg_buf dwpe, lg_buf dout,
+                                  const int *tokens, int B, int T, int C) {
+    LG_ON_GPU(ex, lg_cuda_embedding_backward(ex, dwte, dwpe, dout, tokens, B, T, C));
     LG_OMP(omp parallel for schedule(static, 32))
     for (int i = 0; i < C; i++)
         for (int n = 0; n < B * T; n++) {
@@ -3025,8 +3072,9 @@ static void lg_embedding_backward(lg_buf dwte, lg_buf dwpe, lg_buf dout, const i
 
 /* LayerNorm (mean non-NULL) or RMSNorm (mean NULL) of each row of inp (N, C):
    out (N, C), mean (N), rstd (N). bias may be absent. */
-static void lg_norm_forward(lg_buf out, lg_real *mean, lg_real *rstd, lg_buf inp, lg_buf weight,
-                            lg_buf bias, int N, int C, float eps) {
+static void lg_norm_forward(const lg_exec *ex, lg_buf out, lg_real *mean, lg_real *rstd,
+                            lg_buf inp, lg_buf weight, lg_buf bias, int N, int C, float eps) {
+    LG_ON_GPU(ex, lg_cuda_norm_forward(ex, out, mean, rstd, inp, weight, bias, N, C, eps));
     LG_OMP(omp parallel for)
     for (int n = 0; n < N; n++) {
         lg_buf x = lg_at(inp, (size_t)n * C), y = lg_at(out, (size_t)n * C);
@@ -3048,9 +3096,10 @@ static void lg_norm_forward(lg_buf out, lg_real *mean, lg_real *rstd, lg_buf inp
 /* dinp (N, C) += gradient through the norm; dweight, dbias (C) += their gradients.
    xhat = (x - mean) rstd; dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), and for
    RMSNorm the mean(dxhat) term is absent. */
-static void lg_norm_backward(lg_buf dinp, lg_buf dweight, lg_buf dbias, lg_buf dout, lg_buf inp,
-                             lg_buf weight, const lg_real *mean, const lg_real *rstd, int N,
-                             int C) {
+static void lg_norm_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweight, lg_buf dbias,
+                             lg_buf dout, lg_buf inp, lg_buf weight, const lg_real *mean,
+                             const lg_real *rstd, int N, int C) {
+    LG_ON_GPU(ex, lg_cuda_norm_backward(ex, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C));
     LG_OMP(omp parallel for)
     for (int n = 0; n < N; n++) {
         lg_buf x = lg_at(inp, (size_t)n * C), dy = lg_at(dout, (size_t)n * C);
@@ -3099,8 +3148,11 @@ static void lg_rope_tables(lg_real *cos_table, lg_real *sin_table, int T, int ro
 /* Rotates the first 2R dims of every query and key head of qkv (B, T, (NH + 2 NQG) HS) in the
    rotate-half convention: pairs (j, j + R). direction +1 applies it (forward), -1 applies the
    inverse rotation, which is the backward of this orthogonal map. */
-static void lg_rope_rotate(lg_buf qkv, const lg_real *cos_table, const lg_real *sin_table,
-                           int B, int T, int NH, int NQG, int HS, int rope_dims, int direction) {
+static void lg_rope_rotate(const lg_exec *ex, lg_buf qkv, const lg_real *cos_table,
+                           const lg_real *sin_table, int B, int T, int NH, int NQG, int HS,
+                           int rope_dims, int direction) {
+    LG_ON_GPU(ex, lg_cuda_rope_rotate(ex, qkv, cos_table, sin_table, B, T, NH, NQG, HS, rope_dims,
+                                     direction));
     int R = rope_dims / 2, heads = NH + NQG, QKV = (NH + 2 * NQG) * HS;
     if (R == 0) return;
     LG_OMP(omp parallel for)
@@ -3159,9 +3211,11 @@ static lg_real *lg_attention_rows(const lg_attention_scratch *sc) {
    h / (NH / NQG). y (B, T, NH HS); lse (B, NH, T) keeps each row's log-sum-exp, all the
    backward needs to rebuild the probabilities, so memory grows with T, not T^2, per block.
    Each (batch, head) is two matrix products around a softmax in the thread's scratch rows. */
-static void lg_attention_forward(const lg_gemm_workspace *ws, const lg_attention_scratch *sc,
-                                 lg_buf y, lg_real *lse, lg_buf qkv, int B, int T, int NH,
-                                 int NQG, int HS) {
+static void lg_attention_forward(const lg_exec *ex, lg_buf y, lg_real *lse, lg_buf qkv, int B,
+                                 int T, int NH, int NQG, int HS) {
+    LG_ON_GPU(ex, lg_cuda_attention_forward(ex, y, lse, qkv, B, T, NH, NQG, HS));
+    const lg_gemm_workspace *ws = lg_gemm_space(ex);
+    const lg_attention_scratch *sc = &ex->attention;
     int QKV = (NH + 2 * NQG) * HS, heads_per_group = NH / NQG;
     lg_real scale = 1.0f / lg_sqrt((lg_real)HS);
     LG_OMP(omp parallel for collapse(2) schedule(dynamic) num_threads(sc->threads))
@@ -3182,9 +3236,11 @@ static void lg_attention_forward(const lg_gemm_workspace *ws, const lg_attention
 /* dqkv (B, T, QKV) += gradient of the attention given dy (B, T, NH HS). The probabilities are
    rebuilt from q, k and the saved log-sum-exp. Threads own a (batch, group) pair, so the
    key/value gradients shared by the heads of a group are written by one thread only. */
-static void lg_attention_backward(const lg_gemm_workspace *ws, const lg_attention_scratch *sc,
-                                  lg_buf dqkv, lg_buf dy, lg_buf qkv, const lg_real *lse, int B,
-                                  int T, int NH, int NQG, int HS) {
+static void lg_attention_backward(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg_buf qkv,
+                                  const lg_real *lse, int B, int T, int NH, int NQG, int HS) {
+    LG_ON_GPU(ex, lg_cuda_attention_backward(ex, dqkv, dy, qkv, lse, B, T, NH, NQG, HS));
+    const lg_gemm_workspace *ws = lg_gemm_space(ex);
+    const lg_attention_scratch *sc = &ex->attention;
     int QKV = (NH + 2 * NQG) * HS, heads_per_group = NH / NQG;
     lg_real scale = 1.0f / lg_sqrt((lg_real)HS);
     LG_OMP(omp parallel for collapse(2) schedule(dynamic) num_threads(sc->threads))
@@ -3219,7 +3275,8 @@ static void lg_attention_backward(const lg_gemm_workspace *ws, const lg_attentio
 }
 
 /* out (n) = gelu(inp (n)), exact or tanh approximation */
-static void lg_gelu_forward(lg_buf out, lg_buf inp, size_t n, int tanh_approx) {
+static void lg_gelu_forward(const lg_exec *ex, lg_buf out, lg_buf inp, size_t n, int tanh_approx) {
+    LG_ON_GPU(ex, lg_cuda_gelu_forward(ex, out, inp, n, tanh_approx));
     LG_OMP(omp parallel for)
     for (long i = 0; i < (long)n; i++) {
         lg_real x = lg_get(inp, i);
@@ -3228,7 +3285,9 @@ static void lg_gelu_forward(lg_buf out, lg_buf inp, size_t n, int tanh_approx) {
 }
 
 /* dinp (n) = dout * gelu'(inp) */
-static void lg_gelu_backward(lg_buf dinp, lg_buf dout, lg_buf inp, size_t n, int tanh_approx) {
+static void lg_gelu_backward(const lg_exec *ex, lg_buf dinp, lg_buf dout, lg_buf inp, size_t n,
+                             int tanh_approx) {
+    LG_ON_GPU(ex, lg_cuda_gelu_backward(ex, dinp, dout, inp, n, tanh_approx));
     LG_OMP(omp parallel for)
     for (long i = 0; i < (long)n; i++) {
         lg_real x = lg_get(inp, i);
@@ -3237,7 +3296,8 @@ static void lg_gelu_backward(lg_buf dinp, lg_buf dout, lg_buf inp, size_t n, int
 }
 
 /* out (n) = silu(gate) * up */
-static void lg_swiglu_forward(lg_buf out, lg_buf gate, lg_buf up, size_t n) {
+static void lg_swiglu_forward(const lg_exec *ex, lg_buf out, lg_buf gate, lg_buf up, size_t n) {
+    LG_ON_GPU(ex, lg_cuda_swiglu_forward(ex, out, gate, up, n));
     LG_OMP(omp parallel for)
     for (long i = 0; i < (long)n; i++) {
         lg_real g = lg_get(gate, i);
@@ -3246,8 +3306,9 @@ static void lg_swiglu_forward(lg_buf out, lg_buf gate, lg_buf up, size_t n) {
 }
 
 /* dgate, dup (n) = gradients of silu(gate) * up given dout */
-static void lg_swiglu_backward(lg_buf dgate, lg_buf dup, lg_buf dout, lg_buf gate, lg_buf up,
-                               size_t n) {
+static void lg_swiglu_backward(const lg_exec *ex, lg_buf dgate, lg_buf dup, lg_buf dout,
+                               lg_buf gate, lg_buf up, size_t n) {
+    LG_ON_GPU(ex, lg_cuda_swiglu_backward(ex, dgate, dup, dout, gate, up, n));
     LG_OMP(omp parallel for)
     for (long i = 0; i < (long)n; i++) {
         lg_real g = lg_get(gate, i), d = lg_get(dout, i);
@@ -3259,8 +3320,9 @@ static void lg_swiglu_backward(lg_buf dgate, lg_buf dup, lg_buf dout, lg_buf gat
 
 /* Per-token loss (N) = logsumexp(logits[n, 0..V)) - logits[n, target]; 0 where the target is
    ignored. logits (N, Vp): the Vp - V padded columns are never read. Returns the sum. */
-static double lg_crossentropy_forward(lg_real *losses, lg_buf logits, const int *targets, int N,
-                                      int V, int Vp) {
+static double lg_crossentropy_forward(const lg_exec *ex, lg_real *losses, lg_buf logits,
+                                      const int *targets, int N, int V, int Vp) {
+    LG_ON_GPU_RETURN(ex, lg_cuda_crossentropy_forward(ex, losses, logits, targets, N, V, Vp));
     double total = 0;
     LG_OMP(omp parallel for reduction(+ : total))
     for (int n = 0; n < N; n++) {
@@ -3277,8 +3339,9 @@ static double lg_crossentropy_forward(lg_real *losses, lg_buf logits, const int 
 
 /* dlogits (N, Vp) = (softmax(logits) - onehot(target)) * scale over the first V columns, 0 on
    the padded columns and on ignored rows. dlogits may be logits (in place). */
-static void lg_crossentropy_backward(lg_buf dlogits, lg_buf logits, const int *targets, int N,
-                                     int V, int Vp, lg_real scale) {
+static void lg_crossentropy_backward(const lg_exec *ex, lg_buf dlogits, lg_buf logits,
+                                     const int *targets, int N, int V, int Vp, lg_real scale) {
+    LG_ON_GPU(ex, lg_cuda_crossentropy_backward(ex, dlogits, logits, targets, N, V, Vp, scale));
     LG_OMP(omp parallel for)
     for (int n = 0; n < N; n++) {
         lg_buf z = lg_at(logits, (size_t)n * Vp), dz = lg_at(dlogits, (size_t)n * Vp);
@@ -3297,13 +3360,15 @@ static void lg_crossentropy_backward(lg_buf dlogits, lg_buf logits, const int *t
 }
 
 /* out (n) = a + b */
-static void lg_add(lg_buf out, lg_buf a, lg_buf b, size_t n) {
+static void lg_add(const lg_exec *ex, lg_buf out, lg_buf a, lg_buf b, size_t n) {
+    LG_ON_GPU(ex, lg_cuda_add(ex, out, a, b, n));
     LG_OMP(omp parallel for)
     for (long i = 0; i < (long)n; i++) lg_set(out, i, lg_get(a, i) + lg_get(b, i));
 }
 
 /* dst (n) = src (n), converting */
-static void lg_copy(lg_buf dst, lg_buf src, size_t n) {
+static void lg_copy(const lg_exec *ex, lg_buf dst, lg_buf src, size_t n) {
+    LG_ON_GPU(ex, lg_cuda_copy(ex, dst, src, n));
     if (dst.dtype == src.dtype) {
         memcpy(dst.data, src.data, n * lg_elem_size(dst.dtype));
         return;
@@ -3313,7 +3378,10 @@ static void lg_copy(lg_buf dst, lg_buf src, size_t n) {
 }
 
 /* x (n) = 0 */
-static void lg_zero(lg_buf x, size_t n) { memset(x.data, 0, n * lg_elem_size(x.dtype)); }
+static void lg_zero(const lg_exec *ex, lg_buf x, size_t n) {
+    LG_ON_GPU(ex, lg_cuda_zero(ex, x, n));
+    memset(x.data, 0, n * lg_elem_size(x.dtype));
+}
 
 /* 7. model ------------------------------------------------------------------------------------ */
 
@@ -3378,6 +3446,22 @@ int lg_model_bind(lg_model *m, const lg_config *cfg, lg_rank *rank, lg_error *er
     return -1;
 }
 
+/* The rank's backend; on the CPU, the matmul's and attention's scratch regions. */
+static int lg_model_bind_exec(lg_model *m, lg_error *err) {
+    const lg_plan_spec *s = &m->rank->plan->spec;
+    lg_exec *ex = &m->exec;
+    ex->backend = m->rank->backend;
+    ex->cuda = m->rank->cuda;
+    if (ex->backend == LG_BACKEND_CUDA) return 0; /* the GPU's workspace is its own region */
+    if (!(ex->gemm.base = (lg_real *)lg_model_region(m, "gemm.workspace", err))) return -1;
+    ex->gemm.per_thread = lg_gemm_workspace_count();
+    ex->gemm.threads = s->threads;
+    if (!(ex->attention.base = (lg_real *)lg_model_region(m, "attention.scratch", err))) return -1;
+    ex->attention.per_thread = 2 * (size_t)m->T * m->T;
+    ex->attention.threads = s->threads;
+    return 0;
+}
+
 static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank, lg_error *err) {
     const lg_plan_spec *s = &rank->plan->spec;
     const lg_rank_plan *rp = &rank->plan->ranks[rank->index];
@@ -3410,12 +3494,7 @@ static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank,
     if (!m->weights_gathered) lg_params_layout(cfg, m->params, &m->p, NULL);
     if (!m->grads_gathered) lg_params_layout(cfg, m->grads, &m->g, NULL);
     if (lg_model_bind_activations(m, types.acts, err) != 0) return -1;
-    if (!(m->workspace.base = (lg_real *)lg_model_region(m, "gemm.workspace", err))) return -1;
-    m->workspace.per_thread = lg_gemm_workspace_count();
-    m->workspace.threads = s->threads;
-    if (!(m->att_scratch.base = (lg_real *)lg_model_region(m, "attention.scratch", err))) return -1;
-    m->att_scratch.per_thread = 2 * (size_t)m->T * m->T;
-    m->att_scratch.threads = s->threads;
+    if (lg_model_bind_exec(m, err) != 0) return -1;
     int rope_dims = lg_config_rope_dims(cfg);
     if (rope_dims) lg_rope_tables(m->a.rope_cos, m->a.rope_sin, m->T, rope_dims, cfg->rope_base);
     return 0;
@@ -3495,7 +3574,7 @@ void lg_model_init_weights(lg_model *m, uint64_t seed) {
     }
 }
 
-void lg_model_zero_grad(lg_model *m) { lg_zero(m->grads, m->n_local); }
+void lg_model_zero_grad(lg_model *m) { lg_zero(&m->exec, m->grads, m->n_local); }
 
 void lg_model_point_unit(lg_model *m, int unit, lg_buf weights, lg_buf grads) {
     if (weights.data) lg_unit_layout(&m->cfg, unit, weights, &m->p);
@@ -3511,42 +3590,42 @@ static void lg_block_forward(lg_model *m, int l, int B, int T) {
     const lg_config *c = &m->cfg;
     const lg_block_tensors *w = &m->p.h[l];
     lg_block_acts *a = &m->a.h[l];
-    const lg_gemm_workspace *ws = &m->workspace;
+    const lg_exec *ex = &m->exec;
     int N = B * T, C = c->n_embd, I = c->intermediate_size, QKV = lg_config_qkv_size(c);
     int NH = c->n_head, NQG = c->n_query_groups, HS = c->head_size;
     lg_buf x = m->a.residual[l], out = m->a.residual[l + 1];
 
-    lg_norm_forward(a->n1, lg_norm_mean_or_null(c, a->n1_mean), a->n1_rstd, x, w->norm_1_w,
+    lg_norm_forward(ex, a->n1, lg_norm_mean_or_null(c, a->n1_mean), a->n1_rstd, x, w->norm_1_w,
                     w->norm_1_b, N, C, c->norm_eps);
-    lg_linear_forward(ws, a->qkv, a->n1, w->qkv_w, w->qkv_b, N, C, QKV);
-    lg_rope_rotate(a->qkv, m->a.rope_cos, m->a.rope_sin, B, T, NH, NQG, HS,
+    lg_linear_forward(ex, a->qkv, a->n1, w->qkv_w, w->qkv_b, N, C, QKV);
+    lg_rope_rotate(ex, a->qkv, m->a.rope_cos, m->a.rope_sin, B, T, NH, NQG, HS,
                    lg_config_rope_dims(c), +1);
-    lg_attention_forward(ws, &m->att_scratch, a->att_y, a->att_lse, a->qkv, B, T, NH, NQG, HS);
-    lg_linear_forward(ws, a->x_mid, a->att_y, w->proj_w, w->proj_b, N, NH * HS, C);
-    lg_add(a->x_mid, a->x_mid, x, (size_t)N * C);
+    lg_attention_forward(ex, a->att_y, a->att_lse, a->qkv, B, T, NH, NQG, HS);
+    lg_linear_forward(ex, a->x_mid, a->att_y, w->proj_w, w->proj_b, N, NH * HS, C);
+    lg_add(ex, a->x_mid, a->x_mid, x, (size_t)N * C);
 
     lg_buf mlp_in = a->n1;
     if (!c->shared_attention_norm) {
-        lg_norm_forward(a->n2, lg_norm_mean_or_null(c, a->n2_mean), a->n2_rstd,
+        lg_norm_forward(ex, a->n2, lg_norm_mean_or_null(c, a->n2_mean), a->n2_rstd,
                         c->parallel_residual ? x : a->x_mid, w->norm_2_w, w->norm_2_b, N, C,
                         c->norm_eps);
         mlp_in = a->n2;
     }
-    lg_linear_forward(ws, a->fc, mlp_in, w->fc_w, w->fc_b, N, C, I);
+    lg_linear_forward(ex, a->fc, mlp_in, w->fc_w, w->fc_b, N, C, I);
     if (c->mlp_class_name == LG_MLP_LLAMA) {
-        lg_linear_forward(ws, a->fc_2, mlp_in, w->fc_2_w, w->fc_2_b, N, C, I);
-        lg_swiglu_forward(a->act, a->fc, a->fc_2, (size_t)N * I);
+        lg_linear_forward(ex, a->fc_2, mlp_in, w->fc_2_w, w->fc_2_b, N, C, I);
+        lg_swiglu_forward(ex, a->act, a->fc, a->fc_2, (size_t)N * I);
     } else {
-        lg_gelu_forward(a->act, a->fc, (size_t)N * I, c->gelu_approximate_tanh);
+        lg_gelu_forward(ex, a->act, a->fc, (size_t)N * I, c->gelu_approximate_tanh);
     }
-    lg_linear_forward(ws, out, a->act, w->mlp_proj_w, w->mlp_proj_b, N, I, C);
-    lg_add(out, out, a->x_mid, (size_t)N * C);
+    lg_linear_forward(ex, out, a->act, w->mlp_proj_w, w->mlp_proj_b, N, I, C);
+    lg_add(ex, out, out, a->x_mid, (size_t)N * C);
 }
 
 /* The forward in three parts (embedding, blocks, head), so that a sharded trainer can gather
    each unit's weights in between. */
 static void lg_model_embed(lg_model *m, const int *tokens, int B, int T) {
-    lg_embedding_forward(m->a.residual[0], tokens, m->p.wte, m->p.wpe, B, T, m->cfg.n_embd);
+    lg_embedding_forward(&m->exec, m->a.residual[0], tokens, m->p.wte, m->p.wpe, B, T, m->cfg.n_embd);
 }
 
 /* Targets (n) that count towards the loss: all but LG_IGNORE_INDEX. */
@@ -3560,15 +3639,16 @@ static long lg_count_targets(const int *targets, size_t n) {
 static double lg_model_head_forward(lg_model *m, const int *targets, int B, int T,
                                     int *n_targets) {
     const lg_config *c = &m->cfg;
+    const lg_exec *ex = &m->exec;
     int N = B * T, C = c->n_embd, L = c->n_layer;
-    lg_norm_forward(m->a.ln_f, lg_norm_mean_or_null(c, m->a.ln_f_mean), m->a.ln_f_rstd,
+    lg_norm_forward(ex, m->a.ln_f, lg_norm_mean_or_null(c, m->a.ln_f_mean), m->a.ln_f_rstd,
                     m->a.residual[L], m->p.ln_f_w, m->p.ln_f_b, N, C, c->norm_eps);
-    lg_linear_forward(&m->workspace, m->a.logits, m->a.ln_f, m->p.lm_head_w, m->p.lm_head_b, N,
-                      C, c->padded_vocab_size);
+    lg_linear_forward(ex, m->a.logits, m->a.ln_f, m->p.lm_head_w, m->p.lm_head_b, N, C,
+                      c->padded_vocab_size);
     if (n_targets) *n_targets = 0;
     if (!targets) return 0;
     if (n_targets) *n_targets = (int)lg_count_targets(targets, (size_t)N);
-    return lg_crossentropy_forward(m->a.losses, m->a.logits, targets, N, c->vocab_size,
+    return lg_crossentropy_forward(ex, m->a.losses, m->a.logits, targets, N, c->vocab_size,
                                    c->padded_vocab_size);
 }
 
@@ -3587,51 +3667,51 @@ static void lg_block_backward(lg_model *m, int l, int B, int T, lg_buf d_out, lg
     const lg_block_tensors *g = &m->g.h[l];
     const lg_block_acts *a = &m->a.h[l];
     const lg_act_tensors *s = &m->a; /* the backward's working set */
-    const lg_gemm_workspace *ws = &m->workspace;
+    const lg_exec *ex = &m->exec;
     int N = B * T, C = c->n_embd, I = c->intermediate_size, QKV = lg_config_qkv_size(c);
     int NH = c->n_head, NQG = c->n_query_groups, HS = c->head_size;
     size_t NC = (size_t)N * C, NI = (size_t)N * I;
     lg_buf x = m->a.residual[l];
 
     /* out = x_mid + mlp(mlp_in): the residual passes d_out to x_mid unchanged */
-    lg_copy(s->d_mid, d_out, NC);
-    lg_zero(s->d_act, NI);
-    lg_linear_backward(ws, s->d_act, g->mlp_proj_w, g->mlp_proj_b, d_out, a->act, w->mlp_proj_w,
+    lg_copy(ex, s->d_mid, d_out, NC);
+    lg_zero(ex, s->d_act, NI);
+    lg_linear_backward(ex, s->d_act, g->mlp_proj_w, g->mlp_proj_b, d_out, a->act, w->mlp_proj_w,
                        N, I, C);
     lg_buf mlp_in = c->shared_attention_norm ? a->n1 : a->n2;
-    lg_zero(s->d_norm, NC);
+    lg_zero(ex, s->d_norm, NC);
     if (c->mlp_class_name == LG_MLP_LLAMA) {
-        lg_swiglu_backward(s->d_fc, s->d_fc_2, s->d_act, a->fc, a->fc_2, NI);
-        lg_linear_backward(ws, s->d_norm, g->fc_2_w, g->fc_2_b, s->d_fc_2, mlp_in, w->fc_2_w, N,
+        lg_swiglu_backward(ex, s->d_fc, s->d_fc_2, s->d_act, a->fc, a->fc_2, NI);
+        lg_linear_backward(ex, s->d_norm, g->fc_2_w, g->fc_2_b, s->d_fc_2, mlp_in, w->fc_2_w, N,
                            C, I);
     } else {
-        lg_gelu_backward(s->d_fc, s->d_act, a->fc, NI, c->gelu_approximate_tanh);
+        lg_gelu_backward(ex, s->d_fc, s->d_act, a->fc, NI, c->gelu_approximate_tanh);
     }
-    lg_linear_backward(ws, s->d_norm, g->fc_w, g->fc_b, s->d_fc, mlp_in, w->fc_w, N, C, I);
+    lg_linear_backward(ex, s->d_norm, g->fc_w, g->fc_b, s->d_fc, mlp_in, w->fc_w, N, C, I);
 
     /* the MLP's input norm: of x (parallel) or of x_mid (sequential); shared: d_norm stays and
        joins norm_1's gradient below */
-    lg_copy(d_x, s->d_mid, NC); /* x_mid = x + attn: x receives d_mid */
+    lg_copy(ex, d_x, s->d_mid, NC); /* x_mid = x + attn: x receives d_mid */
     if (!c->shared_attention_norm) {
-        lg_norm_backward(c->parallel_residual ? d_x : s->d_mid, g->norm_2_w, g->norm_2_b,
+        lg_norm_backward(ex, c->parallel_residual ? d_x : s->d_mid, g->norm_2_w, g->norm_2_b,
                          s->d_norm, c->parallel_residual ? x : a->x_mid, w->norm_2_w,
                          lg_norm_mean_or_null(c, a->n2_mean), a->n2_rstd, N, C);
-        if (!c->parallel_residual) lg_copy(d_x, s->d_mid, NC);
-        lg_zero(s->d_norm, NC);
+        if (!c->parallel_residual) lg_copy(ex, d_x, s->d_mid, NC);
+        lg_zero(ex, s->d_norm, NC);
     }
 
     /* x_mid = x + proj(attention(rope(qkv(n1)))) */
-    lg_zero(s->d_att_y, (size_t)N * NH * HS);
-    lg_linear_backward(ws, s->d_att_y, g->proj_w, g->proj_b, s->d_mid, a->att_y, w->proj_w, N,
+    lg_zero(ex, s->d_att_y, (size_t)N * NH * HS);
+    lg_linear_backward(ex, s->d_att_y, g->proj_w, g->proj_b, s->d_mid, a->att_y, w->proj_w, N,
                        NH * HS, C);
-    lg_zero(s->d_qkv, (size_t)N * QKV);
-    lg_attention_backward(ws, &m->att_scratch, s->d_qkv, s->d_att_y, a->qkv, a->att_lse, B, T, NH,
+    lg_zero(ex, s->d_qkv, (size_t)N * QKV);
+    lg_attention_backward(ex, s->d_qkv, s->d_att_y, a->qkv, a->att_lse, B, T, NH,
                           NQG, HS);
-    lg_rope_rotate(s->d_qkv, m->a.rope_cos, m->a.rope_sin, B, T, NH, NQG, HS,
+    lg_rope_rotate(ex, s->d_qkv, m->a.rope_cos, m->a.rope_sin, B, T, NH, NQG, HS,
                    lg_config_rope_dims(c), -1);
     /* n1 feeds qkv and, when shared, the MLP: d_norm already holds the MLP's share */
-    lg_linear_backward(ws, s->d_norm, g->qkv_w, g->qkv_b, s->d_qkv, a->n1, w->qkv_w, N, C, QKV);
-    lg_norm_backward(d_x, g->norm_1_w, g->norm_1_b, s->d_norm, x, w->norm_1_w,
+    lg_linear_backward(ex, s->d_norm, g->qkv_w, g->qkv_b, s->d_qkv, a->n1, w->qkv_w, N, C, QKV);
+    lg_norm_backward(ex, d_x, g->norm_1_w, g->norm_1_b, s->d_norm, x, w->norm_1_w,
                      lg_norm_mean_or_null(c, a->n1_mean), a->n1_rstd, N, C);
 }
 
@@ -3645,15 +3725,16 @@ static lg_buf lg_residual_grad(const lg_model *m, int k) {
 static void lg_model_head_backward(lg_model *m, const int *targets, int B, int T,
                                    float loss_scale) {
     const lg_config *c = &m->cfg;
+    const lg_exec *ex = &m->exec;
     int N = B * T, C = c->n_embd, L = c->n_layer, Vp = c->padded_vocab_size;
     lg_buf d_logits = m->a.logits; /* in place: the logits are not needed any more */
-    lg_crossentropy_backward(d_logits, m->a.logits, targets, N, c->vocab_size, Vp, loss_scale);
-    lg_zero(m->a.d_norm, (size_t)N * C);
-    lg_linear_backward(&m->workspace, m->a.d_norm, m->g.lm_head_w, m->g.lm_head_b, d_logits,
+    lg_crossentropy_backward(ex, d_logits, m->a.logits, targets, N, c->vocab_size, Vp, loss_scale);
+    lg_zero(ex, m->a.d_norm, (size_t)N * C);
+    lg_linear_backward(ex, m->a.d_norm, m->g.lm_head_w, m->g.lm_head_b, d_logits,
                        m->a.ln_f, m->p.lm_head_w, N, C, Vp);
     lg_buf d_res = lg_residual_grad(m, L);
-    lg_zero(d_res, (size_t)N * C);
-    lg_norm_backward(d_res, m->g.ln_f_w, m->g.ln_f_b, m->a.d_norm, m->a.residual[L], m->p.ln_f_w,
+    lg_zero(ex, d_res, (size_t)N * C);
+    lg_norm_backward(ex, d_res, m->g.ln_f_w, m->g.ln_f_b, m->a.d_norm, m->a.residual[L], m->p.ln_f_w,
                      lg_norm_mean_or_null(c, m->a.ln_f_mean), m->a.ln_f_rstd, N, C);
 }
 
@@ -3663,7 +3744,7 @@ static void lg_model_block_backward(lg_model *m, int l, int B, int T) {
 }
 
 static void lg_model_embed_backward(lg_model *m, const int *tokens, int B, int T) {
-    lg_embedding_backward(m->g.wte, m->g.wpe, lg_residual_grad(m, 0), tokens, B, T,
+    lg_embedding_backward(&m->exec, m->g.wte, m->g.wpe, lg_residual_grad(m, 0), tokens, B, T,
                           m->cfg.n_embd);
 }
 
@@ -3702,6 +3783,7 @@ void lg_model_generate(lg_model *m, int *tokens, int n_prompt, int n_new, float 
     for (int i = 0; i < n_new; i++) {
         int n = n_prompt + i, start = n > m->T ? n - m->T : 0, T = n - start;
         lg_model_forward(m, tokens + start, NULL, 1, T, NULL);
+        lg_rank_sync(m->rank); /* the host reads the logits */
         tokens[n] = lg_sample_token(lg_at(m->a.logits, (size_t)(T - 1) * Vp), m->cfg.vocab_size,
                                     temperature, rng);
     }
@@ -3783,8 +3865,8 @@ int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_args *arg
     if (types.master) {
         if (!(opt->master = (lg_real *)lg_rank_region(m->rank, "master_weights")))
             return lg_fail(err, "the plan has no region master_weights");
-        if (m->weights_gathered) lg_copy(lg_buf_of(opt->master), m->params, m->n_local);
-        else lg_copy_from_whole(m->local, lg_buf_of(opt->master), m->params);
+        if (m->weights_gathered) lg_copy(&m->exec, lg_buf_of(opt->master), m->params, m->n_local);
+        else lg_copy_from_whole(&m->exec, m->local, lg_buf_of(opt->master), m->params);
     }
     opt->stochastic = !types.master && types.weights != LG_DTYPE_F32;
     opt->sqrt_v = types.state == LG_DTYPE_F16 && opt->kind == LG_OPTIMIZER_ADAMW;
@@ -3813,21 +3895,23 @@ static void lg_store_weight(const lg_optimizer *opt, lg_buf params, size_t k, si
 }
 
 void lg_optimizer_step(lg_optimizer *opt, lg_model *m, float lr, float grad_multiplier) {
-    lg_optimizer_update(opt, m->local, m->params, !m->weights_gathered, m->grads, lr,
+    lg_optimizer_update(opt, &m->exec, m->local, m->params, !m->weights_gathered, m->grads, lr,
                         grad_multiplier);
 }
 
-void lg_copy_to_whole(const lg_tensor_table *table, lg_buf whole, lg_buf local) {
+void lg_copy_to_whole(const lg_exec *ex, const lg_tensor_table *table, lg_buf whole,
+                      lg_buf local) {
     for (int i = 0; i < table->n_tensors; i++) {
         const lg_tensor_info *t = &table->tensors[i];
-        lg_copy(lg_at(whole, t->origin), lg_at(local, t->offset), t->count);
+        lg_copy(ex, lg_at(whole, t->origin), lg_at(local, t->offset), t->count);
     }
 }
 
-void lg_copy_from_whole(const lg_tensor_table *table, lg_buf local, lg_buf whole) {
+void lg_copy_from_whole(const lg_exec *ex, const lg_tensor_table *table, lg_buf local,
+                        lg_buf whole) {
     for (int i = 0; i < table->n_tensors; i++) {
         const lg_tensor_info *t = &table->tensors[i];
-        lg_copy(lg_at(local, t->offset), lg_at(whole, t->origin), t->count);
+        lg_copy(ex, lg_at(local, t->offset), lg_at(whole, t->origin), t->count);
     }
 }
 
@@ -3900,9 +3984,12 @@ static void lg_quantize_block(const float *map, uint8_t *codes, float *scale, in
     for (int i = 0; i < n; i++) codes[i] = lg_quantize(map, absmax > 0 ? (float)x[i] / absmax : 0);
 }
 
-void lg_optimizer_update(lg_optimizer *opt, const lg_tensor_table *table, lg_buf params,
-                         int params_whole, lg_buf grads, float lr, float grad_multiplier) {
+void lg_optimizer_update(lg_optimizer *opt, const lg_exec *ex, const lg_tensor_table *table,
+                         lg_buf params, int params_whole, lg_buf grads, float lr,
+                         float grad_multiplier) {
     opt->t++;
+    LG_ON_GPU(ex, lg_cuda_optimizer_update(ex, opt, table, params, params_whole, grads, lr,
+                                           grad_multiplier));
     lg_real bias_corr1 = 1.0f - lg_pow(opt->beta1, (lg_real)opt->t);
     lg_real bias_corr2 = 1.0f - lg_pow(opt->beta2, (lg_real)opt->t);
     lg_state_cursor cursor = {0, 0, 0};
@@ -3953,8 +4040,10 @@ void lg_optimizer_update(lg_optimizer *opt, const lg_tensor_table *table, lg_buf
     }
 }
 
-void lg_optimizer_hessian_update(lg_optimizer *opt, lg_buf sampled_grads, size_t n_params,
-                                 double n_tokens, float grad_multiplier) {
+void lg_optimizer_hessian_update(lg_optimizer *opt, const lg_exec *ex, lg_buf sampled_grads,
+                                 size_t n_params, double n_tokens, float grad_multiplier) {
+    LG_ON_GPU(ex, lg_cuda_hessian_update(ex, opt, sampled_grads, n_params, n_tokens,
+                                         grad_multiplier));
     LG_OMP(omp parallel for)
     for (long k = 0; k < (long)n_params; k++) {
         lg_real g = lg_get(sampled_grads, k) * grad_multiplier;
@@ -3963,7 +4052,8 @@ void lg_optimizer_hessian_update(lg_optimizer *opt, lg_buf sampled_grads, size_t
     }
 }
 
-double lg_sum_squares(lg_buf x, size_t n) {
+double lg_sum_squares(const lg_exec *ex, lg_buf x, size_t n) {
+    LG_ON_GPU_RETURN(ex, lg_cuda_sum_squares(ex, x, n));
     double sum = 0;
     LG_OMP(omp parallel for reduction(+ : sum))
     for (long k = 0; k < (long)n; k++) {
@@ -3973,7 +4063,9 @@ double lg_sum_squares(lg_buf x, size_t n) {
     return sum;
 }
 
-float lg_grad_norm(const lg_model *m) { return (float)sqrt(lg_sum_squares(m->grads, m->n_local)); }
+float lg_grad_norm(const lg_model *m) {
+    return (float)sqrt(lg_sum_squares(&m->exec, m->grads, m->n_local));
+}
 
 float lg_clip_factor(float norm, float max_norm) {
     return max_norm > 0.0f && norm > max_norm ? max_norm / (norm + 1e-6f) : 1.0f;
@@ -4004,6 +4096,13 @@ int lg_rank_create(lg_rank *rank, const lg_plan *plan, int index, lg_error *err)
     memset(rank, 0, sizeof *rank);
     rank->plan = plan;
     rank->index = index;
+    rank->backend = plan->spec.backend;
+#ifdef LG_CUDA
+    if (rank->backend == LG_BACKEND_CUDA) return lg_cuda_rank_create(rank, err);
+#else
+    if (rank->backend == LG_BACKEND_CUDA)
+        return lg_fail(err, "this build has no CUDA backend (build it with make cuda)");
+#endif
     const lg_rank_plan *r = &plan->ranks[index];
     for (int pool = 0; pool < LG_N_POOLS; pool++) {
         if (r->pool_bytes[pool] == 0) continue;
@@ -4038,8 +4137,23 @@ void *lg_rank_region(const lg_rank *rank, const char *name) {
 
 void lg_rank_free(lg_rank *rank) {
     if (!rank) return;
+#ifdef LG_CUDA
+    if (rank->backend == LG_BACKEND_CUDA) {
+        lg_cuda_rank_free(rank);
+        memset(rank, 0, sizeof *rank);
+        return;
+    }
+#endif
     for (int pool = 0; pool < LG_N_POOLS; pool++) LG_FREE(rank->arena[pool]);
     memset(rank, 0, sizeof *rank);
+}
+
+void lg_rank_sync(const lg_rank *rank) {
+#ifdef LG_CUDA
+    if (rank->backend == LG_BACKEND_CUDA) lg_cuda_rank_sync(rank);
+#else
+    (void)rank;
+#endif
 }
 
 void lg_all_reduce_sum(int n, lg_buf *bufs, size_t count) {
@@ -4067,13 +4181,13 @@ void lg_all_gather(int n, const lg_buf *piece, lg_buf *whole, size_t piece_count
     for (int m = 0; m < n; m++)
         for (int i = 0; i < n; i++) {
             lg_buf place = lg_at(whole[m], (size_t)i * piece_count);
-            if (place.data != piece[i].data) lg_copy(place, piece[i], piece_count);
+            if (place.data != piece[i].data) lg_copy(NULL, place, piece[i], piece_count);
         }
 }
 
 void lg_broadcast(int n, int root, lg_buf *bufs, size_t count) {
     for (int m = 0; m < n; m++)
-        if (m != root) lg_copy(bufs[m], bufs[root], count);
+        if (m != root) lg_copy(NULL, bufs[m], bufs[root], count);
 }
 
 /* 10. data ------------------------------------------------------------------------------------ */
@@ -7335,11 +7449,13 @@ static void lg_whole_state_exchange(lg_trainer *tr, lg_whole_state *w, int to_wh
         lg_optimizer *opt = &tr->ranks[r].opt;
         const lg_tensor_table *local = tr->ranks[r].model.local;
         lg_buf shard[3] = {lg_buf_of(opt->master), opt->m, opt->v};
+        const lg_exec *ex = &tr->ranks[r].model.exec;
         for (int k = 0; k < 3; k++) {
             if (!shard[k].data || !whole[k].data) continue;
-            if (to_whole) lg_copy_to_whole(local, whole[k], shard[k]);
-            else lg_copy_from_whole(local, shard[k], whole[k]);
+            if (to_whole) lg_copy_to_whole(ex, local, whole[k], shard[k]);
+            else lg_copy_from_whole(ex, local, shard[k], whole[k]);
         }
+        lg_rank_sync(&tr->ranks[r].rank);
     }
 }
 
@@ -7700,7 +7816,7 @@ static void lg_trainer_open_unit_grads(lg_trainer *tr, int u) {
     if (!tr->plan.sharding.grads_sharded) return;
     for (int r = 0; r < tr->n_ranks; r++) {
         lg_buf g = lg_unit_grads(tr, r, u);
-        lg_zero(g, lg_padded_unit(&tr->plan.shards, u));
+        lg_zero(&tr->ranks[r].model.exec, g, lg_padded_unit(&tr->plan.shards, u));
         lg_model_point_unit(&tr->ranks[r].model, u, lg_no_buf(), g);
     }
 }
@@ -7723,7 +7839,7 @@ static void lg_trainer_reduce_unit(lg_trainer *tr, int u) {
     }
     for (int r = 0; r < tr->n_ranks; r++) {
         lg_buf shard = lg_at(tr->ranks[r].model.grads, sl->piece_offset[u]);
-        lg_add(shard, shard, tr->ranks[r].reduce_out, count);
+        lg_add(&tr->ranks[r].model.exec, shard, shard, tr->ranks[r].reduce_out, count);
     }
 }
 
@@ -7746,7 +7862,7 @@ static float lg_trainer_grad_norm(lg_trainer *tr) {
     lg_buf bufs[LG_MAX_RANKS];
     for (int i = 0; i < S; i++) {
         const lg_model *m = &tr->ranks[i].model;
-        squares[i] = (lg_real)lg_sum_squares(m->grads, m->n_local);
+        squares[i] = (lg_real)lg_sum_squares(&m->exec, m->grads, m->n_local);
         bufs[i] = lg_buf_of(&squares[i]);
     }
     lg_all_reduce_sum(S, bufs, 1);
@@ -7859,8 +7975,8 @@ static void lg_trainer_init_weights(lg_trainer *tr) {
         lg_broadcast(tr->n_ranks, 0, slots, sl->unit_offset[u + 1] - sl->unit_offset[u]);
         for (int r = 0; r < tr->n_ranks; r++) {
             size_t count = sl->piece_count[u], first = tr->plan.ranks[r].shard_index * count;
-            lg_copy(lg_at(tr->ranks[r].model.params, sl->piece_offset[u]), lg_at(slots[r], first),
-                    count);
+            lg_copy(&tr->ranks[r].model.exec, lg_at(tr->ranks[r].model.params, sl->piece_offset[u]),
+                    lg_at(slots[r], first), count);
         }
     }
 }
@@ -7880,12 +7996,14 @@ static void lg_trainer_share_updated_weights(lg_trainer *tr) {
             size_t live = first >= unit ? 0 : unit - first < count ? unit - first : count;
             wholes[i] = lg_unit_weights(tr, i, u);
             pieces[i] = lg_at(wholes[i], first);
-            lg_copy(pieces[i], lg_at(tr->ranks[i].model.params, sl->unit_offset[u] + first), live);
-            lg_zero(lg_at(pieces[i], live), count - live);
+            const lg_exec *ex = &tr->ranks[i].model.exec;
+            lg_copy(ex, pieces[i], lg_at(tr->ranks[i].model.params, sl->unit_offset[u] + first), live);
+            lg_zero(ex, lg_at(pieces[i], live), count - live);
         }
         lg_all_gather(S, pieces, wholes, count);
         for (int i = 0; i < S; i++)
-            lg_copy(lg_at(tr->ranks[i].model.params, sl->unit_offset[u]), wholes[i], unit);
+            lg_copy(&tr->ranks[i].model.exec, lg_at(tr->ranks[i].model.params, sl->unit_offset[u]),
+                    wholes[i], unit);
     }
 }
 
@@ -7928,8 +8046,8 @@ int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args,
         }
         const lg_model *m = &tr_r->model;
         if (!tr_r->host_weights.data) continue;
-        if (m->weights_gathered) lg_copy(tr_r->host_weights, m->params, m->n_local);
-        else lg_copy_from_whole(m->local, tr_r->host_weights, m->params);
+        if (m->weights_gathered) lg_copy(&m->exec, tr_r->host_weights, m->params, m->n_local);
+        else lg_copy_from_whole(&m->exec, m->local, tr_r->host_weights, m->params);
     }
     tr->scaling = args->precision == LG_PRECISION_16_TRUE || args->precision == LG_PRECISION_16_MIXED;
     tr->loss_scale = tr->scaling ? 65536.0f : 1.0f;
@@ -7948,16 +8066,17 @@ static void lg_trainer_update_rank(lg_trainer_rank *tr_r, float lr, float multip
         lg_optimizer_step(&tr_r->opt, m, lr, multiplier);
         return;
     }
-    lg_copy(tr_r->host_grads, m->grads, m->n_local);
+    lg_copy(&m->exec, tr_r->host_grads, m->grads, m->n_local);
+    lg_rank_sync(m->rank); /* the host reads them next */
     if (!tr_r->host_weights.data) {
-        lg_optimizer_update(&tr_r->opt, m->local, m->params, whole, tr_r->host_grads, lr,
+        lg_optimizer_update(&tr_r->opt, NULL, m->local, m->params, whole, tr_r->host_grads, lr,
                             multiplier);
         return;
     }
-    lg_optimizer_update(&tr_r->opt, m->local, tr_r->host_weights, 0, tr_r->host_grads, lr,
+    lg_optimizer_update(&tr_r->opt, NULL, m->local, tr_r->host_weights, 0, tr_r->host_grads, lr,
                         multiplier);
-    if (whole) lg_copy_to_whole(m->local, m->params, tr_r->host_weights);
-    else lg_copy(m->params, tr_r->host_weights, m->n_local);
+    if (whole) lg_copy_to_whole(&m->exec, m->local, m->params, tr_r->host_weights);
+    else lg_copy(&m->exec, m->params, tr_r->host_weights, m->n_local);
 }
 
 /* Sophia's Gauss-Newton-Bartlett estimate: the gradient of the loss on labels drawn from the
@@ -7977,6 +8096,7 @@ static void lg_trainer_hessian_pass(lg_trainer *tr, int step) {
         lg_trainer_micro_batches(tr, i, NULL, mb);
         lg_trainer_forward(tr, mb);
         for (int r = 0; r < tr->n_ranks; r++) {
+            lg_rank_sync(&tr->ranks[r].rank); /* the host reads the logits */
             size_t micro_tokens = (size_t)mb[r].B * mb[r].T;
             int *drawn = tr->ranks[r].sampled + i * stride;
             size_t first = ((size_t)i * tr->n_ranks + r) * stride;
@@ -7992,7 +8112,7 @@ static void lg_trainer_hessian_pass(lg_trainer *tr, int step) {
     if (!isfinite(lg_trainer_grad_norm(tr))) return; /* an fp16 overflow: keep the estimate */
     for (int r = 0; r < tr->n_ranks; r++) {
         lg_model *m = &tr->ranks[r].model;
-        lg_optimizer_hessian_update(&tr->ranks[r].opt, m->grads, m->n_local, (double)tokens,
+        lg_optimizer_hessian_update(&tr->ranks[r].opt, &m->exec, m->grads, m->n_local, (double)tokens,
                                     1.0f / tr->loss_scale);
     }
 }
@@ -8110,6 +8230,7 @@ void lg_trainer_generate(lg_trainer *tr, int *tokens, int n_prompt, int n_new,
         mb[0].B = 1;
         mb[0].T = n - start;
         lg_trainer_forward(tr, mb);
+        lg_rank_sync(m->rank); /* the host reads the logits */
         tokens[n] = lg_sample_token(lg_at(m->a.logits, (size_t)(mb[0].T - 1) * Vp),
                                     m->cfg.vocab_size, temperature, rng);
     }
@@ -8119,24 +8240,28 @@ void lg_trainer_weights(lg_trainer *tr, lg_buf whole) {
     const lg_shard_layout *sl = &tr->plan.shards;
     const lg_model *m0 = &tr->ranks[0].model;
     if (!m0->weights_gathered) {
-        lg_copy(whole, m0->params, m0->n_params);
+        lg_copy(&m0->exec, whole, m0->params, m0->n_params);
+        lg_rank_sync(m0->rank);
         return;
     }
     for (int u = 0; u < sl->n_units; u++) {
         lg_trainer_gather_unit(tr, u);
-        lg_copy(lg_at(whole, sl->unit_offset[u]), lg_unit_weights(tr, 0, u),
+        lg_copy(&m0->exec, lg_at(whole, sl->unit_offset[u]), lg_unit_weights(tr, 0, u),
                 sl->unit_offset[u + 1] - sl->unit_offset[u]);
     }
+    lg_rank_sync(m0->rank);
 }
 
 void lg_trainer_set_weights(lg_trainer *tr, lg_buf whole) {
     for (int r = 0; r < tr->n_ranks; r++) {
         lg_trainer_rank *tr_r = &tr->ranks[r];
         lg_model *m = &tr_r->model;
-        if (m->weights_gathered) lg_copy_from_whole(m->local, m->params, whole);
-        else lg_copy(m->params, whole, m->n_params);
-        if (tr_r->opt.master) lg_copy_from_whole(m->local, lg_buf_of(tr_r->opt.master), whole);
-        if (tr_r->host_weights.data) lg_copy_from_whole(m->local, tr_r->host_weights, whole);
+        const lg_exec *ex = &m->exec;
+        if (m->weights_gathered) lg_copy_from_whole(ex, m->local, m->params, whole);
+        else lg_copy(ex, m->params, whole, m->n_params);
+        if (tr_r->opt.master) lg_copy_from_whole(ex, m->local, lg_buf_of(tr_r->opt.master), whole);
+        if (tr_r->host_weights.data) lg_copy_from_whole(ex, m->local, tr_r->host_weights, whole);
+        lg_rank_sync(m->rank);
     }
 }
 

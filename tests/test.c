@@ -155,22 +155,27 @@ static void linear_bwd(fd_case *c) {
 }
 /* dims: N, C; flag: 1 LayerNorm, 0 RMSNorm */
 static void norm_fwd(fd_case *c) {
-    lg_norm_forward(lg_buf_of(c->out), c->flag ? c->scratch[0] : NULL, c->scratch[1], lg_buf_of(c->inputs[0]),
+    lg_norm_forward(NULL, lg_buf_of(c->out), c->flag ? c->scratch[0] : NULL, c->scratch[1], lg_buf_of(c->inputs[0]),
                     lg_buf_of(c->inputs[1]), lg_buf_of(c->flag ? c->inputs[2] : NULL), c->dims[0], c->dims[1], 1e-5f);
 }
 static void norm_bwd(fd_case *c) {
-    lg_norm_backward(lg_buf_of(c->grads[0]), lg_buf_of(c->grads[1]), lg_buf_of(c->flag ? c->grads[2] : NULL), lg_buf_of(c->probe),
+    lg_norm_backward(NULL, lg_buf_of(c->grads[0]), lg_buf_of(c->grads[1]), lg_buf_of(c->flag ? c->grads[2] : NULL), lg_buf_of(c->probe),
                      lg_buf_of(c->inputs[0]), lg_buf_of(c->inputs[1]), c->flag ? c->scratch[0] : NULL, c->scratch[1],
                      c->dims[0], c->dims[1]);
 }
-/* The attention's scratch rows for the op tests: 2 T T a thread, from the fd_case's buffer. */
-static lg_attention_scratch attention_scratch(fd_case *c) {
+/* The CPU's exec context with the attention's scratch rows for the op tests: 2 T T a thread,
+   from the fd_case's buffer. */
+static lg_exec attention_exec(fd_case *c) {
     int threads = 1;
 #ifdef _OPENMP
     threads = omp_get_max_threads() < 64 ? omp_get_max_threads() : 64; /* c->rows holds 64 */
 #endif
-    lg_attention_scratch sc = {c->rows, 2 * (size_t)c->dims[1] * c->dims[1], threads};
-    return sc;
+    lg_exec ex;
+    memset(&ex, 0, sizeof ex);
+    ex.attention.base = c->rows;
+    ex.attention.per_thread = 2 * (size_t)c->dims[1] * c->dims[1];
+    ex.attention.threads = threads;
+    return ex;
 }
 
 /* dims: B, T, NH, NQG, HS, rope dims */
@@ -179,44 +184,44 @@ static void rope_attn_fwd(fd_case *c) {
     size_t qkv = (size_t)B * T * (NH + 2 * NQG) * HS;
     memcpy(c->scratch[0], c->inputs[0], qkv * sizeof(lg_real));
     lg_rope_tables(c->scratch[2], c->scratch[3], T, c->dims[5], 10000.0f);
-    lg_rope_rotate(lg_buf_of(c->scratch[0]), c->scratch[2], c->scratch[3], B, T, NH, NQG, HS, c->dims[5], +1);
-    lg_attention_scratch sc = attention_scratch(c);
-    lg_attention_forward(NULL, &sc, lg_buf_of(c->out), c->scratch[1], lg_buf_of(c->scratch[0]), B, T,
+    lg_rope_rotate(NULL, lg_buf_of(c->scratch[0]), c->scratch[2], c->scratch[3], B, T, NH, NQG, HS, c->dims[5], +1);
+    lg_exec ex = attention_exec(c);
+    lg_attention_forward(&ex, lg_buf_of(c->out), c->scratch[1], lg_buf_of(c->scratch[0]), B, T,
                          NH, NQG, HS);
 }
 static void rope_attn_bwd(fd_case *c) {
     int B = c->dims[0], T = c->dims[1], NH = c->dims[2], NQG = c->dims[3], HS = c->dims[4];
-    lg_attention_scratch sc = attention_scratch(c);
-    lg_attention_backward(NULL, &sc, lg_buf_of(c->grads[0]), lg_buf_of(c->probe), lg_buf_of(c->scratch[0]),
+    lg_exec ex = attention_exec(c);
+    lg_attention_backward(&ex, lg_buf_of(c->grads[0]), lg_buf_of(c->probe), lg_buf_of(c->scratch[0]),
                           c->scratch[1], B, T, NH, NQG, HS);
-    lg_rope_rotate(lg_buf_of(c->grads[0]), c->scratch[2], c->scratch[3], B, T, NH, NQG, HS, c->dims[5], -1);
+    lg_rope_rotate(NULL, lg_buf_of(c->grads[0]), c->scratch[2], c->scratch[3], B, T, NH, NQG, HS, c->dims[5], -1);
 }
 /* flag: 0 gelu erf, 1 gelu tanh, 2 swiglu; dims[0]: n */
 static void act_fwd(fd_case *c) {
-    if (c->flag == 2) lg_swiglu_forward(lg_buf_of(c->out), lg_buf_of(c->inputs[0]), lg_buf_of(c->inputs[1]), c->dims[0]);
-    else lg_gelu_forward(lg_buf_of(c->out), lg_buf_of(c->inputs[0]), c->dims[0], c->flag);
+    if (c->flag == 2) lg_swiglu_forward(NULL, lg_buf_of(c->out), lg_buf_of(c->inputs[0]), lg_buf_of(c->inputs[1]), c->dims[0]);
+    else lg_gelu_forward(NULL, lg_buf_of(c->out), lg_buf_of(c->inputs[0]), c->dims[0], c->flag);
 }
 static void act_bwd(fd_case *c) {
-    if (c->flag == 2) lg_swiglu_backward(lg_buf_of(c->grads[0]), lg_buf_of(c->grads[1]), lg_buf_of(c->probe), lg_buf_of(c->inputs[0]),
+    if (c->flag == 2) lg_swiglu_backward(NULL, lg_buf_of(c->grads[0]), lg_buf_of(c->grads[1]), lg_buf_of(c->probe), lg_buf_of(c->inputs[0]),
                                           lg_buf_of(c->inputs[1]), c->dims[0]);
-    else lg_gelu_backward(lg_buf_of(c->grads[0]), lg_buf_of(c->probe), lg_buf_of(c->inputs[0]), c->dims[0], c->flag);
+    else lg_gelu_backward(NULL, lg_buf_of(c->grads[0]), lg_buf_of(c->probe), lg_buf_of(c->inputs[0]), c->dims[0], c->flag);
 }
 /* dims: B, T, C */
 static void embed_fwd(fd_case *c) {
-    lg_embedding_forward(lg_buf_of(c->out), c->tokens, lg_buf_of(c->inputs[0]), lg_buf_of(c->inputs[1]), c->dims[0], c->dims[1],
+    lg_embedding_forward(NULL, lg_buf_of(c->out), c->tokens, lg_buf_of(c->inputs[0]), lg_buf_of(c->inputs[1]), c->dims[0], c->dims[1],
                          c->dims[2]);
 }
 static void embed_bwd(fd_case *c) {
-    lg_embedding_backward(lg_buf_of(c->grads[0]), lg_buf_of(c->grads[1]), lg_buf_of(c->probe), c->tokens, c->dims[0], c->dims[1],
+    lg_embedding_backward(NULL, lg_buf_of(c->grads[0]), lg_buf_of(c->grads[1]), lg_buf_of(c->probe), c->tokens, c->dims[0], c->dims[1],
                           c->dims[2]);
 }
 /* dims: N, V, Vp; the output is the per-token loss */
 static void ce_fwd(fd_case *c) {
-    lg_crossentropy_forward(c->out, lg_buf_of(c->inputs[0]), c->tokens, c->dims[0], c->dims[1], c->dims[2]);
+    lg_crossentropy_forward(NULL, c->out, lg_buf_of(c->inputs[0]), c->tokens, c->dims[0], c->dims[1], c->dims[2]);
 }
 static void ce_bwd(fd_case *c) {
     /* d(sum_n probe_n loss_n)/dlogits: the op's scale is one number, so use a uniform probe */
-    lg_crossentropy_backward(lg_buf_of(c->grads[0]), lg_buf_of(c->inputs[0]), c->tokens, c->dims[0], c->dims[1],
+    lg_crossentropy_backward(NULL, lg_buf_of(c->grads[0]), lg_buf_of(c->inputs[0]), c->tokens, c->dims[0], c->dims[1],
                              c->dims[2], c->probe[0]);
 }
 
@@ -938,7 +943,7 @@ static int train_builtin(const lg_config *cfg, const lg_args *a, int T, int step
     if (rc == 0 && final_params) {
         *n_params = tr.ranks[0].model.n_params;
         *final_params = new_reals(*n_params);
-        lg_copy(lg_buf_of(*final_params), tr.ranks[0].model.params, *n_params);
+        lg_copy(NULL, lg_buf_of(*final_params), tr.ranks[0].model.params, *n_params);
     }
     lg_loader_close(&ld);
     lg_trainer_free(&tr);
@@ -1273,11 +1278,11 @@ static void test_loss_scaler(results *r) {
     /* force an overflow: a scale that takes fp16 activation gradients past 65504 */
     tr.loss_scale = 1073741824.0f; /* 2^30 */
     lg_real *before = new_reals(tr.ranks[0].model.n_params);
-    lg_copy(lg_buf_of(before), tr.ranks[0].model.params, tr.ranks[0].model.n_params);
+    lg_copy(NULL, lg_buf_of(before), tr.ranks[0].model.params, tr.ranks[0].model.n_params);
     ok = ok && lg_trainer_step(&tr, &ld, 1, &st, &err) == 0 && st.skipped &&
          tr.loss_scale == 536870912.0f;
     lg_real *after = new_reals(tr.ranks[0].model.n_params);
-    lg_copy(lg_buf_of(after), tr.ranks[0].model.params, tr.ranks[0].model.n_params);
+    lg_copy(NULL, lg_buf_of(after), tr.ranks[0].model.params, tr.ranks[0].model.n_params);
     int unchanged = memcmp(before, after, tr.ranks[0].model.n_params * sizeof(lg_real)) == 0;
     /* back to a sane scale: the next steps are clean, and the window doubles it */
     tr.loss_scale = 1024.0f;
@@ -1438,7 +1443,7 @@ static void check_allocations_match_plan(results *r, const char *config_name, in
     ok = ok && tr.ranks[0].model.params.data == lg_rank_region(rank, "weights") &&
          tr.ranks[0].model.grads.data == lg_rank_region(rank, "gradients") &&
          (void *)tr.ranks[0].inputs == lg_rank_region(rank, "tokens.inputs") &&
-         (void *)tr.ranks[0].model.workspace.base == lg_rank_region(rank, "gemm.workspace") &&
+         (void *)tr.ranks[0].model.exec.gemm.base == lg_rank_region(rank, "gemm.workspace") &&
          tr.ranks[0].model.a.residual[0].data == lg_rank_region(rank, "activations.embedding") &&
          tr.ranks[0].model.a.d_res_a.data == lg_rank_region(rank, "backward") &&
          tr.ranks[0].model.a.ln_f.data == lg_rank_region(rank, "head");
