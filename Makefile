@@ -1,30 +1,58 @@
-# litgpt.c — `make` builds ./train for the CPU; `make test` builds and runs every test.
+# litgpt.c — `make` builds ./train: the CUDA build when nvcc is found and a GPU is visible,
+# else the CPU build (`make cuda` and `make cpu` choose); `make test` builds and runs every test.
 CC ?= gcc
+CXX ?= g++
 CFLAGS ?= -O3 -march=native -ffp-contract=fast
 WARNINGS = -std=c11 -Wall -Wextra -Werror
 OPENMP = -fopenmp
 LDLIBS = -lm
-CUDA_LIBS = -lnccl
+CUDA_LIBS = -lcublasLt -lnccl
 NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
-GPU_ARCH ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo yes)
+# sm_80 (A100) and sm_90 (H100, H200) by default; the GPU's own when one is visible
+GPU_ARCH ?= $(if $(HAVE_GPU),-arch=native,-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90)
+NVCC_FLAGS = -x cu -std=c++17 -O3 $(GPU_ARCH) -Werror all-warnings \
+	-Xcompiler -Wall,-Wextra,-Werror,$(OPENMP)
+BACKEND ?= $(if $(and $(NVCC),$(HAVE_GPU)),cuda,cpu)
 HEADERS = litgpt.h litgpt_cuda.cuh
+# the CUDA backend's kernels run on the CPU in tests through this emulator (g++, no GPU)
+EMULATED = $(CXX) -std=c++17 -O2 -DLG_CUDA_EMULATE -Wall -Wextra -Werror -Wno-unknown-pragmas $(OPENMP) -x c++
 
 .PHONY: all cpu cuda test bench clean data tokenizers
 
 all: train
 
-cpu: train
+train: build/train_$(BACKEND)
+	cp $< $@
 
-train: train.c $(HEADERS)
+cpu: build/train_cpu
+	cp $< train
+
+cuda: build/train_cuda
+	cp $< train
+
+build/train_cpu: train.c $(HEADERS)
+	@mkdir -p build
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) train.c -o $@ $(LDLIBS)
 
-# The CUDA build of the same train.c (nvcc -x cu); until the kernels land it runs on the CPU.
-cuda: build/train_cuda
-
+# The CUDA build of the same train.c (nvcc -x cu); without a GPU it runs on the CPU backend.
 build/train_cuda: train.c $(HEADERS)
 	@mkdir -p build
-	$(NVCC) -x cu -O3 $(GPU_ARCH) -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror,$(OPENMP) \
-		train.c -o $@ $(LDLIBS) $(CUDA_LIBS)
+	$(NVCC) $(NVCC_FLAGS) train.c -o $@ $(LDLIBS) $(CUDA_LIBS)
+
+# The CUDA backend against the CPU backend (tests/gpu/run.sh runs it on GPUs), and the same
+# file on the emulator.
+build/test_cuda: tests/gpu/test_cuda.c $(wildcard tests/gpu/*.inc) $(HEADERS)
+	@mkdir -p build
+	$(NVCC) $(NVCC_FLAGS) tests/gpu/test_cuda.c -o $@ $(LDLIBS) $(CUDA_LIBS)
+
+build/test_cuda_emulated: tests/gpu/test_cuda.c $(wildcard tests/gpu/*.inc) tests/cuda_emulator.h $(HEADERS)
+	@mkdir -p build
+	$(EMULATED) tests/gpu/test_cuda.c -o $@ $(LDLIBS)
+
+build/test_cuda_emulator: tests/test_cuda_emulator.cpp tests/cuda_emulator.h
+	@mkdir -p build
+	$(EMULATED) tests/test_cuda_emulator.cpp -o $@
 
 tests/test: tests/test.c $(wildcard tests/test_*.c) $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tests/test.c -o $@ $(LDLIBS)
@@ -73,11 +101,10 @@ tools/bench: tools/bench.c $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tools/bench.c -o $@ $(LDLIBS)
 
 # litgpt.h must stay valid C++ (the CUDA build compiles train.c as CUDA C++)
-test: train tests/test tests/test64 tools/prepare tokenizers
+test: train tests/test tests/test64 tools/prepare tokenizers build/test_cuda_emulator build/test_cuda_emulated
 	g++ -x c++ -std=c++17 -Wall -Wextra -Werror -fsyntax-only $(OPENMP) train.c
-	@if [ -n "$(NVCC)" ]; then $(MAKE) --no-print-directory cuda; \
+	@if [ -n "$(NVCC)" ]; then $(MAKE) --no-print-directory build/train_cuda build/test_cuda; \
 	 else echo "nvcc not found: CUDA build not checked"; fi
-	@mkdir -p build
 	./tests/test
 
 # Training tokens/s of configs/bench.yaml, litgpt.c and PyTorch side by side (PyTorch from the

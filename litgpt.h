@@ -237,6 +237,10 @@ typedef struct {
     const char *config;        /* -c: configs/NAME.yaml or a path; NULL: the built-in model */
     const char *data;          /* --data: training token shard; NULL: the built-in task */
     lg_backend backend;        /* where the ranks run: the CPU, or the GPUs of a CUDA build */
+    size_t runtime_bytes;      /* GPU: the runtime's own memory a device, measured (the plan
+                                  counts it); 0 on the CPU */
+    size_t device_bytes;       /* GPU: the smallest GPU's memory, measured; 0 on the CPU */
+    int tf32;                  /* --tf32: fp32 matmuls on a GPU may use TF32 */
     const char *val_data;      /* --val-data: validation token shard */
     int micro_batch_size;      /* -b: samples per forward/backward */
     int global_batch_size;     /* -g: samples per optimizer step over all devices; 0: = -b */
@@ -438,7 +442,18 @@ typedef struct {
     lg_state_format optimizer_state;
     int threads;            /* CPU threads: one matmul workspace each */
     lg_backend backend;     /* the CPU's scratch regions, or a GPU's workspace */
+    size_t runtime_bytes;   /* GPU: what the CUDA context, cuBLAS and NCCL take, measured at
+                               start-up (lg_args.runtime_bytes); planned, not in the arena */
+    int tf32;               /* GPU: fp32 matmuls may use TF32 (no memory; the ranks read it) */
 } lg_plan_spec;
+
+/* A GPU rank's own regions (litgpt_cuda.cuh): cuBLASLt's workspace, the partial sums of its
+   reductions (norm weight gradients: LG_CUDA_ROW_CHUNKS rows of 2 C floats; totals:
+   LG_CUDA_REDUCE_SLOTS doubles) and the micro-batch's ids. */
+#define LG_CUDA_MATMUL_WORKSPACE ((size_t)32 << 20)
+#define LG_CUDA_ROW_CHUNKS 64
+#define LG_CUDA_REDUCE_SLOTS 1024
+#define LG_CUDA_RUNTIME_REGION "cuda.runtime" /* the last device region: not in the arena */
 
 /* What a strategy splits, over how many ranks. Rank r is member r % shard_ranks of shard group
    r / shard_ranks, and member r / shard_ranks of replica group r % shard_ranks. */
@@ -694,24 +709,38 @@ lg_buf lg_rank_view(const lg_rank *rank, const char *name, lg_dtype dtype);
 void lg_rank_sync(const lg_rank *rank);
 
 /* Collectives over the members of a group, one buffer per member in member order: the shape of
-   NCCL's grouped calls made from one thread (litgpt_cuda.cuh). The CPU backend runs them in
-   this process: sums in lg_real, member by member in order, rounded once to the buffers'
-   type. */
+   NCCL's grouped calls made from one thread. `comm` is the group's NCCL communicators on GPUs
+   (lg_comm_create); NULL runs them in this process on host-visible memory: sums in lg_real,
+   member by member in order, rounded once to the buffers' type. */
+typedef struct lg_comm lg_comm;
 /* bufs[m] (count) = the sum over members of bufs */
-void lg_all_reduce_sum(int n, lg_buf *bufs, size_t count);
+void lg_all_reduce_sum(lg_comm *comm, int n, lg_buf *bufs, size_t count);
 /* piece[i] (piece_count) = the sum over members m of whole[m][i piece_count ..], each whole
    holding n piece_count elements */
-void lg_reduce_scatter_sum(int n, const lg_buf *whole, lg_buf *piece, size_t piece_count);
+void lg_reduce_scatter_sum(lg_comm *comm, int n, const lg_buf *whole, lg_buf *piece,
+                           size_t piece_count);
 /* whole[m][i piece_count ..] = piece[i] for every m; piece[i] may be that place of whole[i]
    (in place) */
-void lg_all_gather(int n, const lg_buf *piece, lg_buf *whole, size_t piece_count);
+void lg_all_gather(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole, size_t piece_count);
 /* bufs[m] = bufs[root] */
-void lg_broadcast(int n, int root, lg_buf *bufs, size_t count);
+void lg_broadcast(lg_comm *comm, int n, int root, lg_buf *bufs, size_t count);
+/* The NCCL communicators of n GPU ranks (NULL with err set when they cannot be made). */
+lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err);
+void lg_comm_free(lg_comm *comm);
 
 /* GPUs visible to a CUDA build (0 in a CPU build). */
 int lg_cuda_device_count(void);
-/* The backend this build runs: the CPU until the CUDA kernels land (litgpt_cuda.cuh). */
+/* The backend this build runs: CUDA when it is a CUDA build and a GPU is visible. */
 lg_backend lg_backend_in_use(void);
+/* CUDA builds (the others return an error): what the CUDA context (with other processes'
+   memory), cuBLASLt and `communicators` NCCL communicators take on GPUs 0..devices-1, the
+   most of any GPU, and the smallest GPU's total memory; */
+int lg_cuda_measure_runtime(int devices, int communicators, size_t *runtime_bytes,
+                            size_t *total_bytes, lg_error *err);
+/* a GPU's free and total memory; */
+int lg_cuda_memory(int device, size_t *free_bytes, size_t *total_bytes, lg_error *err);
+/* the peer access between GPUs 0..devices-1 as a table on out; 1 when every pair is direct. */
+int lg_cuda_report_topology(int devices, FILE *out);
 
 /* ---------------------------------------------------------------------------------------------
    10. data (API)
@@ -1101,6 +1130,12 @@ typedef struct lg_trainer {
     lg_trainer_rank *ranks;    /* (n_ranks) */
     int block_slots;           /* gather_blocks slots: 2 or 1 */
     int accumulation;          /* micro-batches per optimizer step and rank */
+    /* GPUs: the NCCL communicators of shard group q (shard_comm[q], members q S + i), of
+       replica group i (replica_comm[i], members q S + i) and of all ranks (weights broadcast
+       at the start); NULL on the CPU and for groups of one */
+    lg_comm *shard_comm[LG_MAX_RANKS];
+    lg_comm *replica_comm[LG_MAX_RANKS];
+    lg_comm *world_comm;
     /* dynamic loss scaling (16-true, 16-mixed), as PyTorch's GradScaler */
     int scaling;        /* 1 in the fp16 precisions */
     float loss_scale;   /* multiplies the loss before the backward: 2^16 at the start */
@@ -1139,6 +1174,8 @@ void lg_trainer_weights(lg_trainer *tr, lg_buf whole);
    (n_params) of any type: loading a model. */
 void lg_trainer_set_weights(lg_trainer *tr, lg_buf whole);
 void lg_trainer_free(lg_trainer *tr);
+/* The NCCL communicators each rank of such a run joins on GPUs. */
+int lg_comms_per_rank(const lg_args *args);
 
 #ifdef __cplusplus
 }
@@ -1164,8 +1201,10 @@ void lg_trainer_free(lg_trainer *tr);
 #include <sys/stat.h>
 #include <unistd.h>
 
-#ifdef __CUDACC__
-#include "litgpt_cuda.cuh"
+/* The CUDA backend is part of the build when nvcc compiles it, or when a test runs its kernels
+   on the CPU through tests/cuda_emulator.h. */
+#if defined(__CUDACC__) || defined(LG_CUDA_EMULATE)
+#define LG_CUDA 1
 #endif
 
 /* OpenMP pragmas that vanish, without a warning, when the compiler is not asked for OpenMP. */
@@ -1422,6 +1461,38 @@ LG_HD lg_real lg_sgd_element(lg_real p, lg_real g, lg_real *buf, lg_real lr, lg_
         g = *buf;
     }
     return p - lr * g;
+}
+
+/* The constants one optimizer step applies to every element (lg_update_rule_of, section 8). */
+typedef struct {
+    lg_optimizer_kind kind;
+    lg_real lr, beta1, beta2, eps, rho, momentum;
+    lg_real bias_corr1, bias_corr2; /* AdamW's 1 - beta^t */
+    uint64_t rounding_seed;         /* the stochastic rounding draws of this step */
+} lg_update_rule;
+
+/* Tensors weight decay applies to: matrices and embeddings, not norms or biases. */
+static int lg_tensor_decays(lg_tensor_kind kind) {
+    return kind == LG_TENSOR_EMBEDDING || kind == LG_TENSOR_WEIGHT || kind == LG_TENSOR_RESIDUAL;
+}
+
+/* One parameter's update by the rule; m and v in and out (v as a plain second moment). */
+LG_HD lg_real lg_update_element(const lg_update_rule *r, lg_real w, lg_real g, lg_real *m,
+                                lg_real *v, lg_real decay) {
+    if (r->kind == LG_OPTIMIZER_ADAMW)
+        return lg_adamw_element(w, g, m, v, r->lr, r->beta1, r->beta2, r->bias_corr1,
+                                r->bias_corr2, r->eps, decay);
+    if (r->kind == LG_OPTIMIZER_LION) return lg_lion_element(w, g, m, r->lr, r->beta1, r->beta2, decay);
+    if (r->kind == LG_OPTIMIZER_SOPHIA)
+        return lg_sophia_element(w, g, m, *v, r->lr, r->beta1, r->rho, decay);
+    return lg_sgd_element(w, g, m, r->lr, r->momentum, decay);
+}
+
+/* An updated weight rounded stochastically to a half type, with a draw that depends on the
+   step and the element's place in the whole layout (`origin`), so that sharded runs round as
+   one rank does. */
+LG_HD uint16_t lg_round_update(const lg_update_rule *r, lg_real w, lg_dtype dtype, size_t origin) {
+    return lg_round_stochastic((float)w, dtype, lg_hash_uniform(r->rounding_seed, origin));
 }
 
 /* 3. config ----------------------------------------------------------------------------------- */
@@ -2042,6 +2113,9 @@ void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
     s->recompute = a->recompute;
     s->offload = a->offload;
     s->optimizer = a->optimizer;
+    s->backend = a->backend;
+    s->runtime_bytes = a->runtime_bytes;
+    s->tf32 = a->tf32;
     s->momentum = a->momentum != 0.0f;
     s->optimizer_state = a->optimizer == LG_OPTIMIZER_ADAMW ? a->optimizer_state
                                                             : LG_STATE_AS_PRECISION;
@@ -2234,6 +2308,29 @@ static int lg_plan_activations(lg_rank_plan *r, const lg_config *c, const lg_pla
     return rc;
 }
 
+/* The CPU's scratch: the matmul's packing buffers and attention's rows, one set a thread. */
+static int lg_plan_cpu_workspace(lg_rank_plan *r, const lg_plan_spec *s) {
+    int rc = lg_plan_add(r, "gemm.workspace", LG_GROUP_WORKSPACE, LG_POOL_DEVICE, LG_DTYPE_F32,
+                         lg_gemm_workspace_count() * (size_t)s->threads);
+    return rc | lg_plan_add(r, "attention.scratch", LG_GROUP_WORKSPACE, LG_POOL_DEVICE,
+                            LG_DTYPE_F32, 2 * (size_t)s->T * s->T * (size_t)s->threads);
+}
+
+/* A GPU's own regions (see LG_CUDA_MATMUL_WORKSPACE), and last the runtime's memory, which the
+   rank's arena stops before. */
+static int lg_plan_gpu_workspace(lg_rank_plan *r, const lg_config *c, const lg_plan_spec *s) {
+    int rc = lg_plan_add(r, "cuda.matmul_workspace", LG_GROUP_WORKSPACE, LG_POOL_DEVICE,
+                         LG_DTYPE_U8, LG_CUDA_MATMUL_WORKSPACE);
+    rc |= lg_plan_add(r, "cuda.row_sums", LG_GROUP_WORKSPACE, LG_POOL_DEVICE, LG_DTYPE_F32,
+                      (size_t)LG_CUDA_ROW_CHUNKS * 2 * c->n_embd);
+    rc |= lg_plan_add(r, "cuda.totals", LG_GROUP_WORKSPACE, LG_POOL_DEVICE, LG_DTYPE_U8,
+                      LG_CUDA_REDUCE_SLOTS * sizeof(double));
+    rc |= lg_plan_add(r, "cuda.ids", LG_GROUP_DATA, LG_POOL_DEVICE, LG_DTYPE_I32,
+                      2 * (size_t)s->B * s->T);
+    return rc | lg_plan_add(r, LG_CUDA_RUNTIME_REGION, LG_GROUP_WORKSPACE, LG_POOL_DEVICE,
+                            LG_DTYPE_U8, s->runtime_bytes);
+}
+
 int lg_plan_make(lg_plan *plan, const lg_config *c, const lg_plan_spec *s, lg_error *err) {
     memset(plan, 0, sizeof *plan);
     if (lg_config_check(c, err) != 0) return -1;
@@ -2272,10 +2369,8 @@ int lg_plan_make(lg_plan *plan, const lg_config *c, const lg_plan_spec *s, lg_er
         lg_shard_table(&plan->shards, &params, r->shard_index, &r->pieces);
         rc |= lg_plan_model_state(r, plan);
         rc |= lg_plan_activations(r, c, s);
-        rc |= lg_plan_add(r, "gemm.workspace", LG_GROUP_WORKSPACE, LG_POOL_DEVICE, LG_DTYPE_F32,
-                          lg_gemm_workspace_count() * (size_t)s->threads);
-        rc |= lg_plan_add(r, "attention.scratch", LG_GROUP_WORKSPACE, LG_POOL_DEVICE, LG_DTYPE_F32,
-                          2 * (size_t)s->T * s->T * (size_t)s->threads);
+        rc |= s->backend == LG_BACKEND_CUDA ? lg_plan_gpu_workspace(r, c, s)
+                                            : lg_plan_cpu_workspace(r, s);
         rc |= lg_plan_add(r, "tokens.inputs", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
         rc |= lg_plan_add(r, "tokens.targets", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
         if (s->optimizer == LG_OPTIMIZER_SOPHIA) /* labels drawn from the model for its Hessian */
@@ -2677,6 +2772,10 @@ void lg_plan_print_json(const lg_plan *plan, FILE *out) {
     }
     fprintf(out, "]}\n");
 }
+
+#ifdef LG_CUDA
+#include "litgpt_cuda.cuh" /* the GPU's ops, which the ops below hand over to on a GPU rank */
+#endif
 
 /* 6. kernels (CPU) ------------------------------------------------------------------------- */
 
@@ -3233,12 +3332,15 @@ static void lg_attention_forward(const lg_exec *ex, lg_buf y, lg_real *lse, lg_b
         }
 }
 
-/* dqkv (B, T, QKV) += gradient of the attention given dy (B, T, NH HS). The probabilities are
-   rebuilt from q, k and the saved log-sum-exp. Threads own a (batch, group) pair, so the
-   key/value gradients shared by the heads of a group are written by one thread only. */
-static void lg_attention_backward(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg_buf qkv,
-                                  const lg_real *lse, int B, int T, int NH, int NQG, int HS) {
-    LG_ON_GPU(ex, lg_cuda_attention_backward(ex, dqkv, dy, qkv, lse, B, T, NH, NQG, HS));
+/* dqkv (B, T, QKV) += gradient of the attention given dy (B, T, NH HS) and the forward's
+   output y (B, T, NH HS). The probabilities are rebuilt from q, k and the saved log-sum-exp;
+   the softmax's backward needs each row's sum_s p dp = dy . y. Threads own a (batch, group)
+   pair, so the key/value gradients shared by the heads of a group are written by one thread
+   only. */
+static void lg_attention_backward(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg_buf y,
+                                  lg_buf qkv, const lg_real *lse, int B, int T, int NH, int NQG,
+                                  int HS) {
+    LG_ON_GPU(ex, lg_cuda_attention_backward(ex, dqkv, dy, y, qkv, lse, B, T, NH, NQG, HS));
     const lg_gemm_workspace *ws = lg_gemm_space(ex);
     const lg_attention_scratch *sc = &ex->attention;
     int QKV = (NH + 2 * NQG) * HS, heads_per_group = NH / NQG;
@@ -3255,16 +3357,18 @@ static void lg_attention_backward(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg_
                 lg_buf dk = lg_at(dqkv, at + (size_t)(NH + g) * HS);
                 lg_buf dv = lg_at(dqkv, at + (size_t)(NH + NQG + g) * HS);
                 lg_buf dout = lg_at(dy, (size_t)b * T * NH * HS + (size_t)h * HS);
+                lg_buf out = lg_at(y, (size_t)b * T * NH * HS + (size_t)h * HS); /* ld NH HS */
                 lg_real *p = lg_attention_rows(sc), *dp = p + (size_t)T * T; /* (T, T) each */
                 lg_gemm(ws, 0, 1, T, T, HS, q, QKV, k, QKV, 0, lg_buf_of(p), T);
                 lg_causal_probabilities(p, T, scale, lse + ((size_t)b * NH + h) * T);
                 /* y = p v: dp = dy v^T, dv += p^T dy */
                 lg_gemm(ws, 0, 1, T, T, HS, dout, NH * HS, v, QKV, 0, lg_buf_of(dp), T);
                 lg_gemm(ws, 1, 0, T, HS, T, lg_buf_of(p), T, dout, NH * HS, 1, dv, QKV);
-                /* softmax backward into the scaled scores: ds = p (dp - sum_s p dp) scale */
+                /* softmax backward into the scaled scores: ds = p (dp - dy . y) scale */
                 for (int t = 0; t < T; t++) {
                     lg_real *pr = p + (size_t)t * T, *dr = dp + (size_t)t * T, dot = 0;
-                    for (int s = 0; s <= t; s++) dot += pr[s] * dr[s];
+                    for (int i = 0; i < HS; i++)
+                        dot += lg_get(dout, (size_t)t * NH * HS + i) * lg_get(out, (size_t)t * NH * HS + i);
                     for (int s = 0; s <= t; s++) dr[s] = pr[s] * (dr[s] - dot) * scale;
                     for (int s = t + 1; s < T; s++) dr[s] = 0;
                 }
@@ -3705,7 +3809,7 @@ static void lg_block_backward(lg_model *m, int l, int B, int T, lg_buf d_out, lg
     lg_linear_backward(ex, s->d_att_y, g->proj_w, g->proj_b, s->d_mid, a->att_y, w->proj_w, N,
                        NH * HS, C);
     lg_zero(ex, s->d_qkv, (size_t)N * QKV);
-    lg_attention_backward(ex, s->d_qkv, s->d_att_y, a->qkv, a->att_lse, B, T, NH,
+    lg_attention_backward(ex, s->d_qkv, s->d_att_y, a->att_y, a->qkv, a->att_lse, B, T, NH,
                           NQG, HS);
     lg_rope_rotate(ex, s->d_qkv, m->a.rope_cos, m->a.rope_sin, B, T, NH, NQG, HS,
                    lg_config_rope_dims(c), -1);
@@ -3875,23 +3979,30 @@ int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_args *arg
 
 void lg_optimizer_free(lg_optimizer *opt) { memset(opt, 0, sizeof *opt); /* the rank owns the state */ }
 
-static int lg_tensor_decays(lg_tensor_kind kind) {
-    return kind == LG_TENSOR_EMBEDDING || kind == LG_TENSOR_WEIGHT || kind == LG_TENSOR_RESIDUAL;
+/* The updated weight goes to the master copy (at k) and its rounded working copy (at kw), or
+   straight to the weights: stochastically rounded when they are half without a master. */
+static void lg_store_weight(const lg_optimizer *opt, const lg_update_rule *rule, lg_buf params,
+                            size_t k, size_t kw, size_t origin, lg_real w) {
+    if (opt->master) opt->master[k] = w;
+    if (opt->stochastic) ((uint16_t *)params.data)[kw] = lg_round_update(rule, w, params.dtype, origin);
+    else lg_set(params, kw, w);
 }
 
-/* The updated weight goes to the master copy (at k) and its rounded working copy (at kw), or
-   straight to the weights: stochastically rounded when they are half without a master, with a
-   draw that depends on the element's place in the whole layout (`origin`), so that sharded
-   runs round as one rank does. */
-static void lg_store_weight(const lg_optimizer *opt, lg_buf params, size_t k, size_t kw,
-                            size_t origin, lg_real w) {
-    if (opt->master) opt->master[k] = w;
-    if (opt->stochastic) {
-        float u = lg_hash_uniform(opt->seed ^ ((uint64_t)opt->t << 40), origin);
-        ((uint16_t *)params.data)[kw] = lg_round_stochastic((float)w, params.dtype, u);
-    } else {
-        lg_set(params, kw, w);
-    }
+/* The rule of the step the optimizer takes now (opt->t counts it already). */
+static lg_update_rule lg_update_rule_of(const lg_optimizer *opt, float lr) {
+    lg_update_rule r;
+    memset(&r, 0, sizeof r);
+    r.kind = opt->kind;
+    r.lr = lr;
+    r.beta1 = opt->beta1;
+    r.beta2 = opt->beta2;
+    r.eps = opt->eps;
+    r.rho = opt->rho;
+    r.momentum = opt->momentum;
+    r.bias_corr1 = 1.0f - lg_pow(opt->beta1, (lg_real)opt->t);
+    r.bias_corr2 = 1.0f - lg_pow(opt->beta2, (lg_real)opt->t);
+    r.rounding_seed = opt->seed ^ ((uint64_t)opt->t << 40);
+    return r;
 }
 
 void lg_optimizer_step(lg_optimizer *opt, lg_model *m, float lr, float grad_multiplier) {
@@ -3913,20 +4024,6 @@ void lg_copy_from_whole(const lg_exec *ex, const lg_tensor_table *table, lg_buf 
         const lg_tensor_info *t = &table->tensors[i];
         lg_copy(ex, lg_at(local, t->offset), lg_at(whole, t->origin), t->count);
     }
-}
-
-/* One parameter's update; m and v in and out (v as a plain second moment). */
-static lg_real lg_optimizer_element(const lg_optimizer *opt, lg_real w, lg_real g, lg_real *mk,
-                                    lg_real *vk, float lr, lg_real bias_corr1, lg_real bias_corr2,
-                                    lg_real decay) {
-    if (opt->kind == LG_OPTIMIZER_ADAMW)
-        return lg_adamw_element(w, g, mk, vk, lr, opt->beta1, opt->beta2, bias_corr1, bias_corr2,
-                                opt->eps, decay);
-    if (opt->kind == LG_OPTIMIZER_LION)
-        return lg_lion_element(w, g, mk, lr, opt->beta1, opt->beta2, decay);
-    if (opt->kind == LG_OPTIMIZER_SOPHIA)
-        return lg_sophia_element(w, g, mk, *vk, lr, opt->beta1, opt->rho, decay);
-    return lg_sgd_element(w, g, mk, lr, opt->momentum, decay);
 }
 
 /* Where one tensor's state lives: fp32 or half views indexed from the tensor's first element,
@@ -3988,10 +4085,9 @@ void lg_optimizer_update(lg_optimizer *opt, const lg_exec *ex, const lg_tensor_t
                          lg_buf params, int params_whole, lg_buf grads, float lr,
                          float grad_multiplier) {
     opt->t++;
-    LG_ON_GPU(ex, lg_cuda_optimizer_update(ex, opt, table, params, params_whole, grads, lr,
+    lg_update_rule rule = lg_update_rule_of(opt, lr);
+    LG_ON_GPU(ex, lg_cuda_optimizer_update(ex, opt, &rule, table, params, params_whole, grads,
                                            grad_multiplier));
-    lg_real bias_corr1 = 1.0f - lg_pow(opt->beta1, (lg_real)opt->t);
-    lg_real bias_corr2 = 1.0f - lg_pow(opt->beta2, (lg_real)opt->t);
     lg_state_cursor cursor = {0, 0, 0};
     for (int i = 0; i < table->n_tensors; i++) {
         const lg_tensor_info *t = &table->tensors[i];
@@ -4024,7 +4120,7 @@ void lg_optimizer_update(lg_optimizer *opt, const lg_exec *ex, const lg_tensor_t
                     vk = st.v.data ? lg_get(st.v, first + j) : 0;
                     if (opt->sqrt_v) vk *= vk;
                 }
-                w = lg_optimizer_element(opt, w, g, &mk, &vk, lr, bias_corr1, bias_corr2, decay);
+                w = lg_update_element(&rule, w, g, &mk, &vk, decay);
                 if (quantized) {
                     m_block[j] = mk;
                     v_block[j] = vk;
@@ -4032,7 +4128,7 @@ void lg_optimizer_update(lg_optimizer *opt, const lg_exec *ex, const lg_tensor_t
                     if (st.m.data) lg_set(st.m, first + j, mk);
                     if (st.v.data) lg_set(st.v, first + j, opt->sqrt_v ? lg_sqrt(vk) : vk);
                 }
-                lg_store_weight(opt, params, k, kw, origin, w);
+                lg_store_weight(opt, &rule, params, k, kw, origin, w);
             }
             if (m_codes) lg_quantize_block(opt->signed_map, m_codes, &st.m_scales[b], (int)n, m_block);
             if (v_codes) lg_quantize_block(opt->unsigned_map, v_codes, &st.v_scales[b], (int)n, v_block);
@@ -4082,15 +4178,44 @@ float lg_learning_rate(const lg_args *a, int step) {
 
 /* 9. ranks and collectives ---------------------------------------------------------------- */
 
-int lg_cuda_device_count(void) {
-#ifdef LG_CUDA_DEVICE_COUNT
-    return LG_CUDA_DEVICE_COUNT();
+#ifdef LG_CUDA
+int lg_cuda_device_count(void) { return lg_cuda_device_count_impl(); }
+lg_backend lg_backend_in_use(void) {
+    return lg_cuda_device_count() > 0 ? LG_BACKEND_CUDA : LG_BACKEND_CPU;
+}
 #else
-    return 0;
-#endif
+int lg_cuda_device_count(void) { return 0; }
+lg_backend lg_backend_in_use(void) { return LG_BACKEND_CPU; }
+
+int lg_cuda_measure_runtime(int devices, int communicators, size_t *runtime_bytes,
+                            size_t *total_bytes, lg_error *err) {
+    (void)devices;
+    (void)communicators;
+    *runtime_bytes = *total_bytes = 0;
+    return lg_fail(err, "this build has no CUDA backend");
 }
 
-lg_backend lg_backend_in_use(void) { return LG_BACKEND_CPU; }
+int lg_cuda_memory(int device, size_t *free_bytes, size_t *total_bytes, lg_error *err) {
+    (void)device;
+    *free_bytes = *total_bytes = 0;
+    return lg_fail(err, "this build has no CUDA backend");
+}
+
+int lg_cuda_report_topology(int devices, FILE *out) {
+    (void)devices;
+    (void)out;
+    return 0;
+}
+
+lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err) {
+    (void)n;
+    (void)members;
+    lg_fail(err, "this build has no CUDA backend");
+    return NULL;
+}
+
+void lg_comm_free(lg_comm *comm) { (void)comm; }
+#endif
 
 int lg_rank_create(lg_rank *rank, const lg_plan *plan, int index, lg_error *err) {
     memset(rank, 0, sizeof *rank);
@@ -4156,7 +4281,15 @@ void lg_rank_sync(const lg_rank *rank) {
 #endif
 }
 
-void lg_all_reduce_sum(int n, lg_buf *bufs, size_t count) {
+/* A group with communicators runs on the GPUs (litgpt_cuda.cuh, part j). */
+#ifdef LG_CUDA
+#define LG_ON_COMM(comm, call) do { if (comm) { call; return; } } while (0)
+#else
+#define LG_ON_COMM(comm, call) (void)(comm)
+#endif
+
+void lg_all_reduce_sum(lg_comm *comm, int n, lg_buf *bufs, size_t count) {
+    LG_ON_COMM(comm, lg_cuda_all_reduce_sum(comm, bufs, count));
     LG_OMP(omp parallel for)
     for (long k = 0; k < (long)count; k++) {
         lg_real sum = 0;
@@ -4165,7 +4298,9 @@ void lg_all_reduce_sum(int n, lg_buf *bufs, size_t count) {
     }
 }
 
-void lg_reduce_scatter_sum(int n, const lg_buf *whole, lg_buf *piece, size_t piece_count) {
+void lg_reduce_scatter_sum(lg_comm *comm, int n, const lg_buf *whole, lg_buf *piece,
+                           size_t piece_count) {
+    LG_ON_COMM(comm, lg_cuda_reduce_scatter_sum(comm, whole, piece, piece_count));
     for (int i = 0; i < n; i++) {
         size_t start = (size_t)i * piece_count;
         LG_OMP(omp parallel for)
@@ -4177,7 +4312,8 @@ void lg_reduce_scatter_sum(int n, const lg_buf *whole, lg_buf *piece, size_t pie
     }
 }
 
-void lg_all_gather(int n, const lg_buf *piece, lg_buf *whole, size_t piece_count) {
+void lg_all_gather(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole, size_t piece_count) {
+    LG_ON_COMM(comm, lg_cuda_all_gather(comm, piece, whole, piece_count));
     for (int m = 0; m < n; m++)
         for (int i = 0; i < n; i++) {
             lg_buf place = lg_at(whole[m], (size_t)i * piece_count);
@@ -4185,7 +4321,8 @@ void lg_all_gather(int n, const lg_buf *piece, lg_buf *whole, size_t piece_count
         }
 }
 
-void lg_broadcast(int n, int root, lg_buf *bufs, size_t count) {
+void lg_broadcast(lg_comm *comm, int n, int root, lg_buf *bufs, size_t count) {
+    LG_ON_COMM(comm, lg_cuda_broadcast(comm, root, bufs, count));
     for (int m = 0; m < n; m++)
         if (m != root) lg_copy(NULL, bufs[m], bufs[root], count);
 }
@@ -7805,7 +7942,7 @@ static void lg_trainer_gather_unit(lg_trainer *tr, int u) {
             pieces[i] = lg_at(tr->ranks[r].model.params, sl->piece_offset[u]);
             wholes[i] = lg_unit_weights(tr, r, u);
         }
-        lg_all_gather(S, pieces, wholes, sl->piece_count[u]);
+        lg_all_gather(tr->shard_comm[q], S, pieces, wholes, sl->piece_count[u]);
     }
     for (int r = 0; r < tr->n_ranks; r++)
         lg_model_point_unit(&tr->ranks[r].model, u, lg_unit_weights(tr, r, u), lg_no_buf());
@@ -7835,7 +7972,7 @@ static void lg_trainer_reduce_unit(lg_trainer *tr, int u) {
             wholes[i] = lg_unit_grads(tr, q * S + i, u);
             outs[i] = tr->ranks[q * S + i].reduce_out;
         }
-        lg_reduce_scatter_sum(S, wholes, outs, count);
+        lg_reduce_scatter_sum(tr->shard_comm[q], S, wholes, outs, count);
     }
     for (int r = 0; r < tr->n_ranks; r++) {
         lg_buf shard = lg_at(tr->ranks[r].model.grads, sl->piece_offset[u]);
@@ -7850,7 +7987,7 @@ static void lg_trainer_sync_replicas(lg_trainer *tr) {
     lg_buf bufs[LG_MAX_RANKS];
     for (int i = 0; i < sh->shard_ranks; i++) {
         for (int q = 0; q < sh->replicas; q++) bufs[q] = tr->ranks[q * sh->shard_ranks + i].model.grads;
-        lg_all_reduce_sum(sh->replicas, bufs, tr->ranks[i].model.n_local);
+        lg_all_reduce_sum(tr->replica_comm[i], sh->replicas, bufs, tr->ranks[i].model.n_local);
     }
 }
 
@@ -7865,7 +8002,7 @@ static float lg_trainer_grad_norm(lg_trainer *tr) {
         squares[i] = (lg_real)lg_sum_squares(&m->exec, m->grads, m->n_local);
         bufs[i] = lg_buf_of(&squares[i]);
     }
-    lg_all_reduce_sum(S, bufs, 1);
+    lg_all_reduce_sum(NULL, S, bufs, 1); /* host numbers */
     return (float)sqrt((double)squares[0]);
 }
 
@@ -7966,13 +8103,14 @@ static void lg_trainer_init_weights(lg_trainer *tr) {
     lg_buf slots[LG_MAX_RANKS];
     for (int u = 0; u < sl->n_units; u++) {
         lg_buf unit = lg_unit_weights(tr, 0, u);
+        lg_rank_sync(m0->rank); /* the slot's last broadcast has left it */
         for (int k = 0; k < m0->param_table.n_tensors; k++) {
             const lg_tensor_info *t = &m0->param_table.tensors[k];
             if (t->block + 1 == u)
                 lg_init_tensor(&tr->plan.cfg, t, lg_at(unit, t->offset - sl->unit_offset[u]), &rng);
         }
         for (int r = 0; r < tr->n_ranks; r++) slots[r] = lg_unit_weights(tr, r, u);
-        lg_broadcast(tr->n_ranks, 0, slots, sl->unit_offset[u + 1] - sl->unit_offset[u]);
+        lg_broadcast(tr->world_comm, tr->n_ranks, 0, slots, sl->unit_offset[u + 1] - sl->unit_offset[u]);
         for (int r = 0; r < tr->n_ranks; r++) {
             size_t count = sl->piece_count[u], first = tr->plan.ranks[r].shard_index * count;
             lg_copy(&tr->ranks[r].model.exec, lg_at(tr->ranks[r].model.params, sl->piece_offset[u]),
@@ -8000,11 +8138,46 @@ static void lg_trainer_share_updated_weights(lg_trainer *tr) {
             lg_copy(ex, pieces[i], lg_at(tr->ranks[i].model.params, sl->unit_offset[u] + first), live);
             lg_zero(ex, lg_at(pieces[i], live), count - live);
         }
-        lg_all_gather(S, pieces, wholes, count);
+        lg_all_gather(tr->shard_comm[0], S, pieces, wholes, count);
         for (int i = 0; i < S; i++)
             lg_copy(&tr->ranks[i].model.exec, lg_at(tr->ranks[i].model.params, sl->unit_offset[u]),
                     wholes[i], unit);
     }
+}
+
+/* Waits for every rank's queued work. */
+static void lg_trainer_sync(const lg_trainer *tr) {
+    for (int r = 0; r < tr->n_ranks; r++) lg_rank_sync(&tr->ranks[r].rank);
+}
+
+/* GPUs: the communicators of the shard groups, the replica groups and (for the first weights
+   of sharded runs) all ranks; groups of one need none. */
+static int lg_trainer_make_comms(lg_trainer *tr, lg_error *err) {
+    const lg_sharding *sh = &tr->plan.sharding;
+    int S = sh->shard_ranks, R = sh->replicas;
+    lg_rank *members[LG_MAX_RANKS];
+    if (tr->plan.spec.backend != LG_BACKEND_CUDA || tr->n_ranks == 1) return 0;
+    for (int q = 0; q < R && S > 1; q++) {
+        for (int i = 0; i < S; i++) members[i] = &tr->ranks[q * S + i].rank;
+        if (!(tr->shard_comm[q] = lg_comm_create(S, members, err))) return -1;
+    }
+    for (int i = 0; i < S && R > 1; i++) {
+        for (int q = 0; q < R; q++) members[q] = &tr->ranks[q * S + i].rank;
+        if (!(tr->replica_comm[i] = lg_comm_create(R, members, err))) return -1;
+    }
+    if (!sh->weights_sharded) return 0;
+    for (int r = 0; r < tr->n_ranks; r++) members[r] = &tr->ranks[r].rank;
+    return (tr->world_comm = lg_comm_create(tr->n_ranks, members, err)) ? 0 : -1;
+}
+
+/* The communicators a rank joins (lg_trainer_make_comms): what NCCL's share of the GPU's
+   memory is counted for. */
+int lg_comms_per_rank(const lg_args *args) {
+    lg_plan_spec spec;
+    lg_plan_spec_from_args(&spec, args, 1);
+    lg_sharding sh = lg_sharding_of(&spec);
+    if (spec.devices * spec.nodes == 1) return 0;
+    return (sh.shard_ranks > 1) + (sh.replicas > 1) + sh.weights_sharded;
 }
 
 int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args, int T,
@@ -8013,6 +8186,9 @@ int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args,
     tr->args = *args;
     tr->accumulation = lg_args_accumulation_steps(args, err);
     if (tr->accumulation < 1) return -1;
+    if (args->backend == LG_BACKEND_CUDA && args->optimizer_state != LG_STATE_AS_PRECISION)
+        return lg_fail(err, "--optimizer-state %s runs on the CPU backend only (for now): leave "
+                            "it out on a GPU", args->optimizer_state == LG_STATE_BF16 ? "bf16" : "8bit");
     lg_plan_spec spec;
     lg_plan_spec_from_args(&spec, args, T);
     if (lg_plan_make(&tr->plan, cfg, &spec, err) != 0) return -1;
@@ -8037,6 +8213,10 @@ int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args,
             return lg_fail(err, "trainer: out of host memory");
         }
     }
+    if (lg_trainer_make_comms(tr, err) != 0) {
+        lg_trainer_free(tr);
+        return -1;
+    }
     lg_trainer_init_weights(tr);
     for (int r = 0; r < tr->n_ranks; r++) { /* after the init: the master copies it */
         lg_trainer_rank *tr_r = &tr->ranks[r];
@@ -8052,6 +8232,7 @@ int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args,
     tr->scaling = args->precision == LG_PRECISION_16_TRUE || args->precision == LG_PRECISION_16_MIXED;
     tr->loss_scale = tr->scaling ? 65536.0f : 1.0f;
     tr->scale_window = 2000;
+    lg_trainer_sync(tr); /* the caller may load weights into the arenas next */
     return 0;
 }
 
@@ -8183,6 +8364,7 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
             tr->clean_steps = 0;
         }
     }
+    lg_trainer_sync(tr);
     stats->ms = lg_time_ms() - start; /* with Sophia's extra pass when it ran */
     stats->tokens_per_s = (double)lg_trainer_step_tokens(tr) / (stats->ms / 1e3);
     return 0;
@@ -8266,6 +8448,11 @@ void lg_trainer_set_weights(lg_trainer *tr, lg_buf whole) {
 }
 
 void lg_trainer_free(lg_trainer *tr) {
+    for (int i = 0; i < LG_MAX_RANKS; i++) {
+        lg_comm_free(tr->shard_comm[i]);
+        lg_comm_free(tr->replica_comm[i]);
+    }
+    lg_comm_free(tr->world_comm);
     for (int r = 0; tr->ranks && r < tr->n_ranks; r++) {
         lg_optimizer_free(&tr->ranks[r].opt);
         LG_FREE(tr->ranks[r].micro_T);

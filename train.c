@@ -30,7 +30,8 @@ static const char usage[] =
     "                             samples are truncated to (default: block_size for shards,\n"
     "                             the longest sample for fine-tuning)\n"
     "  -p, --precision P          bf16-mixed (default), 16-mixed, bf16-true, 16-true, 32-true\n"
-    "  -d, --devices N            devices a node (1); on the CPU backend, simulated ranks\n"
+    "  -d, --devices N            GPUs a node (1), one rank each; on the CPU backend,\n"
+    "                             simulated ranks\n"
     "      --nodes N              nodes (1); ranks = devices x nodes\n"
     "      --strategy S           with more than one rank: full-shard (default; weights,\n"
     "                             gradients and optimizer state split), shard-grad-op\n"
@@ -41,9 +42,12 @@ static const char usage[] =
     "      --offload              master weights and optimizer state in host memory; the\n"
     "                             optimizer runs there (same results)\n"
     "      --plan[=json]          print the memory plan per device and exit\n"
-    "      --memory-limit SIZE    memory a device may use, e.g. 24GiB (default: what the\n"
-    "                             machine has available); a run that does not fit exits 3\n"
-    "                             with a diagnosis and the cheapest change that fits\n"
+    "      --memory-limit SIZE    memory a device may use, e.g. 24GiB (default: a GPU's\n"
+    "                             memory, or on the CPU what the machine has available); a\n"
+    "                             run that does not fit exits 3 with a diagnosis and the\n"
+    "                             cheapest change that fits\n"
+    "      --cpu                  a CUDA build: run on the CPU backend even with GPUs\n"
+    "      --tf32                 on a GPU, fp32 matmuls may use TF32 tensor cores\n"
     "  -o, --optimizer NAME       adamw (default), sgd, lion (one state; betas 0.9 0.99\n"
     "                             unless given) or sophia (SophiaG; betas 0.965 0.99)\n"
     "      --hessian-interval N   sophia: steps between Hessian estimates, each one more\n"
@@ -111,7 +115,7 @@ enum { OPT_DATA = 256, OPT_VAL_DATA, OPT_LR, OPT_MIN_LR, OPT_WARMUP, OPT_WEIGHT_
        OPT_SAMPLE_EVERY, OPT_SAMPLE_TOKENS, OPT_TEMPERATURE, OPT_PROMPT, OPT_SEED, OPT_LOG,
        OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_OPTIMIZER_STATE,
        OPT_HESSIAN_INTERVAL, OPT_RHO, OPT_STRATEGY, OPT_NODES, OPT_SAVE_EVERY, OPT_LOAD,
-       OPT_RESUME };
+       OPT_RESUME, OPT_CPU, OPT_TF32 };
 
 static const struct option long_options[] = {
     {"config", required_argument, 0, 'c'},
@@ -153,6 +157,8 @@ static const struct option long_options[] = {
     {"save-every", required_argument, 0, OPT_SAVE_EVERY},
     {"load", required_argument, 0, OPT_LOAD},
     {"resume", required_argument, 0, OPT_RESUME},
+    {"cpu", no_argument, 0, OPT_CPU},
+    {"tf32", no_argument, 0, OPT_TF32},
     {"help", no_argument, 0, 'h'},
     {0, 0, 0, 0},
 };
@@ -179,6 +185,7 @@ typedef struct {
 static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
                        int *beta1_given, int *beta2_given, checkpoint_flags *ck) {
     lg_args_default(a);
+    a->backend = lg_backend_in_use(); /* a GPU when the build has CUDA and one is visible */
     memset(ck, 0, sizeof *ck);
     opterr = 0;
     int opt;
@@ -253,6 +260,8 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
             else die_usage("%s: '%s' is not none or block", f, optarg);
             break;
         case OPT_OFFLOAD: a->offload = 1; break;
+        case OPT_CPU: a->backend = LG_BACKEND_CPU; break;
+        case OPT_TF32: a->tf32 = 1; break;
         case OPT_HESSIAN_INTERVAL: a->hessian_interval = parse_int(f, optarg); break;
         case OPT_RHO: a->rho = parse_float(f, optarg); break;
         case OPT_SAVE_EVERY: ck->save_every = parse_int(f, optarg); break;
@@ -401,16 +410,42 @@ static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, co
     exit(3);
 }
 
-/* The memory a device may use: --memory-limit, else what the machine has available. */
+/* The memory a device may use: --memory-limit, else a GPU's memory, else what the machine
+   has available. */
 static size_t device_limit(const lg_args *a, const char **source) {
     if (a->memory_limit) {
         *source = "--memory-limit";
         return a->memory_limit;
     }
+    if (a->backend == LG_BACKEND_CUDA) {
+        *source = "the GPU's memory, of which the CUDA runtime's share is in the plan";
+        return a->device_bytes;
+    }
     /* the CPU backend's simulated ranks share the machine */
     *source = lg_args_ranks(a) > 1 ? "available host memory / simulated ranks"
                                    : "available host memory";
     return lg_host_available_bytes() / (size_t)lg_args_ranks(a);
+}
+
+/* GPUs: one a rank; what the CUDA runtime takes on each goes into the plan; how they
+   connect. A CUDA build without a GPU says it runs on the CPU. */
+static void prepare_gpus(lg_args *a) {
+    lg_error err;
+#ifdef LG_CUDA
+    if (a->backend == LG_BACKEND_CPU && lg_cuda_device_count() == 0)
+        printf("CUDA build, but no GPU is visible: running on the CPU backend\n");
+#endif
+    if (a->backend != LG_BACKEND_CUDA) return;
+    int ranks = lg_args_ranks(a), visible = lg_cuda_device_count();
+    if (ranks > visible)
+        die_usage("-d/--devices %d x --nodes %d = %d ranks, one a GPU, but %d GPU%s visible",
+                  a->devices, a->nodes, ranks, visible, visible == 1 ? " is" : "s are");
+    if (lg_cuda_measure_runtime(ranks, lg_comms_per_rank(a), &a->runtime_bytes, &a->device_bytes,
+                                &err) != 0)
+        die(1, &err);
+    if (ranks > 1 && !lg_cuda_report_topology(ranks, stdout))
+        printf("warning: not every pair of GPUs has direct peer access (NVLink or PCIe P2P): "
+               "the collectives pass through host memory and will be slow\n");
 }
 
 /* -b auto: the largest micro-batch that fits and divides the per-device batch. */
@@ -662,6 +697,7 @@ int main(int argc, char **argv) {
     lg_error err;
     run_data data; /* before the plan: for fine-tuning samples it sets T to the longest one */
     open_data(&a, &cfg, &T, &data);
+    prepare_gpus(&a);
     if (a.micro_batch_auto) choose_micro_batch(&a, &cfg, T);
     if (lg_args_check(&a, &err) != 0) die_usage("%s", err.msg);
     plan_and_check(argc, argv, &a, &cfg, T);
@@ -687,16 +723,17 @@ int main(int argc, char **argv) {
 #endif
     printf("model %s: %d layers, %.3fM parameters | data %s (%zu tokens)\n", cfg.name,
            cfg.n_layer, model->n_params / 1e6, data.train.path, data.train.n_tokens);
-    if (lg_cuda_device_count() > 0)
-        printf("note: %d GPU(s) visible, but the CUDA kernels are not in this version yet: "
-               "running on the CPU\n", lg_cuda_device_count());
-    printf("batch: -b %d x %d accumulation x %d rank%s = %d samples of %d tokens a step | CPU, "
-           "%d threads | %s\n", B, accumulation, tr.n_ranks, tr.n_ranks > 1 ? "s" : "",
-           B * accumulation * tr.n_ranks, T, threads, lg_optimizer_name(a.optimizer));
+    char where[64];
+    if (a.backend == LG_BACKEND_CUDA) snprintf(where, sizeof where, "%d GPU%s", tr.n_ranks, tr.n_ranks > 1 ? "s" : "");
+    else snprintf(where, sizeof where, "CPU, %d threads", threads);
+    printf("batch: -b %d x %d accumulation x %d rank%s = %d samples of %d tokens a step | %s | "
+           "%s\n", B, accumulation, tr.n_ranks, tr.n_ranks > 1 ? "s" : "",
+           B * accumulation * tr.n_ranks, T, where, lg_optimizer_name(a.optimizer));
     if (tr.n_ranks > 1)
-        printf("ranks: %d device%s x %d node%s, %s; on the CPU backend simulated in this process\n",
-               a.devices, a.devices > 1 ? "s" : "", a.nodes, a.nodes > 1 ? "s" : "",
-               lg_strategy_name(a.strategy));
+        printf("ranks: %d device%s x %d node%s, %s%s\n", a.devices, a.devices > 1 ? "s" : "",
+               a.nodes, a.nodes > 1 ? "s" : "", lg_strategy_name(a.strategy),
+               a.backend == LG_BACKEND_CUDA ? ", one GPU each, NCCL from this process"
+                                            : "; on the CPU backend simulated in this process");
     if (a.optimizer == LG_OPTIMIZER_LION)
         printf("lion: wants a learning rate 3-10x smaller and a weight decay 3-10x larger than "
                "AdamW (here --lr %g, --weight-decay %g, betas %g %g)\n", a.lr, a.weight_decay,
@@ -704,9 +741,8 @@ int main(int argc, char **argv) {
     if (precision_given)
         printf("precision: %s\n", lg_precision_name(a.precision));
     else
-        printf("precision: %s (the default on the CPU backend: bf16 storage for weights and "
-               "activations, fp32 arithmetic and master weights; -p 32-true for full fp32)\n",
-               lg_precision_name(a.precision));
+        printf("precision: %s (the default: bf16 weights and activations, fp32 accumulation "
+               "and master weights; -p 32-true for full fp32)\n", lg_precision_name(a.precision));
 
     int first_step = 0, saved_step = -1;
     if ((a.out_dir || ck.resume) && lg_checkpoint_supported(&tr, &err) != 0) die(2, &err);

@@ -1,0 +1,1898 @@
+/* tests/cuda_emulator.h — runs litgpt_cuda.cuh's kernels on the CPU, for `make test`.
+
+   TEST TOOLING, not part of the library. A C++17 translation unit compiled with g++ or clang++
+   and -DLG_CUDA_EMULATE includes this header first, then litgpt.h (which includes
+   litgpt_cuda.cuh without <cuda_runtime.h>, <nccl.h> or <cublasLt.h>). The header supplies, as
+   plain host C++:
+
+   1. the kernel language: __global__/__device__/__host__/__constant__ (nothing),
+      __forceinline__ (inline), __shared__ (static: blocks run one at a time, so a function-static
+      array is shared by exactly the threads of the running block), __align__(n),
+      __launch_bounds__(...), LG_SHARED_DYNAMIC(type, name), dim3/uint3 and the vector types,
+      threadIdx/blockIdx/blockDim/gridDim/warpSize, __syncthreads (and _count/_and/_or),
+      __syncwarp, __shfl_sync/_up/_down/_xor, __ballot_sync/__any_sync/__all_sync, atomics,
+      fast-math intrinsics, min/max, and LG_LAUNCH(kernel, grid, block, smem, stream, args...).
+      (__restrict__ needs nothing: g++ and clang++ take it as a keyword.)
+   2. a scheduler: blocks run one after another, blockIdx.x fastest; the threads of a block are
+      cooperative fibers (their own stacks, made once and reused), each running until it meets a
+      barrier or returns. Between barriers the threads run in ascending thread order, or
+      descending after lg_emu_set_order(1) or with LG_EMU_ORDER=reverse in the environment: a
+      kernel missing a __syncthreads usually gives different results in the two orders. A
+      barrier that can never complete (threads that returned, or wait at another barrier) aborts
+      naming the kernel, its LG_LAUNCH site, the block and the barriers' lines.
+   3. the CUDA runtime subset the backend calls, on host memory. Devices: LG_EMU_DEVICES (default
+      1) or lg_emu_set_devices(n); memory per device: LG_EMU_MEMORY bytes (suffix K/M/G allowed,
+      default 16G) or lg_emu_set_memory(bytes); cudaMemGetInfo's free is that minus the live
+      cudaMalloc/cudaMallocManaged bytes of the device. Launches are synchronous, so every
+      stream, event and copy is complete when its call returns.
+   4. the NCCL subset, in process: grouped calls queue one per rank; a collective runs once every
+      rank of its communicator clique has issued it (the k-th call of each rank match), reading
+      all inputs before writing any output (so in place works); bf16 and fp16 sums are taken in
+      float and rounded once to nearest even.
+
+   All emulator state is one struct reached through a function-static pointer (lg_emu_state());
+   it is not thread safe: one host thread drives every emulated device, as in the trainer.
+   Fibers switch with a few lines of x86-64 assembly (swapcontext costs a system call per
+   switch); other machines, or -DLG_EMU_UCONTEXT, use ucontext. AddressSanitizer is told about
+   every stack switch. cuBLASLt is not emulated.
+
+   Not caught: host code reading device memory (it is all host memory); static __shared__ arrays
+   keep the previous block's values (dynamic shared memory is refilled with 0xff per block, new
+   allocations too, up to 1 GiB each); a launch over 48 KiB of dynamic shared memory without
+   cudaFuncSetAttribute (only the 227 KiB maximum is checked); races between warps that the two
+   thread orders do not expose; a shuffle whose source lane is outside the mask or the block
+   (it returns the caller's own value; CUDA leaves it undefined). */
+#ifndef LG_CUDA_EMULATOR_H
+#define LG_CUDA_EMULATOR_H
+
+#ifndef LG_CUDA_EMULATE
+#define LG_CUDA_EMULATE 1
+#endif
+
+#include <math.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <set>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#if !defined(__x86_64__) && !defined(LG_EMU_UCONTEXT)
+#define LG_EMU_UCONTEXT 1
+#endif
+#ifdef LG_EMU_UCONTEXT
+#include <ucontext.h>
+#endif
+
+#if defined(__SANITIZE_ADDRESS__)
+#define LG_EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define LG_EMU_ASAN 1
+#endif
+#endif
+#ifdef LG_EMU_ASAN
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+/* `#pragma unroll` in kernels: clang knows it, g++ -Wall would warn (an error under -Werror). */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wunknown-pragmas"
+#endif
+
+#define CUDART_VERSION 13000 /* the toolkit the real build uses */
+#define NCCL_VERSION_CODE 22809
+
+#ifndef LG_EMU_STACK_BYTES
+#define LG_EMU_STACK_BYTES (256 * 1024) /* each thread's stack; a guard page lies below */
+#endif
+#define LG_EMU_MAX_THREADS 1024 /* per block */
+#define LG_EMU_MAX_DEVICES 64
+#define LG_EMU_SHARED_OPTIN 232448 /* bytes of dynamic shared memory a block may have (H100) */
+
+/* ============================================================================================
+   1. Kernel language keywords and built-in types
+   ============================================================================================ */
+
+#define __global__
+#define __device__
+#define __host__
+#define __constant__
+#define __forceinline__ inline
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+#define __launch_bounds__(...)
+#define LG_SHARED_DYNAMIC(type, name) type *name = (type *)lg_emu_dynamic_shared()
+
+struct uint3 {
+    unsigned x, y, z;
+};
+
+struct dim3 {
+    unsigned x, y, z;
+    constexpr dim3(unsigned vx = 1, unsigned vy = 1, unsigned vz = 1) : x(vx), y(vy), z(vz) {}
+    constexpr dim3(uint3 v) : x(v.x), y(v.y), z(v.z) {}
+};
+
+struct __align__(8) float2 { float x, y; };
+struct __align__(16) float4 { float x, y, z, w; };
+struct __align__(8) int2 { int x, y; };
+struct __align__(16) int4 { int x, y, z, w; };
+struct __align__(8) uint2 { unsigned x, y; };
+struct __align__(16) uint4 { unsigned x, y, z, w; };
+struct __align__(16) double2 { double x, y; };
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline int2 make_int2(int x, int y) { return int2{x, y}; }
+inline int4 make_int4(int x, int y, int z, int w) { return int4{x, y, z, w}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
+inline uint3 make_uint3(unsigned x, unsigned y, unsigned z) { return uint3{x, y, z}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+inline double2 make_double2(double x, double y) { return double2{x, y}; }
+
+static constexpr int warpSize = 32;
+
+/* ============================================================================================
+   2. CUDA runtime and NCCL types (the values are the real headers')
+   ============================================================================================ */
+
+enum cudaError {
+    cudaSuccess = 0,
+    cudaErrorInvalidValue = 1,
+    cudaErrorMemoryAllocation = 2,
+    cudaErrorInvalidConfiguration = 9,
+    cudaErrorInvalidDevicePointer = 17,
+    cudaErrorInvalidMemcpyDirection = 21,
+    cudaErrorInvalidDeviceFunction = 98,
+    cudaErrorNoDevice = 100,
+    cudaErrorInvalidDevice = 101,
+    cudaErrorInvalidResourceHandle = 400,
+    cudaErrorNotReady = 600,
+    cudaErrorIllegalAddress = 700,
+    cudaErrorPeerAccessAlreadyEnabled = 704,
+    cudaErrorPeerAccessNotEnabled = 705,
+    cudaErrorLaunchFailure = 719,
+    cudaErrorNotSupported = 801,
+};
+typedef enum cudaError cudaError_t;
+
+enum cudaMemcpyKind {
+    cudaMemcpyHostToHost = 0,
+    cudaMemcpyHostToDevice = 1,
+    cudaMemcpyDeviceToHost = 2,
+    cudaMemcpyDeviceToDevice = 3,
+    cudaMemcpyDefault = 4,
+};
+
+enum cudaMemoryType {
+    cudaMemoryTypeUnregistered = 0,
+    cudaMemoryTypeHost = 1,
+    cudaMemoryTypeDevice = 2,
+    cudaMemoryTypeManaged = 3,
+};
+struct cudaPointerAttributes {
+    enum cudaMemoryType type;
+    int device;
+    void *devicePointer;
+    void *hostPointer;
+};
+
+enum cudaMemoryAdvise {
+    cudaMemAdviseSetReadMostly = 1,
+    cudaMemAdviseUnsetReadMostly = 2,
+    cudaMemAdviseSetPreferredLocation = 3,
+    cudaMemAdviseUnsetPreferredLocation = 4,
+    cudaMemAdviseSetAccessedBy = 5,
+    cudaMemAdviseUnsetAccessedBy = 6,
+};
+
+enum cudaMemLocationType {
+    cudaMemLocationTypeInvalid = 0,
+    cudaMemLocationTypeDevice = 1,
+    cudaMemLocationTypeHost = 2,
+    cudaMemLocationTypeHostNuma = 3,
+};
+struct cudaMemLocation {
+    enum cudaMemLocationType type;
+    int id;
+};
+
+enum cudaDeviceAttr {
+    cudaDevAttrMaxThreadsPerBlock = 1,
+    cudaDevAttrMaxSharedMemoryPerBlock = 8,
+    cudaDevAttrWarpSize = 10,
+    cudaDevAttrMultiProcessorCount = 16,
+    cudaDevAttrMaxThreadsPerMultiProcessor = 39,
+    cudaDevAttrComputeCapabilityMajor = 75,
+    cudaDevAttrComputeCapabilityMinor = 76,
+    cudaDevAttrMaxSharedMemoryPerMultiprocessor = 81,
+    cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,
+};
+
+enum cudaDeviceP2PAttr {
+    cudaDevP2PAttrPerformanceRank = 1,
+    cudaDevP2PAttrAccessSupported = 2,
+    cudaDevP2PAttrNativeAtomicSupported = 3,
+};
+
+enum cudaFuncAttribute {
+    cudaFuncAttributeMaxDynamicSharedMemorySize = 8,
+    cudaFuncAttributePreferredSharedMemoryCarveout = 9,
+};
+
+#define cudaHostAllocDefault 0x00
+#define cudaHostAllocPortable 0x01
+#define cudaHostAllocMapped 0x02
+#define cudaHostAllocWriteCombined 0x04
+#define cudaStreamDefault 0x00
+#define cudaStreamNonBlocking 0x01
+#define cudaEventDefault 0x00
+#define cudaEventBlockingSync 0x01
+#define cudaEventDisableTiming 0x02
+#define cudaMemAttachGlobal 0x01
+#define cudaMemAttachHost 0x02
+
+/* The fields of cudaDeviceProp the backend may read (a subset of the real struct). */
+struct cudaDeviceProp {
+    char name[256];
+    size_t totalGlobalMem;
+    size_t sharedMemPerBlock;
+    size_t sharedMemPerBlockOptin;
+    size_t sharedMemPerMultiprocessor;
+    int warpSize;
+    int maxThreadsPerBlock;
+    int maxThreadsPerMultiProcessor;
+    int major;
+    int minor;
+    int multiProcessorCount;
+};
+
+struct lg_emu_stream {
+    int device;
+    unsigned flags;
+};
+struct lg_emu_event {
+    int device;
+    unsigned flags;
+    int recorded;
+};
+typedef lg_emu_stream *cudaStream_t;
+typedef lg_emu_event *cudaEvent_t;
+
+typedef enum {
+    ncclSuccess = 0,
+    ncclUnhandledCudaError = 1,
+    ncclSystemError = 2,
+    ncclInternalError = 3,
+    ncclInvalidArgument = 4,
+    ncclInvalidUsage = 5,
+    ncclRemoteError = 6,
+    ncclInProgress = 7,
+    ncclNumResults = 8
+} ncclResult_t;
+
+typedef enum {
+    ncclInt8 = 0, ncclChar = 0,
+    ncclUint8 = 1,
+    ncclInt32 = 2, ncclInt = 2,
+    ncclUint32 = 3,
+    ncclInt64 = 4,
+    ncclUint64 = 5,
+    ncclFloat16 = 6, ncclHalf = 6,
+    ncclFloat32 = 7, ncclFloat = 7,
+    ncclFloat64 = 8, ncclDouble = 8,
+    ncclBfloat16 = 9,
+} ncclDataType_t;
+
+typedef enum { ncclSum = 0, ncclProd = 1, ncclMax = 2, ncclMin = 3, ncclAvg = 4, ncclNumOps = 5 } ncclRedOp_t;
+
+/* One collective call of one rank, waiting for the other ranks' calls. */
+enum lg_emu_nccl_kind {
+    LG_EMU_ALL_REDUCE,
+    LG_EMU_REDUCE_SCATTER,
+    LG_EMU_ALL_GATHER,
+    LG_EMU_BROADCAST,
+    LG_EMU_REDUCE
+};
+struct lg_emu_nccl_call {
+    lg_emu_nccl_kind kind;
+    const void *send;
+    void *recv;
+    size_t count; /* elements: the per-rank output of reduce-scatter, the input of all-gather */
+    ncclDataType_t type;
+    ncclRedOp_t op;
+    int root;
+};
+
+/* The communicators made together by one ncclCommInitAll. */
+struct lg_emu_nccl_clique {
+    int ranks;
+    int live;                                         /* communicators not yet destroyed */
+    std::vector<std::deque<lg_emu_nccl_call>> queued; /* (ranks) calls waiting, oldest first */
+};
+
+struct lg_emu_nccl_comm {
+    lg_emu_nccl_clique *clique;
+    int rank;
+    int device;
+};
+typedef lg_emu_nccl_comm *ncclComm_t;
+
+/* ============================================================================================
+   3. The emulator's state
+   ============================================================================================ */
+
+/* A saved execution context: a stack pointer (x86-64) or a ucontext. */
+struct lg_emu_context {
+#ifdef LG_EMU_UCONTEXT
+    ucontext_t uc;
+#else
+    void *sp;
+#endif
+};
+
+enum lg_emu_thread_state {
+    LG_EMU_RUNNABLE,
+    LG_EMU_AT_BLOCK_BARRIER,
+    LG_EMU_AT_WARP_BARRIER,
+    LG_EMU_EXITED
+};
+
+/* What a thread waiting at a barrier exchanges with the others (exchange_source). */
+enum { LG_EMU_EXCHANGE_NONE = -3, LG_EMU_EXCHANGE_BALLOT = -2, LG_EMU_EXCHANGE_COUNT = -1 };
+
+/* One emulated GPU thread: a fiber with its own stack, reused by every block and launch. */
+struct lg_emu_fiber {
+    lg_emu_context context;
+    unsigned char *stack; /* usable stack [stack, stack + stack_bytes) */
+    size_t stack_bytes;
+    void *asan_fake_stack;
+    uint3 thread_idx;
+    int linear; /* thread index within the block, x fastest */
+    lg_emu_thread_state state;
+    const char *wait_file; /* the barrier it waits at */
+    int wait_line;
+    unsigned warp_mask; /* of the warp barrier it waits at */
+    int exchange_source; /* lane whose value a shuffle reads, or LG_EMU_EXCHANGE_* */
+    uint64_t exchange_in, exchange_out;
+};
+
+struct lg_emu_launch_site {
+    const char *kernel; /* as written in LG_LAUNCH */
+    const char *file;
+    int line;
+};
+
+struct lg_emu_scheduler {
+    lg_emu_context host_context; /* where the launching host code waits */
+    const void *host_stack_bottom;
+    size_t host_stack_bytes;
+    void *host_fake_stack;
+    std::vector<lg_emu_fiber *> fibers; /* made as launches need them, up to 1024 */
+    lg_emu_fiber *current;              /* the running thread, or null in host code */
+    void (*kernel_body)(void *);        /* the running launch: calls the kernel with its args */
+    void *kernel_args;
+    lg_emu_launch_site site;
+    dim3 grid_dim, block_dim;
+    uint3 block_idx;
+    int threads; /* per block */
+    int exited, at_block_barrier, at_warp_barrier;
+    int warp_waiting[LG_EMU_MAX_THREADS / 32];
+    unsigned char *dynamic_shared;
+    size_t dynamic_shared_capacity, dynamic_shared_bytes;
+    int reverse_order;
+    unsigned long long launches;
+};
+
+enum lg_emu_memory_kind { LG_EMU_DEVICE_MEMORY, LG_EMU_MANAGED_MEMORY, LG_EMU_HOST_MEMORY };
+struct lg_emu_allocation {
+    size_t bytes;
+    int device;
+    lg_emu_memory_kind kind;
+};
+
+struct lg_emu_runtime {
+    int device_count;
+    int current_device;
+    size_t memory_per_device;
+    size_t used[LG_EMU_MAX_DEVICES]; /* live cudaMalloc + cudaMallocManaged bytes */
+    unsigned char peer_enabled[LG_EMU_MAX_DEVICES][LG_EMU_MAX_DEVICES];
+    std::map<uintptr_t, lg_emu_allocation> allocations; /* by base address */
+    std::set<const void *> streams, events;             /* live handles */
+    cudaError_t last_error;
+};
+
+struct lg_emu_nccl_state {
+    int group_depth;
+    std::set<ncclComm_t> comms;                /* live communicators */
+    std::vector<lg_emu_nccl_clique *> touched; /* cliques that may have queued calls */
+};
+
+struct lg_emu_state_t {
+    lg_emu_scheduler sched;
+    lg_emu_runtime rt;
+    lg_emu_nccl_state nccl;
+};
+
+[[noreturn]] inline void lg_emu_die(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "lg_emu: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    fflush(stderr);
+    abort();
+}
+
+/* "16G", "512M", "4096": bytes. */
+inline size_t lg_emu_parse_bytes(const char *text, size_t fallback) {
+    if (!text || !*text) return fallback;
+    char *end = nullptr;
+    unsigned long long value = strtoull(text, &end, 10);
+    switch (*end) {
+    case 'k': case 'K': value <<= 10; break;
+    case 'm': case 'M': value <<= 20; break;
+    case 'g': case 'G': value <<= 30; break;
+    case 't': case 'T': value <<= 40; break;
+    case '\0': break;
+    default: lg_emu_die("LG_EMU_MEMORY=%s is not a byte count", text);
+    }
+    return (size_t)value;
+}
+
+inline lg_emu_state_t *lg_emu_state_create(void) {
+    /* never freed: host code may still call cudaFree from static destructors at exit */
+    lg_emu_state_t *s = new lg_emu_state_t();
+    const char *devices = getenv("LG_EMU_DEVICES");
+    s->rt.device_count = devices && *devices ? atoi(devices) : 1;
+    if (s->rt.device_count < 0 || s->rt.device_count > LG_EMU_MAX_DEVICES)
+        lg_emu_die("LG_EMU_DEVICES=%s is outside 0..%d", devices, LG_EMU_MAX_DEVICES);
+    s->rt.memory_per_device = lg_emu_parse_bytes(getenv("LG_EMU_MEMORY"), (size_t)16 << 30);
+    const char *order = getenv("LG_EMU_ORDER");
+    if (order && strcmp(order, "reverse") == 0) s->sched.reverse_order = 1;
+    else if (order && *order && strcmp(order, "forward") != 0)
+        lg_emu_die("LG_EMU_ORDER=%s: use forward or reverse", order);
+    return s;
+}
+
+inline lg_emu_state_t &lg_emu_state(void) {
+    static lg_emu_state_t *state = lg_emu_state_create();
+    return *state;
+}
+
+/* Test controls. */
+inline void lg_emu_set_order(int reverse) { lg_emu_state().sched.reverse_order = reverse != 0; }
+inline void lg_emu_set_devices(int n) {
+    lg_emu_runtime &rt = lg_emu_state().rt;
+    if (n < 0 || n > LG_EMU_MAX_DEVICES) lg_emu_die("lg_emu_set_devices(%d): 0..%d", n, LG_EMU_MAX_DEVICES);
+    rt.device_count = n;
+    if (rt.current_device >= n) rt.current_device = 0;
+}
+inline void lg_emu_set_memory(size_t bytes_per_device) { lg_emu_state().rt.memory_per_device = bytes_per_device; }
+inline unsigned long long lg_emu_launch_count(void) { return lg_emu_state().sched.launches; }
+
+/* ============================================================================================
+   4. Fibers: stacks and switching
+   ============================================================================================ */
+
+inline void lg_emu_asan_start(void **fake_stack_save, const void *bottom, size_t bytes) {
+#ifdef LG_EMU_ASAN
+    __sanitizer_start_switch_fiber(fake_stack_save, bottom, bytes);
+#else
+    (void)fake_stack_save, (void)bottom, (void)bytes;
+#endif
+}
+
+inline void lg_emu_asan_finish(void *fake_stack_save, const void **bottom_old, size_t *bytes_old) {
+#ifdef LG_EMU_ASAN
+    __sanitizer_finish_switch_fiber(fake_stack_save, bottom_old, bytes_old);
+#else
+    (void)fake_stack_save, (void)bottom_old, (void)bytes_old;
+#endif
+}
+
+#ifdef LG_EMU_UCONTEXT
+inline void lg_emu_context_switch(lg_emu_context *save, lg_emu_context *load) {
+    if (swapcontext(&save->uc, &load->uc) != 0) lg_emu_die("swapcontext failed");
+}
+#else
+/* Saves the callee-saved registers and the SSE/x87 control words on the current stack, stores
+   the stack pointer in *save_sp (rdi), then loads load_sp (rsi) and restores the same from it. */
+__attribute__((naked, noinline)) static void lg_emu_switch_stack(void ** /* save_sp */,
+                                                                 void * /* load_sp */) {
+    __asm__ volatile("pushq %rbp\n\t"
+                     "pushq %rbx\n\t"
+                     "pushq %r12\n\t"
+                     "pushq %r13\n\t"
+                     "pushq %r14\n\t"
+                     "pushq %r15\n\t"
+                     "subq $8, %rsp\n\t"
+                     "stmxcsr (%rsp)\n\t"
+                     "fnstcw 4(%rsp)\n\t"
+                     "movq %rsp, (%rdi)\n\t"
+                     "movq %rsi, %rsp\n\t"
+                     "ldmxcsr (%rsp)\n\t"
+                     "fldcw 4(%rsp)\n\t"
+                     "addq $8, %rsp\n\t"
+                     "popq %r15\n\t"
+                     "popq %r14\n\t"
+                     "popq %r13\n\t"
+                     "popq %r12\n\t"
+                     "popq %rbx\n\t"
+                     "popq %rbp\n\t"
+                     "ret\n\t");
+}
+inline void lg_emu_context_switch(lg_emu_context *save, lg_emu_context *load) {
+    lg_emu_switch_stack(&save->sp, load->sp);
+}
+#endif
+
+inline void lg_emu_fiber_entry(void);
+
+/* A new fiber's context starts lg_emu_fiber_entry on its stack. */
+inline void lg_emu_context_init(lg_emu_context *c, unsigned char *stack, size_t bytes) {
+#ifdef LG_EMU_UCONTEXT
+    if (getcontext(&c->uc) != 0) lg_emu_die("getcontext failed");
+    c->uc.uc_stack.ss_sp = stack;
+    c->uc.uc_stack.ss_size = bytes;
+    c->uc.uc_link = nullptr;
+    makecontext(&c->uc, lg_emu_fiber_entry, 0);
+#else
+    /* the frame lg_emu_switch_stack pops: control words, r15..r12, rbx, rbp, return address;
+       above it a null return address for the entry, which never returns (rsp = 8 mod 16) */
+    uintptr_t top = ((uintptr_t)stack + bytes) & ~(uintptr_t)15;
+    void **sp = (void **)top;
+    *--sp = nullptr;
+    *--sp = (void *)&lg_emu_fiber_entry;
+    for (int i = 0; i < 6; i++) *--sp = nullptr;
+    uint32_t mxcsr;
+    uint16_t x87_control;
+    __asm__ volatile("stmxcsr %0" : "=m"(mxcsr));
+    __asm__ volatile("fnstcw %0" : "=m"(x87_control));
+    --sp;
+    memcpy((unsigned char *)sp, &mxcsr, 4);
+    memcpy((unsigned char *)sp + 4, &x87_control, 2);
+    c->sp = sp;
+#endif
+}
+
+inline lg_emu_fiber *lg_emu_fiber_create(void) {
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    size_t bytes = ((size_t)LG_EMU_STACK_BYTES + page - 1) / page * page;
+    void *map = mmap(nullptr, bytes + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (map == MAP_FAILED) lg_emu_die("cannot map a %zu-byte fiber stack", bytes);
+    if (mprotect(map, page, PROT_NONE) != 0) lg_emu_die("cannot protect a fiber stack's guard page");
+    lg_emu_fiber *f = new lg_emu_fiber();
+    f->stack = (unsigned char *)map + page;
+    f->stack_bytes = bytes;
+    lg_emu_context_init(&f->context, f->stack, f->stack_bytes);
+    return f;
+}
+
+/* From host code: run fiber f until it waits at a barrier or returns. */
+inline void lg_emu_resume(lg_emu_scheduler &s, lg_emu_fiber *f) {
+    s.current = f;
+    lg_emu_asan_start(&s.host_fake_stack, f->stack, f->stack_bytes);
+    lg_emu_context_switch(&s.host_context, &f->context);
+    lg_emu_asan_finish(s.host_fake_stack, nullptr, nullptr);
+    s.current = nullptr;
+}
+
+/* From fiber f: hand control back to the scheduler; returns when it resumes f. */
+inline void lg_emu_suspend(lg_emu_scheduler &s, lg_emu_fiber *f) {
+    lg_emu_asan_start(&f->asan_fake_stack, s.host_stack_bottom, s.host_stack_bytes);
+    lg_emu_context_switch(&f->context, &s.host_context);
+    lg_emu_asan_finish(f->asan_fake_stack, &s.host_stack_bottom, &s.host_stack_bytes);
+}
+
+/* Every fiber runs this forever: one kernel thread per resume after it has exited. */
+inline void lg_emu_fiber_entry(void) {
+    lg_emu_scheduler &s = lg_emu_state().sched;
+    lg_emu_asan_finish(nullptr, &s.host_stack_bottom, &s.host_stack_bytes);
+    for (;;) {
+        s.kernel_body(s.kernel_args);
+        lg_emu_fiber *self = s.current;
+        self->state = LG_EMU_EXITED;
+        s.exited++;
+        lg_emu_suspend(s, self);
+    }
+}
+
+/* ============================================================================================
+   5. The scheduler: a launch runs its blocks one at a time, each block's threads as fibers
+   ============================================================================================ */
+
+inline lg_emu_fiber *lg_emu_current_thread(const char *what) {
+    lg_emu_fiber *f = lg_emu_state().sched.current;
+    if (!f) lg_emu_die("%s used outside a kernel", what);
+    return f;
+}
+
+inline const uint3 &lg_emu_thread_idx(void) { return lg_emu_current_thread("threadIdx")->thread_idx; }
+inline const uint3 &lg_emu_block_idx(void) {
+    lg_emu_current_thread("blockIdx");
+    return lg_emu_state().sched.block_idx;
+}
+inline const dim3 &lg_emu_block_dim(void) {
+    lg_emu_current_thread("blockDim");
+    return lg_emu_state().sched.block_dim;
+}
+inline const dim3 &lg_emu_grid_dim(void) {
+    lg_emu_current_thread("gridDim");
+    return lg_emu_state().sched.grid_dim;
+}
+#define threadIdx (lg_emu_thread_idx())
+#define blockIdx (lg_emu_block_idx())
+#define blockDim (lg_emu_block_dim())
+#define gridDim (lg_emu_grid_dim())
+
+/* The launch's dynamic shared memory (16-byte aligned; filled with 0xff bytes, NaN as floats,
+   at the start of every block, since real shared memory starts with garbage). */
+inline void *lg_emu_dynamic_shared(void) {
+    lg_emu_current_thread("dynamic shared memory");
+    return lg_emu_state().sched.dynamic_shared;
+}
+
+/* The lanes of thread `linear`'s warp that exist in a block of `threads` threads. */
+inline unsigned lg_emu_warp_lanes(int threads, int linear) {
+    int lanes = threads - linear / 32 * 32;
+    return lanes >= 32 ? 0xffffffffu : (1u << lanes) - 1;
+}
+
+inline void lg_emu_start_thread(lg_emu_fiber *f, int linear, dim3 block) {
+    f->linear = linear;
+    f->thread_idx.x = (unsigned)linear % block.x;
+    f->thread_idx.y = (unsigned)linear / block.x % block.y;
+    f->thread_idx.z = (unsigned)linear / (block.x * block.y);
+    f->state = LG_EMU_RUNNABLE;
+}
+
+/* Runs every runnable thread, in thread order or reversed, until it waits or exits. */
+inline void lg_emu_run_pass(lg_emu_scheduler &s) {
+    int n = s.threads;
+    for (int k = 0; k < n; k++) {
+        lg_emu_fiber *f = s.fibers[(size_t)(s.reverse_order ? n - 1 - k : k)];
+        if (f->state == LG_EMU_RUNNABLE) lg_emu_resume(s, f);
+    }
+}
+
+inline bool lg_emu_same_site(const lg_emu_fiber *a, const lg_emu_fiber *b) {
+    return a->wait_line == b->wait_line &&
+           (a->wait_file == b->wait_file || strcmp(a->wait_file, b->wait_file) == 0);
+}
+
+/* Every thread waits at a __syncthreads: check it is the same one, answer the _count/_and/_or
+   variants, and let all run. */
+inline void lg_emu_release_block_barrier(lg_emu_scheduler &s) {
+    const lg_emu_fiber *first = s.fibers[0];
+    uint64_t count = 0;
+    for (int i = 0; i < s.threads; i++) {
+        const lg_emu_fiber *f = s.fibers[(size_t)i];
+        if (!lg_emu_same_site(f, first))
+            lg_emu_die("kernel %s launched at %s:%d, block (%u,%u,%u): thread 0 waits at the "
+                       "__syncthreads at %s:%d but thread %d at the one at %s:%d",
+                       s.site.kernel, s.site.file, s.site.line, s.block_idx.x, s.block_idx.y,
+                       s.block_idx.z, first->wait_file, first->wait_line, i, f->wait_file,
+                       f->wait_line);
+        count += f->exchange_in != 0;
+    }
+    for (int i = 0; i < s.threads; i++) {
+        lg_emu_fiber *f = s.fibers[(size_t)i];
+        f->exchange_out = count;
+        f->state = LG_EMU_RUNNABLE;
+    }
+    s.at_block_barrier = 0;
+}
+
+/* The lanes of `group` (all waiting at the same warp barrier) exchange values and run on. */
+inline void lg_emu_release_warp_group(lg_emu_scheduler &s, int warp, unsigned group) {
+    lg_emu_fiber **lanes = &s.fibers[(size_t)warp * 32];
+    unsigned ballot = 0;
+    for (unsigned g = group; g; g &= g - 1) {
+        int lane = __builtin_ctz(g);
+        if (lanes[lane]->exchange_in != 0) ballot |= 1u << lane;
+    }
+    for (unsigned g = group; g; g &= g - 1) {
+        lg_emu_fiber *f = lanes[__builtin_ctz(g)];
+        int src = f->exchange_source;
+        if (src == LG_EMU_EXCHANGE_BALLOT) f->exchange_out = ballot;
+        else if (src >= 0 && src < 32 && (group >> src & 1)) f->exchange_out = lanes[src]->exchange_in;
+        else f->exchange_out = f->exchange_in; /* a lane outside the group: its own value */
+        f->state = LG_EMU_RUNNABLE;
+        s.at_warp_barrier--;
+        s.warp_waiting[warp]--;
+    }
+}
+
+/* Releases every warp group whose lanes (those of the mask that exist) all wait at a warp
+   barrier with that mask; returns whether any did. */
+inline bool lg_emu_release_warp_groups(lg_emu_scheduler &s) {
+    bool released = false;
+    for (int warp = 0; warp * 32 < s.threads; warp++) {
+        if (s.warp_waiting[warp] == 0) continue;
+        lg_emu_fiber **lanes = &s.fibers[(size_t)warp * 32];
+        unsigned exist = lg_emu_warp_lanes(s.threads, warp * 32), waiting = 0;
+        for (unsigned e = exist; e; e &= e - 1)
+            if (lanes[__builtin_ctz(e)]->state == LG_EMU_AT_WARP_BARRIER) waiting |= 1u << __builtin_ctz(e);
+        for (unsigned pending = waiting; pending;) {
+            int lane = __builtin_ctz(pending);
+            unsigned group = lanes[lane]->warp_mask & exist;
+            pending &= ~(group | 1u << lane);
+            if (!(group >> lane & 1))
+                lg_emu_die("kernel %s launched at %s:%d: lane %d of warp %d calls a warp function "
+                           "at %s:%d with mask 0x%08x, which leaves it out",
+                           s.site.kernel, s.site.file, s.site.line, lane, warp,
+                           lanes[lane]->wait_file, lanes[lane]->wait_line, lanes[lane]->warp_mask);
+            bool complete = (waiting & group) == group;
+            for (unsigned g = group; complete && g; g &= g - 1)
+                complete = (lanes[__builtin_ctz(g)]->warp_mask & exist) == group;
+            if (!complete) continue;
+            lg_emu_release_warp_group(s, warp, group);
+            waiting &= ~group;
+            released = true;
+        }
+    }
+    return released;
+}
+
+/* First thread in state `state`, or -1. */
+inline int lg_emu_first_in_state(const lg_emu_scheduler &s, lg_emu_thread_state state) {
+    for (int i = 0; i < s.threads; i++)
+        if (s.fibers[(size_t)i]->state == state) return i;
+    return -1;
+}
+
+[[noreturn]] inline void lg_emu_report_deadlock(const lg_emu_scheduler &s) {
+    char block_wait[200] = "", warp_wait[200] = "", exit_note[100] = "";
+    int b = lg_emu_first_in_state(s, LG_EMU_AT_BLOCK_BARRIER);
+    int w = lg_emu_first_in_state(s, LG_EMU_AT_WARP_BARRIER);
+    int e = lg_emu_first_in_state(s, LG_EMU_EXITED);
+    if (b >= 0)
+        snprintf(block_wait, sizeof block_wait, " (thread %d at %s:%d)", b,
+                 s.fibers[(size_t)b]->wait_file, s.fibers[(size_t)b]->wait_line);
+    if (w >= 0)
+        snprintf(warp_wait, sizeof warp_wait, " (thread %d at %s:%d)", w,
+                 s.fibers[(size_t)w]->wait_file, s.fibers[(size_t)w]->wait_line);
+    if (e >= 0) snprintf(exit_note, sizeof exit_note, " (thread %d first)", e);
+    lg_emu_die("deadlock in kernel %s launched at %s:%d, block (%u,%u,%u) of %d threads: %d wait "
+               "at __syncthreads%s, %d at a warp barrier%s, %d returned%s. A barrier in divergent "
+               "code, or threads that return before a barrier the others reach?",
+               s.site.kernel, s.site.file, s.site.line, s.block_idx.x, s.block_idx.y,
+               s.block_idx.z, s.threads, s.at_block_barrier, block_wait, s.at_warp_barrier,
+               warp_wait, s.exited, exit_note);
+}
+
+inline void lg_emu_run_block(lg_emu_scheduler &s) {
+    s.exited = s.at_block_barrier = s.at_warp_barrier = 0;
+    memset(s.warp_waiting, 0, sizeof s.warp_waiting);
+    for (int i = 0; i < s.threads; i++) lg_emu_start_thread(s.fibers[(size_t)i], i, s.block_dim);
+    if (s.dynamic_shared_bytes) memset(s.dynamic_shared, 0xff, s.dynamic_shared_bytes);
+    for (;;) {
+        lg_emu_run_pass(s);
+        if (s.exited == s.threads) return;
+        if (s.at_warp_barrier > 0 && lg_emu_release_warp_groups(s)) continue;
+        if (s.at_block_barrier == s.threads) {
+            lg_emu_release_block_barrier(s);
+            continue;
+        }
+        lg_emu_report_deadlock(s);
+    }
+}
+
+inline void lg_emu_reserve(lg_emu_scheduler &s, int threads, size_t shared_bytes) {
+    while (s.fibers.size() < (size_t)threads) s.fibers.push_back(lg_emu_fiber_create());
+    if (shared_bytes > s.dynamic_shared_capacity || !s.dynamic_shared) {
+        free(s.dynamic_shared);
+        size_t bytes = (shared_bytes + 63) / 64 * 64 + 64;
+        s.dynamic_shared = (unsigned char *)aligned_alloc(64, bytes);
+        if (!s.dynamic_shared) lg_emu_die("cannot allocate %zu bytes of shared memory", bytes);
+        s.dynamic_shared_capacity = bytes;
+    }
+    s.dynamic_shared_bytes = shared_bytes;
+}
+
+inline cudaError_t lg_emu_error(cudaError_t e);
+
+/* Why CUDA would refuse this launch, or null. */
+inline const char *lg_emu_launch_refusal(dim3 grid, dim3 block, size_t shared_bytes,
+                                         cudaStream_t stream, cudaError_t *code) {
+    lg_emu_state_t &st = lg_emu_state();
+    *code = cudaErrorInvalidConfiguration;
+    unsigned long long threads = (unsigned long long)block.x * block.y * block.z;
+    if (!block.x || !block.y || !block.z || block.x > 1024 || block.y > 1024 || block.z > 64 ||
+        threads > LG_EMU_MAX_THREADS)
+        return "block dimensions out of range (at most 1024 threads, z at most 64)";
+    if (!grid.x || !grid.y || !grid.z || grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535)
+        return "grid dimensions out of range";
+    if (shared_bytes > LG_EMU_SHARED_OPTIN) return "more dynamic shared memory than a block can have";
+    *code = cudaErrorInvalidResourceHandle;
+    if (stream && !st.rt.streams.count(stream)) return "the stream was destroyed or never created";
+    if (stream && stream->device != st.rt.current_device)
+        return "the stream belongs to another device than the current one";
+    if (st.rt.device_count == 0) {
+        *code = cudaErrorNoDevice;
+        return "no emulated devices";
+    }
+    return nullptr;
+}
+
+/* Runs `body(args)` as every thread of every block of the launch, synchronously. */
+inline void lg_emu_run_kernel(const lg_emu_launch_site &site, dim3 grid, dim3 block,
+                              size_t shared_bytes, cudaStream_t stream, void (*body)(void *),
+                              void *args) {
+    lg_emu_scheduler &s = lg_emu_state().sched;
+    if (s.kernel_body)
+        lg_emu_die("kernel %s launched at %s:%d from inside kernel %s (not emulated)", site.kernel,
+                   site.file, site.line, s.site.kernel);
+    cudaError_t code;
+    if (const char *refusal = lg_emu_launch_refusal(grid, block, shared_bytes, stream, &code)) {
+        fprintf(stderr, "lg_emu: launch of %s at %s:%d refused: %s\n", site.kernel, site.file,
+                site.line, refusal);
+        lg_emu_error(code);
+        return;
+    }
+    s.launches++;
+    lg_emu_reserve(s, (int)(block.x * block.y * block.z), shared_bytes);
+    s.site = site;
+    s.grid_dim = grid;
+    s.block_dim = block;
+    s.threads = (int)(block.x * block.y * block.z);
+    s.kernel_body = body;
+    s.kernel_args = args;
+    for (unsigned z = 0; z < grid.z; z++)
+        for (unsigned y = 0; y < grid.y; y++)
+            for (unsigned x = 0; x < grid.x; x++) {
+                s.block_idx = uint3{x, y, z};
+                lg_emu_run_block(s);
+            }
+    s.kernel_body = nullptr;
+    s.kernel_args = nullptr;
+}
+
+/* LG_LAUNCH's object: remembers the configuration; its call evaluates the kernel's arguments
+   once, keeps them for the launch, and runs it. */
+template <typename Body> struct lg_emu_launcher {
+    lg_emu_launch_site site;
+    dim3 grid, block;
+    size_t shared_bytes;
+    cudaStream_t stream;
+    Body body;
+
+    template <typename... Args> void operator()(Args &&...args) const {
+        struct bound {
+            Body body;
+            std::tuple<typename std::decay<Args>::type...> args;
+            static void call(void *p) {
+                bound *b = (bound *)p;
+                std::apply(b->body, b->args);
+            }
+        };
+        bound b{body, std::tuple<typename std::decay<Args>::type...>(std::forward<Args>(args)...)};
+        lg_emu_run_kernel(site, grid, block, shared_bytes, stream, &bound::call, &b);
+    }
+};
+
+template <typename Body>
+lg_emu_launcher<Body> lg_emu_make_launcher(const char *kernel, const char *file, int line,
+                                           dim3 grid, dim3 block, size_t shared_bytes,
+                                           cudaStream_t stream, Body body) {
+    return lg_emu_launcher<Body>{lg_emu_launch_site{kernel, file, line}, grid, block,
+                                 shared_bytes, stream, body};
+}
+
+/* kernel<<<grid, block, smem_bytes, stream>>>(args...). A template kernel goes in parentheses:
+   LG_LAUNCH((k<float, 64>), ...). */
+#define LG_LAUNCH(kernel, grid, block, smem_bytes, stream, ...)                                \
+    lg_emu_make_launcher(#kernel, __FILE__, __LINE__, dim3(grid), dim3(block),                 \
+                         (size_t)(smem_bytes), (stream),                                       \
+                         [](auto &&...lg_emu_args_) { kernel(lg_emu_args_...); })(__VA_ARGS__)
+
+/* ============================================================================================
+   6. Device functions: barriers, warp exchanges, atomics, math
+   ============================================================================================ */
+
+inline uint64_t lg_emu_block_exchange(uint64_t value, const char *file, int line) {
+    lg_emu_scheduler &s = lg_emu_state().sched;
+    lg_emu_fiber *f = lg_emu_current_thread("__syncthreads");
+    f->state = LG_EMU_AT_BLOCK_BARRIER;
+    f->wait_file = file;
+    f->wait_line = line;
+    f->exchange_in = value;
+    f->exchange_source = LG_EMU_EXCHANGE_COUNT;
+    s.at_block_barrier++;
+    lg_emu_suspend(s, f);
+    return f->exchange_out;
+}
+
+inline void __syncthreads(const char *file = __builtin_FILE(), int line = __builtin_LINE()) {
+    lg_emu_block_exchange(0, file, line);
+}
+inline int __syncthreads_count(int predicate, const char *file = __builtin_FILE(),
+                               int line = __builtin_LINE()) {
+    return (int)lg_emu_block_exchange(predicate != 0, file, line);
+}
+inline int __syncthreads_and(int predicate, const char *file = __builtin_FILE(),
+                             int line = __builtin_LINE()) {
+    return (int)lg_emu_block_exchange(predicate != 0, file, line) == lg_emu_state().sched.threads;
+}
+inline int __syncthreads_or(int predicate, const char *file = __builtin_FILE(),
+                            int line = __builtin_LINE()) {
+    return lg_emu_block_exchange(predicate != 0, file, line) != 0;
+}
+
+/* Waits until the lanes of `mask` (those that exist) reach a warp barrier with the same mask;
+   returns the value of lane `source` (or the ballot, see LG_EMU_EXCHANGE_*). */
+inline uint64_t lg_emu_warp_exchange(unsigned mask, uint64_t value, int source, const char *file,
+                                     int line) {
+    lg_emu_scheduler &s = lg_emu_state().sched;
+    lg_emu_fiber *f = lg_emu_current_thread("a warp function");
+    f->state = LG_EMU_AT_WARP_BARRIER;
+    f->warp_mask = mask;
+    f->exchange_in = value;
+    f->exchange_source = source;
+    f->wait_file = file;
+    f->wait_line = line;
+    s.at_warp_barrier++;
+    s.warp_waiting[f->linear / 32]++;
+    lg_emu_suspend(s, f);
+    return f->exchange_out;
+}
+
+inline void __syncwarp(unsigned mask = 0xffffffffu, const char *file = __builtin_FILE(),
+                       int line = __builtin_LINE()) {
+    lg_emu_warp_exchange(mask, 0, LG_EMU_EXCHANGE_NONE, file, line);
+}
+
+inline unsigned __ballot_sync(unsigned mask, int predicate, const char *file = __builtin_FILE(),
+                              int line = __builtin_LINE()) {
+    return (unsigned)lg_emu_warp_exchange(mask, predicate != 0, LG_EMU_EXCHANGE_BALLOT, file, line);
+}
+inline int __any_sync(unsigned mask, int predicate, const char *file = __builtin_FILE(),
+                      int line = __builtin_LINE()) {
+    return __ballot_sync(mask, predicate, file, line) != 0;
+}
+inline int __all_sync(unsigned mask, int predicate, const char *file = __builtin_FILE(),
+                      int line = __builtin_LINE()) {
+    const lg_emu_scheduler &s = lg_emu_state().sched;
+    unsigned group = mask & lg_emu_warp_lanes(s.threads, lg_emu_current_thread("__all_sync")->linear);
+    return __ballot_sync(mask, predicate, file, line) == group;
+}
+
+template <typename T> inline uint64_t lg_emu_bits(T value) {
+    static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value,
+                  "warp shuffles move values of at most 8 bytes");
+    uint64_t bits = 0;
+    memcpy(&bits, &value, sizeof value);
+    return bits;
+}
+template <typename T> inline T lg_emu_from_bits(uint64_t bits) {
+    T value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* The caller's lane and the first lane of its width-wide segment. */
+inline int lg_emu_lane(int width, int *segment) {
+    if (width < 1 || width > 32 || (width & (width - 1)))
+        lg_emu_die("warp shuffle width %d is not a power of two up to 32", width);
+    int lane = lg_emu_current_thread("a warp shuffle")->linear % 32;
+    *segment = lane & ~(width - 1);
+    return lane;
+}
+
+template <typename T>
+inline T __shfl_sync(unsigned mask, T var, int src_lane, int width = 32,
+                     const char *file = __builtin_FILE(), int line = __builtin_LINE()) {
+    int segment;
+    lg_emu_lane(width, &segment);
+    int src = segment + (src_lane & (width - 1));
+    return lg_emu_from_bits<T>(lg_emu_warp_exchange(mask, lg_emu_bits(var), src, file, line));
+}
+
+template <typename T>
+inline T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = 32,
+                        const char *file = __builtin_FILE(), int line = __builtin_LINE()) {
+    int segment, lane = lg_emu_lane(width, &segment);
+    int src = lane - (int)delta < segment ? lane : lane - (int)delta;
+    return lg_emu_from_bits<T>(lg_emu_warp_exchange(mask, lg_emu_bits(var), src, file, line));
+}
+
+template <typename T>
+inline T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = 32,
+                          const char *file = __builtin_FILE(), int line = __builtin_LINE()) {
+    int segment, lane = lg_emu_lane(width, &segment);
+    int src = lane + (int)delta >= segment + width ? lane : lane + (int)delta;
+    return lg_emu_from_bits<T>(lg_emu_warp_exchange(mask, lg_emu_bits(var), src, file, line));
+}
+
+/* As CUDA: a lane may read from earlier segments, but reading a later one gives its own value. */
+template <typename T>
+inline T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32,
+                         const char *file = __builtin_FILE(), int line = __builtin_LINE()) {
+    int segment, lane = lg_emu_lane(width, &segment);
+    int src = lane ^ (lane_mask & 31);
+    if (src >= segment + width) src = lane;
+    return lg_emu_from_bits<T>(lg_emu_warp_exchange(mask, lg_emu_bits(var), src, file, line));
+}
+
+/* Atomics: one OS thread runs every emulated thread, so a plain read-modify-write is atomic. */
+template <typename T, typename F> inline T lg_emu_atomic(T *address, F update) {
+    T old = *address;
+    *address = update(old);
+    return old;
+}
+inline float atomicAdd(float *a, float v) { return lg_emu_atomic(a, [v](float o) { return o + v; }); }
+inline double atomicAdd(double *a, double v) { return lg_emu_atomic(a, [v](double o) { return o + v; }); }
+inline unsigned atomicAdd(unsigned *a, unsigned v) { return lg_emu_atomic(a, [v](unsigned o) { return o + v; }); }
+inline unsigned long long atomicAdd(unsigned long long *a, unsigned long long v) {
+    return lg_emu_atomic(a, [v](unsigned long long o) { return o + v; });
+}
+inline int atomicAdd(int *a, int v) {
+    return lg_emu_atomic(a, [v](int o) { return (int)((unsigned)o + (unsigned)v); });
+}
+inline int atomicSub(int *a, int v) {
+    return lg_emu_atomic(a, [v](int o) { return (int)((unsigned)o - (unsigned)v); });
+}
+inline unsigned atomicSub(unsigned *a, unsigned v) { return lg_emu_atomic(a, [v](unsigned o) { return o - v; }); }
+inline int atomicMax(int *a, int v) { return lg_emu_atomic(a, [v](int o) { return o > v ? o : v; }); }
+inline unsigned atomicMax(unsigned *a, unsigned v) { return lg_emu_atomic(a, [v](unsigned o) { return o > v ? o : v; }); }
+inline long long atomicMax(long long *a, long long v) {
+    return lg_emu_atomic(a, [v](long long o) { return o > v ? o : v; });
+}
+inline unsigned long long atomicMax(unsigned long long *a, unsigned long long v) {
+    return lg_emu_atomic(a, [v](unsigned long long o) { return o > v ? o : v; });
+}
+inline int atomicMin(int *a, int v) { return lg_emu_atomic(a, [v](int o) { return o < v ? o : v; }); }
+inline unsigned atomicMin(unsigned *a, unsigned v) { return lg_emu_atomic(a, [v](unsigned o) { return o < v ? o : v; }); }
+inline long long atomicMin(long long *a, long long v) {
+    return lg_emu_atomic(a, [v](long long o) { return o < v ? o : v; });
+}
+inline unsigned long long atomicMin(unsigned long long *a, unsigned long long v) {
+    return lg_emu_atomic(a, [v](unsigned long long o) { return o < v ? o : v; });
+}
+inline int atomicExch(int *a, int v) { return lg_emu_atomic(a, [v](int) { return v; }); }
+inline unsigned atomicExch(unsigned *a, unsigned v) { return lg_emu_atomic(a, [v](unsigned) { return v; }); }
+inline unsigned long long atomicExch(unsigned long long *a, unsigned long long v) {
+    return lg_emu_atomic(a, [v](unsigned long long) { return v; });
+}
+inline float atomicExch(float *a, float v) { return lg_emu_atomic(a, [v](float) { return v; }); }
+inline int atomicCAS(int *a, int compare, int v) {
+    return lg_emu_atomic(a, [=](int o) { return o == compare ? v : o; });
+}
+inline unsigned atomicCAS(unsigned *a, unsigned compare, unsigned v) {
+    return lg_emu_atomic(a, [=](unsigned o) { return o == compare ? v : o; });
+}
+inline unsigned long long atomicCAS(unsigned long long *a, unsigned long long compare,
+                                    unsigned long long v) {
+    return lg_emu_atomic(a, [=](unsigned long long o) { return o == compare ? v : o; });
+}
+inline unsigned short atomicCAS(unsigned short *a, unsigned short compare, unsigned short v) {
+    return lg_emu_atomic(a, [=](unsigned short o) { return o == compare ? v : o; });
+}
+inline int atomicAnd(int *a, int v) { return lg_emu_atomic(a, [v](int o) { return o & v; }); }
+inline unsigned atomicAnd(unsigned *a, unsigned v) { return lg_emu_atomic(a, [v](unsigned o) { return o & v; }); }
+inline int atomicOr(int *a, int v) { return lg_emu_atomic(a, [v](int o) { return o | v; }); }
+inline unsigned atomicOr(unsigned *a, unsigned v) { return lg_emu_atomic(a, [v](unsigned o) { return o | v; }); }
+inline int atomicXor(int *a, int v) { return lg_emu_atomic(a, [v](int o) { return o ^ v; }); }
+inline unsigned atomicXor(unsigned *a, unsigned v) { return lg_emu_atomic(a, [v](unsigned o) { return o ^ v; }); }
+
+/* Memory fences order nothing here: the threads of the emulation run one at a time. */
+inline void __threadfence(void) {}
+inline void __threadfence_block(void) {}
+inline void __threadfence_system(void) {}
+[[noreturn]] inline void __trap(void) { lg_emu_die("__trap() in a kernel"); }
+
+/* Math intrinsics: the fast variants compute the accurate function. */
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline double rsqrt(double x) { return 1.0 / sqrt(x); }
+inline float __expf(float x) { return expf(x); }
+inline float __logf(float x) { return logf(x); }
+inline float __powf(float x, float y) { return powf(x, y); }
+inline float __sinf(float x) { return sinf(x); }
+inline float __cosf(float x) { return cosf(x); }
+inline float __fdividef(float x, float y) { return x / y; }
+inline float __frcp_rn(float x) { return 1.0f / x; }
+inline float __fsqrt_rn(float x) { return sqrtf(x); }
+inline float __fadd_rn(float x, float y) { return x + y; }
+inline float __fmul_rn(float x, float y) { return x * y; }
+inline float __fmaf_rn(float x, float y, float z) { return fmaf(x, y, z); }
+inline float __saturatef(float x) { return x > 0.0f ? (x < 1.0f ? x : 1.0f) : 0.0f; } /* NaN: 0 */
+inline int __float2int_rn(float x) { return (int)nearbyintf(x); }
+inline int __float2int_rz(float x) { return (int)x; }
+inline float __int2float_rn(int x) { return (float)x; }
+inline unsigned __float_as_uint(float x) { return lg_emu_from_bits<unsigned>(lg_emu_bits(x)); }
+inline int __float_as_int(float x) { return lg_emu_from_bits<int>(lg_emu_bits(x)); }
+inline float __uint_as_float(unsigned x) { return lg_emu_from_bits<float>(lg_emu_bits(x)); }
+inline float __int_as_float(int x) { return lg_emu_from_bits<float>(lg_emu_bits(x)); }
+inline long long __double_as_longlong(double x) { return lg_emu_from_bits<long long>(lg_emu_bits(x)); }
+inline double __longlong_as_double(long long x) { return lg_emu_from_bits<double>(lg_emu_bits(x)); }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+template <typename T> inline T __ldg(const T *p) { return *p; }
+
+/* CUDA's min and max, for any pair of arithmetic types (the usual conversions apply, as in
+   CUDA's overloads; floating point takes fmin/fmax). */
+template <typename A, typename B>
+inline typename std::common_type<A, B>::type min(A a, B b) {
+    typedef typename std::common_type<A, B>::type C;
+    if constexpr (std::is_floating_point<C>::value) return std::fmin((C)a, (C)b);
+    else return (C)a < (C)b ? (C)a : (C)b;
+}
+template <typename A, typename B>
+inline typename std::common_type<A, B>::type max(A a, B b) {
+    typedef typename std::common_type<A, B>::type C;
+    if constexpr (std::is_floating_point<C>::value) return std::fmax((C)a, (C)b);
+    else return (C)a > (C)b ? (C)a : (C)b;
+}
+
+/* ============================================================================================
+   7. CUDA runtime API
+   ============================================================================================ */
+
+/* Records a failure for cudaGetLastError, as the runtime does; returns it. */
+inline cudaError_t lg_emu_error(cudaError_t e) {
+    if (e != cudaSuccess) lg_emu_state().rt.last_error = e;
+    return e;
+}
+
+inline const char *cudaGetErrorName(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidDevicePointer: return "cudaErrorInvalidDevicePointer";
+    case cudaErrorInvalidMemcpyDirection: return "cudaErrorInvalidMemcpyDirection";
+    case cudaErrorInvalidDeviceFunction: return "cudaErrorInvalidDeviceFunction";
+    case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
+    case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
+    case cudaErrorPeerAccessAlreadyEnabled: return "cudaErrorPeerAccessAlreadyEnabled";
+    case cudaErrorPeerAccessNotEnabled: return "cudaErrorPeerAccessNotEnabled";
+    case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    case cudaErrorNotSupported: return "cudaErrorNotSupported";
+    }
+    return "cudaErrorUnknown";
+}
+
+inline const char *cudaGetErrorString(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorInvalidDevicePointer: return "invalid device pointer";
+    case cudaErrorInvalidMemcpyDirection: return "invalid copy direction for memcpy";
+    case cudaErrorInvalidDeviceFunction: return "invalid device function";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorNotReady: return "device not ready";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
+    case cudaErrorPeerAccessAlreadyEnabled: return "peer access is already enabled";
+    case cudaErrorPeerAccessNotEnabled: return "peer access has not been enabled";
+    case cudaErrorLaunchFailure: return "unspecified launch failure";
+    case cudaErrorNotSupported: return "operation not supported";
+    }
+    return "unrecognized error code";
+}
+
+inline cudaError_t cudaGetLastError(void) {
+    lg_emu_runtime &rt = lg_emu_state().rt;
+    cudaError_t e = rt.last_error;
+    rt.last_error = cudaSuccess;
+    return e;
+}
+inline cudaError_t cudaPeekAtLastError(void) { return lg_emu_state().rt.last_error; }
+
+inline bool lg_emu_valid_device(int device) {
+    return device >= 0 && device < lg_emu_state().rt.device_count;
+}
+
+inline cudaError_t cudaGetDeviceCount(int *count) {
+    if (!count) return lg_emu_error(cudaErrorInvalidValue);
+    *count = lg_emu_state().rt.device_count;
+    return *count ? cudaSuccess : lg_emu_error(cudaErrorNoDevice);
+}
+inline cudaError_t cudaSetDevice(int device) {
+    if (!lg_emu_valid_device(device)) return lg_emu_error(cudaErrorInvalidDevice);
+    lg_emu_state().rt.current_device = device;
+    return cudaSuccess;
+}
+inline cudaError_t cudaGetDevice(int *device) {
+    if (!device) return lg_emu_error(cudaErrorInvalidValue);
+    if (lg_emu_state().rt.device_count == 0) return lg_emu_error(cudaErrorNoDevice);
+    *device = lg_emu_state().rt.current_device;
+    return cudaSuccess;
+}
+inline cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+
+/* --- memory --- */
+
+/* The live allocation holding p, or null. */
+inline const lg_emu_allocation *lg_emu_find_allocation(const void *p, uintptr_t *base) {
+    const std::map<uintptr_t, lg_emu_allocation> &all = lg_emu_state().rt.allocations;
+    auto it = all.upper_bound((uintptr_t)p);
+    if (it == all.begin()) return nullptr;
+    --it;
+    if ((uintptr_t)p >= it->first + it->second.bytes) return nullptr;
+    *base = it->first;
+    return &it->second;
+}
+
+/* False when [p, p + bytes) starts inside an allocation of this emulator and runs past its end
+   (memory the emulator did not allocate cannot be judged). */
+inline bool lg_emu_range_fits(const void *p, size_t bytes) {
+    uintptr_t base;
+    const lg_emu_allocation *a = lg_emu_find_allocation(p, &base);
+    return !a || (uintptr_t)p - base + bytes <= a->bytes;
+}
+
+inline cudaError_t lg_emu_allocate(void **ptr, size_t bytes, lg_emu_memory_kind kind) {
+    lg_emu_runtime &rt = lg_emu_state().rt;
+    if (!ptr) return lg_emu_error(cudaErrorInvalidValue);
+    *ptr = nullptr;
+    if (kind != LG_EMU_HOST_MEMORY) {
+        if (rt.device_count == 0) return lg_emu_error(cudaErrorNoDevice);
+        size_t used = rt.used[rt.current_device];
+        if (used > rt.memory_per_device || bytes > rt.memory_per_device - used)
+            return lg_emu_error(cudaErrorMemoryAllocation);
+    }
+    if (bytes == 0) return cudaSuccess; /* as CUDA: a null pointer */
+    void *p = nullptr; /* exactly `bytes`, so AddressSanitizer sees a kernel's overrun */
+    if (posix_memalign(&p, 256, bytes) != 0) return lg_emu_error(cudaErrorMemoryAllocation);
+    /* uninitialized memory reads as NaN (up to 1 GiB: beyond, pages stay untouched) */
+    memset(p, 0xff, bytes < ((size_t)1 << 30) ? bytes : ((size_t)1 << 30));
+    rt.allocations[(uintptr_t)p] = lg_emu_allocation{bytes, rt.current_device, kind};
+    if (kind != LG_EMU_HOST_MEMORY) rt.used[rt.current_device] += bytes;
+    *ptr = p;
+    return cudaSuccess;
+}
+
+/* Frees p if it is an allocation of one of `kinds` (a bit per lg_emu_memory_kind). */
+inline cudaError_t lg_emu_release(void *p, unsigned kinds) {
+    if (!p) return cudaSuccess;
+    lg_emu_runtime &rt = lg_emu_state().rt;
+    auto it = rt.allocations.find((uintptr_t)p);
+    if (it == rt.allocations.end() || !(kinds >> it->second.kind & 1))
+        return lg_emu_error(cudaErrorInvalidValue);
+    if (it->second.kind != LG_EMU_HOST_MEMORY) rt.used[it->second.device] -= it->second.bytes;
+    rt.allocations.erase(it);
+    free(p);
+    return cudaSuccess;
+}
+
+inline cudaError_t cudaMalloc(void **ptr, size_t bytes) { return lg_emu_allocate(ptr, bytes, LG_EMU_DEVICE_MEMORY); }
+inline cudaError_t cudaMallocManaged(void **ptr, size_t bytes, unsigned flags = cudaMemAttachGlobal) {
+    if (flags != cudaMemAttachGlobal && flags != cudaMemAttachHost) return lg_emu_error(cudaErrorInvalidValue);
+    return lg_emu_allocate(ptr, bytes, LG_EMU_MANAGED_MEMORY);
+}
+inline cudaError_t cudaMallocHost(void **ptr, size_t bytes) { return lg_emu_allocate(ptr, bytes, LG_EMU_HOST_MEMORY); }
+inline cudaError_t cudaHostAlloc(void **ptr, size_t bytes, unsigned /* flags */) {
+    return lg_emu_allocate(ptr, bytes, LG_EMU_HOST_MEMORY);
+}
+inline cudaError_t cudaMallocAsync(void **ptr, size_t bytes, cudaStream_t /* stream */) {
+    return lg_emu_allocate(ptr, bytes, LG_EMU_DEVICE_MEMORY);
+}
+template <typename T> inline cudaError_t cudaMalloc(T **ptr, size_t bytes) { return cudaMalloc((void **)ptr, bytes); }
+template <typename T>
+inline cudaError_t cudaMallocManaged(T **ptr, size_t bytes, unsigned flags = cudaMemAttachGlobal) {
+    return cudaMallocManaged((void **)ptr, bytes, flags);
+}
+template <typename T> inline cudaError_t cudaMallocHost(T **ptr, size_t bytes) { return cudaMallocHost((void **)ptr, bytes); }
+template <typename T> inline cudaError_t cudaHostAlloc(T **ptr, size_t bytes, unsigned flags) {
+    return cudaHostAlloc((void **)ptr, bytes, flags);
+}
+inline cudaError_t cudaFree(void *p) {
+    return lg_emu_release(p, 1u << LG_EMU_DEVICE_MEMORY | 1u << LG_EMU_MANAGED_MEMORY);
+}
+inline cudaError_t cudaFreeAsync(void *p, cudaStream_t /* stream */) { return cudaFree(p); }
+inline cudaError_t cudaFreeHost(void *p) { return lg_emu_release(p, 1u << LG_EMU_HOST_MEMORY); }
+
+inline cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
+    lg_emu_runtime &rt = lg_emu_state().rt;
+    if (!free_bytes || !total_bytes) return lg_emu_error(cudaErrorInvalidValue);
+    if (rt.device_count == 0) return lg_emu_error(cudaErrorNoDevice);
+    *total_bytes = rt.memory_per_device;
+    size_t used = rt.used[rt.current_device];
+    *free_bytes = used < rt.memory_per_device ? rt.memory_per_device - used : 0;
+    return cudaSuccess;
+}
+
+/* Bytes the live cudaMalloc/cudaMallocManaged allocations hold on `device` (for tests). */
+inline size_t lg_emu_device_bytes_in_use(int device) {
+    return lg_emu_valid_device(device) ? lg_emu_state().rt.used[device] : 0;
+}
+
+inline cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind) {
+    if ((unsigned)kind > cudaMemcpyDefault) return lg_emu_error(cudaErrorInvalidMemcpyDirection);
+    if (bytes == 0) return cudaSuccess;
+    if (!dst || !src || !lg_emu_range_fits(dst, bytes) || !lg_emu_range_fits(src, bytes))
+        return lg_emu_error(cudaErrorInvalidValue);
+    memmove(dst, src, bytes);
+    return cudaSuccess;
+}
+inline cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
+                                   cudaStream_t /* stream */ = nullptr) {
+    return cudaMemcpy(dst, src, bytes, kind);
+}
+inline cudaError_t cudaMemcpyPeer(void *dst, int dst_device, const void *src, int src_device, size_t bytes) {
+    if (!lg_emu_valid_device(dst_device) || !lg_emu_valid_device(src_device))
+        return lg_emu_error(cudaErrorInvalidDevice);
+    return cudaMemcpy(dst, src, bytes, cudaMemcpyDefault);
+}
+inline cudaError_t cudaMemcpyPeerAsync(void *dst, int dst_device, const void *src, int src_device,
+                                       size_t bytes, cudaStream_t /* stream */ = nullptr) {
+    return cudaMemcpyPeer(dst, dst_device, src, src_device, bytes);
+}
+inline cudaError_t cudaMemset(void *dst, int value, size_t bytes) {
+    if (bytes == 0) return cudaSuccess;
+    if (!dst || !lg_emu_range_fits(dst, bytes)) return lg_emu_error(cudaErrorInvalidValue);
+    memset(dst, value, bytes);
+    return cudaSuccess;
+}
+inline cudaError_t cudaMemsetAsync(void *dst, int value, size_t bytes, cudaStream_t /* stream */ = nullptr) {
+    return cudaMemset(dst, value, bytes);
+}
+
+/* What kind of memory p points into; host memory the emulator did not allocate is
+   unregistered (not an error, as in CUDA 11 and later). */
+inline cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *attributes, const void *p) {
+    if (!attributes) return lg_emu_error(cudaErrorInvalidValue);
+    uintptr_t base;
+    const lg_emu_allocation *a = lg_emu_find_allocation(p, &base);
+    void *q = const_cast<void *>(p);
+    if (!a) *attributes = cudaPointerAttributes{cudaMemoryTypeUnregistered, -2, nullptr, q};
+    else if (a->kind == LG_EMU_DEVICE_MEMORY) *attributes = cudaPointerAttributes{cudaMemoryTypeDevice, a->device, q, nullptr};
+    else if (a->kind == LG_EMU_MANAGED_MEMORY) *attributes = cudaPointerAttributes{cudaMemoryTypeManaged, a->device, q, q};
+    else *attributes = cudaPointerAttributes{cudaMemoryTypeHost, a->device, q, q};
+    return cudaSuccess;
+}
+
+/* Placement hints: nothing to do on host memory. CUDA 13's signatures (a cudaMemLocation). */
+inline cudaError_t cudaMemPrefetchAsync(const void * /* ptr */, size_t /* bytes */,
+                                        cudaMemLocation location, unsigned /* flags */,
+                                        cudaStream_t /* stream */ = nullptr) {
+    if (location.type == cudaMemLocationTypeDevice && !lg_emu_valid_device(location.id))
+        return lg_emu_error(cudaErrorInvalidDevice);
+    return cudaSuccess;
+}
+inline cudaError_t cudaMemAdvise(const void * /* ptr */, size_t /* bytes */,
+                                 cudaMemoryAdvise /* advice */, cudaMemLocation location) {
+    if (location.type == cudaMemLocationTypeDevice && !lg_emu_valid_device(location.id))
+        return lg_emu_error(cudaErrorInvalidDevice);
+    return cudaSuccess;
+}
+
+/* --- streams and events: every operation is complete when its call returns --- */
+
+inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t *stream, unsigned flags) {
+    lg_emu_runtime &rt = lg_emu_state().rt;
+    if (!stream) return lg_emu_error(cudaErrorInvalidValue);
+    if (rt.device_count == 0) return lg_emu_error(cudaErrorNoDevice);
+    *stream = new lg_emu_stream{rt.current_device, flags};
+    rt.streams.insert(*stream);
+    return cudaSuccess;
+}
+inline cudaError_t cudaStreamCreate(cudaStream_t *stream) {
+    return cudaStreamCreateWithFlags(stream, cudaStreamDefault);
+}
+inline bool lg_emu_valid_stream(cudaStream_t stream) {
+    return !stream || lg_emu_state().rt.streams.count(stream);
+}
+inline cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+    if (!stream || !lg_emu_state().rt.streams.erase(stream)) return lg_emu_error(cudaErrorInvalidResourceHandle);
+    delete stream;
+    return cudaSuccess;
+}
+inline cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+    return lg_emu_valid_stream(stream) ? cudaSuccess : lg_emu_error(cudaErrorInvalidResourceHandle);
+}
+inline cudaError_t cudaStreamQuery(cudaStream_t stream) { return cudaStreamSynchronize(stream); }
+
+inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned flags) {
+    lg_emu_runtime &rt = lg_emu_state().rt;
+    if (!event) return lg_emu_error(cudaErrorInvalidValue);
+    if (rt.device_count == 0) return lg_emu_error(cudaErrorNoDevice);
+    *event = new lg_emu_event{rt.current_device, flags, 0};
+    rt.events.insert(*event);
+    return cudaSuccess;
+}
+inline cudaError_t cudaEventCreate(cudaEvent_t *event) { return cudaEventCreateWithFlags(event, cudaEventDefault); }
+inline bool lg_emu_valid_event(cudaEvent_t event) { return event && lg_emu_state().rt.events.count(event); }
+inline cudaError_t cudaEventDestroy(cudaEvent_t event) {
+    if (!lg_emu_valid_event(event)) return lg_emu_error(cudaErrorInvalidResourceHandle);
+    lg_emu_state().rt.events.erase(event);
+    delete event;
+    return cudaSuccess;
+}
+/* As CUDA: the event and the stream must belong to the same device. */
+inline cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream = nullptr) {
+    if (!lg_emu_valid_event(event) || !lg_emu_valid_stream(stream))
+        return lg_emu_error(cudaErrorInvalidResourceHandle);
+    int stream_device = stream ? stream->device : lg_emu_state().rt.current_device;
+    if (event->device != stream_device) return lg_emu_error(cudaErrorInvalidResourceHandle);
+    event->recorded = 1;
+    return cudaSuccess;
+}
+inline cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+    return lg_emu_valid_event(event) ? cudaSuccess : lg_emu_error(cudaErrorInvalidResourceHandle);
+}
+inline cudaError_t cudaEventQuery(cudaEvent_t event) { return cudaEventSynchronize(event); }
+inline cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned /* flags */ = 0) {
+    if (!lg_emu_valid_event(event) || !lg_emu_valid_stream(stream))
+        return lg_emu_error(cudaErrorInvalidResourceHandle);
+    return cudaSuccess;
+}
+/* No clock: 0 ms between any two recorded timing events. */
+inline cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) {
+    if (!ms) return lg_emu_error(cudaErrorInvalidValue);
+    if (!lg_emu_valid_event(start) || !lg_emu_valid_event(end) ||
+        ((start->flags | end->flags) & cudaEventDisableTiming))
+        return lg_emu_error(cudaErrorInvalidResourceHandle);
+    if (!start->recorded || !end->recorded) return lg_emu_error(cudaErrorInvalidResourceHandle);
+    *ms = 0.0f;
+    return cudaSuccess;
+}
+
+/* --- devices and peers --- */
+
+inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int device) {
+    if (!prop) return lg_emu_error(cudaErrorInvalidValue);
+    if (!lg_emu_valid_device(device)) return lg_emu_error(cudaErrorInvalidDevice);
+    memset(prop, 0, sizeof *prop);
+    snprintf(prop->name, sizeof prop->name, "litgpt.c emulated GPU %d", device);
+    prop->totalGlobalMem = lg_emu_state().rt.memory_per_device;
+    prop->sharedMemPerBlock = 49152;
+    prop->sharedMemPerBlockOptin = LG_EMU_SHARED_OPTIN;
+    prop->sharedMemPerMultiprocessor = 233472;
+    prop->warpSize = 32;
+    prop->maxThreadsPerBlock = LG_EMU_MAX_THREADS;
+    prop->maxThreadsPerMultiProcessor = 2048;
+    prop->major = 9;
+    prop->minor = 0;
+    prop->multiProcessorCount = 132;
+    return cudaSuccess;
+}
+
+inline cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device) {
+    cudaDeviceProp p;
+    if (!value) return lg_emu_error(cudaErrorInvalidValue);
+    cudaError_t e = cudaGetDeviceProperties(&p, device);
+    if (e != cudaSuccess) return e;
+    switch (attr) {
+    case cudaDevAttrMaxThreadsPerBlock: *value = p.maxThreadsPerBlock; break;
+    case cudaDevAttrMaxSharedMemoryPerBlock: *value = (int)p.sharedMemPerBlock; break;
+    case cudaDevAttrWarpSize: *value = p.warpSize; break;
+    case cudaDevAttrMultiProcessorCount: *value = p.multiProcessorCount; break;
+    case cudaDevAttrMaxThreadsPerMultiProcessor: *value = p.maxThreadsPerMultiProcessor; break;
+    case cudaDevAttrComputeCapabilityMajor: *value = p.major; break;
+    case cudaDevAttrComputeCapabilityMinor: *value = p.minor; break;
+    case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *value = (int)p.sharedMemPerMultiprocessor; break;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = (int)p.sharedMemPerBlockOptin; break;
+    default: return lg_emu_error(cudaErrorInvalidValue);
+    }
+    return cudaSuccess;
+}
+
+inline cudaError_t cudaDeviceCanAccessPeer(int *can, int device, int peer) {
+    if (!can) return lg_emu_error(cudaErrorInvalidValue);
+    if (!lg_emu_valid_device(device) || !lg_emu_valid_device(peer)) return lg_emu_error(cudaErrorInvalidDevice);
+    *can = device != peer;
+    return cudaSuccess;
+}
+/* As CUDA: enabling twice answers cudaErrorPeerAccessAlreadyEnabled. */
+inline cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned flags) {
+    lg_emu_runtime &rt = lg_emu_state().rt;
+    if (flags != 0) return lg_emu_error(cudaErrorInvalidValue);
+    if (!lg_emu_valid_device(peer) || peer == rt.current_device) return lg_emu_error(cudaErrorInvalidDevice);
+    if (rt.peer_enabled[rt.current_device][peer]) return lg_emu_error(cudaErrorPeerAccessAlreadyEnabled);
+    rt.peer_enabled[rt.current_device][peer] = 1;
+    return cudaSuccess;
+}
+inline cudaError_t cudaDeviceGetP2PAttribute(int *value, cudaDeviceP2PAttr attr, int src, int dst) {
+    if (!value) return lg_emu_error(cudaErrorInvalidValue);
+    if (!lg_emu_valid_device(src) || !lg_emu_valid_device(dst) || src == dst)
+        return lg_emu_error(cudaErrorInvalidDevice);
+    switch (attr) {
+    case cudaDevP2PAttrPerformanceRank: *value = 0; break;
+    case cudaDevP2PAttrAccessSupported: *value = 1; break;
+    case cudaDevP2PAttrNativeAtomicSupported: *value = 1; break;
+    default: return lg_emu_error(cudaErrorInvalidValue);
+    }
+    return cudaSuccess;
+}
+
+/* Kernel attributes: accepted and not enforced (a launch may use up to the opt-in maximum). */
+template <typename T>
+inline cudaError_t cudaFuncSetAttribute(T * /* kernel */, cudaFuncAttribute attr, int value) {
+    if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize && (value < 0 || value > LG_EMU_SHARED_OPTIN))
+        return lg_emu_error(cudaErrorInvalidValue);
+    return cudaSuccess;
+}
+template <typename T>
+inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int *blocks, T /* kernel */,
+                                                                 int /* block_size */,
+                                                                 size_t /* shared_bytes */) {
+    if (!blocks) return lg_emu_error(cudaErrorInvalidValue);
+    *blocks = 1;
+    return cudaSuccess;
+}
+
+/* ============================================================================================
+   8. NCCL, in process
+   ============================================================================================ */
+
+/* bf16 and fp16 <-> float, rounding to nearest even. */
+inline float lg_emu_bf16_to_float(uint16_t h) { return lg_emu_from_bits<float>(lg_emu_bits((uint32_t)h << 16)); }
+inline uint16_t lg_emu_float_to_bf16(float f) {
+    uint32_t x = lg_emu_from_bits<uint32_t>(lg_emu_bits(f));
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x0040u); /* quiet NaN */
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+inline float lg_emu_fp16_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24 */
+        float v = ldexpf((float)mantissa, -24);
+        return sign ? -v : v;
+    }
+    if (exponent == 31) return lg_emu_from_bits<float>(lg_emu_bits(sign | 0x7f800000u | mantissa << 13));
+    return lg_emu_from_bits<float>(lg_emu_bits(sign | (exponent + 112) << 23 | mantissa << 13));
+}
+inline uint16_t lg_emu_float_to_fp16(float f) {
+    uint32_t x = lg_emu_from_bits<uint32_t>(lg_emu_bits(f));
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    x &= 0x7fffffffu;
+    if (x > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);           /* NaN */
+    if (x >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);          /* rounds to infinity */
+    if (x < 0x38800000u) {                                            /* subnormal half */
+        float scaled = lg_emu_from_bits<float>(lg_emu_bits(x)) * 16777216.0f; /* exact: * 2^24 */
+        return (uint16_t)(sign | (uint16_t)nearbyintf(scaled));       /* default mode: even */
+    }
+    uint32_t h = (x >> 13) - (112u << 10), rest = x & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++;
+    return (uint16_t)(sign | h);
+}
+
+inline const char *ncclGetErrorString(ncclResult_t r) {
+    switch (r) {
+    case ncclSuccess: return "no error";
+    case ncclUnhandledCudaError: return "unhandled cuda error";
+    case ncclSystemError: return "unhandled system error";
+    case ncclInternalError: return "internal error";
+    case ncclInvalidArgument: return "invalid argument";
+    case ncclInvalidUsage: return "invalid usage";
+    case ncclRemoteError: return "remote process exited or there was a network error";
+    case ncclInProgress: return "NCCL operation in progress";
+    case ncclNumResults: break;
+    }
+    return "unknown result code";
+}
+
+inline ncclResult_t ncclGetVersion(int *version) {
+    if (!version) return ncclInvalidArgument;
+    *version = NCCL_VERSION_CODE;
+    return ncclSuccess;
+}
+
+inline size_t lg_emu_nccl_type_bytes(ncclDataType_t type) {
+    switch (type) {
+    case ncclInt8: case ncclUint8: return 1;
+    case ncclFloat16: case ncclBfloat16: return 2;
+    case ncclInt32: case ncclUint32: case ncclFloat32: return 4;
+    case ncclInt64: case ncclUint64: case ncclFloat64: return 8;
+    }
+    return 0; /* not emulated */
+}
+
+/* How each type loads into its accumulator and stores back. */
+template <typename S> struct lg_emu_plain_element {
+    typedef S storage;
+    typedef S accumulator;
+    static S load(S v) { return v; }
+    static S store(S a) { return a; }
+};
+struct lg_emu_bf16_element {
+    typedef uint16_t storage;
+    typedef float accumulator;
+    static float load(uint16_t v) { return lg_emu_bf16_to_float(v); }
+    static uint16_t store(float a) { return lg_emu_float_to_bf16(a); }
+};
+struct lg_emu_fp16_element {
+    typedef uint16_t storage;
+    typedef float accumulator;
+    static float load(uint16_t v) { return lg_emu_fp16_to_float(v); }
+    static uint16_t store(float a) { return lg_emu_float_to_fp16(a); }
+};
+
+/* a op b; integers wrap as NCCL's do. */
+template <typename A> inline A lg_emu_nccl_combine(ncclRedOp_t op, A a, A b) {
+    typedef typename std::conditional<std::is_integral<A>::value, std::make_unsigned<A>,
+                                      std::common_type<A>>::type::type W;
+    switch (op) {
+    case ncclProd: return (A)((W)a * (W)b);
+    case ncclMax: return a > b ? a : b;
+    case ncclMin: return a < b ? a : b;
+    default: return (A)((W)a + (W)b); /* ncclSum, ncclAvg */
+    }
+}
+
+/* out[i] = inputs[0][i] op ... op inputs[n - 1][i], in rank order, one rounding at the end. */
+template <typename E>
+inline void lg_emu_nccl_reduce_typed(ncclRedOp_t op, const void *const *inputs, int n,
+                                     size_t count, void *out) {
+    typedef typename E::storage S;
+    typedef typename E::accumulator A;
+    for (size_t i = 0; i < count; i++) {
+        S v;
+        memcpy(&v, (const S *)inputs[0] + i, sizeof v);
+        A acc = E::load(v);
+        for (int r = 1; r < n; r++) {
+            memcpy(&v, (const S *)inputs[r] + i, sizeof v);
+            acc = lg_emu_nccl_combine(op, acc, E::load(v));
+        }
+        if (op == ncclAvg) acc = (A)(acc / (A)n);
+        S result = E::store(acc);
+        memcpy((S *)out + i, &result, sizeof result);
+    }
+}
+
+inline void lg_emu_nccl_reduce(ncclDataType_t type, ncclRedOp_t op, const void *const *inputs,
+                               int n, size_t count, void *out) {
+    switch (type) {
+    case ncclInt8: lg_emu_nccl_reduce_typed<lg_emu_plain_element<int8_t>>(op, inputs, n, count, out); break;
+    case ncclUint8: lg_emu_nccl_reduce_typed<lg_emu_plain_element<uint8_t>>(op, inputs, n, count, out); break;
+    case ncclInt32: lg_emu_nccl_reduce_typed<lg_emu_plain_element<int32_t>>(op, inputs, n, count, out); break;
+    case ncclUint32: lg_emu_nccl_reduce_typed<lg_emu_plain_element<uint32_t>>(op, inputs, n, count, out); break;
+    case ncclInt64: lg_emu_nccl_reduce_typed<lg_emu_plain_element<int64_t>>(op, inputs, n, count, out); break;
+    case ncclUint64: lg_emu_nccl_reduce_typed<lg_emu_plain_element<uint64_t>>(op, inputs, n, count, out); break;
+    case ncclFloat16: lg_emu_nccl_reduce_typed<lg_emu_fp16_element>(op, inputs, n, count, out); break;
+    case ncclFloat32: lg_emu_nccl_reduce_typed<lg_emu_plain_element<float>>(op, inputs, n, count, out); break;
+    case ncclFloat64: lg_emu_nccl_reduce_typed<lg_emu_plain_element<double>>(op, inputs, n, count, out); break;
+    case ncclBfloat16: lg_emu_nccl_reduce_typed<lg_emu_bf16_element>(op, inputs, n, count, out); break;
+    }
+}
+
+inline const char *lg_emu_nccl_kind_name(lg_emu_nccl_kind kind) {
+    switch (kind) {
+    case LG_EMU_ALL_REDUCE: return "ncclAllReduce";
+    case LG_EMU_REDUCE_SCATTER: return "ncclReduceScatter";
+    case LG_EMU_ALL_GATHER: return "ncclAllGather";
+    case LG_EMU_BROADCAST: return "ncclBroadcast";
+    case LG_EMU_REDUCE: return "ncclReduce";
+    }
+    return "?";
+}
+
+/* Runs one collective given every rank's call; every input is read before any output is
+   written, so buffers may alias. */
+inline void lg_emu_nccl_execute(const std::vector<lg_emu_nccl_call> &calls) {
+    const lg_emu_nccl_call &c = calls[0];
+    int n = (int)calls.size();
+    size_t bytes = c.count * lg_emu_nccl_type_bytes(c.type);
+    std::vector<const void *> inputs((size_t)n);
+    for (int r = 0; r < n; r++) inputs[(size_t)r] = calls[(size_t)r].send;
+    std::vector<unsigned char> result(c.kind == LG_EMU_REDUCE_SCATTER || c.kind == LG_EMU_ALL_GATHER
+                                          ? bytes * (size_t)n : bytes);
+    switch (c.kind) {
+    case LG_EMU_ALL_REDUCE:
+    case LG_EMU_REDUCE:
+        lg_emu_nccl_reduce(c.type, c.op, inputs.data(), n, c.count, result.data());
+        break;
+    case LG_EMU_REDUCE_SCATTER:
+        lg_emu_nccl_reduce(c.type, c.op, inputs.data(), n, c.count * (size_t)n, result.data());
+        break;
+    case LG_EMU_ALL_GATHER:
+        for (int r = 0; r < n; r++) memcpy(result.data() + (size_t)r * bytes, inputs[(size_t)r], bytes);
+        break;
+    case LG_EMU_BROADCAST: memcpy(result.data(), inputs[(size_t)c.root], bytes); break;
+    }
+    for (int r = 0; r < n; r++) {
+        void *recv = calls[(size_t)r].recv;
+        switch (c.kind) {
+        case LG_EMU_ALL_REDUCE:
+        case LG_EMU_BROADCAST: memmove(recv, result.data(), bytes); break;
+        case LG_EMU_REDUCE: if (r == c.root) memmove(recv, result.data(), bytes); break;
+        case LG_EMU_REDUCE_SCATTER: memmove(recv, result.data() + (size_t)r * bytes, bytes); break;
+        case LG_EMU_ALL_GATHER: memmove(recv, result.data(), bytes * (size_t)n); break;
+        }
+    }
+}
+
+/* Whether rank r's call matches rank 0's (a mismatch is a bug in the caller). */
+inline bool lg_emu_nccl_calls_match(const lg_emu_nccl_call &a, const lg_emu_nccl_call &b) {
+    bool rooted = a.kind == LG_EMU_BROADCAST || a.kind == LG_EMU_REDUCE;
+    bool reduces = a.kind == LG_EMU_ALL_REDUCE || a.kind == LG_EMU_REDUCE_SCATTER || a.kind == LG_EMU_REDUCE;
+    return a.kind == b.kind && a.count == b.count && a.type == b.type &&
+           (!rooted || a.root == b.root) && (!reduces || a.op == b.op);
+}
+
+/* Runs every collective all of whose ranks have called it. */
+inline ncclResult_t lg_emu_nccl_progress(lg_emu_nccl_clique *q) {
+    for (;;) {
+        for (int r = 0; r < q->ranks; r++)
+            if (q->queued[(size_t)r].empty()) return ncclSuccess;
+        std::vector<lg_emu_nccl_call> calls;
+        for (int r = 0; r < q->ranks; r++) {
+            calls.push_back(q->queued[(size_t)r].front());
+            q->queued[(size_t)r].pop_front();
+        }
+        for (int r = 1; r < q->ranks; r++)
+            if (!lg_emu_nccl_calls_match(calls[0], calls[(size_t)r])) {
+                fprintf(stderr, "lg_emu: NCCL ranks disagree: rank 0 calls %s (count %zu, type %d, "
+                        "op %d, root %d), rank %d %s (count %zu, type %d, op %d, root %d)\n",
+                        lg_emu_nccl_kind_name(calls[0].kind), calls[0].count, (int)calls[0].type,
+                        (int)calls[0].op, calls[0].root, r, lg_emu_nccl_kind_name(calls[(size_t)r].kind),
+                        calls[(size_t)r].count, (int)calls[(size_t)r].type, (int)calls[(size_t)r].op,
+                        calls[(size_t)r].root);
+                return ncclInvalidUsage;
+            }
+        lg_emu_nccl_execute(calls);
+    }
+}
+
+inline ncclResult_t lg_emu_nccl_progress_all(void) {
+    lg_emu_nccl_state &nc = lg_emu_state().nccl;
+    ncclResult_t result = ncclSuccess;
+    for (lg_emu_nccl_clique *q : nc.touched) {
+        ncclResult_t r = lg_emu_nccl_progress(q);
+        if (r != ncclSuccess) result = r;
+    }
+    nc.touched.clear();
+    return result;
+}
+
+/* Checks one rank's call and queues it; outside a group it runs what is complete. */
+inline ncclResult_t lg_emu_nccl_enqueue(ncclComm_t comm, const lg_emu_nccl_call &call,
+                                        size_t send_bytes, size_t recv_bytes) {
+    lg_emu_nccl_state &nc = lg_emu_state().nccl;
+    const char *name = lg_emu_nccl_kind_name(call.kind);
+    if (!comm || !nc.comms.count(comm)) return ncclInvalidArgument;
+    if (!lg_emu_nccl_type_bytes(call.type) || (unsigned)call.op >= (unsigned)ncclNumOps) return ncclInvalidArgument;
+    bool rooted = call.kind == LG_EMU_BROADCAST || call.kind == LG_EMU_REDUCE;
+    if (rooted && (call.root < 0 || call.root >= comm->clique->ranks)) return ncclInvalidArgument;
+    bool needs_send = !rooted || call.kind == LG_EMU_REDUCE || comm->rank == call.root;
+    bool needs_recv = call.kind != LG_EMU_REDUCE || comm->rank == call.root;
+    if (send_bytes && needs_send && (!call.send || !lg_emu_range_fits(call.send, send_bytes))) {
+        fprintf(stderr, "lg_emu: %s on rank %d: the send buffer is null or shorter than %zu bytes\n",
+                name, comm->rank, send_bytes);
+        return ncclInvalidArgument;
+    }
+    if (recv_bytes && needs_recv && (!call.recv || !lg_emu_range_fits(call.recv, recv_bytes))) {
+        fprintf(stderr, "lg_emu: %s on rank %d: the receive buffer is null or shorter than %zu bytes\n",
+                name, comm->rank, recv_bytes);
+        return ncclInvalidArgument;
+    }
+    lg_emu_nccl_clique *q = comm->clique;
+    q->queued[(size_t)comm->rank].push_back(call);
+    bool known = false;
+    for (lg_emu_nccl_clique *t : nc.touched) known = known || t == q;
+    if (!known) nc.touched.push_back(q);
+    return nc.group_depth == 0 ? lg_emu_nccl_progress_all() : ncclSuccess;
+}
+
+inline ncclResult_t ncclGroupStart(void) {
+    lg_emu_state().nccl.group_depth++;
+    return ncclSuccess;
+}
+inline ncclResult_t ncclGroupEnd(void) {
+    lg_emu_nccl_state &nc = lg_emu_state().nccl;
+    if (nc.group_depth == 0) return ncclInvalidUsage;
+    return --nc.group_depth == 0 ? lg_emu_nccl_progress_all() : ncclSuccess;
+}
+
+/* Calls still waiting for other ranks (0 after every complete group). */
+inline size_t lg_emu_nccl_pending(void) {
+    size_t n = 0;
+    for (ncclComm_t c : lg_emu_state().nccl.comms) n += c->clique->queued[(size_t)c->rank].size();
+    return n;
+}
+
+inline ncclResult_t ncclCommInitAll(ncclComm_t *comms, int n, const int *devices) {
+    lg_emu_state_t &st = lg_emu_state();
+    if (!comms || n < 1) return ncclInvalidArgument;
+    for (int i = 0; i < n; i++) {
+        int d = devices ? devices[i] : i;
+        if (!lg_emu_valid_device(d)) return ncclInvalidArgument;
+        for (int j = 0; j < i; j++)
+            if ((devices ? devices[j] : j) == d) {
+                fprintf(stderr, "lg_emu: ncclCommInitAll: ranks %d and %d both on device %d\n", j, i, d);
+                return ncclInvalidUsage; /* as NCCL: "Duplicate GPU detected" */
+            }
+    }
+    lg_emu_nccl_clique *q = new lg_emu_nccl_clique();
+    q->ranks = q->live = n;
+    q->queued.resize((size_t)n);
+    for (int i = 0; i < n; i++) {
+        comms[i] = new lg_emu_nccl_comm{q, i, devices ? devices[i] : i};
+        st.nccl.comms.insert(comms[i]);
+    }
+    return ncclSuccess;
+}
+
+inline ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+    lg_emu_nccl_state &nc = lg_emu_state().nccl;
+    if (!comm || !nc.comms.erase(comm)) return ncclInvalidArgument;
+    lg_emu_nccl_clique *q = comm->clique;
+    if (!q->queued[(size_t)comm->rank].empty())
+        fprintf(stderr, "lg_emu: ncclCommDestroy: rank %d still has %zu collectives waiting for "
+                "the other ranks\n", comm->rank, q->queued[(size_t)comm->rank].size());
+    delete comm;
+    if (--q->live == 0) {
+        nc.touched.erase(std::remove(nc.touched.begin(), nc.touched.end(), q), nc.touched.end());
+        delete q;
+    }
+    return ncclSuccess;
+}
+inline ncclResult_t ncclCommAbort(ncclComm_t comm) { return ncclCommDestroy(comm); }
+
+inline ncclResult_t ncclCommCount(const ncclComm_t comm, int *count) {
+    if (!comm || !count || !lg_emu_state().nccl.comms.count(comm)) return ncclInvalidArgument;
+    *count = comm->clique->ranks;
+    return ncclSuccess;
+}
+inline ncclResult_t ncclCommUserRank(const ncclComm_t comm, int *rank) {
+    if (!comm || !rank || !lg_emu_state().nccl.comms.count(comm)) return ncclInvalidArgument;
+    *rank = comm->rank;
+    return ncclSuccess;
+}
+inline ncclResult_t ncclCommCuDevice(const ncclComm_t comm, int *device) {
+    if (!comm || !device || !lg_emu_state().nccl.comms.count(comm)) return ncclInvalidArgument;
+    *device = comm->device;
+    return ncclSuccess;
+}
+
+inline ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataType_t type,
+                                  ncclRedOp_t op, ncclComm_t comm, cudaStream_t /* stream */) {
+    size_t bytes = count * lg_emu_nccl_type_bytes(type);
+    return lg_emu_nccl_enqueue(comm, lg_emu_nccl_call{LG_EMU_ALL_REDUCE, send, recv, count, type, op, 0},
+                               bytes, bytes);
+}
+inline ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t recv_count,
+                                      ncclDataType_t type, ncclRedOp_t op, ncclComm_t comm,
+                                      cudaStream_t /* stream */) {
+    size_t bytes = recv_count * lg_emu_nccl_type_bytes(type);
+    int ranks = comm && lg_emu_state().nccl.comms.count(comm) ? comm->clique->ranks : 1;
+    return lg_emu_nccl_enqueue(comm, lg_emu_nccl_call{LG_EMU_REDUCE_SCATTER, send, recv, recv_count, type, op, 0},
+                               bytes * (size_t)ranks, bytes);
+}
+inline ncclResult_t ncclAllGather(const void *send, void *recv, size_t send_count,
+                                  ncclDataType_t type, ncclComm_t comm, cudaStream_t /* stream */) {
+    size_t bytes = send_count * lg_emu_nccl_type_bytes(type);
+    int ranks = comm && lg_emu_state().nccl.comms.count(comm) ? comm->clique->ranks : 1;
+    return lg_emu_nccl_enqueue(comm, lg_emu_nccl_call{LG_EMU_ALL_GATHER, send, recv, send_count, type, ncclSum, 0},
+                               bytes, bytes * (size_t)ranks);
+}
+inline ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataType_t type,
+                                  int root, ncclComm_t comm, cudaStream_t /* stream */) {
+    size_t bytes = count * lg_emu_nccl_type_bytes(type);
+    return lg_emu_nccl_enqueue(comm, lg_emu_nccl_call{LG_EMU_BROADCAST, send, recv, count, type, ncclSum, root},
+                               bytes, bytes);
+}
+inline ncclResult_t ncclBcast(void *buffer, size_t count, ncclDataType_t type, int root,
+                              ncclComm_t comm, cudaStream_t stream) {
+    return ncclBroadcast(buffer, buffer, count, type, root, comm, stream);
+}
+inline ncclResult_t ncclReduce(const void *send, void *recv, size_t count, ncclDataType_t type,
+                               ncclRedOp_t op, int root, ncclComm_t comm, cudaStream_t /* stream */) {
+    size_t bytes = count * lg_emu_nccl_type_bytes(type);
+    return lg_emu_nccl_enqueue(comm, lg_emu_nccl_call{LG_EMU_REDUCE, send, recv, count, type, op, root},
+                               bytes, bytes);
+}
+
+#endif /* LG_CUDA_EMULATOR_H */

@@ -1,0 +1,485 @@
+/* tests/gpu/test_cuda.c — the CUDA backend against the CPU backend, in one binary.
+
+   Built two ways from this one file:
+   - by nvcc (`make build/test_cuda`), for a machine with GPUs: tests/gpu/run.sh runs it;
+   - by g++ with -DLG_CUDA_EMULATE (`make build/test_cuda_emulated`, part of `make test`): the
+     same kernels then run on the CPU through tests/cuda_emulator.h, NCCL too, with cuBLASLt
+     replaced by the backend's reference matmul kernel.
+
+   Every CUDA op is checked on fresh random inputs in each storage type against the CPU op of
+   litgpt.h section 6, with the GPU's outputs poisoned (NaN) first, and twice for bitwise
+   determinism; then whole training steps of each family and precision, -d 1 against -d N, and
+   the plan against the memory the GPU reports. `--bench` times GPT-2 124M instead.
+   The last line is "N passed, N failed". */
+#ifdef LG_CUDA_EMULATE
+#include "../cuda_emulator.h"
+#endif
+#define LITGPT_IMPLEMENTATION
+#include "../../litgpt.h"
+
+#include <math.h>
+#include <string.h>
+
+/* --- harness ---------------------------------------------------------------------------------- */
+
+typedef struct {
+    int passed, failed;
+} results;
+
+static void check(results *r, int ok, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    printf(ok ? "  ok    " : "  FAIL  ");
+    vprintf(fmt, ap);
+    printf("\n");
+    va_end(ap);
+    if (ok) r->passed++;
+    else r->failed++;
+}
+
+static void die_cuda(const char *what, cudaError_t status) {
+    fprintf(stderr, "test_cuda: %s: %s\n", what, cudaGetErrorString(status));
+    exit(2);
+}
+
+/* GPU-visible memory, poisoned: every byte 0xFF, a NaN in every storage type. */
+static void *gpu_alloc(size_t bytes) {
+    void *p = NULL;
+    cudaError_t status = cudaMallocManaged(&p, bytes ? bytes : 1, cudaMemAttachGlobal);
+    if (status != cudaSuccess) die_cuda("cudaMallocManaged", status);
+    memset(p, 0xFF, bytes);
+    return p;
+}
+
+static void gpu_free(void *p) { cudaFree(p); }
+
+/* A CUDA-backend exec on GPU 0 for ops of up to max_tokens tokens and C channels (the
+   scratch a rank's plan would give it). */
+static lg_exec gpu_exec(int max_tokens, int C) {
+    lg_exec ex;
+    memset(&ex, 0, sizeof ex);
+    lg_cuda_rank *g = (lg_cuda_rank *)lg_alloc_zeroed(sizeof(lg_cuda_rank));
+    cudaSetDevice(0);
+    lg_error err;
+    if (lg_cuda_rank_handles(g, &err) != 0) {
+        fprintf(stderr, "test_cuda: %s\n", err.msg);
+        exit(2);
+    }
+    g->token_capacity = (size_t)max_tokens;
+    g->tokens = (int *)gpu_alloc(2 * sizeof(int) * (size_t)max_tokens);
+    g->targets = g->tokens + max_tokens;
+    g->C = C;
+    g->row_sums = (float *)gpu_alloc(sizeof(float) * LG_CUDA_ROW_CHUNKS * 2 * (size_t)C);
+    g->totals = (double *)gpu_alloc(sizeof(double) * LG_CUDA_REDUCE_SLOTS);
+    g->matmul_workspace_bytes = LG_CUDA_MATMUL_WORKSPACE;
+    g->matmul_workspace = gpu_alloc(g->matmul_workspace_bytes);
+    ex.backend = LG_BACKEND_CUDA;
+    ex.cuda = g;
+    return ex;
+}
+
+static void gpu_sync(const lg_exec *ex) {
+    cudaError_t status = cudaStreamSynchronize(ex->cuda->stream);
+    if (status != cudaSuccess) die_cuda("cudaStreamSynchronize", status);
+}
+
+static void gpu_exec_free(lg_exec *ex) {
+    lg_cuda_rank *g = ex->cuda;
+    gpu_sync(ex);
+    gpu_free(g->tokens);
+    gpu_free(g->row_sums);
+    gpu_free(g->totals);
+    gpu_free(g->matmul_workspace);
+#ifndef LG_CUDA_EMULATE
+    cublasLtDestroy(g->lt);
+#endif
+    cudaEventDestroy(g->compute_done);
+    cudaEventDestroy(g->comm_done);
+    cudaStreamDestroy(g->stream);
+    cudaStreamDestroy(g->comm);
+    LG_FREE(g);
+    memset(ex, 0, sizeof *ex);
+}
+
+/* max |got - want| / max(max |want|, 1e-30), NaN anywhere -> infinity */
+static double rel_error(lg_buf got, lg_buf want, size_t n) {
+    double diff = 0, scale = 1e-30;
+    for (size_t i = 0; i < n; i++) {
+        double g = lg_get(got, i), w = lg_get(want, i);
+        if (g != g || w != w) return INFINITY;
+        diff = fmax(diff, fabs(g - w));
+        scale = fmax(scale, fabs(w));
+    }
+    return diff / scale;
+}
+
+static const lg_dtype storage_types[3] = {LG_DTYPE_F32, LG_DTYPE_BF16, LG_DTYPE_F16};
+
+/* The tolerance of a comparison in a storage type: fp32 1e-5 unless said, half types 1e-2. */
+static double tolerance_of(lg_dtype dtype, double fp32) {
+    return dtype == LG_DTYPE_F32 ? fp32 : 1e-2;
+}
+
+/* A buffer of n random normal values in a storage type (GPU-visible). */
+static lg_buf random_buf(lg_dtype dtype, size_t n, float std, lg_rng *rng) {
+    lg_buf b = {gpu_alloc(n * lg_elem_size(dtype)), dtype};
+    for (size_t i = 0; i < n; i++) lg_set(b, i, std * lg_rng_normal(rng));
+    return b;
+}
+
+/* A poisoned buffer of n elements. */
+static lg_buf poisoned_buf(lg_dtype dtype, size_t n) {
+    lg_buf b = {gpu_alloc(n * lg_elem_size(dtype)), dtype};
+    return b;
+}
+
+/* A copy of b (GPU-visible). */
+static lg_buf copy_buf(lg_buf b, size_t n) {
+    lg_buf c = poisoned_buf(b.dtype, n);
+    memcpy(c.data, b.data, n * lg_elem_size(b.dtype));
+    return c;
+}
+
+static int bitwise_equal(lg_buf a, lg_buf b, size_t n) {
+    return memcmp(a.data, b.data, n * lg_elem_size(a.dtype)) == 0;
+}
+
+#if __has_include("ops_kernels.inc")
+#include "ops_kernels.inc"
+#define LG_TEST_KERNELS 1
+#endif
+#if __has_include("ops_attention.inc")
+#include "ops_attention.inc"
+#define LG_TEST_ATTENTION 1
+#endif
+
+/* --- matmuls ------------------------------------------------------------------------------- */
+
+/* C (M, N) = beta C + op(A) op(B) on the GPU (the rank's choice of cuBLASLt or the reference
+   kernel) against lg_gemm, every transposition, every storage type, beta 0 and 1. */
+static void test_matmul(results *r, int reference) {
+    const int M = 37, N = 29, K = 45;
+    lg_rng rng;
+    lg_rng_seed(&rng, 7);
+    lg_exec ex = gpu_exec(64, 64);
+    ex.cuda->reference_matmul = reference;
+    for (int d = 0; d < 3; d++) {
+        lg_dtype dtype = storage_types[d];
+        double worst = 0;
+        int deterministic = 1;
+        for (int case_ = 0; case_ < 8; case_++) {
+            int trans_a = case_ & 1, trans_b = (case_ >> 1) & 1, accumulate = case_ >> 2;
+            lg_buf A = random_buf(dtype, (size_t)M * K, 1, &rng);
+            lg_buf B = random_buf(dtype, (size_t)K * N, 1, &rng);
+            lg_buf C0 = random_buf(dtype, (size_t)M * N, 1, &rng);
+            lg_buf want = copy_buf(C0, (size_t)M * N), got = copy_buf(C0, (size_t)M * N);
+            if (!accumulate) memset(got.data, 0xFF, (size_t)M * N * lg_elem_size(dtype));
+            lg_buf none = {NULL, dtype};
+            int lda = trans_a ? M : K, ldb = trans_b ? K : N;
+            lg_gemm(NULL, trans_a, trans_b, M, N, K, A, lda, B, ldb, (lg_real)accumulate, want, N);
+            lg_cuda_matmul(&ex, trans_a, trans_b, M, N, K, A, lda, B, ldb, (float)accumulate, got,
+                           N, none);
+            gpu_sync(&ex);
+            worst = fmax(worst, rel_error(got, want, (size_t)M * N));
+            lg_buf again = copy_buf(C0, (size_t)M * N);
+            lg_cuda_matmul(&ex, trans_a, trans_b, M, N, K, A, lda, B, ldb, (float)accumulate,
+                           again, N, none);
+            gpu_sync(&ex);
+            deterministic &= bitwise_equal(got, again, (size_t)M * N);
+            gpu_free(A.data), gpu_free(B.data), gpu_free(C0.data);
+            gpu_free(want.data), gpu_free(got.data), gpu_free(again.data);
+        }
+        /* half outputs round once, the CPU rounds once: a half ulp of the largest apart */
+        check(r, worst < tolerance_of(dtype, 1e-5) && deterministic,
+              "matmul (%s) %s, 8 transpositions x beta: rel err %.1e, bitwise repeatable: %s",
+              reference ? "reference kernel" : "cuBLASLt", lg_dtype_name(dtype), worst,
+              deterministic ? "yes" : "no");
+    }
+    gpu_exec_free(&ex);
+}
+
+/* --- whole training steps ------------------------------------------------------------------ */
+
+static int load_config_or_fail(results *r, lg_config *cfg, const char *name) {
+    char path[256];
+    lg_error err;
+    snprintf(path, sizeof path, "configs/%s.yaml", name);
+    if (lg_config_load(cfg, path, &err) == 0) return 0;
+    check(r, 0, "load %s: %s", path, err.msg);
+    return -1;
+}
+
+/* Trains `steps` steps of the built-in task; the trainer stays alive for the caller. */
+static int train_steps(lg_trainer *tr, const lg_config *cfg, const lg_args *a, int T, int steps,
+                       double *losses) {
+    lg_error err;
+    if (lg_trainer_create(tr, cfg, a, T, &err) != 0) {
+        printf("    %s\n", err.msg);
+        return -1;
+    }
+    lg_loader ld;
+    size_t n = 0;
+    uint32_t *tokens = lg_builtin_task_tokens(5, (size_t)(steps + 1) * a->global_batch_size * T + 1, &n);
+    if (lg_loader_from_memory(&ld, tokens, n, T, cfg->vocab_size, 1, a->seed, &err) != 0) {
+        printf("    %s\n", err.msg);
+        return -1;
+    }
+    for (int s = 0; s < steps; s++) {
+        lg_step_stats st;
+        if (lg_trainer_step(tr, &ld, s, &st, &err) != 0) {
+            printf("    %s\n", err.msg);
+            lg_loader_close(&ld);
+            return -1;
+        }
+        losses[s] = st.loss;
+    }
+    lg_loader_close(&ld);
+    return 0;
+}
+
+/* The weights of a trainer in fp32, the whole layout (caller frees). */
+static lg_real *trained_weights(lg_trainer *tr) {
+    size_t n = tr->ranks[0].model.n_params;
+    lg_real *w = (lg_real *)lg_alloc_zeroed(n * sizeof(lg_real));
+    lg_trainer_weights(tr, lg_buf_of(w));
+    return w;
+}
+
+static double max_relative(const lg_real *got, const lg_real *want, size_t n) {
+    double diff = 0, scale = 1e-30;
+    for (size_t i = 0; i < n; i++) {
+        if (got[i] != got[i]) return INFINITY;
+        diff = fmax(diff, fabs((double)got[i] - want[i]));
+        scale = fmax(scale, fabs((double)want[i]));
+    }
+    return diff / scale;
+}
+
+/* One run's args for the step comparisons: AdamW, -b 2 -g 4, 3 steps. */
+static lg_args step_args(lg_precision precision, lg_backend backend) {
+    lg_args a;
+    lg_args_default(&a);
+    a.precision = precision;
+    a.micro_batch_size = 2;
+    a.global_batch_size = 4;
+    a.lr = 1e-3f;
+    a.warmup_steps = 0;
+    a.max_steps = 3;
+    a.backend = backend;
+    return a;
+}
+
+/* Each family and precision: the CUDA backend's losses and weights after 3 steps against the
+   CPU backend's. fp32: the two sum in other orders, 1e-4 (AdamW's first steps move every
+   weight by about lr whatever the gradient's size, so rounding in a tiny gradient shows at
+   the scale of lr); half precisions: their rounding, 1e-2. */
+static void test_training_steps(results *r) {
+    static const char *const configs[3] = {"test-gpt2", "test-pythia", "test-llama"};
+    const int T = 16, steps = 3;
+    for (int c = 0; c < 3; c++) {
+        lg_config cfg;
+        if (load_config_or_fail(r, &cfg, configs[c])) continue;
+        for (int p = 0; p < 5; p++) {
+            lg_precision precision = (lg_precision)p;
+            double cpu_losses[3], gpu_losses[3];
+            lg_trainer cpu, gpu;
+            lg_args a = step_args(precision, LG_BACKEND_CPU), b = step_args(precision, LG_BACKEND_CUDA);
+            if (train_steps(&cpu, &cfg, &a, T, steps, cpu_losses) != 0 ||
+                train_steps(&gpu, &cfg, &b, T, steps, gpu_losses) != 0) {
+                check(r, 0, "%s %s: both backends train", configs[c], lg_precision_name(precision));
+                continue;
+            }
+            lg_real *want = trained_weights(&cpu), *got = trained_weights(&gpu);
+            double weights = max_relative(got, want, cpu.ranks[0].model.n_params), losses = 0;
+            for (int s = 0; s < steps; s++)
+                losses = fmax(losses, fabs(gpu_losses[s] - cpu_losses[s]) / fabs(cpu_losses[s]));
+            double tolerance = precision == LG_PRECISION_32_TRUE ? 1e-4 : 1e-2;
+            check(r, weights < tolerance && losses < tolerance,
+                  "%-11s %-10s 3 steps, CUDA vs CPU: losses %.1e, weights %.1e (< %.0e)",
+                  configs[c], lg_precision_name(precision), losses, weights, tolerance);
+            LG_FREE(want);
+            LG_FREE(got);
+            lg_trainer_free(&cpu);
+            lg_trainer_free(&gpu);
+        }
+    }
+}
+
+/* -d N on N GPUs (NCCL) equals -d 1, for every strategy, at fp32 (N = 2, or all when fewer). */
+static void test_devices(results *r, int gpus) {
+    static const lg_strategy strategies[4] = {LG_STRATEGY_NO_SHARD, LG_STRATEGY_SHARD_GRAD_OP,
+                                              LG_STRATEGY_FULL_SHARD, LG_STRATEGY_HYBRID_SHARD};
+    const int T = 16, steps = 3;
+    if (gpus < 2) {
+        printf("  (one GPU: -d 1 vs -d N not checked)\n");
+        return;
+    }
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    lg_args one = step_args(LG_PRECISION_32_TRUE, LG_BACKEND_CUDA);
+    double one_losses[3], losses[3];
+    lg_trainer tr1;
+    if (train_steps(&tr1, &cfg, &one, T, steps, one_losses) != 0) {
+        check(r, 0, "-d 1 trains on a GPU");
+        return;
+    }
+    lg_real *want = trained_weights(&tr1);
+    size_t n = tr1.ranks[0].model.n_params;
+    lg_trainer_free(&tr1);
+    for (int s = 0; s < 4; s++) {
+        lg_args a = one;
+        a.strategy = strategies[s];
+        a.devices = 2;
+        if (strategies[s] == LG_STRATEGY_HYBRID_SHARD) {
+            if (gpus < 4) continue;
+            a.nodes = 2;
+        }
+        lg_trainer tr;
+        if (train_steps(&tr, &cfg, &a, T, steps, losses) != 0) {
+            check(r, 0, "-d %d --strategy %s trains", a.devices * a.nodes, lg_strategy_name(a.strategy));
+            continue;
+        }
+        lg_real *got = trained_weights(&tr);
+        double weights = max_relative(got, want, n), loss = 0;
+        for (int k = 0; k < steps; k++) loss = fmax(loss, fabs(losses[k] - one_losses[k]) / one_losses[k]);
+        check(r, weights < 1e-5 && loss < 1e-5,
+              "-d %d x --nodes %d --strategy %-13s = -d 1 on GPUs: weights %.1e, losses %.1e",
+              a.devices, a.nodes, lg_strategy_name(a.strategy), weights, loss);
+        LG_FREE(got);
+        lg_trainer_free(&tr);
+    }
+    LG_FREE(want);
+}
+
+/* --- memory: the plan against what the GPU reports ------------------------------------------ */
+
+/* During a step of a run, the memory in use on GPU 0 (cudaMemGetInfo) against the plan's
+   device total. On a GPU the plan holds the runtime's measured share, so the two should be
+   within 3%; in the emulator there is no runtime, and the arena is exactly the plan. */
+static void test_plan_memory(results *r, const char *config, int T, int B) {
+    lg_config cfg;
+    lg_error err;
+    if (load_config_or_fail(r, &cfg, config)) return;
+    lg_args a = step_args(LG_PRECISION_BF16_MIXED, LG_BACKEND_CUDA);
+    a.micro_batch_size = a.global_batch_size = B;
+    size_t before_free, total;
+    if (lg_cuda_memory(0, &before_free, &total, &err) != 0 ||
+        lg_cuda_measure_runtime(1, 0, &a.runtime_bytes, &a.device_bytes, &err) != 0) {
+        check(r, 0, "plan vs memory: %s", err.msg);
+        return;
+    }
+    lg_trainer tr;
+    double losses[2];
+    if (train_steps(&tr, &cfg, &a, T, 2, losses) != 0) {
+        check(r, 0, "plan vs memory: %s trains", config);
+        return;
+    }
+    size_t free_bytes;
+    lg_cuda_memory(0, &free_bytes, &total, &err);
+    size_t used = total - free_bytes, planned = lg_plan_bytes(&tr.plan, LG_POOL_DEVICE);
+    double off = fabs((double)used - (double)planned) / (double)planned;
+    char used_text[32], plan_text[32];
+    check(r, off < 0.03, "%s -b %d -t %d bf16-mixed: GPU memory in use %s, plan %s (%.2f%% apart, < 3%%)",
+          config, B, T, lg_format_bytes(used, used_text, sizeof used_text),
+          lg_format_bytes(planned, plan_text, sizeof plan_text), 100 * off);
+    lg_trainer_free(&tr);
+}
+
+/* --- benchmark --------------------------------------------------------------------------------- */
+
+/* Dense bf16 peaks (FLOP/s) of the GPUs the table knows, by name. */
+static double bf16_peak(const char *name) {
+    static const struct { const char *part; double flops; } peaks[] = {
+        {"H200", 989e12}, {"H100 SXM", 989e12}, {"H100 PCIe", 756e12}, {"H100", 989e12},
+        {"A100", 312e12}, {"L40S", 362e12}, {"A10", 125e12},
+    };
+    for (size_t i = 0; i < sizeof peaks / sizeof peaks[0]; i++)
+        if (strstr(name, peaks[i].part)) return peaks[i].flops;
+    return 0;
+}
+
+/* GPT-2 124M, bf16-mixed, T 1024, B 16..64: tokens/s and MFU (6N + 12 L C T FLOPs a token). */
+static void bench(void) {
+    lg_config cfg;
+    lg_error err;
+    if (lg_config_load(&cfg, "configs/gpt2.yaml", &err) != 0) {
+        fprintf(stderr, "%s\n", err.msg);
+        return;
+    }
+    cudaDeviceProp prop;
+    cudaGetDeviceProperties(&prop, 0);
+    double peak = bf16_peak(prop.name);
+    const int T = 1024, batches[3] = {16, 32, 64}, warmup = 3, timed = 10;
+    printf("%-28s %5s %6s %12s %8s\n", "GPT-2 124M bf16-mixed", "B", "T", "tokens/s", "MFU");
+    for (int i = 0; i < 3; i++) {
+        lg_args a = step_args(LG_PRECISION_BF16_MIXED, LG_BACKEND_CUDA);
+        a.micro_batch_size = a.global_batch_size = batches[i];
+        lg_cuda_measure_runtime(1, 0, &a.runtime_bytes, &a.device_bytes, &err);
+        lg_trainer tr;
+        if (lg_trainer_create(&tr, &cfg, &a, T, &err) != 0) {
+            printf("%-28s %5d %6d   %s\n", prop.name, batches[i], T, err.msg);
+            continue;
+        }
+        lg_loader ld;
+        size_t n = (size_t)(warmup + timed + 1) * batches[i] * T + 1;
+        uint32_t *tokens = (uint32_t *)malloc(n * sizeof(uint32_t));
+        lg_rng rng;
+        lg_rng_seed(&rng, 1);
+        for (size_t k = 0; k < n; k++) tokens[k] = (uint32_t)(lg_rng_u64(&rng) % cfg.vocab_size);
+        lg_loader_from_memory(&ld, tokens, n, T, cfg.vocab_size, 0, 1, &err);
+        double start = 0;
+        for (int s = 0; s < warmup + timed; s++) {
+            if (s == warmup) start = lg_time_ms();
+            lg_step_stats st;
+            lg_trainer_step(&tr, &ld, s, &st, &err);
+        }
+        double seconds = (lg_time_ms() - start) / 1e3;
+        double tokens_per_s = (double)timed * batches[i] * T / seconds;
+        double flops = 6.0 * tr.ranks[0].model.n_params + 12.0 * cfg.n_layer * cfg.n_embd * T;
+        printf("%-28s %5d %6d %12.0f %7.1f%%\n", prop.name, batches[i], T, tokens_per_s,
+               peak > 0 ? 100 * tokens_per_s * flops / peak : 0.0);
+        lg_loader_close(&ld);
+        lg_trainer_free(&tr);
+    }
+}
+
+int main(int argc, char **argv) {
+    results r = {0, 0};
+    int gpus = lg_cuda_device_count();
+    if (gpus == 0) {
+        printf("test_cuda: no GPU visible\n");
+        return 2;
+    }
+    if (argc > 1 && strcmp(argv[1], "--bench") == 0) {
+        bench();
+        return 0;
+    }
+#ifdef LG_CUDA_EMULATE
+    printf("CUDA backend on the emulator (%d device%s)\n", gpus, gpus > 1 ? "s" : "");
+#else
+    cudaDeviceProp prop;
+    cudaGetDeviceProperties(&prop, 0);
+    printf("CUDA backend on %d x %s\n", gpus, prop.name);
+#endif
+    printf("ops\n");
+#ifdef LG_TEST_KERNELS
+    test_kernels(&r);
+#endif
+#ifdef LG_TEST_ATTENTION
+    test_attention(&r);
+#endif
+    test_matmul(&r, 1);
+#ifndef LG_CUDA_EMULATE
+    test_matmul(&r, 0);
+#endif
+    printf("training steps\n");
+    test_training_steps(&r);
+    test_devices(&r, gpus);
+    printf("memory\n");
+    test_plan_memory(&r, "test-llama", 16, 2);
+#ifndef LG_CUDA_EMULATE
+    test_plan_memory(&r, "Llama-3.2-1B", 2048, 4);
+#endif
+    printf("%d passed, %d failed\n", r.passed, r.failed);
+    return r.failed ? 1 : 0;
+}

@@ -1,0 +1,603 @@
+/* tests/test_cuda_emulator.cpp — self-test of tests/cuda_emulator.h (the CPU emulation of the
+   CUDA backend's kernel language, runtime and NCCL subset). Includes only the emulator.
+
+   g++ -std=c++17 -O1 -Wall -Wextra -Werror -DLG_CUDA_EMULATE tests/test_cuda_emulator.cpp \
+       -o /tmp/emu_test && /tmp/emu_test */
+#include "cuda_emulator.h"
+
+#include <chrono>
+#include <string>
+#include <sys/wait.h>
+
+static int passed, failed;
+
+#define CHECK(cond)                                                                            \
+    do {                                                                                       \
+        if (cond) passed++;                                                                    \
+        else {                                                                                 \
+            failed++;                                                                          \
+            fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond);                    \
+        }                                                                                      \
+    } while (0)
+
+/* A device buffer of n values, filled from host values. */
+template <typename T> static T *device_copy(const std::vector<T> &host) {
+    T *d = nullptr;
+    if (cudaMalloc(&d, host.size() * sizeof(T)) != cudaSuccess) abort();
+    cudaMemcpy(d, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice);
+    return d;
+}
+template <typename T> static std::vector<T> host_copy(const T *d, size_t n) {
+    std::vector<T> host(n);
+    cudaMemcpy(host.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost);
+    return host;
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Kernels
+   --------------------------------------------------------------------------------------------- */
+
+/* Tree reduction in static shared memory; thread 0 adds the block's sum into *result. */
+__global__ void block_sum_kernel(const float *x, int n, float *result) {
+    __shared__ float partial[256];
+    int t = (int)threadIdx.x, i = (int)(blockIdx.x * blockDim.x) + t;
+    partial[t] = i < n ? x[i] : 0.0f;
+    __syncthreads();
+    for (int stride = (int)blockDim.x / 2; stride > 0; stride /= 2) {
+        if (t < stride) partial[t] += partial[t + stride];
+        __syncthreads();
+    }
+    if (t == 0) atomicAdd(result, partial[0]);
+}
+
+template <typename T> __device__ T warp_sum_xor(T v) {
+    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+/* Each warp reduces with shuffles; warp 0 alone then reduces the warps' sums. */
+template <typename T> __global__ void warp_block_sum_kernel(const T *x, int n, T *result) {
+    __shared__ T warp_sums[32];
+    int t = (int)threadIdx.x, lane = t % 32, warp = t / 32, warps = (int)blockDim.x / 32;
+    int i = (int)(blockIdx.x * blockDim.x) + t;
+    T v = warp_sum_xor(i < n ? x[i] : T(0));
+    if (lane == 0) warp_sums[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < warps ? warp_sums[lane] : T(0);
+        for (int offset = 16; offset > 0; offset /= 2) v += __shfl_down_sync(0xffffffffu, v, offset);
+        if (lane == 0) atomicAdd(result, v);
+    }
+}
+
+/* out: [lane's broadcast of lane 5, inclusive scan with __shfl_up_sync, 16-wide xor sum, ballot] */
+__global__ void warp_ops_kernel(int *out) {
+    int lane = (int)threadIdx.x % 32;
+    int from5 = __shfl_sync(0xffffffffu, lane * 10, 5);
+    int scan = lane + 1;
+    for (int d = 1; d < 32; d *= 2) {
+        int up = __shfl_up_sync(0xffffffffu, scan, (unsigned)d);
+        if (lane >= d) scan += up;
+    }
+    int half = lane;
+    for (int offset = 8; offset > 0; offset /= 2) half += __shfl_xor_sync(0xffffffffu, half, offset, 16);
+    unsigned ballot = __ballot_sync(0xffffffffu, lane % 3 == 0);
+    int all = __all_sync(0xffffffffu, lane < 32), any = __any_sync(0xffffffffu, lane == 31);
+    __syncwarp();
+    int t = (int)threadIdx.x;
+    out[t * 5 + 0] = from5;
+    out[t * 5 + 1] = scan;
+    out[t * 5 + 2] = half;
+    out[t * 5 + 3] = (int)ballot;
+    out[t * 5 + 4] = all * 2 + any;
+}
+
+/* Reverses each block's slice through dynamic shared memory. */
+__global__ void reverse_kernel(const float *x, float *y, int *misaligned) {
+    LG_SHARED_DYNAMIC(float, tile);
+    int t = (int)threadIdx.x, n = (int)blockDim.x, base = (int)blockIdx.x * n;
+    if (((uintptr_t)tile & 15) != 0) *misaligned = 1;
+    tile[n - 1 - t] = x[base + t];
+    __syncthreads();
+    y[base + t] = tile[t];
+}
+
+/* Reads a neighbour's shared slot: correct only with the barrier. */
+template <bool with_barrier> __global__ void neighbour_kernel(const int *x, int *y) {
+    __shared__ int slot[64];
+    int t = (int)threadIdx.x, n = (int)blockDim.x;
+    slot[t] = x[t];
+    if (with_barrier) __syncthreads();
+    y[t] = slot[(t + 1) % n];
+}
+
+template <typename T, int scale> __global__ void scale_kernel(T *x, int n) {
+    int i = (int)(blockIdx.x * blockDim.x + threadIdx.x);
+    if (i < n) x[i] *= (T)scale;
+}
+
+/* Records each thread's global coordinates (3-D grid of 3-D blocks). */
+__global__ void coordinates_kernel(int *out) {
+    unsigned bx = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    unsigned tx = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    unsigned threads = blockDim.x * blockDim.y * blockDim.z;
+    out[bx * threads + tx] += (int)(bx * 1000 + tx) + 1;
+}
+
+__global__ void atomics_kernel(int *max_value, unsigned *cas_winner, int *exchanged, int *count) {
+    int t = (int)threadIdx.x;
+    atomicMax(max_value, (t * 37) % 101);
+    atomicCAS(cas_winner, 0xffffffffu, (unsigned)t);
+    atomicExch(exchanged, t);
+    int total = __syncthreads_count(t % 4 == 0);
+    if (t == 0) *count = total;
+}
+
+/* Thread 0 leaves before the barrier the others wait at: a deadlock. */
+__global__ void early_return_kernel(int *y) {
+    if (threadIdx.x == 0) return;
+    __syncthreads();
+    y[threadIdx.x] = 1;
+}
+
+/* Even threads wait at one __syncthreads, odd threads at another. */
+__global__ void divergent_barrier_kernel(int *y) {
+    if (threadIdx.x % 2) __syncthreads();
+    else __syncthreads();
+    y[threadIdx.x] = 1;
+}
+
+__global__ void deep_stack_kernel(int *y) {
+    int local[1024]; /* 4 KiB of locals on each thread's fiber stack */
+    for (int i = 0; i < 1024; i++) local[i] = i * (int)threadIdx.x;
+    __syncthreads();
+    int sum = 0;
+    for (int i = 0; i < 1024; i++) sum += local[i];
+    y[threadIdx.x] = sum;
+}
+
+__global__ void no_args_kernel(void) {
+    __shared__ int hits;
+    if (threadIdx.x == 0) hits = 0;
+    __syncthreads();
+    atomicAdd(&hits, 1);
+}
+
+/* ---------------------------------------------------------------------------------------------
+   Tests
+   --------------------------------------------------------------------------------------------- */
+
+static void test_block_reduction(void) {
+    const int n = 1000;
+    std::vector<float> x(n);
+    for (int i = 0; i < n; i++) x[i] = (float)(i + 1);
+    float *dx = device_copy(x), *dsum = device_copy(std::vector<float>{0.0f});
+    for (int reverse = 0; reverse < 2; reverse++) {
+        lg_emu_set_order(reverse);
+        cudaMemset(dsum, 0, sizeof(float));
+        LG_LAUNCH(block_sum_kernel, (n + 255) / 256, 256, 0, nullptr, dx, n, dsum);
+        CHECK(host_copy(dsum, 1)[0] == 500500.0f);
+    }
+    lg_emu_set_order(0);
+    CHECK(cudaGetLastError() == cudaSuccess);
+    cudaFree(dx);
+    cudaFree(dsum);
+}
+
+static void test_warp_reduction(void) {
+    const int n = 3000; /* 12 blocks of 256 */
+    std::vector<float> xf(n);
+    std::vector<double> xd(n);
+    std::vector<int> xi(n);
+    for (int i = 0; i < n; i++) xf[i] = (float)(i % 7), xd[i] = 0.5 * i, xi[i] = i - 100;
+    float *df = device_copy(xf), *sf = device_copy(std::vector<float>{0});
+    double *dd = device_copy(xd), *sd = device_copy(std::vector<double>{0});
+    int *di = device_copy(xi), *si = device_copy(std::vector<int>{0});
+    LG_LAUNCH((warp_block_sum_kernel<float>), (n + 255) / 256, 256, 0, 0, df, n, sf);
+    LG_LAUNCH((warp_block_sum_kernel<double>), (n + 255) / 256, 256, 0, 0, dd, n, sd);
+    LG_LAUNCH(warp_block_sum_kernel<int>, (n + 255) / 256, 256, 0, 0, di, n, si);
+    float want_f = 0;
+    for (float v : xf) want_f += v;
+    CHECK(host_copy(sf, 1)[0] == want_f);
+    CHECK(host_copy(sd, 1)[0] == 0.5 * (n - 1) * n / 2);
+    CHECK(host_copy(si, 1)[0] == (n - 1) * n / 2 - 100 * n);
+    cudaFree(df), cudaFree(sf), cudaFree(dd), cudaFree(sd), cudaFree(di), cudaFree(si);
+}
+
+static void test_warp_ops(void) {
+    const int threads = 64;
+    int *d = device_copy(std::vector<int>(threads * 5, 0));
+    LG_LAUNCH(warp_ops_kernel, 1, threads, 0, nullptr, d);
+    std::vector<int> out = host_copy(d, threads * 5);
+    bool ok = true;
+    unsigned ballot = 0;
+    for (int lane = 0; lane < 32; lane += 3) ballot |= 1u << lane;
+    for (int t = 0; t < threads; t++) {
+        int lane = t % 32, segment = lane / 16 * 16;
+        ok = ok && out[t * 5 + 0] == 50;
+        ok = ok && out[t * 5 + 1] == (lane + 1) * (lane + 2) / 2;
+        ok = ok && out[t * 5 + 2] == 16 * segment + 120; /* sum of the 16 lanes of the segment */
+        ok = ok && (unsigned)out[t * 5 + 3] == ballot;
+        ok = ok && out[t * 5 + 4] == 3;
+    }
+    CHECK(ok);
+    cudaFree(d);
+}
+
+static void test_dynamic_shared(void) {
+    const int block = 128, blocks = 5;
+    std::vector<float> x(block * blocks);
+    for (size_t i = 0; i < x.size(); i++) x[i] = (float)i;
+    float *dx = device_copy(x), *dy = device_copy(std::vector<float>(x.size(), 0));
+    int *misaligned = device_copy(std::vector<int>{0});
+    LG_LAUNCH(reverse_kernel, blocks, block, block * sizeof(float), nullptr, dx, dy, misaligned);
+    std::vector<float> y = host_copy(dy, x.size());
+    bool ok = true;
+    for (int b = 0; b < blocks; b++)
+        for (int t = 0; t < block; t++) ok = ok && y[(size_t)(b * block + t)] == x[(size_t)(b * block + block - 1 - t)];
+    CHECK(ok);
+    CHECK(host_copy(misaligned, 1)[0] == 0);
+    cudaFree(dx), cudaFree(dy), cudaFree(misaligned);
+}
+
+/* The missing barrier shows as different results in the two thread orders. */
+static std::vector<int> run_neighbour(bool with_barrier, int reverse) {
+    const int n = 64;
+    std::vector<int> zeros(n, 0), values(n);
+    for (int i = 0; i < n; i++) values[(size_t)i] = i + 1;
+    int *dz = device_copy(zeros), *dx = device_copy(values), *dy = device_copy(zeros);
+    lg_emu_set_order(reverse);
+    /* first clear the shared slots, so stale values are zeros */
+    if (with_barrier) LG_LAUNCH(neighbour_kernel<true>, 1, n, 0, nullptr, dz, dy);
+    else LG_LAUNCH(neighbour_kernel<false>, 1, n, 0, nullptr, dz, dy);
+    if (with_barrier) LG_LAUNCH(neighbour_kernel<true>, 1, n, 0, nullptr, dx, dy);
+    else LG_LAUNCH(neighbour_kernel<false>, 1, n, 0, nullptr, dx, dy);
+    lg_emu_set_order(0);
+    std::vector<int> y = host_copy(dy, n);
+    cudaFree(dz), cudaFree(dx), cudaFree(dy);
+    return y;
+}
+
+static void test_missing_barrier_detection(void) {
+    std::vector<int> want(64);
+    for (int t = 0; t < 64; t++) want[(size_t)t] = (t + 1) % 64 + 1;
+    CHECK(run_neighbour(true, 0) == want);
+    CHECK(run_neighbour(true, 1) == want);
+    std::vector<int> forward = run_neighbour(false, 0), reverse = run_neighbour(false, 1);
+    CHECK(forward != reverse);
+    CHECK(forward != want || reverse != want);
+}
+
+static void test_template_launch(void) {
+    const int n = 300;
+    std::vector<float> x(n, 1.5f);
+    float *d = device_copy(x);
+    LG_LAUNCH((scale_kernel<float, 4>), (n + 127) / 128, 128, 0, nullptr, d, n);
+    std::vector<float> y = host_copy(d, n);
+    bool ok = true;
+    for (float v : y) ok = ok && v == 6.0f;
+    CHECK(ok);
+    cudaFree(d);
+}
+
+static void test_grid_coordinates(void) {
+    dim3 grid(3, 2, 2), block(4, 2, 3);
+    size_t total = 12 * 24;
+    int *d = device_copy(std::vector<int>(total, 0));
+    unsigned long long before = lg_emu_launch_count();
+    LG_LAUNCH(coordinates_kernel, grid, block, 0, nullptr, d);
+    CHECK(lg_emu_launch_count() == before + 1);
+    std::vector<int> out = host_copy(d, total);
+    bool ok = true;
+    for (size_t i = 0; i < total; i++) ok = ok && out[i] == (int)((i / 24) * 1000 + i % 24) + 1;
+    CHECK(ok);
+    cudaFree(d);
+}
+
+static void test_atomics_and_misc(void) {
+    int *max_value = device_copy(std::vector<int>{-1}), *exchanged = device_copy(std::vector<int>{-1});
+    int *count = device_copy(std::vector<int>{0});
+    unsigned *cas = device_copy(std::vector<unsigned>{0xffffffffu});
+    LG_LAUNCH(atomics_kernel, 1, 96, 0, nullptr, max_value, cas, exchanged, count);
+    CHECK(host_copy(max_value, 1)[0] == 100);
+    CHECK(host_copy(cas, 1)[0] == 0u);         /* thread 0 runs first */
+    CHECK(host_copy(exchanged, 1)[0] == 95);   /* the last to run */
+    CHECK(host_copy(count, 1)[0] == 24);
+    lg_emu_set_order(1);
+    cudaMemset(cas, 0xff, sizeof(unsigned));
+    LG_LAUNCH(atomics_kernel, 1, 96, 0, nullptr, max_value, cas, exchanged, count);
+    lg_emu_set_order(0);
+    CHECK(host_copy(cas, 1)[0] == 95u);
+    int *deep = device_copy(std::vector<int>(64, 0));
+    LG_LAUNCH(deep_stack_kernel, 2, 64, 0, nullptr, deep);
+    CHECK(host_copy(deep, 64)[5] == 5 * 1023 * 1024 / 2);
+    LG_LAUNCH(no_args_kernel, 2, 32, 0, nullptr);
+    CHECK(min(3, 4u) == 3u && max(2.5f, -1.0f) == 2.5f && min((size_t)7, 9) == 7);
+    CHECK(__float_as_uint(1.0f) == 0x3f800000u && __uint_as_float(0x40000000u) == 2.0f);
+    CHECK(rsqrtf(4.0f) == 0.5f && __saturatef(1.5f) == 1.0f && __saturatef(NAN) == 0.0f);
+    cudaFree(max_value), cudaFree(exchanged), cudaFree(count), cudaFree(cas), cudaFree(deep);
+}
+
+static void test_launch_refusals(void) {
+    int *d = device_copy(std::vector<int>(64, 0));
+    fprintf(stderr, "(two refused launches expected:)\n");
+    LG_LAUNCH(deep_stack_kernel, 1, 2048, 0, nullptr, d);
+    CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration);
+    CHECK(cudaGetLastError() == cudaSuccess);
+    cudaStream_t s;
+    cudaStreamCreate(&s);
+    cudaStreamDestroy(s);
+    LG_LAUNCH(deep_stack_kernel, 1, 64, 0, s, d);
+    CHECK(cudaPeekAtLastError() == cudaErrorInvalidResourceHandle);
+    cudaGetLastError();
+    cudaFree(d);
+}
+
+/* Runs `body` in a child process; returns its exit status and what it wrote to stderr. */
+template <typename F> static int run_in_child(F body, std::string *stderr_text) {
+    int pipe_fds[2];
+    if (pipe(pipe_fds) != 0) abort();
+    fflush(stdout), fflush(stderr);
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(pipe_fds[1], 2);
+        close(pipe_fds[0]);
+        body();
+        _exit(0);
+    }
+    close(pipe_fds[1]);
+    char buf[512];
+    ssize_t got;
+    while ((got = read(pipe_fds[0], buf, sizeof buf)) > 0) stderr_text->append(buf, (size_t)got);
+    close(pipe_fds[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    return status;
+}
+
+static void test_deadlock_detection(void) {
+    std::string text;
+    int status = run_in_child([] {
+        int *d = nullptr;
+        cudaMalloc(&d, 64 * sizeof(int));
+        LG_LAUNCH(early_return_kernel, 1, 64, 0, nullptr, d);
+    }, &text);
+    CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT);
+    CHECK(text.find("deadlock in kernel early_return_kernel") != std::string::npos);
+    CHECK(text.find("test_cuda_emulator.cpp") != std::string::npos);
+    text.clear();
+    status = run_in_child([] {
+        int *d = nullptr;
+        cudaMalloc(&d, 64 * sizeof(int));
+        LG_LAUNCH(divergent_barrier_kernel, 1, 64, 0, nullptr, d);
+    }, &text);
+    CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT);
+    CHECK(text.find("thread 1 at the one at") != std::string::npos);
+}
+
+static void test_memory_accounting(void) {
+    lg_emu_set_devices(2);
+    size_t free0, total0, free1, total1, f, t;
+    cudaSetDevice(0);
+    cudaMemGetInfo(&free0, &total0);
+    cudaSetDevice(1);
+    cudaMemGetInfo(&free1, &total1);
+    CHECK(total0 == ((size_t)16 << 30) && free0 == total0 && free1 == total1);
+    void *a = nullptr, *b = nullptr, *h = nullptr;
+    cudaSetDevice(0);
+    CHECK(cudaMalloc(&a, 1 << 20) == cudaSuccess);
+    cudaSetDevice(1);
+    CHECK(cudaMallocManaged(&b, 3000, cudaMemAttachGlobal) == cudaSuccess);
+    CHECK(cudaMallocHost(&h, 5000) == cudaSuccess);
+    cudaMemGetInfo(&f, &t);
+    CHECK(f == free1 - 3000);
+    cudaSetDevice(0);
+    cudaMemGetInfo(&f, &t);
+    CHECK(f == free0 - (1 << 20));
+    CHECK(lg_emu_device_bytes_in_use(0) == (1 << 20) && lg_emu_device_bytes_in_use(1) == 3000);
+    cudaPointerAttributes pa, pb, ph, pu;
+    int stack_value = 0;
+    cudaPointerGetAttributes(&pa, (char *)a + 10);
+    cudaPointerGetAttributes(&pb, b);
+    cudaPointerGetAttributes(&ph, h);
+    cudaPointerGetAttributes(&pu, &stack_value);
+    CHECK(pa.type == cudaMemoryTypeDevice && pa.device == 0 && pb.type == cudaMemoryTypeManaged &&
+          pb.device == 1 && ph.type == cudaMemoryTypeHost && pu.type == cudaMemoryTypeUnregistered);
+    CHECK(cudaMemset(a, 0, (1 << 20) + 1) == cudaErrorInvalidValue); /* past the allocation */
+    CHECK(cudaFreeHost(a) == cudaErrorInvalidValue);                 /* not a host allocation */
+    cudaGetLastError();
+    CHECK(cudaFree(a) == cudaSuccess && cudaFree(b) == cudaSuccess && cudaFreeHost(h) == cudaSuccess);
+    cudaMemGetInfo(&f, &t);
+    CHECK(f == free0);
+    void *huge = nullptr;
+    CHECK(cudaMalloc(&huge, total0 + 1) == cudaErrorMemoryAllocation && huge == nullptr);
+    CHECK(cudaGetLastError() == cudaErrorMemoryAllocation && cudaGetLastError() == cudaSuccess);
+    CHECK(cudaSetDevice(2) == cudaErrorInvalidDevice);
+    cudaGetLastError();
+    int can = 0, rank = -1, major = 0;
+    cudaDeviceCanAccessPeer(&can, 0, 1);
+    cudaDeviceGetP2PAttribute(&rank, cudaDevP2PAttrPerformanceRank, 0, 1);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 1);
+    CHECK(can == 1 && rank == 0 && major == 9);
+    CHECK(cudaDeviceEnablePeerAccess(1, 0) == cudaSuccess);
+    CHECK(cudaDeviceEnablePeerAccess(1, 0) == cudaErrorPeerAccessAlreadyEnabled);
+    cudaGetLastError();
+    cudaEvent_t e0, e1;
+    cudaStream_t s1;
+    cudaSetDevice(1);
+    cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking);
+    cudaEventCreateWithFlags(&e1, cudaEventDisableTiming);
+    cudaSetDevice(0);
+    cudaEventCreate(&e0);
+    CHECK(cudaEventRecord(e1, s1) == cudaSuccess && cudaStreamWaitEvent(nullptr, e1, 0) == cudaSuccess);
+    CHECK(cudaEventRecord(e0, s1) == cudaErrorInvalidResourceHandle); /* event of another device */
+    cudaGetLastError();
+    cudaEventDestroy(e0), cudaEventDestroy(e1), cudaStreamDestroy(s1);
+    lg_emu_set_devices(1);
+}
+
+static void test_half_conversions(void) {
+    CHECK(lg_emu_float_to_bf16(1.0f) == 0x3f80 && lg_emu_bf16_to_float(0xc000) == -2.0f);
+    CHECK(lg_emu_float_to_bf16(1.0f + 1.0f / 256) == 0x3f80);     /* tie: to even */
+    CHECK(lg_emu_float_to_bf16(1.0f + 3.0f / 256) == 0x3f82);     /* tie: to even, up */
+    CHECK(lg_emu_float_to_fp16(1.0f) == 0x3c00 && lg_emu_fp16_to_float(0xc000) == -2.0f);
+    CHECK(lg_emu_float_to_fp16(65504.0f) == 0x7bff && lg_emu_float_to_fp16(65520.0f) == 0x7c00);
+    CHECK(lg_emu_float_to_fp16(1.0f + 1.0f / 2048) == 0x3c00);    /* tie: to even */
+    CHECK(lg_emu_float_to_fp16(5.960464477539063e-8f) == 0x0001); /* smallest subnormal */
+    CHECK(lg_emu_fp16_to_float(0x0001) == 5.960464477539063e-8f);
+    CHECK(lg_emu_float_to_fp16(2.9802322387695312e-8f) == 0x0000); /* half of it: to even */
+    bool round_trip = true;
+    for (uint32_t h = 0; h < 0x7c00; h++) round_trip = round_trip && lg_emu_float_to_fp16(lg_emu_fp16_to_float((uint16_t)h)) == h;
+    CHECK(round_trip);
+}
+
+/* NCCL on 3 ranks, grouped as the backend issues it. */
+static void test_nccl(void) {
+    const int n = 3;
+    lg_emu_set_devices(n);
+    ncclComm_t comms[n];
+    int devices[n] = {0, 1, 2};
+    CHECK(ncclCommInitAll(comms, n, devices) == ncclSuccess);
+    int count = 0, rank = -1;
+    ncclCommCount(comms[2], &count);
+    ncclCommUserRank(comms[2], &rank);
+    CHECK(count == 3 && rank == 2);
+    const size_t m = 4; /* elements a rank's piece */
+    float *buf[n], *out[n];
+    uint16_t *hb[n];
+    for (int r = 0; r < n; r++) {
+        cudaSetDevice(r);
+        cudaMalloc(&buf[r], m * n * sizeof(float));
+        cudaMalloc(&out[r], m * n * sizeof(float));
+        cudaMalloc(&hb[r], m * n * sizeof(uint16_t));
+    }
+    auto fill = [&]() {
+        for (int r = 0; r < n; r++)
+            for (size_t i = 0; i < m * n; i++) buf[r][i] = (float)(100 * r + (int)i);
+    };
+    /* all-reduce, in place */
+    fill();
+    ncclGroupStart();
+    for (int r = 0; r < n; r++) ncclAllReduce(buf[r], buf[r], m * n, ncclFloat32, ncclSum, comms[r], nullptr);
+    CHECK(lg_emu_nccl_pending() == 3);
+    CHECK(ncclGroupEnd() == ncclSuccess && lg_emu_nccl_pending() == 0);
+    bool ok = true;
+    for (int r = 0; r < n; r++)
+        for (size_t i = 0; i < m * n; i++) ok = ok && buf[r][i] == (float)(300 + 3 * (int)i);
+    CHECK(ok);
+    /* reduce-scatter: out of place, then in place (each rank's piece at rank * m) */
+    for (int in_place = 0; in_place < 2; in_place++) {
+        fill();
+        ncclGroupStart();
+        for (int r = 0; r < n; r++)
+            ncclReduceScatter(buf[r], in_place ? buf[r] + r * m : out[r], m, ncclFloat, ncclSum, comms[r], nullptr);
+        CHECK(ncclGroupEnd() == ncclSuccess);
+        ok = true;
+        for (int r = 0; r < n; r++)
+            for (size_t i = 0; i < m; i++)
+                ok = ok && (in_place ? buf[r][r * m + i] : out[r][i]) == (float)(300 + 3 * (int)(r * m + i));
+        CHECK(ok);
+    }
+    /* all-gather in place: rank r's piece is already at r * m */
+    for (int r = 0; r < n; r++)
+        for (size_t i = 0; i < m; i++) buf[r][r * m + i] = (float)(10 * r + (int)i);
+    ncclGroupStart();
+    for (int r = 0; r < n; r++) ncclAllGather(buf[r] + r * m, buf[r], m, ncclFloat32, comms[r], nullptr);
+    CHECK(ncclGroupEnd() == ncclSuccess);
+    ok = true;
+    for (int r = 0; r < n; r++)
+        for (size_t i = 0; i < m * n; i++) ok = ok && buf[r][i] == (float)(10 * (int)(i / m) + (int)(i % m));
+    CHECK(ok);
+    /* broadcast from rank 1, in place */
+    fill();
+    ncclGroupStart();
+    for (int r = 0; r < n; r++) ncclBroadcast(buf[r], buf[r], m * n, ncclFloat32, 1, comms[r], nullptr);
+    CHECK(ncclGroupEnd() == ncclSuccess);
+    ok = true;
+    for (int r = 0; r < n; r++)
+        for (size_t i = 0; i < m * n; i++) ok = ok && buf[r][i] == (float)(100 + (int)i);
+    CHECK(ok);
+    /* bf16 all-reduce: 1 + 2^-8 + 2^-8 summed in float is 1 + 2^-7, exact in bf16 (rounding after
+       each add would give 1) */
+    const float parts[n] = {1.0f, 1.0f / 256, 1.0f / 256};
+    for (int r = 0; r < n; r++)
+        for (size_t i = 0; i < m * n; i++) hb[r][i] = lg_emu_float_to_bf16(parts[r] * (float)(i + 1));
+    ncclGroupStart();
+    for (int r = 0; r < n; r++) ncclAllReduce(hb[r], hb[r], m * n, ncclBfloat16, ncclSum, comms[r], nullptr);
+    CHECK(ncclGroupEnd() == ncclSuccess);
+    CHECK(lg_emu_bf16_to_float(hb[0][0]) == 1.0f + 1.0f / 128 && hb[1][0] == hb[0][0] && hb[2][0] == hb[0][0]);
+    /* bf16 reduce-scatter in place, all-gather in place, broadcast */
+    for (int r = 0; r < n; r++)
+        for (size_t i = 0; i < m * n; i++) hb[r][i] = lg_emu_float_to_bf16((float)(r + (int)i));
+    ncclGroupStart();
+    for (int r = 0; r < n; r++) ncclReduceScatter(hb[r], hb[r] + r * m, m, ncclBfloat16, ncclSum, comms[r], nullptr);
+    CHECK(ncclGroupEnd() == ncclSuccess);
+    ncclGroupStart();
+    for (int r = 0; r < n; r++) ncclAllGather(hb[r] + r * m, hb[r], m, ncclBfloat16, comms[r], nullptr);
+    CHECK(ncclGroupEnd() == ncclSuccess);
+    ok = true;
+    for (int r = 0; r < n; r++)
+        for (size_t i = 0; i < m * n; i++) ok = ok && lg_emu_bf16_to_float(hb[r][i]) == (float)(3 + 3 * (int)i);
+    CHECK(ok);
+    hb[2][5] = lg_emu_float_to_bf16(-7.5f);
+    ncclGroupStart();
+    for (int r = 0; r < n; r++) ncclBroadcast(hb[r], hb[r], m * n, ncclBfloat16, 2, comms[r], nullptr);
+    CHECK(ncclGroupEnd() == ncclSuccess);
+    CHECK(lg_emu_bf16_to_float(hb[0][5]) == -7.5f && lg_emu_bf16_to_float(hb[1][5]) == -7.5f);
+    /* ungrouped calls wait for the last rank */
+    for (int r = 0; r < n; r++) buf[r][0] = 1.0f;
+    for (int r = 0; r < n; r++) {
+        CHECK(ncclAllReduce(buf[r], buf[r], 1, ncclFloat32, ncclSum, comms[r], nullptr) == ncclSuccess);
+        CHECK(buf[0][0] == (r < n - 1 ? 1.0f : 3.0f));
+    }
+    /* mismatched calls and overrunning buffers are refused */
+    fprintf(stderr, "(two refused NCCL calls expected:)\n");
+    ncclGroupStart();
+    ncclAllReduce(buf[0], buf[0], 2, ncclFloat32, ncclSum, comms[0], nullptr);
+    ncclAllReduce(buf[1], buf[1], 3, ncclFloat32, ncclSum, comms[1], nullptr);
+    ncclAllReduce(buf[2], buf[2], 2, ncclFloat32, ncclSum, comms[2], nullptr);
+    CHECK(ncclGroupEnd() == ncclInvalidUsage);
+    CHECK(ncclAllReduce(buf[0], buf[0], m * n + 1, ncclFloat32, ncclSum, comms[0], nullptr) == ncclInvalidArgument);
+    int duplicate[2] = {1, 1};
+    ncclComm_t bad[2];
+    fprintf(stderr, "(and a duplicate device:)\n");
+    CHECK(ncclCommInitAll(bad, 2, duplicate) == ncclInvalidUsage);
+    for (int r = 0; r < n; r++) {
+        cudaFree(buf[r]), cudaFree(out[r]), cudaFree(hb[r]);
+        CHECK(ncclCommDestroy(comms[r]) == ncclSuccess);
+    }
+    cudaSetDevice(0);
+    lg_emu_set_devices(1);
+}
+
+/* 64 blocks x 256 threads with 9 barriers each: the scale of the backend's tests. */
+static void report_speed(void) {
+    const int n = 64 * 256, launches = 20;
+    std::vector<float> x(n, 1.0f);
+    float *dx = device_copy(x), *dsum = device_copy(std::vector<float>{0});
+    auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < launches; i++) LG_LAUNCH(block_sum_kernel, 64, 256, 0, nullptr, dx, n, dsum);
+    double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    CHECK(host_copy(dsum, 1)[0] == (float)(n * launches));
+    printf("speed: %.2f ms per launch of 64 x 256 threads, 9 barriers\n", ms / launches);
+    cudaFree(dx), cudaFree(dsum);
+}
+
+int main(void) {
+    test_block_reduction();
+    test_warp_reduction();
+    test_warp_ops();
+    test_dynamic_shared();
+    test_missing_barrier_detection();
+    test_template_launch();
+    test_grid_coordinates();
+    test_atomics_and_misc();
+    test_launch_refusals();
+    test_deadlock_detection();
+    test_memory_accounting();
+    test_half_conversions();
+    test_nccl();
+    report_speed();
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed ? 1 : 0;
+}
