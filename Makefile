@@ -50,6 +50,10 @@ build/test_cuda_emulated: tests/gpu/test_cuda.c $(wildcard tests/gpu/*.inc) test
 	@mkdir -p build
 	$(EMULATED) tests/gpu/test_cuda.c -o $@ $(LDLIBS)
 
+build/train_emulated: train.c tests/cuda_emulator.h $(HEADERS)
+	@mkdir -p build
+	$(EMULATED) -include tests/cuda_emulator.h train.c -o $@ $(LDLIBS)
+
 build/test_cuda_emulator: tests/test_cuda_emulator.cpp tests/cuda_emulator.h
 	@mkdir -p build
 	$(EMULATED) tests/test_cuda_emulator.cpp -o $@
@@ -101,7 +105,7 @@ tools/bench: tools/bench.c $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tools/bench.c -o $@ $(LDLIBS)
 
 # litgpt.h must stay valid C++ (the CUDA build compiles train.c as CUDA C++)
-test: train tests/test tests/test64 tools/prepare tokenizers build/test_cuda_emulator build/test_cuda_emulated
+test: train tests/test tests/test64 tools/prepare tokenizers build/test_cuda_emulator build/test_cuda_emulated build/train_emulated
 	g++ -x c++ -std=c++17 -Wall -Wextra -Werror -fsyntax-only $(OPENMP) train.c
 	@if [ -n "$(NVCC)" ]; then $(MAKE) --no-print-directory build/train_cuda build/test_cuda; \
 	 else echo "nvcc not found: CUDA build not checked"; fi

@@ -2341,6 +2341,9 @@ int lg_plan_make(lg_plan *plan, const lg_config *c, const lg_plan_spec *s, lg_er
         return lg_fail(err, "plan: at most %d ranks (devices x nodes)", LG_MAX_RANKS);
     if (s->optimizer_state != LG_STATE_AS_PRECISION && s->optimizer != LG_OPTIMIZER_ADAMW)
         return lg_fail(err, "plan: --optimizer-state applies to AdamW only");
+    if (s->optimizer_state != LG_STATE_AS_PRECISION && s->backend == LG_BACKEND_CUDA)
+        return lg_fail(err, "plan: --optimizer-state bf16|8bit runs on the CPU backend only (for "
+                            "now): leave it out on a GPU");
     /* the layouts count rows in int: B T and B NH T (attention) must fit */
     double rows = (double)s->B * s->T * (c->n_head > 1 ? c->n_head : 1);
     if (rows > 2147483647.0 || (double)s->B * s->accumulation * s->T > 2147483647.0)
@@ -2491,7 +2494,8 @@ static int lg_fitting_seq_length(const lg_config *cfg, const lg_args *a, int T, 
    state, Lion or SGD with momentum to plain SGD. Returns 0 when there is none. */
 static int lg_lighter_optimizer(const lg_args *args, lg_args *a, char *flags, size_t size) {
     *a = *args;
-    if (args->optimizer == LG_OPTIMIZER_ADAMW && args->optimizer_state != LG_STATE_8BIT) {
+    if (args->optimizer == LG_OPTIMIZER_ADAMW && args->optimizer_state != LG_STATE_8BIT &&
+        args->backend == LG_BACKEND_CPU) { /* compact states are the CPU backend's for now */
         a->optimizer_state = LG_STATE_8BIT;
         snprintf(flags, size, "--optimizer-state 8bit");
     } else if (args->optimizer == LG_OPTIMIZER_ADAMW || args->optimizer == LG_OPTIMIZER_SOPHIA) {
@@ -8186,9 +8190,6 @@ int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args,
     tr->args = *args;
     tr->accumulation = lg_args_accumulation_steps(args, err);
     if (tr->accumulation < 1) return -1;
-    if (args->backend == LG_BACKEND_CUDA && args->optimizer_state != LG_STATE_AS_PRECISION)
-        return lg_fail(err, "--optimizer-state %s runs on the CPU backend only (for now): leave "
-                            "it out on a GPU", args->optimizer_state == LG_STATE_BF16 ? "bf16" : "8bit");
     lg_plan_spec spec;
     lg_plan_spec_from_args(&spec, args, T);
     if (lg_plan_make(&tr->plan, cfg, &spec, err) != 0) return -1;

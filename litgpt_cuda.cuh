@@ -13,9 +13,9 @@
      c. elementwise kernels: add, copy/cast, GELU, SwiGLU, rotary
      d. embedding, LayerNorm/RMSNorm
      e. the fused classifier (softmax, loss and the logits' gradient)
-     f. attention: flash-attention forward and backward
-     g. matmuls: cuBLASLt, and a reference kernel (tests, emulation)
-     h. optimizers, sums of squares
+     f. optimizers, sums of squares
+     g. attention: flash-attention forward and backward
+     h. matmuls: cuBLASLt, and a reference kernel (tests, emulation)
      i. ranks: memory, overheads, topology
      j. collectives over NCCL */
 #ifndef LITGPT_CUDA_CUH
@@ -132,15 +132,1769 @@ static unsigned lg_cuda_blocks(size_t n, unsigned threads) {
     return (unsigned)((n + threads - 1) / threads);
 }
 
-/* The parts below are being written; until each lands, its ops stop with a message. */
-#if __has_include("/work/scratch/parts/kernels.cuh")
-#include "/work/scratch/parts/kernels.cuh"
+/* b-f. the kernels of section 6's ops, and the optimizers' and sums of squares' ------------- */
+
+/* Every kernel reads and writes elements through lg_get / lg_set (the CPU's conversions) and
+   computes in float, element by element in the same order of operations as the CPU loop it
+   mirrors, so a GPU op differs from the CPU op only by float rounding (FMA contraction, the
+   order of long sums). Reductions have a fixed shape (warp butterflies, then warps in order,
+   then blocks or chunks in order): two runs give the same bits. */
+
+/* Launch shapes */
+#define LG_CUDA_WARP 32
+#define LG_CUDA_FULL_MASK 0xffffffffu
+#define LG_CUDA_MAX_WARPS 32           /* warps of a block (1024 threads) */
+#define LG_CUDA_ELEMENT_THREADS 256    /* elementwise kernels */
+#define LG_CUDA_ELEMENT_GRID_MAX 8192  /* grid-stride loops: blocks at most */
+#define LG_CUDA_ROW_WARPS 8            /* norms: one warp a row, 8 rows a block */
+#define LG_CUDA_CHANNEL_THREADS 256    /* norm weight gradients: channels a block */
+#define LG_CUDA_CLASSIFIER_THREADS 256 /* cross-entropy: threads of a row's block */
+#define LG_CUDA_SUM_THREADS 256        /* sums of squares and of losses */
+#define LG_CUDA_TOTAL_SLOT (LG_CUDA_REDUCE_SLOTS - 1) /* totals[]: where a final sum lands; the
+                                                         slots before it hold block partials */
+#define LG_CUDA_EMBED_THREADS 128      /* embedding backward: channels of a block */
+#define LG_CUDA_EMBED_CLASSES 64       /* ... and token-id classes (id % classes) of the grid */
+#define LG_CUDA_TOKEN_TILE 1024        /* ids staged in shared memory at a time */
+
+/* b. element access and reductions shared by the kernels --------------------------------------- */
+
+/* The first element of this thread in a grid-stride loop, and the stride. */
+__device__ __forceinline__ size_t lg_k_first(void) {
+    return (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ size_t lg_k_stride(void) { return (size_t)gridDim.x * blockDim.x; }
+
+/* Blocks of a grid-stride loop over n elements. */
+static unsigned lg_cuda_element_grid(size_t n) {
+    unsigned blocks = lg_cuda_blocks(n, LG_CUDA_ELEMENT_THREADS);
+    return blocks < LG_CUDA_ELEMENT_GRID_MAX ? blocks : LG_CUDA_ELEMENT_GRID_MAX;
+}
+
+/* v as its storage type holds it (what lg_set then lg_get leave). */
+__device__ __forceinline__ float lg_k_round_to(lg_dtype dtype, float v) {
+    if (dtype == LG_DTYPE_BF16) return lg_bf16_to_f32(lg_f32_to_bf16(v));
+    if (dtype == LG_DTYPE_F16) return lg_f16_to_f32(lg_f32_to_f16(v));
+    return v;
+}
+
+/* Sum over a warp by a butterfly: every lane gets the same bits. */
+template <typename T> __device__ __forceinline__ T lg_k_warp_sum(T v) {
+    for (int o = LG_CUDA_WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(LG_CUDA_FULL_MASK, v, o);
+    return v;
+}
+
+/* Sum over the block (blockDim.x a multiple of 32): warps, then the warps' sums in order;
+   every thread gets the total. scratch: LG_CUDA_MAX_WARPS shared slots, free again on return. */
+template <typename T> __device__ T lg_k_block_sum(T v, T *scratch) {
+    int warp = threadIdx.x / LG_CUDA_WARP, warps = blockDim.x / LG_CUDA_WARP;
+    v = lg_k_warp_sum(v);
+    if (threadIdx.x % LG_CUDA_WARP == 0) scratch[warp] = v;
+    __syncthreads();
+    T total = 0;
+    for (int w = 0; w < warps; w++) total += scratch[w];
+    __syncthreads();
+    return total;
+}
+
+/* Online softmax statistics: the running maximum m of a set of logits and s = sum exp(x - m).
+   An empty set is (-inf, 0). Merging is symmetric, so butterflies give every lane the same. */
+__device__ __forceinline__ void lg_k_softmax_add(float *m, float *s, float x) {
+    if (x > *m) {
+        *s = *s * expf(*m - x) + 1.0f;
+        *m = x;
+    } else {
+        *s += expf(x - *m);
+    }
+}
+
+__device__ __forceinline__ void lg_k_softmax_merge(float *m, float *s, float m2, float s2) {
+    float top = fmaxf(*m, m2);
+    if (top == -INFINITY) return; /* both empty */
+    float a = *s == 0.0f ? 0.0f : *s * expf(*m - top), b = s2 == 0.0f ? 0.0f : s2 * expf(m2 - top);
+    *s = a + b;
+    *m = top;
+}
+
+/* The block's (m, s) from each thread's; scratch_m, scratch_s: LG_CUDA_MAX_WARPS shared. */
+static __device__ void lg_k_block_softmax_stats(float *m, float *s, float *scratch_m, float *scratch_s) {
+    int warp = threadIdx.x / LG_CUDA_WARP, warps = blockDim.x / LG_CUDA_WARP;
+    for (int o = LG_CUDA_WARP / 2; o > 0; o >>= 1) {
+        float m2 = __shfl_xor_sync(LG_CUDA_FULL_MASK, *m, o);
+        float s2 = __shfl_xor_sync(LG_CUDA_FULL_MASK, *s, o);
+        lg_k_softmax_merge(m, s, m2, s2);
+    }
+    if (threadIdx.x % LG_CUDA_WARP == 0) {
+        scratch_m[warp] = *m;
+        scratch_s[warp] = *s;
+    }
+    __syncthreads();
+    *m = -INFINITY;
+    *s = 0.0f;
+    for (int w = 0; w < warps; w++) lg_k_softmax_merge(m, s, scratch_m[w], scratch_s[w]);
+    __syncthreads();
+}
+
+/* c. elementwise kernels: add, copy/cast, GELU, SwiGLU, rotary -------------------------------- */
+/* Elementwise kernels: a grid-stride loop, one element a thread per turn (consecutive threads,
+   consecutive elements). Each element is read and written as the CPU loop does, so the same
+   in-place uses are allowed. */
+
+__global__ void lg_k_add(lg_buf out, lg_buf a, lg_buf b, size_t n) {
+    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) lg_set(out, i, lg_get(a, i) + lg_get(b, i));
+}
+
+__global__ void lg_k_cast(lg_buf dst, lg_buf src, size_t n) {
+    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) lg_set(dst, i, lg_get(src, i));
+}
+
+__global__ void lg_k_gelu_forward(lg_buf out, lg_buf inp, size_t n, int tanh_approx) {
+    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) {
+        float x = lg_get(inp, i);
+        lg_set(out, i, tanh_approx ? lg_gelu_tanh(x) : lg_gelu_erf(x));
+    }
+}
+
+__global__ void lg_k_gelu_backward(lg_buf dinp, lg_buf dout, lg_buf inp, size_t n, int tanh_approx) {
+    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) {
+        float x = lg_get(inp, i);
+        lg_set(dinp, i, lg_get(dout, i) * (tanh_approx ? lg_gelu_tanh_grad(x) : lg_gelu_erf_grad(x)));
+    }
+}
+
+__global__ void lg_k_swiglu_forward(lg_buf out, lg_buf gate, lg_buf up, size_t n) {
+    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) {
+        float g = lg_get(gate, i);
+        lg_set(out, i, g * lg_sigmoid(g) * lg_get(up, i));
+    }
+}
+
+__global__ void lg_k_swiglu_backward(lg_buf dgate, lg_buf dup, lg_buf dout, lg_buf gate, lg_buf up,
+                                     size_t n) {
+    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) {
+        float g = lg_get(gate, i), d = lg_get(dout, i);
+        float sig = lg_sigmoid(g), silu = g * sig;
+        lg_set(dup, i, d * silu);
+        lg_set(dgate, i, d * lg_get(up, i) * (sig + silu * (1.0f - sig)));
+    }
+}
+
+/* One thread a rotated pair (j, j + R) of one head of one token: pairs = B T heads R. */
+__global__ void lg_k_rope_rotate(lg_buf qkv, const lg_real *cos_table, const lg_real *sin_table,
+                                 int T, int heads, int QKV, int HS, int R, size_t pairs,
+                                 int direction) {
+    for (size_t p = lg_k_first(); p < pairs; p += lg_k_stride()) {
+        int j = (int)(p % R), h = (int)(p / R % heads);
+        size_t n = p / ((size_t)R * heads);
+        size_t t = n % T;
+        lg_buf x = lg_at(qkv, n * QKV + (size_t)h * HS);
+        float c = cos_table[t * R + j], sn = direction * sin_table[t * R + j];
+        float a = lg_get(x, j), b = lg_get(x, j + R);
+        lg_set(x, j, a * c - b * sn);
+        lg_set(x, j + R, b * c + a * sn);
+    }
+}
+
+static void lg_cuda_add(const lg_exec *ex, lg_buf out, lg_buf a, lg_buf b, size_t n) {
+    if (n == 0) return;
+    LG_LAUNCH(lg_k_add, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0, lg_cuda_stream(ex),
+              out, a, b, n);
+}
+
+/* dst (n) = src (n): a copy when the types agree, else a cast on the GPU, or on the host when
+   either side is pageable host memory (after the queued work). */
+static void lg_cuda_copy(const lg_exec *ex, lg_buf dst, lg_buf src, size_t n) {
+    if (n == 0) return;
+    if (dst.dtype == src.dtype) {
+        LG_CUDA_TRY(cudaMemcpyAsync(dst.data, src.data, n * lg_elem_size(dst.dtype),
+                                    cudaMemcpyDefault, lg_cuda_stream(ex)));
+        return;
+    }
+    if (lg_cuda_device_accessible(dst.data) && lg_cuda_device_accessible(src.data)) {
+        LG_LAUNCH(lg_k_cast, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
+                  lg_cuda_stream(ex), dst, src, n);
+        return;
+    }
+    LG_CUDA_TRY(cudaStreamSynchronize(lg_cuda_stream(ex)));
+    for (size_t i = 0; i < n; i++) lg_set(dst, i, lg_get(src, i));
+}
+
+static void lg_cuda_zero(const lg_exec *ex, lg_buf x, size_t n) {
+    if (n == 0) return;
+    LG_CUDA_TRY(cudaMemsetAsync(x.data, 0, n * lg_elem_size(x.dtype), lg_cuda_stream(ex)));
+}
+
+/* out (n) = gelu(inp (n)) */
+static void lg_cuda_gelu_forward(const lg_exec *ex, lg_buf out, lg_buf inp, size_t n,
+                                 int tanh_approx) {
+    if (n == 0) return;
+    LG_LAUNCH(lg_k_gelu_forward, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
+              lg_cuda_stream(ex), out, inp, n, tanh_approx);
+}
+
+/* dinp (n) = dout (n) gelu'(inp (n)) */
+static void lg_cuda_gelu_backward(const lg_exec *ex, lg_buf dinp, lg_buf dout, lg_buf inp,
+                                  size_t n, int tanh_approx) {
+    if (n == 0) return;
+    LG_LAUNCH(lg_k_gelu_backward, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
+              lg_cuda_stream(ex), dinp, dout, inp, n, tanh_approx);
+}
+
+/* out (n) = silu(gate (n)) up (n) */
+static void lg_cuda_swiglu_forward(const lg_exec *ex, lg_buf out, lg_buf gate, lg_buf up,
+                                   size_t n) {
+    if (n == 0) return;
+    LG_LAUNCH(lg_k_swiglu_forward, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
+              lg_cuda_stream(ex), out, gate, up, n);
+}
+
+/* dgate, dup (n) from dout (n), gate (n), up (n) */
+static void lg_cuda_swiglu_backward(const lg_exec *ex, lg_buf dgate, lg_buf dup, lg_buf dout,
+                                    lg_buf gate, lg_buf up, size_t n) {
+    if (n == 0) return;
+    LG_LAUNCH(lg_k_swiglu_backward, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
+              lg_cuda_stream(ex), dgate, dup, dout, gate, up, n);
+}
+
+/* qkv (B, T, (NH + 2 NQG) HS): rotates the first rope_dims of each query and key head in place;
+   cos_table, sin_table (T, rope_dims / 2). */
+static void lg_cuda_rope_rotate(const lg_exec *ex, lg_buf qkv, const lg_real *cos_table,
+                                const lg_real *sin_table, int B, int T, int NH, int NQG, int HS,
+                                int rope_dims, int direction) {
+    int R = rope_dims / 2, heads = NH + NQG, QKV = (NH + 2 * NQG) * HS;
+    size_t pairs = (size_t)B * T * heads * R;
+    if (pairs == 0) return;
+    LG_LAUNCH(lg_k_rope_rotate, lg_cuda_element_grid(pairs), LG_CUDA_ELEMENT_THREADS, 0,
+              lg_cuda_stream(ex), qkv, cos_table, sin_table, T, heads, QKV, HS, R, pairs,
+              direction);
+}
+
+/* d. embedding, LayerNorm/RMSNorm -------------------------------------------------------------- */
+
+/* One thread an element of out (N, C): a grid-stride loop over N C. */
+__global__ void lg_k_embedding_forward(lg_buf out, const int *tokens, lg_buf wte, lg_buf wpe,
+                                       int T, int C, size_t count) {
+    for (size_t e = lg_k_first(); e < count; e += lg_k_stride()) {
+        size_t n = e / C, i = e % C;
+        float x = lg_get(wte, (size_t)tokens[n] * C + i);
+        if (wpe.data) x += lg_get(wpe, (n % T) * C + i);
+        lg_set(out, e, x);
+    }
+}
+
+/* dwte (Vp, C) += dout (N, C) by token. A block owns LG_CUDA_EMBED_THREADS channels (a thread
+   each) for the token ids of one class (id % LG_CUDA_EMBED_CLASSES): it walks all N ids in
+   order, staged in shared memory, and adds the rows of its class. So each element of dwte has
+   one owner that adds in token order, rounding after each add, exactly as the CPU loop. */
+__global__ void lg_k_embedding_backward_wte(lg_buf dwte, lg_buf dout, const int *tokens, int N,
+                                            int C) {
+    __shared__ int ids[LG_CUDA_TOKEN_TILE];
+    int channel_blocks = (C + LG_CUDA_EMBED_THREADS - 1) / LG_CUDA_EMBED_THREADS;
+    int cls = blockIdx.x / channel_blocks;
+    int i = (blockIdx.x % channel_blocks) * LG_CUDA_EMBED_THREADS + threadIdx.x;
+    for (int n0 = 0; n0 < N; n0 += LG_CUDA_TOKEN_TILE) {
+        int len = N - n0 < LG_CUDA_TOKEN_TILE ? N - n0 : LG_CUDA_TOKEN_TILE;
+        for (int k = threadIdx.x; k < len; k += blockDim.x) ids[k] = tokens[n0 + k];
+        __syncthreads();
+        if (i < C)
+            for (int k = 0; k < len; k++) {
+                int token = ids[k];
+                if (token % LG_CUDA_EMBED_CLASSES != cls) continue;
+                size_t at = (size_t)token * C + i;
+                lg_set(dwte, at, lg_get(dwte, at) + lg_get(dout, (size_t)(n0 + k) * C + i));
+            }
+        __syncthreads();
+    }
+}
+
+/* dwpe (T, C) += dout summed over the batch: one thread an element of dwpe, adding the B rows
+   of its position in order, rounding after each add as the CPU does. */
+__global__ void lg_k_embedding_backward_wpe(lg_buf dwpe, lg_buf dout, int B, int T, int C) {
+    size_t count = (size_t)T * C;
+    for (size_t e = lg_k_first(); e < count; e += lg_k_stride()) {
+        float acc = lg_get(dwpe, e);
+        for (int b = 0; b < B; b++)
+            acc = lg_k_round_to(dwpe.dtype, acc + lg_get(dout, (size_t)b * count + e));
+        lg_set(dwpe, e, acc);
+    }
+}
+
+/* out (N, C) = wte (Vp, C)[tokens (B, T)] + wpe (block_size, C)[t]; tokens on the host */
+static void lg_cuda_embedding_forward(const lg_exec *ex, lg_buf out, const int *tokens,
+                                      lg_buf wte, lg_buf wpe, int B, int T, int C) {
+    size_t count = (size_t)B * T * C;
+    if (count == 0) return;
+    const int *ids = lg_cuda_ids(ex, ex->cuda->tokens, tokens, (size_t)B * T);
+    LG_LAUNCH(lg_k_embedding_forward, lg_cuda_element_grid(count), LG_CUDA_ELEMENT_THREADS, 0,
+              lg_cuda_stream(ex), out, ids, wte, wpe, T, C, count);
+}
+
+/* dwte (Vp, C), dwpe (block_size, C) += dout (B T, C) scattered back; tokens on the host */
+static void lg_cuda_embedding_backward(const lg_exec *ex, lg_buf dwte, lg_buf dwpe, lg_buf dout,
+                                       const int *tokens, int B, int T, int C) {
+    int N = B * T;
+    if (N == 0 || C == 0) return;
+    const int *ids = lg_cuda_ids(ex, ex->cuda->tokens, tokens, (size_t)N);
+    unsigned blocks = lg_cuda_blocks((size_t)C, LG_CUDA_EMBED_THREADS) * LG_CUDA_EMBED_CLASSES;
+    LG_LAUNCH(lg_k_embedding_backward_wte, blocks, LG_CUDA_EMBED_THREADS, 0, lg_cuda_stream(ex),
+              dwte, dout, ids, N, C);
+    if (dwpe.data)
+        LG_LAUNCH(lg_k_embedding_backward_wpe, lg_cuda_element_grid((size_t)T * C),
+                  LG_CUDA_ELEMENT_THREADS, 0, lg_cuda_stream(ex), dwpe, dout, B, T, C);
+}
+
+/* One warp a row (LG_CUDA_ROW_WARPS rows a block): lanes stride the channels; the mean, then
+   the variance about it (two passes, as the CPU), by warp butterflies. */
+__global__ void lg_k_norm_forward(lg_buf out, lg_real *mean, lg_real *rstd, lg_buf inp,
+                                  lg_buf weight, lg_buf bias, int N, int C, float eps) {
+    int row = blockIdx.x * LG_CUDA_ROW_WARPS + threadIdx.x / LG_CUDA_WARP;
+    int lane = threadIdx.x % LG_CUDA_WARP;
+    if (row >= N) return; /* the whole warp: no block barriers here */
+    lg_buf x = lg_at(inp, (size_t)row * C), y = lg_at(out, (size_t)row * C);
+    float mu = 0.0f, var = 0.0f;
+    if (mean) {
+        for (int i = lane; i < C; i += LG_CUDA_WARP) mu += lg_get(x, i);
+        mu = lg_k_warp_sum(mu) / C;
+    }
+    for (int i = lane; i < C; i += LG_CUDA_WARP) var += (lg_get(x, i) - mu) * (lg_get(x, i) - mu);
+    var = lg_k_warp_sum(var);
+    float r = 1.0f / sqrtf(var / C + eps);
+    for (int i = lane; i < C; i += LG_CUDA_WARP)
+        lg_set(y, i, (lg_get(x, i) - mu) * r * lg_get(weight, i) + (bias.data ? lg_get(bias, i) : 0.0f));
+    if (lane == 0) {
+        if (mean) mean[row] = mu;
+        rstd[row] = r;
+    }
+}
+
+/* dinp (N, C) += the gradient through the norm: one warp a row, as the forward. */
+__global__ void lg_k_norm_backward_input(lg_buf dinp, lg_buf dout, lg_buf inp, lg_buf weight,
+                                         const lg_real *mean, const lg_real *rstd, int N, int C) {
+    int row = blockIdx.x * LG_CUDA_ROW_WARPS + threadIdx.x / LG_CUDA_WARP;
+    int lane = threadIdx.x % LG_CUDA_WARP;
+    if (row >= N) return;
+    lg_buf x = lg_at(inp, (size_t)row * C), dy = lg_at(dout, (size_t)row * C);
+    lg_buf dx = lg_at(dinp, (size_t)row * C);
+    float mu = mean ? mean[row] : 0.0f, r = rstd[row];
+    float dxhat_mean = 0.0f, dxhat_xhat_mean = 0.0f;
+    for (int i = lane; i < C; i += LG_CUDA_WARP) {
+        float dxhat = lg_get(dy, i) * lg_get(weight, i);
+        dxhat_mean += dxhat;
+        dxhat_xhat_mean += dxhat * (lg_get(x, i) - mu) * r;
+    }
+    dxhat_mean = mean ? lg_k_warp_sum(dxhat_mean) / C : 0.0f;
+    dxhat_xhat_mean = lg_k_warp_sum(dxhat_xhat_mean) / C;
+    for (int i = lane; i < C; i += LG_CUDA_WARP) {
+        float xhat = (lg_get(x, i) - mu) * r;
+        float d = r * (lg_get(dy, i) * lg_get(weight, i) - dxhat_mean - xhat * dxhat_xhat_mean);
+        lg_set(dx, i, lg_get(dx, i) + d);
+    }
+}
+
+/* Partial weight and bias gradients: block (channel block, chunk) sums the rows of its chunk
+   (LG_CUDA_ROW_CHUNKS chunks of ceil(N / chunks) rows) in order, a thread a channel, into
+   row_sums (chunks, 2 C): [chunk][0, C) dweight, [chunk][C, 2 C) dbias. */
+__global__ void lg_k_norm_backward_chunks(float *row_sums, lg_buf dout, lg_buf inp,
+                                          const lg_real *mean, const lg_real *rstd, int N, int C) {
+    int channel_blocks = (C + LG_CUDA_CHANNEL_THREADS - 1) / LG_CUDA_CHANNEL_THREADS;
+    int chunk = blockIdx.x / channel_blocks;
+    int i = (blockIdx.x % channel_blocks) * LG_CUDA_CHANNEL_THREADS + threadIdx.x;
+    if (i >= C) return;
+    int rows = (N + LG_CUDA_ROW_CHUNKS - 1) / LG_CUDA_ROW_CHUNKS;
+    int first = chunk * rows, last = first + rows < N ? first + rows : N;
+    float dw = 0.0f, db = 0.0f;
+    for (int n = first; n < last; n++) {
+        float dy = lg_get(dout, (size_t)n * C + i);
+        dw += dy * (lg_get(inp, (size_t)n * C + i) - (mean ? mean[n] : 0.0f)) * rstd[n];
+        db += dy;
+    }
+    row_sums[(size_t)chunk * 2 * C + i] = dw;
+    row_sums[(size_t)chunk * 2 * C + C + i] = db;
+}
+
+/* dweight, dbias (C) += the chunks' partial sums, in chunk order: a thread a channel. */
+__global__ void lg_k_norm_backward_weights(lg_buf dweight, lg_buf dbias, const float *row_sums,
+                                           int C) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= C) return;
+    float dw = 0.0f, db = 0.0f;
+    for (int chunk = 0; chunk < LG_CUDA_ROW_CHUNKS; chunk++) {
+        dw += row_sums[(size_t)chunk * 2 * C + i];
+        db += row_sums[(size_t)chunk * 2 * C + C + i];
+    }
+    lg_set(dweight, i, lg_get(dweight, i) + dw);
+    if (dbias.data) lg_set(dbias, i, lg_get(dbias, i) + db);
+}
+
+/* LayerNorm (mean non-NULL) or RMSNorm (mean NULL) of inp (N, C): out (N, C), mean, rstd (N) */
+static void lg_cuda_norm_forward(const lg_exec *ex, lg_buf out, lg_real *mean, lg_real *rstd,
+                                 lg_buf inp, lg_buf weight, lg_buf bias, int N, int C, float eps) {
+    if (N == 0) return;
+    LG_LAUNCH(lg_k_norm_forward, lg_cuda_blocks((size_t)N, LG_CUDA_ROW_WARPS),
+              LG_CUDA_ROW_WARPS * LG_CUDA_WARP, 0, lg_cuda_stream(ex), out, mean, rstd, inp,
+              weight, bias, N, C, eps);
+}
+
+/* dinp (N, C) += ..., dweight, dbias (C) += ... from dout (N, C), inp (N, C), weight (C),
+   mean, rstd (N); the weight gradients through the rank's row_sums (LG_CUDA_ROW_CHUNKS, 2 C) */
+static void lg_cuda_norm_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweight, lg_buf dbias,
+                                  lg_buf dout, lg_buf inp, lg_buf weight, const lg_real *mean,
+                                  const lg_real *rstd, int N, int C) {
+    if (N == 0 || C == 0) return;
+    if (C > ex->cuda->C) {
+        fprintf(stderr, "CUDA backend: a norm of %d channels, row_sums planned for %d\n", C,
+                ex->cuda->C);
+        abort();
+    }
+    cudaStream_t stream = lg_cuda_stream(ex);
+    LG_LAUNCH(lg_k_norm_backward_input, lg_cuda_blocks((size_t)N, LG_CUDA_ROW_WARPS),
+              LG_CUDA_ROW_WARPS * LG_CUDA_WARP, 0, stream, dinp, dout, inp, weight, mean, rstd,
+              N, C);
+    unsigned channel_blocks = lg_cuda_blocks((size_t)C, LG_CUDA_CHANNEL_THREADS);
+    LG_LAUNCH(lg_k_norm_backward_chunks, channel_blocks * LG_CUDA_ROW_CHUNKS,
+              LG_CUDA_CHANNEL_THREADS, 0, stream, ex->cuda->row_sums, dout, inp, mean, rstd, N, C);
+    LG_LAUNCH(lg_k_norm_backward_weights, channel_blocks, LG_CUDA_CHANNEL_THREADS, 0, stream,
+              dweight, dbias, ex->cuda->row_sums, C);
+}
+
+/* e. the fused classifier (softmax, loss and the logits' gradient) ---------------------------- */
+
+/* One block a row of logits (N, Vp): threads stride the V real columns keeping online softmax
+   statistics, merged over the block in a fixed order; losses[n] = log s + m - z[target], 0 on
+   ignored rows. The probabilities are never stored. */
+__global__ void lg_k_crossentropy_forward(lg_real *losses, lg_buf logits, const int *targets, int V,
+                                          int Vp) {
+    __shared__ float scratch_m[LG_CUDA_MAX_WARPS], scratch_s[LG_CUDA_MAX_WARPS];
+    int n = blockIdx.x, target = targets[n];
+    if (target == LG_IGNORE_INDEX) { /* the whole block */
+        if (threadIdx.x == 0) losses[n] = 0.0f;
+        return;
+    }
+    lg_buf z = lg_at(logits, (size_t)n * Vp);
+    float m = -INFINITY, s = 0.0f;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) lg_k_softmax_add(&m, &s, lg_get(z, v));
+    lg_k_block_softmax_stats(&m, &s, scratch_m, scratch_s);
+    if (threadIdx.x == 0) losses[n] = logf(s) + m - lg_get(z, target);
+}
+
+/* totals[slot] = the sum of losses (N) in double: one block, threads stride the rows, then the
+   block's fixed reduction. */
+__global__ void lg_k_sum_losses(double *totals, int slot, const lg_real *losses, int N) {
+    __shared__ double scratch[LG_CUDA_MAX_WARPS];
+    double sum = 0.0;
+    for (int n = threadIdx.x; n < N; n += blockDim.x) sum += (double)losses[n];
+    sum = lg_k_block_sum(sum, scratch);
+    if (threadIdx.x == 0) totals[slot] = sum;
+}
+
+/* One block a row: the row's statistics as the forward, then each thread writes the gradient of
+   the columns it read (all reads of the row precede the block reduction's barriers, so dlogits
+   may be logits); padded columns and ignored rows get 0. */
+__global__ void lg_k_crossentropy_backward(lg_buf dlogits, lg_buf logits, const int *targets, int V,
+                                           int Vp, float scale) {
+    __shared__ float scratch_m[LG_CUDA_MAX_WARPS], scratch_s[LG_CUDA_MAX_WARPS];
+    int n = blockIdx.x, target = targets[n];
+    lg_buf z = lg_at(logits, (size_t)n * Vp), dz = lg_at(dlogits, (size_t)n * Vp);
+    if (target == LG_IGNORE_INDEX) {
+        for (int v = threadIdx.x; v < Vp; v += blockDim.x) lg_set(dz, v, 0.0f);
+        return;
+    }
+    float m = -INFINITY, s = 0.0f;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) lg_k_softmax_add(&m, &s, lg_get(z, v));
+    lg_k_block_softmax_stats(&m, &s, scratch_m, scratch_s);
+    for (int v = threadIdx.x; v < V; v += blockDim.x)
+        lg_set(dz, v, (expf(lg_get(z, v) - m) / s - (float)(v == target)) * scale);
+    for (int v = V + threadIdx.x; v < Vp; v += blockDim.x) lg_set(dz, v, 0.0f);
+}
+
+/* The double at totals[slot], once the stream gets there. */
+static double lg_cuda_read_total(const lg_exec *ex, int slot) {
+    double total = 0;
+    LG_CUDA_TRY(cudaMemcpyAsync(&total, ex->cuda->totals + slot, sizeof total, cudaMemcpyDefault,
+                                lg_cuda_stream(ex)));
+    LG_CUDA_TRY(cudaStreamSynchronize(lg_cuda_stream(ex)));
+    return total;
+}
+
+/* losses (N) from logits (N, Vp) and targets (N, on the host); returns their sum (synchronises) */
+static double lg_cuda_crossentropy_forward(const lg_exec *ex, lg_real *losses, lg_buf logits,
+                                           const int *targets, int N, int V, int Vp) {
+    if (N == 0) return 0.0;
+    cudaStream_t stream = lg_cuda_stream(ex);
+    const int *ids = lg_cuda_ids(ex, ex->cuda->targets, targets, (size_t)N);
+    LG_LAUNCH(lg_k_crossentropy_forward, (unsigned)N, LG_CUDA_CLASSIFIER_THREADS, 0, stream,
+              losses, logits, ids, V, Vp);
+    LG_LAUNCH(lg_k_sum_losses, 1, LG_CUDA_SUM_THREADS, 0, stream, ex->cuda->totals,
+              LG_CUDA_TOTAL_SLOT, (const lg_real *)losses, N);
+    return lg_cuda_read_total(ex, LG_CUDA_TOTAL_SLOT);
+}
+
+/* dlogits (N, Vp) = (softmax(logits) - onehot(target)) scale; may be logits */
+static void lg_cuda_crossentropy_backward(const lg_exec *ex, lg_buf dlogits, lg_buf logits,
+                                          const int *targets, int N, int V, int Vp, lg_real scale) {
+    if (N == 0) return;
+    const int *ids = lg_cuda_ids(ex, ex->cuda->targets, targets, (size_t)N);
+    LG_LAUNCH(lg_k_crossentropy_backward, (unsigned)N, LG_CUDA_CLASSIFIER_THREADS, 0,
+              lg_cuda_stream(ex), dlogits, logits, ids, V, Vp, (float)scale);
+}
+
+/* f. optimizers, sums of squares ------------------------------------------------------------- */
+
+/* Block partials of sum x^2 in double: a grid-stride loop, then the block's reduction, into
+   totals[blockIdx.x]. */
+__global__ void lg_k_sum_squares_partial(double *totals, lg_buf x, size_t n) {
+    __shared__ double scratch[LG_CUDA_MAX_WARPS];
+    double sum = 0.0;
+    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) {
+        double g = lg_get(x, i);
+        sum += g * g;
+    }
+    sum = lg_k_block_sum(sum, scratch);
+    if (threadIdx.x == 0) totals[blockIdx.x] = sum;
+}
+
+/* totals[slot] = totals[0] + ... + totals[parts - 1]: one block, a fixed order. */
+__global__ void lg_k_sum_partials(double *totals, int parts, int slot) {
+    __shared__ double scratch[LG_CUDA_MAX_WARPS];
+    double sum = 0.0;
+    for (int k = threadIdx.x; k < parts; k += blockDim.x) sum += totals[k];
+    sum = lg_k_block_sum(sum, scratch);
+    if (threadIdx.x == 0) totals[slot] = sum;
+}
+
+/* sum of x (n)^2 in double; synchronises */
+static double lg_cuda_sum_squares(const lg_exec *ex, lg_buf x, size_t n) {
+    if (n == 0) return 0.0;
+    cudaStream_t stream = lg_cuda_stream(ex);
+    unsigned parts = lg_cuda_blocks(n, LG_CUDA_SUM_THREADS);
+    if (parts > LG_CUDA_TOTAL_SLOT) parts = LG_CUDA_TOTAL_SLOT;
+    LG_LAUNCH(lg_k_sum_squares_partial, parts, LG_CUDA_SUM_THREADS, 0, stream, ex->cuda->totals,
+              x, n);
+    LG_LAUNCH(lg_k_sum_partials, 1, LG_CUDA_SUM_THREADS, 0, stream, ex->cuda->totals, (int)parts,
+              LG_CUDA_TOTAL_SLOT);
+    return lg_cuda_read_total(ex, LG_CUDA_TOTAL_SLOT);
+}
+
+/* Where one table entry's elements live for the update kernel. */
+typedef struct {
+    size_t count;        /* elements */
+    size_t offset;       /* k of its first element: grads, master, m, v */
+    size_t origin;       /* its first element in the whole layout: the rounding draws */
+    size_t weight_first; /* its first element in params: origin when params_whole, else offset */
+    float decay;         /* weight decay, 0 for norms and biases */
+} lg_cuda_update_span;
+
+/* One thread an element, grid-stride: lg_optimizer_update's loop body for state stored as the
+   precision (m, v indexed as the gradients; v as sqrt(v) with sqrt_v), then lg_store_weight. */
+__global__ void lg_k_optimizer_update(lg_update_rule rule, lg_cuda_update_span span, lg_buf params,
+                                      lg_buf grads, lg_real *master, lg_buf m, lg_buf v,
+                                      int sqrt_v, int stochastic, float grad_multiplier) {
+    for (size_t j = lg_k_first(); j < span.count; j += lg_k_stride()) {
+        size_t k = span.offset + j, kw = span.weight_first + j, origin = span.origin + j;
+        float w = master ? master[k] : lg_get(params, kw);
+        float g = lg_get(grads, k) * grad_multiplier;
+        float mk = m.data ? lg_get(m, k) : 0.0f, vk = v.data ? lg_get(v, k) : 0.0f;
+        if (sqrt_v) vk *= vk;
+        w = lg_update_element(&rule, w, g, &mk, &vk, span.decay);
+        if (m.data) lg_set(m, k, mk);
+        if (v.data) lg_set(v, k, sqrt_v ? sqrtf(vk) : vk);
+        if (master) master[k] = w;
+        if (stochastic) ((uint16_t *)params.data)[kw] = lg_round_update(&rule, w, params.dtype, origin);
+        else lg_set(params, kw, w);
+    }
+}
+
+/* lg_optimizer_update on the GPU, state stored as the precision: one launch a table entry.
+   params: (table->total) laid out as table, or the whole layout when params_whole; grads,
+   opt->master, opt->m, opt->v: (table->total). */
+static void lg_cuda_optimizer_update(const lg_exec *ex, lg_optimizer *opt, const lg_update_rule *rule,
+                                     const lg_tensor_table *table, lg_buf params, int params_whole,
+                                     lg_buf grads, float grad_multiplier) {
+    if (opt->format != LG_STATE_AS_PRECISION) {
+        fprintf(stderr, "CUDA backend: --optimizer-state bf16 and 8bit are not available on "
+                        "GPUs yet; run without --optimizer-state\n");
+        abort();
+    }
+    for (int e = 0; e < table->n_tensors; e++) {
+        const lg_tensor_info *t = &table->tensors[e];
+        if (t->count == 0) continue;
+        lg_cuda_update_span span;
+        span.count = t->count;
+        span.offset = t->offset;
+        span.origin = t->origin;
+        span.weight_first = params_whole ? t->origin : t->offset;
+        span.decay = lg_tensor_decays(t->kind) ? opt->weight_decay : 0.0f;
+        LG_LAUNCH(lg_k_optimizer_update, lg_cuda_element_grid(t->count), LG_CUDA_ELEMENT_THREADS,
+                  0, lg_cuda_stream(ex), *rule, span, params, grads, opt->master, opt->m, opt->v,
+                  opt->sqrt_v, opt->stochastic, grad_multiplier);
+    }
+}
+
+/* Sophia's h = beta2 h + (1 - beta2) n_tokens (g grad_multiplier)^2: a grid-stride loop. */
+__global__ void lg_k_hessian_update(lg_buf h, lg_buf sampled_grads, size_t n, float beta2,
+                                    float n_tokens, float grad_multiplier) {
+    for (size_t k = lg_k_first(); k < n; k += lg_k_stride()) {
+        float g = lg_get(sampled_grads, k) * grad_multiplier;
+        lg_set(h, k, beta2 * lg_get(h, k) + (1.0f - beta2) * n_tokens * g * g);
+    }
+}
+
+/* opt->v (n_params) from sampled_grads (n_params) */
+static void lg_cuda_hessian_update(const lg_exec *ex, lg_optimizer *opt, lg_buf sampled_grads,
+                                   size_t n_params, double n_tokens, float grad_multiplier) {
+    if (n_params == 0) return;
+    LG_LAUNCH(lg_k_hessian_update, lg_cuda_element_grid(n_params), LG_CUDA_ELEMENT_THREADS, 0,
+              lg_cuda_stream(ex), opt->v, sampled_grads, n_params, opt->beta2, (float)n_tokens,
+              grad_multiplier);
+}
+
+/* g. attention: flash-attention forward and backward ------------------------------------------
+
+   Causal (grouped-query) attention in tiles, as lg_attention_forward/backward compute it on the
+   CPU: qkv (B, T, (NH + 2 NQG) HS) holds per token the NH query heads, the NQG key heads and the
+   NQG value heads; query head h reads group g = h / (NH / NQG). Nothing of size T x T is ever
+   stored: the forward keeps each query row's log-sum-exp (lse, B NH T floats), from which the
+   backward rebuilds the probabilities tile by tile.
+
+   Every kernel works on tiles in shared memory (fp32, whatever the storage type): a tile of
+   rows of a head, (rows, HSP + 4), where HSP is the head size padded to 32, 64, 128 or 256 with
+   zeros; and a tile of probabilities or their gradients, (rows, cols + 4). The +4 keeps float4
+   rows aligned and makes consecutive rows start 4 banks apart. A block's threads form a grid
+   of TR x TC (TC lanes of one warp share a row). Two register-tiled products do the work:
+     lg_att_dot:   acc (RM, CN) = A B^T over the head dims, A's and B's rows contiguous in d:
+                   thread (ty, tx) owns rows ty RM + i and columns tx + TC j;
+     lg_att_outer: acc (RM, DN) += P X over the tile's columns, X (cols, HSP): thread (ty, tx)
+                   owns rows ty RM + i and head dims tx 4 + 4 TC k + e.
+   The backward writes its three gradients from blocks that own them whole (no atomics), so
+   results are bitwise reproducible. */
+
+/* Shapes of the kernels' tiles: ROWS x COLS scores per block, TR x TC threads, head size padded
+   to HSP, and BLOCKS, the blocks an SM should hold at once, for which __launch_bounds__ sizes
+   the registers: as many as the shared memory allows, or fewer where a thread would get too few
+   registers (under 128, or under 168 where the dk/dv kernel spilled). The forward and the dq
+   kernel take query rows and key columns; the dk/dv kernel takes key rows and query columns. */
+template <int HSP_, int ROWS_, int COLS_, int TR_, int TC_, int BLOCKS_> struct lg_att_tiles {
+    static constexpr int HSP = HSP_, ROWS = ROWS_, COLS = COLS_, TR = TR_, TC = TC_;
+    static constexpr int THREADS = TR * TC, BLOCKS = BLOCKS_;
+    static constexpr int RM = ROWS / TR;  /* rows a thread owns */
+    static constexpr int CN = COLS / TC;  /* score columns a thread owns */
+    static constexpr int DN = HSP / TC;   /* head dims a thread owns in an output row */
+    static constexpr int LDH = HSP + 4;   /* row stride of a head tile */
+    static constexpr int LDS = COLS + 4;  /* row stride of a score tile */
+    static_assert(ROWS % TR == 0 && COLS % TC == 0, "tiles split evenly among the threads");
+    static_assert(32 % TC == 0 && THREADS % 32 == 0, "a row's TC lanes lie in one warp");
+    static_assert(DN % 4 == 0 && COLS % 4 == 0, "outputs and scores go in float4 steps");
+};
+
+#define LG_ATT_STATIC_SHARED 49152 /* bytes a block may have without opting in */
+#define LG_ATT_MAX_HEAD 256        /* the largest head size with a tile shape */
+
+/* Loop unrolling for nvcc; g++ (the emulator) would warn about the unknown pragma. */
+#ifdef __CUDACC__
+#define LG_ATT_PRAGMA(x) _Pragma(#x)
+#define LG_ATT_UNROLL LG_ATT_PRAGMA(unroll)
+#define LG_ATT_UNROLL_BY(n) LG_ATT_PRAGMA(unroll n)
+#else
+#define LG_ATT_UNROLL
+#define LG_ATT_UNROLL_BY(n)
 #endif
-#if __has_include("/work/scratch/parts/attention.cuh")
-#include "/work/scratch/parts/attention.cuh"
+
+/* Tile shapes per padded head size: forward, dq (both query x key), dk/dv (key x query). Shared
+   memory per block (KiB) in the comments; an H100 SM has 228, less 1 reserved per block. */
+template <int HSP> struct lg_att_config;
+template <> struct lg_att_config<32> {
+    typedef lg_att_tiles<32, 64, 64, 16, 8, 4> forward; /* 44 */
+    typedef lg_att_tiles<32, 64, 64, 16, 8, 4> dq;      /* 53.5 */
+    typedef lg_att_tiles<32, 64, 64, 16, 8, 3> dkv;     /* 53.5 */
+};
+template <> struct lg_att_config<64> {
+    typedef lg_att_tiles<64, 64, 64, 16, 16, 2> forward; /* 68 */
+    typedef lg_att_tiles<64, 64, 64, 16, 16, 2> dq;      /* 85.5 */
+    typedef lg_att_tiles<64, 32, 64, 8, 16, 3> dkv;      /* 60 */
+};
+template <> struct lg_att_config<128> {
+    typedef lg_att_tiles<128, 64, 32, 8, 16, 3> forward; /* 75 */
+    typedef lg_att_tiles<128, 64, 32, 8, 16, 2> dq;      /* 108.5 */
+    typedef lg_att_tiles<128, 32, 32, 8, 16, 3> dkv;     /* 70.75 */
+};
+template <> struct lg_att_config<256> {
+    typedef lg_att_tiles<256, 32, 32, 8, 16, 2> forward; /* 102 */
+    typedef lg_att_tiles<256, 32, 32, 8, 16, 1> dq;      /* 134.75 */
+    typedef lg_att_tiles<256, 16, 32, 8, 16, 2> dkv;     /* 100 */
+};
+
+/* Element access by storage type, 1 or 4 consecutive elements (4: aligned to 4 elements). */
+template <lg_dtype DT> struct lg_att_io;
+template <> struct lg_att_io<LG_DTYPE_F32> {
+    typedef float storage;
+    static __device__ __forceinline__ float get(const float *p) { return *p; }
+    static __device__ __forceinline__ void put(float *p, float v) { *p = v; }
+    static __device__ __forceinline__ float4 get4(const float *p) { return *(const float4 *)p; }
+    static __device__ __forceinline__ void put4(float *p, float4 v) { *(float4 *)p = v; }
+};
+/* bf16 and fp16: four 16-bit elements move as one 8-byte word. */
+template <lg_dtype DT> struct lg_att_io_half {
+    typedef uint16_t storage;
+    static __device__ __forceinline__ float to_f32(uint16_t h) {
+        return DT == LG_DTYPE_BF16 ? lg_bf16_to_f32(h) : lg_f16_to_f32(h);
+    }
+    static __device__ __forceinline__ uint16_t from_f32(float v) {
+        return DT == LG_DTYPE_BF16 ? lg_f32_to_bf16(v) : lg_f32_to_f16(v);
+    }
+    static __device__ __forceinline__ float get(const uint16_t *p) { return to_f32(*p); }
+    static __device__ __forceinline__ void put(uint16_t *p, float v) { *p = from_f32(v); }
+    static __device__ __forceinline__ float4 get4(const uint16_t *p) {
+        uint2 w = *(const uint2 *)p;
+        return make_float4(to_f32((uint16_t)(w.x & 0xFFFFu)), to_f32((uint16_t)(w.x >> 16)),
+                           to_f32((uint16_t)(w.y & 0xFFFFu)), to_f32((uint16_t)(w.y >> 16)));
+    }
+    static __device__ __forceinline__ void put4(uint16_t *p, float4 v) {
+        uint2 w;
+        w.x = (unsigned)from_f32(v.x) | (unsigned)from_f32(v.y) << 16;
+        w.y = (unsigned)from_f32(v.z) | (unsigned)from_f32(v.w) << 16;
+        *(uint2 *)p = w;
+    }
+};
+template <> struct lg_att_io<LG_DTYPE_BF16> : lg_att_io_half<LG_DTYPE_BF16> {};
+template <> struct lg_att_io<LG_DTYPE_F16> : lg_att_io_half<LG_DTYPE_F16> {};
+
+/* Elements [d, d + 4) of a row of HS (0 beyond HS); vec: the row is 4-element aligned. */
+template <lg_dtype DT>
+__device__ __forceinline__ float4 lg_att_get4(const typename lg_att_io<DT>::storage *row, int d,
+                                              int HS, int vec) {
+    typedef lg_att_io<DT> io;
+    if (vec) return io::get4(row + d); /* HS % 4 == 0: all four are in the row */
+    float4 v;
+    v.x = d < HS ? io::get(row + d) : 0.0f;
+    v.y = d + 1 < HS ? io::get(row + d + 1) : 0.0f;
+    v.z = d + 2 < HS ? io::get(row + d + 2) : 0.0f;
+    v.w = d + 3 < HS ? io::get(row + d + 3) : 0.0f;
+    return v;
+}
+
+/* Stores elements [d, d + 4) of a row of HS (those below HS), adding what is there when
+   `accumulate`. */
+template <lg_dtype DT>
+__device__ __forceinline__ void lg_att_put4(typename lg_att_io<DT>::storage *row, int d, int HS,
+                                            int vec, float4 v, int accumulate) {
+    typedef lg_att_io<DT> io;
+    if (vec) {
+        if (accumulate) {
+            float4 old = io::get4(row + d);
+            v.x += old.x, v.y += old.y, v.z += old.z, v.w += old.w;
+        }
+        io::put4(row + d, v);
+        return;
+    }
+    float e[4] = {v.x, v.y, v.z, v.w};
+    for (int k = 0; k < 4 && d + k < HS; k++)
+        io::put(row + d + k, accumulate ? io::get(row + d + k) + e[k] : e[k]);
+}
+
+/* dst (NROWS, HSP + 4) = rows [row0, row0 + NROWS) of a head: src (T, HS) with row stride ld;
+   rows from T on and dims from HS on are 0. The block's threads take float4 steps in turn. */
+template <lg_dtype DT, int HSP, int NROWS, int THREADS>
+__device__ __forceinline__ void lg_att_load(float *dst, const typename lg_att_io<DT>::storage *src,
+                                            size_t ld, int row0, int T, int HS, int vec) {
+    constexpr int STEPS = HSP / 4, LDH = HSP + 4;
+    for (int q = threadIdx.x; q < NROWS * STEPS; q += THREADS) {
+        int r = q / STEPS, d = (q % STEPS) * 4, t = row0 + r;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (t < T && d < HS) v = lg_att_get4<DT>(src + (size_t)t * ld, d, HS, vec);
+        *(float4 *)(dst + r * LDH + d) = v;
+    }
+}
+
+/* The sum and the maximum over the TC lanes that share a row; every lane gets the same bits. */
+template <int TC> __device__ __forceinline__ float lg_att_row_sum(float v) {
+    for (int o = TC / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+    return v;
+}
+template <int TC> __device__ __forceinline__ float lg_att_row_max(float v) {
+    for (int o = TC / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+    return v;
+}
+
+/* lses, ds (NROWS) = the saved log-sum-exp and D = dy . y of query rows [row0, row0 + NROWS)
+   of one head (0 from T on). A row's TC lanes split its dims, then sum their parts. dy, y: the
+   head's (T, HS), row stride ld; lse_row: the head's (T). */
+template <lg_dtype DT, int NROWS, int TR, int TC>
+__device__ __forceinline__ void lg_att_load_rows(float *lses, float *ds, const float *lse_row,
+                                                 const typename lg_att_io<DT>::storage *dy,
+                                                 const typename lg_att_io<DT>::storage *y,
+                                                 size_t ld, int row0, int T, int HS, int vec) {
+    int tx = threadIdx.x % TC, ty = threadIdx.x / TC;
+    for (int pass = 0; pass < (NROWS + TR - 1) / TR; pass++) { /* the same count in every lane */
+        int r = ty + pass * TR, t = row0 + r;
+        float part = 0.0f;
+        if (r < NROWS && t < T)
+            for (int d = tx * 4; d < HS; d += 4 * TC) {
+                float4 a = lg_att_get4<DT>(dy + (size_t)t * ld, d, HS, vec);
+                float4 b = lg_att_get4<DT>(y + (size_t)t * ld, d, HS, vec);
+                part += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+            }
+        part = lg_att_row_sum<TC>(part);
+        if (tx == 0 && r < NROWS) {
+            ds[r] = t < T ? part : 0.0f;
+            lses[r] = t < T ? lse_row[t] : 0.0f;
+        }
+    }
+}
+
+/* acc (RM, CN) = A B^T over dims [0, hs4): a points at the thread's first row (RM rows, stride
+   LDH), b at its first column (CN rows TC apart, stride LDH); both contiguous in the dims. */
+template <int RM, int CN, int TC, int LDH>
+__device__ __forceinline__ void lg_att_dot(float (&acc)[RM][CN], const float *a, const float *b,
+                                           int hs4) {
+    LG_ATT_UNROLL
+    for (int i = 0; i < RM; i++)
+        LG_ATT_UNROLL
+        for (int j = 0; j < CN; j++) acc[i][j] = 0.0f;
+    LG_ATT_UNROLL_BY(1) /* unrolled, the backward kernels spill registers */
+    for (int d = 0; d < hs4; d += 4) {
+        float4 av[RM], bv[CN];
+        LG_ATT_UNROLL
+        for (int i = 0; i < RM; i++) av[i] = *(const float4 *)(a + i * LDH + d);
+        LG_ATT_UNROLL
+        for (int j = 0; j < CN; j++) bv[j] = *(const float4 *)(b + j * TC * LDH + d);
+        LG_ATT_UNROLL
+        for (int i = 0; i < RM; i++)
+            LG_ATT_UNROLL
+            for (int j = 0; j < CN; j++) {
+                float s = acc[i][j];
+                s = fmaf(av[i].x, bv[j].x, s);
+                s = fmaf(av[i].y, bv[j].y, s);
+                s = fmaf(av[i].z, bv[j].z, s);
+                acc[i][j] = fmaf(av[i].w, bv[j].w, s);
+            }
+    }
+}
+
+/* acc (RM, DN) += P X over the K columns of P: p points at the thread's first row of P (RM
+   rows, stride LDP), x at the thread's first dims of row 0 of X (K rows, stride LDH; the
+   thread's dims are float4 groups 4 TC apart). */
+template <int RM, int DN, int TC, int K, int LDP, int LDH>
+__device__ __forceinline__ void lg_att_outer(float (&acc)[RM][DN], const float *p, const float *x) {
+    constexpr int G = DN / 4;
+    LG_ATT_UNROLL_BY(2)
+    for (int k = 0; k < K; k += 4) {
+        float pv[RM][4];
+        LG_ATT_UNROLL
+        for (int i = 0; i < RM; i++) {
+            float4 v = *(const float4 *)(p + i * LDP + k);
+            pv[i][0] = v.x, pv[i][1] = v.y, pv[i][2] = v.z, pv[i][3] = v.w;
+        }
+        LG_ATT_UNROLL
+        for (int kk = 0; kk < 4; kk++) {
+            float4 xv[G];
+            LG_ATT_UNROLL
+            for (int g = 0; g < G; g++) xv[g] = *(const float4 *)(x + (k + kk) * LDH + g * 4 * TC);
+            LG_ATT_UNROLL
+            for (int i = 0; i < RM; i++)
+                LG_ATT_UNROLL
+                for (int g = 0; g < G; g++) {
+                    acc[i][4 * g + 0] = fmaf(pv[i][kk], xv[g].x, acc[i][4 * g + 0]);
+                    acc[i][4 * g + 1] = fmaf(pv[i][kk], xv[g].y, acc[i][4 * g + 1]);
+                    acc[i][4 * g + 2] = fmaf(pv[i][kk], xv[g].z, acc[i][4 * g + 2]);
+                    acc[i][4 * g + 3] = fmaf(pv[i][kk], xv[g].w, acc[i][4 * g + 3]);
+                }
+        }
+    }
+}
+
+/* Writes (or adds, when accumulate) acc (RM, DN) into rows row0 + i of a head's (T, HS), row
+   stride ld, at the thread's dims (float4 groups tx 4 + 4 TC g). */
+template <lg_dtype DT, int RM, int DN, int TC>
+__device__ __forceinline__ void lg_att_store(typename lg_att_io<DT>::storage *dst, size_t ld,
+                                             const float (&acc)[RM][DN], int row0, int T, int HS,
+                                             int vec, int accumulate) {
+    int tx = threadIdx.x % TC;
+    LG_ATT_UNROLL
+    for (int i = 0; i < RM; i++) {
+        int t = row0 + i;
+        LG_ATT_UNROLL
+        for (int g = 0; g < DN / 4; g++) {
+            int d = tx * 4 + g * 4 * TC;
+            float4 v = make_float4(acc[i][4 * g], acc[i][4 * g + 1], acc[i][4 * g + 2],
+                                   acc[i][4 * g + 3]);
+            if (t < T && d < HS) lg_att_put4<DT>(dst + (size_t)t * ld, d, HS, vec, v, accumulate);
+        }
+    }
+}
+
+/* Bytes of dynamic shared memory of each kernel. */
+template <class TL> static size_t lg_att_forward_shared(void) {
+    return sizeof(float) *
+           ((size_t)(TL::ROWS + 2 * TL::COLS) * TL::LDH + (size_t)TL::ROWS * TL::LDS);
+}
+template <class TL> static size_t lg_att_dq_shared(void) {
+    return sizeof(float) * ((size_t)(2 * TL::ROWS + 2 * TL::COLS) * TL::LDH +
+                            (size_t)TL::ROWS * TL::LDS + 2 * TL::ROWS);
+}
+template <class TL> static size_t lg_att_dkv_shared(void) {
+    return sizeof(float) * ((size_t)(2 * TL::ROWS + 2 * TL::COLS) * TL::LDH +
+                            (size_t)TL::ROWS * TL::LDS + 2 * TL::COLS);
+}
+
+/* Forward. A block owns one query tile (ROWS queries) of one (batch, head), heaviest tiles
+   first, and sweeps the key tiles (COLS keys) up to its diagonal: scores = Q K^T in registers,
+   the online softmax (running max m and sum l per row, over the TC lanes of the row),
+   probabilities through shared memory, O += P V in registers; y = O / l, lse = m + log l.
+   grid: query tiles x B NH, the (batch, head) fastest; TR TC threads. */
+template <lg_dtype DT, class TL>
+__global__ void __launch_bounds__(TL::THREADS, TL::BLOCKS)
+lg_k_attention_forward(typename lg_att_io<DT>::storage *y, float *lse,
+                       const typename lg_att_io<DT>::storage *qkv, int T, int NH, int NQG, int HS,
+                       float scale, int vec) {
+    constexpr int BR = TL::ROWS, BC = TL::COLS, RM = TL::RM, CN = TL::CN, DN = TL::DN,
+                  TC = TL::TC, LDH = TL::LDH, LDS = TL::LDS;
+    LG_SHARED_DYNAMIC(float, smem);
+    float *qs = smem;           /* (BR, LDH) */
+    float *ks = qs + BR * LDH;  /* (BC, LDH) */
+    float *vs = ks + BC * LDH;  /* (BC, LDH) */
+    float *ps = vs + BC * LDH;  /* (BR, LDS) */
+    int tiles = (T + BR - 1) / BR, heads = (int)(gridDim.x / tiles);
+    int q0 = (tiles - 1 - (int)blockIdx.x / heads) * BR, bh = (int)blockIdx.x % heads;
+    int b = bh / NH, h = bh % NH, g = h / (NH / NQG);
+    int tx = (int)threadIdx.x % TC, ty = (int)threadIdx.x / TC, hs4 = (HS + 3) & ~3;
+    size_t QKV = (size_t)(NH + 2 * NQG) * HS;
+    const typename lg_att_io<DT>::storage *base = qkv + (size_t)b * T * QKV;
+    const typename lg_att_io<DT>::storage *kbase = base + (size_t)(NH + g) * HS;
+    const typename lg_att_io<DT>::storage *vbase = base + (size_t)(NH + NQG + g) * HS;
+    lg_att_load<DT, TL::HSP, BR, TL::THREADS>(qs, base + (size_t)h * HS, QKV, q0, T, HS, vec);
+
+    float o[RM][DN], m[RM], l[RM];
+    LG_ATT_UNROLL
+    for (int i = 0; i < RM; i++) {
+        m[i] = -INFINITY, l[i] = 0.0f;
+        LG_ATT_UNROLL
+        for (int d = 0; d < DN; d++) o[i][d] = 0.0f;
+    }
+    int kend = min(T, q0 + BR);
+    for (int k0 = 0; k0 < kend; k0 += BC) {
+        __syncthreads(); /* the previous tile's ks, vs and ps are used up */
+        lg_att_load<DT, TL::HSP, BC, TL::THREADS>(ks, kbase, QKV, k0, T, HS, vec);
+        lg_att_load<DT, TL::HSP, BC, TL::THREADS>(vs, vbase, QKV, k0, T, HS, vec);
+        __syncthreads();
+        float s[RM][CN];
+        lg_att_dot<RM, CN, TC, LDH>(s, qs + ty * RM * LDH, ks + tx * LDH, hs4);
+        LG_ATT_UNROLL
+        for (int i = 0; i < RM; i++) {
+            int r = q0 + ty * RM + i;
+            float mx = -INFINITY;
+            LG_ATT_UNROLL
+            for (int j = 0; j < CN; j++) {
+                int c = k0 + tx + TC * j;
+                s[i][j] = c <= r && c < T ? s[i][j] * scale : -INFINITY;
+                mx = fmaxf(mx, s[i][j]);
+            }
+            /* key 0 is in every row's first tile, so m is finite from the first tile on */
+            float m_new = fmaxf(m[i], lg_att_row_max<TC>(mx));
+            float alpha = __expf(m[i] - m_new), sum = 0.0f;
+            LG_ATT_UNROLL
+            for (int j = 0; j < CN; j++) {
+                float p = __expf(s[i][j] - m_new);
+                ps[(ty * RM + i) * LDS + tx + TC * j] = p;
+                sum += p;
+            }
+            l[i] = l[i] * alpha + lg_att_row_sum<TC>(sum);
+            m[i] = m_new;
+            LG_ATT_UNROLL
+            for (int d = 0; d < DN; d++) o[i][d] *= alpha;
+        }
+        __syncwarp(); /* a warp reads back only the rows of P its own lanes wrote */
+        lg_att_outer<RM, DN, TC, BC, LDS, LDH>(o, ps + ty * RM * LDS, vs + tx * 4);
+    }
+
+    int row0 = q0 + ty * RM;
+    LG_ATT_UNROLL
+    for (int i = 0; i < RM; i++) {
+        float inv = 1.0f / l[i];
+        LG_ATT_UNROLL
+        for (int d = 0; d < DN; d++) o[i][d] *= inv;
+        if (tx == 0 && row0 + i < T) lse[((size_t)b * NH + h) * T + row0 + i] = m[i] + logf(l[i]);
+    }
+    lg_att_store<DT, RM, DN, TC>(y + (size_t)b * T * NH * HS + (size_t)h * HS, (size_t)NH * HS, o,
+                                 row0, T, HS, vec, 0);
+}
+
+/* Backward, dq. A block owns one query tile (ROWS queries) of one (batch, head), heaviest first,
+   and sweeps the key tiles (COLS keys) up to its diagonal: S = Q K^T and dP = dY V^T in
+   registers, P = exp(S scale - lse), dS = P (dP - D) scale through shared memory, dQ += dS K in
+   registers, added to dqkv once at the end. grid: query tiles x B NH, the (batch, head)
+   fastest; TR TC threads. */
+template <lg_dtype DT, class TL>
+__global__ void __launch_bounds__(TL::THREADS, TL::BLOCKS)
+lg_k_attention_backward_dq(typename lg_att_io<DT>::storage *dqkv,
+                           const typename lg_att_io<DT>::storage *dy,
+                           const typename lg_att_io<DT>::storage *y,
+                           const typename lg_att_io<DT>::storage *qkv, const float *lse, int T,
+                           int NH, int NQG, int HS, float scale, int vec) {
+    constexpr int BR = TL::ROWS, BC = TL::COLS, RM = TL::RM, CN = TL::CN, DN = TL::DN,
+                  TC = TL::TC, LDH = TL::LDH, LDS = TL::LDS;
+    LG_SHARED_DYNAMIC(float, smem);
+    float *qs = smem;            /* (BR, LDH) */
+    float *dys = qs + BR * LDH;  /* (BR, LDH) */
+    float *ks = dys + BR * LDH;  /* (BC, LDH) */
+    float *vs = ks + BC * LDH;   /* (BC, LDH) */
+    float *dss = vs + BC * LDH;  /* (BR, LDS) */
+    float *lses = dss + BR * LDS; /* (BR) */
+    float *ds = lses + BR;       /* (BR): D = dy . y */
+    int tiles = (T + BR - 1) / BR, heads = (int)(gridDim.x / tiles);
+    int q0 = (tiles - 1 - (int)blockIdx.x / heads) * BR, bh = (int)blockIdx.x % heads;
+    int b = bh / NH, h = bh % NH, g = h / (NH / NQG);
+    int tx = (int)threadIdx.x % TC, ty = (int)threadIdx.x / TC, hs4 = (HS + 3) & ~3;
+    size_t QKV = (size_t)(NH + 2 * NQG) * HS, ldy = (size_t)NH * HS;
+    size_t at = (size_t)b * T * QKV, aty = (size_t)b * T * ldy + (size_t)h * HS;
+    const typename lg_att_io<DT>::storage *base = qkv + at;
+    const typename lg_att_io<DT>::storage *kbase = base + (size_t)(NH + g) * HS;
+    const typename lg_att_io<DT>::storage *vbase = base + (size_t)(NH + NQG + g) * HS;
+    lg_att_load<DT, TL::HSP, BR, TL::THREADS>(qs, base + (size_t)h * HS, QKV, q0, T, HS, vec);
+    lg_att_load<DT, TL::HSP, BR, TL::THREADS>(dys, dy + aty, ldy, q0, T, HS, vec);
+    lg_att_load_rows<DT, BR, TL::TR, TC>(lses, ds, lse + ((size_t)b * NH + h) * T, dy + aty,
+                                         y + aty, ldy, q0, T, HS, vec);
+
+    float dq[RM][DN];
+    LG_ATT_UNROLL
+    for (int i = 0; i < RM; i++)
+        LG_ATT_UNROLL
+        for (int d = 0; d < DN; d++) dq[i][d] = 0.0f;
+    int kend = min(T, q0 + BR);
+    for (int k0 = 0; k0 < kend; k0 += BC) {
+        __syncthreads(); /* the previous tile's ks, vs and dss are used up */
+        lg_att_load<DT, TL::HSP, BC, TL::THREADS>(ks, kbase, QKV, k0, T, HS, vec);
+        lg_att_load<DT, TL::HSP, BC, TL::THREADS>(vs, vbase, QKV, k0, T, HS, vec);
+        __syncthreads();
+        float s[RM][CN], dp[RM][CN];
+        lg_att_dot<RM, CN, TC, LDH>(s, qs + ty * RM * LDH, ks + tx * LDH, hs4);
+        lg_att_dot<RM, CN, TC, LDH>(dp, dys + ty * RM * LDH, vs + tx * LDH, hs4);
+        LG_ATT_UNROLL
+        for (int i = 0; i < RM; i++) {
+            int rr = ty * RM + i, r = q0 + rr;
+            float L = lses[rr], D = ds[rr];
+            LG_ATT_UNROLL
+            for (int j = 0; j < CN; j++) {
+                int c = k0 + tx + TC * j;
+                float p = c <= r && r < T ? __expf(s[i][j] * scale - L) : 0.0f;
+                dss[rr * LDS + tx + TC * j] = p * (dp[i][j] - D) * scale;
+            }
+        }
+        __syncwarp(); /* a warp reads back only the rows of dS its own lanes wrote */
+        lg_att_outer<RM, DN, TC, BC, LDS, LDH>(dq, dss + ty * RM * LDS, ks + tx * 4);
+    }
+    lg_att_store<DT, RM, DN, TC>(dqkv + at + (size_t)h * HS, QKV, dq, q0 + ty * RM, T, HS, vec, 1);
+}
+
+/* Backward, dk and dv. A block owns one key tile (ROWS keys) of one (batch, group), heaviest
+   (earliest) first, and sweeps, for each query head of the group, the query tiles (COLS queries)
+   from its diagonal to T: S^T = K Q^T and dP^T = V dY^T in registers, P^T then
+   dS^T = P^T (dP^T - D) scale through one shared tile, dV += P^T dY and dK += dS^T Q in
+   registers, added to dqkv once at the end. grid: key tiles x B NQG, the (batch, group)
+   fastest; TR TC threads. */
+template <lg_dtype DT, class TL>
+__global__ void __launch_bounds__(TL::THREADS, TL::BLOCKS)
+lg_k_attention_backward_dkv(typename lg_att_io<DT>::storage *dqkv,
+                            const typename lg_att_io<DT>::storage *dy,
+                            const typename lg_att_io<DT>::storage *y,
+                            const typename lg_att_io<DT>::storage *qkv, const float *lse, int T,
+                            int NH, int NQG, int HS, float scale, int vec) {
+    constexpr int BC = TL::ROWS, BR = TL::COLS, RM = TL::RM, CN = TL::CN, DN = TL::DN,
+                  TC = TL::TC, LDH = TL::LDH, LDS = TL::LDS;
+    LG_SHARED_DYNAMIC(float, smem);
+    float *ks = smem;             /* (BC, LDH) */
+    float *vs = ks + BC * LDH;    /* (BC, LDH) */
+    float *qs = vs + BC * LDH;    /* (BR, LDH) */
+    float *dys = qs + BR * LDH;   /* (BR, LDH) */
+    float *ps = dys + BR * LDH;   /* (BC, LDS): P^T, then dS^T */
+    float *lses = ps + BC * LDS;  /* (BR) */
+    float *ds = lses + BR;        /* (BR): D = dy . y */
+    int tiles = (T + BC - 1) / BC, groups = (int)(gridDim.x / tiles);
+    int k0 = (int)blockIdx.x / groups * BC, bg = (int)blockIdx.x % groups;
+    int b = bg / NQG, g = bg % NQG, heads_per_group = NH / NQG;
+    int tx = (int)threadIdx.x % TC, ty = (int)threadIdx.x / TC, hs4 = (HS + 3) & ~3;
+    size_t QKV = (size_t)(NH + 2 * NQG) * HS, ldy = (size_t)NH * HS;
+    size_t at = (size_t)b * T * QKV;
+    const typename lg_att_io<DT>::storage *base = qkv + at;
+    const typename lg_att_io<DT>::storage *kbase = base + (size_t)(NH + g) * HS;
+    const typename lg_att_io<DT>::storage *vbase = base + (size_t)(NH + NQG + g) * HS;
+    lg_att_load<DT, TL::HSP, BC, TL::THREADS>(ks, kbase, QKV, k0, T, HS, vec);
+    lg_att_load<DT, TL::HSP, BC, TL::THREADS>(vs, vbase, QKV, k0, T, HS, vec);
+
+    float dk[RM][DN], dv[RM][DN];
+    LG_ATT_UNROLL
+    for (int i = 0; i < RM; i++)
+        LG_ATT_UNROLL
+        for (int d = 0; d < DN; d++) dk[i][d] = dv[i][d] = 0.0f;
+    for (int h = g * heads_per_group; h < (g + 1) * heads_per_group; h++) {
+        size_t aty = (size_t)b * T * ldy + (size_t)h * HS;
+        for (int q0 = k0 / BR * BR; q0 < T; q0 += BR) {
+            __syncthreads(); /* the previous tile's qs, dys, ps and rows are used up */
+            lg_att_load<DT, TL::HSP, BR, TL::THREADS>(qs, base + h * HS, QKV, q0, T, HS, vec);
+            lg_att_load<DT, TL::HSP, BR, TL::THREADS>(dys, dy + aty, ldy, q0, T, HS, vec);
+            lg_att_load_rows<DT, BR, TL::TR, TC>(lses, ds, lse + ((size_t)b * NH + h) * T, dy + aty,
+                                                 y + aty, ldy, q0, T, HS, vec);
+            __syncthreads();
+            float s[RM][CN], dp[RM][CN];
+            lg_att_dot<RM, CN, TC, LDH>(s, ks + ty * RM * LDH, qs + tx * LDH, hs4);
+            lg_att_dot<RM, CN, TC, LDH>(dp, vs + ty * RM * LDH, dys + tx * LDH, hs4);
+            LG_ATT_UNROLL
+            for (int i = 0; i < RM; i++) {
+                int cc = ty * RM + i, c = k0 + cc;
+                LG_ATT_UNROLL
+                for (int j = 0; j < CN; j++) {
+                    int rr = tx + TC * j, r = q0 + rr;
+                    float p = r >= c && r < T ? __expf(s[i][j] * scale - lses[rr]) : 0.0f;
+                    ps[cc * LDS + rr] = p;
+                    dp[i][j] = p * (dp[i][j] - ds[rr]) * scale; /* dS^T */
+                }
+            }
+            /* a warp reads back only the rows of P^T (then dS^T) its own lanes wrote */
+            __syncwarp();
+            lg_att_outer<RM, DN, TC, BR, LDS, LDH>(dv, ps + ty * RM * LDS, dys + tx * 4);
+            __syncwarp();
+            LG_ATT_UNROLL
+            for (int i = 0; i < RM; i++)
+                LG_ATT_UNROLL
+                for (int j = 0; j < CN; j++) ps[(ty * RM + i) * LDS + tx + TC * j] = dp[i][j];
+            __syncwarp();
+            lg_att_outer<RM, DN, TC, BR, LDS, LDH>(dk, ps + ty * RM * LDS, qs + tx * 4);
+        }
+    }
+    int row0 = k0 + ty * RM;
+    lg_att_store<DT, RM, DN, TC>(dqkv + at + (size_t)(NH + g) * HS, QKV, dk, row0, T, HS, vec, 1);
+    lg_att_store<DT, RM, DN, TC>(dqkv + at + (size_t)(NH + NQG + g) * HS, QKV, dv, row0, T, HS, vec,
+                                 1);
+}
+
+/* Lets a kernel have `bytes` of dynamic shared memory (beyond 48 KiB it must opt in). */
+template <typename K> static void lg_att_allow_shared(K *kernel, size_t bytes) {
+    if (bytes > LG_ATT_STATIC_SHARED)
+        LG_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)bytes));
+}
+
+/* Checks what the kernels assume of a call; a violation is a bug in the caller. */
+static void lg_att_check(const char *op, const lg_buf *bufs, int nbufs, int B, int T, int NH,
+                         int NQG, int HS) {
+    const char *why = NULL;
+    if (NQG < 1 || NH % NQG) why = "NH must be a multiple of NQG";
+    else if (HS < 1 || HS > LG_ATT_MAX_HEAD) why = "head sizes 1 to 256 are supported";
+    else if ((double)B * NH * T > 2147483647.0) why = "B NH T must fit a grid of 2^31 blocks";
+    for (int i = 1; i < nbufs && !why; i++)
+        if (bufs[i].dtype != bufs[0].dtype) why = "all tensors must have the same storage type";
+    if (!why && bufs[0].dtype != LG_DTYPE_F32 && bufs[0].dtype != LG_DTYPE_BF16 &&
+        bufs[0].dtype != LG_DTYPE_F16)
+        why = "storage must be F32, BF16 or F16";
+    if (why) {
+        fprintf(stderr, "%s: %s (B %d T %d NH %d NQG %d HS %d)\n", op, why, B, T, NH, NQG, HS);
+        abort();
+    }
+}
+
+/* 1 when every buffer's rows can move in aligned groups of 4 elements. */
+static int lg_att_vectorizable(const lg_buf *bufs, int nbufs, int HS) {
+    if (HS % 4) return 0;
+    for (int i = 0; i < nbufs; i++)
+        if ((uintptr_t)bufs[i].data % (4 * lg_elem_size(bufs[i].dtype))) return 0;
+    return 1;
+}
+
+template <lg_dtype DT, int HSP>
+static void lg_att_forward_launch(const lg_exec *ex, lg_buf y, lg_real *lse, lg_buf qkv, int B,
+                                  int T, int NH, int NQG, int HS, int vec) {
+    typedef typename lg_att_config<HSP>::forward TL;
+    typedef typename lg_att_io<DT>::storage S;
+    size_t bytes = lg_att_forward_shared<TL>();
+    lg_att_allow_shared(lg_k_attention_forward<DT, TL>, bytes);
+    unsigned grid = (unsigned)((T + TL::ROWS - 1) / TL::ROWS) * (unsigned)(B * NH);
+    LG_LAUNCH((lg_k_attention_forward<DT, TL>), grid, TL::THREADS, bytes, lg_cuda_stream(ex),
+              (S *)y.data, (float *)lse, (const S *)qkv.data, T, NH, NQG, HS,
+              1.0f / sqrtf((float)HS), vec);
+}
+
+template <lg_dtype DT, int HSP>
+static void lg_att_backward_launch(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg_buf y,
+                                   lg_buf qkv, const lg_real *lse, int B, int T, int NH, int NQG,
+                                   int HS, int vec) {
+    typedef typename lg_att_config<HSP>::dq TQ;
+    typedef typename lg_att_config<HSP>::dkv TK;
+    typedef typename lg_att_io<DT>::storage S;
+    float scale = 1.0f / sqrtf((float)HS);
+    size_t bytes = lg_att_dq_shared<TQ>();
+    lg_att_allow_shared(lg_k_attention_backward_dq<DT, TQ>, bytes);
+    unsigned grid = (unsigned)((T + TQ::ROWS - 1) / TQ::ROWS) * (unsigned)(B * NH);
+    LG_LAUNCH((lg_k_attention_backward_dq<DT, TQ>), grid, TQ::THREADS, bytes, lg_cuda_stream(ex),
+              (S *)dqkv.data, (const S *)dy.data, (const S *)y.data, (const S *)qkv.data,
+              (const float *)lse, T, NH, NQG, HS, scale, vec);
+    /* the two kernels write disjoint parts of dqkv (queries; keys and values) */
+    bytes = lg_att_dkv_shared<TK>();
+    lg_att_allow_shared(lg_k_attention_backward_dkv<DT, TK>, bytes);
+    unsigned grid_kv = (unsigned)((T + TK::ROWS - 1) / TK::ROWS) * (unsigned)(B * NQG);
+    LG_LAUNCH((lg_k_attention_backward_dkv<DT, TK>), grid_kv, TK::THREADS, bytes,
+              lg_cuda_stream(ex), (S *)dqkv.data, (const S *)dy.data, (const S *)y.data,
+              (const S *)qkv.data, (const float *)lse, T, NH, NQG, HS, scale, vec);
+}
+
+/* The launchers' signature, for dispatching on the storage type and the padded head size. */
+typedef void (*lg_att_forward_fn)(const lg_exec *ex, lg_buf y, lg_real *lse, lg_buf qkv, int B,
+                                  int T, int NH, int NQG, int HS, int vec);
+typedef void (*lg_att_backward_fn)(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg_buf y,
+                                   lg_buf qkv, const lg_real *lse, int B, int T, int NH, int NQG,
+                                   int HS, int vec);
+
+/* The padded head size HSP: the smallest of 32, 64, 128, 256 that holds HS. */
+template <lg_dtype DT>
+static void lg_att_forward_typed(const lg_exec *ex, lg_buf y, lg_real *lse, lg_buf qkv, int B,
+                                 int T, int NH, int NQG, int HS, int vec) {
+    lg_att_forward_fn launch =
+        HS <= 32    ? lg_att_forward_launch<DT, 32>
+        : HS <= 64  ? lg_att_forward_launch<DT, 64>
+        : HS <= 128 ? lg_att_forward_launch<DT, 128>
+                    : lg_att_forward_launch<DT, 256>;
+    launch(ex, y, lse, qkv, B, T, NH, NQG, HS, vec);
+}
+
+template <lg_dtype DT>
+static void lg_att_backward_typed(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg_buf y,
+                                  lg_buf qkv, const lg_real *lse, int B, int T, int NH, int NQG,
+                                  int HS, int vec) {
+    lg_att_backward_fn launch =
+        HS <= 32    ? lg_att_backward_launch<DT, 32>
+        : HS <= 64  ? lg_att_backward_launch<DT, 64>
+        : HS <= 128 ? lg_att_backward_launch<DT, 128>
+                    : lg_att_backward_launch<DT, 256>;
+    launch(ex, dqkv, dy, y, qkv, lse, B, T, NH, NQG, HS, vec);
+}
+
+/* y (B, T, NH HS), lse (B, NH, T) = causal attention of qkv (B, T, (NH + 2 NQG) HS). */
+static void lg_cuda_attention_forward(const lg_exec *ex, lg_buf y, lg_real *lse, lg_buf qkv,
+                                      int B, int T, int NH, int NQG, int HS) {
+    lg_buf bufs[2] = {y, qkv};
+    lg_att_check("lg_cuda_attention_forward", bufs, 2, B, T, NH, NQG, HS);
+    if (B <= 0 || T <= 0 || NH <= 0) return;
+    int vec = lg_att_vectorizable(bufs, 2, HS);
+    lg_att_forward_fn typed =
+        y.dtype == LG_DTYPE_BF16  ? lg_att_forward_typed<LG_DTYPE_BF16>
+        : y.dtype == LG_DTYPE_F16 ? lg_att_forward_typed<LG_DTYPE_F16>
+                                  : lg_att_forward_typed<LG_DTYPE_F32>;
+    typed(ex, y, lse, qkv, B, T, NH, NQG, HS, vec);
+}
+
+/* dqkv (B, T, (NH + 2 NQG) HS) += the attention's gradient, given dy (B, T, NH HS), the
+   forward's y (B, T, NH HS) and lse (B, NH, T), and qkv. */
+static void lg_cuda_attention_backward(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg_buf y,
+                                       lg_buf qkv, const lg_real *lse, int B, int T, int NH,
+                                       int NQG, int HS) {
+    lg_buf bufs[4] = {dqkv, dy, y, qkv};
+    lg_att_check("lg_cuda_attention_backward", bufs, 4, B, T, NH, NQG, HS);
+    if (B <= 0 || T <= 0 || NH <= 0) return;
+    int vec = lg_att_vectorizable(bufs, 4, HS);
+    lg_att_backward_fn typed =
+        dqkv.dtype == LG_DTYPE_BF16  ? lg_att_backward_typed<LG_DTYPE_BF16>
+        : dqkv.dtype == LG_DTYPE_F16 ? lg_att_backward_typed<LG_DTYPE_F16>
+                                     : lg_att_backward_typed<LG_DTYPE_F32>;
+    typed(ex, dqkv, dy, y, qkv, lse, B, T, NH, NQG, HS, vec);
+}
+
+/* h. matmuls: cuBLASLt, and a reference kernel (tests, emulation) ----------------------------- */
+
+#ifndef LG_CUDA_EMULATE
+#define LG_CUBLAS_TRY(call)                                                                    \
+    do {                                                                                       \
+        cublasStatus_t lg_status_ = (call);                                                    \
+        if (lg_status_ != CUBLAS_STATUS_SUCCESS)                                               \
+            lg_cuda_die(#call, __FILE__, __LINE__, cublasLtGetStatusString(lg_status_));         \
+    } while (0)
 #endif
-#if __has_include("/work/scratch/parts/host.cuh")
-#include "/work/scratch/parts/host.cuh"
+
+#define LG_MATMUL_TILE 16 /* the reference kernel's square tile */
+
+/* C (M, N) = beta C + op(A) op(B), row-major as lg_gemm: a block computes one tile of C from
+   tiles of op(A) and op(B) staged in shared memory, one element a thread, fp32 accumulation.
+   beta == 0 overwrites C whatever it held. The test of cuBLASLt and the emulator's matmul. */
+__global__ void lg_k_matmul_reference(int trans_a, int trans_b, int M, int N, int K, lg_buf A,
+                                      int lda, lg_buf B, int ldb, float beta, lg_buf C, int ldc) {
+    __shared__ float a_tile[LG_MATMUL_TILE][LG_MATMUL_TILE];
+    __shared__ float b_tile[LG_MATMUL_TILE][LG_MATMUL_TILE];
+    int row = blockIdx.y * LG_MATMUL_TILE + threadIdx.y;
+    int col = blockIdx.x * LG_MATMUL_TILE + threadIdx.x;
+    float sum = 0;
+    for (int k0 = 0; k0 < K; k0 += LG_MATMUL_TILE) {
+        int ka = k0 + threadIdx.x, kb = k0 + threadIdx.y;
+        size_t at_a = trans_a ? (size_t)ka * lda + row : (size_t)row * lda + ka;
+        size_t at_b = trans_b ? (size_t)col * ldb + kb : (size_t)kb * ldb + col;
+        a_tile[threadIdx.y][threadIdx.x] = row < M && ka < K ? lg_get(A, at_a) : 0.0f;
+        b_tile[threadIdx.y][threadIdx.x] = col < N && kb < K ? lg_get(B, at_b) : 0.0f;
+        __syncthreads();
+        for (int k = 0; k < LG_MATMUL_TILE; k++) sum += a_tile[threadIdx.y][k] * b_tile[k][threadIdx.x];
+        __syncthreads();
+    }
+    if (row >= M || col >= N) return;
+    size_t at = (size_t)row * ldc + col;
+    lg_set(C, at, beta == 0.0f ? sum : beta * lg_get(C, at) + sum);
+}
+
+static void lg_cuda_matmul_reference(const lg_exec *ex, int trans_a, int trans_b, int M, int N,
+                                     int K, lg_buf A, int lda, lg_buf B, int ldb, float beta,
+                                     lg_buf C, int ldc) {
+    dim3 block(LG_MATMUL_TILE, LG_MATMUL_TILE);
+    dim3 grid(lg_cuda_blocks((size_t)N, LG_MATMUL_TILE), lg_cuda_blocks((size_t)M, LG_MATMUL_TILE));
+    LG_LAUNCH(lg_k_matmul_reference, grid, block, 0, lg_cuda_stream(ex), trans_a, trans_b, M, N,
+              K, A, lda, B, ldb, beta, C, ldc);
+}
+
+#ifndef LG_CUDA_EMULATE
+static cudaDataType_t lg_cuda_data_type(lg_dtype dtype) {
+    return dtype == LG_DTYPE_BF16 ? CUDA_R_16BF : dtype == LG_DTYPE_F16 ? CUDA_R_16F : CUDA_R_32F;
+}
+
+/* A (rows, cols) column-major layout of a matrix of the given storage type. */
+static cublasLtMatrixLayout_t lg_cuda_layout(lg_dtype dtype, int rows, int cols, int ld) {
+    cublasLtMatrixLayout_t layout;
+    LG_CUBLAS_TRY(cublasLtMatrixLayoutCreate(&layout, lg_cuda_data_type(dtype), (uint64_t)rows,
+                                             (uint64_t)cols, ld));
+    return layout;
+}
+
+/* The same product through cuBLASLt, with bias (N) added to every row when given. cuBLASLt is
+   column-major: row-major C (M, N) is column-major C^T (N, M) = op(B)^T op(A)^T, so B's buffer
+   is its first operand and A's its second, each with its own transposition. */
+static void lg_cuda_matmul_lt(const lg_exec *ex, int trans_a, int trans_b, int M, int N, int K,
+                              lg_buf A, int lda, lg_buf B, int ldb, float beta, lg_buf C, int ldc,
+                              lg_buf bias) {
+    const lg_cuda_rank *g = ex->cuda;
+    int all_f32 = A.dtype == LG_DTYPE_F32 && B.dtype == LG_DTYPE_F32;
+    cublasComputeType_t compute = all_f32 && g->tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    cublasLtMatmulDesc_t desc;
+    LG_CUBLAS_TRY(cublasLtMatmulDescCreate(&desc, compute, CUDA_R_32F));
+    cublasOperation_t op_first = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    cublasOperation_t op_second = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    LG_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first,
+                                                 sizeof op_first));
+    LG_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second,
+                                                 sizeof op_second));
+    if (bias.data) {
+        cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+        cudaDataType_t bias_type = lg_cuda_data_type(bias.dtype);
+        LG_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
+                                                     &epilogue, sizeof epilogue));
+        LG_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                     &bias.data, sizeof bias.data));
+        LG_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                                                     &bias_type, sizeof bias_type));
+    }
+    cublasLtMatrixLayout_t first = trans_b ? lg_cuda_layout(B.dtype, K, N, ldb)
+                                           : lg_cuda_layout(B.dtype, N, K, ldb);
+    cublasLtMatrixLayout_t second = trans_a ? lg_cuda_layout(A.dtype, M, K, lda)
+                                            : lg_cuda_layout(A.dtype, K, M, lda);
+    cublasLtMatrixLayout_t out = lg_cuda_layout(C.dtype, N, M, ldc);
+    cublasLtMatmulPreference_t preference;
+    LG_CUBLAS_TRY(cublasLtMatmulPreferenceCreate(&preference));
+    size_t workspace = g->matmul_workspace_bytes;
+    LG_CUBLAS_TRY(cublasLtMatmulPreferenceSetAttribute(
+        preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof workspace));
+    cublasLtMatmulHeuristicResult_t heuristic;
+    int found = 0;
+    LG_CUBLAS_TRY(cublasLtMatmulAlgoGetHeuristic(g->lt, desc, first, second, out, out, preference,
+                                                 1, &heuristic, &found));
+    if (found == 0) {
+        fprintf(stderr, "cuBLASLt has no algorithm for a (%d x %d x %d) matmul of %s x %s -> %s\n",
+                M, N, K, lg_dtype_name(A.dtype), lg_dtype_name(B.dtype), lg_dtype_name(C.dtype));
+        abort();
+    }
+    const float one = 1.0f;
+    LG_CUBLAS_TRY(cublasLtMatmul(g->lt, desc, &one, B.data, first, A.data, second, &beta, C.data,
+                                 out, C.data, out, &heuristic.algo, g->matmul_workspace,
+                                 workspace, lg_cuda_stream(ex)));
+    cublasLtMatmulPreferenceDestroy(preference);
+    cublasLtMatrixLayoutDestroy(first);
+    cublasLtMatrixLayoutDestroy(second);
+    cublasLtMatrixLayoutDestroy(out);
+    cublasLtMatmulDescDestroy(desc);
+}
 #endif
+
+/* out (N, C) += bias (C) on every row: the reference path's bias. */
+__global__ void lg_k_add_bias(lg_buf out, lg_buf bias, int N, int C) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)N * C) return;
+    lg_set(out, i, lg_get(out, i) + lg_get(bias, i % C));
+}
+
+#define LG_CUDA_THREADS 256 /* threads of a block of the simple kernels */
+#define LG_BIAS_COLUMNS 32  /* bias gradient: columns of a block (a warp reads them coalesced) */
+#define LG_BIAS_LANES 32    /* ... and the row lanes that share each column */
+
+/* dbias (C) += column sums of dout (N, C). A block owns LG_BIAS_COLUMNS columns; lane y of a
+   column sums rows y, y + LG_BIAS_LANES, ... in order, then one thread adds the lanes in order:
+   the same bits every run. */
+__global__ void lg_k_bias_grad(lg_buf dbias, lg_buf dout, int N, int C) {
+    __shared__ float lanes[LG_BIAS_LANES][LG_BIAS_COLUMNS];
+    int c = blockIdx.x * LG_BIAS_COLUMNS + threadIdx.x;
+    float sum = 0;
+    for (int n = threadIdx.y; c < C && n < N; n += LG_BIAS_LANES) sum += lg_get(dout, (size_t)n * C + c);
+    lanes[threadIdx.y][threadIdx.x] = sum;
+    __syncthreads();
+    if (threadIdx.y != 0 || c >= C) return;
+    for (int y = 1; y < LG_BIAS_LANES; y++) sum += lanes[y][threadIdx.x];
+    lg_set(dbias, c, lg_get(dbias, c) + sum);
+}
+
+/* C (M, N) = beta C + op(A) op(B) (+ bias (N) on every row): cuBLASLt, or the reference kernel
+   in the emulator and when the rank asks for it (tests). */
+static void lg_cuda_matmul(const lg_exec *ex, int trans_a, int trans_b, int M, int N, int K,
+                           lg_buf A, int lda, lg_buf B, int ldb, float beta, lg_buf C, int ldc,
+                           lg_buf bias) {
+    if (M <= 0 || N <= 0) return;
+#ifndef LG_CUDA_EMULATE
+    if (!ex->cuda->reference_matmul) {
+        lg_cuda_matmul_lt(ex, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc, bias);
+        return;
+    }
+#endif
+    lg_cuda_matmul_reference(ex, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc);
+    if (bias.data)
+        LG_LAUNCH(lg_k_add_bias, lg_cuda_blocks((size_t)M * N, LG_CUDA_THREADS), LG_CUDA_THREADS,
+                  0, lg_cuda_stream(ex), C, bias, M, N);
+}
+
+/* out (N, OC) = inp (N, IC) weight (OC, IC)^T + bias (OC) */
+static void lg_cuda_linear_forward(const lg_exec *ex, lg_buf out, lg_buf inp, lg_buf weight,
+                                   lg_buf bias, int N, int IC, int OC) {
+    lg_cuda_matmul(ex, 0, 1, N, OC, IC, inp, IC, weight, IC, 0.0f, out, OC, bias);
+}
+
+/* dinp (N, IC) += dout (N, OC) weight; dweight (OC, IC) += dout^T inp; dbias (OC) += column
+   sums of dout. */
+static void lg_cuda_linear_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweight, lg_buf dbias,
+                                    lg_buf dout, lg_buf inp, lg_buf weight, int N, int IC,
+                                    int OC) {
+    lg_buf none = {NULL, LG_DTYPE_F32};
+    lg_cuda_matmul(ex, 0, 0, N, IC, OC, dout, OC, weight, IC, 1.0f, dinp, IC, none);
+    lg_cuda_matmul(ex, 1, 0, OC, IC, N, dout, OC, inp, IC, 1.0f, dweight, IC, none);
+    if (dbias.data)
+        LG_LAUNCH(lg_k_bias_grad, lg_cuda_blocks((size_t)OC, LG_BIAS_COLUMNS),
+                  dim3(LG_BIAS_COLUMNS, LG_BIAS_LANES), 0, lg_cuda_stream(ex), dbias, dout, N, OC);
+}
+
+/* i. ranks: memory, overheads, topology -------------------------------------------------------- */
+
+static int lg_cuda_device_count_impl(void) {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+static int lg_cuda_device_accessible(const void *p) {
+    cudaPointerAttributes attributes;
+    if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
+        cudaGetLastError(); /* clear it: pageable memory is not an error */
+        return 0;
+    }
+    return attributes.type != cudaMemoryTypeUnregistered;
+}
+
+/* A failed allocation: what was asked, what the GPU has, and the plan. */
+static int lg_cuda_alloc_failure(const lg_rank *rank, const char *what, size_t bytes,
+                                 cudaError_t status, lg_error *err) {
+    size_t free_bytes = 0, total_bytes = 0;
+    char asked[32], free_text[32], total_text[32];
+    cudaGetLastError();
+    cudaMemGetInfo(&free_bytes, &total_bytes);
+    fprintf(stderr, "the plan of this run:\n");
+    lg_plan_print(rank->plan, stderr);
+    return lg_fail(err, "GPU %d: %s of %s failed (%s): %s free of %s (the plan is above; see "
+                   "--plan and the remedies it lists)", rank->cuda->device, what,
+                   lg_format_bytes(bytes, asked, sizeof asked), cudaGetErrorString(status),
+                   lg_format_bytes(free_bytes, free_text, sizeof free_text),
+                   lg_format_bytes(total_bytes, total_text, sizeof total_text));
+}
+
+/* The device arena: the plan's device pool up to the runtime's region, which the CUDA context,
+   cuBLAS and NCCL hold themselves. Managed memory, so that the host's rare visits (weight
+   initialisation, checkpoints, sampling) read and write it directly after lg_rank_sync. */
+static int lg_cuda_alloc_arenas(lg_rank *rank, lg_error *err) {
+    const lg_rank_plan *r = &rank->plan->ranks[rank->index];
+    const lg_region *runtime = lg_plan_find(r, LG_CUDA_RUNTIME_REGION);
+    size_t device_bytes = r->pool_bytes[LG_POOL_DEVICE] - (runtime ? runtime->bytes : 0);
+    size_t host_bytes = r->pool_bytes[LG_POOL_HOST];
+    cudaError_t status;
+    if (device_bytes) {
+        status = cudaMallocManaged((void **)&rank->arena[LG_POOL_DEVICE], device_bytes + LG_ALIGN,
+                                   cudaMemAttachGlobal);
+        if (status != cudaSuccess)
+            return lg_cuda_alloc_failure(rank, "the device arena", device_bytes, status, err);
+        LG_CUDA_CHECK(cudaMemsetAsync(rank->arena[LG_POOL_DEVICE], 0, device_bytes + LG_ALIGN,
+                                      rank->cuda->stream), err);
+    }
+    if (host_bytes) { /* pinned: offload's copies run at full speed, asynchronously */
+        status = cudaMallocHost((void **)&rank->arena[LG_POOL_HOST], host_bytes + LG_ALIGN);
+        if (status != cudaSuccess)
+            return lg_cuda_alloc_failure(rank, "the pinned host arena", host_bytes, status, err);
+        memset(rank->arena[LG_POOL_HOST], 0, host_bytes + LG_ALIGN);
+    }
+    return 0;
+}
+
+/* Points the rank's scratch at its cuda.* regions. */
+static void lg_cuda_bind_regions(lg_rank *rank) {
+    lg_cuda_rank *g = rank->cuda;
+    const lg_plan_spec *s = &rank->plan->spec;
+    g->matmul_workspace = lg_rank_region(rank, "cuda.matmul_workspace");
+    g->matmul_workspace_bytes = LG_CUDA_MATMUL_WORKSPACE;
+    g->row_sums = (float *)lg_rank_region(rank, "cuda.row_sums");
+    g->C = rank->plan->cfg.n_embd;
+    g->totals = (double *)lg_rank_region(rank, "cuda.totals");
+    g->token_capacity = (size_t)s->B * s->T;
+    g->tokens = (int *)lg_rank_region(rank, "cuda.ids");
+    g->targets = g->tokens + g->token_capacity;
+    g->tf32 = s->tf32;
+}
+
+/* A GPU's streams, events and cuBLASLt handle (device already current). */
+static int lg_cuda_rank_handles(lg_cuda_rank *g, lg_error *err) {
+    LG_CUDA_CHECK(cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking), err);
+    LG_CUDA_CHECK(cudaStreamCreateWithFlags(&g->comm, cudaStreamNonBlocking), err);
+    LG_CUDA_CHECK(cudaEventCreateWithFlags(&g->compute_done, cudaEventDisableTiming), err);
+    LG_CUDA_CHECK(cudaEventCreateWithFlags(&g->comm_done, cudaEventDisableTiming), err);
+#ifndef LG_CUDA_EMULATE
+    cublasStatus_t status = cublasLtCreate(&g->lt);
+    if (status != CUBLAS_STATUS_SUCCESS)
+        return lg_fail(err, "cublasLtCreate failed: %s", cublasLtGetStatusString(status));
+#endif
+    return 0;
+}
+
+/* Rank i runs on GPU i: its handles, then arenas of exactly its plan. */
+static int lg_cuda_rank_create(lg_rank *rank, lg_error *err) {
+    int count = lg_cuda_device_count_impl();
+    if (rank->index >= count)
+        return lg_fail(err, "rank %d needs GPU %d, but %d GPU%s visible: -d x --nodes ranks run "
+                       "one a GPU", rank->index, rank->index, count, count == 1 ? " is" : "s are");
+    lg_cuda_rank *g = (lg_cuda_rank *)lg_alloc_zeroed(sizeof(lg_cuda_rank));
+    if (!g) return lg_fail(err, "out of host memory");
+    rank->cuda = g;
+    g->device = rank->index;
+    LG_CUDA_CHECK(cudaSetDevice(g->device), err);
+    if (lg_cuda_rank_handles(g, err) != 0 || lg_cuda_alloc_arenas(rank, err) != 0) return -1;
+    lg_cuda_bind_regions(rank);
+    LG_CUDA_CHECK(cudaStreamSynchronize(g->stream), err); /* the arena is zero from here */
+    return 0;
+}
+
+static void lg_cuda_rank_sync(const lg_rank *rank) {
+    LG_CUDA_TRY(cudaSetDevice(rank->cuda->device));
+    LG_CUDA_TRY(cudaStreamSynchronize(rank->cuda->comm));
+    LG_CUDA_TRY(cudaStreamSynchronize(rank->cuda->stream));
+}
+
+static void lg_cuda_rank_free(lg_rank *rank) {
+    lg_cuda_rank *g = rank->cuda;
+    if (!g) return;
+    cudaSetDevice(g->device);
+    cudaDeviceSynchronize();
+    if (rank->arena[LG_POOL_DEVICE]) cudaFree(rank->arena[LG_POOL_DEVICE]);
+    if (rank->arena[LG_POOL_HOST]) cudaFreeHost(rank->arena[LG_POOL_HOST]);
+#ifndef LG_CUDA_EMULATE
+    if (g->lt) cublasLtDestroy(g->lt);
+#endif
+    if (g->compute_done) cudaEventDestroy(g->compute_done);
+    if (g->comm_done) cudaEventDestroy(g->comm_done);
+    if (g->stream) cudaStreamDestroy(g->stream);
+    if (g->comm) cudaStreamDestroy(g->comm);
+    LG_FREE(g);
+    rank->cuda = NULL;
+}
+
+/* Memory in use on a GPU now (everything: this process's and others'), and its total. */
+static int lg_cuda_used_bytes(int device, size_t *used, size_t *total, lg_error *err) {
+    size_t free_bytes = 0;
+    LG_CUDA_CHECK(cudaSetDevice(device), err);
+    LG_CUDA_CHECK(cudaMemGetInfo(&free_bytes, total), err);
+    *used = *total - free_bytes;
+    return 0;
+}
+
+/* Measures, on GPU 0..devices-1, what the runtime takes before the plan's arenas: the CUDA
+   context (with anything other processes hold), a cuBLASLt handle, and one NCCL communicator
+   (times the communicators a rank joins, `communicators`). The most of any GPU goes to
+   *runtime_bytes; *total_bytes gets the smallest GPU's memory. */
+int lg_cuda_measure_runtime(int devices, int communicators, size_t *runtime_bytes,
+                            size_t *total_bytes, lg_error *err) {
+    size_t context[LG_MAX_RANKS], cublas[LG_MAX_RANKS], nccl[LG_MAX_RANKS], total, used;
+    int device_ids[LG_MAX_RANKS];
+    *runtime_bytes = 0;
+    *total_bytes = (size_t)-1;
+    for (int d = 0; d < devices; d++) {
+        device_ids[d] = d;
+        LG_CUDA_CHECK(cudaSetDevice(d), err);
+        LG_CUDA_CHECK(cudaFree(0), err); /* creates the context */
+        if (lg_cuda_used_bytes(d, &context[d], &total, err) != 0) return -1;
+        if (total < *total_bytes) *total_bytes = total;
+        nccl[d] = 0;
+#ifndef LG_CUDA_EMULATE
+        cublasLtHandle_t lt;
+        if (cublasLtCreate(&lt) != CUBLAS_STATUS_SUCCESS) return lg_fail(err, "cublasLtCreate failed");
+        LG_CUDA_CHECK(cudaDeviceSynchronize(), err);
+        if (lg_cuda_used_bytes(d, &used, &total, err) != 0) return -1;
+        cublas[d] = used - context[d];
+        cublasLtDestroy(lt);
+#else
+        cublas[d] = 0;
+#endif
+    }
+    if (devices > 1 && communicators > 0) {
+        ncclComm_t comms[LG_MAX_RANKS];
+        LG_NCCL_CHECK(ncclCommInitAll(comms, devices, device_ids), err);
+        for (int d = 0; d < devices; d++) {
+            if (lg_cuda_used_bytes(d, &used, &total, err) != 0) return -1;
+            nccl[d] = (used > context[d] ? used - context[d] : 0) * (size_t)communicators;
+        }
+        for (int d = 0; d < devices; d++) ncclCommDestroy(comms[d]);
+    }
+    for (int d = 0; d < devices; d++) {
+        size_t bytes = context[d] + cublas[d] + nccl[d];
+        if (bytes > *runtime_bytes) *runtime_bytes = bytes;
+    }
+    return 0;
+}
+
+/* Free and total memory of a GPU. */
+int lg_cuda_memory(int device, size_t *free_bytes, size_t *total_bytes, lg_error *err) {
+    LG_CUDA_CHECK(cudaSetDevice(device), err);
+    LG_CUDA_CHECK(cudaMemGetInfo(free_bytes, total_bytes), err);
+    return 0;
+}
+
+/* How the GPUs reach each other: a table of peer access and its performance rank (lower is
+   faster; the runtime's ranking) for every ordered pair. Returns 1 when every pair has direct
+   peer access. */
+int lg_cuda_report_topology(int devices, FILE *out) {
+    int all_direct = 1;
+    fprintf(out, "GPU peer access (rank: the runtime's performance rank, lower is faster):\n     ");
+    for (int j = 0; j < devices; j++) fprintf(out, "  GPU%-3d", j);
+    fprintf(out, "\n");
+    for (int i = 0; i < devices; i++) {
+        fprintf(out, "GPU%-2d", i);
+        for (int j = 0; j < devices; j++) {
+            int access = 0, performance = 0;
+            if (i == j) { fprintf(out, "  %-6s", "-"); continue; }
+            if (cudaDeviceCanAccessPeer(&access, i, j) != cudaSuccess) access = 0;
+            if (access && cudaDeviceGetP2PAttribute(&performance, cudaDevP2PAttrPerformanceRank,
+                                                    i, j) != cudaSuccess)
+                performance = -1;
+            if (access) fprintf(out, "  rank %-1d", performance);
+            else fprintf(out, "  %-6s", "none");
+            all_direct &= access != 0;
+        }
+        fprintf(out, "\n");
+    }
+    cudaGetLastError();
+    return all_direct;
+}
+
+/* j. collectives over NCCL -------------------------------------------------------------------- */
+
+/* A group of ranks that run collectives together: one NCCL communicator a member, from
+   ncclCommInitAll over their GPUs, and the members' ranks (for their streams). */
+struct lg_comm {
+    int n;                          /* members */
+    ncclComm_t comm[LG_MAX_RANKS];  /* (n) */
+    lg_cuda_rank *member[LG_MAX_RANKS]; /* (n) */
+};
+
+static ncclDataType_t lg_nccl_type(lg_dtype dtype) {
+    switch (dtype) {
+    case LG_DTYPE_BF16: return ncclBfloat16;
+    case LG_DTYPE_F16: return ncclFloat16;
+    case LG_DTYPE_I32: return ncclInt32;
+    case LG_DTYPE_U8: return ncclUint8;
+    default: return ncclFloat32;
+    }
+}
+
+lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err) {
+    int devices[LG_MAX_RANKS];
+    lg_comm *c = (lg_comm *)lg_alloc_zeroed(sizeof(lg_comm));
+    if (!c) {
+        lg_fail(err, "out of host memory");
+        return NULL;
+    }
+    c->n = n;
+    for (int i = 0; i < n; i++) {
+        c->member[i] = members[i]->cuda;
+        devices[i] = members[i]->cuda->device;
+    }
+    ncclResult_t status = ncclCommInitAll(c->comm, n, devices);
+    if (status != ncclSuccess) {
+        lg_fail(err, "ncclCommInitAll over %d GPUs failed: %s", n, ncclGetErrorString(status));
+        LG_FREE(c);
+        return NULL;
+    }
+    return c;
+}
+
+void lg_comm_free(lg_comm *c) {
+    if (!c) return;
+    for (int i = 0; i < c->n; i++) ncclCommDestroy(c->comm[i]);
+    LG_FREE(c);
+}
+
+/* The collectives run on each member's communication stream, fenced on both sides by its
+   compute stream: they start after the ops queued before them and the ops queued after them
+   wait for them. (Overlap comes from queueing a collective early, as the trainer's prefetch
+   does; the fences keep every order the CPU backend has.) */
+static void lg_comm_begin(lg_comm *c) {
+    for (int i = 0; i < c->n; i++) {
+        lg_cuda_rank *g = c->member[i];
+        LG_CUDA_TRY(cudaSetDevice(g->device));
+        LG_CUDA_TRY(cudaEventRecord(g->compute_done, g->stream));
+        LG_CUDA_TRY(cudaStreamWaitEvent(g->comm, g->compute_done, 0));
+    }
+    LG_NCCL_TRY(ncclGroupStart());
+}
+
+static void lg_comm_end(lg_comm *c) {
+    LG_NCCL_TRY(ncclGroupEnd());
+    for (int i = 0; i < c->n; i++) {
+        lg_cuda_rank *g = c->member[i];
+        LG_CUDA_TRY(cudaSetDevice(g->device));
+        LG_CUDA_TRY(cudaEventRecord(g->comm_done, g->comm));
+        LG_CUDA_TRY(cudaStreamWaitEvent(g->stream, g->comm_done, 0));
+    }
+}
+
+static void lg_cuda_all_reduce_sum(lg_comm *c, lg_buf *bufs, size_t count) {
+    lg_comm_begin(c);
+    for (int i = 0; i < c->n; i++)
+        LG_NCCL_TRY(ncclAllReduce(bufs[i].data, bufs[i].data, count, lg_nccl_type(bufs[i].dtype),
+                                  ncclSum, c->comm[i], c->member[i]->comm));
+    lg_comm_end(c);
+}
+
+static void lg_cuda_reduce_scatter_sum(lg_comm *c, const lg_buf *whole, lg_buf *piece,
+                                       size_t piece_count) {
+    lg_comm_begin(c);
+    for (int i = 0; i < c->n; i++)
+        LG_NCCL_TRY(ncclReduceScatter(whole[i].data, piece[i].data, piece_count,
+                                      lg_nccl_type(piece[i].dtype), ncclSum, c->comm[i],
+                                      c->member[i]->comm));
+    lg_comm_end(c);
+}
+
+static void lg_cuda_all_gather(lg_comm *c, const lg_buf *piece, lg_buf *whole,
+                               size_t piece_count) {
+    lg_comm_begin(c);
+    for (int i = 0; i < c->n; i++) /* in place when piece[i] lies at i piece_count of whole[i] */
+        LG_NCCL_TRY(ncclAllGather(piece[i].data, whole[i].data, piece_count,
+                                  lg_nccl_type(piece[i].dtype), c->comm[i], c->member[i]->comm));
+    lg_comm_end(c);
+}
+
+static void lg_cuda_broadcast(lg_comm *c, int root, lg_buf *bufs, size_t count) {
+    lg_comm_begin(c);
+    for (int i = 0; i < c->n; i++)
+        LG_NCCL_TRY(ncclBroadcast(bufs[i].data, bufs[i].data, count, lg_nccl_type(bufs[i].dtype),
+                                  root, c->comm[i], c->member[i]->comm));
+    lg_comm_end(c);
+}
 
 #endif /* LITGPT_CUDA_CUH */

@@ -1015,9 +1015,11 @@ static void test_families_memorise(results *r) {
 /* ---- the command line --------------------------------------------------------------------- */
 
 /* Runs ./train with args; checks the exit code and that the output contains want. */
-static void expect_cli(results *r, const char *args, int want_code, const char *want) {
+/* Runs `program args`; checks its exit code and that its output holds `want`. */
+static void expect_program(results *r, const char *program, const char *args, int want_code,
+                           const char *want) {
     char cmd[1024], out[8192] = "";
-    snprintf(cmd, sizeof cmd, "./train %s 2>&1", args);
+    snprintf(cmd, sizeof cmd, "%s %s 2>&1", program, args);
     FILE *p = popen(cmd, "r");
     size_t n = p ? fread(out, 1, sizeof out - 1, p) : 0;
     out[n] = '\0';
@@ -1026,7 +1028,12 @@ static void expect_cli(results *r, const char *args, int want_code, const char *
     char *last = out + n;
     while (last > out && (last[-1] == '\n')) *--last = '\0';
     while (last > out && last[-1] != '\n') last--;
-    check(r, code == want_code && strstr(out, want), "./train %s -> exit %d: \"%s\"", args, code, last);
+    check(r, code == want_code && strstr(out, want), "%s %s -> exit %d: \"%s\"", program, args,
+          code, last);
+}
+
+static void expect_cli(results *r, const char *args, int want_code, const char *want) {
+    expect_program(r, "./train", args, want_code, want);
 }
 
 static void test_cli(results *r) {
@@ -1657,14 +1664,27 @@ static void run_child_tests(results *r, const char *cmd) {
 }
 
 /* The CUDA backend's kernels and trainer on the CPU, through tests/cuda_emulator.h: the
-   emulator's own checks, then tests/gpu/test_cuda.c on two emulated GPUs with the threads of
+   emulator's own checks, then tests/gpu/test_cuda.c on four emulated GPUs with the threads of
    a block in ascending order, and again in descending order (a kernel missing a barrier gives
-   other results). */
+   other results), then the driver built for the emulator. */
 static void run_emulated_cuda_tests(results *r) {
     printf("CUDA backend, emulated on the CPU\n");
     run_child_tests(r, "./build/test_cuda_emulator");
-    run_child_tests(r, "LG_EMU_DEVICES=2 ./build/test_cuda_emulated");
-    run_child_tests(r, "LG_EMU_DEVICES=2 LG_EMU_ORDER=reverse ./build/test_cuda_emulated");
+    run_child_tests(r, "LG_EMU_DEVICES=4 ./build/test_cuda_emulated");
+    run_child_tests(r, "LG_EMU_DEVICES=4 LG_EMU_ORDER=reverse ./build/test_cuda_emulated");
+    /* the driver's GPU path: ranks on GPUs, the topology, the fit check against GPU memory */
+    const char *small = "-c test-llama -t 16 -b 2 -g 4 --max-steps 2 --eval-every 0";
+    char args[256];
+    snprintf(args, sizeof args, "%s -d 2", small);
+    expect_program(r, "LG_EMU_DEVICES=2 ./build/train_emulated", args, 0, "2 GPUs");
+    expect_program(r, "LG_EMU_DEVICES=2 ./build/train_emulated", args, 0, "GPU peer access");
+    snprintf(args, sizeof args, "%s -g 6 -d 3", small);
+    expect_program(r, "LG_EMU_DEVICES=2 ./build/train_emulated", args, 2,
+                   "3 ranks, one a GPU, but 2 GPUs are visible");
+    expect_program(r, "LG_EMU_DEVICES=0 ./build/train_emulated", small, 0,
+                   "no GPU is visible: running on the CPU backend");
+    expect_program(r, "LG_EMU_DEVICES=1 LG_EMU_MEMORY=256M ./build/train_emulated",
+                   "-c pythia-160m -t 512 -b 4 --max-steps 1", 3, "the GPU's memory");
 }
 
 /* ---- data: tokenizers, fine-tuning samples, readers ------------------------------------------ */

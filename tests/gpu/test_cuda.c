@@ -144,14 +144,8 @@ static int bitwise_equal(lg_buf a, lg_buf b, size_t n) {
     return memcmp(a.data, b.data, n * lg_elem_size(a.dtype)) == 0;
 }
 
-#if __has_include("ops_kernels.inc")
-#include "ops_kernels.inc"
-#define LG_TEST_KERNELS 1
-#endif
-#if __has_include("ops_attention.inc")
-#include "ops_attention.inc"
-#define LG_TEST_ATTENTION 1
-#endif
+#include "ops_kernels.inc"   /* test_kernels: elementwise, embedding, norms, classifier, optimizers */
+#include "ops_attention.inc" /* test_attention: flash attention forward and backward */
 
 /* --- matmuls ------------------------------------------------------------------------------- */
 
@@ -194,6 +188,46 @@ static void test_matmul(results *r, int reference) {
               "matmul (%s) %s, 8 transpositions x beta: rel err %.1e, bitwise repeatable: %s",
               reference ? "reference kernel" : "cuBLASLt", lg_dtype_name(dtype), worst,
               deterministic ? "yes" : "no");
+    }
+    gpu_exec_free(&ex);
+}
+
+/* lg_linear_forward and lg_linear_backward (bias included, 300 rows: every row lane of the
+   bias gradient) on the GPU against the CPU, each storage type; gradients accumulate into
+   random starting values on both sides. */
+static void test_linear(results *r, int reference) {
+    const int N = 300, IC = 40, OC = 70;
+    lg_rng rng;
+    lg_rng_seed(&rng, 11);
+    lg_exec ex = gpu_exec(64, 64);
+    ex.cuda->reference_matmul = reference;
+    for (int d = 0; d < 3; d++) {
+        lg_dtype dtype = storage_types[d];
+        size_t n_in = (size_t)N * IC, n_out = (size_t)N * OC, n_w = (size_t)OC * IC;
+        lg_buf inp = random_buf(dtype, n_in, 1, &rng), w = random_buf(dtype, n_w, 0.2f, &rng);
+        lg_buf bias = random_buf(dtype, OC, 1, &rng), dout = random_buf(dtype, n_out, 1, &rng);
+        lg_buf dinp0 = random_buf(dtype, n_in, 1, &rng), dw0 = random_buf(dtype, n_w, 1, &rng);
+        lg_buf db0 = random_buf(dtype, OC, 1, &rng);
+        lg_buf out_want = poisoned_buf(dtype, n_out), out_got = poisoned_buf(dtype, n_out);
+        lg_buf dinp_want = copy_buf(dinp0, n_in), dinp_got = copy_buf(dinp0, n_in);
+        lg_buf dw_want = copy_buf(dw0, n_w), dw_got = copy_buf(dw0, n_w);
+        lg_buf db_want = copy_buf(db0, OC), db_got = copy_buf(db0, OC);
+        lg_linear_forward(NULL, out_want, inp, w, bias, N, IC, OC);
+        lg_linear_backward(NULL, dinp_want, dw_want, db_want, dout, inp, w, N, IC, OC);
+        lg_cuda_linear_forward(&ex, out_got, inp, w, bias, N, IC, OC);
+        lg_cuda_linear_backward(&ex, dinp_got, dw_got, db_got, dout, inp, w, N, IC, OC);
+        gpu_sync(&ex);
+        double worst = fmax(fmax(rel_error(out_got, out_want, n_out), rel_error(dinp_got, dinp_want, n_in)),
+                            fmax(rel_error(dw_got, dw_want, n_w), rel_error(db_got, db_want, OC)));
+        /* 300-term sums in another order: fp32 1e-5 */
+        check(r, worst < tolerance_of(dtype, 1e-5),
+              "linear forward + backward with bias (%s) %s, 300 rows: rel err %.1e",
+              reference ? "reference kernel" : "cuBLASLt", lg_dtype_name(dtype), worst);
+        lg_buf all[13] = {inp, w, bias, dout, dinp0, dw0, db0, out_want, out_got, dinp_want,
+                          dinp_got, dw_want, dw_got};
+        for (int k = 0; k < 13; k++) gpu_free(all[k].data);
+        gpu_free(db_want.data);
+        gpu_free(db_got.data);
     }
     gpu_exec_free(&ex);
 }
@@ -317,6 +351,7 @@ static void test_devices(results *r, int gpus) {
     lg_config cfg;
     if (load_config_or_fail(r, &cfg, "test-llama")) return;
     lg_args one = step_args(LG_PRECISION_32_TRUE, LG_BACKEND_CUDA);
+    one.global_batch_size = 8; /* divides over 2 and 4 ranks of -b 2 */
     double one_losses[3], losses[3];
     lg_trainer tr1;
     if (train_steps(&tr1, &cfg, &one, T, steps, one_losses) != 0) {
@@ -462,15 +497,13 @@ int main(int argc, char **argv) {
     printf("CUDA backend on %d x %s\n", gpus, prop.name);
 #endif
     printf("ops\n");
-#ifdef LG_TEST_KERNELS
     test_kernels(&r);
-#endif
-#ifdef LG_TEST_ATTENTION
     test_attention(&r);
-#endif
     test_matmul(&r, 1);
+    test_linear(&r, 1);
 #ifndef LG_CUDA_EMULATE
     test_matmul(&r, 0);
+    test_linear(&r, 0);
 #endif
     printf("training steps\n");
     test_training_steps(&r);
