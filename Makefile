@@ -42,11 +42,11 @@ build/train_cuda: train.c $(HEADERS)
 
 # The CUDA backend against the CPU backend (tests/gpu/run.sh runs it on GPUs), and the same
 # file on the emulator.
-build/test_cuda: tests/gpu/test_cuda.c $(wildcard tests/gpu/*.inc) $(HEADERS)
+build/test_cuda: tests/gpu/test_cuda.c tests/check.h $(wildcard tests/gpu/*.inc) $(HEADERS)
 	@mkdir -p build
 	$(NVCC) $(NVCC_FLAGS) tests/gpu/test_cuda.c -o $@ $(LDLIBS) $(CUDA_LIBS)
 
-build/test_cuda_emulated: tests/gpu/test_cuda.c $(wildcard tests/gpu/*.inc) tests/cuda_emulator.h $(HEADERS)
+build/test_cuda_emulated: tests/gpu/test_cuda.c tests/check.h $(wildcard tests/gpu/*.inc) tests/cuda_emulator.h $(HEADERS)
 	@mkdir -p build
 	$(EMULATED) tests/gpu/test_cuda.c -o $@ $(LDLIBS)
 
@@ -58,11 +58,11 @@ build/test_cuda_emulator: tests/test_cuda_emulator.cpp tests/cuda_emulator.h
 	@mkdir -p build
 	$(EMULATED) tests/test_cuda_emulator.cpp -o $@
 
-tests/test: tests/test.c $(wildcard tests/test_*.c) $(HEADERS)
+tests/test: tests/test.c tests/check.h $(wildcard tests/test_*.c) $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tests/test.c -o $@ $(LDLIBS)
 
 # the same tests/test.c with lg_real = double: finite differences of the library's own code
-tests/test64: tests/test.c $(wildcard tests/test_*.c) $(HEADERS)
+tests/test64: tests/test.c tests/check.h $(wildcard tests/test_*.c) $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) -DLG_REAL_DOUBLE tests/test.c -o $@ $(LDLIBS)
 
 tools/prepare: tools/prepare.c $(HEADERS)

@@ -5,7 +5,9 @@
        #define LITGPT_IMPLEMENTATION
        #include "litgpt.h"
 
-   Everywhere else include it without the define to get the API only.
+   Everywhere else include it without the define to get the API only. Compiled by nvcc
+   (`nvcc -x cu`), the implementation includes litgpt_cuda.cuh, the CUDA backend: with
+   args.backend = lg_backend_in_use() the ranks then run on GPUs, one each.
 
    Usage (what train.c does, shortened):
 
@@ -42,12 +44,14 @@
      5. plan             the layouts of every buffer (sizes in one place), the memory plan of
                          each rank, --plan tables, fit checks and the remedies of the OOM guide
      6. kernels          CPU forward/backward of every op: gemm, linear, norms, rotary,
-                         attention, GELU/SwiGLU, embeddings, cross-entropy
+                         attention, GELU/SwiGLU, embeddings, cross-entropy; each op takes the
+                         rank's lg_exec and hands over to litgpt_cuda.cuh on a GPU rank
      7. model            lg_model: all parameters in one buffer (gradients in another), the
                          activations in the plan's regions; forward, backward, generation
      8. optimizers       AdamW, SGD with momentum, gradient clipping, learning-rate schedule
-     9. ranks            one arena per memory pool, allocated from the plan; the collectives
-                         (all-reduce, reduce-scatter, all-gather, broadcast) between ranks
+     9. ranks            one arena per memory pool, allocated from the plan (on a GPU: managed
+                         and pinned memory); the collectives (all-reduce, reduce-scatter,
+                         all-gather, broadcast) between ranks, in process or over NCCL
     10. data             llm.c token shards (uint16 / uint32), shuffled windows; fine-tuning
                          sample files (truncation, right-padding, prompt masks); the built-in
                          task; a JSON reader
@@ -724,6 +728,15 @@ void lg_reduce_scatter_sum(lg_comm *comm, int n, const lg_buf *whole, lg_buf *pi
 void lg_all_gather(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole, size_t piece_count);
 /* bufs[m] = bufs[root] */
 void lg_broadcast(lg_comm *comm, int n, int root, lg_buf *bufs, size_t count);
+/* On GPUs the collectives above start after the ops queued before them on each member and the
+   ops queued after them wait for them. An all-gather of weights for later (a prefetch) instead
+   signals `slot` (< LG_GATHER_SLOTS) when done, and each member's ops wait only where
+   lg_rank_await_gather(rank, slot) says, so the gather runs beside the compute. On the CPU both
+   run at once. */
+#define LG_GATHER_SLOTS 3 /* the ends' buffer and two block slots (lg_unit_weights) */
+void lg_all_gather_prefetch(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole,
+                            size_t piece_count, int slot);
+void lg_rank_await_gather(const lg_rank *rank, int slot);
 /* The NCCL communicators of n GPU ranks (NULL with err set when they cannot be made). */
 lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err);
 void lg_comm_free(lg_comm *comm);
@@ -4325,6 +4338,21 @@ void lg_all_gather(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole, siz
         }
 }
 
+void lg_all_gather_prefetch(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole,
+                            size_t piece_count, int slot) {
+    LG_ON_COMM(comm, lg_cuda_all_gather_prefetch(comm, piece, whole, piece_count, slot));
+    lg_all_gather(NULL, n, piece, whole, piece_count);
+    (void)slot;
+}
+
+void lg_rank_await_gather(const lg_rank *rank, int slot) {
+#ifdef LG_CUDA
+    if (rank->backend == LG_BACKEND_CUDA) lg_cuda_await_gather(rank->cuda, slot);
+#endif
+    (void)rank;
+    (void)slot;
+}
+
 void lg_broadcast(lg_comm *comm, int n, int root, lg_buf *bufs, size_t count) {
     LG_ON_COMM(comm, lg_cuda_broadcast(comm, root, bufs, count));
     for (int m = 0; m < n; m++)
@@ -7917,11 +7945,16 @@ static size_t lg_padded_unit(const lg_shard_layout *sl, int u) {
     return sl->piece_count[u] * (size_t)sl->n_shards;
 }
 
+/* Which gather slot unit u's weights use: 0 the ends' buffer, 1 + a block slot. */
+static int lg_unit_slot(const lg_trainer *tr, int u) {
+    return u == 0 ? 0 : 1 + (u - 1) % tr->block_slots;
+}
+
 /* Where rank r's gathered weights of unit u go: the ends' buffer, or a block slot. */
 static lg_buf lg_unit_weights(const lg_trainer *tr, int r, int u) {
     const lg_trainer_rank *tr_r = &tr->ranks[r];
     if (u == 0) return tr_r->gather_ends;
-    return lg_at(tr_r->gather_blocks, (size_t)((u - 1) % tr->block_slots) *
+    return lg_at(tr_r->gather_blocks, (size_t)(lg_unit_slot(tr, u) - 1) *
                                           lg_padded_unit(&tr->plan.shards, 1));
 }
 
@@ -7933,7 +7966,8 @@ static lg_buf lg_unit_grads(const lg_trainer *tr, int r, int u) {
 }
 
 /* Full-shard: all-gathers unit u's weights in every shard group and points the models' views
-   at them. Nothing to do when every rank holds whole weights. */
+   at them; on GPUs the gather runs beside the compute until lg_trainer_await_unit(u). Nothing
+   to do when every rank holds whole weights. */
 static void lg_trainer_gather_unit(lg_trainer *tr, int u) {
     const lg_sharding *sh = &tr->plan.sharding;
     const lg_shard_layout *sl = &tr->plan.shards;
@@ -7946,10 +7980,17 @@ static void lg_trainer_gather_unit(lg_trainer *tr, int u) {
             pieces[i] = lg_at(tr->ranks[r].model.params, sl->piece_offset[u]);
             wholes[i] = lg_unit_weights(tr, r, u);
         }
-        lg_all_gather(tr->shard_comm[q], S, pieces, wholes, sl->piece_count[u]);
+        lg_all_gather_prefetch(tr->shard_comm[q], S, pieces, wholes, sl->piece_count[u],
+                               lg_unit_slot(tr, u));
     }
     for (int r = 0; r < tr->n_ranks; r++)
         lg_model_point_unit(&tr->ranks[r].model, u, lg_unit_weights(tr, r, u), lg_no_buf());
+}
+
+/* Every rank's ops from here on wait for unit u's gathered weights (full-shard). */
+static void lg_trainer_await_unit(lg_trainer *tr, int u) {
+    if (!tr->plan.sharding.weights_sharded) return;
+    for (int r = 0; r < tr->n_ranks; r++) lg_rank_await_gather(&tr->ranks[r].rank, lg_unit_slot(tr, u));
 }
 
 /* Sharded gradients: points unit u's gradient views at a zeroed buffer of the whole unit. */
@@ -8025,11 +8066,13 @@ static double lg_trainer_forward(lg_trainer *tr, const lg_micro_batch *mb) {
     int L = tr->plan.cfg.n_layer;
     double loss = 0;
     lg_trainer_gather_unit(tr, 0);
+    lg_trainer_gather_unit(tr, 1);
+    lg_trainer_await_unit(tr, 0);
     for (int r = 0; r < tr->n_ranks; r++)
         if (mb[r].B) lg_model_embed(&tr->ranks[r].model, mb[r].inputs, mb[r].B, mb[r].T);
-    lg_trainer_gather_unit(tr, 1);
     for (int l = 0; l < L; l++) {
         if (l + 1 < L) lg_trainer_gather_unit(tr, l + 2);
+        lg_trainer_await_unit(tr, l + 1);
         for (int r = 0; r < tr->n_ranks; r++)
             if (mb[r].B) lg_block_forward(&tr->ranks[r].model, l, mb[r].B, mb[r].T);
     }
@@ -8054,6 +8097,7 @@ static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float 
     lg_trainer_gather_unit(tr, L);
     for (int l = L - 1; l >= 0; l--) {
         if (l > 0) lg_trainer_gather_unit(tr, l); /* prefetch block l - 1 */
+        lg_trainer_await_unit(tr, l + 1);
         lg_trainer_open_unit_grads(tr, l + 1);
         for (int r = 0; r < tr->n_ranks; r++)
             if (mb[r].B) lg_model_block_backward(&tr->ranks[r].model, l, mb[r].B, mb[r].T);
@@ -8429,6 +8473,7 @@ void lg_trainer_weights(lg_trainer *tr, lg_buf whole) {
     }
     for (int u = 0; u < sl->n_units; u++) {
         lg_trainer_gather_unit(tr, u);
+        lg_trainer_await_unit(tr, u);
         lg_copy(&m0->exec, lg_at(whole, sl->unit_offset[u]), lg_unit_weights(tr, 0, u),
                 sl->unit_offset[u + 1] - sl->unit_offset[u]);
     }

@@ -36,21 +36,7 @@ static void *test_malloc(size_t bytes) {
 #include <string.h>
 #include <sys/wait.h>
 
-typedef struct {
-    int passed, failed;
-} results;
-
-/* Records one check; prints failures always and passes as a dot-free line. */
-static void check(results *r, int ok, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    printf(ok ? "  ok    " : "  FAIL  ");
-    vprintf(fmt, ap);
-    printf("\n");
-    va_end(ap);
-    if (ok) r->passed++;
-    else r->failed++;
-}
+#include "check.h"
 
 static void fill_normal(lg_real *x, size_t n, float std, lg_rng *rng) {
     for (size_t i = 0; i < n; i++) x[i] = std * lg_rng_normal(rng);

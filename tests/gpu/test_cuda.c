@@ -22,20 +22,7 @@
 
 /* --- harness ---------------------------------------------------------------------------------- */
 
-typedef struct {
-    int passed, failed;
-} results;
-
-static void check(results *r, int ok, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    printf(ok ? "  ok    " : "  FAIL  ");
-    vprintf(fmt, ap);
-    printf("\n");
-    va_end(ap);
-    if (ok) r->passed++;
-    else r->failed++;
-}
+#include "../check.h"
 
 static void die_cuda(const char *what, cudaError_t status) {
     fprintf(stderr, "test_cuda: %s: %s\n", what, cudaGetErrorString(status));
@@ -90,13 +77,7 @@ static void gpu_exec_free(lg_exec *ex) {
     gpu_free(g->row_sums);
     gpu_free(g->totals);
     gpu_free(g->matmul_workspace);
-#ifndef LG_CUDA_EMULATE
-    cublasLtDestroy(g->lt);
-#endif
-    cudaEventDestroy(g->compute_done);
-    cudaEventDestroy(g->comm_done);
-    cudaStreamDestroy(g->stream);
-    cudaStreamDestroy(g->comm);
+    lg_cuda_rank_handles_free(g);
     LG_FREE(g);
     memset(ex, 0, sizeof *ex);
 }
