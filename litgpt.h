@@ -3504,6 +3504,18 @@ static void lg_zero(const lg_exec *ex, lg_buf x, size_t n) {
     memset(x.data, 0, n * lg_elem_size(x.dtype));
 }
 
+/* The residual add and the norm that follows it: sum (N, C) = a + b, then out (N, C), mean and
+   rstd (N) the norm of sum as lg_norm_forward. One pass over the rows on a GPU; sum may be a
+   or b. (The backward needs no fusing: lg_norm_backward adds into the residual's gradient.) */
+static void lg_residual_norm_forward(const lg_exec *ex, lg_buf sum, lg_buf out, lg_real *mean,
+                                     lg_real *rstd, lg_buf a, lg_buf b, lg_buf weight,
+                                     lg_buf bias, int N, int C, float eps) {
+    LG_ON_GPU(ex, lg_cuda_residual_norm_forward(ex, sum, out, mean, rstd, a, b, weight, bias, N,
+                                                C, eps));
+    lg_add(ex, sum, a, b, (size_t)N * C);
+    lg_norm_forward(ex, out, mean, rstd, sum, weight, bias, N, C, eps);
+}
+
 /* 7. model ------------------------------------------------------------------------------------ */
 
 /* The memory of region `name` of the model's rank, or an error naming it. */
@@ -3723,14 +3735,18 @@ static void lg_block_forward(lg_model *m, int l, int B, int T) {
                    lg_config_rope_dims(c), +1);
     lg_attention_forward(ex, a->att_y, a->att_lse, a->qkv, B, T, NH, NQG, HS);
     lg_linear_forward(ex, a->x_mid, a->att_y, w->proj_w, w->proj_b, N, NH * HS, C);
-    lg_add(ex, a->x_mid, a->x_mid, x, (size_t)N * C);
 
-    lg_buf mlp_in = a->n1;
-    if (!c->shared_attention_norm) {
-        lg_norm_forward(ex, a->n2, lg_norm_mean_or_null(c, a->n2_mean), a->n2_rstd,
-                        c->parallel_residual ? x : a->x_mid, w->norm_2_w, w->norm_2_b, N, C,
-                        c->norm_eps);
-        mlp_in = a->n2;
+    /* x_mid = x + attention; the MLP reads the norm of x (parallel), of x_mid, or n1 (shared) */
+    lg_buf mlp_in = c->shared_attention_norm ? a->n1 : a->n2;
+    lg_real *n2_mean = lg_norm_mean_or_null(c, a->n2_mean);
+    if (c->shared_attention_norm || c->parallel_residual) {
+        lg_add(ex, a->x_mid, a->x_mid, x, (size_t)N * C);
+        if (!c->shared_attention_norm)
+            lg_norm_forward(ex, a->n2, n2_mean, a->n2_rstd, x, w->norm_2_w, w->norm_2_b, N, C,
+                            c->norm_eps);
+    } else {
+        lg_residual_norm_forward(ex, a->x_mid, a->n2, n2_mean, a->n2_rstd, a->x_mid, x,
+                                 w->norm_2_w, w->norm_2_b, N, C, c->norm_eps);
     }
     lg_linear_forward(ex, a->fc, mlp_in, w->fc_w, w->fc_b, N, C, I);
     if (c->mlp_class_name == LG_MLP_LLAMA) {

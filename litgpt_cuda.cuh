@@ -445,12 +445,10 @@ static void lg_cuda_embedding_backward(const lg_exec *ex, lg_buf dwte, lg_buf dw
 
 /* One warp a row (LG_CUDA_ROW_WARPS rows a block): lanes stride the channels; the mean, then
    the variance about it (two passes, as the CPU), by warp butterflies. */
-__global__ void lg_k_norm_forward(lg_buf out, lg_real *mean, lg_real *rstd, lg_buf inp,
-                                  lg_buf weight, lg_buf bias, int N, int C, float eps) {
-    int row = blockIdx.x * LG_CUDA_ROW_WARPS + threadIdx.x / LG_CUDA_WARP;
-    int lane = threadIdx.x % LG_CUDA_WARP;
-    if (row >= N) return; /* the whole warp: no block barriers here */
-    lg_buf x = lg_at(inp, (size_t)row * C), y = lg_at(out, (size_t)row * C);
+/* One row x (C) normalised into y (C) by the calling warp; its mean (LayerNorm, when mean) and
+   rstd stored by lane 0. */
+static __device__ void lg_k_norm_row(lg_buf y, lg_buf x, lg_real *mean, lg_real *rstd, int row,
+                                     lg_buf weight, lg_buf bias, int C, float eps, int lane) {
     float mu = 0.0f, var = 0.0f;
     if (mean) {
         for (int i = lane; i < C; i += LG_CUDA_WARP) mu += lg_get(x, i);
@@ -465,6 +463,30 @@ __global__ void lg_k_norm_forward(lg_buf out, lg_real *mean, lg_real *rstd, lg_b
         if (mean) mean[row] = mu;
         rstd[row] = r;
     }
+}
+
+__global__ void lg_k_norm_forward(lg_buf out, lg_real *mean, lg_real *rstd, lg_buf inp,
+                                  lg_buf weight, lg_buf bias, int N, int C, float eps) {
+    int row = blockIdx.x * LG_CUDA_ROW_WARPS + threadIdx.x / LG_CUDA_WARP;
+    int lane = threadIdx.x % LG_CUDA_WARP;
+    if (row >= N) return; /* the whole warp: no block barriers here */
+    lg_k_norm_row(lg_at(out, (size_t)row * C), lg_at(inp, (size_t)row * C), mean, rstd, row,
+                  weight, bias, C, eps, lane);
+}
+
+/* The residual add fused with the norm after it: a warp a row writes sum = a + b, then
+   normalises the row it wrote (each lane reads back only its own elements, rounded to their
+   storage as the CPU's lg_add leaves them). */
+__global__ void lg_k_residual_norm_forward(lg_buf sum, lg_buf out, lg_real *mean, lg_real *rstd,
+                                           lg_buf a, lg_buf b, lg_buf weight, lg_buf bias, int N,
+                                           int C, float eps) {
+    int row = blockIdx.x * LG_CUDA_ROW_WARPS + threadIdx.x / LG_CUDA_WARP;
+    int lane = threadIdx.x % LG_CUDA_WARP;
+    if (row >= N) return;
+    size_t first = (size_t)row * C;
+    lg_buf s = lg_at(sum, first), x = lg_at(a, first), y = lg_at(b, first);
+    for (int i = lane; i < C; i += LG_CUDA_WARP) lg_set(s, i, lg_get(x, i) + lg_get(y, i));
+    lg_k_norm_row(lg_at(out, first), s, mean, rstd, row, weight, bias, C, eps, lane);
 }
 
 /* dinp (N, C) += the gradient through the norm: one warp a row, as the forward. */
@@ -533,6 +555,16 @@ static void lg_cuda_norm_forward(const lg_exec *ex, lg_buf out, lg_real *mean, l
     LG_LAUNCH(lg_k_norm_forward, lg_cuda_blocks((size_t)N, LG_CUDA_ROW_WARPS),
               LG_CUDA_ROW_WARPS * LG_CUDA_WARP, 0, lg_cuda_stream(ex), out, mean, rstd, inp,
               weight, bias, N, C, eps);
+}
+
+/* sum (N, C) = a + b (sum may be a or b); out (N, C), mean, rstd (N): the norm of sum */
+static void lg_cuda_residual_norm_forward(const lg_exec *ex, lg_buf sum, lg_buf out,
+                                          lg_real *mean, lg_real *rstd, lg_buf a, lg_buf b,
+                                          lg_buf weight, lg_buf bias, int N, int C, float eps) {
+    if (N == 0) return;
+    LG_LAUNCH(lg_k_residual_norm_forward, lg_cuda_blocks((size_t)N, LG_CUDA_ROW_WARPS),
+              LG_CUDA_ROW_WARPS * LG_CUDA_WARP, 0, lg_cuda_stream(ex), sum, out, mean, rstd, a,
+              b, weight, bias, N, C, eps);
 }
 
 /* dinp (N, C) += ..., dweight, dbias (C) += ... from dout (N, C), inp (N, C), weight (C),
@@ -766,7 +798,8 @@ static void lg_cuda_hessian_update(const lg_exec *ex, lg_optimizer *opt, lg_buf 
      lg_att_outer: acc (RM, DN) += P X over the tile's columns, X (cols, HSP): thread (ty, tx)
                    owns rows ty RM + i and head dims tx 4 + 4 TC k + e.
    The backward writes its three gradients from blocks that own them whole (no atomics), so
-   results are bitwise reproducible. */
+   results are bitwise reproducible. bf16 and fp16 heads of 16, 32, ..., 128 take the
+   tensor-core kernels of g2 instead (lg_att_tc_applies). */
 
 #ifndef LG_CUDA_EMULATE
 #include <cuda_bf16.h> /* the tensor-core kernels (g2): 16-bit types and WMMA */
@@ -1534,6 +1567,7 @@ lg_k_attention_forward_tc(uint16_t *y, float *lse, const uint16_t *qkv, int T, i
     for (int i = (int)threadIdx.x; i < BR * LDO; i += LG_ATT_TC_THREADS) os[i] = 0.0f;
     __syncthreads();
     lg_att_frag_a<DT> qf[DK];
+    LG_ATT_UNROLL
     for (int kk = 0; kk < DK; kk++)
         if (kk < hs16) wmma::load_matrix_sync(qf[kk], ks + w0 * LDH + kk * M, LDH);
 
@@ -1548,6 +1582,7 @@ lg_k_attention_forward_tc(uint16_t *y, float *lse, const uint16_t *qkv, int T, i
         for (int nt = 0; nt < live; nt++) {
             lg_att_frag_c acc;
             wmma::fill_fragment(acc, 0.0f);
+            LG_ATT_UNROLL
             for (int kk = 0; kk < DK; kk++)
                 if (kk < hs16) {
                     lg_att_frag_b<DT, wmma::col_major> kf;
@@ -1576,12 +1611,15 @@ lg_k_attention_forward_tc(uint16_t *y, float *lse, const uint16_t *qkv, int T, i
         for (int d = half * HSP / 2; d < (half + 1) * HSP / 2; d++) os[r * LDO + d] *= alpha;
         __syncwarp();
         lg_att_frag_a<DT> pf[NK];
+        LG_ATT_UNROLL
         for (int kt = 0; kt < NK; kt++)
             if (kt < live) wmma::load_matrix_sync(pf[kt], ps + w0 * LDP + kt * M, LDP);
+        LG_ATT_UNROLL
         for (int j = 0; j < DK; j++)
             if (j < hs16) {
                 lg_att_frag_c acc;
                 wmma::load_matrix_sync(acc, os + w0 * LDO + j * M, LDO, wmma::mem_row_major);
+                LG_ATT_UNROLL
                 for (int kt = 0; kt < NK; kt++)
                     if (kt < live) {
                         lg_att_frag_b<DT, wmma::row_major> vf;
@@ -1651,6 +1689,7 @@ lg_k_attention_backward_dq_tc(uint16_t *dqkv, const uint16_t *dy, const uint16_t
     __syncthreads();
     lg_att_frag_a<DT> qf[DK], dyf[DK];
     lg_att_frag_c dq[DK];
+    LG_ATT_UNROLL
     for (int kk = 0; kk < DK; kk++)
         if (kk < hs16) {
             wmma::load_matrix_sync(qf[kk], ks + w0 * LDH + kk * M, LDH);
@@ -1670,6 +1709,7 @@ lg_k_attention_backward_dq_tc(uint16_t *dqkv, const uint16_t *dy, const uint16_t
             lg_att_frag_c s, dp;
             wmma::fill_fragment(s, 0.0f);
             wmma::fill_fragment(dp, 0.0f);
+            LG_ATT_UNROLL
             for (int kk = 0; kk < DK; kk++)
                 if (kk < hs16) {
                     lg_att_frag_b<DT, wmma::col_major> kf, vf;
@@ -1690,10 +1730,12 @@ lg_k_attention_backward_dq_tc(uint16_t *dqkv, const uint16_t *dy, const uint16_t
             dss[r * LDP + col] = lg_att_tc_type<DT>::from_f32(v);
         }
         __syncwarp();
+        LG_ATT_UNROLL
         for (int kt = 0; kt < NK; kt++)
             if (kt < live) {
                 lg_att_frag_a<DT> dsf;
                 wmma::load_matrix_sync(dsf, dss + w0 * LDP + kt * M, LDP);
+                LG_ATT_UNROLL
                 for (int j = 0; j < DK; j++)
                     if (j < hs16) {
                         lg_att_frag_b<DT, wmma::row_major> kf;
@@ -1703,6 +1745,7 @@ lg_k_attention_backward_dq_tc(uint16_t *dqkv, const uint16_t *dy, const uint16_t
             }
     }
     __syncwarp();
+    LG_ATT_UNROLL
     for (int j = 0; j < DK; j++)
         if (j < hs16)
             lg_att_tc_add<DT>(dqkv + at + (size_t)h * HS, QKV, dq[j], ss + w0 * LDS, LDS, q0 + w0,
@@ -1751,6 +1794,7 @@ lg_k_attention_backward_dkv_tc(uint16_t *dqkv, const uint16_t *dy, const uint16_
     lg_att_tc_load<E, HSP, BK>(vs, base + (size_t)(NH + NQG + g) * HS, QKV, k0, T, HS);
 
     lg_att_frag_c dk[DK], dv[DK];
+    LG_ATT_UNROLL
     for (int j = 0; j < DK; j++)
         if (j < hs16) {
             wmma::fill_fragment(dk[j], 0.0f);
@@ -1766,12 +1810,14 @@ lg_k_attention_backward_dkv_tc(uint16_t *dqkv, const uint16_t *dy, const uint16_
                                    ldy, q0, T, HS);
             __syncthreads();
             bool live[NQ]; /* query blocks with a query at or after the warp's first key */
+            LG_ATT_UNROLL
             for (int nt = 0; nt < NQ; nt++) {
                 live[nt] = q0 + nt * M + M - 1 >= k0 + w0 && q0 + nt * M < T;
                 if (!live[nt]) continue;
                 lg_att_frag_c s, dp;
                 wmma::fill_fragment(s, 0.0f);
                 wmma::fill_fragment(dp, 0.0f);
+                LG_ATT_UNROLL
                 for (int kk = 0; kk < DK; kk++)
                     if (kk < hs16) {
                         lg_att_frag_a<DT> kf, vf;
@@ -1798,11 +1844,13 @@ lg_k_attention_backward_dkv_tc(uint16_t *dqkv, const uint16_t *dy, const uint16_
                 dsts[r * LDP + col] = lg_att_tc_type<DT>::from_f32(v);
             }
             __syncwarp();
+            LG_ATT_UNROLL
             for (int kt = 0; kt < NQ; kt++)
                 if (live[kt]) {
                     lg_att_frag_a<DT> pf, dsf;
                     wmma::load_matrix_sync(pf, pts + w0 * LDP + kt * M, LDP);
                     wmma::load_matrix_sync(dsf, dsts + w0 * LDP + kt * M, LDP);
+                    LG_ATT_UNROLL
                     for (int j = 0; j < DK; j++)
                         if (j < hs16) {
                             lg_att_frag_b<DT, wmma::row_major> dyf, qf;
@@ -1815,6 +1863,7 @@ lg_k_attention_backward_dkv_tc(uint16_t *dqkv, const uint16_t *dy, const uint16_
         }
     }
     __syncwarp();
+    LG_ATT_UNROLL
     for (int j = 0; j < DK; j++)
         if (j < hs16) {
             lg_att_tc_add<DT>(dqkv + at + (size_t)(NH + g) * HS, QKV, dk[j], sts + w0 * LDS, LDS,

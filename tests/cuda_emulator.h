@@ -29,6 +29,8 @@
       rank of its communicator clique has issued it (the k-th call of each rank match), reading
       all inputs before writing any output (so in place works); bf16 and fp16 sums are taken in
       float and rounded once to nearest even.
+   5. the WMMA subset of <mma.h> (nvcuda::wmma, 16-bit inputs, float accumulators) with
+      __nv_bfloat16 and __half; every lane's fragment holds the whole tile (see section 9).
 
    All emulator state is one struct reached through a function-static pointer (lg_emu_state());
    it is not thread safe: one host thread drives every emulated device, as in the trainer.
@@ -1894,5 +1896,167 @@ inline ncclResult_t ncclReduce(const void *send, void *recv, size_t count, ncclD
     return lg_emu_nccl_enqueue(comm, lg_emu_nccl_call{LG_EMU_REDUCE, send, recv, count, type, op, root},
                                bytes, bytes);
 }
+
+/* ============================================================================================
+   9. Warp matrix functions: the <mma.h> (WMMA), <cuda_bf16.h> and <cuda_fp16.h> subsets
+   ============================================================================================ */
+
+/* Each lane's fragment holds the WHOLE tile, row-major: element (i, j) of a rows x cols tile is
+   x[i * cols + j], so num_elements = rows cols (on a GPU a lane holds a few elements in an
+   unspecified order). Code that treats fragments opaquely, or applies the same operation to
+   every x[i], behaves the same; code that relies on which element a lane holds does not. Every
+   WMMA call is a warp-synchronous point (a __syncwarp on entry): the lanes' shared-memory writes
+   before it are visible to it. mma_sync multiplies the exact 16-bit values (their products are
+   exact in float) and adds them to the accumulator in k order, rounding each sum to float; the
+   tensor cores' internal order and rounding differ in the last bits. The pointers must be
+   32-byte aligned and the leading dimensions multiples of 16 bytes, as CUDA requires. */
+
+/* The 16-bit floating-point types: bits only; conversions round to nearest even. */
+struct __nv_bfloat16 {
+    uint16_t bits;
+};
+struct __half {
+    uint16_t bits;
+};
+inline __nv_bfloat16 __float2bfloat16(float f) { return __nv_bfloat16{lg_emu_float_to_bf16(f)}; }
+inline float __bfloat162float(__nv_bfloat16 h) { return lg_emu_bf16_to_float(h.bits); }
+inline __half __float2half(float f) { return __half{lg_emu_float_to_fp16(f)}; }
+inline float __half2float(__half h) { return lg_emu_fp16_to_float(h.bits); }
+
+inline float lg_emu_wmma_float(float v) { return v; }
+inline float lg_emu_wmma_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+inline float lg_emu_wmma_float(__half v) { return __half2float(v); }
+
+namespace nvcuda {
+namespace wmma {
+
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+/* The tile of a fragment: matrix_a M x K, matrix_b K x N, accumulator M x N. */
+template <typename Use, int M, int N, int K> struct lg_emu_tile;
+template <int M, int N, int K> struct lg_emu_tile<matrix_a, M, N, K> {
+    static constexpr int rows = M, cols = K;
+};
+template <int M, int N, int K> struct lg_emu_tile<matrix_b, M, N, K> {
+    static constexpr int rows = K, cols = N;
+};
+template <int M, int N, int K> struct lg_emu_tile<accumulator, M, N, K> {
+    static constexpr int rows = M, cols = N;
+};
+
+template <typename Use, int M, int N, int K, typename T, typename Layout = void> class fragment {
+    static_assert((M == 16 && N == 16 && K == 16) || (M == 32 && N == 8 && K == 16) ||
+                      (M == 8 && N == 32 && K == 16),
+                  "the 16-bit WMMA shapes: m16n16k16, m32n8k16, m8n32k16");
+    static_assert(std::is_same<Use, accumulator>::value
+                      ? std::is_same<T, float>::value && std::is_same<Layout, void>::value
+                      : (std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value) &&
+                            (std::is_same<Layout, row_major>::value ||
+                             std::is_same<Layout, col_major>::value),
+                  "emulated: bf16/fp16 matrix_a/b with a layout, float accumulators without");
+
+public:
+    typedef T element_type;
+    typedef T storage_element_type;
+    static constexpr int rows = lg_emu_tile<Use, M, N, K>::rows;
+    static constexpr int cols = lg_emu_tile<Use, M, N, K>::cols;
+    enum { num_elements = rows * cols };
+    T x[num_elements];
+};
+
+/* Checks CUDA's requirements on a tile in memory. */
+inline void lg_emu_wmma_check(const void *p, unsigned ldm, size_t element_bytes, const char *what) {
+    if ((uintptr_t)p % 32) lg_emu_die("%s: pointer %p is not 32-byte aligned", what, p);
+    if ((ldm * element_bytes) % 16)
+        lg_emu_die("%s: leading dimension %u is not a multiple of 16 bytes", what, ldm);
+}
+
+/* Element (i, j) of a tile at p, leading dimension ldm. */
+inline size_t lg_emu_wmma_at(int i, int j, unsigned ldm, bool row_major_) {
+    return row_major_ ? (size_t)i * ldm + (size_t)j : (size_t)i + (size_t)j * ldm;
+}
+
+template <typename Use, int M, int N, int K, typename T, typename Layout>
+inline void load_matrix_sync(fragment<Use, M, N, K, T, Layout> &a, const T *p, unsigned ldm) {
+    static_assert(!std::is_same<Use, accumulator>::value, "accumulators load with a layout_t");
+    __syncwarp();
+    lg_emu_wmma_check(p, ldm, sizeof(T), "load_matrix_sync");
+    typedef fragment<Use, M, N, K, T, Layout> F;
+    for (int i = 0; i < F::rows; i++)
+        for (int j = 0; j < F::cols; j++)
+            a.x[i * F::cols + j] = p[lg_emu_wmma_at(i, j, ldm, std::is_same<Layout, row_major>::value)];
+}
+
+template <int M, int N, int K>
+inline void load_matrix_sync(fragment<accumulator, M, N, K, float> &c, const float *p, unsigned ldm,
+                             layout_t layout) {
+    __syncwarp();
+    lg_emu_wmma_check(p, ldm, sizeof(float), "load_matrix_sync");
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) c.x[i * N + j] = p[lg_emu_wmma_at(i, j, ldm, layout == mem_row_major)];
+}
+
+template <int M, int N, int K>
+inline void store_matrix_sync(float *p, const fragment<accumulator, M, N, K, float> &c, unsigned ldm,
+                              layout_t layout) {
+    __syncwarp();
+    lg_emu_wmma_check(p, ldm, sizeof(float), "store_matrix_sync");
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) p[lg_emu_wmma_at(i, j, ldm, layout == mem_row_major)] = c.x[i * N + j];
+}
+
+template <typename Use, int M, int N, int K, typename T, typename Layout>
+inline void fill_fragment(fragment<Use, M, N, K, T, Layout> &a, const T &v) {
+    __syncwarp();
+    for (int i = 0; i < fragment<Use, M, N, K, T, Layout>::num_elements; i++) a.x[i] = v;
+}
+
+/* mma_sync is a pure function of its operands' bits, and the lanes of a warp normally pass
+   the same operands: each warp keeps its last call's operands and result, which a lane with
+   equal operands copies instead of multiplying again (a lane with others computes its own). */
+struct lg_emu_wmma_memo {
+    std::vector<unsigned char> operands, result;
+};
+inline lg_emu_wmma_memo &lg_emu_wmma_memo_of_warp(int warp) {
+    static lg_emu_wmma_memo memo[LG_EMU_MAX_THREADS / 32];
+    return memo[warp];
+}
+
+/* d = a b + c (d may be c). */
+template <int M, int N, int K, typename T, typename LA, typename LB>
+inline void mma_sync(fragment<accumulator, M, N, K, float> &d, const fragment<matrix_a, M, N, K, T, LA> &a,
+                     const fragment<matrix_b, M, N, K, T, LB> &b,
+                     const fragment<accumulator, M, N, K, float> &c) {
+    __syncwarp();
+    const int shape[4] = {M, N, K, std::is_same<T, __half>::value};
+    unsigned char operands[sizeof shape + sizeof a.x + sizeof b.x + sizeof c.x];
+    memcpy(operands, shape, sizeof shape);
+    memcpy(operands + sizeof shape, a.x, sizeof a.x);
+    memcpy(operands + sizeof shape + sizeof a.x, b.x, sizeof b.x);
+    memcpy(operands + sizeof shape + sizeof a.x + sizeof b.x, c.x, sizeof c.x);
+    lg_emu_wmma_memo &memo = lg_emu_wmma_memo_of_warp(lg_emu_current_thread("mma_sync")->linear / 32);
+    if (memo.operands.size() == sizeof operands && !memcmp(memo.operands.data(), operands, sizeof operands)) {
+        memcpy(d.x, memo.result.data(), sizeof d.x);
+        return;
+    }
+    float af[M * K], bf[K * N], out[M * N];
+    for (int i = 0; i < M * K; i++) af[i] = lg_emu_wmma_float(a.x[i]);
+    for (int i = 0; i < K * N; i++) bf[i] = lg_emu_wmma_float(b.x[i]);
+    memcpy(out, c.x, sizeof out);
+    for (int i = 0; i < M; i++) /* each out (i, j) sums its exact products in k order */
+        for (int k = 0; k < K; k++)
+            for (int j = 0; j < N; j++) out[i * N + j] += af[i * K + k] * bf[k * N + j];
+    memo.operands.assign(operands, operands + sizeof operands);
+    memo.result.assign((const unsigned char *)out, (const unsigned char *)out + sizeof out);
+    memcpy(d.x, out, sizeof out);
+}
+
+} /* namespace wmma */
+} /* namespace nvcuda */
 
 #endif /* LG_CUDA_EMULATOR_H */

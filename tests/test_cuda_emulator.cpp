@@ -163,6 +163,24 @@ __global__ void no_args_kernel(void) {
     atomicAdd(&hits, 1);
 }
 
+/* C (32, 48) = A (32, 16) B (16, 48) + C, one warp: A bf16 or fp16, row-major (ld 16); B stored
+   transposed, Bt (48, 16), read as col_major; C float, row-major (ld 48). 2 x 3 tiles of 16. */
+template <typename T> __global__ void wmma_kernel(float *c, const T *a, const T *bt) {
+    using namespace nvcuda;
+    for (int ti = 0; ti < 2; ti++)
+        for (int tj = 0; tj < 3; tj++) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+            wmma::load_matrix_sync(acc, c + ti * 16 * 48 + tj * 16, 48, wmma::mem_row_major);
+            wmma::load_matrix_sync(fa, a + ti * 16 * 16, 16);
+            wmma::load_matrix_sync(fb, bt + tj * 16 * 16, 16);
+            wmma::mma_sync(acc, fa, fb, acc);
+            for (int i = 0; i < acc.num_elements; i++) acc.x[i] *= 2.0f; /* uniform: any layout */
+            wmma::store_matrix_sync(c + ti * 16 * 48 + tj * 16, acc, 48, wmma::mem_row_major);
+        }
+}
+
 /* ---------------------------------------------------------------------------------------------
    Tests
    --------------------------------------------------------------------------------------------- */
@@ -451,6 +469,39 @@ static void test_half_conversions(void) {
     CHECK(round_trip);
 }
 
+/* wmma_kernel against a CPU loop (the same order of sums: bitwise equal), both 16-bit types. */
+template <typename T> static void test_wmma_type(T (*from_float)(float), float (*to_float)(T)) {
+    const int M = 32, N = 48, K = 16;
+    std::vector<T> a(M * K), bt(N * K);
+    std::vector<float> c(M * N), want(M * N);
+    for (int i = 0; i < M * K; i++) a[i] = from_float((float)((i * 7) % 23 - 11) / 8.0f);
+    for (int i = 0; i < N * K; i++) bt[i] = from_float((float)((i * 5) % 19 - 9) / 16.0f + 0.001f * i);
+    for (int i = 0; i < M * N; i++) c[i] = (float)(i % 13) / 4.0f - 1.5f;
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            float s = c[i * N + j];
+            for (int k = 0; k < K; k++) s += to_float(a[i * K + k]) * to_float(bt[j * K + k]);
+            want[i * N + j] = 2.0f * s;
+        }
+    T *da = device_copy(a), *db = device_copy(bt);
+    for (int reverse = 0; reverse < 2; reverse++) {
+        lg_emu_set_order(reverse);
+        float *dc = device_copy(c);
+        LG_LAUNCH((wmma_kernel<T>), 1, 32, 0, nullptr, dc, da, db);
+        CHECK(host_copy(dc, M * N) == want);
+        cudaFree(dc);
+    }
+    lg_emu_set_order(0);
+    cudaFree(da), cudaFree(db);
+}
+
+static void test_wmma(void) {
+    test_wmma_type<__nv_bfloat16>(__float2bfloat16, __bfloat162float);
+    test_wmma_type<__half>(__float2half, __half2float);
+    CHECK(__bfloat162float(__float2bfloat16(1.0f + 1.0f / 256)) == 1.0f); /* to nearest even */
+    CHECK(__half2float(__float2half(1.0f + 3.0f / 2048)) == 1.0f + 4.0f / 2048);
+}
+
 /* NCCL on 3 ranks, grouped as the backend issues it. */
 static void test_nccl(void) {
     const int n = 3;
@@ -596,6 +647,7 @@ int main(void) {
     test_deadlock_detection();
     test_memory_accounting();
     test_half_conversions();
+    test_wmma();
     test_nccl();
     report_speed();
     printf("%d passed, %d failed\n", passed, failed);

@@ -131,13 +131,15 @@ static int bitwise_equal(lg_buf a, lg_buf b, size_t n) {
 /* --- matmuls ------------------------------------------------------------------------------- */
 
 /* C (M, N) = beta C + op(A) op(B) on the GPU (the rank's choice of cuBLASLt or the reference
-   kernel) against lg_gemm, every transposition, every storage type, beta 0 and 1. */
-static void test_matmul(results *r, int reference) {
+   kernel, TF32 allowed or not) against lg_gemm, every transposition, every storage type, beta
+   0 and 1. fp32 within 1e-5, or 1e-3 with TF32 (10-bit mantissas); halves 1e-2. */
+static void test_matmul(results *r, int reference, int tf32) {
     const int M = 37, N = 29, K = 45;
     lg_rng rng;
     lg_rng_seed(&rng, 7);
     lg_exec ex = gpu_exec(64, 64);
     ex.cuda->reference_matmul = reference;
+    ex.cuda->tf32 = tf32;
     for (int d = 0; d < 3; d++) {
         lg_dtype dtype = storage_types[d];
         double worst = 0;
@@ -165,10 +167,10 @@ static void test_matmul(results *r, int reference) {
             gpu_free(want.data), gpu_free(got.data), gpu_free(again.data);
         }
         /* half outputs round once, the CPU rounds once: a half ulp of the largest apart */
-        check(r, worst < tolerance_of(dtype, 1e-5) && deterministic,
-              "matmul (%s) %s, 8 transpositions x beta: rel err %.1e, bitwise repeatable: %s",
-              reference ? "reference kernel" : "cuBLASLt", lg_dtype_name(dtype), worst,
-              deterministic ? "yes" : "no");
+        check(r, worst < tolerance_of(dtype, tf32 ? 1e-3 : 1e-5) && deterministic,
+              "matmul (%s%s) %s, 8 transpositions x beta: rel err %.1e, bitwise repeatable: %s",
+              reference ? "reference kernel" : "cuBLASLt", tf32 ? ", TF32" : "",
+              lg_dtype_name(dtype), worst, deterministic ? "yes" : "no");
     }
     gpu_exec_free(&ex);
 }
@@ -210,6 +212,45 @@ static void test_linear(results *r, int reference) {
         gpu_free(db_want.data);
         gpu_free(db_got.data);
     }
+    gpu_exec_free(&ex);
+}
+
+/* The residual add fused with the norm after it, in place (sum = a) as the model uses it,
+   LayerNorm and RMSNorm, each storage type, against the CPU's add then norm. */
+static void test_residual_norm(results *r) {
+    const int N = 37, C = 100;
+    const size_t n = (size_t)N * C;
+    lg_rng rng;
+    lg_rng_seed(&rng, 13);
+    lg_exec ex = gpu_exec(64, C);
+    for (int d = 0; d < 3; d++)
+        for (int layer_norm = 0; layer_norm < 2; layer_norm++) {
+            lg_dtype dtype = storage_types[d];
+            lg_buf a = random_buf(dtype, n, 1, &rng), b = random_buf(dtype, n, 1, &rng);
+            lg_buf w = random_buf(dtype, C, 1, &rng), bias = random_buf(dtype, C, 1, &rng);
+            lg_buf sum_want = copy_buf(a, n), sum_got = copy_buf(a, n);
+            lg_buf out_want = poisoned_buf(dtype, n), out_got = poisoned_buf(dtype, n);
+            lg_buf stats_want = poisoned_buf(LG_DTYPE_F32, 2 * (size_t)N);
+            lg_buf stats_got = poisoned_buf(LG_DTYPE_F32, 2 * (size_t)N);
+            lg_real *mean_want = (lg_real *)stats_want.data, *mean_got = (lg_real *)stats_got.data;
+            lg_buf no_bias = {NULL, dtype};
+            lg_residual_norm_forward(NULL, sum_want, out_want, layer_norm ? mean_want : NULL,
+                                     mean_want + N, sum_want, b, w, layer_norm ? bias : no_bias,
+                                     N, C, 1e-5f);
+            lg_cuda_residual_norm_forward(&ex, sum_got, out_got, layer_norm ? mean_got : NULL,
+                                          mean_got + N, sum_got, b, w,
+                                          layer_norm ? bias : no_bias, N, C, 1e-5f);
+            gpu_sync(&ex);
+            lg_buf rstd_want = lg_at(stats_want, N), rstd_got = lg_at(stats_got, N);
+            double worst = fmax(fmax(rel_error(sum_got, sum_want, n), rel_error(out_got, out_want, n)),
+                                rel_error(rstd_got, rstd_want, N));
+            if (layer_norm) worst = fmax(worst, rel_error(stats_got, stats_want, N));
+            check(r, worst < tolerance_of(dtype, 1e-5),
+                  "residual add + %s (%s), in place: rel err %.1e", layer_norm ? "LayerNorm" : "RMSNorm",
+                  lg_dtype_name(dtype), worst);
+            lg_buf all[10] = {a, b, w, bias, sum_want, sum_got, out_want, out_got, stats_want, stats_got};
+            for (int k = 0; k < 10; k++) gpu_free(all[k].data);
+        }
     gpu_exec_free(&ex);
 }
 
@@ -480,10 +521,12 @@ int main(int argc, char **argv) {
     printf("ops\n");
     test_kernels(&r);
     test_attention(&r);
-    test_matmul(&r, 1);
+    test_residual_norm(&r);
+    test_matmul(&r, 1, 0);
     test_linear(&r, 1);
 #ifndef LG_CUDA_EMULATE
-    test_matmul(&r, 0);
+    test_matmul(&r, 0, 0);
+    test_matmul(&r, 0, 1);
     test_linear(&r, 0);
 #endif
     printf("training steps\n");
