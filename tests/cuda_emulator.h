@@ -28,7 +28,11 @@
    4. the NCCL subset, in process: grouped calls queue one per rank; a collective runs once every
       rank of its communicator clique has issued it (the k-th call of each rank match), reading
       all inputs before writing any output (so in place works); bf16 and fp16 sums are taken in
-      float and rounded once to nearest even.
+      float and rounded once to nearest even. With LG_EMU_DEFER_COLLECTIVES=1 a complete
+      collective does not run at once but waits until the host synchronises its stream or the
+      device, or a stream waits on an event recorded on its stream after it: the latest a GPU
+      could run it. An op that reads a collective's output without such a wait then reads the
+      old values.
    5. the WMMA subset of <mma.h> (nvcuda::wmma, 16-bit inputs, float accumulators) with
       __nv_bfloat16 and __half; every lane's fragment holds the whole tile (see section 9).
 
@@ -267,6 +271,8 @@ struct lg_emu_event {
     int device;
     unsigned flags;
     int recorded;
+    lg_emu_stream *stream; /* where it was last recorded, and the deferred collectives issued */
+    uint64_t mark;         /* by then: waiting on it runs those of that stream */
 };
 typedef lg_emu_stream *cudaStream_t;
 typedef lg_emu_event *cudaEvent_t;
@@ -314,6 +320,7 @@ struct lg_emu_nccl_call {
     ncclDataType_t type;
     ncclRedOp_t op;
     int root;
+    cudaStream_t stream; /* the stream it was issued on */
 };
 
 /* The communicators made together by one ncclCommInitAll. */
@@ -414,10 +421,22 @@ struct lg_emu_runtime {
     cudaError_t last_error;
 };
 
+/* A complete collective left for later (deferred mode): every rank's call, and its place in
+   the order of issue. */
+struct lg_emu_deferred_collective {
+    std::vector<lg_emu_nccl_call> calls;
+    uint64_t seq;
+};
+
 struct lg_emu_nccl_state {
     int group_depth;
     std::set<ncclComm_t> comms;                /* live communicators */
     std::vector<lg_emu_nccl_clique *> touched; /* cliques that may have queued calls */
+    /* deferred mode (LG_EMU_DEFER_COLLECTIVES=1): complete collectives wait here, oldest first,
+       until something orders them before the host or another stream (see section 4) */
+    int defer;
+    uint64_t issued;                           /* collectives deferred so far */
+    std::deque<lg_emu_deferred_collective> deferred;
 };
 
 struct lg_emu_state_t {
@@ -461,6 +480,8 @@ inline lg_emu_state_t *lg_emu_state_create(void) {
     if (s->rt.device_count < 0 || s->rt.device_count > LG_EMU_MAX_DEVICES)
         lg_emu_die("LG_EMU_DEVICES=%s is outside 0..%d", devices, LG_EMU_MAX_DEVICES);
     s->rt.memory_per_device = lg_emu_parse_bytes(getenv("LG_EMU_MEMORY"), (size_t)16 << 30);
+    const char *defer = getenv("LG_EMU_DEFER_COLLECTIVES");
+    s->nccl.defer = defer && strcmp(defer, "1") == 0;
     const char *order = getenv("LG_EMU_ORDER");
     if (order && strcmp(order, "reverse") == 0) s->sched.reverse_order = 1;
     else if (order && *order && strcmp(order, "forward") != 0)
@@ -1222,7 +1243,11 @@ inline cudaError_t cudaGetDevice(int *device) {
     *device = lg_emu_state().rt.current_device;
     return cudaSuccess;
 }
-inline cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+inline void lg_emu_run_deferred(cudaStream_t stream, uint64_t mark); /* section 4 */
+inline cudaError_t cudaDeviceSynchronize(void) {
+    lg_emu_run_deferred(nullptr, UINT64_MAX);
+    return cudaSuccess;
+}
 
 /* --- memory --- */
 
@@ -1402,8 +1427,11 @@ inline cudaError_t cudaStreamDestroy(cudaStream_t stream) {
     delete stream;
     return cudaSuccess;
 }
+inline void lg_emu_run_deferred(cudaStream_t stream, uint64_t mark); /* section 4 */
 inline cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
-    return lg_emu_valid_stream(stream) ? cudaSuccess : lg_emu_error(cudaErrorInvalidResourceHandle);
+    if (!lg_emu_valid_stream(stream)) return lg_emu_error(cudaErrorInvalidResourceHandle);
+    lg_emu_run_deferred(stream, UINT64_MAX);
+    return cudaSuccess;
 }
 inline cudaError_t cudaStreamQuery(cudaStream_t stream) { return cudaStreamSynchronize(stream); }
 
@@ -1411,7 +1439,7 @@ inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned flags) 
     lg_emu_runtime &rt = lg_emu_state().rt;
     if (!event) return lg_emu_error(cudaErrorInvalidValue);
     if (rt.device_count == 0) return lg_emu_error(cudaErrorNoDevice);
-    *event = new lg_emu_event{rt.current_device, flags, 0};
+    *event = new lg_emu_event{rt.current_device, flags, 0, nullptr, 0};
     rt.events.insert(*event);
     return cudaSuccess;
 }
@@ -1430,15 +1458,20 @@ inline cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream = null
     int stream_device = stream ? stream->device : lg_emu_state().rt.current_device;
     if (event->device != stream_device) return lg_emu_error(cudaErrorInvalidResourceHandle);
     event->recorded = 1;
+    event->stream = stream;
+    event->mark = lg_emu_state().nccl.issued;
     return cudaSuccess;
 }
 inline cudaError_t cudaEventSynchronize(cudaEvent_t event) {
-    return lg_emu_valid_event(event) ? cudaSuccess : lg_emu_error(cudaErrorInvalidResourceHandle);
+    if (!lg_emu_valid_event(event)) return lg_emu_error(cudaErrorInvalidResourceHandle);
+    if (event->recorded) lg_emu_run_deferred(event->stream, event->mark);
+    return cudaSuccess;
 }
 inline cudaError_t cudaEventQuery(cudaEvent_t event) { return cudaEventSynchronize(event); }
 inline cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned /* flags */ = 0) {
     if (!lg_emu_valid_event(event) || !lg_emu_valid_stream(stream))
         return lg_emu_error(cudaErrorInvalidResourceHandle);
+    if (event->recorded) lg_emu_run_deferred(event->stream, event->mark);
     return cudaSuccess;
 }
 /* No clock: 0 ms between any two recorded timing events. */
@@ -1716,6 +1749,37 @@ inline void lg_emu_nccl_execute(const std::vector<lg_emu_nccl_call> &calls) {
     }
 }
 
+/* Deferred mode: a complete collective waits until a stream that depends on it, or the host,
+   needs it: the latest moment a GPU could run it. A compute stream that reads a collective's
+   output without waiting for it then reads the old values, and the tests see the difference. */
+inline void lg_emu_nccl_defer_or_execute(const std::vector<lg_emu_nccl_call> &calls) {
+    lg_emu_nccl_state &nc = lg_emu_state().nccl;
+    if (!nc.defer) {
+        lg_emu_nccl_execute(calls);
+        return;
+    }
+    nc.deferred.push_back(lg_emu_deferred_collective{calls, ++nc.issued});
+}
+
+inline bool lg_emu_deferred_on(const lg_emu_deferred_collective &d, cudaStream_t stream) {
+    for (const lg_emu_nccl_call &c : d.calls)
+        if (c.stream == stream) return true;
+    return false;
+}
+
+/* Runs the deferred collectives issued up to `mark` on `stream` (NULL: on any stream), and every
+   one issued before them, in order (what runs earlier than needed is still a valid order). */
+inline void lg_emu_run_deferred(cudaStream_t stream, uint64_t mark) {
+    lg_emu_nccl_state &nc = lg_emu_state().nccl;
+    uint64_t last = 0;
+    for (const lg_emu_deferred_collective &d : nc.deferred)
+        if (d.seq <= mark && (!stream || lg_emu_deferred_on(d, stream))) last = d.seq;
+    while (!nc.deferred.empty() && nc.deferred.front().seq <= last) {
+        lg_emu_nccl_execute(nc.deferred.front().calls);
+        nc.deferred.pop_front();
+    }
+}
+
 /* Whether rank r's call matches rank 0's (a mismatch is a bug in the caller). */
 inline bool lg_emu_nccl_calls_match(const lg_emu_nccl_call &a, const lg_emu_nccl_call &b) {
     bool rooted = a.kind == LG_EMU_BROADCAST || a.kind == LG_EMU_REDUCE;
@@ -1744,7 +1808,7 @@ inline ncclResult_t lg_emu_nccl_progress(lg_emu_nccl_clique *q) {
                         calls[(size_t)r].root);
                 return ncclInvalidUsage;
             }
-        lg_emu_nccl_execute(calls);
+        lg_emu_nccl_defer_or_execute(calls);
     }
 }
 
@@ -1860,30 +1924,30 @@ inline ncclResult_t ncclCommCuDevice(const ncclComm_t comm, int *device) {
 }
 
 inline ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataType_t type,
-                                  ncclRedOp_t op, ncclComm_t comm, cudaStream_t /* stream */) {
+                                  ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
     size_t bytes = count * lg_emu_nccl_type_bytes(type);
-    return lg_emu_nccl_enqueue(comm, lg_emu_nccl_call{LG_EMU_ALL_REDUCE, send, recv, count, type, op, 0},
+    return lg_emu_nccl_enqueue(comm, lg_emu_nccl_call{LG_EMU_ALL_REDUCE, send, recv, count, type, op, 0, stream},
                                bytes, bytes);
 }
 inline ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t recv_count,
                                       ncclDataType_t type, ncclRedOp_t op, ncclComm_t comm,
-                                      cudaStream_t /* stream */) {
+                                      cudaStream_t stream) {
     size_t bytes = recv_count * lg_emu_nccl_type_bytes(type);
     int ranks = comm && lg_emu_state().nccl.comms.count(comm) ? comm->clique->ranks : 1;
-    return lg_emu_nccl_enqueue(comm, lg_emu_nccl_call{LG_EMU_REDUCE_SCATTER, send, recv, recv_count, type, op, 0},
+    return lg_emu_nccl_enqueue(comm, lg_emu_nccl_call{LG_EMU_REDUCE_SCATTER, send, recv, recv_count, type, op, 0, stream},
                                bytes * (size_t)ranks, bytes);
 }
 inline ncclResult_t ncclAllGather(const void *send, void *recv, size_t send_count,
-                                  ncclDataType_t type, ncclComm_t comm, cudaStream_t /* stream */) {
+                                  ncclDataType_t type, ncclComm_t comm, cudaStream_t stream) {
     size_t bytes = send_count * lg_emu_nccl_type_bytes(type);
     int ranks = comm && lg_emu_state().nccl.comms.count(comm) ? comm->clique->ranks : 1;
-    return lg_emu_nccl_enqueue(comm, lg_emu_nccl_call{LG_EMU_ALL_GATHER, send, recv, send_count, type, ncclSum, 0},
+    return lg_emu_nccl_enqueue(comm, lg_emu_nccl_call{LG_EMU_ALL_GATHER, send, recv, send_count, type, ncclSum, 0, stream},
                                bytes, bytes * (size_t)ranks);
 }
 inline ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataType_t type,
-                                  int root, ncclComm_t comm, cudaStream_t /* stream */) {
+                                  int root, ncclComm_t comm, cudaStream_t stream) {
     size_t bytes = count * lg_emu_nccl_type_bytes(type);
-    return lg_emu_nccl_enqueue(comm, lg_emu_nccl_call{LG_EMU_BROADCAST, send, recv, count, type, ncclSum, root},
+    return lg_emu_nccl_enqueue(comm, lg_emu_nccl_call{LG_EMU_BROADCAST, send, recv, count, type, ncclSum, root, stream},
                                bytes, bytes);
 }
 inline ncclResult_t ncclBcast(void *buffer, size_t count, ncclDataType_t type, int root,
@@ -1891,9 +1955,9 @@ inline ncclResult_t ncclBcast(void *buffer, size_t count, ncclDataType_t type, i
     return ncclBroadcast(buffer, buffer, count, type, root, comm, stream);
 }
 inline ncclResult_t ncclReduce(const void *send, void *recv, size_t count, ncclDataType_t type,
-                               ncclRedOp_t op, int root, ncclComm_t comm, cudaStream_t /* stream */) {
+                               ncclRedOp_t op, int root, ncclComm_t comm, cudaStream_t stream) {
     size_t bytes = count * lg_emu_nccl_type_bytes(type);
-    return lg_emu_nccl_enqueue(comm, lg_emu_nccl_call{LG_EMU_REDUCE, send, recv, count, type, op, root},
+    return lg_emu_nccl_enqueue(comm, lg_emu_nccl_call{LG_EMU_REDUCE, send, recv, count, type, op, root, stream},
                                bytes, bytes);
 }
 

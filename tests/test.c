@@ -1652,12 +1652,14 @@ static void run_child_tests(results *r, const char *cmd) {
 /* The CUDA backend's kernels and trainer on the CPU, through tests/cuda_emulator.h: the
    emulator's own checks, then tests/gpu/test_cuda.c on four emulated GPUs with the threads of
    a block in ascending order, and again in descending order (a kernel missing a barrier gives
-   other results), then the driver built for the emulator. */
+   other results) with every collective run as late as a GPU could (an op missing its wait for
+   one reads stale data), then the driver built for the emulator. */
 static void run_emulated_cuda_tests(results *r) {
     printf("CUDA backend, emulated on the CPU\n");
     run_child_tests(r, "./build/test_cuda_emulator");
     run_child_tests(r, "LG_EMU_DEVICES=4 ./build/test_cuda_emulated");
-    run_child_tests(r, "LG_EMU_DEVICES=4 LG_EMU_ORDER=reverse ./build/test_cuda_emulated");
+    run_child_tests(r, "LG_EMU_DEVICES=4 LG_EMU_ORDER=reverse LG_EMU_DEFER_COLLECTIVES=1 "
+                       "./build/test_cuda_emulated");
     /* the driver's GPU path: ranks on GPUs, the topology, the fit check against GPU memory */
     const char *small = "-c test-llama -t 16 -b 2 -g 4 --max-steps 2 --eval-every 0";
     char args[256];

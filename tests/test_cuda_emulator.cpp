@@ -621,6 +621,54 @@ static void test_nccl(void) {
     lg_emu_set_devices(1);
 }
 
+/* Deferred collectives: an all-reduce on two ranks' streams changes nothing until a stream
+   waits on an event recorded after it on rank 0's stream; then both ranks' results are in. */
+static void test_deferred_collectives(void) {
+    const int n = 2;
+    lg_emu_set_devices(n);
+    lg_emu_state().nccl.defer = 1;
+    ncclComm_t comms[n];
+    int devices[n] = {0, 1};
+    CHECK(ncclCommInitAll(comms, n, devices) == ncclSuccess);
+    float *buf[n];
+    cudaStream_t streams[n], other;
+    cudaEvent_t done;
+    for (int r = 0; r < n; r++) {
+        cudaSetDevice(r);
+        cudaMalloc(&buf[r], sizeof(float));
+        buf[r][0] = (float)(r + 1);
+        cudaStreamCreate(&streams[r]);
+    }
+    cudaSetDevice(0);
+    cudaStreamCreate(&other);
+    cudaEventCreate(&done);
+    ncclGroupStart();
+    for (int r = 0; r < n; r++) ncclAllReduce(buf[r], buf[r], 1, ncclFloat32, ncclSum, comms[r], streams[r]);
+    CHECK(ncclGroupEnd() == ncclSuccess);
+    CHECK(buf[0][0] == 1.0f && buf[1][0] == 2.0f); /* not yet */
+    cudaEventRecord(done, streams[0]);
+    CHECK(buf[0][0] == 1.0f);
+    cudaStreamWaitEvent(other, done, 0);
+    CHECK(buf[0][0] == 3.0f && buf[1][0] == 3.0f);
+    ncclGroupStart(); /* and the host's synchronisation runs one too */
+    for (int r = 0; r < n; r++) ncclAllReduce(buf[r], buf[r], 1, ncclFloat32, ncclSum, comms[r], streams[r]);
+    ncclGroupEnd();
+    CHECK(buf[1][0] == 3.0f);
+    cudaStreamSynchronize(streams[1]);
+    CHECK(buf[0][0] == 6.0f && buf[1][0] == 6.0f);
+    lg_emu_state().nccl.defer = 0;
+    cudaEventDestroy(done);
+    cudaStreamDestroy(other);
+    for (int r = 0; r < n; r++) {
+        cudaSetDevice(r);
+        cudaStreamDestroy(streams[r]);
+        cudaFree(buf[r]);
+        CHECK(ncclCommDestroy(comms[r]) == ncclSuccess);
+    }
+    cudaSetDevice(0);
+    lg_emu_set_devices(1);
+}
+
 /* 64 blocks x 256 threads with 9 barriers each: the scale of the backend's tests. */
 static void report_speed(void) {
     const int n = 64 * 256, launches = 20;
@@ -649,6 +697,7 @@ int main(void) {
     test_half_conversions();
     test_wmma();
     test_nccl();
+    test_deferred_collectives();
     report_speed();
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;
