@@ -12,7 +12,7 @@ HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo yes)
 # sm_80 (A100) and sm_90 (H100, H200) by default; the GPU's own when one is visible
 GPU_ARCH ?= $(if $(HAVE_GPU),-arch=native,-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90)
 NVCC_FLAGS = -x cu -std=c++17 -O3 $(GPU_ARCH) -Werror all-warnings \
-	-Xcompiler -Wall,-Wextra,-Werror,$(OPENMP)
+	-Xcompiler -Wall,-Wextra,-Werror,-march=native,$(OPENMP)
 BACKEND ?= $(if $(and $(NVCC),$(HAVE_GPU)),cuda,cpu)
 HEADERS = litgpt.h litgpt_cuda.cuh
 # the CUDA backend's kernels run on the CPU in tests through this emulator (g++, no GPU)

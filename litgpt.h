@@ -8297,7 +8297,15 @@ int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args,
     return 0;
 }
 
-/* One rank's optimizer step on its shard. --offload: the gradients go to the host, the
+/* --offload: queues the copy of a rank's gradient shard to the host (pinned, asynchronous on
+   a GPU: the trainer queues every rank's before it updates the first, so the copies run while
+   the host updates). */
+static void lg_trainer_offload_grads(lg_trainer_rank *tr_r) {
+    lg_model *m = &tr_r->model;
+    if (tr_r->host_grads.data) lg_copy(&m->exec, tr_r->host_grads, m->grads, m->n_local);
+}
+
+/* One rank's optimizer step on its shard. --offload: once its gradients are on the host, the
    optimizer updates the host copy of the weights (the master weights in the mixed precisions,
    which write their rounded working copy straight back), and the updated weights return to
    the device in its precision. */
@@ -8308,8 +8316,7 @@ static void lg_trainer_update_rank(lg_trainer_rank *tr_r, float lr, float multip
         lg_optimizer_step(&tr_r->opt, m, lr, multiplier);
         return;
     }
-    lg_copy(&m->exec, tr_r->host_grads, m->grads, m->n_local);
-    lg_rank_sync(m->rank); /* the host reads them next */
+    lg_rank_sync(m->rank); /* the gradients have arrived (lg_trainer_offload_grads) */
     if (!tr_r->host_weights.data) {
         lg_optimizer_update(&tr_r->opt, NULL, m->local, m->params, whole, tr_r->host_grads, lr,
                             multiplier);
@@ -8418,6 +8425,7 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
         stats->skipped = 1; /* every target ignored: nothing to learn, no decay, no step */
     } else {
         float multiplier = lg_clip_factor(norm, tr->args.max_norm) / tr->loss_scale;
+        for (int r = 0; r < tr->n_ranks; r++) lg_trainer_offload_grads(&tr->ranks[r]);
         for (int r = 0; r < tr->n_ranks; r++) lg_trainer_update_rank(&tr->ranks[r], stats->lr, multiplier);
         lg_trainer_share_updated_weights(tr);
         if (tr->scaling && ++tr->clean_steps == tr->scale_window) {

@@ -265,6 +265,30 @@ static int load_config_or_fail(results *r, lg_config *cfg, const char *name) {
     return -1;
 }
 
+/* Windows of T tokens of the built-in task, enough for `steps` steps of the run. */
+static int builtin_loader(lg_loader *ld, const lg_config *cfg, const lg_args *a, int T, int steps) {
+    lg_error err;
+    size_t n = 0;
+    uint32_t *tokens = lg_builtin_task_tokens(5, (size_t)(steps + 1) * a->global_batch_size * T + 1, &n);
+    if (lg_loader_from_memory(ld, tokens, n, T, cfg->vocab_size, 1, a->seed, &err) == 0) return 0;
+    printf("    %s\n", err.msg);
+    return -1;
+}
+
+/* Steps first..last-1 of tr on ld, their losses into losses[first..]. */
+static int run_steps(lg_trainer *tr, lg_loader *ld, int first, int last, double *losses) {
+    lg_error err;
+    for (int s = first; s < last; s++) {
+        lg_step_stats st;
+        if (lg_trainer_step(tr, ld, s, &st, &err) != 0) {
+            printf("    %s\n", err.msg);
+            return -1;
+        }
+        losses[s] = st.loss;
+    }
+    return 0;
+}
+
 /* Trains `steps` steps of the built-in task; the trainer stays alive for the caller. */
 static int train_steps(lg_trainer *tr, const lg_config *cfg, const lg_args *a, int T, int steps,
                        double *losses) {
@@ -274,23 +298,10 @@ static int train_steps(lg_trainer *tr, const lg_config *cfg, const lg_args *a, i
         return -1;
     }
     lg_loader ld;
-    size_t n = 0;
-    uint32_t *tokens = lg_builtin_task_tokens(5, (size_t)(steps + 1) * a->global_batch_size * T + 1, &n);
-    if (lg_loader_from_memory(&ld, tokens, n, T, cfg->vocab_size, 1, a->seed, &err) != 0) {
-        printf("    %s\n", err.msg);
-        return -1;
-    }
-    for (int s = 0; s < steps; s++) {
-        lg_step_stats st;
-        if (lg_trainer_step(tr, &ld, s, &st, &err) != 0) {
-            printf("    %s\n", err.msg);
-            lg_loader_close(&ld);
-            return -1;
-        }
-        losses[s] = st.loss;
-    }
+    if (builtin_loader(&ld, cfg, a, T, steps) != 0) return -1;
+    int rc = run_steps(tr, &ld, 0, steps, losses);
     lg_loader_close(&ld);
-    return 0;
+    return rc;
 }
 
 /* The weights of a trainer in fp32, the whole layout (caller frees). */
@@ -359,6 +370,106 @@ static void test_training_steps(results *r) {
             lg_trainer_free(&gpu);
         }
     }
+}
+
+/* Trains a and b 3 steps on test-llama; the largest relative difference of their weights and of
+   their losses (INFINITY when a run fails). */
+static double runs_differ(const lg_args *a, const lg_args *b, double *losses_apart) {
+    const int T = 16, steps = 3;
+    lg_config cfg;
+    lg_error err;
+    *losses_apart = INFINITY;
+    if (lg_config_load(&cfg, "configs/test-llama.yaml", &err) != 0) return INFINITY;
+    double la[3], lb[3];
+    lg_trainer ta, tb;
+    if (train_steps(&ta, &cfg, a, T, steps, la) != 0) return INFINITY;
+    if (train_steps(&tb, &cfg, b, T, steps, lb) != 0) {
+        lg_trainer_free(&ta);
+        return INFINITY;
+    }
+    lg_real *wa = trained_weights(&ta), *wb = trained_weights(&tb);
+    double apart = max_relative(wb, wa, ta.ranks[0].model.n_params);
+    *losses_apart = 0;
+    for (int s = 0; s < steps; s++) *losses_apart = fmax(*losses_apart, fabs(lb[s] - la[s]) / la[s]);
+    LG_FREE(wa);
+    LG_FREE(wb);
+    lg_trainer_free(&ta);
+    lg_trainer_free(&tb);
+    return apart;
+}
+
+/* On GPUs: --recompute block gives the same bits as none; --offload (the optimizer on the
+   host) the same weights within 1e-6 (the GPU may contract multiply-adds the host does not);
+   SGD, Lion and Sophia (its Hessian pass samples labels on the host) as on the CPU within
+   1e-4 at fp32. */
+static void test_gpu_features(results *r) {
+    lg_args plain = step_args(LG_PRECISION_BF16_MIXED, LG_BACKEND_CUDA), other = plain;
+    double losses;
+    other.recompute = 1;
+    double weights = runs_differ(&plain, &other, &losses);
+    check(r, weights == 0 && losses == 0, "--recompute block = none on a GPU, bf16-mixed: weights "
+          "%.1e, losses %.1e apart (bitwise)", weights, losses);
+    for (int p = 0; p < 2; p++) {
+        lg_precision precision = p ? LG_PRECISION_BF16_TRUE : LG_PRECISION_BF16_MIXED;
+        plain = step_args(precision, LG_BACKEND_CUDA);
+        other = plain;
+        other.offload = 1;
+        weights = runs_differ(&plain, &other, &losses);
+        check(r, weights < 1e-6 && losses < 1e-6, "--offload = on the GPU, %s: weights %.1e, "
+              "losses %.1e apart (< 1e-6)", lg_precision_name(precision), weights, losses);
+    }
+    static const lg_optimizer_kind kinds[3] = {LG_OPTIMIZER_SGD, LG_OPTIMIZER_LION,
+                                               LG_OPTIMIZER_SOPHIA};
+    for (int k = 0; k < 3; k++) {
+        lg_args cpu = step_args(LG_PRECISION_32_TRUE, LG_BACKEND_CPU);
+        cpu.optimizer = kinds[k];
+        cpu.hessian_interval = 2; /* Sophia's Hessian pass at steps 0 and 2 */
+        lg_args gpu = cpu;
+        gpu.backend = LG_BACKEND_CUDA;
+        weights = runs_differ(&cpu, &gpu, &losses);
+        check(r, weights < 1e-4 && losses < 1e-4, "-o %-6s 3 steps, CUDA vs CPU, 32-true: weights "
+              "%.1e, losses %.1e (< 1e-4)", lg_optimizer_name(kinds[k]), weights, losses);
+    }
+}
+
+/* A checkpoint of a GPU run (2 GPUs, full-shard, bf16-mixed, when 2 are visible) resumed by
+   a fresh trainer: 2 + 2 steps give bitwise the 4 uninterrupted steps. */
+static void test_gpu_resume(results *r, int gpus) {
+    const int T = 16, steps = 4, half = 2;
+    lg_config cfg;
+    lg_error err;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    lg_args a = step_args(LG_PRECISION_BF16_MIXED, LG_BACKEND_CUDA);
+    if (gpus >= 2) {
+        a.devices = 2;
+        a.global_batch_size = 4;
+    }
+    double full[4], resumed[4];
+    lg_trainer one, first, second;
+    lg_loader l2, l3;
+    int step = -1;
+    int rc = train_steps(&one, &cfg, &a, T, steps, full);
+    rc = rc || lg_trainer_create(&first, &cfg, &a, T, &err) || builtin_loader(&l2, &cfg, &a, T, steps) ||
+         run_steps(&first, &l2, 0, half, resumed) ||
+         lg_checkpoint_save(&first, &l2, half, "build/gpu_resume", &err);
+    rc = rc || lg_trainer_create(&second, &cfg, &a, T, &err) || builtin_loader(&l3, &cfg, &a, T, steps) ||
+         lg_checkpoint_resume(&second, &l3, "build/gpu_resume/step-2", &step, &err) ||
+         step != half || run_steps(&second, &l3, half, steps, resumed);
+    int same = rc == 0;
+    if (same) {
+        lg_real *w_full = trained_weights(&one), *w_resumed = trained_weights(&second);
+        same = memcmp(w_full, w_resumed, one.ranks[0].model.n_params * sizeof(lg_real)) == 0 &&
+               memcmp(full + half, resumed + half, (steps - half) * sizeof(double)) == 0;
+        LG_FREE(w_full);
+        LG_FREE(w_resumed);
+        lg_trainer_free(&one);
+        lg_trainer_free(&first);
+        lg_trainer_free(&second);
+        lg_loader_close(&l2);
+        lg_loader_close(&l3);
+    }
+    check(r, same, "checkpoint of %d GPU%s, resumed: bitwise the uninterrupted run%s%s", a.devices,
+          a.devices > 1 ? "s" : "", rc ? ": " : "", rc ? err.msg : "");
 }
 
 /* -d N on N GPUs (NCCL) equals -d 1, for every strategy, at fp32 (N = 2, or all when fewer). */
@@ -531,6 +642,8 @@ int main(int argc, char **argv) {
 #endif
     printf("training steps\n");
     test_training_steps(&r);
+    test_gpu_features(&r);
+    test_gpu_resume(&r, gpus);
     test_devices(&r, gpus);
     printf("memory\n");
     test_plan_memory(&r, "test-llama", 16, 2);
