@@ -105,6 +105,7 @@ struct lg_cuda_rank {
     double *totals;             /* (LG_CUDA_REDUCE_SLOTS): partial sums of whole reductions */
     int tf32;                   /* fp32 matmuls may use TF32 (--tf32) */
     int reference_matmul;       /* matmuls by the reference kernel instead of cuBLASLt (tests) */
+    int cuda_core_attention;    /* attention on CUDA cores even where tensor cores apply (tests) */
 };
 
 /* 1 when the GPU can read p (device, managed or pinned memory), 0 for pageable host memory. */
@@ -1305,8 +1306,10 @@ lg_k_attention_backward_dkv(typename lg_att_io<DT>::storage *dqkv,
                                  1);
 }
 
-/* Lets a kernel have `bytes` of dynamic shared memory (beyond 48 KiB it must opt in). */
-template <typename K> static void lg_att_allow_shared(K *kernel, size_t bytes) {
+/* Lets a kernel have `bytes` of dynamic shared memory on the rank's GPU (beyond 48 KiB it must
+   opt in, on each device). */
+template <typename K> static void lg_att_allow_shared(const lg_exec *ex, K *kernel, size_t bytes) {
+    lg_cuda_stream(ex); /* makes the rank's GPU current */
     if (bytes > LG_ATT_STATIC_SHARED)
         LG_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)bytes));
@@ -1344,7 +1347,7 @@ static void lg_att_forward_launch(const lg_exec *ex, lg_buf y, lg_real *lse, lg_
     typedef typename lg_att_config<HSP>::forward TL;
     typedef typename lg_att_io<DT>::storage S;
     size_t bytes = lg_att_forward_shared<TL>();
-    lg_att_allow_shared(lg_k_attention_forward<DT, TL>, bytes);
+    lg_att_allow_shared(ex, lg_k_attention_forward<DT, TL>, bytes);
     unsigned grid = (unsigned)((T + TL::ROWS - 1) / TL::ROWS) * (unsigned)(B * NH);
     LG_LAUNCH((lg_k_attention_forward<DT, TL>), grid, TL::THREADS, bytes, lg_cuda_stream(ex),
               (S *)y.data, (float *)lse, (const S *)qkv.data, T, NH, NQG, HS,
@@ -1360,14 +1363,14 @@ static void lg_att_backward_launch(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg
     typedef typename lg_att_io<DT>::storage S;
     float scale = 1.0f / sqrtf((float)HS);
     size_t bytes = lg_att_dq_shared<TQ>();
-    lg_att_allow_shared(lg_k_attention_backward_dq<DT, TQ>, bytes);
+    lg_att_allow_shared(ex, lg_k_attention_backward_dq<DT, TQ>, bytes);
     unsigned grid = (unsigned)((T + TQ::ROWS - 1) / TQ::ROWS) * (unsigned)(B * NH);
     LG_LAUNCH((lg_k_attention_backward_dq<DT, TQ>), grid, TQ::THREADS, bytes, lg_cuda_stream(ex),
               (S *)dqkv.data, (const S *)dy.data, (const S *)y.data, (const S *)qkv.data,
               (const float *)lse, T, NH, NQG, HS, scale, vec);
     /* the two kernels write disjoint parts of dqkv (queries; keys and values) */
     bytes = lg_att_dkv_shared<TK>();
-    lg_att_allow_shared(lg_k_attention_backward_dkv<DT, TK>, bytes);
+    lg_att_allow_shared(ex, lg_k_attention_backward_dkv<DT, TK>, bytes);
     unsigned grid_kv = (unsigned)((T + TK::ROWS - 1) / TK::ROWS) * (unsigned)(B * NQG);
     LG_LAUNCH((lg_k_attention_backward_dkv<DT, TK>), grid_kv, TK::THREADS, bytes,
               lg_cuda_stream(ex), (S *)dqkv.data, (const S *)dy.data, (const S *)y.data,
@@ -1873,13 +1876,11 @@ lg_k_attention_backward_dkv_tc(uint16_t *dqkv, const uint16_t *dy, const uint16_
         }
 }
 
-/* Tests may clear this to run the CUDA-core kernels on every call. */
-static int lg_att_tensor_cores = 1;
-
 /* 1 when the tensor-core kernels take the call: bf16 or fp16 storage, HS a multiple of 16 up to
-   128, and every buffer 16-byte aligned (the tiles move in 16-byte steps). */
-static int lg_att_tc_applies(const lg_buf *bufs, int nbufs, int HS) {
-    if (!lg_att_tensor_cores || HS % LG_ATT_TC_M || HS > LG_ATT_TC_MAX_HEAD) return 0;
+   128, every buffer 16-byte aligned (the tiles move in 16-byte steps), and the rank has not
+   asked for the CUDA-core kernels (tests). */
+static int lg_att_tc_applies(const lg_exec *ex, const lg_buf *bufs, int nbufs, int HS) {
+    if (ex->cuda->cuda_core_attention || HS % LG_ATT_TC_M || HS > LG_ATT_TC_MAX_HEAD) return 0;
     if (bufs[0].dtype != LG_DTYPE_BF16 && bufs[0].dtype != LG_DTYPE_F16) return 0;
     for (int i = 0; i < nbufs; i++)
         if ((uintptr_t)bufs[i].data % (LG_ATT_TC_VEC * sizeof(uint16_t))) return 0;
@@ -1890,7 +1891,7 @@ template <lg_dtype DT, int HSP>
 static void lg_att_tc_forward_launch(const lg_exec *ex, lg_buf y, lg_real *lse, lg_buf qkv, int B,
                                      int T, int NH, int NQG, int HS, int /* vec */) {
     size_t bytes = lg_att_tc_forward_shared<HSP>();
-    lg_att_allow_shared(lg_k_attention_forward_tc<DT, HSP>, bytes);
+    lg_att_allow_shared(ex, lg_k_attention_forward_tc<DT, HSP>, bytes);
     unsigned grid = (unsigned)((T + LG_ATT_TC_ROWS - 1) / LG_ATT_TC_ROWS) * (unsigned)(B * NH);
     LG_LAUNCH((lg_k_attention_forward_tc<DT, HSP>), grid, LG_ATT_TC_THREADS, bytes,
               lg_cuda_stream(ex), (uint16_t *)y.data, (float *)lse, (const uint16_t *)qkv.data, T,
@@ -1903,7 +1904,7 @@ static void lg_att_tc_backward_launch(const lg_exec *ex, lg_buf dqkv, lg_buf dy,
                                       int NQG, int HS, int /* vec */) {
     float scale = 1.0f / sqrtf((float)HS);
     size_t bytes = lg_att_tc_dq_shared<HSP>();
-    lg_att_allow_shared(lg_k_attention_backward_dq_tc<DT, HSP>, bytes);
+    lg_att_allow_shared(ex, lg_k_attention_backward_dq_tc<DT, HSP>, bytes);
     unsigned grid = (unsigned)((T + LG_ATT_TC_ROWS - 1) / LG_ATT_TC_ROWS) * (unsigned)(B * NH);
     LG_LAUNCH((lg_k_attention_backward_dq_tc<DT, HSP>), grid, LG_ATT_TC_THREADS, bytes,
               lg_cuda_stream(ex), (uint16_t *)dqkv.data, (const uint16_t *)dy.data,
@@ -1911,7 +1912,7 @@ static void lg_att_tc_backward_launch(const lg_exec *ex, lg_buf dqkv, lg_buf dy,
               NQG, HS, scale);
     /* the two kernels write disjoint parts of dqkv (queries; keys and values) */
     bytes = lg_att_tc_dkv_shared<HSP>();
-    lg_att_allow_shared(lg_k_attention_backward_dkv_tc<DT, HSP>, bytes);
+    lg_att_allow_shared(ex, lg_k_attention_backward_dkv_tc<DT, HSP>, bytes);
     unsigned grid_kv = (unsigned)((T + LG_ATT_TC_ROWS - 1) / LG_ATT_TC_ROWS) * (unsigned)(B * NQG);
     LG_LAUNCH((lg_k_attention_backward_dkv_tc<DT, HSP>), grid_kv, LG_ATT_TC_THREADS, bytes,
               lg_cuda_stream(ex), (uint16_t *)dqkv.data, (const uint16_t *)dy.data,
@@ -1943,7 +1944,7 @@ static void lg_cuda_attention_forward(const lg_exec *ex, lg_buf y, lg_real *lse,
         y.dtype == LG_DTYPE_BF16  ? lg_att_forward_typed<LG_DTYPE_BF16>
         : y.dtype == LG_DTYPE_F16 ? lg_att_forward_typed<LG_DTYPE_F16>
                                   : lg_att_forward_typed<LG_DTYPE_F32>;
-    if (lg_att_tc_applies(bufs, 2, HS))
+    if (lg_att_tc_applies(ex, bufs, 2, HS))
         typed = y.dtype == LG_DTYPE_BF16 ? lg_att_tc_forward_for<LG_DTYPE_BF16>(HS)
                                          : lg_att_tc_forward_for<LG_DTYPE_F16>(HS);
     typed(ex, y, lse, qkv, B, T, NH, NQG, HS, vec);
@@ -1962,7 +1963,7 @@ static void lg_cuda_attention_backward(const lg_exec *ex, lg_buf dqkv, lg_buf dy
         dqkv.dtype == LG_DTYPE_BF16  ? lg_att_backward_typed<LG_DTYPE_BF16>
         : dqkv.dtype == LG_DTYPE_F16 ? lg_att_backward_typed<LG_DTYPE_F16>
                                      : lg_att_backward_typed<LG_DTYPE_F32>;
-    if (lg_att_tc_applies(bufs, 4, HS))
+    if (lg_att_tc_applies(ex, bufs, 4, HS))
         typed = dqkv.dtype == LG_DTYPE_BF16 ? lg_att_tc_backward_for<LG_DTYPE_BF16>(HS)
                                             : lg_att_tc_backward_for<LG_DTYPE_F16>(HS);
     typed(ex, dqkv, dy, y, qkv, lse, B, T, NH, NQG, HS, vec);
@@ -2035,6 +2036,7 @@ static void lg_cuda_matmul_lt(const lg_exec *ex, int trans_a, int trans_b, int M
                               lg_buf A, int lda, lg_buf B, int ldb, float beta, lg_buf C, int ldc,
                               lg_buf bias) {
     const lg_cuda_rank *g = ex->cuda;
+    cudaStream_t stream = lg_cuda_stream(ex); /* the rank's GPU current for the heuristics too */
     int all_f32 = A.dtype == LG_DTYPE_F32 && B.dtype == LG_DTYPE_F32;
     cublasComputeType_t compute = all_f32 && g->tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     cublasLtMatmulDesc_t desc;
@@ -2077,7 +2079,7 @@ static void lg_cuda_matmul_lt(const lg_exec *ex, int trans_a, int trans_b, int M
     const float one = 1.0f;
     LG_CUBLAS_TRY(cublasLtMatmul(g->lt, desc, &one, B.data, first, A.data, second, &beta, C.data,
                                  out, C.data, out, &heuristic.algo, g->matmul_workspace,
-                                 workspace, lg_cuda_stream(ex)));
+                                 workspace, stream));
     cublasLtMatmulPreferenceDestroy(preference);
     cublasLtMatrixLayoutDestroy(first);
     cublasLtMatrixLayoutDestroy(second);
