@@ -728,15 +728,17 @@ void lg_reduce_scatter_sum(lg_comm *comm, int n, const lg_buf *whole, lg_buf *pi
 void lg_all_gather(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole, size_t piece_count);
 /* bufs[m] = bufs[root] */
 void lg_broadcast(lg_comm *comm, int n, int root, lg_buf *bufs, size_t count);
-/* On GPUs the collectives above start after the ops queued before them on each member and the
-   ops queued after them wait for them. An all-gather of weights for later (a prefetch) instead
-   signals `slot` (< LG_GATHER_SLOTS) when done, and each member's ops wait only where
-   lg_rank_await_gather(rank, slot) says, so the gather runs beside the compute. On the CPU both
-   run at once. */
-#define LG_GATHER_SLOTS 3 /* the ends' buffer and two block slots (lg_unit_weights) */
-void lg_all_gather_prefetch(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole,
-                            size_t piece_count, int slot);
-void lg_rank_await_gather(const lg_rank *rank, int slot);
+/* On GPUs the collectives above start after the ops queued before them on each member, and the
+   ops queued after them wait for them. The _async forms instead raise `signal`
+   (< LG_COMM_SIGNALS) on each member when done, and its ops wait only where
+   lg_rank_await(rank, signal) says: the collective runs beside the compute. On the CPU they
+   run at once and the wait is nothing. */
+#define LG_COMM_SIGNALS 6 /* the trainer's: 3 gather slots, 3 gradient slots */
+void lg_all_gather_async(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole,
+                         size_t piece_count, int signal);
+void lg_reduce_scatter_sum_async(lg_comm *comm, int n, const lg_buf *whole, lg_buf *piece,
+                                 size_t piece_count, int signal);
+void lg_rank_await(const lg_rank *rank, int signal);
 /* The NCCL communicators of n GPU ranks (NULL with err set when they cannot be made). */
 lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err);
 void lg_comm_free(lg_comm *comm);
@@ -4354,19 +4356,26 @@ void lg_all_gather(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole, siz
         }
 }
 
-void lg_all_gather_prefetch(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole,
-                            size_t piece_count, int slot) {
-    LG_ON_COMM(comm, lg_cuda_all_gather_prefetch(comm, piece, whole, piece_count, slot));
+void lg_all_gather_async(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole,
+                         size_t piece_count, int signal) {
+    LG_ON_COMM(comm, lg_cuda_all_gather_async(comm, piece, whole, piece_count, signal));
     lg_all_gather(NULL, n, piece, whole, piece_count);
-    (void)slot;
+    (void)signal;
 }
 
-void lg_rank_await_gather(const lg_rank *rank, int slot) {
+void lg_reduce_scatter_sum_async(lg_comm *comm, int n, const lg_buf *whole, lg_buf *piece,
+                                 size_t piece_count, int signal) {
+    LG_ON_COMM(comm, lg_cuda_reduce_scatter_sum_async(comm, whole, piece, piece_count, signal));
+    lg_reduce_scatter_sum(NULL, n, whole, piece, piece_count);
+    (void)signal;
+}
+
+void lg_rank_await(const lg_rank *rank, int signal) {
 #ifdef LG_CUDA
-    if (rank->backend == LG_BACKEND_CUDA) lg_cuda_await_gather(rank->cuda, slot);
+    if (rank->backend == LG_BACKEND_CUDA) lg_cuda_await(rank->cuda, signal);
 #endif
     (void)rank;
-    (void)slot;
+    (void)signal;
 }
 
 void lg_broadcast(lg_comm *comm, int n, int root, lg_buf *bufs, size_t count) {
@@ -7961,10 +7970,14 @@ static size_t lg_padded_unit(const lg_shard_layout *sl, int u) {
     return sl->piece_count[u] * (size_t)sl->n_shards;
 }
 
-/* Which gather slot unit u's weights use: 0 the ends' buffer, 1 + a block slot. */
+/* Which gather slot unit u's weights use: 0 the ends' buffer, 1 + a block slot. It is also
+   the signal of the unit's all-gather. */
 static int lg_unit_slot(const lg_trainer *tr, int u) {
     return u == 0 ? 0 : 1 + (u - 1) % tr->block_slots;
 }
+
+/* The signal of unit u's reduce-scatter: after the gathers', one a gradient slot. */
+static int lg_reduce_signal(int u) { return 3 + (u == 0 ? 0 : 1 + (u - 1) % 2); }
 
 /* Where rank r's gathered weights of unit u go: the ends' buffer, or a block slot. */
 static lg_buf lg_unit_weights(const lg_trainer *tr, int r, int u) {
@@ -7996,8 +8009,8 @@ static void lg_trainer_gather_unit(lg_trainer *tr, int u) {
             pieces[i] = lg_at(tr->ranks[r].model.params, sl->piece_offset[u]);
             wholes[i] = lg_unit_weights(tr, r, u);
         }
-        lg_all_gather_prefetch(tr->shard_comm[q], S, pieces, wholes, sl->piece_count[u],
-                               lg_unit_slot(tr, u));
+        lg_all_gather_async(tr->shard_comm[q], S, pieces, wholes, sl->piece_count[u],
+                            lg_unit_slot(tr, u));
     }
     for (int r = 0; r < tr->n_ranks; r++)
         lg_model_point_unit(&tr->ranks[r].model, u, lg_unit_weights(tr, r, u), lg_no_buf());
@@ -8006,7 +8019,7 @@ static void lg_trainer_gather_unit(lg_trainer *tr, int u) {
 /* Every rank's ops from here on wait for unit u's gathered weights (full-shard). */
 static void lg_trainer_await_unit(lg_trainer *tr, int u) {
     if (!tr->plan.sharding.weights_sharded) return;
-    for (int r = 0; r < tr->n_ranks; r++) lg_rank_await_gather(&tr->ranks[r].rank, lg_unit_slot(tr, u));
+    for (int r = 0; r < tr->n_ranks; r++) lg_rank_await(&tr->ranks[r].rank, lg_unit_slot(tr, u));
 }
 
 /* Sharded gradients: points unit u's gradient views at a zeroed buffer of the whole unit. */
@@ -8019,25 +8032,34 @@ static void lg_trainer_open_unit_grads(lg_trainer *tr, int u) {
     }
 }
 
-/* Sharded gradients: reduce-scatters unit u's gradients in every shard group and adds each
-   rank's piece to its gradient shard (accumulating over micro-batches). */
-static void lg_trainer_reduce_unit(lg_trainer *tr, int u) {
+/* Sharded gradients: reduce-scatters unit u's gradients in every shard group into each rank's
+   reduce_out; on GPUs it runs beside the compute until lg_trainer_finish_reduce(u), which must
+   come before the next unit's reduce-scatter (they share reduce_out). */
+static void lg_trainer_start_reduce(lg_trainer *tr, int u) {
     const lg_sharding *sh = &tr->plan.sharding;
-    const lg_shard_layout *sl = &tr->plan.shards;
     if (!sh->grads_sharded) return;
     int S = sh->shard_ranks;
-    size_t count = sl->piece_count[u];
     lg_buf wholes[LG_MAX_RANKS], outs[LG_MAX_RANKS];
     for (int q = 0; q < sh->replicas; q++) {
         for (int i = 0; i < S; i++) {
             wholes[i] = lg_unit_grads(tr, q * S + i, u);
             outs[i] = tr->ranks[q * S + i].reduce_out;
         }
-        lg_reduce_scatter_sum(tr->shard_comm[q], S, wholes, outs, count);
+        lg_reduce_scatter_sum_async(tr->shard_comm[q], S, wholes, outs,
+                                    tr->plan.shards.piece_count[u], lg_reduce_signal(u));
     }
+}
+
+/* Waits for unit u's reduce-scatter and adds each rank's piece to its gradient shard
+   (accumulating over micro-batches). */
+static void lg_trainer_finish_reduce(lg_trainer *tr, int u) {
+    const lg_shard_layout *sl = &tr->plan.shards;
+    if (!tr->plan.sharding.grads_sharded) return;
     for (int r = 0; r < tr->n_ranks; r++) {
-        lg_buf shard = lg_at(tr->ranks[r].model.grads, sl->piece_offset[u]);
-        lg_add(&tr->ranks[r].model.exec, shard, shard, tr->ranks[r].reduce_out, count);
+        lg_trainer_rank *tr_r = &tr->ranks[r];
+        lg_buf shard = lg_at(tr_r->model.grads, sl->piece_offset[u]);
+        lg_rank_await(&tr_r->rank, lg_reduce_signal(u));
+        lg_add(&tr_r->model.exec, shard, shard, tr_r->reduce_out, sl->piece_count[u]);
     }
 }
 
@@ -8101,8 +8123,9 @@ static double lg_trainer_forward(lg_trainer *tr, const lg_micro_batch *mb) {
 
 /* The backward on every rank, unit by unit in reverse: gather the block again (full-shard),
    compute its gradients into a whole-unit buffer, reduce-scatter them into the shards
-   (sharded gradients) before the next block. The ends' gradients collect from the head and
-   the embedding and go last. */
+   (sharded gradients). The reduce-scatter of block l runs while block l - 1 computes; its
+   piece joins the shard after that. The ends' gradients collect from the head and the
+   embedding and go last. */
 static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float loss_scale) {
     int L = tr->plan.cfg.n_layer;
     lg_trainer_open_unit_grads(tr, 0);
@@ -8114,14 +8137,17 @@ static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float 
     for (int l = L - 1; l >= 0; l--) {
         if (l > 0) lg_trainer_gather_unit(tr, l); /* prefetch block l - 1 */
         lg_trainer_await_unit(tr, l + 1);
-        lg_trainer_open_unit_grads(tr, l + 1);
+        lg_trainer_open_unit_grads(tr, l + 1); /* its slot's last reduce-scatter has finished */
         for (int r = 0; r < tr->n_ranks; r++)
             if (mb[r].B) lg_model_block_backward(&tr->ranks[r].model, l, mb[r].B, mb[r].T);
-        lg_trainer_reduce_unit(tr, l + 1);
+        if (l + 2 <= L) lg_trainer_finish_reduce(tr, l + 2);
+        lg_trainer_start_reduce(tr, l + 1);
     }
     for (int r = 0; r < tr->n_ranks; r++)
         if (mb[r].B) lg_model_embed_backward(&tr->ranks[r].model, mb[r].inputs, mb[r].B, mb[r].T);
-    lg_trainer_reduce_unit(tr, 0);
+    lg_trainer_finish_reduce(tr, 1);
+    lg_trainer_start_reduce(tr, 0);
+    lg_trainer_finish_reduce(tr, 0);
 }
 
 /* Where micro-batch i starts in a rank's token buffers: they hold accumulation x (B, T). */

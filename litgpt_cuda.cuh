@@ -92,7 +92,7 @@ struct lg_cuda_rank {
     cudaStream_t comm;          /* the collectives */
     cudaEvent_t compute_done;   /* fences between the two streams */
     cudaEvent_t comm_done;
-    cudaEvent_t gathered[LG_GATHER_SLOTS]; /* a prefetched all-gather into that slot is done */
+    cudaEvent_t signals[LG_COMM_SIGNALS]; /* an _async collective raising that signal is done */
 #ifndef LG_CUDA_EMULATE
     cublasLtHandle_t lt;
 #endif
@@ -2230,8 +2230,8 @@ static int lg_cuda_rank_handles(lg_cuda_rank *g, lg_error *err) {
     LG_CUDA_CHECK(cudaStreamCreateWithFlags(&g->comm, cudaStreamNonBlocking), err);
     LG_CUDA_CHECK(cudaEventCreateWithFlags(&g->compute_done, cudaEventDisableTiming), err);
     LG_CUDA_CHECK(cudaEventCreateWithFlags(&g->comm_done, cudaEventDisableTiming), err);
-    for (int slot = 0; slot < LG_GATHER_SLOTS; slot++)
-        LG_CUDA_CHECK(cudaEventCreateWithFlags(&g->gathered[slot], cudaEventDisableTiming), err);
+    for (int k = 0; k < LG_COMM_SIGNALS; k++)
+        LG_CUDA_CHECK(cudaEventCreateWithFlags(&g->signals[k], cudaEventDisableTiming), err);
 #ifndef LG_CUDA_EMULATE
     cublasStatus_t status = cublasLtCreate(&g->lt);
     if (status != CUBLAS_STATUS_SUCCESS)
@@ -2246,8 +2246,8 @@ static void lg_cuda_rank_handles_free(lg_cuda_rank *g) {
 #endif
     if (g->compute_done) cudaEventDestroy(g->compute_done);
     if (g->comm_done) cudaEventDestroy(g->comm_done);
-    for (int slot = 0; slot < LG_GATHER_SLOTS; slot++)
-        if (g->gathered[slot]) cudaEventDestroy(g->gathered[slot]);
+    for (int k = 0; k < LG_COMM_SIGNALS; k++)
+        if (g->signals[k]) cudaEventDestroy(g->signals[k]);
     if (g->stream) cudaStreamDestroy(g->stream);
     if (g->comm) cudaStreamDestroy(g->comm);
 }
@@ -2423,9 +2423,9 @@ void lg_comm_free(lg_comm *c) {
 
 /* The collectives run on each member's communication stream. They start after the ops queued
    before them on the compute stream (lg_comm_begin), and the ops queued after them wait for
-   them (lg_comm_end), except a prefetched all-gather, which the ops wait for only where the
-   trainer says (lg_cuda_await_gather): the next block's weights arrive while this one
-   computes. */
+   them (lg_comm_end), except the _async ones, which the ops wait for only where the trainer
+   says (lg_cuda_await): the next block's weights arrive, and the last block's gradients
+   reduce, while a block computes. */
 static void lg_comm_begin(lg_comm *c) {
     for (int i = 0; i < c->n; i++) {
         lg_cuda_rank *g = c->member[i];
@@ -2446,19 +2446,35 @@ static void lg_comm_end(lg_comm *c) {
     }
 }
 
-/* A prefetch's end: each member's gathered[slot] marks it done; the compute goes on meanwhile
-   and waits in lg_cuda_await_gather. */
-static void lg_comm_end_prefetch(lg_comm *c, int slot) {
+/* An _async collective's end: each member's signals[signal] marks it done; the compute goes on
+   meanwhile and waits in lg_cuda_await. */
+static void lg_comm_end_signal(lg_comm *c, int signal) {
     LG_NCCL_TRY(ncclGroupEnd());
     for (int i = 0; i < c->n; i++) {
         LG_CUDA_TRY(cudaSetDevice(c->member[i]->device));
-        LG_CUDA_TRY(cudaEventRecord(c->member[i]->gathered[slot], c->member[i]->comm));
+        LG_CUDA_TRY(cudaEventRecord(c->member[i]->signals[signal], c->member[i]->comm));
     }
 }
 
-static void lg_cuda_await_gather(lg_cuda_rank *g, int slot) {
+static void lg_cuda_await(lg_cuda_rank *g, int signal) {
     LG_CUDA_TRY(cudaSetDevice(g->device));
-    LG_CUDA_TRY(cudaStreamWaitEvent(g->stream, g->gathered[slot], 0));
+    LG_CUDA_TRY(cudaStreamWaitEvent(g->stream, g->signals[signal], 0));
+}
+
+/* The reduce-scatter and all-gather calls of a group, on the members' communication streams. */
+static void lg_nccl_reduce_scatter_calls(lg_comm *c, const lg_buf *whole, lg_buf *piece,
+                                         size_t piece_count) {
+    for (int i = 0; i < c->n; i++)
+        LG_NCCL_TRY(ncclReduceScatter(whole[i].data, piece[i].data, piece_count,
+                                      lg_nccl_type(piece[i].dtype), ncclSum, c->comm[i],
+                                      c->member[i]->comm));
+}
+
+static void lg_nccl_all_gather_calls(lg_comm *c, const lg_buf *piece, lg_buf *whole,
+                                     size_t piece_count) {
+    for (int i = 0; i < c->n; i++) /* in place when piece[i] lies at i piece_count of whole[i] */
+        LG_NCCL_TRY(ncclAllGather(piece[i].data, whole[i].data, piece_count,
+                                  lg_nccl_type(piece[i].dtype), c->comm[i], c->member[i]->comm));
 }
 
 static void lg_cuda_all_reduce_sum(lg_comm *c, lg_buf *bufs, size_t count) {
@@ -2472,29 +2488,29 @@ static void lg_cuda_all_reduce_sum(lg_comm *c, lg_buf *bufs, size_t count) {
 static void lg_cuda_reduce_scatter_sum(lg_comm *c, const lg_buf *whole, lg_buf *piece,
                                        size_t piece_count) {
     lg_comm_begin(c);
-    for (int i = 0; i < c->n; i++)
-        LG_NCCL_TRY(ncclReduceScatter(whole[i].data, piece[i].data, piece_count,
-                                      lg_nccl_type(piece[i].dtype), ncclSum, c->comm[i],
-                                      c->member[i]->comm));
+    lg_nccl_reduce_scatter_calls(c, whole, piece, piece_count);
     lg_comm_end(c);
+}
+
+static void lg_cuda_reduce_scatter_sum_async(lg_comm *c, const lg_buf *whole, lg_buf *piece,
+                                             size_t piece_count, int signal) {
+    lg_comm_begin(c);
+    lg_nccl_reduce_scatter_calls(c, whole, piece, piece_count);
+    lg_comm_end_signal(c, signal);
 }
 
 static void lg_cuda_all_gather(lg_comm *c, const lg_buf *piece, lg_buf *whole,
                                size_t piece_count) {
     lg_comm_begin(c);
-    for (int i = 0; i < c->n; i++) /* in place when piece[i] lies at i piece_count of whole[i] */
-        LG_NCCL_TRY(ncclAllGather(piece[i].data, whole[i].data, piece_count,
-                                  lg_nccl_type(piece[i].dtype), c->comm[i], c->member[i]->comm));
+    lg_nccl_all_gather_calls(c, piece, whole, piece_count);
     lg_comm_end(c);
 }
 
-static void lg_cuda_all_gather_prefetch(lg_comm *c, const lg_buf *piece, lg_buf *whole,
-                                        size_t piece_count, int slot) {
+static void lg_cuda_all_gather_async(lg_comm *c, const lg_buf *piece, lg_buf *whole,
+                                     size_t piece_count, int signal) {
     lg_comm_begin(c);
-    for (int i = 0; i < c->n; i++)
-        LG_NCCL_TRY(ncclAllGather(piece[i].data, whole[i].data, piece_count,
-                                  lg_nccl_type(piece[i].dtype), c->comm[i], c->member[i]->comm));
-    lg_comm_end_prefetch(c, slot);
+    lg_nccl_all_gather_calls(c, piece, whole, piece_count);
+    lg_comm_end_signal(c, signal);
 }
 
 static void lg_cuda_broadcast(lg_comm *c, int root, lg_buf *bufs, size_t count) {

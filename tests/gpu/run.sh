@@ -14,16 +14,16 @@ started=$(date +%s)
 nvidia-smi -L | tee "$logs/gpus.txt" || { echo "run.sh: no GPU (nvidia-smi failed)"; exit 2; }
 
 echo "== build"
-if ! make -s build/train_cuda build/test_cuda > "$logs/build.txt" 2>&1; then
+if ! make -s -j2 build/train_cuda build/test_cuda > "$logs/build.txt" 2>&1; then
     cat "$logs/build.txt"; echo "run.sh: the CUDA build failed"; exit 1
 fi
 
 echo "== checks (ops, steps, devices, memory)"
-timeout 240 ./build/test_cuda 2>&1 | tee "$logs/test_cuda.txt"
+timeout 200 ./build/test_cuda 2>&1 | tee "$logs/test_cuda.txt"
 echo "== benchmark"
-timeout 120 ./build/test_cuda --bench 2>&1 | tee "$logs/bench.txt"
+timeout 90 ./build/test_cuda --bench 2>&1 | tee "$logs/bench.txt"
 echo "== the driver: the built-in task on GPU 0, 200 steps"
-timeout 60 ./build/train_cuda --max-steps 200 --eval-every 100 2>&1 | tail -8 | tee "$logs/train.txt"
+timeout 40 ./build/train_cuda --max-steps 200 --eval-every 100 2>&1 | tail -8 | tee "$logs/train.txt"
 
 echo
 echo "== summary ($(date -u +%Y-%m-%d), $(head -1 "$logs/gpus.txt" | cut -d'(' -f1), $(( $(date +%s) - started )) s)"

@@ -19,6 +19,7 @@
 
 #include <math.h>
 #include <string.h>
+#include <sys/stat.h>
 
 /* --- harness ---------------------------------------------------------------------------------- */
 
@@ -446,6 +447,7 @@ static void test_gpu_resume(results *r, int gpus) {
     }
     double full[4], resumed[4];
     lg_trainer one, first, second;
+    mkdir("build", 0755); /* the checkpoint's parent (it exists after make) */
     lg_loader l2, l3;
     int step = -1;
     int rc = train_steps(&one, &cfg, &a, T, steps, full);
