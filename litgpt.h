@@ -1510,6 +1510,24 @@ LG_HD uint16_t lg_round_update(const lg_update_rule *r, lg_real w, lg_dtype dtyp
     return lg_round_stochastic((float)w, dtype, lg_hash_uniform(r->rounding_seed, origin));
 }
 
+/* The code of the map entry nearest x. */
+LG_HD uint8_t lg_quantize(const float *map, float x) {
+    int lo = 0, hi = 255;
+    while (hi - lo > 1) {
+        int mid = (lo + hi) / 2;
+        if (map[mid] <= x) lo = mid;
+        else hi = mid;
+    }
+    return (uint8_t)(x - map[lo] <= map[hi] - x ? lo : hi);
+}
+
+/* Where one tensor's state lives: fp32 or half views indexed from the tensor's first element,
+   or 8-bit codes with one scale per block. */
+typedef struct {
+    lg_buf m, v;             /* data NULL when the optimizer has no such state */
+    float *m_scales, *v_scales; /* 8-bit only */
+} lg_tensor_state;
+
 /* 3. config ----------------------------------------------------------------------------------- */
 
 typedef enum { LG_FIELD_INT, LG_FIELD_FLOAT, LG_FIELD_BOOL, LG_FIELD_NAME, LG_FIELD_NORM,
@@ -2356,9 +2374,6 @@ int lg_plan_make(lg_plan *plan, const lg_config *c, const lg_plan_spec *s, lg_er
         return lg_fail(err, "plan: at most %d ranks (devices x nodes)", LG_MAX_RANKS);
     if (s->optimizer_state != LG_STATE_AS_PRECISION && s->optimizer != LG_OPTIMIZER_ADAMW)
         return lg_fail(err, "plan: --optimizer-state applies to AdamW only");
-    if (s->optimizer_state != LG_STATE_AS_PRECISION && s->backend == LG_BACKEND_CUDA)
-        return lg_fail(err, "plan: --optimizer-state bf16|8bit runs on the CPU backend only (for "
-                            "now): leave it out on a GPU");
     /* the layouts count rows in int: B T and B NH T (attention) must fit */
     double rows = (double)s->B * s->T * (c->n_head > 1 ? c->n_head : 1);
     if (rows > 2147483647.0 || (double)s->B * s->accumulation * s->T > 2147483647.0)
@@ -2509,8 +2524,7 @@ static int lg_fitting_seq_length(const lg_config *cfg, const lg_args *a, int T, 
    state, Lion or SGD with momentum to plain SGD. Returns 0 when there is none. */
 static int lg_lighter_optimizer(const lg_args *args, lg_args *a, char *flags, size_t size) {
     *a = *args;
-    if (args->optimizer == LG_OPTIMIZER_ADAMW && args->optimizer_state != LG_STATE_8BIT &&
-        args->backend == LG_BACKEND_CPU) { /* compact states are the CPU backend's for now */
+    if (args->optimizer == LG_OPTIMIZER_ADAMW && args->optimizer_state != LG_STATE_8BIT) {
         a->optimizer_state = LG_STATE_8BIT;
         snprintf(flags, size, "--optimizer-state 8bit");
     } else if (args->optimizer == LG_OPTIMIZER_ADAMW || args->optimizer == LG_OPTIMIZER_SOPHIA) {
@@ -3955,16 +3969,6 @@ static void lg_dynamic_map(float *map, int is_signed) {
         }
 }
 
-/* The code of the map entry nearest x. */
-LG_HD uint8_t lg_quantize(const float *map, float x) {
-    int lo = 0, hi = 255;
-    while (hi - lo > 1) {
-        int mid = (lo + hi) / 2;
-        if (map[mid] <= x) lo = mid;
-        else hi = mid;
-    }
-    return (uint8_t)(x - map[lo] <= map[hi] - x ? lo : hi);
-}
 
 
 int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_args *args,
@@ -4061,13 +4065,6 @@ void lg_copy_from_whole(const lg_exec *ex, const lg_tensor_table *table, lg_buf 
     }
 }
 
-/* Where one tensor's state lives: fp32 or half views indexed from the tensor's first element,
-   or 8-bit codes with one scale per block. */
-typedef struct {
-    lg_buf m, v;             /* data NULL when the optimizer has no such state */
-    float *m_scales, *v_scales; /* 8-bit only */
-} lg_tensor_state;
-
 /* Running offsets of the compact formats, advanced tensor by tensor in table order. */
 typedef struct {
     size_t large, small, blocks;
@@ -4116,58 +4113,69 @@ static void lg_quantize_block(const float *map, uint8_t *codes, float *scale, in
     for (int i = 0; i < n; i++) codes[i] = lg_quantize(map, absmax > 0 ? (float)x[i] / absmax : 0);
 }
 
+/* One table entry's update: its gradients, master weights and state at t->offset (the state
+   as st says), its weights at t->offset, or at t->origin when params_whole. */
+static void lg_update_tensor(const lg_optimizer *opt, const lg_exec *ex,
+                             const lg_update_rule *rule, const lg_tensor_info *t,
+                             const lg_tensor_state *state, lg_buf params, int params_whole,
+                             lg_buf grads, float grad_multiplier, lg_real decay) {
+    LG_ON_GPU(ex, lg_cuda_update_tensor(ex, opt, rule, t, state, params, params_whole, grads,
+                                        grad_multiplier, decay));
+    lg_tensor_state st = *state;
+    int quantized = st.m.dtype == LG_DTYPE_U8;
+    /* blocks of LG_QUANT_BLOCK in every format: the threads' unit of work */
+    long block_size = LG_QUANT_BLOCK;
+    long blocks = (long)((t->count + LG_QUANT_BLOCK - 1) / LG_QUANT_BLOCK);
+    /* 8-bit: a block at a time, dequantized into fp32, updated, requantized */
+    LG_OMP(omp parallel for)
+    for (long b = 0; b < blocks; b++) {
+        lg_real m_block[LG_QUANT_BLOCK], v_block[LG_QUANT_BLOCK];
+        long first = b * block_size, n = (long)t->count - first;
+        if (n > block_size) n = block_size;
+        uint8_t *m_codes = quantized ? (uint8_t *)st.m.data + first : NULL;
+        uint8_t *v_codes = quantized && st.v.data ? (uint8_t *)st.v.data + first : NULL;
+        if (m_codes) lg_dequantize_block(opt->signed_map, m_codes, st.m_scales[b], (int)n, m_block);
+        if (v_codes) lg_dequantize_block(opt->unsigned_map, v_codes, st.v_scales[b], (int)n, v_block);
+        for (long j = 0; j < n; j++) {
+            size_t k = t->offset + (size_t)(first + j), origin = t->origin + (size_t)(first + j);
+            size_t kw = params_whole ? origin : k;
+            lg_real w = opt->master ? opt->master[k] : lg_get(params, kw);
+            lg_real g = lg_get(grads, k) * grad_multiplier, mk = 0, vk = 0;
+            if (quantized) {
+                mk = m_block[j];
+                vk = v_codes ? v_block[j] : 0;
+            } else {
+                mk = st.m.data ? lg_get(st.m, first + j) : 0;
+                vk = st.v.data ? lg_get(st.v, first + j) : 0;
+                if (opt->sqrt_v) vk *= vk;
+            }
+            w = lg_update_element(rule, w, g, &mk, &vk, decay);
+            if (quantized) {
+                m_block[j] = mk;
+                v_block[j] = vk;
+            } else {
+                if (st.m.data) lg_set(st.m, first + j, mk);
+                if (st.v.data) lg_set(st.v, first + j, opt->sqrt_v ? lg_sqrt(vk) : vk);
+            }
+            lg_store_weight(opt, rule, params, k, kw, origin, w);
+        }
+        if (m_codes) lg_quantize_block(opt->signed_map, m_codes, &st.m_scales[b], (int)n, m_block);
+        if (v_codes) lg_quantize_block(opt->unsigned_map, v_codes, &st.v_scales[b], (int)n, v_block);
+    }
+}
+
 void lg_optimizer_update(lg_optimizer *opt, const lg_exec *ex, const lg_tensor_table *table,
                          lg_buf params, int params_whole, lg_buf grads, float lr,
                          float grad_multiplier) {
     opt->t++;
     lg_update_rule rule = lg_update_rule_of(opt, lr);
-    LG_ON_GPU(ex, lg_cuda_optimizer_update(ex, opt, &rule, table, params, params_whole, grads,
-                                           grad_multiplier));
     lg_state_cursor cursor = {0, 0, 0};
     for (int i = 0; i < table->n_tensors; i++) {
         const lg_tensor_info *t = &table->tensors[i];
         lg_real decay = lg_tensor_decays(t->kind) ? opt->weight_decay : 0.0f;
         lg_tensor_state st = lg_state_of(opt, t, &cursor);
-        int quantized = st.m.dtype == LG_DTYPE_U8;
-        /* blocks of LG_QUANT_BLOCK in every format: the threads' unit of work */
-        long block_size = LG_QUANT_BLOCK;
-        long blocks = (long)((t->count + LG_QUANT_BLOCK - 1) / LG_QUANT_BLOCK);
-        /* 8-bit: a block at a time, dequantized into fp32, updated, requantized */
-        LG_OMP(omp parallel for)
-        for (long b = 0; b < blocks; b++) {
-            lg_real m_block[LG_QUANT_BLOCK], v_block[LG_QUANT_BLOCK];
-            long first = b * block_size, n = (long)t->count - first;
-            if (n > block_size) n = block_size;
-            uint8_t *m_codes = quantized ? (uint8_t *)st.m.data + first : NULL;
-            uint8_t *v_codes = quantized && st.v.data ? (uint8_t *)st.v.data + first : NULL;
-            if (m_codes) lg_dequantize_block(opt->signed_map, m_codes, st.m_scales[b], (int)n, m_block);
-            if (v_codes) lg_dequantize_block(opt->unsigned_map, v_codes, st.v_scales[b], (int)n, v_block);
-            for (long j = 0; j < n; j++) {
-                size_t k = t->offset + (size_t)(first + j), origin = t->origin + (size_t)(first + j);
-                size_t kw = params_whole ? origin : k;
-                lg_real w = opt->master ? opt->master[k] : lg_get(params, kw);
-                lg_real g = lg_get(grads, k) * grad_multiplier, mk = 0, vk = 0;
-                if (quantized) {
-                    mk = m_block[j];
-                    vk = v_codes ? v_block[j] : 0;
-                } else {
-                    mk = st.m.data ? lg_get(st.m, first + j) : 0;
-                    vk = st.v.data ? lg_get(st.v, first + j) : 0;
-                    if (opt->sqrt_v) vk *= vk;
-                }
-                w = lg_update_element(&rule, w, g, &mk, &vk, decay);
-                if (quantized) {
-                    m_block[j] = mk;
-                    v_block[j] = vk;
-                } else {
-                    if (st.m.data) lg_set(st.m, first + j, mk);
-                    if (st.v.data) lg_set(st.v, first + j, opt->sqrt_v ? lg_sqrt(vk) : vk);
-                }
-                lg_store_weight(opt, &rule, params, k, kw, origin, w);
-            }
-            if (m_codes) lg_quantize_block(opt->signed_map, m_codes, &st.m_scales[b], (int)n, m_block);
-            if (v_codes) lg_quantize_block(opt->unsigned_map, v_codes, &st.v_scales[b], (int)n, v_block);
-        }
+        lg_update_tensor(opt, ex, &rule, t, &st, params, params_whole, grads, grad_multiplier,
+                         decay);
     }
 }
 

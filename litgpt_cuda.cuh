@@ -708,17 +708,27 @@ static double lg_cuda_sum_squares(const lg_exec *ex, lg_buf x, size_t n) {
     return lg_cuda_read_total(ex, LG_CUDA_TOTAL_SLOT);
 }
 
-/* Where one table entry's elements live for the update kernel. */
+/* Where one table entry's elements live for the update kernels. */
 typedef struct {
     size_t count;        /* elements */
-    size_t offset;       /* k of its first element: grads, master, m, v */
+    size_t offset;       /* k of its first element: grads, master */
     size_t origin;       /* its first element in the whole layout: the rounding draws */
     size_t weight_first; /* its first element in params: origin when params_whole, else offset */
     float decay;         /* weight decay, 0 for norms and biases */
 } lg_cuda_update_span;
 
-/* One thread an element, grid-stride: lg_optimizer_update's loop body for state stored as the
-   precision (m, v indexed as the gradients; v as sqrt(v) with sqrt_v), then lg_store_weight. */
+/* The updated weight to the master copy and/or the weights (lg_store_weight's rule). */
+static __device__ void lg_k_store_weight(const lg_update_rule *rule, lg_buf params,
+                                         lg_real *master, int stochastic, size_t k, size_t kw,
+                                         size_t origin, float w) {
+    if (master) master[k] = w;
+    if (stochastic) ((uint16_t *)params.data)[kw] = lg_round_update(rule, w, params.dtype, origin);
+    else lg_set(params, kw, w);
+}
+
+/* One thread an element, grid-stride: lg_update_tensor's loop body for state stored as views
+   (fp32, the precision's half type, or bf16; m and v indexed from the tensor's first element;
+   v as sqrt(v) with sqrt_v). */
 __global__ void lg_k_optimizer_update(lg_update_rule rule, lg_cuda_update_span span, lg_buf params,
                                       lg_buf grads, lg_real *master, lg_buf m, lg_buf v,
                                       int sqrt_v, int stochastic, float grad_multiplier) {
@@ -726,41 +736,94 @@ __global__ void lg_k_optimizer_update(lg_update_rule rule, lg_cuda_update_span s
         size_t k = span.offset + j, kw = span.weight_first + j, origin = span.origin + j;
         float w = master ? master[k] : lg_get(params, kw);
         float g = lg_get(grads, k) * grad_multiplier;
-        float mk = m.data ? lg_get(m, k) : 0.0f, vk = v.data ? lg_get(v, k) : 0.0f;
+        float mk = m.data ? lg_get(m, j) : 0.0f, vk = v.data ? lg_get(v, j) : 0.0f;
         if (sqrt_v) vk *= vk;
         w = lg_update_element(&rule, w, g, &mk, &vk, span.decay);
-        if (m.data) lg_set(m, k, mk);
-        if (v.data) lg_set(v, k, sqrt_v ? sqrtf(vk) : vk);
-        if (master) master[k] = w;
-        if (stochastic) ((uint16_t *)params.data)[kw] = lg_round_update(&rule, w, params.dtype, origin);
-        else lg_set(params, kw, w);
+        if (m.data) lg_set(m, j, mk);
+        if (v.data) lg_set(v, j, sqrt_v ? sqrtf(vk) : vk);
+        lg_k_store_weight(&rule, params, master, stochastic, k, kw, origin, w);
     }
 }
 
-/* lg_optimizer_update on the GPU, state stored as the precision: one launch a table entry.
-   params: (table->total) laid out as table, or the whole layout when params_whole; grads,
-   opt->master, opt->m, opt->v: (table->total). */
-static void lg_cuda_optimizer_update(const lg_exec *ex, lg_optimizer *opt, const lg_update_rule *rule,
-                                     const lg_tensor_table *table, lg_buf params, int params_whole,
-                                     lg_buf grads, float grad_multiplier) {
-    if (opt->format != LG_STATE_AS_PRECISION) {
-        fprintf(stderr, "CUDA backend: --optimizer-state bf16 and 8bit are not available on "
-                        "GPUs yet; run without --optimizer-state\n");
-        abort();
+/* The 8-bit codes' maps, by value into the kernel (2 KiB of its parameters). */
+typedef struct {
+    float signed_map[256];   /* m's codes: ascending values in [-1, 1] */
+    float unsigned_map[256]; /* v's */
+} lg_cuda_quant_maps;
+
+/* The largest |x| of the block's threads (every thread gets it; order-free, so exact). */
+static __device__ float lg_k_block_absmax(float x, float *scratch) {
+    float a = fabsf(x);
+    for (int offset = LG_CUDA_WARP / 2; offset > 0; offset /= 2)
+        a = fmaxf(a, __shfl_xor_sync(LG_CUDA_FULL_MASK, a, offset));
+    int warp = (int)threadIdx.x / LG_CUDA_WARP, warps = (int)blockDim.x / LG_CUDA_WARP;
+    __syncthreads(); /* scratch's last use is over */
+    if (threadIdx.x % LG_CUDA_WARP == 0) scratch[warp] = a;
+    __syncthreads();
+    a = 0.0f;
+    for (int w = 0; w < warps; w++) a = fmaxf(a, scratch[w]);
+    return a;
+}
+
+/* 8-bit state: a block a quantization block (LG_QUANT_BLOCK elements, a thread each): decode
+   m and v with the block's scales, update, then the new scales (the largest magnitude) and
+   codes (the nearest map entry), as lg_update_tensor's 8-bit path. */
+__global__ void lg_k_optimizer_update_8bit(lg_update_rule rule, lg_cuda_update_span span,
+                                           lg_buf params, lg_buf grads, lg_real *master,
+                                           uint8_t *m_codes, uint8_t *v_codes, float *m_scales,
+                                           float *v_scales, lg_cuda_quant_maps maps,
+                                           int stochastic, float grad_multiplier) {
+    __shared__ float scratch[LG_CUDA_MAX_WARPS];
+    size_t b = blockIdx.x, j = b * LG_QUANT_BLOCK + threadIdx.x;
+    int active = j < span.count;
+    float mk = 0.0f, vk = 0.0f;
+    if (active) {
+        size_t k = span.offset + j, kw = span.weight_first + j, origin = span.origin + j;
+        float w = master ? master[k] : lg_get(params, kw);
+        float g = lg_get(grads, k) * grad_multiplier;
+        mk = maps.signed_map[m_codes[j]] * m_scales[b];
+        vk = v_codes ? maps.unsigned_map[v_codes[j]] * v_scales[b] : 0.0f;
+        w = lg_update_element(&rule, w, g, &mk, &vk, span.decay);
+        lg_k_store_weight(&rule, params, master, stochastic, k, kw, origin, w);
     }
-    for (int e = 0; e < table->n_tensors; e++) {
-        const lg_tensor_info *t = &table->tensors[e];
-        if (t->count == 0) continue;
-        lg_cuda_update_span span;
-        span.count = t->count;
-        span.offset = t->offset;
-        span.origin = t->origin;
-        span.weight_first = params_whole ? t->origin : t->offset;
-        span.decay = lg_tensor_decays(t->kind) ? opt->weight_decay : 0.0f;
+    float m_max = lg_k_block_absmax(active ? mk : 0.0f, scratch);
+    float v_max = v_codes ? lg_k_block_absmax(active ? vk : 0.0f, scratch) : 0.0f;
+    if (threadIdx.x == 0) {
+        m_scales[b] = m_max;
+        if (v_codes) v_scales[b] = v_max;
+    }
+    if (!active) return;
+    m_codes[j] = lg_quantize(maps.signed_map, m_max > 0 ? mk / m_max : 0.0f);
+    if (v_codes) v_codes[j] = lg_quantize(maps.unsigned_map, v_max > 0 ? vk / v_max : 0.0f);
+}
+
+/* lg_update_tensor on the GPU: one table entry, its state as `state` says (views, or 8-bit
+   codes with a scale a block). */
+static void lg_cuda_update_tensor(const lg_exec *ex, const lg_optimizer *opt,
+                                  const lg_update_rule *rule, const lg_tensor_info *t,
+                                  const lg_tensor_state *state, lg_buf params, int params_whole,
+                                  lg_buf grads, float grad_multiplier, lg_real decay) {
+    if (t->count == 0) return;
+    lg_cuda_update_span span;
+    span.count = t->count;
+    span.offset = t->offset;
+    span.origin = t->origin;
+    span.weight_first = params_whole ? t->origin : t->offset;
+    span.decay = decay;
+    cudaStream_t stream = lg_cuda_stream(ex);
+    if (state->m.dtype != LG_DTYPE_U8) {
         LG_LAUNCH(lg_k_optimizer_update, lg_cuda_element_grid(t->count), LG_CUDA_ELEMENT_THREADS,
-                  0, lg_cuda_stream(ex), *rule, span, params, grads, opt->master, opt->m, opt->v,
+                  0, stream, *rule, span, params, grads, opt->master, state->m, state->v,
                   opt->sqrt_v, opt->stochastic, grad_multiplier);
+        return;
     }
+    lg_cuda_quant_maps maps;
+    memcpy(maps.signed_map, opt->signed_map, sizeof maps.signed_map);
+    memcpy(maps.unsigned_map, opt->unsigned_map, sizeof maps.unsigned_map);
+    LG_LAUNCH(lg_k_optimizer_update_8bit, lg_cuda_blocks(t->count, LG_QUANT_BLOCK), LG_QUANT_BLOCK,
+              0, stream, *rule, span, params, grads, opt->master, (uint8_t *)state->m.data,
+              (uint8_t *)state->v.data, state->m_scales, state->v_scales, maps, opt->stochastic,
+              grad_multiplier);
 }
 
 /* Sophia's h = beta2 h + (1 - beta2) n_tokens (g grad_multiplier)^2: a grid-stride loop. */

@@ -373,14 +373,26 @@ static void test_training_steps(results *r) {
     }
 }
 
-/* Trains a and b 3 steps on test-llama; the largest relative difference of their weights and of
-   their losses (INFINITY when a run fails). */
-static double runs_differ(const lg_args *a, const lg_args *b, double *losses_apart) {
+/* test-llama, or a wider one (n_embd 64, MLP 128) whose matrices have the 4096 elements and more
+   that compact optimizer states apply to. */
+static int llama_config(lg_config *cfg, int wide) {
+    lg_error err;
+    if (lg_config_load(cfg, "configs/test-llama.yaml", &err) != 0) return -1;
+    if (wide) {
+        cfg->n_embd = 64;
+        cfg->head_size = 16;
+        cfg->intermediate_size = 128;
+    }
+    return 0;
+}
+
+/* Trains a and b 3 steps on test-llama (wide or not); the largest relative difference of their
+   weights and of their losses (INFINITY when a run fails). */
+static double runs_differ(const lg_args *a, const lg_args *b, int wide, double *losses_apart) {
     const int T = 16, steps = 3;
     lg_config cfg;
-    lg_error err;
     *losses_apart = INFINITY;
-    if (lg_config_load(&cfg, "configs/test-llama.yaml", &err) != 0) return INFINITY;
+    if (llama_config(&cfg, wide) != 0) return INFINITY;
     double la[3], lb[3];
     lg_trainer ta, tb;
     if (train_steps(&ta, &cfg, a, T, steps, la) != 0) return INFINITY;
@@ -407,7 +419,7 @@ static void test_gpu_features(results *r) {
     lg_args plain = step_args(LG_PRECISION_BF16_MIXED, LG_BACKEND_CUDA), other = plain;
     double losses;
     other.recompute = 1;
-    double weights = runs_differ(&plain, &other, &losses);
+    double weights = runs_differ(&plain, &other, 0, &losses);
     check(r, weights == 0 && losses == 0, "--recompute block = none on a GPU, bf16-mixed: weights "
           "%.1e, losses %.1e apart (bitwise)", weights, losses);
     for (int p = 0; p < 2; p++) {
@@ -415,7 +427,7 @@ static void test_gpu_features(results *r) {
         plain = step_args(precision, LG_BACKEND_CUDA);
         other = plain;
         other.offload = 1;
-        weights = runs_differ(&plain, &other, &losses);
+        weights = runs_differ(&plain, &other, 0, &losses);
         check(r, weights < 1e-6 && losses < 1e-6, "--offload = on the GPU, %s: weights %.1e, "
               "losses %.1e apart (< 1e-6)", lg_precision_name(precision), weights, losses);
     }
@@ -427,9 +439,24 @@ static void test_gpu_features(results *r) {
         cpu.hessian_interval = 2; /* Sophia's Hessian pass at steps 0 and 2 */
         lg_args gpu = cpu;
         gpu.backend = LG_BACKEND_CUDA;
-        weights = runs_differ(&cpu, &gpu, &losses);
+        weights = runs_differ(&cpu, &gpu, 0, &losses);
         check(r, weights < 1e-4 && losses < 1e-4, "-o %-6s 3 steps, CUDA vs CPU, 32-true: weights "
               "%.1e, losses %.1e (< 1e-4)", lg_optimizer_name(kinds[k]), weights, losses);
+    }
+    /* AdamW's compact states: the same code decodes, updates and re-encodes on both sides; a
+       rounding difference that moves an 8-bit code moves that state by a code's step, so the
+       bound is 1e-3 there */
+    static const lg_state_format formats[2] = {LG_STATE_BF16, LG_STATE_8BIT};
+    for (int f = 0; f < 2; f++) {
+        lg_args cpu = step_args(LG_PRECISION_32_TRUE, LG_BACKEND_CPU);
+        cpu.optimizer_state = formats[f];
+        lg_args gpu = cpu;
+        gpu.backend = LG_BACKEND_CUDA;
+        weights = runs_differ(&cpu, &gpu, 1, &losses);
+        double bound = formats[f] == LG_STATE_8BIT ? 1e-3 : 1e-4;
+        check(r, weights < bound && losses < bound, "--optimizer-state %-4s 3 steps (n_embd 64), "
+              "CUDA vs CPU: weights %.1e, losses %.1e (< %.0e)", formats[f] == LG_STATE_8BIT ? "8bit" : "bf16",
+              weights, losses, bound);
     }
 }
 
