@@ -681,6 +681,11 @@ static void evaluate(lg_trainer *tr, run_data *d, const lg_args *a, int step, FI
 }
 
 int main(int argc, char **argv) {
+#ifdef LG_CUDA
+    /* before CUDA starts: every kernel loads with the context, so the runtime's memory measured
+       at start-up holds them (lazy loading would add kernels' code later, outside the plan) */
+    setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+#endif
     lg_args a;
     int precision_given = 0, beta1_given = 0, beta2_given = 0;
     checkpoint_flags ck;

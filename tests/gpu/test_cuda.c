@@ -642,6 +642,7 @@ static void bench(void) {
 
 int main(int argc, char **argv) {
     results r = {0, 0};
+    setenv("CUDA_MODULE_LOADING", "EAGER", 0); /* as train.c: kernels load with the context */
     int gpus = lg_cuda_device_count();
     if (gpus == 0) {
         printf("test_cuda: no GPU visible\n");
