@@ -1156,6 +1156,9 @@ typedef struct lg_trainer {
     float loss_scale;   /* multiplies the loss before the backward: 2^16 at the start */
     int clean_steps;    /* steps since the scale last changed */
     int scale_window;   /* clean steps before the scale doubles: 2000 */
+    /* --offload: the step's last backward copies each unit's finished gradients to the host as
+       it goes (lg_trainer_offload_unit) instead of all of them after it */
+    int offloading_early;
 } lg_trainer;
 
 typedef struct {
@@ -3512,6 +3515,14 @@ static void lg_copy(const lg_exec *ex, lg_buf dst, lg_buf src, size_t n) {
     }
     LG_OMP(omp parallel for)
     for (long i = 0; i < (long)n; i++) lg_set(dst, i, lg_get(src, i));
+}
+
+/* dst (n) = src (n), same storage type, beside the rank's compute on a GPU (its communication
+   stream, after the ops queued so far): for offload's copies to the host, which lg_rank_sync
+   waits for. */
+static void lg_copy_beside(const lg_exec *ex, lg_buf dst, lg_buf src, size_t n) {
+    LG_ON_GPU(ex, lg_cuda_copy_beside(ex, dst, src, n));
+    lg_copy(ex, dst, src, n);
 }
 
 /* x (n) = 0 */
@@ -8129,6 +8140,23 @@ static double lg_trainer_forward(lg_trainer *tr, const lg_micro_batch *mb) {
     return loss;
 }
 
+/* --offload, in the step's last backward, with no replicas left to add (their all-reduce
+   comes after the backward): unit u's gradient shard is final, so its copy to the host starts
+   beside the compute that remains. */
+static void lg_trainer_offload_unit(lg_trainer *tr, int u) {
+    const lg_shard_layout *sl = &tr->plan.shards;
+    if (!tr->offloading_early) return;
+    for (int r = 0; r < tr->n_ranks; r++) {
+        lg_trainer_rank *tr_r = &tr->ranks[r];
+        /* the unit in the shard: its piece (sharded), or the whole unit */
+        size_t first = tr->plan.sharding.grads_sharded ? sl->piece_offset[u] : sl->unit_offset[u];
+        size_t count = tr->plan.sharding.grads_sharded ? sl->piece_offset[u + 1] - first
+                                                       : sl->unit_offset[u + 1] - first;
+        lg_copy_beside(&tr_r->model.exec, lg_at(tr_r->host_grads, first),
+                       lg_at(tr_r->model.grads, first), count);
+    }
+}
+
 /* The backward on every rank, unit by unit in reverse: gather the block again (full-shard),
    compute its gradients into a whole-unit buffer, reduce-scatter them into the shards
    (sharded gradients). The reduce-scatter of block l runs while block l - 1 computes; its
@@ -8148,14 +8176,19 @@ static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float 
         lg_trainer_open_unit_grads(tr, l + 1); /* its slot's last reduce-scatter has finished */
         for (int r = 0; r < tr->n_ranks; r++)
             if (mb[r].B) lg_model_block_backward(&tr->ranks[r].model, l, mb[r].B, mb[r].T);
-        if (l + 2 <= L) lg_trainer_finish_reduce(tr, l + 2);
+        if (l + 2 <= L) {
+            lg_trainer_finish_reduce(tr, l + 2);
+            lg_trainer_offload_unit(tr, l + 2);
+        }
         lg_trainer_start_reduce(tr, l + 1);
     }
     for (int r = 0; r < tr->n_ranks; r++)
         if (mb[r].B) lg_model_embed_backward(&tr->ranks[r].model, mb[r].inputs, mb[r].B, mb[r].T);
     lg_trainer_finish_reduce(tr, 1);
+    lg_trainer_offload_unit(tr, 1);
     lg_trainer_start_reduce(tr, 0);
     lg_trainer_finish_reduce(tr, 0);
+    lg_trainer_offload_unit(tr, 0);
 }
 
 /* Where micro-batch i starts in a rank's token buffers: they hold accumulation x (B, T). */
@@ -8435,11 +8468,15 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
         targets[r] = tr->ranks[r].targets;
     }
     double loss_sum = 0;
+    int offloading = tr->ranks[0].host_grads.data != NULL && tr->plan.sharding.replicas == 1;
     for (int i = 0; i < tr->accumulation && n_targets > 0; i++) {
         lg_trainer_micro_batches(tr, i, targets, mb);
         loss_sum += lg_trainer_forward(tr, mb);
+        tr->offloading_early = offloading && i == tr->accumulation - 1;
         lg_trainer_backward(tr, mb, tr->loss_scale / n_targets);
     }
+    int offloaded = tr->offloading_early;
+    tr->offloading_early = 0;
     lg_trainer_sync_replicas(tr);
     stats->loss = n_targets ? loss_sum / n_targets : 0;
     stats->loss_scale = tr->loss_scale;
@@ -8459,7 +8496,7 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
         stats->skipped = 1; /* every target ignored: nothing to learn, no decay, no step */
     } else {
         float multiplier = lg_clip_factor(norm, tr->args.max_norm) / tr->loss_scale;
-        for (int r = 0; r < tr->n_ranks; r++) lg_trainer_offload_grads(&tr->ranks[r]);
+        for (int r = 0; r < tr->n_ranks && !offloaded; r++) lg_trainer_offload_grads(&tr->ranks[r]);
         for (int r = 0; r < tr->n_ranks; r++) lg_trainer_update_rank(&tr->ranks[r], stats->lr, multiplier);
         lg_trainer_share_updated_weights(tr);
         if (tr->scaling && ++tr->clean_steps == tr->scale_window) {

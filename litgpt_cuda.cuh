@@ -320,6 +320,22 @@ static void lg_cuda_copy(const lg_exec *ex, lg_buf dst, lg_buf src, size_t n) {
     for (size_t i = 0; i < n; i++) lg_set(dst, i, lg_get(src, i));
 }
 
+/* dst (n) = src (n), same storage type, on the rank's communication stream after the ops queued
+   so far on its compute stream: the copy runs beside the compute that follows (lg_rank_sync
+   waits for it). */
+static void lg_cuda_copy_beside(const lg_exec *ex, lg_buf dst, lg_buf src, size_t n) {
+    lg_cuda_rank *g = ex->cuda;
+    if (n == 0) return;
+    if (dst.dtype != src.dtype) {
+        lg_cuda_copy(ex, dst, src, n);
+        return;
+    }
+    LG_CUDA_TRY(cudaEventRecord(g->compute_done, lg_cuda_stream(ex)));
+    LG_CUDA_TRY(cudaStreamWaitEvent(g->comm, g->compute_done, 0));
+    LG_CUDA_TRY(cudaMemcpyAsync(dst.data, src.data, n * lg_elem_size(src.dtype), cudaMemcpyDefault,
+                                g->comm));
+}
+
 static void lg_cuda_zero(const lg_exec *ex, lg_buf x, size_t n) {
     if (n == 0) return;
     LG_CUDA_TRY(cudaMemsetAsync(x.data, 0, n * lg_elem_size(x.dtype), lg_cuda_stream(ex)));

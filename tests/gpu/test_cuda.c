@@ -431,6 +431,15 @@ static void test_gpu_features(results *r) {
         check(r, weights < 1e-6 && losses < 1e-6, "--offload = on the GPU, %s: weights %.1e, "
               "losses %.1e apart (< 1e-6)", lg_precision_name(precision), weights, losses);
     }
+    if (lg_cuda_device_count() >= 2) { /* each rank's pieces go to the host as they finish */
+        plain = step_args(LG_PRECISION_BF16_MIXED, LG_BACKEND_CUDA);
+        plain.devices = 2;
+        other = plain;
+        other.offload = 1;
+        weights = runs_differ(&plain, &other, 0, &losses);
+        check(r, weights < 1e-6 && losses < 1e-6, "-d 2 full-shard --offload = on the GPUs, "
+              "bf16-mixed: weights %.1e, losses %.1e apart (< 1e-6)", weights, losses);
+    }
     static const lg_optimizer_kind kinds[3] = {LG_OPTIMIZER_SGD, LG_OPTIMIZER_LION,
                                                LG_OPTIMIZER_SOPHIA};
     for (int k = 0; k < 3; k++) {
