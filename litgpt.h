@@ -1156,9 +1156,6 @@ typedef struct lg_trainer {
     float loss_scale;   /* multiplies the loss before the backward: 2^16 at the start */
     int clean_steps;    /* steps since the scale last changed */
     int scale_window;   /* clean steps before the scale doubles: 2000 */
-    /* --offload: the step's last backward copies each unit's finished gradients to the host as
-       it goes (lg_trainer_offload_unit) instead of all of them after it */
-    int offloading_early;
 } lg_trainer;
 
 typedef struct {
@@ -8143,9 +8140,9 @@ static double lg_trainer_forward(lg_trainer *tr, const lg_micro_batch *mb) {
 /* --offload, in the step's last backward, with no replicas left to add (their all-reduce
    comes after the backward): unit u's gradient shard is final, so its copy to the host starts
    beside the compute that remains. */
-static void lg_trainer_offload_unit(lg_trainer *tr, int u) {
+static void lg_trainer_offload_unit(lg_trainer *tr, int u, int offload) {
     const lg_shard_layout *sl = &tr->plan.shards;
-    if (!tr->offloading_early) return;
+    if (!offload) return;
     for (int r = 0; r < tr->n_ranks; r++) {
         lg_trainer_rank *tr_r = &tr->ranks[r];
         /* the unit in the shard: its piece (sharded), or the whole unit */
@@ -8161,8 +8158,10 @@ static void lg_trainer_offload_unit(lg_trainer *tr, int u) {
    compute its gradients into a whole-unit buffer, reduce-scatter them into the shards
    (sharded gradients). The reduce-scatter of block l runs while block l - 1 computes; its
    piece joins the shard after that. The ends' gradients collect from the head and the
-   embedding and go last. */
-static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float loss_scale) {
+   embedding and go last. offload: each unit's finished gradients go to the host as it goes
+   (the step's last backward with --offload and no replicas; lg_trainer_offload_unit). */
+static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float loss_scale,
+                                int offload) {
     int L = tr->plan.cfg.n_layer;
     lg_trainer_open_unit_grads(tr, 0);
     for (int r = 0; r < tr->n_ranks; r++)
@@ -8178,17 +8177,17 @@ static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float 
             if (mb[r].B) lg_model_block_backward(&tr->ranks[r].model, l, mb[r].B, mb[r].T);
         if (l + 2 <= L) {
             lg_trainer_finish_reduce(tr, l + 2);
-            lg_trainer_offload_unit(tr, l + 2);
+            lg_trainer_offload_unit(tr, l + 2, offload);
         }
         lg_trainer_start_reduce(tr, l + 1);
     }
     for (int r = 0; r < tr->n_ranks; r++)
         if (mb[r].B) lg_model_embed_backward(&tr->ranks[r].model, mb[r].inputs, mb[r].B, mb[r].T);
     lg_trainer_finish_reduce(tr, 1);
-    lg_trainer_offload_unit(tr, 1);
+    lg_trainer_offload_unit(tr, 1, offload);
     lg_trainer_start_reduce(tr, 0);
     lg_trainer_finish_reduce(tr, 0);
-    lg_trainer_offload_unit(tr, 0);
+    lg_trainer_offload_unit(tr, 0, offload);
 }
 
 /* Where micro-batch i starts in a rank's token buffers: they hold accumulation x (B, T). */
@@ -8422,7 +8421,7 @@ static void lg_trainer_hessian_pass(lg_trainer *tr, int step) {
                                                                first + n));
         }
         lg_trainer_micro_batches(tr, i, labels, mb);
-        lg_trainer_backward(tr, mb, tr->loss_scale / tokens);
+        lg_trainer_backward(tr, mb, tr->loss_scale / tokens, 0);
     }
     lg_trainer_sync_replicas(tr);
     if (!isfinite(lg_trainer_grad_norm(tr))) return; /* an fp16 overflow: keep the estimate */
@@ -8468,15 +8467,15 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
         targets[r] = tr->ranks[r].targets;
     }
     double loss_sum = 0;
-    int offloading = tr->ranks[0].host_grads.data != NULL && tr->plan.sharding.replicas == 1;
+    /* --offload with no replicas: the last backward sends gradients to the host as it goes */
+    int offload_in_backward =
+        tr->ranks[0].host_grads.data != NULL && tr->plan.sharding.replicas == 1;
     for (int i = 0; i < tr->accumulation && n_targets > 0; i++) {
         lg_trainer_micro_batches(tr, i, targets, mb);
         loss_sum += lg_trainer_forward(tr, mb);
-        tr->offloading_early = offloading && i == tr->accumulation - 1;
-        lg_trainer_backward(tr, mb, tr->loss_scale / n_targets);
+        lg_trainer_backward(tr, mb, tr->loss_scale / n_targets,
+                            offload_in_backward && i == tr->accumulation - 1);
     }
-    int offloaded = tr->offloading_early;
-    tr->offloading_early = 0;
     lg_trainer_sync_replicas(tr);
     stats->loss = n_targets ? loss_sum / n_targets : 0;
     stats->loss_scale = tr->loss_scale;
@@ -8496,7 +8495,8 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
         stats->skipped = 1; /* every target ignored: nothing to learn, no decay, no step */
     } else {
         float multiplier = lg_clip_factor(norm, tr->args.max_norm) / tr->loss_scale;
-        for (int r = 0; r < tr->n_ranks && !offloaded; r++) lg_trainer_offload_grads(&tr->ranks[r]);
+        for (int r = 0; r < tr->n_ranks && !offload_in_backward; r++)
+            lg_trainer_offload_grads(&tr->ranks[r]);
         for (int r = 0; r < tr->n_ranks; r++) lg_trainer_update_rank(&tr->ranks[r], stats->lr, multiplier);
         lg_trainer_share_updated_weights(tr);
         if (tr->scaling && ++tr->clean_steps == tr->scale_window) {

@@ -2366,11 +2366,17 @@ static void lg_cuda_rank_free(lg_rank *rank) {
     rank->cuda = NULL;
 }
 
+/* Free and total memory of a GPU. */
+int lg_cuda_memory(int device, size_t *free_bytes, size_t *total_bytes, lg_error *err) {
+    LG_CUDA_CHECK(cudaSetDevice(device), err);
+    LG_CUDA_CHECK(cudaMemGetInfo(free_bytes, total_bytes), err);
+    return 0;
+}
+
 /* Memory in use on a GPU now (everything: this process's and others'), and its total. */
 static int lg_cuda_used_bytes(int device, size_t *used, size_t *total, lg_error *err) {
     size_t free_bytes = 0;
-    LG_CUDA_CHECK(cudaSetDevice(device), err);
-    LG_CUDA_CHECK(cudaMemGetInfo(&free_bytes, total), err);
+    if (lg_cuda_memory(device, &free_bytes, total, err) != 0) return -1;
     *used = *total - free_bytes;
     return 0;
 }
@@ -2416,13 +2422,6 @@ int lg_cuda_measure_runtime(int devices, int communicators, size_t *runtime_byte
         size_t bytes = context[d] + cublas[d] + nccl[d];
         if (bytes > *runtime_bytes) *runtime_bytes = bytes;
     }
-    return 0;
-}
-
-/* Free and total memory of a GPU. */
-int lg_cuda_memory(int device, size_t *free_bytes, size_t *total_bytes, lg_error *err) {
-    LG_CUDA_CHECK(cudaSetDevice(device), err);
-    LG_CUDA_CHECK(cudaMemGetInfo(free_bytes, total_bytes), err);
     return 0;
 }
 

@@ -57,15 +57,6 @@ static double rel_error(const lg_real *a, const lg_real *b, size_t n, double flo
     return diff / scale;
 }
 
-static int load_config_or_fail(results *r, lg_config *cfg, const char *name) {
-    char path[256];
-    lg_error err;
-    snprintf(path, sizeof path, "configs/%s.yaml", name);
-    if (lg_config_load(cfg, path, &err) == 0) return 0;
-    check(r, 0, "load %s: %s", path, err.msg);
-    return -1;
-}
-
 #ifdef LG_REAL_DOUBLE
 /* =============================================================================================
    Double precision: backward of every op against central finite differences
@@ -633,18 +624,6 @@ static void builtin_loader(lg_loader *ld, const lg_config *cfg, int T, uint64_t 
     lg_loader_from_memory(ld, tokens, n, T, cfg->vocab_size, 1, seed, &err);
 }
 
-/* Steps 0..steps-1 of tr on ld, each step's loss into losses; -1 (with the message printed)
-   when a step fails. */
-static int run_steps(lg_trainer *tr, lg_loader *ld, int steps, double *losses) {
-    lg_error err;
-    for (int s = 0; s < steps; s++) {
-        lg_step_stats st;
-        if (lg_trainer_step(tr, ld, s, &st, &err) != 0) { printf("    %s\n", err.msg); return -1; }
-        losses[s] = st.loss;
-    }
-    return 0;
-}
-
 /* Trains `steps` steps on the built-in task; returns the trainer (caller frees) and losses. */
 static int train_steps(lg_trainer *tr, const lg_config *cfg, const lg_args *a, int T, int steps,
                        double *losses) {
@@ -652,7 +631,7 @@ static int train_steps(lg_trainer *tr, const lg_config *cfg, const lg_args *a, i
     if (lg_trainer_create(tr, cfg, a, T, &err) != 0) { printf("    %s\n", err.msg); return -1; }
     lg_loader ld;
     builtin_loader(&ld, cfg, T, 5, (size_t)(steps + 1) * a->micro_batch_size * T + 1, a->seed);
-    int rc = run_steps(tr, &ld, steps, losses);
+    int rc = run_step_range(tr, &ld, 0, steps, losses);
     lg_loader_close(&ld);
     return rc;
 }
@@ -925,7 +904,7 @@ static int train_builtin(const lg_config *cfg, const lg_args *a, int T, int step
     if (lg_trainer_create(&tr, cfg, a, T, &err) != 0) { printf("    %s\n", err.msg); return -1; }
     lg_loader ld;
     builtin_loader(&ld, cfg, T, 1, 20000, a->seed);
-    int rc = run_steps(&tr, &ld, steps, losses);
+    int rc = run_step_range(&tr, &ld, 0, steps, losses);
     if (rc == 0 && final_params) {
         *n_params = tr.ranks[0].model.n_params;
         *final_params = new_reals(*n_params);

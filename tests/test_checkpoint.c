@@ -212,17 +212,6 @@ static void test_hf_directories(results *r) {
     }
 }
 
-/* Steps first..last-1, losses into losses[first..]. */
-static int run_step_range(lg_trainer *tr, lg_loader *ld, int first, int last, double *losses) {
-    lg_error err;
-    for (int s = first; s < last; s++) {
-        lg_step_stats st;
-        if (lg_trainer_step(tr, ld, s, &st, &err) != 0) { printf("    %s\n", err.msg); return -1; }
-        losses[s] = st.loss;
-    }
-    return 0;
-}
-
 /* 6 steps uninterrupted against 3 steps, a checkpoint, a fresh trainer and loader resumed from
    it with args b (other ranks, say), 3 more steps: bitwise the same losses and weights, or
    within 1e-5 relative when the ranks add gradients in another order. The data wraps around

@@ -1,14 +1,6 @@
 /* Sharding over ranks (included by tests/test.c, single precision): every strategy equals one
    rank, the plan per rank is what each rank allocates, model state falls as 1/N. */
 
-/* The weights of a trained run in fp32, the whole layout (LG_MALLOC'd). */
-static lg_real *trained_weights(lg_trainer *tr) {
-    size_t n = tr->ranks[0].model.n_params;
-    lg_real *w = new_reals(n);
-    lg_trainer_weights(tr, lg_buf_of(w));
-    return w;
-}
-
 /* Devices and nodes of a run of `ranks` ranks with a strategy: hybrid-shard puts two ranks on
    each node when it can (2 nodes x 2 devices for 4). */
 static void ranks_of(lg_strategy strategy, int ranks, lg_args *a) {

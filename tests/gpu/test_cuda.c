@@ -257,15 +257,6 @@ static void test_residual_norm(results *r) {
 
 /* --- whole training steps ------------------------------------------------------------------ */
 
-static int load_config_or_fail(results *r, lg_config *cfg, const char *name) {
-    char path[256];
-    lg_error err;
-    snprintf(path, sizeof path, "configs/%s.yaml", name);
-    if (lg_config_load(cfg, path, &err) == 0) return 0;
-    check(r, 0, "load %s: %s", path, err.msg);
-    return -1;
-}
-
 /* Windows of T tokens of the built-in task, enough for `steps` steps of the run. */
 static int builtin_loader(lg_loader *ld, const lg_config *cfg, const lg_args *a, int T, int steps) {
     lg_error err;
@@ -274,20 +265,6 @@ static int builtin_loader(lg_loader *ld, const lg_config *cfg, const lg_args *a,
     if (lg_loader_from_memory(ld, tokens, n, T, cfg->vocab_size, 1, a->seed, &err) == 0) return 0;
     printf("    %s\n", err.msg);
     return -1;
-}
-
-/* Steps first..last-1 of tr on ld, their losses into losses[first..]. */
-static int run_steps(lg_trainer *tr, lg_loader *ld, int first, int last, double *losses) {
-    lg_error err;
-    for (int s = first; s < last; s++) {
-        lg_step_stats st;
-        if (lg_trainer_step(tr, ld, s, &st, &err) != 0) {
-            printf("    %s\n", err.msg);
-            return -1;
-        }
-        losses[s] = st.loss;
-    }
-    return 0;
 }
 
 /* Trains `steps` steps of the built-in task; the trainer stays alive for the caller. */
@@ -300,27 +277,9 @@ static int train_steps(lg_trainer *tr, const lg_config *cfg, const lg_args *a, i
     }
     lg_loader ld;
     if (builtin_loader(&ld, cfg, a, T, steps) != 0) return -1;
-    int rc = run_steps(tr, &ld, 0, steps, losses);
+    int rc = run_step_range(tr, &ld, 0, steps, losses);
     lg_loader_close(&ld);
     return rc;
-}
-
-/* The weights of a trainer in fp32, the whole layout (caller frees). */
-static lg_real *trained_weights(lg_trainer *tr) {
-    size_t n = tr->ranks[0].model.n_params;
-    lg_real *w = (lg_real *)lg_alloc_zeroed(n * sizeof(lg_real));
-    lg_trainer_weights(tr, lg_buf_of(w));
-    return w;
-}
-
-static double max_relative(const lg_real *got, const lg_real *want, size_t n) {
-    double diff = 0, scale = 1e-30;
-    for (size_t i = 0; i < n; i++) {
-        if (got[i] != got[i]) return INFINITY;
-        diff = fmax(diff, fabs((double)got[i] - want[i]));
-        scale = fmax(scale, fabs((double)want[i]));
-    }
-    return diff / scale;
 }
 
 /* One run's args for the step comparisons: AdamW, -b 2 -g 4, 3 steps. */
@@ -358,7 +317,7 @@ static void test_training_steps(results *r) {
                 continue;
             }
             lg_real *want = trained_weights(&cpu), *got = trained_weights(&gpu);
-            double weights = max_relative(got, want, cpu.ranks[0].model.n_params), losses = 0;
+            double weights = rel_error(lg_buf_of(got), lg_buf_of(want), cpu.ranks[0].model.n_params), losses = 0;
             for (int s = 0; s < steps; s++)
                 losses = fmax(losses, fabs(gpu_losses[s] - cpu_losses[s]) / fabs(cpu_losses[s]));
             double tolerance = precision == LG_PRECISION_32_TRUE ? 1e-4 : 1e-2;
@@ -401,7 +360,7 @@ static double runs_differ(const lg_args *a, const lg_args *b, int wide, double *
         return INFINITY;
     }
     lg_real *wa = trained_weights(&ta), *wb = trained_weights(&tb);
-    double apart = max_relative(wb, wa, ta.ranks[0].model.n_params);
+    double apart = rel_error(lg_buf_of(wb), lg_buf_of(wa), ta.ranks[0].model.n_params);
     *losses_apart = 0;
     for (int s = 0; s < steps; s++) *losses_apart = fmax(*losses_apart, fabs(lb[s] - la[s]) / la[s]);
     LG_FREE(wa);
@@ -488,11 +447,11 @@ static void test_gpu_resume(results *r, int gpus) {
     int step = -1;
     int rc = train_steps(&one, &cfg, &a, T, steps, full);
     rc = rc || lg_trainer_create(&first, &cfg, &a, T, &err) || builtin_loader(&l2, &cfg, &a, T, steps) ||
-         run_steps(&first, &l2, 0, half, resumed) ||
+         run_step_range(&first, &l2, 0, half, resumed) ||
          lg_checkpoint_save(&first, &l2, half, "build/gpu_resume", &err);
     rc = rc || lg_trainer_create(&second, &cfg, &a, T, &err) || builtin_loader(&l3, &cfg, &a, T, steps) ||
          lg_checkpoint_resume(&second, &l3, "build/gpu_resume/step-2", &step, &err) ||
-         step != half || run_steps(&second, &l3, half, steps, resumed);
+         step != half || run_step_range(&second, &l3, half, steps, resumed);
     int same = rc == 0;
     if (same) {
         lg_real *w_full = trained_weights(&one), *w_resumed = trained_weights(&second);
@@ -546,7 +505,7 @@ static void test_devices(results *r, int gpus) {
             continue;
         }
         lg_real *got = trained_weights(&tr);
-        double weights = max_relative(got, want, n), loss = 0;
+        double weights = rel_error(lg_buf_of(got), lg_buf_of(want), n), loss = 0;
         for (int k = 0; k < steps; k++) loss = fmax(loss, fabs(losses[k] - one_losses[k]) / one_losses[k]);
         check(r, weights < 1e-5 && loss < 1e-5,
               "-d %d x --nodes %d --strategy %-13s = -d 1 on GPUs: weights %.1e, losses %.1e",
