@@ -149,7 +149,11 @@ const char *lg_precision_name(lg_precision p);
 
 /* Storage types. F32 is lg_real: 4 bytes, except in the test build with LG_REAL_DOUBLE where
    it is 8. BF16 and F16 are 16-bit storage; arithmetic on them is in lg_real. */
-typedef enum { LG_DTYPE_F32, LG_DTYPE_BF16, LG_DTYPE_F16, LG_DTYPE_I32, LG_DTYPE_U8 } lg_dtype;
+typedef enum { LG_DTYPE_F32, LG_DTYPE_BF16, LG_DTYPE_F16, LG_DTYPE_I32, LG_DTYPE_U8,
+               LG_DTYPE_NF4, LG_DTYPE_NF4_DQ } lg_dtype;
+/* LG_DTYPE_NF4 and LG_DTYPE_NF4_DQ are QLoRA's frozen linear weights: a view of one tensor's
+   packed codes and block scales (lg_nf4_bytes of its element count, see section 6), never
+   read element by element; a matmul dequantizes the tensor first. */
 
 /* A typed view of a tensor: where it is and how its elements are stored. Kernels read and
    write elements through lg_get / lg_set, so one loop serves every precision. */
@@ -164,6 +168,44 @@ typedef struct {
 
 typedef enum { LG_NORM_LAYERNORM, LG_NORM_RMSNORM } lg_norm_class;
 typedef enum { LG_MLP_GPTNEOX, LG_MLP_LLAMA } lg_mlp_class;
+
+/* --quantize: how LoRA's frozen linear weights are stored. */
+typedef enum { LG_QUANTIZE_NONE, LG_QUANTIZE_NF4, LG_QUANTIZE_NF4_DQ } lg_quantization;
+
+/* --lora-targets, LitGPT's names: which linears get adapters. */
+enum {
+    LG_LORA_QUERY = 1 << 0,      /* q: the query rows of attn.qkv */
+    LG_LORA_KEY = 1 << 1,        /* k: its key rows */
+    LG_LORA_VALUE = 1 << 2,      /* v: its value rows */
+    LG_LORA_PROJECTION = 1 << 3, /* proj: attn.proj */
+    LG_LORA_MLP = 1 << 4,        /* mlp: every linear of the MLP */
+    LG_LORA_HEAD = 1 << 5        /* head: lm_head */
+};
+
+/* Fine-tuning with low-rank adapters: each targeted linear y = W x + b becomes
+   y = W x + b + (alpha / r) B A dropout(x), A (r, in), B (out, r); W and every other base
+   tensor are frozen. r = 0: every weight trains. */
+typedef struct {
+    int r;                /* --lora-r: rank of the adapters; 0: off */
+    float alpha;          /* --lora-alpha (16): the branch is scaled by alpha / r */
+    float dropout;        /* --lora-dropout (0.05): on the adapters' input while training */
+    unsigned targets;     /* --lora-targets: LG_LORA_* bits (default q, v) */
+    lg_quantization quantize; /* --quantize: frozen linear weights in NF4 (QLoRA) */
+} lg_lora;
+
+/* The adapted linears of a block, in layout order. */
+typedef enum { LG_LORA_Q, LG_LORA_K, LG_LORA_V, LG_LORA_PROJ, LG_LORA_FC, LG_LORA_FC_2,
+               LG_LORA_MLP_PROJ, LG_LORA_BLOCK_LINEARS } lg_lora_linear;
+
+/* "q,v" -> LG_LORA_QUERY | LG_LORA_VALUE; -1 naming an unknown name in err. */
+int lg_lora_targets_parse(const char *text, unsigned *targets, lg_error *err);
+/* The inverse, into buf: "q,v". */
+const char *lg_lora_targets_name(unsigned targets, char *buf, size_t size);
+const char *lg_quantize_name(lg_quantization q);               /* "none", "nf4", "nf4-dq" */
+int lg_quantize_parse(const char *text, lg_quantization *out); /* 0, or -1 when unknown */
+/* NF4 storage (TEMPORARY declarations until the nf4 branch merges) */
+size_t lg_nf4_bytes(size_t count, lg_quantization q);
+void lg_nf4_quantize(lg_buf src, size_t count, lg_quantization q, uint8_t *dst);
 
 /* The architecture, with LitGPT's field names (see configs/NAME.yaml). */
 typedef struct {
@@ -190,6 +232,7 @@ typedef struct {
     int lm_head_bias;
     int tie_embeddings;         /* lm_head shares transformer.wte.weight */
     int learned_pos_embedding;  /* GPT-2's transformer.wpe */
+    lg_lora lora;               /* not a model field: the plan sets it from lg_args.lora */
 } lg_config;
 
 /* Loads a flat `key: value` YAML file; every field above is required. */
@@ -274,6 +317,8 @@ typedef struct {
     int hessian_interval;      /* Sophia: steps between Hessian estimates (10) */
     float rho;                 /* Sophia: the clipping scale of m / h (0.04) */
     size_t memory_limit;       /* --memory-limit: bytes a device may use; 0: no limit */
+    lg_lora lora;              /* --lora-r, --lora-alpha, --lora-dropout, --lora-targets,
+                                  --quantize: fine-tune adapters over a frozen model */
 } lg_args;
 
 void lg_args_default(lg_args *args);
@@ -297,7 +342,9 @@ typedef enum {
     LG_TENSOR_WEIGHT,     /* a linear layer's matrix: N(0, 0.02) */
     LG_TENSOR_RESIDUAL,   /* a projection into the residual stream: N(0, 0.02 / sqrt(2 L)) */
     LG_TENSOR_NORM,       /* a norm's scale: 1 */
-    LG_TENSOR_BIAS        /* 0 */
+    LG_TENSOR_BIAS,       /* 0 */
+    LG_TENSOR_LORA_A,     /* LoRA's A (r, in): U(-1/sqrt(in), 1/sqrt(in)), as LitGPT */
+    LG_TENSOR_LORA_B      /* LoRA's B (out, r): 0, so training starts from the base model */
 } lg_tensor_kind;
 
 typedef struct {
@@ -311,6 +358,8 @@ typedef struct {
     size_t origin;          /* the index of its first element in the whole parameter layout;
                                differs from offset in a rank's shard table, whose entries are
                                the pieces of tensors that rank holds */
+    lg_dtype packed;        /* frozen tables: LG_DTYPE_NF4 or _DQ when stored quantized (offset
+                               in bytes of the packed buffer), else LG_DTYPE_F32 */
 } lg_tensor_info;
 
 typedef struct {
@@ -332,6 +381,10 @@ typedef struct {
     lg_buf fc_2_w, fc_2_b;     /* LLaMAMLP only: (I, C), (I) */
     lg_buf mlp_proj_w;         /* (C, I) */
     lg_buf mlp_proj_b;         /* (C) */
+    /* LoRA's adapters of the linears (lg_lora_linear; data NULL where not targeted), in the
+       trainable layout; the tensors above are then the frozen base */
+    lg_buf lora_a[LG_LORA_BLOCK_LINEARS]; /* (r, in) */
+    lg_buf lora_b[LG_LORA_BLOCK_LINEARS]; /* (out, r) */
 } lg_block_tensors;
 
 typedef struct {
@@ -341,6 +394,8 @@ typedef struct {
     lg_buf ln_f_w, ln_f_b;     /* (C) */
     lg_buf lm_head_w;          /* (Vp, C); == wte when tied */
     lg_buf lm_head_b;          /* (Vp) */
+    lg_buf lm_head_lora_a;     /* LoRA head: (r, C) */
+    lg_buf lm_head_lora_b;     /* (Vp, r) */
 } lg_param_tensors;
 
 /* What one block keeps from its forward for its backward: tensors in the activation type,
@@ -358,6 +413,8 @@ typedef struct {
     lg_buf fc;                       /* (B, T, I): MLP pre-activation (fc or fc_1) */
     lg_buf fc_2;                     /* (B, T, I): LLaMAMLP's second branch */
     lg_buf act;                      /* (B, T, I): gelu(fc) or silu(fc_1) * fc_2 */
+    lg_buf lora_h[LG_LORA_BLOCK_LINEARS]; /* LoRA: (B, T, r) = u A^T of each adapted linear,
+                                        u = (alpha / r) dropout(its input) */
 } lg_block_acts;
 
 typedef struct {
@@ -366,6 +423,7 @@ typedef struct {
     lg_buf ln_f;                     /* (B, T, C) */
     lg_real *ln_f_mean, *ln_f_rstd;  /* (B, T), (B, T) */
     lg_buf logits;                   /* (B, T, Vp); the backward overwrites it with its gradient */
+    lg_buf lm_head_lora_h;           /* LoRA head: (B, T, r) */
     lg_real *losses;                 /* (B, T): per-token loss, 0 where ignored */
     lg_real *rope_cos, *rope_sin;    /* (T, rope_dims / 2) */
     /* the backward's working set, one block at a time */
@@ -374,14 +432,34 @@ typedef struct {
     lg_buf d_qkv;                    /* (B, T, (NH + 2 NQG) HS) */
     lg_buf d_att_y;                  /* (B, T, NH HS) */
     lg_buf d_fc, d_fc_2, d_act;      /* (B, T, I) */
+    /* LoRA, one linear at a time (forward and backward) */
+    lg_buf lora_u;                   /* (B, T, widest adapted input): the adapters' input u */
+    lg_buf lora_du;                  /* (B, T, widest adapted input): u's gradient */
+    lg_buf lora_dh;                  /* (B, T, r): one adapter's h gradient */
 } lg_act_tensors;
 
-/* Lays the parameters out in one buffer: fills `table` (may be NULL) and, when base is not
-   NULL, points `tensors` into base. Returns the element count. Call it with the parameter
-   buffer and again with the gradient buffer: both have this layout. The order is the order of
-   the sharding units: first the ends (wte, wpe, ln_f, lm_head), then block 0, 1, ... */
+/* Lays the trainable parameters out in one buffer: fills `table` (may be NULL) and, when base
+   is not NULL, points `tensors` into base. Returns the element count. Call it with the
+   parameter buffer and again with the gradient buffer: both have this layout. The order is the
+   order of the sharding units: first the ends (wte, wpe, ln_f, lm_head), then block 0, 1, ...
+   With LoRA (cfg->lora.r > 0) the trainable parameters are the adapters only, and the model's
+   base tensors are laid out by lg_frozen_layout. */
 size_t lg_params_layout(const lg_config *cfg, lg_buf base, lg_param_tensors *tensors,
                         lg_tensor_table *table);
+/* LoRA: the frozen base model, every tensor of the model without LoRA in the same order (0
+   without LoRA). Tensors stored in the compute type go to base; with --quantize the linear
+   weights (lm_head's unless tied) go to `packed` (bytes, lg_nf4_bytes each, typed
+   LG_DTYPE_NF4 or _DQ). Returns the elements of base; *packed_bytes (may be NULL) gets the
+   bytes of packed. The table lists every tensor with offsets into base, or into packed for the
+   packed ones (their `kind` stays; see lg_tensor_info.packed). */
+size_t lg_frozen_layout(const lg_config *cfg, lg_buf base, lg_buf packed,
+                        lg_param_tensors *tensors, lg_tensor_table *table, size_t *packed_bytes);
+/* The model without LoRA: the config of its base weights (checkpoints of the base model). */
+lg_config lg_config_base(const lg_config *cfg);
+/* in and out features of an adapted linear (0, 0 when the architecture has no such linear). */
+void lg_lora_dims(const lg_config *cfg, lg_lora_linear linear, int *in, int *out);
+/* Whether the block linear gets adapters under cfg->lora. */
+int lg_lora_adapts(const lg_config *cfg, lg_lora_linear linear);
 void lg_tensor_table_free(lg_tensor_table *table);
 /* The units of sharding, in layout order: 0 the ends, 1 + l block l. Points p's views of one
    unit into base (a buffer holding just that unit) when base is not NULL; returns the unit's
@@ -449,6 +527,7 @@ typedef struct {
     size_t runtime_bytes;   /* GPU: what the CUDA context, cuBLAS and NCCL take, measured at
                                start-up (lg_args.runtime_bytes); planned, not in the arena */
     int tf32;               /* GPU: fp32 matmuls may use TF32 (no memory; the ranks read it) */
+    lg_lora lora;           /* LoRA: the plan's config carries it (lg_config.lora) */
 } lg_plan_spec;
 
 /* A GPU rank's own regions (litgpt_cuda.cuh): cuBLASLt's workspace, the partial sums of its
@@ -574,6 +653,7 @@ typedef struct {
     lg_gemm_workspace gemm;          /* CPU: the matmul's packing buffers */
     lg_attention_scratch attention;  /* CPU: attention's rows */
     lg_cuda_rank *cuda;              /* CUDA: the GPU's stream, cuBLASLt handle, workspace */
+    lg_buf dequantized;              /* QLoRA: one NF4 weight dequantized for its matmul */
 } lg_exec;
 
 typedef struct {
@@ -597,6 +677,11 @@ typedef struct {
     lg_param_tensors p, g;      /* views of params and grads */
     lg_act_tensors a;           /* views of the activation regions */
     lg_exec exec;               /* the rank's backend and its scratch */
+    /* LoRA: the frozen base model (whole on every rank), p's base views point into it */
+    lg_buf frozen;              /* the plan's "frozen_weights": (n_frozen) in the weight type */
+    lg_buf frozen_packed;       /* "frozen_weights.nf4": the NF4 linear weights (bytes) */
+    lg_tensor_table frozen_table; /* its tensors (lg_frozen_layout); empty without LoRA */
+    uint64_t dropout_key;       /* LoRA dropout's mask of this micro-batch; 0: none (evaluation) */
     lg_rank *rank;              /* where the buffers live */
     lg_plan *own_plan;          /* set when lg_model_create made its own plan and rank */
 } lg_model;
@@ -1387,7 +1472,10 @@ LG_HD void lg_set(lg_buf b, size_t i, lg_real v) {
 }
 
 LG_HD size_t lg_elem_size(lg_dtype d) {
-    return d == LG_DTYPE_F32 ? sizeof(lg_real) : d == LG_DTYPE_I32 ? 4 : d == LG_DTYPE_U8 ? 1 : 2;
+    return d == LG_DTYPE_F32 ? sizeof(lg_real)
+           : d == LG_DTYPE_I32 ? 4
+           : d == LG_DTYPE_BF16 || d == LG_DTYPE_F16 ? 2
+                                                      : 1; /* u8; NF4 views count bytes */
 }
 
 /* The view `offset` elements further on. */
@@ -1409,6 +1497,13 @@ LG_HD float lg_hash_uniform(uint64_t seed, uint64_t index) {
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     z ^= z >> 31;
     return (float)(z >> 40) * (1.0f / 16777216.0f);
+}
+
+/* LoRA dropout: the factor of element i of an adapter's input, scale / (1 - p) when kept
+   (lg_hash_uniform(key, i) >= p), else 0; key 0 (no dropout) keeps every element at scale. */
+LG_HD float lg_lora_keep(uint64_t key, uint64_t i, float p, float scale) {
+    if (key == 0 || p <= 0.0f) return scale;
+    return lg_hash_uniform(key, i) >= p ? scale / (1.0f - p) : 0.0f;
 }
 
 LG_HD uint16_t lg_half_from_f32(float v, lg_dtype dtype) {
@@ -1686,6 +1781,121 @@ int lg_config_rope_dims(const lg_config *c) {
     return dims - dims % 2;
 }
 
+/* LitGPT's module names of the adapted linears (lg_lora_linear order), for GPT-NeoX MLPs and
+   LLaMA MLPs. */
+static const char *const lg_lora_linear_names[2][LG_LORA_BLOCK_LINEARS] = {
+    {"attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc", "", "mlp.proj"},
+    {"attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc_1", "mlp.fc_2", "mlp.proj"}};
+
+/* LoRA: LitGPT's target names, in the order of the LG_LORA_* bits. */
+static const char *const lg_lora_target_names[] = {"q", "k", "v", "proj", "mlp", "head"};
+#define LG_LORA_N_TARGETS 6
+
+int lg_lora_targets_parse(const char *text, unsigned *targets, lg_error *err) {
+    *targets = 0;
+    const char *at = text;
+    while (*at) {
+        size_t len = strcspn(at, ",");
+        int found = -1;
+        for (int k = 0; k < LG_LORA_N_TARGETS; k++)
+            if (strlen(lg_lora_target_names[k]) == len && strncmp(at, lg_lora_target_names[k], len) == 0)
+                found = k;
+        if (found < 0)
+            return lg_fail(err, "--lora-targets: unknown target '%.*s' in '%s' (known: q, k, v, "
+                                "proj, mlp, head)", (int)len, at, text);
+        *targets |= 1u << found;
+        at += len + (at[len] == ',');
+    }
+    if (!*targets) return lg_fail(err, "--lora-targets: no target in '%s'", text);
+    return 0;
+}
+
+const char *lg_lora_targets_name(unsigned targets, char *buf, size_t size) {
+    size_t used = 0;
+    buf[0] = '\0';
+    for (int k = 0; k < LG_LORA_N_TARGETS; k++)
+        if (targets & (1u << k))
+            used += (size_t)snprintf(buf + used, used < size ? size - used : 0, "%s%s",
+                                     used ? "," : "", lg_lora_target_names[k]);
+    return buf;
+}
+
+static const char *const lg_quantize_names[] = {"none", "nf4", "nf4-dq"};
+
+const char *lg_quantize_name(lg_quantization q) { return lg_quantize_names[q]; }
+
+int lg_quantize_parse(const char *text, lg_quantization *out) {
+    for (int q = 0; q < 3; q++)
+        if (strcmp(text, lg_quantize_names[q]) == 0) {
+            *out = (lg_quantization)q;
+            return 0;
+        }
+    return -1;
+}
+
+/* The target bit each block linear answers to. */
+static unsigned lg_lora_target_of(lg_lora_linear linear) {
+    switch (linear) {
+    case LG_LORA_Q: return LG_LORA_QUERY;
+    case LG_LORA_K: return LG_LORA_KEY;
+    case LG_LORA_V: return LG_LORA_VALUE;
+    case LG_LORA_PROJ: return LG_LORA_PROJECTION;
+    default: return LG_LORA_MLP;
+    }
+}
+
+void lg_lora_dims(const lg_config *c, lg_lora_linear linear, int *in, int *out) {
+    int C = c->n_embd, I = c->intermediate_size, HS = c->head_size;
+    int llama = c->mlp_class_name == LG_MLP_LLAMA;
+    *in = C;
+    *out = 0;
+    switch (linear) {
+    case LG_LORA_Q: *out = c->n_head * HS; break;
+    case LG_LORA_K:
+    case LG_LORA_V: *out = c->n_query_groups * HS; break;
+    case LG_LORA_PROJ: *in = c->n_head * HS; *out = C; break;
+    case LG_LORA_FC: *out = I; break;
+    case LG_LORA_FC_2: *out = llama ? I : 0; break;
+    case LG_LORA_MLP_PROJ: *in = I; *out = C; break;
+    default: break;
+    }
+    if (!*out) *in = 0;
+}
+
+int lg_lora_adapts(const lg_config *c, lg_lora_linear linear) {
+    int in, out;
+    lg_lora_dims(c, linear, &in, &out);
+    return c->lora.r > 0 && out > 0 && (c->lora.targets & lg_lora_target_of(linear));
+}
+
+/* The adapters fit the architecture: r no larger than the smaller side of any adapted linear. */
+static int lg_lora_check(const lg_config *c, lg_error *err) {
+    const lg_lora *lo = &c->lora;
+    if (lo->r < 0) return lg_fail(err, "--lora-r must be >= 0 (0: no LoRA)");
+    if (lo->r == 0) {
+        if (lo->quantize != LG_QUANTIZE_NONE)
+            return lg_fail(err, "--quantize %s needs --lora-r: a quantized model cannot be fully "
+                                "fine-tuned, only adapters over it", lg_quantize_name(lo->quantize));
+        return 0;
+    }
+    if (!lo->targets) return lg_fail(err, "--lora-targets: no target");
+    if (!(lo->alpha > 0.0f)) return lg_fail(err, "--lora-alpha must be positive");
+    if (!(lo->dropout >= 0.0f && lo->dropout < 1.0f))
+        return lg_fail(err, "--lora-dropout must be within [0, 1)");
+    int llama = c->mlp_class_name == LG_MLP_LLAMA;
+    for (int k = 0; k < LG_LORA_BLOCK_LINEARS; k++) {
+        int in, out;
+        if (!lg_lora_adapts(c, (lg_lora_linear)k)) continue;
+        lg_lora_dims(c, (lg_lora_linear)k, &in, &out);
+        if (lo->r > (in < out ? in : out))
+            return lg_fail(err, "--lora-r %d exceeds %s's smaller dimension %d (%d x %d)", lo->r,
+                           lg_lora_linear_names[llama][k], in < out ? in : out, out, in);
+    }
+    if ((lo->targets & LG_LORA_HEAD) && lo->r > c->n_embd)
+        return lg_fail(err, "--lora-r %d exceeds lm_head's smaller dimension %d", lo->r, c->n_embd);
+    return 0;
+}
+
 int lg_config_check(const lg_config *c, lg_error *err) {
     if (c->n_layer < 1) return lg_fail(err, "n_layer must be at least 1");
     if (c->n_head < 1 || c->head_size < 1 || c->n_embd < 1 || c->intermediate_size < 1)
@@ -1702,7 +1912,7 @@ int lg_config_check(const lg_config *c, lg_error *err) {
     if (c->norm_eps <= 0.0f) return lg_fail(err, "norm_eps must be positive");
     if (c->shared_attention_norm && !c->parallel_residual)
         return lg_fail(err, "shared_attention_norm needs parallel_residual");
-    return 0;
+    return lg_lora_check(c, err);
 }
 
 /* The built-in run's model: a small Llama (RMSNorm, rotary, SwiGLU, grouped-query attention)
@@ -1752,6 +1962,9 @@ void lg_args_default(lg_args *a) {
     a->seed = 1337;
     a->hessian_interval = 10;
     a->rho = 0.04f;
+    a->lora.alpha = 16.0f; /* LitGPT's LoRA defaults; r 0: off */
+    a->lora.dropout = 0.05f;
+    a->lora.targets = LG_LORA_QUERY | LG_LORA_VALUE;
 }
 
 static const char *const lg_optimizer_names[] = {"adamw", "sgd", "lion", "sophia"};
@@ -1830,13 +2043,28 @@ int lg_args_accumulation_steps(const lg_args *a, lg_error *err) {
 
 /* 5. plan: buffer layouts ------------------------------------------------------------------ */
 
+/* Which of the model's tensors a layout walks: without LoRA every tensor is trainable; with
+   LoRA the trainable layout holds the adapters and the frozen one the base model. */
+typedef enum { LG_PART_TRAINABLE, LG_PART_FROZEN } lg_layout_part;
+
 /* Walks tensors in buffer order: each call to lg_layout_add takes the next `count` elements. */
 typedef struct {
     lg_buf base;            /* data NULL: only count and describe */
     size_t offset;          /* elements taken so far */
     lg_tensor_table *table; /* NULL: do not describe */
     int block;              /* the block being laid out; -1 outside the blocks */
+    lg_layout_part part;    /* the tensors it takes */
+    int lora;               /* the config has adapters: its base tensors are frozen */
+    /* frozen layouts with --quantize: the packed linear weights go here, in bytes */
+    lg_buf packed;
+    size_t packed_offset;
+    lg_quantization quantize;
 } lg_layout;
+
+/* Whether the layout takes the model's base tensors (its adapters otherwise). */
+static int lg_layout_takes_base(const lg_layout *L) {
+    return L->lora ? L->part == LG_PART_FROZEN : L->part == LG_PART_TRAINABLE;
+}
 
 static lg_buf lg_layout_add(lg_layout *L, const char *name, int rows, int cols,
                             lg_tensor_kind kind) {
@@ -1851,6 +2079,7 @@ static lg_buf lg_layout_add(lg_layout *L, const char *name, int rows, int cols,
         t->kind = kind;
         t->block = L->block;
         t->origin = L->offset;
+        t->packed = LG_DTYPE_F32;
         L->table->total = L->offset + count;
     }
     lg_buf view = lg_at(L->base, L->offset);
@@ -1858,13 +2087,46 @@ static lg_buf lg_layout_add(lg_layout *L, const char *name, int rows, int cols,
     return view;
 }
 
+/* A frozen linear weight: packed in NF4 when quantizing, else as any tensor. */
+static lg_buf lg_layout_add_linear(lg_layout *L, const char *name, int rows, int cols,
+                                   lg_tensor_kind kind) {
+    if (L->part != LG_PART_FROZEN || L->quantize == LG_QUANTIZE_NONE)
+        return lg_layout_add(L, name, rows, cols, kind);
+    size_t count = (size_t)rows * (size_t)cols;
+    lg_dtype dtype = L->quantize == LG_QUANTIZE_NF4 ? LG_DTYPE_NF4 : LG_DTYPE_NF4_DQ;
+    if (L->table) {
+        lg_tensor_info *t = &L->table->tensors[L->table->n_tensors++];
+        snprintf(t->name, sizeof t->name, "%s", name);
+        t->rows = rows;
+        t->cols = cols;
+        t->offset = t->origin = L->packed_offset;
+        t->count = count;
+        t->kind = kind;
+        t->block = L->block;
+        t->packed = dtype;
+    }
+    lg_buf view = {L->packed.data ? (uint8_t *)L->packed.data + L->packed_offset : NULL, dtype};
+    L->packed_offset += lg_nf4_bytes(count, L->quantize);
+    return view;
+}
+
 /* A layout over base (data may be NULL to count). */
 static lg_layout lg_layout_over(lg_buf base, lg_tensor_table *table) {
     lg_layout L;
+    memset(&L, 0, sizeof L);
     L.base = base;
-    L.offset = 0;
     L.table = table;
     L.block = -1;
+    return L;
+}
+
+/* The trainable or frozen parameters of cfg over base. */
+static lg_layout lg_params_layout_over(const lg_config *c, lg_layout_part part, lg_buf base,
+                                       lg_tensor_table *table) {
+    lg_layout L = lg_layout_over(base, table);
+    L.part = part;
+    L.lora = c->lora.r > 0;
+    L.quantize = c->lora.quantize;
     return L;
 }
 
@@ -1873,7 +2135,7 @@ static lg_buf lg_no_buf(void) {
     return b;
 }
 
-/* Upper bound of tensors a layout holds, to size a table. */
+/* Upper bound of tensors a layout holds, to size a table: base tensors or adapters. */
 static int lg_layout_capacity(const lg_config *c) { return 24 * c->n_layer + 32; }
 
 static int lg_table_alloc(lg_tensor_table *table, const lg_config *c) {
@@ -1890,17 +2152,38 @@ void lg_tensor_table_free(lg_tensor_table *table) {
     table->n_tensors = 0;
 }
 
+/* A block's adapters, after its base tensors in the trainable layout. */
+static void lg_block_lora_layout(const lg_config *c, lg_layout *L, int l, lg_block_tensors *b) {
+    int r = c->lora.r, llama = c->mlp_class_name == LG_MLP_LLAMA;
+    char name[LG_MAX_NAME];
+    for (int k = 0; k < LG_LORA_BLOCK_LINEARS; k++) {
+        int in, out;
+        if (!lg_lora_adapts(c, (lg_lora_linear)k)) continue;
+        lg_lora_dims(c, (lg_lora_linear)k, &in, &out);
+        snprintf(name, sizeof name, "transformer.h.%d.%s.lora_A", l, lg_lora_linear_names[llama][k]);
+        b->lora_a[k] = lg_layout_add(L, name, r, in, LG_TENSOR_LORA_A);
+        snprintf(name, sizeof name, "transformer.h.%d.%s.lora_B", l, lg_lora_linear_names[llama][k]);
+        b->lora_b[k] = lg_layout_add(L, name, out, r, LG_TENSOR_LORA_B);
+    }
+}
+
 static void lg_block_params_layout(const lg_config *c, lg_layout *L, int l, lg_block_tensors *b) {
     int C = c->n_embd, I = c->intermediate_size, QKV = lg_config_qkv_size(c);
     int layer_norm_bias = c->norm_class_name == LG_NORM_LAYERNORM && c->bias;
     char name[LG_MAX_NAME];
+    L->block = l;
+    if (!lg_layout_takes_base(L)) {
+        lg_block_lora_layout(c, L, l, b);
+        L->block = -1;
+        return;
+    }
 #define LG_BLOCK_TENSOR(field, suffix, rows, cols, kind)                                      \
     do {                                                                                       \
         snprintf(name, sizeof name, "transformer.h.%d.%s", l, suffix);                         \
-        b->field = lg_layout_add(L, name, rows, cols, kind);                                   \
+        b->field = kind == LG_TENSOR_WEIGHT || kind == LG_TENSOR_RESIDUAL                      \
+                       ? lg_layout_add_linear(L, name, rows, cols, kind)                       \
+                       : lg_layout_add(L, name, rows, cols, kind);                             \
     } while (0)
-    memset(b, 0, sizeof *b);
-    L->block = l;
     LG_BLOCK_TENSOR(norm_1_w, "norm_1.weight", 1, C, LG_TENSOR_NORM);
     if (layer_norm_bias) LG_BLOCK_TENSOR(norm_1_b, "norm_1.bias", 1, C, LG_TENSOR_BIAS);
     LG_BLOCK_TENSOR(qkv_w, "attn.qkv.weight", QKV, C, LG_TENSOR_WEIGHT);
@@ -1927,10 +2210,16 @@ static void lg_block_params_layout(const lg_config *c, lg_layout *L, int l, lg_b
 }
 
 /* The ends unit: token (and position) embeddings, final norm, head. Tied embeddings: the
-   head's weight is wte. */
+   head's weight is wte. With LoRA the trainable ends are the head's adapters, if any. */
 static void lg_ends_params_layout(const lg_config *c, lg_layout *L, lg_param_tensors *p) {
     int C = c->n_embd, Vp = c->padded_vocab_size;
     int layer_norm_bias = c->norm_class_name == LG_NORM_LAYERNORM && c->bias;
+    if (!lg_layout_takes_base(L)) {
+        if (!(c->lora.targets & LG_LORA_HEAD)) return;
+        p->lm_head_lora_a = lg_layout_add(L, "lm_head.lora_A", c->lora.r, C, LG_TENSOR_LORA_A);
+        p->lm_head_lora_b = lg_layout_add(L, "lm_head.lora_B", Vp, c->lora.r, LG_TENSOR_LORA_B);
+        return;
+    }
     p->wte = lg_layout_add(L, "transformer.wte.weight", Vp, C, LG_TENSOR_EMBEDDING);
     p->wpe = c->learned_pos_embedding
                  ? lg_layout_add(L, "transformer.wpe.weight", c->block_size, C, LG_TENSOR_EMBEDDING)
@@ -1940,26 +2229,46 @@ static void lg_ends_params_layout(const lg_config *c, lg_layout *L, lg_param_ten
                                 : lg_no_buf();
     p->lm_head_w = c->tie_embeddings
                        ? p->wte
-                       : lg_layout_add(L, "lm_head.weight", Vp, C, LG_TENSOR_EMBEDDING);
+                       : lg_layout_add_linear(L, "lm_head.weight", Vp, C, LG_TENSOR_EMBEDDING);
     p->lm_head_b = c->lm_head_bias ? lg_layout_add(L, "lm_head.bias", 1, Vp, LG_TENSOR_BIAS)
                                    : lg_no_buf();
 }
 
-size_t lg_params_layout(const lg_config *c, lg_buf base, lg_param_tensors *p,
-                        lg_tensor_table *table) {
-    lg_layout L = lg_layout_over(base, table);
+/* Every unit of the layout L in order. */
+static void lg_model_layout(const lg_config *c, lg_layout *L, lg_param_tensors *p) {
     lg_param_tensors scratch;
     lg_block_tensors block;
     lg_block_tensors *h = p ? p->h : NULL; /* the caller owns p->h, (L) entries */
     if (!p) p = &scratch;
-    lg_ends_params_layout(c, &L, p);
-    for (int l = 0; l < c->n_layer; l++) lg_block_params_layout(c, &L, l, h ? &h[l] : &block);
+    lg_ends_params_layout(c, L, p);
+    for (int l = 0; l < c->n_layer; l++) lg_block_params_layout(c, L, l, h ? &h[l] : &block);
     p->h = h;
+}
+
+size_t lg_params_layout(const lg_config *c, lg_buf base, lg_param_tensors *p,
+                        lg_tensor_table *table) {
+    lg_layout L = lg_params_layout_over(c, LG_PART_TRAINABLE, base, table);
+    lg_model_layout(c, &L, p);
     return L.offset;
 }
 
+size_t lg_frozen_layout(const lg_config *c, lg_buf base, lg_buf packed, lg_param_tensors *p,
+                        lg_tensor_table *table, size_t *packed_bytes) {
+    lg_layout L = lg_params_layout_over(c, LG_PART_FROZEN, base, table);
+    L.packed = packed;
+    if (c->lora.r > 0) lg_model_layout(c, &L, p);
+    if (packed_bytes) *packed_bytes = L.packed_offset;
+    return L.offset;
+}
+
+lg_config lg_config_base(const lg_config *cfg) {
+    lg_config base = *cfg;
+    memset(&base.lora, 0, sizeof base.lora);
+    return base;
+}
+
 size_t lg_unit_layout(const lg_config *c, int unit, lg_buf base, lg_param_tensors *p) {
-    lg_layout L = lg_layout_over(base, NULL);
+    lg_layout L = lg_params_layout_over(c, LG_PART_TRAINABLE, base, NULL);
     lg_param_tensors scratch;
     lg_block_tensors block;
     if (unit == 0) lg_ends_params_layout(c, &L, p ? p : &scratch);
@@ -2013,6 +2322,8 @@ static void lg_block_acts_layout(const lg_config *c, int l, int B, int T, int st
     LG_ACT(fc, N, I);
     if (llama) LG_ACT(fc_2, N, I);
     LG_ACT(act, N, I);
+    for (int k = 0; k < LG_LORA_BLOCK_LINEARS; k++)
+        if (lg_lora_adapts(c, (lg_lora_linear)k)) LG_ACT(lora_h[k], N, c->lora.r);
 #undef LG_ACT
 #undef LG_STAT
     if (!stats) {
@@ -2033,6 +2344,10 @@ static void lg_head_acts_layout(const lg_config *c, int B, int T, int stats, lg_
     if (!stats) {
         a->ln_f = lg_layout_add(&L, "ln_f", N, c->n_embd, LG_TENSOR_ACTIVATION);
         a->logits = lg_layout_add(&L, "logits", N, c->padded_vocab_size, LG_TENSOR_ACTIVATION);
+        a->lm_head_lora_h = c->lora.r > 0 && (c->lora.targets & LG_LORA_HEAD)
+                                ? lg_layout_add(&L, "lm_head.lora_h", N, c->lora.r,
+                                                LG_TENSOR_ACTIVATION)
+                                : lg_no_buf();
     } else {
         a->ln_f_mean = c->norm_class_name == LG_NORM_LAYERNORM
                            ? (lg_real *)lg_layout_add(&L, "ln_f.mean", 1, N, LG_TENSOR_ACTIVATION).data
@@ -2055,6 +2370,17 @@ static void lg_rope_layout(const lg_config *c, int T, lg_real *base, lg_act_tens
     *count = L.offset;
 }
 
+/* LoRA: the widest input of an adapted linear (0 without LoRA). */
+static int lg_lora_widest_input(const lg_config *c) {
+    int widest = c->lora.r > 0 && (c->lora.targets & LG_LORA_HEAD) ? c->n_embd : 0;
+    for (int k = 0; k < LG_LORA_BLOCK_LINEARS; k++) {
+        int in, out;
+        lg_lora_dims(c, (lg_lora_linear)k, &in, &out);
+        if (lg_lora_adapts(c, (lg_lora_linear)k) && in > widest) widest = in;
+    }
+    return widest;
+}
+
 /* The backward's working set: gradients of one block's activations at a time. */
 static void lg_backward_layout(const lg_config *c, int B, int T, lg_buf base, lg_act_tensors *a,
                                size_t *count) {
@@ -2073,12 +2399,17 @@ static void lg_backward_layout(const lg_config *c, int B, int T, lg_buf base, lg
                     ? lg_layout_add(&L, "d_fc_2", N, I, LG_TENSOR_ACTIVATION)
                     : lg_no_buf();
     a->d_act = lg_layout_add(&L, "d_act", N, I, LG_TENSOR_ACTIVATION);
+    int widest = lg_lora_widest_input(c);
+    a->lora_u = widest ? lg_layout_add(&L, "lora_u", N, widest, LG_TENSOR_ACTIVATION) : lg_no_buf();
+    a->lora_du = widest ? lg_layout_add(&L, "lora_du", N, widest, LG_TENSOR_ACTIVATION) : lg_no_buf();
+    a->lora_dh = widest ? lg_layout_add(&L, "lora_dh", N, c->lora.r, LG_TENSOR_ACTIVATION)
+                        : lg_no_buf();
     *count = L.offset;
 }
 
 /* --- the plan ----------------------------------------------------------------------------- */
 
-static const char *const lg_dtype_names[] = {"f32", "bf16", "f16", "i32", "u8"};
+static const char *const lg_dtype_names[] = {"f32", "bf16", "f16", "i32", "u8", "nf4", "nf4-dq"};
 static const char *const lg_group_names[] = {
     "weights", "master weights", "gradients", "optimizer state", "activations",
     "logits and loss", "backward working set", "communication", "workspace", "data"};
@@ -2152,6 +2483,7 @@ void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
     s->momentum = a->momentum != 0.0f;
     s->optimizer_state = a->optimizer == LG_OPTIMIZER_ADAMW ? a->optimizer_state
                                                             : LG_STATE_AS_PRECISION;
+    s->lora = a->lora;
     s->threads = 1;
 #ifdef _OPENMP
     s->threads = omp_get_max_threads();
@@ -2300,6 +2632,27 @@ static int lg_plan_model_state(lg_rank_plan *r, const lg_plan *plan) {
     return rc;
 }
 
+/* LoRA: the frozen base model, whole on every rank, in the compute type, its linear weights
+   packed in NF4 with --quantize; the largest of those dequantized for one matmul at a time. */
+static int lg_plan_frozen_model(lg_rank_plan *r, const lg_config *c, const lg_plan_spec *s) {
+    if (c->lora.r == 0) return 0;
+    lg_precision_types t = lg_types_of(s->precision);
+    size_t packed = 0, largest = 0;
+    size_t count = lg_frozen_layout(c, lg_no_buf(), lg_no_buf(), NULL, NULL, &packed);
+    int rc = lg_plan_add(r, "frozen_weights", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, t.weights, count);
+    if (c->lora.quantize == LG_QUANTIZE_NONE) return rc;
+    lg_tensor_table table;
+    if (lg_table_alloc(&table, c) != 0) return -1;
+    lg_frozen_layout(c, lg_no_buf(), lg_no_buf(), NULL, &table, NULL);
+    for (int i = 0; i < table.n_tensors; i++)
+        if (table.tensors[i].packed != LG_DTYPE_F32 && table.tensors[i].count > largest)
+            largest = table.tensors[i].count;
+    lg_tensor_table_free(&table);
+    rc |= lg_plan_add(r, "frozen_weights.nf4", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, LG_DTYPE_U8, packed);
+    return rc | lg_plan_add(r, "nf4.dequantized", LG_GROUP_WORKSPACE, LG_POOL_DEVICE, t.weights,
+                            largest);
+}
+
 /* What the forward keeps: all of every block's activations, or with recompute only each
    block's output plus one block's full set, rebuilt during the backward. */
 static int lg_plan_activations(lg_rank_plan *r, const lg_config *c, const lg_plan_spec *s) {
@@ -2364,8 +2717,11 @@ static int lg_plan_gpu_workspace(lg_rank_plan *r, const lg_config *c, const lg_p
                             LG_DTYPE_U8, s->runtime_bytes);
 }
 
-int lg_plan_make(lg_plan *plan, const lg_config *c, const lg_plan_spec *s, lg_error *err) {
+int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, lg_error *err) {
     memset(plan, 0, sizeof *plan);
+    plan->cfg = *model; /* the architecture, with the run's adapters */
+    plan->cfg.lora = s->lora;
+    const lg_config *c = &plan->cfg;
     if (lg_config_check(c, err) != 0) return -1;
     if (s->B < 1 || s->T < 1 || s->devices < 1 || s->nodes < 1 || s->accumulation < 1)
         return lg_fail(err, "plan: micro-batch, sequence length, devices, nodes and accumulation "
@@ -2379,7 +2735,6 @@ int lg_plan_make(lg_plan *plan, const lg_config *c, const lg_plan_spec *s, lg_er
     if (rows > 2147483647.0 || (double)s->B * s->accumulation * s->T > 2147483647.0)
         return lg_fail(err, "plan: -b/--micro-batch-size %d x -t/--max-seq-length %d is too "
                             "large to lay out", s->B, s->T);
-    plan->cfg = *c;
     plan->spec = *s;
     plan->sharding = lg_sharding_of(s);
     plan->n_ranks = s->devices * s->nodes;
@@ -2401,6 +2756,7 @@ int lg_plan_make(lg_plan *plan, const lg_config *c, const lg_plan_spec *s, lg_er
         if (lg_table_alloc(&r->pieces, c) != 0) { rc = -1; break; }
         lg_shard_table(&plan->shards, &params, r->shard_index, &r->pieces);
         rc |= lg_plan_model_state(r, plan);
+        rc |= lg_plan_frozen_model(r, c, s);
         rc |= lg_plan_activations(r, c, s);
         rc |= s->backend == LG_BACKEND_CUDA ? lg_plan_gpu_workspace(r, c, s)
                                             : lg_plan_cpu_workspace(r, s);
@@ -3138,9 +3494,79 @@ static const lg_gemm_workspace *lg_gemm_space(const lg_exec *ex) { return ex ? &
    arithmetic, sums included, in lg_real. Statistics (norm means and reciprocal deviations,
    rotary tables, per-token losses) are lg_real arrays in every precision. */
 
+/* NF4 (TEMPORARY: replaced by the nf4 branch's implementation at merge) */
+static const float lg_nf4_codes_tmp[16] = {
+    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
+    -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
+    0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
+    0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
+size_t lg_nf4_bytes(size_t count, lg_quantization q) {
+    size_t blocks = (count + 63) / 64;
+    (void)q;
+    return lg_align_up((count + 1) / 2) + blocks * 4;
+}
+void lg_nf4_quantize(lg_buf src, size_t count, lg_quantization q, uint8_t *dst) {
+    size_t codes = lg_align_up((count + 1) / 2);
+    float *absmax = (float *)(dst + codes);
+    (void)q;
+    memset(dst, 0, codes);
+    for (size_t b = 0; b * 64 < count; b++) {
+        float m = 0;
+        for (size_t i = b * 64; i < count && i < b * 64 + 64; i++) m = fmaxf(m, fabsf((float)lg_get(src, i)));
+        absmax[b] = m;
+        for (size_t i = b * 64; i < count && i < b * 64 + 64; i++) {
+            float x = m > 0 ? (float)lg_get(src, i) / m : 0;
+            int best = 0;
+            for (int k = 1; k < 16; k++) if (fabsf(lg_nf4_codes_tmp[k] - x) < fabsf(lg_nf4_codes_tmp[best] - x)) best = k;
+            dst[i / 2] |= (uint8_t)(i % 2 ? best : best << 4);
+        }
+    }
+}
+void lg_nf4_dequantize(const lg_exec *ex, const uint8_t *src, size_t count, lg_quantization q, lg_buf out) {
+    size_t codes = lg_align_up((count + 1) / 2);
+    const float *absmax = (const float *)(src + codes);
+    (void)ex; (void)q;
+    for (size_t i = 0; i < count; i++) {
+        int code = i % 2 ? src[i / 2] & 15 : src[i / 2] >> 4;
+        lg_set(out, i, lg_nf4_codes_tmp[code] * absmax[i / 64]);
+    }
+}
+
+/* QLoRA's NF4 weights (OC, IC) dequantized into the exec's workspace for one matmul; other
+   weights as they are. */
+static lg_buf lg_matmul_weight(const lg_exec *ex, lg_buf weight, int OC, int IC) {
+    if (weight.dtype != LG_DTYPE_NF4 && weight.dtype != LG_DTYPE_NF4_DQ) return weight;
+    lg_quantization q = weight.dtype == LG_DTYPE_NF4 ? LG_QUANTIZE_NF4 : LG_QUANTIZE_NF4_DQ;
+    lg_nf4_dequantize(ex, (const uint8_t *)weight.data, (size_t)OC * IC, q, ex->dequantized);
+    return ex->dequantized;
+}
+
+/* C (M, N) = beta C + op(A) (M, K) op(B) (K, N), row-major with leading dimensions: the
+   products of LoRA's adapters, which write into column ranges of a linear's output. */
+static void lg_matmul(const lg_exec *ex, int trans_a, int trans_b, int M, int N, int K, lg_buf A,
+                      int lda, lg_buf B, int ldb, float beta, lg_buf C, int ldc) {
+    LG_ON_GPU(ex, lg_cuda_matmul(ex, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc,
+                                 lg_no_buf()));
+    lg_gemm(lg_gemm_space(ex), trans_a, trans_b, M, N, K, A, lda, B, ldb, (lg_real)beta, C, ldc);
+}
+
+/* LoRA's input u = scale * dropout(x) (n), or in the backward dx += scale * dropout(du): each
+   element kept with probability 1 - p (mask bit i from lg_lora_keep(key, i)) and divided by
+   1 - p; key 0 keeps all. */
+static void lg_lora_input(const lg_exec *ex, lg_buf out, lg_buf in, size_t n, float scale, float p,
+                          uint64_t key, int accumulate) {
+    LG_ON_GPU(ex, lg_cuda_lora_input(ex, out, in, n, scale, p, key, accumulate));
+    LG_OMP(omp parallel for)
+    for (long long i = 0; i < (long long)n; i++) {
+        lg_real v = lg_get(in, (size_t)i) * lg_lora_keep(key, (uint64_t)i, p, scale);
+        lg_set(out, (size_t)i, accumulate ? lg_get(out, (size_t)i) + v : v);
+    }
+}
+
 /* out (N, OC) = inp (N, IC) weight (OC, IC)^T + bias (OC) */
 static void lg_linear_forward(const lg_exec *ex, lg_buf out, lg_buf inp, lg_buf weight,
                               lg_buf bias, int N, int IC, int OC) {
+    weight = lg_matmul_weight(ex, weight, OC, IC);
     LG_ON_GPU(ex, lg_cuda_linear_forward(ex, out, inp, weight, bias, N, IC, OC));
     const lg_gemm_workspace *ws = lg_gemm_space(ex);
     lg_gemm(ws, 0, 1, N, OC, IC, inp, IC, weight, IC, 0, out, OC);
@@ -3154,13 +3580,15 @@ static void lg_linear_forward(const lg_exec *ex, lg_buf out, lg_buf inp, lg_buf 
 }
 
 /* dinp (N, IC) += dout (N, OC) weight (OC, IC); dweight (OC, IC) += dout^T inp;
-   dbias (OC) += column sums of dout. */
+   dbias (OC) += column sums of dout. A frozen weight (dweight data NULL) gets no gradient:
+   only the input's is computed. */
 static void lg_linear_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweight, lg_buf dbias,
                                lg_buf dout, lg_buf inp, lg_buf weight, int N, int IC, int OC) {
+    weight = lg_matmul_weight(ex, weight, OC, IC);
     LG_ON_GPU(ex, lg_cuda_linear_backward(ex, dinp, dweight, dbias, dout, inp, weight, N, IC, OC));
     const lg_gemm_workspace *ws = lg_gemm_space(ex);
     lg_gemm(ws, 0, 0, N, IC, OC, dout, OC, weight, IC, 1, dinp, IC);
-    lg_gemm(ws, 1, 0, OC, IC, N, dout, OC, inp, IC, 1, dweight, IC);
+    if (dweight.data) lg_gemm(ws, 1, 0, OC, IC, N, dout, OC, inp, IC, 1, dweight, IC);
     if (!dbias.data) return;
     LG_OMP(omp parallel for)
     for (int o = 0; o < OC; o++) {
@@ -3251,6 +3679,7 @@ static void lg_norm_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweight, lg_
             lg_set(dx, i, lg_get(dx, i) + d);
         }
     }
+    if (!dweight.data) return; /* frozen (LoRA) */
     LG_OMP(omp parallel for)
     for (int i = 0; i < C; i++) {
         lg_real dw = 0, db = 0;
@@ -3597,6 +4026,22 @@ static int lg_model_bind_activations(lg_model *m, lg_dtype acts, lg_error *err) 
 
 static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank, lg_error *err);
 
+/* LoRA: the base tensors' views point into the frozen regions. */
+static int lg_model_bind_frozen(lg_model *m, lg_dtype weights, lg_error *err) {
+    if (m->cfg.lora.r == 0) return 0;
+    lg_buf packed = lg_no_buf();
+    m->frozen = lg_model_view(m, "frozen_weights", weights, err);
+    if (!m->frozen.data) return -1;
+    if (m->cfg.lora.quantize != LG_QUANTIZE_NONE) {
+        packed = lg_model_view(m, "frozen_weights.nf4", LG_DTYPE_U8, err);
+        m->exec.dequantized = lg_model_view(m, "nf4.dequantized", weights, err);
+        if (!packed.data || !m->exec.dequantized.data) return -1;
+    }
+    m->frozen_packed = packed;
+    lg_frozen_layout(&m->cfg, m->frozen, packed, &m->p, &m->frozen_table, NULL);
+    return 0;
+}
+
 int lg_model_bind(lg_model *m, const lg_config *cfg, lg_rank *rank, lg_error *err) {
     if (lg_model_bind_views(m, cfg, rank, err) == 0) return 0;
     lg_model_free(m); /* the tables it made */
@@ -3629,6 +4074,8 @@ static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank,
                        cfg->block_size);
     lg_precision_types types = lg_types_of(s->precision);
     m->cfg = *cfg;
+    m->cfg.lora = rank->plan->cfg.lora; /* the run's adapters */
+    cfg = &m->cfg;
     m->B = s->B;
     m->T = s->T;
     m->precision = s->precision;
@@ -3638,7 +4085,8 @@ static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank,
     m->g.h = (lg_block_tensors *)lg_alloc_zeroed(sizeof(lg_block_tensors) * L);
     m->a.h = (lg_block_acts *)lg_alloc_zeroed(sizeof(lg_block_acts) * L);
     m->a.residual = (lg_buf *)lg_alloc_zeroed(sizeof(lg_buf) * (L + 1));
-    if (!m->p.h || !m->g.h || !m->a.h || !m->a.residual || lg_table_alloc(&m->param_table, cfg))
+    if (!m->p.h || !m->g.h || !m->a.h || !m->a.residual || lg_table_alloc(&m->param_table, cfg) ||
+        lg_table_alloc(&m->frozen_table, cfg))
         return lg_fail(err, "out of host memory for the model's tables");
     m->n_params = lg_params_layout(cfg, lg_no_buf(), NULL, &m->param_table);
     m->weights_gathered = rank->plan->sharding.weights_sharded;
@@ -3650,6 +4098,7 @@ static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank,
     if (!m->params.data || !m->grads.data) return -1;
     if (!m->weights_gathered) lg_params_layout(cfg, m->params, &m->p, NULL);
     if (!m->grads_gathered) lg_params_layout(cfg, m->grads, &m->g, NULL);
+    if (lg_model_bind_frozen(m, types.weights, err) != 0) return -1;
     if (lg_model_bind_activations(m, types.acts, err) != 0) return -1;
     if (lg_model_bind_exec(m, err) != 0) return -1;
     int rope_dims = lg_config_rope_dims(cfg);
@@ -3665,6 +4114,7 @@ int lg_model_create(lg_model *m, const lg_config *cfg, int B, int T, lg_error *e
     args.precision = LG_PRECISION_32_TRUE;
     args.optimizer = LG_OPTIMIZER_SGD; /* no optimizer state */
     args.momentum = 0;
+    args.lora = cfg->lora; /* a config with adapters makes a LoRA model */
     lg_plan_spec spec;
     lg_plan_spec_from_args(&spec, &args, T);
     lg_plan *plan = (lg_plan *)lg_alloc_zeroed(sizeof(lg_plan));
@@ -3693,6 +4143,7 @@ void lg_model_free(lg_model *m) {
     LG_FREE(m->a.h);
     LG_FREE(m->a.residual);
     lg_tensor_table_free(&m->param_table);
+    lg_tensor_table_free(&m->frozen_table);
     if (m->own_plan) {
         lg_rank_free(m->rank);
         LG_FREE(m->rank);
@@ -3716,15 +4167,50 @@ static void lg_init_tensor(const lg_config *c, const lg_tensor_info *t, lg_buf w
         case LG_TENSOR_RESIDUAL: v = residual_std * lg_rng_normal(rng); break;
         case LG_TENSOR_EMBEDDING:
         case LG_TENSOR_WEIGHT: v = k < live ? 0.02f * lg_rng_normal(rng) : 0; break;
-        default: break;
+        case LG_TENSOR_LORA_A: /* kaiming_uniform(a = sqrt(5)): bound 1 / sqrt(in) */
+            v = (2.0f * lg_rng_uniform(rng) - 1.0f) / sqrtf((float)t->cols);
+            break;
+        default: break; /* biases, LoRA's B: 0 */
         }
         lg_set(w, k, v);
     }
 }
 
-void lg_model_init_weights(lg_model *m, uint64_t seed) {
+/* The random stream of the trainable parameters: the model's seed, or for LoRA's adapters one
+   derived from it, so that the frozen base draws what the model without LoRA draws. */
+static void lg_trainable_rng(const lg_config *c, uint64_t seed, lg_rng *rng) {
+    lg_rng_seed(rng, c->lora.r > 0 ? seed ^ 0x4c6f5241ULL /* "LoRA" */ : seed);
+}
+
+/* One frozen tensor: drawn as lg_init_tensor, packed in NF4 when the layout stores it so. */
+static void lg_init_frozen_tensor(const lg_model *m, const lg_tensor_info *t, lg_rng *rng) {
+    if (t->packed == LG_DTYPE_F32) {
+        lg_init_tensor(&m->cfg, t, lg_at(m->frozen, t->offset), rng);
+        return;
+    }
+    lg_real *values = (lg_real *)LG_MALLOC(t->count * sizeof(lg_real));
+    if (!values) {
+        fprintf(stderr, "litgpt: out of host memory initialising %s\n", t->name);
+        abort();
+    }
+    lg_init_tensor(&m->cfg, t, lg_buf_of(values), rng);
+    lg_nf4_quantize(lg_buf_of(values), t->count, m->cfg.lora.quantize,
+                    (uint8_t *)m->frozen_packed.data + t->offset);
+    LG_FREE(values);
+}
+
+/* LoRA: the base model's initial weights, the same numbers as the model without LoRA draws. */
+static void lg_model_init_frozen(lg_model *m, uint64_t seed) {
     lg_rng rng;
     lg_rng_seed(&rng, seed);
+    for (int i = 0; i < m->frozen_table.n_tensors; i++)
+        lg_init_frozen_tensor(m, &m->frozen_table.tensors[i], &rng);
+}
+
+void lg_model_init_weights(lg_model *m, uint64_t seed) {
+    lg_rng rng;
+    lg_model_init_frozen(m, seed);
+    lg_trainable_rng(&m->cfg, seed, &rng);
     for (int i = 0; i < m->param_table.n_tensors; i++) {
         const lg_tensor_info *t = &m->param_table.tensors[i];
         lg_init_tensor(&m->cfg, t, lg_at(m->params, t->offset), &rng);
@@ -3742,6 +4228,113 @@ static lg_real *lg_norm_mean_or_null(const lg_config *c, lg_real *mean) {
     return c->norm_class_name == LG_NORM_LAYERNORM ? mean : NULL;
 }
 
+/* LoRA ------------------------------------------------------------------------------------- */
+
+/* One adapter of a linear whose output is (N, OC): its tensors and the columns it adds to. */
+typedef struct {
+    lg_buf a, b;     /* (r, in), (out, r) */
+    lg_buf da, db;   /* their gradients (data NULL outside a backward) */
+    lg_buf h;        /* (N, r): u A^T, kept for the backward */
+    int column, out; /* it writes out[:, column .. column + out) */
+} lg_lora_adapter;
+
+/* The adapters of a linear: Q, K and V share attn.qkv (and its input and dropout mask); every
+   other linear has one. Returns how many are targeted; fills ad. */
+static int lg_block_adapters(const lg_model *m, int l, lg_lora_linear first, lg_lora_adapter *ad) {
+    const lg_config *c = &m->cfg;
+    int HS = c->head_size, n = 0;
+    int columns[LG_LORA_BLOCK_LINEARS] = {0, c->n_head * HS, (c->n_head + c->n_query_groups) * HS,
+                                          0, 0, 0, 0};
+    int last = first == LG_LORA_Q ? LG_LORA_V : first;
+    for (int k = first; k <= last; k++) {
+        int in, out;
+        if (!lg_lora_adapts(c, (lg_lora_linear)k)) continue;
+        lg_lora_dims(c, (lg_lora_linear)k, &in, &out);
+        lg_lora_adapter *x = &ad[n++];
+        x->a = m->p.h[l].lora_a[k];
+        x->b = m->p.h[l].lora_b[k];
+        x->da = m->g.h[l].lora_a[k];
+        x->db = m->g.h[l].lora_b[k];
+        x->h = m->a.h[l].lora_h[k];
+        x->column = columns[k];
+        x->out = out;
+    }
+    return n;
+}
+
+/* The head's adapter (0 or 1). */
+static int lg_head_adapters(const lg_model *m, lg_lora_adapter *ad) {
+    if (!m->p.lm_head_lora_a.data) return 0;
+    ad->a = m->p.lm_head_lora_a;
+    ad->b = m->p.lm_head_lora_b;
+    ad->da = m->g.lm_head_lora_a;
+    ad->db = m->g.lm_head_lora_b;
+    ad->h = m->a.lm_head_lora_h;
+    ad->column = 0;
+    ad->out = m->cfg.padded_vocab_size;
+    return 1;
+}
+
+/* The dropout key of linear k of block l (the head: l = L) in this micro-batch; 0: none. */
+static uint64_t lg_lora_key(const lg_model *m, int l, int k) {
+    if (!m->dropout_key || m->cfg.lora.dropout <= 0.0f) return 0;
+    return m->dropout_key ^ ((uint64_t)(l * LG_LORA_BLOCK_LINEARS + k + 1) * 0xD1B54A32D192ED03ull);
+}
+
+static float lg_lora_scale(const lg_config *c) { return c->lora.alpha / (float)c->lora.r; }
+
+/* out (N, OC) += (alpha / r) B A dropout(inp) for each adapter in its columns, inp (N, IC):
+   u = (alpha / r) dropout(inp) once, then h = u A^T (kept) and out += h B^T. */
+static void lg_lora_forward(lg_model *m, const lg_lora_adapter *ad, int n, uint64_t key,
+                            lg_buf out, int OC, lg_buf inp, int N, int IC) {
+    const lg_exec *ex = &m->exec;
+    int r = m->cfg.lora.r;
+    if (n == 0) return;
+    lg_buf u = m->a.lora_u;
+    lg_lora_input(ex, u, inp, (size_t)N * IC, lg_lora_scale(&m->cfg), m->cfg.lora.dropout, key, 0);
+    for (int k = 0; k < n; k++) {
+        lg_matmul(ex, 0, 1, N, r, IC, u, IC, ad[k].a, IC, 0, ad[k].h, r);
+        lg_matmul(ex, 0, 1, N, ad[k].out, r, ad[k].h, r, ad[k].b, r, 1, lg_at(out, ad[k].column), OC);
+    }
+}
+
+/* The adapters' backward from dout (N, OC): dB += dy^T h, dh = dy B, dA += dh^T u,
+   du = sum of dh A, and dinp (N, IC) += (alpha / r) dropout(du) with the forward's mask. */
+static void lg_lora_backward(lg_model *m, const lg_lora_adapter *ad, int n, uint64_t key,
+                             lg_buf dout, int OC, lg_buf inp, lg_buf dinp, int N, int IC) {
+    const lg_exec *ex = &m->exec;
+    int r = m->cfg.lora.r;
+    float scale = lg_lora_scale(&m->cfg), p = m->cfg.lora.dropout;
+    if (n == 0) return;
+    lg_buf u = m->a.lora_u, du = m->a.lora_du, dh = m->a.lora_dh;
+    lg_lora_input(ex, u, inp, (size_t)N * IC, scale, p, key, 0); /* the forward's u again */
+    for (int k = 0; k < n; k++) {
+        lg_buf dy = lg_at(dout, ad[k].column); /* (N, out) with row stride OC */
+        lg_matmul(ex, 1, 0, ad[k].out, r, N, dy, OC, ad[k].h, r, 1, ad[k].db, r);
+        lg_matmul(ex, 0, 0, N, r, ad[k].out, dy, OC, ad[k].b, r, 0, dh, r);
+        lg_matmul(ex, 1, 0, r, IC, N, dh, r, u, IC, 1, ad[k].da, IC);
+        lg_matmul(ex, 0, 0, N, IC, r, dh, r, ad[k].a, IC, k == 0 ? 0.0f : 1.0f, du, IC);
+    }
+    lg_lora_input(ex, dinp, du, (size_t)N * IC, scale, p, key, 1);
+}
+
+/* A block linear's adapters, forward: out (N, OC) of the linear `first` with input inp (N, IC). */
+static void lg_block_lora_forward(lg_model *m, int l, lg_lora_linear first, lg_buf out, int OC,
+                                  lg_buf inp, int N, int IC) {
+    lg_lora_adapter ad[3];
+    if (m->cfg.lora.r == 0) return;
+    int n = lg_block_adapters(m, l, first, ad);
+    lg_lora_forward(m, ad, n, lg_lora_key(m, l, first), out, OC, inp, N, IC);
+}
+
+static void lg_block_lora_backward(lg_model *m, int l, lg_lora_linear first, lg_buf dout, int OC,
+                                   lg_buf inp, lg_buf dinp, int N, int IC) {
+    lg_lora_adapter ad[3];
+    if (m->cfg.lora.r == 0) return;
+    int n = lg_block_adapters(m, l, first, ad);
+    lg_lora_backward(m, ad, n, lg_lora_key(m, l, first), dout, OC, inp, dinp, N, IC);
+}
+
 /* One block: residual[l] (B, T, C) -> residual[l + 1]. */
 static void lg_block_forward(lg_model *m, int l, int B, int T) {
     const lg_config *c = &m->cfg;
@@ -3755,10 +4348,12 @@ static void lg_block_forward(lg_model *m, int l, int B, int T) {
     lg_norm_forward(ex, a->n1, lg_norm_mean_or_null(c, a->n1_mean), a->n1_rstd, x, w->norm_1_w,
                     w->norm_1_b, N, C, c->norm_eps);
     lg_linear_forward(ex, a->qkv, a->n1, w->qkv_w, w->qkv_b, N, C, QKV);
+    lg_block_lora_forward(m, l, LG_LORA_Q, a->qkv, QKV, a->n1, N, C);
     lg_rope_rotate(ex, a->qkv, m->a.rope_cos, m->a.rope_sin, B, T, NH, NQG, HS,
                    lg_config_rope_dims(c), +1);
     lg_attention_forward(ex, a->att_y, a->att_lse, a->qkv, B, T, NH, NQG, HS);
     lg_linear_forward(ex, a->x_mid, a->att_y, w->proj_w, w->proj_b, N, NH * HS, C);
+    lg_block_lora_forward(m, l, LG_LORA_PROJ, a->x_mid, C, a->att_y, N, NH * HS);
 
     /* x_mid = x + attention; the MLP reads the norm of x (parallel), of x_mid, or n1 (shared) */
     lg_buf mlp_in = c->shared_attention_norm ? a->n1 : a->n2;
@@ -3773,13 +4368,16 @@ static void lg_block_forward(lg_model *m, int l, int B, int T) {
                                  w->norm_2_w, w->norm_2_b, N, C, c->norm_eps);
     }
     lg_linear_forward(ex, a->fc, mlp_in, w->fc_w, w->fc_b, N, C, I);
+    lg_block_lora_forward(m, l, LG_LORA_FC, a->fc, I, mlp_in, N, C);
     if (c->mlp_class_name == LG_MLP_LLAMA) {
         lg_linear_forward(ex, a->fc_2, mlp_in, w->fc_2_w, w->fc_2_b, N, C, I);
+        lg_block_lora_forward(m, l, LG_LORA_FC_2, a->fc_2, I, mlp_in, N, C);
         lg_swiglu_forward(ex, a->act, a->fc, a->fc_2, (size_t)N * I);
     } else {
         lg_gelu_forward(ex, a->act, a->fc, (size_t)N * I, c->gelu_approximate_tanh);
     }
     lg_linear_forward(ex, out, a->act, w->mlp_proj_w, w->mlp_proj_b, N, I, C);
+    lg_block_lora_forward(m, l, LG_LORA_MLP_PROJ, out, C, a->act, N, I);
     lg_add(ex, out, out, a->x_mid, (size_t)N * C);
 }
 
@@ -3806,6 +4404,9 @@ static double lg_model_head_forward(lg_model *m, const int *targets, int B, int 
                     m->a.residual[L], m->p.ln_f_w, m->p.ln_f_b, N, C, c->norm_eps);
     lg_linear_forward(ex, m->a.logits, m->a.ln_f, m->p.lm_head_w, m->p.lm_head_b, N, C,
                       c->padded_vocab_size);
+    lg_lora_adapter head;
+    lg_lora_forward(m, &head, lg_head_adapters(m, &head), lg_lora_key(m, c->n_layer, 0),
+                    m->a.logits, c->padded_vocab_size, m->a.ln_f, N, C);
     if (n_targets) *n_targets = 0;
     if (!targets) return 0;
     if (n_targets) *n_targets = (int)lg_count_targets(targets, (size_t)N);
@@ -3839,16 +4440,19 @@ static void lg_block_backward(lg_model *m, int l, int B, int T, lg_buf d_out, lg
     lg_zero(ex, s->d_act, NI);
     lg_linear_backward(ex, s->d_act, g->mlp_proj_w, g->mlp_proj_b, d_out, a->act, w->mlp_proj_w,
                        N, I, C);
+    lg_block_lora_backward(m, l, LG_LORA_MLP_PROJ, d_out, C, a->act, s->d_act, N, I);
     lg_buf mlp_in = c->shared_attention_norm ? a->n1 : a->n2;
     lg_zero(ex, s->d_norm, NC);
     if (c->mlp_class_name == LG_MLP_LLAMA) {
         lg_swiglu_backward(ex, s->d_fc, s->d_fc_2, s->d_act, a->fc, a->fc_2, NI);
         lg_linear_backward(ex, s->d_norm, g->fc_2_w, g->fc_2_b, s->d_fc_2, mlp_in, w->fc_2_w, N,
                            C, I);
+        lg_block_lora_backward(m, l, LG_LORA_FC_2, s->d_fc_2, I, mlp_in, s->d_norm, N, C);
     } else {
         lg_gelu_backward(ex, s->d_fc, s->d_act, a->fc, NI, c->gelu_approximate_tanh);
     }
     lg_linear_backward(ex, s->d_norm, g->fc_w, g->fc_b, s->d_fc, mlp_in, w->fc_w, N, C, I);
+    lg_block_lora_backward(m, l, LG_LORA_FC, s->d_fc, I, mlp_in, s->d_norm, N, C);
 
     /* the MLP's input norm: of x (parallel) or of x_mid (sequential); shared: d_norm stays and
        joins norm_1's gradient below */
@@ -3865,6 +4469,7 @@ static void lg_block_backward(lg_model *m, int l, int B, int T, lg_buf d_out, lg
     lg_zero(ex, s->d_att_y, (size_t)N * NH * HS);
     lg_linear_backward(ex, s->d_att_y, g->proj_w, g->proj_b, s->d_mid, a->att_y, w->proj_w, N,
                        NH * HS, C);
+    lg_block_lora_backward(m, l, LG_LORA_PROJ, s->d_mid, C, a->att_y, s->d_att_y, N, NH * HS);
     lg_zero(ex, s->d_qkv, (size_t)N * QKV);
     lg_attention_backward(ex, s->d_qkv, s->d_att_y, a->att_y, a->qkv, a->att_lse, B, T, NH,
                           NQG, HS);
@@ -3872,6 +4477,7 @@ static void lg_block_backward(lg_model *m, int l, int B, int T, lg_buf d_out, lg
                    lg_config_rope_dims(c), -1);
     /* n1 feeds qkv and, when shared, the MLP: d_norm already holds the MLP's share */
     lg_linear_backward(ex, s->d_norm, g->qkv_w, g->qkv_b, s->d_qkv, a->n1, w->qkv_w, N, C, QKV);
+    lg_block_lora_backward(m, l, LG_LORA_Q, s->d_qkv, QKV, a->n1, s->d_norm, N, C);
     lg_norm_backward(ex, d_x, g->norm_1_w, g->norm_1_b, s->d_norm, x, w->norm_1_w,
                      lg_norm_mean_or_null(c, a->n1_mean), a->n1_rstd, N, C);
 }
@@ -3893,6 +4499,9 @@ static void lg_model_head_backward(lg_model *m, const int *targets, int B, int T
     lg_zero(ex, m->a.d_norm, (size_t)N * C);
     lg_linear_backward(ex, m->a.d_norm, m->g.lm_head_w, m->g.lm_head_b, d_logits,
                        m->a.ln_f, m->p.lm_head_w, N, C, Vp);
+    lg_lora_adapter head;
+    lg_lora_backward(m, &head, lg_head_adapters(m, &head), lg_lora_key(m, L, 0), d_logits, Vp,
+                     m->a.ln_f, m->a.d_norm, N, C);
     lg_buf d_res = lg_residual_grad(m, L);
     lg_zero(ex, d_res, (size_t)N * C);
     lg_norm_backward(ex, d_res, m->g.ln_f_w, m->g.ln_f_b, m->a.d_norm, m->a.residual[L], m->p.ln_f_w,
@@ -3905,6 +4514,7 @@ static void lg_model_block_backward(lg_model *m, int l, int B, int T) {
 }
 
 static void lg_model_embed_backward(lg_model *m, const int *tokens, int B, int T) {
+    if (!m->g.wte.data) return; /* frozen (LoRA) */
     lg_embedding_backward(&m->exec, m->g.wte, m->g.wpe, lg_residual_grad(m, 0), tokens, B, T,
                           m->cfg.n_embd);
 }
@@ -8229,7 +8839,8 @@ static void lg_trainer_init_weights(lg_trainer *tr) {
         return;
     }
     lg_rng rng;
-    lg_rng_seed(&rng, tr->args.seed);
+    lg_trainable_rng(&tr->plan.cfg, tr->args.seed, &rng);
+    for (int r = 0; r < tr->n_ranks; r++) lg_model_init_frozen(&tr->ranks[r].model, tr->args.seed);
     lg_buf slots[LG_MAX_RANKS];
     for (int u = 0; u < sl->n_units; u++) {
         lg_buf unit = lg_unit_weights(tr, 0, u);
@@ -8329,7 +8940,7 @@ int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args,
     for (int r = 0; r < tr->n_ranks; r++) {
         lg_trainer_rank *tr_r = &tr->ranks[r];
         if (lg_rank_create(&tr_r->rank, &tr->plan, r, err) != 0 ||
-            lg_model_bind(&tr_r->model, cfg, &tr_r->rank, err) != 0) {
+            lg_model_bind(&tr_r->model, &tr->plan.cfg, &tr_r->rank, err) != 0) {
             lg_trainer_free(tr);
             return -1;
         }
@@ -8449,6 +9060,19 @@ static long lg_trainer_read_step(lg_trainer *tr, lg_loader *train, lg_error *err
     return n_targets;
 }
 
+/* LoRA dropout's masks for micro-batch i of the step on every rank: each depends on the seed,
+   the step and the micro-batch's place in the global batch, as with one rank. step < 0: no
+   dropout. */
+static void lg_trainer_set_dropout(lg_trainer *tr, int step, int i) {
+    for (int r = 0; r < tr->n_ranks; r++) {
+        uint64_t global = (uint64_t)i * (uint64_t)tr->n_ranks + (uint64_t)r;
+        uint64_t key = tr->args.seed ^ 0x64726f706f7574ULL /* "dropout" */;
+        key += ((uint64_t)step << 32) + global;
+        key = (uint64_t)(lg_hash_uniform(key, 0) * 16777216.0f) << 40 ^ key; /* mixed, */
+        tr->ranks[r].model.dropout_key = step < 0 ? 0 : key | 1;        /* never 0 */
+    }
+}
+
 int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *stats,
                     lg_error *err) {
     double start = lg_time_ms();
@@ -8472,10 +9096,12 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
         tr->ranks[0].host_grads.data != NULL && tr->plan.sharding.replicas == 1;
     for (int i = 0; i < tr->accumulation && n_targets > 0; i++) {
         lg_trainer_micro_batches(tr, i, targets, mb);
+        lg_trainer_set_dropout(tr, step, i);
         loss_sum += lg_trainer_forward(tr, mb);
         lg_trainer_backward(tr, mb, tr->loss_scale / n_targets,
                             offload_in_backward && i == tr->accumulation - 1);
     }
+    lg_trainer_set_dropout(tr, -1, 0); /* evaluation and sampling run without dropout */
     lg_trainer_sync_replicas(tr);
     stats->loss = n_targets ? loss_sum / n_targets : 0;
     stats->loss_scale = tr->loss_scale;

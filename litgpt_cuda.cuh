@@ -599,6 +599,7 @@ static void lg_cuda_norm_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweight
     LG_LAUNCH(lg_k_norm_backward_input, lg_cuda_blocks((size_t)N, LG_CUDA_ROW_WARPS),
               LG_CUDA_ROW_WARPS * LG_CUDA_WARP, 0, stream, dinp, dout, inp, weight, mean, rstd,
               N, C);
+    if (!dweight.data) return; /* frozen (LoRA) */
     unsigned channel_blocks = lg_cuda_blocks((size_t)C, LG_CUDA_CHANNEL_THREADS);
     LG_LAUNCH(lg_k_norm_backward_chunks, channel_blocks * LG_CUDA_ROW_CHUNKS,
               LG_CUDA_CHANNEL_THREADS, 0, stream, ex->cuda->row_sums, dout, inp, mean, rstd, N, C);
@@ -2224,10 +2225,28 @@ static void lg_cuda_linear_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweig
                                     int OC) {
     lg_buf none = {NULL, LG_DTYPE_F32};
     lg_cuda_matmul(ex, 0, 0, N, IC, OC, dout, OC, weight, IC, 1.0f, dinp, IC, none);
-    lg_cuda_matmul(ex, 1, 0, OC, IC, N, dout, OC, inp, IC, 1.0f, dweight, IC, none);
+    if (dweight.data) /* frozen (LoRA): no weight gradient */
+        lg_cuda_matmul(ex, 1, 0, OC, IC, N, dout, OC, inp, IC, 1.0f, dweight, IC, none);
     if (dbias.data)
         LG_LAUNCH(lg_k_bias_grad, lg_cuda_blocks((size_t)OC, LG_BIAS_COLUMNS),
                   dim3(LG_BIAS_COLUMNS, LG_BIAS_LANES), 0, lg_cuda_stream(ex), dbias, dout, N, OC);
+}
+
+/* LoRA: the adapters' input, scaled and dropped out (lg_lora_input) ------------------------------ */
+
+__global__ void lg_k_lora_input(lg_buf out, lg_buf in, size_t n, float scale, float p, uint64_t key,
+                                int accumulate) {
+    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) {
+        float v = lg_get(in, i) * lg_lora_keep(key, i, p, scale);
+        lg_set(out, i, accumulate ? lg_get(out, i) + v : v);
+    }
+}
+
+static void lg_cuda_lora_input(const lg_exec *ex, lg_buf out, lg_buf in, size_t n, float scale,
+                               float p, uint64_t key, int accumulate) {
+    if (n == 0) return;
+    LG_LAUNCH(lg_k_lora_input, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
+              lg_cuda_stream(ex), out, in, n, scale, p, key, accumulate);
 }
 
 /* i. ranks: memory, overheads, topology -------------------------------------------------------- */

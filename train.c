@@ -55,6 +55,13 @@ static const char usage[] =
     "      --rho X                sophia: clipping scale of the update (0.04)\n"
     "      --optimizer-state FMT  AdamW's moments in bf16 or 8bit (block-wise quantized);\n"
     "                             tensors under 4096 elements keep fp32 state\n"
+    "      --lora-r R             fine-tune rank-R LoRA adapters over the frozen model\n"
+    "                             (0: off, every weight trains)\n"
+    "      --lora-alpha X         the adapters' scale is alpha / r (16)\n"
+    "      --lora-dropout X       dropout on the adapters' input (0.05)\n"
+    "      --lora-targets LIST    linears with adapters: q,k,v,proj,mlp,head (q,v)\n"
+    "      --quantize Q           with --lora-r: frozen linear weights in nf4 or nf4-dq\n"
+    "                             (QLoRA; lm_head included unless tied)\n"
     "      --lr X --min-lr X      peak and final learning rate (4e-3, 4e-4)\n"
     "      --warmup-steps N       linear warmup, then cosine decay to --min-lr (50)\n"
     "      --weight-decay X       on 2-D weights only (0.1)\n"
@@ -115,7 +122,8 @@ enum { OPT_DATA = 256, OPT_VAL_DATA, OPT_LR, OPT_MIN_LR, OPT_WARMUP, OPT_WEIGHT_
        OPT_SAMPLE_EVERY, OPT_SAMPLE_TOKENS, OPT_TEMPERATURE, OPT_PROMPT, OPT_SEED, OPT_LOG,
        OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_OPTIMIZER_STATE,
        OPT_HESSIAN_INTERVAL, OPT_RHO, OPT_STRATEGY, OPT_NODES, OPT_SAVE_EVERY, OPT_LOAD,
-       OPT_RESUME, OPT_CPU, OPT_TF32 };
+       OPT_RESUME, OPT_CPU, OPT_TF32, OPT_LORA_R, OPT_LORA_ALPHA, OPT_LORA_DROPOUT,
+       OPT_LORA_TARGETS, OPT_QUANTIZE };
 
 static const struct option long_options[] = {
     {"config", required_argument, 0, 'c'},
@@ -159,6 +167,11 @@ static const struct option long_options[] = {
     {"resume", required_argument, 0, OPT_RESUME},
     {"cpu", no_argument, 0, OPT_CPU},
     {"tf32", no_argument, 0, OPT_TF32},
+    {"lora-r", required_argument, 0, OPT_LORA_R},
+    {"lora-alpha", required_argument, 0, OPT_LORA_ALPHA},
+    {"lora-dropout", required_argument, 0, OPT_LORA_DROPOUT},
+    {"lora-targets", required_argument, 0, OPT_LORA_TARGETS},
+    {"quantize", required_argument, 0, OPT_QUANTIZE},
     {"help", no_argument, 0, 'h'},
     {0, 0, 0, 0},
 };
@@ -267,6 +280,18 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
         case OPT_SAVE_EVERY: ck->save_every = parse_int(f, optarg); break;
         case OPT_LOAD: ck->load = optarg; break;
         case OPT_RESUME: ck->resume = optarg; break;
+        case OPT_LORA_R: a->lora.r = parse_int(f, optarg); break;
+        case OPT_LORA_ALPHA: a->lora.alpha = parse_float(f, optarg); break;
+        case OPT_LORA_DROPOUT: a->lora.dropout = parse_float(f, optarg); break;
+        case OPT_LORA_TARGETS: {
+            lg_error err;
+            if (lg_lora_targets_parse(optarg, &a->lora.targets, &err) != 0) die_usage("%s", err.msg);
+            break;
+        }
+        case OPT_QUANTIZE:
+            if (lg_quantize_parse(optarg, &a->lora.quantize) != 0)
+                die_usage("%s: '%s' is not nf4 or nf4-dq", f, optarg);
+            break;
         case OPT_OPTIMIZER_STATE:
             if (strcmp(optarg, "bf16") == 0) a->optimizer_state = LG_STATE_BF16;
             else if (strcmp(optarg, "8bit") == 0) a->optimizer_state = LG_STATE_8BIT;

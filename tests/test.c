@@ -344,6 +344,61 @@ static void test_model_gradient(results *r, const char *config_name) {
     lg_model_free(&m);
 }
 
+/* LoRA: the adapters' gradients (A and B of every target, the head's included) through a
+   random frozen model, with dropout on (a fixed mask) and off, against finite differences. */
+static void test_lora_gradient(results *r, const char *config_name, float dropout) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, config_name)) return;
+    cfg.lora.r = 2;
+    cfg.lora.alpha = 3.0f; /* scale 1.5 */
+    cfg.lora.dropout = dropout;
+    cfg.lora.targets = LG_LORA_QUERY | LG_LORA_KEY | LG_LORA_VALUE | LG_LORA_PROJECTION |
+                       LG_LORA_MLP | LG_LORA_HEAD;
+    int B = 2, T = 6;
+    lg_model m;
+    lg_error err;
+    if (lg_model_create(&m, &cfg, B, T, &err)) { check(r, 0, "%s: %s", config_name, err.msg); return; }
+    lg_rng rng;
+    lg_rng_seed(&rng, 12);
+    fill_normal(reals(m.frozen), m.frozen_table.total, 0.3f, &rng);
+    fill_normal(reals(m.params), m.n_params, 0.3f, &rng); /* B != 0: A has gradients too */
+    m.dropout_key = dropout > 0 ? 0x1234567ull : 0;
+    int tokens[12], targets[12];
+    for (int i = 0; i < B * T; i++) {
+        tokens[i] = (int)(lg_rng_u64(&rng) % cfg.vocab_size);
+        targets[i] = (int)(lg_rng_u64(&rng) % cfg.vocab_size);
+    }
+    int n_targets;
+    lg_model_zero_grad(&m);
+    lg_model_forward(&m, tokens, targets, B, T, &n_targets);
+    lg_model_backward(&m, tokens, targets, B, T, 1.0f / n_targets);
+    lg_real *fd = new_reals(m.n_params);
+    for (size_t i = 0; i < m.n_params; i++) {
+        lg_real *p = reals(m.params), saved = p[i];
+        p[i] = saved + FD_EPS;
+        double plus = lg_model_forward(&m, tokens, targets, B, T, NULL) / n_targets;
+        p[i] = saved - FD_EPS;
+        double minus = lg_model_forward(&m, tokens, targets, B, T, NULL) / n_targets;
+        p[i] = saved;
+        fd[i] = (plus - minus) / (2 * FD_EPS);
+    }
+    double worst = 0;
+    const char *worst_name = "";
+    int adapters = 0;
+    for (int k = 0; k < m.param_table.n_tensors; k++) {
+        const lg_tensor_info *t = &m.param_table.tensors[k];
+        double e = rel_error(reals(m.grads) + t->offset, fd + t->offset, t->count, 1e-3);
+        adapters += t->kind == LG_TENSOR_LORA_A || t->kind == LG_TENSOR_LORA_B;
+        if (e > worst) { worst = e; worst_name = t->name; }
+    }
+    check(r, worst < FD_TOL && adapters == m.param_table.n_tensors && adapters > 2 * cfg.n_layer,
+          "%-12s LoRA r 2, every target, dropout %.2f: %d adapter tensors (%zu params) vs "
+          "finite differences: worst rel err %.1e in %s", config_name, dropout, adapters,
+          m.n_params, worst, worst_name);
+    LG_FREE(fd);
+    lg_model_free(&m);
+}
+
 int main(void) {
     results r = {0, 0};
     test_op_gradients(&r);
@@ -351,6 +406,11 @@ int main(void) {
     test_model_gradient(&r, "test-gpt2");
     test_model_gradient(&r, "test-pythia");
     test_model_gradient(&r, "test-llama");
+    printf("LoRA gradients (double precision)\n");
+    test_lora_gradient(&r, "test-gpt2", 0.0f);
+    test_lora_gradient(&r, "test-pythia", 0.25f);
+    test_lora_gradient(&r, "test-llama", 0.0f);
+    test_lora_gradient(&r, "test-llama", 0.25f);
     printf("%d passed, %d failed\n", r.passed, r.failed);
     return r.failed ? 1 : 0;
 }
