@@ -451,7 +451,7 @@ size_t lg_params_layout(const lg_config *cfg, lg_buf base, lg_param_tensors *ten
    weights (lm_head's unless tied) go to `packed` (bytes, lg_nf4_bytes each, typed
    LG_DTYPE_NF4 or _DQ). Returns the elements of base; *packed_bytes (may be NULL) gets the
    bytes of packed. The table lists every tensor with offsets into base, or into packed for the
-   packed ones (their `kind` stays; see lg_tensor_info.packed). */
+   packed ones (see lg_tensor_info.packed), and origins in the base model's whole layout. */
 size_t lg_frozen_layout(const lg_config *cfg, lg_buf base, lg_buf packed,
                         lg_param_tensors *tensors, lg_tensor_table *table, size_t *packed_bytes);
 /* The model without LoRA: the config of its base weights (checkpoints of the base model). */
@@ -1241,6 +1241,8 @@ typedef struct lg_trainer {
     float loss_scale;   /* multiplies the loss before the backward: 2^16 at the start */
     int clean_steps;    /* steps since the scale last changed */
     int scale_window;   /* clean steps before the scale doubles: 2000 */
+    char base_model[1024]; /* LoRA: the --load directory of the frozen model ("" when drawn
+                              from the seed): adapter_config.json's base_model_name_or_path */
 } lg_trainer;
 
 typedef struct {
@@ -2059,6 +2061,7 @@ typedef struct {
     lg_buf packed;
     size_t packed_offset;
     lg_quantization quantize;
+    size_t whole;           /* elements walked, packed ones included: the tensors' origins */
 } lg_layout;
 
 /* Whether the layout takes the model's base tensors (its adapters otherwise). */
@@ -2078,12 +2081,13 @@ static lg_buf lg_layout_add(lg_layout *L, const char *name, int rows, int cols,
         t->count = count;
         t->kind = kind;
         t->block = L->block;
-        t->origin = L->offset;
+        t->origin = L->whole;
         t->packed = LG_DTYPE_F32;
         L->table->total = L->offset + count;
     }
     lg_buf view = lg_at(L->base, L->offset);
     L->offset += count;
+    L->whole += count;
     return view;
 }
 
@@ -2099,7 +2103,8 @@ static lg_buf lg_layout_add_linear(lg_layout *L, const char *name, int rows, int
         snprintf(t->name, sizeof t->name, "%s", name);
         t->rows = rows;
         t->cols = cols;
-        t->offset = t->origin = L->packed_offset;
+        t->offset = L->packed_offset;
+        t->origin = L->whole;
         t->count = count;
         t->kind = kind;
         t->block = L->block;
@@ -2107,6 +2112,7 @@ static lg_buf lg_layout_add_linear(lg_layout *L, const char *name, int rows, int
     }
     lg_buf view = {L->packed.data ? (uint8_t *)L->packed.data + L->packed_offset : NULL, dtype};
     L->packed_offset += lg_nf4_bytes(count, L->quantize);
+    L->whole += count;
     return view;
 }
 
@@ -8334,6 +8340,11 @@ static int lg_state_meta(const lg_trainer *tr, const lg_loader *data, int step, 
     LG_META("step", "%d", step);
     LG_META("config", "%s", m0->cfg.name);
     LG_META("n_params", "%zu", m0->n_params);
+    char targets[64];
+    LG_META("lora", "r %d alpha %g dropout %g targets %s quantize %s", m0->cfg.lora.r,
+            m0->cfg.lora.alpha, m0->cfg.lora.dropout,
+            lg_lora_targets_name(m0->cfg.lora.r ? m0->cfg.lora.targets : 0, targets, sizeof targets),
+            lg_quantize_name(m0->cfg.lora.quantize));
     LG_META("precision", "%s", lg_precision_name(tr->args.precision));
     LG_META("optimizer", "%s", lg_optimizer_name(opt0->kind));
     LG_META("optimizer_state", "%s", formats[opt0->format]);
@@ -8390,7 +8401,7 @@ static int lg_state_check_run(const lg_trainer *tr, const lg_loader *data, const
                               lg_error *err) {
     lg_st_meta want[24];
     int n = lg_state_meta(tr, data, 0, want);
-    static const char *const keys[] = {"config", "n_params", "precision", "optimizer", "optimizer_state",
+    static const char *const keys[] = {"config", "n_params", "lora", "precision", "optimizer", "optimizer_state",
                                        "seed", "global_batch", "seq_length", "loader_windows"};
     const char *format = lg_st_meta_get(f, "format");
     if (!format || strcmp(format, want[0].value) != 0)
@@ -8467,6 +8478,384 @@ int lg_training_state_read(lg_trainer *tr, lg_loader *data, int *step, const cha
     return 0;
 }
 
+/* --- LoRA: PEFT adapter files, the frozen base, the merged model ------------------------------ */
+
+/* One tensor of adapter_model.safetensors: LoRA's A (r', in) or B (rows, r') of one Hugging
+   Face module, r' = parts x r. A module that fuses several adapted LitGPT linears' rows (GPT-2's
+   c_attn, GPT-NeoX's query_key_value: q, k and v) holds their adapters stacked: A' = [A_q; A_v],
+   B' = [B_q 0; 0 B_v] in its own row order, zero rows where no adapter writes; its scale stays
+   alpha / r with rank r' through alpha' = parts x alpha (adapter_config.json's patterns). */
+typedef struct {
+    char name[LG_ST_MAX_NAME];   /* base_model.model.<module>.lora_A.weight */
+    char module[LG_ST_MAX_NAME]; /* <module>: the Hugging Face name of the linear */
+    int is_b;                    /* lora_B (rows, r') else lora_A (r', in) */
+    int rows, cols;              /* the file's shape */
+    int parts;                   /* adapters stacked into it: 1..3 */
+    int source[3];               /* their A (or B) in the trainable table */
+    int first_row[3];            /* B: the LitGPT output row of each part's row 0 */
+    int part_rows[3];            /* B: rows of each part */
+    lg_hf_tensor rows_of;        /* B: file row -> LitGPT output row (lg_hf_source_index) */
+    int litgpt_first;            /* B: the LitGPT row of file row 0 when rows_of copies */
+} lg_peft_tensor;
+
+/* The adapted linears a base weight feeds (LitGPT suffix) and the first of them. */
+static int lg_peft_linears(const char *suffix, lg_lora_linear *first, lg_lora_linear *last) {
+    static const struct { const char *suffix; lg_lora_linear first, last; } map[] = {
+        {"attn.qkv.weight", LG_LORA_Q, LG_LORA_V},   {"attn.proj.weight", LG_LORA_PROJ, LG_LORA_PROJ},
+        {"mlp.fc.weight", LG_LORA_FC, LG_LORA_FC},    {"mlp.fc_1.weight", LG_LORA_FC, LG_LORA_FC},
+        {"mlp.fc_2.weight", LG_LORA_FC_2, LG_LORA_FC_2},
+        {"mlp.proj.weight", LG_LORA_MLP_PROJ, LG_LORA_MLP_PROJ}};
+    for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
+        if (strcmp(map[i].suffix, suffix) == 0) {
+            *first = map[i].first;
+            *last = map[i].last;
+            return 1;
+        }
+    return 0;
+}
+
+static int lg_table_index(const lg_tensor_table *table, const char *name) {
+    for (int i = 0; i < table->n_tensors; i++)
+        if (strcmp(table->tensors[i].name, name) == 0) return i;
+    return -1;
+}
+
+/* Adds the A and B of one Hugging Face module h (from base tensor src) that adapters of block l
+   (l < 0: the head) write into. */
+static void lg_peft_add_module(const lg_config *c, const lg_tensor_table *adapters,
+                               const lg_tensor_info *src, const lg_hf_tensor *h, int l,
+                               lg_lora_linear first, lg_lora_linear last, lg_peft_tensor *out,
+                               int *n) {
+    int r = c->lora.r, HS = c->head_size, llama = c->mlp_class_name == LG_MLP_LLAMA;
+    int columns[LG_LORA_BLOCK_LINEARS] = {0, c->n_head * HS, (c->n_head + c->n_query_groups) * HS,
+                                          0, 0, 0, 0};
+    /* the LitGPT output rows the file tensor covers */
+    int row0 = h->how == LG_HF_COPY ? (int)(h->start / (size_t)src->cols) : 0;
+    int rows = h->how == LG_HF_COPY ? (int)h->shape[0] : src->rows;
+    lg_peft_tensor a, b;
+    memset(&a, 0, sizeof a);
+    char name[LG_MAX_NAME];
+    for (int k = first; k <= (int)last; k++) {
+        int in, o, col = l < 0 ? 0 : columns[k];
+        if (l < 0) { in = c->n_embd; o = c->padded_vocab_size; }
+        else if (!lg_lora_adapts(c, (lg_lora_linear)k)) continue;
+        else lg_lora_dims(c, (lg_lora_linear)k, &in, &o);
+        if (col + o <= row0 || col >= row0 + rows) continue;
+        if (l < 0) lg_format(name, sizeof name, "lm_head.lora_A");
+        else lg_format(name, sizeof name, "transformer.h.%d.%s.lora_A", l, lg_lora_linear_names[llama][k]);
+        a.source[a.parts] = lg_table_index(adapters, name);
+        name[strlen(name) - 1] = 'B';
+        b.source[a.parts] = lg_table_index(adapters, name);
+        b.first_row[a.parts] = col;
+        b.part_rows[a.parts] = o;
+        a.cols = in;
+        a.parts++;
+    }
+    if (!a.parts) return;
+    size_t len = strlen(h->name) - strlen(".weight");
+    lg_format(a.module, sizeof a.module, "%.*s", (int)len, h->name);
+    memcpy(b.module, a.module, sizeof a.module);
+    lg_format(a.name, sizeof a.name, "base_model.model.%s.lora_A.weight", a.module);
+    lg_format(b.name, sizeof b.name, "base_model.model.%s.lora_B.weight", a.module);
+    a.rows = a.parts * r;
+    b.parts = a.parts;
+    b.is_b = 1;
+    b.rows = rows;
+    b.cols = a.parts * r;
+    b.rows_of = *h;
+    b.rows_of.ndim = 2; /* rows only: a (rows, 1) view of the same transform */
+    b.rows_of.shape[0] = rows;
+    b.rows_of.shape[1] = 1;
+    b.rows_of.start = (size_t)row0;
+    if (h->how == LG_HF_TRANSPOSE) b.rows_of.how = LG_HF_COPY, b.rows_of.start = 0; /* Conv1D: A, B stay */
+    out[(*n)++] = a;
+    out[(*n)++] = b;
+}
+
+/* Every tensor of the run's adapter file. *out: LG_MALLOC. */
+static int lg_peft_tensors(const lg_config *c, const lg_tensor_table *adapters, lg_peft_tensor **out,
+                           int *n_out, lg_error *err) {
+    lg_config base = lg_config_base(c);
+    lg_hf_family family;
+    if (lg_hf_family_of(&base, &family, err) != 0) return -1;
+    lg_tensor_table table;
+    if (lg_table_alloc(&table, &base) != 0) return lg_fail(err, "out of host memory");
+    lg_params_layout(&base, lg_no_buf(), NULL, &table);
+    lg_hf_tensor *hf = NULL;
+    int n_hf = 0, n = 0;
+    if (lg_hf_tensors(&base, &table, family, &hf, &n_hf, err) != 0) {
+        lg_tensor_table_free(&table);
+        return -1;
+    }
+    lg_peft_tensor *p = (lg_peft_tensor *)lg_alloc_zeroed(sizeof(lg_peft_tensor) * (size_t)(2 * n_hf + 1));
+    for (int i = 0; p && i < n_hf; i++) {
+        const lg_tensor_info *src = &table.tensors[hf[i].source];
+        int l, used = 0;
+        lg_lora_linear first, last;
+        if (sscanf(src->name, "transformer.h.%d.%n", &l, &used) == 1 && used > 0) {
+            if (lg_peft_linears(src->name + used, &first, &last))
+                lg_peft_add_module(c, adapters, src, &hf[i], l, first, last, p, &n);
+        } else if (strcmp(src->name, "lm_head.weight") == 0 && (c->lora.targets & LG_LORA_HEAD)) {
+            lg_peft_add_module(c, adapters, src, &hf[i], -1, LG_LORA_Q, LG_LORA_Q, p, &n);
+        }
+    }
+    LG_FREE(hf);
+    lg_tensor_table_free(&table);
+    if (!p) return lg_fail(err, "out of host memory");
+    *out = p;
+    *n_out = n;
+    return 0;
+}
+
+/* Where element i of a PEFT tensor lives in the whole trainable layout; 0: a zero of B'. */
+static int lg_peft_source(const lg_config *c, const lg_tensor_table *adapters,
+                          const lg_peft_tensor *p, size_t i, size_t *at) {
+    int r = c->lora.r, row = (int)(i / (size_t)p->cols), col = (int)(i % (size_t)p->cols);
+    if (!p->is_b) { /* A' (parts r, in): part row / r */
+        const lg_tensor_info *t = &adapters->tensors[p->source[row / r]];
+        *at = t->origin + (size_t)(row % r) * (size_t)p->cols + (size_t)col;
+        return 1;
+    }
+    int part = col / r;
+    int litgpt_row = (int)lg_hf_source_index(c, &p->rows_of, (size_t)row);
+    int local = litgpt_row - p->first_row[part];
+    if (local < 0 || local >= p->part_rows[part]) return 0;
+    const lg_tensor_info *t = &adapters->tensors[p->source[part]];
+    *at = t->origin + (size_t)local * (size_t)r + (size_t)(col % r);
+    return 1;
+}
+
+/* What lg_st_write asks of an adapter file. */
+typedef struct {
+    const lg_config *cfg;
+    const lg_tensor_table *adapters;
+    const lg_peft_tensor *peft;
+    const lg_st_tensor *out;
+    lg_buf whole; /* the adapters in the whole trainable layout */
+} lg_peft_ctx;
+
+static int lg_peft_fill(void *ctx, int index, unsigned char *out, lg_error *err) {
+    const lg_peft_ctx *s = (const lg_peft_ctx *)ctx;
+    const lg_peft_tensor *p = &s->peft[index];
+    size_t count = (size_t)p->rows * (size_t)p->cols, at;
+    for (size_t i = 0; i < count; i++)
+        lg_st_set(s->out[index].dtype, out, i,
+                  lg_peft_source(s->cfg, s->adapters, p, i, &at) ? lg_get(s->whole, at) : 0);
+    (void)err;
+    return 0;
+}
+
+/* adapter_config.json: PEFT's LoRA settings; fused modules' rank and alpha as patterns. */
+static void lg_peft_config_json(const lg_config *c, const lg_peft_tensor *p, int n,
+                                const char *base_model, char *buf, size_t cap) {
+    size_t at = 0;
+    lg_hf_family family;
+    lg_hf_family_of(c, &family, NULL);
+    lg_st_append(buf, cap, &at, "{\n  \"peft_type\": \"LORA\",\n  \"task_type\": \"CAUSAL_LM\",\n"
+                 "  \"base_model_name_or_path\": \"%s\",\n  \"r\": %d,\n  \"lora_alpha\": %g,\n"
+                 "  \"lora_dropout\": %g,\n  \"bias\": \"none\",\n  \"fan_in_fan_out\": %s,\n"
+                 "  \"target_modules\": [", base_model, c->lora.r, c->lora.alpha, c->lora.dropout,
+                 family == LG_HF_GPT2 ? "true" : "false");
+    /* the distinct last components of the module names */
+    const char *seen[16];
+    int n_seen = 0;
+    for (int i = 0; i < n; i += 2) {
+        const char *leaf = strrchr(p[i].module, '.') ? strrchr(p[i].module, '.') + 1 : p[i].module;
+        int known = 0;
+        for (int k = 0; k < n_seen; k++) known |= strcmp(seen[k], leaf) == 0;
+        if (known || n_seen == 16) continue;
+        seen[n_seen++] = leaf;
+        lg_st_append(buf, cap, &at, "%s\"%s\"", n_seen > 1 ? ", " : "", leaf);
+    }
+    lg_st_append(buf, cap, &at, "],\n  \"rank_pattern\": {");
+    int patterns = 0;
+    for (int i = 0; i < n; i += 2)
+        if (p[i].parts > 1)
+            lg_st_append(buf, cap, &at, "%s\"%s\": %d", patterns++ ? ", " : "", p[i].module,
+                         p[i].parts * c->lora.r);
+    lg_st_append(buf, cap, &at, "},\n  \"alpha_pattern\": {");
+    patterns = 0;
+    for (int i = 0; i < n; i += 2)
+        if (p[i].parts > 1)
+            lg_st_append(buf, cap, &at, "%s\"%s\": %g", patterns++ ? ", " : "", p[i].module,
+                         p[i].parts * c->lora.alpha);
+    lg_st_append(buf, cap, &at, "}\n}\n");
+}
+
+/* DIR/adapter_model.safetensors and adapter_config.json from the adapters in whole (the whole
+   trainable layout), in the weights' dtype. */
+static int lg_peft_write(const lg_model *m0, lg_buf whole, const char *dir, const char *base_model,
+                         lg_file_digest *digests, lg_error *err) {
+    lg_peft_tensor *peft = NULL;
+    int n = 0;
+    if (lg_peft_tensors(&m0->cfg, &m0->param_table, &peft, &n, err) != 0) return -1;
+    lg_st_tensor *out = (lg_st_tensor *)lg_alloc_zeroed(sizeof(lg_st_tensor) * (size_t)(n + 1));
+    for (int i = 0; out && i < n; i++) {
+        lg_format(out[i].name, sizeof out[i].name, "%s", peft[i].name);
+        out[i].dtype = lg_st_dtype_of(m0->params.dtype);
+        out[i].ndim = 2;
+        out[i].shape[0] = peft[i].rows;
+        out[i].shape[1] = peft[i].cols;
+    }
+    lg_st_meta meta[1] = {{"format", "pt"}};
+    lg_peft_ctx ctx = {&m0->cfg, &m0->param_table, peft, out, whole};
+    char path[1100], text[8192];
+    lg_format(path, sizeof path, "%s/adapter_model.safetensors", dir);
+    int rc = out ? lg_st_write(path, out, n, meta, 1, lg_peft_fill, &ctx, &digests[0], err)
+                 : lg_fail(err, "out of host memory");
+    lg_peft_config_json(&m0->cfg, peft, n, base_model, text, sizeof text);
+    lg_format(path, sizeof path, "%s/adapter_config.json", dir);
+    if (rc == 0) rc = lg_write_text_file(path, text, &digests[1], err);
+    LG_FREE(out);
+    LG_FREE(peft);
+    return rc;
+}
+
+/* Reads DIR/adapter_model.safetensors into whole (the whole trainable layout, lg_real),
+   checking that it holds this run's adapters. */
+static int lg_peft_read(const lg_model *m0, const char *dir, lg_real *whole, lg_error *err) {
+    lg_peft_tensor *peft = NULL;
+    int n = 0;
+    if (lg_peft_tensors(&m0->cfg, &m0->param_table, &peft, &n, err) != 0) return -1;
+    char path[1100];
+    lg_format(path, sizeof path, "%s/adapter_model.safetensors", dir);
+    lg_st_file f;
+    int rc = lg_st_open(&f, path, err);
+    if (rc != 0) { LG_FREE(peft); return -1; }
+    if (f.n_tensors != n)
+        rc = lg_fail(err, "adapters %s: %d tensors, this run's adapters (r %d) are %d: another "
+                          "base model or --lora-targets", path, f.n_tensors, m0->cfg.lora.r, n);
+    for (int i = 0; i < n && rc == 0; i++) {
+        const lg_peft_tensor *p = &peft[i];
+        const lg_st_tensor *t = lg_st_find(&f, p->name);
+        if (!t || t->ndim != 2 || t->shape[0] != p->rows || t->shape[1] != p->cols) {
+            rc = lg_fail(err, "adapters %s: %s is %s, this run needs [%d, %d]: written for another "
+                              "base model, --lora-r or --lora-targets", path, p->name,
+                         t ? "of another shape" : "missing", p->rows, p->cols);
+            break;
+        }
+        unsigned char *bytes = (unsigned char *)LG_MALLOC((size_t)(t->end - t->begin) + 1);
+        if (!bytes) { rc = lg_fail(err, "out of host memory"); break; }
+        rc = lg_st_read(&f, t, bytes, err);
+        size_t at, count = (size_t)p->rows * (size_t)p->cols;
+        for (size_t k = 0; k < count && rc == 0; k++)
+            if (lg_peft_source(&m0->cfg, &m0->param_table, p, k, &at)) whole[at] = lg_st_get(t->dtype, bytes, k);
+        LG_FREE(bytes);
+    }
+    lg_st_close(&f);
+    LG_FREE(peft);
+    return rc;
+}
+
+/* LoRA: sets every rank's frozen base from the base model's whole layout (lg_real), packing
+   the linear weights in NF4 under --quantize. */
+static void lg_trainer_set_frozen(lg_trainer *tr, const lg_real *base) {
+    for (int r = 0; r < tr->n_ranks; r++) {
+        lg_model *m = &tr->ranks[r].model;
+        for (int i = 0; i < m->frozen_table.n_tensors; i++) {
+            const lg_tensor_info *t = &m->frozen_table.tensors[i];
+            lg_buf src = lg_buf_of((lg_real *)base + t->origin);
+            if (t->packed != LG_DTYPE_F32)
+                lg_nf4_quantize(src, t->count, m->cfg.lora.quantize,
+                                (uint8_t *)m->frozen_packed.data + t->offset);
+            else
+                lg_copy(&m->exec, lg_at(m->frozen, t->offset), src, t->count);
+        }
+        lg_rank_sync(m->rank);
+    }
+}
+
+/* The base tensor t of rank 0's frozen model into out (t->count, lg_real), dequantized. */
+static void lg_frozen_tensor(const lg_model *m, const lg_tensor_info *t, lg_real *out) {
+    if (t->packed == LG_DTYPE_F32) {
+        lg_copy(&m->exec, lg_buf_of(out), lg_at(m->frozen, t->offset), t->count);
+        lg_rank_sync(m->rank);
+        return;
+    }
+    lg_quantization q = t->packed == LG_DTYPE_NF4 ? LG_QUANTIZE_NF4 : LG_QUANTIZE_NF4_DQ;
+    lg_nf4_dequantize(NULL, (const uint8_t *)m->frozen_packed.data + t->offset, t->count, q,
+                      lg_buf_of(out));
+}
+
+/* The base weight an adapter (its A's name) adds to, and its first output row there. */
+static int lg_lora_base_of(const lg_config *c, const char *adapter, char *base, size_t cap, int *row) {
+    int l, used = 0, HS = c->head_size, llama = c->mlp_class_name == LG_MLP_LLAMA;
+    static const char *const base_suffix[2][LG_LORA_BLOCK_LINEARS] = {
+        {"attn.qkv", "attn.qkv", "attn.qkv", "attn.proj", "mlp.fc", "", "mlp.proj"},
+        {"attn.qkv", "attn.qkv", "attn.qkv", "attn.proj", "mlp.fc_1", "mlp.fc_2", "mlp.proj"}};
+    int rows[LG_LORA_BLOCK_LINEARS] = {0, c->n_head * HS, (c->n_head + c->n_query_groups) * HS,
+                                       0, 0, 0, 0};
+    *row = 0;
+    if (strcmp(adapter, "lm_head.lora_A") == 0) return lg_format(base, cap, "lm_head.weight"), 0;
+    if (sscanf(adapter, "transformer.h.%d.%n", &l, &used) != 1 || !used) return -1;
+    for (int k = 0; k < LG_LORA_BLOCK_LINEARS; k++) {
+        size_t len = strlen(lg_lora_linear_names[llama][k]);
+        if (len && strncmp(adapter + used, lg_lora_linear_names[llama][k], len) == 0 &&
+            strcmp(adapter + used + len, ".lora_A") == 0) {
+            lg_format(base, cap, "transformer.h.%d.%s.weight", l, base_suffix[llama][k]);
+            *row = rows[k];
+            return 0;
+        }
+    }
+    return -1;
+}
+
+/* w (t's rows, cols) += (alpha / r) B A for every adapter of base tensor t; adapters: the whole
+   trainable layout (lg_real), described by table (A then B, in layout order). */
+static void lg_merge_adapters(const lg_config *c, const lg_tensor_table *table,
+                              const lg_real *adapters, const lg_tensor_info *t, lg_real *w) {
+    int r = c->lora.r;
+    float scale = lg_lora_scale(c);
+    for (int k = 0; k + 1 < table->n_tensors; k++) {
+        const lg_tensor_info *A = &table->tensors[k], *B = &table->tensors[k + 1];
+        char base[LG_MAX_NAME];
+        int row;
+        if (A->kind != LG_TENSOR_LORA_A || lg_lora_base_of(c, A->name, base, sizeof base, &row) != 0 ||
+            strcmp(base, t->name) != 0)
+            continue;
+        const lg_real *a = adapters + A->origin, *b = adapters + B->origin;
+        LG_OMP(omp parallel for)
+        for (int o = 0; o < B->rows; o++)
+            for (int i = 0; i < t->cols; i++) {
+                double sum = 0;
+                for (int j = 0; j < r; j++) sum += (double)b[(size_t)o * r + j] * a[(size_t)j * t->cols + i];
+                w[(size_t)(row + o) * t->cols + i] += (lg_real)(scale * sum);
+            }
+    }
+}
+
+/* DIR's model.safetensors, config.json and model_config.yaml: the base model with every adapter
+   merged (W + (alpha / r) B A; NF4 weights dequantized first), in the weights' dtype: a model
+   of its own for --load here or in Python. digests: three. */
+static int lg_write_merged_model(const lg_model *m0, const lg_real *adapters, const char *dir,
+                                 lg_file_digest *digests, lg_error *err) {
+    lg_model merged;
+    memset(&merged, 0, sizeof merged);
+    merged.cfg = lg_config_base(&m0->cfg);
+    if (lg_table_alloc(&merged.param_table, &merged.cfg) != 0) return lg_fail(err, "out of host memory");
+    merged.n_params = lg_params_layout(&merged.cfg, lg_no_buf(), NULL, &merged.param_table);
+    merged.params.dtype = m0->frozen.dtype;
+    merged.params.data = LG_MALLOC(merged.n_params * lg_elem_size(merged.params.dtype) + 1);
+    lg_real *w = NULL;
+    size_t largest = 0;
+    for (int i = 0; i < m0->frozen_table.n_tensors; i++)
+        largest = m0->frozen_table.tensors[i].count > largest ? m0->frozen_table.tensors[i].count : largest;
+    w = (lg_real *)LG_MALLOC(largest * sizeof(lg_real) + 1);
+    int rc = 0;
+    if (!merged.params.data || !w) rc = lg_fail(err, "out of host memory for the merged model");
+    for (int i = 0; i < m0->frozen_table.n_tensors && rc == 0; i++) {
+        const lg_tensor_info *t = &m0->frozen_table.tensors[i];
+        lg_frozen_tensor(m0, t, w);
+        lg_merge_adapters(&m0->cfg, &m0->param_table, adapters, t, w);
+        lg_copy(NULL, lg_at(merged.params, t->origin), lg_buf_of(w), t->count);
+    }
+    if (rc == 0) rc = lg_hf_write_model(&merged, dir, digests, err);
+    LG_FREE(w);
+    LG_FREE(merged.params.data);
+    lg_tensor_table_free(&merged.param_table);
+    return rc;
+}
+
 /* --- trainer checkpoints ----------------------------------------------------------------------- */
 
 /* model.safetensors of the trainer's weights: rank 0's when whole, else gathered into a copy of
@@ -8484,6 +8873,41 @@ static int lg_trainer_write_model(lg_trainer *tr, const char *dir, lg_file_diges
     return rc;
 }
 
+/* A LoRA run's step-N: the adapters as PEFT files, the base model's config.json and
+   model_config.yaml, the training state of the adapters; the run's last step also holds the
+   merged model (model.safetensors). */
+static int lg_lora_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step,
+                                   const char *dir, lg_error *err) {
+    const char *names[6] = {"adapter_model.safetensors", "adapter_config.json", "config.json",
+                            "model_config.yaml", LG_TRAINING_STATE, "model.safetensors"};
+    lg_file_digest digests[6];
+    const lg_model *m0 = &tr->ranks[0].model;
+    lg_config base = lg_config_base(&m0->cfg);
+    lg_hf_family family;
+    char path[1200], text[4096];
+    lg_real *whole = (lg_real *)LG_MALLOC(m0->n_params * sizeof(lg_real) + 1);
+    if (!whole) return lg_fail(err, "out of host memory for the adapters");
+    lg_trainer_weights(tr, lg_buf_of(whole));
+    int final = step == tr->args.max_steps, rc = lg_hf_family_of(&base, &family, err);
+    if (rc == 0) rc = lg_peft_write(m0, lg_buf_of(whole), dir, tr->base_model, digests, err);
+    if (rc == 0 && final) { /* model.safetensors, config.json, model_config.yaml */
+        lg_file_digest model[3];
+        rc = lg_write_merged_model(m0, whole, dir, model, err);
+        digests[5] = model[0], digests[2] = model[1], digests[3] = model[2];
+    } else if (rc == 0) {
+        lg_format(path, sizeof path, "%s/config.json", dir);
+        lg_hf_config_json(&base, family, lg_st_dtype_of(m0->params.dtype), text, sizeof text);
+        rc = lg_write_text_file(path, text, &digests[2], err);
+        lg_format(path, sizeof path, "%s/model_config.yaml", dir);
+        lg_config_to_yaml(&base, text, sizeof text);
+        if (rc == 0) rc = lg_write_text_file(path, text, &digests[3], err);
+    }
+    LG_FREE(whole);
+    lg_format(path, sizeof path, "%s/" LG_TRAINING_STATE, dir);
+    if (rc == 0) rc = lg_training_state_write(tr, data, step, path, &digests[4], err);
+    return rc == 0 ? lg_write_marker(dir, step, names, digests, final ? 6 : 5, err) : -1;
+}
+
 int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const char *out,
                        lg_error *err) {
     static const char *const names[4] = {"model.safetensors", "config.json", "model_config.yaml",
@@ -8495,6 +8919,8 @@ int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const ch
         return lg_fail(err, "--out %s: cannot create the directory: %s", out, strerror(errno));
     lg_format(dir, sizeof dir, "%s/step-%d", out, step);
     lg_format(path, sizeof path, "%s/" LG_TRAINING_STATE, dir);
+    if (tr->plan.cfg.lora.r > 0)
+        return lg_checkpoint_begin(dir, err) == 0 ? lg_lora_checkpoint_save(tr, data, step, dir, err) : -1;
     if (lg_checkpoint_begin(dir, err) != 0 || lg_trainer_write_model(tr, dir, digests, err) != 0 ||
         lg_training_state_write(tr, data, step, path, &digests[3], err) != 0)
         return -1;
@@ -8505,7 +8931,7 @@ int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const ch
 static int lg_checkpoint_same_model(const lg_trainer *tr, const char *dir, lg_error *err) {
     lg_config cfg;
     if (lg_hf_config_read(&cfg, dir, err) != 0) return -1;
-    lg_config want = tr->plan.cfg;
+    lg_config want = lg_config_base(&tr->plan.cfg); /* LoRA: the frozen model's */
     memcpy(cfg.name, want.name, sizeof cfg.name);
     cfg.vocab_size = want.vocab_size;
     if (memcmp(&cfg, &want, sizeof cfg) != 0)
@@ -8518,12 +8944,26 @@ static int lg_checkpoint_same_model(const lg_trainer *tr, const char *dir, lg_er
 static int lg_trainer_read_weights(lg_trainer *tr, const char *dir, int with_load_checks,
                                    lg_error *err) {
     const lg_model *m0 = &tr->ranks[0].model;
-    lg_real *whole = (lg_real *)LG_MALLOC(m0->n_params * sizeof(lg_real) + 1);
+    lg_real *whole = (lg_real *)lg_alloc_zeroed(m0->n_params * sizeof(lg_real) + 1);
     if (!whole) return lg_fail(err, "out of host memory for the weights");
-    int rc = with_load_checks ? lg_hf_load_weights(&m0->cfg, lg_buf_of(whole), dir, err)
-                              : lg_hf_load_into(&m0->cfg, lg_buf_of(whole), dir, err);
+    int rc = m0->cfg.lora.r > 0 ? lg_peft_read(m0, dir, whole, err) /* LoRA: the adapters */
+             : with_load_checks ? lg_hf_load_weights(&m0->cfg, lg_buf_of(whole), dir, err)
+                                : lg_hf_load_into(&m0->cfg, lg_buf_of(whole), dir, err);
     if (rc == 0) lg_trainer_set_weights(tr, lg_buf_of(whole));
     LG_FREE(whole);
+    return rc;
+}
+
+/* LoRA: --load DIR is the frozen base model. */
+static int lg_trainer_load_frozen(lg_trainer *tr, const char *dir, lg_error *err) {
+    lg_config base = lg_config_base(&tr->plan.cfg);
+    size_t n_base = lg_params_layout(&base, lg_no_buf(), NULL, NULL);
+    lg_real *whole = (lg_real *)LG_MALLOC(n_base * sizeof(lg_real) + 1);
+    if (!whole) return lg_fail(err, "out of host memory for the weights");
+    int rc = lg_hf_load_weights(&base, lg_buf_of(whole), dir, err);
+    if (rc == 0) lg_trainer_set_frozen(tr, whole);
+    LG_FREE(whole);
+    if (rc == 0) lg_format(tr->base_model, sizeof tr->base_model, "%s", dir);
     return rc;
 }
 
@@ -8547,6 +8987,7 @@ int lg_checkpoint_resume(lg_trainer *tr, lg_loader *data, const char *dir, int *
 
 int lg_trainer_load_hf(lg_trainer *tr, const char *dir, lg_error *err) {
     if (lg_checkpoint_same_model(tr, dir, err) != 0) return -1;
+    if (tr->plan.cfg.lora.r > 0) return lg_trainer_load_frozen(tr, dir, err);
     return lg_trainer_read_weights(tr, dir, 1, err);
 }
 
@@ -8970,6 +9411,7 @@ int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args,
     tr->scaling = args->precision == LG_PRECISION_16_TRUE || args->precision == LG_PRECISION_16_MIXED;
     tr->loss_scale = tr->scaling ? 65536.0f : 1.0f;
     tr->scale_window = 2000;
+    lg_format(tr->base_model, sizeof tr->base_model, "%s", cfg->name); /* until --load */
     lg_trainer_sync(tr); /* the caller may load weights into the arenas next */
     return 0;
 }
