@@ -1893,6 +1893,10 @@ static int lg_lora_check(const lg_config *c, lg_error *err) {
             return lg_fail(err, "--lora-r %d exceeds %s's smaller dimension %d (%d x %d)", lo->r,
                            lg_lora_linear_names[llama][k], in < out ? in : out, out, in);
     }
+    if ((lo->targets & LG_LORA_HEAD) && c->tie_embeddings)
+        return lg_fail(err, "--lora-targets head: this model ties lm_head to the token embeddings "
+                            "(tie_embeddings), so its merged adapter would change the embeddings "
+                            "too; adapt the other linears");
     if ((lo->targets & LG_LORA_HEAD) && lo->r > c->n_embd)
         return lg_fail(err, "--lora-r %d exceeds lm_head's smaller dimension %d", lo->r, c->n_embd);
     return 0;
@@ -3117,6 +3121,25 @@ static void lg_plan_print_rank(const lg_plan *plan, int index, FILE *out) {
     }
 }
 
+/* LoRA's line of the plan: what trains and how the frozen model is stored. */
+static void lg_plan_print_lora(const lg_plan *plan, FILE *out) {
+    const lg_config *c = &plan->cfg;
+    char targets[64];
+    if (c->lora.r == 0) return;
+    size_t trainable = lg_params_layout(c, lg_no_buf(), NULL, NULL);
+    lg_config base = lg_config_base(c);
+    size_t total = lg_params_layout(&base, lg_no_buf(), NULL, NULL);
+    fprintf(out, "LoRA: r %d, alpha %g, dropout %g on %s: %zu trainable parameters (%.3f%% of "
+            "%zu); the base model is frozen", c->lora.r, c->lora.alpha, c->lora.dropout,
+            lg_lora_targets_name(c->lora.targets, targets, sizeof targets), trainable,
+            100.0 * (double)trainable / (double)total, total);
+    if (c->lora.quantize != LG_QUANTIZE_NONE)
+        fprintf(out, ", its linear weights in %s (%s)", lg_quantize_name(c->lora.quantize),
+                c->tie_embeddings ? "lm_head is the tied embedding: kept as is"
+                                  : "lm_head included, as LitGPT does");
+    fprintf(out, "\n");
+}
+
 void lg_plan_print(const lg_plan *plan, FILE *out) {
     const lg_plan_spec *s = &plan->spec;
     char a[32], b[32];
@@ -3132,6 +3155,7 @@ void lg_plan_print(const lg_plan *plan, FILE *out) {
             s->optimizer == LG_OPTIMIZER_SGD && s->momentum ? "sgd (momentum)"
                                                              : lg_optimizer_name(s->optimizer),
             "");
+    lg_plan_print_lora(plan, out);
     for (int i = 0; i < plan->n_ranks; i++) {
         /* ranks with identical plans print once */
         if (i > 0 && plan->ranks[i].n_regions == plan->ranks[0].n_regions &&

@@ -1,0 +1,446 @@
+/* LoRA and QLoRA (included by tests/test.c, single precision): training starts from the base
+   model, the base stays frozen, the adapters train with every optimizer and precision, the
+   equivalences of the trainer hold with adapters, the merged model computes what the adapters
+   do, the plan is what is allocated, and bad settings are refused. The adapters' gradients are
+   checked against finite differences by the double-precision runner (test_lora_gradient). */
+
+/* Every target: q, k, v, proj, mlp and head. */
+#define LORA_ALL_TARGETS                                                                       \
+    (LG_LORA_QUERY | LG_LORA_KEY | LG_LORA_VALUE | LG_LORA_PROJECTION | LG_LORA_MLP | LG_LORA_HEAD)
+
+static const char *const lora_configs[3] = {"test-gpt2", "test-pythia", "test-llama"};
+
+/* Small fp32 runs of the built-in task with adapters of rank 4 on every target. */
+static lg_args lora_args(int r, float dropout) {
+    lg_args a;
+    lg_args_default(&a);
+    a.precision = LG_PRECISION_32_TRUE;
+    a.micro_batch_size = 2;
+    a.global_batch_size = 8;
+    a.lr = 1e-2f;
+    a.min_lr = 1e-3f;
+    a.warmup_steps = 0;
+    a.max_steps = 4;
+    a.lora.r = r;
+    a.lora.dropout = dropout;
+    a.lora.targets = LORA_ALL_TARGETS;
+    return a;
+}
+
+/* Every target the config allows: not the head when it is tied to the embeddings. */
+static unsigned lora_targets_of(const lg_config *cfg) {
+    return cfg->tie_embeddings ? LORA_ALL_TARGETS & ~(unsigned)LG_LORA_HEAD : LORA_ALL_TARGETS;
+}
+
+/* Trains `steps` steps on the first `tokens` tokens of the built-in task (the same data
+   whatever the micro-batch); the trainer is the caller's to free. */
+static int lora_train(lg_trainer *tr, const lg_config *cfg, const lg_args *a, int T, int steps,
+                      size_t tokens, double *losses) {
+    lg_error err;
+    if (lg_trainer_create(tr, cfg, a, T, &err) != 0) { printf("    %s\n", err.msg); return -1; }
+    lg_loader ld;
+    builtin_loader(&ld, cfg, T, 5, tokens, 1);
+    int rc = run_step_range(tr, &ld, 0, steps, losses);
+    lg_loader_close(&ld);
+    return rc;
+}
+
+/* The validation loss of a trainer on the first micro-batches of the built-in task. */
+static double lora_eval(lg_trainer *tr, const lg_config *cfg, int T) {
+    lg_loader ld;
+    lg_error err;
+    double loss = -1;
+    builtin_loader(&ld, cfg, T, 9, 4096, 1);
+    if (lg_trainer_evaluate(tr, &ld, 2, &loss, &err) != 0) printf("    %s\n", err.msg);
+    lg_loader_close(&ld);
+    return loss;
+}
+
+/* Step 0: B = 0, so the adapted model computes exactly the base model (same seed, same base). */
+static void test_lora_starts_from_base(results *r) {
+    for (int c = 0; c < 3; c++) {
+        lg_config cfg;
+        if (load_config_or_fail(r, &cfg, lora_configs[c])) continue;
+        lg_args full = lora_args(0, 0), lora = lora_args(4, 0.1f);
+        lora.lora.targets = lora_targets_of(&cfg);
+        lg_trainer a, b;
+        lg_error err;
+        if (lg_trainer_create(&a, &cfg, &full, 12, &err) || lg_trainer_create(&b, &cfg, &lora, 12, &err)) {
+            check(r, 0, "%s: %s", lora_configs[c], err.msg);
+            continue;
+        }
+        double base = lora_eval(&a, &cfg, 12), adapted = lora_eval(&b, &cfg, 12);
+        check(r, base > 0 && base == adapted, "%-11s step 0 with adapters on every target: loss "
+              "%.9f, the base model's %.9f (bitwise)", lora_configs[c], adapted, base);
+        lg_trainer_free(&a);
+        lg_trainer_free(&b);
+    }
+}
+
+/* The frozen base is bitwise unchanged by training; only the adapters' state exists. */
+static void test_lora_frozen(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    lg_args a = lora_args(4, 0.1f);
+    a.precision = LG_PRECISION_BF16_MIXED;
+    lg_trainer tr;
+    lg_error err;
+    if (lg_trainer_create(&tr, &cfg, &a, 12, &err)) { check(r, 0, "%s", err.msg); return; }
+    const lg_model *m = &tr.ranks[0].model;
+    size_t bytes = m->frozen_table.total * lg_elem_size(m->frozen.dtype);
+    unsigned char *before = (unsigned char *)LG_MALLOC(bytes);
+    memcpy(before, m->frozen.data, bytes);
+    lg_real *adapters_before = trained_weights(&tr);
+    lg_loader ld;
+    builtin_loader(&ld, &cfg, 12, 5, 4096, 1);
+    double losses[4];
+    int ok = run_step_range(&tr, &ld, 0, 4, losses) == 0;
+    lg_real *adapters_after = trained_weights(&tr);
+    double moved = rel_error(adapters_after, adapters_before, m->n_params, 1e-6);
+    size_t base_params = lg_params_layout(&cfg, lg_no_buf(), NULL, NULL);
+    const lg_region *grads = lg_plan_find(&tr.plan.ranks[0], "gradients");
+    const lg_region *master = lg_plan_find(&tr.plan.ranks[0], "master_weights");
+    check(r, ok && memcmp(before, m->frozen.data, bytes) == 0 && moved > 1e-3,
+          "test-llama  bf16-mixed LoRA: after 4 steps the frozen base (%zu values) is bitwise "
+          "unchanged, the adapters moved (rel %.1e)", m->frozen_table.total, moved);
+    check(r, grads && master && grads->count == m->n_params && master->count == m->n_params &&
+          m->frozen_table.total == base_params,
+          "test-llama  gradients and master weights: %zu elements each, the adapters' (the base "
+          "has %zu)", grads ? grads->count : 0, base_params);
+    LG_FREE(before);
+    LG_FREE(adapters_before);
+    LG_FREE(adapters_after);
+    lg_loader_close(&ld);
+    lg_trainer_free(&tr);
+}
+
+/* Every optimizer, precision and quantization trains the adapters: test-llama memorises one
+   repeated batch through adapters of rank 4 (the loss falls by a third in 30 steps). */
+static void test_lora_trains(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    static const lg_optimizer_kind kinds[4] = {LG_OPTIMIZER_ADAMW, LG_OPTIMIZER_SGD,
+                                               LG_OPTIMIZER_LION, LG_OPTIMIZER_SOPHIA};
+    static const float lrs[4] = {2e-2f, 0.03f, 3e-3f, 2e-2f};
+    for (int k = 0; k < 4; k++)
+        for (int q = 0; q < 3; q++) {
+            if (q && kinds[k] != LG_OPTIMIZER_ADAMW) continue; /* QLoRA: AdamW, as LitGPT */
+            const int steps = 30, T = 12;
+            lg_args a = lora_args(4, 0.05f);
+            a.optimizer = kinds[k];
+            a.lr = lrs[k];
+            a.min_lr = a.lr;
+            a.global_batch_size = a.micro_batch_size;
+            a.max_steps = steps;
+            a.precision = q ? LG_PRECISION_BF16_MIXED : k % 2 ? LG_PRECISION_BF16_TRUE : LG_PRECISION_32_TRUE;
+            a.lora.quantize = (lg_quantization)q;
+            if (kinds[k] == LG_OPTIMIZER_LION) a.beta2 = 0.99f;
+            double losses[30] = {0};
+            lg_trainer tr;
+            int ok = lora_train(&tr, &cfg, &a, T, steps, (size_t)a.micro_batch_size * T + 1, losses) == 0;
+            double first = losses[0], last = losses[steps - 1];
+            check(r, ok && last < 0.67 * first, "test-llama  %-6s %-10s %-6s r 4: one batch's loss "
+                  "%.3f -> %.3f in %d steps", lg_optimizer_name(a.optimizer),
+                  lg_precision_name(a.precision), q ? lg_quantize_name(a.lora.quantize) : "LoRA",
+                  first, last, steps);
+            lg_trainer_free(&tr);
+        }
+}
+
+/* With adapters the trainer's equivalences hold: N ranks of every strategy = one rank (dropout
+   on: the masks follow the global micro-batch), --recompute and --offload bitwise. */
+static void test_lora_equivalences(results *r) {
+    const int steps = 4, T = 12;
+    for (int c = 0; c < 3; c++) {
+        lg_config cfg;
+        if (load_config_or_fail(r, &cfg, lora_configs[c])) continue;
+        for (int q = 0; q < 2; q++) {
+            if (q && c != 2) continue; /* QLoRA: test-llama */
+            lg_args a = lora_args(4, 0.1f);
+            a.lora.targets = lora_targets_of(&cfg);
+            a.micro_batch_size = 1;
+            a.global_batch_size = 12;
+            a.lr = 3e-3f;
+            a.lora.quantize = q ? LG_QUANTIZE_NF4 : LG_QUANTIZE_NONE;
+            double one_losses[4];
+            lg_trainer one;
+            if (train_steps(&one, &cfg, &a, T, steps, one_losses) != 0) {
+                check(r, 0, "%s: one rank trains", lora_configs[c]);
+                continue;
+            }
+            lg_real *expected = trained_weights(&one);
+            size_t n = one.ranks[0].model.n_params;
+            double worst_w = 0, worst_loss = 0;
+            int runs = 0, ok = 1, bitwise = 1;
+            for (int s = 0; s < 4; s++)
+                for (int ranks = 2; ranks <= 4; ranks += 2) {
+                    if (ranks == 4 && s != LG_STRATEGY_FULL_SHARD && s != LG_STRATEGY_HYBRID_SHARD) continue;
+                    lg_args b = a;
+                    ranks_of((lg_strategy)s, ranks, &b);
+                    double losses[4];
+                    lg_trainer tr;
+                    if (train_steps(&tr, &cfg, &b, T, steps, losses) != 0) { ok = 0; continue; }
+                    lg_real *got = trained_weights(&tr);
+                    worst_w = fmax(worst_w, rel_error(got, expected, n, 1e-6));
+                    for (int k = 0; k < steps; k++)
+                        worst_loss = fmax(worst_loss, fabs(losses[k] - one_losses[k]) / one_losses[k]);
+                    runs++;
+                    LG_FREE(got);
+                    lg_trainer_free(&tr);
+                }
+            for (int v = 0; v < 2; v++) { /* --recompute block, --offload */
+                lg_args b = a;
+                if (v) b.offload = 1;
+                else b.recompute = 1;
+                double losses[4];
+                lg_trainer tr;
+                if (train_steps(&tr, &cfg, &b, T, steps, losses) != 0) { ok = 0; continue; }
+                lg_real *got = trained_weights(&tr);
+                bitwise = bitwise && memcmp(got, expected, n * sizeof(lg_real)) == 0 &&
+                          memcmp(losses, one_losses, sizeof losses) == 0;
+                LG_FREE(got);
+                lg_trainer_free(&tr);
+            }
+            check(r, ok && runs == 6 && worst_w < 1e-5 && worst_loss < 1e-5,
+                  "%-11s %s dropout 0.1: 4 strategies on 2 ranks, full- and hybrid-shard on 4 = "
+                  "1 rank after %d steps: "
+                  "adapters rel err %.1e, losses %.1e (< 1e-5)", lora_configs[c],
+                  q ? "QLoRA nf4" : "LoRA", steps, worst_w, worst_loss);
+            check(r, ok && bitwise, "%-11s %s: --recompute block and --offload give bitwise the "
+                  "same adapters and losses", lora_configs[c], q ? "QLoRA nf4" : "LoRA");
+            LG_FREE(expected);
+            lg_trainer_free(&one);
+        }
+    }
+}
+
+/* -b 1 x 4 accumulation = -b 4 (without dropout: its masks follow the micro-batch). */
+static void test_lora_accumulation(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-pythia")) return;
+    lg_args a = lora_args(4, 0.0f), b = a;
+    a.micro_batch_size = 4;
+    a.global_batch_size = 4;
+    b.micro_batch_size = 1;
+    b.global_batch_size = 4;
+    double la[4], lb[4];
+    lg_trainer ta, tb;
+    int ok = lora_train(&ta, &cfg, &a, 12, 4, 4096, la) == 0 && lora_train(&tb, &cfg, &b, 12, 4, 4096, lb) == 0;
+    lg_real *wa = ok ? trained_weights(&ta) : NULL, *wb = ok ? trained_weights(&tb) : NULL;
+    double e = ok ? rel_error(wb, wa, ta.ranks[0].model.n_params, 1e-6) : 1;
+    check(r, ok && e < 1e-5, "test-pythia LoRA: -b 1 x 4 accumulation = -b 4 after 4 steps "
+          "(adapters rel err %.1e)", e);
+    LG_FREE(wa);
+    LG_FREE(wb);
+    if (ok) {
+        lg_trainer_free(&ta);
+        lg_trainer_free(&tb);
+    }
+}
+
+/* The last checkpoint's merged model, loaded without adapters, gives the adapted model's loss;
+   the run resumed from a checkpoint gives the uninterrupted run's losses. */
+static void test_lora_merged_and_resume(results *r) {
+    mkdir("out", 0755);
+    for (int c = 0; c < 3; c++) {
+        lg_config cfg;
+        if (load_config_or_fail(r, &cfg, lora_configs[c])) continue;
+        for (int q = 0; q < 2; q++) {
+            lg_args a = lora_args(4, 0.1f);
+            a.lora.targets = lora_targets_of(&cfg);
+            a.lora.quantize = q ? LG_QUANTIZE_NF4 : LG_QUANTIZE_NONE;
+            a.max_steps = 4;
+            lg_trainer tr, plain;
+            lg_error err;
+            lg_loader ld;
+            char out[256], dir[300];
+            snprintf(out, sizeof out, "out/test-lora-%s-%d", lora_configs[c], q);
+            snprintf(dir, sizeof dir, "%s/step-4", out);
+            double losses[4], resumed[4];
+            if (lg_trainer_create(&tr, &cfg, &a, 12, &err)) { check(r, 0, "%s", err.msg); continue; }
+            builtin_loader(&ld, &cfg, 12, 5, 4096, 1);
+            int ok = run_step_range(&tr, &ld, 0, 2, losses) == 0;
+            char mid[300];
+            snprintf(mid, sizeof mid, "%s/step-2", out);
+            ok = ok && lg_checkpoint_save(&tr, &ld, 2, out, &err) == 0;
+            ok = ok && run_step_range(&tr, &ld, 2, 4, losses) == 0;
+            ok = ok && lg_checkpoint_save(&tr, &ld, 4, out, &err) == 0;
+            double adapted = lora_eval(&tr, &cfg, 12);
+            lg_args base_args = a;
+            base_args.lora.r = 0;
+            base_args.lora.quantize = LG_QUANTIZE_NONE;
+            double merged = -1;
+            if (ok && lg_trainer_create(&plain, &cfg, &base_args, 12, &err) == 0) {
+                if (lg_trainer_load_hf(&plain, dir, &err) == 0) merged = lora_eval(&plain, &cfg, 12);
+                else printf("    %s\n", err.msg);
+                lg_trainer_free(&plain);
+            }
+            check(r, ok && fabs(merged - adapted) < 1e-5 * adapted,
+                  "%-11s %s: the merged model (W + alpha/r B A%s) loads without adapters: loss "
+                  "%.7f, adapted %.7f", lora_configs[c], q ? "QLoRA" : "LoRA",
+                  q ? ", NF4 dequantized" : "", merged, adapted);
+            lg_loader_close(&ld);
+            lg_trainer_free(&tr);
+            /* resume from step-2 */
+            int step = 0;
+            ok = ok && lg_trainer_create(&tr, &cfg, &a, 12, &err) == 0;
+            builtin_loader(&ld, &cfg, 12, 5, 4096, 1);
+            ok = ok && lg_checkpoint_resume(&tr, &ld, mid, &step, &err) == 0 && step == 2 &&
+                 run_step_range(&tr, &ld, 2, 4, resumed) == 0;
+            if (!ok) printf("    %s\n", err.msg);
+            check(r, ok && resumed[2] == losses[2] && resumed[3] == losses[3],
+                  "%-11s %s: resumed from step-2 (adapters from the PEFT file, state from the "
+                  "training state): losses %.7f %.7f, uninterrupted %.7f %.7f", lora_configs[c],
+                  q ? "QLoRA" : "LoRA", resumed[2], resumed[3], losses[2], losses[3]);
+            lg_loader_close(&ld);
+            lg_trainer_free(&tr);
+        }
+    }
+}
+
+/* A LoRA and a QLoRA trainer allocate exactly their plan; the plan has the frozen regions, the
+   packed NF4 weights and their dequantization workspace. */
+static void test_lora_plan(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    for (int q = 0; q < 3; q++) {
+        lg_args a = lora_args(4, 0.05f);
+        a.precision = LG_PRECISION_BF16_MIXED;
+        a.lora.quantize = (lg_quantization)q;
+        a.devices = q == 2 ? 2 : 1;
+        a.global_batch_size = a.micro_batch_size * a.devices;
+        lg_trainer tr;
+        lg_error err;
+        if (create_counting(&tr, &cfg, &a, 12, &err) != 0) { check(r, 0, "%s", err.msg); continue; }
+        int arenas = 0, ok = 1;
+        for (int k = 0; k < tr.n_ranks; k++) /* (an address may be reused after a free) */
+            for (int pool = 0; pool < LG_N_POOLS; pool++) {
+                int found = 0;
+                for (int i = 0; i < test_allocations.n; i++)
+                    found |= test_allocations.blocks[i] == tr.ranks[k].rank.arena[pool] &&
+                             test_allocations.sizes[i] == tr.plan.ranks[k].pool_bytes[pool] + LG_ALIGN;
+                arenas += found;
+            }
+        const lg_rank_plan *rp = &tr.plan.ranks[0];
+        int regions = lg_plan_find(rp, "frozen_weights") != NULL &&
+                      (q == 0) == (lg_plan_find(rp, "frozen_weights.nf4") == NULL) &&
+                      (q == 0) == (lg_plan_find(rp, "nf4.dequantized") == NULL);
+        char size[32];
+        check(r, ok && regions && arenas == 2 * tr.n_ranks,
+              "test-llama  %s -d %d: %d arenas of exactly the plan (%s a device), frozen regions "
+              "as planned", q ? lg_quantize_name(a.lora.quantize) : "LoRA", a.devices, arenas,
+              lg_format_bytes(rp->pool_bytes[LG_POOL_DEVICE], size, sizeof size));
+        lg_trainer_free(&tr);
+    }
+}
+
+/* Bad settings: one line naming them, exit 2. */
+static void test_lora_cli(results *r) {
+    mkdir("out", 0755);
+    expect_cli(r, "--lora-r 4 --lora-targets q,x --max-steps 1", 2, "unknown target 'x'");
+    expect_cli(r, "--quantize nf4 --max-steps 1", 2, "--quantize nf4 needs --lora-r");
+    expect_cli(r, "--quantize nf3 --lora-r 2 --max-steps 1", 2, "'nf3' is not nf4 or nf4-dq");
+    expect_cli(r, "--lora-r 200 --max-steps 1", 2, "--lora-r 200 exceeds attn.q's smaller dimension 96");
+    expect_cli(r, "--lora-r -1 --max-steps 1", 2, "--lora-r must be >= 0");
+    expect_cli(r, "-c test-gpt2 -t 16 --lora-r 2 --lora-targets q,head --max-steps 1", 2,
+               "--lora-targets head: this model ties lm_head to the token embeddings");
+    expect_cli(r, "--lora-r 4 --lora-dropout 1 --max-steps 1", 2, "--lora-dropout must be within [0, 1)");
+    /* a checkpoint of other adapters: resume refuses it naming the file and what differs */
+    expect_cli(r, "--lora-r 2 --max-steps 2 --eval-every 0 --sample-tokens 1 --out out/test-lora-cli",
+               0, "saved out/test-lora-cli/step-2");
+    expect_cli(r, "--lora-r 4 --max-steps 3 --eval-every 0 --resume out/test-lora-cli", 2,
+               "adapter_model.safetensors");
+    expect_cli(r, "--lora-r 2 --lora-targets q,k,v --max-steps 3 --eval-every 0 --resume out/test-lora-cli",
+               2, "another base model or --lora-targets");
+}
+
+/* Forward and backward of a model with adapters on every target (r 2, alpha 3), dropout off and
+   with a fixed mask, against PyTorch (tests/make_lora_reference.py, float64 written as float32). */
+static void test_lora_reference(results *r, const char *config_name, int percent) {
+    char path[256];
+    snprintf(path, sizeof path, "tests/reference/lora-%s-p%d.bin", config_name, percent);
+    ref_file rf = {NULL, 0};
+    lg_config cfg;
+    if (ref_load(&rf, path) != 0) { check(r, 0, "%s: cannot read", path); return; }
+    if (load_config_or_fail(r, &cfg, config_name)) return;
+    cfg.lora.r = 2;
+    cfg.lora.alpha = 3.0f;
+    cfg.lora.dropout = percent / 100.0f;
+    cfg.lora.targets = lora_targets_of(&cfg);
+    const ref_tensor *idx = ref_find(&rf, "idx"), *tgt = ref_find(&rf, "targets");
+    const ref_tensor *loss = ref_find(&rf, "loss"), *logits = ref_find(&rf, "logits");
+    int B = 2, T = (int)(idx->count / 2), found = 0, wanted = 0;
+    lg_model m;
+    lg_error err;
+    if (lg_model_create(&m, &cfg, B, T, &err)) { check(r, 0, "%s", err.msg); ref_free(&rf); return; }
+    const lg_tensor_table *tables[2] = {&m.frozen_table, &m.param_table};
+    lg_buf bufs[2] = {m.frozen, m.params};
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < tables[k]->n_tensors; i++, wanted++) {
+            const lg_tensor_info *t = &tables[k]->tensors[i];
+            const ref_tensor *w = ref_find(&rf, t->name);
+            if (!w || w->count != t->count) { printf("    missing %s\n", t->name); continue; }
+            for (size_t e = 0; e < t->count; e++) reals(bufs[k])[t->offset + e] = ((const float *)w->data)[e];
+            found++;
+        }
+    m.dropout_key = 0x1234567ull;
+    int n_targets;
+    lg_model_zero_grad(&m);
+    double sum = lg_model_forward(&m, (const int *)idx->data, (const int *)tgt->data, B, T, &n_targets);
+    double ref_loss = ((const float *)loss->data)[0];
+    double loss_err = fabs(sum / n_targets - ref_loss) / fabs(ref_loss);
+    double logit_err = rel_error(reals(m.a.logits), (const float *)logits->data, logits->count, 1e-6);
+    lg_model_backward(&m, (const int *)idx->data, (const int *)tgt->data, B, T, 1.0f / n_targets);
+    double worst = 0;
+    const char *worst_name = "";
+    for (int k = 0; k < m.param_table.n_tensors; k++) {
+        const lg_tensor_info *t = &m.param_table.tensors[k];
+        char gname[LG_MAX_NAME + 8];
+        snprintf(gname, sizeof gname, "grad.%s", t->name);
+        const ref_tensor *g = ref_find(&rf, gname);
+        double e = g ? rel_error(reals(m.grads) + t->offset, (const float *)g->data, t->count, 1e-6) : 1;
+        if (e > worst) { worst = e; worst_name = t->name; }
+    }
+    check(r, found == wanted && loss_err < 1e-4 && logit_err < 1e-4 && worst < 1e-3,
+          "%-12s LoRA dropout %.2f vs PyTorch: %d tensors by name, loss %.6f (rel err %.1e), "
+          "logits %.1e, adapter gradients worst %.1e in %s", config_name, cfg.lora.dropout, found,
+          sum / n_targets, loss_err, logit_err, worst, worst_name);
+    lg_model_free(&m);
+    ref_free(&rf);
+}
+
+/* The PEFT files, read by an independent reader (tests/check_peft.py, Python's standard library)
+   that applies them to the base Hugging Face directory by PEFT's rules, give the trainer's
+   merged model: GPT-2's Conv1D and fused c_attn, GPT-NeoX's interleaved query_key_value, Llama's
+   separate projections. */
+static void test_lora_peft_files(results *r) {
+    static const char *const dirs[3] = {"gpt2", "pythia", "llama"};
+    mkdir("out", 0755);
+    for (int k = 0; k < 3; k++) {
+        char args[512], out[128];
+        snprintf(out, sizeof out, "out/test-lora-peft-%s", dirs[k]);
+        snprintf(args, sizeof args, "--load tests/hf/%s --lora-r 2 --lora-alpha 5 --lora-targets "
+                 "q,v,proj,mlp%s -p 32-true --max-steps 2 -b 2 -t 8 --lr 0.05 --eval-every 0 "
+                 "--sample-tokens 1 --out %s", dirs[k], k ? ",head" : "" /* GPT-2: tied */, out);
+        expect_cli(r, args, 0, "saved");
+        snprintf(args, sizeof args, "tests/check_peft.py tests/hf/%s %s/step-2", dirs[k], out);
+        expect_program(r, "python3", args, 0, "ok: ");
+    }
+}
+
+static void test_lora_all(results *r) {
+    printf("LoRA and QLoRA\n");
+    for (int c = 0; c < 3; c++) {
+        test_lora_reference(r, lora_configs[c], 0);
+        test_lora_reference(r, lora_configs[c], 25);
+    }
+    test_lora_starts_from_base(r);
+    test_lora_frozen(r);
+    test_lora_trains(r);
+    test_lora_equivalences(r);
+    test_lora_accumulation(r);
+    test_lora_merged_and_resume(r);
+    test_lora_plan(r);
+    test_lora_cli(r);
+    test_lora_peft_files(r);
+}
