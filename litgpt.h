@@ -319,6 +319,7 @@ typedef struct {
     size_t memory_limit;       /* --memory-limit: bytes a device may use; 0: no limit */
     lg_lora lora;              /* --lora-r, --lora-alpha, --lora-dropout, --lora-targets,
                                   --quantize: fine-tune adapters over a frozen model */
+    int finetuning;            /* the data are fine-tuning samples: LoRA and QLoRA are remedies */
 } lg_args;
 
 void lg_args_default(lg_args *args);
@@ -596,15 +597,16 @@ typedef struct {
     int fits;             /* device_bytes <= the limit, host_bytes <= the host's memory */
 } lg_remedy;
 
-#define LG_MAX_REMEDIES 8
+#define LG_MAX_REMEDIES 10
 
 /* Remedies in the order of the OOM guide (micro-batch, sequence, -true precision, devices,
-   recompute, offload, optimizer), each with the planner's total under `limit` bytes. Returns
-   how many; skips those that change nothing. */
+   recompute, offload, optimizer; when fine-tuning every weight, LoRA and QLoRA), each with the
+   planner's total under `limit` bytes. Returns how many; skips those that change nothing. */
 int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                      lg_remedy *out);
 /* The cheapest change that fits: changes that keep the training the same first (a
-   smaller micro-batch, block recompute, offload), then a -true precision, an optimizer with
+   smaller micro-batch, block recompute, offload), then a -true precision, when fine-tuning
+   every weight LoRA's adapters then QLoRA's (they change what trains), an optimizer with
    less state, a shorter sequence, and their combinations, each with the micro-batch and
    sequence as large as fits. Returns 0 and fills *best, or -1 with the most drastic
    combination in *best. */
@@ -2907,6 +2909,18 @@ static int lg_lighter_optimizer(const lg_args *args, lg_args *a, char *flags, si
     return 1;
 }
 
+/* Fine-tuning every weight: LoRA's adapters over the frozen model (LitGPT's defaults: r 8 on q
+   and v), or QLoRA's with the base in NF4 with double quantization. Returns 0 when it does not
+   apply (not fine-tuning, or adapters already). */
+static int lg_lora_remedy(const lg_args *args, int quantized, lg_args *a, char *flags, size_t size) {
+    if (!args->finetuning || args->lora.r > 0) return 0;
+    *a = *args;
+    a->lora.r = 8;
+    a->lora.quantize = quantized ? LG_QUANTIZE_NF4_DQ : LG_QUANTIZE_NONE;
+    snprintf(flags, size, quantized ? "--lora-r 8 --quantize nf4-dq" : "--lora-r 8");
+    return 1;
+}
+
 int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                      lg_remedy *out) {
     int n = 0, global = lg_global_batch(args);
@@ -2955,6 +2969,8 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
     }
     if (lg_lighter_optimizer(args, &a, out[n].flags, sizeof out[n].flags))
         lg_remedy_price(&out[n++], "an optimizer with less state", cfg, &a, T, limit);
+    for (int q = 0; q < 2 && lg_lora_remedy(args, q, &a, out[n].flags, sizeof out[n].flags); q++)
+        lg_remedy_price(&out[n++], q ? "QLoRA (NF4 base)" : "LoRA adapters", cfg, &a, T, limit);
     return n;
 }
 
@@ -2964,7 +2980,7 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
    precision changes the numerics a little, an optimizer with less state the optimisation, a
    shorter sequence what the model sees. */
 enum { LG_FIX_MICRO_BATCH = 1, LG_FIX_RECOMPUTE = 2, LG_FIX_OFFLOAD = 4, LG_FIX_PRECISION = 8,
-       LG_FIX_OPTIMIZER = 16, LG_FIX_SEQUENCE = 32 };
+       LG_FIX_OPTIMIZER = 16, LG_FIX_SEQUENCE = 32, LG_FIX_LORA = 64, LG_FIX_QLORA = 128 };
 
 static void lg_append(char *flags, size_t size, const char *text) {
     snprintf(flags + strlen(flags), size - strlen(flags), "%s", text);
@@ -2990,6 +3006,14 @@ static void lg_apply_fixes(const lg_config *cfg, const lg_args *args, int T, siz
     if (fixes & LG_FIX_PRECISION) {
         a->precision = LG_PRECISION_BF16_TRUE;
         lg_append(flags, size, " -p bf16-true");
+    }
+    char adapters[64];
+    lg_args adapted;
+    if ((fixes & (LG_FIX_LORA | LG_FIX_QLORA)) &&
+        lg_lora_remedy(a, (fixes & LG_FIX_QLORA) != 0, &adapted, adapters, sizeof adapters)) {
+        *a = adapted;
+        lg_append(flags, size, " ");
+        lg_append(flags, size, adapters);
     }
     char lighter[64];
     lg_args step_down;
@@ -3020,7 +3044,9 @@ int lg_plan_cheapest_fit(const lg_config *cfg, const lg_args *args, int T, size_
                          lg_remedy *best) {
     /* changes to the training, least first; within each, the same-training fixes by how many
        (fewest first), then in the OOM guide's order */
-    static const int changes[] = {0, LG_FIX_PRECISION, LG_FIX_OPTIMIZER,
+    static const int changes[] = {0, LG_FIX_PRECISION, LG_FIX_LORA,
+                                  LG_FIX_LORA | LG_FIX_PRECISION, LG_FIX_QLORA,
+                                  LG_FIX_QLORA | LG_FIX_PRECISION, LG_FIX_OPTIMIZER,
                                   LG_FIX_OPTIMIZER | LG_FIX_PRECISION, LG_FIX_SEQUENCE,
                                   LG_FIX_SEQUENCE | LG_FIX_PRECISION,
                                   LG_FIX_SEQUENCE | LG_FIX_OPTIMIZER | LG_FIX_PRECISION};
@@ -3036,6 +3062,8 @@ int lg_plan_cheapest_fit(const lg_config *cfg, const lg_args *args, int T, size_
         for (size_t j = 0; j < sizeof same_training / sizeof same_training[0]; j++) {
             int fixes = changes[i] | same_training[j];
             if (fixes == 0) continue;
+            if ((fixes & (LG_FIX_LORA | LG_FIX_QLORA)) && !lg_lora_remedy(args, 0, &a, flags, sizeof flags))
+                continue; /* adapters only when fine-tuning every weight */
             lg_apply_fixes(cfg, args, T, limit, fixes, &a, &t, flags, sizeof flags);
             lg_remedy_price(best, "cheapest", cfg, &a, t, limit);
             snprintf(best->flags, sizeof best->flags, "%s", flags + 1);

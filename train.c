@@ -416,7 +416,7 @@ static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, co
     int n = lg_plan_remedies(cfg, a, T, limit, remedies);
     printf("remedies, in the order of the OOM guide (each alone):\n");
     for (int i = 0; i < n; i++)
-        printf("  %-29s %-24s %11s  %s\n", remedies[i].what, remedies[i].flags,
+        printf("  %-29s %-30s %11s  %s\n", remedies[i].what, remedies[i].flags,
                lg_format_bytes(remedies[i].device_bytes, size, sizeof size),
                remedies[i].fits ? "fits" : "does not fit");
     lg_remedy best;
@@ -727,6 +727,7 @@ int main(int argc, char **argv) {
     lg_error err;
     run_data data; /* before the plan: for fine-tuning samples it sets T to the longest one */
     open_data(&a, &cfg, &T, &data);
+    a.finetuning = !a.data || lg_samples_file(a.data); /* LoRA is a remedy (see --plan) */
     prepare_gpus(&a);
     if (a.micro_batch_auto) choose_micro_batch(&a, &cfg, T);
     if (lg_args_check(&a, &err) != 0) die_usage("%s", err.msg);

@@ -428,6 +428,32 @@ static void test_gpu_features(results *r) {
     }
 }
 
+/* LoRA (every target of test-llama, dropout 0.1) and QLoRA (nf4, nf4-dq: the frozen linears
+   dequantized on the GPU): the CUDA backend's adapters and losses after 3 steps against the
+   CPU's, fp32 (1e-4) and bf16-mixed (1e-2); with 2 GPUs when visible, full-shard. */
+static void test_gpu_lora(results *r, int gpus) {
+    for (int q = 0; q < 3; q++)
+        for (int p = 0; p < 2; p++) {
+            lg_precision precision = p ? LG_PRECISION_BF16_MIXED : LG_PRECISION_32_TRUE;
+            lg_args cpu = step_args(precision, LG_BACKEND_CPU);
+            cpu.lora.r = 4;
+            cpu.lora.dropout = 0.1f;
+            cpu.lora.targets = LG_LORA_QUERY | LG_LORA_KEY | LG_LORA_VALUE | LG_LORA_PROJECTION |
+                               LG_LORA_MLP | LG_LORA_HEAD;
+            cpu.lora.quantize = (lg_quantization)q;
+            cpu.lr = 1e-2f;
+            lg_args gpu = cpu;
+            gpu.backend = LG_BACKEND_CUDA;
+            gpu.devices = gpus >= 2 ? 2 : 1;
+            double losses, weights = runs_differ(&cpu, &gpu, 0, &losses);
+            double tolerance = p ? 1e-2 : 1e-4;
+            check(r, weights < tolerance && losses < tolerance,
+                  "%-6s %-10s 3 steps on %d GPU%s, CUDA vs CPU: adapters %.1e, losses %.1e (< %.0e)",
+                  q ? lg_quantize_name(cpu.lora.quantize) : "LoRA", lg_precision_name(precision),
+                  gpu.devices, gpu.devices > 1 ? "s" : "", weights, losses, tolerance);
+        }
+}
+
 /* A checkpoint of a GPU run (2 GPUs, full-shard, bf16-mixed, when 2 are visible) resumed by
    a fresh trainer: 2 + 2 steps give bitwise the 4 uninterrupted steps. */
 static void test_gpu_resume(results *r, int gpus) {
@@ -642,6 +668,7 @@ int main(int argc, char **argv) {
     test_training_steps(&r);
     test_gpu_features(&r);
     test_gpu_resume(&r, gpus);
+    test_gpu_lora(&r, gpus);
     test_devices(&r, gpus);
     printf("memory\n");
     test_plan_memory(&r, "test-llama", 16, 2);
