@@ -1722,11 +1722,6 @@ static void run_emulated_cuda_tests(results *r) {
 
 int main(void) {
     results r = {0, 0};
-    if (getenv("LORA_ONLY")) { /* TEMPORARY */
-        test_lora_all(&r);
-        printf("%d passed, %d failed\n", r.passed, r.failed);
-        return r.failed ? 1 : 0;
-    }
     printf("PyTorch reference (fp32)\n");
     test_reference(&r, "test-gpt2");
     test_reference(&r, "test-pythia");
