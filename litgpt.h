@@ -158,6 +158,39 @@ typedef struct {
     lg_dtype dtype;
 } lg_buf;
 
+/* --quantize: frozen weights stored in bitsandbytes' NF4 format (QLoRA). Blocks of
+   LG_NF4_BLOCK consecutive elements share one fp32 absmax; each element is the nearest of 16
+   NF4 values times it, 4 bits a code. nf4-dq (double quantization) stores the absmax values
+   less their mean as 8-bit codes of bitsandbytes' signed dynamic map, with one fp32 scale a
+   group of LG_NF4_DQ_BLOCK blocks: 4.5 bits a parameter, or 4.127 with nf4-dq.
+
+   One tensor of `count` elements (row-major, any count; the last block may be short) is
+   stored as these parts, each starting on a 4-byte boundary of the tensor's first byte, the
+   gaps zero:
+     codes    ceil(count / 2) bytes: two codes a byte, the even element in the high nibble
+              (an odd count pads the low nibble with the code of 0.0, 7)
+     nf4:     absmax   (blocks) fp32
+     nf4-dq:  absmax   (blocks) uint8: codes of (absmax - offset) / scale of its group
+              scales   (groups) fp32: the largest |absmax - offset| of the group
+              offset   fp32: the mean of the tensor's absmax values
+   Bytes equal bitsandbytes' quantize_4bit (blocksize 64, quant_storage uint8) and, for
+   nf4-dq, its quantize_blockwise of the absmax values, except: a block (or group) whose
+   absmax (scale) is 0 gets the code of 0.0 everywhere, where bitsandbytes' 0 x (1 / 0)
+   falls through to code 0, so that zeros dequantize to zeros; and the offset is the mean
+   summed in double (bitsandbytes' fp32 sum may differ in the last bit). */
+typedef enum { LG_QUANTIZE_NONE, LG_QUANTIZE_NF4, LG_QUANTIZE_NF4_DQ } lg_quantization;
+#define LG_NF4_BLOCK 64     /* elements sharing one absmax */
+#define LG_NF4_DQ_BLOCK 256 /* nf4-dq: absmax values sharing one fp32 scale */
+
+const char *lg_quantization_name(lg_quantization q); /* "none", "nf4", "nf4-dq" */
+int lg_quantization_parse(const char *text, lg_quantization *out); /* 0, or -1 when unknown */
+/* Bytes of one tensor of count elements stored as q (a multiple of 4; 0 for NONE). */
+size_t lg_nf4_bytes(size_t count, lg_quantization q);
+/* Quantizes count values of src (any floating dtype, host memory) into dst (lg_nf4_bytes,
+   4-byte aligned, host memory), on the CPU threads. -1 only when nf4-dq cannot allocate its
+   scratch (4 bytes a block). lg_nf4_dequantize (section 6) reads them back. */
+int lg_nf4_quantize(lg_buf src, size_t count, lg_quantization q, uint8_t *dst, lg_error *err);
+
 /* ---------------------------------------------------------------------------------------------
    3. config (API)
    ------------------------------------------------------------------------------------------- */
@@ -575,6 +608,12 @@ typedef struct {
     lg_attention_scratch attention;  /* CPU: attention's rows */
     lg_cuda_rank *cuda;              /* CUDA: the GPU's stream, cuBLASLt handle, workspace */
 } lg_exec;
+
+/* out (count) = a tensor stored by lg_nf4_quantize (section 2) read back: code value x
+   absmax, in fp32, then rounded to out.dtype (F32, BF16 or F16). An op of section 6: on a GPU
+   rank src and out are GPU-visible and it runs on the rank's stream. */
+void lg_nf4_dequantize(const lg_exec *ex, const uint8_t *src, size_t count, lg_quantization q,
+                       lg_buf out);
 
 typedef struct {
     lg_config cfg;
@@ -1527,6 +1566,213 @@ typedef struct {
     lg_buf m, v;             /* data NULL when the optimizer has no such state */
     float *m_scales, *v_scales; /* 8-bit only */
 } lg_tensor_state;
+
+/* NF4: QLoRA's frozen weights (the format is described with the API). Quantizing runs on the
+   CPU; dequantizing is an op of section 6 with a CUDA kernel, which takes the code book by
+   value and the helpers marked LG_HD. */
+
+static const char *const lg_quantization_names[] = {"none", "nf4", "nf4-dq"};
+#define LG_QUANTIZATIONS 3
+
+const char *lg_quantization_name(lg_quantization q) { return lg_quantization_names[q]; }
+
+int lg_quantization_parse(const char *text, lg_quantization *out) {
+    for (int i = 0; i < LG_QUANTIZATIONS; i++)
+        if (strcmp(text, lg_quantization_names[i]) == 0) { *out = (lg_quantization)i; return 0; }
+    return -1;
+}
+
+#define LG_NF4_CODES 16
+#define LG_NF4_DYNAMIC_CODES 256
+#define LG_NF4_DYNAMIC_DECADES 7 /* the dynamic map's values: 10^-6 .. 1 */
+
+typedef struct {
+    float nf4[LG_NF4_CODES];            /* NF4's values, code 0..15 ascending */
+    float nf4_above[LG_NF4_CODES - 1];  /* x / absmax above nf4_above[k] gets a code above k */
+    float dynamic[LG_NF4_DYNAMIC_CODES]; /* nf4-dq's codes of the absmax values, ascending */
+} lg_nf4_codebook;
+
+/* Where the parts of one stored tensor start, in bytes from its first. */
+typedef struct {
+    size_t blocks;    /* ceil(count / LG_NF4_BLOCK) */
+    size_t groups;    /* nf4-dq: ceil(blocks / LG_NF4_DQ_BLOCK) */
+    size_t absmax_at; /* (blocks) fp32 absmax, or nf4-dq's uint8 codes of them */
+    size_t scales_at; /* nf4-dq: (groups) fp32 */
+    size_t offset_at; /* nf4-dq: fp32 */
+    size_t bytes;     /* the whole */
+} lg_nf4_layout;
+
+static size_t lg_align4(size_t bytes) { return (bytes + 3) & ~(size_t)3; }
+
+static lg_nf4_layout lg_nf4_layout_of(size_t count, lg_quantization q) {
+    lg_nf4_layout l;
+    memset(&l, 0, sizeof l);
+    if (q == LG_QUANTIZE_NONE) return l;
+    l.blocks = (count + LG_NF4_BLOCK - 1) / LG_NF4_BLOCK;
+    l.absmax_at = lg_align4((count + 1) / 2);
+    if (q == LG_QUANTIZE_NF4) {
+        l.bytes = l.absmax_at + l.blocks * sizeof(float);
+        return l;
+    }
+    l.groups = (l.blocks + LG_NF4_DQ_BLOCK - 1) / LG_NF4_DQ_BLOCK;
+    l.scales_at = lg_align4(l.absmax_at + l.blocks);
+    l.offset_at = l.scales_at + l.groups * sizeof(float);
+    l.bytes = l.offset_at + sizeof(float);
+    return l;
+}
+
+size_t lg_nf4_bytes(size_t count, lg_quantization q) { return lg_nf4_layout_of(count, q).bytes; }
+
+/* a * b rounded to fp32 on its own: the builds contract a * b + c into one rounding (CFLAGS
+   -ffp-contract=fast, nvcc's default), which would change the bits bitsandbytes gets. */
+LG_HD float lg_product_rounded(float a, float b) { return fmaf(a, b, 0.0f); }
+
+/* Point j of torch.linspace(0.1, 1, n) in fp32 as PyTorch's CPU kernel computes it, from
+   which bitsandbytes builds its dynamic map (checked bit for bit against torch 1.13 on AVX2,
+   tests/make_nf4_reference.py): 0.1 + step j before n / 2, else 1 - step (n - 1 - j), each
+   one fused multiply-add; but the first n / 16 * 16 points go two vectors of 8 at a time, a
+   vector's first point so and the others that point plus k step (product, then sum). */
+static float lg_torch_linspace_point(int n, int j) {
+    const float start = 0.1f, end = 1.0f, step = (end - start) / (float)(n - 1);
+    const int vector = 8, vectorized = n / (2 * vector) * (2 * vector);
+    int first = j < vectorized ? j - j % vector : j;
+    float anchor = first < n / 2 ? fmaf(step, (float)first, start)
+                                 : fmaf(-step, (float)(n - 1 - first), end);
+    return j == first ? anchor : anchor + lg_product_rounded((float)(j - first), step);
+}
+
+/* bitsandbytes' signed dynamic 8-bit map (create_dynamic_map(signed=True)), ascending: for
+   decade e = 0..6 the means of neighbouring points of linspace(0.1, 1, 2^e + 1) times
+   10^(e - 6) (the power rounded to fp32 first), and their negatives; then 0 and 1. The
+   decades follow each other, so the positive values come out ascending. */
+static void lg_nf4_dynamic_map(float *map) {
+    static const double decades[LG_NF4_DYNAMIC_DECADES] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1};
+    const int positives = LG_NF4_DYNAMIC_CODES / 2 - 1, zero = positives;
+    int k = 0;
+    for (int e = 0; e < LG_NF4_DYNAMIC_DECADES; e++) {
+        int points = (1 << e) + 1;
+        for (int j = 0; j + 1 < points; j++, k++) {
+            float mean = (lg_torch_linspace_point(points, j) + lg_torch_linspace_point(points, j + 1)) / 2.0f;
+            float value = (float)decades[e] * mean;
+            map[zero + 1 + k] = value;
+            map[zero - 1 - k] = -value;
+        }
+    }
+    map[zero] = 0.0f;
+    map[LG_NF4_DYNAMIC_CODES - 1] = 1.0f;
+}
+
+/* The 16 NF4 values as bitsandbytes stores them (fp32): the QLoRA paper's quantiles of N(0, 1)
+   scaled to [-1, 1], with an exact 0; a quantized x / absmax takes the code of the nearest,
+   through thresholds at the midpoints of neighbours (exact in double, rounded to fp32), a value
+   on a threshold going down, as bitsandbytes' comparison tree does. */
+static void lg_nf4_codebook_make(lg_nf4_codebook *book) {
+    static const float values[LG_NF4_CODES] = {
+        -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
+        -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
+        0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
+        0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
+    memcpy(book->nf4, values, sizeof values);
+    for (int k = 0; k + 1 < LG_NF4_CODES; k++)
+        book->nf4_above[k] = (float)(((double)values[k] + (double)values[k + 1]) / 2);
+    lg_nf4_dynamic_map(book->dynamic);
+}
+
+/* The NF4 code of x = element / absmax: how many thresholds it is above. */
+static int lg_nf4_code(const lg_nf4_codebook *book, float x) {
+    int code = 0;
+    for (int k = 0; k + 1 < LG_NF4_CODES; k++) code += x > book->nf4_above[k];
+    return code;
+}
+
+/* nf4-dq: the code of x = (absmax - offset) / scale in the dynamic map: the nearest entry, a
+   value exactly on the fp32 midpoint (a + b) / 2 of two neighbours going to the even index
+   (where bitsandbytes' binary search over 255 entries ends). */
+static uint8_t lg_nf4_dynamic_code(const float *map, float x) {
+    int lo = 0, hi = LG_NF4_DYNAMIC_CODES - 1;
+    if (x <= map[lo]) return (uint8_t)lo;
+    if (x > map[hi]) return (uint8_t)hi;
+    while (hi - lo > 1) { /* map[lo] < x <= map[hi] */
+        int mid = (lo + hi) / 2;
+        if (map[mid] < x) lo = mid;
+        else hi = mid;
+    }
+    float midpoint = (map[lo] + map[hi]) * 0.5f;
+    if (x != midpoint) return (uint8_t)(x > midpoint ? hi : lo);
+    return (uint8_t)(lo % 2 == 0 ? lo : hi);
+}
+
+/* Element i's code in the packed codes. */
+LG_HD int lg_nf4_code_at(const uint8_t *codes, size_t i) {
+    return i % 2 == 0 ? codes[i / 2] >> 4 : codes[i / 2] & 0x0F;
+}
+
+/* The absmax of block b of a stored tensor. nf4-dq: the code's value times its group's scale,
+   rounded, then plus the offset (bitsandbytes' dequantize_blockwise, then += offset). */
+LG_HD float lg_nf4_block_absmax(const lg_nf4_codebook *book, const uint8_t *stored,
+                                const lg_nf4_layout *l, lg_quantization q, size_t b) {
+    if (q == LG_QUANTIZE_NF4) return ((const float *)(stored + l->absmax_at))[b];
+    float scale = ((const float *)(stored + l->scales_at))[b / LG_NF4_DQ_BLOCK];
+    float offset = *(const float *)(stored + l->offset_at);
+    return lg_product_rounded(book->dynamic[stored[l->absmax_at + b]], scale) + offset;
+}
+
+/* Elements first .. first + n - 1 (one block) of src into the packed codes; returns the
+   block's absmax. An absmax of 0 quantizes every x / absmax as 0. */
+static float lg_nf4_quantize_block(const lg_nf4_codebook *book, lg_buf src, size_t first,
+                                   size_t n, uint8_t *codes) {
+    float absmax = 0;
+    for (size_t i = 0; i < n; i++) absmax = fmaxf(absmax, fabsf((float)lg_get(src, first + i)));
+    float inverse = absmax > 0 ? 1.0f / absmax : 0.0f; /* x * (1 / absmax), as bitsandbytes */
+    int pad = lg_nf4_code(book, 0.0f);
+    for (size_t i = 0; i < n; i += 2) {
+        int high = lg_nf4_code(book, (float)lg_get(src, first + i) * inverse);
+        int low = i + 1 < n ? lg_nf4_code(book, (float)lg_get(src, first + i + 1) * inverse) : pad;
+        codes[(first + i) / 2] = (uint8_t)(high << 4 | low);
+    }
+    return absmax;
+}
+
+/* nf4-dq: absmax (blocks) into their codes, the groups' scales and the offset. */
+static void lg_nf4_quantize_absmax(const lg_nf4_codebook *book, const float *absmax,
+                                   const lg_nf4_layout *l, uint8_t *stored) {
+    double sum = 0; /* in order */
+    for (size_t b = 0; b < l->blocks; b++) sum += absmax[b];
+    float offset = l->blocks ? (float)(sum / (double)l->blocks) : 0.0f;
+    float *scales = (float *)(stored + l->scales_at);
+    for (size_t g = 0; g < l->groups; g++) {
+        size_t first = g * LG_NF4_DQ_BLOCK;
+        size_t n = l->blocks - first < LG_NF4_DQ_BLOCK ? l->blocks - first : LG_NF4_DQ_BLOCK;
+        float scale = 0;
+        for (size_t i = 0; i < n; i++) scale = fmaxf(scale, fabsf(absmax[first + i] - offset));
+        float inverse = scale > 0 ? 1.0f / scale : 0.0f;
+        for (size_t i = 0; i < n; i++)
+            stored[l->absmax_at + first + i] =
+                lg_nf4_dynamic_code(book->dynamic, (absmax[first + i] - offset) * inverse);
+        scales[g] = scale;
+    }
+    memcpy(stored + l->offset_at, &offset, sizeof offset);
+}
+
+int lg_nf4_quantize(lg_buf src, size_t count, lg_quantization q, uint8_t *dst, lg_error *err) {
+    if (q == LG_QUANTIZE_NONE) return 0;
+    lg_nf4_codebook book;
+    lg_nf4_codebook_make(&book);
+    lg_nf4_layout l = lg_nf4_layout_of(count, q);
+    memset(dst, 0, l.bytes);
+    float *absmax = q == LG_QUANTIZE_NF4 ? (float *)(dst + l.absmax_at)
+                                         : (float *)lg_alloc_zeroed(l.blocks * sizeof(float));
+    if (!absmax) return lg_fail(err, "nf4-dq: no memory for the absmax of %zu blocks", l.blocks);
+    LG_OMP(omp parallel for)
+    for (long b = 0; b < (long)l.blocks; b++) {
+        size_t first = (size_t)b * LG_NF4_BLOCK, rest = count - first;
+        absmax[b] = lg_nf4_quantize_block(&book, src, first, rest < LG_NF4_BLOCK ? rest : LG_NF4_BLOCK, dst);
+    }
+    if (q == LG_QUANTIZE_NF4) return 0;
+    lg_nf4_quantize_absmax(&book, absmax, &l, dst);
+    LG_FREE(absmax);
+    return 0;
+}
 
 /* 3. config ----------------------------------------------------------------------------------- */
 
@@ -3526,6 +3772,23 @@ static void lg_copy_beside(const lg_exec *ex, lg_buf dst, lg_buf src, size_t n) 
 static void lg_zero(const lg_exec *ex, lg_buf x, size_t n) {
     LG_ON_GPU(ex, lg_cuda_zero(ex, x, n));
     memset(x.data, 0, n * lg_elem_size(x.dtype));
+}
+
+/* out (count) = NF4 codes (count) x their blocks' absmax (lg_nf4_quantize's storage) */
+void lg_nf4_dequantize(const lg_exec *ex, const uint8_t *src, size_t count, lg_quantization q,
+                       lg_buf out) {
+    if (q == LG_QUANTIZE_NONE) return;
+    LG_ON_GPU(ex, lg_cuda_nf4_dequantize(ex, src, count, q, out));
+    lg_nf4_codebook book;
+    lg_nf4_codebook_make(&book);
+    lg_nf4_layout l = lg_nf4_layout_of(count, q);
+    LG_OMP(omp parallel for)
+    for (long b = 0; b < (long)l.blocks; b++) {
+        float absmax = lg_nf4_block_absmax(&book, src, &l, q, (size_t)b);
+        size_t first = (size_t)b * LG_NF4_BLOCK, end = first + LG_NF4_BLOCK;
+        for (size_t i = first; i < end && i < count; i++)
+            lg_set(out, i, book.nf4[lg_nf4_code_at(src, i)] * absmax);
+    }
 }
 
 /* The residual add and the norm that follows it: sum (N, C) = a + b, then out (N, C), mean and
