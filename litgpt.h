@@ -174,10 +174,13 @@ typedef struct {
               scales   (groups) fp32: the largest |absmax - offset| of the group
               offset   fp32: the mean of the tensor's absmax values
    Bytes equal bitsandbytes' quantize_4bit (blocksize 64, quant_storage uint8) and, for
-   nf4-dq, its quantize_blockwise of the absmax values, except: a block (or group) whose
-   absmax (scale) is 0 gets the code of 0.0 everywhere, where bitsandbytes' 0 x (1 / 0)
-   falls through to code 0, so that zeros dequantize to zeros; and the offset is the mean
-   summed in double (bitsandbytes' fp32 sum may differ in the last bit). */
+   nf4-dq, its quantize_blockwise of the absmax values (with the dynamic map torch 1.13's CPU
+   linspace gives; tests/make_nf4_reference.py says how), except: a block (group) whose absmax
+   (scale) is 0 gets the code of 0.0 everywhere, where bitsandbytes' 0 x (1 / 0) falls through
+   to code 0 (-1.0), so that zeros dequantize to zeros; and the offset is the absmax values
+   summed in double in order, divided by their count (bitsandbytes sums in fp32 on the GPU,
+   which may differ in the last bit). Dequantizing: code value x absmax in fp32; nf4-dq's
+   absmax is map[code] x scale rounded to fp32, plus the offset. */
 typedef enum { LG_QUANTIZE_NONE, LG_QUANTIZE_NF4, LG_QUANTIZE_NF4_DQ } lg_quantization;
 #define LG_NF4_BLOCK 64     /* elements sharing one absmax */
 #define LG_NF4_DQ_BLOCK 256 /* nf4-dq: absmax values sharing one fp32 scale */
@@ -1647,13 +1650,13 @@ static float lg_torch_linspace_point(int n, int j) {
    decades follow each other, so the positive values come out ascending. */
 static void lg_nf4_dynamic_map(float *map) {
     static const double decades[LG_NF4_DYNAMIC_DECADES] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1};
-    const int positives = LG_NF4_DYNAMIC_CODES / 2 - 1, zero = positives;
+    const int zero = LG_NF4_DYNAMIC_CODES / 2 - 1; /* 127 values below, 127 and 1.0 above */
     int k = 0;
     for (int e = 0; e < LG_NF4_DYNAMIC_DECADES; e++) {
         int points = (1 << e) + 1;
         for (int j = 0; j + 1 < points; j++, k++) {
-            float mean = (lg_torch_linspace_point(points, j) + lg_torch_linspace_point(points, j + 1)) / 2.0f;
-            float value = (float)decades[e] * mean;
+            float a = lg_torch_linspace_point(points, j), b = lg_torch_linspace_point(points, j + 1);
+            float value = (float)decades[e] * ((a + b) / 2.0f);
             map[zero + 1 + k] = value;
             map[zero - 1 - k] = -value;
         }
@@ -1718,18 +1721,17 @@ LG_HD float lg_nf4_block_absmax(const lg_nf4_codebook *book, const uint8_t *stor
 }
 
 /* Elements first .. first + n - 1 (one block) of src into the packed codes; returns the
-   block's absmax. An absmax of 0 quantizes every x / absmax as 0. */
+   block's absmax. An absmax of 0 quantizes every x / absmax as 0; an odd n pads with 0. */
 static float lg_nf4_quantize_block(const lg_nf4_codebook *book, lg_buf src, size_t first,
                                    size_t n, uint8_t *codes) {
-    float absmax = 0;
-    for (size_t i = 0; i < n; i++) absmax = fmaxf(absmax, fabsf((float)lg_get(src, first + i)));
+    float x[LG_NF4_BLOCK + 1] = {0}, absmax = 0;
+    int code[LG_NF4_BLOCK + 1];
+    for (size_t i = 0; i < n; i++) x[i] = (float)lg_get(src, first + i);
+    for (size_t i = 0; i < n; i++) absmax = fmaxf(absmax, fabsf(x[i]));
     float inverse = absmax > 0 ? 1.0f / absmax : 0.0f; /* x * (1 / absmax), as bitsandbytes */
-    int pad = lg_nf4_code(book, 0.0f);
-    for (size_t i = 0; i < n; i += 2) {
-        int high = lg_nf4_code(book, (float)lg_get(src, first + i) * inverse);
-        int low = i + 1 < n ? lg_nf4_code(book, (float)lg_get(src, first + i + 1) * inverse) : pad;
-        codes[(first + i) / 2] = (uint8_t)(high << 4 | low);
-    }
+    for (size_t i = 0; i < n + 1; i++) code[i] = lg_nf4_code(book, x[i] * inverse);
+    for (size_t i = 0; i < n; i += 2)
+        codes[(first + i) / 2] = (uint8_t)(code[i] << 4 | code[i + 1]);
     return absmax;
 }
 
@@ -1766,7 +1768,8 @@ int lg_nf4_quantize(lg_buf src, size_t count, lg_quantization q, uint8_t *dst, l
     LG_OMP(omp parallel for)
     for (long b = 0; b < (long)l.blocks; b++) {
         size_t first = (size_t)b * LG_NF4_BLOCK, rest = count - first;
-        absmax[b] = lg_nf4_quantize_block(&book, src, first, rest < LG_NF4_BLOCK ? rest : LG_NF4_BLOCK, dst);
+        size_t n = rest < LG_NF4_BLOCK ? rest : LG_NF4_BLOCK;
+        absmax[b] = lg_nf4_quantize_block(&book, src, first, n, dst);
     }
     if (q == LG_QUANTIZE_NF4) return 0;
     lg_nf4_quantize_absmax(&book, absmax, &l, dst);

@@ -275,7 +275,8 @@ def cases(rng):
         [next_down(t) for t in THRESHOLDS]
     on_grid += [f32(0)] * (BLOCK - len(on_grid))
     on_grid = np.array(on_grid, dtype=f32)
-    out.append(("codes_and_midpoints", np.concatenate([on_grid, on_grid * f32(2), on_grid * f32(3)])))
+    grid3 = np.concatenate([on_grid, on_grid * f32(2), on_grid * f32(3)])
+    out.append(("codes_and_midpoints", grid3))
     for n in (1, 63, 65, 1007):
         out.append(("count%d" % n, normal(n, 0.02)))
     # more than 256 blocks: nf4-dq's groups (301 blocks: two groups, the last short and its
@@ -314,7 +315,8 @@ def write(path, tensors):
 def main():
     check_map_against_torch(DYNAMIC)
     rng = np.random.RandomState(15)
-    tensors = [("nf4.values", 0, NF4), ("nf4.thresholds", 0, THRESHOLDS), ("dynamic.map", 0, DYNAMIC)]
+    tensors = [("nf4.values", 0, NF4), ("nf4.thresholds", 0, THRESHOLDS),
+               ("dynamic.map", 0, DYNAMIC)]
     xs = dynamic_inputs()
     codes = [dynamic_code(x) for x in xs]
     assert codes == [dynamic_code_by_search(x) for x in xs]

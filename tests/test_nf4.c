@@ -103,10 +103,12 @@ static void test_nf4_random(results *r) {
             absmax[b] = fmax(absmax[b], fabs((double)x[i]));
         }
     }
-    double mean = 0, group_scale[3] = {0, 0, 0};
+    double mean = 0, group_scale[3] = {0, 0, 0}; /* the blocks make three nf4-dq groups */
     for (size_t b = 0; b < blocks; b++) mean += absmax[b] / (double)blocks;
-    for (size_t b = 0; b < blocks; b++)
-        group_scale[b / LG_NF4_DQ_BLOCK] = fmax(group_scale[b / LG_NF4_DQ_BLOCK], fabs(absmax[b] - mean));
+    for (size_t b = 0; b < blocks; b++) {
+        double *scale = &group_scale[b / LG_NF4_DQ_BLOCK];
+        *scale = fmax(*scale, fabs(absmax[b] - mean));
+    }
     lg_nf4_codebook book;
     lg_nf4_codebook_make(&book);
     double nf4_half_gap = nf4_largest_gap(book.nf4, LG_NF4_CODES) / 2;
@@ -114,9 +116,11 @@ static void test_nf4_random(results *r) {
     for (int f = 0; f < 2; f++) {
         lg_quantization q = nf4_formats[f];
         size_t bytes = lg_nf4_bytes(count, q);
-        uint8_t *stored = (uint8_t *)lg_alloc_zeroed(bytes), *from_bf16 = (uint8_t *)lg_alloc_zeroed(bytes);
+        uint8_t *stored = (uint8_t *)lg_alloc_zeroed(bytes);
+        uint8_t *from_bf16 = (uint8_t *)lg_alloc_zeroed(bytes);
         float *deq = (float *)lg_alloc_zeroed(count * sizeof(float));
-        uint16_t *half[2] = {(uint16_t *)lg_alloc_zeroed(count * 2), (uint16_t *)lg_alloc_zeroed(count * 2)};
+        uint16_t *half[2] = {(uint16_t *)lg_alloc_zeroed(count * sizeof(uint16_t)),
+                             (uint16_t *)lg_alloc_zeroed(count * sizeof(uint16_t))};
         lg_error err;
         lg_buf src = {x, LG_DTYPE_F32}, src_bf16 = {x_bf16, LG_DTYPE_BF16};
         lg_nf4_quantize(src, count, q, stored, &err);
@@ -130,7 +134,8 @@ static void test_nf4_random(results *r) {
         for (size_t i = 0; i < count; i++) {
             size_t b = i / LG_NF4_BLOCK;
             double bound = (nf4_half_gap + slack) * absmax[b];
-            if (q == LG_QUANTIZE_NF4_DQ) bound += (dynamic_half_gap + slack) * group_scale[b / LG_NF4_DQ_BLOCK];
+            if (q == LG_QUANTIZE_NF4_DQ)
+                bound += (dynamic_half_gap + slack) * group_scale[b / LG_NF4_DQ_BLOCK];
             double error = fabs((double)x[i] - deq[i]);
             worst = fmax(worst, bound > 0 ? error / bound : error > 0 ? INFINITY : 0);
             if (absmax[b] == 0 && deq[i] != 0) zeros_kept = 0;
@@ -169,7 +174,8 @@ static void test_nf4_storage(results *r) {
     int names_ok = 1;
     for (int i = 0; i < LG_QUANTIZATIONS; i++) {
         lg_quantization q;
-        names_ok &= lg_quantization_parse(lg_quantization_name((lg_quantization)i), &q) == 0 && (int)q == i;
+        const char *name = lg_quantization_name((lg_quantization)i);
+        names_ok &= lg_quantization_parse(name, &q) == 0 && (int)q == i;
     }
     lg_quantization q;
     check(r, names_ok && lg_quantization_parse("nf8", &q) == -1 &&
