@@ -9,8 +9,9 @@ It writes tests/reference/nf4.bin, which is committed, so the C tests need no Py
 torch is installed the script also checks its dynamic map against one built with
 torch.linspace, as bitsandbytes builds it.
 
-The format (bitsandbytes 0.42+, quantize_4bit with blocksize 64 and quant_storage uint8;
-compress_statistics=True for nf4-dq):
+The format (bitsandbytes' quantize_4bit with blocksize 64 and quant_storage uint8, and
+compress_statistics=True for nf4-dq, read in its 0.42.0 release, LitGPT's pin, and in its main
+branch of 2026, which agree on every point below):
 - Blocks of 64 consecutive elements; absmax = max |x| in fp32; each x becomes
   fp32(x * fp32(1 / absmax)) and takes the code of the nearest of the 16 NF4 values below,
   through thresholds at the midpoints of neighbouring values (computed exactly, rounded to
