@@ -162,15 +162,48 @@ typedef struct {
     lg_dtype dtype;
 } lg_buf;
 
+/* --quantize: frozen weights stored in bitsandbytes' NF4 format (QLoRA). Blocks of
+   LG_NF4_BLOCK consecutive elements share one fp32 absmax; each element is the nearest of 16
+   NF4 values times it, 4 bits a code. nf4-dq (double quantization) stores the absmax values
+   less their mean as 8-bit codes of bitsandbytes' signed dynamic map, with one fp32 scale a
+   group of LG_NF4_DQ_BLOCK blocks: 4.5 bits a parameter, or 4.127 with nf4-dq.
+
+   One tensor of `count` elements (row-major, any count; the last block may be short) is
+   stored as these parts, each starting on a 4-byte boundary of the tensor's first byte, the
+   gaps zero:
+     codes    ceil(count / 2) bytes: two codes a byte, the even element in the high nibble
+              (an odd count pads the low nibble with the code of 0.0, 7)
+     nf4:     absmax   (blocks) fp32
+     nf4-dq:  absmax   (blocks) uint8: codes of (absmax - offset) / scale of its group
+              scales   (groups) fp32: the largest |absmax - offset| of the group
+              offset   fp32: the mean of the tensor's absmax values
+   Bytes equal bitsandbytes' quantize_4bit (blocksize 64, quant_storage uint8) and, for
+   nf4-dq, its quantize_blockwise of the absmax values (with the dynamic map torch 1.13's CPU
+   linspace gives; tests/make_nf4_reference.py says how), except: a block (group) whose absmax
+   (scale) is 0 gets the code of 0.0 everywhere, where bitsandbytes' 0 x (1 / 0) falls through
+   to code 0 (-1.0), so that zeros dequantize to zeros; and the offset is the absmax values
+   summed in double in order, divided by their count (bitsandbytes sums in fp32 on the GPU,
+   which may differ in the last bit). Dequantizing: code value x absmax in fp32; nf4-dq's
+   absmax is map[code] x scale rounded to fp32, plus the offset. */
+typedef enum { LG_QUANTIZE_NONE, LG_QUANTIZE_NF4, LG_QUANTIZE_NF4_DQ } lg_quantization;
+#define LG_NF4_BLOCK 64     /* elements sharing one absmax */
+#define LG_NF4_DQ_BLOCK 256 /* nf4-dq: absmax values sharing one fp32 scale */
+
+const char *lg_quantization_name(lg_quantization q); /* "none", "nf4", "nf4-dq" */
+int lg_quantization_parse(const char *text, lg_quantization *out); /* 0, or -1 when unknown */
+/* Bytes of one tensor of count elements stored as q (a multiple of 4; 0 for NONE). */
+size_t lg_nf4_bytes(size_t count, lg_quantization q);
+/* Quantizes count values of src (any floating dtype, host memory) into dst (lg_nf4_bytes,
+   4-byte aligned, host memory), on the CPU threads. -1 only when nf4-dq cannot allocate its
+   scratch (4 bytes a block). lg_nf4_dequantize (section 6) reads them back. */
+int lg_nf4_quantize(lg_buf src, size_t count, lg_quantization q, uint8_t *dst, lg_error *err);
+
 /* ---------------------------------------------------------------------------------------------
    3. config (API)
    ------------------------------------------------------------------------------------------- */
 
 typedef enum { LG_NORM_LAYERNORM, LG_NORM_RMSNORM } lg_norm_class;
 typedef enum { LG_MLP_GPTNEOX, LG_MLP_LLAMA } lg_mlp_class;
-
-/* --quantize: how LoRA's frozen linear weights are stored. */
-typedef enum { LG_QUANTIZE_NONE, LG_QUANTIZE_NF4, LG_QUANTIZE_NF4_DQ } lg_quantization;
 
 /* --lora-targets, LitGPT's names: which linears get adapters. */
 enum {
@@ -201,11 +234,6 @@ typedef enum { LG_LORA_Q, LG_LORA_K, LG_LORA_V, LG_LORA_PROJ, LG_LORA_FC, LG_LOR
 int lg_lora_targets_parse(const char *text, unsigned *targets, lg_error *err);
 /* The inverse, into buf: "q,v". */
 const char *lg_lora_targets_name(unsigned targets, char *buf, size_t size);
-const char *lg_quantize_name(lg_quantization q);               /* "none", "nf4", "nf4-dq" */
-int lg_quantize_parse(const char *text, lg_quantization *out); /* 0, or -1 when unknown */
-/* NF4 storage (TEMPORARY declarations until the nf4 branch merges) */
-size_t lg_nf4_bytes(size_t count, lg_quantization q);
-void lg_nf4_quantize(lg_buf src, size_t count, lg_quantization q, uint8_t *dst);
 
 /* The architecture, with LitGPT's field names (see configs/NAME.yaml). */
 typedef struct {
@@ -657,6 +685,12 @@ typedef struct {
     lg_cuda_rank *cuda;              /* CUDA: the GPU's stream, cuBLASLt handle, workspace */
     lg_buf dequantized;              /* QLoRA: one NF4 weight dequantized for its matmul */
 } lg_exec;
+
+/* out (count) = a tensor stored by lg_nf4_quantize (section 2) read back: code value x
+   absmax, in fp32, then rounded to out.dtype (F32, BF16 or F16). An op of section 6: on a GPU
+   rank src and out are GPU-visible and it runs on the rank's stream. */
+void lg_nf4_dequantize(const lg_exec *ex, const uint8_t *src, size_t count, lg_quantization q,
+                       lg_buf out);
 
 typedef struct {
     lg_config cfg;
@@ -1627,6 +1661,213 @@ typedef struct {
     float *m_scales, *v_scales; /* 8-bit only */
 } lg_tensor_state;
 
+/* NF4: QLoRA's frozen weights (the format is described with the API). Quantizing runs on the
+   CPU; dequantizing is an op of section 6 with a CUDA kernel, which takes the code book by
+   value and the helpers marked LG_HD. */
+
+static const char *const lg_quantization_names[] = {"none", "nf4", "nf4-dq"};
+#define LG_QUANTIZATIONS 3
+
+const char *lg_quantization_name(lg_quantization q) { return lg_quantization_names[q]; }
+
+int lg_quantization_parse(const char *text, lg_quantization *out) {
+    for (int i = 0; i < LG_QUANTIZATIONS; i++)
+        if (strcmp(text, lg_quantization_names[i]) == 0) { *out = (lg_quantization)i; return 0; }
+    return -1;
+}
+
+#define LG_NF4_CODES 16
+#define LG_NF4_DYNAMIC_CODES 256
+#define LG_NF4_DYNAMIC_DECADES 7 /* the dynamic map's values: 10^-6 .. 1 */
+
+typedef struct {
+    float nf4[LG_NF4_CODES];            /* NF4's values, code 0..15 ascending */
+    float nf4_above[LG_NF4_CODES - 1];  /* x / absmax above nf4_above[k] gets a code above k */
+    float dynamic[LG_NF4_DYNAMIC_CODES]; /* nf4-dq's codes of the absmax values, ascending */
+} lg_nf4_codebook;
+
+/* Where the parts of one stored tensor start, in bytes from its first. */
+typedef struct {
+    size_t blocks;    /* ceil(count / LG_NF4_BLOCK) */
+    size_t groups;    /* nf4-dq: ceil(blocks / LG_NF4_DQ_BLOCK) */
+    size_t absmax_at; /* (blocks) fp32 absmax, or nf4-dq's uint8 codes of them */
+    size_t scales_at; /* nf4-dq: (groups) fp32 */
+    size_t offset_at; /* nf4-dq: fp32 */
+    size_t bytes;     /* the whole */
+} lg_nf4_layout;
+
+static size_t lg_align4(size_t bytes) { return (bytes + 3) & ~(size_t)3; }
+
+static lg_nf4_layout lg_nf4_layout_of(size_t count, lg_quantization q) {
+    lg_nf4_layout l;
+    memset(&l, 0, sizeof l);
+    if (q == LG_QUANTIZE_NONE) return l;
+    l.blocks = (count + LG_NF4_BLOCK - 1) / LG_NF4_BLOCK;
+    l.absmax_at = lg_align4((count + 1) / 2);
+    if (q == LG_QUANTIZE_NF4) {
+        l.bytes = l.absmax_at + l.blocks * sizeof(float);
+        return l;
+    }
+    l.groups = (l.blocks + LG_NF4_DQ_BLOCK - 1) / LG_NF4_DQ_BLOCK;
+    l.scales_at = lg_align4(l.absmax_at + l.blocks);
+    l.offset_at = l.scales_at + l.groups * sizeof(float);
+    l.bytes = l.offset_at + sizeof(float);
+    return l;
+}
+
+size_t lg_nf4_bytes(size_t count, lg_quantization q) { return lg_nf4_layout_of(count, q).bytes; }
+
+/* a * b rounded to fp32 on its own: the builds contract a * b + c into one rounding (CFLAGS
+   -ffp-contract=fast, nvcc's default), which would change the bits bitsandbytes gets. */
+LG_HD float lg_product_rounded(float a, float b) { return fmaf(a, b, 0.0f); }
+
+/* Point j of torch.linspace(0.1, 1, n) in fp32 as PyTorch's CPU kernel computes it, from
+   which bitsandbytes builds its dynamic map (checked bit for bit against torch 1.13 on AVX2,
+   tests/make_nf4_reference.py): 0.1 + step j before n / 2, else 1 - step (n - 1 - j), each
+   one fused multiply-add; but the first n / 16 * 16 points go two vectors of 8 at a time, a
+   vector's first point so and the others that point plus k step (product, then sum). */
+static float lg_torch_linspace_point(int n, int j) {
+    const float start = 0.1f, end = 1.0f, step = (end - start) / (float)(n - 1);
+    const int vector = 8, vectorized = n / (2 * vector) * (2 * vector);
+    int first = j < vectorized ? j - j % vector : j;
+    float anchor = first < n / 2 ? fmaf(step, (float)first, start)
+                                 : fmaf(-step, (float)(n - 1 - first), end);
+    return j == first ? anchor : anchor + lg_product_rounded((float)(j - first), step);
+}
+
+/* bitsandbytes' signed dynamic 8-bit map (create_dynamic_map(signed=True)), ascending: for
+   decade e = 0..6 the means of neighbouring points of linspace(0.1, 1, 2^e + 1) times
+   10^(e - 6) (the power rounded to fp32 first), and their negatives; then 0 and 1. The
+   decades follow each other, so the positive values come out ascending. */
+static void lg_nf4_dynamic_map(float *map) {
+    static const double decades[LG_NF4_DYNAMIC_DECADES] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1};
+    const int zero = LG_NF4_DYNAMIC_CODES / 2 - 1; /* 127 values below, 127 and 1.0 above */
+    int k = 0;
+    for (int e = 0; e < LG_NF4_DYNAMIC_DECADES; e++) {
+        int points = (1 << e) + 1;
+        for (int j = 0; j + 1 < points; j++, k++) {
+            float a = lg_torch_linspace_point(points, j), b = lg_torch_linspace_point(points, j + 1);
+            float value = (float)decades[e] * ((a + b) / 2.0f);
+            map[zero + 1 + k] = value;
+            map[zero - 1 - k] = -value;
+        }
+    }
+    map[zero] = 0.0f;
+    map[LG_NF4_DYNAMIC_CODES - 1] = 1.0f;
+}
+
+/* The 16 NF4 values as bitsandbytes stores them (fp32): the QLoRA paper's quantiles of N(0, 1)
+   scaled to [-1, 1], with an exact 0; a quantized x / absmax takes the code of the nearest,
+   through thresholds at the midpoints of neighbours (exact in double, rounded to fp32), a value
+   on a threshold going down, as bitsandbytes' comparison tree does. */
+static void lg_nf4_codebook_make(lg_nf4_codebook *book) {
+    static const float values[LG_NF4_CODES] = {
+        -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
+        -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
+        0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
+        0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
+    memcpy(book->nf4, values, sizeof values);
+    for (int k = 0; k + 1 < LG_NF4_CODES; k++)
+        book->nf4_above[k] = (float)(((double)values[k] + (double)values[k + 1]) / 2);
+    lg_nf4_dynamic_map(book->dynamic);
+}
+
+/* The NF4 code of x = element / absmax: how many thresholds it is above. */
+static int lg_nf4_code(const lg_nf4_codebook *book, float x) {
+    int code = 0;
+    for (int k = 0; k + 1 < LG_NF4_CODES; k++) code += x > book->nf4_above[k];
+    return code;
+}
+
+/* nf4-dq: the code of x = (absmax - offset) / scale in the dynamic map: the nearest entry, a
+   value exactly on the fp32 midpoint (a + b) / 2 of two neighbours going to the even index
+   (where bitsandbytes' binary search over 255 entries ends). */
+static uint8_t lg_nf4_dynamic_code(const float *map, float x) {
+    int lo = 0, hi = LG_NF4_DYNAMIC_CODES - 1;
+    if (x <= map[lo]) return (uint8_t)lo;
+    if (x > map[hi]) return (uint8_t)hi;
+    while (hi - lo > 1) { /* map[lo] < x <= map[hi] */
+        int mid = (lo + hi) / 2;
+        if (map[mid] < x) lo = mid;
+        else hi = mid;
+    }
+    float midpoint = (map[lo] + map[hi]) * 0.5f;
+    if (x != midpoint) return (uint8_t)(x > midpoint ? hi : lo);
+    return (uint8_t)(lo % 2 == 0 ? lo : hi);
+}
+
+/* Element i's code in the packed codes. */
+LG_HD int lg_nf4_code_at(const uint8_t *codes, size_t i) {
+    return i % 2 == 0 ? codes[i / 2] >> 4 : codes[i / 2] & 0x0F;
+}
+
+/* The absmax of block b of a stored tensor. nf4-dq: the code's value times its group's scale,
+   rounded, then plus the offset (bitsandbytes' dequantize_blockwise, then += offset). */
+LG_HD float lg_nf4_block_absmax(const lg_nf4_codebook *book, const uint8_t *stored,
+                                const lg_nf4_layout *l, lg_quantization q, size_t b) {
+    if (q == LG_QUANTIZE_NF4) return ((const float *)(stored + l->absmax_at))[b];
+    float scale = ((const float *)(stored + l->scales_at))[b / LG_NF4_DQ_BLOCK];
+    float offset = *(const float *)(stored + l->offset_at);
+    return lg_product_rounded(book->dynamic[stored[l->absmax_at + b]], scale) + offset;
+}
+
+/* Elements first .. first + n - 1 (one block) of src into the packed codes; returns the
+   block's absmax. An absmax of 0 quantizes every x / absmax as 0; an odd n pads with 0. */
+static float lg_nf4_quantize_block(const lg_nf4_codebook *book, lg_buf src, size_t first,
+                                   size_t n, uint8_t *codes) {
+    float x[LG_NF4_BLOCK + 1] = {0}, absmax = 0;
+    int code[LG_NF4_BLOCK + 1];
+    for (size_t i = 0; i < n; i++) x[i] = (float)lg_get(src, first + i);
+    for (size_t i = 0; i < n; i++) absmax = fmaxf(absmax, fabsf(x[i]));
+    float inverse = absmax > 0 ? 1.0f / absmax : 0.0f; /* x * (1 / absmax), as bitsandbytes */
+    for (size_t i = 0; i < n + 1; i++) code[i] = lg_nf4_code(book, x[i] * inverse);
+    for (size_t i = 0; i < n; i += 2)
+        codes[(first + i) / 2] = (uint8_t)(code[i] << 4 | code[i + 1]);
+    return absmax;
+}
+
+/* nf4-dq: absmax (blocks) into their codes, the groups' scales and the offset. */
+static void lg_nf4_quantize_absmax(const lg_nf4_codebook *book, const float *absmax,
+                                   const lg_nf4_layout *l, uint8_t *stored) {
+    double sum = 0; /* in order */
+    for (size_t b = 0; b < l->blocks; b++) sum += absmax[b];
+    float offset = l->blocks ? (float)(sum / (double)l->blocks) : 0.0f;
+    float *scales = (float *)(stored + l->scales_at);
+    for (size_t g = 0; g < l->groups; g++) {
+        size_t first = g * LG_NF4_DQ_BLOCK;
+        size_t n = l->blocks - first < LG_NF4_DQ_BLOCK ? l->blocks - first : LG_NF4_DQ_BLOCK;
+        float scale = 0;
+        for (size_t i = 0; i < n; i++) scale = fmaxf(scale, fabsf(absmax[first + i] - offset));
+        float inverse = scale > 0 ? 1.0f / scale : 0.0f;
+        for (size_t i = 0; i < n; i++)
+            stored[l->absmax_at + first + i] =
+                lg_nf4_dynamic_code(book->dynamic, (absmax[first + i] - offset) * inverse);
+        scales[g] = scale;
+    }
+    memcpy(stored + l->offset_at, &offset, sizeof offset);
+}
+
+int lg_nf4_quantize(lg_buf src, size_t count, lg_quantization q, uint8_t *dst, lg_error *err) {
+    if (q == LG_QUANTIZE_NONE) return 0;
+    lg_nf4_codebook book;
+    lg_nf4_codebook_make(&book);
+    lg_nf4_layout l = lg_nf4_layout_of(count, q);
+    memset(dst, 0, l.bytes);
+    float *absmax = q == LG_QUANTIZE_NF4 ? (float *)(dst + l.absmax_at)
+                                         : (float *)lg_alloc_zeroed(l.blocks * sizeof(float));
+    if (!absmax) return lg_fail(err, "nf4-dq: no memory for the absmax of %zu blocks", l.blocks);
+    LG_OMP(omp parallel for)
+    for (long b = 0; b < (long)l.blocks; b++) {
+        size_t first = (size_t)b * LG_NF4_BLOCK, rest = count - first;
+        size_t n = rest < LG_NF4_BLOCK ? rest : LG_NF4_BLOCK;
+        absmax[b] = lg_nf4_quantize_block(&book, src, first, n, dst);
+    }
+    if (q == LG_QUANTIZE_NF4) return 0;
+    lg_nf4_quantize_absmax(&book, absmax, &l, dst);
+    LG_FREE(absmax);
+    return 0;
+}
+
 /* 3. config ----------------------------------------------------------------------------------- */
 
 typedef enum { LG_FIELD_INT, LG_FIELD_FLOAT, LG_FIELD_BOOL, LG_FIELD_NAME, LG_FIELD_NORM,
@@ -1824,19 +2065,6 @@ const char *lg_lora_targets_name(unsigned targets, char *buf, size_t size) {
     return buf;
 }
 
-static const char *const lg_quantize_names[] = {"none", "nf4", "nf4-dq"};
-
-const char *lg_quantize_name(lg_quantization q) { return lg_quantize_names[q]; }
-
-int lg_quantize_parse(const char *text, lg_quantization *out) {
-    for (int q = 0; q < 3; q++)
-        if (strcmp(text, lg_quantize_names[q]) == 0) {
-            *out = (lg_quantization)q;
-            return 0;
-        }
-    return -1;
-}
-
 /* The target bit each block linear answers to. */
 static unsigned lg_lora_target_of(lg_lora_linear linear) {
     switch (linear) {
@@ -1879,7 +2107,7 @@ static int lg_lora_check(const lg_config *c, lg_error *err) {
     if (lo->r == 0) {
         if (lo->quantize != LG_QUANTIZE_NONE)
             return lg_fail(err, "--quantize %s needs --lora-r: a quantized model cannot be fully "
-                                "fine-tuned, only adapters over it", lg_quantize_name(lo->quantize));
+                                "fine-tuned, only adapters over it", lg_quantization_name(lo->quantize));
         return 0;
     }
     if (!lo->targets) return lg_fail(err, "--lora-targets: no target");
@@ -3162,7 +3390,7 @@ static void lg_plan_print_lora(const lg_plan *plan, FILE *out) {
             lg_lora_targets_name(c->lora.targets, targets, sizeof targets), trainable,
             100.0 * (double)trainable / (double)total, total);
     if (c->lora.quantize != LG_QUANTIZE_NONE)
-        fprintf(out, ", its linear weights in %s (%s)", lg_quantize_name(c->lora.quantize),
+        fprintf(out, ", its linear weights in %s (%s)", lg_quantization_name(c->lora.quantize),
                 c->tie_embeddings ? "lm_head is the tied embedding: kept as is"
                                   : "lm_head included, as LitGPT does");
     fprintf(out, "\n");
@@ -3551,44 +3779,6 @@ static const lg_gemm_workspace *lg_gemm_space(const lg_exec *ex) { return ex ? &
    in bf16 or fp16; every op reads and writes elements in their storage type and does its
    arithmetic, sums included, in lg_real. Statistics (norm means and reciprocal deviations,
    rotary tables, per-token losses) are lg_real arrays in every precision. */
-
-/* NF4 (TEMPORARY: replaced by the nf4 branch's implementation at merge) */
-static const float lg_nf4_codes_tmp[16] = {
-    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
-    -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
-    0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
-    0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
-size_t lg_nf4_bytes(size_t count, lg_quantization q) {
-    size_t blocks = (count + 63) / 64;
-    (void)q;
-    return lg_align_up((count + 1) / 2) + blocks * 4;
-}
-void lg_nf4_quantize(lg_buf src, size_t count, lg_quantization q, uint8_t *dst) {
-    size_t codes = lg_align_up((count + 1) / 2);
-    float *absmax = (float *)(dst + codes);
-    (void)q;
-    memset(dst, 0, codes);
-    for (size_t b = 0; b * 64 < count; b++) {
-        float m = 0;
-        for (size_t i = b * 64; i < count && i < b * 64 + 64; i++) m = fmaxf(m, fabsf((float)lg_get(src, i)));
-        absmax[b] = m;
-        for (size_t i = b * 64; i < count && i < b * 64 + 64; i++) {
-            float x = m > 0 ? (float)lg_get(src, i) / m : 0;
-            int best = 0;
-            for (int k = 1; k < 16; k++) if (fabsf(lg_nf4_codes_tmp[k] - x) < fabsf(lg_nf4_codes_tmp[best] - x)) best = k;
-            dst[i / 2] |= (uint8_t)(i % 2 ? best : best << 4);
-        }
-    }
-}
-void lg_nf4_dequantize(const lg_exec *ex, const uint8_t *src, size_t count, lg_quantization q, lg_buf out) {
-    size_t codes = lg_align_up((count + 1) / 2);
-    const float *absmax = (const float *)(src + codes);
-    (void)ex; (void)q;
-    for (size_t i = 0; i < count; i++) {
-        int code = i % 2 ? src[i / 2] & 15 : src[i / 2] >> 4;
-        lg_set(out, i, lg_nf4_codes_tmp[code] * absmax[i / 64]);
-    }
-}
 
 /* QLoRA's NF4 weights (OC, IC) dequantized into the exec's workspace for one matmul; other
    weights as they are. */
@@ -4015,6 +4205,23 @@ static void lg_zero(const lg_exec *ex, lg_buf x, size_t n) {
     memset(x.data, 0, n * lg_elem_size(x.dtype));
 }
 
+/* out (count) = NF4 codes (count) x their blocks' absmax (lg_nf4_quantize's storage) */
+void lg_nf4_dequantize(const lg_exec *ex, const uint8_t *src, size_t count, lg_quantization q,
+                       lg_buf out) {
+    if (q == LG_QUANTIZE_NONE) return;
+    LG_ON_GPU(ex, lg_cuda_nf4_dequantize(ex, src, count, q, out));
+    lg_nf4_codebook book;
+    lg_nf4_codebook_make(&book);
+    lg_nf4_layout l = lg_nf4_layout_of(count, q);
+    LG_OMP(omp parallel for)
+    for (long b = 0; b < (long)l.blocks; b++) {
+        float absmax = lg_nf4_block_absmax(&book, src, &l, q, (size_t)b);
+        size_t first = (size_t)b * LG_NF4_BLOCK, end = first + LG_NF4_BLOCK;
+        for (size_t i = first; i < end && i < count; i++)
+            lg_set(out, i, book.nf4[lg_nf4_code_at(src, i)] * absmax);
+    }
+}
+
 /* The residual add and the norm that follows it: sum (N, C) = a + b, then out (N, C), mean and
    rstd (N) the norm of sum as lg_norm_forward. One pass over the rows on a GPU; sum may be a
    or b. (The backward needs no fusing: lg_norm_backward adds into the residual's gradient.) */
@@ -4247,13 +4454,17 @@ static void lg_init_frozen_tensor(const lg_model *m, const lg_tensor_info *t, lg
         return;
     }
     lg_real *values = (lg_real *)LG_MALLOC(t->count * sizeof(lg_real));
+    lg_error err;
     if (!values) {
         fprintf(stderr, "litgpt: out of host memory initialising %s\n", t->name);
         abort();
     }
     lg_init_tensor(&m->cfg, t, lg_buf_of(values), rng);
-    lg_nf4_quantize(lg_buf_of(values), t->count, m->cfg.lora.quantize,
-                    (uint8_t *)m->frozen_packed.data + t->offset);
+    if (lg_nf4_quantize(lg_buf_of(values), t->count, m->cfg.lora.quantize,
+                        (uint8_t *)m->frozen_packed.data + t->offset, &err) != 0) {
+        fprintf(stderr, "litgpt: %s\n", err.msg);
+        abort();
+    }
     LG_FREE(values);
 }
 
@@ -8396,7 +8607,7 @@ static int lg_state_meta(const lg_trainer *tr, const lg_loader *data, int step, 
     LG_META("lora", "r %d alpha %g dropout %g targets %s quantize %s", m0->cfg.lora.r,
             m0->cfg.lora.alpha, m0->cfg.lora.dropout,
             lg_lora_targets_name(m0->cfg.lora.r ? m0->cfg.lora.targets : 0, targets, sizeof targets),
-            lg_quantize_name(m0->cfg.lora.quantize));
+            lg_quantization_name(m0->cfg.lora.quantize));
     LG_META("precision", "%s", lg_precision_name(tr->args.precision));
     LG_META("optimizer", "%s", lg_optimizer_name(opt0->kind));
     LG_META("optimizer_state", "%s", formats[opt0->format]);
@@ -8801,20 +9012,21 @@ static int lg_peft_read(const lg_model *m0, const char *dir, lg_real *whole, lg_
 
 /* LoRA: sets every rank's frozen base from the base model's whole layout (lg_real), packing
    the linear weights in NF4 under --quantize. */
-static void lg_trainer_set_frozen(lg_trainer *tr, const lg_real *base) {
+static int lg_trainer_set_frozen(lg_trainer *tr, const lg_real *base, lg_error *err) {
     for (int r = 0; r < tr->n_ranks; r++) {
         lg_model *m = &tr->ranks[r].model;
         for (int i = 0; i < m->frozen_table.n_tensors; i++) {
             const lg_tensor_info *t = &m->frozen_table.tensors[i];
             lg_buf src = lg_buf_of((lg_real *)base + t->origin);
-            if (t->packed != LG_DTYPE_F32)
-                lg_nf4_quantize(src, t->count, m->cfg.lora.quantize,
-                                (uint8_t *)m->frozen_packed.data + t->offset);
-            else
+            if (t->packed == LG_DTYPE_F32)
                 lg_copy(&m->exec, lg_at(m->frozen, t->offset), src, t->count);
+            else if (lg_nf4_quantize(src, t->count, m->cfg.lora.quantize,
+                                     (uint8_t *)m->frozen_packed.data + t->offset, err) != 0)
+                return -1;
         }
         lg_rank_sync(m->rank);
     }
+    return 0;
 }
 
 /* The base tensor t of rank 0's frozen model into out (t->count, lg_real), dequantized. */
@@ -9013,7 +9225,7 @@ static int lg_trainer_load_frozen(lg_trainer *tr, const char *dir, lg_error *err
     lg_real *whole = (lg_real *)LG_MALLOC(n_base * sizeof(lg_real) + 1);
     if (!whole) return lg_fail(err, "out of host memory for the weights");
     int rc = lg_hf_load_weights(&base, lg_buf_of(whole), dir, err);
-    if (rc == 0) lg_trainer_set_frozen(tr, whole);
+    if (rc == 0) rc = lg_trainer_set_frozen(tr, whole, err);
     LG_FREE(whole);
     if (rc == 0) lg_format(tr->base_model, sizeof tr->base_model, "%s", dir);
     return rc;

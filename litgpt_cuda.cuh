@@ -10,7 +10,7 @@
    Contents
      a. checks, launches and the rank's GPU state (lg_cuda_rank)
      b. element access and reductions shared by the kernels
-     c. elementwise kernels: add, copy/cast, GELU, SwiGLU, rotary
+     c. elementwise kernels: add, copy/cast, NF4 dequantization, GELU, SwiGLU, rotary
      d. embedding, LayerNorm/RMSNorm
      e. the fused classifier (softmax, loss and the logits' gradient)
      f. optimizers, sums of squares
@@ -339,6 +339,28 @@ static void lg_cuda_copy_beside(const lg_exec *ex, lg_buf dst, lg_buf src, size_
 static void lg_cuda_zero(const lg_exec *ex, lg_buf x, size_t n) {
     if (n == 0) return;
     LG_CUDA_TRY(cudaMemsetAsync(x.data, 0, n * lg_elem_size(x.dtype), lg_cuda_stream(ex)));
+}
+
+/* NF4 weights back (lg_nf4_dequantize): one thread a byte of codes, its two elements. */
+__global__ void lg_k_nf4_dequantize(lg_nf4_codebook book, lg_nf4_layout layout, lg_quantization q,
+                                    const uint8_t *src, size_t count, lg_buf out) {
+    size_t pairs = (count + 1) / 2;
+    for (size_t p = lg_k_first(); p < pairs; p += lg_k_stride()) {
+        size_t i = 2 * p;
+        float absmax = lg_nf4_block_absmax(&book, src, &layout, q, i / LG_NF4_BLOCK);
+        lg_set(out, i, book.nf4[lg_nf4_code_at(src, i)] * absmax);
+        if (i + 1 < count) lg_set(out, i + 1, book.nf4[lg_nf4_code_at(src, i + 1)] * absmax);
+    }
+}
+
+static void lg_cuda_nf4_dequantize(const lg_exec *ex, const uint8_t *src, size_t count,
+                                   lg_quantization q, lg_buf out) {
+    if (count == 0) return;
+    lg_nf4_codebook book;
+    lg_nf4_codebook_make(&book);
+    size_t pairs = (count + 1) / 2;
+    LG_LAUNCH(lg_k_nf4_dequantize, lg_cuda_element_grid(pairs), LG_CUDA_ELEMENT_THREADS, 0,
+              lg_cuda_stream(ex), book, lg_nf4_layout_of(count, q), q, src, count, out);
 }
 
 /* out (n) = gelu(inp (n)) */

@@ -289,7 +289,7 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
             break;
         }
         case OPT_QUANTIZE:
-            if (lg_quantize_parse(optarg, &a->lora.quantize) != 0)
+            if (lg_quantization_parse(optarg, &a->lora.quantize) != 0)
                 die_usage("%s: '%s' is not nf4 or nf4-dq", f, optarg);
             break;
         case OPT_OPTIMIZER_STATE:

@@ -1720,8 +1720,17 @@ static void run_emulated_cuda_tests(results *r) {
 #include "test_data.c"
 #include "test_lora.c"
 
-int main(void) {
+/* ---- NF4 weight storage (QLoRA) ----------------------------------------------------------- */
+
+#include "test_nf4.c"
+
+int main(int argc, char **argv) {
     results r = {0, 0};
+    if (argc > 1 && strcmp(argv[1], "nf4") == 0) { /* ./tests/test nf4: only these */
+        test_nf4_all(&r);
+        printf("%d passed, %d failed\n", r.passed, r.failed);
+        return r.failed ? 1 : 0;
+    }
     printf("PyTorch reference (fp32)\n");
     test_reference(&r, "test-gpt2");
     test_reference(&r, "test-pythia");
@@ -1765,6 +1774,7 @@ int main(void) {
     test_auto_micro_batch(&r);
     test_plan_cli(&r);
     test_data_all(&r);
+    test_nf4_all(&r);
     printf("devices and sharding\n");
     test_sharding(&r);
     test_lora_all(&r);

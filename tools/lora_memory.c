@@ -74,7 +74,7 @@ int main(void) {
         below += gb < row->litgpt_gb;
         n++;
         printf("| %s | %s | %d | %d | %d | %s | %.2f GB | %.2f GB |\n", row->what, row->config,
-               row->r, row->micro_batch, row->T, lg_quantize_name(row->quantize), gb, row->litgpt_gb);
+               row->r, row->micro_batch, row->T, lg_quantization_name(row->quantize), gb, row->litgpt_gb);
     }
     printf("\n%d of %d rows planned below LitGPT's measured peak\n", below, n);
     return n == (int)(sizeof rows / sizeof rows[0]) ? 0 : 1;
