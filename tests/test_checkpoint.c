@@ -4,7 +4,9 @@
 
 #include <signal.h>
 
-static const char *const ckpt_families[3] = {"test-gpt2", "test-pythia", "test-llama"};
+static const char *const ckpt_families[] = {"test-gpt2", "test-pythia", "test-llama",
+                                            "test-falcon", "test-llama31"};
+#define N_CKPT_FAMILIES ((int)(sizeof ckpt_families / sizeof ckpt_families[0]))
 static const lg_precision ckpt_precisions[5] = {LG_PRECISION_32_TRUE, LG_PRECISION_BF16_MIXED,
                                                 LG_PRECISION_16_MIXED, LG_PRECISION_BF16_TRUE,
                                                 LG_PRECISION_16_TRUE};
@@ -110,7 +112,7 @@ static lg_args ckpt_args(lg_precision p, lg_optimizer_kind kind) {
 static void test_checkpoint_round_trips(results *r) {
     int ok = 1, runs = 0;
     const char *dtypes[5] = {"F32", "BF16", "F16", "BF16", "F16"};
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < N_CKPT_FAMILIES; i++) {
         lg_config cfg;
         if (load_config_or_fail(r, &cfg, ckpt_families[i])) return;
         for (int k = 0; k < 5; k++) {
@@ -137,15 +139,16 @@ static void test_checkpoint_round_trips(results *r) {
             lg_trainer_free(&loaded);
         }
     }
-    check(r, ok, "save -> load: bitwise the same weights, file in the run's weight dtype (%d runs: 3 "
-          "families x 5 precisions)", runs);
+    check(r, ok, "save -> load: bitwise the same weights, file in the run's weight dtype (%d runs: %d "
+          "families x 5 precisions)", runs, N_CKPT_FAMILIES);
 }
 
 /* The Python-written Hugging Face directories load through --load's code and reproduce the
    reference logits; our writer produces the same tensors as that independent conversion. */
 static void test_hf_directories(results *r) {
-    const char *dirs[3] = {"tests/hf/gpt2", "tests/hf/pythia", "tests/hf/llama"};
-    for (int i = 0; i < 3; i++) {
+    const char *dirs[N_CKPT_FAMILIES] = {"tests/hf/gpt2", "tests/hf/pythia", "tests/hf/llama",
+                                         "tests/hf/falcon", "tests/hf/llama31"};
+    for (int i = 0; i < N_CKPT_FAMILIES; i++) {
         char path[256];
         ref_file rf = {NULL, 0};
         lg_config want, cfg;
