@@ -7265,16 +7265,18 @@ static void lg_hf_rope_scaling(lg_hf_fields *f, lg_rope_adjustments *ra) {
         f->failed = 1;
         return;
     }
-    const char *floats[3] = {"factor", "low_freq_factor", "high_freq_factor"};
-    float *dest[3] = {&ra->factor, &ra->low_freq_factor, &ra->high_freq_factor};
-    for (int k = 0; k < 3; k++) {
-        if (lg_hf_find(&sub, floats[k]) < 0 && !f->failed) {
-            lg_fail(f->err, "%s: rope_scaling.%s is missing", f->path, floats[k]);
+    const char *keys[4] = {"factor", "low_freq_factor", "high_freq_factor",
+                           "original_max_position_embeddings"};
+    for (int k = 0; k < 4; k++)
+        if (lg_hf_find(&sub, keys[k]) < 0 && !f->failed) {
+            lg_fail(f->err, "%s: rope_scaling.%s is missing", f->path, keys[k]);
             f->failed = 1;
+            return;
         }
-        *dest[k] = lg_hf_float(&sub, floats[k], 0.0f);
-    }
-    ra->original_max_seq_len = lg_hf_int(&sub, "original_max_position_embeddings", 0, 1);
+    ra->factor = lg_hf_float(&sub, keys[0], 0.0f);
+    ra->low_freq_factor = lg_hf_float(&sub, keys[1], 0.0f);
+    ra->high_freq_factor = lg_hf_float(&sub, keys[2], 0.0f);
+    ra->original_max_seq_len = lg_hf_int(&sub, keys[3], 0, 1);
     f->failed |= sub.failed;
 }
 

@@ -215,6 +215,86 @@ static void test_hf_directories(results *r) {
     }
 }
 
+/* dir/config.json -> cfg, compared with configs/NAME.yaml as a config.json can hold it (the
+   name is the model_type, the vocabulary the padded one). */
+static int hf_config_matches(const char *dir, const char *name, lg_error *err) {
+    lg_config want, cfg;
+    char path[256];
+    snprintf(path, sizeof path, "configs/%s.yaml", name);
+    if (lg_config_load(&want, path, err) != 0 || lg_hf_config_read(&cfg, dir, err) != 0) return 0;
+    memcpy(want.name, cfg.name, sizeof want.name);
+    want.vocab_size = want.padded_vocab_size;
+    return memcmp(&want, &cfg, sizeof cfg) == 0;
+}
+
+/* tests/hf/FAMILY/config.json with each edits[2k] replaced by edits[2k + 1] (n pairs), as
+   build/hf-variant/config.json; -1 when one is not there. */
+static int hf_config_variant(const char *family, const char *const *edits, int n) {
+    char path[256], text[4096], next[4096];
+    lg_error err;
+    size_t len;
+    snprintf(path, sizeof path, "tests/hf/%s/config.json", family);
+    char *json = lg_read_file(path, &len, "test", &err);
+    if (!json) return -1;
+    snprintf(text, sizeof text, "%s", json);
+    LG_FREE(json);
+    for (int k = 0; k < n; k++) {
+        char *at = strstr(text, edits[2 * k]);
+        if (!at) return -1;
+        snprintf(next, sizeof next, "%.*s%s%s", (int)(at - text), text, edits[2 * k + 1],
+                 at + strlen(edits[2 * k]));
+        memcpy(text, next, sizeof text);
+    }
+    system("mkdir -p build/hf-variant");
+    return write_file_bytes("build/hf-variant/config.json", text, strlen(text));
+}
+
+/* Falcon's and Llama 3.1's config.json: what lg_hf_save writes reads back as the config;
+   RWForCausalLM's older names read; the layouts not built are refused naming the field. */
+static void test_hf_falcon_llama31_configs(results *r) {
+    const char *names[2] = {"test-falcon", "test-llama31"};
+    for (int i = 0; i < 2; i++) {
+        lg_config cfg;
+        lg_model m;
+        lg_error err;
+        memset(&m, 0, sizeof m);
+        if (load_config_or_fail(r, &cfg, names[i])) return;
+        int ok = lg_model_create(&m, &cfg, 1, 4, &err) == 0;
+        ok = ok && system("rm -rf build/hf-written") == 0 && lg_hf_save(&m, "build/hf-written", &err) == 0;
+        remove("build/hf-written/model_config.yaml"); /* config.json alone */
+        ok = ok && hf_config_matches("build/hf-written", names[i], &err);
+        check(r, ok, "%-12s the config.json lg_hf_save writes reads back as %s.yaml%s%s", names[i],
+              names[i], ok ? "" : ": ", ok ? "" : err.msg);
+        if (m.params.data) lg_model_free(&m);
+    }
+    lg_error err;
+    static const char *const rw[] = {"\"FalconForCausalLM\"", "\"RWForCausalLM\"", "\"falcon\"",
+                                     "\"RefinedWebModel\"", "\"num_hidden_layers\"", "\"n_layer\"",
+                                     "\"num_attention_heads\"", "\"n_head\""};
+    int ok = hf_config_variant("falcon", rw, 4) == 0 && hf_config_matches("build/hf-variant", "test-falcon", &err);
+    check(r, ok, "RWForCausalLM's config.json (RefinedWebModel, n_layer, n_head) reads as test-falcon%s%s",
+          ok ? "" : ": ", ok ? "" : err.msg);
+    static const struct { const char *family, *from, *to, *want; } refused[] = {
+        {"falcon", "\"new_decoder_architecture\": false", "\"new_decoder_architecture\": true",
+         "new_decoder_architecture true is not supported"},
+        {"falcon", "\"alibi\": false", "\"alibi\": true", "alibi true is not supported"},
+        {"falcon", "\"multi_query\": true", "\"multi_query\": false", "multi_query false is not supported"},
+        {"falcon", "\"parallel_attn\": true", "\"parallel_attn\": false", "parallel_attn false is not supported"},
+        {"llama31", "\"llama3\"", "\"yarn\"", "rope_scaling.rope_type 'yarn' is not supported"},
+        {"llama31", "\"original_max_position_embeddings\"", "\"original_max\"",
+         "rope_scaling.original_max_position_embeddings is missing"},
+    };
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        lg_config cfg;
+        const char *edit[2] = {refused[i].from, refused[i].to};
+        int rc = 0;
+        if (hf_config_variant(refused[i].family, edit, 1) != 0) snprintf(err.msg, sizeof err.msg, "no %s", edit[0]);
+        else rc = lg_hf_config_read(&cfg, "build/hf-variant", &err);
+        check(r, rc != 0 && strstr(err.msg, refused[i].want) && strstr(err.msg, "config.json"),
+              "tests/hf/%s with %s refused: \"%s\"", refused[i].family, refused[i].to, err.msg);
+    }
+}
+
 /* 6 steps uninterrupted against 3 steps, a checkpoint, a fresh trainer and loader resumed from
    it with args b (other ranks, say), 3 more steps: bitwise the same losses and weights, or
    within 1e-5 relative when the ranks add gradients in another order. The data wraps around
@@ -546,6 +626,7 @@ static void test_checkpoint_cli(results *r) {
     check(r, c == 0 && strstr(out, "resumed build/cli-ckpt/step-4: 4 steps done"),
           "./train --resume DIR continues from the latest complete step-N (exit %d)", c);
     expect_cli(r, "--load tests/hf/llama -b 2 -t 8 --max-steps 1 --eval-iters 1", 0, "sample");
+    expect_cli(r, "--load tests/hf/falcon -b 2 -t 8 --max-steps 1 --eval-iters 1", 0, "sample");
     expect_cli(r, "--load build/no-such-dir -b 2 -t 8", 2, "build/no-such-dir/config.json: cannot open");
     expect_cli(r, "--load tests/hf/llama -c test-llama", 2, "--load brings its model's config.json");
 }
@@ -554,6 +635,7 @@ static void test_checkpoints(results *r) {
     test_safetensors_format(r);
     test_checkpoint_round_trips(r);
     test_hf_directories(r);
+    test_hf_falcon_llama31_configs(r);
     test_resume_bitwise(r);
     test_resume_sharded(r);
     test_kill_during_save(r);
