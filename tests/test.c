@@ -1354,13 +1354,14 @@ static int same_bits(lg_buf a, lg_buf b, size_t n) {
 /* --recompute block and --offload give bitwise the losses, gradients and weights of a plain
    run: the same arithmetic in the same order, only where the tensors live differs. */
 static void test_recompute_offload_bitwise(results *r) {
-    const char *names[3] = {"test-gpt2", "test-pythia", "test-llama"};
+    const char *names[] = {"test-gpt2", "test-pythia", "test-llama", "test-falcon"};
+    const int n_families = (int)(sizeof names / sizeof names[0]);
     const lg_precision modes[5] = {LG_PRECISION_32_TRUE, LG_PRECISION_BF16_MIXED,
                                    LG_PRECISION_16_MIXED, LG_PRECISION_BF16_TRUE,
                                    LG_PRECISION_16_TRUE};
     for (int variant = 0; variant < 2; variant++) {
         int ok = 1, runs = 0;
-        for (int i = 0; i < 3; i++) {
+        for (int i = 0; i < n_families; i++) {
             lg_config cfg;
             if (load_config_or_fail(r, &cfg, names[i])) return;
             for (int k = 0; k < 5; k++) {
@@ -1387,8 +1388,8 @@ static void test_recompute_offload_bitwise(results *r) {
             }
         }
         check(r, ok, "%s: bitwise the same losses, gradients and weights after 5 steps (%d runs: "
-              "3 families x 5 precisions, AdamW and SGD)",
-              variant == 0 ? "--recompute block" : "--offload", runs);
+              "%d families x 5 precisions, AdamW and SGD)",
+              variant == 0 ? "--recompute block" : "--offload", runs, n_families);
     }
 }
 
@@ -1538,8 +1539,8 @@ static void check_allocations_match_plan(results *r, const char *config_name, in
 }
 
 static void test_plan_matches_allocations(results *r) {
-    const char *configs[3] = {"test-gpt2", "test-pythia", "test-llama"};
-    for (int i = 0; i < 3; i++) {
+    const char *configs[] = {"test-gpt2", "test-pythia", "test-llama", "test-falcon"};
+    for (size_t i = 0; i < sizeof configs / sizeof configs[0]; i++) {
         check_allocations_match_plan(r, configs[i], 1, 8, LG_PRECISION_32_TRUE, LG_OPTIMIZER_ADAMW, 0.9f, 1);
         check_allocations_match_plan(r, configs[i], 4, 16, LG_PRECISION_BF16_MIXED, LG_OPTIMIZER_SGD, 0.9f, 2);
         check_allocations_match_plan(r, configs[i], 3, 5, LG_PRECISION_16_TRUE, LG_OPTIMIZER_SGD, 0.0f, 3);
