@@ -7197,6 +7197,56 @@ static int lg_hf_gelu(lg_hf_fields *f, const char *act) {
     return 0;
 }
 
+/* A refusal naming the config.json field at fault (the first one found). */
+static void lg_hf_refuse(lg_hf_fields *f, const char *what) {
+    if (!f->failed) lg_fail(f->err, "%s: %s", f->path, what);
+    f->failed = 1;
+}
+
+/* The rotary settings beyond rope_theta: rope_scaling (transformers 4), or rope_parameters
+   (transformers 5, which moves rope_theta into it). Absent, null or rope_type "default": plain
+   rotary; "llama3" (where llama3 is allowed) -> rope_adjustments; other kinds (linear, dynamic,
+   yarn, ...) would compute other frequencies: refused naming them. */
+static void lg_hf_rope(lg_hf_fields *f, lg_config *c, int llama3) {
+    const char *key = "rope_scaling";
+    int node = lg_hf_find(f, key);
+    if (node < 0) node = lg_hf_find(f, key = "rope_parameters");
+    if (node < 0 || f->failed) return;
+    if (f->j->nodes[node].kind != LG_JSON_OBJECT) {
+        lg_fail(f->err, "%s: %s is not an object", f->path, key);
+        f->failed = 1;
+        return;
+    }
+    lg_hf_fields sub = *f;
+    sub.object = node;
+    c->rope_base = lg_hf_float(&sub, "rope_theta", c->rope_base);
+    char type[32] = "";
+    lg_hf_string(&sub, "rope_type", type, sizeof type);
+    if (!type[0]) lg_hf_string(&sub, "type", type, sizeof type); /* the older key */
+    if ((!type[0] || strcmp(type, "default") == 0) && !sub.failed) return;
+    if (strcmp(type, "llama3") != 0 || !llama3) {
+        if (!f->failed) lg_fail(f->err, "%s: %s.rope_type '%s' is not supported (%s)", f->path, key, type,
+                                llama3 ? "only \"llama3\", the frequency scaling of Llama 3.1/3.2"
+                                       : "this family has plain rotary embeddings");
+        f->failed = 1;
+        return;
+    }
+    const char *keys[4] = {"factor", "low_freq_factor", "high_freq_factor",
+                           "original_max_position_embeddings"};
+    for (int k = 0; k < 4; k++)
+        if (lg_hf_find(&sub, keys[k]) < 0 && !f->failed) {
+            lg_fail(f->err, "%s: %s.%s is missing", f->path, key, keys[k]);
+            f->failed = 1;
+            return;
+        }
+    lg_rope_adjustments *ra = &c->rope_adjustments;
+    ra->factor = lg_hf_float(&sub, keys[0], 0.0f);
+    ra->low_freq_factor = lg_hf_float(&sub, keys[1], 0.0f);
+    ra->high_freq_factor = lg_hf_float(&sub, keys[2], 0.0f);
+    ra->original_max_seq_len = lg_hf_int(&sub, keys[3], 0, 1);
+    f->failed |= sub.failed;
+}
+
 static void lg_hf_config_gpt2(lg_hf_fields *f, lg_config *c) {
     char act[32];
     c->n_layer = lg_hf_int(f, "n_layer", 0, 1);
@@ -7230,6 +7280,7 @@ static void lg_hf_config_neox(lg_hf_fields *f, lg_config *c) {
     c->gelu_approximate_tanh = lg_hf_gelu(f, act[0] ? act : "gelu");
     c->rotary_percentage = lg_hf_float(f, "rotary_pct", 0.25f);
     c->rope_base = lg_hf_float(f, "rotary_emb_base", 10000.0f);
+    lg_hf_rope(f, c, 0);
     c->parallel_residual = lg_hf_bool(f, "use_parallel_residual", 1);
     c->bias = 1;
     if (!lg_hf_bool(f, "attention_bias", 1) && !f->failed) {
@@ -7237,47 +7288,6 @@ static void lg_hf_config_neox(lg_hf_fields *f, lg_config *c) {
         f->failed = 1;
     }
     c->tie_embeddings = lg_hf_bool(f, "tie_word_embeddings", 0);
-}
-
-/* A refusal naming the config.json field at fault (the first one found). */
-static void lg_hf_refuse(lg_hf_fields *f, const char *what) {
-    if (!f->failed) lg_fail(f->err, "%s: %s", f->path, what);
-    f->failed = 1;
-}
-
-/* rope_scaling: absent or null, or Llama 3.1's ("rope_type": "llama3") -> rope_adjustments.
-   Other kinds (linear, dynamic, yarn, ...) would compute other frequencies: refused. */
-static void lg_hf_rope_scaling(lg_hf_fields *f, lg_rope_adjustments *ra) {
-    int node = lg_hf_find(f, "rope_scaling");
-    if (node < 0 || f->failed) return;
-    if (f->j->nodes[node].kind != LG_JSON_OBJECT) {
-        lg_hf_refuse(f, "rope_scaling is not an object");
-        return;
-    }
-    lg_hf_fields sub = *f;
-    sub.object = node;
-    char type[32] = "";
-    lg_hf_string(&sub, "rope_type", type, sizeof type);
-    if (!type[0]) lg_hf_string(&sub, "type", type, sizeof type); /* the older key */
-    if (strcmp(type, "llama3") != 0) {
-        lg_fail(f->err, "%s: rope_scaling.rope_type '%s' is not supported (only \"llama3\", the "
-                        "frequency scaling of Llama 3.1/3.2)", f->path, type);
-        f->failed = 1;
-        return;
-    }
-    const char *keys[4] = {"factor", "low_freq_factor", "high_freq_factor",
-                           "original_max_position_embeddings"};
-    for (int k = 0; k < 4; k++)
-        if (lg_hf_find(&sub, keys[k]) < 0 && !f->failed) {
-            lg_fail(f->err, "%s: rope_scaling.%s is missing", f->path, keys[k]);
-            f->failed = 1;
-            return;
-        }
-    ra->factor = lg_hf_float(&sub, keys[0], 0.0f);
-    ra->low_freq_factor = lg_hf_float(&sub, keys[1], 0.0f);
-    ra->high_freq_factor = lg_hf_float(&sub, keys[2], 0.0f);
-    ra->original_max_seq_len = lg_hf_int(&sub, keys[3], 0, 1);
-    f->failed |= sub.failed;
 }
 
 static void lg_hf_config_llama(lg_hf_fields *f, lg_config *c, int qwen2) {
@@ -7301,7 +7311,7 @@ static void lg_hf_config_llama(lg_hf_fields *f, lg_config *c, int qwen2) {
         lg_fail(f->err, "%s: hidden_act '%s' is not silu", f->path, act);
         f->failed = 1;
     }
-    lg_hf_rope_scaling(f, &c->rope_adjustments);
+    lg_hf_rope(f, c, 1);
     c->bias = !qwen2 && lg_hf_bool(f, "attention_bias", 0);
     if (!qwen2 && lg_hf_bool(f, "mlp_bias", 0) != c->bias && !f->failed) {
         lg_fail(f->err, "%s: attention_bias and mlp_bias differ, which LitGPT's bias cannot express", f->path);
@@ -7348,8 +7358,7 @@ static void lg_hf_config_falcon(lg_hf_fields *f, lg_config *c) {
         lg_hf_refuse(f, "bias true is not supported (only Falcon-7B's linear layers without biases)");
     if (lg_hf_bool(f, "apply_residual_connection_post_layernorm", 0))
         lg_hf_refuse(f, "apply_residual_connection_post_layernorm true is not supported");
-    if (lg_hf_find(f, "rope_scaling") >= 0)
-        lg_hf_refuse(f, "rope_scaling is not supported for Falcon (other rotary frequencies)");
+    lg_hf_rope(f, c, 0);
 }
 
 /* Our own model_config.yaml beside config.json gives the real vocab_size and the name. */

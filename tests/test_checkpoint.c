@@ -274,6 +274,12 @@ static void test_hf_falcon_llama31_configs(results *r) {
     int ok = hf_config_variant("falcon", rw, 4) == 0 && hf_config_matches("build/hf-variant", "test-falcon", &err);
     check(r, ok, "RWForCausalLM's config.json (RefinedWebModel, n_layer, n_head) reads as test-falcon%s%s",
           ok ? "" : ": ", ok ? "" : err.msg);
+    /* rope_theta inside rope_parameters is the one read (the stale one outside is not 10000) */
+    static const char *const v5[] = {"\"rope_theta\": 10000.0,", "\"rope_theta\": 500000.0,",
+                                     "\"rope_scaling\": {", "\"rope_parameters\": {\"rope_theta\": 10000.0, "};
+    ok = hf_config_variant("llama31", v5, 2) == 0 && hf_config_matches("build/hf-variant", "test-llama31", &err);
+    check(r, ok, "transformers 5's rope_parameters (rope_theta and llama3 inside) reads as test-llama31%s%s",
+          ok ? "" : ": ", ok ? "" : err.msg);
     static const struct { const char *family, *from, *to, *want; } refused[] = {
         {"falcon", "\"new_decoder_architecture\": false", "\"new_decoder_architecture\": true",
          "new_decoder_architecture true is not supported"},
@@ -281,6 +287,8 @@ static void test_hf_falcon_llama31_configs(results *r) {
         {"falcon", "\"multi_query\": true", "\"multi_query\": false", "multi_query false is not supported"},
         {"falcon", "\"parallel_attn\": true", "\"parallel_attn\": false", "parallel_attn false is not supported"},
         {"llama31", "\"llama3\"", "\"yarn\"", "rope_scaling.rope_type 'yarn' is not supported"},
+        {"falcon", "\"rope_theta\": 10000.0", "\"rope_scaling\": {\"rope_type\": \"linear\", \"factor\": 2.0}",
+         "rope_scaling.rope_type 'linear' is not supported"},
         {"llama31", "\"original_max_position_embeddings\"", "\"original_max\"",
          "rope_scaling.original_max_position_embeddings is missing"},
     };
