@@ -59,8 +59,8 @@
     11. tokenizer        byte-level BPE (GPT-2 files, tokenizer.json; GPT-2, Llama 3 and Qwen2
                          pre-tokenizers), SentencePiece-style BPE, the built-in characters
     12. checkpoints      safetensors read/write, Hugging Face layouts and config.json (GPT-2,
-                         GPT-NeoX, Llama/Mistral/Qwen2, Falcon), step-N directories with resume state,
-                         atomic files, a COMPLETE marker with checksums written last
+                         GPT-NeoX, Llama/Mistral/Qwen2, Falcon), step-N directories with resume
+                         state, atomic files, a COMPLETE marker with checksums written last
     13. trainer          lg_trainer: one optimizer step (accumulation, loss scaling, clipping),
                          evaluation
 
@@ -1073,8 +1073,8 @@ typedef enum { LG_HF_GPT2, LG_HF_GPTNEOX, LG_HF_LLAMA, LG_HF_QWEN2, LG_HF_FALCON
 int lg_hf_family_of(const lg_config *cfg, lg_hf_family *family, lg_error *err);
 /* DIR/config.json -> cfg (vocab_size = padded_vocab_size = the file's vocab_size; when DIR
    also holds a model_config.yaml that agrees, its vocab_size and name). Unknown
-   architectures and unsupported settings (a rope_scaling other than Llama 3.1's, Falcon's
-   new_decoder_architecture or alibi) are errors that name them. */
+   architectures and unsupported settings (a rope_scaling or rope_parameters other than Llama
+   3.1's, Falcon's new_decoder_architecture or alibi) are errors that name them. */
 int lg_hf_config_read(lg_config *cfg, const char *dir, lg_error *err);
 /* Loads DIR's weights (model.safetensors, or the shards of model.safetensors.index.json)
    into dest, laid out by lg_params_layout(cfg): names, layouts and dtypes converted. When
@@ -6898,7 +6898,8 @@ int lg_hf_family_of(const lg_config *c, lg_hf_family *family, lg_error *err) {
     } else if (c->shared_attention_norm) { /* Falcon-7B's layout: multi-query, no linear biases */
         *family = LG_HF_FALCON;
         if (c->norm_class_name != LG_NORM_LAYERNORM || c->rotary_percentage != 1.0f ||
-            c->bias || c->attn_bias || c->n_query_groups != 1 || c->n_head * c->head_size != c->n_embd)
+            c->bias || c->attn_bias || c->n_query_groups != 1 ||
+            c->n_head * c->head_size != c->n_embd)
             why = "shared_attention_norm without Falcon-7B's LayerNorm, full rotary, multi-query "
                   "attention (n_query_groups 1) and no linear biases";
     } else {
@@ -6906,7 +6907,8 @@ int lg_hf_family_of(const lg_config *c, lg_hf_family *family, lg_error *err) {
         if (c->norm_class_name != LG_NORM_LAYERNORM || !c->bias || !mha || c->shared_attention_norm)
             why = "GptNeoxMLP without GPT-NeoX's LayerNorm, biases, multi-head attention and two norms";
     }
-    if (!why && c->rope_adjustments.factor != 0.0f && *family != LG_HF_LLAMA && *family != LG_HF_QWEN2)
+    if (!why && c->rope_adjustments.factor != 0.0f && *family != LG_HF_LLAMA &&
+        *family != LG_HF_QWEN2)
         why = "rope_adjustments outside the Llama and Qwen2 layouts";
     if (why) return lg_fail(err, "config %s: no Hugging Face layout holds this architecture (%s)", c->name, why);
     return 0;
