@@ -1,4 +1,5 @@
-/* litgpt.h — train GPT-2, Pythia/GPT-NeoX and Llama-family language models in the memory you have.
+/* litgpt.h — train GPT-2, Pythia/GPT-NeoX, Falcon and Llama-family language models in the
+   memory you have.
 
    One stb-style header. In exactly one C or CUDA file:
 
@@ -58,8 +59,8 @@
     11. tokenizer        byte-level BPE (GPT-2 files, tokenizer.json; GPT-2, Llama 3 and Qwen2
                          pre-tokenizers), SentencePiece-style BPE, the built-in characters
     12. checkpoints      safetensors read/write, Hugging Face layouts and config.json (GPT-2,
-                         GPT-NeoX, Llama/Mistral/Qwen2), step-N directories with resume state,
-                         atomic files, a COMPLETE marker with checksums written last
+                         GPT-NeoX, Llama/Mistral/Qwen2, Falcon), step-N directories with resume
+                         state, atomic files, a COMPLETE marker with checksums written last
     13. trainer          lg_trainer: one optimizer step (accumulation, loss scaling, clipping),
                          evaluation
 
@@ -235,6 +236,17 @@ int lg_lora_targets_parse(const char *text, unsigned *targets, lg_error *err);
 /* The inverse, into buf: "q,v". */
 const char *lg_lora_targets_name(unsigned targets, char *buf, size_t size);
 
+/* Llama 3.1/3.2's rotary frequency scaling (LitGPT's rope_adjustments, Hugging Face's
+   rope_scaling with rope_type "llama3"): frequencies whose wavelength exceeds
+   original_max_seq_len / low_freq_factor are divided by factor, those under
+   original_max_seq_len / high_freq_factor are kept, those between are blended. factor 0: none. */
+typedef struct {
+    float factor;
+    float low_freq_factor;
+    float high_freq_factor;
+    int original_max_seq_len;
+} lg_rope_adjustments;
+
 /* The architecture, with LitGPT's field names (see configs/NAME.yaml). */
 typedef struct {
     char name[64];
@@ -253,9 +265,11 @@ typedef struct {
     int gelu_approximate_tanh;  /* gelu_approximate: tanh (GPT-2) or none (exact erf) */
     float rotary_percentage;    /* share of each head's dims that rotary embeddings rotate */
     float rope_base;
+    lg_rope_adjustments rope_adjustments; /* optional; a nested block in the YAML */
     int parallel_residual;      /* x + attn(n1(x)) + mlp(n2(x)) instead of sequential */
     int shared_attention_norm;  /* with parallel_residual: the MLP reads norm_1's output */
-    int bias;                   /* biases on linear layers and LayerNorm */
+    int bias;                   /* biases on the linear layers (LayerNorm always has one, as
+                                   torch.nn.LayerNorm in LitGPT: Falcon's norms with bias false) */
     int attn_bias;              /* bias on the qkv projection even when bias is false */
     int lm_head_bias;
     int tie_embeddings;         /* lm_head shares transformer.wte.weight */
@@ -263,7 +277,8 @@ typedef struct {
     lg_lora lora;               /* not a model field: the plan sets it from lg_args.lora */
 } lg_config;
 
-/* Loads a flat `key: value` YAML file; every field above is required. */
+/* Loads a flat `key: value` YAML file; every field above is required except rope_adjustments,
+   LitGPT's nested block (`rope_adjustments:` then indented `factor: 32.0` ... lines, or null). */
 int lg_config_load(lg_config *cfg, const char *path, lg_error *err);
 int lg_config_check(const lg_config *cfg, lg_error *err);
 /* The model of the built-in run (and its character vocabulary), without any file. */
@@ -1174,12 +1189,13 @@ int lg_st_write(const char *path, lg_st_tensor *tensors, int n, const lg_st_meta
                 lg_error *err);
 
 /* Hugging Face layouts. */
-typedef enum { LG_HF_GPT2, LG_HF_GPTNEOX, LG_HF_LLAMA, LG_HF_QWEN2 } lg_hf_family;
+typedef enum { LG_HF_GPT2, LG_HF_GPTNEOX, LG_HF_LLAMA, LG_HF_QWEN2, LG_HF_FALCON } lg_hf_family;
 /* The family whose layout holds this architecture; -1 naming what none of them has. */
 int lg_hf_family_of(const lg_config *cfg, lg_hf_family *family, lg_error *err);
 /* DIR/config.json -> cfg (vocab_size = padded_vocab_size = the file's vocab_size; when DIR
    also holds a model_config.yaml that agrees, its vocab_size and name). Unknown
-   architectures and unsupported settings (rope_scaling) are errors that name them. */
+   architectures and unsupported settings (a rope_scaling or rope_parameters other than Llama
+   3.1's, Falcon's new_decoder_architecture or alibi) are errors that name them. */
 int lg_hf_config_read(lg_config *cfg, const char *dir, lg_error *err);
 /* Loads DIR's weights (model.safetensors, or the shards of model.safetensors.index.json)
    into dest, laid out by lg_params_layout(cfg): names, layouts and dtypes converted. When
@@ -1908,6 +1924,18 @@ static const lg_config_field lg_config_fields[] = {
 #undef LG_FIELD
 #define LG_N_CONFIG_FIELDS ((int)(sizeof lg_config_fields / sizeof lg_config_fields[0]))
 
+/* The lines of LitGPT's nested rope_adjustments block (offsets within lg_config). */
+#define LG_ROPE_FIELD(key, type)                                                                \
+    {#key, type, offsetof(lg_config, rope_adjustments) + offsetof(lg_rope_adjustments, key)}
+static const lg_config_field lg_rope_fields[] = {
+    LG_ROPE_FIELD(factor, LG_FIELD_FLOAT),
+    LG_ROPE_FIELD(low_freq_factor, LG_FIELD_FLOAT),
+    LG_ROPE_FIELD(high_freq_factor, LG_FIELD_FLOAT),
+    LG_ROPE_FIELD(original_max_seq_len, LG_FIELD_INT),
+};
+#undef LG_ROPE_FIELD
+#define LG_N_ROPE_FIELDS ((int)(sizeof lg_rope_fields / sizeof lg_rope_fields[0]))
+
 static char *lg_trim(char *s) {
     while (isspace((unsigned char)*s)) s++;
     char *end = s + strlen(s);
@@ -1974,19 +2002,22 @@ static const char *lg_field_expectation(lg_field_type type) {
 }
 
 /* Reads `key: value` lines; '#' starts a comment, indented lines (nested YAML) and keys this
-   trainer does not use are skipped, so LitGPT's own model_config.yaml files load too. */
+   trainer does not use are skipped, so LitGPT's own model_config.yaml files load too. The one
+   nested block read is rope_adjustments' (its indented lines), or `rope_adjustments: null`. */
 int lg_config_load(lg_config *cfg, const char *path, lg_error *err) {
     FILE *f = fopen(path, "r");
     if (!f) return lg_fail(err, "config %s: cannot open: %s", path, strerror(errno));
     memset(cfg, 0, sizeof *cfg);
-    int seen[LG_N_CONFIG_FIELDS] = {0};
+    int seen[LG_N_CONFIG_FIELDS] = {0}, rope_seen[LG_N_ROPE_FIELDS] = {0};
+    int in_rope_block = 0, rope_block = 0;
     char line[1024];
     int line_no = 0;
     while (fgets(line, sizeof line, f)) {
         line_no++;
         char *hash = strchr(line, '#');
         if (hash) *hash = '\0';
-        if (isspace((unsigned char)line[0]) && strchr(line, ':')) continue; /* nested */
+        int nested = isspace((unsigned char)line[0]) && strchr(line, ':');
+        if (nested && !in_rope_block) continue; /* another nested block: not ours */
         char *colon = strchr(line, ':');
         if (!colon) {
             if (*lg_trim(line) == '\0') continue;
@@ -1995,20 +2026,36 @@ int lg_config_load(lg_config *cfg, const char *path, lg_error *err) {
         }
         *colon = '\0';
         char *key = lg_trim(line), *value = lg_trim(colon + 1);
-        for (int i = 0; i < LG_N_CONFIG_FIELDS; i++) {
-            if (strcmp(key, lg_config_fields[i].key) != 0) continue;
-            if (lg_config_set(cfg, &lg_config_fields[i], value) != 0) {
+        if (!nested) in_rope_block = 0;
+        if (!nested && strcmp(key, "rope_adjustments") == 0) {
+            in_rope_block = rope_block = *value == '\0';
+            if (rope_block || strcmp(value, "null") == 0) continue;
+            fclose(f);
+            return lg_fail(err, "config %s line %d: rope_adjustments is '%s', expected null or "
+                                "an indented block of factor, low_freq_factor, high_freq_factor, "
+                                "original_max_seq_len", path, line_no, value);
+        }
+        const lg_config_field *fields = nested ? lg_rope_fields : lg_config_fields;
+        int n_fields = nested ? LG_N_ROPE_FIELDS : LG_N_CONFIG_FIELDS;
+        for (int i = 0; i < n_fields; i++) {
+            if (strcmp(key, fields[i].key) != 0) continue;
+            if (lg_config_set(cfg, &fields[i], value) != 0) {
                 fclose(f);
-                return lg_fail(err, "config %s line %d: %s is '%s', expected %s", path, line_no,
-                               key, value, lg_field_expectation(lg_config_fields[i].type));
+                return lg_fail(err, "config %s line %d: %s%s is '%s', expected %s", path, line_no,
+                               nested ? "rope_adjustments." : "", key, value,
+                               lg_field_expectation(fields[i].type));
             }
-            seen[i] = 1;
+            (nested ? rope_seen : seen)[i] = 1;
         }
     }
     fclose(f);
     for (int i = 0; i < LG_N_CONFIG_FIELDS; i++)
         if (!seen[i])
             return lg_fail(err, "config %s: missing field %s", path, lg_config_fields[i].key);
+    for (int i = 0; i < LG_N_ROPE_FIELDS && rope_block; i++)
+        if (!rope_seen[i])
+            return lg_fail(err, "config %s: missing field rope_adjustments.%s", path,
+                           lg_rope_fields[i].key);
     if (lg_config_check(cfg, err) != 0) {
         char inner[sizeof err->msg];
         strcpy(inner, err->msg);
@@ -2148,6 +2195,12 @@ int lg_config_check(const lg_config *c, lg_error *err) {
     if (c->norm_eps <= 0.0f) return lg_fail(err, "norm_eps must be positive");
     if (c->shared_attention_norm && !c->parallel_residual)
         return lg_fail(err, "shared_attention_norm needs parallel_residual");
+    const lg_rope_adjustments *ra = &c->rope_adjustments;
+    if (ra->factor != 0.0f && (ra->factor < 1.0f || ra->original_max_seq_len < 1 ||
+                               ra->low_freq_factor <= 0.0f ||
+                               ra->high_freq_factor <= ra->low_freq_factor))
+        return lg_fail(err, "rope_adjustments needs factor >= 1, original_max_seq_len >= 1 and "
+                            "0 < low_freq_factor < high_freq_factor");
     return lg_lora_check(c, err);
 }
 
@@ -2392,6 +2445,12 @@ void lg_tensor_table_free(lg_tensor_table *table) {
     table->n_tensors = 0;
 }
 
+/* LitGPT's norms are torch.nn.LayerNorm (always a bias, whatever `bias` says: Falcon's have
+   one) or RMSNorm (none). */
+static int lg_layer_norm_has_bias(const lg_config *c) {
+    return c->norm_class_name == LG_NORM_LAYERNORM;
+}
+
 /* A block's adapters, after its base tensors in the trainable layout. */
 static void lg_block_lora_layout(const lg_config *c, lg_layout *L, int l, lg_block_tensors *b) {
     int r = c->lora.r, llama = c->mlp_class_name == LG_MLP_LLAMA;
@@ -2409,7 +2468,7 @@ static void lg_block_lora_layout(const lg_config *c, lg_layout *L, int l, lg_blo
 
 static void lg_block_params_layout(const lg_config *c, lg_layout *L, int l, lg_block_tensors *b) {
     int C = c->n_embd, I = c->intermediate_size, QKV = lg_config_qkv_size(c);
-    int layer_norm_bias = c->norm_class_name == LG_NORM_LAYERNORM && c->bias;
+    int layer_norm_bias = lg_layer_norm_has_bias(c);
     char name[LG_MAX_NAME];
     L->block = l;
     if (!lg_layout_takes_base(L)) {
@@ -2453,7 +2512,7 @@ static void lg_block_params_layout(const lg_config *c, lg_layout *L, int l, lg_b
    head's weight is wte. With LoRA the trainable ends are the head's adapters, if any. */
 static void lg_ends_params_layout(const lg_config *c, lg_layout *L, lg_param_tensors *p) {
     int C = c->n_embd, Vp = c->padded_vocab_size;
-    int layer_norm_bias = c->norm_class_name == LG_NORM_LAYERNORM && c->bias;
+    int layer_norm_bias = lg_layer_norm_has_bias(c);
     if (!lg_layout_takes_base(L)) {
         if (!(c->lora.targets & LG_LORA_HEAD)) return;
         p->lm_head_lora_a = lg_layout_add(L, "lm_head.lora_A", c->lora.r, C, LG_TENSOR_LORA_A);
@@ -3941,12 +4000,27 @@ static void lg_norm_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweight, lg_
     }
 }
 
-/* Rotary tables for positions 0..T-1: cos, sin (T, R) with R = rope_dims / 2 frequencies. */
+/* Llama 3.1's scaling of one rotary frequency (radians a position). With r = the periods it
+   turns within the original context (original_max_seq_len / wavelength), the share kept
+   unscaled is s = (r - low_freq_factor) / (high_freq_factor - low_freq_factor) within [0, 1]:
+   inv_freq ((1 - s) / factor + s). Slow frequencies (s = 0) are divided by factor, fast ones
+   (s = 1) kept. */
+static double lg_rope_adjust(double inv_freq, const lg_rope_adjustments *ra) {
+    if (!ra || ra->factor == 0.0f) return inv_freq;
+    double wavelength = 2.0 * 3.14159265358979323846 / inv_freq;
+    double periods = ra->original_max_seq_len / wavelength;
+    double kept = (periods - ra->low_freq_factor) / (ra->high_freq_factor - ra->low_freq_factor);
+    kept = kept < 0.0 ? 0.0 : kept > 1.0 ? 1.0 : kept;
+    return inv_freq * ((1.0 - kept) / ra->factor + kept);
+}
+
+/* Rotary tables for positions 0..T-1: cos, sin (T, R) with R = rope_dims / 2 frequencies,
+   base^(-2j / rope_dims) adjusted by ra (NULL or factor 0: unchanged). */
 static void lg_rope_tables(lg_real *cos_table, lg_real *sin_table, int T, int rope_dims,
-                           float base) {
+                           float base, const lg_rope_adjustments *ra) {
     int R = rope_dims / 2;
     for (int j = 0; j < R; j++) {
-        double inv_freq = pow((double)base, -2.0 * j / rope_dims);
+        double inv_freq = lg_rope_adjust(pow((double)base, -2.0 * j / rope_dims), ra);
         for (int t = 0; t < T; t++) {
             cos_table[t * R + j] = (lg_real)cos(t * inv_freq);
             sin_table[t * R + j] = (lg_real)sin(t * inv_freq);
@@ -4367,7 +4441,9 @@ static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank,
     if (lg_model_bind_activations(m, types.acts, err) != 0) return -1;
     if (lg_model_bind_exec(m, err) != 0) return -1;
     int rope_dims = lg_config_rope_dims(cfg);
-    if (rope_dims) lg_rope_tables(m->a.rope_cos, m->a.rope_sin, m->T, rope_dims, cfg->rope_base);
+    if (rope_dims)
+        lg_rope_tables(m->a.rope_cos, m->a.rope_sin, m->T, rope_dims, cfg->rope_base,
+                       &cfg->rope_adjustments);
     return 0;
 }
 
@@ -7698,18 +7774,34 @@ int lg_hf_family_of(const lg_config *c, lg_hf_family *family, lg_error *err) {
         if (c->norm_class_name != LG_NORM_RMSNORM || c->rotary_percentage != 1.0f ||
             c->parallel_residual)
             why = "LLaMAMLP without RMSNorm, full rotary and sequential residuals";
+    } else if (c->shared_attention_norm) { /* Falcon-7B's layout: multi-query, no linear biases */
+        *family = LG_HF_FALCON;
+        if (c->norm_class_name != LG_NORM_LAYERNORM || c->rotary_percentage != 1.0f ||
+            c->bias || c->attn_bias || c->n_query_groups != 1 ||
+            c->n_head * c->head_size != c->n_embd)
+            why = "shared_attention_norm without Falcon-7B's LayerNorm, full rotary, multi-query "
+                  "attention (n_query_groups 1) and no linear biases";
     } else {
         *family = LG_HF_GPTNEOX;
         if (c->norm_class_name != LG_NORM_LAYERNORM || !c->bias || !mha || c->shared_attention_norm)
             why = "GptNeoxMLP without GPT-NeoX's LayerNorm, biases, multi-head attention and two norms";
     }
+    if (!why && c->rope_adjustments.factor != 0.0f && *family != LG_HF_LLAMA &&
+        *family != LG_HF_QWEN2)
+        why = "rope_adjustments outside the Llama and Qwen2 layouts";
     if (why) return lg_fail(err, "config %s: no Hugging Face layout holds this architecture (%s)", c->name, why);
     return 0;
 }
 
+/* The column of a family in the name tables below. */
+static int lg_hf_column(lg_hf_family f) {
+    return f == LG_HF_GPT2 ? 1 : f == LG_HF_GPTNEOX ? 2 : f == LG_HF_FALCON ? 4 : 3;
+}
+
 /* How a Hugging Face tensor's element i comes from its LitGPT tensor. */
 typedef enum {
-    LG_HF_COPY,      /* element start + i (q, k or v rows of the fused qkv: a contiguous range) */
+    LG_HF_COPY,      /* element start + i (q, k or v rows of the fused qkv: a contiguous range;
+                        Falcon's multi-query query_key_value: our order, all q heads, k, v) */
     LG_HF_TRANSPOSE, /* GPT-2's Conv1D stores (in, out): the LitGPT (out, in) transposed */
     LG_HF_NEOX_QKV   /* GPT-NeoX's query_key_value: per head q, k, v rows; LitGPT: all q heads,
                         then all k, then all v */
@@ -7726,42 +7818,40 @@ typedef struct {
 
 /* The Hugging Face name of a LitGPT block tensor ("norm_1.weight") in layer l. */
 static const char *lg_hf_block_name(lg_hf_family f, const char *suffix) {
-    static const char *const map[][4] = { /* LitGPT, GPT-2, GPT-NeoX, Llama */
-        {"norm_1.weight", "ln_1.weight", "input_layernorm.weight", "input_layernorm.weight"},
-        {"norm_1.bias", "ln_1.bias", "input_layernorm.bias", NULL},
-        {"norm_2.weight", "ln_2.weight", "post_attention_layernorm.weight", "post_attention_layernorm.weight"},
-        {"norm_2.bias", "ln_2.bias", "post_attention_layernorm.bias", NULL},
-        {"attn.qkv.weight", "attn.c_attn.weight", "attention.query_key_value.weight", NULL},
-        {"attn.qkv.bias", "attn.c_attn.bias", "attention.query_key_value.bias", NULL},
-        {"attn.proj.weight", "attn.c_proj.weight", "attention.dense.weight", "self_attn.o_proj.weight"},
-        {"attn.proj.bias", "attn.c_proj.bias", "attention.dense.bias", "self_attn.o_proj.bias"},
-        {"mlp.fc.weight", "mlp.c_fc.weight", "mlp.dense_h_to_4h.weight", NULL},
-        {"mlp.fc.bias", "mlp.c_fc.bias", "mlp.dense_h_to_4h.bias", NULL},
-        {"mlp.proj.weight", "mlp.c_proj.weight", "mlp.dense_4h_to_h.weight", "mlp.down_proj.weight"},
-        {"mlp.proj.bias", "mlp.c_proj.bias", "mlp.dense_4h_to_h.bias", "mlp.down_proj.bias"},
-        {"mlp.fc_1.weight", NULL, NULL, "mlp.gate_proj.weight"},
-        {"mlp.fc_1.bias", NULL, NULL, "mlp.gate_proj.bias"},
-        {"mlp.fc_2.weight", NULL, NULL, "mlp.up_proj.weight"},
-        {"mlp.fc_2.bias", NULL, NULL, "mlp.up_proj.bias"},
+    static const char *const map[][5] = { /* LitGPT, GPT-2, GPT-NeoX, Llama, Falcon */
+        {"norm_1.weight", "ln_1.weight", "input_layernorm.weight", "input_layernorm.weight", "input_layernorm.weight"},
+        {"norm_1.bias", "ln_1.bias", "input_layernorm.bias", NULL, "input_layernorm.bias"},
+        {"norm_2.weight", "ln_2.weight", "post_attention_layernorm.weight", "post_attention_layernorm.weight", NULL},
+        {"norm_2.bias", "ln_2.bias", "post_attention_layernorm.bias", NULL, NULL},
+        {"attn.qkv.weight", "attn.c_attn.weight", "attention.query_key_value.weight", NULL, "self_attention.query_key_value.weight"},
+        {"attn.qkv.bias", "attn.c_attn.bias", "attention.query_key_value.bias", NULL, NULL},
+        {"attn.proj.weight", "attn.c_proj.weight", "attention.dense.weight", "self_attn.o_proj.weight", "self_attention.dense.weight"},
+        {"attn.proj.bias", "attn.c_proj.bias", "attention.dense.bias", "self_attn.o_proj.bias", NULL},
+        {"mlp.fc.weight", "mlp.c_fc.weight", "mlp.dense_h_to_4h.weight", NULL, "mlp.dense_h_to_4h.weight"},
+        {"mlp.fc.bias", "mlp.c_fc.bias", "mlp.dense_h_to_4h.bias", NULL, NULL},
+        {"mlp.proj.weight", "mlp.c_proj.weight", "mlp.dense_4h_to_h.weight", "mlp.down_proj.weight", "mlp.dense_4h_to_h.weight"},
+        {"mlp.proj.bias", "mlp.c_proj.bias", "mlp.dense_4h_to_h.bias", "mlp.down_proj.bias", NULL},
+        {"mlp.fc_1.weight", NULL, NULL, "mlp.gate_proj.weight", NULL},
+        {"mlp.fc_1.bias", NULL, NULL, "mlp.gate_proj.bias", NULL},
+        {"mlp.fc_2.weight", NULL, NULL, "mlp.up_proj.weight", NULL},
+        {"mlp.fc_2.bias", NULL, NULL, "mlp.up_proj.bias", NULL},
     };
-    int column = f == LG_HF_GPT2 ? 1 : f == LG_HF_GPTNEOX ? 2 : 3;
     for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
-        if (strcmp(map[i][0], suffix) == 0) return map[i][column];
+        if (strcmp(map[i][0], suffix) == 0) return map[i][lg_hf_column(f)];
     return NULL;
 }
 
 /* The Hugging Face name of a LitGPT tensor outside the blocks. */
 static const char *lg_hf_top_name(lg_hf_family f, const char *name) {
-    static const char *const map[][4] = {
-        {"transformer.wte.weight", "transformer.wte.weight", "gpt_neox.embed_in.weight", "model.embed_tokens.weight"},
-        {"transformer.wpe.weight", "transformer.wpe.weight", NULL, NULL},
-        {"transformer.ln_f.weight", "transformer.ln_f.weight", "gpt_neox.final_layer_norm.weight", "model.norm.weight"},
-        {"transformer.ln_f.bias", "transformer.ln_f.bias", "gpt_neox.final_layer_norm.bias", NULL},
-        {"lm_head.weight", "lm_head.weight", "embed_out.weight", "lm_head.weight"},
+    static const char *const map[][5] = {
+        {"transformer.wte.weight", "transformer.wte.weight", "gpt_neox.embed_in.weight", "model.embed_tokens.weight", "transformer.word_embeddings.weight"},
+        {"transformer.wpe.weight", "transformer.wpe.weight", NULL, NULL, NULL},
+        {"transformer.ln_f.weight", "transformer.ln_f.weight", "gpt_neox.final_layer_norm.weight", "model.norm.weight", "transformer.ln_f.weight"},
+        {"transformer.ln_f.bias", "transformer.ln_f.bias", "gpt_neox.final_layer_norm.bias", NULL, "transformer.ln_f.bias"},
+        {"lm_head.weight", "lm_head.weight", "embed_out.weight", "lm_head.weight", "lm_head.weight"},
     };
-    int column = f == LG_HF_GPT2 ? 1 : f == LG_HF_GPTNEOX ? 2 : 3;
     for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
-        if (strcmp(map[i][0], name) == 0) return map[i][column];
+        if (strcmp(map[i][0], name) == 0) return map[i][lg_hf_column(f)];
     return NULL;
 }
 
@@ -7797,7 +7887,9 @@ static int lg_hf_tensors(const lg_config *c, const lg_tensor_table *table, lg_hf
                          lg_hf_tensor **out, int *n_out, lg_error *err) {
     lg_hf_tensor *hf = (lg_hf_tensor *)lg_alloc_zeroed(sizeof(lg_hf_tensor) * (size_t)(table->n_tensors * 3 + 1));
     if (!hf) return lg_fail(err, "out of host memory");
-    const char *prefix_fmt = f == LG_HF_GPT2 ? "transformer.h.%d." : f == LG_HF_GPTNEOX ? "gpt_neox.layers.%d." : "model.layers.%d.";
+    const char *prefix_fmt = f == LG_HF_GPT2 || f == LG_HF_FALCON ? "transformer.h.%d."
+                             : f == LG_HF_GPTNEOX                ? "gpt_neox.layers.%d."
+                                                                 : "model.layers.%d.";
     int n = 0;
     for (int i = 0; i < table->n_tensors; i++) {
         const lg_tensor_info *t = &table->tensors[i];
@@ -7865,6 +7957,16 @@ static size_t lg_hf_config_json(const lg_config *c, lg_hf_family f, lg_st_dtype 
                   c->padded_vocab_size, c->block_size, c->n_embd, c->n_layer, c->n_head,
                   c->intermediate_size, gelu, c->rotary_percentage, c->rope_base, c->norm_eps,
                   c->parallel_residual ? "true" : "false");
+    else if (f == LG_HF_FALCON) /* multi-query, parallel attention and MLP on one norm */
+        lg_st_append(buf, cap, &n, "{\n  \"architectures\": [\"FalconForCausalLM\"],\n  \"model_type\": \"falcon\",\n"
+                  "  \"vocab_size\": %d,\n  \"max_position_embeddings\": %d,\n  \"hidden_size\": %d,\n"
+                  "  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n  \"num_kv_heads\": 1,\n"
+                  "  \"multi_query\": true,\n  \"new_decoder_architecture\": false,\n  \"parallel_attn\": true,\n"
+                  "  \"alibi\": false,\n  \"bias\": false,\n  \"ffn_hidden_size\": %d,\n  \"activation\": \"%s\",\n"
+                  "  \"layer_norm_epsilon\": %.9g,\n  \"rope_theta\": %.9g,\n",
+                  c->padded_vocab_size, c->block_size, c->n_embd, c->n_layer, c->n_head,
+                  c->intermediate_size, c->gelu_approximate_tanh ? "gelu_pytorch_tanh" : "gelu",
+                  c->norm_eps, c->rope_base);
     else
         lg_st_append(buf, cap, &n, "{\n  \"architectures\": [\"%s\"],\n  \"model_type\": \"%s\",\n"
                   "  \"vocab_size\": %d,\n  \"max_position_embeddings\": %d,\n  \"hidden_size\": %d,\n"
@@ -7875,6 +7977,12 @@ static size_t lg_hf_config_json(const lg_config *c, lg_hf_family f, lg_st_dtype 
                   c->padded_vocab_size, c->block_size, c->n_embd, c->n_layer, c->n_head, c->n_query_groups,
                   c->head_size, c->intermediate_size, c->norm_eps, c->rope_base,
                   c->bias ? "true" : "false", c->bias ? "true" : "false");
+    const lg_rope_adjustments *ra = &c->rope_adjustments;
+    if (ra->factor != 0.0f) /* lg_hf_family_of allows it in the Llama and Qwen2 layouts only */
+        lg_st_append(buf, cap, &n, "  \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": %.9g, "
+                  "\"low_freq_factor\": %.9g, \"high_freq_factor\": %.9g, "
+                  "\"original_max_position_embeddings\": %d},\n", ra->factor, ra->low_freq_factor,
+                  ra->high_freq_factor, ra->original_max_seq_len);
     lg_st_append(buf, cap, &n, "  \"tie_word_embeddings\": %s,\n  \"torch_dtype\": \"%s\"\n}\n", tie,
               lg_hf_dtype_label(dtype));
     return n;
@@ -7897,6 +8005,11 @@ size_t lg_config_to_yaml(const lg_config *c, char *buf, size_t cap) {
               b[!!c->parallel_residual], b[!!c->shared_attention_norm], b[!!c->bias],
               b[!!c->attn_bias], b[!!c->lm_head_bias], b[!!c->tie_embeddings],
               b[!!c->learned_pos_embedding]);
+    const lg_rope_adjustments *ra = &c->rope_adjustments;
+    if (ra->factor != 0.0f) /* LitGPT's nested form */
+        lg_st_append(buf, cap, &n, "rope_adjustments:\n  factor: %.9g\n  low_freq_factor: %.9g\n"
+                  "  high_freq_factor: %.9g\n  original_max_seq_len: %d\n", ra->factor,
+                  ra->low_freq_factor, ra->high_freq_factor, ra->original_max_seq_len);
     return n;
 }
 
@@ -7906,16 +8019,17 @@ typedef struct {
     const char *path;
     lg_error *err;
     int failed;
+    int object; /* the node read: 0, the root, or a nested object (rope_scaling) */
 } lg_hf_fields;
 
-/* The value of key in the root object; -1 when absent or null. */
+/* The value of key in the object; -1 when absent or null. */
 static int lg_hf_find(const lg_hf_fields *f, const char *key) {
-    int t = lg_json_find(f->j, 0, key);
+    int t = lg_json_find(f->j, f->object, key);
     return t >= 0 && f->j->nodes[t].kind == LG_JSON_NULL ? -1 : t;
 }
 
 static int lg_hf_int(lg_hf_fields *f, const char *key, int fallback, int required) {
-    int t = lg_json_find(f->j, 0, key);
+    int t = lg_json_find(f->j, f->object, key);
     double v;
     if ((t < 0 || f->j->nodes[t].kind == LG_JSON_NULL) && !required) return fallback;
     if (lg_json_double(f->j, t, &v) != 0 || v < 0 || v > 2e9 || v != (int)v) {
@@ -7950,7 +8064,7 @@ static int lg_hf_bool(lg_hf_fields *f, const char *key, int fallback) {
 
 /* A string, or the first of a list of strings ("architectures"); "" otherwise. */
 static void lg_hf_string(lg_hf_fields *f, const char *key, char *out, size_t cap) {
-    int t = lg_json_find(f->j, 0, key);
+    int t = lg_json_find(f->j, f->object, key);
     if (t >= 0 && f->j->nodes[t].kind == LG_JSON_ARRAY) t = f->j->nodes[t].first_child;
     lg_json_string_copy(f->j, t, out, cap);
 }
@@ -7962,6 +8076,56 @@ static int lg_hf_gelu(lg_hf_fields *f, const char *act) {
     if (!f->failed) lg_fail(f->err, "%s: activation '%s' is not gelu or a tanh approximation of it", f->path, act);
     f->failed = 1;
     return 0;
+}
+
+/* A refusal naming the config.json field at fault (the first one found). */
+static void lg_hf_refuse(lg_hf_fields *f, const char *what) {
+    if (!f->failed) lg_fail(f->err, "%s: %s", f->path, what);
+    f->failed = 1;
+}
+
+/* The rotary settings beyond rope_theta: rope_scaling (transformers 4), or rope_parameters
+   (transformers 5, which moves rope_theta into it). Absent, null or rope_type "default": plain
+   rotary; "llama3" (where llama3 is allowed) -> rope_adjustments; other kinds (linear, dynamic,
+   yarn, ...) would compute other frequencies: refused naming them. */
+static void lg_hf_rope(lg_hf_fields *f, lg_config *c, int llama3) {
+    const char *key = "rope_scaling";
+    int node = lg_hf_find(f, key);
+    if (node < 0) node = lg_hf_find(f, key = "rope_parameters");
+    if (node < 0 || f->failed) return;
+    if (f->j->nodes[node].kind != LG_JSON_OBJECT) {
+        lg_fail(f->err, "%s: %s is not an object", f->path, key);
+        f->failed = 1;
+        return;
+    }
+    lg_hf_fields sub = *f;
+    sub.object = node;
+    c->rope_base = lg_hf_float(&sub, "rope_theta", c->rope_base);
+    char type[32] = "";
+    lg_hf_string(&sub, "rope_type", type, sizeof type);
+    if (!type[0]) lg_hf_string(&sub, "type", type, sizeof type); /* the older key */
+    if ((!type[0] || strcmp(type, "default") == 0) && !sub.failed) return;
+    if (strcmp(type, "llama3") != 0 || !llama3) {
+        if (!f->failed) lg_fail(f->err, "%s: %s.rope_type '%s' is not supported (%s)", f->path, key, type,
+                                llama3 ? "only \"llama3\", the frequency scaling of Llama 3.1/3.2"
+                                       : "this family has plain rotary embeddings");
+        f->failed = 1;
+        return;
+    }
+    const char *keys[4] = {"factor", "low_freq_factor", "high_freq_factor",
+                           "original_max_position_embeddings"};
+    for (int k = 0; k < 4; k++)
+        if (lg_hf_find(&sub, keys[k]) < 0 && !f->failed) {
+            lg_fail(f->err, "%s: %s.%s is missing", f->path, key, keys[k]);
+            f->failed = 1;
+            return;
+        }
+    lg_rope_adjustments *ra = &c->rope_adjustments;
+    ra->factor = lg_hf_float(&sub, keys[0], 0.0f);
+    ra->low_freq_factor = lg_hf_float(&sub, keys[1], 0.0f);
+    ra->high_freq_factor = lg_hf_float(&sub, keys[2], 0.0f);
+    ra->original_max_seq_len = lg_hf_int(&sub, keys[3], 0, 1);
+    f->failed |= sub.failed;
 }
 
 static void lg_hf_config_gpt2(lg_hf_fields *f, lg_config *c) {
@@ -7997,6 +8161,7 @@ static void lg_hf_config_neox(lg_hf_fields *f, lg_config *c) {
     c->gelu_approximate_tanh = lg_hf_gelu(f, act[0] ? act : "gelu");
     c->rotary_percentage = lg_hf_float(f, "rotary_pct", 0.25f);
     c->rope_base = lg_hf_float(f, "rotary_emb_base", 10000.0f);
+    lg_hf_rope(f, c, 0);
     c->parallel_residual = lg_hf_bool(f, "use_parallel_residual", 1);
     c->bias = 1;
     if (!lg_hf_bool(f, "attention_bias", 1) && !f->failed) {
@@ -8027,11 +8192,7 @@ static void lg_hf_config_llama(lg_hf_fields *f, lg_config *c, int qwen2) {
         lg_fail(f->err, "%s: hidden_act '%s' is not silu", f->path, act);
         f->failed = 1;
     }
-    if (lg_hf_find(f, "rope_scaling") >= 0 && !f->failed) {
-        lg_fail(f->err, "%s: rope_scaling is not supported (the model would compute other "
-                        "rotary frequencies than it was trained with)", f->path);
-        f->failed = 1;
-    }
+    lg_hf_rope(f, c, 1);
     c->bias = !qwen2 && lg_hf_bool(f, "attention_bias", 0);
     if (!qwen2 && lg_hf_bool(f, "mlp_bias", 0) != c->bias && !f->failed) {
         lg_fail(f->err, "%s: attention_bias and mlp_bias differ, which LitGPT's bias cannot express", f->path);
@@ -8039,6 +8200,46 @@ static void lg_hf_config_llama(lg_hf_fields *f, lg_config *c, int qwen2) {
     }
     c->attn_bias = qwen2;
     c->tie_embeddings = lg_hf_bool(f, "tie_word_embeddings", 0);
+}
+
+/* Falcon (FalconForCausalLM, or RWForCausalLM's older names): Falcon-7B's layout only --
+   multi-query attention, attention and MLP in parallel on one LayerNorm, rotary, no alibi. */
+static void lg_hf_config_falcon(lg_hf_fields *f, lg_config *c) {
+    char act[32], type[64];
+    int old_names = lg_hf_find(f, "num_hidden_layers") < 0; /* RWForCausalLM: n_layer, n_head */
+    c->n_layer = lg_hf_int(f, old_names ? "n_layer" : "num_hidden_layers", 0, 1);
+    c->n_head = lg_hf_int(f, old_names ? "n_head" : "num_attention_heads", 0, 1);
+    c->n_embd = lg_hf_int(f, "hidden_size", 0, 1);
+    c->head_size = c->n_head ? c->n_embd / c->n_head : 0;
+    c->n_query_groups = 1;
+    c->intermediate_size = lg_hf_int(f, "ffn_hidden_size", 4 * c->n_embd, 0);
+    c->block_size = lg_hf_int(f, "max_position_embeddings", 2048, 0);
+    c->norm_class_name = LG_NORM_LAYERNORM;
+    c->norm_eps = lg_hf_float(f, "layer_norm_epsilon", 1e-5f);
+    c->mlp_class_name = LG_MLP_GPTNEOX;
+    lg_hf_string(f, "activation", act, sizeof act);
+    c->gelu_approximate_tanh = lg_hf_gelu(f, act[0] ? act : "gelu");
+    c->rotary_percentage = 1.0f;
+    c->rope_base = lg_hf_float(f, "rope_theta", 10000.0f);
+    c->parallel_residual = c->shared_attention_norm = 1;
+    c->tie_embeddings = lg_hf_bool(f, "tie_word_embeddings", 1);
+    lg_hf_string(f, "model_type", type, sizeof type); /* "RefinedWeb": the 40B layout */
+    if (lg_hf_bool(f, "new_decoder_architecture", strcmp(type, "RefinedWeb") == 0))
+        lg_hf_refuse(f, "new_decoder_architecture true is not supported (Falcon-40B/180B's "
+                        "grouped query_key_value and two LayerNorms; only Falcon-7B's layout is built)");
+    if (lg_hf_bool(f, "alibi", 0))
+        lg_hf_refuse(f, "alibi true is not supported (ALiBi attention biases instead of rotary)");
+    if (!lg_hf_bool(f, "multi_query", 1))
+        lg_hf_refuse(f, "multi_query false is not supported (a per-head query_key_value; only "
+                        "Falcon-7B's multi-query layout is built)");
+    if (!lg_hf_bool(f, "parallel_attn", 1))
+        lg_hf_refuse(f, "parallel_attn false is not supported (sequential attention and MLP with "
+                        "a second LayerNorm)");
+    if (lg_hf_bool(f, "bias", 0))
+        lg_hf_refuse(f, "bias true is not supported (only Falcon-7B's linear layers without biases)");
+    if (lg_hf_bool(f, "apply_residual_connection_post_layernorm", 0))
+        lg_hf_refuse(f, "apply_residual_connection_post_layernorm true is not supported");
+    lg_hf_rope(f, c, 0);
 }
 
 /* Our own model_config.yaml beside config.json gives the real vocab_size and the name. */
@@ -8067,7 +8268,7 @@ int lg_hf_config_read(lg_config *cfg, const char *dir, lg_error *err) {
         LG_FREE(text);
         return -1;
     }
-    lg_hf_fields f = {&j, path, err, 0};
+    lg_hf_fields f = {&j, path, err, 0, 0};
     memset(cfg, 0, sizeof *cfg);
     lg_hf_string(&f, "architectures", arch, sizeof arch);
     if (strcmp(arch, "GPT2LMHeadModel") == 0) lg_hf_config_gpt2(&f, cfg);
@@ -8075,9 +8276,12 @@ int lg_hf_config_read(lg_config *cfg, const char *dir, lg_error *err) {
     else if (strcmp(arch, "LlamaForCausalLM") == 0 || strcmp(arch, "MistralForCausalLM") == 0)
         lg_hf_config_llama(&f, cfg, 0);
     else if (strcmp(arch, "Qwen2ForCausalLM") == 0) lg_hf_config_llama(&f, cfg, 1);
+    else if (strcmp(arch, "FalconForCausalLM") == 0 || strcmp(arch, "RWForCausalLM") == 0)
+        lg_hf_config_falcon(&f, cfg);
     else {
         lg_fail(err, "%s: architecture '%s' is not one of GPT2LMHeadModel, GPTNeoXForCausalLM, "
-                     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM", path, arch);
+                     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, FalconForCausalLM, "
+                     "RWForCausalLM", path, arch);
         f.failed = 1;
     }
     cfg->vocab_size = cfg->padded_vocab_size = lg_hf_int(&f, "vocab_size", 0, 1);

@@ -4,7 +4,8 @@ Run from the repository root with any Python 3 (standard library only):
 
     python3 tests/make_hf_dirs.py
 
-For each of test-gpt2, test-pythia and test-llama it reads the LitGPT-named
+For each of test-gpt2, test-pythia, test-llama, test-falcon and test-llama31
+it reads the LitGPT-named
 weights of tests/reference/<name>.bin (format in tests/make_reference.py) and
 writes tests/hf/<family>/ as the Hugging Face library lays such a model out:
 config.json plus model.safetensors (the Llama one split into two shards with
@@ -31,6 +32,17 @@ from litgpt.h's:
   inv_freq = base^(-2j/d), the same convention as LitGPT's: the weights need no
   permutation.  (The permutation people mention is for Meta's original
   checkpoints, whose rotary pairs adjacent dims (2j, 2j+1).)
+  Llama 3.1/3.2 add "rope_scaling": {"rope_type": "llama3", "factor",
+  "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}.
+* FalconForCausalLM (Falcon-7B's layout: new_decoder_architecture false,
+  multi_query true, parallel_attn true, alibi false, bias false): blocks under
+  transformer.h.N with one input_layernorm (weight and bias) feeding both
+  self_attention and mlp; self_attention.query_key_value holds n_head query
+  heads, then the one key head, then the one value head (the model views its
+  output as (n_head + 2, head_dim) and takes [:-2], [-2], [-1]);
+  self_attention.dense, mlp.dense_h_to_4h, mlp.dense_4h_to_h;
+  transformer.word_embeddings, transformer.ln_f, lm_head.  The head is tied
+  unless tie_word_embeddings is false.
 
 Hugging Face's vocab_size is the number of embedding rows, LitGPT's padded
 vocabulary (32 here).
@@ -174,6 +186,60 @@ def llama(w, cfg):
     return hf, config
 
 
+def llama31(w, cfg, rope):
+    hf, config = llama(w, cfg)
+    config["head_dim"] = int(cfg["head_size"])
+    config["rope_scaling"] = {"rope_type": "llama3", "factor": float(rope["factor"]),
+                              "low_freq_factor": float(rope["low_freq_factor"]),
+                              "high_freq_factor": float(rope["high_freq_factor"]),
+                              "original_max_position_embeddings": int(rope["original_max_seq_len"])}
+    return hf, config
+
+
+def falcon(w, cfg):
+    assert int(cfg["n_query_groups"]) == 1, "Falcon-7B's layout is multi-query"
+    hf = {"transformer.word_embeddings.weight": w["transformer.wte.weight"],
+          "transformer.ln_f.weight": w["transformer.ln_f.weight"],
+          "transformer.ln_f.bias": w["transformer.ln_f.bias"],
+          "lm_head.weight": w["lm_head.weight"]}
+    for l in range(int(cfg["n_layer"])):
+        p, q = f"transformer.h.{l}.", f"transformer.h.{l}."
+        for kind in ("weight", "bias"):
+            hf[f"{q}input_layernorm.{kind}"] = w[f"{p}norm_1.{kind}"]
+        # q heads, then k, then v: the same rows as LitGPT's fused qkv
+        hf[f"{q}self_attention.query_key_value.weight"] = w[f"{p}attn.qkv.weight"]
+        hf[f"{q}self_attention.dense.weight"] = w[f"{p}attn.proj.weight"]
+        hf[f"{q}mlp.dense_h_to_4h.weight"] = w[f"{p}mlp.fc.weight"]
+        hf[f"{q}mlp.dense_4h_to_h.weight"] = w[f"{p}mlp.proj.weight"]
+    config = {"architectures": ["FalconForCausalLM"], "model_type": "falcon",
+              "vocab_size": int(cfg["padded_vocab_size"]), "hidden_size": int(cfg["n_embd"]),
+              "num_hidden_layers": int(cfg["n_layer"]),
+              "num_attention_heads": int(cfg["n_head"]), "multi_query": True,
+              "new_decoder_architecture": False, "parallel_attn": True, "alibi": False,
+              "bias": False, "layer_norm_epsilon": float(cfg["norm_eps"]),
+              "max_position_embeddings": int(cfg["block_size"]),
+              "rope_theta": float(cfg["rope_base"]), "tie_word_embeddings": False,
+              "torch_dtype": "float32"}
+    if int(cfg["intermediate_size"]) != 4 * int(cfg["n_embd"]):
+        config["ffn_hidden_size"] = int(cfg["intermediate_size"])
+    return hf, config
+
+
+def read_rope_adjustments(path):
+    """The indented lines under rope_adjustments: -> {key: text}."""
+    rope, inside = {}, False
+    for line in open(path):
+        line = line.split("#")[0]
+        if ":" not in line:
+            continue
+        key, value = (x.strip() for x in line.split(":", 1))
+        if not line[0].isspace():
+            inside = key == "rope_adjustments" and value == ""
+        elif inside:
+            rope[key] = value
+    return rope
+
+
 def write_safetensors(path, tensors):
     """tensors: {name: (shape, floats)} -> F32 safetensors, names sorted as the library does."""
     header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
@@ -214,9 +280,13 @@ def write_dir(out, hf, config, shards):
 
 
 def main():
+    llama3 = lambda w, cfg: llama31(w, cfg, read_rope_adjustments(  # noqa: E731
+        os.path.join(ROOT, "configs", "test-llama31.yaml")))
     for config_name, family, convert, shards in [("test-gpt2", "gpt2", gpt2, 1),
                                                  ("test-pythia", "pythia", pythia, 1),
-                                                 ("test-llama", "llama", llama, 2)]:
+                                                 ("test-llama", "llama", llama, 2),
+                                                 ("test-falcon", "falcon", falcon, 1),
+                                                 ("test-llama31", "llama31", llama3, 1)]:
         cfg = read_yaml(os.path.join(ROOT, "configs", config_name + ".yaml"))
         weights = read_reference(os.path.join(ROOT, "tests", "reference", config_name + ".bin"))
         hf, config = convert(weights, cfg)

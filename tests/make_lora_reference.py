@@ -4,7 +4,7 @@ Rerun from the repository root with the Debian python (which has python3-torch):
 
     /usr/bin/python3 tests/make_lora_reference.py
 
-For test-gpt2, test-pythia and test-llama it builds the model of tools/torch_model.py in float64
+For test-gpt2, test-pythia, test-llama and test-falcon it builds the model of tools/torch_model.py in float64
 with the weights of tests/make_reference.py, then puts LoRA adapters on every target linear the
 way LitGPT does: y = W x + b + (alpha / r) B A dropout(x), with separate adapters for the query,
 key and value rows of the fused qkv (one dropout mask for the three, as they share the input),
@@ -212,7 +212,7 @@ def make_one(name, p, outdir):
 def main():
     torch.set_default_dtype(torch.float64)
     outdir = os.path.join(ROOT, "tests", "reference")
-    for name in ("test-gpt2", "test-pythia", "test-llama"):
+    for name in ("test-gpt2", "test-pythia", "test-llama", "test-falcon"):
         for p in (0.0, 0.25):
             make_one(name, p, outdir)
 

@@ -5,7 +5,7 @@ Rerun from the repository root with the Debian python (which has python3-torch):
     /usr/bin/python3 tests/make_reference.py
 
 It writes tests/reference/<config-name>.bin for configs/test-gpt2.yaml,
-test-pythia.yaml and test-llama.yaml.  The output is committed, so the C tests
+test-pythia.yaml, test-llama.yaml, test-falcon.yaml and test-llama31.yaml.  The output is committed, so the C tests
 need no Python; rerun this only when the model semantics or this file change.
 
 For each config the model (tools/torch_model.py) is built in float64 with fixed
@@ -37,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 from torch_model import GPT, load_config, loss_fn  # noqa: E402
 
-CONFIGS = ["test-gpt2", "test-pythia", "test-llama"]
+CONFIGS = ["test-gpt2", "test-pythia", "test-llama", "test-falcon", "test-llama31"]
 B, T = 2, 8
 SEED = 1337
 MAGIC = b"LGREF001"

@@ -160,7 +160,7 @@ static void rope_attn_fwd(fd_case *c) {
     int B = c->dims[0], T = c->dims[1], NH = c->dims[2], NQG = c->dims[3], HS = c->dims[4];
     size_t qkv = (size_t)B * T * (NH + 2 * NQG) * HS;
     memcpy(c->scratch[0], c->inputs[0], qkv * sizeof(lg_real));
-    lg_rope_tables(c->scratch[2], c->scratch[3], T, c->dims[5], 10000.0f);
+    lg_rope_tables(c->scratch[2], c->scratch[3], T, c->dims[5], 10000.0f, NULL);
     lg_rope_rotate(NULL, lg_buf_of(c->scratch[0]), c->scratch[2], c->scratch[3], B, T, NH, NQG, HS, c->dims[5], +1);
     lg_exec ex = attention_exec(c);
     lg_attention_forward(&ex, lg_buf_of(c->out), c->scratch[1], lg_buf_of(c->scratch[0]), B, T,
@@ -407,11 +407,14 @@ int main(void) {
     test_model_gradient(&r, "test-gpt2");
     test_model_gradient(&r, "test-pythia");
     test_model_gradient(&r, "test-llama");
+    test_model_gradient(&r, "test-falcon");
+    test_model_gradient(&r, "test-llama31");
     printf("LoRA gradients (double precision)\n");
     test_lora_gradient(&r, "test-gpt2", 0.0f);
     test_lora_gradient(&r, "test-pythia", 0.25f);
     test_lora_gradient(&r, "test-llama", 0.0f);
     test_lora_gradient(&r, "test-llama", 0.25f);
+    test_lora_gradient(&r, "test-falcon", 0.25f);
     printf("%d passed, %d failed\n", r.passed, r.failed);
     return r.failed ? 1 : 0;
 }
@@ -549,7 +552,7 @@ static void test_config_param_counts(results *r) {
         {"tiny-llama-1.1b", 1100048384}, {"Llama-2-7b-hf", 6738415616},
         {"Llama-3.2-1B", 1235814400}, {"Meta-Llama-3-8B", 8030261248},
         {"Mistral-7B-v0.1", 7241732096}, {"Qwen2.5-0.5B", 494032768},
-        {"SmolLM2-135M", 134515008},
+        {"SmolLM2-135M", 134515008}, {"falcon-7b", 7217189760}, {"Llama-3.2-3B", 3212749824},
     };
     for (size_t i = 0; i < sizeof published / sizeof published[0]; i++) {
         lg_config cfg;
@@ -587,6 +590,79 @@ static void test_config_errors(results *r) {
           "config with a bad value names the line and field: \"%s\"", err.msg);
     rc = lg_config_load(&cfg, "build/no-such.yaml", &err);
     check(r, rc != 0 && strstr(err.msg, "no-such.yaml"), "missing config file: \"%s\"", err.msg);
+}
+
+/* text without the lines that start with prefix */
+static void drop_lines(char *text, const char *prefix) {
+    char *out = text;
+    for (char *line = text; *line;) {
+        char *end = strchr(line, '\n');
+        size_t n = end ? (size_t)(end - line) + 1 : strlen(line);
+        if (strncmp(line, prefix, strlen(prefix)) != 0) { memmove(out, line, n); out += n; }
+        line += n;
+    }
+    *out = '\0';
+}
+
+/* Llama 3.1's rope_adjustments: LitGPT's nested YAML block read and written back, its errors,
+   and that the scaling changes test-llama31's logits (so test_reference checks it). */
+static void test_rope_adjustments(results *r) {
+    lg_config cfg, again;
+    lg_error err;
+    char text[4096];
+    if (load_config_or_fail(r, &cfg, "Llama-3.2-1B")) return;
+    const lg_rope_adjustments *ra = &cfg.rope_adjustments;
+    lg_config_to_yaml(&cfg, text, sizeof text);
+    write_text("build/rope.yaml", text);
+    int rc = lg_config_load(&again, "build/rope.yaml", &err);
+    check(r, rc == 0 && memcmp(&cfg, &again, sizeof cfg) == 0 && ra->factor == 32.0f &&
+          ra->low_freq_factor == 1.0f && ra->high_freq_factor == 4.0f && ra->original_max_seq_len == 8192,
+          "Llama-3.2-1B rope_adjustments (factor %g, low %g, high %g, original %d): LitGPT's "
+          "nested block, written back and read again the same", ra->factor, ra->low_freq_factor,
+          ra->high_freq_factor, ra->original_max_seq_len);
+    drop_lines(text, "  original_max_seq_len");
+    write_text("build/rope-missing.yaml", text);
+    rc = lg_config_load(&again, "build/rope-missing.yaml", &err);
+    check(r, rc != 0 && strstr(err.msg, "missing field rope_adjustments.original_max_seq_len"),
+          "a rope_adjustments block without a field is refused: \"%s\"", err.msg);
+    lg_config plain;
+    if (load_config_or_fail(r, &plain, "test-llama")) return;
+    lg_config_to_yaml(&plain, text, sizeof text);
+    strcat(text, "rope_adjustments: null\n");
+    write_text("build/rope-null.yaml", text);
+    rc = lg_config_load(&again, "build/rope-null.yaml", &err);
+    check(r, rc == 0 && memcmp(&plain, &again, sizeof plain) == 0, "rope_adjustments: null is no scaling");
+    strcat(text, "rope_adjustments: 8\n");
+    write_text("build/rope-bad.yaml", text);
+    rc = lg_config_load(&again, "build/rope-bad.yaml", &err);
+    check(r, rc != 0 && strstr(err.msg, "rope_adjustments is '8'"), "a rope_adjustments value "
+          "that is no block is refused: \"%s\"", err.msg);
+
+    /* the reference of test-llama31 with the scaling removed: other logits */
+    ref_file rf = {NULL, 0};
+    if (ref_load(&rf, "tests/reference/test-llama31.bin") != 0 ||
+        load_config_or_fail(r, &cfg, "test-llama31")) {
+        check(r, 0, "tests/reference/test-llama31.bin: cannot read");
+        return;
+    }
+    memset(&cfg.rope_adjustments, 0, sizeof cfg.rope_adjustments);
+    const ref_tensor *idx = ref_find(&rf, "idx"), *logits = ref_find(&rf, "logits");
+    int B = 2, T = (int)(idx->count / 2);
+    lg_model m;
+    double e = 0;
+    if (lg_model_create(&m, &cfg, B, T, &err) == 0) {
+        for (int k = 0; k < m.param_table.n_tensors; k++) {
+            const lg_tensor_info *t = &m.param_table.tensors[k];
+            const ref_tensor *w = ref_find(&rf, t->name);
+            for (size_t i = 0; w && i < t->count; i++) reals(m.params)[t->offset + i] = ((const float *)w->data)[i];
+        }
+        lg_model_forward(&m, (const int *)idx->data, NULL, B, T, NULL);
+        e = rel_error(reals(m.a.logits), (const float *)logits->data, logits->count, 1e-6);
+        lg_model_free(&m);
+    }
+    check(r, e > 1e-2, "test-llama31 without its rope scaling misses PyTorch's logits by rel err "
+          "%.1e (> 1e-2): the reference checks the scaling", e);
+    ref_free(&rf);
 }
 
 /* ---- data --------------------------------------------------------------------------------- */
@@ -1010,8 +1086,8 @@ static void test_determinism(results *r) {
 
 /* Each family memorises one fixed window: forward, backward and optimizer work together. */
 static void test_families_memorise(results *r) {
-    const char *names[3] = {"test-gpt2", "test-pythia", "test-llama"};
-    for (int i = 0; i < 3; i++) {
+    const char *names[] = {"test-gpt2", "test-pythia", "test-llama", "test-falcon", "test-llama31"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         lg_config cfg;
         if (load_config_or_fail(r, &cfg, names[i])) continue;
         lg_args a;
@@ -1340,13 +1416,14 @@ static int same_bits(lg_buf a, lg_buf b, size_t n) {
 /* --recompute block and --offload give bitwise the losses, gradients and weights of a plain
    run: the same arithmetic in the same order, only where the tensors live differs. */
 static void test_recompute_offload_bitwise(results *r) {
-    const char *names[3] = {"test-gpt2", "test-pythia", "test-llama"};
+    const char *names[] = {"test-gpt2", "test-pythia", "test-llama", "test-falcon"};
+    const int n_families = (int)(sizeof names / sizeof names[0]);
     const lg_precision modes[5] = {LG_PRECISION_32_TRUE, LG_PRECISION_BF16_MIXED,
                                    LG_PRECISION_16_MIXED, LG_PRECISION_BF16_TRUE,
                                    LG_PRECISION_16_TRUE};
     for (int variant = 0; variant < 2; variant++) {
         int ok = 1, runs = 0;
-        for (int i = 0; i < 3; i++) {
+        for (int i = 0; i < n_families; i++) {
             lg_config cfg;
             if (load_config_or_fail(r, &cfg, names[i])) return;
             for (int k = 0; k < 5; k++) {
@@ -1373,8 +1450,8 @@ static void test_recompute_offload_bitwise(results *r) {
             }
         }
         check(r, ok, "%s: bitwise the same losses, gradients and weights after 5 steps (%d runs: "
-              "3 families x 5 precisions, AdamW and SGD)",
-              variant == 0 ? "--recompute block" : "--offload", runs);
+              "%d families x 5 precisions, AdamW and SGD)",
+              variant == 0 ? "--recompute block" : "--offload", runs, n_families);
     }
 }
 
@@ -1524,8 +1601,8 @@ static void check_allocations_match_plan(results *r, const char *config_name, in
 }
 
 static void test_plan_matches_allocations(results *r) {
-    const char *configs[3] = {"test-gpt2", "test-pythia", "test-llama"};
-    for (int i = 0; i < 3; i++) {
+    const char *configs[] = {"test-gpt2", "test-pythia", "test-llama", "test-falcon"};
+    for (size_t i = 0; i < sizeof configs / sizeof configs[0]; i++) {
         check_allocations_match_plan(r, configs[i], 1, 8, LG_PRECISION_32_TRUE, LG_OPTIMIZER_ADAMW, 0.9f, 1);
         check_allocations_match_plan(r, configs[i], 4, 16, LG_PRECISION_BF16_MIXED, LG_OPTIMIZER_SGD, 0.9f, 2);
         check_allocations_match_plan(r, configs[i], 3, 5, LG_PRECISION_16_TRUE, LG_OPTIMIZER_SGD, 0.0f, 3);
@@ -1735,9 +1812,12 @@ int main(int argc, char **argv) {
     test_reference(&r, "test-gpt2");
     test_reference(&r, "test-pythia");
     test_reference(&r, "test-llama");
+    test_reference(&r, "test-falcon");
+    test_reference(&r, "test-llama31");
     printf("configs\n");
     test_config_param_counts(&r);
     test_config_errors(&r);
+    test_rope_adjustments(&r);
     printf("data\n");
     test_shards(&r);
     printf("optimizers\n");

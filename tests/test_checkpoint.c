@@ -4,7 +4,9 @@
 
 #include <signal.h>
 
-static const char *const ckpt_families[3] = {"test-gpt2", "test-pythia", "test-llama"};
+static const char *const ckpt_families[] = {"test-gpt2", "test-pythia", "test-llama",
+                                            "test-falcon", "test-llama31"};
+#define N_CKPT_FAMILIES ((int)(sizeof ckpt_families / sizeof ckpt_families[0]))
 static const lg_precision ckpt_precisions[5] = {LG_PRECISION_32_TRUE, LG_PRECISION_BF16_MIXED,
                                                 LG_PRECISION_16_MIXED, LG_PRECISION_BF16_TRUE,
                                                 LG_PRECISION_16_TRUE};
@@ -110,7 +112,7 @@ static lg_args ckpt_args(lg_precision p, lg_optimizer_kind kind) {
 static void test_checkpoint_round_trips(results *r) {
     int ok = 1, runs = 0;
     const char *dtypes[5] = {"F32", "BF16", "F16", "BF16", "F16"};
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < N_CKPT_FAMILIES; i++) {
         lg_config cfg;
         if (load_config_or_fail(r, &cfg, ckpt_families[i])) return;
         for (int k = 0; k < 5; k++) {
@@ -137,15 +139,16 @@ static void test_checkpoint_round_trips(results *r) {
             lg_trainer_free(&loaded);
         }
     }
-    check(r, ok, "save -> load: bitwise the same weights, file in the run's weight dtype (%d runs: 3 "
-          "families x 5 precisions)", runs);
+    check(r, ok, "save -> load: bitwise the same weights, file in the run's weight dtype (%d runs: %d "
+          "families x 5 precisions)", runs, N_CKPT_FAMILIES);
 }
 
 /* The Python-written Hugging Face directories load through --load's code and reproduce the
    reference logits; our writer produces the same tensors as that independent conversion. */
 static void test_hf_directories(results *r) {
-    const char *dirs[3] = {"tests/hf/gpt2", "tests/hf/pythia", "tests/hf/llama"};
-    for (int i = 0; i < 3; i++) {
+    const char *dirs[N_CKPT_FAMILIES] = {"tests/hf/gpt2", "tests/hf/pythia", "tests/hf/llama",
+                                         "tests/hf/falcon", "tests/hf/llama31"};
+    for (int i = 0; i < N_CKPT_FAMILIES; i++) {
         char path[256];
         ref_file rf = {NULL, 0};
         lg_config want, cfg;
@@ -209,6 +212,94 @@ static void test_hf_directories(results *r) {
         check(r, tensors_same, "%-16s lg_hf_save writes bitwise the script's %d tensors", dirs[i], compared);
         lg_model_free(&m);
         ref_free(&rf);
+    }
+}
+
+/* dir/config.json -> cfg, compared with configs/NAME.yaml as a config.json can hold it (the
+   name is the model_type, the vocabulary the padded one). */
+static int hf_config_matches(const char *dir, const char *name, lg_error *err) {
+    lg_config want, cfg;
+    char path[256];
+    snprintf(path, sizeof path, "configs/%s.yaml", name);
+    if (lg_config_load(&want, path, err) != 0 || lg_hf_config_read(&cfg, dir, err) != 0) return 0;
+    memcpy(want.name, cfg.name, sizeof want.name);
+    want.vocab_size = want.padded_vocab_size;
+    return memcmp(&want, &cfg, sizeof cfg) == 0;
+}
+
+/* tests/hf/FAMILY/config.json with each edits[2k] replaced by edits[2k + 1] (n pairs), as
+   build/hf-variant/config.json; -1 when one is not there. */
+static int hf_config_variant(const char *family, const char *const *edits, int n) {
+    char path[256], text[4096], next[4096];
+    lg_error err;
+    size_t len;
+    snprintf(path, sizeof path, "tests/hf/%s/config.json", family);
+    char *json = lg_read_file(path, &len, "test", &err);
+    if (!json) return -1;
+    snprintf(text, sizeof text, "%s", json);
+    LG_FREE(json);
+    for (int k = 0; k < n; k++) {
+        char *at = strstr(text, edits[2 * k]);
+        if (!at) return -1;
+        snprintf(next, sizeof next, "%.*s%s%s", (int)(at - text), text, edits[2 * k + 1],
+                 at + strlen(edits[2 * k]));
+        memcpy(text, next, sizeof text);
+    }
+    system("mkdir -p build/hf-variant");
+    return write_file_bytes("build/hf-variant/config.json", text, strlen(text));
+}
+
+/* Falcon's and Llama 3.1's config.json: what lg_hf_save writes reads back as the config;
+   RWForCausalLM's older names read; the layouts not built are refused naming the field. */
+static void test_hf_falcon_llama31_configs(results *r) {
+    const char *names[2] = {"test-falcon", "test-llama31"};
+    for (int i = 0; i < 2; i++) {
+        lg_config cfg;
+        lg_model m;
+        lg_error err;
+        memset(&m, 0, sizeof m);
+        if (load_config_or_fail(r, &cfg, names[i])) return;
+        int ok = lg_model_create(&m, &cfg, 1, 4, &err) == 0;
+        ok = ok && system("rm -rf build/hf-written") == 0 && lg_hf_save(&m, "build/hf-written", &err) == 0;
+        remove("build/hf-written/model_config.yaml"); /* config.json alone */
+        ok = ok && hf_config_matches("build/hf-written", names[i], &err);
+        check(r, ok, "%-12s the config.json lg_hf_save writes reads back as %s.yaml%s%s", names[i],
+              names[i], ok ? "" : ": ", ok ? "" : err.msg);
+        if (m.params.data) lg_model_free(&m);
+    }
+    lg_error err;
+    static const char *const rw[] = {"\"FalconForCausalLM\"", "\"RWForCausalLM\"", "\"falcon\"",
+                                     "\"RefinedWebModel\"", "\"num_hidden_layers\"", "\"n_layer\"",
+                                     "\"num_attention_heads\"", "\"n_head\""};
+    int ok = hf_config_variant("falcon", rw, 4) == 0 && hf_config_matches("build/hf-variant", "test-falcon", &err);
+    check(r, ok, "RWForCausalLM's config.json (RefinedWebModel, n_layer, n_head) reads as test-falcon%s%s",
+          ok ? "" : ": ", ok ? "" : err.msg);
+    /* rope_theta inside rope_parameters is the one read (the stale one outside is not 10000) */
+    static const char *const v5[] = {"\"rope_theta\": 10000.0,", "\"rope_theta\": 500000.0,",
+                                     "\"rope_scaling\": {", "\"rope_parameters\": {\"rope_theta\": 10000.0, "};
+    ok = hf_config_variant("llama31", v5, 2) == 0 && hf_config_matches("build/hf-variant", "test-llama31", &err);
+    check(r, ok, "transformers 5's rope_parameters (rope_theta and llama3 inside) reads as test-llama31%s%s",
+          ok ? "" : ": ", ok ? "" : err.msg);
+    static const struct { const char *family, *from, *to, *want; } refused[] = {
+        {"falcon", "\"new_decoder_architecture\": false", "\"new_decoder_architecture\": true",
+         "new_decoder_architecture true is not supported"},
+        {"falcon", "\"alibi\": false", "\"alibi\": true", "alibi true is not supported"},
+        {"falcon", "\"multi_query\": true", "\"multi_query\": false", "multi_query false is not supported"},
+        {"falcon", "\"parallel_attn\": true", "\"parallel_attn\": false", "parallel_attn false is not supported"},
+        {"llama31", "\"llama3\"", "\"yarn\"", "rope_scaling.rope_type 'yarn' is not supported"},
+        {"falcon", "\"rope_theta\": 10000.0", "\"rope_scaling\": {\"rope_type\": \"linear\", \"factor\": 2.0}",
+         "rope_scaling.rope_type 'linear' is not supported"},
+        {"llama31", "\"original_max_position_embeddings\"", "\"original_max\"",
+         "rope_scaling.original_max_position_embeddings is missing"},
+    };
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        lg_config cfg;
+        const char *edit[2] = {refused[i].from, refused[i].to};
+        int rc = 0;
+        if (hf_config_variant(refused[i].family, edit, 1) != 0) snprintf(err.msg, sizeof err.msg, "no %s", edit[0]);
+        else rc = lg_hf_config_read(&cfg, "build/hf-variant", &err);
+        check(r, rc != 0 && strstr(err.msg, refused[i].want) && strstr(err.msg, "config.json"),
+              "tests/hf/%s with %s refused: \"%s\"", refused[i].family, refused[i].to, err.msg);
     }
 }
 
@@ -543,6 +634,7 @@ static void test_checkpoint_cli(results *r) {
     check(r, c == 0 && strstr(out, "resumed build/cli-ckpt/step-4: 4 steps done"),
           "./train --resume DIR continues from the latest complete step-N (exit %d)", c);
     expect_cli(r, "--load tests/hf/llama -b 2 -t 8 --max-steps 1 --eval-iters 1", 0, "sample");
+    expect_cli(r, "--load tests/hf/falcon -b 2 -t 8 --max-steps 1 --eval-iters 1", 0, "sample");
     expect_cli(r, "--load build/no-such-dir -b 2 -t 8", 2, "build/no-such-dir/config.json: cannot open");
     expect_cli(r, "--load tests/hf/llama -c test-llama", 2, "--load brings its model's config.json");
 }
@@ -551,6 +643,7 @@ static void test_checkpoints(results *r) {
     test_safetensors_format(r);
     test_checkpoint_round_trips(r);
     test_hf_directories(r);
+    test_hf_falcon_llama31_configs(r);
     test_resume_bitwise(r);
     test_resume_sharded(r);
     test_kill_during_save(r);

@@ -412,11 +412,11 @@ static void test_lora_reference(results *r, const char *config_name, int percent
 /* The PEFT files, read by an independent reader (tests/check_peft.py, Python's standard library)
    that applies them to the base Hugging Face directory by PEFT's rules, give the trainer's
    merged model: GPT-2's Conv1D and fused c_attn, GPT-NeoX's interleaved query_key_value, Llama's
-   separate projections. */
+   separate projections, Falcon's multi-query query_key_value. */
 static void test_lora_peft_files(results *r) {
-    static const char *const dirs[3] = {"gpt2", "pythia", "llama"};
+    static const char *const dirs[4] = {"gpt2", "pythia", "llama", "falcon"};
     mkdir("out", 0755);
-    for (int k = 0; k < 3; k++) {
+    for (int k = 0; k < 4; k++) {
         char args[512], out[128];
         snprintf(out, sizeof out, "out/test-lora-peft-%s", dirs[k]);
         snprintf(args, sizeof args, "--load tests/hf/%s --lora-r 2 --lora-alpha 5 --lora-targets "
@@ -434,6 +434,8 @@ static void test_lora_all(results *r) {
         test_lora_reference(r, lora_configs[c], 0);
         test_lora_reference(r, lora_configs[c], 25);
     }
+    test_lora_reference(r, "test-falcon", 0); /* one norm for both branches, multi-query */
+    test_lora_reference(r, "test-falcon", 25);
     test_lora_starts_from_base(r);
     test_lora_frozen(r);
     test_lora_trains(r);

@@ -1,7 +1,7 @@
 """Plain PyTorch reference implementation of the litgpt.c model.
 
-Follows the model semantics written down for litgpt.c (GPT-2 / Pythia / Llama
-style decoders).  Parameter names match the LitGPT names that litgpt.c uses,
+Follows the model semantics written down for litgpt.c (GPT-2 / Pythia / Llama /
+Falcon style decoders, Llama 3.1's rope scaling).  Parameter names match the LitGPT names that litgpt.c uses,
 so `model.named_parameters()` yields e.g. `transformer.h.0.attn.qkv.weight`.
 
 Used by tests/make_reference.py (float64 reference data for the C gradient
@@ -25,6 +25,9 @@ INT_KEYS = {"n_layer", "n_head", "n_query_groups", "n_embd", "head_size",
 FLOAT_KEYS = {"norm_eps", "rotary_percentage", "rope_base"}
 BOOL_KEYS = {"parallel_residual", "shared_attention_norm", "bias", "attn_bias",
              "lm_head_bias", "tie_embeddings", "learned_pos_embedding"}
+# the optional nested block (LitGPT's model_config.yaml spells it so)
+ROPE_ADJUSTMENT_KEYS = {"factor": float, "low_freq_factor": float, "high_freq_factor": float,
+                        "original_max_seq_len": int}
 
 
 def _parse_value(key, text):
@@ -41,18 +44,33 @@ def _parse_value(key, text):
 
 
 def load_config(path):
-    """Read a flat `key: value` YAML file ('#' starts a comment line)."""
-    cfg = {}
+    """Read a `key: value` YAML file ('#' starts a comment line); the one nested
+    block, rope_adjustments, becomes a dict (absent or null: None)."""
+    cfg = {"rope_adjustments": None}
+    block = None
     with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
+        for lineno, raw in enumerate(f, 1):
+            line = raw.split("#", 1)[0]
+            if not line.strip():
                 continue
             if ":" not in line:
                 raise ValueError(f"{path}:{lineno}: expected 'key: value'")
             key, value = line.split(":", 1)
             key, value = key.strip(), value.strip()
+            if line[0].isspace():
+                if block is None:
+                    raise ValueError(f"{path}:{lineno}: indented line outside a block")
+                block[key] = ROPE_ADJUSTMENT_KEYS[key](value)
+                continue
+            block = None
+            if key == "rope_adjustments":
+                if value not in ("", "null"):
+                    raise ValueError(f"{path}:{lineno}: rope_adjustments must be a block or null")
+                block = cfg[key] = {} if value == "" else None
+                continue
             cfg[key] = _parse_value(key, value)
+    if cfg["rope_adjustments"] is not None:
+        assert set(cfg["rope_adjustments"]) == set(ROPE_ADJUSTMENT_KEYS), path
     missing = (INT_KEYS | FLOAT_KEYS | BOOL_KEYS) - set(cfg)
     if missing:
         raise ValueError(f"{path}: missing keys {sorted(missing)}")
@@ -96,8 +114,10 @@ class RMSNorm(nn.Module):
 
 
 def make_norm(cfg):
+    # LitGPT builds torch.nn.LayerNorm, which has a bias whatever cfg["bias"] says (Falcon's
+    # linear layers have no bias, its LayerNorms do)
     if cfg["norm_class_name"] == "LayerNorm":
-        return LayerNorm(cfg["n_embd"], cfg["norm_eps"], cfg["bias"])
+        return LayerNorm(cfg["n_embd"], cfg["norm_eps"], True)
     if cfg["norm_class_name"] == "RMSNorm":
         return RMSNorm(cfg["n_embd"], cfg["norm_eps"])
     raise ValueError(f"unknown norm_class_name {cfg['norm_class_name']}")
@@ -152,11 +172,34 @@ def make_mlp(cfg):
 # Rotary position embedding (rotate-half convention)
 # ---------------------------------------------------------------------------
 
-def rope_cos_sin(T, n_elem, base, dtype):
+def llama3_scaled(theta, adj):
+    """Llama 3.1's frequency scaling, band by band: a frequency whose wavelength
+    (2 pi / theta positions) is shorter than original / high_freq_factor is kept,
+    one longer than original / low_freq_factor is divided by factor, and in
+    between the two are mixed with weight w = (original / wavelength - low) /
+    (high - low) on the kept one."""
+    original, factor = adj["original_max_seq_len"], adj["factor"]
+    low, high = adj["low_freq_factor"], adj["high_freq_factor"]
+    out = []
+    for f in theta.tolist():
+        wavelength = 2 * math.pi / f
+        if wavelength < original / high:
+            out.append(f)
+        elif wavelength > original / low:
+            out.append(f / factor)
+        else:
+            w = (original / wavelength - low) / (high - low)
+            out.append((1 - w) * f / factor + w * f)
+    return torch.tensor(out, dtype=theta.dtype)
+
+
+def rope_cos_sin(T, n_elem, base, dtype, adjustments=None):
     """cos, sin tables of shape (T, n_elem); dims j and j + n_elem/2 share an angle."""
     half = n_elem // 2
     j = torch.arange(half, dtype=torch.float64)
     theta = base ** (-2.0 * j / n_elem)                    # (half,)
+    if adjustments is not None:
+        theta = llama3_scaled(theta, adjustments)
     t = torch.arange(T, dtype=torch.float64)
     angle = torch.outer(t, theta)                          # (T, half)
     angle = torch.cat([angle, angle], dim=-1)              # (T, n_elem)
@@ -189,6 +232,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(self.nh * self.hs, C, bias=cfg["bias"])
         self.n_elem = int(cfg["rotary_percentage"] * self.hs)
         self.rope_base = cfg["rope_base"]
+        self.rope_adjustments = cfg["rope_adjustments"]
 
     def forward(self, x):
         B, T, _ = x.shape
@@ -200,7 +244,7 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, nqg, hs).transpose(1, 2)          # (B, nqg, T, hs)
         v = v.view(B, T, nqg, hs).transpose(1, 2)
 
-        cos, sin = rope_cos_sin(T, self.n_elem, self.rope_base, x.dtype)
+        cos, sin = rope_cos_sin(T, self.n_elem, self.rope_base, x.dtype, self.rope_adjustments)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         # query head h reads key/value group h // (nh / nqg)

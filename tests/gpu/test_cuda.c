@@ -301,9 +301,10 @@ static lg_args step_args(lg_precision precision, lg_backend backend) {
    weight by about lr whatever the gradient's size, so rounding in a tiny gradient shows at
    the scale of lr); half precisions: their rounding, 1e-2. */
 static void test_training_steps(results *r) {
-    static const char *const configs[3] = {"test-gpt2", "test-pythia", "test-llama"};
+    static const char *const configs[] = {"test-gpt2", "test-pythia", "test-llama", "test-falcon",
+                                          "test-llama31"};
     const int T = 16, steps = 3;
-    for (int c = 0; c < 3; c++) {
+    for (size_t c = 0; c < sizeof configs / sizeof configs[0]; c++) {
         lg_config cfg;
         if (load_config_or_fail(r, &cfg, configs[c])) continue;
         for (int p = 0; p < 5; p++) {
@@ -322,7 +323,7 @@ static void test_training_steps(results *r) {
                 losses = fmax(losses, fabs(gpu_losses[s] - cpu_losses[s]) / fabs(cpu_losses[s]));
             double tolerance = precision == LG_PRECISION_32_TRUE ? 1e-4 : 1e-2;
             check(r, weights < tolerance && losses < tolerance,
-                  "%-11s %-10s 3 steps, CUDA vs CPU: losses %.1e, weights %.1e (< %.0e)",
+                  "%-12s %-10s 3 steps, CUDA vs CPU: losses %.1e, weights %.1e (< %.0e)",
                   configs[c], lg_precision_name(precision), losses, weights, tolerance);
             LG_FREE(want);
             LG_FREE(got);
