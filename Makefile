@@ -18,7 +18,7 @@ HEADERS = litgpt.h litgpt_cuda.cuh
 # the CUDA backend's kernels run on the CPU in tests through this emulator (g++, no GPU)
 EMULATED = $(CXX) -std=c++17 -O2 -DLG_CUDA_EMULATE -Wall -Wextra -Werror -Wno-unknown-pragmas $(OPENMP) -x c++
 
-.PHONY: all cpu cuda test bench clean data tokenizers
+.PHONY: all cpu cuda test bench clean data tokenizers lora-memory
 
 all: train
 
@@ -101,11 +101,18 @@ data: tools/prepare tokenizers data/corpus.txt
 		--val-share 0.01 data/corpus.txt
 	./tools/prepare builtin --samples 2000 > data/builtin.json
 
+# LitGPT's published LoRA/QLoRA memory figures beside this trainer's plan of the same runs
+tools/lora_memory: tools/lora_memory.c $(HEADERS)
+	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tools/lora_memory.c -o $@ $(LDLIBS)
+
+lora-memory: tools/lora_memory
+	./tools/lora_memory
+
 tools/bench: tools/bench.c $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tools/bench.c -o $@ $(LDLIBS)
 
 # litgpt.h must stay valid C++ (the CUDA build compiles train.c as CUDA C++)
-test: train tests/test tests/test64 tools/prepare tokenizers build/test_cuda_emulator build/test_cuda_emulated build/train_emulated
+test: train tests/test tests/test64 tools/prepare tools/lora_memory tokenizers build/test_cuda_emulator build/test_cuda_emulated build/train_emulated
 	g++ -x c++ -std=c++17 -Wall -Wextra -Werror -fsyntax-only $(OPENMP) train.c
 	@if [ -n "$(NVCC)" ]; then $(MAKE) --no-print-directory build/train_cuda build/test_cuda; \
 	 else echo "nvcc not found: CUDA build not checked"; fi
@@ -121,4 +128,4 @@ bench: tools/bench
 	 else echo "PyTorch not installed (apt-get install python3-torch): no side-by-side figure"; fi
 
 clean:
-	rm -rf train tests/test tests/test64 tools/bench tools/prepare build
+	rm -rf train tests/test tests/test64 tools/bench tools/prepare tools/lora_memory build

@@ -428,6 +428,12 @@ static void test_lora_peft_files(results *r) {
     }
 }
 
+/* LitGPT's published LoRA and QLoRA peaks (LORA.md) against the plan of the same runs: make
+   lora-memory's table, every row planned below LitGPT's measurement. */
+static void test_lora_published_memory(results *r) {
+    expect_program(r, "./tools/lora_memory", "", 0, "9 of 9 rows planned below LitGPT's measured peak");
+}
+
 static void test_lora_all(results *r) {
     printf("LoRA and QLoRA\n");
     for (int c = 0; c < 3; c++) {
@@ -445,4 +451,5 @@ static void test_lora_all(results *r) {
     test_lora_plan(r);
     test_lora_cli(r);
     test_lora_peft_files(r);
+    test_lora_published_memory(r);
 }
