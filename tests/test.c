@@ -1657,9 +1657,16 @@ static void run_emulated_cuda_tests(results *r) {
 /* ---- data: tokenizers, fine-tuning samples, readers ------------------------------------------ */
 
 #include "test_data.c"
+#include "test_gemm.c"
 
 int main(void) {
     results r = {0, 0};
+    printf("matmul kernels\n");
+    test_gemm_paths(&r);
+    if (getenv("LG_TEST_ONLY_GEMM")) { /* LG_TEST_ONLY_GEMM=1 ./tests/test: just these */
+        printf("%d passed, %d failed\n", r.passed, r.failed);
+        return r.failed ? 1 : 0;
+    }
     printf("PyTorch reference (fp32)\n");
     test_reference(&r, "test-gpt2");
     test_reference(&r, "test-pythia");
