@@ -3295,13 +3295,18 @@ LG_TARGET_AVX512 static void lg_gemm_write_avx512(const float *tile, int rows, l
             _mm512_storeu_ps(c, r0);
             _mm512_storeu_ps(c + 16, r1);
         }
-    } else if (C.dtype == LG_DTYPE_BF16 && mr == rows && nr == LG_AVX512_NR && beta == 0) {
-        for (int i = 0; i < rows; i++) {
-            uint16_t *c = (uint16_t *)C.data + c0 + (size_t)i * ldc;
-            _mm256_storeu_si256((__m256i *)c, lg_gemm_bf16_avx512(_mm512_loadu_ps(tile + i * LG_AVX512_NR)));
-            _mm256_storeu_si256((__m256i *)(c + 16),
-                                lg_gemm_bf16_avx512(_mm512_loadu_ps(tile + i * LG_AVX512_NR + 16)));
-        }
+    } else if (C.dtype == LG_DTYPE_BF16 && mr == rows && nr == LG_AVX512_NR) {
+        const __m512 vb = _mm512_set1_ps(beta);
+        for (int i = 0; i < rows; i++)
+            for (int half = 0; half < LG_AVX512_NR; half += 16) {
+                uint16_t *c = (uint16_t *)C.data + c0 + (size_t)i * ldc + half;
+                __m512 r = _mm512_loadu_ps(tile + i * LG_AVX512_NR + half);
+                if (beta != 0) { /* bf16 to fp32: the bits in the top half */
+                    __m512i old = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)c));
+                    r = _mm512_fmadd_ps(vb, _mm512_castsi512_ps(_mm512_slli_epi32(old, 16)), r);
+                }
+                _mm256_storeu_si256((__m256i *)c, lg_gemm_bf16_avx512(r));
+            }
     } else {
         lg_gemm_store(tile, LG_AVX512_NR, C, c0, ldc, mr, nr, beta);
     }
