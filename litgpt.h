@@ -3378,7 +3378,7 @@ typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
-} lg_amx_config;
+} __attribute__((aligned(64))) lg_amx_config;
 
 /* The calling thread's tiles configured for lg_gemm_kernel_amx; lg_amx_end releases them. */
 LG_TARGET_AMX static void lg_amx_begin(void) {

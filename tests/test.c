@@ -1667,6 +1667,8 @@ int main(void) {
         printf("%d passed, %d failed\n", r.passed, r.failed);
         return r.failed ? 1 : 0;
     }
+    printf("matmul kernels, built for any x86-64 (no -march=native)\n");
+    run_child_tests(&r, "LG_TEST_ONLY_GEMM=1 ./build/test_portable");
     printf("PyTorch reference (fp32)\n");
     test_reference(&r, "test-gpt2");
     test_reference(&r, "test-pythia");
