@@ -3270,13 +3270,18 @@ LG_GEMM_UNROLL
 /* the AVX-512 and AMX kernels' results to C: tile (rows x 32 floats, row-major, rows = MR of
    the kernel), full tiles of fp32 or bf16 C in vectors (bf16 rounded to nearest even, as
    lg_f32_to_bf16), the rest through lg_gemm_store */
+/* (the maskz forms of the intrinsics: the plain ones start from an "undefined" vector that g++
+   -O2 warns about) */
+#define LG_ALL16 ((__mmask16)0xFFFF)
 LG_TARGET_AVX512 static __m256i lg_gemm_bf16_avx512(__m512 x) {
     const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    const __m512i top = _mm512_maskz_srli_epi32(LG_ALL16, u, 16);
+    const __m512i lsb = _mm512_and_si512(top, _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    __m512i r = _mm512_maskz_srli_epi32(LG_ALL16, up, 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); /* quiet NaN: top bits | 0x40 */
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(r);
+    r = _mm512_mask_or_epi32(r, nan, top, _mm512_set1_epi32(0x40));
+    return _mm512_maskz_cvtepi32_epi16(LG_ALL16, r);
 }
 
 LG_TARGET_AVX512 static void lg_gemm_write_avx512(const float *tile, int rows, lg_buf C,
@@ -3302,8 +3307,9 @@ LG_TARGET_AVX512 static void lg_gemm_write_avx512(const float *tile, int rows, l
                 uint16_t *c = (uint16_t *)C.data + c0 + (size_t)i * ldc + half;
                 __m512 r = _mm512_loadu_ps(tile + i * LG_AVX512_NR + half);
                 if (beta != 0) { /* bf16 to fp32: the bits in the top half */
-                    __m512i old = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)c));
-                    r = _mm512_fmadd_ps(vb, _mm512_castsi512_ps(_mm512_slli_epi32(old, 16)), r);
+                    __m512i old = _mm512_maskz_cvtepu16_epi32(LG_ALL16, _mm256_loadu_si256((const __m256i *)c));
+                    old = _mm512_maskz_slli_epi32(LG_ALL16, old, 16);
+                    r = _mm512_fmadd_ps(vb, _mm512_castsi512_ps(old), r);
                 }
                 _mm256_storeu_si256((__m256i *)c, lg_gemm_bf16_avx512(r));
             }
