@@ -3386,17 +3386,19 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((aligned(64))) lg_amx_config;
 
+/* Every tile 16 rows of 64 bytes (0-3 C, 4-5 A, 6-7 B). A constant in memory: gcc's
+   _tile_loadconfig tells the compiler that it reads only 8 bytes, so stores into a local copy
+   could be dropped. */
+#define LG_AMX_ROW LG_AMX_TILE_BYTES
+#define LG_AMX_ROWS LG_AMX_TILE_ROWS
+static const lg_amx_config lg_amx_tiles = {
+    1, 0, {0},
+    {LG_AMX_ROW, LG_AMX_ROW, LG_AMX_ROW, LG_AMX_ROW, LG_AMX_ROW, LG_AMX_ROW, LG_AMX_ROW, LG_AMX_ROW},
+    {LG_AMX_ROWS, LG_AMX_ROWS, LG_AMX_ROWS, LG_AMX_ROWS, LG_AMX_ROWS, LG_AMX_ROWS, LG_AMX_ROWS,
+     LG_AMX_ROWS}};
+
 /* The calling thread's tiles configured for lg_gemm_kernel_amx; lg_amx_end releases them. */
-LG_TARGET_AMX static void lg_amx_begin(void) {
-    lg_amx_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = LG_AMX_TILE_BYTES;
-        cfg.rows[t] = LG_AMX_TILE_ROWS;
-    }
-    _tile_loadconfig(&cfg);
-}
+LG_TARGET_AMX static void lg_amx_begin(void) { _tile_loadconfig(&lg_amx_tiles); }
 
 LG_TARGET_AMX static void lg_amx_end(void) { _tile_release(); }
 
