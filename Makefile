@@ -3,6 +3,9 @@
 CC ?= gcc
 CXX ?= g++
 CFLAGS ?= -O3 -march=native -ffp-contract=fast
+# for a binary that runs on any x86-64 (make portable): the matmuls still choose AVX2, AVX-512,
+# AVX512_BF16 or AMX at run time; the other ops keep the baseline instruction set
+PORTABLE_CFLAGS = -O3 -ffp-contract=fast
 WARNINGS = -std=c11 -Wall -Wextra -Werror
 OPENMP = -fopenmp
 LDLIBS = -lm
@@ -18,7 +21,7 @@ HEADERS = litgpt.h litgpt_cuda.cuh
 # the CUDA backend's kernels run on the CPU in tests through this emulator (g++, no GPU)
 EMULATED = $(CXX) -std=c++17 -O2 -DLG_CUDA_EMULATE -Wall -Wextra -Werror -Wno-unknown-pragmas $(OPENMP) -x c++
 
-.PHONY: all cpu cuda test bench clean data tokenizers lora-memory
+.PHONY: all cpu cuda portable test bench clean data tokenizers lora-memory
 
 all: train
 
@@ -34,6 +37,12 @@ cuda: build/train_cuda
 build/train_cpu: train.c $(HEADERS)
 	@mkdir -p build
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) train.c -o $@ $(LDLIBS)
+
+portable: build/train_portable
+
+build/train_portable: train.c $(HEADERS)
+	@mkdir -p build
+	$(CC) $(WARNINGS) $(PORTABLE_CFLAGS) $(OPENMP) train.c -o $@ $(LDLIBS)
 
 # The CUDA build of the same train.c (nvcc -x cu); without a GPU it runs on the CPU backend.
 build/train_cuda: train.c $(HEADERS)
@@ -60,6 +69,11 @@ build/test_cuda_emulator: tests/test_cuda_emulator.cpp tests/cuda_emulator.h
 
 tests/test: tests/test.c tests/check.h $(wildcard tests/test_*.c) $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tests/test.c -o $@ $(LDLIBS)
+
+# the same tests/test.c built for any x86-64 (tests/test runs its matmul tests)
+build/test_portable: tests/test.c tests/check.h $(wildcard tests/test_*.c) $(HEADERS)
+	@mkdir -p build
+	$(CC) $(WARNINGS) $(PORTABLE_CFLAGS) $(OPENMP) tests/test.c -o $@ $(LDLIBS)
 
 # the same tests/test.c with lg_real = double: finite differences of the library's own code
 tests/test64: tests/test.c tests/check.h $(wildcard tests/test_*.c) $(HEADERS)
@@ -112,19 +126,21 @@ tools/bench: tools/bench.c $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tools/bench.c -o $@ $(LDLIBS)
 
 # litgpt.h must stay valid C++ (the CUDA build compiles train.c as CUDA C++)
-test: train tests/test tests/test64 tools/prepare tools/lora_memory tokenizers build/test_cuda_emulator build/test_cuda_emulated build/train_emulated
+test: train tests/test tests/test64 build/test_portable tools/prepare tools/lora_memory tokenizers build/test_cuda_emulator build/test_cuda_emulated build/train_emulated
 	g++ -x c++ -std=c++17 -Wall -Wextra -Werror -fsyntax-only $(OPENMP) train.c
 	@if [ -n "$(NVCC)" ]; then $(MAKE) --no-print-directory build/train_cuda build/test_cuda; \
 	 else echo "nvcc not found: CUDA build not checked"; fi
 	./tests/test
 
 # Training tokens/s of configs/bench.yaml, litgpt.c and PyTorch side by side (PyTorch from the
-# python3-torch package, when installed).
+# python3-torch package, when installed); first where litgpt.c's step spends its time, op by
+# op, and PyTorch's matmuls on the same shapes.
 bench: tools/bench
-	./tools/bench
+	./tools/bench --ops
+	./tools/bench --ops -p bf16-mixed
 	./tools/bench --recompute
-	./tools/bench -p bf16-mixed
-	@if /usr/bin/python3 -c "import torch" 2>/dev/null; then /usr/bin/python3 tools/bench_torch.py; \
+	@if /usr/bin/python3 -c "import torch" 2>/dev/null; then /usr/bin/python3 tools/bench_torch.py --ops; \
+	 /usr/bin/python3 tools/bench_torch.py --bf16; \
 	 else echo "PyTorch not installed (apt-get install python3-torch): no side-by-side figure"; fi
 
 clean:

@@ -673,11 +673,24 @@ const char *lg_format_bytes(size_t bytes, char *buf, size_t size);
 
 #define LG_IGNORE_INDEX (-100)
 
-/* The matmul's packing buffers: `threads` slots of per_thread elements (see lg_gemm). */
+/* The CPU matmul's kernel paths (see lg_gemm), each needing more of the processor than the
+   one before: portable C; AVX2 + FMA; AVX-512; AVX-512 with AVX512_BF16 dot products for bf16
+   operands; AVX-512 with AMX tiles for bf16 operands. */
+typedef enum { LG_GEMM_PORTABLE, LG_GEMM_AVX2, LG_GEMM_AVX512, LG_GEMM_AVX512_BF16,
+               LG_GEMM_AMX } lg_gemm_path;
+/* The best path this processor runs (cpuid; for AMX also the kernel's permission, which it
+   asks for), or a lower one named by the environment variable LG_GEMM (portable, avx2, avx512,
+   avx512-bf16, amx). */
+lg_gemm_path lg_cpu_gemm_path(void);
+const char *lg_gemm_path_name(lg_gemm_path path);
+
+/* The matmul's packing buffers: `threads` slots of per_thread elements (see lg_gemm), and the
+   kernels it runs. */
 typedef struct {
     lg_real *base;
     size_t per_thread;
     int threads;
+    lg_gemm_path path;
 } lg_gemm_workspace;
 
 /* Attention's rows for one (batch, head) at a time: scores or probabilities (T, T) and their
@@ -1359,6 +1372,17 @@ int lg_comms_per_rank(const lg_args *args);
    on the CPU through tests/cuda_emulator.h. */
 #if defined(__CUDACC__) || defined(LG_CUDA_EMULATE)
 #define LG_CUDA 1
+#endif
+
+/* x86-64 matmul kernels chosen at run time (section 6): gcc or clang, float lg_real, not in
+   nvcc's host pass. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__) && \
+    !defined(LG_REAL_DOUBLE)
+#define LG_X86_KERNELS 1
+#include <cpuid.h>
+#include <immintrin.h>
+#else
+#define LG_X86_KERNELS 0
 #endif
 
 /* OpenMP pragmas that vanish, without a warning, when the compiler is not asked for OpenMP. */
@@ -3549,8 +3573,23 @@ void lg_plan_print_json(const lg_plan *plan, FILE *out) {
  *           jr: NR columns / ir: MR rows -> micro-kernel, one MR x NR C tile
  *   A kc x NR micro-panel of Bp stays in L1 while the ir loop streams the
  *   MR x kc micro-panels of Ap (whole Ap block sized for L2).
- *   The micro-kernel is plain C: an MR x NR accumulator that gcc -O3 keeps in
- *   vector registers (NR = two vectors, MR broadcasts per k step).
+ *
+ * Kernel paths (lg_gemm_path), chosen at run time from cpuid, so one binary
+ * runs on any x86-64 and uses what the processor has:
+ *   portable     plain C; gcc -O3 keeps its MR x NR accumulator in vector
+ *                registers of whatever width the build targets
+ *   avx2         6 x 16 tile of ymm FMAs
+ *   avx512       14 x 32 tile of zmm FMAs (28 accumulators, B from 2 vectors,
+ *                A broadcast from memory)
+ *   avx512-bf16  avx512, and when A and B are both stored bf16: Ap and Bp
+ *                hold bf16 pairs along K and vdpbf16ps multiplies them into
+ *                fp32 accumulators (products of bf16 are exact in fp32, so
+ *                only the order of the sums differs from the other paths)
+ *   amx          avx512, and when A and B are both stored bf16: a 32 x 32
+ *                tile of C in four AMX accumulator tiles; Ap holds rows of
+ *                K (tile rows of 32 bf16), Bp bf16 pairs along K; K padded
+ *                to 32 with zeros
+ * Each path has its tile geometry (lg_gemm_kind); packing follows it.
  *
  * Problems with M*N*K below LG_GEMM_SMALL use a simple loop (no packing, no
  * threads); OpenMP is used only above LG_GEMM_PARALLEL and when not already
@@ -3560,10 +3599,8 @@ void lg_plan_print_json(const lg_plan *plan, FILE *out) {
 /* "#pragma omp simd" only where OpenMP is on (no unknown-pragma warnings) */
 #if defined(_OPENMP)
 #define LG_GEMM_SIMD _Pragma("omp simd")
-#define LG_GEMM_SIMD_SUM_S _Pragma("omp simd reduction(+ : s)")
 #else
 #define LG_GEMM_SIMD
-#define LG_GEMM_SIMD_SUM_S
 #endif
 
 /* full unrolling of the MR loop keeps the accumulator in registers (gcc: at
@@ -3576,7 +3613,7 @@ void lg_plan_print_json(const lg_plan *plan, FILE *out) {
 #define LG_GEMM_UNROLL
 #endif
 
-/* vector width in bytes, to size the register tile */
+/* vector width the build targets, in bytes, to size the portable tile */
 #if defined(__AVX512F__)
 #define LG_GEMM_VBYTES 64
 #elif defined(__AVX__)
@@ -3585,29 +3622,99 @@ void lg_plan_print_json(const lg_plan *plan, FILE *out) {
 #define LG_GEMM_VBYTES 16
 #endif
 
-/* register tile MR x NR: NR = 2 vectors, MR*2 accumulators + 3 temporaries
-   must fit the register file (32 vector registers with AVX-512, else 16) */
+/* portable register tile MR x NR: NR = 2 vectors, MR*2 accumulators + 3
+   temporaries must fit the register file (32 vector registers with AVX-512,
+   else 16) */
 #define LG_GEMM_NR ((int)(2 * LG_GEMM_VBYTES / sizeof(lg_real)))
 #if defined(__AVX512F__)
 #define LG_GEMM_MR 14
 #else
 #define LG_GEMM_MR 6
 #endif
+#define LG_GEMM_MR_MAX 32 /* the largest MR and NR of any path (workspace sizes) */
+#define LG_GEMM_NR_MAX 32
 
 /* cache blocks (in elements): Bp micro-panel KC x NR in L1, Ap block
-   MC x KC in L2, Bp block KC x NC in L2/L3 */
+   MC x KC in L2, Bp block KC x NC in L2/L3; MC = MR * LG_GEMM_MC_PANELS */
 #ifndef LG_GEMM_KC
-#define LG_GEMM_KC 384
+#define LG_GEMM_KC 256               /* must be a multiple of 32 (AMX tile rows) */
 #endif
-#ifndef LG_GEMM_MC
-#define LG_GEMM_MC (LG_GEMM_MR * 12) /* must be a multiple of MR */
+#ifndef LG_GEMM_MC_PANELS
+#define LG_GEMM_MC_PANELS 12
 #endif
 #ifndef LG_GEMM_NC
-#define LG_GEMM_NC 2048              /* must be a multiple of NR */
+#define LG_GEMM_NC 2048              /* must be a multiple of every NR */
 #endif
 
 #define LG_GEMM_SMALL (16.0 * 16 * 16)       /* M*N*K below: simple loop */
 #define LG_GEMM_PARALLEL (128.0 * 128 * 128) /* M*N*K below: one thread */
+
+/* --- kernel paths: what the processor runs --------------------------------------------------- */
+
+/* x86-64 kernels need gcc or clang (target attributes, intrinsics) and float lg_real; nvcc's
+   host pass and the double test build keep the portable path. */
+#if LG_X86_KERNELS
+#define LG_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define LG_TARGET_AVX512 __attribute__((target("avx512f,fma")))
+#define LG_TARGET_AVX512_BF16 __attribute__((target("avx512f,avx512bf16,fma")))
+#define LG_TARGET_AMX __attribute__((target("avx512f,avx512bf16,fma,amx-tile,amx-bf16")))
+
+#define LG_CPUID7_EDX_AMX_BF16 (1u << 22)
+#define LG_CPUID7_EDX_AMX_TILE (1u << 24)
+#define LG_SYS_ARCH_PRCTL 158       /* x86-64 Linux system call number */
+#define LG_ARCH_REQ_XCOMP_PERM 0x1023
+#define LG_XFEATURE_XTILEDATA 18
+
+/* AMX-BF16 tiles, and Linux's permission to use them (asked for once a process; granted to
+   all its threads) */
+static int lg_cpu_amx_ready(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    if (!(d & LG_CPUID7_EDX_AMX_BF16) || !(d & LG_CPUID7_EDX_AMX_TILE)) return 0;
+#if defined(__linux__)
+    long rc;
+    __asm__ volatile("syscall"
+                     : "=a"(rc)
+                     : "a"((long)LG_SYS_ARCH_PRCTL), "D"((long)LG_ARCH_REQ_XCOMP_PERM),
+                       "S"((long)LG_XFEATURE_XTILEDATA)
+                     : "rcx", "r11", "memory");
+    return rc == 0;
+#else
+    return 0;
+#endif
+}
+
+/* what cpuid says this processor (and its operating system, through xgetbv) runs */
+static lg_gemm_path lg_cpu_best_gemm_path(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16") &&
+        lg_cpu_amx_ready())
+        return LG_GEMM_AMX;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"))
+        return LG_GEMM_AVX512_BF16;
+    if (__builtin_cpu_supports("avx512f")) return LG_GEMM_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return LG_GEMM_AVX2;
+    return LG_GEMM_PORTABLE;
+}
+#else
+static lg_gemm_path lg_cpu_best_gemm_path(void) { return LG_GEMM_PORTABLE; }
+#endif
+
+static const char *const lg_gemm_path_names[] = {"portable", "avx2", "avx512", "avx512-bf16",
+                                                  "amx"};
+
+const char *lg_gemm_path_name(lg_gemm_path path) {
+    return (int)path >= 0 && path <= LG_GEMM_AMX ? lg_gemm_path_names[path] : "?";
+}
+
+lg_gemm_path lg_cpu_gemm_path(void) {
+    lg_gemm_path best = lg_cpu_best_gemm_path();
+    const char *cap = getenv("LG_GEMM");
+    if (!cap) return best;
+    for (int p = LG_GEMM_PORTABLE; p < (int)best; p++)
+        if (strcmp(cap, lg_gemm_path_names[p]) == 0) return (lg_gemm_path)p;
+    return best;
+}
 
 /* --- small problems: straightforward loops, no packing ------------------ */
 static void lg_gemm_simple(int trans_a, int trans_b, int M, int N, int K, lg_buf A, int lda,
@@ -3624,16 +3731,16 @@ static void lg_gemm_simple(int trans_a, int trans_b, int M, int N, int K, lg_buf
 }
 
 /* --- packing: the only place the matmul reads A and B, converting half types to lg_real -- */
-/* Ap <- op(A)[i0 : i0+mc, p0 : p0+kc] as ceil(mc/MR) micro-panels; panel r
-   holds rows i0 + r*MR + (0..MR-1), element (i, p) at ap[p*MR + i];
-   rows past mc are zero. */
+/* Ap <- op(A)[i0 : i0+mc, p0 : p0+kc] as ceil(mc/mr_full) micro-panels; panel
+   r holds rows i0 + r*mr_full + (0..mr_full-1), element (i, p) at
+   ap[p*mr_full + i]; rows past mc are zero. */
 static void lg_gemm_pack_a(int trans_a, lg_buf A, int lda, int i0, int p0, int mc, int kc,
-                           lg_real *ap) {
+                           int mr_full, lg_real *ap) {
     const lg_real *a32 = A.dtype == LG_DTYPE_F32 ? (const lg_real *)A.data : NULL;
-    for (int r = 0; r < mc; r += LG_GEMM_MR, ap += (size_t)kc * LG_GEMM_MR) {
-        const int mr = (mc - r < LG_GEMM_MR) ? mc - r : LG_GEMM_MR;
+    for (int r = 0; r < mc; r += mr_full, ap += (size_t)kc * mr_full) {
+        const int mr = (mc - r < mr_full) ? mc - r : mr_full;
         for (int p = 0; p < kc; p++) {
-            lg_real *dst = ap + (size_t)p * LG_GEMM_MR;
+            lg_real *dst = ap + (size_t)p * mr_full;
             int i = 0;
             if (trans_a) { /* A stored (K, M): rows of A are contiguous in i */
                 size_t at = (size_t)(p0 + p) * lda + i0 + r;
@@ -3644,47 +3751,146 @@ static void lg_gemm_pack_a(int trans_a, lg_buf A, int lda, int i0, int p0, int m
                 if (a32) for (; i < mr; i++) dst[i] = a32[at + (size_t)i * lda];
                 else for (; i < mr; i++) dst[i] = lg_get(A, at + (size_t)i * lda);
             }
-            for (; i < LG_GEMM_MR; i++) dst[i] = 0;
+            for (; i < mr_full; i++) dst[i] = 0;
         }
     }
 }
 
-/* Bp <- op(B)[p0 : p0+kc, j0 : j0+nc] as ceil(nc/NR) micro-panels; panel r
-   holds columns j0 + r*NR + (0..NR-1), element (p, j) at bp[p*NR + j];
-   columns past nc are zero. */
+/* Bp <- op(B)[p0 : p0+kc, j0 : j0+nc] as ceil(nc/nr_full) micro-panels; panel
+   r holds columns j0 + r*nr_full + (0..nr_full-1), element (p, j) at
+   bp[p*nr_full + j]; columns past nc are zero. */
 static void lg_gemm_pack_b(int trans_b, lg_buf B, int ldb, int p0, int j0, int kc, int nc,
-                           lg_real *bp) {
+                           int nr_full, lg_real *bp) {
     const lg_real *b32 = B.dtype == LG_DTYPE_F32 ? (const lg_real *)B.data : NULL;
-    for (int r = 0; r < nc; r += LG_GEMM_NR, bp += (size_t)kc * LG_GEMM_NR) {
-        const int nr = (nc - r < LG_GEMM_NR) ? nc - r : LG_GEMM_NR;
+    for (int r = 0; r < nc; r += nr_full, bp += (size_t)kc * nr_full) {
+        const int nr = (nc - r < nr_full) ? nc - r : nr_full;
         if (!trans_b) { /* B stored (K, N): rows contiguous in j */
             for (int p = 0; p < kc; p++) {
                 size_t at = (size_t)(p0 + p) * ldb + j0 + r;
-                lg_real *dst = bp + (size_t)p * LG_GEMM_NR;
+                lg_real *dst = bp + (size_t)p * nr_full;
                 int j = 0;
                 if (b32) for (; j < nr; j++) dst[j] = b32[at + j];
                 else for (; j < nr; j++) dst[j] = lg_get(B, at + j);
-                for (; j < LG_GEMM_NR; j++) dst[j] = 0;
+                for (; j < nr_full; j++) dst[j] = 0;
             }
         } else {        /* B stored (N, K): read each row along p */
             int j = 0;
             for (; j < nr; j++) {
                 size_t at = (size_t)(j0 + r + j) * ldb + p0;
-                if (b32) for (int p = 0; p < kc; p++) bp[(size_t)p * LG_GEMM_NR + j] = b32[at + p];
-                else for (int p = 0; p < kc; p++) bp[(size_t)p * LG_GEMM_NR + j] = lg_get(B, at + p);
+                if (b32) for (int p = 0; p < kc; p++) bp[(size_t)p * nr_full + j] = b32[at + p];
+                else for (int p = 0; p < kc; p++) bp[(size_t)p * nr_full + j] = lg_get(B, at + p);
             }
-            for (; j < LG_GEMM_NR; j++)
-                for (int p = 0; p < kc; p++) bp[(size_t)p * LG_GEMM_NR + j] = 0;
+            for (; j < nr_full; j++)
+                for (int p = 0; p < kc; p++) bp[(size_t)p * nr_full + j] = 0;
         }
     }
 }
 
-/* --- micro-kernel -------------------------------------------------------- */
-/* C[0:mr, 0:nr] = beta*C + a . b, where a is a kc x MR micro-panel of Ap and b
-   a kc x NR micro-panel of Bp.  acc (MR x NR) lives in vector registers; C
-   is written in its own type (rounded to nearest for half types). */
-static void lg_gemm_kernel(int kc, const lg_real *a, const lg_real *b, lg_buf C, size_t c0,
+/* bf16 pairs along K (vdpbf16ps's and AMX's B operands), both operands stored bf16 and copied
+   as they are: Ap <- op(A)[i0 : i0+mc, p0 : p0+kc], element (i, p) of a panel at
+   ap[(p/2)*2*mr_full + 2*i + p%2]; Bp likewise, (p, j) at bp[(p/2)*2*nr_full + 2*j + p%2].
+   Rows, columns and K past the ends, up to kp (kc rounded up to the kernel's K step), are
+   zero. */
+static void lg_gemm_pack_a_pairs(int trans_a, lg_buf A, int lda, int i0, int p0, int mc, int kc,
+                                 int kp, int mr_full, uint16_t *ap) {
+    const uint16_t *a = (const uint16_t *)A.data;
+    for (int r = 0; r < mc; r += mr_full, ap += (size_t)kp * mr_full) {
+        const int mr = (mc - r < mr_full) ? mc - r : mr_full;
+        for (int p = 0; p < kp; p++) {
+            uint16_t *dst = ap + (size_t)(p / 2) * 2 * mr_full + p % 2;
+            int i = 0;
+            if (p < kc) {
+                if (trans_a) {
+                    const uint16_t *row = a + (size_t)(p0 + p) * lda + i0 + r;
+                    for (; i < mr; i++) dst[2 * i] = row[i];
+                } else {
+                    const uint16_t *col = a + (size_t)(i0 + r) * lda + p0 + p;
+                    for (; i < mr; i++) dst[2 * i] = col[(size_t)i * lda];
+                }
+            }
+            for (; i < mr_full; i++) dst[2 * i] = 0;
+        }
+    }
+}
+
+static void lg_gemm_pack_b_pairs(int trans_b, lg_buf B, int ldb, int p0, int j0, int kc, int nc,
+                                 int kp, int nr_full, uint16_t *bp) {
+    const uint16_t *b = (const uint16_t *)B.data;
+    for (int r = 0; r < nc; r += nr_full, bp += (size_t)kp * nr_full) {
+        const int nr = (nc - r < nr_full) ? nc - r : nr_full;
+        for (int p = 0; p < kp; p++) {
+            uint16_t *dst = bp + (size_t)(p / 2) * 2 * nr_full + p % 2;
+            int j = 0;
+            if (p < kc) {
+                if (!trans_b) {
+                    const uint16_t *row = b + (size_t)(p0 + p) * ldb + j0 + r;
+                    for (; j < nr; j++) dst[2 * j] = row[j];
+                } else {
+                    const uint16_t *col = b + (size_t)(j0 + r) * ldb + p0 + p;
+                    for (; j < nr; j++) dst[2 * j] = col[(size_t)j * ldb];
+                }
+            }
+            for (; j < nr_full; j++) dst[2 * j] = 0;
+        }
+    }
+}
+
+/* AMX's A operand, both operands stored bf16: Ap <- op(A)[i0 : i0+mc, p0 : p0+kc] as panels of
+   mr_full rows, element (i, p) of a panel at ap[i*kp + p]; rows and K past the ends (up to kp)
+   are zero. */
+static void lg_gemm_pack_a_rows(int trans_a, lg_buf A, int lda, int i0, int p0, int mc, int kc,
+                                int kp, int mr_full, uint16_t *ap) {
+    const uint16_t *a = (const uint16_t *)A.data;
+    for (int r = 0; r < mc; r += mr_full, ap += (size_t)kp * mr_full) {
+        const int mr = (mc - r < mr_full) ? mc - r : mr_full;
+        for (int i = 0; i < mr_full; i++) {
+            uint16_t *dst = ap + (size_t)i * kp;
+            int p = 0;
+            if (i < mr && !trans_a) {
+                memcpy(dst, a + (size_t)(i0 + r + i) * lda + p0, (size_t)kc * sizeof(uint16_t));
+                p = kc;
+            } else if (i < mr) {
+                for (; p < kc; p++) dst[p] = a[(size_t)(p0 + p) * lda + i0 + r + i];
+            }
+            for (; p < kp; p++) dst[p] = 0;
+        }
+    }
+}
+
+/* --- writing a tile ------------------------------------------------------ */
+/* C[0:mr, 0:nr] = beta*C + acc, acc with rows ld apart; C written in its own type (rounded to
+   nearest for half types). */
+static void lg_gemm_store(const lg_real *acc, int ld, lg_buf C, size_t c0, int ldc, int mr,
+                          int nr, lg_real beta) {
+    if (C.dtype == LG_DTYPE_BF16 || C.dtype == LG_DTYPE_F16) {
+        int bf16 = C.dtype == LG_DTYPE_BF16;
+        for (int i = 0; i < mr; i++) {
+            uint16_t *c = (uint16_t *)C.data + c0 + (size_t)i * ldc;
+            for (int j = 0; j < nr; j++) {
+                float v = (float)acc[(size_t)i * ld + j];
+                if (beta != 0) v += (float)beta * (bf16 ? lg_bf16_to_f32(c[j]) : lg_f16_to_f32(c[j]));
+                c[j] = bf16 ? lg_f32_to_bf16(v) : lg_f32_to_f16(v);
+            }
+        }
+        return;
+    }
+    for (int i = 0; i < mr; i++) {
+        lg_real *c = (lg_real *)C.data + c0 + (size_t)i * ldc;
+        const lg_real *a = acc + (size_t)i * ld;
+        for (int j = 0; j < nr; j++) c[j] = beta == 0 ? a[j] : beta * c[j] + a[j];
+    }
+}
+
+/* --- micro-kernels ------------------------------------------------------- */
+/* C[0:mr, 0:nr] = beta*C + a . b, where a is a kc x MR micro-panel of Ap and b a kc x NR
+   micro-panel of Bp (pairs: kc rounded up to even). */
+typedef void (*lg_gemm_micro)(int kc, const void *a, const void *b, lg_buf C, size_t c0,
+                              int ldc, int mr, int nr, lg_real beta);
+
+/* portable: acc (MR x NR) lives in vector registers of the build's width */
+static void lg_gemm_kernel(int kc, const void *a_panel, const void *b_panel, lg_buf C, size_t c0,
                            int ldc, int mr, int nr, lg_real beta) {
+    const lg_real *a = (const lg_real *)a_panel, *b = (const lg_real *)b_panel;
     lg_real acc[LG_GEMM_MR][LG_GEMM_NR];
     int i, j, p;
 LG_GEMM_UNROLL
@@ -3711,45 +3917,287 @@ LG_GEMM_SIMD
                 for (j = 0; j < LG_GEMM_NR; j++) c[j] = beta * c[j] + acc[i][j];
             }
         }
-    } else if (C.dtype == LG_DTYPE_BF16 || C.dtype == LG_DTYPE_F16) { /* half: convert */
-        int bf16 = C.dtype == LG_DTYPE_BF16;
-        for (i = 0; i < mr; i++) {
-            uint16_t *c = (uint16_t *)C.data + c0 + (size_t)i * ldc;
-            for (j = 0; j < nr; j++) {
-                float v = (float)acc[i][j];
-                if (beta != 0) v += (float)beta * (bf16 ? lg_bf16_to_f32(c[j]) : lg_f16_to_f32(c[j]));
-                c[j] = bf16 ? lg_f32_to_bf16(v) : lg_f32_to_f16(v);
-            }
-        }
-    } else {                                     /* fp32 edge tile */
-        for (i = 0; i < mr; i++) {
-            lg_real *c = (lg_real *)C.data + c0 + (size_t)i * ldc;
-            for (j = 0; j < nr; j++) c[j] = beta == 0 ? acc[i][j] : beta * c[j] + acc[i][j];
+    } else {
+        lg_gemm_store(&acc[0][0], LG_GEMM_NR, C, c0, ldc, mr, nr, beta);
+    }
+}
+
+#if LG_X86_KERNELS
+#define LG_AVX2_MR 6
+#define LG_AVX2_NR 16
+#define LG_AVX512_MR 14
+#define LG_AVX512_NR 32
+
+/* avx2: 6 x 16, two ymm accumulators a row */
+LG_TARGET_AVX2 static void lg_gemm_kernel_avx2(int kc, const void *a_panel, const void *b_panel,
+                                               lg_buf C, size_t c0, int ldc, int mr, int nr,
+                                               lg_real beta) {
+    const float *a = (const float *)a_panel, *b = (const float *)b_panel;
+    __m256 acc[LG_AVX2_MR][2];
+LG_GEMM_UNROLL
+    for (int i = 0; i < LG_AVX2_MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int p = 0; p < kc; p++, a += LG_AVX2_MR, b += LG_AVX2_NR) {
+        const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+LG_GEMM_UNROLL
+        for (int i = 0; i < LG_AVX2_MR; i++) {
+            const __m256 ai = _mm256_broadcast_ss(a + i);
+            acc[i][0] = _mm256_fmadd_ps(ai, b0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(ai, b1, acc[i][1]);
         }
     }
+    if (C.dtype == LG_DTYPE_F32 && mr == LG_AVX2_MR && nr == LG_AVX2_NR) {
+        const __m256 vb = _mm256_set1_ps(beta);
+LG_GEMM_UNROLL
+        for (int i = 0; i < LG_AVX2_MR; i++) {
+            float *c = (float *)C.data + c0 + (size_t)i * ldc;
+            __m256 r0 = acc[i][0], r1 = acc[i][1];
+            if (beta != 0) {
+                r0 = _mm256_fmadd_ps(vb, _mm256_loadu_ps(c), r0);
+                r1 = _mm256_fmadd_ps(vb, _mm256_loadu_ps(c + 8), r1);
+            }
+            _mm256_storeu_ps(c, r0);
+            _mm256_storeu_ps(c + 8, r1);
+        }
+        return;
+    }
+    float tile[LG_AVX2_MR][LG_AVX2_NR];
+    for (int i = 0; i < LG_AVX2_MR; i++) {
+        _mm256_storeu_ps(tile[i], acc[i][0]);
+        _mm256_storeu_ps(tile[i] + 8, acc[i][1]);
+    }
+    lg_gemm_store(&tile[0][0], LG_AVX2_NR, C, c0, ldc, mr, nr, beta);
+}
+
+/* the AVX-512 and AMX kernels' results to C: tile (rows x 32 floats, row-major, rows = MR of
+   the kernel), full tiles of fp32 or bf16 C in vectors (bf16 rounded to nearest even, as
+   lg_f32_to_bf16), the rest through lg_gemm_store */
+/* (the maskz forms of the intrinsics: the plain ones start from an "undefined" vector that g++
+   -O2 warns about) */
+#define LG_ALL16 ((__mmask16)0xFFFF)
+LG_TARGET_AVX512 static __m256i lg_gemm_bf16_avx512(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i top = _mm512_maskz_srli_epi32(LG_ALL16, u, 16);
+    const __m512i lsb = _mm512_and_si512(top, _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    __m512i r = _mm512_maskz_srli_epi32(LG_ALL16, up, 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); /* quiet NaN: top bits | 0x40 */
+    r = _mm512_mask_or_epi32(r, nan, top, _mm512_set1_epi32(0x40));
+    return _mm512_maskz_cvtepi32_epi16(LG_ALL16, r);
+}
+
+LG_TARGET_AVX512 static void lg_gemm_write_avx512(const float *tile, int rows, lg_buf C,
+                                                  size_t c0, int ldc, int mr, int nr,
+                                                  lg_real beta) {
+    if (C.dtype == LG_DTYPE_F32 && mr == rows && nr == LG_AVX512_NR) {
+        const __m512 vb = _mm512_set1_ps(beta);
+        for (int i = 0; i < rows; i++) {
+            float *c = (float *)C.data + c0 + (size_t)i * ldc;
+            __m512 r0 = _mm512_loadu_ps(tile + i * LG_AVX512_NR);
+            __m512 r1 = _mm512_loadu_ps(tile + i * LG_AVX512_NR + 16);
+            if (beta != 0) {
+                r0 = _mm512_fmadd_ps(vb, _mm512_loadu_ps(c), r0);
+                r1 = _mm512_fmadd_ps(vb, _mm512_loadu_ps(c + 16), r1);
+            }
+            _mm512_storeu_ps(c, r0);
+            _mm512_storeu_ps(c + 16, r1);
+        }
+    } else if (C.dtype == LG_DTYPE_BF16 && mr == rows && nr == LG_AVX512_NR) {
+        const __m512 vb = _mm512_set1_ps(beta);
+        for (int i = 0; i < rows; i++)
+            for (int half = 0; half < LG_AVX512_NR; half += 16) {
+                uint16_t *c = (uint16_t *)C.data + c0 + (size_t)i * ldc + half;
+                __m512 r = _mm512_loadu_ps(tile + i * LG_AVX512_NR + half);
+                if (beta != 0) { /* bf16 to fp32: the bits in the top half */
+                    __m512i old = _mm512_maskz_cvtepu16_epi32(LG_ALL16, _mm256_loadu_si256((const __m256i *)c));
+                    old = _mm512_maskz_slli_epi32(LG_ALL16, old, 16);
+                    r = _mm512_fmadd_ps(vb, _mm512_castsi512_ps(old), r);
+                }
+                _mm256_storeu_si256((__m256i *)c, lg_gemm_bf16_avx512(r));
+            }
+    } else {
+        lg_gemm_store(tile, LG_AVX512_NR, C, c0, ldc, mr, nr, beta);
+    }
+}
+
+/* the 14 x 32 accumulator (two zmm a row) to C */
+LG_TARGET_AVX512 static void lg_gemm_write_acc(__m512 acc[LG_AVX512_MR][2], lg_buf C, size_t c0,
+                                               int ldc, int mr, int nr, lg_real beta) {
+    float tile[LG_AVX512_MR * LG_AVX512_NR];
+    for (int i = 0; i < LG_AVX512_MR; i++) {
+        _mm512_storeu_ps(tile + i * LG_AVX512_NR, acc[i][0]);
+        _mm512_storeu_ps(tile + i * LG_AVX512_NR + 16, acc[i][1]);
+    }
+    lg_gemm_write_avx512(tile, LG_AVX512_MR, C, c0, ldc, mr, nr, beta);
+}
+
+/* avx512: 14 x 32 fp32 FMAs */
+LG_TARGET_AVX512 static void lg_gemm_kernel_avx512(int kc, const void *a_panel,
+                                                   const void *b_panel, lg_buf C, size_t c0,
+                                                   int ldc, int mr, int nr, lg_real beta) {
+    const float *a = (const float *)a_panel, *b = (const float *)b_panel;
+    __m512 acc[LG_AVX512_MR][2];
+LG_GEMM_UNROLL
+    for (int i = 0; i < LG_AVX512_MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int p = 0; p < kc; p++, a += LG_AVX512_MR, b += LG_AVX512_NR) {
+        const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
+LG_GEMM_UNROLL
+        for (int i = 0; i < LG_AVX512_MR; i++) {
+            const __m512 ai = _mm512_set1_ps(a[i]);
+            acc[i][0] = _mm512_fmadd_ps(ai, b0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(ai, b1, acc[i][1]);
+        }
+    }
+    lg_gemm_write_acc(acc, C, c0, ldc, mr, nr, beta);
+}
+
+/* avx512-bf16: 14 x 32, each vdpbf16ps adds two K steps (a pair of bf16 products) */
+LG_TARGET_AVX512_BF16 static void lg_gemm_kernel_bf16(int kc, const void *a_panel,
+                                                      const void *b_panel, lg_buf C, size_t c0,
+                                                      int ldc, int mr, int nr, lg_real beta) {
+    const uint32_t *a = (const uint32_t *)a_panel; /* a pair of bf16 a row */
+    const __m512i *b = (const __m512i *)b_panel;   /* 16 pairs a vector */
+    __m512 acc[LG_AVX512_MR][2];
+LG_GEMM_UNROLL
+    for (int i = 0; i < LG_AVX512_MR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int p = 0; p < kc; p += 2, a += LG_AVX512_MR, b += 2) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + 1);
+LG_GEMM_UNROLL
+        for (int i = 0; i < LG_AVX512_MR; i++) {
+            const __m512bh ai = (__m512bh)_mm512_set1_epi32((int)a[i]);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, b0);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], ai, b1);
+        }
+    }
+    lg_gemm_write_acc(acc, C, c0, ldc, mr, nr, beta);
+}
+
+/* amx: 32 x 32 of C in tiles 0-3 (rows 0-15 and 16-31, columns 0-15 and 16-31), A's rows in
+   tiles 4-5, B's pairs in 6-7; every tile 16 rows of 64 bytes */
+#define LG_AMX_MR 32
+#define LG_AMX_NR 32
+#define LG_AMX_K 32          /* K values of one A tile row */
+#define LG_AMX_TILE_ROWS 16
+#define LG_AMX_TILE_BYTES 64 /* a tile row */
+
+/* AMX's tile configuration (palette 1), as ldtilecfg reads it */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) lg_amx_config;
+
+/* Every tile 16 rows of 64 bytes (0-3 C, 4-5 A, 6-7 B). A constant in memory: gcc's
+   _tile_loadconfig tells the compiler that it reads only 8 bytes, so stores into a local copy
+   could be dropped. */
+#define LG_AMX_ROW LG_AMX_TILE_BYTES
+#define LG_AMX_ROWS LG_AMX_TILE_ROWS
+static const lg_amx_config lg_amx_tiles = {
+    1, 0, {0},
+    {LG_AMX_ROW, LG_AMX_ROW, LG_AMX_ROW, LG_AMX_ROW, LG_AMX_ROW, LG_AMX_ROW, LG_AMX_ROW, LG_AMX_ROW},
+    {LG_AMX_ROWS, LG_AMX_ROWS, LG_AMX_ROWS, LG_AMX_ROWS, LG_AMX_ROWS, LG_AMX_ROWS, LG_AMX_ROWS,
+     LG_AMX_ROWS}};
+
+/* The calling thread's tiles configured for lg_gemm_kernel_amx; lg_amx_end releases them. */
+LG_TARGET_AMX static void lg_amx_begin(void) { _tile_loadconfig(&lg_amx_tiles); }
+
+LG_TARGET_AMX static void lg_amx_end(void) { _tile_release(); }
+
+LG_TARGET_AMX static void lg_gemm_kernel_amx(int kc, const void *a_panel, const void *b_panel,
+                                             lg_buf C, size_t c0, int ldc, int mr, int nr,
+                                             lg_real beta) {
+    const uint16_t *a = (const uint16_t *)a_panel; /* 32 rows of kc */
+    const uint16_t *b = (const uint16_t *)b_panel; /* kc/2 rows of 32 pairs */
+    const size_t a_stride = (size_t)kc * sizeof(uint16_t), b_stride = 2 * LG_AMX_NR * sizeof(uint16_t);
+    float tile[LG_AMX_MR * LG_AMX_NR];
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int p = 0; p < kc; p += LG_AMX_K) {
+        const uint16_t *bk = b + (size_t)p * LG_AMX_NR; /* pair row p/2 */
+        _tile_loadd(4, a + p, a_stride);
+        _tile_loadd(5, a + (size_t)LG_AMX_TILE_ROWS * kc + p, a_stride);
+        _tile_loadd(6, bk, b_stride);
+        _tile_loadd(7, bk + LG_AMX_NR, b_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    const size_t row = LG_AMX_NR * sizeof(float), half = LG_AMX_TILE_ROWS * LG_AMX_NR;
+    _tile_stored(0, tile, row);
+    _tile_stored(1, tile + 16, row);
+    _tile_stored(2, tile + half, row);
+    _tile_stored(3, tile + half + 16, row);
+    lg_gemm_write_avx512(tile, LG_AMX_MR, C, c0, ldc, mr, nr, beta);
+}
+#endif
+
+/* How a path packs its operands: fp32 panels, bf16 pairs along K (A and B), AMX's (A's rows,
+   B's pairs). */
+typedef enum { LG_PACK_F32, LG_PACK_PAIRS, LG_PACK_AMX } lg_gemm_packing;
+
+/* A path's tile geometry, packing and micro-kernel; kstep: the packed K is a multiple. */
+typedef struct {
+    int mr, nr, kstep;
+    lg_gemm_packing packing;
+    lg_gemm_micro kernel;
+} lg_gemm_kind;
+
+/* The kernel of `path` for these operands: bf16 pairs only when both are stored bf16. */
+static lg_gemm_kind lg_gemm_kind_of(lg_gemm_path path, lg_buf A, lg_buf B) {
+    lg_gemm_kind k = {LG_GEMM_MR, LG_GEMM_NR, 1, LG_PACK_F32, lg_gemm_kernel};
+#if LG_X86_KERNELS
+    const int bf16 = A.dtype == LG_DTYPE_BF16 && B.dtype == LG_DTYPE_BF16;
+    if (path == LG_GEMM_AMX && bf16) {
+        k.mr = LG_AMX_MR; k.nr = LG_AMX_NR; k.kstep = LG_AMX_K; k.packing = LG_PACK_AMX;
+        k.kernel = lg_gemm_kernel_amx;
+    } else if (path == LG_GEMM_AVX512_BF16 && bf16) {
+        k.mr = LG_AVX512_MR; k.nr = LG_AVX512_NR; k.kstep = 2; k.packing = LG_PACK_PAIRS;
+        k.kernel = lg_gemm_kernel_bf16;
+    } else if (path >= LG_GEMM_AVX512) {
+        k.mr = LG_AVX512_MR; k.nr = LG_AVX512_NR; k.kernel = lg_gemm_kernel_avx512;
+    } else if (path == LG_GEMM_AVX2) {
+        k.mr = LG_AVX2_MR; k.nr = LG_AVX2_NR; k.kernel = lg_gemm_kernel_avx2;
+    }
+#else
+    (void)path; (void)A; (void)B;
+#endif
+    return k;
 }
 
 /* --- one thread's tile: C[m0:m1, n0:n1], all of K ------------------------ */
 /* ap: MC x KC scratch, bp: KC x NC scratch (see the pack functions) */
-static void lg_gemm_tile(int trans_a, int trans_b, int m0, int m1, int n0, int n1, int K,
-                         lg_buf A, int lda, lg_buf B, int ldb, lg_real beta, lg_buf C, int ldc,
-                         lg_real *ap, lg_real *bp) {
+static void lg_gemm_tile(const lg_gemm_kind *k, int trans_a, int trans_b, int m0, int m1, int n0,
+                         int n1, int K, lg_buf A, int lda, lg_buf B, int ldb, lg_real beta,
+                         lg_buf C, int ldc, lg_real *ap, lg_real *bp) {
+    const int MC = k->mr * LG_GEMM_MC_PANELS;
+    const size_t esize = k->packing == LG_PACK_F32 ? sizeof(lg_real) : sizeof(uint16_t);
     int jc, pc, ic, jr, ir;
     for (jc = n0; jc < n1; jc += LG_GEMM_NC) {
         const int nc = (n1 - jc < LG_GEMM_NC) ? n1 - jc : LG_GEMM_NC;
         for (pc = 0; pc < K; pc += LG_GEMM_KC) {
             const int kc = (K - pc < LG_GEMM_KC) ? K - pc : LG_GEMM_KC;
+            const int kp = (kc + k->kstep - 1) / k->kstep * k->kstep; /* packed K length */
             const lg_real bet = (pc == 0) ? beta : (lg_real)1;  /* later K blocks accumulate */
-            lg_gemm_pack_b(trans_b, B, ldb, pc, jc, kc, nc, bp);
-            for (ic = m0; ic < m1; ic += LG_GEMM_MC) {
-                const int mc = (m1 - ic < LG_GEMM_MC) ? m1 - ic : LG_GEMM_MC;
-                lg_gemm_pack_a(trans_a, A, lda, ic, pc, mc, kc, ap);
-                for (jr = 0; jr < nc; jr += LG_GEMM_NR) {
-                    const int nr = (nc - jr < LG_GEMM_NR) ? nc - jr : LG_GEMM_NR;
-                    for (ir = 0; ir < mc; ir += LG_GEMM_MR) {
-                        const int mr = (mc - ir < LG_GEMM_MR) ? mc - ir : LG_GEMM_MR;
-                        lg_gemm_kernel(kc, ap + (size_t)ir * kc, bp + (size_t)jr * kc, C,
-                                       (size_t)(ic + ir) * ldc + jc + jr, ldc, mr, nr, bet);
+            if (k->packing == LG_PACK_F32) lg_gemm_pack_b(trans_b, B, ldb, pc, jc, kc, nc, k->nr, bp);
+            else lg_gemm_pack_b_pairs(trans_b, B, ldb, pc, jc, kc, nc, kp, k->nr, (uint16_t *)bp);
+            for (ic = m0; ic < m1; ic += MC) {
+                const int mc = (m1 - ic < MC) ? m1 - ic : MC;
+                if (k->packing == LG_PACK_F32)
+                    lg_gemm_pack_a(trans_a, A, lda, ic, pc, mc, kc, k->mr, ap);
+                else if (k->packing == LG_PACK_PAIRS)
+                    lg_gemm_pack_a_pairs(trans_a, A, lda, ic, pc, mc, kc, kp, k->mr, (uint16_t *)ap);
+                else
+                    lg_gemm_pack_a_rows(trans_a, A, lda, ic, pc, mc, kc, kp, k->mr, (uint16_t *)ap);
+                for (jr = 0; jr < nc; jr += k->nr) {
+                    const int nr = (nc - jr < k->nr) ? nc - jr : k->nr;
+                    for (ir = 0; ir < mc; ir += k->mr) {
+                        const int mr = (mc - ir < k->mr) ? mc - ir : k->mr;
+                        k->kernel(kp, (const char *)ap + (size_t)ir * kp * esize,
+                                  (const char *)bp + (size_t)jr * kp * esize, C,
+                                  (size_t)(ic + ir) * ldc + jc + jr, ldc, mr, nr, bet);
                     }
                 }
             }
@@ -3780,22 +4228,23 @@ static void lg_gemm_split(int n, int unit, int parts, int r, int *lo, int *hi) {
     if (*hi > n) *hi = n;
 }
 
-/* Elements of one thread's packing buffers (see lg_gemm_workspace): Ap (MC + MR) x KC and
-   Bp KC x (NC + NR), each rounded up to LG_ALIGN bytes. */
+/* Elements of one thread's packing buffers (see lg_gemm_workspace), for every path: Ap
+   (MC + MR) x KC and Bp KC x (NC + NR) at the largest MR and NR, each rounded up to LG_ALIGN
+   bytes. */
 static size_t lg_gemm_panel_a_count(void) {
-    return lg_align_up((size_t)(LG_GEMM_MC + LG_GEMM_MR) * LG_GEMM_KC * sizeof(lg_real)) /
-           sizeof(lg_real);
+    const size_t mc = (size_t)LG_GEMM_MR_MAX * (LG_GEMM_MC_PANELS + 1);
+    return lg_align_up(mc * LG_GEMM_KC * sizeof(lg_real)) / sizeof(lg_real);
 }
 
 static size_t lg_gemm_workspace_count(void) {
-    size_t b = (size_t)LG_GEMM_KC * (LG_GEMM_NC + LG_GEMM_NR);
+    size_t b = (size_t)LG_GEMM_KC * (LG_GEMM_NC + LG_GEMM_NR_MAX);
     return lg_gemm_panel_a_count() + lg_align_up(b * sizeof(lg_real)) / sizeof(lg_real);
 }
 
-/* C(M, N) = beta C + op(A)(M, K) op(B)(K, N), row-major (see the top of this section). The
-   packing buffers come from ws, one slot a thread; called from inside a parallel region
-   (attention's heads) it runs on the calling thread's slot. Without ws, or for small
-   problems, the plain loop. */
+/* C(M, N) = beta C + op(A)(M, K) op(B)(K, N), row-major (see the top of this section), with
+   the kernels of ws->path. The packing buffers come from ws, one slot a thread; called from
+   inside a parallel region (attention's heads) it runs on the calling thread's slot. Without
+   ws, or for small problems, the plain loop. */
 static void lg_gemm(const lg_gemm_workspace *ws, int trans_a, int trans_b, int M, int N, int K,
                     lg_buf A, int lda, lg_buf B, int ldb, lg_real beta, lg_buf C, int ldc) {
     const double work = (double)M * N * K;
@@ -3809,6 +4258,7 @@ static void lg_gemm(const lg_gemm_workspace *ws, int trans_a, int trans_b, int M
         lg_gemm_simple(trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc);
         return;
     }
+    const lg_gemm_kind kind = lg_gemm_kind_of(ws->path, A, B);
     if (nthreads > ws->threads) nthreads = ws->threads;
     LG_OMP(omp parallel num_threads(nthreads) if (nthreads > 1))
     {
@@ -3822,11 +4272,17 @@ static void lg_gemm(const lg_gemm_workspace *ws, int trans_a, int trans_b, int M
         lg_real *ap = ws->base + (size_t)(nthreads > 1 ? tid : outer_slot) * ws->per_thread;
         lg_real *bp = ap + lg_gemm_panel_a_count();
         lg_gemm_grid(nt, M, N, &tm, &tn);
-        lg_gemm_split(M, LG_GEMM_MR, tm, tid / tn, &m0, &m1);
-        lg_gemm_split(N, LG_GEMM_NR, tn, tid % tn, &n0, &n1);
+        lg_gemm_split(M, kind.mr, tm, tid / tn, &m0, &m1);
+        lg_gemm_split(N, kind.nr, tn, tid % tn, &n0, &n1);
+#if LG_X86_KERNELS
+        if (kind.packing == LG_PACK_AMX) lg_amx_begin();
+#endif
         if (m0 < m1 && n0 < n1)
-            lg_gemm_tile(trans_a, trans_b, m0, m1, n0, n1, K, A, lda, B, ldb, beta, C, ldc, ap,
-                         bp);
+            lg_gemm_tile(&kind, trans_a, trans_b, m0, m1, n0, n1, K, A, lda, B, ldb, beta, C,
+                         ldc, ap, bp);
+#if LG_X86_KERNELS
+        if (kind.packing == LG_PACK_AMX) lg_amx_end();
+#endif
     }
 }
 /* LG_GEMM_END */
@@ -4397,6 +4853,7 @@ static int lg_model_bind_exec(lg_model *m, lg_error *err) {
     if (!(ex->gemm.base = (lg_real *)lg_model_region(m, "gemm.workspace", err))) return -1;
     ex->gemm.per_thread = lg_gemm_workspace_count();
     ex->gemm.threads = s->threads;
+    ex->gemm.path = lg_cpu_gemm_path();
     if (!(ex->attention.base = (lg_real *)lg_model_region(m, "attention.scratch", err))) return -1;
     ex->attention.per_thread = 2 * (size_t)m->T * m->T;
     ex->attention.threads = s->threads;

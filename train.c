@@ -756,7 +756,8 @@ int main(int argc, char **argv) {
            cfg.n_layer, model->n_params / 1e6, data.train.path, data.train.n_tokens);
     char where[64];
     if (a.backend == LG_BACKEND_CUDA) snprintf(where, sizeof where, "%d GPU%s", tr.n_ranks, tr.n_ranks > 1 ? "s" : "");
-    else snprintf(where, sizeof where, "CPU, %d threads", threads);
+    else snprintf(where, sizeof where, "CPU, %d threads, %s matmuls", threads,
+                  lg_gemm_path_name(model->exec.gemm.path));
     printf("batch: -b %d x %d accumulation x %d rank%s = %d samples of %d tokens a step | %s | "
            "%s\n", B, accumulation, tr.n_ranks, tr.n_ranks > 1 ? "s" : "",
            B * accumulation * tr.n_ranks, T, where, lg_optimizer_name(a.optimizer));

@@ -1796,6 +1796,7 @@ static void run_emulated_cuda_tests(results *r) {
 
 #include "test_data.c"
 #include "test_lora.c"
+#include "test_gemm.c"
 
 /* ---- NF4 weight storage (QLoRA) ----------------------------------------------------------- */
 
@@ -1808,6 +1809,14 @@ int main(int argc, char **argv) {
         printf("%d passed, %d failed\n", r.passed, r.failed);
         return r.failed ? 1 : 0;
     }
+    printf("matmul kernels\n");
+    test_gemm_paths(&r);
+    if (getenv("LG_TEST_ONLY_GEMM")) { /* LG_TEST_ONLY_GEMM=1 ./tests/test: just these */
+        printf("%d passed, %d failed\n", r.passed, r.failed);
+        return r.failed ? 1 : 0;
+    }
+    printf("matmul kernels, built for any x86-64 (no -march=native)\n");
+    run_child_tests(&r, "LG_TEST_ONLY_GEMM=1 ./build/test_portable");
     printf("PyTorch reference (fp32)\n");
     test_reference(&r, "test-gpt2");
     test_reference(&r, "test-pythia");

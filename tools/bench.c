@@ -1,25 +1,226 @@
 /* tools/bench.c — training throughput of litgpt.c on the CPU (make bench).
 
-   ./tools/bench [--recompute] [--offload] [-c configs/bench.yaml] [-b 4] [-t 256] [-s steps]
-                 [-p 32-true]
+   ./tools/bench [--ops] [--recompute] [--offload] [-c configs/bench.yaml] [-b 4] [-t 256]
+                 [-s steps] [-p 32-true]
 
    Trains the model of configs/bench.yaml (6 layers, 384 wide, Llama-style) in 32-true with
    AdamW on random tokens: 2 warm-up steps, then times the next steps (forward + backward +
-   clipping + optimizer) and prints one line in the same form as tools/bench_torch.py. */
+   clipping + optimizer) and prints one line in the same form as tools/bench_torch.py.
+
+   --ops first prints where a step's time goes: the processor and the matmul kernel path, then
+   each op of the step at the model's shapes with its own buffers (every matmul of a linear,
+   forward and both backward products; attention; norms; SwiGLU; cross-entropy; the optimizer;
+   a copy of the weights), the median of repeated calls in ms, the times it runs in a step and
+   its share, matmuls also in GFLOP/s on the portable path and on the processor's. The paths
+   alternate call by call, so load from other processes falls on both alike. */
 #define LITGPT_IMPLEMENTATION
 #include "../litgpt.h"
 
 #include <string.h>
 
+#define BENCH_REPS 7 /* calls timed per op; the median is reported */
+
+static int compare_doubles(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof(double), compare_doubles);
+    return v[n / 2];
+}
+
+/* The processor's name from /proc/cpuinfo, or "unknown". */
+static void processor_name(char *out, size_t size) {
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    char line[512];
+    snprintf(out, size, "unknown");
+    while (f && fgets(line, sizeof line, f)) {
+        char *colon = strchr(line, ':');
+        if (strncmp(line, "model name", 10) != 0 || !colon) continue;
+        snprintf(out, size, "%s", colon + 2);
+        out[strcspn(out, "\n")] = 0;
+        break;
+    }
+    if (f) fclose(f);
+}
+
+/* n elements of dtype, N(0, 0.5) (LG_MALLOC'd). */
+static lg_buf random_buf(lg_dtype dtype, size_t n, lg_rng *rng) {
+    lg_buf b = {lg_alloc_zeroed(n * sizeof(float)), dtype};
+    for (size_t i = 0; i < n; i++) lg_set(b, i, 0.5f * lg_rng_normal(rng));
+    return b;
+}
+
+/* One matmul of the step: C (M, N) = beta C + op(A) op(B) with A (M, K) or (K, M) as trans_a
+   says, B (K, N) or (N, K). */
+typedef struct {
+    const char *name;
+    int trans_a, trans_b, M, N, K, per_step; /* times a step runs it */
+    float beta;
+} bench_matmul;
+
+/* ms of one call of the matmul on `path`, median of BENCH_REPS, both paths alternating:
+   ms[0] portable, ms[1] path. */
+static void time_matmul(const bench_matmul *mm, lg_gemm_workspace ws, lg_gemm_path path,
+                        lg_dtype in, lg_dtype out, lg_rng *rng, double ms[2]) {
+    lg_buf A = random_buf(in, (size_t)mm->M * mm->K, rng), B = random_buf(in, (size_t)mm->K * mm->N, rng);
+    lg_buf C = random_buf(out, (size_t)mm->M * mm->N, rng);
+    int lda = mm->trans_a ? mm->M : mm->K, ldb = mm->trans_b ? mm->K : mm->N;
+    double t[2][BENCH_REPS];
+    for (int r = -1; r < BENCH_REPS; r++) /* one warm-up call each */
+        for (int p = 0; p < 2; p++) {
+            ws.path = p ? path : LG_GEMM_PORTABLE;
+            double t0 = lg_time_ms();
+            lg_gemm(&ws, mm->trans_a, mm->trans_b, mm->M, mm->N, mm->K, A, lda, B, ldb, mm->beta, C, mm->N);
+            if (r >= 0) t[p][r] = lg_time_ms() - t0;
+        }
+    ms[0] = median(t[0], BENCH_REPS);
+    ms[1] = median(t[1], BENCH_REPS);
+    LG_FREE(A.data); LG_FREE(B.data); LG_FREE(C.data);
+}
+
+/* The step's matmuls: each linear's forward (out = inp W^T), input gradient (dout W) and weight
+   gradient (dout^T inp); attention's per (batch, head) products. */
+static int step_matmuls(const lg_config *c, int B, int T, bench_matmul *mm) {
+    const int N = B * T, C = c->n_embd, HS = c->head_size, NH = c->n_head, L = c->n_layer;
+    const int QKV = (NH + 2 * c->n_query_groups) * HS, I = c->intermediate_size;
+    const int n_fc = c->mlp_class_name == LG_MLP_LLAMA ? 2 : 1;
+    struct { const char *fwd, *dinp, *dw; int ic, oc, per_step; } lin[] = {
+        {"qkv", "qkv dinp", "qkv dweight", C, QKV, L},
+        {"attn.proj", "attn.proj dinp", "attn.proj dweight", NH * HS, C, L},
+        {"mlp.fc", "mlp.fc dinp", "mlp.fc dweight", C, I, n_fc * L},
+        {"mlp.proj", "mlp.proj dinp", "mlp.proj dweight", I, C, L},
+        {"lm_head", "lm_head dinp", "lm_head dweight", C, c->padded_vocab_size, 1},
+    };
+    int n = 0;
+    for (int i = 0; i < 5; i++) {
+        mm[n++] = (bench_matmul){lin[i].fwd, 0, 1, N, lin[i].oc, lin[i].ic, lin[i].per_step, 0};
+        mm[n++] = (bench_matmul){lin[i].dinp, 0, 0, N, lin[i].ic, lin[i].oc, lin[i].per_step, 1};
+        mm[n++] = (bench_matmul){lin[i].dw, 1, 0, lin[i].oc, lin[i].ic, N, lin[i].per_step, 1};
+    }
+    return n;
+}
+
+/* The median ms of BENCH_REPS runs of `statement`. */
+#define TIME_OP(ms, statement)                                                                 \
+    do {                                                                                       \
+        double t_[BENCH_REPS];                                                                 \
+        statement;                                                                             \
+        for (int r_ = 0; r_ < BENCH_REPS; r_++) {                                              \
+            double t0_ = lg_time_ms();                                                          \
+            statement;                                                                         \
+            t_[r_] = lg_time_ms() - t0_;                                                        \
+        }                                                                                      \
+        (ms) = median(t_, BENCH_REPS);                                                         \
+    } while (0)
+
+static void print_row(const char *name, const char *shape, double ms, int per_step,
+                      double step_ms) {
+    printf("  %-22s %-18s %9.3f %5d %6.1f%%\n", name, shape, ms, per_step,
+           100 * ms * per_step / step_ms);
+}
+
+/* Where the time of a step (step_ms) goes, op by op. */
+static void print_ops(lg_trainer *tr, const lg_config *c, int B, int T, double step_ms) {
+    lg_model *m = &tr->ranks[0].model;
+    lg_exec *ex = &m->exec;
+    const lg_gemm_path path = ex->gemm.path;
+    const lg_dtype act = m->a.residual[0].dtype; /* activations' (and inputs') storage type */
+    const int N = B * T, C = c->n_embd, HS = c->head_size, NH = c->n_head, NQG = c->n_query_groups;
+    const int QKV = (NH + 2 * NQG) * HS, I = c->intermediate_size, V = c->vocab_size;
+    const int Vp = c->padded_vocab_size, L = c->n_layer;
+    char cpu[256], shape[64];
+    lg_rng rng;
+    lg_rng_seed(&rng, 1);
+    processor_name(cpu, sizeof cpu);
+    printf("processor: %s\nmatmul kernels: %s (best this processor runs: %s); storage %s\n", cpu,
+           lg_gemm_path_name(path), lg_gemm_path_name(lg_cpu_gemm_path()),
+           lg_dtype_name(act));
+    bench_matmul mm[16];
+    int n_mm = step_matmuls(c, B, T, mm);
+    double flops = 0, ms_path = 0, ms_port = 0;
+    printf("  %-22s %-18s %9s %9s %7s %7s %5s %6s\n", "matmul", "M x N x K", "portable",
+           lg_gemm_path_name(path), "GFLOP/s", "GFLOP/s", "/step", "share");
+    for (int i = 0; i < n_mm; i++) {
+        double ms[2], f = 2.0 * mm[i].M * mm[i].N * mm[i].K;
+        time_matmul(&mm[i], ex->gemm, path, act, mm[i].beta != 0 && act != LG_DTYPE_F32 &&
+                    strstr(mm[i].name, "dweight") ? LG_DTYPE_F32 : act, &rng, ms);
+        snprintf(shape, sizeof shape, "%dx%dx%d%s", mm[i].M, mm[i].N, mm[i].K,
+                 mm[i].trans_a ? " tn" : mm[i].trans_b ? " nt" : " nn");
+        printf("  %-22s %-18s %9.3f %9.3f %7.1f %7.1f %5d %5.1f%%\n", mm[i].name, shape, ms[0],
+               ms[1], f / ms[0] / 1e6, f / ms[1] / 1e6, mm[i].per_step,
+               100 * ms[1] * mm[i].per_step / step_ms);
+        flops += f * mm[i].per_step;
+        ms_path += ms[1] * mm[i].per_step;
+        ms_port += ms[0] * mm[i].per_step;
+    }
+    printf("  %-22s %-18s %9.3f %9.3f %7.1f %7.1f %5s %5.1f%%\n", "all linears", "", ms_port,
+           ms_path, flops / ms_port / 1e6, flops / ms_path / 1e6, "", 100 * ms_path / step_ms);
+
+    /* the other ops, on the processor's path */
+    lg_buf qkv = random_buf(act, (size_t)N * QKV, &rng), dqkv = random_buf(act, (size_t)N * QKV, &rng);
+    lg_buf y = random_buf(act, (size_t)N * C, &rng), dy = random_buf(act, (size_t)N * C, &rng);
+    lg_buf x = random_buf(act, (size_t)N * C, &rng), w = random_buf(m->params.dtype, (size_t)C, &rng);
+    lg_buf dw = random_buf(LG_DTYPE_F32, (size_t)C, &rng);
+    lg_buf g = random_buf(act, (size_t)N * I, &rng), u = random_buf(act, (size_t)N * I, &rng);
+    lg_buf h = random_buf(act, (size_t)N * I, &rng), dh = random_buf(act, (size_t)N * I, &rng);
+    lg_buf logits = random_buf(act, (size_t)N * Vp, &rng);
+    lg_real *lse = (lg_real *)lg_alloc_zeroed(sizeof(lg_real) * (size_t)B * NH * T);
+    lg_real *mean = (lg_real *)lg_alloc_zeroed(sizeof(lg_real) * N);
+    lg_real *rstd = (lg_real *)lg_alloc_zeroed(sizeof(lg_real) * N);
+    lg_real *losses = (lg_real *)lg_alloc_zeroed(sizeof(lg_real) * N);
+    int *targets = (int *)lg_alloc_zeroed(sizeof(int) * N);
+    for (int i = 0; i < N; i++) targets[i] = (int)(lg_rng_u64(&rng) % (uint64_t)V);
+    lg_buf empty = {NULL, LG_DTYPE_F32};
+    lg_buf weights_copy = {lg_alloc_zeroed(m->n_params * 4), m->params.dtype};
+    double t;
+    printf("  %-22s %-18s %9s %5s %6s\n", "op", "shape", "ms", "/step", "share");
+    snprintf(shape, sizeof shape, "B%d T%d NH%d HS%d", B, T, NH, HS);
+    TIME_OP(t, lg_attention_forward(ex, y, lse, qkv, B, T, NH, NQG, HS));
+    print_row("attention", shape, t, L, step_ms);
+    TIME_OP(t, lg_attention_backward(ex, dqkv, dy, y, qkv, lse, B, T, NH, NQG, HS));
+    print_row("attention backward", shape, t, L, step_ms);
+    snprintf(shape, sizeof shape, "%dx%d", N, C);
+    TIME_OP(t, lg_norm_forward(ex, y, mean, rstd, x, w, empty, N, C, 1e-5f));
+    print_row("norm", shape, t, 2 * L + 1, step_ms);
+    TIME_OP(t, lg_norm_backward(ex, dy, dw, empty, y, x, w, mean, rstd, N, C));
+    print_row("norm backward", shape, t, 2 * L + 1, step_ms);
+    snprintf(shape, sizeof shape, "%dx%d", N, I);
+    TIME_OP(t, lg_swiglu_forward(ex, h, g, u, (size_t)N * I));
+    print_row("swiglu", shape, t, L, step_ms);
+    TIME_OP(t, lg_swiglu_backward(ex, g, u, dh, g, u, (size_t)N * I));
+    print_row("swiglu backward", shape, t, L, step_ms);
+    snprintf(shape, sizeof shape, "%dx%d", N, Vp);
+    TIME_OP(t, lg_crossentropy_forward(ex, losses, logits, targets, N, V, Vp));
+    print_row("cross-entropy", shape, t, 1, step_ms);
+    TIME_OP(t, lg_crossentropy_backward(ex, logits, logits, targets, N, V, Vp, 1.0f));
+    print_row("cross-entropy backward", shape, t, 1, step_ms);
+    snprintf(shape, sizeof shape, "%zu params", m->n_params);
+    TIME_OP(t, lg_optimizer_step(&tr->ranks[0].opt, m, 1e-9f, 1.0f));
+    print_row("optimizer", shape, t, 1, step_ms);
+    TIME_OP(t, lg_copy(ex, weights_copy, m->params, m->n_params));
+    print_row("copy of the weights", shape, t, 1, step_ms);
+    /* attention's matmuls: q k^T and p v forward, 4 products backward, each T x T x HS */
+    double att = 4.0 * B * NH * (double)T * T * HS * 3; /* forward 2 products, backward 4 */
+    printf("step: %.1f ms, matmuls %.1f GFLOP/s of it (linears and attention: %.2f GFLOP a step)\n",
+           step_ms, (flops + att * L) / step_ms / 1e6, (flops + att * L) / 1e9);
+    LG_FREE(qkv.data); LG_FREE(dqkv.data); LG_FREE(y.data); LG_FREE(dy.data); LG_FREE(x.data);
+    LG_FREE(w.data); LG_FREE(dw.data); LG_FREE(g.data); LG_FREE(u.data); LG_FREE(h.data);
+    LG_FREE(dh.data); LG_FREE(logits.data); LG_FREE(lse); LG_FREE(mean); LG_FREE(rstd);
+    LG_FREE(losses); LG_FREE(targets); LG_FREE(weights_copy.data);
+}
+
 int main(int argc, char **argv) {
     const char *config = "configs/bench.yaml";
     int B = 4, T = 256, steps = 5, warmup = 2;
     lg_precision precision = LG_PRECISION_32_TRUE; /* as the PyTorch side */
-    int recompute = 0, offload = 0;
+    int recompute = 0, offload = 0, ops = 0;
     for (int i = 1; i < argc; i++) {
         const char *value = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(argv[i], "--recompute") == 0) recompute = 1;
         else if (strcmp(argv[i], "--offload") == 0) offload = 1;
+        else if (strcmp(argv[i], "--ops") == 0) ops = 1;
         else if (value && strcmp(argv[i], "-c") == 0) config = argv[++i];
         else if (value && strcmp(argv[i], "-b") == 0) B = atoi(argv[++i]);
         else if (value && strcmp(argv[i], "-t") == 0) T = atoi(argv[++i]);
@@ -49,20 +250,23 @@ int main(int argc, char **argv) {
     lg_loader ld;
     if (lg_loader_from_memory(&ld, tokens, n, T, cfg.vocab_size, 0, 0, &err) != 0) return 1;
     lg_step_stats st;
-    double total_ms = 0;
+    double step_ms[64];
+    if (steps > 64) steps = 64;
     for (int s = 0; s < warmup + steps; s++) {
         if (lg_trainer_step(&tr, &ld, s, &st, &err) != 0) { fprintf(stderr, "bench: %s\n", err.msg); return 1; }
-        if (s >= warmup) total_ms += st.ms;
+        if (s >= warmup) step_ms[s - warmup] = st.ms;
     }
     int threads = 1;
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    double ms = total_ms / steps;
+    double ms = median(step_ms, steps);
+    if (ops) print_ops(&tr, &cfg, B, T, ms);
     printf("litgpt.c %s%s%s threads=%d B=%d T=%d params=%zu tokens/s=%.0f ms/step=%.1f "
-           "attention=exact(gemm per head)\n", lg_precision_name(precision),
+           "kernels=%s attention=exact(gemm per head)\n", lg_precision_name(precision),
            recompute ? " recompute" : "", offload ? " offload" : "", threads, B, T,
-           tr.ranks[0].model.n_params, B * T / (ms / 1e3), ms);
+           tr.ranks[0].model.n_params, B * T / (ms / 1e3), ms,
+           lg_gemm_path_name(tr.ranks[0].model.exec.gemm.path));
     lg_loader_close(&ld);
     lg_trainer_free(&tr);
     return 0;
