@@ -103,6 +103,9 @@ struct lg_cuda_rank {
     float *row_sums;            /* (LG_CUDA_ROW_CHUNKS, 2 C): per-chunk partial sums (norms) */
     int C;                      /* n_embd: the width row_sums was planned for */
     double *totals;             /* (LG_CUDA_REDUCE_SLOTS): partial sums of whole reductions */
+    unsigned char *staging;     /* (staging_bytes): pinned host memory, the host's window onto
+                                   the GPU's memory (lg_visit) */
+    size_t staging_bytes;
     int tf32;                   /* fp32 matmuls may use TF32 (--tf32) */
     int reference_matmul;       /* matmuls by the reference kernel instead of cuBLASLt (tests) */
     int cuda_core_attention;    /* attention on CUDA cores even where tensor cores apply (tests) */
@@ -116,6 +119,29 @@ static int lg_cuda_device_accessible(const void *p);
 static cudaStream_t lg_cuda_stream(const lg_exec *ex) {
     LG_CUDA_TRY(cudaSetDevice(ex->cuda->device));
     return ex->cuda->stream;
+}
+
+/* lg_visit's piece on a GPU: as many whole units as the staging region holds, in it. */
+static void lg_cuda_visit_piece(lg_visit *v) {
+    const lg_cuda_rank *g = v->ex->cuda;
+    size_t units = g->staging_bytes / lg_elem_size(v->x.dtype) / v->unit;
+    if (units == 0) {
+        fprintf(stderr, "CUDA backend: a visit's unit of %zu elements exceeds the staging region "
+                "(%zu bytes)\n", v->unit, g->staging_bytes);
+        abort();
+    }
+    if (v->n > units * v->unit) v->n = units * v->unit;
+    v->piece.data = g->staging;
+}
+
+/* Copies lg_visit's piece from the GPU (back = 0) or back to it, after the rank's queued work. */
+static void lg_cuda_visit_copy(lg_visit *v, int back) {
+    cudaStream_t stream = lg_cuda_stream(v->ex);
+    size_t bytes = v->n * lg_elem_size(v->x.dtype);
+    void *there = lg_at(v->x, v->first).data;
+    LG_CUDA_TRY(cudaMemcpyAsync(back ? there : v->piece.data, back ? v->piece.data : there, bytes,
+                                cudaMemcpyDefault, stream));
+    LG_CUDA_TRY(cudaStreamSynchronize(stream)); /* the staging region is free again */
 }
 
 /* Copies n ids from the host (or anywhere) into one of the rank's id buffers, in stream order. */
@@ -306,18 +332,28 @@ static void lg_cuda_add(const lg_exec *ex, lg_buf out, lg_buf a, lg_buf b, size_
    either side is pageable host memory (after the queued work). */
 static void lg_cuda_copy(const lg_exec *ex, lg_buf dst, lg_buf src, size_t n) {
     if (n == 0) return;
-    if (dst.dtype == src.dtype) {
+    int to_host = !lg_cuda_device_accessible(dst.data), from_host = !lg_cuda_device_accessible(src.data);
+    if (to_host || from_host) { /* pageable host memory: through the staging region, at once */
+        lg_visit v = lg_visit_start(ex, to_host ? src : dst, n, 1, to_host ? LG_VISIT_READ : LG_VISIT_WRITE);
+        while (lg_visit_next(&v)) {
+            lg_buf host = to_host ? lg_at(dst, v.first) : lg_at(src, v.first);
+            if (dst.dtype == src.dtype)
+                memcpy(to_host ? host.data : v.piece.data, to_host ? v.piece.data : host.data,
+                       v.n * lg_elem_size(dst.dtype));
+            else
+                for (size_t i = 0; i < v.n; i++) {
+                    if (to_host) lg_set(host, i, lg_get(v.piece, i));
+                    else lg_set(v.piece, i, lg_get(host, i));
+                }
+        }
+        return;
+    }
+    if (dst.dtype == src.dtype)
         LG_CUDA_TRY(cudaMemcpyAsync(dst.data, src.data, n * lg_elem_size(dst.dtype),
                                     cudaMemcpyDefault, lg_cuda_stream(ex)));
-        return;
-    }
-    if (lg_cuda_device_accessible(dst.data) && lg_cuda_device_accessible(src.data)) {
+    else
         LG_LAUNCH(lg_k_cast, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
                   lg_cuda_stream(ex), dst, src, n);
-        return;
-    }
-    LG_CUDA_TRY(cudaStreamSynchronize(lg_cuda_stream(ex)));
-    for (size_t i = 0; i < n; i++) lg_set(dst, i, lg_get(src, i));
 }
 
 /* dst (n) = src (n), same storage type, on the rank's communication stream after the ops queued
@@ -2262,28 +2298,39 @@ static int lg_cuda_alloc_failure(const lg_rank *rank, const char *what, size_t b
                    lg_format_bytes(total_bytes, total_text, sizeof total_text));
 }
 
-/* The device arena: the plan's device pool up to the runtime's region, which the CUDA context,
-   cuBLAS and NCCL hold themselves. Managed memory, so that the host's rare visits (weight
-   initialisation, checkpoints, sampling) read and write it directly after lg_rank_sync. */
+/* A rank's device arena: its device pool up to the runtime's region (the last one), which the
+   CUDA context, cuBLASLt and NCCL hold themselves. */
+static size_t lg_cuda_arena_bytes(const lg_rank_plan *r) {
+    const lg_region *runtime = lg_plan_find(r, LG_CUDA_RUNTIME_REGION);
+    return r->pool_bytes[LG_POOL_DEVICE] - (runtime ? runtime->bytes : 0);
+}
+
+/* The arenas, exactly the plan: the device pool up to the runtime's region (which the CUDA
+   context, cuBLASLt and NCCL hold themselves) in one cudaMalloc, and the host pool in pinned
+   memory, so offload's and the staging region's copies run at full speed, asynchronously.
+   Plain device memory, not managed: the host reaches it only through copies (lg_cuda_download,
+   lg_cuda_upload). Both start on 256-byte boundaries, as the plan's regions do. */
 static int lg_cuda_alloc_arenas(lg_rank *rank, lg_error *err) {
     const lg_rank_plan *r = &rank->plan->ranks[rank->index];
-    const lg_region *runtime = lg_plan_find(r, LG_CUDA_RUNTIME_REGION);
-    size_t device_bytes = r->pool_bytes[LG_POOL_DEVICE] - (runtime ? runtime->bytes : 0);
-    size_t host_bytes = r->pool_bytes[LG_POOL_HOST];
+    size_t device_bytes = lg_cuda_arena_bytes(r), host_bytes = r->pool_bytes[LG_POOL_HOST];
     cudaError_t status;
+    size_t free_bytes = 0, total_bytes = 0;
+    LG_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes), err);
+    if (device_bytes > free_bytes) /* refused before asking, as on the CPU */
+        return lg_cuda_alloc_failure(rank, "the device arena", device_bytes,
+                                     cudaErrorMemoryAllocation, err);
     if (device_bytes) {
-        status = cudaMallocManaged((void **)&rank->arena[LG_POOL_DEVICE], device_bytes + LG_ALIGN,
-                                   cudaMemAttachGlobal);
+        status = cudaMalloc((void **)&rank->arena[LG_POOL_DEVICE], device_bytes);
         if (status != cudaSuccess)
             return lg_cuda_alloc_failure(rank, "the device arena", device_bytes, status, err);
-        LG_CUDA_CHECK(cudaMemsetAsync(rank->arena[LG_POOL_DEVICE], 0, device_bytes + LG_ALIGN,
+        LG_CUDA_CHECK(cudaMemsetAsync(rank->arena[LG_POOL_DEVICE], 0, device_bytes,
                                       rank->cuda->stream), err);
     }
-    if (host_bytes) { /* pinned: offload's copies run at full speed, asynchronously */
-        status = cudaMallocHost((void **)&rank->arena[LG_POOL_HOST], host_bytes + LG_ALIGN);
+    if (host_bytes) {
+        status = cudaMallocHost((void **)&rank->arena[LG_POOL_HOST], host_bytes);
         if (status != cudaSuccess)
             return lg_cuda_alloc_failure(rank, "the pinned host arena", host_bytes, status, err);
-        memset(rank->arena[LG_POOL_HOST], 0, host_bytes + LG_ALIGN);
+        memset(rank->arena[LG_POOL_HOST], 0, host_bytes);
     }
     return 0;
 }
@@ -2301,6 +2348,8 @@ static void lg_cuda_bind_regions(lg_rank *rank) {
     g->tokens = (int *)lg_rank_region(rank, "cuda.ids");
     g->targets = g->tokens + g->token_capacity;
     g->tf32 = s->tf32;
+    g->staging = (unsigned char *)lg_rank_region(rank, "cuda.staging");
+    g->staging_bytes = lg_plan_find(&rank->plan->ranks[rank->index], "cuda.staging")->bytes;
 }
 
 /* A GPU's streams, events and cuBLASLt handle (device already current). */

@@ -61,6 +61,8 @@ static lg_exec gpu_exec(int max_tokens, int C) {
     g->totals = (double *)gpu_alloc(sizeof(double) * LG_CUDA_REDUCE_SLOTS);
     g->matmul_workspace_bytes = LG_CUDA_MATMUL_WORKSPACE;
     g->matmul_workspace = gpu_alloc(g->matmul_workspace_bytes);
+    g->staging_bytes = LG_CUDA_STAGING;
+    if (cudaMallocHost((void **)&g->staging, g->staging_bytes) != cudaSuccess) die_cuda("cudaMallocHost", cudaErrorMemoryAllocation);
     ex.backend = LG_BACKEND_CUDA;
     ex.cuda = g;
     return ex;
@@ -78,6 +80,7 @@ static void gpu_exec_free(lg_exec *ex) {
     gpu_free(g->row_sums);
     gpu_free(g->totals);
     gpu_free(g->matmul_workspace);
+    cudaFreeHost(g->staging);
     lg_cuda_rank_handles_free(g);
     LG_FREE(g);
     memset(ex, 0, sizeof *ex);
