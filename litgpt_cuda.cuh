@@ -108,6 +108,7 @@ struct lg_cuda_rank {
     size_t staging_bytes;
     int tf32;                   /* fp32 matmuls may use TF32 (--tf32) */
     int reference_matmul;       /* matmuls by the reference kernel instead of cuBLASLt (tests) */
+    int matmul_fallbacks;       /* matmuls cuBLASLt had no algorithm for (the reference ran) */
     int cuda_core_attention;    /* attention on CUDA cores even where tensor cores apply (tests) */
 };
 
@@ -2144,12 +2145,24 @@ static cublasLtMatrixLayout_t lg_cuda_layout(lg_dtype dtype, int rows, int cols,
     return layout;
 }
 
+/* The largest power of two up to 256 that divides p: cuBLASLt picks its kernels by the
+   operands' alignment, which it is told rather than assuming the worst. */
+static uint32_t lg_cuda_alignment(const void *p) {
+    uint32_t a = 256;
+    while (a > 1 && (uintptr_t)p % a) a /= 2;
+    return a;
+}
+
+#define LG_LT_CANDIDATES 4 /* algorithms asked of the heuristic, tried in its order */
+
 /* The same product through cuBLASLt, with bias (N) added to every row when given. cuBLASLt is
    column-major: row-major C (M, N) is column-major C^T (N, M) = op(B)^T op(A)^T, so B's buffer
-   is its first operand and A's its second, each with its own transposition. */
-static void lg_cuda_matmul_lt(const lg_exec *ex, int trans_a, int trans_b, int M, int N, int K,
-                              lg_buf A, int lda, lg_buf B, int ldb, float beta, lg_buf C, int ldc,
-                              lg_buf bias) {
+   is its first operand and A's its second, each with its own transposition. Returns -1
+   (nothing queued) when cuBLASLt has no algorithm for it or rejects every one it offered: the
+   caller then runs the reference kernel. */
+static int lg_cuda_matmul_lt(const lg_exec *ex, int trans_a, int trans_b, int M, int N, int K,
+                             lg_buf A, int lda, lg_buf B, int ldb, float beta, lg_buf C, int ldc,
+                             lg_buf bias) {
     const lg_cuda_rank *g = ex->cuda;
     cudaStream_t stream = lg_cuda_stream(ex); /* the rank's GPU current for the heuristics too */
     int all_f32 = A.dtype == LG_DTYPE_F32 && B.dtype == LG_DTYPE_F32;
@@ -2182,24 +2195,36 @@ static void lg_cuda_matmul_lt(const lg_exec *ex, int trans_a, int trans_b, int M
     size_t workspace = g->matmul_workspace_bytes;
     LG_CUBLAS_TRY(cublasLtMatmulPreferenceSetAttribute(
         preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof workspace));
-    cublasLtMatmulHeuristicResult_t heuristic;
-    int found = 0;
-    LG_CUBLAS_TRY(cublasLtMatmulAlgoGetHeuristic(g->lt, desc, first, second, out, out, preference,
-                                                 1, &heuristic, &found));
-    if (found == 0) {
-        fprintf(stderr, "cuBLASLt has no algorithm for a (%d x %d x %d) matmul of %s x %s -> %s\n",
-                M, N, K, lg_dtype_name(A.dtype), lg_dtype_name(B.dtype), lg_dtype_name(C.dtype));
-        abort();
+    const struct { cublasLtMatmulPreferenceAttributes_t attribute; const void *p; } aligned[4] = {
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, B.data},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, A.data},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, C.data},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, C.data}};
+    for (int k = 0; k < 4; k++) {
+        uint32_t bytes = lg_cuda_alignment(aligned[k].p);
+        LG_CUBLAS_TRY(cublasLtMatmulPreferenceSetAttribute(preference, aligned[k].attribute,
+                                                           &bytes, sizeof bytes));
     }
+    cublasLtMatmulHeuristicResult_t heuristics[LG_LT_CANDIDATES];
+    int found = 0, done = 0;
+    if (cublasLtMatmulAlgoGetHeuristic(g->lt, desc, first, second, out, out, preference,
+                                       LG_LT_CANDIDATES, heuristics, &found) != CUBLAS_STATUS_SUCCESS)
+        found = 0;
     const float one = 1.0f;
-    LG_CUBLAS_TRY(cublasLtMatmul(g->lt, desc, &one, B.data, first, A.data, second, &beta, C.data,
-                                 out, C.data, out, &heuristic.algo, g->matmul_workspace,
-                                 workspace, stream));
+    for (int k = 0; k < found && !done; k++)
+        done = cublasLtMatmul(g->lt, desc, &one, B.data, first, A.data, second, &beta, C.data, out,
+                              C.data, out, &heuristics[k].algo, g->matmul_workspace, workspace,
+                              stream) == CUBLAS_STATUS_SUCCESS;
     cublasLtMatmulPreferenceDestroy(preference);
     cublasLtMatrixLayoutDestroy(first);
     cublasLtMatrixLayoutDestroy(second);
     cublasLtMatrixLayoutDestroy(out);
     cublasLtMatmulDescDestroy(desc);
+    if (!done && !ex->cuda->matmul_fallbacks++)
+        fprintf(stderr, "GPU %d: cuBLASLt has no algorithm for a (%d x %d x %d) matmul of %s x %s "
+                "-> %s: the backend's own kernel runs it (and any other such)\n", g->device, M, N,
+                K, lg_dtype_name(A.dtype), lg_dtype_name(B.dtype), lg_dtype_name(C.dtype));
+    return done ? 0 : -1;
 }
 #endif
 
@@ -2236,10 +2261,9 @@ static void lg_cuda_matmul(const lg_exec *ex, int trans_a, int trans_b, int M, i
                            lg_buf bias) {
     if (M <= 0 || N <= 0) return;
 #ifndef LG_CUDA_EMULATE
-    if (!ex->cuda->reference_matmul) {
-        lg_cuda_matmul_lt(ex, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc, bias);
+    if (!ex->cuda->reference_matmul &&
+        lg_cuda_matmul_lt(ex, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc, bias) == 0)
         return;
-    }
 #endif
     lg_cuda_matmul_reference(ex, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc);
     if (bias.data)
@@ -2317,8 +2341,8 @@ static int lg_cuda_alloc_arenas(lg_rank *rank, lg_error *err) {
     size_t free_bytes = 0, total_bytes = 0;
     LG_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes), err);
     if (device_bytes > free_bytes) /* refused before asking, as on the CPU */
-        return lg_cuda_alloc_failure(rank, "the device arena", device_bytes,
-                                     cudaErrorMemoryAllocation, err);
+        return lg_cuda_alloc_failure(rank, "the device arena (refused before asking)",
+                                     device_bytes, cudaErrorMemoryAllocation, err);
     if (device_bytes) {
         status = cudaMalloc((void **)&rank->arena[LG_POOL_DEVICE], device_bytes);
         if (status != cudaSuccess)
@@ -2432,7 +2456,7 @@ static int lg_cuda_used_bytes(int device, size_t *used, size_t *total, lg_error 
 
 /* Measures, on GPU 0..devices-1, what the runtime takes before the plan's arenas: the CUDA
    context (with anything other processes hold), a cuBLASLt handle, and one NCCL communicator
-   (times the communicators a rank joins, `communicators`). The most of any GPU goes to
+   after its first collective (times the communicators a rank joins, `communicators`). The most of any GPU goes to
    *runtime_bytes; *total_bytes gets the smallest GPU's memory. */
 int lg_cuda_measure_runtime(int devices, int communicators, size_t *runtime_bytes,
                             size_t *total_bytes, lg_error *err) {
@@ -2459,13 +2483,33 @@ int lg_cuda_measure_runtime(int devices, int communicators, size_t *runtime_byte
 #endif
     }
     if (devices > 1 && communicators > 0) {
+        /* NCCL connects its peers and sizes its buffers at the first collective: one all-reduce
+           of a float a GPU, whose own allocation is counted before the communicators */
         ncclComm_t comms[LG_MAX_RANKS];
-        LG_NCCL_CHECK(ncclCommInitAll(comms, devices, device_ids), err);
+        float *probe[LG_MAX_RANKS];
+        size_t before[LG_MAX_RANKS];
         for (int d = 0; d < devices; d++) {
-            if (lg_cuda_used_bytes(d, &used, &total, err) != 0) return -1;
-            nccl[d] = (used > context[d] ? used - context[d] : 0) * (size_t)communicators;
+            LG_CUDA_CHECK(cudaSetDevice(d), err);
+            LG_CUDA_CHECK(cudaMalloc((void **)&probe[d], sizeof(float)), err);
+            LG_CUDA_CHECK(cudaMemset(probe[d], 0, sizeof(float)), err);
+            if (lg_cuda_used_bytes(d, &before[d], &total, err) != 0) return -1;
         }
-        for (int d = 0; d < devices; d++) ncclCommDestroy(comms[d]);
+        LG_NCCL_CHECK(ncclCommInitAll(comms, devices, device_ids), err);
+        LG_NCCL_CHECK(ncclGroupStart(), err);
+        for (int d = 0; d < devices; d++)
+            LG_NCCL_CHECK(ncclAllReduce(probe[d], probe[d], 1, ncclFloat32, ncclSum, comms[d], 0), err);
+        LG_NCCL_CHECK(ncclGroupEnd(), err);
+        for (int d = 0; d < devices; d++) {
+            LG_CUDA_CHECK(cudaSetDevice(d), err);
+            LG_CUDA_CHECK(cudaDeviceSynchronize(), err);
+            if (lg_cuda_used_bytes(d, &used, &total, err) != 0) return -1;
+            nccl[d] = (used > before[d] ? used - before[d] : 0) * (size_t)communicators;
+        }
+        for (int d = 0; d < devices; d++) {
+            ncclCommDestroy(comms[d]);
+            cudaSetDevice(d);
+            cudaFree(probe[d]);
+        }
     }
     for (int d = 0; d < devices; d++) {
         size_t bytes = context[d] + cublas[d] + nccl[d];
