@@ -49,9 +49,10 @@
      7. model            lg_model: all parameters in one buffer (gradients in another), the
                          activations in the plan's regions; forward, backward, generation
      8. optimizers       AdamW, SGD with momentum, gradient clipping, learning-rate schedule
-     9. ranks            one arena per memory pool, allocated from the plan (on a GPU: managed
-                         and pinned memory); the collectives (all-reduce, reduce-scatter,
-                         all-gather, broadcast) between ranks, in process or over NCCL
+     9. ranks            one arena per memory pool, allocated from the plan (on a GPU: device
+                         and pinned memory, the host's visits through a staging region); the
+                         collectives (all-reduce, reduce-scatter, all-gather, broadcast)
+                         between ranks, in process or over NCCL
     10. data             llm.c token shards (uint16 / uint32), shuffled windows; fine-tuning
                          sample files (truncation, right-padding, prompt masks); the built-in
                          task; a JSON reader

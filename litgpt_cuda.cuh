@@ -264,47 +264,127 @@ static __device__ void lg_k_block_softmax_stats(float *m, float *s, float *scrat
 }
 
 /* c. elementwise kernels: add, copy/cast, GELU, SwiGLU, rotary -------------------------------- */
-/* Elementwise kernels: a grid-stride loop, one element a thread per turn (consecutive threads,
-   consecutive elements). Each element is read and written as the CPU loop does, so the same
-   in-place uses are allowed. */
+/* Elementwise kernels: a grid-stride loop (lg_k_map). When every buffer starts on a 16-byte
+   boundary, which the plan's 256-byte regions give the model's views, a thread moves LG_PACK
+   consecutive elements a turn with 16-byte loads and stores (several in flight: the bandwidth
+   of memory-bound kernels); otherwise, and for the last n % LG_PACK elements, one element a
+   turn. Each element is read before it is written and rounds as lg_set rounds, so the results
+   are those of the CPU loop and the same in-place uses are allowed. */
+
+#define LG_PACK 8 /* elements a thread moves a turn: one 16-byte access of halves, two of floats */
+
+/* Whether b can be read and written LG_PACK elements at a time from element 0. */
+__device__ __forceinline__ bool lg_k_packable(lg_buf b) {
+    return (b.dtype == LG_DTYPE_F32 || b.dtype == LG_DTYPE_BF16 || b.dtype == LG_DTYPE_F16) &&
+           (uintptr_t)b.data % 16 == 0;
+}
+
+/* v (LG_PACK) = b (i .. i + LG_PACK - 1), i a multiple of LG_PACK, as lg_get reads them. */
+__device__ __forceinline__ void lg_k_load_pack(lg_buf b, size_t i, float *v) {
+    if (b.dtype == LG_DTYPE_F32) {
+        const float4 *p = (const float4 *)((const float *)b.data + i);
+#pragma unroll
+        for (int h = 0; h < LG_PACK / 4; h++) {
+            float4 q = p[h];
+            v[4 * h] = q.x, v[4 * h + 1] = q.y, v[4 * h + 2] = q.z, v[4 * h + 3] = q.w;
+        }
+        return;
+    }
+    uint4 q = *(const uint4 *)((const uint16_t *)b.data + i);
+    uint32_t words[4] = {q.x, q.y, q.z, q.w}; /* element k: the low half of word k / 2 first */
+#pragma unroll
+    for (int k = 0; k < LG_PACK; k++) {
+        uint16_t bits = (uint16_t)(words[k / 2] >> (16 * (k % 2)));
+        v[k] = b.dtype == LG_DTYPE_BF16 ? lg_bf16_to_f32(bits) : lg_f16_to_f32(bits);
+    }
+}
+
+/* b (i .. i + LG_PACK - 1) = v (LG_PACK), rounded as lg_set rounds. */
+__device__ __forceinline__ void lg_k_store_pack(lg_buf b, size_t i, const float *v) {
+    if (b.dtype == LG_DTYPE_F32) {
+        float4 *p = (float4 *)((float *)b.data + i);
+#pragma unroll
+        for (int h = 0; h < LG_PACK / 4; h++)
+            p[h] = make_float4(v[4 * h], v[4 * h + 1], v[4 * h + 2], v[4 * h + 3]);
+        return;
+    }
+    uint32_t words[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int k = 0; k < LG_PACK; k++) {
+        uint16_t bits = b.dtype == LG_DTYPE_BF16 ? lg_f32_to_bf16(v[k]) : lg_f32_to_f16(v[k]);
+        words[k / 2] |= (uint32_t)bits << (16 * (k % 2));
+    }
+    *(uint4 *)((uint16_t *)b.data + i) = make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+/* out[k] (n) = the k-th result of f on the elements of in (n each), element by element:
+   f(x, y) maps one element's NIN inputs x to its NOUT outputs y. */
+template <int NIN, int NOUT, typename F>
+__device__ __forceinline__ void lg_k_map(const lg_buf (&in)[NIN], const lg_buf (&out)[NOUT],
+                                         size_t n, F f) {
+    bool packed = true;
+    for (int k = 0; k < NIN; k++) packed = packed && lg_k_packable(in[k]);
+    for (int k = 0; k < NOUT; k++) packed = packed && lg_k_packable(out[k]);
+    size_t packs = packed ? n / LG_PACK : 0;
+    for (size_t p = lg_k_first(); p < packs; p += lg_k_stride()) {
+        float x[NIN][LG_PACK], y[NOUT][LG_PACK], xj[NIN], yj[NOUT];
+        for (int k = 0; k < NIN; k++) lg_k_load_pack(in[k], p * LG_PACK, x[k]);
+#pragma unroll
+        for (int j = 0; j < LG_PACK; j++) {
+            for (int k = 0; k < NIN; k++) xj[k] = x[k][j];
+            f(xj, yj);
+            for (int k = 0; k < NOUT; k++) y[k][j] = yj[k];
+        }
+        for (int k = 0; k < NOUT; k++) lg_k_store_pack(out[k], p * LG_PACK, y[k]);
+    }
+    for (size_t i = packs * LG_PACK + lg_k_first(); i < n; i += lg_k_stride()) {
+        float xj[NIN], yj[NOUT];
+        for (int k = 0; k < NIN; k++) xj[k] = lg_get(in[k], i);
+        f(xj, yj);
+        for (int k = 0; k < NOUT; k++) lg_set(out[k], i, yj[k]);
+    }
+}
+
+/* Blocks of an elementwise kernel over n elements: one thread a pack. */
+static unsigned lg_cuda_map_grid(size_t n) { return lg_cuda_element_grid((n + LG_PACK - 1) / LG_PACK); }
 
 __global__ void lg_k_add(lg_buf out, lg_buf a, lg_buf b, size_t n) {
-    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) lg_set(out, i, lg_get(a, i) + lg_get(b, i));
+    const lg_buf in[2] = {a, b}, to[1] = {out};
+    lg_k_map(in, to, n, [](const float *x, float *y) { y[0] = x[0] + x[1]; });
 }
 
 __global__ void lg_k_cast(lg_buf dst, lg_buf src, size_t n) {
-    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) lg_set(dst, i, lg_get(src, i));
+    const lg_buf in[1] = {src}, to[1] = {dst};
+    lg_k_map(in, to, n, [](const float *x, float *y) { y[0] = x[0]; });
 }
 
 __global__ void lg_k_gelu_forward(lg_buf out, lg_buf inp, size_t n, int tanh_approx) {
-    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) {
-        float x = lg_get(inp, i);
-        lg_set(out, i, tanh_approx ? lg_gelu_tanh(x) : lg_gelu_erf(x));
-    }
+    const lg_buf in[1] = {inp}, to[1] = {out};
+    lg_k_map(in, to, n, [tanh_approx](const float *x, float *y) {
+        y[0] = tanh_approx ? lg_gelu_tanh(x[0]) : lg_gelu_erf(x[0]);
+    });
 }
 
 __global__ void lg_k_gelu_backward(lg_buf dinp, lg_buf dout, lg_buf inp, size_t n, int tanh_approx) {
-    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) {
-        float x = lg_get(inp, i);
-        lg_set(dinp, i, lg_get(dout, i) * (tanh_approx ? lg_gelu_tanh_grad(x) : lg_gelu_erf_grad(x)));
-    }
+    const lg_buf in[2] = {inp, dout}, to[1] = {dinp};
+    lg_k_map(in, to, n, [tanh_approx](const float *x, float *y) {
+        y[0] = x[1] * (tanh_approx ? lg_gelu_tanh_grad(x[0]) : lg_gelu_erf_grad(x[0]));
+    });
 }
 
 __global__ void lg_k_swiglu_forward(lg_buf out, lg_buf gate, lg_buf up, size_t n) {
-    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) {
-        float g = lg_get(gate, i);
-        lg_set(out, i, g * lg_sigmoid(g) * lg_get(up, i));
-    }
+    const lg_buf in[2] = {gate, up}, to[1] = {out};
+    lg_k_map(in, to, n, [](const float *x, float *y) { y[0] = x[0] * lg_sigmoid(x[0]) * x[1]; });
 }
 
 __global__ void lg_k_swiglu_backward(lg_buf dgate, lg_buf dup, lg_buf dout, lg_buf gate, lg_buf up,
                                      size_t n) {
-    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) {
-        float g = lg_get(gate, i), d = lg_get(dout, i);
-        float sig = lg_sigmoid(g), silu = g * sig;
-        lg_set(dup, i, d * silu);
-        lg_set(dgate, i, d * lg_get(up, i) * (sig + silu * (1.0f - sig)));
-    }
+    const lg_buf in[3] = {gate, up, dout}, to[2] = {dup, dgate};
+    lg_k_map(in, to, n, [](const float *x, float *y) {
+        float g = x[0], d = x[2], sig = lg_sigmoid(g), silu = g * sig;
+        y[0] = d * silu;
+        y[1] = d * x[1] * (sig + silu * (1.0f - sig));
+    });
 }
 
 /* One thread a rotated pair (j, j + R) of one head of one token: pairs = B T heads R. */
@@ -325,7 +405,7 @@ __global__ void lg_k_rope_rotate(lg_buf qkv, const lg_real *cos_table, const lg_
 
 static void lg_cuda_add(const lg_exec *ex, lg_buf out, lg_buf a, lg_buf b, size_t n) {
     if (n == 0) return;
-    LG_LAUNCH(lg_k_add, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0, lg_cuda_stream(ex),
+    LG_LAUNCH(lg_k_add, lg_cuda_map_grid(n), LG_CUDA_ELEMENT_THREADS, 0, lg_cuda_stream(ex),
               out, a, b, n);
 }
 
@@ -353,7 +433,7 @@ static void lg_cuda_copy(const lg_exec *ex, lg_buf dst, lg_buf src, size_t n) {
         LG_CUDA_TRY(cudaMemcpyAsync(dst.data, src.data, n * lg_elem_size(dst.dtype),
                                     cudaMemcpyDefault, lg_cuda_stream(ex)));
     else
-        LG_LAUNCH(lg_k_cast, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
+        LG_LAUNCH(lg_k_cast, lg_cuda_map_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
                   lg_cuda_stream(ex), dst, src, n);
 }
 
@@ -382,7 +462,7 @@ static void lg_cuda_zero(const lg_exec *ex, lg_buf x, size_t n) {
 static void lg_cuda_gelu_forward(const lg_exec *ex, lg_buf out, lg_buf inp, size_t n,
                                  int tanh_approx) {
     if (n == 0) return;
-    LG_LAUNCH(lg_k_gelu_forward, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
+    LG_LAUNCH(lg_k_gelu_forward, lg_cuda_map_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
               lg_cuda_stream(ex), out, inp, n, tanh_approx);
 }
 
@@ -390,7 +470,7 @@ static void lg_cuda_gelu_forward(const lg_exec *ex, lg_buf out, lg_buf inp, size
 static void lg_cuda_gelu_backward(const lg_exec *ex, lg_buf dinp, lg_buf dout, lg_buf inp,
                                   size_t n, int tanh_approx) {
     if (n == 0) return;
-    LG_LAUNCH(lg_k_gelu_backward, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
+    LG_LAUNCH(lg_k_gelu_backward, lg_cuda_map_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
               lg_cuda_stream(ex), dinp, dout, inp, n, tanh_approx);
 }
 
@@ -398,7 +478,7 @@ static void lg_cuda_gelu_backward(const lg_exec *ex, lg_buf dinp, lg_buf dout, l
 static void lg_cuda_swiglu_forward(const lg_exec *ex, lg_buf out, lg_buf gate, lg_buf up,
                                    size_t n) {
     if (n == 0) return;
-    LG_LAUNCH(lg_k_swiglu_forward, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
+    LG_LAUNCH(lg_k_swiglu_forward, lg_cuda_map_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
               lg_cuda_stream(ex), out, gate, up, n);
 }
 
@@ -406,7 +486,7 @@ static void lg_cuda_swiglu_forward(const lg_exec *ex, lg_buf out, lg_buf gate, l
 static void lg_cuda_swiglu_backward(const lg_exec *ex, lg_buf dgate, lg_buf dup, lg_buf dout,
                                     lg_buf gate, lg_buf up, size_t n) {
     if (n == 0) return;
-    LG_LAUNCH(lg_k_swiglu_backward, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
+    LG_LAUNCH(lg_k_swiglu_backward, lg_cuda_map_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
               lg_cuda_stream(ex), dgate, dup, dout, gate, up, n);
 }
 

@@ -24,7 +24,10 @@
       1) or lg_emu_set_devices(n); memory per device: LG_EMU_MEMORY bytes (suffix K/M/G allowed,
       default 16G) or lg_emu_set_memory(bytes); cudaMemGetInfo's free is that minus the live
       cudaMalloc/cudaMallocManaged bytes of the device. Launches are synchronous, so every
-      stream, event and copy is complete when its call returns.
+      stream, event and copy is complete when its call returns. cudaMalloc memory is closed to
+      the host (its pages are protected) except while a kernel, copy, memset or collective runs:
+      host code that reads or writes it directly aborts naming the allocation, as a GPU's own
+      memory would not let it (LG_EMU_HOST_VISITS=report lists every such visit instead).
    4. the NCCL subset, in process: grouped calls queue one per rank; a collective runs once every
       rank of its communicator clique has issued it (the k-th call of each rank match), reading
       all inputs before writing any output (so in place works); bf16 and fp16 sums are taken in
@@ -42,7 +45,7 @@
    switch); other machines, or -DLG_EMU_UCONTEXT, use ucontext. AddressSanitizer is told about
    every stack switch. cuBLASLt is not emulated.
 
-   Not caught: host code reading device memory (it is all host memory); static __shared__ arrays
+   Not caught: host code reading managed memory (the host may); static __shared__ arrays
    keep the previous block's values (dynamic shared memory is refilled with 0xff per block, new
    allocations too, up to 1 GiB each); a launch over 48 KiB of dynamic shared memory without
    cudaFuncSetAttribute (only the 227 KiB maximum is checked); races between warps that the two
