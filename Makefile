@@ -21,7 +21,7 @@ HEADERS = litgpt.h litgpt_cuda.cuh
 # the CUDA backend's kernels run on the CPU in tests through this emulator (g++, no GPU)
 EMULATED = $(CXX) -std=c++17 -O2 -DLG_CUDA_EMULATE -Wall -Wextra -Werror -Wno-unknown-pragmas $(OPENMP) -x c++
 
-.PHONY: all cpu cuda portable test bench clean data tokenizers lora-memory
+.PHONY: all cpu cuda portable test bench clean data tokenizers lora-memory gpu-bin
 
 all: train
 
@@ -54,6 +54,22 @@ build/train_cuda: train.c $(HEADERS)
 build/test_cuda: tests/gpu/test_cuda.c tests/check.h $(wildcard tests/gpu/*.inc) $(HEADERS)
 	@mkdir -p build
 	$(NVCC) $(NVCC_FLAGS) tests/gpu/test_cuda.c -o $@ $(LDLIBS) $(CUDA_LIBS)
+
+# tests/gpu/run.sh's binaries, built here for a GPU machine (whose time is short): code for sm_90
+# (H100, H200), host code for any x86-64-v2 processor rather than this one; they travel with the
+# working tree (the device tool's carry: build/gpu-bin).
+GPU_BIN_FLAGS = -x cu -std=c++17 -O3 -gencode arch=compute_90,code=sm_90 -Werror all-warnings \
+	-Xcompiler -Wall,-Wextra,-Werror,-march=x86-64-v2,$(OPENMP)
+
+gpu-bin: build/gpu-bin/test_cuda build/gpu-bin/train_cuda
+
+build/gpu-bin/test_cuda: tests/gpu/test_cuda.c tests/check.h $(wildcard tests/gpu/*.inc) $(HEADERS)
+	@mkdir -p build/gpu-bin
+	$(NVCC) $(GPU_BIN_FLAGS) tests/gpu/test_cuda.c -o $@ $(LDLIBS) $(CUDA_LIBS)
+
+build/gpu-bin/train_cuda: train.c $(HEADERS)
+	@mkdir -p build/gpu-bin
+	$(NVCC) $(GPU_BIN_FLAGS) train.c -o $@ $(LDLIBS) $(CUDA_LIBS)
 
 build/test_cuda_emulated: tests/gpu/test_cuda.c tests/check.h $(wildcard tests/gpu/*.inc) tests/cuda_emulator.h $(HEADERS)
 	@mkdir -p build

@@ -50,9 +50,10 @@
      7. model            lg_model: all parameters in one buffer (gradients in another), the
                          activations in the plan's regions; forward, backward, generation
      8. optimizers       AdamW, SGD with momentum, gradient clipping, learning-rate schedule
-     9. ranks            one arena per memory pool, allocated from the plan (on a GPU: managed
-                         and pinned memory); the collectives (all-reduce, reduce-scatter,
-                         all-gather, broadcast) between ranks, in process or over NCCL
+     9. ranks            one arena per memory pool, allocated from the plan (on a GPU: device
+                         and pinned memory, the host's visits through a staging region); the
+                         collectives (all-reduce, reduce-scatter, all-gather, broadcast)
+                         between ranks, in process or over NCCL
     10. data             llm.c token shards (uint16 / uint32), shuffled windows; fine-tuning
                          sample files (truncation, right-padding, prompt masks); the built-in
                          task; a JSON reader
@@ -532,7 +533,8 @@ typedef enum {
 } lg_group;
 #define LG_N_GROUPS 10
 
-#define LG_ALIGN 64 /* every region starts on a 64-byte boundary */
+#define LG_ALIGN 64       /* every region starts on a 64-byte boundary ... */
+#define LG_CUDA_ALIGN 256 /* ... or a 256-byte one on a GPU (cuBLASLt's and vector loads' best) */
 
 typedef struct {
     char name[LG_MAX_NAME]; /* e.g. "optimizer.m", "activations.h.3" */
@@ -540,7 +542,8 @@ typedef struct {
     lg_pool pool;
     lg_dtype dtype;
     size_t count;           /* elements */
-    size_t bytes;           /* count x dtype size, rounded up to LG_ALIGN: what the arena holds */
+    size_t bytes;           /* count x dtype size, rounded up to the rank plan's alignment: what
+                               the arena holds */
     size_t offset;          /* bytes from the start of its pool's arena */
 } lg_region;
 
@@ -548,6 +551,7 @@ typedef struct {
     lg_region *regions;     /* (n_regions) */
     int n_regions, capacity;
     size_t pool_bytes[LG_N_POOLS];
+    size_t align;           /* every region's boundary: LG_ALIGN, LG_CUDA_ALIGN on a GPU */
     int shard_index;        /* its place in its shard group (rank % shard_ranks) */
     lg_tensor_table pieces; /* the tensors, or pieces of tensors, whose gradients, master weights
                                and optimizer state this rank holds: offsets in its shard,
@@ -576,8 +580,11 @@ typedef struct {
 
 /* A GPU rank's own regions (litgpt_cuda.cuh): cuBLASLt's workspace, the partial sums of its
    reductions (norm weight gradients: LG_CUDA_ROW_CHUNKS rows of 2 C floats; totals:
-   LG_CUDA_REDUCE_SLOTS doubles) and the micro-batch's ids. */
+   LG_CUDA_REDUCE_SLOTS doubles), the micro-batch's ids, and in the host pool the staging region
+   through which the host reads and writes the GPU's memory (lg_visit: LG_CUDA_STAGING bytes,
+   or one fp32 row of logits if that is more). */
 #define LG_CUDA_MATMUL_WORKSPACE ((size_t)32 << 20)
+#define LG_CUDA_STAGING ((size_t)16 << 20)
 #define LG_CUDA_ROW_CHUNKS 64
 #define LG_CUDA_REDUCE_SLOTS 1024
 #define LG_CUDA_RUNTIME_REGION "cuda.runtime" /* the last device region: not in the arena */
@@ -860,6 +867,29 @@ lg_buf lg_rank_view(const lg_rank *rank, const char *name, lg_dtype dtype);
 /* Waits for the rank's queued work (a GPU's streams); the host may then read and write its
    memory. Nothing to wait for on the CPU. */
 void lg_rank_sync(const lg_rank *rank);
+
+/* Host visits to a rank's memory (initialisation, sampling, the offloaded optimizer, copies to
+   and from the host): the host reads or writes `count` elements of x, a piece at a time, each
+   piece whole units of `unit` elements (a row of logits, say). On the CPU the one piece is x
+   itself. On a GPU, whose memory the host cannot touch, it is the rank's staging region
+   (pinned host memory that holds at least one unit of 4-byte elements), filled by a copy from x
+   before the host reads it and copied back to x after the host wrote it; the rank's queued
+   work is done before the copy. Writing:
+       lg_visit v = lg_visit_start(ex, x, count, 1, LG_VISIT_WRITE);
+       while (lg_visit_next(&v))
+           for (size_t k = 0; k < v.n; k++) lg_set(v.piece, k, value_of(v.first + k)); */
+typedef enum { LG_VISIT_READ = 1, LG_VISIT_WRITE = 2 } lg_visit_mode;
+typedef struct {
+    const lg_exec *ex;     /* the rank's (NULL: the host's own memory) */
+    lg_buf x;              /* (count) what is visited */
+    size_t count, unit;
+    int mode;              /* LG_VISIT_READ, LG_VISIT_WRITE or both */
+    size_t first, n;       /* the piece: elements first .. first + n - 1 of x */
+    lg_buf piece;          /* (n) host memory holding them */
+} lg_visit;
+lg_visit lg_visit_start(const lg_exec *ex, lg_buf x, size_t count, size_t unit, int mode);
+/* Ends the last piece (a written one goes back) and starts the next; 0 when none is left. */
+int lg_visit_next(lg_visit *v);
 
 /* Collectives over the members of a group, one buffer per member in member order: the shape of
    NCCL's grouped calls made from one thread. `comm` is the group's NCCL communicators on GPUs
@@ -1274,8 +1304,8 @@ typedef struct {
                             micro-batch i sits packed (B, micro_T[i]) at i B T */
     /* --offload: the optimizer runs on host copies (the plan's host pool) */
     lg_buf host_grads;   /* (n_local): gradients.host */
-    lg_buf host_weights; /* (n_local): weights.host; data NULL in the mixed precisions, whose
-                            master weights (in the host pool) play that part */
+    lg_buf host_weights; /* (n_local): weights.host; data NULL in the mixed precisions on the
+                            CPU, whose master weights (in the host pool) play that part */
     /* sharded: whole units, padded to S pieces (lg_shard_layout) */
     lg_buf gather_ends;  /* (S piece_count[0]): the gathered ends */
     lg_buf gather_blocks;/* (slots, S piece_count[1]): gathered blocks, 2 slots (full-shard:
@@ -2742,7 +2772,8 @@ size_t lg_dtype_size(lg_dtype d) { return lg_elem_size(d); }
 const char *lg_group_name(lg_group g) { return lg_group_names[g]; }
 const char *lg_pool_name(lg_pool p) { return p == LG_POOL_DEVICE ? "device" : "host"; }
 
-static size_t lg_align_up(size_t bytes) { return (bytes + LG_ALIGN - 1) / LG_ALIGN * LG_ALIGN; }
+static size_t lg_align_to(size_t bytes, size_t align) { return (bytes + align - 1) / align * align; }
+static size_t lg_align_up(size_t bytes) { return lg_align_to(bytes, LG_ALIGN); }
 
 /* Appends a region at the end of its pool. */
 static int lg_plan_add(lg_rank_plan *r, const char *name, lg_group group, lg_pool pool,
@@ -2764,7 +2795,7 @@ static int lg_plan_add(lg_rank_plan *r, const char *name, lg_group group, lg_poo
     g->pool = pool;
     g->dtype = dtype;
     g->count = count;
-    g->bytes = lg_align_up(count * lg_dtype_size(dtype));
+    g->bytes = lg_align_to(count * lg_dtype_size(dtype), r->align);
     g->offset = r->pool_bytes[pool];
     r->pool_bytes[pool] += g->bytes;
     return 0;
@@ -2907,7 +2938,9 @@ static int lg_plan_model_state(lg_rank_plan *r, const lg_plan *plan) {
     rc |= lg_plan_add(r, "gradients", LG_GROUP_GRADIENTS, LG_POOL_DEVICE, t.grads, shard);
     if (s->offload) { /* the gradient shard goes to the host, where the optimizer runs */
         rc |= lg_plan_add(r, "gradients.host", LG_GROUP_GRADIENTS, LG_POOL_HOST, t.grads, shard);
-        if (!t.master) /* the host's copy of the weights it updates (mixed: the master) */
+        /* the host's copy of the weights it updates (mixed: the master, and on a GPU, whose
+           memory the host cannot write, the rounded weights too) */
+        if (!t.master || s->backend == LG_BACKEND_CUDA)
             rc |= lg_plan_add(r, "weights.host", LG_GROUP_WEIGHTS, LG_POOL_HOST, t.weights, shard);
     }
     if (s->optimizer_state == LG_STATE_AS_PRECISION) {
@@ -3036,6 +3069,9 @@ static int lg_plan_gpu_workspace(lg_rank_plan *r, const lg_config *c, const lg_p
                       LG_CUDA_REDUCE_SLOTS * sizeof(double));
     rc |= lg_plan_add(r, "cuda.ids", LG_GROUP_DATA, LG_POOL_DEVICE, LG_DTYPE_I32,
                       2 * (size_t)s->B * s->T);
+    size_t logits_row = sizeof(float) * (size_t)c->padded_vocab_size;
+    rc |= lg_plan_add(r, "cuda.staging", LG_GROUP_WORKSPACE, LG_POOL_HOST, LG_DTYPE_U8,
+                      logits_row > LG_CUDA_STAGING ? logits_row : LG_CUDA_STAGING);
     return rc | lg_plan_add(r, LG_CUDA_RUNTIME_REGION, LG_GROUP_WORKSPACE, LG_POOL_DEVICE,
                             LG_DTYPE_U8, s->runtime_bytes);
 }
@@ -3076,6 +3112,7 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
     for (int i = 0; i < plan->n_ranks && rc == 0; i++) {
         lg_rank_plan *r = &plan->ranks[i];
         r->shard_index = i % plan->sharding.shard_ranks;
+        r->align = s->backend == LG_BACKEND_CUDA ? LG_CUDA_ALIGN : LG_ALIGN;
         if (lg_table_alloc(&r->pieces, c) != 0) { rc = -1; break; }
         lg_shard_table(&plan->shards, &params, r->shard_index, &r->pieces);
         rc |= lg_plan_model_state(r, plan);
@@ -4472,15 +4509,18 @@ static double lg_rope_adjust(double inv_freq, const lg_rope_adjustments *ra) {
 
 /* Rotary tables for positions 0..T-1: cos, sin (T, R) with R = rope_dims / 2 frequencies,
    base^(-2j / rope_dims) adjusted by ra (NULL or factor 0: unchanged). */
-static void lg_rope_tables(lg_real *cos_table, lg_real *sin_table, int T, int rope_dims,
-                           float base, const lg_rope_adjustments *ra) {
+static void lg_rope_tables(const lg_exec *ex, lg_real *cos_table, lg_real *sin_table, int T,
+                           int rope_dims, float base, const lg_rope_adjustments *ra) {
     int R = rope_dims / 2;
-    for (int j = 0; j < R; j++) {
-        double inv_freq = lg_rope_adjust(pow((double)base, -2.0 * j / rope_dims), ra);
-        for (int t = 0; t < T; t++) {
-            cos_table[t * R + j] = (lg_real)cos(t * inv_freq);
-            sin_table[t * R + j] = (lg_real)sin(t * inv_freq);
-        }
+    for (int table = 0; table < 2; table++) { /* cos, then sin */
+        lg_visit v = lg_visit_start(ex, lg_buf_of(table ? sin_table : cos_table), (size_t)T * R, 1,
+                                    LG_VISIT_WRITE);
+        while (lg_visit_next(&v))
+            for (size_t k = 0; k < v.n; k++) { /* element t R + j */
+                int t = (int)((v.first + k) / R), j = (int)((v.first + k) % R);
+                double angle = t * lg_rope_adjust(pow((double)base, -2.0 * j / rope_dims), ra);
+                lg_set(v.piece, k, (lg_real)(table ? sin(angle) : cos(angle)));
+            }
     }
 }
 
@@ -4899,7 +4939,7 @@ static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank,
     if (lg_model_bind_exec(m, err) != 0) return -1;
     int rope_dims = lg_config_rope_dims(cfg);
     if (rope_dims)
-        lg_rope_tables(m->a.rope_cos, m->a.rope_sin, m->T, rope_dims, cfg->rope_base,
+        lg_rope_tables(&m->exec, m->a.rope_cos, m->a.rope_sin, m->T, rope_dims, cfg->rope_base,
                        &cfg->rope_adjustments);
     return 0;
 }
@@ -4953,25 +4993,29 @@ void lg_model_free(lg_model *m) {
 
 /* GPT-2's scheme, by tensor kind (see lg_tensor_kind): one tensor, w holding its elements,
    drawing from rng in element order. */
-static void lg_init_tensor(const lg_config *c, const lg_tensor_info *t, lg_buf w, lg_rng *rng) {
+static void lg_init_tensor(const lg_exec *ex, const lg_config *c, const lg_tensor_info *t,
+                           lg_buf w, lg_rng *rng) {
     float residual_std = 0.02f / sqrtf(2.0f * c->n_layer);
     /* rows past the real vocabulary never see a token: keep them 0 */
     int is_vocab = t->kind == LG_TENSOR_EMBEDDING && t->rows == c->padded_vocab_size;
     size_t live = is_vocab ? (size_t)c->vocab_size * t->cols : t->count;
-    for (size_t k = 0; k < t->count; k++) {
-        lg_real v = 0;
-        switch (t->kind) {
-        case LG_TENSOR_NORM: v = 1; break;
-        case LG_TENSOR_RESIDUAL: v = residual_std * lg_rng_normal(rng); break;
-        case LG_TENSOR_EMBEDDING:
-        case LG_TENSOR_WEIGHT: v = k < live ? 0.02f * lg_rng_normal(rng) : 0; break;
-        case LG_TENSOR_LORA_A: /* kaiming_uniform(a = sqrt(5)): bound 1 / sqrt(in) */
-            v = (2.0f * lg_rng_uniform(rng) - 1.0f) / sqrtf((float)t->cols);
-            break;
-        default: break; /* biases, LoRA's B: 0 */
+    lg_visit visit = lg_visit_start(ex, w, t->count, 1, LG_VISIT_WRITE);
+    while (lg_visit_next(&visit))
+        for (size_t j = 0; j < visit.n; j++) {
+            size_t k = visit.first + j;
+            lg_real v = 0;
+            switch (t->kind) {
+            case LG_TENSOR_NORM: v = 1; break;
+            case LG_TENSOR_RESIDUAL: v = residual_std * lg_rng_normal(rng); break;
+            case LG_TENSOR_EMBEDDING:
+            case LG_TENSOR_WEIGHT: v = k < live ? 0.02f * lg_rng_normal(rng) : 0; break;
+            case LG_TENSOR_LORA_A: /* kaiming_uniform(a = sqrt(5)): bound 1 / sqrt(in) */
+                v = (2.0f * lg_rng_uniform(rng) - 1.0f) / sqrtf((float)t->cols);
+                break;
+            default: break; /* biases, LoRA's B: 0 */
+            }
+            lg_set(visit.piece, j, v);
         }
-        lg_set(w, k, v);
-    }
 }
 
 /* The random stream of the trainable parameters: the model's seed, or for LoRA's adapters one
@@ -4980,10 +5024,30 @@ static void lg_trainable_rng(const lg_config *c, uint64_t seed, lg_rng *rng) {
     lg_rng_seed(rng, c->lora.r > 0 ? seed ^ 0x4c6f5241ULL /* "LoRA" */ : seed);
 }
 
+/* bytes of host memory src into the rank's memory dst (U8), or back (to_host). */
+static void lg_rank_bytes(const lg_exec *ex, lg_buf dst_or_src, void *host, size_t bytes, int to_host) {
+    lg_visit v = lg_visit_start(ex, dst_or_src, bytes, 1, to_host ? LG_VISIT_READ : LG_VISIT_WRITE);
+    while (lg_visit_next(&v))
+        if (to_host) memcpy((uint8_t *)host + v.first, v.piece.data, v.n);
+        else memcpy(v.piece.data, (const uint8_t *)host + v.first, v.n);
+}
+
+/* A packed frozen tensor t (its NF4 bytes in the model's memory) from values (t->count). */
+static int lg_pack_frozen(const lg_model *m, const lg_tensor_info *t, lg_buf values, lg_error *err) {
+    size_t bytes = lg_nf4_bytes(t->count, m->cfg.lora.quantize);
+    uint8_t *packed = (uint8_t *)LG_MALLOC(bytes + 1);
+    if (!packed) return lg_fail(err, "out of host memory packing %s", t->name);
+    int rc = lg_nf4_quantize(values, t->count, m->cfg.lora.quantize, packed, err);
+    lg_buf dst = {(uint8_t *)m->frozen_packed.data + t->offset, LG_DTYPE_U8};
+    if (rc == 0) lg_rank_bytes(&m->exec, dst, packed, bytes, 0);
+    LG_FREE(packed);
+    return rc;
+}
+
 /* One frozen tensor: drawn as lg_init_tensor, packed in NF4 when the layout stores it so. */
 static void lg_init_frozen_tensor(const lg_model *m, const lg_tensor_info *t, lg_rng *rng) {
     if (t->packed == LG_DTYPE_F32) {
-        lg_init_tensor(&m->cfg, t, lg_at(m->frozen, t->offset), rng);
+        lg_init_tensor(&m->exec, &m->cfg, t, lg_at(m->frozen, t->offset), rng);
         return;
     }
     lg_real *values = (lg_real *)LG_MALLOC(t->count * sizeof(lg_real));
@@ -4992,9 +5056,8 @@ static void lg_init_frozen_tensor(const lg_model *m, const lg_tensor_info *t, lg
         fprintf(stderr, "litgpt: out of host memory initialising %s\n", t->name);
         abort();
     }
-    lg_init_tensor(&m->cfg, t, lg_buf_of(values), rng);
-    if (lg_nf4_quantize(lg_buf_of(values), t->count, m->cfg.lora.quantize,
-                        (uint8_t *)m->frozen_packed.data + t->offset, &err) != 0) {
+    lg_init_tensor(NULL, &m->cfg, t, lg_buf_of(values), rng);
+    if (lg_pack_frozen(m, t, lg_buf_of(values), &err) != 0) {
         fprintf(stderr, "litgpt: %s\n", err.msg);
         abort();
     }
@@ -5015,7 +5078,7 @@ void lg_model_init_weights(lg_model *m, uint64_t seed) {
     lg_trainable_rng(&m->cfg, seed, &rng);
     for (int i = 0; i < m->param_table.n_tensors; i++) {
         const lg_tensor_info *t = &m->param_table.tensors[i];
-        lg_init_tensor(&m->cfg, t, lg_at(m->params, t->offset), &rng);
+        lg_init_tensor(&m->exec, &m->cfg, t, lg_at(m->params, t->offset), &rng);
     }
 }
 
@@ -5357,8 +5420,10 @@ void lg_model_generate(lg_model *m, int *tokens, int n_prompt, int n_new, float 
         int n = n_prompt + i, start = n > m->T ? n - m->T : 0, T = n - start;
         lg_model_forward(m, tokens + start, NULL, 1, T, NULL);
         lg_rank_sync(m->rank); /* the host reads the logits */
-        tokens[n] = lg_sample_token(lg_at(m->a.logits, (size_t)(T - 1) * Vp), m->cfg.vocab_size,
-                                    temperature, rng);
+        lg_visit row = lg_visit_start(&m->exec, lg_at(m->a.logits, (size_t)(T - 1) * Vp), (size_t)Vp,
+                                      (size_t)Vp, LG_VISIT_READ);
+        while (lg_visit_next(&row))
+            tokens[n] = lg_sample_token(row.piece, m->cfg.vocab_size, temperature, rng);
     }
 }
 
@@ -5742,6 +5807,39 @@ void lg_rank_sync(const lg_rank *rank) {
 #else
     (void)rank;
 #endif
+}
+
+lg_visit lg_visit_start(const lg_exec *ex, lg_buf x, size_t count, size_t unit, int mode) {
+    lg_visit v;
+    memset(&v, 0, sizeof v);
+    v.ex = ex;
+    v.x = x;
+    v.count = count;
+    v.unit = unit ? unit : 1;
+    v.mode = mode;
+    v.piece.dtype = x.dtype;
+    return v;
+}
+
+int lg_visit_next(lg_visit *v) {
+    int on_gpu = v->ex && v->ex->backend == LG_BACKEND_CUDA;
+#ifdef LG_CUDA
+    if (on_gpu && v->n && (v->mode & LG_VISIT_WRITE)) lg_cuda_visit_copy(v, 1);
+#endif
+    v->first += v->n;
+    v->n = 0;
+    if (v->first >= v->count) return 0;
+    v->n = v->count - v->first;
+    v->piece = lg_at(v->x, v->first);
+#ifdef LG_CUDA
+    if (on_gpu) {
+        lg_cuda_visit_piece(v);
+        if (v->mode & LG_VISIT_READ) lg_cuda_visit_copy(v, 0);
+    }
+#else
+    (void)on_gpu;
+#endif
+    return 1;
 }
 
 /* A group with communicators runs on the GPUs (litgpt_cuda.cuh, part j). */
@@ -8887,6 +8985,7 @@ typedef struct {
     const lg_tensor_table *table;
     const lg_hf_tensor *hf;
     lg_st_tensor *out;
+    const lg_exec *ex;      /* the rank the weights live on */
     lg_buf weights;
 } lg_hf_save_ctx;
 
@@ -8895,9 +8994,16 @@ static int lg_hf_fill(void *ctx, int index, unsigned char *out, lg_error *err) {
     const lg_hf_tensor *h = &s->hf[index];
     const lg_tensor_info *info = &s->table->tensors[h->source];
     size_t count = (size_t)lg_st_count(&s->out[index]);
+    lg_buf source = lg_at(s->weights, info->offset), copy = {NULL, source.dtype};
+    if (s->ex->backend == LG_BACKEND_CUDA) { /* the host reads a GPU's tensor from its copy */
+        copy.data = LG_MALLOC(info->count * lg_elem_size(source.dtype));
+        if (!copy.data) return lg_fail(err, "out of host memory");
+        lg_copy(s->ex, copy, source, info->count);
+        source = copy;
+    }
     for (size_t i = 0; i < count; i++)
-        lg_st_set(s->out[index].dtype, out, i, lg_get(s->weights, info->offset + lg_hf_source_index(s->cfg, h, i)));
-    (void)err;
+        lg_st_set(s->out[index].dtype, out, i, lg_get(source, lg_hf_source_index(s->cfg, h, i)));
+    LG_FREE(copy.data);
     return 0;
 }
 
@@ -8924,7 +9030,7 @@ static int lg_hf_write_model(const lg_model *m, const char *dir, lg_file_digest 
         out[i].shape[1] = hf[i].shape[1];
     }
     lg_st_meta meta[1] = {{"format", "pt"}};
-    lg_hf_save_ctx ctx = {&m->cfg, &m->param_table, hf, out, m->params};
+    lg_hf_save_ctx ctx = {&m->cfg, &m->param_table, hf, out, &m->exec, m->params};
     char path[1100], text[4096];
     lg_format(path, sizeof path, "%s/model.safetensors", dir);
     int rc = out ? lg_st_write(path, out, n, meta, 1, lg_hf_fill, &ctx, &digests[0], err)
@@ -9681,8 +9787,7 @@ static int lg_trainer_set_frozen(lg_trainer *tr, const lg_real *base, lg_error *
             lg_buf src = lg_buf_of((lg_real *)base + t->origin);
             if (t->packed == LG_DTYPE_F32)
                 lg_copy(&m->exec, lg_at(m->frozen, t->offset), src, t->count);
-            else if (lg_nf4_quantize(src, t->count, m->cfg.lora.quantize,
-                                     (uint8_t *)m->frozen_packed.data + t->offset, err) != 0)
+            else if (lg_pack_frozen(m, t, src, err) != 0)
                 return -1;
         }
         lg_rank_sync(m->rank);
@@ -9698,8 +9803,16 @@ static void lg_frozen_tensor(const lg_model *m, const lg_tensor_info *t, lg_real
         return;
     }
     lg_quantization q = t->packed == LG_DTYPE_NF4 ? LG_QUANTIZE_NF4 : LG_QUANTIZE_NF4_DQ;
-    lg_nf4_dequantize(NULL, (const uint8_t *)m->frozen_packed.data + t->offset, t->count, q,
-                      lg_buf_of(out));
+    size_t bytes = lg_nf4_bytes(t->count, q);
+    uint8_t *packed = (uint8_t *)LG_MALLOC(bytes + 1);
+    if (!packed) {
+        fprintf(stderr, "litgpt: out of host memory reading %s\n", t->name);
+        abort();
+    }
+    lg_buf src = {(uint8_t *)m->frozen_packed.data + t->offset, LG_DTYPE_U8};
+    lg_rank_bytes(&m->exec, src, packed, bytes, 1);
+    lg_nf4_dequantize(NULL, packed, t->count, q, lg_buf_of(out));
+    LG_FREE(packed);
 }
 
 /* The base weight an adapter (its A's name) adds to, and its first output row there. */
@@ -10214,7 +10327,8 @@ static void lg_trainer_init_weights(lg_trainer *tr) {
         for (int k = 0; k < m0->param_table.n_tensors; k++) {
             const lg_tensor_info *t = &m0->param_table.tensors[k];
             if (t->block + 1 == u)
-                lg_init_tensor(&tr->plan.cfg, t, lg_at(unit, t->offset - sl->unit_offset[u]), &rng);
+                lg_init_tensor(&m0->exec, &tr->plan.cfg, t,
+                               lg_at(unit, t->offset - sl->unit_offset[u]), &rng);
         }
         for (int r = 0; r < tr->n_ranks; r++) slots[r] = lg_unit_weights(tr, r, u);
         lg_broadcast(tr->world_comm, tr->n_ranks, 0, slots, sl->unit_offset[u + 1] - sl->unit_offset[u]);
@@ -10393,10 +10507,15 @@ static void lg_trainer_hessian_pass(lg_trainer *tr, int step) {
             size_t micro_tokens = (size_t)mb[r].B * mb[r].T;
             int *drawn = tr->ranks[r].sampled + i * stride;
             size_t first = ((size_t)i * tr->n_ranks + r) * stride;
-            for (size_t n = 0; n < micro_tokens; n++)
-                drawn[n] = lg_draw_token(lg_at(tr->ranks[r].model.a.logits, n * Vp), c->vocab_size,
-                                         1.0f, lg_hash_uniform(tr->args.seed ^ ((uint64_t)step << 32),
-                                                               first + n));
+            lg_visit rows = lg_visit_start(&tr->ranks[r].model.exec, tr->ranks[r].model.a.logits,
+                                           micro_tokens * Vp, (size_t)Vp, LG_VISIT_READ);
+            while (lg_visit_next(&rows))
+                for (size_t k = 0; k < rows.n / Vp; k++) {
+                    size_t n = rows.first / Vp + k;
+                    drawn[n] = lg_draw_token(lg_at(rows.piece, k * Vp), c->vocab_size, 1.0f,
+                                             lg_hash_uniform(tr->args.seed ^ ((uint64_t)step << 32),
+                                                             first + n));
+                }
         }
         lg_trainer_micro_batches(tr, i, labels, mb);
         lg_trainer_backward(tr, mb, tr->loss_scale / tokens, 0);
@@ -10546,8 +10665,10 @@ void lg_trainer_generate(lg_trainer *tr, int *tokens, int n_prompt, int n_new,
         mb[0].T = n - start;
         lg_trainer_forward(tr, mb);
         lg_rank_sync(m->rank); /* the host reads the logits */
-        tokens[n] = lg_sample_token(lg_at(m->a.logits, (size_t)(mb[0].T - 1) * Vp),
-                                    m->cfg.vocab_size, temperature, rng);
+        lg_visit row = lg_visit_start(&m->exec, lg_at(m->a.logits, (size_t)(mb[0].T - 1) * Vp),
+                                      (size_t)Vp, (size_t)Vp, LG_VISIT_READ);
+        while (lg_visit_next(&row))
+            tokens[n] = lg_sample_token(row.piece, m->cfg.vocab_size, temperature, rng);
     }
 }
 

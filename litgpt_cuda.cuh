@@ -103,8 +103,12 @@ struct lg_cuda_rank {
     float *row_sums;            /* (LG_CUDA_ROW_CHUNKS, 2 C): per-chunk partial sums (norms) */
     int C;                      /* n_embd: the width row_sums was planned for */
     double *totals;             /* (LG_CUDA_REDUCE_SLOTS): partial sums of whole reductions */
+    unsigned char *staging;     /* (staging_bytes): pinned host memory, the host's window onto
+                                   the GPU's memory (lg_visit) */
+    size_t staging_bytes;
     int tf32;                   /* fp32 matmuls may use TF32 (--tf32) */
     int reference_matmul;       /* matmuls by the reference kernel instead of cuBLASLt (tests) */
+    int matmul_fallbacks;       /* matmuls cuBLASLt had no algorithm for (the reference ran) */
     int cuda_core_attention;    /* attention on CUDA cores even where tensor cores apply (tests) */
 };
 
@@ -116,6 +120,29 @@ static int lg_cuda_device_accessible(const void *p);
 static cudaStream_t lg_cuda_stream(const lg_exec *ex) {
     LG_CUDA_TRY(cudaSetDevice(ex->cuda->device));
     return ex->cuda->stream;
+}
+
+/* lg_visit's piece on a GPU: as many whole units as the staging region holds, in it. */
+static void lg_cuda_visit_piece(lg_visit *v) {
+    const lg_cuda_rank *g = v->ex->cuda;
+    size_t units = g->staging_bytes / lg_elem_size(v->x.dtype) / v->unit;
+    if (units == 0) {
+        fprintf(stderr, "CUDA backend: a visit's unit of %zu elements exceeds the staging region "
+                "(%zu bytes)\n", v->unit, g->staging_bytes);
+        abort();
+    }
+    if (v->n > units * v->unit) v->n = units * v->unit;
+    v->piece.data = g->staging;
+}
+
+/* Copies lg_visit's piece from the GPU (back = 0) or back to it, after the rank's queued work. */
+static void lg_cuda_visit_copy(lg_visit *v, int back) {
+    cudaStream_t stream = lg_cuda_stream(v->ex);
+    size_t bytes = v->n * lg_elem_size(v->x.dtype);
+    void *there = lg_at(v->x, v->first).data;
+    LG_CUDA_TRY(cudaMemcpyAsync(back ? there : v->piece.data, back ? v->piece.data : there, bytes,
+                                cudaMemcpyDefault, stream));
+    LG_CUDA_TRY(cudaStreamSynchronize(stream)); /* the staging region is free again */
 }
 
 /* Copies n ids from the host (or anywhere) into one of the rank's id buffers, in stream order. */
@@ -237,47 +264,127 @@ static __device__ void lg_k_block_softmax_stats(float *m, float *s, float *scrat
 }
 
 /* c. elementwise kernels: add, copy/cast, GELU, SwiGLU, rotary -------------------------------- */
-/* Elementwise kernels: a grid-stride loop, one element a thread per turn (consecutive threads,
-   consecutive elements). Each element is read and written as the CPU loop does, so the same
-   in-place uses are allowed. */
+/* Elementwise kernels: a grid-stride loop (lg_k_map). When every buffer starts on a 16-byte
+   boundary, which the plan's 256-byte regions give the model's views, a thread moves LG_PACK
+   consecutive elements a turn with 16-byte loads and stores (several in flight: the bandwidth
+   of memory-bound kernels); otherwise, and for the last n % LG_PACK elements, one element a
+   turn. Each element is read before it is written and rounds as lg_set rounds, so the results
+   are those of the CPU loop and the same in-place uses are allowed. */
+
+#define LG_PACK 8 /* elements a thread moves a turn: one 16-byte access of halves, two of floats */
+
+/* Whether b can be read and written LG_PACK elements at a time from element 0. */
+__device__ __forceinline__ bool lg_k_packable(lg_buf b) {
+    return (b.dtype == LG_DTYPE_F32 || b.dtype == LG_DTYPE_BF16 || b.dtype == LG_DTYPE_F16) &&
+           (uintptr_t)b.data % 16 == 0;
+}
+
+/* v (LG_PACK) = b (i .. i + LG_PACK - 1), i a multiple of LG_PACK, as lg_get reads them. */
+__device__ __forceinline__ void lg_k_load_pack(lg_buf b, size_t i, float *v) {
+    if (b.dtype == LG_DTYPE_F32) {
+        const float4 *p = (const float4 *)((const float *)b.data + i);
+#pragma unroll
+        for (int h = 0; h < LG_PACK / 4; h++) {
+            float4 q = p[h];
+            v[4 * h] = q.x, v[4 * h + 1] = q.y, v[4 * h + 2] = q.z, v[4 * h + 3] = q.w;
+        }
+        return;
+    }
+    uint4 q = *(const uint4 *)((const uint16_t *)b.data + i);
+    uint32_t words[4] = {q.x, q.y, q.z, q.w}; /* element k: the low half of word k / 2 first */
+#pragma unroll
+    for (int k = 0; k < LG_PACK; k++) {
+        uint16_t bits = (uint16_t)(words[k / 2] >> (16 * (k % 2)));
+        v[k] = b.dtype == LG_DTYPE_BF16 ? lg_bf16_to_f32(bits) : lg_f16_to_f32(bits);
+    }
+}
+
+/* b (i .. i + LG_PACK - 1) = v (LG_PACK), rounded as lg_set rounds. */
+__device__ __forceinline__ void lg_k_store_pack(lg_buf b, size_t i, const float *v) {
+    if (b.dtype == LG_DTYPE_F32) {
+        float4 *p = (float4 *)((float *)b.data + i);
+#pragma unroll
+        for (int h = 0; h < LG_PACK / 4; h++)
+            p[h] = make_float4(v[4 * h], v[4 * h + 1], v[4 * h + 2], v[4 * h + 3]);
+        return;
+    }
+    uint32_t words[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int k = 0; k < LG_PACK; k++) {
+        uint16_t bits = b.dtype == LG_DTYPE_BF16 ? lg_f32_to_bf16(v[k]) : lg_f32_to_f16(v[k]);
+        words[k / 2] |= (uint32_t)bits << (16 * (k % 2));
+    }
+    *(uint4 *)((uint16_t *)b.data + i) = make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+/* out[k] (n) = the k-th result of f on the elements of in (n each), element by element:
+   f(x, y) maps one element's NIN inputs x to its NOUT outputs y. */
+template <int NIN, int NOUT, typename F>
+__device__ __forceinline__ void lg_k_map(const lg_buf (&in)[NIN], const lg_buf (&out)[NOUT],
+                                         size_t n, F f) {
+    bool packed = true;
+    for (int k = 0; k < NIN; k++) packed = packed && lg_k_packable(in[k]);
+    for (int k = 0; k < NOUT; k++) packed = packed && lg_k_packable(out[k]);
+    size_t packs = packed ? n / LG_PACK : 0;
+    for (size_t p = lg_k_first(); p < packs; p += lg_k_stride()) {
+        float x[NIN][LG_PACK], y[NOUT][LG_PACK], xj[NIN], yj[NOUT];
+        for (int k = 0; k < NIN; k++) lg_k_load_pack(in[k], p * LG_PACK, x[k]);
+#pragma unroll
+        for (int j = 0; j < LG_PACK; j++) {
+            for (int k = 0; k < NIN; k++) xj[k] = x[k][j];
+            f(xj, yj);
+            for (int k = 0; k < NOUT; k++) y[k][j] = yj[k];
+        }
+        for (int k = 0; k < NOUT; k++) lg_k_store_pack(out[k], p * LG_PACK, y[k]);
+    }
+    for (size_t i = packs * LG_PACK + lg_k_first(); i < n; i += lg_k_stride()) {
+        float xj[NIN], yj[NOUT];
+        for (int k = 0; k < NIN; k++) xj[k] = lg_get(in[k], i);
+        f(xj, yj);
+        for (int k = 0; k < NOUT; k++) lg_set(out[k], i, yj[k]);
+    }
+}
+
+/* Blocks of an elementwise kernel over n elements: one thread a pack. */
+static unsigned lg_cuda_map_grid(size_t n) { return lg_cuda_element_grid((n + LG_PACK - 1) / LG_PACK); }
 
 __global__ void lg_k_add(lg_buf out, lg_buf a, lg_buf b, size_t n) {
-    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) lg_set(out, i, lg_get(a, i) + lg_get(b, i));
+    const lg_buf in[2] = {a, b}, to[1] = {out};
+    lg_k_map(in, to, n, [](const float *x, float *y) { y[0] = x[0] + x[1]; });
 }
 
 __global__ void lg_k_cast(lg_buf dst, lg_buf src, size_t n) {
-    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) lg_set(dst, i, lg_get(src, i));
+    const lg_buf in[1] = {src}, to[1] = {dst};
+    lg_k_map(in, to, n, [](const float *x, float *y) { y[0] = x[0]; });
 }
 
 __global__ void lg_k_gelu_forward(lg_buf out, lg_buf inp, size_t n, int tanh_approx) {
-    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) {
-        float x = lg_get(inp, i);
-        lg_set(out, i, tanh_approx ? lg_gelu_tanh(x) : lg_gelu_erf(x));
-    }
+    const lg_buf in[1] = {inp}, to[1] = {out};
+    lg_k_map(in, to, n, [tanh_approx](const float *x, float *y) {
+        y[0] = tanh_approx ? lg_gelu_tanh(x[0]) : lg_gelu_erf(x[0]);
+    });
 }
 
 __global__ void lg_k_gelu_backward(lg_buf dinp, lg_buf dout, lg_buf inp, size_t n, int tanh_approx) {
-    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) {
-        float x = lg_get(inp, i);
-        lg_set(dinp, i, lg_get(dout, i) * (tanh_approx ? lg_gelu_tanh_grad(x) : lg_gelu_erf_grad(x)));
-    }
+    const lg_buf in[2] = {inp, dout}, to[1] = {dinp};
+    lg_k_map(in, to, n, [tanh_approx](const float *x, float *y) {
+        y[0] = x[1] * (tanh_approx ? lg_gelu_tanh_grad(x[0]) : lg_gelu_erf_grad(x[0]));
+    });
 }
 
 __global__ void lg_k_swiglu_forward(lg_buf out, lg_buf gate, lg_buf up, size_t n) {
-    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) {
-        float g = lg_get(gate, i);
-        lg_set(out, i, g * lg_sigmoid(g) * lg_get(up, i));
-    }
+    const lg_buf in[2] = {gate, up}, to[1] = {out};
+    lg_k_map(in, to, n, [](const float *x, float *y) { y[0] = x[0] * lg_sigmoid(x[0]) * x[1]; });
 }
 
 __global__ void lg_k_swiglu_backward(lg_buf dgate, lg_buf dup, lg_buf dout, lg_buf gate, lg_buf up,
                                      size_t n) {
-    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) {
-        float g = lg_get(gate, i), d = lg_get(dout, i);
-        float sig = lg_sigmoid(g), silu = g * sig;
-        lg_set(dup, i, d * silu);
-        lg_set(dgate, i, d * lg_get(up, i) * (sig + silu * (1.0f - sig)));
-    }
+    const lg_buf in[3] = {gate, up, dout}, to[2] = {dup, dgate};
+    lg_k_map(in, to, n, [](const float *x, float *y) {
+        float g = x[0], d = x[2], sig = lg_sigmoid(g), silu = g * sig;
+        y[0] = d * silu;
+        y[1] = d * x[1] * (sig + silu * (1.0f - sig));
+    });
 }
 
 /* One thread a rotated pair (j, j + R) of one head of one token: pairs = B T heads R. */
@@ -298,7 +405,7 @@ __global__ void lg_k_rope_rotate(lg_buf qkv, const lg_real *cos_table, const lg_
 
 static void lg_cuda_add(const lg_exec *ex, lg_buf out, lg_buf a, lg_buf b, size_t n) {
     if (n == 0) return;
-    LG_LAUNCH(lg_k_add, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0, lg_cuda_stream(ex),
+    LG_LAUNCH(lg_k_add, lg_cuda_map_grid(n), LG_CUDA_ELEMENT_THREADS, 0, lg_cuda_stream(ex),
               out, a, b, n);
 }
 
@@ -306,18 +413,28 @@ static void lg_cuda_add(const lg_exec *ex, lg_buf out, lg_buf a, lg_buf b, size_
    either side is pageable host memory (after the queued work). */
 static void lg_cuda_copy(const lg_exec *ex, lg_buf dst, lg_buf src, size_t n) {
     if (n == 0) return;
-    if (dst.dtype == src.dtype) {
+    int to_host = !lg_cuda_device_accessible(dst.data), from_host = !lg_cuda_device_accessible(src.data);
+    if (to_host || from_host) { /* pageable host memory: through the staging region, at once */
+        lg_visit v = lg_visit_start(ex, to_host ? src : dst, n, 1, to_host ? LG_VISIT_READ : LG_VISIT_WRITE);
+        while (lg_visit_next(&v)) {
+            lg_buf host = to_host ? lg_at(dst, v.first) : lg_at(src, v.first);
+            if (dst.dtype == src.dtype)
+                memcpy(to_host ? host.data : v.piece.data, to_host ? v.piece.data : host.data,
+                       v.n * lg_elem_size(dst.dtype));
+            else
+                for (size_t i = 0; i < v.n; i++) {
+                    if (to_host) lg_set(host, i, lg_get(v.piece, i));
+                    else lg_set(v.piece, i, lg_get(host, i));
+                }
+        }
+        return;
+    }
+    if (dst.dtype == src.dtype)
         LG_CUDA_TRY(cudaMemcpyAsync(dst.data, src.data, n * lg_elem_size(dst.dtype),
                                     cudaMemcpyDefault, lg_cuda_stream(ex)));
-        return;
-    }
-    if (lg_cuda_device_accessible(dst.data) && lg_cuda_device_accessible(src.data)) {
-        LG_LAUNCH(lg_k_cast, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
+    else
+        LG_LAUNCH(lg_k_cast, lg_cuda_map_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
                   lg_cuda_stream(ex), dst, src, n);
-        return;
-    }
-    LG_CUDA_TRY(cudaStreamSynchronize(lg_cuda_stream(ex)));
-    for (size_t i = 0; i < n; i++) lg_set(dst, i, lg_get(src, i));
 }
 
 /* dst (n) = src (n), same storage type, on the rank's communication stream after the ops queued
@@ -367,7 +484,7 @@ static void lg_cuda_nf4_dequantize(const lg_exec *ex, const uint8_t *src, size_t
 static void lg_cuda_gelu_forward(const lg_exec *ex, lg_buf out, lg_buf inp, size_t n,
                                  int tanh_approx) {
     if (n == 0) return;
-    LG_LAUNCH(lg_k_gelu_forward, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
+    LG_LAUNCH(lg_k_gelu_forward, lg_cuda_map_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
               lg_cuda_stream(ex), out, inp, n, tanh_approx);
 }
 
@@ -375,7 +492,7 @@ static void lg_cuda_gelu_forward(const lg_exec *ex, lg_buf out, lg_buf inp, size
 static void lg_cuda_gelu_backward(const lg_exec *ex, lg_buf dinp, lg_buf dout, lg_buf inp,
                                   size_t n, int tanh_approx) {
     if (n == 0) return;
-    LG_LAUNCH(lg_k_gelu_backward, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
+    LG_LAUNCH(lg_k_gelu_backward, lg_cuda_map_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
               lg_cuda_stream(ex), dinp, dout, inp, n, tanh_approx);
 }
 
@@ -383,7 +500,7 @@ static void lg_cuda_gelu_backward(const lg_exec *ex, lg_buf dinp, lg_buf dout, l
 static void lg_cuda_swiglu_forward(const lg_exec *ex, lg_buf out, lg_buf gate, lg_buf up,
                                    size_t n) {
     if (n == 0) return;
-    LG_LAUNCH(lg_k_swiglu_forward, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
+    LG_LAUNCH(lg_k_swiglu_forward, lg_cuda_map_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
               lg_cuda_stream(ex), out, gate, up, n);
 }
 
@@ -391,7 +508,7 @@ static void lg_cuda_swiglu_forward(const lg_exec *ex, lg_buf out, lg_buf gate, l
 static void lg_cuda_swiglu_backward(const lg_exec *ex, lg_buf dgate, lg_buf dup, lg_buf dout,
                                     lg_buf gate, lg_buf up, size_t n) {
     if (n == 0) return;
-    LG_LAUNCH(lg_k_swiglu_backward, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
+    LG_LAUNCH(lg_k_swiglu_backward, lg_cuda_map_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
               lg_cuda_stream(ex), dgate, dup, dout, gate, up, n);
 }
 
@@ -2131,12 +2248,24 @@ static cublasLtMatrixLayout_t lg_cuda_layout(lg_dtype dtype, int rows, int cols,
     return layout;
 }
 
+/* The largest power of two up to 256 that divides p: cuBLASLt picks its kernels by the
+   operands' alignment, which it is told rather than assuming the worst. */
+static uint32_t lg_cuda_alignment(const void *p) {
+    uint32_t a = 256;
+    while (a > 1 && (uintptr_t)p % a) a /= 2;
+    return a;
+}
+
+#define LG_LT_CANDIDATES 4 /* algorithms asked of the heuristic, tried in its order */
+
 /* The same product through cuBLASLt, with bias (N) added to every row when given. cuBLASLt is
    column-major: row-major C (M, N) is column-major C^T (N, M) = op(B)^T op(A)^T, so B's buffer
-   is its first operand and A's its second, each with its own transposition. */
-static void lg_cuda_matmul_lt(const lg_exec *ex, int trans_a, int trans_b, int M, int N, int K,
-                              lg_buf A, int lda, lg_buf B, int ldb, float beta, lg_buf C, int ldc,
-                              lg_buf bias) {
+   is its first operand and A's its second, each with its own transposition. Returns -1
+   (nothing queued) when cuBLASLt has no algorithm for it or rejects every one it offered: the
+   caller then runs the reference kernel. */
+static int lg_cuda_matmul_lt(const lg_exec *ex, int trans_a, int trans_b, int M, int N, int K,
+                             lg_buf A, int lda, lg_buf B, int ldb, float beta, lg_buf C, int ldc,
+                             lg_buf bias) {
     const lg_cuda_rank *g = ex->cuda;
     cudaStream_t stream = lg_cuda_stream(ex); /* the rank's GPU current for the heuristics too */
     int all_f32 = A.dtype == LG_DTYPE_F32 && B.dtype == LG_DTYPE_F32;
@@ -2169,24 +2298,36 @@ static void lg_cuda_matmul_lt(const lg_exec *ex, int trans_a, int trans_b, int M
     size_t workspace = g->matmul_workspace_bytes;
     LG_CUBLAS_TRY(cublasLtMatmulPreferenceSetAttribute(
         preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof workspace));
-    cublasLtMatmulHeuristicResult_t heuristic;
-    int found = 0;
-    LG_CUBLAS_TRY(cublasLtMatmulAlgoGetHeuristic(g->lt, desc, first, second, out, out, preference,
-                                                 1, &heuristic, &found));
-    if (found == 0) {
-        fprintf(stderr, "cuBLASLt has no algorithm for a (%d x %d x %d) matmul of %s x %s -> %s\n",
-                M, N, K, lg_dtype_name(A.dtype), lg_dtype_name(B.dtype), lg_dtype_name(C.dtype));
-        abort();
+    const struct { cublasLtMatmulPreferenceAttributes_t attribute; const void *p; } aligned[4] = {
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, B.data},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, A.data},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, C.data},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, C.data}};
+    for (int k = 0; k < 4; k++) {
+        uint32_t bytes = lg_cuda_alignment(aligned[k].p);
+        LG_CUBLAS_TRY(cublasLtMatmulPreferenceSetAttribute(preference, aligned[k].attribute,
+                                                           &bytes, sizeof bytes));
     }
+    cublasLtMatmulHeuristicResult_t heuristics[LG_LT_CANDIDATES];
+    int found = 0, done = 0;
+    if (cublasLtMatmulAlgoGetHeuristic(g->lt, desc, first, second, out, out, preference,
+                                       LG_LT_CANDIDATES, heuristics, &found) != CUBLAS_STATUS_SUCCESS)
+        found = 0;
     const float one = 1.0f;
-    LG_CUBLAS_TRY(cublasLtMatmul(g->lt, desc, &one, B.data, first, A.data, second, &beta, C.data,
-                                 out, C.data, out, &heuristic.algo, g->matmul_workspace,
-                                 workspace, stream));
+    for (int k = 0; k < found && !done; k++)
+        done = cublasLtMatmul(g->lt, desc, &one, B.data, first, A.data, second, &beta, C.data, out,
+                              C.data, out, &heuristics[k].algo, g->matmul_workspace, workspace,
+                              stream) == CUBLAS_STATUS_SUCCESS;
     cublasLtMatmulPreferenceDestroy(preference);
     cublasLtMatrixLayoutDestroy(first);
     cublasLtMatrixLayoutDestroy(second);
     cublasLtMatrixLayoutDestroy(out);
     cublasLtMatmulDescDestroy(desc);
+    if (!done && !ex->cuda->matmul_fallbacks++)
+        fprintf(stderr, "GPU %d: cuBLASLt has no algorithm for a (%d x %d x %d) matmul of %s x %s "
+                "-> %s: the backend's own kernel runs it (and any other such)\n", g->device, M, N,
+                K, lg_dtype_name(A.dtype), lg_dtype_name(B.dtype), lg_dtype_name(C.dtype));
+    return done ? 0 : -1;
 }
 #endif
 
@@ -2223,10 +2364,9 @@ static void lg_cuda_matmul(const lg_exec *ex, int trans_a, int trans_b, int M, i
                            lg_buf bias) {
     if (M <= 0 || N <= 0) return;
 #ifndef LG_CUDA_EMULATE
-    if (!ex->cuda->reference_matmul) {
-        lg_cuda_matmul_lt(ex, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc, bias);
+    if (!ex->cuda->reference_matmul &&
+        lg_cuda_matmul_lt(ex, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc, bias) == 0)
         return;
-    }
 #endif
     lg_cuda_matmul_reference(ex, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc);
     if (bias.data)
@@ -2303,28 +2443,39 @@ static int lg_cuda_alloc_failure(const lg_rank *rank, const char *what, size_t b
                    lg_format_bytes(total_bytes, total_text, sizeof total_text));
 }
 
-/* The device arena: the plan's device pool up to the runtime's region, which the CUDA context,
-   cuBLAS and NCCL hold themselves. Managed memory, so that the host's rare visits (weight
-   initialisation, checkpoints, sampling) read and write it directly after lg_rank_sync. */
+/* A rank's device arena: its device pool up to the runtime's region (the last one), which the
+   CUDA context, cuBLASLt and NCCL hold themselves. */
+static size_t lg_cuda_arena_bytes(const lg_rank_plan *r) {
+    const lg_region *runtime = lg_plan_find(r, LG_CUDA_RUNTIME_REGION);
+    return r->pool_bytes[LG_POOL_DEVICE] - (runtime ? runtime->bytes : 0);
+}
+
+/* The arenas, exactly the plan: the device pool up to the runtime's region (which the CUDA
+   context, cuBLASLt and NCCL hold themselves) in one cudaMalloc, and the host pool in pinned
+   memory, so offload's and the staging region's copies run at full speed, asynchronously.
+   Plain device memory, not managed: the host reaches it only through copies (lg_cuda_download,
+   lg_cuda_upload). Both start on 256-byte boundaries, as the plan's regions do. */
 static int lg_cuda_alloc_arenas(lg_rank *rank, lg_error *err) {
     const lg_rank_plan *r = &rank->plan->ranks[rank->index];
-    const lg_region *runtime = lg_plan_find(r, LG_CUDA_RUNTIME_REGION);
-    size_t device_bytes = r->pool_bytes[LG_POOL_DEVICE] - (runtime ? runtime->bytes : 0);
-    size_t host_bytes = r->pool_bytes[LG_POOL_HOST];
+    size_t device_bytes = lg_cuda_arena_bytes(r), host_bytes = r->pool_bytes[LG_POOL_HOST];
     cudaError_t status;
+    size_t free_bytes = 0, total_bytes = 0;
+    LG_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes), err);
+    if (device_bytes > free_bytes) /* refused before asking, as on the CPU */
+        return lg_cuda_alloc_failure(rank, "the device arena (refused before asking)",
+                                     device_bytes, cudaErrorMemoryAllocation, err);
     if (device_bytes) {
-        status = cudaMallocManaged((void **)&rank->arena[LG_POOL_DEVICE], device_bytes + LG_ALIGN,
-                                   cudaMemAttachGlobal);
+        status = cudaMalloc((void **)&rank->arena[LG_POOL_DEVICE], device_bytes);
         if (status != cudaSuccess)
             return lg_cuda_alloc_failure(rank, "the device arena", device_bytes, status, err);
-        LG_CUDA_CHECK(cudaMemsetAsync(rank->arena[LG_POOL_DEVICE], 0, device_bytes + LG_ALIGN,
+        LG_CUDA_CHECK(cudaMemsetAsync(rank->arena[LG_POOL_DEVICE], 0, device_bytes,
                                       rank->cuda->stream), err);
     }
-    if (host_bytes) { /* pinned: offload's copies run at full speed, asynchronously */
-        status = cudaMallocHost((void **)&rank->arena[LG_POOL_HOST], host_bytes + LG_ALIGN);
+    if (host_bytes) {
+        status = cudaMallocHost((void **)&rank->arena[LG_POOL_HOST], host_bytes);
         if (status != cudaSuccess)
             return lg_cuda_alloc_failure(rank, "the pinned host arena", host_bytes, status, err);
-        memset(rank->arena[LG_POOL_HOST], 0, host_bytes + LG_ALIGN);
+        memset(rank->arena[LG_POOL_HOST], 0, host_bytes);
     }
     return 0;
 }
@@ -2342,6 +2493,8 @@ static void lg_cuda_bind_regions(lg_rank *rank) {
     g->tokens = (int *)lg_rank_region(rank, "cuda.ids");
     g->targets = g->tokens + g->token_capacity;
     g->tf32 = s->tf32;
+    g->staging = (unsigned char *)lg_rank_region(rank, "cuda.staging");
+    g->staging_bytes = lg_plan_find(&rank->plan->ranks[rank->index], "cuda.staging")->bytes;
 }
 
 /* A GPU's streams, events and cuBLASLt handle (device already current). */
@@ -2424,7 +2577,7 @@ static int lg_cuda_used_bytes(int device, size_t *used, size_t *total, lg_error 
 
 /* Measures, on GPU 0..devices-1, what the runtime takes before the plan's arenas: the CUDA
    context (with anything other processes hold), a cuBLASLt handle, and one NCCL communicator
-   (times the communicators a rank joins, `communicators`). The most of any GPU goes to
+   after its first collective (times the communicators a rank joins, `communicators`). The most of any GPU goes to
    *runtime_bytes; *total_bytes gets the smallest GPU's memory. */
 int lg_cuda_measure_runtime(int devices, int communicators, size_t *runtime_bytes,
                             size_t *total_bytes, lg_error *err) {
@@ -2451,13 +2604,33 @@ int lg_cuda_measure_runtime(int devices, int communicators, size_t *runtime_byte
 #endif
     }
     if (devices > 1 && communicators > 0) {
+        /* NCCL connects its peers and sizes its buffers at the first collective: one all-reduce
+           of a float a GPU, whose own allocation is counted before the communicators */
         ncclComm_t comms[LG_MAX_RANKS];
-        LG_NCCL_CHECK(ncclCommInitAll(comms, devices, device_ids), err);
+        float *probe[LG_MAX_RANKS];
+        size_t before[LG_MAX_RANKS];
         for (int d = 0; d < devices; d++) {
-            if (lg_cuda_used_bytes(d, &used, &total, err) != 0) return -1;
-            nccl[d] = (used > context[d] ? used - context[d] : 0) * (size_t)communicators;
+            LG_CUDA_CHECK(cudaSetDevice(d), err);
+            LG_CUDA_CHECK(cudaMalloc((void **)&probe[d], sizeof(float)), err);
+            LG_CUDA_CHECK(cudaMemset(probe[d], 0, sizeof(float)), err);
+            if (lg_cuda_used_bytes(d, &before[d], &total, err) != 0) return -1;
         }
-        for (int d = 0; d < devices; d++) ncclCommDestroy(comms[d]);
+        LG_NCCL_CHECK(ncclCommInitAll(comms, devices, device_ids), err);
+        LG_NCCL_CHECK(ncclGroupStart(), err);
+        for (int d = 0; d < devices; d++)
+            LG_NCCL_CHECK(ncclAllReduce(probe[d], probe[d], 1, ncclFloat32, ncclSum, comms[d], 0), err);
+        LG_NCCL_CHECK(ncclGroupEnd(), err);
+        for (int d = 0; d < devices; d++) {
+            LG_CUDA_CHECK(cudaSetDevice(d), err);
+            LG_CUDA_CHECK(cudaDeviceSynchronize(), err);
+            if (lg_cuda_used_bytes(d, &used, &total, err) != 0) return -1;
+            nccl[d] = (used > before[d] ? used - before[d] : 0) * (size_t)communicators;
+        }
+        for (int d = 0; d < devices; d++) {
+            ncclCommDestroy(comms[d]);
+            cudaSetDevice(d);
+            cudaFree(probe[d]);
+        }
     }
     for (int d = 0; d < devices; d++) {
         size_t bytes = context[d] + cublas[d] + nccl[d];

@@ -24,7 +24,10 @@
       1) or lg_emu_set_devices(n); memory per device: LG_EMU_MEMORY bytes (suffix K/M/G allowed,
       default 16G) or lg_emu_set_memory(bytes); cudaMemGetInfo's free is that minus the live
       cudaMalloc/cudaMallocManaged bytes of the device. Launches are synchronous, so every
-      stream, event and copy is complete when its call returns.
+      stream, event and copy is complete when its call returns. cudaMalloc memory is closed to
+      the host (its pages are protected) except while a kernel, copy, memset or collective runs:
+      host code that reads or writes it directly aborts naming the allocation, as a GPU's own
+      memory would not let it (LG_EMU_HOST_VISITS=report lists every such visit instead).
    4. the NCCL subset, in process: grouped calls queue one per rank; a collective runs once every
       rank of its communicator clique has issued it (the k-th call of each rank match), reading
       all inputs before writing any output (so in place works); bf16 and fp16 sums are taken in
@@ -42,7 +45,7 @@
    switch); other machines, or -DLG_EMU_UCONTEXT, use ucontext. AddressSanitizer is told about
    every stack switch. cuBLASLt is not emulated.
 
-   Not caught: host code reading device memory (it is all host memory); static __shared__ arrays
+   Not caught: host code reading managed memory (the host may); static __shared__ arrays
    keep the previous block's values (dynamic shared memory is refilled with 0xff per block, new
    allocations too, up to 1 GiB each); a launch over 48 KiB of dynamic shared memory without
    cudaFuncSetAttribute (only the 227 KiB maximum is checked); races between warps that the two
@@ -70,6 +73,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+#include <execinfo.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -408,6 +413,8 @@ struct lg_emu_allocation {
     size_t bytes;
     int device;
     lg_emu_memory_kind kind;
+    void *map;        /* device memory: its own pages (map_bytes), the last one a guard page */
+    size_t map_bytes;
 };
 
 struct lg_emu_runtime {
@@ -419,6 +426,9 @@ struct lg_emu_runtime {
     std::map<uintptr_t, lg_emu_allocation> allocations; /* by base address */
     std::set<const void *> streams, events;             /* live handles */
     cudaError_t last_error;
+    int device_access;      /* > 0 while the emulated GPU works on device memory (section 3) */
+    bool host_visits_allowed; /* LG_EMU_HOST_VISITS=allow: device memory stays open to the host */
+    bool host_visits_reported; /* LG_EMU_HOST_VISITS=report: each visit is reported, not fatal */
 };
 
 /* A complete collective left for later (deferred mode): every rank's call, and its place in
@@ -482,6 +492,12 @@ inline lg_emu_state_t *lg_emu_state_create(void) {
     s->rt.memory_per_device = lg_emu_parse_bytes(getenv("LG_EMU_MEMORY"), (size_t)16 << 30);
     const char *defer = getenv("LG_EMU_DEFER_COLLECTIVES");
     s->nccl.defer = defer && strcmp(defer, "1") == 0;
+    const char *visits = getenv("LG_EMU_HOST_VISITS");
+    s->rt.host_visits_allowed = visits && strcmp(visits, "allow") == 0;
+    s->rt.host_visits_reported = visits && strcmp(visits, "report") == 0;
+    if (visits && *visits && !s->rt.host_visits_allowed && !s->rt.host_visits_reported &&
+        strcmp(visits, "fail") != 0)
+        lg_emu_die("LG_EMU_HOST_VISITS=%s: use fail, report or allow", visits);
     const char *order = getenv("LG_EMU_ORDER");
     if (order && strcmp(order, "reverse") == 0) s->sched.reverse_order = 1;
     else if (order && *order && strcmp(order, "forward") != 0)
@@ -493,6 +509,19 @@ inline lg_emu_state_t &lg_emu_state(void) {
     static lg_emu_state_t *state = lg_emu_state_create();
     return *state;
 }
+
+inline void lg_emu_device_memory_open(bool open); /* section 3 */
+/* While one lives the emulated GPU touches device memory (nested ones share the opening). */
+struct lg_emu_gpu_work {
+    lg_emu_gpu_work() {
+        if (lg_emu_state().rt.device_access++ == 0) lg_emu_device_memory_open(true);
+    }
+    ~lg_emu_gpu_work() {
+        if (--lg_emu_state().rt.device_access == 0) lg_emu_device_memory_open(false);
+    }
+    lg_emu_gpu_work(const lg_emu_gpu_work &) = delete;
+    lg_emu_gpu_work &operator=(const lg_emu_gpu_work &) = delete;
+};
 
 /* Test controls. */
 inline void lg_emu_set_order(int reverse) { lg_emu_state().sched.reverse_order = reverse != 0; }
@@ -873,6 +902,7 @@ inline void lg_emu_run_kernel(const lg_emu_launch_site &site, dim3 grid, dim3 bl
     s.threads = (int)(block.x * block.y * block.z);
     s.kernel_body = body;
     s.kernel_args = args;
+    lg_emu_gpu_work work;
     for (unsigned z = 0; z < grid.z; z++)
         for (unsigned y = 0; y < grid.y; y++)
             for (unsigned x = 0; x < grid.x; x++) {
@@ -1270,6 +1300,76 @@ inline bool lg_emu_range_fits(const void *p, size_t bytes) {
     return !a || (uintptr_t)p - base + bytes <= a->bytes;
 }
 
+/* Device memory (cudaMalloc) lives in pages of its own that are open only while the emulated
+   GPU works on it: a kernel, a copy, a memset, a collective (lg_emu_gpu_work). Host code that
+   reads or writes it directly, which a GPU's own memory does not allow, stops at once with a
+   message naming the allocation (lg_emu_host_visit). Its data ends, 256-byte aligned, just
+   before a guard page that stays closed, so a kernel that runs past the end faults too.
+   LG_EMU_HOST_VISITS=allow in the environment leaves it open; =report reports every visit (the
+   first access after each piece of GPU work) and goes on. */
+inline size_t lg_emu_page_bytes(void) { return (size_t)sysconf(_SC_PAGESIZE); }
+
+inline void lg_emu_protect(const lg_emu_allocation &a, int protection) {
+    if (mprotect(a.map, a.map_bytes - lg_emu_page_bytes(), protection) != 0)
+        lg_emu_die("cannot change the protection of device memory");
+}
+
+/* Opens every device allocation to the host (open) or closes it. */
+inline void lg_emu_device_memory_open(bool open) {
+    lg_emu_runtime &rt = lg_emu_state().rt;
+    if (rt.host_visits_allowed) return;
+    for (const auto &entry : rt.allocations)
+        if (entry.second.kind == LG_EMU_DEVICE_MEMORY)
+            lg_emu_protect(entry.second, open ? PROT_READ | PROT_WRITE : PROT_NONE);
+}
+
+/* SIGSEGV: a fault in closed device memory is the host visiting it; anything else faults again
+   with the default action. */
+inline void lg_emu_host_visit(int signal_number, siginfo_t *info, void * /* context */) {
+    lg_emu_runtime &rt = lg_emu_state().rt;
+    uintptr_t base = 0;
+    const lg_emu_allocation *a = lg_emu_find_allocation(info->si_addr, &base);
+    if (a && a->kind == LG_EMU_DEVICE_MEMORY && rt.device_access == 0) {
+        fprintf(stderr, "lg_emu: host code touched device memory at %p, byte %zu of a cudaMalloc "
+                "of %zu bytes on GPU %d: the host reaches a GPU's memory only through copies "
+                "(cudaMemcpy); the host's call stack:\n", info->si_addr,
+                (size_t)((uintptr_t)info->si_addr - base), a->bytes, a->device);
+        void *frames[64];
+        backtrace_symbols_fd(frames, backtrace(frames, 64), 2);
+        if (!rt.host_visits_reported) abort();
+        lg_emu_device_memory_open(true); /* until the next GPU work ends */
+        return;
+    }
+    signal(signal_number, SIG_DFL);
+}
+
+inline void lg_emu_catch_host_visits(void) {
+    static bool installed = false;
+    if (installed) return;
+    installed = true;
+    struct sigaction action;
+    memset(&action, 0, sizeof action);
+    action.sa_sigaction = lg_emu_host_visit;
+    action.sa_flags = SA_SIGINFO;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGSEGV, &action, nullptr);
+}
+
+/* Pages for `bytes` of device memory and a guard page: *data is where the bytes start. */
+inline bool lg_emu_map_device(size_t bytes, lg_emu_allocation *a, void **data) {
+    size_t page = lg_emu_page_bytes(), rounded = (bytes + 255) / 256 * 256;
+    a->map_bytes = (rounded + page - 1) / page * page + page;
+    void *map = mmap(nullptr, a->map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS
+                     | MAP_NORESERVE, -1, 0);
+    if (map == MAP_FAILED) return false;
+    a->map = map;
+    unsigned char *guard = (unsigned char *)map + a->map_bytes - page;
+    if (mprotect(guard, page, PROT_NONE) != 0) lg_emu_die("cannot protect a guard page");
+    *data = guard - rounded;
+    lg_emu_catch_host_visits();
+    return true;
+}
+
 inline cudaError_t lg_emu_allocate(void **ptr, size_t bytes, lg_emu_memory_kind kind) {
     lg_emu_runtime &rt = lg_emu_state().rt;
     if (!ptr) return lg_emu_error(cudaErrorInvalidValue);
@@ -1281,11 +1381,16 @@ inline cudaError_t lg_emu_allocate(void **ptr, size_t bytes, lg_emu_memory_kind 
             return lg_emu_error(cudaErrorMemoryAllocation);
     }
     if (bytes == 0) return cudaSuccess; /* as CUDA: a null pointer */
-    void *p = nullptr; /* exactly `bytes`, so AddressSanitizer sees a kernel's overrun */
-    if (posix_memalign(&p, 256, bytes) != 0) return lg_emu_error(cudaErrorMemoryAllocation);
+    lg_emu_allocation a{bytes, rt.current_device, kind, nullptr, 0};
+    void *p = nullptr; /* else exactly `bytes`, so AddressSanitizer sees a kernel's overrun */
+    if (kind == LG_EMU_DEVICE_MEMORY ? !lg_emu_map_device(bytes, &a, &p)
+                                     : posix_memalign(&p, 256, bytes) != 0)
+        return lg_emu_error(cudaErrorMemoryAllocation);
     /* uninitialized memory reads as NaN (up to 1 GiB: beyond, pages stay untouched) */
     memset(p, 0xff, bytes < ((size_t)1 << 30) ? bytes : ((size_t)1 << 30));
-    rt.allocations[(uintptr_t)p] = lg_emu_allocation{bytes, rt.current_device, kind};
+    rt.allocations[(uintptr_t)p] = a;
+    if (kind == LG_EMU_DEVICE_MEMORY && rt.device_access == 0 && !rt.host_visits_allowed)
+        lg_emu_protect(a, PROT_NONE);
     if (kind != LG_EMU_HOST_MEMORY) rt.used[rt.current_device] += bytes;
     *ptr = p;
     return cudaSuccess;
@@ -1298,9 +1403,11 @@ inline cudaError_t lg_emu_release(void *p, unsigned kinds) {
     auto it = rt.allocations.find((uintptr_t)p);
     if (it == rt.allocations.end() || !(kinds >> it->second.kind & 1))
         return lg_emu_error(cudaErrorInvalidValue);
-    if (it->second.kind != LG_EMU_HOST_MEMORY) rt.used[it->second.device] -= it->second.bytes;
+    lg_emu_allocation a = it->second;
+    if (a.kind != LG_EMU_HOST_MEMORY) rt.used[a.device] -= a.bytes;
     rt.allocations.erase(it);
-    free(p);
+    if (a.kind == LG_EMU_DEVICE_MEMORY) munmap(a.map, a.map_bytes);
+    else free(p);
     return cudaSuccess;
 }
 
@@ -1351,6 +1458,7 @@ inline cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemc
     if (bytes == 0) return cudaSuccess;
     if (!dst || !src || !lg_emu_range_fits(dst, bytes) || !lg_emu_range_fits(src, bytes))
         return lg_emu_error(cudaErrorInvalidValue);
+    lg_emu_gpu_work work;
     memmove(dst, src, bytes);
     return cudaSuccess;
 }
@@ -1370,6 +1478,7 @@ inline cudaError_t cudaMemcpyPeerAsync(void *dst, int dst_device, const void *sr
 inline cudaError_t cudaMemset(void *dst, int value, size_t bytes) {
     if (bytes == 0) return cudaSuccess;
     if (!dst || !lg_emu_range_fits(dst, bytes)) return lg_emu_error(cudaErrorInvalidValue);
+    lg_emu_gpu_work work;
     memset(dst, value, bytes);
     return cudaSuccess;
 }
@@ -1719,6 +1828,7 @@ inline const char *lg_emu_nccl_kind_name(lg_emu_nccl_kind kind) {
 inline void lg_emu_nccl_execute(const std::vector<lg_emu_nccl_call> &calls) {
     const lg_emu_nccl_call &c = calls[0];
     int n = (int)calls.size();
+    lg_emu_gpu_work work;
     size_t bytes = c.count * lg_emu_nccl_type_bytes(c.type);
     std::vector<const void *> inputs((size_t)n);
     for (int r = 0; r < n; r++) inputs[(size_t)r] = calls[(size_t)r].send;

@@ -160,7 +160,7 @@ static void rope_attn_fwd(fd_case *c) {
     int B = c->dims[0], T = c->dims[1], NH = c->dims[2], NQG = c->dims[3], HS = c->dims[4];
     size_t qkv = (size_t)B * T * (NH + 2 * NQG) * HS;
     memcpy(c->scratch[0], c->inputs[0], qkv * sizeof(lg_real));
-    lg_rope_tables(c->scratch[2], c->scratch[3], T, c->dims[5], 10000.0f, NULL);
+    lg_rope_tables(NULL, c->scratch[2], c->scratch[3], T, c->dims[5], 10000.0f, NULL);
     lg_rope_rotate(NULL, lg_buf_of(c->scratch[0]), c->scratch[2], c->scratch[3], B, T, NH, NQG, HS, c->dims[5], +1);
     lg_exec ex = attention_exec(c);
     lg_attention_forward(&ex, lg_buf_of(c->out), c->scratch[1], lg_buf_of(c->scratch[0]), B, T,

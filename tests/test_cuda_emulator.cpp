@@ -454,6 +454,46 @@ static void test_memory_accounting(void) {
     lg_emu_set_devices(1);
 }
 
+__global__ void overrun_kernel(int *d, int n) { d[n + threadIdx.x] = 1; }
+
+/* Device memory is the GPU's: the host touching it stops the program naming the allocation,
+   kernels and copies reach it, managed memory stays the host's too, and a kernel that runs
+   past an allocation's 256-byte rounding faults. */
+static void test_host_visits(void) {
+    std::string text;
+    int status = run_in_child([] {
+        int *d = nullptr;
+        cudaMalloc(&d, 100 * sizeof(int));
+        d[7] = 1;
+    }, &text);
+    CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT);
+    CHECK(text.find("host code touched device memory") != std::string::npos);
+    CHECK(text.find("byte 28 of a cudaMalloc of 400 bytes on GPU 0") != std::string::npos);
+    text.clear();
+    status = run_in_child([] { /* a read after a kernel: closed again */
+        int *d = device_copy(std::vector<int>(64, 3));
+        LG_LAUNCH(early_return_kernel, 1, 1, 0, nullptr, d);
+        volatile int x = d[0];
+        (void)x;
+    }, &text);
+    CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT);
+    CHECK(text.find("host code touched device memory") != std::string::npos);
+    status = run_in_child([] {
+        int *d = nullptr;
+        cudaMalloc(&d, 64 * sizeof(int)); /* 256 bytes: a thread past them hits the guard page */
+        LG_LAUNCH(overrun_kernel, 1, 1, 0, nullptr, d, 64);
+    }, &text);
+    CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGSEGV);
+    std::vector<int> values(300, 5);
+    int *d = device_copy(values), *m = nullptr;
+    CHECK((uintptr_t)d % 256 == 0);
+    CHECK(host_copy(d, 300) == values);
+    CHECK(cudaMallocManaged(&m, 8 * sizeof(int), cudaMemAttachGlobal) == cudaSuccess);
+    m[3] = 4; /* managed memory: the host may */
+    CHECK(m[3] == 4);
+    cudaFree(d), cudaFree(m);
+}
+
 static void test_half_conversions(void) {
     CHECK(lg_emu_float_to_bf16(1.0f) == 0x3f80 && lg_emu_bf16_to_float(0xc000) == -2.0f);
     CHECK(lg_emu_float_to_bf16(1.0f + 1.0f / 256) == 0x3f80);     /* tie: to even */
@@ -502,7 +542,7 @@ static void test_wmma(void) {
     CHECK(__half2float(__float2half(1.0f + 3.0f / 2048)) == 1.0f + 4.0f / 2048);
 }
 
-/* NCCL on 3 ranks, grouped as the backend issues it. */
+/* NCCL on 3 ranks, grouped as the backend issues it (on managed memory, which the host reads). */
 static void test_nccl(void) {
     const int n = 3;
     lg_emu_set_devices(n);
@@ -518,9 +558,9 @@ static void test_nccl(void) {
     uint16_t *hb[n];
     for (int r = 0; r < n; r++) {
         cudaSetDevice(r);
-        cudaMalloc(&buf[r], m * n * sizeof(float));
-        cudaMalloc(&out[r], m * n * sizeof(float));
-        cudaMalloc(&hb[r], m * n * sizeof(uint16_t));
+        cudaMallocManaged(&buf[r], m * n * sizeof(float), cudaMemAttachGlobal);
+        cudaMallocManaged(&out[r], m * n * sizeof(float), cudaMemAttachGlobal);
+        cudaMallocManaged(&hb[r], m * n * sizeof(uint16_t), cudaMemAttachGlobal);
     }
     auto fill = [&]() {
         for (int r = 0; r < n; r++)
@@ -635,7 +675,7 @@ static void test_deferred_collectives(void) {
     cudaEvent_t done;
     for (int r = 0; r < n; r++) {
         cudaSetDevice(r);
-        cudaMalloc(&buf[r], sizeof(float));
+        cudaMallocManaged(&buf[r], sizeof(float), cudaMemAttachGlobal);
         buf[r][0] = (float)(r + 1);
         cudaStreamCreate(&streams[r]);
     }
@@ -694,6 +734,7 @@ int main(void) {
     test_launch_refusals();
     test_deadlock_detection();
     test_memory_accounting();
+    test_host_visits();
     test_half_conversions();
     test_wmma();
     test_nccl();

@@ -61,6 +61,9 @@ static lg_exec gpu_exec(int max_tokens, int C) {
     g->totals = (double *)gpu_alloc(sizeof(double) * LG_CUDA_REDUCE_SLOTS);
     g->matmul_workspace_bytes = LG_CUDA_MATMUL_WORKSPACE;
     g->matmul_workspace = gpu_alloc(g->matmul_workspace_bytes);
+    g->staging_bytes = LG_CUDA_STAGING;
+    cudaError_t status = cudaMallocHost((void **)&g->staging, g->staging_bytes);
+    if (status != cudaSuccess) die_cuda("cudaMallocHost", status);
     ex.backend = LG_BACKEND_CUDA;
     ex.cuda = g;
     return ex;
@@ -78,6 +81,7 @@ static void gpu_exec_free(lg_exec *ex) {
     gpu_free(g->row_sums);
     gpu_free(g->totals);
     gpu_free(g->matmul_workspace);
+    cudaFreeHost(g->staging);
     lg_cuda_rank_handles_free(g);
     LG_FREE(g);
     memset(ex, 0, sizeof *ex);
@@ -577,6 +581,40 @@ static void test_plan_memory(results *r, const char *config, int T, int B) {
     lg_trainer_free(&tr);
 }
 
+/* A plan whose device arena exceeds the GPU's free memory is refused before the arena is asked
+   for: with all but half the arena's bytes taken, lg_trainer_create fails saying what is free,
+   and the memory in use grows by less than the arena (the streams and handles only). */
+static void test_plan_refused(results *r) {
+    lg_config cfg;
+    lg_error err;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    lg_args a = step_args(LG_PRECISION_BF16_MIXED, LG_BACKEND_CUDA);
+    lg_plan_spec spec;
+    lg_plan plan;
+    lg_plan_spec_from_args(&spec, &a, 16);
+    if (lg_plan_make(&plan, &cfg, &spec, &err) != 0) {
+        check(r, 0, "plan refused: %s", err.msg);
+        return;
+    }
+    size_t arena = lg_cuda_arena_bytes(&plan.ranks[0]), free_before, free_after, total;
+    lg_plan_free(&plan);
+    void *taken = NULL;
+    lg_cuda_memory(0, &free_before, &total, &err);
+    if (cudaMalloc(&taken, free_before - arena / 2) != cudaSuccess) {
+        check(r, 0, "plan refused: could not take %zu bytes of GPU memory", free_before - arena / 2);
+        return;
+    }
+    lg_cuda_memory(0, &free_before, &total, &err);
+    lg_trainer tr;
+    int rc = lg_trainer_create(&tr, &cfg, &a, 16, &err);
+    lg_cuda_memory(0, &free_after, &total, &err);
+    check(r, rc != 0 && strstr(err.msg, "free of") && free_before - free_after < arena,
+          "a %zu-byte arena with %zu bytes free: refused (%s)", arena, free_before,
+          rc ? err.msg : "created");
+    if (rc == 0) lg_trainer_free(&tr);
+    cudaFree(taken);
+}
+
 /* --- benchmark --------------------------------------------------------------------------------- */
 
 /* Dense bf16 peaks (FLOP/s) of the GPUs the table knows, by name. */
@@ -673,6 +711,7 @@ int main(int argc, char **argv) {
     test_devices(&r, gpus);
     printf("memory\n");
     test_plan_memory(&r, "test-llama", 16, 2);
+    test_plan_refused(&r);
 #ifndef LG_CUDA_EMULATE
     test_plan_memory(&r, "Llama-3.2-1B", 2048, 4);
 #endif
