@@ -1634,7 +1634,6 @@ static void run_child_tests(results *r, const char *cmd) {
    other results) with every collective run as late as a GPU could (an op missing its wait for
    one reads stale data), then the driver built for the emulator. */
 static void run_emulated_cuda_tests(results *r) {
-    printf("CUDA backend, emulated on the CPU\n");
     run_child_tests(r, "./build/test_cuda_emulator");
     run_child_tests(r, "LG_EMU_DEVICES=4 ./build/test_cuda_emulated");
     run_child_tests(r, "LG_EMU_DEVICES=4 LG_EMU_ORDER=reverse LG_EMU_DEFER_COLLECTIVES=1 "
@@ -1658,55 +1657,66 @@ static void run_emulated_cuda_tests(results *r) {
 
 #include "test_data.c"
 
-int main(void) {
+/* Starts a section: prints its name and says whether to run it. `./tests/test WORD` runs only
+   the sections whose names contain WORD (e.g. `./tests/test plan`); no argument runs all. */
+static int section(const char *name, int argc, char **argv) {
+    if (argc > 1 && !strstr(name, argv[1])) return 0;
+    printf("%s\n", name);
+    return 1;
+}
+
+int main(int argc, char **argv) {
     results r = {0, 0};
-    printf("PyTorch reference (fp32)\n");
-    test_reference(&r, "test-gpt2");
-    test_reference(&r, "test-pythia");
-    test_reference(&r, "test-llama");
-    printf("configs\n");
-    test_config_param_counts(&r);
-    test_config_errors(&r);
-    printf("data\n");
-    test_shards(&r);
-    printf("optimizers\n");
-    test_optimizer_math(&r);
-    test_clipping(&r);
-    test_optimizer_elements(&r);
-    test_lion_trains(&r);
-    test_sophia_trains(&r);
-    test_quantization(&r);
-    test_compact_state_trains(&r);
-    test_optimizer_state_bytes(&r);
-    printf("training\n");
-    test_accumulation(&r);
-    test_determinism(&r);
-    test_families_memorise(&r);
-    printf("checkpoints\n");
-    test_checkpoints(&r);
-    printf("command line\n");
-    test_cli(&r);
-    printf("precision\n");
-    test_conversions(&r);
-    test_stochastic_rounding(&r);
-    test_stochastic_rounding_learns(&r);
-    test_precisions_train(&r);
-    test_precision_memory(&r);
-    test_loss_scaler(&r);
-    printf("recompute and offload\n");
-    test_recompute_offload_bitwise(&r);
-    test_recompute_offload_memory(&r);
-    printf("memory plan\n");
-    test_plan_matches_allocations(&r);
-    test_plan_large_models(&r);
-    test_memory_limit(&r);
-    test_auto_micro_batch(&r);
-    test_plan_cli(&r);
-    test_data_all(&r);
-    printf("devices and sharding\n");
-    test_sharding(&r);
-    run_child_tests(&r, "./tests/test64");
-    run_emulated_cuda_tests(&r);
+    if (section("PyTorch reference (fp32)", argc, argv)) {
+        test_reference(&r, "test-gpt2");
+        test_reference(&r, "test-pythia");
+        test_reference(&r, "test-llama");
+    }
+    if (section("configs", argc, argv)) {
+        test_config_param_counts(&r);
+        test_config_errors(&r);
+    }
+    if (section("data", argc, argv)) test_shards(&r);
+    if (section("optimizers", argc, argv)) {
+        test_optimizer_math(&r);
+        test_clipping(&r);
+        test_optimizer_elements(&r);
+        test_lion_trains(&r);
+        test_sophia_trains(&r);
+        test_quantization(&r);
+        test_compact_state_trains(&r);
+        test_optimizer_state_bytes(&r);
+    }
+    if (section("training", argc, argv)) {
+        test_accumulation(&r);
+        test_determinism(&r);
+        test_families_memorise(&r);
+    }
+    if (section("checkpoints", argc, argv)) test_checkpoints(&r);
+    if (section("command line", argc, argv)) test_cli(&r);
+    if (section("precision", argc, argv)) {
+        test_conversions(&r);
+        test_stochastic_rounding(&r);
+        test_stochastic_rounding_learns(&r);
+        test_precisions_train(&r);
+        test_precision_memory(&r);
+        test_loss_scaler(&r);
+    }
+    if (section("recompute and offload", argc, argv)) {
+        test_recompute_offload_bitwise(&r);
+        test_recompute_offload_memory(&r);
+    }
+    if (section("memory plan", argc, argv)) {
+        test_plan_matches_allocations(&r);
+        test_plan_large_models(&r);
+        test_memory_limit(&r);
+        test_auto_micro_batch(&r);
+        test_plan_cli(&r);
+    }
+    if (section("data files: tokenizers, samples, readers", argc, argv)) test_data_all(&r);
+    if (section("devices and sharding", argc, argv)) test_sharding(&r);
+    if (section("gradients in double precision", argc, argv)) run_child_tests(&r, "./tests/test64");
+    if (section("CUDA backend, emulated on the CPU", argc, argv)) run_emulated_cuda_tests(&r);
     printf("%d passed, %d failed\n", r.passed, r.failed);
     return r.failed ? 1 : 0;
 }
