@@ -253,8 +253,8 @@ typedef struct {
     int devices;               /* -d: devices a node (GPUs, or simulated ranks on the CPU) */
     int nodes;                 /* --nodes: ranks = devices x nodes */
     lg_strategy strategy;      /* --strategy; full-shard by default */
-    lg_optimizer_kind optimizer; /* -o adamw|sgd */
-    float lr, min_lr;
+    lg_optimizer_kind optimizer; /* -o adamw|sgd|lion|sophia */
+    float lr, min_lr;          /* train.c: --min-lr is --lr / 10 unless given */
     int warmup_steps;
     float weight_decay, beta1, beta2, eps, momentum;
     float max_norm;            /* gradient clipping by global norm; 0: off */
@@ -266,8 +266,8 @@ typedef struct {
     uint64_t seed;
     const char *log_path;      /* --log: one JSON object per line */
     const char *out_dir;       /* --out: the final model.safetensors */
-    int recompute;             /* --recompute block: 1 (planned, not yet run) */
-    int offload;               /* --offload: 1 (planned, not yet run) */
+    int recompute;             /* --recompute block: 1 (keep each block's input, recompute it) */
+    int offload;               /* --offload: 1 (master weights and optimizer state on the host) */
     int plan_only;             /* --plan: print the plan and exit (1 table, 2 JSON) */
     int micro_batch_auto;      /* -b auto: the largest micro-batch that fits */
     lg_state_format optimizer_state; /* --optimizer-state bf16|8bit (AdamW) */
@@ -1806,9 +1806,13 @@ int lg_args_check(const lg_args *a, lg_error *err) {
         return lg_fail(err, "--momentum must be within [0, 1)");
     if (a->weight_decay < 0.0f) return lg_fail(err, "--weight-decay must be >= 0");
     if (a->max_norm < 0.0f) return lg_fail(err, "--max-norm must be >= 0 (0 turns clipping off)");
-    if (a->max_steps < 0 || a->warmup_steps < 0 || a->eval_every < 0 || a->sample_every < 0)
-        return lg_fail(err, "--max-steps, --warmup-steps, --eval-every and --sample-every "
-                            "must be >= 0");
+    const struct { const char *flag; int steps; } counts[] = {
+        {"--max-steps", a->max_steps}, {"--warmup-steps", a->warmup_steps},
+        {"--eval-every", a->eval_every}, {"--sample-every", a->sample_every}};
+    for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
+        if (counts[i].steps < 0)
+            return lg_fail(err, "%s %d: a count of steps, must be >= 0", counts[i].flag,
+                           counts[i].steps);
     if (a->eval_iters < 1) return lg_fail(err, "--eval-iters must be at least 1");
     if (a->hessian_interval < 1) return lg_fail(err, "--hessian-interval must be at least 1");
     if (a->rho <= 0.0f) return lg_fail(err, "--rho must be positive");

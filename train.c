@@ -14,6 +14,7 @@
 #include <stdarg.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 static const char usage[] =
     "usage: ./train [options]\n"
@@ -21,7 +22,8 @@ static const char usage[] =
     "      --data FILE            training data: an llm.c token shard, or fine-tuning samples\n"
     "                             from tools/prepare alpaca (default: the built-in task, a\n"
     "                             fine-tuning set)\n"
-    "      --val-data FILE        validation data, of the same kind\n"
+    "      --val-data FILE        validation data, of the same kind; without --data and\n"
+    "                             with --max-steps 0 (and -c or --load): evaluation alone\n"
     "  -b, --micro-batch-size N   samples per forward/backward (default 16); auto: the\n"
     "                             largest that fits and divides the per-device batch (-g)\n"
     "  -g, --global-batch-size N  samples per optimizer step (default: = -b); accumulation\n"
@@ -55,7 +57,7 @@ static const char usage[] =
     "      --rho X                sophia: clipping scale of the update (0.04)\n"
     "      --optimizer-state FMT  AdamW's moments in bf16 or 8bit (block-wise quantized);\n"
     "                             tensors under 4096 elements keep fp32 state\n"
-    "      --lr X --min-lr X      peak and final learning rate (4e-3, 4e-4)\n"
+    "      --lr X --min-lr X      peak and final learning rate (4e-3; --lr / 10)\n"
     "      --warmup-steps N       linear warmup, then cosine decay to --min-lr (50)\n"
     "      --weight-decay X       on 2-D weights only (0.1)\n"
     "      --beta1 X --beta2 X    AdamW (0.9, 0.95)\n"
@@ -182,11 +184,17 @@ typedef struct {
     char resume_dir[1100]; /* the step-N directory --resume resolved to */
 } checkpoint_flags;
 
-static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
-                       int *beta1_given, int *beta2_given, checkpoint_flags *ck) {
+/* The flags whose default depends on others: given on the command line or not. */
+typedef struct {
+    int precision, beta1, beta2, min_lr;
+} given_flags;
+
+static void parse_args(int argc, char **argv, lg_args *a, given_flags *given,
+                       checkpoint_flags *ck) {
     lg_args_default(a);
     a->backend = lg_backend_in_use(); /* a GPU when the build has CUDA and one is visible */
     memset(ck, 0, sizeof *ck);
+    memset(given, 0, sizeof *given);
     opterr = 0;
     int opt;
     while ((opt = getopt_long(argc, argv, ":c:b:g:t:p:d:o:h", long_options, NULL)) != -1) {
@@ -203,7 +211,7 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
         case 'g': a->global_batch_size = parse_int(f, optarg); break;
         case 't': a->max_seq_length = parse_int(f, optarg); break;
         case 'p':
-            *precision_given = 1;
+            given->precision = 1;
             if (lg_precision_parse(optarg, &a->precision) != 0)
                 die_usage("%s: '%s' is not one of 32-true, 16-true, bf16-true, 16-mixed, "
                           "bf16-mixed", f, optarg);
@@ -223,16 +231,19 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
             else die_usage("%s: '%s' is not adamw, sgd, lion or sophia", f, optarg);
             break;
         case OPT_LR: a->lr = parse_float(f, optarg); break;
-        case OPT_MIN_LR: a->min_lr = parse_float(f, optarg); break;
+        case OPT_MIN_LR:
+            a->min_lr = parse_float(f, optarg);
+            given->min_lr = 1;
+            break;
         case OPT_WARMUP: a->warmup_steps = parse_int(f, optarg); break;
         case OPT_WEIGHT_DECAY: a->weight_decay = parse_float(f, optarg); break;
         case OPT_BETA1:
             a->beta1 = parse_float(f, optarg);
-            *beta1_given = 1;
+            given->beta1 = 1;
             break;
         case OPT_BETA2:
             a->beta2 = parse_float(f, optarg);
-            *beta2_given = 1;
+            given->beta2 = 1;
             break;
         case OPT_MOMENTUM: a->momentum = parse_float(f, optarg); break;
         case OPT_MAX_NORM: a->max_norm = parse_float(f, optarg); break;
@@ -292,8 +303,12 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
                   "batch");
     if (a->sample_tokens < 1 || a->sample_tokens > 1000000)
         die_usage("--sample-tokens must be within 1 and 1000000");
-    if (a->val_data && !a->data)
-        die_usage("--val-data needs --data (the built-in task brings its own validation set)");
+    if (a->val_data && !a->data && a->max_steps != 0)
+        die_usage("--val-data without --data evaluates a model alone: give --max-steps 0 (and "
+                  "--data to train; the built-in task brings its own validation set)");
+    if (a->val_data && !a->data && (a->out_dir || ck->resume))
+        die_usage("%s: --val-data without --data only evaluates (--max-steps 0) and saves "
+                  "nothing", a->out_dir ? "--out" : "--resume");
     if (a->devices < 1) die_usage("-d/--devices must be at least 1");
     if (a->nodes < 1) die_usage("--nodes must be at least 1");
     if (ck->save_every < 0) die_usage("--save-every must be 0 or more");
@@ -484,16 +499,35 @@ static void print_plan_with_recompute_choice(const lg_plan *plan, const lg_args 
     lg_plan_free(&alternative);
 }
 
-/* --plan, and the check that the run fits before anything is allocated. */
-static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_config *cfg, int T) {
+/* --plan=json: a stream for the JSON document alone on the real stdout; from here on stdout
+   is stderr, so everything else the run prints (by train.c or the library) goes there. */
+static FILE *json_output(void) {
+    fflush(stdout);
+    int fd = dup(STDOUT_FILENO);
+    FILE *json = fd >= 0 ? fdopen(fd, "w") : NULL;
+    if (!json || dup2(STDERR_FILENO, STDOUT_FILENO) < 0) {
+        perror("train: --plan=json");
+        exit(1);
+    }
+    return json;
+}
+
+/* --plan (json: the stream from json_output), and the check that the run fits before
+   anything is allocated. */
+static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_config *cfg, int T,
+                           FILE *json) {
     lg_plan_spec spec;
     lg_plan plan;
     lg_error err;
     lg_plan_spec_from_args(&spec, a, T);
     if (lg_plan_make(&plan, cfg, &spec, &err) != 0) die(2, &err);
     if (a->plan_only) {
-        if (a->plan_only == 2) lg_plan_print_json(&plan, stdout);
-        else print_plan_with_recompute_choice(&plan, a, cfg, T);
+        if (a->plan_only == 2) {
+            lg_plan_print_json(&plan, json);
+            fclose(json);
+        } else {
+            print_plan_with_recompute_choice(&plan, a, cfg, T);
+        }
         lg_plan_free(&plan);
         exit(0);
     }
@@ -536,6 +570,7 @@ static void load_config(lg_args *a, lg_config *cfg, checkpoint_flags *ck) {
 
 typedef struct {
     lg_loader train, val;
+    int has_train;  /* 0: evaluation alone (--val-data without --data) */
     int has_val;
     int builtin;  /* the built-in task: character tokens */
 } run_data;
@@ -546,25 +581,36 @@ typedef struct {
 #define BUILTIN_TRAIN_SEED 1
 #define BUILTIN_VAL_SEED 2
 
-/* Fine-tuning samples: truncated to -t when given; every (truncated) sample must fit the
-   model; the rows are as long as the longest sample of train and validation (*T). */
-static void fit_samples(const lg_args *a, const lg_config *cfg, int *T, run_data *d) {
-    lg_error err;
-    if (lg_loader_check_block_size(&d->train, cfg->block_size, &err) != 0 ||
-        (d->has_val && lg_loader_check_block_size(&d->val, cfg->block_size, &err) != 0))
-        die(2, &err);
-    *T = lg_loader_longest(&d->train);
-    if (d->has_val && lg_loader_longest(&d->val) > *T) *T = lg_loader_longest(&d->val);
-    printf("fine-tuning samples: %zu (validation %zu), the longest %s%d tokens: micro-batches "
-           "are padded to their longest sample, at most %d\n", d->train.n_samples,
-           d->val.n_samples, a->max_seq_length ? "truncated to -t: " : "", *T, *T);
+/* Rows of T tokens (shard windows, or -t planned as asked) must fit the model. */
+static void check_block_size(int T, const lg_config *cfg) {
+    if (T > cfg->block_size)
+        die_usage("-t/--max-seq-length %d exceeds the model's block_size %d", T, cfg->block_size);
 }
 
-/* Opens the data; for fine-tuning samples *T becomes the longest (truncated) sample. */
+/* Fine-tuning samples, LitGPT's rule: -t is a cap, the rows are min(longest sample, -t) long
+   (*T: the longest truncated sample of train and validation); only a sample still longer than
+   the model's block_size after truncation is an error. */
+static void fit_samples(const lg_args *a, const lg_config *cfg, int *T, run_data *d) {
+    lg_error err;
+    if ((d->has_train && lg_loader_check_block_size(&d->train, cfg->block_size, &err) != 0) ||
+        (d->has_val && lg_loader_check_block_size(&d->val, cfg->block_size, &err) != 0))
+        die(2, &err);
+    *T = d->has_train ? lg_loader_longest(&d->train) : 0;
+    if (d->has_val && lg_loader_longest(&d->val) > *T) *T = lg_loader_longest(&d->val);
+    char cap[64] = "";
+    if (a->max_seq_length)
+        snprintf(cap, sizeof cap, " (-t %d caps them)", a->max_seq_length);
+    printf("fine-tuning samples: %zu (validation %zu), the longest %d tokens%s: micro-batches "
+           "are padded to their longest sample, at most %d\n", d->train.n_samples,
+           d->val.n_samples, *T, cap, *T);
+}
+
+/* Opens the data; for fine-tuning samples *T becomes the longest (truncated) sample. Without
+   --data but with --val-data (and --max-steps 0) only the validation data: evaluation alone. */
 static void open_data(const lg_args *a, const lg_config *cfg, int *T, run_data *d) {
     lg_error err;
     memset(d, 0, sizeof *d);
-    if (!a->data) {
+    if (!a->data && !a->val_data) {
         if (cfg->vocab_size < LG_CHAR_VOCAB)
             die_usage("-c/--config %s: vocab_size %d is smaller than the built-in task's %d "
                       "characters; give --data", a->config, cfg->vocab_size, LG_CHAR_VOCAB);
@@ -573,24 +619,30 @@ static void open_data(const lg_args *a, const lg_config *cfg, int *T, run_data *
             lg_builtin_task_samples(&d->val, BUILTIN_VAL_SEED, BUILTIN_VAL_SAMPLES,
                                     a->max_seq_length, 0, 0, &err))
             die(2, &err);
-        d->has_val = d->builtin = 1;
+        d->has_train = d->has_val = d->builtin = 1;
         fit_samples(a, cfg, T, d);
         if (a->config && a->max_seq_length > *T) { /* a real model on the toy task */
             *T = a->max_seq_length;
+            check_block_size(*T, cfg);
             printf("-t %d: planned and allocated as asked, though the built-in task's samples "
                    "are shorter (--data for your own)\n", *T);
         }
         return;
     }
     if (!a->config)
-        die_usage("--data needs -c/--config: the built-in model knows only the built-in task's "
-                  "%d characters", LG_CHAR_VOCAB);
-    int samples = lg_samples_file(a->data);
-    if (a->val_data && lg_samples_file(a->val_data) != samples)
+        die_usage("%s needs -c/--config: the built-in model knows only the built-in task's "
+                  "%d characters", a->data ? "--data" : "--val-data", LG_CHAR_VOCAB);
+    int samples = lg_samples_file(a->data ? a->data : a->val_data);
+    if (a->data && a->val_data && lg_samples_file(a->val_data) != samples)
         die_usage("--data %s and --val-data %s: one is a token shard, the other fine-tuning "
                   "samples", a->data, a->val_data);
+    if (!samples) check_block_size(*T, cfg); /* a shard's windows are -t long */
     int t = samples ? a->max_seq_length : *T; /* samples: truncation, 0 for none */
-    if (lg_loader_open(&d->train, a->data, t, cfg->vocab_size, 1, a->seed, &err) != 0) die(2, &err);
+    if (a->data) {
+        if (lg_loader_open(&d->train, a->data, t, cfg->vocab_size, 1, a->seed, &err) != 0)
+            die(2, &err);
+        d->has_train = 1;
+    }
     if (a->val_data) {
         if (lg_loader_open(&d->val, a->val_data, t, cfg->vocab_size, 0, 0, &err) != 0) die(2, &err);
         d->has_val = 1;
@@ -687,25 +739,25 @@ int main(int argc, char **argv) {
     setenv("CUDA_MODULE_LOADING", "EAGER", 0);
 #endif
     lg_args a;
-    int precision_given = 0, beta1_given = 0, beta2_given = 0;
+    given_flags given;
     checkpoint_flags ck;
-    parse_args(argc, argv, &a, &precision_given, &beta1_given, &beta2_given, &ck);
+    parse_args(argc, argv, &a, &given, &ck);
+    FILE *json = a.plan_only == 2 ? json_output() : NULL;
     /* the papers' betas, unless given: Lion (0.9, 0.99), SophiaG (0.965, 0.99) */
-    if (a.optimizer == LG_OPTIMIZER_LION && !beta2_given) a.beta2 = 0.99f;
-    if (a.optimizer == LG_OPTIMIZER_SOPHIA && !beta1_given) a.beta1 = 0.965f;
-    if (a.optimizer == LG_OPTIMIZER_SOPHIA && !beta2_given) a.beta2 = 0.99f;
+    if (a.optimizer == LG_OPTIMIZER_LION && !given.beta2) a.beta2 = 0.99f;
+    if (a.optimizer == LG_OPTIMIZER_SOPHIA && !given.beta1) a.beta1 = 0.965f;
+    if (a.optimizer == LG_OPTIMIZER_SOPHIA && !given.beta2) a.beta2 = 0.99f;
+    if (!given.min_lr) a.min_lr = a.lr / 10; /* the final rate follows --lr */
     lg_config cfg;
     load_config(&a, &cfg, &ck);
     int T = a.max_seq_length ? a.max_seq_length : cfg.block_size;
-    if (T > cfg.block_size)
-        die_usage("-t/--max-seq-length %d exceeds the model's block_size %d", T, cfg.block_size);
     lg_error err;
     run_data data; /* before the plan: for fine-tuning samples it sets T to the longest one */
     open_data(&a, &cfg, &T, &data);
     prepare_gpus(&a);
     if (a.micro_batch_auto) choose_micro_batch(&a, &cfg, T);
     if (lg_args_check(&a, &err) != 0) die_usage("%s", err.msg);
-    plan_and_check(argc, argv, &a, &cfg, T);
+    plan_and_check(argc, argv, &a, &cfg, T, json);
     int accumulation = lg_args_accumulation_steps(&a, &err);
     int B = a.micro_batch_size;
     FILE *log = NULL;
@@ -726,8 +778,10 @@ int main(int argc, char **argv) {
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    printf("model %s: %d layers, %.3fM parameters | data %s (%zu tokens)\n", cfg.name,
-           cfg.n_layer, model->n_params / 1e6, data.train.path, data.train.n_tokens);
+    const lg_loader *shown = data.has_train ? &data.train : &data.val;
+    printf("model %s: %d layers, %.3fM parameters | %s %s (%zu tokens)\n", cfg.name,
+           cfg.n_layer, model->n_params / 1e6, data.has_train ? "data" : "validation data",
+           shown->path, shown->n_tokens);
     char where[64];
     if (a.backend == LG_BACKEND_CUDA) snprintf(where, sizeof where, "%d GPU%s", tr.n_ranks, tr.n_ranks > 1 ? "s" : "");
     else snprintf(where, sizeof where, "CPU, %d threads", threads);
@@ -743,7 +797,7 @@ int main(int argc, char **argv) {
         printf("lion: wants a learning rate 3-10x smaller and a weight decay 3-10x larger than "
                "AdamW (here --lr %g, --weight-decay %g, betas %g %g)\n", a.lr, a.weight_decay,
                a.beta1, a.beta2);
-    if (precision_given)
+    if (given.precision)
         printf("precision: %s\n", lg_precision_name(a.precision));
     else
         printf("precision: %s (the default: bf16 weights and activations, fp32 accumulation "
