@@ -1633,44 +1633,230 @@ static const char *lg_field_expectation(lg_field_type type) {
     return "";
 }
 
-/* Reads `key: value` lines; '#' starts a comment, indented lines (nested YAML) and keys this
-   trainer does not use are skipped, so LitGPT's own model_config.yaml files load too. */
+/* The index of key in lg_config_fields, or -1. */
+static int lg_config_field_index(const char *key) {
+    for (int i = 0; i < LG_N_CONFIG_FIELDS; i++)
+        if (strcmp(key, lg_config_fields[i].key) == 0) return i;
+    return -1;
+}
+
+/* LitGPT's Config defaults (litgpt/config.py) of the fields above that have a fixed one; the
+   others are derived after the file is read (lg_config_derive). tie_embeddings and
+   learned_pos_embedding are this trainer's (GPT-2); LitGPT has neither. */
+static const struct {
+    const char *key, *value;
+} lg_config_defaults[] = {
+    {"block_size", "4096"},       {"n_layer", "16"},          {"n_embd", "4096"},
+    {"vocab_size", "50254"},      {"n_head", "32"},           {"norm_class_name", "LayerNorm"},
+    {"norm_eps", "1e-5"},         {"mlp_class_name", "GptNeoxMLP"},
+    {"gelu_approximate", "none"}, {"rotary_percentage", "0.25"}, {"rope_base", "10000"},
+    {"parallel_residual", "true"}, {"shared_attention_norm", "false"}, {"bias", "true"},
+    {"attn_bias", "false"},       {"lm_head_bias", "false"},  {"tie_embeddings", "false"},
+    {"learned_pos_embedding", "false"},
+};
+
+/* LitGPT's fields this trainer does not model, and the values that leave the architecture as
+   built here; any other value is refused naming the field. */
+typedef enum {
+    LG_NEUTRAL_ANY,    /* hf_config (where the weights came from), padding_multiple (read) */
+    LG_NEUTRAL_NULL,   /* null, ~, None, or nothing */
+    LG_NEUTRAL_FALSE,
+    LG_NEUTRAL_TRUE,
+    LG_NEUTRAL_ZERO,
+    LG_NEUTRAL_ONE,
+    LG_NEUTRAL_DEFAULT, /* norm_qk_type: "default" */
+    LG_NEUTRAL_WINDOW   /* sliding_window_size: null, or a window as long as block_size */
+} lg_neutral;
+
+static const struct {
+    const char *key;
+    lg_neutral neutral;
+} lg_config_unmodelled[] = {
+    {"hf_config", LG_NEUTRAL_ANY},
+    {"padding_multiple", LG_NEUTRAL_ANY},
+    {"norm_qk", LG_NEUTRAL_FALSE},
+    {"norm_qk_type", LG_NEUTRAL_DEFAULT},
+    {"post_attention_norm", LG_NEUTRAL_FALSE},
+    {"post_mlp_norm", LG_NEUTRAL_FALSE},
+    {"attention_scores_scalar", LG_NEUTRAL_NULL},
+    {"sliding_window_size", LG_NEUTRAL_WINDOW},
+    {"sliding_window_indices", LG_NEUTRAL_ANY}, /* only with sliding_window_size */
+    {"attention_logit_softcapping", LG_NEUTRAL_NULL},
+    {"rope_condense_ratio", LG_NEUTRAL_ONE},
+    {"rope_adjustments", LG_NEUTRAL_NULL},
+    {"rope_interleave", LG_NEUTRAL_FALSE},
+    {"n_expert", LG_NEUTRAL_ZERO},
+    {"n_expert_per_token", LG_NEUTRAL_ZERO},
+    /* mixture of experts: only with n_expert */
+    {"moe_intermediate_size", LG_NEUTRAL_ANY},
+    {"n_shared_expert", LG_NEUTRAL_ANY},
+    {"n_expert_groups", LG_NEUTRAL_ANY},
+    {"n_topk_groups", LG_NEUTRAL_ANY},
+    {"n_topk_scores_per_group", LG_NEUTRAL_ANY},
+    {"first_k_dense_replace", LG_NEUTRAL_ANY},
+    {"routed_scaling_factor", LG_NEUTRAL_ANY},
+    {"norm_topk_prob", LG_NEUTRAL_ANY},
+    {"scale_embeddings", LG_NEUTRAL_FALSE},
+    {"final_logit_softcapping", LG_NEUTRAL_NULL},
+    {"norm_1", LG_NEUTRAL_TRUE},
+    {"norm_2", LG_NEUTRAL_TRUE},
+    {"latent_attention", LG_NEUTRAL_NULL},
+    {"rope_local_base_freq", LG_NEUTRAL_NULL},
+    {"rope_indices", LG_NEUTRAL_NULL},
+};
+#define LG_N_CONFIG_UNMODELLED ((int)(sizeof lg_config_unmodelled / sizeof lg_config_unmodelled[0]))
+
+static int lg_yaml_is_null(const char *v) {
+    return *v == '\0' || strcmp(v, "null") == 0 || strcmp(v, "~") == 0 || strcmp(v, "None") == 0;
+}
+
+/* Does value (nested: a mapping or list follows on the next lines) leave the architecture as
+   built here? A window is checked against block_size once the whole file is read. */
+static int lg_neutral_value(lg_neutral neutral, const char *v, int nested) {
+    int null = !nested && lg_yaml_is_null(v);
+    switch (neutral) {
+    case LG_NEUTRAL_ANY: return 1;
+    case LG_NEUTRAL_NULL: return null;
+    case LG_NEUTRAL_FALSE: return strcmp(v, "false") == 0 || strcmp(v, "False") == 0;
+    case LG_NEUTRAL_TRUE: return strcmp(v, "true") == 0 || strcmp(v, "True") == 0;
+    case LG_NEUTRAL_ZERO: return strcmp(v, "0") == 0;
+    case LG_NEUTRAL_ONE: return strcmp(v, "1") == 0;
+    case LG_NEUTRAL_DEFAULT: return strcmp(v, "default") == 0;
+    case LG_NEUTRAL_WINDOW: return null || atol(v) > 0;
+    }
+    return 0;
+}
+
+/* The fields LitGPT's __post_init__ derives when the file leaves them out: head_size =
+   n_embd / n_head, n_query_groups = n_head, intermediate_size = 4 n_embd (a LLaMAMLP must give
+   it), padded_vocab_size = vocab_size rounded up to padding_multiple; a given
+   padded_vocab_size caps vocab_size. */
+static int lg_config_derive(lg_config *c, const int *seen, int padding_multiple, lg_error *err) {
+#define LG_SEEN(field) seen[lg_config_field_index(#field)]
+    if (!LG_SEEN(head_size)) {
+        if (c->n_head < 1 || c->n_embd % c->n_head != 0)
+            return lg_fail(err, "no head_size, and n_embd %d is not a multiple of n_head %d",
+                           c->n_embd, c->n_head);
+        c->head_size = c->n_embd / c->n_head;
+    }
+    if (!LG_SEEN(n_query_groups)) c->n_query_groups = c->n_head;
+    if (!LG_SEEN(intermediate_size)) {
+        if (c->mlp_class_name == LG_MLP_LLAMA)
+            return lg_fail(err, "missing field intermediate_size: a LLaMAMLP needs it");
+        c->intermediate_size = 4 * c->n_embd;
+    }
+    if (!LG_SEEN(padded_vocab_size)) {
+        if (padding_multiple < 1) return lg_fail(err, "padding_multiple must be positive");
+        int rest = c->vocab_size % padding_multiple;
+        c->padded_vocab_size = c->vocab_size + (rest ? padding_multiple - rest : 0);
+    } else if (c->vocab_size > c->padded_vocab_size) {
+        c->vocab_size = c->padded_vocab_size;
+    }
+#undef LG_SEEN
+    return 0;
+}
+
+/* The file's name without directory and extension: the model's name when the file has none. */
+static void lg_config_name_from_path(lg_config *cfg, const char *path) {
+    const char *base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
+    size_t len = strcspn(base, ".");
+    if (len >= sizeof cfg->name) len = sizeof cfg->name - 1;
+    memcpy(cfg->name, base, len);
+    cfg->name[len] = '\0';
+}
+
+/* One `key: value` line of the file into cfg (field i of the table, marked seen), or a field
+   LitGPT knows and this trainer does not model (its value checked by the caller: *unmodelled is
+   its index), or an error naming the line. */
+static int lg_config_line(lg_config *cfg, const char *path, int line_no, const char *key,
+                          const char *value, int *seen, int *padding_multiple, int *unmodelled,
+                          lg_error *err) {
+    *unmodelled = -1;
+    int i = lg_config_field_index(key);
+    if (i >= 0) {
+        if (lg_config_set(cfg, &lg_config_fields[i], value) != 0)
+            return lg_fail(err, "config %s line %d: %s is '%s', expected %s", path, line_no, key,
+                           value, lg_field_expectation(lg_config_fields[i].type));
+        seen[i] = 1;
+        return 0;
+    }
+    for (int k = 0; k < LG_N_CONFIG_UNMODELLED; k++)
+        if (strcmp(key, lg_config_unmodelled[k].key) == 0) *unmodelled = k;
+    if (*unmodelled < 0)
+        return lg_fail(err, "config %s line %d: unknown field %s (not one of LitGPT's Config "
+                            "fields; a typo?)", path, line_no, key);
+    if (strcmp(key, "padding_multiple") == 0) {
+        char *end;
+        long v = strtol(value, &end, 10);
+        if (*value == '\0' || *end != '\0' || v < 1 || v > 1000000)
+            return lg_fail(err, "config %s line %d: padding_multiple is '%s', expected a "
+                                "positive integer", path, line_no, value);
+        *padding_multiple = (int)v;
+    }
+    return 0;
+}
+
+/* Reads a flat `key: value` YAML file ('#' starts a comment) as LitGPT's Config.from_file does:
+   fields left out take LitGPT's defaults or are derived (lg_config_derive); LitGPT's own
+   model_config.yaml files load too (indented lines and `- item` lists are a nested value of
+   the key before). A field LitGPT knows but this trainer does not model loads when its value
+   leaves the architecture as built here (lg_config_unmodelled), else it is refused by name;
+   an unknown field is refused by name. */
 int lg_config_load(lg_config *cfg, const char *path, lg_error *err) {
     FILE *f = fopen(path, "r");
     if (!f) return lg_fail(err, "config %s: cannot open: %s", path, strerror(errno));
     memset(cfg, 0, sizeof *cfg);
+    for (size_t d = 0; d < sizeof lg_config_defaults / sizeof lg_config_defaults[0]; d++)
+        lg_config_set(cfg, &lg_config_fields[lg_config_field_index(lg_config_defaults[d].key)],
+                      lg_config_defaults[d].value);
+    lg_config_name_from_path(cfg, path);
     int seen[LG_N_CONFIG_FIELDS] = {0};
-    char line[1024];
-    int line_no = 0;
-    while (fgets(line, sizeof line, f)) {
+    int padding_multiple = 512, window = 0;
+    char line[1024], value[256];
+    int line_no = 0, open_key = -1, open_line = 0; /* an unmodelled field that may be nested */
+    int rc = 0;
+    while (rc == 0 && fgets(line, sizeof line, f)) {
         line_no++;
         char *hash = strchr(line, '#');
         if (hash) *hash = '\0';
-        if (isspace((unsigned char)line[0]) && strchr(line, ':')) continue; /* nested */
-        char *colon = strchr(line, ':');
+        char *text = lg_trim(line);
+        if (*text == '\0') continue;
+        int nested = isspace((unsigned char)line[0]) || strncmp(text, "- ", 2) == 0 ||
+                     strcmp(text, "-") == 0;
+        if (nested) {
+            if (open_key >= 0 && !lg_neutral_value(lg_config_unmodelled[open_key].neutral, "", 1))
+                rc = lg_fail(err, "config %s line %d: %s is set, which this trainer does not "
+                                  "model (LitGPT's default leaves it out)", path, open_line,
+                             lg_config_unmodelled[open_key].key);
+            continue;
+        }
+        open_key = -1;
+        char *colon = strchr(text, ':');
         if (!colon) {
-            if (*lg_trim(line) == '\0') continue;
-            fclose(f);
-            return lg_fail(err, "config %s line %d: expected `key: value`", path, line_no);
+            rc = lg_fail(err, "config %s line %d: expected `key: value`", path, line_no);
+            break;
         }
         *colon = '\0';
-        char *key = lg_trim(line), *value = lg_trim(colon + 1);
-        for (int i = 0; i < LG_N_CONFIG_FIELDS; i++) {
-            if (strcmp(key, lg_config_fields[i].key) != 0) continue;
-            if (lg_config_set(cfg, &lg_config_fields[i], value) != 0) {
-                fclose(f);
-                return lg_fail(err, "config %s line %d: %s is '%s', expected %s", path, line_no,
-                               key, value, lg_field_expectation(lg_config_fields[i].type));
-            }
-            seen[i] = 1;
-        }
+        char *key = lg_trim(text);
+        snprintf(value, sizeof value, "%s", lg_trim(colon + 1));
+        int k;
+        rc = lg_config_line(cfg, path, line_no, key, value, seen, &padding_multiple, &k, err);
+        if (rc != 0 || k < 0) continue;
+        if (!lg_neutral_value(lg_config_unmodelled[k].neutral, value, 0))
+            rc = lg_fail(err, "config %s line %d: %s is '%s', which this trainer does not model "
+                              "(LitGPT's default leaves it out)", path, line_no, key, value);
+        if (lg_config_unmodelled[k].neutral == LG_NEUTRAL_WINDOW && !lg_yaml_is_null(value))
+            window = atoi(value);
+        if (*value == '\0') { open_key = k; open_line = line_no; }
     }
     fclose(f);
-    for (int i = 0; i < LG_N_CONFIG_FIELDS; i++)
-        if (!seen[i])
-            return lg_fail(err, "config %s: missing field %s", path, lg_config_fields[i].key);
-    if (lg_config_check(cfg, err) != 0) {
-        char inner[sizeof err->msg];
+    if (rc != 0) return rc;
+    if (window > 0 && window < cfg->block_size)
+        return lg_fail(err, "config %s: sliding_window_size %d is shorter than block_size %d: "
+                            "sliding-window attention is not modelled here", path, window,
+                       cfg->block_size);
+    char inner[sizeof err->msg];
+    if (lg_config_derive(cfg, seen, padding_multiple, err) != 0 || lg_config_check(cfg, err) != 0) {
         strcpy(inner, err->msg);
         return lg_fail(err, "config %s: %s", path, inner);
     }

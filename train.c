@@ -72,6 +72,8 @@ static const char usage[] =
     "      --prompt TEXT          built-in task: letters, e.g. \"litgpt=\"; shards: token ids\n"
     "      --seed N               weights, data order and sampling (1337)\n"
     "      --log FILE             one JSON object per step and per evaluation\n"
+    "      --log-interval N       steps between full progress lines (default: about 20 a\n"
+    "                             run); on a terminal one status line refreshes in between\n"
     "      --out DIR              write checkpoints DIR/step-N/ at the end (and every\n"
     "                             --save-every steps): model.safetensors and config.json\n"
     "                             in the Hugging Face layout, model_config.yaml, the\n"
@@ -117,7 +119,7 @@ enum { OPT_DATA = 256, OPT_VAL_DATA, OPT_LR, OPT_MIN_LR, OPT_WARMUP, OPT_WEIGHT_
        OPT_SAMPLE_EVERY, OPT_SAMPLE_TOKENS, OPT_TEMPERATURE, OPT_PROMPT, OPT_SEED, OPT_LOG,
        OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_OPTIMIZER_STATE,
        OPT_HESSIAN_INTERVAL, OPT_RHO, OPT_STRATEGY, OPT_NODES, OPT_SAVE_EVERY, OPT_LOAD,
-       OPT_RESUME, OPT_CPU, OPT_TF32 };
+       OPT_RESUME, OPT_CPU, OPT_TF32, OPT_LOG_INTERVAL };
 
 static const struct option long_options[] = {
     {"config", required_argument, 0, 'c'},
@@ -148,6 +150,7 @@ static const struct option long_options[] = {
     {"prompt", required_argument, 0, OPT_PROMPT},
     {"seed", required_argument, 0, OPT_SEED},
     {"log", required_argument, 0, OPT_LOG},
+    {"log-interval", required_argument, 0, OPT_LOG_INTERVAL},
     {"out", required_argument, 0, OPT_OUT},
     {"recompute", required_argument, 0, OPT_RECOMPUTE},
     {"offload", no_argument, 0, OPT_OFFLOAD},
@@ -189,12 +192,18 @@ typedef struct {
     int precision, beta1, beta2, min_lr;
 } given_flags;
 
+/* --- progress: what the driver prints while it trains ------------------------------------- */
+typedef struct {
+    int log_interval; /* --log-interval: steps between full lines; 0: about 20 a run */
+} output_flags;
+
 static void parse_args(int argc, char **argv, lg_args *a, given_flags *given,
-                       checkpoint_flags *ck) {
+                       checkpoint_flags *ck, output_flags *out) {
     lg_args_default(a);
     a->backend = lg_backend_in_use(); /* a GPU when the build has CUDA and one is visible */
     memset(ck, 0, sizeof *ck);
     memset(given, 0, sizeof *given);
+    memset(out, 0, sizeof *out);
     opterr = 0;
     int opt;
     while ((opt = getopt_long(argc, argv, ":c:b:g:t:p:d:o:h", long_options, NULL)) != -1) {
@@ -264,6 +273,10 @@ static void parse_args(int argc, char **argv, lg_args *a, given_flags *given,
             break;
         }
         case OPT_LOG: a->log_path = optarg; break;
+        case OPT_LOG_INTERVAL:
+            out->log_interval = parse_int(f, optarg);
+            if (out->log_interval < 1) die_usage("%s must be at least 1", f);
+            break;
         case OPT_OUT: a->out_dir = optarg; break;
         case OPT_RECOMPUTE:
             if (strcmp(optarg, "none") == 0) a->recompute = 0;
@@ -723,6 +736,72 @@ static void print_samples(lg_trainer *tr, const lg_args *a, const run_data *d, l
         for (int i = 0; i < 3; i++) print_sample(tr, a, d, words[i], rng);
 }
 
+/* Progress of the training loop. On a terminal one status line (step/total, loss, tokens/s,
+   elapsed, ETA) is rewritten in place after every step; every `interval` steps, on the first
+   and the last, and on a skipped step, a full line stays. A file or pipe gets the full lines
+   only. Anything else printed during the loop clears the status line first. */
+typedef struct {
+    int tty;          /* stdout is a terminal */
+    int interval;     /* steps between full lines */
+    int first_step, max_steps;
+    double start_ms;  /* when the loop began */
+    int status_shown; /* the status line is on the screen, without its newline */
+} progress;
+
+static void progress_start(progress *p, const output_flags *o, int first_step, int max_steps) {
+    p->tty = isatty(STDOUT_FILENO);
+    p->interval = o->log_interval ? o->log_interval : (max_steps + 19) / 20;
+    if (p->interval < 1) p->interval = 1;
+    p->first_step = first_step;
+    p->max_steps = max_steps;
+    p->start_ms = lg_time_ms();
+    p->status_shown = 0;
+}
+
+/* Before any other line: the status line goes. */
+static void progress_clear(progress *p) {
+    if (!p->status_shown) return;
+    fputs("\r\033[K", stdout);
+    p->status_shown = 0;
+}
+
+/* "1:05" or "1:02:05" */
+static const char *format_duration(double ms, char *out, size_t size) {
+    long s = ms > 0 ? (long)(ms / 1000 + 0.5) : 0;
+    if (s >= 3600) snprintf(out, size, "%ld:%02ld:%02ld", s / 3600, s / 60 % 60, s % 60);
+    else snprintf(out, size, "%ld:%02ld", s / 60, s % 60);
+    return out;
+}
+
+/* After step `done` (1-based) of the loop. */
+static void progress_step(progress *p, const lg_trainer *tr, int done, const lg_step_stats *st) {
+    double elapsed = lg_time_ms() - p->start_ms;
+    int run = done - p->first_step, left = p->max_steps - done;
+    char spent[32], eta[32];
+    format_duration(elapsed, spent, sizeof spent);
+    format_duration(run > 0 ? elapsed / run * left : 0, eta, sizeof eta);
+    int full = done % p->interval == 0 || run == 1 || left == 0 || st->skipped;
+    if (!full && !p->tty) return;
+    progress_clear(p);
+    if (!full) { /* the status line, rewritten in place */
+        printf("step %5d/%d | loss %.4f | %.0f tok/s | %s elapsed | ETA %s", done, p->max_steps,
+               st->loss, st->tokens_per_s, spent, eta);
+        fputs("\033[K", stdout);
+        fflush(stdout);
+        p->status_shown = 1;
+        return;
+    }
+    printf("step %5d/%d | loss %.4f | lr %.2e | grad norm %.3f | %.1f ms | %.0f tok/s | %s "
+           "elapsed | ETA %s", done, p->max_steps, st->loss, st->lr, st->grad_norm, st->ms,
+           st->tokens_per_s, spent, eta);
+    if (st->skipped)
+        printf(" | skipped: fp16 gradient overflow, loss scale %g -> %g", st->loss_scale,
+               tr->loss_scale);
+    if (st->hessian) printf(" | with Sophia's Hessian pass");
+    printf("\n");
+    fflush(stdout);
+}
+
 static void evaluate(lg_trainer *tr, run_data *d, const lg_args *a, int step, FILE *log) {
     if (!d->has_val) return;
     double loss = 0;
@@ -741,7 +820,8 @@ int main(int argc, char **argv) {
     lg_args a;
     given_flags given;
     checkpoint_flags ck;
-    parse_args(argc, argv, &a, &given, &ck);
+    output_flags output;
+    parse_args(argc, argv, &a, &given, &ck, &output);
     FILE *json = a.plan_only == 2 ? json_output() : NULL;
     /* the papers' betas, unless given: Lion (0.9, 0.99), SophiaG (0.965, 0.99) */
     if (a.optimizer == LG_OPTIMIZER_LION && !given.beta2) a.beta2 = 0.99f;
@@ -778,10 +858,10 @@ int main(int argc, char **argv) {
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    const lg_loader *shown = data.has_train ? &data.train : &data.val;
+    const lg_loader *source = data.has_train ? &data.train : &data.val;
     printf("model %s: %d layers, %.3fM parameters | %s %s (%zu tokens)\n", cfg.name,
            cfg.n_layer, model->n_params / 1e6, data.has_train ? "data" : "validation data",
-           shown->path, shown->n_tokens);
+           source->path, source->n_tokens);
     char where[64];
     if (a.backend == LG_BACKEND_CUDA) snprintf(where, sizeof where, "%d GPU%s", tr.n_ranks, tr.n_ranks > 1 ? "s" : "");
     else snprintf(where, sizeof where, "CPU, %d threads", threads);
@@ -814,16 +894,15 @@ int main(int argc, char **argv) {
     lg_rng sample_rng;
     lg_rng_seed(&sample_rng, a.seed + 1);
     evaluate(&tr, &data, &a, first_step, log);
+    progress shown;
+    progress_start(&shown, &output, first_step, a.max_steps);
     for (int step = first_step; step < a.max_steps; step++) {
         lg_step_stats st;
-        if (lg_trainer_step(&tr, &data.train, step, &st, &err) != 0) die(1, &err);
-        printf("step %5d/%d | loss %.4f | lr %.2e | grad norm %.3f | %.1f ms | %.0f tok/s",
-               step + 1, a.max_steps, st.loss, st.lr, st.grad_norm, st.ms, st.tokens_per_s);
-        if (st.skipped)
-            printf(" | skipped: fp16 gradient overflow, loss scale %g -> %g", st.loss_scale,
-                   tr.loss_scale);
-        if (st.hessian) printf(" | with Sophia's Hessian pass");
-        printf("\n");
+        if (lg_trainer_step(&tr, &data.train, step, &st, &err) != 0) {
+            progress_clear(&shown);
+            die(1, &err);
+        }
+        progress_step(&shown, &tr, step + 1, &st);
         if (log) {
             fprintf(log, "{\"step\":%d,\"loss\":%.6f,\"lr\":%.6e,\"grad_norm\":%.6f,"
                          "\"ms\":%.3f,\"tokens_per_s\":%.1f", step + 1, st.loss, st.lr,
@@ -835,15 +914,18 @@ int main(int argc, char **argv) {
             fflush(log);
         }
         if (ck.save_every && (step + 1) % ck.save_every == 0) {
+            progress_clear(&shown);
             if (lg_checkpoint_save(&tr, &data.train, step + 1, a.out_dir, &err) != 0) die(1, &err);
             printf("saved %s/step-%d\n", a.out_dir, saved_step = step + 1);
         }
         int last = step + 1 == a.max_steps;
-        if (last || (a.eval_every && (step + 1) % a.eval_every == 0))
-            evaluate(&tr, &data, &a, step + 1, log);
-        if (!last && a.sample_every && (step + 1) % a.sample_every == 0)
-            print_samples(&tr, &a, &data, &sample_rng);
+        int evaluating = last || (a.eval_every && (step + 1) % a.eval_every == 0);
+        int sampling = !last && a.sample_every && (step + 1) % a.sample_every == 0;
+        if (evaluating || sampling) progress_clear(&shown);
+        if (evaluating) evaluate(&tr, &data, &a, step + 1, log);
+        if (sampling) print_samples(&tr, &a, &data, &sample_rng);
     }
+    progress_clear(&shown);
     print_samples(&tr, &a, &data, &sample_rng);
     int final_step = first_step > a.max_steps ? first_step : a.max_steps;
     if (a.out_dir && saved_step != final_step) {

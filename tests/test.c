@@ -509,17 +509,17 @@ static int write_text(const char *path, const char *text) {
 static void test_config_errors(results *r) {
     lg_config cfg;
     lg_error err;
-    /* a config missing one field: drop rope_base from test-llama */
+    /* a Llama config missing the one field LitGPT cannot derive: intermediate_size */
     FILE *in = fopen("configs/test-llama.yaml", "r");
     char line[256], text[4096] = "";
     while (in && fgets(line, sizeof line, in))
-        if (strncmp(line, "rope_base", 9) != 0) strcat(text, line);
+        if (strncmp(line, "intermediate_size", 17) != 0) strcat(text, line);
     if (in) fclose(in);
     write_text("build/missing-field.yaml", text);
     int rc = lg_config_load(&cfg, "build/missing-field.yaml", &err);
-    check(r, rc != 0 && strstr(err.msg, "missing field rope_base") &&
+    check(r, rc != 0 && strstr(err.msg, "missing field intermediate_size") &&
           strstr(err.msg, "build/missing-field.yaml"),
-          "config missing a field is refused: \"%s\"", err.msg);
+          "a LLaMAMLP config without intermediate_size is refused: \"%s\"", err.msg);
     write_text("build/bad-value.yaml", "name: x\nn_layer: two\n");
     rc = lg_config_load(&cfg, "build/bad-value.yaml", &err);
     check(r, rc != 0 && strstr(err.msg, "line 2") && strstr(err.msg, "n_layer"),
@@ -1011,9 +1011,10 @@ static void test_cli(results *r) {
     expect_cli(r, "--strategy zero3", 2, "--strategy: 'zero3' is not no-shard");
     expect_cli(r, "--nodes 0", 2, "--nodes must be at least 1");
     expect_cli(r, "-b 3 -g 8", 2, "-g/--global-batch-size 8 is not a multiple of -b/--micro-batch-size 3");
-    expect_cli(r, "-t 100", 2, "-t/--max-seq-length 100 exceeds the model's block_size 64");
+    expect_cli(r, "-c test-llama --data build/u16.bin -t 100", 2,
+               "-t/--max-seq-length 100 exceeds the model's block_size 16");
     expect_cli(r, "-c no-such-model", 2, "no configs/no-such-model.yaml");
-    expect_cli(r, "-c build/missing-field.yaml", 2, "missing field rope_base");
+    expect_cli(r, "-c build/missing-field.yaml", 2, "missing field intermediate_size");
     expect_cli(r, "-c test-llama --data build/truncated.bin", 2, "truncated");
     expect_cli(r, "-c test-llama --data build/bad-magic.bin", 2, "not a token shard");
     expect_cli(r, "-c test-llama --data build/no-such.bin", 2, "build/no-such.bin: cannot open");
@@ -1657,6 +1658,10 @@ static void run_emulated_cuda_tests(results *r) {
 
 #include "test_data.c"
 
+/* ---- a new user's first hour ---------------------------------------------------------------- */
+
+#include "test_first_hour.c"
+
 /* Starts a section: prints its name and says whether to run it. `./tests/test WORD` runs only
    the sections whose names contain WORD (e.g. `./tests/test plan`); no argument runs all. */
 static int section(const char *name, int argc, char **argv) {
@@ -1694,6 +1699,8 @@ int main(int argc, char **argv) {
     }
     if (section("checkpoints", argc, argv)) test_checkpoints(&r);
     if (section("command line", argc, argv)) test_cli(&r);
+    if (section("first hour: the design card, configs, outputs, progress", argc, argv))
+        test_first_hour(&r);
     if (section("precision", argc, argv)) {
         test_conversions(&r);
         test_stochastic_rounding(&r);
