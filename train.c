@@ -492,9 +492,18 @@ static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T) {
            b, a->global_batch_size / lg_args_ranks(a), lg_format_bytes(limit, size, sizeof size), source);
 }
 
-/* The table, then the activation memory of both --recompute choices. */
+/* The model as planned: the config's values after LitGPT's defaults and derivations. */
+static void print_resolved_config(const lg_config *c) {
+    printf("model %s: n_layer %d, n_head %d, n_query_groups %d, n_embd %d, head_size %d, "
+           "intermediate_size %d, block_size %d, vocab_size %d (padded %d)\n", c->name,
+           c->n_layer, c->n_head, c->n_query_groups, c->n_embd, c->head_size,
+           c->intermediate_size, c->block_size, c->vocab_size, c->padded_vocab_size);
+}
+
+/* The model, the table, then the activation memory of both --recompute choices. */
 static void print_plan_with_recompute_choice(const lg_plan *plan, const lg_args *a,
                                              const lg_config *cfg, int T) {
+    print_resolved_config(cfg);
     lg_plan_print(plan, stdout);
     lg_args other = *a;
     other.recompute = !a->recompute;

@@ -257,6 +257,13 @@ static void test_progress(results *r) {
           "full lines at steps 1, 5 and 10 (%d)", count(out, " elapsed | ETA "));
 }
 
+/* --plan shows the model after LitGPT's defaults: head_size and padded_vocab_size derived */
+static void test_plan_shows_resolved_config(results *r) {
+    expect_cli(r, "--plan -c build/test-llama.yaml -t 16", 0,
+               "model test-llama: n_layer 2, n_head 4, n_query_groups 2, n_embd 16, head_size 4, "
+               "intermediate_size 24, block_size 16, vocab_size 30 (padded 32)");
+}
+
 static void test_first_hour(results *r) {
     test_progress(r);
     test_design_card_command(r);
@@ -264,4 +271,5 @@ static void test_first_hour(results *r) {
     test_evaluation_alone(r);
     test_learning_rate_defaults(r);
     test_litgpt_configs(r);
+    test_plan_shows_resolved_config(r);
 }
