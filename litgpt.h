@@ -93,6 +93,9 @@ typedef struct {
     char msg[512]; /* one line: names the file, flag or sample at fault and what is wrong */
 } lg_error;
 
+/* Bytes of a path the library builds: a directory (up to 1024) and a file name in it. */
+#define LG_PATH_MAX 1100
+
 typedef struct {
     uint64_t state;
 } lg_rng;
@@ -2306,7 +2309,7 @@ static int lg_plan_add(lg_rank_plan *r, const char *name, lg_group group, lg_poo
     return 0;
 }
 
-/* The storage types of a precision (the table in DESIGN.md). */
+/* The storage types of a precision (the table in README.md's Precision section). */
 typedef struct {
     lg_dtype weights, grads, state, acts;
     int master; /* mixed precisions keep fp32 master weights */
@@ -6243,7 +6246,7 @@ static int lg_merges_from_bpe_file(lg_tokenizer *tok, char *text, size_t len, co
 
 /* DIR/encoder.json + DIR/vocab.bpe, as OpenAI published GPT-2's tokenizer. */
 static int lg_tokenizer_load_gpt2(lg_tokenizer *tok, const char *dir, lg_error *err) {
-    char path[1100];
+    char path[LG_PATH_MAX];
     size_t len;
     snprintf(path, sizeof path, "%s/encoder.json", dir);
     char *text = lg_read_file(path, &len, "tokenizer", err);
@@ -6438,7 +6441,7 @@ static int lg_tokenizer_guess_special(const lg_tokenizer *tok, const char *const
 }
 
 static void lg_tokenizer_config_special(lg_tokenizer *tok, const char *json_path) {
-    char path[1100];
+    char path[LG_PATH_MAX];
     const char *slash = strrchr(json_path, '/');
     snprintf(path, sizeof path, "%.*stokenizer_config.json", slash ? (int)(slash - json_path + 1) : 0,
              json_path);
@@ -6500,7 +6503,7 @@ static int lg_tokenizer_load_json(lg_tokenizer *tok, const char *path, lg_error 
 int lg_tokenizer_load(lg_tokenizer *tok, const char *path, lg_error *err) {
     lg_tokenizer_init(tok, path);
     struct stat st;
-    char json_path[1100];
+    char json_path[LG_PATH_MAX];
     int rc;
     if (stat(path, &st) != 0) rc = lg_fail(err, "tokenizer %s: no such file or directory", path);
     else if (!S_ISDIR(st.st_mode)) rc = lg_tokenizer_load_json(tok, path, err);
@@ -6581,7 +6584,7 @@ uint64_t lg_hash64(uint64_t hash, const void *data, size_t bytes) {
 /* A file being written under a temporary name; committed by a rename. */
 typedef struct {
     char path[1024];      /* the final name */
-    char tmp[1100];       /* path.tmp */
+    char tmp[LG_PATH_MAX];       /* path.tmp */
     int fd;
     lg_file_digest digest; /* of the bytes written so far */
 } lg_atomic_file;
@@ -7354,7 +7357,7 @@ static void lg_hf_config_llama(lg_hf_fields *f, lg_config *c, int qwen2) {
 
 /* Our own model_config.yaml beside config.json gives the real vocab_size and the name. */
 static void lg_hf_config_own_yaml(lg_config *cfg, const char *dir) {
-    char path[1100];
+    char path[LG_PATH_MAX];
     lg_config own;
     lg_format(path, sizeof path, "%s/model_config.yaml", dir);
     struct stat st;
@@ -7366,7 +7369,7 @@ static void lg_hf_config_own_yaml(lg_config *cfg, const char *dir) {
 }
 
 int lg_hf_config_read(lg_config *cfg, const char *dir, lg_error *err) {
-    char path[1100], arch[64];
+    char path[LG_PATH_MAX], arch[64];
     lg_format(path, sizeof path, "%s/config.json", dir);
     size_t len;
     char *text = lg_read_text_file(path, 1 << 20, &len, err);
@@ -7421,7 +7424,7 @@ static void lg_hf_files_close(lg_hf_files *s) {
 static int lg_hf_open_shard(lg_hf_files *s, const char *dir, const char *name, lg_error *err) {
     if (strchr(name, '/') || strstr(name, "..") || !strstr(name, ".safetensors"))
         return lg_fail(err, "%s/model.safetensors.index.json: '%s' is not a shard file name", dir, name);
-    char path[1100];
+    char path[LG_PATH_MAX];
     lg_format(path, sizeof path, "%s/%s", dir, name);
     for (int i = 0; i < s->n; i++)
         if (strcmp(s->files[i].path, path) == 0) return 0;
@@ -7430,7 +7433,7 @@ static int lg_hf_open_shard(lg_hf_files *s, const char *dir, const char *name, l
 
 /* model.safetensors, or every shard that model.safetensors.index.json names. */
 static int lg_hf_files_open(lg_hf_files *s, const char *dir, lg_error *err) {
-    char path[1100];
+    char path[LG_PATH_MAX];
     struct stat st;
     memset(s, 0, sizeof *s);
     lg_format(path, sizeof path, "%s/model.safetensors.index.json", dir);
@@ -7524,7 +7527,7 @@ static int lg_hf_load_into(const lg_config *cfg, lg_buf dest, const char *dir, l
 }
 
 int lg_hf_load_weights(const lg_config *cfg, lg_buf dest, const char *dir, lg_error *err) {
-    char marker[1100];
+    char marker[LG_PATH_MAX];
     struct stat st;
     lg_format(marker, sizeof marker, "%s/" LG_CHECKPOINT_MARKER, dir);
     if (stat(marker, &st) == 0 && lg_checkpoint_verify(dir, NULL, err) != 0) return -1;
@@ -7575,7 +7578,7 @@ static int lg_hf_write_model(const lg_model *m, const char *dir, lg_file_digest 
     }
     lg_st_meta meta[1] = {{"format", "pt"}};
     lg_hf_save_ctx ctx = {&m->cfg, &m->param_table, hf, out, m->params};
-    char path[1100], text[4096];
+    char path[LG_PATH_MAX], text[4096];
     lg_format(path, sizeof path, "%s/model.safetensors", dir);
     int rc = out ? lg_st_write(path, out, n, meta, 1, lg_hf_fill, &ctx, &digests[0], err)
                  : lg_fail(err, "out of host memory");
@@ -7597,7 +7600,7 @@ static int lg_hf_write_model(const lg_model *m, const char *dir, lg_file_digest 
 /* COMPLETE: the step and each file's size and hash; written last. */
 static int lg_write_marker(const char *dir, int step, const char *const *names,
                            const lg_file_digest *digests, int n, lg_error *err) {
-    char text[2048], path[1100];
+    char text[2048], path[LG_PATH_MAX];
     size_t at = 0;
     lg_st_append(text, sizeof text, &at, "%s\nstep %d\n", LG_MARKER_HEADER, step);
     for (int i = 0; i < n; i++)
@@ -7611,7 +7614,7 @@ static int lg_write_marker(const char *dir, int step, const char *const *names,
 static int lg_checkpoint_begin(const char *dir, lg_error *err) {
     if (mkdir(dir, 0755) != 0 && errno != EEXIST)
         return lg_fail(err, "checkpoint %s: cannot create the directory: %s", dir, strerror(errno));
-    char path[1100];
+    char path[LG_PATH_MAX];
     lg_format(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
     if (remove(path) == 0) lg_sync_parent(path);
     return 0;
@@ -7660,7 +7663,7 @@ static int lg_verify_marker_line(const char *dir, const char *line, int line_no,
 }
 
 int lg_checkpoint_verify(const char *dir, int *step, lg_error *err) {
-    char path[1100];
+    char path[LG_PATH_MAX];
     lg_format(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
     struct stat st;
     if (stat(path, &st) != 0)
@@ -8068,7 +8071,7 @@ int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const ch
                        lg_error *err) {
     static const char *const names[4] = {"model.safetensors", "config.json", "model_config.yaml",
                                          LG_TRAINING_STATE};
-    char dir[1100], path[1200];
+    char dir[LG_PATH_MAX], path[1200];
     lg_file_digest digests[4];
     if (lg_checkpoint_supported(tr, err) != 0) return -1;
     if (mkdir(out, 0755) != 0 && errno != EEXIST)

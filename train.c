@@ -184,7 +184,7 @@ typedef struct {
     int save_every;       /* --save-every: steps between checkpoints; 0: only at the end */
     const char *load;     /* --load: a Hugging Face directory to start from */
     const char *resume;   /* --resume: a checkpoint, or a --out directory (its latest) */
-    char resume_dir[1100]; /* the step-N directory --resume resolved to */
+    char resume_dir[LG_PATH_MAX]; /* the step-N directory --resume resolved to */
 } checkpoint_flags;
 
 /* The flags whose default depends on others: given on the command line or not. */
