@@ -264,7 +264,52 @@ static void test_plan_shows_resolved_config(results *r) {
                "intermediate_size 24, block_size 16, vocab_size 30 (padded 32)");
 }
 
+/* Runs python3's XML parser on an SVG and counts elements: "TAG" or "TAG.class" or "TAG#id";
+   -1 when it does not parse. */
+static int svg_count(const char *path, const char *what) {
+    char cmd[1024], out[64] = "";
+    snprintf(cmd, sizeof cmd, "python3 -c \"import sys, xml.etree.ElementTree as E\n"
+             "tag, _, rest = sys.argv[2].replace('#', '.').partition('.')\n"
+             "root = E.parse(sys.argv[1]).getroot()\n"
+             "ns = '{http://www.w3.org/2000/svg}'\n"
+             "print(sum(1 for e in root.iter(ns + tag) if not rest or rest in "
+             "(e.get('class'), e.get('id'))))\" %s '%s' 2>/dev/null", path, what);
+    FILE *p = popen(cmd, "r");
+    size_t n = p ? fread(out, 1, sizeof out - 1, p) : 0;
+    out[n] = '\0';
+    if (p) pclose(p);
+    return n ? atoi(out) : -1;
+}
+
+/* --plot and --plan=svg: well-formed XML (python3's parser) holding the expected series. */
+static void test_pictures(results *r) {
+    static char out[1 << 16];
+    remove("build/loss.svg");
+    int code = run_stdout("--max-steps 30 --eval-every 10 -b 4 --plot build/loss.svg", out,
+                          sizeof out);
+    check(r, code == 0 && svg_count("build/loss.svg", "polyline#loss") == 1 &&
+          svg_count("build/loss.svg", "polyline#smoothed") == 1 &&
+          svg_count("build/loss.svg", "polyline#lr") == 1 &&
+          svg_count("build/loss.svg", "circle.val") == 4, "--plot: an SVG with the loss, its "
+          "smoothed curve, the learning rate and 4 validation points (steps 0, 10, 20, 30): %d",
+          svg_count("build/loss.svg", "circle.val"));
+    code = run_stdout("--plan=svg -c test-llama -b 64 -t 16 --memory-limit 2MiB", out, sizeof out);
+    write_text("build/plan.svg", out);
+    int groups = svg_count("build/plan.svg", "rect.group");
+    check(r, code == 0 && groups >= 5 && svg_count("build/plan.svg", "line#limit") == 1 &&
+          svg_count("build/plan.svg", "rect.remedy") >= 1 && strncmp(out, "<?xml", 5) == 0,
+          "--plan=svg alone on stdout: %d stacked groups, the limit, %d remedies of a run that "
+          "does not fit", groups, svg_count("build/plan.svg", "rect.remedy"));
+    code = run_stdout("--plan=svg -b 1 -t 256 -p bf16-true -d 4", out, sizeof out);
+    write_text("build/plan4.svg", out);
+    check(r, code == 0 && svg_count("build/plan4.svg", "text") > 4 &&
+          svg_count("build/plan4.svg", "rect.remedy") == 0 &&
+          count(out, "device 3: weights") == 1, "--plan=svg of the design card's command: "
+          "4 devices' bars, no remedies (it fits)");
+}
+
 static void test_first_hour(results *r) {
+    test_pictures(r);
     test_progress(r);
     test_design_card_command(r);
     test_plan_json_alone(r);
