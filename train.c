@@ -464,7 +464,7 @@ static void plot_write(const loss_plot *p) {
     }
     if (!(lo <= hi)) lo = 0, hi = 1;
     double pad = (hi - lo) * 0.05 + 1e-6;
-    svg_scale x = {p->first, p->last, SVG_LEFT, SVG_W - SVG_RIGHT};
+    svg_scale x = {(double)p->first, (double)p->last, SVG_LEFT, SVG_W - SVG_RIGHT};
     svg_scale y = {lo - pad, hi + pad, SVG_H - SVG_BOTTOM, SVG_TOP};
     svg_scale y_lr = {0, lr_hi > 0 ? lr_hi * 1.05 : 1, SVG_H - SVG_BOTTOM, SVG_TOP};
     char tmp[LG_PATH_MAX];
