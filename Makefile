@@ -142,11 +142,23 @@ tools/bench: tools/bench.c $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tools/bench.c -o $@ $(LDLIBS)
 
 # litgpt.h must stay valid C++ (the CUDA build compiles train.c as CUDA C++)
+<<<<<<< HEAD
 test: train tests/test tests/test64 build/test_portable tools/prepare tools/lora_memory tokenizers build/test_cuda_emulator build/test_cuda_emulated build/train_emulated
+=======
+test: train tests/test tests/test64 tools/prepare tokenizers build/test_cuda_emulator build/test_cuda_emulated build/train_emulated $(if $(NVCC),build/cuda_compiles)
+>>>>>>> firsthour
 	g++ -x c++ -std=c++17 -Wall -Wextra -Werror -fsyntax-only $(OPENMP) train.c
-	@if [ -n "$(NVCC)" ]; then $(MAKE) --no-print-directory build/train_cuda build/test_cuda; \
-	 else echo "nvcc not found: CUDA build not checked"; fi
+	@[ -n "$(NVCC)" ] || echo "nvcc not found: CUDA build not checked"
 	./tests/test
+
+# `make test` checks that the CUDA build compiles, for one architecture and without linking
+# (half the time of building both of `make cuda`'s; tests/gpu/run.sh builds for its GPUs)
+build/cuda_compiles: GPU_ARCH = -arch=sm_90
+build/cuda_compiles: train.c tests/gpu/test_cuda.c tests/check.h $(wildcard tests/gpu/*.inc) $(HEADERS)
+	@mkdir -p build
+	$(NVCC) $(NVCC_FLAGS) -c train.c -o build/train_cuda_check.o
+	$(NVCC) $(NVCC_FLAGS) -c tests/gpu/test_cuda.c -o build/test_cuda_check.o
+	touch $@
 
 # Training tokens/s of configs/bench.yaml, litgpt.c and PyTorch side by side (PyTorch from the
 # python3-torch package, when installed); first where litgpt.c's step spends its time, op by

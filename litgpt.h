@@ -95,6 +95,9 @@ typedef struct {
     char msg[512]; /* one line: names the file, flag or sample at fault and what is wrong */
 } lg_error;
 
+/* Bytes of a path the library builds: a directory (up to 1024) and a file name in it. */
+#define LG_PATH_MAX 1100
+
 typedef struct {
     uint64_t state;
 } lg_rng;
@@ -340,8 +343,8 @@ typedef struct {
     int devices;               /* -d: devices a node (GPUs, or simulated ranks on the CPU) */
     int nodes;                 /* --nodes: ranks = devices x nodes */
     lg_strategy strategy;      /* --strategy; full-shard by default */
-    lg_optimizer_kind optimizer; /* -o adamw|sgd */
-    float lr, min_lr;
+    lg_optimizer_kind optimizer; /* -o adamw|sgd|lion|sophia */
+    float lr, min_lr;          /* train.c: --min-lr is --lr / 10 unless given */
     int warmup_steps;
     float weight_decay, beta1, beta2, eps, momentum;
     float max_norm;            /* gradient clipping by global norm; 0: off */
@@ -353,8 +356,8 @@ typedef struct {
     uint64_t seed;
     const char *log_path;      /* --log: one JSON object per line */
     const char *out_dir;       /* --out: the final model.safetensors */
-    int recompute;             /* --recompute block: 1 (planned, not yet run) */
-    int offload;               /* --offload: 1 (planned, not yet run) */
+    int recompute;             /* --recompute block: 1 (keep each block's input, recompute it) */
+    int offload;               /* --offload: 1 (master weights and optimizer state on the host) */
     int plan_only;             /* --plan: print the plan and exit (1 table, 2 JSON) */
     int micro_batch_auto;      /* -b auto: the largest micro-batch that fits */
     lg_state_format optimizer_state; /* --optimizer-state bf16|8bit (AdamW) */
@@ -2055,63 +2058,265 @@ static const char *lg_field_expectation(lg_field_type type) {
     return "";
 }
 
-/* Reads `key: value` lines; '#' starts a comment, indented lines (nested YAML) and keys this
-   trainer does not use are skipped, so LitGPT's own model_config.yaml files load too. The one
-   nested block read is rope_adjustments' (its indented lines), or `rope_adjustments: null`. */
+/* The index of key in lg_config_fields, or -1. */
+static int lg_config_field_index(const char *key) {
+    for (int i = 0; i < LG_N_CONFIG_FIELDS; i++)
+        if (strcmp(key, lg_config_fields[i].key) == 0) return i;
+    return -1;
+}
+
+/* LitGPT's Config defaults (litgpt/config.py) of the fields above that have a fixed one; the
+   others are derived after the file is read (lg_config_derive). tie_embeddings and
+   learned_pos_embedding are this trainer's (GPT-2); LitGPT has neither. */
+static const struct {
+    const char *key, *value;
+} lg_config_defaults[] = {
+    {"block_size", "4096"},       {"n_layer", "16"},          {"n_embd", "4096"},
+    {"vocab_size", "50254"},      {"n_head", "32"},           {"norm_class_name", "LayerNorm"},
+    {"norm_eps", "1e-5"},         {"mlp_class_name", "GptNeoxMLP"},
+    {"gelu_approximate", "none"}, {"rotary_percentage", "0.25"}, {"rope_base", "10000"},
+    {"parallel_residual", "true"}, {"shared_attention_norm", "false"}, {"bias", "true"},
+    {"attn_bias", "false"},       {"lm_head_bias", "false"},  {"tie_embeddings", "false"},
+    {"learned_pos_embedding", "false"},
+};
+
+/* LitGPT's fields this trainer does not model, and the values that leave the architecture as
+   built here; any other value is refused naming the field. */
+typedef enum {
+    LG_NEUTRAL_ANY,    /* hf_config (where the weights came from), padding_multiple (read) */
+    LG_NEUTRAL_NULL,   /* null, ~, None, or nothing */
+    LG_NEUTRAL_FALSE,
+    LG_NEUTRAL_TRUE,
+    LG_NEUTRAL_ZERO,
+    LG_NEUTRAL_ONE,
+    LG_NEUTRAL_DEFAULT, /* norm_qk_type: "default" */
+    LG_NEUTRAL_WINDOW   /* sliding_window_size: null, or a window as long as block_size */
+} lg_neutral;
+
+static const struct {
+    const char *key;
+    lg_neutral neutral;
+} lg_config_unmodelled[] = {
+    {"hf_config", LG_NEUTRAL_ANY},
+    {"padding_multiple", LG_NEUTRAL_ANY},
+    {"norm_qk", LG_NEUTRAL_FALSE},
+    {"norm_qk_type", LG_NEUTRAL_DEFAULT},
+    {"post_attention_norm", LG_NEUTRAL_FALSE},
+    {"post_mlp_norm", LG_NEUTRAL_FALSE},
+    {"attention_scores_scalar", LG_NEUTRAL_NULL},
+    {"sliding_window_size", LG_NEUTRAL_WINDOW},
+    {"sliding_window_indices", LG_NEUTRAL_ANY}, /* only with sliding_window_size */
+    {"attention_logit_softcapping", LG_NEUTRAL_NULL},
+    {"rope_condense_ratio", LG_NEUTRAL_ONE},
+    {"rope_interleave", LG_NEUTRAL_FALSE},
+    {"n_expert", LG_NEUTRAL_ZERO},
+    {"n_expert_per_token", LG_NEUTRAL_ZERO},
+    /* mixture of experts: only with n_expert */
+    {"moe_intermediate_size", LG_NEUTRAL_ANY},
+    {"n_shared_expert", LG_NEUTRAL_ANY},
+    {"n_expert_groups", LG_NEUTRAL_ANY},
+    {"n_topk_groups", LG_NEUTRAL_ANY},
+    {"n_topk_scores_per_group", LG_NEUTRAL_ANY},
+    {"first_k_dense_replace", LG_NEUTRAL_ANY},
+    {"routed_scaling_factor", LG_NEUTRAL_ANY},
+    {"norm_topk_prob", LG_NEUTRAL_ANY},
+    {"scale_embeddings", LG_NEUTRAL_FALSE},
+    {"final_logit_softcapping", LG_NEUTRAL_NULL},
+    {"norm_1", LG_NEUTRAL_TRUE},
+    {"norm_2", LG_NEUTRAL_TRUE},
+    {"latent_attention", LG_NEUTRAL_NULL},
+    {"rope_local_base_freq", LG_NEUTRAL_NULL},
+    {"rope_indices", LG_NEUTRAL_NULL},
+};
+#define LG_N_CONFIG_UNMODELLED ((int)(sizeof lg_config_unmodelled / sizeof lg_config_unmodelled[0]))
+
+static int lg_yaml_is_null(const char *v) {
+    return *v == '\0' || strcmp(v, "null") == 0 || strcmp(v, "~") == 0 || strcmp(v, "None") == 0;
+}
+
+/* Does value (nested: a mapping or list follows on the next lines) leave the architecture as
+   built here? A window is checked against block_size once the whole file is read. */
+static int lg_neutral_value(lg_neutral neutral, const char *v, int nested) {
+    int null = !nested && lg_yaml_is_null(v);
+    switch (neutral) {
+    case LG_NEUTRAL_ANY: return 1;
+    case LG_NEUTRAL_NULL: return null;
+    case LG_NEUTRAL_FALSE: return strcmp(v, "false") == 0 || strcmp(v, "False") == 0;
+    case LG_NEUTRAL_TRUE: return strcmp(v, "true") == 0 || strcmp(v, "True") == 0;
+    case LG_NEUTRAL_ZERO: return strcmp(v, "0") == 0;
+    case LG_NEUTRAL_ONE: return strcmp(v, "1") == 0;
+    case LG_NEUTRAL_DEFAULT: return strcmp(v, "default") == 0;
+    case LG_NEUTRAL_WINDOW: return null || atol(v) > 0;
+    }
+    return 0;
+}
+
+/* The fields LitGPT's __post_init__ derives when the file leaves them out: head_size =
+   n_embd / n_head, n_query_groups = n_head, intermediate_size = 4 n_embd (a LLaMAMLP must give
+   it), padded_vocab_size = vocab_size rounded up to padding_multiple; a given
+   padded_vocab_size caps vocab_size. */
+static int lg_config_derive(lg_config *c, const int *seen, int padding_multiple, lg_error *err) {
+#define LG_SEEN(field) seen[lg_config_field_index(#field)]
+    if (!LG_SEEN(head_size)) {
+        if (c->n_head < 1 || c->n_embd % c->n_head != 0)
+            return lg_fail(err, "no head_size, and n_embd %d is not a multiple of n_head %d",
+                           c->n_embd, c->n_head);
+        c->head_size = c->n_embd / c->n_head;
+    }
+    if (!LG_SEEN(n_query_groups)) c->n_query_groups = c->n_head;
+    if (!LG_SEEN(intermediate_size)) {
+        if (c->mlp_class_name == LG_MLP_LLAMA)
+            return lg_fail(err, "missing field intermediate_size: a LLaMAMLP needs it");
+        c->intermediate_size = 4 * c->n_embd;
+    }
+    if (!LG_SEEN(padded_vocab_size)) {
+        if (padding_multiple < 1) return lg_fail(err, "padding_multiple must be positive");
+        int rest = c->vocab_size % padding_multiple;
+        c->padded_vocab_size = c->vocab_size + (rest ? padding_multiple - rest : 0);
+    } else if (c->vocab_size > c->padded_vocab_size) {
+        c->vocab_size = c->padded_vocab_size;
+    }
+#undef LG_SEEN
+    return 0;
+}
+
+/* The file's name without directory and extension: the model's name when the file has none. */
+static void lg_config_name_from_path(lg_config *cfg, const char *path) {
+    const char *base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
+    size_t len = strcspn(base, ".");
+    if (len >= sizeof cfg->name) len = sizeof cfg->name - 1;
+    memcpy(cfg->name, base, len);
+    cfg->name[len] = '\0';
+}
+
+/* One `key: value` line of the file into cfg (field i of the table, marked seen), or a field
+   LitGPT knows and this trainer does not model (its value checked by the caller: *unmodelled is
+   its index), or an error naming the line. */
+static int lg_config_line(lg_config *cfg, const char *path, int line_no, const char *key,
+                          const char *value, int *seen, int *padding_multiple, int *unmodelled,
+                          lg_error *err) {
+    *unmodelled = -1;
+    int i = lg_config_field_index(key);
+    if (i >= 0) {
+        if (lg_config_set(cfg, &lg_config_fields[i], value) != 0)
+            return lg_fail(err, "config %s line %d: %s is '%s', expected %s", path, line_no, key,
+                           value, lg_field_expectation(lg_config_fields[i].type));
+        seen[i] = 1;
+        return 0;
+    }
+    for (int k = 0; k < LG_N_CONFIG_UNMODELLED; k++)
+        if (strcmp(key, lg_config_unmodelled[k].key) == 0) *unmodelled = k;
+    if (*unmodelled < 0)
+        return lg_fail(err, "config %s line %d: unknown field %s (not one of LitGPT's Config "
+                            "fields; a typo?)", path, line_no, key);
+    if (strcmp(key, "padding_multiple") == 0) {
+        char *end;
+        long v = strtol(value, &end, 10);
+        if (*value == '\0' || *end != '\0' || v < 1 || v > 1000000)
+            return lg_fail(err, "config %s line %d: padding_multiple is '%s', expected a "
+                                "positive integer", path, line_no, value);
+        *padding_multiple = (int)v;
+    }
+    return 0;
+}
+
+/* Reads a flat `key: value` YAML file ('#' starts a comment) as LitGPT's Config.from_file does:
+   fields left out take LitGPT's defaults or are derived (lg_config_derive); LitGPT's own
+   model_config.yaml files load too (indented lines and `- item` lists are a nested value of
+   the key before). A field LitGPT knows but this trainer does not model loads when its value
+   leaves the architecture as built here (lg_config_unmodelled), else it is refused by name;
+   an unknown field is refused by name. The one nested block read is rope_adjustments' (its
+   indented lines), or `rope_adjustments: null`. */
+/* One indented line of rope_adjustments' block: `key: value` of lg_rope_fields. */
+static int lg_config_rope_line(lg_config *cfg, const char *path, int line_no, char *text,
+                               int *rope_seen, lg_error *err) {
+    char *colon = strchr(text, ':');
+    if (!colon) return lg_fail(err, "config %s line %d: expected `key: value`", path, line_no);
+    *colon = '\0';
+    const char *key = lg_trim(text), *value = lg_trim(colon + 1);
+    for (int i = 0; i < LG_N_ROPE_FIELDS; i++) {
+        if (strcmp(key, lg_rope_fields[i].key) != 0) continue;
+        if (lg_config_set(cfg, &lg_rope_fields[i], value) != 0)
+            return lg_fail(err, "config %s line %d: rope_adjustments.%s is '%s', expected %s", path,
+                           line_no, key, value, lg_field_expectation(lg_rope_fields[i].type));
+        rope_seen[i] = 1;
+        return 0;
+    }
+    return lg_fail(err, "config %s line %d: unknown field rope_adjustments.%s", path, line_no, key);
+}
+
 int lg_config_load(lg_config *cfg, const char *path, lg_error *err) {
     FILE *f = fopen(path, "r");
     if (!f) return lg_fail(err, "config %s: cannot open: %s", path, strerror(errno));
     memset(cfg, 0, sizeof *cfg);
+    for (size_t d = 0; d < sizeof lg_config_defaults / sizeof lg_config_defaults[0]; d++)
+        lg_config_set(cfg, &lg_config_fields[lg_config_field_index(lg_config_defaults[d].key)],
+                      lg_config_defaults[d].value);
+    lg_config_name_from_path(cfg, path);
     int seen[LG_N_CONFIG_FIELDS] = {0}, rope_seen[LG_N_ROPE_FIELDS] = {0};
-    int in_rope_block = 0, rope_block = 0;
-    char line[1024];
-    int line_no = 0;
-    while (fgets(line, sizeof line, f)) {
+    int padding_multiple = 512, window = 0, in_rope_block = 0, rope_block = 0;
+    char line[1024], value[256];
+    int line_no = 0, open_key = -1, open_line = 0; /* an unmodelled field that may be nested */
+    int rc = 0;
+    while (rc == 0 && fgets(line, sizeof line, f)) {
         line_no++;
         char *hash = strchr(line, '#');
         if (hash) *hash = '\0';
-        int nested = isspace((unsigned char)line[0]) && strchr(line, ':');
-        if (nested && !in_rope_block) continue; /* another nested block: not ours */
-        char *colon = strchr(line, ':');
+        char *text = lg_trim(line);
+        if (*text == '\0') continue;
+        int nested = isspace((unsigned char)line[0]) || strncmp(text, "- ", 2) == 0 ||
+                     strcmp(text, "-") == 0;
+        if (nested && in_rope_block) {
+            rc = lg_config_rope_line(cfg, path, line_no, text, rope_seen, err);
+            continue;
+        }
+        if (nested) {
+            if (open_key >= 0 && !lg_neutral_value(lg_config_unmodelled[open_key].neutral, "", 1))
+                rc = lg_fail(err, "config %s line %d: %s is set, which this trainer does not "
+                                  "model (LitGPT's default leaves it out)", path, open_line,
+                             lg_config_unmodelled[open_key].key);
+            continue;
+        }
+        open_key = -1;
+        in_rope_block = 0;
+        char *colon = strchr(text, ':');
         if (!colon) {
-            if (*lg_trim(line) == '\0') continue;
-            fclose(f);
-            return lg_fail(err, "config %s line %d: expected `key: value`", path, line_no);
+            rc = lg_fail(err, "config %s line %d: expected `key: value`", path, line_no);
+            break;
         }
         *colon = '\0';
-        char *key = lg_trim(line), *value = lg_trim(colon + 1);
-        if (!nested) in_rope_block = 0;
-        if (!nested && strcmp(key, "rope_adjustments") == 0) {
+        char *key = lg_trim(text);
+        snprintf(value, sizeof value, "%s", lg_trim(colon + 1));
+        if (strcmp(key, "rope_adjustments") == 0) { /* LitGPT's nested block, or null */
             in_rope_block = rope_block = *value == '\0';
-            if (rope_block || strcmp(value, "null") == 0) continue;
-            fclose(f);
-            return lg_fail(err, "config %s line %d: rope_adjustments is '%s', expected null or "
-                                "an indented block of factor, low_freq_factor, high_freq_factor, "
-                                "original_max_seq_len", path, line_no, value);
+            if (!rope_block && strcmp(value, "null") != 0)
+                rc = lg_fail(err, "config %s line %d: rope_adjustments is '%s', expected null or "
+                                  "an indented block of factor, low_freq_factor, high_freq_factor, "
+                                  "original_max_seq_len", path, line_no, value);
+            continue;
         }
-        const lg_config_field *fields = nested ? lg_rope_fields : lg_config_fields;
-        int n_fields = nested ? LG_N_ROPE_FIELDS : LG_N_CONFIG_FIELDS;
-        for (int i = 0; i < n_fields; i++) {
-            if (strcmp(key, fields[i].key) != 0) continue;
-            if (lg_config_set(cfg, &fields[i], value) != 0) {
-                fclose(f);
-                return lg_fail(err, "config %s line %d: %s%s is '%s', expected %s", path, line_no,
-                               nested ? "rope_adjustments." : "", key, value,
-                               lg_field_expectation(fields[i].type));
-            }
-            (nested ? rope_seen : seen)[i] = 1;
-        }
+        int k;
+        rc = lg_config_line(cfg, path, line_no, key, value, seen, &padding_multiple, &k, err);
+        if (rc != 0 || k < 0) continue;
+        if (!lg_neutral_value(lg_config_unmodelled[k].neutral, value, 0))
+            rc = lg_fail(err, "config %s line %d: %s is '%s', which this trainer does not model "
+                              "(LitGPT's default leaves it out)", path, line_no, key, value);
+        if (lg_config_unmodelled[k].neutral == LG_NEUTRAL_WINDOW && !lg_yaml_is_null(value))
+            window = atoi(value);
+        if (*value == '\0') { open_key = k; open_line = line_no; }
     }
     fclose(f);
-    for (int i = 0; i < LG_N_CONFIG_FIELDS; i++)
-        if (!seen[i])
-            return lg_fail(err, "config %s: missing field %s", path, lg_config_fields[i].key);
+    if (rc != 0) return rc;
     for (int i = 0; i < LG_N_ROPE_FIELDS && rope_block; i++)
         if (!rope_seen[i])
             return lg_fail(err, "config %s: missing field rope_adjustments.%s", path,
                            lg_rope_fields[i].key);
-    if (lg_config_check(cfg, err) != 0) {
-        char inner[sizeof err->msg];
+    if (window > 0 && window < cfg->block_size)
+        return lg_fail(err, "config %s: sliding_window_size %d is shorter than block_size %d: "
+                            "sliding-window attention is not modelled here", path, window,
+                       cfg->block_size);
+    char inner[sizeof err->msg];
+    if (lg_config_derive(cfg, seen, padding_multiple, err) != 0 || lg_config_check(cfg, err) != 0) {
         strcpy(inner, err->msg);
         return lg_fail(err, "config %s: %s", path, inner);
     }
@@ -2362,9 +2567,13 @@ int lg_args_check(const lg_args *a, lg_error *err) {
         return lg_fail(err, "--momentum must be within [0, 1)");
     if (a->weight_decay < 0.0f) return lg_fail(err, "--weight-decay must be >= 0");
     if (a->max_norm < 0.0f) return lg_fail(err, "--max-norm must be >= 0 (0 turns clipping off)");
-    if (a->max_steps < 0 || a->warmup_steps < 0 || a->eval_every < 0 || a->sample_every < 0)
-        return lg_fail(err, "--max-steps, --warmup-steps, --eval-every and --sample-every "
-                            "must be >= 0");
+    const struct { const char *flag; int steps; } counts[] = {
+        {"--max-steps", a->max_steps}, {"--warmup-steps", a->warmup_steps},
+        {"--eval-every", a->eval_every}, {"--sample-every", a->sample_every}};
+    for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
+        if (counts[i].steps < 0)
+            return lg_fail(err, "%s %d: a count of steps, must be >= 0", counts[i].flag,
+                           counts[i].steps);
     if (a->eval_iters < 1) return lg_fail(err, "--eval-iters must be at least 1");
     if (a->hessian_interval < 1) return lg_fail(err, "--hessian-interval must be at least 1");
     if (a->rho <= 0.0f) return lg_fail(err, "--rho must be positive");
@@ -2801,7 +3010,7 @@ static int lg_plan_add(lg_rank_plan *r, const char *name, lg_group group, lg_poo
     return 0;
 }
 
-/* The storage types of a precision (the table in DESIGN.md). */
+/* The storage types of a precision (the table in README.md's Precision section). */
 typedef struct {
     lg_dtype weights, grads, state, acts;
     int master; /* mixed precisions keep fp32 master weights */
@@ -7563,7 +7772,7 @@ static int lg_merges_from_bpe_file(lg_tokenizer *tok, char *text, size_t len, co
 
 /* DIR/encoder.json + DIR/vocab.bpe, as OpenAI published GPT-2's tokenizer. */
 static int lg_tokenizer_load_gpt2(lg_tokenizer *tok, const char *dir, lg_error *err) {
-    char path[1100];
+    char path[LG_PATH_MAX];
     size_t len;
     snprintf(path, sizeof path, "%s/encoder.json", dir);
     char *text = lg_read_file(path, &len, "tokenizer", err);
@@ -7758,7 +7967,7 @@ static int lg_tokenizer_guess_special(const lg_tokenizer *tok, const char *const
 }
 
 static void lg_tokenizer_config_special(lg_tokenizer *tok, const char *json_path) {
-    char path[1100];
+    char path[LG_PATH_MAX];
     const char *slash = strrchr(json_path, '/');
     snprintf(path, sizeof path, "%.*stokenizer_config.json", slash ? (int)(slash - json_path + 1) : 0,
              json_path);
@@ -7820,7 +8029,7 @@ static int lg_tokenizer_load_json(lg_tokenizer *tok, const char *path, lg_error 
 int lg_tokenizer_load(lg_tokenizer *tok, const char *path, lg_error *err) {
     lg_tokenizer_init(tok, path);
     struct stat st;
-    char json_path[1100];
+    char json_path[LG_PATH_MAX];
     int rc;
     if (stat(path, &st) != 0) rc = lg_fail(err, "tokenizer %s: no such file or directory", path);
     else if (!S_ISDIR(st.st_mode)) rc = lg_tokenizer_load_json(tok, path, err);
@@ -7901,7 +8110,7 @@ uint64_t lg_hash64(uint64_t hash, const void *data, size_t bytes) {
 /* A file being written under a temporary name; committed by a rename. */
 typedef struct {
     char path[1024];      /* the final name */
-    char tmp[1100];       /* path.tmp */
+    char tmp[LG_PATH_MAX];       /* path.tmp */
     int fd;
     lg_file_digest digest; /* of the bytes written so far */
 } lg_atomic_file;
@@ -8799,7 +9008,7 @@ static void lg_hf_config_falcon(lg_hf_fields *f, lg_config *c) {
 
 /* Our own model_config.yaml beside config.json gives the real vocab_size and the name. */
 static void lg_hf_config_own_yaml(lg_config *cfg, const char *dir) {
-    char path[1100];
+    char path[LG_PATH_MAX];
     lg_config own;
     lg_format(path, sizeof path, "%s/model_config.yaml", dir);
     struct stat st;
@@ -8811,7 +9020,7 @@ static void lg_hf_config_own_yaml(lg_config *cfg, const char *dir) {
 }
 
 int lg_hf_config_read(lg_config *cfg, const char *dir, lg_error *err) {
-    char path[1100], arch[64];
+    char path[LG_PATH_MAX], arch[64];
     lg_format(path, sizeof path, "%s/config.json", dir);
     size_t len;
     char *text = lg_read_text_file(path, 1 << 20, &len, err);
@@ -8869,7 +9078,7 @@ static void lg_hf_files_close(lg_hf_files *s) {
 static int lg_hf_open_shard(lg_hf_files *s, const char *dir, const char *name, lg_error *err) {
     if (strchr(name, '/') || strstr(name, "..") || !strstr(name, ".safetensors"))
         return lg_fail(err, "%s/model.safetensors.index.json: '%s' is not a shard file name", dir, name);
-    char path[1100];
+    char path[LG_PATH_MAX];
     lg_format(path, sizeof path, "%s/%s", dir, name);
     for (int i = 0; i < s->n; i++)
         if (strcmp(s->files[i].path, path) == 0) return 0;
@@ -8878,7 +9087,7 @@ static int lg_hf_open_shard(lg_hf_files *s, const char *dir, const char *name, l
 
 /* model.safetensors, or every shard that model.safetensors.index.json names. */
 static int lg_hf_files_open(lg_hf_files *s, const char *dir, lg_error *err) {
-    char path[1100];
+    char path[LG_PATH_MAX];
     struct stat st;
     memset(s, 0, sizeof *s);
     lg_format(path, sizeof path, "%s/model.safetensors.index.json", dir);
@@ -8972,7 +9181,7 @@ static int lg_hf_load_into(const lg_config *cfg, lg_buf dest, const char *dir, l
 }
 
 int lg_hf_load_weights(const lg_config *cfg, lg_buf dest, const char *dir, lg_error *err) {
-    char marker[1100];
+    char marker[LG_PATH_MAX];
     struct stat st;
     lg_format(marker, sizeof marker, "%s/" LG_CHECKPOINT_MARKER, dir);
     if (stat(marker, &st) == 0 && lg_checkpoint_verify(dir, NULL, err) != 0) return -1;
@@ -9031,7 +9240,7 @@ static int lg_hf_write_model(const lg_model *m, const char *dir, lg_file_digest 
     }
     lg_st_meta meta[1] = {{"format", "pt"}};
     lg_hf_save_ctx ctx = {&m->cfg, &m->param_table, hf, out, &m->exec, m->params};
-    char path[1100], text[4096];
+    char path[LG_PATH_MAX], text[4096];
     lg_format(path, sizeof path, "%s/model.safetensors", dir);
     int rc = out ? lg_st_write(path, out, n, meta, 1, lg_hf_fill, &ctx, &digests[0], err)
                  : lg_fail(err, "out of host memory");
@@ -9053,7 +9262,7 @@ static int lg_hf_write_model(const lg_model *m, const char *dir, lg_file_digest 
 /* COMPLETE: the step and each file's size and hash; written last. */
 static int lg_write_marker(const char *dir, int step, const char *const *names,
                            const lg_file_digest *digests, int n, lg_error *err) {
-    char text[2048], path[1100];
+    char text[2048], path[LG_PATH_MAX];
     size_t at = 0;
     lg_st_append(text, sizeof text, &at, "%s\nstep %d\n", LG_MARKER_HEADER, step);
     for (int i = 0; i < n; i++)
@@ -9067,7 +9276,7 @@ static int lg_write_marker(const char *dir, int step, const char *const *names,
 static int lg_checkpoint_begin(const char *dir, lg_error *err) {
     if (mkdir(dir, 0755) != 0 && errno != EEXIST)
         return lg_fail(err, "checkpoint %s: cannot create the directory: %s", dir, strerror(errno));
-    char path[1100];
+    char path[LG_PATH_MAX];
     lg_format(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
     if (remove(path) == 0) lg_sync_parent(path);
     return 0;
@@ -9116,7 +9325,7 @@ static int lg_verify_marker_line(const char *dir, const char *line, int line_no,
 }
 
 int lg_checkpoint_verify(const char *dir, int *step, lg_error *err) {
-    char path[1100];
+    char path[LG_PATH_MAX];
     lg_format(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
     struct stat st;
     if (stat(path, &st) != 0)
@@ -9950,7 +10159,7 @@ int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const ch
                        lg_error *err) {
     static const char *const names[4] = {"model.safetensors", "config.json", "model_config.yaml",
                                          LG_TRAINING_STATE};
-    char dir[1100], path[1200];
+    char dir[LG_PATH_MAX], path[1200];
     lg_file_digest digests[4];
     if (lg_checkpoint_supported(tr, err) != 0) return -1;
     if (mkdir(out, 0755) != 0 && errno != EEXIST)

@@ -14,6 +14,7 @@
 #include <stdarg.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 static const char usage[] =
     "usage: ./train [options]\n"
@@ -21,7 +22,8 @@ static const char usage[] =
     "      --data FILE            training data: an llm.c token shard, or fine-tuning samples\n"
     "                             from tools/prepare alpaca (default: the built-in task, a\n"
     "                             fine-tuning set)\n"
-    "      --val-data FILE        validation data, of the same kind\n"
+    "      --val-data FILE        validation data, of the same kind; without --data and\n"
+    "                             with --max-steps 0 (and -c or --load): evaluation alone\n"
     "  -b, --micro-batch-size N   samples per forward/backward (default 16); auto: the\n"
     "                             largest that fits and divides the per-device batch (-g)\n"
     "  -g, --global-batch-size N  samples per optimizer step (default: = -b); accumulation\n"
@@ -41,7 +43,8 @@ static const char usage[] =
     "                             recompute the block in the backward (same results)\n"
     "      --offload              master weights and optimizer state in host memory; the\n"
     "                             optimizer runs there (same results)\n"
-    "      --plan[=json]          print the memory plan per device and exit\n"
+    "      --plan[=json|svg]      print the memory plan per device and exit; json and svg\n"
+    "                             alone on stdout (svg: stacked groups against the limit)\n"
     "      --memory-limit SIZE    memory a device may use, e.g. 24GiB (default: a GPU's\n"
     "                             memory, or on the CPU what the machine has available); a\n"
     "                             run that does not fit exits 3 with a diagnosis and the\n"
@@ -62,7 +65,7 @@ static const char usage[] =
     "      --lora-targets LIST    linears with adapters: q,k,v,proj,mlp,head (q,v)\n"
     "      --quantize Q           with --lora-r: frozen linear weights in nf4 or nf4-dq\n"
     "                             (QLoRA; lm_head included unless tied)\n"
-    "      --lr X --min-lr X      peak and final learning rate (4e-3, 4e-4)\n"
+    "      --lr X --min-lr X      peak and final learning rate (4e-3; --lr / 10)\n"
     "      --warmup-steps N       linear warmup, then cosine decay to --min-lr (50)\n"
     "      --weight-decay X       on 2-D weights only (0.1)\n"
     "      --beta1 X --beta2 X    AdamW (0.9, 0.95)\n"
@@ -77,6 +80,10 @@ static const char usage[] =
     "      --prompt TEXT          built-in task: letters, e.g. \"litgpt=\"; shards: token ids\n"
     "      --seed N               weights, data order and sampling (1337)\n"
     "      --log FILE             one JSON object per step and per evaluation\n"
+    "      --plot FILE.svg        the loss (raw, smoothed), validation points and learning\n"
+    "                             rate against steps, rewritten at each evaluation\n"
+    "      --log-interval N       steps between full progress lines (default: about 20 a\n"
+    "                             run); on a terminal one status line refreshes in between\n"
     "      --out DIR              write checkpoints DIR/step-N/ at the end (and every\n"
     "                             --save-every steps): model.safetensors and config.json\n"
     "                             in the Hugging Face layout, model_config.yaml, the\n"
@@ -123,7 +130,7 @@ enum { OPT_DATA = 256, OPT_VAL_DATA, OPT_LR, OPT_MIN_LR, OPT_WARMUP, OPT_WEIGHT_
        OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_OPTIMIZER_STATE,
        OPT_HESSIAN_INTERVAL, OPT_RHO, OPT_STRATEGY, OPT_NODES, OPT_SAVE_EVERY, OPT_LOAD,
        OPT_RESUME, OPT_CPU, OPT_TF32, OPT_LORA_R, OPT_LORA_ALPHA, OPT_LORA_DROPOUT,
-       OPT_LORA_TARGETS, OPT_QUANTIZE };
+       OPT_LORA_TARGETS, OPT_QUANTIZE, OPT_LOG_INTERVAL, OPT_PLOT };
 
 static const struct option long_options[] = {
     {"config", required_argument, 0, 'c'},
@@ -154,6 +161,8 @@ static const struct option long_options[] = {
     {"prompt", required_argument, 0, OPT_PROMPT},
     {"seed", required_argument, 0, OPT_SEED},
     {"log", required_argument, 0, OPT_LOG},
+    {"log-interval", required_argument, 0, OPT_LOG_INTERVAL},
+    {"plot", required_argument, 0, OPT_PLOT},
     {"out", required_argument, 0, OPT_OUT},
     {"recompute", required_argument, 0, OPT_RECOMPUTE},
     {"offload", no_argument, 0, OPT_OFFLOAD},
@@ -192,14 +201,27 @@ typedef struct {
     int save_every;       /* --save-every: steps between checkpoints; 0: only at the end */
     const char *load;     /* --load: a Hugging Face directory to start from */
     const char *resume;   /* --resume: a checkpoint, or a --out directory (its latest) */
-    char resume_dir[1100]; /* the step-N directory --resume resolved to */
+    char resume_dir[LG_PATH_MAX]; /* the step-N directory --resume resolved to */
 } checkpoint_flags;
 
-static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
-                       int *beta1_given, int *beta2_given, checkpoint_flags *ck) {
+/* The flags whose default depends on others: given on the command line or not. */
+typedef struct {
+    int precision, beta1, beta2, min_lr;
+} given_flags;
+
+/* --- progress: what the driver prints while it trains ------------------------------------- */
+typedef struct {
+    int log_interval; /* --log-interval: steps between full lines; 0: about 20 a run */
+    const char *plot; /* --plot: the loss curve's SVG file */
+} output_flags;
+
+static void parse_args(int argc, char **argv, lg_args *a, given_flags *given,
+                       checkpoint_flags *ck, output_flags *out) {
     lg_args_default(a);
     a->backend = lg_backend_in_use(); /* a GPU when the build has CUDA and one is visible */
     memset(ck, 0, sizeof *ck);
+    memset(given, 0, sizeof *given);
+    memset(out, 0, sizeof *out);
     opterr = 0;
     int opt;
     while ((opt = getopt_long(argc, argv, ":c:b:g:t:p:d:o:h", long_options, NULL)) != -1) {
@@ -216,7 +238,7 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
         case 'g': a->global_batch_size = parse_int(f, optarg); break;
         case 't': a->max_seq_length = parse_int(f, optarg); break;
         case 'p':
-            *precision_given = 1;
+            given->precision = 1;
             if (lg_precision_parse(optarg, &a->precision) != 0)
                 die_usage("%s: '%s' is not one of 32-true, 16-true, bf16-true, 16-mixed, "
                           "bf16-mixed", f, optarg);
@@ -236,16 +258,19 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
             else die_usage("%s: '%s' is not adamw, sgd, lion or sophia", f, optarg);
             break;
         case OPT_LR: a->lr = parse_float(f, optarg); break;
-        case OPT_MIN_LR: a->min_lr = parse_float(f, optarg); break;
+        case OPT_MIN_LR:
+            a->min_lr = parse_float(f, optarg);
+            given->min_lr = 1;
+            break;
         case OPT_WARMUP: a->warmup_steps = parse_int(f, optarg); break;
         case OPT_WEIGHT_DECAY: a->weight_decay = parse_float(f, optarg); break;
         case OPT_BETA1:
             a->beta1 = parse_float(f, optarg);
-            *beta1_given = 1;
+            given->beta1 = 1;
             break;
         case OPT_BETA2:
             a->beta2 = parse_float(f, optarg);
-            *beta2_given = 1;
+            given->beta2 = 1;
             break;
         case OPT_MOMENTUM: a->momentum = parse_float(f, optarg); break;
         case OPT_MAX_NORM: a->max_norm = parse_float(f, optarg); break;
@@ -266,6 +291,11 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
             break;
         }
         case OPT_LOG: a->log_path = optarg; break;
+        case OPT_PLOT: out->plot = optarg; break;
+        case OPT_LOG_INTERVAL:
+            out->log_interval = parse_int(f, optarg);
+            if (out->log_interval < 1) die_usage("%s must be at least 1", f);
+            break;
         case OPT_OUT: a->out_dir = optarg; break;
         case OPT_RECOMPUTE:
             if (strcmp(optarg, "none") == 0) a->recompute = 0;
@@ -300,7 +330,8 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
         case OPT_PLAN:
             if (!optarg) a->plan_only = 1;
             else if (strcmp(optarg, "json") == 0) a->plan_only = 2;
-            else die_usage("--plan=%s: only --plan or --plan=json", optarg);
+            else if (strcmp(optarg, "svg") == 0) a->plan_only = 3;
+            else die_usage("--plan=%s: only --plan, --plan=json or --plan=svg", optarg);
             break;
         case OPT_MEMORY_LIMIT:
             if (lg_parse_size(optarg, &a->memory_limit) != 0 || a->memory_limit == 0)
@@ -317,8 +348,12 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
                   "batch");
     if (a->sample_tokens < 1 || a->sample_tokens > 1000000)
         die_usage("--sample-tokens must be within 1 and 1000000");
-    if (a->val_data && !a->data)
-        die_usage("--val-data needs --data (the built-in task brings its own validation set)");
+    if (a->val_data && !a->data && a->max_steps != 0)
+        die_usage("--val-data without --data evaluates a model alone: give --max-steps 0 (and "
+                  "--data to train; the built-in task brings its own validation set)");
+    if (a->val_data && !a->data && (a->out_dir || ck->resume))
+        die_usage("%s: --val-data without --data only evaluates (--max-steps 0) and saves "
+                  "nothing", a->out_dir ? "--out" : "--resume");
     if (a->devices < 1) die_usage("-d/--devices must be at least 1");
     if (a->nodes < 1) die_usage("--nodes must be at least 1");
     if (ck->save_every < 0) die_usage("--save-every must be 0 or more");
@@ -332,6 +367,247 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
 static void die(int code, const lg_error *err) {
     fprintf(stderr, "train: %s\n", err->msg);
     exit(code);
+}
+
+/* --- pictures: self-written SVG, no dependency ------------------------------------------- */
+
+#define SVG_W 820
+#define SVG_H 440
+#define SVG_LEFT 70  /* room for the left axis' labels */
+#define SVG_RIGHT 80 /* and the right one's */
+#define SVG_TOP 40   /* the title and legend */
+#define SVG_BOTTOM 50
+
+/* A value range mapped onto pixels [p0, p1]. */
+typedef struct {
+    double v0, v1, p0, p1;
+} svg_scale;
+
+static double svg_at(const svg_scale *s, double v) {
+    double span = s->v1 > s->v0 ? s->v1 - s->v0 : 1;
+    return s->p0 + (v - s->v0) / span * (s->p1 - s->p0);
+}
+
+static void svg_begin(FILE *f, const char *title) {
+    fprintf(f, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+               "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
+               "viewBox=\"0 0 %d %d\" font-family=\"sans-serif\" font-size=\"12\">\n"
+               "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n"
+               "<text x=\"%d\" y=\"20\" font-size=\"14\" font-weight=\"bold\">%s</text>\n",
+            SVG_W, SVG_H, SVG_W, SVG_H, SVG_LEFT, title);
+}
+
+/* Five labelled ticks of a vertical axis at x (labels left of it, or right with right = 1). */
+static void svg_axis_ticks(FILE *f, const svg_scale *y, double x, int right, const char *unit_fmt,
+                           double unit) {
+    for (int i = 0; i <= 4; i++) {
+        double v = y->v0 + (y->v1 - y->v0) * i / 4, py = svg_at(y, v);
+        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#999\"/>\n",
+                x - (right ? 0 : 4), py, x + (right ? 4 : 0), py);
+        fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"%s\">", x + (right ? 7 : -7),
+                py + 4, right ? "start" : "end");
+        fprintf(f, unit_fmt, v / unit);
+        fputs("</text>\n", f);
+    }
+}
+
+/* Writes path.tmp, then renames it over path: a browser never reads half a picture. */
+static FILE *svg_open(const char *path, char *tmp, size_t size) {
+    snprintf(tmp, size, "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    if (!f) fprintf(stderr, "train: %s: cannot create: %s\n", tmp, strerror(errno));
+    return f;
+}
+
+static void svg_close(FILE *f, const char *tmp, const char *path) {
+    fputs("</svg>\n", f);
+    if (fclose(f) != 0 || rename(tmp, path) != 0)
+        fprintf(stderr, "train: %s: cannot write: %s\n", path, strerror(errno));
+}
+
+/* --plot: the training loss of every step (raw, and smoothed), the validation points and the
+   learning rate (right axis) against steps. */
+typedef struct {
+    const char *path;  /* NULL: no plot */
+    int first, last;   /* the steps of this run: first + 1 .. last */
+    int n, n_val;
+    float *loss, *lr;  /* (last - first) by step */
+    int *val_step;     /* (last - first + 2) evaluations */
+    float *val_loss;
+} loss_plot;
+
+static void plot_start(loss_plot *p, const char *path, int first, int last) {
+    memset(p, 0, sizeof *p);
+    p->path = path;
+    if (!path) return;
+    size_t steps = (size_t)(last > first ? last - first : 0) + 2;
+    p->first = first;
+    p->last = last;
+    p->loss = (float *)malloc(sizeof(float) * steps);
+    p->lr = (float *)malloc(sizeof(float) * steps);
+    p->val_step = (int *)malloc(sizeof(int) * steps);
+    p->val_loss = (float *)malloc(sizeof(float) * steps);
+    if (!p->loss || !p->lr || !p->val_step || !p->val_loss) {
+        fputs("train: out of host memory for --plot\n", stderr);
+        exit(1);
+    }
+}
+
+static void plot_free(loss_plot *p) {
+    free(p->loss);
+    free(p->lr);
+    free(p->val_step);
+    free(p->val_loss);
+}
+
+static void plot_step(loss_plot *p, float loss, float lr) {
+    if (!p->path) return;
+    p->loss[p->n] = loss;
+    p->lr[p->n++] = lr;
+}
+
+/* One polyline of n values: x from the run's steps, y through the scale. */
+static void plot_line(FILE *f, const loss_plot *p, const svg_scale *x, const svg_scale *y,
+                      const float *v, int n, const char *id, const char *style) {
+    fprintf(f, "<polyline id=\"%s\" fill=\"none\" %s points=\"", id, style);
+    for (int i = 0; i < n; i++)
+        fprintf(f, "%.1f,%.1f ", svg_at(x, p->first + i + 1), svg_at(y, v[i]));
+    fputs("\"/>\n", f);
+}
+
+static void plot_write(const loss_plot *p) {
+    if (!p->path) return;
+    double lo = INFINITY, hi = -INFINITY, lr_hi = 0;
+    for (int i = 0; i < p->n; i++) {
+        lo = fmin(lo, p->loss[i]);
+        hi = fmax(hi, p->loss[i]);
+        lr_hi = fmax(lr_hi, p->lr[i]);
+    }
+    for (int i = 0; i < p->n_val; i++) {
+        lo = fmin(lo, p->val_loss[i]);
+        hi = fmax(hi, p->val_loss[i]);
+    }
+    if (!(lo <= hi)) lo = 0, hi = 1;
+    double pad = (hi - lo) * 0.05 + 1e-6;
+    svg_scale x = {(double)p->first, (double)p->last, SVG_LEFT, SVG_W - SVG_RIGHT};
+    svg_scale y = {lo - pad, hi + pad, SVG_H - SVG_BOTTOM, SVG_TOP};
+    svg_scale y_lr = {0, lr_hi > 0 ? lr_hi * 1.05 : 1, SVG_H - SVG_BOTTOM, SVG_TOP};
+    char tmp[LG_PATH_MAX];
+    FILE *f = svg_open(p->path, tmp, sizeof tmp);
+    if (!f) return;
+    svg_begin(f, "training loss");
+    fprintf(f, "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"none\" stroke=\"#ccc\"/>\n",
+            SVG_LEFT, SVG_TOP, SVG_W - SVG_LEFT - SVG_RIGHT, SVG_H - SVG_TOP - SVG_BOTTOM);
+    svg_axis_ticks(f, &y, SVG_LEFT, 0, "%.3f", 1);
+    svg_axis_ticks(f, &y_lr, SVG_W - SVG_RIGHT, 1, "%.2e", 1);
+    for (int i = 0; i <= 4; i++) { /* steps */
+        double step = p->first + (p->last - p->first) * i / 4.0;
+        fprintf(f, "<text x=\"%.1f\" y=\"%d\" text-anchor=\"middle\">%.0f</text>\n",
+                svg_at(&x, step), SVG_H - SVG_BOTTOM + 18, step);
+    }
+    fprintf(f, "<text x=\"%d\" y=\"%d\" text-anchor=\"middle\">step</text>\n",
+            (SVG_W + SVG_LEFT - SVG_RIGHT) / 2, SVG_H - 10);
+    /* smoothed: an exponential moving average with its start-up bias removed */
+    float *smooth = (float *)malloc(sizeof(float) * (size_t)(p->n + 1));
+    double ema = 0, weight = 0;
+    for (int i = 0; smooth && i < p->n; i++) {
+        ema = 0.9 * ema + 0.1 * p->loss[i];
+        weight = 0.9 * weight + 0.1;
+        smooth[i] = (float)(ema / weight);
+    }
+    plot_line(f, p, &x, &y_lr, p->lr, p->n, "lr", "stroke=\"#2ca02c\" stroke-dasharray=\"5,4\"");
+    plot_line(f, p, &x, &y, p->loss, p->n, "loss", "stroke=\"#9ecae1\"");
+    if (smooth) plot_line(f, p, &x, &y, smooth, p->n, "smoothed", "stroke=\"#08519c\" stroke-width=\"2\"");
+    free(smooth);
+    for (int i = 0; i < p->n_val; i++)
+        fprintf(f, "<circle class=\"val\" cx=\"%.1f\" cy=\"%.1f\" r=\"4\" fill=\"#ff7f0e\">"
+                   "<title>step %d: val loss %.4f</title></circle>\n",
+                svg_at(&x, p->val_step[i]), svg_at(&y, p->val_loss[i]), p->val_step[i],
+                p->val_loss[i]);
+    static const char *const legend[4][2] = {{"#9ecae1", "loss"}, {"#08519c", "smoothed"},
+                                             {"#ff7f0e", "val loss"}, {"#2ca02c", "lr (right)"}};
+    for (int i = 0; i < 4; i++)
+        fprintf(f, "<rect x=\"%d\" y=\"10\" width=\"12\" height=\"12\" fill=\"%s\"/>"
+                   "<text x=\"%d\" y=\"20\">%s</text>\n", 260 + 110 * i, legend[i][0],
+                276 + 110 * i, legend[i][1]);
+    svg_close(f, tmp, p->path);
+}
+
+/* An evaluation: a point, and the picture rewritten (a browser tab shows the run). */
+static void plot_val(loss_plot *p, int step, double loss) {
+    if (!p->path) return;
+    p->val_step[p->n_val] = step;
+    p->val_loss[p->n_val++] = (float)loss;
+    plot_write(p);
+}
+
+/* --plan=svg: each device's memory as stacked regions by group against the limit; when the
+   run does not fit, each remedy's total beside it. */
+static void plan_svg(FILE *f, const lg_plan *plan, const lg_config *cfg, const lg_args *a, int T,
+                     size_t limit) {
+    static const char *const colors[LG_N_GROUPS] = {"#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78",
+                                                    "#2ca02c", "#98df8a", "#d62728", "#9467bd",
+                                                    "#8c564b", "#7f7f7f"};
+    lg_remedy remedies[LG_MAX_REMEDIES];
+    int n_remedies = 0;
+    size_t top = limit, need = lg_plan_bytes(plan, LG_POOL_DEVICE);
+    if (limit > 0 && need > limit) n_remedies = lg_plan_remedies(cfg, a, T, limit, remedies);
+    for (int r = 0; r < plan->n_ranks; r++) {
+        size_t total = 0;
+        for (int g = 0; g < LG_N_GROUPS; g++)
+            total += lg_plan_group_bytes(&plan->ranks[r], (lg_group)g, LG_POOL_DEVICE);
+        if (total > top) top = total;
+    }
+    for (int i = 0; i < n_remedies; i++)
+        if (remedies[i].device_bytes > top) top = remedies[i].device_bytes;
+    double gib = 1024.0 * 1024 * 1024, unit = top >= gib ? gib : 1024.0 * 1024;
+    int bars = plan->n_ranks + n_remedies;
+    double slot = (double)(SVG_W - SVG_LEFT - SVG_RIGHT) / bars;
+    svg_scale y = {0, top * 1.08, SVG_H - SVG_BOTTOM - 60, SVG_TOP + 10};
+    char title[160];
+    snprintf(title, sizeof title, "memory per device: %s, -b %d -t %d, %s", cfg->name,
+             a->micro_batch_size, T, lg_precision_name(a->precision));
+    svg_begin(f, title);
+    svg_axis_ticks(f, &y, SVG_LEFT, 0, unit == gib ? "%.1f GiB" : "%.0f MiB", unit);
+    for (int r = 0; r < plan->n_ranks; r++) {
+        double base = 0, x = SVG_LEFT + slot * r + slot * 0.15, w = slot * 0.7;
+        for (int g = 0; g < LG_N_GROUPS; g++) {
+            size_t bytes = lg_plan_group_bytes(&plan->ranks[r], (lg_group)g, LG_POOL_DEVICE);
+            if (bytes == 0) continue;
+            double y0 = svg_at(&y, base), y1 = svg_at(&y, base + (double)bytes);
+            fprintf(f, "<rect class=\"group\" x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" "
+                       "fill=\"%s\"><title>device %d: %s %.2f MiB</title></rect>\n", x, y1, w,
+                    y0 - y1, colors[g], r, lg_group_name((lg_group)g), bytes / 1048576.0);
+            base += (double)bytes;
+        }
+        fprintf(f, "<text x=\"%.1f\" y=\"%d\" text-anchor=\"middle\">device %d</text>\n",
+                x + w / 2, SVG_H - SVG_BOTTOM - 44, r);
+    }
+    for (int i = 0; i < n_remedies; i++) {
+        double x = SVG_LEFT + slot * (plan->n_ranks + i) + slot * 0.15, w = slot * 0.7;
+        double y1 = svg_at(&y, (double)remedies[i].device_bytes), y0 = svg_at(&y, 0);
+        fprintf(f, "<rect class=\"remedy\" x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" "
+                   "fill=\"%s\"><title>%s (%s): %.2f MiB</title></rect>\n", x, y1, w, y0 - y1,
+                remedies[i].fits ? "#74c476" : "#bdbdbd", remedies[i].what, remedies[i].flags,
+                remedies[i].device_bytes / 1048576.0);
+        fprintf(f, "<text x=\"%.1f\" y=\"%d\" text-anchor=\"middle\" font-size=\"10\">%s</text>\n",
+                x + w / 2, SVG_H - SVG_BOTTOM - 44, remedies[i].flags);
+    }
+    if (n_remedies > 0)
+        fprintf(f, "<text x=\"%.1f\" y=\"%d\" font-size=\"11\">remedies of the OOM guide, each "
+                   "alone: green fits, grey does not</text>\n", SVG_LEFT + slot * plan->n_ranks,
+                SVG_TOP);
+    if (limit > 0 && limit < top * 1.08) /* the limit, across every bar */
+        fprintf(f, "<line id=\"limit\" x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"red\" "
+                   "stroke-dasharray=\"6,4\"/><text x=\"%d\" y=\"%.1f\" fill=\"red\">limit</text>\n",
+                SVG_LEFT, svg_at(&y, (double)limit), SVG_W - SVG_RIGHT, svg_at(&y, (double)limit),
+                SVG_W - SVG_RIGHT + 4, svg_at(&y, (double)limit) + 4);
+    for (int g = 0; g < LG_N_GROUPS; g++) /* legend, two rows under the bars */
+        fprintf(f, "<rect x=\"%d\" y=\"%d\" width=\"10\" height=\"10\" fill=\"%s\"/>"
+                   "<text x=\"%d\" y=\"%d\" font-size=\"11\">%s</text>\n",
+                SVG_LEFT + 140 * (g % 5), SVG_H - 42 + 18 * (g / 5), colors[g],
+                SVG_LEFT + 14 + 140 * (g % 5), SVG_H - 33 + 18 * (g / 5), lg_group_name((lg_group)g));
+    fputs("</svg>\n", f);
 }
 
 /* --- the memory plan: --plan, the fit check, the diagnosis ---------------------------------- */
@@ -489,9 +765,18 @@ static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T) {
            b, a->global_batch_size / lg_args_ranks(a), lg_format_bytes(limit, size, sizeof size), source);
 }
 
-/* The table, then the activation memory of both --recompute choices. */
+/* The model as planned: the config's values after LitGPT's defaults and derivations. */
+static void print_resolved_config(const lg_config *c) {
+    printf("model %s: n_layer %d, n_head %d, n_query_groups %d, n_embd %d, head_size %d, "
+           "intermediate_size %d, block_size %d, vocab_size %d (padded %d)\n", c->name,
+           c->n_layer, c->n_head, c->n_query_groups, c->n_embd, c->head_size,
+           c->intermediate_size, c->block_size, c->vocab_size, c->padded_vocab_size);
+}
+
+/* The model, the table, then the activation memory of both --recompute choices. */
 static void print_plan_with_recompute_choice(const lg_plan *plan, const lg_args *a,
                                              const lg_config *cfg, int T) {
+    print_resolved_config(cfg);
     lg_plan_print(plan, stdout);
     lg_args other = *a;
     other.recompute = !a->recompute;
@@ -509,16 +794,37 @@ static void print_plan_with_recompute_choice(const lg_plan *plan, const lg_args 
     lg_plan_free(&alternative);
 }
 
-/* --plan, and the check that the run fits before anything is allocated. */
-static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_config *cfg, int T) {
+/* --plan=json: a stream for the JSON document alone on the real stdout; from here on stdout
+   is stderr, so everything else the run prints (by train.c or the library) goes there. */
+static FILE *json_output(void) {
+    fflush(stdout);
+    int fd = dup(STDOUT_FILENO);
+    FILE *json = fd >= 0 ? fdopen(fd, "w") : NULL;
+    if (!json || dup2(STDERR_FILENO, STDOUT_FILENO) < 0) {
+        perror("train: --plan=json");
+        exit(1);
+    }
+    return json;
+}
+
+/* --plan (json: the stream from json_output), and the check that the run fits before
+   anything is allocated. */
+static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_config *cfg, int T,
+                           FILE *json) {
     lg_plan_spec spec;
     lg_plan plan;
     lg_error err;
     lg_plan_spec_from_args(&spec, a, T);
     if (lg_plan_make(&plan, cfg, &spec, &err) != 0) die(2, &err);
     if (a->plan_only) {
-        if (a->plan_only == 2) lg_plan_print_json(&plan, stdout);
-        else print_plan_with_recompute_choice(&plan, a, cfg, T);
+        if (a->plan_only == 2 || a->plan_only == 3) {
+            const char *source;
+            if (a->plan_only == 2) lg_plan_print_json(&plan, json);
+            else plan_svg(json, &plan, cfg, a, T, device_limit(a, &source));
+            fclose(json);
+        } else {
+            print_plan_with_recompute_choice(&plan, a, cfg, T);
+        }
         lg_plan_free(&plan);
         exit(0);
     }
@@ -561,6 +867,7 @@ static void load_config(lg_args *a, lg_config *cfg, checkpoint_flags *ck) {
 
 typedef struct {
     lg_loader train, val;
+    int has_train;  /* 0: evaluation alone (--val-data without --data) */
     int has_val;
     int builtin;  /* the built-in task: character tokens */
 } run_data;
@@ -571,25 +878,36 @@ typedef struct {
 #define BUILTIN_TRAIN_SEED 1
 #define BUILTIN_VAL_SEED 2
 
-/* Fine-tuning samples: truncated to -t when given; every (truncated) sample must fit the
-   model; the rows are as long as the longest sample of train and validation (*T). */
-static void fit_samples(const lg_args *a, const lg_config *cfg, int *T, run_data *d) {
-    lg_error err;
-    if (lg_loader_check_block_size(&d->train, cfg->block_size, &err) != 0 ||
-        (d->has_val && lg_loader_check_block_size(&d->val, cfg->block_size, &err) != 0))
-        die(2, &err);
-    *T = lg_loader_longest(&d->train);
-    if (d->has_val && lg_loader_longest(&d->val) > *T) *T = lg_loader_longest(&d->val);
-    printf("fine-tuning samples: %zu (validation %zu), the longest %s%d tokens: micro-batches "
-           "are padded to their longest sample, at most %d\n", d->train.n_samples,
-           d->val.n_samples, a->max_seq_length ? "truncated to -t: " : "", *T, *T);
+/* Rows of T tokens (shard windows, or -t planned as asked) must fit the model. */
+static void check_block_size(int T, const lg_config *cfg) {
+    if (T > cfg->block_size)
+        die_usage("-t/--max-seq-length %d exceeds the model's block_size %d", T, cfg->block_size);
 }
 
-/* Opens the data; for fine-tuning samples *T becomes the longest (truncated) sample. */
+/* Fine-tuning samples, LitGPT's rule: -t is a cap, the rows are min(longest sample, -t) long
+   (*T: the longest truncated sample of train and validation); only a sample still longer than
+   the model's block_size after truncation is an error. */
+static void fit_samples(const lg_args *a, const lg_config *cfg, int *T, run_data *d) {
+    lg_error err;
+    if ((d->has_train && lg_loader_check_block_size(&d->train, cfg->block_size, &err) != 0) ||
+        (d->has_val && lg_loader_check_block_size(&d->val, cfg->block_size, &err) != 0))
+        die(2, &err);
+    *T = d->has_train ? lg_loader_longest(&d->train) : 0;
+    if (d->has_val && lg_loader_longest(&d->val) > *T) *T = lg_loader_longest(&d->val);
+    char cap[64] = "";
+    if (a->max_seq_length)
+        snprintf(cap, sizeof cap, " (-t %d caps them)", a->max_seq_length);
+    printf("fine-tuning samples: %zu (validation %zu), the longest %d tokens%s: micro-batches "
+           "are padded to their longest sample, at most %d\n", d->train.n_samples,
+           d->val.n_samples, *T, cap, *T);
+}
+
+/* Opens the data; for fine-tuning samples *T becomes the longest (truncated) sample. Without
+   --data but with --val-data (and --max-steps 0) only the validation data: evaluation alone. */
 static void open_data(const lg_args *a, const lg_config *cfg, int *T, run_data *d) {
     lg_error err;
     memset(d, 0, sizeof *d);
-    if (!a->data) {
+    if (!a->data && !a->val_data) {
         if (cfg->vocab_size < LG_CHAR_VOCAB)
             die_usage("-c/--config %s: vocab_size %d is smaller than the built-in task's %d "
                       "characters; give --data", a->config, cfg->vocab_size, LG_CHAR_VOCAB);
@@ -598,24 +916,30 @@ static void open_data(const lg_args *a, const lg_config *cfg, int *T, run_data *
             lg_builtin_task_samples(&d->val, BUILTIN_VAL_SEED, BUILTIN_VAL_SAMPLES,
                                     a->max_seq_length, 0, 0, &err))
             die(2, &err);
-        d->has_val = d->builtin = 1;
+        d->has_train = d->has_val = d->builtin = 1;
         fit_samples(a, cfg, T, d);
         if (a->config && a->max_seq_length > *T) { /* a real model on the toy task */
             *T = a->max_seq_length;
+            check_block_size(*T, cfg);
             printf("-t %d: planned and allocated as asked, though the built-in task's samples "
                    "are shorter (--data for your own)\n", *T);
         }
         return;
     }
     if (!a->config)
-        die_usage("--data needs -c/--config: the built-in model knows only the built-in task's "
-                  "%d characters", LG_CHAR_VOCAB);
-    int samples = lg_samples_file(a->data);
-    if (a->val_data && lg_samples_file(a->val_data) != samples)
+        die_usage("%s needs -c/--config: the built-in model knows only the built-in task's "
+                  "%d characters", a->data ? "--data" : "--val-data", LG_CHAR_VOCAB);
+    int samples = lg_samples_file(a->data ? a->data : a->val_data);
+    if (a->data && a->val_data && lg_samples_file(a->val_data) != samples)
         die_usage("--data %s and --val-data %s: one is a token shard, the other fine-tuning "
                   "samples", a->data, a->val_data);
+    if (!samples) check_block_size(*T, cfg); /* a shard's windows are -t long */
     int t = samples ? a->max_seq_length : *T; /* samples: truncation, 0 for none */
-    if (lg_loader_open(&d->train, a->data, t, cfg->vocab_size, 1, a->seed, &err) != 0) die(2, &err);
+    if (a->data) {
+        if (lg_loader_open(&d->train, a->data, t, cfg->vocab_size, 1, a->seed, &err) != 0)
+            die(2, &err);
+        d->has_train = 1;
+    }
     if (a->val_data) {
         if (lg_loader_open(&d->val, a->val_data, t, cfg->vocab_size, 0, 0, &err) != 0) die(2, &err);
         d->has_val = 1;
@@ -696,13 +1020,81 @@ static void print_samples(lg_trainer *tr, const lg_args *a, const run_data *d, l
         for (int i = 0; i < 3; i++) print_sample(tr, a, d, words[i], rng);
 }
 
-static void evaluate(lg_trainer *tr, run_data *d, const lg_args *a, int step, FILE *log) {
+/* Progress of the training loop. On a terminal one status line (step/total, loss, tokens/s,
+   elapsed, ETA) is rewritten in place after every step; every `interval` steps, on the first
+   and the last, and on a skipped step, a full line stays. A file or pipe gets the full lines
+   only. Anything else printed during the loop clears the status line first. */
+typedef struct {
+    int tty;          /* stdout is a terminal */
+    int interval;     /* steps between full lines */
+    int first_step, max_steps;
+    double start_ms;  /* when the loop began */
+    int status_shown; /* the status line is on the screen, without its newline */
+} progress;
+
+static void progress_start(progress *p, const output_flags *o, int first_step, int max_steps) {
+    p->tty = isatty(STDOUT_FILENO);
+    p->interval = o->log_interval ? o->log_interval : (max_steps + 19) / 20;
+    if (p->interval < 1) p->interval = 1;
+    p->first_step = first_step;
+    p->max_steps = max_steps;
+    p->start_ms = lg_time_ms();
+    p->status_shown = 0;
+}
+
+/* Before any other line: the status line goes. */
+static void progress_clear(progress *p) {
+    if (!p->status_shown) return;
+    fputs("\r\033[K", stdout);
+    p->status_shown = 0;
+}
+
+/* "1:05" or "1:02:05" */
+static const char *format_duration(double ms, char *out, size_t size) {
+    long s = ms > 0 ? (long)(ms / 1000 + 0.5) : 0;
+    if (s >= 3600) snprintf(out, size, "%ld:%02ld:%02ld", s / 3600, s / 60 % 60, s % 60);
+    else snprintf(out, size, "%ld:%02ld", s / 60, s % 60);
+    return out;
+}
+
+/* After step `done` (1-based) of the loop. */
+static void progress_step(progress *p, const lg_trainer *tr, int done, const lg_step_stats *st) {
+    double elapsed = lg_time_ms() - p->start_ms;
+    int run = done - p->first_step, left = p->max_steps - done;
+    char spent[32], eta[32];
+    format_duration(elapsed, spent, sizeof spent);
+    format_duration(run > 0 ? elapsed / run * left : 0, eta, sizeof eta);
+    int full = done % p->interval == 0 || run == 1 || left == 0 || st->skipped;
+    if (!full && !p->tty) return;
+    progress_clear(p);
+    if (!full) { /* the status line, rewritten in place */
+        printf("step %5d/%d | loss %.4f | %.0f tok/s | %s elapsed | ETA %s", done, p->max_steps,
+               st->loss, st->tokens_per_s, spent, eta);
+        fputs("\033[K", stdout);
+        fflush(stdout);
+        p->status_shown = 1;
+        return;
+    }
+    printf("step %5d/%d | loss %.4f | lr %.2e | grad norm %.3f | %.1f ms | %.0f tok/s | %s "
+           "elapsed | ETA %s", done, p->max_steps, st->loss, st->lr, st->grad_norm, st->ms,
+           st->tokens_per_s, spent, eta);
+    if (st->skipped)
+        printf(" | skipped: fp16 gradient overflow, loss scale %g -> %g", st->loss_scale,
+               tr->loss_scale);
+    if (st->hessian) printf(" | with Sophia's Hessian pass");
+    printf("\n");
+    fflush(stdout);
+}
+
+static void evaluate(lg_trainer *tr, run_data *d, const lg_args *a, int step, FILE *log,
+                     loss_plot *plot) {
     if (!d->has_val) return;
     double loss = 0;
     lg_error err;
     if (lg_trainer_evaluate(tr, &d->val, a->eval_iters, &loss, &err) != 0) die(2, &err);
     printf("step %5d | val loss %.4f\n", step, loss);
     if (log) { fprintf(log, "{\"step\":%d,\"val_loss\":%.6f}\n", step, loss); fflush(log); }
+    plot_val(plot, step, loss);
 }
 
 int main(int argc, char **argv) {
@@ -712,18 +1104,19 @@ int main(int argc, char **argv) {
     setenv("CUDA_MODULE_LOADING", "EAGER", 0);
 #endif
     lg_args a;
-    int precision_given = 0, beta1_given = 0, beta2_given = 0;
+    given_flags given;
     checkpoint_flags ck;
-    parse_args(argc, argv, &a, &precision_given, &beta1_given, &beta2_given, &ck);
+    output_flags output;
+    parse_args(argc, argv, &a, &given, &ck, &output);
+    FILE *json = a.plan_only >= 2 ? json_output() : NULL; /* JSON or SVG alone on stdout */
     /* the papers' betas, unless given: Lion (0.9, 0.99), SophiaG (0.965, 0.99) */
-    if (a.optimizer == LG_OPTIMIZER_LION && !beta2_given) a.beta2 = 0.99f;
-    if (a.optimizer == LG_OPTIMIZER_SOPHIA && !beta1_given) a.beta1 = 0.965f;
-    if (a.optimizer == LG_OPTIMIZER_SOPHIA && !beta2_given) a.beta2 = 0.99f;
+    if (a.optimizer == LG_OPTIMIZER_LION && !given.beta2) a.beta2 = 0.99f;
+    if (a.optimizer == LG_OPTIMIZER_SOPHIA && !given.beta1) a.beta1 = 0.965f;
+    if (a.optimizer == LG_OPTIMIZER_SOPHIA && !given.beta2) a.beta2 = 0.99f;
+    if (!given.min_lr) a.min_lr = a.lr / 10; /* the final rate follows --lr */
     lg_config cfg;
     load_config(&a, &cfg, &ck);
     int T = a.max_seq_length ? a.max_seq_length : cfg.block_size;
-    if (T > cfg.block_size)
-        die_usage("-t/--max-seq-length %d exceeds the model's block_size %d", T, cfg.block_size);
     lg_error err;
     run_data data; /* before the plan: for fine-tuning samples it sets T to the longest one */
     open_data(&a, &cfg, &T, &data);
@@ -731,7 +1124,7 @@ int main(int argc, char **argv) {
     prepare_gpus(&a);
     if (a.micro_batch_auto) choose_micro_batch(&a, &cfg, T);
     if (lg_args_check(&a, &err) != 0) die_usage("%s", err.msg);
-    plan_and_check(argc, argv, &a, &cfg, T);
+    plan_and_check(argc, argv, &a, &cfg, T, json);
     int accumulation = lg_args_accumulation_steps(&a, &err);
     int B = a.micro_batch_size;
     FILE *log = NULL;
@@ -752,8 +1145,10 @@ int main(int argc, char **argv) {
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    printf("model %s: %d layers, %.3fM parameters | data %s (%zu tokens)\n", cfg.name,
-           cfg.n_layer, model->n_params / 1e6, data.train.path, data.train.n_tokens);
+    const lg_loader *source = data.has_train ? &data.train : &data.val;
+    printf("model %s: %d layers, %.3fM parameters | %s %s (%zu tokens)\n", cfg.name,
+           cfg.n_layer, model->n_params / 1e6, data.has_train ? "data" : "validation data",
+           source->path, source->n_tokens);
     char where[64];
     if (a.backend == LG_BACKEND_CUDA) snprintf(where, sizeof where, "%d GPU%s", tr.n_ranks, tr.n_ranks > 1 ? "s" : "");
     else snprintf(where, sizeof where, "CPU, %d threads, %s matmuls", threads,
@@ -770,7 +1165,7 @@ int main(int argc, char **argv) {
         printf("lion: wants a learning rate 3-10x smaller and a weight decay 3-10x larger than "
                "AdamW (here --lr %g, --weight-decay %g, betas %g %g)\n", a.lr, a.weight_decay,
                a.beta1, a.beta2);
-    if (precision_given)
+    if (given.precision)
         printf("precision: %s\n", lg_precision_name(a.precision));
     else
         printf("precision: %s (the default: bf16 weights and activations, fp32 accumulation "
@@ -786,17 +1181,19 @@ int main(int argc, char **argv) {
 
     lg_rng sample_rng;
     lg_rng_seed(&sample_rng, a.seed + 1);
-    evaluate(&tr, &data, &a, first_step, log);
+    loss_plot plot;
+    plot_start(&plot, output.plot, first_step, a.max_steps > first_step ? a.max_steps : first_step);
+    evaluate(&tr, &data, &a, first_step, log, &plot);
+    progress shown;
+    progress_start(&shown, &output, first_step, a.max_steps);
     for (int step = first_step; step < a.max_steps; step++) {
         lg_step_stats st;
-        if (lg_trainer_step(&tr, &data.train, step, &st, &err) != 0) die(1, &err);
-        printf("step %5d/%d | loss %.4f | lr %.2e | grad norm %.3f | %.1f ms | %.0f tok/s",
-               step + 1, a.max_steps, st.loss, st.lr, st.grad_norm, st.ms, st.tokens_per_s);
-        if (st.skipped)
-            printf(" | skipped: fp16 gradient overflow, loss scale %g -> %g", st.loss_scale,
-                   tr.loss_scale);
-        if (st.hessian) printf(" | with Sophia's Hessian pass");
-        printf("\n");
+        if (lg_trainer_step(&tr, &data.train, step, &st, &err) != 0) {
+            progress_clear(&shown);
+            die(1, &err);
+        }
+        progress_step(&shown, &tr, step + 1, &st);
+        plot_step(&plot, st.loss, st.lr);
         if (log) {
             fprintf(log, "{\"step\":%d,\"loss\":%.6f,\"lr\":%.6e,\"grad_norm\":%.6f,"
                          "\"ms\":%.3f,\"tokens_per_s\":%.1f", step + 1, st.loss, st.lr,
@@ -808,15 +1205,20 @@ int main(int argc, char **argv) {
             fflush(log);
         }
         if (ck.save_every && (step + 1) % ck.save_every == 0) {
+            progress_clear(&shown);
             if (lg_checkpoint_save(&tr, &data.train, step + 1, a.out_dir, &err) != 0) die(1, &err);
             printf("saved %s/step-%d\n", a.out_dir, saved_step = step + 1);
         }
         int last = step + 1 == a.max_steps;
-        if (last || (a.eval_every && (step + 1) % a.eval_every == 0))
-            evaluate(&tr, &data, &a, step + 1, log);
-        if (!last && a.sample_every && (step + 1) % a.sample_every == 0)
-            print_samples(&tr, &a, &data, &sample_rng);
+        int evaluating = last || (a.eval_every && (step + 1) % a.eval_every == 0);
+        int sampling = !last && a.sample_every && (step + 1) % a.sample_every == 0;
+        if (evaluating || sampling) progress_clear(&shown);
+        if (evaluating) evaluate(&tr, &data, &a, step + 1, log, &plot);
+        if (sampling) print_samples(&tr, &a, &data, &sample_rng);
     }
+    progress_clear(&shown);
+    plot_write(&plot);
+    plot_free(&plot);
     print_samples(&tr, &a, &data, &sample_rng);
     int final_step = first_step > a.max_steps ? first_step : a.max_steps;
     if (a.out_dir && saved_step != final_step) {

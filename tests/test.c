@@ -573,17 +573,17 @@ static int write_text(const char *path, const char *text) {
 static void test_config_errors(results *r) {
     lg_config cfg;
     lg_error err;
-    /* a config missing one field: drop rope_base from test-llama */
+    /* a Llama config missing the one field LitGPT cannot derive: intermediate_size */
     FILE *in = fopen("configs/test-llama.yaml", "r");
     char line[256], text[4096] = "";
     while (in && fgets(line, sizeof line, in))
-        if (strncmp(line, "rope_base", 9) != 0) strcat(text, line);
+        if (strncmp(line, "intermediate_size", 17) != 0) strcat(text, line);
     if (in) fclose(in);
     write_text("build/missing-field.yaml", text);
     int rc = lg_config_load(&cfg, "build/missing-field.yaml", &err);
-    check(r, rc != 0 && strstr(err.msg, "missing field rope_base") &&
+    check(r, rc != 0 && strstr(err.msg, "missing field intermediate_size") &&
           strstr(err.msg, "build/missing-field.yaml"),
-          "config missing a field is refused: \"%s\"", err.msg);
+          "a LLaMAMLP config without intermediate_size is refused: \"%s\"", err.msg);
     write_text("build/bad-value.yaml", "name: x\nn_layer: two\n");
     rc = lg_config_load(&cfg, "build/bad-value.yaml", &err);
     check(r, rc != 0 && strstr(err.msg, "line 2") && strstr(err.msg, "n_layer"),
@@ -1148,9 +1148,10 @@ static void test_cli(results *r) {
     expect_cli(r, "--strategy zero3", 2, "--strategy: 'zero3' is not no-shard");
     expect_cli(r, "--nodes 0", 2, "--nodes must be at least 1");
     expect_cli(r, "-b 3 -g 8", 2, "-g/--global-batch-size 8 is not a multiple of -b/--micro-batch-size 3");
-    expect_cli(r, "-t 100", 2, "-t/--max-seq-length 100 exceeds the model's block_size 64");
+    expect_cli(r, "-c test-llama --data build/u16.bin -t 100", 2,
+               "-t/--max-seq-length 100 exceeds the model's block_size 16");
     expect_cli(r, "-c no-such-model", 2, "no configs/no-such-model.yaml");
-    expect_cli(r, "-c build/missing-field.yaml", 2, "missing field rope_base");
+    expect_cli(r, "-c build/missing-field.yaml", 2, "missing field intermediate_size");
     expect_cli(r, "-c test-llama --data build/truncated.bin", 2, "truncated");
     expect_cli(r, "-c test-llama --data build/bad-magic.bin", 2, "not a token shard");
     expect_cli(r, "-c test-llama --data build/no-such.bin", 2, "build/no-such.bin: cannot open");
@@ -1772,7 +1773,6 @@ static void run_child_tests(results *r, const char *cmd) {
    other results) with every collective run as late as a GPU could (an op missing its wait for
    one reads stale data), then the driver built for the emulator. */
 static void run_emulated_cuda_tests(results *r) {
-    printf("CUDA backend, emulated on the CPU\n");
     run_child_tests(r, "./build/test_cuda_emulator");
     run_child_tests(r, "LG_EMU_DEVICES=4 ./build/test_cuda_emulated");
     run_child_tests(r, "LG_EMU_DEVICES=4 LG_EMU_ORDER=reverse LG_EMU_DEFER_COLLECTIVES=1 "
@@ -1802,73 +1802,80 @@ static void run_emulated_cuda_tests(results *r) {
 
 #include "test_nf4.c"
 
+/* ---- a new user's first hour ---------------------------------------------------------------- */
+
+#include "test_first_hour.c"
+
+/* Starts a section: prints its name and says whether to run it. `./tests/test WORD` runs only
+   the sections whose names contain WORD (e.g. `./tests/test plan`); no argument runs all. */
+static int section(const char *name, int argc, char **argv) {
+    if (argc > 1 && !strstr(name, argv[1])) return 0;
+    printf("%s\n", name);
+    return 1;
+}
+
 int main(int argc, char **argv) {
     results r = {0, 0};
-    if (argc > 1 && strcmp(argv[1], "nf4") == 0) { /* ./tests/test nf4: only these */
-        test_nf4_all(&r);
-        printf("%d passed, %d failed\n", r.passed, r.failed);
-        return r.failed ? 1 : 0;
+    if (section("matmul kernels", argc, argv)) test_gemm_paths(&r);
+    if (section("the matmul paths of a build for any x86-64 (no -march=native)", argc, argv))
+        run_child_tests(&r, "./build/test_portable 'matmul kernels'");
+    if (section("PyTorch reference (fp32)", argc, argv)) {
+        test_reference(&r, "test-gpt2");
+        test_reference(&r, "test-pythia");
+        test_reference(&r, "test-llama");
+        test_reference(&r, "test-falcon");
+        test_reference(&r, "test-llama31");
     }
-    printf("matmul kernels\n");
-    test_gemm_paths(&r);
-    if (getenv("LG_TEST_ONLY_GEMM")) { /* LG_TEST_ONLY_GEMM=1 ./tests/test: just these */
-        printf("%d passed, %d failed\n", r.passed, r.failed);
-        return r.failed ? 1 : 0;
+    if (section("configs", argc, argv)) {
+        test_config_param_counts(&r);
+        test_config_errors(&r);
+        test_rope_adjustments(&r);
     }
-    printf("matmul kernels, built for any x86-64 (no -march=native)\n");
-    run_child_tests(&r, "LG_TEST_ONLY_GEMM=1 ./build/test_portable");
-    printf("PyTorch reference (fp32)\n");
-    test_reference(&r, "test-gpt2");
-    test_reference(&r, "test-pythia");
-    test_reference(&r, "test-llama");
-    test_reference(&r, "test-falcon");
-    test_reference(&r, "test-llama31");
-    printf("configs\n");
-    test_config_param_counts(&r);
-    test_config_errors(&r);
-    test_rope_adjustments(&r);
-    printf("data\n");
-    test_shards(&r);
-    printf("optimizers\n");
-    test_optimizer_math(&r);
-    test_clipping(&r);
-    test_optimizer_elements(&r);
-    test_lion_trains(&r);
-    test_sophia_trains(&r);
-    test_quantization(&r);
-    test_compact_state_trains(&r);
-    test_optimizer_state_bytes(&r);
-    printf("training\n");
-    test_accumulation(&r);
-    test_determinism(&r);
-    test_families_memorise(&r);
-    printf("checkpoints\n");
-    test_checkpoints(&r);
-    printf("command line\n");
-    test_cli(&r);
-    printf("precision\n");
-    test_conversions(&r);
-    test_stochastic_rounding(&r);
-    test_stochastic_rounding_learns(&r);
-    test_precisions_train(&r);
-    test_precision_memory(&r);
-    test_loss_scaler(&r);
-    printf("recompute and offload\n");
-    test_recompute_offload_bitwise(&r);
-    test_recompute_offload_memory(&r);
-    printf("memory plan\n");
-    test_plan_matches_allocations(&r);
-    test_plan_large_models(&r);
-    test_memory_limit(&r);
-    test_auto_micro_batch(&r);
-    test_plan_cli(&r);
-    test_data_all(&r);
-    test_nf4_all(&r);
-    printf("devices and sharding\n");
-    test_sharding(&r);
-    test_lora_all(&r);
-    run_child_tests(&r, "./tests/test64");
-    run_emulated_cuda_tests(&r);
+    if (section("data", argc, argv)) test_shards(&r);
+    if (section("optimizers", argc, argv)) {
+        test_optimizer_math(&r);
+        test_clipping(&r);
+        test_optimizer_elements(&r);
+        test_lion_trains(&r);
+        test_sophia_trains(&r);
+        test_quantization(&r);
+        test_compact_state_trains(&r);
+        test_optimizer_state_bytes(&r);
+    }
+    if (section("training", argc, argv)) {
+        test_accumulation(&r);
+        test_determinism(&r);
+        test_families_memorise(&r);
+    }
+    if (section("checkpoints", argc, argv)) test_checkpoints(&r);
+    if (section("command line", argc, argv)) test_cli(&r);
+    if (section("first hour: the design card, configs, outputs, progress", argc, argv))
+        test_first_hour(&r);
+    if (section("precision", argc, argv)) {
+        test_conversions(&r);
+        test_stochastic_rounding(&r);
+        test_stochastic_rounding_learns(&r);
+        test_precisions_train(&r);
+        test_precision_memory(&r);
+        test_loss_scaler(&r);
+    }
+    if (section("recompute and offload", argc, argv)) {
+        test_recompute_offload_bitwise(&r);
+        test_recompute_offload_memory(&r);
+    }
+    if (section("memory plan", argc, argv)) {
+        test_plan_matches_allocations(&r);
+        test_plan_large_models(&r);
+        test_memory_limit(&r);
+        test_auto_micro_batch(&r);
+        test_plan_cli(&r);
+    }
+    if (section("data files: tokenizers, samples, readers", argc, argv)) test_data_all(&r);
+    if (section("nf4 (QLoRA's weight storage)", argc, argv)) test_nf4_all(&r);
+    if (section("devices and sharding", argc, argv)) test_sharding(&r);
+    if (section("LoRA and QLoRA", argc, argv)) test_lora_all(&r);
+    if (section("gradients in double precision", argc, argv)) run_child_tests(&r, "./tests/test64");
+    if (section("CUDA backend, emulated on the CPU", argc, argv)) run_emulated_cuda_tests(&r);
     printf("%d passed, %d failed\n", r.passed, r.failed);
     return r.failed ? 1 : 0;
 }

@@ -814,7 +814,7 @@ static void test_prepare_tool(results *r) {
     expect_cli(r, "-c test-gpt2 --data build/ft-long.bin --max-steps 1", 2,
                "sample 1 has 20 tokens, more than the model's block_size 16");
     expect_cli(r, "-c test-gpt2 --data build/ft-long.bin -t 12 --max-steps 2 -b 2 --eval-iters 1", 0,
-               "the longest truncated to -t: 12 tokens");
+               "the longest 12 tokens (-t 12 caps them)");
     expect_cli(r, "-c test-gpt2 --data build/ft-long.bin --val-data build/u16.bin", 2,
                "one is a token shard, the other fine-tuning samples");
     expect_cli(r, "-t 9 --max-steps 2", 0, "sample: litgpt=");
