@@ -142,11 +142,7 @@ tools/bench: tools/bench.c $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tools/bench.c -o $@ $(LDLIBS)
 
 # litgpt.h must stay valid C++ (the CUDA build compiles train.c as CUDA C++)
-<<<<<<< HEAD
-test: train tests/test tests/test64 build/test_portable tools/prepare tools/lora_memory tokenizers build/test_cuda_emulator build/test_cuda_emulated build/train_emulated
-=======
-test: train tests/test tests/test64 tools/prepare tokenizers build/test_cuda_emulator build/test_cuda_emulated build/train_emulated $(if $(NVCC),build/cuda_compiles)
->>>>>>> firsthour
+test: train tests/test tests/test64 build/test_portable tools/prepare tools/lora_memory tokenizers build/test_cuda_emulator build/test_cuda_emulated build/train_emulated $(if $(NVCC),build/cuda_compiles)
 	g++ -x c++ -std=c++17 -Wall -Wextra -Werror -fsyntax-only $(OPENMP) train.c
 	@[ -n "$(NVCC)" ] || echo "nvcc not found: CUDA build not checked"
 	./tests/test
