@@ -715,7 +715,9 @@ void lg_rank_sync(const lg_rank *rank);
 /* Collectives over the members of a group, one buffer per member in member order: the shape of
    NCCL's grouped calls made from one thread. `comm` is the group's NCCL communicators on GPUs
    (lg_comm_create); NULL runs them in this process on host-visible memory: sums in lg_real,
-   member by member in order, rounded once to the buffers' type. */
+   member by member in order, rounded once to the buffers' type. CPU ranks in several processes
+   (an MPI build): `comm` is the group's MPI communicator (lg_mpi_comm_create), n the members
+   this process drives and bufs theirs; sums in double, rounded once to the buffers' type. */
 typedef struct lg_comm lg_comm;
 /* bufs[m] (count) = the sum over members of bufs */
 void lg_all_reduce_sum(lg_comm *comm, int n, lg_buf *bufs, size_t count);
@@ -742,6 +744,16 @@ void lg_rank_await(const lg_rank *rank, int signal);
 /* The NCCL communicators of n GPU ranks (NULL with err set when they cannot be made). */
 lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err);
 void lg_comm_free(lg_comm *comm);
+/* CPU ranks in several processes (an MPI build without CUDA): the group of `members` ranks
+   spread over several processes, of which this one drives `local` consecutive members from
+   member first_local (local 0: none; *comm stays NULL). Every process calls it for every such
+   group in the same order. lg_comm_free frees it. */
+int lg_mpi_comm_create(lg_comm **comm, int members, int first_local, int local, lg_error *err);
+/* Host numbers over all processes, through a group of every rank (NULL: one process, nothing
+   to do): values = their sum over processes, in double; */
+void lg_comm_sum_doubles(lg_comm *comm, double *values, int count);
+/* values (processes, per_process): each process fills its own block, then holds everyone's. */
+void lg_comm_gather_doubles(lg_comm *comm, double *values, int per_process);
 
 /* GPUs visible to a CUDA build (0 in a CPU build). */
 int lg_cuda_device_count(void);
@@ -756,6 +768,46 @@ int lg_cuda_measure_runtime(int devices, int communicators, size_t *runtime_byte
 int lg_cuda_memory(int device, size_t *free_bytes, size_t *total_bytes, lg_error *err);
 /* the peer access between GPUs 0..devices-1 as a table on out; 1 when every pair is direct. */
 int lg_cuda_report_topology(int devices, FILE *out);
+
+/* Processes. Without a launcher one process drives every rank. Under one (mpirun, srun,
+   torchrun) each of `processes` processes drives `local_ranks` consecutive ranks, from
+   first_rank: one each (a process per GPU or CPU rank), or `devices` each (a process per node).
+   lg_launch_from_env reads the launcher's variables, the first that is set in this order:
+     torchrun      TORCHELASTIC_RUN_ID with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+                   GROUP_RANK (the node)
+     Slurm (srun)  SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID
+     Open MPI      OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE
+     MPICH (Hydra) PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS
+   (the node, where not given: process / processes on a node). A builds with MPI then joins
+   MPI_COMM_WORLD (lg_launch_start) and checks that MPI sees the same world. */
+typedef struct {
+    const char *launcher;  /* "torchrun", "Slurm", "Open MPI", "MPICH", or NULL: none */
+    int process, processes;             /* this process among all; 0 of 1 without a launcher */
+    int local_process, local_processes; /* among those on its node */
+    int node;
+    int first_rank, local_ranks;        /* the ranks it drives (lg_launch_place) */
+    int mpi;                            /* 1 once it joined MPI_COMM_WORLD (lg_launch_start) */
+} lg_launch;
+
+/* Reads the environment (no launcher: one process of 1); a variable that is not a number, or
+   a rank outside its world, is an error naming it. */
+int lg_launch_from_env(lg_launch *launch, lg_error *err);
+/* Which ranks this process drives, for devices x nodes ranks: processes = devices x nodes
+   (one rank each) or = nodes (devices each); else an error naming the numbers. */
+int lg_launch_place(lg_launch *launch, int devices, int nodes, lg_error *err);
+/* Several processes in an MPI build: MPI_Init, and MPI's world must be the launcher's (a
+   launcher and an MPI library that do not match make every process rank 0). Nothing to do in
+   one process. lg_launch_finish: MPI_Finalize when started. */
+int lg_launch_start(lg_launch *launch, lg_error *err);
+void lg_launch_finish(lg_launch *launch);
+/* Every process compares its n items (flags, data) with process 0's; the first that differs
+   anywhere is an error on every process naming the process, the item and both values. */
+int lg_launch_same(const lg_launch *launch, const char *const *items, int n, lg_error *err);
+/* Stops every process at once with `code` when this one joined MPI (MPI_Abort: the launcher
+   ends the others and names this one), else exits with it. */
+void lg_launch_abort(int code);
+/* 1 when the build has MPI (built by mpicc: make says so). */
+int lg_launch_has_mpi(void);
 
 /* ---------------------------------------------------------------------------------------------
    10. data (API)
@@ -1142,7 +1194,14 @@ typedef struct lg_trainer {
     lg_plan plan;
     lg_args args;
     int n_ranks;               /* devices x nodes */
-    lg_trainer_rank *ranks;    /* (n_ranks) */
+    /* the ranks this process drives: ranks[i] is rank first_rank + i (every rank without a
+       launcher; lg_launch_place) */
+    int first_rank, local_ranks;
+    int process;               /* this process; 0 (whose files and output count) without one */
+    lg_trainer_rank *ranks;    /* (local_ranks) */
+    size_t step_tokens;        /* rows x their length of the step's micro-batches, all ranks */
+    int *other_tokens;         /* (2, B, T): where the micro-batches of other processes' ranks
+                                  are read (their targets counted) and dropped; NULL in one */
     int block_slots;           /* gather_blocks slots: 2 or 1 */
     int accumulation;          /* micro-batches per optimizer step and rank */
     /* GPUs: the NCCL communicators of shard group q (shard_comm[q], members q S + i), of
@@ -1151,6 +1210,9 @@ typedef struct lg_trainer {
     lg_comm *shard_comm[LG_MAX_RANKS];
     lg_comm *replica_comm[LG_MAX_RANKS];
     lg_comm *world_comm;
+    /* CPU ranks in several processes: every rank's MPI group (the step's loss and norm,
+       checkpoints); NULL in one process */
+    lg_comm *process_comm;
     /* dynamic loss scaling (16-true, 16-mixed), as PyTorch's GradScaler */
     int scaling;        /* 1 in the fp16 precisions */
     float loss_scale;   /* multiplies the loss before the backward: 2^16 at the start */
@@ -1170,6 +1232,10 @@ typedef struct {
 
 int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args, int T,
                       lg_error *err);
+/* The same in one of several processes (launch: lg_launch_place and lg_launch_start done): it
+   drives the launch's ranks; every process calls every trainer function in the same order. */
+int lg_trainer_create_in(lg_trainer *tr, const lg_config *cfg, const lg_args *args, int T,
+                         const lg_launch *launch, lg_error *err);
 /* One optimizer step: reads all micro-batches (micro-batch i of rank r is the (i ranks + r)-th
    of the step, so any number of ranks sees the samples one rank would), accumulates gradients
    of the global mean loss, clips by the global norm, updates every shard. Fails (without
@@ -1210,6 +1276,9 @@ int lg_comms_per_rank(const lg_args *args);
 #include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#ifdef LG_MPI /* CPU ranks in several processes, start-up under a launcher (make: mpicc found) */
+#include <mpi.h>
 #endif
 #include <dirent.h> /* POSIX: the step-N directories of checkpoints */
 #include <fcntl.h> /* POSIX: open, write, fsync, mkdir for atomic checkpoint files */
@@ -4265,7 +4334,9 @@ lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err) {
     return NULL;
 }
 
+#ifndef LG_MPI
 void lg_comm_free(lg_comm *comm) { (void)comm; }
+#endif
 #endif
 
 int lg_rank_create(lg_rank *rank, const lg_plan *plan, int index, lg_error *err) {
@@ -4332,15 +4403,366 @@ void lg_rank_sync(const lg_rank *rank) {
 #endif
 }
 
-/* A group with communicators runs on the GPUs (litgpt_cuda.cuh, part j). */
-#ifdef LG_CUDA
-#define LG_ON_COMM(comm, call) do { if (comm) { call; return; } } while (0)
+/* --- processes: the launcher's environment, MPI -------------------------------------------- */
+
+/* A launcher's variable as a non-negative integer: 1 when set and read, 0 when unset, -1 (with
+   err) when it is not a number. */
+static int lg_env_int(const char *name, int *value, lg_error *err) {
+    const char *text = getenv(name);
+    if (!text || !*text) return 0;
+    char *end;
+    long v = strtol(text, &end, 10);
+    if (*end != '\0' || v < 0 || v > 1000000)
+        return lg_fail(err, "the launcher's %s='%s' is not a rank or a count", name, text);
+    *value = (int)v;
+    return 1;
+}
+
+/* The variables one launcher sets; node NULL: derived from the processes on a node. */
+typedef struct {
+    const char *launcher, *marker; /* marker: set when this launcher started the process */
+    const char *process, *processes, *local_process, *local_processes, *node;
+} lg_launcher_vars;
+
+static const lg_launcher_vars lg_launchers[] = {
+    {"torchrun", "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+     "GROUP_RANK"},
+    {"Slurm", "SLURM_PROCID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", NULL,
+     "SLURM_NODEID"},
+    {"Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", NULL},
+    {"MPICH", "PMI_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", NULL},
+};
+
+static int lg_launch_read(lg_launch *l, const lg_launcher_vars *v, lg_error *err) {
+    l->launcher = v->launcher;
+    int got[5] = {0, 0, 0, 0, 0};
+    if ((got[0] = lg_env_int(v->process, &l->process, err)) < 0 ||
+        (got[1] = lg_env_int(v->processes, &l->processes, err)) < 0 ||
+        (got[2] = lg_env_int(v->local_process, &l->local_process, err)) < 0 ||
+        (v->local_processes && (got[3] = lg_env_int(v->local_processes, &l->local_processes, err)) < 0) ||
+        (v->node && (got[4] = lg_env_int(v->node, &l->node, err)) < 0))
+        return -1;
+    if (!got[0] || !got[1])
+        return lg_fail(err, "%s started this process (%s is set) but %s or %s is missing",
+                       v->launcher, v->marker, v->process, v->processes);
+    if (l->processes < 1 || l->process >= l->processes)
+        return lg_fail(err, "%s: process %s=%d is outside the world %s=%d", v->launcher,
+                       v->process, l->process, v->processes, l->processes);
+    if (!got[2]) l->local_process = 0;
+    if (!got[3]) l->local_processes = 0; /* unknown: Slurm's tasks per node vary */
+    if (!got[4]) l->node = l->local_processes ? l->process / l->local_processes : 0;
+    return 0;
+}
+
+int lg_launch_from_env(lg_launch *l, lg_error *err) {
+    memset(l, 0, sizeof *l);
+    l->processes = l->local_processes = 1;
+    l->local_ranks = 0;
+    for (size_t i = 0; i < sizeof lg_launchers / sizeof lg_launchers[0]; i++)
+        if (getenv(lg_launchers[i].marker)) return lg_launch_read(l, &lg_launchers[i], err);
+    return 0;
+}
+
+int lg_launch_place(lg_launch *l, int devices, int nodes, lg_error *err) {
+    int world = devices * nodes;
+    if (l->processes == 1) {
+        l->first_rank = 0;
+        l->local_ranks = world;
+        return 0;
+    }
+    if (l->processes == world) l->local_ranks = 1;
+    else if (l->processes == nodes) l->local_ranks = devices;
+    else
+        return lg_fail(err, "%s started %d processes, but -d %d x --nodes %d is %d ranks: start "
+                            "%d processes (one a rank) or %d (one a node)", l->launcher,
+                       l->processes, devices, nodes, world, world, nodes);
+    l->first_rank = l->process * l->local_ranks;
+    return 0;
+}
+
+#ifdef LG_MPI
+int lg_launch_has_mpi(void) { return 1; }
+
+int lg_launch_start(lg_launch *l, lg_error *err) {
+    if (l->processes == 1) return 0;
+    int ready = 0, size = 0, rank = 0;
+    MPI_Initialized(&ready);
+    if (!ready && MPI_Init(NULL, NULL) != MPI_SUCCESS)
+        return lg_fail(err, "MPI_Init failed under %s", l->launcher);
+    l->mpi = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (size != l->processes || rank != l->process)
+        return lg_fail(err, "%s says process %d of %d, MPI says %d of %d: the launcher and the MPI "
+                            "library do not match (start with this MPI's mpirun)",
+                       l->launcher, l->process, l->processes, rank, size);
+    return 0;
+}
+
+void lg_launch_finish(lg_launch *l) {
+    if (l->mpi) MPI_Finalize();
+    l->mpi = 0;
+}
+
+void lg_launch_abort(int code) {
+    int started = 0, finished = 0;
+    fflush(stdout);
+    fflush(stderr);
+    MPI_Initialized(&started);
+    MPI_Finalized(&finished);
+    if (started && !finished) MPI_Abort(MPI_COMM_WORLD, code);
+    exit(code);
+}
+
+/* Process 0's items (lengths, then the bytes) reach every process. */
+static char *lg_launch_broadcast_items(const char *const *items, int n, int is_root, int *lengths) {
+    long total = 0;
+    for (int i = 0; i < n; i++) {
+        if (is_root) lengths[i] = (int)strlen(items[i]);
+    }
+    MPI_Bcast(lengths, n, MPI_INT, 0, MPI_COMM_WORLD);
+    for (int i = 0; i < n; i++) total += lengths[i] + 1;
+    char *text = (char *)lg_alloc_zeroed((size_t)total + 1);
+    if (!text) return NULL;
+    if (is_root)
+        for (long i = 0, at = 0; i < n; at += lengths[i] + 1, i++) memcpy(text + at, items[i], (size_t)lengths[i]);
+    MPI_Bcast(text, (int)total, MPI_CHAR, 0, MPI_COMM_WORLD);
+    return text;
+}
+
+int lg_launch_same(const lg_launch *l, const char *const *items, int n, lg_error *err) {
+    if (!l->mpi) return 0;
+    int counts[2] = {n, -n}, extremes[2];
+    MPI_Allreduce(counts, extremes, 2, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    int n_common = n < extremes[0] ? n : extremes[0];
+    int *lengths = (int *)lg_alloc_zeroed(sizeof(int) * (size_t)(extremes[0] + 1));
+    char *root = lengths ? lg_launch_broadcast_items(items, n_common, l->process == 0, lengths) : NULL;
+    /* the first item that differs here (n_common + 1: none), then the first anywhere */
+    int differs = n != extremes[0] || n != -extremes[1] ? n_common : n_common + 1;
+    for (long i = 0, at = 0; root && i < n_common; at += lengths[i] + 1, i++)
+        if (strcmp(root + at, items[i]) != 0) {
+            differs = (int)i;
+            break;
+        }
+    int first = differs;
+    MPI_Allreduce(&differs, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    int rc = 0;
+    if (!root) rc = lg_fail(err, "out of host memory for the start-up check");
+    else if (first <= n_common) {
+        /* the lowest process at fault names it */
+        int me = differs == first ? l->process : l->processes, culprit = me;
+        MPI_Allreduce(&me, &culprit, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+        long at = 0;
+        for (int i = 0; i < first && i < n_common; i++) at += lengths[i] + 1;
+        if (first == n_common)
+            rc = lg_fail(err, "process %d was started with other flags than process 0 (%d items "
+                              "here, %d to %d among the processes)", culprit, n, -extremes[1],
+                         extremes[0]);
+        else if (culprit == l->process)
+            rc = lg_fail(err, "this process was started with '%s' where process 0 has '%s'; "
+                              "every process needs the same flags and data", items[first], root + at);
+        else
+            rc = lg_fail(err, "process %d was started with other flags or data than process 0 "
+                              "(it differs at '%s')", culprit, root + at);
+    }
+    LG_FREE(root);
+    LG_FREE(lengths);
+    return rc;
+}
 #else
-#define LG_ON_COMM(comm, call) (void)(comm)
+int lg_launch_has_mpi(void) { return 0; }
+
+int lg_launch_start(lg_launch *l, lg_error *err) {
+    if (l->processes == 1) return 0;
+    return lg_fail(err, "%s started %d processes, but this build has no MPI to join them (build "
+                        "with mpicc present: apt-get install openmpi-bin libopenmpi-dev, then "
+                        "make)", l->launcher, l->processes);
+}
+
+void lg_launch_finish(lg_launch *l) { (void)l; }
+
+void lg_launch_abort(int code) {
+    fflush(stdout);
+    exit(code);
+}
+
+int lg_launch_same(const lg_launch *l, const char *const *items, int n, lg_error *err) {
+    (void)l;
+    (void)items;
+    (void)n;
+    (void)err;
+    return 0;
+}
+#endif
+
+/* --- CPU ranks in several processes: the collectives over MPI --------------------------------- */
+
+#if defined(LG_MPI) && !defined(LG_CUDA)
+#define LG_MPI_RANKS 1
+#define LG_MPI_CHUNK (1 << 20) /* doubles a sum moves at once: the scratch of each group */
+
+/* A group whose members live in several processes; this one drives `local` consecutive
+   members from first_local, and is process first_local / local of the group. */
+struct lg_comm {
+    MPI_Comm mpi;
+    int members, first_local, local;
+    double *send, *recv; /* (LG_MPI_CHUNK) each */
+};
+
+int lg_mpi_comm_create(lg_comm **comm, int members, int first_local, int local, lg_error *err) {
+    MPI_Comm group;
+    *comm = NULL;
+    /* the key orders the group's processes as their members */
+    MPI_Comm_split(MPI_COMM_WORLD, local ? 0 : MPI_UNDEFINED, first_local, &group);
+    if (!local) return 0;
+    lg_comm *c = (lg_comm *)lg_alloc_zeroed(sizeof(lg_comm));
+    if (c) {
+        c->send = (double *)LG_MALLOC(sizeof(double) * LG_MPI_CHUNK);
+        c->recv = (double *)LG_MALLOC(sizeof(double) * LG_MPI_CHUNK);
+    }
+    if (!c || !c->send || !c->recv) {
+        if (c) LG_FREE(c->send), LG_FREE(c->recv);
+        LG_FREE(c);
+        MPI_Comm_free(&group);
+        return lg_fail(err, "out of host memory for an MPI group");
+    }
+    c->mpi = group;
+    c->members = members;
+    c->first_local = first_local;
+    c->local = local;
+    int size = 0;
+    MPI_Comm_size(group, &size);
+    if (size * local != members) {
+        lg_comm_free(c);
+        return lg_fail(err, "an MPI group of %d members over %d processes: each must drive the "
+                            "same number (here %d)", members, size, local);
+    }
+    *comm = c;
+    return 0;
+}
+
+void lg_comm_free(lg_comm *c) {
+    if (!c) return;
+    MPI_Comm_free(&c->mpi);
+    LG_FREE(c->send);
+    LG_FREE(c->recv);
+    LG_FREE(c);
+}
+
+/* The buffers' element as an MPI type (bytes of the storage type); the caller frees it. */
+static MPI_Datatype lg_mpi_type_of(lg_dtype dtype) {
+    MPI_Datatype t;
+    MPI_Type_contiguous((int)lg_elem_size(dtype), MPI_BYTE, &t);
+    MPI_Type_commit(&t);
+    return t;
+}
+
+static void lg_mpi_all_reduce_sum(lg_comm *c, int n, lg_buf *bufs, size_t count) {
+    for (size_t start = 0; start < count; start += LG_MPI_CHUNK) {
+        int len = (int)(count - start < LG_MPI_CHUNK ? count - start : LG_MPI_CHUNK);
+        for (int k = 0; k < len; k++) {
+            double sum = 0;
+            for (int m = 0; m < n; m++) sum += lg_get(bufs[m], start + (size_t)k);
+            c->send[k] = sum;
+        }
+        MPI_Allreduce(c->send, c->recv, len, MPI_DOUBLE, MPI_SUM, c->mpi);
+        for (int m = 0; m < n; m++)
+            for (int k = 0; k < len; k++) lg_set(bufs[m], start + (size_t)k, (lg_real)c->recv[k]);
+    }
+}
+
+/* Chunk by chunk of every piece: the send buffer holds (members, len) sums of this process's
+   wholes; the process receives (local, len), its members' places. */
+static void lg_mpi_reduce_scatter_sum(lg_comm *c, int n, const lg_buf *whole, lg_buf *piece,
+                                      size_t piece_count) {
+    size_t chunk = LG_MPI_CHUNK / (size_t)c->members;
+    for (size_t start = 0; start < piece_count; start += chunk) {
+        int len = (int)(piece_count - start < chunk ? piece_count - start : chunk);
+        for (int i = 0; i < c->members; i++)
+            for (int k = 0; k < len; k++) {
+                double sum = 0;
+                for (int m = 0; m < n; m++) sum += lg_get(whole[m], (size_t)i * piece_count + start + (size_t)k);
+                c->send[(size_t)i * len + k] = sum;
+            }
+        MPI_Reduce_scatter_block(c->send, c->recv, n * len, MPI_DOUBLE, MPI_SUM, c->mpi);
+        for (int m = 0; m < n; m++)
+            for (int k = 0; k < len; k++)
+                lg_set(piece[m], start + (size_t)k, (lg_real)c->recv[(size_t)m * len + k]);
+    }
+}
+
+/* The local pieces go to their places in the first local whole, MPI gathers the others' in
+   place (counts in elements: a unit's piece is far below INT_MAX), the other local wholes copy
+   it. */
+static void lg_mpi_all_gather(lg_comm *c, int n, const lg_buf *piece, lg_buf *whole,
+                              size_t piece_count) {
+    for (int m = 0; m < n; m++) {
+        lg_buf place = lg_at(whole[0], (size_t)(c->first_local + m) * piece_count);
+        if (place.data != piece[m].data) lg_copy(NULL, place, piece[m], piece_count);
+    }
+    MPI_Datatype t = lg_mpi_type_of(whole[0].dtype);
+    MPI_Allgather(MPI_IN_PLACE, 0, t, whole[0].data, (int)((size_t)n * piece_count), t, c->mpi);
+    MPI_Type_free(&t);
+    for (int m = 1; m < n; m++) lg_copy(NULL, whole[m], whole[0], (size_t)c->members * piece_count);
+}
+
+static void lg_mpi_broadcast(lg_comm *c, int n, int root, lg_buf *bufs, size_t count) {
+    int root_process = root / c->local, here = root - c->first_local;
+    lg_buf src = here >= 0 && here < n ? bufs[here] : bufs[0];
+    MPI_Datatype t = lg_mpi_type_of(src.dtype);
+    const size_t most = (size_t)1 << 30;
+    for (size_t start = 0; start < count; start += most) {
+        size_t len = count - start < most ? count - start : most;
+        MPI_Bcast(lg_at(src, start).data, (int)len, t, root_process, c->mpi);
+    }
+    MPI_Type_free(&t);
+    for (int m = 0; m < n; m++)
+        if (bufs[m].data != src.data) lg_copy(NULL, bufs[m], src, count);
+}
+
+void lg_comm_sum_doubles(lg_comm *c, double *values, int count) {
+    if (c) MPI_Allreduce(MPI_IN_PLACE, values, count, MPI_DOUBLE, MPI_SUM, c->mpi);
+}
+
+void lg_comm_gather_doubles(lg_comm *c, double *values, int per_process) {
+    if (c) MPI_Allgather(MPI_IN_PLACE, 0, MPI_DOUBLE, values, per_process, MPI_DOUBLE, c->mpi);
+}
+#else
+int lg_mpi_comm_create(lg_comm **comm, int members, int first_local, int local, lg_error *err) {
+    (void)members;
+    (void)first_local;
+    *comm = NULL;
+    return local ? lg_fail(err, "CPU ranks in several processes need an MPI build without CUDA "
+                                "(make cpu with mpicc present)") : 0;
+}
+
+void lg_comm_sum_doubles(lg_comm *comm, double *values, int count) {
+    (void)comm;
+    (void)values;
+    (void)count;
+}
+
+void lg_comm_gather_doubles(lg_comm *comm, double *values, int per_process) {
+    (void)comm;
+    (void)values;
+    (void)per_process;
+}
+#endif
+
+/* A group with communicators runs on the GPUs (litgpt_cuda.cuh, part j), or over MPI
+   (processes, below). */
+#ifdef LG_CUDA
+#define LG_ON_COMM(comm, call, mpi_call) do { if (comm) { call; return; } } while (0)
+#elif defined(LG_MPI)
+#define LG_ON_COMM(comm, call, mpi_call) do { if (comm) { mpi_call; return; } } while (0)
+#else
+#define LG_ON_COMM(comm, call, mpi_call) (void)(comm)
 #endif
 
 void lg_all_reduce_sum(lg_comm *comm, int n, lg_buf *bufs, size_t count) {
-    LG_ON_COMM(comm, lg_cuda_all_reduce_sum(comm, bufs, count));
+    LG_ON_COMM(comm, lg_cuda_all_reduce_sum(comm, bufs, count),
+               lg_mpi_all_reduce_sum(comm, n, bufs, count));
     LG_OMP(omp parallel for)
     for (long k = 0; k < (long)count; k++) {
         lg_real sum = 0;
@@ -4351,7 +4773,8 @@ void lg_all_reduce_sum(lg_comm *comm, int n, lg_buf *bufs, size_t count) {
 
 void lg_reduce_scatter_sum(lg_comm *comm, int n, const lg_buf *whole, lg_buf *piece,
                            size_t piece_count) {
-    LG_ON_COMM(comm, lg_cuda_reduce_scatter_sum(comm, whole, piece, piece_count));
+    LG_ON_COMM(comm, lg_cuda_reduce_scatter_sum(comm, whole, piece, piece_count),
+               lg_mpi_reduce_scatter_sum(comm, n, whole, piece, piece_count));
     for (int i = 0; i < n; i++) {
         size_t start = (size_t)i * piece_count;
         LG_OMP(omp parallel for)
@@ -4364,7 +4787,8 @@ void lg_reduce_scatter_sum(lg_comm *comm, int n, const lg_buf *whole, lg_buf *pi
 }
 
 void lg_all_gather(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole, size_t piece_count) {
-    LG_ON_COMM(comm, lg_cuda_all_gather(comm, piece, whole, piece_count));
+    LG_ON_COMM(comm, lg_cuda_all_gather(comm, piece, whole, piece_count),
+               lg_mpi_all_gather(comm, n, piece, whole, piece_count));
     for (int m = 0; m < n; m++)
         for (int i = 0; i < n; i++) {
             lg_buf place = lg_at(whole[m], (size_t)i * piece_count);
@@ -4374,14 +4798,16 @@ void lg_all_gather(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole, siz
 
 void lg_all_gather_async(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole,
                          size_t piece_count, int signal) {
-    LG_ON_COMM(comm, lg_cuda_all_gather_async(comm, piece, whole, piece_count, signal));
+    LG_ON_COMM(comm, lg_cuda_all_gather_async(comm, piece, whole, piece_count, signal),
+               lg_mpi_all_gather(comm, n, piece, whole, piece_count));
     lg_all_gather(NULL, n, piece, whole, piece_count);
     (void)signal;
 }
 
 void lg_reduce_scatter_sum_async(lg_comm *comm, int n, const lg_buf *whole, lg_buf *piece,
                                  size_t piece_count, int signal) {
-    LG_ON_COMM(comm, lg_cuda_reduce_scatter_sum_async(comm, whole, piece, piece_count, signal));
+    LG_ON_COMM(comm, lg_cuda_reduce_scatter_sum_async(comm, whole, piece, piece_count, signal),
+               lg_mpi_reduce_scatter_sum(comm, n, whole, piece, piece_count));
     lg_reduce_scatter_sum(NULL, n, whole, piece, piece_count);
     (void)signal;
 }
@@ -4395,7 +4821,8 @@ void lg_rank_await(const lg_rank *rank, int signal) {
 }
 
 void lg_broadcast(lg_comm *comm, int n, int root, lg_buf *bufs, size_t count) {
-    LG_ON_COMM(comm, lg_cuda_broadcast(comm, root, bufs, count));
+    LG_ON_COMM(comm, lg_cuda_broadcast(comm, root, bufs, count),
+               lg_mpi_broadcast(comm, n, root, bufs, count));
     for (int m = 0; m < n; m++)
         if (m != root) lg_copy(NULL, bufs[m], bufs[root], count);
 }
@@ -7637,7 +8064,7 @@ static int lg_whole_state_make(const lg_trainer *tr, lg_whole_state *w, lg_error
    are. */
 static void lg_copy_state_to_replicas(lg_trainer *tr) {
     const lg_rank_plan *plan0 = &tr->plan.ranks[0];
-    for (int r = 1; r < tr->n_ranks; r++)
+    for (int r = 1; r < tr->local_ranks; r++)
         for (int i = 0; i < plan0->n_regions; i++) {
             const lg_region *x = &plan0->regions[i];
             if (x->group != LG_GROUP_OPTIMIZER && x->group != LG_GROUP_MASTER) continue;
@@ -7648,14 +8075,17 @@ static void lg_copy_state_to_replicas(lg_trainer *tr) {
 
 /* Sharded: copies each rank's pieces into the whole buffers (to_whole, the members of shard
    group 0 suffice) or out of them (every rank, replicas included). Unsharded, reading: rank 0
-   holds the state, the replicas copy it. */
+   holds the state, the replicas copy it. In several processes each reads the files itself
+   (every process's first rank stands for rank 0), and the whole buffers, zero where another
+   process's pieces go, add up over the processes. */
 static void lg_whole_state_exchange(lg_trainer *tr, lg_whole_state *w, int to_whole) {
     if (!w->owned) {
         if (!to_whole) lg_copy_state_to_replicas(tr);
         return;
     }
     lg_buf whole[3] = {lg_buf_of(w->opt.master), w->opt.m, w->opt.v};
-    for (int r = 0; r < (to_whole ? tr->plan.sharding.shard_ranks : tr->n_ranks); r++) {
+    for (int r = 0; r < tr->local_ranks; r++) {
+        if (to_whole && tr->first_rank + r >= tr->plan.sharding.shard_ranks) break;
         lg_optimizer *opt = &tr->ranks[r].opt;
         const lg_tensor_table *local = tr->ranks[r].model.local;
         lg_buf shard[3] = {lg_buf_of(opt->master), opt->m, opt->v};
@@ -7667,6 +8097,8 @@ static void lg_whole_state_exchange(lg_trainer *tr, lg_whole_state *w, int to_wh
         }
         lg_rank_sync(&tr->ranks[r].rank);
     }
+    for (int k = 0; k < 3 && to_whole && tr->process_comm; k++)
+        if (whole[k].data) lg_all_reduce_sum(tr->process_comm, 1, &whole[k], tr->ranks[0].model.n_params);
 }
 
 static int lg_state_fill(void *ctx, int index, unsigned char *out, lg_error *err) {
@@ -7747,6 +8179,10 @@ int lg_training_state_write(lg_trainer *tr, const lg_loader *data, int step,
     lg_whole_state w;
     if (lg_whole_state_make(tr, &w, err) != 0) return -1;
     lg_whole_state_exchange(tr, &w, 1);
+    if (tr->process != 0) { /* process 0 writes */
+        LG_FREE(w.owned);
+        return 0;
+    }
     lg_state_view *views = NULL;
     int n = 0;
     if (lg_state_views(&w.opt, w.table, data, &views, &n) != 0) {
@@ -7846,7 +8282,7 @@ int lg_training_state_read(lg_trainer *tr, lg_loader *data, int *step, const cha
     if (rc != 0) return -1;
     uint32_t scale_bits = (uint32_t)v[2];
     *step = (int)v[0];
-    for (int r = 0; r < tr->n_ranks; r++) tr->ranks[r].opt.t = (int)v[1];
+    for (int r = 0; r < tr->local_ranks; r++) tr->ranks[r].opt.t = (int)v[1];
     memcpy(&tr->loss_scale, &scale_bits, 4);
     tr->clean_steps = (int)v[3];
     if (data) {
@@ -7864,13 +8300,21 @@ int lg_training_state_read(lg_trainer *tr, lg_loader *data, int *step, const cha
 static int lg_trainer_write_model(lg_trainer *tr, const char *dir, lg_file_digest *digests,
                                   lg_error *err) {
     const lg_model *m0 = &tr->ranks[0].model;
-    if (!m0->weights_gathered) return lg_hf_write_model(m0, dir, digests, err);
+    if (!m0->weights_gathered) return tr->process == 0 ? lg_hf_write_model(m0, dir, digests, err) : 0;
     lg_model whole = *m0;
     whole.params.data = LG_MALLOC(m0->n_params * lg_elem_size(m0->params.dtype) + 1);
     if (!whole.params.data) return lg_fail(err, "out of host memory for the weights");
     lg_trainer_weights(tr, whole.params);
-    int rc = lg_hf_write_model(&whole, dir, digests, err);
+    int rc = tr->process == 0 ? lg_hf_write_model(&whole, dir, digests, err) : 0;
     LG_FREE(whole.params.data);
+    return rc;
+}
+
+/* Several processes: every one learns whether process 0 wrote (and waits until it has). */
+static int lg_checkpoint_outcome(lg_trainer *tr, int rc, lg_error *err) {
+    double failed = rc != 0;
+    lg_comm_sum_doubles(tr->process_comm, &failed, 1);
+    if (failed > 0 && rc == 0) return lg_fail(err, "process 0 could not write the checkpoint");
     return rc;
 }
 
@@ -7881,14 +8325,22 @@ int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const ch
     char dir[1100], path[1200];
     lg_file_digest digests[4];
     if (lg_checkpoint_supported(tr, err) != 0) return -1;
-    if (mkdir(out, 0755) != 0 && errno != EEXIST)
-        return lg_fail(err, "--out %s: cannot create the directory: %s", out, strerror(errno));
+    int writer = tr->process == 0; /* the others take part in the gathers */
+    if (writer && mkdir(out, 0755) != 0 && errno != EEXIST)
+        return lg_checkpoint_outcome(tr, lg_fail(err, "--out %s: cannot create the directory: %s",
+                                                 out, strerror(errno)), err);
     lg_format(dir, sizeof dir, "%s/step-%d", out, step);
     lg_format(path, sizeof path, "%s/" LG_TRAINING_STATE, dir);
-    if (lg_checkpoint_begin(dir, err) != 0 || lg_trainer_write_model(tr, dir, digests, err) != 0 ||
-        lg_training_state_write(tr, data, step, path, &digests[3], err) != 0)
-        return -1;
-    return lg_write_marker(dir, step, names, digests, 4, err);
+    /* each part's outcome reaches every process before the next part's collectives */
+    int rc = lg_checkpoint_outcome(tr, writer ? lg_checkpoint_begin(dir, err) : 0, err);
+    if (rc == 0) rc = lg_checkpoint_outcome(tr, lg_trainer_write_model(tr, dir, digests, err), err);
+    if (rc == 0)
+        rc = lg_checkpoint_outcome(tr, lg_training_state_write(tr, data, step, path, &digests[3], err),
+                                   err);
+    if (rc == 0)
+        rc = lg_checkpoint_outcome(tr, writer ? lg_write_marker(dir, step, names, digests, 4, err) : 0,
+                                   err);
+    return rc;
 }
 
 /* The checkpoint's architecture must be the trainer's. */
@@ -8010,6 +8462,19 @@ static lg_buf lg_unit_grads(const lg_trainer *tr, int r, int u) {
     return lg_at(tr_r->grad_blocks, (size_t)((u - 1) % 2) * lg_padded_unit(&tr->plan.shards, 1));
 }
 
+/* The members of a group (ranks first + m stride, m < count) that this process drives: their
+   indices in tr->ranks, in member order, into local; returns how many (all without a
+   launcher). */
+static int lg_trainer_group_local(const lg_trainer *tr, int first, int stride, int count,
+                                  int *local) {
+    int n = 0;
+    for (int m = 0; m < count; m++) {
+        int r = first + m * stride - tr->first_rank;
+        if (r >= 0 && r < tr->local_ranks) local[n++] = r;
+    }
+    return n;
+}
+
 /* Full-shard: all-gathers unit u's weights in every shard group and points the models' views
    at them; on GPUs the gather runs beside the compute until lg_trainer_await_unit(u). Nothing
    to do when every rank holds whole weights. */
@@ -8020,28 +8485,29 @@ static void lg_trainer_gather_unit(lg_trainer *tr, int u) {
     int S = sh->shard_ranks;
     lg_buf pieces[LG_MAX_RANKS], wholes[LG_MAX_RANKS];
     for (int q = 0; q < sh->replicas; q++) {
-        for (int i = 0; i < S; i++) {
-            int r = q * S + i;
-            pieces[i] = lg_at(tr->ranks[r].model.params, sl->piece_offset[u]);
-            wholes[i] = lg_unit_weights(tr, r, u);
+        int local[LG_MAX_RANKS], n = lg_trainer_group_local(tr, q * S, 1, S, local);
+        for (int i = 0; i < n; i++) {
+            pieces[i] = lg_at(tr->ranks[local[i]].model.params, sl->piece_offset[u]);
+            wholes[i] = lg_unit_weights(tr, local[i], u);
         }
-        lg_all_gather_async(tr->shard_comm[q], S, pieces, wholes, sl->piece_count[u],
-                            lg_unit_slot(tr, u));
+        if (n)
+            lg_all_gather_async(tr->shard_comm[q], n, pieces, wholes, sl->piece_count[u],
+                                lg_unit_slot(tr, u));
     }
-    for (int r = 0; r < tr->n_ranks; r++)
+    for (int r = 0; r < tr->local_ranks; r++)
         lg_model_point_unit(&tr->ranks[r].model, u, lg_unit_weights(tr, r, u), lg_no_buf());
 }
 
 /* Every rank's ops from here on wait for unit u's gathered weights (full-shard). */
 static void lg_trainer_await_unit(lg_trainer *tr, int u) {
     if (!tr->plan.sharding.weights_sharded) return;
-    for (int r = 0; r < tr->n_ranks; r++) lg_rank_await(&tr->ranks[r].rank, lg_unit_slot(tr, u));
+    for (int r = 0; r < tr->local_ranks; r++) lg_rank_await(&tr->ranks[r].rank, lg_unit_slot(tr, u));
 }
 
 /* Sharded gradients: points unit u's gradient views at a zeroed buffer of the whole unit. */
 static void lg_trainer_open_unit_grads(lg_trainer *tr, int u) {
     if (!tr->plan.sharding.grads_sharded) return;
-    for (int r = 0; r < tr->n_ranks; r++) {
+    for (int r = 0; r < tr->local_ranks; r++) {
         lg_buf g = lg_unit_grads(tr, r, u);
         lg_zero(&tr->ranks[r].model.exec, g, lg_padded_unit(&tr->plan.shards, u));
         lg_model_point_unit(&tr->ranks[r].model, u, lg_no_buf(), g);
@@ -8057,12 +8523,14 @@ static void lg_trainer_start_reduce(lg_trainer *tr, int u) {
     int S = sh->shard_ranks;
     lg_buf wholes[LG_MAX_RANKS], outs[LG_MAX_RANKS];
     for (int q = 0; q < sh->replicas; q++) {
-        for (int i = 0; i < S; i++) {
-            wholes[i] = lg_unit_grads(tr, q * S + i, u);
-            outs[i] = tr->ranks[q * S + i].reduce_out;
+        int local[LG_MAX_RANKS], n = lg_trainer_group_local(tr, q * S, 1, S, local);
+        for (int i = 0; i < n; i++) {
+            wholes[i] = lg_unit_grads(tr, local[i], u);
+            outs[i] = tr->ranks[local[i]].reduce_out;
         }
-        lg_reduce_scatter_sum_async(tr->shard_comm[q], S, wholes, outs,
-                                    tr->plan.shards.piece_count[u], lg_reduce_signal(u));
+        if (n)
+            lg_reduce_scatter_sum_async(tr->shard_comm[q], n, wholes, outs,
+                                        tr->plan.shards.piece_count[u], lg_reduce_signal(u));
     }
 }
 
@@ -8071,7 +8539,7 @@ static void lg_trainer_start_reduce(lg_trainer *tr, int u) {
 static void lg_trainer_finish_reduce(lg_trainer *tr, int u) {
     const lg_shard_layout *sl = &tr->plan.shards;
     if (!tr->plan.sharding.grads_sharded) return;
-    for (int r = 0; r < tr->n_ranks; r++) {
+    for (int r = 0; r < tr->local_ranks; r++) {
         lg_trainer_rank *tr_r = &tr->ranks[r];
         lg_buf shard = lg_at(tr_r->model.grads, sl->piece_offset[u]);
         lg_rank_await(&tr_r->rank, lg_reduce_signal(u));
@@ -8085,24 +8553,26 @@ static void lg_trainer_sync_replicas(lg_trainer *tr) {
     if (sh->replicas == 1) return;
     lg_buf bufs[LG_MAX_RANKS];
     for (int i = 0; i < sh->shard_ranks; i++) {
-        for (int q = 0; q < sh->replicas; q++) bufs[q] = tr->ranks[q * sh->shard_ranks + i].model.grads;
-        lg_all_reduce_sum(tr->replica_comm[i], sh->replicas, bufs, tr->ranks[i].model.n_local);
+        int local[LG_MAX_RANKS], n = lg_trainer_group_local(tr, i, sh->shard_ranks, sh->replicas, local);
+        for (int q = 0; q < n; q++) bufs[q] = tr->ranks[local[q]].model.grads;
+        if (n) lg_all_reduce_sum(tr->replica_comm[i], n, bufs, tr->ranks[local[0]].model.n_local);
     }
 }
 
-/* The norm of the whole gradient: each member of a shard group squares its shard, an
-   all-reduce adds them (replicas hold the same). */
+/* The norm of the whole gradient: each rank squares its shard, the members of shard group 0
+   add theirs in order (replicas hold the same); in several processes the squares of all ranks
+   are gathered first. */
 static float lg_trainer_grad_norm(lg_trainer *tr) {
     int S = tr->plan.sharding.shard_ranks;
-    lg_real squares[LG_MAX_RANKS];
-    lg_buf bufs[LG_MAX_RANKS];
-    for (int i = 0; i < S; i++) {
-        const lg_model *m = &tr->ranks[i].model;
-        squares[i] = (lg_real)lg_sum_squares(&m->exec, m->grads, m->n_local);
-        bufs[i] = lg_buf_of(&squares[i]);
+    double squares[LG_MAX_RANKS]; /* (n_ranks) */
+    for (int r = 0; r < tr->local_ranks; r++) {
+        const lg_model *m = &tr->ranks[r].model;
+        squares[tr->first_rank + r] = lg_sum_squares(&m->exec, m->grads, m->n_local);
     }
-    lg_all_reduce_sum(NULL, S, bufs, 1); /* host numbers */
-    return (float)sqrt((double)squares[0]);
+    lg_comm_gather_doubles(tr->process_comm, squares, tr->local_ranks);
+    lg_real sum = 0; /* host numbers */
+    for (int i = 0; i < S; i++) sum += (lg_real)squares[i];
+    return (float)sqrt((double)sum);
 }
 
 /* What one rank computes in a micro-step: B samples of T tokens; B = 0: nothing, the rank only
@@ -8122,15 +8592,15 @@ static double lg_trainer_forward(lg_trainer *tr, const lg_micro_batch *mb) {
     lg_trainer_gather_unit(tr, 0);
     lg_trainer_gather_unit(tr, 1);
     lg_trainer_await_unit(tr, 0);
-    for (int r = 0; r < tr->n_ranks; r++)
+    for (int r = 0; r < tr->local_ranks; r++)
         if (mb[r].B) lg_model_embed(&tr->ranks[r].model, mb[r].inputs, mb[r].B, mb[r].T);
     for (int l = 0; l < L; l++) {
         if (l + 1 < L) lg_trainer_gather_unit(tr, l + 2);
         lg_trainer_await_unit(tr, l + 1);
-        for (int r = 0; r < tr->n_ranks; r++)
+        for (int r = 0; r < tr->local_ranks; r++)
             if (mb[r].B) lg_block_forward(&tr->ranks[r].model, l, mb[r].B, mb[r].T);
     }
-    for (int r = 0; r < tr->n_ranks; r++)
+    for (int r = 0; r < tr->local_ranks; r++)
         if (mb[r].B)
             loss += lg_model_head_forward(&tr->ranks[r].model, mb[r].targets, mb[r].B, mb[r].T,
                                           NULL);
@@ -8143,7 +8613,7 @@ static double lg_trainer_forward(lg_trainer *tr, const lg_micro_batch *mb) {
 static void lg_trainer_offload_unit(lg_trainer *tr, int u, int offload) {
     const lg_shard_layout *sl = &tr->plan.shards;
     if (!offload) return;
-    for (int r = 0; r < tr->n_ranks; r++) {
+    for (int r = 0; r < tr->local_ranks; r++) {
         lg_trainer_rank *tr_r = &tr->ranks[r];
         /* the unit in the shard: its piece (sharded), or the whole unit */
         size_t first = tr->plan.sharding.grads_sharded ? sl->piece_offset[u] : sl->unit_offset[u];
@@ -8164,7 +8634,7 @@ static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float 
                                 int offload) {
     int L = tr->plan.cfg.n_layer;
     lg_trainer_open_unit_grads(tr, 0);
-    for (int r = 0; r < tr->n_ranks; r++)
+    for (int r = 0; r < tr->local_ranks; r++)
         if (mb[r].B)
             lg_model_head_backward(&tr->ranks[r].model, mb[r].targets, mb[r].B, mb[r].T,
                                    loss_scale);
@@ -8173,7 +8643,7 @@ static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float 
         if (l > 0) lg_trainer_gather_unit(tr, l); /* prefetch block l - 1 */
         lg_trainer_await_unit(tr, l + 1);
         lg_trainer_open_unit_grads(tr, l + 1); /* its slot's last reduce-scatter has finished */
-        for (int r = 0; r < tr->n_ranks; r++)
+        for (int r = 0; r < tr->local_ranks; r++)
             if (mb[r].B) lg_model_block_backward(&tr->ranks[r].model, l, mb[r].B, mb[r].T);
         if (l + 2 <= L) {
             lg_trainer_finish_reduce(tr, l + 2);
@@ -8181,7 +8651,7 @@ static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float 
         }
         lg_trainer_start_reduce(tr, l + 1);
     }
-    for (int r = 0; r < tr->n_ranks; r++)
+    for (int r = 0; r < tr->local_ranks; r++)
         if (mb[r].B) lg_model_embed_backward(&tr->ranks[r].model, mb[r].inputs, mb[r].B, mb[r].T);
     lg_trainer_finish_reduce(tr, 1);
     lg_trainer_offload_unit(tr, 1, offload);
@@ -8200,7 +8670,7 @@ static size_t lg_micro_batch_start(const lg_trainer *tr, int i) {
 static void lg_trainer_micro_batches(const lg_trainer *tr, int i, const int **labels,
                                      lg_micro_batch *mb) {
     size_t at = lg_micro_batch_start(tr, i);
-    for (int r = 0; r < tr->n_ranks; r++) {
+    for (int r = 0; r < tr->local_ranks; r++) {
         mb[r].inputs = tr->ranks[r].inputs + at;
         mb[r].targets = labels ? labels[r] + at : NULL;
         mb[r].B = tr->args.micro_batch_size;
@@ -8208,23 +8678,20 @@ static void lg_trainer_micro_batches(const lg_trainer *tr, int i, const int **la
     }
 }
 
-/* Tokens (rows x their length) of a step's micro-batches on all ranks. */
-static size_t lg_trainer_step_tokens(const lg_trainer *tr) {
-    size_t tokens = 0;
-    for (int r = 0; r < tr->n_ranks; r++)
-        for (int i = 0; i < tr->accumulation; i++)
-            tokens += (size_t)tr->args.micro_batch_size * tr->ranks[r].micro_T[i];
-    return tokens;
-}
+/* Tokens (rows x their length) of a step's micro-batches on all ranks (lg_trainer_read_step
+   counted them). */
+static size_t lg_trainer_step_tokens(const lg_trainer *tr) { return tr->step_tokens; }
 
 /* The same initial weights as one rank: with sharded weights, unit by unit in layout order
-   from one random stream on rank 0, broadcast, each rank keeping its piece. */
+   from one random stream on rank 0, broadcast, each rank keeping its piece. In several
+   processes every process draws the same stream on its first rank and broadcasts it to its
+   own ranks. */
 static void lg_trainer_init_weights(lg_trainer *tr) {
     const lg_sharding *sh = &tr->plan.sharding;
     const lg_shard_layout *sl = &tr->plan.shards;
     const lg_model *m0 = &tr->ranks[0].model;
     if (!sh->weights_sharded) {
-        for (int r = 0; r < tr->n_ranks; r++)
+        for (int r = 0; r < tr->local_ranks; r++)
             lg_model_init_weights(&tr->ranks[r].model, tr->args.seed);
         return;
     }
@@ -8239,10 +8706,11 @@ static void lg_trainer_init_weights(lg_trainer *tr) {
             if (t->block + 1 == u)
                 lg_init_tensor(&tr->plan.cfg, t, lg_at(unit, t->offset - sl->unit_offset[u]), &rng);
         }
-        for (int r = 0; r < tr->n_ranks; r++) slots[r] = lg_unit_weights(tr, r, u);
-        lg_broadcast(tr->world_comm, tr->n_ranks, 0, slots, sl->unit_offset[u + 1] - sl->unit_offset[u]);
-        for (int r = 0; r < tr->n_ranks; r++) {
-            size_t count = sl->piece_count[u], first = tr->plan.ranks[r].shard_index * count;
+        for (int r = 0; r < tr->local_ranks; r++) slots[r] = lg_unit_weights(tr, r, u);
+        lg_broadcast(tr->world_comm, tr->local_ranks, 0, slots, sl->unit_offset[u + 1] - sl->unit_offset[u]);
+        for (int r = 0; r < tr->local_ranks; r++) {
+            size_t count = sl->piece_count[u];
+            size_t first = tr->plan.ranks[tr->first_rank + r].shard_index * count;
             lg_copy(&tr->ranks[r].model.exec, lg_at(tr->ranks[r].model.params, sl->piece_offset[u]),
                     lg_at(slots[r], first), count);
         }
@@ -8255,12 +8723,11 @@ static void lg_trainer_share_updated_weights(lg_trainer *tr) {
     const lg_sharding *sh = &tr->plan.sharding;
     const lg_shard_layout *sl = &tr->plan.shards;
     if (!sh->grads_sharded || sh->weights_sharded) return;
-    int S = sh->shard_ranks;
     lg_buf pieces[LG_MAX_RANKS], wholes[LG_MAX_RANKS];
     for (int u = 0; u < sl->n_units; u++) {
         size_t count = sl->piece_count[u], unit = sl->unit_offset[u + 1] - sl->unit_offset[u];
-        for (int i = 0; i < S; i++) { /* replicas = 1: rank i is member i */
-            size_t first = (size_t)i * count;
+        for (int i = 0; i < tr->local_ranks; i++) { /* replicas = 1: rank r is member r */
+            size_t first = (size_t)(tr->first_rank + i) * count;
             size_t live = first >= unit ? 0 : unit - first < count ? unit - first : count;
             wholes[i] = lg_unit_weights(tr, i, u);
             pieces[i] = lg_at(wholes[i], first);
@@ -8268,8 +8735,8 @@ static void lg_trainer_share_updated_weights(lg_trainer *tr) {
             lg_copy(ex, pieces[i], lg_at(tr->ranks[i].model.params, sl->unit_offset[u] + first), live);
             lg_zero(ex, lg_at(pieces[i], live), count - live);
         }
-        lg_all_gather(tr->shard_comm[0], S, pieces, wholes, count);
-        for (int i = 0; i < S; i++)
+        lg_all_gather(tr->shard_comm[0], tr->local_ranks, pieces, wholes, count);
+        for (int i = 0; i < tr->local_ranks; i++)
             lg_copy(&tr->ranks[i].model.exec, lg_at(tr->ranks[i].model.params, sl->unit_offset[u]),
                     wholes[i], unit);
     }
@@ -8277,7 +8744,31 @@ static void lg_trainer_share_updated_weights(lg_trainer *tr) {
 
 /* Waits for every rank's queued work. */
 static void lg_trainer_sync(const lg_trainer *tr) {
-    for (int r = 0; r < tr->n_ranks; r++) lg_rank_sync(&tr->ranks[r].rank);
+    for (int r = 0; r < tr->local_ranks; r++) lg_rank_sync(&tr->ranks[r].rank);
+}
+
+/* CPU ranks in several processes: the MPI group of members first + m stride (m < count) when
+   they live in more than one process; a group inside one process needs none (its collectives
+   run in the process). Every process decides alike and takes part in every split. */
+static int lg_trainer_mpi_group(lg_trainer *tr, int first, int stride, int count, lg_comm **comm,
+                                lg_error *err) {
+    int per_process = tr->local_ranks, last = first + (count - 1) * stride;
+    if (first / per_process == last / per_process) return 0;
+    int local[LG_MAX_RANKS], n = lg_trainer_group_local(tr, first, stride, count, local);
+    int first_local = n ? (tr->first_rank + local[0] - first) / stride : 0;
+    return lg_mpi_comm_create(comm, count, first_local, n, err);
+}
+
+/* CPU ranks in several processes: the MPI groups of the shard groups, the replica groups and
+   all ranks (process_comm). */
+static int lg_trainer_make_mpi_groups(lg_trainer *tr, lg_error *err) {
+    const lg_sharding *sh = &tr->plan.sharding;
+    int S = sh->shard_ranks, R = sh->replicas;
+    for (int q = 0; q < R && S > 1; q++)
+        if (lg_trainer_mpi_group(tr, q * S, 1, S, &tr->shard_comm[q], err) != 0) return -1;
+    for (int i = 0; i < S && R > 1; i++)
+        if (lg_trainer_mpi_group(tr, i, S, R, &tr->replica_comm[i], err) != 0) return -1;
+    return lg_trainer_mpi_group(tr, 0, 1, tr->n_ranks, &tr->process_comm, err);
 }
 
 /* GPUs: the communicators of the shard groups, the replica groups and (for the first weights
@@ -8286,6 +8777,7 @@ static int lg_trainer_make_comms(lg_trainer *tr, lg_error *err) {
     const lg_sharding *sh = &tr->plan.sharding;
     int S = sh->shard_ranks, R = sh->replicas;
     lg_rank *members[LG_MAX_RANKS];
+    if (tr->local_ranks < tr->n_ranks) return lg_trainer_make_mpi_groups(tr, err);
     if (tr->plan.spec.backend != LG_BACKEND_CUDA || tr->n_ranks == 1) return 0;
     for (int q = 0; q < R && S > 1; q++) {
         for (int i = 0; i < S; i++) members[i] = &tr->ranks[q * S + i].rank;
@@ -8296,7 +8788,7 @@ static int lg_trainer_make_comms(lg_trainer *tr, lg_error *err) {
         if (!(tr->replica_comm[i] = lg_comm_create(R, members, err))) return -1;
     }
     if (!sh->weights_sharded) return 0;
-    for (int r = 0; r < tr->n_ranks; r++) members[r] = &tr->ranks[r].rank;
+    for (int r = 0; r < tr->local_ranks; r++) members[r] = &tr->ranks[r].rank;
     return (tr->world_comm = lg_comm_create(tr->n_ranks, members, err)) ? 0 : -1;
 }
 
@@ -8312,6 +8804,29 @@ int lg_comms_per_rank(const lg_args *args) {
 
 int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args, int T,
                       lg_error *err) {
+    return lg_trainer_create_in(tr, cfg, args, T, NULL, err);
+}
+
+/* Which ranks this process drives (every one without a launch), and the buffer for the
+   micro-batches of the others'. */
+static int lg_trainer_take_ranks(lg_trainer *tr, const lg_launch *launch, lg_error *err) {
+    tr->first_rank = launch ? launch->first_rank : 0;
+    tr->local_ranks = launch ? launch->local_ranks : tr->n_ranks;
+    tr->process = launch ? launch->process : 0;
+    if (tr->local_ranks < 1 || tr->first_rank + tr->local_ranks > tr->n_ranks)
+        return lg_fail(err, "this process should drive ranks %d..%d of %d (lg_launch_place)",
+                       tr->first_rank, tr->first_rank + tr->local_ranks - 1, tr->n_ranks);
+    if (tr->local_ranks == tr->n_ranks) return 0;
+    if (tr->plan.spec.backend == LG_BACKEND_CUDA)
+        return lg_fail(err, "GPU ranks in several processes are not built yet: start one "
+                            "process a node with -d GPUs (or use --cpu)");
+    size_t tokens = 2 * (size_t)tr->args.micro_batch_size * tr->plan.spec.T;
+    tr->other_tokens = (int *)lg_alloc_zeroed(sizeof(int) * tokens);
+    return tr->other_tokens ? 0 : lg_fail(err, "trainer: out of host memory");
+}
+
+int lg_trainer_create_in(lg_trainer *tr, const lg_config *cfg, const lg_args *args, int T,
+                         const lg_launch *launch, lg_error *err) {
     memset(tr, 0, sizeof *tr);
     tr->args = *args;
     tr->accumulation = lg_args_accumulation_steps(args, err);
@@ -8321,14 +8836,18 @@ int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args,
     if (lg_plan_make(&tr->plan, cfg, &spec, err) != 0) return -1;
     tr->n_ranks = tr->plan.n_ranks;
     tr->block_slots = tr->plan.sharding.weights_sharded ? 2 : 1;
-    tr->ranks = (lg_trainer_rank *)lg_alloc_zeroed(sizeof(lg_trainer_rank) * (size_t)tr->n_ranks);
+    if (lg_trainer_take_ranks(tr, launch, err) != 0) {
+        lg_trainer_free(tr);
+        return -1;
+    }
+    tr->ranks = (lg_trainer_rank *)lg_alloc_zeroed(sizeof(lg_trainer_rank) * (size_t)tr->local_ranks);
     if (!tr->ranks) {
         lg_trainer_free(tr);
         return lg_fail(err, "out of host memory");
     }
-    for (int r = 0; r < tr->n_ranks; r++) {
+    for (int r = 0; r < tr->local_ranks; r++) {
         lg_trainer_rank *tr_r = &tr->ranks[r];
-        if (lg_rank_create(&tr_r->rank, &tr->plan, r, err) != 0 ||
+        if (lg_rank_create(&tr_r->rank, &tr->plan, tr->first_rank + r, err) != 0 ||
             lg_model_bind(&tr_r->model, cfg, &tr_r->rank, err) != 0) {
             lg_trainer_free(tr);
             return -1;
@@ -8345,7 +8864,7 @@ int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args,
         return -1;
     }
     lg_trainer_init_weights(tr);
-    for (int r = 0; r < tr->n_ranks; r++) { /* after the init: the master copies it */
+    for (int r = 0; r < tr->local_ranks; r++) { /* after the init: the master copies it */
         lg_trainer_rank *tr_r = &tr->ranks[r];
         if (lg_optimizer_create(&tr_r->opt, &tr_r->model, args, err) != 0) {
             lg_trainer_free(tr);
@@ -8403,18 +8922,18 @@ static void lg_trainer_hessian_pass(lg_trainer *tr, int step) {
     size_t tokens = lg_trainer_step_tokens(tr), stride = lg_micro_batch_start(tr, 1);
     const int *labels[LG_MAX_RANKS];
     lg_micro_batch mb[LG_MAX_RANKS];
-    for (int r = 0; r < tr->n_ranks; r++) {
+    for (int r = 0; r < tr->local_ranks; r++) {
         lg_model_zero_grad(&tr->ranks[r].model);
         labels[r] = tr->ranks[r].sampled;
     }
     for (int i = 0; i < tr->accumulation; i++) {
         lg_trainer_micro_batches(tr, i, NULL, mb);
         lg_trainer_forward(tr, mb);
-        for (int r = 0; r < tr->n_ranks; r++) {
+        for (int r = 0; r < tr->local_ranks; r++) {
             lg_rank_sync(&tr->ranks[r].rank); /* the host reads the logits */
             size_t micro_tokens = (size_t)mb[r].B * mb[r].T;
             int *drawn = tr->ranks[r].sampled + i * stride;
-            size_t first = ((size_t)i * tr->n_ranks + r) * stride;
+            size_t first = ((size_t)i * tr->n_ranks + tr->first_rank + r) * stride;
             for (size_t n = 0; n < micro_tokens; n++)
                 drawn[n] = lg_draw_token(lg_at(tr->ranks[r].model.a.logits, n * Vp), c->vocab_size,
                                          1.0f, lg_hash_uniform(tr->args.seed ^ ((uint64_t)step << 32),
@@ -8425,26 +8944,42 @@ static void lg_trainer_hessian_pass(lg_trainer *tr, int step) {
     }
     lg_trainer_sync_replicas(tr);
     if (!isfinite(lg_trainer_grad_norm(tr))) return; /* an fp16 overflow: keep the estimate */
-    for (int r = 0; r < tr->n_ranks; r++) {
+    for (int r = 0; r < tr->local_ranks; r++) {
         lg_model *m = &tr->ranks[r].model;
         lg_optimizer_hessian_update(&tr->ranks[r].opt, &m->exec, m->grads, m->n_local, (double)tokens,
                                     1.0f / tr->loss_scale);
     }
 }
 
-/* Reads the step's micro-batches: micro-batch i of rank r is the (i ranks + r)-th. Returns the
-   count of non-ignored targets, or -1. */
+/* Where micro-batch i of global rank g goes: its token buffers when this process drives it,
+   else other_tokens (read, counted, dropped). Returns its micro_T, or NULL. */
+static int *lg_trainer_batch_place(lg_trainer *tr, int g, size_t at, int **inputs, int **targets) {
+    int r = g - tr->first_rank;
+    if (r >= 0 && r < tr->local_ranks) {
+        *inputs = tr->ranks[r].inputs + at;
+        *targets = tr->ranks[r].targets + at;
+        return tr->ranks[r].micro_T;
+    }
+    *inputs = tr->other_tokens;
+    *targets = tr->other_tokens + lg_micro_batch_start(tr, 1);
+    return NULL;
+}
+
+/* Reads the step's micro-batches: micro-batch i of rank r is the (i ranks + r)-th; every
+   process reads them all and keeps its ranks'. Returns the count of non-ignored targets of all
+   ranks, or -1; sets step_tokens. */
 static long lg_trainer_read_step(lg_trainer *tr, lg_loader *train, lg_error *err) {
     int B = tr->args.micro_batch_size;
     long n_targets = 0;
+    tr->step_tokens = 0;
     for (int i = 0; i < tr->accumulation; i++)
-        for (int r = 0; r < tr->n_ranks; r++) {
-            lg_trainer_rank *tr_r = &tr->ranks[r];
-            size_t at = lg_micro_batch_start(tr, i);
-            int *tg = tr_r->targets + at;
-            if (lg_loader_next_batch(train, B, tr_r->inputs + at, tg, &tr_r->micro_T[i], err) != 0)
-                return -1;
-            n_targets += lg_count_targets(tg, (size_t)B * tr_r->micro_T[i]);
+        for (int g = 0; g < tr->n_ranks; g++) {
+            int *inputs, *tg, rows_T = 0;
+            int *micro_T = lg_trainer_batch_place(tr, g, lg_micro_batch_start(tr, i), &inputs, &tg);
+            if (lg_loader_next_batch(train, B, inputs, tg, &rows_T, err) != 0) return -1;
+            if (micro_T) micro_T[i] = rows_T;
+            n_targets += lg_count_targets(tg, (size_t)B * rows_T);
+            tr->step_tokens += (size_t)B * rows_T;
         }
     return n_targets;
 }
@@ -8462,7 +8997,7 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
     if (stats->hessian) lg_trainer_hessian_pass(tr, step);
     const int *targets[LG_MAX_RANKS];
     lg_micro_batch mb[LG_MAX_RANKS];
-    for (int r = 0; r < tr->n_ranks; r++) {
+    for (int r = 0; r < tr->local_ranks; r++) {
         lg_model_zero_grad(&tr->ranks[r].model);
         targets[r] = tr->ranks[r].targets;
     }
@@ -8476,6 +9011,7 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
         lg_trainer_backward(tr, mb, tr->loss_scale / n_targets,
                             offload_in_backward && i == tr->accumulation - 1);
     }
+    lg_comm_sum_doubles(tr->process_comm, &loss_sum, 1); /* the other processes' ranks' */
     lg_trainer_sync_replicas(tr);
     stats->loss = n_targets ? loss_sum / n_targets : 0;
     stats->loss_scale = tr->loss_scale;
@@ -8495,9 +9031,9 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
         stats->skipped = 1; /* every target ignored: nothing to learn, no decay, no step */
     } else {
         float multiplier = lg_clip_factor(norm, tr->args.max_norm) / tr->loss_scale;
-        for (int r = 0; r < tr->n_ranks && !offload_in_backward; r++)
+        for (int r = 0; r < tr->local_ranks && !offload_in_backward; r++)
             lg_trainer_offload_grads(&tr->ranks[r]);
-        for (int r = 0; r < tr->n_ranks; r++) lg_trainer_update_rank(&tr->ranks[r], stats->lr, multiplier);
+        for (int r = 0; r < tr->local_ranks; r++) lg_trainer_update_rank(&tr->ranks[r], stats->lr, multiplier);
         lg_trainer_share_updated_weights(tr);
         if (tr->scaling && ++tr->clean_steps == tr->scale_window) {
             tr->loss_scale *= 2.0f;
@@ -8522,19 +9058,22 @@ int lg_trainer_evaluate(lg_trainer *tr, lg_loader *ld, int n_batches, double *me
     double sum = 0;
     long count = 0;
     for (int first = 0; first < n_batches; first += tr->n_ranks) {
-        for (int r = 0; r < tr->n_ranks; r++) {
-            lg_trainer_rank *tr_r = &tr->ranks[r];
-            mb[r].inputs = tr_r->inputs;
-            mb[r].targets = tr_r->targets;
-            mb[r].T = T;
-            mb[r].B = first + r < n_batches ? B : 0;
-            if (mb[r].B &&
-                lg_loader_next_batch(ld, B, tr_r->inputs, tr_r->targets, &mb[r].T, err) != 0)
+        for (int g = 0; g < tr->n_ranks; g++) { /* every process reads, keeps its ranks' */
+            int *inputs, *targets, rows = first + g < n_batches ? B : 0, rows_T = T;
+            int here = lg_trainer_batch_place(tr, g, 0, &inputs, &targets) != NULL;
+            if (rows && lg_loader_next_batch(ld, B, inputs, targets, &rows_T, err) != 0)
                 return -1;
-            count += lg_count_targets(tr_r->targets, (size_t)mb[r].B * mb[r].T);
+            count += lg_count_targets(targets, (size_t)rows * rows_T);
+            if (!here) continue;
+            lg_micro_batch *own = &mb[g - tr->first_rank];
+            own->inputs = inputs;
+            own->targets = targets;
+            own->B = rows;
+            own->T = rows_T;
         }
         sum += lg_trainer_forward(tr, mb);
     }
+    lg_comm_sum_doubles(tr->process_comm, &sum, 1);
     *mean_loss = count ? sum / count : 0;
     return 0;
 }
@@ -8576,7 +9115,7 @@ void lg_trainer_weights(lg_trainer *tr, lg_buf whole) {
 }
 
 void lg_trainer_set_weights(lg_trainer *tr, lg_buf whole) {
-    for (int r = 0; r < tr->n_ranks; r++) {
+    for (int r = 0; r < tr->local_ranks; r++) {
         lg_trainer_rank *tr_r = &tr->ranks[r];
         lg_model *m = &tr_r->model;
         const lg_exec *ex = &m->exec;
@@ -8594,7 +9133,9 @@ void lg_trainer_free(lg_trainer *tr) {
         lg_comm_free(tr->replica_comm[i]);
     }
     lg_comm_free(tr->world_comm);
-    for (int r = 0; tr->ranks && r < tr->n_ranks; r++) {
+    lg_comm_free(tr->process_comm);
+    LG_FREE(tr->other_tokens);
+    for (int r = 0; tr->ranks && r < tr->local_ranks; r++) {
         lg_optimizer_free(&tr->ranks[r].opt);
         LG_FREE(tr->ranks[r].micro_T);
         lg_model_free(&tr->ranks[r].model);

@@ -82,14 +82,23 @@ static const char usage[] =
     "                             losses as an uninterrupted run\n"
     "  -h, --help\n";
 
+/* Under a launcher every error line starts with the process's rank (the launcher's). */
+static void print_error_prefix(void) {
+    lg_launch launch;
+    lg_error err;
+    if (lg_launch_from_env(&launch, &err) == 0 && launch.processes > 1)
+        fprintf(stderr, "rank %d: ", launch.process);
+    fputs("train: ", stderr);
+}
+
 static void die_usage(const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    fputs("train: ", stderr);
+    print_error_prefix();
     vfprintf(stderr, fmt, ap);
     fputs(" (see ./train --help)\n", stderr);
     va_end(ap);
-    exit(2);
+    lg_launch_abort(2);
 }
 
 static int parse_int(const char *flag, const char *text) {
@@ -305,8 +314,9 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
 }
 
 static void die(int code, const lg_error *err) {
-    fprintf(stderr, "train: %s\n", err->msg);
-    exit(code);
+    print_error_prefix();
+    fprintf(stderr, "%s\n", err->msg);
+    lg_launch_abort(code); /* under MPI: the other processes stop too */
 }
 
 /* --- the memory plan: --plan, the fit check, the diagnosis ---------------------------------- */
@@ -680,6 +690,51 @@ static void evaluate(lg_trainer *tr, run_data *d, const lg_args *a, int step, FI
     if (log) { fprintf(log, "{\"step\":%d,\"val_loss\":%.6f}\n", step, loss); fflush(log); }
 }
 
+/* --- processes: under a launcher (mpirun, srun, torchrun) ------------------------------------ */
+
+/* FNV-1a of n bytes, continuing from h. */
+static uint64_t fnv1a(uint64_t h, const void *bytes, size_t n) {
+    const unsigned char *p = (const unsigned char *)bytes;
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ull;
+    return h;
+}
+
+/* A line naming the training data and a hash of it: the tokens when in memory, else the
+   file's size and its first and last MiB. */
+static void describe_data(const lg_loader *ld, char *out, size_t cap) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    if (ld->memory) h = fnv1a(h, ld->memory, ld->n_tokens * sizeof *ld->memory);
+    FILE *f = ld->memory ? NULL : fopen(ld->path, "rb");
+    if (f) {
+        static const long part = 1 << 20;
+        unsigned char *buf = (unsigned char *)malloc((size_t)part);
+        for (int end = 0; buf && end < 2; end++) {
+            if (fseek(f, end ? -part : 0, end ? SEEK_END : SEEK_SET) != 0) rewind(f);
+            h = fnv1a(h, buf, fread(buf, 1, (size_t)part, f));
+        }
+        free(buf);
+        fclose(f);
+    }
+    snprintf(out, cap, "data %s: %zu tokens, hash %016llx", ld->path, ld->n_tokens,
+             (unsigned long long)h);
+}
+
+/* Several processes: join MPI, and check that every one has the same flags and data. Process 0
+   alone prints (the others' stdout goes nowhere). */
+static void start_processes(lg_launch *launch, int argc, char **argv, const run_data *data) {
+    lg_error err;
+    if (launch->processes == 1) return;
+    if (lg_launch_start(launch, &err) != 0) die(2, &err);
+    const char *items[256];
+    char data_line[700];
+    int n = 0;
+    for (int i = 1; i < argc && n < 255; i++) items[n++] = argv[i];
+    describe_data(&data->train, data_line, sizeof data_line);
+    items[n++] = data_line;
+    if (lg_launch_same(launch, items, n, &err) != 0) die(2, &err);
+    if (launch->process != 0 && !freopen("/dev/null", "w", stdout)) die_usage("cannot silence stdout");
+}
+
 int main(int argc, char **argv) {
 #ifdef LG_CUDA
     /* before CUDA starts: every kernel loads with the context, so the runtime's memory measured
@@ -690,6 +745,10 @@ int main(int argc, char **argv) {
     int precision_given = 0, beta1_given = 0, beta2_given = 0;
     checkpoint_flags ck;
     parse_args(argc, argv, &a, &precision_given, &beta1_given, &beta2_given, &ck);
+    lg_launch launch; /* under a launcher: which process this is, and which ranks it drives */
+    lg_error err;
+    if (lg_launch_from_env(&launch, &err) != 0 || lg_launch_place(&launch, a.devices, a.nodes, &err) != 0)
+        die_usage("%s", err.msg);
     /* the papers' betas, unless given: Lion (0.9, 0.99), SophiaG (0.965, 0.99) */
     if (a.optimizer == LG_OPTIMIZER_LION && !beta2_given) a.beta2 = 0.99f;
     if (a.optimizer == LG_OPTIMIZER_SOPHIA && !beta1_given) a.beta1 = 0.965f;
@@ -699,7 +758,6 @@ int main(int argc, char **argv) {
     int T = a.max_seq_length ? a.max_seq_length : cfg.block_size;
     if (T > cfg.block_size)
         die_usage("-t/--max-seq-length %d exceeds the model's block_size %d", T, cfg.block_size);
-    lg_error err;
     run_data data; /* before the plan: for fine-tuning samples it sets T to the longest one */
     open_data(&a, &cfg, &T, &data);
     prepare_gpus(&a);
@@ -708,8 +766,9 @@ int main(int argc, char **argv) {
     plan_and_check(argc, argv, &a, &cfg, T);
     int accumulation = lg_args_accumulation_steps(&a, &err);
     int B = a.micro_batch_size;
+    start_processes(&launch, argc, argv, &data);
     FILE *log = NULL;
-    if (a.log_path && !(log = fopen(a.log_path, "w")))
+    if (a.log_path && launch.process == 0 && !(log = fopen(a.log_path, "w")))
         die_usage("--log %s: cannot create: %s", a.log_path, strerror(errno));
 
     if (a.prompt) { /* a bad prompt or --out should stop the run now, not after it */
@@ -720,7 +779,7 @@ int main(int argc, char **argv) {
     if (a.out_dir && mkdir(a.out_dir, 0755) != 0 && errno != EEXIST)
         die_usage("--out %s: cannot create the directory: %s", a.out_dir, strerror(errno));
     lg_trainer tr;
-    if (lg_trainer_create(&tr, &cfg, &a, T, &err) != 0) die(1, &err);
+    if (lg_trainer_create_in(&tr, &cfg, &a, T, &launch, &err) != 0) die(1, &err);
     const lg_model *model = &tr.ranks[0].model;
     int threads = 1;
 #ifdef _OPENMP
@@ -738,7 +797,11 @@ int main(int argc, char **argv) {
         printf("ranks: %d device%s x %d node%s, %s%s\n", a.devices, a.devices > 1 ? "s" : "",
                a.nodes, a.nodes > 1 ? "s" : "", lg_strategy_name(a.strategy),
                a.backend == LG_BACKEND_CUDA ? ", one GPU each, NCCL from this process"
+               : launch.processes > 1       ? "; on the CPU backend, MPI between processes"
                                             : "; on the CPU backend simulated in this process");
+    if (launch.processes > 1)
+        printf("processes: %d started by %s, %d rank%s each\n", launch.processes, launch.launcher,
+               launch.local_ranks, launch.local_ranks > 1 ? "s" : "");
     if (a.optimizer == LG_OPTIMIZER_LION)
         printf("lion: wants a learning rate 3-10x smaller and a weight decay 3-10x larger than "
                "AdamW (here --lr %g, --weight-decay %g, betas %g %g)\n", a.lr, a.weight_decay,
@@ -800,5 +863,6 @@ int main(int argc, char **argv) {
     lg_trainer_free(&tr);
     lg_loader_close(&data.train);
     lg_loader_close(&data.val);
+    lg_launch_finish(&launch);
     return 0;
 }
