@@ -783,7 +783,8 @@ int lg_cuda_report_topology(int devices, FILE *out);
 typedef struct {
     const char *launcher;  /* "torchrun", "Slurm", "Open MPI", "MPICH", or NULL: none */
     int process, processes;             /* this process among all; 0 of 1 without a launcher */
-    int local_process, local_processes; /* among those on its node */
+    int local_process, local_processes; /* among those on its node (local_processes 0: the
+                                           launcher does not say) */
     int node;
     int first_rank, local_ranks;        /* the ranks it drives (lg_launch_place) */
     int mpi;                            /* 1 once it joined MPI_COMM_WORLD (lg_launch_start) */

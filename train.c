@@ -82,22 +82,24 @@ static const char usage[] =
     "                             losses as an uninterrupted run\n"
     "  -h, --help\n";
 
-/* Under a launcher every error line starts with the process's rank (the launcher's). */
-static void print_error_prefix(void) {
+/* An error line, in one write; under a launcher it starts with the process's rank (the
+   launcher's). */
+static void print_error_line(const char *message, const char *tail) {
     lg_launch launch;
     lg_error err;
+    char rank[32] = "";
     if (lg_launch_from_env(&launch, &err) == 0 && launch.processes > 1)
-        fprintf(stderr, "rank %d: ", launch.process);
-    fputs("train: ", stderr);
+        snprintf(rank, sizeof rank, "rank %d: ", launch.process);
+    fprintf(stderr, "%strain: %s%s\n", rank, message, tail);
 }
 
 static void die_usage(const char *fmt, ...) {
+    char message[1024];
     va_list ap;
     va_start(ap, fmt);
-    print_error_prefix();
-    vfprintf(stderr, fmt, ap);
-    fputs(" (see ./train --help)\n", stderr);
+    vsnprintf(message, sizeof message, fmt, ap);
     va_end(ap);
+    print_error_line(message, " (see ./train --help)");
     lg_launch_abort(2);
 }
 
@@ -314,8 +316,7 @@ static void parse_args(int argc, char **argv, lg_args *a, int *precision_given,
 }
 
 static void die(int code, const lg_error *err) {
-    print_error_prefix();
-    fprintf(stderr, "%s\n", err->msg);
+    print_error_line(err->msg, "");
     lg_launch_abort(code); /* under MPI: the other processes stop too */
 }
 
@@ -719,20 +720,27 @@ static void describe_data(const lg_loader *ld, char *out, size_t cap) {
              (unsigned long long)h);
 }
 
-/* Several processes: join MPI, and check that every one has the same flags and data. Process 0
-   alone prints (the others' stdout goes nowhere). */
+/* Several processes: join MPI, and check that every one has the same flags and data. */
 static void start_processes(lg_launch *launch, int argc, char **argv, const run_data *data) {
     lg_error err;
     if (launch->processes == 1) return;
     if (lg_launch_start(launch, &err) != 0) die(2, &err);
-    const char *items[256];
-    char data_line[700];
+    /* the items: each flag with its value ("--lr 0.01"), then the data */
+    enum { MOST_ITEMS = 256, ITEM_BYTES = 700 };
+    char (*text)[ITEM_BYTES] = (char (*)[ITEM_BYTES])calloc(MOST_ITEMS, ITEM_BYTES);
+    const char *items[MOST_ITEMS];
     int n = 0;
-    for (int i = 1; i < argc && n < 255; i++) items[n++] = argv[i];
-    describe_data(&data->train, data_line, sizeof data_line);
-    items[n++] = data_line;
+    if (!text) die_usage("out of host memory");
+    for (int i = 1; i < argc && n < MOST_ITEMS - 1; i++) {
+        int value_of_flag = n > 0 && argv[i][0] != '-' && argv[i - 1][0] == '-' &&
+                            !strchr(argv[i - 1], '=');
+        if (value_of_flag) snprintf(text[n - 1], ITEM_BYTES, "%s %s", argv[i - 1], argv[i]);
+        else snprintf(text[n++], ITEM_BYTES, "%s", argv[i]);
+    }
+    describe_data(&data->train, text[n++], ITEM_BYTES);
+    for (int i = 0; i < n; i++) items[i] = text[i];
     if (lg_launch_same(launch, items, n, &err) != 0) die(2, &err);
-    if (launch->process != 0 && !freopen("/dev/null", "w", stdout)) die_usage("cannot silence stdout");
+    free(text);
 }
 
 int main(int argc, char **argv) {
@@ -749,6 +757,8 @@ int main(int argc, char **argv) {
     lg_error err;
     if (lg_launch_from_env(&launch, &err) != 0 || lg_launch_place(&launch, a.devices, a.nodes, &err) != 0)
         die_usage("%s", err.msg);
+    if (launch.process != 0 && !freopen("/dev/null", "w", stdout)) /* process 0 prints */
+        die_usage("cannot silence stdout");
     /* the papers' betas, unless given: Lion (0.9, 0.99), SophiaG (0.965, 0.99) */
     if (a.optimizer == LG_OPTIMIZER_LION && !beta2_given) a.beta2 = 0.99f;
     if (a.optimizer == LG_OPTIMIZER_SOPHIA && !beta1_given) a.beta1 = 0.965f;

@@ -4,6 +4,7 @@
    every family's whole-model gradient against central finite differences in double precision.
    The float runner starts the double one and adds its counts, so the last line,
    "N passed, N failed", covers both. */
+#define _POSIX_C_SOURCE 200809L /* setenv: tests/test_processes.c sets launchers' variables */
 #include <stddef.h>
 #include <stdlib.h>
 
@@ -1658,8 +1659,17 @@ static void run_emulated_cuda_tests(results *r) {
 
 #include "test_data.c"
 
+/* ---- processes: launchers, mpirun ------------------------------------------------------------ */
+
+#include "test_processes.c"
+
 int main(void) {
     results r = {0, 0};
+    if (getenv("TEST_ONLY") && strcmp(getenv("TEST_ONLY"), "processes") == 0) { /* one part */
+        test_processes(&r);
+        printf("%d passed, %d failed\n", r.passed, r.failed);
+        return r.failed ? 1 : 0;
+    }
     printf("PyTorch reference (fp32)\n");
     test_reference(&r, "test-gpt2");
     test_reference(&r, "test-pythia");
@@ -1705,6 +1715,8 @@ int main(void) {
     test_data_all(&r);
     printf("devices and sharding\n");
     test_sharding(&r);
+    printf("processes\n");
+    test_processes(&r);
     run_child_tests(&r, "./tests/test64");
     run_emulated_cuda_tests(&r);
     printf("%d passed, %d failed\n", r.passed, r.failed);

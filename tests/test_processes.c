@@ -1,0 +1,280 @@
+/* tests/test_processes.c — training across processes: rank discovery from each launcher's
+   variables (set here, one process), the world check, and, when Open MPI's mpirun and mpicc
+   are installed (make then builds ./train with MPI), mpirun runs of ./train against one
+   process driving every rank with the same global batch: losses and weights within 1e-5 after
+   5 steps for each strategy, a checkpoint written by 4 processes resumed by one, processes
+   started with different flags, a world that does not fit, and a killed rank. Included by
+   tests/test.c. */
+
+/* ---- rank discovery ------------------------------------------------------------------------ */
+
+static const char *const launcher_variables[] = {
+    "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+    "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID", "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"};
+#define N_LAUNCHER_VARIABLES (int)(sizeof launcher_variables / sizeof launcher_variables[0])
+
+/* Unsets every launcher variable, then sets those of `assignments` ("A=1 B=2"). */
+static void set_launcher_env(const char *assignments) {
+    for (int i = 0; i < N_LAUNCHER_VARIABLES; i++) unsetenv(launcher_variables[i]);
+    char copy[512];
+    snprintf(copy, sizeof copy, "%s", assignments);
+    for (char *item = strtok(copy, " "); item; item = strtok(NULL, " ")) {
+        char *eq = strchr(item, '=');
+        *eq = '\0';
+        setenv(item, eq + 1, 1);
+    }
+}
+
+typedef struct {
+    const char *env;
+    const char *launcher; /* NULL: none */
+    int process, processes, local_process, local_processes, node;
+} launcher_case;
+
+static void test_launcher_env(results *r) {
+    static const launcher_case cases[] = {
+        {"", NULL, 0, 1, 0, 1, 0},
+        {"TORCHELASTIC_RUN_ID=job7 RANK=5 WORLD_SIZE=8 LOCAL_RANK=1 LOCAL_WORLD_SIZE=4 GROUP_RANK=1",
+         "torchrun", 5, 8, 1, 4, 1},
+        {"SLURM_PROCID=3 SLURM_NTASKS=4 SLURM_LOCALID=1 SLURM_NODEID=1", "Slurm", 3, 4, 1, 0, 1},
+        {"OMPI_COMM_WORLD_RANK=2 OMPI_COMM_WORLD_SIZE=4 OMPI_COMM_WORLD_LOCAL_RANK=0 "
+         "OMPI_COMM_WORLD_LOCAL_SIZE=2", "Open MPI", 2, 4, 0, 2, 1},
+        {"PMI_RANK=3 PMI_SIZE=4 MPI_LOCALRANKID=1 MPI_LOCALNRANKS=2", "MPICH", 3, 4, 1, 2, 1},
+        /* torchrun first: it also runs under Slurm and mpirun */
+        {"OMPI_COMM_WORLD_RANK=0 OMPI_COMM_WORLD_SIZE=2 SLURM_PROCID=1 SLURM_NTASKS=2 "
+         "TORCHELASTIC_RUN_ID=x RANK=1 WORLD_SIZE=2", "torchrun", 1, 2, 0, 0, 0},
+        {"OMPI_COMM_WORLD_RANK=1 OMPI_COMM_WORLD_SIZE=2 SLURM_PROCID=0 SLURM_NTASKS=2", "Slurm",
+         0, 2, 0, 0, 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const launcher_case *c = &cases[i];
+        set_launcher_env(c->env);
+        lg_launch l;
+        lg_error err = {""};
+        int rc = lg_launch_from_env(&l, &err);
+        int same_launcher = c->launcher ? l.launcher && strcmp(l.launcher, c->launcher) == 0 : !l.launcher;
+        check(r, rc == 0 && same_launcher && l.process == c->process && l.processes == c->processes &&
+                     l.local_process == c->local_process && l.local_processes == c->local_processes &&
+                     l.node == c->node,
+              "launcher from '%s': %s, process %d of %d, local %d of %d, node %d %s", c->env,
+              l.launcher ? l.launcher : "none", l.process, l.processes, l.local_process,
+              l.local_processes, l.node, err.msg);
+    }
+    static const struct {
+        const char *env, *want;
+    } bad[] = {
+        {"TORCHELASTIC_RUN_ID=x RANK=two WORLD_SIZE=2", "RANK='two' is not a rank"},
+        {"SLURM_PROCID=4 SLURM_NTASKS=4", "SLURM_PROCID=4 is outside the world SLURM_NTASKS=4"},
+        {"PMI_RANK=0", "PMI_SIZE is missing"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        set_launcher_env(bad[i].env);
+        lg_launch l;
+        lg_error err = {""};
+        int rc = lg_launch_from_env(&l, &err);
+        check(r, rc != 0 && strstr(err.msg, bad[i].want), "launcher from '%s' refused: %s",
+              bad[i].env, err.msg);
+    }
+    set_launcher_env("");
+}
+
+static void test_launch_place(results *r) {
+    static const struct {
+        int process, processes, devices, nodes, first, local;
+    } fits[] = {
+        {0, 1, 4, 2, 0, 8}, /* no launcher: every rank */
+        {3, 4, 4, 1, 3, 1}, /* a process a rank */
+        {2, 4, 2, 2, 2, 1},
+        {1, 2, 4, 2, 4, 4}, /* a process a node */
+    };
+    for (size_t i = 0; i < sizeof fits / sizeof fits[0]; i++) {
+        lg_launch l;
+        lg_error err = {""};
+        memset(&l, 0, sizeof l);
+        l.launcher = "test";
+        l.process = fits[i].process;
+        l.processes = fits[i].processes;
+        int rc = lg_launch_place(&l, fits[i].devices, fits[i].nodes, &err);
+        check(r, rc == 0 && l.first_rank == fits[i].first && l.local_ranks == fits[i].local,
+              "process %d of %d, -d %d --nodes %d: ranks %d.. (%d) %s", fits[i].process,
+              fits[i].processes, fits[i].devices, fits[i].nodes, l.first_rank, l.local_ranks, err.msg);
+    }
+    lg_launch l;
+    lg_error err = {""};
+    memset(&l, 0, sizeof l);
+    l.launcher = "Slurm";
+    l.processes = 3;
+    int rc = lg_launch_place(&l, 2, 2, &err);
+    check(r, rc != 0 && strstr(err.msg, "Slurm started 3 processes, but -d 2 x --nodes 2 is 4 ranks"),
+          "3 processes for -d 2 --nodes 2 refused: %s", err.msg);
+}
+
+/* ---- mpirun runs of ./train ------------------------------------------------------------------ */
+
+#define MPIRUN "OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " \
+               "mpirun --oversubscribe "
+/* short runs of the built-in task in fp32: 5 steps of 32 samples */
+#define RUN_FLAGS "--max-steps 5 -p 32-true -g 32 -b 4 --eval-iters 2 --eval-every 0 " \
+                  "--sample-tokens 1 --lr 3e-3 --warmup-steps 2"
+
+/* Runs cmd (output into out, at most cap - 1 bytes); its exit code, -1 when it did not exit. */
+static int run_captured(const char *cmd, char *out, size_t cap) {
+    char full[2048];
+    snprintf(full, sizeof full, "%s 2>&1", cmd);
+    FILE *p = popen(full, "r");
+    size_t n = p ? fread(out, 1, cap - 1, p) : 0;
+    out[n] = '\0';
+    int status = p ? pclose(p) : -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* The "loss" and "val_loss" numbers of a --log file, in order; how many (at most cap). */
+static int read_log_losses(const char *path, double *losses, int cap) {
+    FILE *f = fopen(path, "r");
+    char line[512];
+    int n = 0;
+    while (f && n < cap && fgets(line, sizeof line, f)) {
+        const char *at = strstr(line, "loss\":");
+        if (at) losses[n++] = atof(at + 6);
+    }
+    if (f) fclose(f);
+    return n;
+}
+
+/* max |a - b| over the fp32 tensors of two model.safetensors, relative to max |b| (at least
+   1); -1 when they cannot be read or hold other tensors. */
+static double safetensors_difference(const char *path_a, const char *path_b) {
+    lg_st_file a, b;
+    lg_error err;
+    double diff = -1, scale = 1;
+    if (lg_st_open(&a, path_a, &err) != 0) return -1;
+    if (lg_st_open(&b, path_b, &err) != 0) {
+        lg_st_close(&a);
+        return -1;
+    }
+    int same = a.n_tensors == b.n_tensors && a.n_tensors > 0;
+    for (int i = 0; same && i < a.n_tensors; i++) {
+        const lg_st_tensor *ta = &a.tensors[i], *tb = lg_st_find(&b, ta->name);
+        same = tb && ta->dtype == LG_ST_F32 && tb->dtype == LG_ST_F32 &&
+               ta->end - ta->begin == tb->end - tb->begin;
+        size_t count = same ? (size_t)(ta->end - ta->begin) / sizeof(float) : 0;
+        float *va = (float *)malloc(count * sizeof(float) + 1), *vb = (float *)malloc(count * sizeof(float) + 1);
+        same = same && va && vb && lg_st_read(&a, ta, va, &err) == 0 && lg_st_read(&b, tb, vb, &err) == 0;
+        for (size_t k = 0; same && k < count; k++) {
+            diff = fmax(diff, fabs((double)va[k] - vb[k]));
+            scale = fmax(scale, fabs((double)vb[k]));
+        }
+        free(va);
+        free(vb);
+    }
+    lg_st_close(&a);
+    lg_st_close(&b);
+    return same ? diff / scale : -1;
+}
+
+/* The largest difference of two runs' losses (both logs with the same number, >= want). */
+static double log_difference(const char *path_a, const char *path_b, int want, int *count) {
+    double a[64], b[64], diff = 0;
+    int n = read_log_losses(path_a, a, 64), m = read_log_losses(path_b, b, 64);
+    *count = n;
+    if (n != m || n < want) return 1e9;
+    for (int i = 0; i < n; i++) diff = fmax(diff, fabs(a[i] - b[i]));
+    return diff;
+}
+
+typedef struct {
+    const char *name;     /* the run's directory under build/mpi */
+    const char *layout;   /* -d, --nodes, --strategy */
+    int processes;
+} process_run;
+
+/* One process driving every rank, then `processes` processes under mpirun, same flags. */
+static void check_processes_match(results *r, const process_run *run) {
+    char cmd[1024], out[8192];
+    snprintf(cmd, sizeof cmd, "OMP_NUM_THREADS=1 ./train %s " RUN_FLAGS " --log build/mpi/%s-one.log "
+             "--out build/mpi/%s-one", run->layout, run->name, run->name);
+    int rc_one = run_captured(cmd, out, sizeof out);
+    snprintf(cmd, sizeof cmd, MPIRUN "-np %d ./train %s " RUN_FLAGS " --save-every 3 "
+             "--log build/mpi/%s-many.log --out build/mpi/%s-many", run->processes, run->layout,
+             run->name, run->name);
+    int rc_many = run_captured(cmd, out, sizeof out);
+    char a[256], b[256];
+    snprintf(a, sizeof a, "build/mpi/%s-many/step-5/model.safetensors", run->name);
+    snprintf(b, sizeof b, "build/mpi/%s-one/step-5/model.safetensors", run->name);
+    double weights = safetensors_difference(a, b);
+    snprintf(a, sizeof a, "build/mpi/%s-many.log", run->name);
+    snprintf(b, sizeof b, "build/mpi/%s-one.log", run->name);
+    int n = 0;
+    double losses = log_difference(a, b, 7, &n);
+    check(r, rc_one == 0 && rc_many == 0 && weights >= 0 && weights < 1e-5 && losses < 1e-5,
+          "mpirun -np %d ./train %s = one process: %d losses within %.1e, weights within %.1e "
+          "(exit %d, %d)%s%.300s", run->processes, run->layout, n, losses, weights, rc_one, rc_many,
+          rc_many ? ": " : "", rc_many ? out : "");
+}
+
+/* The checkpoint that 4 processes wrote after step 3 continues in one process with the losses
+   of the uninterrupted run's steps 4 and 5. */
+static void check_resume_in_one_process(results *r, const process_run *run) {
+    char cmd[1024], out[8192], path[256], ref[256];
+    snprintf(cmd, sizeof cmd, "OMP_NUM_THREADS=1 ./train %s " RUN_FLAGS " --resume "
+             "build/mpi/%s-many/step-3 --log build/mpi/%s-resumed.log", run->layout, run->name,
+             run->name);
+    int rc = run_captured(cmd, out, sizeof out);
+    double resumed[16], whole[16];
+    snprintf(path, sizeof path, "build/mpi/%s-resumed.log", run->name);
+    snprintf(ref, sizeof ref, "build/mpi/%s-one.log", run->name);
+    int n = read_log_losses(path, resumed, 16), m = read_log_losses(ref, whole, 16);
+    /* resumed: val, steps 4 and 5, val; whole: val, steps 1..5, val */
+    double diff = n == 4 && m == 7 ? fmax(fabs(resumed[1] - whole[4]), fabs(resumed[2] - whole[5])) : 1e9;
+    check(r, rc == 0 && diff < 1e-5,
+          "step-3 of mpirun -np %d ./train %s resumed in one process: steps 4-5 within %.1e of "
+          "the uninterrupted run (exit %d)", run->processes, run->layout, diff, rc);
+}
+
+static void test_mpirun(results *r) {
+    char out[8192];
+    if (system("command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1") != 0) {
+        printf("  (mpirun or mpicc not found: ./train has no MPI, runs across processes not "
+               "checked; apt-get install openmpi-bin libopenmpi-dev)\n");
+        return;
+    }
+    if (system("rm -rf build/mpi && mkdir -p build/mpi") != 0) printf("    cannot clear build/mpi\n");
+    static const process_run runs[] = {
+        {"full2", "-d 2 --strategy full-shard", 2},
+        {"full4", "-d 4 --strategy full-shard", 4},
+        {"grad2", "-d 2 --strategy shard-grad-op", 2},
+        {"grad4", "-d 4 --strategy shard-grad-op", 4},
+        {"ddp2", "-d 2 --strategy no-shard", 2},
+        {"ddp4", "-d 4 --strategy no-shard", 4},
+        {"hybrid4", "-d 2 --nodes 2 --strategy hybrid-shard", 4},
+        {"hybrid2", "-d 2 --nodes 2 --strategy hybrid-shard", 2}, /* a process a node */
+    };
+    for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) check_processes_match(r, &runs[i]);
+    check_resume_in_one_process(r, &runs[1]);
+    check_resume_in_one_process(r, &runs[5]);
+
+    int rc = run_captured(MPIRUN "-np 3 ./train -d 2 " RUN_FLAGS, out, sizeof out);
+    check(r, rc == 2 && strstr(out, "rank 2: train: Open MPI started 3 processes, but -d 2 x --nodes 1 is 2 ranks"),
+          "mpirun -np 3 ./train -d 2: exit %d naming the numbers", rc);
+    rc = run_captured(MPIRUN "-np 1 ./train -d 2 " RUN_FLAGS " --lr 0.01 : -np 1 ./train -d 2 "
+                      RUN_FLAGS " --lr 0.02", out, sizeof out);
+    check(r, rc == 2 && strstr(out, "rank 1: train: this process was started with '--lr 0.02' "
+                                    "where process 0 has '--lr 0.01'"),
+          "processes started with --lr 0.01 and 0.02: refused (exit %d), naming the flag", rc);
+    /* rank 1 killed mid-run: mpirun stops rank 0 and names rank 1 */
+    double start = lg_time_ms();
+    rc = run_captured(MPIRUN "-np 1 ./train -d 2 -p 32-true --max-steps 100000 : -np 1 timeout -s KILL 3 "
+                      "./train -d 2 -p 32-true --max-steps 100000", out, sizeof out);
+    double seconds = (lg_time_ms() - start) / 1e3;
+    check(r, rc != 0 && seconds < 60 && strstr(out, "process rank 1") && strstr(out, "signal 9"),
+          "rank 1 killed mid-run: every process stopped after %.1f s (exit %d), rank 1 named",
+          seconds, rc);
+}
+
+static void test_processes(results *r) {
+    test_launcher_env(r);
+    test_launch_place(r);
+    test_mpirun(r);
+}
