@@ -809,6 +809,20 @@ int lg_launch_same(const lg_launch *launch, const char *const *items, int n, lg_
 void lg_launch_abort(int code);
 /* 1 when the build has MPI (built by mpicc: make says so). */
 int lg_launch_has_mpi(void);
+/* GPU ranks in several processes without MPI: process 0's NCCL id (id_bytes) reaches every
+   process through `init`:
+     tcp://HOST:PORT  process 0 listens on PORT; the others connect to HOST (retrying), say who
+                      they are, and receive the id once all have come
+     file://PATH      on a file system every process sees: each process p > 0 announces itself
+                      in PATH.p with a fresh random nonce; process 0 removes what an earlier
+                      run left, and once all have announced writes PATH (atomically) with the id
+                      and their nonces: a PATH from an earlier run holds other nonces and is
+                      never read as current
+   Every process gives up after timeout_s seconds with an error naming whom it waited for
+   (process 0: the processes that did not come). TCP needs POSIX 2001 (getaddrinfo: define
+   _POSIX_C_SOURCE 200809L before any #include, as train.c does; C++ has it). */
+int lg_rendezvous(const char *init, int process, int processes, void *id, size_t id_bytes,
+                  double timeout_s, lg_error *err);
 
 /* ---------------------------------------------------------------------------------------------
    10. data (API)
@@ -1280,6 +1294,12 @@ int lg_comms_per_rank(const lg_args *args);
 #endif
 #ifdef LG_MPI /* CPU ranks in several processes, start-up under a launcher (make: mpicc found) */
 #include <mpi.h>
+#endif
+#include <poll.h> /* POSIX: the rendezvous's waits */
+#if defined(_POSIX_C_SOURCE) && _POSIX_C_SOURCE >= 200112L
+#include <netdb.h> /* the TCP rendezvous (getaddrinfo) */
+#include <netinet/in.h>
+#include <sys/socket.h>
 #endif
 #include <dirent.h> /* POSIX: the step-N directories of checkpoints */
 #include <fcntl.h> /* POSIX: open, write, fsync, mkdir for atomic checkpoint files */
@@ -4596,6 +4616,311 @@ int lg_launch_same(const lg_launch *l, const char *const *items, int n, lg_error
     return 0;
 }
 #endif
+
+/* --- the rendezvous of GPU processes without MPI: TCP or a shared file ---------------------- */
+
+#define LG_RENDEZVOUS_MAGIC 0x4c475256u /* "LGRV": a litgpt.c process, not a stray client */
+#define LG_RENDEZVOUS_POLL_MS 20        /* how often a waiting process looks again */
+
+static void lg_sleep_ms(int ms) { poll(NULL, 0, ms); }
+
+/* The processes of 1..processes-1 whose flag in done is 0, as "2, 3" into out. */
+static void lg_list_missing(const unsigned char *done, int processes, char *out, size_t cap) {
+    size_t at = 0;
+    out[0] = '\0';
+    for (int p = 1; p < processes && at + 16 < cap; p++)
+        if (!done[p]) at += (size_t)snprintf(out + at, cap - at, "%s%d", at ? ", " : "", p);
+}
+
+/* 64 random bits: /dev/urandom, else the clock and the process id. */
+static uint64_t lg_fresh_nonce(void) {
+    uint64_t nonce = 0;
+    FILE *f = fopen("/dev/urandom", "rb");
+    if (!f || fread(&nonce, sizeof nonce, 1, f) != 1) nonce = (uint64_t)(lg_time_ms() * 1e3) ^ ((uint64_t)getpid() << 32);
+    if (f) fclose(f);
+    return nonce | 1; /* never 0: 0 means "not read" */
+}
+
+/* Writes text to path atomically (a temporary file renamed over it). */
+static int lg_write_text_atomic(const char *path, const char *text) {
+    char tmp[1200]; /* path: at most 1100 bytes (the rendezvous's names) */
+    snprintf(tmp, sizeof tmp, "%s.tmp%d", path, (int)getpid());
+    FILE *f = fopen(tmp, "w");
+    if (!f) return -1;
+    int ok = fputs(text, f) >= 0;
+    ok = fclose(f) == 0 && ok;
+    if (!ok || rename(tmp, path) != 0) {
+        remove(tmp);
+        return -1;
+    }
+    return 0;
+}
+
+/* An announcement PATH.p: "<nonce> waiting|done"; 0 when absent or unreadable. */
+static uint64_t lg_read_announcement(const char *path, int *done) {
+    FILE *f = fopen(path, "r");
+    unsigned long long nonce = 0;
+    char state[16] = "";
+    if (f && fscanf(f, "%llx %15s", &nonce, state) != 2) nonce = 0;
+    if (f) fclose(f);
+    *done = strcmp(state, "done") == 0;
+    return (uint64_t)nonce;
+}
+
+/* Process 0 of the file rendezvous: clears an earlier run's files, waits for every
+   announcement, publishes the id with their nonces (again when one changes), and returns once
+   every process has taken it. */
+static int lg_rendezvous_file_root(const char *path, int processes, const void *id,
+                                   size_t id_bytes, double deadline, double timeout_s,
+                                   lg_error *err) {
+    char name[1100];
+    uint64_t nonce[LG_MAX_RANKS] = {0}, published[LG_MAX_RANKS] = {0};
+    unsigned char taken[LG_MAX_RANKS] = {0}, came[LG_MAX_RANKS] = {0};
+    remove(path);
+    for (int p = 1; p < processes; p++) {
+        snprintf(name, sizeof name, "%s.%d", path, p);
+        remove(name);
+    }
+    for (;;) {
+        int all_came = 1, all_taken = 1, changed = 0;
+        for (int p = 1; p < processes; p++) {
+            int done = 0;
+            snprintf(name, sizeof name, "%s.%d", path, p);
+            nonce[p] = lg_read_announcement(name, &done);
+            came[p] = nonce[p] != 0;
+            taken[p] = came[p] && done && nonce[p] == published[p];
+            all_came &= came[p];
+            all_taken &= taken[p];
+            changed |= nonce[p] != published[p];
+        }
+        if (all_came && all_taken) break;
+        if (all_came && changed) { /* publish: header, each process's nonce, the id */
+            size_t cap = 64 + (size_t)processes * 24 + 2 * id_bytes;
+            char *text = (char *)lg_alloc_zeroed(cap);
+            if (!text) return lg_fail(err, "out of host memory for the rendezvous");
+            size_t at = (size_t)snprintf(text, cap, "litgpt-rendezvous %d\n", processes);
+            for (int p = 1; p < processes; p++) {
+                at += (size_t)snprintf(text + at, cap - at, "%d %llx\n", p, (unsigned long long)nonce[p]);
+                published[p] = nonce[p];
+            }
+            at += (size_t)snprintf(text + at, cap - at, "id ");
+            for (size_t i = 0; i < id_bytes; i++)
+                at += (size_t)snprintf(text + at, cap - at, "%02x", ((const unsigned char *)id)[i]);
+            snprintf(text + at, cap - at, "\n");
+            int rc = lg_write_text_atomic(path, text);
+            LG_FREE(text);
+            if (rc != 0) return lg_fail(err, "rendezvous file://%s: cannot write it: %s", path, strerror(errno));
+        }
+        if (lg_time_ms() > deadline) {
+            char missing[256];
+            lg_list_missing(all_came ? taken : came, processes, missing, sizeof missing);
+            return lg_fail(err, "rendezvous file://%s: after %g s process%s %s of %d %s", path,
+                           timeout_s, strchr(missing, ',') ? "es" : "", missing, processes,
+                           all_came ? "did not take the id" : "never announced itself (not started, or another --dist-init)");
+        }
+        lg_sleep_ms(LG_RENDEZVOUS_POLL_MS);
+    }
+    for (int p = 1; p < processes; p++) {
+        snprintf(name, sizeof name, "%s.%d", path, p);
+        remove(name);
+    }
+    remove(path);
+    return 0;
+}
+
+/* PATH as process 0 published it, when it names this process with this nonce: the id. */
+static int lg_read_published(const char *path, int process, uint64_t nonce, unsigned char *id,
+                             size_t id_bytes) {
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    char line[1024];
+    int named = 0, got = 0;
+    while (fgets(line, sizeof line, f)) {
+        int p;
+        unsigned long long n;
+        if (sscanf(line, "%d %llx", &p, &n) == 2 && p == process && (uint64_t)n == nonce) named = 1;
+        if (named && strncmp(line, "id ", 3) == 0 && strlen(line) >= 3 + 2 * id_bytes) {
+            got = 1;
+            for (size_t i = 0; i < id_bytes; i++) {
+                unsigned v;
+                if (sscanf(line + 3 + 2 * i, "%2x", &v) != 1) got = 0;
+                id[i] = (unsigned char)v;
+            }
+        }
+    }
+    fclose(f);
+    return named && got ? 0 : -1;
+}
+
+static int lg_rendezvous_file_member(const char *path, int process, void *id, size_t id_bytes,
+                                     double deadline, double timeout_s, lg_error *err) {
+    char name[1100], text[64];
+    uint64_t nonce = lg_fresh_nonce();
+    snprintf(name, sizeof name, "%s.%d", path, process);
+    snprintf(text, sizeof text, "%llx waiting\n", (unsigned long long)nonce);
+    for (;;) {
+        int done = 0;
+        /* (again when process 0's clean-up removed it) */
+        if (lg_read_announcement(name, &done) != nonce) lg_write_text_atomic(name, text);
+        if (lg_read_published(path, process, nonce, (unsigned char *)id, id_bytes) == 0) break;
+        if (lg_time_ms() > deadline)
+            return lg_fail(err, "rendezvous file://%s: process 0 did not publish the id for this "
+                                "process within %g s (is it running, with the same --dist-init?)",
+                           path, timeout_s);
+        lg_sleep_ms(LG_RENDEZVOUS_POLL_MS);
+    }
+    snprintf(text, sizeof text, "%llx done\n", (unsigned long long)nonce);
+    if (lg_write_text_atomic(name, text) != 0)
+        return lg_fail(err, "rendezvous file://%s: cannot write %s: %s", path, name, strerror(errno));
+    return 0;
+}
+
+#if defined(_POSIX_C_SOURCE) && _POSIX_C_SOURCE >= 200112L
+/* Waits until fd is readable (or the deadline): 1 ready, 0 not. */
+static int lg_wait_readable(int fd, double deadline) {
+    struct pollfd q = {fd, POLLIN, 0};
+    double left = deadline - lg_time_ms();
+    return left > 0 && poll(&q, 1, (int)left + 1) == 1;
+}
+
+/* Reads exactly n bytes before the deadline: 0, or -1 (closed, error or late). */
+static int lg_read_exactly(int fd, void *buf, size_t n, double deadline) {
+    unsigned char *p = (unsigned char *)buf;
+    while (n > 0) {
+        if (!lg_wait_readable(fd, deadline)) return -1;
+        ssize_t got = read(fd, p, n);
+        if (got <= 0) return -1;
+        p += got;
+        n -= (size_t)got;
+    }
+    return 0;
+}
+
+static int lg_write_all(int fd, const void *buf, size_t n) {
+    const unsigned char *p = (const unsigned char *)buf;
+    while (n > 0) {
+        ssize_t put = write(fd, p, n);
+        if (put <= 0) return -1;
+        p += put;
+        n -= (size_t)put;
+    }
+    return 0;
+}
+
+static int lg_rendezvous_tcp_root(const char *host, const char *port, int processes,
+                                  const void *id, size_t id_bytes, double deadline,
+                                  double timeout_s, lg_error *err) {
+    int fds[LG_MAX_RANKS];
+    unsigned char came[LG_MAX_RANKS] = {0};
+    struct addrinfo hints, *ai = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE; /* every interface: HOST is how the others reach this one */
+    if (getaddrinfo(NULL, port, &hints, &ai) != 0)
+        return lg_fail(err, "rendezvous tcp://%s:%s: '%s' is not a port", host, port, port);
+    int one = 1, listener = socket(ai->ai_family, ai->ai_socktype, 0);
+    if (listener >= 0) setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    int bound = listener >= 0 && bind(listener, ai->ai_addr, ai->ai_addrlen) == 0 &&
+                listen(listener, processes) == 0;
+    freeaddrinfo(ai);
+    if (!bound) {
+        if (listener >= 0) close(listener);
+        return lg_fail(err, "rendezvous tcp://%s:%s: process 0 cannot listen on port %s: %s "
+                            "(another run there? pick another port)", host, port, port, strerror(errno));
+    }
+    int joined = 0, rc = 0;
+    while (joined < processes - 1 && rc == 0) {
+        if (!lg_wait_readable(listener, deadline)) {
+            char missing[256];
+            lg_list_missing(came, processes, missing, sizeof missing);
+            rc = lg_fail(err, "rendezvous tcp://%s:%s: after %g s process%s %s of %d did not come "
+                              "(not started, or given another address)", host, port, timeout_s,
+                         strchr(missing, ',') ? "es" : "", missing, processes);
+            break;
+        }
+        int fd = accept(listener, NULL, NULL);
+        uint32_t hello[2];
+        if (fd < 0) continue;
+        if (lg_read_exactly(fd, hello, sizeof hello, deadline) != 0 || hello[0] != LG_RENDEZVOUS_MAGIC ||
+            hello[1] < 1 || (int)hello[1] >= processes || came[hello[1]]) {
+            close(fd); /* a stray client, or a process index twice */
+            continue;
+        }
+        came[hello[1]] = 1;
+        fds[hello[1]] = fd;
+        joined++;
+    }
+    for (int p = 1; p < processes; p++) {
+        if (!came[p]) continue;
+        if (rc == 0 && lg_write_all(fds[p], id, id_bytes) != 0)
+            rc = lg_fail(err, "rendezvous tcp://%s:%s: process %d left before it got the id", host, port, p);
+        close(fds[p]);
+    }
+    close(listener);
+    return rc;
+}
+
+static int lg_rendezvous_tcp_member(const char *host, const char *port, int process, void *id,
+                                    size_t id_bytes, double deadline, double timeout_s,
+                                    lg_error *err) {
+    struct addrinfo hints, *ai = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    int fd = -1;
+    while (fd < 0) { /* process 0 may not listen yet */
+        if (getaddrinfo(host, port, &hints, &ai) == 0) {
+            fd = socket(ai->ai_family, ai->ai_socktype, 0);
+            if (fd >= 0 && connect(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
+                close(fd);
+                fd = -1;
+            }
+            freeaddrinfo(ai);
+        }
+        if (fd >= 0) break;
+        if (lg_time_ms() > deadline)
+            return lg_fail(err, "rendezvous tcp://%s:%s: cannot reach process 0 there within %g s "
+                                "(is it running? is HOST its address?)", host, port, timeout_s);
+        lg_sleep_ms(LG_RENDEZVOUS_POLL_MS * 5);
+    }
+    uint32_t hello[2] = {LG_RENDEZVOUS_MAGIC, (uint32_t)process};
+    int rc = lg_write_all(fd, hello, sizeof hello) == 0 && lg_read_exactly(fd, id, id_bytes, deadline) == 0
+                 ? 0
+                 : lg_fail(err, "rendezvous tcp://%s:%s: process 0 did not send the id within %g s "
+                                "(it waits for every process: see its error)", host, port, timeout_s);
+    close(fd);
+    return rc;
+}
+#endif
+
+int lg_rendezvous(const char *init, int process, int processes, void *id, size_t id_bytes,
+                  double timeout_s, lg_error *err) {
+    double deadline = lg_time_ms() + timeout_s * 1e3;
+    if (processes < 1 || processes > LG_MAX_RANKS || process < 0 || process >= processes)
+        return lg_fail(err, "rendezvous: process %d of %d", process, processes);
+    if (processes == 1) return 0;
+    if (strncmp(init, "file://", 7) == 0) {
+        const char *path = init + 7;
+        return process == 0 ? lg_rendezvous_file_root(path, processes, id, id_bytes, deadline, timeout_s, err)
+                            : lg_rendezvous_file_member(path, process, id, id_bytes, deadline, timeout_s, err);
+    }
+    if (strncmp(init, "tcp://", 6) != 0)
+        return lg_fail(err, "rendezvous '%s': give tcp://HOST:PORT or file://PATH", init);
+#if defined(_POSIX_C_SOURCE) && _POSIX_C_SOURCE >= 200112L
+    char host[256];
+    const char *colon = strrchr(init + 6, ':');
+    if (!colon || colon == init + 6 || (size_t)(colon - (init + 6)) >= sizeof host || !colon[1])
+        return lg_fail(err, "rendezvous '%s': give tcp://HOST:PORT", init);
+    memcpy(host, init + 6, (size_t)(colon - (init + 6)));
+    host[colon - (init + 6)] = '\0';
+    return process == 0 ? lg_rendezvous_tcp_root(host, colon + 1, processes, id, id_bytes, deadline, timeout_s, err)
+                        : lg_rendezvous_tcp_member(host, colon + 1, process, id, id_bytes, deadline, timeout_s, err);
+#else
+    return lg_fail(err, "rendezvous '%s': this build has no getaddrinfo (define _POSIX_C_SOURCE "
+                        "200809L before any #include), use file://PATH", init);
+#endif
+}
 
 /* --- CPU ranks in several processes: the collectives over MPI --------------------------------- */
 

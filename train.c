@@ -5,6 +5,7 @@
    ./train --help
 
    Exit codes: 0 done, 1 the run failed (non-finite gradient, I/O), 2 bad flag, value or file. */
+#define _POSIX_C_SOURCE 200809L /* getaddrinfo: the TCP rendezvous of processes */
 #define LITGPT_IMPLEMENTATION
 #include "litgpt.h"
 

@@ -273,8 +273,94 @@ static void test_mpirun(results *r) {
           seconds, rc);
 }
 
+/* ---- the rendezvous (GPU processes without MPI): TCP and a shared file ------------------------ */
+
+#define RENDEZVOUS_ID_BYTES 128 /* NCCL's unique id */
+
+/* A port nothing listens on now (the kernel's pick). */
+static int free_port(void) {
+    struct sockaddr_in a;
+    socklen_t len = sizeof a;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    int fd = socket(AF_INET, SOCK_STREAM, 0), port = 0;
+    if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
+        getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+        port = ntohs(a.sin_port);
+    if (fd >= 0) close(fd);
+    return port;
+}
+
+/* Processes 1..started-1 forked, process 0 here after delay_ms, all of `processes`. A child
+   exits 0 when it got process 0's id, 10 when it failed with an error holding child_error, else
+   1. Returns how many children ended as wanted (want_ok: 0, else 10); process 0's outcome in
+   root_rc and root_err. */
+static int run_rendezvous(const char *init, int started, int processes, double timeout_s,
+                          int delay_ms, int want_ok, const char *child_error, int *root_rc,
+                          lg_error *root_err) {
+    unsigned char id[RENDEZVOUS_ID_BYTES];
+    for (int i = 0; i < RENDEZVOUS_ID_BYTES; i++) id[i] = (unsigned char)(i * 37 + 11);
+    pid_t children[LG_MAX_RANKS];
+    fflush(stdout);
+    for (int p = 1; p < started; p++) {
+        children[p] = fork();
+        if (children[p] != 0) continue;
+        unsigned char got[RENDEZVOUS_ID_BYTES] = {0};
+        lg_error err = {""};
+        int rc = lg_rendezvous(init, p, processes, got, sizeof got, timeout_s, &err);
+        if (rc == 0) _exit(memcmp(got, id, sizeof id) == 0 ? 0 : 1);
+        _exit(child_error && strstr(err.msg, child_error) ? 10 : 1);
+    }
+    lg_sleep_ms(delay_ms);
+    root_err->msg[0] = '\0';
+    *root_rc = lg_rendezvous(init, 0, processes, id, sizeof id, timeout_s, root_err);
+    int as_wanted = 0;
+    for (int p = 1; p < started; p++) {
+        int status = 0;
+        waitpid(children[p], &status, 0);
+        as_wanted += WIFEXITED(status) && WEXITSTATUS(status) == (want_ok ? 0 : 10);
+    }
+    return as_wanted;
+}
+
+static void test_rendezvous(results *r) {
+    char tcp[64], file[] = "file://build/rendezvous/id";
+    int rc;
+    lg_error err;
+    if (system("rm -rf build/rendezvous && mkdir -p build/rendezvous") != 0) printf("    cannot clear build/rendezvous\n");
+    snprintf(tcp, sizeof tcp, "tcp://127.0.0.1:%d", free_port());
+    int ok = run_rendezvous(tcp, 4, 4, 20, 200, 1, NULL, &rc, &err);
+    check(r, rc == 0 && ok == 3, "rendezvous %s: 4 processes, 3 got process 0's id %s", tcp, err.msg);
+    /* an earlier run's files: a published id naming processes 1..3 and their announcements */
+    FILE *stale = fopen("build/rendezvous/id", "w");
+    if (stale) {
+        fprintf(stale, "litgpt-rendezvous 4\n1 1\n2 3\n3 5\nid ");
+        for (int i = 0; i < RENDEZVOUS_ID_BYTES; i++) fprintf(stale, "ee");
+        fprintf(stale, "\n");
+        fclose(stale);
+    }
+    for (int p = 1; p < 4; p++) {
+        char name[64];
+        snprintf(name, sizeof name, "build/rendezvous/id.%d", p);
+        if ((stale = fopen(name, "w"))) { fprintf(stale, "%x done\n", 2 * p - 1); fclose(stale); }
+    }
+    ok = run_rendezvous(file, 4, 4, 20, 300, 1, NULL, &rc, &err);
+    check(r, rc == 0 && ok == 3, "rendezvous %s over an earlier run's files: 3 got the new id %s",
+          file, err.msg);
+    snprintf(tcp, sizeof tcp, "tcp://127.0.0.1:%d", free_port());
+    ok = run_rendezvous(tcp, 3, 4, 1.5, 0, 0, "process 0 did not send the id", &rc, &err);
+    check(r, rc != 0 && strstr(err.msg, "process 3 of 4 did not come") && ok == 2,
+          "rendezvous %s, process 3 missing: every process stops after 1.5 s: %s", tcp, err.msg);
+    ok = run_rendezvous(file, 3, 4, 1.5, 0, 0, "process 0 did not publish", &rc, &err);
+    check(r, rc != 0 && strstr(err.msg, "process 3 of 4 never announced itself") && ok == 2,
+          "rendezvous %s, process 3 missing: every process stops after 1.5 s: %s", file, err.msg);
+    rc = lg_rendezvous("tcp://127.0.0.1:1", 1, 2, err.msg, 8, 0.3, &err);
+    check(r, rc != 0 && strstr(err.msg, "cannot reach process 0"), "rendezvous with nobody listening: %s", err.msg);
+}
+
 static void test_processes(results *r) {
     test_launcher_env(r);
     test_launch_place(r);
+    test_rendezvous(r);
     test_mpirun(r);
 }
