@@ -698,11 +698,15 @@ struct lg_rank {
     int index;
     lg_backend backend;               /* the plan's: where the arenas live and the ops run */
     lg_cuda_rank *cuda;               /* CUDA: its GPU, streams and handles, else NULL */
+    int device;                       /* CUDA: which GPU of the process's node (the index
+                                         when one process drives every rank) */
     unsigned char *arena[LG_N_POOLS]; /* (plan->ranks[index].pool_bytes[pool]); on a GPU the
                                          device arena is GPU memory, the host one pinned */
 };
 
 int lg_rank_create(lg_rank *rank, const lg_plan *plan, int index, lg_error *err);
+/* The same on a chosen GPU of the node (several processes: the process's local ranks). */
+int lg_rank_create_on(lg_rank *rank, const lg_plan *plan, int index, int device, lg_error *err);
 void lg_rank_free(lg_rank *rank);
 /* The memory of a region of this rank's plan; NULL when the plan has no such region. */
 void *lg_rank_region(const lg_rank *rank, const char *name);
@@ -744,6 +748,18 @@ void lg_rank_await(const lg_rank *rank, int signal);
 /* The NCCL communicators of n GPU ranks (NULL with err set when they cannot be made). */
 lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err);
 void lg_comm_free(lg_comm *comm);
+/* GPU ranks in several processes (CUDA builds; the others return errors): process 0 draws
+   the NCCL id (LG_NCCL_ID_BYTES), which reaches the others (lg_launch_share); each process's
+   n ranks (members, global ranks first_rank..) join the communicator of all `world` ranks
+   (ncclCommInitRank); lg_comm_split cuts one such into groups: member m joins group color[m]
+   (-1: none) at position key[m]; by_color[c] becomes the group of color c that this
+   process's members joined (it stays NULL for the others). */
+#define LG_NCCL_ID_BYTES 128
+int lg_nccl_unique_id(unsigned char *id, lg_error *err);
+lg_comm *lg_comm_create_global(int world, int first_rank, int n, lg_rank *const *members,
+                               const unsigned char *id, lg_error *err);
+int lg_comm_split(lg_comm *parent, const int *color, const int *key, lg_comm **by_color,
+                  lg_error *err);
 /* CPU ranks in several processes (an MPI build without CUDA): the group of `members` ranks
    spread over several processes, of which this one drives `local` consecutive members from
    member first_local (local 0: none; *comm stays NULL). Every process calls it for every such
@@ -788,7 +804,13 @@ typedef struct {
     int node;
     int first_rank, local_ranks;        /* the ranks it drives (lg_launch_place) */
     int mpi;                            /* 1 once it joined MPI_COMM_WORLD (lg_launch_start) */
+    /* GPU processes without MPI: where they meet (tcp://HOST:PORT or file://PATH; default
+       tcp://MASTER_ADDR:MASTER_PORT+1, torchrun's port being its own) and how long a process
+       waits for the others there, in seconds */
+    char dist_init[512];
+    double dist_timeout;
 } lg_launch;
+#define LG_DIST_TIMEOUT 600.0 /* seconds: a large cluster's processes may start minutes apart */
 
 /* Reads the environment (no launcher: one process of 1); a variable that is not a number, or
    a rank outside its world, is an error naming it. */
@@ -796,14 +818,18 @@ int lg_launch_from_env(lg_launch *launch, lg_error *err);
 /* Which ranks this process drives, for devices x nodes ranks: processes = devices x nodes
    (one rank each) or = nodes (devices each); else an error naming the numbers. */
 int lg_launch_place(lg_launch *launch, int devices, int nodes, lg_error *err);
-/* Several processes in an MPI build: MPI_Init, and MPI's world must be the launcher's (a
-   launcher and an MPI library that do not match make every process rank 0). Nothing to do in
-   one process. lg_launch_finish: MPI_Finalize when started. */
+/* Several processes started by an MPI launcher (not torchrun) in an MPI build: MPI_Init, and
+   MPI's world must be the launcher's (a launcher and an MPI library that do not match make
+   every process rank 0). Nothing to do otherwise. lg_launch_finish: MPI_Finalize when
+   started. */
 int lg_launch_start(lg_launch *launch, lg_error *err);
 void lg_launch_finish(lg_launch *launch);
 /* Every process compares its n items (flags, data) with process 0's; the first that differs
    anywhere is an error on every process naming the process, the item and both values. */
 int lg_launch_same(const lg_launch *launch, const char *const *items, int n, lg_error *err);
+/* Process 0's n bytes reach every process: MPI_Bcast when it joined MPI, else the rendezvous
+   at dist_init (lg_rendezvous). */
+int lg_launch_share(const lg_launch *launch, void *bytes, size_t n, lg_error *err);
 /* Stops every process at once with `code` when this one joined MPI (MPI_Abort: the launcher
    ends the others and names this one), else exits with it. */
 void lg_launch_abort(int code);
@@ -4358,12 +4384,42 @@ lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err) {
 #ifndef LG_MPI
 void lg_comm_free(lg_comm *comm) { (void)comm; }
 #endif
+
+int lg_nccl_unique_id(unsigned char *id, lg_error *err) {
+    (void)id;
+    return lg_fail(err, "this build has no CUDA backend");
+}
+
+lg_comm *lg_comm_create_global(int world, int first_rank, int n, lg_rank *const *members,
+                               const unsigned char *id, lg_error *err) {
+    (void)world;
+    (void)first_rank;
+    (void)n;
+    (void)members;
+    (void)id;
+    lg_fail(err, "this build has no CUDA backend");
+    return NULL;
+}
+
+int lg_comm_split(lg_comm *parent, const int *color, const int *key, lg_comm **by_color,
+                  lg_error *err) {
+    (void)parent;
+    (void)color;
+    (void)key;
+    (void)by_color;
+    return lg_fail(err, "this build has no CUDA backend");
+}
 #endif
 
 int lg_rank_create(lg_rank *rank, const lg_plan *plan, int index, lg_error *err) {
+    return lg_rank_create_on(rank, plan, index, index, err);
+}
+
+int lg_rank_create_on(lg_rank *rank, const lg_plan *plan, int index, int device, lg_error *err) {
     memset(rank, 0, sizeof *rank);
     rank->plan = plan;
     rank->index = index;
+    rank->device = device;
     rank->backend = plan->spec.backend;
 #ifdef LG_CUDA
     if (rank->backend == LG_BACKEND_CUDA) return lg_cuda_rank_create(rank, err);
@@ -4480,6 +4536,10 @@ int lg_launch_from_env(lg_launch *l, lg_error *err) {
     memset(l, 0, sizeof *l);
     l->processes = l->local_processes = 1;
     l->local_ranks = 0;
+    l->dist_timeout = LG_DIST_TIMEOUT;
+    const char *master = getenv("MASTER_ADDR"), *port = getenv("MASTER_PORT");
+    if (master && port && atoi(port) > 0)
+        snprintf(l->dist_init, sizeof l->dist_init, "tcp://%s:%d", master, atoi(port) + 1);
     for (size_t i = 0; i < sizeof lg_launchers / sizeof lg_launchers[0]; i++)
         if (getenv(lg_launchers[i].marker)) return lg_launch_read(l, &lg_launchers[i], err);
     return 0;
@@ -4505,8 +4565,14 @@ int lg_launch_place(lg_launch *l, int devices, int nodes, lg_error *err) {
 #ifdef LG_MPI
 int lg_launch_has_mpi(void) { return 1; }
 
+/* MPI's launchers: Open MPI's and MPICH's mpirun, and Slurm (srun speaks PMI); torchrun
+   starts no MPI. */
+static int lg_launcher_speaks_mpi(const lg_launch *l) {
+    return l->launcher && strcmp(l->launcher, "torchrun") != 0;
+}
+
 int lg_launch_start(lg_launch *l, lg_error *err) {
-    if (l->processes == 1) return 0;
+    if (l->processes == 1 || !lg_launcher_speaks_mpi(l)) return 0;
     int ready = 0, size = 0, rank = 0;
     MPI_Initialized(&ready);
     if (!ready && MPI_Init(NULL, NULL) != MPI_SUCCESS)
@@ -4595,10 +4661,9 @@ int lg_launch_same(const lg_launch *l, const char *const *items, int n, lg_error
 int lg_launch_has_mpi(void) { return 0; }
 
 int lg_launch_start(lg_launch *l, lg_error *err) {
-    if (l->processes == 1) return 0;
-    return lg_fail(err, "%s started %d processes, but this build has no MPI to join them (build "
-                        "with mpicc present: apt-get install openmpi-bin libopenmpi-dev, then "
-                        "make)", l->launcher, l->processes);
+    (void)l;
+    (void)err;
+    return 0;
 }
 
 void lg_launch_finish(lg_launch *l) { (void)l; }
@@ -4922,6 +4987,21 @@ int lg_rendezvous(const char *init, int process, int processes, void *id, size_t
 #endif
 }
 
+int lg_launch_share(const lg_launch *l, void *bytes, size_t n, lg_error *err) {
+    if (l->processes == 1) return 0;
+#ifdef LG_MPI
+    if (l->mpi) {
+        MPI_Bcast(bytes, (int)n, MPI_BYTE, 0, MPI_COMM_WORLD);
+        return 0;
+    }
+#endif
+    if (!l->dist_init[0])
+        return lg_fail(err, "%s started %d processes and this build has no MPI: give --dist-init "
+                            "tcp://HOST:PORT (HOST: process 0's machine) or file://PATH on a shared "
+                            "file system, or set MASTER_ADDR and MASTER_PORT", l->launcher, l->processes);
+    return lg_rendezvous(l->dist_init, l->process, l->processes, bytes, n, l->dist_timeout, err);
+}
+
 /* --- CPU ranks in several processes: the collectives over MPI --------------------------------- */
 
 #if defined(LG_MPI) && !defined(LG_CUDA)
@@ -5063,6 +5143,7 @@ int lg_mpi_comm_create(lg_comm **comm, int members, int first_local, int local, 
                                 "(make cpu with mpicc present)") : 0;
 }
 
+#ifndef LG_CUDA /* (CUDA builds: over NCCL, litgpt_cuda.cuh) */
 void lg_comm_sum_doubles(lg_comm *comm, double *values, int count) {
     (void)comm;
     (void)values;
@@ -5074,6 +5155,7 @@ void lg_comm_gather_doubles(lg_comm *comm, double *values, int per_process) {
     (void)values;
     (void)per_process;
 }
+#endif
 #endif
 
 /* A group with communicators runs on the GPUs (litgpt_cuda.cuh, part j), or over MPI
@@ -9097,12 +9179,43 @@ static int lg_trainer_make_mpi_groups(lg_trainer *tr, lg_error *err) {
     return lg_trainer_mpi_group(tr, 0, 1, tr->n_ranks, &tr->process_comm, err);
 }
 
+/* GPU ranks in several processes: process 0's NCCL id reaches the others (MPI, or the
+   rendezvous); all ranks join one communicator (process_comm: also the step's loss and norm),
+   split into the shard and replica groups; for the first weights, which every process draws
+   itself, the process's own ranks share one of their own. */
+static int lg_trainer_make_nccl_groups(lg_trainer *tr, const lg_launch *launch, lg_error *err) {
+    const lg_sharding *sh = &tr->plan.sharding;
+    int S = sh->shard_ranks, R = sh->replicas, color[LG_MAX_RANKS], key[LG_MAX_RANKS];
+    unsigned char id[LG_NCCL_ID_BYTES] = {0};
+    lg_rank *members[LG_MAX_RANKS];
+    if (launch->process == 0 && lg_nccl_unique_id(id, err) != 0) return -1;
+    if (lg_launch_share(launch, id, sizeof id, err) != 0) return -1;
+    for (int r = 0; r < tr->local_ranks; r++) members[r] = &tr->ranks[r].rank;
+    tr->process_comm = lg_comm_create_global(tr->n_ranks, tr->first_rank, tr->local_ranks,
+                                             members, id, err);
+    if (!tr->process_comm) return -1;
+    for (int r = 0; r < tr->local_ranks; r++) { /* shard group q: ranks q S .. q S + S - 1 */
+        color[r] = (tr->first_rank + r) / S;
+        key[r] = (tr->first_rank + r) % S;
+    }
+    if (S > 1 && lg_comm_split(tr->process_comm, color, key, tr->shard_comm, err) != 0) return -1;
+    for (int r = 0; r < tr->local_ranks; r++) { /* replica group i: ranks i, S + i, ... */
+        color[r] = (tr->first_rank + r) % S;
+        key[r] = (tr->first_rank + r) / S;
+    }
+    if (R > 1 && lg_comm_split(tr->process_comm, color, key, tr->replica_comm, err) != 0) return -1;
+    if (tr->local_ranks == 1 || !sh->weights_sharded) return 0;
+    return (tr->world_comm = lg_comm_create(tr->local_ranks, members, err)) ? 0 : -1;
+}
+
 /* GPUs: the communicators of the shard groups, the replica groups and (for the first weights
    of sharded runs) all ranks; groups of one need none. */
-static int lg_trainer_make_comms(lg_trainer *tr, lg_error *err) {
+static int lg_trainer_make_comms(lg_trainer *tr, const lg_launch *launch, lg_error *err) {
     const lg_sharding *sh = &tr->plan.sharding;
     int S = sh->shard_ranks, R = sh->replicas;
     lg_rank *members[LG_MAX_RANKS];
+    if (tr->local_ranks < tr->n_ranks && tr->plan.spec.backend == LG_BACKEND_CUDA)
+        return lg_trainer_make_nccl_groups(tr, launch, err);
     if (tr->local_ranks < tr->n_ranks) return lg_trainer_make_mpi_groups(tr, err);
     if (tr->plan.spec.backend != LG_BACKEND_CUDA || tr->n_ranks == 1) return 0;
     for (int q = 0; q < R && S > 1; q++) {
@@ -9143,9 +9256,14 @@ static int lg_trainer_take_ranks(lg_trainer *tr, const lg_launch *launch, lg_err
         return lg_fail(err, "this process should drive ranks %d..%d of %d (lg_launch_place)",
                        tr->first_rank, tr->first_rank + tr->local_ranks - 1, tr->n_ranks);
     if (tr->local_ranks == tr->n_ranks) return 0;
-    if (tr->plan.spec.backend == LG_BACKEND_CUDA)
-        return lg_fail(err, "GPU ranks in several processes are not built yet: start one "
-                            "process a node with -d GPUs (or use --cpu)");
+    if (tr->plan.spec.backend == LG_BACKEND_CPU && !launch->mpi)
+        return lg_fail(err, lg_launch_has_mpi()
+                                ? "CPU ranks in several processes exchange over MPI, which %s does not "
+                                  "start: use mpirun or srun (or one process: drop the launcher)"
+                                : "CPU ranks in several processes exchange over MPI, and this build has "
+                                  "none (%s started them): apt-get install openmpi-bin "
+                                  "libopenmpi-dev, then make cpu",
+                       launch->launcher);
     size_t tokens = 2 * (size_t)tr->args.micro_batch_size * tr->plan.spec.T;
     tr->other_tokens = (int *)lg_alloc_zeroed(sizeof(int) * tokens);
     return tr->other_tokens ? 0 : lg_fail(err, "trainer: out of host memory");
@@ -9173,7 +9291,9 @@ int lg_trainer_create_in(lg_trainer *tr, const lg_config *cfg, const lg_args *ar
     }
     for (int r = 0; r < tr->local_ranks; r++) {
         lg_trainer_rank *tr_r = &tr->ranks[r];
-        if (lg_rank_create(&tr_r->rank, &tr->plan, tr->first_rank + r, err) != 0 ||
+        /* the GPU: the process's place on its node, then the rank's in the process */
+        int device = (launch ? launch->local_process * tr->local_ranks : 0) + r;
+        if (lg_rank_create_on(&tr_r->rank, &tr->plan, tr->first_rank + r, device, err) != 0 ||
             lg_model_bind(&tr_r->model, cfg, &tr_r->rank, err) != 0) {
             lg_trainer_free(tr);
             return -1;
@@ -9185,7 +9305,7 @@ int lg_trainer_create_in(lg_trainer *tr, const lg_config *cfg, const lg_args *ar
             return lg_fail(err, "trainer: out of host memory");
         }
     }
-    if (lg_trainer_make_comms(tr, err) != 0) {
+    if (lg_trainer_make_comms(tr, launch, err) != 0) {
         lg_trainer_free(tr);
         return -1;
     }

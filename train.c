@@ -47,6 +47,10 @@ static const char usage[] =
     "                             memory, or on the CPU what the machine has available); a\n"
     "                             run that does not fit exits 3 with a diagnosis and the\n"
     "                             cheapest change that fits\n"
+    "      --dist-init URL        GPU processes without MPI meet at tcp://HOST:PORT (process\n"
+    "                             0's machine) or file://PATH (shared); default from\n"
+    "                             MASTER_ADDR and MASTER_PORT + 1\n"
+    "      --dist-timeout S       seconds a process waits for the others there (600)\n"
     "      --cpu                  a CUDA build: run on the CPU backend even with GPUs\n"
     "      --tf32                 on a GPU, fp32 matmuls may use TF32 tensor cores\n"
     "  -o, --optimizer NAME       adamw (default), sgd, lion (one state; betas 0.9 0.99\n"
@@ -441,14 +445,15 @@ static size_t device_limit(const lg_args *a, const char **source) {
 
 /* GPUs: one a rank; what the CUDA runtime takes on each goes into the plan; how they
    connect. A CUDA build without a GPU says it runs on the CPU. */
-static void prepare_gpus(lg_args *a) {
+static void prepare_gpus(lg_args *a, int process_per_gpu_or_node) {
     lg_error err;
 #ifdef LG_CUDA
     if (a->backend == LG_BACKEND_CPU && lg_cuda_device_count() == 0)
         printf("CUDA build, but no GPU is visible: running on the CPU backend\n");
 #endif
     if (a->backend != LG_BACKEND_CUDA) return;
-    int ranks = lg_args_ranks(a), visible = lg_cuda_device_count();
+    /* several processes: the GPUs of one node */
+    int ranks = process_per_gpu_or_node ? a->devices : lg_args_ranks(a), visible = lg_cuda_device_count();
     if (ranks > visible)
         die_usage("-d/--devices %d x --nodes %d = %d ranks, one a GPU, but %d GPU%s visible",
                   a->devices, a->nodes, ranks, visible, visible == 1 ? " is" : "s are");
@@ -694,6 +699,34 @@ static void evaluate(lg_trainer *tr, run_data *d, const lg_args *a, int step, FI
 
 /* --- processes: under a launcher (mpirun, srun, torchrun) ------------------------------------ */
 
+/* --dist-init URL and --dist-timeout S (or --flag=value) into launch, taken out of argv before
+   the other flags are read; returns the arguments left. */
+static int take_process_flags(int argc, char **argv, lg_launch *launch) {
+    int kept = 1;
+    for (int i = 1; i < argc; i++) {
+        const char *flags[2] = {"--dist-init", "--dist-timeout"};
+        int which = -1;
+        const char *value = NULL;
+        for (int f = 0; f < 2 && which < 0; f++) {
+            size_t len = strlen(flags[f]);
+            if (strcmp(argv[i], flags[f]) == 0) which = f, value = i + 1 < argc ? argv[++i] : NULL;
+            else if (strncmp(argv[i], flags[f], len) == 0 && argv[i][len] == '=') which = f, value = argv[i] + len + 1;
+        }
+        if (which < 0) {
+            argv[kept++] = argv[i];
+            continue;
+        }
+        if (!value) die_usage("%s needs a value", flags[which]);
+        if (which == 0 && strncmp(value, "tcp://", 6) != 0 && strncmp(value, "file://", 7) != 0)
+            die_usage("--dist-init: '%s' is not tcp://HOST:PORT or file://PATH", value);
+        if (which == 0) snprintf(launch->dist_init, sizeof launch->dist_init, "%s", value);
+        else if ((launch->dist_timeout = parse_float("--dist-timeout", value)) <= 0)
+            die_usage("--dist-timeout must be more than 0 seconds");
+    }
+    argv[kept] = NULL;
+    return kept;
+}
+
 /* FNV-1a of n bytes, continuing from h. */
 static uint64_t fnv1a(uint64_t h, const void *bytes, size_t n) {
     const unsigned char *p = (const unsigned char *)bytes;
@@ -753,11 +786,12 @@ int main(int argc, char **argv) {
     lg_args a;
     int precision_given = 0, beta1_given = 0, beta2_given = 0;
     checkpoint_flags ck;
-    parse_args(argc, argv, &a, &precision_given, &beta1_given, &beta2_given, &ck);
     lg_launch launch; /* under a launcher: which process this is, and which ranks it drives */
     lg_error err;
-    if (lg_launch_from_env(&launch, &err) != 0 || lg_launch_place(&launch, a.devices, a.nodes, &err) != 0)
-        die_usage("%s", err.msg);
+    if (lg_launch_from_env(&launch, &err) != 0) die_usage("%s", err.msg);
+    argc = take_process_flags(argc, argv, &launch);
+    parse_args(argc, argv, &a, &precision_given, &beta1_given, &beta2_given, &ck);
+    if (lg_launch_place(&launch, a.devices, a.nodes, &err) != 0) die_usage("%s", err.msg);
     if (launch.process != 0 && !freopen("/dev/null", "w", stdout)) /* process 0 prints */
         die_usage("cannot silence stdout");
     /* the papers' betas, unless given: Lion (0.9, 0.99), SophiaG (0.965, 0.99) */
@@ -771,7 +805,7 @@ int main(int argc, char **argv) {
         die_usage("-t/--max-seq-length %d exceeds the model's block_size %d", T, cfg.block_size);
     run_data data; /* before the plan: for fine-tuning samples it sets T to the longest one */
     open_data(&a, &cfg, &T, &data);
-    prepare_gpus(&a);
+    prepare_gpus(&a, launch.processes > 1);
     if (a.micro_batch_auto) choose_micro_batch(&a, &cfg, T);
     if (lg_args_check(&a, &err) != 0) die_usage("%s", err.msg);
     plan_and_check(argc, argv, &a, &cfg, T);

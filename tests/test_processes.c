@@ -358,9 +358,21 @@ static void test_rendezvous(results *r) {
     check(r, rc != 0 && strstr(err.msg, "cannot reach process 0"), "rendezvous with nobody listening: %s", err.msg);
 }
 
+/* The flags of several processes, and a launcher without MPI for CPU ranks. */
+static void test_process_flags(results *r) {
+    expect_cli(r, "--dist-init foo", 2, "--dist-init: 'foo' is not tcp://HOST:PORT or file://PATH");
+    expect_cli(r, "--dist-timeout 0", 2, "--dist-timeout must be more than 0 seconds");
+    expect_cli(r, "--dist-init", 2, "--dist-init needs a value");
+    expect_program(r, "TORCHELASTIC_RUN_ID=t RANK=0 WORLD_SIZE=3 ./train", "-d 2 --max-steps 0", 2,
+                   "rank 0: train: torchrun started 3 processes, but -d 2 x --nodes 1 is 2 ranks");
+    expect_program(r, "TORCHELASTIC_RUN_ID=t RANK=1 WORLD_SIZE=2 ./train", "-d 2 --max-steps 0", 1,
+                   "rank 1: train: CPU ranks in several processes exchange over MPI");
+}
+
 static void test_processes(results *r) {
     test_launcher_env(r);
     test_launch_place(r);
+    test_process_flags(r);
     test_rendezvous(r);
     test_mpirun(r);
 }
