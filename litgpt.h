@@ -745,6 +745,10 @@ void lg_all_gather_async(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whol
 void lg_reduce_scatter_sum_async(lg_comm *comm, int n, const lg_buf *whole, lg_buf *piece,
                                  size_t piece_count, int signal);
 void lg_rank_await(const lg_rank *rank, int signal);
+/* CPU ranks over MPI: the _async forms start MPI's non-blocking collective (a group of which
+   this process drives one member, and a reduce-scatter of at most 2^20 sums; otherwise they
+   finish at once), and this completes the one that raises `signal`. Nothing elsewhere. */
+void lg_comm_await(lg_comm *comm, int signal);
 /* The NCCL communicators of n GPU ranks (NULL with err set when they cannot be made). */
 lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err);
 void lg_comm_free(lg_comm *comm);
@@ -5014,6 +5018,11 @@ struct lg_comm {
     MPI_Comm mpi;
     int members, first_local, local;
     double *send, *recv; /* (LG_MPI_CHUNK) each */
+    /* non-blocking collectives under way, by signal; a reduce-scatter's piece is written from
+       recv when it completes (one at a time: the trainer finishes each before the next) */
+    MPI_Request request[LG_COMM_SIGNALS];
+    lg_buf reduce_piece[LG_COMM_SIGNALS];
+    int reduce_count[LG_COMM_SIGNALS];
 };
 
 int lg_mpi_comm_create(lg_comm **comm, int members, int first_local, int local, lg_error *err) {
@@ -5034,6 +5043,7 @@ int lg_mpi_comm_create(lg_comm **comm, int members, int first_local, int local, 
         return lg_fail(err, "out of host memory for an MPI group");
     }
     c->mpi = group;
+    for (int i = 0; i < LG_COMM_SIGNALS; i++) c->request[i] = MPI_REQUEST_NULL;
     c->members = members;
     c->first_local = first_local;
     c->local = local;
@@ -5127,6 +5137,45 @@ static void lg_mpi_broadcast(lg_comm *c, int n, int root, lg_buf *bufs, size_t c
         if (bufs[m].data != src.data) lg_copy(NULL, bufs[m], src, count);
 }
 
+void lg_comm_await(lg_comm *c, int signal) {
+    if (!c || c->request[signal] == MPI_REQUEST_NULL) return;
+    MPI_Wait(&c->request[signal], MPI_STATUS_IGNORE);
+    for (int k = 0; k < c->reduce_count[signal]; k++)
+        lg_set(c->reduce_piece[signal], (size_t)k, (lg_real)c->recv[k]);
+    c->reduce_count[signal] = 0;
+}
+
+/* One member here: MPI_Iallgather in place, completed by lg_comm_await. */
+static void lg_mpi_all_gather_async(lg_comm *c, int n, const lg_buf *piece, lg_buf *whole,
+                                    size_t piece_count, int signal) {
+    if (n != 1) {
+        lg_mpi_all_gather(c, n, piece, whole, piece_count);
+        return;
+    }
+    lg_comm_await(c, signal);
+    lg_buf place = lg_at(whole[0], (size_t)c->first_local * piece_count);
+    if (place.data != piece[0].data) lg_copy(NULL, place, piece[0], piece_count);
+    MPI_Datatype t = lg_mpi_type_of(whole[0].dtype);
+    MPI_Iallgather(MPI_IN_PLACE, 0, t, whole[0].data, (int)piece_count, t, c->mpi, &c->request[signal]);
+    MPI_Type_free(&t); /* MPI keeps it while the collective runs */
+}
+
+/* One member here and one chunk: the sums go out by MPI_Ireduce_scatter_block, the piece
+   arrives in lg_comm_await. */
+static void lg_mpi_reduce_scatter_sum_async(lg_comm *c, int n, const lg_buf *whole, lg_buf *piece,
+                                            size_t piece_count, int signal) {
+    if (n != 1 || piece_count * (size_t)c->members > LG_MPI_CHUNK) {
+        lg_mpi_reduce_scatter_sum(c, n, whole, piece, piece_count);
+        return;
+    }
+    lg_comm_await(c, signal);
+    for (size_t k = 0; k < piece_count * (size_t)c->members; k++) c->send[k] = lg_get(whole[0], k);
+    c->reduce_piece[signal] = piece[0];
+    c->reduce_count[signal] = (int)piece_count;
+    MPI_Ireduce_scatter_block(c->send, c->recv, (int)piece_count, MPI_DOUBLE, MPI_SUM, c->mpi,
+                              &c->request[signal]);
+}
+
 void lg_comm_sum_doubles(lg_comm *c, double *values, int count) {
     if (c) MPI_Allreduce(MPI_IN_PLACE, values, count, MPI_DOUBLE, MPI_SUM, c->mpi);
 }
@@ -5141,6 +5190,11 @@ int lg_mpi_comm_create(lg_comm **comm, int members, int first_local, int local, 
     *comm = NULL;
     return local ? lg_fail(err, "CPU ranks in several processes need an MPI build without CUDA "
                                 "(make cpu with mpicc present)") : 0;
+}
+
+void lg_comm_await(lg_comm *comm, int signal) {
+    (void)comm;
+    (void)signal;
 }
 
 #ifndef LG_CUDA /* (CUDA builds: over NCCL, litgpt_cuda.cuh) */
@@ -5207,7 +5261,7 @@ void lg_all_gather(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole, siz
 void lg_all_gather_async(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole,
                          size_t piece_count, int signal) {
     LG_ON_COMM(comm, lg_cuda_all_gather_async(comm, piece, whole, piece_count, signal),
-               lg_mpi_all_gather(comm, n, piece, whole, piece_count));
+               lg_mpi_all_gather_async(comm, n, piece, whole, piece_count, signal));
     lg_all_gather(NULL, n, piece, whole, piece_count);
     (void)signal;
 }
@@ -5215,7 +5269,7 @@ void lg_all_gather_async(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whol
 void lg_reduce_scatter_sum_async(lg_comm *comm, int n, const lg_buf *whole, lg_buf *piece,
                                  size_t piece_count, int signal) {
     LG_ON_COMM(comm, lg_cuda_reduce_scatter_sum_async(comm, whole, piece, piece_count, signal),
-               lg_mpi_reduce_scatter_sum(comm, n, whole, piece, piece_count));
+               lg_mpi_reduce_scatter_sum_async(comm, n, whole, piece, piece_count, signal));
     lg_reduce_scatter_sum(NULL, n, whole, piece, piece_count);
     (void)signal;
 }
@@ -8909,6 +8963,7 @@ static void lg_trainer_gather_unit(lg_trainer *tr, int u) {
 /* Every rank's ops from here on wait for unit u's gathered weights (full-shard). */
 static void lg_trainer_await_unit(lg_trainer *tr, int u) {
     if (!tr->plan.sharding.weights_sharded) return;
+    for (int q = 0; q < tr->plan.sharding.replicas; q++) lg_comm_await(tr->shard_comm[q], lg_unit_slot(tr, u));
     for (int r = 0; r < tr->local_ranks; r++) lg_rank_await(&tr->ranks[r].rank, lg_unit_slot(tr, u));
 }
 
@@ -8947,6 +9002,7 @@ static void lg_trainer_start_reduce(lg_trainer *tr, int u) {
 static void lg_trainer_finish_reduce(lg_trainer *tr, int u) {
     const lg_shard_layout *sl = &tr->plan.shards;
     if (!tr->plan.sharding.grads_sharded) return;
+    for (int q = 0; q < tr->plan.sharding.replicas; q++) lg_comm_await(tr->shard_comm[q], lg_reduce_signal(u));
     for (int r = 0; r < tr->local_ranks; r++) {
         lg_trainer_rank *tr_r = &tr->ranks[r];
         lg_buf shard = lg_at(tr_r->model.grads, sl->piece_offset[u]);

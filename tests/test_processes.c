@@ -250,6 +250,9 @@ static void test_mpirun(results *r) {
         {"ddp4", "-d 4 --strategy no-shard", 4},
         {"hybrid4", "-d 2 --nodes 2 --strategy hybrid-shard", 4},
         {"hybrid2", "-d 2 --nodes 2 --strategy hybrid-shard", 2}, /* a process a node */
+        /* a process a node, its 2 ranks members of groups that span processes */
+        {"fullnode", "-d 2 --nodes 2 --strategy full-shard", 2},
+        {"ddpnode", "-d 2 --nodes 2 --strategy no-shard", 2},
     };
     for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) check_processes_match(r, &runs[i]);
     check_resume_in_one_process(r, &runs[1]);
