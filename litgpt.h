@@ -4624,39 +4624,39 @@ static char *lg_launch_broadcast_items(const char *const *items, int n, int is_r
 
 int lg_launch_same(const lg_launch *l, const char *const *items, int n, lg_error *err) {
     if (!l->mpi) return 0;
-    int counts[2] = {n, -n}, extremes[2];
-    MPI_Allreduce(counts, extremes, 2, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    int n_common = n < extremes[0] ? n : extremes[0];
-    int *lengths = (int *)lg_alloc_zeroed(sizeof(int) * (size_t)(extremes[0] + 1));
+    int n_root = n, n_common = n;
+    MPI_Bcast(&n_root, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    MPI_Allreduce(&n, &n_common, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    int *lengths = (int *)lg_alloc_zeroed(sizeof(int) * (size_t)(n_common + 1));
     char *root = lengths ? lg_launch_broadcast_items(items, n_common, l->process == 0, lengths) : NULL;
-    /* the first item that differs here (n_common + 1: none), then the first anywhere */
-    int differs = n != extremes[0] || n != -extremes[1] ? n_common : n_common + 1;
+    /* the first item that differs here (n_common + 1: none; n_common: more or fewer items) */
+    int differs = n != n_root ? n_common : n_common + 1;
     for (long i = 0, at = 0; root && i < n_common; at += lengths[i] + 1, i++)
         if (strcmp(root + at, items[i]) != 0) {
             differs = (int)i;
             break;
         }
-    int first = differs;
+    int first = differs, me, culprit;
     MPI_Allreduce(&differs, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    me = differs == first ? l->process : l->processes;
+    MPI_Allreduce(&me, &culprit, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD); /* the lowest at fault */
+    long at = 0;
+    for (int i = 0; i < first && i < n_common; i++) at += lengths[i] + 1;
     int rc = 0;
     if (!root) rc = lg_fail(err, "out of host memory for the start-up check");
-    else if (first <= n_common) {
-        /* the lowest process at fault names it */
-        int me = differs == first ? l->process : l->processes, culprit = me;
-        MPI_Allreduce(&me, &culprit, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-        long at = 0;
-        for (int i = 0; i < first && i < n_common; i++) at += lengths[i] + 1;
-        if (first == n_common)
-            rc = lg_fail(err, "process %d was started with other flags than process 0 (%d items "
-                              "here, %d to %d among the processes)", culprit, n, -extremes[1],
-                         extremes[0]);
-        else if (culprit == l->process)
-            rc = lg_fail(err, "this process was started with '%s' where process 0 has '%s'; "
-                              "every process needs the same flags and data", items[first], root + at);
-        else
-            rc = lg_fail(err, "process %d was started with other flags or data than process 0 "
-                              "(it differs at '%s')", culprit, root + at);
-    }
+    else if (first > n_common) rc = 0;
+    else if (culprit == l->process && first < n_common)
+        rc = lg_fail(err, "this process was started with '%s' where process 0 has '%s'; every "
+                          "process needs the same flags and data", items[first], root + at);
+    else if (culprit == l->process)
+        rc = lg_fail(err, "this process was started with %d flags and data items, process 0 with %d "
+                          "(the first %d agree)", n, n_root, n_common);
+    else if (first < n_common)
+        rc = lg_fail(err, "process %d was started with other flags or data than process 0 (which "
+                          "has '%s' there)", culprit, root + at);
+    else
+        rc = lg_fail(err, "process %d was started with more or fewer flags than process 0",
+                     culprit);
     LG_FREE(root);
     LG_FREE(lengths);
     return rc;
