@@ -4586,7 +4586,8 @@ int lg_launch_start(lg_launch *l, lg_error *err) {
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     if (size != l->processes || rank != l->process)
         return lg_fail(err, "%s says process %d of %d, MPI says %d of %d: the launcher and the MPI "
-                            "library do not match (start with this MPI's mpirun)",
+                            "library do not match (start with this MPI's mpirun; under Slurm start "
+                            "every process with srun, not from the batch script)",
                        l->launcher, l->process, l->processes, rank, size);
     return 0;
 }

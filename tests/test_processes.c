@@ -253,6 +253,8 @@ static void test_mpirun(results *r) {
         /* a process a node, its 2 ranks members of groups that span processes */
         {"fullnode", "-d 2 --nodes 2 --strategy full-shard", 2},
         {"ddpnode", "-d 2 --nodes 2 --strategy no-shard", 2},
+        /* Sophia's labels drawn by global place, its Hessian pass's collectives */
+        {"sophia2", "-d 2 --strategy full-shard -o sophia --hessian-interval 2", 2},
     };
     for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) check_processes_match(r, &runs[i]);
     check_resume_in_one_process(r, &runs[1]);
@@ -263,6 +265,10 @@ static void test_mpirun(results *r) {
     check(r, rc == 2 && strstr(out, ": train: Open MPI started 3 processes, but -d 2 x --nodes 1 is 2 ranks") &&
                  strstr(out, "rank "),
           "mpirun -np 3 ./train -d 2: exit %d naming the numbers", rc);
+    /* Slurm's variables in a batch script, the process not started by srun: MPI sees one */
+    expect_program(r, "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 SLURM_PROCID=0 "
+                   "SLURM_NTASKS=2 ./train", "-d 2 --max-steps 0", 2,
+                   "rank 0: train: Slurm says process 0 of 2, MPI says 0 of 1");
     rc = run_captured(MPIRUN "-np 1 ./train -d 2 " RUN_FLAGS " --lr 0.01 : -np 1 ./train -d 2 "
                       RUN_FLAGS " --lr 0.02", out, sizeof out);
     check(r, rc == 2 && strstr(out, "rank 1: train: this process was started with '--lr 0.02' "
