@@ -18,6 +18,10 @@ NVCC_FLAGS = -x cu -std=c++17 -O3 $(GPU_ARCH) -Werror all-warnings \
 	-Xcompiler -Wall,-Wextra,-Werror,-march=native,$(OPENMP)
 BACKEND ?= $(if $(and $(NVCC),$(HAVE_GPU)),cuda,cpu)
 HEADERS = litgpt.h litgpt_cuda.cuh
+# CPU ranks in several processes (mpirun, srun): the CPU build goes through mpicc when it is
+# found (Open MPI: apt-get install openmpi-bin libopenmpi-dev); without it the build has no MPI.
+MPICC ?= $(shell command -v mpicc 2>/dev/null)
+CPU_CC = $(if $(MPICC),$(MPICC) -DLG_MPI,$(CC))
 # the CUDA backend's kernels run on the CPU in tests through this emulator (g++, no GPU)
 EMULATED = $(CXX) -std=c++17 -O2 -DLG_CUDA_EMULATE -Wall -Wextra -Werror -Wno-unknown-pragmas $(OPENMP) -x c++
 
@@ -36,7 +40,8 @@ cuda: build/train_cuda
 
 build/train_cpu: train.c $(HEADERS)
 	@mkdir -p build
-	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) train.c -o $@ $(LDLIBS)
+	@echo "$(if $(MPICC),train: with MPI ($(MPICC)): mpirun -np N ./train -d N ...,train: without MPI (mpicc not found): one process drives every rank)"
+	$(CPU_CC) $(WARNINGS) $(CFLAGS) $(OPENMP) train.c -o $@ $(LDLIBS)
 
 portable: build/train_portable
 

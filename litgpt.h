@@ -857,11 +857,15 @@ struct lg_rank {
     int index;
     lg_backend backend;               /* the plan's: where the arenas live and the ops run */
     lg_cuda_rank *cuda;               /* CUDA: its GPU, streams and handles, else NULL */
+    int device;                       /* CUDA: which GPU of the process's node (the index
+                                         when one process drives every rank) */
     unsigned char *arena[LG_N_POOLS]; /* (plan->ranks[index].pool_bytes[pool]); on a GPU the
                                          device arena is GPU memory, the host one pinned */
 };
 
 int lg_rank_create(lg_rank *rank, const lg_plan *plan, int index, lg_error *err);
+/* The same on a chosen GPU of the node (several processes: the process's local ranks). */
+int lg_rank_create_on(lg_rank *rank, const lg_plan *plan, int index, int device, lg_error *err);
 void lg_rank_free(lg_rank *rank);
 /* The memory of a region of this rank's plan; NULL when the plan has no such region. */
 void *lg_rank_region(const lg_rank *rank, const char *name);
@@ -897,7 +901,9 @@ int lg_visit_next(lg_visit *v);
 /* Collectives over the members of a group, one buffer per member in member order: the shape of
    NCCL's grouped calls made from one thread. `comm` is the group's NCCL communicators on GPUs
    (lg_comm_create); NULL runs them in this process on host-visible memory: sums in lg_real,
-   member by member in order, rounded once to the buffers' type. */
+   member by member in order, rounded once to the buffers' type. CPU ranks in several processes
+   (an MPI build): `comm` is the group's MPI communicator (lg_mpi_comm_create), n the members
+   this process drives and bufs theirs; sums in double, rounded once to the buffers' type. */
 typedef struct lg_comm lg_comm;
 /* bufs[m] (count) = the sum over members of bufs */
 void lg_all_reduce_sum(lg_comm *comm, int n, lg_buf *bufs, size_t count);
@@ -921,9 +927,35 @@ void lg_all_gather_async(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whol
 void lg_reduce_scatter_sum_async(lg_comm *comm, int n, const lg_buf *whole, lg_buf *piece,
                                  size_t piece_count, int signal);
 void lg_rank_await(const lg_rank *rank, int signal);
+/* CPU ranks over MPI: the _async forms start MPI's non-blocking collective (a group of which
+   this process drives one member, and a reduce-scatter of at most 2^20 sums; otherwise they
+   finish at once), and this completes the one that raises `signal`. Nothing elsewhere. */
+void lg_comm_await(lg_comm *comm, int signal);
 /* The NCCL communicators of n GPU ranks (NULL with err set when they cannot be made). */
 lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err);
 void lg_comm_free(lg_comm *comm);
+/* GPU ranks in several processes (CUDA builds; the others return errors): process 0 draws
+   the NCCL id (LG_NCCL_ID_BYTES), which reaches the others (lg_launch_share); each process's
+   n ranks (members, global ranks first_rank..) join the communicator of all `world` ranks
+   (ncclCommInitRank); lg_comm_split cuts one such into groups: member m joins group color[m]
+   (-1: none) at position key[m]; by_color[c] becomes the group of color c that this
+   process's members joined (it stays NULL for the others). */
+#define LG_NCCL_ID_BYTES 128
+int lg_nccl_unique_id(unsigned char *id, lg_error *err);
+lg_comm *lg_comm_create_global(int world, int first_rank, int n, lg_rank *const *members,
+                               const unsigned char *id, lg_error *err);
+int lg_comm_split(lg_comm *parent, const int *color, const int *key, lg_comm **by_color,
+                  lg_error *err);
+/* CPU ranks in several processes (an MPI build without CUDA): the group of `members` ranks
+   spread over several processes, of which this one drives `local` consecutive members from
+   member first_local (local 0: none; *comm stays NULL). Every process calls it for every such
+   group in the same order. lg_comm_free frees it. */
+int lg_mpi_comm_create(lg_comm **comm, int members, int first_local, int local, lg_error *err);
+/* Host numbers over all processes, through a group of every rank (NULL: one process, nothing
+   to do): values = their sum over processes, in double; */
+void lg_comm_sum_doubles(lg_comm *comm, double *values, int count);
+/* values (processes, per_process): each process fills its own block, then holds everyone's. */
+void lg_comm_gather_doubles(lg_comm *comm, double *values, int per_process);
 
 /* GPUs visible to a CUDA build (0 in a CPU build). */
 int lg_cuda_device_count(void);
@@ -938,6 +970,71 @@ int lg_cuda_measure_runtime(int devices, int communicators, size_t *runtime_byte
 int lg_cuda_memory(int device, size_t *free_bytes, size_t *total_bytes, lg_error *err);
 /* the peer access between GPUs 0..devices-1 as a table on out; 1 when every pair is direct. */
 int lg_cuda_report_topology(int devices, FILE *out);
+
+/* Processes. Without a launcher one process drives every rank. Under one (mpirun, srun,
+   torchrun) each of `processes` processes drives `local_ranks` consecutive ranks, from
+   first_rank: one each (a process per GPU or CPU rank), or `devices` each (a process per node).
+   lg_launch_from_env reads the launcher's variables, the first that is set in this order:
+     torchrun      TORCHELASTIC_RUN_ID with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+                   GROUP_RANK (the node)
+     Slurm (srun)  SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID
+     Open MPI      OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE
+     MPICH (Hydra) PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS
+   (the node, where not given: process / processes on a node). A builds with MPI then joins
+   MPI_COMM_WORLD (lg_launch_start) and checks that MPI sees the same world. */
+typedef struct {
+    const char *launcher;  /* "torchrun", "Slurm", "Open MPI", "MPICH", or NULL: none */
+    int process, processes;             /* this process among all; 0 of 1 without a launcher */
+    int local_process, local_processes; /* among those on its node (local_processes 0: the
+                                           launcher does not say) */
+    int node;
+    int first_rank, local_ranks;        /* the ranks it drives (lg_launch_place) */
+    int mpi;                            /* 1 once it joined MPI_COMM_WORLD (lg_launch_start) */
+    /* GPU processes without MPI: where they meet (tcp://HOST:PORT or file://PATH; default
+       tcp://MASTER_ADDR:MASTER_PORT+1, torchrun's port being its own) and how long a process
+       waits for the others there, in seconds */
+    char dist_init[512];
+    double dist_timeout;
+} lg_launch;
+#define LG_DIST_TIMEOUT 600.0 /* seconds: a large cluster's processes may start minutes apart */
+
+/* Reads the environment (no launcher: one process of 1); a variable that is not a number, or
+   a rank outside its world, is an error naming it. */
+int lg_launch_from_env(lg_launch *launch, lg_error *err);
+/* Which ranks this process drives, for devices x nodes ranks: processes = devices x nodes
+   (one rank each) or = nodes (devices each); else an error naming the numbers. */
+int lg_launch_place(lg_launch *launch, int devices, int nodes, lg_error *err);
+/* Several processes started by an MPI launcher (not torchrun) in an MPI build: MPI_Init, and
+   MPI's world must be the launcher's (a launcher and an MPI library that do not match make
+   every process rank 0). Nothing to do otherwise. lg_launch_finish: MPI_Finalize when
+   started. */
+int lg_launch_start(lg_launch *launch, lg_error *err);
+void lg_launch_finish(lg_launch *launch);
+/* Every process compares its n items (flags, data) with process 0's; the first that differs
+   anywhere is an error on every process naming the process, the item and both values. */
+int lg_launch_same(const lg_launch *launch, const char *const *items, int n, lg_error *err);
+/* Process 0's n bytes reach every process: MPI_Bcast when it joined MPI, else the rendezvous
+   at dist_init (lg_rendezvous). */
+int lg_launch_share(const lg_launch *launch, void *bytes, size_t n, lg_error *err);
+/* Stops every process at once with `code` when this one joined MPI (MPI_Abort: the launcher
+   ends the others and names this one), else exits with it. */
+void lg_launch_abort(int code);
+/* 1 when the build has MPI (built by mpicc: make says so). */
+int lg_launch_has_mpi(void);
+/* GPU ranks in several processes without MPI: process 0's NCCL id (id_bytes) reaches every
+   process through `init`:
+     tcp://HOST:PORT  process 0 listens on PORT; the others connect to HOST (retrying), say who
+                      they are, and receive the id once all have come
+     file://PATH      on a file system every process sees: each process p > 0 announces itself
+                      in PATH.p with a fresh random nonce; process 0 removes what an earlier
+                      run left, and once all have announced writes PATH (atomically) with the id
+                      and their nonces: a PATH from an earlier run holds other nonces and is
+                      never read as current
+   Every process gives up after timeout_s seconds with an error naming whom it waited for
+   (process 0: the processes that did not come). TCP needs POSIX 2001 (getaddrinfo: define
+   _POSIX_C_SOURCE 200809L before any #include, as train.c does; C++ has it). */
+int lg_rendezvous(const char *init, int process, int processes, void *id, size_t id_bytes,
+                  double timeout_s, lg_error *err);
 
 /* ---------------------------------------------------------------------------------------------
    10. data (API)
@@ -1325,7 +1422,14 @@ typedef struct lg_trainer {
     lg_plan plan;
     lg_args args;
     int n_ranks;               /* devices x nodes */
-    lg_trainer_rank *ranks;    /* (n_ranks) */
+    /* the ranks this process drives: ranks[i] is rank first_rank + i (every rank without a
+       launcher; lg_launch_place) */
+    int first_rank, local_ranks;
+    int process;               /* this process; 0 (whose files and output count) without one */
+    lg_trainer_rank *ranks;    /* (local_ranks) */
+    size_t step_tokens;        /* rows x their length of the step's micro-batches, all ranks */
+    int *other_tokens;         /* (2, B, T): where the micro-batches of other processes' ranks
+                                  are read (their targets counted) and dropped; NULL in one */
     int block_slots;           /* gather_blocks slots: 2 or 1 */
     int accumulation;          /* micro-batches per optimizer step and rank */
     /* GPUs: the NCCL communicators of shard group q (shard_comm[q], members q S + i), of
@@ -1334,6 +1438,9 @@ typedef struct lg_trainer {
     lg_comm *shard_comm[LG_MAX_RANKS];
     lg_comm *replica_comm[LG_MAX_RANKS];
     lg_comm *world_comm;
+    /* CPU ranks in several processes: every rank's MPI group (the step's loss and norm,
+       checkpoints); NULL in one process */
+    lg_comm *process_comm;
     /* dynamic loss scaling (16-true, 16-mixed), as PyTorch's GradScaler */
     int scaling;        /* 1 in the fp16 precisions */
     float loss_scale;   /* multiplies the loss before the backward: 2^16 at the start */
@@ -1355,6 +1462,10 @@ typedef struct {
 
 int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args, int T,
                       lg_error *err);
+/* The same in one of several processes (launch: lg_launch_place and lg_launch_start done): it
+   drives the launch's ranks; every process calls every trainer function in the same order. */
+int lg_trainer_create_in(lg_trainer *tr, const lg_config *cfg, const lg_args *args, int T,
+                         const lg_launch *launch, lg_error *err);
 /* One optimizer step: reads all micro-batches (micro-batch i of rank r is the (i ranks + r)-th
    of the step, so any number of ranks sees the samples one rank would), accumulates gradients
    of the global mean loss, clips by the global norm, updates every shard. Fails (without
@@ -1395,6 +1506,15 @@ int lg_comms_per_rank(const lg_args *args);
 #include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#ifdef LG_MPI /* CPU ranks in several processes, start-up under a launcher (make: mpicc found) */
+#include <mpi.h>
+#endif
+#include <poll.h> /* POSIX: the rendezvous's waits */
+#if defined(_POSIX_C_SOURCE) && _POSIX_C_SOURCE >= 200112L
+#include <netdb.h> /* the TCP rendezvous (getaddrinfo) */
+#include <netinet/in.h>
+#include <sys/socket.h>
 #endif
 #include <dirent.h> /* POSIX: the step-N directories of checkpoints */
 #include <fcntl.h> /* POSIX: open, write, fsync, mkdir for atomic checkpoint files */
@@ -5951,13 +6071,45 @@ lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err) {
     return NULL;
 }
 
+#ifndef LG_MPI
 void lg_comm_free(lg_comm *comm) { (void)comm; }
 #endif
 
+int lg_nccl_unique_id(unsigned char *id, lg_error *err) {
+    (void)id;
+    return lg_fail(err, "this build has no CUDA backend");
+}
+
+lg_comm *lg_comm_create_global(int world, int first_rank, int n, lg_rank *const *members,
+                               const unsigned char *id, lg_error *err) {
+    (void)world;
+    (void)first_rank;
+    (void)n;
+    (void)members;
+    (void)id;
+    lg_fail(err, "this build has no CUDA backend");
+    return NULL;
+}
+
+int lg_comm_split(lg_comm *parent, const int *color, const int *key, lg_comm **by_color,
+                  lg_error *err) {
+    (void)parent;
+    (void)color;
+    (void)key;
+    (void)by_color;
+    return lg_fail(err, "this build has no CUDA backend");
+}
+#endif
+
 int lg_rank_create(lg_rank *rank, const lg_plan *plan, int index, lg_error *err) {
+    return lg_rank_create_on(rank, plan, index, index, err);
+}
+
+int lg_rank_create_on(lg_rank *rank, const lg_plan *plan, int index, int device, lg_error *err) {
     memset(rank, 0, sizeof *rank);
     rank->plan = plan;
     rank->index = index;
+    rank->device = device;
     rank->backend = plan->spec.backend;
 #ifdef LG_CUDA
     if (rank->backend == LG_BACKEND_CUDA) return lg_cuda_rank_create(rank, err);
@@ -6051,15 +6203,749 @@ int lg_visit_next(lg_visit *v) {
     return 1;
 }
 
-/* A group with communicators runs on the GPUs (litgpt_cuda.cuh, part j). */
-#ifdef LG_CUDA
-#define LG_ON_COMM(comm, call) do { if (comm) { call; return; } } while (0)
+
+/* --- processes: the launcher's environment, MPI -------------------------------------------- */
+
+/* A launcher's variable as a non-negative integer: 1 when set and read, 0 when unset, -1 (with
+   err) when it is not a number. */
+static int lg_env_int(const char *name, int *value, lg_error *err) {
+    const char *text = getenv(name);
+    if (!text || !*text) return 0;
+    char *end;
+    long v = strtol(text, &end, 10);
+    if (*end != '\0' || v < 0 || v > 1000000)
+        return lg_fail(err, "the launcher's %s='%s' is not a rank or a count", name, text);
+    *value = (int)v;
+    return 1;
+}
+
+/* The variables one launcher sets; node NULL: derived from the processes on a node. */
+typedef struct {
+    const char *launcher, *marker; /* marker: set when this launcher started the process */
+    const char *process, *processes, *local_process, *local_processes, *node;
+} lg_launcher_vars;
+
+static const lg_launcher_vars lg_launchers[] = {
+    {"torchrun", "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+     "GROUP_RANK"},
+    {"Slurm", "SLURM_PROCID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", NULL,
+     "SLURM_NODEID"},
+    {"Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", NULL},
+    {"MPICH", "PMI_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", NULL},
+};
+
+static int lg_launch_read(lg_launch *l, const lg_launcher_vars *v, lg_error *err) {
+    l->launcher = v->launcher;
+    int got[5] = {0, 0, 0, 0, 0};
+    if ((got[0] = lg_env_int(v->process, &l->process, err)) < 0 ||
+        (got[1] = lg_env_int(v->processes, &l->processes, err)) < 0 ||
+        (got[2] = lg_env_int(v->local_process, &l->local_process, err)) < 0 ||
+        (v->local_processes && (got[3] = lg_env_int(v->local_processes, &l->local_processes, err)) < 0) ||
+        (v->node && (got[4] = lg_env_int(v->node, &l->node, err)) < 0))
+        return -1;
+    if (!got[0] || !got[1])
+        return lg_fail(err, "%s started this process (%s is set) but %s or %s is missing",
+                       v->launcher, v->marker, v->process, v->processes);
+    if (l->processes < 1 || l->process >= l->processes)
+        return lg_fail(err, "%s: process %s=%d is outside the world %s=%d", v->launcher,
+                       v->process, l->process, v->processes, l->processes);
+    if (!got[2]) l->local_process = 0;
+    if (!got[3]) l->local_processes = 0; /* unknown: Slurm's tasks per node vary */
+    if (!got[4]) l->node = l->local_processes ? l->process / l->local_processes : 0;
+    return 0;
+}
+
+int lg_launch_from_env(lg_launch *l, lg_error *err) {
+    memset(l, 0, sizeof *l);
+    l->processes = l->local_processes = 1;
+    l->local_ranks = 0;
+    l->dist_timeout = LG_DIST_TIMEOUT;
+    const char *master = getenv("MASTER_ADDR"), *port = getenv("MASTER_PORT");
+    if (master && port && atoi(port) > 0)
+        snprintf(l->dist_init, sizeof l->dist_init, "tcp://%s:%d", master, atoi(port) + 1);
+    for (size_t i = 0; i < sizeof lg_launchers / sizeof lg_launchers[0]; i++)
+        if (getenv(lg_launchers[i].marker)) return lg_launch_read(l, &lg_launchers[i], err);
+    return 0;
+}
+
+int lg_launch_place(lg_launch *l, int devices, int nodes, lg_error *err) {
+    int world = devices * nodes;
+    if (l->processes == 1) {
+        l->first_rank = 0;
+        l->local_ranks = world;
+        return 0;
+    }
+    if (l->processes == world) l->local_ranks = 1;
+    else if (l->processes == nodes) l->local_ranks = devices;
+    else
+        return lg_fail(err, "%s started %d processes, but -d %d x --nodes %d is %d ranks: start "
+                            "%d processes (one a rank) or %d (one a node)", l->launcher,
+                       l->processes, devices, nodes, world, world, nodes);
+    l->first_rank = l->process * l->local_ranks;
+    return 0;
+}
+
+#ifdef LG_MPI
+int lg_launch_has_mpi(void) { return 1; }
+
+/* MPI's launchers: Open MPI's and MPICH's mpirun, and Slurm (srun speaks PMI); torchrun
+   starts no MPI. */
+static int lg_launcher_speaks_mpi(const lg_launch *l) {
+    return l->launcher && strcmp(l->launcher, "torchrun") != 0;
+}
+
+int lg_launch_start(lg_launch *l, lg_error *err) {
+    if (l->processes == 1 || !lg_launcher_speaks_mpi(l)) return 0;
+    int ready = 0, size = 0, rank = 0;
+    MPI_Initialized(&ready);
+    if (!ready && MPI_Init(NULL, NULL) != MPI_SUCCESS)
+        return lg_fail(err, "MPI_Init failed under %s", l->launcher);
+    l->mpi = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (size != l->processes || rank != l->process)
+        return lg_fail(err, "%s says process %d of %d, MPI says %d of %d: the launcher and the MPI "
+                            "library do not match (start with this MPI's mpirun; under Slurm start "
+                            "every process with srun, not from the batch script)",
+                       l->launcher, l->process, l->processes, rank, size);
+    return 0;
+}
+
+void lg_launch_finish(lg_launch *l) {
+    if (l->mpi) MPI_Finalize();
+    l->mpi = 0;
+}
+
+void lg_launch_abort(int code) {
+    int started = 0, finished = 0;
+    fflush(stdout);
+    fflush(stderr);
+    MPI_Initialized(&started);
+    MPI_Finalized(&finished);
+    if (started && !finished) MPI_Abort(MPI_COMM_WORLD, code);
+    exit(code);
+}
+
+/* Process 0's items (lengths, then the bytes) reach every process. */
+static char *lg_launch_broadcast_items(const char *const *items, int n, int is_root, int *lengths) {
+    long total = 0;
+    for (int i = 0; i < n; i++) {
+        if (is_root) lengths[i] = (int)strlen(items[i]);
+    }
+    MPI_Bcast(lengths, n, MPI_INT, 0, MPI_COMM_WORLD);
+    for (int i = 0; i < n; i++) total += lengths[i] + 1;
+    char *text = (char *)lg_alloc_zeroed((size_t)total + 1);
+    if (!text) return NULL;
+    if (is_root)
+        for (long i = 0, at = 0; i < n; at += lengths[i] + 1, i++) memcpy(text + at, items[i], (size_t)lengths[i]);
+    MPI_Bcast(text, (int)total, MPI_CHAR, 0, MPI_COMM_WORLD);
+    return text;
+}
+
+int lg_launch_same(const lg_launch *l, const char *const *items, int n, lg_error *err) {
+    if (!l->mpi) return 0;
+    int n_root = n, n_common = n;
+    MPI_Bcast(&n_root, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    MPI_Allreduce(&n, &n_common, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    int *lengths = (int *)lg_alloc_zeroed(sizeof(int) * (size_t)(n_common + 1));
+    char *root = lengths ? lg_launch_broadcast_items(items, n_common, l->process == 0, lengths) : NULL;
+    /* the first item that differs here (n_common + 1: none; n_common: more or fewer items) */
+    int differs = n != n_root ? n_common : n_common + 1;
+    for (long i = 0, at = 0; root && i < n_common; at += lengths[i] + 1, i++)
+        if (strcmp(root + at, items[i]) != 0) {
+            differs = (int)i;
+            break;
+        }
+    int first = differs, me, culprit;
+    MPI_Allreduce(&differs, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    me = differs == first ? l->process : l->processes;
+    MPI_Allreduce(&me, &culprit, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD); /* the lowest at fault */
+    long at = 0;
+    for (int i = 0; i < first && i < n_common; i++) at += lengths[i] + 1;
+    int rc = 0;
+    if (!root) rc = lg_fail(err, "out of host memory for the start-up check");
+    else if (first > n_common) rc = 0;
+    else if (culprit == l->process && first < n_common)
+        rc = lg_fail(err, "this process was started with '%s' where process 0 has '%s'; every "
+                          "process needs the same flags and data", items[first], root + at);
+    else if (culprit == l->process)
+        rc = lg_fail(err, "this process was started with %d flags and data items, process 0 with %d "
+                          "(the first %d agree)", n, n_root, n_common);
+    else if (first < n_common)
+        rc = lg_fail(err, "process %d was started with other flags or data than process 0 (which "
+                          "has '%s' there)", culprit, root + at);
+    else
+        rc = lg_fail(err, "process %d was started with more or fewer flags than process 0",
+                     culprit);
+    LG_FREE(root);
+    LG_FREE(lengths);
+    return rc;
+}
 #else
-#define LG_ON_COMM(comm, call) (void)(comm)
+int lg_launch_has_mpi(void) { return 0; }
+
+int lg_launch_start(lg_launch *l, lg_error *err) {
+    (void)l;
+    (void)err;
+    return 0;
+}
+
+void lg_launch_finish(lg_launch *l) { (void)l; }
+
+void lg_launch_abort(int code) {
+    fflush(stdout);
+    exit(code);
+}
+
+int lg_launch_same(const lg_launch *l, const char *const *items, int n, lg_error *err) {
+    (void)l;
+    (void)items;
+    (void)n;
+    (void)err;
+    return 0;
+}
+#endif
+
+/* --- the rendezvous of GPU processes without MPI: TCP or a shared file ---------------------- */
+
+#define LG_RENDEZVOUS_MAGIC 0x4c475256u /* "LGRV": a litgpt.c process, not a stray client */
+#define LG_RENDEZVOUS_POLL_MS 20        /* how often a waiting process looks again */
+
+static void lg_sleep_ms(int ms) { poll(NULL, 0, ms); }
+
+/* The processes of 1..processes-1 whose flag in done is 0, as "2, 3" into out. */
+static void lg_list_missing(const unsigned char *done, int processes, char *out, size_t cap) {
+    size_t at = 0;
+    out[0] = '\0';
+    for (int p = 1; p < processes && at + 16 < cap; p++)
+        if (!done[p]) at += (size_t)snprintf(out + at, cap - at, "%s%d", at ? ", " : "", p);
+}
+
+/* 64 random bits: /dev/urandom, else the clock and the process id. */
+static uint64_t lg_fresh_nonce(void) {
+    uint64_t nonce = 0;
+    FILE *f = fopen("/dev/urandom", "rb");
+    if (!f || fread(&nonce, sizeof nonce, 1, f) != 1) nonce = (uint64_t)(lg_time_ms() * 1e3) ^ ((uint64_t)getpid() << 32);
+    if (f) fclose(f);
+    return nonce | 1; /* never 0: 0 means "not read" */
+}
+
+/* Writes text to path atomically (a temporary file renamed over it). */
+static int lg_write_text_atomic(const char *path, const char *text) {
+    char tmp[1200]; /* path: at most 1100 bytes (the rendezvous's names) */
+    snprintf(tmp, sizeof tmp, "%s.tmp%d", path, (int)getpid());
+    FILE *f = fopen(tmp, "w");
+    if (!f) return -1;
+    int ok = fputs(text, f) >= 0;
+    ok = fclose(f) == 0 && ok;
+    if (!ok || rename(tmp, path) != 0) {
+        remove(tmp);
+        return -1;
+    }
+    return 0;
+}
+
+/* An announcement PATH.p: "<nonce> waiting|done"; 0 when absent or unreadable. */
+static uint64_t lg_read_announcement(const char *path, int *done) {
+    FILE *f = fopen(path, "r");
+    unsigned long long nonce = 0;
+    char state[16] = "";
+    if (f && fscanf(f, "%llx %15s", &nonce, state) != 2) nonce = 0;
+    if (f) fclose(f);
+    *done = strcmp(state, "done") == 0;
+    return (uint64_t)nonce;
+}
+
+/* Process 0 of the file rendezvous: clears an earlier run's files, waits for every
+   announcement, publishes the id with their nonces (again when one changes), and returns once
+   every process has taken it. */
+static int lg_rendezvous_file_root(const char *path, int processes, const void *id,
+                                   size_t id_bytes, double deadline, double timeout_s,
+                                   lg_error *err) {
+    char name[1100];
+    uint64_t nonce[LG_MAX_RANKS] = {0}, published[LG_MAX_RANKS] = {0};
+    unsigned char taken[LG_MAX_RANKS] = {0}, came[LG_MAX_RANKS] = {0};
+    remove(path);
+    for (int p = 1; p < processes; p++) {
+        snprintf(name, sizeof name, "%s.%d", path, p);
+        remove(name);
+    }
+    for (;;) {
+        int all_came = 1, all_taken = 1, changed = 0;
+        for (int p = 1; p < processes; p++) {
+            int done = 0;
+            snprintf(name, sizeof name, "%s.%d", path, p);
+            nonce[p] = lg_read_announcement(name, &done);
+            came[p] = nonce[p] != 0;
+            taken[p] = came[p] && done && nonce[p] == published[p];
+            all_came &= came[p];
+            all_taken &= taken[p];
+            changed |= nonce[p] != published[p];
+        }
+        if (all_came && all_taken) break;
+        if (all_came && changed) { /* publish: header, each process's nonce, the id */
+            size_t cap = 64 + (size_t)processes * 24 + 2 * id_bytes;
+            char *text = (char *)lg_alloc_zeroed(cap);
+            if (!text) return lg_fail(err, "out of host memory for the rendezvous");
+            size_t at = (size_t)snprintf(text, cap, "litgpt-rendezvous %d\n", processes);
+            for (int p = 1; p < processes; p++) {
+                at += (size_t)snprintf(text + at, cap - at, "%d %llx\n", p, (unsigned long long)nonce[p]);
+                published[p] = nonce[p];
+            }
+            at += (size_t)snprintf(text + at, cap - at, "id ");
+            for (size_t i = 0; i < id_bytes; i++)
+                at += (size_t)snprintf(text + at, cap - at, "%02x", ((const unsigned char *)id)[i]);
+            snprintf(text + at, cap - at, "\n");
+            int rc = lg_write_text_atomic(path, text);
+            LG_FREE(text);
+            if (rc != 0) return lg_fail(err, "rendezvous file://%s: cannot write it: %s", path, strerror(errno));
+        }
+        if (lg_time_ms() > deadline) {
+            char missing[256];
+            lg_list_missing(all_came ? taken : came, processes, missing, sizeof missing);
+            return lg_fail(err, "rendezvous file://%s: after %g s process%s %s of %d %s", path,
+                           timeout_s, strchr(missing, ',') ? "es" : "", missing, processes,
+                           all_came ? "did not take the id" : "never announced itself (not started, or another --dist-init)");
+        }
+        lg_sleep_ms(LG_RENDEZVOUS_POLL_MS);
+    }
+    for (int p = 1; p < processes; p++) {
+        snprintf(name, sizeof name, "%s.%d", path, p);
+        remove(name);
+    }
+    remove(path);
+    return 0;
+}
+
+/* PATH as process 0 published it, when it names this process with this nonce: the id. */
+static int lg_read_published(const char *path, int process, uint64_t nonce, unsigned char *id,
+                             size_t id_bytes) {
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    char line[1024];
+    int named = 0, got = 0;
+    while (fgets(line, sizeof line, f)) {
+        int p;
+        unsigned long long n;
+        if (sscanf(line, "%d %llx", &p, &n) == 2 && p == process && (uint64_t)n == nonce) named = 1;
+        if (named && strncmp(line, "id ", 3) == 0 && strlen(line) >= 3 + 2 * id_bytes) {
+            got = 1;
+            for (size_t i = 0; i < id_bytes; i++) {
+                unsigned v;
+                if (sscanf(line + 3 + 2 * i, "%2x", &v) != 1) got = 0;
+                id[i] = (unsigned char)v;
+            }
+        }
+    }
+    fclose(f);
+    return named && got ? 0 : -1;
+}
+
+static int lg_rendezvous_file_member(const char *path, int process, void *id, size_t id_bytes,
+                                     double deadline, double timeout_s, lg_error *err) {
+    char name[1100], text[64];
+    uint64_t nonce = lg_fresh_nonce();
+    snprintf(name, sizeof name, "%s.%d", path, process);
+    snprintf(text, sizeof text, "%llx waiting\n", (unsigned long long)nonce);
+    for (;;) {
+        int done = 0;
+        /* (again when process 0's clean-up removed it) */
+        if (lg_read_announcement(name, &done) != nonce) lg_write_text_atomic(name, text);
+        if (lg_read_published(path, process, nonce, (unsigned char *)id, id_bytes) == 0) break;
+        if (lg_time_ms() > deadline)
+            return lg_fail(err, "rendezvous file://%s: process 0 did not publish the id for this "
+                                "process within %g s (is it running, with the same --dist-init?)",
+                           path, timeout_s);
+        lg_sleep_ms(LG_RENDEZVOUS_POLL_MS);
+    }
+    snprintf(text, sizeof text, "%llx done\n", (unsigned long long)nonce);
+    if (lg_write_text_atomic(name, text) != 0)
+        return lg_fail(err, "rendezvous file://%s: cannot write %s: %s", path, name, strerror(errno));
+    return 0;
+}
+
+#if defined(_POSIX_C_SOURCE) && _POSIX_C_SOURCE >= 200112L
+/* Waits until fd is readable (or the deadline): 1 ready, 0 not. */
+static int lg_wait_readable(int fd, double deadline) {
+    struct pollfd q = {fd, POLLIN, 0};
+    double left = deadline - lg_time_ms();
+    return left > 0 && poll(&q, 1, (int)left + 1) == 1;
+}
+
+/* Reads exactly n bytes before the deadline: 0, or -1 (closed, error or late). */
+static int lg_read_exactly(int fd, void *buf, size_t n, double deadline) {
+    unsigned char *p = (unsigned char *)buf;
+    while (n > 0) {
+        if (!lg_wait_readable(fd, deadline)) return -1;
+        ssize_t got = read(fd, p, n);
+        if (got <= 0) return -1;
+        p += got;
+        n -= (size_t)got;
+    }
+    return 0;
+}
+
+static int lg_write_all(int fd, const void *buf, size_t n) {
+    const unsigned char *p = (const unsigned char *)buf;
+    while (n > 0) {
+        ssize_t put = write(fd, p, n);
+        if (put <= 0) return -1;
+        p += put;
+        n -= (size_t)put;
+    }
+    return 0;
+}
+
+static int lg_rendezvous_tcp_root(const char *host, const char *port, int processes,
+                                  const void *id, size_t id_bytes, double deadline,
+                                  double timeout_s, lg_error *err) {
+    int fds[LG_MAX_RANKS];
+    unsigned char came[LG_MAX_RANKS] = {0};
+    struct addrinfo hints, *ai = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE; /* every interface: HOST is how the others reach this one */
+    if (getaddrinfo(NULL, port, &hints, &ai) != 0)
+        return lg_fail(err, "rendezvous tcp://%s:%s: '%s' is not a port", host, port, port);
+    int one = 1, listener = socket(ai->ai_family, ai->ai_socktype, 0);
+    if (listener >= 0) setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    int bound = listener >= 0 && bind(listener, ai->ai_addr, ai->ai_addrlen) == 0 &&
+                listen(listener, processes) == 0;
+    freeaddrinfo(ai);
+    if (!bound) {
+        if (listener >= 0) close(listener);
+        return lg_fail(err, "rendezvous tcp://%s:%s: process 0 cannot listen on port %s: %s "
+                            "(another run there? pick another port)", host, port, port, strerror(errno));
+    }
+    int joined = 0, rc = 0;
+    while (joined < processes - 1 && rc == 0) {
+        if (!lg_wait_readable(listener, deadline)) {
+            char missing[256];
+            lg_list_missing(came, processes, missing, sizeof missing);
+            rc = lg_fail(err, "rendezvous tcp://%s:%s: after %g s process%s %s of %d did not come "
+                              "(not started, or given another address)", host, port, timeout_s,
+                         strchr(missing, ',') ? "es" : "", missing, processes);
+            break;
+        }
+        int fd = accept(listener, NULL, NULL);
+        uint32_t hello[2];
+        if (fd < 0) continue;
+        if (lg_read_exactly(fd, hello, sizeof hello, deadline) != 0 || hello[0] != LG_RENDEZVOUS_MAGIC ||
+            hello[1] < 1 || (int)hello[1] >= processes || came[hello[1]]) {
+            close(fd); /* a stray client, or a process index twice */
+            continue;
+        }
+        came[hello[1]] = 1;
+        fds[hello[1]] = fd;
+        joined++;
+    }
+    for (int p = 1; p < processes; p++) {
+        if (!came[p]) continue;
+        if (rc == 0 && lg_write_all(fds[p], id, id_bytes) != 0)
+            rc = lg_fail(err, "rendezvous tcp://%s:%s: process %d left before it got the id", host, port, p);
+        close(fds[p]);
+    }
+    close(listener);
+    return rc;
+}
+
+static int lg_rendezvous_tcp_member(const char *host, const char *port, int process, void *id,
+                                    size_t id_bytes, double deadline, double timeout_s,
+                                    lg_error *err) {
+    struct addrinfo hints, *ai = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    int fd = -1;
+    while (fd < 0) { /* process 0 may not listen yet */
+        if (getaddrinfo(host, port, &hints, &ai) == 0) {
+            fd = socket(ai->ai_family, ai->ai_socktype, 0);
+            if (fd >= 0 && connect(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
+                close(fd);
+                fd = -1;
+            }
+            freeaddrinfo(ai);
+        }
+        if (fd >= 0) break;
+        if (lg_time_ms() > deadline)
+            return lg_fail(err, "rendezvous tcp://%s:%s: cannot reach process 0 there within %g s "
+                                "(is it running? is HOST its address?)", host, port, timeout_s);
+        lg_sleep_ms(LG_RENDEZVOUS_POLL_MS * 5);
+    }
+    uint32_t hello[2] = {LG_RENDEZVOUS_MAGIC, (uint32_t)process};
+    int rc = lg_write_all(fd, hello, sizeof hello) == 0 && lg_read_exactly(fd, id, id_bytes, deadline) == 0
+                 ? 0
+                 : lg_fail(err, "rendezvous tcp://%s:%s: process 0 did not send the id within %g s "
+                                "(it waits for every process: see its error)", host, port, timeout_s);
+    close(fd);
+    return rc;
+}
+#endif
+
+int lg_rendezvous(const char *init, int process, int processes, void *id, size_t id_bytes,
+                  double timeout_s, lg_error *err) {
+    double deadline = lg_time_ms() + timeout_s * 1e3;
+    if (processes < 1 || processes > LG_MAX_RANKS || process < 0 || process >= processes)
+        return lg_fail(err, "rendezvous: process %d of %d", process, processes);
+    if (processes == 1) return 0;
+    if (strncmp(init, "file://", 7) == 0) {
+        const char *path = init + 7;
+        return process == 0 ? lg_rendezvous_file_root(path, processes, id, id_bytes, deadline, timeout_s, err)
+                            : lg_rendezvous_file_member(path, process, id, id_bytes, deadline, timeout_s, err);
+    }
+    if (strncmp(init, "tcp://", 6) != 0)
+        return lg_fail(err, "rendezvous '%s': give tcp://HOST:PORT or file://PATH", init);
+#if defined(_POSIX_C_SOURCE) && _POSIX_C_SOURCE >= 200112L
+    char host[256];
+    const char *colon = strrchr(init + 6, ':');
+    if (!colon || colon == init + 6 || (size_t)(colon - (init + 6)) >= sizeof host || !colon[1])
+        return lg_fail(err, "rendezvous '%s': give tcp://HOST:PORT", init);
+    memcpy(host, init + 6, (size_t)(colon - (init + 6)));
+    host[colon - (init + 6)] = '\0';
+    return process == 0 ? lg_rendezvous_tcp_root(host, colon + 1, processes, id, id_bytes, deadline, timeout_s, err)
+                        : lg_rendezvous_tcp_member(host, colon + 1, process, id, id_bytes, deadline, timeout_s, err);
+#else
+    return lg_fail(err, "rendezvous '%s': this build has no getaddrinfo (define _POSIX_C_SOURCE "
+                        "200809L before any #include), use file://PATH", init);
+#endif
+}
+
+int lg_launch_share(const lg_launch *l, void *bytes, size_t n, lg_error *err) {
+    if (l->processes == 1) return 0;
+#ifdef LG_MPI
+    if (l->mpi) {
+        MPI_Bcast(bytes, (int)n, MPI_BYTE, 0, MPI_COMM_WORLD);
+        return 0;
+    }
+#endif
+    if (!l->dist_init[0])
+        return lg_fail(err, "%s started %d processes and this build has no MPI: give --dist-init "
+                            "tcp://HOST:PORT (HOST: process 0's machine) or file://PATH on a shared "
+                            "file system, or set MASTER_ADDR and MASTER_PORT", l->launcher, l->processes);
+    return lg_rendezvous(l->dist_init, l->process, l->processes, bytes, n, l->dist_timeout, err);
+}
+
+/* --- CPU ranks in several processes: the collectives over MPI --------------------------------- */
+
+#if defined(LG_MPI) && !defined(LG_CUDA)
+#define LG_MPI_RANKS 1
+#define LG_MPI_CHUNK (1 << 20) /* doubles a sum moves at once: the scratch of each group */
+
+/* A group whose members live in several processes; this one drives `local` consecutive
+   members from first_local, and is process first_local / local of the group. */
+struct lg_comm {
+    MPI_Comm mpi;
+    int members, first_local, local;
+    double *send, *recv; /* (LG_MPI_CHUNK) each */
+    /* non-blocking collectives under way, by signal; a reduce-scatter's piece is written from
+       recv when it completes (one at a time: the trainer finishes each before the next) */
+    MPI_Request request[LG_COMM_SIGNALS];
+    lg_buf reduce_piece[LG_COMM_SIGNALS];
+    int reduce_count[LG_COMM_SIGNALS];
+};
+
+int lg_mpi_comm_create(lg_comm **comm, int members, int first_local, int local, lg_error *err) {
+    MPI_Comm group;
+    *comm = NULL;
+    /* the key orders the group's processes as their members */
+    MPI_Comm_split(MPI_COMM_WORLD, local ? 0 : MPI_UNDEFINED, first_local, &group);
+    if (!local) return 0;
+    lg_comm *c = (lg_comm *)lg_alloc_zeroed(sizeof(lg_comm));
+    if (c) {
+        c->send = (double *)LG_MALLOC(sizeof(double) * LG_MPI_CHUNK);
+        c->recv = (double *)LG_MALLOC(sizeof(double) * LG_MPI_CHUNK);
+    }
+    if (!c || !c->send || !c->recv) {
+        if (c) LG_FREE(c->send), LG_FREE(c->recv);
+        LG_FREE(c);
+        MPI_Comm_free(&group);
+        return lg_fail(err, "out of host memory for an MPI group");
+    }
+    c->mpi = group;
+    for (int i = 0; i < LG_COMM_SIGNALS; i++) c->request[i] = MPI_REQUEST_NULL;
+    c->members = members;
+    c->first_local = first_local;
+    c->local = local;
+    int size = 0;
+    MPI_Comm_size(group, &size);
+    if (size * local != members) {
+        lg_comm_free(c);
+        return lg_fail(err, "an MPI group of %d members over %d processes: each must drive the "
+                            "same number (here %d)", members, size, local);
+    }
+    *comm = c;
+    return 0;
+}
+
+void lg_comm_free(lg_comm *c) {
+    if (!c) return;
+    MPI_Comm_free(&c->mpi);
+    LG_FREE(c->send);
+    LG_FREE(c->recv);
+    LG_FREE(c);
+}
+
+/* The buffers' element as an MPI type (bytes of the storage type); the caller frees it. */
+static MPI_Datatype lg_mpi_type_of(lg_dtype dtype) {
+    MPI_Datatype t;
+    MPI_Type_contiguous((int)lg_elem_size(dtype), MPI_BYTE, &t);
+    MPI_Type_commit(&t);
+    return t;
+}
+
+static void lg_mpi_all_reduce_sum(lg_comm *c, int n, lg_buf *bufs, size_t count) {
+    for (size_t start = 0; start < count; start += LG_MPI_CHUNK) {
+        int len = (int)(count - start < LG_MPI_CHUNK ? count - start : LG_MPI_CHUNK);
+        for (int k = 0; k < len; k++) {
+            double sum = 0;
+            for (int m = 0; m < n; m++) sum += lg_get(bufs[m], start + (size_t)k);
+            c->send[k] = sum;
+        }
+        MPI_Allreduce(c->send, c->recv, len, MPI_DOUBLE, MPI_SUM, c->mpi);
+        for (int m = 0; m < n; m++)
+            for (int k = 0; k < len; k++) lg_set(bufs[m], start + (size_t)k, (lg_real)c->recv[k]);
+    }
+}
+
+/* Chunk by chunk of every piece: the send buffer holds (members, len) sums of this process's
+   wholes; the process receives (local, len), its members' places. */
+static void lg_mpi_reduce_scatter_sum(lg_comm *c, int n, const lg_buf *whole, lg_buf *piece,
+                                      size_t piece_count) {
+    size_t chunk = LG_MPI_CHUNK / (size_t)c->members;
+    for (size_t start = 0; start < piece_count; start += chunk) {
+        int len = (int)(piece_count - start < chunk ? piece_count - start : chunk);
+        for (int i = 0; i < c->members; i++)
+            for (int k = 0; k < len; k++) {
+                double sum = 0;
+                for (int m = 0; m < n; m++) sum += lg_get(whole[m], (size_t)i * piece_count + start + (size_t)k);
+                c->send[(size_t)i * len + k] = sum;
+            }
+        MPI_Reduce_scatter_block(c->send, c->recv, n * len, MPI_DOUBLE, MPI_SUM, c->mpi);
+        for (int m = 0; m < n; m++)
+            for (int k = 0; k < len; k++)
+                lg_set(piece[m], start + (size_t)k, (lg_real)c->recv[(size_t)m * len + k]);
+    }
+}
+
+/* The local pieces go to their places in the first local whole, MPI gathers the others' in
+   place (counts in elements: a unit's piece is far below INT_MAX), the other local wholes copy
+   it. */
+static void lg_mpi_all_gather(lg_comm *c, int n, const lg_buf *piece, lg_buf *whole,
+                              size_t piece_count) {
+    for (int m = 0; m < n; m++) {
+        lg_buf place = lg_at(whole[0], (size_t)(c->first_local + m) * piece_count);
+        if (place.data != piece[m].data) lg_copy(NULL, place, piece[m], piece_count);
+    }
+    MPI_Datatype t = lg_mpi_type_of(whole[0].dtype);
+    MPI_Allgather(MPI_IN_PLACE, 0, t, whole[0].data, (int)((size_t)n * piece_count), t, c->mpi);
+    MPI_Type_free(&t);
+    for (int m = 1; m < n; m++) lg_copy(NULL, whole[m], whole[0], (size_t)c->members * piece_count);
+}
+
+static void lg_mpi_broadcast(lg_comm *c, int n, int root, lg_buf *bufs, size_t count) {
+    int root_process = root / c->local, here = root - c->first_local;
+    lg_buf src = here >= 0 && here < n ? bufs[here] : bufs[0];
+    MPI_Datatype t = lg_mpi_type_of(src.dtype);
+    const size_t most = (size_t)1 << 30;
+    for (size_t start = 0; start < count; start += most) {
+        size_t len = count - start < most ? count - start : most;
+        MPI_Bcast(lg_at(src, start).data, (int)len, t, root_process, c->mpi);
+    }
+    MPI_Type_free(&t);
+    for (int m = 0; m < n; m++)
+        if (bufs[m].data != src.data) lg_copy(NULL, bufs[m], src, count);
+}
+
+void lg_comm_await(lg_comm *c, int signal) {
+    if (!c || c->request[signal] == MPI_REQUEST_NULL) return;
+    MPI_Wait(&c->request[signal], MPI_STATUS_IGNORE);
+    for (int k = 0; k < c->reduce_count[signal]; k++)
+        lg_set(c->reduce_piece[signal], (size_t)k, (lg_real)c->recv[k]);
+    c->reduce_count[signal] = 0;
+}
+
+/* One member here: MPI_Iallgather in place, completed by lg_comm_await. */
+static void lg_mpi_all_gather_async(lg_comm *c, int n, const lg_buf *piece, lg_buf *whole,
+                                    size_t piece_count, int signal) {
+    if (n != 1) {
+        lg_mpi_all_gather(c, n, piece, whole, piece_count);
+        return;
+    }
+    lg_comm_await(c, signal);
+    lg_buf place = lg_at(whole[0], (size_t)c->first_local * piece_count);
+    if (place.data != piece[0].data) lg_copy(NULL, place, piece[0], piece_count);
+    MPI_Datatype t = lg_mpi_type_of(whole[0].dtype);
+    MPI_Iallgather(MPI_IN_PLACE, 0, t, whole[0].data, (int)piece_count, t, c->mpi, &c->request[signal]);
+    MPI_Type_free(&t); /* MPI keeps it while the collective runs */
+}
+
+/* One member here and one chunk: the sums go out by MPI_Ireduce_scatter_block, the piece
+   arrives in lg_comm_await. */
+static void lg_mpi_reduce_scatter_sum_async(lg_comm *c, int n, const lg_buf *whole, lg_buf *piece,
+                                            size_t piece_count, int signal) {
+    if (n != 1 || piece_count * (size_t)c->members > LG_MPI_CHUNK) {
+        lg_mpi_reduce_scatter_sum(c, n, whole, piece, piece_count);
+        return;
+    }
+    lg_comm_await(c, signal);
+    for (size_t k = 0; k < piece_count * (size_t)c->members; k++) c->send[k] = lg_get(whole[0], k);
+    c->reduce_piece[signal] = piece[0];
+    c->reduce_count[signal] = (int)piece_count;
+    MPI_Ireduce_scatter_block(c->send, c->recv, (int)piece_count, MPI_DOUBLE, MPI_SUM, c->mpi,
+                              &c->request[signal]);
+}
+
+void lg_comm_sum_doubles(lg_comm *c, double *values, int count) {
+    if (c) MPI_Allreduce(MPI_IN_PLACE, values, count, MPI_DOUBLE, MPI_SUM, c->mpi);
+}
+
+void lg_comm_gather_doubles(lg_comm *c, double *values, int per_process) {
+    if (c) MPI_Allgather(MPI_IN_PLACE, 0, MPI_DOUBLE, values, per_process, MPI_DOUBLE, c->mpi);
+}
+#else
+int lg_mpi_comm_create(lg_comm **comm, int members, int first_local, int local, lg_error *err) {
+    (void)members;
+    (void)first_local;
+    *comm = NULL;
+    return local ? lg_fail(err, "CPU ranks in several processes need an MPI build without CUDA "
+                                "(make cpu with mpicc present)") : 0;
+}
+
+void lg_comm_await(lg_comm *comm, int signal) {
+    (void)comm;
+    (void)signal;
+}
+
+#ifndef LG_CUDA /* (CUDA builds: over NCCL, litgpt_cuda.cuh) */
+void lg_comm_sum_doubles(lg_comm *comm, double *values, int count) {
+    (void)comm;
+    (void)values;
+    (void)count;
+}
+
+void lg_comm_gather_doubles(lg_comm *comm, double *values, int per_process) {
+    (void)comm;
+    (void)values;
+    (void)per_process;
+}
+#endif
+#endif
+
+/* A group with communicators runs on the GPUs (litgpt_cuda.cuh, part j), or over MPI
+   (processes, below). */
+#ifdef LG_CUDA
+#define LG_ON_COMM(comm, call, mpi_call) do { if (comm) { call; return; } } while (0)
+#elif defined(LG_MPI)
+#define LG_ON_COMM(comm, call, mpi_call) do { if (comm) { mpi_call; return; } } while (0)
+#else
+#define LG_ON_COMM(comm, call, mpi_call) (void)(comm)
 #endif
 
 void lg_all_reduce_sum(lg_comm *comm, int n, lg_buf *bufs, size_t count) {
-    LG_ON_COMM(comm, lg_cuda_all_reduce_sum(comm, bufs, count));
+    LG_ON_COMM(comm, lg_cuda_all_reduce_sum(comm, bufs, count),
+               lg_mpi_all_reduce_sum(comm, n, bufs, count));
     LG_OMP(omp parallel for)
     for (long k = 0; k < (long)count; k++) {
         lg_real sum = 0;
@@ -6070,7 +6956,8 @@ void lg_all_reduce_sum(lg_comm *comm, int n, lg_buf *bufs, size_t count) {
 
 void lg_reduce_scatter_sum(lg_comm *comm, int n, const lg_buf *whole, lg_buf *piece,
                            size_t piece_count) {
-    LG_ON_COMM(comm, lg_cuda_reduce_scatter_sum(comm, whole, piece, piece_count));
+    LG_ON_COMM(comm, lg_cuda_reduce_scatter_sum(comm, whole, piece, piece_count),
+               lg_mpi_reduce_scatter_sum(comm, n, whole, piece, piece_count));
     for (int i = 0; i < n; i++) {
         size_t start = (size_t)i * piece_count;
         LG_OMP(omp parallel for)
@@ -6083,7 +6970,8 @@ void lg_reduce_scatter_sum(lg_comm *comm, int n, const lg_buf *whole, lg_buf *pi
 }
 
 void lg_all_gather(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole, size_t piece_count) {
-    LG_ON_COMM(comm, lg_cuda_all_gather(comm, piece, whole, piece_count));
+    LG_ON_COMM(comm, lg_cuda_all_gather(comm, piece, whole, piece_count),
+               lg_mpi_all_gather(comm, n, piece, whole, piece_count));
     for (int m = 0; m < n; m++)
         for (int i = 0; i < n; i++) {
             lg_buf place = lg_at(whole[m], (size_t)i * piece_count);
@@ -6093,14 +6981,16 @@ void lg_all_gather(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole, siz
 
 void lg_all_gather_async(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole,
                          size_t piece_count, int signal) {
-    LG_ON_COMM(comm, lg_cuda_all_gather_async(comm, piece, whole, piece_count, signal));
+    LG_ON_COMM(comm, lg_cuda_all_gather_async(comm, piece, whole, piece_count, signal),
+               lg_mpi_all_gather_async(comm, n, piece, whole, piece_count, signal));
     lg_all_gather(NULL, n, piece, whole, piece_count);
     (void)signal;
 }
 
 void lg_reduce_scatter_sum_async(lg_comm *comm, int n, const lg_buf *whole, lg_buf *piece,
                                  size_t piece_count, int signal) {
-    LG_ON_COMM(comm, lg_cuda_reduce_scatter_sum_async(comm, whole, piece, piece_count, signal));
+    LG_ON_COMM(comm, lg_cuda_reduce_scatter_sum_async(comm, whole, piece, piece_count, signal),
+               lg_mpi_reduce_scatter_sum_async(comm, n, whole, piece, piece_count, signal));
     lg_reduce_scatter_sum(NULL, n, whole, piece, piece_count);
     (void)signal;
 }
@@ -6114,7 +7004,8 @@ void lg_rank_await(const lg_rank *rank, int signal) {
 }
 
 void lg_broadcast(lg_comm *comm, int n, int root, lg_buf *bufs, size_t count) {
-    LG_ON_COMM(comm, lg_cuda_broadcast(comm, root, bufs, count));
+    LG_ON_COMM(comm, lg_cuda_broadcast(comm, root, bufs, count),
+               lg_mpi_broadcast(comm, n, root, bufs, count));
     for (int m = 0; m < n; m++)
         if (m != root) lg_copy(NULL, bufs[m], bufs[root], count);
 }
@@ -9492,7 +10383,7 @@ static int lg_whole_state_make(const lg_trainer *tr, lg_whole_state *w, lg_error
    are. */
 static void lg_copy_state_to_replicas(lg_trainer *tr) {
     const lg_rank_plan *plan0 = &tr->plan.ranks[0];
-    for (int r = 1; r < tr->n_ranks; r++)
+    for (int r = 1; r < tr->local_ranks; r++)
         for (int i = 0; i < plan0->n_regions; i++) {
             const lg_region *x = &plan0->regions[i];
             if (x->group != LG_GROUP_OPTIMIZER && x->group != LG_GROUP_MASTER) continue;
@@ -9503,14 +10394,17 @@ static void lg_copy_state_to_replicas(lg_trainer *tr) {
 
 /* Sharded: copies each rank's pieces into the whole buffers (to_whole, the members of shard
    group 0 suffice) or out of them (every rank, replicas included). Unsharded, reading: rank 0
-   holds the state, the replicas copy it. */
+   holds the state, the replicas copy it. In several processes each reads the files itself
+   (every process's first rank stands for rank 0), and the whole buffers, zero where another
+   process's pieces go, add up over the processes. */
 static void lg_whole_state_exchange(lg_trainer *tr, lg_whole_state *w, int to_whole) {
     if (!w->owned) {
         if (!to_whole) lg_copy_state_to_replicas(tr);
         return;
     }
     lg_buf whole[3] = {lg_buf_of(w->opt.master), w->opt.m, w->opt.v};
-    for (int r = 0; r < (to_whole ? tr->plan.sharding.shard_ranks : tr->n_ranks); r++) {
+    for (int r = 0; r < tr->local_ranks; r++) {
+        if (to_whole && tr->first_rank + r >= tr->plan.sharding.shard_ranks) break;
         lg_optimizer *opt = &tr->ranks[r].opt;
         const lg_tensor_table *local = tr->ranks[r].model.local;
         lg_buf shard[3] = {lg_buf_of(opt->master), opt->m, opt->v};
@@ -9522,6 +10416,8 @@ static void lg_whole_state_exchange(lg_trainer *tr, lg_whole_state *w, int to_wh
         }
         lg_rank_sync(&tr->ranks[r].rank);
     }
+    for (int k = 0; k < 3 && to_whole && tr->process_comm; k++)
+        if (whole[k].data) lg_all_reduce_sum(tr->process_comm, 1, &whole[k], tr->ranks[0].model.n_params);
 }
 
 static int lg_state_fill(void *ctx, int index, unsigned char *out, lg_error *err) {
@@ -9607,6 +10503,10 @@ int lg_training_state_write(lg_trainer *tr, const lg_loader *data, int step,
     lg_whole_state w;
     if (lg_whole_state_make(tr, &w, err) != 0) return -1;
     lg_whole_state_exchange(tr, &w, 1);
+    if (tr->process != 0) { /* process 0 writes */
+        LG_FREE(w.owned);
+        return 0;
+    }
     lg_state_view *views = NULL;
     int n = 0;
     if (lg_state_views(&w.opt, w.table, data, &views, &n) != 0) {
@@ -9706,7 +10606,7 @@ int lg_training_state_read(lg_trainer *tr, lg_loader *data, int *step, const cha
     if (rc != 0) return -1;
     uint32_t scale_bits = (uint32_t)v[2];
     *step = (int)v[0];
-    for (int r = 0; r < tr->n_ranks; r++) tr->ranks[r].opt.t = (int)v[1];
+    for (int r = 0; r < tr->local_ranks; r++) tr->ranks[r].opt.t = (int)v[1];
     memcpy(&tr->loss_scale, &scale_bits, 4);
     tr->clean_steps = (int)v[3];
     if (data) {
@@ -9989,7 +10889,7 @@ static int lg_peft_read(const lg_model *m0, const char *dir, lg_real *whole, lg_
 /* LoRA: sets every rank's frozen base from the base model's whole layout (lg_real), packing
    the linear weights in NF4 under --quantize. */
 static int lg_trainer_set_frozen(lg_trainer *tr, const lg_real *base, lg_error *err) {
-    for (int r = 0; r < tr->n_ranks; r++) {
+    for (int r = 0; r < tr->local_ranks; r++) {
         lg_model *m = &tr->ranks[r].model;
         for (int i = 0; i < m->frozen_table.n_tensors; i++) {
             const lg_tensor_info *t = &m->frozen_table.tensors[i];
@@ -10110,19 +11010,28 @@ static int lg_write_merged_model(const lg_model *m0, const lg_real *adapters, co
 static int lg_trainer_write_model(lg_trainer *tr, const char *dir, lg_file_digest *digests,
                                   lg_error *err) {
     const lg_model *m0 = &tr->ranks[0].model;
-    if (!m0->weights_gathered) return lg_hf_write_model(m0, dir, digests, err);
+    if (!m0->weights_gathered) return tr->process == 0 ? lg_hf_write_model(m0, dir, digests, err) : 0;
     lg_model whole = *m0;
     whole.params.data = LG_MALLOC(m0->n_params * lg_elem_size(m0->params.dtype) + 1);
     if (!whole.params.data) return lg_fail(err, "out of host memory for the weights");
     lg_trainer_weights(tr, whole.params);
-    int rc = lg_hf_write_model(&whole, dir, digests, err);
+    int rc = tr->process == 0 ? lg_hf_write_model(&whole, dir, digests, err) : 0;
     LG_FREE(whole.params.data);
+    return rc;
+}
+
+/* Several processes: every one learns whether process 0 wrote (and waits until it has). */
+static int lg_checkpoint_outcome(lg_trainer *tr, int rc, lg_error *err) {
+    double failed = rc != 0;
+    lg_comm_sum_doubles(tr->process_comm, &failed, 1);
+    if (failed > 0 && rc == 0) return lg_fail(err, "process 0 could not write the checkpoint");
     return rc;
 }
 
 /* A LoRA run's step-N: the adapters as PEFT files, the base model's config.json and
    model_config.yaml, the training state of the adapters; the run's last step also holds the
-   merged model (model.safetensors). */
+   merged model (model.safetensors). Process 0 writes; every process takes part in the gathers
+   and learns each part's outcome. */
 static int lg_lora_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step,
                                    const char *dir, lg_error *err) {
     const char *names[6] = {"adapter_model.safetensors", "adapter_config.json", "config.json",
@@ -10131,17 +11040,18 @@ static int lg_lora_checkpoint_save(lg_trainer *tr, const lg_loader *data, int st
     const lg_model *m0 = &tr->ranks[0].model;
     lg_config base = lg_config_base(&m0->cfg);
     lg_hf_family family;
-    char path[1200], text[4096];
+    char path[LG_PATH_MAX], text[4096];
     lg_real *whole = (lg_real *)LG_MALLOC(m0->n_params * sizeof(lg_real) + 1);
-    if (!whole) return lg_fail(err, "out of host memory for the adapters");
+    if (!whole) return lg_checkpoint_outcome(tr, lg_fail(err, "out of host memory for the adapters"), err);
     lg_trainer_weights(tr, lg_buf_of(whole));
-    int final = step == tr->args.max_steps, rc = lg_hf_family_of(&base, &family, err);
-    if (rc == 0) rc = lg_peft_write(m0, lg_buf_of(whole), dir, tr->base_model, digests, err);
-    if (rc == 0 && final) { /* model.safetensors, config.json, model_config.yaml */
+    int writer = tr->process == 0, final = step == tr->args.max_steps;
+    int rc = lg_hf_family_of(&base, &family, err);
+    if (rc == 0 && writer) rc = lg_peft_write(m0, lg_buf_of(whole), dir, tr->base_model, digests, err);
+    if (rc == 0 && writer && final) { /* model.safetensors, config.json, model_config.yaml */
         lg_file_digest model[3];
         rc = lg_write_merged_model(m0, whole, dir, model, err);
         digests[5] = model[0], digests[2] = model[1], digests[3] = model[2];
-    } else if (rc == 0) {
+    } else if (rc == 0 && writer) {
         lg_format(path, sizeof path, "%s/config.json", dir);
         lg_hf_config_json(&base, family, lg_st_dtype_of(m0->params.dtype), text, sizeof text);
         rc = lg_write_text_file(path, text, &digests[2], err);
@@ -10150,9 +11060,15 @@ static int lg_lora_checkpoint_save(lg_trainer *tr, const lg_loader *data, int st
         if (rc == 0) rc = lg_write_text_file(path, text, &digests[3], err);
     }
     LG_FREE(whole);
+    rc = lg_checkpoint_outcome(tr, rc, err);
     lg_format(path, sizeof path, "%s/" LG_TRAINING_STATE, dir);
-    if (rc == 0) rc = lg_training_state_write(tr, data, step, path, &digests[4], err);
-    return rc == 0 ? lg_write_marker(dir, step, names, digests, final ? 6 : 5, err) : -1;
+    if (rc == 0)
+        rc = lg_checkpoint_outcome(tr, lg_training_state_write(tr, data, step, path, &digests[4], err),
+                                   err);
+    if (rc == 0)
+        rc = lg_checkpoint_outcome(
+            tr, writer ? lg_write_marker(dir, step, names, digests, final ? 6 : 5, err) : 0, err);
+    return rc;
 }
 
 int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const char *out,
@@ -10162,16 +11078,23 @@ int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const ch
     char dir[LG_PATH_MAX], path[1200];
     lg_file_digest digests[4];
     if (lg_checkpoint_supported(tr, err) != 0) return -1;
-    if (mkdir(out, 0755) != 0 && errno != EEXIST)
-        return lg_fail(err, "--out %s: cannot create the directory: %s", out, strerror(errno));
+    int writer = tr->process == 0; /* the others take part in the gathers */
+    if (writer && mkdir(out, 0755) != 0 && errno != EEXIST)
+        return lg_checkpoint_outcome(tr, lg_fail(err, "--out %s: cannot create the directory: %s",
+                                                 out, strerror(errno)), err);
     lg_format(dir, sizeof dir, "%s/step-%d", out, step);
     lg_format(path, sizeof path, "%s/" LG_TRAINING_STATE, dir);
-    if (tr->plan.cfg.lora.r > 0)
-        return lg_checkpoint_begin(dir, err) == 0 ? lg_lora_checkpoint_save(tr, data, step, dir, err) : -1;
-    if (lg_checkpoint_begin(dir, err) != 0 || lg_trainer_write_model(tr, dir, digests, err) != 0 ||
-        lg_training_state_write(tr, data, step, path, &digests[3], err) != 0)
-        return -1;
-    return lg_write_marker(dir, step, names, digests, 4, err);
+    /* each part's outcome reaches every process before the next part's collectives */
+    int rc = lg_checkpoint_outcome(tr, writer ? lg_checkpoint_begin(dir, err) : 0, err);
+    if (rc == 0 && tr->plan.cfg.lora.r > 0) return lg_lora_checkpoint_save(tr, data, step, dir, err);
+    if (rc == 0) rc = lg_checkpoint_outcome(tr, lg_trainer_write_model(tr, dir, digests, err), err);
+    if (rc == 0)
+        rc = lg_checkpoint_outcome(tr, lg_training_state_write(tr, data, step, path, &digests[3], err),
+                                   err);
+    if (rc == 0)
+        rc = lg_checkpoint_outcome(tr, writer ? lg_write_marker(dir, step, names, digests, 4, err) : 0,
+                                   err);
+    return rc;
 }
 
 /* The checkpoint's architecture must be the trainer's. */
@@ -10308,6 +11231,19 @@ static lg_buf lg_unit_grads(const lg_trainer *tr, int r, int u) {
     return lg_at(tr_r->grad_blocks, (size_t)((u - 1) % 2) * lg_padded_unit(&tr->plan.shards, 1));
 }
 
+/* The members of a group (ranks first + m stride, m < count) that this process drives: their
+   indices in tr->ranks, in member order, into local; returns how many (all without a
+   launcher). */
+static int lg_trainer_group_local(const lg_trainer *tr, int first, int stride, int count,
+                                  int *local) {
+    int n = 0;
+    for (int m = 0; m < count; m++) {
+        int r = first + m * stride - tr->first_rank;
+        if (r >= 0 && r < tr->local_ranks) local[n++] = r;
+    }
+    return n;
+}
+
 /* Full-shard: all-gathers unit u's weights in every shard group and points the models' views
    at them; on GPUs the gather runs beside the compute until lg_trainer_await_unit(u). Nothing
    to do when every rank holds whole weights. */
@@ -10318,28 +11254,30 @@ static void lg_trainer_gather_unit(lg_trainer *tr, int u) {
     int S = sh->shard_ranks;
     lg_buf pieces[LG_MAX_RANKS], wholes[LG_MAX_RANKS];
     for (int q = 0; q < sh->replicas; q++) {
-        for (int i = 0; i < S; i++) {
-            int r = q * S + i;
-            pieces[i] = lg_at(tr->ranks[r].model.params, sl->piece_offset[u]);
-            wholes[i] = lg_unit_weights(tr, r, u);
+        int local[LG_MAX_RANKS], n = lg_trainer_group_local(tr, q * S, 1, S, local);
+        for (int i = 0; i < n; i++) {
+            pieces[i] = lg_at(tr->ranks[local[i]].model.params, sl->piece_offset[u]);
+            wholes[i] = lg_unit_weights(tr, local[i], u);
         }
-        lg_all_gather_async(tr->shard_comm[q], S, pieces, wholes, sl->piece_count[u],
-                            lg_unit_slot(tr, u));
+        if (n)
+            lg_all_gather_async(tr->shard_comm[q], n, pieces, wholes, sl->piece_count[u],
+                                lg_unit_slot(tr, u));
     }
-    for (int r = 0; r < tr->n_ranks; r++)
+    for (int r = 0; r < tr->local_ranks; r++)
         lg_model_point_unit(&tr->ranks[r].model, u, lg_unit_weights(tr, r, u), lg_no_buf());
 }
 
 /* Every rank's ops from here on wait for unit u's gathered weights (full-shard). */
 static void lg_trainer_await_unit(lg_trainer *tr, int u) {
     if (!tr->plan.sharding.weights_sharded) return;
-    for (int r = 0; r < tr->n_ranks; r++) lg_rank_await(&tr->ranks[r].rank, lg_unit_slot(tr, u));
+    for (int q = 0; q < tr->plan.sharding.replicas; q++) lg_comm_await(tr->shard_comm[q], lg_unit_slot(tr, u));
+    for (int r = 0; r < tr->local_ranks; r++) lg_rank_await(&tr->ranks[r].rank, lg_unit_slot(tr, u));
 }
 
 /* Sharded gradients: points unit u's gradient views at a zeroed buffer of the whole unit. */
 static void lg_trainer_open_unit_grads(lg_trainer *tr, int u) {
     if (!tr->plan.sharding.grads_sharded) return;
-    for (int r = 0; r < tr->n_ranks; r++) {
+    for (int r = 0; r < tr->local_ranks; r++) {
         lg_buf g = lg_unit_grads(tr, r, u);
         lg_zero(&tr->ranks[r].model.exec, g, lg_padded_unit(&tr->plan.shards, u));
         lg_model_point_unit(&tr->ranks[r].model, u, lg_no_buf(), g);
@@ -10355,12 +11293,14 @@ static void lg_trainer_start_reduce(lg_trainer *tr, int u) {
     int S = sh->shard_ranks;
     lg_buf wholes[LG_MAX_RANKS], outs[LG_MAX_RANKS];
     for (int q = 0; q < sh->replicas; q++) {
-        for (int i = 0; i < S; i++) {
-            wholes[i] = lg_unit_grads(tr, q * S + i, u);
-            outs[i] = tr->ranks[q * S + i].reduce_out;
+        int local[LG_MAX_RANKS], n = lg_trainer_group_local(tr, q * S, 1, S, local);
+        for (int i = 0; i < n; i++) {
+            wholes[i] = lg_unit_grads(tr, local[i], u);
+            outs[i] = tr->ranks[local[i]].reduce_out;
         }
-        lg_reduce_scatter_sum_async(tr->shard_comm[q], S, wholes, outs,
-                                    tr->plan.shards.piece_count[u], lg_reduce_signal(u));
+        if (n)
+            lg_reduce_scatter_sum_async(tr->shard_comm[q], n, wholes, outs,
+                                        tr->plan.shards.piece_count[u], lg_reduce_signal(u));
     }
 }
 
@@ -10369,7 +11309,8 @@ static void lg_trainer_start_reduce(lg_trainer *tr, int u) {
 static void lg_trainer_finish_reduce(lg_trainer *tr, int u) {
     const lg_shard_layout *sl = &tr->plan.shards;
     if (!tr->plan.sharding.grads_sharded) return;
-    for (int r = 0; r < tr->n_ranks; r++) {
+    for (int q = 0; q < tr->plan.sharding.replicas; q++) lg_comm_await(tr->shard_comm[q], lg_reduce_signal(u));
+    for (int r = 0; r < tr->local_ranks; r++) {
         lg_trainer_rank *tr_r = &tr->ranks[r];
         lg_buf shard = lg_at(tr_r->model.grads, sl->piece_offset[u]);
         lg_rank_await(&tr_r->rank, lg_reduce_signal(u));
@@ -10383,24 +11324,26 @@ static void lg_trainer_sync_replicas(lg_trainer *tr) {
     if (sh->replicas == 1) return;
     lg_buf bufs[LG_MAX_RANKS];
     for (int i = 0; i < sh->shard_ranks; i++) {
-        for (int q = 0; q < sh->replicas; q++) bufs[q] = tr->ranks[q * sh->shard_ranks + i].model.grads;
-        lg_all_reduce_sum(tr->replica_comm[i], sh->replicas, bufs, tr->ranks[i].model.n_local);
+        int local[LG_MAX_RANKS], n = lg_trainer_group_local(tr, i, sh->shard_ranks, sh->replicas, local);
+        for (int q = 0; q < n; q++) bufs[q] = tr->ranks[local[q]].model.grads;
+        if (n) lg_all_reduce_sum(tr->replica_comm[i], n, bufs, tr->ranks[local[0]].model.n_local);
     }
 }
 
-/* The norm of the whole gradient: each member of a shard group squares its shard, an
-   all-reduce adds them (replicas hold the same). */
+/* The norm of the whole gradient: each rank squares its shard, the members of shard group 0
+   add theirs in order (replicas hold the same); in several processes the squares of all ranks
+   are gathered first. */
 static float lg_trainer_grad_norm(lg_trainer *tr) {
     int S = tr->plan.sharding.shard_ranks;
-    lg_real squares[LG_MAX_RANKS];
-    lg_buf bufs[LG_MAX_RANKS];
-    for (int i = 0; i < S; i++) {
-        const lg_model *m = &tr->ranks[i].model;
-        squares[i] = (lg_real)lg_sum_squares(&m->exec, m->grads, m->n_local);
-        bufs[i] = lg_buf_of(&squares[i]);
+    double squares[LG_MAX_RANKS]; /* (n_ranks) */
+    for (int r = 0; r < tr->local_ranks; r++) {
+        const lg_model *m = &tr->ranks[r].model;
+        squares[tr->first_rank + r] = lg_sum_squares(&m->exec, m->grads, m->n_local);
     }
-    lg_all_reduce_sum(NULL, S, bufs, 1); /* host numbers */
-    return (float)sqrt((double)squares[0]);
+    lg_comm_gather_doubles(tr->process_comm, squares, tr->local_ranks);
+    lg_real sum = 0; /* host numbers */
+    for (int i = 0; i < S; i++) sum += (lg_real)squares[i];
+    return (float)sqrt((double)sum);
 }
 
 /* What one rank computes in a micro-step: B samples of T tokens; B = 0: nothing, the rank only
@@ -10420,15 +11363,15 @@ static double lg_trainer_forward(lg_trainer *tr, const lg_micro_batch *mb) {
     lg_trainer_gather_unit(tr, 0);
     lg_trainer_gather_unit(tr, 1);
     lg_trainer_await_unit(tr, 0);
-    for (int r = 0; r < tr->n_ranks; r++)
+    for (int r = 0; r < tr->local_ranks; r++)
         if (mb[r].B) lg_model_embed(&tr->ranks[r].model, mb[r].inputs, mb[r].B, mb[r].T);
     for (int l = 0; l < L; l++) {
         if (l + 1 < L) lg_trainer_gather_unit(tr, l + 2);
         lg_trainer_await_unit(tr, l + 1);
-        for (int r = 0; r < tr->n_ranks; r++)
+        for (int r = 0; r < tr->local_ranks; r++)
             if (mb[r].B) lg_block_forward(&tr->ranks[r].model, l, mb[r].B, mb[r].T);
     }
-    for (int r = 0; r < tr->n_ranks; r++)
+    for (int r = 0; r < tr->local_ranks; r++)
         if (mb[r].B)
             loss += lg_model_head_forward(&tr->ranks[r].model, mb[r].targets, mb[r].B, mb[r].T,
                                           NULL);
@@ -10441,7 +11384,7 @@ static double lg_trainer_forward(lg_trainer *tr, const lg_micro_batch *mb) {
 static void lg_trainer_offload_unit(lg_trainer *tr, int u, int offload) {
     const lg_shard_layout *sl = &tr->plan.shards;
     if (!offload) return;
-    for (int r = 0; r < tr->n_ranks; r++) {
+    for (int r = 0; r < tr->local_ranks; r++) {
         lg_trainer_rank *tr_r = &tr->ranks[r];
         /* the unit in the shard: its piece (sharded), or the whole unit */
         size_t first = tr->plan.sharding.grads_sharded ? sl->piece_offset[u] : sl->unit_offset[u];
@@ -10462,7 +11405,7 @@ static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float 
                                 int offload) {
     int L = tr->plan.cfg.n_layer;
     lg_trainer_open_unit_grads(tr, 0);
-    for (int r = 0; r < tr->n_ranks; r++)
+    for (int r = 0; r < tr->local_ranks; r++)
         if (mb[r].B)
             lg_model_head_backward(&tr->ranks[r].model, mb[r].targets, mb[r].B, mb[r].T,
                                    loss_scale);
@@ -10471,7 +11414,7 @@ static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float 
         if (l > 0) lg_trainer_gather_unit(tr, l); /* prefetch block l - 1 */
         lg_trainer_await_unit(tr, l + 1);
         lg_trainer_open_unit_grads(tr, l + 1); /* its slot's last reduce-scatter has finished */
-        for (int r = 0; r < tr->n_ranks; r++)
+        for (int r = 0; r < tr->local_ranks; r++)
             if (mb[r].B) lg_model_block_backward(&tr->ranks[r].model, l, mb[r].B, mb[r].T);
         if (l + 2 <= L) {
             lg_trainer_finish_reduce(tr, l + 2);
@@ -10479,7 +11422,7 @@ static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float 
         }
         lg_trainer_start_reduce(tr, l + 1);
     }
-    for (int r = 0; r < tr->n_ranks; r++)
+    for (int r = 0; r < tr->local_ranks; r++)
         if (mb[r].B) lg_model_embed_backward(&tr->ranks[r].model, mb[r].inputs, mb[r].B, mb[r].T);
     lg_trainer_finish_reduce(tr, 1);
     lg_trainer_offload_unit(tr, 1, offload);
@@ -10498,7 +11441,7 @@ static size_t lg_micro_batch_start(const lg_trainer *tr, int i) {
 static void lg_trainer_micro_batches(const lg_trainer *tr, int i, const int **labels,
                                      lg_micro_batch *mb) {
     size_t at = lg_micro_batch_start(tr, i);
-    for (int r = 0; r < tr->n_ranks; r++) {
+    for (int r = 0; r < tr->local_ranks; r++) {
         mb[r].inputs = tr->ranks[r].inputs + at;
         mb[r].targets = labels ? labels[r] + at : NULL;
         mb[r].B = tr->args.micro_batch_size;
@@ -10506,29 +11449,26 @@ static void lg_trainer_micro_batches(const lg_trainer *tr, int i, const int **la
     }
 }
 
-/* Tokens (rows x their length) of a step's micro-batches on all ranks. */
-static size_t lg_trainer_step_tokens(const lg_trainer *tr) {
-    size_t tokens = 0;
-    for (int r = 0; r < tr->n_ranks; r++)
-        for (int i = 0; i < tr->accumulation; i++)
-            tokens += (size_t)tr->args.micro_batch_size * tr->ranks[r].micro_T[i];
-    return tokens;
-}
+/* Tokens (rows x their length) of a step's micro-batches on all ranks (lg_trainer_read_step
+   counted them). */
+static size_t lg_trainer_step_tokens(const lg_trainer *tr) { return tr->step_tokens; }
 
 /* The same initial weights as one rank: with sharded weights, unit by unit in layout order
-   from one random stream on rank 0, broadcast, each rank keeping its piece. */
+   from one random stream on rank 0, broadcast, each rank keeping its piece. In several
+   processes every process draws the same stream on its first rank and broadcasts it to its
+   own ranks. */
 static void lg_trainer_init_weights(lg_trainer *tr) {
     const lg_sharding *sh = &tr->plan.sharding;
     const lg_shard_layout *sl = &tr->plan.shards;
     const lg_model *m0 = &tr->ranks[0].model;
     if (!sh->weights_sharded) {
-        for (int r = 0; r < tr->n_ranks; r++)
+        for (int r = 0; r < tr->local_ranks; r++)
             lg_model_init_weights(&tr->ranks[r].model, tr->args.seed);
         return;
     }
     lg_rng rng;
     lg_trainable_rng(&tr->plan.cfg, tr->args.seed, &rng);
-    for (int r = 0; r < tr->n_ranks; r++) lg_model_init_frozen(&tr->ranks[r].model, tr->args.seed);
+    for (int r = 0; r < tr->local_ranks; r++) lg_model_init_frozen(&tr->ranks[r].model, tr->args.seed);
     lg_buf slots[LG_MAX_RANKS];
     for (int u = 0; u < sl->n_units; u++) {
         lg_buf unit = lg_unit_weights(tr, 0, u);
@@ -10539,10 +11479,11 @@ static void lg_trainer_init_weights(lg_trainer *tr) {
                 lg_init_tensor(&m0->exec, &tr->plan.cfg, t,
                                lg_at(unit, t->offset - sl->unit_offset[u]), &rng);
         }
-        for (int r = 0; r < tr->n_ranks; r++) slots[r] = lg_unit_weights(tr, r, u);
-        lg_broadcast(tr->world_comm, tr->n_ranks, 0, slots, sl->unit_offset[u + 1] - sl->unit_offset[u]);
-        for (int r = 0; r < tr->n_ranks; r++) {
-            size_t count = sl->piece_count[u], first = tr->plan.ranks[r].shard_index * count;
+        for (int r = 0; r < tr->local_ranks; r++) slots[r] = lg_unit_weights(tr, r, u);
+        lg_broadcast(tr->world_comm, tr->local_ranks, 0, slots, sl->unit_offset[u + 1] - sl->unit_offset[u]);
+        for (int r = 0; r < tr->local_ranks; r++) {
+            size_t count = sl->piece_count[u];
+            size_t first = tr->plan.ranks[tr->first_rank + r].shard_index * count;
             lg_copy(&tr->ranks[r].model.exec, lg_at(tr->ranks[r].model.params, sl->piece_offset[u]),
                     lg_at(slots[r], first), count);
         }
@@ -10555,12 +11496,11 @@ static void lg_trainer_share_updated_weights(lg_trainer *tr) {
     const lg_sharding *sh = &tr->plan.sharding;
     const lg_shard_layout *sl = &tr->plan.shards;
     if (!sh->grads_sharded || sh->weights_sharded) return;
-    int S = sh->shard_ranks;
     lg_buf pieces[LG_MAX_RANKS], wholes[LG_MAX_RANKS];
     for (int u = 0; u < sl->n_units; u++) {
         size_t count = sl->piece_count[u], unit = sl->unit_offset[u + 1] - sl->unit_offset[u];
-        for (int i = 0; i < S; i++) { /* replicas = 1: rank i is member i */
-            size_t first = (size_t)i * count;
+        for (int i = 0; i < tr->local_ranks; i++) { /* replicas = 1: rank r is member r */
+            size_t first = (size_t)(tr->first_rank + i) * count;
             size_t live = first >= unit ? 0 : unit - first < count ? unit - first : count;
             wholes[i] = lg_unit_weights(tr, i, u);
             pieces[i] = lg_at(wholes[i], first);
@@ -10568,8 +11508,8 @@ static void lg_trainer_share_updated_weights(lg_trainer *tr) {
             lg_copy(ex, pieces[i], lg_at(tr->ranks[i].model.params, sl->unit_offset[u] + first), live);
             lg_zero(ex, lg_at(pieces[i], live), count - live);
         }
-        lg_all_gather(tr->shard_comm[0], S, pieces, wholes, count);
-        for (int i = 0; i < S; i++)
+        lg_all_gather(tr->shard_comm[0], tr->local_ranks, pieces, wholes, count);
+        for (int i = 0; i < tr->local_ranks; i++)
             lg_copy(&tr->ranks[i].model.exec, lg_at(tr->ranks[i].model.params, sl->unit_offset[u]),
                     wholes[i], unit);
     }
@@ -10577,15 +11517,71 @@ static void lg_trainer_share_updated_weights(lg_trainer *tr) {
 
 /* Waits for every rank's queued work. */
 static void lg_trainer_sync(const lg_trainer *tr) {
-    for (int r = 0; r < tr->n_ranks; r++) lg_rank_sync(&tr->ranks[r].rank);
+    for (int r = 0; r < tr->local_ranks; r++) lg_rank_sync(&tr->ranks[r].rank);
+}
+
+/* CPU ranks in several processes: the MPI group of members first + m stride (m < count) when
+   they live in more than one process; a group inside one process needs none (its collectives
+   run in the process). Every process decides alike and takes part in every split. */
+static int lg_trainer_mpi_group(lg_trainer *tr, int first, int stride, int count, lg_comm **comm,
+                                lg_error *err) {
+    int per_process = tr->local_ranks, last = first + (count - 1) * stride;
+    if (first / per_process == last / per_process) return 0;
+    int local[LG_MAX_RANKS], n = lg_trainer_group_local(tr, first, stride, count, local);
+    int first_local = n ? (tr->first_rank + local[0] - first) / stride : 0;
+    return lg_mpi_comm_create(comm, count, first_local, n, err);
+}
+
+/* CPU ranks in several processes: the MPI groups of the shard groups, the replica groups and
+   all ranks (process_comm). */
+static int lg_trainer_make_mpi_groups(lg_trainer *tr, lg_error *err) {
+    const lg_sharding *sh = &tr->plan.sharding;
+    int S = sh->shard_ranks, R = sh->replicas;
+    for (int q = 0; q < R && S > 1; q++)
+        if (lg_trainer_mpi_group(tr, q * S, 1, S, &tr->shard_comm[q], err) != 0) return -1;
+    for (int i = 0; i < S && R > 1; i++)
+        if (lg_trainer_mpi_group(tr, i, S, R, &tr->replica_comm[i], err) != 0) return -1;
+    return lg_trainer_mpi_group(tr, 0, 1, tr->n_ranks, &tr->process_comm, err);
+}
+
+/* GPU ranks in several processes: process 0's NCCL id reaches the others (MPI, or the
+   rendezvous); all ranks join one communicator (process_comm: also the step's loss and norm),
+   split into the shard and replica groups; for the first weights, which every process draws
+   itself, the process's own ranks share one of their own. */
+static int lg_trainer_make_nccl_groups(lg_trainer *tr, const lg_launch *launch, lg_error *err) {
+    const lg_sharding *sh = &tr->plan.sharding;
+    int S = sh->shard_ranks, R = sh->replicas, color[LG_MAX_RANKS], key[LG_MAX_RANKS];
+    unsigned char id[LG_NCCL_ID_BYTES] = {0};
+    lg_rank *members[LG_MAX_RANKS];
+    if (launch->process == 0 && lg_nccl_unique_id(id, err) != 0) return -1;
+    if (lg_launch_share(launch, id, sizeof id, err) != 0) return -1;
+    for (int r = 0; r < tr->local_ranks; r++) members[r] = &tr->ranks[r].rank;
+    tr->process_comm = lg_comm_create_global(tr->n_ranks, tr->first_rank, tr->local_ranks,
+                                             members, id, err);
+    if (!tr->process_comm) return -1;
+    for (int r = 0; r < tr->local_ranks; r++) { /* shard group q: ranks q S .. q S + S - 1 */
+        color[r] = (tr->first_rank + r) / S;
+        key[r] = (tr->first_rank + r) % S;
+    }
+    if (S > 1 && lg_comm_split(tr->process_comm, color, key, tr->shard_comm, err) != 0) return -1;
+    for (int r = 0; r < tr->local_ranks; r++) { /* replica group i: ranks i, S + i, ... */
+        color[r] = (tr->first_rank + r) % S;
+        key[r] = (tr->first_rank + r) / S;
+    }
+    if (R > 1 && lg_comm_split(tr->process_comm, color, key, tr->replica_comm, err) != 0) return -1;
+    if (tr->local_ranks == 1 || !sh->weights_sharded) return 0;
+    return (tr->world_comm = lg_comm_create(tr->local_ranks, members, err)) ? 0 : -1;
 }
 
 /* GPUs: the communicators of the shard groups, the replica groups and (for the first weights
    of sharded runs) all ranks; groups of one need none. */
-static int lg_trainer_make_comms(lg_trainer *tr, lg_error *err) {
+static int lg_trainer_make_comms(lg_trainer *tr, const lg_launch *launch, lg_error *err) {
     const lg_sharding *sh = &tr->plan.sharding;
     int S = sh->shard_ranks, R = sh->replicas;
     lg_rank *members[LG_MAX_RANKS];
+    if (tr->local_ranks < tr->n_ranks && tr->plan.spec.backend == LG_BACKEND_CUDA)
+        return lg_trainer_make_nccl_groups(tr, launch, err);
+    if (tr->local_ranks < tr->n_ranks) return lg_trainer_make_mpi_groups(tr, err);
     if (tr->plan.spec.backend != LG_BACKEND_CUDA || tr->n_ranks == 1) return 0;
     for (int q = 0; q < R && S > 1; q++) {
         for (int i = 0; i < S; i++) members[i] = &tr->ranks[q * S + i].rank;
@@ -10596,7 +11592,7 @@ static int lg_trainer_make_comms(lg_trainer *tr, lg_error *err) {
         if (!(tr->replica_comm[i] = lg_comm_create(R, members, err))) return -1;
     }
     if (!sh->weights_sharded) return 0;
-    for (int r = 0; r < tr->n_ranks; r++) members[r] = &tr->ranks[r].rank;
+    for (int r = 0; r < tr->local_ranks; r++) members[r] = &tr->ranks[r].rank;
     return (tr->world_comm = lg_comm_create(tr->n_ranks, members, err)) ? 0 : -1;
 }
 
@@ -10612,6 +11608,34 @@ int lg_comms_per_rank(const lg_args *args) {
 
 int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args, int T,
                       lg_error *err) {
+    return lg_trainer_create_in(tr, cfg, args, T, NULL, err);
+}
+
+/* Which ranks this process drives (every one without a launch), and the buffer for the
+   micro-batches of the others'. */
+static int lg_trainer_take_ranks(lg_trainer *tr, const lg_launch *launch, lg_error *err) {
+    tr->first_rank = launch ? launch->first_rank : 0;
+    tr->local_ranks = launch ? launch->local_ranks : tr->n_ranks;
+    tr->process = launch ? launch->process : 0;
+    if (tr->local_ranks < 1 || tr->first_rank + tr->local_ranks > tr->n_ranks)
+        return lg_fail(err, "this process should drive ranks %d..%d of %d (lg_launch_place)",
+                       tr->first_rank, tr->first_rank + tr->local_ranks - 1, tr->n_ranks);
+    if (tr->local_ranks == tr->n_ranks) return 0;
+    if (tr->plan.spec.backend == LG_BACKEND_CPU && !launch->mpi)
+        return lg_fail(err, lg_launch_has_mpi()
+                                ? "CPU ranks in several processes exchange over MPI, which %s does not "
+                                  "start: use mpirun or srun (or one process: drop the launcher)"
+                                : "CPU ranks in several processes exchange over MPI, and this build has "
+                                  "none (%s started them): apt-get install openmpi-bin "
+                                  "libopenmpi-dev, then make cpu",
+                       launch->launcher);
+    size_t tokens = 2 * (size_t)tr->args.micro_batch_size * tr->plan.spec.T;
+    tr->other_tokens = (int *)lg_alloc_zeroed(sizeof(int) * tokens);
+    return tr->other_tokens ? 0 : lg_fail(err, "trainer: out of host memory");
+}
+
+int lg_trainer_create_in(lg_trainer *tr, const lg_config *cfg, const lg_args *args, int T,
+                         const lg_launch *launch, lg_error *err) {
     memset(tr, 0, sizeof *tr);
     tr->args = *args;
     tr->accumulation = lg_args_accumulation_steps(args, err);
@@ -10621,14 +11645,20 @@ int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args,
     if (lg_plan_make(&tr->plan, cfg, &spec, err) != 0) return -1;
     tr->n_ranks = tr->plan.n_ranks;
     tr->block_slots = tr->plan.sharding.weights_sharded ? 2 : 1;
-    tr->ranks = (lg_trainer_rank *)lg_alloc_zeroed(sizeof(lg_trainer_rank) * (size_t)tr->n_ranks);
+    if (lg_trainer_take_ranks(tr, launch, err) != 0) {
+        lg_trainer_free(tr);
+        return -1;
+    }
+    tr->ranks = (lg_trainer_rank *)lg_alloc_zeroed(sizeof(lg_trainer_rank) * (size_t)tr->local_ranks);
     if (!tr->ranks) {
         lg_trainer_free(tr);
         return lg_fail(err, "out of host memory");
     }
-    for (int r = 0; r < tr->n_ranks; r++) {
+    for (int r = 0; r < tr->local_ranks; r++) {
         lg_trainer_rank *tr_r = &tr->ranks[r];
-        if (lg_rank_create(&tr_r->rank, &tr->plan, r, err) != 0 ||
+        /* the GPU: the process's place on its node, then the rank's in the process */
+        int device = (launch ? launch->local_process * tr->local_ranks : 0) + r;
+        if (lg_rank_create_on(&tr_r->rank, &tr->plan, tr->first_rank + r, device, err) != 0 ||
             lg_model_bind(&tr_r->model, &tr->plan.cfg, &tr_r->rank, err) != 0) {
             lg_trainer_free(tr);
             return -1;
@@ -10640,12 +11670,12 @@ int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args,
             return lg_fail(err, "trainer: out of host memory");
         }
     }
-    if (lg_trainer_make_comms(tr, err) != 0) {
+    if (lg_trainer_make_comms(tr, launch, err) != 0) {
         lg_trainer_free(tr);
         return -1;
     }
     lg_trainer_init_weights(tr);
-    for (int r = 0; r < tr->n_ranks; r++) { /* after the init: the master copies it */
+    for (int r = 0; r < tr->local_ranks; r++) { /* after the init: the master copies it */
         lg_trainer_rank *tr_r = &tr->ranks[r];
         if (lg_optimizer_create(&tr_r->opt, &tr_r->model, args, err) != 0) {
             lg_trainer_free(tr);
@@ -10704,18 +11734,18 @@ static void lg_trainer_hessian_pass(lg_trainer *tr, int step) {
     size_t tokens = lg_trainer_step_tokens(tr), stride = lg_micro_batch_start(tr, 1);
     const int *labels[LG_MAX_RANKS];
     lg_micro_batch mb[LG_MAX_RANKS];
-    for (int r = 0; r < tr->n_ranks; r++) {
+    for (int r = 0; r < tr->local_ranks; r++) {
         lg_model_zero_grad(&tr->ranks[r].model);
         labels[r] = tr->ranks[r].sampled;
     }
     for (int i = 0; i < tr->accumulation; i++) {
         lg_trainer_micro_batches(tr, i, NULL, mb);
         lg_trainer_forward(tr, mb);
-        for (int r = 0; r < tr->n_ranks; r++) {
+        for (int r = 0; r < tr->local_ranks; r++) {
             lg_rank_sync(&tr->ranks[r].rank); /* the host reads the logits */
             size_t micro_tokens = (size_t)mb[r].B * mb[r].T;
             int *drawn = tr->ranks[r].sampled + i * stride;
-            size_t first = ((size_t)i * tr->n_ranks + r) * stride;
+            size_t first = ((size_t)i * tr->n_ranks + tr->first_rank + r) * stride;
             lg_visit rows = lg_visit_start(&tr->ranks[r].model.exec, tr->ranks[r].model.a.logits,
                                            micro_tokens * Vp, (size_t)Vp, LG_VISIT_READ);
             while (lg_visit_next(&rows))
@@ -10731,26 +11761,42 @@ static void lg_trainer_hessian_pass(lg_trainer *tr, int step) {
     }
     lg_trainer_sync_replicas(tr);
     if (!isfinite(lg_trainer_grad_norm(tr))) return; /* an fp16 overflow: keep the estimate */
-    for (int r = 0; r < tr->n_ranks; r++) {
+    for (int r = 0; r < tr->local_ranks; r++) {
         lg_model *m = &tr->ranks[r].model;
         lg_optimizer_hessian_update(&tr->ranks[r].opt, &m->exec, m->grads, m->n_local, (double)tokens,
                                     1.0f / tr->loss_scale);
     }
 }
 
-/* Reads the step's micro-batches: micro-batch i of rank r is the (i ranks + r)-th. Returns the
-   count of non-ignored targets, or -1. */
+/* Where micro-batch i of global rank g goes: its token buffers when this process drives it,
+   else other_tokens (read, counted, dropped). Returns its micro_T, or NULL. */
+static int *lg_trainer_batch_place(lg_trainer *tr, int g, size_t at, int **inputs, int **targets) {
+    int r = g - tr->first_rank;
+    if (r >= 0 && r < tr->local_ranks) {
+        *inputs = tr->ranks[r].inputs + at;
+        *targets = tr->ranks[r].targets + at;
+        return tr->ranks[r].micro_T;
+    }
+    *inputs = tr->other_tokens;
+    *targets = tr->other_tokens + lg_micro_batch_start(tr, 1);
+    return NULL;
+}
+
+/* Reads the step's micro-batches: micro-batch i of rank r is the (i ranks + r)-th; every
+   process reads them all and keeps its ranks'. Returns the count of non-ignored targets of all
+   ranks, or -1; sets step_tokens. */
 static long lg_trainer_read_step(lg_trainer *tr, lg_loader *train, lg_error *err) {
     int B = tr->args.micro_batch_size;
     long n_targets = 0;
+    tr->step_tokens = 0;
     for (int i = 0; i < tr->accumulation; i++)
-        for (int r = 0; r < tr->n_ranks; r++) {
-            lg_trainer_rank *tr_r = &tr->ranks[r];
-            size_t at = lg_micro_batch_start(tr, i);
-            int *tg = tr_r->targets + at;
-            if (lg_loader_next_batch(train, B, tr_r->inputs + at, tg, &tr_r->micro_T[i], err) != 0)
-                return -1;
-            n_targets += lg_count_targets(tg, (size_t)B * tr_r->micro_T[i]);
+        for (int g = 0; g < tr->n_ranks; g++) {
+            int *inputs, *tg, rows_T = 0;
+            int *micro_T = lg_trainer_batch_place(tr, g, lg_micro_batch_start(tr, i), &inputs, &tg);
+            if (lg_loader_next_batch(train, B, inputs, tg, &rows_T, err) != 0) return -1;
+            if (micro_T) micro_T[i] = rows_T;
+            n_targets += lg_count_targets(tg, (size_t)B * rows_T);
+            tr->step_tokens += (size_t)B * rows_T;
         }
     return n_targets;
 }
@@ -10759,8 +11805,8 @@ static long lg_trainer_read_step(lg_trainer *tr, lg_loader *train, lg_error *err
    the step and the micro-batch's place in the global batch, as with one rank. step < 0: no
    dropout. */
 static void lg_trainer_set_dropout(lg_trainer *tr, int step, int i) {
-    for (int r = 0; r < tr->n_ranks; r++) {
-        uint64_t global = (uint64_t)i * (uint64_t)tr->n_ranks + (uint64_t)r;
+    for (int r = 0; r < tr->local_ranks; r++) { /* this process's ranks */
+        uint64_t global = (uint64_t)i * (uint64_t)tr->n_ranks + (uint64_t)(tr->first_rank + r);
         uint64_t key = tr->args.seed ^ 0x64726f706f7574ULL /* "dropout" */;
         key += ((uint64_t)step << 32) + global;
         key = (uint64_t)(lg_hash_uniform(key, 0) * 16777216.0f) << 40 ^ key; /* mixed, */
@@ -10781,7 +11827,7 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
     if (stats->hessian) lg_trainer_hessian_pass(tr, step);
     const int *targets[LG_MAX_RANKS];
     lg_micro_batch mb[LG_MAX_RANKS];
-    for (int r = 0; r < tr->n_ranks; r++) {
+    for (int r = 0; r < tr->local_ranks; r++) {
         lg_model_zero_grad(&tr->ranks[r].model);
         targets[r] = tr->ranks[r].targets;
     }
@@ -10797,6 +11843,7 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
                             offload_in_backward && i == tr->accumulation - 1);
     }
     lg_trainer_set_dropout(tr, -1, 0); /* evaluation and sampling run without dropout */
+    lg_comm_sum_doubles(tr->process_comm, &loss_sum, 1); /* the other processes' ranks' */
     lg_trainer_sync_replicas(tr);
     stats->loss = n_targets ? loss_sum / n_targets : 0;
     stats->loss_scale = tr->loss_scale;
@@ -10816,9 +11863,9 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
         stats->skipped = 1; /* every target ignored: nothing to learn, no decay, no step */
     } else {
         float multiplier = lg_clip_factor(norm, tr->args.max_norm) / tr->loss_scale;
-        for (int r = 0; r < tr->n_ranks && !offload_in_backward; r++)
+        for (int r = 0; r < tr->local_ranks && !offload_in_backward; r++)
             lg_trainer_offload_grads(&tr->ranks[r]);
-        for (int r = 0; r < tr->n_ranks; r++) lg_trainer_update_rank(&tr->ranks[r], stats->lr, multiplier);
+        for (int r = 0; r < tr->local_ranks; r++) lg_trainer_update_rank(&tr->ranks[r], stats->lr, multiplier);
         lg_trainer_share_updated_weights(tr);
         if (tr->scaling && ++tr->clean_steps == tr->scale_window) {
             tr->loss_scale *= 2.0f;
@@ -10843,19 +11890,22 @@ int lg_trainer_evaluate(lg_trainer *tr, lg_loader *ld, int n_batches, double *me
     double sum = 0;
     long count = 0;
     for (int first = 0; first < n_batches; first += tr->n_ranks) {
-        for (int r = 0; r < tr->n_ranks; r++) {
-            lg_trainer_rank *tr_r = &tr->ranks[r];
-            mb[r].inputs = tr_r->inputs;
-            mb[r].targets = tr_r->targets;
-            mb[r].T = T;
-            mb[r].B = first + r < n_batches ? B : 0;
-            if (mb[r].B &&
-                lg_loader_next_batch(ld, B, tr_r->inputs, tr_r->targets, &mb[r].T, err) != 0)
+        for (int g = 0; g < tr->n_ranks; g++) { /* every process reads, keeps its ranks' */
+            int *inputs, *targets, rows = first + g < n_batches ? B : 0, rows_T = T;
+            int here = lg_trainer_batch_place(tr, g, 0, &inputs, &targets) != NULL;
+            if (rows && lg_loader_next_batch(ld, B, inputs, targets, &rows_T, err) != 0)
                 return -1;
-            count += lg_count_targets(tr_r->targets, (size_t)mb[r].B * mb[r].T);
+            count += lg_count_targets(targets, (size_t)rows * rows_T);
+            if (!here) continue;
+            lg_micro_batch *own = &mb[g - tr->first_rank];
+            own->inputs = inputs;
+            own->targets = targets;
+            own->B = rows;
+            own->T = rows_T;
         }
         sum += lg_trainer_forward(tr, mb);
     }
+    lg_comm_sum_doubles(tr->process_comm, &sum, 1);
     *mean_loss = count ? sum / count : 0;
     return 0;
 }
@@ -10899,7 +11949,7 @@ void lg_trainer_weights(lg_trainer *tr, lg_buf whole) {
 }
 
 void lg_trainer_set_weights(lg_trainer *tr, lg_buf whole) {
-    for (int r = 0; r < tr->n_ranks; r++) {
+    for (int r = 0; r < tr->local_ranks; r++) {
         lg_trainer_rank *tr_r = &tr->ranks[r];
         lg_model *m = &tr_r->model;
         const lg_exec *ex = &m->exec;
@@ -10917,7 +11967,9 @@ void lg_trainer_free(lg_trainer *tr) {
         lg_comm_free(tr->replica_comm[i]);
     }
     lg_comm_free(tr->world_comm);
-    for (int r = 0; tr->ranks && r < tr->n_ranks; r++) {
+    lg_comm_free(tr->process_comm);
+    LG_FREE(tr->other_tokens);
+    for (int r = 0; tr->ranks && r < tr->local_ranks; r++) {
         lg_optimizer_free(&tr->ranks[r].opt);
         LG_FREE(tr->ranks[r].micro_T);
         lg_model_free(&tr->ranks[r].model);

@@ -2528,13 +2528,13 @@ static void lg_cuda_rank_handles_free(lg_cuda_rank *g) {
 /* Rank i runs on GPU i: its handles, then arenas of exactly its plan. */
 static int lg_cuda_rank_create(lg_rank *rank, lg_error *err) {
     int count = lg_cuda_device_count_impl();
-    if (rank->index >= count)
+    if (rank->device >= count)
         return lg_fail(err, "rank %d needs GPU %d, but %d GPU%s visible: -d x --nodes ranks run "
-                       "one a GPU", rank->index, rank->index, count, count == 1 ? " is" : "s are");
+                       "one a GPU", rank->index, rank->device, count, count == 1 ? " is" : "s are");
     lg_cuda_rank *g = (lg_cuda_rank *)lg_alloc_zeroed(sizeof(lg_cuda_rank));
     if (!g) return lg_fail(err, "out of host memory");
     rank->cuda = g;
-    g->device = rank->index;
+    g->device = rank->device;
     LG_CUDA_CHECK(cudaSetDevice(g->device), err);
     if (lg_cuda_rank_handles(g, err) != 0 || lg_cuda_alloc_arenas(rank, err) != 0) return -1;
     lg_cuda_bind_regions(rank);
@@ -2671,9 +2671,11 @@ int lg_cuda_report_topology(int devices, FILE *out) {
 /* A group of ranks that run collectives together: one NCCL communicator a member, from
    ncclCommInitAll over their GPUs, and the members' ranks (for their streams). */
 struct lg_comm {
-    int n;                          /* members */
+    int n;                          /* members (in several processes: this process's) */
     ncclComm_t comm[LG_MAX_RANKS];  /* (n) */
     lg_cuda_rank *member[LG_MAX_RANKS]; /* (n) */
+    double *numbers[LG_MAX_RANKS];  /* (n): each member's (2 LG_MAX_RANKS) on its GPU for host
+                                       numbers (lg_comm_sum_doubles), made on first use */
 };
 
 static ncclDataType_t lg_nccl_type(lg_dtype dtype) {
@@ -2709,8 +2711,134 @@ lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err) {
 
 void lg_comm_free(lg_comm *c) {
     if (!c) return;
-    for (int i = 0; i < c->n; i++) ncclCommDestroy(c->comm[i]);
+    for (int i = 0; i < c->n; i++) {
+        ncclCommDestroy(c->comm[i]);
+        if (c->numbers[i]) cudaFree(c->numbers[i]);
+    }
     LG_FREE(c);
+}
+
+/* GPU ranks in several processes ---------------------------------------------------------------
+   ncclCommInitRank with process 0's id, ncclCommSplit for the groups; host numbers (the
+   step's loss, the squares of the gradient norm) over the communicator of all ranks. */
+
+static_assert(NCCL_UNIQUE_ID_BYTES == LG_NCCL_ID_BYTES, "NCCL's unique id has another size");
+
+int lg_nccl_unique_id(unsigned char *id, lg_error *err) {
+    ncclUniqueId unique;
+    LG_NCCL_CHECK(ncclGetUniqueId(&unique), err);
+    memcpy(id, unique.internal, LG_NCCL_ID_BYTES);
+    return 0;
+}
+
+lg_comm *lg_comm_create_global(int world, int first_rank, int n, lg_rank *const *members,
+                               const unsigned char *id, lg_error *err) {
+    lg_comm *c = (lg_comm *)lg_alloc_zeroed(sizeof(lg_comm));
+    ncclUniqueId unique;
+    if (!c) {
+        lg_fail(err, "out of host memory");
+        return NULL;
+    }
+    memcpy(unique.internal, id, LG_NCCL_ID_BYTES);
+    c->n = n;
+    ncclResult_t status = ncclGroupStart();
+    for (int i = 0; i < n && status == ncclSuccess; i++) { /* a process's GPUs: one call each */
+        c->member[i] = members[i]->cuda;
+        LG_CUDA_TRY(cudaSetDevice(c->member[i]->device));
+        status = ncclCommInitRank(&c->comm[i], world, unique, first_rank + i);
+    }
+    ncclResult_t ended = ncclGroupEnd();
+    if (status == ncclSuccess) status = ended;
+    if (status != ncclSuccess) {
+        lg_fail(err, "ncclCommInitRank of ranks %d..%d of %d failed: %s (NCCL_DEBUG=WARN says why; "
+                     "NCCL_SOCKET_IFNAME picks the network)", first_rank, first_rank + n - 1, world,
+                ncclGetErrorString(status));
+        LG_FREE(c);
+        return NULL;
+    }
+    return c;
+}
+
+int lg_comm_split(lg_comm *parent, const int *color, const int *key, lg_comm **by_color,
+                  lg_error *err) {
+    ncclComm_t made[LG_MAX_RANKS];
+    ncclResult_t status = ncclGroupStart();
+    for (int i = 0; i < parent->n && status == ncclSuccess; i++) {
+        LG_CUDA_TRY(cudaSetDevice(parent->member[i]->device));
+        made[i] = NULL;
+        status = ncclCommSplit(parent->comm[i], color[i] < 0 ? NCCL_SPLIT_NOCOLOR : color[i], key[i],
+                               &made[i], NULL);
+    }
+    ncclResult_t ended = ncclGroupEnd();
+    if (status == ncclSuccess) status = ended;
+    if (status != ncclSuccess)
+        return lg_fail(err, "ncclCommSplit failed: %s", ncclGetErrorString(status));
+    for (int i = 0; i < parent->n; i++) { /* members in order: the group's in key order */
+        if (color[i] < 0) continue;
+        lg_comm **group = &by_color[color[i]];
+        if (!*group && !(*group = (lg_comm *)lg_alloc_zeroed(sizeof(lg_comm))))
+            return lg_fail(err, "out of host memory");
+        (*group)->comm[(*group)->n] = made[i];
+        (*group)->member[(*group)->n++] = parent->member[i];
+    }
+    return 0;
+}
+
+/* Each member's device buffer for host numbers. */
+static double *lg_comm_numbers(lg_comm *c, int i) {
+    if (!c->numbers[i]) {
+        LG_CUDA_TRY(cudaSetDevice(c->member[i]->device));
+        LG_CUDA_TRY(cudaMalloc((void **)&c->numbers[i], 2 * LG_MAX_RANKS * sizeof(double)));
+    }
+    return c->numbers[i];
+}
+
+/* The members' host numbers through their GPUs: in (count each: member i's at in + i
+   in_stride) -> the collective -> out from member 0's buffer (out_count). */
+static void lg_comm_host_numbers(lg_comm *c, const double *in, int in_stride, int count,
+                                 double *out, int out_count, int gather) {
+    for (int i = 0; i < c->n; i++)
+        LG_CUDA_TRY(cudaMemcpy(lg_comm_numbers(c, i), in + (size_t)i * in_stride,
+                               sizeof(double) * (size_t)count, cudaMemcpyHostToDevice));
+    LG_NCCL_TRY(ncclGroupStart());
+    for (int i = 0; i < c->n; i++) {
+        double *numbers = lg_comm_numbers(c, i);
+        if (gather)
+            LG_NCCL_TRY(ncclAllGather(numbers, numbers + LG_MAX_RANKS, (size_t)count, ncclFloat64,
+                                      c->comm[i], c->member[i]->comm));
+        else
+            LG_NCCL_TRY(ncclAllReduce(numbers, numbers + LG_MAX_RANKS, (size_t)count, ncclFloat64,
+                                      ncclSum, c->comm[i], c->member[i]->comm));
+    }
+    LG_NCCL_TRY(ncclGroupEnd());
+    LG_CUDA_TRY(cudaSetDevice(c->member[0]->device));
+    LG_CUDA_TRY(cudaStreamSynchronize(c->member[0]->comm));
+    LG_CUDA_TRY(cudaMemcpy(out, lg_comm_numbers(c, 0) + LG_MAX_RANKS, sizeof(double) * (size_t)out_count,
+                           cudaMemcpyDeviceToHost));
+    for (int i = 1; i < c->n; i++) {
+        LG_CUDA_TRY(cudaSetDevice(c->member[i]->device));
+        LG_CUDA_TRY(cudaStreamSynchronize(c->member[i]->comm));
+    }
+}
+
+/* Sums over processes: the process's first member brings the values, the others zeros. */
+void lg_comm_sum_doubles(lg_comm *c, double *values, int count) {
+    double in[LG_MAX_RANKS * LG_MAX_RANKS] = {0}; /* (n, count) */
+    if (!c || count > LG_MAX_RANKS) return;
+    memcpy(in, values, sizeof(double) * (size_t)count);
+    lg_comm_host_numbers(c, in, count, count, values, count, 0);
+}
+
+/* values (processes, per_process): member i of this process brings its own value (the
+   communicator's rank of it), the gather returns every rank's. */
+void lg_comm_gather_doubles(lg_comm *c, double *values, int per_process) {
+    double in[LG_MAX_RANKS];
+    int world = 0, first = 0;
+    if (!c || per_process != c->n) return;
+    LG_NCCL_TRY(ncclCommCount(c->comm[0], &world));
+    LG_NCCL_TRY(ncclCommUserRank(c->comm[0], &first));
+    for (int i = 0; i < c->n; i++) in[i] = values[first + i];
+    lg_comm_host_numbers(c, in, 1, 1, values, world, 1);
 }
 
 /* The collectives run on each member's communication stream. They start after the ops queued

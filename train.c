@@ -5,6 +5,7 @@
    ./train --help
 
    Exit codes: 0 done, 1 the run failed (non-finite gradient, I/O), 2 bad flag, value or file. */
+#define _POSIX_C_SOURCE 200809L /* getaddrinfo: the TCP rendezvous of processes */
 #define LITGPT_IMPLEMENTATION
 #include "litgpt.h"
 
@@ -49,6 +50,10 @@ static const char usage[] =
     "                             memory, or on the CPU what the machine has available); a\n"
     "                             run that does not fit exits 3 with a diagnosis and the\n"
     "                             cheapest change that fits\n"
+    "      --dist-init URL        GPU processes without MPI meet at tcp://HOST:PORT (process\n"
+    "                             0's machine) or file://PATH (shared); default from\n"
+    "                             MASTER_ADDR and MASTER_PORT + 1\n"
+    "      --dist-timeout S       seconds a process waits for the others there (600)\n"
     "      --cpu                  a CUDA build: run on the CPU backend even with GPUs\n"
     "      --tf32                 on a GPU, fp32 matmuls may use TF32 tensor cores\n"
     "  -o, --optimizer NAME       adamw (default), sgd, lion (one state; betas 0.9 0.99\n"
@@ -96,14 +101,25 @@ static const char usage[] =
     "                             losses as an uninterrupted run\n"
     "  -h, --help\n";
 
+/* An error line, in one write; under a launcher it starts with the process's rank (the
+   launcher's). */
+static void print_error_line(const char *message, const char *tail) {
+    lg_launch launch;
+    lg_error err;
+    char rank[32] = "";
+    if (lg_launch_from_env(&launch, &err) == 0 && launch.processes > 1)
+        snprintf(rank, sizeof rank, "rank %d: ", launch.process);
+    fprintf(stderr, "%strain: %s%s\n", rank, message, tail);
+}
+
 static void die_usage(const char *fmt, ...) {
+    char message[1024];
     va_list ap;
     va_start(ap, fmt);
-    fputs("train: ", stderr);
-    vfprintf(stderr, fmt, ap);
-    fputs(" (see ./train --help)\n", stderr);
+    vsnprintf(message, sizeof message, fmt, ap);
     va_end(ap);
-    exit(2);
+    print_error_line(message, " (see ./train --help)");
+    lg_launch_abort(2);
 }
 
 static int parse_int(const char *flag, const char *text) {
@@ -365,8 +381,8 @@ static void parse_args(int argc, char **argv, lg_args *a, given_flags *given,
 }
 
 static void die(int code, const lg_error *err) {
-    fprintf(stderr, "train: %s\n", err->msg);
-    exit(code);
+    print_error_line(err->msg, "");
+    lg_launch_abort(code); /* under MPI: the other processes stop too */
 }
 
 /* --- pictures: self-written SVG, no dependency ------------------------------------------- */
@@ -730,14 +746,15 @@ static size_t device_limit(const lg_args *a, const char **source) {
 
 /* GPUs: one a rank; what the CUDA runtime takes on each goes into the plan; how they
    connect. A CUDA build without a GPU says it runs on the CPU. */
-static void prepare_gpus(lg_args *a) {
+static void prepare_gpus(lg_args *a, int process_per_gpu_or_node) {
     lg_error err;
 #ifdef LG_CUDA
     if (a->backend == LG_BACKEND_CPU && lg_cuda_device_count() == 0)
         printf("CUDA build, but no GPU is visible: running on the CPU backend\n");
 #endif
     if (a->backend != LG_BACKEND_CUDA) return;
-    int ranks = lg_args_ranks(a), visible = lg_cuda_device_count();
+    /* several processes: the GPUs of one node */
+    int ranks = process_per_gpu_or_node ? a->devices : lg_args_ranks(a), visible = lg_cuda_device_count();
     if (ranks > visible)
         die_usage("-d/--devices %d x --nodes %d = %d ranks, one a GPU, but %d GPU%s visible",
                   a->devices, a->nodes, ranks, visible, visible == 1 ? " is" : "s are");
@@ -1097,6 +1114,86 @@ static void evaluate(lg_trainer *tr, run_data *d, const lg_args *a, int step, FI
     plot_val(plot, step, loss);
 }
 
+/* --- processes: under a launcher (mpirun, srun, torchrun) ------------------------------------ */
+
+/* --dist-init URL and --dist-timeout S (or --flag=value) into launch, taken out of argv before
+   the other flags are read; returns the arguments left. */
+static int take_process_flags(int argc, char **argv, lg_launch *launch) {
+    int kept = 1;
+    for (int i = 1; i < argc; i++) {
+        const char *flags[2] = {"--dist-init", "--dist-timeout"};
+        int which = -1;
+        const char *value = NULL;
+        for (int f = 0; f < 2 && which < 0; f++) {
+            size_t len = strlen(flags[f]);
+            if (strcmp(argv[i], flags[f]) == 0) which = f, value = i + 1 < argc ? argv[++i] : NULL;
+            else if (strncmp(argv[i], flags[f], len) == 0 && argv[i][len] == '=') which = f, value = argv[i] + len + 1;
+        }
+        if (which < 0) {
+            argv[kept++] = argv[i];
+            continue;
+        }
+        if (!value) die_usage("%s needs a value", flags[which]);
+        if (which == 0 && strncmp(value, "tcp://", 6) != 0 && strncmp(value, "file://", 7) != 0)
+            die_usage("--dist-init: '%s' is not tcp://HOST:PORT or file://PATH", value);
+        if (which == 0) snprintf(launch->dist_init, sizeof launch->dist_init, "%s", value);
+        else if ((launch->dist_timeout = parse_float("--dist-timeout", value)) <= 0)
+            die_usage("--dist-timeout must be more than 0 seconds");
+    }
+    argv[kept] = NULL;
+    return kept;
+}
+
+/* FNV-1a of n bytes, continuing from h. */
+static uint64_t fnv1a(uint64_t h, const void *bytes, size_t n) {
+    const unsigned char *p = (const unsigned char *)bytes;
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ull;
+    return h;
+}
+
+/* A line naming the training data and a hash of it: the tokens when in memory, else the
+   file's size and its first and last MiB. */
+static void describe_data(const lg_loader *ld, char *out, size_t cap) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    if (ld->memory) h = fnv1a(h, ld->memory, ld->n_tokens * sizeof *ld->memory);
+    FILE *f = ld->memory ? NULL : fopen(ld->path, "rb");
+    if (f) {
+        static const long part = 1 << 20;
+        unsigned char *buf = (unsigned char *)malloc((size_t)part);
+        for (int end = 0; buf && end < 2; end++) {
+            if (fseek(f, end ? -part : 0, end ? SEEK_END : SEEK_SET) != 0) rewind(f);
+            h = fnv1a(h, buf, fread(buf, 1, (size_t)part, f));
+        }
+        free(buf);
+        fclose(f);
+    }
+    snprintf(out, cap, "data %s: %zu tokens, hash %016llx", ld->path, ld->n_tokens,
+             (unsigned long long)h);
+}
+
+/* Several processes: join MPI, and check that every one has the same flags and data. */
+static void start_processes(lg_launch *launch, int argc, char **argv, const run_data *data) {
+    lg_error err;
+    if (launch->processes == 1) return;
+    if (lg_launch_start(launch, &err) != 0) die(2, &err);
+    /* the items: each flag with its value ("--lr 0.01"), then the data */
+    enum { MOST_ITEMS = 256, ITEM_BYTES = 700 };
+    char (*text)[ITEM_BYTES] = (char (*)[ITEM_BYTES])calloc(MOST_ITEMS, ITEM_BYTES);
+    const char *items[MOST_ITEMS];
+    int n = 0;
+    if (!text) die_usage("out of host memory");
+    for (int i = 1; i < argc && n < MOST_ITEMS - 1; i++) {
+        int value_of_flag = n > 0 && argv[i][0] != '-' && argv[i - 1][0] == '-' &&
+                            !strchr(argv[i - 1], '=');
+        if (value_of_flag) snprintf(text[n - 1], ITEM_BYTES, "%s %s", argv[i - 1], argv[i]);
+        else snprintf(text[n++], ITEM_BYTES, "%s", argv[i]);
+    }
+    describe_data(&data->train, text[n++], ITEM_BYTES);
+    for (int i = 0; i < n; i++) items[i] = text[i];
+    if (lg_launch_same(launch, items, n, &err) != 0) die(2, &err);
+    free(text);
+}
+
 int main(int argc, char **argv) {
 #ifdef LG_CUDA
     /* before CUDA starts: every kernel loads with the context, so the runtime's memory measured
@@ -1107,7 +1204,14 @@ int main(int argc, char **argv) {
     given_flags given;
     checkpoint_flags ck;
     output_flags output;
+    lg_launch launch; /* under a launcher: which process this is, and which ranks it drives */
+    lg_error err;
+    if (lg_launch_from_env(&launch, &err) != 0) die_usage("%s", err.msg);
+    argc = take_process_flags(argc, argv, &launch);
     parse_args(argc, argv, &a, &given, &ck, &output);
+    if (lg_launch_place(&launch, a.devices, a.nodes, &err) != 0) die_usage("%s", err.msg);
+    if (launch.process != 0 && !freopen("/dev/null", "w", stdout)) /* process 0 prints */
+        die_usage("cannot silence stdout");
     FILE *json = a.plan_only >= 2 ? json_output() : NULL; /* JSON or SVG alone on stdout */
     /* the papers' betas, unless given: Lion (0.9, 0.99), SophiaG (0.965, 0.99) */
     if (a.optimizer == LG_OPTIMIZER_LION && !given.beta2) a.beta2 = 0.99f;
@@ -1117,18 +1221,18 @@ int main(int argc, char **argv) {
     lg_config cfg;
     load_config(&a, &cfg, &ck);
     int T = a.max_seq_length ? a.max_seq_length : cfg.block_size;
-    lg_error err;
     run_data data; /* before the plan: for fine-tuning samples it sets T to the longest one */
     open_data(&a, &cfg, &T, &data);
     a.finetuning = !a.data || lg_samples_file(a.data); /* LoRA is a remedy (see --plan) */
-    prepare_gpus(&a);
+    prepare_gpus(&a, launch.processes > 1);
     if (a.micro_batch_auto) choose_micro_batch(&a, &cfg, T);
     if (lg_args_check(&a, &err) != 0) die_usage("%s", err.msg);
     plan_and_check(argc, argv, &a, &cfg, T, json);
     int accumulation = lg_args_accumulation_steps(&a, &err);
     int B = a.micro_batch_size;
+    start_processes(&launch, argc, argv, &data);
     FILE *log = NULL;
-    if (a.log_path && !(log = fopen(a.log_path, "w")))
+    if (a.log_path && launch.process == 0 && !(log = fopen(a.log_path, "w")))
         die_usage("--log %s: cannot create: %s", a.log_path, strerror(errno));
 
     if (a.prompt) { /* a bad prompt or --out should stop the run now, not after it */
@@ -1139,7 +1243,7 @@ int main(int argc, char **argv) {
     if (a.out_dir && mkdir(a.out_dir, 0755) != 0 && errno != EEXIST)
         die_usage("--out %s: cannot create the directory: %s", a.out_dir, strerror(errno));
     lg_trainer tr;
-    if (lg_trainer_create(&tr, &cfg, &a, T, &err) != 0) die(1, &err);
+    if (lg_trainer_create_in(&tr, &cfg, &a, T, &launch, &err) != 0) die(1, &err);
     const lg_model *model = &tr.ranks[0].model;
     int threads = 1;
 #ifdef _OPENMP
@@ -1160,7 +1264,11 @@ int main(int argc, char **argv) {
         printf("ranks: %d device%s x %d node%s, %s%s\n", a.devices, a.devices > 1 ? "s" : "",
                a.nodes, a.nodes > 1 ? "s" : "", lg_strategy_name(a.strategy),
                a.backend == LG_BACKEND_CUDA ? ", one GPU each, NCCL from this process"
+               : launch.processes > 1       ? "; on the CPU backend, MPI between processes"
                                             : "; on the CPU backend simulated in this process");
+    if (launch.processes > 1)
+        printf("processes: %d started by %s, %d rank%s each\n", launch.processes, launch.launcher,
+               launch.local_ranks, launch.local_ranks > 1 ? "s" : "");
     if (a.optimizer == LG_OPTIMIZER_LION)
         printf("lion: wants a learning rate 3-10x smaller and a weight decay 3-10x larger than "
                "AdamW (here --lr %g, --weight-decay %g, betas %g %g)\n", a.lr, a.weight_decay,
@@ -1229,5 +1337,6 @@ int main(int argc, char **argv) {
     lg_trainer_free(&tr);
     lg_loader_close(&data.train);
     lg_loader_close(&data.val);
+    lg_launch_finish(&launch);
     return 0;
 }

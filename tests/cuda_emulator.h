@@ -2017,6 +2017,29 @@ inline ncclResult_t ncclCommDestroy(ncclComm_t comm) {
 }
 inline ncclResult_t ncclCommAbort(ncclComm_t comm) { return ncclCommDestroy(comm); }
 
+/* Communicators across processes: one process has no other processes to meet, so these say so
+   (the trainer uses them only when a launcher started several). */
+#define NCCL_UNIQUE_ID_BYTES 128
+#define NCCL_SPLIT_NOCOLOR -1
+typedef struct { char internal[NCCL_UNIQUE_ID_BYTES]; } ncclUniqueId;
+struct ncclConfig_t;
+inline ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
+    if (!id) return ncclInvalidArgument;
+    memset(id->internal, 0, sizeof id->internal);
+    return ncclSuccess;
+}
+inline ncclResult_t ncclCommInitRank(ncclComm_t *comm, int n, ncclUniqueId id, int rank) {
+    (void)comm; (void)n; (void)id; (void)rank;
+    fprintf(stderr, "lg_emu: ncclCommInitRank: communicators across processes are not emulated\n");
+    return ncclInvalidUsage;
+}
+inline ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
+                                  ncclConfig_t *config) {
+    (void)comm; (void)color; (void)key; (void)newcomm; (void)config;
+    fprintf(stderr, "lg_emu: ncclCommSplit: not emulated\n");
+    return ncclInvalidUsage;
+}
+
 inline ncclResult_t ncclCommCount(const ncclComm_t comm, int *count) {
     if (!comm || !count || !lg_emu_state().nccl.comms.count(comm)) return ncclInvalidArgument;
     *count = comm->clique->ranks;

@@ -4,6 +4,7 @@
    every family's whole-model gradient against central finite differences in double precision.
    The float runner starts the double one and adds its counts, so the last line,
    "N passed, N failed", covers both. */
+#define _POSIX_C_SOURCE 200809L /* setenv: tests/test_processes.c sets launchers' variables */
 #include <stddef.h>
 #include <stdlib.h>
 
@@ -1802,6 +1803,10 @@ static void run_emulated_cuda_tests(results *r) {
 
 #include "test_nf4.c"
 
+/* ---- processes: launchers, mpirun ------------------------------------------------------------ */
+
+#include "test_processes.c"
+
 /* ---- a new user's first hour ---------------------------------------------------------------- */
 
 #include "test_first_hour.c"
@@ -1873,6 +1878,7 @@ int main(int argc, char **argv) {
     if (section("data files: tokenizers, samples, readers", argc, argv)) test_data_all(&r);
     if (section("nf4 (QLoRA's weight storage)", argc, argv)) test_nf4_all(&r);
     if (section("devices and sharding", argc, argv)) test_sharding(&r);
+    if (section("processes: launchers, mpirun, rendezvous", argc, argv)) test_processes(&r);
     if (section("LoRA and QLoRA", argc, argv)) test_lora_all(&r);
     if (section("gradients in double precision", argc, argv)) run_child_tests(&r, "./tests/test64");
     if (section("CUDA backend, emulated on the CPU", argc, argv)) run_emulated_cuda_tests(&r);
