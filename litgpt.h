@@ -5251,7 +5251,7 @@ static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank,
     m->a.h = (lg_block_acts *)lg_alloc_zeroed(sizeof(lg_block_acts) * L);
     m->a.residual = (lg_buf *)lg_alloc_zeroed(sizeof(lg_buf) * (L + 1));
     if (!m->p.h || !m->g.h || !m->a.h || !m->a.residual || lg_table_alloc(&m->param_table, cfg) ||
-        lg_table_alloc(&m->frozen_table, cfg))
+        (cfg->lora.r > 0 && lg_table_alloc(&m->frozen_table, cfg))) /* LoRA's frozen base */
         return lg_fail(err, "out of host memory for the model's tables");
     m->n_params = lg_params_layout(cfg, lg_no_buf(), NULL, &m->param_table);
     m->weights_gathered = rank->plan->sharding.weights_sharded;

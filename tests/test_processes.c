@@ -121,10 +121,22 @@ static void test_launch_place(results *r) {
 
 /* Runs cmd (output into out, at most cap - 1 bytes); its exit code, -1 when it did not exit. */
 static int run_captured(const char *cmd, char *out, size_t cap) {
-    char full[2048];
+    char full[2048], chunk[512]; /* cap is larger (the callers' buffers are kilobytes) */
     snprintf(full, sizeof full, "%s 2>&1", cmd);
     FILE *p = popen(full, "r");
-    size_t n = p ? fread(out, 1, cap - 1, p) : 0;
+    size_t n = 0, got;
+    /* read to the end (a writer blocked on a full pipe would never exit), keeping the last
+       cap - 1 bytes: mpirun gives its ranks a terminal, where the progress line is rewritten
+       every step */
+    while (p && (got = fread(chunk, 1, sizeof chunk, p)) > 0) {
+        if (n + got > cap - 1) {
+            size_t drop = n + got - (cap - 1);
+            memmove(out, out + drop, n - drop);
+            n -= drop;
+        }
+        memcpy(out + n, chunk, got);
+        n += got;
+    }
     out[n] = '\0';
     int status = p ? pclose(p) : -1;
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
