@@ -428,6 +428,22 @@ static void test_lora_peft_files(results *r) {
     }
 }
 
+/* Trainable parameters of q+v adapters equal LitGPT's published counts (LORA.md). */
+static void test_lora_trainable_counts(results *r) {
+    static const struct { const char *config; int rank; size_t published; } rows[] = {
+        {"Llama-2-7b-hf", 8, 4194304}, {"falcon-7b", 8, 3506176}, {"falcon-7b", 32, 14024704}};
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        lg_config cfg;
+        if (load_config_or_fail(r, &cfg, rows[i].config)) continue;
+        cfg.lora.r = rows[i].rank;
+        cfg.lora.alpha = 16;
+        cfg.lora.targets = LG_LORA_QUERY | LG_LORA_VALUE;
+        size_t n = lg_params_layout(&cfg, lg_no_buf(), NULL, NULL);
+        check(r, n == rows[i].published, "%-13s LoRA r %d on q, v: %zu trainable parameters "
+              "(LitGPT: %zu)", rows[i].config, rows[i].rank, n, rows[i].published);
+    }
+}
+
 /* LitGPT's published LoRA and QLoRA peaks (LORA.md) against the plan of the same runs: make
    lora-memory's table, every row planned below LitGPT's measurement. */
 static void test_lora_published_memory(results *r) {
@@ -451,5 +467,6 @@ static void test_lora_all(results *r) {
     test_lora_plan(r);
     test_lora_cli(r);
     test_lora_peft_files(r);
+    test_lora_trainable_counts(r);
     test_lora_published_memory(r);
 }
