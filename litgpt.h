@@ -2520,6 +2520,15 @@ void lg_lora_dims(const lg_config *c, lg_lora_linear linear, int *in, int *out) 
     if (!*out) *in = 0;
 }
 
+/* The first output row of a linear's adapter in its base weight: the key and value rows follow
+   the query rows inside attn.qkv; every other linear starts at 0. */
+static int lg_lora_first_row(const lg_config *c, lg_lora_linear linear) {
+    int HS = c->head_size;
+    return linear == LG_LORA_K ? c->n_head * HS
+           : linear == LG_LORA_V ? (c->n_head + c->n_query_groups) * HS
+                                 : 0;
+}
+
 int lg_lora_adapts(const lg_config *c, lg_lora_linear linear) {
     int in, out;
     lg_lora_dims(c, linear, &in, &out);
@@ -5436,9 +5445,7 @@ typedef struct {
    other linear has one. Returns how many are targeted; fills ad. */
 static int lg_block_adapters(const lg_model *m, int l, lg_lora_linear first, lg_lora_adapter *ad) {
     const lg_config *c = &m->cfg;
-    int HS = c->head_size, n = 0;
-    int columns[LG_LORA_BLOCK_LINEARS] = {0, c->n_head * HS, (c->n_head + c->n_query_groups) * HS,
-                                          0, 0, 0, 0};
+    int n = 0;
     int last = first == LG_LORA_Q ? LG_LORA_V : first;
     for (int k = first; k <= last; k++) {
         int in, out;
@@ -5450,7 +5457,7 @@ static int lg_block_adapters(const lg_model *m, int l, lg_lora_linear first, lg_
         x->da = m->g.h[l].lora_a[k];
         x->db = m->g.h[l].lora_b[k];
         x->h = m->a.h[l].lora_h[k];
-        x->column = columns[k];
+        x->column = lg_lora_first_row(c, (lg_lora_linear)k);
         x->out = out;
     }
     return n;
@@ -10665,9 +10672,7 @@ static void lg_peft_add_module(const lg_config *c, const lg_tensor_table *adapte
                                const lg_tensor_info *src, const lg_hf_tensor *h, int l,
                                lg_lora_linear first, lg_lora_linear last, lg_peft_tensor *out,
                                int *n) {
-    int r = c->lora.r, HS = c->head_size, llama = c->mlp_class_name == LG_MLP_LLAMA;
-    int columns[LG_LORA_BLOCK_LINEARS] = {0, c->n_head * HS, (c->n_head + c->n_query_groups) * HS,
-                                          0, 0, 0, 0};
+    int r = c->lora.r, llama = c->mlp_class_name == LG_MLP_LLAMA;
     /* the LitGPT output rows the file tensor covers */
     int row0 = h->how == LG_HF_COPY ? (int)(h->start / (size_t)src->cols) : 0;
     int rows = h->how == LG_HF_COPY ? (int)h->shape[0] : src->rows;
@@ -10675,7 +10680,7 @@ static void lg_peft_add_module(const lg_config *c, const lg_tensor_table *adapte
     memset(&a, 0, sizeof a);
     char name[LG_MAX_NAME];
     for (int k = first; k <= (int)last; k++) {
-        int in, o, col = l < 0 ? 0 : columns[k];
+        int in, o, col = l < 0 ? 0 : lg_lora_first_row(c, (lg_lora_linear)k);
         if (l < 0) { in = c->n_embd; o = c->padded_vocab_size; }
         else if (!lg_lora_adapts(c, (lg_lora_linear)k)) continue;
         else lg_lora_dims(c, (lg_lora_linear)k, &in, &o);
@@ -10926,12 +10931,10 @@ static void lg_frozen_tensor(const lg_model *m, const lg_tensor_info *t, lg_real
 
 /* The base weight an adapter (its A's name) adds to, and its first output row there. */
 static int lg_lora_base_of(const lg_config *c, const char *adapter, char *base, size_t cap, int *row) {
-    int l, used = 0, HS = c->head_size, llama = c->mlp_class_name == LG_MLP_LLAMA;
+    int l, used = 0, llama = c->mlp_class_name == LG_MLP_LLAMA;
     static const char *const base_suffix[2][LG_LORA_BLOCK_LINEARS] = {
         {"attn.qkv", "attn.qkv", "attn.qkv", "attn.proj", "mlp.fc", "", "mlp.proj"},
         {"attn.qkv", "attn.qkv", "attn.qkv", "attn.proj", "mlp.fc_1", "mlp.fc_2", "mlp.proj"}};
-    int rows[LG_LORA_BLOCK_LINEARS] = {0, c->n_head * HS, (c->n_head + c->n_query_groups) * HS,
-                                       0, 0, 0, 0};
     *row = 0;
     if (strcmp(adapter, "lm_head.lora_A") == 0) return lg_format(base, cap, "lm_head.weight"), 0;
     if (sscanf(adapter, "transformer.h.%d.%n", &l, &used) != 1 || !used) return -1;
@@ -10940,7 +10943,7 @@ static int lg_lora_base_of(const lg_config *c, const char *adapter, char *base, 
         if (len && strncmp(adapter + used, lg_lora_linear_names[llama][k], len) == 0 &&
             strcmp(adapter + used + len, ".lora_A") == 0) {
             lg_format(base, cap, "transformer.h.%d.%s.weight", l, base_suffix[llama][k]);
-            *row = rows[k];
+            *row = lg_lora_first_row(c, (lg_lora_linear)k);
             return 0;
         }
     }
@@ -11807,10 +11810,10 @@ static long lg_trainer_read_step(lg_trainer *tr, lg_loader *train, lg_error *err
 static void lg_trainer_set_dropout(lg_trainer *tr, int step, int i) {
     for (int r = 0; r < tr->local_ranks; r++) { /* this process's ranks */
         uint64_t global = (uint64_t)i * (uint64_t)tr->n_ranks + (uint64_t)(tr->first_rank + r);
-        uint64_t key = tr->args.seed ^ 0x64726f706f7574ULL /* "dropout" */;
-        key += ((uint64_t)step << 32) + global;
-        key = (uint64_t)(lg_hash_uniform(key, 0) * 16777216.0f) << 40 ^ key; /* mixed, */
-        tr->ranks[r].model.dropout_key = step < 0 ? 0 : key | 1;        /* never 0 */
+        lg_rng rng; /* the seed, step and micro-batch mixed into one key, never 0 */
+        lg_rng_seed(&rng, (tr->args.seed ^ 0x64726f706f7574ULL /* "dropout" */) +
+                              ((uint64_t)step << 32) + global);
+        tr->ranks[r].model.dropout_key = step < 0 ? 0 : lg_rng_u64(&rng) | 1;
     }
 }
 
