@@ -480,6 +480,49 @@ static void ref_free(ref_file *rf) {
 
 /* Loads the reference weights by name, runs forward and backward, compares loss (rel 1e-4),
    logits (1e-4 of their scale) and every gradient (1e-3 of its scale). */
+/* Copies the reference's tensor of each table entry's name into buf; how many were found. */
+static int ref_fill(const ref_file *rf, const lg_tensor_table *table, lg_buf buf) {
+    int found = 0;
+    for (int k = 0; k < table->n_tensors; k++) {
+        const lg_tensor_info *t = &table->tensors[k];
+        const ref_tensor *w = ref_find(rf, t->name);
+        if (!w || w->count != t->count) { printf("    missing %s\n", t->name); continue; }
+        for (size_t i = 0; i < t->count; i++) reals(buf)[t->offset + i] = ((const float *)w->data)[i];
+        found++;
+    }
+    return found;
+}
+
+/* A model's forward and backward of the reference's batch against PyTorch's: the loss, its
+   relative error, the logits' error of their scale and the worst trainable gradient's. */
+typedef struct {
+    double loss, ref_loss, loss_err, logits_err, grads_err;
+    const char *worst; /* the tensor of grads_err */
+} ref_errors;
+
+static ref_errors reference_errors(lg_model *m, const ref_file *rf, int B, int T) {
+    const ref_tensor *idx = ref_find(rf, "idx"), *tgt = ref_find(rf, "targets");
+    const ref_tensor *loss = ref_find(rf, "loss"), *logits = ref_find(rf, "logits");
+    ref_errors e = {0, 0, 0, 0, 0, ""};
+    int n_targets;
+    lg_model_zero_grad(m);
+    e.loss = lg_model_forward(m, (const int *)idx->data, (const int *)tgt->data, B, T, &n_targets) /
+             n_targets;
+    e.ref_loss = ((const float *)loss->data)[0];
+    e.loss_err = fabs(e.loss - e.ref_loss) / fabs(e.ref_loss);
+    e.logits_err = rel_error(reals(m->a.logits), (const float *)logits->data, logits->count, 1e-6);
+    lg_model_backward(m, (const int *)idx->data, (const int *)tgt->data, B, T, 1.0f / n_targets);
+    for (int k = 0; k < m->param_table.n_tensors; k++) {
+        const lg_tensor_info *t = &m->param_table.tensors[k];
+        char gname[LG_MAX_NAME + 8];
+        snprintf(gname, sizeof gname, "grad.%s", t->name);
+        const ref_tensor *g = ref_find(rf, gname);
+        double err = g ? rel_error(reals(m->grads) + t->offset, (const float *)g->data, t->count, 1e-6) : 1;
+        if (err > e.grads_err) { e.grads_err = err; e.worst = t->name; }
+    }
+    return e;
+}
+
 static void test_reference(results *r, const char *config_name) {
     char path[256];
     snprintf(path, sizeof path, "tests/reference/%s.bin", config_name);
@@ -487,47 +530,22 @@ static void test_reference(results *r, const char *config_name) {
     lg_config cfg;
     if (ref_load(&rf, path) != 0) { check(r, 0, "%s: cannot read", path); return; }
     if (load_config_or_fail(r, &cfg, config_name)) return;
-    const ref_tensor *idx = ref_find(&rf, "idx"), *tgt = ref_find(&rf, "targets");
-    const ref_tensor *loss = ref_find(&rf, "loss"), *logits = ref_find(&rf, "logits");
-    int B = 2, T = (int)(idx->count / 2);
+    int B = 2, T = (int)(ref_find(&rf, "idx")->count / 2);
     lg_model m;
     lg_error err;
     lg_model_create(&m, &cfg, B, T, &err);
-    int names_match = 1, n_weight_tensors = 0;
-    for (int k = 0; k < m.param_table.n_tensors; k++) {
-        const lg_tensor_info *t = &m.param_table.tensors[k];
-        const ref_tensor *w = ref_find(&rf, t->name);
-        if (!w || w->count != t->count) { names_match = 0; printf("    missing %s\n", t->name); continue; }
-        for (size_t i = 0; i < t->count; i++) reals(m.params)[t->offset + i] = ((const float *)w->data)[i];
-        n_weight_tensors++;
-    }
-    int ref_params = 0;
+    int n_weight_tensors = ref_fill(&rf, &m.param_table, m.params);
+    int names_match = n_weight_tensors == m.param_table.n_tensors, ref_params = 0;
     for (int i = 0; i < rf.n; i++) ref_params += strncmp(rf.tensors[i].name, "grad.", 5) == 0;
     check(r, names_match && ref_params == n_weight_tensors,
           "%-12s the parameter names and shapes match PyTorch's (%d tensors)", config_name,
           n_weight_tensors);
-    int n_targets;
-    lg_model_zero_grad(&m);
-    double sum = lg_model_forward(&m, (const int *)idx->data, (const int *)tgt->data, B, T, &n_targets);
-    double ref_loss = ((const float *)loss->data)[0];
-    double loss_err = fabs(sum / n_targets - ref_loss) / fabs(ref_loss);
-    check(r, loss_err < 1e-4, "%-12s loss %.6f vs PyTorch %.6f: rel err %.1e (< 1e-4)",
-          config_name, sum / n_targets, ref_loss, loss_err);
-    double logit_err = rel_error(reals(m.a.logits), (const float *)logits->data, logits->count, 1e-6);
-    check(r, logit_err < 1e-4, "%-12s logits: rel err %.1e (< 1e-4)", config_name, logit_err);
-    lg_model_backward(&m, (const int *)idx->data, (const int *)tgt->data, B, T, 1.0f / n_targets);
-    double worst = 0;
-    const char *worst_name = "";
-    for (int k = 0; k < m.param_table.n_tensors; k++) {
-        const lg_tensor_info *t = &m.param_table.tensors[k];
-        char gname[LG_MAX_NAME + 8];
-        snprintf(gname, sizeof gname, "grad.%s", t->name);
-        const ref_tensor *g = ref_find(&rf, gname);
-        double e = g ? rel_error(reals(m.grads) + t->offset, (const float *)g->data, t->count, 1e-6) : 1;
-        if (e > worst) { worst = e; worst_name = t->name; }
-    }
-    check(r, worst < 1e-3, "%-12s gradients: worst rel err %.1e (< 1e-3) in %s", config_name,
-          worst, worst_name);
+    ref_errors e = reference_errors(&m, &rf, B, T);
+    check(r, e.loss_err < 1e-4, "%-12s loss %.6f vs PyTorch %.6f: rel err %.1e (< 1e-4)",
+          config_name, e.loss, e.ref_loss, e.loss_err);
+    check(r, e.logits_err < 1e-4, "%-12s logits: rel err %.1e (< 1e-4)", config_name, e.logits_err);
+    check(r, e.grads_err < 1e-3, "%-12s gradients: worst rel err %.1e (< 1e-3) in %s", config_name,
+          e.grads_err, e.worst);
     lg_model_free(&m);
     ref_free(&rf);
 }
