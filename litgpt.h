@@ -2458,6 +2458,13 @@ static const char *const lg_lora_linear_names[2][LG_LORA_BLOCK_LINEARS] = {
     {"attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc", "", "mlp.proj"},
     {"attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc_1", "mlp.fc_2", "mlp.proj"}};
 
+/* The base weight each adapted linear adds to (lg_lora_linear order): q, k and v share qkv. */
+static const char *const lg_lora_base_weights[2][LG_LORA_BLOCK_LINEARS] = {
+    {"attn.qkv.weight", "attn.qkv.weight", "attn.qkv.weight", "attn.proj.weight", "mlp.fc.weight",
+     "", "mlp.proj.weight"},
+    {"attn.qkv.weight", "attn.qkv.weight", "attn.qkv.weight", "attn.proj.weight",
+     "mlp.fc_1.weight", "mlp.fc_2.weight", "mlp.proj.weight"}};
+
 /* LoRA: LitGPT's target names, in the order of the LG_LORA_* bits. */
 static const char *const lg_lora_target_names[] = {"q", "k", "v", "proj", "mlp", "head"};
 #define LG_LORA_N_TARGETS 6
@@ -10645,19 +10652,15 @@ typedef struct {
 } lg_peft_tensor;
 
 /* The adapted linears a base weight feeds (LitGPT suffix) and the first of them. */
-static int lg_peft_linears(const char *suffix, lg_lora_linear *first, lg_lora_linear *last) {
-    static const struct { const char *suffix; lg_lora_linear first, last; } map[] = {
-        {"attn.qkv.weight", LG_LORA_Q, LG_LORA_V},   {"attn.proj.weight", LG_LORA_PROJ, LG_LORA_PROJ},
-        {"mlp.fc.weight", LG_LORA_FC, LG_LORA_FC},    {"mlp.fc_1.weight", LG_LORA_FC, LG_LORA_FC},
-        {"mlp.fc_2.weight", LG_LORA_FC_2, LG_LORA_FC_2},
-        {"mlp.proj.weight", LG_LORA_MLP_PROJ, LG_LORA_MLP_PROJ}};
-    for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
-        if (strcmp(map[i].suffix, suffix) == 0) {
-            *first = map[i].first;
-            *last = map[i].last;
-            return 1;
-        }
-    return 0;
+static int lg_peft_linears(const lg_config *c, const char *suffix, lg_lora_linear *first,
+                           lg_lora_linear *last) {
+    int llama = c->mlp_class_name == LG_MLP_LLAMA, found = 0;
+    for (int k = 0; k < LG_LORA_BLOCK_LINEARS; k++) {
+        if (strcmp(lg_lora_base_weights[llama][k], suffix) != 0) continue;
+        if (!found++) *first = (lg_lora_linear)k;
+        *last = (lg_lora_linear)k;
+    }
+    return found > 0;
 }
 
 static int lg_table_index(const lg_tensor_table *table, const char *name) {
@@ -10737,7 +10740,7 @@ static int lg_peft_tensors(const lg_config *c, const lg_tensor_table *adapters, 
         int l, used = 0;
         lg_lora_linear first, last;
         if (sscanf(src->name, "transformer.h.%d.%n", &l, &used) == 1 && used > 0) {
-            if (lg_peft_linears(src->name + used, &first, &last))
+            if (lg_peft_linears(c, src->name + used, &first, &last))
                 lg_peft_add_module(c, adapters, src, &hf[i], l, first, last, p, &n);
         } else if (strcmp(src->name, "lm_head.weight") == 0 && (c->lora.targets & LG_LORA_HEAD)) {
             lg_peft_add_module(c, adapters, src, &hf[i], -1, LG_LORA_Q, LG_LORA_Q, p, &n);
@@ -10932,9 +10935,6 @@ static void lg_frozen_tensor(const lg_model *m, const lg_tensor_info *t, lg_real
 /* The base weight an adapter (its A's name) adds to, and its first output row there. */
 static int lg_lora_base_of(const lg_config *c, const char *adapter, char *base, size_t cap, int *row) {
     int l, used = 0, llama = c->mlp_class_name == LG_MLP_LLAMA;
-    static const char *const base_suffix[2][LG_LORA_BLOCK_LINEARS] = {
-        {"attn.qkv", "attn.qkv", "attn.qkv", "attn.proj", "mlp.fc", "", "mlp.proj"},
-        {"attn.qkv", "attn.qkv", "attn.qkv", "attn.proj", "mlp.fc_1", "mlp.fc_2", "mlp.proj"}};
     *row = 0;
     if (strcmp(adapter, "lm_head.lora_A") == 0) return lg_format(base, cap, "lm_head.weight"), 0;
     if (sscanf(adapter, "transformer.h.%d.%n", &l, &used) != 1 || !used) return -1;
@@ -10942,7 +10942,7 @@ static int lg_lora_base_of(const lg_config *c, const char *adapter, char *base, 
         size_t len = strlen(lg_lora_linear_names[llama][k]);
         if (len && strncmp(adapter + used, lg_lora_linear_names[llama][k], len) == 0 &&
             strcmp(adapter + used + len, ".lora_A") == 0) {
-            lg_format(base, cap, "transformer.h.%d.%s.weight", l, base_suffix[llama][k]);
+            lg_format(base, cap, "transformer.h.%d.%s", l, lg_lora_base_weights[llama][k]);
             *row = lg_lora_first_row(c, (lg_lora_linear)k);
             return 0;
         }

@@ -34,7 +34,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from torch_model import GPT, load_config, loss_fn  # noqa: E402
-from make_reference import MAGIC, SEED, B, T, init_params, make_batch, write_tensor  # noqa: E402
+from make_reference import (MAGIC, SEED, B, T, finite_difference_check, init_params,  # noqa: E402
+                            make_batch, write_tensor)
 
 import struct  # noqa: E402
 
@@ -157,25 +158,6 @@ def add_lora(model, cfg, p):
     return adapters
 
 
-def check_gradients(model, adapters, idx, targets, V, gen, per_tensor=2, h=1e-6):
-    worst = 0.0
-    with torch.no_grad():
-        for name, prm in adapters:
-            flat, gflat = prm.view(-1), prm.grad.view(-1)
-            scale = max(gflat.abs().max().item(), 1e-3)
-            for i in torch.randint(0, flat.numel(), (per_tensor,), generator=gen).tolist():
-                orig = flat[i].item()
-                flat[i] = orig + h
-                lp = loss_fn(model(idx), targets, V).item()
-                flat[i] = orig - h
-                lm = loss_fn(model(idx), targets, V).item()
-                flat[i] = orig
-                err = abs((lp - lm) / (2 * h) - gflat[i].item())
-                assert err <= 1e-6 * scale + 1e-8, f"{name}[{i}]"
-                worst = max(worst, err / scale)
-    return worst
-
-
 def make_one(name, p, outdir):
     cfg = load_config(os.path.join(ROOT, "configs", name + ".yaml"))
     V = cfg["vocab_size"]
@@ -196,7 +178,7 @@ def make_one(name, p, outdir):
     logits = model(idx)
     loss = loss_fn(logits, targets, V)
     loss.backward()
-    worst = check_gradients(model, adapters, idx, targets, V, gen)
+    worst = finite_difference_check(model, idx, targets, V, gen, per_param=2, params=adapters)
     records = base + adapters + [("idx", idx), ("targets", targets), ("loss", loss), ("logits", logits)]
     records += [("grad." + n, prm.grad) for n, prm in adapters]
     path = os.path.join(outdir, f"lora-{name}-p{int(p * 100)}.bin")

@@ -77,15 +77,16 @@ def make_batch(V, gen):
 # Finite-difference self-check
 # ---------------------------------------------------------------------------
 
-def finite_difference_check(model, idx, targets, V, gen, per_param=3, h=1e-6):
+def finite_difference_check(model, idx, targets, V, gen, per_param=3, h=1e-6, params=None):
     """Compare autograd grads (already in p.grad) with central differences.
 
-    Checks `per_param` random entries of every parameter.  Returns the worst
-    absolute error and asserts it is small relative to the gradient scale.
+    Checks `per_param` random entries of every parameter (or of the (name, parameter) pairs
+    `params`).  Returns the worst absolute error and asserts it is small relative to the
+    gradient scale.
     """
     worst = 0.0
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in (params if params is not None else model.named_parameters()):
             flat, gflat = p.view(-1), p.grad.view(-1)
             scale = max(gflat.abs().max().item(), 1e-3)
             picks = torch.randint(0, flat.numel(), (per_param,), generator=gen)

@@ -782,6 +782,24 @@ static int train_steps(lg_trainer *tr, const lg_config *cfg, const lg_args *a, i
     return rc;
 }
 
+/* Trains b `steps` steps on the built-in task like a reference run with these weights (n, the
+   whole layout) and losses: how far its weights land from them (relative, -1 when it does not
+   train), and its largest relative loss difference raised into *loss_apart. */
+static double trained_apart(const lg_config *cfg, const lg_args *b, int T, int steps,
+                            const lg_real *weights, size_t n, const double *losses,
+                            double *loss_apart) {
+    double got_losses[16];
+    lg_trainer tr;
+    if (steps > 16 || train_steps(&tr, cfg, b, T, steps, got_losses) != 0) return -1;
+    lg_real *got = trained_weights(&tr);
+    double apart = rel_error(got, weights, n, 1e-6);
+    for (int k = 0; k < steps; k++)
+        *loss_apart = fmax(*loss_apart, fabs(got_losses[k] - losses[k]) / losses[k]);
+    LG_FREE(got);
+    lg_trainer_free(&tr);
+    return apart;
+}
+
 /* The tiny-config optimizer comparison: args for 100 steps of the built-in task at B 8, T 16. */
 static lg_args optimizer_run_args(lg_optimizer_kind kind, float lr, float min_lr, float beta1,
                                   float beta2, float weight_decay) {

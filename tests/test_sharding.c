@@ -46,21 +46,14 @@ static void test_sharding_equals_one_rank(results *r) {
                 for (int ranks = 2; ranks <= 4; ranks++) {
                     lg_args b = a;
                     ranks_of((lg_strategy)s, ranks, &b);
-                    double losses[5];
-                    lg_trainer tr;
-                    if (train_steps(&tr, &cfg, &b, T, steps, losses) != 0) { ok = 0; continue; }
-                    lg_real *got = trained_weights(&tr);
-                    double e = rel_error(got, expected, n, 1e-6);
-                    for (int k = 0; k < steps; k++)
-                        worst_loss = fmax(worst_loss, fabs(losses[k] - one_losses[k]) / one_losses[k]);
+                    double e = trained_apart(&cfg, &b, T, steps, expected, n, one_losses, &worst_loss);
+                    if (e < 0) { ok = 0; continue; }
                     if (e >= worst_w) {
                         worst_w = e;
                         snprintf(worst_run, sizeof worst_run, "%s -d %d --nodes %d",
                                  lg_strategy_name(b.strategy), b.devices, b.nodes);
                     }
                     runs++;
-                    LG_FREE(got);
-                    lg_trainer_free(&tr);
                 }
             check(r, ok && runs == 12 && worst_w < 1e-5 && worst_loss < 1e-5,
                   "%-11s %-5s 4 strategies x 2, 3, 4 ranks = 1 rank after %d steps: weights rel "
