@@ -38,6 +38,12 @@
       old values.
    5. the WMMA subset of <mma.h> (nvcuda::wmma, 16-bit inputs, float accumulators) with
       __nv_bfloat16 and __half; every lane's fragment holds the whole tile (see section 9).
+   6. inline PTX's stand-ins (section 10): mma.sync.aligned.m16n8k16 (bf16/fp16 inputs, f32
+      accumulators) with the PTX ISA's documented fragment layouts, as a warp-collective
+      rendezvous like a shuffle; cp.async (4, 8 or 16 bytes, zero-filled past src-size) with
+      commit_group and wait_group. A copy lands only when a wait_group of its thread completes
+      its group, the latest the hardware could land it: a kernel that reads a tile before
+      waiting for it reads the old bytes (0xff in fresh dynamic shared memory).
 
    All emulator state is one struct reached through a function-static pointer (lg_emu_state());
    it is not thread safe: one host thread drives every emulated device, as in the trainer.
@@ -365,6 +371,13 @@ enum lg_emu_thread_state {
 /* What a thread waiting at a barrier exchanges with the others (exchange_source). */
 enum { LG_EMU_EXCHANGE_NONE = -3, LG_EMU_EXCHANGE_BALLOT = -2, LG_EMU_EXCHANGE_COUNT = -1 };
 
+/* One cp.async: bytes at dst, the first src_bytes of them from src, the rest zeros. */
+struct lg_emu_async_copy {
+    void *dst;
+    const void *src;
+    unsigned bytes, src_bytes;
+};
+
 /* One emulated GPU thread: a fiber with its own stack, reused by every block and launch. */
 struct lg_emu_fiber {
     lg_emu_context context;
@@ -379,6 +392,8 @@ struct lg_emu_fiber {
     unsigned warp_mask; /* of the warp barrier it waits at */
     int exchange_source; /* lane whose value a shuffle reads, or LG_EMU_EXCHANGE_* */
     uint64_t exchange_in, exchange_out;
+    std::vector<struct lg_emu_async_copy> async_open;               /* cp.async not yet committed */
+    std::deque<std::vector<struct lg_emu_async_copy>> async_groups; /* committed, oldest first */
 };
 
 struct lg_emu_launch_site {
@@ -703,6 +718,8 @@ inline unsigned lg_emu_warp_lanes(int threads, int linear) {
 }
 
 inline void lg_emu_start_thread(lg_emu_fiber *f, int linear, dim3 block) {
+    if (!f->async_open.empty() || !f->async_groups.empty())
+        lg_emu_die("a thread exited with cp.async copies it never waited for");
     f->linear = linear;
     f->thread_idx.x = (unsigned)linear % block.x;
     f->thread_idx.y = (unsigned)linear / block.x % block.y;
@@ -2255,5 +2272,104 @@ inline void mma_sync(fragment<accumulator, M, N, K, float> &d, const fragment<ma
 
 } /* namespace wmma */
 } /* namespace nvcuda */
+
+/* ============================================================================================
+   10. Inline PTX's stand-ins: mma.sync.aligned.m16n8k16 and cp.async
+   ============================================================================================ */
+
+/* mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32: D (16 x 8) = A (16 x 16) B
+   (16 x 8) + C, float C and D. Which lane holds which element, as the PTX ISA documents ("Matrix
+   fragments for mma.m16n8k16 with floating point type"), with groupID = lane >> 2 and
+   tig = lane % 4 (threadID_in_group); 16-bit elements go two to a 32-bit register, the lower
+   index in the lower half:
+     A: a0..a7 in 4 registers: row groupID for a0, a1, a4, a5 and groupID + 8 for a2, a3, a6, a7;
+        column tig 2 + (i & 1), plus 8 for a4..a7;
+     B: b0..b3 in 2 registers: row tig 2 + (i & 1), plus 8 for b2, b3; column groupID;
+     C, D: c0..c3 (floats): row groupID for c0, c1 and groupID + 8 for c2, c3; column
+        tig 2 + (i & 1).
+   The 16-bit products are exact in float; each output adds them to c in k order, rounding each
+   sum to float (the tensor cores' internal order and rounding differ in the last bits). */
+enum lg_emu_mma_type { LG_EMU_MMA_BF16, LG_EMU_MMA_F16 };
+#define LG_EMU_MMA_M 16
+#define LG_EMU_MMA_N 8
+#define LG_EMU_MMA_K 16
+inline int lg_emu_mma_a_row(int lane, int i) { return (lane >> 2) + ((i >> 1) & 1) * 8; }
+inline int lg_emu_mma_a_col(int lane, int i) { return (lane & 3) * 2 + (i & 1) + (i >> 2) * 8; }
+inline int lg_emu_mma_b_row(int lane, int i) { return (lane & 3) * 2 + (i & 1) + (i >> 1) * 8; }
+inline int lg_emu_mma_b_col(int lane, int /* i */) { return lane >> 2; }
+inline int lg_emu_mma_c_row(int lane, int i) { return (lane >> 2) + (i >> 1) * 8; }
+inline int lg_emu_mma_c_col(int lane, int i) { return (lane & 3) * 2 + (i & 1); }
+
+/* A warp's operands, gathered from its lanes for one mma. */
+struct lg_emu_mma_operands {
+    uint16_t a[LG_EMU_MMA_M][LG_EMU_MMA_K], b[LG_EMU_MMA_K][LG_EMU_MMA_N];
+};
+inline lg_emu_mma_operands &lg_emu_mma_operands_of_warp(int warp) {
+    static lg_emu_mma_operands operands[LG_EMU_MAX_THREADS / 32];
+    return operands[warp];
+}
+inline float lg_emu_mma_value(uint16_t bits, lg_emu_mma_type type) {
+    return type == LG_EMU_MMA_BF16 ? lg_emu_bf16_to_float(bits) : lg_emu_fp16_to_float(bits);
+}
+
+/* One lane's part of the warp's mma: every lane of a whole warp calls it together (.aligned);
+   d may be c. The lanes leave their elements in the warp's operands, meet, each computes its
+   four outputs, and meet again before the operands can be overwritten. */
+inline void lg_emu_mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2],
+                                const float c[4], lg_emu_mma_type type,
+                                const char *file = __builtin_FILE(), int line = __builtin_LINE()) {
+    const lg_emu_scheduler &s = lg_emu_state().sched;
+    const lg_emu_fiber *f = lg_emu_current_thread("mma.sync");
+    int lane = f->linear % 32, warp = f->linear / 32;
+    if (lg_emu_warp_lanes(s.threads, f->linear) != 0xffffffffu)
+        lg_emu_die("mma.sync at %s:%d in a warp of fewer than 32 threads", file, line);
+    lg_emu_mma_operands &w = lg_emu_mma_operands_of_warp(warp);
+    for (int i = 0; i < 8; i++)
+        w.a[lg_emu_mma_a_row(lane, i)][lg_emu_mma_a_col(lane, i)] =
+            (uint16_t)(a[i / 2] >> (16 * (i & 1)));
+    for (int i = 0; i < 4; i++)
+        w.b[lg_emu_mma_b_row(lane, i)][lg_emu_mma_b_col(lane, i)] =
+            (uint16_t)(b[i / 2] >> (16 * (i & 1)));
+    __syncwarp(0xffffffffu, file, line);
+    float out[4];
+    for (int i = 0; i < 4; i++) {
+        int row = lg_emu_mma_c_row(lane, i), col = lg_emu_mma_c_col(lane, i);
+        float acc = c[i];
+        for (int k = 0; k < LG_EMU_MMA_K; k++)
+            acc += lg_emu_mma_value(w.a[row][k], type) * lg_emu_mma_value(w.b[k][col], type);
+        out[i] = acc;
+    }
+    __syncwarp(0xffffffffu, file, line);
+    memcpy(d, out, sizeof out);
+}
+
+/* cp.async.{ca,cg}.shared.global [dst], [src], bytes, src_bytes: queued until a wait_group. */
+inline void lg_emu_cp_async(void *dst, const void *src, unsigned bytes, unsigned src_bytes) {
+    lg_emu_fiber *f = lg_emu_current_thread("cp.async");
+    if ((bytes != 4 && bytes != 8 && bytes != 16) || src_bytes > bytes)
+        lg_emu_die("cp.async of %u bytes (%u from the source)", bytes, src_bytes);
+    if ((uintptr_t)dst % bytes || (uintptr_t)src % bytes)
+        lg_emu_die("cp.async of %u bytes: %p or %p is not aligned to them", bytes, dst, src);
+    f->async_open.push_back(lg_emu_async_copy{dst, src, bytes, src_bytes});
+}
+
+/* cp.async.commit_group: the thread's uncommitted copies become its newest group. */
+inline void lg_emu_cp_async_commit(void) {
+    lg_emu_fiber *f = lg_emu_current_thread("cp.async.commit_group");
+    f->async_groups.push_back(std::move(f->async_open));
+    f->async_open.clear();
+}
+
+/* cp.async.wait_group n: lands every group of the thread's but the newest n. */
+inline void lg_emu_cp_async_wait(int n) {
+    lg_emu_fiber *f = lg_emu_current_thread("cp.async.wait_group");
+    while ((int)f->async_groups.size() > n) {
+        for (const lg_emu_async_copy &c : f->async_groups.front()) {
+            memcpy(c.dst, c.src, c.src_bytes);
+            memset((unsigned char *)c.dst + c.src_bytes, 0, c.bytes - c.src_bytes);
+        }
+        f->async_groups.pop_front();
+    }
+}
 
 #endif /* LG_CUDA_EMULATOR_H */

@@ -181,6 +181,43 @@ template <typename T> __global__ void wmma_kernel(float *c, const T *a, const T 
         }
 }
 
+/* One mma.sync.m16n8k16 of a warp: d (16 x 8) = a (16 x 16) b (16 x 8) + c, all row-major in
+   memory, each lane loading and storing exactly the elements the PTX ISA assigns it (written out
+   here from the ISA's tables, apart from the emulator's own helpers). */
+__global__ void mma_kernel(float *d, const uint16_t *a, const uint16_t *b, const float *c,
+                           lg_emu_mma_type type) {
+    int lane = (int)threadIdx.x % 32, group = lane / 4, tig = lane % 4;
+    uint32_t af[4] = {0, 0, 0, 0}, bf[2] = {0, 0};
+    float cf[4], df[4];
+    for (int i = 0; i < 8; i++) { /* a0, a1 (row g), a2, a3 (row g + 8), a4..a7 (columns + 8) */
+        int row = i == 0 || i == 1 || i == 4 || i == 5 ? group : group + 8;
+        int col = tig * 2 + i % 2 + (i >= 4 ? 8 : 0);
+        af[i / 2] |= (uint32_t)a[row * 16 + col] << (i % 2 * 16);
+    }
+    for (int i = 0; i < 4; i++) { /* b0, b1 (rows 2 tig, 2 tig + 1), b2, b3 (+ 8); column g */
+        int row = tig * 2 + i % 2 + (i >= 2 ? 8 : 0);
+        bf[i / 2] |= (uint32_t)b[row * 8 + group] << (i % 2 * 16);
+    }
+    for (int i = 0; i < 4; i++) cf[i] = c[(i < 2 ? group : group + 8) * 8 + tig * 2 + i % 2];
+    lg_emu_mma_m16n8k16(df, af, bf, cf, type);
+    for (int i = 0; i < 4; i++) d[(i < 2 ? group : group + 8) * 8 + tig * 2 + i % 2] = df[i];
+}
+
+/* cp.async: each of 32 threads copies 16 bytes into tile 0 (group 0), then 8 bytes zero-filled
+   to 16 into tile 1 (group 1); out gets both tiles after wait_group 1, then after wait_group 0. */
+__global__ void cp_async_kernel(uint32_t *out, const uint32_t *src) {
+    LG_SHARED_DYNAMIC(uint32_t, tiles); /* 2 x (32 x 4) words */
+    int t = (int)threadIdx.x;
+    lg_emu_cp_async(tiles + 4 * t, src + 4 * t, 16, 16);
+    lg_emu_cp_async_commit();
+    lg_emu_cp_async(tiles + 128 + 4 * t, src + 128 + 4 * t, 16, 8);
+    lg_emu_cp_async_commit();
+    lg_emu_cp_async_wait(1);
+    for (int k = 0; k < 4; k++) out[4 * t + k] = tiles[4 * t + k], out[128 + 4 * t + k] = tiles[128 + 4 * t + k];
+    lg_emu_cp_async_wait(0);
+    for (int k = 0; k < 4; k++) out[256 + 4 * t + k] = tiles[128 + 4 * t + k];
+}
+
 /* ---------------------------------------------------------------------------------------------
    Tests
    --------------------------------------------------------------------------------------------- */
@@ -542,6 +579,68 @@ static void test_wmma(void) {
     CHECK(__half2float(__float2half(1.0f + 3.0f / 2048)) == 1.0f + 4.0f / 2048);
 }
 
+/* mma_kernel against a plain loop, element by element, both 16-bit types: small integers and
+   halves, so every product and sum is exact and the two must agree bit for bit; each element of
+   a, b and c distinct, so a lane holding another element than the ISA says shows. */
+static void test_mma_type(lg_emu_mma_type type, uint16_t (*from_float)(float)) {
+    const int M = 16, N = 8, K = 16;
+    std::vector<uint16_t> a(M * K), b(K * N);
+    std::vector<float> af(M * K), bf(K * N), c(M * N);
+    for (int i = 0; i < M * K; i++) af[i] = (float)(i % 37 - 18) / 2.0f, a[i] = from_float(af[i]);
+    for (int i = 0; i < K * N; i++) bf[i] = (float)(i % 29 - 14), b[i] = from_float(bf[i]);
+    for (int i = 0; i < M * N; i++) c[i] = (float)(i * 3 % 41) - 20.0f;
+    uint16_t *da = device_copy(a), *db = device_copy(b);
+    float *dc = device_copy(c), *dd = nullptr;
+    cudaMalloc(&dd, sizeof(float) * M * N);
+    for (int reverse = 0; reverse < 2; reverse++) {
+        lg_emu_set_order(reverse);
+        LG_LAUNCH(mma_kernel, 1, 64, 0, nullptr, dd, da, db, dc, type); /* two warps, same work */
+        std::vector<float> d = host_copy(dd, M * N);
+        int wrong = 0;
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < N; j++) {
+                float want = c[i * N + j];
+                for (int k = 0; k < K; k++) want += af[i * K + k] * bf[k * N + j];
+                wrong += d[i * N + j] != want;
+            }
+        CHECK(wrong == 0);
+    }
+    lg_emu_set_order(0);
+    cudaFree(da), cudaFree(db), cudaFree(dc), cudaFree(dd);
+}
+
+static void test_mma(void) {
+    test_mma_type(LG_EMU_MMA_BF16, lg_emu_float_to_bf16);
+    test_mma_type(LG_EMU_MMA_F16, lg_emu_float_to_fp16);
+    /* the documented layouts: each of a's 256, b's 128 and c's 128 elements held by one lane */
+    std::set<int> as, bs, cs;
+    for (int lane = 0; lane < 32; lane++) {
+        for (int i = 0; i < 8; i++) as.insert(lg_emu_mma_a_row(lane, i) * 16 + lg_emu_mma_a_col(lane, i));
+        for (int i = 0; i < 4; i++) bs.insert(lg_emu_mma_b_row(lane, i) * 8 + lg_emu_mma_b_col(lane, i));
+        for (int i = 0; i < 4; i++) cs.insert(lg_emu_mma_c_row(lane, i) * 8 + lg_emu_mma_c_col(lane, i));
+    }
+    CHECK(as.size() == 256 && bs.size() == 128 && cs.size() == 128);
+    CHECK(lg_emu_mma_a_row(5, 2) == 9 && lg_emu_mma_a_col(5, 5) == 11 && lg_emu_mma_b_row(7, 3) == 15);
+}
+
+/* Copies land at their wait_group: group 1 (newest) is still pending after wait_group 1. */
+static void test_cp_async(void) {
+    std::vector<uint32_t> src(256);
+    for (int i = 0; i < 256; i++) src[i] = 1000u + (uint32_t)i;
+    uint32_t *dsrc = device_copy(src), *dout = nullptr;
+    cudaMalloc(&dout, sizeof(uint32_t) * 384);
+    LG_LAUNCH(cp_async_kernel, 1, 32, sizeof(uint32_t) * 256, nullptr, dout, dsrc);
+    std::vector<uint32_t> out = host_copy(dout, 384);
+    int wrong = 0;
+    for (int i = 0; i < 128; i++) {
+        wrong += out[i] != src[i];                                    /* group 0 landed */
+        wrong += out[128 + i] != 0xffffffffu;                         /* group 1 not yet */
+        wrong += out[256 + i] != (i % 4 < 2 ? src[128 + i] : 0u);     /* 8 bytes, then zeros */
+    }
+    CHECK(wrong == 0);
+    cudaFree(dsrc), cudaFree(dout);
+}
+
 /* NCCL on 3 ranks, grouped as the backend issues it (on managed memory, which the host reads). */
 static void test_nccl(void) {
     const int n = 3;
@@ -737,6 +836,8 @@ int main(void) {
     test_host_visits();
     test_half_conversions();
     test_wmma();
+    test_mma();
+    test_cp_async();
     test_nccl();
     test_deferred_collectives();
     report_speed();
