@@ -2095,6 +2095,277 @@ lg_k_attention_backward_dkv_tc(uint16_t *dqkv, const uint16_t *dy, const uint16_
         }
 }
 
+/* g3. attention forward on mma.sync (bf16, fp16; head sizes 16, 32, ..., 128) -----------------
+
+   FlashAttention-2's forward on the tensor cores' own instruction, mma.sync.m16n8k16 (16-bit A
+   and B, float C and D), for the calls g2 takes (lg_att_tc_applies). Unlike WMMA, the fragments'
+   layouts are documented (PTX ISA, "Matrix fragments for mma.m16n8k16"), so a thread knows which
+   scores it holds and the softmax runs in registers: with group = lane / 4 and tig = lane % 4, a
+   16 x 8 accumulator gives each thread rows group and group + 8, columns 2 tig and 2 tig + 1;
+   the four lanes of a group share its rows. The scores' accumulators, rounded to 16 bits, are
+   already the A fragments of P V (a k step of 16 keys is two score tiles of 8), and the output
+   stays in accumulators from the first key tile to the last: nothing but K and V tiles passes
+   through shared memory. Those come with cp.async (16-byte steps, rows past T zero-filled), two
+   buffers each, the next tile's copies in flight while the current one is used. */
+
+#define LG_ATT_MMA_M 16     /* mma.m16n8k16: rows of A, C and D */
+#define LG_ATT_MMA_N 8      /* columns of B, C and D */
+#define LG_ATT_MMA_K 16     /* columns of A, rows of B */
+#define LG_ATT_MMA_KEYS 64  /* keys of a tile */
+#define LG_ATT_MMA_STAGES 2 /* K and V buffers: one in use, one being copied */
+
+/* d (16 x 8) = a (16 x 16) b (16 x 8) + c over the warp, in the documented fragments (above); d
+   may be c. Every lane of a whole warp calls it at once. */
+template <lg_dtype DT>
+__device__ __forceinline__ void lg_mma_m16n8k16(float d[4], const uint32_t a[4],
+                                                const uint32_t b[2], const float c[4]) {
+#ifdef LG_CUDA_EMULATE
+    lg_emu_mma_m16n8k16(d, a, b, c, DT == LG_DTYPE_BF16 ? LG_EMU_MMA_BF16 : LG_EMU_MMA_F16);
+#else
+    if constexpr (DT == LG_DTYPE_BF16)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+                     "{%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
+                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+                       "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+                     "{%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
+                     : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+                       "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#endif
+}
+
+/* 16 bytes from global src to shared dst without passing through registers; valid == 0 fills
+   dst with zeros and reads nothing. Complete after lg_cp_async_commit and lg_cp_async_wait. */
+__device__ __forceinline__ void lg_cp_async16(void *dst, const void *src, int valid) {
+#ifdef LG_CUDA_EMULATE
+    lg_emu_cp_async(dst, src, 16, valid ? 16 : 0);
+#else
+    unsigned shared = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+#endif
+}
+/* The thread's copies since the last commit become one group. */
+__device__ __forceinline__ void lg_cp_async_commit(void) {
+#ifdef LG_CUDA_EMULATE
+    lg_emu_cp_async_commit();
+#else
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+/* Waits until at most PENDING of the thread's groups (the newest) are still in flight. */
+template <int PENDING> __device__ __forceinline__ void lg_cp_async_wait(void) {
+#ifdef LG_CUDA_EMULATE
+    lg_emu_cp_async_wait(PENDING);
+#else
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+#endif
+}
+
+/* Two floats rounded to the storage type, a (lower half) and b, as one 32-bit register. */
+template <lg_dtype DT> __device__ __forceinline__ uint32_t lg_att_mma_pack(float a, float b) {
+    typedef lg_att_io<DT> io;
+    return (uint32_t)io::from_f32(a) | (uint32_t)io::from_f32(b) << 16;
+}
+/* Two 16-bit elements at p (4-byte aligned) as one register. */
+__device__ __forceinline__ uint32_t lg_att_mma_pair(const uint16_t *p) {
+    return *(const uint32_t *)p;
+}
+/* Two 16-bit elements at p and p + ld as one register (a column pair of a row-major tile). */
+__device__ __forceinline__ uint32_t lg_att_mma_column_pair(const uint16_t *p, int ld) {
+    return (uint32_t)p[0] | (uint32_t)p[ld] << 16;
+}
+
+/* Issues the cp.async copies of rows [row0, row0 + NROWS) of a head into dst (NROWS, HSP + 8):
+   src (T, HS), row stride ld; rows from T on and dims from HS on are zero-filled. The block's
+   threads take 16-byte steps in turn. */
+template <int HSP, int NROWS>
+__device__ __forceinline__ void lg_att_mma_load(uint16_t *dst, const uint16_t *src, size_t ld,
+                                                int row0, int T, int HS) {
+    constexpr int STEPS = HSP / LG_ATT_TC_VEC, LDH = HSP + LG_ATT_TC_HPAD;
+    for (int q = (int)threadIdx.x; q < NROWS * STEPS; q += LG_ATT_TC_THREADS) {
+        int r = q / STEPS, d = q % STEPS * LG_ATT_TC_VEC, t = row0 + r;
+        int valid = t < T && d < HS;
+        lg_cp_async16(dst + r * LDH + d, valid ? src + (size_t)t * ld + d : src, valid);
+    }
+}
+
+/* Bytes of dynamic shared memory of the forward: Q, and two buffers each of K and V (85 KiB at
+   HSP 128, 45 KiB at 64). */
+template <int HSP> static size_t lg_att_mma_forward_shared(void) {
+    return sizeof(uint16_t) * (LG_ATT_TC_ROWS + 2 * LG_ATT_MMA_STAGES * LG_ATT_MMA_KEYS) *
+           (HSP + LG_ATT_TC_HPAD);
+}
+
+/* Forward. A block owns one query tile (64 queries) of one (batch, head), heaviest first, and
+   sweeps the key tiles (64 keys) up to its diagonal; warp w owns queries 16 w .. 16 w + 15, a
+   thread the rows group and group + 8 of them. Per key tile: S (16 x 64, 8 accumulators of
+   16 x 8) = Q K^T; the rows' running max m (over the group's four lanes) and the thread's part
+   of the running sum l; P = exp(S scale - m) rounded to 16 bits as A fragments; O (16 x HSP,
+   HSP / 8 accumulators) rescaled, then O += P V. Score tiles wholly past the warp's last query
+   are skipped. At the end l is summed over the group, y = O / l, lse = m + log l.
+   grid: query tiles x B NH, the (batch, head) fastest; 4 warps. */
+template <lg_dtype DT, int HSP>
+__global__ void __launch_bounds__(LG_ATT_TC_THREADS)
+lg_k_attention_forward_mma(uint16_t *y, float *lse, const uint16_t *qkv, int T, int NH, int NQG,
+                           int HS, float scale) {
+    constexpr int M = LG_ATT_MMA_M, N = LG_ATT_MMA_N, K = LG_ATT_MMA_K, BR = LG_ATT_TC_ROWS,
+                  BC = LG_ATT_MMA_KEYS, LDH = HSP + LG_ATT_TC_HPAD;
+    constexpr int QK = HSP / K;  /* k steps of Q K^T over the head */
+    constexpr int ST = BC / N;   /* score tiles (16 x 8) of a key tile */
+    constexpr int PK = BC / K;   /* k steps of P V over the keys */
+    constexpr int OT = HSP / N;  /* output tiles (16 x 8) */
+    LG_SHARED_DYNAMIC(unsigned char, smem);
+    uint16_t *qs = (uint16_t *)smem;                   /* (BR, LDH): Q */
+    uint16_t *ks = qs + BR * LDH;                      /* (STAGES, BC, LDH): K */
+    uint16_t *vs = ks + LG_ATT_MMA_STAGES * BC * LDH;  /* (STAGES, BC, LDH): V */
+    int tiles = (T + BR - 1) / BR, heads = (int)(gridDim.x / tiles);
+    int q0 = (tiles - 1 - (int)blockIdx.x / heads) * BR, bh = (int)blockIdx.x % heads;
+    int b = bh / NH, h = bh % NH, g = h / (NH / NQG), hs16 = HS / K, hs8 = HS / N;
+    int warp = (int)threadIdx.x / LG_CUDA_WARP, lane = (int)threadIdx.x % LG_CUDA_WARP;
+    int group = lane / 4, tig = lane % 4, w0 = warp * M;
+    int wlast = min(T - 1, q0 + w0 + M - 1); /* the last key the warp's queries see */
+    int key_tiles = (min(T, q0 + BR) + BC - 1) / BC;
+    size_t QKV = (size_t)(NH + 2 * NQG) * HS;
+    const uint16_t *base = qkv + (size_t)b * T * QKV;
+    const uint16_t *kbase = base + (size_t)(NH + g) * HS;
+    const uint16_t *vbase = base + (size_t)(NH + NQG + g) * HS;
+
+    lg_att_mma_load<HSP, BR>(qs, base + (size_t)h * HS, QKV, q0, T, HS);
+    lg_att_mma_load<HSP, BC>(ks, kbase, QKV, 0, T, HS);
+    lg_att_mma_load<HSP, BC>(vs, vbase, QKV, 0, T, HS);
+    lg_cp_async_commit();
+
+    uint32_t qf[QK][4]; /* the warp's Q (16 x HSP) as A fragments */
+    float o[OT][4];     /* O (16 x HSP) */
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; /* rows group, group + 8 */
+    LG_ATT_UNROLL
+    for (int ot = 0; ot < OT; ot++) o[ot][0] = o[ot][1] = o[ot][2] = o[ot][3] = 0.0f;
+    for (int j = 0; j < key_tiles; j++) {
+        int k0 = j * BC;
+        const uint16_t *kt = ks + (j % LG_ATT_MMA_STAGES) * BC * LDH;
+        const uint16_t *vt = vs + (j % LG_ATT_MMA_STAGES) * BC * LDH;
+        if (j + 1 < key_tiles) { /* the next tile's copies, into the other buffers */
+            int next = (j + 1) % LG_ATT_MMA_STAGES;
+            lg_att_mma_load<HSP, BC>(ks + next * BC * LDH, kbase, QKV, k0 + BC, T, HS);
+            lg_att_mma_load<HSP, BC>(vs + next * BC * LDH, vbase, QKV, k0 + BC, T, HS);
+            lg_cp_async_commit();
+            lg_cp_async_wait<1>();
+        } else {
+            lg_cp_async_wait<0>();
+        }
+        __syncthreads(); /* every thread's copies of this tile have landed */
+        if (j == 0) {
+            LG_ATT_UNROLL
+            for (int kk = 0; kk < QK; kk++)
+                if (kk < hs16) {
+                    const uint16_t *q = qs + (w0 + group) * LDH + kk * K + 2 * tig;
+                    qf[kk][0] = lg_att_mma_pair(q);
+                    qf[kk][1] = lg_att_mma_pair(q + 8 * LDH);
+                    qf[kk][2] = lg_att_mma_pair(q + 8);
+                    qf[kk][3] = lg_att_mma_pair(q + 8 * LDH + 8);
+                }
+        }
+        /* score tiles with a key the warp sees (warp-uniform: the mma takes the whole warp) */
+        int live = wlast < k0 ? 0 : min(ST, (wlast - k0) / N + 1);
+        float s[ST][4];
+        LG_ATT_UNROLL
+        for (int st = 0; st < ST; st++) {
+            s[st][0] = s[st][1] = s[st][2] = s[st][3] = 0.0f;
+            if (st >= live) continue;
+            LG_ATT_UNROLL
+            for (int kk = 0; kk < QK; kk++)
+                if (kk < hs16) {
+                    const uint16_t *k = kt + (st * N + group) * LDH + kk * K + 2 * tig;
+                    uint32_t kf[2] = {lg_att_mma_pair(k), lg_att_mma_pair(k + 8)};
+                    lg_mma_m16n8k16<DT>(s[st], qf[kk], kf, s[st]);
+                }
+        }
+        /* the online softmax of rows group (i = 0) and group + 8 (i = 1) */
+        LG_ATT_UNROLL
+        for (int i = 0; i < 2; i++) {
+            int t = q0 + w0 + group + 8 * i;
+            float mx = -INFINITY;
+            LG_ATT_UNROLL
+            for (int st = 0; st < ST; st++) {
+                LG_ATT_UNROLL
+                for (int e = 0; e < 2; e++) {
+                    int c = k0 + st * N + 2 * tig + e;
+                    float x = st < live && c <= t && c < T ? s[st][2 * i + e] * scale : -INFINITY;
+                    s[st][2 * i + e] = x;
+                    mx = fmaxf(mx, x);
+                }
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(LG_CUDA_FULL_MASK, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(LG_CUDA_FULL_MASK, mx, 2));
+            float m_new = fmaxf(m[i], mx); /* finite: key 0 lies in every row's first tile */
+            float alpha = __expf(m[i] - m_new);
+            m[i] = m_new;
+            l[i] *= alpha;
+            LG_ATT_UNROLL
+            for (int ot = 0; ot < OT; ot++) o[ot][2 * i] *= alpha, o[ot][2 * i + 1] *= alpha;
+            LG_ATT_UNROLL
+            for (int st = 0; st < ST; st++) {
+                LG_ATT_UNROLL
+                for (int e = 0; e < 2; e++) {
+                    float p = __expf(s[st][2 * i + e] - m_new);
+                    s[st][2 * i + e] = p;
+                    l[i] += p;
+                }
+            }
+        }
+        /* O += P V: a k step of 16 keys takes score tiles 2 pk (its columns 0..7) and 2 pk + 1 */
+        LG_ATT_UNROLL
+        for (int pk = 0; pk < PK; pk++) {
+            if (2 * pk >= live) continue;
+            uint32_t pf[4] = {lg_att_mma_pack<DT>(s[2 * pk][0], s[2 * pk][1]),
+                              lg_att_mma_pack<DT>(s[2 * pk][2], s[2 * pk][3]),
+                              lg_att_mma_pack<DT>(s[2 * pk + 1][0], s[2 * pk + 1][1]),
+                              lg_att_mma_pack<DT>(s[2 * pk + 1][2], s[2 * pk + 1][3])};
+            LG_ATT_UNROLL
+            for (int ot = 0; ot < OT; ot++)
+                if (ot < hs8) {
+                    const uint16_t *v = vt + (pk * K + 2 * tig) * LDH + ot * N + group;
+                    uint32_t vf[2] = {lg_att_mma_column_pair(v, LDH),
+                                      lg_att_mma_column_pair(v + 8 * LDH, LDH)};
+                    lg_mma_m16n8k16<DT>(o[ot], pf, vf, o[ot]);
+                }
+        }
+        __syncthreads(); /* this tile's buffers are used up before the copies into them */
+    }
+    /* y = O / l, lse = m + log l, for the rows below T */
+    LG_ATT_UNROLL
+    for (int i = 0; i < 2; i++) {
+        l[i] += __shfl_xor_sync(LG_CUDA_FULL_MASK, l[i], 1);
+        l[i] += __shfl_xor_sync(LG_CUDA_FULL_MASK, l[i], 2);
+        int t = q0 + w0 + group + 8 * i;
+        if (t >= T) continue;
+        float inv = 1.0f / l[i];
+        uint16_t *yrow = y + ((size_t)b * T + t) * NH * HS + (size_t)h * HS;
+        LG_ATT_UNROLL
+        for (int ot = 0; ot < OT; ot++)
+            if (ot < hs8)
+                *(uint32_t *)(yrow + ot * N + 2 * tig) =
+                    lg_att_mma_pack<DT>(o[ot][2 * i] * inv, o[ot][2 * i + 1] * inv);
+        if (tig == 0) lse[((size_t)b * NH + h) * T + t] = m[i] + logf(l[i]);
+    }
+}
+
+template <lg_dtype DT, int HSP>
+static void lg_att_mma_forward_launch(const lg_exec *ex, lg_buf y, lg_real *lse, lg_buf qkv,
+                                      int B, int T, int NH, int NQG, int HS, int /* vec */) {
+    size_t bytes = lg_att_mma_forward_shared<HSP>();
+    lg_att_allow_shared(ex, lg_k_attention_forward_mma<DT, HSP>, bytes);
+    unsigned grid = (unsigned)((T + LG_ATT_TC_ROWS - 1) / LG_ATT_TC_ROWS) * (unsigned)(B * NH);
+    LG_LAUNCH((lg_k_attention_forward_mma<DT, HSP>), grid, LG_ATT_TC_THREADS, bytes,
+              lg_cuda_stream(ex), (uint16_t *)y.data, (float *)lse, (const uint16_t *)qkv.data, T,
+              NH, NQG, HS, 1.0f / sqrtf((float)HS));
+}
+
 /* 1 when the tensor-core kernels take the call: bf16 or fp16 storage, HS a multiple of 16 up to
    128, every buffer 16-byte aligned (the tiles move in 16-byte steps), and the rank has not
    asked for the CUDA-core kernels (tests). */
@@ -2142,9 +2413,9 @@ static void lg_att_tc_backward_launch(const lg_exec *ex, lg_buf dqkv, lg_buf dy,
 /* The tensor-core launcher for a storage type (bf16, fp16) and HS: HSP the smallest of 32, 64,
    128 that holds it. */
 template <lg_dtype DT> static lg_att_forward_fn lg_att_tc_forward_for(int HS) {
-    return HS <= 32   ? lg_att_tc_forward_launch<DT, 32>
-           : HS <= 64 ? lg_att_tc_forward_launch<DT, 64>
-                      : lg_att_tc_forward_launch<DT, 128>;
+    return HS <= 32   ? lg_att_mma_forward_launch<DT, 32>
+           : HS <= 64 ? lg_att_mma_forward_launch<DT, 64>
+                      : lg_att_mma_forward_launch<DT, 128>;
 }
 template <lg_dtype DT> static lg_att_backward_fn lg_att_tc_backward_for(int HS) {
     return HS <= 32   ? lg_att_tc_backward_launch<DT, 32>

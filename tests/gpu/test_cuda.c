@@ -697,6 +697,11 @@ int main(int argc, char **argv) {
     cudaGetDeviceProperties(&prop, 0);
     printf("CUDA backend on %d x %s\n", gpus, prop.name);
 #endif
+    if (argc > 1 && strcmp(argv[1], "attention") == 0) { /* the attention tests alone */
+        test_attention(&r);
+        printf("%d passed, %d failed\n", r.passed, r.failed);
+        return r.failed ? 1 : 0;
+    }
     printf("ops\n");
     test_kernels(&r);
     test_attention(&r);
