@@ -2180,6 +2180,61 @@ __device__ __forceinline__ uint32_t lg_att_mma_column_pair(const uint16_t *p, in
     return (uint32_t)p[0] | (uint32_t)p[ld] << 16;
 }
 
+/* The A fragment of the 16 x 16 tile at p (row-major, row stride ld). */
+__device__ __forceinline__ void lg_att_mma_a(uint32_t a[4], const uint16_t *p, int ld, int group,
+                                             int tig) {
+    const uint16_t *q = p + group * ld + 2 * tig;
+    a[0] = lg_att_mma_pair(q);
+    a[1] = lg_att_mma_pair(q + 8 * ld);
+    a[2] = lg_att_mma_pair(q + 8);
+    a[3] = lg_att_mma_pair(q + 8 * ld + 8);
+}
+/* The B fragment (16 x 8) whose column n is row n of the 8 x 16 tile at p (row-major, row stride
+   ld): the transposed operand of a product with a head's rows, as K in Q K^T. */
+__device__ __forceinline__ void lg_att_mma_b_rows(uint32_t b[2], const uint16_t *p, int ld,
+                                                  int group, int tig) {
+    const uint16_t *q = p + group * ld + 2 * tig;
+    b[0] = lg_att_mma_pair(q);
+    b[1] = lg_att_mma_pair(q + 8);
+}
+/* The B fragment of the 16 x 8 tile at p (row-major, row stride ld), as V in P V. */
+__device__ __forceinline__ void lg_att_mma_b_cols(uint32_t b[2], const uint16_t *p, int ld,
+                                                  int group, int tig) {
+    const uint16_t *q = p + 2 * tig * ld + group;
+    b[0] = lg_att_mma_column_pair(q, ld);
+    b[1] = lg_att_mma_column_pair(q + 8 * ld, ld);
+}
+/* The A fragment of a 16 x 16 tile held as two accumulators (its columns 0..7 and 8..15),
+   rounded to the storage type: the scores of one product become an operand of the next. */
+template <lg_dtype DT>
+__device__ __forceinline__ void lg_att_mma_a_from(uint32_t a[4], const float lo[4],
+                                                  const float hi[4]) {
+    a[0] = lg_att_mma_pack<DT>(lo[0], lo[1]);
+    a[1] = lg_att_mma_pack<DT>(lo[2], lo[3]);
+    a[2] = lg_att_mma_pack<DT>(hi[0], hi[1]);
+    a[3] = lg_att_mma_pack<DT>(hi[2], hi[3]);
+}
+
+/* dst rows row0 + group and row0 + group + 8 (those below T), dims [0, HS) += acc, the OT
+   accumulators of a 16 x HSP tile (a thread's part); dst: a head's (T, HS), row stride ld. */
+template <lg_dtype DT, int OT>
+__device__ __forceinline__ void lg_att_mma_add(uint16_t *dst, size_t ld, const float (*acc)[4],
+                                               int row0, int T, int HS, int group, int tig) {
+    typedef lg_att_io<DT> io;
+    LG_ATT_UNROLL
+    for (int i = 0; i < 2; i++) {
+        int t = row0 + group + 8 * i;
+        if (t >= T) continue;
+        LG_ATT_UNROLL
+        for (int ot = 0; ot < OT; ot++)
+            if (ot < HS / LG_ATT_MMA_N) {
+                uint16_t *p = dst + (size_t)t * ld + ot * LG_ATT_MMA_N + 2 * tig;
+                *(uint32_t *)p = lg_att_mma_pack<DT>(io::get(p) + acc[ot][2 * i],
+                                                     io::get(p + 1) + acc[ot][2 * i + 1]);
+            }
+    }
+}
+
 /* Issues the cp.async copies of rows [row0, row0 + NROWS) of a head into dst (NROWS, HSP + 8):
    src (T, HS), row stride ld; rows from T on and dims from HS on are zero-filled. The block's
    threads take 16-byte steps in turn. */
@@ -2262,13 +2317,7 @@ lg_k_attention_forward_mma(uint16_t *y, float *lse, const uint16_t *qkv, int T, 
         if (j == 0) {
             LG_ATT_UNROLL
             for (int kk = 0; kk < QK; kk++)
-                if (kk < hs16) {
-                    const uint16_t *q = qs + (w0 + group) * LDH + kk * K + 2 * tig;
-                    qf[kk][0] = lg_att_mma_pair(q);
-                    qf[kk][1] = lg_att_mma_pair(q + 8 * LDH);
-                    qf[kk][2] = lg_att_mma_pair(q + 8);
-                    qf[kk][3] = lg_att_mma_pair(q + 8 * LDH + 8);
-                }
+                if (kk < hs16) lg_att_mma_a(qf[kk], qs + w0 * LDH + kk * K, LDH, group, tig);
         }
         /* score tiles with a key the warp sees (warp-uniform: the mma takes the whole warp) */
         int live = wlast < k0 ? 0 : min(ST, (wlast - k0) / N + 1);
@@ -2280,8 +2329,8 @@ lg_k_attention_forward_mma(uint16_t *y, float *lse, const uint16_t *qkv, int T, 
             LG_ATT_UNROLL
             for (int kk = 0; kk < QK; kk++)
                 if (kk < hs16) {
-                    const uint16_t *k = kt + (st * N + group) * LDH + kk * K + 2 * tig;
-                    uint32_t kf[2] = {lg_att_mma_pair(k), lg_att_mma_pair(k + 8)};
+                    uint32_t kf[2];
+                    lg_att_mma_b_rows(kf, kt + st * N * LDH + kk * K, LDH, group, tig);
                     lg_mma_m16n8k16<DT>(s[st], qf[kk], kf, s[st]);
                 }
         }
@@ -2322,16 +2371,13 @@ lg_k_attention_forward_mma(uint16_t *y, float *lse, const uint16_t *qkv, int T, 
         LG_ATT_UNROLL
         for (int pk = 0; pk < PK; pk++) {
             if (2 * pk >= live) continue;
-            uint32_t pf[4] = {lg_att_mma_pack<DT>(s[2 * pk][0], s[2 * pk][1]),
-                              lg_att_mma_pack<DT>(s[2 * pk][2], s[2 * pk][3]),
-                              lg_att_mma_pack<DT>(s[2 * pk + 1][0], s[2 * pk + 1][1]),
-                              lg_att_mma_pack<DT>(s[2 * pk + 1][2], s[2 * pk + 1][3])};
+            uint32_t pf[4];
+            lg_att_mma_a_from<DT>(pf, s[2 * pk], s[2 * pk + 1]);
             LG_ATT_UNROLL
             for (int ot = 0; ot < OT; ot++)
                 if (ot < hs8) {
-                    const uint16_t *v = vt + (pk * K + 2 * tig) * LDH + ot * N + group;
-                    uint32_t vf[2] = {lg_att_mma_column_pair(v, LDH),
-                                      lg_att_mma_column_pair(v + 8 * LDH, LDH)};
+                    uint32_t vf[2];
+                    lg_att_mma_b_cols(vf, vt + pk * K * LDH + ot * N, LDH, group, tig);
                     lg_mma_m16n8k16<DT>(o[ot], pf, vf, o[ot]);
                 }
         }
@@ -2364,6 +2410,283 @@ static void lg_att_mma_forward_launch(const lg_exec *ex, lg_buf y, lg_real *lse,
     LG_LAUNCH((lg_k_attention_forward_mma<DT, HSP>), grid, LG_ATT_TC_THREADS, bytes,
               lg_cuda_stream(ex), (uint16_t *)y.data, (float *)lse, (const uint16_t *)qkv.data, T,
               NH, NQG, HS, 1.0f / sqrtf((float)HS));
+}
+
+/* Backward, dq. A block owns one query tile (64 queries) of one (batch, head), heaviest first,
+   and sweeps the key tiles (64 keys, cp.async into two buffers) up to its diagonal; warp w owns
+   queries 16 w .. 16 w + 15. A thread first takes its two rows' lse and D = dy . y (the group's
+   four lanes split the dims). Per key tile: S = Q K^T and dP = dY V^T (16 x 64 each, in
+   accumulators), P = exp(S scale - lse), dS = P (dP - D) scale, rounded to 16 bits as A
+   fragments, and dQ += dS K. At the end dQ (in accumulators all along) is added to dqkv.
+   grid: query tiles x B NH, the (batch, head) fastest; 4 warps. */
+template <lg_dtype DT, int HSP>
+__global__ void __launch_bounds__(LG_ATT_TC_THREADS)
+lg_k_attention_backward_dq_mma(uint16_t *dqkv, const uint16_t *dy, const uint16_t *y,
+                               const uint16_t *qkv, const float *lse, int T, int NH, int NQG,
+                               int HS, float scale) {
+    typedef lg_att_io<DT> io;
+    constexpr int M = LG_ATT_MMA_M, N = LG_ATT_MMA_N, K = LG_ATT_MMA_K, BR = LG_ATT_TC_ROWS,
+                  BC = LG_ATT_MMA_KEYS, LDH = HSP + LG_ATT_TC_HPAD;
+    constexpr int QK = HSP / K, ST = BC / N, PK = BC / K, OT = HSP / N;
+    LG_SHARED_DYNAMIC(unsigned char, smem);
+    uint16_t *qs = (uint16_t *)smem;                  /* (BR, LDH): Q */
+    uint16_t *dys = qs + BR * LDH;                    /* (BR, LDH): dY */
+    uint16_t *ks = dys + BR * LDH;                    /* (STAGES, BC, LDH): K */
+    uint16_t *vs = ks + LG_ATT_MMA_STAGES * BC * LDH; /* (STAGES, BC, LDH): V */
+    int tiles = (T + BR - 1) / BR, heads = (int)(gridDim.x / tiles);
+    int q0 = (tiles - 1 - (int)blockIdx.x / heads) * BR, bh = (int)blockIdx.x % heads;
+    int b = bh / NH, h = bh % NH, g = h / (NH / NQG), hs16 = HS / K, hs8 = HS / N;
+    int warp = (int)threadIdx.x / LG_CUDA_WARP, lane = (int)threadIdx.x % LG_CUDA_WARP;
+    int group = lane / 4, tig = lane % 4, w0 = warp * M;
+    int wlast = min(T - 1, q0 + w0 + M - 1);
+    int key_tiles = (min(T, q0 + BR) + BC - 1) / BC;
+    size_t QKV = (size_t)(NH + 2 * NQG) * HS, ldy = (size_t)NH * HS;
+    size_t at = (size_t)b * T * QKV, aty = (size_t)b * T * ldy + (size_t)h * HS;
+    const uint16_t *kbase = qkv + at + (size_t)(NH + g) * HS;
+    const uint16_t *vbase = qkv + at + (size_t)(NH + NQG + g) * HS;
+
+    lg_att_mma_load<HSP, BR>(qs, qkv + at + (size_t)h * HS, QKV, q0, T, HS);
+    lg_att_mma_load<HSP, BR>(dys, dy + aty, ldy, q0, T, HS);
+    lg_att_mma_load<HSP, BC>(ks, kbase, QKV, 0, T, HS);
+    lg_att_mma_load<HSP, BC>(vs, vbase, QKV, 0, T, HS);
+    lg_cp_async_commit();
+
+    float L[2], D[2]; /* rows group and group + 8: lse and dy . y */
+    LG_ATT_UNROLL
+    for (int i = 0; i < 2; i++) {
+        int t = q0 + w0 + group + 8 * i;
+        float sum = 0.0f;
+        if (t < T)
+            for (int d = tig; d < HS; d += 4)
+                sum += io::get(dy + aty + (size_t)t * ldy + d) * io::get(y + aty + (size_t)t * ldy + d);
+        sum += __shfl_xor_sync(LG_CUDA_FULL_MASK, sum, 1);
+        sum += __shfl_xor_sync(LG_CUDA_FULL_MASK, sum, 2);
+        D[i] = sum;
+        L[i] = t < T ? lse[((size_t)b * NH + h) * T + t] : 0.0f;
+    }
+    float dq[OT][4];
+    LG_ATT_UNROLL
+    for (int ot = 0; ot < OT; ot++) dq[ot][0] = dq[ot][1] = dq[ot][2] = dq[ot][3] = 0.0f;
+    for (int j = 0; j < key_tiles; j++) {
+        int k0 = j * BC;
+        const uint16_t *kt = ks + (j % LG_ATT_MMA_STAGES) * BC * LDH;
+        const uint16_t *vt = vs + (j % LG_ATT_MMA_STAGES) * BC * LDH;
+        if (j + 1 < key_tiles) {
+            int next = (j + 1) % LG_ATT_MMA_STAGES;
+            lg_att_mma_load<HSP, BC>(ks + next * BC * LDH, kbase, QKV, k0 + BC, T, HS);
+            lg_att_mma_load<HSP, BC>(vs + next * BC * LDH, vbase, QKV, k0 + BC, T, HS);
+            lg_cp_async_commit();
+            lg_cp_async_wait<1>();
+        } else {
+            lg_cp_async_wait<0>();
+        }
+        __syncthreads();
+        int live = wlast < k0 ? 0 : min(ST, (wlast - k0) / N + 1);
+        float s[ST][4], dp[ST][4];
+        LG_ATT_UNROLL
+        for (int st = 0; st < ST; st++) {
+            s[st][0] = s[st][1] = s[st][2] = s[st][3] = 0.0f;
+            dp[st][0] = dp[st][1] = dp[st][2] = dp[st][3] = 0.0f;
+            if (st >= live) continue;
+            LG_ATT_UNROLL
+            for (int kk = 0; kk < QK; kk++)
+                if (kk < hs16) {
+                    uint32_t af[4], bf[2];
+                    lg_att_mma_a(af, qs + w0 * LDH + kk * K, LDH, group, tig);
+                    lg_att_mma_b_rows(bf, kt + st * N * LDH + kk * K, LDH, group, tig);
+                    lg_mma_m16n8k16<DT>(s[st], af, bf, s[st]);
+                    lg_att_mma_a(af, dys + w0 * LDH + kk * K, LDH, group, tig);
+                    lg_att_mma_b_rows(bf, vt + st * N * LDH + kk * K, LDH, group, tig);
+                    lg_mma_m16n8k16<DT>(dp[st], af, bf, dp[st]);
+                }
+        }
+        LG_ATT_UNROLL
+        for (int st = 0; st < ST; st++) {
+            LG_ATT_UNROLL
+            for (int e = 0; e < 4; e++) { /* e / 2: row group + 8 (e / 2); e % 2: the column */
+                int t = q0 + w0 + group + 8 * (e / 2), c = k0 + st * N + 2 * tig + e % 2;
+                float p = st < live && c <= t && c < T ? __expf(s[st][e] * scale - L[e / 2]) : 0.0f;
+                s[st][e] = p * (dp[st][e] - D[e / 2]) * scale; /* dS */
+            }
+        }
+        LG_ATT_UNROLL
+        for (int pk = 0; pk < PK; pk++) {
+            if (2 * pk >= live) continue;
+            uint32_t af[4];
+            lg_att_mma_a_from<DT>(af, s[2 * pk], s[2 * pk + 1]);
+            LG_ATT_UNROLL
+            for (int ot = 0; ot < OT; ot++)
+                if (ot < hs8) {
+                    uint32_t bf[2];
+                    lg_att_mma_b_cols(bf, kt + pk * K * LDH + ot * N, LDH, group, tig);
+                    lg_mma_m16n8k16<DT>(dq[ot], af, bf, dq[ot]);
+                }
+        }
+        __syncthreads();
+    }
+    lg_att_mma_add<DT, OT>(dqkv + at + (size_t)h * HS, QKV, dq, q0 + w0, T, HS, group, tig);
+}
+
+/* Query columns of a dk/dv tile: fewer at HSP 128, where dK and dV take 128 registers. */
+template <int HSP> struct lg_att_mma_dkv {
+    static constexpr int QUERIES = HSP >= 128 ? 32 : 64;
+};
+
+/* Backward, dk and dv. A block owns one key tile (64 keys) of one (batch, group), heaviest
+   (earliest) first, and sweeps, for each query head of the group, the query tiles from its
+   diagonal to T (Q and dY by cp.async into two buffers, the next tile's in flight); warp w owns
+   keys 16 w .. 16 w + 15, whose K and V stay in shared memory. Per query tile: the queries' lse
+   and D into shared memory; S^T = K Q^T and dP^T = V dY^T (in accumulators), P^T =
+   exp(S^T scale - lse), dS^T = P^T (dP^T - D) scale; dV += P^T dY and dK += dS^T Q with P^T
+   and dS^T as A fragments. Query score tiles wholly before the warp's first key or past T are
+   skipped. At the end dK and dV (in accumulators all along) are added to dqkv.
+   grid: key tiles x B NQG, the (batch, group) fastest; 4 warps. */
+template <lg_dtype DT, int HSP>
+__global__ void __launch_bounds__(LG_ATT_TC_THREADS)
+lg_k_attention_backward_dkv_mma(uint16_t *dqkv, const uint16_t *dy, const uint16_t *y,
+                                const uint16_t *qkv, const float *lse, int T, int NH, int NQG,
+                                int HS, float scale) {
+    constexpr int M = LG_ATT_MMA_M, N = LG_ATT_MMA_N, K = LG_ATT_MMA_K, BK = LG_ATT_TC_ROWS,
+                  BQ = lg_att_mma_dkv<HSP>::QUERIES, LDH = HSP + LG_ATT_TC_HPAD;
+    constexpr int QK = HSP / K, ST = BQ / N, PK = BQ / K, OT = HSP / N;
+    LG_SHARED_DYNAMIC(unsigned char, smem);
+    uint16_t *ks = (uint16_t *)smem;                    /* (BK, LDH): K */
+    uint16_t *vs = ks + BK * LDH;                       /* (BK, LDH): V */
+    uint16_t *qs = vs + BK * LDH;                       /* (STAGES, BQ, LDH): Q */
+    uint16_t *dys = qs + LG_ATT_MMA_STAGES * BQ * LDH;  /* (STAGES, BQ, LDH): dY */
+    float *lses = (float *)(dys + LG_ATT_MMA_STAGES * BQ * LDH); /* (BQ) */
+    float *ds = lses + BQ;                                       /* (BQ): D = dy . y */
+    int tiles = (T + BK - 1) / BK, groups = (int)(gridDim.x / tiles);
+    int k0 = (int)blockIdx.x / groups * BK, bg = (int)blockIdx.x % groups;
+    int b = bg / NQG, g = bg % NQG, heads_per_group = NH / NQG, hs16 = HS / K, hs8 = HS / N;
+    int warp = (int)threadIdx.x / LG_CUDA_WARP, lane = (int)threadIdx.x % LG_CUDA_WARP;
+    int group = lane / 4, tig = lane % 4, w0 = warp * M, c0 = k0 + w0;
+    size_t QKV = (size_t)(NH + 2 * NQG) * HS, ldy = (size_t)NH * HS;
+    size_t at = (size_t)b * T * QKV, aty = (size_t)b * T * ldy;
+    /* the work: query tiles [qstart, T) of each head of the group, one after another */
+    int qstart = k0 / BQ * BQ, per_head = (T - qstart + BQ - 1) / BQ;
+    int items = heads_per_group * per_head;
+
+    lg_att_mma_load<HSP, BK>(ks, qkv + at + (size_t)(NH + g) * HS, QKV, k0, T, HS);
+    lg_att_mma_load<HSP, BK>(vs, qkv + at + (size_t)(NH + NQG + g) * HS, QKV, k0, T, HS);
+    {
+        int h = g * heads_per_group;
+        lg_att_mma_load<HSP, BQ>(qs, qkv + at + (size_t)h * HS, QKV, qstart, T, HS);
+        lg_att_mma_load<HSP, BQ>(dys, dy + aty + (size_t)h * HS, ldy, qstart, T, HS);
+    }
+    lg_cp_async_commit();
+
+    float dk[OT][4], dv[OT][4];
+    LG_ATT_UNROLL
+    for (int ot = 0; ot < OT; ot++)
+        LG_ATT_UNROLL
+        for (int e = 0; e < 4; e++) dk[ot][e] = dv[ot][e] = 0.0f;
+    for (int n = 0; n < items; n++) {
+        int h = g * heads_per_group + n / per_head, q0 = qstart + n % per_head * BQ;
+        const uint16_t *qt = qs + (n % LG_ATT_MMA_STAGES) * BQ * LDH;
+        const uint16_t *dyt = dys + (n % LG_ATT_MMA_STAGES) * BQ * LDH;
+        if (n + 1 < items) {
+            int hn = g * heads_per_group + (n + 1) / per_head;
+            int qn = qstart + (n + 1) % per_head * BQ, next = (n + 1) % LG_ATT_MMA_STAGES;
+            lg_att_mma_load<HSP, BQ>(qs + next * BQ * LDH, qkv + at + (size_t)hn * HS, QKV, qn, T,
+                                     HS);
+            lg_att_mma_load<HSP, BQ>(dys + next * BQ * LDH, dy + aty + (size_t)hn * HS, ldy, qn, T,
+                                     HS);
+            lg_cp_async_commit();
+            lg_cp_async_wait<1>();
+        } else {
+            lg_cp_async_wait<0>();
+        }
+        lg_att_tc_rows<DT, BQ>(lses, ds, lse + ((size_t)b * NH + h) * T, dy + aty + (size_t)h * HS,
+                               y + aty + (size_t)h * HS, ldy, q0, T, HS);
+        __syncthreads();
+        bool live[ST]; /* score tiles with a query at or after the warp's first key, below T */
+        float s[ST][4], dp[ST][4];
+        LG_ATT_UNROLL
+        for (int st = 0; st < ST; st++) {
+            live[st] = q0 + st * N + N - 1 >= c0 && q0 + st * N < T;
+            s[st][0] = s[st][1] = s[st][2] = s[st][3] = 0.0f;
+            dp[st][0] = dp[st][1] = dp[st][2] = dp[st][3] = 0.0f;
+            if (!live[st]) continue;
+            LG_ATT_UNROLL
+            for (int kk = 0; kk < QK; kk++)
+                if (kk < hs16) {
+                    uint32_t af[4], bf[2];
+                    lg_att_mma_a(af, ks + w0 * LDH + kk * K, LDH, group, tig);
+                    lg_att_mma_b_rows(bf, qt + st * N * LDH + kk * K, LDH, group, tig);
+                    lg_mma_m16n8k16<DT>(s[st], af, bf, s[st]);
+                    lg_att_mma_a(af, vs + w0 * LDH + kk * K, LDH, group, tig);
+                    lg_att_mma_b_rows(bf, dyt + st * N * LDH + kk * K, LDH, group, tig);
+                    lg_mma_m16n8k16<DT>(dp[st], af, bf, dp[st]);
+                }
+        }
+        LG_ATT_UNROLL
+        for (int st = 0; st < ST; st++) {
+            LG_ATT_UNROLL
+            for (int e = 0; e < 4; e++) { /* e / 2: key row group + 8 (e / 2); e % 2: the column */
+                int c = c0 + group + 8 * (e / 2), col = st * N + 2 * tig + e % 2, q = q0 + col;
+                float p = live[st] && q >= c && q < T && c < T
+                              ? __expf(s[st][e] * scale - lses[col])
+                              : 0.0f;
+                s[st][e] = p;                                  /* P^T */
+                dp[st][e] = p * (dp[st][e] - ds[col]) * scale; /* dS^T */
+            }
+        }
+        LG_ATT_UNROLL
+        for (int pk = 0; pk < PK; pk++) {
+            if (!live[2 * pk] && !live[2 * pk + 1]) continue;
+            uint32_t pf[4], dsf[4];
+            lg_att_mma_a_from<DT>(pf, s[2 * pk], s[2 * pk + 1]);
+            lg_att_mma_a_from<DT>(dsf, dp[2 * pk], dp[2 * pk + 1]);
+            LG_ATT_UNROLL
+            for (int ot = 0; ot < OT; ot++)
+                if (ot < hs8) {
+                    uint32_t bf[2];
+                    lg_att_mma_b_cols(bf, dyt + pk * K * LDH + ot * N, LDH, group, tig);
+                    lg_mma_m16n8k16<DT>(dv[ot], pf, bf, dv[ot]);
+                    lg_att_mma_b_cols(bf, qt + pk * K * LDH + ot * N, LDH, group, tig);
+                    lg_mma_m16n8k16<DT>(dk[ot], dsf, bf, dk[ot]);
+                }
+        }
+        __syncthreads(); /* this tile's buffers and rows are used up before they are refilled */
+    }
+    lg_att_mma_add<DT, OT>(dqkv + at + (size_t)(NH + g) * HS, QKV, dk, c0, T, HS, group, tig);
+    lg_att_mma_add<DT, OT>(dqkv + at + (size_t)(NH + NQG + g) * HS, QKV, dv, c0, T, HS, group,
+                           tig);
+}
+
+/* Bytes of dynamic shared memory of the dq kernel (Q, dY, two buffers each of K and V: 102 KiB
+   at HSP 128) and of the dk/dv kernel (K, V, two buffers each of Q and dY, lse and D). */
+template <int HSP> static size_t lg_att_mma_dq_shared(void) {
+    return sizeof(uint16_t) * (2 * LG_ATT_TC_ROWS + 2 * LG_ATT_MMA_STAGES * LG_ATT_MMA_KEYS) *
+           (HSP + LG_ATT_TC_HPAD);
+}
+template <int HSP> static size_t lg_att_mma_dkv_shared(void) {
+    const size_t BQ = lg_att_mma_dkv<HSP>::QUERIES;
+    return sizeof(uint16_t) * (2 * LG_ATT_TC_ROWS + 2 * LG_ATT_MMA_STAGES * BQ) *
+               (HSP + LG_ATT_TC_HPAD) +
+           sizeof(float) * 2 * BQ;
+}
+
+template <lg_dtype DT, int HSP>
+static void lg_att_mma_backward_launch(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg_buf y,
+                                       lg_buf qkv, const lg_real *lse, int B, int T, int NH,
+                                       int NQG, int HS, int /* vec */) {
+    float scale = 1.0f / sqrtf((float)HS);
+    unsigned tiles = (unsigned)((T + LG_ATT_TC_ROWS - 1) / LG_ATT_TC_ROWS);
+    size_t bytes = lg_att_mma_dq_shared<HSP>();
+    lg_att_allow_shared(ex, lg_k_attention_backward_dq_mma<DT, HSP>, bytes);
+    LG_LAUNCH((lg_k_attention_backward_dq_mma<DT, HSP>), tiles * (unsigned)(B * NH),
+              LG_ATT_TC_THREADS, bytes, lg_cuda_stream(ex), (uint16_t *)dqkv.data,
+              (const uint16_t *)dy.data, (const uint16_t *)y.data, (const uint16_t *)qkv.data,
+              (const float *)lse, T, NH, NQG, HS, scale);
+    /* the two kernels write disjoint parts of dqkv (queries; keys and values) */
+    bytes = lg_att_mma_dkv_shared<HSP>();
+    lg_att_allow_shared(ex, lg_k_attention_backward_dkv_mma<DT, HSP>, bytes);
+    LG_LAUNCH((lg_k_attention_backward_dkv_mma<DT, HSP>), tiles * (unsigned)(B * NQG),
+              LG_ATT_TC_THREADS, bytes, lg_cuda_stream(ex), (uint16_t *)dqkv.data,
+              (const uint16_t *)dy.data, (const uint16_t *)y.data, (const uint16_t *)qkv.data,
+              (const float *)lse, T, NH, NQG, HS, scale);
 }
 
 /* 1 when the tensor-core kernels take the call: bf16 or fp16 storage, HS a multiple of 16 up to
@@ -2418,9 +2741,9 @@ template <lg_dtype DT> static lg_att_forward_fn lg_att_tc_forward_for(int HS) {
                       : lg_att_mma_forward_launch<DT, 128>;
 }
 template <lg_dtype DT> static lg_att_backward_fn lg_att_tc_backward_for(int HS) {
-    return HS <= 32   ? lg_att_tc_backward_launch<DT, 32>
-           : HS <= 64 ? lg_att_tc_backward_launch<DT, 64>
-                      : lg_att_tc_backward_launch<DT, 128>;
+    return HS <= 32   ? lg_att_mma_backward_launch<DT, 32>
+           : HS <= 64 ? lg_att_mma_backward_launch<DT, 64>
+                      : lg_att_mma_backward_launch<DT, 128>;
 }
 
 /* y (B, T, NH HS), lse (B, NH, T) = causal attention of qkv (B, T, (NH + 2 NQG) HS). */
