@@ -1021,12 +1021,6 @@ static void lg_cuda_hessian_update(const lg_exec *ex, lg_optimizer *opt, lg_buf 
    results are bitwise reproducible. bf16 and fp16 heads of 16, 32, ..., 128 take the
    tensor-core kernels of g2 instead (lg_att_tc_applies). */
 
-#ifndef LG_CUDA_EMULATE
-#include <cuda_bf16.h> /* the tensor-core kernels (g2): 16-bit types and WMMA */
-#include <cuda_fp16.h>
-#include <mma.h>
-#endif
-
 /* Shapes of the kernels' tiles: ROWS x COLS scores per block, TR x TC threads, head size padded
    to HSP, and BLOCKS, the blocks an SM should hold at once, for which __launch_bounds__ sizes
    the registers: as many as the shared memory allows, or fewer where a thread would get too few
@@ -1627,68 +1621,37 @@ static void lg_att_backward_typed(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg_
     launch(ex, dqkv, dy, y, qkv, lse, B, T, NH, NQG, HS, vec);
 }
 
-/* g2. attention on tensor cores (bf16, fp16; head sizes 16, 32, ..., 128) ---------------------
+/* g2. attention on tensor cores: mma.sync (bf16, fp16; head sizes 16, 32, ..., 128) -------------
 
-   The same three kernels with their products on tensor cores through WMMA (m16n16k16, 16-bit
-   inputs, float accumulators), for 16-bit storage and head sizes that are multiples of 16 up to
-   128 (lg_att_tc_applies); the kernels above take every other call. Tiles of heads sit in
-   shared memory in the storage type, as the tensor cores read them: (rows, HSP + 8), the head
-   padded to HSP (32, 64 or 128) with zeros; the products run over the HS / 16 real 16-dim steps
-   only. A block has 4 warps and each warp owns 16 rows of the block's 64-row tile. Scores and
-   their gradients go from accumulators into fp32 tiles in shared memory (rows + 4 floats),
-   where the warp's lanes take whole rows for the softmax statistics: a fragment's element
-   layout is unspecified, so nothing row-wise touches a fragment. P and dS are rounded to the
-   storage type before their products (an error of about 2^-9 relative in bf16, which the
-   float accumulation does not grow). Same results twice: no atomics, fixed orders. */
+   FlashAttention-2 on the tensor cores' own instruction, mma.sync.m16n8k16 (16-bit A and B,
+   float C and D, inline PTX; the emulator runs the same fragments), for 16-bit storage and head
+   sizes that are multiples of 16 up to 128 (lg_att_tc_applies); the kernels of g take every
+   other call. The same three kernels as g (forward; backward dq; backward dk and dv), 4 warps a
+   block, each warp owning 16 rows of the block's 64-row tile. The fragments' layouts are
+   documented (PTX ISA, "Matrix fragments for mma.m16n8k16"), so a thread knows which scores it
+   holds and every row-wise step runs in registers: with group = lane / 4 and tig = lane % 4, a
+   16 x 8 accumulator gives each thread rows group and group + 8, columns 2 tig and 2 tig + 1;
+   the four lanes of a group share its rows. Scores (and their gradients) rounded to 16 bits are
+   already the A fragments of the next product (a k step of 16 is two 16 x 8 tiles), and the
+   outputs (O, dQ, dK, dV) stay in accumulators from the first tile to the last: only the tiles
+   of heads pass through shared memory, (rows, HSP + 8) 16-bit, the head padded to HSP (32, 64
+   or 128) with zeros (16 bytes after each row: the 8 rows a fragment load touches fall in
+   distinct banks). Those come with cp.async, two buffers each, the next tile's copies in flight
+   while the current one is used. P and dS are rounded to the storage type before their
+   products (about 2^-9 relative in bf16, which the float accumulation does not grow). Same
+   results twice: no atomics, fixed orders. */
 
-#define LG_ATT_TC_M 16       /* the WMMA tile: m16n16k16 */
 #define LG_ATT_TC_WARPS 4    /* warps of a block */
 #define LG_ATT_TC_THREADS (LG_ATT_TC_WARPS * LG_CUDA_WARP)
-#define LG_ATT_TC_ROWS (LG_ATT_TC_WARPS * LG_ATT_TC_M) /* rows a block owns: 16 a warp */
-#define LG_ATT_TC_KEYS 64    /* key columns of a forward or dq tile */
-#define LG_ATT_TC_QUERIES 32 /* query columns of a dk/dv tile */
+#define LG_ATT_TC_ROWS (LG_ATT_TC_WARPS * LG_ATT_MMA_M) /* rows a block owns: 16 a warp */
 #define LG_ATT_TC_HPAD 8     /* 16-bit elements after each row of a 16-bit tile (16 bytes) */
-#define LG_ATT_TC_FPAD 4     /* floats after each row of an fp32 tile (16 bytes) */
 #define LG_ATT_TC_VEC 8      /* elements of one 16-byte load or store */
 #define LG_ATT_TC_MAX_HEAD 128
-
-/* The tensor cores' 16-bit type of a storage type, and float's rounding to it. */
-template <lg_dtype DT> struct lg_att_tc_type;
-template <> struct lg_att_tc_type<LG_DTYPE_BF16> {
-    typedef __nv_bfloat16 elem;
-    static __device__ __forceinline__ elem from_f32(float v) { return __float2bfloat16(v); }
-};
-template <> struct lg_att_tc_type<LG_DTYPE_F16> {
-    typedef __half elem;
-    static __device__ __forceinline__ elem from_f32(float v) { return __float2half(v); }
-};
-
-/* Fragments: A (16 x 16, row-major in memory), B (16 x 16, layout L), the float accumulator. */
-template <lg_dtype DT>
-using lg_att_frag_a = nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, LG_ATT_TC_M, LG_ATT_TC_M,
-                                             LG_ATT_TC_M, typename lg_att_tc_type<DT>::elem,
-                                             nvcuda::wmma::row_major>;
-template <lg_dtype DT, class L>
-using lg_att_frag_b = nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, LG_ATT_TC_M, LG_ATT_TC_M,
-                                             LG_ATT_TC_M, typename lg_att_tc_type<DT>::elem, L>;
-typedef nvcuda::wmma::fragment<nvcuda::wmma::accumulator, LG_ATT_TC_M, LG_ATT_TC_M, LG_ATT_TC_M,
-                               float>
-    lg_att_frag_c;
-
-/* dst (NROWS, HSP + 8), 16-bit = rows [row0, row0 + NROWS) of a head: src (T, HS), row stride
-   ld; rows from T on and dims from HS on are 0. The block's threads take 16-byte steps in turn
-   (HS % 16 == 0 and 16-byte aligned buffers: every step lies inside a row). */
-template <class E, int HSP, int NROWS>
-__device__ __forceinline__ void lg_att_tc_load(E *dst, const uint16_t *src, size_t ld, int row0,
-                                               int T, int HS) {
-    constexpr int STEPS = HSP / LG_ATT_TC_VEC, LDH = HSP + LG_ATT_TC_HPAD;
-    for (int q = (int)threadIdx.x; q < NROWS * STEPS; q += LG_ATT_TC_THREADS) {
-        int r = q / STEPS, d = q % STEPS * LG_ATT_TC_VEC, t = row0 + r;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (t < T && d < HS) v = *(const uint4 *)(src + (size_t)t * ld + d);
-        *(uint4 *)(dst + r * LDH + d) = v;
-    }
-}
+#define LG_ATT_MMA_M 16     /* mma.m16n8k16: rows of A, C and D */
+#define LG_ATT_MMA_N 8      /* columns of B, C and D */
+#define LG_ATT_MMA_K 16     /* columns of A, rows of B */
+#define LG_ATT_MMA_KEYS 64  /* keys of a forward or dq tile */
+#define LG_ATT_MMA_STAGES 2 /* buffers of a streamed tile: one in use, one being copied */
 
 /* lses, ds (NROWS) = the saved log-sum-exp and D = dy . y of query rows [row0, row0 + NROWS)
    of a head (0 from T on): LANES consecutive lanes split a row's dims, then sum their parts.
@@ -1712,407 +1675,6 @@ __device__ __forceinline__ void lg_att_tc_rows(float *lses, float *ds, const flo
         lses[r] = t < T ? lse_row[t] : 0.0f;
     }
 }
-
-/* dst rows [row0, row0 + 16) (those below T), dims [d0, d0 + 16) += acc, through the warp's
-   16 x 16 fp32 staging tile stage (row stride lds); dst: a head's (T, HS), row stride ld. */
-template <lg_dtype DT>
-__device__ __forceinline__ void lg_att_tc_add(uint16_t *dst, size_t ld, const lg_att_frag_c &acc,
-                                              float *stage, int lds, int row0, int d0, int T) {
-    typedef lg_att_io<DT> io;
-    constexpr int M = LG_ATT_TC_M;
-    int lane = (int)threadIdx.x % LG_CUDA_WARP;
-    nvcuda::wmma::store_matrix_sync(stage, acc, (unsigned)lds, nvcuda::wmma::mem_row_major);
-    __syncwarp();
-    for (int i = lane; i < M * M; i += LG_CUDA_WARP) {
-        int t = row0 + i / M, d = d0 + i % M;
-        if (t < T) {
-            uint16_t *p = dst + (size_t)t * ld + d;
-            io::put(p, io::get(p) + stage[i / M * lds + i % M]);
-        }
-    }
-    __syncwarp(); /* the stage is read before the next store */
-}
-
-/* Bytes of dynamic shared memory of each kernel (93.25, 77.5 and 79.25 KiB at HSP 128). */
-template <int HSP> static size_t lg_att_tc_forward_shared(void) {
-    const size_t R = LG_ATT_TC_ROWS, C = LG_ATT_TC_KEYS;
-    return sizeof(uint16_t) * (2 * C * (HSP + LG_ATT_TC_HPAD) + R * (C + LG_ATT_TC_HPAD)) +
-           sizeof(float) * (R * (C + LG_ATT_TC_FPAD) + R * (HSP + LG_ATT_TC_FPAD) + R);
-}
-template <int HSP> static size_t lg_att_tc_dq_shared(void) {
-    const size_t R = LG_ATT_TC_ROWS, C = LG_ATT_TC_KEYS;
-    return sizeof(uint16_t) * (2 * C * (HSP + LG_ATT_TC_HPAD) + R * (C + LG_ATT_TC_HPAD)) +
-           sizeof(float) * (2 * R * (C + LG_ATT_TC_FPAD) + 2 * R);
-}
-template <int HSP> static size_t lg_att_tc_dkv_shared(void) {
-    const size_t R = LG_ATT_TC_ROWS, C = LG_ATT_TC_QUERIES;
-    return sizeof(uint16_t) * (2 * (R + C) * (HSP + LG_ATT_TC_HPAD) + 2 * R * (C + LG_ATT_TC_HPAD)) +
-           sizeof(float) * (2 * R * (C + LG_ATT_TC_FPAD) + 2 * C);
-}
-
-/* Forward. A block owns one query tile (64 queries) of one (batch, head), heaviest first, and
-   sweeps the key tiles (64 keys) up to its diagonal. Warp w owns queries 16 w .. 16 w + 15 and
-   keeps their Q fragments in registers. Per key tile: S (16 x 64) = Q K^T on the tensor cores
-   into fp32 shared memory; two lanes a row (32 columns each) update the row's running max m and
-   sum l, write P = exp(S scale - m) in 16 bits and rescale the row of O (16 x HSP, fp32 in
-   shared memory); then O += P V on the tensor cores (O loaded into accumulators and stored
-   back). Key blocks of 16 past the warp's last query are skipped. Finally y = O / l,
-   lse = m + log l. grid: query tiles x B NH, the (batch, head) fastest; 4 warps. */
-template <lg_dtype DT, int HSP>
-__global__ void __launch_bounds__(LG_ATT_TC_THREADS)
-lg_k_attention_forward_tc(uint16_t *y, float *lse, const uint16_t *qkv, int T, int NH, int NQG,
-                          int HS, float scale) {
-    using namespace nvcuda;
-    typedef typename lg_att_tc_type<DT>::elem E;
-    constexpr int M = LG_ATT_TC_M, BR = LG_ATT_TC_ROWS, BC = LG_ATT_TC_KEYS, DK = HSP / M,
-                  NK = BC / M, HALF = BC / 2, LDH = HSP + LG_ATT_TC_HPAD,
-                  LDP = BC + LG_ATT_TC_HPAD, LDS = BC + LG_ATT_TC_FPAD, LDO = HSP + LG_ATT_TC_FPAD;
-    LG_SHARED_DYNAMIC(unsigned char, smem);
-    E *ks = (E *)smem;                    /* (BC, LDH): K; Q at the start */
-    E *vs = ks + BC * LDH;                /* (BC, LDH): V */
-    E *ps = vs + BC * LDH;                /* (BR, LDP): P */
-    float *ss = (float *)(ps + BR * LDP); /* (BR, LDS): S */
-    float *os = ss + BR * LDS;            /* (BR, LDO): O */
-    float *ls = os + BR * LDO;            /* (BR): l */
-    int tiles = (T + BR - 1) / BR, heads = (int)(gridDim.x / tiles);
-    int q0 = (tiles - 1 - (int)blockIdx.x / heads) * BR, bh = (int)blockIdx.x % heads;
-    int b = bh / NH, h = bh % NH, g = h / (NH / NQG), hs16 = HS / M;
-    int warp = (int)threadIdx.x / LG_CUDA_WARP, lane = (int)threadIdx.x % LG_CUDA_WARP;
-    int w0 = warp * M, r = w0 + lane % M, half = lane / M, t = q0 + r;
-    int wlast = min(T - 1, q0 + w0 + M - 1); /* the last key the warp's queries see */
-    size_t QKV = (size_t)(NH + 2 * NQG) * HS;
-    const uint16_t *base = qkv + (size_t)b * T * QKV;
-    const uint16_t *kbase = base + (size_t)(NH + g) * HS;
-    const uint16_t *vbase = base + (size_t)(NH + NQG + g) * HS;
-
-    lg_att_tc_load<E, HSP, BR>(ks, base + (size_t)h * HS, QKV, q0, T, HS);
-    for (int i = (int)threadIdx.x; i < BR * LDO; i += LG_ATT_TC_THREADS) os[i] = 0.0f;
-    __syncthreads();
-    lg_att_frag_a<DT> qf[DK];
-    LG_ATT_UNROLL
-    for (int kk = 0; kk < DK; kk++)
-        if (kk < hs16) wmma::load_matrix_sync(qf[kk], ks + w0 * LDH + kk * M, LDH);
-
-    float m = -INFINITY, l = 0.0f;
-    int kend = min(T, q0 + BR);
-    for (int k0 = 0; k0 < kend; k0 += BC) {
-        __syncthreads(); /* the previous tile's ks and vs (and Q's fragments) are used up */
-        lg_att_tc_load<E, HSP, BC>(ks, kbase, QKV, k0, T, HS);
-        lg_att_tc_load<E, HSP, BC>(vs, vbase, QKV, k0, T, HS);
-        __syncthreads();
-        int live = min(NK, (wlast - k0) / M + 1); /* key blocks with a key the warp sees */
-        for (int nt = 0; nt < live; nt++) {
-            lg_att_frag_c acc;
-            wmma::fill_fragment(acc, 0.0f);
-            LG_ATT_UNROLL
-            for (int kk = 0; kk < DK; kk++)
-                if (kk < hs16) {
-                    lg_att_frag_b<DT, wmma::col_major> kf;
-                    wmma::load_matrix_sync(kf, ks + nt * M * LDH + kk * M, LDH);
-                    wmma::mma_sync(acc, qf[kk], kf, acc);
-                }
-            wmma::store_matrix_sync(ss + w0 * LDS + nt * M, acc, LDS, wmma::mem_row_major);
-        }
-        __syncwarp();
-        /* the row's statistics: key 0 is in every row's first tile, so m is finite from then */
-        float sv[HALF], mx = -INFINITY;
-        for (int j = 0; j < HALF; j++) {
-            int c = k0 + half * HALF + j;
-            sv[j] = c <= t && c < T ? ss[r * LDS + half * HALF + j] * scale : -INFINITY;
-            mx = fmaxf(mx, sv[j]);
-        }
-        float m_new = fmaxf(m, fmaxf(mx, __shfl_xor_sync(LG_CUDA_FULL_MASK, mx, M)));
-        float alpha = __expf(m - m_new), sum = 0.0f;
-        for (int j = 0; j < HALF; j++) {
-            float p = __expf(sv[j] - m_new);
-            ps[r * LDP + half * HALF + j] = lg_att_tc_type<DT>::from_f32(p);
-            sum += p;
-        }
-        l = l * alpha + (sum + __shfl_xor_sync(LG_CUDA_FULL_MASK, sum, M));
-        m = m_new;
-        for (int d = half * HSP / 2; d < (half + 1) * HSP / 2; d++) os[r * LDO + d] *= alpha;
-        __syncwarp();
-        lg_att_frag_a<DT> pf[NK];
-        LG_ATT_UNROLL
-        for (int kt = 0; kt < NK; kt++)
-            if (kt < live) wmma::load_matrix_sync(pf[kt], ps + w0 * LDP + kt * M, LDP);
-        LG_ATT_UNROLL
-        for (int j = 0; j < DK; j++)
-            if (j < hs16) {
-                lg_att_frag_c acc;
-                wmma::load_matrix_sync(acc, os + w0 * LDO + j * M, LDO, wmma::mem_row_major);
-                LG_ATT_UNROLL
-                for (int kt = 0; kt < NK; kt++)
-                    if (kt < live) {
-                        lg_att_frag_b<DT, wmma::row_major> vf;
-                        wmma::load_matrix_sync(vf, vs + kt * M * LDH + j * M, LDH);
-                        wmma::mma_sync(acc, pf[kt], vf, acc);
-                    }
-                wmma::store_matrix_sync(os + w0 * LDO + j * M, acc, LDO, wmma::mem_row_major);
-            }
-    }
-    __syncwarp();
-    if (half == 0) {
-        ls[r] = 1.0f / l;
-        if (t < T) lse[((size_t)b * NH + h) * T + t] = m + logf(l);
-    }
-    __syncwarp();
-    /* the warp's rows of y, lanes along the dims */
-    size_t ld = (size_t)NH * HS;
-    uint16_t *ybase = y + (size_t)b * T * ld + (size_t)h * HS;
-    for (int i = lane; i < M * HS; i += LG_CUDA_WARP) {
-        int rr = w0 + i / HS, d = i % HS;
-        if (q0 + rr < T)
-            lg_att_io<DT>::put(ybase + (size_t)(q0 + rr) * ld + d, os[rr * LDO + d] * ls[rr]);
-    }
-}
-
-/* Backward, dq. A block owns one query tile (64 queries) of one (batch, head), heaviest first,
-   and sweeps the key tiles (64 keys) up to its diagonal. Warp w owns queries 16 w .. 16 w + 15
-   and keeps their Q and dY fragments and their dQ accumulators (HS / 16 tiles) in registers.
-   Per key tile: S = Q K^T and dP = dY V^T (16 x 64 each) on the tensor cores into fp32 shared
-   memory; two lanes a row write dS = P (dP - D) scale, P = exp(S scale - lse), in 16 bits; then
-   dQ += dS K on the tensor cores. At the end dQ is added to dqkv through a 16 x 16 fp32 stage.
-   grid: query tiles x B NH, the (batch, head) fastest; 4 warps. */
-template <lg_dtype DT, int HSP>
-__global__ void __launch_bounds__(LG_ATT_TC_THREADS)
-lg_k_attention_backward_dq_tc(uint16_t *dqkv, const uint16_t *dy, const uint16_t *y,
-                              const uint16_t *qkv, const float *lse, int T, int NH, int NQG,
-                              int HS, float scale) {
-    using namespace nvcuda;
-    typedef typename lg_att_tc_type<DT>::elem E;
-    constexpr int M = LG_ATT_TC_M, BR = LG_ATT_TC_ROWS, BC = LG_ATT_TC_KEYS, DK = HSP / M,
-                  NK = BC / M, HALF = BC / 2, LDH = HSP + LG_ATT_TC_HPAD,
-                  LDP = BC + LG_ATT_TC_HPAD, LDS = BC + LG_ATT_TC_FPAD;
-    LG_SHARED_DYNAMIC(unsigned char, smem);
-    E *ks = (E *)smem;                     /* (BC, LDH): K; Q at the start */
-    E *vs = ks + BC * LDH;                 /* (BC, LDH): V; dY at the start */
-    E *dss = vs + BC * LDH;                /* (BR, LDP): dS */
-    float *ss = (float *)(dss + BR * LDP); /* (BR, LDS): S; the dQ stage at the end */
-    float *dps = ss + BR * LDS;            /* (BR, LDS): dP */
-    float *lses = dps + BR * LDS;          /* (BR) */
-    float *ds = lses + BR;                 /* (BR): D = dy . y */
-    int tiles = (T + BR - 1) / BR, heads = (int)(gridDim.x / tiles);
-    int q0 = (tiles - 1 - (int)blockIdx.x / heads) * BR, bh = (int)blockIdx.x % heads;
-    int b = bh / NH, h = bh % NH, g = h / (NH / NQG), hs16 = HS / M;
-    int warp = (int)threadIdx.x / LG_CUDA_WARP, lane = (int)threadIdx.x % LG_CUDA_WARP;
-    int w0 = warp * M, r = w0 + lane % M, half = lane / M, t = q0 + r;
-    int wlast = min(T - 1, q0 + w0 + M - 1);
-    size_t QKV = (size_t)(NH + 2 * NQG) * HS, ldy = (size_t)NH * HS;
-    size_t at = (size_t)b * T * QKV, aty = (size_t)b * T * ldy + (size_t)h * HS;
-    const uint16_t *base = qkv + at;
-    const uint16_t *kbase = base + (size_t)(NH + g) * HS;
-    const uint16_t *vbase = base + (size_t)(NH + NQG + g) * HS;
-
-    lg_att_tc_load<E, HSP, BR>(ks, base + (size_t)h * HS, QKV, q0, T, HS);
-    lg_att_tc_load<E, HSP, BR>(vs, dy + aty, ldy, q0, T, HS);
-    lg_att_tc_rows<DT, BR>(lses, ds, lse + ((size_t)b * NH + h) * T, dy + aty, y + aty, ldy, q0,
-                           T, HS);
-    __syncthreads();
-    lg_att_frag_a<DT> qf[DK], dyf[DK];
-    lg_att_frag_c dq[DK];
-    LG_ATT_UNROLL
-    for (int kk = 0; kk < DK; kk++)
-        if (kk < hs16) {
-            wmma::load_matrix_sync(qf[kk], ks + w0 * LDH + kk * M, LDH);
-            wmma::load_matrix_sync(dyf[kk], vs + w0 * LDH + kk * M, LDH);
-            wmma::fill_fragment(dq[kk], 0.0f);
-        }
-    float L = lses[r], D = ds[r];
-
-    int kend = min(T, q0 + BR);
-    for (int k0 = 0; k0 < kend; k0 += BC) {
-        __syncthreads(); /* the previous tile's ks and vs (and the first fragments) are used up */
-        lg_att_tc_load<E, HSP, BC>(ks, kbase, QKV, k0, T, HS);
-        lg_att_tc_load<E, HSP, BC>(vs, vbase, QKV, k0, T, HS);
-        __syncthreads();
-        int live = min(NK, (wlast - k0) / M + 1);
-        for (int nt = 0; nt < live; nt++) {
-            lg_att_frag_c s, dp;
-            wmma::fill_fragment(s, 0.0f);
-            wmma::fill_fragment(dp, 0.0f);
-            LG_ATT_UNROLL
-            for (int kk = 0; kk < DK; kk++)
-                if (kk < hs16) {
-                    lg_att_frag_b<DT, wmma::col_major> kf, vf;
-                    wmma::load_matrix_sync(kf, ks + nt * M * LDH + kk * M, LDH);
-                    wmma::mma_sync(s, qf[kk], kf, s);
-                    wmma::load_matrix_sync(vf, vs + nt * M * LDH + kk * M, LDH);
-                    wmma::mma_sync(dp, dyf[kk], vf, dp);
-                }
-            wmma::store_matrix_sync(ss + w0 * LDS + nt * M, s, LDS, wmma::mem_row_major);
-            wmma::store_matrix_sync(dps + w0 * LDS + nt * M, dp, LDS, wmma::mem_row_major);
-        }
-        __syncwarp();
-        for (int j = 0; j < HALF; j++) {
-            int col = half * HALF + j, c = k0 + col;
-            float v = 0.0f;
-            if (c <= t && t < T)
-                v = __expf(ss[r * LDS + col] * scale - L) * (dps[r * LDS + col] - D) * scale;
-            dss[r * LDP + col] = lg_att_tc_type<DT>::from_f32(v);
-        }
-        __syncwarp();
-        LG_ATT_UNROLL
-        for (int kt = 0; kt < NK; kt++)
-            if (kt < live) {
-                lg_att_frag_a<DT> dsf;
-                wmma::load_matrix_sync(dsf, dss + w0 * LDP + kt * M, LDP);
-                LG_ATT_UNROLL
-                for (int j = 0; j < DK; j++)
-                    if (j < hs16) {
-                        lg_att_frag_b<DT, wmma::row_major> kf;
-                        wmma::load_matrix_sync(kf, ks + kt * M * LDH + j * M, LDH);
-                        wmma::mma_sync(dq[j], dsf, kf, dq[j]);
-                    }
-            }
-    }
-    __syncwarp();
-    LG_ATT_UNROLL
-    for (int j = 0; j < DK; j++)
-        if (j < hs16)
-            lg_att_tc_add<DT>(dqkv + at + (size_t)h * HS, QKV, dq[j], ss + w0 * LDS, LDS, q0 + w0,
-                              j * M, T);
-}
-
-/* Backward, dk and dv. A block owns one key tile (64 keys) of one (batch, group), heaviest
-   (earliest) first, and sweeps, for each query head of the group, the query tiles (32 queries)
-   from its diagonal to T. Warp w owns keys 16 w .. 16 w + 15 and keeps their dK and dV
-   accumulators (2 HS / 16 tiles) in registers; K and V stay in shared memory. Per query tile:
-   S^T = K Q^T and dP^T = V dY^T (16 x 32 each) on the tensor cores into fp32 shared memory;
-   two lanes a key row (16 queries each) write P^T and dS^T = P^T (dP^T - D) scale in 16 bits;
-   then dV += P^T dY and dK += dS^T Q on the tensor cores. Query blocks of 16 wholly before the
-   warp's first key, or past T, are skipped. At the end dK and dV are added to dqkv through a
-   16 x 16 fp32 stage. grid: key tiles x B NQG, the (batch, group) fastest; 4 warps. */
-template <lg_dtype DT, int HSP>
-__global__ void __launch_bounds__(LG_ATT_TC_THREADS)
-lg_k_attention_backward_dkv_tc(uint16_t *dqkv, const uint16_t *dy, const uint16_t *y,
-                               const uint16_t *qkv, const float *lse, int T, int NH, int NQG,
-                               int HS, float scale) {
-    using namespace nvcuda;
-    typedef typename lg_att_tc_type<DT>::elem E;
-    constexpr int M = LG_ATT_TC_M, BK = LG_ATT_TC_ROWS, BQ = LG_ATT_TC_QUERIES, DK = HSP / M,
-                  NQ = BQ / M, HALF = BQ / 2, LDH = HSP + LG_ATT_TC_HPAD,
-                  LDP = BQ + LG_ATT_TC_HPAD, LDS = BQ + LG_ATT_TC_FPAD;
-    LG_SHARED_DYNAMIC(unsigned char, smem);
-    E *ks = (E *)smem;                      /* (BK, LDH): K */
-    E *vs = ks + BK * LDH;                  /* (BK, LDH): V */
-    E *qs = vs + BK * LDH;                  /* (BQ, LDH): Q */
-    E *dys = qs + BQ * LDH;                 /* (BQ, LDH): dY */
-    E *pts = dys + BQ * LDH;                /* (BK, LDP): P^T */
-    E *dsts = pts + BK * LDP;               /* (BK, LDP): dS^T */
-    float *sts = (float *)(dsts + BK * LDP); /* (BK, LDS): S^T; the stage at the end */
-    float *dpts = sts + BK * LDS;           /* (BK, LDS): dP^T */
-    float *lses = dpts + BK * LDS;          /* (BQ) */
-    float *ds = lses + BQ;                  /* (BQ): D = dy . y */
-    int tiles = (T + BK - 1) / BK, groups = (int)(gridDim.x / tiles);
-    int k0 = (int)blockIdx.x / groups * BK, bg = (int)blockIdx.x % groups;
-    int b = bg / NQG, g = bg % NQG, heads_per_group = NH / NQG, hs16 = HS / M;
-    int warp = (int)threadIdx.x / LG_CUDA_WARP, lane = (int)threadIdx.x % LG_CUDA_WARP;
-    int w0 = warp * M, r = w0 + lane % M, half = lane / M, c = k0 + r;
-    size_t QKV = (size_t)(NH + 2 * NQG) * HS, ldy = (size_t)NH * HS;
-    size_t at = (size_t)b * T * QKV;
-    const uint16_t *base = qkv + at;
-    lg_att_tc_load<E, HSP, BK>(ks, base + (size_t)(NH + g) * HS, QKV, k0, T, HS);
-    lg_att_tc_load<E, HSP, BK>(vs, base + (size_t)(NH + NQG + g) * HS, QKV, k0, T, HS);
-
-    lg_att_frag_c dk[DK], dv[DK];
-    LG_ATT_UNROLL
-    for (int j = 0; j < DK; j++)
-        if (j < hs16) {
-            wmma::fill_fragment(dk[j], 0.0f);
-            wmma::fill_fragment(dv[j], 0.0f);
-        }
-    for (int h = g * heads_per_group; h < (g + 1) * heads_per_group; h++) {
-        size_t aty = (size_t)b * T * ldy + (size_t)h * HS;
-        for (int q0 = k0 / BQ * BQ; q0 < T; q0 += BQ) {
-            __syncthreads(); /* the previous tile's qs, dys and rows are used up */
-            lg_att_tc_load<E, HSP, BQ>(qs, base + (size_t)h * HS, QKV, q0, T, HS);
-            lg_att_tc_load<E, HSP, BQ>(dys, dy + aty, ldy, q0, T, HS);
-            lg_att_tc_rows<DT, BQ>(lses, ds, lse + ((size_t)b * NH + h) * T, dy + aty, y + aty,
-                                   ldy, q0, T, HS);
-            __syncthreads();
-            bool live[NQ]; /* query blocks with a query at or after the warp's first key */
-            LG_ATT_UNROLL
-            for (int nt = 0; nt < NQ; nt++) {
-                live[nt] = q0 + nt * M + M - 1 >= k0 + w0 && q0 + nt * M < T;
-                if (!live[nt]) continue;
-                lg_att_frag_c s, dp;
-                wmma::fill_fragment(s, 0.0f);
-                wmma::fill_fragment(dp, 0.0f);
-                LG_ATT_UNROLL
-                for (int kk = 0; kk < DK; kk++)
-                    if (kk < hs16) {
-                        lg_att_frag_a<DT> kf, vf;
-                        lg_att_frag_b<DT, wmma::col_major> qf, dyf;
-                        wmma::load_matrix_sync(kf, ks + w0 * LDH + kk * M, LDH);
-                        wmma::load_matrix_sync(qf, qs + nt * M * LDH + kk * M, LDH);
-                        wmma::mma_sync(s, kf, qf, s);
-                        wmma::load_matrix_sync(vf, vs + w0 * LDH + kk * M, LDH);
-                        wmma::load_matrix_sync(dyf, dys + nt * M * LDH + kk * M, LDH);
-                        wmma::mma_sync(dp, vf, dyf, dp);
-                    }
-                wmma::store_matrix_sync(sts + w0 * LDS + nt * M, s, LDS, wmma::mem_row_major);
-                wmma::store_matrix_sync(dpts + w0 * LDS + nt * M, dp, LDS, wmma::mem_row_major);
-            }
-            __syncwarp();
-            for (int j = 0; j < HALF; j++) {
-                int col = half * HALF + j, q = q0 + col;
-                float p = 0.0f, v = 0.0f;
-                if (q >= c && q < T) {
-                    p = __expf(sts[r * LDS + col] * scale - lses[col]);
-                    v = p * (dpts[r * LDS + col] - ds[col]) * scale;
-                }
-                pts[r * LDP + col] = lg_att_tc_type<DT>::from_f32(p);
-                dsts[r * LDP + col] = lg_att_tc_type<DT>::from_f32(v);
-            }
-            __syncwarp();
-            LG_ATT_UNROLL
-            for (int kt = 0; kt < NQ; kt++)
-                if (live[kt]) {
-                    lg_att_frag_a<DT> pf, dsf;
-                    wmma::load_matrix_sync(pf, pts + w0 * LDP + kt * M, LDP);
-                    wmma::load_matrix_sync(dsf, dsts + w0 * LDP + kt * M, LDP);
-                    LG_ATT_UNROLL
-                    for (int j = 0; j < DK; j++)
-                        if (j < hs16) {
-                            lg_att_frag_b<DT, wmma::row_major> dyf, qf;
-                            wmma::load_matrix_sync(dyf, dys + kt * M * LDH + j * M, LDH);
-                            wmma::mma_sync(dv[j], pf, dyf, dv[j]);
-                            wmma::load_matrix_sync(qf, qs + kt * M * LDH + j * M, LDH);
-                            wmma::mma_sync(dk[j], dsf, qf, dk[j]);
-                        }
-                }
-        }
-    }
-    __syncwarp();
-    LG_ATT_UNROLL
-    for (int j = 0; j < DK; j++)
-        if (j < hs16) {
-            lg_att_tc_add<DT>(dqkv + at + (size_t)(NH + g) * HS, QKV, dk[j], sts + w0 * LDS, LDS,
-                              k0 + w0, j * M, T);
-            lg_att_tc_add<DT>(dqkv + at + (size_t)(NH + NQG + g) * HS, QKV, dv[j], sts + w0 * LDS,
-                              LDS, k0 + w0, j * M, T);
-        }
-}
-
-/* g3. attention forward on mma.sync (bf16, fp16; head sizes 16, 32, ..., 128) -----------------
-
-   FlashAttention-2's forward on the tensor cores' own instruction, mma.sync.m16n8k16 (16-bit A
-   and B, float C and D), for the calls g2 takes (lg_att_tc_applies). Unlike WMMA, the fragments'
-   layouts are documented (PTX ISA, "Matrix fragments for mma.m16n8k16"), so a thread knows which
-   scores it holds and the softmax runs in registers: with group = lane / 4 and tig = lane % 4, a
-   16 x 8 accumulator gives each thread rows group and group + 8, columns 2 tig and 2 tig + 1;
-   the four lanes of a group share its rows. The scores' accumulators, rounded to 16 bits, are
-   already the A fragments of P V (a k step of 16 keys is two score tiles of 8), and the output
-   stays in accumulators from the first key tile to the last: nothing but K and V tiles passes
-   through shared memory. Those come with cp.async (16-byte steps, rows past T zero-filled), two
-   buffers each, the next tile's copies in flight while the current one is used. */
-
-#define LG_ATT_MMA_M 16     /* mma.m16n8k16: rows of A, C and D */
-#define LG_ATT_MMA_N 8      /* columns of B, C and D */
-#define LG_ATT_MMA_K 16     /* columns of A, rows of B */
-#define LG_ATT_MMA_KEYS 64  /* keys of a tile */
-#define LG_ATT_MMA_STAGES 2 /* K and V buffers: one in use, one being copied */
 
 /* d (16 x 8) = a (16 x 16) b (16 x 8) + c over the warp, in the documented fragments (above); d
    may be c. Every lane of a whole warp calls it at once. */
@@ -2693,44 +2255,11 @@ static void lg_att_mma_backward_launch(const lg_exec *ex, lg_buf dqkv, lg_buf dy
    128, every buffer 16-byte aligned (the tiles move in 16-byte steps), and the rank has not
    asked for the CUDA-core kernels (tests). */
 static int lg_att_tc_applies(const lg_exec *ex, const lg_buf *bufs, int nbufs, int HS) {
-    if (ex->cuda->cuda_core_attention || HS % LG_ATT_TC_M || HS > LG_ATT_TC_MAX_HEAD) return 0;
+    if (ex->cuda->cuda_core_attention || HS % LG_ATT_MMA_K || HS > LG_ATT_TC_MAX_HEAD) return 0;
     if (bufs[0].dtype != LG_DTYPE_BF16 && bufs[0].dtype != LG_DTYPE_F16) return 0;
     for (int i = 0; i < nbufs; i++)
         if ((uintptr_t)bufs[i].data % (LG_ATT_TC_VEC * sizeof(uint16_t))) return 0;
     return 1;
-}
-
-template <lg_dtype DT, int HSP>
-static void lg_att_tc_forward_launch(const lg_exec *ex, lg_buf y, lg_real *lse, lg_buf qkv, int B,
-                                     int T, int NH, int NQG, int HS, int /* vec */) {
-    size_t bytes = lg_att_tc_forward_shared<HSP>();
-    lg_att_allow_shared(ex, lg_k_attention_forward_tc<DT, HSP>, bytes);
-    unsigned grid = (unsigned)((T + LG_ATT_TC_ROWS - 1) / LG_ATT_TC_ROWS) * (unsigned)(B * NH);
-    LG_LAUNCH((lg_k_attention_forward_tc<DT, HSP>), grid, LG_ATT_TC_THREADS, bytes,
-              lg_cuda_stream(ex), (uint16_t *)y.data, (float *)lse, (const uint16_t *)qkv.data, T,
-              NH, NQG, HS, 1.0f / sqrtf((float)HS));
-}
-
-template <lg_dtype DT, int HSP>
-static void lg_att_tc_backward_launch(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg_buf y,
-                                      lg_buf qkv, const lg_real *lse, int B, int T, int NH,
-                                      int NQG, int HS, int /* vec */) {
-    float scale = 1.0f / sqrtf((float)HS);
-    size_t bytes = lg_att_tc_dq_shared<HSP>();
-    lg_att_allow_shared(ex, lg_k_attention_backward_dq_tc<DT, HSP>, bytes);
-    unsigned grid = (unsigned)((T + LG_ATT_TC_ROWS - 1) / LG_ATT_TC_ROWS) * (unsigned)(B * NH);
-    LG_LAUNCH((lg_k_attention_backward_dq_tc<DT, HSP>), grid, LG_ATT_TC_THREADS, bytes,
-              lg_cuda_stream(ex), (uint16_t *)dqkv.data, (const uint16_t *)dy.data,
-              (const uint16_t *)y.data, (const uint16_t *)qkv.data, (const float *)lse, T, NH,
-              NQG, HS, scale);
-    /* the two kernels write disjoint parts of dqkv (queries; keys and values) */
-    bytes = lg_att_tc_dkv_shared<HSP>();
-    lg_att_allow_shared(ex, lg_k_attention_backward_dkv_tc<DT, HSP>, bytes);
-    unsigned grid_kv = (unsigned)((T + LG_ATT_TC_ROWS - 1) / LG_ATT_TC_ROWS) * (unsigned)(B * NQG);
-    LG_LAUNCH((lg_k_attention_backward_dkv_tc<DT, HSP>), grid_kv, LG_ATT_TC_THREADS, bytes,
-              lg_cuda_stream(ex), (uint16_t *)dqkv.data, (const uint16_t *)dy.data,
-              (const uint16_t *)y.data, (const uint16_t *)qkv.data, (const float *)lse, T, NH,
-              NQG, HS, scale);
 }
 
 /* The tensor-core launcher for a storage type (bf16, fp16) and HS: HSP the smallest of 32, 64,
