@@ -37,6 +37,7 @@ grep -v '^  ok' "$logs/test_cuda.txt"
 
 echo "== litgpt.c benchmark [$(elapsed) s]"
 timeout 100 "$bin/test_cuda" --bench 2>&1 | tee "$logs/bench.txt"
+timeout 60 "$bin/test_cuda" --bench-attention 2>&1 | tee "$logs/bench_attention.txt"
 
 echo "== PyTorch, the same step [$(elapsed) s]"
 if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then

@@ -690,6 +690,10 @@ int main(int argc, char **argv) {
         bench();
         return 0;
     }
+    if (argc > 1 && strcmp(argv[1], "--bench-attention") == 0) {
+        bench_attention();
+        return 0;
+    }
 #ifdef LG_CUDA_EMULATE
     printf("CUDA backend on the emulator (%d device%s)\n", gpus, gpus > 1 ? "s" : "");
 #else
