@@ -1635,8 +1635,8 @@ static void lg_att_backward_typed(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg_
    already the A fragments of the next product (a k step of 16 is two 16 x 8 tiles), and the
    outputs (O, dQ, dK, dV) stay in accumulators from the first tile to the last: only the tiles
    of heads pass through shared memory, (rows, HSP + 8) 16-bit, the head padded to HSP (32, 64
-   or 128) with zeros (16 bytes after each row: the 8 rows a fragment load touches fall in
-   distinct banks). Those come with cp.async, two buffers each, the next tile's copies in flight
+   or 128) with zeros, read into fragments by ldmatrix (16 bytes after each row: the 8 rows of
+   one 8 x 8 matrix fall in distinct banks). Those come with cp.async, two buffers each, the next tile's copies in flight
    while the current one is used. P and dS are rounded to the storage type before their
    products (about 2^-9 relative in bf16, which the float accumulation does not grow). Same
    results twice: no atomics, fixed orders. */
@@ -1699,6 +1699,36 @@ __device__ __forceinline__ void lg_mma_m16n8k16(float d[4], const uint32_t a[4],
 #endif
 }
 
+/* COUNT 8 x 8 matrices of 16-bit elements from shared memory to the fragments mma.sync takes:
+   lanes 8 i .. 8 i + 7 give the addresses of matrix i's rows (16 bytes each, 16-byte aligned);
+   r[i] gets row lane / 4, elements 2 (lane % 4) and + 1 of matrix i, or with TRANS those of its
+   transpose. Every lane of a whole warp calls it at once. */
+template <int COUNT, bool TRANS>
+__device__ __forceinline__ void lg_ldmatrix(uint32_t r[COUNT], const uint16_t *row) {
+    static_assert(COUNT == 2 || COUNT == 4, "the attention kernels load 2 or 4 matrices");
+#ifdef LG_CUDA_EMULATE
+    lg_emu_ldmatrix(r, COUNT, TRANS, row);
+#else
+    unsigned shared = (unsigned)__cvta_generic_to_shared(row);
+    if constexpr (COUNT == 4 && !TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(shared));
+    else if constexpr (COUNT == 4)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(shared));
+    else if constexpr (!TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                     : "=r"(r[0]), "=r"(r[1])
+                     : "r"(shared));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+                     : "=r"(r[0]), "=r"(r[1])
+                     : "r"(shared));
+#endif
+}
+
 /* 16 bytes from global src to shared dst without passing through registers; valid == 0 fills
    dst with zeros and reads nothing. Complete after lg_cp_async_commit and lg_cp_async_wait. */
 __device__ __forceinline__ void lg_cp_async16(void *dst, const void *src, int valid) {
@@ -1733,38 +1763,22 @@ template <lg_dtype DT> __device__ __forceinline__ uint32_t lg_att_mma_pack(float
     typedef lg_att_io<DT> io;
     return (uint32_t)io::from_f32(a) | (uint32_t)io::from_f32(b) << 16;
 }
-/* Two 16-bit elements at p (4-byte aligned) as one register. */
-__device__ __forceinline__ uint32_t lg_att_mma_pair(const uint16_t *p) {
-    return *(const uint32_t *)p;
-}
-/* Two 16-bit elements at p and p + ld as one register (a column pair of a row-major tile). */
-__device__ __forceinline__ uint32_t lg_att_mma_column_pair(const uint16_t *p, int ld) {
-    return (uint32_t)p[0] | (uint32_t)p[ld] << 16;
-}
-
-/* The A fragment of the 16 x 16 tile at p (row-major, row stride ld). */
-__device__ __forceinline__ void lg_att_mma_a(uint32_t a[4], const uint16_t *p, int ld, int group,
-                                             int tig) {
-    const uint16_t *q = p + group * ld + 2 * tig;
-    a[0] = lg_att_mma_pair(q);
-    a[1] = lg_att_mma_pair(q + 8 * ld);
-    a[2] = lg_att_mma_pair(q + 8);
-    a[3] = lg_att_mma_pair(q + 8 * ld + 8);
+/* The A fragment of the 16 x 16 tile at p (row-major, row stride ld): its quarters (rows 0-7,
+   8-15 by columns 0-7, 8-15) are a0 a1, a2 a3, a4 a5, a6 a7. */
+__device__ __forceinline__ void lg_att_mma_a(uint32_t a[4], const uint16_t *p, int ld, int lane) {
+    int quarter = lane / 8;
+    lg_ldmatrix<4, false>(a, p + (lane % 8 + quarter % 2 * 8) * ld + quarter / 2 * 8);
 }
 /* The B fragment (16 x 8) whose column n is row n of the 8 x 16 tile at p (row-major, row stride
    ld): the transposed operand of a product with a head's rows, as K in Q K^T. */
 __device__ __forceinline__ void lg_att_mma_b_rows(uint32_t b[2], const uint16_t *p, int ld,
-                                                  int group, int tig) {
-    const uint16_t *q = p + group * ld + 2 * tig;
-    b[0] = lg_att_mma_pair(q);
-    b[1] = lg_att_mma_pair(q + 8);
+                                                  int lane) {
+    lg_ldmatrix<2, false>(b, p + lane % 8 * ld + lane / 8 % 2 * 8);
 }
 /* The B fragment of the 16 x 8 tile at p (row-major, row stride ld), as V in P V. */
 __device__ __forceinline__ void lg_att_mma_b_cols(uint32_t b[2], const uint16_t *p, int ld,
-                                                  int group, int tig) {
-    const uint16_t *q = p + 2 * tig * ld + group;
-    b[0] = lg_att_mma_column_pair(q, ld);
-    b[1] = lg_att_mma_column_pair(q + 8 * ld, ld);
+                                                  int lane) {
+    lg_ldmatrix<2, true>(b, p + lane % 16 * ld);
 }
 /* The A fragment of a 16 x 16 tile held as two accumulators (its columns 0..7 and 8..15),
    rounded to the storage type: the scores of one product become an operand of the next. */
@@ -1879,7 +1893,7 @@ lg_k_attention_forward_mma(uint16_t *y, float *lse, const uint16_t *qkv, int T, 
         if (j == 0) {
             LG_ATT_UNROLL
             for (int kk = 0; kk < QK; kk++)
-                if (kk < hs16) lg_att_mma_a(qf[kk], qs + w0 * LDH + kk * K, LDH, group, tig);
+                if (kk < hs16) lg_att_mma_a(qf[kk], qs + w0 * LDH + kk * K, LDH, lane);
         }
         /* score tiles with a key the warp sees (warp-uniform: the mma takes the whole warp) */
         int live = wlast < k0 ? 0 : min(ST, (wlast - k0) / N + 1);
@@ -1892,7 +1906,7 @@ lg_k_attention_forward_mma(uint16_t *y, float *lse, const uint16_t *qkv, int T, 
             for (int kk = 0; kk < QK; kk++)
                 if (kk < hs16) {
                     uint32_t kf[2];
-                    lg_att_mma_b_rows(kf, kt + st * N * LDH + kk * K, LDH, group, tig);
+                    lg_att_mma_b_rows(kf, kt + st * N * LDH + kk * K, LDH, lane);
                     lg_mma_m16n8k16<DT>(s[st], qf[kk], kf, s[st]);
                 }
         }
@@ -1939,7 +1953,7 @@ lg_k_attention_forward_mma(uint16_t *y, float *lse, const uint16_t *qkv, int T, 
             for (int ot = 0; ot < OT; ot++)
                 if (ot < hs8) {
                     uint32_t vf[2];
-                    lg_att_mma_b_cols(vf, vt + pk * K * LDH + ot * N, LDH, group, tig);
+                    lg_att_mma_b_cols(vf, vt + pk * K * LDH + ot * N, LDH, lane);
                     lg_mma_m16n8k16<DT>(o[ot], pf, vf, o[ot]);
                 }
         }
@@ -2054,11 +2068,11 @@ lg_k_attention_backward_dq_mma(uint16_t *dqkv, const uint16_t *dy, const uint16_
             for (int kk = 0; kk < QK; kk++)
                 if (kk < hs16) {
                     uint32_t af[4], bf[2];
-                    lg_att_mma_a(af, qs + w0 * LDH + kk * K, LDH, group, tig);
-                    lg_att_mma_b_rows(bf, kt + st * N * LDH + kk * K, LDH, group, tig);
+                    lg_att_mma_a(af, qs + w0 * LDH + kk * K, LDH, lane);
+                    lg_att_mma_b_rows(bf, kt + st * N * LDH + kk * K, LDH, lane);
                     lg_mma_m16n8k16<DT>(s[st], af, bf, s[st]);
-                    lg_att_mma_a(af, dys + w0 * LDH + kk * K, LDH, group, tig);
-                    lg_att_mma_b_rows(bf, vt + st * N * LDH + kk * K, LDH, group, tig);
+                    lg_att_mma_a(af, dys + w0 * LDH + kk * K, LDH, lane);
+                    lg_att_mma_b_rows(bf, vt + st * N * LDH + kk * K, LDH, lane);
                     lg_mma_m16n8k16<DT>(dp[st], af, bf, dp[st]);
                 }
         }
@@ -2080,7 +2094,7 @@ lg_k_attention_backward_dq_mma(uint16_t *dqkv, const uint16_t *dy, const uint16_
             for (int ot = 0; ot < OT; ot++)
                 if (ot < hs8) {
                     uint32_t bf[2];
-                    lg_att_mma_b_cols(bf, kt + pk * K * LDH + ot * N, LDH, group, tig);
+                    lg_att_mma_b_cols(bf, kt + pk * K * LDH + ot * N, LDH, lane);
                     lg_mma_m16n8k16<DT>(dq[ot], af, bf, dq[ot]);
                 }
         }
@@ -2174,11 +2188,11 @@ lg_k_attention_backward_dkv_mma(uint16_t *dqkv, const uint16_t *dy, const uint16
             for (int kk = 0; kk < QK; kk++)
                 if (kk < hs16) {
                     uint32_t af[4], bf[2];
-                    lg_att_mma_a(af, ks + w0 * LDH + kk * K, LDH, group, tig);
-                    lg_att_mma_b_rows(bf, qt + st * N * LDH + kk * K, LDH, group, tig);
+                    lg_att_mma_a(af, ks + w0 * LDH + kk * K, LDH, lane);
+                    lg_att_mma_b_rows(bf, qt + st * N * LDH + kk * K, LDH, lane);
                     lg_mma_m16n8k16<DT>(s[st], af, bf, s[st]);
-                    lg_att_mma_a(af, vs + w0 * LDH + kk * K, LDH, group, tig);
-                    lg_att_mma_b_rows(bf, dyt + st * N * LDH + kk * K, LDH, group, tig);
+                    lg_att_mma_a(af, vs + w0 * LDH + kk * K, LDH, lane);
+                    lg_att_mma_b_rows(bf, dyt + st * N * LDH + kk * K, LDH, lane);
                     lg_mma_m16n8k16<DT>(dp[st], af, bf, dp[st]);
                 }
         }
@@ -2204,9 +2218,9 @@ lg_k_attention_backward_dkv_mma(uint16_t *dqkv, const uint16_t *dy, const uint16
             for (int ot = 0; ot < OT; ot++)
                 if (ot < hs8) {
                     uint32_t bf[2];
-                    lg_att_mma_b_cols(bf, dyt + pk * K * LDH + ot * N, LDH, group, tig);
+                    lg_att_mma_b_cols(bf, dyt + pk * K * LDH + ot * N, LDH, lane);
                     lg_mma_m16n8k16<DT>(dv[ot], pf, bf, dv[ot]);
-                    lg_att_mma_b_cols(bf, qt + pk * K * LDH + ot * N, LDH, group, tig);
+                    lg_att_mma_b_cols(bf, qt + pk * K * LDH + ot * N, LDH, lane);
                     lg_mma_m16n8k16<DT>(dk[ot], dsf, bf, dk[ot]);
                 }
         }

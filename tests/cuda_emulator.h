@@ -40,7 +40,7 @@
       __nv_bfloat16 and __half; every lane's fragment holds the whole tile (see section 9).
    6. inline PTX's stand-ins (section 10): mma.sync.aligned.m16n8k16 (bf16/fp16 inputs, f32
       accumulators) with the PTX ISA's documented fragment layouts, as a warp-collective
-      rendezvous like a shuffle; cp.async (4, 8 or 16 bytes, zero-filled past src-size) with
+      rendezvous like a shuffle; ldmatrix.m8n8 (.x1/.x2/.x4, .trans) the same way; cp.async (4, 8 or 16 bytes, zero-filled past src-size) with
       commit_group and wait_group. A copy lands only when a wait_group of its thread completes
       its group, the latest the hardware could land it: a kernel that reads a tile before
       waiting for it reads the old bytes (0xff in fresh dynamic shared memory).
@@ -2341,6 +2341,42 @@ inline void lg_emu_mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t 
     }
     __syncwarp(0xffffffffu, file, line);
     memcpy(d, out, sizeof out);
+}
+
+/* ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{.trans}.shared.b16: COUNT 8 x 8 matrices of 16-bit
+   elements; lanes 8 i .. 8 i + 7 give the addresses of matrix i's rows (16 bytes each, 16-byte
+   aligned), and register r[i] of lane L receives, as the PTX ISA documents, row L / 4, elements
+   2 (L % 4) and 2 (L % 4) + 1 of matrix i (lower half first); with .trans, elements
+   (2 (L % 4), L / 4) and (2 (L % 4) + 1, L / 4), i.e. those of the transposed matrix. */
+struct lg_emu_ldmatrix_rows {
+    const uint16_t *rows[32];
+};
+inline lg_emu_ldmatrix_rows &lg_emu_ldmatrix_of_warp(int warp) {
+    static lg_emu_ldmatrix_rows rows[LG_EMU_MAX_THREADS / 32];
+    return rows[warp];
+}
+inline void lg_emu_ldmatrix(uint32_t *r, int count, bool trans, const void *row,
+                            const char *file = __builtin_FILE(), int line = __builtin_LINE()) {
+    const lg_emu_scheduler &s = lg_emu_state().sched;
+    const lg_emu_fiber *f = lg_emu_current_thread("ldmatrix");
+    int lane = f->linear % 32, warp = f->linear / 32;
+    if (lg_emu_warp_lanes(s.threads, f->linear) != 0xffffffffu)
+        lg_emu_die("ldmatrix at %s:%d in a warp of fewer than 32 threads", file, line);
+    if (count != 1 && count != 2 && count != 4) lg_emu_die("ldmatrix of %d matrices", count);
+    if (lane < 8 * count && (uintptr_t)row % 16)
+        lg_emu_die("ldmatrix at %s:%d: lane %d's row %p is not 16-byte aligned", file, line, lane, row);
+    lg_emu_ldmatrix_rows &w = lg_emu_ldmatrix_of_warp(warp);
+    w.rows[lane] = (const uint16_t *)row;
+    __syncwarp(0xffffffffu, file, line);
+    uint32_t out[4];
+    for (int i = 0; i < count; i++) {
+        const uint16_t *const *m = w.rows + 8 * i; /* matrix i's rows */
+        int a = lane / 4, b = 2 * (lane % 4);
+        out[i] = trans ? (uint32_t)m[b][a] | (uint32_t)m[b + 1][a] << 16
+                       : (uint32_t)m[a][b] | (uint32_t)m[a][b + 1] << 16;
+    }
+    __syncwarp(0xffffffffu, file, line);
+    memcpy(r, out, sizeof(uint32_t) * (size_t)count);
 }
 
 /* cp.async.{ca,cg}.shared.global [dst], [src], bytes, src_bytes: queued until a wait_group. */

@@ -203,6 +203,22 @@ __global__ void mma_kernel(float *d, const uint16_t *a, const uint16_t *b, const
     for (int i = 0; i < 4; i++) d[(i < 2 ? group : group + 8) * 8 + tig * 2 + i % 2] = df[i];
 }
 
+/* ldmatrix: a 16 x 16 tile of distinct values in shared memory; out gets, per lane, the four
+   registers of an .x4 load of its 8 x 8 quarters (rows 0-7 | 8-15 x columns 0-7 | 8-15) and
+   the two of an .x2.trans load of its first 8 columns. */
+__global__ void ldmatrix_kernel(uint32_t *out, const uint16_t *tile) {
+    __shared__ __align__(16) uint16_t s[16 * 16];
+    int lane = (int)threadIdx.x;
+    for (int i = lane; i < 256; i += 32) s[i] = tile[i];
+    __syncthreads();
+    uint32_t r[4], t[2];
+    int quarter = lane / 8, row = lane % 8 + (quarter % 2) * 8, col = quarter / 2 * 8;
+    lg_emu_ldmatrix(r, 4, false, s + row * 16 + col);
+    lg_emu_ldmatrix(t, 2, true, s + (lane % 16) * 16);
+    for (int i = 0; i < 4; i++) out[lane * 6 + i] = r[i];
+    for (int i = 0; i < 2; i++) out[lane * 6 + 4 + i] = t[i];
+}
+
 /* cp.async: each of 32 threads copies 16 bytes into tile 0 (group 0), then 8 bytes zero-filled
    to 16 into tile 1 (group 1); out gets both tiles after wait_group 1, then after wait_group 0. */
 __global__ void cp_async_kernel(uint32_t *out, const uint32_t *src) {
@@ -623,6 +639,32 @@ static void test_mma(void) {
     CHECK(lg_emu_mma_a_row(5, 2) == 9 && lg_emu_mma_a_col(5, 5) == 11 && lg_emu_mma_b_row(7, 3) == 15);
 }
 
+/* Each lane's registers against the ISA's assignment, written out: .x4 register i of lane L
+   holds row L / 4, columns 2 (L % 4) and + 1 of quarter i; .x2.trans register i holds rows
+   8 i + 2 (L % 4) and + 1 of column L / 4. */
+static void test_ldmatrix(void) {
+    std::vector<uint16_t> tile(256);
+    for (int i = 0; i < 256; i++) tile[i] = (uint16_t)(1000 + i);
+    uint16_t *dtile = device_copy(tile);
+    uint32_t *dout = nullptr;
+    cudaMalloc(&dout, sizeof(uint32_t) * 32 * 6);
+    LG_LAUNCH(ldmatrix_kernel, 1, 32, 0, nullptr, dout, dtile);
+    std::vector<uint32_t> out = host_copy(dout, 32 * 6);
+    int wrong = 0;
+    for (int lane = 0; lane < 32; lane++) {
+        for (int i = 0; i < 4; i++) {
+            int row = lane / 4 + (i % 2) * 8, col = 2 * (lane % 4) + i / 2 * 8;
+            wrong += out[lane * 6 + i] != ((uint32_t)tile[row * 16 + col] | (uint32_t)tile[row * 16 + col + 1] << 16);
+        }
+        for (int i = 0; i < 2; i++) {
+            int row = 8 * i + 2 * (lane % 4), col = lane / 4;
+            wrong += out[lane * 6 + 4 + i] != ((uint32_t)tile[row * 16 + col] | (uint32_t)tile[(row + 1) * 16 + col] << 16);
+        }
+    }
+    CHECK(wrong == 0);
+    cudaFree(dtile), cudaFree(dout);
+}
+
 /* Copies land at their wait_group: group 1 (newest) is still pending after wait_group 1. */
 static void test_cp_async(void) {
     std::vector<uint32_t> src(256);
@@ -837,6 +879,7 @@ int main(void) {
     test_half_conversions();
     test_wmma();
     test_mma();
+    test_ldmatrix();
     test_cp_async();
     test_nccl();
     test_deferred_collectives();
