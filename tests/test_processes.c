@@ -111,6 +111,90 @@ static void test_launch_place(results *r) {
           "3 processes for -d 2 --nodes 2 refused: %s", err.msg);
 }
 
+/* ---- the plan's MPI buffers ------------------------------------------------------------------ */
+
+/* The processes (of `processes`, `per` ranks each) holding members of the group first + m
+   stride, as bits; the group needs MPI when more than one does. */
+static unsigned group_processes(int first, int stride, int count, int per) {
+    unsigned bits = 0;
+    for (int m = 0; m < count; m++) bits |= 1u << ((first + m * stride) / per);
+    return bits;
+}
+
+static int bit_count(unsigned bits) {
+    int n = 0;
+    for (; bits; bits &= bits - 1) n++;
+    return n;
+}
+
+/* Every layout of the mpirun tests: each process holds one MPI buffer region of 16 MiB
+   (send and receive sums of 2^20 doubles) for each group that spans processes and has
+   members in it, on one of its own ranks, counted here from the groups' members; one process
+   driving every rank holds none. */
+static void test_mpi_plan(results *r) {
+    static const struct {
+        const char *name;
+        int devices, nodes, processes;
+        lg_strategy strategy;
+    } layouts[] = {
+        {"full-shard -d 4, 4 processes", 4, 1, 4, LG_STRATEGY_FULL_SHARD},
+        {"no-shard -d 4, 4 processes", 4, 1, 4, LG_STRATEGY_NO_SHARD},
+        {"shard-grad-op -d 2, 2 processes", 2, 1, 2, LG_STRATEGY_SHARD_GRAD_OP},
+        {"hybrid 2 x 2, 4 processes", 2, 2, 4, LG_STRATEGY_HYBRID_SHARD},
+        {"hybrid 2 x 2, a process a node", 2, 2, 2, LG_STRATEGY_HYBRID_SHARD},
+        {"full-shard 2 x 2, a process a node", 2, 2, 2, LG_STRATEGY_FULL_SHARD},
+        {"full-shard -d 4, one process", 4, 1, 1, LG_STRATEGY_FULL_SHARD},
+    };
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "pythia-14m")) return;
+    for (size_t k = 0; k < sizeof layouts / sizeof layouts[0]; k++) {
+        lg_args a;
+        lg_args_default(&a);
+        a.devices = layouts[k].devices;
+        a.nodes = layouts[k].nodes;
+        a.processes = layouts[k].processes;
+        a.strategy = layouts[k].strategy;
+        a.global_batch_size = a.devices * a.nodes;
+        lg_plan_spec spec;
+        lg_plan plan;
+        lg_error err = {""};
+        lg_plan_spec_from_args(&spec, &a, 16);
+        if (lg_plan_make(&plan, &cfg, &spec, &err) != 0) {
+            check(r, 0, "plan of %s: %s", layouts[k].name, err.msg);
+            continue;
+        }
+        int n = plan.n_ranks, per = n / a.processes, S = plan.sharding.shard_ranks;
+        int R = plan.sharding.replicas, want[LG_MAX_RANKS] = {0}, held[LG_MAX_RANKS] = {0};
+        unsigned groups[2 * LG_MAX_RANKS + 1]; /* each group's processes */
+        int n_groups = 0;
+        for (int q = 0; q < R && S > 1; q++) groups[n_groups++] = group_processes(q * S, 1, S, per);
+        for (int i = 0; i < S && R > 1; i++) groups[n_groups++] = group_processes(i, S, R, per);
+        groups[n_groups++] = group_processes(0, 1, n, per); /* all ranks */
+        for (int j = 0; j < n_groups; j++)
+            for (int p = 0; p < a.processes; p++)
+                want[p] += bit_count(groups[j]) > 1 && (groups[j] >> p & 1);
+        int sizes_ok = 1;
+        size_t host_most = 0;
+        for (int rank = 0; rank < n; rank++)
+            for (int i = 0; i < plan.ranks[rank].n_regions; i++) {
+                const lg_region *x = &plan.ranks[rank].regions[i];
+                if (strncmp(x->name, "mpi.", 4) != 0) continue;
+                held[rank / per]++;
+                sizes_ok &= x->bytes == (size_t)16 << 20 && x->pool == LG_POOL_HOST;
+            }
+        int same = 1;
+        for (int p = 0; p < a.processes; p++) same &= held[p] == want[p];
+        for (int rank = 0; rank < n; rank++)
+            if (plan.ranks[rank].pool_bytes[LG_POOL_HOST] > host_most)
+                host_most = plan.ranks[rank].pool_bytes[LG_POOL_HOST];
+        check(r, same && sizes_ok && host_most == lg_plan_bytes(&plan, LG_POOL_HOST),
+              "plan of %s: process 0 holds %d MPI buffer regions of 16 MiB (its groups across "
+              "processes: %d), the last %d (%d)", layouts[k].name, held[0], want[0],
+              held[a.processes - 1], want[a.processes - 1]);
+        lg_plan_free(&plan);
+    }
+}
+
 /* ---- mpirun runs of ./train ------------------------------------------------------------------ */
 
 #define MPIRUN "OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " \
@@ -268,11 +352,16 @@ static void test_mpirun(results *r) {
         /* Sophia's labels drawn by global place, its Hessian pass's collectives */
         {"sophia2", "-d 2 --strategy full-shard -o sophia --hessian-interval 2", 2},
     };
+    int rc = run_captured(MPIRUN "-np 2 ./train -d 2 --plan", out, sizeof out);
+    check(r, rc == 0 && strstr(out, "processes: 2, 1 rank each") &&
+                 strstr(out, "communication             32.0 MiB") && strstr(out, "largest mpi.shard 16.0 MiB"),
+          "mpirun -np 2 ./train -d 2 --plan: each rank's host pool holds its shard group's and all "
+          "ranks' MPI buffers (exit %d)", rc);
     for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) check_processes_match(r, &runs[i]);
     check_resume_in_one_process(r, &runs[1]);
     check_resume_in_one_process(r, &runs[5]);
 
-    int rc = run_captured(MPIRUN "-np 3 ./train -d 2 " RUN_FLAGS, out, sizeof out);
+    rc = run_captured(MPIRUN "-np 3 ./train -d 2 " RUN_FLAGS, out, sizeof out);
     /* (mpirun stops the others when the first exits: any one of them may be the one to say it) */
     check(r, rc == 2 && strstr(out, ": train: Open MPI started 3 processes, but -d 2 x --nodes 1 is 2 ranks") &&
                  strstr(out, "rank "),
@@ -299,6 +388,26 @@ static void test_mpirun(results *r) {
     check(r, rc != 0 && seconds < 60 && strstr(out, "process rank 1") && strstr(out, "signal 9"),
           "rank 1 killed mid-run: every process stopped after %.1f s (exit %d), rank 1 named",
           seconds, rc);
+    /* a hung process (test-only LG_TEST_HANG=P:S: process P sleeps an hour before step S):
+       rank 0 stops the job after --dist-timeout, naming rank 1; when rank 0 hangs, rank 1
+       stops it a grace later, naming rank 0 as the likely one */
+    start = lg_time_ms();
+    rc = run_captured("LG_TEST_HANG=1:2 " MPIRUN "-np 2 ./train -d 2 -p 32-true --max-steps 1000 "
+                      "--dist-timeout 3", out, sizeof out);
+    seconds = (lg_time_ms() - start) / 1e3;
+    check(r, rc != 0 && seconds >= 3 && seconds < 60 &&
+                 strstr(out, "within --dist-timeout 3 s: not arrived (hung or stopped): rank 1;"),
+          "rank 1 hung at step 2, --dist-timeout 3: the job ended after %.1f s (exit %d), rank 0 "
+          "naming rank 1%s%.300s", seconds, rc, rc ? "" : ": ", rc ? "" : out);
+    start = lg_time_ms();
+    rc = run_captured("LG_TEST_HANG=0:2 " MPIRUN "-np 2 ./train -d 2 -p 32-true --max-steps 1000 "
+                      "--dist-timeout 2", out, sizeof out);
+    seconds = (lg_time_ms() - start) / 1e3;
+    check(r, rc != 0 && seconds >= 4 && seconds < 60 &&
+                 strstr(out, "rank 1: the ") && strstr(out, "and rank 0, which names the late, did "
+                                                        "not stop the job: it may be the one that hangs"),
+          "rank 0 hung at step 2, --dist-timeout 2: rank 1 ended the job after %.1f s (exit %d), "
+          "naming rank 0", seconds, rc);
 }
 
 /* ---- the rendezvous (GPU processes without MPI): TCP and a shared file ------------------------ */
@@ -400,6 +509,7 @@ static void test_process_flags(results *r) {
 static void test_processes(results *r) {
     test_launcher_env(r);
     test_launch_place(r);
+    test_mpi_plan(r);
     test_process_flags(r);
     test_rendezvous(r);
     test_mpirun(r);
