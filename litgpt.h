@@ -633,6 +633,12 @@ int lg_plan_make(lg_plan *plan, const lg_config *cfg, const lg_plan_spec *spec, 
 void lg_plan_free(lg_plan *plan);
 /* The most any one rank needs in a pool. */
 size_t lg_plan_bytes(const lg_plan *plan, lg_pool pool);
+/* Sharded runs (not LoRA): a checkpoint assembles the training state one sharding unit at a
+   time in the plan's checkpoint.gather, held by the first rank of each process: the master
+   weights (when the precision has them) then each optimizer state, as many elements each as
+   the largest unit (padded). The byte offsets of those parts into at[0] (master), at[1],
+   at[2] (states; SIZE_MAX when absent); returns the region's bytes, 0 when there is none. */
+size_t lg_checkpoint_unit_layout(const lg_plan *plan, size_t at[3]);
 const lg_region *lg_plan_find(const lg_rank_plan *rank, const char *name);
 size_t lg_plan_group_bytes(const lg_rank_plan *rank, lg_group group, lg_pool pool);
 /* --plan: a table per device (grouped, with bars) or JSON. */
@@ -3456,6 +3462,23 @@ const char *lg_mpi_group_region(int ranks, int processes, int first, int stride,
     return rank == first || before / per_process != rank / per_process ? buffers : NULL;
 }
 
+size_t lg_checkpoint_unit_layout(const lg_plan *plan, size_t at[3]) {
+    const lg_shard_layout *sl = &plan->shards;
+    lg_precision_types t = lg_types_of(plan->spec.precision);
+    size_t largest = 0, bytes = 0;
+    at[0] = at[1] = at[2] = (size_t)-1;
+    if (!plan->sharding.grads_sharded || plan->cfg.lora.r > 0 ||
+        plan->spec.optimizer_state != LG_STATE_AS_PRECISION) /* (no checkpoints then) */
+        return 0;
+    for (int u = 0; u < sl->n_units; u++)
+        largest = sl->piece_count[u] > largest ? sl->piece_count[u] : largest;
+    largest *= (size_t)sl->n_shards;
+    if (t.master) at[0] = bytes, bytes += largest * lg_elem_size(LG_DTYPE_F32);
+    for (int i = 0; i < lg_optimizer_states(plan->spec.optimizer, plan->spec.momentum) && i < 2; i++)
+        at[1 + i] = bytes, bytes += largest * lg_elem_size(t.state);
+    return bytes;
+}
+
 /* CPU ranks in several processes: the MPI buffers of the groups that span processes (see
    lg_mpi_comm_create), each held by the group's first member in a process. (On GPUs NCCL's
    own buffers are part of the measured cuda.runtime.) */
@@ -3525,6 +3548,10 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
         rc |= lg_plan_add(r, "tokens.inputs", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
         rc |= lg_plan_add(r, "tokens.targets", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
         rc |= lg_plan_mpi_buffers(r, plan, i);
+        size_t unit_at[3], unit_bytes = lg_checkpoint_unit_layout(plan, unit_at);
+        if (i % (plan->n_ranks / s->processes) == 0) /* a process's first rank */
+            rc |= lg_plan_add(r, "checkpoint.gather", LG_GROUP_COMMUNICATION, LG_POOL_HOST,
+                              LG_DTYPE_U8, unit_bytes);
         if (s->optimizer == LG_OPTIMIZER_SOPHIA) /* labels drawn from the model for its Hessian */
             rc |= lg_plan_add(r, "tokens.sampled", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
     }
@@ -10296,6 +10323,10 @@ typedef struct {
     lg_st_tensor *out;
     const lg_exec *ex;      /* the rank the weights live on */
     lg_buf weights;
+    /* a full-shard trainer: brings the unit of table tensor `source` and gives the buffer
+       that holds it (the table's offsets are then within units) */
+    lg_buf (*bring)(void *bring_ctx, int source);
+    void *bring_ctx;
 } lg_hf_save_ctx;
 
 static int lg_hf_fill(void *ctx, int index, unsigned char *out, lg_error *err) {
@@ -10303,7 +10334,8 @@ static int lg_hf_fill(void *ctx, int index, unsigned char *out, lg_error *err) {
     const lg_hf_tensor *h = &s->hf[index];
     const lg_tensor_info *info = &s->table->tensors[h->source];
     size_t count = (size_t)lg_st_count(&s->out[index]);
-    lg_buf source = lg_at(s->weights, info->offset), copy = {NULL, source.dtype};
+    lg_buf weights = s->bring ? s->bring(s->bring_ctx, h->source) : s->weights;
+    lg_buf source = lg_at(weights, info->offset), copy = {NULL, source.dtype};
     if (s->ex->backend == LG_BACKEND_CUDA) { /* the host reads a GPU's tensor from its copy */
         copy.data = LG_MALLOC(info->count * lg_elem_size(source.dtype));
         if (!copy.data) return lg_fail(err, "out of host memory");
@@ -10321,9 +10353,20 @@ static lg_st_dtype lg_st_dtype_of(lg_dtype d) {
 }
 
 /* The files of a model: model.safetensors in the weights' dtype, config.json,
-   model_config.yaml; their digests into digests[0..2]. */
+   model_config.yaml; their digests into digests[0..2]. With `bring`, the weights come unit by
+   unit from it (table: m's with offsets within units). */
+static int lg_hf_write_model_from(const lg_model *m, const lg_tensor_table *table,
+                                  lg_buf (*bring)(void *, int), void *bring_ctx, const char *dir,
+                                  lg_file_digest *digests, lg_error *err);
+
 static int lg_hf_write_model(const lg_model *m, const char *dir, lg_file_digest *digests,
                              lg_error *err) {
+    return lg_hf_write_model_from(m, &m->param_table, NULL, NULL, dir, digests, err);
+}
+
+static int lg_hf_write_model_from(const lg_model *m, const lg_tensor_table *table,
+                                  lg_buf (*bring)(void *, int), void *bring_ctx, const char *dir,
+                                  lg_file_digest *digests, lg_error *err) {
     lg_hf_family family;
     if (lg_hf_family_of(&m->cfg, &family, err) != 0) return -1;
     lg_hf_tensor *hf = NULL;
@@ -10339,7 +10382,7 @@ static int lg_hf_write_model(const lg_model *m, const char *dir, lg_file_digest 
         out[i].shape[1] = hf[i].shape[1];
     }
     lg_st_meta meta[1] = {{"format", "pt"}};
-    lg_hf_save_ctx ctx = {&m->cfg, &m->param_table, hf, out, &m->exec, m->params};
+    lg_hf_save_ctx ctx = {&m->cfg, table, hf, out, &m->exec, m->params, bring, bring_ctx};
     char path[LG_PATH_MAX], text[4096];
     lg_format(path, sizeof path, "%s/model.safetensors", dir);
     int rc = out ? lg_st_write(path, out, n, meta, 1, lg_hf_fill, &ctx, &digests[0], err)
@@ -10492,6 +10535,7 @@ typedef struct {
     void *data;        /* the trainer's (or loader's) memory */
     int is_real;       /* data holds lg_real, stored as F32 */
     int is_index;      /* data holds size_t, stored as I64 (the loader's window order) */
+    const lg_tensor_info *tensor; /* the parameter it belongs to (NULL: the loader's) */
 } lg_state_view;
 
 static void lg_state_view_add(lg_state_view *v, int *n, const char *prefix, const lg_tensor_info *t,
@@ -10499,6 +10543,7 @@ static void lg_state_view_add(lg_state_view *v, int *n, const char *prefix, cons
     lg_state_view *s = &v[(*n)++];
     memset(s, 0, sizeof *s);
     lg_format(s->desc.name, sizeof s->desc.name, "%s.%s", prefix, t ? t->name : "order");
+    s->tensor = t;
     s->desc.dtype = dtype;
     s->data = data;
     s->is_real = is_real;
@@ -10707,8 +10752,147 @@ static int lg_state_meta(const lg_trainer *tr, const lg_loader *data, int step, 
     return n;
 }
 
+/* Checkpoints of sharded runs, one sharding unit at a time: process 0 writes each tensor when
+   its unit is brought (the full-shard weights gathered into the trainer's gather regions; the
+   training state assembled in the plan's checkpoint.gather); every process brings the same
+   units in the same order, the others without writing. */
+static lg_buf lg_unit_weights(const lg_trainer *tr, int r, int u); /* 13. trainer */
+static void lg_trainer_gather_unit(lg_trainer *tr, int u);
+static void lg_trainer_await_unit(lg_trainer *tr, int u);
+
+typedef struct {
+    lg_trainer *tr;
+    int state;              /* 1: the training state, 0: the weights */
+    lg_tensor_table units;  /* the whole table, each offset within its tensor's unit */
+    lg_buf part[3];         /* state: (largest unit) master, m, v in checkpoint.gather */
+    lg_state_view *views;   /* state: what process 0 writes */
+    int current;            /* the unit brought last (-1: none) */
+    int changes;            /* units brought so far */
+} lg_unit_walk;
+
+static int lg_unit_walk_start(lg_unit_walk *w, lg_trainer *tr, int state, lg_error *err) {
+    const lg_tensor_table *whole = &tr->ranks[0].model.param_table;
+    const lg_shard_layout *sl = &tr->plan.shards;
+    memset(w, 0, sizeof *w);
+    w->tr = tr;
+    w->state = state;
+    w->current = -1;
+    w->units = *whole;
+    w->units.tensors = (lg_tensor_info *)LG_MALLOC(sizeof(lg_tensor_info) * (size_t)(whole->n_tensors + 1));
+    if (!w->units.tensors) return lg_fail(err, "out of host memory for a checkpoint");
+    for (int i = 0; i < whole->n_tensors; i++) {
+        w->units.tensors[i] = whole->tensors[i];
+        w->units.tensors[i].offset -= sl->unit_offset[whole->tensors[i].block + 1];
+    }
+    size_t at[3];
+    unsigned char *region = (unsigned char *)lg_rank_region(&tr->ranks[0].rank, "checkpoint.gather");
+    lg_checkpoint_unit_layout(&tr->plan, at);
+    const lg_optimizer *opt = &tr->ranks[0].opt;
+    lg_dtype types[3] = {LG_DTYPE_F32, opt->m.dtype, opt->v.dtype};
+    for (int k = 0; k < 3 && state; k++) {
+        w->part[k].dtype = types[k];
+        w->part[k].data = region && at[k] != (size_t)-1 ? region + at[k] : NULL;
+    }
+    if (state && !region) {
+        LG_FREE(w->units.tensors);
+        return lg_fail(err, "the plan holds no checkpoint.gather for this sharded run");
+    }
+    return 0;
+}
+
+/* The training state of unit u, whole, in the parts: the pieces of shard group 0's members
+   that this process drives in their places, zero elsewhere, summed over the processes. */
+static void lg_unit_walk_assemble(lg_unit_walk *w, int u) {
+    lg_trainer *tr = w->tr;
+    const lg_shard_layout *sl = &tr->plan.shards;
+    size_t count = sl->piece_count[u], unit = sl->unit_offset[u + 1] - sl->unit_offset[u];
+    for (int k = 0; k < 3; k++)
+        if (w->part[k].data) lg_zero(NULL, w->part[k], count * (size_t)sl->n_shards);
+    for (int r = 0; r < tr->local_ranks && tr->first_rank + r < sl->n_shards; r++) {
+        const lg_optimizer *opt = &tr->ranks[r].opt;
+        lg_buf shard[3] = {lg_buf_of(opt->master), opt->m, opt->v};
+        size_t first = (size_t)(tr->first_rank + r) * count;
+        size_t live = first >= unit ? 0 : unit - first < count ? unit - first : count;
+        for (int k = 0; k < 3; k++)
+            if (w->part[k].data && shard[k].data && live)
+                lg_copy(&tr->ranks[r].model.exec, lg_at(w->part[k], first),
+                        lg_at(shard[k], sl->piece_offset[u]), live);
+        lg_rank_sync(&tr->ranks[r].rank);
+    }
+    for (int k = 0; k < 3 && tr->process_comm; k++)
+        if (w->part[k].data) lg_all_reduce_sum(tr->process_comm, 1, &w->part[k], unit);
+}
+
+/* Brings unit u unless it is the one brought last. */
+static void lg_unit_walk_bring(lg_unit_walk *w, int u) {
+    if (u == w->current) return;
+    w->current = u;
+    w->changes++;
+    if (w->state) {
+        lg_unit_walk_assemble(w, u);
+        return;
+    }
+    lg_trainer_gather_unit(w->tr, u);
+    lg_trainer_await_unit(w->tr, u);
+}
+
+/* The rest of the sequence every process walks: a unit for each change of unit along the
+   table (process 0's writes follow the table's order; after a failed write it catches up). */
+static void lg_unit_walk_finish(lg_unit_walk *w) {
+    for (int i = 0, previous = -1, k = 0; i < w->units.n_tensors; i++) {
+        int u = w->units.tensors[i].block + 1;
+        if (u == previous) continue;
+        previous = u;
+        if (++k > w->changes) lg_unit_walk_bring(w, u);
+    }
+    LG_FREE(w->units.tensors);
+}
+
+/* lg_hf_write_model_from's source of weights: rank 0's gathered unit. */
+static lg_buf lg_unit_walk_weights(void *walk, int source) {
+    lg_unit_walk *w = (lg_unit_walk *)walk;
+    int u = w->units.tensors[source].block + 1;
+    lg_unit_walk_bring(w, u);
+    return lg_unit_weights(w->tr, 0, u);
+}
+
+static int lg_state_fill_by_unit(void *walk, int index, unsigned char *out, lg_error *err) {
+    lg_unit_walk *w = (lg_unit_walk *)walk;
+    if (w->views[index].tensor) lg_unit_walk_bring(w, w->views[index].tensor->block + 1);
+    return lg_state_fill(w->views, index, out, err);
+}
+
+/* The training state of a sharded run, unit by unit (see lg_unit_walk). */
+static int lg_training_state_write_units(lg_trainer *tr, const lg_loader *data, int step,
+                                         const char *path, lg_file_digest *digest,
+                                         lg_error *err) {
+    lg_unit_walk w;
+    if (lg_unit_walk_start(&w, tr, 1, err) != 0) return -1;
+    lg_optimizer opt = tr->ranks[0].opt; /* its state in the parts, in unit-relative layout */
+    if (opt.master) opt.master = (lg_real *)w.part[0].data;
+    opt.m.data = opt.m.data ? w.part[1].data : NULL;
+    opt.v.data = opt.v.data ? w.part[2].data : NULL;
+    lg_st_tensor *tensors = NULL;
+    int n = 0, rc = 0;
+    if (tr->process == 0) {
+        if (lg_state_views(&opt, &w.units, data, &w.views, &n) == 0)
+            tensors = (lg_st_tensor *)lg_alloc_zeroed(sizeof(lg_st_tensor) * (size_t)(n + 1));
+        lg_st_meta meta[24];
+        int n_meta = lg_state_meta(tr, data, step, meta);
+        for (int i = 0; tensors && i < n; i++) tensors[i] = w.views[i].desc;
+        rc = tensors ? lg_st_write(path, tensors, n, meta, n_meta, lg_state_fill_by_unit, &w, digest, err)
+                     : lg_fail(err, "out of host memory");
+    }
+    lg_unit_walk_finish(&w);
+    LG_FREE(tensors);
+    LG_FREE(w.views);
+    return rc;
+}
+
 int lg_training_state_write(lg_trainer *tr, const lg_loader *data, int step,
                             const char *path, lg_file_digest *digest, lg_error *err) {
+    if (lg_rank_region(&tr->ranks[0].rank, "checkpoint.gather"))
+        return lg_training_state_write_units(tr, data, step, path, digest, err);
     lg_whole_state w;
     if (lg_whole_state_make(tr, &w, err) != 0) return -1;
     lg_whole_state_exchange(tr, &w, 1);
@@ -11203,18 +11387,18 @@ static int lg_write_merged_model(const lg_model *m0, const lg_real *adapters, co
 
 /* --- trainer checkpoints ----------------------------------------------------------------------- */
 
-/* model.safetensors of the trainer's weights: rank 0's when whole, else gathered into a copy of
-   rank 0's model whose weights are a whole buffer of the same type. */
+/* model.safetensors of the trainer's weights: rank 0's when whole, else gathered unit by unit
+   (lg_unit_walk). */
 static int lg_trainer_write_model(lg_trainer *tr, const char *dir, lg_file_digest *digests,
                                   lg_error *err) {
     const lg_model *m0 = &tr->ranks[0].model;
     if (!m0->weights_gathered) return tr->process == 0 ? lg_hf_write_model(m0, dir, digests, err) : 0;
-    lg_model whole = *m0;
-    whole.params.data = LG_MALLOC(m0->n_params * lg_elem_size(m0->params.dtype) + 1);
-    if (!whole.params.data) return lg_fail(err, "out of host memory for the weights");
-    lg_trainer_weights(tr, whole.params);
-    int rc = tr->process == 0 ? lg_hf_write_model(&whole, dir, digests, err) : 0;
-    LG_FREE(whole.params.data);
+    lg_unit_walk w; /* full-shard: unit by unit through the gather regions */
+    if (lg_unit_walk_start(&w, tr, 0, err) != 0) return -1;
+    int rc = tr->process == 0 ? lg_hf_write_model_from(m0, &w.units, lg_unit_walk_weights, &w, dir,
+                                                       digests, err)
+                              : 0;
+    lg_unit_walk_finish(&w);
     return rc;
 }
 

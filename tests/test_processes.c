@@ -195,6 +195,55 @@ static void test_mpi_plan(results *r) {
     }
 }
 
+/* A sharded checkpoint's extra memory is one unit, in the plan: saving a full-shard run of 2
+   ranks (pythia-14m, bf16-mixed AdamW: master weights and two moments) allocates nothing larger
+   than the safetensors writer's buffer of one tensor in fp32 (a whole buffer of the model's
+   weights or state would be larger); the unit's state goes through the plan's
+   checkpoint.gather on rank 0. */
+static void test_checkpoint_memory(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "pythia-14m")) return;
+    lg_args a;
+    lg_args_default(&a);
+    a.devices = 2;
+    a.strategy = LG_STRATEGY_FULL_SHARD;
+    a.micro_batch_size = 1;
+    a.global_batch_size = 2;
+    lg_trainer tr;
+    lg_error err = {""};
+    if (lg_trainer_create(&tr, &cfg, &a, 16, &err) != 0) {
+        check(r, 0, "full-shard trainer: %s", err.msg);
+        return;
+    }
+    const lg_shard_layout *sl = &tr.plan.shards;
+    size_t unit = 0, at[3];
+    for (int u = 0; u < sl->n_units; u++)
+        unit = sl->unit_offset[u + 1] - sl->unit_offset[u] > unit ? sl->unit_offset[u + 1] - sl->unit_offset[u] : unit;
+    size_t tensor = 0; /* the largest tensor: the writer's buffer holds one in fp32 */
+    for (int i = 0; i < tr.ranks[0].model.param_table.n_tensors; i++)
+        tensor = tr.ranks[0].model.param_table.tensors[i].count > tensor ? tr.ranks[0].model.param_table.tensors[i].count : tensor;
+    size_t planned = lg_checkpoint_unit_layout(&tr.plan, at);
+    const lg_region *x = lg_plan_find(&tr.plan.ranks[0], "checkpoint.gather");
+    test_allocations.n = 0;
+    test_allocations.counting = 1;
+    int rc = system("rm -rf build/ckpt-memory") == 0 ? 0 : -1;
+    if (rc == 0) rc = lg_checkpoint_save(&tr, NULL, 1, "build/ckpt-memory", &err);
+    test_allocations.counting = 0;
+    size_t largest = 0;
+    for (int i = 0; i < test_allocations.n; i++)
+        largest = test_allocations.sizes[i] > largest ? test_allocations.sizes[i] : largest;
+    char a_[32], b_[32], c_[32];
+    check(r, rc == 0 && x && x->bytes >= planned && planned >= 3 * 4 * unit && largest <= 4 * tensor &&
+                 x == lg_plan_find(&tr.plan.ranks[0], "checkpoint.gather") &&
+                 !lg_plan_find(&tr.plan.ranks[1], "checkpoint.gather"),
+          "full-shard checkpoint of 2 ranks: the largest allocation while saving is %s, the "
+          "writer's one tensor in fp32 (%s); the unit's state is planned on rank 0 "
+          "(checkpoint.gather %s) %s",
+          lg_format_bytes(largest, a_, sizeof a_), lg_format_bytes(4 * tensor, b_, sizeof b_),
+          lg_format_bytes(x ? x->bytes : 0, c_, sizeof c_), err.msg);
+    lg_trainer_free(&tr);
+}
+
 /* ---- mpirun runs of ./train ------------------------------------------------------------------ */
 
 #define MPIRUN "OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " \
@@ -353,10 +402,16 @@ static void test_mpirun(results *r) {
         {"sophia2", "-d 2 --strategy full-shard -o sophia --hessian-interval 2", 2},
     };
     int rc = run_captured(MPIRUN "-np 2 ./train -d 2 --plan", out, sizeof out);
-    check(r, rc == 0 && strstr(out, "processes: 2, 1 rank each") &&
-                 strstr(out, "communication             32.0 MiB") && strstr(out, "largest mpi.shard 16.0 MiB"),
-          "mpirun -np 2 ./train -d 2 --plan: each rank's host pool holds its shard group's and all "
-          "ranks' MPI buffers (exit %d)", rc);
+    int table = rc == 0 && strstr(out, "processes: 2, 1 rank each") && strstr(out, "largest mpi.shard 16.0 MiB");
+    rc |= run_captured(MPIRUN "-np 2 ./train -d 2 --plan=json", out, sizeof out);
+    const char *shard = strstr(out, "{\"name\":\"mpi.shard\",\"group\":\"communication\",\"pool\":\"host\","
+                                    "\"dtype\":\"u8\",\"count\":16777216");
+    const char *all = shard ? strstr(shard + 1, "{\"name\":\"mpi.all\",\"group\":\"communication\","
+                                                "\"pool\":\"host\",\"dtype\":\"u8\",\"count\":16777216") : NULL;
+    check(r, rc == 0 && table && all && strstr(all + 1, "\"name\":\"mpi.shard\"") &&
+                 strstr(all, "\"name\":\"checkpoint.gather\""),
+          "mpirun -np 2 ./train -d 2 --plan (and =json): each rank's host pool holds 16 MiB of MPI "
+          "buffers for its shard group and for all ranks, and a checkpoint unit (exit %d)", rc);
     for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) check_processes_match(r, &runs[i]);
     check_resume_in_one_process(r, &runs[1]);
     check_resume_in_one_process(r, &runs[5]);
@@ -510,6 +565,7 @@ static void test_processes(results *r) {
     test_launcher_env(r);
     test_launch_place(r);
     test_mpi_plan(r);
+    test_checkpoint_memory(r);
     test_process_flags(r);
     test_rendezvous(r);
     test_mpirun(r);
