@@ -3483,7 +3483,7 @@ size_t lg_checkpoint_unit_layout(const lg_plan *plan, size_t at[3]) {
    lg_mpi_comm_create), each held by the group's first member in a process. (On GPUs NCCL's
    own buffers are part of the measured cuda.runtime.) */
 static int lg_plan_mpi_buffers(lg_rank_plan *r, const lg_plan *plan, int rank) {
-    const lg_plan_spec *s = &plan->spec;
+    const lg_plan_spec *s = &plan->spec; /* (processes >= 1) */
     int S = plan->sharding.shard_ranks, R = plan->sharding.replicas, n = plan->n_ranks;
     if (s->backend != LG_BACKEND_CPU || s->processes <= 1) return 0;
     const char *held[3] = {
@@ -3509,7 +3509,7 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
                             "must be positive");
     if (s->devices * s->nodes > LG_MAX_RANKS)
         return lg_fail(err, "plan: at most %d ranks (devices x nodes)", LG_MAX_RANKS);
-    if (s->processes < 1 || s->devices * s->nodes % s->processes != 0)
+    if (s->processes > 1 && s->devices * s->nodes % s->processes != 0)
         return lg_fail(err, "plan: %d ranks do not spread evenly over %d processes",
                        s->devices * s->nodes, s->processes);
     if (s->optimizer_state != LG_STATE_AS_PRECISION && s->optimizer != LG_OPTIMIZER_ADAMW)
@@ -3520,6 +3520,7 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
         return lg_fail(err, "plan: -b/--micro-batch-size %d x -t/--max-seq-length %d is too "
                             "large to lay out", s->B, s->T);
     plan->spec = *s;
+    if (plan->spec.processes < 1) plan->spec.processes = 1; /* (0: a spec made by hand) */
     plan->sharding = lg_sharding_of(s);
     plan->n_ranks = s->devices * s->nodes;
     plan->ranks = (lg_rank_plan *)lg_alloc_zeroed(sizeof(lg_rank_plan) * (size_t)plan->n_ranks);
@@ -3549,7 +3550,7 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
         rc |= lg_plan_add(r, "tokens.targets", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
         rc |= lg_plan_mpi_buffers(r, plan, i);
         size_t unit_at[3], unit_bytes = lg_checkpoint_unit_layout(plan, unit_at);
-        if (i % (plan->n_ranks / s->processes) == 0) /* a process's first rank */
+        if (i % (plan->n_ranks / plan->spec.processes) == 0) /* a process's first rank */
             rc |= lg_plan_add(r, "checkpoint.gather", LG_GROUP_COMMUNICATION, LG_POOL_HOST,
                               LG_DTYPE_U8, unit_bytes);
         if (s->optimizer == LG_OPTIMIZER_SOPHIA) /* labels drawn from the model for its Hessian */
