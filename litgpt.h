@@ -1042,7 +1042,11 @@ int lg_launch_place(lg_launch *launch, int devices, int nodes, lg_error *err);
 int lg_launch_start(lg_launch *launch, lg_error *err);
 void lg_launch_finish(lg_launch *launch);
 /* Every process compares its n items (flags, data) with process 0's; the first that differs
-   anywhere is an error on every process naming the process, the item and both values. */
+   anywhere is an error on every process naming the process, the item and both values. Without
+   MPI (the CUDA build) process 0's items reach the others through a rendezvous next to
+   dist_init's (tcp://HOST:PORT+1 or file://PATH.check), and a process that differs names the
+   item and both values (the launcher then stops the others, or they stop at the next
+   rendezvous's deadline). */
 int lg_launch_same(const lg_launch *launch, const char *const *items, int n, lg_error *err);
 /* Process 0's n bytes reach every process: MPI_Bcast when it joined MPI, else the rendezvous
    at dist_init (lg_rendezvous). */
@@ -6515,13 +6519,7 @@ void lg_launch_abort(int code) {
     exit(code);
 }
 
-int lg_launch_same(const lg_launch *l, const char *const *items, int n, lg_error *err) {
-    (void)l;
-    (void)items;
-    (void)n;
-    (void)err;
-    return 0;
-}
+/* (without MPI lg_launch_same goes through the rendezvous: after lg_launch_share) */
 #endif
 
 /* --- the rendezvous of GPU processes without MPI: TCP or a shared file ---------------------- */
@@ -6635,25 +6633,28 @@ static int lg_rendezvous_file_root(const char *path, int processes, const void *
     return 0;
 }
 
-/* PATH as process 0 published it, when it names this process with this nonce: the id. */
+/* PATH as process 0 published it, when it names this process with this nonce: the id (read
+   word by word: the id's line is as long as it needs). */
 static int lg_read_published(const char *path, int process, uint64_t nonce, unsigned char *id,
                              size_t id_bytes) {
     FILE *f = fopen(path, "r");
     if (!f) return -1;
-    char line[1024];
-    int named = 0, got = 0;
-    while (fgets(line, sizeof line, f)) {
-        int p;
-        unsigned long long n;
-        if (sscanf(line, "%d %llx", &p, &n) == 2 && p == process && (uint64_t)n == nonce) named = 1;
-        if (named && strncmp(line, "id ", 3) == 0 && strlen(line) >= 3 + 2 * id_bytes) {
-            got = 1;
-            for (size_t i = 0; i < id_bytes; i++) {
+    char word[64];
+    int named = 0, got = 0, processes = 0;
+    if (fscanf(f, "litgpt-rendezvous %d", &processes) != 1) processes = 0;
+    while (processes > 0 && fscanf(f, "%63s", word) == 1) {
+        if (strcmp(word, "id") == 0) {
+            got = named;
+            for (size_t i = 0; got && i < id_bytes; i++) {
                 unsigned v;
-                if (sscanf(line + 3 + 2 * i, "%2x", &v) != 1) got = 0;
+                got = fscanf(f, "%2x", &v) == 1;
                 id[i] = (unsigned char)v;
             }
+            break;
         }
+        unsigned long long n;
+        if (fscanf(f, "%llx", &n) != 1) break;
+        if (atoi(word) == process && (uint64_t)n == nonce) named = 1;
     }
     fclose(f);
     return named && got ? 0 : -1;
@@ -6843,6 +6844,58 @@ int lg_launch_share(const lg_launch *l, void *bytes, size_t n, lg_error *err) {
                             "file system, or set MASTER_ADDR and MASTER_PORT", l->launcher, l->processes);
     return lg_rendezvous(l->dist_init, l->process, l->processes, bytes, n, l->dist_timeout, err);
 }
+
+#ifndef LG_MPI
+#define LG_SAME_BYTES 16384 /* process 0's items, '\n' between, as the rendezvous sends them */
+
+/* Without MPI (GPU processes, the CUDA build): process 0's items reach the others through the
+   rendezvous (lg_launch_share); a process whose items differ names the first difference. */
+int lg_launch_same(const lg_launch *l, const char *const *items, int n, lg_error *err) {
+    if (l->processes == 1 || !l->dist_init[0]) return 0; /* (no rendezvous: the trainer says) */
+    char *root = (char *)lg_alloc_zeroed(LG_SAME_BYTES + 1);
+    if (!root) return lg_fail(err, "out of host memory for the start-up check");
+    size_t at = 0;
+    for (int i = 0; i < n && l->process == 0; i++) {
+        size_t len = strlen(items[i]);
+        if (at + len + 1 > LG_SAME_BYTES) {
+            LG_FREE(root);
+            return lg_fail(err, "the start-up check holds %d bytes of flags and data, and these "
+                                "need more", LG_SAME_BYTES);
+        }
+        memcpy(root + at, items[i], len);
+        root[at + len] = '\n';
+        at += len + 1;
+    }
+    /* its own meeting point, so that an early process's next rendezvous (the NCCL id) is never
+       taken for this one: tcp://HOST:PORT+1, file://PATH.check */
+    char init[sizeof l->dist_init + 8];
+    const char *colon = strrchr(l->dist_init, ':');
+    if (strncmp(l->dist_init, "tcp://", 6) == 0 && colon && colon > l->dist_init + 6)
+        snprintf(init, sizeof init, "%.*s:%d", (int)(colon - l->dist_init), l->dist_init, atoi(colon + 1) + 1);
+    else snprintf(init, sizeof init, "%s.check", l->dist_init);
+    int rc = lg_rendezvous(init, l->process, l->processes, root, LG_SAME_BYTES, l->dist_timeout, err);
+    char *line = root;
+    for (int i = 0; rc == 0 && i <= n; i++) {
+        char *end = strchr(line, '\n'); /* process 0's item i (NULL: it has no more) */
+        if (i == n && end)
+            rc = lg_fail(err, "this process was started with fewer flags and data items than "
+                              "process 0 (which has '%.*s' next)", (int)(end - line), line);
+        if (i == n || rc) break;
+        if (!end) {
+            rc = lg_fail(err, "this process was started with more flags and data items than "
+                              "process 0 ('%s' is one too many)", items[i]);
+            break;
+        }
+        *end = '\0';
+        if (strcmp(line, items[i]) != 0)
+            rc = lg_fail(err, "this process was started with '%s' where process 0 has '%s'; every "
+                              "process needs the same flags and data", items[i], line);
+        line = end + 1;
+    }
+    LG_FREE(root);
+    return rc;
+}
+#endif
 
 /* --- CPU ranks in several processes: the collectives over MPI --------------------------------- */
 

@@ -550,6 +550,56 @@ static void test_rendezvous(results *r) {
     check(r, rc != 0 && strstr(err.msg, "cannot reach process 0"), "rendezvous with nobody listening: %s", err.msg);
 }
 
+/* The start-up check without MPI (the CUDA build's): process 0's flags reach 3 others over the
+   rendezvous; process 2, started with another --lr, and process 3, with one more flag, refuse
+   naming the flag; process 1 agrees. Returns how many processes did as wanted (4: all). */
+static int run_same_check(const char *init) {
+    static const char *const flags[] = {"-d 4", "--lr 0.01", "data (built-in)"};
+    static const char *const other_lr[] = {"-d 4", "--lr 0.02", "data (built-in)"};
+    static const char *const one_more[] = {"-d 4", "--lr 0.01", "data (built-in)", "--seed 5"};
+    pid_t children[4];
+    fflush(stdout);
+    for (int p = 1; p < 4; p++) {
+        if ((children[p] = fork()) != 0) continue;
+        lg_launch l;
+        memset(&l, 0, sizeof l);
+        l.launcher = "test";
+        l.process = p;
+        l.processes = 4;
+        l.dist_timeout = 20;
+        snprintf(l.dist_init, sizeof l.dist_init, "%s", init);
+        lg_error err = {""};
+        int rc = lg_launch_same(&l, p == 1 ? flags : p == 2 ? other_lr : one_more, p == 3 ? 4 : 3, &err);
+        if (p == 1) _exit(rc == 0 ? 0 : 1);
+        _exit(rc != 0 && strstr(err.msg, p == 2 ? "started with '--lr 0.02' where process 0 has '--lr 0.01'"
+                                                : "more flags and data items than process 0 ('--seed 5'")
+                  ? 0 : 1);
+    }
+    lg_launch l;
+    memset(&l, 0, sizeof l);
+    l.launcher = "test";
+    l.processes = 4;
+    l.dist_timeout = 20;
+    snprintf(l.dist_init, sizeof l.dist_init, "%s", init);
+    lg_error err = {""};
+    int as_wanted = lg_launch_same(&l, flags, 3, &err) == 0;
+    for (int p = 1; p < 4; p++) {
+        int status = 0;
+        waitpid(children[p], &status, 0);
+        as_wanted += WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    }
+    return as_wanted;
+}
+
+static void test_same_without_mpi(results *r) {
+    char tcp[64];
+    snprintf(tcp, sizeof tcp, "tcp://127.0.0.1:%d", free_port());
+    check(r, run_same_check(tcp) == 4, "start-up check over the rendezvous (%s, no MPI): a "
+          "different --lr and one more flag refused naming them, the same flags pass", tcp);
+    check(r, run_same_check("file://build/rendezvous/same") == 4, "start-up check over the "
+          "rendezvous (file://, no MPI): a different --lr and one more flag refused naming them");
+}
+
 /* The flags of several processes, and a launcher without MPI for CPU ranks. */
 static void test_process_flags(results *r) {
     expect_cli(r, "--dist-init foo", 2, "--dist-init: 'foo' is not tcp://HOST:PORT or file://PATH");
@@ -568,5 +618,6 @@ static void test_processes(results *r) {
     test_checkpoint_memory(r);
     test_process_flags(r);
     test_rendezvous(r);
+    test_same_without_mpi(r);
     test_mpirun(r);
 }
