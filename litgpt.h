@@ -952,7 +952,12 @@ void lg_comm_free(lg_comm *comm);
 #define LG_NCCL_ID_BYTES 128
 int lg_nccl_unique_id(unsigned char *id, lg_error *err);
 lg_comm *lg_comm_create_global(int world, int first_rank, int n, lg_rank *const *members,
-                               const unsigned char *id, lg_error *err);
+                               const unsigned char *id, double timeout_s, lg_error *err);
+/* GPUs: names an NCCL group for its errors and sets its deadline: no host wait on it lasts
+   longer than timeout_s (LG_DIST_TIMEOUT unless set; lg_comm_create_global takes it); then
+   its communicators are aborted (ncclCommAbort) and the process ends with a line naming its
+   rank and the collective. MPI groups take theirs from lg_mpi_comm_create; CPU builds: nothing. */
+void lg_comm_watch(lg_comm *comm, const char *name, double timeout_s);
 int lg_comm_split(lg_comm *parent, const int *color, const int *key, lg_comm **by_color,
                   lg_error *err);
 /* CPU ranks in several processes (an MPI build without CUDA): the group of `members` ranks
@@ -6196,13 +6201,20 @@ lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err) {
 void lg_comm_free(lg_comm *comm) { (void)comm; }
 #endif
 
+void lg_comm_watch(lg_comm *comm, const char *name, double timeout_s) {
+    (void)comm;
+    (void)name;
+    (void)timeout_s;
+}
+
 int lg_nccl_unique_id(unsigned char *id, lg_error *err) {
     (void)id;
     return lg_fail(err, "this build has no CUDA backend");
 }
 
 lg_comm *lg_comm_create_global(int world, int first_rank, int n, lg_rank *const *members,
-                               const unsigned char *id, lg_error *err) {
+                               const unsigned char *id, double timeout_s, lg_error *err) {
+    (void)timeout_s;
     (void)world;
     (void)first_rank;
     (void)n;
@@ -11993,6 +12005,19 @@ static int lg_trainer_make_mpi_groups(lg_trainer *tr, double timeout_s, lg_error
                                 &tr->process_comm, err);
 }
 
+/* GPUs: each NCCL group's name and deadline for its errors (lg_comm_watch). */
+static void lg_trainer_name_comms(lg_trainer *tr, double timeout_s) {
+    char name[48];
+    for (int i = 0; i < LG_MAX_RANKS; i++) {
+        lg_format(name, sizeof name, "shard group %d", i);
+        lg_comm_watch(tr->shard_comm[i], name, timeout_s);
+        lg_format(name, sizeof name, "replica group %d", i);
+        lg_comm_watch(tr->replica_comm[i], name, timeout_s);
+    }
+    lg_comm_watch(tr->world_comm, "all ranks (start)", timeout_s);
+    lg_comm_watch(tr->process_comm, "all ranks", timeout_s);
+}
+
 /* GPU ranks in several processes: process 0's NCCL id reaches the others (MPI, or the
    rendezvous); all ranks join one communicator (process_comm: also the step's loss and norm),
    split into the shard and replica groups; for the first weights, which every process draws
@@ -12006,7 +12031,7 @@ static int lg_trainer_make_nccl_groups(lg_trainer *tr, const lg_launch *launch, 
     if (lg_launch_share(launch, id, sizeof id, err) != 0) return -1;
     for (int r = 0; r < tr->local_ranks; r++) members[r] = &tr->ranks[r].rank;
     tr->process_comm = lg_comm_create_global(tr->n_ranks, tr->first_rank, tr->local_ranks,
-                                             members, id, err);
+                                             members, id, launch->dist_timeout, err);
     if (!tr->process_comm) return -1;
     for (int r = 0; r < tr->local_ranks; r++) { /* shard group q: ranks q S .. q S + S - 1 */
         color[r] = (tr->first_rank + r) / S;
@@ -12018,6 +12043,7 @@ static int lg_trainer_make_nccl_groups(lg_trainer *tr, const lg_launch *launch, 
         key[r] = (tr->first_rank + r) / S;
     }
     if (R > 1 && lg_comm_split(tr->process_comm, color, key, tr->replica_comm, err) != 0) return -1;
+    lg_trainer_name_comms(tr, launch->dist_timeout);
     if (tr->local_ranks == 1 || !sh->weights_sharded) return 0;
     return (tr->world_comm = lg_comm_create(tr->local_ranks, members, err)) ? 0 : -1;
 }
@@ -12041,9 +12067,12 @@ static int lg_trainer_make_comms(lg_trainer *tr, const lg_launch *launch, lg_err
         for (int q = 0; q < R; q++) members[q] = &tr->ranks[q * S + i].rank;
         if (!(tr->replica_comm[i] = lg_comm_create(R, members, err))) return -1;
     }
-    if (!sh->weights_sharded) return 0;
-    for (int r = 0; r < tr->local_ranks; r++) members[r] = &tr->ranks[r].rank;
-    return (tr->world_comm = lg_comm_create(tr->n_ranks, members, err)) ? 0 : -1;
+    if (sh->weights_sharded) {
+        for (int r = 0; r < tr->local_ranks; r++) members[r] = &tr->ranks[r].rank;
+        if (!(tr->world_comm = lg_comm_create(tr->n_ranks, members, err))) return -1;
+    }
+    lg_trainer_name_comms(tr, launch ? launch->dist_timeout : LG_DIST_TIMEOUT);
+    return 0;
 }
 
 /* The communicators a rank joins (lg_trainer_make_comms): what NCCL's share of the GPU's
