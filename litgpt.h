@@ -342,6 +342,8 @@ typedef struct {
     lg_precision precision;    /* -p; default bf16-mixed (fp32 arithmetic, half storage) */
     int devices;               /* -d: devices a node (GPUs, or simulated ranks on the CPU) */
     int nodes;                 /* --nodes: ranks = devices x nodes */
+    int processes;             /* the launcher's processes the ranks spread over (1: this one
+                                  drives every rank): the plan counts MPI's buffers */
     lg_strategy strategy;      /* --strategy; full-shard by default */
     lg_optimizer_kind optimizer; /* -o adamw|sgd|lion|sophia */
     float lr, min_lr;          /* train.c: --min-lr is --lr / 10 unless given */
@@ -567,6 +569,7 @@ typedef struct {
     int accumulation;       /* micro-batches per optimizer step */
     lg_precision precision;
     int devices, nodes;     /* ranks = devices x nodes */
+    int processes;          /* the ranks spread over, devices x nodes / processes each */
     lg_strategy strategy;   /* how the model state splits over the ranks */
     int recompute;          /* 1: --recompute block */
     int offload;            /* 1: --offload */
@@ -630,6 +633,12 @@ int lg_plan_make(lg_plan *plan, const lg_config *cfg, const lg_plan_spec *spec, 
 void lg_plan_free(lg_plan *plan);
 /* The most any one rank needs in a pool. */
 size_t lg_plan_bytes(const lg_plan *plan, lg_pool pool);
+/* Sharded runs (not LoRA): a checkpoint assembles the training state one sharding unit at a
+   time in the plan's checkpoint.gather, held by the first rank of each process: the master
+   weights (when the precision has them) then each optimizer state, as many elements each as
+   the largest unit (padded). The byte offsets of those parts into at[0] (master), at[1],
+   at[2] (states; SIZE_MAX when absent); returns the region's bytes, 0 when there is none. */
+size_t lg_checkpoint_unit_layout(const lg_plan *plan, size_t at[3]);
 const lg_region *lg_plan_find(const lg_rank_plan *rank, const char *name);
 size_t lg_plan_group_bytes(const lg_rank_plan *rank, lg_group group, lg_pool pool);
 /* --plan: a table per device (grouped, with bars) or JSON. */
@@ -943,14 +952,39 @@ void lg_comm_free(lg_comm *comm);
 #define LG_NCCL_ID_BYTES 128
 int lg_nccl_unique_id(unsigned char *id, lg_error *err);
 lg_comm *lg_comm_create_global(int world, int first_rank, int n, lg_rank *const *members,
-                               const unsigned char *id, lg_error *err);
+                               const unsigned char *id, double timeout_s, lg_error *err);
+/* GPUs: names an NCCL group for its errors and sets its deadline: no host wait on it lasts
+   longer than timeout_s (LG_DIST_TIMEOUT unless set; lg_comm_create_global takes it); then
+   its communicators are aborted (ncclCommAbort) and the process ends with a line naming its
+   rank and the collective. MPI groups take theirs from lg_mpi_comm_create; CPU builds: nothing. */
+void lg_comm_watch(lg_comm *comm, const char *name, double timeout_s);
 int lg_comm_split(lg_comm *parent, const int *color, const int *key, lg_comm **by_color,
                   lg_error *err);
 /* CPU ranks in several processes (an MPI build without CUDA): the group of `members` ranks
-   spread over several processes, of which this one drives `local` consecutive members from
-   member first_local (local 0: none; *comm stays NULL). Every process calls it for every such
-   group in the same order. lg_comm_free frees it. */
-int lg_mpi_comm_create(lg_comm **comm, int members, int first_local, int local, lg_error *err);
+   first + m stride (m < members) spread over several processes, of which this one drives
+   `local` consecutive members from member first_local (local 0: none; *comm stays NULL).
+   Every process calls it for every such group in the same order. lg_comm_free frees it.
+   A sum passes through `scratch`, LG_MPI_SCRATCH_BYTES of the plan (the region `buffers` of
+   the group's first member in this process: lg_mpi_group_region). No collective waits longer
+   than timeout_s: then the group's first process names the processes that did not arrive
+   (hung or stopped) and every process ends by MPI_Abort (the others a little later, in case
+   the first is the one that hangs). */
+#define LG_MPI_CHUNK (1 << 20) /* doubles a sum moves at once */
+#define LG_MPI_SCRATCH_BYTES (2 * (size_t)LG_MPI_CHUNK * sizeof(double)) /* send, receive */
+typedef struct {
+    const char *name;       /* "shard group 0", ...: what the timeout's line names */
+    int members, first_local, local;
+    void *scratch;
+    double timeout_s;       /* --dist-timeout */
+    int ranks_per_process;  /* to name the ranks of a late process */
+} lg_mpi_group;
+int lg_mpi_comm_create(lg_comm **comm, const lg_mpi_group *group, lg_error *err);
+/* The plan's name of the MPI buffers that rank `rank` holds for the group of `count` ranks
+   first + m stride, among `ranks` ranks spread evenly over `processes` processes: `buffers`
+   ("mpi.shard", "mpi.replica" or "mpi.all") when the group spans processes and `rank` is its
+   first member in its process, else NULL (no MPI there, or another member holds them). */
+const char *lg_mpi_group_region(int ranks, int processes, int first, int stride, int count,
+                                int rank, const char *buffers);
 /* Host numbers over all processes, through a group of every rank (NULL: one process, nothing
    to do): values = their sum over processes, in double; */
 void lg_comm_sum_doubles(lg_comm *comm, double *values, int count);
@@ -996,7 +1030,9 @@ typedef struct {
     char dist_init[512];
     double dist_timeout;
 } lg_launch;
-#define LG_DIST_TIMEOUT 600.0 /* seconds: a large cluster's processes may start minutes apart */
+#define LG_DIST_TIMEOUT 600.0 /* seconds: PyTorch's default for NCCL process groups (10 minutes since
+                                 pytorch/pytorch#110947); a large cluster's processes may start
+                                 minutes apart */
 
 /* Reads the environment (no launcher: one process of 1); a variable that is not a number, or
    a rank outside its world, is an error naming it. */
@@ -1011,7 +1047,11 @@ int lg_launch_place(lg_launch *launch, int devices, int nodes, lg_error *err);
 int lg_launch_start(lg_launch *launch, lg_error *err);
 void lg_launch_finish(lg_launch *launch);
 /* Every process compares its n items (flags, data) with process 0's; the first that differs
-   anywhere is an error on every process naming the process, the item and both values. */
+   anywhere is an error on every process naming the process, the item and both values. Without
+   MPI (the CUDA build) process 0's items reach the others through a rendezvous next to
+   dist_init's (tcp://HOST:PORT+1 or file://PATH.check), and a process that differs names the
+   item and both values (the launcher then stops the others, or they stop at the next
+   rendezvous's deadline). */
 int lg_launch_same(const lg_launch *launch, const char *const *items, int n, lg_error *err);
 /* Process 0's n bytes reach every process: MPI_Bcast when it joined MPI, else the rendezvous
    at dist_init (lg_rendezvous). */
@@ -2628,6 +2668,7 @@ void lg_args_default(lg_args *a) {
     a->precision = LG_PRECISION_BF16_MIXED; /* the design's default on the CPU backend */
     a->devices = 1;
     a->nodes = 1;
+    a->processes = 1;
     a->strategy = LG_STRATEGY_FULL_SHARD;
     a->optimizer = LG_OPTIMIZER_ADAMW;
     a->lr = 4e-3f;
@@ -3172,6 +3213,7 @@ void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
     s->precision = a->precision;
     s->devices = a->devices;
     s->nodes = a->nodes;
+    s->processes = a->processes > 0 ? a->processes : 1;
     s->strategy = a->strategy;
     s->recompute = a->recompute;
     s->offload = a->offload;
@@ -3421,6 +3463,50 @@ static int lg_plan_gpu_workspace(lg_rank_plan *r, const lg_config *c, const lg_p
                             LG_DTYPE_U8, s->runtime_bytes);
 }
 
+const char *lg_mpi_group_region(int ranks, int processes, int first, int stride, int count,
+                                int rank, const char *buffers) {
+    int per_process = ranks / processes, last = first + (count - 1) * stride;
+    if (first / per_process == last / per_process) return NULL; /* in one process: no MPI */
+    int before = rank - stride; /* the member before this one */
+    return rank == first || before / per_process != rank / per_process ? buffers : NULL;
+}
+
+size_t lg_checkpoint_unit_layout(const lg_plan *plan, size_t at[3]) {
+    const lg_shard_layout *sl = &plan->shards;
+    lg_precision_types t = lg_types_of(plan->spec.precision);
+    size_t largest = 0, bytes = 0;
+    at[0] = at[1] = at[2] = (size_t)-1;
+    if (!plan->sharding.grads_sharded || plan->cfg.lora.r > 0 ||
+        plan->spec.optimizer_state != LG_STATE_AS_PRECISION) /* (no checkpoints then) */
+        return 0;
+    for (int u = 0; u < sl->n_units; u++)
+        largest = sl->piece_count[u] > largest ? sl->piece_count[u] : largest;
+    largest *= (size_t)sl->n_shards;
+    if (t.master) at[0] = bytes, bytes += largest * lg_elem_size(LG_DTYPE_F32);
+    for (int i = 0; i < lg_optimizer_states(plan->spec.optimizer, plan->spec.momentum) && i < 2; i++)
+        at[1 + i] = bytes, bytes += largest * lg_elem_size(t.state);
+    return bytes;
+}
+
+/* CPU ranks in several processes: the MPI buffers of the groups that span processes (see
+   lg_mpi_comm_create), each held by the group's first member in a process. (On GPUs NCCL's
+   own buffers are part of the measured cuda.runtime.) */
+static int lg_plan_mpi_buffers(lg_rank_plan *r, const lg_plan *plan, int rank) {
+    const lg_plan_spec *s = &plan->spec; /* (processes >= 1) */
+    int S = plan->sharding.shard_ranks, R = plan->sharding.replicas, n = plan->n_ranks;
+    if (s->backend != LG_BACKEND_CPU || s->processes <= 1) return 0;
+    const char *held[3] = {
+        S > 1 ? lg_mpi_group_region(n, s->processes, rank / S * S, 1, S, rank, "mpi.shard") : NULL,
+        R > 1 ? lg_mpi_group_region(n, s->processes, rank % S, S, R, rank, "mpi.replica") : NULL,
+        lg_mpi_group_region(n, s->processes, 0, 1, n, rank, "mpi.all")};
+    int rc = 0;
+    for (int g = 0; g < 3; g++)
+        if (held[g])
+            rc |= lg_plan_add(r, held[g], LG_GROUP_COMMUNICATION, LG_POOL_HOST, LG_DTYPE_U8,
+                              LG_MPI_SCRATCH_BYTES);
+    return rc;
+}
+
 int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, lg_error *err) {
     memset(plan, 0, sizeof *plan);
     plan->cfg = *model; /* the architecture, with the run's adapters */
@@ -3432,6 +3518,9 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
                             "must be positive");
     if (s->devices * s->nodes > LG_MAX_RANKS)
         return lg_fail(err, "plan: at most %d ranks (devices x nodes)", LG_MAX_RANKS);
+    if (s->processes > 1 && s->devices * s->nodes % s->processes != 0)
+        return lg_fail(err, "plan: %d ranks do not spread evenly over %d processes",
+                       s->devices * s->nodes, s->processes);
     if (s->optimizer_state != LG_STATE_AS_PRECISION && s->optimizer != LG_OPTIMIZER_ADAMW)
         return lg_fail(err, "plan: --optimizer-state applies to AdamW only");
     /* the layouts count rows in int: B T and B NH T (attention) must fit */
@@ -3440,6 +3529,7 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
         return lg_fail(err, "plan: -b/--micro-batch-size %d x -t/--max-seq-length %d is too "
                             "large to lay out", s->B, s->T);
     plan->spec = *s;
+    if (plan->spec.processes < 1) plan->spec.processes = 1; /* (0: a spec made by hand) */
     plan->sharding = lg_sharding_of(s);
     plan->n_ranks = s->devices * s->nodes;
     plan->ranks = (lg_rank_plan *)lg_alloc_zeroed(sizeof(lg_rank_plan) * (size_t)plan->n_ranks);
@@ -3467,6 +3557,11 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
                                             : lg_plan_cpu_workspace(r, s);
         rc |= lg_plan_add(r, "tokens.inputs", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
         rc |= lg_plan_add(r, "tokens.targets", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
+        rc |= lg_plan_mpi_buffers(r, plan, i);
+        size_t unit_at[3], unit_bytes = lg_checkpoint_unit_layout(plan, unit_at);
+        if (i % (plan->n_ranks / plan->spec.processes) == 0) /* a process's first rank */
+            rc |= lg_plan_add(r, "checkpoint.gather", LG_GROUP_COMMUNICATION, LG_POOL_HOST,
+                              LG_DTYPE_U8, unit_bytes);
         if (s->optimizer == LG_OPTIMIZER_SOPHIA) /* labels drawn from the model for its Hessian */
             rc |= lg_plan_add(r, "tokens.sampled", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
     }
@@ -3861,6 +3956,16 @@ static void lg_plan_print_lora(const lg_plan *plan, FILE *out) {
     fprintf(out, "\n");
 }
 
+/* Ranks i and j have the same regions. */
+static int lg_rank_plans_alike(const lg_plan *plan, int i, int j) {
+    const lg_rank_plan *a = &plan->ranks[i], *b = &plan->ranks[j];
+    int same = a->n_regions == b->n_regions;
+    for (int k = 0; same && k < a->n_regions; k++)
+        same = strcmp(a->regions[k].name, b->regions[k].name) == 0 &&
+               a->regions[k].bytes == b->regions[k].bytes;
+    return same;
+}
+
 void lg_plan_print(const lg_plan *plan, FILE *out) {
     const lg_plan_spec *s = &plan->spec;
     char a[32], b[32];
@@ -3877,14 +3982,21 @@ void lg_plan_print(const lg_plan *plan, FILE *out) {
                                                              : lg_optimizer_name(s->optimizer),
             "");
     lg_plan_print_lora(plan, out);
+    if (s->processes > 1)
+        fprintf(out, "processes: %d, %d rank%s each (MPI's buffers in the host pool on the CPU)\n",
+                s->processes, plan->n_ranks / s->processes, plan->n_ranks > s->processes ? "s" : "");
     for (int i = 0; i < plan->n_ranks; i++) {
-        /* ranks with identical plans print once */
-        if (i > 0 && plan->ranks[i].n_regions == plan->ranks[0].n_regions &&
-            plan->ranks[i].pool_bytes[0] == plan->ranks[0].pool_bytes[0] &&
-            plan->ranks[i].pool_bytes[1] == plan->ranks[0].pool_bytes[1])
-            continue;
-        if (plan->n_ranks > 1) fprintf(out, "each of the %d ranks:\n", plan->n_ranks);
-        else fprintf(out, "device 0:\n");
+        /* ranks with identical plans print once, under the list of them */
+        int printed = 0, alike = 0;
+        for (int j = 0; j < i && !printed; j++) printed = lg_rank_plans_alike(plan, i, j);
+        if (printed) continue;
+        char list[256] = "";
+        for (int j = i; j < plan->n_ranks; j++)
+            if (lg_rank_plans_alike(plan, i, j) && strlen(list) + 12 < sizeof list)
+                snprintf(list + strlen(list), sizeof list - strlen(list), "%s%d", alike++ ? ", " : "", j);
+        if (alike == plan->n_ranks && alike > 1) fprintf(out, "each of the %d ranks:\n", alike);
+        else if (plan->n_ranks == 1) fprintf(out, "device 0:\n");
+        else fprintf(out, "rank%s %s:\n", alike > 1 ? "s" : "", list);
         lg_plan_print_rank(plan, i, out);
     }
     fprintf(out, "total per device: %s device, %s host\n",
@@ -6089,13 +6201,20 @@ lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err) {
 void lg_comm_free(lg_comm *comm) { (void)comm; }
 #endif
 
+void lg_comm_watch(lg_comm *comm, const char *name, double timeout_s) {
+    (void)comm;
+    (void)name;
+    (void)timeout_s;
+}
+
 int lg_nccl_unique_id(unsigned char *id, lg_error *err) {
     (void)id;
     return lg_fail(err, "this build has no CUDA backend");
 }
 
 lg_comm *lg_comm_create_global(int world, int first_rank, int n, lg_rank *const *members,
-                               const unsigned char *id, lg_error *err) {
+                               const unsigned char *id, double timeout_s, lg_error *err) {
+    (void)timeout_s;
     (void)world;
     (void)first_rank;
     (void)n;
@@ -6412,13 +6531,7 @@ void lg_launch_abort(int code) {
     exit(code);
 }
 
-int lg_launch_same(const lg_launch *l, const char *const *items, int n, lg_error *err) {
-    (void)l;
-    (void)items;
-    (void)n;
-    (void)err;
-    return 0;
-}
+/* (without MPI lg_launch_same goes through the rendezvous: after lg_launch_share) */
 #endif
 
 /* --- the rendezvous of GPU processes without MPI: TCP or a shared file ---------------------- */
@@ -6532,25 +6645,28 @@ static int lg_rendezvous_file_root(const char *path, int processes, const void *
     return 0;
 }
 
-/* PATH as process 0 published it, when it names this process with this nonce: the id. */
+/* PATH as process 0 published it, when it names this process with this nonce: the id (read
+   word by word: the id's line is as long as it needs). */
 static int lg_read_published(const char *path, int process, uint64_t nonce, unsigned char *id,
                              size_t id_bytes) {
     FILE *f = fopen(path, "r");
     if (!f) return -1;
-    char line[1024];
-    int named = 0, got = 0;
-    while (fgets(line, sizeof line, f)) {
-        int p;
-        unsigned long long n;
-        if (sscanf(line, "%d %llx", &p, &n) == 2 && p == process && (uint64_t)n == nonce) named = 1;
-        if (named && strncmp(line, "id ", 3) == 0 && strlen(line) >= 3 + 2 * id_bytes) {
-            got = 1;
-            for (size_t i = 0; i < id_bytes; i++) {
+    char word[64];
+    int named = 0, got = 0, processes = 0;
+    if (fscanf(f, "litgpt-rendezvous %d", &processes) != 1) processes = 0;
+    while (processes > 0 && fscanf(f, "%63s", word) == 1) {
+        if (strcmp(word, "id") == 0) {
+            got = named;
+            for (size_t i = 0; got && i < id_bytes; i++) {
                 unsigned v;
-                if (sscanf(line + 3 + 2 * i, "%2x", &v) != 1) got = 0;
+                got = fscanf(f, "%2x", &v) == 1;
                 id[i] = (unsigned char)v;
             }
+            break;
         }
+        unsigned long long n;
+        if (fscanf(f, "%llx", &n) != 1) break;
+        if (atoi(word) == process && (uint64_t)n == nonce) named = 1;
     }
     fclose(f);
     return named && got ? 0 : -1;
@@ -6741,53 +6857,200 @@ int lg_launch_share(const lg_launch *l, void *bytes, size_t n, lg_error *err) {
     return lg_rendezvous(l->dist_init, l->process, l->processes, bytes, n, l->dist_timeout, err);
 }
 
+#ifndef LG_MPI
+#define LG_SAME_BYTES 16384 /* process 0's items, '\n' between, as the rendezvous sends them */
+
+/* Without MPI (GPU processes, the CUDA build): process 0's items reach the others through the
+   rendezvous (lg_launch_share); a process whose items differ names the first difference. */
+int lg_launch_same(const lg_launch *l, const char *const *items, int n, lg_error *err) {
+    if (l->processes == 1 || !l->dist_init[0]) return 0; /* (no rendezvous: the trainer says) */
+    char *root = (char *)lg_alloc_zeroed(LG_SAME_BYTES + 1);
+    if (!root) return lg_fail(err, "out of host memory for the start-up check");
+    size_t at = 0;
+    for (int i = 0; i < n && l->process == 0; i++) {
+        size_t len = strlen(items[i]);
+        if (at + len + 1 > LG_SAME_BYTES) {
+            LG_FREE(root);
+            return lg_fail(err, "the start-up check holds %d bytes of flags and data, and these "
+                                "need more", LG_SAME_BYTES);
+        }
+        memcpy(root + at, items[i], len);
+        root[at + len] = '\n';
+        at += len + 1;
+    }
+    /* its own meeting point, so that an early process's next rendezvous (the NCCL id) is never
+       taken for this one: tcp://HOST:PORT+1, file://PATH.check */
+    char init[sizeof l->dist_init + 8];
+    const char *colon = strrchr(l->dist_init, ':');
+    if (strncmp(l->dist_init, "tcp://", 6) == 0 && colon && colon > l->dist_init + 6)
+        snprintf(init, sizeof init, "%.*s:%d", (int)(colon - l->dist_init), l->dist_init, atoi(colon + 1) + 1);
+    else snprintf(init, sizeof init, "%s.check", l->dist_init);
+    int rc = lg_rendezvous(init, l->process, l->processes, root, LG_SAME_BYTES, l->dist_timeout, err);
+    char *line = root;
+    for (int i = 0; rc == 0 && i <= n; i++) {
+        char *end = strchr(line, '\n'); /* process 0's item i (NULL: it has no more) */
+        if (i == n && end)
+            rc = lg_fail(err, "this process was started with fewer flags and data items than "
+                              "process 0 (which has '%.*s' next)", (int)(end - line), line);
+        if (i == n || rc) break;
+        if (!end) {
+            rc = lg_fail(err, "this process was started with more flags and data items than "
+                              "process 0 ('%s' is one too many)", items[i]);
+            break;
+        }
+        *end = '\0';
+        if (strcmp(line, items[i]) != 0)
+            rc = lg_fail(err, "this process was started with '%s' where process 0 has '%s'; every "
+                              "process needs the same flags and data", items[i], line);
+        line = end + 1;
+    }
+    LG_FREE(root);
+    return rc;
+}
+#endif
+
 /* --- CPU ranks in several processes: the collectives over MPI --------------------------------- */
 
 #if defined(LG_MPI) && !defined(LG_CUDA)
 #define LG_MPI_RANKS 1
-#define LG_MPI_CHUNK (1 << 20) /* doubles a sum moves at once: the scratch of each group */
+#define LG_MPI_BEAT_TAG 7 /* "arrived at collective n": a process's message to the group's first */
 
 /* A group whose members live in several processes; this one drives `local` consecutive
    members from first_local, and is process first_local / local of the group. */
 struct lg_comm {
     MPI_Comm mpi;
+    MPI_Comm watch;      /* a copy of mpi for the arrival messages */
     int members, first_local, local;
-    double *send, *recv; /* (LG_MPI_CHUNK) each */
+    double *send, *recv; /* (LG_MPI_CHUNK) each: the plan's scratch */
     /* non-blocking collectives under way, by signal; a reduce-scatter's piece is written from
        recv when it completes (one at a time: the trainer finishes each before the next) */
     MPI_Request request[LG_COMM_SIGNALS];
     lg_buf reduce_piece[LG_COMM_SIGNALS];
     int reduce_count[LG_COMM_SIGNALS];
+    /* the deadline: the collectives started so far; the group's first process learns up to
+       which one every other has come (arrived, by group process), the others tell it */
+    char name[48];
+    double timeout_s;
+    int ranks_per_process, process, processes;
+    int *world_process;  /* (processes): each group process's place in MPI_COMM_WORLD */
+    long started, *arrived, beat;
+    MPI_Request beat_request;
 };
 
-int lg_mpi_comm_create(lg_comm **comm, int members, int first_local, int local, lg_error *err) {
+/* The group's processes other than the first say that they started collective `started`. */
+static void lg_mpi_arrive(lg_comm *c) {
+    c->started++;
+    if (c->process == 0) return;
+    if (c->beat_request != MPI_REQUEST_NULL) MPI_Wait(&c->beat_request, MPI_STATUS_IGNORE);
+    c->beat = c->started; /* (MPI reads it until the send completes) */
+    MPI_Isend(&c->beat, 1, MPI_LONG, 0, LG_MPI_BEAT_TAG, c->watch, &c->beat_request);
+}
+
+/* The group's first process: the arrival messages that have come. */
+static void lg_mpi_take_arrivals(lg_comm *c) {
+    int any = 1;
+    while (c->process == 0 && any) {
+        MPI_Status st;
+        MPI_Iprobe(MPI_ANY_SOURCE, LG_MPI_BEAT_TAG, c->watch, &any, &st);
+        if (any) MPI_Recv(&c->arrived[st.MPI_SOURCE], 1, MPI_LONG, st.MPI_SOURCE, LG_MPI_BEAT_TAG,
+                          c->watch, MPI_STATUS_IGNORE);
+    }
+}
+
+/* The late processes of the group as "rank 3" / "ranks 2, 3" (their ranks) into out. */
+static void lg_mpi_list_late(const lg_comm *c, char *out, size_t cap) {
+    size_t at = 0;
+    int late = 0;
+    out[0] = '\0';
+    for (int q = 1; q < c->processes && at + 32 < cap; q++) {
+        if (c->arrived[q] >= c->started) continue;
+        int first = c->world_process[q] * c->ranks_per_process;
+        at += (size_t)snprintf(out + at, cap - at, "%s%d", late++ ? ", " : "", first);
+        if (c->ranks_per_process > 1)
+            at += (size_t)snprintf(out + at, cap - at, "-%d", first + c->ranks_per_process - 1);
+    }
+    if (late == 0) snprintf(out, cap, "none (they came, but the collective did not finish)");
+}
+
+/* Ends the job: a collective did not complete before its deadline. */
+static void lg_mpi_time_out(lg_comm *c, const char *what) {
+    char late[256];
+    int me = c->world_process[c->process] * c->ranks_per_process;
+    if (c->process == 0) {
+        lg_mpi_list_late(c, late, sizeof late);
+        fprintf(stderr, "rank %d: the %s of %s (collective %ld) did not complete within "
+                        "--dist-timeout %g s: not arrived (hung or stopped): rank%s %s; stopping "
+                        "every process\n", me, what, c->name, c->started, c->timeout_s,
+                strchr(late, ',') || strchr(late, '-') ? "s" : "", late);
+    } else {
+        fprintf(stderr, "rank %d: the %s of %s (collective %ld) did not complete within "
+                        "--dist-timeout %g s, and rank %d, which names the late, did not stop the "
+                        "job: it may be the one that hangs; stopping every process\n", me, what,
+                c->name, c->started, c->timeout_s, c->world_process[0] * c->ranks_per_process);
+    }
+    fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+}
+
+/* Completes a collective of the group, or ends the job when it takes longer than the
+   deadline (the group's first process at timeout_s, the others a grace later so that it
+   names the late ones first). Polls: MPI's blocking waits have no deadline. */
+static void lg_mpi_wait(lg_comm *c, MPI_Request *request, const char *what) {
+    double grace = c->process == 0 ? 0 : (c->timeout_s < 5 ? c->timeout_s : 5);
+    double start = lg_time_ms(), deadline = start + (c->timeout_s + grace) * 1e3;
+    for (long polls = 0;; polls++) {
+        int done = 0;
+        MPI_Test(request, &done, MPI_STATUS_IGNORE);
+        if (done) break;
+        lg_mpi_take_arrivals(c);
+        if (lg_time_ms() > deadline) lg_mpi_time_out(c, what);
+        if (polls > 1000) lg_sleep_ms(1); /* a long wait leaves the cores to the others */
+    }
+    lg_mpi_take_arrivals(c);
+}
+
+int lg_mpi_comm_create(lg_comm **comm, const lg_mpi_group *g, lg_error *err) {
     MPI_Comm group;
     *comm = NULL;
     /* the key orders the group's processes as their members */
-    MPI_Comm_split(MPI_COMM_WORLD, local ? 0 : MPI_UNDEFINED, first_local, &group);
-    if (!local) return 0;
+    MPI_Comm_split(MPI_COMM_WORLD, g->local ? 0 : MPI_UNDEFINED, g->first_local, &group);
+    if (!g->local) return 0;
+    int size = 0, world = 0;
+    MPI_Comm_size(group, &size);
+    MPI_Comm_rank(MPI_COMM_WORLD, &world);
     lg_comm *c = (lg_comm *)lg_alloc_zeroed(sizeof(lg_comm));
     if (c) {
-        c->send = (double *)LG_MALLOC(sizeof(double) * LG_MPI_CHUNK);
-        c->recv = (double *)LG_MALLOC(sizeof(double) * LG_MPI_CHUNK);
+        c->world_process = (int *)lg_alloc_zeroed(sizeof(int) * (size_t)size);
+        c->arrived = (long *)lg_alloc_zeroed(sizeof(long) * (size_t)size);
     }
-    if (!c || !c->send || !c->recv) {
-        if (c) LG_FREE(c->send), LG_FREE(c->recv);
+    if (!c || !c->world_process || !c->arrived || !g->scratch) {
+        if (c) LG_FREE(c->world_process), LG_FREE(c->arrived);
         LG_FREE(c);
         MPI_Comm_free(&group);
-        return lg_fail(err, "out of host memory for an MPI group");
+        return lg_fail(err, g->scratch ? "out of host memory for an MPI group"
+                                       : "the plan holds no MPI buffers for %s", g->name);
     }
     c->mpi = group;
+    MPI_Comm_dup(group, &c->watch);
+    c->send = (double *)g->scratch;
+    c->recv = c->send + LG_MPI_CHUNK;
     for (int i = 0; i < LG_COMM_SIGNALS; i++) c->request[i] = MPI_REQUEST_NULL;
-    c->members = members;
-    c->first_local = first_local;
-    c->local = local;
-    int size = 0;
-    MPI_Comm_size(group, &size);
-    if (size * local != members) {
-        lg_comm_free(c);
+    c->beat_request = MPI_REQUEST_NULL;
+    c->members = g->members;
+    c->first_local = g->first_local;
+    c->local = g->local;
+    snprintf(c->name, sizeof c->name, "%s", g->name);
+    c->timeout_s = g->timeout_s > 0 ? g->timeout_s : LG_DIST_TIMEOUT;
+    c->ranks_per_process = g->ranks_per_process > 0 ? g->ranks_per_process : 1;
+    c->processes = size;
+    MPI_Comm_rank(group, &c->process);
+    MPI_Allgather(&world, 1, MPI_INT, c->world_process, 1, MPI_INT, group);
+    if (size * g->local != g->members) {
+        MPI_Comm_free(&c->watch);
+        MPI_Comm_free(&c->mpi);
+        LG_FREE(c->world_process), LG_FREE(c->arrived), LG_FREE(c);
         return lg_fail(err, "an MPI group of %d members over %d processes: each must drive the "
-                            "same number (here %d)", members, size, local);
+                            "same number (here %d)", g->members, size, g->local);
     }
     *comm = c;
     return 0;
@@ -6795,9 +7058,13 @@ int lg_mpi_comm_create(lg_comm **comm, int members, int first_local, int local, 
 
 void lg_comm_free(lg_comm *c) {
     if (!c) return;
+    if (c->beat_request != MPI_REQUEST_NULL) MPI_Wait(&c->beat_request, MPI_STATUS_IGNORE);
+    MPI_Barrier(c->watch); /* every arrival message is sent: the first takes the last ones */
+    lg_mpi_take_arrivals(c);
+    MPI_Comm_free(&c->watch);
     MPI_Comm_free(&c->mpi);
-    LG_FREE(c->send);
-    LG_FREE(c->recv);
+    LG_FREE(c->world_process);
+    LG_FREE(c->arrived);
     LG_FREE(c);
 }
 
@@ -6817,7 +7084,10 @@ static void lg_mpi_all_reduce_sum(lg_comm *c, int n, lg_buf *bufs, size_t count)
             for (int m = 0; m < n; m++) sum += lg_get(bufs[m], start + (size_t)k);
             c->send[k] = sum;
         }
-        MPI_Allreduce(c->send, c->recv, len, MPI_DOUBLE, MPI_SUM, c->mpi);
+        MPI_Request request;
+        lg_mpi_arrive(c);
+        MPI_Iallreduce(c->send, c->recv, len, MPI_DOUBLE, MPI_SUM, c->mpi, &request);
+        lg_mpi_wait(c, &request, "all-reduce");
         for (int m = 0; m < n; m++)
             for (int k = 0; k < len; k++) lg_set(bufs[m], start + (size_t)k, (lg_real)c->recv[k]);
     }
@@ -6836,7 +7106,10 @@ static void lg_mpi_reduce_scatter_sum(lg_comm *c, int n, const lg_buf *whole, lg
                 for (int m = 0; m < n; m++) sum += lg_get(whole[m], (size_t)i * piece_count + start + (size_t)k);
                 c->send[(size_t)i * len + k] = sum;
             }
-        MPI_Reduce_scatter_block(c->send, c->recv, n * len, MPI_DOUBLE, MPI_SUM, c->mpi);
+        MPI_Request request;
+        lg_mpi_arrive(c);
+        MPI_Ireduce_scatter_block(c->send, c->recv, n * len, MPI_DOUBLE, MPI_SUM, c->mpi, &request);
+        lg_mpi_wait(c, &request, "reduce-scatter");
         for (int m = 0; m < n; m++)
             for (int k = 0; k < len; k++)
                 lg_set(piece[m], start + (size_t)k, (lg_real)c->recv[(size_t)m * len + k]);
@@ -6853,7 +7126,11 @@ static void lg_mpi_all_gather(lg_comm *c, int n, const lg_buf *piece, lg_buf *wh
         if (place.data != piece[m].data) lg_copy(NULL, place, piece[m], piece_count);
     }
     MPI_Datatype t = lg_mpi_type_of(whole[0].dtype);
-    MPI_Allgather(MPI_IN_PLACE, 0, t, whole[0].data, (int)((size_t)n * piece_count), t, c->mpi);
+    MPI_Request request;
+    lg_mpi_arrive(c);
+    MPI_Iallgather(MPI_IN_PLACE, 0, t, whole[0].data, (int)((size_t)n * piece_count), t, c->mpi,
+                   &request);
+    lg_mpi_wait(c, &request, "all-gather");
     MPI_Type_free(&t);
     for (int m = 1; m < n; m++) lg_copy(NULL, whole[m], whole[0], (size_t)c->members * piece_count);
 }
@@ -6865,7 +7142,10 @@ static void lg_mpi_broadcast(lg_comm *c, int n, int root, lg_buf *bufs, size_t c
     const size_t most = (size_t)1 << 30;
     for (size_t start = 0; start < count; start += most) {
         size_t len = count - start < most ? count - start : most;
-        MPI_Bcast(lg_at(src, start).data, (int)len, t, root_process, c->mpi);
+        MPI_Request request;
+        lg_mpi_arrive(c);
+        MPI_Ibcast(lg_at(src, start).data, (int)len, t, root_process, c->mpi, &request);
+        lg_mpi_wait(c, &request, "broadcast");
     }
     MPI_Type_free(&t);
     for (int m = 0; m < n; m++)
@@ -6874,7 +7154,7 @@ static void lg_mpi_broadcast(lg_comm *c, int n, int root, lg_buf *bufs, size_t c
 
 void lg_comm_await(lg_comm *c, int signal) {
     if (!c || c->request[signal] == MPI_REQUEST_NULL) return;
-    MPI_Wait(&c->request[signal], MPI_STATUS_IGNORE);
+    lg_mpi_wait(c, &c->request[signal], c->reduce_count[signal] ? "reduce-scatter" : "all-gather");
     for (int k = 0; k < c->reduce_count[signal]; k++)
         lg_set(c->reduce_piece[signal], (size_t)k, (lg_real)c->recv[k]);
     c->reduce_count[signal] = 0;
@@ -6891,6 +7171,7 @@ static void lg_mpi_all_gather_async(lg_comm *c, int n, const lg_buf *piece, lg_b
     lg_buf place = lg_at(whole[0], (size_t)c->first_local * piece_count);
     if (place.data != piece[0].data) lg_copy(NULL, place, piece[0], piece_count);
     MPI_Datatype t = lg_mpi_type_of(whole[0].dtype);
+    lg_mpi_arrive(c);
     MPI_Iallgather(MPI_IN_PLACE, 0, t, whole[0].data, (int)piece_count, t, c->mpi, &c->request[signal]);
     MPI_Type_free(&t); /* MPI keeps it while the collective runs */
 }
@@ -6907,23 +7188,30 @@ static void lg_mpi_reduce_scatter_sum_async(lg_comm *c, int n, const lg_buf *who
     for (size_t k = 0; k < piece_count * (size_t)c->members; k++) c->send[k] = lg_get(whole[0], k);
     c->reduce_piece[signal] = piece[0];
     c->reduce_count[signal] = (int)piece_count;
+    lg_mpi_arrive(c);
     MPI_Ireduce_scatter_block(c->send, c->recv, (int)piece_count, MPI_DOUBLE, MPI_SUM, c->mpi,
                               &c->request[signal]);
 }
 
 void lg_comm_sum_doubles(lg_comm *c, double *values, int count) {
-    if (c) MPI_Allreduce(MPI_IN_PLACE, values, count, MPI_DOUBLE, MPI_SUM, c->mpi);
+    if (!c) return;
+    MPI_Request request;
+    lg_mpi_arrive(c);
+    MPI_Iallreduce(MPI_IN_PLACE, values, count, MPI_DOUBLE, MPI_SUM, c->mpi, &request);
+    lg_mpi_wait(c, &request, "sum");
 }
 
 void lg_comm_gather_doubles(lg_comm *c, double *values, int per_process) {
-    if (c) MPI_Allgather(MPI_IN_PLACE, 0, MPI_DOUBLE, values, per_process, MPI_DOUBLE, c->mpi);
+    if (!c) return;
+    MPI_Request request;
+    lg_mpi_arrive(c);
+    MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DOUBLE, values, per_process, MPI_DOUBLE, c->mpi, &request);
+    lg_mpi_wait(c, &request, "gather");
 }
 #else
-int lg_mpi_comm_create(lg_comm **comm, int members, int first_local, int local, lg_error *err) {
-    (void)members;
-    (void)first_local;
+int lg_mpi_comm_create(lg_comm **comm, const lg_mpi_group *g, lg_error *err) {
     *comm = NULL;
-    return local ? lg_fail(err, "CPU ranks in several processes need an MPI build without CUDA "
+    return g->local ? lg_fail(err, "CPU ranks in several processes need an MPI build without CUDA "
                                 "(make cpu with mpicc present)") : 0;
 }
 
@@ -10101,6 +10389,10 @@ typedef struct {
     lg_st_tensor *out;
     const lg_exec *ex;      /* the rank the weights live on */
     lg_buf weights;
+    /* a full-shard trainer: brings the unit of table tensor `source` and gives the buffer
+       that holds it (the table's offsets are then within units) */
+    lg_buf (*bring)(void *bring_ctx, int source);
+    void *bring_ctx;
 } lg_hf_save_ctx;
 
 static int lg_hf_fill(void *ctx, int index, unsigned char *out, lg_error *err) {
@@ -10108,7 +10400,8 @@ static int lg_hf_fill(void *ctx, int index, unsigned char *out, lg_error *err) {
     const lg_hf_tensor *h = &s->hf[index];
     const lg_tensor_info *info = &s->table->tensors[h->source];
     size_t count = (size_t)lg_st_count(&s->out[index]);
-    lg_buf source = lg_at(s->weights, info->offset), copy = {NULL, source.dtype};
+    lg_buf weights = s->bring ? s->bring(s->bring_ctx, h->source) : s->weights;
+    lg_buf source = lg_at(weights, info->offset), copy = {NULL, source.dtype};
     if (s->ex->backend == LG_BACKEND_CUDA) { /* the host reads a GPU's tensor from its copy */
         copy.data = LG_MALLOC(info->count * lg_elem_size(source.dtype));
         if (!copy.data) return lg_fail(err, "out of host memory");
@@ -10126,9 +10419,20 @@ static lg_st_dtype lg_st_dtype_of(lg_dtype d) {
 }
 
 /* The files of a model: model.safetensors in the weights' dtype, config.json,
-   model_config.yaml; their digests into digests[0..2]. */
+   model_config.yaml; their digests into digests[0..2]. With `bring`, the weights come unit by
+   unit from it (table: m's with offsets within units). */
+static int lg_hf_write_model_from(const lg_model *m, const lg_tensor_table *table,
+                                  lg_buf (*bring)(void *, int), void *bring_ctx, const char *dir,
+                                  lg_file_digest *digests, lg_error *err);
+
 static int lg_hf_write_model(const lg_model *m, const char *dir, lg_file_digest *digests,
                              lg_error *err) {
+    return lg_hf_write_model_from(m, &m->param_table, NULL, NULL, dir, digests, err);
+}
+
+static int lg_hf_write_model_from(const lg_model *m, const lg_tensor_table *table,
+                                  lg_buf (*bring)(void *, int), void *bring_ctx, const char *dir,
+                                  lg_file_digest *digests, lg_error *err) {
     lg_hf_family family;
     if (lg_hf_family_of(&m->cfg, &family, err) != 0) return -1;
     lg_hf_tensor *hf = NULL;
@@ -10144,7 +10448,7 @@ static int lg_hf_write_model(const lg_model *m, const char *dir, lg_file_digest 
         out[i].shape[1] = hf[i].shape[1];
     }
     lg_st_meta meta[1] = {{"format", "pt"}};
-    lg_hf_save_ctx ctx = {&m->cfg, &m->param_table, hf, out, &m->exec, m->params};
+    lg_hf_save_ctx ctx = {&m->cfg, table, hf, out, &m->exec, m->params, bring, bring_ctx};
     char path[LG_PATH_MAX], text[4096];
     lg_format(path, sizeof path, "%s/model.safetensors", dir);
     int rc = out ? lg_st_write(path, out, n, meta, 1, lg_hf_fill, &ctx, &digests[0], err)
@@ -10297,6 +10601,7 @@ typedef struct {
     void *data;        /* the trainer's (or loader's) memory */
     int is_real;       /* data holds lg_real, stored as F32 */
     int is_index;      /* data holds size_t, stored as I64 (the loader's window order) */
+    const lg_tensor_info *tensor; /* the parameter it belongs to (NULL: the loader's) */
 } lg_state_view;
 
 static void lg_state_view_add(lg_state_view *v, int *n, const char *prefix, const lg_tensor_info *t,
@@ -10304,6 +10609,7 @@ static void lg_state_view_add(lg_state_view *v, int *n, const char *prefix, cons
     lg_state_view *s = &v[(*n)++];
     memset(s, 0, sizeof *s);
     lg_format(s->desc.name, sizeof s->desc.name, "%s.%s", prefix, t ? t->name : "order");
+    s->tensor = t;
     s->desc.dtype = dtype;
     s->data = data;
     s->is_real = is_real;
@@ -10512,8 +10818,147 @@ static int lg_state_meta(const lg_trainer *tr, const lg_loader *data, int step, 
     return n;
 }
 
+/* Checkpoints of sharded runs, one sharding unit at a time: process 0 writes each tensor when
+   its unit is brought (the full-shard weights gathered into the trainer's gather regions; the
+   training state assembled in the plan's checkpoint.gather); every process brings the same
+   units in the same order, the others without writing. */
+static lg_buf lg_unit_weights(const lg_trainer *tr, int r, int u); /* 13. trainer */
+static void lg_trainer_gather_unit(lg_trainer *tr, int u);
+static void lg_trainer_await_unit(lg_trainer *tr, int u);
+
+typedef struct {
+    lg_trainer *tr;
+    int state;              /* 1: the training state, 0: the weights */
+    lg_tensor_table units;  /* the whole table, each offset within its tensor's unit */
+    lg_buf part[3];         /* state: (largest unit) master, m, v in checkpoint.gather */
+    lg_state_view *views;   /* state: what process 0 writes */
+    int current;            /* the unit brought last (-1: none) */
+    int changes;            /* units brought so far */
+} lg_unit_walk;
+
+static int lg_unit_walk_start(lg_unit_walk *w, lg_trainer *tr, int state, lg_error *err) {
+    const lg_tensor_table *whole = &tr->ranks[0].model.param_table;
+    const lg_shard_layout *sl = &tr->plan.shards;
+    memset(w, 0, sizeof *w);
+    w->tr = tr;
+    w->state = state;
+    w->current = -1;
+    w->units = *whole;
+    w->units.tensors = (lg_tensor_info *)LG_MALLOC(sizeof(lg_tensor_info) * (size_t)(whole->n_tensors + 1));
+    if (!w->units.tensors) return lg_fail(err, "out of host memory for a checkpoint");
+    for (int i = 0; i < whole->n_tensors; i++) {
+        w->units.tensors[i] = whole->tensors[i];
+        w->units.tensors[i].offset -= sl->unit_offset[whole->tensors[i].block + 1];
+    }
+    size_t at[3];
+    unsigned char *region = (unsigned char *)lg_rank_region(&tr->ranks[0].rank, "checkpoint.gather");
+    lg_checkpoint_unit_layout(&tr->plan, at);
+    const lg_optimizer *opt = &tr->ranks[0].opt;
+    lg_dtype types[3] = {LG_DTYPE_F32, opt->m.dtype, opt->v.dtype};
+    for (int k = 0; k < 3 && state; k++) {
+        w->part[k].dtype = types[k];
+        w->part[k].data = region && at[k] != (size_t)-1 ? region + at[k] : NULL;
+    }
+    if (state && !region) {
+        LG_FREE(w->units.tensors);
+        return lg_fail(err, "the plan holds no checkpoint.gather for this sharded run");
+    }
+    return 0;
+}
+
+/* The training state of unit u, whole, in the parts: the pieces of shard group 0's members
+   that this process drives in their places, zero elsewhere, summed over the processes. */
+static void lg_unit_walk_assemble(lg_unit_walk *w, int u) {
+    lg_trainer *tr = w->tr;
+    const lg_shard_layout *sl = &tr->plan.shards;
+    size_t count = sl->piece_count[u], unit = sl->unit_offset[u + 1] - sl->unit_offset[u];
+    for (int k = 0; k < 3; k++)
+        if (w->part[k].data) lg_zero(NULL, w->part[k], count * (size_t)sl->n_shards);
+    for (int r = 0; r < tr->local_ranks && tr->first_rank + r < sl->n_shards; r++) {
+        const lg_optimizer *opt = &tr->ranks[r].opt;
+        lg_buf shard[3] = {lg_buf_of(opt->master), opt->m, opt->v};
+        size_t first = (size_t)(tr->first_rank + r) * count;
+        size_t live = first >= unit ? 0 : unit - first < count ? unit - first : count;
+        for (int k = 0; k < 3; k++)
+            if (w->part[k].data && shard[k].data && live)
+                lg_copy(&tr->ranks[r].model.exec, lg_at(w->part[k], first),
+                        lg_at(shard[k], sl->piece_offset[u]), live);
+        lg_rank_sync(&tr->ranks[r].rank);
+    }
+    for (int k = 0; k < 3 && tr->process_comm; k++)
+        if (w->part[k].data) lg_all_reduce_sum(tr->process_comm, 1, &w->part[k], unit);
+}
+
+/* Brings unit u unless it is the one brought last. */
+static void lg_unit_walk_bring(lg_unit_walk *w, int u) {
+    if (u == w->current) return;
+    w->current = u;
+    w->changes++;
+    if (w->state) {
+        lg_unit_walk_assemble(w, u);
+        return;
+    }
+    lg_trainer_gather_unit(w->tr, u);
+    lg_trainer_await_unit(w->tr, u);
+}
+
+/* The rest of the sequence every process walks: a unit for each change of unit along the
+   table (process 0's writes follow the table's order; after a failed write it catches up). */
+static void lg_unit_walk_finish(lg_unit_walk *w) {
+    for (int i = 0, previous = -1, k = 0; i < w->units.n_tensors; i++) {
+        int u = w->units.tensors[i].block + 1;
+        if (u == previous) continue;
+        previous = u;
+        if (++k > w->changes) lg_unit_walk_bring(w, u);
+    }
+    LG_FREE(w->units.tensors);
+}
+
+/* lg_hf_write_model_from's source of weights: rank 0's gathered unit. */
+static lg_buf lg_unit_walk_weights(void *walk, int source) {
+    lg_unit_walk *w = (lg_unit_walk *)walk;
+    int u = w->units.tensors[source].block + 1;
+    lg_unit_walk_bring(w, u);
+    return lg_unit_weights(w->tr, 0, u);
+}
+
+static int lg_state_fill_by_unit(void *walk, int index, unsigned char *out, lg_error *err) {
+    lg_unit_walk *w = (lg_unit_walk *)walk;
+    if (w->views[index].tensor) lg_unit_walk_bring(w, w->views[index].tensor->block + 1);
+    return lg_state_fill(w->views, index, out, err);
+}
+
+/* The training state of a sharded run, unit by unit (see lg_unit_walk). */
+static int lg_training_state_write_units(lg_trainer *tr, const lg_loader *data, int step,
+                                         const char *path, lg_file_digest *digest,
+                                         lg_error *err) {
+    lg_unit_walk w;
+    if (lg_unit_walk_start(&w, tr, 1, err) != 0) return -1;
+    lg_optimizer opt = tr->ranks[0].opt; /* its state in the parts, in unit-relative layout */
+    if (opt.master) opt.master = (lg_real *)w.part[0].data;
+    opt.m.data = opt.m.data ? w.part[1].data : NULL;
+    opt.v.data = opt.v.data ? w.part[2].data : NULL;
+    lg_st_tensor *tensors = NULL;
+    int n = 0, rc = 0;
+    if (tr->process == 0) {
+        if (lg_state_views(&opt, &w.units, data, &w.views, &n) == 0)
+            tensors = (lg_st_tensor *)lg_alloc_zeroed(sizeof(lg_st_tensor) * (size_t)(n + 1));
+        lg_st_meta meta[24];
+        int n_meta = lg_state_meta(tr, data, step, meta);
+        for (int i = 0; tensors && i < n; i++) tensors[i] = w.views[i].desc;
+        rc = tensors ? lg_st_write(path, tensors, n, meta, n_meta, lg_state_fill_by_unit, &w, digest, err)
+                     : lg_fail(err, "out of host memory");
+    }
+    lg_unit_walk_finish(&w);
+    LG_FREE(tensors);
+    LG_FREE(w.views);
+    return rc;
+}
+
 int lg_training_state_write(lg_trainer *tr, const lg_loader *data, int step,
                             const char *path, lg_file_digest *digest, lg_error *err) {
+    if (lg_rank_region(&tr->ranks[0].rank, "checkpoint.gather"))
+        return lg_training_state_write_units(tr, data, step, path, digest, err);
     lg_whole_state w;
     if (lg_whole_state_make(tr, &w, err) != 0) return -1;
     lg_whole_state_exchange(tr, &w, 1);
@@ -11008,18 +11453,18 @@ static int lg_write_merged_model(const lg_model *m0, const lg_real *adapters, co
 
 /* --- trainer checkpoints ----------------------------------------------------------------------- */
 
-/* model.safetensors of the trainer's weights: rank 0's when whole, else gathered into a copy of
-   rank 0's model whose weights are a whole buffer of the same type. */
+/* model.safetensors of the trainer's weights: rank 0's when whole, else gathered unit by unit
+   (lg_unit_walk). */
 static int lg_trainer_write_model(lg_trainer *tr, const char *dir, lg_file_digest *digests,
                                   lg_error *err) {
     const lg_model *m0 = &tr->ranks[0].model;
     if (!m0->weights_gathered) return tr->process == 0 ? lg_hf_write_model(m0, dir, digests, err) : 0;
-    lg_model whole = *m0;
-    whole.params.data = LG_MALLOC(m0->n_params * lg_elem_size(m0->params.dtype) + 1);
-    if (!whole.params.data) return lg_fail(err, "out of host memory for the weights");
-    lg_trainer_weights(tr, whole.params);
-    int rc = tr->process == 0 ? lg_hf_write_model(&whole, dir, digests, err) : 0;
-    LG_FREE(whole.params.data);
+    lg_unit_walk w; /* full-shard: unit by unit through the gather regions */
+    if (lg_unit_walk_start(&w, tr, 0, err) != 0) return -1;
+    int rc = tr->process == 0 ? lg_hf_write_model_from(m0, &w.units, lg_unit_walk_weights, &w, dir,
+                                                       digests, err)
+                              : 0;
+    lg_unit_walk_finish(&w);
     return rc;
 }
 
@@ -11526,25 +11971,51 @@ static void lg_trainer_sync(const lg_trainer *tr) {
 /* CPU ranks in several processes: the MPI group of members first + m stride (m < count) when
    they live in more than one process; a group inside one process needs none (its collectives
    run in the process). Every process decides alike and takes part in every split. */
-static int lg_trainer_mpi_group(lg_trainer *tr, int first, int stride, int count, lg_comm **comm,
-                                lg_error *err) {
+static int lg_trainer_mpi_group(lg_trainer *tr, int first, int stride, int count,
+                                const char *buffers, const char *name, double timeout_s,
+                                lg_comm **comm, lg_error *err) {
     int per_process = tr->local_ranks, last = first + (count - 1) * stride;
     if (first / per_process == last / per_process) return 0;
     int local[LG_MAX_RANKS], n = lg_trainer_group_local(tr, first, stride, count, local);
-    int first_local = n ? (tr->first_rank + local[0] - first) / stride : 0;
-    return lg_mpi_comm_create(comm, count, first_local, n, err);
+    lg_mpi_group g = {name, count, n ? (tr->first_rank + local[0] - first) / stride : 0, n,
+                      NULL, timeout_s, per_process};
+    if (n) g.scratch = lg_rank_region(&tr->ranks[local[0]].rank, buffers); /* the plan's */
+    return lg_mpi_comm_create(comm, &g, err);
 }
 
 /* CPU ranks in several processes: the MPI groups of the shard groups, the replica groups and
-   all ranks (process_comm). */
-static int lg_trainer_make_mpi_groups(lg_trainer *tr, lg_error *err) {
+   all ranks (process_comm), with the plan's buffers. */
+static int lg_trainer_make_mpi_groups(lg_trainer *tr, double timeout_s, lg_error *err) {
     const lg_sharding *sh = &tr->plan.sharding;
     int S = sh->shard_ranks, R = sh->replicas;
-    for (int q = 0; q < R && S > 1; q++)
-        if (lg_trainer_mpi_group(tr, q * S, 1, S, &tr->shard_comm[q], err) != 0) return -1;
-    for (int i = 0; i < S && R > 1; i++)
-        if (lg_trainer_mpi_group(tr, i, S, R, &tr->replica_comm[i], err) != 0) return -1;
-    return lg_trainer_mpi_group(tr, 0, 1, tr->n_ranks, &tr->process_comm, err);
+    char name[48];
+    for (int q = 0; q < R && S > 1; q++) {
+        lg_format(name, sizeof name, "shard group %d", q);
+        if (lg_trainer_mpi_group(tr, q * S, 1, S, "mpi.shard", name, timeout_s, &tr->shard_comm[q],
+                                 err) != 0)
+            return -1;
+    }
+    for (int i = 0; i < S && R > 1; i++) {
+        lg_format(name, sizeof name, "replica group %d", i);
+        if (lg_trainer_mpi_group(tr, i, S, R, "mpi.replica", name, timeout_s, &tr->replica_comm[i],
+                                 err) != 0)
+            return -1;
+    }
+    return lg_trainer_mpi_group(tr, 0, 1, tr->n_ranks, "mpi.all", "all ranks", timeout_s,
+                                &tr->process_comm, err);
+}
+
+/* GPUs: each NCCL group's name and deadline for its errors (lg_comm_watch). */
+static void lg_trainer_name_comms(lg_trainer *tr, double timeout_s) {
+    char name[48];
+    for (int i = 0; i < LG_MAX_RANKS; i++) {
+        lg_format(name, sizeof name, "shard group %d", i);
+        lg_comm_watch(tr->shard_comm[i], name, timeout_s);
+        lg_format(name, sizeof name, "replica group %d", i);
+        lg_comm_watch(tr->replica_comm[i], name, timeout_s);
+    }
+    lg_comm_watch(tr->world_comm, "all ranks (start)", timeout_s);
+    lg_comm_watch(tr->process_comm, "all ranks", timeout_s);
 }
 
 /* GPU ranks in several processes: process 0's NCCL id reaches the others (MPI, or the
@@ -11560,7 +12031,7 @@ static int lg_trainer_make_nccl_groups(lg_trainer *tr, const lg_launch *launch, 
     if (lg_launch_share(launch, id, sizeof id, err) != 0) return -1;
     for (int r = 0; r < tr->local_ranks; r++) members[r] = &tr->ranks[r].rank;
     tr->process_comm = lg_comm_create_global(tr->n_ranks, tr->first_rank, tr->local_ranks,
-                                             members, id, err);
+                                             members, id, launch->dist_timeout, err);
     if (!tr->process_comm) return -1;
     for (int r = 0; r < tr->local_ranks; r++) { /* shard group q: ranks q S .. q S + S - 1 */
         color[r] = (tr->first_rank + r) / S;
@@ -11572,6 +12043,7 @@ static int lg_trainer_make_nccl_groups(lg_trainer *tr, const lg_launch *launch, 
         key[r] = (tr->first_rank + r) / S;
     }
     if (R > 1 && lg_comm_split(tr->process_comm, color, key, tr->replica_comm, err) != 0) return -1;
+    lg_trainer_name_comms(tr, launch->dist_timeout);
     if (tr->local_ranks == 1 || !sh->weights_sharded) return 0;
     return (tr->world_comm = lg_comm_create(tr->local_ranks, members, err)) ? 0 : -1;
 }
@@ -11584,7 +12056,8 @@ static int lg_trainer_make_comms(lg_trainer *tr, const lg_launch *launch, lg_err
     lg_rank *members[LG_MAX_RANKS];
     if (tr->local_ranks < tr->n_ranks && tr->plan.spec.backend == LG_BACKEND_CUDA)
         return lg_trainer_make_nccl_groups(tr, launch, err);
-    if (tr->local_ranks < tr->n_ranks) return lg_trainer_make_mpi_groups(tr, err);
+    if (tr->local_ranks < tr->n_ranks)
+        return lg_trainer_make_mpi_groups(tr, launch->dist_timeout, err);
     if (tr->plan.spec.backend != LG_BACKEND_CUDA || tr->n_ranks == 1) return 0;
     for (int q = 0; q < R && S > 1; q++) {
         for (int i = 0; i < S; i++) members[i] = &tr->ranks[q * S + i].rank;
@@ -11594,9 +12067,12 @@ static int lg_trainer_make_comms(lg_trainer *tr, const lg_launch *launch, lg_err
         for (int q = 0; q < R; q++) members[q] = &tr->ranks[q * S + i].rank;
         if (!(tr->replica_comm[i] = lg_comm_create(R, members, err))) return -1;
     }
-    if (!sh->weights_sharded) return 0;
-    for (int r = 0; r < tr->local_ranks; r++) members[r] = &tr->ranks[r].rank;
-    return (tr->world_comm = lg_comm_create(tr->n_ranks, members, err)) ? 0 : -1;
+    if (sh->weights_sharded) {
+        for (int r = 0; r < tr->local_ranks; r++) members[r] = &tr->ranks[r].rank;
+        if (!(tr->world_comm = lg_comm_create(tr->n_ranks, members, err))) return -1;
+    }
+    lg_trainer_name_comms(tr, launch ? launch->dist_timeout : LG_DIST_TIMEOUT);
+    return 0;
 }
 
 /* The communicators a rank joins (lg_trainer_make_comms): what NCCL's share of the GPU's
@@ -11645,6 +12121,7 @@ int lg_trainer_create_in(lg_trainer *tr, const lg_config *cfg, const lg_args *ar
     if (tr->accumulation < 1) return -1;
     lg_plan_spec spec;
     lg_plan_spec_from_args(&spec, args, T);
+    spec.processes = tr->args.processes = launch ? launch->processes : 1; /* the launch's */
     if (lg_plan_make(&tr->plan, cfg, &spec, err) != 0) return -1;
     tr->n_ranks = tr->plan.n_ranks;
     tr->block_slots = tr->plan.sharding.weights_sharded ? 2 : 1;

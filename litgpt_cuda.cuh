@@ -63,10 +63,11 @@ static void lg_cuda_die(const char *call, const char *file, int line, const char
         if (lg_status_ != cudaSuccess)                                                         \
             lg_cuda_die(#call, __FILE__, __LINE__, cudaGetErrorString(lg_status_));            \
     } while (0)
-#define LG_NCCL_TRY(call)                                                                      \
+#define LG_NCCL_TRY(call) /* (ncclInProgress: a non-blocking communicator enqueues; see     \
+                             lg_nccl_settle) */                                                \
     do {                                                                                       \
         ncclResult_t lg_status_ = (call);                                                      \
-        if (lg_status_ != ncclSuccess)                                                         \
+        if (lg_status_ != ncclSuccess && lg_status_ != ncclInProgress)                         \
             lg_cuda_die(#call, __FILE__, __LINE__, ncclGetErrorString(lg_status_));            \
     } while (0)
 
@@ -2813,7 +2814,73 @@ struct lg_comm {
     lg_cuda_rank *member[LG_MAX_RANKS]; /* (n) */
     double *numbers[LG_MAX_RANKS];  /* (n): each member's (2 LG_MAX_RANKS) on its GPU for host
                                        numbers (lg_comm_sum_doubles), made on first use */
+    /* the deadline (lg_comm_watch): no host wait on the group lasts longer than timeout_s */
+    char name[48];                  /* "shard group 0", ...: what its errors name */
+    double timeout_s;
+    int rank_of[LG_MAX_RANKS];      /* (n): each member's global rank */
 };
+
+/* No collective has a deadline in NCCL (reference/DISTRIBUTED.md): the host polls. Across
+   processes the communicators are non-blocking (config.blocking = 0), so that enqueueing
+   never blocks either; every host wait below polls ncclCommGetAsyncError and the members'
+   events until done, an NCCL error, or the deadline. Then the group's communicators are
+   aborted (ncclCommAbort stops their kernels) and the process ends with a line naming its
+   rank and the collective: a rank that hangs or died prints nothing, the ranks that waited
+   for it each print the line (NCCL does not say which rank did not arrive). */
+static void lg_nccl_give_up(lg_comm *c, const char *what, ncclResult_t status) {
+    if (status == ncclSuccess || status == ncclInProgress)
+        fprintf(stderr, "rank %d: the %s of %s did not complete within --dist-timeout %g s: a rank "
+                        "of the group did not arrive (hung or stopped; it is one that does not print "
+                        "this line); aborting the communicators\n", c->rank_of[0], what, c->name,
+                c->timeout_s);
+    else
+        fprintf(stderr, "rank %d: the %s of %s failed in NCCL: %s (NCCL_DEBUG=WARN says more); "
+                        "aborting the communicators\n", c->rank_of[0], what, c->name,
+                ncclGetErrorString(status));
+    fflush(stderr);
+    for (int i = 0; i < c->n; i++) {
+        if (c->comm[i]) ncclCommAbort(c->comm[i]);
+        c->comm[i] = NULL;
+    }
+    lg_launch_abort(1);
+}
+
+/* The first error of the members' communicators (ncclInProgress while one still enqueues). */
+static ncclResult_t lg_nccl_state(const lg_comm *c) {
+    ncclResult_t worst = ncclSuccess;
+    for (int i = 0; i < c->n; i++) {
+        ncclResult_t state = ncclSuccess;
+        ncclResult_t asked = ncclCommGetAsyncError(c->comm[i], &state);
+        if (asked != ncclSuccess) state = asked;
+        if (state != ncclSuccess && (worst == ncclSuccess || worst == ncclInProgress)) worst = state;
+    }
+    return worst;
+}
+
+/* Waits until the members' communicators have enqueued everything (non-blocking ones return
+   ncclInProgress meanwhile) and, with `done`, until the members' communication streams reach
+   this point; gives up at the deadline or on an NCCL error. */
+static void lg_nccl_wait(lg_comm *c, const char *what, int done) {
+    double deadline = lg_time_ms() + c->timeout_s * 1e3;
+    for (int i = 0; done && i < c->n; i++) {
+        LG_CUDA_TRY(cudaSetDevice(c->member[i]->device));
+        LG_CUDA_TRY(cudaEventRecord(c->member[i]->comm_done, c->member[i]->comm));
+    }
+    for (long polls = 0;; polls++) {
+        ncclResult_t state = lg_nccl_state(c);
+        int finished = state == ncclSuccess;
+        for (int i = 0; finished && done && i < c->n; i++) {
+            LG_CUDA_TRY(cudaSetDevice(c->member[i]->device));
+            cudaError_t q = cudaEventQuery(c->member[i]->comm_done);
+            if (q != cudaSuccess && q != cudaErrorNotReady) LG_CUDA_TRY(q);
+            finished = q == cudaSuccess;
+        }
+        if (finished) return;
+        if (state != ncclSuccess && state != ncclInProgress) lg_nccl_give_up(c, what, state);
+        if (lg_time_ms() > deadline) lg_nccl_give_up(c, what, state);
+        if (polls > 100) poll(NULL, 0, 1); /* a long wait leaves the core to the others */
+    }
+}
 
 static ncclDataType_t lg_nccl_type(lg_dtype dtype) {
     switch (dtype) {
@@ -2833,8 +2900,10 @@ lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err) {
         return NULL;
     }
     c->n = n;
+    lg_comm_watch(c, "the ranks of this process", LG_DIST_TIMEOUT);
     for (int i = 0; i < n; i++) {
         c->member[i] = members[i]->cuda;
+        c->rank_of[i] = members[i]->index;
         devices[i] = members[i]->cuda->device;
     }
     ncclResult_t status = ncclCommInitAll(c->comm, n, devices);
@@ -2844,6 +2913,12 @@ lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err) {
         return NULL;
     }
     return c;
+}
+
+void lg_comm_watch(lg_comm *c, const char *name, double timeout_s) {
+    if (!c) return;
+    snprintf(c->name, sizeof c->name, "%s", name);
+    c->timeout_s = timeout_s > 0 ? timeout_s : LG_DIST_TIMEOUT;
 }
 
 void lg_comm_free(lg_comm *c) {
@@ -2869,7 +2944,7 @@ int lg_nccl_unique_id(unsigned char *id, lg_error *err) {
 }
 
 lg_comm *lg_comm_create_global(int world, int first_rank, int n, lg_rank *const *members,
-                               const unsigned char *id, lg_error *err) {
+                               const unsigned char *id, double timeout_s, lg_error *err) {
     lg_comm *c = (lg_comm *)lg_alloc_zeroed(sizeof(lg_comm));
     ncclUniqueId unique;
     if (!c) {
@@ -2878,15 +2953,20 @@ lg_comm *lg_comm_create_global(int world, int first_rank, int n, lg_rank *const 
     }
     memcpy(unique.internal, id, LG_NCCL_ID_BYTES);
     c->n = n;
+    lg_comm_watch(c, "all ranks", timeout_s);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0; /* enqueueing returns at once; lg_nccl_wait polls against the deadline */
     ncclResult_t status = ncclGroupStart();
-    for (int i = 0; i < n && status == ncclSuccess; i++) { /* a process's GPUs: one call each */
+    for (int i = 0; i < n && (status == ncclSuccess || status == ncclInProgress); i++) {
         c->member[i] = members[i]->cuda;
+        c->rank_of[i] = first_rank + i;
         LG_CUDA_TRY(cudaSetDevice(c->member[i]->device));
-        status = ncclCommInitRank(&c->comm[i], world, unique, first_rank + i);
+        status = ncclCommInitRankConfig(&c->comm[i], world, unique, first_rank + i, &config);
     }
     ncclResult_t ended = ncclGroupEnd();
-    if (status == ncclSuccess) status = ended;
-    if (status != ncclSuccess) {
+    if (status == ncclSuccess || status == ncclInProgress) status = ended;
+    if (status == ncclInProgress) lg_nccl_wait(c, "start (ncclCommInitRankConfig)", 0);
+    else if (status != ncclSuccess) {
         lg_fail(err, "ncclCommInitRank of ranks %d..%d of %d failed: %s (NCCL_DEBUG=WARN says why; "
                      "NCCL_SOCKET_IFNAME picks the network)", first_rank, first_rank + n - 1, world,
                 ncclGetErrorString(status));
@@ -2903,19 +2983,25 @@ int lg_comm_split(lg_comm *parent, const int *color, const int *key, lg_comm **b
     for (int i = 0; i < parent->n && status == ncclSuccess; i++) {
         LG_CUDA_TRY(cudaSetDevice(parent->member[i]->device));
         made[i] = NULL;
+        ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+        config.blocking = 0; /* as the parent's (lg_comm_create_global) */
         status = ncclCommSplit(parent->comm[i], color[i] < 0 ? NCCL_SPLIT_NOCOLOR : color[i], key[i],
-                               &made[i], NULL);
+                               &made[i], &config);
+        if (status == ncclInProgress) status = ncclSuccess;
     }
     ncclResult_t ended = ncclGroupEnd();
-    if (status == ncclSuccess) status = ended;
+    if (status == ncclSuccess && ended != ncclInProgress) status = ended;
     if (status != ncclSuccess)
         return lg_fail(err, "ncclCommSplit failed: %s", ncclGetErrorString(status));
+    lg_nccl_wait(parent, "split (ncclCommSplit)", 0); /* (the new ones: below, on first use) */
     for (int i = 0; i < parent->n; i++) { /* members in order: the group's in key order */
         if (color[i] < 0) continue;
         lg_comm **group = &by_color[color[i]];
         if (!*group && !(*group = (lg_comm *)lg_alloc_zeroed(sizeof(lg_comm))))
             return lg_fail(err, "out of host memory");
+        lg_comm_watch(*group, "a group of ranks", parent->timeout_s);
         (*group)->comm[(*group)->n] = made[i];
+        (*group)->rank_of[(*group)->n] = parent->rank_of[i];
         (*group)->member[(*group)->n++] = parent->member[i];
     }
     return 0;
@@ -2948,14 +3034,10 @@ static void lg_comm_host_numbers(lg_comm *c, const double *in, int in_stride, in
                                       ncclSum, c->comm[i], c->member[i]->comm));
     }
     LG_NCCL_TRY(ncclGroupEnd());
+    lg_nccl_wait(c, gather ? "gather of host numbers" : "sum of host numbers", 1);
     LG_CUDA_TRY(cudaSetDevice(c->member[0]->device));
-    LG_CUDA_TRY(cudaStreamSynchronize(c->member[0]->comm));
     LG_CUDA_TRY(cudaMemcpy(out, lg_comm_numbers(c, 0) + LG_MAX_RANKS, sizeof(double) * (size_t)out_count,
                            cudaMemcpyDeviceToHost));
-    for (int i = 1; i < c->n; i++) {
-        LG_CUDA_TRY(cudaSetDevice(c->member[i]->device));
-        LG_CUDA_TRY(cudaStreamSynchronize(c->member[i]->comm));
-    }
 }
 
 /* Sums over processes: the process's first member brings the values, the others zeros. */
@@ -2995,6 +3077,7 @@ static void lg_comm_begin(lg_comm *c) {
 
 static void lg_comm_end(lg_comm *c) {
     LG_NCCL_TRY(ncclGroupEnd());
+    lg_nccl_wait(c, "collective (enqueueing)", 0);
     for (int i = 0; i < c->n; i++) {
         lg_cuda_rank *g = c->member[i];
         LG_CUDA_TRY(cudaSetDevice(g->device));
@@ -3007,6 +3090,7 @@ static void lg_comm_end(lg_comm *c) {
    meanwhile and waits in lg_cuda_await. */
 static void lg_comm_end_signal(lg_comm *c, int signal) {
     LG_NCCL_TRY(ncclGroupEnd());
+    lg_nccl_wait(c, "collective (enqueueing)", 0);
     for (int i = 0; i < c->n; i++) {
         LG_CUDA_TRY(cudaSetDevice(c->member[i]->device));
         LG_CUDA_TRY(cudaEventRecord(c->member[i]->signals[signal], c->member[i]->comm));

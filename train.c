@@ -53,7 +53,9 @@ static const char usage[] =
     "      --dist-init URL        GPU processes without MPI meet at tcp://HOST:PORT (process\n"
     "                             0's machine) or file://PATH (shared); default from\n"
     "                             MASTER_ADDR and MASTER_PORT + 1\n"
-    "      --dist-timeout S       seconds a process waits for the others there (600)\n"
+    "      --dist-timeout S       seconds a process waits for the others there and in any\n"
+    "                             collective before it ends the job naming the late ranks\n"
+    "                             (600: PyTorch's default for NCCL process groups)\n"
     "      --cpu                  a CUDA build: run on the CPU backend even with GPUs\n"
     "      --tf32                 on a GPU, fp32 matmuls may use TF32 tensor cores\n"
     "  -o, --optimizer NAME       adamw (default), sgd, lion (one state; betas 0.9 0.99\n"
@@ -1194,6 +1196,15 @@ static void start_processes(lg_launch *launch, int argc, char **argv, const run_
     free(text);
 }
 
+/* Test-only (tests/test_processes.c): LG_TEST_HANG=P:S makes process P sleep for an hour
+   before step S, a hung process for the --dist-timeout check. */
+static void hang_if_testing(const lg_launch *launch, int step) {
+    const char *hang = getenv("LG_TEST_HANG");
+    int process = -1, at = -1;
+    if (!hang || sscanf(hang, "%d:%d", &process, &at) != 2) return;
+    if (process == launch->process && at == step) sleep(3600);
+}
+
 int main(int argc, char **argv) {
 #ifdef LG_CUDA
     /* before CUDA starts: every kernel loads with the context, so the runtime's memory measured
@@ -1210,6 +1221,7 @@ int main(int argc, char **argv) {
     argc = take_process_flags(argc, argv, &launch);
     parse_args(argc, argv, &a, &given, &ck, &output);
     if (lg_launch_place(&launch, a.devices, a.nodes, &err) != 0) die_usage("%s", err.msg);
+    a.processes = launch.processes; /* the plan counts MPI's buffers */
     if (launch.process != 0 && !freopen("/dev/null", "w", stdout)) /* process 0 prints */
         die_usage("cannot silence stdout");
     FILE *json = a.plan_only >= 2 ? json_output() : NULL; /* JSON or SVG alone on stdout */
@@ -1296,6 +1308,7 @@ int main(int argc, char **argv) {
     progress_start(&shown, &output, first_step, a.max_steps);
     for (int step = first_step; step < a.max_steps; step++) {
         lg_step_stats st;
+        hang_if_testing(&launch, step);
         if (lg_trainer_step(&tr, &data.train, step, &st, &err) != 0) {
             progress_clear(&shown);
             die(1, &err);

@@ -31,7 +31,10 @@
    4. the NCCL subset, in process: grouped calls queue one per rank; a collective runs once every
       rank of its communicator clique has issued it (the k-th call of each rank match), reading
       all inputs before writing any output (so in place works); bf16 and fp16 sums are taken in
-      float and rounded once to nearest even. With LG_EMU_DEFER_COLLECTIVES=1 a complete
+      float and rounded once to nearest even. A collective some rank never calls stalls as on
+      GPUs: cudaEventQuery of an event recorded after it on its stream says cudaErrorNotReady
+      while it waits; ncclCommAbort drops it. Communicators report no asynchronous error
+      (ncclCommGetAsyncError) and take a ncclConfig_t (non-blocking ones enqueue at once). With LG_EMU_DEFER_COLLECTIVES=1 a complete
       collective does not run at once but waits until the host synchronises its stream or the
       device, or a stream waits on an event recorded on its stream after it: the latest a GPU
       could run it. An op that reads a collective's output without such a wait then reads the
@@ -68,6 +71,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdarg>
+#include <climits>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -284,6 +288,7 @@ struct lg_emu_event {
     int recorded;
     lg_emu_stream *stream; /* where it was last recorded, and the deferred collectives issued */
     uint64_t mark;         /* by then: waiting on it runs those of that stream */
+    int stalled;           /* recorded after a collective that waits for other ranks */
 };
 typedef lg_emu_stream *cudaStream_t;
 typedef lg_emu_event *cudaEvent_t;
@@ -469,6 +474,9 @@ struct lg_emu_state_t {
     lg_emu_runtime rt;
     lg_emu_nccl_state nccl;
 };
+
+/* A collective issued on `stream` waits for other ranks' calls (section 8). */
+inline bool lg_emu_nccl_stalled(const lg_emu_stream *stream);
 
 [[noreturn]] inline void lg_emu_die(const char *fmt, ...) {
     va_list ap;
@@ -1565,7 +1573,7 @@ inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned flags) 
     lg_emu_runtime &rt = lg_emu_state().rt;
     if (!event) return lg_emu_error(cudaErrorInvalidValue);
     if (rt.device_count == 0) return lg_emu_error(cudaErrorNoDevice);
-    *event = new lg_emu_event{rt.current_device, flags, 0, nullptr, 0};
+    *event = new lg_emu_event{rt.current_device, flags, 0, nullptr, 0, 0};
     rt.events.insert(*event);
     return cudaSuccess;
 }
@@ -1586,6 +1594,7 @@ inline cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream = null
     event->recorded = 1;
     event->stream = stream;
     event->mark = lg_emu_state().nccl.issued;
+    event->stalled = lg_emu_nccl_stalled(stream);
     return cudaSuccess;
 }
 inline cudaError_t cudaEventSynchronize(cudaEvent_t event) {
@@ -1593,7 +1602,11 @@ inline cudaError_t cudaEventSynchronize(cudaEvent_t event) {
     if (event->recorded) lg_emu_run_deferred(event->stream, event->mark);
     return cudaSuccess;
 }
-inline cudaError_t cudaEventQuery(cudaEvent_t event) { return cudaEventSynchronize(event); }
+inline cudaError_t cudaEventQuery(cudaEvent_t event) {
+    if (lg_emu_valid_event(event) && event->recorded && event->stalled && lg_emu_nccl_stalled(event->stream))
+        return cudaErrorNotReady; /* (not an error: cudaGetLastError stays clean) */
+    return cudaEventSynchronize(event);
+}
 inline cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned /* flags */ = 0) {
     if (!lg_emu_valid_event(event) || !lg_emu_valid_stream(stream))
         return lg_emu_error(cudaErrorInvalidResourceHandle);
@@ -2032,14 +2045,47 @@ inline ncclResult_t ncclCommDestroy(ncclComm_t comm) {
     }
     return ncclSuccess;
 }
-inline ncclResult_t ncclCommAbort(ncclComm_t comm) { return ncclCommDestroy(comm); }
+/* Drops the calls still waiting for the other ranks (a GPU's aborted kernels), then destroys. */
+inline ncclResult_t ncclCommAbort(ncclComm_t comm) {
+    if (comm && lg_emu_state().nccl.comms.count(comm)) comm->clique->queued[(size_t)comm->rank].clear();
+    return ncclCommDestroy(comm);
+}
+
+inline bool lg_emu_nccl_stalled(const lg_emu_stream *stream) {
+    for (ncclComm_t c : lg_emu_state().nccl.comms)
+        for (const lg_emu_nccl_call &call : c->clique->queued[(size_t)c->rank])
+            if (call.stream == stream) return true;
+    return false;
+}
+
+/* Nothing fails asynchronously here: a stalled collective shows in its stream's events. */
+inline ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *state) {
+    if (!comm || !state || !lg_emu_state().nccl.comms.count(comm)) return ncclInvalidArgument;
+    *state = ncclSuccess;
+    return ncclSuccess;
+}
 
 /* Communicators across processes: one process has no other processes to meet, so these say so
    (the trainer uses them only when a launcher started several). */
 #define NCCL_UNIQUE_ID_BYTES 128
 #define NCCL_SPLIT_NOCOLOR -1
 typedef struct { char internal[NCCL_UNIQUE_ID_BYTES]; } ncclUniqueId;
-struct ncclConfig_t;
+/* The fields of NCCL 2.18's ncclConfig_t that the trainer sets; the others keep NCCL's
+   "undefined" value (INT_MIN). */
+#define NCCL_CONFIG_UNDEF_INT INT_MIN
+struct ncclConfig_t {
+    size_t size;
+    unsigned int magic;
+    unsigned int version;
+    int blocking;
+    int cgaClusterSize, minCTAs, maxCTAs;
+    const char *netName;
+    int splitShare;
+};
+#define NCCL_CONFIG_INITIALIZER                                                                   \
+    {sizeof(ncclConfig_t), 0xcafebeef, NCCL_VERSION_CODE, NCCL_CONFIG_UNDEF_INT,                 \
+     NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT, nullptr,               \
+     NCCL_CONFIG_UNDEF_INT}
 inline ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
     if (!id) return ncclInvalidArgument;
     memset(id->internal, 0, sizeof id->internal);
@@ -2049,6 +2095,11 @@ inline ncclResult_t ncclCommInitRank(ncclComm_t *comm, int n, ncclUniqueId id, i
     (void)comm; (void)n; (void)id; (void)rank;
     fprintf(stderr, "lg_emu: ncclCommInitRank: communicators across processes are not emulated\n");
     return ncclInvalidUsage;
+}
+inline ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int n, ncclUniqueId id, int rank,
+                                          ncclConfig_t *config) {
+    (void)config;
+    return ncclCommInitRank(comm, n, id, rank);
 }
 inline ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
                                   ncclConfig_t *config) {

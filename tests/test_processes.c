@@ -111,6 +111,139 @@ static void test_launch_place(results *r) {
           "3 processes for -d 2 --nodes 2 refused: %s", err.msg);
 }
 
+/* ---- the plan's MPI buffers ------------------------------------------------------------------ */
+
+/* The processes (of `processes`, `per` ranks each) holding members of the group first + m
+   stride, as bits; the group needs MPI when more than one does. */
+static unsigned group_processes(int first, int stride, int count, int per) {
+    unsigned bits = 0;
+    for (int m = 0; m < count; m++) bits |= 1u << ((first + m * stride) / per);
+    return bits;
+}
+
+static int bit_count(unsigned bits) {
+    int n = 0;
+    for (; bits; bits &= bits - 1) n++;
+    return n;
+}
+
+/* Every layout of the mpirun tests: each process holds one MPI buffer region of 16 MiB
+   (send and receive sums of 2^20 doubles) for each group that spans processes and has
+   members in it, on one of its own ranks, counted here from the groups' members; one process
+   driving every rank holds none. */
+static void test_mpi_plan(results *r) {
+    static const struct {
+        const char *name;
+        int devices, nodes, processes;
+        lg_strategy strategy;
+    } layouts[] = {
+        {"full-shard -d 4, 4 processes", 4, 1, 4, LG_STRATEGY_FULL_SHARD},
+        {"no-shard -d 4, 4 processes", 4, 1, 4, LG_STRATEGY_NO_SHARD},
+        {"shard-grad-op -d 2, 2 processes", 2, 1, 2, LG_STRATEGY_SHARD_GRAD_OP},
+        {"hybrid 2 x 2, 4 processes", 2, 2, 4, LG_STRATEGY_HYBRID_SHARD},
+        {"hybrid 2 x 2, a process a node", 2, 2, 2, LG_STRATEGY_HYBRID_SHARD},
+        {"full-shard 2 x 2, a process a node", 2, 2, 2, LG_STRATEGY_FULL_SHARD},
+        {"full-shard -d 4, one process", 4, 1, 1, LG_STRATEGY_FULL_SHARD},
+    };
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "pythia-14m")) return;
+    for (size_t k = 0; k < sizeof layouts / sizeof layouts[0]; k++) {
+        lg_args a;
+        lg_args_default(&a);
+        a.devices = layouts[k].devices;
+        a.nodes = layouts[k].nodes;
+        a.processes = layouts[k].processes;
+        a.strategy = layouts[k].strategy;
+        a.global_batch_size = a.devices * a.nodes;
+        lg_plan_spec spec;
+        lg_plan plan;
+        lg_error err = {""};
+        lg_plan_spec_from_args(&spec, &a, 16);
+        if (lg_plan_make(&plan, &cfg, &spec, &err) != 0) {
+            check(r, 0, "plan of %s: %s", layouts[k].name, err.msg);
+            continue;
+        }
+        int n = plan.n_ranks, per = n / a.processes, S = plan.sharding.shard_ranks;
+        int R = plan.sharding.replicas, want[LG_MAX_RANKS] = {0}, held[LG_MAX_RANKS] = {0};
+        unsigned groups[2 * LG_MAX_RANKS + 1]; /* each group's processes */
+        int n_groups = 0;
+        for (int q = 0; q < R && S > 1; q++) groups[n_groups++] = group_processes(q * S, 1, S, per);
+        for (int i = 0; i < S && R > 1; i++) groups[n_groups++] = group_processes(i, S, R, per);
+        groups[n_groups++] = group_processes(0, 1, n, per); /* all ranks */
+        for (int j = 0; j < n_groups; j++)
+            for (int p = 0; p < a.processes; p++)
+                want[p] += bit_count(groups[j]) > 1 && (groups[j] >> p & 1);
+        int sizes_ok = 1;
+        size_t host_most = 0;
+        for (int rank = 0; rank < n; rank++)
+            for (int i = 0; i < plan.ranks[rank].n_regions; i++) {
+                const lg_region *x = &plan.ranks[rank].regions[i];
+                if (strncmp(x->name, "mpi.", 4) != 0) continue;
+                held[rank / per]++;
+                sizes_ok &= x->bytes == (size_t)16 << 20 && x->pool == LG_POOL_HOST;
+            }
+        int same = 1;
+        for (int p = 0; p < a.processes; p++) same &= held[p] == want[p];
+        for (int rank = 0; rank < n; rank++)
+            if (plan.ranks[rank].pool_bytes[LG_POOL_HOST] > host_most)
+                host_most = plan.ranks[rank].pool_bytes[LG_POOL_HOST];
+        check(r, same && sizes_ok && host_most == lg_plan_bytes(&plan, LG_POOL_HOST),
+              "plan of %s: process 0 holds %d MPI buffer regions of 16 MiB (its groups across "
+              "processes: %d), the last %d (%d)", layouts[k].name, held[0], want[0],
+              held[a.processes - 1], want[a.processes - 1]);
+        lg_plan_free(&plan);
+    }
+}
+
+/* A sharded checkpoint's extra memory is one unit, in the plan: saving a full-shard run of 2
+   ranks (pythia-14m, bf16-mixed AdamW: master weights and two moments) allocates nothing larger
+   than the safetensors writer's buffer of one tensor in fp32 (a whole buffer of the model's
+   weights or state would be larger); the unit's state goes through the plan's
+   checkpoint.gather on rank 0. */
+static void test_checkpoint_memory(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "pythia-14m")) return;
+    lg_args a;
+    lg_args_default(&a);
+    a.devices = 2;
+    a.strategy = LG_STRATEGY_FULL_SHARD;
+    a.micro_batch_size = 1;
+    a.global_batch_size = 2;
+    lg_trainer tr;
+    lg_error err = {""};
+    if (lg_trainer_create(&tr, &cfg, &a, 16, &err) != 0) {
+        check(r, 0, "full-shard trainer: %s", err.msg);
+        return;
+    }
+    const lg_shard_layout *sl = &tr.plan.shards;
+    size_t unit = 0, at[3];
+    for (int u = 0; u < sl->n_units; u++)
+        unit = sl->unit_offset[u + 1] - sl->unit_offset[u] > unit ? sl->unit_offset[u + 1] - sl->unit_offset[u] : unit;
+    size_t tensor = 0; /* the largest tensor: the writer's buffer holds one in fp32 */
+    for (int i = 0; i < tr.ranks[0].model.param_table.n_tensors; i++)
+        tensor = tr.ranks[0].model.param_table.tensors[i].count > tensor ? tr.ranks[0].model.param_table.tensors[i].count : tensor;
+    size_t planned = lg_checkpoint_unit_layout(&tr.plan, at);
+    const lg_region *x = lg_plan_find(&tr.plan.ranks[0], "checkpoint.gather");
+    test_allocations.n = 0;
+    test_allocations.counting = 1;
+    int rc = system("rm -rf build/ckpt-memory") == 0 ? 0 : -1;
+    if (rc == 0) rc = lg_checkpoint_save(&tr, NULL, 1, "build/ckpt-memory", &err);
+    test_allocations.counting = 0;
+    size_t largest = 0;
+    for (int i = 0; i < test_allocations.n; i++)
+        largest = test_allocations.sizes[i] > largest ? test_allocations.sizes[i] : largest;
+    char a_[32], b_[32], c_[32];
+    check(r, rc == 0 && x && x->bytes >= planned && planned >= 3 * 4 * unit && largest <= 4 * tensor &&
+                 x == lg_plan_find(&tr.plan.ranks[0], "checkpoint.gather") &&
+                 !lg_plan_find(&tr.plan.ranks[1], "checkpoint.gather"),
+          "full-shard checkpoint of 2 ranks: the largest allocation while saving is %s, the "
+          "writer's one tensor in fp32 (%s); the unit's state is planned on rank 0 "
+          "(checkpoint.gather %s) %s",
+          lg_format_bytes(largest, a_, sizeof a_), lg_format_bytes(4 * tensor, b_, sizeof b_),
+          lg_format_bytes(x ? x->bytes : 0, c_, sizeof c_), err.msg);
+    lg_trainer_free(&tr);
+}
+
 /* ---- mpirun runs of ./train ------------------------------------------------------------------ */
 
 #define MPIRUN "OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " \
@@ -268,11 +401,22 @@ static void test_mpirun(results *r) {
         /* Sophia's labels drawn by global place, its Hessian pass's collectives */
         {"sophia2", "-d 2 --strategy full-shard -o sophia --hessian-interval 2", 2},
     };
+    int rc = run_captured(MPIRUN "-np 2 ./train -d 2 --plan", out, sizeof out);
+    int table = rc == 0 && strstr(out, "processes: 2, 1 rank each") && strstr(out, "largest mpi.shard 16.0 MiB");
+    rc |= run_captured(MPIRUN "-np 2 ./train -d 2 --plan=json", out, sizeof out);
+    const char *shard = strstr(out, "{\"name\":\"mpi.shard\",\"group\":\"communication\",\"pool\":\"host\","
+                                    "\"dtype\":\"u8\",\"count\":16777216");
+    const char *all = shard ? strstr(shard + 1, "{\"name\":\"mpi.all\",\"group\":\"communication\","
+                                                "\"pool\":\"host\",\"dtype\":\"u8\",\"count\":16777216") : NULL;
+    check(r, rc == 0 && table && all && strstr(all + 1, "\"name\":\"mpi.shard\"") &&
+                 strstr(all, "\"name\":\"checkpoint.gather\""),
+          "mpirun -np 2 ./train -d 2 --plan (and =json): each rank's host pool holds 16 MiB of MPI "
+          "buffers for its shard group and for all ranks, and a checkpoint unit (exit %d)", rc);
     for (size_t i = 0; i < sizeof runs / sizeof runs[0]; i++) check_processes_match(r, &runs[i]);
     check_resume_in_one_process(r, &runs[1]);
     check_resume_in_one_process(r, &runs[5]);
 
-    int rc = run_captured(MPIRUN "-np 3 ./train -d 2 " RUN_FLAGS, out, sizeof out);
+    rc = run_captured(MPIRUN "-np 3 ./train -d 2 " RUN_FLAGS, out, sizeof out);
     /* (mpirun stops the others when the first exits: any one of them may be the one to say it) */
     check(r, rc == 2 && strstr(out, ": train: Open MPI started 3 processes, but -d 2 x --nodes 1 is 2 ranks") &&
                  strstr(out, "rank "),
@@ -299,6 +443,26 @@ static void test_mpirun(results *r) {
     check(r, rc != 0 && seconds < 60 && strstr(out, "process rank 1") && strstr(out, "signal 9"),
           "rank 1 killed mid-run: every process stopped after %.1f s (exit %d), rank 1 named",
           seconds, rc);
+    /* a hung process (test-only LG_TEST_HANG=P:S: process P sleeps an hour before step S):
+       rank 0 stops the job after --dist-timeout, naming rank 1; when rank 0 hangs, rank 1
+       stops it a grace later, naming rank 0 as the likely one */
+    start = lg_time_ms();
+    rc = run_captured("LG_TEST_HANG=1:2 " MPIRUN "-np 2 ./train -d 2 -p 32-true --max-steps 1000 "
+                      "--dist-timeout 3", out, sizeof out);
+    seconds = (lg_time_ms() - start) / 1e3;
+    check(r, rc != 0 && seconds >= 3 && seconds < 60 &&
+                 strstr(out, "within --dist-timeout 3 s: not arrived (hung or stopped): rank 1;"),
+          "rank 1 hung at step 2, --dist-timeout 3: the job ended after %.1f s (exit %d), rank 0 "
+          "naming rank 1%s%.300s", seconds, rc, rc ? "" : ": ", rc ? "" : out);
+    start = lg_time_ms();
+    rc = run_captured("LG_TEST_HANG=0:2 " MPIRUN "-np 2 ./train -d 2 -p 32-true --max-steps 1000 "
+                      "--dist-timeout 2", out, sizeof out);
+    seconds = (lg_time_ms() - start) / 1e3;
+    check(r, rc != 0 && seconds >= 4 && seconds < 60 &&
+                 strstr(out, "rank 1: the ") && strstr(out, "and rank 0, which names the late, did "
+                                                        "not stop the job: it may be the one that hangs"),
+          "rank 0 hung at step 2, --dist-timeout 2: rank 1 ended the job after %.1f s (exit %d), "
+          "naming rank 0", seconds, rc);
 }
 
 /* ---- the rendezvous (GPU processes without MPI): TCP and a shared file ------------------------ */
@@ -386,6 +550,56 @@ static void test_rendezvous(results *r) {
     check(r, rc != 0 && strstr(err.msg, "cannot reach process 0"), "rendezvous with nobody listening: %s", err.msg);
 }
 
+/* The start-up check without MPI (the CUDA build's): process 0's flags reach 3 others over the
+   rendezvous; process 2, started with another --lr, and process 3, with one more flag, refuse
+   naming the flag; process 1 agrees. Returns how many processes did as wanted (4: all). */
+static int run_same_check(const char *init) {
+    static const char *const flags[] = {"-d 4", "--lr 0.01", "data (built-in)"};
+    static const char *const other_lr[] = {"-d 4", "--lr 0.02", "data (built-in)"};
+    static const char *const one_more[] = {"-d 4", "--lr 0.01", "data (built-in)", "--seed 5"};
+    pid_t children[4];
+    fflush(stdout);
+    for (int p = 1; p < 4; p++) {
+        if ((children[p] = fork()) != 0) continue;
+        lg_launch l;
+        memset(&l, 0, sizeof l);
+        l.launcher = "test";
+        l.process = p;
+        l.processes = 4;
+        l.dist_timeout = 20;
+        snprintf(l.dist_init, sizeof l.dist_init, "%s", init);
+        lg_error err = {""};
+        int rc = lg_launch_same(&l, p == 1 ? flags : p == 2 ? other_lr : one_more, p == 3 ? 4 : 3, &err);
+        if (p == 1) _exit(rc == 0 ? 0 : 1);
+        _exit(rc != 0 && strstr(err.msg, p == 2 ? "started with '--lr 0.02' where process 0 has '--lr 0.01'"
+                                                : "more flags and data items than process 0 ('--seed 5'")
+                  ? 0 : 1);
+    }
+    lg_launch l;
+    memset(&l, 0, sizeof l);
+    l.launcher = "test";
+    l.processes = 4;
+    l.dist_timeout = 20;
+    snprintf(l.dist_init, sizeof l.dist_init, "%s", init);
+    lg_error err = {""};
+    int as_wanted = lg_launch_same(&l, flags, 3, &err) == 0;
+    for (int p = 1; p < 4; p++) {
+        int status = 0;
+        waitpid(children[p], &status, 0);
+        as_wanted += WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    }
+    return as_wanted;
+}
+
+static void test_same_without_mpi(results *r) {
+    char tcp[64];
+    snprintf(tcp, sizeof tcp, "tcp://127.0.0.1:%d", free_port());
+    check(r, run_same_check(tcp) == 4, "start-up check over the rendezvous (%s, no MPI): a "
+          "different --lr and one more flag refused naming them, the same flags pass", tcp);
+    check(r, run_same_check("file://build/rendezvous/same") == 4, "start-up check over the "
+          "rendezvous (file://, no MPI): a different --lr and one more flag refused naming them");
+}
+
 /* The flags of several processes, and a launcher without MPI for CPU ranks. */
 static void test_process_flags(results *r) {
     expect_cli(r, "--dist-init foo", 2, "--dist-init: 'foo' is not tcp://HOST:PORT or file://PATH");
@@ -400,7 +614,10 @@ static void test_process_flags(results *r) {
 static void test_processes(results *r) {
     test_launcher_env(r);
     test_launch_place(r);
+    test_mpi_plan(r);
+    test_checkpoint_memory(r);
     test_process_flags(r);
     test_rendezvous(r);
+    test_same_without_mpi(r);
     test_mpirun(r);
 }

@@ -132,6 +132,7 @@ static int bitwise_equal(lg_buf a, lg_buf b, size_t n) {
 
 #include "ops_kernels.inc"   /* test_kernels: elementwise, embedding, norms, classifier, optimizers */
 #include "ops_attention.inc" /* test_attention: flash attention forward and backward */
+#include "comm_deadline.inc"  /* test_comm_deadline: a stalled collective ends at --dist-timeout */
 
 /* --- matmuls ------------------------------------------------------------------------------- */
 
@@ -723,6 +724,7 @@ int main(int argc, char **argv) {
     test_gpu_resume(&r, gpus);
     test_gpu_lora(&r, gpus);
     test_devices(&r, gpus);
+    test_comm_deadline(&r, gpus);
     printf("memory\n");
     test_plan_memory(&r, "test-llama", 16, 2);
     test_plan_refused(&r);
