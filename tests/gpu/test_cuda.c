@@ -223,39 +223,41 @@ static void test_linear(results *r, int reference) {
 /* The residual add fused with the norm after it, in place (sum = a) as the model uses it,
    LayerNorm and RMSNorm, each storage type, against the CPU's add then norm. */
 static void test_residual_norm(results *r) {
-    const int N = 37, C = 100;
-    const size_t n = (size_t)N * C;
+    const int N = 37, widths[2] = {100, 136}; /* 136: every row in 16-byte packs */
     lg_rng rng;
     lg_rng_seed(&rng, 13);
-    lg_exec ex = gpu_exec(64, C);
-    for (int d = 0; d < 3; d++)
-        for (int layer_norm = 0; layer_norm < 2; layer_norm++) {
-            lg_dtype dtype = storage_types[d];
-            lg_buf a = random_buf(dtype, n, 1, &rng), b = random_buf(dtype, n, 1, &rng);
-            lg_buf w = random_buf(dtype, C, 1, &rng), bias = random_buf(dtype, C, 1, &rng);
-            lg_buf sum_want = copy_buf(a, n), sum_got = copy_buf(a, n);
-            lg_buf out_want = poisoned_buf(dtype, n), out_got = poisoned_buf(dtype, n);
-            lg_buf stats_want = poisoned_buf(LG_DTYPE_F32, 2 * (size_t)N);
-            lg_buf stats_got = poisoned_buf(LG_DTYPE_F32, 2 * (size_t)N);
-            lg_real *mean_want = (lg_real *)stats_want.data, *mean_got = (lg_real *)stats_got.data;
-            lg_buf no_bias = {NULL, dtype};
-            lg_residual_norm_forward(NULL, sum_want, out_want, layer_norm ? mean_want : NULL,
-                                     mean_want + N, sum_want, b, w, layer_norm ? bias : no_bias,
-                                     N, C, 1e-5f);
-            lg_cuda_residual_norm_forward(&ex, sum_got, out_got, layer_norm ? mean_got : NULL,
-                                          mean_got + N, sum_got, b, w,
-                                          layer_norm ? bias : no_bias, N, C, 1e-5f);
-            gpu_sync(&ex);
-            lg_buf rstd_want = lg_at(stats_want, N), rstd_got = lg_at(stats_got, N);
-            double worst = fmax(fmax(rel_error(sum_got, sum_want, n), rel_error(out_got, out_want, n)),
-                                rel_error(rstd_got, rstd_want, N));
-            if (layer_norm) worst = fmax(worst, rel_error(stats_got, stats_want, N));
-            check(r, worst < tolerance_of(dtype, 1e-5),
-                  "residual add + %s (%s), in place: rel err %.1e", layer_norm ? "LayerNorm" : "RMSNorm",
-                  lg_dtype_name(dtype), worst);
-            lg_buf all[10] = {a, b, w, bias, sum_want, sum_got, out_want, out_got, stats_want, stats_got};
-            for (int k = 0; k < 10; k++) gpu_free(all[k].data);
-        }
+    lg_exec ex = gpu_exec(64, widths[1]);
+    for (int c = 0; c < 2; c++)
+        for (int d = 0; d < 3; d++)
+            for (int layer_norm = 0; layer_norm < 2; layer_norm++) {
+                const int C = widths[c];
+                const size_t n = (size_t)N * C;
+                lg_dtype dtype = storage_types[d];
+                lg_buf a = random_buf(dtype, n, 1, &rng), b = random_buf(dtype, n, 1, &rng);
+                lg_buf w = random_buf(dtype, C, 1, &rng), bias = random_buf(dtype, C, 1, &rng);
+                lg_buf sum_want = copy_buf(a, n), sum_got = copy_buf(a, n);
+                lg_buf out_want = poisoned_buf(dtype, n), out_got = poisoned_buf(dtype, n);
+                lg_buf stats_want = poisoned_buf(LG_DTYPE_F32, 2 * (size_t)N);
+                lg_buf stats_got = poisoned_buf(LG_DTYPE_F32, 2 * (size_t)N);
+                lg_real *mean_want = (lg_real *)stats_want.data, *mean_got = (lg_real *)stats_got.data;
+                lg_buf no_bias = {NULL, dtype};
+                lg_residual_norm_forward(NULL, sum_want, out_want, layer_norm ? mean_want : NULL,
+                                         mean_want + N, sum_want, b, w, layer_norm ? bias : no_bias,
+                                         N, C, 1e-5f);
+                lg_cuda_residual_norm_forward(&ex, sum_got, out_got, layer_norm ? mean_got : NULL,
+                                              mean_got + N, sum_got, b, w,
+                                              layer_norm ? bias : no_bias, N, C, 1e-5f);
+                gpu_sync(&ex);
+                lg_buf rstd_want = lg_at(stats_want, N), rstd_got = lg_at(stats_got, N);
+                double worst = fmax(fmax(rel_error(sum_got, sum_want, n), rel_error(out_got, out_want, n)),
+                                    rel_error(rstd_got, rstd_want, N));
+                if (layer_norm) worst = fmax(worst, rel_error(stats_got, stats_want, N));
+                check(r, worst < tolerance_of(dtype, 1e-5),
+                      "residual add + %s (%s), C %d, in place: rel err %.1e",
+                      layer_norm ? "LayerNorm" : "RMSNorm", lg_dtype_name(dtype), C, worst);
+                lg_buf all[10] = {a, b, w, bias, sum_want, sum_got, out_want, out_got, stats_want, stats_got};
+                for (int k = 0; k < 10; k++) gpu_free(all[k].data);
+            }
     gpu_exec_free(&ex);
 }
 
