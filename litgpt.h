@@ -756,6 +756,11 @@ typedef struct {
     lg_buf frozen_packed;       /* "frozen_weights.nf4": the NF4 linear weights (bytes) */
     lg_tensor_table frozen_table; /* its tensors (lg_frozen_layout); empty without LoRA */
     uint64_t dropout_key;       /* LoRA dropout's mask of this micro-batch; 0: none (evaluation) */
+    float fused_loss_scale;     /* > 0 (a training step): a forward with targets also writes the
+                                   logits' gradient at this loss_scale over the logits, in the
+                                   classifier's one pass (lg_crossentropy_fused) */
+    int logits_hold_grad;       /* the logits region holds that gradient: the backward's head
+                                   starts from it */
     lg_rank *rank;              /* where the buffers live */
     lg_plan *own_plan;          /* set when lg_model_create made its own plan and rank */
 } lg_model;
@@ -5088,6 +5093,17 @@ static void lg_crossentropy_backward(const lg_exec *ex, lg_buf dlogits, lg_buf l
     }
 }
 
+/* The training step's classifier: losses (N) and their sum (returned) as
+   lg_crossentropy_forward, then the logits (N, Vp) replaced by their gradient at `scale` as
+   lg_crossentropy_backward in place. On a GPU one pass over each row's logits. */
+static double lg_crossentropy_fused(const lg_exec *ex, lg_real *losses, lg_buf logits,
+                                    const int *targets, int N, int V, int Vp, lg_real scale) {
+    LG_ON_GPU_RETURN(ex, lg_cuda_crossentropy_fused(ex, losses, logits, targets, N, V, Vp, scale));
+    double total = lg_crossentropy_forward(ex, losses, logits, targets, N, V, Vp);
+    lg_crossentropy_backward(ex, logits, logits, targets, N, V, Vp, scale);
+    return total;
+}
+
 /* out (n) = a + b */
 static void lg_add(const lg_exec *ex, lg_buf out, lg_buf a, lg_buf b, size_t n) {
     LG_ON_GPU(ex, lg_cuda_add(ex, out, a, b, n));
@@ -5616,8 +5632,13 @@ static double lg_model_head_forward(lg_model *m, const int *targets, int B, int 
     lg_lora_forward(m, &head, lg_head_adapters(m, &head), lg_lora_key(m, c->n_layer, 0),
                     m->a.logits, c->padded_vocab_size, m->a.ln_f, N, C);
     if (n_targets) *n_targets = 0;
+    m->logits_hold_grad = 0;
     if (!targets) return 0;
     if (n_targets) *n_targets = (int)lg_count_targets(targets, (size_t)N);
+    m->logits_hold_grad = m->fused_loss_scale > 0.0f;
+    if (m->logits_hold_grad)
+        return lg_crossentropy_fused(ex, m->a.losses, m->a.logits, targets, N, c->vocab_size,
+                                     c->padded_vocab_size, m->fused_loss_scale);
     return lg_crossentropy_forward(ex, m->a.losses, m->a.logits, targets, N, c->vocab_size,
                                    c->padded_vocab_size);
 }
@@ -5703,7 +5724,9 @@ static void lg_model_head_backward(lg_model *m, const int *targets, int B, int T
     const lg_exec *ex = &m->exec;
     int N = B * T, C = c->n_embd, L = c->n_layer, Vp = c->padded_vocab_size;
     lg_buf d_logits = m->a.logits; /* in place: the logits are not needed any more */
-    lg_crossentropy_backward(ex, d_logits, m->a.logits, targets, N, c->vocab_size, Vp, loss_scale);
+    if (!m->logits_hold_grad) /* else the forward wrote them at the same loss_scale */
+        lg_crossentropy_backward(ex, d_logits, m->a.logits, targets, N, c->vocab_size, Vp, loss_scale);
+    m->logits_hold_grad = 0;
     lg_zero(ex, m->a.d_norm, (size_t)N * C);
     lg_linear_backward(ex, m->a.d_norm, m->g.lm_head_w, m->g.lm_head_b, d_logits,
                        m->a.ln_f, m->p.lm_head_w, N, C, Vp);
@@ -11817,6 +11840,13 @@ static void lg_trainer_set_dropout(lg_trainer *tr, int step, int i) {
     }
 }
 
+/* loss_scale > 0: the forwards of the step's micro-batches write the logits' gradient at
+   loss_scale in the classifier's pass (lg_crossentropy_fused); 0: they keep the logits
+   (evaluation, sampling, Sophia's labels). */
+static void lg_trainer_fuse_classifier(lg_trainer *tr, float loss_scale) {
+    for (int r = 0; r < tr->local_ranks; r++) tr->ranks[r].model.fused_loss_scale = loss_scale;
+}
+
 int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *stats,
                     lg_error *err) {
     double start = lg_time_ms();
@@ -11838,13 +11868,15 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
     /* --offload with no replicas: the last backward sends gradients to the host as it goes */
     int offload_in_backward =
         tr->ranks[0].host_grads.data != NULL && tr->plan.sharding.replicas == 1;
+    float loss_scale = n_targets ? tr->loss_scale / n_targets : 0.0f;
     for (int i = 0; i < tr->accumulation && n_targets > 0; i++) {
         lg_trainer_micro_batches(tr, i, targets, mb);
         lg_trainer_set_dropout(tr, step, i);
+        lg_trainer_fuse_classifier(tr, loss_scale);
         loss_sum += lg_trainer_forward(tr, mb);
-        lg_trainer_backward(tr, mb, tr->loss_scale / n_targets,
-                            offload_in_backward && i == tr->accumulation - 1);
+        lg_trainer_backward(tr, mb, loss_scale, offload_in_backward && i == tr->accumulation - 1);
     }
+    lg_trainer_fuse_classifier(tr, 0.0f);
     lg_trainer_set_dropout(tr, -1, 0); /* evaluation and sampling run without dropout */
     lg_comm_sum_doubles(tr->process_comm, &loss_sum, 1); /* the other processes' ranks' */
     lg_trainer_sync_replicas(tr);

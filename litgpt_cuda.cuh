@@ -855,21 +855,42 @@ static void lg_cuda_norm_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweight
 
 /* e. the fused classifier (softmax, loss and the logits' gradient) ---------------------------- */
 
-/* One block a row of logits (N, Vp): threads stride the V real columns keeping online softmax
-   statistics, merged over the block in a fixed order; losses[n] = log s + m - z[target], 0 on
-   ignored rows. The probabilities are never stored. */
+/* One block a row of logits (N, Vp). The row's softmax statistics in one read: threads stride
+   the V real columns (packs of LG_PACK with 16-byte loads where the row allows, then single
+   columns) keeping online statistics (m, s), merged over the block in a fixed order; every
+   thread gets them. The probabilities are never stored. */
+static __device__ void lg_k_row_softmax_stats(lg_buf z, int V, float *m, float *s) {
+    __shared__ float scratch_m[LG_CUDA_MAX_WARPS], scratch_s[LG_CUDA_MAX_WARPS];
+    *m = -INFINITY;
+    *s = 0.0f;
+    const lg_buf in[1] = {z};
+    lg_k_read_strided(in, V, threadIdx.x, blockDim.x, [m, s](const float *x) { lg_k_softmax_add(m, s, x[0]); });
+    lg_k_block_softmax_stats(m, s, scratch_m, scratch_s);
+}
+
+/* dz (Vp) = (softmax(z) - onehot(target)) scale over the V real columns from the row's
+   statistics, 0 on the padded ones; dz may be z (each element read before it is written). */
+static __device__ void lg_k_row_softmax_grad(lg_buf dz, lg_buf z, int V, int Vp, int target,
+                                             float m, float s, float scale) {
+    const lg_buf in[1] = {z}, to[1] = {dz};
+    lg_k_map_strided(in, to, V, threadIdx.x, blockDim.x,
+                     [m, s, scale, target](size_t v, const float *x, float *y) {
+                         y[0] = (expf(x[0] - m) / s - (float)((int)v == target)) * scale;
+                     });
+    for (int v = V + threadIdx.x; v < Vp; v += blockDim.x) lg_set(dz, v, 0.0f);
+}
+
+/* losses[n] = log s + m - z[target] of row n, 0 on ignored rows. */
 __global__ void lg_k_crossentropy_forward(lg_real *losses, lg_buf logits, const int *targets, int V,
                                           int Vp) {
-    __shared__ float scratch_m[LG_CUDA_MAX_WARPS], scratch_s[LG_CUDA_MAX_WARPS];
     int n = blockIdx.x, target = targets[n];
     if (target == LG_IGNORE_INDEX) { /* the whole block */
         if (threadIdx.x == 0) losses[n] = 0.0f;
         return;
     }
     lg_buf z = lg_at(logits, (size_t)n * Vp);
-    float m = -INFINITY, s = 0.0f;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) lg_k_softmax_add(&m, &s, lg_get(z, v));
-    lg_k_block_softmax_stats(&m, &s, scratch_m, scratch_s);
+    float m, s;
+    lg_k_row_softmax_stats(z, V, &m, &s);
     if (threadIdx.x == 0) losses[n] = logf(s) + m - lg_get(z, target);
 }
 
@@ -883,24 +904,36 @@ __global__ void lg_k_sum_losses(double *totals, int slot, const lg_real *losses,
     if (threadIdx.x == 0) totals[slot] = sum;
 }
 
-/* One block a row: the row's statistics as the forward, then each thread writes the gradient of
-   the columns it read (all reads of the row precede the block reduction's barriers, so dlogits
-   may be logits); padded columns and ignored rows get 0. */
+/* Row n's gradient (lg_k_row_softmax_grad); ignored rows get 0. */
 __global__ void lg_k_crossentropy_backward(lg_buf dlogits, lg_buf logits, const int *targets, int V,
                                            int Vp, float scale) {
-    __shared__ float scratch_m[LG_CUDA_MAX_WARPS], scratch_s[LG_CUDA_MAX_WARPS];
     int n = blockIdx.x, target = targets[n];
     lg_buf z = lg_at(logits, (size_t)n * Vp), dz = lg_at(dlogits, (size_t)n * Vp);
     if (target == LG_IGNORE_INDEX) {
         for (int v = threadIdx.x; v < Vp; v += blockDim.x) lg_set(dz, v, 0.0f);
         return;
     }
-    float m = -INFINITY, s = 0.0f;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) lg_k_softmax_add(&m, &s, lg_get(z, v));
-    lg_k_block_softmax_stats(&m, &s, scratch_m, scratch_s);
-    for (int v = threadIdx.x; v < V; v += blockDim.x)
-        lg_set(dz, v, (expf(lg_get(z, v) - m) / s - (float)(v == target)) * scale);
-    for (int v = V + threadIdx.x; v < Vp; v += blockDim.x) lg_set(dz, v, 0.0f);
+    float m, s;
+    lg_k_row_softmax_stats(z, V, &m, &s);
+    lg_k_row_softmax_grad(dz, z, V, Vp, target, m, s, scale);
+}
+
+/* The forward and the backward of row n in one read of its statistics: the loss, then the
+   gradient written over the logits (the target's logit is read before the statistics' block
+   barriers, so before any write). */
+__global__ void lg_k_crossentropy_fused(lg_real *losses, lg_buf logits, const int *targets, int V,
+                                        int Vp, float scale) {
+    int n = blockIdx.x, target = targets[n];
+    lg_buf z = lg_at(logits, (size_t)n * Vp);
+    if (target == LG_IGNORE_INDEX) {
+        if (threadIdx.x == 0) losses[n] = 0.0f;
+        for (int v = threadIdx.x; v < Vp; v += blockDim.x) lg_set(z, v, 0.0f);
+        return;
+    }
+    float target_logit = threadIdx.x == 0 ? lg_get(z, target) : 0.0f, m, s;
+    lg_k_row_softmax_stats(z, V, &m, &s);
+    if (threadIdx.x == 0) losses[n] = logf(s) + m - target_logit;
+    lg_k_row_softmax_grad(z, z, V, Vp, target, m, s, scale);
 }
 
 /* The double at totals[slot], once the stream gets there. */
@@ -920,6 +953,21 @@ static double lg_cuda_crossentropy_forward(const lg_exec *ex, lg_real *losses, l
     const int *ids = lg_cuda_ids(ex, ex->cuda->targets, targets, (size_t)N);
     LG_LAUNCH(lg_k_crossentropy_forward, (unsigned)N, LG_CUDA_CLASSIFIER_THREADS, 0, stream,
               losses, logits, ids, V, Vp);
+    LG_LAUNCH(lg_k_sum_losses, 1, LG_CUDA_SUM_THREADS, 0, stream, ex->cuda->totals,
+              LG_CUDA_TOTAL_SLOT, (const lg_real *)losses, N);
+    return lg_cuda_read_total(ex, LG_CUDA_TOTAL_SLOT);
+}
+
+/* losses (N) and their sum (returned; synchronises) as lg_cuda_crossentropy_forward, and the
+   logits (N, Vp) replaced by their gradient as lg_cuda_crossentropy_backward in place: one
+   kernel, the statistics of each row read once. */
+static double lg_cuda_crossentropy_fused(const lg_exec *ex, lg_real *losses, lg_buf logits,
+                                         const int *targets, int N, int V, int Vp, lg_real scale) {
+    if (N == 0) return 0.0;
+    cudaStream_t stream = lg_cuda_stream(ex);
+    const int *ids = lg_cuda_ids(ex, ex->cuda->targets, targets, (size_t)N);
+    LG_LAUNCH(lg_k_crossentropy_fused, (unsigned)N, LG_CUDA_CLASSIFIER_THREADS, 0, stream,
+              losses, logits, ids, V, Vp, (float)scale);
     LG_LAUNCH(lg_k_sum_losses, 1, LG_CUDA_SUM_THREADS, 0, stream, ex->cuda->totals,
               LG_CUDA_TOTAL_SLOT, (const lg_real *)losses, N);
     return lg_cuda_read_total(ex, LG_CUDA_TOTAL_SLOT);
