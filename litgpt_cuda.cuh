@@ -2537,22 +2537,61 @@ __global__ void lg_k_add_bias(lg_buf out, lg_buf bias, int N, int C) {
 }
 
 #define LG_CUDA_THREADS 256 /* threads of a block of the simple kernels */
-#define LG_BIAS_COLUMNS 32  /* bias gradient: columns of a block (a warp reads them coalesced) */
-#define LG_BIAS_LANES 32    /* ... and the row lanes that share each column */
+#define LG_CUDA_BIAS_THREADS 128 /* bias gradient: column runs of a block */
+#define LG_CUDA_BIAS_CHUNKS 256  /* ... and chunks of rows at most (the blocks of a GPU's SMs,
+                                    several times over, for the widths of a model's biases) */
 
-/* dbias (C) += column sums of dout (N, C). A block owns LG_BIAS_COLUMNS columns; lane y of a
-   column sums rows y, y + LG_BIAS_LANES, ... in order, then one thread adds the lanes in order:
-   the same bits every run. */
-__global__ void lg_k_bias_grad(lg_buf dbias, lg_buf dout, int N, int C) {
-    __shared__ float lanes[LG_BIAS_LANES][LG_BIAS_COLUMNS];
-    int c = blockIdx.x * LG_BIAS_COLUMNS + threadIdx.x;
-    float sum = 0;
-    for (int n = threadIdx.y; c < C && n < N; n += LG_BIAS_LANES) sum += lg_get(dout, (size_t)n * C + c);
-    lanes[threadIdx.y][threadIdx.x] = sum;
-    __syncthreads();
-    if (threadIdx.y != 0 || c >= C) return;
-    for (int y = 1; y < LG_BIAS_LANES; y++) sum += lanes[y][threadIdx.x];
+/* Stage one of dbias (C) += column sums of dout (N, C): block (column block, chunk) sums the
+   `rows` rows of its chunk in order, a thread a run of `width` columns (lg_cuda_run_width),
+   into partials (chunks, C) in the matmul workspace. */
+__global__ void lg_k_bias_grad_chunks(float *partials, lg_buf dout, int N, int C, int rows,
+                                      int width) {
+    int runs = C / width, column_blocks = (runs + LG_CUDA_BIAS_THREADS - 1) / LG_CUDA_BIAS_THREADS;
+    int chunk = blockIdx.x / column_blocks;
+    int c = ((blockIdx.x % column_blocks) * LG_CUDA_BIAS_THREADS + threadIdx.x) * width;
+    if (c >= C) return;
+    int first = chunk * rows, last = first + rows < N ? first + rows : N;
+    float sum[LG_PACK] = {0}, d[LG_PACK];
+    for (int n = first; n < last; n++) {
+        lg_k_load_run(dout, (size_t)n * C + c, width, d);
+        for (int j = 0; j < width; j++) sum[j] += d[j];
+    }
+    for (int j = 0; j < width; j++) partials[(size_t)chunk * C + c + j] = sum[j];
+}
+
+/* Stage two: dbias (C) += the chunks' partials in chunk order, a thread a column: the same bits
+   every run. */
+__global__ void lg_k_bias_grad_add(lg_buf dbias, const float *partials, int chunks, int C) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float sum = 0.0f;
+    for (int k = 0; k < chunks; k++) sum += partials[(size_t)k * C + c];
     lg_set(dbias, c, lg_get(dbias, c) + sum);
+}
+
+/* dbias (C) += column sums of dout (N, C) in two stages, with up to LG_CUDA_BIAS_CHUNKS chunks
+   of rows (as many as the matmul workspace holds partials for; it is free between matmuls in
+   stream order). */
+static void lg_cuda_bias_grad(const lg_exec *ex, lg_buf dbias, lg_buf dout, int N, int C) {
+    if (N == 0 || C == 0) return;
+    size_t fit = ex->cuda->matmul_workspace_bytes / ((size_t)C * sizeof(float));
+    int chunks = LG_CUDA_BIAS_CHUNKS < N ? LG_CUDA_BIAS_CHUNKS : N;
+    if ((size_t)chunks > fit) chunks = (int)fit;
+    if (chunks < 1) {
+        fprintf(stderr, "CUDA backend: a bias of %d columns exceeds the matmul workspace\n", C);
+        abort();
+    }
+    int rows = (N + chunks - 1) / chunks;
+    chunks = (N + rows - 1) / rows; /* none empty */
+    const lg_buf bufs[1] = {dout};
+    int width = lg_cuda_run_width(C, bufs, 1);
+    float *partials = (float *)ex->cuda->matmul_workspace;
+    cudaStream_t stream = lg_cuda_stream(ex);
+    unsigned column_blocks = lg_cuda_blocks((size_t)(C / width), LG_CUDA_BIAS_THREADS);
+    LG_LAUNCH(lg_k_bias_grad_chunks, column_blocks * chunks, LG_CUDA_BIAS_THREADS, 0, stream,
+              partials, dout, N, C, rows, width);
+    LG_LAUNCH(lg_k_bias_grad_add, lg_cuda_blocks((size_t)C, LG_CUDA_THREADS), LG_CUDA_THREADS, 0,
+              stream, dbias, (const float *)partials, chunks, C);
 }
 
 /* C (M, N) = beta C + op(A) op(B) (+ bias (N) on every row): cuBLASLt, or the reference kernel
@@ -2587,9 +2626,7 @@ static void lg_cuda_linear_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweig
     lg_cuda_matmul(ex, 0, 0, N, IC, OC, dout, OC, weight, IC, 1.0f, dinp, IC, none);
     if (dweight.data) /* frozen (LoRA): no weight gradient */
         lg_cuda_matmul(ex, 1, 0, OC, IC, N, dout, OC, inp, IC, 1.0f, dweight, IC, none);
-    if (dbias.data)
-        LG_LAUNCH(lg_k_bias_grad, lg_cuda_blocks((size_t)OC, LG_BIAS_COLUMNS),
-                  dim3(LG_BIAS_COLUMNS, LG_BIAS_LANES), 0, lg_cuda_stream(ex), dbias, dout, N, OC);
+    if (dbias.data) lg_cuda_bias_grad(ex, dbias, dout, N, OC);
 }
 
 /* LoRA: the adapters' input, scaled and dropped out (lg_lora_input) ------------------------------ */

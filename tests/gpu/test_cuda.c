@@ -180,43 +180,53 @@ static void test_matmul(results *r, int reference, int tf32) {
     gpu_exec_free(&ex);
 }
 
-/* lg_linear_forward and lg_linear_backward (bias included, 300 rows: every row lane of the
-   bias gradient) on the GPU against the CPU, each storage type; gradients accumulate into
-   random starting values on both sides. */
+/* lg_linear_forward and lg_linear_backward (bias included) on the GPU against the CPU, each
+   storage type; gradients accumulate into random starting values on both sides. The bias
+   gradient's chunks of rows: 300 rows in chunks of 2, 70 columns one a thread; 1000 rows in
+   250 chunks of 4, 72 columns in 16-byte packs. */
 static void test_linear(results *r, int reference) {
-    const int N = 300, IC = 40, OC = 70;
+    const int shapes[2][3] = {{300, 40, 70}, {1000, 40, 72}}; /* (N, IC, OC) */
     lg_rng rng;
     lg_rng_seed(&rng, 11);
     lg_exec ex = gpu_exec(64, 64);
     ex.cuda->reference_matmul = reference;
-    for (int d = 0; d < 3; d++) {
-        lg_dtype dtype = storage_types[d];
-        size_t n_in = (size_t)N * IC, n_out = (size_t)N * OC, n_w = (size_t)OC * IC;
-        lg_buf inp = random_buf(dtype, n_in, 1, &rng), w = random_buf(dtype, n_w, 0.2f, &rng);
-        lg_buf bias = random_buf(dtype, OC, 1, &rng), dout = random_buf(dtype, n_out, 1, &rng);
-        lg_buf dinp0 = random_buf(dtype, n_in, 1, &rng), dw0 = random_buf(dtype, n_w, 1, &rng);
-        lg_buf db0 = random_buf(dtype, OC, 1, &rng);
-        lg_buf out_want = poisoned_buf(dtype, n_out), out_got = poisoned_buf(dtype, n_out);
-        lg_buf dinp_want = copy_buf(dinp0, n_in), dinp_got = copy_buf(dinp0, n_in);
-        lg_buf dw_want = copy_buf(dw0, n_w), dw_got = copy_buf(dw0, n_w);
-        lg_buf db_want = copy_buf(db0, OC), db_got = copy_buf(db0, OC);
-        lg_linear_forward(NULL, out_want, inp, w, bias, N, IC, OC);
-        lg_linear_backward(NULL, dinp_want, dw_want, db_want, dout, inp, w, N, IC, OC);
-        lg_cuda_linear_forward(&ex, out_got, inp, w, bias, N, IC, OC);
-        lg_cuda_linear_backward(&ex, dinp_got, dw_got, db_got, dout, inp, w, N, IC, OC);
-        gpu_sync(&ex);
-        double worst = fmax(fmax(rel_error(out_got, out_want, n_out), rel_error(dinp_got, dinp_want, n_in)),
-                            fmax(rel_error(dw_got, dw_want, n_w), rel_error(db_got, db_want, OC)));
-        /* 300-term sums in another order: fp32 1e-5 */
-        check(r, worst < tolerance_of(dtype, 1e-5),
-              "linear forward + backward with bias (%s) %s, 300 rows: rel err %.1e",
-              reference ? "reference kernel" : "cuBLASLt", lg_dtype_name(dtype), worst);
-        lg_buf all[13] = {inp, w, bias, dout, dinp0, dw0, db0, out_want, out_got, dinp_want,
-                          dinp_got, dw_want, dw_got};
-        for (int k = 0; k < 13; k++) gpu_free(all[k].data);
-        gpu_free(db_want.data);
-        gpu_free(db_got.data);
-    }
+    for (int s = 0; s < 2; s++)
+        for (int d = 0; d < 3; d++) {
+            const int N = shapes[s][0], IC = shapes[s][1], OC = shapes[s][2];
+            lg_dtype dtype = storage_types[d];
+            size_t n_in = (size_t)N * IC, n_out = (size_t)N * OC, n_w = (size_t)OC * IC;
+            lg_buf inp = random_buf(dtype, n_in, 1, &rng), w = random_buf(dtype, n_w, 0.2f, &rng);
+            lg_buf bias = random_buf(dtype, OC, 1, &rng), dout = random_buf(dtype, n_out, 1, &rng);
+            lg_buf dinp0 = random_buf(dtype, n_in, 1, &rng), dw0 = random_buf(dtype, n_w, 1, &rng);
+            lg_buf db0 = random_buf(dtype, OC, 1, &rng);
+            lg_buf out_want = poisoned_buf(dtype, n_out), out_got = poisoned_buf(dtype, n_out);
+            lg_buf dinp_want = copy_buf(dinp0, n_in), dinp_got = copy_buf(dinp0, n_in);
+            lg_buf dw_want = copy_buf(dw0, n_w), dw_got = copy_buf(dw0, n_w);
+            lg_buf db_want = copy_buf(db0, OC), db_got = copy_buf(db0, OC);
+            lg_linear_forward(NULL, out_want, inp, w, bias, N, IC, OC);
+            lg_linear_backward(NULL, dinp_want, dw_want, db_want, dout, inp, w, N, IC, OC);
+            lg_cuda_linear_forward(&ex, out_got, inp, w, bias, N, IC, OC);
+            lg_cuda_linear_backward(&ex, dinp_got, dw_got, db_got, dout, inp, w, N, IC, OC);
+            lg_buf db_again = copy_buf(db0, OC), dinp_again = copy_buf(dinp0, n_in);
+            lg_buf no_weight = {NULL, dtype};
+            lg_cuda_linear_backward(&ex, dinp_again, no_weight, db_again, dout, inp, w, N, IC, OC);
+            gpu_sync(&ex);
+            double worst = fmax(fmax(rel_error(out_got, out_want, n_out), rel_error(dinp_got, dinp_want, n_in)),
+                                fmax(rel_error(dw_got, dw_want, n_w), rel_error(db_got, db_want, OC)));
+            int repeatable = bitwise_equal(db_got, db_again, OC);
+            /* 300- and 1000-term sums in another order: fp32 1e-5 */
+            check(r, worst < tolerance_of(dtype, 1e-5) && repeatable,
+                  "linear forward + backward with bias (%s) %s, %d rows, %d outputs: rel err %.1e, "
+                  "bias gradient bitwise repeatable: %s", reference ? "reference kernel" : "cuBLASLt",
+                  lg_dtype_name(dtype), N, OC, worst, repeatable ? "yes" : "no");
+            gpu_free(db_again.data);
+            gpu_free(dinp_again.data);
+            lg_buf all[13] = {inp, w, bias, dout, dinp0, dw0, db0, out_want, out_got, dinp_want,
+                              dinp_got, dw_want, dw_got};
+            for (int k = 0; k < 13; k++) gpu_free(all[k].data);
+            gpu_free(db_want.data);
+            gpu_free(db_got.data);
+        }
     gpu_exec_free(&ex);
 }
 
