@@ -1578,11 +1578,45 @@ void lg_rng_seed(lg_rng *rng, uint64_t seed) {
     rng->state = (z ^ (z >> 31)) | 1u;
 }
 
+/* xorshift64*'s step of the state (before the output's multiplication). */
+static uint64_t lg_xorshift_step(uint64_t s) {
+    s ^= s >> 12;
+    s ^= s << 25;
+    s ^= s >> 27;
+    return s;
+}
+
 uint64_t lg_rng_u64(lg_rng *rng) {
-    rng->state ^= rng->state >> 12;
-    rng->state ^= rng->state << 25;
-    rng->state ^= rng->state >> 27;
+    rng->state = lg_xorshift_step(rng->state);
     return rng->state * 0x2545F4914F6CDD1Dull;
+}
+
+/* The step is linear over GF(2): n draws ahead is the step's matrix to the n-th power, applied
+   through the binary powers of n. So threads can each draw their part of one stream, the same
+   numbers as one thread drawing it all (weight initialisation). powers[k]: 2^k steps, as the
+   images of the state's 64 bits. */
+typedef struct {
+    uint64_t powers[64][64];
+} lg_rng_jumps;
+
+/* The matrix (its 64 columns) times the bit vector v. */
+static uint64_t lg_gf2_apply(const uint64_t *columns, uint64_t v) {
+    uint64_t out = 0;
+    for (int i = 0; v; i++, v >>= 1)
+        if (v & 1) out ^= columns[i];
+    return out;
+}
+
+static void lg_rng_jumps_make(lg_rng_jumps *j) {
+    for (int i = 0; i < 64; i++) j->powers[0][i] = lg_xorshift_step(1ull << i);
+    for (int k = 1; k < 64; k++)
+        for (int i = 0; i < 64; i++) j->powers[k][i] = lg_gf2_apply(j->powers[k - 1], j->powers[k - 1][i]);
+}
+
+/* rng as it is after `draws` more draws of lg_rng_u64. */
+static void lg_rng_skip(lg_rng *rng, const lg_rng_jumps *j, uint64_t draws) {
+    for (int k = 0; draws; k++, draws >>= 1)
+        if (draws & 1) rng->state = lg_gf2_apply(j->powers[k], rng->state);
 }
 
 float lg_rng_uniform(lg_rng *rng) { return (float)(lg_rng_u64(rng) >> 40) / 16777216.0f; }
@@ -5352,31 +5386,69 @@ void lg_model_free(lg_model *m) {
     memset(m, 0, sizeof *m);
 }
 
-/* GPT-2's scheme, by tensor kind (see lg_tensor_kind): one tensor, w holding its elements,
-   drawing from rng in element order. */
+/* GPT-2's scheme, by tensor kind (see lg_tensor_kind): element k of tensor t, drawn from rng
+   (live: the elements that draw, the rest of a padded vocabulary keeps 0). */
+static lg_real lg_init_value(const lg_config *c, const lg_tensor_info *t, size_t live, size_t k,
+                             lg_rng *rng) {
+    switch (t->kind) {
+    case LG_TENSOR_NORM: return 1;
+    case LG_TENSOR_RESIDUAL: return 0.02f / sqrtf(2.0f * c->n_layer) * lg_rng_normal(rng);
+    case LG_TENSOR_EMBEDDING:
+    case LG_TENSOR_WEIGHT: return k < live ? 0.02f * lg_rng_normal(rng) : 0;
+    case LG_TENSOR_LORA_A: /* kaiming_uniform(a = sqrt(5)): bound 1 / sqrt(in) */
+        return (2.0f * lg_rng_uniform(rng) - 1.0f) / sqrtf((float)t->cols);
+    default: return 0; /* biases, LoRA's B */
+    }
+}
+
+/* Draws of lg_rng_u64 that lg_init_value makes for the elements before element k. */
+static uint64_t lg_init_draws_before(const lg_tensor_info *t, size_t live, size_t k) {
+    switch (t->kind) {
+    case LG_TENSOR_RESIDUAL: return 2 * (uint64_t)k; /* a normal: two draws */
+    case LG_TENSOR_EMBEDDING:
+    case LG_TENSOR_WEIGHT: return 2 * (uint64_t)(k < live ? k : live);
+    case LG_TENSOR_LORA_A: return k;
+    default: return 0;
+    }
+}
+
+#define LG_INIT_CHUNK 65536 /* elements a host thread initialises from one jump of the stream */
+
+/* Elements first .. first + n - 1 of tensor t into piece (n), drawing from rng in order. */
+static void lg_init_range(const lg_config *c, const lg_tensor_info *t, size_t live, lg_buf piece,
+                          size_t first, size_t n, lg_rng *rng) {
+    for (size_t j = 0; j < n; j++) lg_set(piece, j, lg_init_value(c, t, live, first + j, rng));
+}
+
+/* One tensor, w holding its elements, with the numbers of drawing from rng in element order;
+   a large tensor in chunks on all host threads, each jumping to its place in the stream. */
 static void lg_init_tensor(const lg_exec *ex, const lg_config *c, const lg_tensor_info *t,
                            lg_buf w, lg_rng *rng) {
-    float residual_std = 0.02f / sqrtf(2.0f * c->n_layer);
     /* rows past the real vocabulary never see a token: keep them 0 */
     int is_vocab = t->kind == LG_TENSOR_EMBEDDING && t->rows == c->padded_vocab_size;
     size_t live = is_vocab ? (size_t)c->vocab_size * t->cols : t->count;
+    lg_rng_jumps *jumps = NULL;
+    if (t->count > LG_INIT_CHUNK && (jumps = (lg_rng_jumps *)LG_MALLOC(sizeof *jumps)))
+        lg_rng_jumps_make(jumps);
     lg_visit visit = lg_visit_start(ex, w, t->count, 1, LG_VISIT_WRITE);
-    while (lg_visit_next(&visit))
-        for (size_t j = 0; j < visit.n; j++) {
-            size_t k = visit.first + j;
-            lg_real v = 0;
-            switch (t->kind) {
-            case LG_TENSOR_NORM: v = 1; break;
-            case LG_TENSOR_RESIDUAL: v = residual_std * lg_rng_normal(rng); break;
-            case LG_TENSOR_EMBEDDING:
-            case LG_TENSOR_WEIGHT: v = k < live ? 0.02f * lg_rng_normal(rng) : 0; break;
-            case LG_TENSOR_LORA_A: /* kaiming_uniform(a = sqrt(5)): bound 1 / sqrt(in) */
-                v = (2.0f * lg_rng_uniform(rng) - 1.0f) / sqrtf((float)t->cols);
-                break;
-            default: break; /* biases, LoRA's B: 0 */
-            }
-            lg_set(visit.piece, j, v);
+    while (lg_visit_next(&visit)) {
+        size_t first = visit.first, n = visit.n, chunks = (n + LG_INIT_CHUNK - 1) / LG_INIT_CHUNK;
+        if (!jumps || chunks < 2) {
+            lg_init_range(c, t, live, visit.piece, first, n, rng);
+            continue;
         }
+        const lg_rng start = *rng;
+        uint64_t base = lg_init_draws_before(t, live, first);
+        LG_OMP(omp parallel for)
+        for (long k = 0; k < (long)chunks; k++) {
+            size_t at = (size_t)k * LG_INIT_CHUNK, len = n - at < LG_INIT_CHUNK ? n - at : LG_INIT_CHUNK;
+            lg_rng part = start;
+            lg_rng_skip(&part, jumps, lg_init_draws_before(t, live, first + at) - base);
+            lg_init_range(c, t, live, lg_at(visit.piece, at), first + at, len, &part);
+        }
+        lg_rng_skip(rng, jumps, lg_init_draws_before(t, live, first + n) - base);
+    }
+    LG_FREE(jumps);
 }
 
 /* The random stream of the trainable parameters: the model's seed, or for LoRA's adapters one
