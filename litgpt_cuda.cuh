@@ -446,19 +446,28 @@ __global__ void lg_k_swiglu_backward(lg_buf dgate, lg_buf dup, lg_buf dout, lg_b
     });
 }
 
-/* One thread a rotated pair (j, j + R) of one head of one token: pairs = B T heads R. */
-__global__ void lg_k_rope_rotate(lg_buf qkv, const lg_real *cos_table, const lg_real *sin_table,
-                                 int T, int heads, int QKV, int HS, int R, size_t pairs,
-                                 int direction) {
-    for (size_t p = lg_k_first(); p < pairs; p += lg_k_stride()) {
+/* One thread a run of `width` rotated pairs (j .. j + width - 1, and the same + R) of one head
+   of one token: pairs = B T heads R; width LG_PACK (16-byte accesses) when R and HS are
+   multiples of it and qkv and the tables start on 16 bytes, else 1. */
+__global__ void lg_k_rope_rotate(lg_buf qkv, lg_buf cos_table, lg_buf sin_table, int T, int heads,
+                                 int QKV, int HS, int R, size_t pairs, int width, int direction) {
+    for (size_t u = lg_k_first(); u < pairs / width; u += lg_k_stride()) {
+        size_t p = u * width;
         int j = (int)(p % R), h = (int)(p / R % heads);
-        size_t n = p / ((size_t)R * heads);
-        size_t t = n % T;
+        size_t n = p / ((size_t)R * heads), at = n % T * R + j;
         lg_buf x = lg_at(qkv, n * QKV + (size_t)h * HS);
-        float c = cos_table[t * R + j], sn = direction * sin_table[t * R + j];
-        float a = lg_get(x, j), b = lg_get(x, j + R);
-        lg_set(x, j, a * c - b * sn);
-        lg_set(x, j + R, b * c + a * sn);
+        float a[LG_PACK], b[LG_PACK], c[LG_PACK], sn[LG_PACK];
+        lg_k_load_run(x, j, width, a);
+        lg_k_load_run(x, j + R, width, b);
+        lg_k_load_run(cos_table, at, width, c);
+        lg_k_load_run(sin_table, at, width, sn);
+        for (int k = 0; k < width; k++) {
+            float s = direction * sn[k], first = a[k] * c[k] - b[k] * s;
+            b[k] = b[k] * c[k] + a[k] * s;
+            a[k] = first;
+        }
+        lg_k_store_run(x, j, width, a);
+        lg_k_store_run(x, j + R, width, b);
     }
 }
 
@@ -579,8 +588,11 @@ static void lg_cuda_rope_rotate(const lg_exec *ex, lg_buf qkv, const lg_real *co
     int R = rope_dims / 2, heads = NH + NQG, QKV = (NH + 2 * NQG) * HS;
     size_t pairs = (size_t)B * T * heads * R;
     if (pairs == 0) return;
-    LG_LAUNCH(lg_k_rope_rotate, lg_cuda_element_grid(pairs), LG_CUDA_ELEMENT_THREADS, 0,
-              lg_cuda_stream(ex), qkv, cos_table, sin_table, T, heads, QKV, HS, R, pairs,
+    lg_buf cos_buf = {(void *)cos_table, LG_DTYPE_F32}, sin_buf = {(void *)sin_table, LG_DTYPE_F32};
+    const lg_buf bufs[3] = {qkv, cos_buf, sin_buf};
+    int width = HS % LG_PACK == 0 ? lg_cuda_run_width(R, bufs, 3) : 1;
+    LG_LAUNCH(lg_k_rope_rotate, lg_cuda_element_grid(pairs / width), LG_CUDA_ELEMENT_THREADS, 0,
+              lg_cuda_stream(ex), qkv, cos_buf, sin_buf, T, heads, QKV, HS, R, pairs, width,
               direction);
 }
 
@@ -2631,18 +2643,22 @@ static void lg_cuda_linear_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweig
 
 /* LoRA: the adapters' input, scaled and dropped out (lg_lora_input) ------------------------------ */
 
+/* Elementwise (lg_k_map_strided: the element's index draws its mask bit). */
 __global__ void lg_k_lora_input(lg_buf out, lg_buf in, size_t n, float scale, float p, uint64_t key,
                                 int accumulate) {
-    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) {
-        float v = lg_get(in, i) * lg_lora_keep(key, i, p, scale);
-        lg_set(out, i, accumulate ? lg_get(out, i) + v : v);
-    }
+    const lg_buf plain[1] = {in}, summed[2] = {in, out}, to[1] = {out};
+    auto keep = [=](size_t i, const float *x, float *y) { /* x[1]: out, when accumulating */
+        float v = x[0] * lg_lora_keep(key, i, p, scale);
+        y[0] = accumulate ? x[1] + v : v;
+    };
+    if (accumulate) lg_k_map_strided(summed, to, n, lg_k_first(), lg_k_stride(), keep);
+    else lg_k_map_strided(plain, to, n, lg_k_first(), lg_k_stride(), keep);
 }
 
 static void lg_cuda_lora_input(const lg_exec *ex, lg_buf out, lg_buf in, size_t n, float scale,
                                float p, uint64_t key, int accumulate) {
     if (n == 0) return;
-    LG_LAUNCH(lg_k_lora_input, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
+    LG_LAUNCH(lg_k_lora_input, lg_cuda_map_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
               lg_cuda_stream(ex), out, in, n, scale, p, key, accumulate);
 }
 
