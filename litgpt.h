@@ -588,7 +588,7 @@ typedef struct {
    or one fp32 row of logits if that is more). */
 #define LG_CUDA_MATMUL_WORKSPACE ((size_t)32 << 20)
 #define LG_CUDA_STAGING ((size_t)16 << 20)
-#define LG_CUDA_ROW_CHUNKS 64
+#define LG_CUDA_ROW_CHUNKS 256 /* chunks of rows: blocks enough for a GPU's SMs several times over */
 #define LG_CUDA_REDUCE_SLOTS 1024
 #define LG_CUDA_RUNTIME_REGION "cuda.runtime" /* the last device region: not in the arena */
 
