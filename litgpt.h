@@ -591,7 +591,7 @@ typedef struct {
    or one fp32 row of logits if that is more). */
 #define LG_CUDA_MATMUL_WORKSPACE ((size_t)32 << 20)
 #define LG_CUDA_STAGING ((size_t)16 << 20)
-#define LG_CUDA_ROW_CHUNKS 64
+#define LG_CUDA_ROW_CHUNKS 256 /* chunks of rows: blocks enough for a GPU's SMs several times over */
 #define LG_CUDA_REDUCE_SLOTS 1024
 #define LG_CUDA_RUNTIME_REGION "cuda.runtime" /* the last device region: not in the arena */
 
@@ -765,6 +765,11 @@ typedef struct {
     lg_buf frozen_packed;       /* "frozen_weights.nf4": the NF4 linear weights (bytes) */
     lg_tensor_table frozen_table; /* its tensors (lg_frozen_layout); empty without LoRA */
     uint64_t dropout_key;       /* LoRA dropout's mask of this micro-batch; 0: none (evaluation) */
+    float fused_loss_scale;     /* > 0 (a training step): a forward with targets also writes the
+                                   logits' gradient at this loss_scale over the logits, in the
+                                   classifier's one pass (lg_crossentropy_fused) */
+    int logits_hold_grad;       /* the logits region holds that gradient: the backward's head
+                                   starts from it */
     lg_rank *rank;              /* where the buffers live */
     lg_plan *own_plan;          /* set when lg_model_create made its own plan and rank */
 } lg_model;
@@ -1613,11 +1618,45 @@ void lg_rng_seed(lg_rng *rng, uint64_t seed) {
     rng->state = (z ^ (z >> 31)) | 1u;
 }
 
+/* xorshift64*'s step of the state (before the output's multiplication). */
+static uint64_t lg_xorshift_step(uint64_t s) {
+    s ^= s >> 12;
+    s ^= s << 25;
+    s ^= s >> 27;
+    return s;
+}
+
 uint64_t lg_rng_u64(lg_rng *rng) {
-    rng->state ^= rng->state >> 12;
-    rng->state ^= rng->state << 25;
-    rng->state ^= rng->state >> 27;
+    rng->state = lg_xorshift_step(rng->state);
     return rng->state * 0x2545F4914F6CDD1Dull;
+}
+
+/* The step is linear over GF(2): n draws ahead is the step's matrix to the n-th power, applied
+   through the binary powers of n. So threads can each draw their part of one stream, the same
+   numbers as one thread drawing it all (weight initialisation). powers[k]: 2^k steps, as the
+   images of the state's 64 bits. */
+typedef struct {
+    uint64_t powers[64][64];
+} lg_rng_jumps;
+
+/* The matrix (its 64 columns) times the bit vector v. */
+static uint64_t lg_gf2_apply(const uint64_t *columns, uint64_t v) {
+    uint64_t out = 0;
+    for (int i = 0; v; i++, v >>= 1)
+        if (v & 1) out ^= columns[i];
+    return out;
+}
+
+static void lg_rng_jumps_make(lg_rng_jumps *j) {
+    for (int i = 0; i < 64; i++) j->powers[0][i] = lg_xorshift_step(1ull << i);
+    for (int k = 1; k < 64; k++)
+        for (int i = 0; i < 64; i++) j->powers[k][i] = lg_gf2_apply(j->powers[k - 1], j->powers[k - 1][i]);
+}
+
+/* rng as it is after `draws` more draws of lg_rng_u64. */
+static void lg_rng_skip(lg_rng *rng, const lg_rng_jumps *j, uint64_t draws) {
+    for (int k = 0; draws; k++, draws >>= 1)
+        if (draws & 1) rng->state = lg_gf2_apply(j->powers[k], rng->state);
 }
 
 float lg_rng_uniform(lg_rng *rng) { return (float)(lg_rng_u64(rng) >> 40) / 16777216.0f; }
@@ -5200,6 +5239,17 @@ static void lg_crossentropy_backward(const lg_exec *ex, lg_buf dlogits, lg_buf l
     }
 }
 
+/* The training step's classifier: losses (N) and their sum (returned) as
+   lg_crossentropy_forward, then the logits (N, Vp) replaced by their gradient at `scale` as
+   lg_crossentropy_backward in place. On a GPU one pass over each row's logits. */
+static double lg_crossentropy_fused(const lg_exec *ex, lg_real *losses, lg_buf logits,
+                                    const int *targets, int N, int V, int Vp, lg_real scale) {
+    LG_ON_GPU_RETURN(ex, lg_cuda_crossentropy_fused(ex, losses, logits, targets, N, V, Vp, scale));
+    double total = lg_crossentropy_forward(ex, losses, logits, targets, N, V, Vp);
+    lg_crossentropy_backward(ex, logits, logits, targets, N, V, Vp, scale);
+    return total;
+}
+
 /* out (n) = a + b */
 static void lg_add(const lg_exec *ex, lg_buf out, lg_buf a, lg_buf b, size_t n) {
     LG_ON_GPU(ex, lg_cuda_add(ex, out, a, b, n));
@@ -5448,31 +5498,69 @@ void lg_model_free(lg_model *m) {
     memset(m, 0, sizeof *m);
 }
 
-/* GPT-2's scheme, by tensor kind (see lg_tensor_kind): one tensor, w holding its elements,
-   drawing from rng in element order. */
+/* GPT-2's scheme, by tensor kind (see lg_tensor_kind): element k of tensor t, drawn from rng
+   (live: the elements that draw, the rest of a padded vocabulary keeps 0). */
+static lg_real lg_init_value(const lg_config *c, const lg_tensor_info *t, size_t live, size_t k,
+                             lg_rng *rng) {
+    switch (t->kind) {
+    case LG_TENSOR_NORM: return 1;
+    case LG_TENSOR_RESIDUAL: return 0.02f / sqrtf(2.0f * c->n_layer) * lg_rng_normal(rng);
+    case LG_TENSOR_EMBEDDING:
+    case LG_TENSOR_WEIGHT: return k < live ? 0.02f * lg_rng_normal(rng) : 0;
+    case LG_TENSOR_LORA_A: /* kaiming_uniform(a = sqrt(5)): bound 1 / sqrt(in) */
+        return (2.0f * lg_rng_uniform(rng) - 1.0f) / sqrtf((float)t->cols);
+    default: return 0; /* biases, LoRA's B */
+    }
+}
+
+/* Draws of lg_rng_u64 that lg_init_value makes for the elements before element k. */
+static uint64_t lg_init_draws_before(const lg_tensor_info *t, size_t live, size_t k) {
+    switch (t->kind) {
+    case LG_TENSOR_RESIDUAL: return 2 * (uint64_t)k; /* a normal: two draws */
+    case LG_TENSOR_EMBEDDING:
+    case LG_TENSOR_WEIGHT: return 2 * (uint64_t)(k < live ? k : live);
+    case LG_TENSOR_LORA_A: return k;
+    default: return 0;
+    }
+}
+
+#define LG_INIT_CHUNK 65536 /* elements a host thread initialises from one jump of the stream */
+
+/* Elements first .. first + n - 1 of tensor t into piece (n), drawing from rng in order. */
+static void lg_init_range(const lg_config *c, const lg_tensor_info *t, size_t live, lg_buf piece,
+                          size_t first, size_t n, lg_rng *rng) {
+    for (size_t j = 0; j < n; j++) lg_set(piece, j, lg_init_value(c, t, live, first + j, rng));
+}
+
+/* One tensor, w holding its elements, with the numbers of drawing from rng in element order;
+   a large tensor in chunks on all host threads, each jumping to its place in the stream. */
 static void lg_init_tensor(const lg_exec *ex, const lg_config *c, const lg_tensor_info *t,
                            lg_buf w, lg_rng *rng) {
-    float residual_std = 0.02f / sqrtf(2.0f * c->n_layer);
     /* rows past the real vocabulary never see a token: keep them 0 */
     int is_vocab = t->kind == LG_TENSOR_EMBEDDING && t->rows == c->padded_vocab_size;
     size_t live = is_vocab ? (size_t)c->vocab_size * t->cols : t->count;
+    lg_rng_jumps *jumps = NULL;
+    if (t->count > LG_INIT_CHUNK && (jumps = (lg_rng_jumps *)LG_MALLOC(sizeof *jumps)))
+        lg_rng_jumps_make(jumps);
     lg_visit visit = lg_visit_start(ex, w, t->count, 1, LG_VISIT_WRITE);
-    while (lg_visit_next(&visit))
-        for (size_t j = 0; j < visit.n; j++) {
-            size_t k = visit.first + j;
-            lg_real v = 0;
-            switch (t->kind) {
-            case LG_TENSOR_NORM: v = 1; break;
-            case LG_TENSOR_RESIDUAL: v = residual_std * lg_rng_normal(rng); break;
-            case LG_TENSOR_EMBEDDING:
-            case LG_TENSOR_WEIGHT: v = k < live ? 0.02f * lg_rng_normal(rng) : 0; break;
-            case LG_TENSOR_LORA_A: /* kaiming_uniform(a = sqrt(5)): bound 1 / sqrt(in) */
-                v = (2.0f * lg_rng_uniform(rng) - 1.0f) / sqrtf((float)t->cols);
-                break;
-            default: break; /* biases, LoRA's B: 0 */
-            }
-            lg_set(visit.piece, j, v);
+    while (lg_visit_next(&visit)) {
+        size_t first = visit.first, n = visit.n, chunks = (n + LG_INIT_CHUNK - 1) / LG_INIT_CHUNK;
+        if (!jumps || chunks < 2) {
+            lg_init_range(c, t, live, visit.piece, first, n, rng);
+            continue;
         }
+        const lg_rng start = *rng;
+        uint64_t base = lg_init_draws_before(t, live, first);
+        LG_OMP(omp parallel for)
+        for (long k = 0; k < (long)chunks; k++) {
+            size_t at = (size_t)k * LG_INIT_CHUNK, len = n - at < LG_INIT_CHUNK ? n - at : LG_INIT_CHUNK;
+            lg_rng part = start;
+            lg_rng_skip(&part, jumps, lg_init_draws_before(t, live, first + at) - base);
+            lg_init_range(c, t, live, lg_at(visit.piece, at), first + at, len, &part);
+        }
+        lg_rng_skip(rng, jumps, lg_init_draws_before(t, live, first + n) - base);
+    }
+    LG_FREE(jumps);
 }
 
 /* The random stream of the trainable parameters: the model's seed, or for LoRA's adapters one
@@ -5728,8 +5816,13 @@ static double lg_model_head_forward(lg_model *m, const int *targets, int B, int 
     lg_lora_forward(m, &head, lg_head_adapters(m, &head), lg_lora_key(m, c->n_layer, 0),
                     m->a.logits, c->padded_vocab_size, m->a.ln_f, N, C);
     if (n_targets) *n_targets = 0;
+    m->logits_hold_grad = 0;
     if (!targets) return 0;
     if (n_targets) *n_targets = (int)lg_count_targets(targets, (size_t)N);
+    m->logits_hold_grad = m->fused_loss_scale > 0.0f;
+    if (m->logits_hold_grad)
+        return lg_crossentropy_fused(ex, m->a.losses, m->a.logits, targets, N, c->vocab_size,
+                                     c->padded_vocab_size, m->fused_loss_scale);
     return lg_crossentropy_forward(ex, m->a.losses, m->a.logits, targets, N, c->vocab_size,
                                    c->padded_vocab_size);
 }
@@ -5815,7 +5908,9 @@ static void lg_model_head_backward(lg_model *m, const int *targets, int B, int T
     const lg_exec *ex = &m->exec;
     int N = B * T, C = c->n_embd, L = c->n_layer, Vp = c->padded_vocab_size;
     lg_buf d_logits = m->a.logits; /* in place: the logits are not needed any more */
-    lg_crossentropy_backward(ex, d_logits, m->a.logits, targets, N, c->vocab_size, Vp, loss_scale);
+    if (!m->logits_hold_grad) /* else the forward wrote them at the same loss_scale */
+        lg_crossentropy_backward(ex, d_logits, m->a.logits, targets, N, c->vocab_size, Vp, loss_scale);
+    m->logits_hold_grad = 0;
     lg_zero(ex, m->a.d_norm, (size_t)N * C);
     lg_linear_backward(ex, m->a.d_norm, m->g.lm_head_w, m->g.lm_head_b, d_logits,
                        m->a.ln_f, m->p.lm_head_w, N, C, Vp);
@@ -12294,6 +12389,13 @@ static void lg_trainer_set_dropout(lg_trainer *tr, int step, int i) {
     }
 }
 
+/* loss_scale > 0: the forwards of the step's micro-batches write the logits' gradient at
+   loss_scale in the classifier's pass (lg_crossentropy_fused); 0: they keep the logits
+   (evaluation, sampling, Sophia's labels). */
+static void lg_trainer_fuse_classifier(lg_trainer *tr, float loss_scale) {
+    for (int r = 0; r < tr->local_ranks; r++) tr->ranks[r].model.fused_loss_scale = loss_scale;
+}
+
 int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *stats,
                     lg_error *err) {
     double start = lg_time_ms();
@@ -12315,13 +12417,15 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
     /* --offload with no replicas: the last backward sends gradients to the host as it goes */
     int offload_in_backward =
         tr->ranks[0].host_grads.data != NULL && tr->plan.sharding.replicas == 1;
+    float loss_scale = n_targets ? tr->loss_scale / n_targets : 0.0f;
     for (int i = 0; i < tr->accumulation && n_targets > 0; i++) {
         lg_trainer_micro_batches(tr, i, targets, mb);
         lg_trainer_set_dropout(tr, step, i);
+        lg_trainer_fuse_classifier(tr, loss_scale);
         loss_sum += lg_trainer_forward(tr, mb);
-        lg_trainer_backward(tr, mb, tr->loss_scale / n_targets,
-                            offload_in_backward && i == tr->accumulation - 1);
+        lg_trainer_backward(tr, mb, loss_scale, offload_in_backward && i == tr->accumulation - 1);
     }
+    lg_trainer_fuse_classifier(tr, 0.0f);
     lg_trainer_set_dropout(tr, -1, 0); /* evaluation and sampling run without dropout */
     lg_comm_sum_doubles(tr->process_comm, &loss_sum, 1); /* the other processes' ranks' */
     lg_trainer_sync_replicas(tr);

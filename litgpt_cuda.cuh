@@ -275,7 +275,7 @@ static __device__ void lg_k_block_softmax_stats(float *m, float *s, float *scrat
 #define LG_PACK 8 /* elements a thread moves a turn: one 16-byte access of halves, two of floats */
 
 /* Whether b can be read and written LG_PACK elements at a time from element 0. */
-__device__ __forceinline__ bool lg_k_packable(lg_buf b) {
+__host__ __device__ __forceinline__ bool lg_k_packable(lg_buf b) {
     return (b.dtype == LG_DTYPE_F32 || b.dtype == LG_DTYPE_BF16 || b.dtype == LG_DTYPE_F16) &&
            (uintptr_t)b.data % 16 == 0;
 }
@@ -318,32 +318,91 @@ __device__ __forceinline__ void lg_k_store_pack(lg_buf b, size_t i, const float 
     *(uint4 *)((uint16_t *)b.data + i) = make_uint4(words[0], words[1], words[2], words[3]);
 }
 
-/* out[k] (n) = the k-th result of f on the elements of in (n each), element by element:
-   f(x, y) maps one element's NIN inputs x to its NOUT outputs y. */
-template <int NIN, int NOUT, typename F>
-__device__ __forceinline__ void lg_k_map(const lg_buf (&in)[NIN], const lg_buf (&out)[NOUT],
-                                         size_t n, F f) {
+/* Kernels over rows of C channels (embeddings, norm weight gradients) move runs of `width`
+   channels a thread: LG_PACK when C is a multiple of it and every buffer (NULL: absent) starts
+   on a 16-byte boundary, so that every row does; else 1. */
+static int lg_cuda_run_width(int C, const lg_buf *bufs, int count) {
+    if (C % LG_PACK != 0) return 1;
+    for (int k = 0; k < count; k++)
+        if (bufs[k].data && !lg_k_packable(bufs[k])) return 1;
+    return LG_PACK;
+}
+
+/* v (width) = b (i .. i + width - 1): a pack (width LG_PACK, i a multiple of it) or one element. */
+__device__ __forceinline__ void lg_k_load_run(lg_buf b, size_t i, int width, float *v) {
+    if (width == LG_PACK) lg_k_load_pack(b, i, v);
+    else v[0] = lg_get(b, i);
+}
+
+/* b (i .. i + width - 1) = v (width), rounded as lg_set rounds. */
+__device__ __forceinline__ void lg_k_store_run(lg_buf b, size_t i, int width, const float *v) {
+    if (width == LG_PACK) lg_k_store_pack(b, i, v);
+    else lg_set(b, i, v[0]);
+}
+
+/* Whether every buffer of bufs can move LG_PACK elements at a time from element 0. */
+template <int N> __device__ __forceinline__ bool lg_k_all_packable(const lg_buf (&bufs)[N]) {
     bool packed = true;
-    for (int k = 0; k < NIN; k++) packed = packed && lg_k_packable(in[k]);
-    for (int k = 0; k < NOUT; k++) packed = packed && lg_k_packable(out[k]);
-    size_t packs = packed ? n / LG_PACK : 0;
-    for (size_t p = lg_k_first(); p < packs; p += lg_k_stride()) {
+    for (int k = 0; k < N; k++) packed = packed && lg_k_packable(bufs[k]);
+    return packed;
+}
+
+/* out[k] (n) = the k-th result of f on the elements of in (n each), element by element, for
+   the elements of the loop that starts at `first` and steps `stride` (packs when every buffer
+   allows, then single elements): f(i, x, y) maps element i's NIN inputs x to its NOUT
+   outputs y. */
+template <int NIN, int NOUT, typename F>
+__device__ __forceinline__ void lg_k_map_strided(const lg_buf (&in)[NIN], const lg_buf (&out)[NOUT],
+                                                 size_t n, size_t first, size_t stride, F f) {
+    size_t packs = lg_k_all_packable(in) && lg_k_all_packable(out) ? n / LG_PACK : 0;
+    for (size_t p = first; p < packs; p += stride) {
         float x[NIN][LG_PACK], y[NOUT][LG_PACK], xj[NIN], yj[NOUT];
         for (int k = 0; k < NIN; k++) lg_k_load_pack(in[k], p * LG_PACK, x[k]);
 #pragma unroll
         for (int j = 0; j < LG_PACK; j++) {
             for (int k = 0; k < NIN; k++) xj[k] = x[k][j];
-            f(xj, yj);
+            f(p * LG_PACK + j, xj, yj);
             for (int k = 0; k < NOUT; k++) y[k][j] = yj[k];
         }
         for (int k = 0; k < NOUT; k++) lg_k_store_pack(out[k], p * LG_PACK, y[k]);
     }
-    for (size_t i = packs * LG_PACK + lg_k_first(); i < n; i += lg_k_stride()) {
+    for (size_t i = packs * LG_PACK + first; i < n; i += stride) {
         float xj[NIN], yj[NOUT];
         for (int k = 0; k < NIN; k++) xj[k] = lg_get(in[k], i);
-        f(xj, yj);
+        f(i, xj, yj);
         for (int k = 0; k < NOUT; k++) lg_set(out[k], i, yj[k]);
     }
+}
+
+/* f(x) on the elements of in (n each) of the loop from `first` by `stride`, as
+   lg_k_map_strided reads them (nothing written): the reductions' first passes. */
+template <int NIN, typename F>
+__device__ __forceinline__ void lg_k_read_strided(const lg_buf (&in)[NIN], size_t n, size_t first,
+                                                  size_t stride, F f) {
+    size_t packs = lg_k_all_packable(in) ? n / LG_PACK : 0;
+    for (size_t p = first; p < packs; p += stride) {
+        float x[NIN][LG_PACK], xj[NIN];
+        for (int k = 0; k < NIN; k++) lg_k_load_pack(in[k], p * LG_PACK, x[k]);
+#pragma unroll
+        for (int j = 0; j < LG_PACK; j++) {
+            for (int k = 0; k < NIN; k++) xj[k] = x[k][j];
+            f(xj);
+        }
+    }
+    for (size_t i = packs * LG_PACK + first; i < n; i += stride) {
+        float xj[NIN];
+        for (int k = 0; k < NIN; k++) xj[k] = lg_get(in[k], i);
+        f(xj);
+    }
+}
+
+/* out[k] (n) = the k-th result of f on the elements of in (n each), element by element, over
+   the whole grid: f(x, y) maps one element's NIN inputs x to its NOUT outputs y. */
+template <int NIN, int NOUT, typename F>
+__device__ __forceinline__ void lg_k_map(const lg_buf (&in)[NIN], const lg_buf (&out)[NOUT],
+                                         size_t n, F f) {
+    lg_k_map_strided(in, out, n, lg_k_first(), lg_k_stride(),
+                     [&f](size_t, const float *x, float *y) { f(x, y); });
 }
 
 /* Blocks of an elementwise kernel over n elements: one thread a pack. */
@@ -388,19 +447,28 @@ __global__ void lg_k_swiglu_backward(lg_buf dgate, lg_buf dup, lg_buf dout, lg_b
     });
 }
 
-/* One thread a rotated pair (j, j + R) of one head of one token: pairs = B T heads R. */
-__global__ void lg_k_rope_rotate(lg_buf qkv, const lg_real *cos_table, const lg_real *sin_table,
-                                 int T, int heads, int QKV, int HS, int R, size_t pairs,
-                                 int direction) {
-    for (size_t p = lg_k_first(); p < pairs; p += lg_k_stride()) {
+/* One thread a run of `width` rotated pairs (j .. j + width - 1, and the same + R) of one head
+   of one token: pairs = B T heads R; width LG_PACK (16-byte accesses) when R and HS are
+   multiples of it and qkv and the tables start on 16 bytes, else 1. */
+__global__ void lg_k_rope_rotate(lg_buf qkv, lg_buf cos_table, lg_buf sin_table, int T, int heads,
+                                 int QKV, int HS, int R, size_t pairs, int width, int direction) {
+    for (size_t u = lg_k_first(); u < pairs / width; u += lg_k_stride()) {
+        size_t p = u * width;
         int j = (int)(p % R), h = (int)(p / R % heads);
-        size_t n = p / ((size_t)R * heads);
-        size_t t = n % T;
+        size_t n = p / ((size_t)R * heads), at = n % T * R + j;
         lg_buf x = lg_at(qkv, n * QKV + (size_t)h * HS);
-        float c = cos_table[t * R + j], sn = direction * sin_table[t * R + j];
-        float a = lg_get(x, j), b = lg_get(x, j + R);
-        lg_set(x, j, a * c - b * sn);
-        lg_set(x, j + R, b * c + a * sn);
+        float a[LG_PACK], b[LG_PACK], c[LG_PACK], sn[LG_PACK];
+        lg_k_load_run(x, j, width, a);
+        lg_k_load_run(x, j + R, width, b);
+        lg_k_load_run(cos_table, at, width, c);
+        lg_k_load_run(sin_table, at, width, sn);
+        for (int k = 0; k < width; k++) {
+            float s = direction * sn[k], first = a[k] * c[k] - b[k] * s;
+            b[k] = b[k] * c[k] + a[k] * s;
+            a[k] = first;
+        }
+        lg_k_store_run(x, j, width, a);
+        lg_k_store_run(x, j + R, width, b);
     }
 }
 
@@ -521,34 +589,43 @@ static void lg_cuda_rope_rotate(const lg_exec *ex, lg_buf qkv, const lg_real *co
     int R = rope_dims / 2, heads = NH + NQG, QKV = (NH + 2 * NQG) * HS;
     size_t pairs = (size_t)B * T * heads * R;
     if (pairs == 0) return;
-    LG_LAUNCH(lg_k_rope_rotate, lg_cuda_element_grid(pairs), LG_CUDA_ELEMENT_THREADS, 0,
-              lg_cuda_stream(ex), qkv, cos_table, sin_table, T, heads, QKV, HS, R, pairs,
+    lg_buf cos_buf = {(void *)cos_table, LG_DTYPE_F32}, sin_buf = {(void *)sin_table, LG_DTYPE_F32};
+    const lg_buf bufs[3] = {qkv, cos_buf, sin_buf};
+    int width = HS % LG_PACK == 0 ? lg_cuda_run_width(R, bufs, 3) : 1;
+    LG_LAUNCH(lg_k_rope_rotate, lg_cuda_element_grid(pairs / width), LG_CUDA_ELEMENT_THREADS, 0,
+              lg_cuda_stream(ex), qkv, cos_buf, sin_buf, T, heads, QKV, HS, R, pairs, width,
               direction);
 }
 
 /* d. embedding, LayerNorm/RMSNorm -------------------------------------------------------------- */
 
-/* One thread an element of out (N, C): a grid-stride loop over N C. */
+/* One thread a run of `width` channels of out (N, C) (lg_cuda_run_width): a grid-stride loop
+   over N C / width. */
 __global__ void lg_k_embedding_forward(lg_buf out, const int *tokens, lg_buf wte, lg_buf wpe,
-                                       int T, int C, size_t count) {
-    for (size_t e = lg_k_first(); e < count; e += lg_k_stride()) {
-        size_t n = e / C, i = e % C;
-        float x = lg_get(wte, (size_t)tokens[n] * C + i);
-        if (wpe.data) x += lg_get(wpe, (n % T) * C + i);
-        lg_set(out, e, x);
+                                       int T, int C, size_t count, int width) {
+    for (size_t u = lg_k_first(); u < count / width; u += lg_k_stride()) {
+        size_t e = u * width, n = e / C, i = e % C;
+        float x[LG_PACK], p[LG_PACK];
+        lg_k_load_run(wte, (size_t)tokens[n] * C + i, width, x);
+        if (wpe.data) {
+            lg_k_load_run(wpe, (n % T) * C + i, width, p);
+            for (int j = 0; j < width; j++) x[j] += p[j];
+        }
+        lg_k_store_run(out, e, width, x);
     }
 }
 
-/* dwte (Vp, C) += dout (N, C) by token. A block owns LG_CUDA_EMBED_THREADS channels (a thread
-   each) for the token ids of one class (id % LG_CUDA_EMBED_CLASSES): it walks all N ids in
-   order, staged in shared memory, and adds the rows of its class. So each element of dwte has
-   one owner that adds in token order, rounding after each add, exactly as the CPU loop. */
+/* dwte (Vp, C) += dout (N, C) by token. A block owns LG_CUDA_EMBED_THREADS runs of `width`
+   channels (a thread each) for the token ids of one class (id % LG_CUDA_EMBED_CLASSES): it
+   walks all N ids in order, staged in shared memory, and adds the rows of its class. So each
+   element of dwte has one owner that adds in token order, rounding after each add, exactly as
+   the CPU loop. */
 __global__ void lg_k_embedding_backward_wte(lg_buf dwte, lg_buf dout, const int *tokens, int N,
-                                            int C) {
+                                            int C, int width) {
     __shared__ int ids[LG_CUDA_TOKEN_TILE];
-    int channel_blocks = (C + LG_CUDA_EMBED_THREADS - 1) / LG_CUDA_EMBED_THREADS;
+    int runs = C / width, channel_blocks = (runs + LG_CUDA_EMBED_THREADS - 1) / LG_CUDA_EMBED_THREADS;
     int cls = blockIdx.x / channel_blocks;
-    int i = (blockIdx.x % channel_blocks) * LG_CUDA_EMBED_THREADS + threadIdx.x;
+    int i = ((blockIdx.x % channel_blocks) * LG_CUDA_EMBED_THREADS + threadIdx.x) * width;
     for (int n0 = 0; n0 < N; n0 += LG_CUDA_TOKEN_TILE) {
         int len = N - n0 < LG_CUDA_TOKEN_TILE ? N - n0 : LG_CUDA_TOKEN_TILE;
         for (int k = threadIdx.x; k < len; k += blockDim.x) ids[k] = tokens[n0 + k];
@@ -558,21 +635,30 @@ __global__ void lg_k_embedding_backward_wte(lg_buf dwte, lg_buf dout, const int 
                 int token = ids[k];
                 if (token % LG_CUDA_EMBED_CLASSES != cls) continue;
                 size_t at = (size_t)token * C + i;
-                lg_set(dwte, at, lg_get(dwte, at) + lg_get(dout, (size_t)(n0 + k) * C + i));
+                float acc[LG_PACK], d[LG_PACK];
+                lg_k_load_run(dwte, at, width, acc);
+                lg_k_load_run(dout, (size_t)(n0 + k) * C + i, width, d);
+                for (int j = 0; j < width; j++) acc[j] += d[j];
+                lg_k_store_run(dwte, at, width, acc);
             }
         __syncthreads();
     }
 }
 
-/* dwpe (T, C) += dout summed over the batch: one thread an element of dwpe, adding the B rows
-   of its position in order, rounding after each add as the CPU does. */
-__global__ void lg_k_embedding_backward_wpe(lg_buf dwpe, lg_buf dout, int B, int T, int C) {
+/* dwpe (T, C) += dout summed over the batch: one thread a run of `width` elements of dwpe,
+   adding the B rows of its position in order, rounding after each add as the CPU does. */
+__global__ void lg_k_embedding_backward_wpe(lg_buf dwpe, lg_buf dout, int B, int T, int C,
+                                            int width) {
     size_t count = (size_t)T * C;
-    for (size_t e = lg_k_first(); e < count; e += lg_k_stride()) {
-        float acc = lg_get(dwpe, e);
-        for (int b = 0; b < B; b++)
-            acc = lg_k_round_to(dwpe.dtype, acc + lg_get(dout, (size_t)b * count + e));
-        lg_set(dwpe, e, acc);
+    for (size_t u = lg_k_first(); u < count / width; u += lg_k_stride()) {
+        size_t e = u * width;
+        float acc[LG_PACK], d[LG_PACK];
+        lg_k_load_run(dwpe, e, width, acc);
+        for (int b = 0; b < B; b++) {
+            lg_k_load_run(dout, (size_t)b * count + e, width, d);
+            for (int j = 0; j < width; j++) acc[j] = lg_k_round_to(dwpe.dtype, acc[j] + d[j]);
+        }
+        lg_k_store_run(dwpe, e, width, acc);
     }
 }
 
@@ -581,9 +667,11 @@ static void lg_cuda_embedding_forward(const lg_exec *ex, lg_buf out, const int *
                                       lg_buf wte, lg_buf wpe, int B, int T, int C) {
     size_t count = (size_t)B * T * C;
     if (count == 0) return;
+    const lg_buf bufs[3] = {out, wte, wpe};
+    int width = lg_cuda_run_width(C, bufs, 3);
     const int *ids = lg_cuda_ids(ex, ex->cuda->tokens, tokens, (size_t)B * T);
-    LG_LAUNCH(lg_k_embedding_forward, lg_cuda_element_grid(count), LG_CUDA_ELEMENT_THREADS, 0,
-              lg_cuda_stream(ex), out, ids, wte, wpe, T, C, count);
+    LG_LAUNCH(lg_k_embedding_forward, lg_cuda_element_grid(count / width), LG_CUDA_ELEMENT_THREADS,
+              0, lg_cuda_stream(ex), out, ids, wte, wpe, T, C, count, width);
 }
 
 /* dwte (Vp, C), dwpe (block_size, C) += dout (B T, C) scattered back; tokens on the host */
@@ -591,31 +679,46 @@ static void lg_cuda_embedding_backward(const lg_exec *ex, lg_buf dwte, lg_buf dw
                                        const int *tokens, int B, int T, int C) {
     int N = B * T;
     if (N == 0 || C == 0) return;
+    const lg_buf bufs[3] = {dwte, dwpe, dout};
+    int width = lg_cuda_run_width(C, bufs, 3);
     const int *ids = lg_cuda_ids(ex, ex->cuda->tokens, tokens, (size_t)N);
-    unsigned blocks = lg_cuda_blocks((size_t)C, LG_CUDA_EMBED_THREADS) * LG_CUDA_EMBED_CLASSES;
+    unsigned blocks = lg_cuda_blocks((size_t)(C / width), LG_CUDA_EMBED_THREADS) * LG_CUDA_EMBED_CLASSES;
     LG_LAUNCH(lg_k_embedding_backward_wte, blocks, LG_CUDA_EMBED_THREADS, 0, lg_cuda_stream(ex),
-              dwte, dout, ids, N, C);
+              dwte, dout, ids, N, C, width);
     if (dwpe.data)
-        LG_LAUNCH(lg_k_embedding_backward_wpe, lg_cuda_element_grid((size_t)T * C),
-                  LG_CUDA_ELEMENT_THREADS, 0, lg_cuda_stream(ex), dwpe, dout, B, T, C);
+        LG_LAUNCH(lg_k_embedding_backward_wpe, lg_cuda_element_grid((size_t)T * C / width),
+                  LG_CUDA_ELEMENT_THREADS, 0, lg_cuda_stream(ex), dwpe, dout, B, T, C, width);
 }
 
-/* One warp a row (LG_CUDA_ROW_WARPS rows a block): lanes stride the channels; the mean, then
-   the variance about it (two passes, as the CPU), by warp butterflies. */
-/* One row x (C) normalised into y (C) by the calling warp; its mean (LayerNorm, when mean) and
-   rstd stored by lane 0. */
+/* One warp a row (LG_CUDA_ROW_WARPS rows a block): lanes stride the row's packs of LG_PACK
+   channels (16-byte accesses, when the row and the weights start on 16-byte boundaries; then
+   single channels); the mean, then the variance about it (two passes, as the CPU), by warp
+   butterflies. One row x (C) normalised into y (C) by the calling warp; its mean (LayerNorm,
+   when mean) and rstd stored by lane 0. */
 static __device__ void lg_k_norm_row(lg_buf y, lg_buf x, lg_real *mean, lg_real *rstd, int row,
                                      lg_buf weight, lg_buf bias, int C, float eps, int lane) {
     float mu = 0.0f, var = 0.0f;
+    const lg_buf xs[1] = {x};
     if (mean) {
-        for (int i = lane; i < C; i += LG_CUDA_WARP) mu += lg_get(x, i);
+        lg_k_read_strided(xs, C, lane, LG_CUDA_WARP, [&mu](const float *v) { mu += v[0]; });
         mu = lg_k_warp_sum(mu) / C;
     }
-    for (int i = lane; i < C; i += LG_CUDA_WARP) var += (lg_get(x, i) - mu) * (lg_get(x, i) - mu);
+    lg_k_read_strided(xs, C, lane, LG_CUDA_WARP,
+                      [&var, mu](const float *v) { var += (v[0] - mu) * (v[0] - mu); });
     var = lg_k_warp_sum(var);
     float r = 1.0f / sqrtf(var / C + eps);
-    for (int i = lane; i < C; i += LG_CUDA_WARP)
-        lg_set(y, i, (lg_get(x, i) - mu) * r * lg_get(weight, i) + (bias.data ? lg_get(bias, i) : 0.0f));
+    const lg_buf to[1] = {y};
+    if (bias.data) {
+        const lg_buf in[3] = {x, weight, bias};
+        lg_k_map_strided(in, to, C, lane, LG_CUDA_WARP, [mu, r](size_t, const float *v, float *o) {
+            o[0] = (v[0] - mu) * r * v[1] + v[2];
+        });
+    } else {
+        const lg_buf in[2] = {x, weight};
+        lg_k_map_strided(in, to, C, lane, LG_CUDA_WARP, [mu, r](size_t, const float *v, float *o) {
+            o[0] = (v[0] - mu) * r * v[1] + 0.0f;
+        });
+    }
     if (lane == 0) {
         if (mean) mean[row] = mu;
         rstd[row] = r;
@@ -632,8 +735,8 @@ __global__ void lg_k_norm_forward(lg_buf out, lg_real *mean, lg_real *rstd, lg_b
 }
 
 /* The residual add fused with the norm after it: a warp a row writes sum = a + b, then
-   normalises the row it wrote (each lane reads back only its own elements, rounded to their
-   storage as the CPU's lg_add leaves them). */
+   normalises the row it wrote (read back rounded to its storage, as the CPU's lg_add leaves
+   it). */
 __global__ void lg_k_residual_norm_forward(lg_buf sum, lg_buf out, lg_real *mean, lg_real *rstd,
                                            lg_buf a, lg_buf b, lg_buf weight, lg_buf bias, int N,
                                            int C, float eps) {
@@ -642,7 +745,10 @@ __global__ void lg_k_residual_norm_forward(lg_buf sum, lg_buf out, lg_real *mean
     if (row >= N) return;
     size_t first = (size_t)row * C;
     lg_buf s = lg_at(sum, first), x = lg_at(a, first), y = lg_at(b, first);
-    for (int i = lane; i < C; i += LG_CUDA_WARP) lg_set(s, i, lg_get(x, i) + lg_get(y, i));
+    const lg_buf in[2] = {x, y}, to[1] = {s};
+    lg_k_map_strided(in, to, C, lane, LG_CUDA_WARP,
+                     [](size_t, const float *v, float *o) { o[0] = v[0] + v[1]; });
+    __syncwarp(); /* the norm's lanes may own other elements of s (other packing) */
     lg_k_norm_row(lg_at(out, first), s, mean, rstd, row, weight, bias, C, eps, lane);
 }
 
@@ -656,39 +762,50 @@ __global__ void lg_k_norm_backward_input(lg_buf dinp, lg_buf dout, lg_buf inp, l
     lg_buf dx = lg_at(dinp, (size_t)row * C);
     float mu = mean ? mean[row] : 0.0f, r = rstd[row];
     float dxhat_mean = 0.0f, dxhat_xhat_mean = 0.0f;
-    for (int i = lane; i < C; i += LG_CUDA_WARP) {
-        float dxhat = lg_get(dy, i) * lg_get(weight, i);
-        dxhat_mean += dxhat;
-        dxhat_xhat_mean += dxhat * (lg_get(x, i) - mu) * r;
-    }
+    const lg_buf reads[3] = {dy, weight, x};
+    lg_k_read_strided(reads, C, lane, LG_CUDA_WARP,
+                      [&dxhat_mean, &dxhat_xhat_mean, mu, r](const float *v) {
+                          float dxhat = v[0] * v[1];
+                          dxhat_mean += dxhat;
+                          dxhat_xhat_mean += dxhat * (v[2] - mu) * r;
+                      });
     dxhat_mean = mean ? lg_k_warp_sum(dxhat_mean) / C : 0.0f;
     dxhat_xhat_mean = lg_k_warp_sum(dxhat_xhat_mean) / C;
-    for (int i = lane; i < C; i += LG_CUDA_WARP) {
-        float xhat = (lg_get(x, i) - mu) * r;
-        float d = r * (lg_get(dy, i) * lg_get(weight, i) - dxhat_mean - xhat * dxhat_xhat_mean);
-        lg_set(dx, i, lg_get(dx, i) + d);
-    }
+    const lg_buf in[4] = {dy, weight, x, dx}, to[1] = {dx};
+    lg_k_map_strided(in, to, C, lane, LG_CUDA_WARP,
+                     [dxhat_mean, dxhat_xhat_mean, mu, r](size_t, const float *v, float *o) {
+                         float xhat = (v[2] - mu) * r;
+                         o[0] = v[3] + r * (v[0] * v[1] - dxhat_mean - xhat * dxhat_xhat_mean);
+                     });
 }
 
 /* Partial weight and bias gradients: block (channel block, chunk) sums the rows of its chunk
-   (LG_CUDA_ROW_CHUNKS chunks of ceil(N / chunks) rows) in order, a thread a channel, into
-   row_sums (chunks, 2 C): [chunk][0, C) dweight, [chunk][C, 2 C) dbias. */
+   (LG_CUDA_ROW_CHUNKS chunks of ceil(N / chunks) rows) in order, a thread a run of `width`
+   channels (lg_cuda_run_width), into row_sums (chunks, 2 C): [chunk][0, C) dweight,
+   [chunk][C, 2 C) dbias. */
 __global__ void lg_k_norm_backward_chunks(float *row_sums, lg_buf dout, lg_buf inp,
-                                          const lg_real *mean, const lg_real *rstd, int N, int C) {
-    int channel_blocks = (C + LG_CUDA_CHANNEL_THREADS - 1) / LG_CUDA_CHANNEL_THREADS;
+                                          const lg_real *mean, const lg_real *rstd, int N, int C,
+                                          int width) {
+    int runs = C / width, channel_blocks = (runs + LG_CUDA_CHANNEL_THREADS - 1) / LG_CUDA_CHANNEL_THREADS;
     int chunk = blockIdx.x / channel_blocks;
-    int i = (blockIdx.x % channel_blocks) * LG_CUDA_CHANNEL_THREADS + threadIdx.x;
+    int i = ((blockIdx.x % channel_blocks) * LG_CUDA_CHANNEL_THREADS + threadIdx.x) * width;
     if (i >= C) return;
     int rows = (N + LG_CUDA_ROW_CHUNKS - 1) / LG_CUDA_ROW_CHUNKS;
     int first = chunk * rows, last = first + rows < N ? first + rows : N;
-    float dw = 0.0f, db = 0.0f;
+    float dw[LG_PACK] = {0}, db[LG_PACK] = {0};
     for (int n = first; n < last; n++) {
-        float dy = lg_get(dout, (size_t)n * C + i);
-        dw += dy * (lg_get(inp, (size_t)n * C + i) - (mean ? mean[n] : 0.0f)) * rstd[n];
-        db += dy;
+        float dy[LG_PACK], x[LG_PACK], mu = mean ? mean[n] : 0.0f, r = rstd[n];
+        lg_k_load_run(dout, (size_t)n * C + i, width, dy);
+        lg_k_load_run(inp, (size_t)n * C + i, width, x);
+        for (int j = 0; j < width; j++) {
+            dw[j] += dy[j] * (x[j] - mu) * r;
+            db[j] += dy[j];
+        }
     }
-    row_sums[(size_t)chunk * 2 * C + i] = dw;
-    row_sums[(size_t)chunk * 2 * C + C + i] = db;
+    for (int j = 0; j < width; j++) {
+        row_sums[(size_t)chunk * 2 * C + i + j] = dw[j];
+        row_sums[(size_t)chunk * 2 * C + C + i + j] = db[j];
+    }
 }
 
 /* dweight, dbias (C) += the chunks' partial sums, in chunk order: a thread a channel. */
@@ -740,30 +857,53 @@ static void lg_cuda_norm_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweight
               LG_CUDA_ROW_WARPS * LG_CUDA_WARP, 0, stream, dinp, dout, inp, weight, mean, rstd,
               N, C);
     if (!dweight.data) return; /* frozen (LoRA) */
-    unsigned channel_blocks = lg_cuda_blocks((size_t)C, LG_CUDA_CHANNEL_THREADS);
-    LG_LAUNCH(lg_k_norm_backward_chunks, channel_blocks * LG_CUDA_ROW_CHUNKS,
-              LG_CUDA_CHANNEL_THREADS, 0, stream, ex->cuda->row_sums, dout, inp, mean, rstd, N, C);
-    LG_LAUNCH(lg_k_norm_backward_weights, channel_blocks, LG_CUDA_CHANNEL_THREADS, 0, stream,
-              dweight, dbias, ex->cuda->row_sums, C);
+    const lg_buf bufs[2] = {dout, inp};
+    int width = lg_cuda_run_width(C, bufs, 2);
+    unsigned run_blocks = lg_cuda_blocks((size_t)(C / width), LG_CUDA_CHANNEL_THREADS);
+    LG_LAUNCH(lg_k_norm_backward_chunks, run_blocks * LG_CUDA_ROW_CHUNKS, LG_CUDA_CHANNEL_THREADS,
+              0, stream, ex->cuda->row_sums, dout, inp, mean, rstd, N, C, width);
+    LG_LAUNCH(lg_k_norm_backward_weights, lg_cuda_blocks((size_t)C, LG_CUDA_CHANNEL_THREADS),
+              LG_CUDA_CHANNEL_THREADS, 0, stream, dweight, dbias, ex->cuda->row_sums, C);
 }
 
 /* e. the fused classifier (softmax, loss and the logits' gradient) ---------------------------- */
 
-/* One block a row of logits (N, Vp): threads stride the V real columns keeping online softmax
-   statistics, merged over the block in a fixed order; losses[n] = log s + m - z[target], 0 on
-   ignored rows. The probabilities are never stored. */
+/* One block a row of logits (N, Vp). The row's softmax statistics in one read: threads stride
+   the V real columns (packs of LG_PACK with 16-byte loads where the row allows, then single
+   columns) keeping online statistics (m, s), merged over the block in a fixed order; every
+   thread gets them. The probabilities are never stored. */
+static __device__ void lg_k_row_softmax_stats(lg_buf z, int V, float *m, float *s) {
+    __shared__ float scratch_m[LG_CUDA_MAX_WARPS], scratch_s[LG_CUDA_MAX_WARPS];
+    *m = -INFINITY;
+    *s = 0.0f;
+    const lg_buf in[1] = {z};
+    lg_k_read_strided(in, V, threadIdx.x, blockDim.x, [m, s](const float *x) { lg_k_softmax_add(m, s, x[0]); });
+    lg_k_block_softmax_stats(m, s, scratch_m, scratch_s);
+}
+
+/* dz (Vp) = (softmax(z) - onehot(target)) scale over the V real columns from the row's
+   statistics, 0 on the padded ones; dz may be z (each element read before it is written). */
+static __device__ void lg_k_row_softmax_grad(lg_buf dz, lg_buf z, int V, int Vp, int target,
+                                             float m, float s, float scale) {
+    const lg_buf in[1] = {z}, to[1] = {dz};
+    lg_k_map_strided(in, to, V, threadIdx.x, blockDim.x,
+                     [m, s, scale, target](size_t v, const float *x, float *y) {
+                         y[0] = (expf(x[0] - m) / s - (float)((int)v == target)) * scale;
+                     });
+    for (int v = V + threadIdx.x; v < Vp; v += blockDim.x) lg_set(dz, v, 0.0f);
+}
+
+/* losses[n] = log s + m - z[target] of row n, 0 on ignored rows. */
 __global__ void lg_k_crossentropy_forward(lg_real *losses, lg_buf logits, const int *targets, int V,
                                           int Vp) {
-    __shared__ float scratch_m[LG_CUDA_MAX_WARPS], scratch_s[LG_CUDA_MAX_WARPS];
     int n = blockIdx.x, target = targets[n];
     if (target == LG_IGNORE_INDEX) { /* the whole block */
         if (threadIdx.x == 0) losses[n] = 0.0f;
         return;
     }
     lg_buf z = lg_at(logits, (size_t)n * Vp);
-    float m = -INFINITY, s = 0.0f;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) lg_k_softmax_add(&m, &s, lg_get(z, v));
-    lg_k_block_softmax_stats(&m, &s, scratch_m, scratch_s);
+    float m, s;
+    lg_k_row_softmax_stats(z, V, &m, &s);
     if (threadIdx.x == 0) losses[n] = logf(s) + m - lg_get(z, target);
 }
 
@@ -777,24 +917,36 @@ __global__ void lg_k_sum_losses(double *totals, int slot, const lg_real *losses,
     if (threadIdx.x == 0) totals[slot] = sum;
 }
 
-/* One block a row: the row's statistics as the forward, then each thread writes the gradient of
-   the columns it read (all reads of the row precede the block reduction's barriers, so dlogits
-   may be logits); padded columns and ignored rows get 0. */
+/* Row n's gradient (lg_k_row_softmax_grad); ignored rows get 0. */
 __global__ void lg_k_crossentropy_backward(lg_buf dlogits, lg_buf logits, const int *targets, int V,
                                            int Vp, float scale) {
-    __shared__ float scratch_m[LG_CUDA_MAX_WARPS], scratch_s[LG_CUDA_MAX_WARPS];
     int n = blockIdx.x, target = targets[n];
     lg_buf z = lg_at(logits, (size_t)n * Vp), dz = lg_at(dlogits, (size_t)n * Vp);
     if (target == LG_IGNORE_INDEX) {
         for (int v = threadIdx.x; v < Vp; v += blockDim.x) lg_set(dz, v, 0.0f);
         return;
     }
-    float m = -INFINITY, s = 0.0f;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) lg_k_softmax_add(&m, &s, lg_get(z, v));
-    lg_k_block_softmax_stats(&m, &s, scratch_m, scratch_s);
-    for (int v = threadIdx.x; v < V; v += blockDim.x)
-        lg_set(dz, v, (expf(lg_get(z, v) - m) / s - (float)(v == target)) * scale);
-    for (int v = V + threadIdx.x; v < Vp; v += blockDim.x) lg_set(dz, v, 0.0f);
+    float m, s;
+    lg_k_row_softmax_stats(z, V, &m, &s);
+    lg_k_row_softmax_grad(dz, z, V, Vp, target, m, s, scale);
+}
+
+/* The forward and the backward of row n in one read of its statistics: the loss, then the
+   gradient written over the logits (the target's logit is read before the statistics' block
+   barriers, so before any write). */
+__global__ void lg_k_crossentropy_fused(lg_real *losses, lg_buf logits, const int *targets, int V,
+                                        int Vp, float scale) {
+    int n = blockIdx.x, target = targets[n];
+    lg_buf z = lg_at(logits, (size_t)n * Vp);
+    if (target == LG_IGNORE_INDEX) {
+        if (threadIdx.x == 0) losses[n] = 0.0f;
+        for (int v = threadIdx.x; v < Vp; v += blockDim.x) lg_set(z, v, 0.0f);
+        return;
+    }
+    float target_logit = threadIdx.x == 0 ? lg_get(z, target) : 0.0f, m, s;
+    lg_k_row_softmax_stats(z, V, &m, &s);
+    if (threadIdx.x == 0) losses[n] = logf(s) + m - target_logit;
+    lg_k_row_softmax_grad(z, z, V, Vp, target, m, s, scale);
 }
 
 /* The double at totals[slot], once the stream gets there. */
@@ -819,6 +971,21 @@ static double lg_cuda_crossentropy_forward(const lg_exec *ex, lg_real *losses, l
     return lg_cuda_read_total(ex, LG_CUDA_TOTAL_SLOT);
 }
 
+/* losses (N) and their sum (returned; synchronises) as lg_cuda_crossentropy_forward, and the
+   logits (N, Vp) replaced by their gradient as lg_cuda_crossentropy_backward in place: one
+   kernel, the statistics of each row read once. */
+static double lg_cuda_crossentropy_fused(const lg_exec *ex, lg_real *losses, lg_buf logits,
+                                         const int *targets, int N, int V, int Vp, lg_real scale) {
+    if (N == 0) return 0.0;
+    cudaStream_t stream = lg_cuda_stream(ex);
+    const int *ids = lg_cuda_ids(ex, ex->cuda->targets, targets, (size_t)N);
+    LG_LAUNCH(lg_k_crossentropy_fused, (unsigned)N, LG_CUDA_CLASSIFIER_THREADS, 0, stream,
+              losses, logits, ids, V, Vp, (float)scale);
+    LG_LAUNCH(lg_k_sum_losses, 1, LG_CUDA_SUM_THREADS, 0, stream, ex->cuda->totals,
+              LG_CUDA_TOTAL_SLOT, (const lg_real *)losses, N);
+    return lg_cuda_read_total(ex, LG_CUDA_TOTAL_SLOT);
+}
+
 /* dlogits (N, Vp) = (softmax(logits) - onehot(target)) scale; may be logits */
 static void lg_cuda_crossentropy_backward(const lg_exec *ex, lg_buf dlogits, lg_buf logits,
                                           const int *targets, int N, int V, int Vp, lg_real scale) {
@@ -830,15 +997,16 @@ static void lg_cuda_crossentropy_backward(const lg_exec *ex, lg_buf dlogits, lg_
 
 /* f. optimizers, sums of squares ------------------------------------------------------------- */
 
-/* Block partials of sum x^2 in double: a grid-stride loop, then the block's reduction, into
-   totals[blockIdx.x]. */
+/* Block partials of sum x^2 in double: a grid-stride loop (packs of LG_PACK where x allows),
+   then the block's reduction, into totals[blockIdx.x]. */
 __global__ void lg_k_sum_squares_partial(double *totals, lg_buf x, size_t n) {
     __shared__ double scratch[LG_CUDA_MAX_WARPS];
     double sum = 0.0;
-    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) {
-        double g = lg_get(x, i);
+    const lg_buf in[1] = {x};
+    lg_k_read_strided(in, n, lg_k_first(), lg_k_stride(), [&sum](const float *v) {
+        double g = v[0];
         sum += g * g;
-    }
+    });
     sum = lg_k_block_sum(sum, scratch);
     if (threadIdx.x == 0) totals[blockIdx.x] = sum;
 }
@@ -856,7 +1024,7 @@ __global__ void lg_k_sum_partials(double *totals, int parts, int slot) {
 static double lg_cuda_sum_squares(const lg_exec *ex, lg_buf x, size_t n) {
     if (n == 0) return 0.0;
     cudaStream_t stream = lg_cuda_stream(ex);
-    unsigned parts = lg_cuda_blocks(n, LG_CUDA_SUM_THREADS);
+    unsigned parts = lg_cuda_blocks((n + LG_PACK - 1) / LG_PACK, LG_CUDA_SUM_THREADS);
     if (parts > LG_CUDA_TOTAL_SLOT) parts = LG_CUDA_TOTAL_SLOT;
     LG_LAUNCH(lg_k_sum_squares_partial, parts, LG_CUDA_SUM_THREADS, 0, stream, ex->cuda->totals,
               x, n);
@@ -883,21 +1051,62 @@ static __device__ void lg_k_store_weight(const lg_update_rule *rule, lg_buf para
     else lg_set(params, kw, w);
 }
 
-/* One thread an element, grid-stride: lg_update_tensor's loop body for state stored as views
-   (fp32, the precision's half type, or bf16; m and v indexed from the tensor's first element;
-   v as sqrt(v) with sqrt_v). */
+/* One element's update (lg_update_tensor's loop body): w the weight (master or params), g the
+   gradient before the multiplier, m and v the state as stored (v as sqrt(v) with sqrt_v), all
+   in and out. */
+static __device__ __forceinline__ void lg_k_update_one(const lg_update_rule *rule, float *w,
+                                                       float g, float *m, float *v, int sqrt_v,
+                                                       float grad_multiplier, float decay) {
+    float vk = sqrt_v ? *v * *v : *v;
+    *w = lg_update_element(rule, *w, g * grad_multiplier, m, &vk, decay);
+    *v = sqrt_v ? sqrtf(vk) : vk;
+}
+
+/* Grid-stride over a tensor for state stored as views (fp32, the precision's half type, or
+   bf16; m and v indexed from the tensor's first element): a thread updates LG_PACK elements
+   a turn with 16-byte loads and stores when every view allows (the weights rounded
+   stochastically pack by pack when asked), then single elements; each element as
+   lg_update_tensor computes it. */
 __global__ void lg_k_optimizer_update(lg_update_rule rule, lg_cuda_update_span span, lg_buf params,
                                       lg_buf grads, lg_real *master, lg_buf m, lg_buf v,
                                       int sqrt_v, int stochastic, float grad_multiplier) {
-    for (size_t j = lg_k_first(); j < span.count; j += lg_k_stride()) {
+    lg_buf weights = lg_at(params, span.weight_first), grad = lg_at(grads, span.offset);
+    lg_buf masters = {master ? (void *)(master + span.offset) : NULL, LG_DTYPE_F32};
+    bool packed = lg_k_packable(weights) && lg_k_packable(grad) &&
+                  (!master || lg_k_packable(masters)) && (!m.data || lg_k_packable(m)) &&
+                  (!v.data || lg_k_packable(v));
+    size_t packs = packed ? span.count / LG_PACK : 0;
+    for (size_t p = lg_k_first(); p < packs; p += lg_k_stride()) {
+        size_t j0 = p * LG_PACK;
+        float w[LG_PACK], g[LG_PACK], mk[LG_PACK] = {0}, vk[LG_PACK] = {0};
+        lg_k_load_pack(master ? masters : weights, j0, w);
+        lg_k_load_pack(grad, j0, g);
+        if (m.data) lg_k_load_pack(m, j0, mk);
+        if (v.data) lg_k_load_pack(v, j0, vk);
+#pragma unroll
+        for (int j = 0; j < LG_PACK; j++)
+            lg_k_update_one(&rule, &w[j], g[j], &mk[j], &vk[j], sqrt_v, grad_multiplier, span.decay);
+        if (m.data) lg_k_store_pack(m, j0, mk);
+        if (v.data) lg_k_store_pack(v, j0, vk);
+        if (master) lg_k_store_pack(masters, j0, w);
+        if (!stochastic) {
+            lg_k_store_pack(weights, j0, w);
+            continue;
+        }
+        uint32_t words[4] = {0, 0, 0, 0}; /* as lg_k_store_pack lays out halves */
+#pragma unroll
+        for (int j = 0; j < LG_PACK; j++)
+            words[j / 2] |= (uint32_t)lg_round_update(&rule, w[j], params.dtype, span.origin + j0 + j)
+                            << (16 * (j % 2));
+        *(uint4 *)((uint16_t *)weights.data + j0) = make_uint4(words[0], words[1], words[2], words[3]);
+    }
+    for (size_t j = packs * LG_PACK + lg_k_first(); j < span.count; j += lg_k_stride()) {
         size_t k = span.offset + j, kw = span.weight_first + j, origin = span.origin + j;
         float w = master ? master[k] : lg_get(params, kw);
-        float g = lg_get(grads, k) * grad_multiplier;
         float mk = m.data ? lg_get(m, j) : 0.0f, vk = v.data ? lg_get(v, j) : 0.0f;
-        if (sqrt_v) vk *= vk;
-        w = lg_update_element(&rule, w, g, &mk, &vk, span.decay);
+        lg_k_update_one(&rule, &w, lg_get(grads, k), &mk, &vk, sqrt_v, grad_multiplier, span.decay);
         if (m.data) lg_set(m, j, mk);
-        if (v.data) lg_set(v, j, sqrt_v ? sqrtf(vk) : vk);
+        if (v.data) lg_set(v, j, vk);
         lg_k_store_weight(&rule, params, master, stochastic, k, kw, origin, w);
     }
 }
@@ -969,7 +1178,7 @@ static void lg_cuda_update_tensor(const lg_exec *ex, const lg_optimizer *opt,
     span.decay = decay;
     cudaStream_t stream = lg_cuda_stream(ex);
     if (state->m.dtype != LG_DTYPE_U8) {
-        LG_LAUNCH(lg_k_optimizer_update, lg_cuda_element_grid(t->count), LG_CUDA_ELEMENT_THREADS,
+        LG_LAUNCH(lg_k_optimizer_update, lg_cuda_map_grid(t->count), LG_CUDA_ELEMENT_THREADS,
                   0, stream, *rule, span, params, grads, opt->master, state->m, state->v,
                   opt->sqrt_v, opt->stochastic, grad_multiplier);
         return;
@@ -983,20 +1192,21 @@ static void lg_cuda_update_tensor(const lg_exec *ex, const lg_optimizer *opt,
               grad_multiplier);
 }
 
-/* Sophia's h = beta2 h + (1 - beta2) n_tokens (g grad_multiplier)^2: a grid-stride loop. */
+/* Sophia's h = beta2 h + (1 - beta2) n_tokens (g grad_multiplier)^2, elementwise (lg_k_map). */
 __global__ void lg_k_hessian_update(lg_buf h, lg_buf sampled_grads, size_t n, float beta2,
                                     float n_tokens, float grad_multiplier) {
-    for (size_t k = lg_k_first(); k < n; k += lg_k_stride()) {
-        float g = lg_get(sampled_grads, k) * grad_multiplier;
-        lg_set(h, k, beta2 * lg_get(h, k) + (1.0f - beta2) * n_tokens * g * g);
-    }
+    const lg_buf in[2] = {sampled_grads, h}, to[1] = {h};
+    lg_k_map(in, to, n, [beta2, n_tokens, grad_multiplier](const float *x, float *y) {
+        float g = x[0] * grad_multiplier;
+        y[0] = beta2 * x[1] + (1.0f - beta2) * n_tokens * g * g;
+    });
 }
 
 /* opt->v (n_params) from sampled_grads (n_params) */
 static void lg_cuda_hessian_update(const lg_exec *ex, lg_optimizer *opt, lg_buf sampled_grads,
                                    size_t n_params, double n_tokens, float grad_multiplier) {
     if (n_params == 0) return;
-    LG_LAUNCH(lg_k_hessian_update, lg_cuda_element_grid(n_params), LG_CUDA_ELEMENT_THREADS, 0,
+    LG_LAUNCH(lg_k_hessian_update, lg_cuda_map_grid(n_params), LG_CUDA_ELEMENT_THREADS, 0,
               lg_cuda_stream(ex), opt->v, sampled_grads, n_params, opt->beta2, (float)n_tokens,
               grad_multiplier);
 }
@@ -2477,22 +2687,61 @@ __global__ void lg_k_add_bias(lg_buf out, lg_buf bias, int N, int C) {
 }
 
 #define LG_CUDA_THREADS 256 /* threads of a block of the simple kernels */
-#define LG_BIAS_COLUMNS 32  /* bias gradient: columns of a block (a warp reads them coalesced) */
-#define LG_BIAS_LANES 32    /* ... and the row lanes that share each column */
+#define LG_CUDA_BIAS_THREADS 128 /* bias gradient: column runs of a block */
+#define LG_CUDA_BIAS_CHUNKS 256  /* ... and chunks of rows at most (the blocks of a GPU's SMs,
+                                    several times over, for the widths of a model's biases) */
 
-/* dbias (C) += column sums of dout (N, C). A block owns LG_BIAS_COLUMNS columns; lane y of a
-   column sums rows y, y + LG_BIAS_LANES, ... in order, then one thread adds the lanes in order:
-   the same bits every run. */
-__global__ void lg_k_bias_grad(lg_buf dbias, lg_buf dout, int N, int C) {
-    __shared__ float lanes[LG_BIAS_LANES][LG_BIAS_COLUMNS];
-    int c = blockIdx.x * LG_BIAS_COLUMNS + threadIdx.x;
-    float sum = 0;
-    for (int n = threadIdx.y; c < C && n < N; n += LG_BIAS_LANES) sum += lg_get(dout, (size_t)n * C + c);
-    lanes[threadIdx.y][threadIdx.x] = sum;
-    __syncthreads();
-    if (threadIdx.y != 0 || c >= C) return;
-    for (int y = 1; y < LG_BIAS_LANES; y++) sum += lanes[y][threadIdx.x];
+/* Stage one of dbias (C) += column sums of dout (N, C): block (column block, chunk) sums the
+   `rows` rows of its chunk in order, a thread a run of `width` columns (lg_cuda_run_width),
+   into partials (chunks, C) in the matmul workspace. */
+__global__ void lg_k_bias_grad_chunks(float *partials, lg_buf dout, int N, int C, int rows,
+                                      int width) {
+    int runs = C / width, column_blocks = (runs + LG_CUDA_BIAS_THREADS - 1) / LG_CUDA_BIAS_THREADS;
+    int chunk = blockIdx.x / column_blocks;
+    int c = ((blockIdx.x % column_blocks) * LG_CUDA_BIAS_THREADS + threadIdx.x) * width;
+    if (c >= C) return;
+    int first = chunk * rows, last = first + rows < N ? first + rows : N;
+    float sum[LG_PACK] = {0}, d[LG_PACK];
+    for (int n = first; n < last; n++) {
+        lg_k_load_run(dout, (size_t)n * C + c, width, d);
+        for (int j = 0; j < width; j++) sum[j] += d[j];
+    }
+    for (int j = 0; j < width; j++) partials[(size_t)chunk * C + c + j] = sum[j];
+}
+
+/* Stage two: dbias (C) += the chunks' partials in chunk order, a thread a column: the same bits
+   every run. */
+__global__ void lg_k_bias_grad_add(lg_buf dbias, const float *partials, int chunks, int C) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float sum = 0.0f;
+    for (int k = 0; k < chunks; k++) sum += partials[(size_t)k * C + c];
     lg_set(dbias, c, lg_get(dbias, c) + sum);
+}
+
+/* dbias (C) += column sums of dout (N, C) in two stages, with up to LG_CUDA_BIAS_CHUNKS chunks
+   of rows (as many as the matmul workspace holds partials for; it is free between matmuls in
+   stream order). */
+static void lg_cuda_bias_grad(const lg_exec *ex, lg_buf dbias, lg_buf dout, int N, int C) {
+    if (N == 0 || C == 0) return;
+    size_t fit = ex->cuda->matmul_workspace_bytes / ((size_t)C * sizeof(float));
+    int chunks = LG_CUDA_BIAS_CHUNKS < N ? LG_CUDA_BIAS_CHUNKS : N;
+    if ((size_t)chunks > fit) chunks = (int)fit;
+    if (chunks < 1) {
+        fprintf(stderr, "CUDA backend: a bias of %d columns exceeds the matmul workspace\n", C);
+        abort();
+    }
+    int rows = (N + chunks - 1) / chunks;
+    chunks = (N + rows - 1) / rows; /* none empty */
+    const lg_buf bufs[1] = {dout};
+    int width = lg_cuda_run_width(C, bufs, 1);
+    float *partials = (float *)ex->cuda->matmul_workspace;
+    cudaStream_t stream = lg_cuda_stream(ex);
+    unsigned column_blocks = lg_cuda_blocks((size_t)(C / width), LG_CUDA_BIAS_THREADS);
+    LG_LAUNCH(lg_k_bias_grad_chunks, column_blocks * chunks, LG_CUDA_BIAS_THREADS, 0, stream,
+              partials, dout, N, C, rows, width);
+    LG_LAUNCH(lg_k_bias_grad_add, lg_cuda_blocks((size_t)C, LG_CUDA_THREADS), LG_CUDA_THREADS, 0,
+              stream, dbias, (const float *)partials, chunks, C);
 }
 
 /* C (M, N) = beta C + op(A) op(B) (+ bias (N) on every row): cuBLASLt, or the reference kernel
@@ -2527,25 +2776,27 @@ static void lg_cuda_linear_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweig
     lg_cuda_matmul(ex, 0, 0, N, IC, OC, dout, OC, weight, IC, 1.0f, dinp, IC, none);
     if (dweight.data) /* frozen (LoRA): no weight gradient */
         lg_cuda_matmul(ex, 1, 0, OC, IC, N, dout, OC, inp, IC, 1.0f, dweight, IC, none);
-    if (dbias.data)
-        LG_LAUNCH(lg_k_bias_grad, lg_cuda_blocks((size_t)OC, LG_BIAS_COLUMNS),
-                  dim3(LG_BIAS_COLUMNS, LG_BIAS_LANES), 0, lg_cuda_stream(ex), dbias, dout, N, OC);
+    if (dbias.data) lg_cuda_bias_grad(ex, dbias, dout, N, OC);
 }
 
 /* LoRA: the adapters' input, scaled and dropped out (lg_lora_input) ------------------------------ */
 
+/* Elementwise (lg_k_map_strided: the element's index draws its mask bit). */
 __global__ void lg_k_lora_input(lg_buf out, lg_buf in, size_t n, float scale, float p, uint64_t key,
                                 int accumulate) {
-    for (size_t i = lg_k_first(); i < n; i += lg_k_stride()) {
-        float v = lg_get(in, i) * lg_lora_keep(key, i, p, scale);
-        lg_set(out, i, accumulate ? lg_get(out, i) + v : v);
-    }
+    const lg_buf plain[1] = {in}, summed[2] = {in, out}, to[1] = {out};
+    auto keep = [=](size_t i, const float *x, float *y) { /* x[1]: out, when accumulating */
+        float v = x[0] * lg_lora_keep(key, i, p, scale);
+        y[0] = accumulate ? x[1] + v : v;
+    };
+    if (accumulate) lg_k_map_strided(summed, to, n, lg_k_first(), lg_k_stride(), keep);
+    else lg_k_map_strided(plain, to, n, lg_k_first(), lg_k_stride(), keep);
 }
 
 static void lg_cuda_lora_input(const lg_exec *ex, lg_buf out, lg_buf in, size_t n, float scale,
                                float p, uint64_t key, int accumulate) {
     if (n == 0) return;
-    LG_LAUNCH(lg_k_lora_input, lg_cuda_element_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
+    LG_LAUNCH(lg_k_lora_input, lg_cuda_map_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
               lg_cuda_stream(ex), out, in, n, scale, p, key, accumulate);
 }
 

@@ -1099,6 +1099,51 @@ static void test_accumulation(results *r) {
     LG_FREE(p8);
 }
 
+/* Weight initialisation on host threads: lg_rng_skip(n) leaves the state of n draws, and
+   tensors of several chunks (a padded vocabulary, a residual projection, LoRA's A) get the
+   bits, and leave the stream, of drawing every element in order on one thread. */
+static void test_parallel_init(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-gpt2")) return;
+    lg_rng_jumps *jumps = (lg_rng_jumps *)malloc(sizeof *jumps);
+    lg_rng_jumps_make(jumps);
+    const uint64_t skips[5] = {0, 1, 64, 1000, 123457};
+    int skipped = 1;
+    for (int k = 0; k < 5; k++) {
+        lg_rng a, b;
+        lg_rng_seed(&a, 5 + k);
+        b = a;
+        for (uint64_t i = 0; i < skips[k]; i++) lg_rng_u64(&a);
+        lg_rng_skip(&b, jumps, skips[k]);
+        skipped &= a.state == b.state;
+    }
+    check(r, skipped, "rng: skipping 0, 1, 64, 1000, 123457 draws = drawing them");
+    free(jumps);
+    const lg_tensor_kind kinds[3] = {LG_TENSOR_EMBEDDING, LG_TENSOR_RESIDUAL, LG_TENSOR_LORA_A};
+    const int rows[3] = {cfg.padded_vocab_size, 2003, 1951}, cols[3] = {5000, 100, 77};
+    for (int k = 0; k < 3; k++) {
+        lg_tensor_info t;
+        memset(&t, 0, sizeof t);
+        t.kind = kinds[k];
+        t.rows = rows[k];
+        t.cols = cols[k];
+        t.count = (size_t)rows[k] * cols[k];
+        size_t live = k == 0 ? (size_t)cfg.vocab_size * t.cols : t.count;
+        lg_buf want = lg_buf_of((lg_real *)malloc(t.count * sizeof(lg_real)));
+        lg_buf got = lg_buf_of((lg_real *)malloc(t.count * sizeof(lg_real)));
+        lg_rng a, b;
+        lg_rng_seed(&a, 99);
+        b = a;
+        lg_init_range(&cfg, &t, live, want, 0, t.count, &a);
+        lg_init_tensor(NULL, &cfg, &t, got, &b);
+        check(r, memcmp(want.data, got.data, t.count * sizeof(lg_real)) == 0 && a.state == b.state,
+              "initialisation of %zu elements (kind %d) in chunks of %d: the bits and the stream "
+              "of one thread", t.count, (int)t.kind, LG_INIT_CHUNK);
+        free(want.data);
+        free(got.data);
+    }
+}
+
 static void test_determinism(results *r) {
     lg_config cfg;
     lg_config_builtin(&cfg);
@@ -1876,6 +1921,7 @@ int main(int argc, char **argv) {
     if (section("training", argc, argv)) {
         test_accumulation(&r);
         test_determinism(&r);
+        test_parallel_init(&r);
         test_families_memorise(&r);
     }
     if (section("checkpoints", argc, argv)) test_checkpoints(&r);

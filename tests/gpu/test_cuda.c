@@ -181,82 +181,94 @@ static void test_matmul(results *r, int reference, int tf32) {
     gpu_exec_free(&ex);
 }
 
-/* lg_linear_forward and lg_linear_backward (bias included, 300 rows: every row lane of the
-   bias gradient) on the GPU against the CPU, each storage type; gradients accumulate into
-   random starting values on both sides. */
+/* lg_linear_forward and lg_linear_backward (bias included) on the GPU against the CPU, each
+   storage type; gradients accumulate into random starting values on both sides. The bias
+   gradient's chunks of rows: 300 rows in chunks of 2, 70 columns one a thread; 1000 rows in
+   250 chunks of 4, 72 columns in 16-byte packs. */
 static void test_linear(results *r, int reference) {
-    const int N = 300, IC = 40, OC = 70;
+    const int shapes[2][3] = {{300, 40, 70}, {1000, 40, 72}}; /* (N, IC, OC) */
     lg_rng rng;
     lg_rng_seed(&rng, 11);
     lg_exec ex = gpu_exec(64, 64);
     ex.cuda->reference_matmul = reference;
-    for (int d = 0; d < 3; d++) {
-        lg_dtype dtype = storage_types[d];
-        size_t n_in = (size_t)N * IC, n_out = (size_t)N * OC, n_w = (size_t)OC * IC;
-        lg_buf inp = random_buf(dtype, n_in, 1, &rng), w = random_buf(dtype, n_w, 0.2f, &rng);
-        lg_buf bias = random_buf(dtype, OC, 1, &rng), dout = random_buf(dtype, n_out, 1, &rng);
-        lg_buf dinp0 = random_buf(dtype, n_in, 1, &rng), dw0 = random_buf(dtype, n_w, 1, &rng);
-        lg_buf db0 = random_buf(dtype, OC, 1, &rng);
-        lg_buf out_want = poisoned_buf(dtype, n_out), out_got = poisoned_buf(dtype, n_out);
-        lg_buf dinp_want = copy_buf(dinp0, n_in), dinp_got = copy_buf(dinp0, n_in);
-        lg_buf dw_want = copy_buf(dw0, n_w), dw_got = copy_buf(dw0, n_w);
-        lg_buf db_want = copy_buf(db0, OC), db_got = copy_buf(db0, OC);
-        lg_linear_forward(NULL, out_want, inp, w, bias, N, IC, OC);
-        lg_linear_backward(NULL, dinp_want, dw_want, db_want, dout, inp, w, N, IC, OC);
-        lg_cuda_linear_forward(&ex, out_got, inp, w, bias, N, IC, OC);
-        lg_cuda_linear_backward(&ex, dinp_got, dw_got, db_got, dout, inp, w, N, IC, OC);
-        gpu_sync(&ex);
-        double worst = fmax(fmax(rel_error(out_got, out_want, n_out), rel_error(dinp_got, dinp_want, n_in)),
-                            fmax(rel_error(dw_got, dw_want, n_w), rel_error(db_got, db_want, OC)));
-        /* 300-term sums in another order: fp32 1e-5 */
-        check(r, worst < tolerance_of(dtype, 1e-5),
-              "linear forward + backward with bias (%s) %s, 300 rows: rel err %.1e",
-              reference ? "reference kernel" : "cuBLASLt", lg_dtype_name(dtype), worst);
-        lg_buf all[13] = {inp, w, bias, dout, dinp0, dw0, db0, out_want, out_got, dinp_want,
-                          dinp_got, dw_want, dw_got};
-        for (int k = 0; k < 13; k++) gpu_free(all[k].data);
-        gpu_free(db_want.data);
-        gpu_free(db_got.data);
-    }
+    for (int s = 0; s < 2; s++)
+        for (int d = 0; d < 3; d++) {
+            const int N = shapes[s][0], IC = shapes[s][1], OC = shapes[s][2];
+            lg_dtype dtype = storage_types[d];
+            size_t n_in = (size_t)N * IC, n_out = (size_t)N * OC, n_w = (size_t)OC * IC;
+            lg_buf inp = random_buf(dtype, n_in, 1, &rng), w = random_buf(dtype, n_w, 0.2f, &rng);
+            lg_buf bias = random_buf(dtype, OC, 1, &rng), dout = random_buf(dtype, n_out, 1, &rng);
+            lg_buf dinp0 = random_buf(dtype, n_in, 1, &rng), dw0 = random_buf(dtype, n_w, 1, &rng);
+            lg_buf db0 = random_buf(dtype, OC, 1, &rng);
+            lg_buf out_want = poisoned_buf(dtype, n_out), out_got = poisoned_buf(dtype, n_out);
+            lg_buf dinp_want = copy_buf(dinp0, n_in), dinp_got = copy_buf(dinp0, n_in);
+            lg_buf dw_want = copy_buf(dw0, n_w), dw_got = copy_buf(dw0, n_w);
+            lg_buf db_want = copy_buf(db0, OC), db_got = copy_buf(db0, OC);
+            lg_linear_forward(NULL, out_want, inp, w, bias, N, IC, OC);
+            lg_linear_backward(NULL, dinp_want, dw_want, db_want, dout, inp, w, N, IC, OC);
+            lg_cuda_linear_forward(&ex, out_got, inp, w, bias, N, IC, OC);
+            lg_cuda_linear_backward(&ex, dinp_got, dw_got, db_got, dout, inp, w, N, IC, OC);
+            lg_buf db_again = copy_buf(db0, OC), dinp_again = copy_buf(dinp0, n_in);
+            lg_buf no_weight = {NULL, dtype};
+            lg_cuda_linear_backward(&ex, dinp_again, no_weight, db_again, dout, inp, w, N, IC, OC);
+            gpu_sync(&ex);
+            double worst = fmax(fmax(rel_error(out_got, out_want, n_out), rel_error(dinp_got, dinp_want, n_in)),
+                                fmax(rel_error(dw_got, dw_want, n_w), rel_error(db_got, db_want, OC)));
+            int repeatable = bitwise_equal(db_got, db_again, OC);
+            /* 300- and 1000-term sums in another order: fp32 1e-5 */
+            check(r, worst < tolerance_of(dtype, 1e-5) && repeatable,
+                  "linear forward + backward with bias (%s) %s, %d rows, %d outputs: rel err %.1e, "
+                  "bias gradient bitwise repeatable: %s", reference ? "reference kernel" : "cuBLASLt",
+                  lg_dtype_name(dtype), N, OC, worst, repeatable ? "yes" : "no");
+            gpu_free(db_again.data);
+            gpu_free(dinp_again.data);
+            lg_buf all[13] = {inp, w, bias, dout, dinp0, dw0, db0, out_want, out_got, dinp_want,
+                              dinp_got, dw_want, dw_got};
+            for (int k = 0; k < 13; k++) gpu_free(all[k].data);
+            gpu_free(db_want.data);
+            gpu_free(db_got.data);
+        }
     gpu_exec_free(&ex);
 }
 
 /* The residual add fused with the norm after it, in place (sum = a) as the model uses it,
    LayerNorm and RMSNorm, each storage type, against the CPU's add then norm. */
 static void test_residual_norm(results *r) {
-    const int N = 37, C = 100;
-    const size_t n = (size_t)N * C;
+    const int N = 37, widths[2] = {100, 136}; /* 136: every row in 16-byte packs */
     lg_rng rng;
     lg_rng_seed(&rng, 13);
-    lg_exec ex = gpu_exec(64, C);
-    for (int d = 0; d < 3; d++)
-        for (int layer_norm = 0; layer_norm < 2; layer_norm++) {
-            lg_dtype dtype = storage_types[d];
-            lg_buf a = random_buf(dtype, n, 1, &rng), b = random_buf(dtype, n, 1, &rng);
-            lg_buf w = random_buf(dtype, C, 1, &rng), bias = random_buf(dtype, C, 1, &rng);
-            lg_buf sum_want = copy_buf(a, n), sum_got = copy_buf(a, n);
-            lg_buf out_want = poisoned_buf(dtype, n), out_got = poisoned_buf(dtype, n);
-            lg_buf stats_want = poisoned_buf(LG_DTYPE_F32, 2 * (size_t)N);
-            lg_buf stats_got = poisoned_buf(LG_DTYPE_F32, 2 * (size_t)N);
-            lg_real *mean_want = (lg_real *)stats_want.data, *mean_got = (lg_real *)stats_got.data;
-            lg_buf no_bias = {NULL, dtype};
-            lg_residual_norm_forward(NULL, sum_want, out_want, layer_norm ? mean_want : NULL,
-                                     mean_want + N, sum_want, b, w, layer_norm ? bias : no_bias,
-                                     N, C, 1e-5f);
-            lg_cuda_residual_norm_forward(&ex, sum_got, out_got, layer_norm ? mean_got : NULL,
-                                          mean_got + N, sum_got, b, w,
-                                          layer_norm ? bias : no_bias, N, C, 1e-5f);
-            gpu_sync(&ex);
-            lg_buf rstd_want = lg_at(stats_want, N), rstd_got = lg_at(stats_got, N);
-            double worst = fmax(fmax(rel_error(sum_got, sum_want, n), rel_error(out_got, out_want, n)),
-                                rel_error(rstd_got, rstd_want, N));
-            if (layer_norm) worst = fmax(worst, rel_error(stats_got, stats_want, N));
-            check(r, worst < tolerance_of(dtype, 1e-5),
-                  "residual add + %s (%s), in place: rel err %.1e", layer_norm ? "LayerNorm" : "RMSNorm",
-                  lg_dtype_name(dtype), worst);
-            lg_buf all[10] = {a, b, w, bias, sum_want, sum_got, out_want, out_got, stats_want, stats_got};
-            for (int k = 0; k < 10; k++) gpu_free(all[k].data);
-        }
+    lg_exec ex = gpu_exec(64, widths[1]);
+    for (int c = 0; c < 2; c++)
+        for (int d = 0; d < 3; d++)
+            for (int layer_norm = 0; layer_norm < 2; layer_norm++) {
+                const int C = widths[c];
+                const size_t n = (size_t)N * C;
+                lg_dtype dtype = storage_types[d];
+                lg_buf a = random_buf(dtype, n, 1, &rng), b = random_buf(dtype, n, 1, &rng);
+                lg_buf w = random_buf(dtype, C, 1, &rng), bias = random_buf(dtype, C, 1, &rng);
+                lg_buf sum_want = copy_buf(a, n), sum_got = copy_buf(a, n);
+                lg_buf out_want = poisoned_buf(dtype, n), out_got = poisoned_buf(dtype, n);
+                lg_buf stats_want = poisoned_buf(LG_DTYPE_F32, 2 * (size_t)N);
+                lg_buf stats_got = poisoned_buf(LG_DTYPE_F32, 2 * (size_t)N);
+                lg_real *mean_want = (lg_real *)stats_want.data, *mean_got = (lg_real *)stats_got.data;
+                lg_buf no_bias = {NULL, dtype};
+                lg_residual_norm_forward(NULL, sum_want, out_want, layer_norm ? mean_want : NULL,
+                                         mean_want + N, sum_want, b, w, layer_norm ? bias : no_bias,
+                                         N, C, 1e-5f);
+                lg_cuda_residual_norm_forward(&ex, sum_got, out_got, layer_norm ? mean_got : NULL,
+                                              mean_got + N, sum_got, b, w,
+                                              layer_norm ? bias : no_bias, N, C, 1e-5f);
+                gpu_sync(&ex);
+                lg_buf rstd_want = lg_at(stats_want, N), rstd_got = lg_at(stats_got, N);
+                double worst = fmax(fmax(rel_error(sum_got, sum_want, n), rel_error(out_got, out_want, n)),
+                                    rel_error(rstd_got, rstd_want, N));
+                if (layer_norm) worst = fmax(worst, rel_error(stats_got, stats_want, N));
+                check(r, worst < tolerance_of(dtype, 1e-5),
+                      "residual add + %s (%s), C %d, in place: rel err %.1e",
+                      layer_norm ? "LayerNorm" : "RMSNorm", lg_dtype_name(dtype), C, worst);
+                lg_buf all[10] = {a, b, w, bias, sum_want, sum_got, out_want, out_got, stats_want, stats_got};
+                for (int k = 0; k < 10; k++) gpu_free(all[k].data);
+            }
     gpu_exec_free(&ex);
 }
 
