@@ -108,6 +108,11 @@ float lg_rng_uniform(lg_rng *rng); /* [0, 1) */
 float lg_rng_normal(lg_rng *rng);  /* standard normal */
 double lg_time_ms(void);           /* wall clock */
 
+/* The one hash of bytes: 64-bit FNV-1a, continuing from hash (start from LG_HASH64_INIT). The
+   checkpoints' COMPLETE markers hold it (section 12), so it stays FNV-1a. */
+uint64_t lg_hash64(uint64_t hash, const void *data, size_t bytes);
+#define LG_HASH64_INIT 0xCBF29CE484222325ull
+
 /* ---------------------------------------------------------------------------------------------
    2. numbers (API)
    ------------------------------------------------------------------------------------------- */
@@ -321,6 +326,9 @@ const char *lg_optimizer_name(lg_optimizer_kind kind);
 int lg_optimizer_states(lg_optimizer_kind kind, int momentum);
 /* The plan's name of state i ("optimizer.m", "optimizer.v", "optimizer.h", "optimizer.momentum"). */
 const char *lg_optimizer_state_name(lg_optimizer_kind kind, int i);
+/* The betas an optimizer takes unless given: AdamW (0.9, 0.95), the papers' Lion (0.9, 0.99)
+   and SophiaG (0.965, 0.99); SGD uses none (AdamW's are returned). */
+void lg_optimizer_default_betas(lg_optimizer_kind kind, float *beta1, float *beta2);
 
 /* Where a rank's memory lives and its ops run. A CUDA build picks LG_BACKEND_CUDA when a GPU
    is visible (lg_backend_in_use); a CPU build always runs on the CPU. */
@@ -1320,9 +1328,6 @@ typedef struct {
     uint64_t hash;   /* 64-bit FNV-1a of every byte */
 } lg_file_digest;
 
-uint64_t lg_hash64(uint64_t hash, const void *data, size_t bytes); /* start from LG_HASH64_INIT */
-#define LG_HASH64_INIT 0xCBF29CE484222325ull
-
 /* Fills tensor `index`'s bytes (its end - begin) on request of lg_st_write. */
 typedef int (*lg_st_fill_fn)(void *ctx, int index, unsigned char *out, lg_error *err);
 /* Writes path atomically: assigns tensors[i].begin/end in order, writes path.tmp, fsyncs,
@@ -1565,13 +1570,23 @@ static void *lg_alloc_zeroed(size_t bytes) {
     return p;
 }
 
-/* splitmix64 scrambles the seed; xorshift64* draws. */
-void lg_rng_seed(lg_rng *rng, uint64_t seed) {
-    uint64_t z = seed + 0x9E3779B97F4A7C15ull;
+uint64_t lg_hash64(uint64_t hash, const void *data, size_t bytes) {
+    const unsigned char *p = (const unsigned char *)data;
+    for (size_t i = 0; i < bytes; i++) hash = (hash ^ p[i]) * 0x100000001B3ull;
+    return hash;
+}
+
+/* The one mixer of 64-bit numbers: splitmix64's finaliser, every input bit reaching every
+   output bit. Seeds, per-element random draws and hash-table slots go through it. */
+#define LG_GOLDEN_GAMMA 0x9E3779B97F4A7C15ull /* splitmix64's step between inputs */
+LG_HD uint64_t lg_mix64(uint64_t z) {
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    rng->state = (z ^ (z >> 31)) | 1u;
+    return z ^ (z >> 31);
 }
+
+/* splitmix64 scrambles the seed; xorshift64* draws. */
+void lg_rng_seed(lg_rng *rng, uint64_t seed) { rng->state = lg_mix64(seed + LG_GOLDEN_GAMMA) | 1u; }
 
 uint64_t lg_rng_u64(lg_rng *rng) {
     rng->state ^= rng->state >> 12;
@@ -1723,10 +1738,7 @@ LG_HD lg_buf lg_buf_of(lg_real *p) {
 /* A uniform draw in [0, 1) that depends only on (seed, index): stochastic rounding gives the
    same bits whatever the thread count. */
 LG_HD float lg_hash_uniform(uint64_t seed, uint64_t index) {
-    uint64_t z = seed + 0x9E3779B97F4A7C15ull * (index + 1);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
+    uint64_t z = lg_mix64(seed + LG_GOLDEN_GAMMA * (index + 1));
     return (float)(z >> 40) * (1.0f / 16777216.0f);
 }
 
@@ -2634,8 +2646,7 @@ void lg_args_default(lg_args *a) {
     a->min_lr = 4e-4f;
     a->warmup_steps = 50;
     a->weight_decay = 0.1f;
-    a->beta1 = 0.9f;
-    a->beta2 = 0.95f;
+    lg_optimizer_default_betas(a->optimizer, &a->beta1, &a->beta2);
     a->eps = 1e-8f;
     a->momentum = 0.9f;
     a->max_norm = 1.0f;
@@ -2658,6 +2669,11 @@ const char *lg_optimizer_name(lg_optimizer_kind kind) { return lg_optimizer_name
 int lg_optimizer_states(lg_optimizer_kind kind, int momentum) {
     if (kind == LG_OPTIMIZER_ADAMW || kind == LG_OPTIMIZER_SOPHIA) return 2;
     return kind == LG_OPTIMIZER_LION ? 1 : momentum != 0;
+}
+
+void lg_optimizer_default_betas(lg_optimizer_kind kind, float *beta1, float *beta2) {
+    *beta1 = kind == LG_OPTIMIZER_SOPHIA ? 0.965f : 0.9f;
+    *beta2 = kind == LG_OPTIMIZER_LION || kind == LG_OPTIMIZER_SOPHIA ? 0.99f : 0.95f;
 }
 
 const char *lg_optimizer_state_name(lg_optimizer_kind kind, int i) {
@@ -8289,22 +8305,10 @@ static int lg_chars_decode(lg_chars *c, const char *text, size_t len) {
 
 /* --- the vocabulary and merge tables ---------------------------------------------------------- */
 
-static uint64_t lg_hash_bytes(const char *s, size_t n) {
-    uint64_t h = 1469598103934665603ull;
-    for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)s[i]) * 1099511628211ull;
-    return h;
-}
-
-static uint64_t lg_hash_pair(uint64_t pair) {
-    pair ^= pair >> 33;
-    pair *= 0xff51afd7ed558ccdull;
-    return pair ^ (pair >> 33);
-}
-
 int lg_tokenizer_find(const lg_tokenizer *tok, const char *piece, size_t len) {
     if (!tok->piece_table) return -1;
     size_t mask = tok->piece_slots - 1;
-    for (size_t s = lg_hash_bytes(piece, len) & mask;; s = (s + 1) & mask) {
+    for (size_t s = lg_hash64(LG_HASH64_INIT, piece, len) & mask;; s = (s + 1) & mask) {
         int id = tok->piece_table[s];
         if (id < 0) return -1;
         size_t start = tok->piece_start[id], n = tok->piece_start[id + 1] - start;
@@ -8314,7 +8318,7 @@ int lg_tokenizer_find(const lg_tokenizer *tok, const char *piece, size_t len) {
 
 /* The slot of a merge pair: where it is, or the empty slot where it would go. */
 static size_t lg_merge_slot(const lg_tokenizer *tok, uint64_t pair) {
-    size_t mask = tok->merge_slots - 1, s = lg_hash_pair(pair) & mask;
+    size_t mask = tok->merge_slots - 1, s = lg_mix64(pair) & mask;
     while (tok->merge_pair[s] != UINT64_MAX && tok->merge_pair[s] != pair) s = (s + 1) & mask;
     return s;
 }
@@ -8351,7 +8355,7 @@ static int lg_tokenizer_set_pieces(lg_tokenizer *tok, char **items, const size_t
     for (int i = 0; i < V; i++) {
         const char *p = tok->pieces + tok->piece_start[i];
         if (n[i] == 0 || lg_tokenizer_find(tok, p, n[i]) >= 0) continue; /* first id wins */
-        size_t mask = tok->piece_slots - 1, s = lg_hash_bytes(p, n[i]) & mask;
+        size_t mask = tok->piece_slots - 1, s = lg_hash64(LG_HASH64_INIT, p, n[i]) & mask;
         while (tok->piece_table[s] >= 0) s = (s + 1) & mask;
         tok->piece_table[s] = i;
     }
@@ -9004,13 +9008,7 @@ static int lg_format(char *out, size_t cap, const char *fmt, ...) {
     return n;
 }
 
-/* --- hashing and atomic files ---------------------------------------------------------------- */
-
-uint64_t lg_hash64(uint64_t hash, const void *data, size_t bytes) {
-    const unsigned char *p = (const unsigned char *)data;
-    for (size_t i = 0; i < bytes; i++) hash = (hash ^ p[i]) * 0x100000001B3ull;
-    return hash;
-}
+/* --- atomic files ----------------------------------------------------------------------------- */
 
 /* A file being written under a temporary name; committed by a rename. */
 typedef struct {

@@ -1144,25 +1144,18 @@ static int take_process_flags(int argc, char **argv, lg_launch *launch) {
     return kept;
 }
 
-/* FNV-1a of n bytes, continuing from h. */
-static uint64_t fnv1a(uint64_t h, const void *bytes, size_t n) {
-    const unsigned char *p = (const unsigned char *)bytes;
-    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ull;
-    return h;
-}
-
 /* A line naming the training data and a hash of it: the tokens when in memory, else the
    file's size and its first and last MiB. */
 static void describe_data(const lg_loader *ld, char *out, size_t cap) {
-    uint64_t h = 0xcbf29ce484222325ull;
-    if (ld->memory) h = fnv1a(h, ld->memory, ld->n_tokens * sizeof *ld->memory);
+    uint64_t h = LG_HASH64_INIT;
+    if (ld->memory) h = lg_hash64(h, ld->memory, ld->n_tokens * sizeof *ld->memory);
     FILE *f = ld->memory ? NULL : fopen(ld->path, "rb");
     if (f) {
         static const long part = 1 << 20;
         unsigned char *buf = (unsigned char *)malloc((size_t)part);
         for (int end = 0; buf && end < 2; end++) {
             if (fseek(f, end ? -part : 0, end ? SEEK_END : SEEK_SET) != 0) rewind(f);
-            h = fnv1a(h, buf, fread(buf, 1, (size_t)part, f));
+            h = lg_hash64(h, buf, fread(buf, 1, (size_t)part, f));
         }
         free(buf);
         fclose(f);
@@ -1213,10 +1206,10 @@ int main(int argc, char **argv) {
     if (launch.process != 0 && !freopen("/dev/null", "w", stdout)) /* process 0 prints */
         die_usage("cannot silence stdout");
     FILE *json = a.plan_only >= 2 ? json_output() : NULL; /* JSON or SVG alone on stdout */
-    /* the papers' betas, unless given: Lion (0.9, 0.99), SophiaG (0.965, 0.99) */
-    if (a.optimizer == LG_OPTIMIZER_LION && !given.beta2) a.beta2 = 0.99f;
-    if (a.optimizer == LG_OPTIMIZER_SOPHIA && !given.beta1) a.beta1 = 0.965f;
-    if (a.optimizer == LG_OPTIMIZER_SOPHIA && !given.beta2) a.beta2 = 0.99f;
+    float beta1, beta2; /* the optimizer's own betas, unless given */
+    lg_optimizer_default_betas(a.optimizer, &beta1, &beta2);
+    if (!given.beta1) a.beta1 = beta1;
+    if (!given.beta2) a.beta2 = beta2;
     if (!given.min_lr) a.min_lr = a.lr / 10; /* the final rate follows --lr */
     lg_config cfg;
     load_config(&a, &cfg, &ck);
