@@ -647,12 +647,32 @@ const char *lg_dtype_name(lg_dtype dtype);
 size_t lg_dtype_size(lg_dtype dtype);
 const char *lg_group_name(lg_group group);
 const char *lg_pool_name(lg_pool pool);
+/* The settings a remedy changes (lg_remedy.changes: bits), in the order a command line names
+   them; the new values are the remedy's args (and T). A driver turns them into its flags. */
+enum {
+    LG_SETTING_RECOMPUTE = 1 << 0,       /* args.recompute */
+    LG_SETTING_OFFLOAD = 1 << 1,         /* args.offload */
+    LG_SETTING_PRECISION = 1 << 2,       /* args.precision */
+    LG_SETTING_LORA_R = 1 << 3,          /* args.lora.r */
+    LG_SETTING_QUANTIZE = 1 << 4,        /* args.lora.quantize */
+    LG_SETTING_OPTIMIZER_STATE = 1 << 5, /* args.optimizer_state */
+    LG_SETTING_OPTIMIZER = 1 << 6,       /* args.optimizer */
+    LG_SETTING_MOMENTUM = 1 << 7,        /* args.momentum */
+    LG_SETTING_SEQ_LENGTH = 1 << 8,      /* the remedy's T */
+    LG_SETTING_DEVICES = 1 << 9,         /* args.devices */
+    LG_SETTING_STRATEGY = 1 << 10,       /* args.strategy */
+    LG_SETTING_MICRO_BATCH = 1 << 11,    /* args.micro_batch_size */
+    LG_SETTING_GLOBAL_BATCH = 1 << 12,   /* args.global_batch_size */
+    LG_SETTING_LAST = LG_SETTING_GLOBAL_BATCH
+};
+
 /* One remedy of the OOM guide, priced by the planner. */
 typedef struct {
     const char *what;     /* "smaller micro-batch", ... */
     lg_args args;         /* the run with this change */
     int T;                /* its sequence length */
-    char flags[128];      /* the change as flags, e.g. "-b 2 -g 16" */
+    unsigned changes;     /* LG_SETTING_* bits: the settings a person changes for it, e.g.
+                             LG_SETTING_MICRO_BATCH | LG_SETTING_GLOBAL_BATCH */
     size_t device_bytes;  /* what each device needs with it */
     size_t host_bytes;    /* and the host, for each device */
     int fits;             /* device_bytes <= the limit, host_bytes <= the host's memory */
@@ -3574,12 +3594,13 @@ int lg_plan_auto_micro_batch(const lg_config *cfg, const lg_args *args, int T, s
     return 0;
 }
 
-/* Fills r from a changed run and prices it. */
-static void lg_remedy_price(lg_remedy *r, const char *what, const lg_config *cfg,
-                            const lg_args *a, int T, size_t limit) {
+/* Fills r from a changed run (changes: its LG_SETTING_* bits) and prices it. */
+static void lg_remedy_price(lg_remedy *r, const char *what, unsigned changes,
+                            const lg_config *cfg, const lg_args *a, int T, size_t limit) {
     r->what = what;
     r->args = *a;
     r->T = T;
+    r->changes = changes;
     size_t host;
     r->device_bytes = lg_plan_pools_for(cfg, a, T, &host);
     r->host_bytes = host;
@@ -3598,36 +3619,39 @@ static int lg_fitting_seq_length(const lg_config *cfg, const lg_args *a, int T, 
 }
 
 /* The step down in optimizer state: AdamW's moments in 8 bits, AdamW or Sophia to Lion's one
-   state, Lion or SGD with momentum to plain SGD. Returns 0 when there is none. */
-static int lg_lighter_optimizer(const lg_args *args, lg_args *a, char *flags, size_t size) {
+   state, Lion or SGD with momentum to plain SGD. Returns the settings it changes, 0 when there
+   is none. */
+static unsigned lg_lighter_optimizer(const lg_args *args, lg_args *a) {
     *a = *args;
     if (args->optimizer == LG_OPTIMIZER_ADAMW && args->optimizer_state != LG_STATE_8BIT) {
         a->optimizer_state = LG_STATE_8BIT;
-        snprintf(flags, size, "--optimizer-state 8bit");
-    } else if (args->optimizer == LG_OPTIMIZER_ADAMW || args->optimizer == LG_OPTIMIZER_SOPHIA) {
+        return LG_SETTING_OPTIMIZER_STATE;
+    }
+    if (args->optimizer == LG_OPTIMIZER_ADAMW || args->optimizer == LG_OPTIMIZER_SOPHIA) {
         a->optimizer = LG_OPTIMIZER_LION;
-        a->optimizer_state = LG_STATE_AS_PRECISION;
-        snprintf(flags, size, "-o lion");
-    } else if (args->optimizer == LG_OPTIMIZER_LION || args->momentum != 0.0f) {
+        a->optimizer_state = LG_STATE_AS_PRECISION; /* Lion's state has no other format */
+        return LG_SETTING_OPTIMIZER;
+    }
+    if (args->optimizer == LG_OPTIMIZER_LION || args->momentum != 0.0f) {
         a->optimizer = LG_OPTIMIZER_SGD;
         a->momentum = 0;
-        snprintf(flags, size, "-o sgd --momentum 0");
-    } else {
-        return 0;
+        return LG_SETTING_OPTIMIZER | LG_SETTING_MOMENTUM;
     }
-    return 1;
+    return 0;
 }
 
+/* LitGPT's default adapter rank, the one LoRA and QLoRA remedies use. */
+#define LG_LORA_REMEDY_RANK 8
+
 /* Fine-tuning every weight: LoRA's adapters over the frozen model (LitGPT's defaults: r 8 on q
-   and v), or QLoRA's with the base in NF4 with double quantization. Returns 0 when it does not
-   apply (not fine-tuning, or adapters already). */
-static int lg_lora_remedy(const lg_args *args, int quantized, lg_args *a, char *flags, size_t size) {
+   and v), or QLoRA's with the base in NF4 with double quantization. Returns the settings it
+   changes, 0 when it does not apply (not fine-tuning, or adapters already). */
+static unsigned lg_lora_remedy(const lg_args *args, int quantized, lg_args *a) {
     if (!args->finetuning || args->lora.r > 0) return 0;
     *a = *args;
-    a->lora.r = 8;
+    a->lora.r = LG_LORA_REMEDY_RANK;
     a->lora.quantize = quantized ? LG_QUANTIZE_NF4_DQ : LG_QUANTIZE_NONE;
-    snprintf(flags, size, quantized ? "--lora-r 8 --quantize nf4-dq" : "--lora-r 8");
-    return 1;
+    return LG_SETTING_LORA_R | (quantized ? LG_SETTING_QUANTIZE : 0);
 }
 
 int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t limit,
@@ -3639,21 +3663,17 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
         a.global_batch_size = global;
         a.micro_batch_size = lg_plan_auto_micro_batch(cfg, &a, T, limit);
         if (a.micro_batch_size == 0) a.micro_batch_size = 1;
-        if (a.micro_batch_size < args->micro_batch_size) {
-            lg_remedy_price(&out[n], "smaller micro-batch", cfg, &a, T, limit);
-            snprintf(out[n++].flags, sizeof out[0].flags, "-b %d -g %d", a.micro_batch_size, global);
-        }
+        if (a.micro_batch_size < args->micro_batch_size)
+            lg_remedy_price(&out[n++], "smaller micro-batch",
+                            LG_SETTING_MICRO_BATCH | LG_SETTING_GLOBAL_BATCH, cfg, &a, T, limit);
     }
-    if (T > 1) {
-        int shorter = lg_fitting_seq_length(cfg, args, T, limit);
-        lg_remedy_price(&out[n], "shorter sequence", cfg, args, shorter, limit);
-        snprintf(out[n++].flags, sizeof out[0].flags, "-t %d", shorter);
-    }
+    if (T > 1)
+        lg_remedy_price(&out[n++], "shorter sequence", LG_SETTING_SEQ_LENGTH, cfg, args,
+                        lg_fitting_seq_length(cfg, args, T, limit), limit);
     if (args->precision != LG_PRECISION_BF16_TRUE && args->precision != LG_PRECISION_16_TRUE) {
         a = *args;
         a.precision = LG_PRECISION_BF16_TRUE;
-        lg_remedy_price(&out[n], "a -true precision", cfg, &a, T, limit);
-        snprintf(out[n++].flags, sizeof out[0].flags, "-p bf16-true");
+        lg_remedy_price(&out[n++], "a -true precision", LG_SETTING_PRECISION, cfg, &a, T, limit);
     }
     a = *args; /* the fewest of 2, 4, 8 times the devices that fits */
     for (a.devices = 2 * args->devices;; a.devices *= 2) {
@@ -3662,24 +3682,29 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
         if (a.devices == 8 * args->devices || lg_fits(cfg, &a, T, limit)) break;
     }
     a.strategy = LG_STRATEGY_FULL_SHARD;
-    lg_remedy_price(&out[n], "more devices (full-shard)", cfg, &a, T, limit);
-    snprintf(out[n++].flags, sizeof out[0].flags, "-d %d", a.devices);
+    /* the devices; the strategy and the global batch only where they differ from what the
+       new device count gives by default (full-shard, -b x ranks) */
+    unsigned devices = LG_SETTING_DEVICES;
+    if (args->strategy != a.strategy) devices |= LG_SETTING_STRATEGY;
+    if (args->global_batch_size && a.global_batch_size != args->global_batch_size)
+        devices |= LG_SETTING_GLOBAL_BATCH;
+    lg_remedy_price(&out[n++], "more devices (full-shard)", devices, cfg, &a, T, limit);
     if (!args->recompute) {
         a = *args;
         a.recompute = 1;
-        lg_remedy_price(&out[n], "block recompute", cfg, &a, T, limit);
-        snprintf(out[n++].flags, sizeof out[0].flags, "--recompute block");
+        lg_remedy_price(&out[n++], "block recompute", LG_SETTING_RECOMPUTE, cfg, &a, T, limit);
     }
     if (!args->offload) {
         a = *args;
         a.offload = 1;
-        lg_remedy_price(&out[n], "CPU offload", cfg, &a, T, limit);
-        snprintf(out[n++].flags, sizeof out[0].flags, "--offload");
+        lg_remedy_price(&out[n++], "CPU offload", LG_SETTING_OFFLOAD, cfg, &a, T, limit);
     }
-    if (lg_lighter_optimizer(args, &a, out[n].flags, sizeof out[n].flags))
-        lg_remedy_price(&out[n++], "an optimizer with less state", cfg, &a, T, limit);
-    for (int q = 0; q < 2 && lg_lora_remedy(args, q, &a, out[n].flags, sizeof out[n].flags); q++)
-        lg_remedy_price(&out[n++], q ? "QLoRA (NF4 base)" : "LoRA adapters", cfg, &a, T, limit);
+    unsigned changes = lg_lighter_optimizer(args, &a);
+    if (changes)
+        lg_remedy_price(&out[n++], "an optimizer with less state", changes, cfg, &a, T, limit);
+    for (int q = 0; q < 2 && (changes = lg_lora_remedy(args, q, &a)) != 0; q++)
+        lg_remedy_price(&out[n++], q ? "QLoRA (NF4 base)" : "LoRA adapters", changes, cfg, &a, T,
+                        limit);
     return n;
 }
 
@@ -3691,45 +3716,36 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
 enum { LG_FIX_MICRO_BATCH = 1, LG_FIX_RECOMPUTE = 2, LG_FIX_OFFLOAD = 4, LG_FIX_PRECISION = 8,
        LG_FIX_OPTIMIZER = 16, LG_FIX_SEQUENCE = 32, LG_FIX_LORA = 64, LG_FIX_QLORA = 128 };
 
-static void lg_append(char *flags, size_t size, const char *text) {
-    snprintf(flags + strlen(flags), size - strlen(flags), "%s", text);
-}
-
 /* Applies a set of fixes to args and T; the micro-batch and the sequence length become the
-   largest that fit with the others. Fills the flags. */
-static void lg_apply_fixes(const lg_config *cfg, const lg_args *args, int T, size_t limit,
-                           int fixes, lg_args *a, int *t, char *flags, size_t size) {
-    char number[64];
+   largest that fit with the others. Returns the settings changed (LG_SETTING_* bits). */
+static unsigned lg_apply_fixes(const lg_config *cfg, const lg_args *args, int T, size_t limit,
+                               int fixes, lg_args *a, int *t) {
+    unsigned changes = 0;
     *a = *args;
     *t = T;
-    flags[0] = '\0';
     a->global_batch_size = lg_global_batch(args);
     if (fixes & LG_FIX_RECOMPUTE) {
         a->recompute = 1;
-        lg_append(flags, size, " --recompute block");
+        changes |= LG_SETTING_RECOMPUTE;
     }
     if (fixes & LG_FIX_OFFLOAD) {
         a->offload = 1;
-        lg_append(flags, size, " --offload");
+        changes |= LG_SETTING_OFFLOAD;
     }
     if (fixes & LG_FIX_PRECISION) {
         a->precision = LG_PRECISION_BF16_TRUE;
-        lg_append(flags, size, " -p bf16-true");
+        changes |= LG_SETTING_PRECISION;
     }
-    char adapters[64];
-    lg_args adapted;
+    lg_args changed;
+    unsigned more;
     if ((fixes & (LG_FIX_LORA | LG_FIX_QLORA)) &&
-        lg_lora_remedy(a, (fixes & LG_FIX_QLORA) != 0, &adapted, adapters, sizeof adapters)) {
-        *a = adapted;
-        lg_append(flags, size, " ");
-        lg_append(flags, size, adapters);
+        (more = lg_lora_remedy(a, (fixes & LG_FIX_QLORA) != 0, &changed)) != 0) {
+        *a = changed;
+        changes |= more;
     }
-    char lighter[64];
-    lg_args step_down;
-    if ((fixes & LG_FIX_OPTIMIZER) && lg_lighter_optimizer(a, &step_down, lighter, sizeof lighter)) {
-        *a = step_down;
-        lg_append(flags, size, " ");
-        lg_append(flags, size, lighter);
+    if ((fixes & LG_FIX_OPTIMIZER) && (more = lg_lighter_optimizer(a, &changed)) != 0) {
+        *a = changed;
+        changes |= more;
     }
     if (fixes & LG_FIX_MICRO_BATCH) {
         a->micro_batch_size = 1; /* the sequence search below assumes the smallest */
@@ -3737,16 +3753,13 @@ static void lg_apply_fixes(const lg_config *cfg, const lg_args *args, int T, siz
             int b = lg_plan_auto_micro_batch(cfg, a, T, limit);
             a->micro_batch_size = b ? b : 1;
         }
+        changes |= LG_SETTING_MICRO_BATCH | LG_SETTING_GLOBAL_BATCH;
     }
     if (fixes & LG_FIX_SEQUENCE) {
         *t = lg_fitting_seq_length(cfg, a, T, limit);
-        snprintf(number, sizeof number, " -t %d", *t);
-        lg_append(flags, size, number);
+        changes |= LG_SETTING_SEQ_LENGTH;
     }
-    if (fixes & LG_FIX_MICRO_BATCH) {
-        snprintf(number, sizeof number, " -b %d -g %d", a->micro_batch_size, a->global_batch_size);
-        lg_append(flags, size, number);
-    }
+    return changes;
 }
 
 int lg_plan_cheapest_fit(const lg_config *cfg, const lg_args *args, int T, size_t limit,
@@ -3764,18 +3777,16 @@ int lg_plan_cheapest_fit(const lg_config *cfg, const lg_args *args, int T, size_
                                         LG_FIX_MICRO_BATCH | LG_FIX_OFFLOAD,
                                         LG_FIX_RECOMPUTE | LG_FIX_OFFLOAD,
                                         LG_FIX_MICRO_BATCH | LG_FIX_RECOMPUTE | LG_FIX_OFFLOAD};
-    char flags[128];
     lg_args a;
     int t;
     for (size_t i = 0; i < sizeof changes / sizeof changes[0]; i++)
         for (size_t j = 0; j < sizeof same_training / sizeof same_training[0]; j++) {
             int fixes = changes[i] | same_training[j];
             if (fixes == 0) continue;
-            if ((fixes & (LG_FIX_LORA | LG_FIX_QLORA)) && !lg_lora_remedy(args, 0, &a, flags, sizeof flags))
+            if ((fixes & (LG_FIX_LORA | LG_FIX_QLORA)) && !lg_lora_remedy(args, 0, &a))
                 continue; /* adapters only when fine-tuning every weight */
-            lg_apply_fixes(cfg, args, T, limit, fixes, &a, &t, flags, sizeof flags);
-            lg_remedy_price(best, "cheapest", cfg, &a, t, limit);
-            snprintf(best->flags, sizeof best->flags, "%s", flags + 1);
+            unsigned settings = lg_apply_fixes(cfg, args, T, limit, fixes, &a, &t);
+            lg_remedy_price(best, "cheapest", settings, cfg, &a, t, limit);
             if (best->fits) return 0;
         }
     return -1; /* best holds the last, most drastic, attempt */
@@ -10467,47 +10478,105 @@ static int lg_state_store(const lg_state_view *s, const unsigned char *bytes, si
     return 0;
 }
 
-/* The scalars of the state, as metadata strings. The ranks are not among them: the state is in
-   the whole layout, so a run may resume on another number of ranks. */
-static int lg_state_meta(const lg_trainer *tr, const lg_loader *data, int step, lg_st_meta *meta) {
-    const char *formats[3] = {"as-precision", "bf16", "8bit"};
+/* The scalars of the training state: one metadata string a key, in the file's order. The
+   ranks are not among them: the state is in the whole layout, so a run may resume on another
+   number of ranks. The writer (lg_state_meta), the check that a run is the one that wrote the
+   file (lg_state_check_run) and the reader (lg_training_state_read) walk this table. */
+typedef enum {
+    LG_STATE_FORMAT,            /* "litgpt.c training state 1" */
+    LG_STATE_STEP,              /* steps done */
+    LG_STATE_CONFIG,            /* the model's name */
+    LG_STATE_N_PARAMS,
+    LG_STATE_LORA,              /* rank, alpha, dropout, targets, quantization */
+    LG_STATE_PRECISION,
+    LG_STATE_OPTIMIZER,
+    LG_STATE_OPTIMIZER_STATE,   /* its storage format */
+    LG_STATE_SEED,
+    LG_STATE_GLOBAL_BATCH,
+    LG_STATE_SEQ_LENGTH,
+    LG_STATE_OPTIMIZER_UPDATES, /* the optimizer's t (bias corrections) */
+    LG_STATE_LOSS_SCALE_BITS,   /* the loss scale's fp32 bits, exactly */
+    LG_STATE_LOSS_SCALE,        /* the same for a reader */
+    LG_STATE_CLEAN_STEPS,       /* steps since the scale last changed */
+    LG_STATE_LOADER_WINDOWS,
+    LG_STATE_LOADER_POSITION,
+    LG_STATE_LOADER_EPOCH,
+    LG_STATE_LOADER_RNG,
+    LG_N_STATE_SCALARS
+} lg_state_scalar;
+
+typedef enum {
+    LG_STATE_SAYS,     /* for a reader of the file only */
+    LG_STATE_SAME_RUN, /* the resuming run must have the same value */
+    LG_STATE_RESUMED   /* a number the resuming run takes over */
+} lg_state_role;
+
+static const struct {
+    const char *key;
+    lg_state_role role;
+} lg_state_scalars[LG_N_STATE_SCALARS] = { /* lg_state_scalar order */
+    {"format", LG_STATE_SAYS},            {"step", LG_STATE_RESUMED},
+    {"config", LG_STATE_SAME_RUN},        {"n_params", LG_STATE_SAME_RUN},
+    {"lora", LG_STATE_SAME_RUN},          {"precision", LG_STATE_SAME_RUN},
+    {"optimizer", LG_STATE_SAME_RUN},     {"optimizer_state", LG_STATE_SAME_RUN},
+    {"seed", LG_STATE_SAME_RUN},          {"global_batch", LG_STATE_SAME_RUN},
+    {"seq_length", LG_STATE_SAME_RUN},    {"optimizer_updates", LG_STATE_RESUMED},
+    {"loss_scale_bits", LG_STATE_RESUMED}, {"loss_scale", LG_STATE_SAYS},
+    {"clean_steps", LG_STATE_RESUMED},    {"loader_windows", LG_STATE_SAME_RUN},
+    {"loader_position", LG_STATE_RESUMED}, {"loader_epoch", LG_STATE_RESUMED},
+    {"loader_rng", LG_STATE_RESUMED},
+};
+
+/* Scalar k of a run's state at step, as its metadata string. */
+static void lg_state_value(const lg_trainer *tr, const lg_loader *data, int step,
+                           lg_state_scalar k, char *out, size_t cap) {
+    static const char *const formats[3] = {"as-precision", "bf16", "8bit"}; /* lg_state_format */
     const lg_model *m0 = &tr->ranks[0].model;
     const lg_optimizer *opt0 = &tr->ranks[0].opt;
+    const lg_lora *lo = &m0->cfg.lora;
     float scale = tr->loss_scale;
     uint32_t scale_bits;
     memcpy(&scale_bits, &scale, 4);
-    int n = 0;
-#define LG_META(key_, ...)                                                                     \
-    do {                                                                                       \
-        lg_format(meta[n].key, sizeof meta[n].key, "%s", key_);                                 \
-        lg_format(meta[n].value, sizeof meta[n].value, __VA_ARGS__);                            \
-        n++;                                                                                   \
-    } while (0)
-    LG_META("format", "litgpt.c training state 1");
-    LG_META("step", "%d", step);
-    LG_META("config", "%s", m0->cfg.name);
-    LG_META("n_params", "%zu", m0->n_params);
     char targets[64];
-    LG_META("lora", "r %d alpha %g dropout %g targets %s quantize %s", m0->cfg.lora.r,
-            m0->cfg.lora.alpha, m0->cfg.lora.dropout,
-            lg_lora_targets_name(m0->cfg.lora.r ? m0->cfg.lora.targets : 0, targets, sizeof targets),
-            lg_quantization_name(m0->cfg.lora.quantize));
-    LG_META("precision", "%s", lg_precision_name(tr->args.precision));
-    LG_META("optimizer", "%s", lg_optimizer_name(opt0->kind));
-    LG_META("optimizer_state", "%s", formats[opt0->format]);
-    LG_META("seed", "%llu", (unsigned long long)tr->args.seed);
-    LG_META("global_batch", "%d", tr->args.micro_batch_size * tr->accumulation * tr->n_ranks);
-    LG_META("seq_length", "%d", m0->T);
-    LG_META("optimizer_updates", "%d", opt0->t);
-    LG_META("loss_scale_bits", "0x%08x", (unsigned)scale_bits);
-    LG_META("loss_scale", "%g", scale);
-    LG_META("clean_steps", "%d", tr->clean_steps);
-    LG_META("loader_windows", "%zu", data ? data->n_windows : (size_t)0);
-    LG_META("loader_position", "%zu", data ? data->position : (size_t)0);
-    LG_META("loader_epoch", "%d", data ? data->epoch : 0);
-    LG_META("loader_rng", "0x%016llx", data ? (unsigned long long)data->rng.state : 0ULL);
-#undef LG_META
-    return n;
+    switch (k) {
+    case LG_STATE_FORMAT: lg_format(out, cap, "litgpt.c training state 1"); break;
+    case LG_STATE_STEP: lg_format(out, cap, "%d", step); break;
+    case LG_STATE_CONFIG: lg_format(out, cap, "%s", m0->cfg.name); break;
+    case LG_STATE_N_PARAMS: lg_format(out, cap, "%zu", m0->n_params); break;
+    case LG_STATE_LORA:
+        lg_format(out, cap, "r %d alpha %g dropout %g targets %s quantize %s", lo->r, lo->alpha,
+                  lo->dropout, lg_lora_targets_name(lo->r ? lo->targets : 0, targets, sizeof targets),
+                  lg_quantization_name(lo->quantize));
+        break;
+    case LG_STATE_PRECISION: lg_format(out, cap, "%s", lg_precision_name(tr->args.precision)); break;
+    case LG_STATE_OPTIMIZER: lg_format(out, cap, "%s", lg_optimizer_name(opt0->kind)); break;
+    case LG_STATE_OPTIMIZER_STATE: lg_format(out, cap, "%s", formats[opt0->format]); break;
+    case LG_STATE_SEED: lg_format(out, cap, "%llu", (unsigned long long)tr->args.seed); break;
+    case LG_STATE_GLOBAL_BATCH:
+        lg_format(out, cap, "%d", tr->args.micro_batch_size * tr->accumulation * tr->n_ranks);
+        break;
+    case LG_STATE_SEQ_LENGTH: lg_format(out, cap, "%d", m0->T); break;
+    case LG_STATE_OPTIMIZER_UPDATES: lg_format(out, cap, "%d", opt0->t); break;
+    case LG_STATE_LOSS_SCALE_BITS: lg_format(out, cap, "0x%08x", (unsigned)scale_bits); break;
+    case LG_STATE_LOSS_SCALE: lg_format(out, cap, "%g", scale); break;
+    case LG_STATE_CLEAN_STEPS: lg_format(out, cap, "%d", tr->clean_steps); break;
+    case LG_STATE_LOADER_WINDOWS: lg_format(out, cap, "%zu", data ? data->n_windows : (size_t)0); break;
+    case LG_STATE_LOADER_POSITION: lg_format(out, cap, "%zu", data ? data->position : (size_t)0); break;
+    case LG_STATE_LOADER_EPOCH: lg_format(out, cap, "%d", data ? data->epoch : 0); break;
+    case LG_STATE_LOADER_RNG:
+        lg_format(out, cap, "0x%016llx", data ? (unsigned long long)data->rng.state : 0ULL);
+        break;
+    case LG_N_STATE_SCALARS: break;
+    }
+}
+
+/* The state's scalars as metadata (meta: LG_N_STATE_SCALARS entries); returns how many. */
+static int lg_state_meta(const lg_trainer *tr, const lg_loader *data, int step, lg_st_meta *meta) {
+    for (int k = 0; k < LG_N_STATE_SCALARS; k++) {
+        lg_format(meta[k].key, sizeof meta[k].key, "%s", lg_state_scalars[k].key);
+        lg_state_value(tr, data, step, (lg_state_scalar)k, meta[k].value, sizeof meta[k].value);
+    }
+    return LG_N_STATE_SCALARS;
 }
 
 int lg_training_state_write(lg_trainer *tr, const lg_loader *data, int step,
@@ -10526,7 +10595,7 @@ int lg_training_state_write(lg_trainer *tr, const lg_loader *data, int step,
         return lg_fail(err, "out of host memory");
     }
     lg_st_tensor *tensors = (lg_st_tensor *)lg_alloc_zeroed(sizeof(lg_st_tensor) * (size_t)(n + 1));
-    lg_st_meta meta[24];
+    lg_st_meta meta[LG_N_STATE_SCALARS];
     int n_meta = lg_state_meta(tr, data, step, meta);
     for (int i = 0; tensors && i < n; i++) tensors[i] = views[i].desc;
     int rc = tensors ? lg_st_write(path, tensors, n, meta, n_meta, lg_state_fill, views, digest, err)
@@ -10547,26 +10616,25 @@ static int lg_state_number(const lg_st_file *f, const char *key, unsigned long l
     return 0;
 }
 
-/* The run must be the one that wrote the state: same model, precision, optimizer and batch. */
+/* The run must be the one that wrote the state: same model, precision, optimizer and batch
+   (the LG_STATE_SAME_RUN scalars). */
 static int lg_state_check_run(const lg_trainer *tr, const lg_loader *data, const lg_st_file *f,
                               lg_error *err) {
-    lg_st_meta want[24];
-    int n = lg_state_meta(tr, data, 0, want);
-    static const char *const keys[] = {"config", "n_params", "lora", "precision", "optimizer", "optimizer_state",
-                                       "seed", "global_batch", "seq_length", "loader_windows"};
-    const char *format = lg_st_meta_get(f, "format");
-    if (!format || strcmp(format, want[0].value) != 0)
+    char want[sizeof ((lg_st_meta *)0)->value];
+    lg_state_value(tr, data, 0, LG_STATE_FORMAT, want, sizeof want);
+    const char *format = lg_st_meta_get(f, lg_state_scalars[LG_STATE_FORMAT].key);
+    if (!format || strcmp(format, want) != 0)
         return lg_fail(err, "training state %s: not a litgpt.c training state (format '%s')", f->path,
                        format ? format : "missing");
-    for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++)
-        for (int i = 0; i < n; i++) {
-            if (strcmp(want[i].key, keys[k]) != 0) continue;
-            const char *have = lg_st_meta_get(f, keys[k]);
-            if (!have || strcmp(have, want[i].value) != 0)
-                return lg_fail(err, "training state %s: written with %s %s, this run has %s: resume "
-                                    "with the run's settings", f->path, keys[k], have ? have : "(none)",
-                               want[i].value);
-        }
+    for (int k = 0; k < LG_N_STATE_SCALARS; k++) {
+        const char *key = lg_state_scalars[k].key, *have = lg_st_meta_get(f, key);
+        if (lg_state_scalars[k].role != LG_STATE_SAME_RUN) continue;
+        lg_state_value(tr, data, 0, (lg_state_scalar)k, want, sizeof want);
+        if (!have || strcmp(have, want) != 0)
+            return lg_fail(err, "training state %s: written with %s %s, this run has %s: resume "
+                                "with the run's settings", f->path, key, have ? have : "(none)",
+                           want);
+    }
     return 0;
 }
 
@@ -10600,13 +10668,13 @@ int lg_training_state_read(lg_trainer *tr, lg_loader *data, int *step, const cha
     lg_whole_state w;
     w.owned = NULL;
     int n = 0, rc = lg_state_check_run(tr, data, &f, err);
-    unsigned long long v[8] = {0};
-    static const char *const keys[8] = {"step", "optimizer_updates", "loss_scale_bits", "clean_steps",
-                                        "loader_position", "loader_epoch", "loader_rng", "loader_windows"};
-    for (int k = 0; k < 8 && rc == 0; k++) rc = lg_state_number(&f, keys[k], &v[k], err);
-    if (rc == 0 && data && v[4] > data->n_windows)
+    unsigned long long v[LG_N_STATE_SCALARS] = {0}; /* the LG_STATE_RESUMED numbers */
+    for (int k = 0; k < LG_N_STATE_SCALARS && rc == 0; k++)
+        if (lg_state_scalars[k].role == LG_STATE_RESUMED)
+            rc = lg_state_number(&f, lg_state_scalars[k].key, &v[k], err);
+    if (rc == 0 && data && v[LG_STATE_LOADER_POSITION] > data->n_windows)
         rc = lg_fail(err, "training state %s: loader_position %llu is beyond the data's %zu windows",
-                     path, v[4], data->n_windows);
+                     path, v[LG_STATE_LOADER_POSITION], data->n_windows);
     if (rc == 0) rc = lg_whole_state_make(tr, &w, err);
     if (rc == 0 && lg_state_views(&w.opt, w.table, data, &views, &n) != 0)
         rc = lg_fail(err, "out of host memory");
@@ -10616,15 +10684,15 @@ int lg_training_state_read(lg_trainer *tr, lg_loader *data, int *step, const cha
     if (rc == 0) lg_whole_state_exchange(tr, &w, 0);
     LG_FREE(w.owned);
     if (rc != 0) return -1;
-    uint32_t scale_bits = (uint32_t)v[2];
-    *step = (int)v[0];
-    for (int r = 0; r < tr->local_ranks; r++) tr->ranks[r].opt.t = (int)v[1];
+    uint32_t scale_bits = (uint32_t)v[LG_STATE_LOSS_SCALE_BITS];
+    *step = (int)v[LG_STATE_STEP];
+    for (int r = 0; r < tr->local_ranks; r++) tr->ranks[r].opt.t = (int)v[LG_STATE_OPTIMIZER_UPDATES];
     memcpy(&tr->loss_scale, &scale_bits, 4);
-    tr->clean_steps = (int)v[3];
+    tr->clean_steps = (int)v[LG_STATE_CLEAN_STEPS];
     if (data) {
-        data->position = (size_t)v[4];
-        data->epoch = (int)v[5];
-        data->rng.state = (uint64_t)v[6];
+        data->position = (size_t)v[LG_STATE_LOADER_POSITION];
+        data->epoch = (int)v[LG_STATE_LOADER_EPOCH];
+        data->rng.state = (uint64_t)v[LG_STATE_LOADER_RNG];
     }
     return 0;
 }

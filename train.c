@@ -557,6 +557,63 @@ static void plot_val(loss_plot *p, int step, double loss) {
     plot_write(p);
 }
 
+/* A remedy's changed settings (lg_remedy.changes) as this driver's flags, in the library's
+   order of the settings: "-b 2 -g 16". */
+static const char *remedy_flags(const lg_remedy *r, char *out, size_t cap) {
+    static const char *const state_formats[] = {"as-precision", "bf16", "8bit"}; /* lg_state_format */
+    const lg_args *a = &r->args;
+    char one[64];
+    out[0] = '\0';
+    for (unsigned bit = 1; bit <= LG_SETTING_LAST; bit <<= 1) {
+        if (!(r->changes & bit)) continue;
+        switch (bit) {
+        case LG_SETTING_RECOMPUTE:
+            snprintf(one, sizeof one, "--recompute %s", a->recompute ? "block" : "none");
+            break;
+        case LG_SETTING_OFFLOAD:
+            snprintf(one, sizeof one, "--offload");
+            break;
+        case LG_SETTING_PRECISION:
+            snprintf(one, sizeof one, "-p %s", lg_precision_name(a->precision));
+            break;
+        case LG_SETTING_LORA_R:
+            snprintf(one, sizeof one, "--lora-r %d", a->lora.r);
+            break;
+        case LG_SETTING_QUANTIZE:
+            snprintf(one, sizeof one, "--quantize %s", lg_quantization_name(a->lora.quantize));
+            break;
+        case LG_SETTING_OPTIMIZER_STATE:
+            snprintf(one, sizeof one, "--optimizer-state %s", state_formats[a->optimizer_state]);
+            break;
+        case LG_SETTING_OPTIMIZER:
+            snprintf(one, sizeof one, "-o %s", lg_optimizer_name(a->optimizer));
+            break;
+        case LG_SETTING_MOMENTUM:
+            snprintf(one, sizeof one, "--momentum %g", a->momentum);
+            break;
+        case LG_SETTING_SEQ_LENGTH:
+            snprintf(one, sizeof one, "-t %d", r->T);
+            break;
+        case LG_SETTING_MICRO_BATCH:
+            snprintf(one, sizeof one, "-b %d", a->micro_batch_size);
+            break;
+        case LG_SETTING_GLOBAL_BATCH:
+            snprintf(one, sizeof one, "-g %d", a->global_batch_size);
+            break;
+        case LG_SETTING_DEVICES:
+            snprintf(one, sizeof one, "-d %d", a->devices);
+            break;
+        case LG_SETTING_STRATEGY:
+            snprintf(one, sizeof one, "--strategy %s", lg_strategy_name(a->strategy));
+            break;
+        default: continue;
+        }
+        size_t used = strlen(out);
+        snprintf(out + used, cap - used, "%s%s", used ? " " : "", one);
+    }
+    return out;
+}
+
 /* --plan=svg: each device's memory as stacked regions by group against the limit; when the
    run does not fit, each remedy's total beside it. */
 static void plan_svg(FILE *f, const lg_plan *plan, const lg_config *cfg, const lg_args *a, int T,
@@ -600,14 +657,16 @@ static void plan_svg(FILE *f, const lg_plan *plan, const lg_config *cfg, const l
                 x + w / 2, SVG_H - SVG_BOTTOM - 44, r);
     }
     for (int i = 0; i < n_remedies; i++) {
+        char flags[160];
+        remedy_flags(&remedies[i], flags, sizeof flags);
         double x = SVG_LEFT + slot * (plan->n_ranks + i) + slot * 0.15, w = slot * 0.7;
         double y1 = svg_at(&y, (double)remedies[i].device_bytes), y0 = svg_at(&y, 0);
         fprintf(f, "<rect class=\"remedy\" x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" "
                    "fill=\"%s\"><title>%s (%s): %.2f MiB</title></rect>\n", x, y1, w, y0 - y1,
-                remedies[i].fits ? "#74c476" : "#bdbdbd", remedies[i].what, remedies[i].flags,
+                remedies[i].fits ? "#74c476" : "#bdbdbd", remedies[i].what, flags,
                 remedies[i].device_bytes / 1048576.0);
         fprintf(f, "<text x=\"%.1f\" y=\"%d\" text-anchor=\"middle\" font-size=\"10\">%s</text>\n",
-                x + w / 2, SVG_H - SVG_BOTTOM - 44, remedies[i].flags);
+                x + w / 2, SVG_H - SVG_BOTTOM - 44, flags);
     }
     if (n_remedies > 0)
         fprintf(f, "<text x=\"%.1f\" y=\"%d\" font-size=\"11\">remedies of the OOM guide, each "
@@ -698,7 +757,7 @@ static void print_largest_regions(const lg_plan *plan, int how_many) {
    priced by the planner, the cheapest change that fits. Exits 3. */
 static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, const lg_args *a,
                                  int T, const lg_plan *plan, size_t limit, const char *source) {
-    char need[32], have[32], size[32];
+    char need[32], have[32], size[32], flags[160];
     printf("train: this run needs %s on each device, but %s is available (%s)\n",
            lg_format_bytes(lg_plan_bytes(plan, LG_POOL_DEVICE), need, sizeof need),
            lg_format_bytes(limit, have, sizeof have), source);
@@ -708,18 +767,19 @@ static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, co
     int n = lg_plan_remedies(cfg, a, T, limit, remedies);
     printf("remedies, in the order of the OOM guide (each alone):\n");
     for (int i = 0; i < n; i++)
-        printf("  %-29s %-30s %11s  %s\n", remedies[i].what, remedies[i].flags,
+        printf("  %-29s %-30s %11s  %s\n", remedies[i].what,
+               remedy_flags(&remedies[i], flags, sizeof flags),
                lg_format_bytes(remedies[i].device_bytes, size, sizeof size),
                remedies[i].fits ? "fits" : "does not fit");
     lg_remedy best;
     if (lg_plan_cheapest_fit(cfg, a, T, limit, &best) == 0) {
         printf("cheapest change that fits (%s):\n",
                lg_format_bytes(best.device_bytes, size, sizeof size));
-        print_command(argc, argv, best.flags);
+        print_command(argc, argv, remedy_flags(&best, flags, sizeof flags));
     } else {
         char host[32];
         printf("no change this version can run fits in %s; even %s needs %s on the device and "
-               "%s of host memory (%s available)\n", have, best.flags,
+               "%s of host memory (%s available)\n", have, remedy_flags(&best, flags, sizeof flags),
                lg_format_bytes(best.device_bytes, size, sizeof size),
                lg_format_bytes(best.host_bytes, host, sizeof host),
                lg_format_bytes(lg_host_available_bytes(), need, sizeof need));
