@@ -633,6 +633,16 @@ typedef struct {
 
 lg_sharding lg_sharding_of(const lg_plan_spec *spec);
 
+/* The collective buffers of a sharded run (regions gather.* and gradients.*) hold whole units:
+   the ends have one of each kind, the blocks take turns in slots. Full-shard gathers the next
+   block while one computes (LG_GATHER_BLOCK_SLOTS); shard-grad-op gathers each updated unit
+   once after the step (1). A block's gradients wait for their reduce-scatter while the block
+   before computes (LG_GRAD_BLOCK_SLOTS). */
+#define LG_GATHER_BLOCK_SLOTS 2
+#define LG_GRAD_BLOCK_SLOTS 2
+/* gather.blocks' slots of a run: LG_GATHER_BLOCK_SLOTS with sharded weights, else 1. */
+int lg_gather_block_slots(const lg_sharding *sh);
+
 void lg_plan_spec_from_args(lg_plan_spec *spec, const lg_args *args, int T);
 int lg_plan_make(lg_plan *plan, const lg_config *cfg, const lg_plan_spec *spec, lg_error *err);
 void lg_plan_free(lg_plan *plan);
@@ -949,7 +959,8 @@ void lg_broadcast(lg_comm *comm, int n, int root, lg_buf *bufs, size_t count);
    (< LG_COMM_SIGNALS) on each member when done, and its ops wait only where
    lg_rank_await(rank, signal) says: the collective runs beside the compute. On the CPU they
    run at once and the wait is nothing. */
-#define LG_COMM_SIGNALS 6 /* the trainer's: 3 gather slots, 3 gradient slots */
+/* the trainer's: one a slot of the collective buffers, the ends' and the blocks' */
+#define LG_COMM_SIGNALS (2 + LG_GATHER_BLOCK_SLOTS + LG_GRAD_BLOCK_SLOTS)
 void lg_all_gather_async(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole,
                          size_t piece_count, int signal);
 void lg_reduce_scatter_sum_async(lg_comm *comm, int n, const lg_buf *whole, lg_buf *piece,
@@ -1433,10 +1444,11 @@ typedef struct {
                             CPU, whose master weights (in the host pool) play that part */
     /* sharded: whole units, padded to S pieces (lg_shard_layout) */
     lg_buf gather_ends;  /* (S piece_count[0]): the gathered ends */
-    lg_buf gather_blocks;/* (slots, S piece_count[1]): gathered blocks, 2 slots (full-shard:
-                            one computing, the next prefetched) or 1 (shard-grad-op) */
+    lg_buf gather_blocks;/* (block_slots, S piece_count[1]): gathered blocks (full-shard: one
+                            computing, the next prefetched; shard-grad-op: 1 slot) */
     lg_buf grad_ends;    /* (S piece_count[0]): the ends' gradients until their reduce-scatter */
-    lg_buf grad_blocks;  /* (2, S piece_count[1]): a block's gradients until theirs */
+    lg_buf grad_blocks;  /* (LG_GRAD_BLOCK_SLOTS, S piece_count[1]): a block's gradients until
+                            theirs */
     lg_buf reduce_out;   /* (largest piece): what one reduce-scatter hands this rank */
 } lg_trainer_rank;
 
@@ -1455,7 +1467,7 @@ typedef struct lg_trainer {
     size_t step_tokens;        /* rows x their length of the step's micro-batches, all ranks */
     int *other_tokens;         /* (2, B, T): where the micro-batches of other processes' ranks
                                   are read (their targets counted) and dropped; NULL in one */
-    int block_slots;           /* gather_blocks slots: 2 or 1 */
+    int block_slots;           /* gather_blocks' slots: lg_gather_block_slots */
     int accumulation;          /* micro-batches per optimizer step and rank */
     /* GPUs: the NCCL communicators of shard group q (shard_comm[q], members q S + i), of
        replica group i (replica_comm[i], members q S + i) and of all ranks (weights broadcast
@@ -3245,6 +3257,10 @@ lg_sharding lg_sharding_of(const lg_plan_spec *s) {
     return sh;
 }
 
+int lg_gather_block_slots(const lg_sharding *sh) {
+    return sh->weights_sharded ? LG_GATHER_BLOCK_SLOTS : 1;
+}
+
 static void lg_shard_layout_free(lg_shard_layout *sl) {
     LG_FREE(sl->unit_offset);
     LG_FREE(sl->piece_count);
@@ -3355,14 +3371,12 @@ static int lg_plan_model_state(lg_rank_plan *r, const lg_plan *plan) {
         size_t block = sl->piece_count[1] * S, piece = 0;
         for (int u = 0; u < sl->n_units; u++)
             piece = sl->piece_count[u] > piece ? sl->piece_count[u] : piece;
-        /* shard-grad-op gathers each updated unit once after the step: one block slot */
-        int block_slots = sh->weights_sharded ? 2 : 1;
         rc |= lg_plan_add(r, "gather.ends", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.weights, ends);
         rc |= lg_plan_add(r, "gather.blocks", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.weights,
-                          block_slots * block);
+                          lg_gather_block_slots(sh) * block);
         rc |= lg_plan_add(r, "gradients.ends", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.grads, ends);
         rc |= lg_plan_add(r, "gradients.blocks", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.grads,
-                          2 * block);
+                          LG_GRAD_BLOCK_SLOTS * block);
         rc |= lg_plan_add(r, "reduce_scatter.out", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.grads,
                           piece);
     }
@@ -11232,6 +11246,86 @@ int lg_trainer_load_hf(lg_trainer *tr, const char *dir, lg_error *err) {
 
 /* 13. trainer --------------------------------------------------------------------------------- */
 
+/* One optimizer step, top-down. lg_trainer_step makes these calls in this order; those marked
+   "one rank: nothing" return at once when one rank holds the whole model (their collectives
+   have nobody to talk to):
+
+     lg_trainer_read_step              every micro-batch of every rank into the token buffers,
+                                       the step's targets counted (the loss is their mean)
+     lg_trainer_hessian_pass           Sophia, every hessian_interval steps: a forward and
+                                       backward on labels drawn from the model (else nothing)
+     lg_trainer_accumulate             the gradients of the step, micro-batch by micro-batch:
+       lg_trainer_set_dropout            LoRA dropout's masks of the micro-batch
+       lg_trainer_forward                unit by unit: lg_trainer_gather_unit and
+                                         lg_trainer_await_unit (full-shard; one rank: nothing),
+                                         then the unit's forward on every rank
+       lg_trainer_backward               unit by unit in reverse: gather again,
+                                         lg_trainer_open_unit_grads, the unit's backward,
+                                         lg_trainer_start_reduce and lg_trainer_finish_reduce
+                                         (sharded gradients; one rank: nothing),
+                                         lg_trainer_offload_unit (--offload, last micro-batch)
+       lg_comm_sum_doubles               the losses of other processes' ranks (one process:
+                                         nothing)
+       lg_trainer_sync_replicas          all-reduce over replicas (no-shard, hybrid-shard; one
+                                         rank: nothing)
+     lg_trainer_grad_norm              the global gradient norm (other processes' squares
+                                       gathered first; one process: only the sum)
+     lg_trainer_update                 the loss scaler's skip, or on every rank:
+       lg_trainer_offload_grads          --offload: the gradient shard to the host
+       lg_trainer_update_rank            the optimizer on the rank's shard (on the host with
+                                         --offload)
+       lg_trainer_share_updated_weights  shard-grad-op: all-gather the updated pieces (one
+                                         rank: nothing)
+     lg_trainer_sync                   waits for every rank's queued work
+
+   The functions follow in about that order, after the step. */
+
+/* What one rank computes in a micro-step: B samples of T tokens; B = 0: nothing, the rank only
+   takes part in the collectives. */
+typedef struct {
+    const int *inputs;  /* (B, T) */
+    const int *targets; /* (B, T), or NULL: logits only */
+    int B, T;
+} lg_micro_batch;
+
+static long lg_trainer_read_step(lg_trainer *tr, lg_loader *train, lg_error *err);
+static void lg_trainer_hessian_pass(lg_trainer *tr, int step);
+static double lg_trainer_accumulate(lg_trainer *tr, int step, long n_targets,
+                                    int offload_in_backward);
+static float lg_trainer_grad_norm(lg_trainer *tr);
+static int lg_trainer_update(lg_trainer *tr, int step, lg_step_stats *stats,
+                             int offload_in_backward, lg_error *err);
+static void lg_trainer_sync(const lg_trainer *tr);
+static size_t lg_trainer_step_tokens(const lg_trainer *tr);
+
+int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *stats,
+                    lg_error *err) {
+    double start = lg_time_ms();
+    if (train->T > tr->ranks[0].model.T)
+        return lg_fail(err, "data %s: rows of %d tokens, but the trainer was made for %d",
+                       train->path, train->T, tr->ranks[0].model.T);
+    /* every micro-batch first: the loss is the mean over all targets of the step */
+    long n_targets = lg_trainer_read_step(tr, train, err);
+    if (n_targets < 0) return -1;
+    stats->hessian = tr->ranks[0].sampled && step % tr->args.hessian_interval == 0;
+    if (stats->hessian) lg_trainer_hessian_pass(tr, step);
+    /* --offload with no replicas: the last backward sends gradients to the host as it goes */
+    int offload_in_backward =
+        tr->ranks[0].host_grads.data != NULL && tr->plan.sharding.replicas == 1;
+    double loss_sum = lg_trainer_accumulate(tr, step, n_targets, offload_in_backward);
+    stats->loss = n_targets ? loss_sum / n_targets : 0;
+    stats->loss_scale = tr->loss_scale;
+    stats->n_targets = n_targets;
+    stats->lr = lg_learning_rate(&tr->args, step);
+    stats->grad_norm = lg_trainer_grad_norm(tr) / tr->loss_scale;
+    if (lg_trainer_update(tr, step, stats, offload_in_backward, err) != 0) return -1;
+    lg_trainer_sync(tr);
+    stats->ms = lg_time_ms() - start; /* with Sophia's extra pass when it ran */
+    stats->tokens_per_s = (double)lg_trainer_step_tokens(tr) / (stats->ms / 1e3);
+    return 0;
+}
+
+
 int lg_evaluate(lg_model *m, lg_loader *ld, int B, int T, int n_batches, double *mean_loss,
                 lg_error *err) {
     *mean_loss = 0;
@@ -11276,28 +11370,37 @@ static size_t lg_padded_unit(const lg_shard_layout *sl, int u) {
     return sl->piece_count[u] * (size_t)sl->n_shards;
 }
 
-/* Which gather slot unit u's weights use: 0 the ends' buffer, 1 + a block slot. It is also
-   the signal of the unit's all-gather. */
-static int lg_unit_slot(const lg_trainer *tr, int u) {
-    return u == 0 ? 0 : 1 + (u - 1) % tr->block_slots;
+/* The slots of the collective buffers (LG_GATHER_BLOCK_SLOTS): slot 0 is the ends' buffer,
+   slots 1 .. block_slots the blocks', which the blocks take in turn. A slot is also the signal
+   of the collective that fills it: an all-gather raises LG_SIGNAL_GATHER + its gather slot, a
+   reduce-scatter LG_SIGNAL_REDUCE + its gradient slot (LG_COMM_SIGNALS in all). */
+enum { LG_SIGNAL_GATHER = 0, LG_SIGNAL_REDUCE = 1 + LG_GATHER_BLOCK_SLOTS };
+
+/* The slot of unit u among the ends' (0) and block_slots blocks' buffers of one kind. */
+static int lg_unit_slot(int u, int block_slots) { return u == 0 ? 0 : 1 + (u - 1) % block_slots; }
+
+/* Slot `slot` of one kind of buffer: the ends' buffer, or a block slot of the blocks'. */
+static lg_buf lg_slot_buffer(const lg_trainer *tr, lg_buf ends, lg_buf blocks, int slot) {
+    if (slot == 0) return ends;
+    return lg_at(blocks, (size_t)(slot - 1) * lg_padded_unit(&tr->plan.shards, 1));
 }
 
-/* The signal of unit u's reduce-scatter: after the gathers', one a gradient slot. */
-static int lg_reduce_signal(int u) { return 3 + (u == 0 ? 0 : 1 + (u - 1) % 2); }
+/* The signal of unit u's all-gather, and of its reduce-scatter. */
+static int lg_gather_signal(const lg_trainer *tr, int u) {
+    return LG_SIGNAL_GATHER + lg_unit_slot(u, tr->block_slots);
+}
+static int lg_reduce_signal(int u) { return LG_SIGNAL_REDUCE + lg_unit_slot(u, LG_GRAD_BLOCK_SLOTS); }
 
-/* Where rank r's gathered weights of unit u go: the ends' buffer, or a block slot. */
+/* Where rank r's gathered weights of unit u go. */
 static lg_buf lg_unit_weights(const lg_trainer *tr, int r, int u) {
     const lg_trainer_rank *tr_r = &tr->ranks[r];
-    if (u == 0) return tr_r->gather_ends;
-    return lg_at(tr_r->gather_blocks, (size_t)(lg_unit_slot(tr, u) - 1) *
-                                          lg_padded_unit(&tr->plan.shards, 1));
+    return lg_slot_buffer(tr, tr_r->gather_ends, tr_r->gather_blocks, lg_unit_slot(u, tr->block_slots));
 }
 
 /* Where rank r's gradients of unit u wait for their reduce-scatter. */
 static lg_buf lg_unit_grads(const lg_trainer *tr, int r, int u) {
     const lg_trainer_rank *tr_r = &tr->ranks[r];
-    if (u == 0) return tr_r->grad_ends;
-    return lg_at(tr_r->grad_blocks, (size_t)((u - 1) % 2) * lg_padded_unit(&tr->plan.shards, 1));
+    return lg_slot_buffer(tr, tr_r->grad_ends, tr_r->grad_blocks, lg_unit_slot(u, LG_GRAD_BLOCK_SLOTS));
 }
 
 /* The members of a group (ranks first + m stride, m < count) that this process drives: their
@@ -11330,7 +11433,7 @@ static void lg_trainer_gather_unit(lg_trainer *tr, int u) {
         }
         if (n)
             lg_all_gather_async(tr->shard_comm[q], n, pieces, wholes, sl->piece_count[u],
-                                lg_unit_slot(tr, u));
+                                lg_gather_signal(tr, u));
     }
     for (int r = 0; r < tr->local_ranks; r++)
         lg_model_point_unit(&tr->ranks[r].model, u, lg_unit_weights(tr, r, u), lg_no_buf());
@@ -11339,8 +11442,9 @@ static void lg_trainer_gather_unit(lg_trainer *tr, int u) {
 /* Every rank's ops from here on wait for unit u's gathered weights (full-shard). */
 static void lg_trainer_await_unit(lg_trainer *tr, int u) {
     if (!tr->plan.sharding.weights_sharded) return;
-    for (int q = 0; q < tr->plan.sharding.replicas; q++) lg_comm_await(tr->shard_comm[q], lg_unit_slot(tr, u));
-    for (int r = 0; r < tr->local_ranks; r++) lg_rank_await(&tr->ranks[r].rank, lg_unit_slot(tr, u));
+    int signal = lg_gather_signal(tr, u);
+    for (int q = 0; q < tr->plan.sharding.replicas; q++) lg_comm_await(tr->shard_comm[q], signal);
+    for (int r = 0; r < tr->local_ranks; r++) lg_rank_await(&tr->ranks[r].rank, signal);
 }
 
 /* Sharded gradients: points unit u's gradient views at a zeroed buffer of the whole unit. */
@@ -11414,14 +11518,6 @@ static float lg_trainer_grad_norm(lg_trainer *tr) {
     for (int i = 0; i < S; i++) sum += (lg_real)squares[i];
     return (float)sqrt((double)sum);
 }
-
-/* What one rank computes in a micro-step: B samples of T tokens; B = 0: nothing, the rank only
-   takes part in the collectives. */
-typedef struct {
-    const int *inputs;  /* (B, T) */
-    const int *targets; /* (B, T), or NULL: logits only */
-    int B, T;
-} lg_micro_batch;
 
 /* The forward on every rank, unit by unit: gather a unit (full-shard), compute it everywhere.
    The next block is gathered before the current one computes (the prefetch a GPU overlaps);
@@ -11713,7 +11809,7 @@ int lg_trainer_create_in(lg_trainer *tr, const lg_config *cfg, const lg_args *ar
     lg_plan_spec_from_args(&spec, args, T);
     if (lg_plan_make(&tr->plan, cfg, &spec, err) != 0) return -1;
     tr->n_ranks = tr->plan.n_ranks;
-    tr->block_slots = tr->plan.sharding.weights_sharded ? 2 : 1;
+    tr->block_slots = lg_gather_block_slots(&tr->plan.sharding);
     if (lg_trainer_take_ranks(tr, launch, err) != 0) {
         lg_trainer_free(tr);
         return -1;
@@ -11883,17 +11979,11 @@ static void lg_trainer_set_dropout(lg_trainer *tr, int step, int i) {
     }
 }
 
-int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *stats,
-                    lg_error *err) {
-    double start = lg_time_ms();
-    if (train->T > tr->ranks[0].model.T)
-        return lg_fail(err, "data %s: rows of %d tokens, but the trainer was made for %d",
-                       train->path, train->T, tr->ranks[0].model.T);
-    /* every micro-batch first: the loss is the mean over all targets of the step */
-    long n_targets = lg_trainer_read_step(tr, train, err);
-    if (n_targets < 0) return -1;
-    stats->hessian = tr->ranks[0].sampled && step % tr->args.hessian_interval == 0;
-    if (stats->hessian) lg_trainer_hessian_pass(tr, step);
+/* The gradients of the step's global mean loss on every rank: each micro-batch's forward and
+   backward (the loss scaled by loss_scale / n_targets), then the other processes' losses and
+   the replicas' all-reduce. Returns the loss summed over every target. */
+static double lg_trainer_accumulate(lg_trainer *tr, int step, long n_targets,
+                                    int offload_in_backward) {
     const int *targets[LG_MAX_RANKS];
     lg_micro_batch mb[LG_MAX_RANKS];
     for (int r = 0; r < tr->local_ranks; r++) {
@@ -11901,9 +11991,6 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
         targets[r] = tr->ranks[r].targets;
     }
     double loss_sum = 0;
-    /* --offload with no replicas: the last backward sends gradients to the host as it goes */
-    int offload_in_backward =
-        tr->ranks[0].host_grads.data != NULL && tr->plan.sharding.replicas == 1;
     for (int i = 0; i < tr->accumulation && n_targets > 0; i++) {
         lg_trainer_micro_batches(tr, i, targets, mb);
         lg_trainer_set_dropout(tr, step, i);
@@ -11914,36 +12001,41 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
     lg_trainer_set_dropout(tr, -1, 0); /* evaluation and sampling run without dropout */
     lg_comm_sum_doubles(tr->process_comm, &loss_sum, 1); /* the other processes' ranks' */
     lg_trainer_sync_replicas(tr);
-    stats->loss = n_targets ? loss_sum / n_targets : 0;
-    stats->loss_scale = tr->loss_scale;
+    return loss_sum;
+}
+
+/* After the backward: an fp16 overflow (a non-finite norm with loss scaling) skips the step
+   and halves the scale; a non-finite norm without scaling stops the run before it reaches the
+   weights; a step whose targets are all ignored skips (no decay either); otherwise every rank
+   updates its shard with the clipping and unscaling multiplier, and the scale doubles after
+   scale_window clean steps. */
+static int lg_trainer_update(lg_trainer *tr, int step, lg_step_stats *stats,
+                             int offload_in_backward, lg_error *err) {
+    float norm = stats->grad_norm;
     stats->skipped = 0;
-    stats->n_targets = n_targets;
-    stats->lr = lg_learning_rate(&tr->args, step);
-    float norm = lg_trainer_grad_norm(tr) / tr->loss_scale;
-    stats->grad_norm = norm;
     if (!isfinite(norm) && tr->scaling) { /* overflow: skip, halve, try again next step */
         stats->skipped = 1;
         tr->loss_scale *= 0.5f;
         tr->clean_steps = 0;
-    } else if (!isfinite(norm)) {
+        return 0;
+    }
+    if (!isfinite(norm))
         return lg_fail(err, "step %d: the gradient norm is %g; stopped before it reached the "
                             "weights (try a lower --lr or a --max-norm)", step + 1, norm);
-    } else if (n_targets == 0) {
+    if (stats->n_targets == 0) {
         stats->skipped = 1; /* every target ignored: nothing to learn, no decay, no step */
-    } else {
-        float multiplier = lg_clip_factor(norm, tr->args.max_norm) / tr->loss_scale;
-        for (int r = 0; r < tr->local_ranks && !offload_in_backward; r++)
-            lg_trainer_offload_grads(&tr->ranks[r]);
-        for (int r = 0; r < tr->local_ranks; r++) lg_trainer_update_rank(&tr->ranks[r], stats->lr, multiplier);
-        lg_trainer_share_updated_weights(tr);
-        if (tr->scaling && ++tr->clean_steps == tr->scale_window) {
-            tr->loss_scale *= 2.0f;
-            tr->clean_steps = 0;
-        }
+        return 0;
     }
-    lg_trainer_sync(tr);
-    stats->ms = lg_time_ms() - start; /* with Sophia's extra pass when it ran */
-    stats->tokens_per_s = (double)lg_trainer_step_tokens(tr) / (stats->ms / 1e3);
+    float multiplier = lg_clip_factor(norm, tr->args.max_norm) / tr->loss_scale;
+    for (int r = 0; r < tr->local_ranks && !offload_in_backward; r++)
+        lg_trainer_offload_grads(&tr->ranks[r]);
+    for (int r = 0; r < tr->local_ranks; r++)
+        lg_trainer_update_rank(&tr->ranks[r], stats->lr, multiplier);
+    lg_trainer_share_updated_weights(tr);
+    if (tr->scaling && ++tr->clean_steps == tr->scale_window) {
+        tr->loss_scale *= 2.0f;
+        tr->clean_steps = 0;
+    }
     return 0;
 }
 
