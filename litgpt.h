@@ -351,7 +351,7 @@ typedef struct {
     int devices;               /* -d: devices a node (GPUs, or simulated ranks on the CPU) */
     int nodes;                 /* --nodes: ranks = devices x nodes */
     lg_strategy strategy;      /* --strategy; full-shard by default */
-    lg_optimizer_kind optimizer; /* -o adamw|sgd|lion|sophia */
+    lg_optimizer_kind optimizer; /* -o: AdamW (default), SGD, Lion or SophiaG */
     float lr, min_lr;          /* train.c: --min-lr is --lr / 10 unless given */
     int warmup_steps;
     float weight_decay, beta1, beta2, eps, momentum;

@@ -393,6 +393,7 @@ static void die(int code, const lg_error *err) {
 #define SVG_RIGHT 80 /* and the right one's */
 #define SVG_TOP 40   /* the title and legend */
 #define SVG_BOTTOM 50
+#define SVG_BAR_SLOT 100 /* the plan's narrowest bar slot: room for a remedy's flags */
 
 /* A value range mapped onto pixels [p0, p1]. */
 typedef struct {
@@ -404,13 +405,13 @@ static double svg_at(const svg_scale *s, double v) {
     return s->p0 + (v - s->v0) / span * (s->p1 - s->p0);
 }
 
-static void svg_begin(FILE *f, const char *title) {
+static void svg_begin(FILE *f, const char *title, int width) {
     fprintf(f, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
                "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
                "viewBox=\"0 0 %d %d\" font-family=\"sans-serif\" font-size=\"12\">\n"
                "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n"
                "<text x=\"%d\" y=\"20\" font-size=\"14\" font-weight=\"bold\">%s</text>\n",
-            SVG_W, SVG_H, SVG_W, SVG_H, SVG_LEFT, title);
+            width, SVG_H, width, SVG_H, SVG_LEFT, title);
 }
 
 /* Five labelled ticks of a vertical axis at x (labels left of it, or right with right = 1). */
@@ -511,7 +512,7 @@ static void plot_write(const loss_plot *p) {
     char tmp[LG_PATH_MAX];
     FILE *f = svg_open(p->path, tmp, sizeof tmp);
     if (!f) return;
-    svg_begin(f, "training loss");
+    svg_begin(f, "training loss", SVG_W);
     fprintf(f, "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"none\" stroke=\"#ccc\"/>\n",
             SVG_LEFT, SVG_TOP, SVG_W - SVG_LEFT - SVG_RIGHT, SVG_H - SVG_TOP - SVG_BOTTOM);
     svg_axis_ticks(f, &y, SVG_LEFT, 0, "%.3f", 1);
@@ -614,6 +615,24 @@ static const char *remedy_flags(const lg_remedy *r, char *out, size_t cap) {
     return out;
 }
 
+/* A remedy's flags under its bar, centred at x: one line a flag with its value, the value on
+   a line of its own when the two are long. */
+static void svg_flag_lines(FILE *f, double x, double y, const char *flags) {
+    char copy[160];
+    snprintf(copy, sizeof copy, "%s", flags);
+    fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" font-size=\"10\">", x, y);
+    int line = 0;
+    for (char *flag = strtok(copy, " "); flag; flag = strtok(NULL, " ")) {
+        char *value = strtok(NULL, " ");
+        int apart = value && strlen(flag) + strlen(value) > 14;
+        for (int part = 0; part < 1 + apart; part++, line++)
+            fprintf(f, "<tspan x=\"%.1f\" dy=\"%s\">%s%s%s</tspan>", x, line ? "1.2em" : "0",
+                    part ? value : flag, value && !apart ? " " : "",
+                    value && !apart ? value : "");
+    }
+    fputs("</text>\n", f);
+}
+
 /* --plan=svg: each device's memory as stacked regions by group against the limit; when the
    run does not fit, each remedy's total beside it. */
 static void plan_svg(FILE *f, const lg_plan *plan, const lg_config *cfg, const lg_args *a, int T,
@@ -635,12 +654,14 @@ static void plan_svg(FILE *f, const lg_plan *plan, const lg_config *cfg, const l
         if (remedies[i].device_bytes > top) top = remedies[i].device_bytes;
     double gib = 1024.0 * 1024 * 1024, unit = top >= gib ? gib : 1024.0 * 1024;
     int bars = plan->n_ranks + n_remedies;
-    double slot = (double)(SVG_W - SVG_LEFT - SVG_RIGHT) / bars;
+    int width = SVG_LEFT + SVG_RIGHT + bars * SVG_BAR_SLOT > SVG_W
+                    ? SVG_LEFT + SVG_RIGHT + bars * SVG_BAR_SLOT : SVG_W;
+    double slot = (double)(width - SVG_LEFT - SVG_RIGHT) / bars;
     svg_scale y = {0, top * 1.08, SVG_H - SVG_BOTTOM - 60, SVG_TOP + 10};
     char title[160];
     snprintf(title, sizeof title, "memory per device: %s, -b %d -t %d, %s", cfg->name,
              a->micro_batch_size, T, lg_precision_name(a->precision));
-    svg_begin(f, title);
+    svg_begin(f, title, width);
     svg_axis_ticks(f, &y, SVG_LEFT, 0, unit == gib ? "%.1f GiB" : "%.0f MiB", unit);
     for (int r = 0; r < plan->n_ranks; r++) {
         double base = 0, x = SVG_LEFT + slot * r + slot * 0.15, w = slot * 0.7;
@@ -665,8 +686,7 @@ static void plan_svg(FILE *f, const lg_plan *plan, const lg_config *cfg, const l
                    "fill=\"%s\"><title>%s (%s): %.2f MiB</title></rect>\n", x, y1, w, y0 - y1,
                 remedies[i].fits ? "#74c476" : "#bdbdbd", remedies[i].what, flags,
                 remedies[i].device_bytes / 1048576.0);
-        fprintf(f, "<text x=\"%.1f\" y=\"%d\" text-anchor=\"middle\" font-size=\"10\">%s</text>\n",
-                x + w / 2, SVG_H - SVG_BOTTOM - 44, flags);
+        svg_flag_lines(f, x + w / 2, SVG_H - SVG_BOTTOM - 44, flags);
     }
     if (n_remedies > 0)
         fprintf(f, "<text x=\"%.1f\" y=\"%d\" font-size=\"11\">remedies of the OOM guide, each "
@@ -675,8 +695,8 @@ static void plan_svg(FILE *f, const lg_plan *plan, const lg_config *cfg, const l
     if (limit > 0 && limit < top * 1.08) /* the limit, across every bar */
         fprintf(f, "<line id=\"limit\" x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"red\" "
                    "stroke-dasharray=\"6,4\"/><text x=\"%d\" y=\"%.1f\" fill=\"red\">limit</text>\n",
-                SVG_LEFT, svg_at(&y, (double)limit), SVG_W - SVG_RIGHT, svg_at(&y, (double)limit),
-                SVG_W - SVG_RIGHT + 4, svg_at(&y, (double)limit) + 4);
+                SVG_LEFT, svg_at(&y, (double)limit), width - SVG_RIGHT, svg_at(&y, (double)limit),
+                width - SVG_RIGHT + 4, svg_at(&y, (double)limit) + 4);
     for (int g = 0; g < LG_N_GROUPS; g++) /* legend, two rows under the bars */
         fprintf(f, "<rect x=\"%d\" y=\"%d\" width=\"10\" height=\"10\" fill=\"%s\"/>"
                    "<text x=\"%d\" y=\"%d\" font-size=\"11\">%s</text>\n",
