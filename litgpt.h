@@ -2110,44 +2110,50 @@ int lg_nf4_quantize(lg_buf src, size_t count, lg_quantization q, uint8_t *dst, l
 typedef enum { LG_FIELD_INT, LG_FIELD_FLOAT, LG_FIELD_BOOL, LG_FIELD_NAME, LG_FIELD_NORM,
                LG_FIELD_MLP, LG_FIELD_GELU } lg_field_type;
 
+/* The config's fields: the one table that the YAML loader, the model_config.yaml writer and
+   the config.json writer (section 12, through its Hugging Face names) walk. litgpt_default is
+   LitGPT's Config default (litgpt/config.py) as the YAML would spell it; NULL for the name
+   (the file's) and the fields lg_config_derive derives when the file leaves them out.
+   tie_embeddings and learned_pos_embedding are this trainer's (GPT-2); LitGPT has neither. */
 typedef struct {
-    const char *key;
+    const char *key;            /* LitGPT's name */
     lg_field_type type;
-    size_t offset;
+    size_t offset;              /* in lg_config */
+    const char *litgpt_default;
 } lg_config_field;
 
-#define LG_FIELD(key, type) {#key, type, offsetof(lg_config, key)}
+#define LG_FIELD(key, type, litgpt_default) {#key, type, offsetof(lg_config, key), litgpt_default}
 static const lg_config_field lg_config_fields[] = {
-    LG_FIELD(name, LG_FIELD_NAME),
-    LG_FIELD(n_layer, LG_FIELD_INT),
-    LG_FIELD(n_head, LG_FIELD_INT),
-    LG_FIELD(n_query_groups, LG_FIELD_INT),
-    LG_FIELD(n_embd, LG_FIELD_INT),
-    LG_FIELD(head_size, LG_FIELD_INT),
-    LG_FIELD(intermediate_size, LG_FIELD_INT),
-    LG_FIELD(block_size, LG_FIELD_INT),
-    LG_FIELD(vocab_size, LG_FIELD_INT),
-    LG_FIELD(padded_vocab_size, LG_FIELD_INT),
-    LG_FIELD(norm_class_name, LG_FIELD_NORM),
-    LG_FIELD(norm_eps, LG_FIELD_FLOAT),
-    LG_FIELD(mlp_class_name, LG_FIELD_MLP),
-    {"gelu_approximate", LG_FIELD_GELU, offsetof(lg_config, gelu_approximate_tanh)},
-    LG_FIELD(rotary_percentage, LG_FIELD_FLOAT),
-    LG_FIELD(rope_base, LG_FIELD_FLOAT),
-    LG_FIELD(parallel_residual, LG_FIELD_BOOL),
-    LG_FIELD(shared_attention_norm, LG_FIELD_BOOL),
-    LG_FIELD(bias, LG_FIELD_BOOL),
-    LG_FIELD(attn_bias, LG_FIELD_BOOL),
-    LG_FIELD(lm_head_bias, LG_FIELD_BOOL),
-    LG_FIELD(tie_embeddings, LG_FIELD_BOOL),
-    LG_FIELD(learned_pos_embedding, LG_FIELD_BOOL),
+    LG_FIELD(name, LG_FIELD_NAME, NULL),
+    LG_FIELD(n_layer, LG_FIELD_INT, "16"),
+    LG_FIELD(n_head, LG_FIELD_INT, "32"),
+    LG_FIELD(n_query_groups, LG_FIELD_INT, NULL),
+    LG_FIELD(n_embd, LG_FIELD_INT, "4096"),
+    LG_FIELD(head_size, LG_FIELD_INT, NULL),
+    LG_FIELD(intermediate_size, LG_FIELD_INT, NULL),
+    LG_FIELD(block_size, LG_FIELD_INT, "4096"),
+    LG_FIELD(vocab_size, LG_FIELD_INT, "50254"),
+    LG_FIELD(padded_vocab_size, LG_FIELD_INT, NULL),
+    LG_FIELD(norm_class_name, LG_FIELD_NORM, "LayerNorm"),
+    LG_FIELD(norm_eps, LG_FIELD_FLOAT, "1e-5"),
+    LG_FIELD(mlp_class_name, LG_FIELD_MLP, "GptNeoxMLP"),
+    {"gelu_approximate", LG_FIELD_GELU, offsetof(lg_config, gelu_approximate_tanh), "none"},
+    LG_FIELD(rotary_percentage, LG_FIELD_FLOAT, "0.25"),
+    LG_FIELD(rope_base, LG_FIELD_FLOAT, "10000"),
+    LG_FIELD(parallel_residual, LG_FIELD_BOOL, "true"),
+    LG_FIELD(shared_attention_norm, LG_FIELD_BOOL, "false"),
+    LG_FIELD(bias, LG_FIELD_BOOL, "true"),
+    LG_FIELD(attn_bias, LG_FIELD_BOOL, "false"),
+    LG_FIELD(lm_head_bias, LG_FIELD_BOOL, "false"),
+    LG_FIELD(tie_embeddings, LG_FIELD_BOOL, "false"),
+    LG_FIELD(learned_pos_embedding, LG_FIELD_BOOL, "false"),
 };
 #undef LG_FIELD
 #define LG_N_CONFIG_FIELDS ((int)(sizeof lg_config_fields / sizeof lg_config_fields[0]))
 
 /* The lines of LitGPT's nested rope_adjustments block (offsets within lg_config). */
 #define LG_ROPE_FIELD(key, type)                                                                \
-    {#key, type, offsetof(lg_config, rope_adjustments) + offsetof(lg_rope_adjustments, key)}
+    {#key, type, offsetof(lg_config, rope_adjustments) + offsetof(lg_rope_adjustments, key), NULL}
 static const lg_config_field lg_rope_fields[] = {
     LG_ROPE_FIELD(factor, LG_FIELD_FLOAT),
     LG_ROPE_FIELD(low_freq_factor, LG_FIELD_FLOAT),
@@ -2222,27 +2228,29 @@ static const char *lg_field_expectation(lg_field_type type) {
     return "";
 }
 
+/* A field's value as the YAML spells it (the inverse of lg_config_set), into out. */
+static const char *lg_config_field_text(const lg_config *cfg, const lg_config_field *f, char *out,
+                                        size_t cap) {
+    const char *field = (const char *)cfg + f->offset;
+    int flag = f->type == LG_FIELD_FLOAT || f->type == LG_FIELD_NAME ? 0 : *(const int *)field;
+    switch (f->type) {
+    case LG_FIELD_INT: snprintf(out, cap, "%d", flag); break;
+    case LG_FIELD_FLOAT: snprintf(out, cap, "%.9g", *(const float *)field); break;
+    case LG_FIELD_BOOL: snprintf(out, cap, "%s", flag ? "true" : "false"); break;
+    case LG_FIELD_NAME: snprintf(out, cap, "%s", field); break;
+    case LG_FIELD_NORM: snprintf(out, cap, "%s", flag == LG_NORM_RMSNORM ? "RMSNorm" : "LayerNorm"); break;
+    case LG_FIELD_MLP: snprintf(out, cap, "%s", flag == LG_MLP_LLAMA ? "LLaMAMLP" : "GptNeoxMLP"); break;
+    case LG_FIELD_GELU: snprintf(out, cap, "%s", flag ? "tanh" : "none"); break;
+    }
+    return out;
+}
+
 /* The index of key in lg_config_fields, or -1. */
 static int lg_config_field_index(const char *key) {
     for (int i = 0; i < LG_N_CONFIG_FIELDS; i++)
         if (strcmp(key, lg_config_fields[i].key) == 0) return i;
     return -1;
 }
-
-/* LitGPT's Config defaults (litgpt/config.py) of the fields above that have a fixed one; the
-   others are derived after the file is read (lg_config_derive). tie_embeddings and
-   learned_pos_embedding are this trainer's (GPT-2); LitGPT has neither. */
-static const struct {
-    const char *key, *value;
-} lg_config_defaults[] = {
-    {"block_size", "4096"},       {"n_layer", "16"},          {"n_embd", "4096"},
-    {"vocab_size", "50254"},      {"n_head", "32"},           {"norm_class_name", "LayerNorm"},
-    {"norm_eps", "1e-5"},         {"mlp_class_name", "GptNeoxMLP"},
-    {"gelu_approximate", "none"}, {"rotary_percentage", "0.25"}, {"rope_base", "10000"},
-    {"parallel_residual", "true"}, {"shared_attention_norm", "false"}, {"bias", "true"},
-    {"attn_bias", "false"},       {"lm_head_bias", "false"},  {"tie_embeddings", "false"},
-    {"learned_pos_embedding", "false"},
-};
 
 /* LitGPT's fields this trainer does not model, and the values that leave the architecture as
    built here; any other value is refused naming the field. */
@@ -2413,9 +2421,9 @@ int lg_config_load(lg_config *cfg, const char *path, lg_error *err) {
     FILE *f = fopen(path, "r");
     if (!f) return lg_fail(err, "config %s: cannot open: %s", path, strerror(errno));
     memset(cfg, 0, sizeof *cfg);
-    for (size_t d = 0; d < sizeof lg_config_defaults / sizeof lg_config_defaults[0]; d++)
-        lg_config_set(cfg, &lg_config_fields[lg_config_field_index(lg_config_defaults[d].key)],
-                      lg_config_defaults[d].value);
+    for (int i = 0; i < LG_N_CONFIG_FIELDS; i++)
+        if (lg_config_fields[i].litgpt_default)
+            lg_config_set(cfg, &lg_config_fields[i], lg_config_fields[i].litgpt_default);
     lg_config_name_from_path(cfg, path);
     int seen[LG_N_CONFIG_FIELDS] = {0}, rope_seen[LG_N_ROPE_FIELDS] = {0};
     int padding_multiple = 512, window = 0, in_rope_block = 0, rope_block = 0;
@@ -9628,80 +9636,100 @@ static const char *lg_hf_dtype_label(lg_st_dtype d) {
     return d == LG_ST_BF16 ? "bfloat16" : d == LG_ST_F16 ? "float16" : "float32";
 }
 
+/* config.json of each family: its keys in the file's order, each the value of a config field
+   (lg_config_fields, named by its LitGPT key and written as its type says) or a fixed JSON
+   value. gelu_approximate is written as the family's activation: `fixed` names its tanh form,
+   "gelu" the exact one. */
+typedef struct {
+    const char *key;    /* Hugging Face's */
+    const char *field;  /* LitGPT's, or NULL */
+    const char *fixed;  /* the JSON value without a field; the tanh activation's name with one */
+} lg_hf_key;
+
+static const lg_hf_key lg_hf_gpt2_keys[] = {
+    {"vocab_size", "padded_vocab_size", NULL}, {"n_positions", "block_size", NULL},
+    {"n_ctx", "block_size", NULL}, {"n_embd", "n_embd", NULL}, {"n_layer", "n_layer", NULL},
+    {"n_head", "n_head", NULL}, {"n_inner", "intermediate_size", NULL},
+    {"activation_function", "gelu_approximate", "gelu_new"},
+    {"layer_norm_epsilon", "norm_eps", NULL}};
+static const lg_hf_key lg_hf_neox_keys[] = {
+    {"vocab_size", "padded_vocab_size", NULL}, {"max_position_embeddings", "block_size", NULL},
+    {"hidden_size", "n_embd", NULL}, {"num_hidden_layers", "n_layer", NULL},
+    {"num_attention_heads", "n_head", NULL}, {"intermediate_size", "intermediate_size", NULL},
+    {"hidden_act", "gelu_approximate", "gelu_new"}, {"rotary_pct", "rotary_percentage", NULL},
+    {"rotary_emb_base", "rope_base", NULL}, {"layer_norm_eps", "norm_eps", NULL},
+    {"use_parallel_residual", "parallel_residual", NULL}, {"attention_bias", NULL, "true"}};
+/* Falcon-7B's layout: multi-query, attention and MLP in parallel on one norm */
+static const lg_hf_key lg_hf_falcon_keys[] = {
+    {"vocab_size", "padded_vocab_size", NULL}, {"max_position_embeddings", "block_size", NULL},
+    {"hidden_size", "n_embd", NULL}, {"num_hidden_layers", "n_layer", NULL},
+    {"num_attention_heads", "n_head", NULL}, {"num_kv_heads", NULL, "1"},
+    {"multi_query", NULL, "true"}, {"new_decoder_architecture", NULL, "false"},
+    {"parallel_attn", NULL, "true"}, {"alibi", NULL, "false"}, {"bias", NULL, "false"},
+    {"ffn_hidden_size", "intermediate_size", NULL},
+    {"activation", "gelu_approximate", "gelu_pytorch_tanh"},
+    {"layer_norm_epsilon", "norm_eps", NULL}, {"rope_theta", "rope_base", NULL}};
+static const lg_hf_key lg_hf_llama_keys[] = { /* and Qwen2's */
+    {"vocab_size", "padded_vocab_size", NULL}, {"max_position_embeddings", "block_size", NULL},
+    {"hidden_size", "n_embd", NULL}, {"num_hidden_layers", "n_layer", NULL},
+    {"num_attention_heads", "n_head", NULL}, {"num_key_value_heads", "n_query_groups", NULL},
+    {"head_dim", "head_size", NULL}, {"intermediate_size", "intermediate_size", NULL},
+    {"hidden_act", NULL, "\"silu\""}, {"rms_norm_eps", "norm_eps", NULL},
+    {"rope_theta", "rope_base", NULL}, {"attention_bias", "bias", NULL},
+    {"mlp_bias", "bias", NULL}};
+
+static const struct {
+    const char *architecture, *model_type;
+    const lg_hf_key *keys;
+    int n_keys;
+} lg_hf_layouts[] = { /* lg_hf_family order */
+#define LG_HF_KEYS(keys) keys, (int)(sizeof keys / sizeof keys[0])
+    {"GPT2LMHeadModel", "gpt2", LG_HF_KEYS(lg_hf_gpt2_keys)},
+    {"GPTNeoXForCausalLM", "gpt_neox", LG_HF_KEYS(lg_hf_neox_keys)},
+    {"LlamaForCausalLM", "llama", LG_HF_KEYS(lg_hf_llama_keys)},
+    {"Qwen2ForCausalLM", "qwen2", LG_HF_KEYS(lg_hf_llama_keys)},
+    {"FalconForCausalLM", "falcon", LG_HF_KEYS(lg_hf_falcon_keys)},
+#undef LG_HF_KEYS
+};
+
 /* config.json of a family. */
 static size_t lg_hf_config_json(const lg_config *c, lg_hf_family f, lg_st_dtype dtype, char *buf,
                                 size_t cap) {
     size_t n = 0;
-    const char *gelu = c->gelu_approximate_tanh ? "gelu_new" : "gelu";
-    const char *tie = c->tie_embeddings ? "true" : "false";
-    if (f == LG_HF_GPT2)
-        lg_st_append(buf, cap, &n, "{\n  \"architectures\": [\"GPT2LMHeadModel\"],\n  \"model_type\": \"gpt2\",\n"
-                  "  \"vocab_size\": %d,\n  \"n_positions\": %d,\n  \"n_ctx\": %d,\n  \"n_embd\": %d,\n"
-                  "  \"n_layer\": %d,\n  \"n_head\": %d,\n  \"n_inner\": %d,\n  \"activation_function\": \"%s\",\n"
-                  "  \"layer_norm_epsilon\": %.9g,\n", c->padded_vocab_size, c->block_size, c->block_size,
-                  c->n_embd, c->n_layer, c->n_head, c->intermediate_size, gelu, c->norm_eps);
-    else if (f == LG_HF_GPTNEOX)
-        lg_st_append(buf, cap, &n, "{\n  \"architectures\": [\"GPTNeoXForCausalLM\"],\n  \"model_type\": \"gpt_neox\",\n"
-                  "  \"vocab_size\": %d,\n  \"max_position_embeddings\": %d,\n  \"hidden_size\": %d,\n"
-                  "  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n  \"intermediate_size\": %d,\n"
-                  "  \"hidden_act\": \"%s\",\n  \"rotary_pct\": %.9g,\n  \"rotary_emb_base\": %.9g,\n"
-                  "  \"layer_norm_eps\": %.9g,\n  \"use_parallel_residual\": %s,\n  \"attention_bias\": true,\n",
-                  c->padded_vocab_size, c->block_size, c->n_embd, c->n_layer, c->n_head,
-                  c->intermediate_size, gelu, c->rotary_percentage, c->rope_base, c->norm_eps,
-                  c->parallel_residual ? "true" : "false");
-    else if (f == LG_HF_FALCON) /* multi-query, parallel attention and MLP on one norm */
-        lg_st_append(buf, cap, &n, "{\n  \"architectures\": [\"FalconForCausalLM\"],\n  \"model_type\": \"falcon\",\n"
-                  "  \"vocab_size\": %d,\n  \"max_position_embeddings\": %d,\n  \"hidden_size\": %d,\n"
-                  "  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n  \"num_kv_heads\": 1,\n"
-                  "  \"multi_query\": true,\n  \"new_decoder_architecture\": false,\n  \"parallel_attn\": true,\n"
-                  "  \"alibi\": false,\n  \"bias\": false,\n  \"ffn_hidden_size\": %d,\n  \"activation\": \"%s\",\n"
-                  "  \"layer_norm_epsilon\": %.9g,\n  \"rope_theta\": %.9g,\n",
-                  c->padded_vocab_size, c->block_size, c->n_embd, c->n_layer, c->n_head,
-                  c->intermediate_size, c->gelu_approximate_tanh ? "gelu_pytorch_tanh" : "gelu",
-                  c->norm_eps, c->rope_base);
-    else
-        lg_st_append(buf, cap, &n, "{\n  \"architectures\": [\"%s\"],\n  \"model_type\": \"%s\",\n"
-                  "  \"vocab_size\": %d,\n  \"max_position_embeddings\": %d,\n  \"hidden_size\": %d,\n"
-                  "  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n  \"num_key_value_heads\": %d,\n"
-                  "  \"head_dim\": %d,\n  \"intermediate_size\": %d,\n  \"hidden_act\": \"silu\",\n"
-                  "  \"rms_norm_eps\": %.9g,\n  \"rope_theta\": %.9g,\n  \"attention_bias\": %s,\n  \"mlp_bias\": %s,\n",
-                  f == LG_HF_QWEN2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM", f == LG_HF_QWEN2 ? "qwen2" : "llama",
-                  c->padded_vocab_size, c->block_size, c->n_embd, c->n_layer, c->n_head, c->n_query_groups,
-                  c->head_size, c->intermediate_size, c->norm_eps, c->rope_base,
-                  c->bias ? "true" : "false", c->bias ? "true" : "false");
+    char value[128];
+    lg_st_append(buf, cap, &n, "{\n  \"architectures\": [\"%s\"],\n  \"model_type\": \"%s\",\n",
+                 lg_hf_layouts[f].architecture, lg_hf_layouts[f].model_type);
+    for (int k = 0; k < lg_hf_layouts[f].n_keys; k++) {
+        const lg_hf_key *h = &lg_hf_layouts[f].keys[k];
+        const lg_config_field *field = h->field ? &lg_config_fields[lg_config_field_index(h->field)] : NULL;
+        if (!field) lg_format(value, sizeof value, "%s", h->fixed);
+        else if (field->type == LG_FIELD_GELU)
+            lg_format(value, sizeof value, "\"%s\"", c->gelu_approximate_tanh ? h->fixed : "gelu");
+        else lg_config_field_text(c, field, value, sizeof value); /* ints, numbers, booleans */
+        lg_st_append(buf, cap, &n, "  \"%s\": %s,\n", h->key, value);
+    }
     const lg_rope_adjustments *ra = &c->rope_adjustments;
     if (ra->factor != 0.0f) /* lg_hf_family_of allows it in the Llama and Qwen2 layouts only */
         lg_st_append(buf, cap, &n, "  \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": %.9g, "
                   "\"low_freq_factor\": %.9g, \"high_freq_factor\": %.9g, "
                   "\"original_max_position_embeddings\": %d},\n", ra->factor, ra->low_freq_factor,
                   ra->high_freq_factor, ra->original_max_seq_len);
-    lg_st_append(buf, cap, &n, "  \"tie_word_embeddings\": %s,\n  \"torch_dtype\": \"%s\"\n}\n", tie,
-              lg_hf_dtype_label(dtype));
+    lg_st_append(buf, cap, &n, "  \"tie_word_embeddings\": %s,\n  \"torch_dtype\": \"%s\"\n}\n",
+                 c->tie_embeddings ? "true" : "false", lg_hf_dtype_label(dtype));
     return n;
 }
 
 size_t lg_config_to_yaml(const lg_config *c, char *buf, size_t cap) {
     size_t n = 0;
-    const char *b[2] = {"false", "true"};
-    lg_st_append(buf, cap, &n, "name: %s\nn_layer: %d\nn_head: %d\nn_query_groups: %d\nn_embd: %d\n"
-              "head_size: %d\nintermediate_size: %d\nblock_size: %d\nvocab_size: %d\n"
-              "padded_vocab_size: %d\nnorm_class_name: %s\nnorm_eps: %.9g\nmlp_class_name: %s\n"
-              "gelu_approximate: %s\nrotary_percentage: %.9g\nrope_base: %.9g\nparallel_residual: %s\n"
-              "shared_attention_norm: %s\nbias: %s\nattn_bias: %s\nlm_head_bias: %s\n"
-              "tie_embeddings: %s\nlearned_pos_embedding: %s\n",
-              c->name, c->n_layer, c->n_head, c->n_query_groups, c->n_embd, c->head_size,
-              c->intermediate_size, c->block_size, c->vocab_size, c->padded_vocab_size,
-              c->norm_class_name == LG_NORM_RMSNORM ? "RMSNorm" : "LayerNorm", c->norm_eps,
-              c->mlp_class_name == LG_MLP_LLAMA ? "LLaMAMLP" : "GptNeoxMLP",
-              c->gelu_approximate_tanh ? "tanh" : "none", c->rotary_percentage, c->rope_base,
-              b[!!c->parallel_residual], b[!!c->shared_attention_norm], b[!!c->bias],
-              b[!!c->attn_bias], b[!!c->lm_head_bias], b[!!c->tie_embeddings],
-              b[!!c->learned_pos_embedding]);
-    const lg_rope_adjustments *ra = &c->rope_adjustments;
-    if (ra->factor != 0.0f) /* LitGPT's nested form */
-        lg_st_append(buf, cap, &n, "rope_adjustments:\n  factor: %.9g\n  low_freq_factor: %.9g\n"
-                  "  high_freq_factor: %.9g\n  original_max_seq_len: %d\n", ra->factor,
-                  ra->low_freq_factor, ra->high_freq_factor, ra->original_max_seq_len);
+    char value[128];
+    for (int i = 0; i < LG_N_CONFIG_FIELDS; i++)
+        lg_st_append(buf, cap, &n, "%s: %s\n", lg_config_fields[i].key,
+                     lg_config_field_text(c, &lg_config_fields[i], value, sizeof value));
+    if (c->rope_adjustments.factor == 0.0f) return n;
+    lg_st_append(buf, cap, &n, "rope_adjustments:\n"); /* LitGPT's nested form */
+    for (int i = 0; i < LG_N_ROPE_FIELDS; i++)
+        lg_st_append(buf, cap, &n, "  %s: %s\n", lg_rope_fields[i].key,
+                     lg_config_field_text(c, &lg_rope_fields[i], value, sizeof value));
     return n;
 }
 
