@@ -1426,6 +1426,9 @@ int lg_training_state_read(lg_trainer *tr, lg_loader *data, int *step, const cha
 int lg_evaluate(lg_model *m, lg_loader *ld, int B, int T, int n_batches, double *mean_loss,
                 lg_error *err);
 
+#define LG_LOSS_SCALE_START 65536.0f /* 2^16 */
+#define LG_LOSS_SCALE_WINDOW 2000
+
 /* One rank of a trainer: its memory, its model, its optimizer over its shard, and views of its
    plan's token and communication regions. */
 typedef struct {
@@ -1478,11 +1481,13 @@ typedef struct lg_trainer {
     /* CPU ranks in several processes: every rank's MPI group (the step's loss and norm,
        checkpoints); NULL in one process */
     lg_comm *process_comm;
-    /* dynamic loss scaling (16-true, 16-mixed), as PyTorch's GradScaler */
+    /* dynamic loss scaling (16-true, 16-mixed), as PyTorch's GradScaler: start at
+       LG_LOSS_SCALE_START, halve and skip the step on an overflow, double after
+       LG_LOSS_SCALE_WINDOW clean steps */
     int scaling;        /* 1 in the fp16 precisions */
-    float loss_scale;   /* multiplies the loss before the backward: 2^16 at the start */
+    float loss_scale;   /* multiplies the loss before the backward */
     int clean_steps;    /* steps since the scale last changed */
-    int scale_window;   /* clean steps before the scale doubles: 2000 */
+    int scale_window;   /* clean steps before the scale doubles */
     char base_model[1024]; /* LoRA: the --load directory of the frozen model ("" when drawn
                               from the seed): adapter_config.json's base_model_name_or_path */
 } lg_trainer;
@@ -11880,8 +11885,8 @@ int lg_trainer_create_in(lg_trainer *tr, const lg_config *cfg, const lg_args *ar
         else lg_copy_from_whole(&m->exec, m->local, tr_r->host_weights, m->params);
     }
     tr->scaling = args->precision == LG_PRECISION_16_TRUE || args->precision == LG_PRECISION_16_MIXED;
-    tr->loss_scale = tr->scaling ? 65536.0f : 1.0f;
-    tr->scale_window = 2000;
+    tr->loss_scale = tr->scaling ? LG_LOSS_SCALE_START : 1.0f;
+    tr->scale_window = LG_LOSS_SCALE_WINDOW;
     lg_format(tr->base_model, sizeof tr->base_model, "%s", cfg->name); /* until --load */
     lg_trainer_sync(tr); /* the caller may load weights into the arenas next */
     return 0;
