@@ -372,7 +372,27 @@ static void test_remedy_settings(results *r) {
           "they name change", same, total);
 }
 
+/* One hash and one mixer: lg_hash64 is FNV-1a (the published 64-bit test vectors; the
+   checkpoints' COMPLETE markers depend on it) and lg_mix64 splitmix64's finaliser (its
+   published outputs from state 0). */
+static void test_hash_and_mixer(results *r) {
+    lg_rng rng;
+    lg_rng_seed(&rng, 0);
+    check(r, lg_hash64(LG_HASH64_INIT, "", 0) == 0xcbf29ce484222325ull &&
+          lg_hash64(LG_HASH64_INIT, "a", 1) == 0xaf63dc4c8601ec8cull &&
+          lg_hash64(LG_HASH64_INIT, "foobar", 6) == 0x85944171f73967e8ull &&
+          lg_hash64(lg_hash64(LG_HASH64_INIT, "foo", 3), "bar", 3) == 0x85944171f73967e8ull,
+          "lg_hash64 is 64-bit FNV-1a: \"a\" -> af63dc4c8601ec8c, \"foobar\" (whole or in two "
+          "parts) -> 85944171f73967e8");
+    check(r, lg_mix64(LG_GOLDEN_GAMMA) == 0xe220a8397b1dcdafull &&
+          lg_mix64(2 * LG_GOLDEN_GAMMA) == 0x6e789e6aa1b965f4ull &&
+          rng.state == (0xe220a8397b1dcdafull | 1),
+          "lg_mix64 is splitmix64's finaliser: its first two outputs from state 0 are "
+          "e220a8397b1dcdaf, 6e789e6aa1b965f4; lg_rng_seed(0) starts from the first");
+}
+
 static void test_first_hour(results *r) {
+    test_hash_and_mixer(r);
     test_remedy_settings(r);
     test_pictures(r);
     test_progress(r);
