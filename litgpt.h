@@ -2243,8 +2243,12 @@ static const char *lg_config_field_text(const lg_config *cfg, const lg_config_fi
     case LG_FIELD_FLOAT: snprintf(out, cap, "%.9g", *(const float *)field); break;
     case LG_FIELD_BOOL: snprintf(out, cap, "%s", flag ? "true" : "false"); break;
     case LG_FIELD_NAME: snprintf(out, cap, "%s", field); break;
-    case LG_FIELD_NORM: snprintf(out, cap, "%s", flag == LG_NORM_RMSNORM ? "RMSNorm" : "LayerNorm"); break;
-    case LG_FIELD_MLP: snprintf(out, cap, "%s", flag == LG_MLP_LLAMA ? "LLaMAMLP" : "GptNeoxMLP"); break;
+    case LG_FIELD_NORM:
+        snprintf(out, cap, "%s", flag == LG_NORM_RMSNORM ? "RMSNorm" : "LayerNorm");
+        break;
+    case LG_FIELD_MLP:
+        snprintf(out, cap, "%s", flag == LG_MLP_LLAMA ? "LLaMAMLP" : "GptNeoxMLP");
+        break;
     case LG_FIELD_GELU: snprintf(out, cap, "%s", flag ? "tanh" : "none"); break;
     }
     return out;
@@ -9706,7 +9710,8 @@ static size_t lg_hf_config_json(const lg_config *c, lg_hf_family f, lg_st_dtype 
                  lg_hf_layouts[f].architecture, lg_hf_layouts[f].model_type);
     for (int k = 0; k < lg_hf_layouts[f].n_keys; k++) {
         const lg_hf_key *h = &lg_hf_layouts[f].keys[k];
-        const lg_config_field *field = h->field ? &lg_config_fields[lg_config_field_index(h->field)] : NULL;
+        const lg_config_field *field =
+            h->field ? &lg_config_fields[lg_config_field_index(h->field)] : NULL;
         if (!field) lg_format(value, sizeof value, "%s", h->fixed);
         else if (field->type == LG_FIELD_GELU)
             lg_format(value, sizeof value, "\"%s\"", c->gelu_approximate_tanh ? h->fixed : "gelu");
@@ -10591,11 +10596,13 @@ static void lg_state_value(const lg_trainer *tr, const lg_loader *data, int step
     case LG_STATE_CONFIG: lg_format(out, cap, "%s", m0->cfg.name); break;
     case LG_STATE_N_PARAMS: lg_format(out, cap, "%zu", m0->n_params); break;
     case LG_STATE_LORA:
+        lg_lora_targets_name(lo->r ? lo->targets : 0, targets, sizeof targets);
         lg_format(out, cap, "r %d alpha %g dropout %g targets %s quantize %s", lo->r, lo->alpha,
-                  lo->dropout, lg_lora_targets_name(lo->r ? lo->targets : 0, targets, sizeof targets),
-                  lg_quantization_name(lo->quantize));
+                  lo->dropout, targets, lg_quantization_name(lo->quantize));
         break;
-    case LG_STATE_PRECISION: lg_format(out, cap, "%s", lg_precision_name(tr->args.precision)); break;
+    case LG_STATE_PRECISION:
+        lg_format(out, cap, "%s", lg_precision_name(tr->args.precision));
+        break;
     case LG_STATE_OPTIMIZER: lg_format(out, cap, "%s", lg_optimizer_name(opt0->kind)); break;
     case LG_STATE_OPTIMIZER_STATE: lg_format(out, cap, "%s", formats[opt0->format]); break;
     case LG_STATE_SEED: lg_format(out, cap, "%llu", (unsigned long long)tr->args.seed); break;
@@ -10607,8 +10614,12 @@ static void lg_state_value(const lg_trainer *tr, const lg_loader *data, int step
     case LG_STATE_LOSS_SCALE_BITS: lg_format(out, cap, "0x%08x", (unsigned)scale_bits); break;
     case LG_STATE_LOSS_SCALE: lg_format(out, cap, "%g", scale); break;
     case LG_STATE_CLEAN_STEPS: lg_format(out, cap, "%d", tr->clean_steps); break;
-    case LG_STATE_LOADER_WINDOWS: lg_format(out, cap, "%zu", data ? data->n_windows : (size_t)0); break;
-    case LG_STATE_LOADER_POSITION: lg_format(out, cap, "%zu", data ? data->position : (size_t)0); break;
+    case LG_STATE_LOADER_WINDOWS:
+        lg_format(out, cap, "%zu", data ? data->n_windows : (size_t)0);
+        break;
+    case LG_STATE_LOADER_POSITION:
+        lg_format(out, cap, "%zu", data ? data->position : (size_t)0);
+        break;
     case LG_STATE_LOADER_EPOCH: lg_format(out, cap, "%d", data ? data->epoch : 0); break;
     case LG_STATE_LOADER_RNG:
         lg_format(out, cap, "0x%016llx", data ? (unsigned long long)data->rng.state : 0ULL);
@@ -10733,7 +10744,8 @@ int lg_training_state_read(lg_trainer *tr, lg_loader *data, int *step, const cha
     if (rc != 0) return -1;
     uint32_t scale_bits = (uint32_t)v[LG_STATE_LOSS_SCALE_BITS];
     *step = (int)v[LG_STATE_STEP];
-    for (int r = 0; r < tr->local_ranks; r++) tr->ranks[r].opt.t = (int)v[LG_STATE_OPTIMIZER_UPDATES];
+    for (int r = 0; r < tr->local_ranks; r++)
+        tr->ranks[r].opt.t = (int)v[LG_STATE_OPTIMIZER_UPDATES];
     memcpy(&tr->loss_scale, &scale_bits, 4);
     tr->clean_steps = (int)v[LG_STATE_CLEAN_STEPS];
     if (data) {
@@ -11422,18 +11434,22 @@ static lg_buf lg_slot_buffer(const lg_trainer *tr, lg_buf ends, lg_buf blocks, i
 static int lg_gather_signal(const lg_trainer *tr, int u) {
     return LG_SIGNAL_GATHER + lg_unit_slot(u, tr->block_slots);
 }
-static int lg_reduce_signal(int u) { return LG_SIGNAL_REDUCE + lg_unit_slot(u, LG_GRAD_BLOCK_SLOTS); }
+static int lg_reduce_signal(int u) {
+    return LG_SIGNAL_REDUCE + lg_unit_slot(u, LG_GRAD_BLOCK_SLOTS);
+}
 
 /* Where rank r's gathered weights of unit u go. */
 static lg_buf lg_unit_weights(const lg_trainer *tr, int r, int u) {
     const lg_trainer_rank *tr_r = &tr->ranks[r];
-    return lg_slot_buffer(tr, tr_r->gather_ends, tr_r->gather_blocks, lg_unit_slot(u, tr->block_slots));
+    return lg_slot_buffer(tr, tr_r->gather_ends, tr_r->gather_blocks,
+                          lg_unit_slot(u, tr->block_slots));
 }
 
 /* Where rank r's gradients of unit u wait for their reduce-scatter. */
 static lg_buf lg_unit_grads(const lg_trainer *tr, int r, int u) {
     const lg_trainer_rank *tr_r = &tr->ranks[r];
-    return lg_slot_buffer(tr, tr_r->grad_ends, tr_r->grad_blocks, lg_unit_slot(u, LG_GRAD_BLOCK_SLOTS));
+    return lg_slot_buffer(tr, tr_r->grad_ends, tr_r->grad_blocks,
+                          lg_unit_slot(u, LG_GRAD_BLOCK_SLOTS));
 }
 
 /* The members of a group (ranks first + m stride, m < count) that this process drives: their

@@ -561,7 +561,7 @@ static void plot_val(loss_plot *p, int step, double loss) {
 /* A remedy's changed settings (lg_remedy.changes) as this driver's flags, in the library's
    order of the settings: "-b 2 -g 16". */
 static const char *remedy_flags(const lg_remedy *r, char *out, size_t cap) {
-    static const char *const state_formats[] = {"as-precision", "bf16", "8bit"}; /* lg_state_format */
+    static const char *const state_formats[] = {"as-precision", "bf16", "8bit"}; /* by format */
     const lg_args *a = &r->args;
     char one[64];
     out[0] = '\0';
