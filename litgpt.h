@@ -10564,20 +10564,37 @@ typedef enum {
 } lg_state_role;
 
 static const struct {
+    lg_state_scalar scalar;
     const char *key;
     lg_state_role role;
-} lg_state_scalars[LG_N_STATE_SCALARS] = { /* lg_state_scalar order */
-    {"format", LG_STATE_SAYS},            {"step", LG_STATE_RESUMED},
-    {"config", LG_STATE_SAME_RUN},        {"n_params", LG_STATE_SAME_RUN},
-    {"lora", LG_STATE_SAME_RUN},          {"precision", LG_STATE_SAME_RUN},
-    {"optimizer", LG_STATE_SAME_RUN},     {"optimizer_state", LG_STATE_SAME_RUN},
-    {"seed", LG_STATE_SAME_RUN},          {"global_batch", LG_STATE_SAME_RUN},
-    {"seq_length", LG_STATE_SAME_RUN},    {"optimizer_updates", LG_STATE_RESUMED},
-    {"loss_scale_bits", LG_STATE_RESUMED}, {"loss_scale", LG_STATE_SAYS},
-    {"clean_steps", LG_STATE_RESUMED},    {"loader_windows", LG_STATE_SAME_RUN},
-    {"loader_position", LG_STATE_RESUMED}, {"loader_epoch", LG_STATE_RESUMED},
-    {"loader_rng", LG_STATE_RESUMED},
+} lg_state_scalars[LG_N_STATE_SCALARS] = { /* in the file's order */
+    {LG_STATE_FORMAT, "format", LG_STATE_SAYS},
+    {LG_STATE_STEP, "step", LG_STATE_RESUMED},
+    {LG_STATE_CONFIG, "config", LG_STATE_SAME_RUN},
+    {LG_STATE_N_PARAMS, "n_params", LG_STATE_SAME_RUN},
+    {LG_STATE_LORA, "lora", LG_STATE_SAME_RUN},
+    {LG_STATE_PRECISION, "precision", LG_STATE_SAME_RUN},
+    {LG_STATE_OPTIMIZER, "optimizer", LG_STATE_SAME_RUN},
+    {LG_STATE_OPTIMIZER_STATE, "optimizer_state", LG_STATE_SAME_RUN},
+    {LG_STATE_SEED, "seed", LG_STATE_SAME_RUN},
+    {LG_STATE_GLOBAL_BATCH, "global_batch", LG_STATE_SAME_RUN},
+    {LG_STATE_SEQ_LENGTH, "seq_length", LG_STATE_SAME_RUN},
+    {LG_STATE_OPTIMIZER_UPDATES, "optimizer_updates", LG_STATE_RESUMED},
+    {LG_STATE_LOSS_SCALE_BITS, "loss_scale_bits", LG_STATE_RESUMED},
+    {LG_STATE_LOSS_SCALE, "loss_scale", LG_STATE_SAYS},
+    {LG_STATE_CLEAN_STEPS, "clean_steps", LG_STATE_RESUMED},
+    {LG_STATE_LOADER_WINDOWS, "loader_windows", LG_STATE_SAME_RUN},
+    {LG_STATE_LOADER_POSITION, "loader_position", LG_STATE_RESUMED},
+    {LG_STATE_LOADER_EPOCH, "loader_epoch", LG_STATE_RESUMED},
+    {LG_STATE_LOADER_RNG, "loader_rng", LG_STATE_RESUMED},
 };
+
+/* The metadata key of scalar k. */
+static const char *lg_state_key(lg_state_scalar k) {
+    for (int i = 0; i < LG_N_STATE_SCALARS; i++)
+        if (lg_state_scalars[i].scalar == k) return lg_state_scalars[i].key;
+    return "";
+}
 
 /* Scalar k of a run's state at step, as its metadata string. */
 static void lg_state_value(const lg_trainer *tr, const lg_loader *data, int step,
@@ -10632,7 +10649,8 @@ static void lg_state_value(const lg_trainer *tr, const lg_loader *data, int step
 static int lg_state_meta(const lg_trainer *tr, const lg_loader *data, int step, lg_st_meta *meta) {
     for (int k = 0; k < LG_N_STATE_SCALARS; k++) {
         lg_format(meta[k].key, sizeof meta[k].key, "%s", lg_state_scalars[k].key);
-        lg_state_value(tr, data, step, (lg_state_scalar)k, meta[k].value, sizeof meta[k].value);
+        lg_state_value(tr, data, step, lg_state_scalars[k].scalar, meta[k].value,
+                       sizeof meta[k].value);
     }
     return LG_N_STATE_SCALARS;
 }
@@ -10680,14 +10698,14 @@ static int lg_state_check_run(const lg_trainer *tr, const lg_loader *data, const
                               lg_error *err) {
     char want[sizeof ((lg_st_meta *)0)->value];
     lg_state_value(tr, data, 0, LG_STATE_FORMAT, want, sizeof want);
-    const char *format = lg_st_meta_get(f, lg_state_scalars[LG_STATE_FORMAT].key);
+    const char *format = lg_st_meta_get(f, lg_state_key(LG_STATE_FORMAT));
     if (!format || strcmp(format, want) != 0)
         return lg_fail(err, "training state %s: not a litgpt.c training state (format '%s')", f->path,
                        format ? format : "missing");
     for (int k = 0; k < LG_N_STATE_SCALARS; k++) {
         const char *key = lg_state_scalars[k].key, *have = lg_st_meta_get(f, key);
         if (lg_state_scalars[k].role != LG_STATE_SAME_RUN) continue;
-        lg_state_value(tr, data, 0, (lg_state_scalar)k, want, sizeof want);
+        lg_state_value(tr, data, 0, lg_state_scalars[k].scalar, want, sizeof want);
         if (!have || strcmp(have, want) != 0)
             return lg_fail(err, "training state %s: written with %s %s, this run has %s: resume "
                                 "with the run's settings", f->path, key, have ? have : "(none)",
@@ -10726,10 +10744,11 @@ int lg_training_state_read(lg_trainer *tr, lg_loader *data, int *step, const cha
     lg_whole_state w;
     w.owned = NULL;
     int n = 0, rc = lg_state_check_run(tr, data, &f, err);
-    unsigned long long v[LG_N_STATE_SCALARS] = {0}; /* the LG_STATE_RESUMED numbers */
+    unsigned long long v[LG_N_STATE_SCALARS] = {0}; /* the LG_STATE_RESUMED numbers, by scalar */
     for (int k = 0; k < LG_N_STATE_SCALARS && rc == 0; k++)
         if (lg_state_scalars[k].role == LG_STATE_RESUMED)
-            rc = lg_state_number(&f, lg_state_scalars[k].key, &v[k], err);
+            rc = lg_state_number(&f, lg_state_scalars[k].key, &v[lg_state_scalars[k].scalar],
+                                 err);
     if (rc == 0 && data && v[LG_STATE_LOADER_POSITION] > data->n_windows)
         rc = lg_fail(err, "training state %s: loader_position %llu is beyond the data's %zu windows",
                      path, v[LG_STATE_LOADER_POSITION], data->n_windows);
