@@ -1500,6 +1500,8 @@ typedef struct {
     int skipped;        /* an fp16 gradient overflowed: no update, the loss scale halved */
     int hessian;        /* Sophia refreshed its Hessian estimate: one more forward and backward */
     float loss_scale;   /* the scale this step used (1 without scaling) */
+    int diverged;       /* the step failed on a non-finite gradient norm without loss scaling
+                           (a driver may suggest a lower learning rate or clipping) */
 } lg_step_stats;
 
 int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args, int T,
@@ -11365,6 +11367,7 @@ static size_t lg_trainer_step_tokens(const lg_trainer *tr);
 int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *stats,
                     lg_error *err) {
     double start = lg_time_ms();
+    stats->diverged = 0;
     if (train->T > tr->ranks[0].model.T)
         return lg_fail(err, "data %s: rows of %d tokens, but the trainer was made for %d",
                        train->path, train->T, tr->ranks[0].model.T);
@@ -12087,9 +12090,11 @@ static int lg_trainer_update(lg_trainer *tr, int step, lg_step_stats *stats,
         tr->clean_steps = 0;
         return 0;
     }
-    if (!isfinite(norm))
+    if (!isfinite(norm)) {
+        stats->diverged = 1;
         return lg_fail(err, "step %d: the gradient norm is %g; stopped before it reached the "
-                            "weights (try a lower --lr or a --max-norm)", step + 1, norm);
+                            "weights", step + 1, norm);
+    }
     if (stats->n_targets == 0) {
         stats->skipped = 1; /* every target ignored: nothing to learn, no decay, no step */
         return 0;

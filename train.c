@@ -1370,6 +1370,9 @@ int main(int argc, char **argv) {
     for (int step = first_step; step < a.max_steps; step++) {
         lg_step_stats st;
         if (lg_trainer_step(&tr, &data.train, step, &st, &err) != 0) {
+            size_t used = strlen(err.msg);
+            if (st.diverged)
+                snprintf(err.msg + used, sizeof err.msg - used, " (try a lower --lr or a --max-norm)");
             progress_clear(&shown);
             die(1, &err);
         }
