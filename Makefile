@@ -25,7 +25,7 @@ CPU_CC = $(if $(MPICC),$(MPICC) -DLG_MPI,$(CC))
 # the CUDA backend's kernels run on the CPU in tests through this emulator (g++, no GPU)
 EMULATED = $(CXX) -std=c++17 -O2 -DLG_CUDA_EMULATE -Wall -Wextra -Werror -Wno-unknown-pragmas $(OPENMP) -x c++
 
-.PHONY: all cpu cuda portable test bench clean data tokenizers lora-memory gpu-bin
+.PHONY: all cpu cuda portable test bench clean data tokenizers lora-memory gpu-bin pictures
 
 all: train
 
@@ -171,6 +171,28 @@ bench: tools/bench
 	@if /usr/bin/python3 -c "import torch" 2>/dev/null; then /usr/bin/python3 tools/bench_torch.py --ops; \
 	 /usr/bin/python3 tools/bench_torch.py --bf16; \
 	 else echo "PyTorch not installed (apt-get install python3-torch): no side-by-side figure"; fi
+
+# README's pictures from real runs: docs/plan.svg (the no-fit example of "Will it fit?") and
+# docs/loss.svg (the built-in task, 200 steps), each rendered at its own size by headless
+# Chromium (apt-get install chromium) to build/NAME.png; fails when Chromium fails or its PNG
+# is empty. Not part of make test, which parses both SVGs as XML.
+CHROMIUM ?= chromium
+PLAN_PICTURE = --plan=svg -c tiny-llama-1.1b -b 8 -g 32 -t 2048 --memory-limit 24GiB
+LOSS_PICTURE = --max-steps 200 --eval-every 25
+pictures: train
+	@mkdir -p build
+	./train $(PLAN_PICTURE) > build/plan.svg.tmp && mv build/plan.svg.tmp docs/plan.svg
+	./train $(LOSS_PICTURE) --plot docs/loss.svg > build/loss-run.txt
+	@for p in plan loss; do \
+	  size=$$(sed -n 's/^<svg [^>]*width="\([0-9]*\)" height="\([0-9]*\)".*/\1,\2/p' docs/$$p.svg); \
+	  rm -f build/$$p.png; \
+	  echo "$(CHROMIUM) --headless --screenshot=build/$$p.png --window-size=$$size docs/$$p.svg"; \
+	  $(CHROMIUM) --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=$$size \
+	    --screenshot=$(CURDIR)/build/$$p.png file://$(CURDIR)/docs/$$p.svg 2>build/$$p-chromium.log \
+	    || { echo "chromium failed on docs/$$p.svg (build/$$p-chromium.log)"; exit 1; }; \
+	  [ -s build/$$p.png ] && head -c 4 build/$$p.png | grep -q PNG \
+	    || { echo "build/$$p.png: no picture"; exit 1; }; \
+	done
 
 clean:
 	rm -rf train tests/test tests/test64 tools/bench tools/prepare tools/lora_memory build

@@ -108,6 +108,11 @@ float lg_rng_uniform(lg_rng *rng); /* [0, 1) */
 float lg_rng_normal(lg_rng *rng);  /* standard normal */
 double lg_time_ms(void);           /* wall clock */
 
+/* The one hash of bytes: 64-bit FNV-1a, continuing from hash (start from LG_HASH64_INIT). The
+   checkpoints' COMPLETE markers hold it (section 12), so it stays FNV-1a. */
+uint64_t lg_hash64(uint64_t hash, const void *data, size_t bytes);
+#define LG_HASH64_INIT 0xCBF29CE484222325ull
+
 /* ---------------------------------------------------------------------------------------------
    2. numbers (API)
    ------------------------------------------------------------------------------------------- */
@@ -321,6 +326,9 @@ const char *lg_optimizer_name(lg_optimizer_kind kind);
 int lg_optimizer_states(lg_optimizer_kind kind, int momentum);
 /* The plan's name of state i ("optimizer.m", "optimizer.v", "optimizer.h", "optimizer.momentum"). */
 const char *lg_optimizer_state_name(lg_optimizer_kind kind, int i);
+/* The betas an optimizer takes unless given: AdamW (0.9, 0.95), the papers' Lion (0.9, 0.99)
+   and SophiaG (0.965, 0.99); SGD uses none (AdamW's are returned). */
+void lg_optimizer_default_betas(lg_optimizer_kind kind, float *beta1, float *beta2);
 
 /* Where a rank's memory lives and its ops run. A CUDA build picks LG_BACKEND_CUDA when a GPU
    is visible (lg_backend_in_use); a CPU build always runs on the CPU. */
@@ -345,7 +353,7 @@ typedef struct {
     int processes;             /* the launcher's processes the ranks spread over (1: this one
                                   drives every rank): the plan counts MPI's buffers */
     lg_strategy strategy;      /* --strategy; full-shard by default */
-    lg_optimizer_kind optimizer; /* -o adamw|sgd|lion|sophia */
+    lg_optimizer_kind optimizer; /* -o: AdamW (default), SGD, Lion or SophiaG */
     float lr, min_lr;          /* train.c: --min-lr is --lr / 10 unless given */
     int warmup_steps;
     float weight_decay, beta1, beta2, eps, momentum;
@@ -628,6 +636,16 @@ typedef struct {
 
 lg_sharding lg_sharding_of(const lg_plan_spec *spec);
 
+/* The collective buffers of a sharded run (regions gather.* and gradients.*) hold whole units:
+   the ends have one of each kind, the blocks take turns in slots. Full-shard gathers the next
+   block while one computes (LG_GATHER_BLOCK_SLOTS); shard-grad-op gathers each updated unit
+   once after the step (1). A block's gradients wait for their reduce-scatter while the block
+   before computes (LG_GRAD_BLOCK_SLOTS). */
+#define LG_GATHER_BLOCK_SLOTS 2
+#define LG_GRAD_BLOCK_SLOTS 2
+/* gather.blocks' slots of a run: LG_GATHER_BLOCK_SLOTS with sharded weights, else 1. */
+int lg_gather_block_slots(const lg_sharding *sh);
+
 void lg_plan_spec_from_args(lg_plan_spec *spec, const lg_args *args, int T);
 int lg_plan_make(lg_plan *plan, const lg_config *cfg, const lg_plan_spec *spec, lg_error *err);
 void lg_plan_free(lg_plan *plan);
@@ -648,12 +666,32 @@ const char *lg_dtype_name(lg_dtype dtype);
 size_t lg_dtype_size(lg_dtype dtype);
 const char *lg_group_name(lg_group group);
 const char *lg_pool_name(lg_pool pool);
+/* The settings a remedy changes (lg_remedy.changes: bits), in the order a command line names
+   them; the new values are the remedy's args (and T). A driver turns them into its flags. */
+enum {
+    LG_SETTING_RECOMPUTE = 1 << 0,       /* args.recompute */
+    LG_SETTING_OFFLOAD = 1 << 1,         /* args.offload */
+    LG_SETTING_PRECISION = 1 << 2,       /* args.precision */
+    LG_SETTING_LORA_R = 1 << 3,          /* args.lora.r */
+    LG_SETTING_QUANTIZE = 1 << 4,        /* args.lora.quantize */
+    LG_SETTING_OPTIMIZER_STATE = 1 << 5, /* args.optimizer_state */
+    LG_SETTING_OPTIMIZER = 1 << 6,       /* args.optimizer */
+    LG_SETTING_MOMENTUM = 1 << 7,        /* args.momentum */
+    LG_SETTING_SEQ_LENGTH = 1 << 8,      /* the remedy's T */
+    LG_SETTING_DEVICES = 1 << 9,         /* args.devices */
+    LG_SETTING_STRATEGY = 1 << 10,       /* args.strategy */
+    LG_SETTING_MICRO_BATCH = 1 << 11,    /* args.micro_batch_size */
+    LG_SETTING_GLOBAL_BATCH = 1 << 12,   /* args.global_batch_size */
+    LG_SETTING_LAST = LG_SETTING_GLOBAL_BATCH
+};
+
 /* One remedy of the OOM guide, priced by the planner. */
 typedef struct {
     const char *what;     /* "smaller micro-batch", ... */
     lg_args args;         /* the run with this change */
     int T;                /* its sequence length */
-    char flags[128];      /* the change as flags, e.g. "-b 2 -g 16" */
+    unsigned changes;     /* LG_SETTING_* bits: the settings a person changes for it, e.g.
+                             LG_SETTING_MICRO_BATCH | LG_SETTING_GLOBAL_BATCH */
     size_t device_bytes;  /* what each device needs with it */
     size_t host_bytes;    /* and the host, for each device */
     int fits;             /* device_bytes <= the limit, host_bytes <= the host's memory */
@@ -935,7 +973,8 @@ void lg_broadcast(lg_comm *comm, int n, int root, lg_buf *bufs, size_t count);
    (< LG_COMM_SIGNALS) on each member when done, and its ops wait only where
    lg_rank_await(rank, signal) says: the collective runs beside the compute. On the CPU they
    run at once and the wait is nothing. */
-#define LG_COMM_SIGNALS 6 /* the trainer's: 3 gather slots, 3 gradient slots */
+/* the trainer's: one a slot of the collective buffers, the ends' and the blocks' */
+#define LG_COMM_SIGNALS (2 + LG_GATHER_BLOCK_SLOTS + LG_GRAD_BLOCK_SLOTS)
 void lg_all_gather_async(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole,
                          size_t piece_count, int signal);
 void lg_reduce_scatter_sum_async(lg_comm *comm, int n, const lg_buf *whole, lg_buf *piece,
@@ -1365,9 +1404,6 @@ typedef struct {
     uint64_t hash;   /* 64-bit FNV-1a of every byte */
 } lg_file_digest;
 
-uint64_t lg_hash64(uint64_t hash, const void *data, size_t bytes); /* start from LG_HASH64_INIT */
-#define LG_HASH64_INIT 0xCBF29CE484222325ull
-
 /* Fills tensor `index`'s bytes (its end - begin) on request of lg_st_write. */
 typedef int (*lg_st_fill_fn)(void *ctx, int index, unsigned char *out, lg_error *err);
 /* Writes path atomically: assigns tensors[i].begin/end in order, writes path.tmp, fsyncs,
@@ -1435,6 +1471,9 @@ int lg_training_state_read(lg_trainer *tr, lg_loader *data, int *step, const cha
 int lg_evaluate(lg_model *m, lg_loader *ld, int B, int T, int n_batches, double *mean_loss,
                 lg_error *err);
 
+#define LG_LOSS_SCALE_START 65536.0f /* 2^16 */
+#define LG_LOSS_SCALE_WINDOW 2000
+
 /* One rank of a trainer: its memory, its model, its optimizer over its shard, and views of its
    plan's token and communication regions. */
 typedef struct {
@@ -1453,10 +1492,11 @@ typedef struct {
                             CPU, whose master weights (in the host pool) play that part */
     /* sharded: whole units, padded to S pieces (lg_shard_layout) */
     lg_buf gather_ends;  /* (S piece_count[0]): the gathered ends */
-    lg_buf gather_blocks;/* (slots, S piece_count[1]): gathered blocks, 2 slots (full-shard:
-                            one computing, the next prefetched) or 1 (shard-grad-op) */
+    lg_buf gather_blocks;/* (block_slots, S piece_count[1]): gathered blocks (full-shard: one
+                            computing, the next prefetched; shard-grad-op: 1 slot) */
     lg_buf grad_ends;    /* (S piece_count[0]): the ends' gradients until their reduce-scatter */
-    lg_buf grad_blocks;  /* (2, S piece_count[1]): a block's gradients until theirs */
+    lg_buf grad_blocks;  /* (LG_GRAD_BLOCK_SLOTS, S piece_count[1]): a block's gradients until
+                            theirs */
     lg_buf reduce_out;   /* (largest piece): what one reduce-scatter hands this rank */
 } lg_trainer_rank;
 
@@ -1475,7 +1515,7 @@ typedef struct lg_trainer {
     size_t step_tokens;        /* rows x their length of the step's micro-batches, all ranks */
     int *other_tokens;         /* (2, B, T): where the micro-batches of other processes' ranks
                                   are read (their targets counted) and dropped; NULL in one */
-    int block_slots;           /* gather_blocks slots: 2 or 1 */
+    int block_slots;           /* gather_blocks' slots: lg_gather_block_slots */
     int accumulation;          /* micro-batches per optimizer step and rank */
     /* GPUs: the NCCL communicators of shard group q (shard_comm[q], members q S + i), of
        replica group i (replica_comm[i], members q S + i) and of all ranks (weights broadcast
@@ -1486,11 +1526,13 @@ typedef struct lg_trainer {
     /* CPU ranks in several processes: every rank's MPI group (the step's loss and norm,
        checkpoints); NULL in one process */
     lg_comm *process_comm;
-    /* dynamic loss scaling (16-true, 16-mixed), as PyTorch's GradScaler */
+    /* dynamic loss scaling (16-true, 16-mixed), as PyTorch's GradScaler: start at
+       LG_LOSS_SCALE_START, halve and skip the step on an overflow, double after
+       LG_LOSS_SCALE_WINDOW clean steps */
     int scaling;        /* 1 in the fp16 precisions */
-    float loss_scale;   /* multiplies the loss before the backward: 2^16 at the start */
+    float loss_scale;   /* multiplies the loss before the backward */
     int clean_steps;    /* steps since the scale last changed */
-    int scale_window;   /* clean steps before the scale doubles: 2000 */
+    int scale_window;   /* clean steps before the scale doubles */
     char base_model[1024]; /* LoRA: the --load directory of the frozen model ("" when drawn
                               from the seed): adapter_config.json's base_model_name_or_path */
 } lg_trainer;
@@ -1503,6 +1545,8 @@ typedef struct {
     int skipped;        /* an fp16 gradient overflowed: no update, the loss scale halved */
     int hessian;        /* Sophia refreshed its Hessian estimate: one more forward and backward */
     float loss_scale;   /* the scale this step used (1 without scaling) */
+    int diverged;       /* the step failed on a non-finite gradient norm without loss scaling
+                           (a driver may suggest a lower learning rate or clipping) */
 } lg_step_stats;
 
 int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args, int T,
@@ -1610,13 +1654,23 @@ static void *lg_alloc_zeroed(size_t bytes) {
     return p;
 }
 
-/* splitmix64 scrambles the seed; xorshift64* draws. */
-void lg_rng_seed(lg_rng *rng, uint64_t seed) {
-    uint64_t z = seed + 0x9E3779B97F4A7C15ull;
+uint64_t lg_hash64(uint64_t hash, const void *data, size_t bytes) {
+    const unsigned char *p = (const unsigned char *)data;
+    for (size_t i = 0; i < bytes; i++) hash = (hash ^ p[i]) * 0x100000001B3ull;
+    return hash;
+}
+
+/* The one mixer of 64-bit numbers: splitmix64's finaliser, every input bit reaching every
+   output bit. Seeds, per-element random draws and hash-table slots go through it. */
+#define LG_GOLDEN_GAMMA 0x9E3779B97F4A7C15ull /* splitmix64's step between inputs */
+LG_HD uint64_t lg_mix64(uint64_t z) {
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    rng->state = (z ^ (z >> 31)) | 1u;
+    return z ^ (z >> 31);
 }
+
+/* splitmix64 scrambles the seed; xorshift64* draws. */
+void lg_rng_seed(lg_rng *rng, uint64_t seed) { rng->state = lg_mix64(seed + LG_GOLDEN_GAMMA) | 1u; }
 
 /* xorshift64*'s step of the state (before the output's multiplication). */
 static uint64_t lg_xorshift_step(uint64_t s) {
@@ -1802,10 +1856,7 @@ LG_HD lg_buf lg_buf_of(lg_real *p) {
 /* A uniform draw in [0, 1) that depends only on (seed, index): stochastic rounding gives the
    same bits whatever the thread count. */
 LG_HD float lg_hash_uniform(uint64_t seed, uint64_t index) {
-    uint64_t z = seed + 0x9E3779B97F4A7C15ull * (index + 1);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
+    uint64_t z = lg_mix64(seed + LG_GOLDEN_GAMMA * (index + 1));
     return (float)(z >> 40) * (1.0f / 16777216.0f);
 }
 
@@ -2145,44 +2196,50 @@ int lg_nf4_quantize(lg_buf src, size_t count, lg_quantization q, uint8_t *dst, l
 typedef enum { LG_FIELD_INT, LG_FIELD_FLOAT, LG_FIELD_BOOL, LG_FIELD_NAME, LG_FIELD_NORM,
                LG_FIELD_MLP, LG_FIELD_GELU } lg_field_type;
 
+/* The config's fields: the one table that the YAML loader, the model_config.yaml writer and
+   the config.json writer (section 12, through its Hugging Face names) walk. litgpt_default is
+   LitGPT's Config default (litgpt/config.py) as the YAML would spell it; NULL for the name
+   (the file's) and the fields lg_config_derive derives when the file leaves them out.
+   tie_embeddings and learned_pos_embedding are this trainer's (GPT-2); LitGPT has neither. */
 typedef struct {
-    const char *key;
+    const char *key;            /* LitGPT's name */
     lg_field_type type;
-    size_t offset;
+    size_t offset;              /* in lg_config */
+    const char *litgpt_default;
 } lg_config_field;
 
-#define LG_FIELD(key, type) {#key, type, offsetof(lg_config, key)}
+#define LG_FIELD(key, type, litgpt_default) {#key, type, offsetof(lg_config, key), litgpt_default}
 static const lg_config_field lg_config_fields[] = {
-    LG_FIELD(name, LG_FIELD_NAME),
-    LG_FIELD(n_layer, LG_FIELD_INT),
-    LG_FIELD(n_head, LG_FIELD_INT),
-    LG_FIELD(n_query_groups, LG_FIELD_INT),
-    LG_FIELD(n_embd, LG_FIELD_INT),
-    LG_FIELD(head_size, LG_FIELD_INT),
-    LG_FIELD(intermediate_size, LG_FIELD_INT),
-    LG_FIELD(block_size, LG_FIELD_INT),
-    LG_FIELD(vocab_size, LG_FIELD_INT),
-    LG_FIELD(padded_vocab_size, LG_FIELD_INT),
-    LG_FIELD(norm_class_name, LG_FIELD_NORM),
-    LG_FIELD(norm_eps, LG_FIELD_FLOAT),
-    LG_FIELD(mlp_class_name, LG_FIELD_MLP),
-    {"gelu_approximate", LG_FIELD_GELU, offsetof(lg_config, gelu_approximate_tanh)},
-    LG_FIELD(rotary_percentage, LG_FIELD_FLOAT),
-    LG_FIELD(rope_base, LG_FIELD_FLOAT),
-    LG_FIELD(parallel_residual, LG_FIELD_BOOL),
-    LG_FIELD(shared_attention_norm, LG_FIELD_BOOL),
-    LG_FIELD(bias, LG_FIELD_BOOL),
-    LG_FIELD(attn_bias, LG_FIELD_BOOL),
-    LG_FIELD(lm_head_bias, LG_FIELD_BOOL),
-    LG_FIELD(tie_embeddings, LG_FIELD_BOOL),
-    LG_FIELD(learned_pos_embedding, LG_FIELD_BOOL),
+    LG_FIELD(name, LG_FIELD_NAME, NULL),
+    LG_FIELD(n_layer, LG_FIELD_INT, "16"),
+    LG_FIELD(n_head, LG_FIELD_INT, "32"),
+    LG_FIELD(n_query_groups, LG_FIELD_INT, NULL),
+    LG_FIELD(n_embd, LG_FIELD_INT, "4096"),
+    LG_FIELD(head_size, LG_FIELD_INT, NULL),
+    LG_FIELD(intermediate_size, LG_FIELD_INT, NULL),
+    LG_FIELD(block_size, LG_FIELD_INT, "4096"),
+    LG_FIELD(vocab_size, LG_FIELD_INT, "50254"),
+    LG_FIELD(padded_vocab_size, LG_FIELD_INT, NULL),
+    LG_FIELD(norm_class_name, LG_FIELD_NORM, "LayerNorm"),
+    LG_FIELD(norm_eps, LG_FIELD_FLOAT, "1e-5"),
+    LG_FIELD(mlp_class_name, LG_FIELD_MLP, "GptNeoxMLP"),
+    {"gelu_approximate", LG_FIELD_GELU, offsetof(lg_config, gelu_approximate_tanh), "none"},
+    LG_FIELD(rotary_percentage, LG_FIELD_FLOAT, "0.25"),
+    LG_FIELD(rope_base, LG_FIELD_FLOAT, "10000"),
+    LG_FIELD(parallel_residual, LG_FIELD_BOOL, "true"),
+    LG_FIELD(shared_attention_norm, LG_FIELD_BOOL, "false"),
+    LG_FIELD(bias, LG_FIELD_BOOL, "true"),
+    LG_FIELD(attn_bias, LG_FIELD_BOOL, "false"),
+    LG_FIELD(lm_head_bias, LG_FIELD_BOOL, "false"),
+    LG_FIELD(tie_embeddings, LG_FIELD_BOOL, "false"),
+    LG_FIELD(learned_pos_embedding, LG_FIELD_BOOL, "false"),
 };
 #undef LG_FIELD
 #define LG_N_CONFIG_FIELDS ((int)(sizeof lg_config_fields / sizeof lg_config_fields[0]))
 
 /* The lines of LitGPT's nested rope_adjustments block (offsets within lg_config). */
 #define LG_ROPE_FIELD(key, type)                                                                \
-    {#key, type, offsetof(lg_config, rope_adjustments) + offsetof(lg_rope_adjustments, key)}
+    {#key, type, offsetof(lg_config, rope_adjustments) + offsetof(lg_rope_adjustments, key), NULL}
 static const lg_config_field lg_rope_fields[] = {
     LG_ROPE_FIELD(factor, LG_FIELD_FLOAT),
     LG_ROPE_FIELD(low_freq_factor, LG_FIELD_FLOAT),
@@ -2257,27 +2314,33 @@ static const char *lg_field_expectation(lg_field_type type) {
     return "";
 }
 
+/* A field's value as the YAML spells it (the inverse of lg_config_set), into out. */
+static const char *lg_config_field_text(const lg_config *cfg, const lg_config_field *f, char *out,
+                                        size_t cap) {
+    const char *field = (const char *)cfg + f->offset;
+    int flag = f->type == LG_FIELD_FLOAT || f->type == LG_FIELD_NAME ? 0 : *(const int *)field;
+    switch (f->type) {
+    case LG_FIELD_INT: snprintf(out, cap, "%d", flag); break;
+    case LG_FIELD_FLOAT: snprintf(out, cap, "%.9g", *(const float *)field); break;
+    case LG_FIELD_BOOL: snprintf(out, cap, "%s", flag ? "true" : "false"); break;
+    case LG_FIELD_NAME: snprintf(out, cap, "%s", field); break;
+    case LG_FIELD_NORM:
+        snprintf(out, cap, "%s", flag == LG_NORM_RMSNORM ? "RMSNorm" : "LayerNorm");
+        break;
+    case LG_FIELD_MLP:
+        snprintf(out, cap, "%s", flag == LG_MLP_LLAMA ? "LLaMAMLP" : "GptNeoxMLP");
+        break;
+    case LG_FIELD_GELU: snprintf(out, cap, "%s", flag ? "tanh" : "none"); break;
+    }
+    return out;
+}
+
 /* The index of key in lg_config_fields, or -1. */
 static int lg_config_field_index(const char *key) {
     for (int i = 0; i < LG_N_CONFIG_FIELDS; i++)
         if (strcmp(key, lg_config_fields[i].key) == 0) return i;
     return -1;
 }
-
-/* LitGPT's Config defaults (litgpt/config.py) of the fields above that have a fixed one; the
-   others are derived after the file is read (lg_config_derive). tie_embeddings and
-   learned_pos_embedding are this trainer's (GPT-2); LitGPT has neither. */
-static const struct {
-    const char *key, *value;
-} lg_config_defaults[] = {
-    {"block_size", "4096"},       {"n_layer", "16"},          {"n_embd", "4096"},
-    {"vocab_size", "50254"},      {"n_head", "32"},           {"norm_class_name", "LayerNorm"},
-    {"norm_eps", "1e-5"},         {"mlp_class_name", "GptNeoxMLP"},
-    {"gelu_approximate", "none"}, {"rotary_percentage", "0.25"}, {"rope_base", "10000"},
-    {"parallel_residual", "true"}, {"shared_attention_norm", "false"}, {"bias", "true"},
-    {"attn_bias", "false"},       {"lm_head_bias", "false"},  {"tie_embeddings", "false"},
-    {"learned_pos_embedding", "false"},
-};
 
 /* LitGPT's fields this trainer does not model, and the values that leave the architecture as
    built here; any other value is refused naming the field. */
@@ -2448,9 +2511,9 @@ int lg_config_load(lg_config *cfg, const char *path, lg_error *err) {
     FILE *f = fopen(path, "r");
     if (!f) return lg_fail(err, "config %s: cannot open: %s", path, strerror(errno));
     memset(cfg, 0, sizeof *cfg);
-    for (size_t d = 0; d < sizeof lg_config_defaults / sizeof lg_config_defaults[0]; d++)
-        lg_config_set(cfg, &lg_config_fields[lg_config_field_index(lg_config_defaults[d].key)],
-                      lg_config_defaults[d].value);
+    for (int i = 0; i < LG_N_CONFIG_FIELDS; i++)
+        if (lg_config_fields[i].litgpt_default)
+            lg_config_set(cfg, &lg_config_fields[i], lg_config_fields[i].litgpt_default);
     lg_config_name_from_path(cfg, path);
     int seen[LG_N_CONFIG_FIELDS] = {0}, rope_seen[LG_N_ROPE_FIELDS] = {0};
     int padding_multiple = 512, window = 0, in_rope_block = 0, rope_block = 0;
@@ -2714,8 +2777,7 @@ void lg_args_default(lg_args *a) {
     a->min_lr = 4e-4f;
     a->warmup_steps = 50;
     a->weight_decay = 0.1f;
-    a->beta1 = 0.9f;
-    a->beta2 = 0.95f;
+    lg_optimizer_default_betas(a->optimizer, &a->beta1, &a->beta2);
     a->eps = 1e-8f;
     a->momentum = 0.9f;
     a->max_norm = 1.0f;
@@ -2738,6 +2800,11 @@ const char *lg_optimizer_name(lg_optimizer_kind kind) { return lg_optimizer_name
 int lg_optimizer_states(lg_optimizer_kind kind, int momentum) {
     if (kind == LG_OPTIMIZER_ADAMW || kind == LG_OPTIMIZER_SOPHIA) return 2;
     return kind == LG_OPTIMIZER_LION ? 1 : momentum != 0;
+}
+
+void lg_optimizer_default_betas(lg_optimizer_kind kind, float *beta1, float *beta2) {
+    *beta1 = kind == LG_OPTIMIZER_SOPHIA ? 0.965f : 0.9f;
+    *beta2 = kind == LG_OPTIMIZER_LION || kind == LG_OPTIMIZER_SOPHIA ? 0.99f : 0.95f;
 }
 
 const char *lg_optimizer_state_name(lg_optimizer_kind kind, int i) {
@@ -3290,6 +3357,10 @@ lg_sharding lg_sharding_of(const lg_plan_spec *s) {
     return sh;
 }
 
+int lg_gather_block_slots(const lg_sharding *sh) {
+    return sh->weights_sharded ? LG_GATHER_BLOCK_SLOTS : 1;
+}
+
 static void lg_shard_layout_free(lg_shard_layout *sl) {
     LG_FREE(sl->unit_offset);
     LG_FREE(sl->piece_count);
@@ -3400,14 +3471,12 @@ static int lg_plan_model_state(lg_rank_plan *r, const lg_plan *plan) {
         size_t block = sl->piece_count[1] * S, piece = 0;
         for (int u = 0; u < sl->n_units; u++)
             piece = sl->piece_count[u] > piece ? sl->piece_count[u] : piece;
-        /* shard-grad-op gathers each updated unit once after the step: one block slot */
-        int block_slots = sh->weights_sharded ? 2 : 1;
         rc |= lg_plan_add(r, "gather.ends", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.weights, ends);
         rc |= lg_plan_add(r, "gather.blocks", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.weights,
-                          block_slots * block);
+                          lg_gather_block_slots(sh) * block);
         rc |= lg_plan_add(r, "gradients.ends", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.grads, ends);
         rc |= lg_plan_add(r, "gradients.blocks", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.grads,
-                          2 * block);
+                          LG_GRAD_BLOCK_SLOTS * block);
         rc |= lg_plan_add(r, "reduce_scatter.out", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.grads,
                           piece);
     }
@@ -3692,12 +3761,13 @@ int lg_plan_auto_micro_batch(const lg_config *cfg, const lg_args *args, int T, s
     return 0;
 }
 
-/* Fills r from a changed run and prices it. */
-static void lg_remedy_price(lg_remedy *r, const char *what, const lg_config *cfg,
-                            const lg_args *a, int T, size_t limit) {
+/* Fills r from a changed run (changes: its LG_SETTING_* bits) and prices it. */
+static void lg_remedy_price(lg_remedy *r, const char *what, unsigned changes,
+                            const lg_config *cfg, const lg_args *a, int T, size_t limit) {
     r->what = what;
     r->args = *a;
     r->T = T;
+    r->changes = changes;
     size_t host;
     r->device_bytes = lg_plan_pools_for(cfg, a, T, &host);
     r->host_bytes = host;
@@ -3716,36 +3786,39 @@ static int lg_fitting_seq_length(const lg_config *cfg, const lg_args *a, int T, 
 }
 
 /* The step down in optimizer state: AdamW's moments in 8 bits, AdamW or Sophia to Lion's one
-   state, Lion or SGD with momentum to plain SGD. Returns 0 when there is none. */
-static int lg_lighter_optimizer(const lg_args *args, lg_args *a, char *flags, size_t size) {
+   state, Lion or SGD with momentum to plain SGD. Returns the settings it changes, 0 when there
+   is none. */
+static unsigned lg_lighter_optimizer(const lg_args *args, lg_args *a) {
     *a = *args;
     if (args->optimizer == LG_OPTIMIZER_ADAMW && args->optimizer_state != LG_STATE_8BIT) {
         a->optimizer_state = LG_STATE_8BIT;
-        snprintf(flags, size, "--optimizer-state 8bit");
-    } else if (args->optimizer == LG_OPTIMIZER_ADAMW || args->optimizer == LG_OPTIMIZER_SOPHIA) {
+        return LG_SETTING_OPTIMIZER_STATE;
+    }
+    if (args->optimizer == LG_OPTIMIZER_ADAMW || args->optimizer == LG_OPTIMIZER_SOPHIA) {
         a->optimizer = LG_OPTIMIZER_LION;
-        a->optimizer_state = LG_STATE_AS_PRECISION;
-        snprintf(flags, size, "-o lion");
-    } else if (args->optimizer == LG_OPTIMIZER_LION || args->momentum != 0.0f) {
+        a->optimizer_state = LG_STATE_AS_PRECISION; /* Lion's state has no other format */
+        return LG_SETTING_OPTIMIZER;
+    }
+    if (args->optimizer == LG_OPTIMIZER_LION || args->momentum != 0.0f) {
         a->optimizer = LG_OPTIMIZER_SGD;
         a->momentum = 0;
-        snprintf(flags, size, "-o sgd --momentum 0");
-    } else {
-        return 0;
+        return LG_SETTING_OPTIMIZER | LG_SETTING_MOMENTUM;
     }
-    return 1;
+    return 0;
 }
 
+/* LitGPT's default adapter rank, the one LoRA and QLoRA remedies use. */
+#define LG_LORA_REMEDY_RANK 8
+
 /* Fine-tuning every weight: LoRA's adapters over the frozen model (LitGPT's defaults: r 8 on q
-   and v), or QLoRA's with the base in NF4 with double quantization. Returns 0 when it does not
-   apply (not fine-tuning, or adapters already). */
-static int lg_lora_remedy(const lg_args *args, int quantized, lg_args *a, char *flags, size_t size) {
+   and v), or QLoRA's with the base in NF4 with double quantization. Returns the settings it
+   changes, 0 when it does not apply (not fine-tuning, or adapters already). */
+static unsigned lg_lora_remedy(const lg_args *args, int quantized, lg_args *a) {
     if (!args->finetuning || args->lora.r > 0) return 0;
     *a = *args;
-    a->lora.r = 8;
+    a->lora.r = LG_LORA_REMEDY_RANK;
     a->lora.quantize = quantized ? LG_QUANTIZE_NF4_DQ : LG_QUANTIZE_NONE;
-    snprintf(flags, size, quantized ? "--lora-r 8 --quantize nf4-dq" : "--lora-r 8");
-    return 1;
+    return LG_SETTING_LORA_R | (quantized ? LG_SETTING_QUANTIZE : 0);
 }
 
 int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t limit,
@@ -3757,21 +3830,17 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
         a.global_batch_size = global;
         a.micro_batch_size = lg_plan_auto_micro_batch(cfg, &a, T, limit);
         if (a.micro_batch_size == 0) a.micro_batch_size = 1;
-        if (a.micro_batch_size < args->micro_batch_size) {
-            lg_remedy_price(&out[n], "smaller micro-batch", cfg, &a, T, limit);
-            snprintf(out[n++].flags, sizeof out[0].flags, "-b %d -g %d", a.micro_batch_size, global);
-        }
+        if (a.micro_batch_size < args->micro_batch_size)
+            lg_remedy_price(&out[n++], "smaller micro-batch",
+                            LG_SETTING_MICRO_BATCH | LG_SETTING_GLOBAL_BATCH, cfg, &a, T, limit);
     }
-    if (T > 1) {
-        int shorter = lg_fitting_seq_length(cfg, args, T, limit);
-        lg_remedy_price(&out[n], "shorter sequence", cfg, args, shorter, limit);
-        snprintf(out[n++].flags, sizeof out[0].flags, "-t %d", shorter);
-    }
+    if (T > 1)
+        lg_remedy_price(&out[n++], "shorter sequence", LG_SETTING_SEQ_LENGTH, cfg, args,
+                        lg_fitting_seq_length(cfg, args, T, limit), limit);
     if (args->precision != LG_PRECISION_BF16_TRUE && args->precision != LG_PRECISION_16_TRUE) {
         a = *args;
         a.precision = LG_PRECISION_BF16_TRUE;
-        lg_remedy_price(&out[n], "a -true precision", cfg, &a, T, limit);
-        snprintf(out[n++].flags, sizeof out[0].flags, "-p bf16-true");
+        lg_remedy_price(&out[n++], "a -true precision", LG_SETTING_PRECISION, cfg, &a, T, limit);
     }
     a = *args; /* the fewest of 2, 4, 8 times the devices that fits */
     for (a.devices = 2 * args->devices;; a.devices *= 2) {
@@ -3780,24 +3849,29 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
         if (a.devices == 8 * args->devices || lg_fits(cfg, &a, T, limit)) break;
     }
     a.strategy = LG_STRATEGY_FULL_SHARD;
-    lg_remedy_price(&out[n], "more devices (full-shard)", cfg, &a, T, limit);
-    snprintf(out[n++].flags, sizeof out[0].flags, "-d %d", a.devices);
+    /* the devices; the strategy and the global batch only where they differ from what the
+       new device count gives by default (full-shard, -b x ranks) */
+    unsigned devices = LG_SETTING_DEVICES;
+    if (args->strategy != a.strategy) devices |= LG_SETTING_STRATEGY;
+    if (args->global_batch_size && a.global_batch_size != args->global_batch_size)
+        devices |= LG_SETTING_GLOBAL_BATCH;
+    lg_remedy_price(&out[n++], "more devices (full-shard)", devices, cfg, &a, T, limit);
     if (!args->recompute) {
         a = *args;
         a.recompute = 1;
-        lg_remedy_price(&out[n], "block recompute", cfg, &a, T, limit);
-        snprintf(out[n++].flags, sizeof out[0].flags, "--recompute block");
+        lg_remedy_price(&out[n++], "block recompute", LG_SETTING_RECOMPUTE, cfg, &a, T, limit);
     }
     if (!args->offload) {
         a = *args;
         a.offload = 1;
-        lg_remedy_price(&out[n], "CPU offload", cfg, &a, T, limit);
-        snprintf(out[n++].flags, sizeof out[0].flags, "--offload");
+        lg_remedy_price(&out[n++], "CPU offload", LG_SETTING_OFFLOAD, cfg, &a, T, limit);
     }
-    if (lg_lighter_optimizer(args, &a, out[n].flags, sizeof out[n].flags))
-        lg_remedy_price(&out[n++], "an optimizer with less state", cfg, &a, T, limit);
-    for (int q = 0; q < 2 && lg_lora_remedy(args, q, &a, out[n].flags, sizeof out[n].flags); q++)
-        lg_remedy_price(&out[n++], q ? "QLoRA (NF4 base)" : "LoRA adapters", cfg, &a, T, limit);
+    unsigned changes = lg_lighter_optimizer(args, &a);
+    if (changes)
+        lg_remedy_price(&out[n++], "an optimizer with less state", changes, cfg, &a, T, limit);
+    for (int q = 0; q < 2 && (changes = lg_lora_remedy(args, q, &a)) != 0; q++)
+        lg_remedy_price(&out[n++], q ? "QLoRA (NF4 base)" : "LoRA adapters", changes, cfg, &a, T,
+                        limit);
     return n;
 }
 
@@ -3809,45 +3883,36 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
 enum { LG_FIX_MICRO_BATCH = 1, LG_FIX_RECOMPUTE = 2, LG_FIX_OFFLOAD = 4, LG_FIX_PRECISION = 8,
        LG_FIX_OPTIMIZER = 16, LG_FIX_SEQUENCE = 32, LG_FIX_LORA = 64, LG_FIX_QLORA = 128 };
 
-static void lg_append(char *flags, size_t size, const char *text) {
-    snprintf(flags + strlen(flags), size - strlen(flags), "%s", text);
-}
-
 /* Applies a set of fixes to args and T; the micro-batch and the sequence length become the
-   largest that fit with the others. Fills the flags. */
-static void lg_apply_fixes(const lg_config *cfg, const lg_args *args, int T, size_t limit,
-                           int fixes, lg_args *a, int *t, char *flags, size_t size) {
-    char number[64];
+   largest that fit with the others. Returns the settings changed (LG_SETTING_* bits). */
+static unsigned lg_apply_fixes(const lg_config *cfg, const lg_args *args, int T, size_t limit,
+                               int fixes, lg_args *a, int *t) {
+    unsigned changes = 0;
     *a = *args;
     *t = T;
-    flags[0] = '\0';
     a->global_batch_size = lg_global_batch(args);
     if (fixes & LG_FIX_RECOMPUTE) {
         a->recompute = 1;
-        lg_append(flags, size, " --recompute block");
+        changes |= LG_SETTING_RECOMPUTE;
     }
     if (fixes & LG_FIX_OFFLOAD) {
         a->offload = 1;
-        lg_append(flags, size, " --offload");
+        changes |= LG_SETTING_OFFLOAD;
     }
     if (fixes & LG_FIX_PRECISION) {
         a->precision = LG_PRECISION_BF16_TRUE;
-        lg_append(flags, size, " -p bf16-true");
+        changes |= LG_SETTING_PRECISION;
     }
-    char adapters[64];
-    lg_args adapted;
+    lg_args changed;
+    unsigned more;
     if ((fixes & (LG_FIX_LORA | LG_FIX_QLORA)) &&
-        lg_lora_remedy(a, (fixes & LG_FIX_QLORA) != 0, &adapted, adapters, sizeof adapters)) {
-        *a = adapted;
-        lg_append(flags, size, " ");
-        lg_append(flags, size, adapters);
+        (more = lg_lora_remedy(a, (fixes & LG_FIX_QLORA) != 0, &changed)) != 0) {
+        *a = changed;
+        changes |= more;
     }
-    char lighter[64];
-    lg_args step_down;
-    if ((fixes & LG_FIX_OPTIMIZER) && lg_lighter_optimizer(a, &step_down, lighter, sizeof lighter)) {
-        *a = step_down;
-        lg_append(flags, size, " ");
-        lg_append(flags, size, lighter);
+    if ((fixes & LG_FIX_OPTIMIZER) && (more = lg_lighter_optimizer(a, &changed)) != 0) {
+        *a = changed;
+        changes |= more;
     }
     if (fixes & LG_FIX_MICRO_BATCH) {
         a->micro_batch_size = 1; /* the sequence search below assumes the smallest */
@@ -3855,16 +3920,13 @@ static void lg_apply_fixes(const lg_config *cfg, const lg_args *args, int T, siz
             int b = lg_plan_auto_micro_batch(cfg, a, T, limit);
             a->micro_batch_size = b ? b : 1;
         }
+        changes |= LG_SETTING_MICRO_BATCH | LG_SETTING_GLOBAL_BATCH;
     }
     if (fixes & LG_FIX_SEQUENCE) {
         *t = lg_fitting_seq_length(cfg, a, T, limit);
-        snprintf(number, sizeof number, " -t %d", *t);
-        lg_append(flags, size, number);
+        changes |= LG_SETTING_SEQ_LENGTH;
     }
-    if (fixes & LG_FIX_MICRO_BATCH) {
-        snprintf(number, sizeof number, " -b %d -g %d", a->micro_batch_size, a->global_batch_size);
-        lg_append(flags, size, number);
-    }
+    return changes;
 }
 
 int lg_plan_cheapest_fit(const lg_config *cfg, const lg_args *args, int T, size_t limit,
@@ -3882,18 +3944,16 @@ int lg_plan_cheapest_fit(const lg_config *cfg, const lg_args *args, int T, size_
                                         LG_FIX_MICRO_BATCH | LG_FIX_OFFLOAD,
                                         LG_FIX_RECOMPUTE | LG_FIX_OFFLOAD,
                                         LG_FIX_MICRO_BATCH | LG_FIX_RECOMPUTE | LG_FIX_OFFLOAD};
-    char flags[128];
     lg_args a;
     int t;
     for (size_t i = 0; i < sizeof changes / sizeof changes[0]; i++)
         for (size_t j = 0; j < sizeof same_training / sizeof same_training[0]; j++) {
             int fixes = changes[i] | same_training[j];
             if (fixes == 0) continue;
-            if ((fixes & (LG_FIX_LORA | LG_FIX_QLORA)) && !lg_lora_remedy(args, 0, &a, flags, sizeof flags))
+            if ((fixes & (LG_FIX_LORA | LG_FIX_QLORA)) && !lg_lora_remedy(args, 0, &a))
                 continue; /* adapters only when fine-tuning every weight */
-            lg_apply_fixes(cfg, args, T, limit, fixes, &a, &t, flags, sizeof flags);
-            lg_remedy_price(best, "cheapest", cfg, &a, t, limit);
-            snprintf(best->flags, sizeof best->flags, "%s", flags + 1);
+            unsigned settings = lg_apply_fixes(cfg, args, T, limit, fixes, &a, &t);
+            lg_remedy_price(best, "cheapest", settings, cfg, &a, t, limit);
             if (best->fits) return 0;
         }
     return -1; /* best holds the last, most drastic, attempt */
@@ -8672,22 +8732,10 @@ static int lg_chars_decode(lg_chars *c, const char *text, size_t len) {
 
 /* --- the vocabulary and merge tables ---------------------------------------------------------- */
 
-static uint64_t lg_hash_bytes(const char *s, size_t n) {
-    uint64_t h = 1469598103934665603ull;
-    for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)s[i]) * 1099511628211ull;
-    return h;
-}
-
-static uint64_t lg_hash_pair(uint64_t pair) {
-    pair ^= pair >> 33;
-    pair *= 0xff51afd7ed558ccdull;
-    return pair ^ (pair >> 33);
-}
-
 int lg_tokenizer_find(const lg_tokenizer *tok, const char *piece, size_t len) {
     if (!tok->piece_table) return -1;
     size_t mask = tok->piece_slots - 1;
-    for (size_t s = lg_hash_bytes(piece, len) & mask;; s = (s + 1) & mask) {
+    for (size_t s = lg_hash64(LG_HASH64_INIT, piece, len) & mask;; s = (s + 1) & mask) {
         int id = tok->piece_table[s];
         if (id < 0) return -1;
         size_t start = tok->piece_start[id], n = tok->piece_start[id + 1] - start;
@@ -8697,7 +8745,7 @@ int lg_tokenizer_find(const lg_tokenizer *tok, const char *piece, size_t len) {
 
 /* The slot of a merge pair: where it is, or the empty slot where it would go. */
 static size_t lg_merge_slot(const lg_tokenizer *tok, uint64_t pair) {
-    size_t mask = tok->merge_slots - 1, s = lg_hash_pair(pair) & mask;
+    size_t mask = tok->merge_slots - 1, s = lg_mix64(pair) & mask;
     while (tok->merge_pair[s] != UINT64_MAX && tok->merge_pair[s] != pair) s = (s + 1) & mask;
     return s;
 }
@@ -8734,7 +8782,7 @@ static int lg_tokenizer_set_pieces(lg_tokenizer *tok, char **items, const size_t
     for (int i = 0; i < V; i++) {
         const char *p = tok->pieces + tok->piece_start[i];
         if (n[i] == 0 || lg_tokenizer_find(tok, p, n[i]) >= 0) continue; /* first id wins */
-        size_t mask = tok->piece_slots - 1, s = lg_hash_bytes(p, n[i]) & mask;
+        size_t mask = tok->piece_slots - 1, s = lg_hash64(LG_HASH64_INIT, p, n[i]) & mask;
         while (tok->piece_table[s] >= 0) s = (s + 1) & mask;
         tok->piece_table[s] = i;
     }
@@ -9387,13 +9435,7 @@ static int lg_format(char *out, size_t cap, const char *fmt, ...) {
     return n;
 }
 
-/* --- hashing and atomic files ---------------------------------------------------------------- */
-
-uint64_t lg_hash64(uint64_t hash, const void *data, size_t bytes) {
-    const unsigned char *p = (const unsigned char *)data;
-    for (size_t i = 0; i < bytes; i++) hash = (hash ^ p[i]) * 0x100000001B3ull;
-    return hash;
-}
+/* --- atomic files ----------------------------------------------------------------------------- */
 
 /* A file being written under a temporary name; committed by a rename. */
 typedef struct {
@@ -9988,80 +10030,101 @@ static const char *lg_hf_dtype_label(lg_st_dtype d) {
     return d == LG_ST_BF16 ? "bfloat16" : d == LG_ST_F16 ? "float16" : "float32";
 }
 
+/* config.json of each family: its keys in the file's order, each the value of a config field
+   (lg_config_fields, named by its LitGPT key and written as its type says) or a fixed JSON
+   value. gelu_approximate is written as the family's activation: `fixed` names its tanh form,
+   "gelu" the exact one. */
+typedef struct {
+    const char *key;    /* Hugging Face's */
+    const char *field;  /* LitGPT's, or NULL */
+    const char *fixed;  /* the JSON value without a field; the tanh activation's name with one */
+} lg_hf_key;
+
+static const lg_hf_key lg_hf_gpt2_keys[] = {
+    {"vocab_size", "padded_vocab_size", NULL}, {"n_positions", "block_size", NULL},
+    {"n_ctx", "block_size", NULL}, {"n_embd", "n_embd", NULL}, {"n_layer", "n_layer", NULL},
+    {"n_head", "n_head", NULL}, {"n_inner", "intermediate_size", NULL},
+    {"activation_function", "gelu_approximate", "gelu_new"},
+    {"layer_norm_epsilon", "norm_eps", NULL}};
+static const lg_hf_key lg_hf_neox_keys[] = {
+    {"vocab_size", "padded_vocab_size", NULL}, {"max_position_embeddings", "block_size", NULL},
+    {"hidden_size", "n_embd", NULL}, {"num_hidden_layers", "n_layer", NULL},
+    {"num_attention_heads", "n_head", NULL}, {"intermediate_size", "intermediate_size", NULL},
+    {"hidden_act", "gelu_approximate", "gelu_new"}, {"rotary_pct", "rotary_percentage", NULL},
+    {"rotary_emb_base", "rope_base", NULL}, {"layer_norm_eps", "norm_eps", NULL},
+    {"use_parallel_residual", "parallel_residual", NULL}, {"attention_bias", NULL, "true"}};
+/* Falcon-7B's layout: multi-query, attention and MLP in parallel on one norm */
+static const lg_hf_key lg_hf_falcon_keys[] = {
+    {"vocab_size", "padded_vocab_size", NULL}, {"max_position_embeddings", "block_size", NULL},
+    {"hidden_size", "n_embd", NULL}, {"num_hidden_layers", "n_layer", NULL},
+    {"num_attention_heads", "n_head", NULL}, {"num_kv_heads", NULL, "1"},
+    {"multi_query", NULL, "true"}, {"new_decoder_architecture", NULL, "false"},
+    {"parallel_attn", NULL, "true"}, {"alibi", NULL, "false"}, {"bias", NULL, "false"},
+    {"ffn_hidden_size", "intermediate_size", NULL},
+    {"activation", "gelu_approximate", "gelu_pytorch_tanh"},
+    {"layer_norm_epsilon", "norm_eps", NULL}, {"rope_theta", "rope_base", NULL}};
+static const lg_hf_key lg_hf_llama_keys[] = { /* and Qwen2's */
+    {"vocab_size", "padded_vocab_size", NULL}, {"max_position_embeddings", "block_size", NULL},
+    {"hidden_size", "n_embd", NULL}, {"num_hidden_layers", "n_layer", NULL},
+    {"num_attention_heads", "n_head", NULL}, {"num_key_value_heads", "n_query_groups", NULL},
+    {"head_dim", "head_size", NULL}, {"intermediate_size", "intermediate_size", NULL},
+    {"hidden_act", NULL, "\"silu\""}, {"rms_norm_eps", "norm_eps", NULL},
+    {"rope_theta", "rope_base", NULL}, {"attention_bias", "bias", NULL},
+    {"mlp_bias", "bias", NULL}};
+
+static const struct {
+    const char *architecture, *model_type;
+    const lg_hf_key *keys;
+    int n_keys;
+} lg_hf_layouts[] = { /* lg_hf_family order */
+#define LG_HF_KEYS(keys) keys, (int)(sizeof keys / sizeof keys[0])
+    {"GPT2LMHeadModel", "gpt2", LG_HF_KEYS(lg_hf_gpt2_keys)},
+    {"GPTNeoXForCausalLM", "gpt_neox", LG_HF_KEYS(lg_hf_neox_keys)},
+    {"LlamaForCausalLM", "llama", LG_HF_KEYS(lg_hf_llama_keys)},
+    {"Qwen2ForCausalLM", "qwen2", LG_HF_KEYS(lg_hf_llama_keys)},
+    {"FalconForCausalLM", "falcon", LG_HF_KEYS(lg_hf_falcon_keys)},
+#undef LG_HF_KEYS
+};
+
 /* config.json of a family. */
 static size_t lg_hf_config_json(const lg_config *c, lg_hf_family f, lg_st_dtype dtype, char *buf,
                                 size_t cap) {
     size_t n = 0;
-    const char *gelu = c->gelu_approximate_tanh ? "gelu_new" : "gelu";
-    const char *tie = c->tie_embeddings ? "true" : "false";
-    if (f == LG_HF_GPT2)
-        lg_st_append(buf, cap, &n, "{\n  \"architectures\": [\"GPT2LMHeadModel\"],\n  \"model_type\": \"gpt2\",\n"
-                  "  \"vocab_size\": %d,\n  \"n_positions\": %d,\n  \"n_ctx\": %d,\n  \"n_embd\": %d,\n"
-                  "  \"n_layer\": %d,\n  \"n_head\": %d,\n  \"n_inner\": %d,\n  \"activation_function\": \"%s\",\n"
-                  "  \"layer_norm_epsilon\": %.9g,\n", c->padded_vocab_size, c->block_size, c->block_size,
-                  c->n_embd, c->n_layer, c->n_head, c->intermediate_size, gelu, c->norm_eps);
-    else if (f == LG_HF_GPTNEOX)
-        lg_st_append(buf, cap, &n, "{\n  \"architectures\": [\"GPTNeoXForCausalLM\"],\n  \"model_type\": \"gpt_neox\",\n"
-                  "  \"vocab_size\": %d,\n  \"max_position_embeddings\": %d,\n  \"hidden_size\": %d,\n"
-                  "  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n  \"intermediate_size\": %d,\n"
-                  "  \"hidden_act\": \"%s\",\n  \"rotary_pct\": %.9g,\n  \"rotary_emb_base\": %.9g,\n"
-                  "  \"layer_norm_eps\": %.9g,\n  \"use_parallel_residual\": %s,\n  \"attention_bias\": true,\n",
-                  c->padded_vocab_size, c->block_size, c->n_embd, c->n_layer, c->n_head,
-                  c->intermediate_size, gelu, c->rotary_percentage, c->rope_base, c->norm_eps,
-                  c->parallel_residual ? "true" : "false");
-    else if (f == LG_HF_FALCON) /* multi-query, parallel attention and MLP on one norm */
-        lg_st_append(buf, cap, &n, "{\n  \"architectures\": [\"FalconForCausalLM\"],\n  \"model_type\": \"falcon\",\n"
-                  "  \"vocab_size\": %d,\n  \"max_position_embeddings\": %d,\n  \"hidden_size\": %d,\n"
-                  "  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n  \"num_kv_heads\": 1,\n"
-                  "  \"multi_query\": true,\n  \"new_decoder_architecture\": false,\n  \"parallel_attn\": true,\n"
-                  "  \"alibi\": false,\n  \"bias\": false,\n  \"ffn_hidden_size\": %d,\n  \"activation\": \"%s\",\n"
-                  "  \"layer_norm_epsilon\": %.9g,\n  \"rope_theta\": %.9g,\n",
-                  c->padded_vocab_size, c->block_size, c->n_embd, c->n_layer, c->n_head,
-                  c->intermediate_size, c->gelu_approximate_tanh ? "gelu_pytorch_tanh" : "gelu",
-                  c->norm_eps, c->rope_base);
-    else
-        lg_st_append(buf, cap, &n, "{\n  \"architectures\": [\"%s\"],\n  \"model_type\": \"%s\",\n"
-                  "  \"vocab_size\": %d,\n  \"max_position_embeddings\": %d,\n  \"hidden_size\": %d,\n"
-                  "  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n  \"num_key_value_heads\": %d,\n"
-                  "  \"head_dim\": %d,\n  \"intermediate_size\": %d,\n  \"hidden_act\": \"silu\",\n"
-                  "  \"rms_norm_eps\": %.9g,\n  \"rope_theta\": %.9g,\n  \"attention_bias\": %s,\n  \"mlp_bias\": %s,\n",
-                  f == LG_HF_QWEN2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM", f == LG_HF_QWEN2 ? "qwen2" : "llama",
-                  c->padded_vocab_size, c->block_size, c->n_embd, c->n_layer, c->n_head, c->n_query_groups,
-                  c->head_size, c->intermediate_size, c->norm_eps, c->rope_base,
-                  c->bias ? "true" : "false", c->bias ? "true" : "false");
+    char value[128];
+    lg_st_append(buf, cap, &n, "{\n  \"architectures\": [\"%s\"],\n  \"model_type\": \"%s\",\n",
+                 lg_hf_layouts[f].architecture, lg_hf_layouts[f].model_type);
+    for (int k = 0; k < lg_hf_layouts[f].n_keys; k++) {
+        const lg_hf_key *h = &lg_hf_layouts[f].keys[k];
+        const lg_config_field *field =
+            h->field ? &lg_config_fields[lg_config_field_index(h->field)] : NULL;
+        if (!field) lg_format(value, sizeof value, "%s", h->fixed);
+        else if (field->type == LG_FIELD_GELU)
+            lg_format(value, sizeof value, "\"%s\"", c->gelu_approximate_tanh ? h->fixed : "gelu");
+        else lg_config_field_text(c, field, value, sizeof value); /* ints, numbers, booleans */
+        lg_st_append(buf, cap, &n, "  \"%s\": %s,\n", h->key, value);
+    }
     const lg_rope_adjustments *ra = &c->rope_adjustments;
     if (ra->factor != 0.0f) /* lg_hf_family_of allows it in the Llama and Qwen2 layouts only */
         lg_st_append(buf, cap, &n, "  \"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": %.9g, "
                   "\"low_freq_factor\": %.9g, \"high_freq_factor\": %.9g, "
                   "\"original_max_position_embeddings\": %d},\n", ra->factor, ra->low_freq_factor,
                   ra->high_freq_factor, ra->original_max_seq_len);
-    lg_st_append(buf, cap, &n, "  \"tie_word_embeddings\": %s,\n  \"torch_dtype\": \"%s\"\n}\n", tie,
-              lg_hf_dtype_label(dtype));
+    lg_st_append(buf, cap, &n, "  \"tie_word_embeddings\": %s,\n  \"torch_dtype\": \"%s\"\n}\n",
+                 c->tie_embeddings ? "true" : "false", lg_hf_dtype_label(dtype));
     return n;
 }
 
 size_t lg_config_to_yaml(const lg_config *c, char *buf, size_t cap) {
     size_t n = 0;
-    const char *b[2] = {"false", "true"};
-    lg_st_append(buf, cap, &n, "name: %s\nn_layer: %d\nn_head: %d\nn_query_groups: %d\nn_embd: %d\n"
-              "head_size: %d\nintermediate_size: %d\nblock_size: %d\nvocab_size: %d\n"
-              "padded_vocab_size: %d\nnorm_class_name: %s\nnorm_eps: %.9g\nmlp_class_name: %s\n"
-              "gelu_approximate: %s\nrotary_percentage: %.9g\nrope_base: %.9g\nparallel_residual: %s\n"
-              "shared_attention_norm: %s\nbias: %s\nattn_bias: %s\nlm_head_bias: %s\n"
-              "tie_embeddings: %s\nlearned_pos_embedding: %s\n",
-              c->name, c->n_layer, c->n_head, c->n_query_groups, c->n_embd, c->head_size,
-              c->intermediate_size, c->block_size, c->vocab_size, c->padded_vocab_size,
-              c->norm_class_name == LG_NORM_RMSNORM ? "RMSNorm" : "LayerNorm", c->norm_eps,
-              c->mlp_class_name == LG_MLP_LLAMA ? "LLaMAMLP" : "GptNeoxMLP",
-              c->gelu_approximate_tanh ? "tanh" : "none", c->rotary_percentage, c->rope_base,
-              b[!!c->parallel_residual], b[!!c->shared_attention_norm], b[!!c->bias],
-              b[!!c->attn_bias], b[!!c->lm_head_bias], b[!!c->tie_embeddings],
-              b[!!c->learned_pos_embedding]);
-    const lg_rope_adjustments *ra = &c->rope_adjustments;
-    if (ra->factor != 0.0f) /* LitGPT's nested form */
-        lg_st_append(buf, cap, &n, "rope_adjustments:\n  factor: %.9g\n  low_freq_factor: %.9g\n"
-                  "  high_freq_factor: %.9g\n  original_max_seq_len: %d\n", ra->factor,
-                  ra->low_freq_factor, ra->high_freq_factor, ra->original_max_seq_len);
+    char value[128];
+    for (int i = 0; i < LG_N_CONFIG_FIELDS; i++)
+        lg_st_append(buf, cap, &n, "%s: %s\n", lg_config_fields[i].key,
+                     lg_config_field_text(c, &lg_config_fields[i], value, sizeof value));
+    if (c->rope_adjustments.factor == 0.0f) return n;
+    lg_st_append(buf, cap, &n, "rope_adjustments:\n"); /* LitGPT's nested form */
+    for (int i = 0; i < LG_N_ROPE_FIELDS; i++)
+        lg_st_append(buf, cap, &n, "  %s: %s\n", lg_rope_fields[i].key,
+                     lg_config_field_text(c, &lg_rope_fields[i], value, sizeof value));
     return n;
 }
 
@@ -10870,47 +10933,129 @@ static int lg_state_store(const lg_state_view *s, const unsigned char *bytes, si
     return 0;
 }
 
-/* The scalars of the state, as metadata strings. The ranks are not among them: the state is in
-   the whole layout, so a run may resume on another number of ranks. */
-static int lg_state_meta(const lg_trainer *tr, const lg_loader *data, int step, lg_st_meta *meta) {
-    const char *formats[3] = {"as-precision", "bf16", "8bit"};
+/* The scalars of the training state: one metadata string a key, in the file's order. The
+   ranks are not among them: the state is in the whole layout, so a run may resume on another
+   number of ranks. The writer (lg_state_meta), the check that a run is the one that wrote the
+   file (lg_state_check_run) and the reader (lg_training_state_read) walk this table. */
+typedef enum {
+    LG_STATE_FORMAT,            /* "litgpt.c training state 1" */
+    LG_STATE_STEP,              /* steps done */
+    LG_STATE_CONFIG,            /* the model's name */
+    LG_STATE_N_PARAMS,
+    LG_STATE_LORA,              /* rank, alpha, dropout, targets, quantization */
+    LG_STATE_PRECISION,
+    LG_STATE_OPTIMIZER,
+    LG_STATE_OPTIMIZER_STATE,   /* its storage format */
+    LG_STATE_SEED,
+    LG_STATE_GLOBAL_BATCH,
+    LG_STATE_SEQ_LENGTH,
+    LG_STATE_OPTIMIZER_UPDATES, /* the optimizer's t (bias corrections) */
+    LG_STATE_LOSS_SCALE_BITS,   /* the loss scale's fp32 bits, exactly */
+    LG_STATE_LOSS_SCALE,        /* the same for a reader */
+    LG_STATE_CLEAN_STEPS,       /* steps since the scale last changed */
+    LG_STATE_LOADER_WINDOWS,
+    LG_STATE_LOADER_POSITION,
+    LG_STATE_LOADER_EPOCH,
+    LG_STATE_LOADER_RNG,
+    LG_N_STATE_SCALARS
+} lg_state_scalar;
+
+typedef enum {
+    LG_STATE_SAYS,     /* for a reader of the file only */
+    LG_STATE_SAME_RUN, /* the resuming run must have the same value */
+    LG_STATE_RESUMED   /* a number the resuming run takes over */
+} lg_state_role;
+
+static const struct {
+    lg_state_scalar scalar;
+    const char *key;
+    lg_state_role role;
+} lg_state_scalars[LG_N_STATE_SCALARS] = { /* in the file's order */
+    {LG_STATE_FORMAT, "format", LG_STATE_SAYS},
+    {LG_STATE_STEP, "step", LG_STATE_RESUMED},
+    {LG_STATE_CONFIG, "config", LG_STATE_SAME_RUN},
+    {LG_STATE_N_PARAMS, "n_params", LG_STATE_SAME_RUN},
+    {LG_STATE_LORA, "lora", LG_STATE_SAME_RUN},
+    {LG_STATE_PRECISION, "precision", LG_STATE_SAME_RUN},
+    {LG_STATE_OPTIMIZER, "optimizer", LG_STATE_SAME_RUN},
+    {LG_STATE_OPTIMIZER_STATE, "optimizer_state", LG_STATE_SAME_RUN},
+    {LG_STATE_SEED, "seed", LG_STATE_SAME_RUN},
+    {LG_STATE_GLOBAL_BATCH, "global_batch", LG_STATE_SAME_RUN},
+    {LG_STATE_SEQ_LENGTH, "seq_length", LG_STATE_SAME_RUN},
+    {LG_STATE_OPTIMIZER_UPDATES, "optimizer_updates", LG_STATE_RESUMED},
+    {LG_STATE_LOSS_SCALE_BITS, "loss_scale_bits", LG_STATE_RESUMED},
+    {LG_STATE_LOSS_SCALE, "loss_scale", LG_STATE_SAYS},
+    {LG_STATE_CLEAN_STEPS, "clean_steps", LG_STATE_RESUMED},
+    {LG_STATE_LOADER_WINDOWS, "loader_windows", LG_STATE_SAME_RUN},
+    {LG_STATE_LOADER_POSITION, "loader_position", LG_STATE_RESUMED},
+    {LG_STATE_LOADER_EPOCH, "loader_epoch", LG_STATE_RESUMED},
+    {LG_STATE_LOADER_RNG, "loader_rng", LG_STATE_RESUMED},
+};
+
+/* The metadata key of scalar k. */
+static const char *lg_state_key(lg_state_scalar k) {
+    for (int i = 0; i < LG_N_STATE_SCALARS; i++)
+        if (lg_state_scalars[i].scalar == k) return lg_state_scalars[i].key;
+    return "";
+}
+
+/* Scalar k of a run's state at step, as its metadata string. */
+static void lg_state_value(const lg_trainer *tr, const lg_loader *data, int step,
+                           lg_state_scalar k, char *out, size_t cap) {
+    static const char *const formats[3] = {"as-precision", "bf16", "8bit"}; /* lg_state_format */
     const lg_model *m0 = &tr->ranks[0].model;
     const lg_optimizer *opt0 = &tr->ranks[0].opt;
+    const lg_lora *lo = &m0->cfg.lora;
     float scale = tr->loss_scale;
     uint32_t scale_bits;
     memcpy(&scale_bits, &scale, 4);
-    int n = 0;
-#define LG_META(key_, ...)                                                                     \
-    do {                                                                                       \
-        lg_format(meta[n].key, sizeof meta[n].key, "%s", key_);                                 \
-        lg_format(meta[n].value, sizeof meta[n].value, __VA_ARGS__);                            \
-        n++;                                                                                   \
-    } while (0)
-    LG_META("format", "litgpt.c training state 1");
-    LG_META("step", "%d", step);
-    LG_META("config", "%s", m0->cfg.name);
-    LG_META("n_params", "%zu", m0->n_params);
     char targets[64];
-    LG_META("lora", "r %d alpha %g dropout %g targets %s quantize %s", m0->cfg.lora.r,
-            m0->cfg.lora.alpha, m0->cfg.lora.dropout,
-            lg_lora_targets_name(m0->cfg.lora.r ? m0->cfg.lora.targets : 0, targets, sizeof targets),
-            lg_quantization_name(m0->cfg.lora.quantize));
-    LG_META("precision", "%s", lg_precision_name(tr->args.precision));
-    LG_META("optimizer", "%s", lg_optimizer_name(opt0->kind));
-    LG_META("optimizer_state", "%s", formats[opt0->format]);
-    LG_META("seed", "%llu", (unsigned long long)tr->args.seed);
-    LG_META("global_batch", "%d", tr->args.micro_batch_size * tr->accumulation * tr->n_ranks);
-    LG_META("seq_length", "%d", m0->T);
-    LG_META("optimizer_updates", "%d", opt0->t);
-    LG_META("loss_scale_bits", "0x%08x", (unsigned)scale_bits);
-    LG_META("loss_scale", "%g", scale);
-    LG_META("clean_steps", "%d", tr->clean_steps);
-    LG_META("loader_windows", "%zu", data ? data->n_windows : (size_t)0);
-    LG_META("loader_position", "%zu", data ? data->position : (size_t)0);
-    LG_META("loader_epoch", "%d", data ? data->epoch : 0);
-    LG_META("loader_rng", "0x%016llx", data ? (unsigned long long)data->rng.state : 0ULL);
-#undef LG_META
-    return n;
+    switch (k) {
+    case LG_STATE_FORMAT: lg_format(out, cap, "litgpt.c training state 1"); break;
+    case LG_STATE_STEP: lg_format(out, cap, "%d", step); break;
+    case LG_STATE_CONFIG: lg_format(out, cap, "%s", m0->cfg.name); break;
+    case LG_STATE_N_PARAMS: lg_format(out, cap, "%zu", m0->n_params); break;
+    case LG_STATE_LORA:
+        lg_lora_targets_name(lo->r ? lo->targets : 0, targets, sizeof targets);
+        lg_format(out, cap, "r %d alpha %g dropout %g targets %s quantize %s", lo->r, lo->alpha,
+                  lo->dropout, targets, lg_quantization_name(lo->quantize));
+        break;
+    case LG_STATE_PRECISION:
+        lg_format(out, cap, "%s", lg_precision_name(tr->args.precision));
+        break;
+    case LG_STATE_OPTIMIZER: lg_format(out, cap, "%s", lg_optimizer_name(opt0->kind)); break;
+    case LG_STATE_OPTIMIZER_STATE: lg_format(out, cap, "%s", formats[opt0->format]); break;
+    case LG_STATE_SEED: lg_format(out, cap, "%llu", (unsigned long long)tr->args.seed); break;
+    case LG_STATE_GLOBAL_BATCH:
+        lg_format(out, cap, "%d", tr->args.micro_batch_size * tr->accumulation * tr->n_ranks);
+        break;
+    case LG_STATE_SEQ_LENGTH: lg_format(out, cap, "%d", m0->T); break;
+    case LG_STATE_OPTIMIZER_UPDATES: lg_format(out, cap, "%d", opt0->t); break;
+    case LG_STATE_LOSS_SCALE_BITS: lg_format(out, cap, "0x%08x", (unsigned)scale_bits); break;
+    case LG_STATE_LOSS_SCALE: lg_format(out, cap, "%g", scale); break;
+    case LG_STATE_CLEAN_STEPS: lg_format(out, cap, "%d", tr->clean_steps); break;
+    case LG_STATE_LOADER_WINDOWS:
+        lg_format(out, cap, "%zu", data ? data->n_windows : (size_t)0);
+        break;
+    case LG_STATE_LOADER_POSITION:
+        lg_format(out, cap, "%zu", data ? data->position : (size_t)0);
+        break;
+    case LG_STATE_LOADER_EPOCH: lg_format(out, cap, "%d", data ? data->epoch : 0); break;
+    case LG_STATE_LOADER_RNG:
+        lg_format(out, cap, "0x%016llx", data ? (unsigned long long)data->rng.state : 0ULL);
+        break;
+    case LG_N_STATE_SCALARS: break;
+    }
+}
+
+/* The state's scalars as metadata (meta: LG_N_STATE_SCALARS entries); returns how many. */
+static int lg_state_meta(const lg_trainer *tr, const lg_loader *data, int step, lg_st_meta *meta) {
+    for (int k = 0; k < LG_N_STATE_SCALARS; k++) {
+        lg_format(meta[k].key, sizeof meta[k].key, "%s", lg_state_scalars[k].key);
+        lg_state_value(tr, data, step, lg_state_scalars[k].scalar, meta[k].value,
+                       sizeof meta[k].value);
+    }
+    return LG_N_STATE_SCALARS;
 }
 
 /* Checkpoints of sharded runs, one sharding unit at a time: process 0 writes each tensor when
@@ -11068,7 +11213,7 @@ int lg_training_state_write(lg_trainer *tr, const lg_loader *data, int step,
         return lg_fail(err, "out of host memory");
     }
     lg_st_tensor *tensors = (lg_st_tensor *)lg_alloc_zeroed(sizeof(lg_st_tensor) * (size_t)(n + 1));
-    lg_st_meta meta[24];
+    lg_st_meta meta[LG_N_STATE_SCALARS];
     int n_meta = lg_state_meta(tr, data, step, meta);
     for (int i = 0; tensors && i < n; i++) tensors[i] = views[i].desc;
     int rc = tensors ? lg_st_write(path, tensors, n, meta, n_meta, lg_state_fill, views, digest, err)
@@ -11089,26 +11234,25 @@ static int lg_state_number(const lg_st_file *f, const char *key, unsigned long l
     return 0;
 }
 
-/* The run must be the one that wrote the state: same model, precision, optimizer and batch. */
+/* The run must be the one that wrote the state: same model, precision, optimizer and batch
+   (the LG_STATE_SAME_RUN scalars). */
 static int lg_state_check_run(const lg_trainer *tr, const lg_loader *data, const lg_st_file *f,
                               lg_error *err) {
-    lg_st_meta want[24];
-    int n = lg_state_meta(tr, data, 0, want);
-    static const char *const keys[] = {"config", "n_params", "lora", "precision", "optimizer", "optimizer_state",
-                                       "seed", "global_batch", "seq_length", "loader_windows"};
-    const char *format = lg_st_meta_get(f, "format");
-    if (!format || strcmp(format, want[0].value) != 0)
+    char want[sizeof ((lg_st_meta *)0)->value];
+    lg_state_value(tr, data, 0, LG_STATE_FORMAT, want, sizeof want);
+    const char *format = lg_st_meta_get(f, lg_state_key(LG_STATE_FORMAT));
+    if (!format || strcmp(format, want) != 0)
         return lg_fail(err, "training state %s: not a litgpt.c training state (format '%s')", f->path,
                        format ? format : "missing");
-    for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++)
-        for (int i = 0; i < n; i++) {
-            if (strcmp(want[i].key, keys[k]) != 0) continue;
-            const char *have = lg_st_meta_get(f, keys[k]);
-            if (!have || strcmp(have, want[i].value) != 0)
-                return lg_fail(err, "training state %s: written with %s %s, this run has %s: resume "
-                                    "with the run's settings", f->path, keys[k], have ? have : "(none)",
-                               want[i].value);
-        }
+    for (int k = 0; k < LG_N_STATE_SCALARS; k++) {
+        const char *key = lg_state_scalars[k].key, *have = lg_st_meta_get(f, key);
+        if (lg_state_scalars[k].role != LG_STATE_SAME_RUN) continue;
+        lg_state_value(tr, data, 0, lg_state_scalars[k].scalar, want, sizeof want);
+        if (!have || strcmp(have, want) != 0)
+            return lg_fail(err, "training state %s: written with %s %s, this run has %s: resume "
+                                "with the run's settings", f->path, key, have ? have : "(none)",
+                           want);
+    }
     return 0;
 }
 
@@ -11142,13 +11286,14 @@ int lg_training_state_read(lg_trainer *tr, lg_loader *data, int *step, const cha
     lg_whole_state w;
     w.owned = NULL;
     int n = 0, rc = lg_state_check_run(tr, data, &f, err);
-    unsigned long long v[8] = {0};
-    static const char *const keys[8] = {"step", "optimizer_updates", "loss_scale_bits", "clean_steps",
-                                        "loader_position", "loader_epoch", "loader_rng", "loader_windows"};
-    for (int k = 0; k < 8 && rc == 0; k++) rc = lg_state_number(&f, keys[k], &v[k], err);
-    if (rc == 0 && data && v[4] > data->n_windows)
+    unsigned long long v[LG_N_STATE_SCALARS] = {0}; /* the LG_STATE_RESUMED numbers, by scalar */
+    for (int k = 0; k < LG_N_STATE_SCALARS && rc == 0; k++)
+        if (lg_state_scalars[k].role == LG_STATE_RESUMED)
+            rc = lg_state_number(&f, lg_state_scalars[k].key, &v[lg_state_scalars[k].scalar],
+                                 err);
+    if (rc == 0 && data && v[LG_STATE_LOADER_POSITION] > data->n_windows)
         rc = lg_fail(err, "training state %s: loader_position %llu is beyond the data's %zu windows",
-                     path, v[4], data->n_windows);
+                     path, v[LG_STATE_LOADER_POSITION], data->n_windows);
     if (rc == 0) rc = lg_whole_state_make(tr, &w, err);
     if (rc == 0 && lg_state_views(&w.opt, w.table, data, &views, &n) != 0)
         rc = lg_fail(err, "out of host memory");
@@ -11158,15 +11303,16 @@ int lg_training_state_read(lg_trainer *tr, lg_loader *data, int *step, const cha
     if (rc == 0) lg_whole_state_exchange(tr, &w, 0);
     LG_FREE(w.owned);
     if (rc != 0) return -1;
-    uint32_t scale_bits = (uint32_t)v[2];
-    *step = (int)v[0];
-    for (int r = 0; r < tr->local_ranks; r++) tr->ranks[r].opt.t = (int)v[1];
+    uint32_t scale_bits = (uint32_t)v[LG_STATE_LOSS_SCALE_BITS];
+    *step = (int)v[LG_STATE_STEP];
+    for (int r = 0; r < tr->local_ranks; r++)
+        tr->ranks[r].opt.t = (int)v[LG_STATE_OPTIMIZER_UPDATES];
     memcpy(&tr->loss_scale, &scale_bits, 4);
-    tr->clean_steps = (int)v[3];
+    tr->clean_steps = (int)v[LG_STATE_CLEAN_STEPS];
     if (data) {
-        data->position = (size_t)v[4];
-        data->epoch = (int)v[5];
-        data->rng.state = (uint64_t)v[6];
+        data->position = (size_t)v[LG_STATE_LOADER_POSITION];
+        data->epoch = (int)v[LG_STATE_LOADER_EPOCH];
+        data->rng.state = (uint64_t)v[LG_STATE_LOADER_RNG];
     }
     return 0;
 }
@@ -11706,6 +11852,87 @@ int lg_trainer_load_hf(lg_trainer *tr, const char *dir, lg_error *err) {
 
 /* 13. trainer --------------------------------------------------------------------------------- */
 
+/* One optimizer step, top-down. lg_trainer_step makes these calls in this order; those marked
+   "one rank: nothing" return at once when one rank holds the whole model (their collectives
+   have nobody to talk to):
+
+     lg_trainer_read_step              every micro-batch of every rank into the token buffers,
+                                       the step's targets counted (the loss is their mean)
+     lg_trainer_hessian_pass           Sophia, every hessian_interval steps: a forward and
+                                       backward on labels drawn from the model (else nothing)
+     lg_trainer_accumulate             the gradients of the step, micro-batch by micro-batch:
+       lg_trainer_set_dropout            LoRA dropout's masks of the micro-batch
+       lg_trainer_forward                unit by unit: lg_trainer_gather_unit and
+                                         lg_trainer_await_unit (full-shard; one rank: nothing),
+                                         then the unit's forward on every rank
+       lg_trainer_backward               unit by unit in reverse: gather again,
+                                         lg_trainer_open_unit_grads, the unit's backward,
+                                         lg_trainer_start_reduce and lg_trainer_finish_reduce
+                                         (sharded gradients; one rank: nothing),
+                                         lg_trainer_offload_unit (--offload, last micro-batch)
+       lg_comm_sum_doubles               the losses of other processes' ranks (one process:
+                                         nothing)
+       lg_trainer_sync_replicas          all-reduce over replicas (no-shard, hybrid-shard; one
+                                         rank: nothing)
+     lg_trainer_grad_norm              the global gradient norm (other processes' squares
+                                       gathered first; one process: only the sum)
+     lg_trainer_update                 the loss scaler's skip, or on every rank:
+       lg_trainer_offload_grads          --offload: the gradient shard to the host
+       lg_trainer_update_rank            the optimizer on the rank's shard (on the host with
+                                         --offload)
+       lg_trainer_share_updated_weights  shard-grad-op: all-gather the updated pieces (one
+                                         rank: nothing)
+     lg_trainer_sync                   waits for every rank's queued work
+
+   The functions follow in about that order, after the step. */
+
+/* What one rank computes in a micro-step: B samples of T tokens; B = 0: nothing, the rank only
+   takes part in the collectives. */
+typedef struct {
+    const int *inputs;  /* (B, T) */
+    const int *targets; /* (B, T), or NULL: logits only */
+    int B, T;
+} lg_micro_batch;
+
+static long lg_trainer_read_step(lg_trainer *tr, lg_loader *train, lg_error *err);
+static void lg_trainer_hessian_pass(lg_trainer *tr, int step);
+static double lg_trainer_accumulate(lg_trainer *tr, int step, long n_targets,
+                                    int offload_in_backward);
+static float lg_trainer_grad_norm(lg_trainer *tr);
+static int lg_trainer_update(lg_trainer *tr, int step, lg_step_stats *stats,
+                             int offload_in_backward, lg_error *err);
+static void lg_trainer_sync(const lg_trainer *tr);
+static size_t lg_trainer_step_tokens(const lg_trainer *tr);
+
+int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *stats,
+                    lg_error *err) {
+    double start = lg_time_ms();
+    stats->diverged = 0;
+    if (train->T > tr->ranks[0].model.T)
+        return lg_fail(err, "data %s: rows of %d tokens, but the trainer was made for %d",
+                       train->path, train->T, tr->ranks[0].model.T);
+    /* every micro-batch first: the loss is the mean over all targets of the step */
+    long n_targets = lg_trainer_read_step(tr, train, err);
+    if (n_targets < 0) return -1;
+    stats->hessian = tr->ranks[0].sampled && step % tr->args.hessian_interval == 0;
+    if (stats->hessian) lg_trainer_hessian_pass(tr, step);
+    /* --offload with no replicas: the last backward sends gradients to the host as it goes */
+    int offload_in_backward =
+        tr->ranks[0].host_grads.data != NULL && tr->plan.sharding.replicas == 1;
+    double loss_sum = lg_trainer_accumulate(tr, step, n_targets, offload_in_backward);
+    stats->loss = n_targets ? loss_sum / n_targets : 0;
+    stats->loss_scale = tr->loss_scale;
+    stats->n_targets = n_targets;
+    stats->lr = lg_learning_rate(&tr->args, step);
+    stats->grad_norm = lg_trainer_grad_norm(tr) / tr->loss_scale;
+    if (lg_trainer_update(tr, step, stats, offload_in_backward, err) != 0) return -1;
+    lg_trainer_sync(tr);
+    stats->ms = lg_time_ms() - start; /* with Sophia's extra pass when it ran */
+    stats->tokens_per_s = (double)lg_trainer_step_tokens(tr) / (stats->ms / 1e3);
+    return 0;
+}
+
+
 int lg_evaluate(lg_model *m, lg_loader *ld, int B, int T, int n_batches, double *mean_loss,
                 lg_error *err) {
     *mean_loss = 0;
@@ -11750,28 +11977,41 @@ static size_t lg_padded_unit(const lg_shard_layout *sl, int u) {
     return sl->piece_count[u] * (size_t)sl->n_shards;
 }
 
-/* Which gather slot unit u's weights use: 0 the ends' buffer, 1 + a block slot. It is also
-   the signal of the unit's all-gather. */
-static int lg_unit_slot(const lg_trainer *tr, int u) {
-    return u == 0 ? 0 : 1 + (u - 1) % tr->block_slots;
+/* The slots of the collective buffers (LG_GATHER_BLOCK_SLOTS): slot 0 is the ends' buffer,
+   slots 1 .. block_slots the blocks', which the blocks take in turn. A slot is also the signal
+   of the collective that fills it: an all-gather raises LG_SIGNAL_GATHER + its gather slot, a
+   reduce-scatter LG_SIGNAL_REDUCE + its gradient slot (LG_COMM_SIGNALS in all). */
+enum { LG_SIGNAL_GATHER = 0, LG_SIGNAL_REDUCE = 1 + LG_GATHER_BLOCK_SLOTS };
+
+/* The slot of unit u among the ends' (0) and block_slots blocks' buffers of one kind. */
+static int lg_unit_slot(int u, int block_slots) { return u == 0 ? 0 : 1 + (u - 1) % block_slots; }
+
+/* Slot `slot` of one kind of buffer: the ends' buffer, or a block slot of the blocks'. */
+static lg_buf lg_slot_buffer(const lg_trainer *tr, lg_buf ends, lg_buf blocks, int slot) {
+    if (slot == 0) return ends;
+    return lg_at(blocks, (size_t)(slot - 1) * lg_padded_unit(&tr->plan.shards, 1));
 }
 
-/* The signal of unit u's reduce-scatter: after the gathers', one a gradient slot. */
-static int lg_reduce_signal(int u) { return 3 + (u == 0 ? 0 : 1 + (u - 1) % 2); }
+/* The signal of unit u's all-gather, and of its reduce-scatter. */
+static int lg_gather_signal(const lg_trainer *tr, int u) {
+    return LG_SIGNAL_GATHER + lg_unit_slot(u, tr->block_slots);
+}
+static int lg_reduce_signal(int u) {
+    return LG_SIGNAL_REDUCE + lg_unit_slot(u, LG_GRAD_BLOCK_SLOTS);
+}
 
-/* Where rank r's gathered weights of unit u go: the ends' buffer, or a block slot. */
+/* Where rank r's gathered weights of unit u go. */
 static lg_buf lg_unit_weights(const lg_trainer *tr, int r, int u) {
     const lg_trainer_rank *tr_r = &tr->ranks[r];
-    if (u == 0) return tr_r->gather_ends;
-    return lg_at(tr_r->gather_blocks, (size_t)(lg_unit_slot(tr, u) - 1) *
-                                          lg_padded_unit(&tr->plan.shards, 1));
+    return lg_slot_buffer(tr, tr_r->gather_ends, tr_r->gather_blocks,
+                          lg_unit_slot(u, tr->block_slots));
 }
 
 /* Where rank r's gradients of unit u wait for their reduce-scatter. */
 static lg_buf lg_unit_grads(const lg_trainer *tr, int r, int u) {
     const lg_trainer_rank *tr_r = &tr->ranks[r];
-    if (u == 0) return tr_r->grad_ends;
-    return lg_at(tr_r->grad_blocks, (size_t)((u - 1) % 2) * lg_padded_unit(&tr->plan.shards, 1));
+    return lg_slot_buffer(tr, tr_r->grad_ends, tr_r->grad_blocks,
+                          lg_unit_slot(u, LG_GRAD_BLOCK_SLOTS));
 }
 
 /* The members of a group (ranks first + m stride, m < count) that this process drives: their
@@ -11804,7 +12044,7 @@ static void lg_trainer_gather_unit(lg_trainer *tr, int u) {
         }
         if (n)
             lg_all_gather_async(tr->shard_comm[q], n, pieces, wholes, sl->piece_count[u],
-                                lg_unit_slot(tr, u));
+                                lg_gather_signal(tr, u));
     }
     for (int r = 0; r < tr->local_ranks; r++)
         lg_model_point_unit(&tr->ranks[r].model, u, lg_unit_weights(tr, r, u), lg_no_buf());
@@ -11813,8 +12053,9 @@ static void lg_trainer_gather_unit(lg_trainer *tr, int u) {
 /* Every rank's ops from here on wait for unit u's gathered weights (full-shard). */
 static void lg_trainer_await_unit(lg_trainer *tr, int u) {
     if (!tr->plan.sharding.weights_sharded) return;
-    for (int q = 0; q < tr->plan.sharding.replicas; q++) lg_comm_await(tr->shard_comm[q], lg_unit_slot(tr, u));
-    for (int r = 0; r < tr->local_ranks; r++) lg_rank_await(&tr->ranks[r].rank, lg_unit_slot(tr, u));
+    int signal = lg_gather_signal(tr, u);
+    for (int q = 0; q < tr->plan.sharding.replicas; q++) lg_comm_await(tr->shard_comm[q], signal);
+    for (int r = 0; r < tr->local_ranks; r++) lg_rank_await(&tr->ranks[r].rank, signal);
 }
 
 /* Sharded gradients: points unit u's gradient views at a zeroed buffer of the whole unit. */
@@ -11888,14 +12129,6 @@ static float lg_trainer_grad_norm(lg_trainer *tr) {
     for (int i = 0; i < S; i++) sum += (lg_real)squares[i];
     return (float)sqrt((double)sum);
 }
-
-/* What one rank computes in a micro-step: B samples of T tokens; B = 0: nothing, the rank only
-   takes part in the collectives. */
-typedef struct {
-    const int *inputs;  /* (B, T) */
-    const int *targets; /* (B, T), or NULL: logits only */
-    int B, T;
-} lg_micro_batch;
 
 /* The forward on every rank, unit by unit: gather a unit (full-shard), compute it everywhere.
    The next block is gathered before the current one computes (the prefetch a GPU overlaps);
@@ -12219,7 +12452,7 @@ int lg_trainer_create_in(lg_trainer *tr, const lg_config *cfg, const lg_args *ar
     spec.processes = tr->args.processes = launch ? launch->processes : 1; /* the launch's */
     if (lg_plan_make(&tr->plan, cfg, &spec, err) != 0) return -1;
     tr->n_ranks = tr->plan.n_ranks;
-    tr->block_slots = tr->plan.sharding.weights_sharded ? 2 : 1;
+    tr->block_slots = lg_gather_block_slots(&tr->plan.sharding);
     if (lg_trainer_take_ranks(tr, launch, err) != 0) {
         lg_trainer_free(tr);
         return -1;
@@ -12262,8 +12495,8 @@ int lg_trainer_create_in(lg_trainer *tr, const lg_config *cfg, const lg_args *ar
         else lg_copy_from_whole(&m->exec, m->local, tr_r->host_weights, m->params);
     }
     tr->scaling = args->precision == LG_PRECISION_16_TRUE || args->precision == LG_PRECISION_16_MIXED;
-    tr->loss_scale = tr->scaling ? 65536.0f : 1.0f;
-    tr->scale_window = 2000;
+    tr->loss_scale = tr->scaling ? LG_LOSS_SCALE_START : 1.0f;
+    tr->scale_window = LG_LOSS_SCALE_WINDOW;
     lg_format(tr->base_model, sizeof tr->base_model, "%s", cfg->name); /* until --load */
     lg_trainer_sync(tr); /* the caller may load weights into the arenas next */
     return 0;
@@ -12396,17 +12629,11 @@ static void lg_trainer_fuse_classifier(lg_trainer *tr, float loss_scale) {
     for (int r = 0; r < tr->local_ranks; r++) tr->ranks[r].model.fused_loss_scale = loss_scale;
 }
 
-int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *stats,
-                    lg_error *err) {
-    double start = lg_time_ms();
-    if (train->T > tr->ranks[0].model.T)
-        return lg_fail(err, "data %s: rows of %d tokens, but the trainer was made for %d",
-                       train->path, train->T, tr->ranks[0].model.T);
-    /* every micro-batch first: the loss is the mean over all targets of the step */
-    long n_targets = lg_trainer_read_step(tr, train, err);
-    if (n_targets < 0) return -1;
-    stats->hessian = tr->ranks[0].sampled && step % tr->args.hessian_interval == 0;
-    if (stats->hessian) lg_trainer_hessian_pass(tr, step);
+/* The gradients of the step's global mean loss on every rank: each micro-batch's forward and
+   backward (the loss scaled by loss_scale / n_targets), then the other processes' losses and
+   the replicas' all-reduce. Returns the loss summed over every target. */
+static double lg_trainer_accumulate(lg_trainer *tr, int step, long n_targets,
+                                    int offload_in_backward) {
     const int *targets[LG_MAX_RANKS];
     lg_micro_batch mb[LG_MAX_RANKS];
     for (int r = 0; r < tr->local_ranks; r++) {
@@ -12414,9 +12641,6 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
         targets[r] = tr->ranks[r].targets;
     }
     double loss_sum = 0;
-    /* --offload with no replicas: the last backward sends gradients to the host as it goes */
-    int offload_in_backward =
-        tr->ranks[0].host_grads.data != NULL && tr->plan.sharding.replicas == 1;
     float loss_scale = n_targets ? tr->loss_scale / n_targets : 0.0f;
     for (int i = 0; i < tr->accumulation && n_targets > 0; i++) {
         lg_trainer_micro_batches(tr, i, targets, mb);
@@ -12429,36 +12653,43 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
     lg_trainer_set_dropout(tr, -1, 0); /* evaluation and sampling run without dropout */
     lg_comm_sum_doubles(tr->process_comm, &loss_sum, 1); /* the other processes' ranks' */
     lg_trainer_sync_replicas(tr);
-    stats->loss = n_targets ? loss_sum / n_targets : 0;
-    stats->loss_scale = tr->loss_scale;
+    return loss_sum;
+}
+
+/* After the backward: an fp16 overflow (a non-finite norm with loss scaling) skips the step
+   and halves the scale; a non-finite norm without scaling stops the run before it reaches the
+   weights; a step whose targets are all ignored skips (no decay either); otherwise every rank
+   updates its shard with the clipping and unscaling multiplier, and the scale doubles after
+   scale_window clean steps. */
+static int lg_trainer_update(lg_trainer *tr, int step, lg_step_stats *stats,
+                             int offload_in_backward, lg_error *err) {
+    float norm = stats->grad_norm;
     stats->skipped = 0;
-    stats->n_targets = n_targets;
-    stats->lr = lg_learning_rate(&tr->args, step);
-    float norm = lg_trainer_grad_norm(tr) / tr->loss_scale;
-    stats->grad_norm = norm;
     if (!isfinite(norm) && tr->scaling) { /* overflow: skip, halve, try again next step */
         stats->skipped = 1;
         tr->loss_scale *= 0.5f;
         tr->clean_steps = 0;
-    } else if (!isfinite(norm)) {
-        return lg_fail(err, "step %d: the gradient norm is %g; stopped before it reached the "
-                            "weights (try a lower --lr or a --max-norm)", step + 1, norm);
-    } else if (n_targets == 0) {
-        stats->skipped = 1; /* every target ignored: nothing to learn, no decay, no step */
-    } else {
-        float multiplier = lg_clip_factor(norm, tr->args.max_norm) / tr->loss_scale;
-        for (int r = 0; r < tr->local_ranks && !offload_in_backward; r++)
-            lg_trainer_offload_grads(&tr->ranks[r]);
-        for (int r = 0; r < tr->local_ranks; r++) lg_trainer_update_rank(&tr->ranks[r], stats->lr, multiplier);
-        lg_trainer_share_updated_weights(tr);
-        if (tr->scaling && ++tr->clean_steps == tr->scale_window) {
-            tr->loss_scale *= 2.0f;
-            tr->clean_steps = 0;
-        }
+        return 0;
     }
-    lg_trainer_sync(tr);
-    stats->ms = lg_time_ms() - start; /* with Sophia's extra pass when it ran */
-    stats->tokens_per_s = (double)lg_trainer_step_tokens(tr) / (stats->ms / 1e3);
+    if (!isfinite(norm)) {
+        stats->diverged = 1;
+        return lg_fail(err, "step %d: the gradient norm is %g; stopped before it reached the "
+                            "weights", step + 1, norm);
+    }
+    if (stats->n_targets == 0) {
+        stats->skipped = 1; /* every target ignored: nothing to learn, no decay, no step */
+        return 0;
+    }
+    float multiplier = lg_clip_factor(norm, tr->args.max_norm) / tr->loss_scale;
+    for (int r = 0; r < tr->local_ranks && !offload_in_backward; r++)
+        lg_trainer_offload_grads(&tr->ranks[r]);
+    for (int r = 0; r < tr->local_ranks; r++)
+        lg_trainer_update_rank(&tr->ranks[r], stats->lr, multiplier);
+    lg_trainer_share_updated_weights(tr);
+    if (tr->scaling && ++tr->clean_steps == tr->scale_window) {
+        tr->loss_scale *= 2.0f;
+        tr->clean_steps = 0;
+    }
     return 0;
 }
 

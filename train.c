@@ -395,6 +395,7 @@ static void die(int code, const lg_error *err) {
 #define SVG_RIGHT 80 /* and the right one's */
 #define SVG_TOP 40   /* the title and legend */
 #define SVG_BOTTOM 50
+#define SVG_BAR_SLOT 100 /* the plan's narrowest bar slot: room for a remedy's flags */
 
 /* A value range mapped onto pixels [p0, p1]. */
 typedef struct {
@@ -406,13 +407,13 @@ static double svg_at(const svg_scale *s, double v) {
     return s->p0 + (v - s->v0) / span * (s->p1 - s->p0);
 }
 
-static void svg_begin(FILE *f, const char *title) {
+static void svg_begin(FILE *f, const char *title, int width) {
     fprintf(f, "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
                "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
                "viewBox=\"0 0 %d %d\" font-family=\"sans-serif\" font-size=\"12\">\n"
                "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n"
                "<text x=\"%d\" y=\"20\" font-size=\"14\" font-weight=\"bold\">%s</text>\n",
-            SVG_W, SVG_H, SVG_W, SVG_H, SVG_LEFT, title);
+            width, SVG_H, width, SVG_H, SVG_LEFT, title);
 }
 
 /* Five labelled ticks of a vertical axis at x (labels left of it, or right with right = 1). */
@@ -513,7 +514,7 @@ static void plot_write(const loss_plot *p) {
     char tmp[LG_PATH_MAX];
     FILE *f = svg_open(p->path, tmp, sizeof tmp);
     if (!f) return;
-    svg_begin(f, "training loss");
+    svg_begin(f, "training loss", SVG_W);
     fprintf(f, "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"none\" stroke=\"#ccc\"/>\n",
             SVG_LEFT, SVG_TOP, SVG_W - SVG_LEFT - SVG_RIGHT, SVG_H - SVG_TOP - SVG_BOTTOM);
     svg_axis_ticks(f, &y, SVG_LEFT, 0, "%.3f", 1);
@@ -559,6 +560,81 @@ static void plot_val(loss_plot *p, int step, double loss) {
     plot_write(p);
 }
 
+/* A remedy's changed settings (lg_remedy.changes) as this driver's flags, in the library's
+   order of the settings: "-b 2 -g 16". */
+static const char *remedy_flags(const lg_remedy *r, char *out, size_t cap) {
+    static const char *const state_formats[] = {"as-precision", "bf16", "8bit"}; /* by format */
+    const lg_args *a = &r->args;
+    char one[64];
+    out[0] = '\0';
+    for (unsigned bit = 1; bit <= LG_SETTING_LAST; bit <<= 1) {
+        if (!(r->changes & bit)) continue;
+        switch (bit) {
+        case LG_SETTING_RECOMPUTE:
+            snprintf(one, sizeof one, "--recompute %s", a->recompute ? "block" : "none");
+            break;
+        case LG_SETTING_OFFLOAD:
+            snprintf(one, sizeof one, "--offload");
+            break;
+        case LG_SETTING_PRECISION:
+            snprintf(one, sizeof one, "-p %s", lg_precision_name(a->precision));
+            break;
+        case LG_SETTING_LORA_R:
+            snprintf(one, sizeof one, "--lora-r %d", a->lora.r);
+            break;
+        case LG_SETTING_QUANTIZE:
+            snprintf(one, sizeof one, "--quantize %s", lg_quantization_name(a->lora.quantize));
+            break;
+        case LG_SETTING_OPTIMIZER_STATE:
+            snprintf(one, sizeof one, "--optimizer-state %s", state_formats[a->optimizer_state]);
+            break;
+        case LG_SETTING_OPTIMIZER:
+            snprintf(one, sizeof one, "-o %s", lg_optimizer_name(a->optimizer));
+            break;
+        case LG_SETTING_MOMENTUM:
+            snprintf(one, sizeof one, "--momentum %g", a->momentum);
+            break;
+        case LG_SETTING_SEQ_LENGTH:
+            snprintf(one, sizeof one, "-t %d", r->T);
+            break;
+        case LG_SETTING_MICRO_BATCH:
+            snprintf(one, sizeof one, "-b %d", a->micro_batch_size);
+            break;
+        case LG_SETTING_GLOBAL_BATCH:
+            snprintf(one, sizeof one, "-g %d", a->global_batch_size);
+            break;
+        case LG_SETTING_DEVICES:
+            snprintf(one, sizeof one, "-d %d", a->devices);
+            break;
+        case LG_SETTING_STRATEGY:
+            snprintf(one, sizeof one, "--strategy %s", lg_strategy_name(a->strategy));
+            break;
+        default: continue;
+        }
+        size_t used = strlen(out);
+        snprintf(out + used, cap - used, "%s%s", used ? " " : "", one);
+    }
+    return out;
+}
+
+/* A remedy's flags under its bar, centred at x: one line a flag with its value, the value on
+   a line of its own when the two are long. */
+static void svg_flag_lines(FILE *f, double x, double y, const char *flags) {
+    char copy[160];
+    snprintf(copy, sizeof copy, "%s", flags);
+    fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" font-size=\"10\">", x, y);
+    int line = 0;
+    for (char *flag = strtok(copy, " "); flag; flag = strtok(NULL, " ")) {
+        char *value = strtok(NULL, " ");
+        int apart = value && strlen(flag) + strlen(value) > 14;
+        for (int part = 0; part < 1 + apart; part++, line++)
+            fprintf(f, "<tspan x=\"%.1f\" dy=\"%s\">%s%s%s</tspan>", x, line ? "1.2em" : "0",
+                    part ? value : flag, value && !apart ? " " : "",
+                    value && !apart ? value : "");
+    }
+    fputs("</text>\n", f);
+}
+
 /* --plan=svg: each device's memory as stacked regions by group against the limit; when the
    run does not fit, each remedy's total beside it. */
 static void plan_svg(FILE *f, const lg_plan *plan, const lg_config *cfg, const lg_args *a, int T,
@@ -580,12 +656,14 @@ static void plan_svg(FILE *f, const lg_plan *plan, const lg_config *cfg, const l
         if (remedies[i].device_bytes > top) top = remedies[i].device_bytes;
     double gib = 1024.0 * 1024 * 1024, unit = top >= gib ? gib : 1024.0 * 1024;
     int bars = plan->n_ranks + n_remedies;
-    double slot = (double)(SVG_W - SVG_LEFT - SVG_RIGHT) / bars;
+    int width = SVG_LEFT + SVG_RIGHT + bars * SVG_BAR_SLOT > SVG_W
+                    ? SVG_LEFT + SVG_RIGHT + bars * SVG_BAR_SLOT : SVG_W;
+    double slot = (double)(width - SVG_LEFT - SVG_RIGHT) / bars;
     svg_scale y = {0, top * 1.08, SVG_H - SVG_BOTTOM - 60, SVG_TOP + 10};
     char title[160];
     snprintf(title, sizeof title, "memory per device: %s, -b %d -t %d, %s", cfg->name,
              a->micro_batch_size, T, lg_precision_name(a->precision));
-    svg_begin(f, title);
+    svg_begin(f, title, width);
     svg_axis_ticks(f, &y, SVG_LEFT, 0, unit == gib ? "%.1f GiB" : "%.0f MiB", unit);
     for (int r = 0; r < plan->n_ranks; r++) {
         double base = 0, x = SVG_LEFT + slot * r + slot * 0.15, w = slot * 0.7;
@@ -602,14 +680,15 @@ static void plan_svg(FILE *f, const lg_plan *plan, const lg_config *cfg, const l
                 x + w / 2, SVG_H - SVG_BOTTOM - 44, r);
     }
     for (int i = 0; i < n_remedies; i++) {
+        char flags[160];
+        remedy_flags(&remedies[i], flags, sizeof flags);
         double x = SVG_LEFT + slot * (plan->n_ranks + i) + slot * 0.15, w = slot * 0.7;
         double y1 = svg_at(&y, (double)remedies[i].device_bytes), y0 = svg_at(&y, 0);
         fprintf(f, "<rect class=\"remedy\" x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" "
                    "fill=\"%s\"><title>%s (%s): %.2f MiB</title></rect>\n", x, y1, w, y0 - y1,
-                remedies[i].fits ? "#74c476" : "#bdbdbd", remedies[i].what, remedies[i].flags,
+                remedies[i].fits ? "#74c476" : "#bdbdbd", remedies[i].what, flags,
                 remedies[i].device_bytes / 1048576.0);
-        fprintf(f, "<text x=\"%.1f\" y=\"%d\" text-anchor=\"middle\" font-size=\"10\">%s</text>\n",
-                x + w / 2, SVG_H - SVG_BOTTOM - 44, remedies[i].flags);
+        svg_flag_lines(f, x + w / 2, SVG_H - SVG_BOTTOM - 44, flags);
     }
     if (n_remedies > 0)
         fprintf(f, "<text x=\"%.1f\" y=\"%d\" font-size=\"11\">remedies of the OOM guide, each "
@@ -618,8 +697,8 @@ static void plan_svg(FILE *f, const lg_plan *plan, const lg_config *cfg, const l
     if (limit > 0 && limit < top * 1.08) /* the limit, across every bar */
         fprintf(f, "<line id=\"limit\" x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"red\" "
                    "stroke-dasharray=\"6,4\"/><text x=\"%d\" y=\"%.1f\" fill=\"red\">limit</text>\n",
-                SVG_LEFT, svg_at(&y, (double)limit), SVG_W - SVG_RIGHT, svg_at(&y, (double)limit),
-                SVG_W - SVG_RIGHT + 4, svg_at(&y, (double)limit) + 4);
+                SVG_LEFT, svg_at(&y, (double)limit), width - SVG_RIGHT, svg_at(&y, (double)limit),
+                width - SVG_RIGHT + 4, svg_at(&y, (double)limit) + 4);
     for (int g = 0; g < LG_N_GROUPS; g++) /* legend, two rows under the bars */
         fprintf(f, "<rect x=\"%d\" y=\"%d\" width=\"10\" height=\"10\" fill=\"%s\"/>"
                    "<text x=\"%d\" y=\"%d\" font-size=\"11\">%s</text>\n",
@@ -700,7 +779,7 @@ static void print_largest_regions(const lg_plan *plan, int how_many) {
    priced by the planner, the cheapest change that fits. Exits 3. */
 static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, const lg_args *a,
                                  int T, const lg_plan *plan, size_t limit, const char *source) {
-    char need[32], have[32], size[32];
+    char need[32], have[32], size[32], flags[160];
     printf("train: this run needs %s on each device, but %s is available (%s)\n",
            lg_format_bytes(lg_plan_bytes(plan, LG_POOL_DEVICE), need, sizeof need),
            lg_format_bytes(limit, have, sizeof have), source);
@@ -710,18 +789,19 @@ static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, co
     int n = lg_plan_remedies(cfg, a, T, limit, remedies);
     printf("remedies, in the order of the OOM guide (each alone):\n");
     for (int i = 0; i < n; i++)
-        printf("  %-29s %-30s %11s  %s\n", remedies[i].what, remedies[i].flags,
+        printf("  %-29s %-30s %11s  %s\n", remedies[i].what,
+               remedy_flags(&remedies[i], flags, sizeof flags),
                lg_format_bytes(remedies[i].device_bytes, size, sizeof size),
                remedies[i].fits ? "fits" : "does not fit");
     lg_remedy best;
     if (lg_plan_cheapest_fit(cfg, a, T, limit, &best) == 0) {
         printf("cheapest change that fits (%s):\n",
                lg_format_bytes(best.device_bytes, size, sizeof size));
-        print_command(argc, argv, best.flags);
+        print_command(argc, argv, remedy_flags(&best, flags, sizeof flags));
     } else {
         char host[32];
         printf("no change this version can run fits in %s; even %s needs %s on the device and "
-               "%s of host memory (%s available)\n", have, best.flags,
+               "%s of host memory (%s available)\n", have, remedy_flags(&best, flags, sizeof flags),
                lg_format_bytes(best.device_bytes, size, sizeof size),
                lg_format_bytes(best.host_bytes, host, sizeof host),
                lg_format_bytes(lg_host_available_bytes(), need, sizeof need));
@@ -1146,25 +1226,18 @@ static int take_process_flags(int argc, char **argv, lg_launch *launch) {
     return kept;
 }
 
-/* FNV-1a of n bytes, continuing from h. */
-static uint64_t fnv1a(uint64_t h, const void *bytes, size_t n) {
-    const unsigned char *p = (const unsigned char *)bytes;
-    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ull;
-    return h;
-}
-
 /* A line naming the training data and a hash of it: the tokens when in memory, else the
    file's size and its first and last MiB. */
 static void describe_data(const lg_loader *ld, char *out, size_t cap) {
-    uint64_t h = 0xcbf29ce484222325ull;
-    if (ld->memory) h = fnv1a(h, ld->memory, ld->n_tokens * sizeof *ld->memory);
+    uint64_t h = LG_HASH64_INIT;
+    if (ld->memory) h = lg_hash64(h, ld->memory, ld->n_tokens * sizeof *ld->memory);
     FILE *f = ld->memory ? NULL : fopen(ld->path, "rb");
     if (f) {
         static const long part = 1 << 20;
         unsigned char *buf = (unsigned char *)malloc((size_t)part);
         for (int end = 0; buf && end < 2; end++) {
             if (fseek(f, end ? -part : 0, end ? SEEK_END : SEEK_SET) != 0) rewind(f);
-            h = fnv1a(h, buf, fread(buf, 1, (size_t)part, f));
+            h = lg_hash64(h, buf, fread(buf, 1, (size_t)part, f));
         }
         free(buf);
         fclose(f);
@@ -1225,10 +1298,10 @@ int main(int argc, char **argv) {
     if (launch.process != 0 && !freopen("/dev/null", "w", stdout)) /* process 0 prints */
         die_usage("cannot silence stdout");
     FILE *json = a.plan_only >= 2 ? json_output() : NULL; /* JSON or SVG alone on stdout */
-    /* the papers' betas, unless given: Lion (0.9, 0.99), SophiaG (0.965, 0.99) */
-    if (a.optimizer == LG_OPTIMIZER_LION && !given.beta2) a.beta2 = 0.99f;
-    if (a.optimizer == LG_OPTIMIZER_SOPHIA && !given.beta1) a.beta1 = 0.965f;
-    if (a.optimizer == LG_OPTIMIZER_SOPHIA && !given.beta2) a.beta2 = 0.99f;
+    float beta1, beta2; /* the optimizer's own betas, unless given */
+    lg_optimizer_default_betas(a.optimizer, &beta1, &beta2);
+    if (!given.beta1) a.beta1 = beta1;
+    if (!given.beta2) a.beta2 = beta2;
     if (!given.min_lr) a.min_lr = a.lr / 10; /* the final rate follows --lr */
     lg_config cfg;
     load_config(&a, &cfg, &ck);
@@ -1310,6 +1383,9 @@ int main(int argc, char **argv) {
         lg_step_stats st;
         hang_if_testing(&launch, step);
         if (lg_trainer_step(&tr, &data.train, step, &st, &err) != 0) {
+            size_t used = strlen(err.msg);
+            if (st.diverged)
+                snprintf(err.msg + used, sizeof err.msg - used, " (try a lower --lr or a --max-norm)");
             progress_clear(&shown);
             die(1, &err);
         }

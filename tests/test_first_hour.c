@@ -308,7 +308,92 @@ static void test_pictures(results *r) {
           "4 devices' bars, no remedies (it fits)");
 }
 
+/* The run a person gets by changing only the settings a remedy names (lg_remedy.changes) on
+   the original run. */
+static lg_args with_settings(const lg_args *original, const lg_remedy *m, int *T) {
+    lg_args a = *original;
+    const lg_args *to = &m->args;
+    unsigned c = m->changes;
+    if (c & LG_SETTING_RECOMPUTE) a.recompute = to->recompute;
+    if (c & LG_SETTING_OFFLOAD) a.offload = to->offload;
+    if (c & LG_SETTING_PRECISION) a.precision = to->precision;
+    if (c & LG_SETTING_LORA_R) a.lora.r = to->lora.r;
+    if (c & LG_SETTING_QUANTIZE) a.lora.quantize = to->lora.quantize;
+    if (c & LG_SETTING_OPTIMIZER_STATE) a.optimizer_state = to->optimizer_state;
+    if (c & LG_SETTING_OPTIMIZER) a.optimizer = to->optimizer;
+    if (c & LG_SETTING_MOMENTUM) a.momentum = to->momentum;
+    if (c & LG_SETTING_SEQ_LENGTH) *T = m->T;
+    if (c & LG_SETTING_DEVICES) a.devices = to->devices;
+    if (c & LG_SETTING_STRATEGY) a.strategy = to->strategy;
+    if (c & LG_SETTING_MICRO_BATCH) a.micro_batch_size = to->micro_batch_size;
+    if (c & LG_SETTING_GLOBAL_BATCH) a.global_batch_size = to->global_batch_size;
+    if (a.optimizer != LG_OPTIMIZER_ADAMW) a.optimizer_state = LG_STATE_AS_PRECISION; /* as -o */
+    return a;
+}
+
+/* The library's remedies name settings, not flags: changing only the settings each names
+   (the strategy and global batch included where a device count needs them) gives the run it
+   priced, byte for byte of the plan. */
+static void test_remedy_settings(results *r) {
+    lg_config cfg;
+    lg_error err;
+    if (lg_config_load(&cfg, "configs/pythia-14m.yaml", &err) != 0) {
+        check(r, 0, "remedy settings: %s", err.msg);
+        return;
+    }
+    int total = 0, same = 0, named = 1;
+    for (int run = 0; run < 3; run++) {
+        lg_args a;
+        lg_args_default(&a);
+        a.micro_batch_size = 8;
+        a.finetuning = 1; /* LoRA and QLoRA are remedies too */
+        if (run == 1) a.optimizer = LG_OPTIMIZER_LION;
+        if (run == 2) { /* no-shard over 2 devices with a global batch of 6 */
+            a.micro_batch_size = 1;
+            a.devices = 2;
+            a.global_batch_size = 6;
+            a.strategy = LG_STRATEGY_NO_SHARD;
+        }
+        size_t limit = 30u << 20;
+        lg_remedy m[LG_MAX_REMEDIES + 1];
+        int n = lg_plan_remedies(&cfg, &a, 16, limit, m);
+        lg_plan_cheapest_fit(&cfg, &a, 16, limit, &m[n++]);
+        for (int i = 0; i < n; i++) {
+            int T = 16;
+            lg_args changed = with_settings(&a, &m[i], &T);
+            total++;
+            named &= m[i].changes != 0;
+            same += lg_plan_device_bytes_for(&cfg, &changed, T) == m[i].device_bytes &&
+                    m[i].device_bytes > 0;
+        }
+    }
+    check(r, total > 20 && same == total && named, "remedies as settings: %d of %d remedies "
+          "(AdamW, Lion, no-shard over 2 devices) price the same plan when only the settings "
+          "they name change", same, total);
+}
+
+/* One hash and one mixer: lg_hash64 is FNV-1a (the published 64-bit test vectors; the
+   checkpoints' COMPLETE markers depend on it) and lg_mix64 splitmix64's finaliser (its
+   published outputs from state 0). */
+static void test_hash_and_mixer(results *r) {
+    lg_rng rng;
+    lg_rng_seed(&rng, 0);
+    check(r, lg_hash64(LG_HASH64_INIT, "", 0) == 0xcbf29ce484222325ull &&
+          lg_hash64(LG_HASH64_INIT, "a", 1) == 0xaf63dc4c8601ec8cull &&
+          lg_hash64(LG_HASH64_INIT, "foobar", 6) == 0x85944171f73967e8ull &&
+          lg_hash64(lg_hash64(LG_HASH64_INIT, "foo", 3), "bar", 3) == 0x85944171f73967e8ull,
+          "lg_hash64 is 64-bit FNV-1a: \"a\" -> af63dc4c8601ec8c, \"foobar\" (whole or in two "
+          "parts) -> 85944171f73967e8");
+    check(r, lg_mix64(LG_GOLDEN_GAMMA) == 0xe220a8397b1dcdafull &&
+          lg_mix64(2 * LG_GOLDEN_GAMMA) == 0x6e789e6aa1b965f4ull &&
+          rng.state == (0xe220a8397b1dcdafull | 1),
+          "lg_mix64 is splitmix64's finaliser: its first two outputs from state 0 are "
+          "e220a8397b1dcdaf, 6e789e6aa1b965f4; lg_rng_seed(0) starts from the first");
+}
+
 static void test_first_hour(results *r) {
+    test_hash_and_mixer(r);
+    test_remedy_settings(r);
     test_pictures(r);
     test_progress(r);
     test_design_card_command(r);
