@@ -10757,6 +10757,8 @@ int lg_hf_save(const lg_model *m, const char *dir, lg_error *err) {
 typedef struct {
     lg_st_tensor desc; /* name, file dtype, shape */
     void *data;        /* the trainer's (or loader's) memory */
+    const lg_exec *ex; /* the rank whose memory data is (NULL: the host's): read and written
+                          through lg_visit, since a GPU's memory is not the host's */
     int is_real;       /* data holds lg_real, stored as F32 */
     int is_index;      /* data holds size_t, stored as I64 (the loader's window order) */
     const lg_tensor_info *tensor; /* the parameter it belongs to (NULL: the loader's) */
@@ -10799,8 +10801,9 @@ static void lg_state_views_of_tensor(const lg_optimizer *opt, const lg_tensor_in
 }
 
 /* Every tensor of the training state, in a fixed order: the master weights and optimizer state
-   of `opt` laid out by `table` (the whole layout), the loader's order. *out: LG_MALLOC. */
-static int lg_state_views(const lg_optimizer *opt, const lg_tensor_table *table,
+   of `opt` (in ex's memory; NULL: the host's) laid out by `table` (the whole layout), the
+   loader's order. *out: LG_MALLOC. */
+static int lg_state_views(const lg_optimizer *opt, const lg_exec *ex, const lg_tensor_table *table,
                           const lg_loader *data, lg_state_view **out, int *n) {
     lg_state_view *v = (lg_state_view *)lg_alloc_zeroed(sizeof(lg_state_view) * (size_t)(5 * table->n_tensors + 2));
     if (!v) return -1;
@@ -10812,6 +10815,7 @@ static int lg_state_views(const lg_optimizer *opt, const lg_tensor_table *table,
             lg_state_view_add(v, n, "master", t, opt->master + t->offset, LG_ST_F32, 1, (int64_t)t->count);
         lg_state_views_of_tensor(opt, t, &cursor, v, n);
     }
+    for (int i = 0; i < *n; i++) v[i].ex = ex;
     if (data && data->order) {
         lg_state_view_add(v, n, "loader", NULL, data->order, LG_ST_I64, 0, (int64_t)data->n_windows);
         v[*n - 1].is_index = 1;
@@ -10827,6 +10831,7 @@ static int lg_state_views(const lg_optimizer *opt, const lg_tensor_table *table,
    state to write. */
 typedef struct {
     lg_optimizer opt;          /* rank 0's, with master, m and v pointing at whole buffers */
+    const lg_exec *ex;         /* whose memory opt's buffers are: rank 0's, or NULL (owned) */
     const lg_tensor_table *table; /* the whole layout */
     void *owned;               /* the whole buffers when sharded, else NULL */
 } lg_whole_state;
@@ -10843,9 +10848,11 @@ int lg_checkpoint_supported(const lg_trainer *tr, lg_error *err) {
 static int lg_whole_state_make(const lg_trainer *tr, lg_whole_state *w, lg_error *err) {
     const lg_model *m0 = &tr->ranks[0].model;
     w->opt = tr->ranks[0].opt;
+    w->ex = &m0->exec;
     w->table = &m0->param_table;
     w->owned = NULL;
     if (tr->plan.sharding.shard_ranks == 1) return 0;
+    w->ex = NULL;
     if (lg_checkpoint_supported(tr, err) != 0) return -1;
     size_t n = m0->n_params, state = lg_elem_size(w->opt.m.dtype);
     unsigned char *p = (unsigned char *)lg_alloc_zeroed(n * (sizeof(lg_real) + 2 * state));
@@ -10858,16 +10865,21 @@ static int lg_whole_state_make(const lg_trainer *tr, lg_whole_state *w, lg_error
 }
 
 /* Unsharded replicas (no-shard): rank 0 read the state; the others take its regions as they
-   are. */
+   are (on GPUs a copy from rank 0's GPU to theirs, on rank 0's stream). */
 static void lg_copy_state_to_replicas(lg_trainer *tr) {
     const lg_rank_plan *plan0 = &tr->plan.ranks[0];
-    for (int r = 1; r < tr->local_ranks; r++)
+    const lg_exec *ex0 = &tr->ranks[0].model.exec;
+    for (int r = 1; r < tr->local_ranks; r++) {
+        lg_rank_sync(&tr->ranks[r].rank); /* nothing of its own still writes its regions */
         for (int i = 0; i < plan0->n_regions; i++) {
             const lg_region *x = &plan0->regions[i];
             if (x->group != LG_GROUP_OPTIMIZER && x->group != LG_GROUP_MASTER) continue;
-            memcpy(lg_rank_region(&tr->ranks[r].rank, x->name),
-                   lg_rank_region(&tr->ranks[0].rank, x->name), x->bytes);
+            lg_buf dst = {lg_rank_region(&tr->ranks[r].rank, x->name), LG_DTYPE_U8};
+            lg_buf src = {lg_rank_region(&tr->ranks[0].rank, x->name), LG_DTYPE_U8};
+            lg_copy(ex0, dst, src, x->bytes);
         }
+    }
+    lg_rank_sync(&tr->ranks[0].rank);
 }
 
 /* Sharded: copies each rank's pieces into the whole buffers (to_whole, the members of shard
@@ -10898,18 +10910,23 @@ static void lg_whole_state_exchange(lg_trainer *tr, lg_whole_state *w, int to_wh
         if (whole[k].data) lg_all_reduce_sum(tr->process_comm, 1, &whole[k], tr->ranks[0].model.n_params);
 }
 
+/* A tensor's file bytes from its place. */
 static int lg_state_fill(void *ctx, int index, unsigned char *out, lg_error *err) {
     const lg_state_view *s = &((const lg_state_view *)ctx)[index];
     size_t count = (size_t)lg_st_count(&s->desc);
     if (s->is_real) {
-        for (size_t i = 0; i < count; i++) lg_st_set(LG_ST_F32, out, i, ((const lg_real *)s->data)[i]);
+        lg_visit v = lg_visit_start(s->ex, lg_buf_of((lg_real *)s->data), count, 1, LG_VISIT_READ);
+        while (lg_visit_next(&v))
+            for (size_t i = 0; i < v.n; i++)
+                lg_st_set(LG_ST_F32, out, v.first + i, ((const lg_real *)v.piece.data)[i]);
     } else if (s->is_index) {
         for (size_t i = 0; i < count; i++) {
             int64_t v = (int64_t)((const size_t *)s->data)[i];
             memcpy(out + 8 * i, &v, 8);
         }
     } else {
-        memcpy(out, s->data, count * lg_st_dtype_size(s->desc.dtype));
+        lg_buf place = {s->data, LG_DTYPE_U8};
+        lg_rank_bytes(s->ex, place, out, count * lg_st_dtype_size(s->desc.dtype), 1);
     }
     (void)err;
     return 0;
@@ -10919,7 +10936,10 @@ static int lg_state_fill(void *ctx, int index, unsigned char *out, lg_error *err
 static int lg_state_store(const lg_state_view *s, const unsigned char *bytes, size_t n_windows) {
     size_t count = (size_t)lg_st_count(&s->desc);
     if (s->is_real) {
-        for (size_t i = 0; i < count; i++) ((lg_real *)s->data)[i] = lg_st_get(LG_ST_F32, bytes, i);
+        lg_visit v = lg_visit_start(s->ex, lg_buf_of((lg_real *)s->data), count, 1, LG_VISIT_WRITE);
+        while (lg_visit_next(&v))
+            for (size_t i = 0; i < v.n; i++)
+                ((lg_real *)v.piece.data)[i] = lg_st_get(LG_ST_F32, bytes, v.first + i);
     } else if (s->is_index) {
         for (size_t i = 0; i < count; i++) {
             int64_t v;
@@ -10928,7 +10948,8 @@ static int lg_state_store(const lg_state_view *s, const unsigned char *bytes, si
             ((size_t *)s->data)[i] = (size_t)v;
         }
     } else {
-        memcpy(s->data, bytes, count * lg_st_dtype_size(s->desc.dtype));
+        lg_buf place = {s->data, LG_DTYPE_U8};
+        lg_rank_bytes(s->ex, place, (void *)bytes, count * lg_st_dtype_size(s->desc.dtype), 0);
     }
     return 0;
 }
@@ -11181,7 +11202,7 @@ static int lg_training_state_write_units(lg_trainer *tr, const lg_loader *data, 
     lg_st_tensor *tensors = NULL;
     int n = 0, rc = 0;
     if (tr->process == 0) {
-        if (lg_state_views(&opt, &w.units, data, &w.views, &n) == 0)
+        if (lg_state_views(&opt, NULL, &w.units, data, &w.views, &n) == 0) /* parts: host */
             tensors = (lg_st_tensor *)lg_alloc_zeroed(sizeof(lg_st_tensor) * (size_t)(n + 1));
         lg_st_meta meta[24];
         int n_meta = lg_state_meta(tr, data, step, meta);
@@ -11208,7 +11229,7 @@ int lg_training_state_write(lg_trainer *tr, const lg_loader *data, int step,
     }
     lg_state_view *views = NULL;
     int n = 0;
-    if (lg_state_views(&w.opt, w.table, data, &views, &n) != 0) {
+    if (lg_state_views(&w.opt, w.ex, w.table, data, &views, &n) != 0) {
         LG_FREE(w.owned);
         return lg_fail(err, "out of host memory");
     }
@@ -11295,7 +11316,7 @@ int lg_training_state_read(lg_trainer *tr, lg_loader *data, int *step, const cha
         rc = lg_fail(err, "training state %s: loader_position %llu is beyond the data's %zu windows",
                      path, v[LG_STATE_LOADER_POSITION], data->n_windows);
     if (rc == 0) rc = lg_whole_state_make(tr, &w, err);
-    if (rc == 0 && lg_state_views(&w.opt, w.table, data, &views, &n) != 0)
+    if (rc == 0 && lg_state_views(&w.opt, w.ex, w.table, data, &views, &n) != 0)
         rc = lg_fail(err, "out of host memory");
     if (rc == 0) rc = lg_state_read_views(&f, views, n, data ? data->n_windows : 0, err);
     LG_FREE(views);

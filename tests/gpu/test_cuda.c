@@ -477,45 +477,78 @@ static void test_gpu_lora(results *r, int gpus) {
         }
 }
 
-/* A checkpoint of a GPU run (2 GPUs, full-shard, bf16-mixed, when 2 are visible) resumed by
-   a fresh trainer: 2 + 2 steps give bitwise the 4 uninterrupted steps. */
-static void test_gpu_resume(results *r, int gpus) {
+/* Trains `steps` steps uninterrupted and, in two other trainers, `half` steps, a checkpoint,
+   a resume and the rest: 1 when both give bitwise the same losses after the checkpoint and the
+   same weights, 0 (with err) when they differ or a part fails. */
+static int resumed_equals_uninterrupted(const lg_config *cfg, const lg_args *a, const char *out,
+                                        lg_error *err) {
     const int T = 16, steps = 4, half = 2;
-    lg_config cfg;
-    lg_error err;
-    if (load_config_or_fail(r, &cfg, "test-llama")) return;
-    lg_args a = step_args(LG_PRECISION_BF16_MIXED, LG_BACKEND_CUDA);
-    if (gpus >= 2) {
-        a.devices = 2;
-        a.global_batch_size = 4;
-    }
     double full[4], resumed[4];
     lg_trainer one, first, second;
-    mkdir("build", 0755); /* the checkpoint's parent (it exists after make) */
     lg_loader l2, l3;
+    char dir[256];
     int step = -1;
-    int rc = train_steps(&one, &cfg, &a, T, steps, full);
-    rc = rc || lg_trainer_create(&first, &cfg, &a, T, &err) || builtin_loader(&l2, &cfg, &a, T, steps) ||
-         run_step_range(&first, &l2, 0, half, resumed) ||
-         lg_checkpoint_save(&first, &l2, half, "build/gpu_resume", &err);
-    rc = rc || lg_trainer_create(&second, &cfg, &a, T, &err) || builtin_loader(&l3, &cfg, &a, T, steps) ||
-         lg_checkpoint_resume(&second, &l3, "build/gpu_resume/step-2", &step, &err) ||
-         step != half || run_step_range(&second, &l3, half, steps, resumed);
-    int same = rc == 0;
-    if (same) {
-        lg_real *w_full = trained_weights(&one), *w_resumed = trained_weights(&second);
-        same = memcmp(w_full, w_resumed, one.ranks[0].model.n_params * sizeof(lg_real)) == 0 &&
+    snprintf(dir, sizeof dir, "%s/step-%d", out, half);
+    err->msg[0] = '\0';
+    int rc = train_steps(&one, cfg, a, T, steps, full);
+    rc = rc || lg_trainer_create(&first, cfg, a, T, err) || builtin_loader(&l2, cfg, a, T, steps) ||
+         run_step_range(&first, &l2, 0, half, resumed) || lg_checkpoint_save(&first, &l2, half, out, err);
+    rc = rc || lg_trainer_create(&second, cfg, a, T, err) || builtin_loader(&l3, cfg, a, T, steps) ||
+         lg_checkpoint_resume(&second, &l3, dir, &step, err) || step != half ||
+         run_step_range(&second, &l3, half, steps, resumed);
+    if (rc != 0) return 0; /* (what was made stays: the test has failed) */
+    lg_real *w_full = trained_weights(&one), *w_resumed = trained_weights(&second);
+    int same = memcmp(w_full, w_resumed, one.ranks[0].model.n_params * sizeof(lg_real)) == 0 &&
                memcmp(full + half, resumed + half, (steps - half) * sizeof(double)) == 0;
-        LG_FREE(w_full);
-        LG_FREE(w_resumed);
-        lg_trainer_free(&one);
-        lg_trainer_free(&first);
-        lg_trainer_free(&second);
-        lg_loader_close(&l2);
-        lg_loader_close(&l3);
+    LG_FREE(w_full);
+    LG_FREE(w_resumed);
+    lg_trainer_free(&one);
+    lg_trainer_free(&first);
+    lg_trainer_free(&second);
+    lg_loader_close(&l2);
+    lg_loader_close(&l3);
+    return same;
+}
+
+/* A checkpoint of a GPU run resumed by a fresh trainer: 2 + 2 steps give bitwise the 4
+   uninterrupted steps. Sharded (2 GPUs, full-shard, bf16-mixed; the state goes through host
+   buffers) and unsharded, where the host reads and writes rank 0's state in
+   GPU memory only through visits and the replicas copy it GPU to GPU: 1 GPU and 2 GPUs
+   no-shard, fp32 and bf16-mixed, AdamW's 8-bit state (n_embd 64, so that matrices have it)
+   with its block scales, and LoRA (its PEFT adapter files). Those of 2 GPUs need 2 visible. */
+static void test_gpu_resume(results *r, int gpus) {
+    static const struct {
+        int devices, bf16, eight_bit, lora;
+    } cases[] = {{2, 1, 0, 0}, {1, 0, 0, 0}, {1, 1, 0, 0}, {1, 0, 1, 0}, {1, 1, 0, 1},
+                 {-2, 0, 0, 0}, {-2, 1, 1, 0}, {-2, 0, 0, 1}}; /* -2: 2 GPUs no-shard */
+    mkdir("build", 0755); /* the checkpoints' parent (it exists after make) */
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        int devices = cases[c].devices < 0 ? -cases[c].devices : cases[c].devices;
+        if (devices > gpus) continue;
+        lg_config cfg;
+        if (llama_config(&cfg, cases[c].eight_bit) != 0) {
+            check(r, 0, "test-llama's config loads");
+            continue;
+        }
+        lg_args a = step_args(cases[c].bf16 ? LG_PRECISION_BF16_MIXED : LG_PRECISION_32_TRUE,
+                              LG_BACKEND_CUDA);
+        a.devices = devices;
+        if (cases[c].devices < 0) a.strategy = LG_STRATEGY_NO_SHARD;
+        if (cases[c].eight_bit) a.optimizer_state = LG_STATE_8BIT;
+        if (cases[c].lora) {
+            a.lora.r = 4;
+            a.lora.targets = LG_LORA_QUERY | LG_LORA_VALUE | LG_LORA_MLP;
+            a.lr = 1e-2f;
+        }
+        char out[64];
+        snprintf(out, sizeof out, "build/gpu_resume_%zu", c);
+        lg_error err;
+        int same = resumed_equals_uninterrupted(&cfg, &a, out, &err);
+        check(r, same, "checkpoint of %d GPU%s%s %-10s%s%s, resumed: bitwise the uninterrupted run%s%s",
+              devices, devices > 1 ? "s" : "", devices > 1 ? (cases[c].devices < 0 ? " no-shard" : " full-shard") : "",
+              lg_precision_name(a.precision), cases[c].eight_bit ? " 8-bit state" : "",
+              cases[c].lora ? " LoRA" : "", err.msg[0] ? ": " : "", err.msg);
     }
-    check(r, same, "checkpoint of %d GPU%s, resumed: bitwise the uninterrupted run%s%s", a.devices,
-          a.devices > 1 ? "s" : "", rc ? ": " : "", rc ? err.msg : "");
 }
 
 /* -d N on N GPUs (NCCL) equals -d 1, for every strategy, at fp32 (N = 2, or all when fewer). */
@@ -714,6 +747,11 @@ int main(int argc, char **argv) {
     cudaGetDeviceProperties(&prop, 0);
     printf("CUDA backend on %d x %s\n", gpus, prop.name);
 #endif
+    if (argc > 1 && strcmp(argv[1], "resume") == 0) { /* the checkpoint tests alone */
+        test_gpu_resume(&r, gpus);
+        printf("%d passed, %d failed\n", r.passed, r.failed);
+        return r.failed ? 1 : 0;
+    }
     if (argc > 1 && strcmp(argv[1], "attention") == 0) { /* the attention tests alone */
         test_attention(&r);
         printf("%d passed, %d failed\n", r.passed, r.failed);
