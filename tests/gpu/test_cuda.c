@@ -478,7 +478,7 @@ static void test_gpu_lora(results *r, int gpus) {
 }
 
 /* Trains `steps` steps uninterrupted and, in two other trainers, `half` steps, a checkpoint,
-   a resume and the rest: 1 when both give bitwise the same losses after the checkpoint and the
+   a resume, the rest and the final checkpoint (a->max_steps = steps): 1 when both give bitwise the same losses after the checkpoint and the
    same weights, 0 (with err) when they differ or a part fails. */
 static int resumed_equals_uninterrupted(const lg_config *cfg, const lg_args *a, const char *out,
                                         lg_error *err) {
@@ -495,7 +495,8 @@ static int resumed_equals_uninterrupted(const lg_config *cfg, const lg_args *a, 
          run_step_range(&first, &l2, 0, half, resumed) || lg_checkpoint_save(&first, &l2, half, out, err);
     rc = rc || lg_trainer_create(&second, cfg, a, T, err) || builtin_loader(&l3, cfg, a, T, steps) ||
          lg_checkpoint_resume(&second, &l3, dir, &step, err) || step != half ||
-         run_step_range(&second, &l3, half, steps, resumed);
+         run_step_range(&second, &l3, half, steps, resumed) ||
+         lg_checkpoint_save(&second, &l3, steps, out, err); /* the last step's (LoRA: merged) */
     if (rc != 0) return 0; /* (what was made stays: the test has failed) */
     lg_real *w_full = trained_weights(&one), *w_resumed = trained_weights(&second);
     int same = memcmp(w_full, w_resumed, one.ranks[0].model.n_params * sizeof(lg_real)) == 0 &&
@@ -533,6 +534,7 @@ static void test_gpu_resume(results *r, int gpus) {
         lg_args a = step_args(cases[c].bf16 ? LG_PRECISION_BF16_MIXED : LG_PRECISION_32_TRUE,
                               LG_BACKEND_CUDA);
         a.devices = devices;
+        a.max_steps = 4; /* the steps of resumed_equals_uninterrupted */
         if (cases[c].devices < 0) a.strategy = LG_STRATEGY_NO_SHARD;
         if (cases[c].eight_bit) a.optimizer_state = LG_STATE_8BIT;
         if (cases[c].lora) {
