@@ -4669,6 +4669,288 @@ static void lg_gemm(const lg_gemm_workspace *ws, int trans_a, int trans_b, int M
 }
 /* LG_GEMM_END */
 
+/* --- AVX-512 loops of the memory-bound ops ------------------------------------------------
+   On the avx512 path and above (ex->gemm.path), with every operand stored fp32 or bf16, the
+   norms, SwiGLU, cross-entropy and AdamW (section 8) run 16 lanes at a time: the same formulas
+   in fp32, exp from lg_v_exp (within 2 ulp of expf), sums in lanes (another order than the
+   portable loops), bf16 stored with the same rounding (lg_gemm_bf16_avx512). Each returns 1
+   when it did the op, 0 to leave it to the portable loop (fp16 storage, other paths, no exec,
+   a build without the x86 kernels). Elementwise ops take the last partial vector through a
+   16-lane copy, so an element's result never depends on where a range starts. */
+#if LG_X86_KERNELS
+#define LG_V 16 /* fp32 lanes of a zmm */
+
+/* 1 when ex runs the avx512 path or above on the CPU and these buffers are fp32 or bf16 */
+static int lg_v_ready(const lg_exec *ex, lg_buf a, lg_buf b, lg_buf c) {
+    const lg_buf all[3] = {a, b, c};
+    if (!ex || ex->backend != LG_BACKEND_CPU || ex->gemm.path < LG_GEMM_AVX512) return 0;
+    for (int i = 0; i < 3; i++)
+        if (all[i].data && all[i].dtype != LG_DTYPE_F32 && all[i].dtype != LG_DTYPE_BF16) return 0;
+    return 1;
+}
+
+/* 16 elements of b (fp32 or bf16) from i as fp32 */
+LG_TARGET_AVX512 static __m512 lg_v_load(lg_buf b, size_t i) {
+    if (b.dtype == LG_DTYPE_BF16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)b.data + i));
+        const __m512i u = _mm512_maskz_cvtepu16_epi32(LG_ALL16, h);
+        return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(LG_ALL16, u, 16));
+    }
+    return _mm512_loadu_ps((const float *)b.data + i);
+}
+
+LG_TARGET_AVX512 static void lg_v_store(lg_buf b, size_t i, __m512 x) {
+    if (b.dtype == LG_DTYPE_BF16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)b.data + i), lg_gemm_bf16_avx512(x));
+    else
+        _mm512_storeu_ps((float *)b.data + i, x);
+}
+
+/* the first n (<= 16) lanes from b at i, the rest `fill` */
+LG_TARGET_AVX512 static __m512 lg_v_load_n(lg_buf b, size_t i, size_t n, float fill) {
+    if (n >= LG_V) return lg_v_load(b, i);
+    float t[LG_V];
+    for (size_t j = 0; j < LG_V; j++) t[j] = j < n ? (float)lg_get(b, i + j) : fill;
+    return _mm512_loadu_ps(t);
+}
+
+LG_TARGET_AVX512 static void lg_v_store_n(lg_buf b, size_t i, size_t n, __m512 x) {
+    if (n >= LG_V) { lg_v_store(b, i, x); return; }
+    float t[LG_V];
+    _mm512_storeu_ps(t, x);
+    for (size_t j = 0; j < n; j++) lg_set(b, i + j, t[j]);
+}
+
+/* e^x: 2^k e^r with k = round(x / ln 2), r = x - k ln 2 (ln 2 in two parts) in
+   [-ln2/2, ln2/2], e^r by its Taylor series to r^7 (remainder below 1e-8 of the value);
+   overflow to inf, NaN kept */
+LG_TARGET_AVX512 static __m512 lg_v_exp(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x); /* the second operand wins on NaN */
+    x = _mm512_min_ps(_mm512_set1_ps(88.8f), x);
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    static const float taylor[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6,
+                                   0.5f, 1.0f, 1.0f};
+    __m512 p = _mm512_set1_ps(taylor[0]);
+    for (int i = 1; i < (int)(sizeof taylor / sizeof taylor[0]); i++)
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(taylor[i]));
+    return _mm512_scalef_ps(p, k);
+}
+
+LG_TARGET_AVX512 static __m512 lg_v_sigmoid(__m512 x) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    return _mm512_div_ps(one, _mm512_add_ps(one, lg_v_exp(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
+/* mask of the first n (<= 16) lanes */
+static __mmask16 lg_v_mask(size_t n) { return (__mmask16)(n >= LG_V ? 0xFFFFu : (1u << n) - 1); }
+
+/* out (n) = silu(gate) * up */
+LG_TARGET_AVX512 static int lg_swiglu_forward_avx512(const lg_exec *ex, lg_buf out, lg_buf gate,
+                                                     lg_buf up, size_t n) {
+    if (!lg_v_ready(ex, out, gate, up)) return 0;
+    LG_OMP(omp parallel for)
+    for (long c = 0; c < (long)((n + LG_V - 1) / LG_V); c++) {
+        const size_t i = (size_t)c * LG_V, m = n - i;
+        const __m512 g = lg_v_load_n(gate, i, m, 0), u = lg_v_load_n(up, i, m, 0);
+        lg_v_store_n(out, i, m, _mm512_mul_ps(_mm512_mul_ps(g, lg_v_sigmoid(g)), u));
+    }
+    return 1;
+}
+
+/* dgate, dup (n) = gradients of silu(gate) * up given dout */
+LG_TARGET_AVX512 static int lg_swiglu_backward_avx512(const lg_exec *ex, lg_buf dgate, lg_buf dup,
+                                                      lg_buf dout, lg_buf gate, lg_buf up,
+                                                      size_t n) {
+    if (!lg_v_ready(ex, dgate, dup, dout) || !lg_v_ready(ex, gate, up, lg_no_buf())) return 0;
+    const __m512 one = _mm512_set1_ps(1.0f);
+    LG_OMP(omp parallel for)
+    for (long c = 0; c < (long)((n + LG_V - 1) / LG_V); c++) {
+        const size_t i = (size_t)c * LG_V, m = n - i;
+        const __m512 g = lg_v_load_n(gate, i, m, 0), d = lg_v_load_n(dout, i, m, 0);
+        const __m512 u = lg_v_load_n(up, i, m, 0);
+        const __m512 sig = lg_v_sigmoid(g), silu = _mm512_mul_ps(g, sig);
+        const __m512 slope = _mm512_fmadd_ps(silu, _mm512_sub_ps(one, sig), sig);
+        lg_v_store_n(dup, i, m, _mm512_mul_ps(d, silu));
+        lg_v_store_n(dgate, i, m, _mm512_mul_ps(_mm512_mul_ps(d, u), slope));
+    }
+    return 1;
+}
+
+/* the row's largest of its first n values, and the sum of exp(x - max) over them */
+LG_TARGET_AVX512 static void lg_v_row_max_sum(lg_buf z, int n, float *max, float *sum) {
+    __m512 mx = _mm512_set1_ps(-INFINITY), s = _mm512_setzero_ps();
+    for (int v = 0; v < n; v += LG_V) {
+        const __mmask16 k = lg_v_mask((size_t)(n - v));
+        mx = _mm512_mask_max_ps(mx, k, mx, lg_v_load_n(z, (size_t)v, (size_t)(n - v), 0));
+    }
+    *max = _mm512_reduce_max_ps(mx);
+    const __m512 vmax = _mm512_set1_ps(*max);
+    for (int v = 0; v < n; v += LG_V) {
+        const __mmask16 k = lg_v_mask((size_t)(n - v));
+        const __m512 e = lg_v_exp(_mm512_sub_ps(lg_v_load_n(z, (size_t)v, (size_t)(n - v), 0), vmax));
+        s = _mm512_mask_add_ps(s, k, s, e);
+    }
+    *sum = _mm512_reduce_add_ps(s);
+}
+
+/* cross-entropy: as lg_crossentropy_forward, the sum of the losses in *sum */
+LG_TARGET_AVX512 static int lg_crossentropy_forward_avx512(const lg_exec *ex, lg_real *losses,
+                                                           lg_buf logits, const int *targets,
+                                                           int N, int V, int Vp, double *sum) {
+    if (!lg_v_ready(ex, logits, lg_no_buf(), lg_no_buf())) return 0;
+    double total = 0;
+    LG_OMP(omp parallel for reduction(+ : total))
+    for (int n = 0; n < N; n++) {
+        lg_buf z = lg_at(logits, (size_t)n * Vp);
+        if (targets[n] == LG_IGNORE_INDEX) { losses[n] = 0; continue; }
+        float max, sum;
+        lg_v_row_max_sum(z, V, &max, &sum);
+        losses[n] = lg_log(sum) + max - lg_get(z, targets[n]);
+        total += losses[n];
+    }
+    *sum = total;
+    return 1;
+}
+
+LG_TARGET_AVX512 static int lg_crossentropy_backward_avx512(const lg_exec *ex, lg_buf dlogits,
+                                                            lg_buf logits, const int *targets,
+                                                            int N, int V, int Vp, lg_real scale) {
+    if (!lg_v_ready(ex, dlogits, logits, lg_no_buf())) return 0;
+    LG_OMP(omp parallel for)
+    for (int n = 0; n < N; n++) {
+        lg_buf z = lg_at(logits, (size_t)n * Vp), dz = lg_at(dlogits, (size_t)n * Vp);
+        const int target = targets[n];
+        if (target == LG_IGNORE_INDEX) {
+            for (int v = 0; v < Vp; v++) lg_set(dz, v, 0);
+            continue;
+        }
+        float max, sum;
+        lg_v_row_max_sum(z, V, &max, &sum);
+        const float z_target = (float)lg_get(z, target); /* before dz overwrites it */
+        const __m512 vmax = _mm512_set1_ps(max), vscale = _mm512_set1_ps(scale / sum);
+        for (int v = 0; v < V; v += LG_V) {
+            const size_t m = (size_t)(V - v);
+            const __m512 e = lg_v_exp(_mm512_sub_ps(lg_v_load_n(z, (size_t)v, m, 0), vmax));
+            lg_v_store_n(dz, (size_t)v, m, _mm512_mul_ps(e, vscale));
+        }
+        const float p_target = _mm512_cvtss_f32(lg_v_exp(_mm512_set1_ps(z_target - max))) / sum;
+        lg_set(dz, target, (p_target - 1.0f) * scale);
+        for (int v = V; v < Vp; v++) lg_set(dz, v, 0);
+    }
+    return 1;
+}
+
+/* the sums of x and of (x - mu)^2 over a row of C */
+LG_TARGET_AVX512 static float lg_v_row_sum(lg_buf x, int C) {
+    __m512 s = _mm512_setzero_ps();
+    for (int i = 0; i < C; i += LG_V) s = _mm512_add_ps(s, lg_v_load_n(x, (size_t)i, (size_t)(C - i), 0));
+    return _mm512_reduce_add_ps(s);
+}
+
+LG_TARGET_AVX512 static float lg_v_row_squares(lg_buf x, int C, float mu) {
+    __m512 s = _mm512_setzero_ps();
+    const __m512 vmu = _mm512_set1_ps(mu);
+    for (int i = 0; i < C; i += LG_V) {
+        const __m512 d = _mm512_maskz_sub_ps(lg_v_mask((size_t)(C - i)),
+                                             lg_v_load_n(x, (size_t)i, (size_t)(C - i), 0), vmu);
+        s = _mm512_fmadd_ps(d, d, s);
+    }
+    return _mm512_reduce_add_ps(s);
+}
+
+/* LayerNorm or RMSNorm: as lg_norm_forward */
+LG_TARGET_AVX512 static int lg_norm_forward_avx512(const lg_exec *ex, lg_buf out, lg_real *mean,
+                                                   lg_real *rstd, lg_buf inp, lg_buf weight,
+                                                   lg_buf bias, int N, int C, float eps) {
+    if (!lg_v_ready(ex, out, inp, weight) || !lg_v_ready(ex, bias, lg_no_buf(), lg_no_buf())) return 0;
+    LG_OMP(omp parallel for)
+    for (int n = 0; n < N; n++) {
+        lg_buf x = lg_at(inp, (size_t)n * C), y = lg_at(out, (size_t)n * C);
+        const float mu = mean ? lg_v_row_sum(x, C) / C : 0.0f;
+        const float r = 1.0f / sqrtf(lg_v_row_squares(x, C, mu) / C + eps);
+        const __m512 vmu = _mm512_set1_ps(mu), vr = _mm512_set1_ps(r);
+        for (int i = 0; i < C; i += LG_V) {
+            const size_t m = (size_t)(C - i);
+            const __m512 xhat = _mm512_mul_ps(_mm512_sub_ps(lg_v_load_n(x, (size_t)i, m, 0), vmu), vr);
+            const __m512 b = bias.data ? lg_v_load_n(bias, (size_t)i, m, 0) : _mm512_setzero_ps();
+            lg_v_store_n(y, (size_t)i, m, _mm512_fmadd_ps(xhat, lg_v_load_n(weight, (size_t)i, m, 0), b));
+        }
+        if (mean) mean[n] = mu;
+        rstd[n] = r;
+    }
+    return 1;
+}
+
+#define LG_V_COLUMNS 64 /* columns a thread sums over all rows at once (dweight, dbias) */
+
+/* as lg_norm_backward */
+LG_TARGET_AVX512 static int lg_norm_backward_avx512(const lg_exec *ex, lg_buf dinp, lg_buf dweight,
+                                                    lg_buf dbias, lg_buf dout, lg_buf inp,
+                                                    lg_buf weight, const lg_real *mean,
+                                                    const lg_real *rstd, int N, int C) {
+    if (!lg_v_ready(ex, dinp, dweight, dbias) || !lg_v_ready(ex, dout, inp, weight)) return 0;
+    LG_OMP(omp parallel for)
+    for (int n = 0; n < N; n++) {
+        lg_buf x = lg_at(inp, (size_t)n * C), dy = lg_at(dout, (size_t)n * C);
+        lg_buf dx = lg_at(dinp, (size_t)n * C);
+        const __m512 vmu = _mm512_set1_ps(mean ? mean[n] : 0.0f), vr = _mm512_set1_ps(rstd[n]);
+        __m512 s_dxhat = _mm512_setzero_ps(), s_dxhat_xhat = _mm512_setzero_ps();
+        for (int i = 0; i < C; i += LG_V) {
+            const size_t m = (size_t)(C - i);
+            const __m512 dxhat = _mm512_mul_ps(lg_v_load_n(dy, (size_t)i, m, 0),
+                                               lg_v_load_n(weight, (size_t)i, m, 0));
+            const __m512 xhat = _mm512_maskz_mul_ps(lg_v_mask(m), _mm512_sub_ps(lg_v_load_n(x, (size_t)i, m, 0), vmu), vr);
+            s_dxhat = _mm512_add_ps(s_dxhat, dxhat);
+            s_dxhat_xhat = _mm512_fmadd_ps(dxhat, xhat, s_dxhat_xhat);
+        }
+        const __m512 dxhat_mean = _mm512_set1_ps(mean ? _mm512_reduce_add_ps(s_dxhat) / C : 0.0f);
+        const __m512 dxhat_xhat_mean = _mm512_set1_ps(_mm512_reduce_add_ps(s_dxhat_xhat) / C);
+        for (int i = 0; i < C; i += LG_V) {
+            const size_t m = (size_t)(C - i);
+            const __m512 xhat = _mm512_mul_ps(_mm512_sub_ps(lg_v_load_n(x, (size_t)i, m, 0), vmu), vr);
+            const __m512 dxhat = _mm512_mul_ps(lg_v_load_n(dy, (size_t)i, m, 0),
+                                               lg_v_load_n(weight, (size_t)i, m, 0));
+            const __m512 d = _mm512_mul_ps(vr, _mm512_fnmadd_ps(xhat, dxhat_xhat_mean,
+                                                                _mm512_sub_ps(dxhat, dxhat_mean)));
+            lg_v_store_n(dx, (size_t)i, m, _mm512_add_ps(lg_v_load_n(dx, (size_t)i, m, 0), d));
+        }
+    }
+    if (!dweight.data) return 1; /* frozen (LoRA) */
+    LG_OMP(omp parallel for)
+    for (int c0 = 0; c0 < C; c0 += LG_V_COLUMNS) {
+        __m512 dw[LG_V_COLUMNS / LG_V], db[LG_V_COLUMNS / LG_V];
+        const int width = C - c0 < LG_V_COLUMNS ? C - c0 : LG_V_COLUMNS;
+        for (int j = 0; j < LG_V_COLUMNS / LG_V; j++) dw[j] = db[j] = _mm512_setzero_ps();
+        for (int n = 0; n < N; n++) {
+            const __m512 vmu = _mm512_set1_ps(mean ? mean[n] : 0.0f), vr = _mm512_set1_ps(rstd[n]);
+            for (int j = 0; j * LG_V < width; j++) {
+                const size_t at = (size_t)n * C + c0 + j * LG_V, m = (size_t)(width - j * LG_V);
+                const __m512 dy = lg_v_load_n(dout, at, m, 0);
+                const __m512 xhat = _mm512_mul_ps(_mm512_sub_ps(lg_v_load_n(inp, at, m, 0), vmu), vr);
+                dw[j] = _mm512_fmadd_ps(dy, xhat, dw[j]);
+                db[j] = _mm512_add_ps(db[j], dy);
+            }
+        }
+        for (int j = 0; j * LG_V < width; j++) {
+            const size_t at = (size_t)c0 + j * LG_V, m = (size_t)(width - j * LG_V);
+            lg_v_store_n(dweight, at, m, _mm512_add_ps(lg_v_load_n(dweight, at, m, 0), dw[j]));
+            if (dbias.data) lg_v_store_n(dbias, at, m, _mm512_add_ps(lg_v_load_n(dbias, at, m, 0), db[j]));
+        }
+    }
+    return 1;
+}
+#else
+#define lg_swiglu_forward_avx512(...) 0
+#define lg_swiglu_backward_avx512(...) 0
+#define lg_crossentropy_forward_avx512(...) 0
+#define lg_crossentropy_backward_avx512(...) 0
+#define lg_norm_forward_avx512(...) 0
+#define lg_norm_backward_avx512(...) 0
+#endif
+
 /* The matmul workspace of an exec context (NULL: matmuls without packing). */
 static const lg_gemm_workspace *lg_gemm_space(const lg_exec *ex) { return ex ? &ex->gemm : NULL; }
 
@@ -4780,6 +5062,7 @@ static void lg_embedding_backward(const lg_exec *ex, lg_buf dwte, lg_buf dwpe, l
 static void lg_norm_forward(const lg_exec *ex, lg_buf out, lg_real *mean, lg_real *rstd,
                             lg_buf inp, lg_buf weight, lg_buf bias, int N, int C, float eps) {
     LG_ON_GPU(ex, lg_cuda_norm_forward(ex, out, mean, rstd, inp, weight, bias, N, C, eps));
+    if (lg_norm_forward_avx512(ex, out, mean, rstd, inp, weight, bias, N, C, eps)) return;
     LG_OMP(omp parallel for)
     for (int n = 0; n < N; n++) {
         lg_buf x = lg_at(inp, (size_t)n * C), y = lg_at(out, (size_t)n * C);
@@ -4805,6 +5088,7 @@ static void lg_norm_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweight, lg_
                              lg_buf dout, lg_buf inp, lg_buf weight, const lg_real *mean,
                              const lg_real *rstd, int N, int C) {
     LG_ON_GPU(ex, lg_cuda_norm_backward(ex, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C));
+    if (lg_norm_backward_avx512(ex, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C)) return;
     LG_OMP(omp parallel for)
     for (int n = 0; n < N; n++) {
         lg_buf x = lg_at(inp, (size_t)n * C), dy = lg_at(dout, (size_t)n * C);
@@ -5027,6 +5311,7 @@ static void lg_gelu_backward(const lg_exec *ex, lg_buf dinp, lg_buf dout, lg_buf
 /* out (n) = silu(gate) * up */
 static void lg_swiglu_forward(const lg_exec *ex, lg_buf out, lg_buf gate, lg_buf up, size_t n) {
     LG_ON_GPU(ex, lg_cuda_swiglu_forward(ex, out, gate, up, n));
+    if (lg_swiglu_forward_avx512(ex, out, gate, up, n)) return;
     LG_OMP(omp parallel for)
     for (long i = 0; i < (long)n; i++) {
         lg_real g = lg_get(gate, i);
@@ -5038,6 +5323,7 @@ static void lg_swiglu_forward(const lg_exec *ex, lg_buf out, lg_buf gate, lg_buf
 static void lg_swiglu_backward(const lg_exec *ex, lg_buf dgate, lg_buf dup, lg_buf dout,
                                lg_buf gate, lg_buf up, size_t n) {
     LG_ON_GPU(ex, lg_cuda_swiglu_backward(ex, dgate, dup, dout, gate, up, n));
+    if (lg_swiglu_backward_avx512(ex, dgate, dup, dout, gate, up, n)) return;
     LG_OMP(omp parallel for)
     for (long i = 0; i < (long)n; i++) {
         lg_real g = lg_get(gate, i), d = lg_get(dout, i);
@@ -5053,6 +5339,7 @@ static double lg_crossentropy_forward(const lg_exec *ex, lg_real *losses, lg_buf
                                       const int *targets, int N, int V, int Vp) {
     LG_ON_GPU_RETURN(ex, lg_cuda_crossentropy_forward(ex, losses, logits, targets, N, V, Vp));
     double total = 0;
+    if (lg_crossentropy_forward_avx512(ex, losses, logits, targets, N, V, Vp, &total)) return total;
     LG_OMP(omp parallel for reduction(+ : total))
     for (int n = 0; n < N; n++) {
         lg_buf z = lg_at(logits, (size_t)n * Vp);
@@ -5071,6 +5358,7 @@ static double lg_crossentropy_forward(const lg_exec *ex, lg_real *losses, lg_buf
 static void lg_crossentropy_backward(const lg_exec *ex, lg_buf dlogits, lg_buf logits,
                                      const int *targets, int N, int V, int Vp, lg_real scale) {
     LG_ON_GPU(ex, lg_cuda_crossentropy_backward(ex, dlogits, logits, targets, N, V, Vp, scale));
+    if (lg_crossentropy_backward_avx512(ex, dlogits, logits, targets, N, V, Vp, scale)) return;
     LG_OMP(omp parallel for)
     for (int n = 0; n < N; n++) {
         lg_buf z = lg_at(logits, (size_t)n * Vp), dz = lg_at(dlogits, (size_t)n * Vp);
@@ -5941,6 +6229,77 @@ static void lg_quantize_block(const float *map, uint8_t *codes, float *scale, in
     for (int i = 0; i < n; i++) codes[i] = lg_quantize(map, absmax > 0 ? (float)x[i] / absmax : 0);
 }
 
+/* AdamW on the avx512 path and above (lg_update_tensor's loop, 16 elements at a time, the
+   same formulas in fp32): fp32 m and v, the weights fp32 or a bf16 copy of the fp32 master.
+   Returns 0, leaving the tensor to the loop, for other rules and state formats. The last
+   partial vector goes through lg_v_load_n, so a weight's update never depends on where its
+   shard starts. */
+#if LG_X86_KERNELS
+LG_TARGET_AVX512 static int lg_adamw_avx512(const lg_optimizer *opt, const lg_exec *ex,
+                                            const lg_update_rule *rule, const lg_tensor_info *t,
+                                            const lg_tensor_state *st, lg_buf params,
+                                            int params_whole, lg_buf grads, float grad_multiplier,
+                                            lg_real decay) {
+    if (rule->kind != LG_OPTIMIZER_ADAMW || opt->sqrt_v || opt->stochastic || !st->m.data ||
+        !st->v.data || st->m.dtype != LG_DTYPE_F32 || st->v.dtype != LG_DTYPE_F32 ||
+        (!opt->master && params.dtype != LG_DTYPE_F32) || !lg_v_ready(ex, params, grads, lg_no_buf()))
+        return 0;
+    const size_t n = t->count;
+    const lg_buf master = {opt->master ? opt->master + t->offset : NULL, LG_DTYPE_F32};
+    const lg_buf w = lg_at(params, params_whole ? t->origin : t->offset), g = lg_at(grads, t->offset);
+    const lg_buf m = st->m, v = st->v;
+    const __m512 gm = _mm512_set1_ps(grad_multiplier), lr = _mm512_set1_ps(rule->lr);
+    const __m512 lr_decay = _mm512_set1_ps(rule->lr * decay), eps = _mm512_set1_ps(rule->eps);
+    const __m512 beta1 = _mm512_set1_ps(rule->beta1), beta2 = _mm512_set1_ps(rule->beta2);
+    const __m512 rest1 = _mm512_set1_ps(1.0f - rule->beta1), rest2 = _mm512_set1_ps(1.0f - rule->beta2);
+    const __m512 corr1 = _mm512_set1_ps(rule->bias_corr1), corr2 = _mm512_set1_ps(rule->bias_corr2);
+    LG_OMP(omp parallel for)
+    for (long c = 0; c < (long)((n + LG_V - 1) / LG_V); c++) {
+        const size_t i = (size_t)c * LG_V, left = n - i;
+        __m512 p = lg_v_load_n(master.data ? master : w, i, left, 0);
+        const __m512 grad = _mm512_mul_ps(lg_v_load_n(g, i, left, 0), gm);
+        __m512 mi = lg_v_load_n(m, i, left, 0), vi = lg_v_load_n(v, i, left, 0);
+        p = _mm512_fnmadd_ps(lr_decay, p, p);
+        mi = _mm512_fmadd_ps(beta1, mi, _mm512_mul_ps(rest1, grad));
+        vi = _mm512_fmadd_ps(beta2, vi, _mm512_mul_ps(_mm512_mul_ps(rest2, grad), grad));
+        const __m512 m_hat = _mm512_div_ps(mi, corr1), v_hat = _mm512_div_ps(vi, corr2);
+        const __m512 step = _mm512_div_ps(_mm512_mul_ps(lr, m_hat), _mm512_add_ps(_mm512_sqrt_ps(v_hat), eps));
+        p = _mm512_sub_ps(p, step);
+        lg_v_store_n(m, i, left, mi);
+        lg_v_store_n(v, i, left, vi);
+        if (master.data) lg_v_store_n(master, i, left, p);
+        lg_v_store_n(w, i, left, p);
+    }
+    return 1;
+}
+
+/* lg_sum_squares on the avx512 path: sums of squares in double, 8 lanes */
+LG_TARGET_AVX512 static int lg_sum_squares_avx512(const lg_exec *ex, lg_buf x, size_t n,
+                                                  double *out) {
+    if (!lg_v_ready(ex, x, lg_no_buf(), lg_no_buf())) return 0;
+    double sum = 0;
+    LG_OMP(omp parallel reduction(+ : sum))
+    {
+        __m512d acc = _mm512_setzero_pd();
+        LG_OMP(omp for)
+        for (long c = 0; c < (long)((n + LG_V - 1) / LG_V); c++) {
+            const __m512 f = lg_v_load_n(x, (size_t)c * LG_V, n - (size_t)c * LG_V, 0);
+            const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(f));
+            const __m512d hi = _mm512_cvtps_pd(
+                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1)));
+            acc = _mm512_fmadd_pd(lo, lo, acc);
+            acc = _mm512_fmadd_pd(hi, hi, acc);
+        }
+        sum += _mm512_reduce_add_pd(acc);
+    }
+    *out = sum;
+    return 1;
+}
+#else
+#define lg_adamw_avx512(...) 0
+#define lg_sum_squares_avx512(...) 0
+#endif
+
 /* One table entry's update: its gradients, master weights and state at t->offset (the state
    as st says), its weights at t->offset, or at t->origin when params_whole. */
 static void lg_update_tensor(const lg_optimizer *opt, const lg_exec *ex,
@@ -5949,6 +6308,8 @@ static void lg_update_tensor(const lg_optimizer *opt, const lg_exec *ex,
                              lg_buf grads, float grad_multiplier, lg_real decay) {
     LG_ON_GPU(ex, lg_cuda_update_tensor(ex, opt, rule, t, state, params, params_whole, grads,
                                         grad_multiplier, decay));
+    if (lg_adamw_avx512(opt, ex, rule, t, state, params, params_whole, grads, grad_multiplier, decay))
+        return;
     lg_tensor_state st = *state;
     int quantized = st.m.dtype == LG_DTYPE_U8;
     /* blocks of LG_QUANT_BLOCK in every format: the threads' unit of work */
@@ -6022,6 +6383,7 @@ void lg_optimizer_hessian_update(lg_optimizer *opt, const lg_exec *ex, lg_buf sa
 double lg_sum_squares(const lg_exec *ex, lg_buf x, size_t n) {
     LG_ON_GPU_RETURN(ex, lg_cuda_sum_squares(ex, x, n));
     double sum = 0;
+    if (lg_sum_squares_avx512(ex, x, n, &sum)) return sum;
     LG_OMP(omp parallel for reduction(+ : sum))
     for (long k = 0; k < (long)n; k++) {
         double g = lg_get(x, (size_t)k);
