@@ -4168,6 +4168,73 @@ static void lg_gemm_pack_b(int trans_b, lg_buf B, int ldb, int p0, int j0, int k
     }
 }
 
+/* Packing bf16 with AVX-512 (the avx512-bf16 and AMX paths): whole blocks of 16 x 32 bf16 at a
+   time, the rest element by element. A pair of bf16 along K is one 32-bit word; the
+   transposing packs move words through lg_transpose_16x16. */
+#define LG_PACK_ROWS 16 /* rows (or columns) of a block */
+#define LG_PACK_K 32    /* K of a block: 16 words */
+#if LG_X86_KERNELS
+#define LG_ALL16 ((__mmask16)0xFFFF)
+
+/* r[0..16) (16 words each) becomes its transpose: word j of r[i] moves to word i of r[j]
+   (unpacks of words, then of word pairs, then two rounds of 128-bit lane shuffles) */
+LG_TARGET_AVX512 static inline void lg_transpose_16x16(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int k = 0; k < 8; k++) {
+        a[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+        a[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    }
+    for (int k = 0; k < 4; k++) { /* b[4k + m], lane L: word 4L + m of rows 4k .. 4k+3 */
+        b[4 * k] = _mm512_unpacklo_epi64(a[4 * k], a[4 * k + 2]);
+        b[4 * k + 1] = _mm512_unpackhi_epi64(a[4 * k], a[4 * k + 2]);
+        b[4 * k + 2] = _mm512_unpacklo_epi64(a[4 * k + 1], a[4 * k + 3]);
+        b[4 * k + 3] = _mm512_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
+    }
+    for (int m = 0; m < 4; m++) { /* column 4L + m: lane L of b[m], b[4+m], b[8+m], b[12+m] */
+        const __m512i even0 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x88);
+        const __m512i odd0 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xDD);
+        const __m512i even1 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0x88);
+        const __m512i odd1 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0xDD);
+        r[m] = _mm512_shuffle_i32x4(even0, even1, 0x88);
+        r[8 + m] = _mm512_shuffle_i32x4(even0, even1, 0xDD);
+        r[4 + m] = _mm512_shuffle_i32x4(odd0, odd1, 0x88);
+        r[12 + m] = _mm512_shuffle_i32x4(odd0, odd1, 0xDD);
+    }
+}
+
+/* 16 words: (lo[i], hi[i]) as a pair, lo in the low half */
+LG_TARGET_AVX512 static inline __m512i lg_pair_words(const uint16_t *lo, const uint16_t *hi) {
+    const __m512i l = _mm512_maskz_cvtepu16_epi32(LG_ALL16, _mm256_loadu_si256((const __m256i *)lo));
+    const __m512i h = _mm512_maskz_cvtepu16_epi32(LG_ALL16, _mm256_loadu_si256((const __m256i *)hi));
+    return _mm512_or_si512(l, _mm512_maskz_slli_epi32(LG_ALL16, h, 16));
+}
+
+/* AMX's A rows from A stored (K, M): dst[i*kp + p] = src[p*lda + i], i < 16, p < 32 */
+LG_TARGET_AVX512 static void lg_pack_rows_t_block(const uint16_t *src, int lda, uint16_t *dst,
+                                                  int kp) {
+    __m512i r[LG_PACK_ROWS];
+    for (int q = 0; q < LG_PACK_ROWS; q++)
+        r[q] = lg_pair_words(src + (size_t)2 * q * lda, src + (size_t)(2 * q + 1) * lda);
+    lg_transpose_16x16(r);
+    for (int i = 0; i < LG_PACK_ROWS; i++) _mm512_storeu_si512(dst + (size_t)i * kp, r[i]);
+}
+
+/* B's pairs from B stored (N, K): word q*nr_full + j of dst = the pair (src[j*ldb + 2q],
+   src[j*ldb + 2q + 1]), j < 16, q < 16 */
+LG_TARGET_AVX512 static void lg_pack_pairs_t_block(const uint16_t *src, int ldb, uint32_t *dst,
+                                                   int nr_full) {
+    __m512i r[LG_PACK_ROWS];
+    for (int j = 0; j < LG_PACK_ROWS; j++) r[j] = _mm512_loadu_si512(src + (size_t)j * ldb);
+    lg_transpose_16x16(r);
+    for (int q = 0; q < LG_PACK_ROWS; q++) _mm512_storeu_si512(dst + (size_t)q * nr_full, r[q]);
+}
+
+/* B's pairs from B stored (K, N): words j < 16 of dst = (src[j], src[ldb + j]) */
+LG_TARGET_AVX512 static void lg_pack_pairs_block(const uint16_t *src, int ldb, uint32_t *dst) {
+    _mm512_storeu_si512(dst, lg_pair_words(src, src + ldb));
+}
+#endif
+
 /* bf16 pairs along K (vdpbf16ps's and AMX's B operands), both operands stored bf16 and copied
    as they are: Ap <- op(A)[i0 : i0+mc, p0 : p0+kc], element (i, p) of a panel at
    ap[(p/2)*2*mr_full + 2*i + p%2]; Bp likewise, (p, j) at bp[(p/2)*2*nr_full + 2*j + p%2].
@@ -4200,20 +4267,30 @@ static void lg_gemm_pack_b_pairs(int trans_b, lg_buf B, int ldb, int p0, int j0,
     const uint16_t *b = (const uint16_t *)B.data;
     for (int r = 0; r < nc; r += nr_full, bp += (size_t)kp * nr_full) {
         const int nr = (nc - r < nr_full) ? nc - r : nr_full;
-        for (int p = 0; p < kp; p++) {
-            uint16_t *dst = bp + (size_t)(p / 2) * 2 * nr_full + p % 2;
-            int j = 0;
-            if (p < kc) {
-                if (!trans_b) {
-                    const uint16_t *row = b + (size_t)(p0 + p) * ldb + j0 + r;
-                    for (; j < nr; j++) dst[2 * j] = row[j];
-                } else {
-                    const uint16_t *col = b + (size_t)(j0 + r) * ldb + p0 + p;
-                    for (; j < nr; j++) dst[2 * j] = col[(size_t)j * ldb];
+        for (int jb = 0; jb < nr_full; jb += LG_PACK_ROWS)
+            for (int pb = 0; pb < kp; pb += LG_PACK_K) { /* a block of 16 columns, 32 K */
+                const int whole = jb + LG_PACK_ROWS <= nr && pb + LG_PACK_K <= kc;
+                const uint16_t *at = b + (trans_b ? (size_t)(j0 + r + jb) * ldb + p0 + pb
+                                                  : (size_t)(p0 + pb) * ldb + j0 + r + jb);
+                uint32_t *words = (uint32_t *)bp + (size_t)(pb / 2) * nr_full + jb;
+#if LG_X86_KERNELS
+                if (whole && trans_b) { lg_pack_pairs_t_block(at, ldb, words, nr_full); continue; }
+                if (whole) {
+                    for (int q = 0; q < LG_PACK_K / 2; q++)
+                        lg_pack_pairs_block(at + (size_t)2 * q * ldb, ldb, words + (size_t)q * nr_full);
+                    continue;
+                }
+#else
+                (void)whole; (void)at; (void)words;
+#endif
+                for (int p = pb; p < pb + LG_PACK_K && p < kp; p++) {
+                    uint16_t *dst = bp + (size_t)(p / 2) * 2 * nr_full + p % 2;
+                    for (int j = jb; j < jb + LG_PACK_ROWS; j++)
+                        dst[2 * j] = j < nr && p < kc ? (trans_b ? b[(size_t)(j0 + r + j) * ldb + p0 + p]
+                                                                 : b[(size_t)(p0 + p) * ldb + j0 + r + j])
+                                                      : 0;
                 }
             }
-            for (; j < nr_full; j++) dst[2 * j] = 0;
-        }
     }
 }
 
@@ -4225,17 +4302,31 @@ static void lg_gemm_pack_a_rows(int trans_a, lg_buf A, int lda, int i0, int p0, 
     const uint16_t *a = (const uint16_t *)A.data;
     for (int r = 0; r < mc; r += mr_full, ap += (size_t)kp * mr_full) {
         const int mr = (mc - r < mr_full) ? mc - r : mr_full;
-        for (int i = 0; i < mr_full; i++) {
-            uint16_t *dst = ap + (size_t)i * kp;
-            int p = 0;
-            if (i < mr && !trans_a) {
-                memcpy(dst, a + (size_t)(i0 + r + i) * lda + p0, (size_t)kc * sizeof(uint16_t));
-                p = kc;
-            } else if (i < mr) {
-                for (; p < kc; p++) dst[p] = a[(size_t)(p0 + p) * lda + i0 + r + i];
+        if (!trans_a) {
+            for (int i = 0; i < mr_full; i++) {
+                uint16_t *dst = ap + (size_t)i * kp;
+                int p = 0;
+                if (i < mr) {
+                    memcpy(dst, a + (size_t)(i0 + r + i) * lda + p0, (size_t)kc * sizeof(uint16_t));
+                    p = kc;
+                }
+                for (; p < kp; p++) dst[p] = 0;
             }
-            for (; p < kp; p++) dst[p] = 0;
+            continue;
         }
+        for (int ib = 0; ib < mr_full; ib += LG_PACK_ROWS) /* A stored (K, M): blocks of 16 x 32 */
+            for (int pb = 0; pb < kp; pb += LG_PACK_K) {
+#if LG_X86_KERNELS
+                if (ib + LG_PACK_ROWS <= mr && pb + LG_PACK_K <= kc) {
+                    lg_pack_rows_t_block(a + (size_t)(p0 + pb) * lda + i0 + r + ib, lda,
+                                         ap + (size_t)ib * kp + pb, kp);
+                    continue;
+                }
+#endif
+                for (int i = ib; i < ib + LG_PACK_ROWS; i++)
+                    for (int p = pb; p < pb + LG_PACK_K && p < kp; p++)
+                        ap[(size_t)i * kp + p] = i < mr && p < kc ? a[(size_t)(p0 + p) * lda + i0 + r + i] : 0;
+            }
     }
 }
 
@@ -4355,7 +4446,6 @@ LG_GEMM_UNROLL
    lg_f32_to_bf16), the rest through lg_gemm_store */
 /* (the maskz forms of the intrinsics: the plain ones start from an "undefined" vector that g++
    -O2 warns about) */
-#define LG_ALL16 ((__mmask16)0xFFFF)
 LG_TARGET_AVX512 static __m256i lg_gemm_bf16_avx512(__m512 x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i top = _mm512_maskz_srli_epi32(LG_ALL16, u, 16);
@@ -4550,17 +4640,19 @@ static lg_gemm_kind lg_gemm_kind_of(lg_gemm_path path, lg_buf A, lg_buf B) {
 }
 
 /* --- one thread's tile: C[m0:m1, n0:n1], all of K ------------------------ */
-/* ap: MC x KC scratch, bp: KC x NC scratch (see the pack functions) */
+/* ap: MC x KC scratch, bp: KC x NC scratch (see the pack functions; KC doubled for bf16) */
 static void lg_gemm_tile(const lg_gemm_kind *k, int trans_a, int trans_b, int m0, int m1, int n0,
                          int n1, int K, lg_buf A, int lda, lg_buf B, int ldb, lg_real beta,
                          lg_buf C, int ldc, lg_real *ap, lg_real *bp) {
     const int MC = k->mr * LG_GEMM_MC_PANELS;
     const size_t esize = k->packing == LG_PACK_F32 ? sizeof(lg_real) : sizeof(uint16_t);
+    /* bf16 panels: twice the K in the same bytes, so C is read and written half as often */
+    const int KC = LG_GEMM_KC * (int)(sizeof(lg_real) / esize);
     int jc, pc, ic, jr, ir;
     for (jc = n0; jc < n1; jc += LG_GEMM_NC) {
         const int nc = (n1 - jc < LG_GEMM_NC) ? n1 - jc : LG_GEMM_NC;
-        for (pc = 0; pc < K; pc += LG_GEMM_KC) {
-            const int kc = (K - pc < LG_GEMM_KC) ? K - pc : LG_GEMM_KC;
+        for (pc = 0; pc < K; pc += KC) {
+            const int kc = (K - pc < KC) ? K - pc : KC;
             const int kp = (kc + k->kstep - 1) / k->kstep * k->kstep; /* packed K length */
             const lg_real bet = (pc == 0) ? beta : (lg_real)1;  /* later K blocks accumulate */
             if (k->packing == LG_PACK_F32) lg_gemm_pack_b(trans_b, B, ldb, pc, jc, kc, nc, k->nr, bp);
@@ -4690,7 +4782,7 @@ static int lg_v_ready(const lg_exec *ex, lg_buf a, lg_buf b, lg_buf c) {
 }
 
 /* 16 elements of b (fp32 or bf16) from i as fp32 */
-LG_TARGET_AVX512 static __m512 lg_v_load(lg_buf b, size_t i) {
+LG_TARGET_AVX512 static inline __m512 lg_v_load(lg_buf b, size_t i) {
     if (b.dtype == LG_DTYPE_BF16) {
         const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)b.data + i));
         const __m512i u = _mm512_maskz_cvtepu16_epi32(LG_ALL16, h);
@@ -4699,7 +4791,7 @@ LG_TARGET_AVX512 static __m512 lg_v_load(lg_buf b, size_t i) {
     return _mm512_loadu_ps((const float *)b.data + i);
 }
 
-LG_TARGET_AVX512 static void lg_v_store(lg_buf b, size_t i, __m512 x) {
+LG_TARGET_AVX512 static inline void lg_v_store(lg_buf b, size_t i, __m512 x) {
     if (b.dtype == LG_DTYPE_BF16)
         _mm256_storeu_si256((__m256i *)((uint16_t *)b.data + i), lg_gemm_bf16_avx512(x));
     else
@@ -4707,14 +4799,14 @@ LG_TARGET_AVX512 static void lg_v_store(lg_buf b, size_t i, __m512 x) {
 }
 
 /* the first n (<= 16) lanes from b at i, the rest `fill` */
-LG_TARGET_AVX512 static __m512 lg_v_load_n(lg_buf b, size_t i, size_t n, float fill) {
+LG_TARGET_AVX512 static inline __m512 lg_v_load_n(lg_buf b, size_t i, size_t n, float fill) {
     if (n >= LG_V) return lg_v_load(b, i);
     float t[LG_V];
     for (size_t j = 0; j < LG_V; j++) t[j] = j < n ? (float)lg_get(b, i + j) : fill;
     return _mm512_loadu_ps(t);
 }
 
-LG_TARGET_AVX512 static void lg_v_store_n(lg_buf b, size_t i, size_t n, __m512 x) {
+LG_TARGET_AVX512 static inline void lg_v_store_n(lg_buf b, size_t i, size_t n, __m512 x) {
     if (n >= LG_V) { lg_v_store(b, i, x); return; }
     float t[LG_V];
     _mm512_storeu_ps(t, x);
@@ -4724,7 +4816,7 @@ LG_TARGET_AVX512 static void lg_v_store_n(lg_buf b, size_t i, size_t n, __m512 x
 /* e^x: 2^k e^r with k = round(x / ln 2), r = x - k ln 2 (ln 2 in two parts) in
    [-ln2/2, ln2/2], e^r by its Taylor series to r^7 (remainder below 1e-8 of the value);
    overflow to inf, NaN kept */
-LG_TARGET_AVX512 static __m512 lg_v_exp(__m512 x) {
+LG_TARGET_AVX512 static inline __m512 lg_v_exp(__m512 x) {
     x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x); /* the second operand wins on NaN */
     x = _mm512_min_ps(_mm512_set1_ps(88.8f), x);
     const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
