@@ -5034,7 +5034,103 @@ LG_TARGET_AVX512 static int lg_norm_backward_avx512(const lg_exec *ex, lg_buf di
     }
     return 1;
 }
+
+/* attention's rows (lg_causal_softmax, lg_causal_probabilities and the softmax's backward) */
+LG_TARGET_AVX512 static int lg_causal_softmax_avx512(const lg_exec *ex, lg_real *scores, int T,
+                                                     lg_real scale, lg_real *lse) {
+    if (!lg_v_ready(ex, lg_no_buf(), lg_no_buf(), lg_no_buf())) return 0;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int t = 0; t < T; t++) {
+        float *row = scores + (size_t)t * T;
+        const int n = t + 1; /* the causal prefix */
+        __m512 mx = _mm512_set1_ps(-INFINITY), s = _mm512_setzero_ps();
+        for (int i = 0; i < n; i += LG_V) {
+            const __mmask16 k = lg_v_mask((size_t)(n - i));
+            mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, row + i));
+        }
+        const float max = _mm512_reduce_max_ps(mx);
+        const __m512 vmax = _mm512_set1_ps(max);
+        for (int i = 0; i < n; i += LG_V) {
+            const __mmask16 k = lg_v_mask((size_t)(n - i));
+            const __m512 e = lg_v_exp(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + i), vmax), vscale));
+            _mm512_mask_storeu_ps(row + i, k, e);
+            s = _mm512_mask_add_ps(s, k, s, e);
+        }
+        const float sum = _mm512_reduce_add_ps(s);
+        const __m512 vsum = _mm512_set1_ps(sum);
+        for (int i = 0; i < T; i += LG_V) {
+            const __mmask16 k = lg_v_mask((size_t)(T - i));
+            const __mmask16 live = i < n ? lg_v_mask((size_t)(n - i)) : 0;
+            _mm512_mask_storeu_ps(row + i, k, _mm512_maskz_div_ps(live, _mm512_maskz_loadu_ps(k, row + i), vsum));
+        }
+        lse[t] = max * scale + lg_log(sum);
+    }
+    return 1;
+}
+
+LG_TARGET_AVX512 static int lg_causal_probabilities_avx512(const lg_exec *ex, lg_real *scores,
+                                                           int T, lg_real scale,
+                                                           const lg_real *lse) {
+    if (!lg_v_ready(ex, lg_no_buf(), lg_no_buf(), lg_no_buf())) return 0;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int t = 0; t < T; t++) {
+        float *row = scores + (size_t)t * T;
+        const __m512 vlse = _mm512_set1_ps(lse[t]);
+        for (int i = 0; i < T; i += LG_V) {
+            const __mmask16 k = lg_v_mask((size_t)(T - i));
+            const __mmask16 live = i <= t ? lg_v_mask((size_t)(t + 1 - i)) : 0;
+            const __m512 x = _mm512_maskz_loadu_ps(k, row + i);
+            const __m512 e = lg_v_exp(_mm512_fmsub_ps(x, vscale, vlse));
+            _mm512_mask_storeu_ps(row + i, k, _mm512_maskz_mov_ps(live, e));
+        }
+    }
+    return 1;
+}
+
+/* the softmax's backward into the scaled scores, row by row: ds = p (dp - dy . y) scale, dy and
+   y (T, HS) with rows ld apart */
+LG_TARGET_AVX512 static int lg_softmax_backward_avx512(const lg_exec *ex, const lg_real *p,
+                                                       lg_real *dp, lg_buf dout, lg_buf out,
+                                                       int ld, int T, int HS, lg_real scale) {
+    if (!lg_v_ready(ex, dout, out, lg_no_buf())) return 0;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int t = 0; t < T; t++) {
+        const float *pr = p + (size_t)t * T;
+        float *dr = dp + (size_t)t * T;
+        __m512 d = _mm512_setzero_ps();
+        for (int i = 0; i < HS; i += LG_V) {
+            const size_t at = (size_t)t * ld + i, m = (size_t)(HS - i);
+            d = _mm512_fmadd_ps(lg_v_load_n(dout, at, m, 0), lg_v_load_n(out, at, m, 0), d);
+        }
+        const __m512 dot = _mm512_set1_ps(_mm512_reduce_add_ps(d));
+        for (int i = 0; i < T; i += LG_V) {
+            const __mmask16 k = lg_v_mask((size_t)(T - i));
+            const __mmask16 live = i <= t ? lg_v_mask((size_t)(t + 1 - i)) : 0;
+            const __m512 ds = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, pr + i),
+                                                          _mm512_sub_ps(_mm512_maskz_loadu_ps(k, dr + i), dot)),
+                                            vscale);
+            _mm512_mask_storeu_ps(dr + i, k, _mm512_maskz_mov_ps(live, ds));
+        }
+    }
+    return 1;
+}
+
+/* out (n) = a + b */
+LG_TARGET_AVX512 static int lg_add_avx512(const lg_exec *ex, lg_buf out, lg_buf a, lg_buf b,
+                                          size_t n) {
+    if (!lg_v_ready(ex, out, a, b)) return 0;
+    LG_OMP(omp parallel for)
+    for (long c = 0; c < (long)((n + LG_V - 1) / LG_V); c++) {
+        const size_t i = (size_t)c * LG_V, m = n - i;
+        lg_v_store_n(out, i, m, _mm512_add_ps(lg_v_load_n(a, i, m, 0), lg_v_load_n(b, i, m, 0)));
+    }
+    return 1;
+}
 #else
+#define lg_causal_softmax_avx512(...) 0
+#define lg_causal_probabilities_avx512(...) 0
+#define lg_softmax_backward_avx512(...) 0
+#define lg_add_avx512(...) 0
 #define lg_swiglu_forward_avx512(...) 0
 #define lg_swiglu_backward_avx512(...) 0
 #define lg_crossentropy_forward_avx512(...) 0
@@ -5328,7 +5424,8 @@ static void lg_attention_forward(const lg_exec *ex, lg_buf y, lg_real *lse, lg_b
             lg_buf out = lg_at(y, (size_t)b * T * NH * HS + (size_t)h * HS); /* ld NH HS */
             lg_real *p = lg_attention_rows(sc);                             /* (T, T) */
             lg_gemm(ws, 0, 1, T, T, HS, q, QKV, k, QKV, 0, lg_buf_of(p), T); /* scores = q k^T */
-            lg_causal_softmax(p, T, scale, lse + ((size_t)b * NH + h) * T);
+            if (!lg_causal_softmax_avx512(ex, p, T, scale, lse + ((size_t)b * NH + h) * T))
+                lg_causal_softmax(p, T, scale, lse + ((size_t)b * NH + h) * T);
             lg_gemm(ws, 0, 0, T, HS, T, lg_buf_of(p), T, v, QKV, 0, out, NH * HS); /* y = p v */
         }
 }
@@ -5361,18 +5458,20 @@ static void lg_attention_backward(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg_
                 lg_buf out = lg_at(y, (size_t)b * T * NH * HS + (size_t)h * HS); /* ld NH HS */
                 lg_real *p = lg_attention_rows(sc), *dp = p + (size_t)T * T; /* (T, T) each */
                 lg_gemm(ws, 0, 1, T, T, HS, q, QKV, k, QKV, 0, lg_buf_of(p), T);
-                lg_causal_probabilities(p, T, scale, lse + ((size_t)b * NH + h) * T);
+                if (!lg_causal_probabilities_avx512(ex, p, T, scale, lse + ((size_t)b * NH + h) * T))
+                    lg_causal_probabilities(p, T, scale, lse + ((size_t)b * NH + h) * T);
                 /* y = p v: dp = dy v^T, dv += p^T dy */
                 lg_gemm(ws, 0, 1, T, T, HS, dout, NH * HS, v, QKV, 0, lg_buf_of(dp), T);
                 lg_gemm(ws, 1, 0, T, HS, T, lg_buf_of(p), T, dout, NH * HS, 1, dv, QKV);
                 /* softmax backward into the scaled scores: ds = p (dp - dy . y) scale */
-                for (int t = 0; t < T; t++) {
-                    lg_real *pr = p + (size_t)t * T, *dr = dp + (size_t)t * T, dot = 0;
-                    for (int i = 0; i < HS; i++)
-                        dot += lg_get(dout, (size_t)t * NH * HS + i) * lg_get(out, (size_t)t * NH * HS + i);
-                    for (int s = 0; s <= t; s++) dr[s] = pr[s] * (dr[s] - dot) * scale;
-                    for (int s = t + 1; s < T; s++) dr[s] = 0;
-                }
+                if (!lg_softmax_backward_avx512(ex, p, dp, dout, out, NH * HS, T, HS, scale))
+                    for (int t = 0; t < T; t++) {
+                        lg_real *pr = p + (size_t)t * T, *dr = dp + (size_t)t * T, dot = 0;
+                        for (int i = 0; i < HS; i++)
+                            dot += lg_get(dout, (size_t)t * NH * HS + i) * lg_get(out, (size_t)t * NH * HS + i);
+                        for (int s = 0; s <= t; s++) dr[s] = pr[s] * (dr[s] - dot) * scale;
+                        for (int s = t + 1; s < T; s++) dr[s] = 0;
+                    }
                 /* scores = q k^T: dq += ds k, dk += ds^T q */
                 lg_gemm(ws, 0, 0, T, HS, T, lg_buf_of(dp), T, k, QKV, 1, dq, QKV);
                 lg_gemm(ws, 1, 0, T, HS, T, lg_buf_of(dp), T, q, QKV, 1, dk, QKV);
@@ -5471,6 +5570,7 @@ static void lg_crossentropy_backward(const lg_exec *ex, lg_buf dlogits, lg_buf l
 /* out (n) = a + b */
 static void lg_add(const lg_exec *ex, lg_buf out, lg_buf a, lg_buf b, size_t n) {
     LG_ON_GPU(ex, lg_cuda_add(ex, out, a, b, n));
+    if (lg_add_avx512(ex, out, a, b, n)) return;
     LG_OMP(omp parallel for)
     for (long i = 0; i < (long)n; i++) lg_set(out, i, lg_get(a, i) + lg_get(b, i));
 }

@@ -1,7 +1,7 @@
 /* tests/test_cpu_ops.c — the AVX-512 loops of the memory-bound ops (included by tests/test.c).
 
    Norms (LayerNorm with bias, RMSNorm), SwiGLU, cross-entropy (with an ignored row, padded
-   vocabulary, in place backward) and AdamW on the avx512 path against the portable loops
+   vocabulary, in place backward), attention's softmax rows, the residual add and AdamW on the avx512 path against the portable loops
    (ex NULL; cross-entropy's fp32 results against double), with fp32 and bf16 storage, on the bench model's widths and on odd ones (a
    partial last vector). fp32 results may differ in the order of sums and exp's last bits;
    bf16 results by one rounding of the stored type. Reported as skipped where the processor
@@ -197,6 +197,50 @@ static void ops_adamw(const lg_exec *ex, lg_dtype weights, ops_worst *w, int *sa
     for (int k = 0; k < 3; k++) { LG_FREE(wk[k].data); LG_FREE(mk[k]); }
 }
 
+/* an exec with the matmul workspace and attention's rows for T */
+static lg_exec attention_exec(lg_gemm_path path, int T) {
+    lg_exec ex = cpu_exec(path);
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    ex.gemm.threads = ex.attention.threads = threads;
+    ex.gemm.per_thread = lg_gemm_workspace_count();
+    ex.gemm.base = new_reals(ex.gemm.per_thread * threads);
+    ex.attention.per_thread = (size_t)2 * T * T;
+    ex.attention.base = new_reals(ex.attention.per_thread * threads);
+    return ex;
+}
+
+/* attention forward and backward (softmax rows, the softmax's backward) and the residual add,
+   avx512 against portable */
+static void ops_attention(lg_dtype act, int B, int T, int NH, int NQG, int HS, ops_worst *w,
+                          lg_rng *rng) {
+    const int QKV = (NH + 2 * NQG) * HS;
+    const size_t n_qkv = (size_t)B * T * QKV, n_y = (size_t)B * T * NH * HS;
+    lg_buf qkv = ops_random(act, n_qkv, 1.5f, rng), dy = ops_random(act, n_y, 1, rng);
+    lg_buf y[2], dqkv[2], sum[2];
+    lg_real *lse[2];
+    for (int k = 0; k < 2; k++) {
+        lg_exec ex = attention_exec(k ? LG_GEMM_AVX512 : LG_GEMM_PORTABLE, T);
+        y[k] = ops_random(act, n_y, 0, rng);
+        dqkv[k] = ops_random(act, n_qkv, 0, rng);
+        sum[k] = ops_random(act, n_y, 0, rng);
+        lse[k] = new_reals((size_t)B * NH * T);
+        lg_attention_forward(&ex, y[k], lse[k], qkv, B, T, NH, NQG, HS);
+        lg_attention_backward(&ex, dqkv[k], dy, y[k], qkv, lse[k], B, T, NH, NQG, HS);
+        lg_add(&ex, sum[k], y[k], dy, n_y);
+        LG_FREE(ex.gemm.base); LG_FREE(ex.attention.base);
+    }
+    ops_note(w, act, ops_error(y[1], y[0], n_y));
+    ops_note(w, act, ops_error(dqkv[1], dqkv[0], n_qkv));
+    ops_note(w, act, ops_error(sum[1], sum[0], n_y));
+    lg_buf l1 = {lse[1], LG_DTYPE_F32}, l0 = {lse[0], LG_DTYPE_F32};
+    ops_note(w, LG_DTYPE_F32, ops_error(l1, l0, (size_t)B * NH * T));
+    LG_FREE(qkv.data); LG_FREE(dy.data);
+    for (int k = 0; k < 2; k++) { LG_FREE(y[k].data); LG_FREE(dqkv[k].data); LG_FREE(sum[k].data); LG_FREE(lse[k]); }
+}
+
 static void test_cpu_ops_paths(results *r) {
     const lg_gemm_path best = lg_cpu_gemm_path();
     if (!LG_X86_KERNELS || best < LG_GEMM_AVX512) {
@@ -206,7 +250,7 @@ static void test_cpu_ops_paths(results *r) {
     }
     const lg_exec ex = cpu_exec(LG_GEMM_AVX512);
     const lg_dtype types[2] = {LG_DTYPE_F32, LG_DTYPE_BF16};
-    ops_worst norm = {0, 0}, swiglu = {0, 0}, ce = {0, 0}, adamw = {0, 0};
+    ops_worst norm = {0, 0}, swiglu = {0, 0}, ce = {0, 0}, adamw = {0, 0}, attention = {0, 0};
     int same_in_pieces = 1;
     lg_rng rng;
     lg_rng_seed(&rng, 190);
@@ -222,12 +266,15 @@ static void test_cpu_ops_paths(results *r) {
         ops_crossentropy(&ex, act, 16, 8192, 8192, &ce, &rng);
         ops_crossentropy(&ex, act, 9, 1000 + 3, 1024, &ce, &rng);
         ops_adamw(&ex, act, &adamw, &same_in_pieces, &rng);
+        ops_attention(act, 2, 64, 4, 2, 32, &attention, &rng); /* T, head size: whole vectors */
+        ops_attention(act, 1, 37, 3, 1, 20, &attention, &rng); /* and partial ones */
     }
     /* fp32: the order of sums and exp's last bits (1e-5 of the scale); bf16: one rounding */
     const struct { const char *name; ops_worst w; } ops[] = {
         {"LayerNorm and RMSNorm, forward and backward", norm}, {"SwiGLU, forward and backward", swiglu},
-        {"cross-entropy, forward and backward (its fp32 results against double)", ce}, {"AdamW, 3 steps", adamw}};
-    for (int i = 0; i < 4; i++)
+        {"cross-entropy, forward and backward (its fp32 results against double)", ce}, {"AdamW, 3 steps", adamw},
+        {"attention forward and backward, residual add", attention}};
+    for (int i = 0; i < 5; i++)
         check(r, ops[i].w.fp32 < 1e-5 && ops[i].w.bf16 < 1e-2,
               "%s: avx512 loops against portable (max rel error %.1e fp32, %.1e bf16 storage)",
               ops[i].name, ops[i].w.fp32, ops[i].w.bf16);
