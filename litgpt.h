@@ -3969,7 +3969,8 @@ void lg_plan_print_json(const lg_plan *plan, FILE *out) {
  *                only the order of the sums differs from the other paths)
  *   amx          avx512, and when A and B are both stored bf16: a 32 x 32
  *                tile of C in four AMX accumulator tiles; Ap holds rows of
- *                K (tile rows of 32 bf16), Bp bf16 pairs along K; K padded
+ *                K in tile order (blocks of 32 rows x 32 K, read front to
+ *                back), Bp bf16 pairs along K; K padded
  *                to 32 with zeros
  * Each path has its tile geometry (lg_gemm_kind); packing follows it.
  *
@@ -4209,14 +4210,14 @@ LG_TARGET_AVX512 static inline __m512i lg_pair_words(const uint16_t *lo, const u
     return _mm512_or_si512(l, _mm512_maskz_slli_epi32(LG_ALL16, h, 16));
 }
 
-/* AMX's A rows from A stored (K, M): dst[i*kp + p] = src[p*lda + i], i < 16, p < 32 */
+/* AMX's A rows from A stored (K, M): dst[i*ld + p] = src[p*lda + i], i < 16, p < 32 */
 LG_TARGET_AVX512 static void lg_pack_rows_t_block(const uint16_t *src, int lda, uint16_t *dst,
-                                                  int kp) {
+                                                  int ld) {
     __m512i r[LG_PACK_ROWS];
     for (int q = 0; q < LG_PACK_ROWS; q++)
         r[q] = lg_pair_words(src + (size_t)2 * q * lda, src + (size_t)(2 * q + 1) * lda);
     lg_transpose_16x16(r);
-    for (int i = 0; i < LG_PACK_ROWS; i++) _mm512_storeu_si512(dst + (size_t)i * kp, r[i]);
+    for (int i = 0; i < LG_PACK_ROWS; i++) _mm512_storeu_si512(dst + (size_t)i * ld, r[i]);
 }
 
 /* B's pairs from B stored (N, K): word q*nr_full + j of dst = the pair (src[j*ldb + 2q],
@@ -4295,37 +4296,40 @@ static void lg_gemm_pack_b_pairs(int trans_b, lg_buf B, int ldb, int p0, int j0,
 }
 
 /* AMX's A operand, both operands stored bf16: Ap <- op(A)[i0 : i0+mc, p0 : p0+kc] as panels of
-   mr_full rows, element (i, p) of a panel at ap[i*kp + p]; rows and K past the ends (up to kp)
-   are zero. */
+   mr_full rows in tile order: K in blocks of 32, each block mr_full rows of 32 (a tile row),
+   element (i, p) of a panel at ap[((p/32)*mr_full + i)*32 + p%32], so the kernel's tile loads
+   read the panel front to back; rows and K past the ends (up to kp) are zero. */
+static size_t lg_gemm_tile_order(int mr_full, int i, int p) {
+    return ((size_t)(p / LG_PACK_K) * mr_full + i) * LG_PACK_K + p % LG_PACK_K;
+}
+
 static void lg_gemm_pack_a_rows(int trans_a, lg_buf A, int lda, int i0, int p0, int mc, int kc,
                                 int kp, int mr_full, uint16_t *ap) {
     const uint16_t *a = (const uint16_t *)A.data;
     for (int r = 0; r < mc; r += mr_full, ap += (size_t)kp * mr_full) {
         const int mr = (mc - r < mr_full) ? mc - r : mr_full;
-        if (!trans_a) {
-            for (int i = 0; i < mr_full; i++) {
-                uint16_t *dst = ap + (size_t)i * kp;
-                int p = 0;
-                if (i < mr) {
-                    memcpy(dst, a + (size_t)(i0 + r + i) * lda + p0, (size_t)kc * sizeof(uint16_t));
-                    p = kc;
-                }
-                for (; p < kp; p++) dst[p] = 0;
-            }
-            continue;
-        }
-        for (int ib = 0; ib < mr_full; ib += LG_PACK_ROWS) /* A stored (K, M): blocks of 16 x 32 */
+        for (int ib = 0; ib < mr_full; ib += LG_PACK_ROWS) /* blocks of 16 rows x 32 K */
             for (int pb = 0; pb < kp; pb += LG_PACK_K) {
+                uint16_t *dst = ap + lg_gemm_tile_order(mr_full, ib, pb); /* rows 32 apart */
+                const int whole = ib + LG_PACK_ROWS <= mr && pb + LG_PACK_K <= kc;
+                if (whole && !trans_a) {
+                    for (int i = 0; i < LG_PACK_ROWS; i++)
+                        memcpy(dst + (size_t)i * LG_PACK_K, a + (size_t)(i0 + r + ib + i) * lda + p0 + pb,
+                               LG_PACK_K * sizeof(uint16_t));
+                    continue;
+                }
 #if LG_X86_KERNELS
-                if (ib + LG_PACK_ROWS <= mr && pb + LG_PACK_K <= kc) {
-                    lg_pack_rows_t_block(a + (size_t)(p0 + pb) * lda + i0 + r + ib, lda,
-                                         ap + (size_t)ib * kp + pb, kp);
+                if (whole) { /* A stored (K, M) */
+                    lg_pack_rows_t_block(a + (size_t)(p0 + pb) * lda + i0 + r + ib, lda, dst, LG_PACK_K);
                     continue;
                 }
 #endif
-                for (int i = ib; i < ib + LG_PACK_ROWS; i++)
-                    for (int p = pb; p < pb + LG_PACK_K && p < kp; p++)
-                        ap[(size_t)i * kp + p] = i < mr && p < kc ? a[(size_t)(p0 + p) * lda + i0 + r + i] : 0;
+                for (int i = 0; i < LG_PACK_ROWS; i++)
+                    for (int p = 0; p < LG_PACK_K && pb + p < kp; p++) {
+                        const size_t at = trans_a ? (size_t)(p0 + pb + p) * lda + i0 + r + ib + i
+                                                  : (size_t)(i0 + r + ib + i) * lda + p0 + pb + p;
+                        dst[(size_t)i * LG_PACK_K + p] = ib + i < mr && pb + p < kc ? a[at] : 0;
+                    }
             }
     }
 }
@@ -4578,9 +4582,9 @@ LG_TARGET_AMX static void lg_amx_end(void) { _tile_release(); }
 LG_TARGET_AMX static void lg_gemm_kernel_amx(int kc, const void *a_panel, const void *b_panel,
                                              lg_buf C, size_t c0, int ldc, int mr, int nr,
                                              lg_real beta) {
-    const uint16_t *a = (const uint16_t *)a_panel; /* 32 rows of kc */
+    const uint16_t *a = (const uint16_t *)a_panel; /* 32 rows of kc, in tile order */
     const uint16_t *b = (const uint16_t *)b_panel; /* kc/2 rows of 32 pairs */
-    const size_t a_stride = (size_t)kc * sizeof(uint16_t), b_stride = 2 * LG_AMX_NR * sizeof(uint16_t);
+    const size_t a_stride = LG_AMX_K * sizeof(uint16_t), b_stride = 2 * LG_AMX_NR * sizeof(uint16_t);
     float tile[LG_AMX_MR * LG_AMX_NR];
     _tile_zero(0);
     _tile_zero(1);
@@ -4588,8 +4592,9 @@ LG_TARGET_AMX static void lg_gemm_kernel_amx(int kc, const void *a_panel, const 
     _tile_zero(3);
     for (int p = 0; p < kc; p += LG_AMX_K) {
         const uint16_t *bk = b + (size_t)p * LG_AMX_NR; /* pair row p/2 */
-        _tile_loadd(4, a + p, a_stride);
-        _tile_loadd(5, a + (size_t)LG_AMX_TILE_ROWS * kc + p, a_stride);
+        const uint16_t *ak = a + (size_t)p * LG_AMX_MR; /* the panel's block p/32 */
+        _tile_loadd(4, ak, a_stride);
+        _tile_loadd(5, ak + LG_AMX_TILE_ROWS * LG_AMX_K, a_stride);
         _tile_loadd(6, bk, b_stride);
         _tile_loadd(7, bk + LG_AMX_NR, b_stride);
         _tile_dpbf16ps(0, 4, 6);
