@@ -3953,6 +3953,7 @@ void lg_plan_print_json(const lg_plan *plan, FILE *out) {
  *       pc: K in chunks of KC            pack op(B)[pc:+kc, jc:+nc] -> Bp
  *         ic: rows in chunks of MC       pack op(A)[ic:+mc, pc:+kc] -> Ap
  *           jr: NR columns / ir: MR rows -> micro-kernel, one MR x NR C tile
+ *           (AMX: ir outside jr)
  *   A kc x NR micro-panel of Bp stays in L1 while the ir loop streams the
  *   MR x kc micro-panels of Ap (whole Ap block sized for L2).
  *
@@ -4670,15 +4671,20 @@ static void lg_gemm_tile(const lg_gemm_kind *k, int trans_a, int trans_b, int m0
                     lg_gemm_pack_a_pairs(trans_a, A, lda, ic, pc, mc, kc, kp, k->mr, (uint16_t *)ap);
                 else
                     lg_gemm_pack_a_rows(trans_a, A, lda, ic, pc, mc, kc, kp, k->mr, (uint16_t *)ap);
-                for (jr = 0; jr < nc; jr += k->nr) {
-                    const int nr = (nc - jr < k->nr) ? nc - jr : k->nr;
-                    for (ir = 0; ir < mc; ir += k->mr) {
+                /* a B micro-panel stays in L1 while A's panels stream past it; AMX instead
+                   keeps an A panel (a row of C's tiles) and streams B's */
+                const int n_jr = (nc + k->nr - 1) / k->nr, n_ir = (mc + k->mr - 1) / k->mr;
+                const int a_outer = k->packing == LG_PACK_AMX;
+                for (int outer = 0; outer < (a_outer ? n_ir : n_jr); outer++)
+                    for (int inner = 0; inner < (a_outer ? n_jr : n_ir); inner++) {
+                        jr = (a_outer ? inner : outer) * k->nr;
+                        ir = (a_outer ? outer : inner) * k->mr;
+                        const int nr = (nc - jr < k->nr) ? nc - jr : k->nr;
                         const int mr = (mc - ir < k->mr) ? mc - ir : k->mr;
                         k->kernel(kp, (const char *)ap + (size_t)ir * kp * esize,
                                   (const char *)bp + (size_t)jr * kp * esize, C,
                                   (size_t)(ic + ir) * ldc + jc + jr, ldc, mr, nr, bet);
                     }
-                }
             }
         }
     }
