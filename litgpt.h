@@ -5137,7 +5137,35 @@ LG_TARGET_AVX512 static int lg_add_avx512(const lg_exec *ex, lg_buf out, lg_buf 
     }
     return 1;
 }
+
+/* rotary embedding: as lg_rope_rotate */
+LG_TARGET_AVX512 static int lg_rope_rotate_avx512(const lg_exec *ex, lg_buf qkv,
+                                                  const lg_real *cos_table,
+                                                  const lg_real *sin_table, int B, int T, int NH,
+                                                  int NQG, int HS, int rope_dims, int direction) {
+    if (!lg_v_ready(ex, qkv, lg_no_buf(), lg_no_buf())) return 0;
+    const int R = rope_dims / 2, heads = NH + NQG, QKV = (NH + 2 * NQG) * HS;
+    const lg_buf cos_buf = {(void *)cos_table, LG_DTYPE_F32}, sin_buf = {(void *)sin_table, LG_DTYPE_F32};
+    const __m512 sign = _mm512_set1_ps((float)direction);
+    LG_OMP(omp parallel for)
+    for (int n = 0; n < B * T; n++) {
+        const size_t t = (size_t)(n % T);
+        for (int h = 0; h < heads; h++) { /* the NH query heads, then the NQG key heads */
+            lg_buf x = lg_at(qkv, (size_t)n * QKV + (size_t)h * HS);
+            for (int j = 0; j < R; j += LG_V) {
+                const size_t m = (size_t)(R - j);
+                const __m512 a = lg_v_load_n(x, (size_t)j, m, 0), b = lg_v_load_n(x, (size_t)(j + R), m, 0);
+                const __m512 c = lg_v_load_n(cos_buf, t * R + j, m, 0);
+                const __m512 s = _mm512_mul_ps(sign, lg_v_load_n(sin_buf, t * R + j, m, 0));
+                lg_v_store_n(x, (size_t)j, m, _mm512_fmsub_ps(a, c, _mm512_mul_ps(b, s)));
+                lg_v_store_n(x, (size_t)(j + R), m, _mm512_fmadd_ps(b, c, _mm512_mul_ps(a, s)));
+            }
+        }
+    }
+    return 1;
+}
 #else
+#define lg_rope_rotate_avx512(...) 0
 #define lg_causal_softmax_avx512(...) 0
 #define lg_causal_probabilities_avx512(...) 0
 #define lg_softmax_backward_avx512(...) 0
@@ -5362,6 +5390,8 @@ static void lg_rope_rotate(const lg_exec *ex, lg_buf qkv, const lg_real *cos_tab
                                      direction));
     int R = rope_dims / 2, heads = NH + NQG, QKV = (NH + 2 * NQG) * HS;
     if (R == 0) return;
+    if (lg_rope_rotate_avx512(ex, qkv, cos_table, sin_table, B, T, NH, NQG, HS, rope_dims, direction))
+        return;
     LG_OMP(omp parallel for)
     for (int n = 0; n < B * T; n++) {
         int t = n % T;

@@ -1,7 +1,8 @@
 /* tests/test_cpu_ops.c — the AVX-512 loops of the memory-bound ops (included by tests/test.c).
 
    Norms (LayerNorm with bias, RMSNorm), SwiGLU, cross-entropy (with an ignored row, padded
-   vocabulary, in place backward), attention's softmax rows, the residual add and AdamW on the avx512 path against the portable loops
+   vocabulary, in place backward), attention's softmax rows, rotary embedding, the residual add
+   and AdamW on the avx512 path against the portable loops
    (ex NULL; cross-entropy's fp32 results against double), with fp32 and bf16 storage, on the bench model's widths and on odd ones (a
    partial last vector). fp32 results may differ in the order of sums and exp's last bits;
    bf16 results by one rounding of the stored type. Reported as skipped where the processor
@@ -241,6 +242,24 @@ static void ops_attention(lg_dtype act, int B, int T, int NH, int NQG, int HS, o
     for (int k = 0; k < 2; k++) { LG_FREE(y[k].data); LG_FREE(dqkv[k].data); LG_FREE(sum[k].data); LG_FREE(lse[k]); }
 }
 
+/* rotary embedding of the query and key heads, both directions */
+static void ops_rope(const lg_exec *ex, lg_dtype act, int B, int T, int NH, int NQG, int HS,
+                     int rope_dims, ops_worst *w, lg_rng *rng) {
+    const size_t n_qkv = (size_t)B * T * (NH + 2 * NQG) * HS, n_table = (size_t)T * rope_dims / 2;
+    lg_buf qkv = ops_random(act, n_qkv, 1, rng);
+    lg_buf cos_table = ops_random(LG_DTYPE_F32, n_table, 1, rng), sin_table = ops_random(LG_DTYPE_F32, n_table, 1, rng);
+    lg_buf out[2];
+    for (int k = 0; k < 2; k++) {
+        out[k] = ops_clone(qkv, n_qkv);
+        for (int direction = 1; direction >= -1; direction -= 2)
+            lg_rope_rotate(k ? ex : NULL, out[k], (lg_real *)cos_table.data, (lg_real *)sin_table.data,
+                           B, T, NH, NQG, HS, rope_dims, direction);
+    }
+    ops_note(w, act, ops_error(out[1], out[0], n_qkv));
+    LG_FREE(qkv.data); LG_FREE(cos_table.data); LG_FREE(sin_table.data);
+    LG_FREE(out[0].data); LG_FREE(out[1].data);
+}
+
 static void test_cpu_ops_paths(results *r) {
     const lg_gemm_path best = lg_cpu_gemm_path();
     if (!LG_X86_KERNELS || best < LG_GEMM_AVX512) {
@@ -268,12 +287,14 @@ static void test_cpu_ops_paths(results *r) {
         ops_adamw(&ex, act, &adamw, &same_in_pieces, &rng);
         ops_attention(act, 2, 64, 4, 2, 32, &attention, &rng); /* T, head size: whole vectors */
         ops_attention(act, 1, 37, 3, 1, 20, &attention, &rng); /* and partial ones */
+        ops_rope(&ex, act, 2, 64, 4, 2, 64, 64, &attention, &rng);
+        ops_rope(&ex, act, 1, 37, 3, 1, 20, 10, &attention, &rng);
     }
     /* fp32: the order of sums and exp's last bits (1e-5 of the scale); bf16: one rounding */
     const struct { const char *name; ops_worst w; } ops[] = {
         {"LayerNorm and RMSNorm, forward and backward", norm}, {"SwiGLU, forward and backward", swiglu},
         {"cross-entropy, forward and backward (its fp32 results against double)", ce}, {"AdamW, 3 steps", adamw},
-        {"attention forward and backward, residual add", attention}};
+        {"attention forward and backward, rotary embedding, residual add", attention}};
     for (int i = 0; i < 5; i++)
         check(r, ops[i].w.fp32 < 1e-5 && ops[i].w.bf16 < 1e-2,
               "%s: avx512 loops against portable (max rel error %.1e fp32, %.1e bf16 storage)",
