@@ -4114,62 +4114,6 @@ static void lg_gemm_simple(int trans_a, int trans_b, int M, int N, int K, lg_buf
         }
 }
 
-/* --- packing: the only place the matmul reads A and B, converting half types to lg_real -- */
-/* Ap <- op(A)[i0 : i0+mc, p0 : p0+kc] as ceil(mc/mr_full) micro-panels; panel
-   r holds rows i0 + r*mr_full + (0..mr_full-1), element (i, p) at
-   ap[p*mr_full + i]; rows past mc are zero. */
-static void lg_gemm_pack_a(int trans_a, lg_buf A, int lda, int i0, int p0, int mc, int kc,
-                           int mr_full, lg_real *ap) {
-    const lg_real *a32 = A.dtype == LG_DTYPE_F32 ? (const lg_real *)A.data : NULL;
-    for (int r = 0; r < mc; r += mr_full, ap += (size_t)kc * mr_full) {
-        const int mr = (mc - r < mr_full) ? mc - r : mr_full;
-        for (int p = 0; p < kc; p++) {
-            lg_real *dst = ap + (size_t)p * mr_full;
-            int i = 0;
-            if (trans_a) { /* A stored (K, M): rows of A are contiguous in i */
-                size_t at = (size_t)(p0 + p) * lda + i0 + r;
-                if (a32) for (; i < mr; i++) dst[i] = a32[at + i];
-                else for (; i < mr; i++) dst[i] = lg_get(A, at + i);
-            } else {       /* A stored (M, K) */
-                size_t at = (size_t)(i0 + r) * lda + p0 + p;
-                if (a32) for (; i < mr; i++) dst[i] = a32[at + (size_t)i * lda];
-                else for (; i < mr; i++) dst[i] = lg_get(A, at + (size_t)i * lda);
-            }
-            for (; i < mr_full; i++) dst[i] = 0;
-        }
-    }
-}
-
-/* Bp <- op(B)[p0 : p0+kc, j0 : j0+nc] as ceil(nc/nr_full) micro-panels; panel
-   r holds columns j0 + r*nr_full + (0..nr_full-1), element (p, j) at
-   bp[p*nr_full + j]; columns past nc are zero. */
-static void lg_gemm_pack_b(int trans_b, lg_buf B, int ldb, int p0, int j0, int kc, int nc,
-                           int nr_full, lg_real *bp) {
-    const lg_real *b32 = B.dtype == LG_DTYPE_F32 ? (const lg_real *)B.data : NULL;
-    for (int r = 0; r < nc; r += nr_full, bp += (size_t)kc * nr_full) {
-        const int nr = (nc - r < nr_full) ? nc - r : nr_full;
-        if (!trans_b) { /* B stored (K, N): rows contiguous in j */
-            for (int p = 0; p < kc; p++) {
-                size_t at = (size_t)(p0 + p) * ldb + j0 + r;
-                lg_real *dst = bp + (size_t)p * nr_full;
-                int j = 0;
-                if (b32) for (; j < nr; j++) dst[j] = b32[at + j];
-                else for (; j < nr; j++) dst[j] = lg_get(B, at + j);
-                for (; j < nr_full; j++) dst[j] = 0;
-            }
-        } else {        /* B stored (N, K): read each row along p */
-            int j = 0;
-            for (; j < nr; j++) {
-                size_t at = (size_t)(j0 + r + j) * ldb + p0;
-                if (b32) for (int p = 0; p < kc; p++) bp[(size_t)p * nr_full + j] = b32[at + p];
-                else for (int p = 0; p < kc; p++) bp[(size_t)p * nr_full + j] = lg_get(B, at + p);
-            }
-            for (; j < nr_full; j++)
-                for (int p = 0; p < kc; p++) bp[(size_t)p * nr_full + j] = 0;
-        }
-    }
-}
-
 /* Packing bf16 with AVX-512 (the avx512-bf16 and AMX paths): whole blocks of 16 x 32 bf16 at a
    time, the rest element by element. A pair of bf16 along K is one 32-bit word; the
    transposing packs move words through lg_transpose_16x16. */
@@ -4231,11 +4175,83 @@ LG_TARGET_AVX512 static void lg_pack_pairs_t_block(const uint16_t *src, int ldb,
     for (int q = 0; q < LG_PACK_ROWS; q++) _mm512_storeu_si512(dst + (size_t)q * nr_full, r[q]);
 }
 
+/* dst (n) = src (n), bf16 to fp32 */
+LG_TARGET_AVX512 static void lg_widen_bf16(const uint16_t *src, float *dst, int n) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512i u = _mm512_maskz_cvtepu16_epi32(LG_ALL16, _mm256_loadu_si256((const __m256i *)(src + i)));
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_maskz_slli_epi32(LG_ALL16, u, 16)));
+    }
+    for (; i < n; i++) dst[i] = lg_bf16_to_f32(src[i]);
+}
+
 /* B's pairs from B stored (K, N): words j < 16 of dst = (src[j], src[ldb + j]) */
 LG_TARGET_AVX512 static void lg_pack_pairs_block(const uint16_t *src, int ldb, uint32_t *dst) {
     _mm512_storeu_si512(dst, lg_pair_words(src, src + ldb));
 }
 #endif
+
+/* --- packing: the only place the matmul reads A and B, converting half types to lg_real -- */
+/* Ap <- op(A)[i0 : i0+mc, p0 : p0+kc] as ceil(mc/mr_full) micro-panels; panel
+   r holds rows i0 + r*mr_full + (0..mr_full-1), element (i, p) at
+   ap[p*mr_full + i]; rows past mc are zero. */
+static void lg_gemm_pack_a(int trans_a, lg_buf A, int lda, int i0, int p0, int mc, int kc,
+                           int mr_full, lg_real *ap) {
+    const lg_real *a32 = A.dtype == LG_DTYPE_F32 ? (const lg_real *)A.data : NULL;
+    for (int r = 0; r < mc; r += mr_full, ap += (size_t)kc * mr_full) {
+        const int mr = (mc - r < mr_full) ? mc - r : mr_full;
+        for (int p = 0; p < kc; p++) {
+            lg_real *dst = ap + (size_t)p * mr_full;
+            int i = 0;
+            if (trans_a) { /* A stored (K, M): rows of A are contiguous in i */
+                size_t at = (size_t)(p0 + p) * lda + i0 + r;
+                if (a32) for (; i < mr; i++) dst[i] = a32[at + i];
+                else for (; i < mr; i++) dst[i] = lg_get(A, at + i);
+            } else {       /* A stored (M, K) */
+                size_t at = (size_t)(i0 + r) * lda + p0 + p;
+                if (a32) for (; i < mr; i++) dst[i] = a32[at + (size_t)i * lda];
+                else for (; i < mr; i++) dst[i] = lg_get(A, at + (size_t)i * lda);
+            }
+            for (; i < mr_full; i++) dst[i] = 0;
+        }
+    }
+}
+
+/* Bp <- op(B)[p0 : p0+kc, j0 : j0+nc] as ceil(nc/nr_full) micro-panels; panel
+   r holds columns j0 + r*nr_full + (0..nr_full-1), element (p, j) at
+   bp[p*nr_full + j]; columns past nc are zero. */
+static void lg_gemm_pack_b(int trans_b, lg_buf B, int ldb, int p0, int j0, int kc, int nc,
+                           int nr_full, int avx512, lg_real *bp) {
+    const lg_real *b32 = B.dtype == LG_DTYPE_F32 ? (const lg_real *)B.data : NULL;
+    for (int r = 0; r < nc; r += nr_full, bp += (size_t)kc * nr_full) {
+        const int nr = (nc - r < nr_full) ? nc - r : nr_full;
+        if (!trans_b) { /* B stored (K, N): rows contiguous in j */
+            for (int p = 0; p < kc; p++) {
+                size_t at = (size_t)(p0 + p) * ldb + j0 + r;
+                lg_real *dst = bp + (size_t)p * nr_full;
+                int j = 0;
+                if (b32) for (; j < nr; j++) dst[j] = b32[at + j];
+#if LG_X86_KERNELS
+                else if (avx512 && B.dtype == LG_DTYPE_BF16) {
+                    lg_widen_bf16((const uint16_t *)B.data + at, dst, nr);
+                    j = nr;
+                }
+#endif
+                else for (; j < nr; j++) dst[j] = lg_get(B, at + j);
+                for (; j < nr_full; j++) dst[j] = 0;
+            }
+        } else {        /* B stored (N, K): read each row along p */
+            int j = 0;
+            for (; j < nr; j++) {
+                size_t at = (size_t)(j0 + r + j) * ldb + p0;
+                if (b32) for (int p = 0; p < kc; p++) bp[(size_t)p * nr_full + j] = b32[at + p];
+                else for (int p = 0; p < kc; p++) bp[(size_t)p * nr_full + j] = lg_get(B, at + p);
+            }
+            for (; j < nr_full; j++)
+                for (int p = 0; p < kc; p++) bp[(size_t)p * nr_full + j] = 0;
+        }
+    }
+}
 
 /* bf16 pairs along K (vdpbf16ps's and AMX's B operands), both operands stored bf16 and copied
    as they are: Ap <- op(A)[i0 : i0+mc, p0 : p0+kc], element (i, p) of a panel at
@@ -4621,12 +4637,14 @@ typedef struct {
     int mr, nr, kstep;
     lg_gemm_packing packing;
     lg_gemm_micro kernel;
+    int avx512; /* the processor runs AVX-512: so may the packing */
 } lg_gemm_kind;
 
 /* The kernel of `path` for these operands: bf16 pairs only when both are stored bf16. */
 static lg_gemm_kind lg_gemm_kind_of(lg_gemm_path path, lg_buf A, lg_buf B) {
-    lg_gemm_kind k = {LG_GEMM_MR, LG_GEMM_NR, 1, LG_PACK_F32, lg_gemm_kernel};
+    lg_gemm_kind k = {LG_GEMM_MR, LG_GEMM_NR, 1, LG_PACK_F32, lg_gemm_kernel, 0};
 #if LG_X86_KERNELS
+    k.avx512 = path >= LG_GEMM_AVX512;
     const int bf16 = A.dtype == LG_DTYPE_BF16 && B.dtype == LG_DTYPE_BF16;
     if (path == LG_GEMM_AMX && bf16) {
         k.mr = LG_AMX_MR; k.nr = LG_AMX_NR; k.kstep = LG_AMX_K; k.packing = LG_PACK_AMX;
@@ -4661,7 +4679,7 @@ static void lg_gemm_tile(const lg_gemm_kind *k, int trans_a, int trans_b, int m0
             const int kc = (K - pc < KC) ? K - pc : KC;
             const int kp = (kc + k->kstep - 1) / k->kstep * k->kstep; /* packed K length */
             const lg_real bet = (pc == 0) ? beta : (lg_real)1;  /* later K blocks accumulate */
-            if (k->packing == LG_PACK_F32) lg_gemm_pack_b(trans_b, B, ldb, pc, jc, kc, nc, k->nr, bp);
+            if (k->packing == LG_PACK_F32) lg_gemm_pack_b(trans_b, B, ldb, pc, jc, kc, nc, k->nr, k->avx512, bp);
             else lg_gemm_pack_b_pairs(trans_b, B, ldb, pc, jc, kc, nc, kp, k->nr, (uint16_t *)bp);
             for (ic = m0; ic < m1; ic += MC) {
                 const int mc = (m1 - ic < MC) ? m1 - ic : MC;
