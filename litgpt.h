@@ -4223,6 +4223,7 @@ static void lg_gemm_pack_a(int trans_a, lg_buf A, int lda, int i0, int p0, int m
 static void lg_gemm_pack_b(int trans_b, lg_buf B, int ldb, int p0, int j0, int kc, int nc,
                            int nr_full, int avx512, lg_real *bp) {
     const lg_real *b32 = B.dtype == LG_DTYPE_F32 ? (const lg_real *)B.data : NULL;
+    (void)avx512; /* read only where the x86 kernels are built */
     for (int r = 0; r < nc; r += nr_full, bp += (size_t)kc * nr_full) {
         const int nr = (nc - r < nr_full) ? nc - r : nr_full;
         if (!trans_b) { /* B stored (K, N): rows contiguous in j */
