@@ -4121,30 +4121,31 @@ static void lg_gemm_simple(int trans_a, int trans_b, int M, int N, int K, lg_buf
 #define LG_PACK_K 32    /* K of a block: 16 words */
 #if LG_X86_KERNELS
 #define LG_ALL16 ((__mmask16)0xFFFF)
+#define LG_ALL8 ((__mmask8)0xFF)
 
 /* r[0..16) (16 words each) becomes its transpose: word j of r[i] moves to word i of r[j]
    (unpacks of words, then of word pairs, then two rounds of 128-bit lane shuffles) */
 LG_TARGET_AVX512 static inline void lg_transpose_16x16(__m512i r[16]) {
     __m512i a[16], b[16];
     for (int k = 0; k < 8; k++) {
-        a[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
-        a[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+        a[2 * k] = _mm512_maskz_unpacklo_epi32(LG_ALL16, r[2 * k], r[2 * k + 1]);
+        a[2 * k + 1] = _mm512_maskz_unpackhi_epi32(LG_ALL16, r[2 * k], r[2 * k + 1]);
     }
     for (int k = 0; k < 4; k++) { /* b[4k + m], lane L: word 4L + m of rows 4k .. 4k+3 */
-        b[4 * k] = _mm512_unpacklo_epi64(a[4 * k], a[4 * k + 2]);
-        b[4 * k + 1] = _mm512_unpackhi_epi64(a[4 * k], a[4 * k + 2]);
-        b[4 * k + 2] = _mm512_unpacklo_epi64(a[4 * k + 1], a[4 * k + 3]);
-        b[4 * k + 3] = _mm512_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
+        b[4 * k] = _mm512_maskz_unpacklo_epi64(LG_ALL8, a[4 * k], a[4 * k + 2]);
+        b[4 * k + 1] = _mm512_maskz_unpackhi_epi64(LG_ALL8, a[4 * k], a[4 * k + 2]);
+        b[4 * k + 2] = _mm512_maskz_unpacklo_epi64(LG_ALL8, a[4 * k + 1], a[4 * k + 3]);
+        b[4 * k + 3] = _mm512_maskz_unpackhi_epi64(LG_ALL8, a[4 * k + 1], a[4 * k + 3]);
     }
     for (int m = 0; m < 4; m++) { /* column 4L + m: lane L of b[m], b[4+m], b[8+m], b[12+m] */
-        const __m512i even0 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x88);
-        const __m512i odd0 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xDD);
-        const __m512i even1 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0x88);
-        const __m512i odd1 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0xDD);
-        r[m] = _mm512_shuffle_i32x4(even0, even1, 0x88);
-        r[8 + m] = _mm512_shuffle_i32x4(even0, even1, 0xDD);
-        r[4 + m] = _mm512_shuffle_i32x4(odd0, odd1, 0x88);
-        r[12 + m] = _mm512_shuffle_i32x4(odd0, odd1, 0xDD);
+        const __m512i even0 = _mm512_maskz_shuffle_i32x4(LG_ALL16, b[m], b[4 + m], 0x88);
+        const __m512i odd0 = _mm512_maskz_shuffle_i32x4(LG_ALL16, b[m], b[4 + m], 0xDD);
+        const __m512i even1 = _mm512_maskz_shuffle_i32x4(LG_ALL16, b[8 + m], b[12 + m], 0x88);
+        const __m512i odd1 = _mm512_maskz_shuffle_i32x4(LG_ALL16, b[8 + m], b[12 + m], 0xDD);
+        r[m] = _mm512_maskz_shuffle_i32x4(LG_ALL16, even0, even1, 0x88);
+        r[8 + m] = _mm512_maskz_shuffle_i32x4(LG_ALL16, even0, even1, 0xDD);
+        r[4 + m] = _mm512_maskz_shuffle_i32x4(LG_ALL16, odd0, odd1, 0x88);
+        r[12 + m] = _mm512_maskz_shuffle_i32x4(LG_ALL16, odd0, odd1, 0xDD);
     }
 }
 
@@ -4847,9 +4848,9 @@ LG_TARGET_AVX512 static inline void lg_v_store_n(lg_buf b, size_t i, size_t n, _
    [-ln2/2, ln2/2], e^r by its Taylor series to r^7 (remainder below 1e-8 of the value);
    overflow to inf, NaN kept */
 LG_TARGET_AVX512 static inline __m512 lg_v_exp(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x); /* the second operand wins on NaN */
-    x = _mm512_min_ps(_mm512_set1_ps(88.8f), x);
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    x = _mm512_maskz_max_ps(LG_ALL16, _mm512_set1_ps(-104.0f), x); /* the second operand wins on NaN */
+    x = _mm512_maskz_min_ps(LG_ALL16, _mm512_set1_ps(88.8f), x);
+    const __m512 k = _mm512_maskz_roundscale_ps(LG_ALL16, _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
     r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187045e-06f), r);
@@ -4858,12 +4859,35 @@ LG_TARGET_AVX512 static inline __m512 lg_v_exp(__m512 x) {
     __m512 p = _mm512_set1_ps(taylor[0]);
     for (int i = 1; i < (int)(sizeof taylor / sizeof taylor[0]); i++)
         p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(taylor[i]));
-    return _mm512_scalef_ps(p, k);
+    return _mm512_maskz_scalef_ps(LG_ALL16, p, k);
 }
 
 LG_TARGET_AVX512 static __m512 lg_v_sigmoid(__m512 x) {
     const __m512 one = _mm512_set1_ps(1.0f);
     return _mm512_div_ps(one, _mm512_add_ps(one, lg_v_exp(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
+/* the sum and the largest of the 16 lanes (gcc's _mm512_reduce_* start from "undefined"
+   vectors that g++ warns about) */
+LG_TARGET_AVX512 static inline float lg_v_sum(__m512 x) {
+    float lanes[LG_V], sum = 0;
+    _mm512_storeu_ps(lanes, x);
+    for (int i = 0; i < LG_V; i++) sum += lanes[i];
+    return sum;
+}
+
+LG_TARGET_AVX512 static inline float lg_v_max(__m512 x) {
+    float lanes[LG_V], max = -INFINITY;
+    _mm512_storeu_ps(lanes, x);
+    for (int i = 0; i < LG_V; i++) max = lanes[i] > max ? lanes[i] : max;
+    return max;
+}
+
+LG_TARGET_AVX512 static inline double lg_v_sum_pd(__m512d x) {
+    double lanes[LG_V / 2], sum = 0;
+    _mm512_storeu_pd(lanes, x);
+    for (int i = 0; i < LG_V / 2; i++) sum += lanes[i];
+    return sum;
 }
 
 /* mask of the first n (<= 16) lanes */
@@ -4908,14 +4932,14 @@ LG_TARGET_AVX512 static void lg_v_row_max_sum(lg_buf z, int n, float *max, float
         const __mmask16 k = lg_v_mask((size_t)(n - v));
         mx = _mm512_mask_max_ps(mx, k, mx, lg_v_load_n(z, (size_t)v, (size_t)(n - v), 0));
     }
-    *max = _mm512_reduce_max_ps(mx);
+    *max = lg_v_max(mx);
     const __m512 vmax = _mm512_set1_ps(*max);
     for (int v = 0; v < n; v += LG_V) {
         const __mmask16 k = lg_v_mask((size_t)(n - v));
         const __m512 e = lg_v_exp(_mm512_sub_ps(lg_v_load_n(z, (size_t)v, (size_t)(n - v), 0), vmax));
         s = _mm512_mask_add_ps(s, k, s, e);
     }
-    *sum = _mm512_reduce_add_ps(s);
+    *sum = lg_v_sum(s);
 }
 
 /* cross-entropy: as lg_crossentropy_forward, the sum of the losses in *sum */
@@ -4969,7 +4993,7 @@ LG_TARGET_AVX512 static int lg_crossentropy_backward_avx512(const lg_exec *ex, l
 LG_TARGET_AVX512 static float lg_v_row_sum(lg_buf x, int C) {
     __m512 s = _mm512_setzero_ps();
     for (int i = 0; i < C; i += LG_V) s = _mm512_add_ps(s, lg_v_load_n(x, (size_t)i, (size_t)(C - i), 0));
-    return _mm512_reduce_add_ps(s);
+    return lg_v_sum(s);
 }
 
 LG_TARGET_AVX512 static float lg_v_row_squares(lg_buf x, int C, float mu) {
@@ -4980,7 +5004,7 @@ LG_TARGET_AVX512 static float lg_v_row_squares(lg_buf x, int C, float mu) {
                                              lg_v_load_n(x, (size_t)i, (size_t)(C - i), 0), vmu);
         s = _mm512_fmadd_ps(d, d, s);
     }
-    return _mm512_reduce_add_ps(s);
+    return lg_v_sum(s);
 }
 
 /* LayerNorm or RMSNorm: as lg_norm_forward */
@@ -5028,8 +5052,8 @@ LG_TARGET_AVX512 static int lg_norm_backward_avx512(const lg_exec *ex, lg_buf di
             s_dxhat = _mm512_add_ps(s_dxhat, dxhat);
             s_dxhat_xhat = _mm512_fmadd_ps(dxhat, xhat, s_dxhat_xhat);
         }
-        const __m512 dxhat_mean = _mm512_set1_ps(mean ? _mm512_reduce_add_ps(s_dxhat) / C : 0.0f);
-        const __m512 dxhat_xhat_mean = _mm512_set1_ps(_mm512_reduce_add_ps(s_dxhat_xhat) / C);
+        const __m512 dxhat_mean = _mm512_set1_ps(mean ? lg_v_sum(s_dxhat) / C : 0.0f);
+        const __m512 dxhat_xhat_mean = _mm512_set1_ps(lg_v_sum(s_dxhat_xhat) / C);
         for (int i = 0; i < C; i += LG_V) {
             const size_t m = (size_t)(C - i);
             const __m512 xhat = _mm512_mul_ps(_mm512_sub_ps(lg_v_load_n(x, (size_t)i, m, 0), vmu), vr);
@@ -5078,7 +5102,7 @@ LG_TARGET_AVX512 static int lg_causal_softmax_avx512(const lg_exec *ex, lg_real 
             const __mmask16 k = lg_v_mask((size_t)(n - i));
             mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, row + i));
         }
-        const float max = _mm512_reduce_max_ps(mx);
+        const float max = lg_v_max(mx);
         const __m512 vmax = _mm512_set1_ps(max);
         for (int i = 0; i < n; i += LG_V) {
             const __mmask16 k = lg_v_mask((size_t)(n - i));
@@ -5086,7 +5110,7 @@ LG_TARGET_AVX512 static int lg_causal_softmax_avx512(const lg_exec *ex, lg_real 
             _mm512_mask_storeu_ps(row + i, k, e);
             s = _mm512_mask_add_ps(s, k, s, e);
         }
-        const float sum = _mm512_reduce_add_ps(s);
+        const float sum = lg_v_sum(s);
         const __m512 vsum = _mm512_set1_ps(sum);
         for (int i = 0; i < T; i += LG_V) {
             const __mmask16 k = lg_v_mask((size_t)(T - i));
@@ -5132,7 +5156,7 @@ LG_TARGET_AVX512 static int lg_softmax_backward_avx512(const lg_exec *ex, const 
             const size_t at = (size_t)t * ld + i, m = (size_t)(HS - i);
             d = _mm512_fmadd_ps(lg_v_load_n(dout, at, m, 0), lg_v_load_n(out, at, m, 0), d);
         }
-        const __m512 dot = _mm512_set1_ps(_mm512_reduce_add_ps(d));
+        const __m512 dot = _mm512_set1_ps(lg_v_sum(d));
         for (int i = 0; i < T; i += LG_V) {
             const __mmask16 k = lg_v_mask((size_t)(T - i));
             const __mmask16 live = i <= t ? lg_v_mask((size_t)(t + 1 - i)) : 0;
@@ -6515,7 +6539,7 @@ LG_TARGET_AVX512 static int lg_adamw_avx512(const lg_optimizer *opt, const lg_ex
         mi = _mm512_fmadd_ps(beta1, mi, _mm512_mul_ps(rest1, grad));
         vi = _mm512_fmadd_ps(beta2, vi, _mm512_mul_ps(_mm512_mul_ps(rest2, grad), grad));
         const __m512 m_hat = _mm512_div_ps(mi, corr1), v_hat = _mm512_div_ps(vi, corr2);
-        const __m512 step = _mm512_div_ps(_mm512_mul_ps(lr, m_hat), _mm512_add_ps(_mm512_sqrt_ps(v_hat), eps));
+        const __m512 step = _mm512_div_ps(_mm512_mul_ps(lr, m_hat), _mm512_add_ps(_mm512_maskz_sqrt_ps(LG_ALL16, v_hat), eps));
         p = _mm512_sub_ps(p, step);
         lg_v_store_n(m, i, left, mi);
         lg_v_store_n(v, i, left, vi);
@@ -6536,13 +6560,15 @@ LG_TARGET_AVX512 static int lg_sum_squares_avx512(const lg_exec *ex, lg_buf x, s
         LG_OMP(omp for)
         for (long c = 0; c < (long)((n + LG_V - 1) / LG_V); c++) {
             const __m512 f = lg_v_load_n(x, (size_t)c * LG_V, n - (size_t)c * LG_V, 0);
-            const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(f));
-            const __m512d hi = _mm512_cvtps_pd(
-                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1)));
+            const __m512d halves = _mm512_castps_pd(f); /* (extracts: g++ warns on the casts) */
+            const __m512d lo = _mm512_maskz_cvtps_pd(
+                LG_ALL8, _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(LG_ALL8, halves, 0)));
+            const __m512d hi = _mm512_maskz_cvtps_pd(
+                LG_ALL8, _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(LG_ALL8, halves, 1)));
             acc = _mm512_fmadd_pd(lo, lo, acc);
             acc = _mm512_fmadd_pd(hi, hi, acc);
         }
-        sum += _mm512_reduce_add_pd(acc);
+        sum += lg_v_sum_pd(acc);
     }
     *out = sum;
     return 1;
