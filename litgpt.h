@@ -4289,19 +4289,17 @@ static void lg_gemm_pack_b_pairs(int trans_b, lg_buf B, int ldb, int p0, int j0,
         const int nr = (nc - r < nr_full) ? nc - r : nr_full;
         for (int jb = 0; jb < nr_full; jb += LG_PACK_ROWS)
             for (int pb = 0; pb < kp; pb += LG_PACK_K) { /* a block of 16 columns, 32 K */
-                const int whole = jb + LG_PACK_ROWS <= nr && pb + LG_PACK_K <= kc;
-                const uint16_t *at = b + (trans_b ? (size_t)(j0 + r + jb) * ldb + p0 + pb
-                                                  : (size_t)(p0 + pb) * ldb + j0 + r + jb);
-                uint32_t *words = (uint32_t *)bp + (size_t)(pb / 2) * nr_full + jb;
 #if LG_X86_KERNELS
-                if (whole && trans_b) { lg_pack_pairs_t_block(at, ldb, words, nr_full); continue; }
-                if (whole) {
-                    for (int q = 0; q < LG_PACK_K / 2; q++)
-                        lg_pack_pairs_block(at + (size_t)2 * q * ldb, ldb, words + (size_t)q * nr_full);
+                if (jb + LG_PACK_ROWS <= nr && pb + LG_PACK_K <= kc) {
+                    const uint16_t *at = b + (trans_b ? (size_t)(j0 + r + jb) * ldb + p0 + pb
+                                                      : (size_t)(p0 + pb) * ldb + j0 + r + jb);
+                    uint32_t *words = (uint32_t *)bp + (size_t)(pb / 2) * nr_full + jb;
+                    if (trans_b) lg_pack_pairs_t_block(at, ldb, words, nr_full);
+                    else
+                        for (int q = 0; q < LG_PACK_K / 2; q++)
+                            lg_pack_pairs_block(at + (size_t)2 * q * ldb, ldb, words + (size_t)q * nr_full);
                     continue;
                 }
-#else
-                (void)whole; (void)at; (void)words;
 #endif
                 for (int p = pb; p < pb + LG_PACK_K && p < kp; p++) {
                     uint16_t *dst = bp + (size_t)(p / 2) * 2 * nr_full + p % 2;
