@@ -4792,9 +4792,10 @@ static void lg_gemm(const lg_gemm_workspace *ws, int trans_a, int trans_b, int M
 
 /* --- AVX-512 loops of the memory-bound ops ------------------------------------------------
    On the avx512 path and above (ex->gemm.path), with every operand stored fp32 or bf16, the
-   norms, SwiGLU, cross-entropy and AdamW (section 8) run 16 lanes at a time: the same formulas
-   in fp32, exp from lg_v_exp (within 2 ulp of expf), sums in lanes (another order than the
-   portable loops), bf16 stored with the same rounding (lg_gemm_bf16_avx512). Each returns 1
+   norms, SwiGLU, cross-entropy, attention's rows, rotary embedding, the add and AdamW (section
+   8) run 16 lanes at a time: the same formulas in fp32, exp from lg_v_exp (at most 1 ulp from
+   expf in a sweep of [-87, 88.5]), sums in lanes (another order than the portable loops),
+   bf16 stored with the same rounding (lg_gemm_bf16_avx512). Each returns 1
    when it did the op, 0 to leave it to the portable loop (fp16 storage, other paths, no exec,
    a build without the x86 kernels). Elementwise ops take the last partial vector through a
    16-lane copy, so an element's result never depends on where a range starts. */
