@@ -4164,6 +4164,7 @@ void lg_plan_print_json(const lg_plan *plan, FILE *out) {
  *       pc: K in chunks of KC            pack op(B)[pc:+kc, jc:+nc] -> Bp
  *         ic: rows in chunks of MC       pack op(A)[ic:+mc, pc:+kc] -> Ap
  *           jr: NR columns / ir: MR rows -> micro-kernel, one MR x NR C tile
+ *           (AMX: ir outside jr)
  *   A kc x NR micro-panel of Bp stays in L1 while the ir loop streams the
  *   MR x kc micro-panels of Ap (whole Ap block sized for L2).
  *
@@ -4180,7 +4181,8 @@ void lg_plan_print_json(const lg_plan *plan, FILE *out) {
  *                only the order of the sums differs from the other paths)
  *   amx          avx512, and when A and B are both stored bf16: a 32 x 32
  *                tile of C in four AMX accumulator tiles; Ap holds rows of
- *                K (tile rows of 32 bf16), Bp bf16 pairs along K; K padded
+ *                K in tile order (blocks of 32 rows x 32 K, read front to
+ *                back), Bp bf16 pairs along K; K padded
  *                to 32 with zeros
  * Each path has its tile geometry (lg_gemm_kind); packing follows it.
  *
@@ -4323,6 +4325,84 @@ static void lg_gemm_simple(int trans_a, int trans_b, int M, int N, int K, lg_buf
         }
 }
 
+/* Packing bf16 with AVX-512 (the avx512-bf16 and AMX paths): whole blocks of 16 x 32 bf16 at a
+   time, the rest element by element. A pair of bf16 along K is one 32-bit word; the
+   transposing packs move words through lg_transpose_16x16. */
+#define LG_PACK_ROWS 16 /* rows (or columns) of a block */
+#define LG_PACK_K 32    /* K of a block: 16 words */
+#if LG_X86_KERNELS
+#define LG_ALL16 ((__mmask16)0xFFFF)
+#define LG_ALL8 ((__mmask8)0xFF)
+
+/* r[0..16) (16 words each) becomes its transpose: word j of r[i] moves to word i of r[j]
+   (unpacks of words, then of word pairs, then two rounds of 128-bit lane shuffles) */
+LG_TARGET_AVX512 static inline void lg_transpose_16x16(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int k = 0; k < 8; k++) {
+        a[2 * k] = _mm512_maskz_unpacklo_epi32(LG_ALL16, r[2 * k], r[2 * k + 1]);
+        a[2 * k + 1] = _mm512_maskz_unpackhi_epi32(LG_ALL16, r[2 * k], r[2 * k + 1]);
+    }
+    for (int k = 0; k < 4; k++) { /* b[4k + m], lane L: word 4L + m of rows 4k .. 4k+3 */
+        b[4 * k] = _mm512_maskz_unpacklo_epi64(LG_ALL8, a[4 * k], a[4 * k + 2]);
+        b[4 * k + 1] = _mm512_maskz_unpackhi_epi64(LG_ALL8, a[4 * k], a[4 * k + 2]);
+        b[4 * k + 2] = _mm512_maskz_unpacklo_epi64(LG_ALL8, a[4 * k + 1], a[4 * k + 3]);
+        b[4 * k + 3] = _mm512_maskz_unpackhi_epi64(LG_ALL8, a[4 * k + 1], a[4 * k + 3]);
+    }
+    for (int m = 0; m < 4; m++) { /* column 4L + m: lane L of b[m], b[4+m], b[8+m], b[12+m] */
+        const __m512i even0 = _mm512_maskz_shuffle_i32x4(LG_ALL16, b[m], b[4 + m], 0x88);
+        const __m512i odd0 = _mm512_maskz_shuffle_i32x4(LG_ALL16, b[m], b[4 + m], 0xDD);
+        const __m512i even1 = _mm512_maskz_shuffle_i32x4(LG_ALL16, b[8 + m], b[12 + m], 0x88);
+        const __m512i odd1 = _mm512_maskz_shuffle_i32x4(LG_ALL16, b[8 + m], b[12 + m], 0xDD);
+        r[m] = _mm512_maskz_shuffle_i32x4(LG_ALL16, even0, even1, 0x88);
+        r[8 + m] = _mm512_maskz_shuffle_i32x4(LG_ALL16, even0, even1, 0xDD);
+        r[4 + m] = _mm512_maskz_shuffle_i32x4(LG_ALL16, odd0, odd1, 0x88);
+        r[12 + m] = _mm512_maskz_shuffle_i32x4(LG_ALL16, odd0, odd1, 0xDD);
+    }
+}
+
+/* 16 words: (lo[i], hi[i]) as a pair, lo in the low half */
+LG_TARGET_AVX512 static inline __m512i lg_pair_words(const uint16_t *lo, const uint16_t *hi) {
+    const __m512i l = _mm512_maskz_cvtepu16_epi32(LG_ALL16, _mm256_loadu_si256((const __m256i *)lo));
+    const __m512i h = _mm512_maskz_cvtepu16_epi32(LG_ALL16, _mm256_loadu_si256((const __m256i *)hi));
+    return _mm512_or_si512(l, _mm512_maskz_slli_epi32(LG_ALL16, h, 16));
+}
+
+/* AMX's A rows from A stored (K, M): dst[i*ld + p] = src[p*lda + i], i < 16, p < 32 */
+LG_TARGET_AVX512 static void lg_pack_rows_t_block(const uint16_t *src, int lda, uint16_t *dst,
+                                                  int ld) {
+    __m512i r[LG_PACK_ROWS];
+    for (int q = 0; q < LG_PACK_ROWS; q++)
+        r[q] = lg_pair_words(src + (size_t)2 * q * lda, src + (size_t)(2 * q + 1) * lda);
+    lg_transpose_16x16(r);
+    for (int i = 0; i < LG_PACK_ROWS; i++) _mm512_storeu_si512(dst + (size_t)i * ld, r[i]);
+}
+
+/* B's pairs from B stored (N, K): word q*nr_full + j of dst = the pair (src[j*ldb + 2q],
+   src[j*ldb + 2q + 1]), j < 16, q < 16 */
+LG_TARGET_AVX512 static void lg_pack_pairs_t_block(const uint16_t *src, int ldb, uint32_t *dst,
+                                                   int nr_full) {
+    __m512i r[LG_PACK_ROWS];
+    for (int j = 0; j < LG_PACK_ROWS; j++) r[j] = _mm512_loadu_si512(src + (size_t)j * ldb);
+    lg_transpose_16x16(r);
+    for (int q = 0; q < LG_PACK_ROWS; q++) _mm512_storeu_si512(dst + (size_t)q * nr_full, r[q]);
+}
+
+/* dst (n) = src (n), bf16 to fp32 */
+LG_TARGET_AVX512 static void lg_widen_bf16(const uint16_t *src, float *dst, int n) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512i u = _mm512_maskz_cvtepu16_epi32(LG_ALL16, _mm256_loadu_si256((const __m256i *)(src + i)));
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_maskz_slli_epi32(LG_ALL16, u, 16)));
+    }
+    for (; i < n; i++) dst[i] = lg_bf16_to_f32(src[i]);
+}
+
+/* B's pairs from B stored (K, N): words j < 16 of dst = (src[j], src[ldb + j]) */
+LG_TARGET_AVX512 static void lg_pack_pairs_block(const uint16_t *src, int ldb, uint32_t *dst) {
+    _mm512_storeu_si512(dst, lg_pair_words(src, src + ldb));
+}
+#endif
+
 /* --- packing: the only place the matmul reads A and B, converting half types to lg_real -- */
 /* Ap <- op(A)[i0 : i0+mc, p0 : p0+kc] as ceil(mc/mr_full) micro-panels; panel
    r holds rows i0 + r*mr_full + (0..mr_full-1), element (i, p) at
@@ -4353,8 +4433,9 @@ static void lg_gemm_pack_a(int trans_a, lg_buf A, int lda, int i0, int p0, int m
    r holds columns j0 + r*nr_full + (0..nr_full-1), element (p, j) at
    bp[p*nr_full + j]; columns past nc are zero. */
 static void lg_gemm_pack_b(int trans_b, lg_buf B, int ldb, int p0, int j0, int kc, int nc,
-                           int nr_full, lg_real *bp) {
+                           int nr_full, int avx512, lg_real *bp) {
     const lg_real *b32 = B.dtype == LG_DTYPE_F32 ? (const lg_real *)B.data : NULL;
+    (void)avx512; /* read only where the x86 kernels are built */
     for (int r = 0; r < nc; r += nr_full, bp += (size_t)kc * nr_full) {
         const int nr = (nc - r < nr_full) ? nc - r : nr_full;
         if (!trans_b) { /* B stored (K, N): rows contiguous in j */
@@ -4363,6 +4444,12 @@ static void lg_gemm_pack_b(int trans_b, lg_buf B, int ldb, int p0, int j0, int k
                 lg_real *dst = bp + (size_t)p * nr_full;
                 int j = 0;
                 if (b32) for (; j < nr; j++) dst[j] = b32[at + j];
+#if LG_X86_KERNELS
+                else if (avx512 && B.dtype == LG_DTYPE_BF16) {
+                    lg_widen_bf16((const uint16_t *)B.data + at, dst, nr);
+                    j = nr;
+                }
+#endif
                 else for (; j < nr; j++) dst[j] = lg_get(B, at + j);
                 for (; j < nr_full; j++) dst[j] = 0;
             }
@@ -4411,42 +4498,67 @@ static void lg_gemm_pack_b_pairs(int trans_b, lg_buf B, int ldb, int p0, int j0,
     const uint16_t *b = (const uint16_t *)B.data;
     for (int r = 0; r < nc; r += nr_full, bp += (size_t)kp * nr_full) {
         const int nr = (nc - r < nr_full) ? nc - r : nr_full;
-        for (int p = 0; p < kp; p++) {
-            uint16_t *dst = bp + (size_t)(p / 2) * 2 * nr_full + p % 2;
-            int j = 0;
-            if (p < kc) {
-                if (!trans_b) {
-                    const uint16_t *row = b + (size_t)(p0 + p) * ldb + j0 + r;
-                    for (; j < nr; j++) dst[2 * j] = row[j];
-                } else {
-                    const uint16_t *col = b + (size_t)(j0 + r) * ldb + p0 + p;
-                    for (; j < nr; j++) dst[2 * j] = col[(size_t)j * ldb];
+        for (int jb = 0; jb < nr_full; jb += LG_PACK_ROWS)
+            for (int pb = 0; pb < kp; pb += LG_PACK_K) { /* a block of 16 columns, 32 K */
+#if LG_X86_KERNELS
+                if (jb + LG_PACK_ROWS <= nr && pb + LG_PACK_K <= kc) {
+                    const uint16_t *at = b + (trans_b ? (size_t)(j0 + r + jb) * ldb + p0 + pb
+                                                      : (size_t)(p0 + pb) * ldb + j0 + r + jb);
+                    uint32_t *words = (uint32_t *)bp + (size_t)(pb / 2) * nr_full + jb;
+                    if (trans_b) lg_pack_pairs_t_block(at, ldb, words, nr_full);
+                    else
+                        for (int q = 0; q < LG_PACK_K / 2; q++)
+                            lg_pack_pairs_block(at + (size_t)2 * q * ldb, ldb, words + (size_t)q * nr_full);
+                    continue;
+                }
+#endif
+                for (int p = pb; p < pb + LG_PACK_K && p < kp; p++) {
+                    uint16_t *dst = bp + (size_t)(p / 2) * 2 * nr_full + p % 2;
+                    for (int j = jb; j < jb + LG_PACK_ROWS; j++)
+                        dst[2 * j] = j < nr && p < kc ? (trans_b ? b[(size_t)(j0 + r + j) * ldb + p0 + p]
+                                                                 : b[(size_t)(p0 + p) * ldb + j0 + r + j])
+                                                      : 0;
                 }
             }
-            for (; j < nr_full; j++) dst[2 * j] = 0;
-        }
     }
 }
 
 /* AMX's A operand, both operands stored bf16: Ap <- op(A)[i0 : i0+mc, p0 : p0+kc] as panels of
-   mr_full rows, element (i, p) of a panel at ap[i*kp + p]; rows and K past the ends (up to kp)
-   are zero. */
+   mr_full rows in tile order: K in blocks of 32, each block mr_full rows of 32 (a tile row),
+   element (i, p) of a panel at ap[((p/32)*mr_full + i)*32 + p%32], so the kernel's tile loads
+   read the panel front to back; rows and K past the ends (up to kp) are zero. */
+static size_t lg_gemm_tile_order(int mr_full, int i, int p) {
+    return ((size_t)(p / LG_PACK_K) * mr_full + i) * LG_PACK_K + p % LG_PACK_K;
+}
+
 static void lg_gemm_pack_a_rows(int trans_a, lg_buf A, int lda, int i0, int p0, int mc, int kc,
                                 int kp, int mr_full, uint16_t *ap) {
     const uint16_t *a = (const uint16_t *)A.data;
     for (int r = 0; r < mc; r += mr_full, ap += (size_t)kp * mr_full) {
         const int mr = (mc - r < mr_full) ? mc - r : mr_full;
-        for (int i = 0; i < mr_full; i++) {
-            uint16_t *dst = ap + (size_t)i * kp;
-            int p = 0;
-            if (i < mr && !trans_a) {
-                memcpy(dst, a + (size_t)(i0 + r + i) * lda + p0, (size_t)kc * sizeof(uint16_t));
-                p = kc;
-            } else if (i < mr) {
-                for (; p < kc; p++) dst[p] = a[(size_t)(p0 + p) * lda + i0 + r + i];
+        for (int ib = 0; ib < mr_full; ib += LG_PACK_ROWS) /* blocks of 16 rows x 32 K */
+            for (int pb = 0; pb < kp; pb += LG_PACK_K) {
+                uint16_t *dst = ap + lg_gemm_tile_order(mr_full, ib, pb); /* rows 32 apart */
+                const int whole = ib + LG_PACK_ROWS <= mr && pb + LG_PACK_K <= kc;
+                if (whole && !trans_a) {
+                    for (int i = 0; i < LG_PACK_ROWS; i++)
+                        memcpy(dst + (size_t)i * LG_PACK_K, a + (size_t)(i0 + r + ib + i) * lda + p0 + pb,
+                               LG_PACK_K * sizeof(uint16_t));
+                    continue;
+                }
+#if LG_X86_KERNELS
+                if (whole) { /* A stored (K, M) */
+                    lg_pack_rows_t_block(a + (size_t)(p0 + pb) * lda + i0 + r + ib, lda, dst, LG_PACK_K);
+                    continue;
+                }
+#endif
+                for (int i = 0; i < LG_PACK_ROWS; i++)
+                    for (int p = 0; p < LG_PACK_K && pb + p < kp; p++) {
+                        const size_t at = trans_a ? (size_t)(p0 + pb + p) * lda + i0 + r + ib + i
+                                                  : (size_t)(i0 + r + ib + i) * lda + p0 + pb + p;
+                        dst[(size_t)i * LG_PACK_K + p] = ib + i < mr && pb + p < kc ? a[at] : 0;
+                    }
             }
-            for (; p < kp; p++) dst[p] = 0;
-        }
     }
 }
 
@@ -4566,7 +4678,6 @@ LG_GEMM_UNROLL
    lg_f32_to_bf16), the rest through lg_gemm_store */
 /* (the maskz forms of the intrinsics: the plain ones start from an "undefined" vector that g++
    -O2 warns about) */
-#define LG_ALL16 ((__mmask16)0xFFFF)
 LG_TARGET_AVX512 static __m256i lg_gemm_bf16_avx512(__m512 x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i top = _mm512_maskz_srli_epi32(LG_ALL16, u, 16);
@@ -4699,9 +4810,9 @@ LG_TARGET_AMX static void lg_amx_end(void) { _tile_release(); }
 LG_TARGET_AMX static void lg_gemm_kernel_amx(int kc, const void *a_panel, const void *b_panel,
                                              lg_buf C, size_t c0, int ldc, int mr, int nr,
                                              lg_real beta) {
-    const uint16_t *a = (const uint16_t *)a_panel; /* 32 rows of kc */
+    const uint16_t *a = (const uint16_t *)a_panel; /* 32 rows of kc, in tile order */
     const uint16_t *b = (const uint16_t *)b_panel; /* kc/2 rows of 32 pairs */
-    const size_t a_stride = (size_t)kc * sizeof(uint16_t), b_stride = 2 * LG_AMX_NR * sizeof(uint16_t);
+    const size_t a_stride = LG_AMX_K * sizeof(uint16_t), b_stride = 2 * LG_AMX_NR * sizeof(uint16_t);
     float tile[LG_AMX_MR * LG_AMX_NR];
     _tile_zero(0);
     _tile_zero(1);
@@ -4709,8 +4820,9 @@ LG_TARGET_AMX static void lg_gemm_kernel_amx(int kc, const void *a_panel, const 
     _tile_zero(3);
     for (int p = 0; p < kc; p += LG_AMX_K) {
         const uint16_t *bk = b + (size_t)p * LG_AMX_NR; /* pair row p/2 */
-        _tile_loadd(4, a + p, a_stride);
-        _tile_loadd(5, a + (size_t)LG_AMX_TILE_ROWS * kc + p, a_stride);
+        const uint16_t *ak = a + (size_t)p * LG_AMX_MR; /* the panel's block p/32 */
+        _tile_loadd(4, ak, a_stride);
+        _tile_loadd(5, ak + LG_AMX_TILE_ROWS * LG_AMX_K, a_stride);
         _tile_loadd(6, bk, b_stride);
         _tile_loadd(7, bk + LG_AMX_NR, b_stride);
         _tile_dpbf16ps(0, 4, 6);
@@ -4736,12 +4848,14 @@ typedef struct {
     int mr, nr, kstep;
     lg_gemm_packing packing;
     lg_gemm_micro kernel;
+    int avx512; /* the processor runs AVX-512: so may the packing */
 } lg_gemm_kind;
 
 /* The kernel of `path` for these operands: bf16 pairs only when both are stored bf16. */
 static lg_gemm_kind lg_gemm_kind_of(lg_gemm_path path, lg_buf A, lg_buf B) {
-    lg_gemm_kind k = {LG_GEMM_MR, LG_GEMM_NR, 1, LG_PACK_F32, lg_gemm_kernel};
+    lg_gemm_kind k = {LG_GEMM_MR, LG_GEMM_NR, 1, LG_PACK_F32, lg_gemm_kernel, 0};
 #if LG_X86_KERNELS
+    k.avx512 = path >= LG_GEMM_AVX512;
     const int bf16 = A.dtype == LG_DTYPE_BF16 && B.dtype == LG_DTYPE_BF16;
     if (path == LG_GEMM_AMX && bf16) {
         k.mr = LG_AMX_MR; k.nr = LG_AMX_NR; k.kstep = LG_AMX_K; k.packing = LG_PACK_AMX;
@@ -4761,20 +4875,22 @@ static lg_gemm_kind lg_gemm_kind_of(lg_gemm_path path, lg_buf A, lg_buf B) {
 }
 
 /* --- one thread's tile: C[m0:m1, n0:n1], all of K ------------------------ */
-/* ap: MC x KC scratch, bp: KC x NC scratch (see the pack functions) */
+/* ap: MC x KC scratch, bp: KC x NC scratch (see the pack functions; KC doubled for bf16) */
 static void lg_gemm_tile(const lg_gemm_kind *k, int trans_a, int trans_b, int m0, int m1, int n0,
                          int n1, int K, lg_buf A, int lda, lg_buf B, int ldb, lg_real beta,
                          lg_buf C, int ldc, lg_real *ap, lg_real *bp) {
     const int MC = k->mr * LG_GEMM_MC_PANELS;
     const size_t esize = k->packing == LG_PACK_F32 ? sizeof(lg_real) : sizeof(uint16_t);
+    /* bf16 panels: twice the K in the same bytes, so C is read and written half as often */
+    const int KC = LG_GEMM_KC * (int)(sizeof(lg_real) / esize);
     int jc, pc, ic, jr, ir;
     for (jc = n0; jc < n1; jc += LG_GEMM_NC) {
         const int nc = (n1 - jc < LG_GEMM_NC) ? n1 - jc : LG_GEMM_NC;
-        for (pc = 0; pc < K; pc += LG_GEMM_KC) {
-            const int kc = (K - pc < LG_GEMM_KC) ? K - pc : LG_GEMM_KC;
+        for (pc = 0; pc < K; pc += KC) {
+            const int kc = (K - pc < KC) ? K - pc : KC;
             const int kp = (kc + k->kstep - 1) / k->kstep * k->kstep; /* packed K length */
             const lg_real bet = (pc == 0) ? beta : (lg_real)1;  /* later K blocks accumulate */
-            if (k->packing == LG_PACK_F32) lg_gemm_pack_b(trans_b, B, ldb, pc, jc, kc, nc, k->nr, bp);
+            if (k->packing == LG_PACK_F32) lg_gemm_pack_b(trans_b, B, ldb, pc, jc, kc, nc, k->nr, k->avx512, bp);
             else lg_gemm_pack_b_pairs(trans_b, B, ldb, pc, jc, kc, nc, kp, k->nr, (uint16_t *)bp);
             for (ic = m0; ic < m1; ic += MC) {
                 const int mc = (m1 - ic < MC) ? m1 - ic : MC;
@@ -4784,15 +4900,20 @@ static void lg_gemm_tile(const lg_gemm_kind *k, int trans_a, int trans_b, int m0
                     lg_gemm_pack_a_pairs(trans_a, A, lda, ic, pc, mc, kc, kp, k->mr, (uint16_t *)ap);
                 else
                     lg_gemm_pack_a_rows(trans_a, A, lda, ic, pc, mc, kc, kp, k->mr, (uint16_t *)ap);
-                for (jr = 0; jr < nc; jr += k->nr) {
-                    const int nr = (nc - jr < k->nr) ? nc - jr : k->nr;
-                    for (ir = 0; ir < mc; ir += k->mr) {
+                /* a B micro-panel stays in L1 while A's panels stream past it; AMX instead
+                   keeps an A panel (a row of C's tiles) and streams B's */
+                const int n_jr = (nc + k->nr - 1) / k->nr, n_ir = (mc + k->mr - 1) / k->mr;
+                const int a_outer = k->packing == LG_PACK_AMX;
+                for (int outer = 0; outer < (a_outer ? n_ir : n_jr); outer++)
+                    for (int inner = 0; inner < (a_outer ? n_jr : n_ir); inner++) {
+                        jr = (a_outer ? inner : outer) * k->nr;
+                        ir = (a_outer ? outer : inner) * k->mr;
+                        const int nr = (nc - jr < k->nr) ? nc - jr : k->nr;
                         const int mr = (mc - ir < k->mr) ? mc - ir : k->mr;
                         k->kernel(kp, (const char *)ap + (size_t)ir * kp * esize,
                                   (const char *)bp + (size_t)jr * kp * esize, C,
                                   (size_t)(ic + ir) * ldc + jc + jr, ldc, mr, nr, bet);
                     }
-                }
             }
         }
     }
@@ -4879,6 +5000,436 @@ static void lg_gemm(const lg_gemm_workspace *ws, int trans_a, int trans_b, int M
     }
 }
 /* LG_GEMM_END */
+
+/* --- AVX-512 loops of the memory-bound ops ------------------------------------------------
+   On the avx512 path and above (ex->gemm.path), with every operand stored fp32 or bf16, the
+   norms, SwiGLU, cross-entropy, attention's rows, rotary embedding, the add and AdamW (section
+   8) run 16 lanes at a time: the same formulas in fp32, exp from lg_v_exp (at most 1 ulp from
+   expf in a sweep of [-87, 88.5]), sums in lanes (another order than the portable loops),
+   bf16 stored with the same rounding (lg_gemm_bf16_avx512). Each returns 1
+   when it did the op, 0 to leave it to the portable loop (fp16 storage, other paths, no exec,
+   a build without the x86 kernels). Elementwise ops take the last partial vector through a
+   16-lane copy, so an element's result never depends on where a range starts. */
+#if LG_X86_KERNELS
+#define LG_V 16 /* fp32 lanes of a zmm */
+
+/* 1 when ex runs the avx512 path or above on the CPU and these buffers are fp32 or bf16 */
+static int lg_v_ready(const lg_exec *ex, lg_buf a, lg_buf b, lg_buf c) {
+    const lg_buf all[3] = {a, b, c};
+    if (!ex || ex->backend != LG_BACKEND_CPU || ex->gemm.path < LG_GEMM_AVX512) return 0;
+    for (int i = 0; i < 3; i++)
+        if (all[i].data && all[i].dtype != LG_DTYPE_F32 && all[i].dtype != LG_DTYPE_BF16) return 0;
+    return 1;
+}
+
+/* 16 elements of b (fp32 or bf16) from i as fp32 */
+LG_TARGET_AVX512 static inline __m512 lg_v_load(lg_buf b, size_t i) {
+    if (b.dtype == LG_DTYPE_BF16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)b.data + i));
+        const __m512i u = _mm512_maskz_cvtepu16_epi32(LG_ALL16, h);
+        return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(LG_ALL16, u, 16));
+    }
+    return _mm512_loadu_ps((const float *)b.data + i);
+}
+
+LG_TARGET_AVX512 static inline void lg_v_store(lg_buf b, size_t i, __m512 x) {
+    if (b.dtype == LG_DTYPE_BF16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)b.data + i), lg_gemm_bf16_avx512(x));
+    else
+        _mm512_storeu_ps((float *)b.data + i, x);
+}
+
+/* the first n (<= 16) lanes from b at i, the rest `fill` */
+LG_TARGET_AVX512 static inline __m512 lg_v_load_n(lg_buf b, size_t i, size_t n, float fill) {
+    if (n >= LG_V) return lg_v_load(b, i);
+    float t[LG_V];
+    for (size_t j = 0; j < LG_V; j++) t[j] = j < n ? (float)lg_get(b, i + j) : fill;
+    return _mm512_loadu_ps(t);
+}
+
+LG_TARGET_AVX512 static inline void lg_v_store_n(lg_buf b, size_t i, size_t n, __m512 x) {
+    if (n >= LG_V) { lg_v_store(b, i, x); return; }
+    float t[LG_V];
+    _mm512_storeu_ps(t, x);
+    for (size_t j = 0; j < n; j++) lg_set(b, i + j, t[j]);
+}
+
+/* e^x: 2^k e^r with k = round(x / ln 2), r = x - k ln 2 (ln 2 in two parts) in
+   [-ln2/2, ln2/2], e^r by its Taylor series to r^7 (remainder below 1e-8 of the value);
+   overflow to inf, NaN kept */
+LG_TARGET_AVX512 static inline __m512 lg_v_exp(__m512 x) {
+    x = _mm512_maskz_max_ps(LG_ALL16, _mm512_set1_ps(-104.0f), x); /* the second operand wins on NaN */
+    x = _mm512_maskz_min_ps(LG_ALL16, _mm512_set1_ps(88.8f), x);
+    const __m512 k = _mm512_maskz_roundscale_ps(LG_ALL16, _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    static const float taylor[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6,
+                                   0.5f, 1.0f, 1.0f};
+    __m512 p = _mm512_set1_ps(taylor[0]);
+    for (int i = 1; i < (int)(sizeof taylor / sizeof taylor[0]); i++)
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(taylor[i]));
+    return _mm512_maskz_scalef_ps(LG_ALL16, p, k);
+}
+
+LG_TARGET_AVX512 static __m512 lg_v_sigmoid(__m512 x) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    return _mm512_div_ps(one, _mm512_add_ps(one, lg_v_exp(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
+/* the sum and the largest of the 16 lanes (gcc's _mm512_reduce_* start from "undefined"
+   vectors that g++ warns about) */
+LG_TARGET_AVX512 static inline float lg_v_sum(__m512 x) {
+    float lanes[LG_V], sum = 0;
+    _mm512_storeu_ps(lanes, x);
+    for (int i = 0; i < LG_V; i++) sum += lanes[i];
+    return sum;
+}
+
+LG_TARGET_AVX512 static inline float lg_v_max(__m512 x) {
+    float lanes[LG_V], max = -INFINITY;
+    _mm512_storeu_ps(lanes, x);
+    for (int i = 0; i < LG_V; i++) max = lanes[i] > max ? lanes[i] : max;
+    return max;
+}
+
+LG_TARGET_AVX512 static inline double lg_v_sum_pd(__m512d x) {
+    double lanes[LG_V / 2], sum = 0;
+    _mm512_storeu_pd(lanes, x);
+    for (int i = 0; i < LG_V / 2; i++) sum += lanes[i];
+    return sum;
+}
+
+/* mask of the first n (<= 16) lanes */
+static __mmask16 lg_v_mask(size_t n) { return (__mmask16)(n >= LG_V ? 0xFFFFu : (1u << n) - 1); }
+
+/* out (n) = silu(gate) * up */
+LG_TARGET_AVX512 static int lg_swiglu_forward_avx512(const lg_exec *ex, lg_buf out, lg_buf gate,
+                                                     lg_buf up, size_t n) {
+    if (!lg_v_ready(ex, out, gate, up)) return 0;
+    LG_OMP(omp parallel for)
+    for (long c = 0; c < (long)((n + LG_V - 1) / LG_V); c++) {
+        const size_t i = (size_t)c * LG_V, m = n - i;
+        const __m512 g = lg_v_load_n(gate, i, m, 0), u = lg_v_load_n(up, i, m, 0);
+        lg_v_store_n(out, i, m, _mm512_mul_ps(_mm512_mul_ps(g, lg_v_sigmoid(g)), u));
+    }
+    return 1;
+}
+
+/* dgate, dup (n) = gradients of silu(gate) * up given dout */
+LG_TARGET_AVX512 static int lg_swiglu_backward_avx512(const lg_exec *ex, lg_buf dgate, lg_buf dup,
+                                                      lg_buf dout, lg_buf gate, lg_buf up,
+                                                      size_t n) {
+    if (!lg_v_ready(ex, dgate, dup, dout) || !lg_v_ready(ex, gate, up, lg_no_buf())) return 0;
+    const __m512 one = _mm512_set1_ps(1.0f);
+    LG_OMP(omp parallel for)
+    for (long c = 0; c < (long)((n + LG_V - 1) / LG_V); c++) {
+        const size_t i = (size_t)c * LG_V, m = n - i;
+        const __m512 g = lg_v_load_n(gate, i, m, 0), d = lg_v_load_n(dout, i, m, 0);
+        const __m512 u = lg_v_load_n(up, i, m, 0);
+        const __m512 sig = lg_v_sigmoid(g), silu = _mm512_mul_ps(g, sig);
+        const __m512 slope = _mm512_fmadd_ps(silu, _mm512_sub_ps(one, sig), sig);
+        lg_v_store_n(dup, i, m, _mm512_mul_ps(d, silu));
+        lg_v_store_n(dgate, i, m, _mm512_mul_ps(_mm512_mul_ps(d, u), slope));
+    }
+    return 1;
+}
+
+/* the row's largest of its first n values, and the sum of exp(x - max) over them */
+LG_TARGET_AVX512 static void lg_v_row_max_sum(lg_buf z, int n, float *max, float *sum) {
+    __m512 mx = _mm512_set1_ps(-INFINITY), s = _mm512_setzero_ps();
+    for (int v = 0; v < n; v += LG_V) {
+        const __mmask16 k = lg_v_mask((size_t)(n - v));
+        mx = _mm512_mask_max_ps(mx, k, mx, lg_v_load_n(z, (size_t)v, (size_t)(n - v), 0));
+    }
+    *max = lg_v_max(mx);
+    const __m512 vmax = _mm512_set1_ps(*max);
+    for (int v = 0; v < n; v += LG_V) {
+        const __mmask16 k = lg_v_mask((size_t)(n - v));
+        const __m512 e = lg_v_exp(_mm512_sub_ps(lg_v_load_n(z, (size_t)v, (size_t)(n - v), 0), vmax));
+        s = _mm512_mask_add_ps(s, k, s, e);
+    }
+    *sum = lg_v_sum(s);
+}
+
+/* cross-entropy: as lg_crossentropy_forward, the sum of the losses in *sum */
+LG_TARGET_AVX512 static int lg_crossentropy_forward_avx512(const lg_exec *ex, lg_real *losses,
+                                                           lg_buf logits, const int *targets,
+                                                           int N, int V, int Vp, double *sum) {
+    if (!lg_v_ready(ex, logits, lg_no_buf(), lg_no_buf())) return 0;
+    double total = 0;
+    LG_OMP(omp parallel for reduction(+ : total))
+    for (int n = 0; n < N; n++) {
+        lg_buf z = lg_at(logits, (size_t)n * Vp);
+        if (targets[n] == LG_IGNORE_INDEX) { losses[n] = 0; continue; }
+        float max, sum;
+        lg_v_row_max_sum(z, V, &max, &sum);
+        losses[n] = lg_log(sum) + max - lg_get(z, targets[n]);
+        total += losses[n];
+    }
+    *sum = total;
+    return 1;
+}
+
+LG_TARGET_AVX512 static int lg_crossentropy_backward_avx512(const lg_exec *ex, lg_buf dlogits,
+                                                            lg_buf logits, const int *targets,
+                                                            int N, int V, int Vp, lg_real scale) {
+    if (!lg_v_ready(ex, dlogits, logits, lg_no_buf())) return 0;
+    LG_OMP(omp parallel for)
+    for (int n = 0; n < N; n++) {
+        lg_buf z = lg_at(logits, (size_t)n * Vp), dz = lg_at(dlogits, (size_t)n * Vp);
+        const int target = targets[n];
+        if (target == LG_IGNORE_INDEX) {
+            for (int v = 0; v < Vp; v++) lg_set(dz, v, 0);
+            continue;
+        }
+        float max, sum;
+        lg_v_row_max_sum(z, V, &max, &sum);
+        const float z_target = (float)lg_get(z, target); /* before dz overwrites it */
+        const __m512 vmax = _mm512_set1_ps(max), vscale = _mm512_set1_ps(scale / sum);
+        for (int v = 0; v < V; v += LG_V) {
+            const size_t m = (size_t)(V - v);
+            const __m512 e = lg_v_exp(_mm512_sub_ps(lg_v_load_n(z, (size_t)v, m, 0), vmax));
+            lg_v_store_n(dz, (size_t)v, m, _mm512_mul_ps(e, vscale));
+        }
+        const float p_target = _mm512_cvtss_f32(lg_v_exp(_mm512_set1_ps(z_target - max))) / sum;
+        lg_set(dz, target, (p_target - 1.0f) * scale);
+        for (int v = V; v < Vp; v++) lg_set(dz, v, 0);
+    }
+    return 1;
+}
+
+/* the sums of x and of (x - mu)^2 over a row of C */
+LG_TARGET_AVX512 static float lg_v_row_sum(lg_buf x, int C) {
+    __m512 s = _mm512_setzero_ps();
+    for (int i = 0; i < C; i += LG_V) s = _mm512_add_ps(s, lg_v_load_n(x, (size_t)i, (size_t)(C - i), 0));
+    return lg_v_sum(s);
+}
+
+LG_TARGET_AVX512 static float lg_v_row_squares(lg_buf x, int C, float mu) {
+    __m512 s = _mm512_setzero_ps();
+    const __m512 vmu = _mm512_set1_ps(mu);
+    for (int i = 0; i < C; i += LG_V) {
+        const __m512 d = _mm512_maskz_sub_ps(lg_v_mask((size_t)(C - i)),
+                                             lg_v_load_n(x, (size_t)i, (size_t)(C - i), 0), vmu);
+        s = _mm512_fmadd_ps(d, d, s);
+    }
+    return lg_v_sum(s);
+}
+
+/* LayerNorm or RMSNorm: as lg_norm_forward */
+LG_TARGET_AVX512 static int lg_norm_forward_avx512(const lg_exec *ex, lg_buf out, lg_real *mean,
+                                                   lg_real *rstd, lg_buf inp, lg_buf weight,
+                                                   lg_buf bias, int N, int C, float eps) {
+    if (!lg_v_ready(ex, out, inp, weight) || !lg_v_ready(ex, bias, lg_no_buf(), lg_no_buf())) return 0;
+    LG_OMP(omp parallel for)
+    for (int n = 0; n < N; n++) {
+        lg_buf x = lg_at(inp, (size_t)n * C), y = lg_at(out, (size_t)n * C);
+        const float mu = mean ? lg_v_row_sum(x, C) / C : 0.0f;
+        const float r = 1.0f / sqrtf(lg_v_row_squares(x, C, mu) / C + eps);
+        const __m512 vmu = _mm512_set1_ps(mu), vr = _mm512_set1_ps(r);
+        for (int i = 0; i < C; i += LG_V) {
+            const size_t m = (size_t)(C - i);
+            const __m512 xhat = _mm512_mul_ps(_mm512_sub_ps(lg_v_load_n(x, (size_t)i, m, 0), vmu), vr);
+            const __m512 b = bias.data ? lg_v_load_n(bias, (size_t)i, m, 0) : _mm512_setzero_ps();
+            lg_v_store_n(y, (size_t)i, m, _mm512_fmadd_ps(xhat, lg_v_load_n(weight, (size_t)i, m, 0), b));
+        }
+        if (mean) mean[n] = mu;
+        rstd[n] = r;
+    }
+    return 1;
+}
+
+#define LG_V_COLUMNS 64 /* columns a thread sums over all rows at once (dweight, dbias) */
+
+/* as lg_norm_backward */
+LG_TARGET_AVX512 static int lg_norm_backward_avx512(const lg_exec *ex, lg_buf dinp, lg_buf dweight,
+                                                    lg_buf dbias, lg_buf dout, lg_buf inp,
+                                                    lg_buf weight, const lg_real *mean,
+                                                    const lg_real *rstd, int N, int C) {
+    if (!lg_v_ready(ex, dinp, dweight, dbias) || !lg_v_ready(ex, dout, inp, weight)) return 0;
+    LG_OMP(omp parallel for)
+    for (int n = 0; n < N; n++) {
+        lg_buf x = lg_at(inp, (size_t)n * C), dy = lg_at(dout, (size_t)n * C);
+        lg_buf dx = lg_at(dinp, (size_t)n * C);
+        const __m512 vmu = _mm512_set1_ps(mean ? mean[n] : 0.0f), vr = _mm512_set1_ps(rstd[n]);
+        __m512 s_dxhat = _mm512_setzero_ps(), s_dxhat_xhat = _mm512_setzero_ps();
+        for (int i = 0; i < C; i += LG_V) {
+            const size_t m = (size_t)(C - i);
+            const __m512 dxhat = _mm512_mul_ps(lg_v_load_n(dy, (size_t)i, m, 0),
+                                               lg_v_load_n(weight, (size_t)i, m, 0));
+            const __m512 xhat = _mm512_maskz_mul_ps(lg_v_mask(m), _mm512_sub_ps(lg_v_load_n(x, (size_t)i, m, 0), vmu), vr);
+            s_dxhat = _mm512_add_ps(s_dxhat, dxhat);
+            s_dxhat_xhat = _mm512_fmadd_ps(dxhat, xhat, s_dxhat_xhat);
+        }
+        const __m512 dxhat_mean = _mm512_set1_ps(mean ? lg_v_sum(s_dxhat) / C : 0.0f);
+        const __m512 dxhat_xhat_mean = _mm512_set1_ps(lg_v_sum(s_dxhat_xhat) / C);
+        for (int i = 0; i < C; i += LG_V) {
+            const size_t m = (size_t)(C - i);
+            const __m512 xhat = _mm512_mul_ps(_mm512_sub_ps(lg_v_load_n(x, (size_t)i, m, 0), vmu), vr);
+            const __m512 dxhat = _mm512_mul_ps(lg_v_load_n(dy, (size_t)i, m, 0),
+                                               lg_v_load_n(weight, (size_t)i, m, 0));
+            const __m512 d = _mm512_mul_ps(vr, _mm512_fnmadd_ps(xhat, dxhat_xhat_mean,
+                                                                _mm512_sub_ps(dxhat, dxhat_mean)));
+            lg_v_store_n(dx, (size_t)i, m, _mm512_add_ps(lg_v_load_n(dx, (size_t)i, m, 0), d));
+        }
+    }
+    if (!dweight.data) return 1; /* frozen (LoRA) */
+    LG_OMP(omp parallel for)
+    for (int c0 = 0; c0 < C; c0 += LG_V_COLUMNS) {
+        __m512 dw[LG_V_COLUMNS / LG_V], db[LG_V_COLUMNS / LG_V];
+        const int width = C - c0 < LG_V_COLUMNS ? C - c0 : LG_V_COLUMNS;
+        for (int j = 0; j < LG_V_COLUMNS / LG_V; j++) dw[j] = db[j] = _mm512_setzero_ps();
+        for (int n = 0; n < N; n++) {
+            const __m512 vmu = _mm512_set1_ps(mean ? mean[n] : 0.0f), vr = _mm512_set1_ps(rstd[n]);
+            for (int j = 0; j * LG_V < width; j++) {
+                const size_t at = (size_t)n * C + c0 + j * LG_V, m = (size_t)(width - j * LG_V);
+                const __m512 dy = lg_v_load_n(dout, at, m, 0);
+                const __m512 xhat = _mm512_mul_ps(_mm512_sub_ps(lg_v_load_n(inp, at, m, 0), vmu), vr);
+                dw[j] = _mm512_fmadd_ps(dy, xhat, dw[j]);
+                db[j] = _mm512_add_ps(db[j], dy);
+            }
+        }
+        for (int j = 0; j * LG_V < width; j++) {
+            const size_t at = (size_t)c0 + j * LG_V, m = (size_t)(width - j * LG_V);
+            lg_v_store_n(dweight, at, m, _mm512_add_ps(lg_v_load_n(dweight, at, m, 0), dw[j]));
+            if (dbias.data) lg_v_store_n(dbias, at, m, _mm512_add_ps(lg_v_load_n(dbias, at, m, 0), db[j]));
+        }
+    }
+    return 1;
+}
+
+/* attention's rows (lg_causal_softmax, lg_causal_probabilities and the softmax's backward) */
+LG_TARGET_AVX512 static int lg_causal_softmax_avx512(const lg_exec *ex, lg_real *scores, int T,
+                                                     lg_real scale, lg_real *lse) {
+    if (!lg_v_ready(ex, lg_no_buf(), lg_no_buf(), lg_no_buf())) return 0;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int t = 0; t < T; t++) {
+        float *row = scores + (size_t)t * T;
+        const int n = t + 1; /* the causal prefix */
+        __m512 mx = _mm512_set1_ps(-INFINITY), s = _mm512_setzero_ps();
+        for (int i = 0; i < n; i += LG_V) {
+            const __mmask16 k = lg_v_mask((size_t)(n - i));
+            mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, row + i));
+        }
+        const float max = lg_v_max(mx);
+        const __m512 vmax = _mm512_set1_ps(max);
+        for (int i = 0; i < n; i += LG_V) {
+            const __mmask16 k = lg_v_mask((size_t)(n - i));
+            const __m512 e = lg_v_exp(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + i), vmax), vscale));
+            _mm512_mask_storeu_ps(row + i, k, e);
+            s = _mm512_mask_add_ps(s, k, s, e);
+        }
+        const float sum = lg_v_sum(s);
+        const __m512 vsum = _mm512_set1_ps(sum);
+        for (int i = 0; i < T; i += LG_V) {
+            const __mmask16 k = lg_v_mask((size_t)(T - i));
+            const __mmask16 live = i < n ? lg_v_mask((size_t)(n - i)) : 0;
+            _mm512_mask_storeu_ps(row + i, k, _mm512_maskz_div_ps(live, _mm512_maskz_loadu_ps(k, row + i), vsum));
+        }
+        lse[t] = max * scale + lg_log(sum);
+    }
+    return 1;
+}
+
+LG_TARGET_AVX512 static int lg_causal_probabilities_avx512(const lg_exec *ex, lg_real *scores,
+                                                           int T, lg_real scale,
+                                                           const lg_real *lse) {
+    if (!lg_v_ready(ex, lg_no_buf(), lg_no_buf(), lg_no_buf())) return 0;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int t = 0; t < T; t++) {
+        float *row = scores + (size_t)t * T;
+        const __m512 vlse = _mm512_set1_ps(lse[t]);
+        for (int i = 0; i < T; i += LG_V) {
+            const __mmask16 k = lg_v_mask((size_t)(T - i));
+            const __mmask16 live = i <= t ? lg_v_mask((size_t)(t + 1 - i)) : 0;
+            const __m512 x = _mm512_maskz_loadu_ps(k, row + i);
+            const __m512 e = lg_v_exp(_mm512_fmsub_ps(x, vscale, vlse));
+            _mm512_mask_storeu_ps(row + i, k, _mm512_maskz_mov_ps(live, e));
+        }
+    }
+    return 1;
+}
+
+/* the softmax's backward into the scaled scores, row by row: ds = p (dp - dy . y) scale, dy and
+   y (T, HS) with rows ld apart */
+LG_TARGET_AVX512 static int lg_softmax_backward_avx512(const lg_exec *ex, const lg_real *p,
+                                                       lg_real *dp, lg_buf dout, lg_buf out,
+                                                       int ld, int T, int HS, lg_real scale) {
+    if (!lg_v_ready(ex, dout, out, lg_no_buf())) return 0;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int t = 0; t < T; t++) {
+        const float *pr = p + (size_t)t * T;
+        float *dr = dp + (size_t)t * T;
+        __m512 d = _mm512_setzero_ps();
+        for (int i = 0; i < HS; i += LG_V) {
+            const size_t at = (size_t)t * ld + i, m = (size_t)(HS - i);
+            d = _mm512_fmadd_ps(lg_v_load_n(dout, at, m, 0), lg_v_load_n(out, at, m, 0), d);
+        }
+        const __m512 dot = _mm512_set1_ps(lg_v_sum(d));
+        for (int i = 0; i < T; i += LG_V) {
+            const __mmask16 k = lg_v_mask((size_t)(T - i));
+            const __mmask16 live = i <= t ? lg_v_mask((size_t)(t + 1 - i)) : 0;
+            const __m512 ds = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, pr + i),
+                                                          _mm512_sub_ps(_mm512_maskz_loadu_ps(k, dr + i), dot)),
+                                            vscale);
+            _mm512_mask_storeu_ps(dr + i, k, _mm512_maskz_mov_ps(live, ds));
+        }
+    }
+    return 1;
+}
+
+/* out (n) = a + b */
+LG_TARGET_AVX512 static int lg_add_avx512(const lg_exec *ex, lg_buf out, lg_buf a, lg_buf b,
+                                          size_t n) {
+    if (!lg_v_ready(ex, out, a, b)) return 0;
+    LG_OMP(omp parallel for)
+    for (long c = 0; c < (long)((n + LG_V - 1) / LG_V); c++) {
+        const size_t i = (size_t)c * LG_V, m = n - i;
+        lg_v_store_n(out, i, m, _mm512_add_ps(lg_v_load_n(a, i, m, 0), lg_v_load_n(b, i, m, 0)));
+    }
+    return 1;
+}
+
+/* rotary embedding: as lg_rope_rotate */
+LG_TARGET_AVX512 static int lg_rope_rotate_avx512(const lg_exec *ex, lg_buf qkv,
+                                                  const lg_real *cos_table,
+                                                  const lg_real *sin_table, int B, int T, int NH,
+                                                  int NQG, int HS, int rope_dims, int direction) {
+    if (!lg_v_ready(ex, qkv, lg_no_buf(), lg_no_buf())) return 0;
+    const int R = rope_dims / 2, heads = NH + NQG, QKV = (NH + 2 * NQG) * HS;
+    const lg_buf cos_buf = {(void *)cos_table, LG_DTYPE_F32}, sin_buf = {(void *)sin_table, LG_DTYPE_F32};
+    const __m512 sign = _mm512_set1_ps((float)direction);
+    LG_OMP(omp parallel for)
+    for (int n = 0; n < B * T; n++) {
+        const size_t t = (size_t)(n % T);
+        for (int h = 0; h < heads; h++) { /* the NH query heads, then the NQG key heads */
+            lg_buf x = lg_at(qkv, (size_t)n * QKV + (size_t)h * HS);
+            for (int j = 0; j < R; j += LG_V) {
+                const size_t m = (size_t)(R - j);
+                const __m512 a = lg_v_load_n(x, (size_t)j, m, 0), b = lg_v_load_n(x, (size_t)(j + R), m, 0);
+                const __m512 c = lg_v_load_n(cos_buf, t * R + j, m, 0);
+                const __m512 s = _mm512_mul_ps(sign, lg_v_load_n(sin_buf, t * R + j, m, 0));
+                lg_v_store_n(x, (size_t)j, m, _mm512_fmsub_ps(a, c, _mm512_mul_ps(b, s)));
+                lg_v_store_n(x, (size_t)(j + R), m, _mm512_fmadd_ps(b, c, _mm512_mul_ps(a, s)));
+            }
+        }
+    }
+    return 1;
+}
+#else
+#define lg_rope_rotate_avx512(...) 0
+#define lg_causal_softmax_avx512(...) 0
+#define lg_causal_probabilities_avx512(...) 0
+#define lg_softmax_backward_avx512(...) 0
+#define lg_add_avx512(...) 0
+#define lg_swiglu_forward_avx512(...) 0
+#define lg_swiglu_backward_avx512(...) 0
+#define lg_crossentropy_forward_avx512(...) 0
+#define lg_crossentropy_backward_avx512(...) 0
+#define lg_norm_forward_avx512(...) 0
+#define lg_norm_backward_avx512(...) 0
+#endif
 
 /* The matmul workspace of an exec context (NULL: matmuls without packing). */
 static const lg_gemm_workspace *lg_gemm_space(const lg_exec *ex) { return ex ? &ex->gemm : NULL; }
@@ -4991,6 +5542,7 @@ static void lg_embedding_backward(const lg_exec *ex, lg_buf dwte, lg_buf dwpe, l
 static void lg_norm_forward(const lg_exec *ex, lg_buf out, lg_real *mean, lg_real *rstd,
                             lg_buf inp, lg_buf weight, lg_buf bias, int N, int C, float eps) {
     LG_ON_GPU(ex, lg_cuda_norm_forward(ex, out, mean, rstd, inp, weight, bias, N, C, eps));
+    if (lg_norm_forward_avx512(ex, out, mean, rstd, inp, weight, bias, N, C, eps)) return;
     LG_OMP(omp parallel for)
     for (int n = 0; n < N; n++) {
         lg_buf x = lg_at(inp, (size_t)n * C), y = lg_at(out, (size_t)n * C);
@@ -5016,6 +5568,7 @@ static void lg_norm_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweight, lg_
                              lg_buf dout, lg_buf inp, lg_buf weight, const lg_real *mean,
                              const lg_real *rstd, int N, int C) {
     LG_ON_GPU(ex, lg_cuda_norm_backward(ex, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C));
+    if (lg_norm_backward_avx512(ex, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C)) return;
     LG_OMP(omp parallel for)
     for (int n = 0; n < N; n++) {
         lg_buf x = lg_at(inp, (size_t)n * C), dy = lg_at(dout, (size_t)n * C);
@@ -5090,6 +5643,8 @@ static void lg_rope_rotate(const lg_exec *ex, lg_buf qkv, const lg_real *cos_tab
                                      direction));
     int R = rope_dims / 2, heads = NH + NQG, QKV = (NH + 2 * NQG) * HS;
     if (R == 0) return;
+    if (lg_rope_rotate_avx512(ex, qkv, cos_table, sin_table, B, T, NH, NQG, HS, rope_dims, direction))
+        return;
     LG_OMP(omp parallel for)
     for (int n = 0; n < B * T; n++) {
         int t = n % T;
@@ -5163,7 +5718,8 @@ static void lg_attention_forward(const lg_exec *ex, lg_buf y, lg_real *lse, lg_b
             lg_buf out = lg_at(y, (size_t)b * T * NH * HS + (size_t)h * HS); /* ld NH HS */
             lg_real *p = lg_attention_rows(sc);                             /* (T, T) */
             lg_gemm(ws, 0, 1, T, T, HS, q, QKV, k, QKV, 0, lg_buf_of(p), T); /* scores = q k^T */
-            lg_causal_softmax(p, T, scale, lse + ((size_t)b * NH + h) * T);
+            if (!lg_causal_softmax_avx512(ex, p, T, scale, lse + ((size_t)b * NH + h) * T))
+                lg_causal_softmax(p, T, scale, lse + ((size_t)b * NH + h) * T);
             lg_gemm(ws, 0, 0, T, HS, T, lg_buf_of(p), T, v, QKV, 0, out, NH * HS); /* y = p v */
         }
 }
@@ -5196,18 +5752,20 @@ static void lg_attention_backward(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg_
                 lg_buf out = lg_at(y, (size_t)b * T * NH * HS + (size_t)h * HS); /* ld NH HS */
                 lg_real *p = lg_attention_rows(sc), *dp = p + (size_t)T * T; /* (T, T) each */
                 lg_gemm(ws, 0, 1, T, T, HS, q, QKV, k, QKV, 0, lg_buf_of(p), T);
-                lg_causal_probabilities(p, T, scale, lse + ((size_t)b * NH + h) * T);
+                if (!lg_causal_probabilities_avx512(ex, p, T, scale, lse + ((size_t)b * NH + h) * T))
+                    lg_causal_probabilities(p, T, scale, lse + ((size_t)b * NH + h) * T);
                 /* y = p v: dp = dy v^T, dv += p^T dy */
                 lg_gemm(ws, 0, 1, T, T, HS, dout, NH * HS, v, QKV, 0, lg_buf_of(dp), T);
                 lg_gemm(ws, 1, 0, T, HS, T, lg_buf_of(p), T, dout, NH * HS, 1, dv, QKV);
                 /* softmax backward into the scaled scores: ds = p (dp - dy . y) scale */
-                for (int t = 0; t < T; t++) {
-                    lg_real *pr = p + (size_t)t * T, *dr = dp + (size_t)t * T, dot = 0;
-                    for (int i = 0; i < HS; i++)
-                        dot += lg_get(dout, (size_t)t * NH * HS + i) * lg_get(out, (size_t)t * NH * HS + i);
-                    for (int s = 0; s <= t; s++) dr[s] = pr[s] * (dr[s] - dot) * scale;
-                    for (int s = t + 1; s < T; s++) dr[s] = 0;
-                }
+                if (!lg_softmax_backward_avx512(ex, p, dp, dout, out, NH * HS, T, HS, scale))
+                    for (int t = 0; t < T; t++) {
+                        lg_real *pr = p + (size_t)t * T, *dr = dp + (size_t)t * T, dot = 0;
+                        for (int i = 0; i < HS; i++)
+                            dot += lg_get(dout, (size_t)t * NH * HS + i) * lg_get(out, (size_t)t * NH * HS + i);
+                        for (int s = 0; s <= t; s++) dr[s] = pr[s] * (dr[s] - dot) * scale;
+                        for (int s = t + 1; s < T; s++) dr[s] = 0;
+                    }
                 /* scores = q k^T: dq += ds k, dk += ds^T q */
                 lg_gemm(ws, 0, 0, T, HS, T, lg_buf_of(dp), T, k, QKV, 1, dq, QKV);
                 lg_gemm(ws, 1, 0, T, HS, T, lg_buf_of(dp), T, q, QKV, 1, dk, QKV);
@@ -5238,6 +5796,7 @@ static void lg_gelu_backward(const lg_exec *ex, lg_buf dinp, lg_buf dout, lg_buf
 /* out (n) = silu(gate) * up */
 static void lg_swiglu_forward(const lg_exec *ex, lg_buf out, lg_buf gate, lg_buf up, size_t n) {
     LG_ON_GPU(ex, lg_cuda_swiglu_forward(ex, out, gate, up, n));
+    if (lg_swiglu_forward_avx512(ex, out, gate, up, n)) return;
     LG_OMP(omp parallel for)
     for (long i = 0; i < (long)n; i++) {
         lg_real g = lg_get(gate, i);
@@ -5249,6 +5808,7 @@ static void lg_swiglu_forward(const lg_exec *ex, lg_buf out, lg_buf gate, lg_buf
 static void lg_swiglu_backward(const lg_exec *ex, lg_buf dgate, lg_buf dup, lg_buf dout,
                                lg_buf gate, lg_buf up, size_t n) {
     LG_ON_GPU(ex, lg_cuda_swiglu_backward(ex, dgate, dup, dout, gate, up, n));
+    if (lg_swiglu_backward_avx512(ex, dgate, dup, dout, gate, up, n)) return;
     LG_OMP(omp parallel for)
     for (long i = 0; i < (long)n; i++) {
         lg_real g = lg_get(gate, i), d = lg_get(dout, i);
@@ -5264,6 +5824,7 @@ static double lg_crossentropy_forward(const lg_exec *ex, lg_real *losses, lg_buf
                                       const int *targets, int N, int V, int Vp) {
     LG_ON_GPU_RETURN(ex, lg_cuda_crossentropy_forward(ex, losses, logits, targets, N, V, Vp));
     double total = 0;
+    if (lg_crossentropy_forward_avx512(ex, losses, logits, targets, N, V, Vp, &total)) return total;
     LG_OMP(omp parallel for reduction(+ : total))
     for (int n = 0; n < N; n++) {
         lg_buf z = lg_at(logits, (size_t)n * Vp);
@@ -5282,6 +5843,7 @@ static double lg_crossentropy_forward(const lg_exec *ex, lg_real *losses, lg_buf
 static void lg_crossentropy_backward(const lg_exec *ex, lg_buf dlogits, lg_buf logits,
                                      const int *targets, int N, int V, int Vp, lg_real scale) {
     LG_ON_GPU(ex, lg_cuda_crossentropy_backward(ex, dlogits, logits, targets, N, V, Vp, scale));
+    if (lg_crossentropy_backward_avx512(ex, dlogits, logits, targets, N, V, Vp, scale)) return;
     LG_OMP(omp parallel for)
     for (int n = 0; n < N; n++) {
         lg_buf z = lg_at(logits, (size_t)n * Vp), dz = lg_at(dlogits, (size_t)n * Vp);
@@ -5313,6 +5875,7 @@ static double lg_crossentropy_fused(const lg_exec *ex, lg_real *losses, lg_buf l
 /* out (n) = a + b */
 static void lg_add(const lg_exec *ex, lg_buf out, lg_buf a, lg_buf b, size_t n) {
     LG_ON_GPU(ex, lg_cuda_add(ex, out, a, b, n));
+    if (lg_add_avx512(ex, out, a, b, n)) return;
     LG_OMP(omp parallel for)
     for (long i = 0; i < (long)n; i++) lg_set(out, i, lg_get(a, i) + lg_get(b, i));
 }
@@ -6208,6 +6771,79 @@ static void lg_quantize_block(const float *map, uint8_t *codes, float *scale, in
     for (int i = 0; i < n; i++) codes[i] = lg_quantize(map, absmax > 0 ? (float)x[i] / absmax : 0);
 }
 
+/* AdamW on the avx512 path and above (lg_update_tensor's loop, 16 elements at a time, the
+   same formulas in fp32): fp32 m and v, the weights fp32 or a bf16 copy of the fp32 master.
+   Returns 0, leaving the tensor to the loop, for other rules and state formats. The last
+   partial vector goes through lg_v_load_n, so a weight's update never depends on where its
+   shard starts. */
+#if LG_X86_KERNELS
+LG_TARGET_AVX512 static int lg_adamw_avx512(const lg_optimizer *opt, const lg_exec *ex,
+                                            const lg_update_rule *rule, const lg_tensor_info *t,
+                                            const lg_tensor_state *st, lg_buf params,
+                                            int params_whole, lg_buf grads, float grad_multiplier,
+                                            lg_real decay) {
+    if (rule->kind != LG_OPTIMIZER_ADAMW || opt->sqrt_v || opt->stochastic || !st->m.data ||
+        !st->v.data || st->m.dtype != LG_DTYPE_F32 || st->v.dtype != LG_DTYPE_F32 ||
+        (!opt->master && params.dtype != LG_DTYPE_F32) || !lg_v_ready(ex, params, grads, lg_no_buf()))
+        return 0;
+    const size_t n = t->count;
+    const lg_buf master = {opt->master ? opt->master + t->offset : NULL, LG_DTYPE_F32};
+    const lg_buf w = lg_at(params, params_whole ? t->origin : t->offset), g = lg_at(grads, t->offset);
+    const lg_buf m = st->m, v = st->v;
+    const __m512 gm = _mm512_set1_ps(grad_multiplier), lr = _mm512_set1_ps(rule->lr);
+    const __m512 lr_decay = _mm512_set1_ps(rule->lr * decay), eps = _mm512_set1_ps(rule->eps);
+    const __m512 beta1 = _mm512_set1_ps(rule->beta1), beta2 = _mm512_set1_ps(rule->beta2);
+    const __m512 rest1 = _mm512_set1_ps(1.0f - rule->beta1), rest2 = _mm512_set1_ps(1.0f - rule->beta2);
+    const __m512 corr1 = _mm512_set1_ps(rule->bias_corr1), corr2 = _mm512_set1_ps(rule->bias_corr2);
+    LG_OMP(omp parallel for)
+    for (long c = 0; c < (long)((n + LG_V - 1) / LG_V); c++) {
+        const size_t i = (size_t)c * LG_V, left = n - i;
+        __m512 p = lg_v_load_n(master.data ? master : w, i, left, 0);
+        const __m512 grad = _mm512_mul_ps(lg_v_load_n(g, i, left, 0), gm);
+        __m512 mi = lg_v_load_n(m, i, left, 0), vi = lg_v_load_n(v, i, left, 0);
+        p = _mm512_fnmadd_ps(lr_decay, p, p);
+        mi = _mm512_fmadd_ps(beta1, mi, _mm512_mul_ps(rest1, grad));
+        vi = _mm512_fmadd_ps(beta2, vi, _mm512_mul_ps(_mm512_mul_ps(rest2, grad), grad));
+        const __m512 m_hat = _mm512_div_ps(mi, corr1), v_hat = _mm512_div_ps(vi, corr2);
+        const __m512 step = _mm512_div_ps(_mm512_mul_ps(lr, m_hat), _mm512_add_ps(_mm512_maskz_sqrt_ps(LG_ALL16, v_hat), eps));
+        p = _mm512_sub_ps(p, step);
+        lg_v_store_n(m, i, left, mi);
+        lg_v_store_n(v, i, left, vi);
+        if (master.data) lg_v_store_n(master, i, left, p);
+        lg_v_store_n(w, i, left, p);
+    }
+    return 1;
+}
+
+/* lg_sum_squares on the avx512 path: sums of squares in double, 8 lanes */
+LG_TARGET_AVX512 static int lg_sum_squares_avx512(const lg_exec *ex, lg_buf x, size_t n,
+                                                  double *out) {
+    if (!lg_v_ready(ex, x, lg_no_buf(), lg_no_buf())) return 0;
+    double sum = 0;
+    LG_OMP(omp parallel reduction(+ : sum))
+    {
+        __m512d acc = _mm512_setzero_pd();
+        LG_OMP(omp for)
+        for (long c = 0; c < (long)((n + LG_V - 1) / LG_V); c++) {
+            const __m512 f = lg_v_load_n(x, (size_t)c * LG_V, n - (size_t)c * LG_V, 0);
+            const __m512d halves = _mm512_castps_pd(f); /* (extracts: g++ warns on the casts) */
+            const __m512d lo = _mm512_maskz_cvtps_pd(
+                LG_ALL8, _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(LG_ALL8, halves, 0)));
+            const __m512d hi = _mm512_maskz_cvtps_pd(
+                LG_ALL8, _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(LG_ALL8, halves, 1)));
+            acc = _mm512_fmadd_pd(lo, lo, acc);
+            acc = _mm512_fmadd_pd(hi, hi, acc);
+        }
+        sum += lg_v_sum_pd(acc);
+    }
+    *out = sum;
+    return 1;
+}
+#else
+#define lg_adamw_avx512(...) 0
+#define lg_sum_squares_avx512(...) 0
+#endif
+
 /* One table entry's update: its gradients, master weights and state at t->offset (the state
    as st says), its weights at t->offset, or at t->origin when params_whole. */
 static void lg_update_tensor(const lg_optimizer *opt, const lg_exec *ex,
@@ -6216,6 +6852,8 @@ static void lg_update_tensor(const lg_optimizer *opt, const lg_exec *ex,
                              lg_buf grads, float grad_multiplier, lg_real decay) {
     LG_ON_GPU(ex, lg_cuda_update_tensor(ex, opt, rule, t, state, params, params_whole, grads,
                                         grad_multiplier, decay));
+    if (lg_adamw_avx512(opt, ex, rule, t, state, params, params_whole, grads, grad_multiplier, decay))
+        return;
     lg_tensor_state st = *state;
     int quantized = st.m.dtype == LG_DTYPE_U8;
     /* blocks of LG_QUANT_BLOCK in every format: the threads' unit of work */
@@ -6289,6 +6927,7 @@ void lg_optimizer_hessian_update(lg_optimizer *opt, const lg_exec *ex, lg_buf sa
 double lg_sum_squares(const lg_exec *ex, lg_buf x, size_t n) {
     LG_ON_GPU_RETURN(ex, lg_cuda_sum_squares(ex, x, n));
     double sum = 0;
+    if (lg_sum_squares_avx512(ex, x, n, &sum)) return sum;
     LG_OMP(omp parallel for reduction(+ : sum))
     for (long k = 0; k < (long)n; k++) {
         double g = lg_get(x, (size_t)k);

@@ -1869,6 +1869,7 @@ static void run_emulated_cuda_tests(results *r) {
 #include "test_data.c"
 #include "test_lora.c"
 #include "test_gemm.c"
+#include "test_cpu_ops.c"
 
 /* ---- NF4 weight storage (QLoRA) ----------------------------------------------------------- */
 
@@ -1893,6 +1894,7 @@ static int section(const char *name, int argc, char **argv) {
 int main(int argc, char **argv) {
     results r = {0, 0};
     if (section("matmul kernels", argc, argv)) test_gemm_paths(&r);
+    if (section("cpu ops: AVX-512 loops of the memory-bound ops", argc, argv)) test_cpu_ops_paths(&r);
     if (section("the matmul paths of a build for any x86-64 (no -march=native)", argc, argv))
         run_child_tests(&r, "./build/test_portable 'matmul kernels'");
     if (section("PyTorch reference (fp32)", argc, argv)) {
