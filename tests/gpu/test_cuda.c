@@ -361,6 +361,77 @@ static void test_training_steps(results *r) {
     }
 }
 
+/* Rank r's gradients (x, n elements) in host memory (malloc'd): read through lg_visit. */
+static unsigned char *grads_on_host(const lg_model *m) {
+    size_t size = lg_elem_size(m->grads.dtype);
+    unsigned char *host = (unsigned char *)malloc(m->n_local * size);
+    lg_visit v = lg_visit_start(&m->exec, m->grads, m->n_local, 1, LG_VISIT_READ);
+    while (lg_visit_next(&v)) memcpy(host + v.first * size, v.piece.data, v.n * size);
+    return host;
+}
+
+/* Every rank's gradients filled with NaN bits (written through lg_visit). */
+static void poison_grads(lg_trainer *tr) {
+    for (int r = 0; r < tr->local_ranks; r++) {
+        const lg_model *m = &tr->ranks[r].model;
+        lg_visit v = lg_visit_start(&m->exec, m->grads, m->n_local, 1, LG_VISIT_WRITE);
+        while (lg_visit_next(&v)) memset(v.piece.data, 0xff, v.n * lg_elem_size(m->grads.dtype));
+    }
+}
+
+/* On GPUs, test-gpt2 (tied embeddings) -b 2 -g 3 bf16-mixed and fp32, 1 and 2 devices: the
+   gradients of 2 steps written (beta 0: cuBLASLt's and the bias gradient's) on the first
+   micro-batch over NaN, bitwise those zeroed and added to (grads_add_only). */
+static void test_grads_written(results *r, int gpus) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-gpt2")) return;
+    const int T = 16, steps = 2;
+    for (int devices = 1; devices <= 2 && devices <= gpus; devices++)
+        for (int p = 0; p < 2; p++) {
+            lg_args a = step_args(p ? LG_PRECISION_BF16_MIXED : LG_PRECISION_32_TRUE, LG_BACKEND_CUDA);
+            a.devices = devices;
+            a.global_batch_size = 6 * devices;
+            lg_trainer tr[2];
+            lg_loader ld[2];
+            lg_error err;
+            int made = 0, equal = 1;
+            for (int k = 0; k < 2; k++) {
+                if (lg_trainer_create(&tr[k], &cfg, &a, T, &err) != 0) {
+                    printf("    %s\n", err.msg);
+                    break;
+                }
+                made++;
+                if (builtin_loader(&ld[k], &cfg, &a, T, steps) != 0) {
+                    lg_trainer_free(&tr[k]);
+                    made--;
+                    break;
+                }
+            }
+            equal = made == 2;
+            for (int i = 0; equal && i < tr[1].local_ranks; i++) tr[1].ranks[i].model.grads_add_only = 1;
+            for (int s = 0; s < steps && equal; s++) {
+                lg_step_stats st[2];
+                poison_grads(&tr[0]);
+                for (int k = 0; k < 2; k++) equal = equal && lg_trainer_step(&tr[k], &ld[k], s, &st[k], &err) == 0;
+                for (int i = 0; equal && i < tr[0].local_ranks; i++) {
+                    const lg_model *w = &tr[0].ranks[i].model;
+                    unsigned char *gw = grads_on_host(w), *gz = grads_on_host(&tr[1].ranks[i].model);
+                    equal = memcmp(gw, gz, w->n_local * lg_elem_size(w->grads.dtype)) == 0 &&
+                            st[0].loss == st[1].loss;
+                    free(gw);
+                    free(gz);
+                }
+            }
+            for (int k = 0; k < made; k++) {
+                lg_loader_close(&ld[k]);
+                lg_trainer_free(&tr[k]);
+            }
+            check(r, equal, "test-gpt2 (tied) %s -g 3 -d %d: 2 steps' gradients written on the first "
+                  "micro-batch (over NaN) = zeroed and added, bitwise", lg_precision_name(a.precision),
+                  devices);
+        }
+}
+
 /* test-llama, or a wider one (n_embd 64, MLP 128) whose matrices have the 4096 elements and more
    that compact optimizer states apply to. */
 static int llama_config(lg_config *cfg, int wide) {
@@ -765,6 +836,12 @@ int main(int argc, char **argv) {
         printf("%d passed, %d failed\n", r.passed, r.failed);
         return r.failed ? 1 : 0;
     }
+    if (argc > 1 && strcmp(argv[1], "grads") == 0) { /* the gradients written with beta 0 */
+        test_linear(&r, 1);
+        test_grads_written(&r, gpus);
+        printf("%d passed, %d failed\n", r.passed, r.failed);
+        return r.failed ? 1 : 0;
+    }
     if (argc > 1 && strcmp(argv[1], "attention") == 0) { /* the attention tests alone */
         test_attention(&r);
         printf("%d passed, %d failed\n", r.passed, r.failed);
@@ -783,6 +860,7 @@ int main(int argc, char **argv) {
 #endif
     printf("training steps\n");
     test_training_steps(&r);
+    test_grads_written(&r, gpus);
     test_gpu_features(&r);
     test_gpu_resume(&r, gpus);
     test_gpu_lora(&r, gpus);
