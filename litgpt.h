@@ -4943,18 +4943,18 @@ static void lg_linear_forward(const lg_exec *ex, lg_buf out, lg_buf inp, lg_buf 
         }
 }
 
-/* dinp (N, IC) += dout (N, OC) weight (OC, IC); dweight (OC, IC) = grad_beta dweight +
-   dout^T inp; dbias (OC) = grad_beta dbias + column sums of dout (grad_beta 0 writes them,
-   1 adds). A frozen weight (dweight data NULL) gets no gradient: only the input's is
+/* dinp (N, IC) = inp_beta dinp + dout (N, OC) weight (OC, IC); dweight (OC, IC) = grad_beta
+   dweight + dout^T inp; dbias (OC) = grad_beta dbias + column sums of dout (a beta of 0
+   writes, 1 adds). A frozen weight (dweight data NULL) gets no gradient: only the input's is
    computed. */
 static void lg_linear_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweight, lg_buf dbias,
                                lg_buf dout, lg_buf inp, lg_buf weight, int N, int IC, int OC,
-                               float grad_beta) {
+                               float inp_beta, float grad_beta) {
     weight = lg_matmul_weight(ex, weight, OC, IC);
     LG_ON_GPU(ex, lg_cuda_linear_backward(ex, dinp, dweight, dbias, dout, inp, weight, N, IC, OC,
-                                          grad_beta));
+                                          inp_beta, grad_beta));
     const lg_gemm_workspace *ws = lg_gemm_space(ex);
-    lg_gemm(ws, 0, 0, N, IC, OC, dout, OC, weight, IC, 1, dinp, IC);
+    lg_gemm(ws, 0, 0, N, IC, OC, dout, OC, weight, IC, inp_beta, dinp, IC);
     if (dweight.data) lg_gemm(ws, 1, 0, OC, IC, N, dout, OC, inp, IC, grad_beta, dweight, IC);
     if (!dbias.data) return;
     LG_OMP(omp parallel for)
@@ -6021,21 +6021,22 @@ static void lg_block_backward(lg_model *m, int l, int B, int T, lg_buf d_out, lg
 
     /* out = x_mid + mlp(mlp_in): the residual passes d_out to x_mid unchanged */
     lg_copy(ex, s->d_mid, d_out, NC);
-    lg_zero(ex, s->d_act, NI);
     lg_linear_backward(ex, s->d_act, g->mlp_proj_w, g->mlp_proj_b, d_out, a->act, w->mlp_proj_w,
-                       N, I, C, beta);
+                       N, I, C, 0.0f, beta);
     lg_block_lora_backward(m, l, LG_LORA_MLP_PROJ, d_out, C, a->act, s->d_act, N, I);
     lg_buf mlp_in = c->shared_attention_norm ? a->n1 : a->n2;
-    lg_zero(ex, s->d_norm, NC);
+    float fc_inp_beta = 0.0f; /* d_norm: the first of the MLP's inputs' gradients writes */
     if (c->mlp_class_name == LG_MLP_LLAMA) {
         lg_swiglu_backward(ex, s->d_fc, s->d_fc_2, s->d_act, a->fc, a->fc_2, NI);
         lg_linear_backward(ex, s->d_norm, g->fc_2_w, g->fc_2_b, s->d_fc_2, mlp_in, w->fc_2_w, N,
-                           C, I, beta);
+                           C, I, 0.0f, beta);
         lg_block_lora_backward(m, l, LG_LORA_FC_2, s->d_fc_2, I, mlp_in, s->d_norm, N, C);
+        fc_inp_beta = 1.0f;
     } else {
         lg_gelu_backward(ex, s->d_fc, s->d_act, a->fc, NI, c->gelu_approximate_tanh);
     }
-    lg_linear_backward(ex, s->d_norm, g->fc_w, g->fc_b, s->d_fc, mlp_in, w->fc_w, N, C, I, beta);
+    lg_linear_backward(ex, s->d_norm, g->fc_w, g->fc_b, s->d_fc, mlp_in, w->fc_w, N, C, I,
+                       fc_inp_beta, beta);
     lg_block_lora_backward(m, l, LG_LORA_FC, s->d_fc, I, mlp_in, s->d_norm, N, C);
 
     /* the MLP's input norm: of x (parallel) or of x_mid (sequential); shared: d_norm stays and
@@ -6046,22 +6047,21 @@ static void lg_block_backward(lg_model *m, int l, int B, int T, lg_buf d_out, lg
                          s->d_norm, c->parallel_residual ? x : a->x_mid, w->norm_2_w,
                          lg_norm_mean_or_null(c, a->n2_mean), a->n2_rstd, N, C);
         if (!c->parallel_residual) lg_copy(ex, d_x, s->d_mid, NC);
-        lg_zero(ex, s->d_norm, NC);
     }
 
     /* x_mid = x + proj(attention(rope(qkv(n1)))) */
-    lg_zero(ex, s->d_att_y, (size_t)N * NH * HS);
     lg_linear_backward(ex, s->d_att_y, g->proj_w, g->proj_b, s->d_mid, a->att_y, w->proj_w, N,
-                       NH * HS, C, beta);
+                       NH * HS, C, 0.0f, beta);
     lg_block_lora_backward(m, l, LG_LORA_PROJ, s->d_mid, C, a->att_y, s->d_att_y, N, NH * HS);
     lg_zero(ex, s->d_qkv, (size_t)N * QKV);
     lg_attention_backward(ex, s->d_qkv, s->d_att_y, a->att_y, a->qkv, a->att_lse, B, T, NH,
                           NQG, HS);
     lg_rope_rotate(ex, s->d_qkv, m->a.rope_cos, m->a.rope_sin, B, T, NH, NQG, HS,
                    lg_config_rope_dims(c), -1);
-    /* n1 feeds qkv and, when shared, the MLP: d_norm already holds the MLP's share */
+    /* n1 feeds qkv and, when shared, the MLP: d_norm already holds the MLP's share (added to);
+       else qkv's is the first (written) */
     lg_linear_backward(ex, s->d_norm, g->qkv_w, g->qkv_b, s->d_qkv, a->n1, w->qkv_w, N, C, QKV,
-                       beta);
+                       c->shared_attention_norm ? 1.0f : 0.0f, beta);
     lg_block_lora_backward(m, l, LG_LORA_Q, s->d_qkv, QKV, a->n1, s->d_norm, N, C);
     lg_norm_backward(ex, d_x, g->norm_1_w, g->norm_1_b, s->d_norm, x, w->norm_1_w,
                      lg_norm_mean_or_null(c, a->n1_mean), a->n1_rstd, N, C);
@@ -6083,10 +6083,9 @@ static void lg_model_head_backward(lg_model *m, const int *targets, int B, int T
     if (!m->logits_hold_grad) /* else the forward wrote them at the same loss_scale */
         lg_crossentropy_backward(ex, d_logits, m->a.logits, targets, N, c->vocab_size, Vp, loss_scale);
     m->logits_hold_grad = 0;
-    lg_zero(ex, m->a.d_norm, (size_t)N * C);
     float beta = lg_head_grad_overwritten(c) ? lg_linear_grad_beta(m) : 1.0f;
     lg_linear_backward(ex, m->a.d_norm, m->g.lm_head_w, m->g.lm_head_b, d_logits,
-                       m->a.ln_f, m->p.lm_head_w, N, C, Vp, beta);
+                       m->a.ln_f, m->p.lm_head_w, N, C, Vp, 0.0f, beta); /* d_norm written */
     lg_lora_adapter head;
     lg_lora_backward(m, &head, lg_head_adapters(m, &head), lg_lora_key(m, L, 0), d_logits, Vp,
                      m->a.ln_f, m->a.d_norm, N, C);

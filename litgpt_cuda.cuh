@@ -2769,13 +2769,14 @@ static void lg_cuda_linear_forward(const lg_exec *ex, lg_buf out, lg_buf inp, lg
     lg_cuda_matmul(ex, 0, 1, N, OC, IC, inp, IC, weight, IC, 0.0f, out, OC, bias);
 }
 
-/* dinp (N, IC) += dout (N, OC) weight; dweight (OC, IC) = grad_beta dweight + dout^T inp;
-   dbias (OC) = grad_beta dbias + column sums of dout (grad_beta 0 writes them, 1 adds). */
+/* dinp (N, IC) = inp_beta dinp + dout (N, OC) weight; dweight (OC, IC) = grad_beta dweight +
+   dout^T inp; dbias (OC) = grad_beta dbias + column sums of dout (a beta of 0 writes, 1
+   adds). */
 static void lg_cuda_linear_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweight, lg_buf dbias,
                                     lg_buf dout, lg_buf inp, lg_buf weight, int N, int IC,
-                                    int OC, float grad_beta) {
+                                    int OC, float inp_beta, float grad_beta) {
     lg_buf none = {NULL, LG_DTYPE_F32};
-    lg_cuda_matmul(ex, 0, 0, N, IC, OC, dout, OC, weight, IC, 1.0f, dinp, IC, none);
+    lg_cuda_matmul(ex, 0, 0, N, IC, OC, dout, OC, weight, IC, inp_beta, dinp, IC, none);
     if (dweight.data) /* frozen (LoRA): no weight gradient */
         lg_cuda_matmul(ex, 1, 0, OC, IC, N, dout, OC, inp, IC, grad_beta, dweight, IC, none);
     if (dbias.data) lg_cuda_bias_grad(ex, dbias, dout, N, OC, grad_beta);

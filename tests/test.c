@@ -129,7 +129,8 @@ static void linear_fwd(fd_case *c) {
 }
 static void linear_bwd(fd_case *c) {
     lg_linear_backward(NULL, lg_buf_of(c->grads[0]), lg_buf_of(c->grads[1]), lg_buf_of(c->grads[2]), lg_buf_of(c->probe),
-                       lg_buf_of(c->inputs[0]), lg_buf_of(c->inputs[1]), c->dims[0], c->dims[1], c->dims[2], 1.0f);
+                       lg_buf_of(c->inputs[0]), lg_buf_of(c->inputs[1]), c->dims[0], c->dims[1], c->dims[2], 1.0f,
+                       1.0f);
 }
 /* dims: N, C; flag: 1 LayerNorm, 0 RMSNorm */
 static void norm_fwd(fd_case *c) {

@@ -205,18 +205,18 @@ static void test_linear(results *r, int reference) {
             lg_buf dw_want = copy_buf(dw0, n_w), dw_got = copy_buf(dw0, n_w);
             lg_buf db_want = copy_buf(db0, OC), db_got = copy_buf(db0, OC);
             lg_linear_forward(NULL, out_want, inp, w, bias, N, IC, OC);
-            lg_linear_backward(NULL, dinp_want, dw_want, db_want, dout, inp, w, N, IC, OC, 1.0f);
+            lg_linear_backward(NULL, dinp_want, dw_want, db_want, dout, inp, w, N, IC, OC, 1.0f, 1.0f);
             lg_cuda_linear_forward(&ex, out_got, inp, w, bias, N, IC, OC);
-            lg_cuda_linear_backward(&ex, dinp_got, dw_got, db_got, dout, inp, w, N, IC, OC, 1.0f);
+            lg_cuda_linear_backward(&ex, dinp_got, dw_got, db_got, dout, inp, w, N, IC, OC, 1.0f, 1.0f);
             lg_buf db_again = copy_buf(db0, OC), dinp_again = copy_buf(dinp0, n_in);
             lg_buf no_weight = {NULL, dtype};
-            lg_cuda_linear_backward(&ex, dinp_again, no_weight, db_again, dout, inp, w, N, IC, OC, 1.0f);
-            /* beta 0 (a step's first micro-batch): the gradients written over poison */
+            lg_cuda_linear_backward(&ex, dinp_again, no_weight, db_again, dout, inp, w, N, IC, OC, 1.0f, 1.0f);
+            /* beta 0 (the first contribution; a step's first micro-batch): written over poison */
             lg_buf dw_new_want = poisoned_buf(dtype, n_w), dw_new_got = poisoned_buf(dtype, n_w);
             lg_buf db_new_want = poisoned_buf(dtype, OC), db_new_got = poisoned_buf(dtype, OC);
-            lg_buf dinp_new_want = copy_buf(dinp0, n_in), dinp_new_got = copy_buf(dinp0, n_in);
-            lg_linear_backward(NULL, dinp_new_want, dw_new_want, db_new_want, dout, inp, w, N, IC, OC, 0.0f);
-            lg_cuda_linear_backward(&ex, dinp_new_got, dw_new_got, db_new_got, dout, inp, w, N, IC, OC, 0.0f);
+            lg_buf dinp_new_want = poisoned_buf(dtype, n_in), dinp_new_got = poisoned_buf(dtype, n_in);
+            lg_linear_backward(NULL, dinp_new_want, dw_new_want, db_new_want, dout, inp, w, N, IC, OC, 0.0f, 0.0f);
+            lg_cuda_linear_backward(&ex, dinp_new_got, dw_new_got, db_new_got, dout, inp, w, N, IC, OC, 0.0f, 0.0f);
             gpu_sync(&ex);
             double worst = fmax(fmax(rel_error(out_got, out_want, n_out), rel_error(dinp_got, dinp_want, n_in)),
                                 fmax(rel_error(dw_got, dw_want, n_w), rel_error(db_got, db_want, OC)));
