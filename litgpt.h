@@ -5751,21 +5751,26 @@ static size_t lg_span_offset(lg_buf base, lg_grad_span s) {
     return (size_t)((const char *)s.at.data - (const char *)base.data) / lg_dtype_size(base.dtype);
 }
 
-/* Zeroes base (n) except the spans keep (n_keep) inside it, which it reorders by place. */
-static void lg_zero_except(const lg_exec *ex, lg_buf base, size_t n, lg_grad_span *keep,
-                           int n_keep) {
+/* Zeroes base from element `from` on up to each span of keep (n_keep, inside base at or past
+   from; reordered by place), skipping the spans; returns where the last one ends. */
+static size_t lg_zero_around(const lg_exec *ex, lg_buf base, size_t from, lg_grad_span *keep,
+                             int n_keep) {
     for (int i = 1; i < n_keep; i++) /* insertion sort: a unit's handful */
         for (int j = i; j > 0 && keep[j].at.data < keep[j - 1].at.data; j--) {
             lg_grad_span t = keep[j];
             keep[j] = keep[j - 1];
             keep[j - 1] = t;
         }
-    size_t from = 0;
     for (int i = 0; i < n_keep; i++) {
         size_t at = lg_span_offset(base, keep[i]);
         if (at > from) lg_zero(ex, lg_at(base, from), at - from);
         from = at + keep[i].count;
     }
+    return from;
+}
+
+/* Zeroes base (n) from element from on. */
+static void lg_zero_rest(const lg_exec *ex, lg_buf base, size_t from, size_t n) {
     if (n > from) lg_zero(ex, lg_at(base, from), n - from);
 }
 
@@ -5777,21 +5782,24 @@ static void lg_model_start_unit_grads(lg_model *m, int u, lg_buf g, size_t n) {
         lg_zero(&m->exec, g, n);
         return;
     }
-    lg_zero_except(&m->exec, g, n, keep, lg_overwritten_unit_grads(m, u, keep));
+    size_t end = lg_zero_around(&m->exec, g, 0, keep, lg_overwritten_unit_grads(m, u, keep));
+    lg_zero_rest(&m->exec, g, end, n);
 }
 
+/* Unsharded: m->grads holds the units in order (lg_model_layout: the ends, then the blocks). */
 void lg_model_start_grads(lg_model *m) {
-    int units = m->cfg.n_layer + 1, n = 0;
-    lg_grad_span *keep = (lg_grad_span *)malloc(sizeof *keep * LG_UNIT_LINEAR_GRADS * units);
-    if (m->grads_add_only || !keep) {
-        free(keep);
+    if (m->grads_add_only) {
         lg_model_zero_grad(m);
         m->grads_overwrite = 0;
         return;
     }
-    for (int u = 0; u < units; u++) n += lg_overwritten_unit_grads(m, u, keep + n);
-    lg_zero_except(&m->exec, m->grads, m->n_local, keep, n);
-    free(keep);
+    size_t from = 0;
+    for (int u = 0; u <= m->cfg.n_layer; u++) {
+        lg_grad_span keep[LG_UNIT_LINEAR_GRADS];
+        int n = lg_overwritten_unit_grads(m, u, keep);
+        from = lg_zero_around(&m->exec, m->grads, from, keep, n);
+    }
+    lg_zero_rest(&m->exec, m->grads, from, m->n_local);
     m->grads_overwrite = 1;
 }
 
