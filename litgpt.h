@@ -808,6 +808,10 @@ typedef struct {
                                    classifier's one pass (lg_crossentropy_fused) */
     int logits_hold_grad;       /* the logits region holds that gradient: the backward's head
                                    starts from it */
+    int grads_overwrite;        /* the linear layers' gradients (lg_overwritten_grads) hold
+                                   nothing of this step yet: the next backward writes them
+                                   (beta 0) instead of adding; lg_model_start_grads sets it */
+    int grads_add_only;         /* tests: every gradient zeroed and added to, never written */
     lg_rank *rank;              /* where the buffers live */
     lg_plan *own_plan;          /* set when lg_model_create made its own plan and rank */
 } lg_model;
@@ -828,11 +832,15 @@ void lg_model_init_weights(lg_model *m, uint64_t seed);
    count of non-ignored targets. Without targets it only computes logits and returns 0. */
 double lg_model_forward(lg_model *m, const int *tokens, const int *targets, int B, int T,
                         int *n_targets);
-/* Adds to m->grads the gradient of (sum of token losses) * loss_scale; call after the forward
-   of the same batch. loss_scale = 1 / (non-ignored targets of the global batch). */
+/* Adds to m->grads the gradient of (sum of token losses) * loss_scale (writes the linear
+   layers' after lg_model_start_grads); call after the forward of the same batch.
+   loss_scale = 1 / (non-ignored targets of the global batch). */
 void lg_model_backward(lg_model *m, const int *tokens, const int *targets, int B, int T,
                        float loss_scale);
 void lg_model_zero_grad(lg_model *m);
+/* Before a step's first backward, instead of lg_model_zero_grad: zeroes the gradients that
+   are added to and lets the next backward write the linear layers' (a backward clears it). */
+void lg_model_start_grads(lg_model *m);
 /* Appends n_new tokens to tokens[0..n_prompt) (room for n_prompt + n_new); greedy when
    temperature is 0. Uses the model's buffers with B = 1. */
 void lg_model_generate(lg_model *m, int *tokens, int n_prompt, int n_new, float temperature,
@@ -5486,22 +5494,25 @@ static void lg_linear_forward(const lg_exec *ex, lg_buf out, lg_buf inp, lg_buf 
         }
 }
 
-/* dinp (N, IC) += dout (N, OC) weight (OC, IC); dweight (OC, IC) += dout^T inp;
-   dbias (OC) += column sums of dout. A frozen weight (dweight data NULL) gets no gradient:
-   only the input's is computed. */
+/* dinp (N, IC) = inp_beta dinp + dout (N, OC) weight (OC, IC); dweight (OC, IC) = grad_beta
+   dweight + dout^T inp; dbias (OC) = grad_beta dbias + column sums of dout (a beta of 0
+   writes, 1 adds). A frozen weight (dweight data NULL) gets no gradient: only the input's is
+   computed. */
 static void lg_linear_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweight, lg_buf dbias,
-                               lg_buf dout, lg_buf inp, lg_buf weight, int N, int IC, int OC) {
+                               lg_buf dout, lg_buf inp, lg_buf weight, int N, int IC, int OC,
+                               float inp_beta, float grad_beta) {
     weight = lg_matmul_weight(ex, weight, OC, IC);
-    LG_ON_GPU(ex, lg_cuda_linear_backward(ex, dinp, dweight, dbias, dout, inp, weight, N, IC, OC));
+    LG_ON_GPU(ex, lg_cuda_linear_backward(ex, dinp, dweight, dbias, dout, inp, weight, N, IC, OC,
+                                          inp_beta, grad_beta));
     const lg_gemm_workspace *ws = lg_gemm_space(ex);
-    lg_gemm(ws, 0, 0, N, IC, OC, dout, OC, weight, IC, 1, dinp, IC);
-    if (dweight.data) lg_gemm(ws, 1, 0, OC, IC, N, dout, OC, inp, IC, 1, dweight, IC);
+    lg_gemm(ws, 0, 0, N, IC, OC, dout, OC, weight, IC, inp_beta, dinp, IC);
+    if (dweight.data) lg_gemm(ws, 1, 0, OC, IC, N, dout, OC, inp, IC, grad_beta, dweight, IC);
     if (!dbias.data) return;
     LG_OMP(omp parallel for)
     for (int o = 0; o < OC; o++) {
         lg_real sum = 0;
         for (int n = 0; n < N; n++) sum += lg_get(dout, (size_t)n * OC + o);
-        lg_set(dbias, o, lg_get(dbias, o) + sum);
+        lg_set(dbias, o, grad_beta == 0 ? sum : lg_get(dbias, o) + sum);
     }
 }
 
@@ -6252,6 +6263,113 @@ void lg_model_init_weights(lg_model *m, uint64_t seed) {
 
 void lg_model_zero_grad(lg_model *m) { lg_zero(&m->exec, m->grads, m->n_local); }
 
+/* The head's gradients (weight and bias, one beta) are written by its linear backward alone
+   unless its weight is the tied embedding's, which the embedding's backward adds to as well. */
+static int lg_head_grad_overwritten(const lg_config *c) { return !c->tie_embeddings; }
+
+/* A gradient tensor: where it is and its element count. */
+typedef struct {
+    lg_buf at;
+    size_t count;
+} lg_grad_span;
+
+#define LG_UNIT_LINEAR_GRADS 10 /* a block's most: qkv, proj, fc, fc_2, mlp.proj, each w and b */
+
+/* The gradients of unit u (lg_unit_layout: 0 the ends, l + 1 block l) that the linear layers'
+   backward writes whole, once a micro-batch, and nothing else touches: the trainable linear
+   weights and biases, the head's when lg_head_grad_overwritten. Into out
+   (LG_UNIT_LINEAR_GRADS); returns how many. */
+static int lg_overwritten_unit_grads(const lg_model *m, int u, lg_grad_span *out) {
+    const lg_config *c = &m->cfg;
+    size_t C = (size_t)c->n_embd, I = (size_t)c->intermediate_size;
+    size_t Vp = (size_t)c->padded_vocab_size;
+    size_t QKV = (size_t)lg_config_qkv_size(c), HSN = (size_t)c->n_head * c->head_size;
+    lg_grad_span all[LG_UNIT_LINEAR_GRADS];
+    int n = 0, kept = 0;
+    if (u == 0 && lg_head_grad_overwritten(c)) {
+        all[n++] = (lg_grad_span){m->g.lm_head_w, Vp * C};
+        all[n++] = (lg_grad_span){m->g.lm_head_b, Vp};
+    } else if (u > 0) {
+        const lg_block_tensors *g = &m->g.h[u - 1];
+        all[n++] = (lg_grad_span){g->qkv_w, QKV * C};
+        all[n++] = (lg_grad_span){g->qkv_b, QKV};
+        all[n++] = (lg_grad_span){g->proj_w, C * HSN};
+        all[n++] = (lg_grad_span){g->proj_b, C};
+        all[n++] = (lg_grad_span){g->fc_w, I * C};
+        all[n++] = (lg_grad_span){g->fc_b, I};
+        if (c->mlp_class_name == LG_MLP_LLAMA) {
+            all[n++] = (lg_grad_span){g->fc_2_w, I * C};
+            all[n++] = (lg_grad_span){g->fc_2_b, I};
+        }
+        all[n++] = (lg_grad_span){g->mlp_proj_w, C * I};
+        all[n++] = (lg_grad_span){g->mlp_proj_b, C};
+    }
+    for (int i = 0; i < n; i++)
+        if (all[i].at.data) out[kept++] = all[i];
+    return kept;
+}
+
+/* The element offset of a span inside base (both of base's type). */
+static size_t lg_span_offset(lg_buf base, lg_grad_span s) {
+    return (size_t)((const char *)s.at.data - (const char *)base.data) / lg_dtype_size(base.dtype);
+}
+
+/* Zeroes base from element `from` on up to each span of keep (n_keep, inside base at or past
+   from; reordered by place), skipping the spans; returns where the last one ends. */
+static size_t lg_zero_around(const lg_exec *ex, lg_buf base, size_t from, lg_grad_span *keep,
+                             int n_keep) {
+    for (int i = 1; i < n_keep; i++) /* insertion sort: a unit's handful */
+        for (int j = i; j > 0 && keep[j].at.data < keep[j - 1].at.data; j--) {
+            lg_grad_span t = keep[j];
+            keep[j] = keep[j - 1];
+            keep[j - 1] = t;
+        }
+    for (int i = 0; i < n_keep; i++) {
+        size_t at = lg_span_offset(base, keep[i]);
+        if (at > from) lg_zero(ex, lg_at(base, from), at - from);
+        from = at + keep[i].count;
+    }
+    return from;
+}
+
+/* Zeroes base (n) from element from on. */
+static void lg_zero_rest(const lg_exec *ex, lg_buf base, size_t from, size_t n) {
+    if (n > from) lg_zero(ex, lg_at(base, from), n - from);
+}
+
+/* Unit u's gradients in a whole-unit buffer g (n elements, m's views pointing at it), ready
+   for a backward that writes the linear layers' (grads_overwrite). */
+static void lg_model_start_unit_grads(lg_model *m, int u, lg_buf g, size_t n) {
+    lg_grad_span keep[LG_UNIT_LINEAR_GRADS];
+    if (m->grads_add_only) {
+        lg_zero(&m->exec, g, n);
+        return;
+    }
+    size_t end = lg_zero_around(&m->exec, g, 0, keep, lg_overwritten_unit_grads(m, u, keep));
+    lg_zero_rest(&m->exec, g, end, n);
+}
+
+/* Unsharded: m->grads holds the units in order (lg_model_layout: the ends, then the blocks). */
+void lg_model_start_grads(lg_model *m) {
+    if (m->grads_add_only) {
+        lg_model_zero_grad(m);
+        m->grads_overwrite = 0;
+        return;
+    }
+    size_t from = 0;
+    for (int u = 0; u <= m->cfg.n_layer; u++) {
+        lg_grad_span keep[LG_UNIT_LINEAR_GRADS];
+        int n = lg_overwritten_unit_grads(m, u, keep);
+        from = lg_zero_around(&m->exec, m->grads, from, keep, n);
+    }
+    lg_zero_rest(&m->exec, m->grads, from, m->n_local);
+    m->grads_overwrite = 1;
+}
+
+/* The linear layers' gradient beta in this backward: 0 writes (lg_overwritten_unit_grads), 1
+   adds. */
+static float lg_linear_grad_beta(const lg_model *m) { return m->grads_overwrite ? 0.0f : 1.0f; }
+
 void lg_model_point_unit(lg_model *m, int unit, lg_buf weights, lg_buf grads) {
     if (weights.data) lg_unit_layout(&m->cfg, unit, weights, &m->p);
     if (grads.data) lg_unit_layout(&m->cfg, unit, grads, &m->g);
@@ -6470,24 +6588,26 @@ static void lg_block_backward(lg_model *m, int l, int B, int T, lg_buf d_out, lg
     int NH = c->n_head, NQG = c->n_query_groups, HS = c->head_size;
     size_t NC = (size_t)N * C, NI = (size_t)N * I;
     lg_buf x = m->a.residual[l];
+    float beta = lg_linear_grad_beta(m); /* the weights' and biases' gradients */
 
     /* out = x_mid + mlp(mlp_in): the residual passes d_out to x_mid unchanged */
     lg_copy(ex, s->d_mid, d_out, NC);
-    lg_zero(ex, s->d_act, NI);
     lg_linear_backward(ex, s->d_act, g->mlp_proj_w, g->mlp_proj_b, d_out, a->act, w->mlp_proj_w,
-                       N, I, C);
+                       N, I, C, 0.0f, beta);
     lg_block_lora_backward(m, l, LG_LORA_MLP_PROJ, d_out, C, a->act, s->d_act, N, I);
     lg_buf mlp_in = c->shared_attention_norm ? a->n1 : a->n2;
-    lg_zero(ex, s->d_norm, NC);
+    float fc_inp_beta = 0.0f; /* d_norm: the first of the MLP's inputs' gradients writes */
     if (c->mlp_class_name == LG_MLP_LLAMA) {
         lg_swiglu_backward(ex, s->d_fc, s->d_fc_2, s->d_act, a->fc, a->fc_2, NI);
         lg_linear_backward(ex, s->d_norm, g->fc_2_w, g->fc_2_b, s->d_fc_2, mlp_in, w->fc_2_w, N,
-                           C, I);
+                           C, I, 0.0f, beta);
         lg_block_lora_backward(m, l, LG_LORA_FC_2, s->d_fc_2, I, mlp_in, s->d_norm, N, C);
+        fc_inp_beta = 1.0f;
     } else {
         lg_gelu_backward(ex, s->d_fc, s->d_act, a->fc, NI, c->gelu_approximate_tanh);
     }
-    lg_linear_backward(ex, s->d_norm, g->fc_w, g->fc_b, s->d_fc, mlp_in, w->fc_w, N, C, I);
+    lg_linear_backward(ex, s->d_norm, g->fc_w, g->fc_b, s->d_fc, mlp_in, w->fc_w, N, C, I,
+                       fc_inp_beta, beta);
     lg_block_lora_backward(m, l, LG_LORA_FC, s->d_fc, I, mlp_in, s->d_norm, N, C);
 
     /* the MLP's input norm: of x (parallel) or of x_mid (sequential); shared: d_norm stays and
@@ -6498,21 +6618,21 @@ static void lg_block_backward(lg_model *m, int l, int B, int T, lg_buf d_out, lg
                          s->d_norm, c->parallel_residual ? x : a->x_mid, w->norm_2_w,
                          lg_norm_mean_or_null(c, a->n2_mean), a->n2_rstd, N, C);
         if (!c->parallel_residual) lg_copy(ex, d_x, s->d_mid, NC);
-        lg_zero(ex, s->d_norm, NC);
     }
 
     /* x_mid = x + proj(attention(rope(qkv(n1)))) */
-    lg_zero(ex, s->d_att_y, (size_t)N * NH * HS);
     lg_linear_backward(ex, s->d_att_y, g->proj_w, g->proj_b, s->d_mid, a->att_y, w->proj_w, N,
-                       NH * HS, C);
+                       NH * HS, C, 0.0f, beta);
     lg_block_lora_backward(m, l, LG_LORA_PROJ, s->d_mid, C, a->att_y, s->d_att_y, N, NH * HS);
     lg_zero(ex, s->d_qkv, (size_t)N * QKV);
     lg_attention_backward(ex, s->d_qkv, s->d_att_y, a->att_y, a->qkv, a->att_lse, B, T, NH,
                           NQG, HS);
     lg_rope_rotate(ex, s->d_qkv, m->a.rope_cos, m->a.rope_sin, B, T, NH, NQG, HS,
                    lg_config_rope_dims(c), -1);
-    /* n1 feeds qkv and, when shared, the MLP: d_norm already holds the MLP's share */
-    lg_linear_backward(ex, s->d_norm, g->qkv_w, g->qkv_b, s->d_qkv, a->n1, w->qkv_w, N, C, QKV);
+    /* n1 feeds qkv and, when shared, the MLP: d_norm already holds the MLP's share (added to);
+       else qkv's is the first (written) */
+    lg_linear_backward(ex, s->d_norm, g->qkv_w, g->qkv_b, s->d_qkv, a->n1, w->qkv_w, N, C, QKV,
+                       c->shared_attention_norm ? 1.0f : 0.0f, beta);
     lg_block_lora_backward(m, l, LG_LORA_Q, s->d_qkv, QKV, a->n1, s->d_norm, N, C);
     lg_norm_backward(ex, d_x, g->norm_1_w, g->norm_1_b, s->d_norm, x, w->norm_1_w,
                      lg_norm_mean_or_null(c, a->n1_mean), a->n1_rstd, N, C);
@@ -6534,9 +6654,9 @@ static void lg_model_head_backward(lg_model *m, const int *targets, int B, int T
     if (!m->logits_hold_grad) /* else the forward wrote them at the same loss_scale */
         lg_crossentropy_backward(ex, d_logits, m->a.logits, targets, N, c->vocab_size, Vp, loss_scale);
     m->logits_hold_grad = 0;
-    lg_zero(ex, m->a.d_norm, (size_t)N * C);
+    float beta = lg_head_grad_overwritten(c) ? lg_linear_grad_beta(m) : 1.0f;
     lg_linear_backward(ex, m->a.d_norm, m->g.lm_head_w, m->g.lm_head_b, d_logits,
-                       m->a.ln_f, m->p.lm_head_w, N, C, Vp);
+                       m->a.ln_f, m->p.lm_head_w, N, C, Vp, 0.0f, beta); /* d_norm written */
     lg_lora_adapter head;
     lg_lora_backward(m, &head, lg_head_adapters(m, &head), lg_lora_key(m, L, 0), d_logits, Vp,
                      m->a.ln_f, m->a.d_norm, N, C);
@@ -6562,6 +6682,7 @@ void lg_model_backward(lg_model *m, const int *tokens, const int *targets, int B
     lg_model_head_backward(m, targets, B, T, loss_scale);
     for (int l = m->cfg.n_layer - 1; l >= 0; l--) lg_model_block_backward(m, l, B, T);
     lg_model_embed_backward(m, tokens, B, T);
+    m->grads_overwrite = 0; /* the next backward adds */
 }
 
 /* A token drawn from softmax(logits (V) / temperature) with the uniform draw u. */
@@ -12722,9 +12843,10 @@ static void lg_trainer_await_unit(lg_trainer *tr, int u) {
 static void lg_trainer_open_unit_grads(lg_trainer *tr, int u) {
     if (!tr->plan.sharding.grads_sharded) return;
     for (int r = 0; r < tr->local_ranks; r++) {
+        lg_model *m = &tr->ranks[r].model;
         lg_buf g = lg_unit_grads(tr, r, u);
-        lg_zero(&tr->ranks[r].model.exec, g, lg_padded_unit(&tr->plan.shards, u));
-        lg_model_point_unit(&tr->ranks[r].model, u, lg_no_buf(), g);
+        lg_model_point_unit(m, u, lg_no_buf(), g);
+        lg_model_start_unit_grads(m, u, g, lg_padded_unit(&tr->plan.shards, u));
     }
 }
 
@@ -12840,6 +12962,9 @@ static void lg_trainer_offload_unit(lg_trainer *tr, int u, int offload) {
 static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float loss_scale,
                                 int offload) {
     int L = tr->plan.cfg.n_layer;
+    if (tr->plan.sharding.grads_sharded) /* the unit buffers start afresh (open_unit_grads) */
+        for (int r = 0; r < tr->local_ranks; r++)
+            tr->ranks[r].model.grads_overwrite = !tr->ranks[r].model.grads_add_only;
     lg_trainer_open_unit_grads(tr, 0);
     for (int r = 0; r < tr->local_ranks; r++)
         if (mb[r].B)
@@ -12865,6 +12990,8 @@ static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float 
     lg_trainer_start_reduce(tr, 0);
     lg_trainer_finish_reduce(tr, 0);
     lg_trainer_offload_unit(tr, 0, offload);
+    for (int r = 0; r < tr->local_ranks; r++) /* the next micro-batch adds */
+        if (mb[r].B) tr->ranks[r].model.grads_overwrite = 0;
 }
 
 /* Where micro-batch i starts in a rank's token buffers: they hold accumulation x (B, T). */
@@ -13296,8 +13423,9 @@ static double lg_trainer_accumulate(lg_trainer *tr, int step, long n_targets,
                                     int offload_in_backward) {
     const int *targets[LG_MAX_RANKS];
     lg_micro_batch mb[LG_MAX_RANKS];
-    for (int r = 0; r < tr->local_ranks; r++) {
-        lg_model_zero_grad(&tr->ranks[r].model);
+    for (int r = 0; r < tr->local_ranks; r++) { /* sharded: the shards add every piece */
+        if (tr->plan.sharding.grads_sharded) lg_model_zero_grad(&tr->ranks[r].model);
+        else lg_model_start_grads(&tr->ranks[r].model);
         targets[r] = tr->ranks[r].targets;
     }
     double loss_sum = 0;
@@ -13308,6 +13436,11 @@ static double lg_trainer_accumulate(lg_trainer *tr, int step, long n_targets,
         lg_trainer_fuse_classifier(tr, loss_scale);
         loss_sum += lg_trainer_forward(tr, mb);
         lg_trainer_backward(tr, mb, loss_scale, offload_in_backward && i == tr->accumulation - 1);
+    }
+    for (int r = 0; r < tr->local_ranks; r++) { /* no backward ran (no targets): all zero */
+        lg_model *m = &tr->ranks[r].model;
+        if (m->grads_overwrite) lg_model_zero_grad(m);
+        m->grads_overwrite = 0;
     }
     lg_trainer_fuse_classifier(tr, 0.0f);
     lg_trainer_set_dropout(tr, -1, 0); /* evaluation and sampling run without dropout */

@@ -2709,20 +2709,22 @@ __global__ void lg_k_bias_grad_chunks(float *partials, lg_buf dout, int N, int C
     for (int j = 0; j < width; j++) partials[(size_t)chunk * C + c + j] = sum[j];
 }
 
-/* Stage two: dbias (C) += the chunks' partials in chunk order, a thread a column: the same bits
-   every run. */
-__global__ void lg_k_bias_grad_add(lg_buf dbias, const float *partials, int chunks, int C) {
+/* Stage two: dbias (C) = beta dbias + the chunks' partials in chunk order (beta 0 writes, 1
+   adds), a thread a column: the same bits every run. */
+__global__ void lg_k_bias_grad_add(lg_buf dbias, const float *partials, int chunks, int C,
+                                   float beta) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     float sum = 0.0f;
     for (int k = 0; k < chunks; k++) sum += partials[(size_t)k * C + c];
-    lg_set(dbias, c, lg_get(dbias, c) + sum);
+    lg_set(dbias, c, beta == 0.0f ? sum : lg_get(dbias, c) + sum);
 }
 
-/* dbias (C) += column sums of dout (N, C) in two stages, with up to LG_CUDA_BIAS_CHUNKS chunks
-   of rows (as many as the matmul workspace holds partials for; it is free between matmuls in
-   stream order). */
-static void lg_cuda_bias_grad(const lg_exec *ex, lg_buf dbias, lg_buf dout, int N, int C) {
+/* dbias (C) = beta dbias + column sums of dout (N, C) in two stages, with up to
+   LG_CUDA_BIAS_CHUNKS chunks of rows (as many as the matmul workspace holds partials for; it
+   is free between matmuls in stream order). */
+static void lg_cuda_bias_grad(const lg_exec *ex, lg_buf dbias, lg_buf dout, int N, int C,
+                              float beta) {
     if (N == 0 || C == 0) return;
     size_t fit = ex->cuda->matmul_workspace_bytes / ((size_t)C * sizeof(float));
     int chunks = LG_CUDA_BIAS_CHUNKS < N ? LG_CUDA_BIAS_CHUNKS : N;
@@ -2741,7 +2743,7 @@ static void lg_cuda_bias_grad(const lg_exec *ex, lg_buf dbias, lg_buf dout, int 
     LG_LAUNCH(lg_k_bias_grad_chunks, column_blocks * chunks, LG_CUDA_BIAS_THREADS, 0, stream,
               partials, dout, N, C, rows, width);
     LG_LAUNCH(lg_k_bias_grad_add, lg_cuda_blocks((size_t)C, LG_CUDA_THREADS), LG_CUDA_THREADS, 0,
-              stream, dbias, (const float *)partials, chunks, C);
+              stream, dbias, (const float *)partials, chunks, C, beta);
 }
 
 /* C (M, N) = beta C + op(A) op(B) (+ bias (N) on every row): cuBLASLt, or the reference kernel
@@ -2767,16 +2769,17 @@ static void lg_cuda_linear_forward(const lg_exec *ex, lg_buf out, lg_buf inp, lg
     lg_cuda_matmul(ex, 0, 1, N, OC, IC, inp, IC, weight, IC, 0.0f, out, OC, bias);
 }
 
-/* dinp (N, IC) += dout (N, OC) weight; dweight (OC, IC) += dout^T inp; dbias (OC) += column
-   sums of dout. */
+/* dinp (N, IC) = inp_beta dinp + dout (N, OC) weight; dweight (OC, IC) = grad_beta dweight +
+   dout^T inp; dbias (OC) = grad_beta dbias + column sums of dout (a beta of 0 writes, 1
+   adds). */
 static void lg_cuda_linear_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweight, lg_buf dbias,
                                     lg_buf dout, lg_buf inp, lg_buf weight, int N, int IC,
-                                    int OC) {
+                                    int OC, float inp_beta, float grad_beta) {
     lg_buf none = {NULL, LG_DTYPE_F32};
-    lg_cuda_matmul(ex, 0, 0, N, IC, OC, dout, OC, weight, IC, 1.0f, dinp, IC, none);
+    lg_cuda_matmul(ex, 0, 0, N, IC, OC, dout, OC, weight, IC, inp_beta, dinp, IC, none);
     if (dweight.data) /* frozen (LoRA): no weight gradient */
-        lg_cuda_matmul(ex, 1, 0, OC, IC, N, dout, OC, inp, IC, 1.0f, dweight, IC, none);
-    if (dbias.data) lg_cuda_bias_grad(ex, dbias, dout, N, OC);
+        lg_cuda_matmul(ex, 1, 0, OC, IC, N, dout, OC, inp, IC, grad_beta, dweight, IC, none);
+    if (dbias.data) lg_cuda_bias_grad(ex, dbias, dout, N, OC, grad_beta);
 }
 
 /* LoRA: the adapters' input, scaled and dropped out (lg_lora_input) ------------------------------ */

@@ -129,7 +129,8 @@ static void linear_fwd(fd_case *c) {
 }
 static void linear_bwd(fd_case *c) {
     lg_linear_backward(NULL, lg_buf_of(c->grads[0]), lg_buf_of(c->grads[1]), lg_buf_of(c->grads[2]), lg_buf_of(c->probe),
-                       lg_buf_of(c->inputs[0]), lg_buf_of(c->inputs[1]), c->dims[0], c->dims[1], c->dims[2]);
+                       lg_buf_of(c->inputs[0]), lg_buf_of(c->inputs[1]), c->dims[0], c->dims[1], c->dims[2], 1.0f,
+                       1.0f);
 }
 /* dims: N, C; flag: 1 LayerNorm, 0 RMSNorm */
 static void norm_fwd(fd_case *c) {
@@ -1868,6 +1869,7 @@ static void run_emulated_cuda_tests(results *r) {
 
 #include "test_data.c"
 #include "test_lora.c"
+#include "test_grads_written.c"
 #include "test_gemm.c"
 #include "test_cpu_ops.c"
 
@@ -1926,6 +1928,7 @@ int main(int argc, char **argv) {
         test_parallel_init(&r);
         test_families_memorise(&r);
     }
+    if (section("gradients written on the first micro-batch", argc, argv)) test_grads_written(&r);
     if (section("checkpoints", argc, argv)) test_checkpoints(&r);
     if (section("command line", argc, argv)) test_cli(&r);
     if (section("first hour: the design card, configs, outputs, progress", argc, argv))

@@ -205,19 +205,30 @@ static void test_linear(results *r, int reference) {
             lg_buf dw_want = copy_buf(dw0, n_w), dw_got = copy_buf(dw0, n_w);
             lg_buf db_want = copy_buf(db0, OC), db_got = copy_buf(db0, OC);
             lg_linear_forward(NULL, out_want, inp, w, bias, N, IC, OC);
-            lg_linear_backward(NULL, dinp_want, dw_want, db_want, dout, inp, w, N, IC, OC);
+            lg_linear_backward(NULL, dinp_want, dw_want, db_want, dout, inp, w, N, IC, OC, 1.0f, 1.0f);
             lg_cuda_linear_forward(&ex, out_got, inp, w, bias, N, IC, OC);
-            lg_cuda_linear_backward(&ex, dinp_got, dw_got, db_got, dout, inp, w, N, IC, OC);
+            lg_cuda_linear_backward(&ex, dinp_got, dw_got, db_got, dout, inp, w, N, IC, OC, 1.0f, 1.0f);
             lg_buf db_again = copy_buf(db0, OC), dinp_again = copy_buf(dinp0, n_in);
             lg_buf no_weight = {NULL, dtype};
-            lg_cuda_linear_backward(&ex, dinp_again, no_weight, db_again, dout, inp, w, N, IC, OC);
+            lg_cuda_linear_backward(&ex, dinp_again, no_weight, db_again, dout, inp, w, N, IC, OC, 1.0f, 1.0f);
+            /* beta 0 (the first contribution; a step's first micro-batch): written over poison */
+            lg_buf dw_new_want = poisoned_buf(dtype, n_w), dw_new_got = poisoned_buf(dtype, n_w);
+            lg_buf db_new_want = poisoned_buf(dtype, OC), db_new_got = poisoned_buf(dtype, OC);
+            lg_buf dinp_new_want = poisoned_buf(dtype, n_in), dinp_new_got = poisoned_buf(dtype, n_in);
+            lg_linear_backward(NULL, dinp_new_want, dw_new_want, db_new_want, dout, inp, w, N, IC, OC, 0.0f, 0.0f);
+            lg_cuda_linear_backward(&ex, dinp_new_got, dw_new_got, db_new_got, dout, inp, w, N, IC, OC, 0.0f, 0.0f);
             gpu_sync(&ex);
             double worst = fmax(fmax(rel_error(out_got, out_want, n_out), rel_error(dinp_got, dinp_want, n_in)),
                                 fmax(rel_error(dw_got, dw_want, n_w), rel_error(db_got, db_want, OC)));
+            worst = fmax(worst, fmax(rel_error(dw_new_got, dw_new_want, n_w), rel_error(db_new_got, db_new_want, OC)));
+            worst = fmax(worst, rel_error(dinp_new_got, dinp_new_want, n_in));
+            lg_buf written[6] = {dw_new_want, dw_new_got, db_new_want, db_new_got, dinp_new_want, dinp_new_got};
+            for (int k = 0; k < 6; k++) gpu_free(written[k].data);
             int repeatable = bitwise_equal(db_got, db_again, OC);
             /* 300- and 1000-term sums in another order: fp32 1e-5 */
             check(r, worst < tolerance_of(dtype, 1e-5) && repeatable,
-                  "linear forward + backward with bias (%s) %s, %d rows, %d outputs: rel err %.1e, "
+                  "linear forward + backward with bias (%s) %s, %d rows, %d outputs, gradients added and "
+                  "written (beta 0): rel err %.1e, "
                   "bias gradient bitwise repeatable: %s", reference ? "reference kernel" : "cuBLASLt",
                   lg_dtype_name(dtype), N, OC, worst, repeatable ? "yes" : "no");
             gpu_free(db_again.data);
@@ -348,6 +359,77 @@ static void test_training_steps(results *r) {
             lg_trainer_free(&gpu);
         }
     }
+}
+
+/* Rank r's gradients (x, n elements) in host memory (malloc'd): read through lg_visit. */
+static unsigned char *grads_on_host(const lg_model *m) {
+    size_t size = lg_elem_size(m->grads.dtype);
+    unsigned char *host = (unsigned char *)malloc(m->n_local * size);
+    lg_visit v = lg_visit_start(&m->exec, m->grads, m->n_local, 1, LG_VISIT_READ);
+    while (lg_visit_next(&v)) memcpy(host + v.first * size, v.piece.data, v.n * size);
+    return host;
+}
+
+/* Every rank's gradients filled with NaN bits (written through lg_visit). */
+static void poison_grads(lg_trainer *tr) {
+    for (int r = 0; r < tr->local_ranks; r++) {
+        const lg_model *m = &tr->ranks[r].model;
+        lg_visit v = lg_visit_start(&m->exec, m->grads, m->n_local, 1, LG_VISIT_WRITE);
+        while (lg_visit_next(&v)) memset(v.piece.data, 0xff, v.n * lg_elem_size(m->grads.dtype));
+    }
+}
+
+/* On GPUs, test-gpt2 (tied embeddings) -b 2 -g 3 bf16-mixed and fp32, 1 and 2 devices: the
+   gradients of 2 steps written (beta 0: cuBLASLt's and the bias gradient's) on the first
+   micro-batch over NaN, bitwise those zeroed and added to (grads_add_only). */
+static void test_grads_written(results *r, int gpus) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-gpt2")) return;
+    const int T = 16, steps = 2;
+    for (int devices = 1; devices <= 2 && devices <= gpus; devices++)
+        for (int p = 0; p < 2; p++) {
+            lg_args a = step_args(p ? LG_PRECISION_BF16_MIXED : LG_PRECISION_32_TRUE, LG_BACKEND_CUDA);
+            a.devices = devices;
+            a.global_batch_size = 6 * devices;
+            lg_trainer tr[2];
+            lg_loader ld[2];
+            lg_error err;
+            int made = 0, equal = 1;
+            for (int k = 0; k < 2; k++) {
+                if (lg_trainer_create(&tr[k], &cfg, &a, T, &err) != 0) {
+                    printf("    %s\n", err.msg);
+                    break;
+                }
+                made++;
+                if (builtin_loader(&ld[k], &cfg, &a, T, steps) != 0) {
+                    lg_trainer_free(&tr[k]);
+                    made--;
+                    break;
+                }
+            }
+            equal = made == 2;
+            for (int i = 0; equal && i < tr[1].local_ranks; i++) tr[1].ranks[i].model.grads_add_only = 1;
+            for (int s = 0; s < steps && equal; s++) {
+                lg_step_stats st[2];
+                poison_grads(&tr[0]);
+                for (int k = 0; k < 2; k++) equal = equal && lg_trainer_step(&tr[k], &ld[k], s, &st[k], &err) == 0;
+                for (int i = 0; equal && i < tr[0].local_ranks; i++) {
+                    const lg_model *w = &tr[0].ranks[i].model;
+                    unsigned char *gw = grads_on_host(w), *gz = grads_on_host(&tr[1].ranks[i].model);
+                    equal = memcmp(gw, gz, w->n_local * lg_elem_size(w->grads.dtype)) == 0 &&
+                            st[0].loss == st[1].loss;
+                    free(gw);
+                    free(gz);
+                }
+            }
+            for (int k = 0; k < made; k++) {
+                lg_loader_close(&ld[k]);
+                lg_trainer_free(&tr[k]);
+            }
+            check(r, equal, "test-gpt2 (tied) %s -g 3 -d %d: 2 steps' gradients written on the first "
+                  "micro-batch (over NaN) = zeroed and added, bitwise", lg_precision_name(a.precision),
+                  devices);
+        }
 }
 
 /* test-llama, or a wider one (n_embd 64, MLP 128) whose matrices have the 4096 elements and more
@@ -754,6 +836,12 @@ int main(int argc, char **argv) {
         printf("%d passed, %d failed\n", r.passed, r.failed);
         return r.failed ? 1 : 0;
     }
+    if (argc > 1 && strcmp(argv[1], "grads") == 0) { /* the gradients written with beta 0 */
+        test_linear(&r, 1);
+        test_grads_written(&r, gpus);
+        printf("%d passed, %d failed\n", r.passed, r.failed);
+        return r.failed ? 1 : 0;
+    }
     if (argc > 1 && strcmp(argv[1], "attention") == 0) { /* the attention tests alone */
         test_attention(&r);
         printf("%d passed, %d failed\n", r.passed, r.failed);
@@ -772,6 +860,7 @@ int main(int argc, char **argv) {
 #endif
     printf("training steps\n");
     test_training_steps(&r);
+    test_grads_written(&r, gpus);
     test_gpu_features(&r);
     test_gpu_resume(&r, gpus);
     test_gpu_lora(&r, gpus);
