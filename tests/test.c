@@ -1826,8 +1826,9 @@ static void test_plan_cli(results *r) {
 #include "test_checkpoint.c"
 
 /* Runs another test runner (its output shown) and adds its counts. */
-static void run_child_tests(results *r, const char *cmd) {
-    FILE *p = popen(cmd, "r");
+/* Reads a child test program's output to its end: its lines go to stdout, its "N passed, M
+   failed" summary into the results (a child that ends without one is a failure). */
+static void read_child_tests(results *r, const char *cmd, FILE *p) {
     char line[512];
     int passed = 0, failed = 0, got = 0;
     while (p && fgets(line, sizeof line, p)) {
@@ -1840,16 +1841,29 @@ static void run_child_tests(results *r, const char *cmd) {
     r->failed += failed;
 }
 
+static void run_child_tests(results *r, const char *cmd) { read_child_tests(r, cmd, popen(cmd, "r")); }
+
+/* Two child test programs at once (one core each), their outputs read one after the other. */
+static void run_child_tests_side_by_side(results *r, const char *a, const char *b) {
+    FILE *pa = popen(a, "r"), *pb = popen(b, "r");
+    read_child_tests(r, a, pa);
+    read_child_tests(r, b, pb);
+}
+
 /* The CUDA backend's kernels and trainer on the CPU, through tests/cuda_emulator.h: the
    emulator's own checks, then tests/gpu/test_cuda.c on four emulated GPUs with the threads of
-   a block in ascending order, and again in descending order (a kernel missing a barrier gives
-   other results) with every collective run as late as a GPU could (an op missing its wait for
-   one reads stale data), then the driver built for the emulator. */
+   a block in ascending order, and beside it in descending order (a kernel missing a barrier
+   gives other results) with every collective run as late as a GPU could (an op missing its wait
+   for one reads stale data), then the driver built for the emulator. */
 static void run_emulated_cuda_tests(results *r) {
     run_child_tests(r, "./build/test_cuda_emulator");
-    run_child_tests(r, "LG_EMU_DEVICES=4 ./build/test_cuda_emulated");
-    run_child_tests(r, "LG_EMU_DEVICES=4 LG_EMU_ORDER=reverse LG_EMU_DEFER_COLLECTIVES=1 "
-                       "./build/test_cuda_emulated");
+    /* host visits (host code touching device memory) do not depend on the threads' order: the
+       first run checks them, the second leaves device memory open (its page protection
+       changes around every kernel cost over half of a run's time) */
+    run_child_tests_side_by_side(r, "OMP_NUM_THREADS=1 LG_EMU_DEVICES=4 ./build/test_cuda_emulated",
+                                 "OMP_NUM_THREADS=1 LG_EMU_DEVICES=4 LG_EMU_ORDER=reverse "
+                                 "LG_EMU_DEFER_COLLECTIVES=1 "
+                                 "LG_EMU_HOST_VISITS=allow ./build/test_cuda_emulated");
     /* the driver's GPU path: ranks on GPUs, the topology, the fit check against GPU memory */
     const char *small = "-c test-llama -t 16 -b 2 -g 4 --max-steps 2 --eval-every 0";
     char args[256];
