@@ -1986,6 +1986,28 @@ __device__ __forceinline__ void lg_att_mma_b_rows(uint32_t b[2], const uint16_t 
                                                   int lane) {
     lg_ldmatrix<2, false>(b, p + lane % 8 * ld + lane / 8 % 2 * 8);
 }
+/* The backward's pair of 16 x 8 tiles for a warp: s = A1 B1^T (scores) and dp = A2 B2^T
+   (dY V^T), each over the head's first hs16 slices of 16 (of QK); A's rows at a1/a2, B's rows
+   at b1/b2, row stride ld. */
+template <lg_dtype DT, int QK>
+__device__ __forceinline__ void lg_att_mma_pair(float s[4], float dp[4], const uint16_t *a1,
+                                                const uint16_t *b1, const uint16_t *a2,
+                                                const uint16_t *b2, int ld, int hs16, int lane) {
+    constexpr int K = LG_ATT_MMA_K;
+    s[0] = s[1] = s[2] = s[3] = 0.0f;
+    dp[0] = dp[1] = dp[2] = dp[3] = 0.0f;
+    LG_ATT_UNROLL
+    for (int kk = 0; kk < QK; kk++)
+        if (kk < hs16) {
+            uint32_t af[4], bf[2];
+            lg_att_mma_a(af, a1 + kk * K, ld, lane);
+            lg_att_mma_b_rows(bf, b1 + kk * K, ld, lane);
+            lg_mma_m16n8k16<DT>(s, af, bf, s);
+            lg_att_mma_a(af, a2 + kk * K, ld, lane);
+            lg_att_mma_b_rows(bf, b2 + kk * K, ld, lane);
+            lg_mma_m16n8k16<DT>(dp, af, bf, dp);
+        }
+}
 /* The B fragment of the 16 x 8 tile at p (row-major, row stride ld), as V in P V. */
 __device__ __forceinline__ void lg_att_mma_b_cols(uint32_t b[2], const uint16_t *p, int ld,
                                                   int lane) {
@@ -2272,20 +2294,12 @@ lg_k_attention_backward_dq_mma(uint16_t *dqkv, const uint16_t *dy, const uint16_
         float s[ST][4], dp[ST][4];
         LG_ATT_UNROLL
         for (int st = 0; st < ST; st++) {
-            s[st][0] = s[st][1] = s[st][2] = s[st][3] = 0.0f;
-            dp[st][0] = dp[st][1] = dp[st][2] = dp[st][3] = 0.0f;
-            if (st >= live) continue;
-            LG_ATT_UNROLL
-            for (int kk = 0; kk < QK; kk++)
-                if (kk < hs16) {
-                    uint32_t af[4], bf[2];
-                    lg_att_mma_a(af, qs + w0 * LDH + kk * K, LDH, lane);
-                    lg_att_mma_b_rows(bf, kt + st * N * LDH + kk * K, LDH, lane);
-                    lg_mma_m16n8k16<DT>(s[st], af, bf, s[st]);
-                    lg_att_mma_a(af, dys + w0 * LDH + kk * K, LDH, lane);
-                    lg_att_mma_b_rows(bf, vt + st * N * LDH + kk * K, LDH, lane);
-                    lg_mma_m16n8k16<DT>(dp[st], af, bf, dp[st]);
-                }
+            if (st < live)
+                lg_att_mma_pair<DT, QK>(s[st], dp[st], qs + w0 * LDH, kt + st * N * LDH,
+                                        dys + w0 * LDH, vt + st * N * LDH, LDH, hs16, lane);
+            else
+                s[st][0] = s[st][1] = s[st][2] = s[st][3] = dp[st][0] = dp[st][1] = dp[st][2] =
+                    dp[st][3] = 0.0f;
         }
         LG_ATT_UNROLL
         for (int st = 0; st < ST; st++) {
@@ -2392,20 +2406,12 @@ lg_k_attention_backward_dkv_mma(uint16_t *dqkv, const uint16_t *dy, const uint16
         LG_ATT_UNROLL
         for (int st = 0; st < ST; st++) {
             live[st] = q0 + st * N + N - 1 >= c0 && q0 + st * N < T;
-            s[st][0] = s[st][1] = s[st][2] = s[st][3] = 0.0f;
-            dp[st][0] = dp[st][1] = dp[st][2] = dp[st][3] = 0.0f;
-            if (!live[st]) continue;
-            LG_ATT_UNROLL
-            for (int kk = 0; kk < QK; kk++)
-                if (kk < hs16) {
-                    uint32_t af[4], bf[2];
-                    lg_att_mma_a(af, ks + w0 * LDH + kk * K, LDH, lane);
-                    lg_att_mma_b_rows(bf, qt + st * N * LDH + kk * K, LDH, lane);
-                    lg_mma_m16n8k16<DT>(s[st], af, bf, s[st]);
-                    lg_att_mma_a(af, vs + w0 * LDH + kk * K, LDH, lane);
-                    lg_att_mma_b_rows(bf, dyt + st * N * LDH + kk * K, LDH, lane);
-                    lg_mma_m16n8k16<DT>(dp[st], af, bf, dp[st]);
-                }
+            if (live[st])
+                lg_att_mma_pair<DT, QK>(s[st], dp[st], ks + w0 * LDH, qt + st * N * LDH,
+                                        vs + w0 * LDH, dyt + st * N * LDH, LDH, hs16, lane);
+            else
+                s[st][0] = s[st][1] = s[st][2] = s[st][3] = dp[st][0] = dp[st][1] = dp[st][2] =
+                    dp[st][3] = 0.0f;
         }
         LG_ATT_UNROLL
         for (int st = 0; st < ST; st++) {
