@@ -2277,7 +2277,7 @@ static int lg_config_set(lg_config *cfg, const lg_config_field *f, const char *v
     }
     case LG_FIELD_FLOAT: {
         double v = strtod(value, &end);
-        if (*value == '\0' || *end != '\0') return -1;
+        if (*value == '\0' || *end != '\0' || !isfinite((float)v)) return -1;
         *(float *)field = (float)v;
         return 0;
     }
@@ -2312,7 +2312,7 @@ static int lg_config_set(lg_config *cfg, const lg_config_field *f, const char *v
 static const char *lg_field_expectation(lg_field_type type) {
     switch (type) {
     case LG_FIELD_INT: return "a non-negative integer";
-    case LG_FIELD_FLOAT: return "a number";
+    case LG_FIELD_FLOAT: return "a finite number";
     case LG_FIELD_BOOL: return "true or false";
     case LG_FIELD_NAME: return "a name of at most 63 characters";
     case LG_FIELD_NORM: return "LayerNorm or RMSNorm";
@@ -2724,7 +2724,79 @@ static int lg_lora_check(const lg_config *c, lg_error *err) {
     return 0;
 }
 
+/* The largest architecture the layouts address: each dimension's limit (far above every
+   published model: Llama 3.1 405B has 126 layers, 16,384 channels, 53,248 MLP units and a
+   vocabulary of 128,256), and every weight matrix below 2^31 elements, since kernels index a
+   matrix's rows and columns with int. Checked before any plan or allocation. */
+typedef struct {
+    const char *field;
+    size_t offset; /* of the int in lg_config */
+    long max;
+} lg_config_bound;
+
+#define LG_MAX_MATRIX_ELEMENTS 2147483647ull /* INT_MAX: one weight matrix */
+static const lg_config_bound lg_config_bounds[] = {
+    {"n_layer", offsetof(lg_config, n_layer), 4096},
+    {"n_head", offsetof(lg_config, n_head), 4096},
+    {"n_query_groups", offsetof(lg_config, n_query_groups), 4096},
+    {"head_size", offsetof(lg_config, head_size), 4096},
+    {"n_embd", offsetof(lg_config, n_embd), 1L << 18},
+    {"intermediate_size", offsetof(lg_config, intermediate_size), 1L << 20},
+    {"block_size", offsetof(lg_config, block_size), 1L << 24},
+    {"vocab_size", offsetof(lg_config, vocab_size), 1L << 24},
+    {"padded_vocab_size", offsetof(lg_config, padded_vocab_size), 1L << 24},
+};
+#define LG_N_CONFIG_BOUNDS ((int)(sizeof lg_config_bounds / sizeof lg_config_bounds[0]))
+
+/* Each dimension at most its limit, then every product the layouts form (in 64 bits, each
+   factor bounded above, so none wraps) within LG_MAX_MATRIX_ELEMENTS. */
+static int lg_config_check_sizes(const lg_config *c, lg_error *err) {
+    for (int k = 0; k < LG_N_CONFIG_BOUNDS; k++) {
+        const lg_config_bound *b = &lg_config_bounds[k];
+        int v = *(const int *)((const char *)c + b->offset);
+        if (v > b->max)
+            return lg_fail(err, "%s %d exceeds the limit %ld", b->field, v, b->max);
+    }
+    uint64_t NH = (uint64_t)c->n_head, NQG = (uint64_t)c->n_query_groups;
+    uint64_t HS = (uint64_t)c->head_size, C = (uint64_t)c->n_embd;
+    struct { const char *what; uint64_t rows, cols; } products[] = {
+        {"(n_head + 2 n_query_groups) x head_size x n_embd (attn.qkv)", (NH + 2 * NQG) * HS, C},
+        {"n_head x head_size x n_embd (attn.proj)", NH * HS, C},
+        {"intermediate_size x n_embd (the MLP)", (uint64_t)c->intermediate_size, C},
+        {"padded_vocab_size x n_embd (embeddings, lm_head)", (uint64_t)c->padded_vocab_size, C},
+        {"block_size x n_embd (learned positions)", (uint64_t)c->block_size,
+         c->learned_pos_embedding ? C : 0},
+        {"block_size x head_size (rotary tables)", (uint64_t)c->block_size, HS},
+    };
+    for (size_t k = 0; k < sizeof products / sizeof products[0]; k++)
+        if (products[k].rows * products[k].cols > LG_MAX_MATRIX_ELEMENTS)
+            return lg_fail(err, "%s is %llu elements, over the limit %llu of one matrix",
+                           products[k].what,
+                           (unsigned long long)(products[k].rows * products[k].cols),
+                           LG_MAX_MATRIX_ELEMENTS);
+    return 0;
+}
+
+/* Every float field finite (a YAML or config.json value beyond float range reads as inf). */
+static int lg_config_check_finite(const lg_config *c, lg_error *err) {
+    const lg_rope_adjustments *ra = &c->rope_adjustments;
+    struct { const char *field; float v; } fields[] = {
+        {"norm_eps", c->norm_eps}, {"rotary_percentage", c->rotary_percentage},
+        {"rope_base", c->rope_base}, {"rope_adjustments.factor", ra->factor},
+        {"rope_adjustments.low_freq_factor", ra->low_freq_factor},
+        {"rope_adjustments.high_freq_factor", ra->high_freq_factor},
+    };
+    for (size_t k = 0; k < sizeof fields / sizeof fields[0]; k++)
+        if (!isfinite(fields[k].v))
+            return lg_fail(err, "%s must be a finite number, not %g", fields[k].field,
+                           (double)fields[k].v);
+    if (c->rotary_percentage > 0.0f && !(c->rope_base > 1.0f))
+        return lg_fail(err, "rope_base must be above 1 (it is %g)", (double)c->rope_base);
+    return 0;
+}
+
 int lg_config_check(const lg_config *c, lg_error *err) {
+    if (lg_config_check_sizes(c, err) != 0 || lg_config_check_finite(c, err) != 0) return -1;
     if (c->n_layer < 1) return lg_fail(err, "n_layer must be at least 1");
     if (c->n_head < 1 || c->head_size < 1 || c->n_embd < 1 || c->intermediate_size < 1)
         return lg_fail(err, "n_head, head_size, n_embd and intermediate_size must be positive");
@@ -3275,10 +3347,22 @@ const char *lg_pool_name(lg_pool p) { return p == LG_POOL_DEVICE ? "device" : "h
 static size_t lg_align_to(size_t bytes, size_t align) { return (bytes + align - 1) / align * align; }
 static size_t lg_align_up(size_t bytes) { return lg_align_to(bytes, LG_ALIGN); }
 
-/* Appends a region at the end of its pool. */
+/* A pool past this many bytes (1 EiB) is no plan but wrapped arithmetic: lg_plan_add stops
+   there, so no sum of regions wraps, and lg_plan_make refuses. */
+#define LG_MAX_POOL_BYTES ((size_t)1 << 60)
+
+/* Appends a region at the end of its pool; a pool that would pass LG_MAX_POOL_BYTES is left
+   just above it (and the region out) for lg_plan_make to refuse. */
 static int lg_plan_add(lg_rank_plan *r, const char *name, lg_group group, lg_pool pool,
                        lg_dtype dtype, size_t count) {
     if (count == 0) return 0;
+    size_t room = LG_MAX_POOL_BYTES - (r->pool_bytes[pool] < LG_MAX_POOL_BYTES
+                                           ? r->pool_bytes[pool] : LG_MAX_POOL_BYTES);
+    if (count > room / lg_dtype_size(dtype) || lg_align_to(count * lg_dtype_size(dtype),
+                                                           r->align) > room) {
+        r->pool_bytes[pool] = LG_MAX_POOL_BYTES + 1;
+        return 0;
+    }
     if (r->n_regions == r->capacity) {
         int capacity = r->capacity ? 2 * r->capacity : 64;
         lg_region *grown = (lg_region *)LG_MALLOC(sizeof(lg_region) * (size_t)capacity);
@@ -3623,6 +3707,20 @@ static int lg_plan_mpi_buffers(lg_rank_plan *r, const lg_plan *plan, int rank) {
     return rc;
 }
 
+
+/* Every pool below LG_MAX_POOL_BYTES; else the plan is freed and refused. */
+static int lg_plan_check_pools(lg_plan *plan, lg_error *err) {
+    for (int i = 0; i < plan->n_ranks; i++)
+        for (int pool = 0; pool < LG_N_POOLS; pool++)
+            if (plan->ranks[i].pool_bytes[pool] > LG_MAX_POOL_BYTES) {
+                lg_plan_free(plan);
+                return lg_fail(err, "plan: rank %d's %s pool would pass 2^60 bytes: the model "
+                                    "and batch sizes are too large to lay out", i,
+                               lg_pool_name((lg_pool)pool));
+            }
+    return 0;
+}
+
 int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, lg_error *err) {
     memset(plan, 0, sizeof *plan);
     plan->cfg = *model; /* the architecture, with the run's adapters */
@@ -3686,7 +3784,7 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
         lg_plan_free(plan);
         return lg_fail(err, "plan: out of host memory");
     }
-    return 0;
+    return lg_plan_check_pools(plan, err);
 }
 
 void lg_plan_free(lg_plan *plan) {
@@ -4029,7 +4127,8 @@ static void lg_plan_print_rank(const lg_plan *plan, int index, FILE *out) {
                 if (!largest || x->bytes > largest->bytes) largest = x;
             }
             char bar[41];
-            int width = (int)(40.0 * bytes / total + 0.5);
+            double share = (double)bytes / (double)total; /* in [0, 1] unless sizes wrapped */
+            int width = share >= 1.0 ? 40 : share > 0.0 ? (int)(40.0 * share + 0.5) : 0;
             memset(bar, '#', (size_t)width);
             bar[width] = '\0';
             fprintf(out, "    %-22s %11s %5.1f%%  %-40s", lg_group_name((lg_group)g),
@@ -10274,6 +10373,11 @@ static int lg_write_text_file(const char *path, const char *text, lg_file_digest
 
 /* The whole of a small file (config.json, COMPLETE) as a NUL-terminated string. */
 static char *lg_read_text_file(const char *path, size_t max_bytes, size_t *length, lg_error *err) {
+    struct stat st; /* a FIFO or device would block or never end */
+    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
+        lg_fail(err, "%s: not a regular file", path);
+        return NULL;
+    }
     FILE *f = fopen(path, "rb");
     if (!f) { lg_fail(err, "%s: cannot open: %s", path, strerror(errno)); return NULL; }
     fseek(f, 0, SEEK_END);
@@ -10920,9 +11024,10 @@ static float lg_hf_float(lg_hf_fields *f, const char *key, float fallback) {
     int t = lg_hf_find(f, key);
     double v = fallback;
     if (t < 0) return fallback;
-    if (lg_json_double(f->j, t, &v) != 0) {
-        if (!f->failed) lg_fail(f->err, "%s: %s is not a number", f->path, key);
+    if (lg_json_double(f->j, t, &v) != 0 || !isfinite((float)v)) {
+        if (!f->failed) lg_fail(f->err, "%s: %s is not a finite number", f->path, key);
         f->failed = 1;
+        return fallback;
     }
     return (float)v;
 }
@@ -10977,8 +11082,14 @@ static void lg_hf_rope(lg_hf_fields *f, lg_config *c, int llama3) {
     sub.object = node;
     c->rope_base = lg_hf_float(&sub, "rope_theta", c->rope_base);
     char type[32] = "";
-    lg_hf_string(&sub, "rope_type", type, sizeof type);
-    if (!type[0]) lg_hf_string(&sub, "type", type, sizeof type); /* the older key */
+    const char *type_key = lg_hf_find(&sub, "rope_type") >= 0 ? "rope_type" : "type"; /* older */
+    int type_node = lg_hf_find(&sub, type_key);
+    if (type_node >= 0 && f->j->nodes[type_node].kind != LG_JSON_STRING) {
+        lg_fail(f->err, "%s: %s.%s is not a string", f->path, key, type_key);
+        f->failed = 1;
+        return;
+    }
+    lg_hf_string(&sub, type_key, type, sizeof type);
     if ((!type[0] || strcmp(type, "default") == 0) && !sub.failed) return;
     if (strcmp(type, "llama3") != 0 || !llama3) {
         if (!f->failed) lg_fail(f->err, "%s: %s.rope_type '%s' is not supported (%s)", f->path, key, type,
@@ -11001,6 +11112,11 @@ static void lg_hf_rope(lg_hf_fields *f, lg_config *c, int llama3) {
     ra->high_freq_factor = lg_hf_float(&sub, keys[2], 0.0f);
     ra->original_max_seq_len = lg_hf_int(&sub, keys[3], 0, 1);
     f->failed |= sub.failed;
+    if (!f->failed && !(ra->factor >= 1.0f && ra->factor <= 1024.0f)) {
+        lg_fail(f->err, "%s: %s.factor is %g; llama3 scaling needs a factor within [1, 1024]",
+                f->path, key, (double)ra->factor);
+        f->failed = 1;
+    }
 }
 
 static void lg_hf_config_gpt2(lg_hf_fields *f, lg_config *c) {

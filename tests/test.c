@@ -1898,6 +1898,7 @@ static void run_emulated_cuda_tests(results *r) {
 /* ---- a new user's first hour ---------------------------------------------------------------- */
 
 #include "test_first_hour.c"
+#include "test_hostile.c"
 
 /* Starts a section: prints its name and says whether to run it. `./tests/test WORD` runs only
    the sections whose names contain WORD (e.g. `./tests/test plan`); no argument runs all. */
@@ -1968,6 +1969,7 @@ int main(int argc, char **argv) {
     }
     if (section("data files: tokenizers, samples, readers", argc, argv)) test_data_all(&r);
     if (section("nf4 (QLoRA's weight storage)", argc, argv)) test_nf4_all(&r);
+    if (section("hostile input", argc, argv)) test_hostile_all(&r);
     if (section("devices and sharding", argc, argv)) test_sharding(&r);
     if (section("processes: launchers, mpirun, rendezvous", argc, argv)) test_processes(&r);
     if (section("LoRA and QLoRA", argc, argv)) test_lora_all(&r);
