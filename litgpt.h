@@ -8858,6 +8858,8 @@ static int lg_json_scan_string(lg_json_parser *p, int node) {
             if (++p->at == p->len) break;
             if (t[p->at] == 'u' && lg_json_hex4(t + p->at + 1, p->len - p->at - 1, &hex) != 0)
                 return lg_json_error(p, "\\u needs four hex digits");
+            if (t[p->at] == 'u' && hex == 0) /* C strings end there: the rest would be lost */
+                return lg_json_error(p, "\\u0000 (a NUL character) inside a string");
             if (t[p->at] == 'u') p->at += 4;
             else if (!strchr("\"\\/bfnrt", t[p->at]) || !t[p->at])
                 return lg_json_error(p, "unknown escape in a string");
@@ -10617,6 +10619,11 @@ const char *lg_st_meta_get(const lg_st_file *f, const char *key) {
     return NULL;
 }
 
+/* The dtypes a tensor of weights or adapters may have: lg_st_get reads each as a number. */
+static int lg_st_is_float(lg_st_dtype dtype) {
+    return dtype == LG_ST_F32 || dtype == LG_ST_BF16 || dtype == LG_ST_F16;
+}
+
 int lg_st_read(const lg_st_file *f, const lg_st_tensor *t, void *out, lg_error *err) {
     size_t bytes = (size_t)(t->end - t->begin);
     if (fseek(f->file, (long)(f->data_start + t->begin), SEEK_SET) != 0 ||
@@ -11375,7 +11382,7 @@ static int lg_hf_load_tensor(const lg_config *cfg, const lg_tensor_info *info, c
                        s->files[file].path, h->name, (long long)t->shape[0], t->ndim > 1 ? ", " : "",
                        t->ndim > 1 ? (long long)t->shape[1] : 0LL, (long long)h->shape[0],
                        h->ndim > 1 ? ", " : "", h->ndim > 1 ? (long long)h->shape[1] : 0LL);
-    if (t->dtype != LG_ST_F32 && t->dtype != LG_ST_BF16 && t->dtype != LG_ST_F16)
+    if (!lg_st_is_float(t->dtype))
         return lg_fail(err, "%s: tensor %s is %s, not F32, BF16 or F16", s->files[file].path,
                        h->name, lg_st_dtype_name(t->dtype));
     unsigned char *bytes = (unsigned char *)LG_MALLOC((size_t)(t->end - t->begin) + 1);
@@ -11567,6 +11574,28 @@ static int lg_verify_marker_line(const char *dir, const char *line, int line_no,
     return 0;
 }
 
+/* Every file of the directory but the marker itself (and files being written, NAME.tmp) has
+   its line in the marker's text: a file left out of COMPLETE would go unverified. */
+static int lg_verify_all_listed(const char *dir, const char *marker, lg_error *err) {
+    DIR *d = opendir(dir);
+    if (!d) return lg_fail(err, "checkpoint %s: cannot open: %s", dir, strerror(errno));
+    int rc = 0;
+    for (struct dirent *e = readdir(d); e && rc == 0; e = readdir(d)) {
+        const char *name = e->d_name;
+        size_t len = strlen(name);
+        if (name[0] == '.' || strcmp(name, LG_CHECKPOINT_MARKER) == 0 ||
+            (len > 4 && strcmp(name + len - 4, ".tmp") == 0))
+            continue;
+        char line[300];
+        lg_format(line, sizeof line, "\nfile %s ", name);
+        if (!strstr(marker, line))
+            rc = lg_fail(err, "checkpoint %s: %s is not listed in " LG_CHECKPOINT_MARKER
+                              ", so it cannot be verified", dir, name);
+    }
+    closedir(d);
+    return rc;
+}
+
 int lg_checkpoint_verify(const char *dir, int *step, lg_error *err) {
     char path[LG_PATH_MAX];
     lg_format(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
@@ -11576,7 +11605,7 @@ int lg_checkpoint_verify(const char *dir, int *step, lg_error *err) {
                             "finish (or this is not a checkpoint)", dir);
     char *text = lg_read_text_file(path, 1 << 16, NULL, err);
     if (!text) return -1;
-    int rc = 0, line_no = 0, files = 0, marker_step = -1;
+    int rc = lg_verify_all_listed(dir, text, err), line_no = 0, files = 0, marker_step = -1;
     for (char *line = text, *next; *line && rc == 0; line = next) {
         char *newline = strchr(line, '\n');
         next = newline ? newline + 1 : line + strlen(line);
@@ -12126,8 +12155,35 @@ static int lg_state_number(const lg_st_file *f, const char *key, unsigned long l
                            lg_error *err) {
     const char *v = lg_st_meta_get(f, key);
     char *end = NULL;
-    if (v) *out = strtoull(v, &end, 0);
-    if (!v || !*v || *end) return lg_fail(err, "training state %s: %s is %s", f->path, key, v ? "not a number" : "missing");
+    errno = 0;
+    if (v && isdigit((unsigned char)*v)) *out = strtoull(v, &end, 0); /* no sign: counts */
+    if (!v || !end || *end || errno == ERANGE)
+        return lg_fail(err, "training state %s: %s is %s", f->path, key,
+                       v ? "not a non-negative integer" : "missing");
+    return 0;
+}
+
+/* The resumed numbers in range: counts within int (the optimizer's updates no more than the
+   steps), a loss scale that is a positive finite float, a loader random state that is not 0
+   (xorshift's one fixed point). */
+static int lg_state_numbers_check(const unsigned long long *v, const char *path, lg_error *err) {
+    const lg_state_scalar counts[] = {LG_STATE_STEP, LG_STATE_OPTIMIZER_UPDATES,
+                                      LG_STATE_CLEAN_STEPS, LG_STATE_LOADER_EPOCH};
+    for (size_t k = 0; k < sizeof counts / sizeof counts[0]; k++)
+        if (v[counts[k]] > 2147483647ull)
+            return lg_fail(err, "training state %s: %s %llu is beyond 2147483647", path,
+                           lg_state_key(counts[k]), v[counts[k]]);
+    if (v[LG_STATE_OPTIMIZER_UPDATES] > v[LG_STATE_STEP])
+        return lg_fail(err, "training state %s: optimizer_updates %llu exceeds step %llu", path,
+                       v[LG_STATE_OPTIMIZER_UPDATES], v[LG_STATE_STEP]);
+    uint32_t bits = (uint32_t)v[LG_STATE_LOSS_SCALE_BITS];
+    float scale;
+    memcpy(&scale, &bits, 4);
+    if (v[LG_STATE_LOSS_SCALE_BITS] > 0xFFFFFFFFull || !(isfinite(scale) && scale > 0.0f))
+        return lg_fail(err, "training state %s: loss_scale_bits %llu is not a positive finite "
+                            "loss scale", path, v[LG_STATE_LOSS_SCALE_BITS]);
+    if (v[LG_STATE_LOADER_RNG] == 0)
+        return lg_fail(err, "training state %s: loader_rng is 0, no state of the generator", path);
     return 0;
 }
 
@@ -12153,6 +12209,22 @@ static int lg_state_check_run(const lg_trainer *tr, const lg_loader *data, const
     return 0;
 }
 
+/* A float tensor of the state holds finite numbers, and a second moment (optimizer.v.*) no
+   negative one: else the run would resume into NaN. */
+static int lg_state_values_check(const lg_st_file *f, const lg_st_tensor *t,
+                                 const unsigned char *bytes, lg_error *err) {
+    if (!lg_st_is_float(t->dtype)) return 0; /* 8-bit codes and the loader's order */
+    int second_moment = strncmp(t->name, "optimizer.v.", 12) == 0;
+    size_t count = (size_t)lg_st_count(t);
+    for (size_t i = 0; i < count; i++) {
+        lg_real x = lg_st_get(t->dtype, bytes, i);
+        if (!isfinite(x) || (second_moment && x < 0))
+            return lg_fail(err, "training state %s: %s[%zu] is %g, %s", f->path, t->name, i,
+                           (double)x, isfinite(x) ? "a negative second moment" : "not finite");
+    }
+    return 0;
+}
+
 /* Reads every view's tensor, checking name, dtype and shape. */
 static int lg_state_read_views(const lg_st_file *f, const lg_state_view *views, int n,
                                size_t n_windows, lg_error *err) {
@@ -12167,6 +12239,7 @@ static int lg_state_read_views(const lg_st_file *f, const lg_state_view *views, 
         unsigned char *bytes = (unsigned char *)LG_MALLOC((size_t)(t->end - t->begin) + 1);
         if (!bytes) return lg_fail(err, "out of host memory for %s", t->name);
         int rc = lg_st_read(f, t, bytes, err);
+        if (rc == 0) rc = lg_state_values_check(f, t, bytes, err);
         if (rc == 0 && lg_state_store(s, bytes, n_windows) != 0)
             rc = lg_fail(err, "training state %s: loader.order holds a window outside the data", f->path);
         LG_FREE(bytes);
@@ -12188,6 +12261,7 @@ int lg_training_state_read(lg_trainer *tr, lg_loader *data, int *step, const cha
         if (lg_state_scalars[k].role == LG_STATE_RESUMED)
             rc = lg_state_number(&f, lg_state_scalars[k].key, &v[lg_state_scalars[k].scalar],
                                  err);
+    if (rc == 0) rc = lg_state_numbers_check(v, path, err);
     if (rc == 0 && data && v[LG_STATE_LOADER_POSITION] > data->n_windows)
         rc = lg_fail(err, "training state %s: loader_position %llu is beyond the data's %zu windows",
                      path, v[LG_STATE_LOADER_POSITION], data->n_windows);
@@ -12462,6 +12536,11 @@ static int lg_peft_read(const lg_model *m0, const char *dir, lg_real *whole, lg_
             rc = lg_fail(err, "adapters %s: %s is %s, this run needs [%d, %d]: written for another "
                               "base model, --lora-r or --lora-targets", path, p->name,
                          t ? "of another shape" : "missing", p->rows, p->cols);
+            break;
+        }
+        if (!lg_st_is_float(t->dtype)) {
+            rc = lg_fail(err, "adapters %s: %s is %s, not F32, BF16 or F16", path, p->name,
+                         lg_st_dtype_name(t->dtype));
             break;
         }
         unsigned char *bytes = (unsigned char *)LG_MALLOC((size_t)(t->end - t->begin) + 1);

@@ -124,6 +124,27 @@ static void die_usage(const char *fmt, ...) {
     lg_launch_abort(2);
 }
 
+/* A write to an output that failed (disk full, file removed, read-only): the run stops with
+   the file named, exit 1; checkpoints already complete stay as they are. */
+static void die_write(const char *path) {
+    char message[1200];
+    snprintf(message, sizeof message, "%s: cannot write: %s", path,
+             errno ? strerror(errno) : "write failed");
+    print_error_line(message, "");
+    lg_launch_abort(1);
+}
+
+/* An output file (--plot's picture, a file in --out) can be created where it goes: found at
+   start, not after the run. Creates path.tmp and removes it. */
+static void probe_writable(const char *flag, const char *path) {
+    char tmp[1100];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    if (!f || fclose(f) != 0) die_usage("%s %s: cannot create files there: %s", flag, path,
+                                        strerror(errno));
+    remove(tmp);
+}
+
 static int parse_int(const char *flag, const char *text) {
     char *end;
     errno = 0;
@@ -434,14 +455,17 @@ static void svg_axis_ticks(FILE *f, const svg_scale *y, double x, int right, con
 static FILE *svg_open(const char *path, char *tmp, size_t size) {
     snprintf(tmp, size, "%s.tmp", path);
     FILE *f = fopen(tmp, "w");
-    if (!f) fprintf(stderr, "train: %s: cannot create: %s\n", tmp, strerror(errno));
+    if (!f) die_write(tmp);
     return f;
 }
 
 static void svg_close(FILE *f, const char *tmp, const char *path) {
     fputs("</svg>\n", f);
-    if (fclose(f) != 0 || rename(tmp, path) != 0)
-        fprintf(stderr, "train: %s: cannot write: %s\n", path, strerror(errno));
+    int failed = ferror(f);
+    if (fclose(f) != 0 || failed || rename(tmp, path) != 0) {
+        remove(tmp);
+        die_write(path);
+    }
 }
 
 /* --plot: the training loss of every step (raw, and smoothed), the validation points and the
@@ -1185,6 +1209,20 @@ static void progress_step(progress *p, const lg_trainer *tr, int done, const lg_
     fflush(stdout);
 }
 
+/* ,"key":value in the log; JSON has no NaN or infinity: null. */
+static void log_number(FILE *log, const char *key, const char *format, double value) {
+    fprintf(log, ",\"%s\":", key);
+    if (isfinite(value)) fprintf(log, format, value);
+    else fputs("null", log);
+}
+
+/* Ends a log line and pushes it to the file; a failed write stops the run. */
+static void log_end(FILE *log, const char *path) {
+    fputs("}\n", log);
+    errno = 0;
+    if (fflush(log) != 0 || ferror(log)) die_write(path);
+}
+
 static void evaluate(lg_trainer *tr, run_data *d, const lg_args *a, int step, FILE *log,
                      loss_plot *plot) {
     if (!d->has_val) return;
@@ -1192,8 +1230,32 @@ static void evaluate(lg_trainer *tr, run_data *d, const lg_args *a, int step, FI
     lg_error err;
     if (lg_trainer_evaluate(tr, &d->val, a->eval_iters, &loss, &err) != 0) die(2, &err);
     printf("step %5d | val loss %.4f\n", step, loss);
-    if (log) { fprintf(log, "{\"step\":%d,\"val_loss\":%.6f}\n", step, loss); fflush(log); }
+    if (log) {
+        fprintf(log, "{\"step\":%d", step);
+        log_number(log, "val_loss", "%.6f", loss);
+        log_end(log, a->log_path);
+    }
     plot_val(plot, step, loss);
+    if (!isfinite(loss)) {
+        lg_fail(&err, "validation loss is %s at step %d: the model diverged (try a lower --lr or "
+                      "a --max-norm)", isnan(loss) ? "NaN" : "infinite", step);
+        die(1, &err);
+    }
+}
+
+/* The JSONL log of every step: the numbers of one step on one line. */
+static void log_step(FILE *log, const char *path, int step, const lg_step_stats *st,
+                     int scaling) {
+    fprintf(log, "{\"step\":%d", step);
+    log_number(log, "loss", "%.6f", st->loss);
+    log_number(log, "lr", "%.6e", st->lr);
+    log_number(log, "grad_norm", "%.6f", st->grad_norm);
+    log_number(log, "ms", "%.3f", st->ms);
+    log_number(log, "tokens_per_s", "%.1f", st->tokens_per_s);
+    if (scaling) log_number(log, "loss_scale", "%g", st->loss_scale);
+    if (st->skipped) fprintf(log, ",\"skipped\":true");
+    if (st->hessian) fprintf(log, ",\"hessian\":true");
+    log_end(log, path);
 }
 
 /* --- processes: under a launcher (mpirun, srun, torchrun) ------------------------------------ */
@@ -1327,6 +1389,12 @@ int main(int argc, char **argv) {
     }
     if (a.out_dir && mkdir(a.out_dir, 0755) != 0 && errno != EEXIST)
         die_usage("--out %s: cannot create the directory: %s", a.out_dir, strerror(errno));
+    if (a.out_dir && launch.process == 0) {
+        char probe[1100];
+        snprintf(probe, sizeof probe, "%s/.probe", a.out_dir);
+        probe_writable("--out", probe);
+    }
+    if (output.plot && launch.process == 0) probe_writable("--plot", output.plot);
     lg_trainer tr;
     if (lg_trainer_create_in(&tr, &cfg, &a, T, &launch, &err) != 0) die(1, &err);
     const lg_model *model = &tr.ranks[0].model;
@@ -1391,16 +1459,7 @@ int main(int argc, char **argv) {
         }
         progress_step(&shown, &tr, step + 1, &st);
         plot_step(&plot, st.loss, st.lr);
-        if (log) {
-            fprintf(log, "{\"step\":%d,\"loss\":%.6f,\"lr\":%.6e,\"grad_norm\":%.6f,"
-                         "\"ms\":%.3f,\"tokens_per_s\":%.1f", step + 1, st.loss, st.lr,
-                    st.grad_norm, st.ms, st.tokens_per_s);
-            if (tr.scaling) fprintf(log, ",\"loss_scale\":%g", st.loss_scale);
-            if (st.skipped) fprintf(log, ",\"skipped\":true");
-            if (st.hessian) fprintf(log, ",\"hessian\":true");
-            fprintf(log, "}\n");
-            fflush(log);
-        }
+        if (log) log_step(log, a.log_path, step + 1, &st, tr.scaling);
         if (ck.save_every && (step + 1) % ck.save_every == 0) {
             progress_clear(&shown);
             if (lg_checkpoint_save(&tr, &data.train, step + 1, a.out_dir, &err) != 0) die(1, &err);
@@ -1422,7 +1481,7 @@ int main(int argc, char **argv) {
         if (lg_checkpoint_save(&tr, &data.train, final_step, a.out_dir, &err) != 0) die(1, &err);
         printf("saved %s/step-%d\n", a.out_dir, final_step);
     }
-    if (log) fclose(log);
+    if (log && fclose(log) != 0) die_write(a.log_path);
     lg_trainer_free(&tr);
     lg_loader_close(&data.train);
     lg_loader_close(&data.val);

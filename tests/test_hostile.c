@@ -111,7 +111,199 @@ static void test_hostile_hf_configs(results *r) {
     }
 }
 
+
+/* ---- crafted checkpoints: a file rewritten, then COMPLETE sealed again so that only the
+   reader's own checks stand between the crafted value and the run ---------------------------- */
+
+/* A safetensors file rewritten: meta entry `key` set to `value` (when key), and each element
+   of the tensors whose names start with `prefix` set to `x` (when prefix); `dtype` > 0 turns
+   the first such tensor into that dtype (its bytes cut to fit). */
+typedef struct {
+    lg_st_file src;
+    lg_st_tensor *tensors;
+    const char *prefix;
+    double x;
+} st_edit;
+
+static int st_edit_fill(void *ctx, int index, unsigned char *out, lg_error *err) {
+    st_edit *e = (st_edit *)ctx;
+    const lg_st_tensor *from = &e->src.tensors[index], *to = &e->tensors[index];
+    unsigned char *bytes = (unsigned char *)malloc((size_t)(from->end - from->begin) + 1);
+    int rc = bytes ? lg_st_read(&e->src, from, bytes, err) : -1;
+    size_t have = (size_t)(from->end - from->begin), want = (size_t)(to->end - to->begin);
+    if (rc == 0) memset(out, 0, want);
+    if (rc == 0) memcpy(out, bytes, have < want ? have : want);
+    free(bytes);
+    if (rc != 0 || !e->prefix || strncmp(to->name, e->prefix, strlen(e->prefix)) != 0 ||
+        !lg_st_is_float(to->dtype))
+        return rc;
+    for (uint64_t i = 0; i < lg_st_count(to); i++) lg_st_set(to->dtype, out, i, (lg_real)e->x);
+    return 0;
+}
+
+static int st_rewrite(const char *path, const char *key, const char *value, const char *prefix,
+                      double x, lg_st_dtype dtype) {
+    st_edit e;
+    lg_error err;
+    memset(&e, 0, sizeof e);
+    if (lg_st_open(&e.src, path, &err) != 0) return -1;
+    e.tensors = (lg_st_tensor *)malloc(sizeof(lg_st_tensor) * (size_t)e.src.n_tensors);
+    memcpy(e.tensors, e.src.tensors, sizeof(lg_st_tensor) * (size_t)e.src.n_tensors);
+    e.prefix = prefix;
+    e.x = x;
+    for (int i = 0; i < e.src.n_tensors && dtype; i++)
+        if (prefix && strncmp(e.tensors[i].name, prefix, strlen(prefix)) == 0) {
+            e.tensors[i].dtype = dtype;
+            break;
+        }
+    lg_st_meta meta[64];
+    int n_meta = e.src.n_meta < 64 ? e.src.n_meta : 64;
+    memcpy(meta, e.src.meta, sizeof(lg_st_meta) * (size_t)n_meta);
+    for (int k = 0; k < n_meta && key; k++)
+        if (strcmp(meta[k].key, key) == 0) snprintf(meta[k].value, sizeof meta[k].value, "%s", value);
+    int rc = lg_st_write(path, e.tensors, e.src.n_tensors, meta, n_meta, st_edit_fill, &e, NULL,
+                         &err);
+    lg_st_close(&e.src);
+    free(e.tensors);
+    return rc;
+}
+
+/* COMPLETE of dir written again from its files as they now are (sizes and hashes), leaving out
+   the line of `drop` (when given). */
+static int reseal(const char *dir, const char *drop) {
+    char path[512], text[4096], line[512], out[8192] = "";
+    snprintf(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    while (fgets(line, sizeof line, f)) {
+        char name[256], file[600];
+        lg_file_digest d;
+        if (sscanf(line, "file %255s", name) != 1) { strcat(out, line); continue; }
+        snprintf(file, sizeof file, "%s/%s", dir, name);
+        if (drop && strcmp(name, drop) == 0) continue;
+        if (lg_file_digest_of(file, &d) != 0) { fclose(f); return -1; }
+        snprintf(text, sizeof text, "file %s %llu %016llx\n", name, (unsigned long long)d.bytes,
+                 (unsigned long long)d.hash);
+        strcat(out, text);
+    }
+    fclose(f);
+    return write_text(path, out);
+}
+
+/* A copy of build/hostile/step-5 edited by st_rewrite(FILE, ...), sealed again: resuming it is
+   refused with `want`. */
+static int crafted_state_refused(lg_trainer *tr, lg_loader *ld, const char *file, const char *key,
+                                 const char *value, const char *prefix, double x, lg_st_dtype dtype,
+                                 const char *want) {
+    char path[256];
+    lg_error err;
+    int step;
+    if (system("rm -rf " HOSTILE_DIR "/copy && cp -r " HOSTILE_DIR "/step-5 " HOSTILE_DIR "/copy") != 0)
+        return 0;
+    snprintf(path, sizeof path, HOSTILE_DIR "/copy/%s", file);
+    if (st_rewrite(path, key, value, prefix, x, dtype) != 0 || reseal(HOSTILE_DIR "/copy", NULL) != 0)
+        return 0;
+    int rc = lg_checkpoint_resume(tr, ld, HOSTILE_DIR "/copy", &step, &err);
+    return refused_with(want, rc, &err, "training state" , want) ||
+           refused_with(want, rc, &err, file, want);
+}
+
+static void test_hostile_training_state(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-pythia")) return;
+    lg_args a = ckpt_args(LG_PRECISION_BF16_MIXED, LG_OPTIMIZER_ADAMW);
+    lg_trainer tr;
+    lg_loader ld;
+    lg_error err;
+    if (lg_trainer_create(&tr, &cfg, &a, 8, &err) != 0) { check(r, 0, "%s", err.msg); return; }
+    builtin_loader(&ld, &cfg, 8, 7, 200, a.seed);
+    system("rm -rf " HOSTILE_DIR "/step-5");
+    lg_checkpoint_save(&tr, &ld, 5, HOSTILE_DIR, &err);
+    const char *st = LG_TRAINING_STATE;
+    struct { const char *key, *value, *prefix; double x; const char *want; } cases[] = {
+        {"step", "-1", NULL, 0, "step is not a non-negative integer"},
+        {"optimizer_updates", "-5", NULL, 0, "optimizer_updates is not a non-negative integer"},
+        {"optimizer_updates", "9", NULL, 0, "optimizer_updates 9 exceeds step 5"},
+        {"step", "99999999999", NULL, 0, "step 99999999999 is beyond 2147483647"},
+        {"loss_scale_bits", "0", NULL, 0, "not a positive finite loss scale"},
+        {NULL, NULL, "optimizer.m.", NAN, "is nan, not finite"},
+        {NULL, NULL, "optimizer.v.", -1.0, "a negative second moment"},
+        {NULL, NULL, "master.", INFINITY, "is inf, not finite"},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        int ok = crafted_state_refused(&tr, &ld, st, cases[k].key, cases[k].value, cases[k].prefix,
+                                       cases[k].x, (lg_st_dtype)0, cases[k].want);
+        check(r, ok, "resume of a state with %s %s refused: %s", cases[k].key ? cases[k].key
+              : cases[k].prefix, cases[k].value ? cases[k].value : "crafted values", cases[k].want);
+    }
+    /* a file taken out of COMPLETE is no longer verified: refused */
+    int step;
+    system("rm -rf " HOSTILE_DIR "/copy && cp -r " HOSTILE_DIR "/step-5 " HOSTILE_DIR "/copy");
+    reseal(HOSTILE_DIR "/copy", st);
+    int rc = lg_checkpoint_resume(&tr, &ld, HOSTILE_DIR "/copy", &step, &err);
+    check(r, refused_with("unlisted", rc, &err, st, "is not listed in COMPLETE"),
+          "a step whose COMPLETE leaves out %s is refused: %s", st, err.msg);
+    lg_loader_close(&ld);
+    lg_trainer_free(&tr);
+}
+
+/* Adapters of other dtypes than the numbers PEFT writes: U8 was a heap over-read, I64 was
+   read as garbage. */
+static void test_hostile_adapters(results *r) {
+    const char *run = "--lora-r 2 --max-steps 2 --eval-every 0 --sample-tokens 1";
+    char args[512];
+    system("rm -rf " HOSTILE_DIR "/lora");
+    snprintf(args, sizeof args, "%s --out " HOSTILE_DIR "/lora", run);
+    expect_cli(r, args, 0, "saved " HOSTILE_DIR "/lora/step-2");
+    const lg_st_dtype dtypes[2] = {LG_ST_U8, LG_ST_I64};
+    for (int k = 0; k < 2; k++) {
+        system("rm -rf " HOSTILE_DIR "/lora-copy && cp -r " HOSTILE_DIR "/lora/step-2 "
+               HOSTILE_DIR "/lora-copy");
+        int made = st_rewrite(HOSTILE_DIR "/lora-copy/adapter_model.safetensors", NULL, NULL,
+                              "base_model.", 0, dtypes[k]) == 0 &&
+                   reseal(HOSTILE_DIR "/lora-copy", NULL) == 0;
+        char want[64];
+        snprintf(want, sizeof want, "is %s, not F32, BF16 or F16", lg_st_dtype_name(dtypes[k]));
+        snprintf(args, sizeof args, "%s --max-steps 3 --resume " HOSTILE_DIR "/lora-copy", run);
+        if (made) expect_cli(r, args, 2, want);
+        else check(r, 0, "could not craft the %s adapter", lg_st_dtype_name(dtypes[k]));
+    }
+}
+
+/* Weights of 1e18, finite and so accepted, overflow the forward: the validation loss is
+   NaN at the resumed step, the log says null (JSON has no NaN) and the run stops with exit 1. */
+static void test_hostile_nan_run(results *r) {
+    const char *run = "-b 4 -t 16 --max-steps 2 --eval-every 0";
+    char args[512], line[512] = "";
+    system("rm -rf " HOSTILE_DIR "/nan");
+    snprintf(args, sizeof args, "%s --out " HOSTILE_DIR "/nan", run);
+    expect_cli(r, args, 0, "saved " HOSTILE_DIR "/nan/step-2");
+    if (st_rewrite(HOSTILE_DIR "/nan/step-2/" LG_TRAINING_STATE, NULL, NULL, "master.", 1e18,
+                   (lg_st_dtype)0) != 0 ||
+        st_rewrite(HOSTILE_DIR "/nan/step-2/model.safetensors", NULL, NULL, "", 1e18,
+                   (lg_st_dtype)0) != 0 || reseal(HOSTILE_DIR "/nan/step-2", NULL) != 0) {
+        check(r, 0, "could not craft the state of 1e18 weights");
+        return;
+    }
+    snprintf(args, sizeof args, "-b 4 -t 16 --max-steps 3 --resume " HOSTILE_DIR "/nan/step-2 "
+             "--log " HOSTILE_DIR "/nan.jsonl");
+    expect_cli(r, args, 1, "validation loss is NaN at step 2");
+    FILE *f = fopen(HOSTILE_DIR "/nan.jsonl", "r");
+    if (f && !fgets(line, sizeof line, f)) line[0] = '\0';
+    if (f) fclose(f);
+    check(r, strstr(line, "\"val_loss\":null") != NULL, "the log writes null for NaN: %s", line);
+    expect_cli(r, "--max-steps 1 --log /dev/full", 1, "/dev/full: cannot write: No space left");
+    expect_cli(r, "--max-steps 1 --plot build/no-such-dir/loss.svg", 2,
+               "--plot build/no-such-dir/loss.svg: cannot create files there");
+    expect_cli(r, "--max-steps 1 --out tests/test.c/out", 2, "--out tests/test.c/out: cannot create");
+}
+
 static void test_hostile_all(results *r) {
     test_hostile_configs(r);
     test_hostile_hf_configs(r);
+    test_hostile_training_state(r);
+    test_hostile_adapters(r);
+    test_hostile_nan_run(r);
+    expect_alpaca_error(r, "[{\"instruction\": \"a\\u0000b\", \"output\": \"c\"}]",
+                        "\\u0000 (a NUL character) inside a string", "NUL escape");
 }
