@@ -161,10 +161,13 @@ build/cuda_compiles: train.c tests/gpu/test_cuda.c tests/check.h $(wildcard test
 	$(NVCC) $(NVCC_FLAGS) -c tests/gpu/test_cuda.c -o build/test_cuda_check.o
 	touch $@
 
-# Training tokens/s of configs/bench.yaml, litgpt.c and PyTorch side by side (PyTorch from the
+# Tokenizer speed (a 1 MiB word, 50 MB of words); training tokens/s of configs/bench.yaml,
+# litgpt.c and PyTorch side by side (PyTorch from the
 # python3-torch package, when installed); first where litgpt.c's step spends its time, op by
 # op, and PyTorch's matmuls on the same shapes.
-bench: tools/bench
+bench: tools/bench tokenizers
+	./tools/bench --tokenizer data/gpt2
+	./tools/bench --tokenizer data/llama2
 	./tools/bench --ops
 	./tools/bench --ops -p bf16-mixed
 	./tools/bench --recompute

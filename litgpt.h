@@ -9721,23 +9721,97 @@ static int lg_bytes_from_alphabet(char *s, size_t *n) {
 /* --- encode and decode ------------------------------------------------------------------------ */
 
 /* BPE on one word given as symbols (ids): merge the lowest-ranked adjacent pair, leftmost
-   first, until no pair merges. Then append the symbols. */
-static int lg_bpe_symbols(const lg_tokenizer *tok, int *sym, size_t n, lg_tokens *out) {
-    while (n > 1) {
-        int best = INT32_MAX, merged = -1, result = -1;
-        size_t at = 0;
-        for (size_t i = 0; i + 1 < n; i++) {
-            int rank = lg_merge_rank(tok, sym[i], sym[i + 1], &result);
-            if (rank < best) { best = rank; at = i; merged = result; }
-        }
-        if (best == INT32_MAX) break;
-        sym[at] = merged;
-        memmove(sym + at + 1, sym + at + 2, sizeof(int) * (n - at - 2));
-        n--;
+   first, until no pair merges; then append the symbols. In O(n log n): the symbols form a
+   linked list over their first positions, and a min-heap holds each adjacent pair as it came
+   to be, ordered by (rank, left position) — the pair the plain rescan of every pair would pick.
+   An entry whose symbols have changed since is skipped when it comes up. */
+typedef struct {
+    int rank;
+    int left;   /* position of the pair's left symbol */
+    int right;  /* and of its right one, when pushed */
+    int left_id, right_id; /* the two symbols then */
+    int merged; /* the id the pair merges into */
+} lg_bpe_pair;
+
+typedef struct {
+    int *sym;           /* (n) the symbol starting at each position; -1 once merged away */
+    int *next, *prev;   /* (n) neighbours in the list; -1 at the ends */
+    lg_bpe_pair *heap;  /* (cap) */
+    size_t size, cap;
+} lg_bpe_word;
+
+static int lg_bpe_before(const lg_bpe_pair *a, const lg_bpe_pair *b) {
+    return a->rank < b->rank || (a->rank == b->rank && a->left < b->left);
+}
+
+static void lg_bpe_push(lg_bpe_word *w, int left, int right, const lg_tokenizer *tok) {
+    lg_bpe_pair p;
+    if (left < 0 || right < 0) return;
+    p.left = left;
+    p.right = right;
+    p.left_id = w->sym[left];
+    p.right_id = w->sym[right];
+    p.rank = lg_merge_rank(tok, p.left_id, p.right_id, &p.merged);
+    if (p.rank == INT32_MAX) return; /* no merge */
+    size_t i = w->size++;
+    while (i > 0 && lg_bpe_before(&p, &w->heap[(i - 1) / 2])) {
+        w->heap[i] = w->heap[(i - 1) / 2];
+        i = (i - 1) / 2;
     }
-    for (size_t i = 0; i < n; i++)
-        if (lg_tokens_push(out, sym[i]) != 0) return -1;
-    return 0;
+    w->heap[i] = p;
+}
+
+static lg_bpe_pair lg_bpe_pop(lg_bpe_word *w) {
+    lg_bpe_pair top = w->heap[0], last = w->heap[--w->size];
+    size_t i = 0;
+    for (;;) {
+        size_t child = 2 * i + 1;
+        if (child >= w->size) break;
+        if (child + 1 < w->size && lg_bpe_before(&w->heap[child + 1], &w->heap[child])) child++;
+        if (!lg_bpe_before(&w->heap[child], &last)) break;
+        w->heap[i] = w->heap[child];
+        i = child;
+    }
+    if (w->size) w->heap[i] = last;
+    return top;
+}
+
+/* The pair still stands: neighbours, holding the symbols they held when pushed. */
+static int lg_bpe_current(const lg_bpe_word *w, const lg_bpe_pair *p) {
+    return w->next[p->left] == p->right && w->sym[p->left] == p->left_id &&
+           w->sym[p->right] == p->right_id;
+}
+
+static int lg_bpe_symbols(const lg_tokenizer *tok, int *sym, size_t n, lg_tokens *out) {
+    lg_bpe_word w;
+    w.sym = sym;
+    w.size = 0;
+    w.cap = 2 * n + 1; /* n - 1 first pairs, then at most two new ones a merge */
+    w.next = (int *)LG_MALLOC(sizeof(int) * (n + 1));
+    w.prev = (int *)LG_MALLOC(sizeof(int) * (n + 1));
+    w.heap = (lg_bpe_pair *)LG_MALLOC(sizeof(lg_bpe_pair) * w.cap);
+    int rc = w.next && w.prev && w.heap ? 0 : -1;
+    for (size_t i = 0; i < n && rc == 0; i++) {
+        w.next[i] = i + 1 < n ? (int)i + 1 : -1;
+        w.prev[i] = (int)i - 1;
+    }
+    for (size_t i = 0; i + 1 < n && rc == 0; i++) lg_bpe_push(&w, (int)i, (int)i + 1, tok);
+    while (rc == 0 && w.size > 0) {
+        lg_bpe_pair p = lg_bpe_pop(&w);
+        if (!lg_bpe_current(&w, &p)) continue;
+        int gone = p.right, after = w.next[gone];
+        sym[p.left] = p.merged;
+        sym[gone] = -1;
+        w.next[p.left] = after;
+        if (after >= 0) w.prev[after] = p.left;
+        lg_bpe_push(&w, w.prev[p.left], p.left, tok);
+        lg_bpe_push(&w, p.left, after, tok);
+    }
+    for (int i = n ? 0 : -1; i >= 0 && rc == 0; i = w.next[i]) rc = lg_tokens_push(out, sym[i]);
+    LG_FREE(w.next);
+    LG_FREE(w.prev);
+    LG_FREE(w.heap);
+    return rc;
 }
 
 typedef struct {

@@ -211,8 +211,53 @@ static void print_ops(lg_trainer *tr, const lg_config *c, int B, int T, double s
     LG_FREE(losses); LG_FREE(targets); LG_FREE(weights_copy.data);
 }
 
+/* Text of `bytes` pseudo-random lowercase letters; with spaces every few letters (words of
+   1-10 letters) or none (one word). */
+static char *bench_text(size_t bytes, int spaces, uint64_t seed) {
+    char *text = (char *)malloc(bytes + 1);
+    lg_rng rng;
+    lg_rng_seed(&rng, seed);
+    size_t word = 0, next_space = 1 + lg_rng_u64(&rng) % 10;
+    for (size_t i = 0; text && i < bytes; i++) {
+        if (spaces && ++word > next_space) {
+            text[i] = ' ';
+            word = 0;
+            next_space = 1 + lg_rng_u64(&rng) % 10;
+        } else {
+            text[i] = (char)('a' + lg_rng_u64(&rng) % 26);
+        }
+    }
+    if (text) text[bytes] = '\0';
+    return text;
+}
+
+/* Encoding speed of a tokenizer: one 1 MiB word (no pre-tokenizer split inside it: the worst
+   case of BPE) and 50 MB of words. */
+static int bench_tokenizer(const char *dir) {
+    lg_tokenizer tok;
+    lg_error err;
+    if (lg_tokenizer_load(&tok, dir, &err) != 0) { fprintf(stderr, "bench: %s\n", err.msg); return 2; }
+    const struct { const char *what; size_t bytes; int spaces; } cases[] = {
+        {"one word of 1 MiB", 1 << 20, 0}, {"50 MB of words", 50000000, 1}};
+    for (int k = 0; k < 2; k++) {
+        char *text = bench_text(cases[k].bytes, cases[k].spaces, 7);
+        lg_tokens ids = {NULL, 0, 0};
+        double t0 = lg_time_ms();
+        int rc = text ? lg_tokenizer_encode(&tok, text, cases[k].bytes, &ids, &err) : -1;
+        double ms = lg_time_ms() - t0;
+        if (rc != 0) { fprintf(stderr, "bench: %s\n", text ? err.msg : "out of memory"); return 1; }
+        printf("tokenizer %s: %s: %.0f ms, %.1f MB/s, %zu tokens\n", dir, cases[k].what, ms,
+               cases[k].bytes / (ms * 1e3), ids.n);
+        LG_FREE(ids.ids);
+        free(text);
+    }
+    lg_tokenizer_free(&tok);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     const char *config = "configs/bench.yaml";
+    if (argc == 3 && strcmp(argv[1], "--tokenizer") == 0) return bench_tokenizer(argv[2]);
     int B = 4, T = 256, steps = 5, warmup = 2;
     lg_precision precision = LG_PRECISION_32_TRUE; /* as the PyTorch side */
     int recompute = 0, offload = 0, ops = 0;
