@@ -1158,7 +1158,8 @@ typedef struct {
     int token_bytes;           /* 2 or 4 */
     uint32_t *memory;          /* (n_tokens) when in memory */
     size_t n_tokens;
-    int vocab_size;            /* tokens must be below it */
+    int vocab_size;            /* tokens must be below it (the model's padded vocabulary) */
+    uint32_t max_token;        /* the largest token of the file (0 for the built-in task) */
     int T;                     /* window length */
     size_t n_windows;          /* (n_tokens - 1) / T */
     size_t *order;             /* (n_windows): the shuffled order of this epoch; NULL: file order */
@@ -8366,6 +8367,35 @@ static int lg_loader_finish(lg_loader *ld, int T, int vocab_size, int shuffle, u
     return 0;
 }
 
+static uint32_t lg_u32_le(const unsigned char *b) {
+    return (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
+}
+
+/* The shard's largest token into ld->max_token, read once at opening in chunks of 1 Mi
+   tokens; a token at or past vocab_size is refused now rather than when its window comes. */
+static int lg_shard_scan(lg_loader *ld, int vocab_size, lg_error *err) {
+    enum { chunk = 1 << 20 };
+    unsigned char *raw = (unsigned char *)LG_MALLOC((size_t)chunk * (size_t)ld->token_bytes);
+    if (!raw) return lg_fail(err, "data %s: out of host memory", ld->path);
+    int rc = fseek(ld->file, LG_SHARD_HEADER_INTS * (long)sizeof(int32_t), SEEK_SET);
+    for (size_t start = 0; start < ld->n_tokens && rc == 0; start += chunk) {
+        size_t n = ld->n_tokens - start < chunk ? ld->n_tokens - start : chunk;
+        if (fread(raw, (size_t)ld->token_bytes, n, ld->file) != n) { rc = -1; break; }
+        for (size_t i = 0; i < n; i++) {
+            const unsigned char *b = raw + i * (size_t)ld->token_bytes;
+            uint32_t token = ld->token_bytes == 2 ? (uint32_t)(b[0] | b[1] << 8) : lg_u32_le(b);
+            if (token > ld->max_token) ld->max_token = token;
+        }
+    }
+    LG_FREE(raw);
+    if (rc != 0) return lg_fail(err, "data %s: read failed", ld->path);
+    if (ld->max_token >= (uint32_t)vocab_size)
+        return lg_fail(err, "data %s: token %u is outside the model's vocabulary of %d (its "
+                            "padded_vocab_size): data made with another tokenizer?", ld->path,
+                       ld->max_token, vocab_size);
+    return 0;
+}
+
 /* fine-tuning samples, below */
 static size_t lg_loader_take(lg_loader *ld);
 static int lg_samples_open(lg_loader *ld, int T, int shuffle, uint64_t seed, lg_error *err);
@@ -8385,6 +8415,12 @@ int lg_loader_open(lg_loader *ld, const char *path, int T, int vocab_size, int s
     fseek(ld->file, 0, SEEK_END);
     long file_bytes = ftell(ld->file);
     const long header_bytes = LG_SHARD_HEADER_INTS * (long)sizeof(int32_t);
+    if (got > 0 && strchr("[{", *(const char *)header)) {
+        lg_loader_close(ld);
+        return lg_fail(err, "data %s: a JSON file, not prepared data: make fine-tuning samples "
+                            "with tools/prepare alpaca (or token shards with tools/prepare text)",
+                       path);
+    }
     if (got != LG_SHARD_HEADER_INTS) {
         lg_loader_close(ld);
         return lg_fail(err, "data %s: %ld bytes, shorter than the %ld-byte header", path,
@@ -8410,6 +8446,10 @@ int lg_loader_open(lg_loader *ld, const char *path, int T, int vocab_size, int s
         return lg_fail(err, "data %s: header says %zu tokens (%ld bytes) but the file has %ld "
                             "bytes (truncated or corrupt)", path, (size_t)(uint32_t)header[2],
                        expected, file_bytes);
+    }
+    if (lg_shard_scan(ld, vocab_size, err) != 0) {
+        lg_loader_close(ld);
+        return -1;
     }
     return lg_loader_finish(ld, T, vocab_size, shuffle, seed, err);
 }
@@ -8534,10 +8574,6 @@ uint32_t *lg_builtin_task_tokens(uint64_t seed, size_t min_tokens, size_t *n_tok
 
 /* --- fine-tuning samples ------------------------------------------------------------------- */
 
-static uint32_t lg_u32_le(const unsigned char *b) {
-    return (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
-}
-
 /* The sample tables of a loader holding n samples; 0 or -1 (out of memory). */
 static int lg_samples_alloc(lg_loader *ld, size_t n) {
     ld->n_samples = n;
@@ -8571,6 +8607,7 @@ static int lg_samples_read_one(lg_loader *ld, const unsigned char *raw, size_t s
         if (token >= (uint32_t)ld->vocab_size)
             return lg_fail(err, "data %s: sample %zu: token %u is outside the model's "
                                 "vocabulary of %d", ld->path, i, token, ld->vocab_size);
+        if (token > ld->max_token) ld->max_token = token;
         ld->memory[(*n_tokens)++] = token;
     }
     return 0;

@@ -1025,9 +1025,22 @@ static void fit_samples(const lg_args *a, const lg_config *cfg, int *T, run_data
            d->val.n_samples, *T, cap, *T);
 }
 
+/* Token ids below padded_vocab_size are the model's, as in LitGPT (Llama 3's configs say
+   vocab_size 128000, and its tokenizer's BOS is 128000): when the data holds one at or past
+   vocab_size, the loss covers every row up to padded_vocab_size, and the run says so. */
+static void widen_vocabulary(lg_config *cfg, const run_data *d) {
+    uint32_t largest = d->train.max_token > d->val.max_token ? d->train.max_token
+                                                             : d->val.max_token;
+    if (largest < (uint32_t)cfg->vocab_size) return;
+    printf("vocabulary: the data holds token %u, past vocab_size %d: the loss covers all %d "
+           "rows of padded_vocab_size (as LitGPT's does)\n", largest, cfg->vocab_size,
+           cfg->padded_vocab_size);
+    cfg->vocab_size = cfg->padded_vocab_size;
+}
+
 /* Opens the data; for fine-tuning samples *T becomes the longest (truncated) sample. Without
    --data but with --val-data (and --max-steps 0) only the validation data: evaluation alone. */
-static void open_data(const lg_args *a, const lg_config *cfg, int *T, run_data *d) {
+static void open_data(const lg_args *a, lg_config *cfg, int *T, run_data *d) {
     lg_error err;
     memset(d, 0, sizeof *d);
     if (!a->data && !a->val_data) {
@@ -1059,19 +1072,21 @@ static void open_data(const lg_args *a, const lg_config *cfg, int *T, run_data *
     if (!samples) check_block_size(*T, cfg); /* a shard's windows are -t long */
     int t = samples ? a->max_seq_length : *T; /* samples: truncation, 0 for none */
     if (a->data) {
-        if (lg_loader_open(&d->train, a->data, t, cfg->vocab_size, 1, a->seed, &err) != 0)
+        if (lg_loader_open(&d->train, a->data, t, cfg->padded_vocab_size, 1, a->seed, &err) != 0)
             die(2, &err);
         d->has_train = 1;
     }
     if (a->val_data) {
-        if (lg_loader_open(&d->val, a->val_data, t, cfg->vocab_size, 0, 0, &err) != 0) die(2, &err);
+        if (lg_loader_open(&d->val, a->val_data, t, cfg->padded_vocab_size, 0, 0, &err) != 0)
+            die(2, &err);
         d->has_val = 1;
     }
+    widen_vocabulary(cfg, d);
     if (samples) fit_samples(a, cfg, T, d);
 }
 
 /* The tokens of a prompt, at most cap of them, or exit 2 naming --prompt: letters of the
-   built-in task, else token ids below vocab_size separated by spaces or commas. */
+   built-in task, else token ids below padded_vocab_size separated by spaces or commas. */
 static int prompt_tokens(const char *prompt, int builtin, int vocab_size, int *tokens, int cap) {
     int n = 0;
     if (builtin) {
@@ -1109,7 +1124,7 @@ static void print_sample(lg_trainer *tr, const lg_args *a, const run_data *d, co
     size_t cap = strlen(prompt) + (size_t)m->T;
     int *tokens = (int *)malloc(sizeof(int) * (cap + (size_t)a->sample_tokens));
     if (!tokens) { fputs("train: out of host memory for the sample\n", stderr); exit(1); }
-    int n = prompt_tokens(prompt, d->builtin, m->cfg.vocab_size, tokens, (int)cap);
+    int n = prompt_tokens(prompt, d->builtin, m->cfg.padded_vocab_size, tokens, (int)cap);
     lg_trainer_generate(tr, tokens, n, a->sample_tokens, a->temperature, rng);
     printf("sample: ");
     for (int i = 0; i < n + a->sample_tokens; i++) {
@@ -1384,7 +1399,7 @@ int main(int argc, char **argv) {
 
     if (a.prompt) { /* a bad prompt or --out should stop the run now, not after it */
         int *scratch = (int *)malloc(sizeof(int) * (size_t)T);
-        prompt_tokens(a.prompt, data.builtin, cfg.vocab_size, scratch, T);
+        prompt_tokens(a.prompt, data.builtin, cfg.padded_vocab_size, scratch, T);
         free(scratch);
     }
     if (a.out_dir && mkdir(a.out_dir, 0755) != 0 && errno != EEXIST)

@@ -1,0 +1,59 @@
+/* tests/test_real_models.c — real models and real data without surprises (issue 23): special
+   tokens at or past vocab_size, the Hub's layouts, configs found from anywhere, the errors a
+   newcomer meets first. Included by tests/test.c. */
+
+#define REAL_DIR "build/real"
+
+/* configs/test-llama.yaml with another vocabulary (and block_size 64), at path. */
+static int vocab_config(const char *path, int vocab_size, int padded) {
+    char changes[256];
+    snprintf(changes, sizeof changes, "vocab_size: %d\npadded_vocab_size: %d\nblock_size: 64\n",
+             vocab_size, padded);
+    return hostile_yaml(path, "test-llama", changes);
+}
+
+/* Token ids below padded_vocab_size are the model's, as LitGPT has it: Llama 3's BOS 128000
+   under its configs' vocab_size 128000, and an end-of-text id equal to vocab_size (Qwen2's
+   151643; here GPT-2's 50256 under a vocab_size of 50256), prepared by tools/prepare and
+   trained, the loss over every padded row. */
+static void test_special_token_ids(results *r) {
+    struct { const char *tokenizer; int vocab, padded, special; } cases[] = {
+        {"data/llama3", 128000, 128256, 128000},
+        {"data/gpt2", 50256, 50304, 50256},
+    };
+    if (system("mkdir -p " REAL_DIR " && ./tools/prepare builtin --samples 40 > "
+               REAL_DIR "/builtin.json") != 0) { check(r, 0, "tools/prepare builtin failed"); return; }
+    for (int k = 0; k < 2; k++) {
+        char cmd[512], cfg[128], want[160];
+        snprintf(cmd, sizeof cmd, "./tools/prepare alpaca --tokenizer %s --out " REAL_DIR
+                 "/special.bin " REAL_DIR "/builtin.json > /dev/null", cases[k].tokenizer);
+        snprintf(cfg, sizeof cfg, REAL_DIR "/vocab-%d.yaml", k);
+        if (system(cmd) != 0 || vocab_config(cfg, cases[k].vocab, cases[k].padded) != 0) {
+            check(r, 0, "could not prepare %s", cmd);
+            continue;
+        }
+        lg_loader ld;
+        lg_error err;
+        int rc = lg_loader_open(&ld, REAL_DIR "/special.bin", 0, cases[k].padded, 0, 0, &err);
+        check(r, rc == 0 && ld.max_token >= (uint32_t)cases[k].special &&
+                     ld.max_token < (uint32_t)cases[k].padded,
+              "%s: samples hold tokens up to %u (special tokens from %d), below padded_vocab_size %d",
+              cases[k].tokenizer, rc == 0 ? ld.max_token : 0, cases[k].special, cases[k].padded);
+        if (rc == 0) lg_loader_close(&ld);
+        snprintf(cmd, sizeof cmd, "-c %s --data " REAL_DIR "/special.bin -b 2 -t 64 --max-steps 2 "
+                 "--eval-every 0 --sample-tokens 1", cfg);
+        snprintf(want, sizeof want, "the loss covers all %d rows of padded_vocab_size",
+                 cases[k].padded);
+        expect_cli(r, cmd, 0, "step     2/2");
+        expect_cli(r, cmd, 0, want);
+    }
+    expect_cli(r, "-c test-llama --data " REAL_DIR "/special.bin -t 8 --max-steps 1", 2,
+               "is outside the model's vocabulary of 32");
+    write_text(REAL_DIR "/alpaca.json", "[{\"instruction\": \"a\", \"output\": \"b\"}]");
+    expect_cli(r, "-c test-llama --data " REAL_DIR "/alpaca.json -t 8 --max-steps 1", 2,
+               "a JSON file, not prepared data: make fine-tuning samples with tools/prepare alpaca");
+}
+
+static void test_real_models_all(results *r) {
+    test_special_token_ids(r);
+}
