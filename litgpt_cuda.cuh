@@ -2029,11 +2029,13 @@ __device__ __forceinline__ void lg_att_mma_a_rows(uint32_t (*f)[4], const uint16
         if (kk < hs16) lg_att_mma_a(f[kk], p + kk * LG_ATT_MMA_K, ld, lane);
 }
 /* The backward's pair of 16 x 8 tiles for a warp: s = A1 B1^T (scores) and dp = A2 B2^T
-   (dY V^T), each over the head's first hs16 slices of 16 (of QK); A1, A2 (QK A fragments,
-   lg_att_mma_a_rows) in registers, B's rows at b1/b2, row stride ld. */
-template <lg_dtype DT, int QK>
+   (dY V^T), each over the head's first hs16 slices of 16 (of QK). HELD: A1, A2 are QK A
+   fragments in registers (lg_att_mma_a_rows), a1/a2; else they are read from A's rows in
+   shared memory, a1s/a2s, at every call. B's rows at b1/b2; row stride ld. */
+template <lg_dtype DT, int QK, bool HELD>
 __device__ __forceinline__ void lg_att_mma_pair(float s[4], float dp[4], const uint32_t (*a1)[4],
-                                                const uint16_t *b1, const uint32_t (*a2)[4],
+                                                const uint32_t (*a2)[4], const uint16_t *a1s,
+                                                const uint16_t *a2s, const uint16_t *b1,
                                                 const uint16_t *b2, int ld, int hs16, int lane) {
     constexpr int K = LG_ATT_MMA_K;
     s[0] = s[1] = s[2] = s[3] = 0.0f;
@@ -2041,11 +2043,16 @@ __device__ __forceinline__ void lg_att_mma_pair(float s[4], float dp[4], const u
     LG_ATT_UNROLL
     for (int kk = 0; kk < QK; kk++)
         if (kk < hs16) {
-            uint32_t bf[2];
+            uint32_t bf[2], af[4];
+            const uint32_t *f = af;
             lg_att_mma_b_rows(bf, b1 + kk * K, ld, lane);
-            lg_mma_m16n8k16<DT>(s, a1[kk], bf, s);
+            if constexpr (HELD) f = a1[kk];
+            else lg_att_mma_a(af, a1s + kk * K, ld, lane);
+            lg_mma_m16n8k16<DT>(s, f, bf, s);
             lg_att_mma_b_rows(bf, b2 + kk * K, ld, lane);
-            lg_mma_m16n8k16<DT>(dp, a2[kk], bf, dp);
+            if constexpr (HELD) f = a2[kk];
+            else lg_att_mma_a(af, a2s + kk * K, ld, lane);
+            lg_mma_m16n8k16<DT>(dp, f, bf, dp);
         }
 }
 /* The B fragment of the 16 x 8 tile at p (row-major, row stride ld), as V in P V. */
@@ -2305,8 +2312,8 @@ __device__ __forceinline__ void lg_att_dq_ds(float (*s)[4], const float (*dp)[4]
         LG_ATT_UNROLL
         for (int e = 0; e < 4; e++) { /* e / 2: row t0 + 8 (e / 2); e % 2: the column */
             int t = t0 + 8 * (e / 2), c = c0 + st * LG_ATT_MMA_N + e % 2;
-            float p = !MASKED || (st < live && c <= t && c < T) ? __expf(s[st][e] * scale - L[e / 2])
-                                                                : 0.0f;
+            bool keep = !MASKED || (st < live && c <= t && c < T);
+            float p = keep ? __expf(s[st][e] * scale - L[e / 2]) : 0.0f;
             s[st][e] = p * (dp[st][e] - D[e / 2]) * scale;
         }
     }
@@ -2385,8 +2392,9 @@ lg_k_attention_backward_dq_mma(uint16_t *dqkv, const uint16_t *dy, const float *
         LG_ATT_UNROLL
         for (int st = 0; st < ST; st++) {
             if (st < live)
-                lg_att_mma_pair<DT, QK>(s[st], dp[st], qf, kt + st * N * LDH, dyf,
-                                        vt + st * N * LDH, LDH, hs16, lane);
+                lg_att_mma_pair<DT, QK, true>(s[st], dp[st], qf, dyf, qs + w0 * LDH,
+                                              dys + w0 * LDH, kt + st * N * LDH,
+                                              vt + st * N * LDH, LDH, hs16, lane);
             else
                 s[st][0] = s[st][1] = s[st][2] = s[st][3] = dp[st][0] = dp[st][1] = dp[st][2] =
                     dp[st][3] = 0.0f;
@@ -2488,7 +2496,11 @@ lg_k_attention_backward_dkv_mma(uint16_t *dqkv, const uint16_t *dy, const float 
     }
     lg_cp_async_commit();
 
-    uint32_t kf[QK][4], vf[QK][4]; /* the warp's K and V (16 x HSP) as A fragments */
+    /* the warp's K and V (16 x HSP) as A fragments, held from the first query tile to the last;
+       at HSP 128 (where dK and dV take 128 registers, and held fragments spill) read from shared
+       memory at each product instead */
+    constexpr bool HOLD = HSP < LG_ATT_TC_MAX_HEAD;
+    uint32_t kf[HOLD ? QK : 1][4], vf[HOLD ? QK : 1][4];
     float dk[OT][4], dv[OT][4];
     LG_ATT_UNROLL
     for (int ot = 0; ot < OT; ot++)
@@ -2513,9 +2525,9 @@ lg_k_attention_backward_dkv_mma(uint16_t *dqkv, const uint16_t *dy, const float 
         lg_att_tc_rows<BQ>(lses, ds, lse + ((size_t)b * NH + h) * T,
                            Drows + ((size_t)b * NH + h) * T, q0, T);
         __syncthreads();
-        if (n == 0) {
-            lg_att_mma_a_rows<QK>(kf, ks + w0 * LDH, LDH, hs16, lane);
-            lg_att_mma_a_rows<QK>(vf, vs + w0 * LDH, LDH, hs16, lane);
+        if (HOLD && n == 0) {
+            lg_att_mma_a_rows<HOLD ? QK : 1>(kf, ks + w0 * LDH, LDH, hs16, lane);
+            lg_att_mma_a_rows<HOLD ? QK : 1>(vf, vs + w0 * LDH, LDH, hs16, lane);
         }
         bool live[ST]; /* score tiles with a query at or after the warp's first key, below T */
         float s[ST][4], dp[ST][4];
@@ -2523,8 +2535,9 @@ lg_k_attention_backward_dkv_mma(uint16_t *dqkv, const uint16_t *dy, const float 
         for (int st = 0; st < ST; st++) {
             live[st] = q0 + st * N + N - 1 >= c0 && q0 + st * N < T;
             if (live[st])
-                lg_att_mma_pair<DT, QK>(s[st], dp[st], kf, qt + st * N * LDH, vf,
-                                        dyt + st * N * LDH, LDH, hs16, lane);
+                lg_att_mma_pair<DT, QK, HOLD>(s[st], dp[st], kf, vf, ks + w0 * LDH, vs + w0 * LDH,
+                                              qt + st * N * LDH, dyt + st * N * LDH, LDH, hs16,
+                                              lane);
             else
                 s[st][0] = s[st][1] = s[st][2] = s[st][3] = dp[st][0] = dp[st][1] = dp[st][2] =
                     dp[st][3] = 0.0f;
