@@ -2319,6 +2319,29 @@ __device__ __forceinline__ void lg_att_dq_ds(float (*s)[4], const float (*dp)[4]
     }
 }
 
+/* The dq kernel's dQ += dS K over one key tile: dS (s) rounded to 16 bits as A fragments, a k
+   step of 16 keys taking score tiles 2 pk and 2 pk + 1 (those below `live`); K: the tile's
+   rows kt (BC, ld) in shared memory. */
+template <lg_dtype DT, int PK, int OT>
+__device__ __forceinline__ void lg_att_dq_accumulate(float (*dq)[4], const float (*s)[4], int live,
+                                                     const uint16_t *kt, int ld, int hs8,
+                                                     int lane) {
+    constexpr int N = LG_ATT_MMA_N, K = LG_ATT_MMA_K;
+    LG_ATT_UNROLL
+    for (int pk = 0; pk < PK; pk++) {
+        if (2 * pk >= live) continue;
+        uint32_t af[4];
+        lg_att_mma_a_from<DT>(af, s[2 * pk], s[2 * pk + 1]);
+        LG_ATT_UNROLL
+        for (int ot = 0; ot < OT; ot++)
+            if (ot < hs8) {
+                uint32_t bf[2];
+                lg_att_mma_b_cols(bf, kt + pk * K * ld + ot * N, ld, lane);
+                lg_mma_m16n8k16<DT>(dq[ot], af, bf, dq[ot]);
+            }
+    }
+}
+
 /* Backward, dq. A block owns one query tile (64 queries) of one (batch, head), heaviest first,
    and sweeps the key tiles (64 keys, cp.async into two buffers) up to its diagonal; warp w owns
    queries 16 w .. 16 w + 15, whose Q and dY A fragments stay in registers from the first key
@@ -2383,10 +2406,8 @@ lg_k_attention_backward_dq_mma(uint16_t *dqkv, const uint16_t *dy, const float *
             lg_cp_async_wait<0>();
         }
         __syncthreads();
-        if (j == 0) {
-            lg_att_mma_a_rows<QK>(qf, qs + w0 * LDH, LDH, hs16, lane);
-            lg_att_mma_a_rows<QK>(dyf, dys + w0 * LDH, LDH, hs16, lane);
-        }
+        if (j == 0) lg_att_mma_a_rows<QK>(qf, qs + w0 * LDH, LDH, hs16, lane);
+        if (j == 0) lg_att_mma_a_rows<QK>(dyf, dys + w0 * LDH, LDH, hs16, lane);
         int live = wlast < k0 ? 0 : min(ST, (wlast - k0) / N + 1);
         float s[ST][4], dp[ST][4];
         LG_ATT_UNROLL
@@ -2405,19 +2426,7 @@ lg_k_attention_backward_dq_mma(uint16_t *dqkv, const uint16_t *dy, const float *
             lg_att_dq_ds<false, ST>(s, dp, L, D, scale, t0, c0, live, T);
         else
             lg_att_dq_ds<true, ST>(s, dp, L, D, scale, t0, c0, live, T);
-        LG_ATT_UNROLL
-        for (int pk = 0; pk < PK; pk++) {
-            if (2 * pk >= live) continue;
-            uint32_t af[4];
-            lg_att_mma_a_from<DT>(af, s[2 * pk], s[2 * pk + 1]);
-            LG_ATT_UNROLL
-            for (int ot = 0; ot < OT; ot++)
-                if (ot < hs8) {
-                    uint32_t bf[2];
-                    lg_att_mma_b_cols(bf, kt + pk * K * LDH + ot * N, LDH, lane);
-                    lg_mma_m16n8k16<DT>(dq[ot], af, bf, dq[ot]);
-                }
-        }
+        lg_att_dq_accumulate<DT, PK, OT>(dq, s, live, kt, LDH, hs8, lane);
         __syncthreads();
     }
     lg_att_mma_add<DT, OT>(dqkv + at + (size_t)h * HS, QKV, dq, q0 + w0, T, HS, group, tig);
@@ -2448,6 +2457,57 @@ __device__ __forceinline__ void lg_att_dkv_ps(float (*s)[4], float (*dp)[4], con
             s[st][e] = p;
             dp[st][e] = p * (dp[st][e] - ds[col]) * scale;
         }
+    }
+}
+
+/* The dk/dv kernel's S^T = K Q^T and dP^T = V dY^T over one query tile: ST 16 x 8 tiles each
+   (K and V: the warp's A fragments kf, vf when HOLD, else its rows ksw, vsw; Q and dY: the
+   tile's rows qt, dyt (BQ, ld)); live[st]: the score tile has a query at or after the warp's
+   first key c0 and below T (else its tiles are zeros). */
+template <lg_dtype DT, int QK, int ST, bool HOLD>
+__device__ __forceinline__ void lg_att_dkv_scores(float (*s)[4], float (*dp)[4], bool *live,
+                                                  const uint32_t (*kf)[4], const uint32_t (*vf)[4],
+                                                  const uint16_t *ksw, const uint16_t *vsw,
+                                                  const uint16_t *qt, const uint16_t *dyt, int ld,
+                                                  int q0, int c0, int T, int hs16, int lane) {
+    constexpr int N = LG_ATT_MMA_N;
+    LG_ATT_UNROLL
+    for (int st = 0; st < ST; st++) {
+        live[st] = q0 + st * N + N - 1 >= c0 && q0 + st * N < T;
+        if (live[st])
+            lg_att_mma_pair<DT, QK, HOLD>(s[st], dp[st], kf, vf, ksw, vsw, qt + st * N * ld,
+                                          dyt + st * N * ld, ld, hs16, lane);
+        else
+            s[st][0] = s[st][1] = s[st][2] = s[st][3] = dp[st][0] = dp[st][1] = dp[st][2] =
+                dp[st][3] = 0.0f;
+    }
+}
+
+/* The dk/dv kernel's dV += P^T dY and dK += dS^T Q over one query tile: P^T (s) and dS^T (dp)
+   rounded to 16 bits as A fragments, a k step of 16 queries taking score tiles 2 pk and
+   2 pk + 1; dY and Q: the tile's rows dyt, qt (BQ, ld) in shared memory. */
+template <lg_dtype DT, int PK, int OT>
+__device__ __forceinline__ void lg_att_dkv_accumulate(float (*dv)[4], float (*dk)[4],
+                                                      const float (*s)[4], const float (*dp)[4],
+                                                      const bool *live, const uint16_t *dyt,
+                                                      const uint16_t *qt, int ld, int hs8,
+                                                      int lane) {
+    constexpr int N = LG_ATT_MMA_N, K = LG_ATT_MMA_K;
+    LG_ATT_UNROLL
+    for (int pk = 0; pk < PK; pk++) {
+        if (!live[2 * pk] && !live[2 * pk + 1]) continue;
+        uint32_t pf[4], dsf[4];
+        lg_att_mma_a_from<DT>(pf, s[2 * pk], s[2 * pk + 1]);
+        lg_att_mma_a_from<DT>(dsf, dp[2 * pk], dp[2 * pk + 1]);
+        LG_ATT_UNROLL
+        for (int ot = 0; ot < OT; ot++)
+            if (ot < hs8) {
+                uint32_t bf[2];
+                lg_att_mma_b_cols(bf, dyt + pk * K * ld + ot * N, ld, lane);
+                lg_mma_m16n8k16<DT>(dv[ot], pf, bf, dv[ot]);
+                lg_att_mma_b_cols(bf, qt + pk * K * ld + ot * N, ld, lane);
+                lg_mma_m16n8k16<DT>(dk[ot], dsf, bf, dk[ot]);
+            }
     }
 }
 
@@ -2489,11 +2549,9 @@ lg_k_attention_backward_dkv_mma(uint16_t *dqkv, const uint16_t *dy, const float 
 
     lg_att_mma_load<HSP, BK>(ks, qkv + at + (size_t)(NH + g) * HS, QKV, k0, T, HS);
     lg_att_mma_load<HSP, BK>(vs, qkv + at + (size_t)(NH + NQG + g) * HS, QKV, k0, T, HS);
-    {
-        int h = g * heads_per_group;
-        lg_att_mma_load<HSP, BQ>(qs, qkv + at + (size_t)h * HS, QKV, qstart, T, HS);
-        lg_att_mma_load<HSP, BQ>(dys, dy + aty + (size_t)h * HS, ldy, qstart, T, HS);
-    }
+    size_t h0 = (size_t)g * heads_per_group * HS; /* the group's first head */
+    lg_att_mma_load<HSP, BQ>(qs, qkv + at + h0, QKV, qstart, T, HS);
+    lg_att_mma_load<HSP, BQ>(dys, dy + aty + h0, ldy, qstart, T, HS);
     lg_cp_async_commit();
 
     /* the warp's K and V (16 x HSP) as A fragments, held from the first query tile to the last;
@@ -2529,40 +2587,16 @@ lg_k_attention_backward_dkv_mma(uint16_t *dqkv, const uint16_t *dy, const float 
             lg_att_mma_a_rows<HOLD ? QK : 1>(kf, ks + w0 * LDH, LDH, hs16, lane);
             lg_att_mma_a_rows<HOLD ? QK : 1>(vf, vs + w0 * LDH, LDH, hs16, lane);
         }
-        bool live[ST]; /* score tiles with a query at or after the warp's first key, below T */
-        float s[ST][4], dp[ST][4];
-        LG_ATT_UNROLL
-        for (int st = 0; st < ST; st++) {
-            live[st] = q0 + st * N + N - 1 >= c0 && q0 + st * N < T;
-            if (live[st])
-                lg_att_mma_pair<DT, QK, HOLD>(s[st], dp[st], kf, vf, ks + w0 * LDH, vs + w0 * LDH,
-                                              qt + st * N * LDH, dyt + st * N * LDH, LDH, hs16,
-                                              lane);
-            else
-                s[st][0] = s[st][1] = s[st][2] = s[st][3] = dp[st][0] = dp[st][1] = dp[st][2] =
-                    dp[st][3] = 0.0f;
-        }
+        bool live[ST];
+        float s[ST][4], dp[ST][4]; /* S^T and dP^T (16 x BQ), then P^T and dS^T */
+        lg_att_dkv_scores<DT, QK, ST, HOLD>(s, dp, live, kf, vf, ks + w0 * LDH, vs + w0 * LDH, qt,
+                                            dyt, LDH, q0, c0, T, hs16, lane);
         /* a query tile wholly at or after the warp's last key, with it below T, needs no mask */
         if (q0 >= c0 + M - 1 && q0 + BQ <= T && c0 + M <= T)
             lg_att_dkv_ps<false, ST>(s, dp, live, lses, ds, scale, c0 + group, q0, tig, T);
         else
             lg_att_dkv_ps<true, ST>(s, dp, live, lses, ds, scale, c0 + group, q0, tig, T);
-        LG_ATT_UNROLL
-        for (int pk = 0; pk < PK; pk++) {
-            if (!live[2 * pk] && !live[2 * pk + 1]) continue;
-            uint32_t pf[4], dsf[4];
-            lg_att_mma_a_from<DT>(pf, s[2 * pk], s[2 * pk + 1]);
-            lg_att_mma_a_from<DT>(dsf, dp[2 * pk], dp[2 * pk + 1]);
-            LG_ATT_UNROLL
-            for (int ot = 0; ot < OT; ot++)
-                if (ot < hs8) {
-                    uint32_t bf[2];
-                    lg_att_mma_b_cols(bf, dyt + pk * K * LDH + ot * N, LDH, lane);
-                    lg_mma_m16n8k16<DT>(dv[ot], pf, bf, dv[ot]);
-                    lg_att_mma_b_cols(bf, qt + pk * K * LDH + ot * N, LDH, lane);
-                    lg_mma_m16n8k16<DT>(dk[ot], dsf, bf, dk[ot]);
-                }
-        }
+        lg_att_dkv_accumulate<DT, PK, OT>(dv, dk, s, dp, live, dyt, qt, LDH, hs8, lane);
         __syncthreads(); /* this tile's buffers and rows are used up before they are refilled */
     }
     lg_att_mma_add<DT, OT>(dqkv + at + (size_t)(NH + g) * HS, QKV, dk, c0, T, HS, group, tig);
