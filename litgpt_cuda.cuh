@@ -27,6 +27,8 @@
 
 #ifndef LG_CUDA_EMULATE
 #include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
 #endif
@@ -85,6 +87,20 @@ static void lg_cuda_die(const char *call, const char *file, int line, const char
     type *name = (type *)lg_shared_bytes_
 #endif
 
+#ifndef LG_CUDA_EMULATE
+#define LG_LT_CACHE 32 /* matmul shapes a rank keeps cuBLASLt plans for */
+#define LG_LT_KEY 15   /* ints of a shape's key (lg_lt_key) */
+/* One matmul shape's cuBLASLt descriptor, layouts and chosen algorithm (lg_cuda_matmul_lt):
+   made at the shape's first call, reused by every later one. */
+typedef struct {
+    int key[LG_LT_KEY];
+    int usable;                           /* 0: cuBLASLt had no algorithm that ran */
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t first, second, out;
+    cublasLtMatmulAlgo_t algo;
+} lg_lt_plan;
+#endif
+
 /* One GPU of a run: the rank's device, its streams, and its scratch in the plan's cuda.*
    regions of the rank's device arena (see LG_CUDA_MATMUL_WORKSPACE in litgpt.h). */
 struct lg_cuda_rank {
@@ -96,6 +112,8 @@ struct lg_cuda_rank {
     cudaEvent_t signals[LG_COMM_SIGNALS]; /* an _async collective raising that signal is done */
 #ifndef LG_CUDA_EMULATE
     cublasLtHandle_t lt;
+    lg_lt_plan lt_plans[LG_LT_CACHE]; /* a cache of matmul plans by shape */
+    int lt_plan_count;                /* plans made so far (slot count % LG_LT_CACHE is next) */
 #endif
     void *matmul_workspace;     /* (matmul_workspace_bytes): cuBLASLt's */
     size_t matmul_workspace_bytes;
@@ -177,7 +195,8 @@ static unsigned lg_cuda_blocks(size_t n, unsigned threads) {
 #define LG_CUDA_ELEMENT_THREADS 256    /* elementwise kernels */
 #define LG_CUDA_ELEMENT_GRID_MAX 8192  /* grid-stride loops: blocks at most */
 #define LG_CUDA_ROW_WARPS 8            /* norms: one warp a row, 8 rows a block */
-#define LG_CUDA_CHANNEL_THREADS 256    /* norm weight gradients: channels a block */
+#define LG_CUDA_CHANNEL_THREADS 256    /* norm weight gradients: channel runs a block at most */
+#define LG_CUDA_LOADS_IN_FLIGHT 4      /* column reductions: rows a thread loads before adding */
 #define LG_CUDA_CLASSIFIER_THREADS 256 /* cross-entropy: threads of a row's block */
 #define LG_CUDA_SUM_THREADS 256        /* sums of squares and of losses */
 #define LG_CUDA_TOTAL_SLOT (LG_CUDA_REDUCE_SLOTS - 1) /* totals[]: where a final sum lands; the
@@ -185,6 +204,13 @@ static unsigned lg_cuda_blocks(size_t n, unsigned threads) {
 #define LG_CUDA_EMBED_THREADS 128      /* embedding backward: channels of a block */
 #define LG_CUDA_EMBED_CLASSES 64       /* ... and token-id classes (id % classes) of the grid */
 #define LG_CUDA_TOKEN_TILE 1024        /* ids staged in shared memory at a time */
+
+/* Threads of a block of a column reduction over `runs` column runs: as many as there are runs,
+   in whole warps, up to `most` (no block mostly idle on a narrow matrix). */
+static unsigned lg_cuda_run_threads(int runs, unsigned most) {
+    unsigned warps = (unsigned)(runs + LG_CUDA_WARP - 1) / LG_CUDA_WARP;
+    return warps * LG_CUDA_WARP < most ? warps * LG_CUDA_WARP : most;
+}
 
 /* b. element access and reductions shared by the kernels --------------------------------------- */
 
@@ -786,21 +812,27 @@ __global__ void lg_k_norm_backward_input(lg_buf dinp, lg_buf dout, lg_buf inp, l
 __global__ void lg_k_norm_backward_chunks(float *row_sums, lg_buf dout, lg_buf inp,
                                           const lg_real *mean, const lg_real *rstd, int N, int C,
                                           int width) {
-    int runs = C / width, channel_blocks = (runs + LG_CUDA_CHANNEL_THREADS - 1) / LG_CUDA_CHANNEL_THREADS;
+    constexpr int L = LG_CUDA_LOADS_IN_FLIGHT;
+    int runs = C / width, channel_blocks = (runs + (int)blockDim.x - 1) / (int)blockDim.x;
     int chunk = blockIdx.x / channel_blocks;
-    int i = ((blockIdx.x % channel_blocks) * LG_CUDA_CHANNEL_THREADS + threadIdx.x) * width;
+    int i = ((blockIdx.x % channel_blocks) * (int)blockDim.x + threadIdx.x) * width;
     if (i >= C) return;
     int rows = (N + LG_CUDA_ROW_CHUNKS - 1) / LG_CUDA_ROW_CHUNKS;
     int first = chunk * rows, last = first + rows < N ? first + rows : N;
     float dw[LG_PACK] = {0}, db[LG_PACK] = {0};
-    for (int n = first; n < last; n++) {
-        float dy[LG_PACK], x[LG_PACK], mu = mean ? mean[n] : 0.0f, r = rstd[n];
-        lg_k_load_run(dout, (size_t)n * C + i, width, dy);
-        lg_k_load_run(inp, (size_t)n * C + i, width, x);
-        for (int j = 0; j < width; j++) {
-            dw[j] += dy[j] * (x[j] - mu) * r;
-            db[j] += dy[j];
+    for (int n = first; n < last; n += L) { /* L rows' loads issued, then added in row order */
+        float dy[L][LG_PACK], x[L][LG_PACK], mu[L], r[L];
+        int count = last - n < L ? last - n : L;
+        for (int k = 0; k < count; k++) {
+            mu[k] = mean ? mean[n + k] : 0.0f, r[k] = rstd[n + k];
+            lg_k_load_run(dout, (size_t)(n + k) * C + i, width, dy[k]);
+            lg_k_load_run(inp, (size_t)(n + k) * C + i, width, x[k]);
         }
+        for (int k = 0; k < count; k++)
+            for (int j = 0; j < width; j++) {
+                dw[j] += dy[k][j] * (x[k][j] - mu[k]) * r[k];
+                db[j] += dy[k][j];
+            }
     }
     for (int j = 0; j < width; j++) {
         row_sums[(size_t)chunk * 2 * C + i + j] = dw[j];
@@ -859,9 +891,10 @@ static void lg_cuda_norm_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweight
     if (!dweight.data) return; /* frozen (LoRA) */
     const lg_buf bufs[2] = {dout, inp};
     int width = lg_cuda_run_width(C, bufs, 2);
-    unsigned run_blocks = lg_cuda_blocks((size_t)(C / width), LG_CUDA_CHANNEL_THREADS);
-    LG_LAUNCH(lg_k_norm_backward_chunks, run_blocks * LG_CUDA_ROW_CHUNKS, LG_CUDA_CHANNEL_THREADS,
-              0, stream, ex->cuda->row_sums, dout, inp, mean, rstd, N, C, width);
+    unsigned threads = lg_cuda_run_threads(C / width, LG_CUDA_CHANNEL_THREADS);
+    unsigned run_blocks = lg_cuda_blocks((size_t)(C / width), threads);
+    LG_LAUNCH(lg_k_norm_backward_chunks, run_blocks * LG_CUDA_ROW_CHUNKS, threads, 0, stream,
+              ex->cuda->row_sums, dout, inp, mean, rstd, N, C, width);
     LG_LAUNCH(lg_k_norm_backward_weights, lg_cuda_blocks((size_t)C, LG_CUDA_CHANNEL_THREADS),
               LG_CUDA_CHANNEL_THREADS, 0, stream, dweight, dbias, ex->cuda->row_sums, C);
 }
@@ -1864,25 +1897,16 @@ static void lg_att_backward_typed(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg_
 #define LG_ATT_MMA_KEYS 64  /* keys of a forward or dq tile */
 #define LG_ATT_MMA_STAGES 2 /* buffers of a streamed tile: one in use, one being copied */
 
-/* lses, ds (NROWS) = the saved log-sum-exp and D = dy . y of query rows [row0, row0 + NROWS)
-   of a head (0 from T on): LANES consecutive lanes split a row's dims, then sum their parts.
-   dy, y: the head's (T, HS), row stride ld; lse_row: the head's (T). */
-template <lg_dtype DT, int NROWS>
+/* lses, ds (NROWS) = the saved log-sum-exp and D = dy . y (lg_k_attention_rowdot's) of query
+   rows [row0, row0 + NROWS) of a head (0 from T on), a thread a row. lse_row, d_row: the
+   head's (T). */
+template <int NROWS>
 __device__ __forceinline__ void lg_att_tc_rows(float *lses, float *ds, const float *lse_row,
-                                               const uint16_t *dy, const uint16_t *y, size_t ld,
-                                               int row0, int T, int HS) {
-    typedef lg_att_io<DT> io;
-    constexpr int LANES = LG_ATT_TC_THREADS / NROWS;
-    static_assert(LANES * NROWS == LG_ATT_TC_THREADS && LG_CUDA_WARP % LANES == 0,
-                  "a row's lanes lie in one warp");
-    int r = (int)threadIdx.x / LANES, part = (int)threadIdx.x % LANES, t = row0 + r;
-    float sum = 0.0f;
-    if (t < T)
-        for (int d = part; d < HS; d += LANES)
-            sum += io::get(dy + (size_t)t * ld + d) * io::get(y + (size_t)t * ld + d);
-    for (int o = LANES / 2; o > 0; o /= 2) sum += __shfl_xor_sync(LG_CUDA_FULL_MASK, sum, o);
-    if (part == 0) {
-        ds[r] = t < T ? sum : 0.0f;
+                                               const float *d_row, int row0, int T) {
+    static_assert(NROWS <= LG_ATT_TC_THREADS, "a thread a row");
+    int r = (int)threadIdx.x, t = row0 + r;
+    if (r < NROWS) {
+        ds[r] = t < T ? d_row[t] : 0.0f;
         lses[r] = t < T ? lse_row[t] : 0.0f;
     }
 }
@@ -1970,9 +1994,18 @@ template <int PENDING> __device__ __forceinline__ void lg_cp_async_wait(void) {
 }
 
 /* Two floats rounded to the storage type, a (lower half) and b, as one 32-bit register. */
+/* The hardware's paired conversion (cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32), which rounds to
+   nearest even as io::from_f32 does, bit for bit (the GPU test's paired-conversion check). */
 template <lg_dtype DT> __device__ __forceinline__ uint32_t lg_att_mma_pack(float a, float b) {
-    typedef lg_att_io<DT> io;
-    return (uint32_t)io::from_f32(a) | (uint32_t)io::from_f32(b) << 16;
+    uint32_t bits;
+    if constexpr (DT == LG_DTYPE_BF16) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+        memcpy(&bits, &v, sizeof bits);
+    } else {
+        __half2 v = __floats2half2_rn(a, b);
+        memcpy(&bits, &v, sizeof bits);
+    }
+    return bits;
 }
 /* The A fragment of the 16 x 16 tile at p (row-major, row stride ld): its quarters (rows 0-7,
    8-15 by columns 0-7, 8-15) are a0 a1, a2 a3, a4 a5, a6 a7. */
@@ -1986,12 +2019,23 @@ __device__ __forceinline__ void lg_att_mma_b_rows(uint32_t b[2], const uint16_t 
                                                   int lane) {
     lg_ldmatrix<2, false>(b, p + lane % 8 * ld + lane / 8 % 2 * 8);
 }
+/* The warp's 16 rows at p (16 x HSP, row stride ld) as QK A fragments, the head's first hs16
+   slices of 16: loaded once, kept in registers across every tile they multiply. */
+template <int QK>
+__device__ __forceinline__ void lg_att_mma_a_rows(uint32_t (*f)[4], const uint16_t *p, int ld,
+                                                  int hs16, int lane) {
+    LG_ATT_UNROLL
+    for (int kk = 0; kk < QK; kk++)
+        if (kk < hs16) lg_att_mma_a(f[kk], p + kk * LG_ATT_MMA_K, ld, lane);
+}
 /* The backward's pair of 16 x 8 tiles for a warp: s = A1 B1^T (scores) and dp = A2 B2^T
-   (dY V^T), each over the head's first hs16 slices of 16 (of QK); A's rows at a1/a2, B's rows
-   at b1/b2, row stride ld. */
-template <lg_dtype DT, int QK>
-__device__ __forceinline__ void lg_att_mma_pair(float s[4], float dp[4], const uint16_t *a1,
-                                                const uint16_t *b1, const uint16_t *a2,
+   (dY V^T), each over the head's first hs16 slices of 16 (of QK). HELD: A1, A2 are QK A
+   fragments in registers (lg_att_mma_a_rows), a1/a2; else they are read from A's rows in
+   shared memory, a1s/a2s, at every call. B's rows at b1/b2; row stride ld. */
+template <lg_dtype DT, int QK, bool HELD>
+__device__ __forceinline__ void lg_att_mma_pair(float s[4], float dp[4], const uint32_t (*a1)[4],
+                                                const uint32_t (*a2)[4], const uint16_t *a1s,
+                                                const uint16_t *a2s, const uint16_t *b1,
                                                 const uint16_t *b2, int ld, int hs16, int lane) {
     constexpr int K = LG_ATT_MMA_K;
     s[0] = s[1] = s[2] = s[3] = 0.0f;
@@ -1999,13 +2043,16 @@ __device__ __forceinline__ void lg_att_mma_pair(float s[4], float dp[4], const u
     LG_ATT_UNROLL
     for (int kk = 0; kk < QK; kk++)
         if (kk < hs16) {
-            uint32_t af[4], bf[2];
-            lg_att_mma_a(af, a1 + kk * K, ld, lane);
+            uint32_t bf[2], af[4];
+            const uint32_t *f = af;
             lg_att_mma_b_rows(bf, b1 + kk * K, ld, lane);
-            lg_mma_m16n8k16<DT>(s, af, bf, s);
-            lg_att_mma_a(af, a2 + kk * K, ld, lane);
+            if constexpr (HELD) f = a1[kk];
+            else lg_att_mma_a(af, a1s + kk * K, ld, lane);
+            lg_mma_m16n8k16<DT>(s, f, bf, s);
             lg_att_mma_b_rows(bf, b2 + kk * K, ld, lane);
-            lg_mma_m16n8k16<DT>(dp, af, bf, dp);
+            if constexpr (HELD) f = a2[kk];
+            else lg_att_mma_a(af, a2s + kk * K, ld, lane);
+            lg_mma_m16n8k16<DT>(dp, f, bf, dp);
         }
 }
 /* The B fragment of the 16 x 8 tile at p (row-major, row stride ld), as V in P V. */
@@ -2221,19 +2268,93 @@ static void lg_att_mma_forward_launch(const lg_exec *ex, lg_buf y, lg_real *lse,
               NH, NQG, HS, 1.0f / sqrtf((float)HS));
 }
 
+/* D (B, NH, T) = dy . y over each head's HS dims, once per row before the two backward kernels
+   (as FlashAttention-2 does): LG_ATT_D_LANES consecutive lanes a row of dy, y (B, T, NH, HS),
+   16-byte loads (HS a multiple of 8, rows 16-byte aligned: lg_att_tc_applies), the lanes' parts
+   summed by shuffles. rows = B T NH; grid: rows LG_ATT_D_LANES / LG_ATT_TC_THREADS blocks. */
+#define LG_ATT_D_LANES 8
+template <lg_dtype DT>
+__global__ void __launch_bounds__(LG_ATT_TC_THREADS)
+lg_k_attention_rowdot(float *D, const uint16_t *dy, const uint16_t *y, int T, int NH, int HS,
+                      size_t rows) {
+    typedef lg_att_io<DT> io;
+    constexpr int V = LG_ATT_TC_VEC;
+    size_t r = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / LG_ATT_D_LANES;
+    int part = (int)threadIdx.x % LG_ATT_D_LANES;
+    float sum = 0.0f;
+    if (r < rows)
+        for (int d = part * V; d < HS; d += LG_ATT_D_LANES * V) {
+            uint4 a = *(const uint4 *)(dy + r * HS + d), c = *(const uint4 *)(y + r * HS + d);
+            const unsigned wa[4] = {a.x, a.y, a.z, a.w}, wc[4] = {c.x, c.y, c.z, c.w};
+            LG_ATT_UNROLL
+            for (int e = 0; e < V; e++) /* element e: half e % 2 of 32-bit word e / 2 */
+                sum += io::to_f32((uint16_t)(wa[e / 2] >> 16 * (e % 2))) *
+                       io::to_f32((uint16_t)(wc[e / 2] >> 16 * (e % 2)));
+        }
+    for (int o = LG_ATT_D_LANES / 2; o > 0; o /= 2)
+        sum += __shfl_xor_sync(LG_CUDA_FULL_MASK, sum, o);
+    if (part == 0 && r < rows) {
+        size_t bt = r / NH, b = bt / T, t = bt % T, h = r % NH;
+        D[(b * NH + h) * T + t] = sum;
+    }
+}
+
+/* The dq kernel's dS = P (dP - D) scale, P = exp(S scale - lse), in place of s (ST 16 x 8
+   tiles; the thread's rows t0 and t0 + 8 with lse L and D, its columns c0 + 8 st and + 1).
+   MASKED (the diagonal and last key tiles only): keys after the row's query, from T on or in
+   score tiles from `live` on give 0. */
+template <bool MASKED, int ST>
+__device__ __forceinline__ void lg_att_dq_ds(float (*s)[4], const float (*dp)[4], const float L[2],
+                                             const float D[2], float scale, int t0, int c0,
+                                             int live, int T) {
+    LG_ATT_UNROLL
+    for (int st = 0; st < ST; st++) {
+        LG_ATT_UNROLL
+        for (int e = 0; e < 4; e++) { /* e / 2: row t0 + 8 (e / 2); e % 2: the column */
+            int t = t0 + 8 * (e / 2), c = c0 + st * LG_ATT_MMA_N + e % 2;
+            bool keep = !MASKED || (st < live && c <= t && c < T);
+            float p = keep ? __expf(s[st][e] * scale - L[e / 2]) : 0.0f;
+            s[st][e] = p * (dp[st][e] - D[e / 2]) * scale;
+        }
+    }
+}
+
+/* The dq kernel's dQ += dS K over one key tile: dS (s) rounded to 16 bits as A fragments, a k
+   step of 16 keys taking score tiles 2 pk and 2 pk + 1 (those below `live`); K: the tile's
+   rows kt (BC, ld) in shared memory. */
+template <lg_dtype DT, int PK, int OT>
+__device__ __forceinline__ void lg_att_dq_accumulate(float (*dq)[4], const float (*s)[4], int live,
+                                                     const uint16_t *kt, int ld, int hs8,
+                                                     int lane) {
+    constexpr int N = LG_ATT_MMA_N, K = LG_ATT_MMA_K;
+    LG_ATT_UNROLL
+    for (int pk = 0; pk < PK; pk++) {
+        if (2 * pk >= live) continue;
+        uint32_t af[4];
+        lg_att_mma_a_from<DT>(af, s[2 * pk], s[2 * pk + 1]);
+        LG_ATT_UNROLL
+        for (int ot = 0; ot < OT; ot++)
+            if (ot < hs8) {
+                uint32_t bf[2];
+                lg_att_mma_b_cols(bf, kt + pk * K * ld + ot * N, ld, lane);
+                lg_mma_m16n8k16<DT>(dq[ot], af, bf, dq[ot]);
+            }
+    }
+}
+
 /* Backward, dq. A block owns one query tile (64 queries) of one (batch, head), heaviest first,
    and sweeps the key tiles (64 keys, cp.async into two buffers) up to its diagonal; warp w owns
-   queries 16 w .. 16 w + 15. A thread first takes its two rows' lse and D = dy . y (the group's
-   four lanes split the dims). Per key tile: S = Q K^T and dP = dY V^T (16 x 64 each, in
-   accumulators), P = exp(S scale - lse), dS = P (dP - D) scale, rounded to 16 bits as A
-   fragments, and dQ += dS K. At the end dQ (in accumulators all along) is added to dqkv.
+   queries 16 w .. 16 w + 15, whose Q and dY A fragments stay in registers from the first key
+   tile to the last. A thread first takes its two rows' lse and D (lg_k_attention_rowdot's).
+   Per key tile: S = Q K^T and dP = dY V^T (16 x 64 each, in accumulators), P = exp(S scale -
+   lse), dS = P (dP - D) scale (masked on the diagonal and last tiles only), rounded to 16 bits
+   as A fragments, and dQ += dS K. At the end dQ (in accumulators all along) is added to dqkv.
    grid: query tiles x B NH, the (batch, head) fastest; 4 warps. */
 template <lg_dtype DT, int HSP>
 __global__ void __launch_bounds__(LG_ATT_TC_THREADS)
-lg_k_attention_backward_dq_mma(uint16_t *dqkv, const uint16_t *dy, const uint16_t *y,
+lg_k_attention_backward_dq_mma(uint16_t *dqkv, const uint16_t *dy, const float *Drows,
                                const uint16_t *qkv, const float *lse, int T, int NH, int NQG,
                                int HS, float scale) {
-    typedef lg_att_io<DT> io;
     constexpr int M = LG_ATT_MMA_M, N = LG_ATT_MMA_N, K = LG_ATT_MMA_K, BR = LG_ATT_TC_ROWS,
                   BC = LG_ATT_MMA_KEYS, LDH = HSP + LG_ATT_TC_HPAD;
     constexpr int QK = HSP / K, ST = BC / N, PK = BC / K, OT = HSP / N;
@@ -2264,15 +2385,10 @@ lg_k_attention_backward_dq_mma(uint16_t *dqkv, const uint16_t *dy, const uint16_
     LG_ATT_UNROLL
     for (int i = 0; i < 2; i++) {
         int t = q0 + w0 + group + 8 * i;
-        float sum = 0.0f;
-        if (t < T)
-            for (int d = tig; d < HS; d += 4)
-                sum += io::get(dy + aty + (size_t)t * ldy + d) * io::get(y + aty + (size_t)t * ldy + d);
-        sum += __shfl_xor_sync(LG_CUDA_FULL_MASK, sum, 1);
-        sum += __shfl_xor_sync(LG_CUDA_FULL_MASK, sum, 2);
-        D[i] = sum;
+        D[i] = t < T ? Drows[((size_t)b * NH + h) * T + t] : 0.0f;
         L[i] = t < T ? lse[((size_t)b * NH + h) * T + t] : 0.0f;
     }
+    uint32_t qf[QK][4], dyf[QK][4]; /* the warp's Q and dY (16 x HSP) as A fragments */
     float dq[OT][4];
     LG_ATT_UNROLL
     for (int ot = 0; ot < OT; ot++) dq[ot][0] = dq[ot][1] = dq[ot][2] = dq[ot][3] = 0.0f;
@@ -2290,39 +2406,27 @@ lg_k_attention_backward_dq_mma(uint16_t *dqkv, const uint16_t *dy, const uint16_
             lg_cp_async_wait<0>();
         }
         __syncthreads();
+        if (j == 0) lg_att_mma_a_rows<QK>(qf, qs + w0 * LDH, LDH, hs16, lane);
+        if (j == 0) lg_att_mma_a_rows<QK>(dyf, dys + w0 * LDH, LDH, hs16, lane);
         int live = wlast < k0 ? 0 : min(ST, (wlast - k0) / N + 1);
         float s[ST][4], dp[ST][4];
         LG_ATT_UNROLL
         for (int st = 0; st < ST; st++) {
             if (st < live)
-                lg_att_mma_pair<DT, QK>(s[st], dp[st], qs + w0 * LDH, kt + st * N * LDH,
-                                        dys + w0 * LDH, vt + st * N * LDH, LDH, hs16, lane);
+                lg_att_mma_pair<DT, QK, true>(s[st], dp[st], qf, dyf, qs + w0 * LDH,
+                                              dys + w0 * LDH, kt + st * N * LDH,
+                                              vt + st * N * LDH, LDH, hs16, lane);
             else
                 s[st][0] = s[st][1] = s[st][2] = s[st][3] = dp[st][0] = dp[st][1] = dp[st][2] =
                     dp[st][3] = 0.0f;
         }
-        LG_ATT_UNROLL
-        for (int st = 0; st < ST; st++) {
-            LG_ATT_UNROLL
-            for (int e = 0; e < 4; e++) { /* e / 2: row group + 8 (e / 2); e % 2: the column */
-                int t = q0 + w0 + group + 8 * (e / 2), c = k0 + st * N + 2 * tig + e % 2;
-                float p = st < live && c <= t && c < T ? __expf(s[st][e] * scale - L[e / 2]) : 0.0f;
-                s[st][e] = p * (dp[st][e] - D[e / 2]) * scale; /* dS */
-            }
-        }
-        LG_ATT_UNROLL
-        for (int pk = 0; pk < PK; pk++) {
-            if (2 * pk >= live) continue;
-            uint32_t af[4];
-            lg_att_mma_a_from<DT>(af, s[2 * pk], s[2 * pk + 1]);
-            LG_ATT_UNROLL
-            for (int ot = 0; ot < OT; ot++)
-                if (ot < hs8) {
-                    uint32_t bf[2];
-                    lg_att_mma_b_cols(bf, kt + pk * K * LDH + ot * N, LDH, lane);
-                    lg_mma_m16n8k16<DT>(dq[ot], af, bf, dq[ot]);
-                }
-        }
+        /* a key tile wholly at or before the warp's first query, below T, needs no mask */
+        int t0 = q0 + w0 + group, c0 = k0 + 2 * tig;
+        if (k0 + BC - 1 <= q0 + w0 && k0 + BC <= T)
+            lg_att_dq_ds<false, ST>(s, dp, L, D, scale, t0, c0, live, T);
+        else
+            lg_att_dq_ds<true, ST>(s, dp, L, D, scale, t0, c0, live, T);
+        lg_att_dq_accumulate<DT, PK, OT>(dq, s, live, kt, LDH, hs8, lane);
         __syncthreads();
     }
     lg_att_mma_add<DT, OT>(dqkv + at + (size_t)h * HS, QKV, dq, q0 + w0, T, HS, group, tig);
@@ -2333,18 +2437,93 @@ template <int HSP> struct lg_att_mma_dkv {
     static constexpr int QUERIES = HSP >= 128 ? 32 : 64;
 };
 
+/* The dk/dv kernel's P^T = exp(S^T scale - lse) (in place of s) and dS^T = P^T (dP^T - D)
+   scale (in place of dp), ST 16 x 8 tiles: the thread's key rows c and c + 8, its columns
+   (queries q0 + 8 st + 2 tig and + 1) with lse and D from lses, ds (BQ). MASKED (tiles that
+   cross the diagonal or T only): queries before the key, from T on, keys from T on or tiles
+   not live give 0. */
+template <bool MASKED, int ST>
+__device__ __forceinline__ void lg_att_dkv_ps(float (*s)[4], float (*dp)[4], const bool *live,
+                                              const float *lses, const float *ds, float scale,
+                                              int c, int q0, int tig, int T) {
+    LG_ATT_UNROLL
+    for (int st = 0; st < ST; st++) {
+        LG_ATT_UNROLL
+        for (int e = 0; e < 4; e++) { /* e / 2: key row c + 8 (e / 2); e % 2: the column */
+            int k = c + 8 * (e / 2), col = st * LG_ATT_MMA_N + 2 * tig + e % 2, q = q0 + col;
+            float p = !MASKED || (live[st] && q >= k && q < T && k < T)
+                          ? __expf(s[st][e] * scale - lses[col])
+                          : 0.0f;
+            s[st][e] = p;
+            dp[st][e] = p * (dp[st][e] - ds[col]) * scale;
+        }
+    }
+}
+
+/* The dk/dv kernel's S^T = K Q^T and dP^T = V dY^T over one query tile: ST 16 x 8 tiles each
+   (K and V: the warp's A fragments kf, vf when HOLD, else its rows ksw, vsw; Q and dY: the
+   tile's rows qt, dyt (BQ, ld)); live[st]: the score tile has a query at or after the warp's
+   first key c0 and below T (else its tiles are zeros). */
+template <lg_dtype DT, int QK, int ST, bool HOLD>
+__device__ __forceinline__ void lg_att_dkv_scores(float (*s)[4], float (*dp)[4], bool *live,
+                                                  const uint32_t (*kf)[4], const uint32_t (*vf)[4],
+                                                  const uint16_t *ksw, const uint16_t *vsw,
+                                                  const uint16_t *qt, const uint16_t *dyt, int ld,
+                                                  int q0, int c0, int T, int hs16, int lane) {
+    constexpr int N = LG_ATT_MMA_N;
+    LG_ATT_UNROLL
+    for (int st = 0; st < ST; st++) {
+        live[st] = q0 + st * N + N - 1 >= c0 && q0 + st * N < T;
+        if (live[st])
+            lg_att_mma_pair<DT, QK, HOLD>(s[st], dp[st], kf, vf, ksw, vsw, qt + st * N * ld,
+                                          dyt + st * N * ld, ld, hs16, lane);
+        else
+            s[st][0] = s[st][1] = s[st][2] = s[st][3] = dp[st][0] = dp[st][1] = dp[st][2] =
+                dp[st][3] = 0.0f;
+    }
+}
+
+/* The dk/dv kernel's dV += P^T dY and dK += dS^T Q over one query tile: P^T (s) and dS^T (dp)
+   rounded to 16 bits as A fragments, a k step of 16 queries taking score tiles 2 pk and
+   2 pk + 1; dY and Q: the tile's rows dyt, qt (BQ, ld) in shared memory. */
+template <lg_dtype DT, int PK, int OT>
+__device__ __forceinline__ void lg_att_dkv_accumulate(float (*dv)[4], float (*dk)[4],
+                                                      const float (*s)[4], const float (*dp)[4],
+                                                      const bool *live, const uint16_t *dyt,
+                                                      const uint16_t *qt, int ld, int hs8,
+                                                      int lane) {
+    constexpr int N = LG_ATT_MMA_N, K = LG_ATT_MMA_K;
+    LG_ATT_UNROLL
+    for (int pk = 0; pk < PK; pk++) {
+        if (!live[2 * pk] && !live[2 * pk + 1]) continue;
+        uint32_t pf[4], dsf[4];
+        lg_att_mma_a_from<DT>(pf, s[2 * pk], s[2 * pk + 1]);
+        lg_att_mma_a_from<DT>(dsf, dp[2 * pk], dp[2 * pk + 1]);
+        LG_ATT_UNROLL
+        for (int ot = 0; ot < OT; ot++)
+            if (ot < hs8) {
+                uint32_t bf[2];
+                lg_att_mma_b_cols(bf, dyt + pk * K * ld + ot * N, ld, lane);
+                lg_mma_m16n8k16<DT>(dv[ot], pf, bf, dv[ot]);
+                lg_att_mma_b_cols(bf, qt + pk * K * ld + ot * N, ld, lane);
+                lg_mma_m16n8k16<DT>(dk[ot], dsf, bf, dk[ot]);
+            }
+    }
+}
+
 /* Backward, dk and dv. A block owns one key tile (64 keys) of one (batch, group), heaviest
    (earliest) first, and sweeps, for each query head of the group, the query tiles from its
    diagonal to T (Q and dY by cp.async into two buffers, the next tile's in flight); warp w owns
-   keys 16 w .. 16 w + 15, whose K and V stay in shared memory. Per query tile: the queries' lse
-   and D into shared memory; S^T = K Q^T and dP^T = V dY^T (in accumulators), P^T =
-   exp(S^T scale - lse), dS^T = P^T (dP^T - D) scale; dV += P^T dY and dK += dS^T Q with P^T
+   keys 16 w .. 16 w + 15, whose K and V A fragments stay in registers throughout. Per query
+   tile: the queries' lse and D (lg_k_attention_rowdot's) into shared memory; S^T = K Q^T and
+   dP^T = V dY^T (in accumulators), P^T = exp(S^T scale - lse), dS^T = P^T (dP^T - D) scale
+   (masked on tiles that cross the diagonal or T only); dV += P^T dY and dK += dS^T Q with P^T
    and dS^T as A fragments. Query score tiles wholly before the warp's first key or past T are
    skipped. At the end dK and dV (in accumulators all along) are added to dqkv.
    grid: key tiles x B NQG, the (batch, group) fastest; 4 warps. */
 template <lg_dtype DT, int HSP>
 __global__ void __launch_bounds__(LG_ATT_TC_THREADS)
-lg_k_attention_backward_dkv_mma(uint16_t *dqkv, const uint16_t *dy, const uint16_t *y,
+lg_k_attention_backward_dkv_mma(uint16_t *dqkv, const uint16_t *dy, const float *Drows,
                                 const uint16_t *qkv, const float *lse, int T, int NH, int NQG,
                                 int HS, float scale) {
     constexpr int M = LG_ATT_MMA_M, N = LG_ATT_MMA_N, K = LG_ATT_MMA_K, BK = LG_ATT_TC_ROWS,
@@ -2370,13 +2549,16 @@ lg_k_attention_backward_dkv_mma(uint16_t *dqkv, const uint16_t *dy, const uint16
 
     lg_att_mma_load<HSP, BK>(ks, qkv + at + (size_t)(NH + g) * HS, QKV, k0, T, HS);
     lg_att_mma_load<HSP, BK>(vs, qkv + at + (size_t)(NH + NQG + g) * HS, QKV, k0, T, HS);
-    {
-        int h = g * heads_per_group;
-        lg_att_mma_load<HSP, BQ>(qs, qkv + at + (size_t)h * HS, QKV, qstart, T, HS);
-        lg_att_mma_load<HSP, BQ>(dys, dy + aty + (size_t)h * HS, ldy, qstart, T, HS);
-    }
+    size_t h0 = (size_t)g * heads_per_group * HS; /* the group's first head */
+    lg_att_mma_load<HSP, BQ>(qs, qkv + at + h0, QKV, qstart, T, HS);
+    lg_att_mma_load<HSP, BQ>(dys, dy + aty + h0, ldy, qstart, T, HS);
     lg_cp_async_commit();
 
+    /* the warp's K and V (16 x HSP) as A fragments, held from the first query tile to the last;
+       at HSP 128 (where dK and dV take 128 registers, and held fragments spill) read from shared
+       memory at each product instead */
+    constexpr bool HOLD = HSP < LG_ATT_TC_MAX_HEAD;
+    uint32_t kf[HOLD ? QK : 1][4], vf[HOLD ? QK : 1][4];
     float dk[OT][4], dv[OT][4];
     LG_ATT_UNROLL
     for (int ot = 0; ot < OT; ot++)
@@ -2398,49 +2580,23 @@ lg_k_attention_backward_dkv_mma(uint16_t *dqkv, const uint16_t *dy, const uint16
         } else {
             lg_cp_async_wait<0>();
         }
-        lg_att_tc_rows<DT, BQ>(lses, ds, lse + ((size_t)b * NH + h) * T, dy + aty + (size_t)h * HS,
-                               y + aty + (size_t)h * HS, ldy, q0, T, HS);
+        lg_att_tc_rows<BQ>(lses, ds, lse + ((size_t)b * NH + h) * T,
+                           Drows + ((size_t)b * NH + h) * T, q0, T);
         __syncthreads();
-        bool live[ST]; /* score tiles with a query at or after the warp's first key, below T */
-        float s[ST][4], dp[ST][4];
-        LG_ATT_UNROLL
-        for (int st = 0; st < ST; st++) {
-            live[st] = q0 + st * N + N - 1 >= c0 && q0 + st * N < T;
-            if (live[st])
-                lg_att_mma_pair<DT, QK>(s[st], dp[st], ks + w0 * LDH, qt + st * N * LDH,
-                                        vs + w0 * LDH, dyt + st * N * LDH, LDH, hs16, lane);
-            else
-                s[st][0] = s[st][1] = s[st][2] = s[st][3] = dp[st][0] = dp[st][1] = dp[st][2] =
-                    dp[st][3] = 0.0f;
+        if (HOLD && n == 0) {
+            lg_att_mma_a_rows<HOLD ? QK : 1>(kf, ks + w0 * LDH, LDH, hs16, lane);
+            lg_att_mma_a_rows<HOLD ? QK : 1>(vf, vs + w0 * LDH, LDH, hs16, lane);
         }
-        LG_ATT_UNROLL
-        for (int st = 0; st < ST; st++) {
-            LG_ATT_UNROLL
-            for (int e = 0; e < 4; e++) { /* e / 2: key row group + 8 (e / 2); e % 2: the column */
-                int c = c0 + group + 8 * (e / 2), col = st * N + 2 * tig + e % 2, q = q0 + col;
-                float p = live[st] && q >= c && q < T && c < T
-                              ? __expf(s[st][e] * scale - lses[col])
-                              : 0.0f;
-                s[st][e] = p;                                  /* P^T */
-                dp[st][e] = p * (dp[st][e] - ds[col]) * scale; /* dS^T */
-            }
-        }
-        LG_ATT_UNROLL
-        for (int pk = 0; pk < PK; pk++) {
-            if (!live[2 * pk] && !live[2 * pk + 1]) continue;
-            uint32_t pf[4], dsf[4];
-            lg_att_mma_a_from<DT>(pf, s[2 * pk], s[2 * pk + 1]);
-            lg_att_mma_a_from<DT>(dsf, dp[2 * pk], dp[2 * pk + 1]);
-            LG_ATT_UNROLL
-            for (int ot = 0; ot < OT; ot++)
-                if (ot < hs8) {
-                    uint32_t bf[2];
-                    lg_att_mma_b_cols(bf, dyt + pk * K * LDH + ot * N, LDH, lane);
-                    lg_mma_m16n8k16<DT>(dv[ot], pf, bf, dv[ot]);
-                    lg_att_mma_b_cols(bf, qt + pk * K * LDH + ot * N, LDH, lane);
-                    lg_mma_m16n8k16<DT>(dk[ot], dsf, bf, dk[ot]);
-                }
-        }
+        bool live[ST];
+        float s[ST][4], dp[ST][4]; /* S^T and dP^T (16 x BQ), then P^T and dS^T */
+        lg_att_dkv_scores<DT, QK, ST, HOLD>(s, dp, live, kf, vf, ks + w0 * LDH, vs + w0 * LDH, qt,
+                                            dyt, LDH, q0, c0, T, hs16, lane);
+        /* a query tile wholly at or after the warp's last key, with it below T, needs no mask */
+        if (q0 >= c0 + M - 1 && q0 + BQ <= T && c0 + M <= T)
+            lg_att_dkv_ps<false, ST>(s, dp, live, lses, ds, scale, c0 + group, q0, tig, T);
+        else
+            lg_att_dkv_ps<true, ST>(s, dp, live, lses, ds, scale, c0 + group, q0, tig, T);
+        lg_att_dkv_accumulate<DT, PK, OT>(dv, dk, s, dp, live, dyt, qt, LDH, hs8, lane);
         __syncthreads(); /* this tile's buffers and rows are used up before they are refilled */
     }
     lg_att_mma_add<DT, OT>(dqkv + at + (size_t)(NH + g) * HS, QKV, dk, c0, T, HS, group, tig);
@@ -2461,25 +2617,52 @@ template <int HSP> static size_t lg_att_mma_dkv_shared(void) {
            sizeof(float) * 2 * BQ;
 }
 
+/* The two backward kernels of batches [b0, b0 + B) (pointers to batch b0), after the D
+   pre-kernel into Drows (B, NH, T). */
 template <lg_dtype DT, int HSP>
-static void lg_att_mma_backward_launch(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg_buf y,
-                                       lg_buf qkv, const lg_real *lse, int B, int T, int NH,
-                                       int NQG, int HS, int /* vec */) {
+static void lg_att_mma_backward_slice(const lg_exec *ex, uint16_t *dqkv, const uint16_t *dy,
+                                      const uint16_t *y, const uint16_t *qkv, const float *lse,
+                                      float *Drows, int B, int T, int NH, int NQG, int HS) {
     float scale = 1.0f / sqrtf((float)HS);
+    cudaStream_t stream = lg_cuda_stream(ex);
+    size_t rows = (size_t)B * T * NH;
+    LG_LAUNCH((lg_k_attention_rowdot<DT>),
+              (unsigned)((rows * LG_ATT_D_LANES + LG_ATT_TC_THREADS - 1) / LG_ATT_TC_THREADS),
+              LG_ATT_TC_THREADS, 0, stream, Drows, dy, y, T, NH, HS, rows);
     unsigned tiles = (unsigned)((T + LG_ATT_TC_ROWS - 1) / LG_ATT_TC_ROWS);
     size_t bytes = lg_att_mma_dq_shared<HSP>();
     lg_att_allow_shared(ex, lg_k_attention_backward_dq_mma<DT, HSP>, bytes);
     LG_LAUNCH((lg_k_attention_backward_dq_mma<DT, HSP>), tiles * (unsigned)(B * NH),
-              LG_ATT_TC_THREADS, bytes, lg_cuda_stream(ex), (uint16_t *)dqkv.data,
-              (const uint16_t *)dy.data, (const uint16_t *)y.data, (const uint16_t *)qkv.data,
-              (const float *)lse, T, NH, NQG, HS, scale);
+              LG_ATT_TC_THREADS, bytes, stream, dqkv, dy, (const float *)Drows, qkv, lse, T, NH,
+              NQG, HS, scale);
     /* the two kernels write disjoint parts of dqkv (queries; keys and values) */
     bytes = lg_att_mma_dkv_shared<HSP>();
     lg_att_allow_shared(ex, lg_k_attention_backward_dkv_mma<DT, HSP>, bytes);
     LG_LAUNCH((lg_k_attention_backward_dkv_mma<DT, HSP>), tiles * (unsigned)(B * NQG),
-              LG_ATT_TC_THREADS, bytes, lg_cuda_stream(ex), (uint16_t *)dqkv.data,
-              (const uint16_t *)dy.data, (const uint16_t *)y.data, (const uint16_t *)qkv.data,
-              (const float *)lse, T, NH, NQG, HS, scale);
+              LG_ATT_TC_THREADS, bytes, stream, dqkv, dy, (const float *)Drows, qkv, lse, T, NH,
+              NQG, HS, scale);
+}
+
+/* The backward in slices of as many batches as the matmul workspace (free between matmuls in
+   stream order) holds D (NH, T) floats for. */
+template <lg_dtype DT, int HSP>
+static void lg_att_mma_backward_launch(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg_buf y,
+                                       lg_buf qkv, const lg_real *lse, int B, int T, int NH,
+                                       int NQG, int HS, int /* vec */) {
+    size_t per_batch = (size_t)NH * T, fit = ex->cuda->matmul_workspace_bytes / sizeof(float);
+    if (fit < per_batch) {
+        fprintf(stderr, "CUDA backend: attention's D of %d heads x %d rows exceeds the matmul "
+                "workspace\n", NH, T);
+        abort();
+    }
+    int slice = fit / per_batch < (size_t)B ? (int)(fit / per_batch) : B;
+    size_t QKV = (size_t)(NH + 2 * NQG) * HS * T, Y = (size_t)NH * HS * T;
+    for (int b0 = 0; b0 < B; b0 += slice)
+        lg_att_mma_backward_slice<DT, HSP>(
+            ex, (uint16_t *)dqkv.data + b0 * QKV, (const uint16_t *)dy.data + b0 * Y,
+            (const uint16_t *)y.data + b0 * Y, (const uint16_t *)qkv.data + b0 * QKV,
+            (const float *)lse + b0 * per_batch, (float *)ex->cuda->matmul_workspace,
+            B - b0 < slice ? B - b0 : slice, T, NH, NQG, HS);
 }
 
 /* 1 when the tensor-core kernels take the call: bf16 or fp16 storage, HS a multiple of 16 up to
@@ -2612,72 +2795,133 @@ static uint32_t lg_cuda_alignment(const void *p) {
 
 #define LG_LT_CANDIDATES 4 /* algorithms asked of the heuristic, tried in its order */
 
-/* The same product through cuBLASLt, with bias (N) added to every row when given. cuBLASLt is
-   column-major: row-major C (M, N) is column-major C^T (N, M) = op(B)^T op(A)^T, so B's buffer
-   is its first operand and A's its second, each with its own transposition. Returns -1
-   (nothing queued) when cuBLASLt has no algorithm for it or rejects every one it offered: the
-   caller then runs the reference kernel. */
-static int lg_cuda_matmul_lt(const lg_exec *ex, int trans_a, int trans_b, int M, int N, int K,
-                             lg_buf A, int lda, lg_buf B, int ldb, float beta, lg_buf C, int ldc,
-                             lg_buf bias) {
-    const lg_cuda_rank *g = ex->cuda;
-    cudaStream_t stream = lg_cuda_stream(ex); /* the rank's GPU current for the heuristics too */
-    int all_f32 = A.dtype == LG_DTYPE_F32 && B.dtype == LG_DTYPE_F32;
-    cublasComputeType_t compute = all_f32 && g->tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
-    cublasLtMatmulDesc_t desc;
-    LG_CUBLAS_TRY(cublasLtMatmulDescCreate(&desc, compute, CUDA_R_32F));
+/* What a cuBLASLt plan depends on: transpositions, sizes, leading dimensions, storage types,
+   the bias's type (-1: none), the operands' alignments and the compute type. */
+static void lg_lt_key(int key[LG_LT_KEY], int trans_a, int trans_b, int M, int N, int K,
+                      lg_buf A, int lda, lg_buf B, int ldb, lg_buf C, int ldc, lg_buf bias,
+                      int tf32) {
+    const int k[LG_LT_KEY] = {trans_a, trans_b, M, N, K, lda, ldb, ldc, (int)A.dtype,
+                              (int)B.dtype, (int)C.dtype, bias.data ? (int)bias.dtype : -1,
+                              (int)lg_cuda_alignment(A.data), (int)lg_cuda_alignment(B.data),
+                              (int)(lg_cuda_alignment(C.data) * 2 + (tf32 != 0))};
+    memcpy(key, k, sizeof k);
+}
+
+static void lg_lt_plan_free(lg_lt_plan *p) {
+    cublasLtMatrixLayoutDestroy(p->first);
+    cublasLtMatrixLayoutDestroy(p->second);
+    cublasLtMatrixLayoutDestroy(p->out);
+    cublasLtMatmulDescDestroy(p->desc);
+}
+
+/* p's descriptor and layouts. cuBLASLt is column-major: row-major C (M, N) is column-major
+   C^T (N, M) = op(B)^T op(A)^T, so B's buffer is its first operand and A's its second, each
+   with its own transposition; the bias epilogue (its pointer set at each call) when given. */
+static void lg_lt_plan_describe(lg_lt_plan *p, int all_tf32, int trans_a, int trans_b, int M,
+                                int N, int K, lg_dtype a, int lda, lg_dtype b, int ldb,
+                                lg_dtype c, int ldc, const lg_buf *bias) {
+    cublasComputeType_t compute = all_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    LG_CUBLAS_TRY(cublasLtMatmulDescCreate(&p->desc, compute, CUDA_R_32F));
     cublasOperation_t op_first = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
     cublasOperation_t op_second = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-    LG_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first,
+    LG_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first,
                                                  sizeof op_first));
-    LG_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second,
+    LG_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second,
                                                  sizeof op_second));
-    if (bias.data) {
+    if (bias->data) {
         cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
-        cudaDataType_t bias_type = lg_cuda_data_type(bias.dtype);
-        LG_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
+        cudaDataType_t bias_type = lg_cuda_data_type(bias->dtype);
+        LG_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
                                                      &epilogue, sizeof epilogue));
-        LG_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                                     &bias.data, sizeof bias.data));
-        LG_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+        LG_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                                                      &bias_type, sizeof bias_type));
     }
-    cublasLtMatrixLayout_t first = trans_b ? lg_cuda_layout(B.dtype, K, N, ldb)
-                                           : lg_cuda_layout(B.dtype, N, K, ldb);
-    cublasLtMatrixLayout_t second = trans_a ? lg_cuda_layout(A.dtype, M, K, lda)
-                                            : lg_cuda_layout(A.dtype, K, M, lda);
-    cublasLtMatrixLayout_t out = lg_cuda_layout(C.dtype, N, M, ldc);
+    p->first = trans_b ? lg_cuda_layout(b, K, N, ldb) : lg_cuda_layout(b, N, K, ldb);
+    p->second = trans_a ? lg_cuda_layout(a, M, K, lda) : lg_cuda_layout(a, K, M, lda);
+    p->out = lg_cuda_layout(c, N, M, ldc);
+}
+
+/* The heuristic's candidates for p (LG_LT_CANDIDATES at most, its order) given the operands'
+   alignments, which cuBLASLt is told rather than assuming the worst; returns how many. */
+static int lg_lt_candidates(const lg_cuda_rank *g, const lg_lt_plan *p, const void *a,
+                            const void *b, const void *c,
+                            cublasLtMatmulHeuristicResult_t heuristics[LG_LT_CANDIDATES]) {
     cublasLtMatmulPreference_t preference;
     LG_CUBLAS_TRY(cublasLtMatmulPreferenceCreate(&preference));
     size_t workspace = g->matmul_workspace_bytes;
     LG_CUBLAS_TRY(cublasLtMatmulPreferenceSetAttribute(
         preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof workspace));
     const struct { cublasLtMatmulPreferenceAttributes_t attribute; const void *p; } aligned[4] = {
-        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, B.data},
-        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, A.data},
-        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, C.data},
-        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, C.data}};
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, b},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, a},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, c},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, c}};
     for (int k = 0; k < 4; k++) {
         uint32_t bytes = lg_cuda_alignment(aligned[k].p);
         LG_CUBLAS_TRY(cublasLtMatmulPreferenceSetAttribute(preference, aligned[k].attribute,
                                                            &bytes, sizeof bytes));
     }
-    cublasLtMatmulHeuristicResult_t heuristics[LG_LT_CANDIDATES];
-    int found = 0, done = 0;
-    if (cublasLtMatmulAlgoGetHeuristic(g->lt, desc, first, second, out, out, preference,
-                                       LG_LT_CANDIDATES, heuristics, &found) != CUBLAS_STATUS_SUCCESS)
+    int found = 0;
+    if (cublasLtMatmulAlgoGetHeuristic(g->lt, p->desc, p->first, p->second, p->out, p->out,
+                                       preference, LG_LT_CANDIDATES, heuristics,
+                                       &found) != CUBLAS_STATUS_SUCCESS)
         found = 0;
-    const float one = 1.0f;
-    for (int k = 0; k < found && !done; k++)
-        done = cublasLtMatmul(g->lt, desc, &one, B.data, first, A.data, second, &beta, C.data, out,
-                              C.data, out, &heuristics[k].algo, g->matmul_workspace, workspace,
-                              stream) == CUBLAS_STATUS_SUCCESS;
     cublasLtMatmulPreferenceDestroy(preference);
-    cublasLtMatrixLayoutDestroy(first);
-    cublasLtMatrixLayoutDestroy(second);
-    cublasLtMatrixLayoutDestroy(out);
-    cublasLtMatmulDescDestroy(desc);
-    if (!done && !ex->cuda->matmul_fallbacks++)
+    return found;
+}
+
+/* The rank's plan for key, or NULL. */
+static lg_lt_plan *lg_lt_find(lg_cuda_rank *g, const int key[LG_LT_KEY]) {
+    int n = g->lt_plan_count < LG_LT_CACHE ? g->lt_plan_count : LG_LT_CACHE;
+    for (int i = 0; i < n; i++)
+        if (!memcmp(g->lt_plans[i].key, key, sizeof g->lt_plans[i].key)) return &g->lt_plans[i];
+    return NULL;
+}
+
+/* The same product through cuBLASLt, with bias (N) added to every row when given, by the
+   rank's plan for the shape: at the shape's first call its descriptor and layouts are made
+   and the heuristic's candidates run in order until one is accepted, which the plan keeps
+   (the oldest plan makes room when the cache is full). Returns -1 (nothing queued) when
+   cuBLASLt has no algorithm for it or rejects every one it offered: the caller then runs the
+   reference kernel. */
+static int lg_cuda_matmul_lt(const lg_exec *ex, int trans_a, int trans_b, int M, int N, int K,
+                             lg_buf A, int lda, lg_buf B, int ldb, float beta, lg_buf C, int ldc,
+                             lg_buf bias) {
+    lg_cuda_rank *g = ex->cuda;
+    cudaStream_t stream = lg_cuda_stream(ex); /* the rank's GPU current for the heuristics too */
+    int all_tf32 = A.dtype == LG_DTYPE_F32 && B.dtype == LG_DTYPE_F32 && g->tf32;
+    int key[LG_LT_KEY];
+    lg_lt_key(key, trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc, bias, all_tf32);
+    lg_lt_plan *p = lg_lt_find(g, key);
+    const float one = 1.0f;
+    int fresh = !p, done = 0;
+    if (fresh) {
+        p = &g->lt_plans[g->lt_plan_count % LG_LT_CACHE];
+        if (g->lt_plan_count++ >= LG_LT_CACHE) lg_lt_plan_free(p);
+        memcpy(p->key, key, sizeof p->key);
+        lg_lt_plan_describe(p, all_tf32, trans_a, trans_b, M, N, K, A.dtype, lda, B.dtype, ldb,
+                            C.dtype, ldc, &bias);
+    }
+    if (bias.data)
+        LG_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                     &bias.data, sizeof bias.data));
+    if (fresh) {
+        cublasLtMatmulHeuristicResult_t heuristics[LG_LT_CANDIDATES];
+        int found = lg_lt_candidates(g, p, A.data, B.data, C.data, heuristics);
+        p->usable = 0;
+        for (int k = 0; k < found && !done; k++) {
+            done = cublasLtMatmul(g->lt, p->desc, &one, B.data, p->first, A.data, p->second, &beta,
+                                  C.data, p->out, C.data, p->out, &heuristics[k].algo,
+                                  g->matmul_workspace, g->matmul_workspace_bytes,
+                                  stream) == CUBLAS_STATUS_SUCCESS;
+            if (done) p->algo = heuristics[k].algo, p->usable = 1;
+        }
+    } else if (p->usable) {
+        done = cublasLtMatmul(g->lt, p->desc, &one, B.data, p->first, A.data, p->second, &beta,
+                              C.data, p->out, C.data, p->out, &p->algo, g->matmul_workspace,
+                              g->matmul_workspace_bytes, stream) == CUBLAS_STATUS_SUCCESS;
+    }
+    if (!done && !g->matmul_fallbacks++)
         fprintf(stderr, "GPU %d: cuBLASLt has no algorithm for a (%d x %d x %d) matmul of %s x %s "
                 "-> %s: the backend's own kernel runs it (and any other such)\n", g->device, M, N,
                 K, lg_dtype_name(A.dtype), lg_dtype_name(B.dtype), lg_dtype_name(C.dtype));
@@ -2693,24 +2937,31 @@ __global__ void lg_k_add_bias(lg_buf out, lg_buf bias, int N, int C) {
 }
 
 #define LG_CUDA_THREADS 256 /* threads of a block of the simple kernels */
-#define LG_CUDA_BIAS_THREADS 128 /* bias gradient: column runs of a block */
+#define LG_CUDA_BIAS_THREADS 128 /* bias gradient: column runs of a block at most */
 #define LG_CUDA_BIAS_CHUNKS 256  /* ... and chunks of rows at most (the blocks of a GPU's SMs,
                                     several times over, for the widths of a model's biases) */
 
 /* Stage one of dbias (C) += column sums of dout (N, C): block (column block, chunk) sums the
    `rows` rows of its chunk in order, a thread a run of `width` columns (lg_cuda_run_width),
-   into partials (chunks, C) in the matmul workspace. */
+   into partials (chunks, C) in the matmul workspace. A thread issues the loads of
+   LG_CUDA_LOADS_IN_FLIGHT rows before it adds them (in row order: the same bits as one by one). */
 __global__ void lg_k_bias_grad_chunks(float *partials, lg_buf dout, int N, int C, int rows,
                                       int width) {
-    int runs = C / width, column_blocks = (runs + LG_CUDA_BIAS_THREADS - 1) / LG_CUDA_BIAS_THREADS;
+    int runs = C / width, column_blocks = (runs + (int)blockDim.x - 1) / (int)blockDim.x;
     int chunk = blockIdx.x / column_blocks;
-    int c = ((blockIdx.x % column_blocks) * LG_CUDA_BIAS_THREADS + threadIdx.x) * width;
+    int c = ((blockIdx.x % column_blocks) * (int)blockDim.x + threadIdx.x) * width;
     if (c >= C) return;
-    int first = chunk * rows, last = first + rows < N ? first + rows : N;
-    float sum[LG_PACK] = {0}, d[LG_PACK];
-    for (int n = first; n < last; n++) {
-        lg_k_load_run(dout, (size_t)n * C + c, width, d);
-        for (int j = 0; j < width; j++) sum[j] += d[j];
+    int first = chunk * rows, last = first + rows < N ? first + rows : N, n = first;
+    float sum[LG_PACK] = {0}, d[LG_CUDA_LOADS_IN_FLIGHT][LG_PACK];
+    for (; n + LG_CUDA_LOADS_IN_FLIGHT <= last; n += LG_CUDA_LOADS_IN_FLIGHT) {
+        for (int k = 0; k < LG_CUDA_LOADS_IN_FLIGHT; k++)
+            lg_k_load_run(dout, (size_t)(n + k) * C + c, width, d[k]);
+        for (int k = 0; k < LG_CUDA_LOADS_IN_FLIGHT; k++)
+            for (int j = 0; j < width; j++) sum[j] += d[k][j];
+    }
+    for (; n < last; n++) {
+        lg_k_load_run(dout, (size_t)n * C + c, width, d[0]);
+        for (int j = 0; j < width; j++) sum[j] += d[0][j];
     }
     for (int j = 0; j < width; j++) partials[(size_t)chunk * C + c + j] = sum[j];
 }
@@ -2745,9 +2996,10 @@ static void lg_cuda_bias_grad(const lg_exec *ex, lg_buf dbias, lg_buf dout, int 
     int width = lg_cuda_run_width(C, bufs, 1);
     float *partials = (float *)ex->cuda->matmul_workspace;
     cudaStream_t stream = lg_cuda_stream(ex);
-    unsigned column_blocks = lg_cuda_blocks((size_t)(C / width), LG_CUDA_BIAS_THREADS);
-    LG_LAUNCH(lg_k_bias_grad_chunks, column_blocks * chunks, LG_CUDA_BIAS_THREADS, 0, stream,
-              partials, dout, N, C, rows, width);
+    unsigned threads = lg_cuda_run_threads(C / width, LG_CUDA_BIAS_THREADS);
+    unsigned column_blocks = lg_cuda_blocks((size_t)(C / width), threads);
+    LG_LAUNCH(lg_k_bias_grad_chunks, column_blocks * chunks, threads, 0, stream, partials, dout, N,
+              C, rows, width);
     LG_LAUNCH(lg_k_bias_grad_add, lg_cuda_blocks((size_t)C, LG_CUDA_THREADS), LG_CUDA_THREADS, 0,
               stream, dbias, (const float *)partials, chunks, C, beta);
 }
@@ -2913,6 +3165,9 @@ static int lg_cuda_rank_handles(lg_cuda_rank *g, lg_error *err) {
 
 static void lg_cuda_rank_handles_free(lg_cuda_rank *g) {
 #ifndef LG_CUDA_EMULATE
+    int plans = g->lt_plan_count < LG_LT_CACHE ? g->lt_plan_count : LG_LT_CACHE;
+    for (int i = 0; i < plans; i++) lg_lt_plan_free(&g->lt_plans[i]);
+    g->lt_plan_count = 0;
     if (g->lt) cublasLtDestroy(g->lt);
 #endif
     if (g->compute_done) cudaEventDestroy(g->compute_done);

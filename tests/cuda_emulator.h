@@ -2187,6 +2187,18 @@ inline __nv_bfloat16 __float2bfloat16(float f) { return __nv_bfloat16{lg_emu_flo
 inline float __bfloat162float(__nv_bfloat16 h) { return lg_emu_bf16_to_float(h.bits); }
 inline __half __float2half(float f) { return __half{lg_emu_float_to_fp16(f)}; }
 inline float __half2float(__half h) { return lg_emu_fp16_to_float(h.bits); }
+/* The paired conversions (cvt.rn.bf16x2.f32, cvt.rn.f16x2.f32): a in x (the low 16 bits of the
+   32-bit pair), b in y, each rounded to nearest even as above. */
+struct __nv_bfloat162 {
+    __nv_bfloat16 x, y;
+};
+struct __half2 {
+    __half x, y;
+};
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+    return __nv_bfloat162{__float2bfloat16(a), __float2bfloat16(b)};
+}
+inline __half2 __floats2half2_rn(float a, float b) { return __half2{__float2half(a), __float2half(b)}; }
 
 inline float lg_emu_wmma_float(float v) { return v; }
 inline float lg_emu_wmma_float(__nv_bfloat16 v) { return __bfloat162float(v); }
