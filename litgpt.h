@@ -11472,12 +11472,29 @@ static int lg_hf_files_open(lg_hf_files *s, const char *dir, lg_error *err) {
     return rc;
 }
 
-static const lg_st_tensor *lg_hf_files_find(const lg_hf_files *s, const char *name, int *file) {
+/* The prefixes of the base model's module inside the *ForCausalLM classes: files saved from
+   the base model alone (GPT2Model, openai-community/gpt2's model.safetensors) name tensors
+   without them (wte.weight, h.0.attn.c_attn.weight, layers.0..., ...). */
+static const char *const lg_hf_model_prefixes[] = {"transformer.", "model.", "gpt_neox."};
+
+static const lg_st_tensor *lg_hf_files_find_exact(const lg_hf_files *s, const char *name,
+                                                  int *file) {
     for (int i = 0; i < s->n; i++) {
         const lg_st_tensor *t = lg_st_find(&s->files[i], name);
         if (t) { *file = i; return t; }
     }
     return NULL;
+}
+
+/* The tensor of that name in any file, else under the name without its model prefix. */
+static const lg_st_tensor *lg_hf_files_find(const lg_hf_files *s, const char *name, int *file) {
+    const lg_st_tensor *t = lg_hf_files_find_exact(s, name, file);
+    for (size_t k = 0; !t && k < sizeof lg_hf_model_prefixes / sizeof lg_hf_model_prefixes[0]; k++) {
+        size_t n = strlen(lg_hf_model_prefixes[k]);
+        if (strncmp(name, lg_hf_model_prefixes[k], n) == 0)
+            t = lg_hf_files_find_exact(s, name + n, file);
+    }
+    return t;
 }
 
 /* Reads one Hugging Face tensor and scatters it into its LitGPT tensor of dest. */

@@ -141,8 +141,18 @@ static int st_edit_fill(void *ctx, int index, unsigned char *out, lg_error *err)
     return 0;
 }
 
+static int st_rewrite_names(const char *path, const char *key, const char *value,
+                            const char *prefix, double x, lg_st_dtype dtype, int strip_prefixes);
+
 static int st_rewrite(const char *path, const char *key, const char *value, const char *prefix,
                       double x, lg_st_dtype dtype) {
+    return st_rewrite_names(path, key, value, prefix, x, dtype, 0);
+}
+
+/* st_rewrite, and with strip_prefixes each tensor named without its model prefix
+   (transformer., model., gpt_neox.), as the Hub's base-model files are. */
+static int st_rewrite_names(const char *path, const char *key, const char *value,
+                            const char *prefix, double x, lg_st_dtype dtype, int strip_prefixes) {
     st_edit e;
     lg_error err;
     memset(&e, 0, sizeof e);
@@ -151,6 +161,12 @@ static int st_rewrite(const char *path, const char *key, const char *value, cons
     memcpy(e.tensors, e.src.tensors, sizeof(lg_st_tensor) * (size_t)e.src.n_tensors);
     e.prefix = prefix;
     e.x = x;
+    for (int i = 0; i < e.src.n_tensors && strip_prefixes; i++)
+        for (size_t k = 0; k < sizeof lg_hf_model_prefixes / sizeof lg_hf_model_prefixes[0]; k++) {
+            size_t n = strlen(lg_hf_model_prefixes[k]);
+            if (strncmp(e.tensors[i].name, lg_hf_model_prefixes[k], n) == 0)
+                memmove(e.tensors[i].name, e.tensors[i].name + n, strlen(e.tensors[i].name) - n + 1);
+        }
     for (int i = 0; i < e.src.n_tensors && dtype; i++)
         if (prefix && strncmp(e.tensors[i].name, prefix, strlen(prefix)) == 0) {
             e.tensors[i].dtype = dtype;

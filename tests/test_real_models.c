@@ -54,6 +54,63 @@ static void test_special_token_ids(results *r) {
                "a JSON file, not prepared data: make fine-tuning samples with tools/prepare alpaca");
 }
 
+/* The validation loss at step 0 that ./train prints for `args`, or NAN. */
+static double first_val_loss(const char *args) {
+    static char out[16384];
+    run_capture(args, out, sizeof out);
+    const char *at = strstr(out, "step     0 | val loss ");
+    return at ? atof(at + strlen("step     0 | val loss ")) : NAN;
+}
+
+/* Every .safetensors file of dir (one, or the shards of an index) renamed by
+   st_rewrite_names; path gets the last one. */
+static int strip_dir_prefixes(const char *dir, char *path, size_t cap) {
+    DIR *d = opendir(dir);
+    int rc = d ? 0 : -1, files = 0;
+    for (struct dirent *e = d ? readdir(d) : NULL; e && rc == 0; e = readdir(d)) {
+        size_t n = strlen(e->d_name);
+        if (n < 12 || strcmp(e->d_name + n - 12, ".safetensors") != 0) continue;
+        snprintf(path, cap, "%s/%s", dir, e->d_name);
+        rc = st_rewrite_names(path, NULL, NULL, NULL, 0, (lg_st_dtype)0, 1);
+        files++;
+    }
+    if (d) closedir(d);
+    return rc == 0 && files > 0 ? 0 : -1;
+}
+
+/* Each family's Hugging Face directory with its tensors renamed as the base-model classes
+   name them (openai-community/gpt2: wte.weight, h.0.attn.c_attn.weight, ...): the same loss. */
+static void test_stripped_prefixes(results *r) {
+    const char *families[] = {"gpt2", "pythia", "llama", "llama31", "falcon"};
+    for (size_t k = 0; k < sizeof families / sizeof families[0]; k++) {
+        char dir[256], args[512], path[300];
+        if (hostile_hf_dir(dir, sizeof dir, families[k], "stripped", "{", "{") != 0) {
+            check(r, 0, "could not copy tests/hf/%s", families[k]);
+            continue;
+        }
+        int made = strip_dir_prefixes(dir, path, sizeof path) == 0;
+        const char *run = "-b 2 -t 8 --max-steps 1 --eval-iters 2 --sample-tokens 1";
+        snprintf(args, sizeof args, "--load tests/hf/%s %s", families[k], run);
+        double whole = first_val_loss(args);
+        snprintf(args, sizeof args, "--load %s %s", dir, run);
+        double stripped = first_val_loss(args);
+        lg_st_file f;
+        lg_error err;
+        int prefixed = 0;
+        if (made && lg_st_open(&f, path, &err) == 0) {
+            for (int i = 0; i < f.n_tensors; i++)
+                for (size_t p = 0; p < sizeof lg_hf_model_prefixes / sizeof *lg_hf_model_prefixes; p++)
+                    prefixed += strncmp(f.tensors[i].name, lg_hf_model_prefixes[p],
+                                        strlen(lg_hf_model_prefixes[p])) == 0;
+            lg_st_close(&f);
+        }
+        check(r, made && prefixed == 0 && isfinite(whole) && whole == stripped,
+              "%s without the model prefix in its tensor names: val loss %.4f, %.4f with it",
+              families[k], stripped, whole);
+    }
+}
+
 static void test_real_models_all(results *r) {
+    test_stripped_prefixes(r);
     test_special_token_ids(r);
 }
