@@ -719,7 +719,7 @@ int lg_plan_auto_micro_batch(const lg_config *cfg, const lg_args *args, int T, s
 /* Memory a run may use on this machine's CPU backend: MemAvailable, 0 when unknown. */
 size_t lg_host_available_bytes(void);
 
-/* "24GiB", "512MiB", "1.5GB", "1000000" -> bytes; -1 when not a size. */
+/* "24GiB", "512 mib", "1.5GB", "100B" -> bytes; -1 when not a size (a bare number has no unit). */
 int lg_parse_size(const char *text, size_t *bytes);
 /* "1.23 GiB" into buf. */
 const char *lg_format_bytes(size_t bytes, char *buf, size_t size);
@@ -4078,18 +4078,27 @@ size_t lg_host_available_bytes(void) {
 
 /* --- sizes as people write them ------------------------------------------------------------- */
 
+/* a and b equal but for the case of ASCII letters */
+static int lg_equal_nocase(const char *a, const char *b) {
+    for (; *a && *b; a++, b++)
+        if (tolower((unsigned char)*a) != tolower((unsigned char)*b)) return 0;
+    return *a == *b;
+}
+
+/* A number and a unit, in any case ("24GiB", "512 mib", "8GB", "100B"); a bare number is
+   refused: 24 bytes is never what "--memory-limit 24" meant. */
 int lg_parse_size(const char *text, size_t *bytes) {
     static const struct { const char *suffix; double scale; } units[] = {
         {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
         {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}, {"K", 1024.0}, {"M", 1048576.0},
-        {"G", 1073741824.0}, {"B", 1.0}, {"", 1.0}};
+        {"G", 1073741824.0}, {"T", 1099511627776.0}, {"B", 1.0}};
     char *end;
     errno = 0;
     double value = strtod(text, &end);
     if (end == text || errno || !(value >= 0)) return -1;
     while (*end == ' ') end++;
     for (size_t i = 0; i < sizeof units / sizeof units[0]; i++)
-        if (strcmp(end, units[i].suffix) == 0) {
+        if (lg_equal_nocase(end, units[i].suffix)) {
             double b = value * units[i].scale;
             if (b > 1.8e19) return -1;
             *bytes = (size_t)b;

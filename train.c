@@ -374,7 +374,8 @@ static void parse_args(int argc, char **argv, lg_args *a, given_flags *given,
             break;
         case OPT_MEMORY_LIMIT:
             if (lg_parse_size(optarg, &a->memory_limit) != 0 || a->memory_limit == 0)
-                die_usage("%s: '%s' is not a size (e.g. 24GiB, 512MiB, 8GB)", f, optarg);
+                die_usage("%s: '%s' is not a size with a unit (e.g. 24GiB, 512MiB, 8GB, 100B)",
+                          f, optarg);
             break;
         case 'h': fputs(usage, stdout); exit(0);
         case ':': die_usage("%s needs a value", argv[optind - 1]); break;

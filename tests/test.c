@@ -1755,7 +1755,7 @@ static void test_memory_limit(results *r) {
     a.micro_batch_size = 1;
     size_t least = lg_plan_device_bytes_for(&cfg, &a, 16);
     char args[256]; /* a limit between what -b 1 and -b 8 need */
-    snprintf(args, sizeof args, "-c test-llama -b 8 -g 8 -t 16 --memory-limit %zu --max-steps 1 "
+    snprintf(args, sizeof args, "-c test-llama -b 8 -g 8 -t 16 --memory-limit %zuB --max-steps 1 "
              "--eval-iters 1", (needs + least) / 2);
     int code = run_capture(args, out, sizeof out);
     int ok = code == 3 && strstr(out, "this run needs") && strstr(out, "largest regions:") &&
@@ -1788,7 +1788,7 @@ static void test_auto_micro_batch(results *r) {
     size_t next = lg_plan_device_bytes_for(&cfg, &a, T);
     check(r, b == 6 && next > limit, "-b auto -g 24 under the plan of -b 6: picks %d; -b 8 needs %zu > %zu", b, next, limit);
     char out[4096], args[256];
-    snprintf(args, sizeof args, "-c test-llama -b auto -g 24 -t 16 --memory-limit %zu --max-steps 1 "
+    snprintf(args, sizeof args, "-c test-llama -b auto -g 24 -t 16 --memory-limit %zuB --max-steps 1 "
              "--eval-iters 1", limit);
     int code = run_capture(args, out, sizeof out);
     check(r, code == 0 && strstr(out, "-b auto: micro-batch"), "./train -b auto says what it chose: %.*s",

@@ -110,7 +110,15 @@ static void test_stripped_prefixes(results *r) {
     }
 }
 
+/* The small frictions of a first run: sizes need a unit, in any case. */
+static void test_first_run_frictions(results *r) {
+    expect_cli(r, "--plan --memory-limit 24", 2, "--memory-limit: '24' is not a size with a unit");
+    expect_cli(r, "--plan --memory-limit 24gib", 0, "plan: builtin-sort");
+    expect_cli(r, "--plan --memory-limit 1.5Gb", 0, "plan: builtin-sort");
+}
+
 static void test_real_models_all(results *r) {
+    test_first_run_frictions(r);
     test_stripped_prefixes(r);
     test_special_token_ids(r);
 }
