@@ -8383,8 +8383,8 @@ static uint32_t lg_u32_le(const unsigned char *b) {
 /* The shard's largest token into ld->max_token, read once at opening in chunks of 1 Mi
    tokens; a token at or past vocab_size is refused now rather than when its window comes. */
 static int lg_shard_scan(lg_loader *ld, int vocab_size, lg_error *err) {
-    enum { chunk = 1 << 20 };
-    unsigned char *raw = (unsigned char *)LG_MALLOC((size_t)chunk * (size_t)ld->token_bytes);
+    const size_t chunk = (size_t)1 << 20;
+    unsigned char *raw = (unsigned char *)LG_MALLOC(chunk * (size_t)ld->token_bytes);
     if (!raw) return lg_fail(err, "data %s: out of host memory", ld->path);
     int rc = fseek(ld->file, LG_SHARD_HEADER_INTS * (long)sizeof(int32_t), SEEK_SET);
     for (size_t start = 0; start < ld->n_tokens && rc == 0; start += chunk) {
