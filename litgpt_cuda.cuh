@@ -2112,6 +2112,29 @@ template <int HSP> static size_t lg_att_mma_forward_shared(void) {
            (HSP + LG_ATT_TC_HPAD);
 }
 
+/* acc (16 x HSP) += S B over one key tile: the scores s rounded to 16 bits as A fragments, a
+   k step of 16 keys taking score tiles 2 pk and 2 pk + 1 (those below `live`); B: the tile's
+   rows bt (BC, ld) in shared memory. The forward's O += P V and the dq kernel's dQ += dS K. */
+template <lg_dtype DT, int PK, int OT>
+__device__ __forceinline__ void lg_att_scores_times(float (*acc)[4], const float (*s)[4], int live,
+                                                    const uint16_t *bt, int ld, int hs8,
+                                                    int lane) {
+    constexpr int N = LG_ATT_MMA_N, K = LG_ATT_MMA_K;
+    LG_ATT_UNROLL
+    for (int pk = 0; pk < PK; pk++) {
+        if (2 * pk >= live) continue;
+        uint32_t af[4];
+        lg_att_mma_a_from<DT>(af, s[2 * pk], s[2 * pk + 1]);
+        LG_ATT_UNROLL
+        for (int ot = 0; ot < OT; ot++)
+            if (ot < hs8) {
+                uint32_t bf[2];
+                lg_att_mma_b_cols(bf, bt + pk * K * ld + ot * N, ld, lane);
+                lg_mma_m16n8k16<DT>(acc[ot], af, bf, acc[ot]);
+            }
+    }
+}
+
 /* Forward. A block owns one query tile (64 queries) of one (batch, head), heaviest first, and
    sweeps the key tiles (64 keys) up to its diagonal; warp w owns queries 16 w .. 16 w + 15, a
    thread the rows group and group + 8 of them. Per key tile: S (16 x 64, 8 accumulators of
@@ -2223,20 +2246,7 @@ lg_k_attention_forward_mma(uint16_t *y, float *lse, const uint16_t *qkv, int T, 
                 }
             }
         }
-        /* O += P V: a k step of 16 keys takes score tiles 2 pk (its columns 0..7) and 2 pk + 1 */
-        LG_ATT_UNROLL
-        for (int pk = 0; pk < PK; pk++) {
-            if (2 * pk >= live) continue;
-            uint32_t pf[4];
-            lg_att_mma_a_from<DT>(pf, s[2 * pk], s[2 * pk + 1]);
-            LG_ATT_UNROLL
-            for (int ot = 0; ot < OT; ot++)
-                if (ot < hs8) {
-                    uint32_t vf[2];
-                    lg_att_mma_b_cols(vf, vt + pk * K * LDH + ot * N, LDH, lane);
-                    lg_mma_m16n8k16<DT>(o[ot], pf, vf, o[ot]);
-                }
-        }
+        lg_att_scores_times<DT, PK, OT>(o, s, live, vt, LDH, hs8, lane); /* O += P V */
         __syncthreads(); /* this tile's buffers are used up before the copies into them */
     }
     /* y = O / l, lse = m + log l, for the rows below T */
@@ -2316,29 +2326,6 @@ __device__ __forceinline__ void lg_att_dq_ds(float (*s)[4], const float (*dp)[4]
             float p = keep ? __expf(s[st][e] * scale - L[e / 2]) : 0.0f;
             s[st][e] = p * (dp[st][e] - D[e / 2]) * scale;
         }
-    }
-}
-
-/* The dq kernel's dQ += dS K over one key tile: dS (s) rounded to 16 bits as A fragments, a k
-   step of 16 keys taking score tiles 2 pk and 2 pk + 1 (those below `live`); K: the tile's
-   rows kt (BC, ld) in shared memory. */
-template <lg_dtype DT, int PK, int OT>
-__device__ __forceinline__ void lg_att_dq_accumulate(float (*dq)[4], const float (*s)[4], int live,
-                                                     const uint16_t *kt, int ld, int hs8,
-                                                     int lane) {
-    constexpr int N = LG_ATT_MMA_N, K = LG_ATT_MMA_K;
-    LG_ATT_UNROLL
-    for (int pk = 0; pk < PK; pk++) {
-        if (2 * pk >= live) continue;
-        uint32_t af[4];
-        lg_att_mma_a_from<DT>(af, s[2 * pk], s[2 * pk + 1]);
-        LG_ATT_UNROLL
-        for (int ot = 0; ot < OT; ot++)
-            if (ot < hs8) {
-                uint32_t bf[2];
-                lg_att_mma_b_cols(bf, kt + pk * K * ld + ot * N, ld, lane);
-                lg_mma_m16n8k16<DT>(dq[ot], af, bf, dq[ot]);
-            }
     }
 }
 
@@ -2426,7 +2413,7 @@ lg_k_attention_backward_dq_mma(uint16_t *dqkv, const uint16_t *dy, const float *
             lg_att_dq_ds<false, ST>(s, dp, L, D, scale, t0, c0, live, T);
         else
             lg_att_dq_ds<true, ST>(s, dp, L, D, scale, t0, c0, live, T);
-        lg_att_dq_accumulate<DT, PK, OT>(dq, s, live, kt, LDH, hs8, lane);
+        lg_att_scores_times<DT, PK, OT>(dq, s, live, kt, LDH, hs8, lane);
         __syncthreads();
     }
     lg_att_mma_add<DT, OT>(dqkv + at + (size_t)h * HS, QKV, dq, q0 + w0, T, HS, group, tig);
