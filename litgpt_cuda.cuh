@@ -2135,6 +2135,50 @@ __device__ __forceinline__ void lg_att_scores_times(float (*acc)[4], const float
     }
 }
 
+/* The online softmax of one key tile for a thread's rows t0 (i = 0) and t0 + 8 (i = 1), in the
+   mma forward: the scores s (ST score tiles of 16 x 8, this thread's 4 values each) are scaled
+   and masked (causal, past T, tiles from `live` on), the rows' running max m moves to the tile's
+   max (over the group's four lanes), the output accumulators o and the thread's part of the
+   running sum l are rescaled, and s becomes P = exp(s - m), added into l. */
+template <int ST, int OT>
+__device__ __forceinline__ void lg_att_online_softmax(float (&s)[ST][4], float (&o)[OT][4],
+                                                      float m[2], float l[2], int live, int k0,
+                                                      int t0, int tig, int T, float scale) {
+    constexpr int N = LG_ATT_MMA_N;
+    LG_ATT_UNROLL
+    for (int i = 0; i < 2; i++) {
+        int t = t0 + 8 * i;
+        float mx = -INFINITY;
+        LG_ATT_UNROLL
+        for (int st = 0; st < ST; st++) {
+            LG_ATT_UNROLL
+            for (int e = 0; e < 2; e++) {
+                int c = k0 + st * N + 2 * tig + e;
+                float x = st < live && c <= t && c < T ? s[st][2 * i + e] * scale : -INFINITY;
+                s[st][2 * i + e] = x;
+                mx = fmaxf(mx, x);
+            }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(LG_CUDA_FULL_MASK, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(LG_CUDA_FULL_MASK, mx, 2));
+        float m_new = fmaxf(m[i], mx); /* finite: key 0 lies in every row's first tile */
+        float alpha = __expf(m[i] - m_new);
+        m[i] = m_new;
+        l[i] *= alpha;
+        LG_ATT_UNROLL
+        for (int ot = 0; ot < OT; ot++) o[ot][2 * i] *= alpha, o[ot][2 * i + 1] *= alpha;
+        LG_ATT_UNROLL
+        for (int st = 0; st < ST; st++) {
+            LG_ATT_UNROLL
+            for (int e = 0; e < 2; e++) {
+                float p = __expf(s[st][2 * i + e] - m_new);
+                s[st][2 * i + e] = p;
+                l[i] += p;
+            }
+        }
+    }
+}
+
 /* Forward. A block owns one query tile (64 queries) of one (batch, head), heaviest first, and
    sweeps the key tiles (64 keys) up to its diagonal; warp w owns queries 16 w .. 16 w + 15, a
    thread the rows group and group + 8 of them. Per key tile: S (16 x 64, 8 accumulators of
@@ -2213,39 +2257,7 @@ lg_k_attention_forward_mma(uint16_t *y, float *lse, const uint16_t *qkv, int T, 
                     lg_mma_m16n8k16<DT>(s[st], qf[kk], kf, s[st]);
                 }
         }
-        /* the online softmax of rows group (i = 0) and group + 8 (i = 1) */
-        LG_ATT_UNROLL
-        for (int i = 0; i < 2; i++) {
-            int t = q0 + w0 + group + 8 * i;
-            float mx = -INFINITY;
-            LG_ATT_UNROLL
-            for (int st = 0; st < ST; st++) {
-                LG_ATT_UNROLL
-                for (int e = 0; e < 2; e++) {
-                    int c = k0 + st * N + 2 * tig + e;
-                    float x = st < live && c <= t && c < T ? s[st][2 * i + e] * scale : -INFINITY;
-                    s[st][2 * i + e] = x;
-                    mx = fmaxf(mx, x);
-                }
-            }
-            mx = fmaxf(mx, __shfl_xor_sync(LG_CUDA_FULL_MASK, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(LG_CUDA_FULL_MASK, mx, 2));
-            float m_new = fmaxf(m[i], mx); /* finite: key 0 lies in every row's first tile */
-            float alpha = __expf(m[i] - m_new);
-            m[i] = m_new;
-            l[i] *= alpha;
-            LG_ATT_UNROLL
-            for (int ot = 0; ot < OT; ot++) o[ot][2 * i] *= alpha, o[ot][2 * i + 1] *= alpha;
-            LG_ATT_UNROLL
-            for (int st = 0; st < ST; st++) {
-                LG_ATT_UNROLL
-                for (int e = 0; e < 2; e++) {
-                    float p = __expf(s[st][2 * i + e] - m_new);
-                    s[st][2 * i + e] = p;
-                    l[i] += p;
-                }
-            }
-        }
+        lg_att_online_softmax<ST, OT>(s, o, m, l, live, k0, q0 + w0 + group, tig, T, scale);
         lg_att_scores_times<DT, PK, OT>(o, s, live, vt, LDH, hs8, lane); /* O += P V */
         __syncthreads(); /* this tile's buffers are used up before the copies into them */
     }
