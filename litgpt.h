@@ -13015,7 +13015,6 @@ static float lg_trainer_grad_norm(lg_trainer *tr);
 static int lg_trainer_update(lg_trainer *tr, int step, lg_step_stats *stats,
                              int offload_in_backward, lg_error *err);
 static void lg_trainer_sync(const lg_trainer *tr);
-static size_t lg_trainer_step_tokens(const lg_trainer *tr);
 
 int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *stats,
                     lg_error *err) {
@@ -13041,7 +13040,7 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
     if (lg_trainer_update(tr, step, stats, offload_in_backward, err) != 0) return -1;
     lg_trainer_sync(tr);
     stats->ms = lg_time_ms() - start; /* with Sophia's extra pass when it ran */
-    stats->tokens_per_s = (double)lg_trainer_step_tokens(tr) / (stats->ms / 1e3);
+    stats->tokens_per_s = (double)tr->step_tokens / (stats->ms / 1e3);
     return 0;
 }
 
@@ -13244,28 +13243,51 @@ static float lg_trainer_grad_norm(lg_trainer *tr) {
     return (float)sqrt((double)sum);
 }
 
+/* Layer l's forward on every rank that has a micro-batch: l = -1 the embedding, 0 .. L - 1
+   the blocks, L the head. Returns the head's loss summed over the ranks (0 for the others). */
+static double lg_trainer_layer_forward(lg_trainer *tr, const lg_micro_batch *mb, int l) {
+    double loss = 0;
+    for (int r = 0; r < tr->local_ranks; r++) {
+        lg_model *m = &tr->ranks[r].model;
+        const lg_micro_batch *b = &mb[r];
+        if (!b->B) continue;
+        if (l < 0) lg_model_embed(m, b->inputs, b->B, b->T);
+        else if (l < m->cfg.n_layer) lg_block_forward(m, l, b->B, b->T);
+        else loss += lg_model_head_forward(m, b->targets, b->B, b->T, NULL);
+    }
+    return loss;
+}
+
+/* Layer l's backward on every rank that has a micro-batch, in the forward's numbering: L the
+   head (its loss scaled by loss_scale), L - 1 .. 0 the blocks, -1 the embedding. */
+static void lg_trainer_layer_backward(lg_trainer *tr, const lg_micro_batch *mb, int l,
+                                      float loss_scale) {
+    for (int r = 0; r < tr->local_ranks; r++) {
+        lg_model *m = &tr->ranks[r].model;
+        const lg_micro_batch *b = &mb[r];
+        if (!b->B) continue;
+        if (l < 0) lg_model_embed_backward(m, b->inputs, b->B, b->T);
+        else if (l < m->cfg.n_layer) lg_model_block_backward(m, l, b->B, b->T);
+        else lg_model_head_backward(m, b->targets, b->B, b->T, loss_scale);
+    }
+}
+
 /* The forward on every rank, unit by unit: gather a unit (full-shard), compute it everywhere.
    The next block is gathered before the current one computes (the prefetch a GPU overlaps);
-   two block slots hold them. Returns the summed loss of all ranks. */
+   two block slots hold them. Unit 0 is the ends (embedding and head), unit l + 1 block l.
+   Returns the summed loss of all ranks. */
 static double lg_trainer_forward(lg_trainer *tr, const lg_micro_batch *mb) {
     int L = tr->plan.cfg.n_layer;
-    double loss = 0;
     lg_trainer_gather_unit(tr, 0);
     lg_trainer_gather_unit(tr, 1);
     lg_trainer_await_unit(tr, 0);
-    for (int r = 0; r < tr->local_ranks; r++)
-        if (mb[r].B) lg_model_embed(&tr->ranks[r].model, mb[r].inputs, mb[r].B, mb[r].T);
+    lg_trainer_layer_forward(tr, mb, -1);
     for (int l = 0; l < L; l++) {
         if (l + 1 < L) lg_trainer_gather_unit(tr, l + 2);
         lg_trainer_await_unit(tr, l + 1);
-        for (int r = 0; r < tr->local_ranks; r++)
-            if (mb[r].B) lg_block_forward(&tr->ranks[r].model, l, mb[r].B, mb[r].T);
+        lg_trainer_layer_forward(tr, mb, l);
     }
-    for (int r = 0; r < tr->local_ranks; r++)
-        if (mb[r].B)
-            loss += lg_model_head_forward(&tr->ranks[r].model, mb[r].targets, mb[r].B, mb[r].T,
-                                          NULL);
-    return loss;
+    return lg_trainer_layer_forward(tr, mb, L);
 }
 
 /* --offload, in the step's last backward, with no replicas left to add (their all-reduce
@@ -13298,25 +13320,20 @@ static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float 
         for (int r = 0; r < tr->local_ranks; r++)
             tr->ranks[r].model.grads_overwrite = !tr->ranks[r].model.grads_add_only;
     lg_trainer_open_unit_grads(tr, 0);
-    for (int r = 0; r < tr->local_ranks; r++)
-        if (mb[r].B)
-            lg_model_head_backward(&tr->ranks[r].model, mb[r].targets, mb[r].B, mb[r].T,
-                                   loss_scale);
+    lg_trainer_layer_backward(tr, mb, L, loss_scale);
     lg_trainer_gather_unit(tr, L);
     for (int l = L - 1; l >= 0; l--) {
         if (l > 0) lg_trainer_gather_unit(tr, l); /* prefetch block l - 1 */
         lg_trainer_await_unit(tr, l + 1);
         lg_trainer_open_unit_grads(tr, l + 1); /* its slot's last reduce-scatter has finished */
-        for (int r = 0; r < tr->local_ranks; r++)
-            if (mb[r].B) lg_model_block_backward(&tr->ranks[r].model, l, mb[r].B, mb[r].T);
+        lg_trainer_layer_backward(tr, mb, l, loss_scale);
         if (l + 2 <= L) {
             lg_trainer_finish_reduce(tr, l + 2);
             lg_trainer_offload_unit(tr, l + 2, offload);
         }
         lg_trainer_start_reduce(tr, l + 1);
     }
-    for (int r = 0; r < tr->local_ranks; r++)
-        if (mb[r].B) lg_model_embed_backward(&tr->ranks[r].model, mb[r].inputs, mb[r].B, mb[r].T);
+    lg_trainer_layer_backward(tr, mb, -1, loss_scale);
     lg_trainer_finish_reduce(tr, 1);
     lg_trainer_offload_unit(tr, 1, offload);
     lg_trainer_start_reduce(tr, 0);
@@ -13346,7 +13363,6 @@ static void lg_trainer_micro_batches(const lg_trainer *tr, int i, const int **la
 
 /* Tokens (rows x their length) of a step's micro-batches on all ranks (lg_trainer_read_step
    counted them). */
-static size_t lg_trainer_step_tokens(const lg_trainer *tr) { return tr->step_tokens; }
 
 /* The same initial weights as one rank: with sharded weights, unit by unit in layout order
    from one random stream on rank 0, broadcast, each rank keeping its piece. In several
@@ -13658,7 +13674,7 @@ static void lg_trainer_update_rank(lg_trainer_rank *tr_r, float lr, float multip
 static void lg_trainer_hessian_pass(lg_trainer *tr, int step) {
     const lg_config *c = &tr->plan.cfg;
     int Vp = c->padded_vocab_size;
-    size_t tokens = lg_trainer_step_tokens(tr), stride = lg_micro_batch_start(tr, 1);
+    size_t tokens = tr->step_tokens, stride = lg_micro_batch_start(tr, 1);
     const int *labels[LG_MAX_RANKS];
     lg_micro_batch mb[LG_MAX_RANKS];
     for (int r = 0; r < tr->local_ranks; r++) {
