@@ -7001,8 +7001,11 @@ static void lg_quantize_block(const float *map, uint8_t *codes, float *scale, in
     for (int i = 0; i < n; i++) codes[i] = lg_quantize(map, absmax > 0 ? (float)x[i] / absmax : 0);
 }
 
-/* AdamW on the avx512 path and above (lg_update_tensor's loop, 16 elements at a time, the
-   same formulas in fp32): fp32 m and v, the weights fp32 or a bf16 copy of the fp32 master.
+/* AdamW on the avx512 path and above: lg_adamw_element's formula (section 2: decoupled weight
+   decay, bias-corrected moments, w -= lr (m / bc1) / (sqrt(v / bc2) + eps)) 16 elements at a
+   time in fp32, in place of lg_update_tensor's loop; test_cpu_ops_paths (tests/test_cpu_ops.c)
+   holds the two to 1e-5 of each other and this loop to the same bits however a tensor is cut
+   into shards. fp32 m and v, the weights fp32 or a bf16 copy of the fp32 master.
    Returns 0, leaving the tensor to the loop, for other rules and state formats. The last
    partial vector goes through lg_v_load_n, so a weight's update never depends on where its
    shard starts. */
