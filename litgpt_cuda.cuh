@@ -56,6 +56,7 @@ static int lg_fail(lg_error *err, const char *fmt, ...); /* 1. utilities */
     } while (0)
 
 static void lg_cuda_die(const char *call, const char *file, int line, const char *what) {
+    fflush(stdout); /* what the program said before the error, ahead of the abort */
     fprintf(stderr, "CUDA error: %s failed at %s:%d: %s\n", call, file, line, what);
     abort();
 }

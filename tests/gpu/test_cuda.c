@@ -9,8 +9,11 @@
    Every CUDA op is checked on fresh random inputs in each storage type against the CPU op of
    litgpt.h section 6, with the GPU's outputs poisoned (NaN) first, and twice for bitwise
    determinism; then whole training steps of each family and precision, -d 1 against -d N, and
-   the plan against the memory the GPU reports. `--bench` times GPT-2 124M instead.
-   The last line is "N passed, N failed". */
+   the plan against the memory the GPU reports. `test_cuda MODE...` runs only the modes named
+   (ops, attention, steps, grads, features, resume, devices, memory; `--list` prints them), so
+   that tests/gpu/run.sh runs each in its own process; `bench` times GPT-2 124M instead and
+   `bench-attention` the attention kernels. stdout is line-buffered: what was printed survives
+   an abort. The last line is "N passed, N failed". */
 #ifdef LG_CUDA_EMULATE
 #include "../cuda_emulator.h"
 #endif
@@ -808,22 +811,93 @@ static void bench(void) {
     }
 }
 
-int main(int argc, char **argv) {
-    results r = {0, 0};
-    setenv("CUDA_MODULE_LOADING", "EAGER", 0); /* as train.c: kernels load with the context */
-    int gpus = lg_cuda_device_count();
-    if (gpus == 0) {
-        printf("test_cuda: no GPU visible\n");
-        return 2;
-    }
-    if (argc > 1 && strcmp(argv[1], "--bench") == 0) {
-        bench();
-        return 0;
-    }
-    if (argc > 1 && strcmp(argv[1], "--bench-attention") == 0) {
-        bench_attention();
-        return 0;
-    }
+/* --- modes: one group of checks a process (tests/gpu/run.sh) ---------------------------------- */
+
+static void mode_ops(results *r, int gpus) {
+    (void)gpus;
+    printf("ops\n");
+    test_kernels(r);
+    test_residual_norm(r);
+    test_matmul(r, 1, 0);
+    test_linear(r, 1);
+#ifndef LG_CUDA_EMULATE
+    test_matmul(r, 0, 0);
+    test_matmul(r, 0, 1);
+    test_linear(r, 0);
+#endif
+}
+
+static void mode_attention(results *r, int gpus) {
+    (void)gpus;
+    test_attention(r);
+}
+
+static void mode_steps(results *r, int gpus) {
+    (void)gpus;
+    printf("training steps\n");
+    test_training_steps(r);
+}
+
+static void mode_grads(results *r, int gpus) {
+    printf("gradients written on the first micro-batch\n");
+    test_grads_written(r, gpus);
+}
+
+static void mode_features(results *r, int gpus) {
+    printf("features: optimizers, compact state, LoRA\n");
+    test_gpu_features(r);
+    test_gpu_lora(r, gpus);
+}
+
+static void mode_resume(results *r, int gpus) {
+    printf("checkpoints resumed\n");
+    test_gpu_resume(r, gpus);
+}
+
+static void mode_devices(results *r, int gpus) {
+    printf("devices: -d N against -d 1, the collectives' deadline\n");
+    test_devices(r, gpus);
+    test_comm_deadline(r, gpus);
+}
+
+static void mode_memory(results *r, int gpus) {
+    (void)gpus;
+    printf("memory\n");
+    test_plan_memory(r, "test-llama", 16, 2);
+    test_plan_refused(r);
+#ifndef LG_CUDA_EMULATE
+    test_plan_memory(r, "Llama-3.2-1B", 2048, 4);
+#endif
+}
+
+/* The modes, in the order a whole run takes them: `test_cuda MODE...` runs those named. */
+typedef struct {
+    const char *name;
+    void (*run)(results *r, int gpus);
+} test_mode;
+
+static const test_mode modes[] = {
+    {"ops", mode_ops},           {"attention", mode_attention}, {"steps", mode_steps},
+    {"grads", mode_grads},       {"features", mode_features},   {"resume", mode_resume},
+    {"devices", mode_devices},   {"memory", mode_memory},
+};
+enum { N_MODES = sizeof modes / sizeof modes[0] };
+
+static const test_mode *find_mode(const char *name) {
+    for (int i = 0; i < N_MODES; i++)
+        if (strcmp(modes[i].name, name) == 0) return &modes[i];
+    return NULL;
+}
+
+static void usage(FILE *to) {
+    fprintf(to, "usage: test_cuda [MODE...] | test_cuda bench | test_cuda bench-attention | test_cuda --list\n"
+                "  no MODE: every mode in this order:");
+    for (int i = 0; i < N_MODES; i++) fprintf(to, " %s", modes[i].name);
+    fprintf(to, "\n");
+}
+
+/* The GPUs' description line ("CUDA backend on 2 x NVIDIA H200"). */
+static void print_devices(int gpus) {
 #ifdef LG_CUDA_EMULATE
     printf("CUDA backend on the emulator (%d device%s)\n", gpus, gpus > 1 ? "s" : "");
 #else
@@ -831,47 +905,39 @@ int main(int argc, char **argv) {
     cudaGetDeviceProperties(&prop, 0);
     printf("CUDA backend on %d x %s\n", gpus, prop.name);
 #endif
-    if (argc > 1 && strcmp(argv[1], "resume") == 0) { /* the checkpoint tests alone */
-        test_gpu_resume(&r, gpus);
-        printf("%d passed, %d failed\n", r.passed, r.failed);
-        return r.failed ? 1 : 0;
+}
+
+int main(int argc, char **argv) {
+    results r = {0, 0};
+    /* a line reaches the log as it is printed, so that an abort (lg_cuda_die) or a kill by
+       run.sh's timeout loses nothing that was said */
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (argc > 1 && strcmp(argv[1], "--list") == 0) {
+        for (int i = 0; i < N_MODES; i++) printf("%s\n", modes[i].name);
+        return 0;
     }
-    if (argc > 1 && strcmp(argv[1], "grads") == 0) { /* the gradients written with beta 0 */
-        test_linear(&r, 1);
-        test_grads_written(&r, gpus);
-        printf("%d passed, %d failed\n", r.passed, r.failed);
-        return r.failed ? 1 : 0;
+    int bench_mode = argc == 2 && (strcmp(argv[1], "bench") == 0 || strcmp(argv[1], "--bench") == 0);
+    int bench_attention_mode = argc == 2 && (strcmp(argv[1], "bench-attention") == 0 ||
+                                             strcmp(argv[1], "--bench-attention") == 0);
+    for (int i = 1; i < argc && !bench_mode && !bench_attention_mode; i++) /* before any GPU work */
+        if (!find_mode(argv[i])) {
+            fprintf(stderr, "test_cuda: unknown mode '%s'\n", argv[i]);
+            usage(stderr);
+            return 2;
+        }
+    setenv("CUDA_MODULE_LOADING", "EAGER", 0); /* as train.c: kernels load with the context */
+    int gpus = lg_cuda_device_count();
+    if (gpus == 0) {
+        printf("test_cuda: no GPU visible\n");
+        return 2;
     }
-    if (argc > 1 && strcmp(argv[1], "attention") == 0) { /* the attention tests alone */
-        test_attention(&r);
-        printf("%d passed, %d failed\n", r.passed, r.failed);
-        return r.failed ? 1 : 0;
-    }
-    printf("ops\n");
-    test_kernels(&r);
-    test_attention(&r);
-    test_residual_norm(&r);
-    test_matmul(&r, 1, 0);
-    test_linear(&r, 1);
-#ifndef LG_CUDA_EMULATE
-    test_matmul(&r, 0, 0);
-    test_matmul(&r, 0, 1);
-    test_linear(&r, 0);
-#endif
-    printf("training steps\n");
-    test_training_steps(&r);
-    test_grads_written(&r, gpus);
-    test_gpu_features(&r);
-    test_gpu_resume(&r, gpus);
-    test_gpu_lora(&r, gpus);
-    test_devices(&r, gpus);
-    test_comm_deadline(&r, gpus);
-    printf("memory\n");
-    test_plan_memory(&r, "test-llama", 16, 2);
-    test_plan_refused(&r);
-#ifndef LG_CUDA_EMULATE
-    test_plan_memory(&r, "Llama-3.2-1B", 2048, 4);
-#endif
+    if (bench_mode) bench();
+    if (bench_attention_mode) bench_attention();
+    if (bench_mode || bench_attention_mode) return 0;
+    print_devices(gpus);
+    for (int i = 0; i < N_MODES; i++)
+        if (argc == 1) modes[i].run(&r, gpus);
+    for (int i = 1; i < argc; i++) find_mode(argv[i])->run(&r, gpus);
     printf("%d passed, %d failed\n", r.passed, r.failed);
     return r.failed ? 1 : 0;
 }
