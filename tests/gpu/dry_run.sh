@@ -43,6 +43,7 @@ grads) echo "  ok    stand-in grads 1"; echo "  FAIL  stand-in grads 2 (made to 
     echo "1 passed, 1 failed"; exit 1 ;;
 bench) echo "GPT-2 124M bf16-mixed            B      T     tokens/s      MFU"
     echo "stand-in GPU                    16   1024       400000    40.0%" ;;
+--probe) echo "runtime: stand-in, 2 devices" ;;
 *) echo "  ok    stand-in \$1"; echo "1 passed, 0 failed" ;;
 esac
 EOF
@@ -86,8 +87,8 @@ has "$s" '^ended .*complete'
 check $? "run 1: the summary reaches \$OUT and ends 'complete'"
 has "$s" '^libraries .*NCCL: yes'
 check $? "run 1: the libraries found (cuBLASLt, NCCL) are in the summary"
-has "$s" '^gpus  *ok'
-check $? "run 1: nvidia-smi's table (the stub) recorded"
+has "$s" '^gpus  *ok' && has "$s" '^probe  *ok' && has "$dry/out1/probe.txt" 'stand-in, 2 devices'
+check $? "run 1: nvidia-smi's table (the stub) and test_cuda --probe recorded"
 has "$s" '^ops  *ok: 1 passed, 0 failed'
 check $? "run 1: a passing mode: its counts"
 has "$s" '^attention  *CRASHED (signal 6, ABRT): 2 ok, 0 FAIL lines before it ended'

@@ -8,7 +8,8 @@
 #   0. the libraries: the system's libcublasLt and libnccl, else a Python environment's
 #      (nvidia-* wheels under site-packages), added to LD_LIBRARY_PATH; NCCL is loaded by the
 #      backend only when a communicator is made, so one GPU runs without it;
-#   1. the GPUs (nvidia-smi);
+#   1. the GPUs (nvidia-smi), and what the binaries' CUDA runtime sees (test_cuda --probe; when
+#      it sees none, or the binaries cannot load, they are built here once if nvcc is found);
 #   2. then the steps, in order of value, each in its own process with its own timeout:
 #      test_cuda's modes (ops, attention, steps, ...; a crash or hang of one loses nothing of
 #      the others), GPT-2 124M throughput, the attention benchmark, the driver end to end,
@@ -106,13 +107,14 @@ wanted() { [ -z "${RUN_STEPS:-}" ] || case " $RUN_STEPS " in *" $1 "*) return 0 
 
 # step NAME LIMIT COMMAND...: COMMAND in its own process group (timeout's) for at most LIMIT s
 # (or what is left), its output into $logs/NAME.txt as it comes; a summary line when it ends,
-# with its FAIL lines. Returns COMMAND's status (or 1 when skipped).
+# with its FAIL lines. Returns COMMAND's status (1 when skipped for time, 0 when not in RUN_STEPS).
 step() {
     name=$1 limit=$2
     shift 2
-    wanted "$name" || return 1
+    wanted "$name" || return 0
     left=$((deadline - $(date +%s)))
     if [ "$left" -lt "$min_step" ]; then
+        [ "$left" -lt 0 ] && left=0
         result "$name" "skipped: $left s left of $RUN_SECONDS"
         return 1
     fi
@@ -151,8 +153,9 @@ library_dirs() {
 
 # find_library SONAME: "loader" when the loader finds it already, else the folder holding it
 # (searched: library_dirs, then a bounded find), else nothing.
+loader_cache() { ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null; }
 find_library() {
-    if ldconfig -p 2>/dev/null | grep -q "^[[:space:]]*$1 "; then echo loader; return; fi
+    if loader_cache | grep -q "^[[:space:]]*$1 "; then echo loader; return; fi
     for d in $(echo "${LD_LIBRARY_PATH:-}" | tr ':' ' '); do
         [ -e "$d/$1" ] && { echo loader; return; }
     done
@@ -167,7 +170,7 @@ find_library() {
 use_library() {
     where=$(find_library "$1")
     if [ -z "$where" ]; then say "  $1: not found (loader, CUDA, Python wheels, find)"; return 1; fi
-    if [ "$where" = loader ]; then say "  $1: the loader's ($(ldconfig -p 2>/dev/null | grep "^[[:space:]]*$1 " | sed 's/.*=> //' | head -n 1))"
+    if [ "$where" = loader ]; then say "  $1: the loader's ($(loader_cache | grep "^[[:space:]]*$1 " | sed 's/.*=> //' | head -n 1))"
     else
         say "  $1: $where (added to LD_LIBRARY_PATH)"
         LD_LIBRARY_PATH=$where${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -178,34 +181,59 @@ use_library() {
 # missing_libraries BINARY: the sonames ldd cannot resolve
 missing_libraries() { ldd "$1" 2>/dev/null | awk '/not found/ { print $1 }' | sort -u; }
 
+# build_here WHY: make gpu-bin on this machine when it has nvcc (minutes of the deadline)
+built_here=""
+build_here() {
+    if [ -n "$built_here" ]; then return 1; fi
+    built_here=1
+    if command -v nvcc > /dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+        say "$1: building them here (make gpu-bin)"
+        step build 300 make -s -B -j2 gpu-bin
+    else
+        result binaries "$1, and no nvcc here to build them"
+        return 1
+    fi
+}
+
+# find_libraries: what the binaries need and the loader lacks, looked for and added; sets
+# cannot_load to what is still missing
+find_libraries() {
+    for so in $(missing_libraries "$bin/test_cuda"; missing_libraries "$bin/train_cuda"); do
+        use_library "$so"
+    done
+    cannot_load=$( (missing_libraries "$bin/test_cuda"; missing_libraries "$bin/train_cuda") | sort -u | tr '\n' ' ')
+    [ -x "$bin/test_cuda" ] && [ -x "$bin/train_cuda" ] || cannot_load="(no binaries in $bin) $cannot_load"
+}
+
 say "== run.sh $(date -u '+%Y-%m-%d %H:%M:%S UTC'): RUN_SECONDS $RUN_SECONDS, binaries $bin, logs $logs"
 if [ ! -x "$bin/test_cuda" ] || [ ! -x "$bin/train_cuda" ]; then
-    if command -v nvcc > /dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
-        say "no prepared binaries in $bin (make gpu-bin on the CPU machine): building here"
-        step build 300 make -s gpu-bin
-    else
-        result binaries "none in $bin and no nvcc here: only what needs no binary runs"
-    fi
+    build_here "no prepared binaries in $bin (make gpu-bin on the CPU machine)"
 fi
 say "== libraries [$(elapsed) s]"
-for so in $(missing_libraries "$bin/test_cuda"; missing_libraries "$bin/train_cuda"); do
-    use_library "$so"
-done
+find_libraries
+if [ -n "$cannot_load" ] && build_here "the binaries cannot load (missing $cannot_load)"; then
+    find_libraries
+fi
 nccl=yes
 if [ -n "${RUN_NO_NCCL:-}" ]; then say "  libnccl.so.2: not looked for (RUN_NO_NCCL)"; nccl=no
 else use_library libnccl.so.2 || nccl=no; fi
-cannot_load=$( (missing_libraries "$bin/test_cuda"; missing_libraries "$bin/train_cuda") | sort -u | tr '\n' ' ')
-[ -x "$bin/test_cuda" ] && [ -x "$bin/train_cuda" ] || cannot_load="(no binaries in $bin) $cannot_load"
 ldd "$bin/test_cuda" 2>&1 | grep -E 'cublas|nccl|cudart|gomp|not found|not a dynamic' >> "$logs/libraries.txt"
 result libraries "cuBLASLt/runtime: ${cannot_load:+MISSING $cannot_load}${cannot_load:-found}; NCCL: $nccl${LD_LIBRARY_PATH:+; LD_LIBRARY_PATH=$LD_LIBRARY_PATH}"
 
 # --- 1. the GPUs ------------------------------------------------------------------------------------
 
 gpus=0
-if step gpus 30 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv; then
+if step gpus 30 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv &&
+    [ -s "$logs/gpus.txt" ]; then
     gpus=$(($(wc -l < "$logs/gpus.txt") - 1))
 fi
 [ "$gpus" -gt 0 ] || say "no GPU listed by nvidia-smi: the steps run anyway (they say what they find)"
+# what the binaries' CUDA runtime sees: a driver older than it shows as no device
+if [ -z "$cannot_load" ] && ! step probe 30 "$bin/test_cuda" --probe && [ "$gpus" -gt 0 ] &&
+    build_here "test_cuda sees no GPU where nvidia-smi lists $gpus (a driver older than the binaries' CUDA?)"; then
+    find_libraries
+    step probe-again 30 "$bin/test_cuda" --probe
+fi
 if [ "$nccl" = no ] && [ "$gpus" -gt 1 ]; then
     say "no NCCL: the checks run on GPU 0 alone (CUDA_VISIBLE_DEVICES=0)"
     CUDA_VISIBLE_DEVICES=0
