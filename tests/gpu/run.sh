@@ -24,6 +24,7 @@
 # name), RUN_NO_NCCL (behave as if no libnccl.so.2 were found).
 set -u
 cd "$(dirname "$0")/../.." || exit 1
+ulimit -c 0 2>/dev/null # an aborted check writes no core file (seconds and disk of the deadline)
 RUN_SECONDS=${RUN_SECONDS:-540}
 step_cap=${RUN_STEP_LIMIT:-600}
 min_step=${RUN_MIN_STEP:-10}

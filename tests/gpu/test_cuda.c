@@ -12,8 +12,9 @@
    the plan against the memory the GPU reports. `test_cuda MODE...` runs only the modes named
    (ops, attention, steps, grads, features, resume, devices, memory; `--list` prints them), so
    that tests/gpu/run.sh runs each in its own process; `bench` times GPT-2 124M instead and
-   `bench-attention` the attention kernels. stdout is line-buffered: what was printed survives
-   an abort. The last line is "N passed, N failed". */
+   `bench-attention` the attention kernels, and `--probe` prints the runtime's and the driver's
+   CUDA versions and the devices it sees. stdout is line-buffered: what was printed survives an
+   abort. The last line is "N passed, N failed". */
 #ifdef LG_CUDA_EMULATE
 #include "../cuda_emulator.h"
 #endif
