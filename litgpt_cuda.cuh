@@ -103,7 +103,7 @@ static const char *lg_nccl_result_text(ncclResult_t status) {
         ncclResult_t lg_status_ = (call);                                                      \
         if (lg_status_ != ncclSuccess)                                                         \
             return lg_fail(err, "%s failed at %s:%d: %s", #call, __FILE__, __LINE__,           \
-                           lg_nccl_result_text(lg_status_));                                    \
+                           lg_nccl_result_text(lg_status_));                                   \
     } while (0)
 
 static void lg_cuda_die(const char *call, const char *file, int line, const char *what) {
@@ -122,7 +122,7 @@ static void lg_cuda_die(const char *call, const char *file, int line, const char
     do {                                                                                       \
         ncclResult_t lg_status_ = (call);                                                      \
         if (lg_status_ != ncclSuccess && lg_status_ != ncclInProgress)                         \
-            lg_cuda_die(#call, __FILE__, __LINE__, lg_nccl_result_text(lg_status_));            \
+            lg_cuda_die(#call, __FILE__, __LINE__, lg_nccl_result_text(lg_status_));           \
     } while (0)
 
 /* Kernel launches go through LG_LAUNCH(kernel, grid, block, shared_bytes, stream, args...), so
@@ -3298,9 +3298,9 @@ static void lg_cuda_lt_first_matmul(cublasLtHandle_t lt) {
 
 /* Measures, on GPU 0..devices-1, what the runtime takes before the plan's arenas: the CUDA
    context (with anything other processes hold), a cuBLASLt handle after its first matmul,
-   and one NCCL communicator
-   after its first collective (times the communicators a rank joins, `communicators`). The most of any GPU goes to
-   *runtime_bytes; *total_bytes gets the smallest GPU's memory. */
+   and one NCCL communicator after its first collective (times the communicators a rank joins,
+   `communicators`). The most of any GPU goes to *runtime_bytes; *total_bytes gets the smallest
+   GPU's memory. */
 int lg_cuda_measure_runtime(int devices, int communicators, size_t *runtime_bytes,
                             size_t *total_bytes, lg_error *err) {
     size_t context[LG_MAX_RANKS], cublas[LG_MAX_RANKS], nccl[LG_MAX_RANKS], total, used;
