@@ -69,6 +69,7 @@ outcome() {
     fails=$(count_lines '^  FAIL' "$2")
     if [ -n "$counts" ]; then echo "$state: $counts"
     elif [ "$1" -eq 0 ] && [ "$oks$fails" = 00 ]; then echo "$state"
+    elif [ "$oks$fails" = 00 ]; then echo "$state: $(grep -v '^[[:space:]]*$' "$2" | tail -n 1 | cut -c1-160)"
     else echo "$state: $oks ok, $fails FAIL lines before it ended"; fi
 }
 
