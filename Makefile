@@ -9,7 +9,9 @@ PORTABLE_CFLAGS = -O3 -ffp-contract=fast
 WARNINGS = -std=c11 -Wall -Wextra -Werror
 OPENMP = -fopenmp
 LDLIBS = -lm
-CUDA_LIBS = -lcublasLt -lnccl
+# NCCL is not linked: litgpt_cuda.cuh opens libnccl.so.2 when a communicator is made (several
+# GPUs), so that a machine without NCCL still runs one GPU
+CUDA_LIBS = -lcublasLt -ldl
 NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo yes)
 # sm_80 (A100) and sm_90 (H100, H200) by default; the GPU's own when one is visible
@@ -62,8 +64,9 @@ build/test_cuda: tests/gpu/test_cuda.c tests/check.h $(wildcard tests/gpu/*.inc)
 
 # tests/gpu/run.sh's binaries, built here for a GPU machine (whose time is short): code for sm_90
 # (H100, H200), host code for any x86-64-v2 processor rather than this one; they travel with the
-# working tree (the device tool's carry: build/gpu-bin).
-GPU_BIN_FLAGS = -x cu -std=c++17 -O3 -gencode arch=compute_90,code=sm_90 -Werror all-warnings \
+# working tree (the device tool's carry: build/gpu-bin). -lineinfo: compute-sanitizer's reports
+# (run.sh) name source lines.
+GPU_BIN_FLAGS = -x cu -std=c++17 -O3 -lineinfo -gencode arch=compute_90,code=sm_90 -Werror all-warnings \
 	-Xcompiler -Wall,-Wextra,-Werror,-march=x86-64-v2,$(OPENMP)
 
 gpu-bin: build/gpu-bin/test_cuda build/gpu-bin/train_cuda

@@ -30,12 +30,63 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <nccl.h>
 #endif
 
 /* a. checks, launches and the rank's GPU state ------------------------------------------------ */
 
 static int lg_fail(lg_error *err, const char *fmt, ...); /* 1. utilities */
+
+/* NCCL is not linked: lg_nccl_load opens libnccl.so.2 when a communicator is made (several
+   GPUs), so that a run on one GPU, which makes none, needs no NCCL on the machine. Each
+   communicator (lg_comm) keeps the functions it calls; the library stays loaded. On the
+   emulator the functions are tests/cuda_emulator.h's. */
+#define LG_NCCL_FUNCTIONS(X)                                                                   \
+    X(CommInitAll) X(CommInitRankConfig) X(CommSplit) X(CommDestroy) X(CommAbort)              \
+    X(CommGetAsyncError) X(CommCount) X(CommUserRank) X(GetUniqueId) X(GroupStart)             \
+    X(GroupEnd) X(AllReduce) X(AllGather) X(ReduceScatter) X(Broadcast)
+typedef struct {
+#define LG_NCCL_POINTER(name) decltype(&nccl##name) name; /* ncclNAME */
+    LG_NCCL_FUNCTIONS(LG_NCCL_POINTER)
+#undef LG_NCCL_POINTER
+} lg_nccl_api;
+
+static int lg_nccl_load(lg_nccl_api *api, lg_error *err) {
+#ifdef LG_CUDA_EMULATE
+#define LG_NCCL_BIND(name) api->name = nccl##name;
+    LG_NCCL_FUNCTIONS(LG_NCCL_BIND)
+#undef LG_NCCL_BIND
+    (void)err;
+#else
+    void *library = dlopen("libnccl.so.2", RTLD_NOW | RTLD_GLOBAL);
+    if (!library)
+        return lg_fail(err, "several GPUs need NCCL, and libnccl.so.2 did not load: %s (install NCCL, "
+                            "or add the folder that holds it, such as a Python environment's "
+                            "site-packages/nvidia/nccl/lib, to LD_LIBRARY_PATH)", dlerror());
+#define LG_NCCL_BIND(name)                                                                     \
+    if (!(api->name = (decltype(api->name))dlsym(library, "nccl" #name)))                      \
+        return lg_fail(err, "libnccl.so.2 has no nccl" #name " (NCCL 2.18 or later is needed)");
+    LG_NCCL_FUNCTIONS(LG_NCCL_BIND)
+#undef LG_NCCL_BIND
+#endif
+    return 0;
+}
+
+/* NCCL's result codes in words (ncclGetErrorString's, without the library). */
+static const char *lg_nccl_result_text(ncclResult_t status) {
+    switch (status) {
+    case ncclSuccess: return "no error";
+    case ncclUnhandledCudaError: return "unhandled cuda error (run with NCCL_DEBUG=INFO for details)";
+    case ncclSystemError: return "unhandled system error (run with NCCL_DEBUG=INFO for details)";
+    case ncclInternalError: return "internal error - please report this issue to the NCCL developers";
+    case ncclInvalidArgument: return "invalid argument (run with NCCL_DEBUG=WARN for details)";
+    case ncclInvalidUsage: return "invalid usage (run with NCCL_DEBUG=WARN for details)";
+    case ncclRemoteError: return "remote process exited or there was a network error";
+    case ncclInProgress: return "NCCL operation in progress";
+    default: return "unknown result code";
+    }
+}
 
 /* Every CUDA, cuBLAS and NCCL call is checked; a failure names the call, the file and the
    line. LG_CUDA_CHECK returns it as an error; the ops (which return nothing) stop the program
@@ -52,10 +103,11 @@ static int lg_fail(lg_error *err, const char *fmt, ...); /* 1. utilities */
         ncclResult_t lg_status_ = (call);                                                      \
         if (lg_status_ != ncclSuccess)                                                         \
             return lg_fail(err, "%s failed at %s:%d: %s", #call, __FILE__, __LINE__,           \
-                           ncclGetErrorString(lg_status_));                                    \
+                           lg_nccl_result_text(lg_status_));                                   \
     } while (0)
 
 static void lg_cuda_die(const char *call, const char *file, int line, const char *what) {
+    fflush(stdout); /* what the program said before the error, ahead of the abort */
     fprintf(stderr, "CUDA error: %s failed at %s:%d: %s\n", call, file, line, what);
     abort();
 }
@@ -70,7 +122,7 @@ static void lg_cuda_die(const char *call, const char *file, int line, const char
     do {                                                                                       \
         ncclResult_t lg_status_ = (call);                                                      \
         if (lg_status_ != ncclSuccess && lg_status_ != ncclInProgress)                         \
-            lg_cuda_die(#call, __FILE__, __LINE__, ncclGetErrorString(lg_status_));            \
+            lg_cuda_die(#call, __FILE__, __LINE__, lg_nccl_result_text(lg_status_));           \
     } while (0)
 
 /* Kernel launches go through LG_LAUNCH(kernel, grid, block, shared_bytes, stream, args...), so
@@ -3227,10 +3279,40 @@ static int lg_cuda_used_bytes(int device, size_t *used, size_t *total, lg_error 
     return 0;
 }
 
+#ifndef LG_CUDA_EMULATE
+/* One small bf16 product through lt (64 x 64 x 64, zeros), so that what cuBLASLt sets up at its
+   first matmul is in the measure below; on any failure nothing more (the measure is then the
+   handle's alone, as before). */
+static void lg_cuda_lt_first_matmul(cublasLtHandle_t lt) {
+    const int n = 64;
+    const size_t bytes = (size_t)n * n * 2; /* one bf16 matrix */
+    char *buf = NULL;
+    if (cudaMalloc((void **)&buf, 3 * bytes) != cudaSuccess) {
+        cudaGetLastError();
+        return;
+    }
+    cudaMemset(buf, 0, 3 * bytes);
+    cublasLtMatmulDesc_t desc = NULL;
+    cublasLtMatrixLayout_t layout = NULL;
+    if (cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+        cublasLtMatrixLayoutCreate(&layout, CUDA_R_16BF, n, n, n) == CUBLAS_STATUS_SUCCESS) {
+        const float one = 1.0f, zero = 0.0f; /* (algo NULL: cuBLASLt's own heuristic) */
+        cublasLtMatmul(lt, desc, &one, buf, layout, buf + bytes, layout, &zero, buf + 2 * bytes,
+                       layout, buf + 2 * bytes, layout, NULL, NULL, 0, 0);
+        cudaDeviceSynchronize();
+    }
+    if (layout) cublasLtMatrixLayoutDestroy(layout);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+    cudaFree(buf);
+    cudaGetLastError();
+}
+#endif
+
 /* Measures, on GPU 0..devices-1, what the runtime takes before the plan's arenas: the CUDA
-   context (with anything other processes hold), a cuBLASLt handle, and one NCCL communicator
-   after its first collective (times the communicators a rank joins, `communicators`). The most of any GPU goes to
-   *runtime_bytes; *total_bytes gets the smallest GPU's memory. */
+   context (with anything other processes hold), a cuBLASLt handle after its first matmul,
+   and one NCCL communicator after its first collective (times the communicators a rank joins,
+   `communicators`). The most of any GPU goes to *runtime_bytes; *total_bytes gets the smallest
+   GPU's memory. */
 int lg_cuda_measure_runtime(int devices, int communicators, size_t *runtime_bytes,
                             size_t *total_bytes, lg_error *err) {
     size_t context[LG_MAX_RANKS], cublas[LG_MAX_RANKS], nccl[LG_MAX_RANKS], total, used;
@@ -3247,6 +3329,7 @@ int lg_cuda_measure_runtime(int devices, int communicators, size_t *runtime_byte
 #ifndef LG_CUDA_EMULATE
         cublasLtHandle_t lt;
         if (cublasLtCreate(&lt) != CUBLAS_STATUS_SUCCESS) return lg_fail(err, "cublasLtCreate failed");
+        lg_cuda_lt_first_matmul(lt);
         LG_CUDA_CHECK(cudaDeviceSynchronize(), err);
         if (lg_cuda_used_bytes(d, &used, &total, err) != 0) return -1;
         cublas[d] = used - context[d];
@@ -3260,6 +3343,8 @@ int lg_cuda_measure_runtime(int devices, int communicators, size_t *runtime_byte
            of a float a GPU, whose own allocation is counted before the communicators */
         ncclComm_t comms[LG_MAX_RANKS];
         float *probe[LG_MAX_RANKS];
+        lg_nccl_api api;
+        if (lg_nccl_load(&api, err) != 0) return -1;
         size_t before[LG_MAX_RANKS];
         for (int d = 0; d < devices; d++) {
             LG_CUDA_CHECK(cudaSetDevice(d), err);
@@ -3267,11 +3352,11 @@ int lg_cuda_measure_runtime(int devices, int communicators, size_t *runtime_byte
             LG_CUDA_CHECK(cudaMemset(probe[d], 0, sizeof(float)), err);
             if (lg_cuda_used_bytes(d, &before[d], &total, err) != 0) return -1;
         }
-        LG_NCCL_CHECK(ncclCommInitAll(comms, devices, device_ids), err);
-        LG_NCCL_CHECK(ncclGroupStart(), err);
+        LG_NCCL_CHECK(api.CommInitAll(comms, devices, device_ids), err);
+        LG_NCCL_CHECK(api.GroupStart(), err);
         for (int d = 0; d < devices; d++)
-            LG_NCCL_CHECK(ncclAllReduce(probe[d], probe[d], 1, ncclFloat32, ncclSum, comms[d], 0), err);
-        LG_NCCL_CHECK(ncclGroupEnd(), err);
+            LG_NCCL_CHECK(api.AllReduce(probe[d], probe[d], 1, ncclFloat32, ncclSum, comms[d], 0), err);
+        LG_NCCL_CHECK(api.GroupEnd(), err);
         for (int d = 0; d < devices; d++) {
             LG_CUDA_CHECK(cudaSetDevice(d), err);
             LG_CUDA_CHECK(cudaDeviceSynchronize(), err);
@@ -3279,7 +3364,7 @@ int lg_cuda_measure_runtime(int devices, int communicators, size_t *runtime_byte
             nccl[d] = (used > before[d] ? used - before[d] : 0) * (size_t)communicators;
         }
         for (int d = 0; d < devices; d++) {
-            ncclCommDestroy(comms[d]);
+            api.CommDestroy(comms[d]);
             cudaSetDevice(d);
             cudaFree(probe[d]);
         }
@@ -3332,6 +3417,7 @@ struct lg_comm {
     char name[48];                  /* "shard group 0", ...: what its errors name */
     double timeout_s;
     int rank_of[LG_MAX_RANKS];      /* (n): each member's global rank */
+    lg_nccl_api nccl;               /* the NCCL functions (lg_nccl_load) */
 };
 
 /* No collective has a deadline in NCCL (reference/DISTRIBUTED.md): the host polls. Across
@@ -3350,10 +3436,10 @@ static void lg_nccl_give_up(lg_comm *c, const char *what, ncclResult_t status) {
     else
         fprintf(stderr, "rank %d: the %s of %s failed in NCCL: %s (NCCL_DEBUG=WARN says more); "
                         "aborting the communicators\n", c->rank_of[0], what, c->name,
-                ncclGetErrorString(status));
+                lg_nccl_result_text(status));
     fflush(stderr);
     for (int i = 0; i < c->n; i++) {
-        if (c->comm[i]) ncclCommAbort(c->comm[i]);
+        if (c->comm[i]) c->nccl.CommAbort(c->comm[i]);
         c->comm[i] = NULL;
     }
     lg_launch_abort(1);
@@ -3364,7 +3450,7 @@ static ncclResult_t lg_nccl_state(const lg_comm *c) {
     ncclResult_t worst = ncclSuccess;
     for (int i = 0; i < c->n; i++) {
         ncclResult_t state = ncclSuccess;
-        ncclResult_t asked = ncclCommGetAsyncError(c->comm[i], &state);
+        ncclResult_t asked = c->nccl.CommGetAsyncError(c->comm[i], &state);
         if (asked != ncclSuccess) state = asked;
         if (state != ncclSuccess && (worst == ncclSuccess || worst == ncclInProgress)) worst = state;
     }
@@ -3413,6 +3499,10 @@ lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err) {
         lg_fail(err, "out of host memory");
         return NULL;
     }
+    if (lg_nccl_load(&c->nccl, err) != 0) {
+        LG_FREE(c);
+        return NULL;
+    }
     c->n = n;
     lg_comm_watch(c, "the ranks of this process", LG_DIST_TIMEOUT);
     for (int i = 0; i < n; i++) {
@@ -3420,9 +3510,9 @@ lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err) {
         c->rank_of[i] = members[i]->index;
         devices[i] = members[i]->cuda->device;
     }
-    ncclResult_t status = ncclCommInitAll(c->comm, n, devices);
+    ncclResult_t status = c->nccl.CommInitAll(c->comm, n, devices);
     if (status != ncclSuccess) {
-        lg_fail(err, "ncclCommInitAll over %d GPUs failed: %s", n, ncclGetErrorString(status));
+        lg_fail(err, "ncclCommInitAll over %d GPUs failed: %s", n, lg_nccl_result_text(status));
         LG_FREE(c);
         return NULL;
     }
@@ -3438,7 +3528,7 @@ void lg_comm_watch(lg_comm *c, const char *name, double timeout_s) {
 void lg_comm_free(lg_comm *c) {
     if (!c) return;
     for (int i = 0; i < c->n; i++) {
-        ncclCommDestroy(c->comm[i]);
+        c->nccl.CommDestroy(c->comm[i]);
         if (c->numbers[i]) cudaFree(c->numbers[i]);
     }
     LG_FREE(c);
@@ -3452,7 +3542,9 @@ static_assert(NCCL_UNIQUE_ID_BYTES == LG_NCCL_ID_BYTES, "NCCL's unique id has an
 
 int lg_nccl_unique_id(unsigned char *id, lg_error *err) {
     ncclUniqueId unique;
-    LG_NCCL_CHECK(ncclGetUniqueId(&unique), err);
+    lg_nccl_api nccl;
+    if (lg_nccl_load(&nccl, err) != 0) return -1;
+    LG_NCCL_CHECK(nccl.GetUniqueId(&unique), err);
     memcpy(id, unique.internal, LG_NCCL_ID_BYTES);
     return 0;
 }
@@ -3465,25 +3557,29 @@ lg_comm *lg_comm_create_global(int world, int first_rank, int n, lg_rank *const 
         lg_fail(err, "out of host memory");
         return NULL;
     }
+    if (lg_nccl_load(&c->nccl, err) != 0) {
+        LG_FREE(c);
+        return NULL;
+    }
     memcpy(unique.internal, id, LG_NCCL_ID_BYTES);
     c->n = n;
     lg_comm_watch(c, "all ranks", timeout_s);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0; /* enqueueing returns at once; lg_nccl_wait polls against the deadline */
-    ncclResult_t status = ncclGroupStart();
+    ncclResult_t status = c->nccl.GroupStart();
     for (int i = 0; i < n && (status == ncclSuccess || status == ncclInProgress); i++) {
         c->member[i] = members[i]->cuda;
         c->rank_of[i] = first_rank + i;
         LG_CUDA_TRY(cudaSetDevice(c->member[i]->device));
-        status = ncclCommInitRankConfig(&c->comm[i], world, unique, first_rank + i, &config);
+        status = c->nccl.CommInitRankConfig(&c->comm[i], world, unique, first_rank + i, &config);
     }
-    ncclResult_t ended = ncclGroupEnd();
+    ncclResult_t ended = c->nccl.GroupEnd();
     if (status == ncclSuccess || status == ncclInProgress) status = ended;
     if (status == ncclInProgress) lg_nccl_wait(c, "start (ncclCommInitRankConfig)", 0);
     else if (status != ncclSuccess) {
         lg_fail(err, "ncclCommInitRank of ranks %d..%d of %d failed: %s (NCCL_DEBUG=WARN says why; "
                      "NCCL_SOCKET_IFNAME picks the network)", first_rank, first_rank + n - 1, world,
-                ncclGetErrorString(status));
+                lg_nccl_result_text(status));
         LG_FREE(c);
         return NULL;
     }
@@ -3493,20 +3589,20 @@ lg_comm *lg_comm_create_global(int world, int first_rank, int n, lg_rank *const 
 int lg_comm_split(lg_comm *parent, const int *color, const int *key, lg_comm **by_color,
                   lg_error *err) {
     ncclComm_t made[LG_MAX_RANKS];
-    ncclResult_t status = ncclGroupStart();
+    ncclResult_t status = parent->nccl.GroupStart();
     for (int i = 0; i < parent->n && status == ncclSuccess; i++) {
         LG_CUDA_TRY(cudaSetDevice(parent->member[i]->device));
         made[i] = NULL;
         ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
         config.blocking = 0; /* as the parent's (lg_comm_create_global) */
-        status = ncclCommSplit(parent->comm[i], color[i] < 0 ? NCCL_SPLIT_NOCOLOR : color[i], key[i],
-                               &made[i], &config);
+        status = parent->nccl.CommSplit(parent->comm[i], color[i] < 0 ? NCCL_SPLIT_NOCOLOR : color[i],
+                                        key[i], &made[i], &config);
         if (status == ncclInProgress) status = ncclSuccess;
     }
-    ncclResult_t ended = ncclGroupEnd();
+    ncclResult_t ended = parent->nccl.GroupEnd();
     if (status == ncclSuccess && ended != ncclInProgress) status = ended;
     if (status != ncclSuccess)
-        return lg_fail(err, "ncclCommSplit failed: %s", ncclGetErrorString(status));
+        return lg_fail(err, "ncclCommSplit failed: %s", lg_nccl_result_text(status));
     lg_nccl_wait(parent, "split (ncclCommSplit)", 0); /* (the new ones: below, on first use) */
     for (int i = 0; i < parent->n; i++) { /* members in order: the group's in key order */
         if (color[i] < 0) continue;
@@ -3514,6 +3610,7 @@ int lg_comm_split(lg_comm *parent, const int *color, const int *key, lg_comm **b
         if (!*group && !(*group = (lg_comm *)lg_alloc_zeroed(sizeof(lg_comm))))
             return lg_fail(err, "out of host memory");
         lg_comm_watch(*group, "a group of ranks", parent->timeout_s);
+        (*group)->nccl = parent->nccl;
         (*group)->comm[(*group)->n] = made[i];
         (*group)->rank_of[(*group)->n] = parent->rank_of[i];
         (*group)->member[(*group)->n++] = parent->member[i];
@@ -3531,27 +3628,35 @@ static double *lg_comm_numbers(lg_comm *c, int i) {
 }
 
 /* The members' host numbers through their GPUs: in (count each: member i's at in + i
-   in_stride) -> the collective -> out from member 0's buffer (out_count). */
+   in_stride) -> the collective -> out from member 0's buffer (out_count). The copies run on
+   the members' communication streams, in order with the collective: a copy on the legacy
+   stream would not be (the communication streams do not wait for it), and from pageable
+   memory cudaMemcpy may return before its data has reached the GPU. */
 static void lg_comm_host_numbers(lg_comm *c, const double *in, int in_stride, int count,
                                  double *out, int out_count, int gather) {
-    for (int i = 0; i < c->n; i++)
-        LG_CUDA_TRY(cudaMemcpy(lg_comm_numbers(c, i), in + (size_t)i * in_stride,
-                               sizeof(double) * (size_t)count, cudaMemcpyHostToDevice));
-    LG_NCCL_TRY(ncclGroupStart());
+    for (int i = 0; i < c->n; i++) {
+        double *numbers = lg_comm_numbers(c, i);
+        LG_CUDA_TRY(cudaSetDevice(c->member[i]->device));
+        LG_CUDA_TRY(cudaMemcpyAsync(numbers, in + (size_t)i * in_stride, sizeof(double) * (size_t)count,
+                                    cudaMemcpyHostToDevice, c->member[i]->comm));
+    }
+    LG_NCCL_TRY(c->nccl.GroupStart());
     for (int i = 0; i < c->n; i++) {
         double *numbers = lg_comm_numbers(c, i);
         if (gather)
-            LG_NCCL_TRY(ncclAllGather(numbers, numbers + LG_MAX_RANKS, (size_t)count, ncclFloat64,
-                                      c->comm[i], c->member[i]->comm));
+            LG_NCCL_TRY(c->nccl.AllGather(numbers, numbers + LG_MAX_RANKS, (size_t)count,
+                                          ncclFloat64, c->comm[i], c->member[i]->comm));
         else
-            LG_NCCL_TRY(ncclAllReduce(numbers, numbers + LG_MAX_RANKS, (size_t)count, ncclFloat64,
-                                      ncclSum, c->comm[i], c->member[i]->comm));
+            LG_NCCL_TRY(c->nccl.AllReduce(numbers, numbers + LG_MAX_RANKS, (size_t)count,
+                                          ncclFloat64, ncclSum, c->comm[i], c->member[i]->comm));
     }
-    LG_NCCL_TRY(ncclGroupEnd());
+    LG_NCCL_TRY(c->nccl.GroupEnd());
     lg_nccl_wait(c, gather ? "gather of host numbers" : "sum of host numbers", 1);
     LG_CUDA_TRY(cudaSetDevice(c->member[0]->device));
-    LG_CUDA_TRY(cudaMemcpy(out, lg_comm_numbers(c, 0) + LG_MAX_RANKS, sizeof(double) * (size_t)out_count,
-                           cudaMemcpyDeviceToHost));
+    LG_CUDA_TRY(cudaMemcpyAsync(out, lg_comm_numbers(c, 0) + LG_MAX_RANKS,
+                                sizeof(double) * (size_t)out_count, cudaMemcpyDeviceToHost,
+                                c->member[0]->comm));
+    LG_CUDA_TRY(cudaStreamSynchronize(c->member[0]->comm));
 }
 
 /* Sums over processes: the process's first member brings the values, the others zeros. */
@@ -3568,8 +3673,8 @@ void lg_comm_gather_doubles(lg_comm *c, double *values, int per_process) {
     double in[LG_MAX_RANKS];
     int world = 0, first = 0;
     if (!c || per_process != c->n) return;
-    LG_NCCL_TRY(ncclCommCount(c->comm[0], &world));
-    LG_NCCL_TRY(ncclCommUserRank(c->comm[0], &first));
+    LG_NCCL_TRY(c->nccl.CommCount(c->comm[0], &world));
+    LG_NCCL_TRY(c->nccl.CommUserRank(c->comm[0], &first));
     for (int i = 0; i < c->n; i++) in[i] = values[first + i];
     lg_comm_host_numbers(c, in, 1, 1, values, world, 1);
 }
@@ -3586,11 +3691,11 @@ static void lg_comm_begin(lg_comm *c) {
         LG_CUDA_TRY(cudaEventRecord(g->compute_done, g->stream));
         LG_CUDA_TRY(cudaStreamWaitEvent(g->comm, g->compute_done, 0));
     }
-    LG_NCCL_TRY(ncclGroupStart());
+    LG_NCCL_TRY(c->nccl.GroupStart());
 }
 
 static void lg_comm_end(lg_comm *c) {
-    LG_NCCL_TRY(ncclGroupEnd());
+    LG_NCCL_TRY(c->nccl.GroupEnd());
     lg_nccl_wait(c, "collective (enqueueing)", 0);
     for (int i = 0; i < c->n; i++) {
         lg_cuda_rank *g = c->member[i];
@@ -3603,7 +3708,7 @@ static void lg_comm_end(lg_comm *c) {
 /* An _async collective's end: each member's signals[signal] marks it done; the compute goes on
    meanwhile and waits in lg_cuda_await. */
 static void lg_comm_end_signal(lg_comm *c, int signal) {
-    LG_NCCL_TRY(ncclGroupEnd());
+    LG_NCCL_TRY(c->nccl.GroupEnd());
     lg_nccl_wait(c, "collective (enqueueing)", 0);
     for (int i = 0; i < c->n; i++) {
         LG_CUDA_TRY(cudaSetDevice(c->member[i]->device));
@@ -3620,23 +3725,24 @@ static void lg_cuda_await(lg_cuda_rank *g, int signal) {
 static void lg_nccl_reduce_scatter_calls(lg_comm *c, const lg_buf *whole, lg_buf *piece,
                                          size_t piece_count) {
     for (int i = 0; i < c->n; i++)
-        LG_NCCL_TRY(ncclReduceScatter(whole[i].data, piece[i].data, piece_count,
-                                      lg_nccl_type(piece[i].dtype), ncclSum, c->comm[i],
-                                      c->member[i]->comm));
+        LG_NCCL_TRY(c->nccl.ReduceScatter(whole[i].data, piece[i].data, piece_count,
+                                          lg_nccl_type(piece[i].dtype), ncclSum, c->comm[i],
+                                          c->member[i]->comm));
 }
 
 static void lg_nccl_all_gather_calls(lg_comm *c, const lg_buf *piece, lg_buf *whole,
                                      size_t piece_count) {
     for (int i = 0; i < c->n; i++) /* in place when piece[i] lies at i piece_count of whole[i] */
-        LG_NCCL_TRY(ncclAllGather(piece[i].data, whole[i].data, piece_count,
-                                  lg_nccl_type(piece[i].dtype), c->comm[i], c->member[i]->comm));
+        LG_NCCL_TRY(c->nccl.AllGather(piece[i].data, whole[i].data, piece_count,
+                                      lg_nccl_type(piece[i].dtype), c->comm[i], c->member[i]->comm));
 }
 
 static void lg_cuda_all_reduce_sum(lg_comm *c, lg_buf *bufs, size_t count) {
     lg_comm_begin(c);
     for (int i = 0; i < c->n; i++)
-        LG_NCCL_TRY(ncclAllReduce(bufs[i].data, bufs[i].data, count, lg_nccl_type(bufs[i].dtype),
-                                  ncclSum, c->comm[i], c->member[i]->comm));
+        LG_NCCL_TRY(c->nccl.AllReduce(bufs[i].data, bufs[i].data, count,
+                                      lg_nccl_type(bufs[i].dtype), ncclSum, c->comm[i],
+                                      c->member[i]->comm));
     lg_comm_end(c);
 }
 
@@ -3671,8 +3777,9 @@ static void lg_cuda_all_gather_async(lg_comm *c, const lg_buf *piece, lg_buf *wh
 static void lg_cuda_broadcast(lg_comm *c, int root, lg_buf *bufs, size_t count) {
     lg_comm_begin(c);
     for (int i = 0; i < c->n; i++)
-        LG_NCCL_TRY(ncclBroadcast(bufs[i].data, bufs[i].data, count, lg_nccl_type(bufs[i].dtype),
-                                  root, c->comm[i], c->member[i]->comm));
+        LG_NCCL_TRY(c->nccl.Broadcast(bufs[i].data, bufs[i].data, count,
+                                      lg_nccl_type(bufs[i].dtype), root, c->comm[i],
+                                      c->member[i]->comm));
     lg_comm_end(c);
 }
 

@@ -1975,6 +1975,8 @@ int main(int argc, char **argv) {
     if (section("LoRA and QLoRA", argc, argv)) test_lora_all(&r);
     if (section("gradients in double precision", argc, argv)) run_child_tests(&r, "./tests/test64");
     if (section("CUDA backend, emulated on the CPU", argc, argv)) run_emulated_cuda_tests(&r);
+    if (section("GPU script: tests/gpu/run.sh dry run (stand-ins, a crash, a hang, a kill)", argc, argv))
+        run_child_tests(&r, "sh tests/gpu/dry_run.sh");
     printf("%d passed, %d failed\n", r.passed, r.failed);
     return r.failed ? 1 : 0;
 }

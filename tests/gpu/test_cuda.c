@@ -9,8 +9,12 @@
    Every CUDA op is checked on fresh random inputs in each storage type against the CPU op of
    litgpt.h section 6, with the GPU's outputs poisoned (NaN) first, and twice for bitwise
    determinism; then whole training steps of each family and precision, -d 1 against -d N, and
-   the plan against the memory the GPU reports. `--bench` times GPT-2 124M instead.
-   The last line is "N passed, N failed". */
+   the plan against the memory the GPU reports. `test_cuda MODE...` runs only the modes named
+   (ops, attention, steps, grads, features, resume, devices, memory; `--list` prints them), so
+   that tests/gpu/run.sh runs each in its own process; `bench` times GPT-2 124M instead and
+   `bench-attention` the attention kernels, and `--probe` prints the runtime's and the driver's
+   CUDA versions and the devices it sees. stdout is line-buffered: what was printed survives an
+   abort. The last line is "N passed, N failed". */
 #ifdef LG_CUDA_EMULATE
 #include "../cuda_emulator.h"
 #endif
@@ -682,6 +686,46 @@ static void test_devices(results *r, int gpus) {
     LG_FREE(want);
 }
 
+/* The host numbers of runs over processes (the step's loss, the gradient norm's squares) go
+   through the GPUs: copied to each member's buffer on its communication stream, summed or
+   gathered by NCCL, copied back. Here over the ranks of one process (2 GPUs): member 0 brings
+   the values, the others zeros, so the sum is the values; a gather of one value a member gives
+   each member's. A copy out of order with the collective gives zeros or stale numbers. */
+static void test_host_numbers(results *r, int gpus) {
+    if (gpus < 2) return;
+    lg_config cfg;
+    lg_error err;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    lg_args a = step_args(LG_PRECISION_32_TRUE, LG_BACKEND_CUDA);
+    a.devices = 2;
+    lg_trainer tr;
+    if (lg_trainer_create(&tr, &cfg, &a, 16, &err) != 0) {
+        check(r, 0, "host numbers: a trainer of 2 GPUs: %s", err.msg);
+        return;
+    }
+    lg_rank *members[2] = {&tr.ranks[0].rank, &tr.ranks[1].rank};
+    lg_comm *c = lg_comm_create(2, members, &err);
+    if (!c) {
+        check(r, 0, "host numbers: a communicator of 2 GPUs: %s", err.msg);
+        lg_trainer_free(&tr);
+        return;
+    }
+    int same = 1;
+    for (int round = 0; round < 3; round++) { /* new numbers each time: none stale */
+        double sums[3] = {1.5 + round, -2e-7 * (round + 1), 3e10 + round}, want[3];
+        memcpy(want, sums, sizeof want);
+        lg_comm_sum_doubles(c, sums, 3);
+        double gathered[2] = {7.0 + round, -9.25 * (round + 1)};
+        double gather_want[2] = {gathered[0], gathered[1]};
+        lg_comm_gather_doubles(c, gathered, 2);
+        same &= memcmp(sums, want, sizeof want) == 0 && memcmp(gathered, gather_want, sizeof gathered) == 0;
+    }
+    check(r, same, "host numbers over 2 GPUs (sum and gather through the communication streams, 3 "
+                   "rounds): each round's own numbers");
+    lg_comm_free(c);
+    lg_trainer_free(&tr);
+}
+
 /* --- memory: the plan against what the GPU reports ------------------------------------------ */
 
 /* During a step of a run, the memory in use on GPU 0 (cudaMemGetInfo) against the plan's
@@ -716,38 +760,52 @@ static void test_plan_memory(results *r, const char *config, int T, int B) {
     lg_trainer_free(&tr);
 }
 
+/* The device arena of a's plan of cfg at T tokens on rank 0 (0 when there is no plan). */
+static size_t planned_arena(const lg_config *cfg, const lg_args *a, int T) {
+    lg_plan_spec spec;
+    lg_plan plan;
+    lg_error err;
+    lg_plan_spec_from_args(&spec, a, T);
+    if (lg_plan_make(&plan, cfg, &spec, &err) != 0) return 0;
+    size_t arena = lg_cuda_arena_bytes(&plan.ranks[0]);
+    lg_plan_free(&plan);
+    return arena;
+}
+
 /* A plan whose device arena exceeds the GPU's free memory is refused before the arena is asked
-   for: with all but half the arena's bytes taken, lg_trainer_create fails saying what is free,
-   and the memory in use grows by less than the arena (the streams and handles only). */
+   for: Meta-Llama-3-8B bf16-mixed (about 145 GB of model state), with the micro-batch doubled
+   until the arena is over the free memory, so that no memory needs to be taken first (taking
+   nearly all of it left too little for the trainer's own streams and handles). lg_trainer_create
+   fails saying what is free, and the memory in use grows by under 1 GiB (nothing of the
+   arena's size: the trainer's streams and handles at most). */
 static void test_plan_refused(results *r) {
     lg_config cfg;
     lg_error err;
-    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    if (load_config_or_fail(r, &cfg, "Meta-Llama-3-8B")) return;
     lg_args a = step_args(LG_PRECISION_BF16_MIXED, LG_BACKEND_CUDA);
-    lg_plan_spec spec;
-    lg_plan plan;
-    lg_plan_spec_from_args(&spec, &a, 16);
-    if (lg_plan_make(&plan, &cfg, &spec, &err) != 0) {
+    const int T = 1024;
+    size_t free_before, free_after, total, arena = 0;
+    if (lg_cuda_memory(0, &free_before, &total, &err) != 0) {
         check(r, 0, "plan refused: %s", err.msg);
         return;
     }
-    size_t arena = lg_cuda_arena_bytes(&plan.ranks[0]), free_before, free_after, total;
-    lg_plan_free(&plan);
-    void *taken = NULL;
-    lg_cuda_memory(0, &free_before, &total, &err);
-    if (cudaMalloc(&taken, free_before - arena / 2) != cudaSuccess) {
-        check(r, 0, "plan refused: could not take %zu bytes of GPU memory", free_before - arena / 2);
+    for (int b = 1; b <= 4096; b *= 2) {
+        a.micro_batch_size = a.global_batch_size = b;
+        arena = planned_arena(&cfg, &a, T);
+        if (arena == 0 || arena > free_before + free_before / 16) break;
+    }
+    if (arena <= free_before) {
+        check(r, 0, "plan refused: no plan of Meta-Llama-3-8B above %zu free bytes", free_before);
         return;
     }
-    lg_cuda_memory(0, &free_before, &total, &err);
     lg_trainer tr;
-    int rc = lg_trainer_create(&tr, &cfg, &a, 16, &err);
+    int rc = lg_trainer_create(&tr, &cfg, &a, T, &err);
     lg_cuda_memory(0, &free_after, &total, &err);
-    check(r, rc != 0 && strstr(err.msg, "free of") && free_before - free_after < arena,
-          "a %zu-byte arena with %zu bytes free: refused (%s)", arena, free_before,
-          rc ? err.msg : "created");
+    size_t grew = free_before > free_after ? free_before - free_after : 0;
+    check(r, rc != 0 && strstr(err.msg, "free of") && grew < ((size_t)1 << 30),
+          "a %zu-byte arena (-b %d) with %zu bytes free: refused, %zu bytes more in use (< 1 GiB) (%s)", arena,
+          a.micro_batch_size, free_before, grew, rc ? err.msg : "created");
     if (rc == 0) lg_trainer_free(&tr);
-    cudaFree(taken);
 }
 
 /* --- benchmark --------------------------------------------------------------------------------- */
@@ -808,22 +866,95 @@ static void bench(void) {
     }
 }
 
-int main(int argc, char **argv) {
-    results r = {0, 0};
-    setenv("CUDA_MODULE_LOADING", "EAGER", 0); /* as train.c: kernels load with the context */
-    int gpus = lg_cuda_device_count();
-    if (gpus == 0) {
-        printf("test_cuda: no GPU visible\n");
-        return 2;
-    }
-    if (argc > 1 && strcmp(argv[1], "--bench") == 0) {
-        bench();
-        return 0;
-    }
-    if (argc > 1 && strcmp(argv[1], "--bench-attention") == 0) {
-        bench_attention();
-        return 0;
-    }
+/* --- modes: one group of checks a process (tests/gpu/run.sh) ---------------------------------- */
+
+static void mode_ops(results *r, int gpus) {
+    (void)gpus;
+    printf("ops\n");
+    test_kernels(r);
+    test_residual_norm(r);
+    test_matmul(r, 1, 0);
+    test_linear(r, 1);
+#ifndef LG_CUDA_EMULATE
+    test_matmul(r, 0, 0);
+    test_matmul(r, 0, 1);
+    test_linear(r, 0);
+#endif
+}
+
+static void mode_attention(results *r, int gpus) {
+    (void)gpus;
+    test_attention(r);
+}
+
+static void mode_steps(results *r, int gpus) {
+    (void)gpus;
+    printf("training steps\n");
+    test_training_steps(r);
+}
+
+static void mode_grads(results *r, int gpus) {
+    printf("gradients written on the first micro-batch\n");
+    test_grads_written(r, gpus);
+}
+
+static void mode_features(results *r, int gpus) {
+    printf("features: optimizers, compact state, LoRA\n");
+    test_gpu_features(r);
+    test_gpu_lora(r, gpus);
+}
+
+static void mode_resume(results *r, int gpus) {
+    printf("checkpoints resumed\n");
+    test_gpu_resume(r, gpus);
+}
+
+static void mode_devices(results *r, int gpus) {
+    printf("devices: -d N against -d 1, the collectives' deadline\n");
+    test_devices(r, gpus);
+    test_host_numbers(r, gpus);
+    test_comm_deadline(r, gpus);
+}
+
+static void mode_memory(results *r, int gpus) {
+    (void)gpus;
+    printf("memory\n");
+    test_plan_memory(r, "test-llama", 16, 2);
+    test_plan_refused(r);
+#ifndef LG_CUDA_EMULATE
+    test_plan_memory(r, "Llama-3.2-1B", 2048, 4);
+#endif
+}
+
+/* The modes, in the order a whole run takes them: `test_cuda MODE...` runs those named. */
+typedef struct {
+    const char *name;
+    void (*run)(results *r, int gpus);
+} test_mode;
+
+static const test_mode modes[] = {
+    {"ops", mode_ops},           {"attention", mode_attention}, {"steps", mode_steps},
+    {"grads", mode_grads},       {"features", mode_features},   {"resume", mode_resume},
+    {"devices", mode_devices},   {"memory", mode_memory},
+};
+enum { N_MODES = sizeof modes / sizeof modes[0] };
+
+static const test_mode *find_mode(const char *name) {
+    for (int i = 0; i < N_MODES; i++)
+        if (strcmp(modes[i].name, name) == 0) return &modes[i];
+    return NULL;
+}
+
+static void usage(FILE *to) {
+    fprintf(to, "usage: test_cuda [MODE...] | test_cuda bench | test_cuda bench-attention | test_cuda --list"
+                " | test_cuda --probe\n"
+                "  no MODE: every mode in this order:");
+    for (int i = 0; i < N_MODES; i++) fprintf(to, " %s", modes[i].name);
+    fprintf(to, "\n");
+}
+
+/* The GPUs' description line ("CUDA backend on 2 x NVIDIA H200"). */
+static void print_devices(int gpus) {
 #ifdef LG_CUDA_EMULATE
     printf("CUDA backend on the emulator (%d device%s)\n", gpus, gpus > 1 ? "s" : "");
 #else
@@ -831,47 +962,59 @@ int main(int argc, char **argv) {
     cudaGetDeviceProperties(&prop, 0);
     printf("CUDA backend on %d x %s\n", gpus, prop.name);
 #endif
-    if (argc > 1 && strcmp(argv[1], "resume") == 0) { /* the checkpoint tests alone */
-        test_gpu_resume(&r, gpus);
-        printf("%d passed, %d failed\n", r.passed, r.failed);
-        return r.failed ? 1 : 0;
-    }
-    if (argc > 1 && strcmp(argv[1], "grads") == 0) { /* the gradients written with beta 0 */
-        test_linear(&r, 1);
-        test_grads_written(&r, gpus);
-        printf("%d passed, %d failed\n", r.passed, r.failed);
-        return r.failed ? 1 : 0;
-    }
-    if (argc > 1 && strcmp(argv[1], "attention") == 0) { /* the attention tests alone */
-        test_attention(&r);
-        printf("%d passed, %d failed\n", r.passed, r.failed);
-        return r.failed ? 1 : 0;
-    }
-    printf("ops\n");
-    test_kernels(&r);
-    test_attention(&r);
-    test_residual_norm(&r);
-    test_matmul(&r, 1, 0);
-    test_linear(&r, 1);
-#ifndef LG_CUDA_EMULATE
-    test_matmul(&r, 0, 0);
-    test_matmul(&r, 0, 1);
-    test_linear(&r, 0);
+}
+
+/* --probe: what the CUDA runtime sees, for run.sh to tell "no GPU" from "a driver older than
+   the runtime these binaries carry". */
+static int probe(void) {
+#ifdef LG_CUDA_EMULATE
+    printf("runtime: the emulator, %d device(s)\n", lg_cuda_device_count());
+    return lg_cuda_device_count() > 0 ? 0 : 2;
+#else
+    int runtime = 0, driver = 0, n = 0;
+    cudaRuntimeGetVersion(&runtime);
+    cudaDriverGetVersion(&driver);
+    cudaError_t status = cudaGetDeviceCount(&n);
+    printf("runtime: CUDA %d.%d (built in), driver: CUDA %d.%d, devices: %d (%s)\n", runtime / 1000,
+           runtime % 1000 / 10, driver / 1000, driver % 1000 / 10, status == cudaSuccess ? n : 0,
+           cudaGetErrorString(status));
+    if (status == cudaSuccess && n > 0) print_devices(n);
+    return status == cudaSuccess && n > 0 ? 0 : 2;
 #endif
-    printf("training steps\n");
-    test_training_steps(&r);
-    test_grads_written(&r, gpus);
-    test_gpu_features(&r);
-    test_gpu_resume(&r, gpus);
-    test_gpu_lora(&r, gpus);
-    test_devices(&r, gpus);
-    test_comm_deadline(&r, gpus);
-    printf("memory\n");
-    test_plan_memory(&r, "test-llama", 16, 2);
-    test_plan_refused(&r);
-#ifndef LG_CUDA_EMULATE
-    test_plan_memory(&r, "Llama-3.2-1B", 2048, 4);
-#endif
+}
+
+int main(int argc, char **argv) {
+    results r = {0, 0};
+    /* a line reaches the log as it is printed, so that an abort (lg_cuda_die) or a kill by
+       run.sh's timeout loses nothing that was said */
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (argc == 2 && strcmp(argv[1], "--probe") == 0) return probe();
+    if (argc > 1 && strcmp(argv[1], "--list") == 0) {
+        for (int i = 0; i < N_MODES; i++) printf("%s\n", modes[i].name);
+        return 0;
+    }
+    int bench_mode = argc == 2 && (strcmp(argv[1], "bench") == 0 || strcmp(argv[1], "--bench") == 0);
+    int bench_attention_mode = argc == 2 && (strcmp(argv[1], "bench-attention") == 0 ||
+                                             strcmp(argv[1], "--bench-attention") == 0);
+    for (int i = 1; i < argc && !bench_mode && !bench_attention_mode; i++) /* before any GPU work */
+        if (!find_mode(argv[i])) {
+            fprintf(stderr, "test_cuda: unknown mode '%s'\n", argv[i]);
+            usage(stderr);
+            return 2;
+        }
+    setenv("CUDA_MODULE_LOADING", "EAGER", 0); /* as train.c: kernels load with the context */
+    int gpus = lg_cuda_device_count();
+    if (gpus == 0) {
+        printf("test_cuda: no GPU visible\n");
+        return 2;
+    }
+    if (bench_mode) bench();
+    if (bench_attention_mode) bench_attention();
+    if (bench_mode || bench_attention_mode) return 0;
+    print_devices(gpus);
+    for (int i = 0; i < N_MODES; i++)
+        if (argc == 1) modes[i].run(&r, gpus);
+    for (int i = 1; i < argc; i++) find_mode(argv[i])->run(&r, gpus);
     printf("%d passed, %d failed\n", r.passed, r.failed);
     return r.failed ? 1 : 0;
 }
