@@ -14459,31 +14459,55 @@ int lg_generator_load(lg_generator *g, const lg_gen_source *src, lg_error *err) 
 
 /* --- the forward with the cache ------------------------------------------------------------ */
 
-/* sum of w[at .. at + n) x[0 .. n) */
-static lg_real lg_gen_dot(lg_buf w, size_t at, const lg_real *x, int n) {
-    lg_real s = 0;
+/* s[0 .. 4) = the dot products of x (n) with the 4 rows of w (n apart) from element at: four
+   sums at once, so that each load of x serves four rows and the adds do not wait on each other. */
+static void lg_gen_dot4(lg_buf w, size_t at, const lg_real *x, int n, lg_real *s) {
+    lg_real s0 = 0, s1 = 0, s2 = 0, s3 = 0;
     if (w.dtype == LG_DTYPE_F32) {
-        const lg_real *a = (const lg_real *)w.data + at;
-        LG_OMP(omp simd reduction(+ : s))
-        for (int i = 0; i < n; i++) s += a[i] * x[i];
+        const lg_real *a = (const lg_real *)w.data + at, *b = a + n, *c = b + n, *d = c + n;
+        LG_OMP(omp simd reduction(+ : s0, s1, s2, s3))
+        for (int i = 0; i < n; i++) {
+            s0 += a[i] * x[i], s1 += b[i] * x[i];
+            s2 += c[i] * x[i], s3 += d[i] * x[i];
+        }
     } else if (w.dtype == LG_DTYPE_BF16) {
-        const uint16_t *a = (const uint16_t *)w.data + at;
-        LG_OMP(omp simd reduction(+ : s))
-        for (int i = 0; i < n; i++) s += lg_bf16_to_f32(a[i]) * x[i];
+        const uint16_t *a = (const uint16_t *)w.data + at, *b = a + n, *c = b + n, *d = c + n;
+        LG_OMP(omp simd reduction(+ : s0, s1, s2, s3))
+        for (int i = 0; i < n; i++) {
+            s0 += lg_bf16_to_f32(a[i]) * x[i], s1 += lg_bf16_to_f32(b[i]) * x[i];
+            s2 += lg_bf16_to_f32(c[i]) * x[i], s3 += lg_bf16_to_f32(d[i]) * x[i];
+        }
     } else {
-        for (int i = 0; i < n; i++) s += lg_get(w, at + (size_t)i) * x[i];
+        for (int i = 0; i < n; i++) {
+            s0 += lg_get(w, at + (size_t)i) * x[i], s1 += lg_get(w, at + (size_t)(n + i)) * x[i];
+            s2 += lg_get(w, at + (size_t)(2 * n + i)) * x[i], s3 += lg_get(w, at + (size_t)(3 * n + i)) * x[i];
+        }
     }
-    return s;
+    s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
 }
 
-/* out (OC) = w (OC, IC) x (IC, fp32) + bias: one token's linear, a dot product a weight row,
-   the rows split over the threads (the weights are read once, in order). */
+/* out (OC) = w (OC, IC) x (IC, fp32) + bias: one token's linear, dot products of four weight
+   rows at a time, the groups split over the threads (the weights are read once, in order);
+   the last OC % 4 rows from the last four. */
 static void lg_gen_gemv(lg_buf out, const lg_real *x, lg_buf w, lg_buf bias, int IC, int OC,
                         int threads) {
+    if (OC < 4) { /* (never in a model here: at least 4 outputs) */
+        for (int o = 0; o < OC; o++) {
+            lg_real s = 0;
+            for (int i = 0; i < IC; i++) s += lg_get(w, (size_t)o * IC + i) * x[i];
+            lg_set(out, (size_t)o, bias.data ? s + lg_get(bias, (size_t)o) : s);
+        }
+        return;
+    }
+    int groups = OC / 4;
     LG_OMP(omp parallel for schedule(static) num_threads(threads) if ((double)OC * IC >= 65536.0))
-    for (int o = 0; o < OC; o++) {
-        lg_real s = lg_gen_dot(w, (size_t)o * IC, x, IC);
-        lg_set(out, (size_t)o, bias.data ? s + lg_get(bias, (size_t)o) : s);
+    for (int k = 0; k <= groups; k++) {
+        int o = k < groups ? 4 * k : OC - 4, first = k < groups ? 0 : 4 - OC % 4;
+        lg_real s[4];
+        if (k == groups && OC % 4 == 0) continue;
+        lg_gen_dot4(w, (size_t)o * IC, x, IC, s);
+        for (int j = first; j < 4; j++)
+            lg_set(out, (size_t)(o + j), bias.data ? s[j] + lg_get(bias, (size_t)(o + j)) : s[j]);
     }
 }
 
