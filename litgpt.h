@@ -1657,7 +1657,7 @@ typedef struct {
     lg_buf ln_f;              /* (C): the final norm of the last position */
     lg_real *mean, *rstd;     /* (n), (n): a norm's statistics */
     lg_real *row;             /* (widest linear input): one token's input in fp32 */
-    lg_real *scores;          /* (threads, positions): a row of attention a thread */
+    lg_real *scores;          /* (threads, positions + 2 HS): a thread's scores, sums, query */
     lg_real *rope_cos, *rope_sin; /* (positions, rope_dims / 2) */
     lg_real *logits;          /* (V): the last position's */
     lg_real *probs;           /* (V): sampling's scratch */
@@ -14103,7 +14103,7 @@ static int lg_gen_plan_regions(lg_rank_plan *r, const lg_config *c, const lg_gen
     rc |= lg_plan_add(r, "generation.row", LG_GROUP_WORKSPACE, pool, LG_DTYPE_F32,
                       (size_t)lg_gen_widest_input(c));
     rc |= lg_plan_add(r, "attention.scores", LG_GROUP_WORKSPACE, pool, LG_DTYPE_F32,
-                      (size_t)s->threads * ((size_t)s->positions + c->head_size));
+                      (size_t)s->threads * ((size_t)s->positions + 2 * (size_t)c->head_size));
     rc |= lg_plan_add(r, "sampling.probs", LG_GROUP_WORKSPACE, pool, LG_DTYPE_F32, V);
     return rc | lg_plan_add(r, "sampling.order", LG_GROUP_WORKSPACE, pool, LG_DTYPE_I32, V);
 }
@@ -14536,22 +14536,52 @@ static void lg_gen_cache_store(lg_generator *g, int l, int pos, int n) {
         }
 }
 
-/* One query head's output y (HS) for the query q (HS) at position T - 1: softmax over the
-   cached keys k (T, HS) of q k / sqrt(HS), times the values v (T, HS); scratch (T + HS). */
-static void lg_gen_attend(lg_buf y, lg_buf q, lg_buf k, lg_buf v, int T, int HS, lg_real *scratch) {
-    lg_real *s = scratch, *acc = scratch + T, max = -INFINITY, sum = 0;
-    lg_real scale = 1.0f / lg_sqrt((lg_real)HS);
-    for (int t = 0; t < T; t++) {
-        lg_real d = 0;
-        for (int e = 0; e < HS; e++) d += lg_get(q, (size_t)e) * lg_get(k, (size_t)t * HS + e);
-        s[t] = d;
-        max = d > max ? d : max;
+/* sum of w[at .. at + n) x (n): one cached key against a query */
+static lg_real lg_gen_row_dot(lg_buf w, size_t at, const lg_real *x, int n) {
+    lg_real s = 0;
+    if (w.dtype == LG_DTYPE_F32) {
+        const lg_real *a = (const lg_real *)w.data + at;
+        LG_OMP(omp simd reduction(+ : s))
+        for (int i = 0; i < n; i++) s += a[i] * x[i];
+    } else if (w.dtype == LG_DTYPE_BF16) {
+        const uint16_t *a = (const uint16_t *)w.data + at;
+        LG_OMP(omp simd reduction(+ : s))
+        for (int i = 0; i < n; i++) s += lg_bf16_to_f32(a[i]) * x[i];
+    } else {
+        for (int i = 0; i < n; i++) s += lg_get(w, at + (size_t)i) * x[i];
     }
-    for (int e = 0; e < HS; e++) acc[e] = 0;
+    return s;
+}
+
+/* acc (n) += p v[at .. at + n): one cached value weighted by its probability */
+static void lg_gen_row_add(lg_real *acc, lg_real p, lg_buf v, size_t at, int n) {
+    if (v.dtype == LG_DTYPE_F32) {
+        const lg_real *a = (const lg_real *)v.data + at;
+        LG_OMP(omp simd)
+        for (int i = 0; i < n; i++) acc[i] += p * a[i];
+    } else if (v.dtype == LG_DTYPE_BF16) {
+        const uint16_t *a = (const uint16_t *)v.data + at;
+        LG_OMP(omp simd)
+        for (int i = 0; i < n; i++) acc[i] += p * lg_bf16_to_f32(a[i]);
+    } else {
+        for (int i = 0; i < n; i++) acc[i] += p * lg_get(v, at + (size_t)i);
+    }
+}
+
+/* One query head's output y (HS) for the query q (HS) at position T - 1: softmax over the
+   cached keys k (T, HS) of q k / sqrt(HS), times the values v (T, HS); scratch (T + 2 HS). */
+static void lg_gen_attend(lg_buf y, lg_buf q, lg_buf k, lg_buf v, int T, int HS, lg_real *scratch) {
+    lg_real *s = scratch, *acc = scratch + T, *query = acc + HS, max = -INFINITY, sum = 0;
+    lg_real scale = 1.0f / lg_sqrt((lg_real)HS);
+    for (int e = 0; e < HS; e++) query[e] = lg_get(q, (size_t)e), acc[e] = 0;
+    for (int t = 0; t < T; t++) {
+        s[t] = lg_gen_row_dot(k, (size_t)t * HS, query, HS);
+        max = s[t] > max ? s[t] : max;
+    }
     for (int t = 0; t < T; t++) {
         lg_real p = lg_exp((s[t] - max) * scale);
         sum += p;
-        for (int e = 0; e < HS; e++) acc[e] += p * lg_get(v, (size_t)t * HS + e);
+        lg_gen_row_add(acc, p, v, (size_t)t * HS, HS);
     }
     for (int e = 0; e < HS; e++) lg_set(y, (size_t)e, acc[e] / sum);
 }
@@ -14565,7 +14595,7 @@ static void lg_gen_attention(lg_generator *g, int l, int pos, int n) {
     size_t P = (size_t)g->spec.positions;
     lg_attention_scratch sc;
     sc.base = g->scores;
-    sc.per_thread = P + HS;
+    sc.per_thread = P + 2 * (size_t)HS;
     sc.threads = g->spec.threads;
     LG_OMP(omp parallel for collapse(2) schedule(static) num_threads(sc.threads) if (n * NH > 1))
     for (int i = 0; i < n; i++)
