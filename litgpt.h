@@ -14186,6 +14186,13 @@ static int lg_gen_bind(lg_generator *g, lg_error *err) {
     return 0;
 }
 
+void lg_generator_free(lg_generator *g) {
+    LG_FREE(g->p.h);
+    g->p.h = NULL;
+    lg_rank_free(&g->rank);
+    lg_plan_free(&g->plan);
+}
+
 int lg_generator_create(lg_generator *g, const lg_config *cfg, const lg_gen_spec *spec,
                         lg_error *err) {
     memset(g, 0, sizeof *g);
@@ -14199,13 +14206,6 @@ int lg_generator_create(lg_generator *g, const lg_config *cfg, const lg_gen_spec
     if (lg_gen_bind(g, err) == 0) return 0;
     lg_generator_free(g);
     return -1;
-}
-
-void lg_generator_free(lg_generator *g) {
-    LG_FREE(g->p.h);
-    g->p.h = NULL;
-    lg_rank_free(&g->rank);
-    lg_plan_free(&g->plan);
 }
 
 void lg_generator_reset(lg_generator *g) { g->n_cached = 0; }

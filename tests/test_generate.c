@@ -137,6 +137,32 @@ static void test_gen_bf16(results *r) {
     lg_model_free(&m);
 }
 
+/* A stop id ends the generation right after it comes (it is the last token out). */
+static void test_gen_stop(results *r) {
+    lg_model m;
+    lg_config cfg;
+    lg_generator g;
+    lg_error err;
+    if (gen_random_model(r, &m, &cfg, "test-llama", 21) != 0) return;
+    if (gen_from_model(r, &g, &m, 16, 4, LG_PRECISION_32_TRUE) != 0) { lg_model_free(&m); return; }
+    int prompt[4] = {2, 7, 1, 8}, all[12], out[12], n_all = 0, n_out = 0, first = 0;
+    lg_sampling s = lg_sampling_default();
+    s.temperature = 0;
+    lg_gen_stats st;
+    int ok = lg_generate(&g, prompt, 4, 12, &s, NULL, all, &n_all, NULL, NULL, &st, &err) == 0 &&
+             n_all == 12 && !st.stopped;
+    while (first < 6 && all[first] != all[6]) first++; /* where all[6] first comes */
+    s.stop = &all[6];
+    s.n_stop = 1;
+    ok = ok && lg_generate(&g, prompt, 4, 12, &s, NULL, out, &n_out, NULL, NULL, &st, &err) == 0 &&
+         n_out == first + 1 && st.stopped && st.decode_tokens == first &&
+         memcmp(out, all, sizeof(int) * (size_t)n_out) == 0;
+    check(r, ok, "stop id %d: %d of 12 tokens, the last the stop id, %d decode steps", all[6], n_out,
+          st.decode_tokens);
+    lg_generator_free(&g);
+    lg_model_free(&m);
+}
+
 /* The generator allocates its plan's one arena and small tables; its views are the regions. */
 static void test_gen_plan_matches_allocation(results *r, const char *name, int positions) {
     lg_config cfg;
@@ -302,7 +328,7 @@ static void test_gen_lora_dir(results *r, const char *family) {
     snprintf(only, sizeof only, "%s-adapters", out);
     snprintf(args, sizeof args, "OMP_NUM_THREADS=1 ./train --load tests/hf/%s --lora-r 2 --lora-alpha 5 --lora-targets "
              "q,v,proj,mlp%s -p 32-true --max-steps 2 -b 2 -t 8 --lr 0.05 --eval-every 0 "
-             "--sample-tokens 1 --out %s > /dev/null 2>&1", family,
+             "--sample-tokens 1 --save-every 1 --out %s > /dev/null 2>&1", family,
              strcmp(family, "gpt2") ? ",head" : "" /* GPT-2: tied */, out);
     mkdir("build", 0755);
     mkdir(only, 0755);
@@ -320,8 +346,13 @@ static void test_gen_lora_dir(results *r, const char *family) {
         gen_dir_logits(r, base_dir, base, 32))
         return;
     double e = rel_error(adapters, merged, 32, 1.0), moved = rel_error(base, merged, 32, 1.0);
-    check(r, e < 1e-5 && moved > 1e-4, "LoRA %-6s step directory with adapters only: logits within "
-          "%.1e of its merged model's (< 1e-5); %.1e from the base model's", family, e, moved);
+    lg_real first[64]; /* step-1 as written: adapters only, its COMPLETE marker verified */
+    snprintf(step, sizeof step, "%s/step-1", out);
+    int step1 = gen_dir_logits(r, step, first, 32) == 0;
+    double early = step1 ? rel_error(first, merged, 32, 1.0) : 0;
+    check(r, e < 1e-5 && moved > 1e-4 && step1 && early > 0, "LoRA %-6s step-2's adapters alone: "
+          "logits within %.1e of its merged model's (< 1e-5), %.1e from the base model's; step-1 "
+          "(adapters only) loads, %.1e from step-2", family, e, moved, early);
 }
 
 /* --- tools/generate ---------------------------------------------------------------------------- */
@@ -470,6 +501,7 @@ static void test_generate_all(results *r) {
     }
     test_gen_cached_equals_uncached(r, "test-llama", 10, 6, 3);     /* prefill in pieces */
     test_gen_bf16(r);
+    test_gen_stop(r);
     test_gen_plan_matches_allocation(r, "test-gpt2", 16);
     test_gen_plan_matches_allocation(r, "test-llama", 12);
     test_gen_plan_llama3(r);

@@ -203,10 +203,13 @@ static void stop_ids(const lg_gen_source *src, const lg_tokenizer *tok, lg_token
 typedef struct {
     const lg_tokenizer *tok; /* NULL: nothing to print */
     lg_text shown;
+    const lg_tokens *stop;   /* not printed */
 } streamer;
 
 static int stream_token(void *ctx, int token) {
     streamer *s = (streamer *)ctx;
+    for (size_t i = 0; i < s->stop->n; i++)
+        if (s->stop->ids[i] == token) return 0;
     if (!s->tok) return 0;
     size_t before = s->shown.n;
     lg_error err;
@@ -241,16 +244,18 @@ static void print_speed(const lg_gen_stats *st) {
             st->stopped ? " (stopped at an end-of-sequence token)" : "");
 }
 
-/* The prompt's ids: --prompt-ids as given, or --prompt through the tokenizer. */
-static void prompt_of(const generate_args *a, const lg_gen_source *src, const lg_tokenizer *tok,
-                      const char *tok_dir, lg_tokens *prompt) {
+/* The prompt's ids: --prompt-ids as given, or --prompt through the tokenizer; returns 1 when
+   it put a BOS first. */
+static int prompt_of(const generate_args *a, const lg_gen_source *src, const lg_tokenizer *tok,
+                     const char *tok_dir, lg_tokens *prompt) {
     lg_error err;
+    int bos = 0;
     if (a->prompt_ids) parse_ids(a->prompt_ids, prompt);
     else if (!tok)
         die(2, "--prompt needs a tokenizer: %s has no tokenizer.json (nor encoder.json and "
                "vocab.bpe); name one with --tokenizer, or give --prompt-ids", src->dir);
     else {
-        if (wants_bos(tok_dir, &src->cfg) && tok->bos >= 0) lg_tokens_push(prompt, tok->bos);
+        if (wants_bos(tok_dir, &src->cfg) && tok->bos >= 0) bos = lg_tokens_push(prompt, tok->bos) == 0;
         if (lg_tokenizer_encode(tok, a->prompt, strlen(a->prompt), prompt, &err) != 0)
             die(2, "--prompt: %s", err.msg);
     }
@@ -262,6 +267,7 @@ static void prompt_of(const generate_args *a, const lg_gen_source *src, const lg
         if (prompt->ids[i] >= src->cfg.padded_vocab_size)
             die(2, "the prompt's token %zu (id %d) is outside the model's vocabulary of %d", i,
                 prompt->ids[i], src->cfg.padded_vocab_size);
+    return bos;
 }
 
 int main(int argc, char **argv) {
@@ -274,7 +280,7 @@ int main(int argc, char **argv) {
     char tok_dir[LG_PATH_MAX] = "";
     int have_tok = load_tokenizer(&a, &src, &tok, tok_dir, sizeof tok_dir);
     lg_tokens prompt = {NULL, 0, 0}, stop = {NULL, 0, 0};
-    prompt_of(&a, &src, have_tok ? &tok : NULL, tok_dir, &prompt);
+    int bos = prompt_of(&a, &src, have_tok ? &tok : NULL, tok_dir, &prompt);
     int max_new = a.max_new;
     if ((long)prompt.n + max_new > src.cfg.block_size) {
         max_new = src.cfg.block_size - (int)prompt.n;
@@ -301,8 +307,9 @@ int main(int argc, char **argv) {
     lg_sampling s = lg_sampling_default();
     s.temperature = a.temperature, s.top_k = a.top_k, s.top_p = a.top_p;
     s.stop = stop.ids, s.n_stop = (int)stop.n;
-    streamer out = {have_tok ? &tok : NULL, {NULL, 0, 0}};
-    if (have_tok && lg_tokenizer_decode(&tok, prompt.ids, prompt.n, &out.shown, &err) != 0)
+    streamer out = {have_tok ? &tok : NULL, {NULL, 0, 0}, &stop};
+    if (have_tok && lg_tokenizer_decode(&tok, prompt.ids + bos, prompt.n - (size_t)bos, &out.shown,
+                                        &err) != 0) /* as typed: without the BOS put first */
         die(2, "--prompt-ids: %s", err.msg);
     if (have_tok) fwrite(out.shown.bytes, 1, out.shown.n, stdout);
     int *ids = (int *)malloc(sizeof(int) * (size_t)(max_new + 1)), n_ids = 0;
