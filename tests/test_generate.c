@@ -18,10 +18,13 @@ static void gen_fill_random(lg_model *m, uint64_t seed) {
     }
 }
 
-/* A 32-true model of configs/NAME.yaml for its whole context, weights by gen_fill_random. */
+/* A 32-true model of configs/NAME.yaml for its whole context, weights by gen_fill_random;
+   "qwen2-like": test-llama with a bias on qkv only (Qwen2's layout). */
 static int gen_random_model(results *r, lg_model *m, lg_config *cfg, const char *name, uint64_t seed) {
     lg_error err;
-    if (load_config_or_fail(r, cfg, name)) return -1;
+    int qwen2 = strcmp(name, "qwen2-like") == 0;
+    if (load_config_or_fail(r, cfg, qwen2 ? "test-llama" : name)) return -1;
+    cfg->attn_bias = qwen2 ? 1 : cfg->attn_bias;
     if (lg_model_create(m, cfg, 1, cfg->block_size, &err) != 0) {
         check(r, 0, "%s: %s", name, err.msg);
         return -1;
@@ -500,6 +503,7 @@ static void test_generate_all(results *r) {
         test_gen_cached_equals_uncached(r, configs[k], 16, 0, 16);  /* the prompt fills it */
     }
     test_gen_cached_equals_uncached(r, "test-llama", 10, 6, 3);     /* prefill in pieces */
+    test_gen_cached_equals_uncached(r, "qwen2-like", 4, 12, 4);     /* qkv's bias */
     test_gen_bf16(r);
     test_gen_stop(r);
     test_gen_plan_matches_allocation(r, "test-gpt2", 16);
