@@ -449,6 +449,19 @@ static void test_gen_tool_text(results *r) {
 
 static void test_gen_tool_errors(results *r) {
     const char *g = "OMP_NUM_THREADS=1 ./tools/generate";
+    mkdir("build/test-gen-noweights", 0755); /* config.json alone */
+    gen_copy_file("tests/hf/llama/config.json", "build/test-gen-noweights/config.json");
+    expect_program(r, g, "--load build/test-gen-noweights --prompt-ids 1", 2,
+                   "no model.safetensors (or its shards) and no adapter_model.safetensors");
+    mkdir("build/test-gen-nobase", 0755); /* adapters whose base model is not there */
+    gen_copy_file("tests/hf/llama/config.json", "build/test-gen-nobase/config.json");
+    gen_copy_file("build/test-gen-lora-llama-adapters/adapter_model.safetensors",
+                  "build/test-gen-nobase/adapter_model.safetensors");
+    FILE *f = fopen("build/test-gen-nobase/adapter_config.json", "w");
+    if (f) fputs("{\"base_model_name_or_path\": \"build/no-such-base\", \"r\": 2, \"lora_alpha\": 5}\n", f);
+    if (f) fclose(f);
+    expect_program(r, g, "--load build/test-gen-nobase --prompt-ids 1", 2,
+                   "the base model build/no-such-base has no model.safetensors");
     expect_program(r, g, "--load tests/hf/llama --prompt hello", 2, "--prompt needs a tokenizer");
     expect_program(r, g, "--load tests/hf/llama --prompt-ids '1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17'",
                    2, "longer than the model's context (block_size 16)");
