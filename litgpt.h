@@ -64,6 +64,8 @@
                          state, atomic files, a COMPLETE marker with checksums written last
     13. trainer          lg_trainer: one optimizer step (accumulation, loss scaling, clipping),
                          evaluation
+    14. generation       lg_generator: a KV cache sized to prompt + new tokens (a plan of its
+                         own), prefill then one token at a time, sampling (tools/generate)
 
    Conventions: public names start with lg_ / LG_; no global mutable state; all memory through
    LG_MALLOC / LG_FREE; functions that can fail return 0 on success, -1 with a message in an
@@ -1585,6 +1587,128 @@ void lg_trainer_set_weights(lg_trainer *tr, lg_buf whole);
 void lg_trainer_free(lg_trainer *tr);
 /* The NCCL communicators each rank of such a run joins on GPUs. */
 int lg_comms_per_rank(const lg_args *args);
+
+/* ---------------------------------------------------------------------------------------------
+   14. generation (API): KV cache, sampling
+
+   Generation on the CPU backend with a cache of every block's keys and values: the prompt
+   goes through the model in one pass (prefill), then each new token alone (decode), its
+   attention reading the cache. The cache holds the NQG key/value heads (grouped-query and
+   multi-query attention keep fewer), keys with rotary applied at their positions, and has
+   room for prompt + new tokens, not block_size. Memory is a plan like training's: every region
+   by name, one arena, checked before allocating.
+
+       lg_gen_source src;  lg_generator g;  lg_gen_spec spec = {n_prompt + n_new, n_prompt,
+                                                                LG_PRECISION_32_TRUE, threads};
+       lg_gen_source_find(&src, "out/step-100", &err);   // Hugging Face dir, step-N, LoRA adapters
+       lg_generator_create(&g, &src.cfg, &spec, &err);
+       lg_generator_load(&g, &src, &err);
+       lg_sampling s = lg_sampling_default();  s.temperature = 0;  // greedy
+       lg_generate(&g, prompt, n_prompt, n_new, &s, &rng, out, &n_out, NULL, NULL, &stats, &err);
+
+   CUDA builds run this on the CPU too: the decode step's kernels are not written yet.
+   ------------------------------------------------------------------------------------------- */
+
+/* What a generation needs memory for. */
+typedef struct {
+    int positions;          /* the cache: prompt + new tokens, at most block_size */
+    int prefill;            /* the most tokens one forward takes (the prompt's length) */
+    lg_precision precision; /* storage of the weights, the cache and the working set: the
+                               weight type of the precision (32-true: fp32, *bf16*: bf16,
+                               *16*: fp16); arithmetic in fp32 */
+    int threads;            /* CPU threads: one matmul workspace and one row of scores each */
+} lg_gen_spec;
+
+/* The plan of a generation: one rank, one pool, regions weights, kv_cache.keys and .values,
+   the working set of one forward, the logits of one position and the scratch. */
+int lg_gen_plan(lg_plan *plan, const lg_config *cfg, const lg_gen_spec *spec, lg_error *err);
+/* Its table (as --plan prints a training plan's). */
+void lg_gen_plan_print(const lg_plan *plan, FILE *out);
+
+/* Where a model to generate with comes from. DIR holds config.json and its weights
+   (model.safetensors or its shards), or, a LoRA run's step-N, PEFT's adapter_model.safetensors
+   over the base model named in adapter_config.json (base_model_name_or_path); a directory of
+   step-N directories stands for its latest complete one. */
+typedef struct {
+    char dir[1024];      /* the directory of config.json */
+    char weights[1024];  /* the directory of model.safetensors: dir, or the adapters' base */
+    char adapters[1024]; /* dir when the weights are a base model plus adapters, else "" */
+    lg_config cfg;
+} lg_gen_source;
+int lg_gen_source_find(lg_gen_source *src, const char *dir, lg_error *err);
+
+/* A model ready to generate: its plan, its arena, views of the weights, the cache and the
+   working set. */
+typedef struct {
+    lg_config cfg;
+    lg_gen_spec spec;
+    lg_plan plan;
+    lg_rank rank;
+    lg_exec exec;             /* the CPU backend with the plan's matmul workspace */
+    lg_buf params;            /* (n_params) "weights", laid out by lg_params_layout */
+    lg_param_tensors p;       /* views of params */
+    lg_buf keys, values;      /* (L, NQG, positions, HS): keys after rotary */
+    int n_cached;             /* positions filled; the next token's position */
+    /* the working set of one forward of n <= prefill tokens (the activation type) */
+    lg_buf x, x_mid, n1, n2;  /* (n, C) */
+    lg_buf qkv;               /* (n, (NH + 2 NQG) HS) */
+    lg_buf att_y;             /* (n, NH HS) */
+    lg_buf fc, fc_2, act;     /* (n, I); fc_2: LLaMAMLP only */
+    lg_buf ln_f;              /* (C): the final norm of the last position */
+    lg_real *mean, *rstd;     /* (n), (n): a norm's statistics */
+    lg_real *row;             /* (widest linear input): one token's input in fp32 */
+    lg_real *scores;          /* (threads, positions + 2 HS): a thread's scores, sums, query */
+    lg_real *rope_cos, *rope_sin; /* (positions, rope_dims / 2) */
+    lg_real *logits;          /* (V): the last position's */
+    lg_real *probs;           /* (V): sampling's scratch */
+    int *order;               /* (V): sampling's token order */
+} lg_generator;
+
+/* Plans and allocates (exactly the plan) for cfg; the weights are zero until loaded. */
+int lg_generator_create(lg_generator *g, const lg_config *cfg, const lg_gen_spec *spec,
+                        lg_error *err);
+void lg_generator_free(lg_generator *g);
+/* The weights of src (converted to the generator's type), adapters merged as PEFT merges them:
+   W += (lora_alpha / r) B A per module, rank_pattern and alpha_pattern honoured. */
+int lg_generator_load(lg_generator *g, const lg_gen_source *src, lg_error *err);
+/* Empties the cache (a new prompt). */
+void lg_generator_reset(lg_generator *g);
+/* Runs tokens (n) at positions n_cached .. n_cached + n - 1 (in pieces of at most prefill),
+   their keys and values into the cache; g->logits gets the last one's. Fails when the cache
+   has no room. */
+int lg_generator_forward(lg_generator *g, const int *tokens, int n, lg_error *err);
+
+/* How the next token is drawn, as LitGPT's sample(): the top_k largest logits kept (0: all;
+   ties with the k-th kept), divided by temperature, then the smallest set of the most likely
+   tokens whose probability reaches top_p (1: all; the most likely always kept), then one
+   draw from their softmax. Temperature 0 is greedy (argmax; the lowest id among equals). */
+typedef struct {
+    float temperature;
+    int top_k;
+    float top_p;
+    const int *stop;        /* (n_stop) end-of-sequence ids: generation ends after one */
+    int n_stop;
+} lg_sampling;
+lg_sampling lg_sampling_default(void); /* LitGPT's generate: 0.8, top_k 50, top_p 1, no stop */
+/* The token drawn from logits (V); probs and order (V) are scratch. */
+int lg_sample(const lg_real *logits, int V, const lg_sampling *s, lg_rng *rng, lg_real *probs,
+              int *order);
+
+typedef struct {
+    int prompt_tokens;      /* the prefill's */
+    double prefill_ms;      /* the prompt's forward and the first token's draw */
+    int decode_tokens;      /* one-token forwards after it */
+    double decode_ms;
+    int stopped;            /* ended on a stop id */
+} lg_gen_stats;
+
+/* Called with each new token as it comes; nonzero ends the generation. */
+typedef int (*lg_gen_token_fn)(void *ctx, int token);
+/* Empties the cache, prefills the prompt (n_prompt >= 1) and appends up to max_new tokens to
+   out (room for max_new); *n_out gets how many. Ends early after a stop id (it is in out). */
+int lg_generate(lg_generator *g, const int *prompt, int n_prompt, int max_new,
+                const lg_sampling *s, lg_rng *rng, int *out, int *n_out, lg_gen_token_fn on_token,
+                void *ctx, lg_gen_stats *stats, lg_error *err);
 
 #ifdef __cplusplus
 }
@@ -13937,6 +14061,775 @@ void lg_trainer_free(lg_trainer *tr) {
     LG_FREE(tr->ranks);
     tr->ranks = NULL;
     lg_plan_free(&tr->plan);
+}
+
+/* 14. generation: KV cache, sampling ---------------------------------------------------------- */
+
+/* The widest input of a block linear or the head: one token's row of it in fp32. */
+static int lg_gen_widest_input(const lg_config *c) {
+    int w = c->n_embd > c->n_head * c->head_size ? c->n_embd : c->n_head * c->head_size;
+    return w > c->intermediate_size ? w : c->intermediate_size;
+}
+
+/* The working set of one forward of n tokens over base (data NULL: counting only); fills g's
+   views when g is not NULL. */
+static size_t lg_gen_working_layout(const lg_config *c, int n, lg_buf base, lg_generator *g) {
+    lg_layout L = lg_layout_over(base, NULL);
+    int C = c->n_embd, I = c->intermediate_size;
+    lg_buf x = lg_layout_add(&L, "x", n, C, LG_TENSOR_ACTIVATION);
+    lg_buf x_mid = lg_layout_add(&L, "x_mid", n, C, LG_TENSOR_ACTIVATION);
+    lg_buf n1 = lg_layout_add(&L, "n1", n, C, LG_TENSOR_ACTIVATION);
+    lg_buf n2 = c->shared_attention_norm ? lg_no_buf() : lg_layout_add(&L, "n2", n, C, LG_TENSOR_ACTIVATION);
+    lg_buf qkv = lg_layout_add(&L, "qkv", n, lg_config_qkv_size(c), LG_TENSOR_ACTIVATION);
+    lg_buf att_y = lg_layout_add(&L, "att_y", n, c->n_head * c->head_size, LG_TENSOR_ACTIVATION);
+    lg_buf fc = lg_layout_add(&L, "fc", n, I, LG_TENSOR_ACTIVATION);
+    lg_buf fc_2 = c->mlp_class_name == LG_MLP_LLAMA ? lg_layout_add(&L, "fc_2", n, I, LG_TENSOR_ACTIVATION)
+                                                    : lg_no_buf();
+    lg_buf act = lg_layout_add(&L, "act", n, I, LG_TENSOR_ACTIVATION);
+    lg_buf ln_f = lg_layout_add(&L, "ln_f", 1, C, LG_TENSOR_ACTIVATION);
+    if (g) {
+        g->x = x, g->x_mid = x_mid, g->n1 = n1, g->n2 = n2, g->qkv = qkv, g->att_y = att_y;
+        g->fc = fc, g->fc_2 = fc_2, g->act = act, g->ln_f = ln_f;
+    }
+    return L.offset;
+}
+
+/* Elements of each of the cache's two regions: (L, NQG, positions, HS). */
+static size_t lg_gen_cache_count(const lg_config *c, int positions) {
+    return (size_t)c->n_layer * c->n_query_groups * (size_t)positions * c->head_size;
+}
+
+/* Every region of a generation, in one pool (the CPU's memory). */
+static int lg_gen_plan_regions(lg_rank_plan *r, const lg_config *c, const lg_gen_spec *s) {
+    lg_precision_types t = lg_types_of(s->precision);
+    size_t rope = 0;
+    lg_rope_layout(c, s->positions, NULL, NULL, &rope);
+    size_t working = lg_gen_working_layout(c, s->prefill, lg_no_buf(), NULL);
+    size_t cache = lg_gen_cache_count(c, s->positions), V = (size_t)c->vocab_size;
+    lg_pool pool = LG_POOL_DEVICE;
+    int rc = lg_plan_add(r, "weights", LG_GROUP_WEIGHTS, pool, t.weights,
+                         lg_params_layout(c, lg_no_buf(), NULL, NULL));
+    rc |= lg_plan_add(r, "kv_cache.keys", LG_GROUP_ACTIVATIONS, pool, t.acts, cache);
+    rc |= lg_plan_add(r, "kv_cache.values", LG_GROUP_ACTIVATIONS, pool, t.acts, cache);
+    rc |= lg_plan_add(r, "generation.working", LG_GROUP_ACTIVATIONS, pool, t.acts, working);
+    rc |= lg_plan_add(r, "generation.stats", LG_GROUP_ACTIVATIONS, pool, LG_DTYPE_F32,
+                      2 * (size_t)s->prefill);
+    rc |= lg_plan_add(r, "rope", LG_GROUP_ACTIVATIONS, pool, LG_DTYPE_F32, rope);
+    rc |= lg_plan_add(r, "generation.logits", LG_GROUP_LOGITS, pool, LG_DTYPE_F32, V);
+    if (s->prefill > 1) /* one token's linears are dot products of their own */
+        rc |= lg_plan_add(r, "gemm.workspace", LG_GROUP_WORKSPACE, pool, LG_DTYPE_F32,
+                          lg_gemm_workspace_count() * (size_t)s->threads);
+    rc |= lg_plan_add(r, "generation.row", LG_GROUP_WORKSPACE, pool, LG_DTYPE_F32,
+                      (size_t)lg_gen_widest_input(c));
+    rc |= lg_plan_add(r, "attention.scores", LG_GROUP_WORKSPACE, pool, LG_DTYPE_F32,
+                      (size_t)s->threads * ((size_t)s->positions + 2 * (size_t)c->head_size));
+    rc |= lg_plan_add(r, "sampling.probs", LG_GROUP_WORKSPACE, pool, LG_DTYPE_F32, V);
+    return rc | lg_plan_add(r, "sampling.order", LG_GROUP_WORKSPACE, pool, LG_DTYPE_I32, V);
+}
+
+int lg_gen_plan(lg_plan *plan, const lg_config *cfg, const lg_gen_spec *s, lg_error *err) {
+    memset(plan, 0, sizeof *plan);
+    plan->cfg = *cfg;
+    memset(&plan->cfg.lora, 0, sizeof plan->cfg.lora); /* adapters are merged on loading */
+    const lg_config *c = &plan->cfg;
+    if (lg_config_check(c, err) != 0) return -1;
+    if (s->positions < 1 || s->positions > c->block_size)
+        return lg_fail(err, "generation: prompt + new tokens are %d, the model's context "
+                            "(block_size) is %d", s->positions, c->block_size);
+    if (s->prefill < 1 || s->prefill > s->positions || s->threads < 1)
+        return lg_fail(err, "generation: prefill %d must be within 1 .. %d and threads %d positive",
+                       s->prefill, s->positions, s->threads);
+    plan->spec.B = 1;
+    plan->spec.T = s->positions;
+    plan->spec.accumulation = plan->spec.devices = plan->spec.nodes = plan->spec.processes = 1;
+    plan->spec.precision = s->precision;
+    plan->spec.threads = s->threads;
+    plan->spec.backend = LG_BACKEND_CPU;
+    plan->sharding.shard_ranks = plan->sharding.replicas = 1;
+    plan->n_ranks = 1;
+    plan->ranks = (lg_rank_plan *)lg_alloc_zeroed(sizeof(lg_rank_plan));
+    if (!plan->ranks) return lg_fail(err, "plan: out of host memory");
+    plan->ranks[0].align = LG_ALIGN;
+    if (lg_gen_plan_regions(&plan->ranks[0], c, s) != 0) {
+        lg_plan_free(plan);
+        return lg_fail(err, "plan: out of host memory");
+    }
+    return lg_plan_check_pools(plan, err);
+}
+
+void lg_gen_plan_print(const lg_plan *plan, FILE *out) {
+    const lg_region *stats = lg_plan_find(&plan->ranks[0], "generation.stats");
+    char a[32];
+    fprintf(out, "generation plan: %s | cache of %d positions (prompt + new tokens) | prefill of up "
+            "to %zu tokens | %s | %d thread%s\n", plan->cfg.name, plan->spec.T,
+            stats ? stats->count / 2 : 0, lg_precision_name(plan->spec.precision),
+            plan->spec.threads, plan->spec.threads > 1 ? "s" : "");
+    lg_plan_print_rank(plan, 0, out);
+    fprintf(out, "total: %s\n", lg_format_bytes(lg_plan_bytes(plan, LG_POOL_DEVICE) +
+                                                lg_plan_bytes(plan, LG_POOL_HOST), a, sizeof a));
+}
+
+/* The generator's views into its rank's regions, the rotary tables and the CPU exec. */
+static int lg_gen_bind(lg_generator *g, lg_error *err) {
+    const lg_config *c = &g->cfg;
+    const lg_gen_spec *s = &g->spec;
+    lg_precision_types t = lg_types_of(s->precision);
+    const lg_rank *rank = &g->rank;
+    g->p.h = (lg_block_tensors *)lg_alloc_zeroed(sizeof(lg_block_tensors) * (size_t)c->n_layer);
+    if (!g->p.h) return lg_fail(err, "out of host memory for the model's tables");
+    g->params = lg_rank_view(rank, "weights", t.weights);
+    lg_params_layout(c, g->params, &g->p, NULL);
+    g->keys = lg_rank_view(rank, "kv_cache.keys", t.acts);
+    g->values = lg_rank_view(rank, "kv_cache.values", t.acts);
+    lg_gen_working_layout(c, s->prefill, lg_rank_view(rank, "generation.working", t.acts), g);
+    g->mean = (lg_real *)lg_rank_region(rank, "generation.stats");
+    g->rstd = g->mean + s->prefill;
+    lg_act_tensors rope;
+    size_t count;
+    lg_rope_layout(c, s->positions, (lg_real *)lg_rank_region(rank, "rope"), &rope, &count);
+    g->rope_cos = rope.rope_cos;
+    g->rope_sin = rope.rope_sin;
+    g->logits = (lg_real *)lg_rank_region(rank, "generation.logits");
+    g->row = (lg_real *)lg_rank_region(rank, "generation.row");
+    g->scores = (lg_real *)lg_rank_region(rank, "attention.scores");
+    g->probs = (lg_real *)lg_rank_region(rank, "sampling.probs");
+    g->order = (int *)lg_rank_region(rank, "sampling.order");
+    g->exec.backend = LG_BACKEND_CPU;
+    g->exec.gemm.base = (lg_real *)lg_rank_region(rank, "gemm.workspace"); /* NULL: prefill 1 */
+    g->exec.gemm.per_thread = lg_gemm_workspace_count();
+    g->exec.gemm.threads = s->threads;
+    g->exec.gemm.path = lg_cpu_gemm_path();
+    if (lg_config_rope_dims(c))
+        lg_rope_tables(&g->exec, g->rope_cos, g->rope_sin, s->positions, lg_config_rope_dims(c),
+                       c->rope_base, &c->rope_adjustments);
+    return 0;
+}
+
+void lg_generator_free(lg_generator *g) {
+    LG_FREE(g->p.h);
+    g->p.h = NULL;
+    lg_rank_free(&g->rank);
+    lg_plan_free(&g->plan);
+}
+
+int lg_generator_create(lg_generator *g, const lg_config *cfg, const lg_gen_spec *spec,
+                        lg_error *err) {
+    memset(g, 0, sizeof *g);
+    if (lg_gen_plan(&g->plan, cfg, spec, err) != 0) return -1;
+    g->cfg = g->plan.cfg;
+    g->spec = *spec;
+    if (lg_rank_create(&g->rank, &g->plan, 0, err) != 0) {
+        lg_plan_free(&g->plan);
+        return -1;
+    }
+    if (lg_gen_bind(g, err) == 0) return 0;
+    lg_generator_free(g);
+    return -1;
+}
+
+void lg_generator_reset(lg_generator *g) { g->n_cached = 0; }
+
+/* --- where the weights come from ---------------------------------------------------------- */
+
+static int lg_gen_file_exists(const char *dir, const char *name) {
+    char path[LG_PATH_MAX];
+    struct stat st;
+    lg_format(path, sizeof path, "%s/%s", dir, name);
+    return stat(path, &st) == 0;
+}
+
+static int lg_gen_has_weights(const char *dir) {
+    return lg_gen_file_exists(dir, "model.safetensors") ||
+           lg_gen_file_exists(dir, "model.safetensors.index.json");
+}
+
+/* adapter_config.json's base_model_name_or_path: a directory with the base weights and the
+   same architecture as config.json's. */
+static int lg_gen_adapter_base(lg_gen_source *src, lg_error *err) {
+    char path[LG_PATH_MAX];
+    size_t len;
+    lg_format(path, sizeof path, "%s/adapter_config.json", src->dir);
+    char *text = lg_read_file(path, &len, "adapters", err);
+    lg_json doc;
+    if (!text) return -1;
+    int rc = lg_json_parse(&doc, text, len, path, err);
+    if (rc == 0) {
+        int at = lg_json_find(&doc, 0, "base_model_name_or_path");
+        if (at < 0 || lg_json_string_copy(&doc, at, src->weights, sizeof src->weights) != 0 ||
+            !src->weights[0])
+            rc = lg_fail(err, "%s: no base_model_name_or_path (a run whose base model was drawn from "
+                              "the seed): no base weights to apply the adapters to", path);
+        lg_json_free(&doc);
+    }
+    LG_FREE(text);
+    lg_config base;
+    if (rc == 0 && !lg_gen_has_weights(src->weights))
+        return lg_fail(err, "%s: the base model %s has no model.safetensors", path, src->weights);
+    if (rc != 0 || lg_hf_config_read(&base, src->weights, err) != 0) return -1;
+    memcpy(base.name, src->cfg.name, sizeof base.name);
+    base.vocab_size = src->cfg.vocab_size;
+    if (memcmp(&base, &src->cfg, sizeof base) != 0)
+        return lg_fail(err, "%s: the base model %s is another architecture than %s/config.json's",
+                       path, src->weights, src->dir);
+    return 0;
+}
+
+int lg_gen_source_find(lg_gen_source *src, const char *dir, lg_error *err) {
+    memset(src, 0, sizeof *src);
+    if (strlen(dir) + 32 >= sizeof src->dir) return lg_fail(err, "%s: path too long", dir);
+    if (lg_gen_file_exists(dir, "config.json")) lg_format(src->dir, sizeof src->dir, "%s", dir);
+    else if (lg_checkpoint_find(dir, src->dir, sizeof src->dir, NULL) != 0)
+        return lg_fail(err, "%s: no config.json, nor a complete step-N directory holding one", dir);
+    if (lg_hf_config_read(&src->cfg, src->dir, err) != 0) return -1;
+    if (lg_gen_has_weights(src->dir)) {
+        lg_format(src->weights, sizeof src->weights, "%s", src->dir);
+        return 0;
+    }
+    if (!lg_gen_file_exists(src->dir, "adapter_model.safetensors"))
+        return lg_fail(err, "%s: no model.safetensors (or its shards) and no "
+                            "adapter_model.safetensors: no weights to generate with", src->dir);
+    lg_format(src->adapters, sizeof src->adapters, "%s", src->dir);
+    return lg_gen_adapter_base(src, err);
+}
+
+/* --- PEFT's adapters merged ---------------------------------------------------------------- */
+
+/* adapter_config.json: r and lora_alpha, and per-module overrides (rank_pattern and
+   alpha_pattern: a key naming the module or a tail of it after a '.'). */
+typedef struct {
+    char *text;
+    lg_json doc;
+    double r, alpha;
+    int rank_pattern, alpha_pattern; /* nodes, or -1 */
+} lg_peft_settings;
+
+static int lg_peft_settings_read(lg_peft_settings *s, const char *dir, lg_error *err) {
+    char path[LG_PATH_MAX];
+    size_t len;
+    memset(s, 0, sizeof *s);
+    lg_format(path, sizeof path, "%s/adapter_config.json", dir);
+    if (!(s->text = lg_read_file(path, &len, "adapters", err))) return -1;
+    if (lg_json_parse(&s->doc, s->text, len, path, err) != 0) {
+        LG_FREE(s->text);
+        return -1;
+    }
+    int r = lg_json_find(&s->doc, 0, "r"), alpha = lg_json_find(&s->doc, 0, "lora_alpha");
+    s->rank_pattern = lg_json_find(&s->doc, 0, "rank_pattern");
+    s->alpha_pattern = lg_json_find(&s->doc, 0, "alpha_pattern");
+    if (r < 0 || alpha < 0 || lg_json_double(&s->doc, r, &s->r) != 0 ||
+        lg_json_double(&s->doc, alpha, &s->alpha) != 0 || s->r <= 0) {
+        lg_json_free(&s->doc);
+        LG_FREE(s->text);
+        return lg_fail(err, "%s: no positive r and a lora_alpha", path);
+    }
+    return 0;
+}
+
+static double lg_peft_pattern(const lg_json *doc, int object, const char *module, double fallback) {
+    if (object < 0 || doc->nodes[object].kind != LG_JSON_OBJECT) return fallback;
+    size_t lm = strlen(module);
+    for (int k = doc->nodes[object].first_child; k >= 0 && doc->nodes[k].next >= 0;
+         k = doc->nodes[doc->nodes[k].next].next) {
+        char key[LG_ST_MAX_NAME];
+        double v;
+        if (lg_json_string_copy(doc, k, key, sizeof key) != 0) continue;
+        size_t lk = strlen(key);
+        if (lk <= lm && strcmp(module + lm - lk, key) == 0 && (lk == lm || module[lm - lk - 1] == '.') &&
+            lg_json_double(doc, doc->nodes[k].next, &v) == 0)
+            return v;
+    }
+    return fallback;
+}
+
+/* The Hugging Face weight "MODULE.weight" (the model's prefix may be left out), or NULL. */
+static const lg_hf_tensor *lg_gen_hf_weight(const lg_hf_tensor *hf, int n, const char *module) {
+    char want[LG_ST_MAX_NAME + 8];
+    lg_format(want, sizeof want, "%s.weight", module);
+    size_t lw = strlen(want);
+    for (int i = 0; i < n; i++) {
+        size_t lh = strlen(hf[i].name);
+        if (lh >= lw && strcmp(hf[i].name + lh - lw, want) == 0 &&
+            (lh == lw || hf[i].name[lh - lw - 1] == '.'))
+            return &hf[i];
+    }
+    return NULL;
+}
+
+/* A tensor of the adapter file in lg_real (LG_MALLOC), or NULL with err set. */
+static lg_real *lg_gen_read_reals(const lg_st_file *f, const lg_st_tensor *t, lg_error *err) {
+    size_t count = (size_t)lg_st_count(t);
+    unsigned char *bytes = (unsigned char *)LG_MALLOC((size_t)(t->end - t->begin) + 1);
+    lg_real *out = (lg_real *)LG_MALLOC(count * sizeof(lg_real) + 1);
+    if (!lg_st_is_float(t->dtype)) lg_fail(err, "adapters %s: %s is %s, not F32, BF16 or F16", f->path,
+                                           t->name, lg_st_dtype_name(t->dtype));
+    else if (!bytes || !out) lg_fail(err, "out of host memory for the adapters");
+    else if (lg_st_read(f, t, bytes, err) == 0) {
+        for (size_t i = 0; i < count; i++) out[i] = lg_st_get(t->dtype, bytes, i);
+        LG_FREE(bytes);
+        return out;
+    }
+    LG_FREE(bytes);
+    LG_FREE(out);
+    return NULL;
+}
+
+/* W += scale B A for the Hugging Face weight h: A (r, in), B (out, r) in PEFT's orientation
+   (GPT-2's Conv1D, fan_in_fan_out: its (in, out) weight gets (B A)^T). */
+static int lg_gen_merge_module(lg_generator *g, const lg_tensor_table *table, const lg_hf_tensor *h,
+                               const lg_st_file *f, const lg_st_tensor *A, const lg_st_tensor *B,
+                               float scale, lg_error *err) {
+    int conv1d = h->how == LG_HF_TRANSPOSE;
+    int64_t rows = conv1d ? h->shape[1] : h->shape[0], cols = conv1d ? h->shape[0] : h->shape[1];
+    if (h->ndim != 2 || A->ndim != 2 || B->ndim != 2 || A->shape[0] != B->shape[1] ||
+        A->shape[1] != cols || B->shape[0] != rows)
+        return lg_fail(err, "adapters %s: %s [%lld, %lld] and its lora_B [%lld, %lld] do not fit "
+                            "%s", f->path, A->name, (long long)A->shape[0], (long long)A->shape[1],
+                       (long long)B->shape[0], (long long)B->shape[1], h->name);
+    lg_real *a = lg_gen_read_reals(f, A, err), *b = a ? lg_gen_read_reals(f, B, err) : NULL;
+    if (!b) {
+        LG_FREE(a);
+        return -1;
+    }
+    size_t base = table->tensors[h->source].offset;
+    int r = (int)A->shape[0];
+    LG_OMP(omp parallel for)
+    for (int64_t o = 0; o < rows; o++)
+        for (int64_t c = 0; c < cols; c++) {
+            double sum = 0;
+            for (int j = 0; j < r; j++) sum += (double)b[o * r + j] * a[(int64_t)j * cols + c];
+            size_t i = (size_t)(conv1d ? c * rows + o : o * cols + c);
+            size_t at = base + lg_hf_source_index(&g->cfg, h, i);
+            lg_set(g->params, at, lg_get(g->params, at) + (lg_real)(scale * sum));
+        }
+    LG_FREE(a);
+    LG_FREE(b);
+    return 0;
+}
+
+/* Each pair base_model.model.MODULE.lora_A.weight / .lora_B.weight of an open adapter file. */
+static int lg_gen_merge_pairs(lg_generator *g, const lg_st_file *f, const lg_peft_settings *s,
+                              const lg_tensor_table *table, const lg_hf_tensor *hf, int n_hf,
+                              lg_error *err) {
+    static const char prefix[] = "base_model.model.", tail_a[] = ".lora_A.weight";
+    size_t lp = strlen(prefix), la = strlen(tail_a);
+    int pairs = 0;
+    for (int i = 0; i < f->n_tensors; i++) {
+        const lg_st_tensor *A = &f->tensors[i];
+        size_t ln = strlen(A->name);
+        if (strstr(A->name, ".lora_B.weight") && ln > lp + la && strncmp(A->name, prefix, lp) == 0)
+            continue; /* with its A */
+        if (ln <= lp + la || strncmp(A->name, prefix, lp) != 0 || strcmp(A->name + ln - la, tail_a) != 0)
+            return lg_fail(err, "adapters %s: %s is no LoRA A or B of a module (only plain LoRA "
+                                "merges here)", f->path, A->name);
+        char module[LG_ST_MAX_NAME], name_b[LG_ST_MAX_NAME];
+        lg_format(module, sizeof module, "%.*s", (int)(ln - lp - la), A->name + lp);
+        lg_format(name_b, sizeof name_b, "%s%s.lora_B.weight", prefix, module);
+        const lg_st_tensor *B = lg_st_find(f, name_b);
+        const lg_hf_tensor *h = lg_gen_hf_weight(hf, n_hf, module);
+        if (!B || !h)
+            return lg_fail(err, "adapters %s: %s", f->path, !B ? "a lora_A without its lora_B"
+                                                               : "a module the model does not have");
+        double r = lg_peft_pattern(&s->doc, s->rank_pattern, module, s->r);
+        double alpha = lg_peft_pattern(&s->doc, s->alpha_pattern, module, s->alpha);
+        if (lg_gen_merge_module(g, table, h, f, A, B, (float)alpha / (float)r, err) != 0) return -1;
+        pairs++;
+    }
+    return pairs ? 0 : lg_fail(err, "adapters %s: no adapters in it", f->path);
+}
+
+static int lg_gen_merge_adapters(lg_generator *g, const char *dir, lg_error *err) {
+    lg_peft_settings s;
+    lg_tensor_table table;
+    lg_hf_tensor *hf = NULL;
+    lg_hf_family family;
+    lg_st_file f;
+    int n_hf = 0, rc = -1;
+    char path[LG_PATH_MAX];
+    if (lg_peft_settings_read(&s, dir, err) != 0) return -1;
+    lg_format(path, sizeof path, "%s/adapter_model.safetensors", dir);
+    if (lg_table_alloc(&table, &g->cfg) != 0) {
+        lg_json_free(&s.doc);
+        LG_FREE(s.text);
+        return lg_fail(err, "out of host memory");
+    }
+    lg_params_layout(&g->cfg, lg_no_buf(), NULL, &table);
+    if (lg_hf_family_of(&g->cfg, &family, err) == 0 &&
+        lg_hf_tensors(&g->cfg, &table, family, &hf, &n_hf, err) == 0 && lg_st_open(&f, path, err) == 0) {
+        rc = lg_gen_merge_pairs(g, &f, &s, &table, hf, n_hf, err);
+        lg_st_close(&f);
+    }
+    LG_FREE(hf);
+    lg_tensor_table_free(&table);
+    lg_json_free(&s.doc);
+    LG_FREE(s.text);
+    return rc;
+}
+
+int lg_generator_load(lg_generator *g, const lg_gen_source *src, lg_error *err) {
+    if (lg_params_layout(&src->cfg, lg_no_buf(), NULL, NULL) != lg_params_layout(&g->cfg, lg_no_buf(), NULL, NULL))
+        return lg_fail(err, "%s: its model is not the one the generator was made for", src->dir);
+    if (lg_hf_load_weights(&g->cfg, g->params, src->weights, err) != 0) return -1;
+    if (!src->adapters[0]) return 0;
+    if (lg_gen_file_exists(src->adapters, LG_CHECKPOINT_MARKER) &&
+        lg_checkpoint_verify(src->adapters, NULL, err) != 0)
+        return -1;
+    return lg_gen_merge_adapters(g, src->adapters, err);
+}
+
+/* --- the forward with the cache ------------------------------------------------------------ */
+
+/* s[0 .. 4) = the dot products of x (n) with the 4 rows of w (n apart) from element at: four
+   sums at once, so that each load of x serves four rows and the adds do not wait on each other. */
+static void lg_gen_dot4(lg_buf w, size_t at, const lg_real *x, int n, lg_real *s) {
+    lg_real s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    if (w.dtype == LG_DTYPE_F32) {
+        const lg_real *a = (const lg_real *)w.data + at, *b = a + n, *c = b + n, *d = c + n;
+        LG_OMP(omp simd reduction(+ : s0, s1, s2, s3))
+        for (int i = 0; i < n; i++) {
+            s0 += a[i] * x[i], s1 += b[i] * x[i];
+            s2 += c[i] * x[i], s3 += d[i] * x[i];
+        }
+    } else if (w.dtype == LG_DTYPE_BF16) {
+        const uint16_t *a = (const uint16_t *)w.data + at, *b = a + n, *c = b + n, *d = c + n;
+        LG_OMP(omp simd reduction(+ : s0, s1, s2, s3))
+        for (int i = 0; i < n; i++) {
+            s0 += lg_bf16_to_f32(a[i]) * x[i], s1 += lg_bf16_to_f32(b[i]) * x[i];
+            s2 += lg_bf16_to_f32(c[i]) * x[i], s3 += lg_bf16_to_f32(d[i]) * x[i];
+        }
+    } else {
+        for (int i = 0; i < n; i++) {
+            s0 += lg_get(w, at + (size_t)i) * x[i], s1 += lg_get(w, at + (size_t)(n + i)) * x[i];
+            s2 += lg_get(w, at + (size_t)(2 * n + i)) * x[i], s3 += lg_get(w, at + (size_t)(3 * n + i)) * x[i];
+        }
+    }
+    s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
+}
+
+/* out (OC) = w (OC, IC) x (IC, fp32) + bias: one token's linear, dot products of four weight
+   rows at a time, the groups split over the threads (the weights are read once, in order);
+   the last OC % 4 rows from the last four. */
+static void lg_gen_gemv(lg_buf out, const lg_real *x, lg_buf w, lg_buf bias, int IC, int OC,
+                        int threads) {
+    if (OC < 4) { /* (never in a model here: at least 4 outputs) */
+        for (int o = 0; o < OC; o++) {
+            lg_real s = 0;
+            for (int i = 0; i < IC; i++) s += lg_get(w, (size_t)o * IC + i) * x[i];
+            lg_set(out, (size_t)o, bias.data ? s + lg_get(bias, (size_t)o) : s);
+        }
+        return;
+    }
+    int groups = OC / 4;
+    LG_OMP(omp parallel for schedule(static) num_threads(threads) if ((double)OC * IC >= 65536.0))
+    for (int k = 0; k <= groups; k++) {
+        int o = k < groups ? 4 * k : OC - 4, first = k < groups ? 0 : 4 - OC % 4;
+        lg_real s[4];
+        if (k == groups && OC % 4 == 0) continue;
+        lg_gen_dot4(w, (size_t)o * IC, x, IC, s);
+        for (int j = first; j < 4; j++)
+            lg_set(out, (size_t)(o + j), bias.data ? s[j] + lg_get(bias, (size_t)(o + j)) : s[j]);
+    }
+}
+
+/* out (n, OC) = inp (n, IC) w^T + bias: the matmul for a prompt, dot products for one token. */
+static void lg_gen_linear(lg_generator *g, lg_buf out, lg_buf inp, lg_buf w, lg_buf bias, int n,
+                          int IC, int OC) {
+    if (n > 1) {
+        lg_linear_forward(&g->exec, out, inp, w, bias, n, IC, OC);
+        return;
+    }
+    for (int i = 0; i < IC; i++) g->row[i] = lg_get(inp, (size_t)i);
+    lg_gen_gemv(out, g->row, w, bias, IC, OC, g->spec.threads);
+}
+
+/* The keys and values of the n tokens at positions pos .. from qkv into block l's cache. */
+static void lg_gen_cache_store(lg_generator *g, int l, int pos, int n) {
+    const lg_config *c = &g->cfg;
+    int NH = c->n_head, NQG = c->n_query_groups, HS = c->head_size, QKV = lg_config_qkv_size(c);
+    size_t bytes = (size_t)HS * lg_elem_size(g->qkv.dtype);
+    for (int i = 0; i < n; i++)
+        for (int q = 0; q < NQG; q++) {
+            size_t at = (((size_t)l * NQG + q) * g->spec.positions + (size_t)(pos + i)) * HS;
+            memcpy(lg_at(g->keys, at).data, lg_at(g->qkv, (size_t)i * QKV + (size_t)(NH + q) * HS).data, bytes);
+            memcpy(lg_at(g->values, at).data,
+                   lg_at(g->qkv, (size_t)i * QKV + (size_t)(NH + NQG + q) * HS).data, bytes);
+        }
+}
+
+/* sum of w[at .. at + n) x (n): one cached key against a query */
+static lg_real lg_gen_row_dot(lg_buf w, size_t at, const lg_real *x, int n) {
+    lg_real s = 0;
+    if (w.dtype == LG_DTYPE_F32) {
+        const lg_real *a = (const lg_real *)w.data + at;
+        LG_OMP(omp simd reduction(+ : s))
+        for (int i = 0; i < n; i++) s += a[i] * x[i];
+    } else if (w.dtype == LG_DTYPE_BF16) {
+        const uint16_t *a = (const uint16_t *)w.data + at;
+        LG_OMP(omp simd reduction(+ : s))
+        for (int i = 0; i < n; i++) s += lg_bf16_to_f32(a[i]) * x[i];
+    } else {
+        for (int i = 0; i < n; i++) s += lg_get(w, at + (size_t)i) * x[i];
+    }
+    return s;
+}
+
+/* acc (n) += p v[at .. at + n): one cached value weighted by its probability */
+static void lg_gen_row_add(lg_real *acc, lg_real p, lg_buf v, size_t at, int n) {
+    if (v.dtype == LG_DTYPE_F32) {
+        const lg_real *a = (const lg_real *)v.data + at;
+        LG_OMP(omp simd)
+        for (int i = 0; i < n; i++) acc[i] += p * a[i];
+    } else if (v.dtype == LG_DTYPE_BF16) {
+        const uint16_t *a = (const uint16_t *)v.data + at;
+        LG_OMP(omp simd)
+        for (int i = 0; i < n; i++) acc[i] += p * lg_bf16_to_f32(a[i]);
+    } else {
+        for (int i = 0; i < n; i++) acc[i] += p * lg_get(v, at + (size_t)i);
+    }
+}
+
+/* One query head's output y (HS) for the query q (HS) at position T - 1: softmax over the
+   cached keys k (T, HS) of q k / sqrt(HS), times the values v (T, HS); scratch (T + 2 HS). */
+static void lg_gen_attend(lg_buf y, lg_buf q, lg_buf k, lg_buf v, int T, int HS, lg_real *scratch) {
+    lg_real *s = scratch, *acc = scratch + T, *query = acc + HS, max = -INFINITY, sum = 0;
+    lg_real scale = 1.0f / lg_sqrt((lg_real)HS);
+    for (int e = 0; e < HS; e++) query[e] = lg_get(q, (size_t)e), acc[e] = 0;
+    for (int t = 0; t < T; t++) {
+        s[t] = lg_gen_row_dot(k, (size_t)t * HS, query, HS);
+        max = s[t] > max ? s[t] : max;
+    }
+    for (int t = 0; t < T; t++) {
+        lg_real p = lg_exp((s[t] - max) * scale);
+        sum += p;
+        lg_gen_row_add(acc, p, v, (size_t)t * HS, HS);
+    }
+    for (int e = 0; e < HS; e++) lg_set(y, (size_t)e, acc[e] / sum);
+}
+
+/* att_y (n, NH HS) of the queries at positions pos .. pos + n - 1 over block l's cache: query
+   head h reads key/value group h / (NH / NQG), each query its own position and those before. */
+static void lg_gen_attention(lg_generator *g, int l, int pos, int n) {
+    const lg_config *c = &g->cfg;
+    int NH = c->n_head, NQG = c->n_query_groups, HS = c->head_size, QKV = lg_config_qkv_size(c);
+    int per_group = NH / NQG;
+    size_t P = (size_t)g->spec.positions;
+    lg_attention_scratch sc;
+    sc.base = g->scores;
+    sc.per_thread = P + 2 * (size_t)HS;
+    sc.threads = g->spec.threads;
+    LG_OMP(omp parallel for collapse(2) schedule(static) num_threads(sc.threads) if (n * NH > 1))
+    for (int i = 0; i < n; i++)
+        for (int h = 0; h < NH; h++) {
+            size_t group = ((size_t)l * NQG + h / per_group) * P * HS;
+            lg_gen_attend(lg_at(g->att_y, (size_t)i * NH * HS + (size_t)h * HS),
+                          lg_at(g->qkv, (size_t)i * QKV + (size_t)h * HS), lg_at(g->keys, group),
+                          lg_at(g->values, group), pos + i + 1, HS, lg_attention_rows(&sc));
+        }
+}
+
+/* Block l on the working set x (n, C) of the tokens at positions pos ..: as lg_block_forward,
+   attention reading the cache. */
+static void lg_gen_block(lg_generator *g, int l, int pos, int n) {
+    const lg_config *c = &g->cfg;
+    const lg_block_tensors *w = &g->p.h[l];
+    const lg_exec *ex = &g->exec;
+    int C = c->n_embd, I = c->intermediate_size, QKV = lg_config_qkv_size(c);
+    int NH = c->n_head, HS = c->head_size, R = lg_config_rope_dims(c) / 2;
+    size_t nC = (size_t)n * C, nI = (size_t)n * I;
+    lg_real *mean = lg_norm_mean_or_null(c, g->mean);
+    lg_norm_forward(ex, g->n1, mean, g->rstd, g->x, w->norm_1_w, w->norm_1_b, n, C, c->norm_eps);
+    lg_gen_linear(g, g->qkv, g->n1, w->qkv_w, w->qkv_b, n, C, QKV);
+    if (R)
+        lg_rope_rotate(ex, g->qkv, g->rope_cos + (size_t)pos * R, g->rope_sin + (size_t)pos * R, 1,
+                       n, NH, c->n_query_groups, HS, 2 * R, +1);
+    lg_gen_cache_store(g, l, pos, n);
+    lg_gen_attention(g, l, pos, n);
+    lg_gen_linear(g, g->x_mid, g->att_y, w->proj_w, w->proj_b, n, NH * HS, C);
+    lg_buf mlp_in = c->shared_attention_norm ? g->n1 : g->n2;
+    if (c->shared_attention_norm || c->parallel_residual) {
+        lg_add(ex, g->x_mid, g->x_mid, g->x, nC);
+        if (!c->shared_attention_norm)
+            lg_norm_forward(ex, g->n2, mean, g->rstd, g->x, w->norm_2_w, w->norm_2_b, n, C, c->norm_eps);
+    } else {
+        lg_residual_norm_forward(ex, g->x_mid, g->n2, mean, g->rstd, g->x_mid, g->x, w->norm_2_w,
+                                 w->norm_2_b, n, C, c->norm_eps);
+    }
+    lg_gen_linear(g, g->fc, mlp_in, w->fc_w, w->fc_b, n, C, I);
+    if (c->mlp_class_name == LG_MLP_LLAMA) {
+        lg_gen_linear(g, g->fc_2, mlp_in, w->fc_2_w, w->fc_2_b, n, C, I);
+        lg_swiglu_forward(ex, g->act, g->fc, g->fc_2, nI);
+    } else {
+        lg_gelu_forward(ex, g->act, g->fc, nI, c->gelu_approximate_tanh);
+    }
+    lg_gen_linear(g, g->x, g->act, w->mlp_proj_w, w->mlp_proj_b, n, I, C);
+    lg_add(ex, g->x, g->x, g->x_mid, nC);
+}
+
+/* n <= prefill tokens at positions n_cached ..: embeddings, blocks, and the last one's logits. */
+static void lg_gen_step(lg_generator *g, const int *tokens, int n) {
+    const lg_config *c = &g->cfg;
+    int pos = g->n_cached, C = c->n_embd;
+    lg_buf wpe = g->p.wpe.data ? lg_at(g->p.wpe, (size_t)pos * C) : g->p.wpe;
+    lg_embedding_forward(&g->exec, g->x, tokens, g->p.wte, wpe, 1, n, C);
+    for (int l = 0; l < c->n_layer; l++) lg_gen_block(g, l, pos, n);
+    g->n_cached += n;
+    lg_norm_forward(&g->exec, g->ln_f, lg_norm_mean_or_null(c, g->mean), g->rstd,
+                    lg_at(g->x, (size_t)(n - 1) * C), g->p.ln_f_w, g->p.ln_f_b, 1, C, c->norm_eps);
+    for (int i = 0; i < C; i++) g->row[i] = lg_get(g->ln_f, (size_t)i);
+    lg_gen_gemv(lg_buf_of(g->logits), g->row, g->p.lm_head_w, g->p.lm_head_b, C, c->vocab_size,
+                g->spec.threads);
+}
+
+int lg_generator_forward(lg_generator *g, const int *tokens, int n, lg_error *err) {
+    if (n < 1) return lg_fail(err, "generation: no tokens to run");
+    if (g->n_cached + n > g->spec.positions)
+        return lg_fail(err, "generation: %d cached and %d more tokens pass the cache's %d positions",
+                       g->n_cached, n, g->spec.positions);
+    for (int i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= g->cfg.padded_vocab_size)
+            return lg_fail(err, "generation: token %d (id %d) is outside the model's vocabulary of %d",
+                           i, tokens[i], g->cfg.padded_vocab_size);
+    for (int done = 0; done < n;) {
+        int k = n - done < g->spec.prefill ? n - done : g->spec.prefill;
+        lg_gen_step(g, tokens + done, k);
+        done += k;
+    }
+    return 0;
+}
+
+/* --- sampling ------------------------------------------------------------------------------ */
+
+lg_sampling lg_sampling_default(void) {
+    lg_sampling s;
+    memset(&s, 0, sizeof s);
+    s.temperature = 0.8f;
+    s.top_k = 50;
+    s.top_p = 1.0f;
+    return s;
+}
+
+/* The k-th largest of x (n), 1 <= k <= n, through a min-heap of the k largest in heap (k). */
+static lg_real lg_kth_largest(const lg_real *x, int n, int k, lg_real *heap) {
+    for (int i = 0; i < n; i++) {
+        if (i >= k && x[i] <= heap[0]) continue;
+        int at = i < k ? i : 0;
+        lg_real v = x[i];
+        if (i < k) { /* sift up */
+            while (at > 0 && heap[(at - 1) / 2] > v) heap[at] = heap[(at - 1) / 2], at = (at - 1) / 2;
+        } else { /* replace the root, sift down */
+            for (int child; (child = 2 * at + 1) < k; at = child) {
+                if (child + 1 < k && heap[child + 1] < heap[child]) child++;
+                if (heap[child] >= v) break;
+                heap[at] = heap[child];
+            }
+        }
+        heap[at] = v;
+    }
+    return heap[0];
+}
+
+/* Whether (p[a], id[a]) comes after (p[b], id[b]): lower probability, or equal and a higher id. */
+static int lg_ranks_after(const lg_real *p, const int *id, int a, int b) {
+    return p[a] < p[b] || (p[a] == p[b] && id[a] > id[b]);
+}
+
+static void lg_swap_ranked(lg_real *p, int *id, int a, int b) {
+    lg_real tp = p[a];
+    int ti = id[a];
+    p[a] = p[b], id[a] = id[b];
+    p[b] = tp, id[b] = ti;
+}
+
+/* The heap p[at .. end) with its last-ranked at the root: (p[at], id[at]) sifted down. */
+static void lg_sift_last_ranked(lg_real *p, int *id, int at, int end) {
+    for (int child; (child = 2 * at + 1) < end; at = child) {
+        if (child + 1 < end && lg_ranks_after(p, id, child + 1, child)) child++;
+        if (!lg_ranks_after(p, id, child, at)) break;
+        lg_swap_ranked(p, id, at, child);
+    }
+}
+
+/* Sorts p (n) and id (n) together, the most likely first (heap sort). */
+static void lg_sort_by_probability(lg_real *p, int *id, int n) {
+    for (int k = n / 2 - 1; k >= 0; k--) lg_sift_last_ranked(p, id, k, n);
+    for (int end = n - 1; end > 0; end--) {
+        lg_swap_ranked(p, id, 0, end);
+        lg_sift_last_ranked(p, id, 0, end);
+    }
+}
+
+/* The kept ids (top-k) into order, their unnormalised probabilities at temperature into
+   probs; returns how many. */
+static int lg_sample_candidates(const lg_real *logits, int V, const lg_sampling *s, lg_real *probs,
+                                int *order) {
+    int n = 0;
+    lg_real threshold = -INFINITY, max = -INFINITY;
+    if (s->top_k > 0 && s->top_k < V) threshold = lg_kth_largest(logits, V, s->top_k, probs);
+    for (int v = 0; v < V; v++)
+        if (logits[v] >= threshold) order[n++] = v, max = logits[v] > max ? logits[v] : max;
+    for (int j = 0; j < n; j++) probs[j] = lg_exp((logits[order[j]] - max) / s->temperature);
+    return n;
+}
+
+int lg_sample(const lg_real *logits, int V, const lg_sampling *s, lg_rng *rng, lg_real *probs,
+              int *order) {
+    if (s->temperature <= 0.0f) {
+        int best = 0;
+        for (int v = 1; v < V; v++) best = logits[v] > logits[best] ? v : best;
+        return best;
+    }
+    int n = lg_sample_candidates(logits, V, s, probs, order);
+    double total = 0;
+    for (int j = 0; j < n; j++) total += probs[j];
+    if (s->top_p < 1.0f) { /* the most likely first; keep each whose predecessors hold < top_p */
+        lg_sort_by_probability(probs, order, n);
+        double before = 0;
+        int kept = 0;
+        while (kept < n && before < s->top_p * total) before += probs[kept++];
+        n = kept;
+        total = before;
+    }
+    double u = lg_rng_uniform(rng) * total;
+    for (int j = 0; j < n; j++)
+        if ((u -= probs[j]) < 0) return order[j];
+    return order[n - 1];
+}
+
+/* --- generate ------------------------------------------------------------------------------ */
+
+static int lg_is_stop(const lg_sampling *s, int token) {
+    for (int i = 0; i < s->n_stop; i++)
+        if (s->stop[i] == token) return 1;
+    return 0;
+}
+
+int lg_generate(lg_generator *g, const int *prompt, int n_prompt, int max_new,
+                const lg_sampling *s, lg_rng *rng, int *out, int *n_out, lg_gen_token_fn on_token,
+                void *ctx, lg_gen_stats *stats, lg_error *err) {
+    lg_gen_stats own;
+    if (!stats) stats = &own;
+    memset(stats, 0, sizeof *stats);
+    *n_out = 0;
+    if (n_prompt < 1) return lg_fail(err, "generation: the prompt is empty (it needs a token)");
+    if (n_prompt + max_new > g->spec.positions)
+        return lg_fail(err, "generation: a prompt of %d tokens and %d new ones pass the cache's %d "
+                            "positions", n_prompt, max_new, g->spec.positions);
+    lg_generator_reset(g);
+    double start = lg_time_ms();
+    if (lg_generator_forward(g, prompt, n_prompt, err) != 0) return -1;
+    stats->prompt_tokens = n_prompt;
+    int V = g->cfg.vocab_size, token = max_new > 0 ? lg_sample(g->logits, V, s, rng, g->probs, g->order) : 0;
+    stats->prefill_ms = lg_time_ms() - start;
+    start = lg_time_ms();
+    while (*n_out < max_new) {
+        out[(*n_out)++] = token;
+        stats->stopped = lg_is_stop(s, token);
+        if ((on_token && on_token(ctx, token) != 0) || stats->stopped || *n_out == max_new) break;
+        if (lg_generator_forward(g, &token, 1, err) != 0) return -1;
+        stats->decode_tokens++;
+        token = lg_sample(g->logits, V, s, rng, g->probs, g->order);
+    }
+    stats->decode_ms = lg_time_ms() - start;
+    return 0;
 }
 
 #endif /* LITGPT_IMPLEMENTATION */

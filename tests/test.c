@@ -1898,6 +1898,7 @@ static void run_emulated_cuda_tests(results *r) {
 #include "test_first_hour.c"
 #include "test_hostile.c"
 #include "test_real_models.c"
+#include "test_generate.c"
 
 /* Starts a section: prints its name and says whether to run it. `./tests/test WORD` runs only
    the sections whose names contain WORD (e.g. `./tests/test plan`); no argument runs all. */
@@ -1973,6 +1974,7 @@ int main(int argc, char **argv) {
     if (section("devices and sharding", argc, argv)) test_sharding(&r);
     if (section("processes: launchers, mpirun, rendezvous", argc, argv)) test_processes(&r);
     if (section("LoRA and QLoRA", argc, argv)) test_lora_all(&r);
+    if (section("generation: KV cache, sampling, tools/generate", argc, argv)) test_generate_all(&r);
     if (section("gradients in double precision", argc, argv)) run_child_tests(&r, "./tests/test64");
     if (section("CUDA backend, emulated on the CPU", argc, argv)) run_emulated_cuda_tests(&r);
     if (section("GPU script: tests/gpu/run.sh dry run (stand-ins, a crash, a hang, a kill)", argc, argv))

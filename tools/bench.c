@@ -2,6 +2,7 @@
 
    ./tools/bench [--ops] [--recompute] [--offload] [-c configs/bench.yaml] [-b 4] [-t 256]
                  [-s steps] [-p 32-true]
+   ./tools/bench --generate [-c CONFIG] [-t PROMPT] [--new N] [-p 32-true]
 
    Trains the model of configs/bench.yaml (6 layers, 384 wide, Llama-style) in 32-true with
    AdamW on random tokens: 2 warm-up steps, then times the next steps (forward + backward +
@@ -12,7 +13,9 @@
    forward and both backward products; attention; norms; SwiGLU; cross-entropy; the optimizer;
    a copy of the weights), the median of repeated calls in ms, the times it runs in a step and
    its share, matmuls also in GFLOP/s on the portable path and on the processor's. The paths
-   alternate call by call, so load from other processes falls on both alike. */
+   alternate call by call, so load from other processes falls on both alike.
+
+   --generate times the KV-cache generator instead (prefill and decode tokens/s). */
 #define LITGPT_IMPLEMENTATION
 #include "../litgpt.h"
 
@@ -255,17 +258,57 @@ static int bench_tokenizer(const char *dir) {
     return 0;
 }
 
+/* --generate: decode and prefill speed of the KV-cache generator (section 14) on random
+   weights: a prompt of P random tokens, then `n_new` tokens sampled as tools/generate does; a
+   warm-up generation first. The decode's weight reads a second give how near it runs to the
+   memory's bandwidth (each token reads every weight once). */
+static int bench_generate(const lg_config *cfg, int P, int n_new, lg_precision precision) {
+    lg_error err;
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    lg_gen_spec spec = {P + n_new, P, precision, threads};
+    lg_generator g;
+    if (lg_generator_create(&g, cfg, &spec, &err) != 0) { fprintf(stderr, "bench: %s\n", err.msg); return 1; }
+    size_t n = lg_params_layout(&g.cfg, lg_no_buf(), NULL, NULL);
+    for (size_t i = 0; i < n; i++) /* uniform in +-0.035, about N(0, 0.02): cheap for 1B weights */
+        lg_set(g.params, i, 0.07f * ((float)((i * 2654435761u) % 1024) / 1024.0f - 0.5f));
+    int *prompt = (int *)malloc(sizeof(int) * (size_t)P), *out = (int *)malloc(sizeof(int) * (size_t)n_new);
+    lg_rng rng;
+    lg_rng_seed(&rng, 0);
+    for (int i = 0; i < P; i++) prompt[i] = (int)(lg_rng_u64(&rng) % (uint64_t)cfg->vocab_size);
+    lg_sampling s = lg_sampling_default();
+    lg_gen_stats st;
+    int n_out, rc = lg_generate(&g, prompt, P < 8 ? P : 8, 4, &s, &rng, out, &n_out, NULL, NULL, &st, &err);
+    if (rc == 0) rc = lg_generate(&g, prompt, P, n_new, &s, &rng, out, &n_out, NULL, NULL, &st, &err);
+    if (rc != 0) fprintf(stderr, "bench: %s\n", err.msg);
+    double weights = (double)lg_plan_find(&g.plan.ranks[0], "weights")->bytes;
+    double decode_s = st.decode_ms / 1e3 / (st.decode_tokens ? st.decode_tokens : 1);
+    if (rc == 0)
+        printf("litgpt.c generate %s %s threads=%d prompt=%d new=%d prefill tokens/s=%.1f decode "
+               "tokens/s=%.2f weights=%.0fMB weight reads=%.1fGB/s\n", cfg->name,
+               lg_precision_name(precision), threads, P, n_out, 1000.0 * P / st.prefill_ms,
+               1.0 / decode_s, weights / 1e6, weights / decode_s / 1e9);
+    free(prompt);
+    free(out);
+    lg_generator_free(&g);
+    return rc ? 1 : 0;
+}
+
 int main(int argc, char **argv) {
     const char *config = "configs/bench.yaml";
     if (argc == 3 && strcmp(argv[1], "--tokenizer") == 0) return bench_tokenizer(argv[2]);
     int B = 4, T = 256, steps = 5, warmup = 2;
     lg_precision precision = LG_PRECISION_32_TRUE; /* as the PyTorch side */
-    int recompute = 0, offload = 0, ops = 0;
+    int recompute = 0, offload = 0, ops = 0, generate = 0, n_new = 64;
     for (int i = 1; i < argc; i++) {
         const char *value = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(argv[i], "--recompute") == 0) recompute = 1;
         else if (strcmp(argv[i], "--offload") == 0) offload = 1;
         else if (strcmp(argv[i], "--ops") == 0) ops = 1;
+        else if (strcmp(argv[i], "--generate") == 0) generate = 1;
+        else if (value && strcmp(argv[i], "--new") == 0) n_new = atoi(argv[++i]);
         else if (value && strcmp(argv[i], "-c") == 0) config = argv[++i];
         else if (value && strcmp(argv[i], "-b") == 0) B = atoi(argv[++i]);
         else if (value && strcmp(argv[i], "-t") == 0) T = atoi(argv[++i]);
@@ -276,6 +319,7 @@ int main(int argc, char **argv) {
     lg_error err;
     lg_config cfg;
     if (lg_config_load(&cfg, config, &err) != 0) { fprintf(stderr, "bench: %s\n", err.msg); return 2; }
+    if (generate) return bench_generate(&cfg, T, n_new, precision);
     lg_args args;
     lg_args_default(&args);
     args.micro_batch_size = B;
