@@ -967,8 +967,117 @@ static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_con
     lg_plan_free(&plan);
 }
 
-/* -c NAME: a file at NAME, else configs/NAME.yaml; --load or --resume: the directory's
-   config.json; none: the built-in model. */
+/* --- -c NAME: where configs are found --------------------------------------------------------- */
+
+#define CONFIG_DIRS 8 /* ./configs, beside the executable, and LITGPT_CONFIGS' entries */
+
+/* The directories -c NAME looks in, in order: ./configs, configs/ beside the executable
+   (/proc/self/exe's directory), then each directory of $LITGPT_CONFIGS (colon-separated).
+   Returns how many. */
+static int config_dirs(char dirs[CONFIG_DIRS][1024]) {
+    int n = 0;
+    snprintf(dirs[n++], 1024, "./configs");
+    char exe[1024];
+    ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (len > 0) {
+        exe[len] = '\0';
+        char *slash = strrchr(exe, '/');
+        if (slash) *slash = '\0';
+        snprintf(dirs[n++], 1024, "%.1000s/configs", exe);
+    }
+    const char *env = getenv("LITGPT_CONFIGS");
+    for (const char *at = env; at && *at && n < CONFIG_DIRS;) {
+        size_t len = strcspn(at, ":");
+        if (len > 0) snprintf(dirs[n++], 1024, "%.*s", (int)len, at);
+        at += len + (at[len] == ':');
+    }
+    return n;
+}
+
+/* Edit distance (Levenshtein), ignoring the case of ASCII letters; names up to 127 bytes. */
+static int edit_distance(const char *a, const char *b) {
+    int row[128], n = (int)strlen(b);
+    if (n > 127 || strlen(a) > 127) return 1000;
+    for (int j = 0; j <= n; j++) row[j] = j;
+    for (int i = 1; a[i - 1]; i++) {
+        int diagonal = row[0];
+        row[0] = i;
+        for (int j = 1; j <= n; j++) {
+            int same = tolower((unsigned char)a[i - 1]) == tolower((unsigned char)b[j - 1]);
+            int best = diagonal + !same, up = row[j] + 1, left = row[j - 1] + 1;
+            if (up < best) best = up;
+            if (left < best) best = left;
+            diagonal = row[j];
+            row[j] = best;
+        }
+    }
+    return row[n];
+}
+
+/* Up to 4 config names in dirs close to name (an edit distance of at most a third of its
+   length, 2 at least), nearest first, into out ("A, B"); all of them when none is close.
+   Returns whether any is close. */
+static int close_config_names(const char *name, char dirs[CONFIG_DIRS][1024], int n_dirs,
+                               char *out, size_t cap) {
+    char names[64][128];
+    int distance[64], n = 0, close = 2 > (int)strlen(name) / 3 ? 2 : (int)strlen(name) / 3;
+    for (int d = 0; d < n_dirs; d++) {
+        DIR *dir = opendir(dirs[d]);
+        for (struct dirent *e = dir ? readdir(dir) : NULL; e && n < 64; e = readdir(dir)) {
+            size_t len = strlen(e->d_name);
+            if (len < 6 || len > 127 || strcmp(e->d_name + len - 5, ".yaml") != 0) continue;
+            snprintf(names[n], sizeof names[n], "%.*s", (int)(len - 5), e->d_name);
+            int seen = 0;
+            for (int k = 0; k < n; k++) seen |= strcmp(names[k], names[n]) == 0;
+            if (!seen) distance[n] = edit_distance(name, names[n]), n++;
+        }
+        if (dir) closedir(dir);
+    }
+    int any_close = 0;
+    for (int k = 0; k < n; k++) any_close |= distance[k] <= close;
+    for (int k = 0; k < n && !any_close; k++) distance[k] = 0; /* all of them, by name */
+    out[0] = '\0';
+    for (int shown = 0; shown < (any_close ? 4 : n); shown++) {
+        int best = -1;
+        for (int k = 0; k < n; k++)
+            if (distance[k] >= 0 && (!any_close || distance[k] <= close) &&
+                (best < 0 || distance[k] < distance[best] ||
+                 (distance[k] == distance[best] && strcmp(names[k], names[best]) < 0)))
+                best = k;
+        if (best < 0) break;
+        snprintf(out + strlen(out), cap - strlen(out), "%s%s", shown ? ", " : "", names[best]);
+        distance[best] = -1;
+    }
+    return any_close;
+}
+
+/* -c NAME|PATH: a file at that path, else NAME.yaml in the first of config_dirs that has it;
+   an unknown name stops naming the places looked in and the names close to it. */
+static void find_config(const char *name, char *path, size_t cap) {
+    struct stat st;
+    if (stat(name, &st) == 0 && S_ISREG(st.st_mode)) {
+        snprintf(path, cap, "%s", name);
+        return;
+    }
+    char dirs[CONFIG_DIRS][1024];
+    int n = config_dirs(dirs);
+    for (int d = 0; d < n; d++) {
+        if (snprintf(path, cap, "%s/%s.yaml", dirs[d], name) >= (int)cap) continue;
+        if (stat(path, &st) == 0) return;
+    }
+    char looked[2048] = "", names[1024];
+    for (int d = 0; d < n; d++)
+        snprintf(looked + strlen(looked), sizeof looked - strlen(looked), "%s%s", d ? ", " : "",
+                 dirs[d]);
+    int close = close_config_names(name, dirs, n, names, sizeof names);
+    die_usage("-c/--config %s: no such file, and no %s.yaml in %s%s; %s%s%s", name, name, looked,
+              getenv("LITGPT_CONFIGS") ? "" : " (nor LITGPT_CONFIGS: not set)",
+              close ? "did you mean " : names[0] ? "the configs there: " : "no configs there",
+              names, close ? "?" : "");
+}
+
+/* -c NAME: a file at NAME, else NAME.yaml in ./configs, beside the executable or under
+   LITGPT_CONFIGS; --load or --resume: the directory's config.json; none: the built-in model. */
 static void load_config(lg_args *a, lg_config *cfg, checkpoint_flags *ck) {
     lg_error err;
     if (ck->resume && lg_checkpoint_find(ck->resume, ck->resume_dir, sizeof ck->resume_dir, &err) != 0)
@@ -980,12 +1089,8 @@ static void load_config(lg_args *a, lg_config *cfg, checkpoint_flags *ck) {
         return;
     }
     if (!a->config) { lg_config_builtin(cfg); return; }
-    char path[1024];
-    struct stat st;
-    if (stat(a->config, &st) == 0) snprintf(path, sizeof path, "%s", a->config);
-    else snprintf(path, sizeof path, "configs/%s.yaml", a->config);
-    if (stat(path, &st) != 0)
-        die_usage("-c/--config %s: no such file, and no %s", a->config, path);
+    char path[1100];
+    find_config(a->config, path, sizeof path);
     if (lg_config_load(cfg, path, &err) != 0) die(2, &err);
 }
 
@@ -1162,17 +1267,20 @@ static void print_samples(lg_trainer *tr, const lg_args *a, const run_data *d, l
 /* Progress of the training loop. On a terminal one status line (step/total, loss, tokens/s,
    elapsed, ETA) is rewritten in place after every step; every `interval` steps, on the first
    and the last, and on a skipped step, a full line stays. A file or pipe gets the full lines
-   only. Anything else printed during the loop clears the status line first. */
+   only, and so do processes other than 0. Anything else printed during the loop clears the
+   status line first. */
 typedef struct {
-    int tty;          /* stdout is a terminal */
+    int tty;          /* process 0, and stdout and stderr are a terminal (mpirun gives each
+                         process a terminal for stdout even when its own goes to a file) */
     int interval;     /* steps between full lines */
     int first_step, max_steps;
     double start_ms;  /* when the loop began */
     int status_shown; /* the status line is on the screen, without its newline */
 } progress;
 
-static void progress_start(progress *p, const output_flags *o, int first_step, int max_steps) {
-    p->tty = isatty(STDOUT_FILENO);
+static void progress_start(progress *p, const output_flags *o, int process, int first_step,
+                           int max_steps) {
+    p->tty = process == 0 && isatty(STDOUT_FILENO) && isatty(STDERR_FILENO);
     p->interval = o->log_interval ? o->log_interval : (max_steps + 19) / 20;
     if (p->interval < 1) p->interval = 1;
     p->first_step = first_step;
@@ -1324,6 +1432,38 @@ static void describe_data(const lg_loader *ld, char *out, size_t cap) {
              (unsigned long long)h);
 }
 
+/* A count of parameters as people read it: "124.44M", "294.9K", "8.03B", "768". */
+static const char *format_count(size_t n, char *out, size_t cap) {
+    if (n >= 1000000000) snprintf(out, cap, "%.2fB", n / 1e9);
+    else if (n >= 1000000) snprintf(out, cap, "%.2fM", n / 1e6);
+    else if (n >= 1000) snprintf(out, cap, "%.1fK", n / 1e3);
+    else snprintf(out, cap, "%zu", n);
+    return out;
+}
+
+/* "124.44M parameters, all trainable", or under LoRA "124.73M parameters: 294.9K trainable
+   (LoRA r 8 on q,v), 124.44M frozen (QLoRA: linear weights in nf4-dq)". */
+static void describe_parameters(const lg_model *model, char *out, size_t cap) {
+    const lg_config *c = &model->cfg;
+    char all[32], trainable[32], fixed[32];
+    if (c->lora.r == 0) {
+        snprintf(out, cap, "%s parameters, all trainable",
+                 format_count(model->n_params, all, sizeof all));
+        return;
+    }
+    lg_config base = lg_config_base(c);
+    size_t frozen = lg_params_layout(&base, lg_no_buf(), NULL, NULL);
+    char targets[64], storage[64] = "";
+    if (c->lora.quantize != LG_QUANTIZE_NONE)
+        snprintf(storage, sizeof storage, " (QLoRA: linear weights in %s)",
+                 lg_quantization_name(c->lora.quantize));
+    snprintf(out, cap, "%s parameters: %s trainable (LoRA r %d on %s), %s frozen%s",
+             format_count(model->n_params + frozen, all, sizeof all),
+             format_count(model->n_params, trainable, sizeof trainable), c->lora.r,
+             lg_lora_targets_name(c->lora.targets, targets, sizeof targets),
+             format_count(frozen, fixed, sizeof fixed), storage);
+}
+
 /* Several processes: join MPI, and check that every one has the same flags and data. */
 static void start_processes(lg_launch *launch, int argc, char **argv, const run_data *data) {
     lg_error err;
@@ -1419,9 +1559,10 @@ int main(int argc, char **argv) {
     threads = omp_get_max_threads();
 #endif
     const lg_loader *source = data.has_train ? &data.train : &data.val;
-    printf("model %s: %d layers, %.3fM parameters | %s %s (%zu tokens)\n", cfg.name,
-           cfg.n_layer, model->n_params / 1e6, data.has_train ? "data" : "validation data",
-           source->path, source->n_tokens);
+    char params[192];
+    describe_parameters(model, params, sizeof params);
+    printf("model %s: %d layers, %s | %s %s (%zu tokens)\n", cfg.name, cfg.n_layer, params,
+           data.has_train ? "data" : "validation data", source->path, source->n_tokens);
     char where[64];
     if (a.backend == LG_BACKEND_CUDA) snprintf(where, sizeof where, "%d GPU%s", tr.n_ranks, tr.n_ranks > 1 ? "s" : "");
     else snprintf(where, sizeof where, "CPU, %d threads, %s matmuls", threads,
@@ -1462,7 +1603,7 @@ int main(int argc, char **argv) {
     plot_start(&plot, output.plot, first_step, a.max_steps > first_step ? a.max_steps : first_step);
     evaluate(&tr, &data, &a, first_step, log, &plot);
     progress shown;
-    progress_start(&shown, &output, first_step, a.max_steps);
+    progress_start(&shown, &output, launch.process, first_step, a.max_steps);
     for (int step = first_step; step < a.max_steps; step++) {
         lg_step_stats st;
         hang_if_testing(&launch, step);

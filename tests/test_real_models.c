@@ -117,8 +117,40 @@ static void test_first_run_frictions(results *r) {
     expect_cli(r, "--plan --memory-limit 1.5Gb", 0, "plan: builtin-sort");
 }
 
+/* -c NAME from another directory (beside the executable, or LITGPT_CONFIGS), and an unknown
+   name's close ones. */
+static void test_config_places(results *r) {
+    char out[8192];
+    int code = run_command("cd tests && ../train --plan -c test-gpt2 -t 8 2>&1", out, sizeof out);
+    check(r, code == 0 && strstr(out, "model test-gpt2: n_layer"),
+          "-c test-gpt2 from tests/: configs/ beside the executable (exit %d)", code);
+    mkdir("build/more-configs", 0755);
+    code = run_command("cp configs/test-llama.yaml build/more-configs/my-llama.yaml && cd tests && "
+                       "LITGPT_CONFIGS=/nonexistent:../build/more-configs ../train --plan -c my-llama -t 8 "
+                       "2>&1", out, sizeof out);
+    check(r, code == 0 && strstr(out, "model test-llama: n_layer"),
+          "-c my-llama from tests/ with LITGPT_CONFIGS=/nonexistent:../build/more-configs (exit %d)",
+          code);
+    expect_cli(r, "--plan -c Llama-3.2-1b", 2, "did you mean Llama-3.2-1B, Llama-3.2-3B?");
+    expect_cli(r, "--plan -c gpt-2", 2, "no gpt-2.yaml in ./configs");
+    expect_cli(r, "--plan -c zzzzzzzzzzzz", 2, "the configs there: Llama-2-7b-hf, Llama-3.2-1B");
+}
+
+/* The run header names LoRA or QLoRA and both counts, labelled: tests/hf/gpt2 has 2 layers of
+   n_embd 16; r 2 on q and v is 2 x 2 x (2 x 16 + 16 x 2) = 256 parameters. */
+static void test_run_header(results *r) {
+    expect_cli(r, "--load tests/hf/gpt2 --lora-r 2 --quantize nf4-dq --max-steps 0 -b 2 -t 8 "
+               "--eval-iters 1", 0, "parameters: 256 trainable (LoRA r 2 on q,v), ");
+    expect_cli(r, "--load tests/hf/gpt2 --lora-r 2 --quantize nf4-dq --max-steps 0 -b 2 -t 8 "
+               "--eval-iters 1", 0, "frozen (QLoRA: linear weights in nf4-dq)");
+    expect_cli(r, "--load tests/hf/gpt2 --max-steps 0 -b 2 -t 8 --eval-iters 1", 0,
+               "parameters, all trainable |");
+}
+
 static void test_real_models_all(results *r) {
     test_first_run_frictions(r);
+    test_config_places(r);
+    test_run_header(r);
     test_stripped_prefixes(r);
     test_special_token_ids(r);
 }
