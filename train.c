@@ -873,8 +873,9 @@ static void prepare_gpus(lg_args *a, int process_per_gpu_or_node) {
                "the collectives pass through host memory and will be slow\n");
 }
 
-/* -b auto: the largest micro-batch that fits and divides the per-device batch. */
-static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T) {
+/* -b auto: the largest micro-batch that fits and divides the per-device batch; what it chose
+   is added to note. */
+static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T, char *note, size_t cap) {
     const char *source;
     size_t limit = device_limit(a, &source);
     if (limit == 0) limit = (size_t)-1; /* unknown: no limit */
@@ -885,8 +886,10 @@ static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T) {
         return; /* the fit check explains */
     }
     a->micro_batch_size = b;
-    printf("-b auto: micro-batch %d (the largest dividing %d per device that fits in %s, %s)\n",
-           b, a->global_batch_size / lg_args_ranks(a), lg_format_bytes(limit, size, sizeof size), source);
+    size_t used = strlen(note);
+    snprintf(note + used, cap - used, "-b auto: micro-batch %d (the largest dividing %d per "
+             "device that fits in %s, %s)\n", b, a->global_batch_size / lg_args_ranks(a),
+             lg_format_bytes(limit, size, sizeof size), source);
 }
 
 /* The model as planned: the config's values after LitGPT's defaults and derivations. */
@@ -931,13 +934,14 @@ static FILE *json_output(void) {
     return json;
 }
 
-/* --plan (json: the stream from json_output), and the check that the run fits before
-   anything is allocated. */
+/* --plan (json: the stream from json_output; planned_for its first line, then the notes on
+   the data), and the check that the run fits before anything is allocated. */
 static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_config *cfg, int T,
-                           FILE *json) {
+                           FILE *json, const char *planned_for, const char *notes) {
     lg_plan_spec spec;
     lg_plan plan;
     lg_error err;
+    if (a->plan_only) printf("%s\n%s", planned_for, notes); /* JSON, SVG: on stderr */
     lg_plan_spec_from_args(&spec, a, T);
     if (lg_plan_make(&plan, cfg, &spec, &err) != 0) die(2, &err);
     if (a->plan_only) {
@@ -1099,6 +1103,9 @@ typedef struct {
     int has_train;  /* 0: evaluation alone (--val-data without --data) */
     int has_val;
     int builtin;  /* the built-in task: character tokens */
+    const char *length_from; /* where the run's T came from, for the plan's first line */
+    char note[768]; /* what the data say (lengths, vocabulary), printed after the plan's first
+                       line, or first of all for a run */
 } run_data;
 
 /* The built-in task is a fine-tuning set: samples of 4 to 18 characters, prompts masked. */
@@ -1126,29 +1133,44 @@ static void fit_samples(const lg_args *a, const lg_config *cfg, int *T, run_data
     char cap[64] = "";
     if (a->max_seq_length)
         snprintf(cap, sizeof cap, " (-t %d caps them)", a->max_seq_length);
-    printf("fine-tuning samples: %zu (validation %zu), the longest %d tokens%s: micro-batches "
-           "are padded to their longest sample, at most %d\n", d->train.n_samples,
-           d->val.n_samples, *T, cap, *T);
+    size_t used = strlen(d->note);
+    snprintf(d->note + used, sizeof d->note - used, "%s: %zu (validation %zu), the longest %d "
+             "tokens%s: micro-batches are padded to their longest sample, at most %d\n",
+             d->builtin ? "the built-in task (sort the letters), fine-tuning samples"
+                        : "fine-tuning samples", d->train.n_samples, d->val.n_samples, *T, cap, *T);
+    d->length_from = a->max_seq_length && *T == a->max_seq_length
+                         ? "-t, the cap of the samples"
+                         : d->builtin ? "the built-in task's longest sample"
+                                      : "the data's longest sample";
 }
 
 /* Token ids below padded_vocab_size are the model's, as in LitGPT (Llama 3's configs say
    vocab_size 128000, and its tokenizer's BOS is 128000): when the data holds one at or past
    vocab_size, the loss covers every row up to padded_vocab_size, and the run says so. */
-static void widen_vocabulary(lg_config *cfg, const run_data *d) {
+static void widen_vocabulary(lg_config *cfg, run_data *d) {
     uint32_t largest = d->train.max_token > d->val.max_token ? d->train.max_token
                                                              : d->val.max_token;
     if (largest < (uint32_t)cfg->vocab_size) return;
-    printf("vocabulary: the data holds token %u, past vocab_size %d: the loss covers all %d "
-           "rows of padded_vocab_size (as LitGPT's does)\n", largest, cfg->vocab_size,
-           cfg->padded_vocab_size);
+    size_t used = strlen(d->note);
+    snprintf(d->note + used, sizeof d->note - used, "vocabulary: the data holds token %u, past "
+             "vocab_size %d: the loss covers all %d rows of padded_vocab_size (as LitGPT's "
+             "does)\n", largest, cfg->vocab_size, cfg->padded_vocab_size);
     cfg->vocab_size = cfg->padded_vocab_size;
 }
 
 /* Opens the data; for fine-tuning samples *T becomes the longest (truncated) sample. Without
-   --data but with --val-data (and --max-steps 0) only the validation data: evaluation alone. */
+   --data but with --val-data (and --max-steps 0) only the validation data: evaluation alone.
+   A plan of a model (-c or --load) without data is a plan of windows of text, -t or
+   block_size long: the built-in task's lengths are for a run on it. */
 static void open_data(const lg_args *a, lg_config *cfg, int *T, run_data *d) {
     lg_error err;
     memset(d, 0, sizeof *d);
+    d->length_from = a->max_seq_length ? "-t" : "block_size";
+    if (!a->data && !a->val_data && a->plan_only && a->config) {
+        check_block_size(*T, cfg);
+        d->length_from = a->max_seq_length ? "-t; no --data" : "block_size; neither --data nor -t";
+        return;
+    }
     if (!a->data && !a->val_data) {
         if (cfg->vocab_size < LG_CHAR_VOCAB)
             die_usage("-c/--config %s: vocab_size %d is smaller than the built-in task's %d "
@@ -1163,8 +1185,11 @@ static void open_data(const lg_args *a, lg_config *cfg, int *T, run_data *d) {
         if (a->config && a->max_seq_length > *T) { /* a real model on the toy task */
             *T = a->max_seq_length;
             check_block_size(*T, cfg);
-            printf("-t %d: planned and allocated as asked, though the built-in task's samples "
-                   "are shorter (--data for your own)\n", *T);
+            size_t used = strlen(d->note);
+            snprintf(d->note + used, sizeof d->note - used, "-t %d: planned and allocated as "
+                     "asked, though the built-in task's samples are shorter (--data for your "
+                     "own)\n", *T);
+            d->length_from = "-t";
         }
         return;
     }
@@ -1189,6 +1214,22 @@ static void open_data(const lg_args *a, lg_config *cfg, int *T, run_data *d) {
     }
     widen_vocabulary(cfg, d);
     if (samples) fit_samples(a, cfg, T, d);
+}
+
+/* The plan's first line: the model (on the built-in task, if so), B, T and where T came from,
+   the precision, the devices. */
+static void describe_planned_run(const lg_args *a, const lg_config *cfg, int T,
+                                 const run_data *d, char *out, size_t cap) {
+    char devices[96];
+    int ranks = lg_args_ranks(a);
+    if (a->backend == LG_BACKEND_CUDA)
+        snprintf(devices, sizeof devices, "%d GPU%s", ranks, ranks > 1 ? "s" : "");
+    else
+        snprintf(devices, sizeof devices, "%d %s on the CPU backend", ranks,
+                 ranks > 1 ? "simulated ranks" : "device");
+    snprintf(out, cap, "plan for %s%s: -b %d, T %d tokens (%s) | %s | %s",
+             d->builtin ? "the built-in task on " : "", cfg->name, a->micro_batch_size, T,
+             d->length_from, lg_precision_name(a->precision), devices);
 }
 
 /* The tokens of a prompt, at most cap of them, or exit 2 naming --prompt: letters of the
@@ -1528,9 +1569,12 @@ int main(int argc, char **argv) {
     open_data(&a, &cfg, &T, &data);
     a.finetuning = !a.data || lg_samples_file(a.data); /* LoRA is a remedy (see --plan) */
     prepare_gpus(&a, launch.processes > 1);
-    if (a.micro_batch_auto) choose_micro_batch(&a, &cfg, T);
+    if (a.micro_batch_auto) choose_micro_batch(&a, &cfg, T, data.note, sizeof data.note);
     if (lg_args_check(&a, &err) != 0) die_usage("%s", err.msg);
-    plan_and_check(argc, argv, &a, &cfg, T, json);
+    char planned_for[512];
+    describe_planned_run(&a, &cfg, T, &data, planned_for, sizeof planned_for);
+    if (!a.plan_only) fputs(data.note, stdout); /* a run: first what the data are */
+    plan_and_check(argc, argv, &a, &cfg, T, json, planned_for, data.note);
     int accumulation = lg_args_accumulation_steps(&a, &err);
     int B = a.micro_batch_size;
     start_processes(&launch, argc, argv, &data);

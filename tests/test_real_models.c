@@ -147,7 +147,39 @@ static void test_run_header(results *r) {
                "parameters, all trainable |");
 }
 
+static int begins(const char *text, const char *prefix) {
+    return strncmp(text, prefix, strlen(prefix)) == 0;
+}
+
+/* A plan of a model without --data or -t is of windows of block_size tokens, and its first
+   line says what it planned for; the built-in task's lengths are for the built-in task alone. */
+static void test_plan_lengths(results *r) {
+    static char out[65536];
+    int code = run_command("./train --plan -c pythia-14m 2>&1", out, sizeof out);
+    check(r, code == 0 && begins(out, "plan for pythia-14m: -b 16, T 512 tokens (block_size; "
+          "neither --data nor -t) | bf16-mixed | 1 device on the CPU backend\n") &&
+          strstr(out, "-t 512 (1 accumulation)") && !strstr(out, "built-in"),
+          "--plan -c pythia-14m (block_size 512): the first line %.*s",
+          (int)strcspn(out, "\n"), out);
+    code = run_command("./train --plan=json -c pythia-14m -d 2 2>/dev/null", out, sizeof out);
+    check(r, code == 0 && strstr(out, "\"max_seq_length\":512,") && out[0] == '{',
+          "--plan=json -c pythia-14m -d 2 plans 512 tokens, the JSON alone on stdout");
+    code = run_command("./train --plan -c pythia-14m -t 64 -p bf16-true -d 2 2>&1", out, sizeof out);
+    check(r, code == 0 && begins(out, "plan for pythia-14m: -b 16, T 64 tokens (-t; no --data) | "
+          "bf16-true | 2 simulated ranks on the CPU backend\n"),
+          "--plan -t 64: %.*s", (int)strcspn(out, "\n"), out);
+    code = run_command("./train --plan 2>&1", out, sizeof out);
+    check(r, code == 0 && begins(out, "plan for the built-in task on builtin-sort: -b 16, T 18 "
+          "tokens (the built-in task's longest sample)"),
+          "--plan of the built-in task says so: %.*s", (int)strcspn(out, "\n"), out);
+    code = run_command("./train -c test-gpt2 -t 12 --max-steps 1 -b 2 --eval-iters 1 2>&1", out, sizeof out);
+    check(r, code == 0 && begins(out, "the built-in task (sort the letters), fine-tuning samples: "
+          "20000"), "a run of a model on the built-in task says so first: %.*s",
+          (int)strcspn(out, "\n"), out);
+}
+
 static void test_real_models_all(results *r) {
+    test_plan_lengths(r);
     test_first_run_frictions(r);
     test_config_places(r);
     test_run_header(r);
