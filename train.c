@@ -47,9 +47,10 @@ static const char usage[] =
     "      --plan[=json|svg]      print the memory plan per device and exit; json and svg\n"
     "                             alone on stdout (svg: stacked groups against the limit)\n"
     "      --memory-limit SIZE    memory a device may use, e.g. 24GiB (default: a GPU's\n"
-    "                             memory, or on the CPU what the machine has available); a\n"
-    "                             run that does not fit exits 3 with a diagnosis and the\n"
-    "                             cheapest change that fits\n"
+    "                             memory); on the CPU backend the memory of the machine,\n"
+    "                             which both pools of every simulated rank share (default:\n"
+    "                             what it has available); a run that does not fit exits 3\n"
+    "                             with a diagnosis and the cheapest change that fits\n"
     "      --dist-init URL        GPU processes without MPI meet at tcp://HOST:PORT (process\n"
     "                             0's machine) or file://PATH (shared); default from\n"
     "                             MASTER_ADDR and MASTER_PORT + 1\n"
@@ -669,7 +670,7 @@ static void plan_svg(FILE *f, const lg_plan *plan, const lg_config *cfg, const l
                                                     "#8c564b", "#7f7f7f"};
     lg_remedy remedies[LG_MAX_REMEDIES];
     int n_remedies = 0;
-    size_t top = limit, need = lg_plan_bytes(plan, LG_POOL_DEVICE);
+    size_t top = limit, need = lg_plan_checked_bytes(plan);
     if (limit > 0 && need > limit) n_remedies = lg_plan_remedies(cfg, a, T, limit, remedies);
     for (int r = 0; r < plan->n_ranks; r++) {
         size_t total = 0;
@@ -805,9 +806,15 @@ static void print_largest_regions(const lg_plan *plan, int how_many) {
 static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, const lg_args *a,
                                  int T, const lg_plan *plan, size_t limit, const char *source) {
     char need[32], have[32], size[32], flags[160];
-    printf("train: this run needs %s on each device, but %s is available (%s)\n",
-           lg_format_bytes(lg_plan_bytes(plan, LG_POOL_DEVICE), need, sizeof need),
-           lg_format_bytes(limit, have, sizeof have), source);
+    if (a->backend == LG_BACKEND_CPU)
+        printf("train: this run needs %s of the machine's memory (the CPU backend: device and "
+               "host pools of %d rank%s together), but %s is available (%s)\n",
+               lg_format_bytes(lg_plan_checked_bytes(plan), need, sizeof need), a->devices,
+               a->devices > 1 ? "s" : "", lg_format_bytes(limit, have, sizeof have), source);
+    else
+        printf("train: this run needs %s on each device, but %s is available (%s)\n",
+               lg_format_bytes(lg_plan_bytes(plan, LG_POOL_DEVICE), need, sizeof need),
+               lg_format_bytes(limit, have, sizeof have), source);
     printf("largest regions:\n");
     print_largest_regions(plan, 5);
     lg_remedy remedies[LG_MAX_REMEDIES];
@@ -816,26 +823,32 @@ static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, co
     for (int i = 0; i < n; i++)
         printf("  %-29s %-30s %11s  %s\n", remedies[i].what,
                remedy_flags(&remedies[i], flags, sizeof flags),
-               lg_format_bytes(remedies[i].device_bytes, size, sizeof size),
+               lg_format_bytes(remedies[i].checked_bytes, size, sizeof size),
                remedies[i].fits ? "fits" : "does not fit");
     lg_remedy best;
     if (lg_plan_cheapest_fit(cfg, a, T, limit, &best) == 0) {
         printf("cheapest change that fits (%s):\n",
-               lg_format_bytes(best.device_bytes, size, sizeof size));
+               lg_format_bytes(best.checked_bytes, size, sizeof size));
         print_command(argc, argv, remedy_flags(&best, flags, sizeof flags));
     } else {
         char host[32];
-        printf("no change this version can run fits in %s; even %s needs %s on the device and "
-               "%s of host memory (%s available)\n", have, remedy_flags(&best, flags, sizeof flags),
-               lg_format_bytes(best.device_bytes, size, sizeof size),
-               lg_format_bytes(best.host_bytes, host, sizeof host),
-               lg_format_bytes(lg_host_available_bytes(), need, sizeof need));
+        if (a->backend == LG_BACKEND_CPU)
+            printf("no change this version can run fits in %s; even %s needs %s (device and "
+                   "host pools together)\n", have, remedy_flags(&best, flags, sizeof flags),
+                   lg_format_bytes(best.checked_bytes, size, sizeof size));
+        else
+            printf("no change this version can run fits in %s; even %s needs %s on the device "
+                   "and %s of host memory (%s available)\n", have,
+                   remedy_flags(&best, flags, sizeof flags),
+                   lg_format_bytes(best.device_bytes, size, sizeof size),
+                   lg_format_bytes(best.host_bytes, host, sizeof host),
+                   lg_format_bytes(lg_host_available_bytes(), need, sizeof need));
     }
     exit(3);
 }
 
-/* The memory a device may use: --memory-limit, else a GPU's memory, else what the machine
-   has available. */
+/* The memory a device may use: --memory-limit, else a GPU's memory; on the CPU backend the
+   memory of the machine: --memory-limit, else what it has available. */
 static size_t device_limit(const lg_args *a, const char **source) {
     if (a->memory_limit) {
         *source = "--memory-limit";
@@ -845,10 +858,10 @@ static size_t device_limit(const lg_args *a, const char **source) {
         *source = "the GPU's memory, of which the CUDA runtime's share is in the plan";
         return a->device_bytes;
     }
-    /* the CPU backend's simulated ranks share the machine */
-    *source = lg_args_ranks(a) > 1 ? "available host memory / simulated ranks"
-                                   : "available host memory";
-    return lg_host_available_bytes() / (size_t)lg_args_ranks(a);
+    /* the CPU backend: its pools and simulated ranks share the machine, whose memory the fit
+       check holds their sum against (lg_plan_checked_bytes) */
+    *source = "available host memory";
+    return lg_host_available_bytes();
 }
 
 /* GPUs: one a rank; what the CUDA runtime takes on each goes into the plan; how they
@@ -960,9 +973,9 @@ static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_con
     size_t limit = device_limit(a, &source);
     size_t host = lg_host_available_bytes() / (size_t)lg_args_ranks(a);
     char need[32], have[32];
-    if (limit > 0 && lg_plan_bytes(&plan, LG_POOL_DEVICE) > limit)
+    if (limit > 0 && lg_plan_checked_bytes(&plan) > limit)
         explain_does_not_fit(argc, argv, cfg, a, T, &plan, limit, source);
-    if (host > 0 && lg_plan_bytes(&plan, LG_POOL_HOST) > host) {
+    if (a->backend != LG_BACKEND_CPU && host > 0 && lg_plan_bytes(&plan, LG_POOL_HOST) > host) {
         printf("train: the host pool needs %s but %s of host memory is available (see --plan)\n",
                lg_format_bytes(lg_plan_bytes(&plan, LG_POOL_HOST), need, sizeof need),
                lg_format_bytes(host, have, sizeof have));

@@ -178,7 +178,67 @@ static void test_plan_lengths(results *r) {
           (int)strcspn(out, "\n"), out);
 }
 
+/* Cuts the trailing spaces of text, then its last word. */
+static void drop_last_word(char *text) {
+    size_t n = strlen(text);
+    while (n > 0 && text[n - 1] == ' ') n--;
+    while (n > 0 && text[n - 1] != ' ') n--;
+    while (n > 0 && text[n - 1] == ' ') n--;
+    text[n] = '\0';
+}
+
+/* The flags of a remedy line of the diagnosis ("  what  FLAGS  5.0 MiB  fits") into flags;
+   returns 1 fits, 0 does not, -1 not a remedy line. */
+static int remedy_line(const char *line, char *flags, size_t cap) {
+    size_t len = strlen(line);
+    int fits = len > 13 && strcmp(line + len - 13, " does not fit") == 0 ? 0
+               : len > 6 && strcmp(line + len - 6, "  fits") == 0 ? 1 : -1;
+    if (fits < 0 || len < 33 || line[0] != ' ') return -1;
+    snprintf(flags, cap, "%.*s", (int)(len - 32 - (fits ? 6 : 13)), line + 32); /* after the
+                                                                    29-wide name, before it */
+    drop_last_word(flags); /* the size: "5.0 MiB" */
+    drop_last_word(flags);
+    return fits;
+}
+
+/* On the CPU backend the device and host pools and the simulated ranks share one memory: every
+   remedy the diagnosis calls fitting starts and trains (its flags after the command's, the
+   last of a flag counts), and every one it says does not fit stops with exit 3. */
+static void test_every_remedy_runs(results *r) {
+    static char out[16384], again[8192];
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    lg_args a;
+    lg_args_default(&a);
+    a.micro_batch_size = 8;
+    size_t needs = lg_plan_checked_bytes_for(&cfg, &a, 16);
+    a.micro_batch_size = 1;
+    size_t least = lg_plan_checked_bytes_for(&cfg, &a, 16);
+    char run[256], cmd[1024];
+    snprintf(run, sizeof run, "./train -c test-llama -b 8 -g 8 -t 16 --memory-limit %zuB "
+             "--max-steps 1 --eval-iters 1 --sample-tokens 1", (needs + least) / 2);
+    snprintf(cmd, sizeof cmd, "%s 2>&1", run);
+    int code = run_command(cmd, out, sizeof out), fitting = 0, not_fitting = 0, honest = 0;
+    for (char *line = strtok(out, "\n"); line; line = strtok(NULL, "\n")) {
+        char flags[256];
+        int fits = remedy_line(line, flags, sizeof flags);
+        if (fits < 0) continue;
+        snprintf(cmd, sizeof cmd, "%s %s 2>&1", run, flags);
+        int got = run_command(cmd, again, sizeof again);
+        int ok = fits ? got == 0 && strstr(again, "step     1/1") != NULL : got == 3;
+        fitting += fits;
+        not_fitting += !fits;
+        honest += ok;
+        if (!ok) printf("        %s: said %s, exit %d\n", flags, fits ? "fits" : "does not fit", got);
+    }
+    check(r, code == 3 && fitting > 0 && not_fitting > 0 && honest == fitting + not_fitting,
+          "every remedy of the diagnosis of %s: %d said to fit and trained, %d said not to and "
+          "stopped with exit 3 (%d of %d as said)", run, fitting, not_fitting, honest,
+          fitting + not_fitting);
+}
+
 static void test_real_models_all(results *r) {
+    test_every_remedy_runs(r);
     test_plan_lengths(r);
     test_first_run_frictions(r);
     test_config_places(r);
