@@ -1221,7 +1221,7 @@ static void test_cli(results *r) {
     expect_cli(r, "-b 3 -g 8", 2, "-g/--global-batch-size 8 is not a multiple of -b/--micro-batch-size 3");
     expect_cli(r, "-c test-llama --data build/u16.bin -t 100", 2,
                "-t/--max-seq-length 100 exceeds the model's block_size 16");
-    expect_cli(r, "-c no-such-model", 2, "no configs/no-such-model.yaml");
+    expect_cli(r, "-c no-such-model", 2, "no no-such-model.yaml in ./configs");
     expect_cli(r, "-c build/missing-field.yaml", 2, "missing field intermediate_size");
     expect_cli(r, "-c test-llama --data build/truncated.bin", 2, "truncated");
     expect_cli(r, "-c test-llama --data build/bad-magic.bin", 2, "not a token shard");
