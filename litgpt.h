@@ -696,7 +696,11 @@ typedef struct {
                              LG_SETTING_MICRO_BATCH | LG_SETTING_GLOBAL_BATCH */
     size_t device_bytes;  /* what each device needs with it */
     size_t host_bytes;    /* and the host, for each device */
-    int fits;             /* device_bytes <= the limit, host_bytes <= the host's memory */
+    size_t checked_bytes; /* what the fit check holds against the limit: device_bytes on a GPU;
+                             on the CPU backend, whose pools are one memory, both pools of
+                             every rank of a machine (lg_plan_checked_bytes) */
+    int fits;             /* checked_bytes <= the limit (and on a GPU host_bytes <= the host's
+                             memory) */
 } lg_remedy;
 
 #define LG_MAX_REMEDIES 10
@@ -716,6 +720,12 @@ int lg_plan_cheapest_fit(const lg_config *cfg, const lg_args *args, int T, size_
                          lg_remedy *best);
 /* Device bytes of the run args describes at sequence length T (0 when it cannot be planned). */
 size_t lg_plan_device_bytes_for(const lg_config *cfg, const lg_args *args, int T);
+/* What a run's fit check holds against the limit: on a GPU a device's pool; on the CPU backend
+   (device and host pools, and simulated ranks, share the machine's memory) both pools of all
+   the ranks of one machine (a node), the most of any. */
+size_t lg_plan_checked_bytes(const lg_plan *plan);
+/* The same for the run args describes at sequence length T (0 when it cannot be planned). */
+size_t lg_plan_checked_bytes_for(const lg_config *cfg, const lg_args *args, int T);
 /* -b auto: the largest micro-batch dividing the per-device batch whose plan fits; 0: none. */
 int lg_plan_auto_micro_batch(const lg_config *cfg, const lg_args *args, int T, size_t limit);
 /* Memory a run may use on this machine's CPU backend: MemAvailable, 0 when unknown. */
@@ -3945,33 +3955,60 @@ size_t lg_plan_group_bytes(const lg_rank_plan *r, lg_group group, lg_pool pool) 
 
 /* --- remedies --------------------------------------------------------------------------------- */
 
-/* Device bytes of a run (0 when it cannot be planned); its host bytes into *host. */
-static size_t lg_plan_pools_for(const lg_config *cfg, const lg_args *args, int T, size_t *host) {
+size_t lg_plan_checked_bytes(const lg_plan *plan) {
+    if (plan->spec.backend != LG_BACKEND_CPU) return lg_plan_bytes(plan, LG_POOL_DEVICE);
+    int per_node = plan->spec.devices > 0 ? plan->spec.devices : 1;
+    size_t most = 0;
+    for (int first = 0; first < plan->n_ranks; first += per_node) {
+        size_t machine = 0; /* ranks first .. first + per_node - 1: one node */
+        for (int i = first; i < first + per_node && i < plan->n_ranks; i++)
+            machine += plan->ranks[i].pool_bytes[LG_POOL_DEVICE] +
+                       plan->ranks[i].pool_bytes[LG_POOL_HOST];
+        if (machine > most) most = machine;
+    }
+    return most;
+}
+
+/* Device bytes of a run (0 when it cannot be planned); its host bytes into *host and what
+   its fit check holds against the limit into *checked. */
+static size_t lg_plan_pools_for(const lg_config *cfg, const lg_args *args, int T, size_t *host,
+                                size_t *checked) {
     lg_plan_spec spec;
     lg_plan plan;
     lg_plan_spec_from_args(&spec, args, T);
-    *host = 0;
+    *host = *checked = 0;
     if (lg_plan_make(&plan, cfg, &spec, NULL) != 0) return 0;
     size_t bytes = lg_plan_bytes(&plan, LG_POOL_DEVICE);
     *host = lg_plan_bytes(&plan, LG_POOL_HOST);
+    *checked = lg_plan_checked_bytes(&plan);
     lg_plan_free(&plan);
     return bytes;
 }
 
 size_t lg_plan_device_bytes_for(const lg_config *cfg, const lg_args *args, int T) {
-    size_t host;
-    return lg_plan_pools_for(cfg, args, T, &host);
+    size_t host, checked;
+    return lg_plan_pools_for(cfg, args, T, &host, &checked);
 }
 
-/* The device pool within the limit, and the host pool within the machine's memory. */
-static int lg_pools_fit(size_t device, size_t host, size_t limit) {
+size_t lg_plan_checked_bytes_for(const lg_config *cfg, const lg_args *args, int T) {
+    size_t host, checked;
+    lg_plan_pools_for(cfg, args, T, &host, &checked);
+    return checked;
+}
+
+/* On the CPU backend both pools of a machine's ranks within the limit (they are one memory);
+   on a GPU the device pool within the limit and the host pool within the host's memory. */
+static int lg_pools_fit(const lg_args *args, size_t device, size_t host, size_t checked,
+                        size_t limit) {
+    if (device == 0) return 0;
+    if (args->backend == LG_BACKEND_CPU) return checked <= limit;
     size_t host_available = lg_host_available_bytes();
-    return device > 0 && device <= limit && (host_available == 0 || host <= host_available);
+    return device <= limit && (host_available == 0 || host <= host_available);
 }
 
 static int lg_fits(const lg_config *cfg, const lg_args *args, int T, size_t limit) {
-    size_t host, device = lg_plan_pools_for(cfg, args, T, &host);
-    return lg_pools_fit(device, host, limit);
+    size_t host, checked, device = lg_plan_pools_for(cfg, args, T, &host, &checked);
+    return lg_pools_fit(args, device, host, checked, limit);
 }
 
 /* The global batch the run asked for (samples per optimizer step over all devices). */
@@ -3999,10 +4036,11 @@ static void lg_remedy_price(lg_remedy *r, const char *what, unsigned changes,
     r->args = *a;
     r->T = T;
     r->changes = changes;
-    size_t host;
-    r->device_bytes = lg_plan_pools_for(cfg, a, T, &host);
+    size_t host, checked;
+    r->device_bytes = lg_plan_pools_for(cfg, a, T, &host, &checked);
     r->host_bytes = host;
-    r->fits = lg_pools_fit(r->device_bytes, host, limit);
+    r->checked_bytes = checked;
+    r->fits = lg_pools_fit(a, r->device_bytes, host, checked, limit);
 }
 
 /* The largest sequence length below T that fits (halving when none does). */

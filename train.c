@@ -47,9 +47,10 @@ static const char usage[] =
     "      --plan[=json|svg]      print the memory plan per device and exit; json and svg\n"
     "                             alone on stdout (svg: stacked groups against the limit)\n"
     "      --memory-limit SIZE    memory a device may use, e.g. 24GiB (default: a GPU's\n"
-    "                             memory, or on the CPU what the machine has available); a\n"
-    "                             run that does not fit exits 3 with a diagnosis and the\n"
-    "                             cheapest change that fits\n"
+    "                             memory); on the CPU backend the memory of the machine,\n"
+    "                             which both pools of every simulated rank share (default:\n"
+    "                             what it has available); a run that does not fit exits 3\n"
+    "                             with a diagnosis and the cheapest change that fits\n"
     "      --dist-init URL        GPU processes without MPI meet at tcp://HOST:PORT (process\n"
     "                             0's machine) or file://PATH (shared); default from\n"
     "                             MASTER_ADDR and MASTER_PORT + 1\n"
@@ -669,7 +670,7 @@ static void plan_svg(FILE *f, const lg_plan *plan, const lg_config *cfg, const l
                                                     "#8c564b", "#7f7f7f"};
     lg_remedy remedies[LG_MAX_REMEDIES];
     int n_remedies = 0;
-    size_t top = limit, need = lg_plan_bytes(plan, LG_POOL_DEVICE);
+    size_t top = limit, need = lg_plan_checked_bytes(plan);
     if (limit > 0 && need > limit) n_remedies = lg_plan_remedies(cfg, a, T, limit, remedies);
     for (int r = 0; r < plan->n_ranks; r++) {
         size_t total = 0;
@@ -805,9 +806,15 @@ static void print_largest_regions(const lg_plan *plan, int how_many) {
 static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, const lg_args *a,
                                  int T, const lg_plan *plan, size_t limit, const char *source) {
     char need[32], have[32], size[32], flags[160];
-    printf("train: this run needs %s on each device, but %s is available (%s)\n",
-           lg_format_bytes(lg_plan_bytes(plan, LG_POOL_DEVICE), need, sizeof need),
-           lg_format_bytes(limit, have, sizeof have), source);
+    if (a->backend == LG_BACKEND_CPU)
+        printf("train: this run needs %s of the machine's memory (the CPU backend: device and "
+               "host pools of %d rank%s together), but %s is available (%s)\n",
+               lg_format_bytes(lg_plan_checked_bytes(plan), need, sizeof need), a->devices,
+               a->devices > 1 ? "s" : "", lg_format_bytes(limit, have, sizeof have), source);
+    else
+        printf("train: this run needs %s on each device, but %s is available (%s)\n",
+               lg_format_bytes(lg_plan_bytes(plan, LG_POOL_DEVICE), need, sizeof need),
+               lg_format_bytes(limit, have, sizeof have), source);
     printf("largest regions:\n");
     print_largest_regions(plan, 5);
     lg_remedy remedies[LG_MAX_REMEDIES];
@@ -816,26 +823,32 @@ static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, co
     for (int i = 0; i < n; i++)
         printf("  %-29s %-30s %11s  %s\n", remedies[i].what,
                remedy_flags(&remedies[i], flags, sizeof flags),
-               lg_format_bytes(remedies[i].device_bytes, size, sizeof size),
+               lg_format_bytes(remedies[i].checked_bytes, size, sizeof size),
                remedies[i].fits ? "fits" : "does not fit");
     lg_remedy best;
     if (lg_plan_cheapest_fit(cfg, a, T, limit, &best) == 0) {
         printf("cheapest change that fits (%s):\n",
-               lg_format_bytes(best.device_bytes, size, sizeof size));
+               lg_format_bytes(best.checked_bytes, size, sizeof size));
         print_command(argc, argv, remedy_flags(&best, flags, sizeof flags));
     } else {
         char host[32];
-        printf("no change this version can run fits in %s; even %s needs %s on the device and "
-               "%s of host memory (%s available)\n", have, remedy_flags(&best, flags, sizeof flags),
-               lg_format_bytes(best.device_bytes, size, sizeof size),
-               lg_format_bytes(best.host_bytes, host, sizeof host),
-               lg_format_bytes(lg_host_available_bytes(), need, sizeof need));
+        if (a->backend == LG_BACKEND_CPU)
+            printf("no change this version can run fits in %s; even %s needs %s (device and "
+                   "host pools together)\n", have, remedy_flags(&best, flags, sizeof flags),
+                   lg_format_bytes(best.checked_bytes, size, sizeof size));
+        else
+            printf("no change this version can run fits in %s; even %s needs %s on the device "
+                   "and %s of host memory (%s available)\n", have,
+                   remedy_flags(&best, flags, sizeof flags),
+                   lg_format_bytes(best.device_bytes, size, sizeof size),
+                   lg_format_bytes(best.host_bytes, host, sizeof host),
+                   lg_format_bytes(lg_host_available_bytes(), need, sizeof need));
     }
     exit(3);
 }
 
-/* The memory a device may use: --memory-limit, else a GPU's memory, else what the machine
-   has available. */
+/* The memory a device may use: --memory-limit, else a GPU's memory; on the CPU backend the
+   memory of the machine: --memory-limit, else what it has available. */
 static size_t device_limit(const lg_args *a, const char **source) {
     if (a->memory_limit) {
         *source = "--memory-limit";
@@ -845,10 +858,10 @@ static size_t device_limit(const lg_args *a, const char **source) {
         *source = "the GPU's memory, of which the CUDA runtime's share is in the plan";
         return a->device_bytes;
     }
-    /* the CPU backend's simulated ranks share the machine */
-    *source = lg_args_ranks(a) > 1 ? "available host memory / simulated ranks"
-                                   : "available host memory";
-    return lg_host_available_bytes() / (size_t)lg_args_ranks(a);
+    /* the CPU backend: its pools and simulated ranks share the machine, whose memory the fit
+       check holds their sum against (lg_plan_checked_bytes) */
+    *source = "available host memory";
+    return lg_host_available_bytes();
 }
 
 /* GPUs: one a rank; what the CUDA runtime takes on each goes into the plan; how they
@@ -873,8 +886,9 @@ static void prepare_gpus(lg_args *a, int process_per_gpu_or_node) {
                "the collectives pass through host memory and will be slow\n");
 }
 
-/* -b auto: the largest micro-batch that fits and divides the per-device batch. */
-static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T) {
+/* -b auto: the largest micro-batch that fits and divides the per-device batch; what it chose
+   is added to note. */
+static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T, char *note, size_t cap) {
     const char *source;
     size_t limit = device_limit(a, &source);
     if (limit == 0) limit = (size_t)-1; /* unknown: no limit */
@@ -885,8 +899,10 @@ static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T) {
         return; /* the fit check explains */
     }
     a->micro_batch_size = b;
-    printf("-b auto: micro-batch %d (the largest dividing %d per device that fits in %s, %s)\n",
-           b, a->global_batch_size / lg_args_ranks(a), lg_format_bytes(limit, size, sizeof size), source);
+    size_t used = strlen(note);
+    snprintf(note + used, cap - used, "-b auto: micro-batch %d (the largest dividing %d per "
+             "device that fits in %s, %s)\n", b, a->global_batch_size / lg_args_ranks(a),
+             lg_format_bytes(limit, size, sizeof size), source);
 }
 
 /* The model as planned: the config's values after LitGPT's defaults and derivations. */
@@ -931,13 +947,14 @@ static FILE *json_output(void) {
     return json;
 }
 
-/* --plan (json: the stream from json_output), and the check that the run fits before
-   anything is allocated. */
+/* --plan (json: the stream from json_output; planned_for its first line, then the notes on
+   the data), and the check that the run fits before anything is allocated. */
 static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_config *cfg, int T,
-                           FILE *json) {
+                           FILE *json, const char *planned_for, const char *notes) {
     lg_plan_spec spec;
     lg_plan plan;
     lg_error err;
+    if (a->plan_only) printf("%s\n%s", planned_for, notes); /* JSON, SVG: on stderr */
     lg_plan_spec_from_args(&spec, a, T);
     if (lg_plan_make(&plan, cfg, &spec, &err) != 0) die(2, &err);
     if (a->plan_only) {
@@ -956,9 +973,9 @@ static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_con
     size_t limit = device_limit(a, &source);
     size_t host = lg_host_available_bytes() / (size_t)lg_args_ranks(a);
     char need[32], have[32];
-    if (limit > 0 && lg_plan_bytes(&plan, LG_POOL_DEVICE) > limit)
+    if (limit > 0 && lg_plan_checked_bytes(&plan) > limit)
         explain_does_not_fit(argc, argv, cfg, a, T, &plan, limit, source);
-    if (host > 0 && lg_plan_bytes(&plan, LG_POOL_HOST) > host) {
+    if (a->backend != LG_BACKEND_CPU && host > 0 && lg_plan_bytes(&plan, LG_POOL_HOST) > host) {
         printf("train: the host pool needs %s but %s of host memory is available (see --plan)\n",
                lg_format_bytes(lg_plan_bytes(&plan, LG_POOL_HOST), need, sizeof need),
                lg_format_bytes(host, have, sizeof have));
@@ -967,8 +984,117 @@ static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_con
     lg_plan_free(&plan);
 }
 
-/* -c NAME: a file at NAME, else configs/NAME.yaml; --load or --resume: the directory's
-   config.json; none: the built-in model. */
+/* --- -c NAME: where configs are found --------------------------------------------------------- */
+
+#define CONFIG_DIRS 8 /* ./configs, beside the executable, and LITGPT_CONFIGS' entries */
+
+/* The directories -c NAME looks in, in order: ./configs, configs/ beside the executable
+   (/proc/self/exe's directory), then each directory of $LITGPT_CONFIGS (colon-separated).
+   Returns how many. */
+static int config_dirs(char dirs[CONFIG_DIRS][1024]) {
+    int n = 0;
+    snprintf(dirs[n++], 1024, "./configs");
+    char exe[1024];
+    ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (len > 0) {
+        exe[len] = '\0';
+        char *slash = strrchr(exe, '/');
+        if (slash) *slash = '\0';
+        snprintf(dirs[n++], 1024, "%.1000s/configs", exe);
+    }
+    const char *env = getenv("LITGPT_CONFIGS");
+    for (const char *at = env; at && *at && n < CONFIG_DIRS;) {
+        size_t len = strcspn(at, ":");
+        if (len > 0) snprintf(dirs[n++], 1024, "%.*s", (int)len, at);
+        at += len + (at[len] == ':');
+    }
+    return n;
+}
+
+/* Edit distance (Levenshtein), ignoring the case of ASCII letters; names up to 127 bytes. */
+static int edit_distance(const char *a, const char *b) {
+    int row[128], n = (int)strlen(b);
+    if (n > 127 || strlen(a) > 127) return 1000;
+    for (int j = 0; j <= n; j++) row[j] = j;
+    for (int i = 1; a[i - 1]; i++) {
+        int diagonal = row[0];
+        row[0] = i;
+        for (int j = 1; j <= n; j++) {
+            int same = tolower((unsigned char)a[i - 1]) == tolower((unsigned char)b[j - 1]);
+            int best = diagonal + !same, up = row[j] + 1, left = row[j - 1] + 1;
+            if (up < best) best = up;
+            if (left < best) best = left;
+            diagonal = row[j];
+            row[j] = best;
+        }
+    }
+    return row[n];
+}
+
+/* Up to 4 config names in dirs close to name (an edit distance of at most a third of its
+   length, 2 at least), nearest first, into out ("A, B"); all of them when none is close.
+   Returns whether any is close. */
+static int close_config_names(const char *name, char dirs[CONFIG_DIRS][1024], int n_dirs,
+                               char *out, size_t cap) {
+    char names[64][128];
+    int distance[64], n = 0, close = 2 > (int)strlen(name) / 3 ? 2 : (int)strlen(name) / 3;
+    for (int d = 0; d < n_dirs; d++) {
+        DIR *dir = opendir(dirs[d]);
+        for (struct dirent *e = dir ? readdir(dir) : NULL; e && n < 64; e = readdir(dir)) {
+            size_t len = strlen(e->d_name);
+            if (len < 6 || len > 127 || strcmp(e->d_name + len - 5, ".yaml") != 0) continue;
+            snprintf(names[n], sizeof names[n], "%.*s", (int)(len - 5), e->d_name);
+            int seen = 0;
+            for (int k = 0; k < n; k++) seen |= strcmp(names[k], names[n]) == 0;
+            if (!seen) distance[n] = edit_distance(name, names[n]), n++;
+        }
+        if (dir) closedir(dir);
+    }
+    int any_close = 0;
+    for (int k = 0; k < n; k++) any_close |= distance[k] <= close;
+    for (int k = 0; k < n && !any_close; k++) distance[k] = 0; /* all of them, by name */
+    out[0] = '\0';
+    for (int shown = 0; shown < (any_close ? 4 : n); shown++) {
+        int best = -1;
+        for (int k = 0; k < n; k++)
+            if (distance[k] >= 0 && (!any_close || distance[k] <= close) &&
+                (best < 0 || distance[k] < distance[best] ||
+                 (distance[k] == distance[best] && strcmp(names[k], names[best]) < 0)))
+                best = k;
+        if (best < 0) break;
+        snprintf(out + strlen(out), cap - strlen(out), "%s%s", shown ? ", " : "", names[best]);
+        distance[best] = -1;
+    }
+    return any_close;
+}
+
+/* -c NAME|PATH: a file at that path, else NAME.yaml in the first of config_dirs that has it;
+   an unknown name stops naming the places looked in and the names close to it. */
+static void find_config(const char *name, char *path, size_t cap) {
+    struct stat st;
+    if (stat(name, &st) == 0 && S_ISREG(st.st_mode)) {
+        snprintf(path, cap, "%s", name);
+        return;
+    }
+    char dirs[CONFIG_DIRS][1024];
+    int n = config_dirs(dirs);
+    for (int d = 0; d < n; d++) {
+        if (snprintf(path, cap, "%s/%s.yaml", dirs[d], name) >= (int)cap) continue;
+        if (stat(path, &st) == 0) return;
+    }
+    char looked[2048] = "", names[1024];
+    for (int d = 0; d < n; d++)
+        snprintf(looked + strlen(looked), sizeof looked - strlen(looked), "%s%s", d ? ", " : "",
+                 dirs[d]);
+    int close = close_config_names(name, dirs, n, names, sizeof names);
+    die_usage("-c/--config %s: no such file, and no %s.yaml in %s%s; %s%s%s", name, name, looked,
+              getenv("LITGPT_CONFIGS") ? "" : " (nor LITGPT_CONFIGS: not set)",
+              close ? "did you mean " : names[0] ? "the configs there: " : "no configs there",
+              names, close ? "?" : "");
+}
+
+/* -c NAME: a file at NAME, else NAME.yaml in ./configs, beside the executable or under
+   LITGPT_CONFIGS; --load or --resume: the directory's config.json; none: the built-in model. */
 static void load_config(lg_args *a, lg_config *cfg, checkpoint_flags *ck) {
     lg_error err;
     if (ck->resume && lg_checkpoint_find(ck->resume, ck->resume_dir, sizeof ck->resume_dir, &err) != 0)
@@ -980,12 +1106,8 @@ static void load_config(lg_args *a, lg_config *cfg, checkpoint_flags *ck) {
         return;
     }
     if (!a->config) { lg_config_builtin(cfg); return; }
-    char path[1024];
-    struct stat st;
-    if (stat(a->config, &st) == 0) snprintf(path, sizeof path, "%s", a->config);
-    else snprintf(path, sizeof path, "configs/%s.yaml", a->config);
-    if (stat(path, &st) != 0)
-        die_usage("-c/--config %s: no such file, and no %s", a->config, path);
+    char path[1100];
+    find_config(a->config, path, sizeof path);
     if (lg_config_load(cfg, path, &err) != 0) die(2, &err);
 }
 
@@ -994,6 +1116,9 @@ typedef struct {
     int has_train;  /* 0: evaluation alone (--val-data without --data) */
     int has_val;
     int builtin;  /* the built-in task: character tokens */
+    const char *length_from; /* where the run's T came from, for the plan's first line */
+    char note[768]; /* what the data say (lengths, vocabulary), printed after the plan's first
+                       line, or first of all for a run */
 } run_data;
 
 /* The built-in task is a fine-tuning set: samples of 4 to 18 characters, prompts masked. */
@@ -1021,29 +1146,44 @@ static void fit_samples(const lg_args *a, const lg_config *cfg, int *T, run_data
     char cap[64] = "";
     if (a->max_seq_length)
         snprintf(cap, sizeof cap, " (-t %d caps them)", a->max_seq_length);
-    printf("fine-tuning samples: %zu (validation %zu), the longest %d tokens%s: micro-batches "
-           "are padded to their longest sample, at most %d\n", d->train.n_samples,
-           d->val.n_samples, *T, cap, *T);
+    size_t used = strlen(d->note);
+    snprintf(d->note + used, sizeof d->note - used, "%s: %zu (validation %zu), the longest %d "
+             "tokens%s: micro-batches are padded to their longest sample, at most %d\n",
+             d->builtin ? "the built-in task (sort the letters), fine-tuning samples"
+                        : "fine-tuning samples", d->train.n_samples, d->val.n_samples, *T, cap, *T);
+    d->length_from = a->max_seq_length && *T == a->max_seq_length
+                         ? "-t, the cap of the samples"
+                         : d->builtin ? "the built-in task's longest sample"
+                                      : "the data's longest sample";
 }
 
 /* Token ids below padded_vocab_size are the model's, as in LitGPT (Llama 3's configs say
    vocab_size 128000, and its tokenizer's BOS is 128000): when the data holds one at or past
    vocab_size, the loss covers every row up to padded_vocab_size, and the run says so. */
-static void widen_vocabulary(lg_config *cfg, const run_data *d) {
+static void widen_vocabulary(lg_config *cfg, run_data *d) {
     uint32_t largest = d->train.max_token > d->val.max_token ? d->train.max_token
                                                              : d->val.max_token;
     if (largest < (uint32_t)cfg->vocab_size) return;
-    printf("vocabulary: the data holds token %u, past vocab_size %d: the loss covers all %d "
-           "rows of padded_vocab_size (as LitGPT's does)\n", largest, cfg->vocab_size,
-           cfg->padded_vocab_size);
+    size_t used = strlen(d->note);
+    snprintf(d->note + used, sizeof d->note - used, "vocabulary: the data holds token %u, past "
+             "vocab_size %d: the loss covers all %d rows of padded_vocab_size (as LitGPT's "
+             "does)\n", largest, cfg->vocab_size, cfg->padded_vocab_size);
     cfg->vocab_size = cfg->padded_vocab_size;
 }
 
 /* Opens the data; for fine-tuning samples *T becomes the longest (truncated) sample. Without
-   --data but with --val-data (and --max-steps 0) only the validation data: evaluation alone. */
+   --data but with --val-data (and --max-steps 0) only the validation data: evaluation alone.
+   A plan of a model (-c or --load) without data is a plan of windows of text, -t or
+   block_size long: the built-in task's lengths are for a run on it. */
 static void open_data(const lg_args *a, lg_config *cfg, int *T, run_data *d) {
     lg_error err;
     memset(d, 0, sizeof *d);
+    d->length_from = a->max_seq_length ? "-t" : "block_size";
+    if (!a->data && !a->val_data && a->plan_only && a->config) {
+        check_block_size(*T, cfg);
+        d->length_from = a->max_seq_length ? "-t; no --data" : "block_size; neither --data nor -t";
+        return;
+    }
     if (!a->data && !a->val_data) {
         if (cfg->vocab_size < LG_CHAR_VOCAB)
             die_usage("-c/--config %s: vocab_size %d is smaller than the built-in task's %d "
@@ -1058,8 +1198,11 @@ static void open_data(const lg_args *a, lg_config *cfg, int *T, run_data *d) {
         if (a->config && a->max_seq_length > *T) { /* a real model on the toy task */
             *T = a->max_seq_length;
             check_block_size(*T, cfg);
-            printf("-t %d: planned and allocated as asked, though the built-in task's samples "
-                   "are shorter (--data for your own)\n", *T);
+            size_t used = strlen(d->note);
+            snprintf(d->note + used, sizeof d->note - used, "-t %d: planned and allocated as "
+                     "asked, though the built-in task's samples are shorter (--data for your "
+                     "own)\n", *T);
+            d->length_from = "-t";
         }
         return;
     }
@@ -1084,6 +1227,22 @@ static void open_data(const lg_args *a, lg_config *cfg, int *T, run_data *d) {
     }
     widen_vocabulary(cfg, d);
     if (samples) fit_samples(a, cfg, T, d);
+}
+
+/* The plan's first line: the model (on the built-in task, if so), B, T and where T came from,
+   the precision, the devices. */
+static void describe_planned_run(const lg_args *a, const lg_config *cfg, int T,
+                                 const run_data *d, char *out, size_t cap) {
+    char devices[96];
+    int ranks = lg_args_ranks(a);
+    if (a->backend == LG_BACKEND_CUDA)
+        snprintf(devices, sizeof devices, "%d GPU%s", ranks, ranks > 1 ? "s" : "");
+    else
+        snprintf(devices, sizeof devices, "%d %s on the CPU backend", ranks,
+                 ranks > 1 ? "simulated ranks" : "device");
+    snprintf(out, cap, "plan for %s%s: -b %d, T %d tokens (%s) | %s | %s",
+             d->builtin ? "the built-in task on " : "", cfg->name, a->micro_batch_size, T,
+             d->length_from, lg_precision_name(a->precision), devices);
 }
 
 /* The tokens of a prompt, at most cap of them, or exit 2 naming --prompt: letters of the
@@ -1162,17 +1321,20 @@ static void print_samples(lg_trainer *tr, const lg_args *a, const run_data *d, l
 /* Progress of the training loop. On a terminal one status line (step/total, loss, tokens/s,
    elapsed, ETA) is rewritten in place after every step; every `interval` steps, on the first
    and the last, and on a skipped step, a full line stays. A file or pipe gets the full lines
-   only. Anything else printed during the loop clears the status line first. */
+   only, and so do processes other than 0. Anything else printed during the loop clears the
+   status line first. */
 typedef struct {
-    int tty;          /* stdout is a terminal */
+    int tty;          /* process 0, and stdout and stderr are a terminal (mpirun gives each
+                         process a terminal for stdout even when its own goes to a file) */
     int interval;     /* steps between full lines */
     int first_step, max_steps;
     double start_ms;  /* when the loop began */
     int status_shown; /* the status line is on the screen, without its newline */
 } progress;
 
-static void progress_start(progress *p, const output_flags *o, int first_step, int max_steps) {
-    p->tty = isatty(STDOUT_FILENO);
+static void progress_start(progress *p, const output_flags *o, int process, int first_step,
+                           int max_steps) {
+    p->tty = process == 0 && isatty(STDOUT_FILENO) && isatty(STDERR_FILENO);
     p->interval = o->log_interval ? o->log_interval : (max_steps + 19) / 20;
     if (p->interval < 1) p->interval = 1;
     p->first_step = first_step;
@@ -1324,6 +1486,38 @@ static void describe_data(const lg_loader *ld, char *out, size_t cap) {
              (unsigned long long)h);
 }
 
+/* A count of parameters as people read it: "124.44M", "294.9K", "8.03B", "768". */
+static const char *format_count(size_t n, char *out, size_t cap) {
+    if (n >= 1000000000) snprintf(out, cap, "%.2fB", n / 1e9);
+    else if (n >= 1000000) snprintf(out, cap, "%.2fM", n / 1e6);
+    else if (n >= 1000) snprintf(out, cap, "%.1fK", n / 1e3);
+    else snprintf(out, cap, "%zu", n);
+    return out;
+}
+
+/* "124.44M parameters, all trainable", or under LoRA "124.73M parameters: 294.9K trainable
+   (LoRA r 8 on q,v), 124.44M frozen (QLoRA: linear weights in nf4-dq)". */
+static void describe_parameters(const lg_model *model, char *out, size_t cap) {
+    const lg_config *c = &model->cfg;
+    char all[32], trainable[32], fixed[32];
+    if (c->lora.r == 0) {
+        snprintf(out, cap, "%s parameters, all trainable",
+                 format_count(model->n_params, all, sizeof all));
+        return;
+    }
+    lg_config base = lg_config_base(c);
+    size_t frozen = lg_params_layout(&base, lg_no_buf(), NULL, NULL);
+    char targets[64], storage[64] = "";
+    if (c->lora.quantize != LG_QUANTIZE_NONE)
+        snprintf(storage, sizeof storage, " (QLoRA: linear weights in %s)",
+                 lg_quantization_name(c->lora.quantize));
+    snprintf(out, cap, "%s parameters: %s trainable (LoRA r %d on %s), %s frozen%s",
+             format_count(model->n_params + frozen, all, sizeof all),
+             format_count(model->n_params, trainable, sizeof trainable), c->lora.r,
+             lg_lora_targets_name(c->lora.targets, targets, sizeof targets),
+             format_count(frozen, fixed, sizeof fixed), storage);
+}
+
 /* Several processes: join MPI, and check that every one has the same flags and data. */
 static void start_processes(lg_launch *launch, int argc, char **argv, const run_data *data) {
     lg_error err;
@@ -1388,9 +1582,12 @@ int main(int argc, char **argv) {
     open_data(&a, &cfg, &T, &data);
     a.finetuning = !a.data || lg_samples_file(a.data); /* LoRA is a remedy (see --plan) */
     prepare_gpus(&a, launch.processes > 1);
-    if (a.micro_batch_auto) choose_micro_batch(&a, &cfg, T);
+    if (a.micro_batch_auto) choose_micro_batch(&a, &cfg, T, data.note, sizeof data.note);
     if (lg_args_check(&a, &err) != 0) die_usage("%s", err.msg);
-    plan_and_check(argc, argv, &a, &cfg, T, json);
+    char planned_for[512];
+    describe_planned_run(&a, &cfg, T, &data, planned_for, sizeof planned_for);
+    if (!a.plan_only) fputs(data.note, stdout); /* a run: first what the data are */
+    plan_and_check(argc, argv, &a, &cfg, T, json, planned_for, data.note);
     int accumulation = lg_args_accumulation_steps(&a, &err);
     int B = a.micro_batch_size;
     start_processes(&launch, argc, argv, &data);
@@ -1419,9 +1616,10 @@ int main(int argc, char **argv) {
     threads = omp_get_max_threads();
 #endif
     const lg_loader *source = data.has_train ? &data.train : &data.val;
-    printf("model %s: %d layers, %.3fM parameters | %s %s (%zu tokens)\n", cfg.name,
-           cfg.n_layer, model->n_params / 1e6, data.has_train ? "data" : "validation data",
-           source->path, source->n_tokens);
+    char params[192];
+    describe_parameters(model, params, sizeof params);
+    printf("model %s: %d layers, %s | %s %s (%zu tokens)\n", cfg.name, cfg.n_layer, params,
+           data.has_train ? "data" : "validation data", source->path, source->n_tokens);
     char where[64];
     if (a.backend == LG_BACKEND_CUDA) snprintf(where, sizeof where, "%d GPU%s", tr.n_ranks, tr.n_ranks > 1 ? "s" : "");
     else snprintf(where, sizeof where, "CPU, %d threads, %s matmuls", threads,
@@ -1462,7 +1660,7 @@ int main(int argc, char **argv) {
     plot_start(&plot, output.plot, first_step, a.max_steps > first_step ? a.max_steps : first_step);
     evaluate(&tr, &data, &a, first_step, log, &plot);
     progress shown;
-    progress_start(&shown, &output, first_step, a.max_steps);
+    progress_start(&shown, &output, launch.process, first_step, a.max_steps);
     for (int step = first_step; step < a.max_steps; step++) {
         lg_step_stats st;
         hang_if_testing(&launch, step);

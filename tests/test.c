@@ -1221,7 +1221,7 @@ static void test_cli(results *r) {
     expect_cli(r, "-b 3 -g 8", 2, "-g/--global-batch-size 8 is not a multiple of -b/--micro-batch-size 3");
     expect_cli(r, "-c test-llama --data build/u16.bin -t 100", 2,
                "-t/--max-seq-length 100 exceeds the model's block_size 16");
-    expect_cli(r, "-c no-such-model", 2, "no configs/no-such-model.yaml");
+    expect_cli(r, "-c no-such-model", 2, "no no-such-model.yaml in ./configs");
     expect_cli(r, "-c build/missing-field.yaml", 2, "missing field intermediate_size");
     expect_cli(r, "-c test-llama --data build/truncated.bin", 2, "truncated");
     expect_cli(r, "-c test-llama --data build/bad-magic.bin", 2, "not a token shard");
@@ -1750,10 +1750,10 @@ static void test_memory_limit(results *r) {
     if (load_config_or_fail(r, &cfg, "test-llama")) return;
     lg_args a;
     lg_args_default(&a);
-    a.micro_batch_size = 8;
-    size_t needs = lg_plan_device_bytes_for(&cfg, &a, 16);
+    a.micro_batch_size = 8; /* the CPU backend: both pools, what the fit check holds */
+    size_t needs = lg_plan_checked_bytes_for(&cfg, &a, 16);
     a.micro_batch_size = 1;
-    size_t least = lg_plan_device_bytes_for(&cfg, &a, 16);
+    size_t least = lg_plan_checked_bytes_for(&cfg, &a, 16);
     char args[256]; /* a limit between what -b 1 and -b 8 need */
     snprintf(args, sizeof args, "-c test-llama -b 8 -g 8 -t 16 --memory-limit %zuB --max-steps 1 "
              "--eval-iters 1", (needs + least) / 2);
@@ -1782,10 +1782,10 @@ static void test_auto_micro_batch(results *r) {
     a.global_batch_size = 24;
     int T = 16;
     a.micro_batch_size = 6;
-    size_t limit = lg_plan_device_bytes_for(&cfg, &a, T); /* exactly what -b 6 needs */
+    size_t limit = lg_plan_checked_bytes_for(&cfg, &a, T); /* exactly what -b 6 needs */
     int b = lg_plan_auto_micro_batch(&cfg, &a, T, limit);
     a.micro_batch_size = 8; /* the next divisor of 24 */
-    size_t next = lg_plan_device_bytes_for(&cfg, &a, T);
+    size_t next = lg_plan_checked_bytes_for(&cfg, &a, T);
     check(r, b == 6 && next > limit, "-b auto -g 24 under the plan of -b 6: picks %d; -b 8 needs %zu > %zu", b, next, limit);
     char out[4096], args[256];
     snprintf(args, sizeof args, "-c test-llama -b auto -g 24 -t 16 --memory-limit %zuB --max-steps 1 "

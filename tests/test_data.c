@@ -788,15 +788,58 @@ static int run_command(const char *cmd, char *out, size_t cap) {
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
+/* tools/prepare encode takes its input as one text: an Alpaca prompt, newlines and all, gives
+   the ids the tokenizer gives the whole string, its newlines among them (GPT-2's "\n" is
+   token 198; one line at a time dropped them all). */
+static void test_prepare_encode_prompt(results *r) {
+    static char out[16384];
+    lg_alpaca_sample sample = {(char *)"Name three colours.", (char *)"", (char *)""};
+    lg_text prompt = {NULL, 0, 0};
+    lg_tokens ids = {NULL, 0, 0};
+    lg_tokenizer tok;
+    lg_error err;
+    FILE *f = fopen("build/alpaca-prompt.txt", "wb");
+    if (lg_alpaca_prompt(&sample, &prompt) != 0 || !f || lg_tokenizer_load(&tok, GPT2_DIR, &err) != 0) {
+        check(r, 0, "tools/prepare encode of an Alpaca prompt: no prompt, file or tokenizer");
+        if (f) fclose(f);
+        lg_text_free(&prompt);
+        return;
+    }
+    fwrite(prompt.bytes, 1, prompt.n, f);
+    fclose(f);
+    lg_tokenizer_encode(&tok, prompt.bytes, prompt.n, &ids, &err);
+    char want[4096] = "";
+    int newlines = 0;
+    for (size_t i = 0; i < ids.n && strlen(want) + 16 < sizeof want; i++) {
+        snprintf(want + strlen(want), sizeof want - strlen(want), i ? " %d" : "%d", ids.ids[i]);
+        newlines += ids.ids[i] == 198;
+    }
+    strcat(want, "\n");
+    int code = run_command("./tools/prepare encode --tokenizer " GPT2_DIR " < build/alpaca-prompt.txt 2>&1",
+                           out, sizeof out);
+    check(r, code == 0 && !strcmp(out, want) && newlines == 6,
+          "tools/prepare encode: the %zu-byte Alpaca prompt as one text = the tokenizer's %zu ids "
+          "of the whole string, its 6 newlines among them (%d tokens 198)", prompt.n, ids.n,
+          newlines);
+    lg_tokens_free(&ids);
+    lg_text_free(&prompt);
+    lg_tokenizer_free(&tok);
+}
+
 static void test_prepare_tool(results *r) {
     static char out[16384];
-    int code = run_command("printf 'Hello world\\n  two  spaces\\n' | ./tools/prepare encode --tokenizer " GPT2_DIR
-                           " 2>&1", out, sizeof out);
+    int code = run_command("printf 'Hello world\\n  two  spaces\\n' | ./tools/prepare encode --lines --tokenizer "
+                           GPT2_DIR " 2>&1", out, sizeof out);
     check(r, code == 0 && !strcmp(out, "15496 995\n220 734 220 9029\n"),
-          "tools/prepare encode: one line of ids per line: %s", out);
-    code = run_command("printf '15496 995\\n220 734 220 9029\\n' | ./tools/prepare decode --tokenizer " GPT2_DIR
-                       " 2>&1", out, sizeof out);
-    check(r, code == 0 && !strcmp(out, "Hello world\n  two  spaces\n"), "tools/prepare decode: the text back");
+          "tools/prepare encode --lines: one line of ids per line: %s", out);
+    code = run_command("printf '15496 995\\n220 734 220 9029\\n' | ./tools/prepare decode --lines --tokenizer "
+                       GPT2_DIR " 2>&1", out, sizeof out);
+    check(r, code == 0 && !strcmp(out, "Hello world\n  two  spaces\n"), "tools/prepare decode --lines: the text back");
+    code = run_command("printf 'Hello world\\n  two  spaces\\n' | ./tools/prepare encode --tokenizer " GPT2_DIR
+                       " | ./tools/prepare decode --tokenizer " GPT2_DIR " 2>&1", out, sizeof out);
+    check(r, code == 0 && !strcmp(out, "Hello world\n  two  spaces\n"),
+          "tools/prepare encode | decode: the whole text back, byte for byte");
+    test_prepare_encode_prompt(r);
     code = run_command("./tools/prepare builtin --samples 300 > build/builtin.json && ./tools/prepare alpaca "
                        "--tokenizer " GPT2_DIR " --out build/ft-train.bin --val build/ft-val.bin --mask-prompt "
                        "build/builtin.json 2>&1", out, sizeof out);

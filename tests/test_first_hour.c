@@ -198,7 +198,15 @@ int unlockpt(int fd);
 char *ptsname(int fd);
 
 /* Runs `./train args` on a pseudo-terminal (stdout and stderr); what it wrote into out. */
+static int run_on_terminal_as(const char *args, int stderr_too, char *out, size_t cap);
+
 static int run_on_terminal(const char *args, char *out, size_t cap) {
+    return run_on_terminal_as(args, 1, out, cap);
+}
+
+/* stdout on a terminal; stderr too, or (stderr_too 0) to /dev/null, as mpirun leaves a
+   process whose output goes to a file: stdout a terminal, stderr a pipe. */
+static int run_on_terminal_as(const char *args, int stderr_too, char *out, size_t cap) {
     int master = posix_openpt(O_RDWR | O_NOCTTY);
     if (master < 0 || grantpt(master) != 0 || unlockpt(master) != 0) return -1;
     const char *slave_name = ptsname(master);
@@ -208,7 +216,8 @@ static int run_on_terminal(const char *args, char *out, size_t cap) {
         int slave = open(slave_name, O_RDWR);
         if (slave < 0) _exit(127);
         dup2(slave, STDOUT_FILENO);
-        dup2(slave, STDERR_FILENO);
+        int null = stderr_too ? slave : open("/dev/null", O_WRONLY);
+        dup2(null, STDERR_FILENO);
         char cmd[1024];
         snprintf(cmd, sizeof cmd, "exec ./train %s", args);
         execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
@@ -252,6 +261,10 @@ static void test_progress(results *r) {
           count(out, "val loss") == 3 && strstr(out, "step    39/40 | loss"),
           "progress on a terminal: a status line rewritten in place (\\r, clear) between the "
           "full lines (exit %d, %d clears)", code, shown);
+    code = run_on_terminal_as(args, 0, out, sizeof out);
+    check(r, code == 0 && count(out, " elapsed | ETA ") == 21 && !strchr(out, '\033'),
+          "progress with stdout on a terminal but stderr not (as under mpirun to a file): the "
+          "21 full lines only, no status line (ESC) (exit %d)", code);
     code = run_stdout("--max-steps 10 --log-interval 5 -b 4", out, sizeof out);
     check(r, code == 0 && count(out, " elapsed | ETA ") == 3, "--log-interval 5 over 10 steps: "
           "full lines at steps 1, 5 and 10 (%d)", count(out, " elapsed | ETA "));

@@ -394,6 +394,13 @@ static void test_lora_peft_files(results *r) {
         snprintf(args, sizeof args, "tests/check_peft.py tests/hf/%s %s/step-2", dirs[k], out);
         expect_program(r, "python3", args, 0, "ok: ");
     }
+    /* the default bf16-mixed: the reader's tolerance is bf16's, and the adapters (no warmup,
+       4 steps) move the weights past it, so a merge without them would fail */
+    expect_cli(r, "--load tests/hf/pythia --lora-r 2 --lora-alpha 16 --lora-targets "
+               "q,v,proj,mlp,head --max-steps 4 --warmup-steps 0 -b 2 -t 8 --lr 0.05 "
+               "--eval-every 0 --sample-tokens 1 --out out/test-lora-peft-bf16", 0, "saved");
+    expect_program(r, "python3", "tests/check_peft.py tests/hf/pythia out/test-lora-peft-bf16/step-4",
+                   0, "for bf16-mixed; the adapters moved");
 }
 
 /* Trainable parameters of q+v adapters equal LitGPT's published counts (LORA.md). */

@@ -117,8 +117,132 @@ static void test_first_run_frictions(results *r) {
     expect_cli(r, "--plan --memory-limit 1.5Gb", 0, "plan: builtin-sort");
 }
 
+/* -c NAME from another directory (beside the executable, or LITGPT_CONFIGS), and an unknown
+   name's close ones. */
+static void test_config_places(results *r) {
+    char out[8192];
+    int code = run_command("cd tests && ../train --plan -c test-gpt2 -t 8 2>&1", out, sizeof out);
+    check(r, code == 0 && strstr(out, "model test-gpt2: n_layer"),
+          "-c test-gpt2 from tests/: configs/ beside the executable (exit %d)", code);
+    mkdir("build/more-configs", 0755);
+    code = run_command("cp configs/test-llama.yaml build/more-configs/my-llama.yaml && cd tests && "
+                       "LITGPT_CONFIGS=/nonexistent:../build/more-configs ../train --plan -c my-llama -t 8 "
+                       "2>&1", out, sizeof out);
+    check(r, code == 0 && strstr(out, "model test-llama: n_layer"),
+          "-c my-llama from tests/ with LITGPT_CONFIGS=/nonexistent:../build/more-configs (exit %d)",
+          code);
+    expect_cli(r, "--plan -c Llama-3.2-1b", 2, "did you mean Llama-3.2-1B, Llama-3.2-3B?");
+    expect_cli(r, "--plan -c gpt-2", 2, "no gpt-2.yaml in ./configs");
+    expect_cli(r, "--plan -c zzzzzzzzzzzz", 2, "the configs there: Llama-2-7b-hf, Llama-3.2-1B");
+}
+
+/* The run header names LoRA or QLoRA and both counts, labelled: tests/hf/gpt2 has 2 layers of
+   n_embd 16; r 2 on q and v is 2 x 2 x (2 x 16 + 16 x 2) = 256 parameters. */
+static void test_run_header(results *r) {
+    expect_cli(r, "--load tests/hf/gpt2 --lora-r 2 --quantize nf4-dq --max-steps 0 -b 2 -t 8 "
+               "--eval-iters 1", 0, "parameters: 256 trainable (LoRA r 2 on q,v), ");
+    expect_cli(r, "--load tests/hf/gpt2 --lora-r 2 --quantize nf4-dq --max-steps 0 -b 2 -t 8 "
+               "--eval-iters 1", 0, "frozen (QLoRA: linear weights in nf4-dq)");
+    expect_cli(r, "--load tests/hf/gpt2 --max-steps 0 -b 2 -t 8 --eval-iters 1", 0,
+               "parameters, all trainable |");
+}
+
+static int begins(const char *text, const char *prefix) {
+    return strncmp(text, prefix, strlen(prefix)) == 0;
+}
+
+/* A plan of a model without --data or -t is of windows of block_size tokens, and its first
+   line says what it planned for; the built-in task's lengths are for the built-in task alone. */
+static void test_plan_lengths(results *r) {
+    static char out[65536];
+    int code = run_command("./train --plan -c pythia-14m 2>&1", out, sizeof out);
+    check(r, code == 0 && begins(out, "plan for pythia-14m: -b 16, T 512 tokens (block_size; "
+          "neither --data nor -t) | bf16-mixed | 1 device on the CPU backend\n") &&
+          strstr(out, "-t 512 (1 accumulation)") && !strstr(out, "built-in"),
+          "--plan -c pythia-14m (block_size 512): the first line %.*s",
+          (int)strcspn(out, "\n"), out);
+    code = run_command("./train --plan=json -c pythia-14m -d 2 2>/dev/null", out, sizeof out);
+    check(r, code == 0 && strstr(out, "\"max_seq_length\":512,") && out[0] == '{',
+          "--plan=json -c pythia-14m -d 2 plans 512 tokens, the JSON alone on stdout");
+    code = run_command("./train --plan -c pythia-14m -t 64 -p bf16-true -d 2 2>&1", out, sizeof out);
+    check(r, code == 0 && begins(out, "plan for pythia-14m: -b 16, T 64 tokens (-t; no --data) | "
+          "bf16-true | 2 simulated ranks on the CPU backend\n"),
+          "--plan -t 64: %.*s", (int)strcspn(out, "\n"), out);
+    code = run_command("./train --plan 2>&1", out, sizeof out);
+    check(r, code == 0 && begins(out, "plan for the built-in task on builtin-sort: -b 16, T 18 "
+          "tokens (the built-in task's longest sample)"),
+          "--plan of the built-in task says so: %.*s", (int)strcspn(out, "\n"), out);
+    code = run_command("./train -c test-gpt2 -t 12 --max-steps 1 -b 2 --eval-iters 1 2>&1", out, sizeof out);
+    check(r, code == 0 && begins(out, "the built-in task (sort the letters), fine-tuning samples: "
+          "20000"), "a run of a model on the built-in task says so first: %.*s",
+          (int)strcspn(out, "\n"), out);
+}
+
+/* Cuts the trailing spaces of text, then its last word. */
+static void drop_last_word(char *text) {
+    size_t n = strlen(text);
+    while (n > 0 && text[n - 1] == ' ') n--;
+    while (n > 0 && text[n - 1] != ' ') n--;
+    while (n > 0 && text[n - 1] == ' ') n--;
+    text[n] = '\0';
+}
+
+/* The flags of a remedy line of the diagnosis ("  what  FLAGS  5.0 MiB  fits") into flags;
+   returns 1 fits, 0 does not, -1 not a remedy line. */
+static int remedy_line(const char *line, char *flags, size_t cap) {
+    size_t len = strlen(line);
+    int fits = len > 13 && strcmp(line + len - 13, " does not fit") == 0 ? 0
+               : len > 6 && strcmp(line + len - 6, "  fits") == 0 ? 1 : -1;
+    if (fits < 0 || len < 33 || line[0] != ' ') return -1;
+    snprintf(flags, cap, "%.*s", (int)(len - 32 - (fits ? 6 : 13)), line + 32); /* after the
+                                                                    29-wide name, before it */
+    drop_last_word(flags); /* the size: "5.0 MiB" */
+    drop_last_word(flags);
+    return fits;
+}
+
+/* On the CPU backend the device and host pools and the simulated ranks share one memory: every
+   remedy the diagnosis calls fitting starts and trains (its flags after the command's, the
+   last of a flag counts), and every one it says does not fit stops with exit 3. */
+static void test_every_remedy_runs(results *r) {
+    static char out[16384], again[8192];
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    lg_args a;
+    lg_args_default(&a);
+    a.micro_batch_size = 8;
+    size_t needs = lg_plan_checked_bytes_for(&cfg, &a, 16);
+    a.micro_batch_size = 1;
+    size_t least = lg_plan_checked_bytes_for(&cfg, &a, 16);
+    char run[256], cmd[1024];
+    snprintf(run, sizeof run, "./train -c test-llama -b 8 -g 8 -t 16 --memory-limit %zuB "
+             "--max-steps 1 --eval-iters 1 --sample-tokens 1", (needs + least) / 2);
+    snprintf(cmd, sizeof cmd, "%s 2>&1", run);
+    int code = run_command(cmd, out, sizeof out), fitting = 0, not_fitting = 0, honest = 0;
+    for (char *line = strtok(out, "\n"); line; line = strtok(NULL, "\n")) {
+        char flags[256];
+        int fits = remedy_line(line, flags, sizeof flags);
+        if (fits < 0) continue;
+        snprintf(cmd, sizeof cmd, "%s %s 2>&1", run, flags);
+        int got = run_command(cmd, again, sizeof again);
+        int ok = fits ? got == 0 && strstr(again, "step     1/1") != NULL : got == 3;
+        fitting += fits;
+        not_fitting += !fits;
+        honest += ok;
+        if (!ok) printf("        %s: said %s, exit %d\n", flags, fits ? "fits" : "does not fit", got);
+    }
+    check(r, code == 3 && fitting > 0 && not_fitting > 0 && honest == fitting + not_fitting,
+          "every remedy of the diagnosis of %s: %d said to fit and trained, %d said not to and "
+          "stopped with exit 3 (%d of %d as said)", run, fitting, not_fitting, honest,
+          fitting + not_fitting);
+}
+
 static void test_real_models_all(results *r) {
+    test_every_remedy_runs(r);
+    test_plan_lengths(r);
     test_first_run_frictions(r);
+    test_config_places(r);
+    test_run_header(r);
     test_stripped_prefixes(r);
     test_special_token_ids(r);
 }

@@ -1,8 +1,9 @@
 /* tools/prepare.c — data preparation: tokenizer checks, Alpaca-style fine-tuning sets, token
    shards for pretraining, and the built-in task written out as JSON.
 
-   tools/prepare encode --tokenizer PATH < text     ids of each input line, one line each
-   tools/prepare decode --tokenizer PATH < ids      the reverse
+   tools/prepare encode --tokenizer PATH [--lines] < text   the ids of the whole input (--lines:
+                                                            of each line, one output line each)
+   tools/prepare decode --tokenizer PATH [--lines] < ids    the reverse
    tools/prepare alpaca --tokenizer PATH --out train.bin --val val.bin [--val-share 0.05]
                         [--mask-prompt] [--seed N] data.json|data.jsonl
    tools/prepare text --tokenizer PATH --out train.bin [--val val.bin --val-share 0.01] FILE...
@@ -18,9 +19,13 @@
 
 static const char usage[] =
     "usage: tools/prepare COMMAND [options] [FILES]\n"
-    "  encode --tokenizer PATH       standard input: UTF-8 text; prints the token ids of each\n"
-    "                                line, space-separated, one output line per input line\n"
-    "  decode --tokenizer PATH       standard input: lines of token ids; prints their text\n"
+    "  encode --tokenizer PATH [--lines]\n"
+    "                                standard input: UTF-8 text, newlines included; prints its\n"
+    "                                token ids on one line, space-separated (--lines: each\n"
+    "                                input line alone, without its newline, one output line each)\n"
+    "  decode --tokenizer PATH [--lines]\n"
+    "                                standard input: token ids; prints their text as it is\n"
+    "                                (--lines: each line of ids, then a newline)\n"
     "  alpaca --tokenizer PATH --out TRAIN [--val VAL] [--val-share X] [--mask-prompt]\n"
     "         [--seed N] FILE        Alpaca-style JSON or JSON lines (instruction, input,\n"
     "                                output) -> fine-tuning sample files for ./train --data;\n"
@@ -38,6 +43,7 @@ typedef struct {
     const char *val;       /* --val: validation file */
     double val_share;      /* --val-share: share of samples (or documents) for validation */
     int mask_prompt;       /* --mask-prompt */
+    int lines;             /* --lines: encode and decode one line at a time */
     uint64_t seed;         /* --seed: the split, and the built-in task's samples */
     long samples;          /* --samples: built-in task */
     char **files;          /* the remaining arguments */
@@ -77,6 +83,7 @@ static void parse_args(int argc, char **argv, prepare_args *a) {
         else if (!strcmp(f, "--val")) a->val = value_of(argc, argv, &i);
         else if (!strcmp(f, "--val-share")) a->val_share = atof(value_of(argc, argv, &i));
         else if (!strcmp(f, "--mask-prompt")) a->mask_prompt = 1;
+        else if (!strcmp(f, "--lines")) a->lines = 1;
         else if (!strcmp(f, "--seed")) a->seed = strtoull(value_of(argc, argv, &i), NULL, 10);
         else if (!strcmp(f, "--samples")) a->samples = atol(value_of(argc, argv, &i));
         else if (f[0] == '-' && f[1]) die(2, "unknown option %s (see tools/prepare --help)", f);
@@ -108,13 +115,26 @@ static int read_line(lg_text *line) {
     return any;
 }
 
+/* Reads the whole of standard input into text; 0 when it is empty. */
+static int read_all(lg_text *text) {
+    char buf[4096];
+    size_t n;
+    text->n = 0;
+    lg_text_append(text, "", 0);
+    while ((n = fread(buf, 1, sizeof buf, stdin)) > 0) lg_text_append(text, buf, n);
+    return text->n > 0;
+}
+
+/* The whole input is one text (newlines are tokens too, as in an Alpaca prompt); --lines:
+   each line alone. */
 static int command_encode(const prepare_args *a) {
     lg_tokenizer tok;
     load_tokenizer(a, &tok);
     lg_text line = {NULL, 0, 0};
     lg_tokens ids = {NULL, 0, 0};
     lg_error err;
-    while (read_line(&line)) {
+    int whole = !a->lines, more = whole ? (read_all(&line), 1) : read_line(&line);
+    for (; more; more = whole ? 0 : read_line(&line)) {
         ids.n = 0;
         if (lg_tokenizer_encode(&tok, line.bytes, line.n, &ids, &err) != 0) die(1, "%s", err.msg);
         for (size_t i = 0; i < ids.n; i++) printf(i ? " %d" : "%d", ids.ids[i]);
@@ -126,27 +146,45 @@ static int command_encode(const prepare_args *a) {
     return 0;
 }
 
+/* The ids of one line of standard input, added to ids; exits naming the line on a bad one. */
+static void parse_ids(const char *line, long line_no, lg_tokens *ids) {
+    for (const char *at = line; *at;) {
+        char *end;
+        while (*at == ' ' || *at == ',' || *at == '\t' || *at == '\r') at++;
+        if (!*at) break;
+        long id = strtol(at, &end, 10);
+        if (end == at) die(1, "standard input line %ld: '%s' is not a token id", line_no, at);
+        lg_tokens_push(ids, (int)id);
+        at = end;
+    }
+}
+
+/* Writes the text of ids; line_no names the input line in an error (0: the whole input). */
+static void write_text(const lg_tokenizer *tok, const lg_tokens *ids, long line_no, lg_text *text) {
+    lg_error err;
+    text->n = 0;
+    if (lg_tokenizer_decode(tok, ids->ids, ids->n, text, &err) != 0) {
+        if (line_no > 0) die(1, "standard input line %ld: %s", line_no, err.msg);
+        die(1, "standard input: %s", err.msg);
+    }
+    fwrite(text->bytes, 1, text->n, stdout);
+}
+
+/* The text of every id of the input, as it is (encode's reverse); --lines: each line's text,
+   then a newline. */
 static int command_decode(const prepare_args *a) {
     lg_tokenizer tok;
     load_tokenizer(a, &tok);
     lg_text line = {NULL, 0, 0}, text = {NULL, 0, 0};
     lg_tokens ids = {NULL, 0, 0};
-    lg_error err;
     for (long line_no = 1; read_line(&line); line_no++) {
-        ids.n = 0;
-        text.n = 0;
-        for (char *at = line.bytes, *end; *at; at = end) {
-            while (*at == ' ' || *at == ',' || *at == '\t' || *at == '\r') at++;
-            if (!*at) break;
-            long id = strtol(at, &end, 10);
-            if (end == at) die(1, "standard input line %ld: '%s' is not a token id", line_no, at);
-            lg_tokens_push(&ids, (int)id);
-        }
-        if (lg_tokenizer_decode(&tok, ids.ids, ids.n, &text, &err) != 0)
-            die(1, "standard input line %ld: %s", line_no, err.msg);
-        fwrite(text.bytes, 1, text.n, stdout);
+        parse_ids(line.bytes, line_no, &ids);
+        if (!a->lines) continue;
+        write_text(&tok, &ids, line_no, &text);
         putchar('\n');
+        ids.n = 0;
     }
+    if (!a->lines) write_text(&tok, &ids, 0, &text);
     lg_text_free(&line);
     lg_text_free(&text);
     lg_tokens_free(&ids);
