@@ -1040,6 +1040,15 @@ static void load_config_file(const char *config, lg_config *cfg) {
     if (lg_config_load(cfg, path, &err) != 0) die(2, &err);
 }
 
+/* -c with --resume: the checkpoint's model by name and shape (what print_resolved_config
+   shows; config.json does not carry every field of a LitGPT config). */
+static int same_model(const lg_config *x, const lg_config *y) {
+    return strcmp(x->name, y->name) == 0 && x->n_layer == y->n_layer && x->n_head == y->n_head &&
+           x->n_query_groups == y->n_query_groups && x->n_embd == y->n_embd &&
+           x->head_size == y->head_size && x->intermediate_size == y->intermediate_size &&
+           x->block_size == y->block_size && x->padded_vocab_size == y->padded_vocab_size;
+}
+
 /* -c NAME (load_config_file); --load or --resume: the directory's config.json (with -c given,
    a resumed run's must be the same model); none: the built-in model. */
 static void load_config(lg_args *a, lg_config *cfg, checkpoint_flags *ck, int config_given) {
@@ -1050,7 +1059,7 @@ static void load_config(lg_args *a, lg_config *cfg, checkpoint_flags *ck, int co
         if (ck->resume && config_given) {
             lg_config named;
             load_config_file(a->config, &named);
-            if (strcmp(named.name, cfg->name) != 0 || memcmp(&named, cfg, sizeof named) != 0)
+            if (!same_model(&named, cfg))
                 die_usage("-c/--config %s: the checkpoint %s holds another model (%s); drop -c "
                           "to resume it", a->config, dir, cfg->name);
         }
