@@ -99,8 +99,13 @@ static const char usage[] =
     "      --load DIR             start from the weights of a Hugging Face directory\n"
     "                             (config.json + model.safetensors or shards), instead of -c\n"
     "      --resume DIR           continue a run from DIR/step-N (or the latest complete\n"
-    "                             step-N under DIR) with the run's flags: bitwise the same\n"
-    "                             losses as an uninterrupted run\n"
+    "                             step-N under DIR) with the settings it records: bitwise\n"
+    "                             the same losses as an uninterrupted run, checkpoints to\n"
+    "                             its --out; flags given change steps, the learning rate,\n"
+    "                             evaluation, outputs and the memory layout, and are\n"
+    "                             refused where they would change the model; -c must be\n"
+    "                             its model; LoRA: its base comes back from the recorded\n"
+    "                             --load DIR (or --load another copy; the hash must match)\n"
     "  -h, --help\n";
 
 /* An error line, in one write; under a launcher it starts with the process's rank (the
