@@ -1360,6 +1360,9 @@ char lg_char_decode(int token);
                                   "optimizer.m.scales.NAME"), "loader.order"; step, optimizer
                                   step count, loss scale, clean steps and the loader's position
                                   and random state in the header's __metadata__
+     run_settings.txt             the run's settings, one "key value" line each, and for LoRA
+                                  where the frozen base came from and its hash
+                                  (LG_RUN_SETTINGS): what --resume takes
      COMPLETE                     written last: each file's name, size and 64-bit FNV-1a hash
    Every file goes to NAME.tmp, is flushed with fsync and renamed; the directory is synced after
    each rename. A directory without COMPLETE, or whose files differ from it, is refused.
