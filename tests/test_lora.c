@@ -352,7 +352,7 @@ static void test_lora_cli(results *r) {
     text[n] = '\0';
     if (f) fclose(f);
     check(r, strstr(text, "\"base_model_name_or_path\": \"(drawn at random: builtin-sort, seed 1337)") != NULL,
-          "adapter_config.json of a LoRA run over a random base says so: %.80s",
+          "adapter_config.json of a LoRA run over a random base says so: %.70s",
           strstr(text, "base_model_name") ? strstr(text, "base_model_name") : text);
 }
 
