@@ -12988,23 +12988,23 @@ static uint64_t lg_trainer_base_hash(lg_trainer *tr) {
 /* DIR/LG_RUN_SETTINGS of the trainer's run (out_dir: out, the directory it saves under). */
 static int lg_run_settings_write(lg_trainer *tr, const char *out, const char *dir,
                                  lg_file_digest *digest, lg_error *err) {
-    enum { CAP = LG_N_RUN_FIELDS * 64 + (LG_RUN_TEXTS + 1) * LG_PATH_MAX };
-    char *text = (char *)LG_MALLOC(CAP), value[LG_PATH_MAX], path[LG_PATH_MAX + 32];
+    size_t cap = (size_t)LG_N_RUN_FIELDS * 64 + (LG_RUN_TEXTS + 1) * LG_PATH_MAX;
+    char *text = (char *)LG_MALLOC(cap), value[LG_PATH_MAX], path[LG_PATH_MAX + 32];
     if (!text) return lg_fail(err, "out of host memory for " LG_RUN_SETTINGS);
     lg_args a = tr->args;
     size_t at = 0;
     a.global_batch_size = a.micro_batch_size * tr->accumulation * tr->n_ranks; /* as run */
     a.out_dir = out;
-    lg_st_append(text, CAP, &at, "# litgpt.c run settings 1\n");
+    lg_st_append(text, cap, &at, "# litgpt.c run settings 1\n");
     for (int i = 0; i < LG_N_RUN_FIELDS; i++) {
         lg_run_field_text(&a, i, value, sizeof value);
-        lg_st_append(text, CAP, &at, "%s %s\n", lg_run_fields[i].key, value);
+        lg_st_append(text, cap, &at, "%s %s\n", lg_run_fields[i].key, value);
     }
     if (tr->plan.cfg.lora.r > 0) {
         int loaded = tr->base_loaded && !strchr(tr->base_model, '\n');
-        lg_st_append(text, CAP, &at, "base_model %s%s%s\n", loaded ? "load" : "random",
+        lg_st_append(text, cap, &at, "base_model %s%s%s\n", loaded ? "load" : "random",
                      loaded ? " " : "", loaded ? tr->base_model : "");
-        lg_st_append(text, CAP, &at, "base_hash %016llx\n", (unsigned long long)lg_trainer_base_hash(tr));
+        lg_st_append(text, cap, &at, "base_hash %016llx\n", (unsigned long long)lg_trainer_base_hash(tr));
     }
     lg_format(path, sizeof path, "%s/" LG_RUN_SETTINGS, dir);
     int rc = lg_write_text_file(path, text, digest, err);
