@@ -368,6 +368,8 @@ typedef struct {
     uint64_t seed;
     const char *log_path;      /* --log: one JSON object per line */
     const char *out_dir;       /* --out: the final model.safetensors */
+    int save_every;            /* --save-every: steps between checkpoints (the driver saves);
+                                  0: only at the end */
     int recompute;             /* --recompute block: 1 (keep each block's input, recompute it) */
     int offload;               /* --offload: 1 (master weights and optimizer state on the host) */
     int plan_only;             /* --plan: print the plan and exit (1 table, 2 JSON) */
@@ -1370,6 +1372,9 @@ char lg_char_decode(int token);
                                   "optimizer.m.scales.NAME"), "loader.order"; step, optimizer
                                   step count, loss scale, clean steps and the loader's position
                                   and random state in the header's __metadata__
+     run_settings.txt             the run's settings, one "key value" line each, and for LoRA
+                                  where the frozen base came from and its hash
+                                  (LG_RUN_SETTINGS): what --resume takes
      COMPLETE                     written last: each file's name, size and 64-bit FNV-1a hash
    Every file goes to NAME.tmp, is flushed with fsync and renamed; the directory is synced after
    each rename. A directory without COMPLETE, or whose files differ from it, is refused.
@@ -1475,6 +1480,33 @@ int lg_checkpoint_resume(lg_trainer *tr, lg_loader *data, const char *dir, int *
 /* --load: the weights of a Hugging Face directory into a trainer (master weights in fp32 from
    the file when the precision keeps them, the working copy rounded from those). */
 int lg_trainer_load_hf(lg_trainer *tr, const char *dir, lg_error *err);
+
+/* LG_RUN_SETTINGS in every step-N: the run's settings, one "key value" line each (the keys
+   are lg_args' field names: micro_batch_size, lr, lora.r, ...; floats exact to the bit), and
+   for LoRA where the frozen base came from ("base_model load DIR", or "base_model random"
+   for one drawn from the config and seed) and "base_hash" of the base as the run held it.
+   A resumed run takes its settings from here; lg_checkpoint_resume refuses a LoRA
+   checkpoint whose base_hash is missing or is not the trainer's base's. */
+#define LG_RUN_SETTINGS "run_settings.txt"
+#define LG_RUN_TEXTS 6 /* the string settings: config, data, val_data, prompt, out_dir, base */
+typedef struct {
+    lg_args args;          /* the run's settings; its strings point into text */
+    char text[LG_RUN_TEXTS][LG_PATH_MAX];
+    int has_base;          /* LoRA: the file says where the base came from */
+    int base_loaded;       /* 1: from base_dir (--load), 0: drawn from the config and seed */
+    const char *base_dir;  /* into text */
+    int has_base_hash;
+    uint64_t base_hash;
+} lg_run_settings;
+/* Reads DIR/LG_RUN_SETTINGS over lg_args_default; 1 when the checkpoint has none (written
+   before the file existed), -1 naming the file and line when malformed. */
+int lg_run_settings_read(const char *dir, lg_run_settings *s, lg_error *err);
+/* The first setting (its key in LG_RUN_SETTINGS) in which `now` would change the model the
+   run trains from `run`'s: shapes, LoRA, quantization, precision, optimizer and its state
+   format, seed, global batch; NULL when none. Steps, the learning-rate schedule, optimizer
+   hyperparameters, evaluation, sampling, outputs, data paths and the memory layout (ranks,
+   strategy, micro-batch, recompute, offload) may change. */
+const char *lg_args_resume_conflict(const lg_args *run, const lg_args *now);
 /* The training state in logical layout, whole tensors by name (see the top of this section),
    whatever the ranks: sharded trainers gather their pieces to write and take their pieces on
    reading, so a run resumes on any number of ranks. */
@@ -1554,8 +1586,12 @@ typedef struct lg_trainer {
     float loss_scale;   /* multiplies the loss before the backward */
     int clean_steps;    /* steps since the scale last changed */
     int scale_window;   /* clean steps before the scale doubles */
-    char base_model[1024]; /* LoRA: the --load directory of the frozen model ("" when drawn
-                              from the seed): adapter_config.json's base_model_name_or_path */
+    char base_model[1024]; /* LoRA: the --load directory of the frozen model, or a note
+                              that it was drawn at random: adapter_config.json's
+                              base_model_name_or_path */
+    int base_loaded;       /* LoRA: 1 the base came from --load (base_model), 0 drawn */
+    int base_hashed;       /* base_hash holds the hash of the base as it is now */
+    uint64_t base_hash;    /* LoRA: FNV-1a of rank 0's frozen base (its stored bytes) */
 } lg_trainer;
 
 typedef struct {
@@ -1734,6 +1770,7 @@ int lg_generate(lg_generator *g, const int *prompt, int n_prompt, int max_new,
 #include <errno.h>
 #include <math.h>
 #include <stdarg.h>
+#include <limits.h>
 #include <string.h>
 #include <time.h>
 #ifdef _OPENMP
@@ -12970,6 +13007,261 @@ static int lg_write_merged_model(const lg_model *m0, const lg_real *adapters, co
     return rc;
 }
 
+/* --- run settings: what a resumed run takes from its checkpoint (LG_RUN_SETTINGS) ---------- */
+
+typedef enum { LG_RUN_INT, LG_RUN_FLOAT, LG_RUN_U64, LG_RUN_SIZE, LG_RUN_TEXT } lg_run_kind;
+
+/* One table that the writer, the reader and the resume check walk. model: a resumed run
+   that changed it would train another model than the checkpoint's. Enums are stored as
+   their numbers (lg_args' enum fields are int-sized). Not recorded: what belongs to the
+   machine or the session (backend, measured memory, processes, --plan, --log). */
+#define LG_RUN_FIELD(field, kind, model) {#field, offsetof(lg_args, field), kind, model}
+static const struct {
+    const char *key;
+    size_t offset; /* in lg_args */
+    lg_run_kind kind;
+    int model;
+} lg_run_fields[] = {
+    LG_RUN_FIELD(config, LG_RUN_TEXT, 0), /* the model itself: config.json */
+    LG_RUN_FIELD(data, LG_RUN_TEXT, 0),
+    LG_RUN_FIELD(val_data, LG_RUN_TEXT, 0),
+    LG_RUN_FIELD(prompt, LG_RUN_TEXT, 0),
+    LG_RUN_FIELD(out_dir, LG_RUN_TEXT, 0),
+    LG_RUN_FIELD(micro_batch_size, LG_RUN_INT, 0),
+    LG_RUN_FIELD(global_batch_size, LG_RUN_INT, 1),
+    LG_RUN_FIELD(max_seq_length, LG_RUN_INT, 1),
+    LG_RUN_FIELD(precision, LG_RUN_INT, 1),
+    LG_RUN_FIELD(devices, LG_RUN_INT, 0),
+    LG_RUN_FIELD(nodes, LG_RUN_INT, 0),
+    LG_RUN_FIELD(strategy, LG_RUN_INT, 0),
+    LG_RUN_FIELD(optimizer, LG_RUN_INT, 1),
+    LG_RUN_FIELD(optimizer_state, LG_RUN_INT, 1),
+    LG_RUN_FIELD(seed, LG_RUN_U64, 1),
+    LG_RUN_FIELD(lora.r, LG_RUN_INT, 1),
+    LG_RUN_FIELD(lora.alpha, LG_RUN_FLOAT, 1),
+    LG_RUN_FIELD(lora.dropout, LG_RUN_FLOAT, 1),
+    LG_RUN_FIELD(lora.targets, LG_RUN_INT, 1),
+    LG_RUN_FIELD(lora.quantize, LG_RUN_INT, 1),
+    LG_RUN_FIELD(eps, LG_RUN_FLOAT, 1),
+    LG_RUN_FIELD(lr, LG_RUN_FLOAT, 0),
+    LG_RUN_FIELD(min_lr, LG_RUN_FLOAT, 0),
+    LG_RUN_FIELD(warmup_steps, LG_RUN_INT, 0),
+    LG_RUN_FIELD(weight_decay, LG_RUN_FLOAT, 0),
+    LG_RUN_FIELD(beta1, LG_RUN_FLOAT, 0),
+    LG_RUN_FIELD(beta2, LG_RUN_FLOAT, 0),
+    LG_RUN_FIELD(momentum, LG_RUN_FLOAT, 0),
+    LG_RUN_FIELD(max_norm, LG_RUN_FLOAT, 0),
+    LG_RUN_FIELD(hessian_interval, LG_RUN_INT, 0),
+    LG_RUN_FIELD(rho, LG_RUN_FLOAT, 0),
+    LG_RUN_FIELD(max_steps, LG_RUN_INT, 0),
+    LG_RUN_FIELD(eval_every, LG_RUN_INT, 0),
+    LG_RUN_FIELD(eval_iters, LG_RUN_INT, 0),
+    LG_RUN_FIELD(sample_every, LG_RUN_INT, 0),
+    LG_RUN_FIELD(sample_tokens, LG_RUN_INT, 0),
+    LG_RUN_FIELD(temperature, LG_RUN_FLOAT, 0),
+    LG_RUN_FIELD(save_every, LG_RUN_INT, 0),
+    LG_RUN_FIELD(recompute, LG_RUN_INT, 0),
+    LG_RUN_FIELD(offload, LG_RUN_INT, 0),
+    LG_RUN_FIELD(tf32, LG_RUN_INT, 0),
+    LG_RUN_FIELD(memory_limit, LG_RUN_SIZE, 0),
+};
+#define LG_N_RUN_FIELDS ((int)(sizeof lg_run_fields / sizeof lg_run_fields[0]))
+typedef char lg_run_enums_are_ints[sizeof(lg_precision) == sizeof(int) ? 1 : -1];
+
+/* Field i of a's settings as its line's value. */
+static void lg_run_field_text(const lg_args *a, int i, char *out, size_t cap) {
+    const unsigned char *at = (const unsigned char *)a + lg_run_fields[i].offset;
+    const char *text;
+    int v_int;
+    float v_float;
+    uint64_t v_u64;
+    size_t v_size;
+    switch (lg_run_fields[i].kind) {
+    case LG_RUN_INT: memcpy(&v_int, at, sizeof v_int); lg_format(out, cap, "%d", v_int); break;
+    case LG_RUN_FLOAT:
+        memcpy(&v_float, at, sizeof v_float);
+        lg_format(out, cap, "%.9g", (double)v_float); /* exact for a float */
+        break;
+    case LG_RUN_U64: memcpy(&v_u64, at, 8); lg_format(out, cap, "%llu", (unsigned long long)v_u64); break;
+    case LG_RUN_SIZE: memcpy(&v_size, at, sizeof v_size); lg_format(out, cap, "%zu", v_size); break;
+    case LG_RUN_TEXT:
+        memcpy(&text, at, sizeof text);
+        lg_format(out, cap, "%s", text && !strchr(text, '\n') ? text : ""); /* "": none */
+        break;
+    }
+}
+
+/* Field i of a's settings from its line's value (text: the string settings' storage). */
+static int lg_run_field_parse(lg_args *a, int i, const char *value, char *text, size_t cap) {
+    unsigned char *at = (unsigned char *)a + lg_run_fields[i].offset;
+    char *end = NULL;
+    errno = 0;
+    switch (lg_run_fields[i].kind) {
+    case LG_RUN_INT: {
+        long v = strtol(value, &end, 10);
+        int v_int = (int)v;
+        if (v < INT_MIN || v > INT_MAX) return -1;
+        memcpy(at, &v_int, sizeof v_int);
+        break;
+    }
+    case LG_RUN_FLOAT: {
+        float v = strtof(value, &end);
+        memcpy(at, &v, sizeof v);
+        break;
+    }
+    case LG_RUN_U64: case LG_RUN_SIZE: {
+        unsigned long long v = strtoull(value, &end, 10);
+        uint64_t v_u64 = v;
+        size_t v_size = (size_t)v;
+        if (lg_run_fields[i].kind == LG_RUN_U64) memcpy(at, &v_u64, 8);
+        else memcpy(at, &v_size, sizeof v_size);
+        break;
+    }
+    case LG_RUN_TEXT: {
+        const char *p = *value ? text : NULL;
+        lg_format(text, cap, "%s", value);
+        memcpy(at, &p, sizeof p);
+        return 0;
+    }
+    }
+    return !end || end == value || *end || errno ? -1 : 0;
+}
+
+/* LoRA: FNV-1a of rank 0's frozen base as it holds it (each tensor's stored bytes: the weight
+   type, or NF4 under --quantize), computed once after the base last changed. */
+static uint64_t lg_trainer_base_hash(lg_trainer *tr) {
+    if (tr->base_hashed) return tr->base_hash;
+    const lg_model *m = &tr->ranks[0].model;
+    uint64_t h = LG_HASH64_INIT;
+    lg_rank_sync(m->rank);
+    for (int i = 0; i < m->frozen_table.n_tensors; i++) {
+        const lg_tensor_info *t = &m->frozen_table.tensors[i];
+        lg_buf at = {lg_at(m->frozen, t->offset).data, LG_DTYPE_U8};
+        size_t bytes = t->count * lg_elem_size(m->frozen.dtype);
+        if (t->packed != LG_DTYPE_F32) {
+            at.data = (uint8_t *)m->frozen_packed.data + t->offset;
+            bytes = lg_nf4_bytes(t->count, t->packed == LG_DTYPE_NF4 ? LG_QUANTIZE_NF4 : LG_QUANTIZE_NF4_DQ);
+        }
+        lg_visit v = lg_visit_start(&m->exec, at, bytes, 1, LG_VISIT_READ);
+        while (lg_visit_next(&v)) h = lg_hash64(h, v.piece.data, v.n);
+    }
+    tr->base_hash = h;
+    tr->base_hashed = 1;
+    return h;
+}
+
+/* DIR/LG_RUN_SETTINGS of the trainer's run (out_dir: out, the directory it saves under). */
+static int lg_run_settings_write(lg_trainer *tr, const char *out, const char *dir,
+                                 lg_file_digest *digest, lg_error *err) {
+    size_t cap = (size_t)LG_N_RUN_FIELDS * 64 + (LG_RUN_TEXTS + 1) * LG_PATH_MAX;
+    char *text = (char *)LG_MALLOC(cap), value[LG_PATH_MAX], path[LG_PATH_MAX + 32];
+    if (!text) return lg_fail(err, "out of host memory for " LG_RUN_SETTINGS);
+    lg_args a = tr->args;
+    size_t at = 0;
+    a.global_batch_size = a.micro_batch_size * tr->accumulation * tr->n_ranks; /* as run */
+    a.out_dir = out;
+    lg_st_append(text, cap, &at, "# litgpt.c run settings 1\n");
+    for (int i = 0; i < LG_N_RUN_FIELDS; i++) {
+        lg_run_field_text(&a, i, value, sizeof value);
+        lg_st_append(text, cap, &at, "%s %s\n", lg_run_fields[i].key, value);
+    }
+    if (tr->plan.cfg.lora.r > 0) {
+        int loaded = tr->base_loaded && !strchr(tr->base_model, '\n');
+        lg_st_append(text, cap, &at, "base_model %s%s%s\n", loaded ? "load" : "random",
+                     loaded ? " " : "", loaded ? tr->base_model : "");
+        lg_st_append(text, cap, &at, "base_hash %016llx\n", (unsigned long long)lg_trainer_base_hash(tr));
+    }
+    lg_format(path, sizeof path, "%s/" LG_RUN_SETTINGS, dir);
+    int rc = lg_write_text_file(path, text, digest, err);
+    LG_FREE(text);
+    return rc;
+}
+
+/* One line of LG_RUN_SETTINGS: a setting, or the base's lines. */
+static int lg_run_settings_line(lg_run_settings *s, char *line) {
+    char *space = strchr(line, ' ');
+    if (!space) return -1;
+    *space = '\0';
+    const char *value = space + 1;
+    if (strcmp(line, "base_model") == 0) {
+        s->has_base = 1;
+        s->base_loaded = strncmp(value, "load ", 5) == 0;
+        if (!s->base_loaded && strcmp(value, "random") != 0) return -1;
+        lg_format(s->text[LG_RUN_TEXTS - 1], LG_PATH_MAX, "%s", s->base_loaded ? value + 5 : "");
+        s->base_dir = s->base_loaded ? s->text[LG_RUN_TEXTS - 1] : NULL;
+        return 0;
+    }
+    if (strcmp(line, "base_hash") == 0) {
+        char *end;
+        s->base_hash = strtoull(value, &end, 16);
+        s->has_base_hash = end != value && *end == '\0';
+        return s->has_base_hash ? 0 : -1;
+    }
+    for (int i = 0, texts = 0; i < LG_N_RUN_FIELDS; i++) {
+        int is_text = lg_run_fields[i].kind == LG_RUN_TEXT;
+        if (strcmp(line, lg_run_fields[i].key) == 0)
+            return lg_run_field_parse(&s->args, i, value, s->text[texts], LG_PATH_MAX);
+        texts += is_text;
+    }
+    return 0; /* a setting of a later version: not ours */
+}
+
+int lg_run_settings_read(const char *dir, lg_run_settings *s, lg_error *err) {
+    char path[LG_PATH_MAX + 32];
+    struct stat st;
+    memset(s, 0, sizeof *s);
+    lg_args_default(&s->args);
+    lg_format(path, sizeof path, "%s/" LG_RUN_SETTINGS, dir);
+    if (stat(path, &st) != 0) return 1;
+    char *text = lg_read_text_file(path, 1 << 20, NULL, err);
+    if (!text) return -1;
+    int rc = 0, line_no = 0;
+    for (char *line = text, *next; *line && rc == 0; line = next) {
+        char *newline = strchr(line, '\n');
+        next = newline ? newline + 1 : line + strlen(line);
+        if (newline) *newline = '\0';
+        line_no++;
+        if (line[0] != '#' && line[0] && lg_run_settings_line(s, line) != 0)
+            rc = lg_fail(err, "%s: line %d ('%s') is malformed", path, line_no, line);
+    }
+    LG_FREE(text);
+    return rc;
+}
+
+const char *lg_args_resume_conflict(const lg_args *run, const lg_args *now) {
+    char a[LG_PATH_MAX], b[LG_PATH_MAX];
+    for (int i = 0; i < LG_N_RUN_FIELDS; i++) {
+        if (!lg_run_fields[i].model) continue;
+        lg_run_field_text(run, i, a, sizeof a);
+        lg_run_field_text(now, i, b, sizeof b);
+        if (strcmp(a, b) != 0) return lg_run_fields[i].key;
+    }
+    return NULL;
+}
+
+/* LoRA: the checkpoint's adapters were trained over the trainer's base, by base_hash. */
+static int lg_checkpoint_same_base(lg_trainer *tr, const char *dir, lg_error *err) {
+    if (tr->plan.cfg.lora.r == 0) return 0;
+    lg_run_settings *s = (lg_run_settings *)LG_MALLOC(sizeof *s);
+    if (!s) return lg_fail(err, "out of host memory");
+    int rc = lg_run_settings_read(dir, s, err);
+    char recorded[LG_PATH_MAX + 64], ours[LG_PATH_MAX + 64];
+    uint64_t hash = lg_trainer_base_hash(tr);
+    lg_format(recorded, sizeof recorded, "%s", !s->has_base ? "(not recorded)"
+                                              : s->base_loaded ? s->base_dir : "one drawn at random");
+    lg_format(ours, sizeof ours, "%s", tr->base_loaded ? tr->base_model : "one drawn at random");
+    if (rc == 1 || (rc == 0 && !s->has_base_hash))
+        rc = lg_fail(err, "checkpoint %s: no base_hash in " LG_RUN_SETTINGS ": it does not say "
+                          "which base its adapters were trained over, so they are not resumed "
+                          "over %s", dir, ours);
+    else if (rc == 0 && s->base_hash != hash)
+        rc = lg_fail(err, "checkpoint %s: its adapters were trained over base %s (hash %016llx), "
+                          "this run's base %s has hash %016llx", dir, recorded,
+                     (unsigned long long)s->base_hash, ours, (unsigned long long)hash);
+    LG_FREE(s);
+    return rc;
+}
+
 /* --- trainer checkpoints ----------------------------------------------------------------------- */
 
 /* model.safetensors of the trainer's weights: rank 0's when whole, else gathered unit by unit
@@ -13000,10 +13292,11 @@ static int lg_checkpoint_outcome(lg_trainer *tr, int rc, lg_error *err) {
    merged model (model.safetensors). Process 0 writes; every process takes part in the gathers
    and learns each part's outcome. */
 static int lg_lora_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step,
-                                   const char *dir, lg_error *err) {
-    const char *names[6] = {"adapter_model.safetensors", "adapter_config.json", "config.json",
-                            "model_config.yaml", LG_TRAINING_STATE, "model.safetensors"};
-    lg_file_digest digests[6];
+                                   const char *out, const char *dir, lg_error *err) {
+    const char *names[7] = {"adapter_model.safetensors", "adapter_config.json", "config.json",
+                            "model_config.yaml", LG_TRAINING_STATE, LG_RUN_SETTINGS,
+                            "model.safetensors"};
+    lg_file_digest digests[7];
     const lg_model *m0 = &tr->ranks[0].model;
     lg_config base = lg_config_base(&m0->cfg);
     lg_hf_family family;
@@ -13017,7 +13310,7 @@ static int lg_lora_checkpoint_save(lg_trainer *tr, const lg_loader *data, int st
     if (rc == 0 && writer && final) { /* model.safetensors, config.json, model_config.yaml */
         lg_file_digest model[3];
         rc = lg_write_merged_model(m0, whole, dir, model, err);
-        digests[5] = model[0], digests[2] = model[1], digests[3] = model[2];
+        digests[6] = model[0], digests[2] = model[1], digests[3] = model[2];
     } else if (rc == 0 && writer) {
         lg_format(path, sizeof path, "%s/config.json", dir);
         lg_hf_config_json(&base, family, lg_st_dtype_of(m0->params.dtype), text, sizeof text);
@@ -13033,17 +13326,20 @@ static int lg_lora_checkpoint_save(lg_trainer *tr, const lg_loader *data, int st
         rc = lg_checkpoint_outcome(tr, lg_training_state_write(tr, data, step, path, &digests[4], err),
                                    err);
     if (rc == 0)
+        rc = lg_checkpoint_outcome(tr, writer ? lg_run_settings_write(tr, out, dir, &digests[5], err) : 0,
+                                   err);
+    if (rc == 0)
         rc = lg_checkpoint_outcome(
-            tr, writer ? lg_write_marker(dir, step, names, digests, final ? 6 : 5, err) : 0, err);
+            tr, writer ? lg_write_marker(dir, step, names, digests, final ? 7 : 6, err) : 0, err);
     return rc;
 }
 
 int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const char *out,
                        lg_error *err) {
-    static const char *const names[4] = {"model.safetensors", "config.json", "model_config.yaml",
-                                         LG_TRAINING_STATE};
+    static const char *const names[5] = {"model.safetensors", "config.json", "model_config.yaml",
+                                         LG_TRAINING_STATE, LG_RUN_SETTINGS};
     char dir[LG_PATH_MAX], path[1200];
-    lg_file_digest digests[4];
+    lg_file_digest digests[5];
     if (lg_checkpoint_supported(tr, err) != 0) return -1;
     int writer = tr->process == 0; /* the others take part in the gathers */
     if (writer && mkdir(out, 0755) != 0 && errno != EEXIST)
@@ -13053,13 +13349,16 @@ int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const ch
     lg_format(path, sizeof path, "%s/" LG_TRAINING_STATE, dir);
     /* each part's outcome reaches every process before the next part's collectives */
     int rc = lg_checkpoint_outcome(tr, writer ? lg_checkpoint_begin(dir, err) : 0, err);
-    if (rc == 0 && tr->plan.cfg.lora.r > 0) return lg_lora_checkpoint_save(tr, data, step, dir, err);
+    if (rc == 0 && tr->plan.cfg.lora.r > 0) return lg_lora_checkpoint_save(tr, data, step, out, dir, err);
     if (rc == 0) rc = lg_checkpoint_outcome(tr, lg_trainer_write_model(tr, dir, digests, err), err);
     if (rc == 0)
         rc = lg_checkpoint_outcome(tr, lg_training_state_write(tr, data, step, path, &digests[3], err),
                                    err);
     if (rc == 0)
-        rc = lg_checkpoint_outcome(tr, writer ? lg_write_marker(dir, step, names, digests, 4, err) : 0,
+        rc = lg_checkpoint_outcome(tr, writer ? lg_run_settings_write(tr, out, dir, &digests[4], err) : 0,
+                                   err);
+    if (rc == 0)
+        rc = lg_checkpoint_outcome(tr, writer ? lg_write_marker(dir, step, names, digests, 5, err) : 0,
                                    err);
     return rc;
 }
@@ -13101,6 +13400,8 @@ static int lg_trainer_load_frozen(lg_trainer *tr, const char *dir, lg_error *err
     if (rc == 0) rc = lg_trainer_set_frozen(tr, whole, err);
     LG_FREE(whole);
     if (rc == 0) lg_format(tr->base_model, sizeof tr->base_model, "%s", dir);
+    tr->base_loaded = rc == 0;
+    tr->base_hashed = 0; /* the base changed (or is half-set after a failure) */
     return rc;
 }
 
@@ -13109,7 +13410,8 @@ int lg_checkpoint_resume(lg_trainer *tr, lg_loader *data, const char *dir, int *
     char path[1200];
     int marker_step;
     if (lg_checkpoint_verify(dir, &marker_step, err) != 0 ||
-        lg_checkpoint_same_model(tr, dir, err) != 0 || lg_checkpoint_supported(tr, err) != 0)
+        lg_checkpoint_same_model(tr, dir, err) != 0 || lg_checkpoint_supported(tr, err) != 0 ||
+        lg_checkpoint_same_base(tr, dir, err) != 0)
         return -1;
     lg_format(path, sizeof path, "%s/" LG_TRAINING_STATE, dir);
     /* the weights as stored (the precision's type), then the master weights from the state */
@@ -13797,7 +14099,8 @@ int lg_trainer_create_in(lg_trainer *tr, const lg_config *cfg, const lg_args *ar
     tr->scaling = args->precision == LG_PRECISION_16_TRUE || args->precision == LG_PRECISION_16_MIXED;
     tr->loss_scale = tr->scaling ? LG_LOSS_SCALE_START : 1.0f;
     tr->scale_window = LG_LOSS_SCALE_WINDOW;
-    lg_format(tr->base_model, sizeof tr->base_model, "%s", cfg->name); /* until --load */
+    lg_format(tr->base_model, sizeof tr->base_model, "(drawn at random: %s, seed %llu)",
+              cfg->name, (unsigned long long)args->seed); /* until --load */
     lg_trainer_sync(tr); /* the caller may load weights into the arenas next */
     return 0;
 }

@@ -100,8 +100,13 @@ static const char usage[] =
     "      --load DIR             start from the weights of a Hugging Face directory\n"
     "                             (config.json + model.safetensors or shards), instead of -c\n"
     "      --resume DIR           continue a run from DIR/step-N (or the latest complete\n"
-    "                             step-N under DIR) with the run's flags: bitwise the same\n"
-    "                             losses as an uninterrupted run\n"
+    "                             step-N under DIR) with the settings it records: bitwise\n"
+    "                             the same losses as an uninterrupted run, checkpoints to\n"
+    "                             its --out; flags given change steps, the learning rate,\n"
+    "                             evaluation, outputs and the memory layout, and are\n"
+    "                             refused where they would change the model; -c must be\n"
+    "                             its model; LoRA: its base comes back from the recorded\n"
+    "                             --load DIR (or --load another copy; the hash must match)\n"
     "  -h, --help\n";
 
 /* An error line, in one write; under a launcher it starts with the process's rank (the
@@ -238,7 +243,6 @@ static const char *flag_name(int opt, char *name, size_t size) {
 
 /* --- checkpoints: the flags that read and write them ------------------------------------- */
 typedef struct {
-    int save_every;       /* --save-every: steps between checkpoints; 0: only at the end */
     const char *load;     /* --load: a Hugging Face directory to start from */
     const char *resume;   /* --resume: a checkpoint, or a --out directory (its latest) */
     char resume_dir[LG_PATH_MAX]; /* the step-N directory --resume resolved to */
@@ -246,7 +250,7 @@ typedef struct {
 
 /* The flags whose default depends on others: given on the command line or not. */
 typedef struct {
-    int precision, beta1, beta2, min_lr;
+    int precision, beta1, beta2, min_lr, lr, config;
 } given_flags;
 
 /* --- progress: what the driver prints while it trains ------------------------------------- */
@@ -255,20 +259,21 @@ typedef struct {
     const char *plot; /* --plot: the loss curve's SVG file */
 } output_flags;
 
-static void parse_args(int argc, char **argv, lg_args *a, given_flags *given,
-                       checkpoint_flags *ck, output_flags *out) {
-    lg_args_default(a);
-    a->backend = lg_backend_in_use(); /* a GPU when the build has CUDA and one is visible */
-    memset(ck, 0, sizeof *ck);
-    memset(given, 0, sizeof *given);
-    memset(out, 0, sizeof *out);
+/* The flags of argv onto a (and the driver's own), from the first: a resumed run applies them
+   again over its checkpoint's settings. */
+static void apply_flags(int argc, char **argv, lg_args *a, given_flags *given,
+                        checkpoint_flags *ck, output_flags *out) {
     opterr = 0;
+    optind = 0; /* glibc: a fresh scan */
     int opt;
     while ((opt = getopt_long(argc, argv, ":c:b:g:t:p:d:o:h", long_options, NULL)) != -1) {
         char name[64];
         const char *f = flag_name(opt, name, sizeof name);
         switch (opt) {
-        case 'c': a->config = optarg; break;
+        case 'c':
+            a->config = optarg;
+            given->config = 1;
+            break;
         case OPT_DATA: a->data = optarg; break;
         case OPT_VAL_DATA: a->val_data = optarg; break;
         case 'b':
@@ -297,7 +302,10 @@ static void parse_args(int argc, char **argv, lg_args *a, given_flags *given,
             else if (strcmp(optarg, "sophia") == 0) a->optimizer = LG_OPTIMIZER_SOPHIA;
             else die_usage("%s: '%s' is not adamw, sgd, lion or sophia", f, optarg);
             break;
-        case OPT_LR: a->lr = parse_float(f, optarg); break;
+        case OPT_LR:
+            a->lr = parse_float(f, optarg);
+            given->lr = 1;
+            break;
         case OPT_MIN_LR:
             a->min_lr = parse_float(f, optarg);
             given->min_lr = 1;
@@ -347,7 +355,7 @@ static void parse_args(int argc, char **argv, lg_args *a, given_flags *given,
         case OPT_TF32: a->tf32 = 1; break;
         case OPT_HESSIAN_INTERVAL: a->hessian_interval = parse_int(f, optarg); break;
         case OPT_RHO: a->rho = parse_float(f, optarg); break;
-        case OPT_SAVE_EVERY: ck->save_every = parse_int(f, optarg); break;
+        case OPT_SAVE_EVERY: a->save_every = parse_int(f, optarg); break;
         case OPT_LOAD: ck->load = optarg; break;
         case OPT_RESUME: ck->resume = optarg; break;
         case OPT_LORA_R: a->lora.r = parse_int(f, optarg); break;
@@ -384,6 +392,20 @@ static void parse_args(int argc, char **argv, lg_args *a, given_flags *given,
         }
     }
     if (optind < argc) die_usage("unexpected argument '%s'", argv[optind]);
+}
+
+static void parse_args(int argc, char **argv, lg_args *a, given_flags *given,
+                       checkpoint_flags *ck, output_flags *out) {
+    lg_args_default(a);
+    a->backend = lg_backend_in_use(); /* a GPU when the build has CUDA and one is visible */
+    memset(ck, 0, sizeof *ck);
+    memset(given, 0, sizeof *given);
+    memset(out, 0, sizeof *out);
+    apply_flags(argc, argv, a, given, ck, out);
+}
+
+/* The flags together, once a resumed run has its checkpoint's settings. */
+static void check_flags(const lg_args *a, const checkpoint_flags *ck) {
     if (a->micro_batch_auto && !a->global_batch_size)
         die_usage("-b auto needs -g/--global-batch-size: it picks a divisor of the per-device "
                   "batch");
@@ -397,12 +419,10 @@ static void parse_args(int argc, char **argv, lg_args *a, given_flags *given,
                   "nothing", a->out_dir ? "--out" : "--resume");
     if (a->devices < 1) die_usage("-d/--devices must be at least 1");
     if (a->nodes < 1) die_usage("--nodes must be at least 1");
-    if (ck->save_every < 0) die_usage("--save-every must be 0 or more");
-    if (ck->save_every && !a->out_dir) die_usage("--save-every needs --out DIR");
-    if ((ck->load || ck->resume) && a->config)
-        die_usage("%s brings its model's config.json: drop -c/--config", ck->load ? "--load" : "--resume");
-    if (ck->load && ck->resume)
-        die_usage("--load and --resume: a resumed run already has its weights; give one");
+    if (a->save_every < 0) die_usage("--save-every must be 0 or more");
+    if (a->save_every && !a->out_dir) die_usage("--save-every needs --out DIR");
+    if (ck->load && !ck->resume && a->config)
+        die_usage("--load brings its model's config.json: drop -c/--config");
 }
 
 static void die(int code, const lg_error *err) {
@@ -1093,22 +1113,90 @@ static void find_config(const char *name, char *path, size_t cap) {
               names, close ? "?" : "");
 }
 
-/* -c NAME: a file at NAME, else NAME.yaml in ./configs, beside the executable or under
-   LITGPT_CONFIGS; --load or --resume: the directory's config.json; none: the built-in model. */
-static void load_config(lg_args *a, lg_config *cfg, checkpoint_flags *ck) {
+/* The flag of a setting of LG_RUN_SETTINGS (its key), for messages. */
+static const char *setting_flag(const char *key, char *name, size_t size) {
+    static const struct { const char *key; int opt; } flags[] = {
+        {"global_batch_size", 'g'}, {"max_seq_length", 't'}, {"precision", 'p'},
+        {"optimizer", 'o'}, {"optimizer_state", OPT_OPTIMIZER_STATE}, {"seed", OPT_SEED},
+        {"lora.r", OPT_LORA_R}, {"lora.alpha", OPT_LORA_ALPHA},
+        {"lora.dropout", OPT_LORA_DROPOUT}, {"lora.targets", OPT_LORA_TARGETS},
+        {"lora.quantize", OPT_QUANTIZE}};
+    for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++)
+        if (strcmp(flags[i].key, key) == 0) return flag_name(flags[i].opt, name, size);
+    snprintf(name, size, "%s", key);
+    return name;
+}
+
+/* --resume DIR: the run's settings from its checkpoint's LG_RUN_SETTINGS, the command line's
+   flags over them where they do not change the trained model (refused, naming the flag, where
+   they would); a LoRA run's frozen base from where the run loaded it unless --load points
+   elsewhere. saved keeps the settings' strings. */
+static void resume_settings(int argc, char **argv, lg_args *a, given_flags *given,
+                            checkpoint_flags *ck, output_flags *out, lg_run_settings *saved) {
     lg_error err;
-    if (ck->resume && lg_checkpoint_find(ck->resume, ck->resume_dir, sizeof ck->resume_dir, &err) != 0)
-        die(2, &err);
-    const char *dir = ck->load ? ck->load : ck->resume ? ck->resume_dir : NULL;
+    char name[64];
+    if (lg_checkpoint_find(ck->resume, ck->resume_dir, sizeof ck->resume_dir, &err) != 0) die(2, &err);
+    int rc = lg_run_settings_read(ck->resume_dir, saved, &err);
+    if (rc < 0) die(2, &err);
+    if (rc == 1) {
+        printf("resume: %s has no %s (an older checkpoint): the settings are the command "
+               "line's\n", ck->resume_dir, LG_RUN_SETTINGS);
+        if (ck->load) die_usage("--load and --resume: a resumed run already has its weights");
+        return;
+    }
+    lg_args now = saved->args;
+    now.backend = lg_backend_in_use();
+    apply_flags(argc, argv, &now, given, ck, out);
+    if (given->lr && !given->min_lr) now.min_lr = now.lr / 10; /* as on a fresh command line */
+    const char *key = lg_args_resume_conflict(&saved->args, &now);
+    if (key)
+        die_usage("--resume %s: %s differs from the run's (%s/%s): it would train another "
+                  "model than the checkpoint's; drop it to resume with the run's", ck->resume_dir,
+                  setting_flag(key, name, sizeof name), ck->resume_dir, LG_RUN_SETTINGS);
+    if (ck->load && now.lora.r == 0)
+        die_usage("--load and --resume: a resumed run already has its weights (only a LoRA "
+                  "run's --load, its frozen base, may point elsewhere)");
+    if (now.lora.r > 0 && !ck->load && saved->base_loaded) ck->load = saved->base_dir;
+    *a = now;
+}
+
+/* -c NAME: a file at NAME, else NAME.yaml in ./configs, beside the executable or under
+   LITGPT_CONFIGS (find_config). */
+static void load_config_file(const char *config, lg_config *cfg) {
+    lg_error err;
+    char path[LG_PATH_MAX];
+    find_config(config, path, sizeof path);
+    if (lg_config_load(cfg, path, &err) != 0) die(2, &err);
+}
+
+/* -c with --resume: the checkpoint's model by name and shape (what print_resolved_config
+   shows; config.json does not carry every field of a LitGPT config). */
+static int same_model(const lg_config *x, const lg_config *y) {
+    return strcmp(x->name, y->name) == 0 && x->n_layer == y->n_layer && x->n_head == y->n_head &&
+           x->n_query_groups == y->n_query_groups && x->n_embd == y->n_embd &&
+           x->head_size == y->head_size && x->intermediate_size == y->intermediate_size &&
+           x->block_size == y->block_size && x->padded_vocab_size == y->padded_vocab_size;
+}
+
+/* -c NAME (load_config_file); --load or --resume: the directory's config.json (with -c given,
+   a resumed run's must be the same model); none: the built-in model. */
+static void load_config(lg_args *a, lg_config *cfg, checkpoint_flags *ck, int config_given) {
+    lg_error err;
+    const char *dir = ck->resume ? ck->resume_dir : ck->load;
     if (dir) {
         if (lg_hf_config_read(cfg, dir, &err) != 0) die(2, &err);
+        if (ck->resume && config_given) {
+            lg_config named;
+            load_config_file(a->config, &named);
+            if (!same_model(&named, cfg))
+                die_usage("-c/--config %s: the checkpoint %s holds another model (%s); drop -c "
+                          "to resume it", a->config, dir, cfg->name);
+        }
         a->config = dir; /* the model now has a config: --data may follow */
         return;
     }
     if (!a->config) { lg_config_builtin(cfg); return; }
-    char path[1100];
-    find_config(a->config, path, sizeof path);
-    if (lg_config_load(cfg, path, &err) != 0) die(2, &err);
+    load_config_file(a->config, cfg);
 }
 
 typedef struct {
@@ -1575,8 +1663,11 @@ int main(int argc, char **argv) {
     if (!given.beta1) a.beta1 = beta1;
     if (!given.beta2) a.beta2 = beta2;
     if (!given.min_lr) a.min_lr = a.lr / 10; /* the final rate follows --lr */
+    static lg_run_settings saved; /* --resume: the run's settings (its strings live here) */
+    if (ck.resume) resume_settings(argc, argv, &a, &given, &ck, &output, &saved);
+    check_flags(&a, &ck);
     lg_config cfg;
-    load_config(&a, &cfg, &ck);
+    load_config(&a, &cfg, &ck, given.config);
     int T = a.max_seq_length ? a.max_seq_length : cfg.block_size;
     run_data data; /* before the plan: for fine-tuning samples it sets T to the longest one */
     open_data(&a, &cfg, &T, &data);
@@ -1652,7 +1743,9 @@ int main(int argc, char **argv) {
     if (ck.load) printf("loaded the weights of %s\n", ck.load);
     if (ck.resume && lg_checkpoint_resume(&tr, &data.train, ck.resume_dir, &first_step, &err) != 0)
         die(2, &err);
-    if (ck.resume) printf("resumed %s: %d steps done\n", ck.resume_dir, first_step);
+    if (ck.resume) printf("resumed %s: %d steps done%s%s\n", ck.resume_dir, first_step,
+                          a.out_dir ? ", checkpoints to " : "; no --out: it saves no checkpoint",
+                          a.out_dir ? a.out_dir : "");
 
     lg_rng sample_rng;
     lg_rng_seed(&sample_rng, a.seed + 1);
@@ -1674,7 +1767,7 @@ int main(int argc, char **argv) {
         progress_step(&shown, &tr, step + 1, &st);
         plot_step(&plot, st.loss, st.lr);
         if (log) log_step(log, a.log_path, step + 1, &st, tr.scaling);
-        if (ck.save_every && (step + 1) % ck.save_every == 0) {
+        if (a.save_every && (step + 1) % a.save_every == 0) {
             progress_clear(&shown);
             if (lg_checkpoint_save(&tr, &data.train, step + 1, a.out_dir, &err) != 0) die(1, &err);
             printf("saved %s/step-%d\n", a.out_dir, saved_step = step + 1);

@@ -602,6 +602,73 @@ static void test_corrupt_checkpoints(results *r) {
     lg_trainer_free(&tr);
 }
 
+/* Lines of steps first..first+1 of a JSONL log, without their timings (from ,"ms" on). */
+static void log_two_steps(const char *path, int first, char keep[2][512]) {
+    char line[512];
+    keep[0][0] = keep[1][0] = '\0';
+    FILE *f = fopen(path, "r");
+    while (f && fgets(line, sizeof line, f)) {
+        int s;
+        char *ms = strstr(line, ",\"ms\"");
+        if (ms && sscanf(line, "{\"step\":%d", &s) == 1 && s >= first && s <= first + 1) {
+            *ms = 0;
+            snprintf(keep[s - first], 512, "%s", line);
+        }
+    }
+    if (f) fclose(f);
+}
+
+/* Steps 3-4 of two logs are the same (and there). */
+static int logs_agree(const char *a, const char *b, char *shown, size_t cap) {
+    char keep_a[2][512], keep_b[2][512];
+    log_two_steps(a, 3, keep_a);
+    log_two_steps(b, 3, keep_b);
+    snprintf(shown, cap, "%s", keep_b[1]);
+    return keep_a[1][0] && strcmp(keep_a[0], keep_b[0]) == 0 && strcmp(keep_a[1], keep_b[1]) == 0;
+}
+
+/* --resume DIR alone takes the run's settings from the checkpoint (run_settings.txt): the
+   uninterrupted run's losses, checkpoints where the run wrote them; -c accepted when it is
+   the checkpoint's model; flags that would change the model refused naming them; steps may
+   grow. */
+static void test_resume_without_flags(results *r) {
+    static char out[16384];
+    char shown[512];
+    system("rm -rf build/cli-settings");
+    const char *run = "-c test-gpt2 -t 16 -b 2 -g 4 --max-steps 4 --eval-every 0 --sample-tokens 1 "
+                      "--lr 0.01 --warmup-steps 2 -o lion --save-every 2 --out build/cli-settings";
+    char args[512];
+    snprintf(args, sizeof args, "%s --log build/cli-settings-a.jsonl", run);
+    int a = run_capture(args, out, sizeof out);
+    system("rm -rf build/cli-settings/step-4");
+    int b = run_capture("--resume build/cli-settings/step-2 --log build/cli-settings-b.jsonl", out, sizeof out);
+    int same = a == 0 && b == 0 && logs_agree("build/cli-settings-a.jsonl", "build/cli-settings-b.jsonl",
+                                             shown, sizeof shown);
+    struct stat st;
+    int saved = stat("build/cli-settings/step-4/" LG_CHECKPOINT_MARKER, &st) == 0 &&
+                strstr(out, "checkpoints to build/cli-settings");
+    check(r, same && saved, "./train --resume step-2 and no other flag (-c, -t, -b, -g, -o, --lr, "
+          "--warmup-steps from the checkpoint): steps 3-4 log the uninterrupted run's, step-4 "
+          "saved where the run saved (%s)", shown);
+    int c = run_capture("-c test-gpt2 --resume build/cli-settings/step-2 --max-steps 5 --log "
+                        "build/cli-settings-c.jsonl --out build/cli-settings-more", out, sizeof out);
+    char steps[2][512]; /* steps 4 and 5 (the schedule now ends at 5: other rates) */
+    log_two_steps("build/cli-settings-c.jsonl", 4, steps);
+    check(r, c == 0 && steps[1][0] && strstr(out, "saved build/cli-settings-more/step-5"),
+          "-c the checkpoint's model, --max-steps 5 and another --out accepted with --resume: "
+          "steps 3-5 run (%s), step-5 saved there (exit %d)", steps[1], c);
+    expect_cli(r, "-c test-llama --resume build/cli-settings/step-2", 2,
+               "-c/--config test-llama: the checkpoint build/cli-settings/step-2 holds another model");
+    expect_cli(r, "--resume build/cli-settings/step-2 -t 8", 2,
+               "-t/--max-seq-length differs from the run's");
+    expect_cli(r, "--resume build/cli-settings/step-2 -g 8", 2,
+               "-g/--global-batch-size differs from the run's");
+    expect_cli(r, "--resume build/cli-settings/step-2 -o adamw", 2, "-o/--optimizer differs from the run's");
+    expect_cli(r, "--resume build/cli-settings/step-2 -p 32-true", 2, "-p/--precision differs from the run's");
+    expect_cli(r, "--resume build/cli-settings/step-2 --load tests/hf/gpt2", 2,
+               "--load and --resume: a resumed run already has its weights");
+}
+
 /* The flags: --save-every and --out, --resume (a step or the latest), --load. */
 static void test_checkpoint_cli(results *r) {
     static char out[16384];
@@ -649,4 +716,5 @@ static void test_checkpoints(results *r) {
     test_kill_during_save(r);
     test_corrupt_checkpoints(r);
     test_checkpoint_cli(r);
+    test_resume_without_flags(r);
 }

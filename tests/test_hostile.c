@@ -284,6 +284,14 @@ static void test_hostile_adapters(results *r) {
         if (made) expect_cli(r, args, 2, want);
         else check(r, 0, "could not craft the %s adapter", lg_st_dtype_name(dtypes[k]));
     }
+    /* a LoRA checkpoint that does not record its base's hash: refused, naming the base */
+    system("rm -rf " HOSTILE_DIR "/lora-copy && cp -r " HOSTILE_DIR "/lora/step-2 " HOSTILE_DIR
+           "/lora-copy && grep -v base_hash " HOSTILE_DIR "/lora/step-2/" LG_RUN_SETTINGS " > "
+           HOSTILE_DIR "/lora-copy/" LG_RUN_SETTINGS);
+    if (reseal(HOSTILE_DIR "/lora-copy", NULL) != 0) check(r, 0, "could not reseal the copy");
+    else expect_cli(r, "--max-steps 3 --resume " HOSTILE_DIR "/lora-copy", 2,
+                    "no base_hash in " LG_RUN_SETTINGS ": it does not say which base its adapters "
+                    "were trained over, so they are not resumed over one drawn at random");
 }
 
 /* Weights of 1e18, finite and so accepted, overflow the forward: the validation loss is

@@ -339,13 +339,49 @@ static void test_lora_cli(results *r) {
     expect_cli(r, "-c test-gpt2 -t 16 --lora-r 2 --lora-targets q,head --max-steps 1", 2,
                "--lora-targets head: this model ties lm_head to the token embeddings");
     expect_cli(r, "--lora-r 4 --lora-dropout 1 --max-steps 1", 2, "--lora-dropout must be within [0, 1)");
-    /* a checkpoint of other adapters: resume refuses it naming the file and what differs */
+    /* other adapters than the checkpoint's: resume refuses naming the flag */
     expect_cli(r, "--lora-r 2 --max-steps 2 --eval-every 0 --sample-tokens 1 --out out/test-lora-cli",
                0, "saved out/test-lora-cli/step-2");
     expect_cli(r, "--lora-r 4 --max-steps 3 --eval-every 0 --resume out/test-lora-cli", 2,
-               "adapter_model.safetensors");
+               "--lora-r differs from the run's");
     expect_cli(r, "--lora-r 2 --lora-targets q,k,v --max-steps 3 --eval-every 0 --resume out/test-lora-cli",
-               2, "another base model or --lora-targets");
+               2, "--lora-targets differs from the run's");
+    FILE *f = fopen("out/test-lora-cli/step-2/adapter_config.json", "r");
+    char text[4096] = "";
+    size_t n = f ? fread(text, 1, sizeof text - 1, f) : 0;
+    text[n] = '\0';
+    if (f) fclose(f);
+    check(r, strstr(text, "\"base_model_name_or_path\": \"(drawn at random: builtin-sort, seed 1337)") != NULL,
+          "adapter_config.json of a LoRA run over a random base says so: %.70s",
+          strstr(text, "base_model_name") ? strstr(text, "base_model_name") : text);
+}
+
+/* A LoRA run over a --load'ed base, interrupted after step 2 and resumed with --resume alone:
+   the base comes back from the directory the checkpoint names and steps 3-4 log the
+   uninterrupted run's; over another base of the same architecture (or without a recorded
+   base) the resume is refused naming both. */
+static void test_lora_resume_loaded_base(results *r) {
+    static const char *const run = "--load tests/hf/llama --lora-r 2 -b 2 -t 8 --max-steps 4 "
+                                   "--eval-every 0 --sample-tokens 1 --lr 0.05";
+    char args[512], out[8192], shown[512];
+    system("rm -rf build/lora-base build/lora-other-base");
+    snprintf(args, sizeof args, "%s --log build/lora-base-a.jsonl", run);
+    int a = run_capture(args, out, sizeof out);
+    snprintf(args, sizeof args, "%s --save-every 2 --out build/lora-base --max-steps 4", run);
+    int saved = run_capture(args, out, sizeof out);
+    int b = run_capture("--resume build/lora-base/step-2 --log build/lora-base-b.jsonl", out, sizeof out);
+    int same = a == 0 && saved == 0 && b == 0 &&
+               strstr(out, "loaded the weights of tests/hf/llama") &&
+               logs_agree("build/lora-base-a.jsonl", "build/lora-base-b.jsonl", shown, sizeof shown);
+    check(r, same, "LoRA over --load tests/hf/llama, resumed with --resume alone: the base from the "
+          "checkpoint's record, steps 3-4 log the uninterrupted run's (%s)", shown);
+    /* another base: the same model trained one step at a large learning rate */
+    int other = run_capture("--load tests/hf/llama -b 2 -t 8 --max-steps 1 --eval-every 0 "
+                            "--sample-tokens 1 --lr 0.5 --warmup-steps 0 --out build/lora-other-base",
+                            out, sizeof out);
+    if (other != 0) check(r, 0, "could not write another base: %.200s", out);
+    else expect_cli(r, "--resume build/lora-base/step-2 --load build/lora-other-base/step-1", 2,
+                    "its adapters were trained over base tests/hf/llama (hash ");
 }
 
 /* Forward and backward of a model with adapters on every target (r 2, alpha 3), dropout off and
@@ -441,6 +477,7 @@ static void test_lora_all(results *r) {
     test_lora_merged_and_resume(r);
     test_lora_plan(r);
     test_lora_cli(r);
+    test_lora_resume_loaded_base(r);
     test_lora_peft_files(r);
     test_lora_trainable_counts(r);
     test_lora_published_memory(r);
