@@ -191,6 +191,10 @@ static unsigned char *gguf_read_file(const char *path, size_t *n) {
     return (unsigned char *)lg_read_file(path, n, "gguf", &err);
 }
 
+/* The --type values tested: every family in f32 and q8_0, Llama 2's also in f16 and bf16. */
+static const char *const gguf_types[4] = {"f32", "q8_0", "f16", "bf16"};
+static const uint32_t gguf_ggml_types[4] = {0, 8, 1, 30};
+
 /* ---- the models ------------------------------------------------------------------------------ */
 
 typedef struct {
@@ -289,7 +293,8 @@ static int gguf_llama_q_order(const gguf_file *g, const lg_model *m) {
     return 1;
 }
 
-/* token_embd against the model's wte: equal in f32, within half a step of its block in q8_0. */
+/* token_embd against the model's wte: equal in f32 (and to its rounding in f16, bf16), within
+   half a step of its block in q8_0. */
 static double gguf_embedding_error(const gguf_file *g, const lg_model *m) {
     const gguf_info *t = gguf_find_tensor(g, "token_embd.weight");
     size_t n = (size_t)m->cfg.padded_vocab_size * (size_t)m->cfg.n_embd;
@@ -304,7 +309,9 @@ static double gguf_embedding_error(const gguf_file *g, const lg_model *m) {
         float d = amax / 127.0f, d16 = lg_f16_to_f32(lg_f32_to_f16(d));
         float step = t->type == 8 ? 0.5f * d + 127.0f * fabsf(d - d16) + 1e-7f : 0.0f;
         for (size_t i = b; i < b + 32; i++) {
-            double e = fabs((double)gguf_value(g, t, i) - w[i]) - step;
+            float want = t->type == 1 ? lg_f16_to_f32(lg_f32_to_f16(w[i]))
+                         : t->type == 30 ? lg_bf16_to_f32(lg_f32_to_bf16(w[i])) : w[i];
+            double e = fabs((double)gguf_value(g, t, i) - want) - step;
             if (e > worst) worst = e;
         }
     }
@@ -312,7 +319,7 @@ static double gguf_embedding_error(const gguf_file *g, const lg_model *m) {
 }
 
 static void gguf_check_file(results *r, const gguf_case *k, const lg_model *m, const char *path,
-                            int q8) {
+                            int ty) {
     size_t n;
     unsigned char *bytes = gguf_read_file(path, &n);
     gguf_file g;
@@ -347,10 +354,10 @@ static void gguf_check_file(results *r, const gguf_case *k, const lg_model *m, c
     }
     const gguf_info *emb = gguf_find_tensor(&g, "token_embd.weight");
     double err = gguf_embedding_error(&g, m);
-    check(r, emb && emb->type == (q8 ? 8u : 0u) && err <= 0,
-          "%s: token_embd (%s) holds the model's wte %s (worst excess %.2g)", path,
-          emb ? (emb->type == 8 ? "q8_0" : "f32") : "absent", q8 ? "to half a q8_0 step" : "exactly", err);
-    if (!strcmp(k->arch, "llama") && !q8)
+    check(r, emb && emb->type == gguf_ggml_types[ty] && err <= 0,
+          "%s: token_embd (ggml type %u) holds the model's wte %s (worst excess %.2g)", path,
+          emb ? emb->type : 99u, ty == 1 ? "to half a q8_0 step" : ty ? "rounded" : "exactly", err);
+    if (!strcmp(k->arch, "llama") && !ty)
         check(r, gguf_llama_q_order(&g, m), "%s: attn_q rows in llama.cpp's order (rotating pairs adjacent)", path);
     free(g.kv);
     free(g.t);
@@ -460,9 +467,9 @@ static int gguf_parse_theirs(const char *line, gguf_theirs *t) {
 
 /* One exported file against llama.cpp. f32: the same ids for the text, the same greedy
    continuation, the same top token at every position of the prompt and continuation, and our
-   logits there. q8_0: the same ids, and the same top token at most positions. */
+   logits there. q8_0, f16, bf16: the same ids, and the same top token at most positions. */
 static void gguf_compare(results *r, const char *path, const gguf_ours *o, const gguf_theirs *t,
-                         int q8) {
+                         int ty) {
     int same_ids = t->n_tokens == (int)o->text_ids.n;
     for (int i = 0; same_ids && i < t->n_tokens; i++) same_ids = t->tokens[i] == o->text_ids.ids[i];
     check(r, !t->error[0] && same_ids, "%s: llama.cpp loads it and tokenizes the text to our %d ids%s%s",
@@ -478,9 +485,10 @@ static void gguf_compare(results *r, const char *path, const gguf_ours *o, const
             largest = fmax(largest, fabs((double)o->logits[i * GGUF_NEW + j]));
         }
     }
-    if (q8) {
+    if (ty) {
         check(r, same_top >= T * 3 / 4, "%s: llama.cpp's top token is ours at %d of %d positions "
-              "(q8_0: at least 3/4; logits differ by up to %.3g of %.3g)", path, same_top, T, worst, largest);
+              "(%s: at least 3/4; logits differ by up to %.3g of %.3g)", path, same_top, T,
+              gguf_types[ty], worst, largest);
         return;
     }
     int same_new = 1;
@@ -503,6 +511,8 @@ static void gguf_truncated(results *r, const char *path, const char *cut) {
     if (bytes && refused) { free(g.kv); free(g.t); }
     free(bytes);
 }
+
+static int gguf_n_types(int k) { return !strcmp(gguf_cases[k].name, "llama2") ? 4 : 2; }
 
 static void test_gguf_cli(results *r) {
     expect_program(r, "./tools/export", "gguf tests/hf/gpt2 " GGUF_DIR "/x.gguf --type q4_0", 2,
@@ -528,14 +538,14 @@ static void test_gguf_all(results *r) {
         lg_model m;
         if (gguf_make_model(r, &gguf_cases[k], &m, dir, sizeof dir) != 0) continue;
         if (gguf_our_side(r, &gguf_cases[k], &m, dir, &ours[k]) == 0)
-            for (int q8 = 0; q8 < 2; q8++) {
-                snprintf(path[q8], sizeof path[q8], "%s-%s.gguf", dir, q8 ? "q8_0" : "f32");
+            for (int ty = 0; ty < gguf_n_types(k); ty++) {
+                snprintf(path[ty > 0], sizeof path[0], "%s-%s.gguf", dir, gguf_types[ty]);
                 snprintf(cmd, sizeof cmd, "./tools/export gguf %s %s --type %s%s%s > /dev/null", dir,
-                         path[q8], q8 ? "q8_0" : "f32", gguf_cases[k].hub ? "" : " --tokenizer ",
+                         path[ty > 0], gguf_types[ty], gguf_cases[k].hub ? "" : " --tokenizer ",
                          gguf_cases[k].hub ? "" : gguf_cases[k].tokenizer);
                 check(r, system(cmd) == 0, "%s", cmd);
-                gguf_check_file(r, &gguf_cases[k], &m, path[q8], q8);
-                gguf_write_job(jobs, path[q8], &ours[k], k == 0 && q8 == 0);
+                gguf_check_file(r, &gguf_cases[k], &m, path[ty > 0], ty);
+                gguf_write_job(jobs, path[ty > 0], &ours[k], k == 0 && ty == 0);
             }
         if (k == 0) gguf_truncated(r, path[0], GGUF_DIR "/truncated.gguf");
         lg_model_free(&m);
@@ -547,12 +557,12 @@ static void test_gguf_all(results *r) {
     FILE *p = popen("node tests/llama_cpp_check.mjs " LLAMA_CPP_INDEX " " GGUF_DIR "/jobs.json 2> " GGUF_DIR "/llama_cpp.log", "r");
     static char line[1 << 20];
     for (int k = 0; k < GGUF_CASES; k++)
-        for (int q8 = 0; q8 < 2; q8++) {
+        for (int ty = 0; ty < gguf_n_types(k); ty++) {
             gguf_theirs theirs;
-            snprintf(path[0], sizeof path[0], GGUF_DIR "/%s-%s.gguf", gguf_cases[k].name, q8 ? "q8_0" : "f32");
+            snprintf(path[0], sizeof path[0], GGUF_DIR "/%s-%s.gguf", gguf_cases[k].name, gguf_types[ty]);
             if (!p || !fgets(line, sizeof line, p)) { check(r, 0, "%s: no answer from llama.cpp", path[0]); continue; }
             gguf_parse_theirs(line, &theirs);
-            gguf_compare(r, path[0], &ours[k], &theirs, q8);
+            gguf_compare(r, path[0], &ours[k], &theirs, ty);
         }
     gguf_theirs cut;
     int answered = p && fgets(line, sizeof line, p);
