@@ -522,6 +522,25 @@ static void test_gguf_cli(results *r) {
     expect_program(r, "./tools/export", "gguf", 2, "gguf needs DIR and FILE");
 }
 
+/* Tokenizers travel with checkpoints: a run loaded from a Hugging Face directory writes its
+   tokenizer.json into each step-N (listed in COMPLETE), which then exports on its own. */
+static void test_gguf_step_dir(results *r) {
+    char marker[4096] = "";
+    lg_error err;
+    int step = 0;
+    if (system("rm -rf " GGUF_DIR "/run") != 0) return;
+    expect_cli(r, "--load " GGUF_DIR "/llama2 -b 1 -t 8 --max-steps 1 --eval-iters 1 --out " GGUF_DIR
+               "/run", 0, "1/1");
+    int verified = lg_checkpoint_verify(GGUF_DIR "/run/step-1", &step, &err) == 0;
+    FILE *f = fopen(GGUF_DIR "/run/step-1/" LG_CHECKPOINT_MARKER, "r");
+    if (f) { marker[fread(marker, 1, sizeof marker - 1, f)] = '\0'; fclose(f); }
+    check(r, verified && strstr(marker, "file tokenizer.json "), GGUF_DIR "/run/step-1 carries "
+          "tokenizer.json, listed in " LG_CHECKPOINT_MARKER " and verified%s%s", verified ? "" : ": ",
+          verified ? "" : err.msg);
+    expect_program(r, "./tools/export", "gguf " GGUF_DIR "/run/step-1 " GGUF_DIR "/run.gguf", 0,
+                   "llama, 21 tensors, f32, 32000 tokens");
+}
+
 static void test_gguf_all(results *r) {
     static gguf_ours ours[GGUF_CASES];
     char dir[256], path[2][320], cmd[1024];
@@ -569,5 +588,6 @@ static void test_gguf_all(results *r) {
     gguf_parse_theirs(answered ? line : "{}", &cut);
     check(r, answered && cut.error[0], GGUF_DIR "/truncated.gguf: llama.cpp refuses it: \"%s\"", cut.error);
     if (p) pclose(p);
+    test_gguf_step_dir(r);
     for (int k = 0; k < GGUF_CASES; k++) { lg_tokens_free(&ours[k].text_ids); free(ours[k].logits); }
 }
