@@ -383,7 +383,7 @@ static merge_entry *merges_in_order(const lg_tokenizer *tok) {
 
 /* SentencePiece's scores, which llama.cpp merges by (highest first): minus the rank of the
    first merge that makes the token, so its order is the merge list's; 0 for the rest. */
-static float *spm_scores(const lg_tokenizer *tok, int n_tokens, const merge_entry *merges) {
+static float *spm_scores(const lg_tokenizer *tok, int n_tokens) {
     float *scores = (float *)calloc((size_t)n_tokens, sizeof(float));
     for (size_t s = 0; s < tok->merge_slots; s++) {
         if (tok->merge_pair[s] == UINT64_MAX) continue;
@@ -391,7 +391,6 @@ static float *spm_scores(const lg_tokenizer *tok, int n_tokens, const merge_entr
         float score = -(float)(tok->merge_rank[s] + 1);
         if (id >= 0 && id < n_tokens && (scores[id] == 0 || score > scores[id])) scores[id] = score;
     }
-    (void)merges;
     return scores;
 }
 
@@ -474,7 +473,7 @@ static void write_tokenizer(metadata *m, const lg_tokenizer *tok, int n_tokens, 
     if (!tok->sentencepiece) kv_str(m, "tokenizer.ggml.pre", pre_tokenizer_name(tok));
     write_tokens(m, tok, n_tokens, unk);
     if (tok->sentencepiece) {
-        float *scores = spm_scores(tok, n_tokens, merges);
+        float *scores = spm_scores(tok, n_tokens);
         kv_array(m, "tokenizer.ggml.scores", GGUF_FLOAT32, (uint64_t)n_tokens);
         put(&m->b, scores, sizeof(float) * (size_t)n_tokens);
         free(scores);
