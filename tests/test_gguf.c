@@ -539,6 +539,14 @@ static void test_gguf_step_dir(results *r) {
           verified ? "" : err.msg);
     expect_program(r, "./tools/export", "gguf " GGUF_DIR "/run/step-1 " GGUF_DIR "/run.gguf", 0,
                    "llama, 21 tensors, f32, 32000 tokens");
+    /* LoRA: step-1 holds the adapters, the last step-2 also the merged model */
+    if (system("rm -rf " GGUF_DIR "/lora") != 0) return;
+    expect_cli(r, "--load " GGUF_DIR "/llama2 --lora-r 2 -b 1 -t 8 --max-steps 2 --save-every 1 "
+               "--eval-iters 1 --out " GGUF_DIR "/lora", 0, "2/2");
+    expect_program(r, "./tools/export", "gguf " GGUF_DIR "/lora/step-1 " GGUF_DIR "/lora.gguf", 2,
+                   "LoRA adapters without the merged model: export the run's last step-N");
+    expect_program(r, "./tools/export", "gguf " GGUF_DIR "/lora/step-2 " GGUF_DIR "/lora.gguf", 0,
+                   "llama, 21 tensors, f32, 32000 tokens");
 }
 
 static void test_gguf_all(results *r) {

@@ -635,6 +635,13 @@ static int export_gguf(const char *dir, const char *path, const export_type *typ
     lg_config cfg;
     lg_hf_family family;
     if (lg_hf_config_read(&cfg, dir, &err) != 0) die(1, "%s", err.msg);
+    char probe[LG_PATH_MAX + 32];
+    snprintf(probe, sizeof probe, "%s/adapter_config.json", dir);
+    int adapters = access(probe, R_OK) == 0;
+    snprintf(probe, sizeof probe, "%s/model.safetensors", dir);
+    if (adapters && access(probe, R_OK) != 0)
+        die(2, "%s: LoRA adapters without the merged model: export the run's last step-N, which "
+            "holds it", dir);
     if (lg_hf_family_of(&cfg, &family, &err) != 0) die(1, "%s", err.msg);
     const char *why = unsupported(&cfg, family);
     if (why) die(2, "%s: %s has no %s model in llama.cpp", dir, why, arch_of(family));
