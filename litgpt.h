@@ -1461,6 +1461,10 @@ size_t lg_config_to_yaml(const lg_config *cfg, char *buf, size_t cap);
 typedef struct lg_trainer lg_trainer; /* 13. trainer */
 #define LG_CHECKPOINT_MARKER "COMPLETE"
 #define LG_TRAINING_STATE "training_state.safetensors"
+/* The tokenizer files a step-N directory carries when the trainer's tokenizer_dir has them. */
+#define LG_TOKENIZER_FILES {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", \
+                            "encoder.json", "vocab.bpe", "chat_template.jinja"}
+#define LG_N_TOKENIZER_FILES 6
 
 /* Checks DIR/COMPLETE and each file it lists: present, of its size, of its hash. *step (may
    be NULL) gets the step it records. */
@@ -1592,6 +1596,9 @@ typedef struct lg_trainer {
     int base_loaded;       /* LoRA: 1 the base came from --load (base_model), 0 drawn */
     int base_hashed;       /* base_hash holds the hash of the base as it is now */
     uint64_t base_hash;    /* LoRA: FNV-1a of rank 0's frozen base (its stored bytes) */
+    char tokenizer_dir[LG_PATH_MAX]; /* a directory whose tokenizer files (LG_TOKENIZER_FILES) each
+                              step-N directory gets a copy of, so that it is self-contained
+                              for generation and export (train.c: --load DIR); "" none */
 } lg_trainer;
 
 typedef struct {
@@ -13287,16 +13294,40 @@ static int lg_checkpoint_outcome(lg_trainer *tr, int rc, lg_error *err) {
     return rc;
 }
 
+/* The tokenizer files of tr->tokenizer_dir that exist, copied into dir (atomically); their
+   names and digests appended at names[*n], digests[*n]. Process 0 only. */
+static int lg_checkpoint_copy_tokenizer(const lg_trainer *tr, const char *dir, const char **names,
+                                        lg_file_digest *digests, int *n, lg_error *err) {
+    static const char *const files[LG_N_TOKENIZER_FILES] = LG_TOKENIZER_FILES;
+    char from[LG_PATH_MAX], to[LG_PATH_MAX];
+    for (int i = 0; tr->tokenizer_dir[0] && i < LG_N_TOKENIZER_FILES; i++) {
+        lg_format(from, sizeof from, "%s/%s", tr->tokenizer_dir, files[i]);
+        struct stat st;
+        if (stat(from, &st) != 0) continue; /* the family's other files */
+        size_t len;
+        char *text = lg_read_text_file(from, (size_t)1 << 30, &len, err);
+        if (!text) return -1;
+        lg_format(to, sizeof to, "%s/%s", dir, files[i]);
+        int rc = strlen(text) == len ? lg_write_text_file(to, text, &digests[*n], err)
+                                     : lg_fail(err, "%s: holds a NUL byte; not a tokenizer file", from);
+        LG_FREE(text);
+        if (rc != 0) return -1;
+        names[(*n)++] = files[i];
+    }
+    return 0;
+}
+
 /* A LoRA run's step-N: the adapters as PEFT files, the base model's config.json and
    model_config.yaml, the training state of the adapters; the run's last step also holds the
    merged model (model.safetensors). Process 0 writes; every process takes part in the gathers
    and learns each part's outcome. */
 static int lg_lora_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step,
                                    const char *out, const char *dir, lg_error *err) {
-    const char *names[7] = {"adapter_model.safetensors", "adapter_config.json", "config.json",
-                            "model_config.yaml", LG_TRAINING_STATE, LG_RUN_SETTINGS,
-                            "model.safetensors"};
-    lg_file_digest digests[7];
+    const char *names[7 + LG_N_TOKENIZER_FILES] = {"adapter_model.safetensors", "adapter_config.json",
+                                                   "config.json", "model_config.yaml",
+                                                   LG_TRAINING_STATE, LG_RUN_SETTINGS,
+                                                   "model.safetensors"};
+    lg_file_digest digests[7 + LG_N_TOKENIZER_FILES];
     const lg_model *m0 = &tr->ranks[0].model;
     lg_config base = lg_config_base(&m0->cfg);
     lg_hf_family family;
@@ -13325,21 +13356,27 @@ static int lg_lora_checkpoint_save(lg_trainer *tr, const lg_loader *data, int st
     if (rc == 0)
         rc = lg_checkpoint_outcome(tr, lg_training_state_write(tr, data, step, path, &digests[4], err),
                                    err);
+    int n = final ? 7 : 6; /* the tokenizer's files after these */
     if (rc == 0)
         rc = lg_checkpoint_outcome(tr, writer ? lg_run_settings_write(tr, out, dir, &digests[5], err) : 0,
                                    err);
     if (rc == 0)
         rc = lg_checkpoint_outcome(
-            tr, writer ? lg_write_marker(dir, step, names, digests, final ? 7 : 6, err) : 0, err);
+            tr, writer ? lg_checkpoint_copy_tokenizer(tr, dir, names, digests, &n, err) : 0, err);
+    if (rc == 0)
+        rc = lg_checkpoint_outcome(tr, writer ? lg_write_marker(dir, step, names, digests, n, err) : 0,
+                                   err);
     return rc;
 }
 
 int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const char *out,
                        lg_error *err) {
-    static const char *const names[5] = {"model.safetensors", "config.json", "model_config.yaml",
-                                         LG_TRAINING_STATE, LG_RUN_SETTINGS};
+    const char *names[5 + LG_N_TOKENIZER_FILES] = {"model.safetensors", "config.json",
+                                                   "model_config.yaml", LG_TRAINING_STATE,
+                                                   LG_RUN_SETTINGS};
     char dir[LG_PATH_MAX], path[1200];
-    lg_file_digest digests[5];
+    lg_file_digest digests[5 + LG_N_TOKENIZER_FILES];
+    int n = 5;
     if (lg_checkpoint_supported(tr, err) != 0) return -1;
     int writer = tr->process == 0; /* the others take part in the gathers */
     if (writer && mkdir(out, 0755) != 0 && errno != EEXIST)
@@ -13358,7 +13395,10 @@ int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const ch
         rc = lg_checkpoint_outcome(tr, writer ? lg_run_settings_write(tr, out, dir, &digests[4], err) : 0,
                                    err);
     if (rc == 0)
-        rc = lg_checkpoint_outcome(tr, writer ? lg_write_marker(dir, step, names, digests, 5, err) : 0,
+        rc = lg_checkpoint_outcome(
+            tr, writer ? lg_checkpoint_copy_tokenizer(tr, dir, names, digests, &n, err) : 0, err);
+    if (rc == 0)
+        rc = lg_checkpoint_outcome(tr, writer ? lg_write_marker(dir, step, names, digests, n, err) : 0,
                                    err);
     return rc;
 }
@@ -14851,6 +14891,7 @@ static void lg_gen_dot4(lg_buf w, size_t at, const lg_real *x, int n, lg_real *s
    the last OC % 4 rows from the last four. */
 static void lg_gen_gemv(lg_buf out, const lg_real *x, lg_buf w, lg_buf bias, int IC, int OC,
                         int threads) {
+    (void)threads; /* a build without OpenMP */
     if (OC < 4) { /* (never in a model here: at least 4 outputs) */
         for (int o = 0; o < OC; o++) {
             lg_real s = 0;

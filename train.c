@@ -1741,11 +1741,15 @@ int main(int argc, char **argv) {
     if ((a.out_dir || ck.resume) && lg_checkpoint_supported(&tr, &err) != 0) die(2, &err);
     if (ck.load && lg_trainer_load_hf(&tr, ck.load, &err) != 0) die(2, &err);
     if (ck.load) printf("loaded the weights of %s\n", ck.load);
+    if (ck.load) /* its tokenizer travels with the checkpoints */
+        snprintf(tr.tokenizer_dir, sizeof tr.tokenizer_dir, "%s", ck.load);
     if (ck.resume && lg_checkpoint_resume(&tr, &data.train, ck.resume_dir, &first_step, &err) != 0)
         die(2, &err);
     if (ck.resume) printf("resumed %s: %d steps done%s%s\n", ck.resume_dir, first_step,
                           a.out_dir ? ", checkpoints to " : "; no --out: it saves no checkpoint",
                           a.out_dir ? a.out_dir : "");
+    if (ck.resume && !ck.load) /* the tokenizer the checkpoint carries goes on */
+        snprintf(tr.tokenizer_dir, sizeof tr.tokenizer_dir, "%s", ck.resume_dir);
 
     lg_rng sample_rng;
     lg_rng_seed(&sample_rng, a.seed + 1);

@@ -1899,6 +1899,7 @@ static void run_emulated_cuda_tests(results *r) {
 #include "test_hostile.c"
 #include "test_real_models.c"
 #include "test_generate.c"
+#include "test_gguf.c"
 
 /* Starts a section: prints its name and says whether to run it. `./tests/test WORD` runs only
    the sections whose names contain WORD (e.g. `./tests/test plan`); no argument runs all. */
@@ -1971,6 +1972,7 @@ int main(int argc, char **argv) {
     if (section("nf4 (QLoRA's weight storage)", argc, argv)) test_nf4_all(&r);
     if (section("hostile input", argc, argv)) test_hostile_all(&r);
     if (section("real models and data", argc, argv)) test_real_models_all(&r);
+    if (section("GGUF export, checked by llama.cpp", argc, argv)) test_gguf_all(&r);
     if (section("devices and sharding", argc, argv)) test_sharding(&r);
     if (section("processes: launchers, mpirun, rendezvous", argc, argv)) test_processes(&r);
     if (section("LoRA and QLoRA", argc, argv)) test_lora_all(&r);
