@@ -1094,10 +1094,15 @@ int lg_launch_from_env(lg_launch *launch, lg_error *err);
 int lg_launch_place(lg_launch *launch, int devices, int nodes, lg_error *err);
 /* Several processes started by an MPI launcher (not torchrun) in an MPI build: MPI_Init, and
    MPI's world must be the launcher's (a launcher and an MPI library that do not match make
-   every process rank 0). Nothing to do otherwise. lg_launch_finish: MPI_Finalize when
-   started. */
+   every process rank 0). Nothing to do otherwise. MPI_Init waits for every process: one that
+   exited before it (or never started) would hold the others there for ever, so a process
+   still there after launch->dist_timeout says so on stderr and exits 2 (the launcher then ends
+   the job). lg_launch_finish: MPI_Finalize when started. */
 int lg_launch_start(lg_launch *launch, lg_error *err);
 void lg_launch_finish(lg_launch *launch);
+/* Exits with `code` where every process exits alike (--plan, --help, after lg_launch_same):
+   MPI_Finalize first when this process joined MPI, so that the launcher sees a clean end. */
+void lg_launch_exit(int code);
 /* Every process compares its n items (flags, data) with process 0's; the first that differs
    anywhere is an error on every process naming the process, the item and both values. Without
    MPI (the CUDA build) process 0's items reach the others through a rendezvous next to
@@ -1607,6 +1612,7 @@ int lg_comms_per_rank(const lg_args *args);
 #endif
 #ifdef LG_MPI /* CPU ranks in several processes, start-up under a launcher (make: mpicc found) */
 #include <mpi.h>
+#include <pthread.h> /* MPI_Init's watchdog */
 #endif
 #include <poll.h> /* POSIX: the rendezvous's waits */
 #if defined(_POSIX_C_SOURCE) && _POSIX_C_SOURCE >= 200112L
@@ -6000,8 +6006,9 @@ static void lg_add(const lg_exec *ex, lg_buf out, lg_buf a, lg_buf b, size_t n) 
     for (long i = 0; i < (long)n; i++) lg_set(out, i, lg_get(a, i) + lg_get(b, i));
 }
 
-/* dst (n) = src (n), converting */
+/* dst (n) = src (n), converting; n 0 copies nothing (an empty unit's buffers may be NULL) */
 static void lg_copy(const lg_exec *ex, lg_buf dst, lg_buf src, size_t n) {
+    if (n == 0) return;
     LG_ON_GPU(ex, lg_cuda_copy(ex, dst, src, n));
     if (dst.dtype == src.dtype) {
         memcpy(dst.data, src.data, n * lg_elem_size(dst.dtype));
@@ -6019,8 +6026,9 @@ static void lg_copy_beside(const lg_exec *ex, lg_buf dst, lg_buf src, size_t n) 
     lg_copy(ex, dst, src, n);
 }
 
-/* x (n) = 0 */
+/* x (n) = 0; n 0 writes nothing (x may be NULL) */
 static void lg_zero(const lg_exec *ex, lg_buf x, size_t n) {
+    if (n == 0) return;
     LG_ON_GPU(ex, lg_cuda_zero(ex, x, n));
     memset(x.data, 0, n * lg_elem_size(x.dtype));
 }
@@ -7452,11 +7460,61 @@ static int lg_launcher_speaks_mpi(const lg_launch *l) {
     return l->launcher && strcmp(l->launcher, "torchrun") != 0;
 }
 
+/* MPI_Init's watchdog: ends the process when MPI has not started by the deadline. */
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t started;
+    int done;
+    const lg_launch *launch;
+} lg_mpi_start_watch;
+
+static void *lg_mpi_watch_start(void *arg) {
+    lg_mpi_start_watch *w = (lg_mpi_start_watch *)arg;
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    double whole = floor(w->launch->dist_timeout), part = w->launch->dist_timeout - whole;
+    deadline.tv_sec += (time_t)whole;
+    deadline.tv_nsec += (long)(part * 1e9);
+    if (deadline.tv_nsec >= 1000000000L) deadline.tv_sec++, deadline.tv_nsec -= 1000000000L;
+    pthread_mutex_lock(&w->lock);
+    int rc = 0;
+    while (!w->done && rc != ETIMEDOUT) rc = pthread_cond_timedwait(&w->started, &w->lock, &deadline);
+    int late = !w->done;
+    pthread_mutex_unlock(&w->lock);
+    if (!late) return NULL;
+    fprintf(stderr, "rank %d: MPI did not start within --dist-timeout %g s: all %d processes that "
+                    "%s started must reach it, and one exited before it (a bad flag, or --plan or "
+                    "--help given to it alone) or never started; stopping\n",
+            w->launch->process, w->launch->dist_timeout, w->launch->processes, w->launch->launcher);
+    fflush(stderr);
+    _exit(2);
+}
+
+/* MPI_Init, or the process ends after dist_timeout (lg_mpi_watch_start). */
+static int lg_mpi_init_watched(const lg_launch *l) {
+    lg_mpi_start_watch w;
+    pthread_t watchdog;
+    memset(&w, 0, sizeof w);
+    w.launch = l;
+    pthread_mutex_init(&w.lock, NULL);
+    pthread_cond_init(&w.started, NULL);
+    int watching = pthread_create(&watchdog, NULL, lg_mpi_watch_start, &w) == 0;
+    int rc = MPI_Init(NULL, NULL);
+    pthread_mutex_lock(&w.lock);
+    w.done = 1;
+    pthread_cond_signal(&w.started);
+    pthread_mutex_unlock(&w.lock);
+    if (watching) pthread_join(watchdog, NULL);
+    pthread_cond_destroy(&w.started);
+    pthread_mutex_destroy(&w.lock);
+    return rc;
+}
+
 int lg_launch_start(lg_launch *l, lg_error *err) {
     if (l->processes == 1 || !lg_launcher_speaks_mpi(l)) return 0;
     int ready = 0, size = 0, rank = 0;
     MPI_Initialized(&ready);
-    if (!ready && MPI_Init(NULL, NULL) != MPI_SUCCESS)
+    if (!ready && lg_mpi_init_watched(l) != MPI_SUCCESS)
         return lg_fail(err, "MPI_Init failed under %s", l->launcher);
     l->mpi = 1;
     MPI_Comm_size(MPI_COMM_WORLD, &size);
@@ -7481,6 +7539,15 @@ void lg_launch_abort(int code) {
     MPI_Initialized(&started);
     MPI_Finalized(&finished);
     if (started && !finished) MPI_Abort(MPI_COMM_WORLD, code);
+    exit(code);
+}
+
+void lg_launch_exit(int code) {
+    int started = 0, finished = 0;
+    fflush(stdout);
+    MPI_Initialized(&started);
+    MPI_Finalized(&finished);
+    if (started && !finished) MPI_Finalize();
     exit(code);
 }
 
@@ -7551,6 +7618,11 @@ int lg_launch_start(lg_launch *l, lg_error *err) {
 void lg_launch_finish(lg_launch *l) { (void)l; }
 
 void lg_launch_abort(int code) {
+    fflush(stdout);
+    exit(code);
+}
+
+void lg_launch_exit(int code) {
     fflush(stdout);
     exit(code);
 }
@@ -7938,6 +8010,8 @@ int lg_launch_same(const lg_launch *l, const char *const *items, int n, lg_error
 #if defined(LG_MPI) && !defined(LG_CUDA)
 #define LG_MPI_RANKS 1
 #define LG_MPI_BEAT_TAG 7 /* "arrived at collective n": a process's message to the group's first */
+#define LG_MPI_BEAT_MS 100.0    /* a waiting process repeats its arrival this often */
+#define LG_MPI_SILENT_MS 1000.0 /* and is taken for stopped when silent this long */
 
 /* A group whose members live in several processes; this one drives `local` consecutive
    members from first_local, and is process first_local / local of the group. */
@@ -7958,6 +8032,8 @@ struct lg_comm {
     int ranks_per_process, process, processes;
     int *world_process;  /* (processes): each group process's place in MPI_COMM_WORLD */
     long started, *arrived, beat;
+    double *heard;  /* (processes) the first process: when each last said where it is (ms) */
+    double beat_ms; /* the others: when this one last said so */
     MPI_Request beat_request;
 };
 
@@ -7967,6 +8043,20 @@ static void lg_mpi_arrive(lg_comm *c) {
     if (c->process == 0) return;
     if (c->beat_request != MPI_REQUEST_NULL) MPI_Wait(&c->beat_request, MPI_STATUS_IGNORE);
     c->beat = c->started; /* (MPI reads it until the send completes) */
+    c->beat_ms = lg_time_ms();
+    MPI_Isend(&c->beat, 1, MPI_LONG, 0, LG_MPI_BEAT_TAG, c->watch, &c->beat_request);
+}
+
+/* A waiting process repeats its arrival every LG_MPI_BEAT_MS (when the last message has
+   gone): the group's first then tells one stopped inside a collective, silent, from one that
+   waits like itself. */
+static void lg_mpi_beat_again(lg_comm *c) {
+    int sent = 1;
+    if (c->process == 0 || lg_time_ms() - c->beat_ms < LG_MPI_BEAT_MS) return;
+    if (c->beat_request != MPI_REQUEST_NULL) MPI_Test(&c->beat_request, &sent, MPI_STATUS_IGNORE);
+    if (!sent) return;
+    c->beat = c->started;
+    c->beat_ms = lg_time_ms();
     MPI_Isend(&c->beat, 1, MPI_LONG, 0, LG_MPI_BEAT_TAG, c->watch, &c->beat_request);
 }
 
@@ -7978,22 +8068,41 @@ static void lg_mpi_take_arrivals(lg_comm *c) {
         MPI_Iprobe(MPI_ANY_SOURCE, LG_MPI_BEAT_TAG, c->watch, &any, &st);
         if (any) MPI_Recv(&c->arrived[st.MPI_SOURCE], 1, MPI_LONG, st.MPI_SOURCE, LG_MPI_BEAT_TAG,
                           c->watch, MPI_STATUS_IGNORE);
+        if (any) c->heard[st.MPI_SOURCE] = lg_time_ms();
     }
 }
 
-/* The late processes of the group as "rank 3" / "ranks 2, 3" (their ranks) into out. */
+/* Group process q's ranks ("3", "2-3") at out; the characters written. */
+static int lg_mpi_name_ranks(const lg_comm *c, int q, char *out, size_t cap) {
+    int first = c->world_process[q] * c->ranks_per_process;
+    if (c->ranks_per_process == 1) return snprintf(out, cap, "%d", first);
+    return snprintf(out, cap, "%d-%d", first, first + c->ranks_per_process - 1);
+}
+
+/* The late processes of the group into out: "not arrived (hung or stopped): rank 3" (or
+   "ranks 2, 3"); when every one arrived, those silent for LG_MPI_SILENT_MS (stopped inside the
+   collective: a waiting process repeats its arrival). */
 static void lg_mpi_list_late(const lg_comm *c, char *out, size_t cap) {
+    char names[200];
     size_t at = 0;
-    int late = 0;
-    out[0] = '\0';
-    for (int q = 1; q < c->processes && at + 32 < cap; q++) {
+    int late = 0, silent = 0;
+    double now = lg_time_ms();
+    names[0] = '\0';
+    for (int q = 1; q < c->processes && at + 32 < sizeof names; q++) {
         if (c->arrived[q] >= c->started) continue;
-        int first = c->world_process[q] * c->ranks_per_process;
-        at += (size_t)snprintf(out + at, cap - at, "%s%d", late++ ? ", " : "", first);
-        if (c->ranks_per_process > 1)
-            at += (size_t)snprintf(out + at, cap - at, "-%d", first + c->ranks_per_process - 1);
+        at += (size_t)snprintf(names + at, sizeof names - at, "%s", late++ ? ", " : "");
+        at += (size_t)lg_mpi_name_ranks(c, q, names + at, sizeof names - at);
     }
-    if (late == 0) snprintf(out, cap, "none (they came, but the collective did not finish)");
+    for (int q = 1; late == 0 && q < c->processes && at + 32 < sizeof names; q++) {
+        if (now - c->heard[q] < LG_MPI_SILENT_MS) continue;
+        at += (size_t)snprintf(names + at, sizeof names - at, "%s", silent++ ? ", " : "");
+        at += (size_t)lg_mpi_name_ranks(c, q, names + at, sizeof names - at);
+        at += (size_t)snprintf(names + at, sizeof names - at, " (silent %.1f s)", (now - c->heard[q]) / 1e3);
+    }
+    const char *plural = late + silent > 1 || c->ranks_per_process > 1 ? "s" : "";
+    if (late) snprintf(out, cap, "not arrived (hung or stopped): rank%s %s", plural, names);
+    else if (silent) snprintf(out, cap, "arrived, then stopped inside it: rank%s %s", plural, names);
+    else snprintf(out, cap, "every process came and still waits (the collective did not finish)");
 }
 
 /* Ends the job: a collective did not complete before its deadline. */
@@ -8003,9 +8112,8 @@ static void lg_mpi_time_out(lg_comm *c, const char *what) {
     if (c->process == 0) {
         lg_mpi_list_late(c, late, sizeof late);
         fprintf(stderr, "rank %d: the %s of %s (collective %ld) did not complete within "
-                        "--dist-timeout %g s: not arrived (hung or stopped): rank%s %s; stopping "
-                        "every process\n", me, what, c->name, c->started, c->timeout_s,
-                strchr(late, ',') || strchr(late, '-') ? "s" : "", late);
+                        "--dist-timeout %g s: %s; stopping every process\n", me, what, c->name,
+                c->started, c->timeout_s, late);
     } else {
         fprintf(stderr, "rank %d: the %s of %s (collective %ld) did not complete within "
                         "--dist-timeout %g s, and rank %d, which names the late, did not stop the "
@@ -8027,6 +8135,7 @@ static void lg_mpi_wait(lg_comm *c, MPI_Request *request, const char *what) {
         MPI_Test(request, &done, MPI_STATUS_IGNORE);
         if (done) break;
         lg_mpi_take_arrivals(c);
+        lg_mpi_beat_again(c);
         if (lg_time_ms() > deadline) lg_mpi_time_out(c, what);
         if (polls > 1000) lg_sleep_ms(1); /* a long wait leaves the cores to the others */
     }
@@ -8046,9 +8155,10 @@ int lg_mpi_comm_create(lg_comm **comm, const lg_mpi_group *g, lg_error *err) {
     if (c) {
         c->world_process = (int *)lg_alloc_zeroed(sizeof(int) * (size_t)size);
         c->arrived = (long *)lg_alloc_zeroed(sizeof(long) * (size_t)size);
+        c->heard = (double *)lg_alloc_zeroed(sizeof(double) * (size_t)size);
     }
-    if (!c || !c->world_process || !c->arrived || !g->scratch) {
-        if (c) LG_FREE(c->world_process), LG_FREE(c->arrived);
+    if (!c || !c->world_process || !c->arrived || !c->heard || !g->scratch) {
+        if (c) LG_FREE(c->world_process), LG_FREE(c->arrived), LG_FREE(c->heard);
         LG_FREE(c);
         MPI_Comm_free(&group);
         return lg_fail(err, g->scratch ? "out of host memory for an MPI group"
@@ -8069,10 +8179,12 @@ int lg_mpi_comm_create(lg_comm **comm, const lg_mpi_group *g, lg_error *err) {
     c->processes = size;
     MPI_Comm_rank(group, &c->process);
     MPI_Allgather(&world, 1, MPI_INT, c->world_process, 1, MPI_INT, group);
+    c->beat_ms = lg_time_ms();
+    for (int q = 0; q < size; q++) c->heard[q] = c->beat_ms;
     if (size * g->local != g->members) {
         MPI_Comm_free(&c->watch);
         MPI_Comm_free(&c->mpi);
-        LG_FREE(c->world_process), LG_FREE(c->arrived), LG_FREE(c);
+        LG_FREE(c->world_process), LG_FREE(c->arrived), LG_FREE(c->heard), LG_FREE(c);
         return lg_fail(err, "an MPI group of %d members over %d processes: each must drive the "
                             "same number (here %d)", g->members, size, g->local);
     }
@@ -8089,6 +8201,7 @@ void lg_comm_free(lg_comm *c) {
     MPI_Comm_free(&c->mpi);
     LG_FREE(c->world_process);
     LG_FREE(c->arrived);
+    LG_FREE(c->heard);
     LG_FREE(c);
 }
 
