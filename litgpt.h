@@ -2432,6 +2432,10 @@ static int lg_neutral_value(lg_neutral neutral, const char *v, int nested) {
    n_embd / n_head, n_query_groups = n_head, intermediate_size = 4 n_embd (a LLaMAMLP must give
    it), padded_vocab_size = vocab_size rounded up to padding_multiple; a given
    padded_vocab_size caps vocab_size. */
+/* k x a for a size's default, held at 2^31 - 1 (or -1 for a negative a) rather than wrapped:
+   the bounds (lg_config_check) then refuse it by name */
+static int lg_size_times(int a, int k) { return a > 2147483647 / k ? 2147483647 : a < 0 ? -1 : a * k; }
+
 static int lg_config_derive(lg_config *c, const int *seen, int padding_multiple, lg_error *err) {
 #define LG_SEEN(field) seen[lg_config_field_index(#field)]
     if (!LG_SEEN(head_size)) {
@@ -2444,7 +2448,7 @@ static int lg_config_derive(lg_config *c, const int *seen, int padding_multiple,
     if (!LG_SEEN(intermediate_size)) {
         if (c->mlp_class_name == LG_MLP_LLAMA)
             return lg_fail(err, "missing field intermediate_size: a LLaMAMLP needs it");
-        c->intermediate_size = 4 * c->n_embd;
+        c->intermediate_size = lg_size_times(c->n_embd, 4);
     }
     if (!LG_SEEN(padded_vocab_size)) {
         if (padding_multiple < 1) return lg_fail(err, "padding_multiple must be positive");
@@ -7595,7 +7599,9 @@ int lg_launch_same(const lg_launch *l, const char *const *items, int n, lg_error
                           "process needs the same flags and data", items[first], root + at);
     else if (culprit == l->process)
         rc = lg_fail(err, "this process was started with %d flags and data items, process 0 with %d "
-                          "(the first %d agree)", n, n_root, n_common);
+                          "(the first %d agree%s%s%s)", n, n_root, n_common,
+                     n > n_common ? "; the next here is '" : "", n > n_common ? items[n_common] : "",
+                     n > n_common ? "'" : "");
     else if (first < n_common)
         rc = lg_fail(err, "process %d was started with other flags or data than process 0 (which "
                           "has '%s' there)", culprit, root + at);
@@ -11365,7 +11371,7 @@ static void lg_hf_config_gpt2(lg_hf_fields *f, lg_config *c) {
     c->n_head = c->n_query_groups = lg_hf_int(f, "n_head", 0, 1);
     c->n_embd = lg_hf_int(f, "n_embd", 0, 1);
     c->head_size = c->n_head ? c->n_embd / c->n_head : 0;
-    c->intermediate_size = lg_hf_int(f, "n_inner", 4 * c->n_embd, 0);
+    c->intermediate_size = lg_hf_int(f, "n_inner", lg_size_times(c->n_embd, 4), 0);
     c->block_size = lg_hf_int(f, "n_positions", 0, 1);
     c->norm_class_name = LG_NORM_LAYERNORM;
     c->norm_eps = lg_hf_float(f, "layer_norm_epsilon", 1e-5f);
@@ -11443,7 +11449,7 @@ static void lg_hf_config_falcon(lg_hf_fields *f, lg_config *c) {
     c->n_embd = lg_hf_int(f, "hidden_size", 0, 1);
     c->head_size = c->n_head ? c->n_embd / c->n_head : 0;
     c->n_query_groups = 1;
-    c->intermediate_size = lg_hf_int(f, "ffn_hidden_size", 4 * c->n_embd, 0);
+    c->intermediate_size = lg_hf_int(f, "ffn_hidden_size", lg_size_times(c->n_embd, 4), 0);
     c->block_size = lg_hf_int(f, "max_position_embeddings", 2048, 0);
     c->norm_class_name = LG_NORM_LAYERNORM;
     c->norm_eps = lg_hf_float(f, "layer_norm_epsilon", 1e-5f);
