@@ -1969,6 +1969,7 @@ int main(int argc, char **argv) {
     if (section("data files: tokenizers, samples, readers", argc, argv)) test_data_all(&r);
     if (section("nf4 (QLoRA's weight storage)", argc, argv)) test_nf4_all(&r);
     if (section("hostile input", argc, argv)) test_hostile_all(&r);
+    if (section("fuzz targets under ASan and UBSan", argc, argv)) test_fuzz_targets(&r);
     if (section("real models and data", argc, argv)) test_real_models_all(&r);
     if (section("devices and sharding", argc, argv)) test_sharding(&r);
     if (section("processes: launchers, mpirun, rendezvous", argc, argv)) test_processes(&r);
