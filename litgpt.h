@@ -7591,6 +7591,12 @@ int lg_launch_same(const lg_launch *l, const char *const *items, int n, lg_error
     MPI_Allreduce(&me, &culprit, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD); /* the lowest at fault */
     long at = 0;
     for (int i = 0; i < first && i < n_common; i++) at += lengths[i] + 1;
+    /* the culprit's item there (or its next one: "" when it has fewer), for every line */
+    char theirs[256] = "";
+    if (first <= n_common) {
+        if (culprit == l->process && first < n) snprintf(theirs, sizeof theirs, "%s", items[first]);
+        MPI_Bcast(theirs, (int)sizeof theirs, MPI_CHAR, culprit, MPI_COMM_WORLD);
+    }
     int rc = 0;
     if (!root) rc = lg_fail(err, "out of host memory for the start-up check");
     else if (first > n_common) rc = 0;
@@ -7603,11 +7609,14 @@ int lg_launch_same(const lg_launch *l, const char *const *items, int n, lg_error
                      n > n_common ? "; the next here is '" : "", n > n_common ? items[n_common] : "",
                      n > n_common ? "'" : "");
     else if (first < n_common)
-        rc = lg_fail(err, "process %d was started with other flags or data than process 0 (which "
-                          "has '%s' there)", culprit, root + at);
+        rc = lg_fail(err, "process %d was started with '%s' where process 0 has '%s'; every process "
+                          "needs the same flags and data", culprit, theirs, root + at);
+    else if (theirs[0])
+        rc = lg_fail(err, "process %d was started with more flags and data items than process 0 "
+                          "(the first %d agree; the next there is '%s')", culprit, n_common, theirs);
     else
-        rc = lg_fail(err, "process %d was started with more or fewer flags than process 0",
-                     culprit);
+        rc = lg_fail(err, "process %d was started with fewer flags and data items than process 0 "
+                          "(the first %d agree)", culprit, n_common);
     LG_FREE(root);
     LG_FREE(lengths);
     return rc;

@@ -385,13 +385,12 @@ static void test_mpirun_start_up(results *r) {
     double start = lg_time_ms();
     int rc = run_captured(MPIRUN "-np 1 ./train -d 2 --plan : -np 1 ./train -d 2 " RUN_FLAGS, out, sizeof out);
     double seconds = (lg_time_ms() - start) / 1e3;
-    check(r, rc == 2 && seconds < 60 && strstr(out, "rank 1: train: this process was started with "
-                                                   "'--max-steps 5' where process 0 has '--plan'"),
+    /* (rank 0's abort may end rank 1 before it says so: either one's line) */
+    check(r, rc == 2 && seconds < 60 && strstr(out, "started with '--max-steps 5' where process 0 has '--plan'"),
           "--plan given to process 0 alone: every process refused it after %.1f s (exit %d), "
           "naming the flag", seconds, rc);
     rc = run_captured(MPIRUN "-np 1 ./train -d 2 --max-steps 0 : -np 1 ./train -d 2 --help", out, sizeof out);
-    check(r, rc == 2 && strstr(out, "rank 1: train: this process was started with '--help' where "
-                                    "process 0 has '--max-steps 0'"),
+    check(r, rc == 2 && strstr(out, "started with '--help' where process 0 has '--max-steps 0'"),
           "--help given to process 1 alone: refused (exit %d), naming it", rc);
     rc = run_captured(MPIRUN "-np 2 ./train -d 2 --help", out, sizeof out);
     const char *usage = strstr(out, "usage: ");
@@ -465,14 +464,14 @@ static void test_mpirun(results *r) {
                    "rank 0: train: Slurm says process 0 of 2, MPI says 0 of 1");
     rc = run_captured(MPIRUN "-np 1 ./train -d 2 " RUN_FLAGS " --lr 0.01 : -np 1 ./train -d 2 "
                       RUN_FLAGS " --lr 0.02", out, sizeof out);
-    check(r, rc == 2 && strstr(out, "rank 1: train: this process was started with '--lr 0.02' "
-                                    "where process 0 has '--lr 0.01'"),
+    check(r, rc == 2 && strstr(out, "started with '--lr 0.02' where process 0 has '--lr 0.01'"),
           "processes started with --lr 0.01 and 0.02: refused (exit %d), naming the flag", rc);
     rc = run_captured(MPIRUN "-np 1 ./train -d 2 " RUN_FLAGS " : -np 1 ./train -d 2 " RUN_FLAGS
                       " --seed 5", out, sizeof out);
-    /* (the flags are compared before the data is read: --seed 5 is one item more) */
-    check(r, rc == 2 && strstr(out, "rank 1: train: this process was started with ") &&
-                 strstr(out, "; the next here is '--seed 5')"),
+    /* (the flags are compared before the data is read: --seed 5 is one item more; rank 0's
+       abort may end rank 1 before it says so) */
+    check(r, rc == 2 && (strstr(out, "; the next here is '--seed 5')") ||
+                         strstr(out, "; the next there is '--seed 5')")),
           "a process started with one more flag: refused (exit %d), naming it", rc);
     /* rank 1 killed mid-run: mpirun stops rank 0 and names rank 1 */
     double start = lg_time_ms();
