@@ -103,6 +103,14 @@ build/test_portable: tests/test.c tests/check.h $(wildcard tests/test_*.c) $(HEA
 tests/test64: tests/test.c tests/check.h $(wildcard tests/test_*.c) $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) -DLG_REAL_DOUBLE tests/test.c -o $@ $(LDLIBS)
 
+# a fuzz target per reader of outside input (tests/fuzz.c) under AddressSanitizer and UBSan,
+# every report fatal; tests/test runs it (section "fuzz targets"), one thread, fixed inputs
+SANITIZE = -O1 -g -fsanitize=address,undefined,float-cast-overflow -fno-sanitize-recover=all \
+	-fno-omit-frame-pointer
+build/fuzz: tests/fuzz.c $(HEADERS)
+	@mkdir -p build
+	$(CC) $(WARNINGS) -Wno-unknown-pragmas $(SANITIZE) tests/fuzz.c -o $@ $(LDLIBS)
+
 tools/prepare: tools/prepare.c $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) tools/prepare.c -o $@ $(LDLIBS)
 
@@ -167,7 +175,7 @@ tools/bench: tools/bench.c $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tools/bench.c -o $@ $(LDLIBS)
 
 # litgpt.h must stay valid C++ (the CUDA build compiles train.c as CUDA C++)
-test: train tests/test tests/test64 build/test_portable tools/prepare tools/generate tools/export tools/lora_memory tokenizers llama-cpp build/test_cuda_emulator build/test_cuda_emulated build/train_emulated $(if $(NVCC),build/cuda_compiles)
+test: train tests/test tests/test64 build/test_portable build/fuzz tools/prepare tools/generate tools/export tools/lora_memory tokenizers llama-cpp build/test_cuda_emulator build/test_cuda_emulated build/train_emulated $(if $(NVCC),build/cuda_compiles)
 	g++ -x c++ -std=c++17 -Wall -Wextra -Werror -fsyntax-only $(OPENMP) train.c
 	@[ -n "$(NVCC)" ] || echo "nvcc not found: CUDA build not checked"
 	./tests/test

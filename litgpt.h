@@ -1108,10 +1108,15 @@ int lg_launch_from_env(lg_launch *launch, lg_error *err);
 int lg_launch_place(lg_launch *launch, int devices, int nodes, lg_error *err);
 /* Several processes started by an MPI launcher (not torchrun) in an MPI build: MPI_Init, and
    MPI's world must be the launcher's (a launcher and an MPI library that do not match make
-   every process rank 0). Nothing to do otherwise. lg_launch_finish: MPI_Finalize when
-   started. */
+   every process rank 0). Nothing to do otherwise. MPI_Init waits for every process: one that
+   exited before it (or never started) would hold the others there for ever, so a process
+   still there after launch->dist_timeout says so on stderr and exits 2 (the launcher then ends
+   the job). lg_launch_finish: MPI_Finalize when started. */
 int lg_launch_start(lg_launch *launch, lg_error *err);
 void lg_launch_finish(lg_launch *launch);
+/* Exits with `code` where every process exits alike (--plan, --help, after lg_launch_same):
+   MPI_Finalize first when this process joined MPI, so that the launcher sees a clean end. */
+void lg_launch_exit(int code);
 /* Every process compares its n items (flags, data) with process 0's; the first that differs
    anywhere is an error on every process naming the process, the item and both values. Without
    MPI (the CUDA build) process 0's items reach the others through a rendezvous next to
@@ -1785,6 +1790,7 @@ int lg_generate(lg_generator *g, const int *prompt, int n_prompt, int max_new,
 #endif
 #ifdef LG_MPI /* CPU ranks in several processes, start-up under a launcher (make: mpicc found) */
 #include <mpi.h>
+#include <pthread.h> /* MPI_Init's watchdog */
 #endif
 #include <poll.h> /* POSIX: the rendezvous's waits */
 #if defined(_POSIX_C_SOURCE) && _POSIX_C_SOURCE >= 200112L
@@ -2604,6 +2610,10 @@ static int lg_neutral_value(lg_neutral neutral, const char *v, int nested) {
    n_embd / n_head, n_query_groups = n_head, intermediate_size = 4 n_embd (a LLaMAMLP must give
    it), padded_vocab_size = vocab_size rounded up to padding_multiple; a given
    padded_vocab_size caps vocab_size. */
+/* k x a for a size's default, held at 2^31 - 1 (or -1 for a negative a) rather than wrapped:
+   the bounds (lg_config_check) then refuse it by name */
+static int lg_size_times(int a, int k) { return a > 2147483647 / k ? 2147483647 : a < 0 ? -1 : a * k; }
+
 static int lg_config_derive(lg_config *c, const int *seen, int padding_multiple, lg_error *err) {
 #define LG_SEEN(field) seen[lg_config_field_index(#field)]
     if (!LG_SEEN(head_size)) {
@@ -2616,7 +2626,7 @@ static int lg_config_derive(lg_config *c, const int *seen, int padding_multiple,
     if (!LG_SEEN(intermediate_size)) {
         if (c->mlp_class_name == LG_MLP_LLAMA)
             return lg_fail(err, "missing field intermediate_size: a LLaMAMLP needs it");
-        c->intermediate_size = 4 * c->n_embd;
+        c->intermediate_size = lg_size_times(c->n_embd, 4);
     }
     if (!LG_SEEN(padded_vocab_size)) {
         if (padding_multiple < 1) return lg_fail(err, "padding_multiple must be positive");
@@ -6206,8 +6216,9 @@ static void lg_add(const lg_exec *ex, lg_buf out, lg_buf a, lg_buf b, size_t n) 
     for (long i = 0; i < (long)n; i++) lg_set(out, i, lg_get(a, i) + lg_get(b, i));
 }
 
-/* dst (n) = src (n), converting */
+/* dst (n) = src (n), converting; n 0 copies nothing (an empty unit's buffers may be NULL) */
 static void lg_copy(const lg_exec *ex, lg_buf dst, lg_buf src, size_t n) {
+    if (n == 0) return;
     LG_ON_GPU(ex, lg_cuda_copy(ex, dst, src, n));
     if (dst.dtype == src.dtype) {
         memcpy(dst.data, src.data, n * lg_elem_size(dst.dtype));
@@ -6225,8 +6236,9 @@ static void lg_copy_beside(const lg_exec *ex, lg_buf dst, lg_buf src, size_t n) 
     lg_copy(ex, dst, src, n);
 }
 
-/* x (n) = 0 */
+/* x (n) = 0; n 0 writes nothing (x may be NULL) */
 static void lg_zero(const lg_exec *ex, lg_buf x, size_t n) {
+    if (n == 0) return;
     LG_ON_GPU(ex, lg_cuda_zero(ex, x, n));
     memset(x.data, 0, n * lg_elem_size(x.dtype));
 }
@@ -7661,11 +7673,61 @@ static int lg_launcher_speaks_mpi(const lg_launch *l) {
     return l->launcher && strcmp(l->launcher, "torchrun") != 0;
 }
 
+/* MPI_Init's watchdog: ends the process when MPI has not started by the deadline. */
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t started;
+    int done;
+    const lg_launch *launch;
+} lg_mpi_start_watch;
+
+static void *lg_mpi_watch_start(void *arg) {
+    lg_mpi_start_watch *w = (lg_mpi_start_watch *)arg;
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    double whole = floor(w->launch->dist_timeout), part = w->launch->dist_timeout - whole;
+    deadline.tv_sec += (time_t)whole;
+    deadline.tv_nsec += (long)(part * 1e9);
+    if (deadline.tv_nsec >= 1000000000L) deadline.tv_sec++, deadline.tv_nsec -= 1000000000L;
+    pthread_mutex_lock(&w->lock);
+    int rc = 0;
+    while (!w->done && rc != ETIMEDOUT) rc = pthread_cond_timedwait(&w->started, &w->lock, &deadline);
+    int late = !w->done;
+    pthread_mutex_unlock(&w->lock);
+    if (!late) return NULL;
+    fprintf(stderr, "rank %d: MPI did not start within --dist-timeout %g s: all %d processes that "
+                    "%s started must reach it, and one exited before it (a bad flag, or --plan or "
+                    "--help given to it alone) or never started; stopping\n",
+            w->launch->process, w->launch->dist_timeout, w->launch->processes, w->launch->launcher);
+    fflush(stderr);
+    _exit(2);
+}
+
+/* MPI_Init, or the process ends after dist_timeout (lg_mpi_watch_start). */
+static int lg_mpi_init_watched(const lg_launch *l) {
+    lg_mpi_start_watch w;
+    pthread_t watchdog;
+    memset(&w, 0, sizeof w);
+    w.launch = l;
+    pthread_mutex_init(&w.lock, NULL);
+    pthread_cond_init(&w.started, NULL);
+    int watching = pthread_create(&watchdog, NULL, lg_mpi_watch_start, &w) == 0;
+    int rc = MPI_Init(NULL, NULL);
+    pthread_mutex_lock(&w.lock);
+    w.done = 1;
+    pthread_cond_signal(&w.started);
+    pthread_mutex_unlock(&w.lock);
+    if (watching) pthread_join(watchdog, NULL);
+    pthread_cond_destroy(&w.started);
+    pthread_mutex_destroy(&w.lock);
+    return rc;
+}
+
 int lg_launch_start(lg_launch *l, lg_error *err) {
     if (l->processes == 1 || !lg_launcher_speaks_mpi(l)) return 0;
     int ready = 0, size = 0, rank = 0;
     MPI_Initialized(&ready);
-    if (!ready && MPI_Init(NULL, NULL) != MPI_SUCCESS)
+    if (!ready && lg_mpi_init_watched(l) != MPI_SUCCESS)
         return lg_fail(err, "MPI_Init failed under %s", l->launcher);
     l->mpi = 1;
     MPI_Comm_size(MPI_COMM_WORLD, &size);
@@ -7690,6 +7752,15 @@ void lg_launch_abort(int code) {
     MPI_Initialized(&started);
     MPI_Finalized(&finished);
     if (started && !finished) MPI_Abort(MPI_COMM_WORLD, code);
+    exit(code);
+}
+
+void lg_launch_exit(int code) {
+    int started = 0, finished = 0;
+    fflush(stdout);
+    MPI_Initialized(&started);
+    MPI_Finalized(&finished);
+    if (started && !finished) MPI_Finalize();
     exit(code);
 }
 
@@ -7729,6 +7800,12 @@ int lg_launch_same(const lg_launch *l, const char *const *items, int n, lg_error
     MPI_Allreduce(&me, &culprit, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD); /* the lowest at fault */
     long at = 0;
     for (int i = 0; i < first && i < n_common; i++) at += lengths[i] + 1;
+    /* the culprit's item there (or its next one: "" when it has fewer), for every line */
+    char theirs[256] = "";
+    if (first <= n_common) {
+        if (culprit == l->process && first < n) snprintf(theirs, sizeof theirs, "%s", items[first]);
+        MPI_Bcast(theirs, (int)sizeof theirs, MPI_CHAR, culprit, MPI_COMM_WORLD);
+    }
     int rc = 0;
     if (!root) rc = lg_fail(err, "out of host memory for the start-up check");
     else if (first > n_common) rc = 0;
@@ -7737,13 +7814,18 @@ int lg_launch_same(const lg_launch *l, const char *const *items, int n, lg_error
                           "process needs the same flags and data", items[first], root + at);
     else if (culprit == l->process)
         rc = lg_fail(err, "this process was started with %d flags and data items, process 0 with %d "
-                          "(the first %d agree)", n, n_root, n_common);
+                          "(the first %d agree%s%s%s)", n, n_root, n_common,
+                     n > n_common ? "; the next here is '" : "", n > n_common ? items[n_common] : "",
+                     n > n_common ? "'" : "");
     else if (first < n_common)
-        rc = lg_fail(err, "process %d was started with other flags or data than process 0 (which "
-                          "has '%s' there)", culprit, root + at);
+        rc = lg_fail(err, "process %d was started with '%s' where process 0 has '%s'; every process "
+                          "needs the same flags and data", culprit, theirs, root + at);
+    else if (theirs[0])
+        rc = lg_fail(err, "process %d was started with more flags and data items than process 0 "
+                          "(the first %d agree; the next there is '%s')", culprit, n_common, theirs);
     else
-        rc = lg_fail(err, "process %d was started with more or fewer flags than process 0",
-                     culprit);
+        rc = lg_fail(err, "process %d was started with fewer flags and data items than process 0 "
+                          "(the first %d agree)", culprit, n_common);
     LG_FREE(root);
     LG_FREE(lengths);
     return rc;
@@ -7760,6 +7842,11 @@ int lg_launch_start(lg_launch *l, lg_error *err) {
 void lg_launch_finish(lg_launch *l) { (void)l; }
 
 void lg_launch_abort(int code) {
+    fflush(stdout);
+    exit(code);
+}
+
+void lg_launch_exit(int code) {
     fflush(stdout);
     exit(code);
 }
@@ -8147,6 +8234,8 @@ int lg_launch_same(const lg_launch *l, const char *const *items, int n, lg_error
 #if defined(LG_MPI) && !defined(LG_CUDA)
 #define LG_MPI_RANKS 1
 #define LG_MPI_BEAT_TAG 7 /* "arrived at collective n": a process's message to the group's first */
+#define LG_MPI_BEAT_MS 100.0    /* a waiting process repeats its arrival this often */
+#define LG_MPI_SILENT_MS 1000.0 /* and is taken for stopped when silent this long */
 
 /* A group whose members live in several processes; this one drives `local` consecutive
    members from first_local, and is process first_local / local of the group. */
@@ -8167,6 +8256,8 @@ struct lg_comm {
     int ranks_per_process, process, processes;
     int *world_process;  /* (processes): each group process's place in MPI_COMM_WORLD */
     long started, *arrived, beat;
+    double *heard;  /* (processes) the first process: when each last said where it is (ms) */
+    double beat_ms; /* the others: when this one last said so */
     MPI_Request beat_request;
 };
 
@@ -8176,6 +8267,20 @@ static void lg_mpi_arrive(lg_comm *c) {
     if (c->process == 0) return;
     if (c->beat_request != MPI_REQUEST_NULL) MPI_Wait(&c->beat_request, MPI_STATUS_IGNORE);
     c->beat = c->started; /* (MPI reads it until the send completes) */
+    c->beat_ms = lg_time_ms();
+    MPI_Isend(&c->beat, 1, MPI_LONG, 0, LG_MPI_BEAT_TAG, c->watch, &c->beat_request);
+}
+
+/* A waiting process repeats its arrival every LG_MPI_BEAT_MS (when the last message has
+   gone): the group's first then tells one stopped inside a collective, silent, from one that
+   waits like itself. */
+static void lg_mpi_beat_again(lg_comm *c) {
+    int sent = 1;
+    if (c->process == 0 || lg_time_ms() - c->beat_ms < LG_MPI_BEAT_MS) return;
+    if (c->beat_request != MPI_REQUEST_NULL) MPI_Test(&c->beat_request, &sent, MPI_STATUS_IGNORE);
+    if (!sent) return;
+    c->beat = c->started;
+    c->beat_ms = lg_time_ms();
     MPI_Isend(&c->beat, 1, MPI_LONG, 0, LG_MPI_BEAT_TAG, c->watch, &c->beat_request);
 }
 
@@ -8187,22 +8292,41 @@ static void lg_mpi_take_arrivals(lg_comm *c) {
         MPI_Iprobe(MPI_ANY_SOURCE, LG_MPI_BEAT_TAG, c->watch, &any, &st);
         if (any) MPI_Recv(&c->arrived[st.MPI_SOURCE], 1, MPI_LONG, st.MPI_SOURCE, LG_MPI_BEAT_TAG,
                           c->watch, MPI_STATUS_IGNORE);
+        if (any) c->heard[st.MPI_SOURCE] = lg_time_ms();
     }
 }
 
-/* The late processes of the group as "rank 3" / "ranks 2, 3" (their ranks) into out. */
+/* Group process q's ranks ("3", "2-3") at out; the characters written. */
+static int lg_mpi_name_ranks(const lg_comm *c, int q, char *out, size_t cap) {
+    int first = c->world_process[q] * c->ranks_per_process;
+    if (c->ranks_per_process == 1) return snprintf(out, cap, "%d", first);
+    return snprintf(out, cap, "%d-%d", first, first + c->ranks_per_process - 1);
+}
+
+/* The late processes of the group into out: "not arrived (hung or stopped): rank 3" (or
+   "ranks 2, 3"); when every one arrived, those silent for LG_MPI_SILENT_MS (stopped inside the
+   collective: a waiting process repeats its arrival). */
 static void lg_mpi_list_late(const lg_comm *c, char *out, size_t cap) {
+    char names[200];
     size_t at = 0;
-    int late = 0;
-    out[0] = '\0';
-    for (int q = 1; q < c->processes && at + 32 < cap; q++) {
+    int late = 0, silent = 0;
+    double now = lg_time_ms();
+    names[0] = '\0';
+    for (int q = 1; q < c->processes && at + 32 < sizeof names; q++) {
         if (c->arrived[q] >= c->started) continue;
-        int first = c->world_process[q] * c->ranks_per_process;
-        at += (size_t)snprintf(out + at, cap - at, "%s%d", late++ ? ", " : "", first);
-        if (c->ranks_per_process > 1)
-            at += (size_t)snprintf(out + at, cap - at, "-%d", first + c->ranks_per_process - 1);
+        at += (size_t)snprintf(names + at, sizeof names - at, "%s", late++ ? ", " : "");
+        at += (size_t)lg_mpi_name_ranks(c, q, names + at, sizeof names - at);
     }
-    if (late == 0) snprintf(out, cap, "none (they came, but the collective did not finish)");
+    for (int q = 1; late == 0 && q < c->processes && at + 32 < sizeof names; q++) {
+        if (now - c->heard[q] < LG_MPI_SILENT_MS) continue;
+        at += (size_t)snprintf(names + at, sizeof names - at, "%s", silent++ ? ", " : "");
+        at += (size_t)lg_mpi_name_ranks(c, q, names + at, sizeof names - at);
+        at += (size_t)snprintf(names + at, sizeof names - at, " (silent %.1f s)", (now - c->heard[q]) / 1e3);
+    }
+    const char *plural = late + silent > 1 || c->ranks_per_process > 1 ? "s" : "";
+    if (late) snprintf(out, cap, "not arrived (hung or stopped): rank%s %s", plural, names);
+    else if (silent) snprintf(out, cap, "arrived, then stopped inside it: rank%s %s", plural, names);
+    else snprintf(out, cap, "every process came and still waits (the collective did not finish)");
 }
 
 /* Ends the job: a collective did not complete before its deadline. */
@@ -8212,9 +8336,8 @@ static void lg_mpi_time_out(lg_comm *c, const char *what) {
     if (c->process == 0) {
         lg_mpi_list_late(c, late, sizeof late);
         fprintf(stderr, "rank %d: the %s of %s (collective %ld) did not complete within "
-                        "--dist-timeout %g s: not arrived (hung or stopped): rank%s %s; stopping "
-                        "every process\n", me, what, c->name, c->started, c->timeout_s,
-                strchr(late, ',') || strchr(late, '-') ? "s" : "", late);
+                        "--dist-timeout %g s: %s; stopping every process\n", me, what, c->name,
+                c->started, c->timeout_s, late);
     } else {
         fprintf(stderr, "rank %d: the %s of %s (collective %ld) did not complete within "
                         "--dist-timeout %g s, and rank %d, which names the late, did not stop the "
@@ -8236,6 +8359,7 @@ static void lg_mpi_wait(lg_comm *c, MPI_Request *request, const char *what) {
         MPI_Test(request, &done, MPI_STATUS_IGNORE);
         if (done) break;
         lg_mpi_take_arrivals(c);
+        lg_mpi_beat_again(c);
         if (lg_time_ms() > deadline) lg_mpi_time_out(c, what);
         if (polls > 1000) lg_sleep_ms(1); /* a long wait leaves the cores to the others */
     }
@@ -8255,9 +8379,10 @@ int lg_mpi_comm_create(lg_comm **comm, const lg_mpi_group *g, lg_error *err) {
     if (c) {
         c->world_process = (int *)lg_alloc_zeroed(sizeof(int) * (size_t)size);
         c->arrived = (long *)lg_alloc_zeroed(sizeof(long) * (size_t)size);
+        c->heard = (double *)lg_alloc_zeroed(sizeof(double) * (size_t)size);
     }
-    if (!c || !c->world_process || !c->arrived || !g->scratch) {
-        if (c) LG_FREE(c->world_process), LG_FREE(c->arrived);
+    if (!c || !c->world_process || !c->arrived || !c->heard || !g->scratch) {
+        if (c) LG_FREE(c->world_process), LG_FREE(c->arrived), LG_FREE(c->heard);
         LG_FREE(c);
         MPI_Comm_free(&group);
         return lg_fail(err, g->scratch ? "out of host memory for an MPI group"
@@ -8278,10 +8403,12 @@ int lg_mpi_comm_create(lg_comm **comm, const lg_mpi_group *g, lg_error *err) {
     c->processes = size;
     MPI_Comm_rank(group, &c->process);
     MPI_Allgather(&world, 1, MPI_INT, c->world_process, 1, MPI_INT, group);
+    c->beat_ms = lg_time_ms();
+    for (int q = 0; q < size; q++) c->heard[q] = c->beat_ms;
     if (size * g->local != g->members) {
         MPI_Comm_free(&c->watch);
         MPI_Comm_free(&c->mpi);
-        LG_FREE(c->world_process), LG_FREE(c->arrived), LG_FREE(c);
+        LG_FREE(c->world_process), LG_FREE(c->arrived), LG_FREE(c->heard), LG_FREE(c);
         return lg_fail(err, "an MPI group of %d members over %d processes: each must drive the "
                             "same number (here %d)", g->members, size, g->local);
     }
@@ -8298,6 +8425,7 @@ void lg_comm_free(lg_comm *c) {
     MPI_Comm_free(&c->mpi);
     LG_FREE(c->world_process);
     LG_FREE(c->arrived);
+    LG_FREE(c->heard);
     LG_FREE(c);
 }
 
@@ -11461,7 +11589,7 @@ static void lg_hf_config_gpt2(lg_hf_fields *f, lg_config *c) {
     c->n_head = c->n_query_groups = lg_hf_int(f, "n_head", 0, 1);
     c->n_embd = lg_hf_int(f, "n_embd", 0, 1);
     c->head_size = c->n_head ? c->n_embd / c->n_head : 0;
-    c->intermediate_size = lg_hf_int(f, "n_inner", 4 * c->n_embd, 0);
+    c->intermediate_size = lg_hf_int(f, "n_inner", lg_size_times(c->n_embd, 4), 0);
     c->block_size = lg_hf_int(f, "n_positions", 0, 1);
     c->norm_class_name = LG_NORM_LAYERNORM;
     c->norm_eps = lg_hf_float(f, "layer_norm_epsilon", 1e-5f);
@@ -11539,7 +11667,7 @@ static void lg_hf_config_falcon(lg_hf_fields *f, lg_config *c) {
     c->n_embd = lg_hf_int(f, "hidden_size", 0, 1);
     c->head_size = c->n_head ? c->n_embd / c->n_head : 0;
     c->n_query_groups = 1;
-    c->intermediate_size = lg_hf_int(f, "ffn_hidden_size", 4 * c->n_embd, 0);
+    c->intermediate_size = lg_hf_int(f, "ffn_hidden_size", lg_size_times(c->n_embd, 4), 0);
     c->block_size = lg_hf_int(f, "max_position_embeddings", 2048, 0);
     c->norm_class_name = LG_NORM_LAYERNORM;
     c->norm_eps = lg_hf_float(f, "layer_norm_epsilon", 1e-5f);

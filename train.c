@@ -386,7 +386,7 @@ static void apply_flags(int argc, char **argv, lg_args *a, given_flags *given,
                 die_usage("%s: '%s' is not a size with a unit (e.g. 24GiB, 512MiB, 8GB, 100B)",
                           f, optarg);
             break;
-        case 'h': fputs(usage, stdout); exit(0);
+        case 'h': fputs(usage, stdout); lg_launch_exit(0); break; /* (every process has it) */
         case ':': die_usage("%s needs a value", argv[optind - 1]); break;
         default: die_usage("unknown option %s", argv[optind - 1]);
         }
@@ -987,7 +987,7 @@ static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_con
             print_plan_with_recompute_choice(&plan, a, cfg, T);
         }
         lg_plan_free(&plan);
-        exit(0);
+        lg_launch_exit(0); /* (every process has --plan: start_processes) */
     }
     const char *source;
     size_t limit = device_limit(a, &source);
@@ -1606,13 +1606,11 @@ static void describe_parameters(const lg_model *model, char *out, size_t cap) {
              format_count(frozen, fixed, sizeof fixed), storage);
 }
 
-/* Several processes: join MPI, and check that every one has the same flags and data. */
-static void start_processes(lg_launch *launch, int argc, char **argv, const run_data *data) {
-    lg_error err;
-    if (launch->processes == 1) return;
-    if (lg_launch_start(launch, &err) != 0) die(2, &err);
-    /* the items: each flag with its value ("--lr 0.01"), then the data */
+/* Every process has the same flags (each with its value: "--lr 0.01") and, given data, the
+   same data; else every one stops naming the first difference. */
+static void check_same_run(const lg_launch *launch, int argc, char **argv, const run_data *data) {
     enum { MOST_ITEMS = 256, ITEM_BYTES = 700 };
+    lg_error err;
     char (*text)[ITEM_BYTES] = (char (*)[ITEM_BYTES])calloc(MOST_ITEMS, ITEM_BYTES);
     const char *items[MOST_ITEMS];
     int n = 0;
@@ -1623,10 +1621,22 @@ static void start_processes(lg_launch *launch, int argc, char **argv, const run_
         if (value_of_flag) snprintf(text[n - 1], ITEM_BYTES, "%s %s", argv[i - 1], argv[i]);
         else snprintf(text[n++], ITEM_BYTES, "%s", argv[i]);
     }
-    describe_data(&data->train, text[n++], ITEM_BYTES);
+    if (data) describe_data(&data->train, text[n++], ITEM_BYTES);
     for (int i = 0; i < n; i++) items[i] = text[i];
     if (lg_launch_same(launch, items, n, &err) != 0) die(2, &err);
     free(text);
+}
+
+/* Several processes, before any flag is read: join MPI, and under MPI compare the flags at
+   once, so that no process ends alone (--help, --plan, a bad flag given to one) while the
+   others wait for it. A process that ends before MPI starts is seen by the others' watchdog
+   (lg_launch_start: --dist-timeout). Without MPI the flags are compared with the data, the
+   others waiting at most --dist-timeout for a process that ended. */
+static void start_processes(lg_launch *launch, int argc, char **argv) {
+    lg_error err;
+    if (launch->processes == 1) return;
+    if (lg_launch_start(launch, &err) != 0) die(2, &err);
+    if (launch->mpi) check_same_run(launch, argc, argv, NULL);
 }
 
 /* Test-only (tests/test_processes.c): LG_TEST_HANG=P:S makes process P sleep for an hour
@@ -1652,11 +1662,12 @@ int main(int argc, char **argv) {
     lg_error err;
     if (lg_launch_from_env(&launch, &err) != 0) die_usage("%s", err.msg);
     argc = take_process_flags(argc, argv, &launch);
+    if (launch.process != 0 && !freopen("/dev/null", "w", stdout)) /* process 0 prints */
+        die_usage("cannot silence stdout");
+    start_processes(&launch, argc, argv);
     parse_args(argc, argv, &a, &given, &ck, &output);
     if (lg_launch_place(&launch, a.devices, a.nodes, &err) != 0) die_usage("%s", err.msg);
     a.processes = launch.processes; /* the plan counts MPI's buffers */
-    if (launch.process != 0 && !freopen("/dev/null", "w", stdout)) /* process 0 prints */
-        die_usage("cannot silence stdout");
     FILE *json = a.plan_only >= 2 ? json_output() : NULL; /* JSON or SVG alone on stdout */
     float beta1, beta2; /* the optimizer's own betas, unless given */
     lg_optimizer_default_betas(a.optimizer, &beta1, &beta2);
@@ -1681,7 +1692,7 @@ int main(int argc, char **argv) {
     plan_and_check(argc, argv, &a, &cfg, T, json, planned_for, data.note);
     int accumulation = lg_args_accumulation_steps(&a, &err);
     int B = a.micro_batch_size;
-    start_processes(&launch, argc, argv, &data);
+    if (launch.processes > 1) check_same_run(&launch, argc, argv, &data);
     FILE *log = NULL;
     if (a.log_path && launch.process == 0 && !(log = fopen(a.log_path, "w")))
         die_usage("--log %s: cannot create: %s", a.log_path, strerror(errno));

@@ -1971,6 +1971,7 @@ int main(int argc, char **argv) {
     if (section("data files: tokenizers, samples, readers", argc, argv)) test_data_all(&r);
     if (section("nf4 (QLoRA's weight storage)", argc, argv)) test_nf4_all(&r);
     if (section("hostile input", argc, argv)) test_hostile_all(&r);
+    if (section("fuzz targets under ASan and UBSan", argc, argv)) test_fuzz_targets(&r);
     if (section("real models and data", argc, argv)) test_real_models_all(&r);
     if (section("GGUF export, checked by llama.cpp", argc, argv)) test_gguf_all(&r);
     if (section("devices and sharding", argc, argv)) test_sharding(&r);

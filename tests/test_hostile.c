@@ -331,3 +331,32 @@ static void test_hostile_all(results *r) {
     expect_alpaca_error(r, "[{\"instruction\": \"a\\u0000b\", \"output\": \"c\"}]",
                         "\\u0000 (a NUL character) inside a string", "NUL escape");
 }
+
+/* build/fuzz (tests/fuzz.c, built with ASan and UBSan by make test): every reader's target
+   runs its seeds and FUZZ_ITERATIONS mutants without a sanitizer report or a crash. */
+#define FUZZ_ITERATIONS 4000
+static void test_fuzz_targets(results *r) {
+    static const char *const targets[] = {"config-yaml", "config-json", "safetensors",
+                                           "peft-adapters", "training-state", "checkpoint-marker",
+                                           "alpaca-json", "token-files"};
+    char out[16384] = "", cmd[128], want[96];
+    snprintf(cmd, sizeof cmd, "ASAN_OPTIONS=detect_leaks=1 ./build/fuzz %d 2>&1", FUZZ_ITERATIONS);
+    double start = lg_time_ms();
+    FILE *p = popen(cmd, "r");
+    size_t n = 0, got;
+    while (p && n < sizeof out - 1 && (got = fread(out + n, 1, sizeof out - 1 - n, p)) > 0) n += got;
+    out[n] = '\0';
+    int status = p ? pclose(p) : -1;
+    double seconds = (lg_time_ms() - start) / 1e3;
+    int ran = 0;
+    for (size_t i = 0; i < sizeof targets / sizeof *targets; i++) {
+        snprintf(want, sizeof want, "fuzz %s: %d mutants and ", targets[i], FUZZ_ITERATIONS);
+        const char *line = strstr(out, want), *end = line ? strchr(line, '\n') : NULL;
+        const char *none = line ? strstr(line, ", 0 findings") : NULL;
+        ran += end && none && none < end;
+    }
+    check(r, status == 0 && ran == 8,
+          "fuzz targets under ASan and UBSan: %d of 8 readers ran %d mutants and their seeds with no "
+          "finding, %.1f s (exit %d)%s%.600s", ran, FUZZ_ITERATIONS, seconds, status,
+          status ? ": " : "", status ? out : "");
+}
