@@ -177,6 +177,7 @@ tools/bench: tools/bench.c $(HEADERS)
 # litgpt.h must stay valid C++ (the CUDA build compiles train.c as CUDA C++)
 test: train tests/test tests/test64 build/test_portable build/fuzz tools/prepare tools/generate tools/export tools/lora_memory tokenizers llama-cpp build/test_cuda_emulator build/test_cuda_emulated build/train_emulated $(if $(NVCC),build/cuda_compiles)
 	g++ -x c++ -std=c++17 -Wall -Wextra -Werror -fsyntax-only $(OPENMP) train.c
+	python3 tests/check_order.py
 	@[ -n "$(NVCC)" ] || echo "nvcc not found: CUDA build not checked"
 	./tests/test
 

@@ -28,7 +28,7 @@
        }
        lg_trainer_free(&tr);
 
-   Data (section 10, 11): lg_loader_open also reads fine-tuning sample files (tools/prepare
+   Data (sections 12, 11): lg_loader_open also reads fine-tuning sample files (tools/prepare
    alpaca), whose micro-batches lg_loader_next_batch pads to their longest sample; text becomes
    ids with a BPE tokenizer:
 
@@ -36,36 +36,54 @@
        lg_tokenizer_load(&tok, "data/gpt2", &err);   // encoder.json + vocab.bpe, or tokenizer.json
        lg_tokenizer_encode(&tok, "Hello world", 11, &ids, &err);   // ids.ids = {15496, 995}
 
-   Table of contents (the order data flows through a step):
-     1. utilities        errors, allocation, random numbers, timing
-     2. numbers          the arithmetic type, bf16/fp16 storage, stochastic rounding, LG_HD
-                         per-element helpers shared with CUDA
-     3. config           lg_config: the architecture, LitGPT field names, YAML loader
+   Start here: the step map at the top of section 14 lists what lg_trainer_step calls, in order,
+   down to the ops of section 7. Each section opens with a banner comment "N. name ----": search
+   for "8. model -" to reach the model; subsections open with "--- name ---".
+
+   Table of contents (in the order data flows; every call goes to a function defined above it):
+     1. utilities        errors, allocation, random numbers, timing, growing lists, JSON reader
+     2. numbers          the arithmetic type, bf16/fp16 storage, stochastic rounding, NF4 codes,
+                         per-element helpers shared with CUDA (LG_HD), the optimizers' updates
+     3. config           lg_config: the architecture, LitGPT field names, YAML loader, bounds
      4. args             lg_args: what the user asked for, defaults, checks
-     5. plan             the layouts of every buffer (sizes in one place), the memory plan of
-                         each rank, --plan tables, fit checks and the remedies of the OOM guide
-     6. kernels          CPU forward/backward of every op: gemm, linear, norms, rotary,
-                         attention, GELU/SwiGLU, embeddings, cross-entropy; each op takes the
-                         rank's lg_exec and hands over to litgpt_cuda.cuh on a GPU rank
-     7. model            lg_model: all parameters in one buffer (gradients in another), the
-                         activations in the plan's regions; forward, backward, generation
-     8. optimizers       AdamW, SGD with momentum, gradient clipping, learning-rate schedule
-     9. ranks            one arena per memory pool, allocated from the plan (on a GPU: device
-                         and pinned memory, the host's visits through a staging region); the
-                         collectives (all-reduce, reduce-scatter, all-gather, broadcast)
-                         between ranks, in process or over NCCL
-    10. data             llm.c token shards (uint16 / uint32), shuffled windows; fine-tuning
-                         sample files (truncation, right-padding, prompt masks); the built-in
-                         task; a JSON reader
-    11. tokenizer        byte-level BPE (GPT-2 files, tokenizer.json; GPT-2, Llama 3 and Qwen2
-                         pre-tokenizers), SentencePiece-style BPE, the built-in characters
-    12. checkpoints      safetensors read/write, Hugging Face layouts and config.json (GPT-2,
-                         GPT-NeoX, Llama/Mistral/Qwen2, Falcon), step-N directories with resume
-                         state, atomic files, a COMPLETE marker with checksums written last
-    13. trainer          lg_trainer: one optimizer step (accumulation, loss scaling, clipping),
-                         evaluation
-    14. generation       lg_generator: a KV cache sized to prompt + new tokens (a plan of its
+     5. plan             the layouts of every buffer (sizes in one place), each rank's memory
+                         plan, --plan tables, fit checks, remedies, sizes with units
+     6. ranks: memory    arenas per pool, named regions, visits (host access to any buffer)
+     7. kernels (CPU)    the gemm (plain loops, packing, AVX-512 and AMX micro-kernels), then
+                         every op: linear, norms, rotary, attention, GELU/SwiGLU, embeddings,
+                         cross-entropy, NF4 dequantization; on a GPU rank each op hands over to
+                         litgpt_cuda.cuh
+     8. model            lg_model: parameters in one buffer, gradients in another, activations
+                         in the plan's regions; forward, backward, LoRA adapters, generation
+     9. optimizers       AdamW (fp32, bf16 or 8-bit state), SGD, Lion, Sophia; clipping, the
+                         learning-rate schedule
+    10. processes        launchers (mpirun, srun, torchrun), MPI, the rendezvous without MPI,
+                         and the collectives between ranks
+    11. tokenizer        byte-level BPE (GPT-2 files, tokenizer.json), SentencePiece-style BPE,
+                         the built-in task's characters
+    12. data             token shards, fine-tuning samples (truncation, padding, prompt masks),
+                         the built-in task, Alpaca-style JSON
+    13. model files      atomic files, safetensors, Hugging Face layouts and config.json,
+                         step-N directories with COMPLETE, PEFT adapters
+    14. trainer          lg_trainer: one optimizer step (accumulation, loss scaling, clipping,
+                         sharding's gathers and reductions, offload), evaluation
+    15. run checkpoints  training state per rank, resume, saving and loading through the trainer
+    16. generation       lg_generator: a KV cache sized to prompt + new tokens (a plan of its
                          own), prefill then one token at a time, sampling (tools/generate)
+
+   Features, and the sections that hold them:
+     LoRA                3 (targets), 5 (layouts, remedies), 8 (adapters), 13 (PEFT), 15
+     QLoRA / NF4         2 (codes), 5, 7 (dequantization), 8, 13 (merge on save)
+     sharding (FSDP)     5 (plan per strategy), 10 (collectives), 14 (gathers, reductions), 15
+     offload             5 (host pool), 14 (the optimizer on the host)
+     recompute           5, 8 (a block recomputed in the backward)
+     Lion, Sophia, 8-bit 2 (per-element updates), 9, 14 (Sophia's Hessian pass)
+     AVX-512, AMX        7 (kernel paths chosen at run time), 9 (AdamW's AVX-512 loop)
+     MPI, launchers      10; the rendezvous of GPU processes without MPI: 10
+     memory remedies     5 ("remedies": the OOM guide's changes, priced)
+     Hugging Face, PEFT  13; tokenizers: 11
+     resume              15
+     generation          16 (KV cache, sampling); 8 (the trainer's greedy samples, uncached)
 
    Conventions: public names start with lg_ / LG_; no global mutable state; all memory through
    LG_MALLOC / LG_FREE; functions that can fail return 0 on success, -1 with a message in an
@@ -111,7 +129,7 @@ float lg_rng_normal(lg_rng *rng);  /* standard normal */
 double lg_time_ms(void);           /* wall clock */
 
 /* The one hash of bytes: 64-bit FNV-1a, continuing from hash (start from LG_HASH64_INIT). The
-   checkpoints' COMPLETE markers hold it (section 12), so it stays FNV-1a. */
+   checkpoints' COMPLETE markers hold it (section 13), so it stays FNV-1a. */
 uint64_t lg_hash64(uint64_t hash, const void *data, size_t bytes);
 #define LG_HASH64_INIT 0xCBF29CE484222325ull
 
@@ -164,7 +182,7 @@ const char *lg_precision_name(lg_precision p);
 typedef enum { LG_DTYPE_F32, LG_DTYPE_BF16, LG_DTYPE_F16, LG_DTYPE_I32, LG_DTYPE_U8,
                LG_DTYPE_NF4, LG_DTYPE_NF4_DQ } lg_dtype;
 /* LG_DTYPE_NF4 and LG_DTYPE_NF4_DQ are QLoRA's frozen linear weights: a view of one tensor's
-   packed codes and block scales (lg_nf4_bytes of its element count, see section 6), never
+   packed codes and block scales (lg_nf4_bytes of its element count, see section 7), never
    read element by element; a matmul dequantizes the tensor first. */
 
 /* A typed view of a tensor: where it is and how its elements are stored. Kernels read and
@@ -207,7 +225,7 @@ int lg_quantization_parse(const char *text, lg_quantization *out); /* 0, or -1 w
 size_t lg_nf4_bytes(size_t count, lg_quantization q);
 /* Quantizes count values of src (any floating dtype, host memory) into dst (lg_nf4_bytes,
    4-byte aligned, host memory), on the CPU threads. -1 only when nf4-dq cannot allocate its
-   scratch (4 bytes a block). lg_nf4_dequantize (section 6) reads them back. */
+   scratch (4 bytes a block). lg_nf4_dequantize (section 7) reads them back. */
 int lg_nf4_quantize(lg_buf src, size_t count, lg_quantization q, uint8_t *dst, lg_error *err);
 
 /* ---------------------------------------------------------------------------------------------
@@ -739,7 +757,7 @@ int lg_parse_size(const char *text, size_t *bytes);
 const char *lg_format_bytes(size_t bytes, char *buf, size_t size);
 
 /* ---------------------------------------------------------------------------------------------
-   7. model (API)
+   8. model (API)
    ------------------------------------------------------------------------------------------- */
 
 #define LG_IGNORE_INDEX (-100)
@@ -775,7 +793,7 @@ typedef struct {
 typedef struct lg_rank lg_rank;
 typedef struct lg_cuda_rank lg_cuda_rank; /* litgpt_cuda.cuh: a GPU's streams and handles */
 
-/* How and where a rank's ops run: the first argument of every op of section 6. NULL runs the
+/* How and where a rank's ops run: the first argument of every op of section 7. NULL runs the
    CPU loops without scratch (matmuls unblocked; attention needs the scratch). */
 typedef struct {
     lg_backend backend;
@@ -786,7 +804,7 @@ typedef struct {
 } lg_exec;
 
 /* out (count) = a tensor stored by lg_nf4_quantize (section 2) read back: code value x
-   absmax, in fp32, then rounded to out.dtype (F32, BF16 or F16). An op of section 6: on a GPU
+   absmax, in fp32, then rounded to out.dtype (F32, BF16 or F16). An op of section 7: on a GPU
    rank src and out are GPU-visible and it runs on the rank's stream. */
 void lg_nf4_dequantize(const lg_exec *ex, const uint8_t *src, size_t count, lg_quantization q,
                        lg_buf out);
@@ -861,7 +879,7 @@ void lg_model_generate(lg_model *m, int *tokens, int n_prompt, int n_new, float 
                        lg_rng *rng);
 
 /* ---------------------------------------------------------------------------------------------
-   8. optimizers (API)
+   9. optimizers (API)
    ------------------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -922,7 +940,7 @@ float lg_clip_factor(float norm, float max_norm);
 float lg_learning_rate(const lg_args *args, int step);
 
 /* ---------------------------------------------------------------------------------------------
-   9. ranks (API): the backend a rank runs on
+   6 and 10. ranks (API): the backend a rank runs on, its memory, the processes and collectives
    ------------------------------------------------------------------------------------------- */
 
 /* One device: its part of the plan and one arena per pool of exactly the planned size. */
@@ -1148,7 +1166,7 @@ int lg_rendezvous(const char *init, int process, int processes, void *id, size_t
                   double timeout_s, lg_error *err);
 
 /* ---------------------------------------------------------------------------------------------
-   10. data (API)
+   12. data (API)
    ------------------------------------------------------------------------------------------- */
 
 #define LG_SHARD_HEADER_INTS 256
@@ -1362,7 +1380,7 @@ int lg_char_encode(const char *text, int *tokens, int max_tokens); /* -1 on a fo
 char lg_char_decode(int token);
 
 /* ---------------------------------------------------------------------------------------------
-   12. checkpoints (API)
+   13 and 15. model files and run checkpoints (API)
 
    A checkpoint is a directory DIR/step-N written by lg_checkpoint_save:
      model.safetensors            the weights in the Hugging Face layout of the model's family
@@ -1463,7 +1481,7 @@ int lg_hf_save(const lg_model *m, const char *dir, lg_error *err);
 size_t lg_config_to_yaml(const lg_config *cfg, char *buf, size_t cap);
 
 /* Checkpoints of a training run. */
-typedef struct lg_trainer lg_trainer; /* 13. trainer */
+typedef struct lg_trainer lg_trainer; /* 14. trainer */
 #define LG_CHECKPOINT_MARKER "COMPLETE"
 #define LG_TRAINING_STATE "training_state.safetensors"
 /* The tokenizer files a step-N directory carries when the trainer's tokenizer_dir has them. */
@@ -1525,7 +1543,7 @@ int lg_training_state_read(lg_trainer *tr, lg_loader *data, int *step, const cha
                            lg_error *err);
 
 /* ---------------------------------------------------------------------------------------------
-   13. trainer (API)
+   14. trainer (API)
    ------------------------------------------------------------------------------------------- */
 
 /* Mean loss over all target tokens of n_batches micro-batches of B windows (or samples) from
@@ -1647,7 +1665,7 @@ void lg_trainer_free(lg_trainer *tr);
 int lg_comms_per_rank(const lg_args *args);
 
 /* ---------------------------------------------------------------------------------------------
-   14. generation (API): KV cache, sampling
+   16. generation (API): KV cache, sampling
 
    Generation on the CPU backend with a cache of every block's keys and values: the prompt
    goes through the model in one pass (prefill), then each new token alone (decode), its
@@ -1809,7 +1827,7 @@ int lg_generate(lg_generator *g, const int *prompt, int n_prompt, int max_new,
 #define LG_CUDA 1
 #endif
 
-/* x86-64 matmul kernels chosen at run time (section 6): gcc or clang, float lg_real, not in
+/* x86-64 matmul kernels chosen at run time (section 7): gcc or clang, float lg_real, not in
    nvcc's host pass. */
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__) && \
     !defined(LG_REAL_DOUBLE)
@@ -1827,9 +1845,7 @@ int lg_generate(lg_generator *g, const int *prompt, int n_prompt, int max_new,
 #define LG_OMP(directive)
 #endif
 
-/* 1. utilities ------------------------------------------------------------------------------ */
-
-static int lg_char_encode_one(char ch); /* 11. tokenizer */
+/* 1. utilities -------------------------------------------------------------------------------- */
 
 static int lg_fail(lg_error *err, const char *fmt, ...) {
     if (err) {
@@ -1918,6 +1934,371 @@ double lg_time_ms(void) {
     struct timespec ts;
     timespec_get(&ts, TIME_UTC);
     return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+
+/* --- growing lists ---------------------------------------------------------------------------- */
+
+static int lg_grow(void **data, size_t *cap, size_t need, size_t item) {
+    if (need <= *cap) return 0;
+    size_t cap2 = *cap ? *cap : 64;
+    while (cap2 < need) cap2 *= 2;
+    void *grown = LG_MALLOC(cap2 * item);
+    if (!grown) return -1;
+    if (*data) memcpy(grown, *data, *cap * item);
+    LG_FREE(*data);
+    *data = grown;
+    *cap = cap2;
+    return 0;
+}
+
+int lg_tokens_push(lg_tokens *list, int id) {
+    if (lg_grow((void **)&list->ids, &list->cap, list->n + 1, sizeof(int)) != 0) return -1;
+    list->ids[list->n++] = id;
+    return 0;
+}
+
+int lg_text_append(lg_text *text, const char *bytes, size_t n) {
+    if (lg_grow((void **)&text->bytes, &text->cap, text->n + n + 1, 1) != 0) return -1;
+    memcpy(text->bytes + text->n, bytes, n);
+    text->n += n;
+    text->bytes[text->n] = '\0';
+    return 0;
+}
+
+void lg_tokens_free(lg_tokens *list) {
+    LG_FREE(list->ids);
+    memset(list, 0, sizeof *list);
+}
+
+void lg_text_free(lg_text *text) {
+    LG_FREE(text->bytes);
+    memset(text, 0, sizeof *text);
+}
+
+/* --- JSON ------------------------------------------------------------------------------------ */
+
+typedef struct {
+    lg_json *doc;
+    size_t at, len;
+    const char *source;
+    lg_error *err;
+} lg_json_parser;
+
+static int lg_json_error(lg_json_parser *p, const char *what) {
+    size_t line = 1;
+    for (size_t i = 0; i < p->at && i < p->len; i++) line += p->doc->text[i] == '\n';
+    return lg_fail(p->err, "%s: invalid JSON at line %zu (byte %zu): %s", p->source, line, p->at,
+                   what);
+}
+
+static void lg_json_skip_space(lg_json_parser *p) {
+    while (p->at < p->len && strchr(" \t\r\n", p->doc->text[p->at]) && p->doc->text[p->at])
+        p->at++;
+}
+
+static int lg_json_new_node(lg_json_parser *p, lg_json_kind kind) {
+    lg_json *d = p->doc;
+    if (d->n_nodes == d->cap) {
+        int cap = d->cap ? 2 * d->cap : 256;
+        lg_json_node *grown = (lg_json_node *)LG_MALLOC(sizeof(lg_json_node) * (size_t)cap);
+        if (!grown) return -1;
+        if (d->nodes) memcpy(grown, d->nodes, sizeof(lg_json_node) * (size_t)d->n_nodes);
+        LG_FREE(d->nodes);
+        d->nodes = grown;
+        d->cap = cap;
+    }
+    lg_json_node *n = &d->nodes[d->n_nodes];
+    n->kind = kind;
+    n->first_child = n->next = -1;
+    n->start = n->end = p->at;
+    return d->n_nodes++;
+}
+
+static int lg_json_hex4(const char *s, size_t avail, unsigned *value) {
+    *value = 0;
+    if (avail < 4) return -1;
+    for (int i = 0; i < 4; i++) {
+        char c = s[i];
+        int digit = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                  : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+        if (digit < 0) return -1;
+        *value = *value * 16 + (unsigned)digit;
+    }
+    return 0;
+}
+
+static int lg_json_scan_string(lg_json_parser *p, int node) {
+    const char *t = p->doc->text;
+    p->at++; /* the opening quote */
+    p->doc->nodes[node].start = p->at;
+    while (p->at < p->len && t[p->at] != '"') {
+        unsigned char c = (unsigned char)t[p->at];
+        unsigned hex;
+        if (c < 0x20) return lg_json_error(p, "control character inside a string");
+        if (c == '\\') {
+            if (++p->at == p->len) break;
+            if (t[p->at] == 'u' && lg_json_hex4(t + p->at + 1, p->len - p->at - 1, &hex) != 0)
+                return lg_json_error(p, "\\u needs four hex digits");
+            if (t[p->at] == 'u' && hex == 0) /* C strings end there: the rest would be lost */
+                return lg_json_error(p, "\\u0000 (a NUL character) inside a string");
+            if (t[p->at] == 'u') p->at += 4;
+            else if (!strchr("\"\\/bfnrt", t[p->at]) || !t[p->at])
+                return lg_json_error(p, "unknown escape in a string");
+        }
+        p->at++;
+    }
+    if (p->at >= p->len) return lg_json_error(p, "unterminated string");
+    p->doc->nodes[node].end = p->at++;
+    return 0;
+}
+
+static int lg_json_scan_number(lg_json_parser *p, int node) {
+    const char *t = p->doc->text;
+    size_t start = p->at, digits = 0;
+    if (t[p->at] == '-') p->at++;
+    while (p->at < p->len && t[p->at] >= '0' && t[p->at] <= '9') p->at++, digits++;
+    if (p->at < p->len && t[p->at] == '.') {
+        p->at++;
+        while (p->at < p->len && t[p->at] >= '0' && t[p->at] <= '9') p->at++;
+    }
+    if (p->at < p->len && (t[p->at] == 'e' || t[p->at] == 'E')) {
+        p->at++;
+        if (p->at < p->len && (t[p->at] == '+' || t[p->at] == '-')) p->at++;
+        while (p->at < p->len && t[p->at] >= '0' && t[p->at] <= '9') p->at++;
+    }
+    if (digits == 0) { p->at = start; return lg_json_error(p, "expected a value"); }
+    p->doc->nodes[node].end = p->at;
+    return 0;
+}
+
+static int lg_json_value(lg_json_parser *p, int depth);
+
+/* The elements of an array or the key/value pairs of an object, linked as children. */
+static int lg_json_container(lg_json_parser *p, int node, int depth) {
+    int object = p->doc->nodes[node].kind == LG_JSON_OBJECT, last = -1;
+    char close = object ? '}' : ']';
+    p->at++;
+    lg_json_skip_space(p);
+    if (p->at < p->len && p->doc->text[p->at] == close) { p->at++; return 0; }
+    for (;;) {
+        for (int part = 0; part < 1 + object; part++) {
+            lg_json_skip_space(p);
+            if (part == 0 && object && (p->at >= p->len || p->doc->text[p->at] != '"'))
+                return lg_json_error(p, "expected a string key");
+            int child = p->doc->n_nodes;
+            if (lg_json_value(p, depth + 1) != 0) return -1;
+            if (last < 0) p->doc->nodes[node].first_child = child;
+            else p->doc->nodes[last].next = child;
+            last = child;
+            lg_json_skip_space(p);
+            if (part == 0 && object) {
+                if (p->at >= p->len || p->doc->text[p->at] != ':')
+                    return lg_json_error(p, "expected ':' after a key");
+                p->at++;
+            }
+        }
+        if (p->at < p->len && p->doc->text[p->at] == ',') { p->at++; continue; }
+        if (p->at < p->len && p->doc->text[p->at] == close) { p->at++; break; }
+        return lg_json_error(p, object ? "expected ',' or '}'" : "expected ',' or ']'");
+    }
+    p->doc->nodes[node].end = p->at;
+    return 0;
+}
+
+static int lg_json_value(lg_json_parser *p, int depth) {
+    lg_json_skip_space(p);
+    if (depth > LG_JSON_MAX_DEPTH) return lg_json_error(p, "nested too deeply");
+    if (p->at >= p->len) return lg_json_error(p, "unexpected end of the document");
+    const char *t = p->doc->text + p->at;
+    size_t avail = p->len - p->at;
+    static const char *const words[3] = {"null", "false", "true"};
+    for (int w = 0; w < 3; w++) {
+        size_t n = strlen(words[w]);
+        if (avail >= n && memcmp(t, words[w], n) == 0) {
+            int node = lg_json_new_node(p, (lg_json_kind)(LG_JSON_NULL + w));
+            if (node < 0) return lg_json_error(p, "out of host memory");
+            p->at += n;
+            p->doc->nodes[node].end = p->at;
+            return 0;
+        }
+    }
+    lg_json_kind kind = *t == '"' ? LG_JSON_STRING : *t == '[' ? LG_JSON_ARRAY
+                      : *t == '{' ? LG_JSON_OBJECT : LG_JSON_NUMBER;
+    int node = lg_json_new_node(p, kind);
+    if (node < 0) return lg_json_error(p, "out of host memory");
+    if (kind == LG_JSON_STRING) return lg_json_scan_string(p, node);
+    if (kind == LG_JSON_NUMBER) return lg_json_scan_number(p, node);
+    return lg_json_container(p, node, depth);
+}
+
+int lg_json_parse(lg_json *doc, const char *text, size_t len, const char *source, lg_error *err) {
+    memset(doc, 0, sizeof *doc);
+    doc->text = text;
+    lg_json_parser p = {doc, 0, len, source, err};
+    int rc = lg_json_value(&p, 0);
+    lg_json_skip_space(&p);
+    if (rc == 0 && p.at != len) rc = lg_json_error(&p, "text after the document");
+    if (rc != 0) lg_json_free(doc);
+    return rc;
+}
+
+int lg_json_find(const lg_json *doc, int object, const char *key) {
+    if (object < 0 || doc->nodes[object].kind != LG_JSON_OBJECT) return -1;
+    size_t n = strlen(key);
+    for (int k = doc->nodes[object].first_child; k >= 0; k = doc->nodes[doc->nodes[k].next].next) {
+        const lg_json_node *node = &doc->nodes[k];
+        if (node->end - node->start == n && memcmp(doc->text + node->start, key, n) == 0)
+            return node->next;
+    }
+    return -1;
+}
+
+/* Appends code point cp as UTF-8; returns the bytes written (1 to 4). */
+static int lg_utf8_put(char *out, uint32_t cp) {
+    if (cp < 0x80) { out[0] = (char)cp; return 1; }
+    if (cp < 0x800) {
+        out[0] = (char)(0xC0 | cp >> 6);
+        out[1] = (char)(0x80 | (cp & 0x3F));
+        return 2;
+    }
+    if (cp < 0x10000) {
+        out[0] = (char)(0xE0 | cp >> 12);
+        out[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
+        out[2] = (char)(0x80 | (cp & 0x3F));
+        return 3;
+    }
+    out[0] = (char)(0xF0 | cp >> 18);
+    out[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
+    out[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
+    out[3] = (char)(0x80 | (cp & 0x3F));
+    return 4;
+}
+
+/* The code point of the \uXXXX escape at s (after the backslash), joining surrogate pairs; a
+   lone surrogate becomes U+FFFD. *used: bytes consumed after the backslash. */
+static uint32_t lg_json_unicode_escape(const char *s, size_t avail, size_t *used) {
+    unsigned hi, lo;
+    lg_json_hex4(s + 1, avail - 1, &hi);
+    *used = 5;
+    if (hi < 0xD800 || hi > 0xDFFF) return hi;
+    if (hi <= 0xDBFF && avail >= 11 && s[5] == '\\' && s[6] == 'u' &&
+        lg_json_hex4(s + 7, avail - 7, &lo) == 0 && lo >= 0xDC00 && lo <= 0xDFFF) {
+        *used = 11;
+        return 0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00);
+    }
+    return 0xFFFD;
+}
+
+char *lg_json_string(const lg_json *doc, int node, size_t *len) {
+    if (node < 0 || doc->nodes[node].kind != LG_JSON_STRING) return NULL;
+    const char *s = doc->text + doc->nodes[node].start;
+    size_t n = doc->nodes[node].end - doc->nodes[node].start, out_n = 0;
+    char *out = (char *)LG_MALLOC(n + 1); /* escapes never grow: \uXXXX is 6 bytes, UTF-8 <= 4 */
+    if (!out) return NULL;
+    for (size_t i = 0; i < n;) {
+        if (s[i] != '\\') { out[out_n++] = s[i++]; continue; }
+        char c = s[i + 1];
+        if (c == 'u') {
+            size_t used;
+            out_n += (size_t)lg_utf8_put(out + out_n, lg_json_unicode_escape(s + i + 1, n - i - 1, &used));
+            i += 1 + used;
+            continue;
+        }
+        out[out_n++] = c == 'b' ? '\b' : c == 'f' ? '\f' : c == 'n' ? '\n' : c == 'r' ? '\r'
+                     : c == 't' ? '\t' : c;
+        i += 2;
+    }
+    out[out_n] = '\0';
+    if (len) *len = out_n;
+    return out;
+}
+
+int lg_json_int(const lg_json *doc, int node, long *value) {
+    if (node < 0 || doc->nodes[node].kind != LG_JSON_NUMBER) return -1;
+    const char *s = doc->text + doc->nodes[node].start;
+    size_t n = doc->nodes[node].end - doc->nodes[node].start, i = s[0] == '-';
+    long v = 0;
+    if (i == n || n - i > 15) return -1;
+    for (; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9') return -1;
+        v = v * 10 + (s[i] - '0');
+    }
+    *value = s[0] == '-' ? -v : v;
+    return 0;
+}
+
+int lg_json_string_copy(const lg_json *doc, int node, char *out, size_t cap) {
+    size_t n;
+    char *s = lg_json_string(doc, node, &n);
+    int fits = s && n < cap && strlen(s) == n;
+    if (fits) memcpy(out, s, n + 1);
+    else if (cap) out[0] = '\0';
+    LG_FREE(s);
+    return fits ? 0 : -1;
+}
+
+int lg_json_double(const lg_json *doc, int node, double *value) {
+    if (node < 0 || doc->nodes[node].kind != LG_JSON_NUMBER) return -1;
+    char buf[64], *end;
+    size_t n = doc->nodes[node].end - doc->nodes[node].start;
+    if (n >= sizeof buf) return -1;
+    memcpy(buf, doc->text + doc->nodes[node].start, n);
+    buf[n] = '\0';
+    double v = strtod(buf, &end);
+    if (*end != '\0' || !isfinite(v)) return -1;
+    *value = v;
+    return 0;
+}
+
+int lg_json_count(const lg_json *doc, int node) {
+    if (node < 0 || (doc->nodes[node].kind != LG_JSON_ARRAY && doc->nodes[node].kind != LG_JSON_OBJECT))
+        return 0;
+    int n = 0;
+    for (int k = doc->nodes[node].first_child; k >= 0; k = doc->nodes[k].next) n++;
+    return doc->nodes[node].kind == LG_JSON_OBJECT ? n / 2 : n;
+}
+
+void lg_json_free(lg_json *doc) {
+    LG_FREE(doc->nodes);
+    memset(doc, 0, sizeof *doc);
+}
+
+char *lg_read_file(const char *path, size_t *len, const char *what, lg_error *err) {
+    struct stat st;
+    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
+        lg_fail(err, "%s %s: not a regular file", what, path);
+        return NULL;
+    }
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        lg_fail(err, "%s %s: cannot open: %s", what, path, strerror(errno));
+        return NULL;
+    }
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *text = size >= 0 ? (char *)LG_MALLOC((size_t)size + 1) : NULL;
+    if (!text || fread(text, 1, (size_t)size, f) != (size_t)size) {
+        lg_fail(err, "%s %s: %s", what, path, text ? "read failed" : "out of host memory");
+        LG_FREE(text);
+        fclose(f);
+        return NULL;
+    }
+    fclose(f);
+    text[size] = '\0';
+    *len = (size_t)size;
+    return text;
+}
+
+/* snprintf for paths and names: truncation is checked by the reader of the result (a truncated
+   path does not open), so the compiler need not warn about it. */
+static int lg_format(char *out, size_t cap, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(out, cap, fmt, ap);
+    va_end(ap);
+    return n;
 }
 
 /* 2. numbers ---------------------------------------------------------------------------------- */
@@ -2127,7 +2508,7 @@ LG_HD lg_real lg_sgd_element(lg_real p, lg_real g, lg_real *buf, lg_real lr, lg_
     return p - lr * g;
 }
 
-/* The constants one optimizer step applies to every element (lg_update_rule_of, section 8). */
+/* The constants one optimizer step applies to every element (lg_update_rule_of, section 9). */
 typedef struct {
     lg_optimizer_kind kind;
     lg_real lr, beta1, beta2, eps, rho, momentum;
@@ -2178,7 +2559,7 @@ typedef struct {
 } lg_tensor_state;
 
 /* NF4: QLoRA's frozen weights (the format is described with the API). Quantizing runs on the
-   CPU; dequantizing is an op of section 6 with a CUDA kernel, which takes the code book by
+   CPU; dequantizing is an op of section 7 with a CUDA kernel, which takes the code book by
    value and the helpers marked LG_HD. */
 
 static const char *const lg_quantization_names[] = {"none", "nf4", "nf4-dq"};
@@ -2390,7 +2771,7 @@ typedef enum { LG_FIELD_INT, LG_FIELD_FLOAT, LG_FIELD_BOOL, LG_FIELD_NAME, LG_FI
                LG_FIELD_MLP, LG_FIELD_GELU } lg_field_type;
 
 /* The config's fields: the one table that the YAML loader, the model_config.yaml writer and
-   the config.json writer (section 12, through its Hugging Face names) walk. litgpt_default is
+   the config.json writer (section 13, through its Hugging Face names) walk. litgpt_default is
    LitGPT's Config default (litgpt/config.py) as the YAML would spell it; NULL for the name
    (the file's) and the fields lg_config_derive derives when the file leaves them out.
    tie_embeddings and learned_pos_embedding are this trainer's (GPT-2); LitGPT has neither. */
@@ -3145,7 +3526,7 @@ int lg_args_accumulation_steps(const lg_args *a, lg_error *err) {
     return global / per_step;
 }
 
-/* 5. plan: buffer layouts ------------------------------------------------------------------ */
+/* 5. plan ------------------------------------------------------------------------------------- */
 
 /* Which of the model's tensors a layout walks: without LoRA every tensor is trainable; with
    LoRA the trainable layout holds the adapters and the frozen one the base model. */
@@ -3618,8 +3999,6 @@ void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
 #endif
 }
 
-static size_t lg_gemm_workspace_count(void); /* 6. kernels: elements of one thread's buffers */
-
 lg_sharding lg_sharding_of(const lg_plan_spec *s) {
     lg_sharding sh = {1, 1, 0, 0};
     int ranks = s->devices * s->nodes;
@@ -3824,6 +4203,33 @@ static int lg_plan_activations(lg_rank_plan *r, const lg_config *c, const lg_pla
     lg_backward_layout(c, B, T, lg_no_buf(), NULL, &main_count);
     rc |= lg_plan_add(r, "backward", LG_GROUP_BACKWARD, LG_POOL_DEVICE, t.acts, main_count);
     return rc;
+}
+#define LG_GEMM_MR_MAX 32 /* the largest MR and NR of any path (workspace sizes) */
+#define LG_GEMM_NR_MAX 32
+
+/* cache blocks (in elements): Bp micro-panel KC x NR in L1, Ap block
+   MC x KC in L2, Bp block KC x NC in L2/L3; MC = MR * LG_GEMM_MC_PANELS */
+#ifndef LG_GEMM_KC
+#define LG_GEMM_KC 256               /* must be a multiple of 32 (AMX tile rows) */
+#endif
+#ifndef LG_GEMM_MC_PANELS
+#define LG_GEMM_MC_PANELS 12
+#endif
+#ifndef LG_GEMM_NC
+#define LG_GEMM_NC 2048              /* must be a multiple of every NR */
+#endif
+
+/* Elements of one thread's packing buffers (see lg_gemm_workspace), for every path: Ap
+   (MC + MR) x KC and Bp KC x (NC + NR) at the largest MR and NR, each rounded up to LG_ALIGN
+   bytes. */
+static size_t lg_gemm_panel_a_count(void) {
+    const size_t mc = (size_t)LG_GEMM_MR_MAX * (LG_GEMM_MC_PANELS + 1);
+    return lg_align_up(mc * LG_GEMM_KC * sizeof(lg_real)) / sizeof(lg_real);
+}
+
+static size_t lg_gemm_workspace_count(void) {
+    size_t b = (size_t)LG_GEMM_KC * (LG_GEMM_NC + LG_GEMM_NR_MAX);
+    return lg_gemm_panel_a_count() + lg_align_up(b * sizeof(lg_real)) / sizeof(lg_real);
 }
 
 /* The CPU's scratch: the matmul's packing buffers and attention's rows, one set a thread. */
@@ -4461,7 +4867,147 @@ void lg_plan_print_json(const lg_plan *plan, FILE *out) {
 #include "litgpt_cuda.cuh" /* the GPU's ops, which the ops below hand over to on a GPU rank */
 #endif
 
-/* 6. kernels (CPU) ------------------------------------------------------------------------- */
+/* 6. ranks: memory ---------------------------------------------------------------------------- */
+
+/* Each rank's memory: one arena per pool of its plan, allocated once (on a GPU: device and
+   pinned memory), regions looked up by name, and visits - the host's way to read and write
+   a buffer wherever it lives, through a staging region in chunks. Everything after this
+   section takes its memory from here. */
+
+
+#ifdef LG_CUDA
+int lg_cuda_device_count(void) { return lg_cuda_device_count_impl(); }
+lg_backend lg_backend_in_use(void) {
+    return lg_cuda_device_count() > 0 ? LG_BACKEND_CUDA : LG_BACKEND_CPU;
+}
+#else
+int lg_cuda_device_count(void) { return 0; }
+lg_backend lg_backend_in_use(void) { return LG_BACKEND_CPU; }
+
+int lg_cuda_measure_runtime(int devices, int communicators, size_t *runtime_bytes,
+                            size_t *total_bytes, lg_error *err) {
+    (void)devices;
+    (void)communicators;
+    *runtime_bytes = *total_bytes = 0;
+    return lg_fail(err, "this build has no CUDA backend");
+}
+
+int lg_cuda_memory(int device, size_t *free_bytes, size_t *total_bytes, lg_error *err) {
+    (void)device;
+    *free_bytes = *total_bytes = 0;
+    return lg_fail(err, "this build has no CUDA backend");
+}
+
+int lg_cuda_report_topology(int devices, FILE *out) {
+    (void)devices;
+    (void)out;
+    return 0;
+}
+#endif
+
+int lg_rank_create(lg_rank *rank, const lg_plan *plan, int index, lg_error *err) {
+    return lg_rank_create_on(rank, plan, index, index, err);
+}
+
+int lg_rank_create_on(lg_rank *rank, const lg_plan *plan, int index, int device, lg_error *err) {
+    memset(rank, 0, sizeof *rank);
+    rank->plan = plan;
+    rank->index = index;
+    rank->device = device;
+    rank->backend = plan->spec.backend;
+#ifdef LG_CUDA
+    if (rank->backend == LG_BACKEND_CUDA) return lg_cuda_rank_create(rank, err);
+#else
+    if (rank->backend == LG_BACKEND_CUDA)
+        return lg_fail(err, "this build has no CUDA backend (build it with make cuda)");
+#endif
+    const lg_rank_plan *r = &plan->ranks[index];
+    for (int pool = 0; pool < LG_N_POOLS; pool++) {
+        if (r->pool_bytes[pool] == 0) continue;
+        /* one arena per pool, exactly the planned bytes, aligned for every region */
+        rank->arena[pool] = (unsigned char *)lg_alloc_zeroed(r->pool_bytes[pool] + LG_ALIGN);
+        if (!rank->arena[pool]) {
+            char size[32];
+            lg_rank_free(rank);
+            return lg_fail(err, "out of %s memory: the plan needs %s (see --plan)",
+                           lg_pool_name((lg_pool)pool),
+                           lg_format_bytes(r->pool_bytes[pool], size, sizeof size));
+        }
+    }
+    return 0;
+}
+
+/* The arena's first LG_ALIGN-aligned byte. */
+static unsigned char *lg_arena_start(const lg_rank *rank, lg_pool pool) {
+    uintptr_t p = (uintptr_t)rank->arena[pool];
+    return rank->arena[pool] + (LG_ALIGN - p % LG_ALIGN) % LG_ALIGN;
+}
+
+lg_buf lg_rank_view(const lg_rank *rank, const char *name, lg_dtype dtype) {
+    lg_buf b = {lg_rank_region(rank, name), dtype};
+    return b;
+}
+
+void *lg_rank_region(const lg_rank *rank, const char *name) {
+    const lg_region *x = lg_plan_find(&rank->plan->ranks[rank->index], name);
+    return x ? lg_arena_start(rank, x->pool) + x->offset : NULL;
+}
+
+void lg_rank_free(lg_rank *rank) {
+    if (!rank) return;
+#ifdef LG_CUDA
+    if (rank->backend == LG_BACKEND_CUDA) {
+        lg_cuda_rank_free(rank);
+        memset(rank, 0, sizeof *rank);
+        return;
+    }
+#endif
+    for (int pool = 0; pool < LG_N_POOLS; pool++) LG_FREE(rank->arena[pool]);
+    memset(rank, 0, sizeof *rank);
+}
+
+void lg_rank_sync(const lg_rank *rank) {
+#ifdef LG_CUDA
+    if (rank->backend == LG_BACKEND_CUDA) lg_cuda_rank_sync(rank);
+#else
+    (void)rank;
+#endif
+}
+
+lg_visit lg_visit_start(const lg_exec *ex, lg_buf x, size_t count, size_t unit, int mode) {
+    lg_visit v;
+    memset(&v, 0, sizeof v);
+    v.ex = ex;
+    v.x = x;
+    v.count = count;
+    v.unit = unit ? unit : 1;
+    v.mode = mode;
+    v.piece.dtype = x.dtype;
+    return v;
+}
+
+int lg_visit_next(lg_visit *v) {
+    int on_gpu = v->ex && v->ex->backend == LG_BACKEND_CUDA;
+#ifdef LG_CUDA
+    if (on_gpu && v->n && (v->mode & LG_VISIT_WRITE)) lg_cuda_visit_copy(v, 1);
+#endif
+    v->first += v->n;
+    v->n = 0;
+    if (v->first >= v->count) return 0;
+    v->n = v->count - v->first;
+    v->piece = lg_at(v->x, v->first);
+#ifdef LG_CUDA
+    if (on_gpu) {
+        lg_cuda_visit_piece(v);
+        if (v->mode & LG_VISIT_READ) lg_cuda_visit_copy(v, 0);
+    }
+#else
+    (void)on_gpu;
+#endif
+    return 1;
+}
+
+/* 7. kernels (CPU) ---------------------------------------------------------------------------- */
 
 /* Every op takes the rank's lg_exec first. On a GPU rank it hands its arguments to the CUDA op
    of the same name (litgpt_cuda.cuh) and returns; otherwise the loops below run. */
@@ -4558,20 +5104,6 @@ void lg_plan_print_json(const lg_plan *plan, FILE *out) {
 #define LG_GEMM_MR 14
 #else
 #define LG_GEMM_MR 6
-#endif
-#define LG_GEMM_MR_MAX 32 /* the largest MR and NR of any path (workspace sizes) */
-#define LG_GEMM_NR_MAX 32
-
-/* cache blocks (in elements): Bp micro-panel KC x NR in L1, Ap block
-   MC x KC in L2, Bp block KC x NC in L2/L3; MC = MR * LG_GEMM_MC_PANELS */
-#ifndef LG_GEMM_KC
-#define LG_GEMM_KC 256               /* must be a multiple of 32 (AMX tile rows) */
-#endif
-#ifndef LG_GEMM_MC_PANELS
-#define LG_GEMM_MC_PANELS 12
-#endif
-#ifndef LG_GEMM_NC
-#define LG_GEMM_NC 2048              /* must be a multiple of every NR */
 #endif
 
 #define LG_GEMM_SMALL (16.0 * 16 * 16)       /* M*N*K below: simple loop */
@@ -5273,19 +5805,6 @@ static void lg_gemm_split(int n, int unit, int parts, int r, int *lo, int *hi) {
     *hi = (int)((long long)nb * (r + 1) / parts) * unit;
     if (*lo > n) *lo = n;
     if (*hi > n) *hi = n;
-}
-
-/* Elements of one thread's packing buffers (see lg_gemm_workspace), for every path: Ap
-   (MC + MR) x KC and Bp KC x (NC + NR) at the largest MR and NR, each rounded up to LG_ALIGN
-   bytes. */
-static size_t lg_gemm_panel_a_count(void) {
-    const size_t mc = (size_t)LG_GEMM_MR_MAX * (LG_GEMM_MC_PANELS + 1);
-    return lg_align_up(mc * LG_GEMM_KC * sizeof(lg_real)) / sizeof(lg_real);
-}
-
-static size_t lg_gemm_workspace_count(void) {
-    size_t b = (size_t)LG_GEMM_KC * (LG_GEMM_NC + LG_GEMM_NR_MAX);
-    return lg_gemm_panel_a_count() + lg_align_up(b * sizeof(lg_real)) / sizeof(lg_real);
 }
 
 /* C(M, N) = beta C + op(A)(M, K) op(B)(K, N), row-major (see the top of this section), with
@@ -6272,7 +6791,7 @@ static void lg_residual_norm_forward(const lg_exec *ex, lg_buf sum, lg_buf out, 
     lg_norm_forward(ex, out, mean, rstd, sum, weight, bias, N, C, eps);
 }
 
-/* 7. model ------------------------------------------------------------------------------------ */
+/* 8. model ------------------------------------------------------------------------------------ */
 
 /* The memory of region `name` of the model's rank, or an error naming it. */
 static void *lg_model_region(lg_model *m, const char *name, lg_error *err) {
@@ -7048,7 +7567,7 @@ void lg_model_generate(lg_model *m, int *tokens, int n_prompt, int n_new, float 
     }
 }
 
-/* 8. optimizers ------------------------------------------------------------------------------- */
+/* 9. optimizers ------------------------------------------------------------------------------- */
 
 /* 8-bit codes for values in [-1, 1] (signed) or [0, 1] (unsigned), dense near zero: after
    the sign bit, the number of leading zero bits E picks the decade 10^-E, and the bits after
@@ -7404,37 +7923,16 @@ float lg_learning_rate(const lg_args *a, int step) {
     return a->min_lr + 0.5f * (1.0f + cosf(3.14159265358979f * progress)) * (a->lr - a->min_lr);
 }
 
-/* 9. ranks and collectives ---------------------------------------------------------------- */
+/* 10. processes and collectives --------------------------------------------------------------- */
 
-#ifdef LG_CUDA
-int lg_cuda_device_count(void) { return lg_cuda_device_count_impl(); }
-lg_backend lg_backend_in_use(void) {
-    return lg_cuda_device_count() > 0 ? LG_BACKEND_CUDA : LG_BACKEND_CPU;
-}
-#else
-int lg_cuda_device_count(void) { return 0; }
-lg_backend lg_backend_in_use(void) { return LG_BACKEND_CPU; }
+/* Ranks in several processes: the launcher's environment, MPI start-up, the rendezvous of GPU
+   processes without MPI, the start-up flag check, and the collectives between ranks
+   (all-reduce, reduce-scatter, all-gather, broadcast) in one process or over MPI; on GPUs
+   over NCCL (litgpt_cuda.cuh). */
 
-int lg_cuda_measure_runtime(int devices, int communicators, size_t *runtime_bytes,
-                            size_t *total_bytes, lg_error *err) {
-    (void)devices;
-    (void)communicators;
-    *runtime_bytes = *total_bytes = 0;
-    return lg_fail(err, "this build has no CUDA backend");
-}
 
-int lg_cuda_memory(int device, size_t *free_bytes, size_t *total_bytes, lg_error *err) {
-    (void)device;
-    *free_bytes = *total_bytes = 0;
-    return lg_fail(err, "this build has no CUDA backend");
-}
-
-int lg_cuda_report_topology(int devices, FILE *out) {
-    (void)devices;
-    (void)out;
-    return 0;
-}
-
+/* A build without CUDA: the collectives' stand-ins (the CPU's are further down). */
+#ifndef LG_CUDA
 lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err) {
     (void)n;
     (void)members;
@@ -7478,108 +7976,6 @@ int lg_comm_split(lg_comm *parent, const int *color, const int *key, lg_comm **b
     return lg_fail(err, "this build has no CUDA backend");
 }
 #endif
-
-int lg_rank_create(lg_rank *rank, const lg_plan *plan, int index, lg_error *err) {
-    return lg_rank_create_on(rank, plan, index, index, err);
-}
-
-int lg_rank_create_on(lg_rank *rank, const lg_plan *plan, int index, int device, lg_error *err) {
-    memset(rank, 0, sizeof *rank);
-    rank->plan = plan;
-    rank->index = index;
-    rank->device = device;
-    rank->backend = plan->spec.backend;
-#ifdef LG_CUDA
-    if (rank->backend == LG_BACKEND_CUDA) return lg_cuda_rank_create(rank, err);
-#else
-    if (rank->backend == LG_BACKEND_CUDA)
-        return lg_fail(err, "this build has no CUDA backend (build it with make cuda)");
-#endif
-    const lg_rank_plan *r = &plan->ranks[index];
-    for (int pool = 0; pool < LG_N_POOLS; pool++) {
-        if (r->pool_bytes[pool] == 0) continue;
-        /* one arena per pool, exactly the planned bytes, aligned for every region */
-        rank->arena[pool] = (unsigned char *)lg_alloc_zeroed(r->pool_bytes[pool] + LG_ALIGN);
-        if (!rank->arena[pool]) {
-            char size[32];
-            lg_rank_free(rank);
-            return lg_fail(err, "out of %s memory: the plan needs %s (see --plan)",
-                           lg_pool_name((lg_pool)pool),
-                           lg_format_bytes(r->pool_bytes[pool], size, sizeof size));
-        }
-    }
-    return 0;
-}
-
-/* The arena's first LG_ALIGN-aligned byte. */
-static unsigned char *lg_arena_start(const lg_rank *rank, lg_pool pool) {
-    uintptr_t p = (uintptr_t)rank->arena[pool];
-    return rank->arena[pool] + (LG_ALIGN - p % LG_ALIGN) % LG_ALIGN;
-}
-
-lg_buf lg_rank_view(const lg_rank *rank, const char *name, lg_dtype dtype) {
-    lg_buf b = {lg_rank_region(rank, name), dtype};
-    return b;
-}
-
-void *lg_rank_region(const lg_rank *rank, const char *name) {
-    const lg_region *x = lg_plan_find(&rank->plan->ranks[rank->index], name);
-    return x ? lg_arena_start(rank, x->pool) + x->offset : NULL;
-}
-
-void lg_rank_free(lg_rank *rank) {
-    if (!rank) return;
-#ifdef LG_CUDA
-    if (rank->backend == LG_BACKEND_CUDA) {
-        lg_cuda_rank_free(rank);
-        memset(rank, 0, sizeof *rank);
-        return;
-    }
-#endif
-    for (int pool = 0; pool < LG_N_POOLS; pool++) LG_FREE(rank->arena[pool]);
-    memset(rank, 0, sizeof *rank);
-}
-
-void lg_rank_sync(const lg_rank *rank) {
-#ifdef LG_CUDA
-    if (rank->backend == LG_BACKEND_CUDA) lg_cuda_rank_sync(rank);
-#else
-    (void)rank;
-#endif
-}
-
-lg_visit lg_visit_start(const lg_exec *ex, lg_buf x, size_t count, size_t unit, int mode) {
-    lg_visit v;
-    memset(&v, 0, sizeof v);
-    v.ex = ex;
-    v.x = x;
-    v.count = count;
-    v.unit = unit ? unit : 1;
-    v.mode = mode;
-    v.piece.dtype = x.dtype;
-    return v;
-}
-
-int lg_visit_next(lg_visit *v) {
-    int on_gpu = v->ex && v->ex->backend == LG_BACKEND_CUDA;
-#ifdef LG_CUDA
-    if (on_gpu && v->n && (v->mode & LG_VISIT_WRITE)) lg_cuda_visit_copy(v, 1);
-#endif
-    v->first += v->n;
-    v->n = 0;
-    if (v->first >= v->count) return 0;
-    v->n = v->count - v->first;
-    v->piece = lg_at(v->x, v->first);
-#ifdef LG_CUDA
-    if (on_gpu) {
-        lg_cuda_visit_piece(v);
-        if (v->mode & LG_VISIT_READ) lg_cuda_visit_copy(v, 0);
-    }
-#else
-    (void)on_gpu;
-#endif
-    return 1;
-}
 
 
 /* --- processes: the launcher's environment, MPI -------------------------------------------- */
@@ -8673,982 +9069,7 @@ void lg_broadcast(lg_comm *comm, int n, int root, lg_buf *bufs, size_t count) {
         if (m != root) lg_copy(NULL, bufs[m], bufs[root], count);
 }
 
-/* 10. data ------------------------------------------------------------------------------------ */
-
-static void lg_loader_shuffle(lg_loader *ld) {
-    for (size_t i = 0; i < ld->n_windows; i++) ld->order[i] = i;
-    for (size_t i = ld->n_windows; i > 1; i--) {
-        size_t j = (size_t)(lg_rng_u64(&ld->rng) % i);
-        size_t tmp = ld->order[i - 1];
-        ld->order[i - 1] = ld->order[j];
-        ld->order[j] = tmp;
-    }
-}
-
-/* Shared tail of both constructors: windows, order, scratch. */
-static int lg_loader_finish(lg_loader *ld, int T, int vocab_size, int shuffle, uint64_t seed,
-                            lg_error *err) {
-    ld->T = T;
-    ld->vocab_size = vocab_size;
-    if (T < 1) {
-        lg_fail(err, "data %s: windows of %d tokens; a token shard needs at least 1", ld->path, T);
-        lg_loader_close(ld);
-        return -1;
-    }
-    ld->n_windows = ld->n_tokens > 0 ? (ld->n_tokens - 1) / (size_t)T : 0;
-    if (ld->n_windows == 0) {
-        lg_fail(err, "data %s: %zu tokens, too few for one window of %d + 1", ld->path,
-                ld->n_tokens, T);
-        lg_loader_close(ld);
-        return -1;
-    }
-    lg_rng_seed(&ld->rng, seed);
-    ld->scratch = (uint32_t *)lg_alloc_zeroed(sizeof(uint32_t) * (T + 1));
-    if (shuffle) ld->order = (size_t *)lg_alloc_zeroed(sizeof(size_t) * ld->n_windows);
-    if (!ld->scratch || (shuffle && !ld->order)) {
-        lg_loader_close(ld);
-        return lg_fail(err, "data %s: out of host memory", ld->path);
-    }
-    if (shuffle) lg_loader_shuffle(ld);
-    return 0;
-}
-
-static uint32_t lg_u32_le(const unsigned char *b) {
-    return (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
-}
-
-/* The shard's largest token into ld->max_token, read once at opening in chunks of 1 Mi
-   tokens; a token at or past vocab_size is refused now rather than when its window comes. */
-static int lg_shard_scan(lg_loader *ld, int vocab_size, lg_error *err) {
-    const size_t chunk = (size_t)1 << 20;
-    unsigned char *raw = (unsigned char *)LG_MALLOC(chunk * (size_t)ld->token_bytes);
-    if (!raw) return lg_fail(err, "data %s: out of host memory", ld->path);
-    int rc = fseek(ld->file, LG_SHARD_HEADER_INTS * (long)sizeof(int32_t), SEEK_SET);
-    for (size_t start = 0; start < ld->n_tokens && rc == 0; start += chunk) {
-        size_t n = ld->n_tokens - start < chunk ? ld->n_tokens - start : chunk;
-        if (fread(raw, (size_t)ld->token_bytes, n, ld->file) != n) { rc = -1; break; }
-        for (size_t i = 0; i < n; i++) {
-            const unsigned char *b = raw + i * (size_t)ld->token_bytes;
-            uint32_t token = ld->token_bytes == 2 ? (uint32_t)(b[0] | b[1] << 8) : lg_u32_le(b);
-            if (token > ld->max_token) ld->max_token = token;
-        }
-    }
-    LG_FREE(raw);
-    if (rc != 0) return lg_fail(err, "data %s: read failed", ld->path);
-    if (ld->max_token >= (uint32_t)vocab_size)
-        return lg_fail(err, "data %s: token %u is outside the model's vocabulary of %d (its "
-                            "padded_vocab_size): data made with another tokenizer?", ld->path,
-                       ld->max_token, vocab_size);
-    return 0;
-}
-
-/* fine-tuning samples, below */
-static size_t lg_loader_take(lg_loader *ld);
-static int lg_samples_open(lg_loader *ld, int T, int shuffle, uint64_t seed, lg_error *err);
-static int lg_samples_next(lg_loader *ld, int B, int *inputs, int *targets, int *T_batch);
-
-int lg_loader_open(lg_loader *ld, const char *path, int T, int vocab_size, int shuffle,
-                   uint64_t seed, lg_error *err) {
-    memset(ld, 0, sizeof *ld);
-    snprintf(ld->path, sizeof ld->path, "%s", path);
-    struct stat st;
-    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode))
-        return lg_fail(err, "data %s: not a regular file", path);
-    ld->file = fopen(path, "rb");
-    if (!ld->file) return lg_fail(err, "data %s: cannot open: %s", path, strerror(errno));
-    int32_t header[LG_SHARD_HEADER_INTS];
-    size_t got = fread(header, sizeof(int32_t), LG_SHARD_HEADER_INTS, ld->file);
-    fseek(ld->file, 0, SEEK_END);
-    long file_bytes = ftell(ld->file);
-    const long header_bytes = LG_SHARD_HEADER_INTS * (long)sizeof(int32_t);
-    if (got > 0 && strchr("[{", *(const char *)header)) {
-        lg_loader_close(ld);
-        return lg_fail(err, "data %s: a JSON file, not prepared data: make fine-tuning samples "
-                            "with tools/prepare alpaca (or token shards with tools/prepare text)",
-                       path);
-    }
-    if (got != LG_SHARD_HEADER_INTS) {
-        lg_loader_close(ld);
-        return lg_fail(err, "data %s: %ld bytes, shorter than the %ld-byte header", path,
-                       file_bytes, header_bytes);
-    }
-    if (header[0] == LG_SAMPLES_MAGIC) {
-        ld->vocab_size = vocab_size;
-        return lg_samples_open(ld, T, shuffle, seed, err);
-    }
-    if (header[0] == LG_SHARD_MAGIC_U16 && header[1] == LG_SHARD_VERSION_U16) ld->token_bytes = 2;
-    else if (header[0] == LG_SHARD_MAGIC_U32 && header[1] == LG_SHARD_VERSION_U32) ld->token_bytes = 4;
-    else {
-        lg_loader_close(ld);
-        return lg_fail(err, "data %s: not a token shard (magic %d version %d; expected %d/%d "
-                            "for uint16 or %d/%d for uint32 tokens, %d for fine-tuning samples)",
-                       path, header[0], header[1], LG_SHARD_MAGIC_U16, LG_SHARD_VERSION_U16,
-                       LG_SHARD_MAGIC_U32, LG_SHARD_VERSION_U32, LG_SAMPLES_MAGIC);
-    }
-    ld->n_tokens = (size_t)(uint32_t)header[2];
-    long expected = header_bytes + (long)ld->n_tokens * ld->token_bytes;
-    if (file_bytes != expected) {
-        lg_loader_close(ld);
-        return lg_fail(err, "data %s: header says %zu tokens (%ld bytes) but the file has %ld "
-                            "bytes (truncated or corrupt)", path, (size_t)(uint32_t)header[2],
-                       expected, file_bytes);
-    }
-    if (lg_shard_scan(ld, vocab_size, err) != 0) {
-        lg_loader_close(ld);
-        return -1;
-    }
-    return lg_loader_finish(ld, T, vocab_size, shuffle, seed, err);
-}
-
-int lg_loader_from_memory(lg_loader *ld, uint32_t *tokens, size_t n_tokens, int T,
-                          int vocab_size, int shuffle, uint64_t seed, lg_error *err) {
-    memset(ld, 0, sizeof *ld);
-    snprintf(ld->path, sizeof ld->path, "(built-in)");
-    ld->memory = tokens;
-    ld->n_tokens = n_tokens;
-    ld->token_bytes = 4;
-    return lg_loader_finish(ld, T, vocab_size, shuffle, seed, err);
-}
-
-/* Reads tokens [start, start + T] of the stream into ld->scratch. */
-static int lg_loader_read_window(lg_loader *ld, size_t start, lg_error *err) {
-    size_t n = (size_t)ld->T + 1;
-    if (ld->memory) {
-        memcpy(ld->scratch, ld->memory + start, n * sizeof(uint32_t));
-    } else {
-        /* read the window's raw little-endian tokens into the scratch, then widen in place
-           from the back (a uint16 window fills the first half of the buffer) */
-        long at = LG_SHARD_HEADER_INTS * (long)sizeof(int32_t) + (long)(start * ld->token_bytes);
-        unsigned char *raw = (unsigned char *)ld->scratch;
-        if (fseek(ld->file, at, SEEK_SET) != 0 ||
-            fread(raw, (size_t)ld->token_bytes, n, ld->file) != n)
-            return lg_fail(err, "data %s: read failed at token %zu", ld->path, start);
-        for (size_t i = n; i-- > 0;) {
-            const unsigned char *b = raw + i * ld->token_bytes;
-            ld->scratch[i] = ld->token_bytes == 2 ? (uint32_t)(b[0] | b[1] << 8)
-                                                  : (uint32_t)b[0] | (uint32_t)b[1] << 8 |
-                                                        (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
-        }
-    }
-    for (size_t i = 0; i < n; i++)
-        if (ld->scratch[i] >= (uint32_t)ld->vocab_size)
-            return lg_fail(err, "data %s: token %u at position %zu is outside the model's "
-                                "vocabulary of %d", ld->path, ld->scratch[i], start + i,
-                           ld->vocab_size);
-    return 0;
-}
-
-int lg_loader_next(lg_loader *ld, int B, int *inputs, int *targets, lg_error *err) {
-    int T = ld->T;
-    if (ld->n_samples && lg_samples_next(ld, B, inputs, targets, NULL) != 0)
-        return lg_fail(err, "data %s: out of host memory", ld->path);
-    for (int b = 0; b < B && !ld->n_samples; b++) {
-        size_t window = lg_loader_take(ld);
-        if (lg_loader_read_window(ld, window * (size_t)T, err) != 0) return -1;
-        for (int t = 0; t < T; t++) {
-            inputs[b * T + t] = (int)ld->scratch[t];
-            targets[b * T + t] = (int)ld->scratch[t + 1];
-        }
-    }
-    return 0;
-}
-
-void lg_loader_rewind(lg_loader *ld) {
-    ld->position = 0;
-    ld->epoch = 0;
-}
-
-void lg_loader_close(lg_loader *ld) {
-    if (ld->file) fclose(ld->file);
-    LG_FREE(ld->memory);
-    LG_FREE(ld->order);
-    LG_FREE(ld->scratch);
-    LG_FREE(ld->sample_start);
-    LG_FREE(ld->sample_length);
-    LG_FREE(ld->prompt_length);
-    memset(ld, 0, sizeof *ld);
-}
-
-int lg_shard_write(const char *path, const uint32_t *tokens, size_t n, int token_bytes,
-                   lg_error *err) {
-    FILE *f = fopen(path, "wb");
-    if (!f) return lg_fail(err, "data %s: cannot create: %s", path, strerror(errno));
-    int32_t header[LG_SHARD_HEADER_INTS];
-    memset(header, 0, sizeof header);
-    header[0] = token_bytes == 2 ? LG_SHARD_MAGIC_U16 : LG_SHARD_MAGIC_U32;
-    header[1] = token_bytes == 2 ? LG_SHARD_VERSION_U16 : LG_SHARD_VERSION_U32;
-    header[2] = (int32_t)n;
-    int ok = fwrite(header, sizeof header, 1, f) == 1;
-    for (size_t i = 0; ok && i < n; i++) {
-        unsigned char raw[4] = {(unsigned char)tokens[i], (unsigned char)(tokens[i] >> 8),
-                                (unsigned char)(tokens[i] >> 16), (unsigned char)(tokens[i] >> 24)};
-        ok = fwrite(raw, 1, (size_t)token_bytes, f) == (size_t)token_bytes;
-    }
-    if (fclose(f) != 0 || !ok) return lg_fail(err, "data %s: write failed", path);
-    return 0;
-}
-
-/* One sample of the built-in task: random letters, '=', the letters sorted, '\n'. */
-static size_t lg_builtin_sample(lg_rng *rng, uint32_t *out) {
-    int n = 1 + (int)(lg_rng_u64(rng) % LG_BUILTIN_MAX_LETTERS);
-    int counts[26] = {0};
-    size_t len = 0;
-    for (int i = 0; i < n; i++) {
-        int letter = (int)(lg_rng_u64(rng) % 26);
-        counts[letter]++;
-        out[len++] = (uint32_t)lg_char_encode_one((char)('a' + letter));
-    }
-    out[len++] = (uint32_t)lg_char_encode_one('=');
-    for (int letter = 0; letter < 26; letter++)
-        for (int k = 0; k < counts[letter]; k++)
-            out[len++] = (uint32_t)lg_char_encode_one((char)('a' + letter));
-    out[len++] = (uint32_t)lg_char_encode_one('\n');
-    return len;
-}
-
-uint32_t *lg_builtin_task_tokens(uint64_t seed, size_t min_tokens, size_t *n_tokens) {
-    size_t max_sample = 2 * LG_BUILTIN_MAX_LETTERS + 2;
-    uint32_t *tokens = (uint32_t *)LG_MALLOC(sizeof(uint32_t) * (min_tokens + max_sample));
-    if (!tokens) return NULL;
-    lg_rng rng;
-    lg_rng_seed(&rng, seed);
-    size_t n = 0;
-    while (n < min_tokens) n += lg_builtin_sample(&rng, tokens + n);
-    *n_tokens = n;
-    return tokens;
-}
-
-/* --- fine-tuning samples ------------------------------------------------------------------- */
-
-/* The sample tables of a loader holding n samples; 0 or -1 (out of memory). */
-static int lg_samples_alloc(lg_loader *ld, size_t n) {
-    ld->n_samples = n;
-    ld->sample_start = (size_t *)lg_alloc_zeroed(sizeof(size_t) * n);
-    ld->sample_length = (uint32_t *)lg_alloc_zeroed(sizeof(uint32_t) * n);
-    ld->prompt_length = (uint32_t *)lg_alloc_zeroed(sizeof(uint32_t) * n);
-    return ld->sample_start && ld->sample_length && ld->prompt_length ? 0 : -1;
-}
-
-/* Checks one sample record at raw[at..] and copies its tokens; names the sample when wrong. */
-static int lg_samples_read_one(lg_loader *ld, const unsigned char *raw, size_t size, size_t *at,
-                               size_t i, size_t *n_tokens, lg_error *err) {
-    if (size - *at < 8)
-        return lg_fail(err, "data %s: sample %zu: the file ends inside its lengths (truncated?)",
-                       ld->path, i);
-    uint32_t n = lg_u32_le(raw + *at), prompt = lg_u32_le(raw + *at + 4);
-    *at += 8;
-    if (n == 0) return lg_fail(err, "data %s: sample %zu has no tokens", ld->path, i);
-    if (prompt > n)
-        return lg_fail(err, "data %s: sample %zu: prompt of %u tokens in a sample of %u",
-                       ld->path, i, prompt, n);
-    if ((size - *at) / (size_t)ld->token_bytes < n)
-        return lg_fail(err, "data %s: sample %zu says %u tokens, past the end of the file "
-                            "(truncated or corrupt)", ld->path, i, n);
-    ld->sample_start[i] = *n_tokens;
-    ld->sample_length[i] = n;
-    ld->prompt_length[i] = prompt;
-    for (uint32_t k = 0; k < n; k++, *at += (size_t)ld->token_bytes) {
-        const unsigned char *b = raw + *at;
-        uint32_t token = ld->token_bytes == 2 ? (uint32_t)(b[0] | b[1] << 8) : lg_u32_le(b);
-        if (token >= (uint32_t)ld->vocab_size)
-            return lg_fail(err, "data %s: sample %zu: token %u is outside the model's "
-                                "vocabulary of %d", ld->path, i, token, ld->vocab_size);
-        if (token > ld->max_token) ld->max_token = token;
-        ld->memory[(*n_tokens)++] = token;
-    }
-    return 0;
-}
-
-/* Parses a whole sample file held in raw; the header is already known to be a sample file. */
-static int lg_samples_parse(lg_loader *ld, const unsigned char *raw, size_t size, lg_error *err) {
-    const size_t header_bytes = LG_SHARD_HEADER_INTS * 4;
-    int32_t version = (int32_t)lg_u32_le(raw + 4), n = (int32_t)lg_u32_le(raw + 8);
-    int32_t token_bytes = (int32_t)lg_u32_le(raw + 12), mask = (int32_t)lg_u32_le(raw + 16);
-    if (version != LG_SAMPLES_VERSION)
-        return lg_fail(err, "data %s: sample file version %d, expected %d", ld->path, version,
-                       LG_SAMPLES_VERSION);
-    if (token_bytes != 2 && token_bytes != 4)
-        return lg_fail(err, "data %s: %d bytes a token, expected 2 or 4", ld->path, token_bytes);
-    if (mask != 0 && mask != 1)
-        return lg_fail(err, "data %s: prompt masking %d, expected 0 or 1", ld->path, mask);
-    if (n <= 0 || (size_t)n > (size - header_bytes) / 8)
-        return lg_fail(err, "data %s: header says %d samples, impossible in %zu bytes", ld->path,
-                       n, size);
-    ld->token_bytes = token_bytes;
-    ld->mask_prompt = mask;
-    ld->memory = (uint32_t *)LG_MALLOC(sizeof(uint32_t) * ((size - header_bytes) / token_bytes + 1));
-    if (!ld->memory || lg_samples_alloc(ld, (size_t)n) != 0)
-        return lg_fail(err, "data %s: out of host memory", ld->path);
-    size_t at = header_bytes, n_tokens = 0;
-    for (size_t i = 0; i < (size_t)n; i++)
-        if (lg_samples_read_one(ld, raw, size, &at, i, &n_tokens, err) != 0) return -1;
-    if (at != size)
-        return lg_fail(err, "data %s: %zu bytes after the last of %d samples (corrupt?)",
-                       ld->path, size - at, n);
-    ld->n_tokens = n_tokens;
-    return 0;
-}
-
-/* Shared tail of the sample constructors: truncation, the longest sample, order, scratch. */
-static int lg_samples_finish(lg_loader *ld, int T, int shuffle, uint64_t seed, lg_error *err) {
-    uint32_t longest = 0;
-    for (size_t i = 0; i < ld->n_samples; i++)
-        if (ld->sample_length[i] > longest) longest = ld->sample_length[i];
-    if (T < 0) return lg_fail(err, "data %s: truncation to %d tokens", ld->path, T);
-    if (T == 0 || (uint32_t)T > longest) T = (int)longest;
-    ld->T = T;
-    ld->n_windows = ld->n_samples;
-    lg_rng_seed(&ld->rng, seed);
-    ld->scratch = (uint32_t *)lg_alloc_zeroed(sizeof(uint32_t) * (T + 1));
-    if (shuffle) ld->order = (size_t *)lg_alloc_zeroed(sizeof(size_t) * ld->n_windows);
-    if (!ld->scratch || (shuffle && !ld->order))
-        return lg_fail(err, "data %s: out of host memory", ld->path);
-    if (shuffle) lg_loader_shuffle(ld);
-    return 0;
-}
-
-/* lg_loader_open's path for sample files: the whole file is read and checked up front. */
-static int lg_samples_open(lg_loader *ld, int T, int shuffle, uint64_t seed, lg_error *err) {
-    fseek(ld->file, 0, SEEK_END);
-    long size = ftell(ld->file);
-    unsigned char *raw = size > 0 ? (unsigned char *)LG_MALLOC((size_t)size) : NULL;
-    int rc = -1;
-    if (!raw) lg_fail(err, "data %s: out of host memory", ld->path);
-    else if (fseek(ld->file, 0, SEEK_SET) != 0 || fread(raw, 1, (size_t)size, ld->file) != (size_t)size)
-        lg_fail(err, "data %s: read failed", ld->path);
-    else rc = lg_samples_parse(ld, raw, (size_t)size, err);
-    LG_FREE(raw);
-    fclose(ld->file);
-    ld->file = NULL;
-    if (rc == 0) rc = lg_samples_finish(ld, T, shuffle, seed, err);
-    if (rc != 0) lg_loader_close(ld);
-    return rc;
-}
-
-/* Row b of a sample micro-batch of width T: tokens, shifted targets, padding, masks. */
-static void lg_samples_fill_row(const lg_loader *ld, size_t sample, int T, int *inputs,
-                                int *targets) {
-    const uint32_t *tokens = ld->memory + ld->sample_start[sample];
-    int n = (int)ld->sample_length[sample];
-    if (n > ld->T) n = ld->T;
-    int prompt = ld->mask_prompt ? (int)ld->prompt_length[sample] : 0;
-    for (int t = 0; t < T; t++) {
-        inputs[t] = t < n ? (int)tokens[t] : 0; /* any valid token: padding is never a target */
-        targets[t] = t + 1 < n && t + 1 >= prompt ? (int)tokens[t + 1] : LG_IGNORE_INDEX;
-    }
-}
-
-static size_t lg_loader_take(lg_loader *ld) {
-    if (ld->position == ld->n_windows) {
-        ld->position = 0;
-        ld->epoch++;
-        if (ld->order) lg_loader_shuffle(ld);
-    }
-    size_t next = ld->order ? ld->order[ld->position] : ld->position;
-    ld->position++;
-    return next;
-}
-
-static int lg_samples_next(lg_loader *ld, int B, int *inputs, int *targets, int *T_batch) {
-    size_t picked[64]; /* the batch is picked first, to know its longest row */
-    int width = 0;
-    size_t *rows = B <= 64 ? picked : (size_t *)LG_MALLOC(sizeof(size_t) * (size_t)B);
-    if (!rows) return -1;
-    for (int b = 0; b < B; b++) {
-        rows[b] = lg_loader_take(ld);
-        int n = (int)ld->sample_length[rows[b]];
-        width = n > width ? n : width;
-    }
-    if (width > ld->T) width = ld->T;
-    if (T_batch) *T_batch = width;
-    else width = ld->T; /* lg_loader_next: rows of the loader's full length */
-    for (int b = 0; b < B; b++)
-        lg_samples_fill_row(ld, rows[b], width, inputs + (size_t)b * width,
-                            targets + (size_t)b * width);
-    if (rows != picked) LG_FREE(rows);
-    return 0;
-}
-
-int lg_loader_next_batch(lg_loader *ld, int B, int *inputs, int *targets, int *T_batch,
-                         lg_error *err) {
-    if (ld->n_samples == 0) {
-        *T_batch = ld->T;
-        return lg_loader_next(ld, B, inputs, targets, err);
-    }
-    if (lg_samples_next(ld, B, inputs, targets, T_batch) != 0)
-        return lg_fail(err, "data %s: out of host memory", ld->path);
-    return 0;
-}
-
-int lg_samples_file(const char *path) {
-    FILE *f = fopen(path, "rb");
-    unsigned char magic[4] = {0, 0, 0, 0};
-    int n = f ? (int)fread(magic, 1, 4, f) : 0;
-    if (f) fclose(f);
-    return n == 4 && lg_u32_le(magic) == LG_SAMPLES_MAGIC;
-}
-
-int lg_loader_longest(const lg_loader *ld) { return ld->n_samples ? ld->T : 0; }
-
-int lg_loader_check_block_size(const lg_loader *ld, int block_size, lg_error *err) {
-    for (size_t i = 0; i < ld->n_samples; i++) {
-        int n = (int)ld->sample_length[i];
-        if (n > ld->T) n = ld->T;
-        if (n > block_size)
-            return lg_fail(err, "data %s: sample %zu has %d tokens, more than the model's "
-                                "block_size %d (truncate with -t/--max-seq-length)", ld->path, i,
-                           n, block_size);
-    }
-    return 0;
-}
-
-static void lg_put_u32(unsigned char *b, uint32_t v) {
-    for (int i = 0; i < 4; i++) b[i] = (unsigned char)(v >> (8 * i));
-}
-
-int lg_samples_write(const char *path, const uint32_t *tokens, const uint32_t *lengths,
-                     const uint32_t *prompt_lengths, size_t n_samples, int token_bytes,
-                     int mask_prompt, lg_error *err) {
-    FILE *f = fopen(path, "wb");
-    if (!f) return lg_fail(err, "data %s: cannot create: %s", path, strerror(errno));
-    unsigned char header[LG_SHARD_HEADER_INTS * 4];
-    memset(header, 0, sizeof header);
-    lg_put_u32(header, LG_SAMPLES_MAGIC);
-    lg_put_u32(header + 4, LG_SAMPLES_VERSION);
-    lg_put_u32(header + 8, (uint32_t)n_samples);
-    lg_put_u32(header + 12, (uint32_t)token_bytes);
-    lg_put_u32(header + 16, (uint32_t)(mask_prompt != 0));
-    int ok = fwrite(header, sizeof header, 1, f) == 1;
-    size_t at = 0;
-    for (size_t i = 0; ok && i < n_samples; i++) {
-        unsigned char lens[8], raw[4];
-        lg_put_u32(lens, lengths[i]);
-        lg_put_u32(lens + 4, prompt_lengths[i]);
-        ok = fwrite(lens, 8, 1, f) == 1;
-        for (uint32_t k = 0; ok && k < lengths[i]; k++) {
-            lg_put_u32(raw, tokens[at++]);
-            ok = fwrite(raw, 1, (size_t)token_bytes, f) == (size_t)token_bytes;
-        }
-    }
-    if (fclose(f) != 0 || !ok) return lg_fail(err, "data %s: write failed", path);
-    return 0;
-}
-
-void lg_builtin_task_text(lg_rng *rng, char *letters, char *sorted) {
-    int n = 1 + (int)(lg_rng_u64(rng) % LG_BUILTIN_MAX_LETTERS), counts[26] = {0}, len = 0;
-    for (int i = 0; i < n; i++) {
-        int letter = (int)(lg_rng_u64(rng) % 26);
-        counts[letter]++;
-        letters[i] = (char)('a' + letter);
-    }
-    letters[n] = '\0';
-    for (int letter = 0; letter < 26; letter++)
-        for (int k = 0; k < counts[letter]; k++) sorted[len++] = (char)('a' + letter);
-    sorted[len] = '\0';
-}
-
-int lg_builtin_task_samples(lg_loader *ld, uint64_t seed, size_t n_samples, int T, int shuffle,
-                            uint64_t shuffle_seed, lg_error *err) {
-    memset(ld, 0, sizeof *ld);
-    snprintf(ld->path, sizeof ld->path, "(built-in)");
-    ld->vocab_size = LG_CHAR_VOCAB;
-    ld->token_bytes = 4;
-    ld->mask_prompt = 1;
-    size_t max_sample = 2 * LG_BUILTIN_MAX_LETTERS + 2;
-    ld->memory = (uint32_t *)LG_MALLOC(sizeof(uint32_t) * max_sample * (n_samples ? n_samples : 1));
-    if (n_samples == 0 || !ld->memory || lg_samples_alloc(ld, n_samples) != 0) {
-        lg_loader_close(ld);
-        return lg_fail(err, "built-in task: %zu samples: out of host memory", n_samples);
-    }
-    lg_rng rng;
-    lg_rng_seed(&rng, seed);
-    for (size_t i = 0; i < n_samples; i++) {
-        uint32_t *out = ld->memory + ld->n_tokens;
-        size_t len = lg_builtin_sample(&rng, out);
-        uint32_t prompt = 0;
-        while (out[prompt] != (uint32_t)lg_char_encode_one('=')) prompt++;
-        ld->sample_start[i] = ld->n_tokens;
-        ld->sample_length[i] = (uint32_t)len;
-        ld->prompt_length[i] = prompt + 1; /* the letters and '=' */
-        ld->n_tokens += len;
-    }
-    if (lg_samples_finish(ld, T, shuffle, shuffle_seed, err) == 0) return 0;
-    lg_loader_close(ld);
-    return -1;
-}
-
-/* --- JSON ------------------------------------------------------------------------------------ */
-
-typedef struct {
-    lg_json *doc;
-    size_t at, len;
-    const char *source;
-    lg_error *err;
-} lg_json_parser;
-
-static int lg_json_error(lg_json_parser *p, const char *what) {
-    size_t line = 1;
-    for (size_t i = 0; i < p->at && i < p->len; i++) line += p->doc->text[i] == '\n';
-    return lg_fail(p->err, "%s: invalid JSON at line %zu (byte %zu): %s", p->source, line, p->at,
-                   what);
-}
-
-static void lg_json_skip_space(lg_json_parser *p) {
-    while (p->at < p->len && strchr(" \t\r\n", p->doc->text[p->at]) && p->doc->text[p->at])
-        p->at++;
-}
-
-static int lg_json_new_node(lg_json_parser *p, lg_json_kind kind) {
-    lg_json *d = p->doc;
-    if (d->n_nodes == d->cap) {
-        int cap = d->cap ? 2 * d->cap : 256;
-        lg_json_node *grown = (lg_json_node *)LG_MALLOC(sizeof(lg_json_node) * (size_t)cap);
-        if (!grown) return -1;
-        if (d->nodes) memcpy(grown, d->nodes, sizeof(lg_json_node) * (size_t)d->n_nodes);
-        LG_FREE(d->nodes);
-        d->nodes = grown;
-        d->cap = cap;
-    }
-    lg_json_node *n = &d->nodes[d->n_nodes];
-    n->kind = kind;
-    n->first_child = n->next = -1;
-    n->start = n->end = p->at;
-    return d->n_nodes++;
-}
-
-static int lg_json_hex4(const char *s, size_t avail, unsigned *value) {
-    *value = 0;
-    if (avail < 4) return -1;
-    for (int i = 0; i < 4; i++) {
-        char c = s[i];
-        int digit = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10
-                  : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
-        if (digit < 0) return -1;
-        *value = *value * 16 + (unsigned)digit;
-    }
-    return 0;
-}
-
-static int lg_json_scan_string(lg_json_parser *p, int node) {
-    const char *t = p->doc->text;
-    p->at++; /* the opening quote */
-    p->doc->nodes[node].start = p->at;
-    while (p->at < p->len && t[p->at] != '"') {
-        unsigned char c = (unsigned char)t[p->at];
-        unsigned hex;
-        if (c < 0x20) return lg_json_error(p, "control character inside a string");
-        if (c == '\\') {
-            if (++p->at == p->len) break;
-            if (t[p->at] == 'u' && lg_json_hex4(t + p->at + 1, p->len - p->at - 1, &hex) != 0)
-                return lg_json_error(p, "\\u needs four hex digits");
-            if (t[p->at] == 'u' && hex == 0) /* C strings end there: the rest would be lost */
-                return lg_json_error(p, "\\u0000 (a NUL character) inside a string");
-            if (t[p->at] == 'u') p->at += 4;
-            else if (!strchr("\"\\/bfnrt", t[p->at]) || !t[p->at])
-                return lg_json_error(p, "unknown escape in a string");
-        }
-        p->at++;
-    }
-    if (p->at >= p->len) return lg_json_error(p, "unterminated string");
-    p->doc->nodes[node].end = p->at++;
-    return 0;
-}
-
-static int lg_json_scan_number(lg_json_parser *p, int node) {
-    const char *t = p->doc->text;
-    size_t start = p->at, digits = 0;
-    if (t[p->at] == '-') p->at++;
-    while (p->at < p->len && t[p->at] >= '0' && t[p->at] <= '9') p->at++, digits++;
-    if (p->at < p->len && t[p->at] == '.') {
-        p->at++;
-        while (p->at < p->len && t[p->at] >= '0' && t[p->at] <= '9') p->at++;
-    }
-    if (p->at < p->len && (t[p->at] == 'e' || t[p->at] == 'E')) {
-        p->at++;
-        if (p->at < p->len && (t[p->at] == '+' || t[p->at] == '-')) p->at++;
-        while (p->at < p->len && t[p->at] >= '0' && t[p->at] <= '9') p->at++;
-    }
-    if (digits == 0) { p->at = start; return lg_json_error(p, "expected a value"); }
-    p->doc->nodes[node].end = p->at;
-    return 0;
-}
-
-static int lg_json_value(lg_json_parser *p, int depth);
-
-/* The elements of an array or the key/value pairs of an object, linked as children. */
-static int lg_json_container(lg_json_parser *p, int node, int depth) {
-    int object = p->doc->nodes[node].kind == LG_JSON_OBJECT, last = -1;
-    char close = object ? '}' : ']';
-    p->at++;
-    lg_json_skip_space(p);
-    if (p->at < p->len && p->doc->text[p->at] == close) { p->at++; return 0; }
-    for (;;) {
-        for (int part = 0; part < 1 + object; part++) {
-            lg_json_skip_space(p);
-            if (part == 0 && object && (p->at >= p->len || p->doc->text[p->at] != '"'))
-                return lg_json_error(p, "expected a string key");
-            int child = p->doc->n_nodes;
-            if (lg_json_value(p, depth + 1) != 0) return -1;
-            if (last < 0) p->doc->nodes[node].first_child = child;
-            else p->doc->nodes[last].next = child;
-            last = child;
-            lg_json_skip_space(p);
-            if (part == 0 && object) {
-                if (p->at >= p->len || p->doc->text[p->at] != ':')
-                    return lg_json_error(p, "expected ':' after a key");
-                p->at++;
-            }
-        }
-        if (p->at < p->len && p->doc->text[p->at] == ',') { p->at++; continue; }
-        if (p->at < p->len && p->doc->text[p->at] == close) { p->at++; break; }
-        return lg_json_error(p, object ? "expected ',' or '}'" : "expected ',' or ']'");
-    }
-    p->doc->nodes[node].end = p->at;
-    return 0;
-}
-
-static int lg_json_value(lg_json_parser *p, int depth) {
-    lg_json_skip_space(p);
-    if (depth > LG_JSON_MAX_DEPTH) return lg_json_error(p, "nested too deeply");
-    if (p->at >= p->len) return lg_json_error(p, "unexpected end of the document");
-    const char *t = p->doc->text + p->at;
-    size_t avail = p->len - p->at;
-    static const char *const words[3] = {"null", "false", "true"};
-    for (int w = 0; w < 3; w++) {
-        size_t n = strlen(words[w]);
-        if (avail >= n && memcmp(t, words[w], n) == 0) {
-            int node = lg_json_new_node(p, (lg_json_kind)(LG_JSON_NULL + w));
-            if (node < 0) return lg_json_error(p, "out of host memory");
-            p->at += n;
-            p->doc->nodes[node].end = p->at;
-            return 0;
-        }
-    }
-    lg_json_kind kind = *t == '"' ? LG_JSON_STRING : *t == '[' ? LG_JSON_ARRAY
-                      : *t == '{' ? LG_JSON_OBJECT : LG_JSON_NUMBER;
-    int node = lg_json_new_node(p, kind);
-    if (node < 0) return lg_json_error(p, "out of host memory");
-    if (kind == LG_JSON_STRING) return lg_json_scan_string(p, node);
-    if (kind == LG_JSON_NUMBER) return lg_json_scan_number(p, node);
-    return lg_json_container(p, node, depth);
-}
-
-int lg_json_parse(lg_json *doc, const char *text, size_t len, const char *source, lg_error *err) {
-    memset(doc, 0, sizeof *doc);
-    doc->text = text;
-    lg_json_parser p = {doc, 0, len, source, err};
-    int rc = lg_json_value(&p, 0);
-    lg_json_skip_space(&p);
-    if (rc == 0 && p.at != len) rc = lg_json_error(&p, "text after the document");
-    if (rc != 0) lg_json_free(doc);
-    return rc;
-}
-
-int lg_json_find(const lg_json *doc, int object, const char *key) {
-    if (object < 0 || doc->nodes[object].kind != LG_JSON_OBJECT) return -1;
-    size_t n = strlen(key);
-    for (int k = doc->nodes[object].first_child; k >= 0; k = doc->nodes[doc->nodes[k].next].next) {
-        const lg_json_node *node = &doc->nodes[k];
-        if (node->end - node->start == n && memcmp(doc->text + node->start, key, n) == 0)
-            return node->next;
-    }
-    return -1;
-}
-
-/* Appends code point cp as UTF-8; returns the bytes written (1 to 4). */
-static int lg_utf8_put(char *out, uint32_t cp) {
-    if (cp < 0x80) { out[0] = (char)cp; return 1; }
-    if (cp < 0x800) {
-        out[0] = (char)(0xC0 | cp >> 6);
-        out[1] = (char)(0x80 | (cp & 0x3F));
-        return 2;
-    }
-    if (cp < 0x10000) {
-        out[0] = (char)(0xE0 | cp >> 12);
-        out[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
-        out[2] = (char)(0x80 | (cp & 0x3F));
-        return 3;
-    }
-    out[0] = (char)(0xF0 | cp >> 18);
-    out[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
-    out[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
-    out[3] = (char)(0x80 | (cp & 0x3F));
-    return 4;
-}
-
-/* The code point of the \uXXXX escape at s (after the backslash), joining surrogate pairs; a
-   lone surrogate becomes U+FFFD. *used: bytes consumed after the backslash. */
-static uint32_t lg_json_unicode_escape(const char *s, size_t avail, size_t *used) {
-    unsigned hi, lo;
-    lg_json_hex4(s + 1, avail - 1, &hi);
-    *used = 5;
-    if (hi < 0xD800 || hi > 0xDFFF) return hi;
-    if (hi <= 0xDBFF && avail >= 11 && s[5] == '\\' && s[6] == 'u' &&
-        lg_json_hex4(s + 7, avail - 7, &lo) == 0 && lo >= 0xDC00 && lo <= 0xDFFF) {
-        *used = 11;
-        return 0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00);
-    }
-    return 0xFFFD;
-}
-
-char *lg_json_string(const lg_json *doc, int node, size_t *len) {
-    if (node < 0 || doc->nodes[node].kind != LG_JSON_STRING) return NULL;
-    const char *s = doc->text + doc->nodes[node].start;
-    size_t n = doc->nodes[node].end - doc->nodes[node].start, out_n = 0;
-    char *out = (char *)LG_MALLOC(n + 1); /* escapes never grow: \uXXXX is 6 bytes, UTF-8 <= 4 */
-    if (!out) return NULL;
-    for (size_t i = 0; i < n;) {
-        if (s[i] != '\\') { out[out_n++] = s[i++]; continue; }
-        char c = s[i + 1];
-        if (c == 'u') {
-            size_t used;
-            out_n += (size_t)lg_utf8_put(out + out_n, lg_json_unicode_escape(s + i + 1, n - i - 1, &used));
-            i += 1 + used;
-            continue;
-        }
-        out[out_n++] = c == 'b' ? '\b' : c == 'f' ? '\f' : c == 'n' ? '\n' : c == 'r' ? '\r'
-                     : c == 't' ? '\t' : c;
-        i += 2;
-    }
-    out[out_n] = '\0';
-    if (len) *len = out_n;
-    return out;
-}
-
-int lg_json_int(const lg_json *doc, int node, long *value) {
-    if (node < 0 || doc->nodes[node].kind != LG_JSON_NUMBER) return -1;
-    const char *s = doc->text + doc->nodes[node].start;
-    size_t n = doc->nodes[node].end - doc->nodes[node].start, i = s[0] == '-';
-    long v = 0;
-    if (i == n || n - i > 15) return -1;
-    for (; i < n; i++) {
-        if (s[i] < '0' || s[i] > '9') return -1;
-        v = v * 10 + (s[i] - '0');
-    }
-    *value = s[0] == '-' ? -v : v;
-    return 0;
-}
-
-int lg_json_string_copy(const lg_json *doc, int node, char *out, size_t cap) {
-    size_t n;
-    char *s = lg_json_string(doc, node, &n);
-    int fits = s && n < cap && strlen(s) == n;
-    if (fits) memcpy(out, s, n + 1);
-    else if (cap) out[0] = '\0';
-    LG_FREE(s);
-    return fits ? 0 : -1;
-}
-
-int lg_json_double(const lg_json *doc, int node, double *value) {
-    if (node < 0 || doc->nodes[node].kind != LG_JSON_NUMBER) return -1;
-    char buf[64], *end;
-    size_t n = doc->nodes[node].end - doc->nodes[node].start;
-    if (n >= sizeof buf) return -1;
-    memcpy(buf, doc->text + doc->nodes[node].start, n);
-    buf[n] = '\0';
-    double v = strtod(buf, &end);
-    if (*end != '\0' || !isfinite(v)) return -1;
-    *value = v;
-    return 0;
-}
-
-int lg_json_count(const lg_json *doc, int node) {
-    if (node < 0 || (doc->nodes[node].kind != LG_JSON_ARRAY && doc->nodes[node].kind != LG_JSON_OBJECT))
-        return 0;
-    int n = 0;
-    for (int k = doc->nodes[node].first_child; k >= 0; k = doc->nodes[k].next) n++;
-    return doc->nodes[node].kind == LG_JSON_OBJECT ? n / 2 : n;
-}
-
-void lg_json_free(lg_json *doc) {
-    LG_FREE(doc->nodes);
-    memset(doc, 0, sizeof *doc);
-}
-
-char *lg_read_file(const char *path, size_t *len, const char *what, lg_error *err) {
-    struct stat st;
-    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
-        lg_fail(err, "%s %s: not a regular file", what, path);
-        return NULL;
-    }
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        lg_fail(err, "%s %s: cannot open: %s", what, path, strerror(errno));
-        return NULL;
-    }
-    fseek(f, 0, SEEK_END);
-    long size = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *text = size >= 0 ? (char *)LG_MALLOC((size_t)size + 1) : NULL;
-    if (!text || fread(text, 1, (size_t)size, f) != (size_t)size) {
-        lg_fail(err, "%s %s: %s", what, path, text ? "read failed" : "out of host memory");
-        LG_FREE(text);
-        fclose(f);
-        return NULL;
-    }
-    fclose(f);
-    text[size] = '\0';
-    *len = (size_t)size;
-    return text;
-}
-
-/* --- Alpaca-style JSON ------------------------------------------------------------------------ */
-
-/* Field key of object node as a new string; "" for an absent optional field. */
-static char *lg_alpaca_field(const lg_json *doc, int node, const char *key, int required,
-                             const char *where, lg_error *err) {
-    int value = lg_json_find(doc, node, key);
-    if (value < 0 && !required) value = -2;
-    char *text = value == -2 ? (char *)lg_alloc_zeroed(1) : lg_json_string(doc, value, NULL);
-    if (!text && value >= 0 && doc->nodes[value].kind == LG_JSON_NULL && !required)
-        text = (char *)lg_alloc_zeroed(1);
-    if (!text)
-        lg_fail(err, "%s: %s \"%s\"", where, value < 0 ? "missing field" : "not a string:", key);
-    return text;
-}
-
-/* One object of the file into sample i. */
-static int lg_alpaca_take(lg_alpaca *set, const lg_json *doc, int node, const char *where,
-                          lg_error *err) {
-    if (doc->nodes[node].kind != LG_JSON_OBJECT)
-        return lg_fail(err, "%s: expected an object with instruction, input, output", where);
-    lg_alpaca_sample *s = &set->samples[set->n];
-    s->instruction = lg_alpaca_field(doc, node, "instruction", 1, where, err);
-    s->input = s->instruction ? lg_alpaca_field(doc, node, "input", 0, where, err) : NULL;
-    s->output = s->input ? lg_alpaca_field(doc, node, "output", 1, where, err) : NULL;
-    set->n++; /* counted even when incomplete, so lg_alpaca_free releases it */
-    return s->output ? 0 : -1;
-}
-
-/* A JSON array of objects. */
-static int lg_alpaca_array(lg_alpaca *set, const char *text, size_t len, const char *path,
-                           lg_error *err) {
-    lg_json doc;
-    if (lg_json_parse(&doc, text, len, path, err) != 0) return -1;
-    size_t count = 0;
-    for (int k = doc.nodes[0].first_child; k >= 0; k = doc.nodes[k].next) count++;
-    set->samples = (lg_alpaca_sample *)lg_alloc_zeroed(sizeof(lg_alpaca_sample) * (count + 1));
-    int rc = set->samples ? 0 : lg_fail(err, "%s: out of host memory", path);
-    for (int k = doc.nodes[0].first_child; k >= 0 && rc == 0; k = doc.nodes[k].next) {
-        char where[600];
-        snprintf(where, sizeof where, "%s sample %zu", path, set->n);
-        rc = lg_alpaca_take(set, &doc, k, where, err);
-    }
-    lg_json_free(&doc);
-    return rc;
-}
-
-/* JSON lines: one object a line; blank lines are skipped. */
-static int lg_alpaca_lines(lg_alpaca *set, const char *text, size_t len, const char *path,
-                           lg_error *err) {
-    size_t lines = 1;
-    for (size_t i = 0; i < len; i++) lines += text[i] == '\n';
-    set->samples = (lg_alpaca_sample *)lg_alloc_zeroed(sizeof(lg_alpaca_sample) * lines);
-    if (!set->samples) return lg_fail(err, "%s: out of host memory", path);
-    size_t line_no = 0;
-    for (size_t at = 0; at < len;) {
-        const char *end = (const char *)memchr(text + at, '\n', len - at);
-        size_t n = end ? (size_t)(end - (text + at)) : len - at;
-        line_no++;
-        size_t blank = 0;
-        while (blank < n && strchr(" \t\r", text[at + blank])) blank++;
-        if (blank < n) {
-            char where[600];
-            snprintf(where, sizeof where, "%s line %zu (sample %zu)", path, line_no, set->n);
-            lg_json doc;
-            if (lg_json_parse(&doc, text + at, n, where, err) != 0) return -1;
-            int rc = lg_alpaca_take(set, &doc, 0, where, err);
-            lg_json_free(&doc);
-            if (rc != 0) return -1;
-        }
-        at += n + 1;
-    }
-    return 0;
-}
-
-int lg_alpaca_read(lg_alpaca *set, const char *path, lg_error *err) {
-    memset(set, 0, sizeof *set);
-    size_t len;
-    char *text = lg_read_file(path, &len, "data", err);
-    if (!text) return -1;
-    size_t first = 0;
-    while (first < len && strchr(" \t\r\n", text[first]) && text[first]) first++;
-    int rc = first < len && text[first] == '[' ? lg_alpaca_array(set, text, len, path, err)
-                                               : lg_alpaca_lines(set, text, len, path, err);
-    if (rc == 0 && set->n == 0) rc = lg_fail(err, "%s: no samples", path);
-    LG_FREE(text);
-    if (rc != 0) lg_alpaca_free(set);
-    return rc;
-}
-
-void lg_alpaca_free(lg_alpaca *set) {
-    for (size_t i = 0; set->samples && i < set->n; i++) {
-        LG_FREE(set->samples[i].instruction);
-        LG_FREE(set->samples[i].input);
-        LG_FREE(set->samples[i].output);
-    }
-    LG_FREE(set->samples);
-    memset(set, 0, sizeof *set);
-}
-
-/* Stanford Alpaca's prompt, with and without an input. */
-int lg_alpaca_prompt(const lg_alpaca_sample *sample, lg_text *out) {
-    const char *intro = sample->input[0]
-        ? "Below is an instruction that describes a task, paired with an input that provides "
-          "further context. Write a response that appropriately completes the request.\n\n"
-        : "Below is an instruction that describes a task. Write a response that appropriately "
-          "completes the request.\n\n";
-    int rc = lg_text_append(out, intro, strlen(intro));
-    rc |= lg_text_append(out, "### Instruction:\n", 17);
-    rc |= lg_text_append(out, sample->instruction, strlen(sample->instruction));
-    if (sample->input[0]) {
-        rc |= lg_text_append(out, "\n\n### Input:\n", 13);
-        rc |= lg_text_append(out, sample->input, strlen(sample->input));
-    }
-    rc |= lg_text_append(out, "\n\n### Response:\n", 16);
-    return rc ? -1 : 0;
-}
-
 /* 11. tokenizer ------------------------------------------------------------------------------- */
-
-/* --- growing lists ---------------------------------------------------------------------------- */
-
-static int lg_grow(void **data, size_t *cap, size_t need, size_t item) {
-    if (need <= *cap) return 0;
-    size_t cap2 = *cap ? *cap : 64;
-    while (cap2 < need) cap2 *= 2;
-    void *grown = LG_MALLOC(cap2 * item);
-    if (!grown) return -1;
-    if (*data) memcpy(grown, *data, *cap * item);
-    LG_FREE(*data);
-    *data = grown;
-    *cap = cap2;
-    return 0;
-}
-
-int lg_tokens_push(lg_tokens *list, int id) {
-    if (lg_grow((void **)&list->ids, &list->cap, list->n + 1, sizeof(int)) != 0) return -1;
-    list->ids[list->n++] = id;
-    return 0;
-}
-
-int lg_text_append(lg_text *text, const char *bytes, size_t n) {
-    if (lg_grow((void **)&text->bytes, &text->cap, text->n + n + 1, 1) != 0) return -1;
-    memcpy(text->bytes + text->n, bytes, n);
-    text->n += n;
-    text->bytes[text->n] = '\0';
-    return 0;
-}
-
-void lg_tokens_free(lg_tokens *list) {
-    LG_FREE(list->ids);
-    memset(list, 0, sizeof *list);
-}
-
-void lg_text_free(lg_text *text) {
-    LG_FREE(text->bytes);
-    memset(text, 0, sizeof *text);
-}
 
 /* --- Unicode ---------------------------------------------------------------------------------- */
 
@@ -10741,17 +10162,633 @@ char lg_char_decode(int token) {
     return '?';
 }
 
-/* 12. checkpoints ----------------------------------------------------------------------------- */
+/* 12. data ------------------------------------------------------------------------------------ */
 
-/* snprintf for paths and names: truncation is checked by the reader of the result (a truncated
-   path does not open), so the compiler need not warn about it. */
-static int lg_format(char *out, size_t cap, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(out, cap, fmt, ap);
-    va_end(ap);
-    return n;
+static void lg_loader_shuffle(lg_loader *ld) {
+    for (size_t i = 0; i < ld->n_windows; i++) ld->order[i] = i;
+    for (size_t i = ld->n_windows; i > 1; i--) {
+        size_t j = (size_t)(lg_rng_u64(&ld->rng) % i);
+        size_t tmp = ld->order[i - 1];
+        ld->order[i - 1] = ld->order[j];
+        ld->order[j] = tmp;
+    }
 }
+
+/* Shared tail of both constructors: windows, order, scratch. */
+static int lg_loader_finish(lg_loader *ld, int T, int vocab_size, int shuffle, uint64_t seed,
+                            lg_error *err) {
+    ld->T = T;
+    ld->vocab_size = vocab_size;
+    if (T < 1) {
+        lg_fail(err, "data %s: windows of %d tokens; a token shard needs at least 1", ld->path, T);
+        lg_loader_close(ld);
+        return -1;
+    }
+    ld->n_windows = ld->n_tokens > 0 ? (ld->n_tokens - 1) / (size_t)T : 0;
+    if (ld->n_windows == 0) {
+        lg_fail(err, "data %s: %zu tokens, too few for one window of %d + 1", ld->path,
+                ld->n_tokens, T);
+        lg_loader_close(ld);
+        return -1;
+    }
+    lg_rng_seed(&ld->rng, seed);
+    ld->scratch = (uint32_t *)lg_alloc_zeroed(sizeof(uint32_t) * (T + 1));
+    if (shuffle) ld->order = (size_t *)lg_alloc_zeroed(sizeof(size_t) * ld->n_windows);
+    if (!ld->scratch || (shuffle && !ld->order)) {
+        lg_loader_close(ld);
+        return lg_fail(err, "data %s: out of host memory", ld->path);
+    }
+    if (shuffle) lg_loader_shuffle(ld);
+    return 0;
+}
+
+static uint32_t lg_u32_le(const unsigned char *b) {
+    return (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
+}
+
+/* The shard's largest token into ld->max_token, read once at opening in chunks of 1 Mi
+   tokens; a token at or past vocab_size is refused now rather than when its window comes. */
+static int lg_shard_scan(lg_loader *ld, int vocab_size, lg_error *err) {
+    const size_t chunk = (size_t)1 << 20;
+    unsigned char *raw = (unsigned char *)LG_MALLOC(chunk * (size_t)ld->token_bytes);
+    if (!raw) return lg_fail(err, "data %s: out of host memory", ld->path);
+    int rc = fseek(ld->file, LG_SHARD_HEADER_INTS * (long)sizeof(int32_t), SEEK_SET);
+    for (size_t start = 0; start < ld->n_tokens && rc == 0; start += chunk) {
+        size_t n = ld->n_tokens - start < chunk ? ld->n_tokens - start : chunk;
+        if (fread(raw, (size_t)ld->token_bytes, n, ld->file) != n) { rc = -1; break; }
+        for (size_t i = 0; i < n; i++) {
+            const unsigned char *b = raw + i * (size_t)ld->token_bytes;
+            uint32_t token = ld->token_bytes == 2 ? (uint32_t)(b[0] | b[1] << 8) : lg_u32_le(b);
+            if (token > ld->max_token) ld->max_token = token;
+        }
+    }
+    LG_FREE(raw);
+    if (rc != 0) return lg_fail(err, "data %s: read failed", ld->path);
+    if (ld->max_token >= (uint32_t)vocab_size)
+        return lg_fail(err, "data %s: token %u is outside the model's vocabulary of %d (its "
+                            "padded_vocab_size): data made with another tokenizer?", ld->path,
+                       ld->max_token, vocab_size);
+    return 0;
+}
+
+/* fine-tuning samples, below */
+static size_t lg_loader_take(lg_loader *ld);
+static int lg_samples_open(lg_loader *ld, int T, int shuffle, uint64_t seed, lg_error *err);
+static int lg_samples_next(lg_loader *ld, int B, int *inputs, int *targets, int *T_batch);
+
+int lg_loader_open(lg_loader *ld, const char *path, int T, int vocab_size, int shuffle,
+                   uint64_t seed, lg_error *err) {
+    memset(ld, 0, sizeof *ld);
+    snprintf(ld->path, sizeof ld->path, "%s", path);
+    struct stat st;
+    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode))
+        return lg_fail(err, "data %s: not a regular file", path);
+    ld->file = fopen(path, "rb");
+    if (!ld->file) return lg_fail(err, "data %s: cannot open: %s", path, strerror(errno));
+    int32_t header[LG_SHARD_HEADER_INTS];
+    size_t got = fread(header, sizeof(int32_t), LG_SHARD_HEADER_INTS, ld->file);
+    fseek(ld->file, 0, SEEK_END);
+    long file_bytes = ftell(ld->file);
+    const long header_bytes = LG_SHARD_HEADER_INTS * (long)sizeof(int32_t);
+    if (got > 0 && strchr("[{", *(const char *)header)) {
+        lg_loader_close(ld);
+        return lg_fail(err, "data %s: a JSON file, not prepared data: make fine-tuning samples "
+                            "with tools/prepare alpaca (or token shards with tools/prepare text)",
+                       path);
+    }
+    if (got != LG_SHARD_HEADER_INTS) {
+        lg_loader_close(ld);
+        return lg_fail(err, "data %s: %ld bytes, shorter than the %ld-byte header", path,
+                       file_bytes, header_bytes);
+    }
+    if (header[0] == LG_SAMPLES_MAGIC) {
+        ld->vocab_size = vocab_size;
+        return lg_samples_open(ld, T, shuffle, seed, err);
+    }
+    if (header[0] == LG_SHARD_MAGIC_U16 && header[1] == LG_SHARD_VERSION_U16) ld->token_bytes = 2;
+    else if (header[0] == LG_SHARD_MAGIC_U32 && header[1] == LG_SHARD_VERSION_U32) ld->token_bytes = 4;
+    else {
+        lg_loader_close(ld);
+        return lg_fail(err, "data %s: not a token shard (magic %d version %d; expected %d/%d "
+                            "for uint16 or %d/%d for uint32 tokens, %d for fine-tuning samples)",
+                       path, header[0], header[1], LG_SHARD_MAGIC_U16, LG_SHARD_VERSION_U16,
+                       LG_SHARD_MAGIC_U32, LG_SHARD_VERSION_U32, LG_SAMPLES_MAGIC);
+    }
+    ld->n_tokens = (size_t)(uint32_t)header[2];
+    long expected = header_bytes + (long)ld->n_tokens * ld->token_bytes;
+    if (file_bytes != expected) {
+        lg_loader_close(ld);
+        return lg_fail(err, "data %s: header says %zu tokens (%ld bytes) but the file has %ld "
+                            "bytes (truncated or corrupt)", path, (size_t)(uint32_t)header[2],
+                       expected, file_bytes);
+    }
+    if (lg_shard_scan(ld, vocab_size, err) != 0) {
+        lg_loader_close(ld);
+        return -1;
+    }
+    return lg_loader_finish(ld, T, vocab_size, shuffle, seed, err);
+}
+
+int lg_loader_from_memory(lg_loader *ld, uint32_t *tokens, size_t n_tokens, int T,
+                          int vocab_size, int shuffle, uint64_t seed, lg_error *err) {
+    memset(ld, 0, sizeof *ld);
+    snprintf(ld->path, sizeof ld->path, "(built-in)");
+    ld->memory = tokens;
+    ld->n_tokens = n_tokens;
+    ld->token_bytes = 4;
+    return lg_loader_finish(ld, T, vocab_size, shuffle, seed, err);
+}
+
+/* Reads tokens [start, start + T] of the stream into ld->scratch. */
+static int lg_loader_read_window(lg_loader *ld, size_t start, lg_error *err) {
+    size_t n = (size_t)ld->T + 1;
+    if (ld->memory) {
+        memcpy(ld->scratch, ld->memory + start, n * sizeof(uint32_t));
+    } else {
+        /* read the window's raw little-endian tokens into the scratch, then widen in place
+           from the back (a uint16 window fills the first half of the buffer) */
+        long at = LG_SHARD_HEADER_INTS * (long)sizeof(int32_t) + (long)(start * ld->token_bytes);
+        unsigned char *raw = (unsigned char *)ld->scratch;
+        if (fseek(ld->file, at, SEEK_SET) != 0 ||
+            fread(raw, (size_t)ld->token_bytes, n, ld->file) != n)
+            return lg_fail(err, "data %s: read failed at token %zu", ld->path, start);
+        for (size_t i = n; i-- > 0;) {
+            const unsigned char *b = raw + i * ld->token_bytes;
+            ld->scratch[i] = ld->token_bytes == 2 ? (uint32_t)(b[0] | b[1] << 8)
+                                                  : (uint32_t)b[0] | (uint32_t)b[1] << 8 |
+                                                        (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
+        }
+    }
+    for (size_t i = 0; i < n; i++)
+        if (ld->scratch[i] >= (uint32_t)ld->vocab_size)
+            return lg_fail(err, "data %s: token %u at position %zu is outside the model's "
+                                "vocabulary of %d", ld->path, ld->scratch[i], start + i,
+                           ld->vocab_size);
+    return 0;
+}
+
+int lg_loader_next(lg_loader *ld, int B, int *inputs, int *targets, lg_error *err) {
+    int T = ld->T;
+    if (ld->n_samples && lg_samples_next(ld, B, inputs, targets, NULL) != 0)
+        return lg_fail(err, "data %s: out of host memory", ld->path);
+    for (int b = 0; b < B && !ld->n_samples; b++) {
+        size_t window = lg_loader_take(ld);
+        if (lg_loader_read_window(ld, window * (size_t)T, err) != 0) return -1;
+        for (int t = 0; t < T; t++) {
+            inputs[b * T + t] = (int)ld->scratch[t];
+            targets[b * T + t] = (int)ld->scratch[t + 1];
+        }
+    }
+    return 0;
+}
+
+void lg_loader_rewind(lg_loader *ld) {
+    ld->position = 0;
+    ld->epoch = 0;
+}
+
+void lg_loader_close(lg_loader *ld) {
+    if (ld->file) fclose(ld->file);
+    LG_FREE(ld->memory);
+    LG_FREE(ld->order);
+    LG_FREE(ld->scratch);
+    LG_FREE(ld->sample_start);
+    LG_FREE(ld->sample_length);
+    LG_FREE(ld->prompt_length);
+    memset(ld, 0, sizeof *ld);
+}
+
+int lg_shard_write(const char *path, const uint32_t *tokens, size_t n, int token_bytes,
+                   lg_error *err) {
+    FILE *f = fopen(path, "wb");
+    if (!f) return lg_fail(err, "data %s: cannot create: %s", path, strerror(errno));
+    int32_t header[LG_SHARD_HEADER_INTS];
+    memset(header, 0, sizeof header);
+    header[0] = token_bytes == 2 ? LG_SHARD_MAGIC_U16 : LG_SHARD_MAGIC_U32;
+    header[1] = token_bytes == 2 ? LG_SHARD_VERSION_U16 : LG_SHARD_VERSION_U32;
+    header[2] = (int32_t)n;
+    int ok = fwrite(header, sizeof header, 1, f) == 1;
+    for (size_t i = 0; ok && i < n; i++) {
+        unsigned char raw[4] = {(unsigned char)tokens[i], (unsigned char)(tokens[i] >> 8),
+                                (unsigned char)(tokens[i] >> 16), (unsigned char)(tokens[i] >> 24)};
+        ok = fwrite(raw, 1, (size_t)token_bytes, f) == (size_t)token_bytes;
+    }
+    if (fclose(f) != 0 || !ok) return lg_fail(err, "data %s: write failed", path);
+    return 0;
+}
+
+/* One sample of the built-in task: random letters, '=', the letters sorted, '\n'. */
+static size_t lg_builtin_sample(lg_rng *rng, uint32_t *out) {
+    int n = 1 + (int)(lg_rng_u64(rng) % LG_BUILTIN_MAX_LETTERS);
+    int counts[26] = {0};
+    size_t len = 0;
+    for (int i = 0; i < n; i++) {
+        int letter = (int)(lg_rng_u64(rng) % 26);
+        counts[letter]++;
+        out[len++] = (uint32_t)lg_char_encode_one((char)('a' + letter));
+    }
+    out[len++] = (uint32_t)lg_char_encode_one('=');
+    for (int letter = 0; letter < 26; letter++)
+        for (int k = 0; k < counts[letter]; k++)
+            out[len++] = (uint32_t)lg_char_encode_one((char)('a' + letter));
+    out[len++] = (uint32_t)lg_char_encode_one('\n');
+    return len;
+}
+
+uint32_t *lg_builtin_task_tokens(uint64_t seed, size_t min_tokens, size_t *n_tokens) {
+    size_t max_sample = 2 * LG_BUILTIN_MAX_LETTERS + 2;
+    uint32_t *tokens = (uint32_t *)LG_MALLOC(sizeof(uint32_t) * (min_tokens + max_sample));
+    if (!tokens) return NULL;
+    lg_rng rng;
+    lg_rng_seed(&rng, seed);
+    size_t n = 0;
+    while (n < min_tokens) n += lg_builtin_sample(&rng, tokens + n);
+    *n_tokens = n;
+    return tokens;
+}
+
+/* --- fine-tuning samples ------------------------------------------------------------------- */
+
+/* The sample tables of a loader holding n samples; 0 or -1 (out of memory). */
+static int lg_samples_alloc(lg_loader *ld, size_t n) {
+    ld->n_samples = n;
+    ld->sample_start = (size_t *)lg_alloc_zeroed(sizeof(size_t) * n);
+    ld->sample_length = (uint32_t *)lg_alloc_zeroed(sizeof(uint32_t) * n);
+    ld->prompt_length = (uint32_t *)lg_alloc_zeroed(sizeof(uint32_t) * n);
+    return ld->sample_start && ld->sample_length && ld->prompt_length ? 0 : -1;
+}
+
+/* Checks one sample record at raw[at..] and copies its tokens; names the sample when wrong. */
+static int lg_samples_read_one(lg_loader *ld, const unsigned char *raw, size_t size, size_t *at,
+                               size_t i, size_t *n_tokens, lg_error *err) {
+    if (size - *at < 8)
+        return lg_fail(err, "data %s: sample %zu: the file ends inside its lengths (truncated?)",
+                       ld->path, i);
+    uint32_t n = lg_u32_le(raw + *at), prompt = lg_u32_le(raw + *at + 4);
+    *at += 8;
+    if (n == 0) return lg_fail(err, "data %s: sample %zu has no tokens", ld->path, i);
+    if (prompt > n)
+        return lg_fail(err, "data %s: sample %zu: prompt of %u tokens in a sample of %u",
+                       ld->path, i, prompt, n);
+    if ((size - *at) / (size_t)ld->token_bytes < n)
+        return lg_fail(err, "data %s: sample %zu says %u tokens, past the end of the file "
+                            "(truncated or corrupt)", ld->path, i, n);
+    ld->sample_start[i] = *n_tokens;
+    ld->sample_length[i] = n;
+    ld->prompt_length[i] = prompt;
+    for (uint32_t k = 0; k < n; k++, *at += (size_t)ld->token_bytes) {
+        const unsigned char *b = raw + *at;
+        uint32_t token = ld->token_bytes == 2 ? (uint32_t)(b[0] | b[1] << 8) : lg_u32_le(b);
+        if (token >= (uint32_t)ld->vocab_size)
+            return lg_fail(err, "data %s: sample %zu: token %u is outside the model's "
+                                "vocabulary of %d", ld->path, i, token, ld->vocab_size);
+        if (token > ld->max_token) ld->max_token = token;
+        ld->memory[(*n_tokens)++] = token;
+    }
+    return 0;
+}
+
+/* Parses a whole sample file held in raw; the header is already known to be a sample file. */
+static int lg_samples_parse(lg_loader *ld, const unsigned char *raw, size_t size, lg_error *err) {
+    const size_t header_bytes = LG_SHARD_HEADER_INTS * 4;
+    int32_t version = (int32_t)lg_u32_le(raw + 4), n = (int32_t)lg_u32_le(raw + 8);
+    int32_t token_bytes = (int32_t)lg_u32_le(raw + 12), mask = (int32_t)lg_u32_le(raw + 16);
+    if (version != LG_SAMPLES_VERSION)
+        return lg_fail(err, "data %s: sample file version %d, expected %d", ld->path, version,
+                       LG_SAMPLES_VERSION);
+    if (token_bytes != 2 && token_bytes != 4)
+        return lg_fail(err, "data %s: %d bytes a token, expected 2 or 4", ld->path, token_bytes);
+    if (mask != 0 && mask != 1)
+        return lg_fail(err, "data %s: prompt masking %d, expected 0 or 1", ld->path, mask);
+    if (n <= 0 || (size_t)n > (size - header_bytes) / 8)
+        return lg_fail(err, "data %s: header says %d samples, impossible in %zu bytes", ld->path,
+                       n, size);
+    ld->token_bytes = token_bytes;
+    ld->mask_prompt = mask;
+    ld->memory = (uint32_t *)LG_MALLOC(sizeof(uint32_t) * ((size - header_bytes) / token_bytes + 1));
+    if (!ld->memory || lg_samples_alloc(ld, (size_t)n) != 0)
+        return lg_fail(err, "data %s: out of host memory", ld->path);
+    size_t at = header_bytes, n_tokens = 0;
+    for (size_t i = 0; i < (size_t)n; i++)
+        if (lg_samples_read_one(ld, raw, size, &at, i, &n_tokens, err) != 0) return -1;
+    if (at != size)
+        return lg_fail(err, "data %s: %zu bytes after the last of %d samples (corrupt?)",
+                       ld->path, size - at, n);
+    ld->n_tokens = n_tokens;
+    return 0;
+}
+
+/* Shared tail of the sample constructors: truncation, the longest sample, order, scratch. */
+static int lg_samples_finish(lg_loader *ld, int T, int shuffle, uint64_t seed, lg_error *err) {
+    uint32_t longest = 0;
+    for (size_t i = 0; i < ld->n_samples; i++)
+        if (ld->sample_length[i] > longest) longest = ld->sample_length[i];
+    if (T < 0) return lg_fail(err, "data %s: truncation to %d tokens", ld->path, T);
+    if (T == 0 || (uint32_t)T > longest) T = (int)longest;
+    ld->T = T;
+    ld->n_windows = ld->n_samples;
+    lg_rng_seed(&ld->rng, seed);
+    ld->scratch = (uint32_t *)lg_alloc_zeroed(sizeof(uint32_t) * (T + 1));
+    if (shuffle) ld->order = (size_t *)lg_alloc_zeroed(sizeof(size_t) * ld->n_windows);
+    if (!ld->scratch || (shuffle && !ld->order))
+        return lg_fail(err, "data %s: out of host memory", ld->path);
+    if (shuffle) lg_loader_shuffle(ld);
+    return 0;
+}
+
+/* lg_loader_open's path for sample files: the whole file is read and checked up front. */
+static int lg_samples_open(lg_loader *ld, int T, int shuffle, uint64_t seed, lg_error *err) {
+    fseek(ld->file, 0, SEEK_END);
+    long size = ftell(ld->file);
+    unsigned char *raw = size > 0 ? (unsigned char *)LG_MALLOC((size_t)size) : NULL;
+    int rc = -1;
+    if (!raw) lg_fail(err, "data %s: out of host memory", ld->path);
+    else if (fseek(ld->file, 0, SEEK_SET) != 0 || fread(raw, 1, (size_t)size, ld->file) != (size_t)size)
+        lg_fail(err, "data %s: read failed", ld->path);
+    else rc = lg_samples_parse(ld, raw, (size_t)size, err);
+    LG_FREE(raw);
+    fclose(ld->file);
+    ld->file = NULL;
+    if (rc == 0) rc = lg_samples_finish(ld, T, shuffle, seed, err);
+    if (rc != 0) lg_loader_close(ld);
+    return rc;
+}
+
+/* Row b of a sample micro-batch of width T: tokens, shifted targets, padding, masks. */
+static void lg_samples_fill_row(const lg_loader *ld, size_t sample, int T, int *inputs,
+                                int *targets) {
+    const uint32_t *tokens = ld->memory + ld->sample_start[sample];
+    int n = (int)ld->sample_length[sample];
+    if (n > ld->T) n = ld->T;
+    int prompt = ld->mask_prompt ? (int)ld->prompt_length[sample] : 0;
+    for (int t = 0; t < T; t++) {
+        inputs[t] = t < n ? (int)tokens[t] : 0; /* any valid token: padding is never a target */
+        targets[t] = t + 1 < n && t + 1 >= prompt ? (int)tokens[t + 1] : LG_IGNORE_INDEX;
+    }
+}
+
+static size_t lg_loader_take(lg_loader *ld) {
+    if (ld->position == ld->n_windows) {
+        ld->position = 0;
+        ld->epoch++;
+        if (ld->order) lg_loader_shuffle(ld);
+    }
+    size_t next = ld->order ? ld->order[ld->position] : ld->position;
+    ld->position++;
+    return next;
+}
+
+static int lg_samples_next(lg_loader *ld, int B, int *inputs, int *targets, int *T_batch) {
+    size_t picked[64]; /* the batch is picked first, to know its longest row */
+    int width = 0;
+    size_t *rows = B <= 64 ? picked : (size_t *)LG_MALLOC(sizeof(size_t) * (size_t)B);
+    if (!rows) return -1;
+    for (int b = 0; b < B; b++) {
+        rows[b] = lg_loader_take(ld);
+        int n = (int)ld->sample_length[rows[b]];
+        width = n > width ? n : width;
+    }
+    if (width > ld->T) width = ld->T;
+    if (T_batch) *T_batch = width;
+    else width = ld->T; /* lg_loader_next: rows of the loader's full length */
+    for (int b = 0; b < B; b++)
+        lg_samples_fill_row(ld, rows[b], width, inputs + (size_t)b * width,
+                            targets + (size_t)b * width);
+    if (rows != picked) LG_FREE(rows);
+    return 0;
+}
+
+int lg_loader_next_batch(lg_loader *ld, int B, int *inputs, int *targets, int *T_batch,
+                         lg_error *err) {
+    if (ld->n_samples == 0) {
+        *T_batch = ld->T;
+        return lg_loader_next(ld, B, inputs, targets, err);
+    }
+    if (lg_samples_next(ld, B, inputs, targets, T_batch) != 0)
+        return lg_fail(err, "data %s: out of host memory", ld->path);
+    return 0;
+}
+
+int lg_samples_file(const char *path) {
+    FILE *f = fopen(path, "rb");
+    unsigned char magic[4] = {0, 0, 0, 0};
+    int n = f ? (int)fread(magic, 1, 4, f) : 0;
+    if (f) fclose(f);
+    return n == 4 && lg_u32_le(magic) == LG_SAMPLES_MAGIC;
+}
+
+int lg_loader_longest(const lg_loader *ld) { return ld->n_samples ? ld->T : 0; }
+
+int lg_loader_check_block_size(const lg_loader *ld, int block_size, lg_error *err) {
+    for (size_t i = 0; i < ld->n_samples; i++) {
+        int n = (int)ld->sample_length[i];
+        if (n > ld->T) n = ld->T;
+        if (n > block_size)
+            return lg_fail(err, "data %s: sample %zu has %d tokens, more than the model's "
+                                "block_size %d (truncate with -t/--max-seq-length)", ld->path, i,
+                           n, block_size);
+    }
+    return 0;
+}
+
+static void lg_put_u32(unsigned char *b, uint32_t v) {
+    for (int i = 0; i < 4; i++) b[i] = (unsigned char)(v >> (8 * i));
+}
+
+int lg_samples_write(const char *path, const uint32_t *tokens, const uint32_t *lengths,
+                     const uint32_t *prompt_lengths, size_t n_samples, int token_bytes,
+                     int mask_prompt, lg_error *err) {
+    FILE *f = fopen(path, "wb");
+    if (!f) return lg_fail(err, "data %s: cannot create: %s", path, strerror(errno));
+    unsigned char header[LG_SHARD_HEADER_INTS * 4];
+    memset(header, 0, sizeof header);
+    lg_put_u32(header, LG_SAMPLES_MAGIC);
+    lg_put_u32(header + 4, LG_SAMPLES_VERSION);
+    lg_put_u32(header + 8, (uint32_t)n_samples);
+    lg_put_u32(header + 12, (uint32_t)token_bytes);
+    lg_put_u32(header + 16, (uint32_t)(mask_prompt != 0));
+    int ok = fwrite(header, sizeof header, 1, f) == 1;
+    size_t at = 0;
+    for (size_t i = 0; ok && i < n_samples; i++) {
+        unsigned char lens[8], raw[4];
+        lg_put_u32(lens, lengths[i]);
+        lg_put_u32(lens + 4, prompt_lengths[i]);
+        ok = fwrite(lens, 8, 1, f) == 1;
+        for (uint32_t k = 0; ok && k < lengths[i]; k++) {
+            lg_put_u32(raw, tokens[at++]);
+            ok = fwrite(raw, 1, (size_t)token_bytes, f) == (size_t)token_bytes;
+        }
+    }
+    if (fclose(f) != 0 || !ok) return lg_fail(err, "data %s: write failed", path);
+    return 0;
+}
+
+void lg_builtin_task_text(lg_rng *rng, char *letters, char *sorted) {
+    int n = 1 + (int)(lg_rng_u64(rng) % LG_BUILTIN_MAX_LETTERS), counts[26] = {0}, len = 0;
+    for (int i = 0; i < n; i++) {
+        int letter = (int)(lg_rng_u64(rng) % 26);
+        counts[letter]++;
+        letters[i] = (char)('a' + letter);
+    }
+    letters[n] = '\0';
+    for (int letter = 0; letter < 26; letter++)
+        for (int k = 0; k < counts[letter]; k++) sorted[len++] = (char)('a' + letter);
+    sorted[len] = '\0';
+}
+
+int lg_builtin_task_samples(lg_loader *ld, uint64_t seed, size_t n_samples, int T, int shuffle,
+                            uint64_t shuffle_seed, lg_error *err) {
+    memset(ld, 0, sizeof *ld);
+    snprintf(ld->path, sizeof ld->path, "(built-in)");
+    ld->vocab_size = LG_CHAR_VOCAB;
+    ld->token_bytes = 4;
+    ld->mask_prompt = 1;
+    size_t max_sample = 2 * LG_BUILTIN_MAX_LETTERS + 2;
+    ld->memory = (uint32_t *)LG_MALLOC(sizeof(uint32_t) * max_sample * (n_samples ? n_samples : 1));
+    if (n_samples == 0 || !ld->memory || lg_samples_alloc(ld, n_samples) != 0) {
+        lg_loader_close(ld);
+        return lg_fail(err, "built-in task: %zu samples: out of host memory", n_samples);
+    }
+    lg_rng rng;
+    lg_rng_seed(&rng, seed);
+    for (size_t i = 0; i < n_samples; i++) {
+        uint32_t *out = ld->memory + ld->n_tokens;
+        size_t len = lg_builtin_sample(&rng, out);
+        uint32_t prompt = 0;
+        while (out[prompt] != (uint32_t)lg_char_encode_one('=')) prompt++;
+        ld->sample_start[i] = ld->n_tokens;
+        ld->sample_length[i] = (uint32_t)len;
+        ld->prompt_length[i] = prompt + 1; /* the letters and '=' */
+        ld->n_tokens += len;
+    }
+    if (lg_samples_finish(ld, T, shuffle, shuffle_seed, err) == 0) return 0;
+    lg_loader_close(ld);
+    return -1;
+}
+
+/* --- Alpaca-style JSON ------------------------------------------------------------------------ */
+
+/* Field key of object node as a new string; "" for an absent optional field. */
+static char *lg_alpaca_field(const lg_json *doc, int node, const char *key, int required,
+                             const char *where, lg_error *err) {
+    int value = lg_json_find(doc, node, key);
+    if (value < 0 && !required) value = -2;
+    char *text = value == -2 ? (char *)lg_alloc_zeroed(1) : lg_json_string(doc, value, NULL);
+    if (!text && value >= 0 && doc->nodes[value].kind == LG_JSON_NULL && !required)
+        text = (char *)lg_alloc_zeroed(1);
+    if (!text)
+        lg_fail(err, "%s: %s \"%s\"", where, value < 0 ? "missing field" : "not a string:", key);
+    return text;
+}
+
+/* One object of the file into sample i. */
+static int lg_alpaca_take(lg_alpaca *set, const lg_json *doc, int node, const char *where,
+                          lg_error *err) {
+    if (doc->nodes[node].kind != LG_JSON_OBJECT)
+        return lg_fail(err, "%s: expected an object with instruction, input, output", where);
+    lg_alpaca_sample *s = &set->samples[set->n];
+    s->instruction = lg_alpaca_field(doc, node, "instruction", 1, where, err);
+    s->input = s->instruction ? lg_alpaca_field(doc, node, "input", 0, where, err) : NULL;
+    s->output = s->input ? lg_alpaca_field(doc, node, "output", 1, where, err) : NULL;
+    set->n++; /* counted even when incomplete, so lg_alpaca_free releases it */
+    return s->output ? 0 : -1;
+}
+
+/* A JSON array of objects. */
+static int lg_alpaca_array(lg_alpaca *set, const char *text, size_t len, const char *path,
+                           lg_error *err) {
+    lg_json doc;
+    if (lg_json_parse(&doc, text, len, path, err) != 0) return -1;
+    size_t count = 0;
+    for (int k = doc.nodes[0].first_child; k >= 0; k = doc.nodes[k].next) count++;
+    set->samples = (lg_alpaca_sample *)lg_alloc_zeroed(sizeof(lg_alpaca_sample) * (count + 1));
+    int rc = set->samples ? 0 : lg_fail(err, "%s: out of host memory", path);
+    for (int k = doc.nodes[0].first_child; k >= 0 && rc == 0; k = doc.nodes[k].next) {
+        char where[600];
+        snprintf(where, sizeof where, "%s sample %zu", path, set->n);
+        rc = lg_alpaca_take(set, &doc, k, where, err);
+    }
+    lg_json_free(&doc);
+    return rc;
+}
+
+/* JSON lines: one object a line; blank lines are skipped. */
+static int lg_alpaca_lines(lg_alpaca *set, const char *text, size_t len, const char *path,
+                           lg_error *err) {
+    size_t lines = 1;
+    for (size_t i = 0; i < len; i++) lines += text[i] == '\n';
+    set->samples = (lg_alpaca_sample *)lg_alloc_zeroed(sizeof(lg_alpaca_sample) * lines);
+    if (!set->samples) return lg_fail(err, "%s: out of host memory", path);
+    size_t line_no = 0;
+    for (size_t at = 0; at < len;) {
+        const char *end = (const char *)memchr(text + at, '\n', len - at);
+        size_t n = end ? (size_t)(end - (text + at)) : len - at;
+        line_no++;
+        size_t blank = 0;
+        while (blank < n && strchr(" \t\r", text[at + blank])) blank++;
+        if (blank < n) {
+            char where[600];
+            snprintf(where, sizeof where, "%s line %zu (sample %zu)", path, line_no, set->n);
+            lg_json doc;
+            if (lg_json_parse(&doc, text + at, n, where, err) != 0) return -1;
+            int rc = lg_alpaca_take(set, &doc, 0, where, err);
+            lg_json_free(&doc);
+            if (rc != 0) return -1;
+        }
+        at += n + 1;
+    }
+    return 0;
+}
+
+int lg_alpaca_read(lg_alpaca *set, const char *path, lg_error *err) {
+    memset(set, 0, sizeof *set);
+    size_t len;
+    char *text = lg_read_file(path, &len, "data", err);
+    if (!text) return -1;
+    size_t first = 0;
+    while (first < len && strchr(" \t\r\n", text[first]) && text[first]) first++;
+    int rc = first < len && text[first] == '[' ? lg_alpaca_array(set, text, len, path, err)
+                                               : lg_alpaca_lines(set, text, len, path, err);
+    if (rc == 0 && set->n == 0) rc = lg_fail(err, "%s: no samples", path);
+    LG_FREE(text);
+    if (rc != 0) lg_alpaca_free(set);
+    return rc;
+}
+
+void lg_alpaca_free(lg_alpaca *set) {
+    for (size_t i = 0; set->samples && i < set->n; i++) {
+        LG_FREE(set->samples[i].instruction);
+        LG_FREE(set->samples[i].input);
+        LG_FREE(set->samples[i].output);
+    }
+    LG_FREE(set->samples);
+    memset(set, 0, sizeof *set);
+}
+
+/* Stanford Alpaca's prompt, with and without an input. */
+int lg_alpaca_prompt(const lg_alpaca_sample *sample, lg_text *out) {
+    const char *intro = sample->input[0]
+        ? "Below is an instruction that describes a task, paired with an input that provides "
+          "further context. Write a response that appropriately completes the request.\n\n"
+        : "Below is an instruction that describes a task. Write a response that appropriately "
+          "completes the request.\n\n";
+    int rc = lg_text_append(out, intro, strlen(intro));
+    rc |= lg_text_append(out, "### Instruction:\n", 17);
+    rc |= lg_text_append(out, sample->instruction, strlen(sample->instruction));
+    if (sample->input[0]) {
+        rc |= lg_text_append(out, "\n\n### Input:\n", 13);
+        rc |= lg_text_append(out, sample->input, strlen(sample->input));
+    }
+    rc |= lg_text_append(out, "\n\n### Response:\n", 16);
+    return rc ? -1 : 0;
+}
+
+/* 13. model files ----------------------------------------------------------------------------- */
+
+/* Files that hold a model: atomic writes, safetensors, the Hugging Face layouts of each family
+   (tensor names, config.json), step-N directories with a COMPLETE marker of checksums, and
+   LoRA's PEFT adapter files. Nothing here knows the trainer; section 15 builds on these. */
+
 
 /* --- atomic files ----------------------------------------------------------------------------- */
 
@@ -11750,6 +11787,149 @@ int lg_hf_config_read(lg_config *cfg, const char *dir, lg_error *err) {
     return 0;
 }
 
+/* --- checkpoint directories ------------------------------------------------------------------ */
+
+#define LG_MARKER_HEADER "litgpt.c checkpoint 1"
+
+/* COMPLETE: the step and each file's size and hash; written last. */
+static int lg_write_marker(const char *dir, int step, const char *const *names,
+                           const lg_file_digest *digests, int n, lg_error *err) {
+    char text[2048], path[LG_PATH_MAX];
+    size_t at = 0;
+    lg_st_append(text, sizeof text, &at, "%s\nstep %d\n", LG_MARKER_HEADER, step);
+    for (int i = 0; i < n; i++)
+        lg_st_append(text, sizeof text, &at, "file %s %llu %016llx\n", names[i],
+                  (unsigned long long)digests[i].bytes, (unsigned long long)digests[i].hash);
+    lg_format(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
+    return lg_write_text_file(path, text, NULL, err);
+}
+
+/* Creates dir and removes an old marker from it before anything in it changes. */
+static int lg_checkpoint_begin(const char *dir, lg_error *err) {
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
+        return lg_fail(err, "checkpoint %s: cannot create the directory: %s", dir, strerror(errno));
+    char path[LG_PATH_MAX];
+    lg_format(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
+    if (remove(path) == 0) lg_sync_parent(path);
+    return 0;
+}
+
+/* Size and hash of a file as it is on disk. */
+static int lg_file_digest_of(const char *path, lg_file_digest *d) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return -1;
+    static const size_t chunk = 1 << 20;
+    unsigned char *buf = (unsigned char *)LG_MALLOC(chunk);
+    d->bytes = 0;
+    d->hash = LG_HASH64_INIT;
+    size_t got;
+    while (buf && (got = fread(buf, 1, chunk, f)) > 0) {
+        d->hash = lg_hash64(d->hash, buf, got);
+        d->bytes += got;
+    }
+    int rc = buf && !ferror(f) ? 0 : -1;
+    LG_FREE(buf);
+    fclose(f);
+    return rc;
+}
+
+/* One "file NAME BYTES HASH" line of COMPLETE checked against the file. */
+static int lg_verify_marker_line(const char *dir, const char *line, int line_no, lg_error *err) {
+    char name[256];
+    unsigned long long bytes, hash;
+    if (sscanf(line, "file %255s %llu %llx", name, &bytes, &hash) != 3 || strchr(name, '/') ||
+        strstr(name, ".."))
+        return lg_fail(err, "checkpoint %s: " LG_CHECKPOINT_MARKER " line %d is malformed", dir, line_no);
+    char path[1400];
+    lg_format(path, sizeof path, "%s/%s", dir, name);
+    lg_file_digest d;
+    struct stat st;
+    if (stat(path, &st) != 0) return lg_fail(err, "checkpoint %s: %s is missing", dir, name);
+    if ((unsigned long long)st.st_size != bytes)
+        return lg_fail(err, "checkpoint %s: %s has %llu bytes, " LG_CHECKPOINT_MARKER " records %llu "
+                            "(truncated or changed)", dir, name, (unsigned long long)st.st_size, bytes);
+    if (lg_file_digest_of(path, &d) != 0) return lg_fail(err, "checkpoint %s: cannot read %s", dir, name);
+    if (d.hash != hash)
+        return lg_fail(err, "checkpoint %s: %s does not match its checksum in " LG_CHECKPOINT_MARKER
+                            " (%016llx, recorded %016llx): corrupted", dir, name,
+                       (unsigned long long)d.hash, hash);
+    return 0;
+}
+
+/* Every file of the directory but the marker itself (and files being written, NAME.tmp) has
+   its line in the marker's text: a file left out of COMPLETE would go unverified. */
+static int lg_verify_all_listed(const char *dir, const char *marker, lg_error *err) {
+    DIR *d = opendir(dir);
+    if (!d) return lg_fail(err, "checkpoint %s: cannot open: %s", dir, strerror(errno));
+    int rc = 0;
+    for (struct dirent *e = readdir(d); e && rc == 0; e = readdir(d)) {
+        const char *name = e->d_name;
+        size_t len = strlen(name);
+        if (name[0] == '.' || strcmp(name, LG_CHECKPOINT_MARKER) == 0 ||
+            (len > 4 && strcmp(name + len - 4, ".tmp") == 0))
+            continue;
+        char line[300];
+        lg_format(line, sizeof line, "\nfile %s ", name);
+        if (!strstr(marker, line))
+            rc = lg_fail(err, "checkpoint %s: %s is not listed in " LG_CHECKPOINT_MARKER
+                              ", so it cannot be verified", dir, name);
+    }
+    closedir(d);
+    return rc;
+}
+
+int lg_checkpoint_verify(const char *dir, int *step, lg_error *err) {
+    char path[LG_PATH_MAX];
+    lg_format(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
+    struct stat st;
+    if (stat(path, &st) != 0)
+        return lg_fail(err, "checkpoint %s: no " LG_CHECKPOINT_MARKER " marker: the save did not "
+                            "finish (or this is not a checkpoint)", dir);
+    char *text = lg_read_text_file(path, 1 << 16, NULL, err);
+    if (!text) return -1;
+    int rc = lg_verify_all_listed(dir, text, err), line_no = 0, files = 0, marker_step = -1;
+    for (char *line = text, *next; *line && rc == 0; line = next) {
+        char *newline = strchr(line, '\n');
+        next = newline ? newline + 1 : line + strlen(line);
+        if (newline) *newline = '\0';
+        line_no++;
+        if (line_no == 1 && strcmp(line, LG_MARKER_HEADER) != 0)
+            rc = lg_fail(err, "checkpoint %s: " LG_CHECKPOINT_MARKER " does not start with '%s'", dir, LG_MARKER_HEADER);
+        else if (line_no == 2 && sscanf(line, "step %d", &marker_step) != 1)
+            rc = lg_fail(err, "checkpoint %s: " LG_CHECKPOINT_MARKER " line 2 is not 'step N'", dir);
+        else if (line_no > 2 && (rc = lg_verify_marker_line(dir, line, line_no, err)) == 0)
+            files++;
+    }
+    LG_FREE(text);
+    if (rc == 0 && files == 0) rc = lg_fail(err, "checkpoint %s: " LG_CHECKPOINT_MARKER " lists no files", dir);
+    if (rc == 0 && step) *step = marker_step;
+    return rc;
+}
+
+int lg_checkpoint_find(const char *dir, char *found, size_t cap, lg_error *err) {
+    char path[1400];
+    struct stat st;
+    lg_format(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
+    if (stat(path, &st) == 0) {
+        lg_format(found, cap, "%s", dir);
+        return 0;
+    }
+    DIR *d = opendir(dir);
+    if (!d) return lg_fail(err, "checkpoint %s: cannot open: %s", dir, strerror(errno));
+    int best = -1, step, used;
+    for (struct dirent *e = readdir(d); e; e = readdir(d)) {
+        used = 0;
+        if (sscanf(e->d_name, "step-%d%n", &step, &used) != 1 || e->d_name[used] != '\0') continue;
+        lg_format(path, sizeof path, "%s/%s/" LG_CHECKPOINT_MARKER, dir, e->d_name);
+        if (step > best && stat(path, &st) == 0) best = step;
+    }
+    closedir(d);
+    if (best < 0)
+        return lg_fail(err, "checkpoint %s: no complete checkpoint in it or in a step-N directory", dir);
+    lg_format(found, cap, "%s/step-%d", dir, best);
+    return 0;
+}
+
 /* --- loading and saving a model's weights --------------------------------------------------- */
 
 /* The safetensors files of a Hugging Face directory, opened. */
@@ -11979,787 +12159,11 @@ static int lg_hf_write_model_from(const lg_model *m, const lg_tensor_table *tabl
     return rc;
 }
 
-/* --- checkpoint directories ------------------------------------------------------------------ */
-
-#define LG_MARKER_HEADER "litgpt.c checkpoint 1"
-
-/* COMPLETE: the step and each file's size and hash; written last. */
-static int lg_write_marker(const char *dir, int step, const char *const *names,
-                           const lg_file_digest *digests, int n, lg_error *err) {
-    char text[2048], path[LG_PATH_MAX];
-    size_t at = 0;
-    lg_st_append(text, sizeof text, &at, "%s\nstep %d\n", LG_MARKER_HEADER, step);
-    for (int i = 0; i < n; i++)
-        lg_st_append(text, sizeof text, &at, "file %s %llu %016llx\n", names[i],
-                  (unsigned long long)digests[i].bytes, (unsigned long long)digests[i].hash);
-    lg_format(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
-    return lg_write_text_file(path, text, NULL, err);
-}
-
-/* Creates dir and removes an old marker from it before anything in it changes. */
-static int lg_checkpoint_begin(const char *dir, lg_error *err) {
-    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
-        return lg_fail(err, "checkpoint %s: cannot create the directory: %s", dir, strerror(errno));
-    char path[LG_PATH_MAX];
-    lg_format(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
-    if (remove(path) == 0) lg_sync_parent(path);
-    return 0;
-}
-
-/* Size and hash of a file as it is on disk. */
-static int lg_file_digest_of(const char *path, lg_file_digest *d) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return -1;
-    static const size_t chunk = 1 << 20;
-    unsigned char *buf = (unsigned char *)LG_MALLOC(chunk);
-    d->bytes = 0;
-    d->hash = LG_HASH64_INIT;
-    size_t got;
-    while (buf && (got = fread(buf, 1, chunk, f)) > 0) {
-        d->hash = lg_hash64(d->hash, buf, got);
-        d->bytes += got;
-    }
-    int rc = buf && !ferror(f) ? 0 : -1;
-    LG_FREE(buf);
-    fclose(f);
-    return rc;
-}
-
-/* One "file NAME BYTES HASH" line of COMPLETE checked against the file. */
-static int lg_verify_marker_line(const char *dir, const char *line, int line_no, lg_error *err) {
-    char name[256];
-    unsigned long long bytes, hash;
-    if (sscanf(line, "file %255s %llu %llx", name, &bytes, &hash) != 3 || strchr(name, '/') ||
-        strstr(name, ".."))
-        return lg_fail(err, "checkpoint %s: " LG_CHECKPOINT_MARKER " line %d is malformed", dir, line_no);
-    char path[1400];
-    lg_format(path, sizeof path, "%s/%s", dir, name);
-    lg_file_digest d;
-    struct stat st;
-    if (stat(path, &st) != 0) return lg_fail(err, "checkpoint %s: %s is missing", dir, name);
-    if ((unsigned long long)st.st_size != bytes)
-        return lg_fail(err, "checkpoint %s: %s has %llu bytes, " LG_CHECKPOINT_MARKER " records %llu "
-                            "(truncated or changed)", dir, name, (unsigned long long)st.st_size, bytes);
-    if (lg_file_digest_of(path, &d) != 0) return lg_fail(err, "checkpoint %s: cannot read %s", dir, name);
-    if (d.hash != hash)
-        return lg_fail(err, "checkpoint %s: %s does not match its checksum in " LG_CHECKPOINT_MARKER
-                            " (%016llx, recorded %016llx): corrupted", dir, name,
-                       (unsigned long long)d.hash, hash);
-    return 0;
-}
-
-/* Every file of the directory but the marker itself (and files being written, NAME.tmp) has
-   its line in the marker's text: a file left out of COMPLETE would go unverified. */
-static int lg_verify_all_listed(const char *dir, const char *marker, lg_error *err) {
-    DIR *d = opendir(dir);
-    if (!d) return lg_fail(err, "checkpoint %s: cannot open: %s", dir, strerror(errno));
-    int rc = 0;
-    for (struct dirent *e = readdir(d); e && rc == 0; e = readdir(d)) {
-        const char *name = e->d_name;
-        size_t len = strlen(name);
-        if (name[0] == '.' || strcmp(name, LG_CHECKPOINT_MARKER) == 0 ||
-            (len > 4 && strcmp(name + len - 4, ".tmp") == 0))
-            continue;
-        char line[300];
-        lg_format(line, sizeof line, "\nfile %s ", name);
-        if (!strstr(marker, line))
-            rc = lg_fail(err, "checkpoint %s: %s is not listed in " LG_CHECKPOINT_MARKER
-                              ", so it cannot be verified", dir, name);
-    }
-    closedir(d);
-    return rc;
-}
-
-int lg_checkpoint_verify(const char *dir, int *step, lg_error *err) {
-    char path[LG_PATH_MAX];
-    lg_format(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
-    struct stat st;
-    if (stat(path, &st) != 0)
-        return lg_fail(err, "checkpoint %s: no " LG_CHECKPOINT_MARKER " marker: the save did not "
-                            "finish (or this is not a checkpoint)", dir);
-    char *text = lg_read_text_file(path, 1 << 16, NULL, err);
-    if (!text) return -1;
-    int rc = lg_verify_all_listed(dir, text, err), line_no = 0, files = 0, marker_step = -1;
-    for (char *line = text, *next; *line && rc == 0; line = next) {
-        char *newline = strchr(line, '\n');
-        next = newline ? newline + 1 : line + strlen(line);
-        if (newline) *newline = '\0';
-        line_no++;
-        if (line_no == 1 && strcmp(line, LG_MARKER_HEADER) != 0)
-            rc = lg_fail(err, "checkpoint %s: " LG_CHECKPOINT_MARKER " does not start with '%s'", dir, LG_MARKER_HEADER);
-        else if (line_no == 2 && sscanf(line, "step %d", &marker_step) != 1)
-            rc = lg_fail(err, "checkpoint %s: " LG_CHECKPOINT_MARKER " line 2 is not 'step N'", dir);
-        else if (line_no > 2 && (rc = lg_verify_marker_line(dir, line, line_no, err)) == 0)
-            files++;
-    }
-    LG_FREE(text);
-    if (rc == 0 && files == 0) rc = lg_fail(err, "checkpoint %s: " LG_CHECKPOINT_MARKER " lists no files", dir);
-    if (rc == 0 && step) *step = marker_step;
-    return rc;
-}
-
-int lg_checkpoint_find(const char *dir, char *found, size_t cap, lg_error *err) {
-    char path[1400];
-    struct stat st;
-    lg_format(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
-    if (stat(path, &st) == 0) {
-        lg_format(found, cap, "%s", dir);
-        return 0;
-    }
-    DIR *d = opendir(dir);
-    if (!d) return lg_fail(err, "checkpoint %s: cannot open: %s", dir, strerror(errno));
-    int best = -1, step, used;
-    for (struct dirent *e = readdir(d); e; e = readdir(d)) {
-        used = 0;
-        if (sscanf(e->d_name, "step-%d%n", &step, &used) != 1 || e->d_name[used] != '\0') continue;
-        lg_format(path, sizeof path, "%s/%s/" LG_CHECKPOINT_MARKER, dir, e->d_name);
-        if (step > best && stat(path, &st) == 0) best = step;
-    }
-    closedir(d);
-    if (best < 0)
-        return lg_fail(err, "checkpoint %s: no complete checkpoint in it or in a step-N directory", dir);
-    lg_format(found, cap, "%s/step-%d", dir, best);
-    return 0;
-}
-
 int lg_hf_save(const lg_model *m, const char *dir, lg_error *err) {
     static const char *const names[3] = {"model.safetensors", "config.json", "model_config.yaml"};
     lg_file_digest digests[3];
     if (lg_checkpoint_begin(dir, err) != 0 || lg_hf_write_model(m, dir, digests, err) != 0) return -1;
     return lg_write_marker(dir, 0, names, digests, 3, err);
-}
-
-/* --- training state: one rank's master weights, optimizer state, counters and data position,
-   in logical layout (whole tensors by LitGPT parameter name) ------------------------------- */
-
-/* A tensor of the training state: where it lives in the trainer and how it is stored. */
-typedef struct {
-    lg_st_tensor desc; /* name, file dtype, shape */
-    void *data;        /* the trainer's (or loader's) memory */
-    const lg_exec *ex; /* the rank whose memory data is (NULL: the host's): read and written
-                          through lg_visit, since a GPU's memory is not the host's */
-    int is_real;       /* data holds lg_real, stored as F32 */
-    int is_index;      /* data holds size_t, stored as I64 (the loader's window order) */
-    const lg_tensor_info *tensor; /* the parameter it belongs to (NULL: the loader's) */
-} lg_state_view;
-
-static void lg_state_view_add(lg_state_view *v, int *n, const char *prefix, const lg_tensor_info *t,
-                              void *data, lg_st_dtype dtype, int is_real, int64_t count) {
-    lg_state_view *s = &v[(*n)++];
-    memset(s, 0, sizeof *s);
-    lg_format(s->desc.name, sizeof s->desc.name, "%s.%s", prefix, t ? t->name : "order");
-    s->tensor = t;
-    s->desc.dtype = dtype;
-    s->data = data;
-    s->is_real = is_real;
-    s->desc.ndim = t && t->rows > 1 && count == (int64_t)t->count ? 2 : 1;
-    s->desc.shape[0] = s->desc.ndim == 2 ? t->rows : count;
-    s->desc.shape[1] = s->desc.ndim == 2 ? t->cols : 0;
-}
-
-/* One parameter's optimizer states (fp32, half or 8-bit codes with block scales). */
-static void lg_state_views_of_tensor(const lg_optimizer *opt, const lg_tensor_info *t,
-                                     lg_state_cursor *cursor, lg_state_view *v, int *n) {
-    lg_tensor_state st = lg_state_of(opt, t, cursor);
-    lg_buf bufs[2] = {st.m, st.v};
-    float *scales[2] = {st.m_scales, st.v_scales};
-    int states = lg_optimizer_states(opt->kind, opt->momentum != 0.0f);
-    for (int k = 0; k < states && k < 2; k++) {
-        if (!bufs[k].data) continue;
-        const char *name = lg_optimizer_state_name(opt->kind, k);
-        lg_dtype d = bufs[k].dtype;
-        lg_st_dtype file = d == LG_DTYPE_U8 ? LG_ST_U8 : lg_st_dtype_of(d);
-        lg_state_view_add(v, n, name, t, bufs[k].data, file, d == LG_DTYPE_F32, (int64_t)t->count);
-        if (d == LG_DTYPE_U8 && scales[k]) {
-            char prefix[LG_MAX_NAME];
-            lg_format(prefix, sizeof prefix, "%s.scales", name);
-            lg_state_view_add(v, n, prefix, t, scales[k], LG_ST_F32, 0,
-                              (int64_t)((t->count + LG_QUANT_BLOCK - 1) / LG_QUANT_BLOCK));
-        }
-    }
-}
-
-/* Every tensor of the training state, in a fixed order: the master weights and optimizer state
-   of `opt` (in ex's memory; NULL: the host's) laid out by `table` (the whole layout), the
-   loader's order. *out: LG_MALLOC. */
-static int lg_state_views(const lg_optimizer *opt, const lg_exec *ex, const lg_tensor_table *table,
-                          const lg_loader *data, lg_state_view **out, int *n) {
-    lg_state_view *v = (lg_state_view *)lg_alloc_zeroed(sizeof(lg_state_view) * (size_t)(5 * table->n_tensors + 2));
-    if (!v) return -1;
-    lg_state_cursor cursor = {0, 0, 0};
-    *n = 0;
-    for (int i = 0; i < table->n_tensors; i++) {
-        const lg_tensor_info *t = &table->tensors[i];
-        if (opt->master)
-            lg_state_view_add(v, n, "master", t, opt->master + t->offset, LG_ST_F32, 1, (int64_t)t->count);
-        lg_state_views_of_tensor(opt, t, &cursor, v, n);
-    }
-    for (int i = 0; i < *n; i++) v[i].ex = ex;
-    if (data && data->order) {
-        lg_state_view_add(v, n, "loader", NULL, data->order, LG_ST_I64, 0, (int64_t)data->n_windows);
-        v[*n - 1].is_index = 1;
-    }
-    *out = v;
-    return 0;
-}
-
-/* The master weights and optimizer state of a trainer in the whole layout. Unsharded, rank 0's
-   own (replicas hold the same); sharded, buffers of whole tensors (*owned, LG_MALLOC) that the
-   shards are copied into or out of. Compact state (bf16, 8-bit) is quantized in blocks of each
-   rank's pieces, which do not line up with whole tensors: a sharded run with it has no logical
-   state to write. */
-typedef struct {
-    lg_optimizer opt;          /* rank 0's, with master, m and v pointing at whole buffers */
-    const lg_exec *ex;         /* whose memory opt's buffers are: rank 0's, or NULL (owned) */
-    const lg_tensor_table *table; /* the whole layout */
-    void *owned;               /* the whole buffers when sharded, else NULL */
-} lg_whole_state;
-
-int lg_checkpoint_supported(const lg_trainer *tr, lg_error *err) {
-    if (tr->plan.sharding.shard_ranks > 1 && tr->ranks[0].opt.format != LG_STATE_AS_PRECISION)
-        return lg_fail(err, "checkpoints of a sharded run (--strategy %s over %d ranks) with "
-                            "--optimizer-state bf16|8bit are not supported: the state is quantized "
-                            "in blocks of each shard; use --strategy no-shard or the default state",
-                       lg_strategy_name(tr->args.strategy), tr->plan.sharding.shard_ranks);
-    return 0;
-}
-
-static int lg_whole_state_make(const lg_trainer *tr, lg_whole_state *w, lg_error *err) {
-    const lg_model *m0 = &tr->ranks[0].model;
-    w->opt = tr->ranks[0].opt;
-    w->ex = &m0->exec;
-    w->table = &m0->param_table;
-    w->owned = NULL;
-    if (tr->plan.sharding.shard_ranks == 1) return 0;
-    w->ex = NULL;
-    if (lg_checkpoint_supported(tr, err) != 0) return -1;
-    size_t n = m0->n_params, state = lg_elem_size(w->opt.m.dtype);
-    unsigned char *p = (unsigned char *)lg_alloc_zeroed(n * (sizeof(lg_real) + 2 * state));
-    if (!p) return lg_fail(err, "out of host memory for the training state");
-    w->owned = p;
-    if (w->opt.master) w->opt.master = (lg_real *)p;
-    if (w->opt.m.data) w->opt.m.data = p + n * sizeof(lg_real);
-    if (w->opt.v.data) w->opt.v.data = p + n * (sizeof(lg_real) + state);
-    return 0;
-}
-
-/* Unsharded replicas (no-shard): rank 0 read the state; the others take its regions as they
-   are (on GPUs a copy from rank 0's GPU to theirs, on rank 0's stream). */
-static void lg_copy_state_to_replicas(lg_trainer *tr) {
-    const lg_rank_plan *plan0 = &tr->plan.ranks[0];
-    const lg_exec *ex0 = &tr->ranks[0].model.exec;
-    for (int r = 1; r < tr->local_ranks; r++) {
-        lg_rank_sync(&tr->ranks[r].rank); /* nothing of its own still writes its regions */
-        for (int i = 0; i < plan0->n_regions; i++) {
-            const lg_region *x = &plan0->regions[i];
-            if (x->group != LG_GROUP_OPTIMIZER && x->group != LG_GROUP_MASTER) continue;
-            lg_buf dst = {lg_rank_region(&tr->ranks[r].rank, x->name), LG_DTYPE_U8};
-            lg_buf src = {lg_rank_region(&tr->ranks[0].rank, x->name), LG_DTYPE_U8};
-            lg_copy(ex0, dst, src, x->bytes);
-        }
-    }
-    lg_rank_sync(&tr->ranks[0].rank);
-}
-
-/* Sharded: copies each rank's pieces into the whole buffers (to_whole, the members of shard
-   group 0 suffice) or out of them (every rank, replicas included). Unsharded, reading: rank 0
-   holds the state, the replicas copy it. In several processes each reads the files itself
-   (every process's first rank stands for rank 0), and the whole buffers, zero where another
-   process's pieces go, add up over the processes. */
-static void lg_whole_state_exchange(lg_trainer *tr, lg_whole_state *w, int to_whole) {
-    if (!w->owned) {
-        if (!to_whole) lg_copy_state_to_replicas(tr);
-        return;
-    }
-    lg_buf whole[3] = {lg_buf_of(w->opt.master), w->opt.m, w->opt.v};
-    for (int r = 0; r < tr->local_ranks; r++) {
-        if (to_whole && tr->first_rank + r >= tr->plan.sharding.shard_ranks) break;
-        lg_optimizer *opt = &tr->ranks[r].opt;
-        const lg_tensor_table *local = tr->ranks[r].model.local;
-        lg_buf shard[3] = {lg_buf_of(opt->master), opt->m, opt->v};
-        const lg_exec *ex = &tr->ranks[r].model.exec;
-        for (int k = 0; k < 3; k++) {
-            if (!shard[k].data || !whole[k].data) continue;
-            if (to_whole) lg_copy_to_whole(ex, local, whole[k], shard[k]);
-            else lg_copy_from_whole(ex, local, shard[k], whole[k]);
-        }
-        lg_rank_sync(&tr->ranks[r].rank);
-    }
-    for (int k = 0; k < 3 && to_whole && tr->process_comm; k++)
-        if (whole[k].data) lg_all_reduce_sum(tr->process_comm, 1, &whole[k], tr->ranks[0].model.n_params);
-}
-
-/* A tensor's file bytes from its place. */
-static int lg_state_fill(void *ctx, int index, unsigned char *out, lg_error *err) {
-    const lg_state_view *s = &((const lg_state_view *)ctx)[index];
-    size_t count = (size_t)lg_st_count(&s->desc);
-    if (s->is_real) {
-        lg_visit v = lg_visit_start(s->ex, lg_buf_of((lg_real *)s->data), count, 1, LG_VISIT_READ);
-        while (lg_visit_next(&v))
-            for (size_t i = 0; i < v.n; i++)
-                lg_st_set(LG_ST_F32, out, v.first + i, ((const lg_real *)v.piece.data)[i]);
-    } else if (s->is_index) {
-        for (size_t i = 0; i < count; i++) {
-            int64_t v = (int64_t)((const size_t *)s->data)[i];
-            memcpy(out + 8 * i, &v, 8);
-        }
-    } else {
-        lg_buf place = {s->data, LG_DTYPE_U8};
-        lg_rank_bytes(s->ex, place, out, count * lg_st_dtype_size(s->desc.dtype), 1);
-    }
-    (void)err;
-    return 0;
-}
-
-/* Copies a tensor's file bytes into its place; the loader's order is checked window by window. */
-static int lg_state_store(const lg_state_view *s, const unsigned char *bytes, size_t n_windows) {
-    size_t count = (size_t)lg_st_count(&s->desc);
-    if (s->is_real) {
-        lg_visit v = lg_visit_start(s->ex, lg_buf_of((lg_real *)s->data), count, 1, LG_VISIT_WRITE);
-        while (lg_visit_next(&v))
-            for (size_t i = 0; i < v.n; i++)
-                ((lg_real *)v.piece.data)[i] = lg_st_get(LG_ST_F32, bytes, v.first + i);
-    } else if (s->is_index) {
-        for (size_t i = 0; i < count; i++) {
-            int64_t v;
-            memcpy(&v, bytes + 8 * i, 8);
-            if (v < 0 || (uint64_t)v >= n_windows) return -1;
-            ((size_t *)s->data)[i] = (size_t)v;
-        }
-    } else {
-        lg_buf place = {s->data, LG_DTYPE_U8};
-        lg_rank_bytes(s->ex, place, (void *)bytes, count * lg_st_dtype_size(s->desc.dtype), 0);
-    }
-    return 0;
-}
-
-/* The scalars of the training state: one metadata string a key, in the file's order. The
-   ranks are not among them: the state is in the whole layout, so a run may resume on another
-   number of ranks. The writer (lg_state_meta), the check that a run is the one that wrote the
-   file (lg_state_check_run) and the reader (lg_training_state_read) walk this table. */
-typedef enum {
-    LG_STATE_FORMAT,            /* "litgpt.c training state 1" */
-    LG_STATE_STEP,              /* steps done */
-    LG_STATE_CONFIG,            /* the model's name */
-    LG_STATE_N_PARAMS,
-    LG_STATE_LORA,              /* rank, alpha, dropout, targets, quantization */
-    LG_STATE_PRECISION,
-    LG_STATE_OPTIMIZER,
-    LG_STATE_OPTIMIZER_STATE,   /* its storage format */
-    LG_STATE_SEED,
-    LG_STATE_GLOBAL_BATCH,
-    LG_STATE_SEQ_LENGTH,
-    LG_STATE_OPTIMIZER_UPDATES, /* the optimizer's t (bias corrections) */
-    LG_STATE_LOSS_SCALE_BITS,   /* the loss scale's fp32 bits, exactly */
-    LG_STATE_LOSS_SCALE,        /* the same for a reader */
-    LG_STATE_CLEAN_STEPS,       /* steps since the scale last changed */
-    LG_STATE_LOADER_WINDOWS,
-    LG_STATE_LOADER_POSITION,
-    LG_STATE_LOADER_EPOCH,
-    LG_STATE_LOADER_RNG,
-    LG_N_STATE_SCALARS
-} lg_state_scalar;
-
-typedef enum {
-    LG_STATE_SAYS,     /* for a reader of the file only */
-    LG_STATE_SAME_RUN, /* the resuming run must have the same value */
-    LG_STATE_RESUMED   /* a number the resuming run takes over */
-} lg_state_role;
-
-static const struct {
-    lg_state_scalar scalar;
-    const char *key;
-    lg_state_role role;
-} lg_state_scalars[LG_N_STATE_SCALARS] = { /* in the file's order */
-    {LG_STATE_FORMAT, "format", LG_STATE_SAYS},
-    {LG_STATE_STEP, "step", LG_STATE_RESUMED},
-    {LG_STATE_CONFIG, "config", LG_STATE_SAME_RUN},
-    {LG_STATE_N_PARAMS, "n_params", LG_STATE_SAME_RUN},
-    {LG_STATE_LORA, "lora", LG_STATE_SAME_RUN},
-    {LG_STATE_PRECISION, "precision", LG_STATE_SAME_RUN},
-    {LG_STATE_OPTIMIZER, "optimizer", LG_STATE_SAME_RUN},
-    {LG_STATE_OPTIMIZER_STATE, "optimizer_state", LG_STATE_SAME_RUN},
-    {LG_STATE_SEED, "seed", LG_STATE_SAME_RUN},
-    {LG_STATE_GLOBAL_BATCH, "global_batch", LG_STATE_SAME_RUN},
-    {LG_STATE_SEQ_LENGTH, "seq_length", LG_STATE_SAME_RUN},
-    {LG_STATE_OPTIMIZER_UPDATES, "optimizer_updates", LG_STATE_RESUMED},
-    {LG_STATE_LOSS_SCALE_BITS, "loss_scale_bits", LG_STATE_RESUMED},
-    {LG_STATE_LOSS_SCALE, "loss_scale", LG_STATE_SAYS},
-    {LG_STATE_CLEAN_STEPS, "clean_steps", LG_STATE_RESUMED},
-    {LG_STATE_LOADER_WINDOWS, "loader_windows", LG_STATE_SAME_RUN},
-    {LG_STATE_LOADER_POSITION, "loader_position", LG_STATE_RESUMED},
-    {LG_STATE_LOADER_EPOCH, "loader_epoch", LG_STATE_RESUMED},
-    {LG_STATE_LOADER_RNG, "loader_rng", LG_STATE_RESUMED},
-};
-
-/* The metadata key of scalar k. */
-static const char *lg_state_key(lg_state_scalar k) {
-    for (int i = 0; i < LG_N_STATE_SCALARS; i++)
-        if (lg_state_scalars[i].scalar == k) return lg_state_scalars[i].key;
-    return "";
-}
-
-/* Scalar k of a run's state at step, as its metadata string. */
-static void lg_state_value(const lg_trainer *tr, const lg_loader *data, int step,
-                           lg_state_scalar k, char *out, size_t cap) {
-    static const char *const formats[3] = {"as-precision", "bf16", "8bit"}; /* lg_state_format */
-    const lg_model *m0 = &tr->ranks[0].model;
-    const lg_optimizer *opt0 = &tr->ranks[0].opt;
-    const lg_lora *lo = &m0->cfg.lora;
-    float scale = tr->loss_scale;
-    uint32_t scale_bits;
-    memcpy(&scale_bits, &scale, 4);
-    char targets[64];
-    switch (k) {
-    case LG_STATE_FORMAT: lg_format(out, cap, "litgpt.c training state 1"); break;
-    case LG_STATE_STEP: lg_format(out, cap, "%d", step); break;
-    case LG_STATE_CONFIG: lg_format(out, cap, "%s", m0->cfg.name); break;
-    case LG_STATE_N_PARAMS: lg_format(out, cap, "%zu", m0->n_params); break;
-    case LG_STATE_LORA:
-        lg_lora_targets_name(lo->r ? lo->targets : 0, targets, sizeof targets);
-        lg_format(out, cap, "r %d alpha %g dropout %g targets %s quantize %s", lo->r, lo->alpha,
-                  lo->dropout, targets, lg_quantization_name(lo->quantize));
-        break;
-    case LG_STATE_PRECISION:
-        lg_format(out, cap, "%s", lg_precision_name(tr->args.precision));
-        break;
-    case LG_STATE_OPTIMIZER: lg_format(out, cap, "%s", lg_optimizer_name(opt0->kind)); break;
-    case LG_STATE_OPTIMIZER_STATE: lg_format(out, cap, "%s", formats[opt0->format]); break;
-    case LG_STATE_SEED: lg_format(out, cap, "%llu", (unsigned long long)tr->args.seed); break;
-    case LG_STATE_GLOBAL_BATCH:
-        lg_format(out, cap, "%d", tr->args.micro_batch_size * tr->accumulation * tr->n_ranks);
-        break;
-    case LG_STATE_SEQ_LENGTH: lg_format(out, cap, "%d", m0->T); break;
-    case LG_STATE_OPTIMIZER_UPDATES: lg_format(out, cap, "%d", opt0->t); break;
-    case LG_STATE_LOSS_SCALE_BITS: lg_format(out, cap, "0x%08x", (unsigned)scale_bits); break;
-    case LG_STATE_LOSS_SCALE: lg_format(out, cap, "%g", scale); break;
-    case LG_STATE_CLEAN_STEPS: lg_format(out, cap, "%d", tr->clean_steps); break;
-    case LG_STATE_LOADER_WINDOWS:
-        lg_format(out, cap, "%zu", data ? data->n_windows : (size_t)0);
-        break;
-    case LG_STATE_LOADER_POSITION:
-        lg_format(out, cap, "%zu", data ? data->position : (size_t)0);
-        break;
-    case LG_STATE_LOADER_EPOCH: lg_format(out, cap, "%d", data ? data->epoch : 0); break;
-    case LG_STATE_LOADER_RNG:
-        lg_format(out, cap, "0x%016llx", data ? (unsigned long long)data->rng.state : 0ULL);
-        break;
-    case LG_N_STATE_SCALARS: break;
-    }
-}
-
-/* The state's scalars as metadata (meta: LG_N_STATE_SCALARS entries); returns how many. */
-static int lg_state_meta(const lg_trainer *tr, const lg_loader *data, int step, lg_st_meta *meta) {
-    for (int k = 0; k < LG_N_STATE_SCALARS; k++) {
-        lg_format(meta[k].key, sizeof meta[k].key, "%s", lg_state_scalars[k].key);
-        lg_state_value(tr, data, step, lg_state_scalars[k].scalar, meta[k].value,
-                       sizeof meta[k].value);
-    }
-    return LG_N_STATE_SCALARS;
-}
-
-/* Checkpoints of sharded runs, one sharding unit at a time: process 0 writes each tensor when
-   its unit is brought (the full-shard weights gathered into the trainer's gather regions; the
-   training state assembled in the plan's checkpoint.gather); every process brings the same
-   units in the same order, the others without writing. */
-static lg_buf lg_unit_weights(const lg_trainer *tr, int r, int u); /* 13. trainer */
-static void lg_trainer_gather_unit(lg_trainer *tr, int u);
-static void lg_trainer_await_unit(lg_trainer *tr, int u);
-
-typedef struct {
-    lg_trainer *tr;
-    int state;              /* 1: the training state, 0: the weights */
-    lg_tensor_table units;  /* the whole table, each offset within its tensor's unit */
-    lg_buf part[3];         /* state: (largest unit) master, m, v in checkpoint.gather */
-    lg_state_view *views;   /* state: what process 0 writes */
-    int current;            /* the unit brought last (-1: none) */
-    int changes;            /* units brought so far */
-} lg_unit_walk;
-
-static int lg_unit_walk_start(lg_unit_walk *w, lg_trainer *tr, int state, lg_error *err) {
-    const lg_tensor_table *whole = &tr->ranks[0].model.param_table;
-    const lg_shard_layout *sl = &tr->plan.shards;
-    memset(w, 0, sizeof *w);
-    w->tr = tr;
-    w->state = state;
-    w->current = -1;
-    w->units = *whole;
-    w->units.tensors = (lg_tensor_info *)LG_MALLOC(sizeof(lg_tensor_info) * (size_t)(whole->n_tensors + 1));
-    if (!w->units.tensors) return lg_fail(err, "out of host memory for a checkpoint");
-    for (int i = 0; i < whole->n_tensors; i++) {
-        w->units.tensors[i] = whole->tensors[i];
-        w->units.tensors[i].offset -= sl->unit_offset[whole->tensors[i].block + 1];
-    }
-    size_t at[3];
-    unsigned char *region = (unsigned char *)lg_rank_region(&tr->ranks[0].rank, "checkpoint.gather");
-    lg_checkpoint_unit_layout(&tr->plan, at);
-    const lg_optimizer *opt = &tr->ranks[0].opt;
-    lg_dtype types[3] = {LG_DTYPE_F32, opt->m.dtype, opt->v.dtype};
-    for (int k = 0; k < 3 && state; k++) {
-        w->part[k].dtype = types[k];
-        w->part[k].data = region && at[k] != (size_t)-1 ? region + at[k] : NULL;
-    }
-    if (state && !region) {
-        LG_FREE(w->units.tensors);
-        return lg_fail(err, "the plan holds no checkpoint.gather for this sharded run");
-    }
-    return 0;
-}
-
-/* The training state of unit u, whole, in the parts: the pieces of shard group 0's members
-   that this process drives in their places, zero elsewhere, summed over the processes. */
-static void lg_unit_walk_assemble(lg_unit_walk *w, int u) {
-    lg_trainer *tr = w->tr;
-    const lg_shard_layout *sl = &tr->plan.shards;
-    size_t count = sl->piece_count[u], unit = sl->unit_offset[u + 1] - sl->unit_offset[u];
-    for (int k = 0; k < 3; k++)
-        if (w->part[k].data) lg_zero(NULL, w->part[k], count * (size_t)sl->n_shards);
-    for (int r = 0; r < tr->local_ranks && tr->first_rank + r < sl->n_shards; r++) {
-        const lg_optimizer *opt = &tr->ranks[r].opt;
-        lg_buf shard[3] = {lg_buf_of(opt->master), opt->m, opt->v};
-        size_t first = (size_t)(tr->first_rank + r) * count;
-        size_t live = first >= unit ? 0 : unit - first < count ? unit - first : count;
-        for (int k = 0; k < 3; k++)
-            if (w->part[k].data && shard[k].data && live)
-                lg_copy(&tr->ranks[r].model.exec, lg_at(w->part[k], first),
-                        lg_at(shard[k], sl->piece_offset[u]), live);
-        lg_rank_sync(&tr->ranks[r].rank);
-    }
-    for (int k = 0; k < 3 && tr->process_comm; k++)
-        if (w->part[k].data) lg_all_reduce_sum(tr->process_comm, 1, &w->part[k], unit);
-}
-
-/* Brings unit u unless it is the one brought last. */
-static void lg_unit_walk_bring(lg_unit_walk *w, int u) {
-    if (u == w->current) return;
-    w->current = u;
-    w->changes++;
-    if (w->state) {
-        lg_unit_walk_assemble(w, u);
-        return;
-    }
-    lg_trainer_gather_unit(w->tr, u);
-    lg_trainer_await_unit(w->tr, u);
-}
-
-/* The rest of the sequence every process walks: a unit for each change of unit along the
-   table (process 0's writes follow the table's order; after a failed write it catches up). */
-static void lg_unit_walk_finish(lg_unit_walk *w) {
-    for (int i = 0, previous = -1, k = 0; i < w->units.n_tensors; i++) {
-        int u = w->units.tensors[i].block + 1;
-        if (u == previous) continue;
-        previous = u;
-        if (++k > w->changes) lg_unit_walk_bring(w, u);
-    }
-    LG_FREE(w->units.tensors);
-}
-
-/* lg_hf_write_model_from's source of weights: rank 0's gathered unit. */
-static lg_buf lg_unit_walk_weights(void *walk, int source) {
-    lg_unit_walk *w = (lg_unit_walk *)walk;
-    int u = w->units.tensors[source].block + 1;
-    lg_unit_walk_bring(w, u);
-    return lg_unit_weights(w->tr, 0, u);
-}
-
-static int lg_state_fill_by_unit(void *walk, int index, unsigned char *out, lg_error *err) {
-    lg_unit_walk *w = (lg_unit_walk *)walk;
-    if (w->views[index].tensor) lg_unit_walk_bring(w, w->views[index].tensor->block + 1);
-    return lg_state_fill(w->views, index, out, err);
-}
-
-/* The training state of a sharded run, unit by unit (see lg_unit_walk). */
-static int lg_training_state_write_units(lg_trainer *tr, const lg_loader *data, int step,
-                                         const char *path, lg_file_digest *digest,
-                                         lg_error *err) {
-    lg_unit_walk w;
-    if (lg_unit_walk_start(&w, tr, 1, err) != 0) return -1;
-    lg_optimizer opt = tr->ranks[0].opt; /* its state in the parts, in unit-relative layout */
-    if (opt.master) opt.master = (lg_real *)w.part[0].data;
-    opt.m.data = opt.m.data ? w.part[1].data : NULL;
-    opt.v.data = opt.v.data ? w.part[2].data : NULL;
-    lg_st_tensor *tensors = NULL;
-    int n = 0, rc = 0;
-    if (tr->process == 0) {
-        if (lg_state_views(&opt, NULL, &w.units, data, &w.views, &n) == 0) /* parts: host */
-            tensors = (lg_st_tensor *)lg_alloc_zeroed(sizeof(lg_st_tensor) * (size_t)(n + 1));
-        lg_st_meta meta[24];
-        int n_meta = lg_state_meta(tr, data, step, meta);
-        for (int i = 0; tensors && i < n; i++) tensors[i] = w.views[i].desc;
-        rc = tensors ? lg_st_write(path, tensors, n, meta, n_meta, lg_state_fill_by_unit, &w, digest, err)
-                     : lg_fail(err, "out of host memory");
-    }
-    lg_unit_walk_finish(&w);
-    LG_FREE(tensors);
-    LG_FREE(w.views);
-    return rc;
-}
-
-int lg_training_state_write(lg_trainer *tr, const lg_loader *data, int step,
-                            const char *path, lg_file_digest *digest, lg_error *err) {
-    if (lg_rank_region(&tr->ranks[0].rank, "checkpoint.gather"))
-        return lg_training_state_write_units(tr, data, step, path, digest, err);
-    lg_whole_state w;
-    if (lg_whole_state_make(tr, &w, err) != 0) return -1;
-    lg_whole_state_exchange(tr, &w, 1);
-    if (tr->process != 0) { /* process 0 writes */
-        LG_FREE(w.owned);
-        return 0;
-    }
-    lg_state_view *views = NULL;
-    int n = 0;
-    if (lg_state_views(&w.opt, w.ex, w.table, data, &views, &n) != 0) {
-        LG_FREE(w.owned);
-        return lg_fail(err, "out of host memory");
-    }
-    lg_st_tensor *tensors = (lg_st_tensor *)lg_alloc_zeroed(sizeof(lg_st_tensor) * (size_t)(n + 1));
-    lg_st_meta meta[LG_N_STATE_SCALARS];
-    int n_meta = lg_state_meta(tr, data, step, meta);
-    for (int i = 0; tensors && i < n; i++) tensors[i] = views[i].desc;
-    int rc = tensors ? lg_st_write(path, tensors, n, meta, n_meta, lg_state_fill, views, digest, err)
-                     : lg_fail(err, "out of host memory");
-    LG_FREE(tensors);
-    LG_FREE(views);
-    LG_FREE(w.owned);
-    return rc;
-}
-
-/* A metadata value as an unsigned integer (decimal or 0x hex); -1 naming the key. */
-static int lg_state_number(const lg_st_file *f, const char *key, unsigned long long *out,
-                           lg_error *err) {
-    const char *v = lg_st_meta_get(f, key);
-    char *end = NULL;
-    errno = 0;
-    if (v && isdigit((unsigned char)*v)) *out = strtoull(v, &end, 0); /* no sign: counts */
-    if (!v || !end || *end || errno == ERANGE)
-        return lg_fail(err, "training state %s: %s is %s", f->path, key,
-                       v ? "not a non-negative integer" : "missing");
-    return 0;
-}
-
-/* The resumed numbers in range: counts within int (the optimizer's updates no more than the
-   steps), a loss scale that is a positive finite float, a loader random state that is not 0
-   (xorshift's one fixed point). */
-static int lg_state_numbers_check(const unsigned long long *v, const char *path, lg_error *err) {
-    const lg_state_scalar counts[] = {LG_STATE_STEP, LG_STATE_OPTIMIZER_UPDATES,
-                                      LG_STATE_CLEAN_STEPS, LG_STATE_LOADER_EPOCH};
-    for (size_t k = 0; k < sizeof counts / sizeof counts[0]; k++)
-        if (v[counts[k]] > 2147483647ull)
-            return lg_fail(err, "training state %s: %s %llu is beyond 2147483647", path,
-                           lg_state_key(counts[k]), v[counts[k]]);
-    if (v[LG_STATE_OPTIMIZER_UPDATES] > v[LG_STATE_STEP])
-        return lg_fail(err, "training state %s: optimizer_updates %llu exceeds step %llu", path,
-                       v[LG_STATE_OPTIMIZER_UPDATES], v[LG_STATE_STEP]);
-    uint32_t bits = (uint32_t)v[LG_STATE_LOSS_SCALE_BITS];
-    float scale;
-    memcpy(&scale, &bits, 4);
-    if (v[LG_STATE_LOSS_SCALE_BITS] > 0xFFFFFFFFull || !(isfinite(scale) && scale > 0.0f))
-        return lg_fail(err, "training state %s: loss_scale_bits %llu is not a positive finite "
-                            "loss scale", path, v[LG_STATE_LOSS_SCALE_BITS]);
-    if (v[LG_STATE_LOADER_RNG] == 0)
-        return lg_fail(err, "training state %s: loader_rng is 0, no state of the generator", path);
-    return 0;
-}
-
-/* The run must be the one that wrote the state: same model, precision, optimizer and batch
-   (the LG_STATE_SAME_RUN scalars). */
-static int lg_state_check_run(const lg_trainer *tr, const lg_loader *data, const lg_st_file *f,
-                              lg_error *err) {
-    char want[sizeof ((lg_st_meta *)0)->value];
-    lg_state_value(tr, data, 0, LG_STATE_FORMAT, want, sizeof want);
-    const char *format = lg_st_meta_get(f, lg_state_key(LG_STATE_FORMAT));
-    if (!format || strcmp(format, want) != 0)
-        return lg_fail(err, "training state %s: not a litgpt.c training state (format '%s')", f->path,
-                       format ? format : "missing");
-    for (int k = 0; k < LG_N_STATE_SCALARS; k++) {
-        const char *key = lg_state_scalars[k].key, *have = lg_st_meta_get(f, key);
-        if (lg_state_scalars[k].role != LG_STATE_SAME_RUN) continue;
-        lg_state_value(tr, data, 0, lg_state_scalars[k].scalar, want, sizeof want);
-        if (!have || strcmp(have, want) != 0)
-            return lg_fail(err, "training state %s: written with %s %s, this run has %s: resume "
-                                "with the run's settings", f->path, key, have ? have : "(none)",
-                           want);
-    }
-    return 0;
-}
-
-/* A float tensor of the state holds finite numbers, and a second moment (optimizer.v.*) no
-   negative one: else the run would resume into NaN. */
-static int lg_state_values_check(const lg_st_file *f, const lg_st_tensor *t,
-                                 const unsigned char *bytes, lg_error *err) {
-    if (!lg_st_is_float(t->dtype)) return 0; /* 8-bit codes and the loader's order */
-    int second_moment = strncmp(t->name, "optimizer.v.", 12) == 0;
-    size_t count = (size_t)lg_st_count(t);
-    for (size_t i = 0; i < count; i++) {
-        lg_real x = lg_st_get(t->dtype, bytes, i);
-        if (!isfinite(x) || (second_moment && x < 0))
-            return lg_fail(err, "training state %s: %s[%zu] is %g, %s", f->path, t->name, i,
-                           (double)x, isfinite(x) ? "a negative second moment" : "not finite");
-    }
-    return 0;
-}
-
-/* Reads every view's tensor, checking name, dtype and shape. */
-static int lg_state_read_views(const lg_st_file *f, const lg_state_view *views, int n,
-                               size_t n_windows, lg_error *err) {
-    for (int i = 0; i < n; i++) {
-        const lg_state_view *s = &views[i];
-        const lg_st_tensor *t = lg_st_find(f, s->desc.name);
-        if (!t) return lg_fail(err, "training state %s: no tensor %s", f->path, s->desc.name);
-        int same = t->dtype == s->desc.dtype && t->ndim == s->desc.ndim;
-        for (int d = 0; d < t->ndim && same; d++) same = t->shape[d] == s->desc.shape[d];
-        if (!same) return lg_fail(err, "training state %s: tensor %s has another dtype or shape than "
-                                       "this run's", f->path, t->name);
-        unsigned char *bytes = (unsigned char *)LG_MALLOC((size_t)(t->end - t->begin) + 1);
-        if (!bytes) return lg_fail(err, "out of host memory for %s", t->name);
-        int rc = lg_st_read(f, t, bytes, err);
-        if (rc == 0) rc = lg_state_values_check(f, t, bytes, err);
-        if (rc == 0 && lg_state_store(s, bytes, n_windows) != 0)
-            rc = lg_fail(err, "training state %s: loader.order holds a window outside the data", f->path);
-        LG_FREE(bytes);
-        if (rc != 0) return -1;
-    }
-    return 0;
-}
-
-int lg_training_state_read(lg_trainer *tr, lg_loader *data, int *step, const char *path,
-                           lg_error *err) {
-    lg_st_file f;
-    if (lg_st_open(&f, path, err) != 0) return -1;
-    lg_state_view *views = NULL;
-    lg_whole_state w;
-    w.owned = NULL;
-    int n = 0, rc = lg_state_check_run(tr, data, &f, err);
-    unsigned long long v[LG_N_STATE_SCALARS] = {0}; /* the LG_STATE_RESUMED numbers, by scalar */
-    for (int k = 0; k < LG_N_STATE_SCALARS && rc == 0; k++)
-        if (lg_state_scalars[k].role == LG_STATE_RESUMED)
-            rc = lg_state_number(&f, lg_state_scalars[k].key, &v[lg_state_scalars[k].scalar],
-                                 err);
-    if (rc == 0) rc = lg_state_numbers_check(v, path, err);
-    if (rc == 0 && data && v[LG_STATE_LOADER_POSITION] > data->n_windows)
-        rc = lg_fail(err, "training state %s: loader_position %llu is beyond the data's %zu windows",
-                     path, v[LG_STATE_LOADER_POSITION], data->n_windows);
-    if (rc == 0) rc = lg_whole_state_make(tr, &w, err);
-    if (rc == 0 && lg_state_views(&w.opt, w.ex, w.table, data, &views, &n) != 0)
-        rc = lg_fail(err, "out of host memory");
-    if (rc == 0) rc = lg_state_read_views(&f, views, n, data ? data->n_windows : 0, err);
-    LG_FREE(views);
-    lg_st_close(&f);
-    if (rc == 0) lg_whole_state_exchange(tr, &w, 0);
-    LG_FREE(w.owned);
-    if (rc != 0) return -1;
-    uint32_t scale_bits = (uint32_t)v[LG_STATE_LOSS_SCALE_BITS];
-    *step = (int)v[LG_STATE_STEP];
-    for (int r = 0; r < tr->local_ranks; r++)
-        tr->ranks[r].opt.t = (int)v[LG_STATE_OPTIMIZER_UPDATES];
-    memcpy(&tr->loss_scale, &scale_bits, 4);
-    tr->clean_steps = (int)v[LG_STATE_CLEAN_STEPS];
-    if (data) {
-        data->position = (size_t)v[LG_STATE_LOADER_POSITION];
-        data->epoch = (int)v[LG_STATE_LOADER_EPOCH];
-        data->rng.state = (uint64_t)v[LG_STATE_LOADER_RNG];
-    }
-    return 0;
 }
 
 /* --- LoRA: PEFT adapter files, the frozen base, the merged model ------------------------------ */
@@ -13397,208 +12801,7 @@ static int lg_checkpoint_same_base(lg_trainer *tr, const char *dir, lg_error *er
     return rc;
 }
 
-/* --- trainer checkpoints ----------------------------------------------------------------------- */
-
-/* model.safetensors of the trainer's weights: rank 0's when whole, else gathered unit by unit
-   (lg_unit_walk). */
-static int lg_trainer_write_model(lg_trainer *tr, const char *dir, lg_file_digest *digests,
-                                  lg_error *err) {
-    const lg_model *m0 = &tr->ranks[0].model;
-    if (!m0->weights_gathered) return tr->process == 0 ? lg_hf_write_model(m0, dir, digests, err) : 0;
-    lg_unit_walk w; /* full-shard: unit by unit through the gather regions */
-    if (lg_unit_walk_start(&w, tr, 0, err) != 0) return -1;
-    int rc = tr->process == 0 ? lg_hf_write_model_from(m0, &w.units, lg_unit_walk_weights, &w, dir,
-                                                       digests, err)
-                              : 0;
-    lg_unit_walk_finish(&w);
-    return rc;
-}
-
-/* Several processes: every one learns whether process 0 wrote (and waits until it has). */
-static int lg_checkpoint_outcome(lg_trainer *tr, int rc, lg_error *err) {
-    double failed = rc != 0;
-    lg_comm_sum_doubles(tr->process_comm, &failed, 1);
-    if (failed > 0 && rc == 0) return lg_fail(err, "process 0 could not write the checkpoint");
-    return rc;
-}
-
-/* The tokenizer files of tr->tokenizer_dir that exist, copied into dir (atomically); their
-   names and digests appended at names[*n], digests[*n]. Process 0 only. */
-static int lg_checkpoint_copy_tokenizer(const lg_trainer *tr, const char *dir, const char **names,
-                                        lg_file_digest *digests, int *n, lg_error *err) {
-    static const char *const files[LG_N_TOKENIZER_FILES] = LG_TOKENIZER_FILES;
-    char from[LG_PATH_MAX], to[LG_PATH_MAX];
-    for (int i = 0; tr->tokenizer_dir[0] && i < LG_N_TOKENIZER_FILES; i++) {
-        lg_format(from, sizeof from, "%s/%s", tr->tokenizer_dir, files[i]);
-        struct stat st;
-        if (stat(from, &st) != 0) continue; /* the family's other files */
-        size_t len;
-        char *text = lg_read_text_file(from, (size_t)1 << 30, &len, err);
-        if (!text) return -1;
-        lg_format(to, sizeof to, "%s/%s", dir, files[i]);
-        int rc = strlen(text) == len ? lg_write_text_file(to, text, &digests[*n], err)
-                                     : lg_fail(err, "%s: holds a NUL byte; not a tokenizer file", from);
-        LG_FREE(text);
-        if (rc != 0) return -1;
-        names[(*n)++] = files[i];
-    }
-    return 0;
-}
-
-/* A LoRA run's step-N: the adapters as PEFT files, the base model's config.json and
-   model_config.yaml, the training state of the adapters; the run's last step also holds the
-   merged model (model.safetensors). Process 0 writes; every process takes part in the gathers
-   and learns each part's outcome. */
-static int lg_lora_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step,
-                                   const char *out, const char *dir, lg_error *err) {
-    const char *names[7 + LG_N_TOKENIZER_FILES] = {"adapter_model.safetensors", "adapter_config.json",
-                                                   "config.json", "model_config.yaml",
-                                                   LG_TRAINING_STATE, LG_RUN_SETTINGS,
-                                                   "model.safetensors"};
-    lg_file_digest digests[7 + LG_N_TOKENIZER_FILES];
-    const lg_model *m0 = &tr->ranks[0].model;
-    lg_config base = lg_config_base(&m0->cfg);
-    lg_hf_family family;
-    char path[LG_PATH_MAX], text[4096];
-    lg_real *whole = (lg_real *)LG_MALLOC(m0->n_params * sizeof(lg_real) + 1);
-    if (!whole) return lg_checkpoint_outcome(tr, lg_fail(err, "out of host memory for the adapters"), err);
-    lg_trainer_weights(tr, lg_buf_of(whole));
-    int writer = tr->process == 0, final = step == tr->args.max_steps;
-    int rc = lg_hf_family_of(&base, &family, err);
-    if (rc == 0 && writer) rc = lg_peft_write(m0, lg_buf_of(whole), dir, tr->base_model, digests, err);
-    if (rc == 0 && writer && final) { /* model.safetensors, config.json, model_config.yaml */
-        lg_file_digest model[3];
-        rc = lg_write_merged_model(m0, whole, dir, model, err);
-        digests[6] = model[0], digests[2] = model[1], digests[3] = model[2];
-    } else if (rc == 0 && writer) {
-        lg_format(path, sizeof path, "%s/config.json", dir);
-        lg_hf_config_json(&base, family, lg_st_dtype_of(m0->params.dtype), text, sizeof text);
-        rc = lg_write_text_file(path, text, &digests[2], err);
-        lg_format(path, sizeof path, "%s/model_config.yaml", dir);
-        lg_config_to_yaml(&base, text, sizeof text);
-        if (rc == 0) rc = lg_write_text_file(path, text, &digests[3], err);
-    }
-    LG_FREE(whole);
-    rc = lg_checkpoint_outcome(tr, rc, err);
-    lg_format(path, sizeof path, "%s/" LG_TRAINING_STATE, dir);
-    if (rc == 0)
-        rc = lg_checkpoint_outcome(tr, lg_training_state_write(tr, data, step, path, &digests[4], err),
-                                   err);
-    int n = final ? 7 : 6; /* the tokenizer's files after these */
-    if (rc == 0)
-        rc = lg_checkpoint_outcome(tr, writer ? lg_run_settings_write(tr, out, dir, &digests[5], err) : 0,
-                                   err);
-    if (rc == 0)
-        rc = lg_checkpoint_outcome(
-            tr, writer ? lg_checkpoint_copy_tokenizer(tr, dir, names, digests, &n, err) : 0, err);
-    if (rc == 0)
-        rc = lg_checkpoint_outcome(tr, writer ? lg_write_marker(dir, step, names, digests, n, err) : 0,
-                                   err);
-    return rc;
-}
-
-int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const char *out,
-                       lg_error *err) {
-    const char *names[5 + LG_N_TOKENIZER_FILES] = {"model.safetensors", "config.json",
-                                                   "model_config.yaml", LG_TRAINING_STATE,
-                                                   LG_RUN_SETTINGS};
-    char dir[LG_PATH_MAX], path[1200];
-    lg_file_digest digests[5 + LG_N_TOKENIZER_FILES];
-    int n = 5;
-    if (lg_checkpoint_supported(tr, err) != 0) return -1;
-    int writer = tr->process == 0; /* the others take part in the gathers */
-    if (writer && mkdir(out, 0755) != 0 && errno != EEXIST)
-        return lg_checkpoint_outcome(tr, lg_fail(err, "--out %s: cannot create the directory: %s",
-                                                 out, strerror(errno)), err);
-    lg_format(dir, sizeof dir, "%s/step-%d", out, step);
-    lg_format(path, sizeof path, "%s/" LG_TRAINING_STATE, dir);
-    /* each part's outcome reaches every process before the next part's collectives */
-    int rc = lg_checkpoint_outcome(tr, writer ? lg_checkpoint_begin(dir, err) : 0, err);
-    if (rc == 0 && tr->plan.cfg.lora.r > 0) return lg_lora_checkpoint_save(tr, data, step, out, dir, err);
-    if (rc == 0) rc = lg_checkpoint_outcome(tr, lg_trainer_write_model(tr, dir, digests, err), err);
-    if (rc == 0)
-        rc = lg_checkpoint_outcome(tr, lg_training_state_write(tr, data, step, path, &digests[3], err),
-                                   err);
-    if (rc == 0)
-        rc = lg_checkpoint_outcome(tr, writer ? lg_run_settings_write(tr, out, dir, &digests[4], err) : 0,
-                                   err);
-    if (rc == 0)
-        rc = lg_checkpoint_outcome(
-            tr, writer ? lg_checkpoint_copy_tokenizer(tr, dir, names, digests, &n, err) : 0, err);
-    if (rc == 0)
-        rc = lg_checkpoint_outcome(tr, writer ? lg_write_marker(dir, step, names, digests, n, err) : 0,
-                                   err);
-    return rc;
-}
-
-/* The checkpoint's architecture must be the trainer's. */
-static int lg_checkpoint_same_model(const lg_trainer *tr, const char *dir, lg_error *err) {
-    lg_config cfg;
-    if (lg_hf_config_read(&cfg, dir, err) != 0) return -1;
-    lg_config want = lg_config_base(&tr->plan.cfg); /* LoRA: the frozen model's */
-    memcpy(cfg.name, want.name, sizeof cfg.name);
-    cfg.vocab_size = want.vocab_size;
-    if (memcmp(&cfg, &want, sizeof cfg) != 0)
-        return lg_fail(err, "checkpoint %s: its config.json describes another model than the run's %s",
-                       dir, want.name);
-    return 0;
-}
-
-/* Reads a Hugging Face directory's weights (converted to lg_real) and sets the trainer's. */
-static int lg_trainer_read_weights(lg_trainer *tr, const char *dir, int with_load_checks,
-                                   lg_error *err) {
-    const lg_model *m0 = &tr->ranks[0].model;
-    lg_real *whole = (lg_real *)lg_alloc_zeroed(m0->n_params * sizeof(lg_real) + 1);
-    if (!whole) return lg_fail(err, "out of host memory for the weights");
-    int rc = m0->cfg.lora.r > 0 ? lg_peft_read(m0, dir, whole, err) /* LoRA: the adapters */
-             : with_load_checks ? lg_hf_load_weights(&m0->cfg, lg_buf_of(whole), dir, err)
-                                : lg_hf_load_into(&m0->cfg, lg_buf_of(whole), dir, err);
-    if (rc == 0) lg_trainer_set_weights(tr, lg_buf_of(whole));
-    LG_FREE(whole);
-    return rc;
-}
-
-/* LoRA: --load DIR is the frozen base model. */
-static int lg_trainer_load_frozen(lg_trainer *tr, const char *dir, lg_error *err) {
-    lg_config base = lg_config_base(&tr->plan.cfg);
-    size_t n_base = lg_params_layout(&base, lg_no_buf(), NULL, NULL);
-    lg_real *whole = (lg_real *)LG_MALLOC(n_base * sizeof(lg_real) + 1);
-    if (!whole) return lg_fail(err, "out of host memory for the weights");
-    int rc = lg_hf_load_weights(&base, lg_buf_of(whole), dir, err);
-    if (rc == 0) rc = lg_trainer_set_frozen(tr, whole, err);
-    LG_FREE(whole);
-    if (rc == 0) lg_format(tr->base_model, sizeof tr->base_model, "%s", dir);
-    tr->base_loaded = rc == 0;
-    tr->base_hashed = 0; /* the base changed (or is half-set after a failure) */
-    return rc;
-}
-
-int lg_checkpoint_resume(lg_trainer *tr, lg_loader *data, const char *dir, int *step,
-                         lg_error *err) {
-    char path[1200];
-    int marker_step;
-    if (lg_checkpoint_verify(dir, &marker_step, err) != 0 ||
-        lg_checkpoint_same_model(tr, dir, err) != 0 || lg_checkpoint_supported(tr, err) != 0 ||
-        lg_checkpoint_same_base(tr, dir, err) != 0)
-        return -1;
-    lg_format(path, sizeof path, "%s/" LG_TRAINING_STATE, dir);
-    /* the weights as stored (the precision's type), then the master weights from the state */
-    if (lg_trainer_read_weights(tr, dir, 0, err) != 0 ||
-        lg_training_state_read(tr, data, step, path, err) != 0)
-        return -1;
-    if (*step != marker_step)
-        return lg_fail(err, "checkpoint %s: " LG_CHECKPOINT_MARKER " says step %d, the training state %d",
-                       dir, marker_step, *step);
-    return 0;
-}
-
-int lg_trainer_load_hf(lg_trainer *tr, const char *dir, lg_error *err) {
-    if (lg_checkpoint_same_model(tr, dir, err) != 0) return -1;
-    if (tr->plan.cfg.lora.r > 0) return lg_trainer_load_frozen(tr, dir, err);
-    return lg_trainer_read_weights(tr, dir, 1, err);
-}
-
-/* 13. trainer --------------------------------------------------------------------------------- */
+/* 14. trainer --------------------------------------------------------------------------------- */
 
 /* One optimizer step, top-down. lg_trainer_step makes these calls in this order; those marked
    "one rank: nothing" return at once when one rank holds the whole model (their collectives
@@ -14572,7 +13775,840 @@ void lg_trainer_free(lg_trainer *tr) {
     lg_plan_free(&tr->plan);
 }
 
-/* 14. generation: KV cache, sampling ---------------------------------------------------------- */
+/* 15. run checkpoints ------------------------------------------------------------------------- */
+
+/* A run's checkpoints: each rank's master weights, optimizer state, counters and data
+   position, gathered one sharding unit at a time; resume; the trainer's save and load of
+   whole models and adapters. */
+
+
+/* --- training state: one rank's master weights, optimizer state, counters and data position,
+   in logical layout (whole tensors by LitGPT parameter name) ------------------------------- */
+
+/* A tensor of the training state: where it lives in the trainer and how it is stored. */
+typedef struct {
+    lg_st_tensor desc; /* name, file dtype, shape */
+    void *data;        /* the trainer's (or loader's) memory */
+    const lg_exec *ex; /* the rank whose memory data is (NULL: the host's): read and written
+                          through lg_visit, since a GPU's memory is not the host's */
+    int is_real;       /* data holds lg_real, stored as F32 */
+    int is_index;      /* data holds size_t, stored as I64 (the loader's window order) */
+    const lg_tensor_info *tensor; /* the parameter it belongs to (NULL: the loader's) */
+} lg_state_view;
+
+static void lg_state_view_add(lg_state_view *v, int *n, const char *prefix, const lg_tensor_info *t,
+                              void *data, lg_st_dtype dtype, int is_real, int64_t count) {
+    lg_state_view *s = &v[(*n)++];
+    memset(s, 0, sizeof *s);
+    lg_format(s->desc.name, sizeof s->desc.name, "%s.%s", prefix, t ? t->name : "order");
+    s->tensor = t;
+    s->desc.dtype = dtype;
+    s->data = data;
+    s->is_real = is_real;
+    s->desc.ndim = t && t->rows > 1 && count == (int64_t)t->count ? 2 : 1;
+    s->desc.shape[0] = s->desc.ndim == 2 ? t->rows : count;
+    s->desc.shape[1] = s->desc.ndim == 2 ? t->cols : 0;
+}
+
+/* One parameter's optimizer states (fp32, half or 8-bit codes with block scales). */
+static void lg_state_views_of_tensor(const lg_optimizer *opt, const lg_tensor_info *t,
+                                     lg_state_cursor *cursor, lg_state_view *v, int *n) {
+    lg_tensor_state st = lg_state_of(opt, t, cursor);
+    lg_buf bufs[2] = {st.m, st.v};
+    float *scales[2] = {st.m_scales, st.v_scales};
+    int states = lg_optimizer_states(opt->kind, opt->momentum != 0.0f);
+    for (int k = 0; k < states && k < 2; k++) {
+        if (!bufs[k].data) continue;
+        const char *name = lg_optimizer_state_name(opt->kind, k);
+        lg_dtype d = bufs[k].dtype;
+        lg_st_dtype file = d == LG_DTYPE_U8 ? LG_ST_U8 : lg_st_dtype_of(d);
+        lg_state_view_add(v, n, name, t, bufs[k].data, file, d == LG_DTYPE_F32, (int64_t)t->count);
+        if (d == LG_DTYPE_U8 && scales[k]) {
+            char prefix[LG_MAX_NAME];
+            lg_format(prefix, sizeof prefix, "%s.scales", name);
+            lg_state_view_add(v, n, prefix, t, scales[k], LG_ST_F32, 0,
+                              (int64_t)((t->count + LG_QUANT_BLOCK - 1) / LG_QUANT_BLOCK));
+        }
+    }
+}
+
+/* Every tensor of the training state, in a fixed order: the master weights and optimizer state
+   of `opt` (in ex's memory; NULL: the host's) laid out by `table` (the whole layout), the
+   loader's order. *out: LG_MALLOC. */
+static int lg_state_views(const lg_optimizer *opt, const lg_exec *ex, const lg_tensor_table *table,
+                          const lg_loader *data, lg_state_view **out, int *n) {
+    lg_state_view *v = (lg_state_view *)lg_alloc_zeroed(sizeof(lg_state_view) * (size_t)(5 * table->n_tensors + 2));
+    if (!v) return -1;
+    lg_state_cursor cursor = {0, 0, 0};
+    *n = 0;
+    for (int i = 0; i < table->n_tensors; i++) {
+        const lg_tensor_info *t = &table->tensors[i];
+        if (opt->master)
+            lg_state_view_add(v, n, "master", t, opt->master + t->offset, LG_ST_F32, 1, (int64_t)t->count);
+        lg_state_views_of_tensor(opt, t, &cursor, v, n);
+    }
+    for (int i = 0; i < *n; i++) v[i].ex = ex;
+    if (data && data->order) {
+        lg_state_view_add(v, n, "loader", NULL, data->order, LG_ST_I64, 0, (int64_t)data->n_windows);
+        v[*n - 1].is_index = 1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* The master weights and optimizer state of a trainer in the whole layout. Unsharded, rank 0's
+   own (replicas hold the same); sharded, buffers of whole tensors (*owned, LG_MALLOC) that the
+   shards are copied into or out of. Compact state (bf16, 8-bit) is quantized in blocks of each
+   rank's pieces, which do not line up with whole tensors: a sharded run with it has no logical
+   state to write. */
+typedef struct {
+    lg_optimizer opt;          /* rank 0's, with master, m and v pointing at whole buffers */
+    const lg_exec *ex;         /* whose memory opt's buffers are: rank 0's, or NULL (owned) */
+    const lg_tensor_table *table; /* the whole layout */
+    void *owned;               /* the whole buffers when sharded, else NULL */
+} lg_whole_state;
+
+int lg_checkpoint_supported(const lg_trainer *tr, lg_error *err) {
+    if (tr->plan.sharding.shard_ranks > 1 && tr->ranks[0].opt.format != LG_STATE_AS_PRECISION)
+        return lg_fail(err, "checkpoints of a sharded run (--strategy %s over %d ranks) with "
+                            "--optimizer-state bf16|8bit are not supported: the state is quantized "
+                            "in blocks of each shard; use --strategy no-shard or the default state",
+                       lg_strategy_name(tr->args.strategy), tr->plan.sharding.shard_ranks);
+    return 0;
+}
+
+static int lg_whole_state_make(const lg_trainer *tr, lg_whole_state *w, lg_error *err) {
+    const lg_model *m0 = &tr->ranks[0].model;
+    w->opt = tr->ranks[0].opt;
+    w->ex = &m0->exec;
+    w->table = &m0->param_table;
+    w->owned = NULL;
+    if (tr->plan.sharding.shard_ranks == 1) return 0;
+    w->ex = NULL;
+    if (lg_checkpoint_supported(tr, err) != 0) return -1;
+    size_t n = m0->n_params, state = lg_elem_size(w->opt.m.dtype);
+    unsigned char *p = (unsigned char *)lg_alloc_zeroed(n * (sizeof(lg_real) + 2 * state));
+    if (!p) return lg_fail(err, "out of host memory for the training state");
+    w->owned = p;
+    if (w->opt.master) w->opt.master = (lg_real *)p;
+    if (w->opt.m.data) w->opt.m.data = p + n * sizeof(lg_real);
+    if (w->opt.v.data) w->opt.v.data = p + n * (sizeof(lg_real) + state);
+    return 0;
+}
+
+/* Unsharded replicas (no-shard): rank 0 read the state; the others take its regions as they
+   are (on GPUs a copy from rank 0's GPU to theirs, on rank 0's stream). */
+static void lg_copy_state_to_replicas(lg_trainer *tr) {
+    const lg_rank_plan *plan0 = &tr->plan.ranks[0];
+    const lg_exec *ex0 = &tr->ranks[0].model.exec;
+    for (int r = 1; r < tr->local_ranks; r++) {
+        lg_rank_sync(&tr->ranks[r].rank); /* nothing of its own still writes its regions */
+        for (int i = 0; i < plan0->n_regions; i++) {
+            const lg_region *x = &plan0->regions[i];
+            if (x->group != LG_GROUP_OPTIMIZER && x->group != LG_GROUP_MASTER) continue;
+            lg_buf dst = {lg_rank_region(&tr->ranks[r].rank, x->name), LG_DTYPE_U8};
+            lg_buf src = {lg_rank_region(&tr->ranks[0].rank, x->name), LG_DTYPE_U8};
+            lg_copy(ex0, dst, src, x->bytes);
+        }
+    }
+    lg_rank_sync(&tr->ranks[0].rank);
+}
+
+/* Sharded: copies each rank's pieces into the whole buffers (to_whole, the members of shard
+   group 0 suffice) or out of them (every rank, replicas included). Unsharded, reading: rank 0
+   holds the state, the replicas copy it. In several processes each reads the files itself
+   (every process's first rank stands for rank 0), and the whole buffers, zero where another
+   process's pieces go, add up over the processes. */
+static void lg_whole_state_exchange(lg_trainer *tr, lg_whole_state *w, int to_whole) {
+    if (!w->owned) {
+        if (!to_whole) lg_copy_state_to_replicas(tr);
+        return;
+    }
+    lg_buf whole[3] = {lg_buf_of(w->opt.master), w->opt.m, w->opt.v};
+    for (int r = 0; r < tr->local_ranks; r++) {
+        if (to_whole && tr->first_rank + r >= tr->plan.sharding.shard_ranks) break;
+        lg_optimizer *opt = &tr->ranks[r].opt;
+        const lg_tensor_table *local = tr->ranks[r].model.local;
+        lg_buf shard[3] = {lg_buf_of(opt->master), opt->m, opt->v};
+        const lg_exec *ex = &tr->ranks[r].model.exec;
+        for (int k = 0; k < 3; k++) {
+            if (!shard[k].data || !whole[k].data) continue;
+            if (to_whole) lg_copy_to_whole(ex, local, whole[k], shard[k]);
+            else lg_copy_from_whole(ex, local, shard[k], whole[k]);
+        }
+        lg_rank_sync(&tr->ranks[r].rank);
+    }
+    for (int k = 0; k < 3 && to_whole && tr->process_comm; k++)
+        if (whole[k].data) lg_all_reduce_sum(tr->process_comm, 1, &whole[k], tr->ranks[0].model.n_params);
+}
+
+/* A tensor's file bytes from its place. */
+static int lg_state_fill(void *ctx, int index, unsigned char *out, lg_error *err) {
+    const lg_state_view *s = &((const lg_state_view *)ctx)[index];
+    size_t count = (size_t)lg_st_count(&s->desc);
+    if (s->is_real) {
+        lg_visit v = lg_visit_start(s->ex, lg_buf_of((lg_real *)s->data), count, 1, LG_VISIT_READ);
+        while (lg_visit_next(&v))
+            for (size_t i = 0; i < v.n; i++)
+                lg_st_set(LG_ST_F32, out, v.first + i, ((const lg_real *)v.piece.data)[i]);
+    } else if (s->is_index) {
+        for (size_t i = 0; i < count; i++) {
+            int64_t v = (int64_t)((const size_t *)s->data)[i];
+            memcpy(out + 8 * i, &v, 8);
+        }
+    } else {
+        lg_buf place = {s->data, LG_DTYPE_U8};
+        lg_rank_bytes(s->ex, place, out, count * lg_st_dtype_size(s->desc.dtype), 1);
+    }
+    (void)err;
+    return 0;
+}
+
+/* Copies a tensor's file bytes into its place; the loader's order is checked window by window. */
+static int lg_state_store(const lg_state_view *s, const unsigned char *bytes, size_t n_windows) {
+    size_t count = (size_t)lg_st_count(&s->desc);
+    if (s->is_real) {
+        lg_visit v = lg_visit_start(s->ex, lg_buf_of((lg_real *)s->data), count, 1, LG_VISIT_WRITE);
+        while (lg_visit_next(&v))
+            for (size_t i = 0; i < v.n; i++)
+                ((lg_real *)v.piece.data)[i] = lg_st_get(LG_ST_F32, bytes, v.first + i);
+    } else if (s->is_index) {
+        for (size_t i = 0; i < count; i++) {
+            int64_t v;
+            memcpy(&v, bytes + 8 * i, 8);
+            if (v < 0 || (uint64_t)v >= n_windows) return -1;
+            ((size_t *)s->data)[i] = (size_t)v;
+        }
+    } else {
+        lg_buf place = {s->data, LG_DTYPE_U8};
+        lg_rank_bytes(s->ex, place, (void *)bytes, count * lg_st_dtype_size(s->desc.dtype), 0);
+    }
+    return 0;
+}
+
+/* The scalars of the training state: one metadata string a key, in the file's order. The
+   ranks are not among them: the state is in the whole layout, so a run may resume on another
+   number of ranks. The writer (lg_state_meta), the check that a run is the one that wrote the
+   file (lg_state_check_run) and the reader (lg_training_state_read) walk this table. */
+typedef enum {
+    LG_STATE_FORMAT,            /* "litgpt.c training state 1" */
+    LG_STATE_STEP,              /* steps done */
+    LG_STATE_CONFIG,            /* the model's name */
+    LG_STATE_N_PARAMS,
+    LG_STATE_LORA,              /* rank, alpha, dropout, targets, quantization */
+    LG_STATE_PRECISION,
+    LG_STATE_OPTIMIZER,
+    LG_STATE_OPTIMIZER_STATE,   /* its storage format */
+    LG_STATE_SEED,
+    LG_STATE_GLOBAL_BATCH,
+    LG_STATE_SEQ_LENGTH,
+    LG_STATE_OPTIMIZER_UPDATES, /* the optimizer's t (bias corrections) */
+    LG_STATE_LOSS_SCALE_BITS,   /* the loss scale's fp32 bits, exactly */
+    LG_STATE_LOSS_SCALE,        /* the same for a reader */
+    LG_STATE_CLEAN_STEPS,       /* steps since the scale last changed */
+    LG_STATE_LOADER_WINDOWS,
+    LG_STATE_LOADER_POSITION,
+    LG_STATE_LOADER_EPOCH,
+    LG_STATE_LOADER_RNG,
+    LG_N_STATE_SCALARS
+} lg_state_scalar;
+
+typedef enum {
+    LG_STATE_SAYS,     /* for a reader of the file only */
+    LG_STATE_SAME_RUN, /* the resuming run must have the same value */
+    LG_STATE_RESUMED   /* a number the resuming run takes over */
+} lg_state_role;
+
+static const struct {
+    lg_state_scalar scalar;
+    const char *key;
+    lg_state_role role;
+} lg_state_scalars[LG_N_STATE_SCALARS] = { /* in the file's order */
+    {LG_STATE_FORMAT, "format", LG_STATE_SAYS},
+    {LG_STATE_STEP, "step", LG_STATE_RESUMED},
+    {LG_STATE_CONFIG, "config", LG_STATE_SAME_RUN},
+    {LG_STATE_N_PARAMS, "n_params", LG_STATE_SAME_RUN},
+    {LG_STATE_LORA, "lora", LG_STATE_SAME_RUN},
+    {LG_STATE_PRECISION, "precision", LG_STATE_SAME_RUN},
+    {LG_STATE_OPTIMIZER, "optimizer", LG_STATE_SAME_RUN},
+    {LG_STATE_OPTIMIZER_STATE, "optimizer_state", LG_STATE_SAME_RUN},
+    {LG_STATE_SEED, "seed", LG_STATE_SAME_RUN},
+    {LG_STATE_GLOBAL_BATCH, "global_batch", LG_STATE_SAME_RUN},
+    {LG_STATE_SEQ_LENGTH, "seq_length", LG_STATE_SAME_RUN},
+    {LG_STATE_OPTIMIZER_UPDATES, "optimizer_updates", LG_STATE_RESUMED},
+    {LG_STATE_LOSS_SCALE_BITS, "loss_scale_bits", LG_STATE_RESUMED},
+    {LG_STATE_LOSS_SCALE, "loss_scale", LG_STATE_SAYS},
+    {LG_STATE_CLEAN_STEPS, "clean_steps", LG_STATE_RESUMED},
+    {LG_STATE_LOADER_WINDOWS, "loader_windows", LG_STATE_SAME_RUN},
+    {LG_STATE_LOADER_POSITION, "loader_position", LG_STATE_RESUMED},
+    {LG_STATE_LOADER_EPOCH, "loader_epoch", LG_STATE_RESUMED},
+    {LG_STATE_LOADER_RNG, "loader_rng", LG_STATE_RESUMED},
+};
+
+/* The metadata key of scalar k. */
+static const char *lg_state_key(lg_state_scalar k) {
+    for (int i = 0; i < LG_N_STATE_SCALARS; i++)
+        if (lg_state_scalars[i].scalar == k) return lg_state_scalars[i].key;
+    return "";
+}
+
+/* Scalar k of a run's state at step, as its metadata string. */
+static void lg_state_value(const lg_trainer *tr, const lg_loader *data, int step,
+                           lg_state_scalar k, char *out, size_t cap) {
+    static const char *const formats[3] = {"as-precision", "bf16", "8bit"}; /* lg_state_format */
+    const lg_model *m0 = &tr->ranks[0].model;
+    const lg_optimizer *opt0 = &tr->ranks[0].opt;
+    const lg_lora *lo = &m0->cfg.lora;
+    float scale = tr->loss_scale;
+    uint32_t scale_bits;
+    memcpy(&scale_bits, &scale, 4);
+    char targets[64];
+    switch (k) {
+    case LG_STATE_FORMAT: lg_format(out, cap, "litgpt.c training state 1"); break;
+    case LG_STATE_STEP: lg_format(out, cap, "%d", step); break;
+    case LG_STATE_CONFIG: lg_format(out, cap, "%s", m0->cfg.name); break;
+    case LG_STATE_N_PARAMS: lg_format(out, cap, "%zu", m0->n_params); break;
+    case LG_STATE_LORA:
+        lg_lora_targets_name(lo->r ? lo->targets : 0, targets, sizeof targets);
+        lg_format(out, cap, "r %d alpha %g dropout %g targets %s quantize %s", lo->r, lo->alpha,
+                  lo->dropout, targets, lg_quantization_name(lo->quantize));
+        break;
+    case LG_STATE_PRECISION:
+        lg_format(out, cap, "%s", lg_precision_name(tr->args.precision));
+        break;
+    case LG_STATE_OPTIMIZER: lg_format(out, cap, "%s", lg_optimizer_name(opt0->kind)); break;
+    case LG_STATE_OPTIMIZER_STATE: lg_format(out, cap, "%s", formats[opt0->format]); break;
+    case LG_STATE_SEED: lg_format(out, cap, "%llu", (unsigned long long)tr->args.seed); break;
+    case LG_STATE_GLOBAL_BATCH:
+        lg_format(out, cap, "%d", tr->args.micro_batch_size * tr->accumulation * tr->n_ranks);
+        break;
+    case LG_STATE_SEQ_LENGTH: lg_format(out, cap, "%d", m0->T); break;
+    case LG_STATE_OPTIMIZER_UPDATES: lg_format(out, cap, "%d", opt0->t); break;
+    case LG_STATE_LOSS_SCALE_BITS: lg_format(out, cap, "0x%08x", (unsigned)scale_bits); break;
+    case LG_STATE_LOSS_SCALE: lg_format(out, cap, "%g", scale); break;
+    case LG_STATE_CLEAN_STEPS: lg_format(out, cap, "%d", tr->clean_steps); break;
+    case LG_STATE_LOADER_WINDOWS:
+        lg_format(out, cap, "%zu", data ? data->n_windows : (size_t)0);
+        break;
+    case LG_STATE_LOADER_POSITION:
+        lg_format(out, cap, "%zu", data ? data->position : (size_t)0);
+        break;
+    case LG_STATE_LOADER_EPOCH: lg_format(out, cap, "%d", data ? data->epoch : 0); break;
+    case LG_STATE_LOADER_RNG:
+        lg_format(out, cap, "0x%016llx", data ? (unsigned long long)data->rng.state : 0ULL);
+        break;
+    case LG_N_STATE_SCALARS: break;
+    }
+}
+
+/* The state's scalars as metadata (meta: LG_N_STATE_SCALARS entries); returns how many. */
+static int lg_state_meta(const lg_trainer *tr, const lg_loader *data, int step, lg_st_meta *meta) {
+    for (int k = 0; k < LG_N_STATE_SCALARS; k++) {
+        lg_format(meta[k].key, sizeof meta[k].key, "%s", lg_state_scalars[k].key);
+        lg_state_value(tr, data, step, lg_state_scalars[k].scalar, meta[k].value,
+                       sizeof meta[k].value);
+    }
+    return LG_N_STATE_SCALARS;
+}
+
+typedef struct {
+    lg_trainer *tr;
+    int state;              /* 1: the training state, 0: the weights */
+    lg_tensor_table units;  /* the whole table, each offset within its tensor's unit */
+    lg_buf part[3];         /* state: (largest unit) master, m, v in checkpoint.gather */
+    lg_state_view *views;   /* state: what process 0 writes */
+    int current;            /* the unit brought last (-1: none) */
+    int changes;            /* units brought so far */
+} lg_unit_walk;
+
+static int lg_unit_walk_start(lg_unit_walk *w, lg_trainer *tr, int state, lg_error *err) {
+    const lg_tensor_table *whole = &tr->ranks[0].model.param_table;
+    const lg_shard_layout *sl = &tr->plan.shards;
+    memset(w, 0, sizeof *w);
+    w->tr = tr;
+    w->state = state;
+    w->current = -1;
+    w->units = *whole;
+    w->units.tensors = (lg_tensor_info *)LG_MALLOC(sizeof(lg_tensor_info) * (size_t)(whole->n_tensors + 1));
+    if (!w->units.tensors) return lg_fail(err, "out of host memory for a checkpoint");
+    for (int i = 0; i < whole->n_tensors; i++) {
+        w->units.tensors[i] = whole->tensors[i];
+        w->units.tensors[i].offset -= sl->unit_offset[whole->tensors[i].block + 1];
+    }
+    size_t at[3];
+    unsigned char *region = (unsigned char *)lg_rank_region(&tr->ranks[0].rank, "checkpoint.gather");
+    lg_checkpoint_unit_layout(&tr->plan, at);
+    const lg_optimizer *opt = &tr->ranks[0].opt;
+    lg_dtype types[3] = {LG_DTYPE_F32, opt->m.dtype, opt->v.dtype};
+    for (int k = 0; k < 3 && state; k++) {
+        w->part[k].dtype = types[k];
+        w->part[k].data = region && at[k] != (size_t)-1 ? region + at[k] : NULL;
+    }
+    if (state && !region) {
+        LG_FREE(w->units.tensors);
+        return lg_fail(err, "the plan holds no checkpoint.gather for this sharded run");
+    }
+    return 0;
+}
+
+/* The training state of unit u, whole, in the parts: the pieces of shard group 0's members
+   that this process drives in their places, zero elsewhere, summed over the processes. */
+static void lg_unit_walk_assemble(lg_unit_walk *w, int u) {
+    lg_trainer *tr = w->tr;
+    const lg_shard_layout *sl = &tr->plan.shards;
+    size_t count = sl->piece_count[u], unit = sl->unit_offset[u + 1] - sl->unit_offset[u];
+    for (int k = 0; k < 3; k++)
+        if (w->part[k].data) lg_zero(NULL, w->part[k], count * (size_t)sl->n_shards);
+    for (int r = 0; r < tr->local_ranks && tr->first_rank + r < sl->n_shards; r++) {
+        const lg_optimizer *opt = &tr->ranks[r].opt;
+        lg_buf shard[3] = {lg_buf_of(opt->master), opt->m, opt->v};
+        size_t first = (size_t)(tr->first_rank + r) * count;
+        size_t live = first >= unit ? 0 : unit - first < count ? unit - first : count;
+        for (int k = 0; k < 3; k++)
+            if (w->part[k].data && shard[k].data && live)
+                lg_copy(&tr->ranks[r].model.exec, lg_at(w->part[k], first),
+                        lg_at(shard[k], sl->piece_offset[u]), live);
+        lg_rank_sync(&tr->ranks[r].rank);
+    }
+    for (int k = 0; k < 3 && tr->process_comm; k++)
+        if (w->part[k].data) lg_all_reduce_sum(tr->process_comm, 1, &w->part[k], unit);
+}
+
+/* Brings unit u unless it is the one brought last. */
+static void lg_unit_walk_bring(lg_unit_walk *w, int u) {
+    if (u == w->current) return;
+    w->current = u;
+    w->changes++;
+    if (w->state) {
+        lg_unit_walk_assemble(w, u);
+        return;
+    }
+    lg_trainer_gather_unit(w->tr, u);
+    lg_trainer_await_unit(w->tr, u);
+}
+
+/* The rest of the sequence every process walks: a unit for each change of unit along the
+   table (process 0's writes follow the table's order; after a failed write it catches up). */
+static void lg_unit_walk_finish(lg_unit_walk *w) {
+    for (int i = 0, previous = -1, k = 0; i < w->units.n_tensors; i++) {
+        int u = w->units.tensors[i].block + 1;
+        if (u == previous) continue;
+        previous = u;
+        if (++k > w->changes) lg_unit_walk_bring(w, u);
+    }
+    LG_FREE(w->units.tensors);
+}
+
+/* lg_hf_write_model_from's source of weights: rank 0's gathered unit. */
+static lg_buf lg_unit_walk_weights(void *walk, int source) {
+    lg_unit_walk *w = (lg_unit_walk *)walk;
+    int u = w->units.tensors[source].block + 1;
+    lg_unit_walk_bring(w, u);
+    return lg_unit_weights(w->tr, 0, u);
+}
+
+static int lg_state_fill_by_unit(void *walk, int index, unsigned char *out, lg_error *err) {
+    lg_unit_walk *w = (lg_unit_walk *)walk;
+    if (w->views[index].tensor) lg_unit_walk_bring(w, w->views[index].tensor->block + 1);
+    return lg_state_fill(w->views, index, out, err);
+}
+
+/* The training state of a sharded run, unit by unit (see lg_unit_walk). */
+static int lg_training_state_write_units(lg_trainer *tr, const lg_loader *data, int step,
+                                         const char *path, lg_file_digest *digest,
+                                         lg_error *err) {
+    lg_unit_walk w;
+    if (lg_unit_walk_start(&w, tr, 1, err) != 0) return -1;
+    lg_optimizer opt = tr->ranks[0].opt; /* its state in the parts, in unit-relative layout */
+    if (opt.master) opt.master = (lg_real *)w.part[0].data;
+    opt.m.data = opt.m.data ? w.part[1].data : NULL;
+    opt.v.data = opt.v.data ? w.part[2].data : NULL;
+    lg_st_tensor *tensors = NULL;
+    int n = 0, rc = 0;
+    if (tr->process == 0) {
+        if (lg_state_views(&opt, NULL, &w.units, data, &w.views, &n) == 0) /* parts: host */
+            tensors = (lg_st_tensor *)lg_alloc_zeroed(sizeof(lg_st_tensor) * (size_t)(n + 1));
+        lg_st_meta meta[24];
+        int n_meta = lg_state_meta(tr, data, step, meta);
+        for (int i = 0; tensors && i < n; i++) tensors[i] = w.views[i].desc;
+        rc = tensors ? lg_st_write(path, tensors, n, meta, n_meta, lg_state_fill_by_unit, &w, digest, err)
+                     : lg_fail(err, "out of host memory");
+    }
+    lg_unit_walk_finish(&w);
+    LG_FREE(tensors);
+    LG_FREE(w.views);
+    return rc;
+}
+
+int lg_training_state_write(lg_trainer *tr, const lg_loader *data, int step,
+                            const char *path, lg_file_digest *digest, lg_error *err) {
+    if (lg_rank_region(&tr->ranks[0].rank, "checkpoint.gather"))
+        return lg_training_state_write_units(tr, data, step, path, digest, err);
+    lg_whole_state w;
+    if (lg_whole_state_make(tr, &w, err) != 0) return -1;
+    lg_whole_state_exchange(tr, &w, 1);
+    if (tr->process != 0) { /* process 0 writes */
+        LG_FREE(w.owned);
+        return 0;
+    }
+    lg_state_view *views = NULL;
+    int n = 0;
+    if (lg_state_views(&w.opt, w.ex, w.table, data, &views, &n) != 0) {
+        LG_FREE(w.owned);
+        return lg_fail(err, "out of host memory");
+    }
+    lg_st_tensor *tensors = (lg_st_tensor *)lg_alloc_zeroed(sizeof(lg_st_tensor) * (size_t)(n + 1));
+    lg_st_meta meta[LG_N_STATE_SCALARS];
+    int n_meta = lg_state_meta(tr, data, step, meta);
+    for (int i = 0; tensors && i < n; i++) tensors[i] = views[i].desc;
+    int rc = tensors ? lg_st_write(path, tensors, n, meta, n_meta, lg_state_fill, views, digest, err)
+                     : lg_fail(err, "out of host memory");
+    LG_FREE(tensors);
+    LG_FREE(views);
+    LG_FREE(w.owned);
+    return rc;
+}
+
+/* A metadata value as an unsigned integer (decimal or 0x hex); -1 naming the key. */
+static int lg_state_number(const lg_st_file *f, const char *key, unsigned long long *out,
+                           lg_error *err) {
+    const char *v = lg_st_meta_get(f, key);
+    char *end = NULL;
+    errno = 0;
+    if (v && isdigit((unsigned char)*v)) *out = strtoull(v, &end, 0); /* no sign: counts */
+    if (!v || !end || *end || errno == ERANGE)
+        return lg_fail(err, "training state %s: %s is %s", f->path, key,
+                       v ? "not a non-negative integer" : "missing");
+    return 0;
+}
+
+/* The resumed numbers in range: counts within int (the optimizer's updates no more than the
+   steps), a loss scale that is a positive finite float, a loader random state that is not 0
+   (xorshift's one fixed point). */
+static int lg_state_numbers_check(const unsigned long long *v, const char *path, lg_error *err) {
+    const lg_state_scalar counts[] = {LG_STATE_STEP, LG_STATE_OPTIMIZER_UPDATES,
+                                      LG_STATE_CLEAN_STEPS, LG_STATE_LOADER_EPOCH};
+    for (size_t k = 0; k < sizeof counts / sizeof counts[0]; k++)
+        if (v[counts[k]] > 2147483647ull)
+            return lg_fail(err, "training state %s: %s %llu is beyond 2147483647", path,
+                           lg_state_key(counts[k]), v[counts[k]]);
+    if (v[LG_STATE_OPTIMIZER_UPDATES] > v[LG_STATE_STEP])
+        return lg_fail(err, "training state %s: optimizer_updates %llu exceeds step %llu", path,
+                       v[LG_STATE_OPTIMIZER_UPDATES], v[LG_STATE_STEP]);
+    uint32_t bits = (uint32_t)v[LG_STATE_LOSS_SCALE_BITS];
+    float scale;
+    memcpy(&scale, &bits, 4);
+    if (v[LG_STATE_LOSS_SCALE_BITS] > 0xFFFFFFFFull || !(isfinite(scale) && scale > 0.0f))
+        return lg_fail(err, "training state %s: loss_scale_bits %llu is not a positive finite "
+                            "loss scale", path, v[LG_STATE_LOSS_SCALE_BITS]);
+    if (v[LG_STATE_LOADER_RNG] == 0)
+        return lg_fail(err, "training state %s: loader_rng is 0, no state of the generator", path);
+    return 0;
+}
+
+/* The run must be the one that wrote the state: same model, precision, optimizer and batch
+   (the LG_STATE_SAME_RUN scalars). */
+static int lg_state_check_run(const lg_trainer *tr, const lg_loader *data, const lg_st_file *f,
+                              lg_error *err) {
+    char want[sizeof ((lg_st_meta *)0)->value];
+    lg_state_value(tr, data, 0, LG_STATE_FORMAT, want, sizeof want);
+    const char *format = lg_st_meta_get(f, lg_state_key(LG_STATE_FORMAT));
+    if (!format || strcmp(format, want) != 0)
+        return lg_fail(err, "training state %s: not a litgpt.c training state (format '%s')", f->path,
+                       format ? format : "missing");
+    for (int k = 0; k < LG_N_STATE_SCALARS; k++) {
+        const char *key = lg_state_scalars[k].key, *have = lg_st_meta_get(f, key);
+        if (lg_state_scalars[k].role != LG_STATE_SAME_RUN) continue;
+        lg_state_value(tr, data, 0, lg_state_scalars[k].scalar, want, sizeof want);
+        if (!have || strcmp(have, want) != 0)
+            return lg_fail(err, "training state %s: written with %s %s, this run has %s: resume "
+                                "with the run's settings", f->path, key, have ? have : "(none)",
+                           want);
+    }
+    return 0;
+}
+
+/* A float tensor of the state holds finite numbers, and a second moment (optimizer.v.*) no
+   negative one: else the run would resume into NaN. */
+static int lg_state_values_check(const lg_st_file *f, const lg_st_tensor *t,
+                                 const unsigned char *bytes, lg_error *err) {
+    if (!lg_st_is_float(t->dtype)) return 0; /* 8-bit codes and the loader's order */
+    int second_moment = strncmp(t->name, "optimizer.v.", 12) == 0;
+    size_t count = (size_t)lg_st_count(t);
+    for (size_t i = 0; i < count; i++) {
+        lg_real x = lg_st_get(t->dtype, bytes, i);
+        if (!isfinite(x) || (second_moment && x < 0))
+            return lg_fail(err, "training state %s: %s[%zu] is %g, %s", f->path, t->name, i,
+                           (double)x, isfinite(x) ? "a negative second moment" : "not finite");
+    }
+    return 0;
+}
+
+/* Reads every view's tensor, checking name, dtype and shape. */
+static int lg_state_read_views(const lg_st_file *f, const lg_state_view *views, int n,
+                               size_t n_windows, lg_error *err) {
+    for (int i = 0; i < n; i++) {
+        const lg_state_view *s = &views[i];
+        const lg_st_tensor *t = lg_st_find(f, s->desc.name);
+        if (!t) return lg_fail(err, "training state %s: no tensor %s", f->path, s->desc.name);
+        int same = t->dtype == s->desc.dtype && t->ndim == s->desc.ndim;
+        for (int d = 0; d < t->ndim && same; d++) same = t->shape[d] == s->desc.shape[d];
+        if (!same) return lg_fail(err, "training state %s: tensor %s has another dtype or shape than "
+                                       "this run's", f->path, t->name);
+        unsigned char *bytes = (unsigned char *)LG_MALLOC((size_t)(t->end - t->begin) + 1);
+        if (!bytes) return lg_fail(err, "out of host memory for %s", t->name);
+        int rc = lg_st_read(f, t, bytes, err);
+        if (rc == 0) rc = lg_state_values_check(f, t, bytes, err);
+        if (rc == 0 && lg_state_store(s, bytes, n_windows) != 0)
+            rc = lg_fail(err, "training state %s: loader.order holds a window outside the data", f->path);
+        LG_FREE(bytes);
+        if (rc != 0) return -1;
+    }
+    return 0;
+}
+
+int lg_training_state_read(lg_trainer *tr, lg_loader *data, int *step, const char *path,
+                           lg_error *err) {
+    lg_st_file f;
+    if (lg_st_open(&f, path, err) != 0) return -1;
+    lg_state_view *views = NULL;
+    lg_whole_state w;
+    w.owned = NULL;
+    int n = 0, rc = lg_state_check_run(tr, data, &f, err);
+    unsigned long long v[LG_N_STATE_SCALARS] = {0}; /* the LG_STATE_RESUMED numbers, by scalar */
+    for (int k = 0; k < LG_N_STATE_SCALARS && rc == 0; k++)
+        if (lg_state_scalars[k].role == LG_STATE_RESUMED)
+            rc = lg_state_number(&f, lg_state_scalars[k].key, &v[lg_state_scalars[k].scalar],
+                                 err);
+    if (rc == 0) rc = lg_state_numbers_check(v, path, err);
+    if (rc == 0 && data && v[LG_STATE_LOADER_POSITION] > data->n_windows)
+        rc = lg_fail(err, "training state %s: loader_position %llu is beyond the data's %zu windows",
+                     path, v[LG_STATE_LOADER_POSITION], data->n_windows);
+    if (rc == 0) rc = lg_whole_state_make(tr, &w, err);
+    if (rc == 0 && lg_state_views(&w.opt, w.ex, w.table, data, &views, &n) != 0)
+        rc = lg_fail(err, "out of host memory");
+    if (rc == 0) rc = lg_state_read_views(&f, views, n, data ? data->n_windows : 0, err);
+    LG_FREE(views);
+    lg_st_close(&f);
+    if (rc == 0) lg_whole_state_exchange(tr, &w, 0);
+    LG_FREE(w.owned);
+    if (rc != 0) return -1;
+    uint32_t scale_bits = (uint32_t)v[LG_STATE_LOSS_SCALE_BITS];
+    *step = (int)v[LG_STATE_STEP];
+    for (int r = 0; r < tr->local_ranks; r++)
+        tr->ranks[r].opt.t = (int)v[LG_STATE_OPTIMIZER_UPDATES];
+    memcpy(&tr->loss_scale, &scale_bits, 4);
+    tr->clean_steps = (int)v[LG_STATE_CLEAN_STEPS];
+    if (data) {
+        data->position = (size_t)v[LG_STATE_LOADER_POSITION];
+        data->epoch = (int)v[LG_STATE_LOADER_EPOCH];
+        data->rng.state = (uint64_t)v[LG_STATE_LOADER_RNG];
+    }
+    return 0;
+}
+
+/* --- trainer checkpoints ----------------------------------------------------------------------- */
+
+/* model.safetensors of the trainer's weights: rank 0's when whole, else gathered unit by unit
+   (lg_unit_walk). */
+static int lg_trainer_write_model(lg_trainer *tr, const char *dir, lg_file_digest *digests,
+                                  lg_error *err) {
+    const lg_model *m0 = &tr->ranks[0].model;
+    if (!m0->weights_gathered) return tr->process == 0 ? lg_hf_write_model(m0, dir, digests, err) : 0;
+    lg_unit_walk w; /* full-shard: unit by unit through the gather regions */
+    if (lg_unit_walk_start(&w, tr, 0, err) != 0) return -1;
+    int rc = tr->process == 0 ? lg_hf_write_model_from(m0, &w.units, lg_unit_walk_weights, &w, dir,
+                                                       digests, err)
+                              : 0;
+    lg_unit_walk_finish(&w);
+    return rc;
+}
+
+/* Several processes: every one learns whether process 0 wrote (and waits until it has). */
+static int lg_checkpoint_outcome(lg_trainer *tr, int rc, lg_error *err) {
+    double failed = rc != 0;
+    lg_comm_sum_doubles(tr->process_comm, &failed, 1);
+    if (failed > 0 && rc == 0) return lg_fail(err, "process 0 could not write the checkpoint");
+    return rc;
+}
+
+/* The tokenizer files of tr->tokenizer_dir that exist, copied into dir (atomically); their
+   names and digests appended at names[*n], digests[*n]. Process 0 only. */
+static int lg_checkpoint_copy_tokenizer(const lg_trainer *tr, const char *dir, const char **names,
+                                        lg_file_digest *digests, int *n, lg_error *err) {
+    static const char *const files[LG_N_TOKENIZER_FILES] = LG_TOKENIZER_FILES;
+    char from[LG_PATH_MAX], to[LG_PATH_MAX];
+    for (int i = 0; tr->tokenizer_dir[0] && i < LG_N_TOKENIZER_FILES; i++) {
+        lg_format(from, sizeof from, "%s/%s", tr->tokenizer_dir, files[i]);
+        struct stat st;
+        if (stat(from, &st) != 0) continue; /* the family's other files */
+        size_t len;
+        char *text = lg_read_text_file(from, (size_t)1 << 30, &len, err);
+        if (!text) return -1;
+        lg_format(to, sizeof to, "%s/%s", dir, files[i]);
+        int rc = strlen(text) == len ? lg_write_text_file(to, text, &digests[*n], err)
+                                     : lg_fail(err, "%s: holds a NUL byte; not a tokenizer file", from);
+        LG_FREE(text);
+        if (rc != 0) return -1;
+        names[(*n)++] = files[i];
+    }
+    return 0;
+}
+
+/* A LoRA run's step-N: the adapters as PEFT files, the base model's config.json and
+   model_config.yaml, the training state of the adapters; the run's last step also holds the
+   merged model (model.safetensors). Process 0 writes; every process takes part in the gathers
+   and learns each part's outcome. */
+static int lg_lora_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step,
+                                   const char *out, const char *dir, lg_error *err) {
+    const char *names[7 + LG_N_TOKENIZER_FILES] = {"adapter_model.safetensors", "adapter_config.json",
+                                                   "config.json", "model_config.yaml",
+                                                   LG_TRAINING_STATE, LG_RUN_SETTINGS,
+                                                   "model.safetensors"};
+    lg_file_digest digests[7 + LG_N_TOKENIZER_FILES];
+    const lg_model *m0 = &tr->ranks[0].model;
+    lg_config base = lg_config_base(&m0->cfg);
+    lg_hf_family family;
+    char path[LG_PATH_MAX], text[4096];
+    lg_real *whole = (lg_real *)LG_MALLOC(m0->n_params * sizeof(lg_real) + 1);
+    if (!whole) return lg_checkpoint_outcome(tr, lg_fail(err, "out of host memory for the adapters"), err);
+    lg_trainer_weights(tr, lg_buf_of(whole));
+    int writer = tr->process == 0, final = step == tr->args.max_steps;
+    int rc = lg_hf_family_of(&base, &family, err);
+    if (rc == 0 && writer) rc = lg_peft_write(m0, lg_buf_of(whole), dir, tr->base_model, digests, err);
+    if (rc == 0 && writer && final) { /* model.safetensors, config.json, model_config.yaml */
+        lg_file_digest model[3];
+        rc = lg_write_merged_model(m0, whole, dir, model, err);
+        digests[6] = model[0], digests[2] = model[1], digests[3] = model[2];
+    } else if (rc == 0 && writer) {
+        lg_format(path, sizeof path, "%s/config.json", dir);
+        lg_hf_config_json(&base, family, lg_st_dtype_of(m0->params.dtype), text, sizeof text);
+        rc = lg_write_text_file(path, text, &digests[2], err);
+        lg_format(path, sizeof path, "%s/model_config.yaml", dir);
+        lg_config_to_yaml(&base, text, sizeof text);
+        if (rc == 0) rc = lg_write_text_file(path, text, &digests[3], err);
+    }
+    LG_FREE(whole);
+    rc = lg_checkpoint_outcome(tr, rc, err);
+    lg_format(path, sizeof path, "%s/" LG_TRAINING_STATE, dir);
+    if (rc == 0)
+        rc = lg_checkpoint_outcome(tr, lg_training_state_write(tr, data, step, path, &digests[4], err),
+                                   err);
+    int n = final ? 7 : 6; /* the tokenizer's files after these */
+    if (rc == 0)
+        rc = lg_checkpoint_outcome(tr, writer ? lg_run_settings_write(tr, out, dir, &digests[5], err) : 0,
+                                   err);
+    if (rc == 0)
+        rc = lg_checkpoint_outcome(
+            tr, writer ? lg_checkpoint_copy_tokenizer(tr, dir, names, digests, &n, err) : 0, err);
+    if (rc == 0)
+        rc = lg_checkpoint_outcome(tr, writer ? lg_write_marker(dir, step, names, digests, n, err) : 0,
+                                   err);
+    return rc;
+}
+
+int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const char *out,
+                       lg_error *err) {
+    const char *names[5 + LG_N_TOKENIZER_FILES] = {"model.safetensors", "config.json",
+                                                   "model_config.yaml", LG_TRAINING_STATE,
+                                                   LG_RUN_SETTINGS};
+    char dir[LG_PATH_MAX], path[1200];
+    lg_file_digest digests[5 + LG_N_TOKENIZER_FILES];
+    int n = 5;
+    if (lg_checkpoint_supported(tr, err) != 0) return -1;
+    int writer = tr->process == 0; /* the others take part in the gathers */
+    if (writer && mkdir(out, 0755) != 0 && errno != EEXIST)
+        return lg_checkpoint_outcome(tr, lg_fail(err, "--out %s: cannot create the directory: %s",
+                                                 out, strerror(errno)), err);
+    lg_format(dir, sizeof dir, "%s/step-%d", out, step);
+    lg_format(path, sizeof path, "%s/" LG_TRAINING_STATE, dir);
+    /* each part's outcome reaches every process before the next part's collectives */
+    int rc = lg_checkpoint_outcome(tr, writer ? lg_checkpoint_begin(dir, err) : 0, err);
+    if (rc == 0 && tr->plan.cfg.lora.r > 0) return lg_lora_checkpoint_save(tr, data, step, out, dir, err);
+    if (rc == 0) rc = lg_checkpoint_outcome(tr, lg_trainer_write_model(tr, dir, digests, err), err);
+    if (rc == 0)
+        rc = lg_checkpoint_outcome(tr, lg_training_state_write(tr, data, step, path, &digests[3], err),
+                                   err);
+    if (rc == 0)
+        rc = lg_checkpoint_outcome(tr, writer ? lg_run_settings_write(tr, out, dir, &digests[4], err) : 0,
+                                   err);
+    if (rc == 0)
+        rc = lg_checkpoint_outcome(
+            tr, writer ? lg_checkpoint_copy_tokenizer(tr, dir, names, digests, &n, err) : 0, err);
+    if (rc == 0)
+        rc = lg_checkpoint_outcome(tr, writer ? lg_write_marker(dir, step, names, digests, n, err) : 0,
+                                   err);
+    return rc;
+}
+
+/* The checkpoint's architecture must be the trainer's. */
+static int lg_checkpoint_same_model(const lg_trainer *tr, const char *dir, lg_error *err) {
+    lg_config cfg;
+    if (lg_hf_config_read(&cfg, dir, err) != 0) return -1;
+    lg_config want = lg_config_base(&tr->plan.cfg); /* LoRA: the frozen model's */
+    memcpy(cfg.name, want.name, sizeof cfg.name);
+    cfg.vocab_size = want.vocab_size;
+    if (memcmp(&cfg, &want, sizeof cfg) != 0)
+        return lg_fail(err, "checkpoint %s: its config.json describes another model than the run's %s",
+                       dir, want.name);
+    return 0;
+}
+
+/* Reads a Hugging Face directory's weights (converted to lg_real) and sets the trainer's. */
+static int lg_trainer_read_weights(lg_trainer *tr, const char *dir, int with_load_checks,
+                                   lg_error *err) {
+    const lg_model *m0 = &tr->ranks[0].model;
+    lg_real *whole = (lg_real *)lg_alloc_zeroed(m0->n_params * sizeof(lg_real) + 1);
+    if (!whole) return lg_fail(err, "out of host memory for the weights");
+    int rc = m0->cfg.lora.r > 0 ? lg_peft_read(m0, dir, whole, err) /* LoRA: the adapters */
+             : with_load_checks ? lg_hf_load_weights(&m0->cfg, lg_buf_of(whole), dir, err)
+                                : lg_hf_load_into(&m0->cfg, lg_buf_of(whole), dir, err);
+    if (rc == 0) lg_trainer_set_weights(tr, lg_buf_of(whole));
+    LG_FREE(whole);
+    return rc;
+}
+
+/* LoRA: --load DIR is the frozen base model. */
+static int lg_trainer_load_frozen(lg_trainer *tr, const char *dir, lg_error *err) {
+    lg_config base = lg_config_base(&tr->plan.cfg);
+    size_t n_base = lg_params_layout(&base, lg_no_buf(), NULL, NULL);
+    lg_real *whole = (lg_real *)LG_MALLOC(n_base * sizeof(lg_real) + 1);
+    if (!whole) return lg_fail(err, "out of host memory for the weights");
+    int rc = lg_hf_load_weights(&base, lg_buf_of(whole), dir, err);
+    if (rc == 0) rc = lg_trainer_set_frozen(tr, whole, err);
+    LG_FREE(whole);
+    if (rc == 0) lg_format(tr->base_model, sizeof tr->base_model, "%s", dir);
+    tr->base_loaded = rc == 0;
+    tr->base_hashed = 0; /* the base changed (or is half-set after a failure) */
+    return rc;
+}
+
+int lg_checkpoint_resume(lg_trainer *tr, lg_loader *data, const char *dir, int *step,
+                         lg_error *err) {
+    char path[1200];
+    int marker_step;
+    if (lg_checkpoint_verify(dir, &marker_step, err) != 0 ||
+        lg_checkpoint_same_model(tr, dir, err) != 0 || lg_checkpoint_supported(tr, err) != 0 ||
+        lg_checkpoint_same_base(tr, dir, err) != 0)
+        return -1;
+    lg_format(path, sizeof path, "%s/" LG_TRAINING_STATE, dir);
+    /* the weights as stored (the precision's type), then the master weights from the state */
+    if (lg_trainer_read_weights(tr, dir, 0, err) != 0 ||
+        lg_training_state_read(tr, data, step, path, err) != 0)
+        return -1;
+    if (*step != marker_step)
+        return lg_fail(err, "checkpoint %s: " LG_CHECKPOINT_MARKER " says step %d, the training state %d",
+                       dir, marker_step, *step);
+    return 0;
+}
+
+int lg_trainer_load_hf(lg_trainer *tr, const char *dir, lg_error *err) {
+    if (lg_checkpoint_same_model(tr, dir, err) != 0) return -1;
+    if (tr->plan.cfg.lora.r > 0) return lg_trainer_load_frozen(tr, dir, err);
+    return lg_trainer_read_weights(tr, dir, 1, err);
+}
+
+/* 16. generation: KV cache, sampling ---------------------------------------------------------- */
 
 /* The widest input of a block linear or the head: one token's row of it in fp32. */
 static int lg_gen_widest_input(const lg_config *c) {

@@ -1,9 +1,9 @@
 /* litgpt_cuda.cuh — the CUDA backend of litgpt.h.
 
    litgpt.h includes this file inside LITGPT_IMPLEMENTATION, just before its CPU kernels
-   (section 6), when nvcc compiles the translation unit (`nvcc -x cu train.c`) or when a test
+   (section 7), when nvcc compiles the translation unit (`nvcc -x cu train.c`) or when a test
    compiles it on the CPU with -DLG_CUDA_EMULATE against tests/cuda_emulator.h. Every op of
-   section 6 hands its arguments to the function of the same name here, lg_cuda_<op>, when the
+   section 7 hands its arguments to the function of the same name here, lg_cuda_<op>, when the
    rank it runs for is a GPU. The per-element math (bf16 and fp16 rounding, GELU, the optimizer
    elements, stochastic rounding) is litgpt.h's LG_HD functions, the same code the CPU runs.
 
@@ -232,7 +232,7 @@ static unsigned lg_cuda_blocks(size_t n, unsigned threads) {
     return (unsigned)((n + threads - 1) / threads);
 }
 
-/* b-f. the kernels of section 6's ops, and the optimizers' and sums of squares' ------------- */
+/* b-f. the kernels of section 7's ops, and the optimizers' and sums of squares' ------------- */
 
 /* Every kernel reads and writes elements through lg_get / lg_set (the CPU's conversions) and
    computes in float, element by element in the same order of operations as the CPU loop it

@@ -2,7 +2,8 @@
 """The reader's map, checked: in litgpt.h's implementation every call goes to a function defined
 above it in an earlier section or the same one (no call reaches up into a later section), and no
 function is longer than the style allows (80 lines in litgpt.h and train.c, 110 in the CUDA
-kernels). Prints each violation as file:line and exits 1 if there is one.
+kernels). Prints each violation as file:line and exits 1 if there is one. train.c's long
+functions (its flag switch and main, issue 24's guided tour) are reported but do not fail yet.
 
     python3 tests/check_order.py [--calls] [litgpt.h train.c litgpt_cuda.cuh]
 
@@ -15,6 +16,7 @@ SECTION = re.compile(r'^/\* (\d+)\. (.*?) -{3,}')
 NOT_NAMES = {'if', 'for', 'while', 'switch', 'return', 'sizeof', 'defined', '_Alignof',
              '__attribute__', '_Static_assert', 'do', 'else', 'case', '__launch_bounds__'}
 LIMITS = {'litgpt.h': 80, 'train.c': 80, 'litgpt_cuda.cuh': 110}
+NOT_YET = {'train.c'}  # reported, not failing (see the docstring)
 
 
 def blank_comments_and_strings(src):
@@ -44,9 +46,10 @@ def blank_comments_and_strings(src):
 
 def definitions(code):
     """[name, first line, last line] (0-based) of every top-level function definition."""
-    found, depth = [], 0
+    found, depth, directive = [], 0, False
     for i, line in enumerate(code):
-        if line.lstrip().startswith('#'):
+        if directive or line.lstrip().startswith('#'):  # a directive, with its continuations
+            directive = line.rstrip().endswith('\\')
             continue
         for k, ch in enumerate(line):
             if ch == '{':
@@ -106,8 +109,10 @@ def main(argv):
         limit = LIMITS.get(path.rsplit('/', 1)[-1], 80)
         for name, a, b in funcs:
             if b - a + 1 > limit:
-                errors += 1
-                print(f'{path}:{a + 1}: {name} is {b - a + 1} lines (the limit is {limit})')
+                enforced = path.rsplit('/', 1)[-1] not in NOT_YET
+                errors += enforced
+                print(f'{path}:{a + 1}: {name} is {b - a + 1} lines (the limit is {limit})'
+                      + ('' if enforced else '; not enforced yet'))
         if path.endswith('litgpt.h'):
             up, same = calls_up(path, lines, code, funcs, show_same)
             errors += up

@@ -1,4 +1,4 @@
-/* tests/test_generate.c — generation with the KV cache (section 14): cached logits against the
+/* tests/test_generate.c — generation with the KV cache (section 16): cached logits against the
    model's full forward recomputed for every prefix, greedy tokens against lg_model_generate
    (which recomputes), the plan against the allocation and the published cache arithmetic,
    sampling against a reference written here, LoRA step directories against their merged model,

@@ -258,7 +258,7 @@ static int bench_tokenizer(const char *dir) {
     return 0;
 }
 
-/* --generate: decode and prefill speed of the KV-cache generator (section 14) on random
+/* --generate: decode and prefill speed of the KV-cache generator (section 16) on random
    weights: a prompt of P random tokens, then `n_new` tokens sampled as tools/generate does; a
    warm-up generation first. The decode's weight reads a second give how near it runs to the
    memory's bandwidth (each token reads every weight once). */

@@ -1,4 +1,4 @@
-/* tools/generate.c — text from a model, with the library's KV cache (section 14 of litgpt.h).
+/* tools/generate.c — text from a model, with the library's KV cache (section 16 of litgpt.h).
 
    tools/generate --load DIR [--tokenizer PATH] (--prompt TEXT | --prompt-ids "ID ...")
                   [--max-new-tokens N] [--temperature X] [--top-k K] [--top-p P] [--seed N]

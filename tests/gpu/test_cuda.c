@@ -7,7 +7,7 @@
      replaced by the backend's reference matmul kernel.
 
    Every CUDA op is checked on fresh random inputs in each storage type against the CPU op of
-   litgpt.h section 6, with the GPU's outputs poisoned (NaN) first, and twice for bitwise
+   litgpt.h section 7, with the GPU's outputs poisoned (NaN) first, and twice for bitwise
    determinism; then whole training steps of each family and precision, -d 1 against -d N, and
    the plan against the memory the GPU reports. `test_cuda MODE...` runs only the modes named
    (ops, attention, steps, grads, features, resume, devices, memory; `--list` prints them), so
