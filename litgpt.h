@@ -14455,6 +14455,24 @@ static int lg_checkpoint_copy_tokenizer(const lg_trainer *tr, const char *dir, c
     return 0;
 }
 
+/* The last files of a step-N, after its weights and training state: the run's settings (into
+   names[settings]), the tokenizer's files (appended after the first n names), then COMPLETE
+   over all of them. Each part's outcome reaches every process (process 0 writes). */
+static int lg_checkpoint_finish(lg_trainer *tr, const char *out, const char *dir, int step,
+                                const char **names, lg_file_digest *digests, int settings, int n,
+                                lg_error *err) {
+    int writer = tr->process == 0;
+    int rc = lg_checkpoint_outcome(
+        tr, writer ? lg_run_settings_write(tr, out, dir, &digests[settings], err) : 0, err);
+    if (rc == 0)
+        rc = lg_checkpoint_outcome(
+            tr, writer ? lg_checkpoint_copy_tokenizer(tr, dir, names, digests, &n, err) : 0, err);
+    if (rc == 0)
+        rc = lg_checkpoint_outcome(tr, writer ? lg_write_marker(dir, step, names, digests, n, err) : 0,
+                                   err);
+    return rc;
+}
+
 /* A LoRA run's step-N: the adapters as PEFT files, the base model's config.json and
    model_config.yaml, the training state of the adapters; the run's last step also holds the
    merged model (model.safetensors). Process 0 writes; every process takes part in the gathers
@@ -14494,17 +14512,8 @@ static int lg_lora_checkpoint_save(lg_trainer *tr, const lg_loader *data, int st
     if (rc == 0)
         rc = lg_checkpoint_outcome(tr, lg_training_state_write(tr, data, step, path, &digests[4], err),
                                    err);
-    int n = final ? 7 : 6; /* the tokenizer's files after these */
-    if (rc == 0)
-        rc = lg_checkpoint_outcome(tr, writer ? lg_run_settings_write(tr, out, dir, &digests[5], err) : 0,
-                                   err);
-    if (rc == 0)
-        rc = lg_checkpoint_outcome(
-            tr, writer ? lg_checkpoint_copy_tokenizer(tr, dir, names, digests, &n, err) : 0, err);
-    if (rc == 0)
-        rc = lg_checkpoint_outcome(tr, writer ? lg_write_marker(dir, step, names, digests, n, err) : 0,
-                                   err);
-    return rc;
+    if (rc != 0) return rc;
+    return lg_checkpoint_finish(tr, out, dir, step, names, digests, 5, final ? 7 : 6, err);
 }
 
 int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const char *out,
@@ -14529,16 +14538,8 @@ int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const ch
     if (rc == 0)
         rc = lg_checkpoint_outcome(tr, lg_training_state_write(tr, data, step, path, &digests[3], err),
                                    err);
-    if (rc == 0)
-        rc = lg_checkpoint_outcome(tr, writer ? lg_run_settings_write(tr, out, dir, &digests[4], err) : 0,
-                                   err);
-    if (rc == 0)
-        rc = lg_checkpoint_outcome(
-            tr, writer ? lg_checkpoint_copy_tokenizer(tr, dir, names, digests, &n, err) : 0, err);
-    if (rc == 0)
-        rc = lg_checkpoint_outcome(tr, writer ? lg_write_marker(dir, step, names, digests, n, err) : 0,
-                                   err);
-    return rc;
+    if (rc != 0) return rc;
+    return lg_checkpoint_finish(tr, out, dir, step, names, digests, 4, n, err);
 }
 
 /* The checkpoint's architecture must be the trainer's. */
