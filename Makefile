@@ -25,7 +25,9 @@ HEADERS = litgpt.h litgpt_cuda.cuh
 MPICC ?= $(shell command -v mpicc 2>/dev/null)
 CPU_CC = $(if $(MPICC),$(MPICC) -DLG_MPI,$(CC))
 # the CUDA backend's kernels run on the CPU in tests through this emulator (g++, no GPU)
-EMULATED = $(CXX) -std=c++17 -O2 -DLG_CUDA_EMULATE -Wall -Wextra -Werror -Wno-unknown-pragmas $(OPENMP) -x c++
+# (-march=native: fmaf becomes one instruction rather than a libm call, 13% of the emulated
+# run's time; -ffp-contract=off keeps every other multiply and add as written)
+EMULATED = $(CXX) -std=c++17 -O2 -march=native -ffp-contract=off -DLG_CUDA_EMULATE -Wall -Wextra -Werror -Wno-unknown-pragmas $(OPENMP) -x c++
 
 .PHONY: all cpu cuda portable test bench clean data tokenizers llama-cpp lora-memory gpu-bin pictures
 
