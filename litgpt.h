@@ -1675,7 +1675,7 @@ int lg_comms_per_rank(const lg_args *args);
    by name, one arena, checked before allocating.
 
        lg_gen_source src;  lg_generator g;  lg_gen_spec spec = {n_prompt + n_new, n_prompt,
-                                                                LG_PRECISION_32_TRUE, threads};
+                                                                LG_PRECISION_32_TRUE, threads, 0};
        lg_gen_source_find(&src, "out/step-100", &err);   // Hugging Face dir, step-N, LoRA adapters
        lg_generator_create(&g, &src.cfg, &spec, &err);
        lg_generator_load(&g, &src, &err);
@@ -1693,6 +1693,8 @@ typedef struct {
                                weight type of the precision (32-true: fp32, *bf16*: bf16,
                                *16*: fp16); arithmetic in fp32 */
     int threads;            /* CPU threads: one matmul workspace and one row of scores each */
+    int vocab;              /* ids drawn: 0 .. vocab - 1, the tokenizer's size, where the head's
+                               vocab_size rows include padding; 0: all vocab_size */
 } lg_gen_spec;
 
 /* The plan of a generation: one rank, one pool, regions weights, kv_cache.keys and .values,
@@ -14685,6 +14687,9 @@ int lg_gen_plan(lg_plan *plan, const lg_config *cfg, const lg_gen_spec *s, lg_er
     if (s->prefill < 1 || s->prefill > s->positions || s->threads < 1)
         return lg_fail(err, "generation: prefill %d must be within 1 .. %d and threads %d positive",
                        s->prefill, s->positions, s->threads);
+    if (s->vocab < 0 || s->vocab > c->vocab_size)
+        return lg_fail(err, "generation: vocab %d (the tokenizer's ids) must be within 0 (all) .. "
+                            "the model's vocab_size %d", s->vocab, c->vocab_size);
     plan->spec.B = 1;
     plan->spec.T = s->positions;
     plan->spec.accumulation = plan->spec.devices = plan->spec.nodes = plan->spec.processes = 1;
@@ -15364,7 +15369,9 @@ int lg_generate(lg_generator *g, const int *prompt, int n_prompt, int max_new,
     double start = lg_time_ms();
     if (lg_generator_forward(g, prompt, n_prompt, err) != 0) return -1;
     stats->prompt_tokens = n_prompt;
-    int V = g->cfg.vocab_size, token = max_new > 0 ? lg_sample(g->logits, V, s, rng, g->probs, g->order) : 0;
+    /* logits over the head's vocab_size rows, draws among the ids the tokenizer has */
+    int V = g->spec.vocab ? g->spec.vocab : g->cfg.vocab_size;
+    int token = max_new > 0 ? lg_sample(g->logits, V, s, rng, g->probs, g->order) : 0;
     stats->prefill_ms = lg_time_ms() - start;
     start = lg_time_ms();
     while (*n_out < max_new) {

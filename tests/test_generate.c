@@ -45,7 +45,7 @@ static int gen_threads(void) {
 static int gen_from_model(results *r, lg_generator *g, const lg_model *m, int positions,
                           int prefill, lg_precision precision) {
     lg_error err;
-    lg_gen_spec spec = {positions, prefill, precision, gen_threads()};
+    lg_gen_spec spec = {positions, prefill, precision, gen_threads(), 0};
     if (lg_generator_create(g, &m->cfg, &spec, &err) != 0) {
         check(r, 0, "%s: %s", m->cfg.name, err.msg);
         return -1;
@@ -166,13 +166,73 @@ static void test_gen_stop(results *r) {
     lg_model_free(&m);
 }
 
+/* A head whose vocab_size rows pass the tokenizer's (config.json's vocab_size counting padding):
+   the generator draws only ids below spec.vocab, greedy or sampled, although the padded rows
+   (scaled up 4x) hold the largest logit. */
+static void test_gen_padded_vocab(results *r) {
+    lg_model m;
+    lg_config cfg;
+    lg_generator g;
+    lg_error err;
+    if (gen_random_model(r, &m, &cfg, "test-llama", 31) != 0) return;
+    enum { REAL = 20, NEW = 12 };
+    int V = cfg.vocab_size, C = cfg.n_embd;
+    lg_gen_spec spec = {16, 4, LG_PRECISION_32_TRUE, 1, REAL};
+    if (lg_generator_create(&g, &m.cfg, &spec, &err) != 0) {
+        check(r, 0, "padded vocab: %s", err.msg);
+        lg_model_free(&m);
+        return;
+    }
+    lg_copy(NULL, g.params, m.params, m.n_params);
+    lg_real *head = reals(g.p.lm_head_w); /* (V, C) */
+    for (size_t k = (size_t)REAL * C; k < (size_t)V * C; k++) head[k] *= 4;
+    int prompt[4] = {2, 7, 1, 8}, out[NEW], n_out = 0, outside = 0, padded_won = 0, not_argmax = 0;
+    lg_sampling s = lg_sampling_default();
+    s.top_k = 0, s.temperature = 0;
+    lg_rng rng;
+    lg_rng_seed(&rng, 3);
+    int ok = 1;
+    for (int round = 0; round < 2 && ok; round++) { /* greedy, then temperature 1 over all ids */
+        ok = lg_generate(&g, prompt, 4, NEW, &s, &rng, out, &n_out, NULL, NULL, NULL, &err) == 0 &&
+             n_out == NEW;
+        lg_generator_reset(&g);
+        int seq[16];
+        memcpy(seq, prompt, sizeof prompt);
+        memcpy(seq + 4, out, sizeof(int) * NEW);
+        for (int i = 0; i < NEW && ok; i++) { /* the logits each draw came from, step by step */
+            ok = lg_generator_forward(&g, i ? &seq[3 + i] : seq, i ? 1 : 4, &err) == 0;
+            int best_real = 0, best_all = 0;
+            for (int v = 1; v < V; v++) {
+                if (v < REAL && g.logits[v] > g.logits[best_real]) best_real = v;
+                if (g.logits[v] > g.logits[best_all]) best_all = v;
+            }
+            outside += out[i] >= REAL;
+            padded_won += best_all >= REAL;
+            not_argmax += round == 0 && out[i] != best_real;
+        }
+        s.temperature = 1;
+    }
+    check(r, ok && outside == 0 && not_argmax == 0 && padded_won > NEW,
+          "padded vocab (%d rows, the tokenizer's %d): %d of %d draws outside, %d greedy draws "
+          "not the real ids' argmax, a padded id the largest logit at %d of %d steps (> %d) %s",
+          V, REAL, outside, 2 * NEW, not_argmax, padded_won, 2 * NEW, NEW, ok ? "" : err.msg);
+    lg_generator_free(&g);
+    spec.vocab = V + 1;
+    lg_plan plan;
+    char named[32];
+    snprintf(named, sizeof named, "vocab %d ", V + 1);
+    check(r, lg_gen_plan(&plan, &m.cfg, &spec, &err) != 0 && strstr(err.msg, named),
+          "a vocab past the model's refused: %s", err.msg);
+    lg_model_free(&m);
+}
+
 /* The generator allocates its plan's one arena and small tables; its views are the regions. */
 static void test_gen_plan_matches_allocation(results *r, const char *name, int positions) {
     lg_config cfg;
     lg_generator g;
     lg_error err;
     if (load_config_or_fail(r, &cfg, name)) return;
-    lg_gen_spec spec = {positions, positions / 2, LG_PRECISION_32_TRUE, gen_threads()};
+    lg_gen_spec spec = {positions, positions / 2, LG_PRECISION_32_TRUE, gen_threads(), 0};
     test_allocations.n = 0;
     test_allocations.counting = 1;
     int rc = lg_generator_create(&g, &cfg, &spec, &err);
@@ -212,7 +272,7 @@ static void test_gen_plan_llama3(results *r) {
                2 * 128256ull * 4096 + 4096;
     int positions[2] = {2048, 50};
     for (int k = 0; k < 2; k++) {
-        lg_gen_spec spec = {positions[k], positions[k], LG_PRECISION_BF16_TRUE, 1};
+        lg_gen_spec spec = {positions[k], positions[k], LG_PRECISION_BF16_TRUE, 1, 0};
         if (lg_gen_plan(&plan, &cfg, &spec, &err) != 0) { check(r, 0, "%s", err.msg); return; }
         const lg_rank_plan *rp = &plan.ranks[0];
         size_t cache = lg_plan_find(rp, "kv_cache.keys")->bytes + lg_plan_find(rp, "kv_cache.values")->bytes;
@@ -307,7 +367,7 @@ static int gen_dir_logits(results *r, const char *dir, lg_real *logits, int V) {
     lg_generator g;
     lg_error err;
     int prompt[8] = {3, 1, 4, 1, 5, 9, 2, 6};
-    lg_gen_spec spec = {8, 8, LG_PRECISION_32_TRUE, gen_threads()};
+    lg_gen_spec spec = {8, 8, LG_PRECISION_32_TRUE, gen_threads(), 0};
     int rc = lg_gen_source_find(&src, dir, &err);
     if (rc == 0) rc = lg_generator_create(&g, &src.cfg, &spec, &err);
     if (rc == 0) {
@@ -519,6 +579,7 @@ static void test_generate_all(results *r) {
     test_gen_cached_equals_uncached(r, "qwen2-like", 4, 12, 4);     /* qkv's bias */
     test_gen_bf16(r);
     test_gen_stop(r);
+    test_gen_padded_vocab(r);
     test_gen_plan_matches_allocation(r, "test-gpt2", 16);
     test_gen_plan_matches_allocation(r, "test-llama", 12);
     test_gen_plan_llama3(r);

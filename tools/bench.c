@@ -268,7 +268,7 @@ static int bench_generate(const lg_config *cfg, int P, int n_new, lg_precision p
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    lg_gen_spec spec = {P + n_new, P, precision, threads};
+    lg_gen_spec spec = {P + n_new, P, precision, threads, 0};
     lg_generator g;
     if (lg_generator_create(&g, cfg, &spec, &err) != 0) { fprintf(stderr, "bench: %s\n", err.msg); return 1; }
     size_t n = lg_params_layout(&g.cfg, lg_no_buf(), NULL, NULL);

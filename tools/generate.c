@@ -294,7 +294,9 @@ int main(int argc, char **argv) {
 #else
     threads = 1;
 #endif
-    lg_gen_spec spec = {(int)prompt.n + max_new, (int)prompt.n, a.precision, threads};
+    /* draws stay among the tokenizer's ids where config.json's vocab_size counts padding */
+    int vocab = have_tok && tok.vocab_size < src.cfg.vocab_size ? tok.vocab_size : 0;
+    lg_gen_spec spec = {(int)prompt.n + max_new, (int)prompt.n, a.precision, threads, vocab};
     lg_plan plan;
     if (lg_gen_plan(&plan, &src.cfg, &spec, &err) != 0) die(2, "%s", err.msg);
     if (a.plan) { lg_gen_plan_print(&plan, stdout); return 0; }
