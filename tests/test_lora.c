@@ -316,14 +316,25 @@ static void test_lora_plan(results *r) {
                 arenas += found;
             }
         const lg_rank_plan *rp = &tr.plan.ranks[0];
-        int regions = lg_plan_find(rp, "frozen_weights") != NULL &&
-                      (q == 0) == (lg_plan_find(rp, "frozen_weights.nf4") == NULL) &&
+        int sharded = lg_frozen_sharded(&tr.plan.cfg, &tr.plan.sharding);
+        int regions = (lg_plan_find(rp, sharded ? "frozen_weights.shard" : "frozen_weights") != NULL) &&
+                      (q == 0 || sharded) == (lg_plan_find(rp, "frozen_weights.nf4") == NULL) &&
                       (q == 0) == (lg_plan_find(rp, "nf4.dequantized") == NULL);
+        if (sharded) { /* each rank's shard: 1/N of the whole frozen units, plus padding */
+            const lg_shard_layout *sl = &tr.plan.frozen_shards;
+            size_t whole = sl->unit_offset[sl->n_units], pad = (size_t)sl->n_units * 2 * LG_ALIGN;
+            for (int k = 0; k < tr.n_ranks; k++) {
+                const lg_region *g = lg_plan_find(&tr.plan.ranks[k], "frozen_weights.shard");
+                regions = regions && g && g->count * tr.n_ranks >= whole &&
+                          g->count * tr.n_ranks <= whole + pad * tr.n_ranks;
+            }
+        }
         char size[32];
         check(r, ok && regions && arenas == 2 * tr.n_ranks,
               "test-llama  %s -d %d: %d arenas of exactly the plan (%s a device), frozen regions "
-              "as planned", q ? lg_quantization_name(a.lora.quantize) : "LoRA", a.devices, arenas,
-              lg_format_bytes(rp->pool_bytes[LG_POOL_DEVICE], size, sizeof size));
+              "as planned%s", q ? lg_quantization_name(a.lora.quantize) : "LoRA", a.devices, arenas,
+              lg_format_bytes(rp->pool_bytes[LG_POOL_DEVICE], size, sizeof size),
+              sharded ? " (full-shard: each rank 1/N of the frozen units)" : "");
         lg_trainer_free(&tr);
     }
 }
