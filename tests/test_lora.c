@@ -339,6 +339,36 @@ static void test_lora_plan(results *r) {
     }
 }
 
+/* QLoRA nf4-dq under full-shard (the frozen base sharded, gathered unit by unit) writes the
+   same adapters, training state and merged model, byte for byte, as under shard-grad-op
+   (the frozen base whole on each rank; = one rank within 1e-5, test_lora_equivalences), and
+   resumes from its checkpoint (the base hash taken unit by unit as the base was set). */
+static void test_lora_sharded_frozen_files(results *r) {
+    static const char *const files[4] = {"adapter_model.safetensors", "training_state.safetensors",
+                                          "model.safetensors", "config.json"};
+    static const char *const strategies[2] = {"full-shard", "shard-grad-op"};
+    char args[512], cmd[512];
+    mkdir("out", 0755);
+    for (int s = 0; s < 2; s++) {
+        snprintf(args, sizeof args, "-c test-llama --lora-r 2 --quantize nf4-dq -p bf16-mixed -d 2 "
+                 "--strategy %s -b 1 -t 12 --max-steps 2 --eval-every 0 --sample-tokens 1 --out "
+                 "out/test-lora-frozen-%s", strategies[s], strategies[s]);
+        expect_cli(r, args, 0, "saved out/test-lora-frozen-");
+    }
+    int same = 0;
+    for (int k = 0; k < 4; k++) {
+        snprintf(cmd, sizeof cmd, "cmp -s out/test-lora-frozen-full-shard/step-2/%s "
+                 "out/test-lora-frozen-shard-grad-op/step-2/%s", files[k], files[k]);
+        same += system(cmd) == 0;
+    }
+    check(r, same == 4, "test-llama nf4-dq -d 2: full-shard's step-2 (frozen base sharded) has "
+          "shard-grad-op's adapters, training state, merged model and config, byte for byte "
+          "(%d of 4 files)", same);
+    expect_cli(r, "-c test-llama --lora-r 2 --quantize nf4-dq -p bf16-mixed -d 2 --strategy "
+                  "full-shard -b 1 -t 12 --max-steps 3 --eval-every 0 --sample-tokens 1 --resume "
+                  "out/test-lora-frozen-full-shard/step-2", 0, "saved out/test-lora-frozen-full-shard/step-3");
+}
+
 /* Bad settings: one line naming them, exit 2. */
 static void test_lora_cli(results *r) {
     mkdir("out", 0755);
@@ -487,6 +517,7 @@ static void test_lora_all(results *r) {
     test_lora_accumulation(r);
     test_lora_merged_and_resume(r);
     test_lora_plan(r);
+    test_lora_sharded_frozen_files(r);
     test_lora_cli(r);
     test_lora_resume_loaded_base(r);
     test_lora_peft_files(r);
