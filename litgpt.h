@@ -73,7 +73,8 @@
 
    Features, and the sections that hold them:
      LoRA                3 (targets), 5 (layouts, remedies), 8 (adapters), 13 (PEFT), 15
-     QLoRA / NF4         2 (codes), 5, 7 (dequantization), 8, 13 (merge on save)
+     QLoRA / NF4         2 (codes), 5, 7 (dequantization), 8, 13 (merge on save),
+                         14 (the frozen base sharded: its units gathered, lg_frozen_sharded)
      sharding (FSDP)     5 (plan per strategy), 10 (collectives), 14 (gathers, reductions), 15
      offload             5 (host pool), 14 (the optimizer on the host)
      recompute           5, 8 (a block recomputed in the backward)
