@@ -73,7 +73,8 @@
 
    Features, and the sections that hold them:
      LoRA                3 (targets), 5 (layouts, remedies), 8 (adapters), 13 (PEFT), 15
-     QLoRA / NF4         2 (codes), 5, 7 (dequantization), 8, 13 (merge on save)
+     QLoRA / NF4         2 (codes), 5, 7 (dequantization), 8, 13 (merge on save),
+                         14 (the frozen base sharded: its units gathered, lg_frozen_sharded)
      sharding (FSDP)     5 (plan per strategy), 10 (collectives), 14 (gathers, reductions), 15
      offload             5 (host pool), 14 (the optimizer on the host)
      recompute           5, 8 (a block recomputed in the backward)
@@ -546,6 +547,16 @@ void lg_tensor_table_free(lg_tensor_table *table);
    element count. */
 size_t lg_unit_layout(const lg_config *cfg, int unit, lg_buf base, lg_param_tensors *tensors);
 
+/* LoRA's frozen unit (0 the ends, 1 + l block l) in one byte buffer, as sharded runs gather it:
+   its tensors in the weight type from byte 0, then, from the next LG_ALIGN boundary, its NF4
+   ones as stored. Points p's base views into base (when not NULL) and appends the unit's
+   tensors to table (when not NULL; offsets within the unit, origins from `origin`, the unit's
+   first element in the whole base layout). Returns the unit's bytes; *whole (when not NULL):
+   the elements of the base model it walks. */
+size_t lg_frozen_unit_layout(const lg_config *cfg, int unit, lg_dtype weights, uint8_t *base,
+                             size_t origin, lg_param_tensors *p, lg_tensor_table *table,
+                             size_t *whole);
+
 /* The memory plan: every region of every rank, before anything is allocated. Ranks allocate
    one arena per pool of exactly pool_bytes and carve the regions out of it. */
 
@@ -652,6 +663,10 @@ typedef struct {
     lg_plan_spec spec;
     lg_sharding sharding;
     lg_shard_layout shards;
+    /* LoRA with sharded weights (full-shard, hybrid-shard): the frozen base cut the same way,
+       in bytes (lg_frozen_unit_layout: each unit's tensors in the weight type, then its NF4
+       ones as stored); n_units 0 when every rank holds the whole frozen base */
+    lg_shard_layout frozen_shards;
     int n_ranks;            /* devices x nodes */
     lg_rank_plan *ranks;    /* (n_ranks) */
 } lg_plan;
@@ -667,6 +682,9 @@ lg_sharding lg_sharding_of(const lg_plan_spec *spec);
 #define LG_GRAD_BLOCK_SLOTS 2
 /* gather.blocks' slots of a run: LG_GATHER_BLOCK_SLOTS with sharded weights, else 1. */
 int lg_gather_block_slots(const lg_sharding *sh);
+/* LoRA's frozen base sharded too: with sharded weights (full-shard, hybrid-shard), as FSDP;
+   shard-grad-op and no-shard keep it whole on every rank. */
+int lg_frozen_sharded(const lg_config *cfg, const lg_sharding *sh);
 
 void lg_plan_spec_from_args(lg_plan_spec *spec, const lg_args *args, int T);
 int lg_plan_make(lg_plan *plan, const lg_config *cfg, const lg_plan_spec *spec, lg_error *err);
@@ -830,10 +848,16 @@ typedef struct {
     lg_param_tensors p, g;      /* views of params and grads */
     lg_act_tensors a;           /* views of the activation regions */
     lg_exec exec;               /* the rank's backend and its scratch */
-    /* LoRA: the frozen base model (whole on every rank), p's base views point into it */
-    lg_buf frozen;              /* the plan's "frozen_weights": (n_frozen) in the weight type */
+    /* LoRA: the frozen base model, p's base views point into it */
+    lg_buf frozen;              /* the plan's "frozen_weights": (n_frozen) in the weight type;
+                                   data NULL when frozen_gathered (dtype still the type) */
     lg_buf frozen_packed;       /* "frozen_weights.nf4": the NF4 linear weights (bytes) */
-    lg_tensor_table frozen_table; /* its tensors (lg_frozen_layout); empty without LoRA */
+    lg_tensor_table frozen_table; /* its tensors (lg_frozen_layout; frozen_gathered: offsets
+                                   within units, lg_frozen_unit_layout); empty without LoRA */
+    int frozen_gathered;        /* lg_frozen_sharded: the rank holds its shard of the frozen
+                                   units, p's base views point at gathered units
+                                   (lg_model_point_frozen_unit) */
+    lg_buf frozen_shard;        /* frozen_gathered: "frozen_weights.shard", bytes */
     uint64_t dropout_key;       /* LoRA dropout's mask of this micro-batch; 0: none (evaluation) */
     float fused_loss_scale;     /* > 0 (a training step): a forward with targets also writes the
                                    logits' gradient at this loss_scale over the logits, in the
@@ -852,6 +876,9 @@ typedef struct {
 int lg_model_create(lg_model *m, const lg_config *cfg, int B, int T, lg_error *err);
 /* Points the model's tensors into the regions of a rank made from a plan of this config. */
 int lg_model_bind(lg_model *m, const lg_config *cfg, lg_rank *rank, lg_error *err);
+/* LoRA, frozen_gathered: points the base views of frozen unit u at a buffer holding the whole
+   unit (lg_frozen_unit_layout). */
+void lg_model_point_frozen_unit(lg_model *m, int unit, uint8_t *whole_unit);
 /* Points the views of one unit (lg_unit_layout) at buffers holding the whole unit: its gathered
    weights and/or its gradient buffer (data NULL: leave those views). */
 void lg_model_point_unit(lg_model *m, int unit, lg_buf weights, lg_buf grads);
@@ -1014,7 +1041,7 @@ void lg_broadcast(lg_comm *comm, int n, int root, lg_buf *bufs, size_t count);
    lg_rank_await(rank, signal) says: the collective runs beside the compute. On the CPU they
    run at once and the wait is nothing. */
 /* the trainer's: one a slot of the collective buffers, the ends' and the blocks' */
-#define LG_COMM_SIGNALS (2 + LG_GATHER_BLOCK_SLOTS + LG_GRAD_BLOCK_SLOTS)
+#define LG_COMM_SIGNALS (3 + 2 * LG_GATHER_BLOCK_SLOTS + LG_GRAD_BLOCK_SLOTS)
 void lg_all_gather_async(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole,
                          size_t piece_count, int signal);
 void lg_reduce_scatter_sum_async(lg_comm *comm, int n, const lg_buf *whole, lg_buf *piece,
@@ -1578,6 +1605,10 @@ typedef struct {
     lg_buf grad_blocks;  /* (LG_GRAD_BLOCK_SLOTS, S piece_count[1]): a block's gradients until
                             theirs */
     lg_buf reduce_out;   /* (largest piece): what one reduce-scatter hands this rank */
+    /* LoRA's frozen base sharded (lg_frozen_sharded): whole frozen units in bytes, padded to
+       S pieces (plan.frozen_shards), slotted as gather_ends and gather_blocks */
+    lg_buf frozen_gather_ends;   /* (S piece_count[0]) bytes */
+    lg_buf frozen_gather_blocks; /* (block_slots, S piece_count[1]) bytes */
 } lg_trainer_rank;
 
 /* Ranks (one per device, or simulated), each allocated from one plan, driven from one thread:
@@ -3758,6 +3789,43 @@ size_t lg_frozen_layout(const lg_config *c, lg_buf base, lg_buf packed, lg_param
     return L.offset;
 }
 
+/* The frozen tensors of one unit, walked by L. */
+static void lg_frozen_unit_walk(const lg_config *c, int unit, lg_layout *L, lg_param_tensors *p) {
+    lg_param_tensors scratch;
+    lg_block_tensors block;
+    if (unit == 0) lg_ends_params_layout(c, L, p ? p : &scratch);
+    else lg_block_params_layout(c, L, unit - 1, p && p->h ? &p->h[unit - 1] : &block);
+}
+
+/* Where frozen unit u's NF4 tensors start in its buffer (lg_frozen_unit_layout), in bytes;
+   *packed (when not NULL): their bytes. */
+static size_t lg_frozen_unit_packed_at(const lg_config *c, int unit, lg_dtype weights,
+                                       size_t *packed) {
+    lg_layout L = lg_params_layout_over(c, LG_PART_FROZEN, lg_no_buf(), NULL);
+    lg_frozen_unit_walk(c, unit, &L, NULL);
+    if (packed) *packed = L.packed_offset;
+    return (L.offset * lg_elem_size(weights) + LG_ALIGN - 1) / LG_ALIGN * LG_ALIGN;
+}
+
+size_t lg_frozen_unit_layout(const lg_config *c, int unit, lg_dtype weights, uint8_t *base,
+                             size_t origin, lg_param_tensors *p, lg_tensor_table *table,
+                             size_t *whole) {
+    lg_layout L = lg_params_layout_over(c, LG_PART_FROZEN, lg_no_buf(), NULL);
+    lg_frozen_unit_walk(c, unit, &L, NULL);
+    size_t values = lg_frozen_unit_packed_at(c, unit, weights, NULL);
+    size_t bytes = values + L.packed_offset;
+    if (whole) *whole = L.whole;
+    if (!base && !table) return bytes;
+    L = lg_params_layout_over(c, LG_PART_FROZEN, lg_no_buf(), table);
+    L.base.data = base;
+    L.base.dtype = weights;
+    L.packed.data = base ? base + values : NULL;
+    L.packed.dtype = LG_DTYPE_U8;
+    L.whole = origin;
+    lg_frozen_unit_walk(c, unit, &L, p);
+    return bytes;
+}
+
 lg_config lg_config_base(const lg_config *cfg) {
     lg_config base = *cfg;
     memset(&base.lora, 0, sizeof base.lora);
@@ -4023,6 +4091,10 @@ int lg_gather_block_slots(const lg_sharding *sh) {
     return sh->weights_sharded ? LG_GATHER_BLOCK_SLOTS : 1;
 }
 
+int lg_frozen_sharded(const lg_config *cfg, const lg_sharding *sh) {
+    return cfg->lora.r > 0 && sh->weights_sharded;
+}
+
 static void lg_shard_layout_free(lg_shard_layout *sl) {
     LG_FREE(sl->unit_offset);
     LG_FREE(sl->piece_count);
@@ -4030,7 +4102,11 @@ static void lg_shard_layout_free(lg_shard_layout *sl) {
     memset(sl, 0, sizeof *sl);
 }
 
-static int lg_shard_layout_make(lg_shard_layout *sl, const lg_config *c, int S) {
+/* frozen: the frozen base's units in bytes (lg_frozen_unit_layout; pieces on LG_ALIGN
+   boundaries, so that a gathered unit's tensors stay aligned), else the trainable ones in
+   elements. */
+static int lg_shard_layout_make(lg_shard_layout *sl, const lg_config *c, int S, int frozen,
+                                lg_dtype weights) {
     int U = c->n_layer + 1;
     sl->n_units = U;
     sl->n_shards = S;
@@ -4042,9 +4118,11 @@ static int lg_shard_layout_make(lg_shard_layout *sl, const lg_config *c, int S) 
         return -1;
     }
     for (int u = 0; u < U; u++) {
-        size_t count = lg_unit_layout(c, u, lg_no_buf(), NULL);
+        size_t count = frozen ? lg_frozen_unit_layout(c, u, weights, NULL, 0, NULL, NULL, NULL)
+                              : lg_unit_layout(c, u, lg_no_buf(), NULL);
         sl->unit_offset[u + 1] = sl->unit_offset[u] + count;
         sl->piece_count[u] = (count + (size_t)S - 1) / (size_t)S;
+        if (frozen) sl->piece_count[u] = lg_align_to(sl->piece_count[u], LG_ALIGN);
         sl->piece_offset[u + 1] = sl->piece_offset[u] + sl->piece_count[u];
     }
     return 0;
@@ -4145,14 +4223,32 @@ static int lg_plan_model_state(lg_rank_plan *r, const lg_plan *plan) {
     return rc;
 }
 
-/* LoRA: the frozen base model, whole on every rank, in the compute type, its linear weights
-   packed in NF4 with --quantize; the largest of those dequantized for one matmul at a time. */
-static int lg_plan_frozen_model(lg_rank_plan *r, const lg_config *c, const lg_plan_spec *s) {
+/* LoRA with sharded weights: each rank's piece of every frozen unit (bytes, as stored), and
+   the gathered units in slots as the trainable ones (the ends for the step, two blocks). */
+static int lg_plan_frozen_shard(lg_rank_plan *r, const lg_plan *plan) {
+    const lg_shard_layout *sl = &plan->frozen_shards;
+    size_t S = (size_t)sl->n_shards;
+    int rc = lg_plan_add(r, "frozen_weights.shard", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, LG_DTYPE_U8,
+                         sl->piece_offset[sl->n_units]);
+    rc |= lg_plan_add(r, "gather.frozen.ends", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, LG_DTYPE_U8,
+                      sl->piece_count[0] * S);
+    return rc | lg_plan_add(r, "gather.frozen.blocks", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE,
+                            LG_DTYPE_U8,
+                            (size_t)lg_gather_block_slots(&plan->sharding) * sl->piece_count[1] * S);
+}
+
+/* LoRA: the frozen base model in the compute type, its linear weights packed in NF4 with
+   --quantize, whole on every rank (sharded with the weights: lg_plan_frozen_shard); the
+   largest of those dequantized for one matmul at a time. */
+static int lg_plan_frozen_model(lg_rank_plan *r, const lg_plan *plan) {
+    const lg_config *c = &plan->cfg;
     if (c->lora.r == 0) return 0;
-    lg_precision_types t = lg_types_of(s->precision);
+    lg_precision_types t = lg_types_of(plan->spec.precision);
     size_t packed = 0, largest = 0;
     size_t count = lg_frozen_layout(c, lg_no_buf(), lg_no_buf(), NULL, NULL, &packed);
-    int rc = lg_plan_add(r, "frozen_weights", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, t.weights, count);
+    int sharded = lg_frozen_sharded(c, &plan->sharding);
+    int rc = sharded ? lg_plan_frozen_shard(r, plan)
+                     : lg_plan_add(r, "frozen_weights", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, t.weights, count);
     if (c->lora.quantize == LG_QUANTIZE_NONE) return rc;
     lg_tensor_table table;
     if (lg_table_alloc(&table, c) != 0) return -1;
@@ -4161,7 +4257,8 @@ static int lg_plan_frozen_model(lg_rank_plan *r, const lg_config *c, const lg_pl
         if (table.tensors[i].packed != LG_DTYPE_F32 && table.tensors[i].count > largest)
             largest = table.tensors[i].count;
     lg_tensor_table_free(&table);
-    rc |= lg_plan_add(r, "frozen_weights.nf4", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, LG_DTYPE_U8, packed);
+    if (!sharded)
+        rc |= lg_plan_add(r, "frozen_weights.nf4", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, LG_DTYPE_U8, packed);
     return rc | lg_plan_add(r, "nf4.dequantized", LG_GROUP_WORKSPACE, LG_POOL_DEVICE, t.weights,
                             largest);
 }
@@ -4347,7 +4444,10 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
     lg_tensor_table params;
     params.tensors = NULL;
     if (!plan->ranks || lg_table_alloc(&params, c) != 0 ||
-        lg_shard_layout_make(&plan->shards, c, plan->sharding.shard_ranks) != 0) {
+        lg_shard_layout_make(&plan->shards, c, plan->sharding.shard_ranks, 0, LG_DTYPE_F32) != 0 ||
+        (lg_frozen_sharded(c, &plan->sharding) &&
+         lg_shard_layout_make(&plan->frozen_shards, c, plan->sharding.shard_ranks, 1,
+                              lg_types_of(s->precision).weights) != 0)) {
         lg_tensor_table_free(&params);
         lg_plan_free(plan);
         return lg_fail(err, "plan: out of host memory");
@@ -4362,7 +4462,7 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
         if (lg_table_alloc(&r->pieces, c) != 0) { rc = -1; break; }
         lg_shard_table(&plan->shards, &params, r->shard_index, &r->pieces);
         rc |= lg_plan_model_state(r, plan);
-        rc |= lg_plan_frozen_model(r, c, s);
+        rc |= lg_plan_frozen_model(r, plan);
         rc |= lg_plan_activations(r, c, s);
         rc |= s->backend == LG_BACKEND_CUDA ? lg_plan_gpu_workspace(r, c, s)
                                             : lg_plan_cpu_workspace(r, s);
@@ -4391,6 +4491,7 @@ void lg_plan_free(lg_plan *plan) {
     }
     LG_FREE(plan->ranks);
     lg_shard_layout_free(&plan->shards);
+    lg_shard_layout_free(&plan->frozen_shards);
     plan->ranks = NULL;
     plan->n_ranks = 0;
 }
@@ -6854,16 +6955,33 @@ static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank,
 static int lg_model_bind_frozen(lg_model *m, lg_dtype weights, lg_error *err) {
     if (m->cfg.lora.r == 0) return 0;
     lg_buf packed = lg_no_buf();
+    m->frozen_gathered = lg_frozen_sharded(&m->cfg, &m->rank->plan->sharding);
+    if (m->cfg.lora.quantize != LG_QUANTIZE_NONE) {
+        m->exec.dequantized = lg_model_view(m, "nf4.dequantized", weights, err);
+        if (!m->exec.dequantized.data) return -1;
+    }
+    if (m->frozen_gathered) { /* the table in units; the views follow the gathers */
+        m->frozen_shard = lg_model_view(m, "frozen_weights.shard", LG_DTYPE_U8, err);
+        m->frozen.dtype = weights;
+        size_t origin = 0, whole = 0;
+        for (int u = 0; u <= m->cfg.n_layer; u++, origin += whole)
+            lg_frozen_unit_layout(&m->cfg, u, weights, NULL, origin, NULL, &m->frozen_table, &whole);
+        m->frozen_table.total = 0;
+        return m->frozen_shard.data ? 0 : -1;
+    }
     m->frozen = lg_model_view(m, "frozen_weights", weights, err);
     if (!m->frozen.data) return -1;
     if (m->cfg.lora.quantize != LG_QUANTIZE_NONE) {
         packed = lg_model_view(m, "frozen_weights.nf4", LG_DTYPE_U8, err);
-        m->exec.dequantized = lg_model_view(m, "nf4.dequantized", weights, err);
-        if (!packed.data || !m->exec.dequantized.data) return -1;
+        if (!packed.data) return -1;
     }
     m->frozen_packed = packed;
     lg_frozen_layout(&m->cfg, m->frozen, packed, &m->p, &m->frozen_table, NULL);
     return 0;
+}
+
+void lg_model_point_frozen_unit(lg_model *m, int unit, uint8_t *whole_unit) {
+    lg_frozen_unit_layout(&m->cfg, unit, m->frozen.dtype, whole_unit, 0, &m->p, NULL, NULL);
 }
 
 int lg_model_bind(lg_model *m, const lg_config *cfg, lg_rank *rank, lg_error *err) {
@@ -7059,22 +7177,44 @@ static void lg_rank_bytes(const lg_exec *ex, lg_buf dst_or_src, void *host, size
         else memcpy(v.piece.data, (const uint8_t *)host + v.first, v.n);
 }
 
-/* A packed frozen tensor t (its NF4 bytes in the model's memory) from values (t->count). */
-static int lg_pack_frozen(const lg_model *m, const lg_tensor_info *t, lg_buf values, lg_error *err) {
+/* Where the offsets of frozen tensors point: the whole base (m->frozen, m->frozen_packed), or
+   with frozen_gathered one unit's buffer (lg_frozen_unit_layout). */
+typedef struct {
+    lg_buf values; /* the tensors in the weight type */
+    lg_buf packed; /* the NF4 ones (bytes) */
+} lg_frozen_at;
+
+static lg_frozen_at lg_frozen_whole(const lg_model *m) {
+    lg_frozen_at at = {m->frozen, m->frozen_packed};
+    return at;
+}
+
+/* Frozen unit u's tensors in the buffer `unit` (frozen_gathered). */
+static lg_frozen_at lg_frozen_unit_at(const lg_model *m, int u, uint8_t *unit) {
+    lg_frozen_at at = {{unit, m->frozen.dtype}, {NULL, LG_DTYPE_U8}};
+    at.packed.data = unit + lg_frozen_unit_packed_at(&m->cfg, u, m->frozen.dtype, NULL);
+    return at;
+}
+
+/* A packed frozen tensor t (its NF4 bytes in the model's memory at `at`) from values
+   (t->count). */
+static int lg_pack_frozen(const lg_model *m, lg_frozen_at at, const lg_tensor_info *t,
+                          lg_buf values, lg_error *err) {
     size_t bytes = lg_nf4_bytes(t->count, m->cfg.lora.quantize);
     uint8_t *packed = (uint8_t *)LG_MALLOC(bytes + 1);
     if (!packed) return lg_fail(err, "out of host memory packing %s", t->name);
     int rc = lg_nf4_quantize(values, t->count, m->cfg.lora.quantize, packed, err);
-    lg_buf dst = {(uint8_t *)m->frozen_packed.data + t->offset, LG_DTYPE_U8};
+    lg_buf dst = {(uint8_t *)at.packed.data + t->offset, LG_DTYPE_U8};
     if (rc == 0) lg_rank_bytes(&m->exec, dst, packed, bytes, 0);
     LG_FREE(packed);
     return rc;
 }
 
 /* One frozen tensor: drawn as lg_init_tensor, packed in NF4 when the layout stores it so. */
-static void lg_init_frozen_tensor(const lg_model *m, const lg_tensor_info *t, lg_rng *rng) {
+static void lg_init_frozen_tensor(const lg_model *m, lg_frozen_at at, const lg_tensor_info *t,
+                                  lg_rng *rng) {
     if (t->packed == LG_DTYPE_F32) {
-        lg_init_tensor(&m->exec, &m->cfg, t, lg_at(m->frozen, t->offset), rng);
+        lg_init_tensor(&m->exec, &m->cfg, t, lg_at(at.values, t->offset), rng);
         return;
     }
     lg_real *values = (lg_real *)LG_MALLOC(t->count * sizeof(lg_real));
@@ -7084,19 +7224,21 @@ static void lg_init_frozen_tensor(const lg_model *m, const lg_tensor_info *t, lg
         abort();
     }
     lg_init_tensor(NULL, &m->cfg, t, lg_buf_of(values), rng);
-    if (lg_pack_frozen(m, t, lg_buf_of(values), &err) != 0) {
+    if (lg_pack_frozen(m, at, t, lg_buf_of(values), &err) != 0) {
         fprintf(stderr, "litgpt: %s\n", err.msg);
         abort();
     }
     LG_FREE(values);
 }
 
-/* LoRA: the base model's initial weights, the same numbers as the model without LoRA draws. */
+/* LoRA: the base model's initial weights, the same numbers as the model without LoRA draws
+   (its random stream: lg_rng_seed(seed)). frozen_gathered: the trainer draws them unit by
+   unit (lg_trainer_init_frozen_units). */
 static void lg_model_init_frozen(lg_model *m, uint64_t seed) {
     lg_rng rng;
     lg_rng_seed(&rng, seed);
-    for (int i = 0; i < m->frozen_table.n_tensors; i++)
-        lg_init_frozen_tensor(m, &m->frozen_table.tensors[i], &rng);
+    for (int i = 0; i < m->frozen_table.n_tensors && !m->frozen_gathered; i++)
+        lg_init_frozen_tensor(m, lg_frozen_whole(m), &m->frozen_table.tensors[i], &rng);
 }
 
 void lg_model_init_weights(lg_model *m, uint64_t seed) {
@@ -12436,28 +12578,81 @@ static int lg_peft_read(const lg_model *m0, const char *dir, lg_real *whole, lg_
     return rc;
 }
 
-/* LoRA: sets every rank's frozen base from the base model's whole layout (lg_real), packing
-   the linear weights in NF4 under --quantize. */
+/* FNV-1a of frozen tensor t's stored bytes at `at` (the weight type, or NF4), after hash. */
+static uint64_t lg_frozen_tensor_hash(uint64_t hash, const lg_model *m, lg_frozen_at at,
+                                      const lg_tensor_info *t) {
+    lg_buf bytes_at = {lg_at(at.values, t->offset).data, LG_DTYPE_U8};
+    size_t bytes = t->count * lg_elem_size(at.values.dtype);
+    if (t->packed != LG_DTYPE_F32) {
+        bytes_at.data = (uint8_t *)at.packed.data + t->offset;
+        bytes = lg_nf4_bytes(t->count, t->packed == LG_DTYPE_NF4 ? LG_QUANTIZE_NF4 : LG_QUANTIZE_NF4_DQ);
+    }
+    lg_visit v = lg_visit_start(&m->exec, bytes_at, bytes, 1, LG_VISIT_READ);
+    while (lg_visit_next(&v)) hash = lg_hash64(hash, v.piece.data, v.n);
+    return hash;
+}
+
+/* Frozen tensor t at `at` from the base model's whole layout (lg_real), packed in NF4 when
+   the layout stores it so. */
+static int lg_frozen_tensor_set(const lg_model *m, lg_frozen_at at, const lg_tensor_info *t,
+                                const lg_real *base, lg_error *err) {
+    lg_buf src = lg_buf_of((lg_real *)base + t->origin);
+    if (t->packed != LG_DTYPE_F32) return lg_pack_frozen(m, at, t, src, err);
+    lg_copy(&m->exec, lg_at(at.values, t->offset), src, t->count);
+    return 0;
+}
+
+/* frozen_gathered: rank r's frozen shard from the base's whole layout, unit by unit through
+   its first gather slot of the kind (the unit whole, then its piece kept); the first rank
+   hashes the units as it goes (the base_hash of a one-rank run: the same bytes in order). */
+static int lg_trainer_set_frozen_units(lg_trainer *tr, int r, const lg_real *base, lg_error *err) {
+    const lg_shard_layout *sl = &tr->plan.frozen_shards;
+    lg_trainer_rank *tr_r = &tr->ranks[r];
+    lg_model *m = &tr_r->model;
+    size_t piece_first = (size_t)tr->plan.ranks[tr->first_rank + r].shard_index;
+    uint64_t h = LG_HASH64_INIT;
+    for (int u = 0; u < sl->n_units; u++) {
+        uint8_t *unit = (uint8_t *)(u == 0 ? tr_r->frozen_gather_ends : tr_r->frozen_gather_blocks).data;
+        lg_frozen_at at = lg_frozen_unit_at(m, u, unit);
+        lg_rank_sync(m->rank); /* the slot's last copy has left it */
+        for (int i = 0; i < m->frozen_table.n_tensors; i++) {
+            const lg_tensor_info *t = &m->frozen_table.tensors[i];
+            if (t->block + 1 != u) continue;
+            if (lg_frozen_tensor_set(m, at, t, base, err) != 0) return -1;
+            if (r == 0) h = lg_frozen_tensor_hash(h, m, at, t);
+        }
+        lg_buf src = {unit + piece_first * sl->piece_count[u], LG_DTYPE_U8};
+        lg_buf dst = {(uint8_t *)m->frozen_shard.data + sl->piece_offset[u], LG_DTYPE_U8};
+        lg_copy(&m->exec, dst, src, sl->piece_count[u]);
+    }
+    lg_rank_sync(m->rank);
+    if (r == 0) tr->base_hash = h, tr->base_hashed = 1;
+    return 0;
+}
+
+/* LoRA: sets every rank's frozen base (its shard of it when frozen_gathered) from the base
+   model's whole layout (lg_real), packing the linear weights in NF4 under --quantize. */
 static int lg_trainer_set_frozen(lg_trainer *tr, const lg_real *base, lg_error *err) {
     for (int r = 0; r < tr->local_ranks; r++) {
         lg_model *m = &tr->ranks[r].model;
-        for (int i = 0; i < m->frozen_table.n_tensors; i++) {
-            const lg_tensor_info *t = &m->frozen_table.tensors[i];
-            lg_buf src = lg_buf_of((lg_real *)base + t->origin);
-            if (t->packed == LG_DTYPE_F32)
-                lg_copy(&m->exec, lg_at(m->frozen, t->offset), src, t->count);
-            else if (lg_pack_frozen(m, t, src, err) != 0)
-                return -1;
+        if (m->frozen_gathered) {
+            if (lg_trainer_set_frozen_units(tr, r, base, err) != 0) return -1;
+            continue;
         }
+        for (int i = 0; i < m->frozen_table.n_tensors; i++)
+            if (lg_frozen_tensor_set(m, lg_frozen_whole(m), &m->frozen_table.tensors[i], base, err) != 0)
+                return -1;
         lg_rank_sync(m->rank);
     }
     return 0;
 }
 
-/* The base tensor t of rank 0's frozen model into out (t->count, lg_real), dequantized. */
-static void lg_frozen_tensor(const lg_model *m, const lg_tensor_info *t, lg_real *out) {
+/* The base tensor t of rank 0's frozen model, held at `at`, into out (t->count, lg_real),
+   dequantized. */
+static void lg_frozen_tensor(const lg_model *m, lg_frozen_at at, const lg_tensor_info *t,
+                             lg_real *out) {
     if (t->packed == LG_DTYPE_F32) {
-        lg_copy(&m->exec, lg_buf_of(out), lg_at(m->frozen, t->offset), t->count);
+        lg_copy(&m->exec, lg_buf_of(out), lg_at(at.values, t->offset), t->count);
         lg_rank_sync(m->rank);
         return;
     }
@@ -12468,7 +12663,7 @@ static void lg_frozen_tensor(const lg_model *m, const lg_tensor_info *t, lg_real
         fprintf(stderr, "litgpt: out of host memory reading %s\n", t->name);
         abort();
     }
-    lg_buf src = {(uint8_t *)m->frozen_packed.data + t->offset, LG_DTYPE_U8};
+    lg_buf src = {(uint8_t *)at.packed.data + t->offset, LG_DTYPE_U8};
     lg_rank_bytes(&m->exec, src, packed, bytes, 1);
     lg_nf4_dequantize(NULL, packed, t->count, q, lg_buf_of(out));
     LG_FREE(packed);
@@ -12518,9 +12713,12 @@ static void lg_merge_adapters(const lg_config *c, const lg_tensor_table *table,
 
 /* DIR's model.safetensors, config.json and model_config.yaml: the base model with every adapter
    merged (W + (alpha / r) B A; NF4 weights dequantized first), in the weights' dtype: a model
-   of its own for --load here or in Python. digests: three. */
-static int lg_write_merged_model(const lg_model *m0, const lg_real *adapters, const char *dir,
-                                 lg_file_digest *digests, lg_error *err) {
+   of its own for --load here or in Python. digests: three. With `bring` (frozen_gathered), the
+   frozen tensors come unit by unit from it: it gathers frozen unit u on every rank and gives
+   where rank 0 holds it; every other process brings each unit in order meanwhile. */
+static int lg_write_merged_model(const lg_model *m0, const lg_real *adapters,
+                                 lg_frozen_at (*bring)(void *, int), void *bring_ctx,
+                                 const char *dir, lg_file_digest *digests, lg_error *err) {
     lg_model merged;
     memset(&merged, 0, sizeof merged);
     merged.cfg = lg_config_base(&m0->cfg);
@@ -12535,9 +12733,12 @@ static int lg_write_merged_model(const lg_model *m0, const lg_real *adapters, co
     w = (lg_real *)LG_MALLOC(largest * sizeof(lg_real) + 1);
     int rc = 0;
     if (!merged.params.data || !w) rc = lg_fail(err, "out of host memory for the merged model");
-    for (int i = 0; i < m0->frozen_table.n_tensors && rc == 0; i++) {
+    lg_frozen_at at = lg_frozen_whole(m0);
+    for (int i = 0, held = -1; i < m0->frozen_table.n_tensors; i++) {
         const lg_tensor_info *t = &m0->frozen_table.tensors[i];
-        lg_frozen_tensor(m0, t, w);
+        if (bring && t->block + 1 != held) at = bring(bring_ctx, held = t->block + 1);
+        if (rc != 0) continue; /* the other processes' gathers go on */
+        lg_frozen_tensor(m0, at, t, w);
         lg_merge_adapters(&m0->cfg, &m0->param_table, adapters, t, w);
         lg_copy(NULL, lg_at(merged.params, t->origin), lg_buf_of(w), t->count);
     }
@@ -12669,23 +12870,16 @@ static int lg_run_field_parse(lg_args *a, int i, const char *value, char *text, 
 }
 
 /* LoRA: FNV-1a of rank 0's frozen base as it holds it (each tensor's stored bytes: the weight
-   type, or NF4 under --quantize), computed once after the base last changed. */
+   type, or NF4 under --quantize), computed once after the base last changed;
+   frozen_gathered: hashed unit by unit whenever the base is set (lg_trainer_set_frozen_units,
+   lg_trainer_init_frozen_units), so base_hashed. */
 static uint64_t lg_trainer_base_hash(lg_trainer *tr) {
     if (tr->base_hashed) return tr->base_hash;
     const lg_model *m = &tr->ranks[0].model;
     uint64_t h = LG_HASH64_INIT;
     lg_rank_sync(m->rank);
-    for (int i = 0; i < m->frozen_table.n_tensors; i++) {
-        const lg_tensor_info *t = &m->frozen_table.tensors[i];
-        lg_buf at = {lg_at(m->frozen, t->offset).data, LG_DTYPE_U8};
-        size_t bytes = t->count * lg_elem_size(m->frozen.dtype);
-        if (t->packed != LG_DTYPE_F32) {
-            at.data = (uint8_t *)m->frozen_packed.data + t->offset;
-            bytes = lg_nf4_bytes(t->count, t->packed == LG_DTYPE_NF4 ? LG_QUANTIZE_NF4 : LG_QUANTIZE_NF4_DQ);
-        }
-        lg_visit v = lg_visit_start(&m->exec, at, bytes, 1, LG_VISIT_READ);
-        while (lg_visit_next(&v)) h = lg_hash64(h, v.piece.data, v.n);
-    }
+    for (int i = 0; i < m->frozen_table.n_tensors; i++)
+        h = lg_frozen_tensor_hash(h, m, lg_frozen_whole(m), &m->frozen_table.tensors[i]);
     tr->base_hash = h;
     tr->base_hashed = 1;
     return h;
@@ -12922,6 +13116,8 @@ static void lg_trainer_bind_rank(lg_trainer *tr, lg_trainer_rank *tr_r) {
     tr_r->grad_ends = lg_rank_view(&tr_r->rank, "gradients.ends", types.grads);
     tr_r->grad_blocks = lg_rank_view(&tr_r->rank, "gradients.blocks", types.grads);
     tr_r->reduce_out = lg_rank_view(&tr_r->rank, "reduce_scatter.out", types.grads);
+    tr_r->frozen_gather_ends = lg_rank_view(&tr_r->rank, "gather.frozen.ends", LG_DTYPE_U8);
+    tr_r->frozen_gather_blocks = lg_rank_view(&tr_r->rank, "gather.frozen.blocks", LG_DTYPE_U8);
 }
 
 /* Elements of unit u padded to S pieces: the size of its gathered and gradient buffers. */
@@ -12932,8 +13128,13 @@ static size_t lg_padded_unit(const lg_shard_layout *sl, int u) {
 /* The slots of the collective buffers (LG_GATHER_BLOCK_SLOTS): slot 0 is the ends' buffer,
    slots 1 .. block_slots the blocks', which the blocks take in turn. A slot is also the signal
    of the collective that fills it: an all-gather raises LG_SIGNAL_GATHER + its gather slot, a
-   reduce-scatter LG_SIGNAL_REDUCE + its gradient slot (LG_COMM_SIGNALS in all). */
-enum { LG_SIGNAL_GATHER = 0, LG_SIGNAL_REDUCE = 1 + LG_GATHER_BLOCK_SLOTS };
+   reduce-scatter LG_SIGNAL_REDUCE + its gradient slot, a frozen unit's all-gather
+   LG_SIGNAL_FROZEN + its gather slot (LG_COMM_SIGNALS in all). */
+enum {
+    LG_SIGNAL_GATHER = 0,
+    LG_SIGNAL_REDUCE = 1 + LG_GATHER_BLOCK_SLOTS,
+    LG_SIGNAL_FROZEN = LG_SIGNAL_REDUCE + 1 + LG_GRAD_BLOCK_SLOTS
+};
 
 /* The slot of unit u among the ends' (0) and block_slots blocks' buffers of one kind. */
 static int lg_unit_slot(int u, int block_slots) { return u == 0 ? 0 : 1 + (u - 1) % block_slots; }
@@ -12979,13 +13180,48 @@ static int lg_trainer_group_local(const lg_trainer *tr, int first, int stride, i
     return n;
 }
 
-/* Full-shard: all-gathers unit u's weights in every shard group and points the models' views
-   at them; on GPUs the gather runs beside the compute until lg_trainer_await_unit(u). Nothing
-   to do when every rank holds whole weights. */
+/* Where rank r's gathered frozen unit u goes (frozen_gathered). */
+static uint8_t *lg_frozen_unit_buffer(const lg_trainer *tr, int r, int u) {
+    const lg_trainer_rank *tr_r = &tr->ranks[r];
+    const lg_shard_layout *sl = &tr->plan.frozen_shards;
+    int slot = lg_unit_slot(u, tr->block_slots);
+    if (slot == 0) return (uint8_t *)tr_r->frozen_gather_ends.data;
+    return (uint8_t *)tr_r->frozen_gather_blocks.data +
+           (size_t)(slot - 1) * sl->piece_count[1] * (size_t)sl->n_shards;
+}
+
+/* LoRA's frozen base sharded: all-gathers frozen unit u as stored (bytes) in every shard group
+   and points the models' base views at it, beside the compute until lg_trainer_await_unit. */
+static void lg_trainer_gather_frozen_unit(lg_trainer *tr, int u) {
+    const lg_sharding *sh = &tr->plan.sharding;
+    const lg_shard_layout *sl = &tr->plan.frozen_shards;
+    if (!lg_frozen_sharded(&tr->plan.cfg, sh)) return;
+    int S = sh->shard_ranks;
+    lg_buf pieces[LG_MAX_RANKS], wholes[LG_MAX_RANKS];
+    for (int q = 0; q < sh->replicas; q++) {
+        int local[LG_MAX_RANKS], n = lg_trainer_group_local(tr, q * S, 1, S, local);
+        for (int i = 0; i < n; i++) {
+            lg_buf piece = {(uint8_t *)tr->ranks[local[i]].model.frozen_shard.data + sl->piece_offset[u],
+                            LG_DTYPE_U8};
+            lg_buf whole = {lg_frozen_unit_buffer(tr, local[i], u), LG_DTYPE_U8};
+            pieces[i] = piece, wholes[i] = whole;
+        }
+        if (n)
+            lg_all_gather_async(tr->shard_comm[q], n, pieces, wholes, sl->piece_count[u],
+                                LG_SIGNAL_FROZEN + lg_unit_slot(u, tr->block_slots));
+    }
+    for (int r = 0; r < tr->local_ranks; r++)
+        lg_model_point_frozen_unit(&tr->ranks[r].model, u, lg_frozen_unit_buffer(tr, r, u));
+}
+
+/* Full-shard: all-gathers unit u's weights (and LoRA's frozen unit u, when sharded) in every
+   shard group and points the models' views at them; on GPUs the gather runs beside the
+   compute until lg_trainer_await_unit(u). Nothing to do when every rank holds whole weights. */
 static void lg_trainer_gather_unit(lg_trainer *tr, int u) {
     const lg_sharding *sh = &tr->plan.sharding;
     const lg_shard_layout *sl = &tr->plan.shards;
     if (!sh->weights_sharded) return;
+    lg_trainer_gather_frozen_unit(tr, u);
     int S = sh->shard_ranks;
     lg_buf pieces[LG_MAX_RANKS], wholes[LG_MAX_RANKS];
     for (int q = 0; q < sh->replicas; q++) {
@@ -13006,8 +13242,16 @@ static void lg_trainer_gather_unit(lg_trainer *tr, int u) {
 static void lg_trainer_await_unit(lg_trainer *tr, int u) {
     if (!tr->plan.sharding.weights_sharded) return;
     int signal = lg_gather_signal(tr, u);
-    for (int q = 0; q < tr->plan.sharding.replicas; q++) lg_comm_await(tr->shard_comm[q], signal);
-    for (int r = 0; r < tr->local_ranks; r++) lg_rank_await(&tr->ranks[r].rank, signal);
+    int frozen = LG_SIGNAL_FROZEN + lg_unit_slot(u, tr->block_slots);
+    int has_frozen = lg_frozen_sharded(&tr->plan.cfg, &tr->plan.sharding);
+    for (int q = 0; q < tr->plan.sharding.replicas; q++) {
+        lg_comm_await(tr->shard_comm[q], signal);
+        if (has_frozen) lg_comm_await(tr->shard_comm[q], frozen);
+    }
+    for (int r = 0; r < tr->local_ranks; r++) {
+        lg_rank_await(&tr->ranks[r].rank, signal);
+        if (has_frozen) lg_rank_await(&tr->ranks[r].rank, frozen);
+    }
 }
 
 /* Sharded gradients: points unit u's gradient views at a zeroed buffer of the whole unit. */
@@ -13204,6 +13448,45 @@ static void lg_trainer_micro_batches(const lg_trainer *tr, int i, const int **la
 /* Tokens (rows x their length) of a step's micro-batches on all ranks (lg_trainer_read_step
    counted them). */
 
+/* LoRA's frozen base sharded: the base one rank draws (lg_model_init_frozen's stream), unit
+   by unit on the first rank into its gather slot, hashed there (base_hash), broadcast to the
+   process's ranks, each keeping its piece. */
+static void lg_trainer_init_frozen_units(lg_trainer *tr) {
+    const lg_shard_layout *sl = &tr->plan.frozen_shards;
+    const lg_model *m0 = &tr->ranks[0].model;
+    if (!m0->frozen_gathered) return;
+    lg_rng rng;
+    lg_rng_seed(&rng, tr->args.seed);
+    uint64_t h = LG_HASH64_INIT;
+    lg_buf slots[LG_MAX_RANKS];
+    for (int u = 0; u < sl->n_units; u++) {
+        size_t padded = sl->piece_count[u] * (size_t)sl->n_shards;
+        lg_frozen_at at = lg_frozen_unit_at(m0, u, lg_frozen_unit_buffer(tr, 0, u));
+        lg_rank_sync(m0->rank); /* the slot's last broadcast has left it */
+        lg_buf unit = {at.values.data, LG_DTYPE_U8};
+        lg_zero(&m0->exec, unit, padded); /* the padding too: every rank's shard the same */
+        for (int k = 0; k < m0->frozen_table.n_tensors; k++) {
+            const lg_tensor_info *t = &m0->frozen_table.tensors[k];
+            if (t->block + 1 != u) continue;
+            lg_init_frozen_tensor(m0, at, t, &rng);
+            h = lg_frozen_tensor_hash(h, m0, at, t);
+        }
+        for (int r = 0; r < tr->local_ranks; r++) {
+            lg_buf slot = {lg_frozen_unit_buffer(tr, r, u), LG_DTYPE_U8};
+            slots[r] = slot;
+        }
+        lg_broadcast(tr->world_comm, tr->local_ranks, 0, slots, padded);
+        for (int r = 0; r < tr->local_ranks; r++) {
+            lg_model *m = &tr->ranks[r].model;
+            size_t first = (size_t)tr->plan.ranks[tr->first_rank + r].shard_index * sl->piece_count[u];
+            lg_buf dst = {(uint8_t *)m->frozen_shard.data + sl->piece_offset[u], LG_DTYPE_U8};
+            lg_copy(&m->exec, dst, lg_at(slots[r], first), sl->piece_count[u]);
+        }
+    }
+    tr->base_hash = h;
+    tr->base_hashed = 1;
+}
+
 /* The same initial weights as one rank: with sharded weights, unit by unit in layout order
    from one random stream on rank 0, broadcast, each rank keeping its piece. In several
    processes every process draws the same stream on its first rank and broadcasts it to its
@@ -13220,6 +13503,7 @@ static void lg_trainer_init_weights(lg_trainer *tr) {
     lg_rng rng;
     lg_trainable_rng(&tr->plan.cfg, tr->args.seed, &rng);
     for (int r = 0; r < tr->local_ranks; r++) lg_model_init_frozen(&tr->ranks[r].model, tr->args.seed);
+    lg_trainer_init_frozen_units(tr);
     lg_buf slots[LG_MAX_RANKS];
     for (int u = 0; u < sl->n_units; u++) {
         lg_buf unit = lg_unit_weights(tr, 0, u);
@@ -14475,6 +14759,28 @@ static int lg_checkpoint_finish(lg_trainer *tr, const char *out, const char *dir
     return rc;
 }
 
+/* LoRA's frozen base sharded: gathers frozen unit u on every rank; where rank 0 holds it. */
+static lg_frozen_at lg_trainer_bring_frozen(void *ctx, int u) {
+    lg_trainer *tr = (lg_trainer *)ctx;
+    lg_trainer_gather_frozen_unit(tr, u);
+    lg_trainer_await_unit(tr, u);
+    return lg_frozen_unit_at(&tr->ranks[0].model, u, lg_frozen_unit_buffer(tr, 0, u));
+}
+
+/* The merged model of a LoRA run (process 0 writes): with the frozen base sharded, every other
+   process takes part in each unit's gather, in order. */
+static int lg_trainer_write_merged(lg_trainer *tr, const lg_real *adapters, const char *dir,
+                                   lg_file_digest *digests, lg_error *err) {
+    const lg_model *m0 = &tr->ranks[0].model;
+    int gathered = m0->frozen_gathered;
+    if (tr->process == 0)
+        return lg_write_merged_model(m0, adapters, gathered ? lg_trainer_bring_frozen : NULL, tr,
+                                     dir, digests, err);
+    for (int u = 0; gathered && u < tr->plan.frozen_shards.n_units; u++)
+        lg_trainer_bring_frozen(tr, u);
+    return 0;
+}
+
 /* A LoRA run's step-N: the adapters as PEFT files, the base model's config.json and
    model_config.yaml, the training state of the adapters; the run's last step also holds the
    merged model (model.safetensors). Process 0 writes; every process takes part in the gathers
@@ -14496,10 +14802,10 @@ static int lg_lora_checkpoint_save(lg_trainer *tr, const lg_loader *data, int st
     int writer = tr->process == 0, final = step == tr->args.max_steps;
     int rc = lg_hf_family_of(&base, &family, err);
     if (rc == 0 && writer) rc = lg_peft_write(m0, lg_buf_of(whole), dir, tr->base_model, digests, err);
-    if (rc == 0 && writer && final) { /* model.safetensors, config.json, model_config.yaml */
+    if (rc == 0 && final) { /* model.safetensors, config.json, model_config.yaml */
         lg_file_digest model[3];
-        rc = lg_write_merged_model(m0, whole, dir, model, err);
-        digests[6] = model[0], digests[2] = model[1], digests[3] = model[2];
+        rc = lg_trainer_write_merged(tr, whole, dir, model, err);
+        if (writer) digests[6] = model[0], digests[2] = model[1], digests[3] = model[2];
     } else if (rc == 0 && writer) {
         lg_format(path, sizeof path, "%s/config.json", dir);
         lg_hf_config_json(&base, family, lg_st_dtype_of(m0->params.dtype), text, sizeof text);
@@ -14582,7 +14888,8 @@ static int lg_trainer_load_frozen(lg_trainer *tr, const char *dir, lg_error *err
     LG_FREE(whole);
     if (rc == 0) lg_format(tr->base_model, sizeof tr->base_model, "%s", dir);
     tr->base_loaded = rc == 0;
-    tr->base_hashed = 0; /* the base changed (or is half-set after a failure) */
+    /* the base changed (or is half-set after a failure); a sharded one was hashed as set */
+    tr->base_hashed = rc == 0 && tr->ranks[0].model.frozen_gathered;
     return rc;
 }
 

@@ -316,16 +316,57 @@ static void test_lora_plan(results *r) {
                 arenas += found;
             }
         const lg_rank_plan *rp = &tr.plan.ranks[0];
-        int regions = lg_plan_find(rp, "frozen_weights") != NULL &&
-                      (q == 0) == (lg_plan_find(rp, "frozen_weights.nf4") == NULL) &&
+        int sharded = lg_frozen_sharded(&tr.plan.cfg, &tr.plan.sharding);
+        int regions = (lg_plan_find(rp, sharded ? "frozen_weights.shard" : "frozen_weights") != NULL) &&
+                      (q == 0 || sharded) == (lg_plan_find(rp, "frozen_weights.nf4") == NULL) &&
                       (q == 0) == (lg_plan_find(rp, "nf4.dequantized") == NULL);
+        if (sharded) { /* each rank's shard: 1/N of the whole frozen units, plus padding */
+            const lg_shard_layout *sl = &tr.plan.frozen_shards;
+            size_t whole = sl->unit_offset[sl->n_units], pad = (size_t)sl->n_units * 2 * LG_ALIGN;
+            for (int k = 0; k < tr.n_ranks; k++) {
+                const lg_region *g = lg_plan_find(&tr.plan.ranks[k], "frozen_weights.shard");
+                regions = regions && g && g->count * tr.n_ranks >= whole &&
+                          g->count * tr.n_ranks <= whole + pad * tr.n_ranks;
+            }
+        }
         char size[32];
         check(r, ok && regions && arenas == 2 * tr.n_ranks,
               "test-llama  %s -d %d: %d arenas of exactly the plan (%s a device), frozen regions "
-              "as planned", q ? lg_quantization_name(a.lora.quantize) : "LoRA", a.devices, arenas,
-              lg_format_bytes(rp->pool_bytes[LG_POOL_DEVICE], size, sizeof size));
+              "as planned%s", q ? lg_quantization_name(a.lora.quantize) : "LoRA", a.devices, arenas,
+              lg_format_bytes(rp->pool_bytes[LG_POOL_DEVICE], size, sizeof size),
+              sharded ? " (full-shard: each rank 1/N of the frozen units)" : "");
         lg_trainer_free(&tr);
     }
+}
+
+/* QLoRA nf4-dq under full-shard (the frozen base sharded, gathered unit by unit) writes the
+   same adapters, training state and merged model, byte for byte, as under shard-grad-op
+   (the frozen base whole on each rank; = one rank within 1e-5, test_lora_equivalences), and
+   resumes from its checkpoint (the base hash taken unit by unit as the base was set). */
+static void test_lora_sharded_frozen_files(results *r) {
+    static const char *const files[4] = {"adapter_model.safetensors", "training_state.safetensors",
+                                          "model.safetensors", "config.json"};
+    static const char *const strategies[2] = {"full-shard", "shard-grad-op"};
+    char args[512], cmd[512];
+    mkdir("out", 0755);
+    for (int s = 0; s < 2; s++) {
+        snprintf(args, sizeof args, "-c test-llama --lora-r 2 --quantize nf4-dq -p bf16-mixed -d 2 "
+                 "--strategy %s -b 1 -t 12 --max-steps 2 --eval-every 0 --sample-tokens 1 --out "
+                 "out/test-lora-frozen-%s", strategies[s], strategies[s]);
+        expect_cli(r, args, 0, "saved out/test-lora-frozen-");
+    }
+    int same = 0;
+    for (int k = 0; k < 4; k++) {
+        snprintf(cmd, sizeof cmd, "cmp -s out/test-lora-frozen-full-shard/step-2/%s "
+                 "out/test-lora-frozen-shard-grad-op/step-2/%s", files[k], files[k]);
+        same += system(cmd) == 0;
+    }
+    check(r, same == 4, "test-llama nf4-dq -d 2: full-shard's step-2 (frozen base sharded) has "
+          "shard-grad-op's adapters, training state, merged model and config, byte for byte "
+          "(%d of 4 files)", same);
+    expect_cli(r, "-c test-llama --lora-r 2 --quantize nf4-dq -p bf16-mixed -d 2 --strategy "
+                  "full-shard -b 1 -t 12 --max-steps 3 --eval-every 0 --sample-tokens 1 --resume "
+                  "out/test-lora-frozen-full-shard/step-2", 0, "saved out/test-lora-frozen-full-shard/step-3");
 }
 
 /* Bad settings: one line naming them, exit 2. */
@@ -476,6 +517,7 @@ static void test_lora_all(results *r) {
     test_lora_accumulation(r);
     test_lora_merged_and_resume(r);
     test_lora_plan(r);
+    test_lora_sharded_frozen_files(r);
     test_lora_cli(r);
     test_lora_resume_loaded_base(r);
     test_lora_peft_files(r);
