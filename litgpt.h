@@ -61,8 +61,8 @@
                          and the collectives between ranks
     11. tokenizer        byte-level BPE (GPT-2 files, tokenizer.json), SentencePiece-style BPE,
                          the built-in task's characters
-    12. data             token shards, fine-tuning samples (truncation, padding, prompt masks),
-                         the built-in task, Alpaca-style JSON
+    12. data             token shards, fine-tuning samples (truncation, padding, prompt masks,
+                         packing), the built-in task, Alpaca-style JSON
     13. model files      atomic files, safetensors, Hugging Face layouts and config.json,
                          step-N directories with COMPLETE, PEFT adapters
     14. trainer          lg_trainer: one optimizer step (accumulation, loss scaling, clipping,
@@ -84,6 +84,8 @@
      Hugging Face, PEFT  13; tokenizers: 11
      resume              15
      generation          16 (KV cache, sampling); 8 (the trainer's greedy samples, uncached)
+     sample packing      12 (rows packed first-fit, span starts), 8 (lg_model_set_spans), 7
+                         (attention inside each span, positions restarting; CPU kernels only)
 
    Conventions: public names start with lg_ / LG_; no global mutable state; all memory through
    LG_MALLOC / LG_FREE; functions that can fail return 0 on success, -1 with a message in an
