@@ -61,8 +61,8 @@
                          and the collectives between ranks
     11. tokenizer        byte-level BPE (GPT-2 files, tokenizer.json), SentencePiece-style BPE,
                          the built-in task's characters
-    12. data             token shards, fine-tuning samples (truncation, padding, prompt masks),
-                         the built-in task, Alpaca-style JSON
+    12. data             token shards, fine-tuning samples (truncation, padding, prompt masks,
+                         packing), the built-in task, Alpaca-style JSON
     13. model files      atomic files, safetensors, Hugging Face layouts and config.json,
                          step-N directories with COMPLETE, PEFT adapters
     14. trainer          lg_trainer: one optimizer step (accumulation, loss scaling, clipping,
@@ -85,6 +85,8 @@
      Hugging Face, PEFT  13; tokenizers: 11
      resume              15
      generation          16 (KV cache, sampling); 8 (the trainer's greedy samples, uncached)
+     sample packing      12 (rows packed first-fit, span starts), 8 (lg_model_set_spans), 7
+                         (attention inside each span, positions restarting; CPU kernels only)
 
    Conventions: public names start with lg_ / LG_; no global mutable state; all memory through
    LG_MALLOC / LG_FREE; functions that can fail return 0 on success, -1 with a message in an
@@ -868,6 +870,8 @@ typedef struct {
                                    nothing of this step yet: the next backward writes them
                                    (beta 0) instead of adding; lg_model_start_grads sets it */
     int grads_add_only;         /* tests: every gradient zeroed and added to, never written */
+    const int *span_start;      /* (B, T) packed rows (lg_model_set_spans): where each token's
+                                   sample starts in its row; NULL: one sample a row */
     lg_rank *rank;              /* where the buffers live */
     lg_plan *own_plan;          /* set when lg_model_create made its own plan and rank */
 } lg_model;
@@ -896,6 +900,10 @@ double lg_model_forward(lg_model *m, const int *tokens, const int *targets, int 
    loss_scale = 1 / (non-ignored targets of the global batch). */
 void lg_model_backward(lg_model *m, const int *tokens, const int *targets, int B, int T,
                        float loss_scale);
+/* Packed rows (lg_loader_next_packed): span_start (B, T) stays the caller's and is read by the
+   forwards and backwards that follow (attention inside each sample, positions restarting);
+   NULL: one sample a row. The CPU kernels only: a GPU rank is refused. */
+int lg_model_set_spans(lg_model *m, const int *span_start, lg_error *err);
 void lg_model_zero_grad(lg_model *m);
 /* Before a step's first backward, instead of lg_model_zero_grad: zeroes the gradients that
    are added to and lets the next backward write the linear layers' (a backward clears it). */
@@ -1268,6 +1276,13 @@ int lg_loader_next_batch(lg_loader *ld, int B, int *inputs, int *targets, int *T
                          lg_error *err);
 /* 1 when path is a fine-tuning sample file (by its magic), else 0. */
 int lg_samples_file(const char *path);
+/* Sample packing: B rows of T tokens (T >= the longest sample), each filled first-fit with the
+   next samples of the (shuffled) order; a sample that fits no row waits for the next call.
+   inputs, targets (B, T) as lg_samples' rows (prompt masks kept, each sample's last target
+   ignored, padding ignored); span_start (B, T): the row position where the token's sample
+   starts (padding: its own position). *n_packed gets the samples placed. Shards are refused. */
+int lg_loader_next_packed(lg_loader *ld, int B, int T, int *inputs, int *targets,
+                          int *span_start, int *n_packed, lg_error *err);
 /* Fine-tuning samples: the tokens of the longest sample after truncation (0 for a shard). */
 int lg_loader_longest(const lg_loader *ld);
 /* Fails naming the file, the first sample (index from 0) longer than block_size after
@@ -5956,6 +5971,12 @@ static void lg_gemm(const lg_gemm_workspace *ws, int trans_a, int trans_b, int M
 }
 /* LG_GEMM_END */
 
+/* The position of token n of a (B, T) batch: t, or with packed rows (span (B, T), see
+   lg_model.span_start) its place in its own sample, so positions restart at each sample. */
+static int lg_span_position(const int *span, int n, int T) {
+    return span ? n % T - span[n] : n % T;
+}
+
 /* --- AVX-512 loops of the memory-bound ops ------------------------------------------------
    On the avx512 path and above (ex->gemm.path), with every operand stored fp32 or bf16, the
    norms, SwiGLU, cross-entropy, attention's rows, rotary embedding, the add and AdamW (section
@@ -6350,14 +6371,15 @@ LG_TARGET_AVX512 static int lg_add_avx512(const lg_exec *ex, lg_buf out, lg_buf 
 LG_TARGET_AVX512 static int lg_rope_rotate_avx512(const lg_exec *ex, lg_buf qkv,
                                                   const lg_real *cos_table,
                                                   const lg_real *sin_table, int B, int T, int NH,
-                                                  int NQG, int HS, int rope_dims, int direction) {
+                                                  int NQG, int HS, int rope_dims, int direction,
+                                                  const int *span) {
     if (!lg_v_ready(ex, qkv, lg_no_buf(), lg_no_buf())) return 0;
     const int R = rope_dims / 2, heads = NH + NQG, QKV = (NH + 2 * NQG) * HS;
     const lg_buf cos_buf = {(void *)cos_table, LG_DTYPE_F32}, sin_buf = {(void *)sin_table, LG_DTYPE_F32};
     const __m512 sign = _mm512_set1_ps((float)direction);
     LG_OMP(omp parallel for)
     for (int n = 0; n < B * T; n++) {
-        const size_t t = (size_t)(n % T);
+        const size_t t = (size_t)lg_span_position(span, n, T);
         for (int h = 0; h < heads; h++) { /* the NH query heads, then the NQG key heads */
             lg_buf x = lg_at(qkv, (size_t)n * QKV + (size_t)h * HS);
             for (int j = 0; j < R; j += LG_V) {
@@ -6463,15 +6485,15 @@ static void lg_linear_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweight, l
     }
 }
 
-/* out (N, C) = wte[tokens] (+ wpe[t]); tokens (B, T) */
+/* out (N, C) = wte[tokens] (+ wpe[position]); tokens (B, T); span NULL or (B, T) */
 static void lg_embedding_forward(const lg_exec *ex, lg_buf out, const int *tokens, lg_buf wte,
-                                 lg_buf wpe, int B, int T, int C) {
+                                 lg_buf wpe, int B, int T, int C, const int *span) {
     LG_ON_GPU(ex, lg_cuda_embedding_forward(ex, out, tokens, wte, wpe, B, T, C));
     LG_OMP(omp parallel for)
     for (int n = 0; n < B * T; n++)
         for (int i = 0; i < C; i++) {
             lg_real x = lg_get(wte, (size_t)tokens[n] * C + i);
-            if (wpe.data) x += lg_get(wpe, (size_t)(n % T) * C + i);
+            if (wpe.data) x += lg_get(wpe, (size_t)lg_span_position(span, n, T) * C + i);
             lg_set(out, (size_t)n * C + i, x);
         }
 }
@@ -6480,7 +6502,7 @@ static void lg_embedding_forward(const lg_exec *ex, lg_buf out, const int *token
    channels in chunks of 32 (a cache line of bf16), so no two write the same element or line
    and the sums keep a fixed order. */
 static void lg_embedding_backward(const lg_exec *ex, lg_buf dwte, lg_buf dwpe, lg_buf dout,
-                                  const int *tokens, int B, int T, int C) {
+                                  const int *tokens, int B, int T, int C, const int *span) {
     LG_ON_GPU(ex, lg_cuda_embedding_backward(ex, dwte, dwpe, dout, tokens, B, T, C));
     LG_OMP(omp parallel for schedule(static, 32))
     for (int i = 0; i < C; i++)
@@ -6489,7 +6511,7 @@ static void lg_embedding_backward(const lg_exec *ex, lg_buf dwte, lg_buf dwpe, l
             size_t at = (size_t)tokens[n] * C + i;
             lg_set(dwte, at, lg_get(dwte, at) + d);
             if (dwpe.data) {
-                at = (size_t)(n % T) * C + i;
+                at = (size_t)lg_span_position(span, n, T) * C + i;
                 lg_set(dwpe, at, lg_get(dwpe, at) + d);
             }
         }
@@ -6596,16 +6618,17 @@ static void lg_rope_tables(const lg_exec *ex, lg_real *cos_table, lg_real *sin_t
    inverse rotation, which is the backward of this orthogonal map. */
 static void lg_rope_rotate(const lg_exec *ex, lg_buf qkv, const lg_real *cos_table,
                            const lg_real *sin_table, int B, int T, int NH, int NQG, int HS,
-                           int rope_dims, int direction) {
+                           int rope_dims, int direction, const int *span) {
     LG_ON_GPU(ex, lg_cuda_rope_rotate(ex, qkv, cos_table, sin_table, B, T, NH, NQG, HS, rope_dims,
                                      direction));
     int R = rope_dims / 2, heads = NH + NQG, QKV = (NH + 2 * NQG) * HS;
     if (R == 0) return;
-    if (lg_rope_rotate_avx512(ex, qkv, cos_table, sin_table, B, T, NH, NQG, HS, rope_dims, direction))
+    if (lg_rope_rotate_avx512(ex, qkv, cos_table, sin_table, B, T, NH, NQG, HS, rope_dims, direction,
+                              span))
         return;
     LG_OMP(omp parallel for)
     for (int n = 0; n < B * T; n++) {
-        int t = n % T;
+        int t = lg_span_position(span, n, T);
         const lg_real *c = cos_table + (size_t)t * R, *s = sin_table + (size_t)t * R;
         for (int h = 0; h < heads; h++) { /* the NH query heads, then the NQG key heads */
             lg_buf x = lg_at(qkv, (size_t)n * QKV + (size_t)h * HS);
@@ -6619,27 +6642,35 @@ static void lg_rope_rotate(const lg_exec *ex, lg_buf qkv, const lg_real *cos_tab
 }
 
 /* Softmax of each row of scores (T, T) scaled by `scale`, over its causal prefix s <= t, in
-   place (the rest 0); lse (T) gets each row's log-sum-exp of the scaled scores. */
-static void lg_causal_softmax(lg_real *scores, int T, lg_real scale, lg_real *lse) {
+   place (the rest 0); lse (T) gets each row's log-sum-exp of the scaled scores. start (T), the
+   row's packed spans (lg_model.span_start), or NULL: row t's keys are start[t] <= s <= t. */
+static void lg_causal_softmax(lg_real *scores, int T, lg_real scale, lg_real *lse,
+                              const int *start) {
     for (int t = 0; t < T; t++) {
         lg_real *row = scores + (size_t)t * T;
         lg_real max = -INFINITY, sum = 0;
-        for (int s = 0; s <= t; s++) max = row[s] > max ? row[s] : max;
-        for (int s = 0; s <= t; s++) {
+        int first = start ? start[t] : 0;
+        for (int s = first; s <= t; s++) max = row[s] > max ? row[s] : max;
+        for (int s = first; s <= t; s++) {
             row[s] = lg_exp((row[s] - max) * scale);
             sum += row[s];
         }
-        for (int s = 0; s <= t; s++) row[s] /= sum;
+        for (int s = first; s <= t; s++) row[s] /= sum;
+        for (int s = 0; s < first; s++) row[s] = 0;
         for (int s = t + 1; s < T; s++) row[s] = 0;
         lse[t] = max * scale + lg_log(sum);
     }
 }
 
-/* The probabilities again from the scores (T, T) and the saved log-sum-exp, in place. */
-static void lg_causal_probabilities(lg_real *scores, int T, lg_real scale, const lg_real *lse) {
+/* The probabilities again from the scores (T, T) and the saved log-sum-exp, in place; start as
+   lg_causal_softmax. */
+static void lg_causal_probabilities(lg_real *scores, int T, lg_real scale, const lg_real *lse,
+                                    const int *start) {
     for (int t = 0; t < T; t++) {
         lg_real *row = scores + (size_t)t * T;
-        for (int s = 0; s <= t; s++) row[s] = lg_exp(row[s] * scale - lse[t]);
+        int first = start ? start[t] : 0;
+        for (int s = 0; s < first; s++) row[s] = 0;
+        for (int s = first; s <= t; s++) row[s] = lg_exp(row[s] * scale - lse[t]);
         for (int s = t + 1; s < T; s++) row[s] = 0;
     }
 }
@@ -6660,7 +6691,7 @@ static lg_real *lg_attention_rows(const lg_attention_scratch *sc) {
    backward needs to rebuild the probabilities, so memory grows with T, not T^2, per block.
    Each (batch, head) is two matrix products around a softmax in the thread's scratch rows. */
 static void lg_attention_forward(const lg_exec *ex, lg_buf y, lg_real *lse, lg_buf qkv, int B,
-                                 int T, int NH, int NQG, int HS) {
+                                 int T, int NH, int NQG, int HS, const int *span) {
     LG_ON_GPU(ex, lg_cuda_attention_forward(ex, y, lse, qkv, B, T, NH, NQG, HS));
     const lg_gemm_workspace *ws = lg_gemm_space(ex);
     const lg_attention_scratch *sc = &ex->attention;
@@ -6676,8 +6707,9 @@ static void lg_attention_forward(const lg_exec *ex, lg_buf y, lg_real *lse, lg_b
             lg_buf out = lg_at(y, (size_t)b * T * NH * HS + (size_t)h * HS); /* ld NH HS */
             lg_real *p = lg_attention_rows(sc);                             /* (T, T) */
             lg_gemm(ws, 0, 1, T, T, HS, q, QKV, k, QKV, 0, lg_buf_of(p), T); /* scores = q k^T */
-            if (!lg_causal_softmax_avx512(ex, p, T, scale, lse + ((size_t)b * NH + h) * T))
-                lg_causal_softmax(p, T, scale, lse + ((size_t)b * NH + h) * T);
+            const int *start = span ? span + (size_t)b * T : NULL; /* (T) or NULL */
+            if (start || !lg_causal_softmax_avx512(ex, p, T, scale, lse + ((size_t)b * NH + h) * T))
+                lg_causal_softmax(p, T, scale, lse + ((size_t)b * NH + h) * T, start);
             lg_gemm(ws, 0, 0, T, HS, T, lg_buf_of(p), T, v, QKV, 0, out, NH * HS); /* y = p v */
         }
 }
@@ -6689,7 +6721,7 @@ static void lg_attention_forward(const lg_exec *ex, lg_buf y, lg_real *lse, lg_b
    only. */
 static void lg_attention_backward(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg_buf y,
                                   lg_buf qkv, const lg_real *lse, int B, int T, int NH, int NQG,
-                                  int HS) {
+                                  int HS, const int *span) {
     LG_ON_GPU(ex, lg_cuda_attention_backward(ex, dqkv, dy, y, qkv, lse, B, T, NH, NQG, HS));
     const lg_gemm_workspace *ws = lg_gemm_space(ex);
     const lg_attention_scratch *sc = &ex->attention;
@@ -6710,8 +6742,9 @@ static void lg_attention_backward(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg_
                 lg_buf out = lg_at(y, (size_t)b * T * NH * HS + (size_t)h * HS); /* ld NH HS */
                 lg_real *p = lg_attention_rows(sc), *dp = p + (size_t)T * T; /* (T, T) each */
                 lg_gemm(ws, 0, 1, T, T, HS, q, QKV, k, QKV, 0, lg_buf_of(p), T);
-                if (!lg_causal_probabilities_avx512(ex, p, T, scale, lse + ((size_t)b * NH + h) * T))
-                    lg_causal_probabilities(p, T, scale, lse + ((size_t)b * NH + h) * T);
+                const int *start = span ? span + (size_t)b * T : NULL; /* (T) or NULL */
+                if (start || !lg_causal_probabilities_avx512(ex, p, T, scale, lse + ((size_t)b * NH + h) * T))
+                    lg_causal_probabilities(p, T, scale, lse + ((size_t)b * NH + h) * T, start);
                 /* y = p v: dp = dy v^T, dv += p^T dy */
                 lg_gemm(ws, 0, 1, T, T, HS, dout, NH * HS, v, QKV, 0, lg_buf_of(dp), T);
                 lg_gemm(ws, 1, 0, T, HS, T, lg_buf_of(p), T, dout, NH * HS, 1, dv, QKV);
@@ -7489,8 +7522,8 @@ static void lg_block_forward(lg_model *m, int l, int B, int T) {
     lg_linear_forward(ex, a->qkv, a->n1, w->qkv_w, w->qkv_b, N, C, QKV);
     lg_block_lora_forward(m, l, LG_LORA_Q, a->qkv, QKV, a->n1, N, C);
     lg_rope_rotate(ex, a->qkv, m->a.rope_cos, m->a.rope_sin, B, T, NH, NQG, HS,
-                   lg_config_rope_dims(c), +1);
-    lg_attention_forward(ex, a->att_y, a->att_lse, a->qkv, B, T, NH, NQG, HS);
+                   lg_config_rope_dims(c), +1, m->span_start);
+    lg_attention_forward(ex, a->att_y, a->att_lse, a->qkv, B, T, NH, NQG, HS, m->span_start);
     lg_linear_forward(ex, a->x_mid, a->att_y, w->proj_w, w->proj_b, N, NH * HS, C);
     lg_block_lora_forward(m, l, LG_LORA_PROJ, a->x_mid, C, a->att_y, N, NH * HS);
 
@@ -7523,7 +7556,8 @@ static void lg_block_forward(lg_model *m, int l, int B, int T) {
 /* The forward in three parts (embedding, blocks, head), so that a sharded trainer can gather
    each unit's weights in between. */
 static void lg_model_embed(lg_model *m, const int *tokens, int B, int T) {
-    lg_embedding_forward(&m->exec, m->a.residual[0], tokens, m->p.wte, m->p.wpe, B, T, m->cfg.n_embd);
+    lg_embedding_forward(&m->exec, m->a.residual[0], tokens, m->p.wte, m->p.wpe, B, T, m->cfg.n_embd,
+                         m->span_start);
 }
 
 /* Targets (n) that count towards the loss: all but LG_IGNORE_INDEX. */
@@ -7616,9 +7650,9 @@ static void lg_block_backward(lg_model *m, int l, int B, int T, lg_buf d_out, lg
     lg_block_lora_backward(m, l, LG_LORA_PROJ, s->d_mid, C, a->att_y, s->d_att_y, N, NH * HS);
     lg_zero(ex, s->d_qkv, (size_t)N * QKV);
     lg_attention_backward(ex, s->d_qkv, s->d_att_y, a->att_y, a->qkv, a->att_lse, B, T, NH,
-                          NQG, HS);
+                          NQG, HS, m->span_start);
     lg_rope_rotate(ex, s->d_qkv, m->a.rope_cos, m->a.rope_sin, B, T, NH, NQG, HS,
-                   lg_config_rope_dims(c), -1);
+                   lg_config_rope_dims(c), -1, m->span_start);
     /* n1 feeds qkv and, when shared, the MLP: d_norm already holds the MLP's share (added to);
        else qkv's is the first (written) */
     lg_linear_backward(ex, s->d_norm, g->qkv_w, g->qkv_b, s->d_qkv, a->n1, w->qkv_w, N, C, QKV,
@@ -7664,7 +7698,15 @@ static void lg_model_block_backward(lg_model *m, int l, int B, int T) {
 static void lg_model_embed_backward(lg_model *m, const int *tokens, int B, int T) {
     if (!m->g.wte.data) return; /* frozen (LoRA) */
     lg_embedding_backward(&m->exec, m->g.wte, m->g.wpe, lg_residual_grad(m, 0), tokens, B, T,
-                          m->cfg.n_embd);
+                          m->cfg.n_embd, m->span_start);
+}
+
+int lg_model_set_spans(lg_model *m, const int *span_start, lg_error *err) {
+    if (span_start && m->exec.backend == LG_BACKEND_CUDA)
+        return lg_fail(err, "--pack: packed rows run on the CPU backend only (the CUDA "
+                            "attention has no span masks yet)");
+    m->span_start = span_start;
+    return 0;
 }
 
 void lg_model_backward(lg_model *m, const int *tokens, const int *targets, int B, int T,
@@ -10710,6 +10752,46 @@ int lg_loader_next_batch(lg_loader *ld, int B, int *inputs, int *targets, int *T
     }
     if (lg_samples_next(ld, B, inputs, targets, T_batch) != 0)
         return lg_fail(err, "data %s: out of host memory", ld->path);
+    return 0;
+}
+
+/* Sample `sample` into row (T) at column `at`: tokens, shifted targets, masks, span starts. */
+static void lg_pack_place(const lg_loader *ld, size_t sample, int at, int n, int *inputs,
+                          int *targets, int *span_start) {
+    lg_samples_fill_row(ld, sample, n, inputs + at, targets + at);
+    for (int t = 0; t < n; t++) span_start[at + t] = at;
+}
+
+int lg_loader_next_packed(lg_loader *ld, int B, int T, int *inputs, int *targets,
+                          int *span_start, int *n_packed, lg_error *err) {
+    if (ld->n_samples == 0)
+        return lg_fail(err, "data %s: --pack packs fine-tuning samples (tools/prepare alpaca); "
+                            "token shards are already full rows", ld->path);
+    if (T < ld->T)
+        return lg_fail(err, "data %s: packed rows of %d tokens hold no sample of %d (the "
+                            "longest after truncation)", ld->path, T, ld->T);
+    int used[64]; /* tokens placed in each row */
+    if (B > 64) return lg_fail(err, "data %s: --pack takes micro-batches of at most 64 rows", ld->path);
+    for (int b = 0; b < B; b++) used[b] = 0;
+    *n_packed = 0;
+    for (size_t tries = 0; tries < ld->n_samples; tries++) {
+        size_t sample = lg_loader_take(ld);
+        int n = (int)ld->sample_length[sample] < ld->T ? (int)ld->sample_length[sample] : ld->T;
+        int b = 0;
+        while (b < B && used[b] + n > T) b++;
+        if (b == B) { ld->position--; break; } /* waits for the next call, first in line */
+        size_t row = (size_t)b * T;
+        lg_pack_place(ld, sample, used[b], n, inputs + row, targets + row, span_start + row);
+        used[b] += n;
+        (*n_packed)++;
+    }
+    for (int b = 0; b < B; b++)
+        for (int t = used[b]; t < T; t++) {
+            size_t at = (size_t)b * T + t;
+            inputs[at] = 0; /* any valid token: padding is never a target */
+            targets[at] = LG_IGNORE_INDEX;
+            span_start[at] = t;
+        }
     return 0;
 }
 
@@ -15499,7 +15581,7 @@ static void lg_gen_block(lg_generator *g, int l, int pos, int n) {
     lg_gen_linear(g, g->qkv, g->n1, w->qkv_w, w->qkv_b, n, C, QKV);
     if (R)
         lg_rope_rotate(ex, g->qkv, g->rope_cos + (size_t)pos * R, g->rope_sin + (size_t)pos * R, 1,
-                       n, NH, c->n_query_groups, HS, 2 * R, +1);
+                       n, NH, c->n_query_groups, HS, 2 * R, +1, NULL);
     lg_gen_cache_store(g, l, pos, n);
     lg_gen_attention(g, l, pos, n);
     lg_gen_linear(g, g->x_mid, g->att_y, w->proj_w, w->proj_b, n, NH * HS, C);
@@ -15528,7 +15610,7 @@ static void lg_gen_step(lg_generator *g, const int *tokens, int n) {
     const lg_config *c = &g->cfg;
     int pos = g->n_cached, C = c->n_embd;
     lg_buf wpe = g->p.wpe.data ? lg_at(g->p.wpe, (size_t)pos * C) : g->p.wpe;
-    lg_embedding_forward(&g->exec, g->x, tokens, g->p.wte, wpe, 1, n, C);
+    lg_embedding_forward(&g->exec, g->x, tokens, g->p.wte, wpe, 1, n, C, NULL);
     for (int l = 0; l < c->n_layer; l++) lg_gen_block(g, l, pos, n);
     g->n_cached += n;
     lg_norm_forward(&g->exec, g->ln_f, lg_norm_mean_or_null(c, g->mean), g->rstd,

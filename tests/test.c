@@ -163,17 +163,17 @@ static void rope_attn_fwd(fd_case *c) {
     size_t qkv = (size_t)B * T * (NH + 2 * NQG) * HS;
     memcpy(c->scratch[0], c->inputs[0], qkv * sizeof(lg_real));
     lg_rope_tables(NULL, c->scratch[2], c->scratch[3], T, c->dims[5], 10000.0f, NULL);
-    lg_rope_rotate(NULL, lg_buf_of(c->scratch[0]), c->scratch[2], c->scratch[3], B, T, NH, NQG, HS, c->dims[5], +1);
+    lg_rope_rotate(NULL, lg_buf_of(c->scratch[0]), c->scratch[2], c->scratch[3], B, T, NH, NQG, HS, c->dims[5], +1, NULL);
     lg_exec ex = attention_exec(c);
     lg_attention_forward(&ex, lg_buf_of(c->out), c->scratch[1], lg_buf_of(c->scratch[0]), B, T,
-                         NH, NQG, HS);
+                         NH, NQG, HS, NULL);
 }
 static void rope_attn_bwd(fd_case *c) {
     int B = c->dims[0], T = c->dims[1], NH = c->dims[2], NQG = c->dims[3], HS = c->dims[4];
     lg_exec ex = attention_exec(c);
     lg_attention_backward(&ex, lg_buf_of(c->grads[0]), lg_buf_of(c->probe), lg_buf_of(c->out),
-                          lg_buf_of(c->scratch[0]), c->scratch[1], B, T, NH, NQG, HS);
-    lg_rope_rotate(NULL, lg_buf_of(c->grads[0]), c->scratch[2], c->scratch[3], B, T, NH, NQG, HS, c->dims[5], -1);
+                          lg_buf_of(c->scratch[0]), c->scratch[1], B, T, NH, NQG, HS, NULL);
+    lg_rope_rotate(NULL, lg_buf_of(c->grads[0]), c->scratch[2], c->scratch[3], B, T, NH, NQG, HS, c->dims[5], -1, NULL);
 }
 /* flag: 0 gelu erf, 1 gelu tanh, 2 swiglu; dims[0]: n */
 static void act_fwd(fd_case *c) {
@@ -188,11 +188,11 @@ static void act_bwd(fd_case *c) {
 /* dims: B, T, C */
 static void embed_fwd(fd_case *c) {
     lg_embedding_forward(NULL, lg_buf_of(c->out), c->tokens, lg_buf_of(c->inputs[0]), lg_buf_of(c->inputs[1]), c->dims[0], c->dims[1],
-                         c->dims[2]);
+                         c->dims[2], NULL);
 }
 static void embed_bwd(fd_case *c) {
     lg_embedding_backward(NULL, lg_buf_of(c->grads[0]), lg_buf_of(c->grads[1]), lg_buf_of(c->probe), c->tokens, c->dims[0], c->dims[1],
-                          c->dims[2]);
+                          c->dims[2], NULL);
 }
 /* dims: N, V, Vp; the output is the per-token loss */
 static void ce_fwd(fd_case *c) {
@@ -1881,6 +1881,7 @@ static void run_emulated_cuda_tests(results *r) {
 
 #include "test_data.c"
 #include "test_lora.c"
+#include "test_packing.c"
 #include "test_grads_written.c"
 #include "test_gemm.c"
 #include "test_cpu_ops.c"
@@ -1977,6 +1978,7 @@ int main(int argc, char **argv) {
     if (section("devices and sharding", argc, argv)) test_sharding(&r);
     if (section("processes: launchers, mpirun, rendezvous", argc, argv)) test_processes(&r);
     if (section("LoRA and QLoRA", argc, argv)) test_lora_all(&r);
+    if (section("sample packing", argc, argv)) test_packing_all(&r);
     if (section("generation: KV cache, sampling, tools/generate", argc, argv)) test_generate_all(&r);
     if (section("gradients in double precision", argc, argv)) run_child_tests(&r, "./tests/test64");
     if (section("CUDA backend, emulated on the CPU", argc, argv)) run_emulated_cuda_tests(&r);

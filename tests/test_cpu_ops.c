@@ -228,8 +228,8 @@ static void ops_attention(lg_dtype act, int B, int T, int NH, int NQG, int HS, o
         dqkv[k] = ops_random(act, n_qkv, 0, rng);
         sum[k] = ops_random(act, n_y, 0, rng);
         lse[k] = new_reals((size_t)B * NH * T);
-        lg_attention_forward(&ex, y[k], lse[k], qkv, B, T, NH, NQG, HS);
-        lg_attention_backward(&ex, dqkv[k], dy, y[k], qkv, lse[k], B, T, NH, NQG, HS);
+        lg_attention_forward(&ex, y[k], lse[k], qkv, B, T, NH, NQG, HS, NULL);
+        lg_attention_backward(&ex, dqkv[k], dy, y[k], qkv, lse[k], B, T, NH, NQG, HS, NULL);
         lg_add(&ex, sum[k], y[k], dy, n_y);
         LG_FREE(ex.gemm.base); LG_FREE(ex.attention.base);
     }
@@ -253,7 +253,7 @@ static void ops_rope(const lg_exec *ex, lg_dtype act, int B, int T, int NH, int 
         out[k] = ops_clone(qkv, n_qkv);
         for (int direction = 1; direction >= -1; direction -= 2)
             lg_rope_rotate(k ? ex : NULL, out[k], (lg_real *)cos_table.data, (lg_real *)sin_table.data,
-                           B, T, NH, NQG, HS, rope_dims, direction);
+                           B, T, NH, NQG, HS, rope_dims, direction, NULL);
     }
     ops_note(w, act, ops_error(out[1], out[0], n_qkv));
     LG_FREE(qkv.data); LG_FREE(cos_table.data); LG_FREE(sin_table.data);

@@ -180,9 +180,9 @@ static void print_ops(lg_trainer *tr, const lg_config *c, int B, int T, double s
     double t;
     printf("  %-22s %-18s %9s %5s %6s\n", "op", "shape", "ms", "/step", "share");
     snprintf(shape, sizeof shape, "B%d T%d NH%d HS%d", B, T, NH, HS);
-    TIME_OP(t, lg_attention_forward(ex, y, lse, qkv, B, T, NH, NQG, HS));
+    TIME_OP(t, lg_attention_forward(ex, y, lse, qkv, B, T, NH, NQG, HS, NULL));
     print_row("attention", shape, t, L, step_ms);
-    TIME_OP(t, lg_attention_backward(ex, dqkv, dy, y, qkv, lse, B, T, NH, NQG, HS));
+    TIME_OP(t, lg_attention_backward(ex, dqkv, dy, y, qkv, lse, B, T, NH, NQG, HS, NULL));
     print_row("attention backward", shape, t, L, step_ms);
     snprintf(shape, sizeof shape, "%dx%d", N, C);
     TIME_OP(t, lg_norm_forward(ex, y, mean, rstd, x, w, empty, N, C, 1e-5f));
