@@ -713,7 +713,8 @@ enum {
     LG_SETTING_STRATEGY = 1 << 10,       /* args.strategy */
     LG_SETTING_MICRO_BATCH = 1 << 11,    /* args.micro_batch_size */
     LG_SETTING_GLOBAL_BATCH = 1 << 12,   /* args.global_batch_size */
-    LG_SETTING_LAST = LG_SETTING_GLOBAL_BATCH
+    LG_SETTING_OFFLOAD_ACTIVATIONS = 1 << 13, /* args.offload_activations */
+    LG_SETTING_LAST = LG_SETTING_OFFLOAD_ACTIVATIONS
 };
 
 /* One remedy of the OOM guide, priced by the planner. */
@@ -732,15 +733,17 @@ typedef struct {
                              memory) */
 } lg_remedy;
 
-#define LG_MAX_REMEDIES 10
+#define LG_MAX_REMEDIES 11
 
 /* Remedies in the order of the OOM guide (micro-batch, sequence, -true precision, devices,
-   recompute, offload, optimizer; when fine-tuning every weight, LoRA and QLoRA), each with the
+   recompute, offload, activations in host memory, optimizer; when fine-tuning every weight,
+   LoRA and QLoRA), each with the
    planner's total under `limit` bytes. Returns how many; skips those that change nothing. */
 int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                      lg_remedy *out);
 /* The cheapest change that fits: changes that keep the training the same first (a
-   smaller micro-batch, block recompute, offload), then a -true precision, when fine-tuning
+   smaller micro-batch, block recompute, offload, activations in host memory with recompute),
+   then a -true precision, when fine-tuning
    every weight LoRA's adapters then QLoRA's (they change what trains), an optimizer with
    less state, a shorter sequence, and their combinations, each with the micro-batch and
    sequence as large as fits. Returns 0 and fills *best, or -1 with the most drastic
@@ -4623,6 +4626,13 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
         a.offload = 1;
         lg_remedy_price(&out[n++], "CPU offload", LG_SETTING_OFFLOAD, cfg, &a, T, limit);
     }
+    if (!args->offload_activations) { /* it moves what recompute keeps: recompute with it */
+        a = *args;
+        a.recompute = a.offload_activations = 1;
+        lg_remedy_price(&out[n++], "activations in host memory",
+                        LG_SETTING_OFFLOAD_ACTIVATIONS | (args->recompute ? 0 : LG_SETTING_RECOMPUTE),
+                        cfg, &a, T, limit);
+    }
     unsigned changes = lg_lighter_optimizer(args, &a);
     if (changes)
         lg_remedy_price(&out[n++], "an optimizer with less state", changes, cfg, &a, T, limit);
@@ -4632,13 +4642,14 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
     return n;
 }
 
-/* The changes the cheapest fit combines. Three keep the training the same: a smaller
-   micro-batch (accumulation keeps the global batch), block recompute and offload (both give
-   the same bits, at a cost in time). The others change it, in order of how much: a -true
+/* The changes the cheapest fit combines. Four keep the training the same: a smaller
+   micro-batch (accumulation keeps the global batch), block recompute, offload and the kept
+   block inputs in host memory (with recompute; all give the same bits, at a cost in time). The others change it, in order of how much: a -true
    precision changes the numerics a little, an optimizer with less state the optimisation, a
    shorter sequence what the model sees. */
 enum { LG_FIX_MICRO_BATCH = 1, LG_FIX_RECOMPUTE = 2, LG_FIX_OFFLOAD = 4, LG_FIX_PRECISION = 8,
-       LG_FIX_OPTIMIZER = 16, LG_FIX_SEQUENCE = 32, LG_FIX_LORA = 64, LG_FIX_QLORA = 128 };
+       LG_FIX_OPTIMIZER = 16, LG_FIX_SEQUENCE = 32, LG_FIX_LORA = 64, LG_FIX_QLORA = 128,
+       LG_FIX_ACTIVATIONS = 256 /* --offload activations, always with LG_FIX_RECOMPUTE */ };
 
 /* Applies a set of fixes to args and T; the micro-batch and the sequence length become the
    largest that fit with the others. Returns the settings changed (LG_SETTING_* bits). */
@@ -4655,6 +4666,10 @@ static unsigned lg_apply_fixes(const lg_config *cfg, const lg_args *args, int T,
     if (fixes & LG_FIX_OFFLOAD) {
         a->offload = 1;
         changes |= LG_SETTING_OFFLOAD;
+    }
+    if (fixes & LG_FIX_ACTIVATIONS) {
+        a->offload_activations = 1;
+        changes |= LG_SETTING_OFFLOAD_ACTIVATIONS;
     }
     if (fixes & LG_FIX_PRECISION) {
         a->precision = LG_PRECISION_BF16_TRUE;
@@ -4700,7 +4715,12 @@ int lg_plan_cheapest_fit(const lg_config *cfg, const lg_args *args, int T, size_
                                         LG_FIX_MICRO_BATCH | LG_FIX_RECOMPUTE,
                                         LG_FIX_MICRO_BATCH | LG_FIX_OFFLOAD,
                                         LG_FIX_RECOMPUTE | LG_FIX_OFFLOAD,
-                                        LG_FIX_MICRO_BATCH | LG_FIX_RECOMPUTE | LG_FIX_OFFLOAD};
+                                        LG_FIX_MICRO_BATCH | LG_FIX_RECOMPUTE | LG_FIX_OFFLOAD,
+                                        LG_FIX_RECOMPUTE | LG_FIX_ACTIVATIONS,
+                                        LG_FIX_MICRO_BATCH | LG_FIX_RECOMPUTE | LG_FIX_ACTIVATIONS,
+                                        LG_FIX_RECOMPUTE | LG_FIX_OFFLOAD | LG_FIX_ACTIVATIONS,
+                                        LG_FIX_MICRO_BATCH | LG_FIX_RECOMPUTE | LG_FIX_OFFLOAD |
+                                            LG_FIX_ACTIVATIONS};
     lg_args a;
     int t;
     for (size_t i = 0; i < sizeof changes / sizeof changes[0]; i++)

@@ -1615,6 +1615,20 @@ static void test_offload_activations_memory(results *r) {
           "%zu B (5 layers: 4 outputs out, 2 slots in)", host[0], host[1], device[0], device[1]);
     lg_args a;
     lg_args_default(&a);
+    a.micro_batch_size = 4;
+    lg_remedy rem[LG_MAX_REMEDIES];
+    int n = lg_plan_remedies(&cfg, &a, 16, 1, rem), recompute = -1, host_acts = -1;
+    for (int i = 0; i < n; i++) {
+        if (strcmp(rem[i].what, "block recompute") == 0) recompute = i;
+        if (strcmp(rem[i].what, "activations in host memory") == 0) host_acts = i;
+    }
+    check(r, recompute >= 0 && host_acts >= 0 &&
+          rem[host_acts].changes == (LG_SETTING_RECOMPUTE | LG_SETTING_OFFLOAD_ACTIVATIONS) &&
+          rem[recompute].device_bytes - rem[host_acts].device_bytes == device[0] - device[1] &&
+          rem[host_acts].host_bytes - rem[recompute].host_bytes == host[1] - host[0],
+          "the remedies price --offload activations (with --recompute block): device %zu B, "
+          "host %zu B more than recompute alone", rem[host_acts < 0 ? 0 : host_acts].device_bytes,
+          host[1] - host[0]);
     a.offload_activations = 1;
     lg_error err = {0};
     check(r, lg_args_check(&a, &err) != 0 && strstr(err.msg, "--offload activations") &&
