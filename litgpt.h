@@ -77,6 +77,7 @@
      sharding (FSDP)     5 (plan per strategy), 10 (collectives), 14 (gathers, reductions), 15
      offload             5 (host pool), 14 (the optimizer on the host)
      recompute           5, 8 (a block recomputed in the backward)
+     offload activations 5 (host pool, two device slots), 8 (sent and fetched around blocks)
      Lion, Sophia, 8-bit 2 (per-element updates), 9, 14 (Sophia's Hessian pass)
      AVX-512, AMX        7 (kernel paths chosen at run time), 9 (AdamW's AVX-512 loop)
      MPI, launchers      10; the rendezvous of GPU processes without MPI: 10
