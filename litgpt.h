@@ -78,6 +78,7 @@
      sharding (FSDP)     5 (plan per strategy), 10 (collectives), 14 (gathers, reductions), 15
      offload             5 (host pool), 14 (the optimizer on the host)
      recompute           5, 8 (a block recomputed in the backward)
+     offload activations 5 (host pool, two device slots), 8 (sent and fetched around blocks)
      Lion, Sophia, 8-bit 2 (per-element updates), 9, 14 (Sophia's Hessian pass)
      AVX-512, AMX        7 (kernel paths chosen at run time), 9 (AdamW's AVX-512 loop)
      MPI, launchers      10; the rendezvous of GPU processes without MPI: 10
@@ -393,6 +394,8 @@ typedef struct {
                                   0: only at the end */
     int recompute;             /* --recompute block: 1 (keep each block's input, recompute it) */
     int offload;               /* --offload: 1 (master weights and optimizer state on the host) */
+    int offload_activations;   /* --offload activations: 1 (the block inputs that --recompute
+                                  block keeps in host memory) */
     int plan_only;             /* --plan: print the plan and exit (1 table, 2 JSON) */
     int micro_batch_auto;      /* -b auto: the largest micro-batch that fits */
     lg_state_format optimizer_state; /* --optimizer-state bf16|8bit (AdamW) */
@@ -500,8 +503,14 @@ typedef struct {
                                         u = (alpha / r) dropout(its input) */
 } lg_block_acts;
 
+#define LG_KEPT_SLOTS 2 /* --offload activations: one block's input in use, the next arriving */
+
 typedef struct {
     lg_buf *residual;                /* (L + 1) x (B, T, C): input of block l, last = output */
+    lg_buf *kept_host;               /* --offload activations: (L - 1) x (B, T, C), block l's
+                                        output in host memory (residual[l + 1] on the device) */
+    lg_buf kept_slot[LG_KEPT_SLOTS]; /* --offload activations: (B, T, C) each, the device's
+                                        double buffer the kept outputs pass through */
     lg_block_acts *h;                /* (L) */
     lg_buf ln_f;                     /* (B, T, C) */
     lg_real *ln_f_mean, *ln_f_rstd;  /* (B, T), (B, T) */
@@ -616,6 +625,7 @@ typedef struct {
     lg_strategy strategy;   /* how the model state splits over the ranks */
     int recompute;          /* 1: --recompute block */
     int offload;            /* 1: --offload */
+    int offload_activations; /* 1: --offload activations (with recompute) */
     lg_optimizer_kind optimizer;
     int momentum;           /* SGD keeps a momentum buffer */
     lg_state_format optimizer_state;
@@ -724,7 +734,8 @@ enum {
     LG_SETTING_STRATEGY = 1 << 10,       /* args.strategy */
     LG_SETTING_MICRO_BATCH = 1 << 11,    /* args.micro_batch_size */
     LG_SETTING_GLOBAL_BATCH = 1 << 12,   /* args.global_batch_size */
-    LG_SETTING_LAST = LG_SETTING_GLOBAL_BATCH
+    LG_SETTING_OFFLOAD_ACTIVATIONS = 1 << 13, /* args.offload_activations */
+    LG_SETTING_LAST = LG_SETTING_OFFLOAD_ACTIVATIONS
 };
 
 /* One remedy of the OOM guide, priced by the planner. */
@@ -743,15 +754,17 @@ typedef struct {
                              memory) */
 } lg_remedy;
 
-#define LG_MAX_REMEDIES 10
+#define LG_MAX_REMEDIES 11
 
 /* Remedies in the order of the OOM guide (micro-batch, sequence, -true precision, devices,
-   recompute, offload, optimizer; when fine-tuning every weight, LoRA and QLoRA), each with the
+   recompute, offload, activations in host memory, optimizer; when fine-tuning every weight,
+   LoRA and QLoRA), each with the
    planner's total under `limit` bytes. Returns how many; skips those that change nothing. */
 int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                      lg_remedy *out);
 /* The cheapest change that fits: changes that keep the training the same first (a
-   smaller micro-batch, block recompute, offload), then a -true precision, when fine-tuning
+   smaller micro-batch, block recompute, offload, activations in host memory with recompute),
+   then a -true precision, when fine-tuning
    every weight LoRA's adapters then QLoRA's (they change what trains), an optimizer with
    less state, a shorter sequence, and their combinations, each with the micro-batch and
    sequence as large as fits. Returns 0 and fills *best, or -1 with the most drastic
@@ -845,6 +858,7 @@ typedef struct {
     lg_precision precision;
     int recompute;              /* --recompute block: the blocks share one set of activations,
                                    rebuilt from each block's input during the backward */
+    int offload_activations;    /* --offload activations: the kept block inputs in host memory */
     size_t n_params;
     lg_tensor_table param_table;
     lg_param_tensors p, g;      /* views of params and grads */
@@ -3527,6 +3541,9 @@ int lg_args_ranks(const lg_args *a) { return a->devices * a->nodes; }
 int lg_args_check(const lg_args *a, lg_error *err) {
     if (a->devices < 1) return lg_fail(err, "-d/--devices must be at least 1");
     if (a->nodes < 1) return lg_fail(err, "--nodes must be at least 1");
+    if (a->offload_activations && !a->recompute)
+        return lg_fail(err, "--offload activations needs --recompute block (the block inputs it "
+                            "moves to host memory are the ones recompute keeps)");
     if ((long)a->devices * a->nodes > LG_MAX_RANKS)
         return lg_fail(err, "-d/--devices %d x --nodes %d: at most %d ranks", a->devices, a->nodes,
                        LG_MAX_RANKS);
@@ -4070,6 +4087,7 @@ void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
     s->strategy = a->strategy;
     s->recompute = a->recompute;
     s->offload = a->offload;
+    s->offload_activations = a->offload_activations;
     s->optimizer = a->optimizer;
     s->backend = a->backend;
     s->runtime_bytes = a->runtime_bytes;
@@ -4278,8 +4296,15 @@ static int lg_plan_frozen_model(lg_rank_plan *r, const lg_plan *plan) {
                             largest);
 }
 
+/* Whether block l's output (the input of block l + 1) lives in host memory: --offload
+   activations with recompute, every block but the last (the head's input stays). */
+static int lg_kept_on_host(const lg_config *c, const lg_plan_spec *s, int l) {
+    return s->offload_activations && s->recompute && l < c->n_layer - 1;
+}
+
 /* What the forward keeps: all of every block's activations, or with recompute only each
-   block's output plus one block's full set, rebuilt during the backward. */
+   block's output plus one block's full set, rebuilt during the backward; with --offload
+   activations the outputs in host memory and two device slots they pass through. */
 static int lg_plan_activations(lg_rank_plan *r, const lg_config *c, const lg_plan_spec *s) {
     lg_precision_types t = lg_types_of(s->precision);
     int B = s->B, T = s->T, rc = 0;
@@ -4296,7 +4321,9 @@ static int lg_plan_activations(lg_rank_plan *r, const lg_config *c, const lg_pla
             stats_count = 0;
         }
         snprintf(name, sizeof name, "activations.h.%d", l);
-        rc |= lg_plan_add(r, name, LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, t.acts, main_count);
+        rc |= lg_plan_add(r, name, LG_GROUP_ACTIVATIONS,
+                          lg_kept_on_host(c, s, l) ? LG_POOL_HOST : LG_POOL_DEVICE, t.acts,
+                          main_count);
         snprintf(name, sizeof name, "activations.h.%d.stats", l);
         rc |= lg_plan_add(r, name, LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, LG_DTYPE_F32, stats_count);
     }
@@ -4307,6 +4334,11 @@ static int lg_plan_activations(lg_rank_plan *r, const lg_config *c, const lg_pla
                           main_count);
         rc |= lg_plan_add(r, "recompute.block.stats", LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE,
                           LG_DTYPE_F32, stats_count);
+    }
+    for (int k = 0; k < LG_KEPT_SLOTS && lg_kept_on_host(c, s, 0); k++) {
+        snprintf(name, sizeof name, "activations.kept_slot.%d", k);
+        rc |= lg_plan_add(r, name, LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, t.acts,
+                          (size_t)B * T * c->n_embd);
     }
     lg_rope_layout(c, T, NULL, NULL, &main_count);
     rc |= lg_plan_add(r, "rope", LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, LG_DTYPE_F32, main_count);
@@ -4713,6 +4745,13 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
         a.offload = 1;
         lg_remedy_price(&out[n++], "CPU offload", LG_SETTING_OFFLOAD, cfg, &a, T, limit);
     }
+    if (!args->offload_activations) { /* it moves what recompute keeps: recompute with it */
+        a = *args;
+        a.recompute = a.offload_activations = 1;
+        lg_remedy_price(&out[n++], "activations in host memory",
+                        LG_SETTING_OFFLOAD_ACTIVATIONS | (args->recompute ? 0 : LG_SETTING_RECOMPUTE),
+                        cfg, &a, T, limit);
+    }
     unsigned changes = lg_lighter_optimizer(args, &a);
     if (changes)
         lg_remedy_price(&out[n++], "an optimizer with less state", changes, cfg, &a, T, limit);
@@ -4722,13 +4761,14 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
     return n;
 }
 
-/* The changes the cheapest fit combines. Three keep the training the same: a smaller
-   micro-batch (accumulation keeps the global batch), block recompute and offload (both give
-   the same bits, at a cost in time). The others change it, in order of how much: a -true
+/* The changes the cheapest fit combines. Four keep the training the same: a smaller
+   micro-batch (accumulation keeps the global batch), block recompute, offload and the kept
+   block inputs in host memory (with recompute; all give the same bits, at a cost in time). The others change it, in order of how much: a -true
    precision changes the numerics a little, an optimizer with less state the optimisation, a
    shorter sequence what the model sees. */
 enum { LG_FIX_MICRO_BATCH = 1, LG_FIX_RECOMPUTE = 2, LG_FIX_OFFLOAD = 4, LG_FIX_PRECISION = 8,
-       LG_FIX_OPTIMIZER = 16, LG_FIX_SEQUENCE = 32, LG_FIX_LORA = 64, LG_FIX_QLORA = 128 };
+       LG_FIX_OPTIMIZER = 16, LG_FIX_SEQUENCE = 32, LG_FIX_LORA = 64, LG_FIX_QLORA = 128,
+       LG_FIX_ACTIVATIONS = 256 /* --offload activations, always with LG_FIX_RECOMPUTE */ };
 
 /* Applies a set of fixes to args and T; the micro-batch and the sequence length become the
    largest that fit with the others. Returns the settings changed (LG_SETTING_* bits). */
@@ -4745,6 +4785,10 @@ static unsigned lg_apply_fixes(const lg_config *cfg, const lg_args *args, int T,
     if (fixes & LG_FIX_OFFLOAD) {
         a->offload = 1;
         changes |= LG_SETTING_OFFLOAD;
+    }
+    if (fixes & LG_FIX_ACTIVATIONS) {
+        a->offload_activations = 1;
+        changes |= LG_SETTING_OFFLOAD_ACTIVATIONS;
     }
     if (fixes & LG_FIX_PRECISION) {
         a->precision = LG_PRECISION_BF16_TRUE;
@@ -4790,7 +4834,12 @@ int lg_plan_cheapest_fit(const lg_config *cfg, const lg_args *args, int T, size_
                                         LG_FIX_MICRO_BATCH | LG_FIX_RECOMPUTE,
                                         LG_FIX_MICRO_BATCH | LG_FIX_OFFLOAD,
                                         LG_FIX_RECOMPUTE | LG_FIX_OFFLOAD,
-                                        LG_FIX_MICRO_BATCH | LG_FIX_RECOMPUTE | LG_FIX_OFFLOAD};
+                                        LG_FIX_MICRO_BATCH | LG_FIX_RECOMPUTE | LG_FIX_OFFLOAD,
+                                        LG_FIX_RECOMPUTE | LG_FIX_ACTIVATIONS,
+                                        LG_FIX_MICRO_BATCH | LG_FIX_RECOMPUTE | LG_FIX_ACTIVATIONS,
+                                        LG_FIX_RECOMPUTE | LG_FIX_OFFLOAD | LG_FIX_ACTIVATIONS,
+                                        LG_FIX_MICRO_BATCH | LG_FIX_RECOMPUTE | LG_FIX_OFFLOAD |
+                                            LG_FIX_ACTIVATIONS};
     lg_args a;
     int t;
     for (size_t i = 0; i < sizeof changes / sizeof changes[0]; i++)
@@ -6943,6 +6992,11 @@ static lg_buf lg_model_view(lg_model *m, const char *name, lg_dtype dtype, lg_er
     return b;
 }
 
+/* lg_kept_on_host for a bound model: block l's output is kept in host memory */
+static int lg_model_kept_on_host(const lg_model *m, int l) {
+    return m->offload_activations && m->recompute && l < m->cfg.n_layer - 1;
+}
+
 /* Points the activation views into their regions, each laid out by the function that sized
    it for the plan. */
 static int lg_model_bind_activations(lg_model *m, lg_dtype acts, lg_error *err) {
@@ -6952,6 +7006,10 @@ static int lg_model_bind_activations(lg_model *m, lg_dtype acts, lg_error *err) 
     size_t count;
     lg_buf base = lg_model_view(m, "activations.embedding", acts, err);
     if (!base.data) return -1;
+    for (int k = 0; k < LG_KEPT_SLOTS && lg_model_kept_on_host(m, 0); k++) {
+        snprintf(name, sizeof name, "activations.kept_slot.%d", k);
+        if (!(m->a.kept_slot[k] = lg_model_view(m, name, acts, err)).data) return -1;
+    }
     lg_embedding_acts_layout(B, T, cfg->n_embd, base, &m->a, &count);
     for (int l = 0; l < cfg->n_layer; l++) {
         lg_buf own, stats;
@@ -6964,6 +7022,10 @@ static int lg_model_bind_activations(lg_model *m, lg_dtype acts, lg_error *err) 
                 return -1;
             lg_block_acts_layout(cfg, l, B, T, 0, shared, &m->a, &count);
             m->a.residual[l + 1] = own;
+            if (lg_model_kept_on_host(m, l)) { /* on the host; the blocks use a device slot */
+                m->a.kept_host[l] = own;
+                m->a.residual[l + 1] = m->a.kept_slot[l % LG_KEPT_SLOTS];
+            }
         } else {
             snprintf(name, sizeof name, "activations.h.%d.stats", l);
             if (!(stats = lg_model_view(m, name, LG_DTYPE_F32, err)).data) return -1;
@@ -7056,12 +7118,14 @@ static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank,
     m->T = s->T;
     m->precision = s->precision;
     m->recompute = s->recompute;
+    m->offload_activations = s->offload_activations;
     m->rank = rank;
     m->p.h = (lg_block_tensors *)lg_alloc_zeroed(sizeof(lg_block_tensors) * L);
     m->g.h = (lg_block_tensors *)lg_alloc_zeroed(sizeof(lg_block_tensors) * L);
     m->a.h = (lg_block_acts *)lg_alloc_zeroed(sizeof(lg_block_acts) * L);
     m->a.residual = (lg_buf *)lg_alloc_zeroed(sizeof(lg_buf) * (L + 1));
-    if (!m->p.h || !m->g.h || !m->a.h || !m->a.residual || lg_table_alloc(&m->param_table, cfg) ||
+    m->a.kept_host = (lg_buf *)lg_alloc_zeroed(sizeof(lg_buf) * L);
+    if (!m->p.h || !m->g.h || !m->a.h || !m->a.residual || !m->a.kept_host || lg_table_alloc(&m->param_table, cfg) ||
         (cfg->lora.r > 0 && lg_table_alloc(&m->frozen_table, cfg))) /* LoRA's frozen base */
         return lg_fail(err, "out of host memory for the model's tables");
     m->n_params = lg_params_layout(cfg, lg_no_buf(), NULL, &m->param_table);
@@ -7120,6 +7184,7 @@ void lg_model_free(lg_model *m) {
     LG_FREE(m->g.h);
     LG_FREE(m->a.h);
     LG_FREE(m->a.residual);
+    LG_FREE(m->a.kept_host);
     lg_tensor_table_free(&m->param_table);
     lg_tensor_table_free(&m->frozen_table);
     if (m->own_plan) {
@@ -7553,6 +7618,17 @@ static void lg_block_forward(lg_model *m, int l, int B, int T) {
     lg_add(ex, out, out, a->x_mid, (size_t)N * C);
 }
 
+/* Block l in the forward; with --offload activations its output goes to host memory on the
+   copy stream beside the next block, and its slot is written once the copy that left it two
+   blocks back has landed. */
+static void lg_model_block_forward(lg_model *m, int l, int B, int T) {
+    size_t NC = (size_t)B * T * m->cfg.n_embd;
+    if (lg_model_kept_on_host(m, l) && l >= LG_KEPT_SLOTS) lg_rank_sync(m->rank);
+    lg_block_forward(m, l, B, T);
+    if (lg_model_kept_on_host(m, l))
+        lg_copy_beside(&m->exec, m->a.kept_host[l], m->a.residual[l + 1], NC);
+}
+
 /* The forward in three parts (embedding, blocks, head), so that a sharded trainer can gather
    each unit's weights in between. */
 static void lg_model_embed(lg_model *m, const int *tokens, int B, int T) {
@@ -7595,7 +7671,7 @@ static double lg_model_head_forward(lg_model *m, const int *targets, int B, int 
 double lg_model_forward(lg_model *m, const int *tokens, const int *targets, int B, int T,
                         int *n_targets) {
     lg_model_embed(m, tokens, B, T);
-    for (int l = 0; l < m->cfg.n_layer; l++) lg_block_forward(m, l, B, T);
+    for (int l = 0; l < m->cfg.n_layer; l++) lg_model_block_forward(m, l, B, T);
     return lg_model_head_forward(m, targets, B, T, n_targets);
 }
 
@@ -7690,8 +7766,27 @@ static void lg_model_head_backward(lg_model *m, const int *targets, int B, int T
                      lg_norm_mean_or_null(c, m->a.ln_f_mean), m->a.ln_f_rstd, N, C);
 }
 
+/* --offload activations, before block l's backward: its input (block l - 1's output, fetched
+   during block l + 1's backward) has landed in its slot, and block l - 2's output starts back
+   into the slot block l + 1 has finished with, beside block l's compute. The last block's input
+   is still in its slot from the forward. */
+static void lg_model_kept_fetch(lg_model *m, int l, int B, int T) {
+    size_t NC = (size_t)B * T * m->cfg.n_embd;
+    int ahead = l - LG_KEPT_SLOTS; /* the output whose block's backward comes after the next */
+    if (l >= 1 && lg_model_kept_on_host(m, l)) lg_rank_sync(m->rank);
+    if (ahead >= 0 && lg_model_kept_on_host(m, ahead))
+        lg_copy_beside(&m->exec, m->a.kept_slot[ahead % LG_KEPT_SLOTS], m->a.kept_host[ahead], NC);
+}
+
 static void lg_model_block_backward(lg_model *m, int l, int B, int T) {
+    int L = m->cfg.n_layer;
+    lg_buf out = m->a.residual[l + 1];
+    lg_model_kept_fetch(m, l, B, T);
+    /* with its output kept on the host, the recompute writes it into the head's input, read
+       no more, so that the slot stays free for the input arriving */
+    if (lg_model_kept_on_host(m, l)) m->a.residual[l + 1] = m->a.residual[L];
     if (m->recompute) lg_block_forward(m, l, B, T); /* rebuild what the backward reads */
+    m->a.residual[l + 1] = out;
     lg_block_backward(m, l, B, T, lg_residual_grad(m, l + 1), lg_residual_grad(m, l));
 }
 
@@ -13418,7 +13513,7 @@ static double lg_trainer_layer_forward(lg_trainer *tr, const lg_micro_batch *mb,
         const lg_micro_batch *b = &mb[r];
         if (!b->B) continue;
         if (l < 0) lg_model_embed(m, b->inputs, b->B, b->T);
-        else if (l < m->cfg.n_layer) lg_block_forward(m, l, b->B, b->T);
+        else if (l < m->cfg.n_layer) lg_model_block_forward(m, l, b->B, b->T);
         else loss += lg_model_head_forward(m, b->targets, b->B, b->T, NULL);
     }
     return loss;

@@ -622,6 +622,9 @@ static const char *remedy_flags(const lg_remedy *r, char *out, size_t cap) {
         case LG_SETTING_OFFLOAD:
             snprintf(one, sizeof one, "--offload");
             break;
+        case LG_SETTING_OFFLOAD_ACTIVATIONS:
+            snprintf(one, sizeof one, "--offload activations");
+            break;
         case LG_SETTING_PRECISION:
             snprintf(one, sizeof one, "-p %s", lg_precision_name(a->precision));
             break;

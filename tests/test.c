@@ -1527,6 +1527,115 @@ static void test_recompute_offload_bitwise(results *r) {
     }
 }
 
+/* --offload activations: the block outputs that --recompute block keeps travel to host memory
+   and back through two device slots, bitwise the losses, gradients and weights of recompute
+   alone; 5 layers, so both slots turn over and a fetch that came late or went to the wrong
+   slot would show. Also with -d 2 full-shard. */
+static void test_offload_activations_bitwise(results *r) {
+    const char *names[] = {"test-gpt2", "test-pythia", "test-llama", "test-falcon", "test-llama31"};
+    const int n_families = (int)(sizeof names / sizeof names[0]);
+    const lg_precision modes[2] = {LG_PRECISION_32_TRUE, LG_PRECISION_BF16_MIXED};
+    int ok = 1, runs = 0;
+    for (int i = 0; i < n_families; i++)
+        for (int k = 0; k < 3; k++) {
+            lg_config cfg;
+            if (load_config_or_fail(r, &cfg, names[i])) return;
+            cfg.n_layer = 5;
+            lg_args a;
+            lg_args_default(&a);
+            a.precision = modes[k % 2];
+            a.micro_batch_size = 2;
+            a.global_batch_size = 4;
+            a.recompute = 1;
+            if (k == 2) { /* -d 2 full-shard */
+                a.devices = 2;
+                a.strategy = LG_STRATEGY_FULL_SHARD;
+                a.global_batch_size = 8;
+            }
+            double kept_losses[3], host_losses[3];
+            lg_trainer kept, host;
+            int rc = train_steps(&kept, &cfg, &a, 12, 3, kept_losses);
+            a.offload_activations = 1;
+            rc |= train_steps(&host, &cfg, &a, 12, 3, host_losses);
+            int same = rc == 0 && memcmp(kept_losses, host_losses, sizeof kept_losses) == 0;
+            for (int q = 0; same && q < kept.local_ranks; q++)
+                same = same_bits(kept.ranks[q].model.grads, host.ranks[q].model.grads, kept.ranks[q].model.n_local) &&
+                       same_bits(kept.ranks[q].model.params, host.ranks[q].model.params, kept.ranks[q].model.n_local);
+            if (!same) printf("    differs: %s %s%s\n", names[i], lg_precision_name(modes[k % 2]),
+                              k == 2 ? " -d 2 full-shard" : "");
+            ok = ok && same;
+            runs++;
+            lg_trainer_free(&kept);
+            lg_trainer_free(&host);
+        }
+    check(r, ok, "--offload activations: bitwise the losses, gradients and weights of --recompute "
+          "block after 3 steps (%d runs: %d families with 5 layers x fp32, bf16-mixed, fp32 -d 2 "
+          "full-shard)", runs, n_families);
+}
+
+/* --offload activations as allocated: the arenas are the plan's; L - 1 block outputs move to
+   the host pool and two slots join the device pool; the model's views point there. Asked
+   without --recompute block it is refused naming both flags. */
+static void test_offload_activations_memory(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-pythia")) return;
+    cfg.n_layer = 5;
+    size_t device[2], host[2], acts = 0; /* bytes of one block output (B, T, C) */
+    int ok = 1;
+    for (int v = 0; v < 2; v++) {
+        lg_args a;
+        lg_args_default(&a);
+        a.micro_batch_size = 4;
+        a.recompute = 1;
+        a.offload_activations = v;
+        lg_error err;
+        lg_trainer tr;
+        if (create_counting(&tr, &cfg, &a, 16, &err) != 0) { check(r, 0, "%s", err.msg); return; }
+        const lg_rank_plan *p = &tr.plan.ranks[0];
+        device[v] = p->pool_bytes[LG_POOL_DEVICE];
+        host[v] = p->pool_bytes[LG_POOL_HOST];
+        for (int i = 0; i < test_allocations.n; i++)
+            for (int pool = 0; pool < LG_N_POOLS; pool++)
+                if (test_allocations.blocks[i] == tr.ranks[0].rank.arena[pool])
+                    ok = ok && test_allocations.sizes[i] == p->pool_bytes[pool] + LG_ALIGN;
+        const lg_model *m = &tr.ranks[0].model;
+        acts = (size_t)4 * 16 * cfg.n_embd * lg_elem_size(m->a.residual[0].dtype);
+        for (int l = 0; v && l < cfg.n_layer - 1; l++) {
+            char name[64], slot[64];
+            snprintf(name, sizeof name, "activations.h.%d", l);
+            snprintf(slot, sizeof slot, "activations.kept_slot.%d", l % 2);
+            ok = ok && m->a.kept_host[l].data == lg_rank_region(&tr.ranks[0].rank, name) &&
+                 m->a.residual[l + 1].data == lg_rank_region(&tr.ranks[0].rank, slot);
+        }
+        lg_trainer_free(&tr);
+    }
+    check(r, ok && host[1] - host[0] == (cfg.n_layer - 1) * acts &&
+          device[0] - device[1] == (cfg.n_layer - 1 - 2) * acts,
+          "--offload activations: arenas as planned, host pool %zu -> %zu B, device pool %zu -> "
+          "%zu B (5 layers: 4 outputs out, 2 slots in)", host[0], host[1], device[0], device[1]);
+    lg_args a;
+    lg_args_default(&a);
+    a.micro_batch_size = 4;
+    lg_remedy rem[LG_MAX_REMEDIES];
+    int n = lg_plan_remedies(&cfg, &a, 16, 1, rem), recompute = -1, host_acts = -1;
+    for (int i = 0; i < n; i++) {
+        if (strcmp(rem[i].what, "block recompute") == 0) recompute = i;
+        if (strcmp(rem[i].what, "activations in host memory") == 0) host_acts = i;
+    }
+    check(r, recompute >= 0 && host_acts >= 0 &&
+          rem[host_acts].changes == (LG_SETTING_RECOMPUTE | LG_SETTING_OFFLOAD_ACTIVATIONS) &&
+          rem[recompute].device_bytes - rem[host_acts].device_bytes == device[0] - device[1] &&
+          rem[host_acts].host_bytes - rem[recompute].host_bytes == host[1] - host[0],
+          "the remedies price --offload activations (with --recompute block): device %zu B, "
+          "host %zu B more than recompute alone", rem[host_acts < 0 ? 0 : host_acts].device_bytes,
+          host[1] - host[0]);
+    a.offload_activations = 1;
+    lg_error err = {0};
+    check(r, lg_args_check(&a, &err) != 0 && strstr(err.msg, "--offload activations") &&
+          strstr(err.msg, "--recompute block"), "--offload activations without --recompute "
+          "block: refused naming both (%s)", err.msg);
+}
+
 /* What recompute and offload save, as allocated: the arenas are the plan's, and the device
    pool shrinks by exactly what the plan says. */
 static void test_recompute_offload_memory(results *r) {
@@ -1961,6 +2070,8 @@ int main(int argc, char **argv) {
     if (section("recompute and offload", argc, argv)) {
         test_recompute_offload_bitwise(&r);
         test_recompute_offload_memory(&r);
+        test_offload_activations_bitwise(&r);
+        test_offload_activations_memory(&r);
     }
     if (section("memory plan", argc, argv)) {
         test_plan_matches_allocations(&r);

@@ -182,10 +182,11 @@ static void test_lora_equivalences(results *r) {
                     worst_w = fmax(worst_w, e);
                     runs++;
                 }
-            for (int v = 0; v < 2; v++) { /* --recompute block, --offload */
+            for (int v = 0; v < 3; v++) { /* --recompute block, --offload, both activations */
                 lg_args b = a;
-                if (v) b.offload = 1;
+                if (v == 1) b.offload = 1;
                 else b.recompute = 1;
+                b.offload_activations = v == 2;
                 double losses[4];
                 lg_trainer tr;
                 if (train_steps(&tr, &cfg, &b, T, steps, losses) != 0) { ok = 0; continue; }
@@ -200,8 +201,8 @@ static void test_lora_equivalences(results *r) {
                   "1 rank after %d steps: "
                   "adapters rel err %.1e, losses %.1e (< 1e-5)", lora_configs[c],
                   q ? "QLoRA nf4" : "LoRA", steps, worst_w, worst_loss);
-            check(r, ok && bitwise, "%-11s %s: --recompute block and --offload give bitwise the "
-                  "same adapters and losses", lora_configs[c], q ? "QLoRA nf4" : "LoRA");
+            check(r, ok && bitwise, "%-11s %s: --recompute block, --offload and --offload "
+                  "activations give bitwise the same adapters and losses", lora_configs[c], q ? "QLoRA nf4" : "LoRA");
             LG_FREE(expected);
             lg_trainer_free(&one);
         }
