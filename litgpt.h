@@ -1231,8 +1231,13 @@ int lg_rendezvous(const char *init, int process, int processes, void *id, size_t
    right-padded to the longest sample of the micro-batch. A sample of n tokens gives n
    positions, as in LitGPT: inputs are its tokens, targets its tokens shifted by one; the last
    target, padding and (when the file asks for masking) targets inside the prompt are
-   LG_IGNORE_INDEX. */
+   LG_IGNORE_INDEX. Prompt masking 2 (chat conversations, tools/prepare chat): tokens are 4
+   bytes and bit LG_SAMPLES_TRAINED_BIT of a token marks it trained (its target is kept); p
+   is 0. */
 #define LG_SAMPLES_MAGIC 20250612
+#define LG_SAMPLES_MASK_TOKENS 2
+#define LG_SAMPLES_TRAINED_BIT 31
+#define LG_SAMPLES_TOKEN_BITS 0x7FFFFFFFu
 #define LG_SAMPLES_VERSION 1
 
 /* A stream of tokens cut into windows of T + 1 (inputs and the targets shifted by one), either
@@ -1302,7 +1307,8 @@ int lg_loader_longest(const lg_loader *ld);
 /* Fails naming the file, the first sample (index from 0) longer than block_size after
    truncation, its length and the limit. */
 int lg_loader_check_block_size(const lg_loader *ld, int block_size, lg_error *err);
-/* Writes a sample file: lengths[i] tokens of sample i follow each other in tokens. */
+/* Writes a sample file: lengths[i] tokens of sample i follow each other in tokens.
+   mask_prompt LG_SAMPLES_MASK_TOKENS: tokens carry the trained bit, token_bytes is 4. */
 int lg_samples_write(const char *path, const uint32_t *tokens, const uint32_t *lengths,
                      const uint32_t *prompt_lengths, size_t n_samples, int token_bytes,
                      int mask_prompt, lg_error *err);
@@ -1373,6 +1379,7 @@ void lg_alpaca_free(lg_alpaca *set);
 /* Appends the Alpaca prompt of a sample (everything before the response) to out. */
 int lg_alpaca_prompt(const lg_alpaca_sample *sample, lg_text *out);
 
+
 /* ---------------------------------------------------------------------------------------------
    11. tokenizer (API): byte-level BPE, SentencePiece-style BPE, the built-in characters
    ------------------------------------------------------------------------------------------- */
@@ -1434,6 +1441,68 @@ void lg_text_free(lg_text *text);
 #define LG_CHAR_VOCAB 28 /* '\n', '=', 'a'..'z' */
 int lg_char_encode(const char *text, int *tokens, int max_tokens); /* -1 on a foreign char */
 char lg_char_decode(int token);
+
+/* 12. data (API, continued): chat conversations and their templates, which need the
+   tokenizer above. */
+/* Chat conversations: a JSON array of objects, or JSON lines, each with "messages" (a list of
+   {"role", "content"}, roles system, user, assistant) or ShareGPT's "conversations" (a list of
+   {"from", "value"}, from system, human or user, gpt or assistant). */
+typedef enum { LG_ROLE_SYSTEM, LG_ROLE_USER, LG_ROLE_ASSISTANT } lg_chat_role;
+typedef struct {
+    lg_chat_role role;
+    char *content; /* UTF-8 (LG_MALLOC) */
+} lg_chat_turn;
+typedef struct {
+    lg_chat_turn *turns; /* (n) */
+    int n;
+} lg_chat;
+typedef struct {
+    lg_chat *chats; /* (n) */
+    size_t n;
+} lg_chat_set;
+
+/* Reads path; fails naming the file, the record (from 0), the turn and what is wrong (an
+   unknown role, an empty assistant turn, no assistant turn, malformed JSON). */
+int lg_chat_read(lg_chat_set *set, const char *path, lg_error *err);
+/* The same from text in memory; path names it in messages. */
+int lg_chat_parse(lg_chat_set *set, const char *text, size_t len, const char *path,
+                  lg_error *err);
+void lg_chat_free(lg_chat_set *set);
+
+/* Chat templates, written from each model's published format: plain (the built-in task's
+   "prompt=answer\n"), alpaca (single turns), llama3 (Llama 3 / 3.1), llama2 ([INST],
+   <<SYS>>), chatml (Qwen2/2.5, SmolLM2, without a default system prompt), qwen3 (ChatML with
+   the empty think block on the last assistant turn), falcon (User: / Falcon:). */
+typedef enum { LG_TEMPLATE_PLAIN, LG_TEMPLATE_ALPACA, LG_TEMPLATE_LLAMA3, LG_TEMPLATE_LLAMA2,
+               LG_TEMPLATE_CHATML, LG_TEMPLATE_QWEN3, LG_TEMPLATE_FALCON,
+               LG_TEMPLATE_COUNT } lg_chat_template;
+#define LG_TEMPLATE_NAMES {"plain", "alpaca", "llama3", "llama2", "chatml", "qwen3", "falcon"}
+/* -1 naming the template and the known ones when there is none by that name. */
+int lg_chat_template_find(const char *name, lg_chat_template *out, lg_error *err);
+const char *lg_chat_template_name(lg_chat_template t);
+/* The template of a tokenizer: by its tokenizer_config.json's chat_template when it has one
+   (refused, naming it, when no template here renders it exactly), else by the tokenizer's
+   family (Llama 3, Qwen2 -> chatml, SentencePiece -> llama2); -1 when neither. */
+int lg_chat_template_auto(const lg_tokenizer *tok, lg_chat_template *out, lg_error *err);
+
+/* A rendered conversation: its text and the byte ranges trained (each assistant turn's
+   content and its end-of-turn), span[2k] .. span[2k+1]. */
+typedef struct {
+    lg_text text;
+    size_t *span; /* (2 n_spans) */
+    int n_spans, cap;
+} lg_chat_rendered;
+/* Renders chat with template t (tok: its BOS and EOS text where the template uses the
+   tokenizer's; NULL for none). generation_prompt: ends with the assistant's header, as a
+   prompt for generation. out is emptied first. */
+int lg_chat_render(lg_chat_template t, const lg_chat *chat, const lg_tokenizer *tok,
+                   int generation_prompt, lg_chat_rendered *out, lg_error *err);
+void lg_chat_rendered_free(lg_chat_rendered *r);
+/* The ids of the whole rendered text appended to ids, and 1 or 0 for each to trained (1
+   inside a span). Fails, naming where, when a span's edge is not a token edge (the span
+   tokenized alone differs from the whole text's ids). */
+int lg_chat_tokenize(const lg_tokenizer *tok, const lg_chat_rendered *r, lg_tokens *ids,
+                     lg_tokens *trained, const char *where, lg_error *err);
 
 /* ---------------------------------------------------------------------------------------------
    13 and 15. model files and run checkpoints (API)
@@ -10719,12 +10788,14 @@ static int lg_samples_read_one(lg_loader *ld, const unsigned char *raw, size_t s
     ld->prompt_length[i] = prompt;
     for (uint32_t k = 0; k < n; k++, *at += (size_t)ld->token_bytes) {
         const unsigned char *b = raw + *at;
-        uint32_t token = ld->token_bytes == 2 ? (uint32_t)(b[0] | b[1] << 8) : lg_u32_le(b);
+        uint32_t stored = ld->token_bytes == 2 ? (uint32_t)(b[0] | b[1] << 8) : lg_u32_le(b);
+        uint32_t token = ld->mask_prompt == LG_SAMPLES_MASK_TOKENS ? stored & LG_SAMPLES_TOKEN_BITS
+                                                                  : stored;
         if (token >= (uint32_t)ld->vocab_size)
             return lg_fail(err, "data %s: sample %zu: token %u is outside the model's "
                                 "vocabulary of %d", ld->path, i, token, ld->vocab_size);
         if (token > ld->max_token) ld->max_token = token;
-        ld->memory[(*n_tokens)++] = token;
+        ld->memory[(*n_tokens)++] = stored; /* masking 2: the trained bit kept */
     }
     return 0;
 }
@@ -10739,8 +10810,11 @@ static int lg_samples_parse(lg_loader *ld, const unsigned char *raw, size_t size
                        LG_SAMPLES_VERSION);
     if (token_bytes != 2 && token_bytes != 4)
         return lg_fail(err, "data %s: %d bytes a token, expected 2 or 4", ld->path, token_bytes);
-    if (mask != 0 && mask != 1)
-        return lg_fail(err, "data %s: prompt masking %d, expected 0 or 1", ld->path, mask);
+    if (mask != 0 && mask != 1 && mask != LG_SAMPLES_MASK_TOKENS)
+        return lg_fail(err, "data %s: prompt masking %d, expected 0, 1 or 2", ld->path, mask);
+    if (mask == LG_SAMPLES_MASK_TOKENS && token_bytes != 4)
+        return lg_fail(err, "data %s: masking by token needs 4 bytes a token, not %d", ld->path,
+                       token_bytes);
     if (n <= 0 || (size_t)n > (size - header_bytes) / 8)
         return lg_fail(err, "data %s: header says %d samples, impossible in %zu bytes", ld->path,
                        n, size);
@@ -10801,6 +10875,14 @@ static void lg_samples_fill_row(const lg_loader *ld, size_t sample, int T, int *
     const uint32_t *tokens = ld->memory + ld->sample_start[sample];
     int n = (int)ld->sample_length[sample];
     if (n > ld->T) n = ld->T;
+    if (ld->mask_prompt == LG_SAMPLES_MASK_TOKENS) { /* the trained bit of each token */
+        for (int t = 0; t < T; t++) {
+            inputs[t] = t < n ? (int)(tokens[t] & LG_SAMPLES_TOKEN_BITS) : 0;
+            targets[t] = t + 1 < n && tokens[t + 1] >> LG_SAMPLES_TRAINED_BIT
+                             ? (int)(tokens[t + 1] & LG_SAMPLES_TOKEN_BITS) : LG_IGNORE_INDEX;
+        }
+        return;
+    }
     int prompt = ld->mask_prompt ? (int)ld->prompt_length[sample] : 0;
     for (int t = 0; t < T; t++) {
         inputs[t] = t < n ? (int)tokens[t] : 0; /* any valid token: padding is never a target */
@@ -10927,7 +11009,8 @@ int lg_samples_write(const char *path, const uint32_t *tokens, const uint32_t *l
     lg_put_u32(header + 4, LG_SAMPLES_VERSION);
     lg_put_u32(header + 8, (uint32_t)n_samples);
     lg_put_u32(header + 12, (uint32_t)token_bytes);
-    lg_put_u32(header + 16, (uint32_t)(mask_prompt != 0));
+    lg_put_u32(header + 16, (uint32_t)(mask_prompt == LG_SAMPLES_MASK_TOKENS ? mask_prompt
+                                                                              : mask_prompt != 0));
     int ok = fwrite(header, sizeof header, 1, f) == 1;
     size_t at = 0;
     for (size_t i = 0; ok && i < n_samples; i++) {
@@ -11102,6 +11185,393 @@ int lg_alpaca_prompt(const lg_alpaca_sample *sample, lg_text *out) {
     }
     rc |= lg_text_append(out, "\n\n### Response:\n", 16);
     return rc ? -1 : 0;
+}
+
+/* --- chat conversations ----------------------------------------------------------------------- */
+
+/* The role named by a messages "role" or a ShareGPT "from"; -1 when unknown. */
+static int lg_chat_role_of(const char *name) {
+    static const char *const names[] = {"system", "user", "human", "assistant", "gpt"};
+    static const lg_chat_role roles[] = {LG_ROLE_SYSTEM, LG_ROLE_USER, LG_ROLE_USER,
+                                         LG_ROLE_ASSISTANT, LG_ROLE_ASSISTANT};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!strcmp(name, names[i])) return (int)roles[i];
+    return -1;
+}
+
+/* Turn k of a conversation from its JSON object (keys role/content or from/value). */
+static int lg_chat_take_turn(lg_chat *chat, const lg_json *doc, int node, int sharegpt,
+                             const char *where, lg_error *err) {
+    int k = chat->n;
+    const char *role_key = sharegpt ? "from" : "role", *text_key = sharegpt ? "value" : "content";
+    if (doc->nodes[node].kind != LG_JSON_OBJECT)
+        return lg_fail(err, "%s turn %d: expected an object with \"%s\" and \"%s\"", where, k,
+                       role_key, text_key);
+    char role[32];
+    if (lg_json_string_copy(doc, lg_json_find(doc, node, role_key), role, sizeof role) != 0)
+        return lg_fail(err, "%s turn %d: missing or bad \"%s\"", where, k, role_key);
+    int r = lg_chat_role_of(role);
+    if (r < 0)
+        return lg_fail(err, "%s turn %d: unknown role \"%s\" (system, user or human, assistant "
+                            "or gpt)", where, k, role);
+    size_t len = 0;
+    char *content = lg_json_string(doc, lg_json_find(doc, node, text_key), &len);
+    if (!content) return lg_fail(err, "%s turn %d: missing or bad \"%s\"", where, k, text_key);
+    chat->turns[k].role = (lg_chat_role)r;
+    chat->turns[k].content = content;
+    chat->n++;
+    if (r == LG_ROLE_ASSISTANT && len == 0)
+        return lg_fail(err, "%s turn %d: empty assistant turn", where, k);
+    if (strlen(content) != len)
+        return lg_fail(err, "%s turn %d: a NUL character in \"%s\"", where, k, text_key);
+    return 0;
+}
+
+/* One record of the file into conversation set->n. */
+static int lg_chat_take(lg_chat_set *set, const lg_json *doc, int node, const char *where,
+                        lg_error *err) {
+    if (doc->nodes[node].kind != LG_JSON_OBJECT)
+        return lg_fail(err, "%s: expected an object with \"messages\" or \"conversations\"", where);
+    int list = lg_json_find(doc, node, "messages"), sharegpt = list < 0;
+    if (sharegpt) list = lg_json_find(doc, node, "conversations");
+    if (list < 0 || doc->nodes[list].kind != LG_JSON_ARRAY)
+        return lg_fail(err, "%s: no \"messages\" or \"conversations\" list", where);
+    lg_chat *chat = &set->chats[set->n++]; /* counted at once, so lg_chat_free releases it */
+    int count = lg_json_count(doc, list);
+    chat->turns = (lg_chat_turn *)lg_alloc_zeroed(sizeof(lg_chat_turn) * (size_t)(count + 1));
+    if (!chat->turns) return lg_fail(err, "%s: out of host memory", where);
+    int assistant = 0;
+    for (int k = doc->nodes[list].first_child; k >= 0; k = doc->nodes[k].next) {
+        if (lg_chat_take_turn(chat, doc, k, sharegpt, where, err) != 0) return -1;
+        assistant |= chat->turns[chat->n - 1].role == LG_ROLE_ASSISTANT;
+    }
+    if (!assistant) return lg_fail(err, "%s: no assistant turn to train on", where);
+    return 0;
+}
+
+/* A JSON array of records (first == '[') or JSON lines. */
+static int lg_chat_records(lg_chat_set *set, const char *text, size_t len, int array,
+                           const char *path, lg_error *err) {
+    size_t lines = 1;
+    for (size_t i = 0; i < len; i++) lines += text[i] == '\n' || text[i] == ',';
+    set->chats = (lg_chat *)lg_alloc_zeroed(sizeof(lg_chat) * lines);
+    if (!set->chats) return lg_fail(err, "%s: out of host memory", path);
+    char where[600];
+    if (array) {
+        lg_json doc;
+        if (lg_json_parse(&doc, text, len, path, err) != 0) return -1;
+        int rc = doc.nodes[0].kind == LG_JSON_ARRAY ? 0 : lg_fail(err, "%s: not an array", path);
+        for (int k = doc.nodes[0].first_child; k >= 0 && rc == 0; k = doc.nodes[k].next) {
+            snprintf(where, sizeof where, "%s record %zu", path, set->n);
+            rc = lg_chat_take(set, &doc, k, where, err);
+        }
+        lg_json_free(&doc);
+        return rc;
+    }
+    size_t line_no = 0;
+    for (size_t at = 0; at < len; at++) {
+        const char *end = (const char *)memchr(text + at, '\n', len - at);
+        size_t n = end ? (size_t)(end - (text + at)) : len - at, blank = 0;
+        line_no++;
+        while (blank < n && strchr(" \t\r", text[at + blank])) blank++;
+        if (blank < n) {
+            snprintf(where, sizeof where, "%s line %zu (record %zu)", path, line_no, set->n);
+            lg_json doc;
+            if (lg_json_parse(&doc, text + at, n, where, err) != 0) return -1;
+            int rc = lg_chat_take(set, &doc, 0, where, err);
+            lg_json_free(&doc);
+            if (rc != 0) return -1;
+        }
+        at += n;
+    }
+    return 0;
+}
+
+int lg_chat_parse(lg_chat_set *set, const char *text, size_t len, const char *path,
+                  lg_error *err) {
+    memset(set, 0, sizeof *set);
+    size_t first = 0;
+    while (first < len && strchr(" \t\r\n", text[first]) && text[first]) first++;
+    int rc = lg_chat_records(set, text, len, first < len && text[first] == '[', path, err);
+    if (rc == 0 && set->n == 0) rc = lg_fail(err, "%s: no conversations", path);
+    if (rc != 0) lg_chat_free(set);
+    return rc;
+}
+
+int lg_chat_read(lg_chat_set *set, const char *path, lg_error *err) {
+    memset(set, 0, sizeof *set);
+    size_t len;
+    char *text = lg_read_file(path, &len, "data", err);
+    if (!text) return -1;
+    int rc = lg_chat_parse(set, text, len, path, err);
+    LG_FREE(text);
+    return rc;
+}
+
+void lg_chat_free(lg_chat_set *set) {
+    for (size_t i = 0; set->chats && i < set->n; i++) {
+        for (int k = 0; k < set->chats[i].n; k++) LG_FREE(set->chats[i].turns[k].content);
+        LG_FREE(set->chats[i].turns);
+    }
+    LG_FREE(set->chats);
+    memset(set, 0, sizeof *set);
+}
+
+/* --- chat templates --------------------------------------------------------------------------- */
+
+int lg_chat_template_find(const char *name, lg_chat_template *out, lg_error *err) {
+    static const char *const names[] = LG_TEMPLATE_NAMES;
+    for (int t = 0; t < LG_TEMPLATE_COUNT; t++)
+        if (!strcmp(name, names[t])) { *out = (lg_chat_template)t; return 0; }
+    return lg_fail(err, "--template %s: no such template (plain, alpaca, llama3, llama2, chatml, "
+                        "qwen3, falcon or auto)", name);
+}
+
+const char *lg_chat_template_name(lg_chat_template t) {
+    static const char *const names[] = LG_TEMPLATE_NAMES;
+    return t >= 0 && t < LG_TEMPLATE_COUNT ? names[t] : "?";
+}
+
+static int lg_chat_put(lg_chat_rendered *r, const char *s) {
+    return lg_text_append(&r->text, s, strlen(s));
+}
+
+/* Marks r->text's next bytes trained (open 1) until the matching close (open 0). */
+static int lg_chat_mark(lg_chat_rendered *r, int open) {
+    if (open && r->n_spans == r->cap) {
+        int cap = r->cap ? 2 * r->cap : 8;
+        size_t *grown = (size_t *)LG_MALLOC(sizeof(size_t) * 2 * (size_t)cap);
+        if (!grown) return -1;
+        if (r->span) memcpy(grown, r->span, sizeof(size_t) * 2 * (size_t)r->n_spans);
+        LG_FREE(r->span);
+        r->span = grown;
+        r->cap = cap;
+    }
+    if (open) r->span[2 * r->n_spans] = r->text.n;
+    else r->span[2 * r->n_spans++ + 1] = r->text.n;
+    return 0;
+}
+
+/* Text without leading and trailing ASCII whitespace (Jinja's trim), appended. */
+static int lg_chat_put_trimmed(lg_chat_rendered *r, const char *s) {
+    size_t a = 0, b = strlen(s);
+    while (a < b && strchr(" \t\r\n\v\f", s[a])) a++;
+    while (b > a && strchr(" \t\r\n\v\f", s[b - 1])) b--;
+    return lg_text_append(&r->text, s + a, b - a);
+}
+
+/* The text of a tokenizer's special id, or "" (none, or no tokenizer). */
+static const char *lg_chat_special(const lg_tokenizer *tok, int id, char *buf, size_t cap) {
+    buf[0] = '\0';
+    if (!tok || id < 0 || id >= tok->vocab_size) return buf;
+    size_t n = tok->piece_start[id + 1] - tok->piece_start[id];
+    if (n >= cap) n = cap - 1;
+    memcpy(buf, tok->pieces + tok->piece_start[id], n);
+    buf[n] = '\0';
+    return buf;
+}
+
+/* An assistant turn: content then end (the end-of-turn text), both trained. */
+static int lg_chat_answer(lg_chat_rendered *r, const char *content, const char *end, int trim) {
+    int rc = lg_chat_mark(r, 1);
+    rc |= trim ? lg_chat_put_trimmed(r, content) : lg_chat_put(r, content);
+    rc |= lg_chat_put(r, end);
+    return rc | lg_chat_mark(r, 0);
+}
+
+/* Llama 3 / 3.1: <|begin_of_text|>, then each turn as a header, the trimmed content, <|eot_id|>. */
+static int lg_chat_llama3(const lg_chat *c, int gen, lg_chat_rendered *r) {
+    static const char *const roles[] = {"system", "user", "assistant"};
+    int rc = lg_chat_put(r, "<|begin_of_text|>");
+    for (int k = 0; k < c->n; k++) {
+        rc |= lg_chat_put(r, "<|start_header_id|>");
+        rc |= lg_chat_put(r, roles[c->turns[k].role]);
+        rc |= lg_chat_put(r, "<|end_header_id|>\n\n");
+        if (c->turns[k].role == LG_ROLE_ASSISTANT)
+            rc |= lg_chat_answer(r, c->turns[k].content, "<|eot_id|>", 1);
+        else rc |= lg_chat_put_trimmed(r, c->turns[k].content) | lg_chat_put(r, "<|eot_id|>");
+    }
+    if (gen) rc |= lg_chat_put(r, "<|start_header_id|>assistant<|end_header_id|>\n\n");
+    return rc;
+}
+
+/* ChatML: <|im_start|>ROLE\n CONTENT <|im_end|>\n; qwen3: the last assistant turn after the
+   last user turn opens with an empty think block and its content's leading newlines go. */
+static int lg_chat_chatml(const lg_chat *c, int gen, int qwen3, lg_chat_rendered *r) {
+    static const char *const roles[] = {"system", "user", "assistant"};
+    int rc = 0, last_user = -1;
+    for (int k = 0; k < c->n; k++) last_user = c->turns[k].role == LG_ROLE_USER ? k : last_user;
+    for (int k = 0; k < c->n; k++) {
+        rc |= lg_chat_put(r, "<|im_start|>") | lg_chat_put(r, roles[c->turns[k].role]);
+        rc |= lg_chat_put(r, "\n");
+        const char *content = c->turns[k].content;
+        if (c->turns[k].role != LG_ROLE_ASSISTANT) {
+            rc |= lg_chat_put(r, content) | lg_chat_put(r, "<|im_end|>\n");
+            continue;
+        }
+        rc |= lg_chat_mark(r, 1);
+        if (qwen3 && k == c->n - 1 && k > last_user) {
+            rc |= lg_chat_put(r, "<think>\n\n</think>\n\n");
+            while (*content == '\n') content++;
+        }
+        rc |= lg_chat_put(r, content) | lg_chat_put(r, "<|im_end|>");
+        rc |= lg_chat_mark(r, 0) | lg_chat_put(r, "\n");
+    }
+    if (gen) rc |= lg_chat_put(r, "<|im_start|>assistant\n");
+    return rc;
+}
+
+/* Llama 2: <s>[INST] <<SYS>>\nSYSTEM\n<</SYS>>\n\nUSER [/INST] ANSWER </s>, contents trimmed. */
+static int lg_chat_llama2(const lg_chat *c, int gen, lg_chat_rendered *r, lg_error *err) {
+    int rc = 0, k = 0;
+    const char *system = NULL;
+    if (c->n && c->turns[0].role == LG_ROLE_SYSTEM) system = c->turns[k++].content;
+    for (int first = 1; k < c->n; k++, first = 0) {
+        if (c->turns[k].role == LG_ROLE_SYSTEM)
+            return lg_fail(err, "turn %d: llama2 takes a system prompt only first", k);
+        if (c->turns[k].role == LG_ROLE_ASSISTANT) {
+            rc |= lg_chat_put(r, " ");
+            rc |= lg_chat_answer(r, c->turns[k].content, " </s>", 1);
+            continue;
+        }
+        rc |= lg_chat_put(r, "<s>[INST] ");
+        if (first && system)
+            rc |= lg_chat_put(r, "<<SYS>>\n") | lg_chat_put_trimmed(r, system) |
+                  lg_chat_put(r, "\n<</SYS>>\n\n");
+        rc |= lg_chat_put_trimmed(r, c->turns[k].content) | lg_chat_put(r, " [/INST]");
+    }
+    (void)gen; /* the prompt already ends with [/INST] */
+    return rc;
+}
+
+/* Falcon (falcon-7b-instruct): "System: ", "User: ", "Falcon: " lines; the template has no
+   end-of-turn, so a trained answer ends with the tokenizer's EOS. */
+static int lg_chat_falcon(const lg_chat *c, int gen, const char *eos, lg_chat_rendered *r) {
+    static const char *const roles[] = {"System: ", "User: ", "Falcon: "};
+    int rc = 0;
+    for (int k = 0; k < c->n; k++) {
+        if (k) rc |= lg_chat_put(r, "\n");
+        rc |= lg_chat_put(r, roles[c->turns[k].role]);
+        if (c->turns[k].role == LG_ROLE_ASSISTANT)
+            rc |= lg_chat_answer(r, c->turns[k].content, eos, 0);
+        else rc |= lg_chat_put(r, c->turns[k].content);
+    }
+    if (gen) rc |= lg_chat_put(r, "\nFalcon:");
+    return rc;
+}
+
+/* Alpaca (one user turn, an optional system prompt refused) and plain ("USER=ANSWER\n" a
+   turn, the built-in task's form): the tokenizer's BOS first when it has its own. */
+static int lg_chat_single(const lg_chat *c, int gen, int alpaca, const char *bos,
+                          const char *eos, lg_chat_rendered *r, lg_error *err) {
+    int rc = lg_chat_put(r, bos);
+    for (int k = 0; k < c->n; k++) {
+        lg_chat_role role = c->turns[k].role;
+        if (role == LG_ROLE_SYSTEM || (alpaca && k >= 2) ||
+            (role == LG_ROLE_USER) != (k % 2 == 0))
+            return lg_fail(err, "turn %d: the %s template takes user and assistant turns in turn%s",
+                           k, alpaca ? "alpaca" : "plain", alpaca ? ", one of each" : "");
+        if (role == LG_ROLE_ASSISTANT) {
+            rc |= lg_chat_answer(r, c->turns[k].content, alpaca ? eos : "\n", 0);
+            continue;
+        }
+        if (alpaca) {
+            lg_alpaca_sample s = {c->turns[k].content, (char *)"", NULL};
+            rc |= lg_alpaca_prompt(&s, &r->text);
+        } else rc |= lg_chat_put(r, c->turns[k].content) | lg_chat_put(r, "=");
+    }
+    (void)gen; /* the prompt already ends where the answer starts */
+    return rc;
+}
+
+int lg_chat_render(lg_chat_template t, const lg_chat *chat, const lg_tokenizer *tok,
+                   int generation_prompt, lg_chat_rendered *out, lg_error *err) {
+    char bos[128], eos[128];
+    lg_chat_special(tok, tok && tok->bos != tok->eos ? tok->bos : -1, bos, sizeof bos);
+    lg_chat_special(tok, tok ? tok->eos : -1, eos, sizeof eos);
+    out->text.n = 0;
+    out->n_spans = 0;
+    int rc = lg_text_append(&out->text, "", 0);
+    switch (t) {
+    case LG_TEMPLATE_LLAMA3: rc |= lg_chat_llama3(chat, generation_prompt, out); break;
+    case LG_TEMPLATE_CHATML: rc |= lg_chat_chatml(chat, generation_prompt, 0, out); break;
+    case LG_TEMPLATE_QWEN3: rc |= lg_chat_chatml(chat, generation_prompt, 1, out); break;
+    case LG_TEMPLATE_LLAMA2: rc |= lg_chat_llama2(chat, generation_prompt, out, err); break;
+    case LG_TEMPLATE_FALCON: rc |= lg_chat_falcon(chat, generation_prompt, eos, out); break;
+    case LG_TEMPLATE_ALPACA: case LG_TEMPLATE_PLAIN:
+        rc |= lg_chat_single(chat, generation_prompt, t == LG_TEMPLATE_ALPACA, bos, eos, out, err);
+        break;
+    default: return lg_fail(err, "chat template %d: unknown", (int)t);
+    }
+    return rc ? -1 : 0;
+}
+
+/* The chat_template strings of tokenizer_config.json that a template here renders exactly
+   (checked against @huggingface/jinja by tests/make_chat_reference.mjs), by their lg_hash64. */
+static const struct { uint64_t hash; lg_chat_template t; const char *model; } lg_chat_known[] = {
+    {0x0e60067a5537498eull, LG_TEMPLATE_LLAMA3, "Llama 3.1"},
+    {0x2bfdb7aa9754484eull, LG_TEMPLATE_QWEN3, "Qwen3"},
+};
+
+int lg_chat_template_auto(const lg_tokenizer *tok, lg_chat_template *out, lg_error *err) {
+    char path[LG_PATH_MAX];
+    size_t n = strlen(tok->path), len;
+    int file = n > 5 && !strcmp(tok->path + n - 5, ".json");
+    const char *slash = strrchr(tok->path, '/');
+    if (file) snprintf(path, sizeof path, "%.*stokenizer_config.json",
+                       slash ? (int)(slash - tok->path + 1) : 0, tok->path);
+    else snprintf(path, sizeof path, "%s/tokenizer_config.json", tok->path);
+    char *text = lg_read_file(path, &len, "tokenizer", NULL), *chat = NULL;
+    lg_json doc;
+    if (text && lg_json_parse(&doc, text, len, path, NULL) == 0) {
+        chat = lg_json_string(&doc, lg_json_find(&doc, 0, "chat_template"), &len);
+        lg_json_free(&doc);
+    }
+    LG_FREE(text);
+    if (chat) {
+        uint64_t hash = lg_hash64(LG_HASH64_INIT, chat, len);
+        for (size_t k = 0; k < sizeof lg_chat_known / sizeof lg_chat_known[0]; k++)
+            if (lg_chat_known[k].hash == hash) { *out = lg_chat_known[k].t; LG_FREE(chat); return 0; }
+        lg_fail(err, "--template auto: %s's chat_template (hash %016llx, \"%.40s...\") is none "
+                     "that a template here renders exactly; name one with --template", path,
+                (unsigned long long)hash, chat);
+        LG_FREE(chat);
+        return -1;
+    }
+    /* no chat_template: the family of the tokenizer */
+    if (tok->pretokenizer == LG_PRETOKENIZE_LLAMA3) *out = LG_TEMPLATE_LLAMA3;
+    else if (tok->pretokenizer == LG_PRETOKENIZE_QWEN2) *out = LG_TEMPLATE_CHATML;
+    else if (tok->sentencepiece) *out = LG_TEMPLATE_LLAMA2;
+    else return lg_fail(err, "--template auto: tokenizer %s has no chat_template and no family "
+                             "with a template; name one with --template", tok->path);
+    return 0;
+}
+
+void lg_chat_rendered_free(lg_chat_rendered *r) {
+    lg_text_free(&r->text);
+    LG_FREE(r->span);
+    memset(r, 0, sizeof *r);
+}
+
+int lg_chat_tokenize(const lg_tokenizer *tok, const lg_chat_rendered *r, lg_tokens *ids,
+                     lg_tokens *trained, const char *where, lg_error *err) {
+    size_t start = ids->n;
+    if (lg_tokenizer_encode(tok, r->text.bytes, r->text.n, ids, err) != 0) return -1;
+    lg_tokens pieces = {NULL, 0, 0};
+    int rc = 0;
+    for (int s = 0; s <= 2 * r->n_spans && rc == 0; s++) { /* spans and the gaps */
+        size_t from = s ? r->span[s - 1] : 0, to = s < 2 * r->n_spans ? r->span[s] : r->text.n;
+        size_t before = pieces.n;
+        rc = lg_tokenizer_encode(tok, r->text.bytes + from, to - from, &pieces, err);
+        for (size_t i = before; rc == 0 && i < pieces.n; i++)
+            if (lg_tokens_push(trained, s % 2) != 0) rc = lg_fail(err, "%s: out of host memory", where);
+    }
+    if (rc == 0 && (pieces.n != ids->n - start ||
+                    memcmp(pieces.ids, ids->ids + start, sizeof(int) * pieces.n) != 0))
+        rc = lg_fail(err, "%s: an assistant turn's edge falls inside a token (its text "
+                          "tokenized alone differs from the whole conversation's)", where);
+    lg_tokens_free(&pieces);
+    return rc;
 }
 
 /* 13. model files ----------------------------------------------------------------------------- */

@@ -262,6 +262,23 @@ static int fuzz_read_alpaca(fuzz_models *m, const fuzz_target *t, lg_error *err)
     return rc ? lg_fail(err, "fuzz: no prompt") : 0;
 }
 
+/* Chat conversations: read, then each rendered with every template (no tokenizer). */
+static int fuzz_read_chat(fuzz_models *m, const fuzz_target *t, lg_error *err) {
+    lg_chat_set set;
+    (void)m;
+    if (lg_chat_read(&set, t->path, err) != 0) return -1;
+    lg_chat_rendered out;
+    memset(&out, 0, sizeof out);
+    for (size_t i = 0; i < set.n; i++)
+        for (int k = 0; k < LG_TEMPLATE_COUNT; k++) {
+            lg_error ignored; /* a template may refuse a conversation (alpaca: one turn) */
+            lg_chat_render((lg_chat_template)k, &set.chats[i], NULL, 1, &out, &ignored);
+        }
+    lg_chat_rendered_free(&out);
+    lg_chat_free(&set);
+    return 0;
+}
+
 /* A shard or sample file: opened, then three batches of 2 rows of 8 tokens read. */
 static int fuzz_read_tokens(fuzz_models *m, const fuzz_target *t, lg_error *err) {
     lg_loader ld;
@@ -417,6 +434,15 @@ static int fuzz_seed_alpaca(fuzz_corpus *c) {
     return rc;
 }
 
+static int fuzz_seed_chat(fuzz_corpus *c) {
+    int rc = fuzz_add_text(c, "[{\"messages\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, "
+                              "{\"role\": \"user\", \"content\": \"Hi \\u00e9\"}, {\"role\": "
+                              "\"assistant\", \"content\": \"Hello\\n\"}]}]\n");
+    rc |= fuzz_add_text(c, "{\"conversations\": [{\"from\": \"human\", \"value\": \"a\"}, "
+                           "{\"from\": \"gpt\", \"value\": \" b \"}]}\n");
+    return rc;
+}
+
 /* Shards of 2- and 4-byte tokens and sample files (prompts masked and not), ids below 64. */
 static int fuzz_seed_tokens(fuzz_corpus *c) {
     uint32_t tokens[100], lengths[5] = {10, 30, 5, 40, 15}, prompts[5] = {3, 10, 1, 20, 5};
@@ -544,6 +570,7 @@ static const fuzz_entry fuzz_entries[] = {
     {{"checkpoint-marker", FUZZ_DIR "/step/" LG_CHECKPOINT_MARKER, fuzz_read_marker, fuzz_json_words},
      fuzz_seed_marker, 0},
     {{"alpaca-json", FUZZ_DIR "/alpaca.json", fuzz_read_alpaca, fuzz_json_words}, fuzz_seed_alpaca, 0},
+    {{"chat-json", FUZZ_DIR "/chat.jsonl", fuzz_read_chat, fuzz_json_words}, fuzz_seed_chat, 0},
     {{"token-files", FUZZ_DIR "/tokens.bin", fuzz_read_tokens, NULL}, fuzz_seed_tokens, 0},
 };
 

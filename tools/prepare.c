@@ -6,6 +6,8 @@
    tools/prepare decode --tokenizer PATH [--lines] < ids    the reverse
    tools/prepare alpaca --tokenizer PATH --out train.bin --val val.bin [--val-share 0.05]
                         [--mask-prompt] [--seed N] data.json|data.jsonl
+   tools/prepare chat --tokenizer PATH [--template NAME|auto] --out train.bin [--val val.bin
+                      --val-share 0.05] [--seed N] [--render] data.json|data.jsonl
    tools/prepare text --tokenizer PATH --out train.bin [--val val.bin --val-share 0.01] FILE...
    tools/prepare builtin [--samples N] [--seed N] > builtin.json
 
@@ -30,6 +32,14 @@ static const char usage[] =
     "         [--seed N] FILE        Alpaca-style JSON or JSON lines (instruction, input,\n"
     "                                output) -> fine-tuning sample files for ./train --data;\n"
     "                                prints length statistics to choose -t from\n"
+    "  chat --tokenizer PATH [--template NAME|auto] --out TRAIN [--val VAL] [--val-share X]\n"
+    "       [--seed N] [--render] FILE\n"
+    "                                conversations, JSON or JSON lines of {\"messages\": [{role,\n"
+    "                                content}]} or ShareGPT {\"conversations\": [{from, value}]},\n"
+    "                                rendered with a chat template (plain, alpaca, llama3,\n"
+    "                                llama2, chatml, qwen3, falcon; auto: the tokenizer's), only\n"
+    "                                the assistant turns trained; --render prints each\n"
+    "                                conversation's text as a JSON string a line instead\n"
     "  text --tokenizer PATH --out TRAIN [--val VAL] [--val-share X] FILE...\n"
     "                                plain text, one document a line -> token shards\n"
     "  builtin [--samples N] [--seed N]\n"
@@ -44,6 +54,8 @@ typedef struct {
     double val_share;      /* --val-share: share of samples (or documents) for validation */
     int mask_prompt;       /* --mask-prompt */
     int lines;             /* --lines: encode and decode one line at a time */
+    const char *chat_template; /* --template: a name or auto */
+    int render;            /* --render: print the rendered conversations */
     uint64_t seed;         /* --seed: the split, and the built-in task's samples */
     long samples;          /* --samples: built-in task */
     char **files;          /* the remaining arguments */
@@ -84,6 +96,8 @@ static void parse_args(int argc, char **argv, prepare_args *a) {
         else if (!strcmp(f, "--val-share")) a->val_share = atof(value_of(argc, argv, &i));
         else if (!strcmp(f, "--mask-prompt")) a->mask_prompt = 1;
         else if (!strcmp(f, "--lines")) a->lines = 1;
+        else if (!strcmp(f, "--template")) a->chat_template = value_of(argc, argv, &i);
+        else if (!strcmp(f, "--render")) a->render = 1;
         else if (!strcmp(f, "--seed")) a->seed = strtoull(value_of(argc, argv, &i), NULL, 10);
         else if (!strcmp(f, "--samples")) a->samples = atol(value_of(argc, argv, &i));
         else if (f[0] == '-' && f[1]) die(2, "unknown option %s (see tools/prepare --help)", f);
@@ -330,6 +344,107 @@ static int command_alpaca(const prepare_args *a) {
     return 0;
 }
 
+/* --- chat conversations ------------------------------------------------------------------ */
+
+/* text as one JSON string: quotes, backslashes and control characters escaped. */
+static void print_json_string(const char *text, size_t n) {
+    putchar('"');
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)text[i];
+        if (c == '"' || c == '\\') printf("\\%c", c);
+        else if (c == '\n') fputs("\\n", stdout);
+        else if (c < 0x20) printf("\\u%04x", c);
+        else putchar(c);
+    }
+    puts("\"");
+}
+
+static lg_chat_template pick_template(const prepare_args *a, const lg_tokenizer *tok) {
+    lg_chat_template t;
+    lg_error err;
+    const char *name = a->chat_template ? a->chat_template : "auto";
+    int rc = !strcmp(name, "auto") ? lg_chat_template_auto(tok, &t, &err)
+                                   : lg_chat_template_find(name, &t, &err);
+    if (rc != 0) die(2, "%s", err.msg);
+    return t;
+}
+
+/* One conversation into set: its ids, the trained ones with LG_SAMPLES_TRAINED_BIT set. */
+static void tokenize_chat(const lg_tokenizer *tok, const lg_chat_rendered *r, sample_set *set,
+                          lg_tokens *trained, const char *where) {
+    lg_error err;
+    size_t start = set->tokens.n;
+    trained->n = 0;
+    if (lg_chat_tokenize(tok, r, &set->tokens, trained, where, &err) != 0) die(1, "%s", err.msg);
+    for (size_t i = 0; i < trained->n; i++)
+        if (trained->ids[i]) set->tokens.ids[start + i] |= (int)(1u << LG_SAMPLES_TRAINED_BIT);
+    set->lengths[set->n] = (uint32_t)(set->tokens.n - start);
+    set->prompts[set->n++] = 0;
+}
+
+static void write_chat_samples(const char *path, const sample_set *set) {
+    lg_error err;
+    uint32_t *tokens = (uint32_t *)malloc(sizeof(uint32_t) * (set->tokens.n + 1));
+    for (size_t i = 0; i < set->tokens.n; i++) tokens[i] = (uint32_t)set->tokens.ids[i];
+    if (lg_samples_write(path, tokens, set->lengths, set->prompts, set->n, 4,
+                         LG_SAMPLES_MASK_TOKENS, &err) != 0)
+        die(1, "%s", err.msg);
+    printf("wrote %s: %zu conversations, %zu tokens\n", path, set->n, set->tokens.n);
+    free(tokens);
+}
+
+static int command_chat(const prepare_args *a) {
+    if (a->n_files != 1 || (!a->out && !a->render))
+        die(2, "chat needs --out TRAIN (or --render) and one FILE (see --help)");
+    lg_tokenizer tok;
+    load_tokenizer(a, &tok);
+    lg_chat_template t = pick_template(a, &tok);
+    lg_chat_set data;
+    lg_error err;
+    if (lg_chat_read(&data, a->files[0], &err) != 0) die(1, "%s", err.msg);
+    size_t n_val = a->render ? 0 : validation_count(a, data.n, 0.05);
+    size_t *order = split_order(data.n, a->seed);
+    sample_set sets[2];
+    uint32_t *all_lengths = (uint32_t *)malloc(sizeof(uint32_t) * data.n);
+    for (int s = 0; s < 2; s++) {
+        memset(&sets[s], 0, sizeof sets[s]);
+        sets[s].lengths = (uint32_t *)malloc(sizeof(uint32_t) * data.n);
+        sets[s].prompts = (uint32_t *)malloc(sizeof(uint32_t) * data.n);
+    }
+    lg_chat_rendered r;
+    lg_tokens trained = {NULL, 0, 0};
+    memset(&r, 0, sizeof r);
+    for (size_t k = 0; k < data.n; k++) {
+        size_t i = a->render ? k : order[k]; /* --render: in the file's order */
+        char where[600];
+        snprintf(where, sizeof where, "%s record %zu", a->files[0], i);
+        if (lg_chat_render(t, &data.chats[i], &tok, 0, &r, &err) != 0)
+            die(1, "%s %s: %s", where, lg_chat_template_name(t), err.msg);
+        if (a->render) { print_json_string(r.text.bytes, r.text.n); continue; }
+        sample_set *set = &sets[k < n_val];
+        tokenize_chat(&tok, &r, set, &trained, where);
+        all_lengths[k] = set->lengths[set->n - 1];
+    }
+    if (!a->render) {
+        printf("template %s\n", lg_chat_template_name(t));
+        print_length_stats(all_lengths, data.n);
+        write_chat_samples(a->out, &sets[0]);
+        if (n_val) write_chat_samples(a->val, &sets[1]);
+    }
+    for (int s = 0; s < 2; s++) {
+        lg_tokens_free(&sets[s].tokens);
+        free(sets[s].lengths);
+        free(sets[s].prompts);
+    }
+    lg_chat_rendered_free(&r);
+    lg_tokens_free(&trained);
+    free(all_lengths);
+    free(order);
+    lg_chat_free(&data);
+    lg_tokenizer_free(&tok);
+    return 0;
+}
+
 /* --- plain text -> token shards ---------------------------------------------------------- */
 
 /* Every non-empty line of every file is a document; EOS follows each one. Every
@@ -399,6 +514,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a.command, "decode")) rc = command_decode(&a);
     else if (!strcmp(a.command, "alpaca")) rc = command_alpaca(&a);
     else if (!strcmp(a.command, "text")) rc = command_text(&a);
+    else if (!strcmp(a.command, "chat")) rc = command_chat(&a);
     else if (!strcmp(a.command, "builtin")) rc = command_builtin(&a);
     else die(2, "unknown command %s (see tools/prepare --help)", a.command);
     free(a.files);
