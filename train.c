@@ -42,8 +42,10 @@ static const char usage[] =
     "                             (full-shard in a node, replicas across nodes)\n"
     "      --recompute MODE       none (default) or block: keep each block's input only and\n"
     "                             recompute the block in the backward (same results)\n"
-    "      --offload              master weights and optimizer state in host memory; the\n"
-    "                             optimizer runs there (same results)\n"
+    "      --offload [LIST]       parts in host memory, a comma list (bare: state): state\n"
+    "                             (master weights and optimizer state; the optimizer runs\n"
+    "                             there), activations (the block inputs --recompute block\n"
+    "                             keeps); same results either way\n"
     "      --plan[=json|svg]      print the memory plan per device and exit; json and svg\n"
     "                             alone on stdout (svg: stacked groups against the limit)\n"
     "      --memory-limit SIZE    memory a device may use, e.g. 24GiB (default: a GPU's\n"
@@ -210,7 +212,7 @@ static const struct option long_options[] = {
     {"plot", required_argument, 0, OPT_PLOT},
     {"out", required_argument, 0, OPT_OUT},
     {"recompute", required_argument, 0, OPT_RECOMPUTE},
-    {"offload", no_argument, 0, OPT_OFFLOAD},
+    {"offload", optional_argument, 0, OPT_OFFLOAD},
     {"plan", optional_argument, 0, OPT_PLAN},
     {"memory-limit", required_argument, 0, OPT_MEMORY_LIMIT},
     {"optimizer-state", required_argument, 0, OPT_OPTIMIZER_STATE},
@@ -261,6 +263,32 @@ typedef struct {
 
 /* The flags of argv onto a (and the driver's own), from the first: a resumed run applies them
    again over its checkpoint's settings. */
+/* 1 when every part of the comma list `text` is one --offload knows (state, activations). */
+static int offload_parts_known(const char *text) {
+    static const char *const parts[] = {"state", "activations"};
+    for (const char *p = text;; p++) {
+        size_t n = strcspn(p, ","), known = 0;
+        for (size_t k = 0; k < sizeof parts / sizeof parts[0]; k++)
+            known |= n == strlen(parts[k]) && strncmp(p, parts[k], n) == 0;
+        if (!known) return 0;
+        p += n;
+        if (*p == '\0') return 1;
+    }
+}
+
+/* --offload, --offload=LIST or --offload LIST (the next word, when it is a list of parts). */
+static void parse_offload(const char *f, int argc, char **argv, lg_args *a) {
+    const char *list = optarg;
+    if (!list && optind < argc && offload_parts_known(argv[optind])) list = argv[optind++];
+    if (!list) list = "state";
+    if (!offload_parts_known(list))
+        die_usage("%s: '%s' is not a comma list of state and activations", f, list);
+    for (const char *p = list; *p; p += strcspn(p, ","), p += *p == ',') {
+        if (strncmp(p, "state", strcspn(p, ",")) == 0) a->offload = 1;
+        else a->offload_activations = 1;
+    }
+}
+
 static void apply_flags(int argc, char **argv, lg_args *a, given_flags *given,
                         checkpoint_flags *ck, output_flags *out) {
     opterr = 0;
@@ -350,7 +378,7 @@ static void apply_flags(int argc, char **argv, lg_args *a, given_flags *given,
             else if (strcmp(optarg, "block") == 0) a->recompute = 1;
             else die_usage("%s: '%s' is not none or block", f, optarg);
             break;
-        case OPT_OFFLOAD: a->offload = 1; break;
+        case OPT_OFFLOAD: parse_offload(f, argc, argv, a); break;
         case OPT_CPU: a->backend = LG_BACKEND_CPU; break;
         case OPT_TF32: a->tf32 = 1; break;
         case OPT_HESSIAN_INTERVAL: a->hessian_interval = parse_int(f, optarg); break;

@@ -1214,6 +1214,10 @@ static void test_cli(results *r) {
     expect_cli(r, "-b", 2, "-b needs a value");
     expect_cli(r, "-b x", 2, "-b/--micro-batch-size: 'x' is not an integer");
     expect_cli(r, "--lr fast", 2, "--lr: 'fast' is not a number");
+    expect_cli(r, "--offload=state,weights", 2, "--offload: 'state,weights' is not a comma list");
+    expect_cli(r, "--offload activations --max-steps 1", 2, "needs --recompute block");
+    expect_cli(r, "--recompute block --offload activations,state --max-steps 1 --eval-iters 1", 0,
+               "step     1");
     expect_cli(r, "-p 16-true --max-steps 1 --eval-iters 1", 0, "16-true");
     expect_cli(r, "-p fp8", 2, "'fp8' is not one of");
     expect_cli(r, "--strategy zero3", 2, "--strategy: 'zero3' is not no-shard");
