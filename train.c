@@ -548,7 +548,7 @@ static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, co
     int n = lg_plan_remedies(cfg, a, T, limit, remedies);
     printf("remedies, in the order of the OOM guide (each alone):\n");
     for (int i = 0; i < n; i++)
-        printf("  %-29s %-30s %11s  %s\n", remedies[i].what,
+        printf("  %-29s %-39s %11s  %s\n", remedies[i].what,
                remedy_flags(&remedies[i], flags, sizeof flags),
                lg_format_bytes(remedies[i].checked_bytes, size, sizeof size),
                remedies[i].fits ? "fits" : "does not fit");
