@@ -254,6 +254,16 @@ typedef struct {
 } sample_set;
 
 /* BOS (when the tokenizer has one apart from EOS), the prompt, the response, EOS. */
+/* The training and validation sets, empty, with room for the lengths and prompt lengths of n
+   samples each. */
+static void sample_sets_start(sample_set sets[2], size_t n) {
+    for (int s = 0; s < 2; s++) {
+        memset(&sets[s], 0, sizeof sets[s]);
+        sets[s].lengths = (uint32_t *)malloc(sizeof(uint32_t) * n);
+        sets[s].prompts = (uint32_t *)malloc(sizeof(uint32_t) * n);
+    }
+}
+
 static void tokenize_sample(const lg_tokenizer *tok, const lg_alpaca_sample *s, sample_set *set,
                             const char *where) {
     lg_text prompt = {NULL, 0, 0};
@@ -315,13 +325,9 @@ static int command_alpaca(const prepare_args *a) {
     if (lg_alpaca_read(&data, a->files[0], &err) != 0) die(1, "%s", err.msg);
     size_t n_val = validation_count(a, data.n, 0.05);
     size_t *order = split_order(data.n, a->seed);
-    sample_set sets[2];
+    sample_set sets[2]; /* [0] training, [1] validation */
+    sample_sets_start(sets, data.n);
     uint32_t *all_lengths = (uint32_t *)malloc(sizeof(uint32_t) * data.n);
-    for (int s = 0; s < 2; s++) {
-        memset(&sets[s], 0, sizeof sets[s]);
-        sets[s].lengths = (uint32_t *)malloc(sizeof(uint32_t) * data.n);
-        sets[s].prompts = (uint32_t *)malloc(sizeof(uint32_t) * data.n);
-    }
     for (size_t k = 0; k < data.n; k++) {
         char where[600];
         snprintf(where, sizeof where, "%s sample %zu", a->files[0], order[k]);
@@ -404,13 +410,9 @@ static int command_chat(const prepare_args *a) {
     if (lg_chat_read(&data, a->files[0], &err) != 0) die(1, "%s", err.msg);
     size_t n_val = a->render ? 0 : validation_count(a, data.n, 0.05);
     size_t *order = split_order(data.n, a->seed);
-    sample_set sets[2];
+    sample_set sets[2]; /* [0] training, [1] validation */
+    sample_sets_start(sets, data.n);
     uint32_t *all_lengths = (uint32_t *)malloc(sizeof(uint32_t) * data.n);
-    for (int s = 0; s < 2; s++) {
-        memset(&sets[s], 0, sizeof sets[s]);
-        sets[s].lengths = (uint32_t *)malloc(sizeof(uint32_t) * data.n);
-        sets[s].prompts = (uint32_t *)malloc(sizeof(uint32_t) * data.n);
-    }
     lg_chat_rendered r;
     lg_tokens trained = {NULL, 0, 0};
     memset(&r, 0, sizeof r);
