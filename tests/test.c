@@ -1580,6 +1580,17 @@ static void test_offload_activations_bitwise(results *r) {
 /* --offload activations as allocated: the arenas are the plan's; L - 1 block outputs move to
    the host pool and two slots join the device pool; the model's views point there. Asked
    without --recompute block it is refused naming both flags. */
+/* Rank 0's arenas, as allocated (test_allocations), equal its plan's pools. */
+static int arenas_equal_plan(const lg_trainer *tr) {
+    const lg_rank_plan *p = &tr->plan.ranks[0];
+    int ok = 1;
+    for (int i = 0; i < test_allocations.n; i++)
+        for (int pool = 0; pool < LG_N_POOLS; pool++)
+            if (test_allocations.blocks[i] == tr->ranks[0].rank.arena[pool])
+                ok = ok && test_allocations.sizes[i] == p->pool_bytes[pool] + LG_ALIGN;
+    return ok;
+}
+
 static void test_offload_activations_memory(results *r) {
     lg_config cfg;
     if (load_config_or_fail(r, &cfg, "test-pythia")) return;
@@ -1598,10 +1609,7 @@ static void test_offload_activations_memory(results *r) {
         const lg_rank_plan *p = &tr.plan.ranks[0];
         device[v] = p->pool_bytes[LG_POOL_DEVICE];
         host[v] = p->pool_bytes[LG_POOL_HOST];
-        for (int i = 0; i < test_allocations.n; i++)
-            for (int pool = 0; pool < LG_N_POOLS; pool++)
-                if (test_allocations.blocks[i] == tr.ranks[0].rank.arena[pool])
-                    ok = ok && test_allocations.sizes[i] == p->pool_bytes[pool] + LG_ALIGN;
+        ok = ok && arenas_equal_plan(&tr);
         const lg_model *m = &tr.ranks[0].model;
         acts = (size_t)4 * 16 * cfg.n_embd * lg_elem_size(m->a.residual[0].dtype);
         for (int l = 0; v && l < cfg.n_layer - 1; l++) {
@@ -1661,10 +1669,7 @@ static void test_recompute_offload_memory(results *r) {
         const lg_rank_plan *p = &tr.plan.ranks[0];
         device[v] = p->pool_bytes[LG_POOL_DEVICE];
         host[v] = p->pool_bytes[LG_POOL_HOST];
-        for (int i = 0; i < test_allocations.n; i++)
-            for (int pool = 0; pool < LG_N_POOLS; pool++)
-                if (test_allocations.blocks[i] == tr.ranks[0].rank.arena[pool])
-                    ok = ok && test_allocations.sizes[i] == p->pool_bytes[pool] + LG_ALIGN;
+        ok = ok && arenas_equal_plan(&tr);
         if (v == 1) /* each block keeps only its output; the rest is one shared block */
             for (int l = 0; l < cfg.n_layer; l++) {
                 char name[64];
