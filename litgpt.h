@@ -264,7 +264,10 @@ typedef struct {
 typedef enum { LG_LORA_Q, LG_LORA_K, LG_LORA_V, LG_LORA_PROJ, LG_LORA_FC, LG_LORA_FC_2,
                LG_LORA_MLP_PROJ, LG_LORA_BLOCK_LINEARS } lg_lora_linear;
 
-/* "q,v" -> LG_LORA_QUERY | LG_LORA_VALUE; -1 naming an unknown name in err. */
+/* --lora-targets all: every linear but the head (PEFT's "all-linear"). */
+#define LG_LORA_ALL_LINEARS "q,k,v,proj,mlp"
+/* "q,v" -> LG_LORA_QUERY | LG_LORA_VALUE ("all": LG_LORA_ALL_LINEARS); -1 naming an unknown
+   name in err. */
 int lg_lora_targets_parse(const char *text, unsigned *targets, lg_error *err);
 /* The inverse, into buf: "q,v". */
 const char *lg_lora_targets_name(unsigned targets, char *buf, size_t size);
@@ -402,6 +405,11 @@ typedef struct {
     int hessian_interval;      /* Sophia: steps between Hessian estimates (10) */
     float rho;                 /* Sophia: the clipping scale of m / h (0.04) */
     size_t memory_limit;       /* --memory-limit: bytes a device may use; 0: no limit */
+    size_t host_memory_limit;  /* --host-memory-limit: bytes the host pools of one machine's
+                                  ranks may use together; 0: what the machine has available
+                                  (lg_args_host_limit) */
+    int runtime_estimated;     /* 1: runtime_bytes is lg_cuda_runtime_estimate's figure (a plan
+                                  for GPUs made where there are none), not a measurement */
     lg_lora lora;              /* --lora-r, --lora-alpha, --lora-dropout, --lora-targets,
                                   --quantize: fine-tune adapters over a frozen model */
     int finetuning;            /* the data are fine-tuning samples: LoRA and QLoRA are remedies */
@@ -713,7 +721,21 @@ const lg_region *lg_plan_find(const lg_rank_plan *rank, const char *name);
 size_t lg_plan_group_bytes(const lg_rank_plan *rank, lg_group group, lg_pool pool);
 /* --plan: a table per device (grouped, with bars) or JSON. */
 void lg_plan_print(const lg_plan *plan, FILE *out);
-void lg_plan_print_json(const lg_plan *plan, FILE *out);
+/* The fit check of a plan against the memory there is. */
+typedef struct {
+    size_t limit;         /* a device's memory (the CPU backend: the machine's, both pools of
+                             its ranks together); 0: unknown, nothing is checked */
+    size_t host_limit;    /* GPU backend: the host memory of a machine's ranks; 0: unknown */
+    size_t checked_bytes; /* lg_plan_checked_bytes: what is held against limit */
+    size_t host_bytes;    /* lg_plan_host_bytes_per_machine: against host_limit (GPU) */
+    int device_fits;      /* checked_bytes <= limit (1 when limit is unknown) */
+    int host_fits;        /* host_bytes <= host_limit (1 on the CPU backend or unknown) */
+    int fits;             /* both; -1: the limit is unknown (a plan for a GPU not here) */
+} lg_fit;
+
+/* fit (may be NULL): the fit check's limits and verdict, as limit_bytes, host_limit_bytes and
+   fits (null when the limit is unknown). */
+void lg_plan_print_json(const lg_plan *plan, const lg_fit *fit, FILE *out);
 const char *lg_dtype_name(lg_dtype dtype);
 size_t lg_dtype_size(lg_dtype dtype);
 const char *lg_group_name(lg_group group);
@@ -746,7 +768,7 @@ typedef struct {
     unsigned changes;     /* LG_SETTING_* bits: the settings a person changes for it, e.g.
                              LG_SETTING_MICRO_BATCH | LG_SETTING_GLOBAL_BATCH */
     size_t device_bytes;  /* what each device needs with it */
-    size_t host_bytes;    /* and the host, for each device */
+    size_t host_bytes;    /* and the host pools of one machine's ranks together */
     size_t checked_bytes; /* what the fit check holds against the limit: device_bytes on a GPU;
                              on the CPU backend, whose pools are one memory, both pools of
                              every rank of a machine (lg_plan_checked_bytes) */
@@ -783,6 +805,18 @@ size_t lg_plan_checked_bytes_for(const lg_config *cfg, const lg_args *args, int 
 int lg_plan_auto_micro_batch(const lg_config *cfg, const lg_args *args, int T, size_t limit);
 /* Memory a run may use on this machine's CPU backend: MemAvailable, 0 when unknown. */
 size_t lg_host_available_bytes(void);
+/* The host memory a machine's ranks may use: --host-memory-limit, else what is available. */
+size_t lg_args_host_limit(const lg_args *args);
+/* The host pools of all the ranks of one machine (a node) together, the most of any: what the
+   host memory check holds against lg_args_host_limit on a GPU. */
+size_t lg_plan_host_bytes_per_machine(const lg_plan *plan);
+
+void lg_plan_check_fit(const lg_plan *plan, const lg_args *args, size_t limit, lg_fit *fit);
+/* What the CUDA runtime is planned to take on each GPU where it cannot be measured (--plan
+   --backend cuda on a machine without one): the context, cuBLASLt's handle, and NCCL's buffers
+   for each communicator a rank joins (lg_comms_per_rank). An estimate (the figures are named
+   where it is defined); on a GPU the runtime is measured instead. */
+size_t lg_cuda_runtime_estimate(const lg_args *args);
 
 /* "24GiB", "512 mib", "1.5GB", "100B" -> bytes; -1 when not a size (a bare number has no unit). */
 int lg_parse_size(const char *text, size_t *bytes);
@@ -3322,6 +3356,7 @@ static const char *const lg_lora_target_names[] = {"q", "k", "v", "proj", "mlp",
 
 int lg_lora_targets_parse(const char *text, unsigned *targets, lg_error *err) {
     *targets = 0;
+    if (strcmp(text, "all") == 0) text = LG_LORA_ALL_LINEARS;
     const char *at = text;
     while (*at) {
         size_t len = strcspn(at, ",");
@@ -3331,7 +3366,7 @@ int lg_lora_targets_parse(const char *text, unsigned *targets, lg_error *err) {
                 found = k;
         if (found < 0)
             return lg_fail(err, "--lora-targets: unknown target '%.*s' in '%s' (known: q, k, v, "
-                                "proj, mlp, head)", (int)len, at, text);
+                                "proj, mlp, head; or all)", (int)len, at, text);
         *targets |= 1u << found;
         at += len + (at[len] == ',');
     }
@@ -4648,8 +4683,39 @@ size_t lg_plan_checked_bytes(const lg_plan *plan) {
     return most;
 }
 
-/* Device bytes of a run (0 when it cannot be planned); its host bytes into *host and what
-   its fit check holds against the limit into *checked. */
+size_t lg_plan_host_bytes_per_machine(const lg_plan *plan) {
+    int per_node = plan->spec.devices > 0 ? plan->spec.devices : 1;
+    size_t most = 0;
+    for (int first = 0; first < plan->n_ranks; first += per_node) {
+        size_t machine = 0; /* ranks first .. first + per_node - 1: one node */
+        for (int i = first; i < first + per_node && i < plan->n_ranks; i++)
+            machine += plan->ranks[i].pool_bytes[LG_POOL_HOST];
+        if (machine > most) most = machine;
+    }
+    return most;
+}
+
+size_t lg_args_host_limit(const lg_args *args) {
+    return args->host_memory_limit ? args->host_memory_limit : lg_host_available_bytes();
+}
+
+void lg_plan_check_fit(const lg_plan *plan, const lg_args *args, size_t limit, lg_fit *fit) {
+    memset(fit, 0, sizeof *fit);
+    fit->limit = limit;
+    fit->checked_bytes = lg_plan_checked_bytes(plan);
+    fit->host_bytes = lg_plan_host_bytes_per_machine(plan);
+    fit->device_fits = limit == 0 || fit->checked_bytes <= limit;
+    fit->host_fits = 1;
+    if (args->backend != LG_BACKEND_CPU) { /* on the CPU the host pools are in checked_bytes */
+        fit->host_limit = lg_args_host_limit(args);
+        fit->host_fits = fit->host_limit == 0 || fit->host_bytes <= fit->host_limit;
+    }
+    fit->fits = limit == 0 ? -1 : fit->device_fits && fit->host_fits;
+}
+
+/* Device bytes of a run (0 when it cannot be planned); the host bytes of its machine's ranks
+   into *host (lg_plan_host_bytes_per_machine) and what its fit check holds against the limit
+   into *checked. */
 static size_t lg_plan_pools_for(const lg_config *cfg, const lg_args *args, int T, size_t *host,
                                 size_t *checked) {
     lg_plan_spec spec;
@@ -4658,7 +4724,7 @@ static size_t lg_plan_pools_for(const lg_config *cfg, const lg_args *args, int T
     *host = *checked = 0;
     if (lg_plan_make(&plan, cfg, &spec, NULL) != 0) return 0;
     size_t bytes = lg_plan_bytes(&plan, LG_POOL_DEVICE);
-    *host = lg_plan_bytes(&plan, LG_POOL_HOST);
+    *host = lg_plan_host_bytes_per_machine(&plan);
     *checked = lg_plan_checked_bytes(&plan);
     lg_plan_free(&plan);
     return bytes;
@@ -4676,13 +4742,14 @@ size_t lg_plan_checked_bytes_for(const lg_config *cfg, const lg_args *args, int 
 }
 
 /* On the CPU backend both pools of a machine's ranks within the limit (they are one memory);
-   on a GPU the device pool within the limit and the host pool within the host's memory. */
+   on a GPU the device pool within the limit and a machine's host pools within its host
+   memory (lg_args_host_limit). */
 static int lg_pools_fit(const lg_args *args, size_t device, size_t host, size_t checked,
                         size_t limit) {
     if (device == 0) return 0;
     if (args->backend == LG_BACKEND_CPU) return checked <= limit;
-    size_t host_available = lg_host_available_bytes();
-    return device <= limit && (host_available == 0 || host <= host_available);
+    size_t host_limit = lg_args_host_limit(args);
+    return device <= limit && (host_limit == 0 || host <= host_limit);
 }
 
 static int lg_fits(const lg_config *cfg, const lg_args *args, int T, size_t limit) {
@@ -5078,11 +5145,15 @@ void lg_plan_print(const lg_plan *plan, FILE *out) {
             lg_format_bytes(lg_plan_bytes(plan, LG_POOL_HOST), b, sizeof b));
 }
 
-void lg_plan_print_json(const lg_plan *plan, FILE *out) {
+void lg_plan_print_json(const lg_plan *plan, const lg_fit *fit, FILE *out) {
     const lg_plan_spec *s = &plan->spec;
     fprintf(out, "{\"config\":\"%s\",\"micro_batch_size\":%d,\"max_seq_length\":%d,"
-                 "\"accumulation\":%d,\"precision\":\"%s\",\"devices\":[",
+                 "\"accumulation\":%d,\"precision\":\"%s\",",
             plan->cfg.name, s->B, s->T, s->accumulation, lg_precision_name(s->precision));
+    if (fit)
+        fprintf(out, "\"limit_bytes\":%zu,\"host_limit_bytes\":%zu,\"fits\":%s,", fit->limit,
+                fit->host_limit, fit->fits < 0 ? "null" : fit->fits ? "true" : "false");
+    fprintf(out, "\"devices\":[");
     for (int i = 0; i < plan->n_ranks; i++) {
         const lg_rank_plan *r = &plan->ranks[i];
         fprintf(out, "%s{\"device\":%d,\"device_bytes\":%zu,\"host_bytes\":%zu,\"regions\":[",
@@ -14317,6 +14388,22 @@ int lg_comms_per_rank(const lg_args *args) {
     lg_sharding sh = lg_sharding_of(&spec);
     if (spec.devices * spec.nodes == 1) return 0;
     return (sh.shard_ranks > 1) + (sh.replicas > 1) + sh.weights_sharded;
+}
+
+/* The CUDA runtime's share of a GPU, planned where no GPU can measure it. These are this
+   project's estimates, not measurements; tests/gpu/run.sh prints the measured cuda.runtime
+   (lg_cuda_measure_runtime), which should replace them once a GPU has run it. */
+#define LG_CUDA_CONTEXT_ESTIMATE ((size_t)600 << 20) /* the primary context, modules loaded
+                                                        lazily (CUDA 12+'s default) */
+#define LG_CUBLASLT_ESTIMATE ((size_t)256 << 20)     /* a cuBLASLt handle and its kernels;
+                                                        the matmul workspace is planned */
+#define LG_NCCL_COMM_ESTIMATE ((size_t)512 << 20)    /* a communicator: about 8 MiB of protocol
+       buffers (NCCL_BUFFSIZE's 4 MiB for Simple, plus LL128 and LL) a channel and direction,
+       2 directions x 32 channels (what NCCL may open over NVLink) */
+
+size_t lg_cuda_runtime_estimate(const lg_args *args) {
+    return LG_CUDA_CONTEXT_ESTIMATE + LG_CUBLASLT_ESTIMATE +
+           (size_t)lg_comms_per_rank(args) * LG_NCCL_COMM_ESTIMATE;
 }
 
 int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args, int T,

@@ -53,13 +53,19 @@ static const char usage[] =
     "                             which both pools of every simulated rank share (default:\n"
     "                             what it has available); a run that does not fit exits 3\n"
     "                             with a diagnosis and the cheapest change that fits\n"
+    "      --host-memory-limit SIZE  host memory the host pools of a machine's ranks may\n"
+    "                             use together (default: what it has available); on the\n"
+    "                             CPU backend a cap on the machine's memory too\n"
     "      --dist-init URL        GPU processes without MPI meet at tcp://HOST:PORT (process\n"
     "                             0's machine) or file://PATH (shared); default from\n"
     "                             MASTER_ADDR and MASTER_PORT + 1\n"
     "      --dist-timeout S       seconds a process waits for the others there and in any\n"
     "                             collective before it ends the job naming the late ranks\n"
     "                             (600: PyTorch's default for NCCL process groups)\n"
-    "      --cpu                  a CUDA build: run on the CPU backend even with GPUs\n"
+    "      --backend B            cpu or cuda (default: cuda when the build has it and a\n"
+    "                             GPU is visible); --plan --backend cuda plans GPUs from\n"
+    "                             any machine, the CUDA runtime's share estimated\n"
+    "      --cpu                  the same as --backend cpu\n"
     "      --tf32                 on a GPU, fp32 matmuls may use TF32 tensor cores\n"
     "  -o, --optimizer NAME       adamw (default), sgd, lion (one state; betas 0.9 0.99\n"
     "                             unless given) or sophia (SophiaG; betas 0.965 0.99)\n"
@@ -72,7 +78,8 @@ static const char usage[] =
     "                             (0: off, every weight trains)\n"
     "      --lora-alpha X         the adapters' scale is alpha / r (16)\n"
     "      --lora-dropout X       dropout on the adapters' input (0.05)\n"
-    "      --lora-targets LIST    linears with adapters: q,k,v,proj,mlp,head (q,v)\n"
+    "      --lora-targets LIST    linears with adapters: q,k,v,proj,mlp,head (q,v); all:\n"
+    "                             every linear but the head\n"
     "      --quantize Q           with --lora-r: frozen linear weights in nf4 or nf4-dq\n"
     "                             (QLoRA; lm_head included unless tied)\n"
     "      --lr X --min-lr X      peak and final learning rate (4e-3; --lr / 10)\n"
@@ -162,6 +169,15 @@ static int parse_int(const char *flag, const char *text) {
     return (int)v;
 }
 
+/* A size with its unit, more than 0 bytes. */
+static size_t parse_size(const char *flag, const char *text) {
+    size_t bytes;
+    if (lg_parse_size(text, &bytes) != 0 || bytes == 0)
+        die_usage("%s: '%s' is not a size with a unit (e.g. 24GiB, 512MiB, 8GB, 100B)", flag,
+                  text);
+    return bytes;
+}
+
 static float parse_float(const char *flag, const char *text) {
     char *end;
     errno = 0;
@@ -174,7 +190,7 @@ static float parse_float(const char *flag, const char *text) {
 enum { OPT_DATA = 256, OPT_VAL_DATA, OPT_LR, OPT_MIN_LR, OPT_WARMUP, OPT_WEIGHT_DECAY, OPT_BETA1,
        OPT_BETA2, OPT_MOMENTUM, OPT_MAX_NORM, OPT_MAX_STEPS, OPT_EVAL_EVERY, OPT_EVAL_ITERS,
        OPT_SAMPLE_EVERY, OPT_SAMPLE_TOKENS, OPT_TEMPERATURE, OPT_PROMPT, OPT_SEED, OPT_LOG,
-       OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_OPTIMIZER_STATE,
+       OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_HOST_MEMORY_LIMIT, OPT_BACKEND, OPT_OPTIMIZER_STATE,
        OPT_HESSIAN_INTERVAL, OPT_RHO, OPT_STRATEGY, OPT_NODES, OPT_SAVE_EVERY, OPT_LOAD,
        OPT_RESUME, OPT_CPU, OPT_TF32, OPT_LORA_R, OPT_LORA_ALPHA, OPT_LORA_DROPOUT,
        OPT_LORA_TARGETS, OPT_QUANTIZE, OPT_LOG_INTERVAL, OPT_PLOT };
@@ -215,6 +231,8 @@ static const struct option long_options[] = {
     {"offload", optional_argument, 0, OPT_OFFLOAD},
     {"plan", optional_argument, 0, OPT_PLAN},
     {"memory-limit", required_argument, 0, OPT_MEMORY_LIMIT},
+    {"host-memory-limit", required_argument, 0, OPT_HOST_MEMORY_LIMIT},
+    {"backend", required_argument, 0, OPT_BACKEND},
     {"optimizer-state", required_argument, 0, OPT_OPTIMIZER_STATE},
     {"hessian-interval", required_argument, 0, OPT_HESSIAN_INTERVAL},
     {"rho", required_argument, 0, OPT_RHO},
@@ -380,6 +398,11 @@ static void apply_flags(int argc, char **argv, lg_args *a, given_flags *given,
             break;
         case OPT_OFFLOAD: parse_offload(f, argc, argv, a); break;
         case OPT_CPU: a->backend = LG_BACKEND_CPU; break;
+        case OPT_BACKEND:
+            if (strcmp(optarg, "cpu") == 0) a->backend = LG_BACKEND_CPU;
+            else if (strcmp(optarg, "cuda") == 0) a->backend = LG_BACKEND_CUDA;
+            else die_usage("%s: '%s' is not cpu or cuda", f, optarg);
+            break;
         case OPT_TF32: a->tf32 = 1; break;
         case OPT_HESSIAN_INTERVAL: a->hessian_interval = parse_int(f, optarg); break;
         case OPT_RHO: a->rho = parse_float(f, optarg); break;
@@ -409,11 +432,8 @@ static void apply_flags(int argc, char **argv, lg_args *a, given_flags *given,
             else if (strcmp(optarg, "svg") == 0) a->plan_only = 3;
             else die_usage("--plan=%s: only --plan, --plan=json or --plan=svg", optarg);
             break;
-        case OPT_MEMORY_LIMIT:
-            if (lg_parse_size(optarg, &a->memory_limit) != 0 || a->memory_limit == 0)
-                die_usage("%s: '%s' is not a size with a unit (e.g. 24GiB, 512MiB, 8GB, 100B)",
-                          f, optarg);
-            break;
+        case OPT_MEMORY_LIMIT: a->memory_limit = parse_size(f, optarg); break;
+        case OPT_HOST_MEMORY_LIMIT: a->host_memory_limit = parse_size(f, optarg); break;
         case 'h': fputs(usage, stdout); lg_launch_exit(0); break; /* (every process has it) */
         case ':': die_usage("%s needs a value", argv[optind - 1]); break;
         default: die_usage("unknown option %s", argv[optind - 1]);
@@ -531,17 +551,25 @@ static void print_largest_regions(const lg_plan *plan, int how_many) {
 /* A run that does not fit: what it needs, what there is, the largest regions, the remedies
    priced by the planner, the cheapest change that fits. Exits 3. */
 static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, const lg_args *a,
-                                 int T, const lg_plan *plan, size_t limit, const char *source) {
+                                 int T, const lg_plan *plan, const lg_fit *fit,
+                                 const char *source) {
     char need[32], have[32], size[32], flags[160];
+    size_t limit = fit->limit;
     if (a->backend == LG_BACKEND_CPU)
         printf("train: this run needs %s of the machine's memory (the CPU backend: device and "
                "host pools of %d rank%s together), but %s is available (%s)\n",
-               lg_format_bytes(lg_plan_checked_bytes(plan), need, sizeof need), a->devices,
+               lg_format_bytes(fit->checked_bytes, need, sizeof need), a->devices,
                a->devices > 1 ? "s" : "", lg_format_bytes(limit, have, sizeof have), source);
-    else
+    else if (!fit->device_fits)
         printf("train: this run needs %s on each device, but %s is available (%s)\n",
-               lg_format_bytes(lg_plan_bytes(plan, LG_POOL_DEVICE), need, sizeof need),
+               lg_format_bytes(fit->checked_bytes, need, sizeof need),
                lg_format_bytes(limit, have, sizeof have), source);
+    else
+        printf("train: this run's host pools need %s of host memory (%d rank%s on a machine), "
+               "but %s is available (%s)\n",
+               lg_format_bytes(fit->host_bytes, need, sizeof need), a->devices,
+               a->devices > 1 ? "s" : "", lg_format_bytes(fit->host_limit, have, sizeof have),
+               a->host_memory_limit ? "--host-memory-limit" : "available host memory");
     printf("largest regions:\n");
     print_largest_regions(plan, 5);
     lg_remedy remedies[LG_MAX_REMEDIES];
@@ -569,26 +597,43 @@ static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, co
                    remedy_flags(&best, flags, sizeof flags),
                    lg_format_bytes(best.device_bytes, size, sizeof size),
                    lg_format_bytes(best.host_bytes, host, sizeof host),
-                   lg_format_bytes(lg_host_available_bytes(), need, sizeof need));
+                   lg_format_bytes(fit->host_limit, need, sizeof need));
     }
     exit(3);
 }
 
-/* The memory a device may use: --memory-limit, else a GPU's memory; on the CPU backend the
-   memory of the machine: --memory-limit, else what it has available. */
+/* The memory a device may use: --memory-limit, else a GPU's memory (0: no GPU here to
+   measure). On the CPU backend the memory of the machine, which its pools and simulated ranks
+   share (lg_plan_checked_bytes): the smaller of --memory-limit and --host-memory-limit, else
+   what it has available. */
 static size_t device_limit(const lg_args *a, const char **source) {
-    if (a->memory_limit) {
+    size_t host = a->host_memory_limit;
+    if (a->memory_limit && (a->backend == LG_BACKEND_CUDA || !host || a->memory_limit <= host)) {
         *source = "--memory-limit";
         return a->memory_limit;
     }
     if (a->backend == LG_BACKEND_CUDA) {
-        *source = "the GPU's memory, of which the CUDA runtime's share is in the plan";
-        return a->device_bytes;
+        *source = a->runtime_estimated ? "no GPU here to measure; --memory-limit SIZE checks one"
+                                       : "the GPU's memory, of which the CUDA runtime's share "
+                                         "is in the plan";
+        return a->runtime_estimated ? 0 : a->device_bytes;
     }
-    /* the CPU backend: its pools and simulated ranks share the machine, whose memory the fit
-       check holds their sum against (lg_plan_checked_bytes) */
-    *source = "available host memory";
-    return lg_host_available_bytes();
+    *source = host ? "--host-memory-limit" : "available host memory";
+    return host ? host : lg_host_available_bytes();
+}
+
+/* --backend cuda where no GPU can run it: --plan plans with the runtime estimated; anything
+   else stops, exit 2. */
+static void plan_gpus_not_here(lg_args *a) {
+#ifdef LG_CUDA
+    const char *why = "no GPU is visible";
+#else
+    const char *why = "this build has no CUDA backend (make cuda builds build/train_cuda)";
+#endif
+    if (!a->plan_only) die_usage("--backend cuda: %s; --plan --backend cuda plans for GPUs "
+                                 "from here", why);
+    a->runtime_bytes = lg_cuda_runtime_estimate(a);
+    a->runtime_estimated = 1;
 }
 
 /* GPUs: one a rank; what the CUDA runtime takes on each goes into the plan; how they
@@ -602,6 +647,10 @@ static void prepare_gpus(lg_args *a, int process_per_gpu_or_node) {
     if (a->backend != LG_BACKEND_CUDA) return;
     /* several processes: the GPUs of one node */
     int ranks = process_per_gpu_or_node ? a->devices : lg_args_ranks(a), visible = lg_cuda_device_count();
+    if (visible == 0) {
+        plan_gpus_not_here(a);
+        return;
+    }
     if (ranks > visible)
         die_usage("-d/--devices %d x --nodes %d = %d ranks, one a GPU, but %d GPU%s visible",
                   a->devices, a->nodes, ranks, visible, visible == 1 ? " is" : "s are");
@@ -661,6 +710,27 @@ static void print_plan_with_recompute_choice(const lg_plan *plan, const lg_args 
     lg_plan_free(&alternative);
 }
 
+/* --plan's last lines: whether the run fits, and where the CUDA runtime's share is estimated. */
+static void print_fit(const lg_fit *fit, const lg_args *a, const char *source) {
+    char need[32], have[32], host[32], host_limit[32];
+    if (a->runtime_estimated)
+        printf("cuda.runtime: %s, an estimate (no GPU here to measure it): the context, "
+               "cuBLASLt and %d NCCL communicator%s\n",
+               lg_format_bytes(a->runtime_bytes, need, sizeof need), lg_comms_per_rank(a),
+               lg_comms_per_rank(a) == 1 ? "" : "s");
+    lg_format_bytes(fit->checked_bytes, need, sizeof need);
+    if (fit->fits < 0) {
+        printf("fits: not checked: %s needed, %s\n", need, source);
+        return;
+    }
+    printf("fits: %s, %s needed of %s (%s)", fit->fits ? "yes" : "no", need,
+           lg_format_bytes(fit->limit, have, sizeof have), source);
+    if (a->backend != LG_BACKEND_CPU && fit->host_limit)
+        printf("; host %s of %s", lg_format_bytes(fit->host_bytes, host, sizeof host),
+               lg_format_bytes(fit->host_limit, host_limit, sizeof host_limit));
+    printf("\n");
+}
+
 /* --plan=json: a stream for the JSON document alone on the real stdout; from here on stdout
    is stderr, so everything else the run prints (by train.c or the library) goes there. */
 static FILE *json_output(void) {
@@ -684,31 +754,22 @@ static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_con
     if (a->plan_only) printf("%s\n%s", planned_for, notes); /* JSON, SVG: on stderr */
     lg_plan_spec_from_args(&spec, a, T);
     if (lg_plan_make(&plan, cfg, &spec, &err) != 0) die(2, &err);
+    const char *source;
+    lg_fit fit;
+    lg_plan_check_fit(&plan, a, device_limit(a, &source), &fit);
     if (a->plan_only) {
         if (a->plan_only == 2 || a->plan_only == 3) {
-            const char *source;
-            if (a->plan_only == 2) lg_plan_print_json(&plan, json);
-            else plan_svg(json, &plan, cfg, a, T, device_limit(a, &source));
+            if (a->plan_only == 2) lg_plan_print_json(&plan, &fit, json);
+            else plan_svg(json, &plan, cfg, a, T, fit.limit);
             fclose(json);
         } else {
             print_plan_with_recompute_choice(&plan, a, cfg, T);
         }
-        lg_plan_free(&plan);
-        lg_launch_exit(0); /* (every process has --plan: start_processes) */
+        print_fit(&fit, a, source);
     }
-    const char *source;
-    size_t limit = device_limit(a, &source);
-    size_t host = lg_host_available_bytes() / (size_t)lg_args_ranks(a);
-    char need[32], have[32];
-    if (limit > 0 && lg_plan_checked_bytes(&plan) > limit)
-        explain_does_not_fit(argc, argv, cfg, a, T, &plan, limit, source);
-    if (a->backend != LG_BACKEND_CPU && host > 0 && lg_plan_bytes(&plan, LG_POOL_HOST) > host) {
-        printf("train: the host pool needs %s but %s of host memory is available (see --plan)\n",
-               lg_format_bytes(lg_plan_bytes(&plan, LG_POOL_HOST), need, sizeof need),
-               lg_format_bytes(host, have, sizeof have));
-        exit(3);
-    }
+    if (fit.fits == 0) explain_does_not_fit(argc, argv, cfg, a, T, &plan, &fit, source);
     lg_plan_free(&plan);
+    if (a->plan_only) lg_launch_exit(0); /* (every process has --plan: start_processes) */
 }
 
 /* --- -c NAME: where configs are found --------------------------------------------------------- */

@@ -12,7 +12,8 @@ from dataclasses import asdict
 import yaml
 
 NAMES = ["pythia-14m", "pythia-70m", "pythia-160m", "tiny-llama-1.1b", "Llama-2-7b-hf",
-         "Meta-Llama-3-8B", "Mistral-7B-v0.1", "Qwen2.5-0.5B", "SmolLM2-135M"]
+         "Meta-Llama-3-8B", "Mistral-7B-v0.1", "Qwen2.5-0.5B", "SmolLM2-135M", "Llama-3.1-8B",
+         "Llama-3.1-70B", "Llama-2-70b-hf"]
 
 spec = importlib.util.spec_from_file_location("litgpt_config", sys.argv[1])
 module = importlib.util.module_from_spec(spec)

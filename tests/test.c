@@ -563,6 +563,8 @@ static void test_config_param_counts(results *r) {
         {"Llama-3.2-1B", 1235814400}, {"Meta-Llama-3-8B", 8030261248},
         {"Mistral-7B-v0.1", 7241732096}, {"Qwen2.5-0.5B", 494032768},
         {"SmolLM2-135M", 134515008}, {"falcon-7b", 7217189760}, {"Llama-3.2-3B", 3212749824},
+        {"Llama-3.1-8B", 8030261248}, {"Llama-3.1-70B", 70553706496},
+        {"Llama-2-70b-hf", 68976648192},
     };
     for (size_t i = 0; i < sizeof published / sizeof published[0]; i++) {
         lg_config cfg;
@@ -1923,9 +1925,10 @@ static void test_plan_cli(results *r) {
     double start = lg_time_ms();
     for (size_t i = 0; i < sizeof configs / sizeof configs[0]; i++) {
         char args[256];
-        snprintf(args, sizeof args, "--plan -c %s -b 1 -t 512", configs[i]);
+        snprintf(args, sizeof args, "--plan -c %s -b 1 -t 512 --memory-limit 1TiB", configs[i]);
         ok = ok && run_capture(args, out, sizeof out) == 0 && strstr(out, "total per device");
-        snprintf(args, sizeof args, "--plan=json -c %s -t 512 -d 8 -p bf16-true --offload", configs[i]);
+        snprintf(args, sizeof args, "--plan=json -c %s -t 512 -d 8 -p bf16-true --offload "
+                 "--memory-limit 1TiB", configs[i]);
         ok = ok && run_capture(args, out, sizeof out) == 0 && strstr(out, "\"device_bytes\":") &&
              strstr(out, "\"host_bytes\":") && strstr(out, "\"dtype\":\"bf16\"");
     }
@@ -2019,12 +2022,16 @@ static void run_emulated_cuda_tests(results *r) {
 #include "test_real_models.c"
 #include "test_generate.c"
 #include "test_gguf.c"
+#include "test_long_context.c"
 
 /* Starts a section: prints its name and says whether to run it. `./tests/test WORD` runs only
    the sections whose names contain WORD (e.g. `./tests/test plan`); no argument runs all. */
 static int section(const char *name, int argc, char **argv) {
     if (argc > 1 && !strstr(name, argv[1])) return 0;
-    printf("%s\n", name);
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    printf("[%6ld s] %s\n", (long)now.tv_sec, name);   /* the clock tells where a slow suite spends */
+    fflush(stdout);
     return 1;
 }
 
@@ -2088,6 +2095,7 @@ int main(int argc, char **argv) {
         test_memory_limit(&r);
         test_auto_micro_batch(&r);
         test_plan_cli(&r);
+        test_plan_for_gpus(&r);
     }
     if (section("data files: tokenizers, samples, readers", argc, argv)) test_data_all(&r);
     if (section("nf4 (QLoRA's weight storage)", argc, argv)) test_nf4_all(&r);

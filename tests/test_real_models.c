@@ -131,9 +131,9 @@ static void test_config_places(results *r) {
     check(r, code == 0 && strstr(out, "model test-llama: n_layer"),
           "-c my-llama from tests/ with LITGPT_CONFIGS=/nonexistent:../build/more-configs (exit %d)",
           code);
-    expect_cli(r, "--plan -c Llama-3.2-1b", 2, "did you mean Llama-3.2-1B, Llama-3.2-3B?");
+    expect_cli(r, "--plan -c Llama-3.2-1b", 2, "did you mean Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B");
     expect_cli(r, "--plan -c gpt-2", 2, "no gpt-2.yaml in ./configs");
-    expect_cli(r, "--plan -c zzzzzzzzzzzz", 2, "the configs there: Llama-2-7b-hf, Llama-3.2-1B");
+    expect_cli(r, "--plan -c zzzzzzzzzzzz", 2, "the configs there: Llama-2-70b-hf, Llama-2-7b-hf, Llama-3.1-70B");
 }
 
 /* The run header names LoRA or QLoRA and both counts, labelled: tests/hf/gpt2 has 2 layers of

@@ -212,8 +212,8 @@ static void test_sharding_cli(results *r) {
           strstr(out, "step     2/2") && strstr(out, "sample:"),
           "./train -d 2 --nodes 2 --strategy hybrid-shard trains, evaluates and samples (exit %d)",
           code);
-    code = run_capture("--plan -d 8 --strategy full-shard -c Meta-Llama-3-8B -t 2048 -b 1", out,
-                       sizeof out);
+    code = run_capture("--plan -d 8 --strategy full-shard -c Meta-Llama-3-8B -t 2048 -b 1 "
+                       "--memory-limit 1TiB", out, sizeof out);
     check(r, code == 0 && strstr(out, "8 devices, full-shard") && strstr(out, "communication") &&
           strstr(out, "weights bf16 x 1003782656"),
           "--plan -d 8 --strategy full-shard -c Meta-Llama-3-8B shows what each device holds");

@@ -1,0 +1,63 @@
+/* Issue 25's levers for long context and large models: plans for the GPU a run will use, made
+   from any machine, and the fit check's verdict for scripts. Included by tests/test.c. */
+
+/* --plan for GPUs from a machine without one (the runtime's share estimated), --plan's exit
+   codes and JSON verdict, --host-memory-limit, --lora-targets all. */
+static void test_plan_for_gpus(results *r) {
+    static char out[1 << 20];
+    const char *llama8b = "-c Meta-Llama-3-8B -t 2048 -b 1 -p bf16-true";
+    char args[512];
+    snprintf(args, sizeof args, "--plan --backend cuda %s", llama8b);
+    expect_cli(r, args, 0, "cuda.runtime: 856.0 MiB, an estimate (no GPU here");
+    expect_cli(r, args, 0, "fits: not checked");
+    snprintf(args, sizeof args, "--plan --backend cuda %s --memory-limit 80GiB", llama8b);
+    expect_cli(r, args, 0, "fits: yes");
+    snprintf(args, sizeof args, "--plan --backend cuda %s --memory-limit 24GiB", llama8b);
+    expect_cli(r, args, 3, "cheapest change that fits");
+    /* the estimate's figures (LG_CUDA_*_ESTIMATE): context 600 MiB and cuBLASLt 256 MiB, then
+       512 MiB for each communicator; -d 2 full-shard joins 2 (shards, weights gathered) */
+    const size_t one = (size_t)(600 + 256) << 20, two = one + ((size_t)2 * 512 << 20);
+    char want[160];
+    snprintf(args, sizeof args, "--plan=json --backend cuda %s --memory-limit 24GiB 2>/dev/null",
+             llama8b);
+    int code = run_stdout(args, out, sizeof out);
+    snprintf(want, sizeof want, "\"name\":\"cuda.runtime\",\"group\":\"workspace\",\"pool\":\"device\","
+             "\"dtype\":\"u8\",\"count\":%zu", one);
+    const char *runtime = strstr(out, want);
+    check(r, code == 3 && one_json_document(out) && strstr(out, "\"micro_batch_size\":1,"
+          "\"max_seq_length\":2048,") && strstr(out, "\"limit_bytes\":25769803776,") &&
+          strstr(out, "\"fits\":false") && runtime, "--plan=json --backend cuda, 8B in 24 GiB: "
+          "exit 3 (%d), limit_bytes, fits false, the chosen -b and -t, cuda.runtime %zu bytes",
+          code, one);
+    snprintf(args, sizeof args, "--plan=json --backend cuda %s -d 2 --memory-limit 80GiB "
+             "2>/dev/null", llama8b);
+    code = run_stdout(args, out, sizeof out);
+    snprintf(want, sizeof want, "\"name\":\"cuda.runtime\",\"group\":\"workspace\",\"pool\":\"device\","
+             "\"dtype\":\"u8\",\"count\":%zu", two);
+    check(r, code == 0 && strstr(out, "\"fits\":true") && strstr(out, want),
+          "--plan=json --backend cuda -d 2 full-shard: fits true, cuda.runtime %zu bytes (2 "
+          "communicators' estimate)", two);
+    expect_cli(r, "--backend cuda --max-steps 1", 2, "--backend cuda: this build has no CUDA "
+               "backend");
+    expect_cli(r, "--plan --backend tpu", 2, "--backend: 'tpu' is not cpu or cuda");
+    /* host memory: on a GPU its own limit; on the CPU backend a cap on the one memory too */
+    expect_cli(r, "--plan --backend cuda -c pythia-160m --offload --memory-limit 80GiB "
+               "--host-memory-limit 100MiB", 3, "host pools need");
+    expect_cli(r, "--plan --backend cuda -c pythia-160m --offload --memory-limit 80GiB "
+               "--host-memory-limit 100MiB", 3, "but 100.0 MiB is available (--host-memory-limit)");
+    expect_cli(r, "--plan -c pythia-160m --memory-limit 64GiB --host-memory-limit 100MiB", 3,
+               "but 100.0 MiB is available (--host-memory-limit)");
+    expect_cli(r, "--plan -c pythia-160m --memory-limit 100MiB --host-memory-limit 64GiB", 3,
+               "but 100.0 MiB is available (--memory-limit)");
+    expect_cli(r, "--plan --host-memory-limit 1", 2, "--host-memory-limit: '1' is not a size");
+    /* --lora-targets all: every linear but the head */
+    unsigned all, listed;
+    lg_error err;
+    char name[64];
+    int rc = lg_lora_targets_parse("all", &all, &err) | lg_lora_targets_parse("q,k,v,proj,mlp", &listed, &err);
+    check(r, rc == 0 && all == listed && !(all & LG_LORA_HEAD) &&
+          strcmp(lg_lora_targets_name(all, name, sizeof name), "q,k,v,proj,mlp") == 0,
+          "--lora-targets all is q,k,v,proj,mlp (%s)", name);
+    expect_cli(r, "--plan -c test-llama -t 16 --lora-r 4 --lora-targets all", 0, "q,k,v,proj,mlp");
+}
+
