@@ -399,6 +399,8 @@ typedef struct {
     int offload;               /* --offload: 1 (master weights and optimizer state on the host) */
     int offload_activations;   /* --offload activations: 1 (the block inputs that --recompute
                                   block keeps in host memory) */
+    int pack;                  /* --pack: fine-tuning samples packed first-fit into rows of
+                                  T tokens, attention and positions kept inside each sample */
     int plan_only;             /* --plan: print the plan and exit (1 table, 2 JSON) */
     int micro_batch_auto;      /* -b auto: the largest micro-batch that fits */
     lg_state_format optimizer_state; /* --optimizer-state bf16|8bit (AdamW) */
@@ -634,6 +636,7 @@ typedef struct {
     int recompute;          /* 1: --recompute block */
     int offload;            /* 1: --offload */
     int offload_activations; /* 1: --offload activations (with recompute) */
+    int pack;                /* 1: --pack: rows carry their samples' span starts */
     lg_optimizer_kind optimizer;
     int momentum;           /* SGD keeps a momentum buffer */
     lg_state_format optimizer_state;
@@ -1336,6 +1339,15 @@ int lg_samples_file(const char *path);
    starts (padding: its own position). *n_packed gets the samples placed. Shards are refused. */
 int lg_loader_next_packed(lg_loader *ld, int B, int T, int *inputs, int *targets,
                           int *span_start, int *n_packed, lg_error *err);
+/* What --pack gains on one epoch of a sample set, in the loader's order: micro-batches of B
+   rows of T packed as lg_loader_next_packed packs them, against one sample a row padded to the
+   longest of its micro-batch (lg_loader_next_batch). */
+typedef struct {
+    double samples_per_row;  /* packed: samples a row holds on average */
+    double padding_packed;   /* the share of the packed rows' tokens that are padding */
+    double padding_unpacked; /* the same, one sample a row */
+} lg_packing_stats;
+void lg_loader_packing_stats(const lg_loader *ld, int B, int T, lg_packing_stats *stats);
 /* Fine-tuning samples: the tokens of the longest sample after truncation (0 for a shard). */
 int lg_loader_longest(const lg_loader *ld);
 /* Fails naming the file, the first sample (index from 0) longer than block_size after
@@ -1722,6 +1734,7 @@ typedef struct {
     int *inputs;         /* (accumulation, B, T): the plan's tokens.inputs */
     int *targets;        /* (accumulation, B, T): tokens.targets */
     int *sampled;        /* (accumulation, B, T): Sophia's labels drawn from the model */
+    int *spans;          /* (accumulation, B, T): --pack's span starts (tokens.spans), or NULL */
     int *micro_T;        /* (accumulation): tokens per row of each micro-batch of the step, <= T
                             (fine-tuning samples pad to the longest of their micro-batch);
                             micro-batch i sits packed (B, micro_T[i]) at i B T */
@@ -1756,7 +1769,7 @@ typedef struct lg_trainer {
     int process;               /* this process; 0 (whose files and output count) without one */
     lg_trainer_rank *ranks;    /* (local_ranks) */
     size_t step_tokens;        /* rows x their length of the step's micro-batches, all ranks */
-    int *other_tokens;         /* (2, B, T): where the micro-batches of other processes' ranks
+    int *other_tokens;         /* (3, B, T): where the micro-batches of other processes' ranks
                                   are read (their targets counted) and dropped; NULL in one */
     int block_slots;           /* gather_blocks' slots: lg_gather_block_slots */
     int accumulation;          /* micro-batches per optimizer step and rank */
@@ -3648,6 +3661,9 @@ int lg_args_check(const lg_args *a, lg_error *err) {
     if (a->offload_activations && !a->recompute)
         return lg_fail(err, "--offload activations needs --recompute block (the block inputs it "
                             "moves to host memory are the ones recompute keeps)");
+    if (a->pack && a->backend == LG_BACKEND_CUDA && !a->plan_only)
+        return lg_fail(err, "--pack: packed rows run on the CPU backend only for now (the CUDA "
+                            "attention has no span masks yet): add --backend cpu");
     if ((long)a->devices * a->nodes > LG_MAX_RANKS)
         return lg_fail(err, "-d/--devices %d x --nodes %d: at most %d ranks", a->devices, a->nodes,
                        LG_MAX_RANKS);
@@ -4192,6 +4208,7 @@ void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
     s->recompute = a->recompute;
     s->offload = a->offload;
     s->offload_activations = a->offload_activations;
+    s->pack = a->pack;
     s->optimizer = a->optimizer;
     s->backend = a->backend;
     s->runtime_bytes = a->runtime_bytes;
@@ -4626,6 +4643,8 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
                               LG_DTYPE_U8, unit_bytes);
         if (s->optimizer == LG_OPTIMIZER_SOPHIA) /* labels drawn from the model for its Hessian */
             rc |= lg_plan_add(r, "tokens.sampled", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
+        if (s->pack) /* where each token's sample starts in its packed row */
+            rc |= lg_plan_add(r, "tokens.spans", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
     }
     lg_tensor_table_free(&params);
     if (rc != 0) {
@@ -11043,6 +11062,41 @@ int lg_loader_next_packed(lg_loader *ld, int B, int T, int *inputs, int *targets
     return 0;
 }
 
+/* Sample k of the epoch's order, truncated to the loader's T. */
+static int lg_loader_length_at(const lg_loader *ld, size_t k) {
+    size_t sample = ld->order ? ld->order[k] : k;
+    return (int)ld->sample_length[sample] < ld->T ? (int)ld->sample_length[sample] : ld->T;
+}
+
+void lg_loader_packing_stats(const lg_loader *ld, int B, int T, lg_packing_stats *stats) {
+    int used[64]; /* as lg_loader_next_packed: tokens in each row of the open micro-batch */
+    size_t tokens = 0, padded = 0, batches = 0, n = ld->n_samples;
+    memset(stats, 0, sizeof *stats);
+    if (n == 0 || B < 1 || B > 64 || T < ld->T) return;
+    for (size_t first = 0; first < n; first += (size_t)B) { /* one sample a row */
+        int longest = 0;
+        for (size_t k = first; k < first + (size_t)B && k < n; k++) {
+            int len = lg_loader_length_at(ld, k);
+            tokens += (size_t)len;
+            longest = len > longest ? len : longest;
+        }
+        padded += (size_t)B * (size_t)longest;
+    }
+    for (size_t k = 0; k < n; batches++) { /* packed: first-fit over B rows, then the next */
+        for (int b = 0; b < B; b++) used[b] = 0;
+        for (; k < n; k++) {
+            int len = lg_loader_length_at(ld, k), b = 0;
+            while (b < B && used[b] + len > T) b++;
+            if (b == B) break;
+            used[b] += len;
+        }
+    }
+    double rows = (double)batches * B;
+    stats->samples_per_row = (double)n / rows;
+    stats->padding_packed = 1.0 - (double)tokens / (rows * T);
+    stats->padding_unpacked = 1.0 - (double)tokens / (double)padded;
+}
+
 int lg_samples_file(const char *path) {
     FILE *f = fopen(path, "rb");
     unsigned char magic[4] = {0, 0, 0, 0};
@@ -13524,6 +13578,7 @@ static const struct {
     LG_RUN_FIELD(offload, LG_RUN_INT, 0),
     LG_RUN_FIELD(tf32, LG_RUN_INT, 0),
     LG_RUN_FIELD(memory_limit, LG_RUN_SIZE, 0),
+    LG_RUN_FIELD(pack, LG_RUN_INT, 1), /* the rows the data order makes */
 };
 #define LG_N_RUN_FIELDS ((int)(sizeof lg_run_fields / sizeof lg_run_fields[0]))
 typedef char lg_run_enums_are_ints[sizeof(lg_precision) == sizeof(int) ? 1 : -1];
@@ -13756,6 +13811,7 @@ static int lg_checkpoint_same_base(lg_trainer *tr, const char *dir, lg_error *er
 typedef struct {
     const int *inputs;  /* (B, T) */
     const int *targets; /* (B, T), or NULL: logits only */
+    const int *span_start; /* (B, T): packed rows' span starts (lg_model_set_spans), or NULL */
     int B, T;
 } lg_micro_batch;
 
@@ -13827,6 +13883,7 @@ static void lg_trainer_bind_rank(lg_trainer *tr, lg_trainer_rank *tr_r) {
     tr_r->inputs = (int *)lg_rank_region(&tr_r->rank, "tokens.inputs");
     tr_r->targets = (int *)lg_rank_region(&tr_r->rank, "tokens.targets");
     tr_r->sampled = (int *)lg_rank_region(&tr_r->rank, "tokens.sampled");
+    tr_r->spans = (int *)lg_rank_region(&tr_r->rank, "tokens.spans");
     tr_r->host_grads = lg_rank_view(&tr_r->rank, "gradients.host", types.grads);
     tr_r->host_weights = lg_rank_view(&tr_r->rank, "weights.host", types.weights);
     tr_r->gather_ends = lg_rank_view(&tr_r->rank, "gather.ends", types.weights);
@@ -14053,6 +14110,7 @@ static double lg_trainer_layer_forward(lg_trainer *tr, const lg_micro_batch *mb,
         lg_model *m = &tr->ranks[r].model;
         const lg_micro_batch *b = &mb[r];
         if (!b->B) continue;
+        m->span_start = b->span_start; /* (--pack refuses GPU ranks: lg_trainer_create) */
         if (l < 0) lg_model_embed(m, b->inputs, b->B, b->T);
         else if (l < m->cfg.n_layer) lg_model_block_forward(m, l, b->B, b->T);
         else loss += lg_model_head_forward(m, b->targets, b->B, b->T, NULL);
@@ -14068,6 +14126,7 @@ static void lg_trainer_layer_backward(lg_trainer *tr, const lg_micro_batch *mb, 
         lg_model *m = &tr->ranks[r].model;
         const lg_micro_batch *b = &mb[r];
         if (!b->B) continue;
+        m->span_start = b->span_start;
         if (l < 0) lg_model_embed_backward(m, b->inputs, b->B, b->T);
         else if (l < m->cfg.n_layer) lg_model_block_backward(m, l, b->B, b->T);
         else lg_model_head_backward(m, b->targets, b->B, b->T, loss_scale);
@@ -14158,6 +14217,7 @@ static void lg_trainer_micro_batches(const lg_trainer *tr, int i, const int **la
     for (int r = 0; r < tr->local_ranks; r++) {
         mb[r].inputs = tr->ranks[r].inputs + at;
         mb[r].targets = labels ? labels[r] + at : NULL;
+        mb[r].span_start = tr->ranks[r].spans ? tr->ranks[r].spans + at : NULL;
         mb[r].B = tr->args.micro_batch_size;
         mb[r].T = tr->ranks[r].micro_T[i];
     }
@@ -14429,7 +14489,8 @@ static int lg_trainer_take_ranks(lg_trainer *tr, const lg_launch *launch, lg_err
                                   "none (%s started them): apt-get install openmpi-bin "
                                   "libopenmpi-dev, then make cpu",
                        launch->launcher);
-    size_t tokens = 2 * (size_t)tr->args.micro_batch_size * tr->plan.spec.T;
+    size_t tokens = 3 * (size_t)tr->args.micro_batch_size * tr->plan.spec.T; /* inputs,
+                                                                        targets, spans */
     tr->other_tokens = (int *)lg_alloc_zeroed(sizeof(int) * tokens);
     return tr->other_tokens ? 0 : lg_fail(err, "trainer: out of host memory");
 }
@@ -14571,17 +14632,33 @@ static void lg_trainer_hessian_pass(lg_trainer *tr, int step) {
 }
 
 /* Where micro-batch i of global rank g goes: its token buffers when this process drives it,
-   else other_tokens (read, counted, dropped). Returns its micro_T, or NULL. */
-static int *lg_trainer_batch_place(lg_trainer *tr, int g, size_t at, int **inputs, int **targets) {
-    int r = g - tr->first_rank;
+   else other_tokens (read, counted, dropped); spans (--pack) beside them. Returns its
+   micro_T, or NULL. */
+static int *lg_trainer_batch_place(lg_trainer *tr, int g, size_t at, lg_micro_batch *place) {
+    int r = g - tr->first_rank, pack = tr->args.pack;
     if (r >= 0 && r < tr->local_ranks) {
-        *inputs = tr->ranks[r].inputs + at;
-        *targets = tr->ranks[r].targets + at;
+        place->inputs = tr->ranks[r].inputs + at;
+        place->targets = tr->ranks[r].targets + at;
+        place->span_start = pack ? tr->ranks[r].spans + at : NULL;
         return tr->ranks[r].micro_T;
     }
-    *inputs = tr->other_tokens;
-    *targets = tr->other_tokens + lg_micro_batch_start(tr, 1);
+    size_t one = lg_micro_batch_start(tr, 1);
+    place->inputs = tr->other_tokens;
+    place->targets = tr->other_tokens + one;
+    place->span_start = pack ? tr->other_tokens + 2 * one : NULL;
     return NULL;
+}
+
+/* The next micro-batch of B rows into place: packed rows of the model's T (--pack), or rows
+   of the loader's (samples padded to the longest of the batch). Its row length into *T. */
+static int lg_trainer_next_rows(lg_trainer *tr, lg_loader *ld, int B, const lg_micro_batch *place,
+                                int *T, lg_error *err) {
+    if (!tr->args.pack) return lg_loader_next_batch(ld, B, (int *)place->inputs,
+                                                    (int *)place->targets, T, err);
+    int placed;
+    *T = tr->ranks[0].model.T;
+    return lg_loader_next_packed(ld, B, *T, (int *)place->inputs, (int *)place->targets,
+                                 (int *)place->span_start, &placed, err);
 }
 
 /* Reads the step's micro-batches: micro-batch i of rank r is the (i ranks + r)-th; every
@@ -14593,11 +14670,12 @@ static long lg_trainer_read_step(lg_trainer *tr, lg_loader *train, lg_error *err
     tr->step_tokens = 0;
     for (int i = 0; i < tr->accumulation; i++)
         for (int g = 0; g < tr->n_ranks; g++) {
-            int *inputs, *tg, rows_T = 0;
-            int *micro_T = lg_trainer_batch_place(tr, g, lg_micro_batch_start(tr, i), &inputs, &tg);
-            if (lg_loader_next_batch(train, B, inputs, tg, &rows_T, err) != 0) return -1;
+            lg_micro_batch place;
+            int rows_T = 0;
+            int *micro_T = lg_trainer_batch_place(tr, g, lg_micro_batch_start(tr, i), &place);
+            if (lg_trainer_next_rows(tr, train, B, &place, &rows_T, err) != 0) return -1;
             if (micro_T) micro_T[i] = rows_T;
-            n_targets += lg_count_targets(tg, (size_t)B * rows_T);
+            n_targets += lg_count_targets(place.targets, (size_t)B * rows_T);
             tr->step_tokens += (size_t)B * rows_T;
         }
     return n_targets;
@@ -14706,17 +14784,15 @@ int lg_trainer_evaluate(lg_trainer *tr, lg_loader *ld, int n_batches, double *me
     long count = 0;
     for (int first = 0; first < n_batches; first += tr->n_ranks) {
         for (int g = 0; g < tr->n_ranks; g++) { /* every process reads, keeps its ranks' */
-            int *inputs, *targets, rows = first + g < n_batches ? B : 0, rows_T = T;
-            int here = lg_trainer_batch_place(tr, g, 0, &inputs, &targets) != NULL;
-            if (rows && lg_loader_next_batch(ld, B, inputs, targets, &rows_T, err) != 0)
-                return -1;
-            count += lg_count_targets(targets, (size_t)rows * rows_T);
+            lg_micro_batch place;
+            int rows = first + g < n_batches ? B : 0, rows_T = T;
+            int here = lg_trainer_batch_place(tr, g, 0, &place) != NULL;
+            if (rows && lg_trainer_next_rows(tr, ld, B, &place, &rows_T, err) != 0) return -1;
+            count += lg_count_targets(place.targets, (size_t)rows * rows_T);
             if (!here) continue;
-            lg_micro_batch *own = &mb[g - tr->first_rank];
-            own->inputs = inputs;
-            own->targets = targets;
-            own->B = rows;
-            own->T = rows_T;
+            place.B = rows;
+            place.T = rows_T;
+            mb[g - tr->first_rank] = place;
         }
         sum += lg_trainer_forward(tr, mb);
     }

@@ -32,6 +32,9 @@ static const char usage[] =
     "  -t, --max-seq-length N     tokens per sample: shard windows, or the length fine-tuning\n"
     "                             samples are truncated to (default: block_size for shards,\n"
     "                             the longest sample for fine-tuning)\n"
+    "      --pack                 fine-tuning samples packed first-fit into rows of -t\n"
+    "                             tokens (default: the longest sample), attention and\n"
+    "                             positions kept inside each sample; the CPU backend\n"
     "  -p, --precision P          bf16-mixed (default), 16-mixed, bf16-true, 16-true, 32-true\n"
     "  -d, --devices N            GPUs a node (1), one rank each; on the CPU backend,\n"
     "                             simulated ranks\n"
@@ -190,7 +193,7 @@ static float parse_float(const char *flag, const char *text) {
 enum { OPT_DATA = 256, OPT_VAL_DATA, OPT_LR, OPT_MIN_LR, OPT_WARMUP, OPT_WEIGHT_DECAY, OPT_BETA1,
        OPT_BETA2, OPT_MOMENTUM, OPT_MAX_NORM, OPT_MAX_STEPS, OPT_EVAL_EVERY, OPT_EVAL_ITERS,
        OPT_SAMPLE_EVERY, OPT_SAMPLE_TOKENS, OPT_TEMPERATURE, OPT_PROMPT, OPT_SEED, OPT_LOG,
-       OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_HOST_MEMORY_LIMIT, OPT_BACKEND, OPT_OPTIMIZER_STATE,
+       OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_HOST_MEMORY_LIMIT, OPT_BACKEND, OPT_PACK, OPT_OPTIMIZER_STATE,
        OPT_HESSIAN_INTERVAL, OPT_RHO, OPT_STRATEGY, OPT_NODES, OPT_SAVE_EVERY, OPT_LOAD,
        OPT_RESUME, OPT_CPU, OPT_TF32, OPT_LORA_R, OPT_LORA_ALPHA, OPT_LORA_DROPOUT,
        OPT_LORA_TARGETS, OPT_QUANTIZE, OPT_LOG_INTERVAL, OPT_PLOT };
@@ -233,6 +236,7 @@ static const struct option long_options[] = {
     {"memory-limit", required_argument, 0, OPT_MEMORY_LIMIT},
     {"host-memory-limit", required_argument, 0, OPT_HOST_MEMORY_LIMIT},
     {"backend", required_argument, 0, OPT_BACKEND},
+    {"pack", no_argument, 0, OPT_PACK},
     {"optimizer-state", required_argument, 0, OPT_OPTIMIZER_STATE},
     {"hessian-interval", required_argument, 0, OPT_HESSIAN_INTERVAL},
     {"rho", required_argument, 0, OPT_RHO},
@@ -404,6 +408,7 @@ static void apply_flags(int argc, char **argv, lg_args *a, given_flags *given,
             else die_usage("%s: '%s' is not cpu or cuda", f, optarg);
             break;
         case OPT_TF32: a->tf32 = 1; break;
+        case OPT_PACK: a->pack = 1; break;
         case OPT_HESSIAN_INTERVAL: a->hessian_interval = parse_int(f, optarg); break;
         case OPT_RHO: a->rho = parse_float(f, optarg); break;
         case OPT_SAVE_EVERY: a->save_every = parse_int(f, optarg); break;
@@ -992,6 +997,19 @@ static void check_block_size(int T, const lg_config *cfg) {
 /* Fine-tuning samples, LitGPT's rule: -t is a cap, the rows are min(longest sample, -t) long
    (*T: the longest truncated sample of train and validation); only a sample still longer than
    the model's block_size after truncation is an error. */
+/* --pack: rows of -t tokens (the longest sample without -t), and what packing gains. */
+static void note_packing(const lg_args *a, int *T, run_data *d) {
+    if (a->max_seq_length > *T) *T = a->max_seq_length;
+    lg_packing_stats st;
+    lg_loader_packing_stats(&d->train, a->micro_batch_size, *T, &st);
+    size_t used = strlen(d->note);
+    snprintf(d->note + used, sizeof d->note - used, "--pack: rows of %d tokens hold %.2f samples "
+             "on average; padding %.1f%% of the tokens packed, %.1f%% one sample a row (-b %d)\n",
+             *T, st.samples_per_row, 100 * st.padding_packed, 100 * st.padding_unpacked,
+             a->micro_batch_size);
+    d->length_from = a->max_seq_length ? "-t, the packed rows" : "--pack: the longest sample";
+}
+
 static void fit_samples(const lg_args *a, const lg_config *cfg, int *T, run_data *d) {
     lg_error err;
     if ((d->has_train && lg_loader_check_block_size(&d->train, cfg->block_size, &err) != 0) ||
@@ -1011,6 +1029,7 @@ static void fit_samples(const lg_args *a, const lg_config *cfg, int *T, run_data
                          ? "-t, the cap of the samples"
                          : d->builtin ? "the built-in task's longest sample"
                                       : "the data's longest sample";
+    if (a->pack) note_packing(a, T, d);
 }
 
 /* Token ids below padded_vocab_size are the model's, as in LitGPT (Llama 3's configs say
@@ -1070,6 +1089,9 @@ static void open_data(const lg_args *a, lg_config *cfg, int *T, run_data *d) {
         die_usage("--data %s and --val-data %s: one is a token shard, the other fine-tuning "
                   "samples", a->data, a->val_data);
     if (!samples) check_block_size(*T, cfg); /* a shard's windows are -t long */
+    if (!samples && a->pack)
+        die_usage("--pack packs fine-tuning samples (tools/prepare alpaca or chat); %s is a "
+                  "token shard, already full rows", a->data ? a->data : a->val_data);
     int t = samples ? a->max_seq_length : *T; /* samples: truncation, 0 for none */
     if (a->data) {
         if (lg_loader_open(&d->train, a->data, t, cfg->padded_vocab_size, 1, a->seed, &err) != 0)
