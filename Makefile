@@ -206,13 +206,15 @@ build/cuda_compiles: train.c tests/gpu/test_cuda.c tests/check.h $(wildcard test
 # Tokenizer speed (a 1 MiB word, 50 MB of words); training tokens/s of configs/bench.yaml,
 # litgpt.c and PyTorch side by side (PyTorch from the
 # python3-torch package, when installed); first where litgpt.c's step spends its time, op by
-# op, and PyTorch's matmuls on the same shapes; generation's prefill and decode tokens/s.
+# op, and PyTorch's matmuls on the same shapes; --pack's real tokens/s against padded rows on
+# Alpaca-like sample lengths, taking turns; generation's prefill and decode tokens/s.
 bench: tools/bench tokenizers
 	./tools/bench --tokenizer data/gpt2
 	./tools/bench --tokenizer data/llama2
 	./tools/bench --ops
 	./tools/bench --ops -p bf16-mixed
 	./tools/bench --recompute
+	./tools/bench --pack -b 4 -t 2048 -s 6
 	./tools/bench --generate -c configs/SmolLM2-135M.yaml -t 128 --new 64
 	@if /usr/bin/python3 -c "import torch" 2>/dev/null; then /usr/bin/python3 tools/bench_torch.py --ops; \
 	 /usr/bin/python3 tools/bench_torch.py --bf16; \

@@ -6850,35 +6850,28 @@ static void lg_rope_rotate(const lg_exec *ex, lg_buf qkv, const lg_real *cos_tab
 }
 
 /* Softmax of each row of scores (T, T) scaled by `scale`, over its causal prefix s <= t, in
-   place (the rest 0); lse (T) gets each row's log-sum-exp of the scaled scores. start (T), the
-   row's packed spans (lg_model.span_start), or NULL: row t's keys are start[t] <= s <= t. */
-static void lg_causal_softmax(lg_real *scores, int T, lg_real scale, lg_real *lse,
-                              const int *start) {
+   place (the rest 0); lse (T) gets each row's log-sum-exp of the scaled scores. (Packed rows
+   reach it one sample at a time: lg_attention_forward.) */
+static void lg_causal_softmax(lg_real *scores, int T, lg_real scale, lg_real *lse) {
     for (int t = 0; t < T; t++) {
         lg_real *row = scores + (size_t)t * T;
         lg_real max = -INFINITY, sum = 0;
-        int first = start ? start[t] : 0;
-        for (int s = first; s <= t; s++) max = row[s] > max ? row[s] : max;
-        for (int s = first; s <= t; s++) {
+        for (int s = 0; s <= t; s++) max = row[s] > max ? row[s] : max;
+        for (int s = 0; s <= t; s++) {
             row[s] = lg_exp((row[s] - max) * scale);
             sum += row[s];
         }
-        for (int s = first; s <= t; s++) row[s] /= sum;
-        for (int s = 0; s < first; s++) row[s] = 0;
+        for (int s = 0; s <= t; s++) row[s] /= sum;
         for (int s = t + 1; s < T; s++) row[s] = 0;
         lse[t] = max * scale + lg_log(sum);
     }
 }
 
-/* The probabilities again from the scores (T, T) and the saved log-sum-exp, in place; start as
-   lg_causal_softmax. */
-static void lg_causal_probabilities(lg_real *scores, int T, lg_real scale, const lg_real *lse,
-                                    const int *start) {
+/* The probabilities again from the scores (T, T) and the saved log-sum-exp, in place. */
+static void lg_causal_probabilities(lg_real *scores, int T, lg_real scale, const lg_real *lse) {
     for (int t = 0; t < T; t++) {
         lg_real *row = scores + (size_t)t * T;
-        int first = start ? start[t] : 0;
-        for (int s = 0; s < first; s++) row[s] = 0;
-        for (int s = first; s <= t; s++) row[s] = lg_exp(row[s] * scale - lse[t]);
+        for (int s = 0; s <= t; s++) row[s] = lg_exp(row[s] * scale - lse[t]);
         for (int s = t + 1; s < T; s++) row[s] = 0;
     }
 }
@@ -6894,14 +6887,35 @@ static lg_real *lg_attention_rows(const lg_attention_scratch *sc) {
     return sc->base + (size_t)slot * sc->per_thread;
 }
 
+/* The end of the segment that starts at row t0 of a packed row (start (T): each token's span
+   start): its sample, or one padding token; T when the row is not packed (start NULL). */
+static int lg_segment_end(const int *start, int t0, int T) {
+    int end = t0 + 1;
+    if (!start) return T;
+    while (end < T && start[end] == t0) end++;
+    return end;
+}
+
+/* One head's causal attention over n rows: q, k, v (n, HS) with row stride QKV, out (n, HS)
+   with row stride ld_out, lse (n); p (n, n) the thread's scratch. */
+static void lg_attention_head_forward(const lg_exec *ex, lg_buf out, lg_real *lse, lg_buf q,
+                                      lg_buf k, lg_buf v, int n, int QKV, int ld_out, int HS,
+                                      lg_real scale, lg_real *p) {
+    const lg_gemm_workspace *ws = lg_gemm_space(ex);
+    lg_gemm(ws, 0, 1, n, n, HS, q, QKV, k, QKV, 0, lg_buf_of(p), n); /* scores = q k^T */
+    if (!lg_causal_softmax_avx512(ex, p, n, scale, lse)) lg_causal_softmax(p, n, scale, lse);
+    lg_gemm(ws, 0, 0, n, HS, n, lg_buf_of(p), n, v, QKV, 0, out, ld_out); /* y = p v */
+}
+
 /* Causal attention. qkv (B, T, (NH + 2 NQG) HS): query head h reads key/value group
    h / (NH / NQG). y (B, T, NH HS); lse (B, NH, T) keeps each row's log-sum-exp, all the
    backward needs to rebuild the probabilities, so memory grows with T, not T^2, per block.
-   Each (batch, head) is two matrix products around a softmax in the thread's scratch rows. */
+   Each (batch, head) is two matrix products around a softmax in the thread's scratch rows.
+   Packed rows (span (B, T), or NULL) attend segment by segment, each sample on its own, so a
+   row of short samples costs the sum of their squares, not T^2. */
 static void lg_attention_forward(const lg_exec *ex, lg_buf y, lg_real *lse, lg_buf qkv, int B,
                                  int T, int NH, int NQG, int HS, const int *span) {
     LG_ON_GPU(ex, lg_cuda_attention_forward(ex, y, lse, qkv, B, T, NH, NQG, HS));
-    const lg_gemm_workspace *ws = lg_gemm_space(ex);
     const lg_attention_scratch *sc = &ex->attention;
     int QKV = (NH + 2 * NQG) * HS, heads_per_group = NH / NQG;
     lg_real scale = 1.0f / lg_sqrt((lg_real)HS);
@@ -6909,65 +6923,82 @@ static void lg_attention_forward(const lg_exec *ex, lg_buf y, lg_real *lse, lg_b
     for (int b = 0; b < B; b++)
         for (int h = 0; h < NH; h++) {
             int g = h / heads_per_group;
-            lg_buf q = lg_at(qkv, (size_t)b * T * QKV + (size_t)h * HS); /* (T, HS), ld QKV */
-            lg_buf k = lg_at(qkv, (size_t)b * T * QKV + (size_t)(NH + g) * HS);
-            lg_buf v = lg_at(qkv, (size_t)b * T * QKV + (size_t)(NH + NQG + g) * HS);
-            lg_buf out = lg_at(y, (size_t)b * T * NH * HS + (size_t)h * HS); /* ld NH HS */
-            lg_real *p = lg_attention_rows(sc);                             /* (T, T) */
-            lg_gemm(ws, 0, 1, T, T, HS, q, QKV, k, QKV, 0, lg_buf_of(p), T); /* scores = q k^T */
             const int *start = span ? span + (size_t)b * T : NULL; /* (T) or NULL */
-            if (start || !lg_causal_softmax_avx512(ex, p, T, scale, lse + ((size_t)b * NH + h) * T))
-                lg_causal_softmax(p, T, scale, lse + ((size_t)b * NH + h) * T, start);
-            lg_gemm(ws, 0, 0, T, HS, T, lg_buf_of(p), T, v, QKV, 0, out, NH * HS); /* y = p v */
+            lg_real *p = lg_attention_rows(sc);                     /* (T, T) */
+            for (int t0 = 0, t1; t0 < T; t0 = t1) {
+                t1 = lg_segment_end(start, t0, T);
+                size_t row = (size_t)b * T + t0;
+                lg_attention_head_forward(ex, lg_at(y, row * NH * HS + (size_t)h * HS),
+                                          lse + ((size_t)b * NH + h) * T + t0,
+                                          lg_at(qkv, row * QKV + (size_t)h * HS),
+                                          lg_at(qkv, row * QKV + (size_t)(NH + g) * HS),
+                                          lg_at(qkv, row * QKV + (size_t)(NH + NQG + g) * HS),
+                                          t1 - t0, QKV, NH * HS, HS, scale, p);
+            }
         }
+}
+
+/* One query head's attention backward over n rows (views as lg_attention_head_forward: q, k,
+   v, dq, dk, dv with row stride QKV; dout, out with ld_out): dq, dk, dv += their gradients.
+   p, dp (n, n) the thread's scratch. */
+typedef struct {
+    lg_buf q, k, v, dq, dk, dv, dout, out;
+} lg_attention_head;
+
+static void lg_attention_head_backward(const lg_exec *ex, const lg_attention_head *x,
+                                       const lg_real *lse, int n, int QKV, int ld_out, int HS,
+                                       lg_real scale, lg_real *p, lg_real *dp) {
+    const lg_gemm_workspace *ws = lg_gemm_space(ex);
+    lg_gemm(ws, 0, 1, n, n, HS, x->q, QKV, x->k, QKV, 0, lg_buf_of(p), n);
+    if (!lg_causal_probabilities_avx512(ex, p, n, scale, lse))
+        lg_causal_probabilities(p, n, scale, lse);
+    /* y = p v: dp = dy v^T, dv += p^T dy */
+    lg_gemm(ws, 0, 1, n, n, HS, x->dout, ld_out, x->v, QKV, 0, lg_buf_of(dp), n);
+    lg_gemm(ws, 1, 0, n, HS, n, lg_buf_of(p), n, x->dout, ld_out, 1, x->dv, QKV);
+    /* softmax backward into the scaled scores: ds = p (dp - dy . y) scale */
+    if (!lg_softmax_backward_avx512(ex, p, dp, x->dout, x->out, ld_out, n, HS, scale))
+        for (int t = 0; t < n; t++) {
+            lg_real *pr = p + (size_t)t * n, *dr = dp + (size_t)t * n, dot = 0;
+            for (int i = 0; i < HS; i++)
+                dot += lg_get(x->dout, (size_t)t * ld_out + i) * lg_get(x->out, (size_t)t * ld_out + i);
+            for (int s = 0; s <= t; s++) dr[s] = pr[s] * (dr[s] - dot) * scale;
+            for (int s = t + 1; s < n; s++) dr[s] = 0;
+        }
+    /* scores = q k^T: dq += ds k, dk += ds^T q */
+    lg_gemm(ws, 0, 0, n, HS, n, lg_buf_of(dp), n, x->k, QKV, 1, x->dq, QKV);
+    lg_gemm(ws, 1, 0, n, HS, n, lg_buf_of(dp), n, x->q, QKV, 1, x->dk, QKV);
 }
 
 /* dqkv (B, T, QKV) += gradient of the attention given dy (B, T, NH HS) and the forward's
    output y (B, T, NH HS). The probabilities are rebuilt from q, k and the saved log-sum-exp;
    the softmax's backward needs each row's sum_s p dp = dy . y. Threads own a (batch, group)
    pair, so the key/value gradients shared by the heads of a group are written by one thread
-   only. */
+   only. Packed rows (span) go segment by segment, as the forward. */
 static void lg_attention_backward(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg_buf y,
                                   lg_buf qkv, const lg_real *lse, int B, int T, int NH, int NQG,
                                   int HS, const int *span) {
     LG_ON_GPU(ex, lg_cuda_attention_backward(ex, dqkv, dy, y, qkv, lse, B, T, NH, NQG, HS));
-    const lg_gemm_workspace *ws = lg_gemm_space(ex);
     const lg_attention_scratch *sc = &ex->attention;
-    int QKV = (NH + 2 * NQG) * HS, heads_per_group = NH / NQG;
+    int QKV = (NH + 2 * NQG) * HS, heads_per_group = NH / NQG, ld_out = NH * HS;
     lg_real scale = 1.0f / lg_sqrt((lg_real)HS);
     LG_OMP(omp parallel for collapse(2) schedule(dynamic) num_threads(sc->threads))
     for (int b = 0; b < B; b++)
         for (int g = 0; g < NQG; g++)
             for (int h = g * heads_per_group; h < (g + 1) * heads_per_group; h++) {
-                size_t at = (size_t)b * T * QKV;
-                lg_buf q = lg_at(qkv, at + (size_t)h * HS); /* (T, HS), ld QKV */
-                lg_buf k = lg_at(qkv, at + (size_t)(NH + g) * HS);
-                lg_buf v = lg_at(qkv, at + (size_t)(NH + NQG + g) * HS);
-                lg_buf dq = lg_at(dqkv, at + (size_t)h * HS);
-                lg_buf dk = lg_at(dqkv, at + (size_t)(NH + g) * HS);
-                lg_buf dv = lg_at(dqkv, at + (size_t)(NH + NQG + g) * HS);
-                lg_buf dout = lg_at(dy, (size_t)b * T * NH * HS + (size_t)h * HS);
-                lg_buf out = lg_at(y, (size_t)b * T * NH * HS + (size_t)h * HS); /* ld NH HS */
-                lg_real *p = lg_attention_rows(sc), *dp = p + (size_t)T * T; /* (T, T) each */
-                lg_gemm(ws, 0, 1, T, T, HS, q, QKV, k, QKV, 0, lg_buf_of(p), T);
                 const int *start = span ? span + (size_t)b * T : NULL; /* (T) or NULL */
-                if (start || !lg_causal_probabilities_avx512(ex, p, T, scale, lse + ((size_t)b * NH + h) * T))
-                    lg_causal_probabilities(p, T, scale, lse + ((size_t)b * NH + h) * T, start);
-                /* y = p v: dp = dy v^T, dv += p^T dy */
-                lg_gemm(ws, 0, 1, T, T, HS, dout, NH * HS, v, QKV, 0, lg_buf_of(dp), T);
-                lg_gemm(ws, 1, 0, T, HS, T, lg_buf_of(p), T, dout, NH * HS, 1, dv, QKV);
-                /* softmax backward into the scaled scores: ds = p (dp - dy . y) scale */
-                if (!lg_softmax_backward_avx512(ex, p, dp, dout, out, NH * HS, T, HS, scale))
-                    for (int t = 0; t < T; t++) {
-                        lg_real *pr = p + (size_t)t * T, *dr = dp + (size_t)t * T, dot = 0;
-                        for (int i = 0; i < HS; i++)
-                            dot += lg_get(dout, (size_t)t * NH * HS + i) * lg_get(out, (size_t)t * NH * HS + i);
-                        for (int s = 0; s <= t; s++) dr[s] = pr[s] * (dr[s] - dot) * scale;
-                        for (int s = t + 1; s < T; s++) dr[s] = 0;
-                    }
-                /* scores = q k^T: dq += ds k, dk += ds^T q */
-                lg_gemm(ws, 0, 0, T, HS, T, lg_buf_of(dp), T, k, QKV, 1, dq, QKV);
-                lg_gemm(ws, 1, 0, T, HS, T, lg_buf_of(dp), T, q, QKV, 1, dk, QKV);
+                lg_real *p = lg_attention_rows(sc), *dp = p + (size_t)T * T; /* (T, T) each */
+                for (int t0 = 0, t1; t0 < T; t0 = t1) {
+                    t1 = lg_segment_end(start, t0, T);
+                    size_t row = (size_t)b * T + t0, q_at = row * QKV + (size_t)h * HS,
+                           k_at = row * QKV + (size_t)(NH + g) * HS,
+                           v_at = row * QKV + (size_t)(NH + NQG + g) * HS,
+                           y_at = row * ld_out + (size_t)h * HS;
+                    lg_attention_head x = {lg_at(qkv, q_at), lg_at(qkv, k_at), lg_at(qkv, v_at),
+                                           lg_at(dqkv, q_at), lg_at(dqkv, k_at), lg_at(dqkv, v_at),
+                                           lg_at(dy, y_at), lg_at(y, y_at)};
+                    lg_attention_head_backward(ex, &x, lse + ((size_t)b * NH + h) * T + t0,
+                                               t1 - t0, QKV, ld_out, HS, scale, p, dp);
+                }
             }
 }
 

@@ -296,18 +296,98 @@ static int bench_generate(const lg_config *cfg, int P, int n_new, lg_precision p
     return rc ? 1 : 0;
 }
 
+/* Sample lengths like Alpaca's: log-normal with median 110 tokens and sigma 1 (about 1.4% past
+   1,000), cut to [8, T]. Writes path (no prompt masking) and returns the samples' tokens. */
+static size_t bench_pack_samples(const char *path, int n, int T, int vocab, lg_rng *rng) {
+    uint32_t *lengths = (uint32_t *)malloc(sizeof(uint32_t) * n), *prompts = (uint32_t *)calloc(n, 4);
+    size_t total = 0;
+    for (int i = 0; i < n; i++) {
+        double u1 = (lg_rng_u64(rng) >> 11) * 0x1.0p-53 + 1e-300, u2 = (lg_rng_u64(rng) >> 11) * 0x1.0p-53;
+        double z = sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2); /* Box-Muller */
+        double len = 110.0 * exp(z);
+        lengths[i] = (uint32_t)(len < 8 ? 8 : len > T ? T : len);
+        total += lengths[i];
+    }
+    uint32_t *tokens = (uint32_t *)calloc(total, sizeof(uint32_t));
+    for (size_t i = 0; i < total; i++) tokens[i] = (uint32_t)(lg_rng_u64(rng) % (uint64_t)vocab);
+    lg_error err;
+    if (lg_samples_write(path, tokens, lengths, prompts, (size_t)n, 2, 0, &err) != 0) total = 0;
+    free(tokens);
+    free(lengths);
+    free(prompts);
+    return total;
+}
+
+/* Trained tokens a second of steps [warmup, warmup + steps) on ld: real tokens, padding not. */
+static double bench_real_tokens_per_s(lg_trainer *tr, lg_loader *ld, int warmup, int steps) {
+    lg_step_stats st;
+    lg_error err;
+    double ms = 0;
+    long targets = 0;
+    for (int s = 0; s < warmup + steps; s++) {
+        if (lg_trainer_step(tr, ld, s, &st, &err) != 0) { fprintf(stderr, "bench: %s\n", err.msg); return 0; }
+        if (s < warmup) continue;
+        ms += st.ms;
+        targets += st.n_targets;
+    }
+    return targets / (ms / 1e3);
+}
+
+/* --pack: the same model on the same Alpaca-like samples, rows of T packed (-b 1) against one
+   sample a row padded to the longest of its micro-batch of B, taking turns step by step so
+   that both see the same machine. */
+static int bench_pack(lg_config *cfg, int B, int T, int steps) {
+    lg_rng rng;
+    lg_rng_seed(&rng, 110);
+    cfg->block_size = T;
+    const char *path = "build/bench_pack_samples.bin";
+    if (!bench_pack_samples(path, 4000, T, cfg->vocab_size, &rng)) return 1;
+    lg_trainer tr[2];
+    lg_loader ld[2];
+    lg_error err;
+    double rate[2] = {0, 0};
+    for (int packed = 0; packed < 2; packed++) {
+        lg_args a;
+        lg_args_default(&a);
+        a.micro_batch_size = packed ? 1 : B;
+        a.pack = packed;
+        a.precision = LG_PRECISION_BF16_MIXED;
+        if (lg_loader_open(&ld[packed], path, T, cfg->vocab_size, 1, 7, &err) != 0 ||
+            lg_trainer_create(&tr[packed], cfg, &a, T, &err) != 0) {
+            fprintf(stderr, "bench: %s\n", err.msg);
+            return 1;
+        }
+    }
+    lg_packing_stats st, unpacked;
+    lg_loader_packing_stats(&ld[1], 1, T, &st);
+    lg_loader_packing_stats(&ld[0], B, T, &unpacked);
+    for (int round = 0; round < steps; round++) /* turns: one step each, after one warm-up */
+        for (int packed = 0; packed < 2; packed++)
+            rate[packed] += bench_real_tokens_per_s(&tr[packed], &ld[packed], round == 0, 1) / steps;
+    printf("--pack: %s, samples median 110 tokens (log-normal), rows of %d: unpacked -b %d %.0f "
+           "real tokens/s, packed -b 1 %.0f (%.2fx); padding %.1f%% unpacked, %.1f%% packed, "
+           "%.1f samples a row\n", cfg->name, T, B, rate[0], rate[1], rate[1] / rate[0],
+           100 * unpacked.padding_unpacked, 100 * st.padding_packed, st.samples_per_row);
+    for (int k = 0; k < 2; k++) {
+        lg_trainer_free(&tr[k]);
+        lg_loader_close(&ld[k]);
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
     const char *config = "configs/bench.yaml";
     if (argc == 3 && strcmp(argv[1], "--tokenizer") == 0) return bench_tokenizer(argv[2]);
     int B = 4, T = 256, steps = 5, warmup = 2;
     lg_precision precision = LG_PRECISION_32_TRUE; /* as the PyTorch side */
-    int recompute = 0, offload = 0, ops = 0, generate = 0, n_new = 64;
+    int recompute = 0, offload = 0, ops = 0, generate = 0, n_new = 64, pack = 0;
     for (int i = 1; i < argc; i++) {
         const char *value = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(argv[i], "--recompute") == 0) recompute = 1;
         else if (strcmp(argv[i], "--offload") == 0) offload = 1;
         else if (strcmp(argv[i], "--ops") == 0) ops = 1;
         else if (strcmp(argv[i], "--generate") == 0) generate = 1;
+        else if (strcmp(argv[i], "--pack") == 0) pack = 1;
         else if (value && strcmp(argv[i], "--new") == 0) n_new = atoi(argv[++i]);
         else if (value && strcmp(argv[i], "-c") == 0) config = argv[++i];
         else if (value && strcmp(argv[i], "-b") == 0) B = atoi(argv[++i]);
@@ -320,6 +400,7 @@ int main(int argc, char **argv) {
     lg_config cfg;
     if (lg_config_load(&cfg, config, &err) != 0) { fprintf(stderr, "bench: %s\n", err.msg); return 2; }
     if (generate) return bench_generate(&cfg, T, n_new, precision);
+    if (pack) return bench_pack(&cfg, B, T, steps);
     lg_args args;
     lg_args_default(&args);
     args.micro_batch_size = B;
