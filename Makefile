@@ -29,7 +29,7 @@ CPU_CC = $(if $(MPICC),$(MPICC) -DLG_MPI,$(CC))
 # run's time; -ffp-contract=off keeps every other multiply and add as written)
 EMULATED = $(CXX) -std=c++17 -O2 -march=native -ffp-contract=off -DLG_CUDA_EMULATE -Wall -Wextra -Werror -Wno-unknown-pragmas $(OPENMP) -x c++
 
-.PHONY: all cpu cuda portable test bench clean data tokenizers llama-cpp lora-memory gpu-bin pictures
+.PHONY: all cpu cuda portable test bench clean data tokenizers llama-cpp lora-memory context-table gpu-bin pictures
 
 all: train
 
@@ -182,11 +182,18 @@ tools/lora_memory: tools/lora_memory.c $(HEADERS)
 lora-memory: tools/lora_memory
 	./tools/lora_memory
 
+tools/context_table: tools/context_table.c $(HEADERS)
+	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tools/context_table.c -o $@ $(LDLIBS)
+
+# The longest context a GPU of each size fits, planned, beside Unsloth's table (README)
+context-table: tools/context_table
+	./tools/context_table
+
 tools/bench: tools/bench.c $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tools/bench.c -o $@ $(LDLIBS)
 
 # litgpt.h must stay valid C++ (the CUDA build compiles train.c as CUDA C++)
-test: train tests/test tests/test64 build/test_portable build/fuzz tools/prepare tools/generate tools/export tools/lora_memory tokenizers llama-cpp build/test_cuda_emulator build/test_cuda_emulated build/train_emulated $(if $(NVCC),build/cuda_compiles)
+test: train tests/test tests/test64 build/test_portable build/fuzz tools/prepare tools/generate tools/export tools/lora_memory tools/context_table tokenizers llama-cpp build/test_cuda_emulator build/test_cuda_emulated build/train_emulated $(if $(NVCC),build/cuda_compiles)
 	g++ -x c++ -std=c++17 -Wall -Wextra -Werror -fsyntax-only $(OPENMP) train.c
 	python3 tests/check_order.py
 	@[ -n "$(NVCC)" ] || echo "nvcc not found: CUDA build not checked"
@@ -243,4 +250,4 @@ pictures: train
 	done
 
 clean:
-	rm -rf train tests/test tests/test64 tools/bench tools/prepare tools/generate tools/export tools/lora_memory build
+	rm -rf train tests/test tests/test64 tools/bench tools/prepare tools/generate tools/export tools/lora_memory tools/context_table build

@@ -61,3 +61,21 @@ static void test_plan_for_gpus(results *r) {
     expect_cli(r, "--plan -c test-llama -t 16 --lora-r 4 --lora-targets all", 0, "q,k,v,proj,mlp");
 }
 
+
+/* README's context table is make context-table's output, line for line. */
+static void test_context_table_in_readme(results *r) {
+    static char out[8192], readme[1 << 17];
+    int code = run_command("./tools/context_table", out, sizeof out);
+    FILE *f = fopen("README.md", "r");
+    size_t n = f ? fread(readme, 1, sizeof readme - 1, f) : 0;
+    readme[n] = '\0';
+    if (f) fclose(f);
+    int rows = 0, found = 0;
+    for (char *line = strtok(out, "\n"); line; line = strtok(NULL, "\n")) {
+        if (line[0] != '|') continue;
+        rows++;
+        found += strstr(readme, line) != NULL;
+    }
+    check(r, code == 0 && rows == 9 && found == rows, "README's longest-context table is the "
+          "planner's (tools/context_table): %d of %d lines", found, rows);
+}
