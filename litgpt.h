@@ -1927,6 +1927,9 @@ void lg_generator_free(lg_generator *g);
 int lg_generator_load(lg_generator *g, const lg_gen_source *src, lg_error *err);
 /* Empties the cache (a new prompt). */
 void lg_generator_reset(lg_generator *g);
+/* Keeps the first n cached positions (a conversation whose later tokens changed): the next
+   forward writes position n. */
+void lg_generator_truncate(lg_generator *g, int n);
 /* Runs tokens (n) at positions n_cached .. n_cached + n - 1 (in pieces of at most prefill),
    their keys and values into the cache; g->logits gets the last one's. Fails when the cache
    has no room. */
@@ -1963,6 +1966,12 @@ typedef int (*lg_gen_token_fn)(void *ctx, int token);
 int lg_generate(lg_generator *g, const int *prompt, int n_prompt, int max_new,
                 const lg_sampling *s, lg_rng *rng, int *out, int *n_out, lg_gen_token_fn on_token,
                 void *ctx, lg_gen_stats *stats, lg_error *err);
+/* lg_generate on what the cache holds: prefills prompt (n_prompt >= 1) at positions n_cached
+   on, then draws as lg_generate (a conversation's next turn). The last token drawn is not in
+   the cache: a next turn starts with it. */
+int lg_generate_continue(lg_generator *g, const int *prompt, int n_prompt, int max_new,
+                         const lg_sampling *s, lg_rng *rng, int *out, int *n_out,
+                         lg_gen_token_fn on_token, void *ctx, lg_gen_stats *stats, lg_error *err);
 
 #ifdef __cplusplus
 }
@@ -15928,6 +15937,10 @@ int lg_generator_create(lg_generator *g, const lg_config *cfg, const lg_gen_spec
 
 void lg_generator_reset(lg_generator *g) { g->n_cached = 0; }
 
+void lg_generator_truncate(lg_generator *g, int n) {
+    if (n >= 0 && n < g->n_cached) g->n_cached = n;
+}
+
 /* --- where the weights come from ---------------------------------------------------------- */
 
 static int lg_gen_file_exists(const char *dir, const char *name) {
@@ -16502,18 +16515,18 @@ static int lg_is_stop(const lg_sampling *s, int token) {
     return 0;
 }
 
-int lg_generate(lg_generator *g, const int *prompt, int n_prompt, int max_new,
-                const lg_sampling *s, lg_rng *rng, int *out, int *n_out, lg_gen_token_fn on_token,
-                void *ctx, lg_gen_stats *stats, lg_error *err) {
+int lg_generate_continue(lg_generator *g, const int *prompt, int n_prompt, int max_new,
+                         const lg_sampling *s, lg_rng *rng, int *out, int *n_out,
+                         lg_gen_token_fn on_token, void *ctx, lg_gen_stats *stats, lg_error *err) {
     lg_gen_stats own;
     if (!stats) stats = &own;
     memset(stats, 0, sizeof *stats);
     *n_out = 0;
     if (n_prompt < 1) return lg_fail(err, "generation: the prompt is empty (it needs a token)");
-    if (n_prompt + max_new > g->spec.positions)
-        return lg_fail(err, "generation: a prompt of %d tokens and %d new ones pass the cache's %d "
-                            "positions", n_prompt, max_new, g->spec.positions);
-    lg_generator_reset(g);
+    if (g->n_cached + n_prompt + max_new > g->spec.positions)
+        return lg_fail(err, "generation: %d cached tokens, a prompt of %d and %d new ones pass "
+                            "the cache's %d positions", g->n_cached, n_prompt, max_new,
+                       g->spec.positions);
     double start = lg_time_ms();
     if (lg_generator_forward(g, prompt, n_prompt, err) != 0) return -1;
     stats->prompt_tokens = n_prompt;
@@ -16532,6 +16545,14 @@ int lg_generate(lg_generator *g, const int *prompt, int n_prompt, int max_new,
     }
     stats->decode_ms = lg_time_ms() - start;
     return 0;
+}
+
+int lg_generate(lg_generator *g, const int *prompt, int n_prompt, int max_new,
+                const lg_sampling *s, lg_rng *rng, int *out, int *n_out, lg_gen_token_fn on_token,
+                void *ctx, lg_gen_stats *stats, lg_error *err) {
+    lg_generator_reset(g);
+    return lg_generate_continue(g, prompt, n_prompt, max_new, s, rng, out, n_out, on_token, ctx,
+                                stats, err);
 }
 
 #endif /* LITGPT_IMPLEMENTATION */

@@ -507,6 +507,75 @@ static void test_gen_tool_text(results *r) {
           "(lg_model_generate from 15496 995: \"%s\")", got, want);
 }
 
+/* A conversation's next turn on the cache (lg_generate_continue), with and without keeping
+   only a prefix (lg_generator_truncate), against generating from the whole sequence anew:
+   the same greedy tokens and the same logits. */
+static void test_gen_continue(results *r) {
+    lg_model m;
+    lg_config cfg;
+    lg_generator g;
+    lg_error err;
+    if (gen_random_model(r, &m, &cfg, "test-llama", 33) != 0) return;
+    if (gen_from_model(r, &g, &m, 16, 4, LG_PRECISION_32_TRUE) != 0) { lg_model_free(&m); return; }
+    lg_sampling s = lg_sampling_default();
+    s.temperature = 0;
+    int first[3] = {2, 7, 1}, next[3] = {9, 4, 6}, out1[3], out2[3], fresh[3], seq[12];
+    int n1 = 0, n2 = 0, nf = 0, ok = 1;
+    double worst = 0;
+    for (int keep = 0; keep < 2; keep++) { /* 0: all of the cache; 1: truncated after 4 */
+        ok = ok && lg_generate(&g, first, 3, 3, &s, NULL, out1, &n1, NULL, NULL, NULL, &err) == 0;
+        int n = 0; /* the whole conversation: first, the reply, then next */
+        for (int i = 0; i < 3; i++) seq[n++] = first[i];
+        for (int i = 0; i < n1; i++) seq[n++] = out1[i];
+        for (int i = 0; i < 3; i++) seq[n++] = next[i];
+        int cached = 3 + n1 - 1, from = keep ? 4 : cached; /* the reply's last is not cached */
+        lg_generator_truncate(&g, from);
+        ok = ok && lg_generate_continue(&g, seq + from, n - from, 3, &s, NULL, out2, &n2, NULL,
+                                        NULL, NULL, &err) == 0;
+        lg_real *continued = (lg_real *)malloc(sizeof(lg_real) * (size_t)cfg.vocab_size);
+        memcpy(continued, g.logits, sizeof(lg_real) * (size_t)cfg.vocab_size);
+        ok = ok && lg_generate(&g, seq, n, 3, &s, NULL, fresh, &nf, NULL, NULL, NULL, &err) == 0 &&
+             n2 == nf && memcmp(out2, fresh, sizeof(int) * (size_t)nf) == 0;
+        for (int v = 0; v < cfg.vocab_size; v++) worst = fmax(worst, fabs(continued[v] - g.logits[v]));
+        free(continued);
+    }
+    check(r, ok && worst < 1e-5, "a next turn on the cache (whole, and truncated to 4 positions) "
+          "draws the tokens of a fresh generation over the whole conversation; logits within %.1e",
+          worst);
+    lg_generator_free(&g);
+    lg_model_free(&m);
+}
+
+/* tools/generate --chat: two turns from standard input, rendered with Llama 3's template on a
+   small model with Llama 3's vocabulary; each reply printed, then its ids (--ids). */
+static void test_gen_tool_chat(results *r) {
+    lg_config cfg;
+    lg_model m;
+    lg_error err;
+    if (load_config_or_fail(r, &cfg, "test-llama31")) return;
+    cfg.vocab_size = cfg.padded_vocab_size = 128256;
+    cfg.block_size = 128;
+    if (lg_model_create(&m, &cfg, 1, 8, &err) != 0) { check(r, 0, "%s", err.msg); return; }
+    lg_model_init_weights(&m, 5);
+    int rc = lg_hf_save(&m, "build/test-gen-chat", &err);
+    lg_model_free(&m);
+    if (rc != 0) { check(r, 0, "%s", err.msg); return; }
+    char last[512], all[16384];
+    int code = gen_run("printf 'Hello there\\nAnd again\\n' | OMP_NUM_THREADS=1 ./tools/generate "
+                       "--load build/test-gen-chat --tokenizer data/llama3 --chat --template llama3 "
+                       "--system 'Be brief.' --max-new-tokens 4 --temperature 0 --ids 2>&1",
+                       last, sizeof last, all, sizeof all);
+    int lines = 0;
+    for (const char *p = all; (p = strstr(p, "decode:")) != NULL; p++) lines++;
+    check(r, code == 0 && strstr(all, "chat: template llama3") && lines == 2,
+          "tools/generate --chat --template llama3: 2 turns from standard input, 2 replies "
+          "(exit %d): \"%s\"", code, last);
+    expect_program(r, "./tools/generate", "--load build/test-gen-chat --chat --template nosuch "
+                   "--tokenizer data/llama3 < /dev/null", 2, "nosuch");
+    expect_program(r, "./tools/generate", "--load build/test-gen-chat --chat --prompt hi", 2,
+                   "--chat reads its turns from standard input");
+}
+
 static void test_gen_tool_errors(results *r) {
     const char *g = "OMP_NUM_THREADS=1 ./tools/generate";
     mkdir("build/test-gen-noweights", 0755); /* config.json alone */
@@ -527,7 +596,7 @@ static void test_gen_tool_errors(results *r) {
                    2, "longer than the model's context (block_size 16)");
     expect_program(r, g, "--load build/no-such-model --prompt-ids 1", 2,
                    "build/no-such-model: no config.json");
-    expect_program(r, g, "--load tests/hf/llama", 2, "one of --prompt TEXT and --prompt-ids");
+    expect_program(r, g, "--load tests/hf/llama", 2, "one of --prompt TEXT, --prompt-ids");
     expect_program(r, g, "--load tests/hf/llama --prompt-ids 40", 2,
                    "token 0 (id 40) is outside the model's vocabulary of 32");
     expect_program(r, g, "--load tests/hf/llama --prompt-ids 1 --top-p 2", 2, "--top-p: 2 is outside");
@@ -588,6 +657,8 @@ static void test_generate_all(results *r) {
     for (int k = 0; k < 4; k++) test_gen_lora_dir(r, families[k]);
     test_gen_tool_ids(r, "tests/hf/gpt2");
     test_gen_tool_ids(r, "tests/hf/llama31");
+    test_gen_continue(r);
+    test_gen_tool_chat(r);
     test_gen_tool_ids(r, "tests/hf/falcon");
     test_gen_tool_lora(r);
     test_gen_tool_text(r);

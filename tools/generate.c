@@ -37,11 +37,19 @@ static const char usage[] =
     "  -p, --precision P     32-true (default), bf16-true or 16-true: weights and cache\n"
     "  --threads N           (all)\n"
     "  --plan                print the memory plan and exit\n"
-    "  --memory-limit SIZE   the memory the plan must fit in (default: what is available)\n";
+    "  --memory-limit SIZE   the memory the plan must fit in (default: what is available)\n"
+    "  --chat                a conversation: each line of standard input is a user turn, each\n"
+    "                        reply is generated with the model's chat template, the cache\n"
+    "                        kept between turns (up to --context tokens); EOF ends it\n"
+    "  --template NAME       --chat's template (default: auto, from the tokenizer)\n"
+    "  --system TEXT         --chat's system prompt\n"
+    "  --context N           --chat: positions the cache holds (default: block_size, at most\n"
+    "                        4096)\n";
 
 typedef struct {
     const char *load, *tokenizer, *prompt, *prompt_ids;
-    int max_new, top_k, ids, threads, plan;
+    const char *template_name, *system; /* --chat's */
+    int max_new, top_k, ids, threads, plan, chat, context;
     float temperature, top_p;
     uint64_t seed;
     lg_precision precision;
@@ -96,6 +104,10 @@ static void parse_args(int argc, char **argv, generate_args *a) {
         else if (!strcmp(f, "--top-p")) a->top_p = number_of(f, value_of(argc, argv, &i), 0, 1);
         else if (!strcmp(f, "--seed")) a->seed = (uint64_t)integer_of(f, value_of(argc, argv, &i), 0, 0x7FFFFFFFL);
         else if (!strcmp(f, "--ids")) a->ids = 1;
+        else if (!strcmp(f, "--chat")) a->chat = 1;
+        else if (!strcmp(f, "--template")) a->template_name = value_of(argc, argv, &i);
+        else if (!strcmp(f, "--system")) a->system = value_of(argc, argv, &i);
+        else if (!strcmp(f, "--context")) a->context = (int)integer_of(f, value_of(argc, argv, &i), 2, 1 << 24);
         else if (!strcmp(f, "--plan")) a->plan = 1;
         else if (!strcmp(f, "--threads")) a->threads = (int)integer_of(f, value_of(argc, argv, &i), 1, 4096);
         else if (!strcmp(f, "-p") || !strcmp(f, "--precision")) {
@@ -108,7 +120,12 @@ static void parse_args(int argc, char **argv, generate_args *a) {
         } else die(2, "unknown option %s (see tools/generate --help)", f);
     }
     if (!a->load) die(2, "--load DIR is needed (see tools/generate --help)");
-    if (!a->prompt == !a->prompt_ids) die(2, "one of --prompt TEXT and --prompt-ids \"ID ...\" is needed");
+    if (a->chat && (a->prompt || a->prompt_ids))
+        die(2, "--chat reads its turns from standard input: drop --prompt/--prompt-ids");
+    if (!a->chat && !a->prompt == !a->prompt_ids)
+        die(2, "one of --prompt TEXT, --prompt-ids \"ID ...\" and --chat is needed");
+    if (!a->chat && (a->template_name || a->system || a->context))
+        die(2, "--template, --system and --context go with --chat");
     if (a->top_p <= 0.0f) die(2, "--top-p must be above 0");
 }
 
@@ -270,6 +287,134 @@ static int prompt_of(const generate_args *a, const lg_gen_source *src, const lg_
     return bos;
 }
 
+/* Plans the generator for spec (--plan prints it and exits; exit 3 when it does not fit), then
+   creates it and loads src's weights. */
+static void open_generator(const generate_args *a, const lg_gen_source *src,
+                           const lg_gen_spec *spec, lg_generator *g) {
+    lg_error err;
+    lg_plan plan;
+    if (lg_gen_plan(&plan, &src->cfg, spec, &err) != 0) die(2, "%s", err.msg);
+    if (a->plan) { lg_gen_plan_print(&plan, stdout); exit(0); }
+    check_fit(&plan, a);
+    lg_plan_free(&plan);
+    if (lg_generator_create(g, &src->cfg, spec, &err) != 0) die(1, "%s", err.msg);
+    if (lg_generator_load(g, src, &err) != 0) die(1, "%s", err.msg);
+}
+
+/* --- --chat: a conversation, its turns rendered with the model's template ---------------- */
+
+/* Appends a turn of n bytes of text to c. */
+static void chat_add(lg_chat *c, lg_chat_role role, const char *text, size_t n) {
+    lg_chat_turn *turns = (lg_chat_turn *)realloc(c->turns, sizeof *turns * (size_t)(c->n + 1));
+    char *copy = (char *)malloc(n + 1);
+    if (!turns || !copy) die(1, "out of memory");
+    memcpy(copy, text, n);
+    copy[n] = '\0';
+    turns[c->n].role = role;
+    turns[c->n].content = copy;
+    c->turns = turns;
+    c->n++;
+}
+
+/* The conversation rendered with template t, ending with the assistant's header, as ids. */
+static void chat_prompt_ids(lg_chat_template t, const lg_chat *c, const lg_tokenizer *tok,
+                            lg_tokens *ids) {
+    lg_chat_rendered r;
+    lg_error err;
+    memset(&r, 0, sizeof r);
+    ids->n = 0;
+    if (lg_chat_render(t, c, tok, 1, &r, &err) != 0 ||
+        lg_tokenizer_encode(tok, r.text.bytes, r.text.n, ids, &err) != 0)
+        die(2, "--chat: %s", err.msg);
+    lg_chat_rendered_free(&r);
+}
+
+/* What --chat keeps between turns: the cache's tokens (the last reply's last token is not in
+   it), the turns, the template and the sampling. */
+typedef struct {
+    lg_generator *g;
+    lg_chat chat;
+    lg_chat_template template_id;
+    lg_tokens cached, prompt;
+    lg_sampling sampling;
+    lg_rng rng;
+    int max_new, ids;
+} chat_session;
+
+/* One reply to the conversation so far: the cache keeps the longest prefix the new rendering
+   shares with it, the rest is prefilled, the reply streams out and becomes a turn. */
+static void chat_reply(chat_session *cs, streamer *out) {
+    lg_error err;
+    lg_gen_stats st;
+    const lg_tokens *ids = &cs->prompt;
+    size_t common = 0;
+    while (common < cs->cached.n && common < ids->n && cs->cached.ids[common] == ids->ids[common])
+        common++;
+    if (common == ids->n) common--; /* one token at least: its logits draw the reply's first */
+    lg_generator_truncate(cs->g, (int)common);
+    long room = (long)cs->g->spec.positions - (long)ids->n;
+    if (room < 1)
+        die(2, "--chat: the conversation's %zu tokens fill the cache's %d positions (--context)",
+            ids->n, cs->g->spec.positions);
+    int max_new = room < cs->max_new ? (int)room : cs->max_new, n_out = 0;
+    int *reply = (int *)malloc(sizeof(int) * (size_t)(max_new + 1));
+    if (!reply) die(1, "out of memory");
+    out->shown.n = 0;
+    if (lg_generate_continue(cs->g, ids->ids + common, (int)(ids->n - common), max_new,
+                             &cs->sampling, &cs->rng, reply, &n_out, stream_token, out, &st,
+                             &err) != 0)
+        die(1, "%s", err.msg);
+    cs->cached.n = 0; /* the cache: the prompt, then the reply but its last token */
+    for (size_t i = 0; i < ids->n; i++) lg_tokens_push(&cs->cached, ids->ids[i]);
+    for (int i = 0; i + 1 < n_out; i++) lg_tokens_push(&cs->cached, reply[i]);
+    chat_add(&cs->chat, LG_ROLE_ASSISTANT, out->shown.bytes, out->shown.n);
+    printf("\n");
+    if (cs->ids) {
+        for (int i = 0; i < n_out; i++) printf("%s%d", i ? " " : "", reply[i]);
+        printf("\n");
+    }
+    free(reply);
+    fflush(stdout);
+    print_speed(&st);
+}
+
+/* --chat: each line of standard input is a user turn; EOF ends. */
+static void run_chat(const generate_args *a, const lg_gen_source *src, const lg_tokenizer *tok,
+                     const lg_tokens *stop, int threads) {
+    lg_error err;
+    chat_session cs;
+    memset(&cs, 0, sizeof cs);
+    if (a->template_name ? lg_chat_template_find(a->template_name, &cs.template_id, &err)
+                         : lg_chat_template_auto(tok, &cs.template_id, &err))
+        die(2, "--chat: %s", err.msg);
+    int positions = a->context ? a->context : src->cfg.block_size < 4096 ? src->cfg.block_size : 4096;
+    if (positions > src->cfg.block_size)
+        die(2, "--context %d: the model's context is %d tokens", positions, src->cfg.block_size);
+    int vocab = tok->vocab_size < src->cfg.vocab_size ? tok->vocab_size : 0;
+    lg_gen_spec spec = {positions, positions < 512 ? positions : 512, a->precision, threads, vocab};
+    lg_generator g;
+    open_generator(a, src, &spec, &g);
+    cs.g = &g;
+    cs.max_new = a->max_new, cs.ids = a->ids;
+    cs.sampling = lg_sampling_default();
+    cs.sampling.temperature = a->temperature, cs.sampling.top_k = a->top_k, cs.sampling.top_p = a->top_p;
+    cs.sampling.stop = stop->ids, cs.sampling.n_stop = (int)stop->n;
+    lg_rng_seed(&cs.rng, a->seed);
+    if (a->system) chat_add(&cs.chat, LG_ROLE_SYSTEM, a->system, strlen(a->system));
+    fprintf(stderr, "chat: template %s, %d positions; a line is a turn, end with EOF\n",
+            lg_chat_template_name(cs.template_id), positions);
+    streamer out = {tok, {NULL, 0, 0}, stop};
+    char line[1 << 16];
+    while (fgets(line, sizeof line, stdin)) {
+        size_t n = strcspn(line, "\r\n");
+        if (n == 0) continue;
+        chat_add(&cs.chat, LG_ROLE_USER, line, n);
+        chat_prompt_ids(cs.template_id, &cs.chat, tok, &cs.prompt);
+        chat_reply(&cs, &out);
+    }
+    lg_generator_free(&g);
+}
+
 int main(int argc, char **argv) {
     generate_args a;
     lg_error err;
@@ -280,13 +425,6 @@ int main(int argc, char **argv) {
     char tok_dir[LG_PATH_MAX] = "";
     int have_tok = load_tokenizer(&a, &src, &tok, tok_dir, sizeof tok_dir);
     lg_tokens prompt = {NULL, 0, 0}, stop = {NULL, 0, 0};
-    int bos = prompt_of(&a, &src, have_tok ? &tok : NULL, tok_dir, &prompt);
-    int max_new = a.max_new;
-    if ((long)prompt.n + max_new > src.cfg.block_size) {
-        max_new = src.cfg.block_size - (int)prompt.n;
-        fprintf(stderr, "generate: --max-new-tokens %d: the model's context is %d tokens, the "
-                "prompt %zu: generating at most %d\n", a.max_new, src.cfg.block_size, prompt.n, max_new);
-    }
     int threads = a.threads;
 #ifdef _OPENMP
     if (threads) omp_set_num_threads(threads);
@@ -294,18 +432,26 @@ int main(int argc, char **argv) {
 #else
     threads = 1;
 #endif
+    stop_ids(&src, have_tok ? &tok : NULL, &stop);
+    if (a.chat) {
+        if (!have_tok)
+            die(2, "--chat needs a tokenizer: %s has no tokenizer.json (nor encoder.json and "
+                   "vocab.bpe); name one with --tokenizer", src.dir);
+        run_chat(&a, &src, &tok, &stop, threads);
+        return 0;
+    }
+    int bos = prompt_of(&a, &src, have_tok ? &tok : NULL, tok_dir, &prompt);
+    int max_new = a.max_new;
+    if ((long)prompt.n + max_new > src.cfg.block_size) {
+        max_new = src.cfg.block_size - (int)prompt.n;
+        fprintf(stderr, "generate: --max-new-tokens %d: the model's context is %d tokens, the "
+                "prompt %zu: generating at most %d\n", a.max_new, src.cfg.block_size, prompt.n, max_new);
+    }
     /* draws stay among the tokenizer's ids where config.json's vocab_size counts padding */
     int vocab = have_tok && tok.vocab_size < src.cfg.vocab_size ? tok.vocab_size : 0;
     lg_gen_spec spec = {(int)prompt.n + max_new, (int)prompt.n, a.precision, threads, vocab};
-    lg_plan plan;
-    if (lg_gen_plan(&plan, &src.cfg, &spec, &err) != 0) die(2, "%s", err.msg);
-    if (a.plan) { lg_gen_plan_print(&plan, stdout); return 0; }
-    check_fit(&plan, &a);
-    lg_plan_free(&plan);
     lg_generator g;
-    if (lg_generator_create(&g, &src.cfg, &spec, &err) != 0) die(1, "%s", err.msg);
-    if (lg_generator_load(&g, &src, &err) != 0) die(1, "%s", err.msg);
-    stop_ids(&src, have_tok ? &tok : NULL, &stop);
+    open_generator(&a, &src, &spec, &g);
     lg_sampling s = lg_sampling_default();
     s.temperature = a.temperature, s.top_k = a.top_k, s.top_p = a.top_p;
     s.stop = stop.ids, s.n_stop = (int)stop.n;
