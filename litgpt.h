@@ -736,6 +736,15 @@ typedef struct {
     int fits;             /* both; -1: the limit is unknown (a plan for a GPU not here) */
 } lg_fit;
 
+/* The bytes rank 0 moves between host and device memory in one optimizer step: with --offload
+   its gradient shard down and the updated weights up; with --offload activations each kept
+   block output down in the forward and up in the backward, every micro-batch. On a GPU they
+   cross PCIe (or NVLink-C2C); on the CPU backend they are copies within one memory. */
+size_t lg_plan_host_traffic_bytes(const lg_plan *plan);
+/* A planning figure for that traffic's time: 25 GB/s, about what a PCIe 4.0 x16 link (31.5
+   GB/s a direction in its specification) carries in practice; an estimate, not a measurement. */
+#define LG_PCIE_BYTES_PER_S_ESTIMATE 25e9
+
 /* fit (may be NULL): the fit check's limits and verdict, as limit_bytes, host_limit_bytes and
    fits (null when the limit is unknown). */
 void lg_plan_print_json(const lg_plan *plan, const lg_fit *fit, FILE *out);
@@ -4711,6 +4720,20 @@ size_t lg_plan_checked_bytes(const lg_plan *plan) {
     return most;
 }
 
+size_t lg_plan_host_traffic_bytes(const lg_plan *plan) {
+    const lg_rank_plan *r = &plan->ranks[0];
+    size_t bytes = 0, kept = 0; /* what the copies move: count x element, not the padded regions */
+    const lg_region *grads = lg_plan_find(r, "gradients.host"), *weights = lg_plan_find(r, "weights.host");
+    if (grads) bytes += grads->count * lg_dtype_size(grads->dtype);
+    if (weights) bytes += weights->count * lg_dtype_size(weights->dtype);
+    for (int i = 0; i < r->n_regions; i++) { /* the kept block outputs in host memory */
+        const lg_region *x = &r->regions[i];
+        if (x->group == LG_GROUP_ACTIVATIONS && x->pool == LG_POOL_HOST)
+            kept += x->count * lg_dtype_size(x->dtype);
+    }
+    return bytes + 2 * kept * (size_t)plan->spec.accumulation;
+}
+
 size_t lg_plan_host_bytes_per_machine(const lg_plan *plan) {
     int per_node = plan->spec.devices > 0 ? plan->spec.devices : 1;
     size_t most = 0;
@@ -5181,6 +5204,7 @@ void lg_plan_print_json(const lg_plan *plan, const lg_fit *fit, FILE *out) {
     if (fit)
         fprintf(out, "\"limit_bytes\":%zu,\"host_limit_bytes\":%zu,\"fits\":%s,", fit->limit,
                 fit->host_limit, fit->fits < 0 ? "null" : fit->fits ? "true" : "false");
+    fprintf(out, "\"host_traffic_bytes\":%zu,", lg_plan_host_traffic_bytes(plan));
     fprintf(out, "\"devices\":[");
     for (int i = 0; i < plan->n_ranks; i++) {
         const lg_rank_plan *r = &plan->ranks[i];

@@ -715,14 +715,21 @@ static void print_plan_with_recompute_choice(const lg_plan *plan, const lg_args 
     lg_plan_free(&alternative);
 }
 
-/* --plan's last lines: whether the run fits, and where the CUDA runtime's share is estimated. */
-static void print_fit(const lg_fit *fit, const lg_args *a, const char *source) {
+/* --plan's last lines: the host traffic of a step on a GPU, where the CUDA runtime's share is
+   estimated, and whether the run fits. */
+static void print_fit(const lg_plan *plan, const lg_fit *fit, const lg_args *a,
+                      const char *source) {
     char need[32], have[32], host[32], host_limit[32];
     if (a->runtime_estimated)
         printf("cuda.runtime: %s, an estimate (no GPU here to measure it): the context, "
                "cuBLASLt and %d NCCL communicator%s\n",
                lg_format_bytes(a->runtime_bytes, need, sizeof need), lg_comms_per_rank(a),
                lg_comms_per_rank(a) == 1 ? "" : "s");
+    size_t traffic = lg_plan_host_traffic_bytes(plan);
+    if (traffic && a->backend == LG_BACKEND_CUDA)
+        printf("host <-> device: %s a step, about %.0f ms at %.0f GB/s (a PCIe 4.0 x16 "
+               "estimate)\n", lg_format_bytes(traffic, need, sizeof need),
+               1e3 * (double)traffic / LG_PCIE_BYTES_PER_S_ESTIMATE, LG_PCIE_BYTES_PER_S_ESTIMATE / 1e9);
     lg_format_bytes(fit->checked_bytes, need, sizeof need);
     if (fit->fits < 0) {
         printf("fits: not checked: %s needed, %s\n", need, source);
@@ -770,7 +777,7 @@ static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_con
         } else {
             print_plan_with_recompute_choice(&plan, a, cfg, T);
         }
-        print_fit(&fit, a, source);
+        print_fit(&plan, &fit, a, source);
     }
     if (fit.fits == 0) explain_does_not_fit(argc, argv, cfg, a, T, &plan, &fit, source);
     lg_plan_free(&plan);

@@ -79,3 +79,40 @@ static void test_context_table_in_readme(results *r) {
     check(r, code == 0 && rows == 9 && found == rows, "README's longest-context table is the "
           "planner's (tools/context_table): %d of %d lines", found, rows);
 }
+
+/* The host traffic of a step (lg_plan_host_traffic_bytes) from the model's sizes: --offload
+   moves the gradients down and the weights up (fp32: 4 bytes a parameter each way);
+   --offload activations moves each kept block output (B, T, C), all blocks but the last, down
+   and up in every micro-batch. */
+static void test_host_traffic(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    lg_args a;
+    lg_args_default(&a);
+    a.backend = LG_BACKEND_CUDA;
+    a.precision = LG_PRECISION_32_TRUE;
+    a.micro_batch_size = 2;
+    a.global_batch_size = 4; /* 2 micro-batches */
+    a.offload = a.recompute = a.offload_activations = 1;
+    const int T = 16;
+    size_t n = lg_params_layout(&cfg, lg_no_buf(), NULL, NULL);
+    size_t want = 2 * 4 * n + (size_t)2 * 2 * (cfg.n_layer - 1) * 2 * T * cfg.n_embd * 4;
+    lg_plan_spec spec;
+    lg_plan plan;
+    lg_error err;
+    lg_plan_spec_from_args(&spec, &a, T);
+    if (lg_plan_make(&plan, &cfg, &spec, &err) != 0) { check(r, 0, "%s", err.msg); return; }
+    size_t got = lg_plan_host_traffic_bytes(&plan);
+    lg_plan_free(&plan);
+    a.offload = a.offload_activations = 0;
+    lg_plan_spec_from_args(&spec, &a, T);
+    size_t none = 1;
+    if (lg_plan_make(&plan, &cfg, &spec, &err) == 0) {
+        none = lg_plan_host_traffic_bytes(&plan);
+        lg_plan_free(&plan);
+    }
+    check(r, got == want && none == 0, "host traffic of a step with --offload and --offload "
+          "activations: %zu bytes (from the sizes: %zu); none without (%zu)", got, want, none);
+    expect_cli(r, "--plan --backend cuda -c test-llama -t 16 -b 2 -g 4 -p 32-true --offload "
+               "--memory-limit 1GiB", 0, "host <-> device:");
+}
