@@ -403,6 +403,8 @@ typedef struct {
                                   T tokens, attention and positions kept inside each sample */
     int plan_only;             /* --plan: print the plan and exit (1 table, 2 JSON) */
     int micro_batch_auto;      /* -b auto: the largest micro-batch that fits */
+    int max_seq_length_auto;   /* -t auto: the longest sequence that fits (up to block_size, or
+                                  for fine-tuning the longest sample) */
     lg_state_format optimizer_state; /* --optimizer-state bf16|8bit (AdamW) */
     int hessian_interval;      /* Sophia: steps between Hessian estimates (10) */
     float rho;                 /* Sophia: the clipping scale of m / h (0.04) */
@@ -815,6 +817,8 @@ size_t lg_plan_checked_bytes(const lg_plan *plan);
 size_t lg_plan_checked_bytes_for(const lg_config *cfg, const lg_args *args, int T);
 /* -b auto: the largest micro-batch dividing the per-device batch whose plan fits; 0: none. */
 int lg_plan_auto_micro_batch(const lg_config *cfg, const lg_args *args, int T, size_t limit);
+/* -t auto: the longest sequence up to max_T whose plan fits; 0: not even one token. */
+int lg_plan_auto_seq_length(const lg_config *cfg, const lg_args *args, int max_T, size_t limit);
 /* Memory a run may use on this machine's CPU backend: MemAvailable, 0 when unknown. */
 size_t lg_host_available_bytes(void);
 /* The host memory a machine's ranks may use: --host-memory-limit, else what is available. */
@@ -4840,14 +4844,19 @@ static void lg_remedy_price(lg_remedy *r, const char *what, unsigned changes,
     r->fits = lg_pools_fit(a, r->device_bytes, host, checked, limit);
 }
 
-/* The largest sequence length below T that fits (halving when none does). */
-static int lg_fitting_seq_length(const lg_config *cfg, const lg_args *a, int T, size_t limit) {
-    int lo = 1, hi = T - 1, best = 0;
+int lg_plan_auto_seq_length(const lg_config *cfg, const lg_args *args, int max_T, size_t limit) {
+    int lo = 1, hi = max_T, best = 0; /* the plan grows with T: a binary search */
     while (lo <= hi) {
         int mid = lo + (hi - lo) / 2;
-        if (lg_fits(cfg, a, mid, limit)) { best = mid; lo = mid + 1; }
+        if (lg_fits(cfg, args, mid, limit)) { best = mid; lo = mid + 1; }
         else hi = mid - 1;
     }
+    return best;
+}
+
+/* The largest sequence length below T that fits (halving when none does). */
+static int lg_fitting_seq_length(const lg_config *cfg, const lg_args *a, int T, size_t limit) {
+    int best = lg_plan_auto_seq_length(cfg, a, T - 1, limit);
     return best ? best : (T / 2 > 0 ? T / 2 : 1);
 }
 

@@ -31,7 +31,8 @@ static const char usage[] =
     "                             steps = global / (devices x nodes) / micro-batch\n"
     "  -t, --max-seq-length N     tokens per sample: shard windows, or the length fine-tuning\n"
     "                             samples are truncated to (default: block_size for shards,\n"
-    "                             the longest sample for fine-tuning)\n"
+    "                             the longest sample for fine-tuning); auto: the longest\n"
+    "                             that fits, up to those\n"
     "      --pack                 fine-tuning samples packed first-fit into rows of -t\n"
     "                             tokens (default: the longest sample), attention and\n"
     "                             positions kept inside each sample; the CPU backend\n"
@@ -331,7 +332,10 @@ static void apply_flags(int argc, char **argv, lg_args *a, given_flags *given,
             if (!a->micro_batch_auto) a->micro_batch_size = parse_int(f, optarg);
             break;
         case 'g': a->global_batch_size = parse_int(f, optarg); break;
-        case 't': a->max_seq_length = parse_int(f, optarg); break;
+        case 't':
+            a->max_seq_length_auto = strcmp(optarg, "auto") == 0;
+            a->max_seq_length = a->max_seq_length_auto ? 0 : parse_int(f, optarg);
+            break;
         case 'p':
             given->precision = 1;
             if (lg_precision_parse(optarg, &a->precision) != 0)
@@ -1114,6 +1118,40 @@ static void open_data(const lg_args *a, lg_config *cfg, int *T, run_data *d) {
     if (samples) fit_samples(a, cfg, T, d);
 }
 
+/* -t auto: the longest sequence that fits, up to block_size (token shards, or a plan without
+   data) or the longest sample (fine-tuning); the data are opened again at that length when it
+   is shorter. With -b auto too, the length is chosen at -b 1. What it chose goes to the note. */
+static void choose_seq_length(lg_args *a, lg_config *cfg, int *T, run_data *d) {
+    const char *source;
+    size_t limit = device_limit(a, &source);
+    int cap = *T, samples = d->train.n_samples > 0 || d->val.n_samples > 0;
+    const char *cap_name = samples ? "the longest sample" : "block_size";
+    lg_args probe = *a;
+    if (probe.micro_batch_auto) probe.micro_batch_size = 1;
+    int t = limit ? lg_plan_auto_seq_length(cfg, &probe, cap, limit) : cap;
+    char note[320], size[32];
+    lg_format_bytes(limit, size, sizeof size);
+    if (!limit)
+        snprintf(note, sizeof note, "-t auto: %d tokens, %s (%s)\n", cap, cap_name, source);
+    else if (t == 0)
+        snprintf(note, sizeof note, "-t auto: not even 1 token fits in %s (%s)\n", size, source);
+    else if (t == cap)
+        snprintf(note, sizeof note, "-t auto: %d tokens, %s, which limits it (it fits in %s, "
+                 "%s)\n", t, cap_name, size, source);
+    else
+        snprintf(note, sizeof note, "-t auto: %d tokens, the longest up to %s %d that fits in "
+                 "%s (%s)\n", t, cap_name, cap, size, source);
+    if (t > 0 && t < cap) {
+        a->max_seq_length = t;
+        lg_loader_close(&d->train);
+        lg_loader_close(&d->val);
+        *T = t;
+        open_data(a, cfg, T, d);
+    }
+    size_t used = strlen(d->note);
+    snprintf(d->note + used, sizeof d->note - used, "%s", note);
+}
+
 /* The plan's first line: the model (on the built-in task, if so), B, T and where T came from,
    the precision, the devices. */
 static void describe_planned_run(const lg_args *a, const lg_config *cfg, int T,
@@ -1481,6 +1519,7 @@ int main(int argc, char **argv) {
     open_data(&a, &cfg, &T, &data);
     a.finetuning = !a.data || lg_samples_file(a.data); /* LoRA is a remedy (see --plan) */
     prepare_gpus(&a, launch.processes > 1);
+    if (a.max_seq_length_auto) choose_seq_length(&a, &cfg, &T, &data);
     if (a.micro_batch_auto) choose_micro_batch(&a, &cfg, T, data.note, sizeof data.note);
     if (lg_args_check(&a, &err) != 0) die_usage("%s", err.msg);
     char planned_for[512];

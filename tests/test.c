@@ -2098,6 +2098,7 @@ int main(int argc, char **argv) {
         test_plan_for_gpus(&r);
         test_context_table_in_readme(&r);
         test_host_traffic(&r);
+        test_auto_seq_length(&r);
     }
     if (section("data files: tokenizers, samples, readers", argc, argv)) test_data_all(&r);
     if (section("nf4 (QLoRA's weight storage)", argc, argv)) test_nf4_all(&r);

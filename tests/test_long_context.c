@@ -116,3 +116,33 @@ static void test_host_traffic(results *r) {
     expect_cli(r, "--plan --backend cuda -c test-llama -t 16 -b 2 -g 4 -p 32-true --offload "
                "--memory-limit 1GiB", 0, "host <-> device:");
 }
+
+/* -t auto against a limit made from the planner: the longest T whose plan fits, found here by
+   a walk up from T = 300 (the library searches by halves), for a model without data (capped at
+   block_size), for the built-in task's samples (capped at their longest), and with no limit
+   to fit (--plan --backend cuda here: the cap). */
+static void test_auto_seq_length(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "pythia-14m")) return;
+    lg_args a;
+    lg_args_default(&a);
+    a.micro_batch_size = 1;
+    a.precision = LG_PRECISION_BF16_TRUE;
+    size_t limit = lg_plan_checked_bytes_for(&cfg, &a, 300);
+    int want = 300;
+    while (want < cfg.block_size && lg_plan_checked_bytes_for(&cfg, &a, want + 1) <= limit) want++;
+    char args[256], expect[128];
+    snprintf(args, sizeof args, "--plan -c pythia-14m -b 1 -p bf16-true -t auto --memory-limit %zuB",
+             limit);
+    snprintf(expect, sizeof expect, "-t auto: %d tokens, the longest up to block_size 512 that "
+             "fits", want);
+    expect_cli(r, args, 0, expect);
+    snprintf(expect, sizeof expect, "T %d tokens", want);
+    expect_cli(r, args, 0, expect);
+    expect_cli(r, "--plan -t auto", 0, "-t auto: 18 tokens, the longest sample, which limits it");
+    expect_cli(r, "--plan -c pythia-14m -t auto --backend cuda", 0,
+               "-t auto: 512 tokens, block_size (no GPU here to measure");
+    expect_cli(r, "--plan -c pythia-14m -t auto --memory-limit 1MiB", 3,
+               "-t auto: not even 1 token fits in 1.0 MiB");
+    expect_cli(r, "--plan -t autox", 2, "-t/--max-seq-length: 'autox' is not an integer");
+}
