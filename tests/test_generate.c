@@ -574,6 +574,8 @@ static void test_gen_tool_chat(results *r) {
                    "--tokenizer data/llama3 < /dev/null", 2, "nosuch");
     expect_program(r, "./tools/generate", "--load build/test-gen-chat --chat --prompt hi", 2,
                    "--chat reads its turns from standard input");
+    expect_program(r, "printf 'hi\\n' | ./tools/generate", "--load tests/hf/llama --chat "
+                   "--template llama3 --tokenizer data/llama3", 2, "outside the model's vocabulary");
 }
 
 static void test_gen_tool_errors(results *r) {

@@ -329,6 +329,15 @@ static void chat_prompt_ids(lg_chat_template t, const lg_chat *c, const lg_token
     lg_chat_rendered_free(&r);
 }
 
+/* Every id of the rendered conversation inside the model's vocabulary (a tokenizer larger than
+   the model's embedding would read past it). */
+static void chat_check_vocab(const lg_tokens *ids, int vocab) {
+    for (size_t i = 0; i < ids->n; i++)
+        if (ids->ids[i] < 0 || ids->ids[i] >= vocab)
+            die(2, "--chat: the conversation's token %zu (id %d) is outside the model's "
+                   "vocabulary of %d: is --tokenizer the model's?", i, ids->ids[i], vocab);
+}
+
 /* What --chat keeps between turns: the cache's tokens (the last reply's last token is not in
    it), the turns, the template and the sampling. */
 typedef struct {
@@ -410,6 +419,7 @@ static void run_chat(const generate_args *a, const lg_gen_source *src, const lg_
         if (n == 0) continue;
         chat_add(&cs.chat, LG_ROLE_USER, line, n);
         chat_prompt_ids(cs.template_id, &cs.chat, tok, &cs.prompt);
+        chat_check_vocab(&cs.prompt, src->cfg.padded_vocab_size);
         chat_reply(&cs, &out);
     }
     lg_generator_free(&g);
