@@ -1483,166 +1483,211 @@ static void hang_if_testing(const lg_launch *launch, int step) {
     if (process == launch->process && at == step) sleep(3600);
 }
 
-int main(int argc, char **argv) {
-#ifdef LG_CUDA
-    /* before CUDA starts: every kernel loads with the context, so the runtime's memory measured
-       at start-up holds them (lazy loading would add kernels' code later, outside the plan) */
-    setenv("CUDA_MODULE_LOADING", "EAGER", 0);
-#endif
+/* What a run is, settled before anything is allocated: the flags (and a resumed run's
+   settings), the model, the data, the GPUs, and a plan that fits (--plan prints it and exits). */
+typedef struct {
     lg_args a;
     given_flags given;
     checkpoint_flags ck;
     output_flags output;
     lg_launch launch; /* under a launcher: which process this is, and which ranks it drives */
-    lg_error err;
-    if (lg_launch_from_env(&launch, &err) != 0) die_usage("%s", err.msg);
-    argc = take_process_flags(argc, argv, &launch);
-    if (launch.process != 0 && !freopen("/dev/null", "w", stdout)) /* process 0 prints */
-        die_usage("cannot silence stdout");
-    start_processes(&launch, argc, argv);
-    parse_args(argc, argv, &a, &given, &ck, &output);
-    if (lg_launch_place(&launch, a.devices, a.nodes, &err) != 0) die_usage("%s", err.msg);
-    a.processes = launch.processes; /* the plan counts MPI's buffers */
-    FILE *json = a.plan_only >= 2 ? json_output() : NULL; /* JSON or SVG alone on stdout */
-    float beta1, beta2; /* the optimizer's own betas, unless given */
-    lg_optimizer_default_betas(a.optimizer, &beta1, &beta2);
-    if (!given.beta1) a.beta1 = beta1;
-    if (!given.beta2) a.beta2 = beta2;
-    if (!given.min_lr) a.min_lr = a.lr / 10; /* the final rate follows --lr */
-    static lg_run_settings saved; /* --resume: the run's settings (its strings live here) */
-    if (ck.resume) resume_settings(argc, argv, &a, &given, &ck, &output, &saved);
-    check_flags(&a, &ck);
     lg_config cfg;
-    load_config(&a, &cfg, &ck, given.config);
-    int T = a.max_seq_length ? a.max_seq_length : cfg.block_size;
-    run_data data; /* before the plan: for fine-tuning samples it sets T to the longest one */
-    open_data(&a, &cfg, &T, &data);
-    a.finetuning = !a.data || lg_samples_file(a.data); /* LoRA is a remedy (see --plan) */
-    prepare_gpus(&a, launch.processes > 1);
-    if (a.max_seq_length_auto) choose_seq_length(&a, &cfg, &T, &data);
-    if (a.micro_batch_auto) choose_micro_batch(&a, &cfg, T, data.note, sizeof data.note);
-    if (lg_args_check(&a, &err) != 0) die_usage("%s", err.msg);
-    char planned_for[512];
-    describe_planned_run(&a, &cfg, T, &data, planned_for, sizeof planned_for);
-    if (!a.plan_only) fputs(data.note, stdout); /* a run: first what the data are */
-    plan_and_check(argc, argv, &a, &cfg, T, json, planned_for, data.note);
-    int accumulation = lg_args_accumulation_steps(&a, &err);
-    int B = a.micro_batch_size;
-    if (launch.processes > 1) check_same_run(&launch, argc, argv, &data);
-    FILE *log = NULL;
-    if (a.log_path && launch.process == 0 && !(log = fopen(a.log_path, "w")))
-        die_usage("--log %s: cannot create: %s", a.log_path, strerror(errno));
+    int T;
+    run_data data;
+} run_setup;
 
-    if (a.prompt) { /* a bad prompt or --out should stop the run now, not after it */
-        int *scratch = (int *)malloc(sizeof(int) * (size_t)T);
-        prompt_tokens(a.prompt, data.builtin, cfg.padded_vocab_size, scratch, T);
+/* Stage 1: argv to a run that fits, or an exit (usage 2, --plan 0 or 3, no fit 3). */
+static void settle_run(int argc, char **argv, run_setup *rs) {
+    static lg_run_settings saved; /* --resume: the run's settings (its strings live here) */
+    lg_args *a = &rs->a;
+    lg_error err;
+    if (lg_launch_from_env(&rs->launch, &err) != 0) die_usage("%s", err.msg);
+    argc = take_process_flags(argc, argv, &rs->launch);
+    if (rs->launch.process != 0 && !freopen("/dev/null", "w", stdout)) /* process 0 prints */
+        die_usage("cannot silence stdout");
+    start_processes(&rs->launch, argc, argv);
+    parse_args(argc, argv, a, &rs->given, &rs->ck, &rs->output);
+    if (lg_launch_place(&rs->launch, a->devices, a->nodes, &err) != 0) die_usage("%s", err.msg);
+    a->processes = rs->launch.processes; /* the plan counts MPI's buffers */
+    FILE *json = a->plan_only >= 2 ? json_output() : NULL; /* JSON or SVG alone on stdout */
+    float beta1, beta2; /* the optimizer's own betas, unless given */
+    lg_optimizer_default_betas(a->optimizer, &beta1, &beta2);
+    if (!rs->given.beta1) a->beta1 = beta1;
+    if (!rs->given.beta2) a->beta2 = beta2;
+    if (!rs->given.min_lr) a->min_lr = a->lr / 10; /* the final rate follows --lr */
+    if (rs->ck.resume) resume_settings(argc, argv, a, &rs->given, &rs->ck, &rs->output, &saved);
+    check_flags(a, &rs->ck);
+    load_config(a, &rs->cfg, &rs->ck, rs->given.config);
+    rs->T = a->max_seq_length ? a->max_seq_length : rs->cfg.block_size;
+    open_data(a, &rs->cfg, &rs->T, &rs->data); /* fine-tuning samples: T is the longest one */
+    a->finetuning = !a->data || lg_samples_file(a->data); /* LoRA is a remedy (see --plan) */
+    prepare_gpus(a, rs->launch.processes > 1);
+    if (a->max_seq_length_auto) choose_seq_length(a, &rs->cfg, &rs->T, &rs->data);
+    if (a->micro_batch_auto) choose_micro_batch(a, &rs->cfg, rs->T, rs->data.note, sizeof rs->data.note);
+    if (lg_args_check(a, &err) != 0) die_usage("%s", err.msg);
+    char planned_for[512];
+    describe_planned_run(a, &rs->cfg, rs->T, &rs->data, planned_for, sizeof planned_for);
+    if (!a->plan_only) fputs(rs->data.note, stdout); /* a run: first what the data are */
+    plan_and_check(argc, argv, a, &rs->cfg, rs->T, json, planned_for, rs->data.note);
+    if (rs->launch.processes > 1) check_same_run(&rs->launch, argc, argv, &rs->data);
+}
+
+/* Stage 2: what could stop the run later stops it now (a bad prompt, an --out, --log or --plot
+   that cannot be written); returns the --log file (NULL without one). */
+static FILE *check_outputs(const run_setup *rs) {
+    const lg_args *a = &rs->a;
+    FILE *log = NULL;
+    int first = rs->launch.process == 0;
+    if (a->log_path && first && !(log = fopen(a->log_path, "w")))
+        die_usage("--log %s: cannot create: %s", a->log_path, strerror(errno));
+    if (a->prompt) {
+        int *scratch = (int *)malloc(sizeof(int) * (size_t)rs->T);
+        prompt_tokens(a->prompt, rs->data.builtin, rs->cfg.padded_vocab_size, scratch, rs->T);
         free(scratch);
     }
-    if (a.out_dir && mkdir(a.out_dir, 0755) != 0 && errno != EEXIST)
-        die_usage("--out %s: cannot create the directory: %s", a.out_dir, strerror(errno));
-    if (a.out_dir && launch.process == 0) {
+    if (a->out_dir && mkdir(a->out_dir, 0755) != 0 && errno != EEXIST)
+        die_usage("--out %s: cannot create the directory: %s", a->out_dir, strerror(errno));
+    if (a->out_dir && first) {
         char probe[1100];
-        snprintf(probe, sizeof probe, "%s/.probe", a.out_dir);
+        snprintf(probe, sizeof probe, "%s/.probe", a->out_dir);
         probe_writable("--out", probe);
     }
-    if (output.plot && launch.process == 0) probe_writable("--plot", output.plot);
-    lg_trainer tr;
-    if (lg_trainer_create_in(&tr, &cfg, &a, T, &launch, &err) != 0) die(1, &err);
-    const lg_model *model = &tr.ranks[0].model;
-    int threads = 1;
+    if (rs->output.plot && first) probe_writable("--plot", rs->output.plot);
+    return log;
+}
+
+/* Stage 3's header: the model, the batch, where the ranks run, the optimizer, the precision. */
+static void describe_run(const lg_trainer *tr, const run_setup *rs) {
+    const lg_args *a = &rs->a;
+    const lg_model *model = &tr->ranks[0].model;
+    int threads = 1, accumulation = tr->accumulation, B = a->micro_batch_size;
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    const lg_loader *source = data.has_train ? &data.train : &data.val;
-    char params[192];
+    const lg_loader *source = rs->data.has_train ? &rs->data.train : &rs->data.val;
+    char params[192], where[64];
     describe_parameters(model, params, sizeof params);
-    printf("model %s: %d layers, %s | %s %s (%zu tokens)\n", cfg.name, cfg.n_layer, params,
-           data.has_train ? "data" : "validation data", source->path, source->n_tokens);
-    char where[64];
-    if (a.backend == LG_BACKEND_CUDA) snprintf(where, sizeof where, "%d GPU%s", tr.n_ranks, tr.n_ranks > 1 ? "s" : "");
+    printf("model %s: %d layers, %s | %s %s (%zu tokens)\n", rs->cfg.name, rs->cfg.n_layer,
+           params, rs->data.has_train ? "data" : "validation data", source->path,
+           source->n_tokens);
+    if (a->backend == LG_BACKEND_CUDA)
+        snprintf(where, sizeof where, "%d GPU%s", tr->n_ranks, tr->n_ranks > 1 ? "s" : "");
     else snprintf(where, sizeof where, "CPU, %d threads, %s matmuls", threads,
                   lg_gemm_path_name(model->exec.gemm.path));
     printf("batch: -b %d x %d accumulation x %d rank%s = %d samples of %d tokens a step | %s | "
-           "%s\n", B, accumulation, tr.n_ranks, tr.n_ranks > 1 ? "s" : "",
-           B * accumulation * tr.n_ranks, T, where, lg_optimizer_name(a.optimizer));
-    if (tr.n_ranks > 1)
-        printf("ranks: %d device%s x %d node%s, %s%s\n", a.devices, a.devices > 1 ? "s" : "",
-               a.nodes, a.nodes > 1 ? "s" : "", lg_strategy_name(a.strategy),
-               a.backend == LG_BACKEND_CUDA ? ", one GPU each, NCCL from this process"
-               : launch.processes > 1       ? "; on the CPU backend, MPI between processes"
-                                            : "; on the CPU backend simulated in this process");
-    if (launch.processes > 1)
-        printf("processes: %d started by %s, %d rank%s each\n", launch.processes, launch.launcher,
-               launch.local_ranks, launch.local_ranks > 1 ? "s" : "");
-    if (a.optimizer == LG_OPTIMIZER_LION)
+           "%s\n", B, accumulation, tr->n_ranks, tr->n_ranks > 1 ? "s" : "",
+           B * accumulation * tr->n_ranks, rs->T, where, lg_optimizer_name(a->optimizer));
+    if (tr->n_ranks > 1)
+        printf("ranks: %d device%s x %d node%s, %s%s\n", a->devices, a->devices > 1 ? "s" : "",
+               a->nodes, a->nodes > 1 ? "s" : "", lg_strategy_name(a->strategy),
+               a->backend == LG_BACKEND_CUDA ? ", one GPU each, NCCL from this process"
+               : rs->launch.processes > 1    ? "; on the CPU backend, MPI between processes"
+                                             : "; on the CPU backend simulated in this process");
+    if (rs->launch.processes > 1)
+        printf("processes: %d started by %s, %d rank%s each\n", rs->launch.processes,
+               rs->launch.launcher, rs->launch.local_ranks, rs->launch.local_ranks > 1 ? "s" : "");
+    if (a->optimizer == LG_OPTIMIZER_LION)
         printf("lion: wants a learning rate 3-10x smaller and a weight decay 3-10x larger than "
-               "AdamW (here --lr %g, --weight-decay %g, betas %g %g)\n", a.lr, a.weight_decay,
-               a.beta1, a.beta2);
-    if (given.precision)
-        printf("precision: %s\n", lg_precision_name(a.precision));
+               "AdamW (here --lr %g, --weight-decay %g, betas %g %g)\n", a->lr, a->weight_decay,
+               a->beta1, a->beta2);
+    if (rs->given.precision)
+        printf("precision: %s\n", lg_precision_name(a->precision));
     else
         printf("precision: %s (the default: bf16 weights and activations, fp32 accumulation "
-               "and master weights; -p 32-true for full fp32)\n", lg_precision_name(a.precision));
+               "and master weights; -p 32-true for full fp32)\n", lg_precision_name(a->precision));
+}
 
-    int first_step = 0, saved_step = -1;
-    if ((a.out_dir || ck.resume) && lg_checkpoint_supported(&tr, &err) != 0) die(2, &err);
-    if (ck.load && lg_trainer_load_hf(&tr, ck.load, &err) != 0) die(2, &err);
-    if (ck.load) printf("loaded the weights of %s\n", ck.load);
-    if (ck.load) /* its tokenizer travels with the checkpoints */
-        snprintf(tr.tokenizer_dir, sizeof tr.tokenizer_dir, "%s", ck.load);
-    if (ck.resume && lg_checkpoint_resume(&tr, &data.train, ck.resume_dir, &first_step, &err) != 0)
+/* Stage 4: the weights of --load, or a resumed run's whole state; returns the steps done. */
+static int start_weights(lg_trainer *tr, run_setup *rs) {
+    const lg_args *a = &rs->a;
+    const checkpoint_flags *ck = &rs->ck;
+    lg_error err;
+    int first_step = 0;
+    if ((a->out_dir || ck->resume) && lg_checkpoint_supported(tr, &err) != 0) die(2, &err);
+    if (ck->load && lg_trainer_load_hf(tr, ck->load, &err) != 0) die(2, &err);
+    if (ck->load) printf("loaded the weights of %s\n", ck->load);
+    if (ck->load) /* its tokenizer travels with the checkpoints */
+        snprintf(tr->tokenizer_dir, sizeof tr->tokenizer_dir, "%s", ck->load);
+    if (ck->resume && lg_checkpoint_resume(tr, &rs->data.train, ck->resume_dir, &first_step, &err) != 0)
         die(2, &err);
-    if (ck.resume) printf("resumed %s: %d steps done%s%s\n", ck.resume_dir, first_step,
-                          a.out_dir ? ", checkpoints to " : "; no --out: it saves no checkpoint",
-                          a.out_dir ? a.out_dir : "");
-    if (ck.resume && !ck.load) /* the tokenizer the checkpoint carries goes on */
-        snprintf(tr.tokenizer_dir, sizeof tr.tokenizer_dir, "%s", ck.resume_dir);
+    if (ck->resume) printf("resumed %s: %d steps done%s%s\n", ck->resume_dir, first_step,
+                           a->out_dir ? ", checkpoints to " : "; no --out: it saves no checkpoint",
+                           a->out_dir ? a->out_dir : "");
+    if (ck->resume && !ck->load) /* the tokenizer the checkpoint carries goes on */
+        snprintf(tr->tokenizer_dir, sizeof tr->tokenizer_dir, "%s", ck->resume_dir);
+    return first_step;
+}
 
+/* Stage 5: the steps, with progress, the log, checkpoints, evaluations and samples between
+   them; the final samples and checkpoint after. */
+static void train_steps(lg_trainer *tr, run_setup *rs, int first_step, FILE *log) {
+    lg_args *a = &rs->a;
+    lg_error err;
+    int saved_step = -1;
     lg_rng sample_rng;
-    lg_rng_seed(&sample_rng, a.seed + 1);
+    lg_rng_seed(&sample_rng, a->seed + 1);
     loss_plot plot;
-    plot_start(&plot, output.plot, first_step, a.max_steps > first_step ? a.max_steps : first_step);
-    evaluate(&tr, &data, &a, first_step, log, &plot);
+    plot_start(&plot, rs->output.plot, first_step, a->max_steps > first_step ? a->max_steps : first_step);
+    evaluate(tr, &rs->data, a, first_step, log, &plot);
     progress shown;
-    progress_start(&shown, &output, launch.process, first_step, a.max_steps);
-    for (int step = first_step; step < a.max_steps; step++) {
+    progress_start(&shown, &rs->output, rs->launch.process, first_step, a->max_steps);
+    for (int step = first_step; step < a->max_steps; step++) {
         lg_step_stats st;
-        hang_if_testing(&launch, step);
-        if (lg_trainer_step(&tr, &data.train, step, &st, &err) != 0) {
+        hang_if_testing(&rs->launch, step);
+        if (lg_trainer_step(tr, &rs->data.train, step, &st, &err) != 0) {
             size_t used = strlen(err.msg);
             if (st.diverged)
                 snprintf(err.msg + used, sizeof err.msg - used, " (try a lower --lr or a --max-norm)");
             progress_clear(&shown);
             die(1, &err);
         }
-        progress_step(&shown, &tr, step + 1, &st);
+        progress_step(&shown, tr, step + 1, &st);
         plot_step(&plot, st.loss, st.lr);
-        if (log) log_step(log, a.log_path, step + 1, &st, tr.scaling);
-        if (a.save_every && (step + 1) % a.save_every == 0) {
+        if (log) log_step(log, a->log_path, step + 1, &st, tr->scaling);
+        if (a->save_every && (step + 1) % a->save_every == 0) {
             progress_clear(&shown);
-            if (lg_checkpoint_save(&tr, &data.train, step + 1, a.out_dir, &err) != 0) die(1, &err);
-            printf("saved %s/step-%d\n", a.out_dir, saved_step = step + 1);
+            if (lg_checkpoint_save(tr, &rs->data.train, step + 1, a->out_dir, &err) != 0) die(1, &err);
+            printf("saved %s/step-%d\n", a->out_dir, saved_step = step + 1);
         }
-        int last = step + 1 == a.max_steps;
-        int evaluating = last || (a.eval_every && (step + 1) % a.eval_every == 0);
-        int sampling = !last && a.sample_every && (step + 1) % a.sample_every == 0;
+        int last = step + 1 == a->max_steps;
+        int evaluating = last || (a->eval_every && (step + 1) % a->eval_every == 0);
+        int sampling = !last && a->sample_every && (step + 1) % a->sample_every == 0;
         if (evaluating || sampling) progress_clear(&shown);
-        if (evaluating) evaluate(&tr, &data, &a, step + 1, log, &plot);
-        if (sampling) print_samples(&tr, &a, &data, &sample_rng);
+        if (evaluating) evaluate(tr, &rs->data, a, step + 1, log, &plot);
+        if (sampling) print_samples(tr, a, &rs->data, &sample_rng);
     }
     progress_clear(&shown);
     plot_write(&plot);
     plot_free(&plot);
-    print_samples(&tr, &a, &data, &sample_rng);
-    int final_step = first_step > a.max_steps ? first_step : a.max_steps;
-    if (a.out_dir && saved_step != final_step) {
-        if (lg_checkpoint_save(&tr, &data.train, final_step, a.out_dir, &err) != 0) die(1, &err);
-        printf("saved %s/step-%d\n", a.out_dir, final_step);
+    print_samples(tr, a, &rs->data, &sample_rng);
+    int final_step = first_step > a->max_steps ? first_step : a->max_steps;
+    if (a->out_dir && saved_step != final_step) {
+        if (lg_checkpoint_save(tr, &rs->data.train, final_step, a->out_dir, &err) != 0) die(1, &err);
+        printf("saved %s/step-%d\n", a->out_dir, final_step);
     }
-    if (log && fclose(log) != 0) die_write(a.log_path);
+}
+
+/* The guided tour: settle the run, check its outputs, make the trainer (the plan's memory,
+   nothing more), say what it is, start its weights, train. */
+int main(int argc, char **argv) {
+#ifdef LG_CUDA
+    /* before CUDA starts: every kernel loads with the context, so the runtime's memory measured
+       at start-up holds them (lazy loading would add kernels' code later, outside the plan) */
+    setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+#endif
+    static run_setup rs; /* (large: the data's notes) */
+    lg_error err;
+    settle_run(argc, argv, &rs);
+    FILE *log = check_outputs(&rs);
+    lg_trainer tr;
+    if (lg_trainer_create_in(&tr, &rs.cfg, &rs.a, rs.T, &rs.launch, &err) != 0) die(1, &err);
+    describe_run(&tr, &rs);
+    int first_step = start_weights(&tr, &rs);
+    train_steps(&tr, &rs, first_step, log);
+    if (log && fclose(log) != 0) die_write(rs.a.log_path);
     lg_trainer_free(&tr);
-    lg_loader_close(&data.train);
-    lg_loader_close(&data.val);
-    lg_launch_finish(&launch);
+    lg_loader_close(&rs.data.train);
+    lg_loader_close(&rs.data.val);
+    lg_launch_finish(&rs.launch);
     return 0;
 }
