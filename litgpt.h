@@ -401,6 +401,10 @@ typedef struct {
                                   block keeps in host memory) */
     int pack;                  /* --pack: fine-tuning samples packed first-fit into rows of
                                   T tokens, attention and positions kept inside each sample */
+    int head_rows;             /* --head-rows: the head and loss in chunks of this many rows of
+                                  logits, recomputed in the backward; 0: all rows at once, or
+                                  wherever the limit is known the planner's choice
+                                  (lg_plan_auto_head_rows) */
     int plan_only;             /* --plan: print the plan and exit (1 table, 2 JSON) */
     int micro_batch_auto;      /* -b auto: the largest micro-batch that fits */
     int max_seq_length_auto;   /* -t auto: the longest sequence that fits (up to block_size, or
@@ -639,6 +643,7 @@ typedef struct {
     int offload;            /* 1: --offload */
     int offload_activations; /* 1: --offload activations (with recompute) */
     int pack;                /* 1: --pack: rows carry their samples' span starts */
+    int head_rows;           /* rows of logits at a time, 1 .. B x T (B x T: no chunks) */
     lg_optimizer_kind optimizer;
     int momentum;           /* SGD keeps a momentum buffer */
     lg_state_format optimizer_state;
@@ -819,6 +824,12 @@ size_t lg_plan_checked_bytes_for(const lg_config *cfg, const lg_args *args, int 
 int lg_plan_auto_micro_batch(const lg_config *cfg, const lg_args *args, int T, size_t limit);
 /* -t auto: the longest sequence up to max_T whose plan fits; 0: not even one token. */
 int lg_plan_auto_seq_length(const lg_config *cfg, const lg_args *args, int max_T, size_t limit);
+/* The head's rows of logits at a time for B x T tokens: --head-rows when given; else all of
+   them when the run fits so, or LG_HEAD_CHUNK_ROWS (the chunks' logits are computed again in
+   the backward: a second pass of the head's matmul). Sophia keeps all rows. */
+#define LG_HEAD_CHUNK_ROWS 1024
+#define LG_HEAD_CHUNK_TEXT "1024" /* the same, for usage texts */
+int lg_plan_auto_head_rows(const lg_config *cfg, const lg_args *args, int T, size_t limit);
 /* Memory a run may use on this machine's CPU backend: MemAvailable, 0 when unknown. */
 size_t lg_host_available_bytes(void);
 /* The host memory a machine's ranks may use: --host-memory-limit, else what is available. */
@@ -909,6 +920,8 @@ typedef struct {
     int recompute;              /* --recompute block: the blocks share one set of activations,
                                    rebuilt from each block's input during the backward */
     int offload_activations;    /* --offload activations: the kept block inputs in host memory */
+    int head_rows;              /* the logits region's rows: the head and loss run over chunks of
+                                   this many tokens (B x T: one pass) */
     size_t n_params;
     lg_tensor_table param_table;
     lg_param_tensors p, g;      /* views of params and grads */
@@ -4072,17 +4085,17 @@ static void lg_block_acts_layout(const lg_config *c, int l, int B, int T, int st
     *count = L.offset;
 }
 
-/* The final norm and the classifier: ln_f (B, T, C) and logits (B, T, Vp); statistics and the
-   per-token losses are lg_real. */
-static void lg_head_acts_layout(const lg_config *c, int B, int T, int stats, lg_buf base,
-                                lg_act_tensors *a, size_t *count) {
+/* The final norm and the classifier: ln_f (B, T, C) and logits (rows, Vp), the head's chunk
+   of B x T rows at a time; statistics and the per-token losses are lg_real. */
+static void lg_head_acts_layout(const lg_config *c, int B, int T, int rows, int stats,
+                                lg_buf base, lg_act_tensors *a, size_t *count) {
     lg_layout L = lg_layout_over(base, NULL);
     lg_act_tensors scratch;
     int N = B * T;
     if (!a) a = &scratch;
     if (!stats) {
         a->ln_f = lg_layout_add(&L, "ln_f", N, c->n_embd, LG_TENSOR_ACTIVATION);
-        a->logits = lg_layout_add(&L, "logits", N, c->padded_vocab_size, LG_TENSOR_ACTIVATION);
+        a->logits = lg_layout_add(&L, "logits", rows, c->padded_vocab_size, LG_TENSOR_ACTIVATION);
         a->lm_head_lora_h = c->lora.r > 0 && (c->lora.targets & LG_LORA_HEAD)
                                 ? lg_layout_add(&L, "lm_head.lora_h", N, c->lora.r,
                                                 LG_TENSOR_ACTIVATION)
@@ -4216,6 +4229,13 @@ static lg_precision_types lg_types_of(lg_precision p) {
     return t;
 }
 
+/* The rows of logits the head computes at a time for N = B x T tokens: --head-rows, or all
+   of them. Sophia keeps all: its Hessian estimate draws labels from every row's logits. */
+static int lg_head_rows_of(const lg_args *a, int N) {
+    if (a->optimizer == LG_OPTIMIZER_SOPHIA || a->head_rows <= 0 || a->head_rows > N) return N;
+    return a->head_rows;
+}
+
 void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
     memset(s, 0, sizeof *s);
     s->B = a->micro_batch_size;
@@ -4231,6 +4251,7 @@ void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
     s->offload = a->offload;
     s->offload_activations = a->offload_activations;
     s->pack = a->pack;
+    s->head_rows = lg_head_rows_of(a, s->B * T);
     s->optimizer = a->optimizer;
     s->backend = a->backend;
     s->runtime_bytes = a->runtime_bytes;
@@ -4485,8 +4506,8 @@ static int lg_plan_activations(lg_rank_plan *r, const lg_config *c, const lg_pla
     }
     lg_rope_layout(c, T, NULL, NULL, &main_count);
     rc |= lg_plan_add(r, "rope", LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, LG_DTYPE_F32, main_count);
-    lg_head_acts_layout(c, B, T, 0, lg_no_buf(), NULL, &main_count);
-    lg_head_acts_layout(c, B, T, 1, lg_no_buf(), NULL, &stats_count);
+    lg_head_acts_layout(c, B, T, s->head_rows, 0, lg_no_buf(), NULL, &main_count);
+    lg_head_acts_layout(c, B, T, s->head_rows, 1, lg_no_buf(), NULL, &stats_count);
     rc |= lg_plan_add(r, "head", LG_GROUP_LOGITS, LG_POOL_DEVICE, t.acts, main_count);
     rc |= lg_plan_add(r, "head.stats", LG_GROUP_LOGITS, LG_POOL_DEVICE, LG_DTYPE_F32, stats_count);
     lg_backward_layout(c, B, T, lg_no_buf(), NULL, &main_count);
@@ -4628,6 +4649,8 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
                             "large to lay out", s->B, s->T);
     plan->spec = *s;
     if (plan->spec.processes < 1) plan->spec.processes = 1; /* (0: a spec made by hand) */
+    if (s->head_rows < 1 || s->head_rows > s->B * s->T) plan->spec.head_rows = s->B * s->T;
+    s = &plan->spec;
     plan->sharding = lg_sharding_of(s);
     plan->n_ranks = s->devices * s->nodes;
     plan->ranks = (lg_rank_plan *)lg_alloc_zeroed(sizeof(lg_rank_plan) * (size_t)plan->n_ranks);
@@ -4807,9 +4830,28 @@ static int lg_pools_fit(const lg_args *args, size_t device, size_t host, size_t 
     return device <= limit && (host_limit == 0 || host <= host_limit);
 }
 
-static int lg_fits(const lg_config *cfg, const lg_args *args, int T, size_t limit) {
+/* The run as its args say, --head-rows 0 meaning all rows at once. */
+static int lg_fits_as_given(const lg_config *cfg, const lg_args *args, int T, size_t limit) {
     size_t host, checked, device = lg_plan_pools_for(cfg, args, T, &host, &checked);
     return lg_pools_fit(args, device, host, checked, limit);
+}
+
+int lg_plan_auto_head_rows(const lg_config *cfg, const lg_args *args, int T, size_t limit) {
+    int N = args->micro_batch_size * T;
+    lg_args a = *args;
+    if (args->head_rows > 0 || N <= LG_HEAD_CHUNK_ROWS) return lg_head_rows_of(args, N);
+    a.head_rows = N;
+    if (!lg_fits_as_given(cfg, &a, T, limit)) a.head_rows = LG_HEAD_CHUNK_ROWS;
+    return lg_head_rows_of(&a, N);
+}
+
+/* With --head-rows 0 the head's rows are the planner's (lg_plan_auto_head_rows). */
+static int lg_fits(const lg_config *cfg, const lg_args *args, int T, size_t limit) {
+    lg_args a = *args;
+    if (args->head_rows > 0) return lg_fits_as_given(cfg, args, T, limit);
+    if (lg_fits_as_given(cfg, args, T, limit)) return 1;
+    a.head_rows = lg_plan_auto_head_rows(cfg, args, T, limit);
+    return a.head_rows < args->micro_batch_size * T && lg_fits_as_given(cfg, &a, T, limit);
 }
 
 /* The global batch the run asked for (samples per optimizer step over all devices). */
@@ -4835,10 +4877,11 @@ static void lg_remedy_price(lg_remedy *r, const char *what, unsigned changes,
                             const lg_config *cfg, const lg_args *a, int T, size_t limit) {
     r->what = what;
     r->args = *a;
+    r->args.head_rows = lg_plan_auto_head_rows(cfg, a, T, limit);
     r->T = T;
     r->changes = changes;
     size_t host, checked;
-    r->device_bytes = lg_plan_pools_for(cfg, a, T, &host, &checked);
+    r->device_bytes = lg_plan_pools_for(cfg, &r->args, T, &host, &checked);
     r->host_bytes = host;
     r->checked_bytes = checked;
     r->fits = lg_pools_fit(a, r->device_bytes, host, checked, limit);
@@ -5175,13 +5218,16 @@ void lg_plan_print(const lg_plan *plan, FILE *out) {
     if (plan->n_ranks > 1)
         snprintf(ranks + strlen(ranks), sizeof ranks - strlen(ranks), ", %s",
                  lg_strategy_name(s->strategy));
+    char head[64] = ""; /* the head and loss in chunks */
+    if (s->head_rows < s->B * s->T)
+        snprintf(head, sizeof head, " | head in chunks of %d rows", s->head_rows);
     fprintf(out, "plan: %s | -b %d -t %d (%d accumulation) | %s | %d device%s%s%s%s | %s%s\n",
             plan->cfg.name, s->B, s->T, s->accumulation, lg_precision_name(s->precision),
             s->devices, s->devices > 1 ? "s" : "", ranks, s->recompute ? " | recompute block" : "",
             s->offload ? " | offload" : "",
             s->optimizer == LG_OPTIMIZER_SGD && s->momentum ? "sgd (momentum)"
                                                              : lg_optimizer_name(s->optimizer),
-            "");
+            head);
     lg_plan_print_lora(plan, out);
     if (s->processes > 1)
         fprintf(out, "processes: %d, %d rank%s each (MPI's buffers in the host pool on the CPU)\n",
@@ -5208,8 +5254,9 @@ void lg_plan_print(const lg_plan *plan, FILE *out) {
 void lg_plan_print_json(const lg_plan *plan, const lg_fit *fit, FILE *out) {
     const lg_plan_spec *s = &plan->spec;
     fprintf(out, "{\"config\":\"%s\",\"micro_batch_size\":%d,\"max_seq_length\":%d,"
-                 "\"accumulation\":%d,\"precision\":\"%s\",",
-            plan->cfg.name, s->B, s->T, s->accumulation, lg_precision_name(s->precision));
+                 "\"head_rows\":%d,\"accumulation\":%d,\"precision\":\"%s\",",
+            plan->cfg.name, s->B, s->T, s->head_rows, s->accumulation,
+            lg_precision_name(s->precision));
     if (fit)
         fprintf(out, "\"limit_bytes\":%zu,\"host_limit_bytes\":%zu,\"fits\":%s,", fit->limit,
                 fit->host_limit, fit->fits < 0 ? "null" : fit->fits ? "true" : "false");
@@ -6685,14 +6732,14 @@ static void lg_matmul(const lg_exec *ex, int trans_a, int trans_b, int M, int N,
 }
 
 /* LoRA's input u = scale * dropout(x) (n), or in the backward dx += scale * dropout(du): each
-   element kept with probability 1 - p (mask bit i from lg_lora_keep(key, i)) and divided by
-   1 - p; key 0 keeps all. */
-static void lg_lora_input(const lg_exec *ex, lg_buf out, lg_buf in, size_t n, float scale, float p,
-                          uint64_t key, int accumulate) {
-    LG_ON_GPU(ex, lg_cuda_lora_input(ex, out, in, n, scale, p, key, accumulate));
+   element kept with probability 1 - p (mask bit first + i from lg_lora_keep(key, first + i):
+   first places a chunk of rows in the whole input) and divided by 1 - p; key 0 keeps all. */
+static void lg_lora_input(const lg_exec *ex, lg_buf out, lg_buf in, size_t n, size_t first,
+                          float scale, float p, uint64_t key, int accumulate) {
+    LG_ON_GPU(ex, lg_cuda_lora_input(ex, out, in, n, first, scale, p, key, accumulate));
     LG_OMP(omp parallel for)
     for (long long i = 0; i < (long long)n; i++) {
-        lg_real v = lg_get(in, (size_t)i) * lg_lora_keep(key, (uint64_t)i, p, scale);
+        lg_real v = lg_get(in, (size_t)i) * lg_lora_keep(key, first + (uint64_t)i, p, scale);
         lg_set(out, (size_t)i, accumulate ? lg_get(out, (size_t)i) + v : v);
     }
 }
@@ -7268,9 +7315,9 @@ static int lg_model_bind_activations(lg_model *m, lg_dtype acts, lg_error *err) 
     lg_real *rope = (lg_real *)lg_rank_region(m->rank, "rope"); /* absent without rotary */
     lg_rope_layout(cfg, T, rope, &m->a, &count);
     if (!(base = lg_model_view(m, "head", acts, err)).data) return -1;
-    lg_head_acts_layout(cfg, B, T, 0, base, &m->a, &count);
+    lg_head_acts_layout(cfg, B, T, m->head_rows, 0, base, &m->a, &count);
     if (!(base = lg_model_view(m, "head.stats", LG_DTYPE_F32, err)).data) return -1;
-    lg_head_acts_layout(cfg, B, T, 1, base, &m->a, &count);
+    lg_head_acts_layout(cfg, B, T, m->head_rows, 1, base, &m->a, &count);
     if (!(base = lg_model_view(m, "backward", acts, err)).data) return -1;
     lg_backward_layout(cfg, B, T, base, &m->a, &count);
     return 0;
@@ -7351,6 +7398,7 @@ static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank,
     m->precision = s->precision;
     m->recompute = s->recompute;
     m->offload_activations = s->offload_activations;
+    m->head_rows = s->head_rows;
     m->rank = rank;
     m->p.h = (lg_block_tensors *)lg_alloc_zeroed(sizeof(lg_block_tensors) * L);
     m->g.h = (lg_block_tensors *)lg_alloc_zeroed(sizeof(lg_block_tensors) * L);
@@ -7752,31 +7800,36 @@ static uint64_t lg_lora_key(const lg_model *m, int l, int k) {
 
 static float lg_lora_scale(const lg_config *c) { return c->lora.alpha / (float)c->lora.r; }
 
-/* out (N, OC) += (alpha / r) B A dropout(inp) for each adapter in its columns, inp (N, IC):
-   u = (alpha / r) dropout(inp) once, then h = u A^T (kept) and out += h B^T. */
-static void lg_lora_forward(lg_model *m, const lg_lora_adapter *ad, int n, uint64_t key,
+/* out (N, OC) += (alpha / r) B A dropout(inp) for each adapter in its columns, inp (N, IC)
+   the rows from row0 of the linear's input (dropout's mask is the whole input's): u = (alpha
+   / r) dropout(inp) once, then h = u A^T (kept) and out += h B^T. */
+static void lg_lora_forward(lg_model *m, const lg_lora_adapter *ad, int n, uint64_t key, int row0,
                             lg_buf out, int OC, lg_buf inp, int N, int IC) {
     const lg_exec *ex = &m->exec;
     int r = m->cfg.lora.r;
     if (n == 0) return;
     lg_buf u = m->a.lora_u;
-    lg_lora_input(ex, u, inp, (size_t)N * IC, lg_lora_scale(&m->cfg), m->cfg.lora.dropout, key, 0);
+    lg_lora_input(ex, u, inp, (size_t)N * IC, (size_t)row0 * IC, lg_lora_scale(&m->cfg),
+                  m->cfg.lora.dropout, key, 0);
     for (int k = 0; k < n; k++) {
         lg_matmul(ex, 0, 1, N, r, IC, u, IC, ad[k].a, IC, 0, ad[k].h, r);
         lg_matmul(ex, 0, 1, N, ad[k].out, r, ad[k].h, r, ad[k].b, r, 1, lg_at(out, ad[k].column), OC);
     }
 }
 
-/* The adapters' backward from dout (N, OC): dB += dy^T h, dh = dy B, dA += dh^T u,
-   du = sum of dh A, and dinp (N, IC) += (alpha / r) dropout(du) with the forward's mask. */
+/* The adapters' backward from dout (N, OC) (rows from row0, as the forward): dB += dy^T h,
+   dh = dy B, dA += dh^T u, du = sum of dh A, and dinp (N, IC) += (alpha / r) dropout(du) with
+   the forward's mask. */
 static void lg_lora_backward(lg_model *m, const lg_lora_adapter *ad, int n, uint64_t key,
-                             lg_buf dout, int OC, lg_buf inp, lg_buf dinp, int N, int IC) {
+                             int row0, lg_buf dout, int OC, lg_buf inp, lg_buf dinp, int N,
+                             int IC) {
     const lg_exec *ex = &m->exec;
     int r = m->cfg.lora.r;
     float scale = lg_lora_scale(&m->cfg), p = m->cfg.lora.dropout;
+    size_t first = (size_t)row0 * IC;
     if (n == 0) return;
     lg_buf u = m->a.lora_u, du = m->a.lora_du, dh = m->a.lora_dh;
-    lg_lora_input(ex, u, inp, (size_t)N * IC, scale, p, key, 0); /* the forward's u again */
+    lg_lora_input(ex, u, inp, (size_t)N * IC, first, scale, p, key, 0); /* the forward's u again */
     for (int k = 0; k < n; k++) {
         lg_buf dy = lg_at(dout, ad[k].column); /* (N, out) with row stride OC */
         lg_matmul(ex, 1, 0, ad[k].out, r, N, dy, OC, ad[k].h, r, 1, ad[k].db, r);
@@ -7784,7 +7837,7 @@ static void lg_lora_backward(lg_model *m, const lg_lora_adapter *ad, int n, uint
         lg_matmul(ex, 1, 0, r, IC, N, dh, r, u, IC, 1, ad[k].da, IC);
         lg_matmul(ex, 0, 0, N, IC, r, dh, r, ad[k].a, IC, k == 0 ? 0.0f : 1.0f, du, IC);
     }
-    lg_lora_input(ex, dinp, du, (size_t)N * IC, scale, p, key, 1);
+    lg_lora_input(ex, dinp, du, (size_t)N * IC, first, scale, p, key, 1);
 }
 
 /* A block linear's adapters, forward: out (N, OC) of the linear `first` with input inp (N, IC). */
@@ -7793,7 +7846,7 @@ static void lg_block_lora_forward(lg_model *m, int l, lg_lora_linear first, lg_b
     lg_lora_adapter ad[3];
     if (m->cfg.lora.r == 0) return;
     int n = lg_block_adapters(m, l, first, ad);
-    lg_lora_forward(m, ad, n, lg_lora_key(m, l, first), out, OC, inp, N, IC);
+    lg_lora_forward(m, ad, n, lg_lora_key(m, l, first), 0, out, OC, inp, N, IC);
 }
 
 static void lg_block_lora_backward(lg_model *m, int l, lg_lora_linear first, lg_buf dout, int OC,
@@ -7801,7 +7854,7 @@ static void lg_block_lora_backward(lg_model *m, int l, lg_lora_linear first, lg_
     lg_lora_adapter ad[3];
     if (m->cfg.lora.r == 0) return;
     int n = lg_block_adapters(m, l, first, ad);
-    lg_lora_backward(m, ad, n, lg_lora_key(m, l, first), dout, OC, inp, dinp, N, IC);
+    lg_lora_backward(m, ad, n, lg_lora_key(m, l, first), 0, dout, OC, inp, dinp, N, IC);
 }
 
 /* One block: residual[l] (B, T, C) -> residual[l + 1]. */
@@ -7875,29 +7928,58 @@ static long lg_count_targets(const int *targets, size_t n) {
     return count;
 }
 
-/* Final norm, logits and, with targets, the summed loss. */
+/* The head's rows of logits at a time (all N = B x T of them, or the plan's chunk), and the
+   first row of the last chunk: the rows a forward without targets computes. */
+static int lg_head_chunk_rows(const lg_model *m, int N) { return m->head_rows < N ? m->head_rows : N; }
+static int lg_head_last_chunk(const lg_model *m, int N) {
+    return (N - 1) / lg_head_chunk_rows(m, N) * lg_head_chunk_rows(m, N);
+}
+
+/* The logits (rows, Vp) of ln_f's rows n0 .. n0 + rows, with the head's adapter, into the
+   logits region. */
+static void lg_head_chunk_logits(lg_model *m, int n0, int rows) {
+    const lg_config *c = &m->cfg;
+    int C = c->n_embd, Vp = c->padded_vocab_size;
+    lg_buf in = lg_at(m->a.ln_f, (size_t)n0 * C);
+    lg_linear_forward(&m->exec, m->a.logits, in, m->p.lm_head_w, m->p.lm_head_b, rows, C, Vp);
+    lg_lora_adapter head;
+    int n = lg_head_adapters(m, &head);
+    if (n) head.h = lg_at(head.h, (size_t)n0 * c->lora.r);
+    lg_lora_forward(m, &head, n, lg_lora_key(m, c->n_layer, 0), n0, m->a.logits, Vp, in, rows, C);
+}
+
+/* Final norm, logits and, with targets, the summed loss, a chunk of rows at a time (the last
+   chunk's logits stay in the region). Without targets only the last chunk is computed: a
+   generation reads the last position. In a training step with all N rows in one chunk the
+   logits are replaced by their gradient (lg_crossentropy_fused). */
 static double lg_model_head_forward(lg_model *m, const int *targets, int B, int T,
                                     int *n_targets) {
     const lg_config *c = &m->cfg;
     const lg_exec *ex = &m->exec;
-    int N = B * T, C = c->n_embd, L = c->n_layer;
+    int N = B * T, C = c->n_embd, L = c->n_layer, H = lg_head_chunk_rows(m, N);
+    int V = c->vocab_size, Vp = c->padded_vocab_size;
     lg_norm_forward(ex, m->a.ln_f, lg_norm_mean_or_null(c, m->a.ln_f_mean), m->a.ln_f_rstd,
                     m->a.residual[L], m->p.ln_f_w, m->p.ln_f_b, N, C, c->norm_eps);
-    lg_linear_forward(ex, m->a.logits, m->a.ln_f, m->p.lm_head_w, m->p.lm_head_b, N, C,
-                      c->padded_vocab_size);
-    lg_lora_adapter head;
-    lg_lora_forward(m, &head, lg_head_adapters(m, &head), lg_lora_key(m, c->n_layer, 0),
-                    m->a.logits, c->padded_vocab_size, m->a.ln_f, N, C);
-    if (n_targets) *n_targets = 0;
-    m->logits_hold_grad = 0;
-    if (!targets) return 0;
-    if (n_targets) *n_targets = (int)lg_count_targets(targets, (size_t)N);
-    m->logits_hold_grad = m->fused_loss_scale > 0.0f;
-    if (m->logits_hold_grad)
-        return lg_crossentropy_fused(ex, m->a.losses, m->a.logits, targets, N, c->vocab_size,
-                                     c->padded_vocab_size, m->fused_loss_scale);
-    return lg_crossentropy_forward(ex, m->a.losses, m->a.logits, targets, N, c->vocab_size,
-                                   c->padded_vocab_size);
+    if (n_targets) *n_targets = targets ? (int)lg_count_targets(targets, (size_t)N) : 0;
+    m->logits_hold_grad = targets && H == N && m->fused_loss_scale > 0.0f;
+    double total = 0;
+    for (int n0 = targets ? 0 : lg_head_last_chunk(m, N); n0 < N; n0 += H) {
+        int rows = N - n0 < H ? N - n0 : H;
+        lg_head_chunk_logits(m, n0, rows);
+        if (!targets) continue;
+        if (m->logits_hold_grad)
+            total += lg_crossentropy_fused(ex, m->a.losses + n0, m->a.logits, targets + n0, rows,
+                                           V, Vp, m->fused_loss_scale);
+        else
+            total += lg_crossentropy_forward(ex, m->a.losses + n0, m->a.logits, targets + n0,
+                                             rows, V, Vp);
+    }
+    return total;
+}
+
+/* Row n of the logits after a forward of N tokens without targets: a row of the last chunk. */
+static lg_buf lg_head_logits_row(const lg_model *m, int N, int n) {
+    return lg_at(m->a.logits, (size_t)(n - lg_head_last_chunk(m, N)) * m->cfg.padded_vocab_size);
 }
 
 double lg_model_forward(lg_model *m, const int *tokens, const int *targets, int B, int T,
@@ -7976,22 +8058,40 @@ static lg_buf lg_residual_grad(const lg_model *m, int k) {
     return (m->cfg.n_layer - k) % 2 == 0 ? m->a.d_res_a : m->a.d_res_b;
 }
 
-/* The backward in three parts, mirroring the forward's. */
+/* The head's backward over ln_f's rows n0 .. n0 + rows from their logits' gradient (in the
+   logits region): d_norm's rows written, lm_head's gradient at grad_beta (0 writes, 1 adds),
+   the adapter's added. */
+static void lg_head_chunk_backward(lg_model *m, int n0, int rows, float grad_beta) {
+    const lg_config *c = &m->cfg;
+    int C = c->n_embd, Vp = c->padded_vocab_size;
+    lg_buf in = lg_at(m->a.ln_f, (size_t)n0 * C), d_in = lg_at(m->a.d_norm, (size_t)n0 * C);
+    lg_linear_backward(&m->exec, d_in, m->g.lm_head_w, m->g.lm_head_b, m->a.logits, in,
+                       m->p.lm_head_w, rows, C, Vp, 0.0f, grad_beta);
+    lg_lora_adapter head;
+    int n = lg_head_adapters(m, &head);
+    if (n) head.h = lg_at(head.h, (size_t)n0 * c->lora.r);
+    lg_lora_backward(m, &head, n, lg_lora_key(m, c->n_layer, 0), n0, m->a.logits, Vp, in, d_in,
+                     rows, C);
+}
+
+/* The backward in three parts, mirroring the forward's. The head's chunks go last first: the
+   forward left the last one's logits in the region, the others are computed again. */
 static void lg_model_head_backward(lg_model *m, const int *targets, int B, int T,
                                    float loss_scale) {
     const lg_config *c = &m->cfg;
     const lg_exec *ex = &m->exec;
-    int N = B * T, C = c->n_embd, L = c->n_layer, Vp = c->padded_vocab_size;
-    lg_buf d_logits = m->a.logits; /* in place: the logits are not needed any more */
-    if (!m->logits_hold_grad) /* else the forward wrote them at the same loss_scale */
-        lg_crossentropy_backward(ex, d_logits, m->a.logits, targets, N, c->vocab_size, Vp, loss_scale);
-    m->logits_hold_grad = 0;
+    int N = B * T, C = c->n_embd, L = c->n_layer, H = lg_head_chunk_rows(m, N);
     float beta = lg_head_grad_overwritten(c) ? lg_linear_grad_beta(m) : 1.0f;
-    lg_linear_backward(ex, m->a.d_norm, m->g.lm_head_w, m->g.lm_head_b, d_logits,
-                       m->a.ln_f, m->p.lm_head_w, N, C, Vp, 0.0f, beta); /* d_norm written */
-    lg_lora_adapter head;
-    lg_lora_backward(m, &head, lg_head_adapters(m, &head), lg_lora_key(m, L, 0), d_logits, Vp,
-                     m->a.ln_f, m->a.d_norm, N, C);
+    for (int n0 = lg_head_last_chunk(m, N); n0 >= 0; n0 -= H) {
+        int rows = N - n0 < H ? N - n0 : H;
+        if (n0 + H < N) lg_head_chunk_logits(m, n0, rows);
+        if (!m->logits_hold_grad) /* else the forward wrote them at the same loss_scale */
+            lg_crossentropy_backward(ex, m->a.logits, m->a.logits, targets + n0, rows,
+                                     c->vocab_size, c->padded_vocab_size, loss_scale);
+        lg_head_chunk_backward(m, n0, rows, beta);
+        beta = 1.0f; /* the later chunks add to lm_head's gradient */
+    }
+    m->logits_hold_grad = 0;
     lg_buf d_res = lg_residual_grad(m, L);
     lg_zero(ex, d_res, (size_t)N * C);
     lg_norm_backward(ex, d_res, m->g.ln_f_w, m->g.ln_f_b, m->a.d_norm, m->a.residual[L], m->p.ln_f_w,
@@ -8073,7 +8173,7 @@ void lg_model_generate(lg_model *m, int *tokens, int n_prompt, int n_new, float 
         int n = n_prompt + i, start = n > m->T ? n - m->T : 0, T = n - start;
         lg_model_forward(m, tokens + start, NULL, 1, T, NULL);
         lg_rank_sync(m->rank); /* the host reads the logits */
-        lg_visit row = lg_visit_start(&m->exec, lg_at(m->a.logits, (size_t)(T - 1) * Vp), (size_t)Vp,
+        lg_visit row = lg_visit_start(&m->exec, lg_head_logits_row(m, T, T - 1), (size_t)Vp,
                                       (size_t)Vp, LG_VISIT_READ);
         while (lg_visit_next(&row))
             tokens[n] = lg_sample_token(row.piece, m->cfg.vocab_size, temperature, rng);
@@ -13652,6 +13752,7 @@ static const struct {
     LG_RUN_FIELD(tf32, LG_RUN_INT, 0),
     LG_RUN_FIELD(memory_limit, LG_RUN_SIZE, 0),
     LG_RUN_FIELD(pack, LG_RUN_INT, 1), /* the rows the data order makes */
+    LG_RUN_FIELD(head_rows, LG_RUN_INT, 0), /* the head's chunks: the same loss to rounding */
 };
 #define LG_N_RUN_FIELDS ((int)(sizeof lg_run_fields / sizeof lg_run_fields[0]))
 typedef char lg_run_enums_are_ints[sizeof(lg_precision) == sizeof(int) ? 1 : -1];
@@ -14888,7 +14989,7 @@ void lg_trainer_generate(lg_trainer *tr, int *tokens, int n_prompt, int n_new,
         mb[0].T = n - start;
         lg_trainer_forward(tr, mb);
         lg_rank_sync(m->rank); /* the host reads the logits */
-        lg_visit row = lg_visit_start(&m->exec, lg_at(m->a.logits, (size_t)(mb[0].T - 1) * Vp),
+        lg_visit row = lg_visit_start(&m->exec, lg_head_logits_row(m, mb[0].T, mb[0].T - 1),
                                       (size_t)Vp, (size_t)Vp, LG_VISIT_READ);
         while (lg_visit_next(&row))
             tokens[n] = lg_sample_token(row.piece, m->cfg.vocab_size, temperature, rng);

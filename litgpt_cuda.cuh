@@ -3093,23 +3093,23 @@ static void lg_cuda_linear_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweig
 
 /* LoRA: the adapters' input, scaled and dropped out (lg_lora_input) ------------------------------ */
 
-/* Elementwise (lg_k_map_strided: the element's index draws its mask bit). */
-__global__ void lg_k_lora_input(lg_buf out, lg_buf in, size_t n, float scale, float p, uint64_t key,
-                                int accumulate) {
+/* Elementwise (lg_k_map_strided: first + the element's index draws its mask bit). */
+__global__ void lg_k_lora_input(lg_buf out, lg_buf in, size_t n, size_t first, float scale,
+                                float p, uint64_t key, int accumulate) {
     const lg_buf plain[1] = {in}, summed[2] = {in, out}, to[1] = {out};
     auto keep = [=](size_t i, const float *x, float *y) { /* x[1]: out, when accumulating */
-        float v = x[0] * lg_lora_keep(key, i, p, scale);
+        float v = x[0] * lg_lora_keep(key, first + i, p, scale);
         y[0] = accumulate ? x[1] + v : v;
     };
     if (accumulate) lg_k_map_strided(summed, to, n, lg_k_first(), lg_k_stride(), keep);
     else lg_k_map_strided(plain, to, n, lg_k_first(), lg_k_stride(), keep);
 }
 
-static void lg_cuda_lora_input(const lg_exec *ex, lg_buf out, lg_buf in, size_t n, float scale,
-                               float p, uint64_t key, int accumulate) {
+static void lg_cuda_lora_input(const lg_exec *ex, lg_buf out, lg_buf in, size_t n, size_t first,
+                               float scale, float p, uint64_t key, int accumulate) {
     if (n == 0) return;
     LG_LAUNCH(lg_k_lora_input, lg_cuda_map_grid(n), LG_CUDA_ELEMENT_THREADS, 0,
-              lg_cuda_stream(ex), out, in, n, scale, p, key, accumulate);
+              lg_cuda_stream(ex), out, in, n, first, scale, p, key, accumulate);
 }
 
 /* i. ranks: memory, overheads, topology -------------------------------------------------------- */

@@ -46,6 +46,9 @@ static const char usage[] =
     "                             (full-shard in a node, replicas across nodes)\n"
     "      --recompute MODE       none (default) or block: keep each block's input only and\n"
     "                             recompute the block in the backward (same results)\n"
+    "      --head-rows N          the head and loss N rows of logits at a time, computed\n"
+    "                             again in the backward (default: all rows, or chunks of\n"
+    "                             " LG_HEAD_CHUNK_TEXT " where the run does not fit with all)\n"
     "      --offload [LIST]       parts in host memory, a comma list (bare: state): state\n"
     "                             (master weights and optimizer state; the optimizer runs\n"
     "                             there), activations (the block inputs --recompute block\n"
@@ -194,7 +197,7 @@ static float parse_float(const char *flag, const char *text) {
 enum { OPT_DATA = 256, OPT_VAL_DATA, OPT_LR, OPT_MIN_LR, OPT_WARMUP, OPT_WEIGHT_DECAY, OPT_BETA1,
        OPT_BETA2, OPT_MOMENTUM, OPT_MAX_NORM, OPT_MAX_STEPS, OPT_EVAL_EVERY, OPT_EVAL_ITERS,
        OPT_SAMPLE_EVERY, OPT_SAMPLE_TOKENS, OPT_TEMPERATURE, OPT_PROMPT, OPT_SEED, OPT_LOG,
-       OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_HOST_MEMORY_LIMIT, OPT_BACKEND, OPT_PACK, OPT_OPTIMIZER_STATE,
+       OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_HOST_MEMORY_LIMIT, OPT_BACKEND, OPT_PACK, OPT_HEAD_ROWS, OPT_OPTIMIZER_STATE,
        OPT_HESSIAN_INTERVAL, OPT_RHO, OPT_STRATEGY, OPT_NODES, OPT_SAVE_EVERY, OPT_LOAD,
        OPT_RESUME, OPT_CPU, OPT_TF32, OPT_LORA_R, OPT_LORA_ALPHA, OPT_LORA_DROPOUT,
        OPT_LORA_TARGETS, OPT_QUANTIZE, OPT_LOG_INTERVAL, OPT_PLOT };
@@ -238,6 +241,7 @@ static const struct option long_options[] = {
     {"host-memory-limit", required_argument, 0, OPT_HOST_MEMORY_LIMIT},
     {"backend", required_argument, 0, OPT_BACKEND},
     {"pack", no_argument, 0, OPT_PACK},
+    {"head-rows", required_argument, 0, OPT_HEAD_ROWS},
     {"optimizer-state", required_argument, 0, OPT_OPTIMIZER_STATE},
     {"hessian-interval", required_argument, 0, OPT_HESSIAN_INTERVAL},
     {"rho", required_argument, 0, OPT_RHO},
@@ -413,6 +417,10 @@ static void apply_flags(int argc, char **argv, lg_args *a, given_flags *given,
             break;
         case OPT_TF32: a->tf32 = 1; break;
         case OPT_PACK: a->pack = 1; break;
+        case OPT_HEAD_ROWS:
+            a->head_rows = parse_int(f, optarg);
+            if (a->head_rows < 1) die_usage("%s must be at least 1", f);
+            break;
         case OPT_HESSIAN_INTERVAL: a->hessian_interval = parse_int(f, optarg); break;
         case OPT_RHO: a->rho = parse_float(f, optarg); break;
         case OPT_SAVE_EVERY: a->save_every = parse_int(f, optarg); break;
@@ -688,6 +696,22 @@ static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T, char *no
     snprintf(note + used, cap - used, "-b auto: micro-batch %d (the largest dividing %d per "
              "device that fits in %s, %s)\n", b, a->global_batch_size / lg_args_ranks(a),
              lg_format_bytes(limit, size, sizeof size), source);
+}
+
+/* The head's chunk when --head-rows is not given: all rows, or LG_HEAD_CHUNK_ROWS where the
+   run does not fit with all (said in note). */
+static void choose_head_rows(lg_args *a, const lg_config *cfg, int T, char *note, size_t cap) {
+    const char *source;
+    size_t limit = device_limit(a, &source);
+    int N = a->micro_batch_size * T;
+    if (limit == 0) return; /* unknown: all rows */
+    a->head_rows = lg_plan_auto_head_rows(cfg, a, T, limit);
+    if (a->head_rows >= N) return;
+    char size[32];
+    size_t used = strlen(note);
+    snprintf(note + used, cap - used, "the head and loss in chunks of %d rows: the run does not "
+             "fit in %s (%s) with the logits of all %d rows\n", a->head_rows,
+             lg_format_bytes(limit, size, sizeof size), source, N);
 }
 
 /* The model as planned: the config's values after LitGPT's defaults and derivations. */
@@ -1524,6 +1548,7 @@ static void settle_run(int argc, char **argv, run_setup *rs) {
     prepare_gpus(a, rs->launch.processes > 1);
     if (a->max_seq_length_auto) choose_seq_length(a, &rs->cfg, &rs->T, &rs->data);
     if (a->micro_batch_auto) choose_micro_batch(a, &rs->cfg, rs->T, rs->data.note, sizeof rs->data.note);
+    if (!a->head_rows) choose_head_rows(a, &rs->cfg, rs->T, rs->data.note, sizeof rs->data.note);
     if (lg_args_check(a, &err) != 0) die_usage("%s", err.msg);
     char planned_for[512];
     describe_planned_run(a, &rs->cfg, rs->T, &rs->data, planned_for, sizeof planned_for);

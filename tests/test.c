@@ -330,14 +330,19 @@ static double gradient_error(lg_model *m, const int *tokens, const int *targets,
     return worst;
 }
 
-/* The whole model: every parameter's gradient of the mean loss against finite differences. */
-static void test_model_gradient(results *r, const char *config_name) {
+/* The whole model: every parameter's gradient of the mean loss against finite differences;
+   head_rows > 0: the head and loss in chunks of that many of the 12 rows (their logits
+   computed again in the backward). */
+static void test_model_gradient(results *r, const char *config_name, int head_rows) {
     lg_config cfg;
     if (load_config_or_fail(r, &cfg, config_name)) return;
     int B = 2, T = 6;
     lg_model m;
     lg_error err;
     if (lg_model_create(&m, &cfg, B, T, &err)) { check(r, 0, "%s: %s", config_name, err.msg); return; }
+    if (head_rows) m.head_rows = head_rows; /* (the region holds all 12 rows: chunks fit) */
+    char chunks[40] = "";
+    if (head_rows) snprintf(chunks, sizeof chunks, ", head in chunks of %d", head_rows);
     lg_rng rng;
     lg_rng_seed(&rng, 11);
     fill_normal(reals(m.params), m.n_params, 0.3f, &rng); /* large weights: gradients far from zero */
@@ -349,14 +354,17 @@ static void test_model_gradient(results *r, const char *config_name) {
     targets[4] = LG_IGNORE_INDEX;
     const char *worst_name = "";
     double worst = gradient_error(&m, tokens, targets, B, T, &worst_name);
-    check(r, worst < FD_TOL, "%-34s whole-model gradient (%zu params) vs finite differences: "
-          "worst rel err %.1e in %s", config_name, m.n_params, worst, worst_name);
+    check(r, worst < FD_TOL, "%-12s%-22s whole-model gradient (%zu params) vs finite "
+          "differences: worst rel err %.1e in %s", config_name, chunks, m.n_params, worst,
+          worst_name);
     lg_model_free(&m);
 }
 
 /* LoRA: the adapters' gradients (A and B of every target, the head's included) through a
-   random frozen model, with dropout on (a fixed mask) and off, against finite differences. */
-static void test_lora_gradient(results *r, const char *config_name, float dropout) {
+   random frozen model, with dropout on (a fixed mask) and off, against finite differences;
+   head_rows > 0: the head in chunks (the head adapter's mask still the whole input's). */
+static void test_lora_gradient(results *r, const char *config_name, float dropout,
+                               int head_rows) {
     lg_config cfg;
     if (load_config_or_fail(r, &cfg, config_name)) return;
     cfg.lora.r = 2;
@@ -368,6 +376,7 @@ static void test_lora_gradient(results *r, const char *config_name, float dropou
     lg_model m;
     lg_error err;
     if (lg_model_create(&m, &cfg, B, T, &err)) { check(r, 0, "%s: %s", config_name, err.msg); return; }
+    if (head_rows) m.head_rows = head_rows;
     lg_rng rng;
     lg_rng_seed(&rng, 12);
     fill_normal(reals(m.frozen), m.frozen_table.total, 0.3f, &rng);
@@ -385,10 +394,10 @@ static void test_lora_gradient(results *r, const char *config_name, float dropou
         adapters += m.param_table.tensors[k].kind == LG_TENSOR_LORA_A ||
                     m.param_table.tensors[k].kind == LG_TENSOR_LORA_B;
     check(r, worst < FD_TOL && adapters == m.param_table.n_tensors && adapters > 2 * cfg.n_layer,
-          "%-12s LoRA r 2, every target%s, dropout %.2f: %d adapter tensors (%zu params) vs "
-          "finite differences: worst rel err %.1e in %s", config_name,
-          cfg.tie_embeddings ? " (no head: tied)" : "", dropout, adapters,
-          m.n_params, worst, worst_name);
+          "%-12s LoRA r 2, every target%s, dropout %.2f%s: %d adapter tensors (%zu params) "
+          "vs finite differences: worst rel err %.1e in %s", config_name,
+          cfg.tie_embeddings ? " (no head: tied)" : "", dropout,
+          head_rows ? ", head in chunks of 5" : "", adapters, m.n_params, worst, worst_name);
     lg_model_free(&m);
 }
 
@@ -396,17 +405,18 @@ int main(void) {
     results r = {0, 0};
     test_op_gradients(&r);
     printf("model gradients (double precision)\n");
-    test_model_gradient(&r, "test-gpt2");
-    test_model_gradient(&r, "test-pythia");
-    test_model_gradient(&r, "test-llama");
-    test_model_gradient(&r, "test-falcon");
-    test_model_gradient(&r, "test-llama31");
+    const char *families[] = {"test-gpt2", "test-pythia", "test-llama", "test-falcon", "test-llama31"};
+    for (int i = 0; i < 5; i++) test_model_gradient(&r, families[i], 0);
+    for (int i = 0; i < 5; i++) test_model_gradient(&r, families[i], 5); /* 5 + 5 + 2 rows */
+    test_model_gradient(&r, "test-pythia", 1);
     printf("LoRA gradients (double precision)\n");
-    test_lora_gradient(&r, "test-gpt2", 0.0f);
-    test_lora_gradient(&r, "test-pythia", 0.25f);
-    test_lora_gradient(&r, "test-llama", 0.0f);
-    test_lora_gradient(&r, "test-llama", 0.25f);
-    test_lora_gradient(&r, "test-falcon", 0.25f);
+    test_lora_gradient(&r, "test-gpt2", 0.0f, 0);
+    test_lora_gradient(&r, "test-pythia", 0.25f, 0);
+    test_lora_gradient(&r, "test-llama", 0.0f, 0);
+    test_lora_gradient(&r, "test-llama", 0.25f, 0);
+    test_lora_gradient(&r, "test-falcon", 0.25f, 0);
+    test_lora_gradient(&r, "test-pythia", 0.25f, 5);
+    test_lora_gradient(&r, "test-llama", 0.25f, 5);
     printf("%d passed, %d failed\n", r.passed, r.failed);
     return r.failed ? 1 : 0;
 }
@@ -2099,6 +2109,11 @@ int main(int argc, char **argv) {
         test_context_table_in_readme(&r);
         test_host_traffic(&r);
         test_auto_seq_length(&r);
+    }
+    if (section("the head and loss in chunks", argc, argv)) {
+        test_head_chunks_model(&r);
+        test_head_chunks_trainer(&r);
+        test_head_rows_auto(&r);
     }
     if (section("data files: tokenizers, samples, readers", argc, argv)) test_data_all(&r);
     if (section("nf4 (QLoRA's weight storage)", argc, argv)) test_nf4_all(&r);

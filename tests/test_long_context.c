@@ -146,3 +146,167 @@ static void test_auto_seq_length(results *r) {
                "-t auto: not even 1 token fits in 1.0 MiB");
     expect_cli(r, "--plan -t autox", 2, "-t/--max-seq-length: 'autox' is not an integer");
 }
+
+/* ---- the head and loss in chunks ------------------------------------------------------------ */
+
+/* One forward and backward of m on tokens and targets (B, T) with the head's chunks of
+   head_rows rows; the loss, the gradients in m->grads. */
+static double head_chunk_step(lg_model *m, const int *tokens, const int *targets, int B, int T,
+                              int head_rows) {
+    int n_targets;
+    m->head_rows = head_rows;
+    lg_model_zero_grad(m);
+    double loss = lg_model_forward(m, tokens, targets, B, T, &n_targets);
+    lg_model_backward(m, tokens, targets, B, T, 1.0f / (float)n_targets);
+    return loss;
+}
+
+/* The head in chunks of 1, 5 and 7 of 24 rows (none dividing it but 1) against one pass, fp32,
+   with ignored targets: every family (GPT-2's head tied to its embedding), and LoRA with an
+   adapter on the head and dropout (its mask the whole input's in every chunk). */
+static void test_head_chunks_model(results *r) {
+    const char *names[] = {"test-gpt2", "test-pythia", "test-llama", "test-falcon", "test-llama31"};
+    const int B = 2, T = 12, N = B * T, chunks[3] = {1, 5, 7};
+    for (int i = 0; i < 6; i++) {
+        int lora = i == 5; /* LoRA on test-llama, head included */
+        lg_config cfg;
+        if (load_config_or_fail(r, &cfg, lora ? "test-llama" : names[i])) return;
+        if (lora) {
+            cfg.lora.r = 2;
+            cfg.lora.alpha = 8.0f;
+            cfg.lora.dropout = 0.25f;
+            cfg.lora.targets = LG_LORA_QUERY | LG_LORA_VALUE | LG_LORA_HEAD;
+        }
+        lg_model m;
+        lg_error err;
+        if (lg_model_create(&m, &cfg, B, T, &err)) { check(r, 0, "%s: %s", names[i], err.msg); return; }
+        lg_rng rng;
+        lg_rng_seed(&rng, 25);
+        if (lora) fill_normal(reals(m.frozen), m.frozen_table.total, 0.3f, &rng);
+        fill_normal(reals(m.params), m.n_params, 0.3f, &rng);
+        m.dropout_key = lora ? 0x2545F4914F6CDD1Dull : 0;
+        int tokens[24], targets[24];
+        for (int k = 0; k < N; k++) {
+            tokens[k] = (int)(lg_rng_u64(&rng) % cfg.vocab_size);
+            targets[k] = k % 9 == 4 ? LG_IGNORE_INDEX : (int)(lg_rng_u64(&rng) % cfg.vocab_size);
+        }
+        double want_loss = head_chunk_step(&m, tokens, targets, B, T, N);
+        lg_real *want = new_reals(m.n_params);
+        memcpy(want, reals(m.grads), m.n_params * sizeof(lg_real));
+        double loss_err = 0, grad_err = 0;
+        for (int c = 0; c < 3; c++) {
+            double loss = head_chunk_step(&m, tokens, targets, B, T, chunks[c]);
+            loss_err = fmax(loss_err, fabs(loss - want_loss) / fabs(want_loss));
+            grad_err = fmax(grad_err, rel_error(reals(m.grads), want, m.n_params, 1e-6));
+        }
+        check(r, loss_err < 1e-6 && grad_err < 1e-6, "%-12s%s head in chunks of 1, 5, 7 of %d "
+              "rows (3 targets ignored) against one pass, fp32: loss rel err %.1e, gradients "
+              "(%zu) %.1e", lora ? "test-llama" : names[i], lora ? " LoRA (head, dropout 0.25)"
+              : cfg.tie_embeddings ? " (tied head)" : "", N, loss_err, m.n_params, grad_err);
+        LG_FREE(want);
+        lg_model_free(&m);
+    }
+}
+
+/* The trainer with --head-rows 7 of 24 against one pass (where a training step's forward
+   writes the logits' gradient in its one pass): 3 steps of every family in fp32 and in
+   16-mixed (its loss scale through the chunks); the arena is the plan's, logits (7, Vp). */
+static void test_head_chunks_trainer(results *r) {
+    const char *names[] = {"test-gpt2", "test-pythia", "test-llama", "test-falcon", "test-llama31"};
+    const lg_precision modes[2] = {LG_PRECISION_32_TRUE, LG_PRECISION_16_MIXED};
+    double worst[2] = {0, 0}, moved[2] = {1, 1}; /* moved: the least the steps moved a run */
+    int ok = 1;
+    for (int i = 0; i < 5; i++)
+        for (int k = 0; k < 2; k++) {
+            lg_config cfg;
+            if (load_config_or_fail(r, &cfg, names[i])) return;
+            lg_args a;
+            lg_args_default(&a);
+            a.precision = modes[k];
+            a.micro_batch_size = 2;
+            a.global_batch_size = 4;
+            double whole_losses[3], chunked_losses[3];
+            lg_trainer start, whole, chunked;
+            int rc = train_steps(&start, &cfg, &a, 12, 0, whole_losses);
+            lg_real *w0 = rc == 0 ? trained_weights(&start) : NULL;
+            if (rc == 0) lg_trainer_free(&start);
+            rc |= train_steps(&whole, &cfg, &a, 12, 3, whole_losses);
+            a.head_rows = 7;
+            rc |= train_steps(&chunked, &cfg, &a, 12, 3, chunked_losses);
+            ok = ok && rc == 0 && chunked.ranks[0].model.head_rows == 7;
+            if (rc == 0) {
+                lg_real *w = trained_weights(&whole), *c = trained_weights(&chunked);
+                double e = rel_error(c, w, whole.ranks[0].model.n_params, 1e-6);
+                for (int s = 0; s < 3; s++)
+                    e = fmax(e, fabs(chunked_losses[s] - whole_losses[s]) / whole_losses[s]);
+                worst[k] = fmax(worst[k], e);
+                moved[k] = fmin(moved[k], rel_error(w, w0, whole.ranks[0].model.n_params, 1e-6));
+                LG_FREE(w);
+                LG_FREE(w0);
+                LG_FREE(c);
+                lg_trainer_free(&whole);
+                lg_trainer_free(&chunked);
+            }
+        }
+    check(r, ok && worst[0] < 1e-6 && worst[1] < 1e-6 && moved[0] > 1e-4 && moved[1] > 1e-4,
+          "--head-rows 7 of 24: 3 steps of 5 families (each moving the weights %.1e or more) "
+          "against one pass: losses and weights rel err %.1e (fp32), %.1e (16-mixed)",
+          fmin(moved[0], moved[1]), worst[0], worst[1]);
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    lg_args a;
+    lg_args_default(&a);
+    a.micro_batch_size = 2;
+    a.head_rows = 7;
+    lg_trainer tr;
+    lg_error err;
+    int made = create_counting(&tr, &cfg, &a, 12, &err) == 0;
+    const lg_region *head = made ? lg_plan_find(&tr.plan.ranks[0], "head") : NULL;
+    size_t ln_f = (size_t)24 * cfg.n_embd, logits = (size_t)7 * cfg.padded_vocab_size;
+    check(r, made && arenas_equal_plan(&tr) && head && head->count == ln_f + logits,
+          "--head-rows 7: the arenas are the plan's; the head region holds ln_f (24 x %d) and "
+          "logits (7 x %d) only", cfg.n_embd, cfg.padded_vocab_size);
+    if (made) lg_trainer_free(&tr);
+}
+
+/* The planner's choice: all rows when they fit, LG_HEAD_CHUNK_ROWS when not (or when nothing
+   fits), all rows at or under LG_HEAD_CHUNK_ROWS and for Sophia; --plan says it. */
+static void test_head_rows_auto(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "pythia-14m")) return;
+    lg_args a;
+    lg_args_default(&a);
+    a.micro_batch_size = 4;
+    a.precision = LG_PRECISION_BF16_TRUE;
+    const int T = 512, N = 4 * T;
+    a.head_rows = N;
+    size_t all = lg_plan_checked_bytes_for(&cfg, &a, T);
+    a.head_rows = LG_HEAD_CHUNK_ROWS;
+    size_t chunked = lg_plan_checked_bytes_for(&cfg, &a, T);
+    size_t saved = (size_t)(N - LG_HEAD_CHUNK_ROWS) * cfg.padded_vocab_size * 2; /* bf16 logits */
+    a.head_rows = 0;
+    int at_all = lg_plan_auto_head_rows(&cfg, &a, T, all);
+    int below = lg_plan_auto_head_rows(&cfg, &a, T, all - 1);
+    int nothing = lg_plan_auto_head_rows(&cfg, &a, T, chunked / 2);
+    int short_run = lg_plan_auto_head_rows(&cfg, &a, 256, 1); /* 1024 rows: no chunks */
+    lg_args sophia = a;
+    sophia.optimizer = LG_OPTIMIZER_SOPHIA;
+    int sophia_rows = lg_plan_auto_head_rows(&cfg, &sophia, T, all - 1);
+    check(r, all - chunked >= saved && all - chunked < saved + 4096 && at_all == N &&
+          below == LG_HEAD_CHUNK_ROWS && nothing == LG_HEAD_CHUNK_ROWS && short_run == 1024 &&
+          sophia_rows == N, "head rows: chunks of %d save %zu bytes of logits at -b 4 -t %d; "
+          "chosen %d where all fit, %d a byte short, %d where nothing fits, all %d at -t 256, "
+          "all for Sophia", LG_HEAD_CHUNK_ROWS, all - chunked, T, at_all, below, nothing,
+          short_run);
+    char args[256];
+    snprintf(args, sizeof args, "--plan -c pythia-14m -b 4 -t 512 -p bf16-true --memory-limit %zuB",
+             all - 1);
+    expect_cli(r, args, 0, "the head and loss in chunks of 1024 rows: the run does not fit");
+    expect_cli(r, args, 0, "| head in chunks of 1024 rows");
+    snprintf(args, sizeof args, "--plan -c pythia-14m -b 4 -t 512 -p bf16-true --memory-limit %zuB",
+             all);
+    expect_cli(r, args, 0, "| adamw\n");
+    expect_cli(r, "--plan -c pythia-14m --head-rows 0", 2, "--head-rows must be at least 1");
+    expect_cli(r, "--plan=json -c pythia-14m -b 2 -t 64 --head-rows 100 2>/dev/null", 0,
+               "\"head_rows\":100,");
+}

@@ -485,6 +485,17 @@ static void test_gpu_features(results *r) {
     double weights = runs_differ(&plain, &other, 0, &losses);
     check(r, weights == 0 && losses == 0, "--recompute block = none on a GPU, bf16-mixed: weights "
           "%.1e, losses %.1e apart (bitwise)", weights, losses);
+    for (int p = 0; p < 2; p++) { /* the head in chunks of 5 of 32 rows, logits recomputed */
+        lg_precision precision = p ? LG_PRECISION_BF16_MIXED : LG_PRECISION_32_TRUE;
+        plain = step_args(precision, LG_BACKEND_CUDA);
+        other = plain;
+        other.head_rows = 5;
+        weights = runs_differ(&plain, &other, 0, &losses);
+        double bound = p ? 1e-3 : 1e-6; /* bf16: cuBLASLt may choose other algorithms for 5 rows */
+        check(r, weights < bound && losses < bound, "--head-rows 5 = one pass on a GPU, %s: "
+              "weights %.1e, losses %.1e apart (< %.0e)", lg_precision_name(precision), weights,
+              losses, bound);
+    }
     for (int p = 0; p < 2; p++) {
         lg_precision precision = p ? LG_PRECISION_BF16_TRUE : LG_PRECISION_BF16_MIXED;
         plain = step_args(precision, LG_BACKEND_CUDA);
