@@ -404,7 +404,11 @@ typedef struct {
     int head_rows;             /* --head-rows: the head and loss in chunks of this many rows of
                                   logits, recomputed in the backward; 0: all rows at once, or
                                   wherever the limit is known the planner's choice
-                                  (lg_plan_auto_head_rows) */
+                                  (lg_plan_auto_rows) */
+    int slice_rows;            /* --slice-rows: each block's MLP in slices of this many rows, its
+                                  hidden layer (B x T x intermediate_size) never whole: the
+                                  backward computes each slice's again; 0: all rows, or the
+                                  planner's choice (lg_plan_auto_rows) */
     int plan_only;             /* --plan: print the plan and exit (1 table, 2 JSON) */
     int micro_batch_auto;      /* -b auto: the largest micro-batch that fits */
     int max_seq_length_auto;   /* -t auto: the longest sequence that fits (up to block_size, or
@@ -512,9 +516,10 @@ typedef struct {
     lg_buf x_mid;                    /* (B, T, C): input + attention branch */
     lg_buf n2;                       /* (B, T, C): norm_2 output (absent when shared) */
     lg_real *n2_mean, *n2_rstd;      /* (B, T), (B, T) */
-    lg_buf fc;                       /* (B, T, I): MLP pre-activation (fc or fc_1) */
-    lg_buf fc_2;                     /* (B, T, I): LLaMAMLP's second branch */
-    lg_buf act;                      /* (B, T, I): gelu(fc) or silu(fc_1) * fc_2 */
+    lg_buf fc;                       /* (S, I): MLP pre-activation (fc or fc_1) of a slice of
+                                        S = slice_rows of the B x T rows (S = B x T: all) */
+    lg_buf fc_2;                     /* (S, I): LLaMAMLP's second branch */
+    lg_buf act;                      /* (S, I): gelu(fc) or silu(fc_1) * fc_2 */
     lg_buf lora_h[LG_LORA_BLOCK_LINEARS]; /* LoRA: (B, T, r) = u A^T of each adapted linear,
                                         u = (alpha / r) dropout(its input) */
 } lg_block_acts;
@@ -539,10 +544,11 @@ typedef struct {
     lg_buf d_mid, d_norm;            /* (B, T, C) */
     lg_buf d_qkv;                    /* (B, T, (NH + 2 NQG) HS) */
     lg_buf d_att_y;                  /* (B, T, NH HS) */
-    lg_buf d_fc, d_fc_2, d_act;      /* (B, T, I) */
+    lg_buf d_fc, d_fc_2, d_act;      /* (S, I): a slice's, as fc */
     /* LoRA, one linear at a time (forward and backward) */
-    lg_buf lora_u;                   /* (B, T, widest adapted input): the adapters' input u */
-    lg_buf lora_du;                  /* (B, T, widest adapted input): u's gradient */
+    lg_buf lora_u;                   /* (rows, widest): the adapters' input u, the most of any
+                                        adapted linear's (B x T, or an MLP slice's) rows x input */
+    lg_buf lora_du;                  /* (rows, widest): u's gradient */
     lg_buf lora_dh;                  /* (B, T, r): one adapter's h gradient */
 } lg_act_tensors;
 
@@ -644,6 +650,7 @@ typedef struct {
     int offload_activations; /* 1: --offload activations (with recompute) */
     int pack;                /* 1: --pack: rows carry their samples' span starts */
     int head_rows;           /* rows of logits at a time, 1 .. B x T (B x T: no chunks) */
+    int slice_rows;          /* rows of a block's MLP at a time, 1 .. B x T (B x T: whole) */
     lg_optimizer_kind optimizer;
     int momentum;           /* SGD keeps a momentum buffer */
     lg_state_format optimizer_state;
@@ -824,12 +831,18 @@ size_t lg_plan_checked_bytes_for(const lg_config *cfg, const lg_args *args, int 
 int lg_plan_auto_micro_batch(const lg_config *cfg, const lg_args *args, int T, size_t limit);
 /* -t auto: the longest sequence up to max_T whose plan fits; 0: not even one token. */
 int lg_plan_auto_seq_length(const lg_config *cfg, const lg_args *args, int max_T, size_t limit);
-/* The head's rows of logits at a time for B x T tokens: --head-rows when given; else all of
-   them when the run fits so, or LG_HEAD_CHUNK_ROWS (the chunks' logits are computed again in
-   the backward: a second pass of the head's matmul). Sophia keeps all rows. */
+/* The rows of B x T the head (head_rows) and each block's MLP (slice_rows) work on at a time:
+   --head-rows and --slice-rows when given; else all of them when the run fits so; else the head
+   in chunks of LG_HEAD_CHUNK_ROWS (their logits computed again in the backward: a second pass
+   of the head's matmul; Sophia keeps all rows); then, if that does not fit either and with
+   --recompute block, the MLP in slices of LG_SLICE_ROWS (no compute added: the recompute
+   leaves the MLP to the backward, which computes each slice's hidden layer once). */
 #define LG_HEAD_CHUNK_ROWS 1024
 #define LG_HEAD_CHUNK_TEXT "1024" /* the same, for usage texts */
-int lg_plan_auto_head_rows(const lg_config *cfg, const lg_args *args, int T, size_t limit);
+#define LG_SLICE_ROWS 2048
+#define LG_SLICE_TEXT "2048"
+void lg_plan_auto_rows(const lg_config *cfg, const lg_args *args, int T, size_t limit,
+                       int *head_rows, int *slice_rows);
 /* Memory a run may use on this machine's CPU backend: MemAvailable, 0 when unknown. */
 size_t lg_host_available_bytes(void);
 /* The host memory a machine's ranks may use: --host-memory-limit, else what is available. */
@@ -922,6 +935,9 @@ typedef struct {
     int offload_activations;    /* --offload activations: the kept block inputs in host memory */
     int head_rows;              /* the logits region's rows: the head and loss run over chunks of
                                    this many tokens (B x T: one pass) */
+    int slice_rows;             /* the rows of a block's MLP buffers: the MLP runs over slices of
+                                   this many tokens (B x T: whole), the backward computes each
+                                   slice's hidden layer again */
     size_t n_params;
     lg_tensor_table param_table;
     lg_param_tensors p, g;      /* views of params and grads */
@@ -4041,7 +4057,7 @@ static void lg_embedding_acts_layout(int B, int T, int C, lg_buf base, lg_act_te
     *count = L.offset;
 }
 
-static void lg_block_acts_layout(const lg_config *c, int l, int B, int T, int stats,
+static void lg_block_acts_layout(const lg_config *c, int l, int B, int T, int S, int stats,
                                  lg_buf base, lg_act_tensors *a, size_t *count) {
     lg_layout L = lg_layout_over(base, NULL);
     int N = B * T, C = c->n_embd, I = c->intermediate_size, QKV = lg_config_qkv_size(c);
@@ -4071,9 +4087,9 @@ static void lg_block_acts_layout(const lg_config *c, int l, int B, int T, int st
         if (layer_norm) LG_STAT(n2_mean, 1, N);
         LG_STAT(n2_rstd, 1, N);
     }
-    LG_ACT(fc, N, I);
-    if (llama) LG_ACT(fc_2, N, I);
-    LG_ACT(act, N, I);
+    LG_ACT(fc, S, I); /* the MLP's hidden layer: a slice of S rows of N at a time */
+    if (llama) LG_ACT(fc_2, S, I);
+    LG_ACT(act, S, I);
     for (int k = 0; k < LG_LORA_BLOCK_LINEARS; k++)
         if (lg_lora_adapts(c, (lg_lora_linear)k)) LG_ACT(lora_h[k], N, c->lora.r);
 #undef LG_ACT
@@ -4123,19 +4139,24 @@ static void lg_rope_layout(const lg_config *c, int T, lg_real *base, lg_act_tens
 }
 
 /* LoRA: the widest input of an adapted linear (0 without LoRA). */
-static int lg_lora_widest_input(const lg_config *c) {
+static int lg_lora_widest_input(const lg_config *c, int N, int S, int *rows) {
     int widest = c->lora.r > 0 && (c->lora.targets & LG_LORA_HEAD) ? c->n_embd : 0;
+    *rows = N;
     for (int k = 0; k < LG_LORA_BLOCK_LINEARS; k++) {
-        int in, out;
+        int in, out, mlp = k == LG_LORA_FC || k == LG_LORA_FC_2 || k == LG_LORA_MLP_PROJ;
         lg_lora_dims(c, (lg_lora_linear)k, &in, &out);
-        if (lg_lora_adapts(c, (lg_lora_linear)k) && in > widest) widest = in;
+        if (!lg_lora_adapts(c, (lg_lora_linear)k) ||
+            (double)in * (mlp ? S : N) <= (double)widest * *rows)
+            continue;
+        widest = in;
+        *rows = mlp ? S : N;
     }
     return widest;
 }
 
 /* The backward's working set: gradients of one block's activations at a time. */
-static void lg_backward_layout(const lg_config *c, int B, int T, lg_buf base, lg_act_tensors *a,
-                               size_t *count) {
+static void lg_backward_layout(const lg_config *c, int B, int T, int S, lg_buf base,
+                               lg_act_tensors *a, size_t *count) {
     lg_layout L = lg_layout_over(base, NULL);
     lg_act_tensors scratch;
     int N = B * T, C = c->n_embd, I = c->intermediate_size, QKV = lg_config_qkv_size(c);
@@ -4146,14 +4167,14 @@ static void lg_backward_layout(const lg_config *c, int B, int T, lg_buf base, lg
     a->d_norm = lg_layout_add(&L, "d_norm", N, C, LG_TENSOR_ACTIVATION);
     a->d_qkv = lg_layout_add(&L, "d_qkv", N, QKV, LG_TENSOR_ACTIVATION);
     a->d_att_y = lg_layout_add(&L, "d_att_y", N, c->n_head * c->head_size, LG_TENSOR_ACTIVATION);
-    a->d_fc = lg_layout_add(&L, "d_fc", N, I, LG_TENSOR_ACTIVATION);
+    a->d_fc = lg_layout_add(&L, "d_fc", S, I, LG_TENSOR_ACTIVATION); /* a slice's, as fc */
     a->d_fc_2 = c->mlp_class_name == LG_MLP_LLAMA
-                    ? lg_layout_add(&L, "d_fc_2", N, I, LG_TENSOR_ACTIVATION)
+                    ? lg_layout_add(&L, "d_fc_2", S, I, LG_TENSOR_ACTIVATION)
                     : lg_no_buf();
-    a->d_act = lg_layout_add(&L, "d_act", N, I, LG_TENSOR_ACTIVATION);
-    int widest = lg_lora_widest_input(c);
-    a->lora_u = widest ? lg_layout_add(&L, "lora_u", N, widest, LG_TENSOR_ACTIVATION) : lg_no_buf();
-    a->lora_du = widest ? lg_layout_add(&L, "lora_du", N, widest, LG_TENSOR_ACTIVATION) : lg_no_buf();
+    a->d_act = lg_layout_add(&L, "d_act", S, I, LG_TENSOR_ACTIVATION);
+    int rows, widest = lg_lora_widest_input(c, N, S, &rows);
+    a->lora_u = widest ? lg_layout_add(&L, "lora_u", rows, widest, LG_TENSOR_ACTIVATION) : lg_no_buf();
+    a->lora_du = widest ? lg_layout_add(&L, "lora_du", rows, widest, LG_TENSOR_ACTIVATION) : lg_no_buf();
     a->lora_dh = widest ? lg_layout_add(&L, "lora_dh", N, c->lora.r, LG_TENSOR_ACTIVATION)
                         : lg_no_buf();
     *count = L.offset;
@@ -4252,6 +4273,7 @@ void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
     s->offload_activations = a->offload_activations;
     s->pack = a->pack;
     s->head_rows = lg_head_rows_of(a, s->B * T);
+    s->slice_rows = a->slice_rows > 0 && a->slice_rows < s->B * T ? a->slice_rows : s->B * T;
     s->optimizer = a->optimizer;
     s->backend = a->backend;
     s->runtime_bytes = a->runtime_bytes;
@@ -4478,8 +4500,8 @@ static int lg_plan_activations(lg_rank_plan *r, const lg_config *c, const lg_pla
     rc |= lg_plan_add(r, "activations.embedding", LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, t.acts,
                       main_count);
     for (int l = 0; l < c->n_layer; l++) {
-        lg_block_acts_layout(c, l, B, T, 0, lg_no_buf(), NULL, &main_count);
-        lg_block_acts_layout(c, l, B, T, 1, lg_no_buf(), NULL, &stats_count);
+        lg_block_acts_layout(c, l, B, T, s->slice_rows, 0, lg_no_buf(), NULL, &main_count);
+        lg_block_acts_layout(c, l, B, T, s->slice_rows, 1, lg_no_buf(), NULL, &stats_count);
         if (s->recompute) {
             main_count = (size_t)B * T * c->n_embd; /* the block's output only */
             stats_count = 0;
@@ -4492,8 +4514,8 @@ static int lg_plan_activations(lg_rank_plan *r, const lg_config *c, const lg_pla
         rc |= lg_plan_add(r, name, LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, LG_DTYPE_F32, stats_count);
     }
     if (s->recompute) {
-        lg_block_acts_layout(c, 0, B, T, 0, lg_no_buf(), NULL, &main_count);
-        lg_block_acts_layout(c, 0, B, T, 1, lg_no_buf(), NULL, &stats_count);
+        lg_block_acts_layout(c, 0, B, T, s->slice_rows, 0, lg_no_buf(), NULL, &main_count);
+        lg_block_acts_layout(c, 0, B, T, s->slice_rows, 1, lg_no_buf(), NULL, &stats_count);
         rc |= lg_plan_add(r, "recompute.block", LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, t.acts,
                           main_count);
         rc |= lg_plan_add(r, "recompute.block.stats", LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE,
@@ -4510,7 +4532,7 @@ static int lg_plan_activations(lg_rank_plan *r, const lg_config *c, const lg_pla
     lg_head_acts_layout(c, B, T, s->head_rows, 1, lg_no_buf(), NULL, &stats_count);
     rc |= lg_plan_add(r, "head", LG_GROUP_LOGITS, LG_POOL_DEVICE, t.acts, main_count);
     rc |= lg_plan_add(r, "head.stats", LG_GROUP_LOGITS, LG_POOL_DEVICE, LG_DTYPE_F32, stats_count);
-    lg_backward_layout(c, B, T, lg_no_buf(), NULL, &main_count);
+    lg_backward_layout(c, B, T, s->slice_rows, lg_no_buf(), NULL, &main_count);
     rc |= lg_plan_add(r, "backward", LG_GROUP_BACKWARD, LG_POOL_DEVICE, t.acts, main_count);
     return rc;
 }
@@ -4650,6 +4672,7 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
     plan->spec = *s;
     if (plan->spec.processes < 1) plan->spec.processes = 1; /* (0: a spec made by hand) */
     if (s->head_rows < 1 || s->head_rows > s->B * s->T) plan->spec.head_rows = s->B * s->T;
+    if (s->slice_rows < 1 || s->slice_rows > s->B * s->T) plan->spec.slice_rows = s->B * s->T;
     s = &plan->spec;
     plan->sharding = lg_sharding_of(s);
     plan->n_ranks = s->devices * s->nodes;
@@ -4836,22 +4859,33 @@ static int lg_fits_as_given(const lg_config *cfg, const lg_args *args, int T, si
     return lg_pools_fit(args, device, host, checked, limit);
 }
 
-int lg_plan_auto_head_rows(const lg_config *cfg, const lg_args *args, int T, size_t limit) {
+void lg_plan_auto_rows(const lg_config *cfg, const lg_args *args, int T, size_t limit,
+                       int *head_rows, int *slice_rows) {
     int N = args->micro_batch_size * T;
     lg_args a = *args;
-    if (args->head_rows > 0 || N <= LG_HEAD_CHUNK_ROWS) return lg_head_rows_of(args, N);
-    a.head_rows = N;
-    if (!lg_fits_as_given(cfg, &a, T, limit)) a.head_rows = LG_HEAD_CHUNK_ROWS;
-    return lg_head_rows_of(&a, N);
+    a.head_rows = args->head_rows > 0 ? args->head_rows : N;
+    a.slice_rows = args->slice_rows > 0 ? args->slice_rows : N;
+    if (!lg_fits_as_given(cfg, &a, T, limit) && !args->head_rows && N > LG_HEAD_CHUNK_ROWS)
+        a.head_rows = LG_HEAD_CHUNK_ROWS;
+    if (!lg_fits_as_given(cfg, &a, T, limit) && !args->slice_rows && args->recompute &&
+        N > LG_SLICE_ROWS)
+        a.slice_rows = LG_SLICE_ROWS;
+    *head_rows = lg_head_rows_of(&a, N);
+    *slice_rows = a.slice_rows < N ? a.slice_rows : N;
 }
 
-/* With --head-rows 0 the head's rows are the planner's (lg_plan_auto_head_rows). */
+/* The run with --head-rows and --slice-rows the planner's where they are 0. */
+static void lg_args_with_auto_rows(const lg_config *cfg, const lg_args *args, int T,
+                                   size_t limit, lg_args *out) {
+    *out = *args;
+    if (!args->head_rows || !args->slice_rows)
+        lg_plan_auto_rows(cfg, args, T, limit, &out->head_rows, &out->slice_rows);
+}
+
 static int lg_fits(const lg_config *cfg, const lg_args *args, int T, size_t limit) {
-    lg_args a = *args;
-    if (args->head_rows > 0) return lg_fits_as_given(cfg, args, T, limit);
-    if (lg_fits_as_given(cfg, args, T, limit)) return 1;
-    a.head_rows = lg_plan_auto_head_rows(cfg, args, T, limit);
-    return a.head_rows < args->micro_batch_size * T && lg_fits_as_given(cfg, &a, T, limit);
+    lg_args a;
+    lg_args_with_auto_rows(cfg, args, T, limit, &a);
+    return lg_fits_as_given(cfg, &a, T, limit);
 }
 
 /* The global batch the run asked for (samples per optimizer step over all devices). */
@@ -4876,8 +4910,7 @@ int lg_plan_auto_micro_batch(const lg_config *cfg, const lg_args *args, int T, s
 static void lg_remedy_price(lg_remedy *r, const char *what, unsigned changes,
                             const lg_config *cfg, const lg_args *a, int T, size_t limit) {
     r->what = what;
-    r->args = *a;
-    r->args.head_rows = lg_plan_auto_head_rows(cfg, a, T, limit);
+    lg_args_with_auto_rows(cfg, a, T, limit, &r->args);
     r->T = T;
     r->changes = changes;
     size_t host, checked;
@@ -5218,9 +5251,12 @@ void lg_plan_print(const lg_plan *plan, FILE *out) {
     if (plan->n_ranks > 1)
         snprintf(ranks + strlen(ranks), sizeof ranks - strlen(ranks), ", %s",
                  lg_strategy_name(s->strategy));
-    char head[64] = ""; /* the head and loss in chunks */
+    char head[96] = ""; /* the head and loss in chunks, the MLP in slices */
     if (s->head_rows < s->B * s->T)
         snprintf(head, sizeof head, " | head in chunks of %d rows", s->head_rows);
+    if (s->slice_rows < s->B * s->T)
+        snprintf(head + strlen(head), sizeof head - strlen(head), " | MLP in slices of %d rows",
+                 s->slice_rows);
     fprintf(out, "plan: %s | -b %d -t %d (%d accumulation) | %s | %d device%s%s%s%s | %s%s\n",
             plan->cfg.name, s->B, s->T, s->accumulation, lg_precision_name(s->precision),
             s->devices, s->devices > 1 ? "s" : "", ranks, s->recompute ? " | recompute block" : "",
@@ -5254,8 +5290,8 @@ void lg_plan_print(const lg_plan *plan, FILE *out) {
 void lg_plan_print_json(const lg_plan *plan, const lg_fit *fit, FILE *out) {
     const lg_plan_spec *s = &plan->spec;
     fprintf(out, "{\"config\":\"%s\",\"micro_batch_size\":%d,\"max_seq_length\":%d,"
-                 "\"head_rows\":%d,\"accumulation\":%d,\"precision\":\"%s\",",
-            plan->cfg.name, s->B, s->T, s->head_rows, s->accumulation,
+                 "\"head_rows\":%d,\"slice_rows\":%d,\"accumulation\":%d,\"precision\":\"%s\",",
+            plan->cfg.name, s->B, s->T, s->head_rows, s->slice_rows, s->accumulation,
             lg_precision_name(s->precision));
     if (fit)
         fprintf(out, "\"limit_bytes\":%zu,\"host_limit_bytes\":%zu,\"fits\":%s,", fit->limit,
@@ -7299,7 +7335,7 @@ static int lg_model_bind_activations(lg_model *m, lg_dtype acts, lg_error *err) 
             if (!(stats = lg_model_view(m, "recompute.block.stats", LG_DTYPE_F32, err)).data ||
                 !shared.data)
                 return -1;
-            lg_block_acts_layout(cfg, l, B, T, 0, shared, &m->a, &count);
+            lg_block_acts_layout(cfg, l, B, T, m->slice_rows, 0, shared, &m->a, &count);
             m->a.residual[l + 1] = own;
             if (lg_model_kept_on_host(m, l)) { /* on the host; the blocks use a device slot */
                 m->a.kept_host[l] = own;
@@ -7308,9 +7344,9 @@ static int lg_model_bind_activations(lg_model *m, lg_dtype acts, lg_error *err) 
         } else {
             snprintf(name, sizeof name, "activations.h.%d.stats", l);
             if (!(stats = lg_model_view(m, name, LG_DTYPE_F32, err)).data) return -1;
-            lg_block_acts_layout(cfg, l, B, T, 0, own, &m->a, &count);
+            lg_block_acts_layout(cfg, l, B, T, m->slice_rows, 0, own, &m->a, &count);
         }
-        lg_block_acts_layout(cfg, l, B, T, 1, stats, &m->a, &count);
+        lg_block_acts_layout(cfg, l, B, T, m->slice_rows, 1, stats, &m->a, &count);
     }
     lg_real *rope = (lg_real *)lg_rank_region(m->rank, "rope"); /* absent without rotary */
     lg_rope_layout(cfg, T, rope, &m->a, &count);
@@ -7319,7 +7355,7 @@ static int lg_model_bind_activations(lg_model *m, lg_dtype acts, lg_error *err) 
     if (!(base = lg_model_view(m, "head.stats", LG_DTYPE_F32, err)).data) return -1;
     lg_head_acts_layout(cfg, B, T, m->head_rows, 1, base, &m->a, &count);
     if (!(base = lg_model_view(m, "backward", acts, err)).data) return -1;
-    lg_backward_layout(cfg, B, T, base, &m->a, &count);
+    lg_backward_layout(cfg, B, T, m->slice_rows, base, &m->a, &count);
     return 0;
 }
 
@@ -7399,6 +7435,7 @@ static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank,
     m->recompute = s->recompute;
     m->offload_activations = s->offload_activations;
     m->head_rows = s->head_rows;
+    m->slice_rows = s->slice_rows;
     m->rank = rank;
     m->p.h = (lg_block_tensors *)lg_alloc_zeroed(sizeof(lg_block_tensors) * L);
     m->g.h = (lg_block_tensors *)lg_alloc_zeroed(sizeof(lg_block_tensors) * L);
@@ -7759,7 +7796,8 @@ typedef struct {
 
 /* The adapters of a linear: Q, K and V share attn.qkv (and its input and dropout mask); every
    other linear has one. Returns how many are targeted; fills ad. */
-static int lg_block_adapters(const lg_model *m, int l, lg_lora_linear first, lg_lora_adapter *ad) {
+static int lg_block_adapters(const lg_model *m, int l, lg_lora_linear first, int row0,
+                             lg_lora_adapter *ad) {
     const lg_config *c = &m->cfg;
     int n = 0;
     int last = first == LG_LORA_Q ? LG_LORA_V : first;
@@ -7772,7 +7810,7 @@ static int lg_block_adapters(const lg_model *m, int l, lg_lora_linear first, lg_
         x->b = m->p.h[l].lora_b[k];
         x->da = m->g.h[l].lora_a[k];
         x->db = m->g.h[l].lora_b[k];
-        x->h = m->a.h[l].lora_h[k];
+        x->h = lg_at(m->a.h[l].lora_h[k], (size_t)row0 * c->lora.r);
         x->column = lg_lora_first_row(c, (lg_lora_linear)k);
         x->out = out;
     }
@@ -7840,45 +7878,45 @@ static void lg_lora_backward(lg_model *m, const lg_lora_adapter *ad, int n, uint
     lg_lora_input(ex, dinp, du, (size_t)N * IC, first, scale, p, key, 1);
 }
 
-/* A block linear's adapters, forward: out (N, OC) of the linear `first` with input inp (N, IC). */
-static void lg_block_lora_forward(lg_model *m, int l, lg_lora_linear first, lg_buf out, int OC,
-                                  lg_buf inp, int N, int IC) {
+/* A block linear's adapters over rows row0 .. row0 + N of its input (a slice of the MLP, or
+   all), forward: out (N, OC) of the linear `first` with input inp (N, IC). */
+static void lg_block_lora_forward(lg_model *m, int l, lg_lora_linear first, int row0, lg_buf out,
+                                  int OC, lg_buf inp, int N, int IC) {
     lg_lora_adapter ad[3];
     if (m->cfg.lora.r == 0) return;
-    int n = lg_block_adapters(m, l, first, ad);
-    lg_lora_forward(m, ad, n, lg_lora_key(m, l, first), 0, out, OC, inp, N, IC);
+    int n = lg_block_adapters(m, l, first, row0, ad);
+    lg_lora_forward(m, ad, n, lg_lora_key(m, l, first), row0, out, OC, inp, N, IC);
 }
 
-static void lg_block_lora_backward(lg_model *m, int l, lg_lora_linear first, lg_buf dout, int OC,
-                                   lg_buf inp, lg_buf dinp, int N, int IC) {
+static void lg_block_lora_backward(lg_model *m, int l, lg_lora_linear first, int row0,
+                                   lg_buf dout, int OC, lg_buf inp, lg_buf dinp, int N, int IC) {
     lg_lora_adapter ad[3];
     if (m->cfg.lora.r == 0) return;
-    int n = lg_block_adapters(m, l, first, ad);
-    lg_lora_backward(m, ad, n, lg_lora_key(m, l, first), 0, dout, OC, inp, dinp, N, IC);
+    int n = lg_block_adapters(m, l, first, row0, ad);
+    lg_lora_backward(m, ad, n, lg_lora_key(m, l, first), row0, dout, OC, inp, dinp, N, IC);
 }
 
-/* One block: residual[l] (B, T, C) -> residual[l + 1]. */
-static void lg_block_forward(lg_model *m, int l, int B, int T) {
+/* Block l up to its MLP: attention into x_mid (with the residual), and the MLP's input norm. */
+static void lg_block_attention_forward(lg_model *m, int l, int B, int T) {
     const lg_config *c = &m->cfg;
     const lg_block_tensors *w = &m->p.h[l];
     lg_block_acts *a = &m->a.h[l];
     const lg_exec *ex = &m->exec;
-    int N = B * T, C = c->n_embd, I = c->intermediate_size, QKV = lg_config_qkv_size(c);
+    int N = B * T, C = c->n_embd, QKV = lg_config_qkv_size(c);
     int NH = c->n_head, NQG = c->n_query_groups, HS = c->head_size;
-    lg_buf x = m->a.residual[l], out = m->a.residual[l + 1];
+    lg_buf x = m->a.residual[l];
 
     lg_norm_forward(ex, a->n1, lg_norm_mean_or_null(c, a->n1_mean), a->n1_rstd, x, w->norm_1_w,
                     w->norm_1_b, N, C, c->norm_eps);
     lg_linear_forward(ex, a->qkv, a->n1, w->qkv_w, w->qkv_b, N, C, QKV);
-    lg_block_lora_forward(m, l, LG_LORA_Q, a->qkv, QKV, a->n1, N, C);
+    lg_block_lora_forward(m, l, LG_LORA_Q, 0, a->qkv, QKV, a->n1, N, C);
     lg_rope_rotate(ex, a->qkv, m->a.rope_cos, m->a.rope_sin, B, T, NH, NQG, HS,
                    lg_config_rope_dims(c), +1, m->span_start);
     lg_attention_forward(ex, a->att_y, a->att_lse, a->qkv, B, T, NH, NQG, HS, m->span_start);
     lg_linear_forward(ex, a->x_mid, a->att_y, w->proj_w, w->proj_b, N, NH * HS, C);
-    lg_block_lora_forward(m, l, LG_LORA_PROJ, a->x_mid, C, a->att_y, N, NH * HS);
+    lg_block_lora_forward(m, l, LG_LORA_PROJ, 0, a->x_mid, C, a->att_y, N, NH * HS);
 
     /* x_mid = x + attention; the MLP reads the norm of x (parallel), of x_mid, or n1 (shared) */
-    lg_buf mlp_in = c->shared_attention_norm ? a->n1 : a->n2;
     lg_real *n2_mean = lg_norm_mean_or_null(c, a->n2_mean);
     if (c->shared_attention_norm || c->parallel_residual) {
         lg_add(ex, a->x_mid, a->x_mid, x, (size_t)N * C);
@@ -7889,18 +7927,59 @@ static void lg_block_forward(lg_model *m, int l, int B, int T) {
         lg_residual_norm_forward(ex, a->x_mid, a->n2, n2_mean, a->n2_rstd, a->x_mid, x,
                                  w->norm_2_w, w->norm_2_b, N, C, c->norm_eps);
     }
-    lg_linear_forward(ex, a->fc, mlp_in, w->fc_w, w->fc_b, N, C, I);
-    lg_block_lora_forward(m, l, LG_LORA_FC, a->fc, I, mlp_in, N, C);
+}
+
+/* The rows a block's MLP works on at a time (all N, or the plan's slice), and their count
+   from row n0. */
+static int lg_slice_rows(const lg_model *m, int N) { return m->slice_rows < N ? m->slice_rows : N; }
+static int lg_slice_at(const lg_model *m, int N, int n0) {
+    return N - n0 < lg_slice_rows(m, N) ? N - n0 : lg_slice_rows(m, N);
+}
+
+/* Block l's MLP input: the norm of x (parallel), of x_mid, or n1 (shared). */
+static lg_buf lg_block_mlp_in(const lg_model *m, int l) {
+    return m->cfg.shared_attention_norm ? m->a.h[l].n1 : m->a.h[l].n2;
+}
+
+/* Block l's MLP hidden layer over rows n0 .. n0 + rows of its input: fc (and fc_2) and their
+   activation act, each (rows, I), in the block's MLP buffers. */
+static void lg_block_mlp_hidden(lg_model *m, int l, int n0, int rows) {
+    const lg_config *c = &m->cfg;
+    const lg_block_tensors *w = &m->p.h[l];
+    lg_block_acts *a = &m->a.h[l];
+    const lg_exec *ex = &m->exec;
+    int C = c->n_embd, I = c->intermediate_size;
+    lg_buf in = lg_at(lg_block_mlp_in(m, l), (size_t)n0 * C);
+    lg_linear_forward(ex, a->fc, in, w->fc_w, w->fc_b, rows, C, I);
+    lg_block_lora_forward(m, l, LG_LORA_FC, n0, a->fc, I, in, rows, C);
     if (c->mlp_class_name == LG_MLP_LLAMA) {
-        lg_linear_forward(ex, a->fc_2, mlp_in, w->fc_2_w, w->fc_2_b, N, C, I);
-        lg_block_lora_forward(m, l, LG_LORA_FC_2, a->fc_2, I, mlp_in, N, C);
-        lg_swiglu_forward(ex, a->act, a->fc, a->fc_2, (size_t)N * I);
+        lg_linear_forward(ex, a->fc_2, in, w->fc_2_w, w->fc_2_b, rows, C, I);
+        lg_block_lora_forward(m, l, LG_LORA_FC_2, n0, a->fc_2, I, in, rows, C);
+        lg_swiglu_forward(ex, a->act, a->fc, a->fc_2, (size_t)rows * I);
     } else {
-        lg_gelu_forward(ex, a->act, a->fc, (size_t)N * I, c->gelu_approximate_tanh);
+        lg_gelu_forward(ex, a->act, a->fc, (size_t)rows * I, c->gelu_approximate_tanh);
     }
-    lg_linear_forward(ex, out, a->act, w->mlp_proj_w, w->mlp_proj_b, N, I, C);
-    lg_block_lora_forward(m, l, LG_LORA_MLP_PROJ, out, C, a->act, N, I);
-    lg_add(ex, out, out, a->x_mid, (size_t)N * C);
+}
+
+/* Block l's MLP over rows n0 .. n0 + rows: out's rows (residual[l + 1]) = x_mid's + mlp_proj
+   of the hidden layer. */
+static void lg_block_mlp_forward(lg_model *m, int l, int n0, int rows) {
+    const lg_config *c = &m->cfg;
+    const lg_block_tensors *w = &m->p.h[l];
+    const lg_block_acts *a = &m->a.h[l];
+    int C = c->n_embd, I = c->intermediate_size;
+    lg_buf out = lg_at(m->a.residual[l + 1], (size_t)n0 * C);
+    lg_block_mlp_hidden(m, l, n0, rows);
+    lg_linear_forward(&m->exec, out, a->act, w->mlp_proj_w, w->mlp_proj_b, rows, I, C);
+    lg_block_lora_forward(m, l, LG_LORA_MLP_PROJ, n0, out, C, a->act, rows, I);
+    lg_add(&m->exec, out, out, lg_at(a->x_mid, (size_t)n0 * C), (size_t)rows * C);
+}
+
+/* One block: residual[l] (B, T, C) -> residual[l + 1], the MLP a slice at a time. */
+static void lg_block_forward(lg_model *m, int l, int B, int T) {
+    int N = B * T;
+    lg_block_attention_forward(m, l, B, T);
+    for (int n0 = 0; n0 < N; n0 += lg_slice_rows(m, N)) lg_block_mlp_forward(m, l, n0, lg_slice_at(m, N, n0));
 }
 
 /* Block l in the forward; with --offload activations its output goes to host memory on the
@@ -7989,6 +8068,38 @@ double lg_model_forward(lg_model *m, const int *tokens, const int *targets, int 
     return lg_model_head_forward(m, targets, B, T, n_targets);
 }
 
+/* Block l's MLP backward over rows n0 .. n0 + rows from d_out (B, T, C), its hidden layer in
+   the MLP buffers: d_norm's rows written, the weights' gradients at grad_beta (0 writes, 1
+   adds; the later slices add), the adapters' added. */
+static void lg_block_mlp_backward(lg_model *m, int l, int n0, int rows, lg_buf d_out,
+                                  float grad_beta) {
+    const lg_config *c = &m->cfg;
+    const lg_block_tensors *w = &m->p.h[l], *g = &m->g.h[l];
+    const lg_block_acts *a = &m->a.h[l];
+    const lg_act_tensors *s = &m->a;
+    const lg_exec *ex = &m->exec;
+    int C = c->n_embd, I = c->intermediate_size;
+    size_t RI = (size_t)rows * I;
+    lg_buf dy = lg_at(d_out, (size_t)n0 * C), in = lg_at(lg_block_mlp_in(m, l), (size_t)n0 * C);
+    lg_buf d_in = lg_at(s->d_norm, (size_t)n0 * C);
+    lg_linear_backward(ex, s->d_act, g->mlp_proj_w, g->mlp_proj_b, dy, a->act, w->mlp_proj_w,
+                       rows, I, C, 0.0f, grad_beta);
+    lg_block_lora_backward(m, l, LG_LORA_MLP_PROJ, n0, dy, C, a->act, s->d_act, rows, I);
+    float fc_inp_beta = 0.0f; /* d_norm: the first of the MLP's inputs' gradients writes */
+    if (c->mlp_class_name == LG_MLP_LLAMA) {
+        lg_swiglu_backward(ex, s->d_fc, s->d_fc_2, s->d_act, a->fc, a->fc_2, RI);
+        lg_linear_backward(ex, d_in, g->fc_2_w, g->fc_2_b, s->d_fc_2, in, w->fc_2_w, rows, C, I,
+                           0.0f, grad_beta);
+        lg_block_lora_backward(m, l, LG_LORA_FC_2, n0, s->d_fc_2, I, in, d_in, rows, C);
+        fc_inp_beta = 1.0f;
+    } else {
+        lg_gelu_backward(ex, s->d_fc, s->d_act, a->fc, RI, c->gelu_approximate_tanh);
+    }
+    lg_linear_backward(ex, d_in, g->fc_w, g->fc_b, s->d_fc, in, w->fc_w, rows, C, I,
+                       fc_inp_beta, grad_beta);
+    lg_block_lora_backward(m, l, LG_LORA_FC, n0, s->d_fc, I, in, d_in, rows, C);
+}
+
 /* One block backward: d_out (B, T, C) is the gradient of residual[l + 1]; writes the gradient
    of residual[l] into d_x and adds the block's parameter gradients. */
 static void lg_block_backward(lg_model *m, int l, int B, int T, lg_buf d_out, lg_buf d_x) {
@@ -7998,31 +8109,19 @@ static void lg_block_backward(lg_model *m, int l, int B, int T, lg_buf d_out, lg
     const lg_block_acts *a = &m->a.h[l];
     const lg_act_tensors *s = &m->a; /* the backward's working set */
     const lg_exec *ex = &m->exec;
-    int N = B * T, C = c->n_embd, I = c->intermediate_size, QKV = lg_config_qkv_size(c);
+    int N = B * T, C = c->n_embd, QKV = lg_config_qkv_size(c);
     int NH = c->n_head, NQG = c->n_query_groups, HS = c->head_size;
-    size_t NC = (size_t)N * C, NI = (size_t)N * I;
+    size_t NC = (size_t)N * C;
     lg_buf x = m->a.residual[l];
     float beta = lg_linear_grad_beta(m); /* the weights' and biases' gradients */
 
-    /* out = x_mid + mlp(mlp_in): the residual passes d_out to x_mid unchanged */
+    /* out = x_mid + mlp(mlp_in): the residual passes d_out to x_mid unchanged; the MLP a
+       slice at a time, each slice's hidden layer computed again when it is not whole */
     lg_copy(ex, s->d_mid, d_out, NC);
-    lg_linear_backward(ex, s->d_act, g->mlp_proj_w, g->mlp_proj_b, d_out, a->act, w->mlp_proj_w,
-                       N, I, C, 0.0f, beta);
-    lg_block_lora_backward(m, l, LG_LORA_MLP_PROJ, d_out, C, a->act, s->d_act, N, I);
-    lg_buf mlp_in = c->shared_attention_norm ? a->n1 : a->n2;
-    float fc_inp_beta = 0.0f; /* d_norm: the first of the MLP's inputs' gradients writes */
-    if (c->mlp_class_name == LG_MLP_LLAMA) {
-        lg_swiglu_backward(ex, s->d_fc, s->d_fc_2, s->d_act, a->fc, a->fc_2, NI);
-        lg_linear_backward(ex, s->d_norm, g->fc_2_w, g->fc_2_b, s->d_fc_2, mlp_in, w->fc_2_w, N,
-                           C, I, 0.0f, beta);
-        lg_block_lora_backward(m, l, LG_LORA_FC_2, s->d_fc_2, I, mlp_in, s->d_norm, N, C);
-        fc_inp_beta = 1.0f;
-    } else {
-        lg_gelu_backward(ex, s->d_fc, s->d_act, a->fc, NI, c->gelu_approximate_tanh);
+    for (int n0 = 0; n0 < N; n0 += lg_slice_rows(m, N)) {
+        if (lg_slice_rows(m, N) < N) lg_block_mlp_hidden(m, l, n0, lg_slice_at(m, N, n0));
+        lg_block_mlp_backward(m, l, n0, lg_slice_at(m, N, n0), d_out, n0 ? 1.0f : beta);
     }
-    lg_linear_backward(ex, s->d_norm, g->fc_w, g->fc_b, s->d_fc, mlp_in, w->fc_w, N, C, I,
-                       fc_inp_beta, beta);
-    lg_block_lora_backward(m, l, LG_LORA_FC, s->d_fc, I, mlp_in, s->d_norm, N, C);
 
     /* the MLP's input norm: of x (parallel) or of x_mid (sequential); shared: d_norm stays and
        joins norm_1's gradient below */
@@ -8037,7 +8136,7 @@ static void lg_block_backward(lg_model *m, int l, int B, int T, lg_buf d_out, lg
     /* x_mid = x + proj(attention(rope(qkv(n1)))) */
     lg_linear_backward(ex, s->d_att_y, g->proj_w, g->proj_b, s->d_mid, a->att_y, w->proj_w, N,
                        NH * HS, C, 0.0f, beta);
-    lg_block_lora_backward(m, l, LG_LORA_PROJ, s->d_mid, C, a->att_y, s->d_att_y, N, NH * HS);
+    lg_block_lora_backward(m, l, LG_LORA_PROJ, 0, s->d_mid, C, a->att_y, s->d_att_y, N, NH * HS);
     lg_zero(ex, s->d_qkv, (size_t)N * QKV);
     lg_attention_backward(ex, s->d_qkv, s->d_att_y, a->att_y, a->qkv, a->att_lse, B, T, NH,
                           NQG, HS, m->span_start);
@@ -8047,7 +8146,7 @@ static void lg_block_backward(lg_model *m, int l, int B, int T, lg_buf d_out, lg
        else qkv's is the first (written) */
     lg_linear_backward(ex, s->d_norm, g->qkv_w, g->qkv_b, s->d_qkv, a->n1, w->qkv_w, N, C, QKV,
                        c->shared_attention_norm ? 1.0f : 0.0f, beta);
-    lg_block_lora_backward(m, l, LG_LORA_Q, s->d_qkv, QKV, a->n1, s->d_norm, N, C);
+    lg_block_lora_backward(m, l, LG_LORA_Q, 0, s->d_qkv, QKV, a->n1, s->d_norm, N, C);
     lg_norm_backward(ex, d_x, g->norm_1_w, g->norm_1_b, s->d_norm, x, w->norm_1_w,
                      lg_norm_mean_or_null(c, a->n1_mean), a->n1_rstd, N, C);
 }
@@ -8117,7 +8216,10 @@ static void lg_model_block_backward(lg_model *m, int l, int B, int T) {
     /* with its output kept on the host, the recompute writes it into the head's input, read
        no more, so that the slot stays free for the input arriving */
     if (lg_model_kept_on_host(m, l)) m->a.residual[l + 1] = m->a.residual[L];
-    if (m->recompute) lg_block_forward(m, l, B, T); /* rebuild what the backward reads */
+    /* rebuild what the backward reads: the block, or with the MLP in slices the attention
+       (the backward computes each slice's hidden layer again itself) */
+    if (m->recompute && lg_slice_rows(m, B * T) < B * T) lg_block_attention_forward(m, l, B, T);
+    else if (m->recompute) lg_block_forward(m, l, B, T);
     m->a.residual[l + 1] = out;
     lg_block_backward(m, l, B, T, lg_residual_grad(m, l + 1), lg_residual_grad(m, l));
 }
@@ -13753,6 +13855,7 @@ static const struct {
     LG_RUN_FIELD(memory_limit, LG_RUN_SIZE, 0),
     LG_RUN_FIELD(pack, LG_RUN_INT, 1), /* the rows the data order makes */
     LG_RUN_FIELD(head_rows, LG_RUN_INT, 0), /* the head's chunks: the same loss to rounding */
+    LG_RUN_FIELD(slice_rows, LG_RUN_INT, 0), /* the MLP's slices: the same */
 };
 #define LG_N_RUN_FIELDS ((int)(sizeof lg_run_fields / sizeof lg_run_fields[0]))
 typedef char lg_run_enums_are_ints[sizeof(lg_precision) == sizeof(int) ? 1 : -1];

@@ -49,6 +49,10 @@ static const char usage[] =
     "      --head-rows N          the head and loss N rows of logits at a time, computed\n"
     "                             again in the backward (default: all rows, or chunks of\n"
     "                             " LG_HEAD_CHUNK_TEXT " where the run does not fit with all)\n"
+    "      --slice-rows N         each block's MLP N rows at a time, its hidden layer\n"
+    "                             computed again in the backward (default: all rows, or\n"
+    "                             with --recompute block slices of " LG_SLICE_TEXT " where the run\n"
+    "                             does not fit with all and the head in chunks)\n"
     "      --offload [LIST]       parts in host memory, a comma list (bare: state): state\n"
     "                             (master weights and optimizer state; the optimizer runs\n"
     "                             there), activations (the block inputs --recompute block\n"
@@ -197,7 +201,7 @@ static float parse_float(const char *flag, const char *text) {
 enum { OPT_DATA = 256, OPT_VAL_DATA, OPT_LR, OPT_MIN_LR, OPT_WARMUP, OPT_WEIGHT_DECAY, OPT_BETA1,
        OPT_BETA2, OPT_MOMENTUM, OPT_MAX_NORM, OPT_MAX_STEPS, OPT_EVAL_EVERY, OPT_EVAL_ITERS,
        OPT_SAMPLE_EVERY, OPT_SAMPLE_TOKENS, OPT_TEMPERATURE, OPT_PROMPT, OPT_SEED, OPT_LOG,
-       OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_HOST_MEMORY_LIMIT, OPT_BACKEND, OPT_PACK, OPT_HEAD_ROWS, OPT_OPTIMIZER_STATE,
+       OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_HOST_MEMORY_LIMIT, OPT_BACKEND, OPT_PACK, OPT_HEAD_ROWS, OPT_SLICE_ROWS, OPT_OPTIMIZER_STATE,
        OPT_HESSIAN_INTERVAL, OPT_RHO, OPT_STRATEGY, OPT_NODES, OPT_SAVE_EVERY, OPT_LOAD,
        OPT_RESUME, OPT_CPU, OPT_TF32, OPT_LORA_R, OPT_LORA_ALPHA, OPT_LORA_DROPOUT,
        OPT_LORA_TARGETS, OPT_QUANTIZE, OPT_LOG_INTERVAL, OPT_PLOT };
@@ -242,6 +246,7 @@ static const struct option long_options[] = {
     {"backend", required_argument, 0, OPT_BACKEND},
     {"pack", no_argument, 0, OPT_PACK},
     {"head-rows", required_argument, 0, OPT_HEAD_ROWS},
+    {"slice-rows", required_argument, 0, OPT_SLICE_ROWS},
     {"optimizer-state", required_argument, 0, OPT_OPTIMIZER_STATE},
     {"hessian-interval", required_argument, 0, OPT_HESSIAN_INTERVAL},
     {"rho", required_argument, 0, OPT_RHO},
@@ -420,6 +425,10 @@ static void apply_flags(int argc, char **argv, lg_args *a, given_flags *given,
         case OPT_HEAD_ROWS:
             a->head_rows = parse_int(f, optarg);
             if (a->head_rows < 1) die_usage("%s must be at least 1", f);
+            break;
+        case OPT_SLICE_ROWS:
+            a->slice_rows = parse_int(f, optarg);
+            if (a->slice_rows < 1) die_usage("%s must be at least 1", f);
             break;
         case OPT_HESSIAN_INTERVAL: a->hessian_interval = parse_int(f, optarg); break;
         case OPT_RHO: a->rho = parse_float(f, optarg); break;
@@ -698,20 +707,22 @@ static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T, char *no
              lg_format_bytes(limit, size, sizeof size), source);
 }
 
-/* The head's chunk when --head-rows is not given: all rows, or LG_HEAD_CHUNK_ROWS where the
-   run does not fit with all (said in note). */
-static void choose_head_rows(lg_args *a, const lg_config *cfg, int T, char *note, size_t cap) {
+/* --head-rows and --slice-rows when not given: all rows, or where the run does not fit so the
+   planner's chunks and slices (said in note). */
+static void choose_rows(lg_args *a, const lg_config *cfg, int T, char *note, size_t cap) {
     const char *source;
     size_t limit = device_limit(a, &source);
-    int N = a->micro_batch_size * T;
+    int N = a->micro_batch_size * T, head_given = a->head_rows, slice_given = a->slice_rows;
     if (limit == 0) return; /* unknown: all rows */
-    a->head_rows = lg_plan_auto_head_rows(cfg, a, T, limit);
-    if (a->head_rows >= N) return;
-    char size[32];
+    lg_plan_auto_rows(cfg, a, T, limit, &a->head_rows, &a->slice_rows);
+    int chunked = !head_given && a->head_rows < N, sliced = !slice_given && a->slice_rows < N;
+    if (!chunked && !sliced) return;
+    char size[32], chunks[64] = "", slices[64] = "";
+    if (chunked) snprintf(chunks, sizeof chunks, "; the head and loss in chunks of %d rows", a->head_rows);
+    if (sliced) snprintf(slices, sizeof slices, "; each block's MLP in slices of %d rows", a->slice_rows);
     size_t used = strlen(note);
-    snprintf(note + used, cap - used, "the head and loss in chunks of %d rows: the run does not "
-             "fit in %s (%s) with the logits of all %d rows\n", a->head_rows,
-             lg_format_bytes(limit, size, sizeof size), source, N);
+    snprintf(note + used, cap - used, "the run does not fit in %s (%s) with all %d rows at "
+             "once%s%s\n", lg_format_bytes(limit, size, sizeof size), source, N, chunks, slices);
 }
 
 /* The model as planned: the config's values after LitGPT's defaults and derivations. */
@@ -1548,7 +1559,7 @@ static void settle_run(int argc, char **argv, run_setup *rs) {
     prepare_gpus(a, rs->launch.processes > 1);
     if (a->max_seq_length_auto) choose_seq_length(a, &rs->cfg, &rs->T, &rs->data);
     if (a->micro_batch_auto) choose_micro_batch(a, &rs->cfg, rs->T, rs->data.note, sizeof rs->data.note);
-    if (!a->head_rows) choose_head_rows(a, &rs->cfg, rs->T, rs->data.note, sizeof rs->data.note);
+    if (!a->head_rows || !a->slice_rows) choose_rows(a, &rs->cfg, rs->T, rs->data.note, sizeof rs->data.note);
     if (lg_args_check(a, &err) != 0) die_usage("%s", err.msg);
     char planned_for[512];
     describe_planned_run(a, &rs->cfg, rs->T, &rs->data, planned_for, sizeof planned_for);

@@ -332,17 +332,21 @@ static double gradient_error(lg_model *m, const int *tokens, const int *targets,
 
 /* The whole model: every parameter's gradient of the mean loss against finite differences;
    head_rows > 0: the head and loss in chunks of that many of the 12 rows (their logits
-   computed again in the backward). */
-static void test_model_gradient(results *r, const char *config_name, int head_rows) {
+   computed again in the backward); slice_rows > 0: each block's MLP in slices (their hidden
+   layer computed again in the backward). */
+static void test_model_gradient(results *r, const char *config_name, int head_rows,
+                                int slice_rows) {
     lg_config cfg;
     if (load_config_or_fail(r, &cfg, config_name)) return;
     int B = 2, T = 6;
     lg_model m;
     lg_error err;
     if (lg_model_create(&m, &cfg, B, T, &err)) { check(r, 0, "%s: %s", config_name, err.msg); return; }
-    if (head_rows) m.head_rows = head_rows; /* (the region holds all 12 rows: chunks fit) */
+    if (head_rows) m.head_rows = head_rows; /* (the regions hold all 12 rows: chunks fit) */
+    if (slice_rows) m.slice_rows = slice_rows;
     char chunks[40] = "";
     if (head_rows) snprintf(chunks, sizeof chunks, ", head in chunks of %d", head_rows);
+    if (slice_rows) snprintf(chunks, sizeof chunks, ", MLP in slices of %d", slice_rows);
     lg_rng rng;
     lg_rng_seed(&rng, 11);
     fill_normal(reals(m.params), m.n_params, 0.3f, &rng); /* large weights: gradients far from zero */
@@ -364,7 +368,7 @@ static void test_model_gradient(results *r, const char *config_name, int head_ro
    random frozen model, with dropout on (a fixed mask) and off, against finite differences;
    head_rows > 0: the head in chunks (the head adapter's mask still the whole input's). */
 static void test_lora_gradient(results *r, const char *config_name, float dropout,
-                               int head_rows) {
+                               int head_rows) { /* (head_rows: also the MLP in slices of it) */
     lg_config cfg;
     if (load_config_or_fail(r, &cfg, config_name)) return;
     cfg.lora.r = 2;
@@ -376,7 +380,7 @@ static void test_lora_gradient(results *r, const char *config_name, float dropou
     lg_model m;
     lg_error err;
     if (lg_model_create(&m, &cfg, B, T, &err)) { check(r, 0, "%s: %s", config_name, err.msg); return; }
-    if (head_rows) m.head_rows = head_rows;
+    if (head_rows) m.head_rows = m.slice_rows = head_rows;
     lg_rng rng;
     lg_rng_seed(&rng, 12);
     fill_normal(reals(m.frozen), m.frozen_table.total, 0.3f, &rng);
@@ -397,7 +401,7 @@ static void test_lora_gradient(results *r, const char *config_name, float dropou
           "%-12s LoRA r 2, every target%s, dropout %.2f%s: %d adapter tensors (%zu params) "
           "vs finite differences: worst rel err %.1e in %s", config_name,
           cfg.tie_embeddings ? " (no head: tied)" : "", dropout,
-          head_rows ? ", head in chunks of 5" : "", adapters, m.n_params, worst, worst_name);
+          head_rows ? ", head and MLP in 5s" : "", adapters, m.n_params, worst, worst_name);
     lg_model_free(&m);
 }
 
@@ -406,9 +410,11 @@ int main(void) {
     test_op_gradients(&r);
     printf("model gradients (double precision)\n");
     const char *families[] = {"test-gpt2", "test-pythia", "test-llama", "test-falcon", "test-llama31"};
-    for (int i = 0; i < 5; i++) test_model_gradient(&r, families[i], 0);
-    for (int i = 0; i < 5; i++) test_model_gradient(&r, families[i], 5); /* 5 + 5 + 2 rows */
-    test_model_gradient(&r, "test-pythia", 1);
+    for (int i = 0; i < 5; i++) test_model_gradient(&r, families[i], 0, 0);
+    for (int i = 0; i < 5; i++) test_model_gradient(&r, families[i], 5, 0); /* 5 + 5 + 2 rows */
+    for (int i = 0; i < 5; i++) test_model_gradient(&r, families[i], 0, 5);
+    test_model_gradient(&r, "test-pythia", 1, 0);
+    test_model_gradient(&r, "test-llama", 0, 1);
     printf("LoRA gradients (double precision)\n");
     test_lora_gradient(&r, "test-gpt2", 0.0f, 0);
     test_lora_gradient(&r, "test-pythia", 0.25f, 0);

@@ -150,20 +150,22 @@ static void test_auto_seq_length(results *r) {
 /* ---- the head and loss in chunks ------------------------------------------------------------ */
 
 /* One forward and backward of m on tokens and targets (B, T) with the head's chunks of
-   head_rows rows; the loss, the gradients in m->grads. */
+   head_rows rows and the MLP's slices of slice_rows; the loss, the gradients in m->grads. */
 static double head_chunk_step(lg_model *m, const int *tokens, const int *targets, int B, int T,
-                              int head_rows) {
+                              int head_rows, int slice_rows) {
     int n_targets;
     m->head_rows = head_rows;
+    m->slice_rows = slice_rows;
     lg_model_zero_grad(m);
     double loss = lg_model_forward(m, tokens, targets, B, T, &n_targets);
     lg_model_backward(m, tokens, targets, B, T, 1.0f / (float)n_targets);
     return loss;
 }
 
-/* The head in chunks of 1, 5 and 7 of 24 rows (none dividing it but 1) against one pass, fp32,
-   with ignored targets: every family (GPT-2's head tied to its embedding), and LoRA with an
-   adapter on the head and dropout (its mask the whole input's in every chunk). */
+/* The head in chunks and each block's MLP in slices of 1, 5 and 7 of 24 rows (none dividing it
+   but 1), each alone and both, against one pass, fp32, with ignored targets: every family
+   (GPT-2's head tied to its embedding), and LoRA on every linear with dropout (its mask the
+   whole input's in every chunk and slice); block recompute on and off. */
 static void test_head_chunks_model(results *r) {
     const char *names[] = {"test-gpt2", "test-pythia", "test-llama", "test-falcon", "test-llama31"};
     const int B = 2, T = 12, N = B * T, chunks[3] = {1, 5, 7};
@@ -175,7 +177,8 @@ static void test_head_chunks_model(results *r) {
             cfg.lora.r = 2;
             cfg.lora.alpha = 8.0f;
             cfg.lora.dropout = 0.25f;
-            cfg.lora.targets = LG_LORA_QUERY | LG_LORA_VALUE | LG_LORA_HEAD;
+            cfg.lora.targets = LG_LORA_QUERY | LG_LORA_VALUE | LG_LORA_PROJECTION | LG_LORA_MLP |
+                               LG_LORA_HEAD;
         }
         lg_model m;
         lg_error err;
@@ -190,27 +193,33 @@ static void test_head_chunks_model(results *r) {
             tokens[k] = (int)(lg_rng_u64(&rng) % cfg.vocab_size);
             targets[k] = k % 9 == 4 ? LG_IGNORE_INDEX : (int)(lg_rng_u64(&rng) % cfg.vocab_size);
         }
-        double want_loss = head_chunk_step(&m, tokens, targets, B, T, N);
+        double want_loss = head_chunk_step(&m, tokens, targets, B, T, N, N);
         lg_real *want = new_reals(m.n_params);
         memcpy(want, reals(m.grads), m.n_params * sizeof(lg_real));
         double loss_err = 0, grad_err = 0;
-        for (int c = 0; c < 3; c++) {
-            double loss = head_chunk_step(&m, tokens, targets, B, T, chunks[c]);
+        for (int k = 0; k < 2 * 3 * 3; k++) { /* recompute x (head, MLP, both) x 3 sizes */
+            int rows = chunks[k % 3], which = k / 3 % 3;
+            m.recompute = k >= 9;
+            double loss = head_chunk_step(&m, tokens, targets, B, T, which == 1 ? N : rows,
+                                          which == 0 ? N : rows);
             loss_err = fmax(loss_err, fabs(loss - want_loss) / fabs(want_loss));
             grad_err = fmax(grad_err, rel_error(reals(m.grads), want, m.n_params, 1e-6));
         }
-        check(r, loss_err < 1e-6 && grad_err < 1e-6, "%-12s%s head in chunks of 1, 5, 7 of %d "
-              "rows (3 targets ignored) against one pass, fp32: loss rel err %.1e, gradients "
-              "(%zu) %.1e", lora ? "test-llama" : names[i], lora ? " LoRA (head, dropout 0.25)"
+        m.recompute = 0;
+        check(r, loss_err < 1e-6 && grad_err < 1e-6, "%-12s%s head in chunks, MLP in slices, "
+              "both, of 1, 5, 7 of %d rows, recompute on and off (3 targets ignored) against "
+              "one pass, fp32: loss rel err %.1e, gradients (%zu) %.1e",
+              lora ? "test-llama" : names[i], lora ? " LoRA (all, dropout 0.25)"
               : cfg.tie_embeddings ? " (tied head)" : "", N, loss_err, m.n_params, grad_err);
         LG_FREE(want);
         lg_model_free(&m);
     }
 }
 
-/* The trainer with --head-rows 7 of 24 against one pass (where a training step's forward
-   writes the logits' gradient in its one pass): 3 steps of every family in fp32 and in
-   16-mixed (its loss scale through the chunks); the arena is the plan's, logits (7, Vp). */
+/* The trainer with --head-rows 7 and --slice-rows 5 of 24 against one pass (where a training
+   step's forward writes the logits' gradient in its one pass), with --recompute block: 3 steps
+   of every family in fp32 and in 16-mixed (its loss scale through the chunks); the arena is the
+   plan's, logits (7, Vp) and the MLP's buffers (5, I). */
 static void test_head_chunks_trainer(results *r) {
     const char *names[] = {"test-gpt2", "test-pythia", "test-llama", "test-falcon", "test-llama31"};
     const lg_precision modes[2] = {LG_PRECISION_32_TRUE, LG_PRECISION_16_MIXED};
@@ -225,6 +234,7 @@ static void test_head_chunks_trainer(results *r) {
             a.precision = modes[k];
             a.micro_batch_size = 2;
             a.global_batch_size = 4;
+            a.recompute = 1;
             double whole_losses[3], chunked_losses[3];
             lg_trainer start, whole, chunked;
             int rc = train_steps(&start, &cfg, &a, 12, 0, whole_losses);
@@ -232,8 +242,10 @@ static void test_head_chunks_trainer(results *r) {
             if (rc == 0) lg_trainer_free(&start);
             rc |= train_steps(&whole, &cfg, &a, 12, 3, whole_losses);
             a.head_rows = 7;
+            a.slice_rows = 5;
             rc |= train_steps(&chunked, &cfg, &a, 12, 3, chunked_losses);
-            ok = ok && rc == 0 && chunked.ranks[0].model.head_rows == 7;
+            ok = ok && rc == 0 && chunked.ranks[0].model.head_rows == 7 &&
+                 chunked.ranks[0].model.slice_rows == 5;
             if (rc == 0) {
                 lg_real *w = trained_weights(&whole), *c = trained_weights(&chunked);
                 double e = rel_error(c, w, whole.ranks[0].model.n_params, 1e-6);
@@ -249,7 +261,7 @@ static void test_head_chunks_trainer(results *r) {
             }
         }
     check(r, ok && worst[0] < 1e-6 && worst[1] < 1e-6 && moved[0] > 1e-4 && moved[1] > 1e-4,
-          "--head-rows 7 of 24: 3 steps of 5 families (each moving the weights %.1e or more) "
+          "--head-rows 7 --slice-rows 5 of 24, --recompute block: 3 steps of 5 families (each moving the weights %.1e or more) "
           "against one pass: losses and weights rel err %.1e (fp32), %.1e (16-mixed)",
           fmin(moved[0], moved[1]), worst[0], worst[1]);
     lg_config cfg;
@@ -258,55 +270,91 @@ static void test_head_chunks_trainer(results *r) {
     lg_args_default(&a);
     a.micro_batch_size = 2;
     a.head_rows = 7;
+    a.slice_rows = 5;
     lg_trainer tr;
     lg_error err;
     int made = create_counting(&tr, &cfg, &a, 12, &err) == 0;
     const lg_region *head = made ? lg_plan_find(&tr.plan.ranks[0], "head") : NULL;
     size_t ln_f = (size_t)24 * cfg.n_embd, logits = (size_t)7 * cfg.padded_vocab_size;
-    check(r, made && arenas_equal_plan(&tr) && head && head->count == ln_f + logits,
-          "--head-rows 7: the arenas are the plan's; the head region holds ln_f (24 x %d) and "
-          "logits (7 x %d) only", cfg.n_embd, cfg.padded_vocab_size);
+    /* against the plan of all rows: fc, fc_2 and act, and their gradients, 19 rows shorter */
+    lg_args whole = a;
+    whole.slice_rows = 0;
+    lg_plan_spec spec;
+    lg_plan all;
+    lg_plan_spec_from_args(&spec, &whole, 12);
+    int planned = lg_plan_make(&all, &cfg, &spec, NULL) == 0;
+    size_t shorter = (size_t)3 * (24 - 5) * cfg.intermediate_size;
+    int slices_sized = made && planned &&
+        lg_plan_find(&all.ranks[0], "activations.h.0")->count -
+                lg_plan_find(&tr.plan.ranks[0], "activations.h.0")->count == shorter &&
+        lg_plan_find(&all.ranks[0], "backward")->count -
+                lg_plan_find(&tr.plan.ranks[0], "backward")->count == shorter;
+    if (planned) lg_plan_free(&all);
+    check(r, made && arenas_equal_plan(&tr) && head && head->count == ln_f + logits && slices_sized,
+          "--head-rows 7 --slice-rows 5: the arenas are the plan's; the head region holds ln_f "
+          "(24 x %d) and logits (7 x %d) only; fc and d_fc are (5 x %d)", cfg.n_embd,
+          cfg.padded_vocab_size, cfg.intermediate_size);
     if (made) lg_trainer_free(&tr);
 }
 
-/* The planner's choice: all rows when they fit, LG_HEAD_CHUNK_ROWS when not (or when nothing
-   fits), all rows at or under LG_HEAD_CHUNK_ROWS and for Sophia; --plan says it. */
+/* The planner's choice: all rows when they fit, the head in chunks of LG_HEAD_CHUNK_ROWS when
+   not (or when nothing fits), then with --recompute block the MLP in slices of LG_SLICE_ROWS;
+   all rows at or under those and for Sophia's head; --plan says it. */
 static void test_head_rows_auto(results *r) {
     lg_config cfg;
     if (load_config_or_fail(r, &cfg, "pythia-14m")) return;
     lg_args a;
     lg_args_default(&a);
-    a.micro_batch_size = 4;
+    a.micro_batch_size = 8;
     a.precision = LG_PRECISION_BF16_TRUE;
-    const int T = 512, N = 4 * T;
-    a.head_rows = N;
+    a.recompute = 1;
+    const int T = 512, N = 8 * T;
+    a.head_rows = a.slice_rows = N;
     size_t all = lg_plan_checked_bytes_for(&cfg, &a, T);
     a.head_rows = LG_HEAD_CHUNK_ROWS;
     size_t chunked = lg_plan_checked_bytes_for(&cfg, &a, T);
+    a.slice_rows = LG_SLICE_ROWS;
+    size_t sliced = lg_plan_checked_bytes_for(&cfg, &a, T);
     size_t saved = (size_t)(N - LG_HEAD_CHUNK_ROWS) * cfg.padded_vocab_size * 2; /* bf16 logits */
-    a.head_rows = 0;
-    int at_all = lg_plan_auto_head_rows(&cfg, &a, T, all);
-    int below = lg_plan_auto_head_rows(&cfg, &a, T, all - 1);
-    int nothing = lg_plan_auto_head_rows(&cfg, &a, T, chunked / 2);
-    int short_run = lg_plan_auto_head_rows(&cfg, &a, 256, 1); /* 1024 rows: no chunks */
+    /* fc and act in the recomputed block, d_fc and d_act in the backward (GPTNeoX's MLP) */
+    size_t slice_saved = (size_t)4 * (N - LG_SLICE_ROWS) * cfg.intermediate_size * 2;
+    a.head_rows = a.slice_rows = 0;
+    int head[5], slice[5];
+    lg_plan_auto_rows(&cfg, &a, T, all, &head[0], &slice[0]);
+    lg_plan_auto_rows(&cfg, &a, T, all - 1, &head[1], &slice[1]);
+    lg_plan_auto_rows(&cfg, &a, T, chunked - 1, &head[2], &slice[2]);
+    lg_plan_auto_rows(&cfg, &a, T, sliced / 2, &head[3], &slice[3]);
+    lg_plan_auto_rows(&cfg, &a, 128, 1, &head[4], &slice[4]); /* 1024 rows: no chunks */
     lg_args sophia = a;
     sophia.optimizer = LG_OPTIMIZER_SOPHIA;
-    int sophia_rows = lg_plan_auto_head_rows(&cfg, &sophia, T, all - 1);
-    check(r, all - chunked >= saved && all - chunked < saved + 4096 && at_all == N &&
-          below == LG_HEAD_CHUNK_ROWS && nothing == LG_HEAD_CHUNK_ROWS && short_run == 1024 &&
-          sophia_rows == N, "head rows: chunks of %d save %zu bytes of logits at -b 4 -t %d; "
-          "chosen %d where all fit, %d a byte short, %d where nothing fits, all %d at -t 256, "
-          "all for Sophia", LG_HEAD_CHUNK_ROWS, all - chunked, T, at_all, below, nothing,
-          short_run);
+    int sophia_head, sophia_slice;
+    lg_plan_auto_rows(&cfg, &sophia, T, chunked - 1, &sophia_head, &sophia_slice);
+    lg_args plain = a; /* without --recompute block: no slices */
+    plain.recompute = 0;
+    int plain_head, plain_slice;
+    lg_plan_auto_rows(&cfg, &plain, T, 1, &plain_head, &plain_slice);
+    const int C = LG_HEAD_CHUNK_ROWS, S = LG_SLICE_ROWS;
+    check(r, all - chunked >= saved && all - chunked < saved + 4096 &&
+          chunked - sliced >= slice_saved && chunked - sliced < slice_saved + 8192 &&
+          head[0] == N && slice[0] == N && head[1] == C && slice[1] == N && head[2] == C &&
+          slice[2] == S && head[3] == C && slice[3] == S && head[4] == 1024 && slice[4] == 1024 &&
+          sophia_head == N && sophia_slice == S && plain_head == C && plain_slice == N,
+          "rows at a time, -b 8 -t %d: chunks of %d save %zu bytes of logits, slices of %d %zu of "
+          "the MLP's; chosen (head, MLP) (%d, %d) where all fit, (%d, %d) a byte short, (%d, %d) "
+          "where chunks do not fit, (%d, %d) where nothing fits; all at -t 128; Sophia's head "
+          "whole; no slices without --recompute block", T, C, all - chunked, S, chunked - sliced,
+          head[0], slice[0], head[1], slice[1], head[2], slice[2], head[3], slice[3]);
     char args[256];
-    snprintf(args, sizeof args, "--plan -c pythia-14m -b 4 -t 512 -p bf16-true --memory-limit %zuB",
-             all - 1);
-    expect_cli(r, args, 0, "the head and loss in chunks of 1024 rows: the run does not fit");
-    expect_cli(r, args, 0, "| head in chunks of 1024 rows");
-    snprintf(args, sizeof args, "--plan -c pythia-14m -b 4 -t 512 -p bf16-true --memory-limit %zuB",
-             all);
-    expect_cli(r, args, 0, "| adamw\n");
+    snprintf(args, sizeof args, "--plan -c pythia-14m -b 8 -t 512 -p bf16-true --recompute block "
+             "--memory-limit %zuB", chunked - 1);
+    expect_cli(r, args, 0, "with all 4096 rows at once; the head and loss in chunks of 1024 rows; "
+               "each block's MLP in slices of 2048 rows");
+    expect_cli(r, args, 0, "| head in chunks of 1024 rows | MLP in slices of 2048 rows");
+    snprintf(args, sizeof args, "--plan -c pythia-14m -b 8 -t 512 -p bf16-true --recompute block "
+             "--memory-limit %zuB", all);
+    expect_cli(r, args, 0, "| recompute block | adamw\n");
     expect_cli(r, "--plan -c pythia-14m --head-rows 0", 2, "--head-rows must be at least 1");
-    expect_cli(r, "--plan=json -c pythia-14m -b 2 -t 64 --head-rows 100 2>/dev/null", 0,
-               "\"head_rows\":100,");
+    expect_cli(r, "--plan -c pythia-14m --slice-rows -3", 2, "--slice-rows must be at least 1");
+    expect_cli(r, "--plan=json -c pythia-14m -b 2 -t 64 --head-rows 100 --slice-rows 9 2>/dev/null",
+               0, "\"head_rows\":100,\"slice_rows\":9,");
 }

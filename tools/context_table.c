@@ -5,7 +5,7 @@
    The setup is Unsloth's: Llama 3.1 8B, 4-bit QLoRA (NF4) on every linear but the head, rank 32,
    batch 1. Ours adds bf16-true and --recompute block; then the head and loss in chunks of
    LG_HEAD_CHUNK_ROWS rows (no logits for the whole sequence, as Unsloth's fused cross-entropy);
-   then also --offload activations (the block inputs in host memory, as Unsloth keeps its
+   then also each block's MLP in slices of LG_SLICE_ROWS rows; then also --offload activations (the block inputs in host memory, as Unsloth keeps its
    checkpoints). Each length is the
    longest whose CUDA plan fits the GPU's memory, the CUDA runtime's estimate included
    (lg_cuda_runtime_estimate: no GPU is needed to print this table). Unsloth reports the GPU
@@ -30,8 +30,9 @@ static const context_row rows[] = {
 
 #define SEARCH_LIMIT (1 << 20) /* tokens: far past any row */
 
-/* Unsloth's run on one GPU, planned for the CUDA backend; head_rows 0: all rows at once. */
-static void unsloth_args(lg_args *a, int head_rows, int offload_activations) {
+/* Unsloth's run on one GPU, planned for the CUDA backend; head_rows and slice_rows 0: all rows
+   at once. */
+static void unsloth_args(lg_args *a, int head_rows, int slice_rows, int offload_activations) {
     lg_error err;
     lg_args_default(a);
     a->backend = LG_BACKEND_CUDA;
@@ -40,6 +41,7 @@ static void unsloth_args(lg_args *a, int head_rows, int offload_activations) {
     a->recompute = 1;
     a->offload_activations = offload_activations;
     a->head_rows = head_rows;
+    a->slice_rows = slice_rows;
     a->lora.r = 32;
     a->lora.alpha = 16.0f;
     a->lora.quantize = LG_QUANTIZE_NF4;
@@ -70,25 +72,26 @@ int main(void) {
         return 2;
     }
     cfg.block_size = SEARCH_LIMIT; /* memory decides, not the model's context */
-    lg_args kept, chunked, offloaded;
-    unsloth_args(&kept, 0, 0);
-    unsloth_args(&chunked, LG_HEAD_CHUNK_ROWS, 0);
-    unsloth_args(&offloaded, LG_HEAD_CHUNK_ROWS, 1);
+    lg_args kept, chunked, sliced, offloaded;
+    unsloth_args(&kept, 0, 0, 0);
+    unsloth_args(&chunked, LG_HEAD_CHUNK_ROWS, 0, 0);
+    unsloth_args(&sliced, LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS, 0);
+    unsloth_args(&offloaded, LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS, 1);
     char runtime[32];
     printf("Llama 3.1 8B, QLoRA nf4 on q,k,v,proj,mlp, r 32, -b 1, bf16-true, --recompute block; "
            "planned for one GPU, cuda.runtime estimated at %s (no GPU has run these)\n\n",
            lg_format_bytes(kept.runtime_bytes, runtime, sizeof runtime));
     printf("| GPU | Unsloth | Hugging Face + FA2 | litgpt.c plan | + head in chunks of %d | + "
-           "--offload activations |\n", LG_HEAD_CHUNK_ROWS);
-    printf("|---|---|---|---|---|---|\n");
+           "MLP in slices of %d | + --offload activations |\n", LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS);
+    printf("|---|---|---|---|---|---|---|\n");
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
         size_t limit = (size_t)rows[i].gib << 30;
         char hf[16];
         if (rows[i].huggingface) snprintf(hf, sizeof hf, "%d", rows[i].huggingface);
         else snprintf(hf, sizeof hf, "OOM");
-        printf("| %d GB | %d | %s | %d | %d | %d |\n", rows[i].gib, rows[i].unsloth, hf,
+        printf("| %d GB | %d | %s | %d | %d | %d | %d |\n", rows[i].gib, rows[i].unsloth, hf,
                longest_fitting(&cfg, &kept, limit), longest_fitting(&cfg, &chunked, limit),
-               longest_fitting(&cfg, &offloaded, limit));
+               longest_fitting(&cfg, &sliced, limit), longest_fitting(&cfg, &offloaded, limit));
     }
     return 0;
 }

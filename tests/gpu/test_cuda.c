@@ -485,16 +485,19 @@ static void test_gpu_features(results *r) {
     double weights = runs_differ(&plain, &other, 0, &losses);
     check(r, weights == 0 && losses == 0, "--recompute block = none on a GPU, bf16-mixed: weights "
           "%.1e, losses %.1e apart (bitwise)", weights, losses);
-    for (int p = 0; p < 2; p++) { /* the head in chunks of 5 of 32 rows, logits recomputed */
+    for (int p = 0; p < 2; p++) { /* the head in chunks of 5 of 32 rows, the MLP in slices of
+                                     3: logits and hidden layers computed again */
         lg_precision precision = p ? LG_PRECISION_BF16_MIXED : LG_PRECISION_32_TRUE;
         plain = step_args(precision, LG_BACKEND_CUDA);
+        plain.recompute = 1;
         other = plain;
         other.head_rows = 5;
+        other.slice_rows = 3;
         weights = runs_differ(&plain, &other, 0, &losses);
         double bound = p ? 1e-3 : 1e-6; /* bf16: cuBLASLt may choose other algorithms for 5 rows */
-        check(r, weights < bound && losses < bound, "--head-rows 5 = one pass on a GPU, %s: "
-              "weights %.1e, losses %.1e apart (< %.0e)", lg_precision_name(precision), weights,
-              losses, bound);
+        check(r, weights < bound && losses < bound, "--head-rows 5 --slice-rows 3 = one pass on a "
+              "GPU, --recompute block, %s: weights %.1e, losses %.1e apart (< %.0e)",
+              lg_precision_name(precision), weights, losses, bound);
     }
     for (int p = 0; p < 2; p++) {
         lg_precision precision = p ? LG_PRECISION_BF16_TRUE : LG_PRECISION_BF16_MIXED;
