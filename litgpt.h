@@ -4250,6 +4250,11 @@ static lg_precision_types lg_types_of(lg_precision p) {
     return t;
 }
 
+/* The rows of a block's MLP at a time for N = B x T tokens: --slice-rows, or all of them. */
+static int lg_slice_rows_of(const lg_args *a, int N) {
+    return a->slice_rows > 0 && a->slice_rows < N ? a->slice_rows : N;
+}
+
 /* The rows of logits the head computes at a time for N = B x T tokens: --head-rows, or all
    of them. Sophia keeps all: its Hessian estimate draws labels from every row's logits. */
 static int lg_head_rows_of(const lg_args *a, int N) {
@@ -4273,7 +4278,7 @@ void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
     s->offload_activations = a->offload_activations;
     s->pack = a->pack;
     s->head_rows = lg_head_rows_of(a, s->B * T);
-    s->slice_rows = a->slice_rows > 0 && a->slice_rows < s->B * T ? a->slice_rows : s->B * T;
+    s->slice_rows = lg_slice_rows_of(a, s->B * T);
     s->optimizer = a->optimizer;
     s->backend = a->backend;
     s->runtime_bytes = a->runtime_bytes;
@@ -4871,7 +4876,7 @@ void lg_plan_auto_rows(const lg_config *cfg, const lg_args *args, int T, size_t 
         N > LG_SLICE_ROWS)
         a.slice_rows = LG_SLICE_ROWS;
     *head_rows = lg_head_rows_of(&a, N);
-    *slice_rows = a.slice_rows < N ? a.slice_rows : N;
+    *slice_rows = lg_slice_rows_of(&a, N);
 }
 
 /* The run with --head-rows and --slice-rows the planner's where they are 0. */
@@ -8014,6 +8019,13 @@ static int lg_head_last_chunk(const lg_model *m, int N) {
     return (N - 1) / lg_head_chunk_rows(m, N) * lg_head_chunk_rows(m, N);
 }
 
+/* The head's adapter (0 or 1) for the chunk of rows from n0: its h at that row. */
+static int lg_head_chunk_adapters(const lg_model *m, int n0, lg_lora_adapter *head) {
+    int n = lg_head_adapters(m, head);
+    if (n) head->h = lg_at(head->h, (size_t)n0 * m->cfg.lora.r);
+    return n;
+}
+
 /* The logits (rows, Vp) of ln_f's rows n0 .. n0 + rows, with the head's adapter, into the
    logits region. */
 static void lg_head_chunk_logits(lg_model *m, int n0, int rows) {
@@ -8022,8 +8034,7 @@ static void lg_head_chunk_logits(lg_model *m, int n0, int rows) {
     lg_buf in = lg_at(m->a.ln_f, (size_t)n0 * C);
     lg_linear_forward(&m->exec, m->a.logits, in, m->p.lm_head_w, m->p.lm_head_b, rows, C, Vp);
     lg_lora_adapter head;
-    int n = lg_head_adapters(m, &head);
-    if (n) head.h = lg_at(head.h, (size_t)n0 * c->lora.r);
+    int n = lg_head_chunk_adapters(m, n0, &head);
     lg_lora_forward(m, &head, n, lg_lora_key(m, c->n_layer, 0), n0, m->a.logits, Vp, in, rows, C);
 }
 
@@ -8167,8 +8178,7 @@ static void lg_head_chunk_backward(lg_model *m, int n0, int rows, float grad_bet
     lg_linear_backward(&m->exec, d_in, m->g.lm_head_w, m->g.lm_head_b, m->a.logits, in,
                        m->p.lm_head_w, rows, C, Vp, 0.0f, grad_beta);
     lg_lora_adapter head;
-    int n = lg_head_adapters(m, &head);
-    if (n) head.h = lg_at(head.h, (size_t)n0 * c->lora.r);
+    int n = lg_head_chunk_adapters(m, n0, &head);
     lg_lora_backward(m, &head, n, lg_lora_key(m, c->n_layer, 0), n0, m->a.logits, Vp, in, d_in,
                      rows, C);
 }
