@@ -7843,21 +7843,29 @@ static uint64_t lg_lora_key(const lg_model *m, int l, int k) {
 
 static float lg_lora_scale(const lg_config *c) { return c->lora.alpha / (float)c->lora.r; }
 
-/* out (N, OC) += (alpha / r) B A dropout(inp) for each adapter in its columns, inp (N, IC)
-   the rows from row0 of the linear's input (dropout's mask is the whole input's): u = (alpha
-   / r) dropout(inp) once, then h = u A^T (kept) and out += h B^T. */
-static void lg_lora_forward(lg_model *m, const lg_lora_adapter *ad, int n, uint64_t key, int row0,
-                            lg_buf out, int OC, lg_buf inp, int N, int IC) {
+/* Each adapter's h (N, r) = u A^T, u = (alpha / r) dropout(inp) of inp (N, IC), the rows from
+   row0 of the linear's input (dropout's mask is the whole input's): the forward's first half,
+   kept for the backward. */
+static void lg_lora_hidden(lg_model *m, const lg_lora_adapter *ad, int n, uint64_t key, int row0,
+                           lg_buf inp, int N, int IC) {
     const lg_exec *ex = &m->exec;
-    int r = m->cfg.lora.r;
-    if (n == 0) return;
     lg_buf u = m->a.lora_u;
+    if (n == 0) return;
     lg_lora_input(ex, u, inp, (size_t)N * IC, (size_t)row0 * IC, lg_lora_scale(&m->cfg),
                   m->cfg.lora.dropout, key, 0);
-    for (int k = 0; k < n; k++) {
-        lg_matmul(ex, 0, 1, N, r, IC, u, IC, ad[k].a, IC, 0, ad[k].h, r);
-        lg_matmul(ex, 0, 1, N, ad[k].out, r, ad[k].h, r, ad[k].b, r, 1, lg_at(out, ad[k].column), OC);
-    }
+    for (int k = 0; k < n; k++)
+        lg_matmul(ex, 0, 1, N, m->cfg.lora.r, IC, u, IC, ad[k].a, IC, 0, ad[k].h, m->cfg.lora.r);
+}
+
+/* out (N, OC) += (alpha / r) B A dropout(inp) for each adapter in its columns: h as above,
+   then out += h B^T. */
+static void lg_lora_forward(lg_model *m, const lg_lora_adapter *ad, int n, uint64_t key, int row0,
+                            lg_buf out, int OC, lg_buf inp, int N, int IC) {
+    int r = m->cfg.lora.r;
+    lg_lora_hidden(m, ad, n, key, row0, inp, N, IC);
+    for (int k = 0; k < n; k++)
+        lg_matmul(&m->exec, 0, 1, N, ad[k].out, r, ad[k].h, r, ad[k].b, r, 1,
+                  lg_at(out, ad[k].column), OC);
 }
 
 /* The adapters' backward from dout (N, OC) (rows from row0, as the forward): dB += dy^T h,
@@ -7891,6 +7899,16 @@ static void lg_block_lora_forward(lg_model *m, int l, lg_lora_linear first, int 
     if (m->cfg.lora.r == 0) return;
     int n = lg_block_adapters(m, l, first, row0, ad);
     lg_lora_forward(m, ad, n, lg_lora_key(m, l, first), row0, out, OC, inp, N, IC);
+}
+
+/* The adapters' h of a block linear over rows row0 .. row0 + N (as lg_block_lora_forward
+   leaves it), for a backward whose forward's h has been overwritten. */
+static void lg_block_lora_hidden(lg_model *m, int l, lg_lora_linear first, int row0, lg_buf inp,
+                                 int N, int IC) {
+    lg_lora_adapter ad[3];
+    if (m->cfg.lora.r == 0) return;
+    int n = lg_block_adapters(m, l, first, row0, ad);
+    lg_lora_hidden(m, ad, n, lg_lora_key(m, l, first), row0, inp, N, IC);
 }
 
 static void lg_block_lora_backward(lg_model *m, int l, lg_lora_linear first, int row0,
@@ -8127,11 +8145,17 @@ static void lg_block_backward(lg_model *m, int l, int B, int T, lg_buf d_out, lg
     float beta = lg_linear_grad_beta(m); /* the weights' and biases' gradients */
 
     /* out = x_mid + mlp(mlp_in): the residual passes d_out to x_mid unchanged; the MLP a
-       slice at a time, each slice's hidden layer computed again when it is not whole */
+       slice at a time, each slice's hidden layer computed again when it is not whole, with
+       mlp_proj's adapter's h (under --recompute block this block's forward was not run again
+       in full, so the h in its buffer is another block's) */
     lg_copy(ex, s->d_mid, d_out, NC);
     for (int n0 = 0; n0 < N; n0 += lg_slice_rows(m, N)) {
-        if (lg_slice_rows(m, N) < N) lg_block_mlp_hidden(m, l, n0, lg_slice_at(m, N, n0));
-        lg_block_mlp_backward(m, l, n0, lg_slice_at(m, N, n0), d_out, n0 ? 1.0f : beta);
+        int rows = lg_slice_at(m, N, n0);
+        if (lg_slice_rows(m, N) < N) {
+            lg_block_mlp_hidden(m, l, n0, rows);
+            lg_block_lora_hidden(m, l, LG_LORA_MLP_PROJ, n0, a->act, rows, c->intermediate_size);
+        }
+        lg_block_mlp_backward(m, l, n0, rows, d_out, n0 ? 1.0f : beta);
     }
 
     /* the MLP's input norm: of x (parallel) or of x_mid (sequential); shared: d_norm stays and

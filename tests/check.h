@@ -30,8 +30,8 @@ static int load_config_or_fail(results *r, lg_config *cfg, const char *name) {
     return -1;
 }
 
-#ifndef LG_REAL_DOUBLE /* training: the float runners (the double one checks gradients) */
-/* The weights of a trained run in fp32, the whole layout (LG_MALLOC'd). */
+/* The weights of a trained run in lg_real (fp32, or double in tests/test64), the whole layout
+   (LG_MALLOC'd). */
 static lg_real *trained_weights(lg_trainer *tr) {
     size_t n = tr->ranks[0].model.n_params;
     lg_real *w = (lg_real *)lg_alloc_zeroed(n * sizeof(lg_real));
@@ -39,6 +39,7 @@ static lg_real *trained_weights(lg_trainer *tr) {
     return w;
 }
 
+#ifndef LG_REAL_DOUBLE /* training over several steps: the float runners */
 /* Steps first..last-1 of tr on ld, their losses into losses[first..]; -1 (with the message
    printed) when a step fails. */
 static int run_step_range(lg_trainer *tr, lg_loader *ld, int first, int last, double *losses) {

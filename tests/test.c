@@ -405,6 +405,8 @@ static void test_lora_gradient(results *r, const char *config_name, float dropou
     lg_model_free(&m);
 }
 
+#include "test_combinations.c"
+
 int main(void) {
     results r = {0, 0};
     test_op_gradients(&r);
@@ -423,6 +425,8 @@ int main(void) {
     test_lora_gradient(&r, "test-falcon", 0.25f, 0);
     test_lora_gradient(&r, "test-pythia", 0.25f, 5);
     test_lora_gradient(&r, "test-llama", 0.25f, 5);
+    printf("lever combinations (double precision)\n");
+    test_combinations_all(&r);
     printf("%d passed, %d failed\n", r.passed, r.failed);
     return r.failed ? 1 : 0;
 }
@@ -2039,6 +2043,7 @@ static void run_emulated_cuda_tests(results *r) {
 #include "test_generate.c"
 #include "test_gguf.c"
 #include "test_long_context.c"
+#include "test_combinations.c"
 
 /* Starts a section: prints its name and says whether to run it. `./tests/test WORD` runs only
    the sections whose names contain WORD (e.g. `./tests/test plan`); no argument runs all. */
@@ -2121,6 +2126,8 @@ int main(int argc, char **argv) {
         test_head_chunks_trainer(&r);
         test_head_rows_auto(&r);
     }
+    if (section("lever combinations: every pair trains the same model", argc, argv))
+        test_combinations_all(&r);
     if (section("data files: tokenizers, samples, readers", argc, argv)) test_data_all(&r);
     if (section("nf4 (QLoRA's weight storage)", argc, argv)) test_nf4_all(&r);
     if (section("hostile input", argc, argv)) test_hostile_all(&r);
