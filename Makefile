@@ -60,7 +60,8 @@ build/train_cuda: train.c $(HEADERS)
 
 # The CUDA backend against the CPU backend (tests/gpu/run.sh runs it on GPUs), and the same
 # file on the emulator.
-build/test_cuda: tests/gpu/test_cuda.c tests/check.h $(wildcard tests/gpu/*.inc) $(HEADERS)
+GPU_TEST_SOURCES = tests/gpu/test_cuda.c tests/check.h $(wildcard tests/gpu/*.inc) tests/test_combinations.c
+build/test_cuda: $(GPU_TEST_SOURCES) $(HEADERS)
 	@mkdir -p build
 	$(NVCC) $(NVCC_FLAGS) tests/gpu/test_cuda.c -o $@ $(LDLIBS) $(CUDA_LIBS)
 
@@ -73,7 +74,7 @@ GPU_BIN_FLAGS = -x cu -std=c++17 -O3 -lineinfo -gencode arch=compute_90,code=sm_
 
 gpu-bin: build/gpu-bin/test_cuda build/gpu-bin/train_cuda
 
-build/gpu-bin/test_cuda: tests/gpu/test_cuda.c tests/check.h $(wildcard tests/gpu/*.inc) $(HEADERS)
+build/gpu-bin/test_cuda: $(GPU_TEST_SOURCES) $(HEADERS)
 	@mkdir -p build/gpu-bin
 	$(NVCC) $(GPU_BIN_FLAGS) tests/gpu/test_cuda.c -o $@ $(LDLIBS) $(CUDA_LIBS)
 
@@ -81,7 +82,7 @@ build/gpu-bin/train_cuda: train.c $(HEADERS)
 	@mkdir -p build/gpu-bin
 	$(NVCC) $(GPU_BIN_FLAGS) train.c -o $@ $(LDLIBS) $(CUDA_LIBS)
 
-build/test_cuda_emulated: tests/gpu/test_cuda.c tests/check.h $(wildcard tests/gpu/*.inc) tests/cuda_emulator.h $(HEADERS)
+build/test_cuda_emulated: $(GPU_TEST_SOURCES) tests/cuda_emulator.h $(HEADERS)
 	@mkdir -p build
 	$(EMULATED) tests/gpu/test_cuda.c -o $@ $(LDLIBS)
 
@@ -204,7 +205,7 @@ test: train tests/test tests/test64 build/test_portable build/fuzz tools/prepare
 # train.c goes through ptxas for sm_90; tests/gpu/test_cuda.c, whose device code is the same
 # litgpt_cuda.cuh, stops at PTX (compute_90), which saves ptxas's 30 s of a 100 s compile.
 build/cuda_compiles: GPU_ARCH = -arch=sm_90
-build/cuda_compiles: train.c tests/gpu/test_cuda.c tests/check.h $(wildcard tests/gpu/*.inc) $(HEADERS)
+build/cuda_compiles: train.c $(GPU_TEST_SOURCES) $(HEADERS)
 	@mkdir -p build
 	$(NVCC) $(NVCC_FLAGS) -c train.c -o build/train_cuda_check.o
 	$(NVCC) $(patsubst -arch=sm_90,-arch=compute_90,$(NVCC_FLAGS)) -c tests/gpu/test_cuda.c -o build/test_cuda_check.o

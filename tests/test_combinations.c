@@ -2,7 +2,9 @@
    every trainable tensor, for each lever alone, every pair of levers, and the sets the planner
    picks together, against the plain run, in fp32 with dropout 0, over the five families and
    five fine-tuning modes. Each lever was tested alone against one pass; a pair (LoRA on the
-   MLP, slices and block recompute) trained another model unnoticed. Included by tests/test.c. */
+   MLP, slices and block recompute) trained another model unnoticed. Included by tests/test.c
+   (the CPU backend, float and double) and tests/gpu/test_cuda.c (the CUDA backend, on GPUs and
+   on the emulator: every lever but --pack, which runs on the CPU only). */
 
 /* The levers: each leaves the gradients as they are, or it is a defect. */
 typedef enum {
@@ -72,9 +74,10 @@ static const char *combo_levers_name(unsigned levers, char *out, size_t size) {
 /* The run's settings: one SGD step without momentum, decay or clipping, so that the update
    is -lr times the gradient; lr large, so that the update, not the weights' rounding, sets
    the last bits compared. */
-static lg_args combo_args(combo_mode mode, unsigned levers) {
+static lg_args combo_args(lg_backend backend, combo_mode mode, unsigned levers) {
     lg_args a;
     lg_args_default(&a);
+    a.backend = backend;
     int pack = levers & 1u << LEVER_PACK, ranks = levers & 1u << LEVER_FULL_SHARD ? 2 : 1;
     int rows = pack ? COMBO_ROWS / 2 : COMBO_ROWS;
     a.precision = LG_PRECISION_32_TRUE;
@@ -123,9 +126,10 @@ static lg_real *combo_start_weights(lg_trainer *plain, uint64_t seed) {
 
 /* One step of these levers from weights w0 (n, the whole layout); its update w1 - w0 into
    update (n) and its loss into *loss; -1 with the message in err when it cannot run. */
-static int combo_step(const lg_config *cfg, combo_mode mode, unsigned levers, const char *data,
-                      const lg_real *w0, lg_real *update, double *loss, lg_error *err) {
-    lg_args a = combo_args(mode, levers);
+static int combo_step(const lg_config *cfg, lg_backend backend, combo_mode mode, unsigned levers,
+                      const char *data, const lg_real *w0, lg_real *update, double *loss,
+                      lg_error *err) {
+    lg_args a = combo_args(backend, mode, levers);
     int T = a.pack ? 2 * COMBO_LEN : COMBO_LEN;
     lg_trainer tr;
     lg_loader ld;
@@ -148,6 +152,17 @@ static int combo_step(const lg_config *cfg, combo_mode mode, unsigned levers, co
     return rc;
 }
 
+/* max |got - want| / max(max |want|, floor) over n, NaN anywhere -> infinity. */
+static double combo_rel_error(const lg_real *got, const lg_real *want, size_t n, double floor) {
+    double diff = 0, scale = floor;
+    for (size_t i = 0; i < n; i++) {
+        if (got[i] != got[i] || want[i] != want[i]) return INFINITY;
+        diff = fmax(diff, fabs((double)got[i] - (double)want[i]));
+        scale = fmax(scale, fabs((double)want[i]));
+    }
+    return diff / scale;
+}
+
 /* The worst over the trainable tensors of max |got - want| / max |want|, each tensor against
    its own scale (floored at 1e-6 of the largest, so that a tensor whose update is zero in
    both counts as equal), so that a small tensor's wrong gradient is not hidden by a larger. */
@@ -157,7 +172,8 @@ static double combo_tensor_error(const lg_tensor_table *table, const lg_real *go
     for (size_t i = 0; i < n; i++) largest = fmax(largest, fabs((double)want[i]));
     for (int t = 0; t < table->n_tensors; t++) {
         const lg_tensor_info *x = &table->tensors[t];
-        worst = fmax(worst, rel_error(got + x->origin, want + x->origin, x->count, 1e-6 * largest));
+        worst = fmax(worst, combo_rel_error(got + x->origin, want + x->origin, x->count,
+                                            1e-6 * largest));
     }
     return worst;
 }
@@ -174,22 +190,26 @@ static int combo_write_samples(const char *path, int vocab, lg_error *err) {
     return lg_samples_write(path, tokens, lengths, prompts, COMBO_SAMPLES, 2, 1, err);
 }
 
-/* Every lever set to run: each lever alone, every pair, the planner's sets; returns how many. */
-static int combo_lever_sets(unsigned *sets, int cap) {
+/* Every lever set to run of those in `levers`: each lever alone, every pair, the planner's
+   sets (without the levers missing); returns how many. */
+static int combo_lever_sets(unsigned levers, unsigned *sets, int cap) {
     int n = 0;
     for (int i = 0; i < LEVER_COUNT; i++)
-        for (int j = i; j < LEVER_COUNT && n < cap; j++) sets[n++] = 1u << i | 1u << j;
+        for (int j = i; j < LEVER_COUNT && n < cap; j++)
+            if (levers & 1u << i && levers & 1u << j) sets[n++] = 1u << i | 1u << j;
     for (size_t k = 0; k < sizeof combo_planner_sets / sizeof *combo_planner_sets && n < cap; k++)
-        sets[n++] = combo_planner_sets[k];
+        sets[n++] = combo_planner_sets[k] & levers;
     return n;
 }
 
-/* One family in one mode: the plain step, then every lever set against it. */
-static void test_combinations_of(results *r, const char *family, combo_mode mode, const char *data) {
+/* One family in one mode on a backend: the plain step, then every set of these levers
+   against it. */
+static void test_combinations_of(results *r, lg_backend backend, unsigned levers,
+                                 const char *family, combo_mode mode, const char *data) {
     lg_config cfg;
     if (load_config_or_fail(r, &cfg, family)) return;
     cfg.n_layer = COMBO_LAYERS;
-    lg_args a = combo_args(mode, 0);
+    lg_args a = combo_args(backend, mode, 0);
     lg_trainer plain;
     lg_error err;
     if (lg_trainer_create(&plain, &cfg, &a, COMBO_LEN, &err) != 0) {
@@ -198,18 +218,19 @@ static void test_combinations_of(results *r, const char *family, combo_mode mode
     }
     size_t n = plain.ranks[0].model.n_params;
     lg_real *w0 = combo_start_weights(&plain, 4000 + (uint64_t)mode);
-    lg_real *want = new_reals(n), *got = new_reals(n);
+    lg_real *want = (lg_real *)lg_alloc_zeroed(n * sizeof(lg_real));
+    lg_real *got = (lg_real *)lg_alloc_zeroed(n * sizeof(lg_real));
     const lg_tensor_table *table = &plain.ranks[0].model.param_table;
     double want_loss = 0, loss = 0, worst = 0, worst_loss = 0;
     unsigned sets[64], worst_set = 0;
-    int n_sets = combo_lever_sets(sets, 64), ran = 0, failed = 0;
+    int n_sets = combo_lever_sets(levers, sets, 64), ran = 0, failed = 0;
     char name[160];
-    if (combo_step(&cfg, mode, 0, data, w0, want, &want_loss, &err) != 0) {
+    if (combo_step(&cfg, backend, mode, 0, data, w0, want, &want_loss, &err) != 0) {
         check(r, 0, "%s %s plain: %s", family, combo_mode_names[mode], err.msg);
         n_sets = 0;
     }
     for (int s = 0; s < n_sets; s++) {
-        if (combo_step(&cfg, mode, sets[s], data, w0, got, &loss, &err) != 0) {
+        if (combo_step(&cfg, backend, mode, sets[s], data, w0, got, &loss, &err) != 0) {
             check(r, 0, "%s %s %s: %s", family, combo_mode_names[mode],
                   combo_levers_name(sets[s], name, sizeof name), err.msg);
             failed++;
@@ -231,13 +252,43 @@ static void test_combinations_of(results *r, const char *family, combo_mode mode
     lg_trainer_free(&plain);
 }
 
+static const char *const combo_families[] = {"test-gpt2", "test-pythia", "test-llama",
+                                             "test-falcon", "test-llama31"};
+static const char *const combo_data = "build/combinations.bin";
+
+#ifndef LG_CUDA
+/* The CPU backend: every lever, every family, every mode. */
 static void test_combinations_all(results *r) {
-    static const char *const families[] = {"test-gpt2", "test-pythia", "test-llama", "test-falcon",
-                                           "test-llama31"};
-    const char *data = "build/combinations.bin";
     lg_error err;
-    if (combo_write_samples(data, 30, &err) != 0) { check(r, 0, "%s: %s", data, err.msg); return; }
+    if (combo_write_samples(combo_data, 30, &err) != 0) {
+        check(r, 0, "%s: %s", combo_data, err.msg);
+        return;
+    }
     for (int f = 0; f < 5; f++)
         for (int mode = 0; mode < MODE_COUNT; mode++)
-            test_combinations_of(r, families[f], (combo_mode)mode, data);
+            test_combinations_of(r, LG_BACKEND_CPU, (1u << LEVER_COUNT) - 1, combo_families[f],
+                                 (combo_mode)mode, combo_data);
 }
+
+#else
+/* The CUDA backend: every lever it runs (-d 2 with 2 GPUs visible), every family in every mode
+   on GPUs; on the emulator, whose kernels run 25 times slower than the CPU backend's, each
+   family in one mode (every mode once, every lever set in each mode and in each family). */
+static void test_combinations_cuda(results *r, int gpus) {
+    unsigned levers = ((1u << LEVER_COUNT) - 1) & ~(1u << LEVER_PACK);
+    if (gpus < 2) levers &= ~(1u << LEVER_FULL_SHARD);
+    lg_error err;
+    if (combo_write_samples(combo_data, 30, &err) != 0) {
+        check(r, 0, "%s: %s", combo_data, err.msg);
+        return;
+    }
+    for (int f = 0; f < 5; f++)
+        for (int mode = 0; mode < MODE_COUNT; mode++) {
+#ifdef LG_CUDA_EMULATE
+            if (mode != f % MODE_COUNT) continue;
+#endif
+            test_combinations_of(r, LG_BACKEND_CUDA, levers, combo_families[f], (combo_mode)mode,
+                                 combo_data);
+        }
+}
+#endif

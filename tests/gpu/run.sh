@@ -246,7 +246,7 @@ fi
 
 tc=$bin/test_cuda
 if [ -n "$cannot_load" ]; then
-    for s in ops attention steps bench memory bench-attention train grads features resume devices; do
+    for s in ops attention steps bench memory bench-attention train grads features combinations resume devices; do
         skip "$s" "the binaries cannot load (missing $cannot_load)"
     done
 else
@@ -259,6 +259,7 @@ else
     step train 60 "$bin/train_cuda" --max-steps 200 --eval-every 100
     step grads 60 "$tc" grads
     step features 90 "$tc" features
+    step combinations 120 "$tc" combinations
     step resume 90 "$tc" resume
     if [ "$nccl" = yes ]; then step devices 90 "$tc" devices
     else skip devices "no libnccl.so.2 found"; fi

@@ -10,7 +10,7 @@
    litgpt.h section 7, with the GPU's outputs poisoned (NaN) first, and twice for bitwise
    determinism; then whole training steps of each family and precision, -d 1 against -d N, and
    the plan against the memory the GPU reports. `test_cuda MODE...` runs only the modes named
-   (ops, attention, steps, grads, features, resume, devices, memory; `--list` prints them), so
+   (ops, attention, steps, grads, features, resume, devices, memory, combinations; `--list` prints them), so
    that tests/gpu/run.sh runs each in its own process; `bench` times GPT-2 124M instead and
    `bench-attention` the attention kernels, and `--probe` prints the runtime's and the driver's
    CUDA versions and the devices it sees. stdout is line-buffered: what was printed survives an
@@ -137,6 +137,7 @@ static int bitwise_equal(lg_buf a, lg_buf b, size_t n) {
 #include "ops_kernels.inc"   /* test_kernels: elementwise, embedding, norms, classifier, optimizers */
 #include "ops_attention.inc" /* test_attention: flash attention forward and backward */
 #include "comm_deadline.inc"  /* test_comm_deadline: a stalled collective ends at --dist-timeout */
+#include "../test_combinations.c" /* test_combinations_cuda: every pair of memory levers */
 
 /* --- matmuls ------------------------------------------------------------------------------- */
 
@@ -918,6 +919,11 @@ static void mode_features(results *r, int gpus) {
     test_gpu_lora(r, gpus);
 }
 
+static void mode_combinations(results *r, int gpus) {
+    printf("lever combinations: every pair trains the same model\n");
+    test_combinations_cuda(r, gpus);
+}
+
 static void mode_resume(results *r, int gpus) {
     printf("checkpoints resumed\n");
     test_gpu_resume(r, gpus);
@@ -949,7 +955,7 @@ typedef struct {
 static const test_mode modes[] = {
     {"ops", mode_ops},           {"attention", mode_attention}, {"steps", mode_steps},
     {"grads", mode_grads},       {"features", mode_features},   {"resume", mode_resume},
-    {"devices", mode_devices},   {"memory", mode_memory},
+    {"devices", mode_devices},   {"memory", mode_memory},       {"combinations", mode_combinations},
 };
 enum { N_MODES = sizeof modes / sizeof modes[0] };
 
