@@ -1348,8 +1348,16 @@ template <int HSP_, int ROWS_, int COLS_, int TR_, int TC_, int BLOCKS_> struct 
 #define LG_ATT_UNROLL_BY(n)
 #endif
 
+/* The least dynamic shared memory a block may opt into on the architectures the kernels serve:
+   compute capability 8.6, 8.9 and 12.0 (RTX 30xx/40xx/50xx, A10, L4, A40, L40S) allow 99 KiB,
+   8.0 163 KiB, 9.0 and 10.0 227 KiB. Every attention kernel's tiles fit it (static_asserts at
+   the launchers), so that one set of tiles runs on every card. */
+#define LG_CUDA_SHARED_OPTIN_MIN 101376
+
 /* Tile shapes per padded head size: forward, dq (both query x key), dk/dv (key x query). Shared
-   memory per block (KiB) in the comments; an H100 SM has 228, less 1 reserved per block. */
+   memory per block (KiB) in the comments, each within LG_CUDA_SHARED_OPTIN_MIN (99 KiB): the
+   dq kernel at 128 and every kernel at 256 take fewer rows or keys than they could on an H100,
+   whose SM has 228 KiB. */
 template <int HSP> struct lg_att_config;
 template <> struct lg_att_config<32> {
     typedef lg_att_tiles<32, 64, 64, 16, 8, 4> forward; /* 44 */
@@ -1363,13 +1371,13 @@ template <> struct lg_att_config<64> {
 };
 template <> struct lg_att_config<128> {
     typedef lg_att_tiles<128, 64, 32, 8, 16, 3> forward; /* 75 */
-    typedef lg_att_tiles<128, 64, 32, 8, 16, 2> dq;      /* 108.5 */
+    typedef lg_att_tiles<128, 32, 32, 8, 16, 3> dq;      /* 70.75 */
     typedef lg_att_tiles<128, 32, 32, 8, 16, 3> dkv;     /* 70.75 */
 };
 template <> struct lg_att_config<256> {
-    typedef lg_att_tiles<256, 32, 32, 8, 16, 2> forward; /* 102 */
-    typedef lg_att_tiles<256, 32, 32, 8, 16, 1> dq;      /* 134.75 */
-    typedef lg_att_tiles<256, 16, 32, 8, 16, 2> dkv;     /* 100 */
+    typedef lg_att_tiles<256, 16, 32, 8, 16, 2> forward; /* 83.5 */
+    typedef lg_att_tiles<256, 16, 16, 8, 16, 2> dq;      /* 66.4 */
+    typedef lg_att_tiles<256, 16, 16, 8, 16, 2> dkv;     /* 66.4 */
 };
 
 /* Element access by storage type, 1 or 4 consecutive elements (4: aligned to 4 elements). */
@@ -1572,15 +1580,15 @@ __device__ __forceinline__ void lg_att_store(typename lg_att_io<DT>::storage *ds
 }
 
 /* Bytes of dynamic shared memory of each kernel. */
-template <class TL> static size_t lg_att_forward_shared(void) {
+template <class TL> static constexpr size_t lg_att_forward_shared(void) {
     return sizeof(float) *
            ((size_t)(TL::ROWS + 2 * TL::COLS) * TL::LDH + (size_t)TL::ROWS * TL::LDS);
 }
-template <class TL> static size_t lg_att_dq_shared(void) {
+template <class TL> static constexpr size_t lg_att_dq_shared(void) {
     return sizeof(float) * ((size_t)(2 * TL::ROWS + 2 * TL::COLS) * TL::LDH +
                             (size_t)TL::ROWS * TL::LDS + 2 * TL::ROWS);
 }
-template <class TL> static size_t lg_att_dkv_shared(void) {
+template <class TL> static constexpr size_t lg_att_dkv_shared(void) {
     return sizeof(float) * ((size_t)(2 * TL::ROWS + 2 * TL::COLS) * TL::LDH +
                             (size_t)TL::ROWS * TL::LDS + 2 * TL::COLS);
 }
@@ -1855,6 +1863,8 @@ static void lg_att_forward_launch(const lg_exec *ex, lg_buf y, lg_real *lse, lg_
                                   int T, int NH, int NQG, int HS, int vec) {
     typedef typename lg_att_config<HSP>::forward TL;
     typedef typename lg_att_io<DT>::storage S;
+    static_assert(lg_att_forward_shared<TL>() <= LG_CUDA_SHARED_OPTIN_MIN, "the forward's tiles "
+                  "exceed the shared memory a block has on compute capability 8.6, 8.9, 12.0");
     size_t bytes = lg_att_forward_shared<TL>();
     lg_att_allow_shared(ex, lg_k_attention_forward<DT, TL>, bytes);
     unsigned grid = (unsigned)((T + TL::ROWS - 1) / TL::ROWS) * (unsigned)(B * NH);
@@ -1870,6 +1880,10 @@ static void lg_att_backward_launch(const lg_exec *ex, lg_buf dqkv, lg_buf dy, lg
     typedef typename lg_att_config<HSP>::dq TQ;
     typedef typename lg_att_config<HSP>::dkv TK;
     typedef typename lg_att_io<DT>::storage S;
+    static_assert(lg_att_dq_shared<TQ>() <= LG_CUDA_SHARED_OPTIN_MIN &&
+                      lg_att_dkv_shared<TK>() <= LG_CUDA_SHARED_OPTIN_MIN,
+                  "the backward's tiles exceed the shared memory a block has on compute "
+                  "capability 8.6, 8.9, 12.0");
     float scale = 1.0f / sqrtf((float)HS);
     size_t bytes = lg_att_dq_shared<TQ>();
     lg_att_allow_shared(ex, lg_k_attention_backward_dq<DT, TQ>, bytes);
@@ -2159,7 +2173,7 @@ __device__ __forceinline__ void lg_att_mma_load(uint16_t *dst, const uint16_t *s
 
 /* Bytes of dynamic shared memory of the forward: Q, and two buffers each of K and V (85 KiB at
    HSP 128, 45 KiB at 64). */
-template <int HSP> static size_t lg_att_mma_forward_shared(void) {
+template <int HSP> static constexpr size_t lg_att_mma_forward_shared(void) {
     return sizeof(uint16_t) * (LG_ATT_TC_ROWS + 2 * LG_ATT_MMA_STAGES * LG_ATT_MMA_KEYS) *
            (HSP + LG_ATT_TC_HPAD);
 }
@@ -2334,6 +2348,8 @@ lg_k_attention_forward_mma(uint16_t *y, float *lse, const uint16_t *qkv, int T, 
 template <lg_dtype DT, int HSP>
 static void lg_att_mma_forward_launch(const lg_exec *ex, lg_buf y, lg_real *lse, lg_buf qkv,
                                       int B, int T, int NH, int NQG, int HS, int /* vec */) {
+    static_assert(lg_att_mma_forward_shared<HSP>() <= LG_CUDA_SHARED_OPTIN_MIN, "the forward's "
+                  "tiles exceed the shared memory a block has on compute capability 8.6, 8.9, 12.0");
     size_t bytes = lg_att_mma_forward_shared<HSP>();
     lg_att_allow_shared(ex, lg_k_attention_forward_mma<DT, HSP>, bytes);
     unsigned grid = (unsigned)((T + LG_ATT_TC_ROWS - 1) / LG_ATT_TC_ROWS) * (unsigned)(B * NH);
@@ -2393,11 +2409,18 @@ __device__ __forceinline__ void lg_att_dq_ds(float (*s)[4], const float (*dp)[4]
     }
 }
 
+/* Keys of a dq tile: 32 at HSP 128, so that its shared memory (Q, dY and two buffers each of K
+   and V) fits LG_CUDA_SHARED_OPTIN_MIN; 64 below. */
+template <int HSP> struct lg_att_mma_dq {
+    static constexpr int KEYS = HSP >= 128 ? 32 : LG_ATT_MMA_KEYS;
+};
+
 /* Backward, dq. A block owns one query tile (64 queries) of one (batch, head), heaviest first,
-   and sweeps the key tiles (64 keys, cp.async into two buffers) up to its diagonal; warp w owns
-   queries 16 w .. 16 w + 15, whose Q and dY A fragments stay in registers from the first key
-   tile to the last. A thread first takes its two rows' lse and D (lg_k_attention_rowdot's).
-   Per key tile: S = Q K^T and dP = dY V^T (16 x 64 each, in accumulators), P = exp(S scale -
+   and sweeps the key tiles (BC = lg_att_mma_dq's keys, cp.async into two buffers) up to its
+   diagonal; warp w owns queries 16 w .. 16 w + 15, whose Q and dY A fragments stay in
+   registers from the first key tile to the last. A thread first takes its two rows' lse and D
+   (lg_k_attention_rowdot's). Per key tile: S = Q K^T and dP = dY V^T (16 x BC each, in
+   accumulators), P = exp(S scale -
    lse), dS = P (dP - D) scale (masked on the diagonal and last tiles only), rounded to 16 bits
    as A fragments, and dQ += dS K. At the end dQ (in accumulators all along) is added to dqkv.
    grid: query tiles x B NH, the (batch, head) fastest; 4 warps. */
@@ -2407,7 +2430,7 @@ lg_k_attention_backward_dq_mma(uint16_t *dqkv, const uint16_t *dy, const float *
                                const uint16_t *qkv, const float *lse, int T, int NH, int NQG,
                                int HS, float scale) {
     constexpr int M = LG_ATT_MMA_M, N = LG_ATT_MMA_N, K = LG_ATT_MMA_K, BR = LG_ATT_TC_ROWS,
-                  BC = LG_ATT_MMA_KEYS, LDH = HSP + LG_ATT_TC_HPAD;
+                  BC = lg_att_mma_dq<HSP>::KEYS, LDH = HSP + LG_ATT_TC_HPAD;
     constexpr int QK = HSP / K, ST = BC / N, PK = BC / K, OT = HSP / N;
     LG_SHARED_DYNAMIC(unsigned char, smem);
     uint16_t *qs = (uint16_t *)smem;                  /* (BR, LDH): Q */
@@ -2655,13 +2678,14 @@ lg_k_attention_backward_dkv_mma(uint16_t *dqkv, const uint16_t *dy, const float 
                            tig);
 }
 
-/* Bytes of dynamic shared memory of the dq kernel (Q, dY, two buffers each of K and V: 102 KiB
-   at HSP 128) and of the dk/dv kernel (K, V, two buffers each of Q and dY, lse and D). */
-template <int HSP> static size_t lg_att_mma_dq_shared(void) {
-    return sizeof(uint16_t) * (2 * LG_ATT_TC_ROWS + 2 * LG_ATT_MMA_STAGES * LG_ATT_MMA_KEYS) *
+/* Bytes of dynamic shared memory of the dq kernel (Q, dY, two buffers each of K and V: 68 KiB
+   at HSP 128, with its 32 keys a tile) and of the dk/dv kernel (K, V, two buffers each of Q and
+   dY, lse and D). */
+template <int HSP> static constexpr size_t lg_att_mma_dq_shared(void) {
+    return sizeof(uint16_t) * (2 * LG_ATT_TC_ROWS + 2 * LG_ATT_MMA_STAGES * lg_att_mma_dq<HSP>::KEYS) *
            (HSP + LG_ATT_TC_HPAD);
 }
-template <int HSP> static size_t lg_att_mma_dkv_shared(void) {
+template <int HSP> static constexpr size_t lg_att_mma_dkv_shared(void) {
     const size_t BQ = lg_att_mma_dkv<HSP>::QUERIES;
     return sizeof(uint16_t) * (2 * LG_ATT_TC_ROWS + 2 * LG_ATT_MMA_STAGES * BQ) *
                (HSP + LG_ATT_TC_HPAD) +
@@ -2681,6 +2705,10 @@ static void lg_att_mma_backward_slice(const lg_exec *ex, uint16_t *dqkv, const u
               (unsigned)((rows * LG_ATT_D_LANES + LG_ATT_TC_THREADS - 1) / LG_ATT_TC_THREADS),
               LG_ATT_TC_THREADS, 0, stream, Drows, dy, y, T, NH, HS, rows);
     unsigned tiles = (unsigned)((T + LG_ATT_TC_ROWS - 1) / LG_ATT_TC_ROWS);
+    static_assert(lg_att_mma_dq_shared<HSP>() <= LG_CUDA_SHARED_OPTIN_MIN &&
+                      lg_att_mma_dkv_shared<HSP>() <= LG_CUDA_SHARED_OPTIN_MIN,
+                  "the backward's tiles exceed the shared memory a block has on compute "
+                  "capability 8.6, 8.9, 12.0");
     size_t bytes = lg_att_mma_dq_shared<HSP>();
     lg_att_allow_shared(ex, lg_k_attention_backward_dq_mma<DT, HSP>, bytes);
     LG_LAUNCH((lg_k_attention_backward_dq_mma<DT, HSP>), tiles * (unsigned)(B * NH),

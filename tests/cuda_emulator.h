@@ -23,7 +23,10 @@
    3. the CUDA runtime subset the backend calls, on host memory. Devices: LG_EMU_DEVICES (default
       1) or lg_emu_set_devices(n); memory per device: LG_EMU_MEMORY bytes (suffix K/M/G allowed,
       default 16G) or lg_emu_set_memory(bytes); cudaMemGetInfo's free is that minus the live
-      cudaMalloc/cudaMallocManaged bytes of the device. Launches are synchronous, so every
+      cudaMalloc/cudaMallocManaged bytes of the device. Architecture: LG_EMU_ARCH (sm_80,
+      sm_86, sm_89, sm_90 or sm_120; default sm_90) sets the compute capability and the limits
+      reported and enforced: a launch over its opt-in shared memory, or over 48 KiB without
+      the kernel's cudaFuncSetAttribute on that device, is refused. Launches are synchronous, so every
       stream, event and copy is complete when its call returns. cudaMalloc memory is closed to
       the host (its pages are protected) except while a kernel, copy, memset or collective runs:
       host code that reads or writes it directly aborts naming the allocation, as a GPU's own
@@ -56,8 +59,7 @@
 
    Not caught: host code reading managed memory (the host may); static __shared__ arrays
    keep the previous block's values (dynamic shared memory is refilled with 0xff per block, new
-   allocations too, up to 1 GiB each); a launch over 48 KiB of dynamic shared memory without
-   cudaFuncSetAttribute (only the 227 KiB maximum is checked); races between warps that the two
+   allocations too, up to 1 GiB each); races between warps that the two
    thread orders do not expose; a shuffle whose source lane is outside the mask or the block
    (it returns the caller's own value; CUDA leaves it undefined). */
 #ifndef LG_CUDA_EMULATOR_H
@@ -119,7 +121,24 @@
 #endif
 #define LG_EMU_MAX_THREADS 1024 /* per block */
 #define LG_EMU_MAX_DEVICES 64
-#define LG_EMU_SHARED_OPTIN 232448 /* bytes of dynamic shared memory a block may have (H100) */
+#define LG_EMU_STATIC_SHARED 49152 /* dynamic shared memory a block may have without opting in */
+
+/* The architecture the emulated devices stand for (LG_EMU_ARCH, default sm_90): the limits a
+   real card of it puts on a launch, from NVIDIA's table per compute capability: the opt-in
+   shared memory a block may have, the shared memory and threads of an SM. */
+struct lg_emu_arch {
+    const char *name;
+    int major, minor;
+    size_t shared_optin, shared_per_sm;
+    int threads_per_sm;
+};
+static const lg_emu_arch lg_emu_archs[] = {
+    {"sm_80", 8, 0, 166912, 167936, 2048},  /* A100, A30 */
+    {"sm_86", 8, 6, 101376, 102400, 1536},  /* RTX 30xx, A10, A40, A6000 */
+    {"sm_89", 8, 9, 101376, 102400, 1536},  /* RTX 40xx, L4, L40S */
+    {"sm_90", 9, 0, 232448, 233472, 2048},  /* H100, H200 */
+    {"sm_120", 12, 0, 101376, 102400, 1536} /* RTX 50xx */
+};
 
 /* ============================================================================================
    1. Kernel language keywords and built-in types
@@ -403,6 +422,7 @@ struct lg_emu_fiber {
 
 struct lg_emu_launch_site {
     const char *kernel; /* as written in LG_LAUNCH */
+    const void *address; /* the kernel function's (cudaFuncSetAttribute's key) */
     const char *file;
     int line;
 };
@@ -449,6 +469,9 @@ struct lg_emu_runtime {
     int device_access;      /* > 0 while the emulated GPU works on device memory (section 3) */
     bool host_visits_allowed; /* LG_EMU_HOST_VISITS=allow: device memory stays open to the host */
     bool host_visits_reported; /* LG_EMU_HOST_VISITS=report: each visit is reported, not fatal */
+    const lg_emu_arch *arch;   /* LG_EMU_ARCH: the limits of a launch */
+    /* the dynamic shared memory each kernel (by address) was let have on each device */
+    std::map<std::pair<int, const void *>, size_t> shared_allowed;
 };
 
 /* A complete collective left for later (deferred mode): every rank's call, and its place in
@@ -505,6 +528,14 @@ inline size_t lg_emu_parse_bytes(const char *text, size_t fallback) {
     return (size_t)value;
 }
 
+/* LG_EMU_ARCH's entry (null or empty: sm_90); an unknown name ends the program. */
+inline const lg_emu_arch *lg_emu_arch_named(const char *name) {
+    if (!name || !*name) name = "sm_90";
+    for (const lg_emu_arch &a : lg_emu_archs)
+        if (strcmp(a.name, name) == 0) return &a;
+    lg_emu_die("LG_EMU_ARCH=%s: use sm_80, sm_86, sm_89, sm_90 or sm_120", name);
+}
+
 inline lg_emu_state_t *lg_emu_state_create(void) {
     /* never freed: host code may still call cudaFree from static destructors at exit */
     lg_emu_state_t *s = new lg_emu_state_t();
@@ -521,6 +552,7 @@ inline lg_emu_state_t *lg_emu_state_create(void) {
     if (visits && *visits && !s->rt.host_visits_allowed && !s->rt.host_visits_reported &&
         strcmp(visits, "fail") != 0)
         lg_emu_die("LG_EMU_HOST_VISITS=%s: use fail, report or allow", visits);
+    s->rt.arch = lg_emu_arch_named(getenv("LG_EMU_ARCH"));
     const char *order = getenv("LG_EMU_ORDER");
     if (order && strcmp(order, "reverse") == 0) s->sched.reverse_order = 1;
     else if (order && *order && strcmp(order, "forward") != 0)
@@ -548,6 +580,8 @@ struct lg_emu_gpu_work {
 
 /* Test controls. */
 inline void lg_emu_set_order(int reverse) { lg_emu_state().sched.reverse_order = reverse != 0; }
+/* The architecture the devices stand for from now on, as LG_EMU_ARCH names it (tests). */
+inline void lg_emu_set_arch(const char *name) { lg_emu_state().rt.arch = lg_emu_arch_named(name); }
 inline void lg_emu_set_devices(int n) {
     lg_emu_runtime &rt = lg_emu_state().rt;
     if (n < 0 || n > LG_EMU_MAX_DEVICES) lg_emu_die("lg_emu_set_devices(%d): 0..%d", n, LG_EMU_MAX_DEVICES);
@@ -882,8 +916,9 @@ inline void lg_emu_reserve(lg_emu_scheduler &s, int threads, size_t shared_bytes
 inline cudaError_t lg_emu_error(cudaError_t e);
 
 /* Why CUDA would refuse this launch, or null. */
-inline const char *lg_emu_launch_refusal(dim3 grid, dim3 block, size_t shared_bytes,
-                                         cudaStream_t stream, cudaError_t *code) {
+inline const char *lg_emu_launch_refusal(const void *kernel, dim3 grid, dim3 block,
+                                         size_t shared_bytes, cudaStream_t stream,
+                                         cudaError_t *code) {
     lg_emu_state_t &st = lg_emu_state();
     *code = cudaErrorInvalidConfiguration;
     unsigned long long threads = (unsigned long long)block.x * block.y * block.z;
@@ -892,7 +927,12 @@ inline const char *lg_emu_launch_refusal(dim3 grid, dim3 block, size_t shared_by
         return "block dimensions out of range (at most 1024 threads, z at most 64)";
     if (!grid.x || !grid.y || !grid.z || grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535)
         return "grid dimensions out of range";
-    if (shared_bytes > LG_EMU_SHARED_OPTIN) return "more dynamic shared memory than a block can have";
+    if (shared_bytes > st.rt.arch->shared_optin)
+        return "more dynamic shared memory than a block can have on this architecture (LG_EMU_ARCH)";
+    if (shared_bytes > LG_EMU_STATIC_SHARED &&
+        st.rt.shared_allowed[{st.rt.current_device, kernel}] < shared_bytes)
+        return "more than 48 KiB of dynamic shared memory, more than the kernel's "
+               "cudaFuncSetAttribute allowed on this device";
     *code = cudaErrorInvalidResourceHandle;
     if (stream && !st.rt.streams.count(stream)) return "the stream was destroyed or never created";
     if (stream && stream->device != st.rt.current_device)
@@ -913,7 +953,8 @@ inline void lg_emu_run_kernel(const lg_emu_launch_site &site, dim3 grid, dim3 bl
         lg_emu_die("kernel %s launched at %s:%d from inside kernel %s (not emulated)", site.kernel,
                    site.file, site.line, s.site.kernel);
     cudaError_t code;
-    if (const char *refusal = lg_emu_launch_refusal(grid, block, shared_bytes, stream, &code)) {
+    if (const char *refusal = lg_emu_launch_refusal(site.address, grid, block, shared_bytes,
+                                                    stream, &code)) {
         fprintf(stderr, "lg_emu: launch of %s at %s:%d refused: %s\n", site.kernel, site.file,
                 site.line, refusal);
         lg_emu_error(code);
@@ -962,17 +1003,18 @@ template <typename Body> struct lg_emu_launcher {
 };
 
 template <typename Body>
-lg_emu_launcher<Body> lg_emu_make_launcher(const char *kernel, const char *file, int line,
-                                           dim3 grid, dim3 block, size_t shared_bytes,
-                                           cudaStream_t stream, Body body) {
-    return lg_emu_launcher<Body>{lg_emu_launch_site{kernel, file, line}, grid, block,
+lg_emu_launcher<Body> lg_emu_make_launcher(const char *kernel, const void *address,
+                                           const char *file, int line, dim3 grid, dim3 block,
+                                           size_t shared_bytes, cudaStream_t stream, Body body) {
+    return lg_emu_launcher<Body>{lg_emu_launch_site{kernel, address, file, line}, grid, block,
                                  shared_bytes, stream, body};
 }
 
 /* kernel<<<grid, block, smem_bytes, stream>>>(args...). A template kernel goes in parentheses:
    LG_LAUNCH((k<float, 64>), ...). */
 #define LG_LAUNCH(kernel, grid, block, smem_bytes, stream, ...)                                \
-    lg_emu_make_launcher(#kernel, __FILE__, __LINE__, dim3(grid), dim3(block),                 \
+    lg_emu_make_launcher(#kernel, (const void *)&kernel, __FILE__, __LINE__, dim3(grid),        \
+                         dim3(block),                                                          \
                          (size_t)(smem_bytes), (stream),                                       \
                          [](auto &&...lg_emu_args_) { kernel(lg_emu_args_...); })(__VA_ARGS__)
 
@@ -1651,13 +1693,14 @@ inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int device) {
     snprintf(prop->name, sizeof prop->name, "litgpt.c emulated GPU %d", device);
     prop->totalGlobalMem = lg_emu_state().rt.memory_per_device;
     prop->sharedMemPerBlock = 49152;
-    prop->sharedMemPerBlockOptin = LG_EMU_SHARED_OPTIN;
-    prop->sharedMemPerMultiprocessor = 233472;
+    const lg_emu_arch *arch = lg_emu_state().rt.arch;
+    prop->sharedMemPerBlockOptin = arch->shared_optin;
+    prop->sharedMemPerMultiprocessor = arch->shared_per_sm;
     prop->warpSize = 32;
     prop->maxThreadsPerBlock = LG_EMU_MAX_THREADS;
-    prop->maxThreadsPerMultiProcessor = 2048;
-    prop->major = 9;
-    prop->minor = 0;
+    prop->maxThreadsPerMultiProcessor = arch->threads_per_sm;
+    prop->major = arch->major;
+    prop->minor = arch->minor;
     prop->multiProcessorCount = 132;
     return cudaSuccess;
 }
@@ -1710,11 +1753,14 @@ inline cudaError_t cudaDeviceGetP2PAttribute(int *value, cudaDeviceP2PAttr attr,
     return cudaSuccess;
 }
 
-/* Kernel attributes: accepted and not enforced (a launch may use up to the opt-in maximum). */
+/* Kernel attributes: the dynamic shared memory a kernel may have on the current device, up to
+   the architecture's opt-in maximum (a launch over 48 KiB needs it). */
 template <typename T>
-inline cudaError_t cudaFuncSetAttribute(T * /* kernel */, cudaFuncAttribute attr, int value) {
-    if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize && (value < 0 || value > LG_EMU_SHARED_OPTIN))
-        return lg_emu_error(cudaErrorInvalidValue);
+inline cudaError_t cudaFuncSetAttribute(T *kernel, cudaFuncAttribute attr, int value) {
+    lg_emu_runtime &rt = lg_emu_state().rt;
+    if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaSuccess;
+    if (value < 0 || (size_t)value > rt.arch->shared_optin) return lg_emu_error(cudaErrorInvalidValue);
+    rt.shared_allowed[{rt.current_device, (const void *)kernel}] = (size_t)value;
     return cudaSuccess;
 }
 template <typename T>

@@ -404,6 +404,49 @@ static void test_launch_refusals(void) {
     cudaFree(d);
 }
 
+/* A copy of reverse_kernel: a kernel that has not opted into more shared memory. */
+__global__ void reverse_kernel_unset(const float *x, float *y, int *misaligned) {
+    reverse_kernel(x, y, misaligned);
+}
+
+/* The architecture's shared memory a block (LG_EMU_ARCH): sm_86 (RTX 30xx, A10) refuses more
+   than 101,376 bytes at cudaFuncSetAttribute and at launch, sm_90 takes 232,448; a launch
+   over 48 KiB needs the kernel's own cudaFuncSetAttribute on the device. */
+static void test_shared_limits(void) {
+    const int block = 64;
+    std::vector<float> x(block, 1.0f);
+    float *dx = device_copy(x), *dy = device_copy(std::vector<float>(x.size(), 0));
+    int *misaligned = device_copy(std::vector<int>{0}), optin = 0, major = 0, minor = 0;
+    lg_emu_set_arch("sm_86");
+    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
+    CHECK(optin == 101376 && major == 8 && minor == 6);
+    CHECK(cudaFuncSetAttribute(reverse_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 101377) ==
+          cudaErrorInvalidValue);
+    cudaGetLastError();
+    CHECK(cudaFuncSetAttribute(reverse_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 101376) ==
+          cudaSuccess);
+    LG_LAUNCH(reverse_kernel, 1, block, 101376, nullptr, dx, dy, misaligned);
+    CHECK(cudaGetLastError() == cudaSuccess && host_copy(dy, 1)[0] == 1.0f);
+    fprintf(stderr, "(three refused launches expected:)\n");
+    LG_LAUNCH(reverse_kernel, 1, block, 101377, nullptr, dx, dy, misaligned);
+    CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration);
+    LG_LAUNCH(reverse_kernel_unset, 1, block, 49153, nullptr, dx, dy, misaligned);
+    CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration);
+    lg_emu_set_arch("sm_90");
+    LG_LAUNCH(reverse_kernel, 1, block, 200000, nullptr, dx, dy, misaligned); /* 101,376 allowed */
+    CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration);
+    CHECK(cudaFuncSetAttribute(reverse_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 232448) ==
+          cudaSuccess);
+    LG_LAUNCH(reverse_kernel, 1, block, 232448, nullptr, dx, dy, misaligned);
+    CHECK(cudaGetLastError() == cudaSuccess);
+    LG_LAUNCH(reverse_kernel_unset, 1, block, 49152, nullptr, dx, dy, misaligned); /* no opt-in needed */
+    CHECK(cudaGetLastError() == cudaSuccess);
+    lg_emu_set_arch(getenv("LG_EMU_ARCH"));
+    cudaFree(dx), cudaFree(dy), cudaFree(misaligned);
+}
+
 /* Runs `body` in a child process; returns its exit status and what it wrote to stderr. */
 template <typename F> static int run_in_child(F body, std::string *stderr_text) {
     int pipe_fds[2];
@@ -873,6 +916,7 @@ int main(void) {
     test_grid_coordinates();
     test_atomics_and_misc();
     test_launch_refusals();
+    test_shared_limits();
     test_deadlock_detection();
     test_memory_accounting();
     test_host_visits();
