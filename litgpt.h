@@ -1989,7 +1989,8 @@ typedef struct {
     int n_stop;
 } lg_sampling;
 lg_sampling lg_sampling_default(void); /* LitGPT's generate: 0.8, top_k 50, top_p 1, no stop */
-/* The token drawn from logits (V); probs and order (V) are scratch. */
+/* The token drawn from logits (V); probs and order (V) are scratch. -1 when a logit is NaN
+   or infinite (a NaN weight, an overflow): nothing to draw from. */
 int lg_sample(const lg_real *logits, int V, const lg_sampling *s, lg_rng *rng, lg_real *probs,
               int *order);
 
@@ -16754,8 +16755,20 @@ static int lg_sample_candidates(const lg_real *logits, int V, const lg_sampling 
     return n;
 }
 
+/* How many of logits (V) are NaN or infinite; *first (may be NULL) gets the first one's id. */
+static int lg_logits_not_finite(const lg_real *logits, int V, int *first) {
+    int bad = 0;
+    for (int v = V - 1; v >= 0; v--)
+        if (!isfinite(logits[v])) {
+            bad++;
+            if (first) *first = v;
+        }
+    return bad;
+}
+
 int lg_sample(const lg_real *logits, int V, const lg_sampling *s, lg_rng *rng, lg_real *probs,
               int *order) {
+    if (lg_logits_not_finite(logits, V, NULL) > 0) return -1;
     if (s->temperature <= 0.0f) {
         int best = 0;
         for (int v = 1; v < V; v++) best = logits[v] > logits[best] ? v : best;
@@ -16786,6 +16799,18 @@ static int lg_is_stop(const lg_sampling *s, int token) {
     return 0;
 }
 
+/* *token drawn from g->logits (V of them: the last cached position's), or -1 naming that
+   position when they are not finite. */
+static int lg_gen_draw(lg_generator *g, int V, const lg_sampling *s, lg_rng *rng, int *token,
+                       lg_error *err) {
+    *token = lg_sample(g->logits, V, s, rng, g->probs, g->order);
+    if (*token >= 0) return 0;
+    int first = 0, bad = lg_logits_not_finite(g->logits, V, &first);
+    return lg_fail(err, "generation: the logits at position %d are not finite (%d of %d NaN or "
+                        "infinite, id %d's %g first): a NaN or infinite weight, or an overflow "
+                        "of the precision", g->n_cached - 1, bad, V, first, (double)g->logits[first]);
+}
+
 int lg_generate_continue(lg_generator *g, const int *prompt, int n_prompt, int max_new,
                          const lg_sampling *s, lg_rng *rng, int *out, int *n_out,
                          lg_gen_token_fn on_token, void *ctx, lg_gen_stats *stats, lg_error *err) {
@@ -16803,7 +16828,8 @@ int lg_generate_continue(lg_generator *g, const int *prompt, int n_prompt, int m
     stats->prompt_tokens = n_prompt;
     /* logits over the head's vocab_size rows, draws among the ids the tokenizer has */
     int V = g->spec.vocab ? g->spec.vocab : g->cfg.vocab_size;
-    int token = max_new > 0 ? lg_sample(g->logits, V, s, rng, g->probs, g->order) : 0;
+    int token = 0;
+    if (max_new > 0 && lg_gen_draw(g, V, s, rng, &token, err) != 0) return -1;
     stats->prefill_ms = lg_time_ms() - start;
     start = lg_time_ms();
     while (*n_out < max_new) {
@@ -16812,7 +16838,7 @@ int lg_generate_continue(lg_generator *g, const int *prompt, int n_prompt, int m
         if ((on_token && on_token(ctx, token) != 0) || stats->stopped || *n_out == max_new) break;
         if (lg_generator_forward(g, &token, 1, err) != 0) return -1;
         stats->decode_tokens++;
-        token = lg_sample(g->logits, V, s, rng, g->probs, g->order);
+        if (lg_gen_draw(g, V, s, rng, &token, err) != 0) return -1;
     }
     stats->decode_ms = lg_time_ms() - start;
     return 0;

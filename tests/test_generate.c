@@ -348,6 +348,66 @@ static void test_gen_sampling(results *r) {
           "sampling: temperature 0 is the argmax; one seed, one sequence of draws");
 }
 
+/* Logits that are not finite (a NaN weight, an overflow): lg_sample draws nothing (-1) from
+   all-NaN, all-inf or one-NaN logits, greedy or sampled; lg_generate fails naming the
+   position: a NaN in ln_f's scale makes every logit NaN at the prompt's last position (3), a
+   NaN in the embedding row of the first greedy token at the next one (4). */
+static void test_gen_not_finite(results *r) {
+    lg_real nan6[6], inf6[6], one6[6] = {1, 2, 3, 4, 5, 6}, probs[6];
+    int order[6], drawn[6], k = 0;
+    for (int v = 0; v < 6; v++) nan6[v] = (lg_real)NAN, inf6[v] = (lg_real)INFINITY;
+    one6[4] = (lg_real)NAN;
+    lg_sampling s = lg_sampling_default(), greedy = s;
+    greedy.temperature = 0;
+    lg_rng rng;
+    lg_rng_seed(&rng, 1);
+    const lg_real *cases[3] = {nan6, inf6, one6};
+    for (int c = 0; c < 3; c++) {
+        drawn[k++] = lg_sample(cases[c], 6, &s, &rng, probs, order);
+        drawn[k++] = lg_sample(cases[c], 6, &greedy, &rng, probs, order);
+    }
+    int none = 1;
+    for (int i = 0; i < 6; i++) none &= drawn[i] == -1;
+    check(r, none, "lg_sample on all-NaN, all-inf and one-NaN logits, sampled and greedy: "
+          "%d %d %d %d %d %d (-1: nothing drawn)", drawn[0], drawn[1], drawn[2], drawn[3],
+          drawn[4], drawn[5]);
+    lg_model m;
+    lg_config cfg;
+    lg_generator g;
+    lg_error err;
+    if (gen_random_model(r, &m, &cfg, "test-llama", 41) != 0) return;
+    if (gen_from_model(r, &g, &m, 16, 4, LG_PRECISION_32_TRUE) != 0) { lg_model_free(&m); return; }
+    int prompt[4] = {2, 7, 1, 8}, out[8], n_out = 0;
+    int first = lg_generate(&g, prompt, 4, 8, &greedy, &rng, out, &n_out, NULL, NULL, NULL, &err) == 0
+                ? out[0] : -1;
+    char want[2][96];
+    snprintf(want[0], sizeof want[0], "the logits at position 3 are not finite (%d of %d NaN",
+             cfg.vocab_size, cfg.vocab_size);
+    snprintf(want[1], sizeof want[1], "the logits at position 4 are not finite (%d of %d NaN",
+             cfg.vocab_size, cfg.vocab_size);
+    for (int at = 0; at < 2 && first >= 0; at++) {
+        lg_copy(NULL, g.params, m.params, m.n_params);
+        if (at == 0) reals(g.p.ln_f_w)[5] = (lg_real)NAN;
+        else reals(g.p.wte)[(size_t)first * cfg.n_embd] = (lg_real)NAN;
+        int rc = lg_generate(&g, prompt, 4, 8, &greedy, &rng, out, &n_out, NULL, NULL, NULL, &err);
+        check(r, rc == -1 && strstr(err.msg, want[at]) && n_out == at,
+              "a NaN in %s: lg_generate fails after %d tokens: %s", at ? "the first token's "
+              "embedding" : "ln_f's scale", n_out, rc ? err.msg : "(no error)");
+    }
+    if (first < 0) check(r, 0, "greedy generation: %s", err.msg);
+    lg_generator_free(&g);
+    /* tools/generate on a model directory whose ln_f holds a NaN: exit 1, the position named */
+    reals(m.p.ln_f_w)[3] = (lg_real)NAN;
+    int rc = lg_hf_save(&m, "build/test-gen-nan", &err);
+    lg_model_free(&m);
+    if (rc != 0) { check(r, 0, "%s", err.msg); return; }
+    expect_program(r, "OMP_NUM_THREADS=1 ./tools/generate", "--load build/test-gen-nan "
+                   "--prompt-ids '1 2 3' --temperature 0", 1,
+                   "generate: generation: the logits at position 2 are not finite");
+    expect_program(r, "OMP_NUM_THREADS=1 ./tools/generate", "--load build/test-gen-nan "
+                   "--prompt-ids '1 2 3 4 5'", 1, "the logits at position 4 are not finite");
+}
+
 /* --- LoRA step directories ------------------------------------------------------------------- */
 
 static int gen_copy_file(const char *from, const char *to) {
@@ -655,6 +715,7 @@ static void test_generate_all(results *r) {
     test_gen_plan_matches_allocation(r, "test-llama", 12);
     test_gen_plan_llama3(r);
     test_gen_sampling(r);
+    test_gen_not_finite(r);
     static const char *const families[4] = {"gpt2", "pythia", "llama", "falcon"};
     for (int k = 0; k < 4; k++) test_gen_lora_dir(r, families[k]);
     test_gen_tool_ids(r, "tests/hf/gpt2");
