@@ -668,6 +668,73 @@ static void test_gen_tool_errors(results *r) {
                    "cache of 6 positions");
 }
 
+/* DIR: tests/hf/llama (its two shards) with "eos_token_id": value put first in FILE (config.json or
+   generation_config.json, the latter made with just it). */
+static int gen_llama_with_eos(const char *dir, const char *file, const char *value) {
+    static const char *const weights[3] = {"model-00001-of-00002.safetensors",
+                                           "model-00002-of-00002.safetensors",
+                                           "model.safetensors.index.json"};
+    char path[256], from[256], text[8192];
+    mkdir(dir, 0755);
+    for (int k = 0; k < 3; k++) {
+        snprintf(from, sizeof from, "tests/hf/llama/%s", weights[k]);
+        snprintf(path, sizeof path, "%s/%s", dir, weights[k]);
+        if (gen_copy_file(from, path) != 0) return -1;
+    }
+    FILE *in = fopen("tests/hf/llama/config.json", "rb");
+    size_t n = in ? fread(text, 1, sizeof text - 1, in) : 0;
+    if (in) fclose(in);
+    text[n] = '\0';
+    char *brace = strchr(text, '{');
+    if (!brace) return -1;
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    FILE *out = fopen(path, "wb");
+    if (!out) return -1;
+    int config = strcmp(file, "config.json") == 0;
+    fprintf(out, "{%s%s%s%s", config ? "\"eos_token_id\": " : "", config ? value : "",
+            config ? ", " : "", brace + 1);
+    fclose(out);
+    snprintf(path, sizeof path, "%s/generation_config.json", dir);
+    remove(path);
+    if (config) return 0;
+    out = fopen(path, "wb");
+    if (!out) return -1;
+    fprintf(out, "{\"eos_token_id\": %s}\n", value);
+    return fclose(out);
+}
+
+/* eos_token_id past what an int holds (4294967298 wrapped to 2), negative, not a number, or
+   past the vocabulary: refused naming the file and the field; ids in range stop generation. */
+static void test_gen_tool_eos(results *r) {
+    static const struct { const char *file, *value, *want; } cases[5] = {
+        {"config.json", "4294967298", "build/test-gen-eos/config.json: eos_token_id 4294967298 is not a token id of the model (0 .. 31)"},
+        {"generation_config.json", "[2, -1]", "build/test-gen-eos/generation_config.json: eos_token_id -1 is not a token id of the model (0 .. 31)"},
+        {"config.json", "32", "build/test-gen-eos/config.json: eos_token_id 32 is not a token id"},
+        {"config.json", "\"2\"", "config.json: eos_token_id \"2\" is not a token id"},
+        {"generation_config.json", "1.5", "generation_config.json: eos_token_id 1.5 is not a token id"}};
+    for (int k = 0; k < 5; k++) {
+        if (gen_llama_with_eos("build/test-gen-eos", cases[k].file, cases[k].value) != 0) {
+            check(r, 0, "build/test-gen-eos: could not be written");
+            return;
+        }
+        expect_program(r, "OMP_NUM_THREADS=1 ./tools/generate", "--load build/test-gen-eos "
+                       "--prompt-ids '1 2 3' --temperature 0", 2, cases[k].want);
+    }
+    /* in range: the greedy continuation's first token as the stop id ends it after one token */
+    char first[256], cmd[512], got[256];
+    int code = gen_run("OMP_NUM_THREADS=1 ./tools/generate --load tests/hf/llama --prompt-ids '1 2 3' "
+                       "--max-new-tokens 6 --temperature 0 --ids 2>/dev/null", first, sizeof first, NULL, 0);
+    char id[16];
+    snprintf(id, sizeof id, "[%d]", atoi(first));
+    int ok = code == 0 && gen_llama_with_eos("build/test-gen-eos", "generation_config.json", id) == 0;
+    snprintf(cmd, sizeof cmd, "OMP_NUM_THREADS=1 ./tools/generate --load build/test-gen-eos "
+             "--prompt-ids '1 2 3' --max-new-tokens 6 --temperature 0 --ids 2>/dev/null");
+    ok = ok && gen_run(cmd, got, sizeof got, NULL, 0) == 0 && atoi(got) == atoi(first) &&
+         !strchr(got, ' ') && strchr(first, ' ');
+    check(r, ok, "eos_token_id %s (the first greedy token of \"%s\"): generation stops after it: "
+          "\"%s\"", id, first, got);
+}
+
 /* test-llama widened (C 128, I 512, 8 heads in 2 groups) on every thread: the dot products and
    attention's heads split over threads. */
 static void test_gen_threads(results *r) {
@@ -726,6 +793,7 @@ static void test_generate_all(results *r) {
     test_gen_tool_lora(r);
     test_gen_tool_text(r);
     test_gen_tool_errors(r);
+    test_gen_tool_eos(r);
 #ifdef _OPENMP
     omp_set_num_threads(threads);
 #endif

@@ -193,22 +193,33 @@ static int wants_bos(const char *tokenizer_dir, const lg_config *cfg) {
     return lg_hf_family_of(cfg, &family, NULL) == 0 && family == LG_HF_LLAMA;
 }
 
+/* eos_token_id's node `at` of DIR/NAME (doc) as a stop id, or exit 2 naming the file and the
+   field when it is not an id of the model's vocabulary (vocab: padded_vocab_size). */
+static int stop_id_of(const lg_json *doc, int at, const char *dir, const char *name, int vocab) {
+    long id = -1;
+    size_t quote = doc->nodes[at].kind == LG_JSON_STRING, start = doc->nodes[at].start - quote;
+    if (lg_json_int(doc, at, &id) != 0 || id < 0 || id >= vocab)
+        die(2, "%s/%s: eos_token_id %.*s is not a token id of the model (0 .. %d)", dir, name,
+            (int)(doc->nodes[at].end + quote - start), doc->text + start, vocab - 1);
+    return (int)id;
+}
+
 /* The stop ids: the tokenizer's end of sequence and eos_token_id (a number or a list) of the
    model's generation_config.json and config.json. */
 static void stop_ids(const lg_gen_source *src, const lg_tokenizer *tok, lg_tokens *stop) {
     static const char *const files[2] = {"generation_config.json", "config.json"};
+    int vocab = src->cfg.padded_vocab_size;
     if (tok && tok->eos >= 0) lg_tokens_push(stop, tok->eos);
     for (int f = 0; f < 2; f++) {
         lg_json doc;
         char *text;
         if (read_json(src->dir, files[f], &doc, &text) != 0) continue;
         int at = lg_json_find(&doc, 0, "eos_token_id");
-        long id;
         if (at >= 0 && doc.nodes[at].kind == LG_JSON_ARRAY) {
             for (int k = doc.nodes[at].first_child; k >= 0; k = doc.nodes[k].next)
-                if (lg_json_int(&doc, k, &id) == 0) lg_tokens_push(stop, (int)id);
-        } else if (at >= 0 && lg_json_int(&doc, at, &id) == 0) {
-            lg_tokens_push(stop, (int)id);
+                lg_tokens_push(stop, stop_id_of(&doc, k, src->dir, files[f], vocab));
+        } else if (at >= 0 && doc.nodes[at].kind != LG_JSON_NULL) {
+            lg_tokens_push(stop, stop_id_of(&doc, at, src->dir, files[f], vocab));
         }
         lg_json_free(&doc);
         free(text);
