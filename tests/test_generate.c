@@ -638,6 +638,49 @@ static void test_gen_tool_chat(results *r) {
                    "--template llama3 --tokenizer data/llama3", 2, "outside the model's vocabulary");
 }
 
+/* tools/generate --chat's input: a line of 66,000 bytes (past the 64 KiB a line once had) is
+   one turn with one reply; a NUL byte is refused naming the line; --max-new-tokens 0 is
+   refused. */
+static void test_gen_tool_chat_input(results *r) {
+    lg_config cfg;
+    lg_model m;
+    lg_error err;
+    if (load_config_or_fail(r, &cfg, "test-llama31")) return;
+    cfg.vocab_size = cfg.padded_vocab_size = 128256;
+    cfg.block_size = 2048;
+    if (lg_model_create(&m, &cfg, 1, 8, &err) != 0) { check(r, 0, "%s", err.msg); return; }
+    lg_model_init_weights(&m, 5);
+    int rc = lg_hf_save(&m, "build/test-gen-chat-long", &err);
+    lg_model_free(&m);
+    if (rc != 0) { check(r, 0, "%s", err.msg); return; }
+    FILE *f = fopen("build/test-gen-chat-long.txt", "wb");
+    for (int i = 0; f && i < 66000; i++) fputc('=', f); /* 1,032 tokens of 64 '=' and less */
+    if (f) fputs("\nshort one\n", f);
+    if (!f || fclose(f) != 0) { check(r, 0, "build/test-gen-chat-long.txt: not written"); return; }
+    char last[512], all[16384];
+    int code = gen_run("OMP_NUM_THREADS=1 ./tools/generate --load build/test-gen-chat-long "
+                       "--tokenizer data/llama3 --chat --template llama3 --context 1100 "
+                       "--max-new-tokens 2 --temperature 0 < build/test-gen-chat-long.txt 2>&1",
+                       last, sizeof last, all, sizeof all);
+    int replies = 0, prefills[2] = {0, 0};
+    for (const char *p = all; (p = strstr(p, "prefill: ")) != NULL; p++)
+        if (replies < 2) prefills[replies++] = atoi(p + 9);
+        else replies++;
+    /* the first turn: the line's 1,032 tokens (tools/prepare encode) and the template's few */
+    check(r, code == 0 && replies == 2 && prefills[0] > 1032 && prefills[0] < 1080 && prefills[1] < 40,
+          "tools/generate --chat: a line of 66,000 bytes and a short one are 2 turns, 2 replies "
+          "(exit %d, %d replies, prefills of %d and %d tokens)", code, replies, prefills[0], prefills[1]);
+    expect_program(r, "printf 'fine\\nhi\\0there\\n' | OMP_NUM_THREADS=1 ./tools/generate",
+                   "--load build/test-gen-chat --tokenizer data/llama3 --chat --template llama3 "
+                   "--max-new-tokens 1", 2, "generate: --chat: standard input line 2 holds a NUL "
+                   "byte (after 2 bytes): a turn is text");
+    expect_program(r, "printf 'hi\\n' | OMP_NUM_THREADS=1 ./tools/generate",
+                   "--load build/test-gen-chat --tokenizer data/llama3 --chat --max-new-tokens 0",
+                   2, "generate: --chat --max-new-tokens 0: a reply needs a token at least");
+    expect_program(r, "OMP_NUM_THREADS=1 ./tools/generate", "--load tests/hf/llama --prompt-ids "
+                   "'1 2 3' --max-new-tokens 0 --ids", 0, "decode: 0 tokens");
+}
+
 static void test_gen_tool_errors(results *r) {
     const char *g = "OMP_NUM_THREADS=1 ./tools/generate";
     mkdir("build/test-gen-noweights", 0755); /* config.json alone */
@@ -789,6 +832,7 @@ static void test_generate_all(results *r) {
     test_gen_tool_ids(r, "tests/hf/llama31");
     test_gen_continue(r);
     test_gen_tool_chat(r);
+    test_gen_tool_chat_input(r);
     test_gen_tool_ids(r, "tests/hf/falcon");
     test_gen_tool_lora(r);
     test_gen_tool_text(r);

@@ -127,6 +127,7 @@ static void parse_args(int argc, char **argv, generate_args *a) {
     if (!a->chat && (a->template_name || a->system || a->context))
         die(2, "--template, --system and --context go with --chat");
     if (a->top_p <= 0.0f) die(2, "--top-p must be above 0");
+    if (a->chat && a->max_new == 0) die(2, "--chat --max-new-tokens 0: a reply needs a token at least");
 }
 
 /* --prompt-ids "ID ...". */
@@ -319,7 +320,7 @@ static void chat_add(lg_chat *c, lg_chat_role role, const char *text, size_t n) 
     lg_chat_turn *turns = (lg_chat_turn *)realloc(c->turns, sizeof *turns * (size_t)(c->n + 1));
     char *copy = (char *)malloc(n + 1);
     if (!turns || !copy) die(1, "out of memory");
-    memcpy(copy, text, n);
+    if (n) memcpy(copy, text, n); /* an empty reply's text may be NULL */
     copy[n] = '\0';
     turns[c->n].role = role;
     turns[c->n].content = copy;
@@ -398,6 +399,22 @@ static void chat_reply(chat_session *cs, streamer *out) {
     print_speed(&st);
 }
 
+/* Line line_no of standard input, however long, into line (without its end of line); 0 at
+   the end of the input. A NUL byte is refused: a turn is text. */
+static int read_turn(lg_text *line, long line_no) {
+    int c;
+    line->n = 0;
+    while ((c = getchar()) != EOF && c != '\n') {
+        if (c == '\0')
+            die(2, "--chat: standard input line %ld holds a NUL byte (after %zu bytes): a turn "
+                   "is text", line_no, line->n);
+        char byte = (char)c;
+        if (lg_text_append(line, &byte, 1) != 0) die(1, "out of memory");
+    }
+    if (line->n > 0 && line->bytes[line->n - 1] == '\r') line->n--;
+    return c != EOF || line->n > 0;
+}
+
 /* --chat: each line of standard input is a user turn; EOF ends. */
 static void run_chat(const generate_args *a, const lg_gen_source *src, const lg_tokenizer *tok,
                      const lg_tokens *stop, int threads) {
@@ -424,15 +441,15 @@ static void run_chat(const generate_args *a, const lg_gen_source *src, const lg_
     fprintf(stderr, "chat: template %s, %d positions; a line is a turn, end with EOF\n",
             lg_chat_template_name(cs.template_id), positions);
     streamer out = {tok, {NULL, 0, 0}, stop};
-    char line[1 << 16];
-    while (fgets(line, sizeof line, stdin)) {
-        size_t n = strcspn(line, "\r\n");
-        if (n == 0) continue;
-        chat_add(&cs.chat, LG_ROLE_USER, line, n);
+    lg_text line = {NULL, 0, 0};
+    for (long line_no = 1; read_turn(&line, line_no); line_no++) {
+        if (line.n == 0) continue;
+        chat_add(&cs.chat, LG_ROLE_USER, line.bytes, line.n);
         chat_prompt_ids(cs.template_id, &cs.chat, tok, &cs.prompt);
         chat_check_vocab(&cs.prompt, src->cfg.padded_vocab_size);
         chat_reply(&cs, &out);
     }
+    lg_text_free(&line);
     lg_generator_free(&g);
 }
 
