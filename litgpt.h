@@ -1870,8 +1870,9 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
    ranks. */
 int lg_trainer_evaluate(lg_trainer *tr, lg_loader *ld, int n_batches, double *mean_loss,
                         lg_error *err);
-/* lg_model_generate on rank 0 (the other ranks take part in the gathers). */
-void lg_trainer_generate(lg_trainer *tr, int *tokens, int n_prompt, int n_new,
+/* lg_model_generate on rank 0 (the other ranks take part in the gathers), drawing among ids
+   0 .. vocab - 1 (lg_gen_vocab; 0 or past vocab_size: vocab_size). */
+void lg_trainer_generate(lg_trainer *tr, int *tokens, int n_prompt, int n_new, int vocab,
                          float temperature, lg_rng *rng);
 /* The weights (n_params) in the whole layout, into a buffer of any type. */
 void lg_trainer_weights(lg_trainer *tr, lg_buf whole);
@@ -1914,6 +1915,12 @@ typedef struct {
     int vocab;              /* ids drawn: 0 .. vocab - 1, the tokenizer's size, where the head's
                                vocab_size rows include padding; 0: all vocab_size */
 } lg_gen_spec;
+
+/* The ids generation draws from, 0 .. n - 1, for a tokenizer tok (NULL: none known): its own
+   where config.json's vocab_size counts rows of padding past them (Qwen3: 151,936 rows, 151,669
+   tokens), else vocab_size. The one rule of tools/generate (lg_gen_spec.vocab) and ./train's
+   samples (lg_trainer_generate). */
+int lg_gen_vocab(const lg_config *cfg, const lg_tokenizer *tok);
 
 /* The plan of a generation: one rank, one pool, regions weights, kv_cache.keys and .values,
    the working set of one forward, the logits of one position and the scratch. */
@@ -15113,7 +15120,7 @@ int lg_trainer_evaluate(lg_trainer *tr, lg_loader *ld, int n_batches, double *me
     return 0;
 }
 
-void lg_trainer_generate(lg_trainer *tr, int *tokens, int n_prompt, int n_new,
+void lg_trainer_generate(lg_trainer *tr, int *tokens, int n_prompt, int n_new, int vocab,
                          float temperature, lg_rng *rng) {
     const lg_model *m = &tr->ranks[0].model;
     int Vp = m->cfg.padded_vocab_size;
@@ -15130,7 +15137,7 @@ void lg_trainer_generate(lg_trainer *tr, int *tokens, int n_prompt, int n_new,
         lg_visit row = lg_visit_start(&m->exec, lg_head_logits_row(m, mb[0].T, mb[0].T - 1),
                                       (size_t)Vp, (size_t)Vp, LG_VISIT_READ);
         while (lg_visit_next(&row))
-            tokens[n] = lg_sample_token(row.piece, m->cfg.vocab_size, temperature, rng);
+            tokens[n] = lg_sample_token(row.piece, vocab > 0 && vocab < m->cfg.vocab_size ? vocab : m->cfg.vocab_size, temperature, rng);
     }
 }
 
@@ -16041,6 +16048,11 @@ int lg_trainer_load_hf(lg_trainer *tr, const char *dir, lg_error *err) {
 }
 
 /* 16. generation: KV cache, sampling ---------------------------------------------------------- */
+
+int lg_gen_vocab(const lg_config *cfg, const lg_tokenizer *tok) {
+    return tok && tok->vocab_size > 0 && tok->vocab_size < cfg->vocab_size ? tok->vocab_size
+                                                                            : cfg->vocab_size;
+}
 
 /* The widest input of a block linear or the head: one token's row of it in fp32. */
 static int lg_gen_widest_input(const lg_config *c) {

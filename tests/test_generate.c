@@ -681,6 +681,70 @@ static void test_gen_tool_chat_input(results *r) {
                    "'1 2 3' --max-new-tokens 0 --ids", 0, "decode: 0 tokens");
 }
 
+/* The ids after "sample: " (prompt and new) in text, into ids (cap); how many. */
+static int gen_sample_ids(const char *text, int *ids, int cap) {
+    const char *at = strstr(text, "sample: ");
+    int n = 0;
+    for (at = at ? at + 8 : NULL; at && n < cap;) {
+        char *end;
+        long id = strtol(at, &end, 10);
+        if (end == at) break;
+        ids[n++] = (int)id;
+        at = end;
+    }
+    return n;
+}
+
+/* A model whose config.json has 128,512 rows (padding past Llama 3's tokenizer's 128,256),
+   the padding's head rows scaled 8x so that a padded id holds the largest logit: ./train's
+   samples and tools/generate draw the same greedy ids, none past the tokenizer's
+   (lg_gen_vocab, one rule), while lg_model_generate over all rows picks a padded one. */
+static void test_gen_sample_vocab(results *r) {
+    enum { TOKENS = 128256, ROWS = 128512 };
+    lg_config cfg;
+    lg_model m;
+    lg_error err;
+    if (load_config_or_fail(r, &cfg, "test-llama31")) return;
+    cfg.vocab_size = cfg.padded_vocab_size = ROWS;
+    cfg.block_size = 64;
+    if (lg_model_create(&m, &cfg, 1, 16, &err) != 0) { check(r, 0, "%s", err.msg); return; }
+    lg_model_init_weights(&m, 7);
+    lg_real *head = reals(m.p.lm_head_w); /* (ROWS, C) */
+    for (size_t k = (size_t)TOKENS * cfg.n_embd; k < (size_t)ROWS * cfg.n_embd; k++) head[k] *= 8;
+    int all_rows[16] = {1, 2, 3};
+    lg_model_generate(&m, all_rows, 3, 1, 0.0f, NULL);
+    int rc = lg_hf_save(&m, "build/test-gen-padded", &err);
+    lg_model_free(&m);
+    if (rc != 0) { check(r, 0, "%s", err.msg); return; }
+    gen_copy_file("data/llama3/tokenizer.json", "build/test-gen-padded/tokenizer.json");
+    remove("build/test-gen-padded/" LG_CHECKPOINT_MARKER); /* a Hugging Face directory: no marker */
+    FILE *f = fopen("build/test-gen-padded.txt", "w");
+    if (f) fputs("Hello world, and hello again to everyone here.\n", f);
+    if (f) fclose(f);
+    char train_out[16384], generated[512], line[512];
+    int code = system("./tools/prepare text --tokenizer data/llama3 --out build/test-gen-padded.bin "
+                      "build/test-gen-padded.txt > /dev/null 2>&1");
+    int tcode = gen_run("OMP_NUM_THREADS=1 ./train --load build/test-gen-padded --val-data "
+                        "build/test-gen-padded.bin -t 8 --max-steps 0 --eval-iters 1 -p 32-true "
+                        "--prompt '1 2 3' --sample-tokens 6 2>&1", line, sizeof line, train_out,
+                        sizeof train_out);
+    int gcode = gen_run("OMP_NUM_THREADS=1 ./tools/generate --load build/test-gen-padded "
+                        "--prompt-ids '1 2 3' --max-new-tokens 6 --temperature 0 --ids 2>/dev/null",
+                        generated, sizeof generated, NULL, 0);
+    int sample[16], n = gen_sample_ids(train_out, sample, 16), outside = 0;
+    char train_ids[256] = "";
+    for (int i = 3; i < n; i++) {
+        outside += sample[i] >= TOKENS;
+        snprintf(train_ids + strlen(train_ids), sizeof train_ids - strlen(train_ids), "%s%d",
+                 i > 3 ? " " : "", sample[i]);
+    }
+    check(r, code == 0 && tcode == 0 && gcode == 0 && n == 9 && outside == 0 &&
+          strcmp(train_ids, generated) == 0 && all_rows[3] >= TOKENS,
+          "%d rows, %d tokens: ./train --sample-tokens 6 draws \"%s\", tools/generate \"%s\" "
+          "(%d past the tokenizer's); over all rows the first greedy id would be %d",
+          ROWS, TOKENS, train_ids, generated, outside, all_rows[3]);
+}
+
 static void test_gen_tool_errors(results *r) {
     const char *g = "OMP_NUM_THREADS=1 ./tools/generate";
     mkdir("build/test-gen-noweights", 0755); /* config.json alone */
@@ -838,6 +902,7 @@ static void test_generate_all(results *r) {
     test_gen_tool_text(r);
     test_gen_tool_errors(r);
     test_gen_tool_eos(r);
+    test_gen_sample_vocab(r);
 #ifdef _OPENMP
     omp_set_num_threads(threads);
 #endif

@@ -427,8 +427,8 @@ static void run_chat(const generate_args *a, const lg_gen_source *src, const lg_
     int positions = a->context ? a->context : src->cfg.block_size < 4096 ? src->cfg.block_size : 4096;
     if (positions > src->cfg.block_size)
         die(2, "--context %d: the model's context is %d tokens", positions, src->cfg.block_size);
-    int vocab = tok->vocab_size < src->cfg.vocab_size ? tok->vocab_size : 0;
-    lg_gen_spec spec = {positions, positions < 512 ? positions : 512, a->precision, threads, vocab};
+    lg_gen_spec spec = {positions, positions < 512 ? positions : 512, a->precision, threads,
+                        lg_gen_vocab(&src->cfg, tok)};
     lg_generator g;
     open_generator(a, src, &spec, &g);
     cs.g = &g;
@@ -485,9 +485,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "generate: --max-new-tokens %d: the model's context is %d tokens, the "
                 "prompt %zu: generating at most %d\n", a.max_new, src.cfg.block_size, prompt.n, max_new);
     }
-    /* draws stay among the tokenizer's ids where config.json's vocab_size counts padding */
-    int vocab = have_tok && tok.vocab_size < src.cfg.vocab_size ? tok.vocab_size : 0;
-    lg_gen_spec spec = {(int)prompt.n + max_new, (int)prompt.n, a.precision, threads, vocab};
+    lg_gen_spec spec = {(int)prompt.n + max_new, (int)prompt.n, a.precision, threads,
+                        lg_gen_vocab(&src.cfg, have_tok ? &tok : NULL)};
     lg_generator g;
     open_generator(&a, &src, &spec, &g);
     lg_sampling s = lg_sampling_default();
