@@ -14066,26 +14066,66 @@ const char *lg_args_resume_conflict(const lg_args *run, const lg_args *now) {
     return NULL;
 }
 
-/* LoRA: the checkpoint's adapters were trained over the trainer's base, by base_hash. */
-static int lg_checkpoint_same_base(lg_trainer *tr, const char *dir, lg_error *err) {
-    if (tr->plan.cfg.lora.r == 0) return 0;
+/* LoRA: the adapters of checkpoint dir were trained over the base of hash `hash` (ours names
+   it: "this run's base DIR"), by LG_RUN_SETTINGS' base_hash; -1 naming both bases when not, or
+   when the checkpoint records no hash. Resume and tools/generate check so. */
+static int lg_adapters_same_base(const char *dir, uint64_t hash, const char *ours, lg_error *err) {
     lg_run_settings *s = (lg_run_settings *)LG_MALLOC(sizeof *s);
     if (!s) return lg_fail(err, "out of host memory");
     int rc = lg_run_settings_read(dir, s, err);
-    char recorded[LG_PATH_MAX + 64], ours[LG_PATH_MAX + 64];
-    uint64_t hash = lg_trainer_base_hash(tr);
+    char recorded[LG_PATH_MAX + 64];
     lg_format(recorded, sizeof recorded, "%s", !s->has_base ? "(not recorded)"
                                               : s->base_loaded ? s->base_dir : "one drawn at random");
-    lg_format(ours, sizeof ours, "%s", tr->base_loaded ? tr->base_model : "one drawn at random");
     if (rc == 1 || (rc == 0 && !s->has_base_hash))
         rc = lg_fail(err, "checkpoint %s: no base_hash in " LG_RUN_SETTINGS ": it does not say "
-                          "which base its adapters were trained over, so they are not resumed "
-                          "over %s", dir, ours);
+                          "which base its adapters were trained over, so they are not applied "
+                          "to %s", dir, ours);
     else if (rc == 0 && s->base_hash != hash)
         rc = lg_fail(err, "checkpoint %s: its adapters were trained over base %s (hash %016llx), "
-                          "this run's base %s has hash %016llx", dir, recorded,
-                     (unsigned long long)s->base_hash, ours, (unsigned long long)hash);
+                          "%s has hash %016llx", dir, recorded, (unsigned long long)s->base_hash,
+                     ours, (unsigned long long)hash);
     LG_FREE(s);
+    return rc;
+}
+
+/* LoRA: the checkpoint's adapters were trained over the trainer's base, by base_hash. */
+static int lg_checkpoint_same_base(lg_trainer *tr, const char *dir, lg_error *err) {
+    if (tr->plan.cfg.lora.r == 0) return 0;
+    char ours[LG_PATH_MAX + 64];
+    lg_format(ours, sizeof ours, "this run's base%s%s", tr->base_loaded ? " " : ", ",
+              tr->base_loaded ? tr->base_model : "one drawn at random,");
+    return lg_adapters_same_base(dir, lg_trainer_base_hash(tr), ours, err);
+}
+
+/* LoRA: FNV-1a of the base model `whole` (its whole layout, lg_real) as a run of cfg (its
+   adapters' targets and --quantize) with weight type `weights` holds it frozen: each tensor's
+   stored bytes in the frozen table's order, the weight type or NF4 (the bytes
+   lg_trainer_base_hash reads from a trainer). */
+static int lg_base_hash_of(const lg_config *cfg, lg_dtype weights, const lg_real *whole,
+                           uint64_t *hash, lg_error *err) {
+    lg_tensor_table table;
+    if (lg_table_alloc(&table, cfg) != 0) return lg_fail(err, "out of host memory");
+    lg_frozen_layout(cfg, lg_no_buf(), lg_no_buf(), NULL, &table, NULL);
+    size_t widest = 0;
+    for (int i = 0; i < table.n_tensors; i++)
+        widest = table.tensors[i].count > widest ? table.tensors[i].count : widest;
+    lg_buf stored = {LG_MALLOC(widest * sizeof(lg_real) + 1), weights}; /* one tensor's bytes */
+    int rc = stored.data ? 0 : lg_fail(err, "out of host memory hashing the base");
+    *hash = LG_HASH64_INIT;
+    for (int i = 0; i < table.n_tensors && rc == 0; i++) {
+        const lg_tensor_info *t = &table.tensors[i];
+        lg_buf values = lg_buf_of((lg_real *)whole + t->origin);
+        size_t bytes = t->count * lg_elem_size(weights);
+        if (t->packed != LG_DTYPE_F32) {
+            bytes = lg_nf4_bytes(t->count, cfg->lora.quantize);
+            rc = lg_nf4_quantize(values, t->count, cfg->lora.quantize, (uint8_t *)stored.data, err);
+        } else {
+            lg_copy(NULL, stored, values, t->count);
+        }
+        *hash = lg_hash64(*hash, stored.data, bytes);
+    }
+    LG_FREE(stored.data);
+    lg_tensor_table_free(&table);
     return rc;
 }
 
@@ -16461,6 +16501,33 @@ static int lg_gen_merge_adapters(lg_generator *g, const char *dir, lg_error *err
     return rc;
 }
 
+/* A LoRA step-N of this trainer (LG_RUN_SETTINGS beside its adapters): the base src->weights
+   names is the one its adapters were trained over, by the base_hash resume checks
+   (lg_adapters_same_base), g's weights hashed as the run held them (lg_base_hash_of: its
+   precision's weight type, NF4 under --quantize); read again in fp32 unless g holds them so.
+   Adapters from elsewhere (no LG_RUN_SETTINGS) record no hash to check. */
+static int lg_gen_same_base(const lg_generator *g, const lg_gen_source *src, lg_error *err) {
+    if (!lg_gen_file_exists(src->adapters, LG_RUN_SETTINGS)) return 0;
+    lg_run_settings *s = (lg_run_settings *)LG_MALLOC(sizeof *s);
+    if (!s) return lg_fail(err, "out of host memory");
+    int rc = lg_run_settings_read(src->adapters, s, err);
+    lg_config run = g->cfg;
+    run.lora = s->args.lora;
+    lg_dtype weights = lg_types_of(s->args.precision).weights;
+    LG_FREE(s);
+    int own = g->params.dtype == LG_DTYPE_F32; /* g's weights are the whole base in lg_real */
+    size_t n = lg_params_layout(&g->cfg, lg_no_buf(), NULL, NULL);
+    lg_real *whole = own ? (lg_real *)g->params.data : (lg_real *)LG_MALLOC(n * sizeof(lg_real) + 1);
+    if (rc == 0 && !whole) rc = lg_fail(err, "out of host memory for the base's weights");
+    if (rc == 0 && !own) rc = lg_hf_load_weights(&g->cfg, lg_buf_of(whole), src->weights, err);
+    uint64_t hash = 0;
+    if (rc == 0) rc = lg_base_hash_of(&run, weights, whole, &hash, err);
+    if (!own) LG_FREE(whole);
+    char ours[LG_PATH_MAX + 64];
+    lg_format(ours, sizeof ours, "the base %s that adapter_config.json names", src->weights);
+    return rc == 0 ? lg_adapters_same_base(src->adapters, hash, ours, err) : -1;
+}
+
 int lg_generator_load(lg_generator *g, const lg_gen_source *src, lg_error *err) {
     if (lg_params_layout(&src->cfg, lg_no_buf(), NULL, NULL) != lg_params_layout(&g->cfg, lg_no_buf(), NULL, NULL))
         return lg_fail(err, "%s: its model is not the one the generator was made for", src->dir);
@@ -16469,6 +16536,7 @@ int lg_generator_load(lg_generator *g, const lg_gen_source *src, lg_error *err) 
     if (lg_gen_file_exists(src->adapters, LG_CHECKPOINT_MARKER) &&
         lg_checkpoint_verify(src->adapters, NULL, err) != 0)
         return -1;
+    if (lg_gen_same_base(g, src, err) != 0) return -1;
     return lg_gen_merge_adapters(g, src->adapters, err);
 }
 

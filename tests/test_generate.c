@@ -494,6 +494,57 @@ static int gen_run(const char *cmd, char *line, size_t cap, char *all, size_t al
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
+/* A random model of tests/hf/llama's config (seed) saved as a Hugging Face directory. */
+static int gen_save_llama(results *r, const char *dir, uint64_t seed) {
+    lg_config cfg;
+    lg_model m;
+    lg_error err;
+    int rc = lg_hf_config_read(&cfg, "tests/hf/llama", &err);
+    if (rc == 0) rc = lg_model_create(&m, &cfg, 1, 8, &err);
+    if (rc == 0) {
+        lg_model_init_weights(&m, seed);
+        rc = lg_hf_save(&m, dir, &err);
+        lg_model_free(&m);
+    }
+    if (rc != 0) check(r, 0, "%s: %s", dir, err.msg);
+    return rc;
+}
+
+/* tools/generate --load a LoRA run's step-1 (adapters only) checks the base adapter_config.json
+   names by the base_hash resume checks: for 32-true, bf16-true and QLoRA (nf4, bf16-mixed)
+   runs the base as trained loads (the hash computed from the files equals the trainer's);
+   with the base's weights replaced by another model of the same shapes it is refused in one
+   line naming both (exit 1), as ./train --resume refuses it. */
+static void test_gen_lora_base_check(results *r) {
+    static const char *const modes[3] = {"-p 32-true", "-p bf16-true", "--quantize nf4"};
+    char cmd[768], base[64], run[64], want[256], line[512];
+    for (int k = 0; k < 3; k++) {
+        snprintf(base, sizeof base, "build/test-gen-base-%d", k);
+        snprintf(run, sizeof run, "build/test-gen-base-run-%d", k);
+        if (gen_save_llama(r, base, 3) != 0) return;
+        snprintf(cmd, sizeof cmd, "rm -rf %s && OMP_NUM_THREADS=1 ./train --load %s --lora-r 2 "
+                 "--lora-targets q,v,mlp %s --max-steps 2 -b 2 -t 8 --lr 0.05 --eval-every 0 "
+                 "--sample-tokens 1 --save-every 1 --out %s > /dev/null 2>&1", run, base,
+                 modes[k], run);
+        if (system(cmd) != 0) { check(r, 0, "%s: failed", cmd); return; }
+        /* generating in bf16 reads the base again in fp32 to hash it; in fp32 hashes its own */
+        const char *precision = k ? "bf16-true" : "32-true";
+        snprintf(cmd, sizeof cmd, "OMP_NUM_THREADS=1 ./tools/generate --load %s/step-1 -p %s "
+                 "--prompt-ids '3 1 4' --max-new-tokens 4 --temperature 0 --ids 2>/dev/null", run,
+                 precision);
+        int same = gen_run(cmd, line, sizeof line, NULL, 0);
+        check(r, same == 0 && strlen(line) > 0, "tools/generate -p %s --load %s/step-1 (%s) over "
+              "its own base %s: exit %d, ids \"%s\"", precision, run, modes[k], base, same, line);
+        if (gen_save_llama(r, base, 4) != 0) return; /* the same shapes, other weights */
+        snprintf(want, sizeof want, "generate: checkpoint %s/step-1: its adapters were trained "
+                 "over base %s (hash ", run, base);
+        snprintf(cmd, sizeof cmd, "--load %s/step-1 --prompt-ids '3 1 4' --max-new-tokens 4", run);
+        expect_program(r, "OMP_NUM_THREADS=1 ./tools/generate", cmd, 1, want);
+        snprintf(want, sizeof want, "), the base %s that adapter_config.json names has hash ", base);
+        expect_program(r, "OMP_NUM_THREADS=1 ./tools/generate", cmd, 1, want);
+    }
+}
+
 /* Greedy ids from lg_model_generate (recomputing) for a Hugging Face directory, as text. */
 static int gen_library_ids(results *r, const char *dir, const int *prompt, int P, int n_new,
                            char *text, size_t cap) {
@@ -899,6 +950,7 @@ static void test_generate_all(results *r) {
     test_gen_tool_chat_input(r);
     test_gen_tool_ids(r, "tests/hf/falcon");
     test_gen_tool_lora(r);
+    test_gen_lora_base_check(r);
     test_gen_tool_text(r);
     test_gen_tool_errors(r);
     test_gen_tool_eos(r);
