@@ -1517,6 +1517,10 @@ int lg_tokenizer_encode(const lg_tokenizer *tok, const char *text, size_t len, l
 /* Appends the bytes of the ids to out; fails on an id outside the vocabulary. */
 int lg_tokenizer_decode(const lg_tokenizer *tok, const int *ids, size_t n, lg_text *out,
                         lg_error *err);
+/* The id every sequence starts with, a training sample's (tools/prepare alpaca) as a prompt's
+   (tools/prepare encode --bos, tools/generate --prompt, the chat templates): the tokenizer's
+   BOS when it has one apart from EOS (Llama 2 and 3), else -1 (GPT-2's <|endoftext|> is both). */
+int lg_tokenizer_start_id(const lg_tokenizer *tok);
 /* The id of a token given by its text in the vocabulary's form, or -1. */
 int lg_tokenizer_find(const lg_tokenizer *tok, const char *piece, size_t len);
 int lg_tokens_push(lg_tokens *list, int id);  /* -1 when out of memory */
@@ -10154,6 +10158,10 @@ static int lg_chars_decode(lg_chars *c, const char *text, size_t len) {
 
 /* --- the vocabulary and merge tables ---------------------------------------------------------- */
 
+int lg_tokenizer_start_id(const lg_tokenizer *tok) {
+    return tok->bos >= 0 && tok->bos != tok->eos ? tok->bos : -1;
+}
+
 int lg_tokenizer_find(const lg_tokenizer *tok, const char *piece, size_t len) {
     if (!tok->piece_table) return -1;
     size_t mask = tok->piece_slots - 1;
@@ -11929,7 +11937,7 @@ static int lg_chat_single(const lg_chat *c, int gen, int alpaca, const char *bos
 int lg_chat_render(lg_chat_template t, const lg_chat *chat, const lg_tokenizer *tok,
                    int generation_prompt, lg_chat_rendered *out, lg_error *err) {
     char bos[128], eos[128];
-    lg_chat_special(tok, tok && tok->bos != tok->eos ? tok->bos : -1, bos, sizeof bos);
+    lg_chat_special(tok, tok ? lg_tokenizer_start_id(tok) : -1, bos, sizeof bos);
     lg_chat_special(tok, tok ? tok->eos : -1, eos, sizeof eos);
     out->text.n = 0;
     out->n_spans = 0;

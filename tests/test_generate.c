@@ -796,6 +796,36 @@ static void test_gen_sample_vocab(results *r) {
           ROWS, TOKENS, train_ids, generated, outside, all_rows[3]);
 }
 
+/* README's prompt path and the training data start alike (lg_tokenizer_start_id): tools/prepare
+   encode --bos puts Llama 3's BOS 128000 and Llama 2's 1 first, GPT-2 none (its BOS is its
+   EOS), the rest the plain encoding; tools/generate --prompt prefills the same 9 tokens. */
+static void test_gen_prompt_bos(results *r) {
+    static const struct { const char *tokenizer, *want; } cases[3] = {
+        {"data/llama3", "128000 39314 374 459 7754 382 14711 6075 512"},
+        {"data/llama2", "1 13866 338 385 15278 29889 13 13 2277 29937 13291 29901 13"},
+        {"data/gpt2", "21106 318 281 12064 13 198 198 21017 18261 25 198"}};
+    char cmd[512], with[512], without[512];
+    for (int k = 0; k < 3; k++) {
+        snprintf(cmd, sizeof cmd, "printf 'Below is an instruction.\\n\\n### Response:\\n' | "
+                 "./tools/prepare encode --tokenizer %s --bos", cases[k].tokenizer);
+        int a = gen_run(cmd, with, sizeof with, NULL, 0);
+        cmd[strlen(cmd) - 6] = '\0'; /* without --bos */
+        int b = gen_run(cmd, without, sizeof without, NULL, 0);
+        const char *rest = k < 2 ? strchr(with, ' ') + 1 : with;
+        check(r, a == 0 && b == 0 && strcmp(with, cases[k].want) == 0 && strcmp(rest, without) == 0,
+              "tools/prepare encode --tokenizer %s --bos: \"%s\" (without: \"%s\")",
+              cases[k].tokenizer, with, without);
+    }
+    char all[16384], last[512];
+    int code = gen_run("OMP_NUM_THREADS=1 ./tools/generate --load build/test-gen-chat --tokenizer "
+                       "data/llama3 --prompt \"$(printf 'Below is an instruction.\\n\\n### "
+                       "Response:\\n')\" --max-new-tokens 1 --temperature 0 2>&1", last,
+                       sizeof last, all, sizeof all);
+    check(r, code == 0 && strstr(all, "prefill: 9 tokens") && strstr(all, "\nBelow is an instruction.\n"),
+          "tools/generate --prompt (Llama 3's tokenizer): the 9 tokens of encode --bos prefilled, "
+          "the text shown without the BOS (exit %d): \"%s\"", code, last);
+}
+
 static void test_gen_tool_errors(results *r) {
     const char *g = "OMP_NUM_THREADS=1 ./tools/generate";
     mkdir("build/test-gen-noweights", 0755); /* config.json alone */
@@ -955,6 +985,7 @@ static void test_generate_all(results *r) {
     test_gen_tool_errors(r);
     test_gen_tool_eos(r);
     test_gen_sample_vocab(r);
+    test_gen_prompt_bos(r);
 #ifdef _OPENMP
     omp_set_num_threads(threads);
 #endif

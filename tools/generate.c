@@ -26,7 +26,8 @@ static const char usage[] =
     "                        (LoRA adapters applied to their base model)\n"
     "  --tokenizer PATH      tokenizer.json, or a directory with it or with encoder.json +\n"
     "                        vocab.bpe (default: DIR's, or the adapters' base model's)\n"
-    "  --prompt TEXT         text, through the tokenizer (with BOS where the model wants one)\n"
+    "  --prompt TEXT         text, through the tokenizer (the BOS that tools/prepare alpaca's\n"
+    "                        samples start with first)\n"
     "  --prompt-ids \"ID ...\" token ids, space-separated, as they are\n"
     "  --max-new-tokens N    (50) at most this many; the cache holds prompt + N\n"
     "  --temperature X       (0.8) 0: greedy\n"
@@ -180,20 +181,6 @@ static int read_json(const char *dir, const char *name, lg_json *doc, char **tex
     return -1;
 }
 
-/* tokenizer_config.json's add_bos_token; absent: Llama's layout wants one. */
-static int wants_bos(const char *tokenizer_dir, const lg_config *cfg) {
-    lg_json doc;
-    char *text;
-    if (read_json(tokenizer_dir, "tokenizer_config.json", &doc, &text) == 0) {
-        int at = lg_json_find(&doc, 0, "add_bos_token"), kind = at >= 0 ? (int)doc.nodes[at].kind : -1;
-        lg_json_free(&doc);
-        free(text);
-        if (kind == LG_JSON_TRUE || kind == LG_JSON_FALSE) return kind == LG_JSON_TRUE;
-    }
-    lg_hf_family family;
-    return lg_hf_family_of(cfg, &family, NULL) == 0 && family == LG_HF_LLAMA;
-}
-
 /* eos_token_id's node `at` of DIR/NAME (doc) as a stop id, or exit 2 naming the file and the
    field when it is not an id of the model's vocabulary (vocab: padded_vocab_size). */
 static int stop_id_of(const lg_json *doc, int at, const char *dir, const char *name, int vocab) {
@@ -276,7 +263,7 @@ static void print_speed(const lg_gen_stats *st) {
 /* The prompt's ids: --prompt-ids as given, or --prompt through the tokenizer; returns 1 when
    it put a BOS first. */
 static int prompt_of(const generate_args *a, const lg_gen_source *src, const lg_tokenizer *tok,
-                     const char *tok_dir, lg_tokens *prompt) {
+                     lg_tokens *prompt) {
     lg_error err;
     int bos = 0;
     if (a->prompt_ids) parse_ids(a->prompt_ids, prompt);
@@ -284,7 +271,8 @@ static int prompt_of(const generate_args *a, const lg_gen_source *src, const lg_
         die(2, "--prompt needs a tokenizer: %s has no tokenizer.json (nor encoder.json and "
                "vocab.bpe); name one with --tokenizer, or give --prompt-ids", src->dir);
     else {
-        if (wants_bos(tok_dir, &src->cfg) && tok->bos >= 0) bos = lg_tokens_push(prompt, tok->bos) == 0;
+        /* the id training samples start with (tools/prepare alpaca): a prompt is their prefix */
+        if (lg_tokenizer_start_id(tok) >= 0) bos = lg_tokens_push(prompt, lg_tokenizer_start_id(tok)) == 0;
         if (lg_tokenizer_encode(tok, a->prompt, strlen(a->prompt), prompt, &err) != 0)
             die(2, "--prompt: %s", err.msg);
     }
@@ -478,7 +466,7 @@ int main(int argc, char **argv) {
         run_chat(&a, &src, &tok, &stop, threads);
         return 0;
     }
-    int bos = prompt_of(&a, &src, have_tok ? &tok : NULL, tok_dir, &prompt);
+    int bos = prompt_of(&a, &src, have_tok ? &tok : NULL, &prompt);
     int max_new = a.max_new;
     if ((long)prompt.n + max_new > src.cfg.block_size) {
         max_new = src.cfg.block_size - (int)prompt.n;
