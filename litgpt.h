@@ -1517,6 +1517,10 @@ int lg_tokenizer_encode(const lg_tokenizer *tok, const char *text, size_t len, l
 /* Appends the bytes of the ids to out; fails on an id outside the vocabulary. */
 int lg_tokenizer_decode(const lg_tokenizer *tok, const int *ids, size_t n, lg_text *out,
                         lg_error *err);
+/* The id every sequence starts with, a training sample's (tools/prepare alpaca) as a prompt's
+   (tools/prepare encode --bos, tools/generate --prompt, the chat templates): the tokenizer's
+   BOS when it has one apart from EOS (Llama 2 and 3), else -1 (GPT-2's <|endoftext|> is both). */
+int lg_tokenizer_start_id(const lg_tokenizer *tok);
 /* The id of a token given by its text in the vocabulary's form, or -1. */
 int lg_tokenizer_find(const lg_tokenizer *tok, const char *piece, size_t len);
 int lg_tokens_push(lg_tokens *list, int id);  /* -1 when out of memory */
@@ -1870,8 +1874,9 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
    ranks. */
 int lg_trainer_evaluate(lg_trainer *tr, lg_loader *ld, int n_batches, double *mean_loss,
                         lg_error *err);
-/* lg_model_generate on rank 0 (the other ranks take part in the gathers). */
-void lg_trainer_generate(lg_trainer *tr, int *tokens, int n_prompt, int n_new,
+/* lg_model_generate on rank 0 (the other ranks take part in the gathers), drawing among ids
+   0 .. vocab - 1 (lg_gen_vocab; 0 or past vocab_size: vocab_size). */
+void lg_trainer_generate(lg_trainer *tr, int *tokens, int n_prompt, int n_new, int vocab,
                          float temperature, lg_rng *rng);
 /* The weights (n_params) in the whole layout, into a buffer of any type. */
 void lg_trainer_weights(lg_trainer *tr, lg_buf whole);
@@ -1914,6 +1919,12 @@ typedef struct {
     int vocab;              /* ids drawn: 0 .. vocab - 1, the tokenizer's size, where the head's
                                vocab_size rows include padding; 0: all vocab_size */
 } lg_gen_spec;
+
+/* The ids generation draws from, 0 .. n - 1, for a tokenizer tok (NULL: none known): its own
+   where config.json's vocab_size counts rows of padding past them (Qwen3: 151,936 rows, 151,669
+   tokens), else vocab_size. The one rule of tools/generate (lg_gen_spec.vocab) and ./train's
+   samples (lg_trainer_generate). */
+int lg_gen_vocab(const lg_config *cfg, const lg_tokenizer *tok);
 
 /* The plan of a generation: one rank, one pool, regions weights, kv_cache.keys and .values,
    the working set of one forward, the logits of one position and the scratch. */
@@ -1989,7 +2000,8 @@ typedef struct {
     int n_stop;
 } lg_sampling;
 lg_sampling lg_sampling_default(void); /* LitGPT's generate: 0.8, top_k 50, top_p 1, no stop */
-/* The token drawn from logits (V); probs and order (V) are scratch. */
+/* The token drawn from logits (V); probs and order (V) are scratch. -1 when a logit is NaN
+   or infinite (a NaN weight, an overflow): nothing to draw from. */
 int lg_sample(const lg_real *logits, int V, const lg_sampling *s, lg_rng *rng, lg_real *probs,
               int *order);
 
@@ -10146,6 +10158,10 @@ static int lg_chars_decode(lg_chars *c, const char *text, size_t len) {
 
 /* --- the vocabulary and merge tables ---------------------------------------------------------- */
 
+int lg_tokenizer_start_id(const lg_tokenizer *tok) {
+    return tok->bos >= 0 && tok->bos != tok->eos ? tok->bos : -1;
+}
+
 int lg_tokenizer_find(const lg_tokenizer *tok, const char *piece, size_t len) {
     if (!tok->piece_table) return -1;
     size_t mask = tok->piece_slots - 1;
@@ -11921,7 +11937,7 @@ static int lg_chat_single(const lg_chat *c, int gen, int alpaca, const char *bos
 int lg_chat_render(lg_chat_template t, const lg_chat *chat, const lg_tokenizer *tok,
                    int generation_prompt, lg_chat_rendered *out, lg_error *err) {
     char bos[128], eos[128];
-    lg_chat_special(tok, tok && tok->bos != tok->eos ? tok->bos : -1, bos, sizeof bos);
+    lg_chat_special(tok, tok ? lg_tokenizer_start_id(tok) : -1, bos, sizeof bos);
     lg_chat_special(tok, tok ? tok->eos : -1, eos, sizeof eos);
     out->text.n = 0;
     out->n_spans = 0;
@@ -14058,26 +14074,66 @@ const char *lg_args_resume_conflict(const lg_args *run, const lg_args *now) {
     return NULL;
 }
 
-/* LoRA: the checkpoint's adapters were trained over the trainer's base, by base_hash. */
-static int lg_checkpoint_same_base(lg_trainer *tr, const char *dir, lg_error *err) {
-    if (tr->plan.cfg.lora.r == 0) return 0;
+/* LoRA: the adapters of checkpoint dir were trained over the base of hash `hash` (ours names
+   it: "this run's base DIR"), by LG_RUN_SETTINGS' base_hash; -1 naming both bases when not, or
+   when the checkpoint records no hash. Resume and tools/generate check so. */
+static int lg_adapters_same_base(const char *dir, uint64_t hash, const char *ours, lg_error *err) {
     lg_run_settings *s = (lg_run_settings *)LG_MALLOC(sizeof *s);
     if (!s) return lg_fail(err, "out of host memory");
     int rc = lg_run_settings_read(dir, s, err);
-    char recorded[LG_PATH_MAX + 64], ours[LG_PATH_MAX + 64];
-    uint64_t hash = lg_trainer_base_hash(tr);
+    char recorded[LG_PATH_MAX + 64];
     lg_format(recorded, sizeof recorded, "%s", !s->has_base ? "(not recorded)"
                                               : s->base_loaded ? s->base_dir : "one drawn at random");
-    lg_format(ours, sizeof ours, "%s", tr->base_loaded ? tr->base_model : "one drawn at random");
     if (rc == 1 || (rc == 0 && !s->has_base_hash))
         rc = lg_fail(err, "checkpoint %s: no base_hash in " LG_RUN_SETTINGS ": it does not say "
-                          "which base its adapters were trained over, so they are not resumed "
-                          "over %s", dir, ours);
+                          "which base its adapters were trained over, so they are not applied "
+                          "to %s", dir, ours);
     else if (rc == 0 && s->base_hash != hash)
         rc = lg_fail(err, "checkpoint %s: its adapters were trained over base %s (hash %016llx), "
-                          "this run's base %s has hash %016llx", dir, recorded,
-                     (unsigned long long)s->base_hash, ours, (unsigned long long)hash);
+                          "%s has hash %016llx", dir, recorded, (unsigned long long)s->base_hash,
+                     ours, (unsigned long long)hash);
     LG_FREE(s);
+    return rc;
+}
+
+/* LoRA: the checkpoint's adapters were trained over the trainer's base, by base_hash. */
+static int lg_checkpoint_same_base(lg_trainer *tr, const char *dir, lg_error *err) {
+    if (tr->plan.cfg.lora.r == 0) return 0;
+    char ours[LG_PATH_MAX + 64];
+    lg_format(ours, sizeof ours, "this run's base%s%s", tr->base_loaded ? " " : ", ",
+              tr->base_loaded ? tr->base_model : "one drawn at random,");
+    return lg_adapters_same_base(dir, lg_trainer_base_hash(tr), ours, err);
+}
+
+/* LoRA: FNV-1a of the base model `whole` (its whole layout, lg_real) as a run of cfg (its
+   adapters' targets and --quantize) with weight type `weights` holds it frozen: each tensor's
+   stored bytes in the frozen table's order, the weight type or NF4 (the bytes
+   lg_trainer_base_hash reads from a trainer). */
+static int lg_base_hash_of(const lg_config *cfg, lg_dtype weights, const lg_real *whole,
+                           uint64_t *hash, lg_error *err) {
+    lg_tensor_table table;
+    if (lg_table_alloc(&table, cfg) != 0) return lg_fail(err, "out of host memory");
+    lg_frozen_layout(cfg, lg_no_buf(), lg_no_buf(), NULL, &table, NULL);
+    size_t widest = 0;
+    for (int i = 0; i < table.n_tensors; i++)
+        widest = table.tensors[i].count > widest ? table.tensors[i].count : widest;
+    lg_buf stored = {LG_MALLOC(widest * sizeof(lg_real) + 1), weights}; /* one tensor's bytes */
+    int rc = stored.data ? 0 : lg_fail(err, "out of host memory hashing the base");
+    *hash = LG_HASH64_INIT;
+    for (int i = 0; i < table.n_tensors && rc == 0; i++) {
+        const lg_tensor_info *t = &table.tensors[i];
+        lg_buf values = lg_buf_of((lg_real *)whole + t->origin);
+        size_t bytes = t->count * lg_elem_size(weights);
+        if (t->packed != LG_DTYPE_F32) {
+            bytes = lg_nf4_bytes(t->count, cfg->lora.quantize);
+            rc = lg_nf4_quantize(values, t->count, cfg->lora.quantize, (uint8_t *)stored.data, err);
+        } else {
+            lg_copy(NULL, stored, values, t->count);
+        }
+        *hash = lg_hash64(*hash, stored.data, bytes);
+    }
+    LG_FREE(stored.data);
+    lg_tensor_table_free(&table);
     return rc;
 }
 
@@ -15112,7 +15168,7 @@ int lg_trainer_evaluate(lg_trainer *tr, lg_loader *ld, int n_batches, double *me
     return 0;
 }
 
-void lg_trainer_generate(lg_trainer *tr, int *tokens, int n_prompt, int n_new,
+void lg_trainer_generate(lg_trainer *tr, int *tokens, int n_prompt, int n_new, int vocab,
                          float temperature, lg_rng *rng) {
     const lg_model *m = &tr->ranks[0].model;
     int Vp = m->cfg.padded_vocab_size;
@@ -15129,7 +15185,7 @@ void lg_trainer_generate(lg_trainer *tr, int *tokens, int n_prompt, int n_new,
         lg_visit row = lg_visit_start(&m->exec, lg_head_logits_row(m, mb[0].T, mb[0].T - 1),
                                       (size_t)Vp, (size_t)Vp, LG_VISIT_READ);
         while (lg_visit_next(&row))
-            tokens[n] = lg_sample_token(row.piece, m->cfg.vocab_size, temperature, rng);
+            tokens[n] = lg_sample_token(row.piece, vocab > 0 && vocab < m->cfg.vocab_size ? vocab : m->cfg.vocab_size, temperature, rng);
     }
 }
 
@@ -16041,6 +16097,11 @@ int lg_trainer_load_hf(lg_trainer *tr, const char *dir, lg_error *err) {
 
 /* 16. generation: KV cache, sampling ---------------------------------------------------------- */
 
+int lg_gen_vocab(const lg_config *cfg, const lg_tokenizer *tok) {
+    return tok && tok->vocab_size > 0 && tok->vocab_size < cfg->vocab_size ? tok->vocab_size
+                                                                            : cfg->vocab_size;
+}
+
 /* The widest input of a block linear or the head: one token's row of it in fp32. */
 static int lg_gen_widest_input(const lg_config *c) {
     int w = c->n_embd > c->n_head * c->head_size ? c->n_embd : c->n_head * c->head_size;
@@ -16448,6 +16509,33 @@ static int lg_gen_merge_adapters(lg_generator *g, const char *dir, lg_error *err
     return rc;
 }
 
+/* A LoRA step-N of this trainer (LG_RUN_SETTINGS beside its adapters): the base src->weights
+   names is the one its adapters were trained over, by the base_hash resume checks
+   (lg_adapters_same_base), g's weights hashed as the run held them (lg_base_hash_of: its
+   precision's weight type, NF4 under --quantize); read again in fp32 unless g holds them so.
+   Adapters from elsewhere (no LG_RUN_SETTINGS) record no hash to check. */
+static int lg_gen_same_base(const lg_generator *g, const lg_gen_source *src, lg_error *err) {
+    if (!lg_gen_file_exists(src->adapters, LG_RUN_SETTINGS)) return 0;
+    lg_run_settings *s = (lg_run_settings *)LG_MALLOC(sizeof *s);
+    if (!s) return lg_fail(err, "out of host memory");
+    int rc = lg_run_settings_read(src->adapters, s, err);
+    lg_config run = g->cfg;
+    run.lora = s->args.lora;
+    lg_dtype weights = lg_types_of(s->args.precision).weights;
+    LG_FREE(s);
+    int own = g->params.dtype == LG_DTYPE_F32; /* g's weights are the whole base in lg_real */
+    size_t n = lg_params_layout(&g->cfg, lg_no_buf(), NULL, NULL);
+    lg_real *whole = own ? (lg_real *)g->params.data : (lg_real *)LG_MALLOC(n * sizeof(lg_real) + 1);
+    if (rc == 0 && !whole) rc = lg_fail(err, "out of host memory for the base's weights");
+    if (rc == 0 && !own) rc = lg_hf_load_weights(&g->cfg, lg_buf_of(whole), src->weights, err);
+    uint64_t hash = 0;
+    if (rc == 0) rc = lg_base_hash_of(&run, weights, whole, &hash, err);
+    if (!own) LG_FREE(whole);
+    char ours[LG_PATH_MAX + 64];
+    lg_format(ours, sizeof ours, "the base %s that adapter_config.json names", src->weights);
+    return rc == 0 ? lg_adapters_same_base(src->adapters, hash, ours, err) : -1;
+}
+
 int lg_generator_load(lg_generator *g, const lg_gen_source *src, lg_error *err) {
     if (lg_params_layout(&src->cfg, lg_no_buf(), NULL, NULL) != lg_params_layout(&g->cfg, lg_no_buf(), NULL, NULL))
         return lg_fail(err, "%s: its model is not the one the generator was made for", src->dir);
@@ -16456,6 +16544,7 @@ int lg_generator_load(lg_generator *g, const lg_gen_source *src, lg_error *err) 
     if (lg_gen_file_exists(src->adapters, LG_CHECKPOINT_MARKER) &&
         lg_checkpoint_verify(src->adapters, NULL, err) != 0)
         return -1;
+    if (lg_gen_same_base(g, src, err) != 0) return -1;
     return lg_gen_merge_adapters(g, src->adapters, err);
 }
 
@@ -16754,8 +16843,20 @@ static int lg_sample_candidates(const lg_real *logits, int V, const lg_sampling 
     return n;
 }
 
+/* How many of logits (V) are NaN or infinite; *first (may be NULL) gets the first one's id. */
+static int lg_logits_not_finite(const lg_real *logits, int V, int *first) {
+    int bad = 0;
+    for (int v = V - 1; v >= 0; v--)
+        if (!isfinite(logits[v])) {
+            bad++;
+            if (first) *first = v;
+        }
+    return bad;
+}
+
 int lg_sample(const lg_real *logits, int V, const lg_sampling *s, lg_rng *rng, lg_real *probs,
               int *order) {
+    if (lg_logits_not_finite(logits, V, NULL) > 0) return -1;
     if (s->temperature <= 0.0f) {
         int best = 0;
         for (int v = 1; v < V; v++) best = logits[v] > logits[best] ? v : best;
@@ -16786,6 +16887,18 @@ static int lg_is_stop(const lg_sampling *s, int token) {
     return 0;
 }
 
+/* *token drawn from g->logits (V of them: the last cached position's), or -1 naming that
+   position when they are not finite. */
+static int lg_gen_draw(lg_generator *g, int V, const lg_sampling *s, lg_rng *rng, int *token,
+                       lg_error *err) {
+    *token = lg_sample(g->logits, V, s, rng, g->probs, g->order);
+    if (*token >= 0) return 0;
+    int first = 0, bad = lg_logits_not_finite(g->logits, V, &first);
+    return lg_fail(err, "generation: the logits at position %d are not finite (%d of %d NaN or "
+                        "infinite, id %d's %g first): a NaN or infinite weight, or an overflow "
+                        "of the precision", g->n_cached - 1, bad, V, first, (double)g->logits[first]);
+}
+
 int lg_generate_continue(lg_generator *g, const int *prompt, int n_prompt, int max_new,
                          const lg_sampling *s, lg_rng *rng, int *out, int *n_out,
                          lg_gen_token_fn on_token, void *ctx, lg_gen_stats *stats, lg_error *err) {
@@ -16803,7 +16916,8 @@ int lg_generate_continue(lg_generator *g, const int *prompt, int n_prompt, int m
     stats->prompt_tokens = n_prompt;
     /* logits over the head's vocab_size rows, draws among the ids the tokenizer has */
     int V = g->spec.vocab ? g->spec.vocab : g->cfg.vocab_size;
-    int token = max_new > 0 ? lg_sample(g->logits, V, s, rng, g->probs, g->order) : 0;
+    int token = 0;
+    if (max_new > 0 && lg_gen_draw(g, V, s, rng, &token, err) != 0) return -1;
     stats->prefill_ms = lg_time_ms() - start;
     start = lg_time_ms();
     while (*n_out < max_new) {
@@ -16812,7 +16926,7 @@ int lg_generate_continue(lg_generator *g, const int *prompt, int n_prompt, int m
         if ((on_token && on_token(ctx, token) != 0) || stats->stopped || *n_out == max_new) break;
         if (lg_generator_forward(g, &token, 1, err) != 0) return -1;
         stats->decode_tokens++;
-        token = lg_sample(g->logits, V, s, rng, g->probs, g->order);
+        if (lg_gen_draw(g, V, s, rng, &token, err) != 0) return -1;
     }
     stats->decode_ms = lg_time_ms() - start;
     return 0;

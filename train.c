@@ -1024,6 +1024,8 @@ typedef struct {
     int has_val;
     int builtin;  /* the built-in task: character tokens */
     const char *length_from; /* where the run's T came from, for the plan's first line */
+    int sample_vocab; /* the ids samples draw from (lg_gen_vocab: the tokenizer's ids where the
+                         model's rows pass them) */
     char note[768]; /* what the data say (lengths, vocabulary), printed after the plan's first
                        line, or first of all for a run */
 } run_data;
@@ -1243,7 +1245,7 @@ static void print_sample(lg_trainer *tr, const lg_args *a, const run_data *d, co
     int *tokens = (int *)malloc(sizeof(int) * (cap + (size_t)a->sample_tokens));
     if (!tokens) { fputs("train: out of host memory for the sample\n", stderr); exit(1); }
     int n = prompt_tokens(prompt, d->builtin, m->cfg.padded_vocab_size, tokens, (int)cap);
-    lg_trainer_generate(tr, tokens, n, a->sample_tokens, a->temperature, rng);
+    lg_trainer_generate(tr, tokens, n, a->sample_tokens, d->sample_vocab, a->temperature, rng);
     printf("sample: ");
     for (int i = 0; i < n + a->sample_tokens; i++) {
         if (!d->builtin) { printf("%d ", tokens[i]); continue; }
@@ -1633,6 +1635,18 @@ static void describe_run(const lg_trainer *tr, const run_setup *rs) {
                "and master weights; -p 32-true for full fp32)\n", lg_precision_name(a->precision));
 }
 
+/* The ids samples draw from: lg_gen_vocab with the tokenizer of tr's tokenizer_dir, if any. */
+static int sample_vocab(const lg_trainer *tr) {
+    const lg_config *cfg = &tr->ranks[0].model.cfg;
+    lg_tokenizer tok;
+    lg_error err;
+    if (!tr->tokenizer_dir[0] || lg_tokenizer_load(&tok, tr->tokenizer_dir, &err) != 0)
+        return lg_gen_vocab(cfg, NULL);
+    int vocab = lg_gen_vocab(cfg, &tok);
+    lg_tokenizer_free(&tok);
+    return vocab;
+}
+
 /* Stage 4: the weights of --load, or a resumed run's whole state; returns the steps done. */
 static int start_weights(lg_trainer *tr, run_setup *rs) {
     const lg_args *a = &rs->a;
@@ -1651,6 +1665,7 @@ static int start_weights(lg_trainer *tr, run_setup *rs) {
                            a->out_dir ? a->out_dir : "");
     if (ck->resume && !ck->load) /* the tokenizer the checkpoint carries goes on */
         snprintf(tr->tokenizer_dir, sizeof tr->tokenizer_dir, "%s", ck->resume_dir);
+    rs->data.sample_vocab = sample_vocab(tr);
     return first_step;
 }
 

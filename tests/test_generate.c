@@ -348,6 +348,66 @@ static void test_gen_sampling(results *r) {
           "sampling: temperature 0 is the argmax; one seed, one sequence of draws");
 }
 
+/* Logits that are not finite (a NaN weight, an overflow): lg_sample draws nothing (-1) from
+   all-NaN, all-inf or one-NaN logits, greedy or sampled; lg_generate fails naming the
+   position: a NaN in ln_f's scale makes every logit NaN at the prompt's last position (3), a
+   NaN in the embedding row of the first greedy token at the next one (4). */
+static void test_gen_not_finite(results *r) {
+    lg_real nan6[6], inf6[6], one6[6] = {1, 2, 3, 4, 5, 6}, probs[6];
+    int order[6], drawn[6], k = 0;
+    for (int v = 0; v < 6; v++) nan6[v] = (lg_real)NAN, inf6[v] = (lg_real)INFINITY;
+    one6[4] = (lg_real)NAN;
+    lg_sampling s = lg_sampling_default(), greedy = s;
+    greedy.temperature = 0;
+    lg_rng rng;
+    lg_rng_seed(&rng, 1);
+    const lg_real *cases[3] = {nan6, inf6, one6};
+    for (int c = 0; c < 3; c++) {
+        drawn[k++] = lg_sample(cases[c], 6, &s, &rng, probs, order);
+        drawn[k++] = lg_sample(cases[c], 6, &greedy, &rng, probs, order);
+    }
+    int none = 1;
+    for (int i = 0; i < 6; i++) none &= drawn[i] == -1;
+    check(r, none, "lg_sample on all-NaN, all-inf and one-NaN logits, sampled and greedy: "
+          "%d %d %d %d %d %d (-1: nothing drawn)", drawn[0], drawn[1], drawn[2], drawn[3],
+          drawn[4], drawn[5]);
+    lg_model m;
+    lg_config cfg;
+    lg_generator g;
+    lg_error err;
+    if (gen_random_model(r, &m, &cfg, "test-llama", 41) != 0) return;
+    if (gen_from_model(r, &g, &m, 16, 4, LG_PRECISION_32_TRUE) != 0) { lg_model_free(&m); return; }
+    int prompt[4] = {2, 7, 1, 8}, out[8], n_out = 0;
+    int first = lg_generate(&g, prompt, 4, 8, &greedy, &rng, out, &n_out, NULL, NULL, NULL, &err) == 0
+                ? out[0] : -1;
+    char want[2][96];
+    snprintf(want[0], sizeof want[0], "the logits at position 3 are not finite (%d of %d NaN",
+             cfg.vocab_size, cfg.vocab_size);
+    snprintf(want[1], sizeof want[1], "the logits at position 4 are not finite (%d of %d NaN",
+             cfg.vocab_size, cfg.vocab_size);
+    for (int at = 0; at < 2 && first >= 0; at++) {
+        lg_copy(NULL, g.params, m.params, m.n_params);
+        if (at == 0) reals(g.p.ln_f_w)[5] = (lg_real)NAN;
+        else reals(g.p.wte)[(size_t)first * cfg.n_embd] = (lg_real)NAN;
+        int rc = lg_generate(&g, prompt, 4, 8, &greedy, &rng, out, &n_out, NULL, NULL, NULL, &err);
+        check(r, rc == -1 && strstr(err.msg, want[at]) && n_out == at,
+              "a NaN in %s: lg_generate fails after %d tokens: %s", at ? "the first token's "
+              "embedding" : "ln_f's scale", n_out, rc ? err.msg : "(no error)");
+    }
+    if (first < 0) check(r, 0, "greedy generation: %s", err.msg);
+    lg_generator_free(&g);
+    /* tools/generate on a model directory whose ln_f holds a NaN: exit 1, the position named */
+    reals(m.p.ln_f_w)[3] = (lg_real)NAN;
+    int rc = lg_hf_save(&m, "build/test-gen-nan", &err);
+    lg_model_free(&m);
+    if (rc != 0) { check(r, 0, "%s", err.msg); return; }
+    expect_program(r, "OMP_NUM_THREADS=1 ./tools/generate", "--load build/test-gen-nan "
+                   "--prompt-ids '1 2 3' --temperature 0", 1,
+                   "generate: generation: the logits at position 2 are not finite");
+    expect_program(r, "OMP_NUM_THREADS=1 ./tools/generate", "--load build/test-gen-nan "
+                   "--prompt-ids '1 2 3 4 5'", 1, "the logits at position 4 are not finite");
+}
+
 /* --- LoRA step directories ------------------------------------------------------------------- */
 
 static int gen_copy_file(const char *from, const char *to) {
@@ -432,6 +492,57 @@ static int gen_run(const char *cmd, char *line, size_t cap, char *all, size_t al
     snprintf(line, cap, "%s", last ? last + 1 : out);
     if (all) snprintf(all, all_cap, "%s", out);
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* A random model of tests/hf/llama's config (seed) saved as a Hugging Face directory. */
+static int gen_save_llama(results *r, const char *dir, uint64_t seed) {
+    lg_config cfg;
+    lg_model m;
+    lg_error err;
+    int rc = lg_hf_config_read(&cfg, "tests/hf/llama", &err);
+    if (rc == 0) rc = lg_model_create(&m, &cfg, 1, 8, &err);
+    if (rc == 0) {
+        lg_model_init_weights(&m, seed);
+        rc = lg_hf_save(&m, dir, &err);
+        lg_model_free(&m);
+    }
+    if (rc != 0) check(r, 0, "%s: %s", dir, err.msg);
+    return rc;
+}
+
+/* tools/generate --load a LoRA run's step-1 (adapters only) checks the base adapter_config.json
+   names by the base_hash resume checks: for 32-true, bf16-true and QLoRA (nf4, bf16-mixed)
+   runs the base as trained loads (the hash computed from the files equals the trainer's);
+   with the base's weights replaced by another model of the same shapes it is refused in one
+   line naming both (exit 1), as ./train --resume refuses it. */
+static void test_gen_lora_base_check(results *r) {
+    static const char *const modes[3] = {"-p 32-true", "-p bf16-true", "--quantize nf4"};
+    char cmd[768], base[64], run[64], want[256], line[512];
+    for (int k = 0; k < 3; k++) {
+        snprintf(base, sizeof base, "build/test-gen-base-%d", k);
+        snprintf(run, sizeof run, "build/test-gen-base-run-%d", k);
+        if (gen_save_llama(r, base, 3) != 0) return;
+        snprintf(cmd, sizeof cmd, "rm -rf %s && OMP_NUM_THREADS=1 ./train --load %s --lora-r 2 "
+                 "--lora-targets q,v,mlp %s --max-steps 2 -b 2 -t 8 --lr 0.05 --eval-every 0 "
+                 "--sample-tokens 1 --save-every 1 --out %s > /dev/null 2>&1", run, base,
+                 modes[k], run);
+        if (system(cmd) != 0) { check(r, 0, "%s: failed", cmd); return; }
+        /* generating in bf16 reads the base again in fp32 to hash it; in fp32 hashes its own */
+        const char *precision = k ? "bf16-true" : "32-true";
+        snprintf(cmd, sizeof cmd, "OMP_NUM_THREADS=1 ./tools/generate --load %s/step-1 -p %s "
+                 "--prompt-ids '3 1 4' --max-new-tokens 4 --temperature 0 --ids 2>/dev/null", run,
+                 precision);
+        int same = gen_run(cmd, line, sizeof line, NULL, 0);
+        check(r, same == 0 && strlen(line) > 0, "tools/generate -p %s --load %s/step-1 (%s) over "
+              "its own base %s: exit %d, ids \"%s\"", precision, run, modes[k], base, same, line);
+        if (gen_save_llama(r, base, 4) != 0) return; /* the same shapes, other weights */
+        snprintf(want, sizeof want, "generate: checkpoint %s/step-1: its adapters were trained "
+                 "over base %s (hash ", run, base);
+        snprintf(cmd, sizeof cmd, "--load %s/step-1 --prompt-ids '3 1 4' --max-new-tokens 4", run);
+        expect_program(r, "OMP_NUM_THREADS=1 ./tools/generate", cmd, 1, want);
+        snprintf(want, sizeof want, "), the base %s that adapter_config.json names has hash ", base);
+        expect_program(r, "OMP_NUM_THREADS=1 ./tools/generate", cmd, 1, want);
+    }
 }
 
 /* Greedy ids from lg_model_generate (recomputing) for a Hugging Face directory, as text. */
@@ -578,6 +689,143 @@ static void test_gen_tool_chat(results *r) {
                    "--template llama3 --tokenizer data/llama3", 2, "outside the model's vocabulary");
 }
 
+/* tools/generate --chat's input: a line of 66,000 bytes (past the 64 KiB a line once had) is
+   one turn with one reply; a NUL byte is refused naming the line; --max-new-tokens 0 is
+   refused. */
+static void test_gen_tool_chat_input(results *r) {
+    lg_config cfg;
+    lg_model m;
+    lg_error err;
+    if (load_config_or_fail(r, &cfg, "test-llama31")) return;
+    cfg.vocab_size = cfg.padded_vocab_size = 128256;
+    cfg.block_size = 2048;
+    if (lg_model_create(&m, &cfg, 1, 8, &err) != 0) { check(r, 0, "%s", err.msg); return; }
+    lg_model_init_weights(&m, 5);
+    int rc = lg_hf_save(&m, "build/test-gen-chat-long", &err);
+    lg_model_free(&m);
+    if (rc != 0) { check(r, 0, "%s", err.msg); return; }
+    FILE *f = fopen("build/test-gen-chat-long.txt", "wb");
+    for (int i = 0; f && i < 66000; i++) fputc('=', f); /* 1,032 tokens of 64 '=' and less */
+    if (f) fputs("\nshort one\n", f);
+    if (!f || fclose(f) != 0) { check(r, 0, "build/test-gen-chat-long.txt: not written"); return; }
+    char last[512], all[16384];
+    int code = gen_run("OMP_NUM_THREADS=1 ./tools/generate --load build/test-gen-chat-long "
+                       "--tokenizer data/llama3 --chat --template llama3 --context 1100 "
+                       "--max-new-tokens 2 --temperature 0 < build/test-gen-chat-long.txt 2>&1",
+                       last, sizeof last, all, sizeof all);
+    int replies = 0, prefills[2] = {0, 0};
+    for (const char *p = all; (p = strstr(p, "prefill: ")) != NULL; p++)
+        if (replies < 2) prefills[replies++] = atoi(p + 9);
+        else replies++;
+    /* the first turn: the line's 1,032 tokens (tools/prepare encode) and the template's few */
+    check(r, code == 0 && replies == 2 && prefills[0] > 1032 && prefills[0] < 1080 && prefills[1] < 40,
+          "tools/generate --chat: a line of 66,000 bytes and a short one are 2 turns, 2 replies "
+          "(exit %d, %d replies, prefills of %d and %d tokens)", code, replies, prefills[0], prefills[1]);
+    expect_program(r, "printf 'fine\\nhi\\0there\\n' | OMP_NUM_THREADS=1 ./tools/generate",
+                   "--load build/test-gen-chat --tokenizer data/llama3 --chat --template llama3 "
+                   "--max-new-tokens 1", 2, "generate: --chat: standard input line 2 holds a NUL "
+                   "byte (after 2 bytes): a turn is text");
+    expect_program(r, "printf 'hi\\n' | OMP_NUM_THREADS=1 ./tools/generate",
+                   "--load build/test-gen-chat --tokenizer data/llama3 --chat --max-new-tokens 0",
+                   2, "generate: --chat --max-new-tokens 0: a reply needs a token at least");
+    expect_program(r, "OMP_NUM_THREADS=1 ./tools/generate", "--load tests/hf/llama --prompt-ids "
+                   "'1 2 3' --max-new-tokens 0 --ids", 0, "decode: 0 tokens");
+}
+
+/* The ids after "sample: " (prompt and new) in text, into ids (cap); how many. */
+static int gen_sample_ids(const char *text, int *ids, int cap) {
+    const char *at = strstr(text, "sample: ");
+    int n = 0;
+    for (at = at ? at + 8 : NULL; at && n < cap;) {
+        char *end;
+        long id = strtol(at, &end, 10);
+        if (end == at) break;
+        ids[n++] = (int)id;
+        at = end;
+    }
+    return n;
+}
+
+/* A model whose config.json has 128,512 rows (padding past Llama 3's tokenizer's 128,256),
+   the padding's head rows scaled 8x so that a padded id holds the largest logit: ./train's
+   samples and tools/generate draw the same greedy ids, none past the tokenizer's
+   (lg_gen_vocab, one rule), while lg_model_generate over all rows picks a padded one. */
+static void test_gen_sample_vocab(results *r) {
+    enum { TOKENS = 128256, ROWS = 128512 };
+    lg_config cfg;
+    lg_model m;
+    lg_error err;
+    if (load_config_or_fail(r, &cfg, "test-llama31")) return;
+    cfg.vocab_size = cfg.padded_vocab_size = ROWS;
+    cfg.block_size = 64;
+    if (lg_model_create(&m, &cfg, 1, 16, &err) != 0) { check(r, 0, "%s", err.msg); return; }
+    lg_model_init_weights(&m, 7);
+    lg_real *head = reals(m.p.lm_head_w); /* (ROWS, C) */
+    for (size_t k = (size_t)TOKENS * cfg.n_embd; k < (size_t)ROWS * cfg.n_embd; k++) head[k] *= 8;
+    int all_rows[16] = {1, 2, 3};
+    lg_model_generate(&m, all_rows, 3, 1, 0.0f, NULL);
+    int rc = lg_hf_save(&m, "build/test-gen-padded", &err);
+    lg_model_free(&m);
+    if (rc != 0) { check(r, 0, "%s", err.msg); return; }
+    gen_copy_file("data/llama3/tokenizer.json", "build/test-gen-padded/tokenizer.json");
+    remove("build/test-gen-padded/" LG_CHECKPOINT_MARKER); /* a Hugging Face directory: no marker */
+    FILE *f = fopen("build/test-gen-padded.txt", "w");
+    if (f) fputs("Hello world, and hello again to everyone here.\n", f);
+    if (f) fclose(f);
+    char train_out[16384], generated[512], line[512];
+    int code = system("./tools/prepare text --tokenizer data/llama3 --out build/test-gen-padded.bin "
+                      "build/test-gen-padded.txt > /dev/null 2>&1");
+    int tcode = gen_run("OMP_NUM_THREADS=1 ./train --load build/test-gen-padded --val-data "
+                        "build/test-gen-padded.bin -t 8 --max-steps 0 --eval-iters 1 -p 32-true "
+                        "--prompt '1 2 3' --sample-tokens 6 2>&1", line, sizeof line, train_out,
+                        sizeof train_out);
+    int gcode = gen_run("OMP_NUM_THREADS=1 ./tools/generate --load build/test-gen-padded "
+                        "--prompt-ids '1 2 3' --max-new-tokens 6 --temperature 0 --ids 2>/dev/null",
+                        generated, sizeof generated, NULL, 0);
+    int sample[16], n = gen_sample_ids(train_out, sample, 16), outside = 0;
+    char train_ids[256] = "";
+    for (int i = 3; i < n; i++) {
+        outside += sample[i] >= TOKENS;
+        snprintf(train_ids + strlen(train_ids), sizeof train_ids - strlen(train_ids), "%s%d",
+                 i > 3 ? " " : "", sample[i]);
+    }
+    check(r, code == 0 && tcode == 0 && gcode == 0 && n == 9 && outside == 0 &&
+          strcmp(train_ids, generated) == 0 && all_rows[3] >= TOKENS,
+          "%d rows, %d tokens: ./train --sample-tokens 6 draws \"%s\", tools/generate \"%s\" "
+          "(%d past the tokenizer's); over all rows the first greedy id would be %d",
+          ROWS, TOKENS, train_ids, generated, outside, all_rows[3]);
+}
+
+/* README's prompt path and the training data start alike (lg_tokenizer_start_id): tools/prepare
+   encode --bos puts Llama 3's BOS 128000 and Llama 2's 1 first, GPT-2 none (its BOS is its
+   EOS), the rest the plain encoding; tools/generate --prompt prefills the same 9 tokens. */
+static void test_gen_prompt_bos(results *r) {
+    static const struct { const char *tokenizer, *want; } cases[3] = {
+        {"data/llama3", "128000 39314 374 459 7754 382 14711 6075 512"},
+        {"data/llama2", "1 13866 338 385 15278 29889 13 13 2277 29937 13291 29901 13"},
+        {"data/gpt2", "21106 318 281 12064 13 198 198 21017 18261 25 198"}};
+    char cmd[512], with[512], without[512];
+    for (int k = 0; k < 3; k++) {
+        snprintf(cmd, sizeof cmd, "printf 'Below is an instruction.\\n\\n### Response:\\n' | "
+                 "./tools/prepare encode --tokenizer %s --bos", cases[k].tokenizer);
+        int a = gen_run(cmd, with, sizeof with, NULL, 0);
+        cmd[strlen(cmd) - 6] = '\0'; /* without --bos */
+        int b = gen_run(cmd, without, sizeof without, NULL, 0);
+        const char *rest = k < 2 ? strchr(with, ' ') + 1 : with;
+        check(r, a == 0 && b == 0 && strcmp(with, cases[k].want) == 0 && strcmp(rest, without) == 0,
+              "tools/prepare encode --tokenizer %s --bos: \"%s\" (without: \"%s\")",
+              cases[k].tokenizer, with, without);
+    }
+    char all[16384], last[512];
+    int code = gen_run("OMP_NUM_THREADS=1 ./tools/generate --load build/test-gen-chat --tokenizer "
+                       "data/llama3 --prompt \"$(printf 'Below is an instruction.\\n\\n### "
+                       "Response:\\n')\" --max-new-tokens 1 --temperature 0 2>&1", last,
+                       sizeof last, all, sizeof all);
+    check(r, code == 0 && strstr(all, "prefill: 9 tokens") && strstr(all, "\nBelow is an instruction.\n"),
+          "tools/generate --prompt (Llama 3's tokenizer): the 9 tokens of encode --bos prefilled, "
+          "the text shown without the BOS (exit %d): \"%s\"", code, last);
+}
+
 static void test_gen_tool_errors(results *r) {
     const char *g = "OMP_NUM_THREADS=1 ./tools/generate";
     mkdir("build/test-gen-noweights", 0755); /* config.json alone */
@@ -606,6 +854,73 @@ static void test_gen_tool_errors(results *r) {
                    "does not fit: the plan needs");
     expect_program(r, g, "--load tests/hf/llama --prompt-ids '1 2' --max-new-tokens 4 --plan", 0,
                    "cache of 6 positions");
+}
+
+/* DIR: tests/hf/llama (its two shards) with "eos_token_id": value put first in FILE (config.json or
+   generation_config.json, the latter made with just it). */
+static int gen_llama_with_eos(const char *dir, const char *file, const char *value) {
+    static const char *const weights[3] = {"model-00001-of-00002.safetensors",
+                                           "model-00002-of-00002.safetensors",
+                                           "model.safetensors.index.json"};
+    char path[256], from[256], text[8192];
+    mkdir(dir, 0755);
+    for (int k = 0; k < 3; k++) {
+        snprintf(from, sizeof from, "tests/hf/llama/%s", weights[k]);
+        snprintf(path, sizeof path, "%s/%s", dir, weights[k]);
+        if (gen_copy_file(from, path) != 0) return -1;
+    }
+    FILE *in = fopen("tests/hf/llama/config.json", "rb");
+    size_t n = in ? fread(text, 1, sizeof text - 1, in) : 0;
+    if (in) fclose(in);
+    text[n] = '\0';
+    char *brace = strchr(text, '{');
+    if (!brace) return -1;
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    FILE *out = fopen(path, "wb");
+    if (!out) return -1;
+    int config = strcmp(file, "config.json") == 0;
+    fprintf(out, "{%s%s%s%s", config ? "\"eos_token_id\": " : "", config ? value : "",
+            config ? ", " : "", brace + 1);
+    fclose(out);
+    snprintf(path, sizeof path, "%s/generation_config.json", dir);
+    remove(path);
+    if (config) return 0;
+    out = fopen(path, "wb");
+    if (!out) return -1;
+    fprintf(out, "{\"eos_token_id\": %s}\n", value);
+    return fclose(out);
+}
+
+/* eos_token_id past what an int holds (4294967298 wrapped to 2), negative, not a number, or
+   past the vocabulary: refused naming the file and the field; ids in range stop generation. */
+static void test_gen_tool_eos(results *r) {
+    static const struct { const char *file, *value, *want; } cases[5] = {
+        {"config.json", "4294967298", "build/test-gen-eos/config.json: eos_token_id 4294967298 is not a token id of the model (0 .. 31)"},
+        {"generation_config.json", "[2, -1]", "build/test-gen-eos/generation_config.json: eos_token_id -1 is not a token id of the model (0 .. 31)"},
+        {"config.json", "32", "build/test-gen-eos/config.json: eos_token_id 32 is not a token id"},
+        {"config.json", "\"2\"", "config.json: eos_token_id \"2\" is not a token id"},
+        {"generation_config.json", "1.5", "generation_config.json: eos_token_id 1.5 is not a token id"}};
+    for (int k = 0; k < 5; k++) {
+        if (gen_llama_with_eos("build/test-gen-eos", cases[k].file, cases[k].value) != 0) {
+            check(r, 0, "build/test-gen-eos: could not be written");
+            return;
+        }
+        expect_program(r, "OMP_NUM_THREADS=1 ./tools/generate", "--load build/test-gen-eos "
+                       "--prompt-ids '1 2 3' --temperature 0", 2, cases[k].want);
+    }
+    /* in range: the greedy continuation's first token as the stop id ends it after one token */
+    char first[256], cmd[512], got[256];
+    int code = gen_run("OMP_NUM_THREADS=1 ./tools/generate --load tests/hf/llama --prompt-ids '1 2 3' "
+                       "--max-new-tokens 6 --temperature 0 --ids 2>/dev/null", first, sizeof first, NULL, 0);
+    char id[16];
+    snprintf(id, sizeof id, "[%d]", atoi(first));
+    int ok = code == 0 && gen_llama_with_eos("build/test-gen-eos", "generation_config.json", id) == 0;
+    snprintf(cmd, sizeof cmd, "OMP_NUM_THREADS=1 ./tools/generate --load build/test-gen-eos "
+             "--prompt-ids '1 2 3' --max-new-tokens 6 --temperature 0 --ids 2>/dev/null");
+    ok = ok && gen_run(cmd, got, sizeof got, NULL, 0) == 0 && atoi(got) == atoi(first) &&
+         !strchr(got, ' ') && strchr(first, ' ');
+    check(r, ok, "eos_token_id %s (the first greedy token of \"%s\"): generation stops after it: "
+          "\"%s\"", id, first, got);
 }
 
 /* test-llama widened (C 128, I 512, 8 heads in 2 groups) on every thread: the dot products and
@@ -655,16 +970,22 @@ static void test_generate_all(results *r) {
     test_gen_plan_matches_allocation(r, "test-llama", 12);
     test_gen_plan_llama3(r);
     test_gen_sampling(r);
+    test_gen_not_finite(r);
     static const char *const families[4] = {"gpt2", "pythia", "llama", "falcon"};
     for (int k = 0; k < 4; k++) test_gen_lora_dir(r, families[k]);
     test_gen_tool_ids(r, "tests/hf/gpt2");
     test_gen_tool_ids(r, "tests/hf/llama31");
     test_gen_continue(r);
     test_gen_tool_chat(r);
+    test_gen_tool_chat_input(r);
     test_gen_tool_ids(r, "tests/hf/falcon");
     test_gen_tool_lora(r);
+    test_gen_lora_base_check(r);
     test_gen_tool_text(r);
     test_gen_tool_errors(r);
+    test_gen_tool_eos(r);
+    test_gen_sample_vocab(r);
+    test_gen_prompt_bos(r);
 #ifdef _OPENMP
     omp_set_num_threads(threads);
 #endif

@@ -291,7 +291,7 @@ static void test_hostile_adapters(results *r) {
     if (reseal(HOSTILE_DIR "/lora-copy", NULL) != 0) check(r, 0, "could not reseal the copy");
     else expect_cli(r, "--max-steps 3 --resume " HOSTILE_DIR "/lora-copy", 2,
                     "no base_hash in " LG_RUN_SETTINGS ": it does not say which base its adapters "
-                    "were trained over, so they are not resumed over one drawn at random");
+                    "were trained over, so they are not applied to this run's base, one drawn at random,");
 }
 
 /* Weights of 1e18, finite and so accepted, overflow the forward: the validation loss is

@@ -26,7 +26,8 @@ static const char usage[] =
     "                        (LoRA adapters applied to their base model)\n"
     "  --tokenizer PATH      tokenizer.json, or a directory with it or with encoder.json +\n"
     "                        vocab.bpe (default: DIR's, or the adapters' base model's)\n"
-    "  --prompt TEXT         text, through the tokenizer (with BOS where the model wants one)\n"
+    "  --prompt TEXT         text, through the tokenizer (the BOS that tools/prepare alpaca's\n"
+    "                        samples start with first)\n"
     "  --prompt-ids \"ID ...\" token ids, space-separated, as they are\n"
     "  --max-new-tokens N    (50) at most this many; the cache holds prompt + N\n"
     "  --temperature X       (0.8) 0: greedy\n"
@@ -127,6 +128,7 @@ static void parse_args(int argc, char **argv, generate_args *a) {
     if (!a->chat && (a->template_name || a->system || a->context))
         die(2, "--template, --system and --context go with --chat");
     if (a->top_p <= 0.0f) die(2, "--top-p must be above 0");
+    if (a->chat && a->max_new == 0) die(2, "--chat --max-new-tokens 0: a reply needs a token at least");
 }
 
 /* --prompt-ids "ID ...". */
@@ -179,36 +181,33 @@ static int read_json(const char *dir, const char *name, lg_json *doc, char **tex
     return -1;
 }
 
-/* tokenizer_config.json's add_bos_token; absent: Llama's layout wants one. */
-static int wants_bos(const char *tokenizer_dir, const lg_config *cfg) {
-    lg_json doc;
-    char *text;
-    if (read_json(tokenizer_dir, "tokenizer_config.json", &doc, &text) == 0) {
-        int at = lg_json_find(&doc, 0, "add_bos_token"), kind = at >= 0 ? (int)doc.nodes[at].kind : -1;
-        lg_json_free(&doc);
-        free(text);
-        if (kind == LG_JSON_TRUE || kind == LG_JSON_FALSE) return kind == LG_JSON_TRUE;
-    }
-    lg_hf_family family;
-    return lg_hf_family_of(cfg, &family, NULL) == 0 && family == LG_HF_LLAMA;
+/* eos_token_id's node `at` of DIR/NAME (doc) as a stop id, or exit 2 naming the file and the
+   field when it is not an id of the model's vocabulary (vocab: padded_vocab_size). */
+static int stop_id_of(const lg_json *doc, int at, const char *dir, const char *name, int vocab) {
+    long id = -1;
+    size_t quote = doc->nodes[at].kind == LG_JSON_STRING, start = doc->nodes[at].start - quote;
+    if (lg_json_int(doc, at, &id) != 0 || id < 0 || id >= vocab)
+        die(2, "%s/%s: eos_token_id %.*s is not a token id of the model (0 .. %d)", dir, name,
+            (int)(doc->nodes[at].end + quote - start), doc->text + start, vocab - 1);
+    return (int)id;
 }
 
 /* The stop ids: the tokenizer's end of sequence and eos_token_id (a number or a list) of the
    model's generation_config.json and config.json. */
 static void stop_ids(const lg_gen_source *src, const lg_tokenizer *tok, lg_tokens *stop) {
     static const char *const files[2] = {"generation_config.json", "config.json"};
+    int vocab = src->cfg.padded_vocab_size;
     if (tok && tok->eos >= 0) lg_tokens_push(stop, tok->eos);
     for (int f = 0; f < 2; f++) {
         lg_json doc;
         char *text;
         if (read_json(src->dir, files[f], &doc, &text) != 0) continue;
         int at = lg_json_find(&doc, 0, "eos_token_id");
-        long id;
         if (at >= 0 && doc.nodes[at].kind == LG_JSON_ARRAY) {
             for (int k = doc.nodes[at].first_child; k >= 0; k = doc.nodes[k].next)
-                if (lg_json_int(&doc, k, &id) == 0) lg_tokens_push(stop, (int)id);
-        } else if (at >= 0 && lg_json_int(&doc, at, &id) == 0) {
-            lg_tokens_push(stop, (int)id);
+                lg_tokens_push(stop, stop_id_of(&doc, k, src->dir, files[f], vocab));
+        } else if (at >= 0 && doc.nodes[at].kind != LG_JSON_NULL) {
+            lg_tokens_push(stop, stop_id_of(&doc, at, src->dir, files[f], vocab));
         }
         lg_json_free(&doc);
         free(text);
@@ -264,7 +263,7 @@ static void print_speed(const lg_gen_stats *st) {
 /* The prompt's ids: --prompt-ids as given, or --prompt through the tokenizer; returns 1 when
    it put a BOS first. */
 static int prompt_of(const generate_args *a, const lg_gen_source *src, const lg_tokenizer *tok,
-                     const char *tok_dir, lg_tokens *prompt) {
+                     lg_tokens *prompt) {
     lg_error err;
     int bos = 0;
     if (a->prompt_ids) parse_ids(a->prompt_ids, prompt);
@@ -272,7 +271,8 @@ static int prompt_of(const generate_args *a, const lg_gen_source *src, const lg_
         die(2, "--prompt needs a tokenizer: %s has no tokenizer.json (nor encoder.json and "
                "vocab.bpe); name one with --tokenizer, or give --prompt-ids", src->dir);
     else {
-        if (wants_bos(tok_dir, &src->cfg) && tok->bos >= 0) bos = lg_tokens_push(prompt, tok->bos) == 0;
+        /* the id training samples start with (tools/prepare alpaca): a prompt is their prefix */
+        if (lg_tokenizer_start_id(tok) >= 0) bos = lg_tokens_push(prompt, lg_tokenizer_start_id(tok)) == 0;
         if (lg_tokenizer_encode(tok, a->prompt, strlen(a->prompt), prompt, &err) != 0)
             die(2, "--prompt: %s", err.msg);
     }
@@ -308,7 +308,7 @@ static void chat_add(lg_chat *c, lg_chat_role role, const char *text, size_t n) 
     lg_chat_turn *turns = (lg_chat_turn *)realloc(c->turns, sizeof *turns * (size_t)(c->n + 1));
     char *copy = (char *)malloc(n + 1);
     if (!turns || !copy) die(1, "out of memory");
-    memcpy(copy, text, n);
+    if (n) memcpy(copy, text, n); /* an empty reply's text may be NULL */
     copy[n] = '\0';
     turns[c->n].role = role;
     turns[c->n].content = copy;
@@ -387,6 +387,22 @@ static void chat_reply(chat_session *cs, streamer *out) {
     print_speed(&st);
 }
 
+/* Line line_no of standard input, however long, into line (without its end of line); 0 at
+   the end of the input. A NUL byte is refused: a turn is text. */
+static int read_turn(lg_text *line, long line_no) {
+    int c;
+    line->n = 0;
+    while ((c = getchar()) != EOF && c != '\n') {
+        if (c == '\0')
+            die(2, "--chat: standard input line %ld holds a NUL byte (after %zu bytes): a turn "
+                   "is text", line_no, line->n);
+        char byte = (char)c;
+        if (lg_text_append(line, &byte, 1) != 0) die(1, "out of memory");
+    }
+    if (line->n > 0 && line->bytes[line->n - 1] == '\r') line->n--;
+    return c != EOF || line->n > 0;
+}
+
 /* --chat: each line of standard input is a user turn; EOF ends. */
 static void run_chat(const generate_args *a, const lg_gen_source *src, const lg_tokenizer *tok,
                      const lg_tokens *stop, int threads) {
@@ -399,8 +415,8 @@ static void run_chat(const generate_args *a, const lg_gen_source *src, const lg_
     int positions = a->context ? a->context : src->cfg.block_size < 4096 ? src->cfg.block_size : 4096;
     if (positions > src->cfg.block_size)
         die(2, "--context %d: the model's context is %d tokens", positions, src->cfg.block_size);
-    int vocab = tok->vocab_size < src->cfg.vocab_size ? tok->vocab_size : 0;
-    lg_gen_spec spec = {positions, positions < 512 ? positions : 512, a->precision, threads, vocab};
+    lg_gen_spec spec = {positions, positions < 512 ? positions : 512, a->precision, threads,
+                        lg_gen_vocab(&src->cfg, tok)};
     lg_generator g;
     open_generator(a, src, &spec, &g);
     cs.g = &g;
@@ -413,15 +429,15 @@ static void run_chat(const generate_args *a, const lg_gen_source *src, const lg_
     fprintf(stderr, "chat: template %s, %d positions; a line is a turn, end with EOF\n",
             lg_chat_template_name(cs.template_id), positions);
     streamer out = {tok, {NULL, 0, 0}, stop};
-    char line[1 << 16];
-    while (fgets(line, sizeof line, stdin)) {
-        size_t n = strcspn(line, "\r\n");
-        if (n == 0) continue;
-        chat_add(&cs.chat, LG_ROLE_USER, line, n);
+    lg_text line = {NULL, 0, 0};
+    for (long line_no = 1; read_turn(&line, line_no); line_no++) {
+        if (line.n == 0) continue;
+        chat_add(&cs.chat, LG_ROLE_USER, line.bytes, line.n);
         chat_prompt_ids(cs.template_id, &cs.chat, tok, &cs.prompt);
         chat_check_vocab(&cs.prompt, src->cfg.padded_vocab_size);
         chat_reply(&cs, &out);
     }
+    lg_text_free(&line);
     lg_generator_free(&g);
 }
 
@@ -450,16 +466,15 @@ int main(int argc, char **argv) {
         run_chat(&a, &src, &tok, &stop, threads);
         return 0;
     }
-    int bos = prompt_of(&a, &src, have_tok ? &tok : NULL, tok_dir, &prompt);
+    int bos = prompt_of(&a, &src, have_tok ? &tok : NULL, &prompt);
     int max_new = a.max_new;
     if ((long)prompt.n + max_new > src.cfg.block_size) {
         max_new = src.cfg.block_size - (int)prompt.n;
         fprintf(stderr, "generate: --max-new-tokens %d: the model's context is %d tokens, the "
                 "prompt %zu: generating at most %d\n", a.max_new, src.cfg.block_size, prompt.n, max_new);
     }
-    /* draws stay among the tokenizer's ids where config.json's vocab_size counts padding */
-    int vocab = have_tok && tok.vocab_size < src.cfg.vocab_size ? tok.vocab_size : 0;
-    lg_gen_spec spec = {(int)prompt.n + max_new, (int)prompt.n, a.precision, threads, vocab};
+    lg_gen_spec spec = {(int)prompt.n + max_new, (int)prompt.n, a.precision, threads,
+                        lg_gen_vocab(&src.cfg, have_tok ? &tok : NULL)};
     lg_generator g;
     open_generator(&a, &src, &spec, &g);
     lg_sampling s = lg_sampling_default();

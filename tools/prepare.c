@@ -1,7 +1,7 @@
 /* tools/prepare.c — data preparation: tokenizer checks, Alpaca-style fine-tuning sets, token
    shards for pretraining, and the built-in task written out as JSON.
 
-   tools/prepare encode --tokenizer PATH [--lines] < text   the ids of the whole input (--lines:
+   tools/prepare encode --tokenizer PATH [--lines] [--bos] < text   the ids of the whole input (--lines:
                                                             of each line, one output line each)
    tools/prepare decode --tokenizer PATH [--lines] < ids    the reverse
    tools/prepare alpaca --tokenizer PATH --out train.bin --val val.bin [--val-share 0.05]
@@ -21,10 +21,11 @@
 
 static const char usage[] =
     "usage: tools/prepare COMMAND [options] [FILES]\n"
-    "  encode --tokenizer PATH [--lines]\n"
+    "  encode --tokenizer PATH [--lines] [--bos]\n"
     "                                standard input: UTF-8 text, newlines included; prints its\n"
     "                                token ids on one line, space-separated (--lines: each\n"
-    "                                input line alone, without its newline, one output line each)\n"
+    "                                input line alone, without its newline, one output line each;\n"
+    "                                --bos: the BOS that alpaca's samples start with first)\n"
     "  decode --tokenizer PATH [--lines]\n"
     "                                standard input: token ids; prints their text as it is\n"
     "                                (--lines: each line of ids, then a newline)\n"
@@ -54,6 +55,8 @@ typedef struct {
     double val_share;      /* --val-share: share of samples (or documents) for validation */
     int mask_prompt;       /* --mask-prompt */
     int lines;             /* --lines: encode and decode one line at a time */
+    int bos;               /* encode --bos: the id training samples start with first
+                              (lg_tokenizer_start_id), so a prompt is their prefix */
     const char *chat_template; /* --template: a name or auto */
     int render;            /* --render: print the rendered conversations */
     uint64_t seed;         /* --seed: the split, and the built-in task's samples */
@@ -96,6 +99,7 @@ static void parse_args(int argc, char **argv, prepare_args *a) {
         else if (!strcmp(f, "--val-share")) a->val_share = atof(value_of(argc, argv, &i));
         else if (!strcmp(f, "--mask-prompt")) a->mask_prompt = 1;
         else if (!strcmp(f, "--lines")) a->lines = 1;
+        else if (!strcmp(f, "--bos")) a->bos = 1;
         else if (!strcmp(f, "--template")) a->chat_template = value_of(argc, argv, &i);
         else if (!strcmp(f, "--render")) a->render = 1;
         else if (!strcmp(f, "--seed")) a->seed = strtoull(value_of(argc, argv, &i), NULL, 10);
@@ -150,6 +154,7 @@ static int command_encode(const prepare_args *a) {
     int whole = !a->lines, more = whole ? (read_all(&line), 1) : read_line(&line);
     for (; more; more = whole ? 0 : read_line(&line)) {
         ids.n = 0;
+        if (a->bos && lg_tokenizer_start_id(&tok) >= 0) lg_tokens_push(&ids, lg_tokenizer_start_id(&tok));
         if (lg_tokenizer_encode(&tok, line.bytes, line.n, &ids, &err) != 0) die(1, "%s", err.msg);
         for (size_t i = 0; i < ids.n; i++) printf(i ? " %d" : "%d", ids.ids[i]);
         putchar('\n');
@@ -269,7 +274,7 @@ static void tokenize_sample(const lg_tokenizer *tok, const lg_alpaca_sample *s, 
     lg_text prompt = {NULL, 0, 0};
     lg_error err;
     size_t start = set->tokens.n;
-    if (tok->bos >= 0 && tok->bos != tok->eos) lg_tokens_push(&set->tokens, tok->bos);
+    if (lg_tokenizer_start_id(tok) >= 0) lg_tokens_push(&set->tokens, lg_tokenizer_start_id(tok));
     if (lg_alpaca_prompt(s, &prompt) != 0 ||
         lg_tokenizer_encode(tok, prompt.bytes, prompt.n, &set->tokens, &err) != 0)
         die(1, "%s: %s", where, err.msg);
