@@ -1392,6 +1392,10 @@ typedef struct {
 void lg_loader_packing_stats(const lg_loader *ld, int B, int T, lg_packing_stats *stats);
 /* Fine-tuning samples: the tokens of the longest sample after truncation (0 for a shard). */
 int lg_loader_longest(const lg_loader *ld);
+/* Fine-tuning samples: the shortest truncation at which some sample keeps a trained target
+   (one that neither its prompt's mask nor its end ignores), 0 when none has one at any length
+   (and for a shard, whose windows all train). At a T below it nothing would be trained. */
+int lg_loader_shortest_trained(const lg_loader *ld);
 /* Fails naming the file, the first sample (index from 0) longer than block_size after
    truncation, its length and the limit. */
 int lg_loader_check_block_size(const lg_loader *ld, int block_size, lg_error *err);
@@ -1842,12 +1846,14 @@ typedef struct lg_trainer {
                               for generation and export (train.c: --load DIR); "" none */
 } lg_trainer;
 
+#define LG_SKIPPED_OVERFLOW 1   /* an fp16 gradient overflowed: the loss scale halved */
+#define LG_SKIPPED_NO_TARGETS 2 /* every target of the step ignored: nothing to learn, no decay */
 typedef struct {
     double loss;        /* mean over every non-ignored target of the step */
     float lr, grad_norm; /* grad_norm before clipping, unscaled */
     double ms, tokens_per_s;
     long n_targets;
-    int skipped;        /* an fp16 gradient overflowed: no update, the loss scale halved */
+    int skipped;        /* no update: 0, or why not (LG_SKIPPED_*) */
     int hessian;        /* Sophia refreshed its Hessian estimate: one more forward and backward */
     float loss_scale;   /* the scale this step used (1 without scaling) */
     int diverged;       /* the step failed on a non-finite gradient norm without loss scaling
@@ -11416,6 +11422,29 @@ int lg_samples_file(const char *path) {
 
 int lg_loader_longest(const lg_loader *ld) { return ld->n_samples ? ld->T : 0; }
 
+/* Sample i's first position whose token is a target that trains (its target row is one
+   shorter), or 0 when none is: the tokens' trained bit, else past the prompt (masked) or 1. */
+static uint32_t lg_sample_first_trained(const lg_loader *ld, size_t i) {
+    uint32_t n = ld->sample_length[i];
+    const uint32_t *tokens = ld->memory + ld->sample_start[i];
+    if (ld->mask_prompt == LG_SAMPLES_MASK_TOKENS) {
+        for (uint32_t k = 1; k < n; k++)
+            if (tokens[k] >> LG_SAMPLES_TRAINED_BIT) return k;
+        return 0;
+    }
+    uint32_t first = ld->mask_prompt && ld->prompt_length[i] > 1 ? ld->prompt_length[i] : 1;
+    return first < n ? first : 0;
+}
+
+int lg_loader_shortest_trained(const lg_loader *ld) {
+    uint32_t shortest = 0;
+    for (size_t i = 0; i < ld->n_samples; i++) {
+        uint32_t first = lg_sample_first_trained(ld, i);
+        if (first && (!shortest || first + 1 < shortest)) shortest = first + 1;
+    }
+    return (int)shortest;
+}
+
 int lg_loader_check_block_size(const lg_loader *ld, int block_size, lg_error *err) {
     for (size_t i = 0; i < ld->n_samples; i++) {
         int n = (int)ld->sample_length[i];
@@ -15055,7 +15084,7 @@ static int lg_trainer_update(lg_trainer *tr, int step, lg_step_stats *stats,
     float norm = stats->grad_norm;
     stats->skipped = 0;
     if (!isfinite(norm) && tr->scaling) { /* overflow: skip, halve, try again next step */
-        stats->skipped = 1;
+        stats->skipped = LG_SKIPPED_OVERFLOW;
         tr->loss_scale *= 0.5f;
         tr->clean_steps = 0;
         return 0;
@@ -15066,7 +15095,7 @@ static int lg_trainer_update(lg_trainer *tr, int step, lg_step_stats *stats,
                             "weights", step + 1, norm);
     }
     if (stats->n_targets == 0) {
-        stats->skipped = 1; /* every target ignored: nothing to learn, no decay, no step */
+        stats->skipped = LG_SKIPPED_NO_TARGETS;
         return 0;
     }
     float multiplier = lg_clip_factor(norm, tr->args.max_norm) / tr->loss_scale;

@@ -1056,11 +1056,45 @@ static void note_packing(const lg_args *a, int *T, run_data *d) {
     d->length_from = a->max_seq_length ? "-t, the packed rows" : "--pack: the longest sample";
 }
 
+/* Samples of which none keeps a trained target at its truncation (every one cut off by -t or
+   lying in a masked prompt) would run steps of loss 0 that change nothing: refused before step
+   1, naming -t and the data (what: "--data FILE"). */
+static void check_trained(const lg_args *a, const lg_loader *ld, const char *what) {
+    int shortest = lg_loader_shortest_trained(ld);
+    lg_error err;
+    if (shortest && shortest <= ld->T) return;
+    if (!shortest)
+        lg_fail(&err, "%s: no sample has a trained token (every target lies in a masked prompt): "
+                      "nothing to learn or evaluate", what);
+    else
+        lg_fail(&err, "-t/--max-seq-length %d: no sample of %s has a trained token in its first "
+                      "%d tokens (every target there lies in a masked prompt): nothing to learn "
+                      "or evaluate; -t %d is the shortest that keeps one", a->max_seq_length,
+                what, ld->T, shortest);
+    die(2, &err);
+}
+
+/* check_trained on the train and validation samples. */
+static void check_trained_data(const lg_args *a, const run_data *d) {
+    char what[600];
+    if (d->has_train) {
+        if (d->builtin) snprintf(what, sizeof what, "the built-in task");
+        else snprintf(what, sizeof what, "--data %s", a->data);
+        check_trained(a, &d->train, what);
+    }
+    if (d->has_val) {
+        if (d->builtin) snprintf(what, sizeof what, "the built-in task's validation set");
+        else snprintf(what, sizeof what, "--val-data %s", a->val_data);
+        check_trained(a, &d->val, what);
+    }
+}
+
 static void fit_samples(const lg_args *a, const lg_config *cfg, int *T, run_data *d) {
     lg_error err;
     if ((d->has_train && lg_loader_check_block_size(&d->train, cfg->block_size, &err) != 0) ||
         (d->has_val && lg_loader_check_block_size(&d->val, cfg->block_size, &err) != 0))
         die(2, &err);
+    check_trained_data(a, d);
     *T = d->has_train ? lg_loader_longest(&d->train) : 0;
     if (d->has_val && lg_loader_longest(&d->val) > *T) *T = lg_loader_longest(&d->val);
     char cap[64] = "";
@@ -1337,9 +1371,11 @@ static void progress_step(progress *p, const lg_trainer *tr, int done, const lg_
     printf("step %5d/%d | loss %.4f | lr %.2e | grad norm %.3f | %.1f ms | %.0f tok/s | %s "
            "elapsed | ETA %s", done, p->max_steps, st->loss, st->lr, st->grad_norm, st->ms,
            st->tokens_per_s, spent, eta);
-    if (st->skipped)
+    if (st->skipped == LG_SKIPPED_OVERFLOW)
         printf(" | skipped: fp16 gradient overflow, loss scale %g -> %g", st->loss_scale,
                tr->loss_scale);
+    if (st->skipped == LG_SKIPPED_NO_TARGETS)
+        printf(" | skipped: no trained token in this step's samples");
     if (st->hessian) printf(" | with Sophia's Hessian pass");
     printf("\n");
     fflush(stdout);

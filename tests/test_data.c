@@ -863,6 +863,57 @@ static void test_prepare_tool(results *r) {
     expect_cli(r, "-t 9 --max-steps 2", 0, "sample: litgpt=");
 }
 
+/* ---- runs that would report nonsense (issue 40 §4) ----------------------------------------- */
+
+/* Samples of 9 and 12 tokens with masked prompts of 6 and 8: the first trained target is the
+   token at position 6 (row length 7), the second's at 8 (9). */
+static int write_untrained_samples(const char *path, uint32_t prompt_1, uint32_t prompt_2) {
+    uint32_t tokens[21], lengths[2] = {9, 12}, prompts[2] = {prompt_1, prompt_2};
+    lg_error err;
+    for (int i = 0; i < 21; i++) tokens[i] = (uint32_t)(3 + i % 23);
+    return lg_samples_write(path, tokens, lengths, prompts, 2, 2, 1, &err);
+}
+
+/* -t below every sample's first trained token: refused before step 1, naming -t and the file
+   (it ran with loss 0.0000 and blamed an fp16 overflow in 32-true); a step whose samples alone
+   train nothing says so, without fp16. */
+static void test_untrained_samples(results *r) {
+    static char out[16384];
+    lg_loader ld;
+    lg_error err;
+    const char *path = "build/untrained.bin";
+    write_untrained_samples(path, 6, 8);
+    int ok = lg_loader_open(&ld, path, 0, 100, 0, 0, &err) == 0;
+    check(r, ok && lg_loader_shortest_trained(&ld) == 7, "shortest trained truncation of prompts "
+          "6 and 8: %d, want 7", ok ? lg_loader_shortest_trained(&ld) : -1);
+    if (ok) lg_loader_close(&ld);
+    expect_cli(r, "-c test-gpt2 --data build/untrained.bin -t 6 -p 32-true --max-steps 2", 2,
+               "train: -t/--max-seq-length 6: no sample of --data build/untrained.bin has a "
+               "trained token in its first 6 tokens (every target there lies in a masked "
+               "prompt): nothing to learn or evaluate; -t 7 is the shortest that keeps one");
+    write_untrained_samples("build/trains.bin", 2, 3);
+    expect_cli(r, "-c test-gpt2 --data build/trains.bin --val-data build/untrained.bin -t 6 "
+               "--max-steps 1", 2, "no sample of --val-data build/untrained.bin has a trained "
+               "token in its first 6 tokens");
+    expect_cli(r, "-t 2 --max-steps 2 -p 32-true", 2, "train: -t/--max-seq-length 2: no sample "
+               "of the built-in task has a trained token in its first 2 tokens");
+    write_untrained_samples("build/all-prompt.bin", 9, 12);
+    expect_cli(r, "-c test-gpt2 --data build/all-prompt.bin --max-steps 1", 2, "train: --data "
+               "build/all-prompt.bin: no sample has a trained token (every target lies in a "
+               "masked prompt): nothing to learn or evaluate");
+    /* -t 7: the first sample trains one target, the second none; -b 1, two steps: one each */
+    int code = run_capture("-c test-gpt2 --data build/untrained.bin -t 7 -b 1 -p 32-true "
+                           "--max-steps 2 --eval-every 0 --sample-tokens 1", out, sizeof out);
+    check(r, code == 0 && strstr(out, "| skipped: no trained token in this step's samples\n") &&
+          !strstr(out, "fp16") && strstr(out, "step     1/2") && strstr(out, "step     2/2"),
+          "-t 7 -b 1: one step of the two trains nothing and says so, never fp16 (exit %d):\n%s",
+          code, out);
+}
+
+static void test_nonsense_runs(results *r) {
+    test_untrained_samples(r);
+}
+
 /* Chat templates against @huggingface/jinja's rendering of each package's own chat_template
    and the package's JavaScript tokenizer (tests/make_chat_reference.mjs): text and ids equal,
    and the trained tokens exactly the assistant turns with their end-of-turn. */
