@@ -386,7 +386,8 @@ typedef struct {
     float weight_decay, beta1, beta2, eps, momentum;
     float max_norm;            /* gradient clipping by global norm; 0: off */
     int max_steps;             /* 0: evaluate and exit */
-    int eval_every, eval_iters;
+    int eval_every;
+    int eval_iters;            /* validation micro-batches at most; each window (sample) once */
     int sample_every, sample_tokens;
     float temperature;         /* 0: greedy */
     const char *prompt;
@@ -1356,6 +1357,8 @@ int lg_loader_from_memory(lg_loader *ld, uint32_t *tokens, size_t n_tokens, int 
    at each new epoch. */
 int lg_loader_next(lg_loader *ld, int B, int *inputs, int *targets, lg_error *err);
 void lg_loader_rewind(lg_loader *ld); /* back to the first window (validation) */
+/* Windows (samples) of this epoch's order not yet read: after lg_loader_rewind, one pass. */
+size_t lg_loader_left(const lg_loader *ld);
 void lg_loader_close(lg_loader *ld);
 /* Writes a shard (used by tools and tests). token_bytes 2 or 4. */
 int lg_shard_write(const char *path, const uint32_t *tokens, size_t n, int token_bytes,
@@ -1872,8 +1875,9 @@ int lg_trainer_create_in(lg_trainer *tr, const lg_config *cfg, const lg_args *ar
    touching the weights) on a data error or a non-finite gradient. */
 int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *stats,
                     lg_error *err);
-/* Mean loss over all targets of n_batches micro-batches from the start of ld, spread over the
-   ranks. */
+/* Mean loss over all targets of at most n_batches micro-batches from the start of ld, spread
+   over the ranks, each window (sample) read once: a set of fewer is read whole, once, its last
+   micro-batch short (LitGPT's validate: min(len(val_dataloader), eval.max_iters)). */
 int lg_trainer_evaluate(lg_trainer *tr, lg_loader *ld, int n_batches, double *mean_loss,
                         lg_error *err);
 /* lg_model_generate on rank 0 (the other ranks take part in the gathers). */
@@ -11102,6 +11106,8 @@ void lg_loader_rewind(lg_loader *ld) {
     ld->epoch = 0;
 }
 
+size_t lg_loader_left(const lg_loader *ld) { return ld->n_windows - ld->position; }
+
 void lg_loader_close(lg_loader *ld) {
     if (ld->file) fclose(ld->file);
     LG_FREE(ld->memory);
@@ -11344,8 +11350,10 @@ static void lg_pack_place(const lg_loader *ld, size_t sample, int at, int n, int
     for (int t = 0; t < n; t++) span_start[at + t] = at;
 }
 
-int lg_loader_next_packed(lg_loader *ld, int B, int T, int *inputs, int *targets,
-                          int *span_start, int *n_packed, lg_error *err) {
+/* lg_loader_next_packed taking at most `most` samples of the order (validation: those left in
+   its one pass, lg_loader_left). */
+static int lg_loader_pack_rows(lg_loader *ld, int B, int T, size_t most, int *inputs,
+                               int *targets, int *span_start, int *n_packed, lg_error *err) {
     if (ld->n_samples == 0)
         return lg_fail(err, "data %s: --pack packs fine-tuning samples (tools/prepare alpaca); "
                             "token shards are already full rows", ld->path);
@@ -11356,7 +11364,7 @@ int lg_loader_next_packed(lg_loader *ld, int B, int T, int *inputs, int *targets
     if (B > 64) return lg_fail(err, "data %s: --pack takes micro-batches of at most 64 rows", ld->path);
     for (int b = 0; b < B; b++) used[b] = 0;
     *n_packed = 0;
-    for (size_t tries = 0; tries < ld->n_samples; tries++) {
+    for (size_t tries = 0; tries < most && tries < ld->n_samples; tries++) {
         size_t sample = lg_loader_take(ld);
         int n = (int)ld->sample_length[sample] < ld->T ? (int)ld->sample_length[sample] : ld->T;
         int b = 0;
@@ -11375,6 +11383,12 @@ int lg_loader_next_packed(lg_loader *ld, int B, int T, int *inputs, int *targets
             span_start[at] = t;
         }
     return 0;
+}
+
+int lg_loader_next_packed(lg_loader *ld, int B, int T, int *inputs, int *targets,
+                          int *span_start, int *n_packed, lg_error *err) {
+    return lg_loader_pack_rows(ld, B, T, ld->n_samples, inputs, targets, span_start, n_packed,
+                               err);
 }
 
 /* Sample k of the epoch's order, truncated to the loader's T. */
@@ -14989,16 +15003,17 @@ static int *lg_trainer_batch_place(lg_trainer *tr, int g, size_t at, lg_micro_ba
     return NULL;
 }
 
-/* The next micro-batch of B rows into place: packed rows of the model's T (--pack), or rows
-   of the loader's (samples padded to the longest of the batch). Its row length into *T. */
-static int lg_trainer_next_rows(lg_trainer *tr, lg_loader *ld, int B, const lg_micro_batch *place,
-                                int *T, lg_error *err) {
+/* The next micro-batch of B rows into place: packed rows of the model's T (--pack) of at most
+   `most` samples, or rows of the loader's (samples padded to the longest of the batch). Its row
+   length into *T. */
+static int lg_trainer_next_rows(lg_trainer *tr, lg_loader *ld, int B, size_t most,
+                                const lg_micro_batch *place, int *T, lg_error *err) {
     if (!tr->args.pack) return lg_loader_next_batch(ld, B, (int *)place->inputs,
                                                     (int *)place->targets, T, err);
     int placed;
     *T = tr->ranks[0].model.T;
-    return lg_loader_next_packed(ld, B, *T, (int *)place->inputs, (int *)place->targets,
-                                 (int *)place->span_start, &placed, err);
+    return lg_loader_pack_rows(ld, B, *T, most, (int *)place->inputs, (int *)place->targets,
+                               (int *)place->span_start, &placed, err);
 }
 
 /* Reads the step's micro-batches: micro-batch i of rank r is the (i ranks + r)-th; every
@@ -15013,7 +15028,8 @@ static long lg_trainer_read_step(lg_trainer *tr, lg_loader *train, lg_error *err
             lg_micro_batch place;
             int rows_T = 0;
             int *micro_T = lg_trainer_batch_place(tr, g, lg_micro_batch_start(tr, i), &place);
-            if (lg_trainer_next_rows(tr, train, B, &place, &rows_T, err) != 0) return -1;
+            if (lg_trainer_next_rows(tr, train, B, train->n_samples, &place, &rows_T, err) != 0)
+                return -1;
             if (micro_T) micro_T[i] = rows_T;
             n_targets += lg_count_targets(place.targets, (size_t)B * rows_T);
             tr->step_tokens += (size_t)B * rows_T;
@@ -15122,12 +15138,15 @@ int lg_trainer_evaluate(lg_trainer *tr, lg_loader *ld, int n_batches, double *me
     lg_micro_batch mb[LG_MAX_RANKS];
     double sum = 0;
     long count = 0;
-    for (int first = 0; first < n_batches; first += tr->n_ranks) {
+    for (int first = 0; first < n_batches && lg_loader_left(ld) > 0; first += tr->n_ranks) {
         for (int g = 0; g < tr->n_ranks; g++) { /* every process reads, keeps its ranks' */
             lg_micro_batch place;
-            int rows = first + g < n_batches ? B : 0, rows_T = T;
+            size_t left = lg_loader_left(ld); /* each window once: the last batch may be short */
+            int rows = first + g < n_batches && left ? B : 0, rows_T = T;
+            if (!tr->args.pack && (size_t)rows > left) rows = (int)left;
             int here = lg_trainer_batch_place(tr, g, 0, &place) != NULL;
-            if (rows && lg_trainer_next_rows(tr, ld, B, &place, &rows_T, err) != 0) return -1;
+            if (rows && lg_trainer_next_rows(tr, ld, rows, left, &place, &rows_T, err) != 0)
+                return -1;
             count += lg_count_targets(place.targets, (size_t)rows * rows_T);
             if (!here) continue;
             place.B = rows;

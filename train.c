@@ -101,7 +101,7 @@ static const char usage[] =
     "      --max-norm X           clip gradients to this global norm, 0: off (1.0)\n"
     "      --max-steps N          optimizer steps; 0: evaluate and exit (1000)\n"
     "      --eval-every N         steps between validations, 0: only at the ends (200)\n"
-    "      --eval-iters N         validation micro-batches (10)\n"
+    "      --eval-iters N         validation micro-batches at most, each sample once (10)\n"
     "      --sample-every N       steps between generated samples, 0: only at the end (0)\n"
     "      --sample-tokens N      tokens to generate (16)\n"
     "      --temperature X        0: greedy (default), else sampling temperature\n"
