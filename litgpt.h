@@ -421,6 +421,9 @@ typedef struct {
     size_t host_memory_limit;  /* --host-memory-limit: bytes the host pools of one machine's
                                   ranks may use together; 0: what the machine has available
                                   (lg_args_host_limit) */
+    size_t host_available;     /* the machine's available memory, read once for the run
+                                  (lg_host_available_bytes) so that every choice and the fit
+                                  check hold the same figure; 0: unknown, not checked */
     int runtime_estimated;     /* 1: runtime_bytes is lg_cuda_runtime_estimate's figure (a plan
                                   for GPUs made where there are none), not a measurement */
     lg_lora lora;              /* --lora-r, --lora-alpha, --lora-dropout, --lora-targets,
@@ -846,7 +849,8 @@ void lg_plan_auto_rows(const lg_config *cfg, const lg_args *args, int T, size_t 
                        int *head_rows, int *slice_rows);
 /* Memory a run may use on this machine's CPU backend: MemAvailable, 0 when unknown. */
 size_t lg_host_available_bytes(void);
-/* The host memory a machine's ranks may use: --host-memory-limit, else what is available. */
+/* The host memory a machine's ranks may use: --host-memory-limit, else what was available
+   (args->host_available); 0: unknown. */
 size_t lg_args_host_limit(const lg_args *args);
 /* The host pools of all the ranks of one machine (a node) together, the most of any: what the
    host memory check holds against lg_args_host_limit on a GPU. */
@@ -4812,21 +4816,30 @@ size_t lg_plan_host_bytes_per_machine(const lg_plan *plan) {
 }
 
 size_t lg_args_host_limit(const lg_args *args) {
-    return args->host_memory_limit ? args->host_memory_limit : lg_host_available_bytes();
+    return args->host_memory_limit ? args->host_memory_limit : args->host_available;
 }
 
-void lg_plan_check_fit(const lg_plan *plan, const lg_args *args, size_t limit, lg_fit *fit) {
+/* The fit check's verdict on a run's checked and host bytes (lg_plan_checked_bytes,
+   lg_plan_host_bytes_per_machine): the one test that the fit check and every choice (-t auto,
+   -b auto, the chunks, the remedies) hold a run to. */
+static void lg_fit_judge(const lg_args *args, size_t limit, size_t checked, size_t host,
+                         lg_fit *fit) {
     memset(fit, 0, sizeof *fit);
     fit->limit = limit;
-    fit->checked_bytes = lg_plan_checked_bytes(plan);
-    fit->host_bytes = lg_plan_host_bytes_per_machine(plan);
-    fit->device_fits = limit == 0 || fit->checked_bytes <= limit;
+    fit->checked_bytes = checked;
+    fit->host_bytes = host;
+    fit->device_fits = limit == 0 || checked <= limit;
     fit->host_fits = 1;
     if (args->backend != LG_BACKEND_CPU) { /* on the CPU the host pools are in checked_bytes */
         fit->host_limit = lg_args_host_limit(args);
-        fit->host_fits = fit->host_limit == 0 || fit->host_bytes <= fit->host_limit;
+        fit->host_fits = fit->host_limit == 0 || host <= fit->host_limit;
     }
     fit->fits = limit == 0 ? -1 : fit->device_fits && fit->host_fits;
+}
+
+void lg_plan_check_fit(const lg_plan *plan, const lg_args *args, size_t limit, lg_fit *fit) {
+    lg_fit_judge(args, limit, lg_plan_checked_bytes(plan), lg_plan_host_bytes_per_machine(plan),
+                 fit);
 }
 
 /* Device bytes of a run (0 when it cannot be planned); the host bytes of its machine's ranks
@@ -4857,15 +4870,16 @@ size_t lg_plan_checked_bytes_for(const lg_config *cfg, const lg_args *args, int 
     return checked;
 }
 
-/* On the CPU backend both pools of a machine's ranks within the limit (they are one memory);
-   on a GPU the device pool within the limit and a machine's host pools within its host
-   memory (lg_args_host_limit). */
+/* The fit check's verdict (lg_fit_judge): on the CPU backend both pools of a machine's ranks
+   within the limit (they are one memory); on a GPU the device pool within the limit and a
+   machine's host pools within its host memory (lg_args_host_limit). A run that cannot be
+   planned (device 0) or an unknown limit (0): no. */
 static int lg_pools_fit(const lg_args *args, size_t device, size_t host, size_t checked,
                         size_t limit) {
+    lg_fit fit;
     if (device == 0) return 0;
-    if (args->backend == LG_BACKEND_CPU) return checked <= limit;
-    size_t host_limit = lg_args_host_limit(args);
-    return device <= limit && (host_limit == 0 || host <= host_limit);
+    lg_fit_judge(args, limit, checked, host, &fit);
+    return fit.fits == 1;
 }
 
 /* The run as its args say, --head-rows 0 meaning all rows at once. */

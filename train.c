@@ -631,7 +631,7 @@ static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, co
 /* The memory a device may use: --memory-limit, else a GPU's memory (0: no GPU here to
    measure). On the CPU backend the memory of the machine, which its pools and simulated ranks
    share (lg_plan_checked_bytes): the smaller of --memory-limit and --host-memory-limit, else
-   what it has available. */
+   what it had available (a->host_available, read once). */
 static size_t device_limit(const lg_args *a, const char **source) {
     size_t host = a->host_memory_limit;
     if (a->memory_limit && (a->backend == LG_BACKEND_CUDA || !host || a->memory_limit <= host)) {
@@ -645,7 +645,7 @@ static size_t device_limit(const lg_args *a, const char **source) {
         return a->runtime_estimated ? 0 : a->device_bytes;
     }
     *source = host ? "--host-memory-limit" : "available host memory";
-    return host ? host : lg_host_available_bytes();
+    return lg_args_host_limit(a);
 }
 
 /* --backend cuda where no GPU can run it: --plan plans with the runtime estimated; anything
@@ -1187,6 +1187,20 @@ static void open_data(const lg_args *a, lg_config *cfg, int *T, run_data *d) {
     if (samples) fit_samples(a, cfg, T, d);
 }
 
+/* "80.00 GiB (--memory-limit)", and on a GPU with a known host limit " and 23.03 GiB of host
+   memory (available host memory)": what -t auto chose within, the fit check's figures. */
+static void describe_limits(const lg_args *a, size_t limit, const char *source, char *out,
+                            size_t cap) {
+    char device[32], host[32];
+    size_t host_limit = lg_args_host_limit(a);
+    snprintf(out, cap, "%s (%s)", lg_format_bytes(limit, device, sizeof device), source);
+    if (a->backend == LG_BACKEND_CPU || !host_limit) return;
+    size_t used = strlen(out);
+    snprintf(out + used, cap - used, " and %s of host memory (%s)",
+             lg_format_bytes(host_limit, host, sizeof host),
+             a->host_memory_limit ? "--host-memory-limit" : "available host memory");
+}
+
 /* -t auto: the longest sequence that fits, up to block_size (token shards, or a plan without
    data) or the longest sample (fine-tuning); the data are opened again at that length when it
    is shorter. With -b auto too, the length is chosen at -b 1. What it chose goes to the note. */
@@ -1198,18 +1212,18 @@ static void choose_seq_length(lg_args *a, lg_config *cfg, int *T, run_data *d) {
     lg_args probe = *a;
     if (probe.micro_batch_auto) probe.micro_batch_size = 1;
     int t = limit ? lg_plan_auto_seq_length(cfg, &probe, cap, limit) : cap;
-    char note[320], size[32];
-    lg_format_bytes(limit, size, sizeof size);
+    char note[600], within[320];
+    describe_limits(a, limit, source, within, sizeof within);
     if (!limit)
         snprintf(note, sizeof note, "-t auto: %d tokens, %s (%s)\n", cap, cap_name, source);
     else if (t == 0)
-        snprintf(note, sizeof note, "-t auto: not even 1 token fits in %s (%s)\n", size, source);
+        snprintf(note, sizeof note, "-t auto: not even 1 token fits in %s\n", within);
     else if (t == cap)
-        snprintf(note, sizeof note, "-t auto: %d tokens, %s, which limits it (it fits in %s, "
-                 "%s)\n", t, cap_name, size, source);
+        snprintf(note, sizeof note, "-t auto: %d tokens, %s, which limits it (it fits in %s)\n",
+                 t, cap_name, within);
     else
         snprintf(note, sizeof note, "-t auto: %d tokens, the longest up to %s %d that fits in "
-                 "%s (%s)\n", t, cap_name, cap, size, source);
+                 "%s\n", t, cap_name, cap, within);
     if (t > 0 && t < cap) {
         a->max_seq_length = t;
         lg_loader_close(&d->train);
@@ -1593,6 +1607,7 @@ static void settle_run(int argc, char **argv, run_setup *rs) {
     open_data(a, &rs->cfg, &rs->T, &rs->data); /* fine-tuning samples: T is the longest one */
     a->finetuning = !a->data || lg_samples_file(a->data); /* LoRA is a remedy (see --plan) */
     prepare_gpus(a, rs->launch.processes > 1);
+    a->host_available = lg_host_available_bytes(); /* once: the choices and the check agree */
     if (a->max_seq_length_auto) choose_seq_length(a, &rs->cfg, &rs->T, &rs->data);
     if (a->micro_batch_auto) choose_micro_batch(a, &rs->cfg, rs->T, rs->data.note, sizeof rs->data.note);
     if (!a->head_rows || !a->slice_rows) choose_rows(a, &rs->cfg, rs->T, rs->data.note, sizeof rs->data.note);

@@ -2120,6 +2120,7 @@ int main(int argc, char **argv) {
         test_context_table_in_readme(&r);
         test_host_traffic(&r);
         test_auto_seq_length(&r);
+        test_auto_seq_length_host(&r);
     }
     if (section("the head and loss in chunks", argc, argv)) {
         test_head_chunks_model(&r);
