@@ -1716,6 +1716,9 @@ typedef struct lg_trainer lg_trainer; /* 14. trainer */
 /* Checks DIR/COMPLETE and each file it lists: present, of its size, of its hash. *step (may
    be NULL) gets the step it records. */
 int lg_checkpoint_verify(const char *dir, int *step, lg_error *err);
+/* The same for one file of DIR alone, by its line in COMPLETE (a file not listed fails): what
+   is read before the whole checkpoint is verified (LG_RUN_SETTINGS) is verified first. */
+int lg_checkpoint_verify_file(const char *dir, const char *name, lg_error *err);
 /* DIR itself when it holds a complete checkpoint, else its complete step-N with the largest
    N (incomplete ones are skipped); path into found. */
 int lg_checkpoint_find(const char *dir, char *found, size_t cap, lg_error *err);
@@ -1749,8 +1752,10 @@ typedef struct {
     int has_base_hash;
     uint64_t base_hash;
 } lg_run_settings;
-/* Reads DIR/LG_RUN_SETTINGS over lg_args_default; 1 when the checkpoint has none (written
-   before the file existed), -1 naming the file and line when malformed. */
+/* Reads DIR/LG_RUN_SETTINGS over lg_args_default, after verifying it against DIR/COMPLETE; 1
+   when the checkpoint has none (written before the file existed), -1 naming the file and line
+   when malformed, the file and field when a value is out of its range (lg_run_fields), or the
+   settings that do not go together (lg_args_check). */
 int lg_run_settings_read(const char *dir, lg_run_settings *s, lg_error *err);
 /* The first setting (its key in LG_RUN_SETTINGS) in which `now` would change the model the
    run trains from `run`'s: shapes, LoRA, quantization, precision, optimizer and its state
@@ -2044,6 +2049,7 @@ int lg_generate_continue(lg_generator *g, const int *prompt, int n_prompt, int m
 #include <math.h>
 #include <stdarg.h>
 #include <limits.h>
+#include <float.h>
 #include <string.h>
 #include <time.h>
 #ifdef _OPENMP
@@ -13188,6 +13194,32 @@ int lg_checkpoint_verify(const char *dir, int *step, lg_error *err) {
     return rc;
 }
 
+int lg_checkpoint_verify_file(const char *dir, const char *name, lg_error *err) {
+    char path[LG_PATH_MAX], want[300];
+    lg_format(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
+    lg_format(want, sizeof want, "file %s ", name);
+    struct stat st;
+    if (stat(path, &st) != 0)
+        return lg_fail(err, "checkpoint %s: no " LG_CHECKPOINT_MARKER " marker, so %s cannot be "
+                            "verified", dir, name);
+    char *text = lg_read_text_file(path, 1 << 16, NULL, err);
+    if (!text) return -1;
+    int rc = 1, line_no = 0;
+    for (char *line = text, *next; *line && rc == 1; line = next) {
+        char *newline = strchr(line, '\n');
+        next = newline ? newline + 1 : line + strlen(line);
+        if (newline) *newline = '\0';
+        line_no++;
+        if (strncmp(line, want, strlen(want)) == 0)
+            rc = lg_verify_marker_line(dir, line, line_no, err);
+    }
+    LG_FREE(text);
+    if (rc == 1)
+        rc = lg_fail(err, "checkpoint %s: %s is not listed in " LG_CHECKPOINT_MARKER ", so it "
+                          "cannot be verified", dir, name);
+    return rc;
+}
+
 int lg_checkpoint_find(const char *dir, char *found, size_t cap, lg_error *err) {
     char path[1400];
     struct stat st;
@@ -13895,58 +13927,61 @@ typedef enum { LG_RUN_INT, LG_RUN_FLOAT, LG_RUN_U64, LG_RUN_SIZE, LG_RUN_TEXT } 
    that changed it would train another model than the checkpoint's. Enums are stored as
    their numbers (lg_args' enum fields are int-sized). Not recorded: what belongs to the
    machine or the session (backend, measured memory, processes, --plan, --log). */
-#define LG_RUN_FIELD(field, kind, model) {#field, offsetof(lg_args, field), kind, model}
+#define LG_RUN_FIELD(field, kind, model, lo, hi) \
+    {#field, offsetof(lg_args, field), kind, model, lo, hi}
 static const struct {
     const char *key;
     size_t offset; /* in lg_args */
     lg_run_kind kind;
     int model;
+    double lo, hi; /* LG_RUN_INT: lo .. hi; LG_RUN_FLOAT: finite, at least lo, below hi */
 } lg_run_fields[] = {
-    LG_RUN_FIELD(config, LG_RUN_TEXT, 0), /* the model itself: config.json */
-    LG_RUN_FIELD(data, LG_RUN_TEXT, 0),
-    LG_RUN_FIELD(val_data, LG_RUN_TEXT, 0),
-    LG_RUN_FIELD(prompt, LG_RUN_TEXT, 0),
-    LG_RUN_FIELD(out_dir, LG_RUN_TEXT, 0),
-    LG_RUN_FIELD(micro_batch_size, LG_RUN_INT, 0),
-    LG_RUN_FIELD(global_batch_size, LG_RUN_INT, 1),
-    LG_RUN_FIELD(max_seq_length, LG_RUN_INT, 1),
-    LG_RUN_FIELD(precision, LG_RUN_INT, 1),
-    LG_RUN_FIELD(devices, LG_RUN_INT, 0),
-    LG_RUN_FIELD(nodes, LG_RUN_INT, 0),
-    LG_RUN_FIELD(strategy, LG_RUN_INT, 0),
-    LG_RUN_FIELD(optimizer, LG_RUN_INT, 1),
-    LG_RUN_FIELD(optimizer_state, LG_RUN_INT, 1),
-    LG_RUN_FIELD(seed, LG_RUN_U64, 1),
-    LG_RUN_FIELD(lora.r, LG_RUN_INT, 1),
-    LG_RUN_FIELD(lora.alpha, LG_RUN_FLOAT, 1),
-    LG_RUN_FIELD(lora.dropout, LG_RUN_FLOAT, 1),
-    LG_RUN_FIELD(lora.targets, LG_RUN_INT, 1),
-    LG_RUN_FIELD(lora.quantize, LG_RUN_INT, 1),
-    LG_RUN_FIELD(eps, LG_RUN_FLOAT, 1),
-    LG_RUN_FIELD(lr, LG_RUN_FLOAT, 0),
-    LG_RUN_FIELD(min_lr, LG_RUN_FLOAT, 0),
-    LG_RUN_FIELD(warmup_steps, LG_RUN_INT, 0),
-    LG_RUN_FIELD(weight_decay, LG_RUN_FLOAT, 0),
-    LG_RUN_FIELD(beta1, LG_RUN_FLOAT, 0),
-    LG_RUN_FIELD(beta2, LG_RUN_FLOAT, 0),
-    LG_RUN_FIELD(momentum, LG_RUN_FLOAT, 0),
-    LG_RUN_FIELD(max_norm, LG_RUN_FLOAT, 0),
-    LG_RUN_FIELD(hessian_interval, LG_RUN_INT, 0),
-    LG_RUN_FIELD(rho, LG_RUN_FLOAT, 0),
-    LG_RUN_FIELD(max_steps, LG_RUN_INT, 0),
-    LG_RUN_FIELD(eval_every, LG_RUN_INT, 0),
-    LG_RUN_FIELD(eval_iters, LG_RUN_INT, 0),
-    LG_RUN_FIELD(sample_every, LG_RUN_INT, 0),
-    LG_RUN_FIELD(sample_tokens, LG_RUN_INT, 0),
-    LG_RUN_FIELD(temperature, LG_RUN_FLOAT, 0),
-    LG_RUN_FIELD(save_every, LG_RUN_INT, 0),
-    LG_RUN_FIELD(recompute, LG_RUN_INT, 0),
-    LG_RUN_FIELD(offload, LG_RUN_INT, 0),
-    LG_RUN_FIELD(tf32, LG_RUN_INT, 0),
-    LG_RUN_FIELD(memory_limit, LG_RUN_SIZE, 0),
-    LG_RUN_FIELD(pack, LG_RUN_INT, 1), /* the rows the data order makes */
-    LG_RUN_FIELD(head_rows, LG_RUN_INT, 0), /* the head's chunks: the same loss to rounding */
-    LG_RUN_FIELD(slice_rows, LG_RUN_INT, 0), /* the MLP's slices: the same */
+    LG_RUN_FIELD(config, LG_RUN_TEXT, 0, 0, 0), /* the model itself: config.json */
+    LG_RUN_FIELD(data, LG_RUN_TEXT, 0, 0, 0),
+    LG_RUN_FIELD(val_data, LG_RUN_TEXT, 0, 0, 0),
+    LG_RUN_FIELD(prompt, LG_RUN_TEXT, 0, 0, 0),
+    LG_RUN_FIELD(out_dir, LG_RUN_TEXT, 0, 0, 0),
+    LG_RUN_FIELD(micro_batch_size, LG_RUN_INT, 0, 1, INT_MAX),
+    LG_RUN_FIELD(global_batch_size, LG_RUN_INT, 1, 0, INT_MAX),
+    LG_RUN_FIELD(max_seq_length, LG_RUN_INT, 1, 0, INT_MAX),
+    LG_RUN_FIELD(precision, LG_RUN_INT, 1, 0, LG_PRECISION_BF16_MIXED),
+    LG_RUN_FIELD(devices, LG_RUN_INT, 0, 1, LG_MAX_RANKS),
+    LG_RUN_FIELD(nodes, LG_RUN_INT, 0, 1, LG_MAX_RANKS),
+    LG_RUN_FIELD(strategy, LG_RUN_INT, 0, 0, LG_STRATEGY_HYBRID_SHARD),
+    LG_RUN_FIELD(optimizer, LG_RUN_INT, 1, 0, LG_OPTIMIZER_SOPHIA),
+    LG_RUN_FIELD(optimizer_state, LG_RUN_INT, 1, 0, LG_STATE_8BIT),
+    LG_RUN_FIELD(seed, LG_RUN_U64, 1, 0, 0),
+    LG_RUN_FIELD(lora.r, LG_RUN_INT, 1, 0, INT_MAX),
+    LG_RUN_FIELD(lora.alpha, LG_RUN_FLOAT, 1, 0, INFINITY),
+    LG_RUN_FIELD(lora.dropout, LG_RUN_FLOAT, 1, 0, 1),
+    LG_RUN_FIELD(lora.targets, LG_RUN_INT, 1, 0, LG_LORA_HEAD * 2 - 1),
+    LG_RUN_FIELD(lora.quantize, LG_RUN_INT, 1, 0, LG_QUANTIZE_NF4_DQ),
+    LG_RUN_FIELD(eps, LG_RUN_FLOAT, 1, 0, INFINITY),
+    LG_RUN_FIELD(lr, LG_RUN_FLOAT, 0, 0, INFINITY),
+    LG_RUN_FIELD(min_lr, LG_RUN_FLOAT, 0, 0, INFINITY),
+    LG_RUN_FIELD(warmup_steps, LG_RUN_INT, 0, 0, INT_MAX),
+    LG_RUN_FIELD(weight_decay, LG_RUN_FLOAT, 0, 0, INFINITY),
+    LG_RUN_FIELD(beta1, LG_RUN_FLOAT, 0, 0, 1),
+    LG_RUN_FIELD(beta2, LG_RUN_FLOAT, 0, 0, 1),
+    LG_RUN_FIELD(momentum, LG_RUN_FLOAT, 0, 0, 1),
+    LG_RUN_FIELD(max_norm, LG_RUN_FLOAT, 0, 0, INFINITY),
+    LG_RUN_FIELD(hessian_interval, LG_RUN_INT, 0, 1, INT_MAX),
+    LG_RUN_FIELD(rho, LG_RUN_FLOAT, 0, FLT_MIN, INFINITY),
+    LG_RUN_FIELD(max_steps, LG_RUN_INT, 0, 0, INT_MAX),
+    LG_RUN_FIELD(eval_every, LG_RUN_INT, 0, 0, INT_MAX),
+    LG_RUN_FIELD(eval_iters, LG_RUN_INT, 0, 1, INT_MAX),
+    LG_RUN_FIELD(sample_every, LG_RUN_INT, 0, 0, INT_MAX),
+    LG_RUN_FIELD(sample_tokens, LG_RUN_INT, 0, 1, 1000000),
+    LG_RUN_FIELD(temperature, LG_RUN_FLOAT, 0, 0, INFINITY),
+    LG_RUN_FIELD(save_every, LG_RUN_INT, 0, 0, INT_MAX),
+    LG_RUN_FIELD(recompute, LG_RUN_INT, 0, 0, 1),
+    LG_RUN_FIELD(offload, LG_RUN_INT, 0, 0, 1),
+    LG_RUN_FIELD(tf32, LG_RUN_INT, 0, 0, 1),
+    LG_RUN_FIELD(memory_limit, LG_RUN_SIZE, 0, 0, 0),
+    LG_RUN_FIELD(pack, LG_RUN_INT, 1, 0, 1), /* the rows the data order makes */
+    LG_RUN_FIELD(head_rows, LG_RUN_INT, 0, 0, INT_MAX), /* the head's chunks: the same loss
+                                                           to rounding */
+    LG_RUN_FIELD(slice_rows, LG_RUN_INT, 0, 0, INT_MAX), /* the MLP's slices: the same */
 };
 #define LG_N_RUN_FIELDS ((int)(sizeof lg_run_fields / sizeof lg_run_fields[0]))
 typedef char lg_run_enums_are_ints[sizeof(lg_precision) == sizeof(int) ? 1 : -1];
@@ -14008,6 +14043,31 @@ static int lg_run_field_parse(lg_args *a, int i, const char *value, char *text, 
     }
     }
     return !end || end == value || *end || errno ? -1 : 0;
+}
+
+/* Field i of a within its range of the table (texts and 64-bit numbers: any value); else fails
+   naming the file (path) and the field. */
+static int lg_run_field_check(const lg_args *a, int i, const char *path, lg_error *err) {
+    const unsigned char *at = (const unsigned char *)a + lg_run_fields[i].offset;
+    double lo = lg_run_fields[i].lo, hi = lg_run_fields[i].hi;
+    const char *key = lg_run_fields[i].key;
+    int v_int;
+    float v_float;
+    if (lg_run_fields[i].kind == LG_RUN_INT) {
+        memcpy(&v_int, at, sizeof v_int);
+        if (v_int < lo || v_int > hi)
+            return lg_fail(err, "%s: %s %d is out of range: expected %.0f to %.0f", path, key,
+                           v_int, lo, hi);
+    }
+    if (lg_run_fields[i].kind != LG_RUN_FLOAT) return 0;
+    memcpy(&v_float, at, sizeof v_float);
+    if (!isfinite(v_float) || v_float < lo || v_float >= hi) {
+        char below[48] = "";
+        if (isfinite(hi)) lg_format(below, sizeof below, " and below %g", hi);
+        return lg_fail(err, "%s: %s %g is out of range: expected a finite number at least %g%s",
+                       path, key, (double)v_float, lo, below);
+    }
+    return 0;
 }
 
 /* LoRA: FNV-1a of rank 0's frozen base as it holds it (each tensor's stored bytes: the weight
@@ -14089,6 +14149,7 @@ int lg_run_settings_read(const char *dir, lg_run_settings *s, lg_error *err) {
     lg_args_default(&s->args);
     lg_format(path, sizeof path, "%s/" LG_RUN_SETTINGS, dir);
     if (stat(path, &st) != 0) return 1;
+    if (lg_checkpoint_verify_file(dir, LG_RUN_SETTINGS, err) != 0) return -1;
     char *text = lg_read_text_file(path, 1 << 20, NULL, err);
     if (!text) return -1;
     int rc = 0, line_no = 0;
@@ -14101,6 +14162,13 @@ int lg_run_settings_read(const char *dir, lg_run_settings *s, lg_error *err) {
             rc = lg_fail(err, "%s: line %d ('%s') is malformed", path, line_no, line);
     }
     LG_FREE(text);
+    for (int i = 0; i < LG_N_RUN_FIELDS && rc == 0; i++)
+        rc = lg_run_field_check(&s->args, i, path, err);
+    if (rc == 0 && lg_args_check(&s->args, err) != 0) {
+        char why[sizeof err->msg];
+        lg_format(why, sizeof why, "%s", err->msg);
+        rc = lg_fail(err, "%s: settings that do not go together: %s", path, why);
+    }
     return rc;
 }
 
