@@ -386,7 +386,8 @@ typedef struct {
     float weight_decay, beta1, beta2, eps, momentum;
     float max_norm;            /* gradient clipping by global norm; 0: off */
     int max_steps;             /* 0: evaluate and exit */
-    int eval_every, eval_iters;
+    int eval_every;
+    int eval_iters;            /* validation micro-batches at most; each window (sample) once */
     int sample_every, sample_tokens;
     float temperature;         /* 0: greedy */
     const char *prompt;
@@ -420,6 +421,9 @@ typedef struct {
     size_t host_memory_limit;  /* --host-memory-limit: bytes the host pools of one machine's
                                   ranks may use together; 0: what the machine has available
                                   (lg_args_host_limit) */
+    size_t host_available;     /* the machine's available memory, read once for the run
+                                  (lg_host_available_bytes) so that every choice and the fit
+                                  check hold the same figure; 0: unknown, not checked */
     int runtime_estimated;     /* 1: runtime_bytes is lg_cuda_runtime_estimate's figure (a plan
                                   for GPUs made where there are none), not a measurement */
     lg_lora lora;              /* --lora-r, --lora-alpha, --lora-dropout, --lora-targets,
@@ -845,7 +849,8 @@ void lg_plan_auto_rows(const lg_config *cfg, const lg_args *args, int T, size_t 
                        int *head_rows, int *slice_rows);
 /* Memory a run may use on this machine's CPU backend: MemAvailable, 0 when unknown. */
 size_t lg_host_available_bytes(void);
-/* The host memory a machine's ranks may use: --host-memory-limit, else what is available. */
+/* The host memory a machine's ranks may use: --host-memory-limit, else what was available
+   (args->host_available); 0: unknown. */
 size_t lg_args_host_limit(const lg_args *args);
 /* The host pools of all the ranks of one machine (a node) together, the most of any: what the
    host memory check holds against lg_args_host_limit on a GPU. */
@@ -1356,6 +1361,8 @@ int lg_loader_from_memory(lg_loader *ld, uint32_t *tokens, size_t n_tokens, int 
    at each new epoch. */
 int lg_loader_next(lg_loader *ld, int B, int *inputs, int *targets, lg_error *err);
 void lg_loader_rewind(lg_loader *ld); /* back to the first window (validation) */
+/* Windows (samples) of this epoch's order not yet read: after lg_loader_rewind, one pass. */
+size_t lg_loader_left(const lg_loader *ld);
 void lg_loader_close(lg_loader *ld);
 /* Writes a shard (used by tools and tests). token_bytes 2 or 4. */
 int lg_shard_write(const char *path, const uint32_t *tokens, size_t n, int token_bytes,
@@ -1392,6 +1399,10 @@ typedef struct {
 void lg_loader_packing_stats(const lg_loader *ld, int B, int T, lg_packing_stats *stats);
 /* Fine-tuning samples: the tokens of the longest sample after truncation (0 for a shard). */
 int lg_loader_longest(const lg_loader *ld);
+/* Fine-tuning samples: the shortest truncation at which some sample keeps a trained target
+   (one that neither its prompt's mask nor its end ignores), 0 when none has one at any length
+   (and for a shard, whose windows all train). At a T below it nothing would be trained. */
+int lg_loader_shortest_trained(const lg_loader *ld);
 /* Fails naming the file, the first sample (index from 0) longer than block_size after
    truncation, its length and the limit. */
 int lg_loader_check_block_size(const lg_loader *ld, int block_size, lg_error *err);
@@ -1709,6 +1720,9 @@ typedef struct lg_trainer lg_trainer; /* 14. trainer */
 /* Checks DIR/COMPLETE and each file it lists: present, of its size, of its hash. *step (may
    be NULL) gets the step it records. */
 int lg_checkpoint_verify(const char *dir, int *step, lg_error *err);
+/* The same for one file of DIR alone, by its line in COMPLETE (a file not listed fails): what
+   is read before the whole checkpoint is verified (LG_RUN_SETTINGS) is verified first. */
+int lg_checkpoint_verify_file(const char *dir, const char *name, lg_error *err);
 /* DIR itself when it holds a complete checkpoint, else its complete step-N with the largest
    N (incomplete ones are skipped); path into found. */
 int lg_checkpoint_find(const char *dir, char *found, size_t cap, lg_error *err);
@@ -1742,8 +1756,10 @@ typedef struct {
     int has_base_hash;
     uint64_t base_hash;
 } lg_run_settings;
-/* Reads DIR/LG_RUN_SETTINGS over lg_args_default; 1 when the checkpoint has none (written
-   before the file existed), -1 naming the file and line when malformed. */
+/* Reads DIR/LG_RUN_SETTINGS over lg_args_default, after verifying it against DIR/COMPLETE; 1
+   when the checkpoint has none (written before the file existed), -1 naming the file and line
+   when malformed, the file and field when a value is out of its range (lg_run_fields), or the
+   settings that do not go together (lg_args_check). */
 int lg_run_settings_read(const char *dir, lg_run_settings *s, lg_error *err);
 /* The first setting (its key in LG_RUN_SETTINGS) in which `now` would change the model the
    run trains from `run`'s: shapes, LoRA, quantization, precision, optimizer and its state
@@ -1846,12 +1862,14 @@ typedef struct lg_trainer {
                               for generation and export (train.c: --load DIR); "" none */
 } lg_trainer;
 
+#define LG_SKIPPED_OVERFLOW 1   /* an fp16 gradient overflowed: the loss scale halved */
+#define LG_SKIPPED_NO_TARGETS 2 /* every target of the step ignored: nothing to learn, no decay */
 typedef struct {
     double loss;        /* mean over every non-ignored target of the step */
     float lr, grad_norm; /* grad_norm before clipping, unscaled */
     double ms, tokens_per_s;
     long n_targets;
-    int skipped;        /* an fp16 gradient overflowed: no update, the loss scale halved */
+    int skipped;        /* no update: 0, or why not (LG_SKIPPED_*) */
     int hessian;        /* Sophia refreshed its Hessian estimate: one more forward and backward */
     float loss_scale;   /* the scale this step used (1 without scaling) */
     int diverged;       /* the step failed on a non-finite gradient norm without loss scaling
@@ -1870,8 +1888,9 @@ int lg_trainer_create_in(lg_trainer *tr, const lg_config *cfg, const lg_args *ar
    touching the weights) on a data error or a non-finite gradient. */
 int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *stats,
                     lg_error *err);
-/* Mean loss over all targets of n_batches micro-batches from the start of ld, spread over the
-   ranks. */
+/* Mean loss over all targets of at most n_batches micro-batches from the start of ld, spread
+   over the ranks, each window (sample) read once: a set of fewer is read whole, once, its last
+   micro-batch short (LitGPT's validate: min(len(val_dataloader), eval.max_iters)). */
 int lg_trainer_evaluate(lg_trainer *tr, lg_loader *ld, int n_batches, double *mean_loss,
                         lg_error *err);
 /* lg_model_generate on rank 0 (the other ranks take part in the gathers), drawing among ids
@@ -2042,6 +2061,7 @@ int lg_generate_continue(lg_generator *g, const int *prompt, int n_prompt, int m
 #include <math.h>
 #include <stdarg.h>
 #include <limits.h>
+#include <float.h>
 #include <string.h>
 #include <time.h>
 #ifdef _OPENMP
@@ -4814,21 +4834,30 @@ size_t lg_plan_host_bytes_per_machine(const lg_plan *plan) {
 }
 
 size_t lg_args_host_limit(const lg_args *args) {
-    return args->host_memory_limit ? args->host_memory_limit : lg_host_available_bytes();
+    return args->host_memory_limit ? args->host_memory_limit : args->host_available;
 }
 
-void lg_plan_check_fit(const lg_plan *plan, const lg_args *args, size_t limit, lg_fit *fit) {
+/* The fit check's verdict on a run's checked and host bytes (lg_plan_checked_bytes,
+   lg_plan_host_bytes_per_machine): the one test that the fit check and every choice (-t auto,
+   -b auto, the chunks, the remedies) hold a run to. */
+static void lg_fit_judge(const lg_args *args, size_t limit, size_t checked, size_t host,
+                         lg_fit *fit) {
     memset(fit, 0, sizeof *fit);
     fit->limit = limit;
-    fit->checked_bytes = lg_plan_checked_bytes(plan);
-    fit->host_bytes = lg_plan_host_bytes_per_machine(plan);
-    fit->device_fits = limit == 0 || fit->checked_bytes <= limit;
+    fit->checked_bytes = checked;
+    fit->host_bytes = host;
+    fit->device_fits = limit == 0 || checked <= limit;
     fit->host_fits = 1;
     if (args->backend != LG_BACKEND_CPU) { /* on the CPU the host pools are in checked_bytes */
         fit->host_limit = lg_args_host_limit(args);
-        fit->host_fits = fit->host_limit == 0 || fit->host_bytes <= fit->host_limit;
+        fit->host_fits = fit->host_limit == 0 || host <= fit->host_limit;
     }
     fit->fits = limit == 0 ? -1 : fit->device_fits && fit->host_fits;
+}
+
+void lg_plan_check_fit(const lg_plan *plan, const lg_args *args, size_t limit, lg_fit *fit) {
+    lg_fit_judge(args, limit, lg_plan_checked_bytes(plan), lg_plan_host_bytes_per_machine(plan),
+                 fit);
 }
 
 /* Device bytes of a run (0 when it cannot be planned); the host bytes of its machine's ranks
@@ -4859,15 +4888,16 @@ size_t lg_plan_checked_bytes_for(const lg_config *cfg, const lg_args *args, int 
     return checked;
 }
 
-/* On the CPU backend both pools of a machine's ranks within the limit (they are one memory);
-   on a GPU the device pool within the limit and a machine's host pools within its host
-   memory (lg_args_host_limit). */
+/* The fit check's verdict (lg_fit_judge): on the CPU backend both pools of a machine's ranks
+   within the limit (they are one memory); on a GPU the device pool within the limit and a
+   machine's host pools within its host memory (lg_args_host_limit). A run that cannot be
+   planned (device 0) or an unknown limit (0): no. */
 static int lg_pools_fit(const lg_args *args, size_t device, size_t host, size_t checked,
                         size_t limit) {
+    lg_fit fit;
     if (device == 0) return 0;
-    if (args->backend == LG_BACKEND_CPU) return checked <= limit;
-    size_t host_limit = lg_args_host_limit(args);
-    return device <= limit && (host_limit == 0 || host <= host_limit);
+    lg_fit_judge(args, limit, checked, host, &fit);
+    return fit.fits == 1;
 }
 
 /* The run as its args say, --head-rows 0 meaning all rows at once. */
@@ -11112,6 +11142,8 @@ void lg_loader_rewind(lg_loader *ld) {
     ld->epoch = 0;
 }
 
+size_t lg_loader_left(const lg_loader *ld) { return ld->n_windows - ld->position; }
+
 void lg_loader_close(lg_loader *ld) {
     if (ld->file) fclose(ld->file);
     LG_FREE(ld->memory);
@@ -11354,8 +11386,10 @@ static void lg_pack_place(const lg_loader *ld, size_t sample, int at, int n, int
     for (int t = 0; t < n; t++) span_start[at + t] = at;
 }
 
-int lg_loader_next_packed(lg_loader *ld, int B, int T, int *inputs, int *targets,
-                          int *span_start, int *n_packed, lg_error *err) {
+/* lg_loader_next_packed taking at most `most` samples of the order (validation: those left in
+   its one pass, lg_loader_left). */
+static int lg_loader_pack_rows(lg_loader *ld, int B, int T, size_t most, int *inputs,
+                               int *targets, int *span_start, int *n_packed, lg_error *err) {
     if (ld->n_samples == 0)
         return lg_fail(err, "data %s: --pack packs fine-tuning samples (tools/prepare alpaca); "
                             "token shards are already full rows", ld->path);
@@ -11366,7 +11400,7 @@ int lg_loader_next_packed(lg_loader *ld, int B, int T, int *inputs, int *targets
     if (B > 64) return lg_fail(err, "data %s: --pack takes micro-batches of at most 64 rows", ld->path);
     for (int b = 0; b < B; b++) used[b] = 0;
     *n_packed = 0;
-    for (size_t tries = 0; tries < ld->n_samples; tries++) {
+    for (size_t tries = 0; tries < most && tries < ld->n_samples; tries++) {
         size_t sample = lg_loader_take(ld);
         int n = (int)ld->sample_length[sample] < ld->T ? (int)ld->sample_length[sample] : ld->T;
         int b = 0;
@@ -11385,6 +11419,12 @@ int lg_loader_next_packed(lg_loader *ld, int B, int T, int *inputs, int *targets
             span_start[at] = t;
         }
     return 0;
+}
+
+int lg_loader_next_packed(lg_loader *ld, int B, int T, int *inputs, int *targets,
+                          int *span_start, int *n_packed, lg_error *err) {
+    return lg_loader_pack_rows(ld, B, T, ld->n_samples, inputs, targets, span_start, n_packed,
+                               err);
 }
 
 /* Sample k of the epoch's order, truncated to the loader's T. */
@@ -11431,6 +11471,29 @@ int lg_samples_file(const char *path) {
 }
 
 int lg_loader_longest(const lg_loader *ld) { return ld->n_samples ? ld->T : 0; }
+
+/* Sample i's first position whose token is a target that trains (its target row is one
+   shorter), or 0 when none is: the tokens' trained bit, else past the prompt (masked) or 1. */
+static uint32_t lg_sample_first_trained(const lg_loader *ld, size_t i) {
+    uint32_t n = ld->sample_length[i];
+    const uint32_t *tokens = ld->memory + ld->sample_start[i];
+    if (ld->mask_prompt == LG_SAMPLES_MASK_TOKENS) {
+        for (uint32_t k = 1; k < n; k++)
+            if (tokens[k] >> LG_SAMPLES_TRAINED_BIT) return k;
+        return 0;
+    }
+    uint32_t first = ld->mask_prompt && ld->prompt_length[i] > 1 ? ld->prompt_length[i] : 1;
+    return first < n ? first : 0;
+}
+
+int lg_loader_shortest_trained(const lg_loader *ld) {
+    uint32_t shortest = 0;
+    for (size_t i = 0; i < ld->n_samples; i++) {
+        uint32_t first = lg_sample_first_trained(ld, i);
+        if (first && (!shortest || first + 1 < shortest)) shortest = first + 1;
+    }
+    return (int)shortest;
+}
 
 int lg_loader_check_block_size(const lg_loader *ld, int block_size, lg_error *err) {
     for (size_t i = 0; i < ld->n_samples; i++) {
@@ -13147,6 +13210,32 @@ int lg_checkpoint_verify(const char *dir, int *step, lg_error *err) {
     return rc;
 }
 
+int lg_checkpoint_verify_file(const char *dir, const char *name, lg_error *err) {
+    char path[LG_PATH_MAX], want[300];
+    lg_format(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
+    lg_format(want, sizeof want, "file %s ", name);
+    struct stat st;
+    if (stat(path, &st) != 0)
+        return lg_fail(err, "checkpoint %s: no " LG_CHECKPOINT_MARKER " marker, so %s cannot be "
+                            "verified", dir, name);
+    char *text = lg_read_text_file(path, 1 << 16, NULL, err);
+    if (!text) return -1;
+    int rc = 1, line_no = 0;
+    for (char *line = text, *next; *line && rc == 1; line = next) {
+        char *newline = strchr(line, '\n');
+        next = newline ? newline + 1 : line + strlen(line);
+        if (newline) *newline = '\0';
+        line_no++;
+        if (strncmp(line, want, strlen(want)) == 0)
+            rc = lg_verify_marker_line(dir, line, line_no, err);
+    }
+    LG_FREE(text);
+    if (rc == 1)
+        rc = lg_fail(err, "checkpoint %s: %s is not listed in " LG_CHECKPOINT_MARKER ", so it "
+                          "cannot be verified", dir, name);
+    return rc;
+}
+
 int lg_checkpoint_find(const char *dir, char *found, size_t cap, lg_error *err) {
     char path[1400];
     struct stat st;
@@ -13854,58 +13943,61 @@ typedef enum { LG_RUN_INT, LG_RUN_FLOAT, LG_RUN_U64, LG_RUN_SIZE, LG_RUN_TEXT } 
    that changed it would train another model than the checkpoint's. Enums are stored as
    their numbers (lg_args' enum fields are int-sized). Not recorded: what belongs to the
    machine or the session (backend, measured memory, processes, --plan, --log). */
-#define LG_RUN_FIELD(field, kind, model) {#field, offsetof(lg_args, field), kind, model}
+#define LG_RUN_FIELD(field, kind, model, lo, hi) \
+    {#field, offsetof(lg_args, field), kind, model, lo, hi}
 static const struct {
     const char *key;
     size_t offset; /* in lg_args */
     lg_run_kind kind;
     int model;
+    double lo, hi; /* LG_RUN_INT: lo .. hi; LG_RUN_FLOAT: finite, at least lo, below hi */
 } lg_run_fields[] = {
-    LG_RUN_FIELD(config, LG_RUN_TEXT, 0), /* the model itself: config.json */
-    LG_RUN_FIELD(data, LG_RUN_TEXT, 0),
-    LG_RUN_FIELD(val_data, LG_RUN_TEXT, 0),
-    LG_RUN_FIELD(prompt, LG_RUN_TEXT, 0),
-    LG_RUN_FIELD(out_dir, LG_RUN_TEXT, 0),
-    LG_RUN_FIELD(micro_batch_size, LG_RUN_INT, 0),
-    LG_RUN_FIELD(global_batch_size, LG_RUN_INT, 1),
-    LG_RUN_FIELD(max_seq_length, LG_RUN_INT, 1),
-    LG_RUN_FIELD(precision, LG_RUN_INT, 1),
-    LG_RUN_FIELD(devices, LG_RUN_INT, 0),
-    LG_RUN_FIELD(nodes, LG_RUN_INT, 0),
-    LG_RUN_FIELD(strategy, LG_RUN_INT, 0),
-    LG_RUN_FIELD(optimizer, LG_RUN_INT, 1),
-    LG_RUN_FIELD(optimizer_state, LG_RUN_INT, 1),
-    LG_RUN_FIELD(seed, LG_RUN_U64, 1),
-    LG_RUN_FIELD(lora.r, LG_RUN_INT, 1),
-    LG_RUN_FIELD(lora.alpha, LG_RUN_FLOAT, 1),
-    LG_RUN_FIELD(lora.dropout, LG_RUN_FLOAT, 1),
-    LG_RUN_FIELD(lora.targets, LG_RUN_INT, 1),
-    LG_RUN_FIELD(lora.quantize, LG_RUN_INT, 1),
-    LG_RUN_FIELD(eps, LG_RUN_FLOAT, 1),
-    LG_RUN_FIELD(lr, LG_RUN_FLOAT, 0),
-    LG_RUN_FIELD(min_lr, LG_RUN_FLOAT, 0),
-    LG_RUN_FIELD(warmup_steps, LG_RUN_INT, 0),
-    LG_RUN_FIELD(weight_decay, LG_RUN_FLOAT, 0),
-    LG_RUN_FIELD(beta1, LG_RUN_FLOAT, 0),
-    LG_RUN_FIELD(beta2, LG_RUN_FLOAT, 0),
-    LG_RUN_FIELD(momentum, LG_RUN_FLOAT, 0),
-    LG_RUN_FIELD(max_norm, LG_RUN_FLOAT, 0),
-    LG_RUN_FIELD(hessian_interval, LG_RUN_INT, 0),
-    LG_RUN_FIELD(rho, LG_RUN_FLOAT, 0),
-    LG_RUN_FIELD(max_steps, LG_RUN_INT, 0),
-    LG_RUN_FIELD(eval_every, LG_RUN_INT, 0),
-    LG_RUN_FIELD(eval_iters, LG_RUN_INT, 0),
-    LG_RUN_FIELD(sample_every, LG_RUN_INT, 0),
-    LG_RUN_FIELD(sample_tokens, LG_RUN_INT, 0),
-    LG_RUN_FIELD(temperature, LG_RUN_FLOAT, 0),
-    LG_RUN_FIELD(save_every, LG_RUN_INT, 0),
-    LG_RUN_FIELD(recompute, LG_RUN_INT, 0),
-    LG_RUN_FIELD(offload, LG_RUN_INT, 0),
-    LG_RUN_FIELD(tf32, LG_RUN_INT, 0),
-    LG_RUN_FIELD(memory_limit, LG_RUN_SIZE, 0),
-    LG_RUN_FIELD(pack, LG_RUN_INT, 1), /* the rows the data order makes */
-    LG_RUN_FIELD(head_rows, LG_RUN_INT, 0), /* the head's chunks: the same loss to rounding */
-    LG_RUN_FIELD(slice_rows, LG_RUN_INT, 0), /* the MLP's slices: the same */
+    LG_RUN_FIELD(config, LG_RUN_TEXT, 0, 0, 0), /* the model itself: config.json */
+    LG_RUN_FIELD(data, LG_RUN_TEXT, 0, 0, 0),
+    LG_RUN_FIELD(val_data, LG_RUN_TEXT, 0, 0, 0),
+    LG_RUN_FIELD(prompt, LG_RUN_TEXT, 0, 0, 0),
+    LG_RUN_FIELD(out_dir, LG_RUN_TEXT, 0, 0, 0),
+    LG_RUN_FIELD(micro_batch_size, LG_RUN_INT, 0, 1, INT_MAX),
+    LG_RUN_FIELD(global_batch_size, LG_RUN_INT, 1, 0, INT_MAX),
+    LG_RUN_FIELD(max_seq_length, LG_RUN_INT, 1, 0, INT_MAX),
+    LG_RUN_FIELD(precision, LG_RUN_INT, 1, 0, LG_PRECISION_BF16_MIXED),
+    LG_RUN_FIELD(devices, LG_RUN_INT, 0, 1, LG_MAX_RANKS),
+    LG_RUN_FIELD(nodes, LG_RUN_INT, 0, 1, LG_MAX_RANKS),
+    LG_RUN_FIELD(strategy, LG_RUN_INT, 0, 0, LG_STRATEGY_HYBRID_SHARD),
+    LG_RUN_FIELD(optimizer, LG_RUN_INT, 1, 0, LG_OPTIMIZER_SOPHIA),
+    LG_RUN_FIELD(optimizer_state, LG_RUN_INT, 1, 0, LG_STATE_8BIT),
+    LG_RUN_FIELD(seed, LG_RUN_U64, 1, 0, 0),
+    LG_RUN_FIELD(lora.r, LG_RUN_INT, 1, 0, INT_MAX),
+    LG_RUN_FIELD(lora.alpha, LG_RUN_FLOAT, 1, 0, INFINITY),
+    LG_RUN_FIELD(lora.dropout, LG_RUN_FLOAT, 1, 0, 1),
+    LG_RUN_FIELD(lora.targets, LG_RUN_INT, 1, 0, LG_LORA_HEAD * 2 - 1),
+    LG_RUN_FIELD(lora.quantize, LG_RUN_INT, 1, 0, LG_QUANTIZE_NF4_DQ),
+    LG_RUN_FIELD(eps, LG_RUN_FLOAT, 1, 0, INFINITY),
+    LG_RUN_FIELD(lr, LG_RUN_FLOAT, 0, 0, INFINITY),
+    LG_RUN_FIELD(min_lr, LG_RUN_FLOAT, 0, 0, INFINITY),
+    LG_RUN_FIELD(warmup_steps, LG_RUN_INT, 0, 0, INT_MAX),
+    LG_RUN_FIELD(weight_decay, LG_RUN_FLOAT, 0, 0, INFINITY),
+    LG_RUN_FIELD(beta1, LG_RUN_FLOAT, 0, 0, 1),
+    LG_RUN_FIELD(beta2, LG_RUN_FLOAT, 0, 0, 1),
+    LG_RUN_FIELD(momentum, LG_RUN_FLOAT, 0, 0, 1),
+    LG_RUN_FIELD(max_norm, LG_RUN_FLOAT, 0, 0, INFINITY),
+    LG_RUN_FIELD(hessian_interval, LG_RUN_INT, 0, 1, INT_MAX),
+    LG_RUN_FIELD(rho, LG_RUN_FLOAT, 0, FLT_MIN, INFINITY),
+    LG_RUN_FIELD(max_steps, LG_RUN_INT, 0, 0, INT_MAX),
+    LG_RUN_FIELD(eval_every, LG_RUN_INT, 0, 0, INT_MAX),
+    LG_RUN_FIELD(eval_iters, LG_RUN_INT, 0, 1, INT_MAX),
+    LG_RUN_FIELD(sample_every, LG_RUN_INT, 0, 0, INT_MAX),
+    LG_RUN_FIELD(sample_tokens, LG_RUN_INT, 0, 1, 1000000),
+    LG_RUN_FIELD(temperature, LG_RUN_FLOAT, 0, 0, INFINITY),
+    LG_RUN_FIELD(save_every, LG_RUN_INT, 0, 0, INT_MAX),
+    LG_RUN_FIELD(recompute, LG_RUN_INT, 0, 0, 1),
+    LG_RUN_FIELD(offload, LG_RUN_INT, 0, 0, 1),
+    LG_RUN_FIELD(tf32, LG_RUN_INT, 0, 0, 1),
+    LG_RUN_FIELD(memory_limit, LG_RUN_SIZE, 0, 0, 0),
+    LG_RUN_FIELD(pack, LG_RUN_INT, 1, 0, 1), /* the rows the data order makes */
+    LG_RUN_FIELD(head_rows, LG_RUN_INT, 0, 0, INT_MAX), /* the head's chunks: the same loss
+                                                           to rounding */
+    LG_RUN_FIELD(slice_rows, LG_RUN_INT, 0, 0, INT_MAX), /* the MLP's slices: the same */
 };
 #define LG_N_RUN_FIELDS ((int)(sizeof lg_run_fields / sizeof lg_run_fields[0]))
 typedef char lg_run_enums_are_ints[sizeof(lg_precision) == sizeof(int) ? 1 : -1];
@@ -13967,6 +14059,31 @@ static int lg_run_field_parse(lg_args *a, int i, const char *value, char *text, 
     }
     }
     return !end || end == value || *end || errno ? -1 : 0;
+}
+
+/* Field i of a within its range of the table (texts and 64-bit numbers: any value); else fails
+   naming the file (path) and the field. */
+static int lg_run_field_check(const lg_args *a, int i, const char *path, lg_error *err) {
+    const unsigned char *at = (const unsigned char *)a + lg_run_fields[i].offset;
+    double lo = lg_run_fields[i].lo, hi = lg_run_fields[i].hi;
+    const char *key = lg_run_fields[i].key;
+    int v_int;
+    float v_float;
+    if (lg_run_fields[i].kind == LG_RUN_INT) {
+        memcpy(&v_int, at, sizeof v_int);
+        if (v_int < lo || v_int > hi)
+            return lg_fail(err, "%s: %s %d is out of range: expected %.0f to %.0f", path, key,
+                           v_int, lo, hi);
+    }
+    if (lg_run_fields[i].kind != LG_RUN_FLOAT) return 0;
+    memcpy(&v_float, at, sizeof v_float);
+    if (!isfinite(v_float) || v_float < lo || v_float >= hi) {
+        char below[48] = "";
+        if (isfinite(hi)) lg_format(below, sizeof below, " and below %g", hi);
+        return lg_fail(err, "%s: %s %g is out of range: expected a finite number at least %g%s",
+                       path, key, (double)v_float, lo, below);
+    }
+    return 0;
 }
 
 /* LoRA: FNV-1a of rank 0's frozen base as it holds it (each tensor's stored bytes: the weight
@@ -14048,6 +14165,7 @@ int lg_run_settings_read(const char *dir, lg_run_settings *s, lg_error *err) {
     lg_args_default(&s->args);
     lg_format(path, sizeof path, "%s/" LG_RUN_SETTINGS, dir);
     if (stat(path, &st) != 0) return 1;
+    if (lg_checkpoint_verify_file(dir, LG_RUN_SETTINGS, err) != 0) return -1;
     char *text = lg_read_text_file(path, 1 << 20, NULL, err);
     if (!text) return -1;
     int rc = 0, line_no = 0;
@@ -14060,6 +14178,13 @@ int lg_run_settings_read(const char *dir, lg_run_settings *s, lg_error *err) {
             rc = lg_fail(err, "%s: line %d ('%s') is malformed", path, line_no, line);
     }
     LG_FREE(text);
+    for (int i = 0; i < LG_N_RUN_FIELDS && rc == 0; i++)
+        rc = lg_run_field_check(&s->args, i, path, err);
+    if (rc == 0 && lg_args_check(&s->args, err) != 0) {
+        char why[sizeof err->msg];
+        lg_format(why, sizeof why, "%s", err->msg);
+        rc = lg_fail(err, "%s: settings that do not go together: %s", path, why);
+    }
     return rc;
 }
 
@@ -15016,16 +15141,17 @@ static int *lg_trainer_batch_place(lg_trainer *tr, int g, size_t at, lg_micro_ba
     return NULL;
 }
 
-/* The next micro-batch of B rows into place: packed rows of the model's T (--pack), or rows
-   of the loader's (samples padded to the longest of the batch). Its row length into *T. */
-static int lg_trainer_next_rows(lg_trainer *tr, lg_loader *ld, int B, const lg_micro_batch *place,
-                                int *T, lg_error *err) {
+/* The next micro-batch of B rows into place: packed rows of the model's T (--pack) of at most
+   `most` samples, or rows of the loader's (samples padded to the longest of the batch). Its row
+   length into *T. */
+static int lg_trainer_next_rows(lg_trainer *tr, lg_loader *ld, int B, size_t most,
+                                const lg_micro_batch *place, int *T, lg_error *err) {
     if (!tr->args.pack) return lg_loader_next_batch(ld, B, (int *)place->inputs,
                                                     (int *)place->targets, T, err);
     int placed;
     *T = tr->ranks[0].model.T;
-    return lg_loader_next_packed(ld, B, *T, (int *)place->inputs, (int *)place->targets,
-                                 (int *)place->span_start, &placed, err);
+    return lg_loader_pack_rows(ld, B, *T, most, (int *)place->inputs, (int *)place->targets,
+                               (int *)place->span_start, &placed, err);
 }
 
 /* Reads the step's micro-batches: micro-batch i of rank r is the (i ranks + r)-th; every
@@ -15040,7 +15166,8 @@ static long lg_trainer_read_step(lg_trainer *tr, lg_loader *train, lg_error *err
             lg_micro_batch place;
             int rows_T = 0;
             int *micro_T = lg_trainer_batch_place(tr, g, lg_micro_batch_start(tr, i), &place);
-            if (lg_trainer_next_rows(tr, train, B, &place, &rows_T, err) != 0) return -1;
+            if (lg_trainer_next_rows(tr, train, B, train->n_samples, &place, &rows_T, err) != 0)
+                return -1;
             if (micro_T) micro_T[i] = rows_T;
             n_targets += lg_count_targets(place.targets, (size_t)B * rows_T);
             tr->step_tokens += (size_t)B * rows_T;
@@ -15111,7 +15238,7 @@ static int lg_trainer_update(lg_trainer *tr, int step, lg_step_stats *stats,
     float norm = stats->grad_norm;
     stats->skipped = 0;
     if (!isfinite(norm) && tr->scaling) { /* overflow: skip, halve, try again next step */
-        stats->skipped = 1;
+        stats->skipped = LG_SKIPPED_OVERFLOW;
         tr->loss_scale *= 0.5f;
         tr->clean_steps = 0;
         return 0;
@@ -15122,7 +15249,7 @@ static int lg_trainer_update(lg_trainer *tr, int step, lg_step_stats *stats,
                             "weights", step + 1, norm);
     }
     if (stats->n_targets == 0) {
-        stats->skipped = 1; /* every target ignored: nothing to learn, no decay, no step */
+        stats->skipped = LG_SKIPPED_NO_TARGETS;
         return 0;
     }
     float multiplier = lg_clip_factor(norm, tr->args.max_norm) / tr->loss_scale;
@@ -15149,12 +15276,15 @@ int lg_trainer_evaluate(lg_trainer *tr, lg_loader *ld, int n_batches, double *me
     lg_micro_batch mb[LG_MAX_RANKS];
     double sum = 0;
     long count = 0;
-    for (int first = 0; first < n_batches; first += tr->n_ranks) {
+    for (int first = 0; first < n_batches && lg_loader_left(ld) > 0; first += tr->n_ranks) {
         for (int g = 0; g < tr->n_ranks; g++) { /* every process reads, keeps its ranks' */
             lg_micro_batch place;
-            int rows = first + g < n_batches ? B : 0, rows_T = T;
+            size_t left = lg_loader_left(ld); /* each window once: the last batch may be short */
+            int rows = first + g < n_batches && left ? B : 0, rows_T = T;
+            if (!tr->args.pack && (size_t)rows > left) rows = (int)left;
             int here = lg_trainer_batch_place(tr, g, 0, &place) != NULL;
-            if (rows && lg_trainer_next_rows(tr, ld, B, &place, &rows_T, err) != 0) return -1;
+            if (rows && lg_trainer_next_rows(tr, ld, rows, left, &place, &rows_T, err) != 0)
+                return -1;
             count += lg_count_targets(place.targets, (size_t)rows * rows_T);
             if (!here) continue;
             place.B = rows;

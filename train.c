@@ -101,7 +101,7 @@ static const char usage[] =
     "      --max-norm X           clip gradients to this global norm, 0: off (1.0)\n"
     "      --max-steps N          optimizer steps; 0: evaluate and exit (1000)\n"
     "      --eval-every N         steps between validations, 0: only at the ends (200)\n"
-    "      --eval-iters N         validation micro-batches (10)\n"
+    "      --eval-iters N         validation micro-batches at most, each sample once (10)\n"
     "      --sample-every N       steps between generated samples, 0: only at the end (0)\n"
     "      --sample-tokens N      tokens to generate (16)\n"
     "      --temperature X        0: greedy (default), else sampling temperature\n"
@@ -631,7 +631,7 @@ static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, co
 /* The memory a device may use: --memory-limit, else a GPU's memory (0: no GPU here to
    measure). On the CPU backend the memory of the machine, which its pools and simulated ranks
    share (lg_plan_checked_bytes): the smaller of --memory-limit and --host-memory-limit, else
-   what it has available. */
+   what it had available (a->host_available, read once). */
 static size_t device_limit(const lg_args *a, const char **source) {
     size_t host = a->host_memory_limit;
     if (a->memory_limit && (a->backend == LG_BACKEND_CUDA || !host || a->memory_limit <= host)) {
@@ -645,7 +645,7 @@ static size_t device_limit(const lg_args *a, const char **source) {
         return a->runtime_estimated ? 0 : a->device_bytes;
     }
     *source = host ? "--host-memory-limit" : "available host memory";
-    return host ? host : lg_host_available_bytes();
+    return lg_args_host_limit(a);
 }
 
 /* --backend cuda where no GPU can run it: --plan plans with the runtime estimated; anything
@@ -1058,11 +1058,45 @@ static void note_packing(const lg_args *a, int *T, run_data *d) {
     d->length_from = a->max_seq_length ? "-t, the packed rows" : "--pack: the longest sample";
 }
 
+/* Samples of which none keeps a trained target at its truncation (every one cut off by -t or
+   lying in a masked prompt) would run steps of loss 0 that change nothing: refused before step
+   1, naming -t and the data (what: "--data FILE"). */
+static void check_trained(const lg_args *a, const lg_loader *ld, const char *what) {
+    int shortest = lg_loader_shortest_trained(ld);
+    lg_error err;
+    if (shortest && shortest <= ld->T) return;
+    if (!shortest)
+        lg_fail(&err, "%s: no sample has a trained token (every target lies in a masked prompt): "
+                      "nothing to learn or evaluate", what);
+    else
+        lg_fail(&err, "-t/--max-seq-length %d: no sample of %s has a trained token in its first "
+                      "%d tokens (every target there lies in a masked prompt): nothing to learn "
+                      "or evaluate; -t %d is the shortest that keeps one", a->max_seq_length,
+                what, ld->T, shortest);
+    die(2, &err);
+}
+
+/* check_trained on the train and validation samples. */
+static void check_trained_data(const lg_args *a, const run_data *d) {
+    char what[600];
+    if (d->has_train) {
+        if (d->builtin) snprintf(what, sizeof what, "the built-in task");
+        else snprintf(what, sizeof what, "--data %s", a->data);
+        check_trained(a, &d->train, what);
+    }
+    if (d->has_val) {
+        if (d->builtin) snprintf(what, sizeof what, "the built-in task's validation set");
+        else snprintf(what, sizeof what, "--val-data %s", a->val_data);
+        check_trained(a, &d->val, what);
+    }
+}
+
 static void fit_samples(const lg_args *a, const lg_config *cfg, int *T, run_data *d) {
     lg_error err;
     if ((d->has_train && lg_loader_check_block_size(&d->train, cfg->block_size, &err) != 0) ||
         (d->has_val && lg_loader_check_block_size(&d->val, cfg->block_size, &err) != 0))
         die(2, &err);
+    check_trained_data(a, d);
     *T = d->has_train ? lg_loader_longest(&d->train) : 0;
     if (d->has_val && lg_loader_longest(&d->val) > *T) *T = lg_loader_longest(&d->val);
     char cap[64] = "";
@@ -1155,6 +1189,20 @@ static void open_data(const lg_args *a, lg_config *cfg, int *T, run_data *d) {
     if (samples) fit_samples(a, cfg, T, d);
 }
 
+/* "80.00 GiB (--memory-limit)", and on a GPU with a known host limit " and 23.03 GiB of host
+   memory (available host memory)": what -t auto chose within, the fit check's figures. */
+static void describe_limits(const lg_args *a, size_t limit, const char *source, char *out,
+                            size_t cap) {
+    char device[32], host[32];
+    size_t host_limit = lg_args_host_limit(a);
+    snprintf(out, cap, "%s (%s)", lg_format_bytes(limit, device, sizeof device), source);
+    if (a->backend == LG_BACKEND_CPU || !host_limit) return;
+    size_t used = strlen(out);
+    snprintf(out + used, cap - used, " and %s of host memory (%s)",
+             lg_format_bytes(host_limit, host, sizeof host),
+             a->host_memory_limit ? "--host-memory-limit" : "available host memory");
+}
+
 /* -t auto: the longest sequence that fits, up to block_size (token shards, or a plan without
    data) or the longest sample (fine-tuning); the data are opened again at that length when it
    is shorter. With -b auto too, the length is chosen at -b 1. What it chose goes to the note. */
@@ -1166,18 +1214,18 @@ static void choose_seq_length(lg_args *a, lg_config *cfg, int *T, run_data *d) {
     lg_args probe = *a;
     if (probe.micro_batch_auto) probe.micro_batch_size = 1;
     int t = limit ? lg_plan_auto_seq_length(cfg, &probe, cap, limit) : cap;
-    char note[320], size[32];
-    lg_format_bytes(limit, size, sizeof size);
+    char note[600], within[320];
+    describe_limits(a, limit, source, within, sizeof within);
     if (!limit)
         snprintf(note, sizeof note, "-t auto: %d tokens, %s (%s)\n", cap, cap_name, source);
     else if (t == 0)
-        snprintf(note, sizeof note, "-t auto: not even 1 token fits in %s (%s)\n", size, source);
+        snprintf(note, sizeof note, "-t auto: not even 1 token fits in %s\n", within);
     else if (t == cap)
-        snprintf(note, sizeof note, "-t auto: %d tokens, %s, which limits it (it fits in %s, "
-                 "%s)\n", t, cap_name, size, source);
+        snprintf(note, sizeof note, "-t auto: %d tokens, %s, which limits it (it fits in %s)\n",
+                 t, cap_name, within);
     else
         snprintf(note, sizeof note, "-t auto: %d tokens, the longest up to %s %d that fits in "
-                 "%s (%s)\n", t, cap_name, cap, size, source);
+                 "%s\n", t, cap_name, cap, within);
     if (t > 0 && t < cap) {
         a->max_seq_length = t;
         lg_loader_close(&d->train);
@@ -1339,9 +1387,11 @@ static void progress_step(progress *p, const lg_trainer *tr, int done, const lg_
     printf("step %5d/%d | loss %.4f | lr %.2e | grad norm %.3f | %.1f ms | %.0f tok/s | %s "
            "elapsed | ETA %s", done, p->max_steps, st->loss, st->lr, st->grad_norm, st->ms,
            st->tokens_per_s, spent, eta);
-    if (st->skipped)
+    if (st->skipped == LG_SKIPPED_OVERFLOW)
         printf(" | skipped: fp16 gradient overflow, loss scale %g -> %g", st->loss_scale,
                tr->loss_scale);
+    if (st->skipped == LG_SKIPPED_NO_TARGETS)
+        printf(" | skipped: no trained token in this step's samples");
     if (st->hessian) printf(" | with Sophia's Hessian pass");
     printf("\n");
     fflush(stdout);
@@ -1559,6 +1609,7 @@ static void settle_run(int argc, char **argv, run_setup *rs) {
     open_data(a, &rs->cfg, &rs->T, &rs->data); /* fine-tuning samples: T is the longest one */
     a->finetuning = !a->data || lg_samples_file(a->data); /* LoRA is a remedy (see --plan) */
     prepare_gpus(a, rs->launch.processes > 1);
+    a->host_available = lg_host_available_bytes(); /* once: the choices and the check agree */
     if (a->max_seq_length_auto) choose_seq_length(a, &rs->cfg, &rs->T, &rs->data);
     if (a->micro_batch_auto) choose_micro_batch(a, &rs->cfg, rs->T, rs->data.note, sizeof rs->data.note);
     if (!a->head_rows || !a->slice_rows) choose_rows(a, &rs->cfg, rs->T, rs->data.note, sizeof rs->data.note);

@@ -2126,6 +2126,7 @@ int main(int argc, char **argv) {
         test_context_table_in_readme(&r);
         test_host_traffic(&r);
         test_auto_seq_length(&r);
+        test_auto_seq_length_host(&r);
     }
     if (section("the head and loss in chunks", argc, argv)) {
         test_head_chunks_model(&r);
@@ -2135,6 +2136,8 @@ int main(int argc, char **argv) {
     if (section("lever combinations: every pair trains the same model", argc, argv))
         test_combinations_all(&r);
     if (section("data files: tokenizers, samples, readers", argc, argv)) test_data_all(&r);
+    if (section("runs that report nonsense: untrained samples, validation", argc, argv))
+        test_nonsense_runs(&r);
     if (section("nf4 (QLoRA's weight storage)", argc, argv)) test_nf4_all(&r);
     if (section("hostile input", argc, argv)) test_hostile_all(&r);
     if (section("fuzz targets under ASan and UBSan", argc, argv)) test_fuzz_targets(&r);

@@ -863,6 +863,129 @@ static void test_prepare_tool(results *r) {
     expect_cli(r, "-t 9 --max-steps 2", 0, "sample: litgpt=");
 }
 
+/* ---- runs that would report nonsense (issue 40 §4) ----------------------------------------- */
+
+/* Samples of 9 and 12 tokens with masked prompts of 6 and 8: the first trained target is the
+   token at position 6 (row length 7), the second's at 8 (9). */
+static int write_untrained_samples(const char *path, uint32_t prompt_1, uint32_t prompt_2) {
+    uint32_t tokens[21], lengths[2] = {9, 12}, prompts[2] = {prompt_1, prompt_2};
+    lg_error err;
+    for (int i = 0; i < 21; i++) tokens[i] = (uint32_t)(3 + i % 23);
+    return lg_samples_write(path, tokens, lengths, prompts, 2, 2, 1, &err);
+}
+
+/* -t below every sample's first trained token: refused before step 1, naming -t and the file
+   (it ran with loss 0.0000 and blamed an fp16 overflow in 32-true); a step whose samples alone
+   train nothing says so, without fp16. */
+static void test_untrained_samples(results *r) {
+    static char out[16384];
+    lg_loader ld;
+    lg_error err;
+    const char *path = "build/untrained.bin";
+    write_untrained_samples(path, 6, 8);
+    int ok = lg_loader_open(&ld, path, 0, 100, 0, 0, &err) == 0;
+    check(r, ok && lg_loader_shortest_trained(&ld) == 7, "shortest trained truncation of prompts "
+          "6 and 8: %d, want 7", ok ? lg_loader_shortest_trained(&ld) : -1);
+    if (ok) lg_loader_close(&ld);
+    expect_cli(r, "-c test-gpt2 --data build/untrained.bin -t 6 -p 32-true --max-steps 2", 2,
+               "train: -t/--max-seq-length 6: no sample of --data build/untrained.bin has a "
+               "trained token in its first 6 tokens (every target there lies in a masked "
+               "prompt): nothing to learn or evaluate; -t 7 is the shortest that keeps one");
+    write_untrained_samples("build/trains.bin", 2, 3);
+    expect_cli(r, "-c test-gpt2 --data build/trains.bin --val-data build/untrained.bin -t 6 "
+               "--max-steps 1", 2, "no sample of --val-data build/untrained.bin has a trained "
+               "token in its first 6 tokens");
+    expect_cli(r, "-t 2 --max-steps 2 -p 32-true", 2, "train: -t/--max-seq-length 2: no sample "
+               "of the built-in task has a trained token in its first 2 tokens");
+    write_untrained_samples("build/all-prompt.bin", 9, 12);
+    expect_cli(r, "-c test-gpt2 --data build/all-prompt.bin --max-steps 1", 2, "train: --data "
+               "build/all-prompt.bin: no sample has a trained token (every target lies in a "
+               "masked prompt): nothing to learn or evaluate");
+    /* -t 7: the first sample trains one target, the second none; -b 1, two steps: one each */
+    int code = run_capture("-c test-gpt2 --data build/untrained.bin -t 7 -b 1 -p 32-true "
+                           "--max-steps 2 --eval-every 0 --sample-tokens 1", out, sizeof out);
+    check(r, code == 0 && strstr(out, "| skipped: no trained token in this step's samples\n") &&
+          !strstr(out, "fp16") && strstr(out, "step     1/2") && strstr(out, "step     2/2"),
+          "-t 7 -b 1: one step of the two trains nothing and says so, never fp16 (exit %d):\n%s",
+          code, out);
+}
+
+/* The target-weighted mean loss of every window of ld once, each alone through the trainer's
+   rank-0 model (B 1, rows of the window's length): evaluation without lg_trainer_evaluate. */
+static double loss_of_each_once(lg_trainer *tr, lg_loader *ld, size_t windows) {
+    int inputs[512], targets[512], width = 0;
+    double sum = 0;
+    long count = 0;
+    lg_error err;
+    lg_loader_rewind(ld);
+    for (size_t i = 0; i < windows && ld->T <= 512; i++) {
+        int n = 0;
+        if (lg_loader_next_batch(ld, 1, inputs, targets, &width, &err) != 0) return NAN;
+        sum += lg_model_forward(&tr->ranks[0].model, inputs, targets, 1, width, &n);
+        count += n;
+    }
+    return count ? sum / count : NAN;
+}
+
+/* lg_trainer_evaluate with B rows a micro-batch (packed rows of T with pack) at most n_batches
+   micro-batches, against each window once alone (the first `windows`); the trainer fp32. */
+static void check_evaluation(results *r, lg_loader *ld, int B, int pack, int T, int n_batches,
+                             size_t windows, const char *what) {
+    lg_config cfg;
+    lg_config_builtin(&cfg);
+    lg_args a;
+    lg_args_default(&a);
+    a.precision = LG_PRECISION_32_TRUE;
+    a.micro_batch_size = a.global_batch_size = B;
+    a.pack = pack;
+    lg_trainer tr;
+    lg_error err;
+    double loss = NAN;
+    if (lg_trainer_create(&tr, &cfg, &a, T, &err) != 0) {
+        check(r, 0, "%s: %s", what, err.msg);
+        return;
+    }
+    double want = loss_of_each_once(&tr, ld, windows); /* first: packing leaves spans set */
+    int rc = lg_trainer_evaluate(&tr, ld, n_batches, &loss, &err);
+    check(r, rc == 0 && fabs(loss - want) <= 1e-6 * fabs(want), "%s: %.7f, each once alone "
+          "%.7f%s%s", what, loss, want, rc ? ": " : "", rc ? err.msg : "");
+    lg_trainer_free(&tr);
+}
+
+/* Validation reads each window once, up to --eval-iters micro-batches: 20 samples at -b 3 and
+   10 micro-batches were 30 rows (samples 0-9 counted twice). */
+static void test_validation_once(results *r) {
+    lg_loader ld;
+    lg_error err;
+    if (lg_builtin_task_samples(&ld, 3, 20, 0, 0, 0, &err) != 0) {
+        check(r, 0, "validation samples: %s", err.msg);
+        return;
+    }
+    int T = lg_loader_longest(&ld);
+    check_evaluation(r, &ld, 3, 0, T, 10, 20, "20 samples, -b 3, 10 micro-batches: 7 read, the "
+                     "last of 2 rows");
+    check_evaluation(r, &ld, 3, 0, T, 2, 6, "20 samples, -b 3, 2 micro-batches: the first 6");
+    check_evaluation(r, &ld, 7, 0, T, 10, 20, "20 samples, -b 7, 10 micro-batches: 3 read");
+    check_evaluation(r, &ld, 2, 1, 2 * T, 50, 20, "20 samples packed 2 rows of 2 T, 50 "
+                     "micro-batches: each sample once");
+    lg_loader_close(&ld);
+    size_t n = 0;
+    uint32_t *tokens = lg_builtin_task_tokens(4, 41, &n);
+    if (lg_loader_from_memory(&ld, tokens, n, 8, LG_CHAR_VOCAB, 0, 0, &err) != 0) {
+        check(r, 0, "validation shard: %s", err.msg);
+        return;
+    }
+    char what[96];
+    snprintf(what, sizeof what, "a shard of %zu windows of 8, -b 2, 10 micro-batches", ld.n_windows);
+    check_evaluation(r, &ld, 2, 0, 8, 10, ld.n_windows, what);
+    lg_loader_close(&ld);
+}
+
+static void test_nonsense_runs(results *r) {
+    test_untrained_samples(r);
+    test_validation_once(r);
+}
+
 /* Chat templates against @huggingface/jinja's rendering of each package's own chat_template
    and the package's JavaScript tokenizer (tests/make_chat_reference.mjs): text and ids equal,
    and the trained tokens exactly the assistant turns with their end-of-turn. */

@@ -294,6 +294,66 @@ static void test_hostile_adapters(results *r) {
                     "were trained over, so they are not applied to this run's base, one drawn at random,");
 }
 
+/* HOSTILE_DIR/settings/step-2 copied with the line "KEY ..." of its run settings set to
+   "KEY value", sealed again when reseal_it; resuming it is refused with exit 2 and `want`. */
+static void crafted_settings_refused(results *r, const char *key, const char *value,
+                                     int reseal_it, const char *want) {
+    char cmd[512], args[256];
+    snprintf(cmd, sizeof cmd, "rm -rf " HOSTILE_DIR "/settings-copy && cp -r " HOSTILE_DIR
+             "/settings/step-2 " HOSTILE_DIR "/settings-copy && sed -i 's/^%s .*/%s %s/' "
+             HOSTILE_DIR "/settings-copy/" LG_RUN_SETTINGS, key, key, value);
+    if (system(cmd) != 0 || (reseal_it && reseal(HOSTILE_DIR "/settings-copy", NULL) != 0)) {
+        check(r, 0, "could not craft run settings with %s %s", key, value);
+        return;
+    }
+    snprintf(args, sizeof args, "--max-steps 3 --resume " HOSTILE_DIR "/settings-copy");
+    expect_cli(r, args, 2, want);
+}
+
+/* run_settings.txt was parsed and used before the checkpoint's checksums were checked, and an
+   enum out of range indexed a name table out of bounds: now verified first, and every field
+   held to its range, refused naming the file and the field. */
+static void test_hostile_run_settings(results *r) {
+    const char *file = "train: " HOSTILE_DIR "/settings-copy/" LG_RUN_SETTINGS ": ";
+    char want[16][300];
+    system("rm -rf " HOSTILE_DIR "/settings");
+    expect_cli(r, "--max-steps 2 --eval-every 0 --sample-tokens 1 --out " HOSTILE_DIR "/settings",
+               0, "saved " HOSTILE_DIR "/settings/step-2");
+    crafted_settings_refused(r, "precision", "9", 0, "train: checkpoint " HOSTILE_DIR
+                             "/settings-copy: " LG_RUN_SETTINGS " does not match its checksum "
+                             "in COMPLETE");
+    crafted_settings_refused(r, "precision", "999", 0, LG_RUN_SETTINGS " has ");
+    struct { const char *key, *value, *why; } cases[] = {
+        {"precision", "99", "precision 99 is out of range: expected 0 to 4"},
+        {"strategy", "-1", "strategy -1 is out of range: expected 0 to 3"},
+        {"optimizer", "4", "optimizer 4 is out of range: expected 0 to 3"},
+        {"optimizer_state", "3", "optimizer_state 3 is out of range: expected 0 to 2"},
+        {"lora.quantize", "7", "lora.quantize 7 is out of range: expected 0 to 2"},
+        {"lora.targets", "64", "lora.targets 64 is out of range: expected 0 to 63"},
+        {"devices", "65", "devices 65 is out of range: expected 1 to 64"},
+        {"micro_batch_size", "0", "micro_batch_size 0 is out of range: expected 1 to 2147483647"},
+        {"recompute", "2", "recompute 2 is out of range: expected 0 to 1"},
+        {"beta1", "1", "beta1 1 is out of range: expected a finite number at least 0 and below 1"},
+        {"lora.dropout", "-0.5", "lora.dropout -0.5 is out of range: expected a finite number "
+                                  "at least 0 and below 1"},
+        {"lr", "nan", "lr nan is out of range: expected a finite number at least 0"},
+        {"rho", "0", "rho 0 is out of range: expected a finite number at least 1.17549e-38"},
+        {"sample_tokens", "1000001", "sample_tokens 1000001 is out of range: expected 1 to 1000000"},
+        {"min_lr", "1", "settings that do not go together: --min-lr (1) exceeds --lr (0.004)"},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        snprintf(want[k], sizeof want[k], "%s%s", file, cases[k].why);
+        crafted_settings_refused(r, cases[k].key, cases[k].value, 1, want[k]);
+    }
+    /* a step whose COMPLETE leaves run_settings.txt out: not read unverified */
+    system("rm -rf " HOSTILE_DIR "/settings-copy && cp -r " HOSTILE_DIR "/settings/step-2 "
+           HOSTILE_DIR "/settings-copy");
+    if (reseal(HOSTILE_DIR "/settings-copy", LG_RUN_SETTINGS) != 0) check(r, 0, "could not reseal");
+    else expect_cli(r, "--max-steps 3 --resume " HOSTILE_DIR "/settings-copy", 2, "train: "
+                    "checkpoint " HOSTILE_DIR "/settings-copy: " LG_RUN_SETTINGS " is not listed "
+                    "in COMPLETE, so it cannot be verified");
+}
+
 /* Weights of 1e18, finite and so accepted, overflow the forward: the validation loss is
    NaN at the resumed step, the log says null (JSON has no NaN) and the run stops with exit 1. */
 static void test_hostile_nan_run(results *r) {
@@ -327,6 +387,7 @@ static void test_hostile_all(results *r) {
     test_hostile_hf_configs(r);
     test_hostile_training_state(r);
     test_hostile_adapters(r);
+    test_hostile_run_settings(r);
     test_hostile_nan_run(r);
     expect_alpaca_error(r, "[{\"instruction\": \"a\\u0000b\", \"output\": \"c\"}]",
                         "\\u0000 (a NUL character) inside a string", "NUL escape");

@@ -147,6 +147,54 @@ static void test_auto_seq_length(results *r) {
     expect_cli(r, "--plan -t autox", 2, "-t/--max-seq-length: 'autox' is not an integer");
 }
 
+/* The fit check of the run a describes at T (a GPU plan: device pool and host pools). */
+static lg_fit fit_at(const lg_config *cfg, const lg_args *a, int T) {
+    lg_plan_spec spec;
+    lg_plan plan;
+    lg_fit fit;
+    memset(&fit, 0, sizeof fit);
+    lg_plan_spec_from_args(&spec, a, T);
+    if (lg_plan_make(&plan, cfg, &spec, NULL) != 0) return fit;
+    lg_plan_check_fit(&plan, a, 80ull << 30, &fit);
+    lg_plan_free(&plan);
+    return fit;
+}
+
+/* -t auto with --offload activations on a GPU and no --host-memory-limit: the choice and the
+   fit check hold the one reading of available memory (args.host_available), with one test. It
+   chose against one reading and checked against another: on a busy machine, a length the
+   check refused. */
+static void test_auto_seq_length_host(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "pythia-14m")) return;
+    lg_args a;
+    lg_args_default(&a);
+    a.backend = LG_BACKEND_CUDA;
+    a.micro_batch_size = 8;
+    a.recompute = 1;
+    a.offload_activations = 1;
+    a.host_available = 1; /* first: the host pools at T 300, the reading to hold */
+    a.host_available = fit_at(&cfg, &a, 300).host_bytes;
+    int want = 300; /* the longest T whose host pools fit, by a scan of the plans */
+    while (want < cfg.block_size && fit_at(&cfg, &a, want + 1).host_bytes <= a.host_available)
+        want++;
+    int t = lg_plan_auto_seq_length(&cfg, &a, cfg.block_size, 80ull << 30);
+    lg_fit chosen = fit_at(&cfg, &a, t), longer = fit_at(&cfg, &a, t + 1);
+    check(r, t == want && want < cfg.block_size && chosen.fits == 1 && longer.fits == 0 &&
+          !longer.host_fits && chosen.host_limit == a.host_available,
+          "-t auto against %zu bytes of host memory read once: %d tokens (want %d), the check "
+          "passes it (host %zu) and refuses %d (host %zu)", a.host_available, t, want,
+          chosen.host_bytes, t + 1, longer.host_bytes);
+    char args[256], expect[256], host[32];
+    snprintf(args, sizeof args, "--plan --backend cuda -c pythia-14m -b 8 -t auto --recompute "
+             "block --offload activations --memory-limit 80GiB --host-memory-limit %zuB",
+             a.host_available);
+    snprintf(expect, sizeof expect, "-t auto: %d tokens, the longest up to block_size 512 that "
+             "fits in 80.00 GiB (--memory-limit) and %s of host memory (--host-memory-limit)",
+             want, lg_format_bytes(a.host_available, host, sizeof host));
+    expect_cli(r, args, 0, expect);
+}
+
 /* ---- the head and loss in chunks ------------------------------------------------------------ */
 
 /* One forward and backward of m on tokens and targets (B, T) with the head's chunks of
