@@ -671,7 +671,7 @@ typedef struct {
    LG_CUDA_REDUCE_SLOTS doubles), the micro-batch's ids, and in the host pool the staging region
    through which the host reads and writes the GPU's memory (lg_visit: LG_CUDA_STAGING bytes,
    or one fp32 row of logits if that is more). */
-#define LG_CUDA_MATMUL_WORKSPACE ((size_t)32 << 20)
+#define LG_CUDA_MATMUL_WORKSPACE ((size_t)32 << 20) /* at least: see lg_cuda_workspace_bytes */
 #define LG_CUDA_STAGING ((size_t)16 << 20)
 #define LG_CUDA_ROW_CHUNKS 256 /* chunks of rows: blocks enough for a GPU's SMs several times over */
 #define LG_CUDA_REDUCE_SLOTS 1024
@@ -4609,11 +4609,21 @@ static int lg_plan_cpu_workspace(lg_rank_plan *r, const lg_plan_spec *s) {
                             LG_DTYPE_F32, 2 * (size_t)s->T * s->T * (size_t)s->threads);
 }
 
+/* The bytes of a GPU rank's matmul workspace for sequences of T: cuBLASLt's
+   LG_CUDA_MATMUL_WORKSPACE, or more where one sequence's attention statistic D (n_head, T) fp32,
+   which the backward keeps there, needs it (past 262,144 tokens at 32 heads); it always holds
+   one chunk of a bias gradient's partial sums (n_embd floats). */
+static size_t lg_cuda_workspace_bytes(const lg_config *c, int T) {
+    size_t d = sizeof(float) * (size_t)c->n_head * (size_t)T, bias = sizeof(float) * (size_t)c->n_embd;
+    size_t need = d > bias ? d : bias;
+    return need > LG_CUDA_MATMUL_WORKSPACE ? lg_align_up(need) : LG_CUDA_MATMUL_WORKSPACE;
+}
+
 /* A GPU's own regions (see LG_CUDA_MATMUL_WORKSPACE), and last the runtime's memory, which the
    rank's arena stops before. */
 static int lg_plan_gpu_workspace(lg_rank_plan *r, const lg_config *c, const lg_plan_spec *s) {
     int rc = lg_plan_add(r, "cuda.matmul_workspace", LG_GROUP_WORKSPACE, LG_POOL_DEVICE,
-                         LG_DTYPE_U8, LG_CUDA_MATMUL_WORKSPACE);
+                         LG_DTYPE_U8, lg_cuda_workspace_bytes(c, s->T));
     rc |= lg_plan_add(r, "cuda.row_sums", LG_GROUP_WORKSPACE, LG_POOL_DEVICE, LG_DTYPE_F32,
                       (size_t)LG_CUDA_ROW_CHUNKS * 2 * c->n_embd);
     rc |= lg_plan_add(r, "cuda.totals", LG_GROUP_WORKSPACE, LG_POOL_DEVICE, LG_DTYPE_U8,

@@ -2125,6 +2125,7 @@ int main(int argc, char **argv) {
         test_plan_for_gpus(&r);
         test_context_table_in_readme(&r);
         test_host_traffic(&r);
+        test_cuda_workspace_sized(&r);
         test_auto_seq_length(&r);
         test_auto_seq_length_host(&r);
     }

@@ -117,6 +117,36 @@ static void test_host_traffic(results *r) {
                "--memory-limit 1GiB", 0, "host <-> device:");
 }
 
+/* A GPU's matmul workspace holds one sequence's attention statistic D (n_head, T) fp32,
+   which the backward keeps there: 32 MiB up to 2,097,152 tokens at 4 heads (262,144 at 32),
+   past that D's own size, so that no length aborts in the backward. */
+static void test_cuda_workspace_sized(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    lg_args a;
+    lg_args_default(&a);
+    a.backend = LG_BACKEND_CUDA;
+    a.micro_batch_size = 1;
+    cfg.block_size = 1 << 22;
+    const int lengths[3] = {16, 2097152, 3000000};
+    size_t got[3] = {0, 0, 0}, want[3];
+    for (int k = 0; k < 3; k++) {
+        size_t d = (size_t)4 * cfg.n_head * lengths[k];
+        want[k] = d > ((size_t)32 << 20) ? (d + 63) / 64 * 64 : (size_t)32 << 20;
+        lg_plan_spec spec;
+        lg_plan plan;
+        lg_error err;
+        lg_plan_spec_from_args(&spec, &a, lengths[k]);
+        if (lg_plan_make(&plan, &cfg, &spec, &err) != 0) { check(r, 0, "%s", err.msg); return; }
+        got[k] = lg_plan_find(&plan.ranks[0], "cuda.matmul_workspace")->bytes;
+        lg_plan_free(&plan);
+    }
+    check(r, got[0] == want[0] && got[1] == want[1] && got[2] == want[2] && got[2] > got[1],
+          "the GPU's matmul workspace holds attention's D of one sequence (%d heads): %zu, %zu, "
+          "%zu bytes at T %d, %d, %d (from the sizes: %zu, %zu, %zu)", cfg.n_head, got[0], got[1],
+          got[2], lengths[0], lengths[1], lengths[2], want[0], want[1], want[2]);
+}
+
 /* -t auto against a limit made from the planner: the longest T whose plan fits, found here by
    a walk up from T = 300 (the library searches by halves), for a model without data (capped at
    block_size), for the built-in task's samples (capped at their longest), and with no limit
