@@ -14,8 +14,12 @@ LDLIBS = -lm
 CUDA_LIBS = -lcublasLt -ldl
 NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo yes)
-# sm_80 (A100) and sm_90 (H100, H200) by default; the GPU's own when one is visible
-GPU_ARCH ?= $(if $(HAVE_GPU),-arch=native,-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90)
+# By default machine code for sm_80 (A100; it also runs on sm_86/89: RTX 30xx/40xx, A10, L4,
+# A40, L40S) and sm_90 (H100, H200), and compute_90 PTX, which the driver compiles for newer
+# cards (B200, RTX 50xx); the GPU's own when one is visible. Cards older than sm_80 are
+# refused by name at start (no bf16 tensor cores).
+GPU_ARCH ?= $(if $(HAVE_GPU),-arch=native,-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90)
+GPU_ARCH_SAID = $(if $(HAVE_GPU),this machine's GPU (-arch=native),sm_80 and sm_90 machine code and compute_90 PTX (newer cards compile it at load))
 NVCC_FLAGS = -x cu -std=c++17 -O3 $(GPU_ARCH) -Werror all-warnings \
 	-Xcompiler -Wall,-Wextra,-Werror,-march=native,$(OPENMP)
 BACKEND ?= $(if $(and $(NVCC),$(HAVE_GPU)),cuda,cpu)
@@ -56,6 +60,7 @@ build/train_portable: train.c $(HEADERS)
 # The CUDA build of the same train.c (nvcc -x cu); without a GPU it runs on the CPU backend.
 build/train_cuda: train.c $(HEADERS)
 	@mkdir -p build
+	@echo "train: CUDA kernels for $(GPU_ARCH_SAID)"
 	$(NVCC) $(NVCC_FLAGS) train.c -o $@ $(LDLIBS) $(CUDA_LIBS)
 
 # The CUDA backend against the CPU backend (tests/gpu/run.sh runs it on GPUs), and the same

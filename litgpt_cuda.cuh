@@ -3258,12 +3258,30 @@ static void lg_cuda_rank_handles_free(lg_cuda_rank *g) {
     if (g->comm) cudaStreamDestroy(g->comm);
 }
 
+/* The kernels need compute capability 8.0 or newer (bf16 mma.sync, cp.async) and the shared
+   memory a block their tiles take (LG_CUDA_SHARED_OPTIN_MIN): an older GPU is refused by name
+   before anything is allocated on it. */
+static int lg_cuda_check_arch(int device, lg_error *err) {
+    cudaDeviceProp prop;
+    LG_CUDA_CHECK(cudaGetDeviceProperties(&prop, device), err);
+    if (prop.major < 8)
+        return lg_fail(err, "GPU %d (%s) has compute capability %d.%d: the CUDA kernels need 8.0 "
+                       "or newer (bf16 tensor cores: A100, RTX 30xx and later); --backend cpu runs "
+                       "on the processor", device, prop.name, prop.major, prop.minor);
+    if (prop.sharedMemPerBlockOptin < LG_CUDA_SHARED_OPTIN_MIN)
+        return lg_fail(err, "GPU %d (%s) lets a block have %zu bytes of shared memory: the "
+                       "attention kernels take up to %d", device, prop.name,
+                       (size_t)prop.sharedMemPerBlockOptin, LG_CUDA_SHARED_OPTIN_MIN);
+    return 0;
+}
+
 /* Rank i runs on GPU i: its handles, then arenas of exactly its plan. */
 static int lg_cuda_rank_create(lg_rank *rank, lg_error *err) {
     int count = lg_cuda_device_count_impl();
     if (rank->device >= count)
         return lg_fail(err, "rank %d needs GPU %d, but %d GPU%s visible: -d x --nodes ranks run "
                        "one a GPU", rank->index, rank->device, count, count == 1 ? " is" : "s are");
+    if (lg_cuda_check_arch(rank->device, err) != 0) return -1;
     lg_cuda_rank *g = (lg_cuda_rank *)lg_alloc_zeroed(sizeof(lg_cuda_rank));
     if (!g) return lg_fail(err, "out of host memory");
     rank->cuda = g;

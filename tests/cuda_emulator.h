@@ -23,8 +23,8 @@
    3. the CUDA runtime subset the backend calls, on host memory. Devices: LG_EMU_DEVICES (default
       1) or lg_emu_set_devices(n); memory per device: LG_EMU_MEMORY bytes (suffix K/M/G allowed,
       default 16G) or lg_emu_set_memory(bytes); cudaMemGetInfo's free is that minus the live
-      cudaMalloc/cudaMallocManaged bytes of the device. Architecture: LG_EMU_ARCH (sm_80,
-      sm_86, sm_89, sm_90 or sm_120; default sm_90) sets the compute capability and the limits
+      cudaMalloc/cudaMallocManaged bytes of the device. Architecture: LG_EMU_ARCH (sm_75,
+      sm_80, sm_86, sm_89, sm_90 or sm_120; default sm_90) sets the compute capability and the limits
       reported and enforced: a launch over its opt-in shared memory, or over 48 KiB without
       the kernel's cudaFuncSetAttribute on that device, is refused. Launches are synchronous, so every
       stream, event and copy is complete when its call returns. cudaMalloc memory is closed to
@@ -133,6 +133,7 @@ struct lg_emu_arch {
     int threads_per_sm;
 };
 static const lg_emu_arch lg_emu_archs[] = {
+    {"sm_75", 7, 5, 65536, 65536, 1024},    /* T4, RTX 20xx: no bf16 tensor cores */
     {"sm_80", 8, 0, 166912, 167936, 2048},  /* A100, A30 */
     {"sm_86", 8, 6, 101376, 102400, 1536},  /* RTX 30xx, A10, A40, A6000 */
     {"sm_89", 8, 9, 101376, 102400, 1536},  /* RTX 40xx, L4, L40S */
@@ -533,7 +534,7 @@ inline const lg_emu_arch *lg_emu_arch_named(const char *name) {
     if (!name || !*name) name = "sm_90";
     for (const lg_emu_arch &a : lg_emu_archs)
         if (strcmp(a.name, name) == 0) return &a;
-    lg_emu_die("LG_EMU_ARCH=%s: use sm_80, sm_86, sm_89, sm_90 or sm_120", name);
+    lg_emu_die("LG_EMU_ARCH=%s: use sm_75, sm_80, sm_86, sm_89, sm_90 or sm_120", name);
 }
 
 inline lg_emu_state_t *lg_emu_state_create(void) {

@@ -2018,6 +2018,8 @@ static void run_emulated_cuda_tests(results *r) {
     snprintf(args, sizeof args, "%s -g 6 -d 3", small);
     expect_program(r, "LG_EMU_DEVICES=2 ./build/train_emulated", args, 2,
                    "3 ranks, one a GPU, but 2 GPUs are visible");
+    expect_program(r, "LG_EMU_DEVICES=1 LG_EMU_ARCH=sm_75 ./build/train_emulated", small, 1,
+                   "has compute capability 7.5: the CUDA kernels need 8.0 or newer");
     expect_program(r, "LG_EMU_DEVICES=0 ./build/train_emulated", small, 0,
                    "no GPU is visible: running on the CPU backend");
     expect_program(r, "LG_EMU_DEVICES=1 LG_EMU_MEMORY=256M ./build/train_emulated",
