@@ -421,6 +421,9 @@ typedef struct {
     size_t host_memory_limit;  /* --host-memory-limit: bytes the host pools of one machine's
                                   ranks may use together; 0: what the machine has available
                                   (lg_args_host_limit) */
+    const struct lg_gpu_card *gpu; /* --gpu: the card a plan is for (NULL: the GPUs found) */
+    size_t memory_margin;      /* --memory-margin: device bytes a GPU plan keeps free */
+    int memory_margin_given;   /* 0: the default margin (lg_args_margin) */
     size_t host_available;     /* the machine's available memory, read once for the run
                                   (lg_host_available_bytes) so that every choice and the fit
                                   check hold the same figure; 0: unknown, not checked */
@@ -748,8 +751,10 @@ typedef struct {
                              its ranks together); 0: unknown, nothing is checked */
     size_t host_limit;    /* GPU backend: the host memory of a machine's ranks; 0: unknown */
     size_t checked_bytes; /* lg_plan_checked_bytes: what is held against limit */
+    size_t margin;        /* GPU backend: what the device keeps free beyond checked_bytes */
+    const struct lg_gpu_card *gpu; /* --gpu: the card the limit is of (NULL: none named) */
     size_t host_bytes;    /* lg_plan_host_bytes_per_machine: against host_limit (GPU) */
-    int device_fits;      /* checked_bytes <= limit (1 when limit is unknown) */
+    int device_fits;      /* checked_bytes + margin <= limit (1 when limit is unknown) */
     int host_fits;        /* host_bytes <= host_limit (1 on the CPU backend or unknown) */
     int fits;             /* both; -1: the limit is unknown (a plan for a GPU not here) */
 } lg_fit;
@@ -862,6 +867,27 @@ void lg_plan_check_fit(const lg_plan *plan, const lg_args *args, size_t limit, l
    for each communicator a rank joins (lg_comms_per_rank). An estimate (the figures are named
    where it is defined); on a GPU the runtime is measured instead. */
 size_t lg_cuda_runtime_estimate(const lg_args *args);
+
+/* The GPUs people fine-tune on (--gpu NAME plans for one from any machine): the memory each
+   reports (nvidia-smi's total; `nominal` where only the marketed size is known), its compute
+   capability and the shared memory a block may opt into. */
+typedef struct lg_gpu_card {
+    const char *name;     /* --gpu's name: "rtx4090" */
+    const char *label;    /* "RTX 4090" */
+    size_t total_mib;     /* the memory it reports */
+    int nominal;          /* 1: not a reading of this card (the marketed size, or a like card's) */
+    int major, minor;     /* compute capability */
+    int shared_optin;     /* bytes of shared memory a block may have */
+} lg_gpu_card;
+int lg_gpu_card_count(void);
+const lg_gpu_card *lg_gpu_card_at(int i);
+const lg_gpu_card *lg_gpu_card_named(const char *name); /* NULL: no such card */
+/* 1 when the CUDA kernels run on the card (compute capability 8.0 or newer). */
+int lg_gpu_card_supported(const lg_gpu_card *card);
+/* The device memory a GPU plan keeps free beyond what it counts (allocator rounding, local
+   memory a kernel's stack may grow, the driver's own): --memory-margin, else 1% of the limit or
+   256 MiB, whichever is more; 0 on the CPU backend. */
+size_t lg_args_margin(const lg_args *args, size_t limit);
 
 /* "24GiB", "512 mib", "1.5GB", "100B" -> bytes; -1 when not a size (a bare number has no unit). */
 int lg_parse_size(const char *text, size_t *bytes);
@@ -4843,6 +4869,47 @@ size_t lg_plan_host_bytes_per_machine(const lg_plan *plan) {
     return most;
 }
 
+/* From the shared reference (GPUS.md, NVIDIA's table per compute capability) and nvidia-smi
+   readings; nominal: no reading of the card was at hand (the marketed size in MiB; the A40:
+   the L40S's reading, the same 48 GB of GDDR6 with ECC). */
+static const lg_gpu_card lg_gpu_cards[] = {
+    {"t4", "T4", 15360, 1, 7, 5, 65536},
+    {"rtx3090", "RTX 3090", 24576, 0, 8, 6, 101376},
+    {"rtx4090", "RTX 4090", 24564, 0, 8, 9, 101376},
+    {"rtx5090", "RTX 5090", 32607, 0, 12, 0, 101376},
+    {"a10", "A10", 23028, 0, 8, 6, 101376},
+    {"l4", "L4", 23034, 0, 8, 9, 101376},
+    {"a40", "A40", 46068, 1, 8, 6, 101376},
+    {"l40s", "L40S", 46068, 0, 8, 9, 101376},
+    {"a100-40gb", "A100 40GB", 40960, 0, 8, 0, 166912},
+    {"a100-80gb", "A100 80GB", 81920, 1, 8, 0, 166912},
+    {"h100", "H100 80GB", 81559, 0, 9, 0, 232448},
+    {"h200", "H200", 143771, 1, 9, 0, 232448},
+    {"b200", "B200", 183359, 0, 10, 0, 232448},
+};
+
+int lg_gpu_card_count(void) { return (int)(sizeof lg_gpu_cards / sizeof lg_gpu_cards[0]); }
+
+const lg_gpu_card *lg_gpu_card_at(int i) {
+    return i >= 0 && i < lg_gpu_card_count() ? &lg_gpu_cards[i] : NULL;
+}
+
+const lg_gpu_card *lg_gpu_card_named(const char *name) {
+    for (int i = 0; i < lg_gpu_card_count(); i++)
+        if (strcmp(lg_gpu_cards[i].name, name) == 0) return &lg_gpu_cards[i];
+    return NULL;
+}
+
+int lg_gpu_card_supported(const lg_gpu_card *card) { return card->major >= 8; }
+
+#define LG_MARGIN_FLOOR ((size_t)256 << 20) /* the default margin's least */
+
+size_t lg_args_margin(const lg_args *args, size_t limit) {
+    if (args->backend == LG_BACKEND_CPU) return 0;
+    if (args->memory_margin_given) return args->memory_margin;
+    return limit / 100 > LG_MARGIN_FLOOR ? limit / 100 : LG_MARGIN_FLOOR;
+}
+
 size_t lg_args_host_limit(const lg_args *args) {
     return args->host_memory_limit ? args->host_memory_limit : args->host_available;
 }
@@ -4856,7 +4923,9 @@ static void lg_fit_judge(const lg_args *args, size_t limit, size_t checked, size
     fit->limit = limit;
     fit->checked_bytes = checked;
     fit->host_bytes = host;
-    fit->device_fits = limit == 0 || checked <= limit;
+    fit->margin = limit ? lg_args_margin(args, limit) : 0;
+    fit->gpu = args->gpu;
+    fit->device_fits = limit == 0 || (checked <= limit && fit->margin <= limit - checked);
     fit->host_fits = 1;
     if (args->backend != LG_BACKEND_CPU) { /* on the CPU the host pools are in checked_bytes */
         fit->host_limit = lg_args_host_limit(args);
@@ -5351,8 +5420,12 @@ void lg_plan_print_json(const lg_plan *plan, const lg_fit *fit, FILE *out) {
             plan->cfg.name, s->B, s->T, s->head_rows, s->slice_rows, s->accumulation,
             lg_precision_name(s->precision));
     if (fit)
-        fprintf(out, "\"limit_bytes\":%zu,\"host_limit_bytes\":%zu,\"fits\":%s,", fit->limit,
-                fit->host_limit, fit->fits < 0 ? "null" : fit->fits ? "true" : "false");
+        fprintf(out, "\"limit_bytes\":%zu,\"host_limit_bytes\":%zu,\"margin_bytes\":%zu,"
+                     "\"fits\":%s,", fit->limit, fit->host_limit, fit->margin,
+                fit->fits < 0 ? "null" : fit->fits ? "true" : "false");
+    if (fit && fit->gpu)
+        fprintf(out, "\"gpu\":\"%s\",\"arch\":\"sm_%d%d\",\"shared_per_block\":%d,", fit->gpu->name,
+                fit->gpu->major, fit->gpu->minor, fit->gpu->shared_optin);
     fprintf(out, "\"host_traffic_bytes\":%zu,", lg_plan_host_traffic_bytes(plan));
     fprintf(out, "\"devices\":[");
     for (int i = 0; i < plan->n_ranks; i++) {
@@ -14967,6 +15040,7 @@ size_t lg_cuda_runtime_estimate(const lg_args *args) {
     return LG_CUDA_CONTEXT_ESTIMATE + LG_CUBLASLT_ESTIMATE +
            (size_t)lg_comms_per_rank(args) * LG_NCCL_COMM_ESTIMATE;
 }
+
 
 int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args, int T,
                       lg_error *err) {

@@ -67,6 +67,12 @@ static const char usage[] =
     "      --host-memory-limit SIZE  host memory the host pools of a machine's ranks may\n"
     "                             use together (default: what it has available); on the\n"
     "                             CPU backend a cap on the machine's memory too\n"
+    "      --gpu NAME             with --plan: plan for that card from any machine (its\n"
+    "                             reported memory and limits, the runtime estimated);\n"
+    "                             --gpu list prints the cards\n"
+    "      --memory-margin SIZE   device memory a GPU plan keeps free beyond what it\n"
+    "                             counts (default: 1% of the limit or 256MiB, whichever\n"
+    "                             is more; 0B: none)\n"
     "      --dist-init URL        GPU processes without MPI meet at tcp://HOST:PORT (process\n"
     "                             0's machine) or file://PATH (shared); default from\n"
     "                             MASTER_ADDR and MASTER_PORT + 1\n"
@@ -189,6 +195,41 @@ static size_t parse_size(const char *flag, const char *text) {
     return bytes;
 }
 
+/* --memory-margin: a size, 0B (or 0) allowed. */
+static size_t parse_margin(const char *flag, const char *text) {
+    size_t bytes;
+    if (lg_parse_size(text, &bytes) != 0)
+        die_usage("%s: '%s' is not a size with a unit (e.g. 512MiB, 1GiB, 0B)", flag, text);
+    return bytes;
+}
+
+/* --gpu list: the cards, their memory and compute capability. */
+static void print_gpu_cards(void) {
+    printf("%-10s %-10s %12s  %s\n", "--gpu", "card", "memory", "compute capability");
+    for (int i = 0; i < lg_gpu_card_count(); i++) {
+        const lg_gpu_card *g = lg_gpu_card_at(i);
+        char mib[32];
+        snprintf(mib, sizeof mib, "%zu MiB", g->total_mib);
+        printf("%-10s %-10s %12s  %d.%d%s%s\n", g->name, g->label, mib, g->major, g->minor,
+               g->nominal ? " (memory: not a reading of this card)" : "",
+               lg_gpu_card_supported(g) ? "" : " (refused: the kernels need 8.0)");
+    }
+}
+
+/* --gpu NAME: the card (list: print them and exit). */
+static const lg_gpu_card *parse_gpu(const char *name) {
+    if (strcmp(name, "list") == 0) {
+        print_gpu_cards();
+        lg_launch_exit(0);
+    }
+    const lg_gpu_card *card = lg_gpu_card_named(name);
+    if (!card) die_usage("--gpu: '%s' is not a card this planner knows (--gpu list)", name);
+    if (!lg_gpu_card_supported(card))
+        die_usage("--gpu %s: the %s has compute capability %d.%d, and the CUDA kernels need 8.0 "
+                  "or newer (bf16 tensor cores)", name, card->label, card->major, card->minor);
+    return card;
+}
+
 static float parse_float(const char *flag, const char *text) {
     char *end;
     errno = 0;
@@ -201,7 +242,7 @@ static float parse_float(const char *flag, const char *text) {
 enum { OPT_DATA = 256, OPT_VAL_DATA, OPT_LR, OPT_MIN_LR, OPT_WARMUP, OPT_WEIGHT_DECAY, OPT_BETA1,
        OPT_BETA2, OPT_MOMENTUM, OPT_MAX_NORM, OPT_MAX_STEPS, OPT_EVAL_EVERY, OPT_EVAL_ITERS,
        OPT_SAMPLE_EVERY, OPT_SAMPLE_TOKENS, OPT_TEMPERATURE, OPT_PROMPT, OPT_SEED, OPT_LOG,
-       OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_HOST_MEMORY_LIMIT, OPT_BACKEND, OPT_PACK, OPT_HEAD_ROWS, OPT_SLICE_ROWS, OPT_OPTIMIZER_STATE,
+       OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_HOST_MEMORY_LIMIT, OPT_GPU, OPT_MEMORY_MARGIN, OPT_BACKEND, OPT_PACK, OPT_HEAD_ROWS, OPT_SLICE_ROWS, OPT_OPTIMIZER_STATE,
        OPT_HESSIAN_INTERVAL, OPT_RHO, OPT_STRATEGY, OPT_NODES, OPT_SAVE_EVERY, OPT_LOAD,
        OPT_RESUME, OPT_CPU, OPT_TF32, OPT_LORA_R, OPT_LORA_ALPHA, OPT_LORA_DROPOUT,
        OPT_LORA_TARGETS, OPT_QUANTIZE, OPT_LOG_INTERVAL, OPT_PLOT };
@@ -243,6 +284,8 @@ static const struct option long_options[] = {
     {"plan", optional_argument, 0, OPT_PLAN},
     {"memory-limit", required_argument, 0, OPT_MEMORY_LIMIT},
     {"host-memory-limit", required_argument, 0, OPT_HOST_MEMORY_LIMIT},
+    {"gpu", required_argument, 0, OPT_GPU},
+    {"memory-margin", required_argument, 0, OPT_MEMORY_MARGIN},
     {"backend", required_argument, 0, OPT_BACKEND},
     {"pack", no_argument, 0, OPT_PACK},
     {"head-rows", required_argument, 0, OPT_HEAD_ROWS},
@@ -460,6 +503,11 @@ static void apply_flags(int argc, char **argv, lg_args *a, given_flags *given,
             break;
         case OPT_MEMORY_LIMIT: a->memory_limit = parse_size(f, optarg); break;
         case OPT_HOST_MEMORY_LIMIT: a->host_memory_limit = parse_size(f, optarg); break;
+        case OPT_GPU: a->gpu = parse_gpu(optarg), a->backend = LG_BACKEND_CUDA; break;
+        case OPT_MEMORY_MARGIN:
+            a->memory_margin = strcmp(optarg, "0") == 0 ? 0 : parse_margin(f, optarg);
+            a->memory_margin_given = 1;
+            break;
         case 'h': fputs(usage, stdout); lg_launch_exit(0); break; /* (every process has it) */
         case ':': die_usage("%s needs a value", argv[optind - 1]); break;
         default: die_usage("unknown option %s", argv[optind - 1]);
@@ -638,6 +686,10 @@ static size_t device_limit(const lg_args *a, const char **source) {
         *source = "--memory-limit";
         return a->memory_limit;
     }
+    if (a->gpu) {
+        *source = a->gpu->nominal ? "--gpu: the card's memory, not a reading" : "--gpu: what the card reports";
+        return a->gpu->total_mib << 20;
+    }
     if (a->backend == LG_BACKEND_CUDA) {
         *source = a->runtime_estimated ? "no GPU here to measure; --memory-limit SIZE checks one"
                                        : "the GPU's memory, of which the CUDA runtime's share "
@@ -671,6 +723,13 @@ static void prepare_gpus(lg_args *a, int process_per_gpu_or_node) {
         printf("CUDA build, but no GPU is visible: running on the CPU backend\n");
 #endif
     if (a->backend != LG_BACKEND_CUDA) return;
+    if (a->gpu) { /* a plan for a named card, whatever GPUs this machine has */
+        if (!a->plan_only) die_usage("--gpu %s plans for that card (with --plan); a run uses the "
+                                     "GPUs it finds", a->gpu->name);
+        a->runtime_bytes = lg_cuda_runtime_estimate(a);
+        a->runtime_estimated = 1;
+        return;
+    }
     /* several processes: the GPUs of one node */
     int ranks = process_per_gpu_or_node ? a->devices : lg_args_ranks(a), visible = lg_cuda_device_count();
     if (visible == 0) {
@@ -776,6 +835,9 @@ static void print_fit(const lg_plan *plan, const lg_fit *fit, const lg_args *a,
     }
     printf("fits: %s, %s needed of %s (%s)", fit->fits ? "yes" : "no", need,
            lg_format_bytes(fit->limit, have, sizeof have), source);
+    if (fit->margin)
+        printf(", %s kept free (%s)", lg_format_bytes(fit->margin, have, sizeof have),
+               a->memory_margin_given ? "--memory-margin" : "the default margin");
     if (a->backend != LG_BACKEND_CPU && fit->host_limit)
         printf("; host %s of %s", lg_format_bytes(fit->host_bytes, host, sizeof host),
                lg_format_bytes(fit->host_limit, host_limit, sizeof host_limit));

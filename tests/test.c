@@ -2128,6 +2128,7 @@ int main(int argc, char **argv) {
         test_context_table_in_readme(&r);
         test_host_traffic(&r);
         test_cuda_workspace_sized(&r);
+        test_gpu_cards_and_margin(&r);
         test_auto_seq_length(&r);
         test_auto_seq_length_host(&r);
     }

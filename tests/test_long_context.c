@@ -70,14 +70,31 @@ static void test_context_table_in_readme(results *r) {
     size_t n = f ? fread(readme, 1, sizeof readme - 1, f) : 0;
     readme[n] = '\0';
     if (f) fclose(f);
-    int rows = 0, found = 0;
+    int rows = 0, found = 0, rtx4090 = 0;
     for (char *line = strtok(out, "\n"); line; line = strtok(NULL, "\n")) {
         if (line[0] != '|') continue;
         rows++;
         found += strstr(readme, line) != NULL;
+        if (strncmp(line, "| RTX 4090 ", 11) == 0) { /* after its 6th bar: every lever */
+            const char *at = line;
+            for (int bar = 0; bar < 6 && at; bar++) at = strchr(at + 1, '|');
+            rtx4090 = at ? atoi(at + 1) : 0;
+        }
     }
-    check(r, code == 0 && rows == 9 && found == rows, "README's longest-context table is the "
+    check(r, code == 0 && rows >= 10 && found == rows, "README's longest-context table is the "
           "planner's (tools/context_table): %d of %d lines", found, rows);
+    /* a cell is what ./train --plan --gpu says: that length fits the card, one more does not */
+    char args[512];
+    int verdict[2];
+    for (int k = 0; k < 2; k++) {
+        snprintf(args, sizeof args, "--plan --gpu rtx4090 -c Llama-3.1-8B -t %d -b 1 -p bf16-true "
+                 "--lora-r 32 --lora-targets all --quantize nf4 --recompute block --offload "
+                 "activations --host-memory-limit 64GiB > /dev/null 2>&1", rtx4090 + k);
+        verdict[k] = run_stdout(args, out, sizeof out);
+    }
+    check(r, rtx4090 > 0 && verdict[0] == 0 && verdict[1] == 3, "the table's RTX 4090 cell with "
+          "every lever, %d tokens: ./train --plan --gpu rtx4090 fits it (exit %d), not one token "
+          "more (exit %d)", rtx4090, verdict[0], verdict[1]);
 }
 
 /* The host traffic of a step (lg_plan_host_traffic_bytes) from the model's sizes: --offload
@@ -114,7 +131,7 @@ static void test_host_traffic(results *r) {
     check(r, got == want && none == 0, "host traffic of a step with --offload and --offload "
           "activations: %zu bytes (from the sizes: %zu); none without (%zu)", got, want, none);
     expect_cli(r, "--plan --backend cuda -c test-llama -t 16 -b 2 -g 4 -p 32-true --offload "
-               "--memory-limit 1GiB", 0, "host <-> device:");
+               "--memory-limit 2GiB", 0, "host <-> device:");
 }
 
 /* A GPU's matmul workspace holds one sequence's attention statistic D (n_head, T) fp32,
@@ -145,6 +162,82 @@ static void test_cuda_workspace_sized(results *r) {
           "the GPU's matmul workspace holds attention's D of one sequence (%d heads): %zu, %zu, "
           "%zu bytes at T %d, %d, %d (from the sizes: %zu, %zu, %zu)", cfg.n_head, got[0], got[1],
           got[2], lengths[0], lengths[1], lengths[2], want[0], want[1], want[2]);
+}
+
+/* --gpu NAME plans for a card from any machine: the memory it reports as the limit, its
+   compute capability and shared memory in the JSON, the runtime estimated; --gpu list names
+   every card; a card older than sm_80, an unknown name and --gpu without --plan are refused.
+   The margin: a GPU plan fits when what it counts plus the margin (1% of the limit or 256 MiB,
+   or --memory-margin) is within the limit, to the byte. */
+static void test_gpu_cards_and_margin(results *r) {
+    static char out[1 << 20];
+    char args[512], want[256];
+    int listed = 0;
+    run_stdout("--gpu list", out, sizeof out);
+    for (int i = 0; i < lg_gpu_card_count(); i++) {
+        snprintf(want, sizeof want, "\n%-10s ", lg_gpu_card_at(i)->name);
+        listed += strstr(out, want) != NULL;
+    }
+    check(r, listed == lg_gpu_card_count() && listed >= 13, "--gpu list names each of the %d "
+          "cards (%d found)", lg_gpu_card_count(), listed);
+    /* all rows at once (else the planner would chunk the head to fit a byte short) */
+    const char *run = "-c Llama-3.1-8B -t 2048 -b 1 -p bf16-true --lora-r 32 --lora-targets all "
+                      "--quantize nf4 --recompute block --head-rows 2048 --slice-rows 2048";
+    const struct { const char *name, *arch; size_t mib; } cards[3] = {
+        {"rtx4090", "sm_89", 24564}, {"a10", "sm_86", 23028}, {"h100", "sm_90", 81559}};
+    for (int k = 0; k < 3; k++) {
+        snprintf(args, sizeof args, "--plan=json --gpu %s %s 2>/dev/null", cards[k].name, run);
+        int code = run_stdout(args, out, sizeof out);
+        size_t limit = cards[k].mib << 20, margin = limit / 100 > ((size_t)256 << 20)
+                                                        ? limit / 100 : (size_t)256 << 20;
+        snprintf(want, sizeof want, "\"limit_bytes\":%zu,\"host_limit_bytes\":", limit);
+        char gpu[128];
+        snprintf(gpu, sizeof gpu, "\"gpu\":\"%s\",\"arch\":\"%s\",", cards[k].name, cards[k].arch);
+        char margin_text[64];
+        snprintf(margin_text, sizeof margin_text, "\"margin_bytes\":%zu,", margin);
+        check(r, code == 0 && one_json_document(out) && strstr(out, want) && strstr(out, gpu) &&
+              strstr(out, margin_text) && strstr(out, "\"fits\":true"),
+              "--plan=json --gpu %s: limit %zu MiB (what the card reports), %s, margin %zu bytes",
+              cards[k].name, cards[k].mib, cards[k].arch, margin);
+    }
+    expect_cli(r, "--plan --gpu t4", 2, "--gpu t4: the T4 has compute capability 7.5, and the "
+               "CUDA kernels need 8.0 or newer");
+    expect_cli(r, "--plan --gpu gtx480", 2, "--gpu: 'gtx480' is not a card this planner knows");
+    expect_cli(r, "--gpu rtx4090 --max-steps 1", 2, "--gpu rtx4090 plans for that card (with --plan)");
+    /* the margin to the byte, from a plan's own checked bytes */
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "Llama-3.1-8B")) return;
+    lg_args a;
+    lg_args_default(&a);
+    a.backend = LG_BACKEND_CUDA;
+    a.micro_batch_size = 1;
+    a.precision = LG_PRECISION_BF16_TRUE;
+    a.recompute = 1;
+    a.head_rows = a.slice_rows = 2048;
+    a.lora.r = 32;
+    a.lora.quantize = LG_QUANTIZE_NF4;
+    lg_error err;
+    lg_lora_targets_parse("all", &a.lora.targets, &err);
+    a.runtime_bytes = lg_cuda_runtime_estimate(&a);
+    a.runtime_estimated = 1;
+    size_t checked = lg_plan_checked_bytes_for(&cfg, &a, 2048), floor = (size_t)256 << 20;
+    int verdicts[4];
+    size_t limits[4] = {checked + floor, checked + floor - 1, checked, checked - 1};
+    for (int k = 0; k < 4; k++) {
+        char flags[400];
+        snprintf(flags, sizeof flags, "--plan --backend cuda %s --memory-limit %zuB%s 2>&1", run,
+                 limits[k], k >= 2 ? " --memory-margin 0B" : "");
+        verdicts[k] = run_stdout(flags, out, sizeof out);
+    }
+    check(r, verdicts[0] == 0 && verdicts[1] == 3 && verdicts[2] == 0 && verdicts[3] == 3,
+          "the margin: %zu bytes counted fit a limit of them + 256 MiB (exit %d), not one byte "
+          "less (%d); with --memory-margin 0B the counted bytes alone (%d), not one less (%d)",
+          checked, verdicts[0], verdicts[1], verdicts[2], verdicts[3]);
+    expect_cli(r, "--plan --backend cuda -c test-llama -t 16 --memory-limit 2GiB", 0,
+               "256.0 MiB kept free (the default margin)");
+    expect_cli(r, "--plan --backend cuda -c test-llama -t 16 --memory-limit 2GiB --memory-margin "
+               "1GiB", 0, "1.00 GiB kept free (--memory-margin)");
+    expect_cli(r, "--plan --memory-margin lots", 2, "--memory-margin: 'lots' is not a size");
 }
 
 /* -t auto against a limit made from the planner: the longest T whose plan fits, found here by

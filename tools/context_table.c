@@ -1,17 +1,18 @@
-/* tools/context_table.c — `make context-table`: the longest sequence this trainer's planner fits
-   on one GPU of each size in Unsloth's context-length table (shared/reference MEMORY.md), beside
-   Unsloth's and Hugging Face's published figures.
+/* tools/context_table.c — `make context-table`: the longest sequence this trainer can run on
+   each named GPU (lg_gpu_card: the memory the card reports, its compute capability), planned,
+   beside Unsloth's and Hugging Face's published figures for the card's size class (shared
+   reference MEMORY.md).
 
    The setup is Unsloth's: Llama 3.1 8B, 4-bit QLoRA (NF4) on every linear but the head, rank 32,
    batch 1. Ours adds bf16-true and --recompute block; then the head and loss in chunks of
    LG_HEAD_CHUNK_ROWS rows (no logits for the whole sequence, as Unsloth's fused cross-entropy);
-   then also each block's MLP in slices of LG_SLICE_ROWS rows; then also --offload activations (the block inputs in host memory, as Unsloth keeps its
-   checkpoints). Each length is the
-   longest whose CUDA plan fits the GPU's memory, the CUDA runtime's estimate included
-   (lg_cuda_runtime_estimate: no GPU is needed to print this table). Unsloth reports the GPU
-   size class a run fits on; a size here is that many GiB. These are plans: no GPU has run
-   them yet. The search ignores the model's block_size (131,072), so a longer figure says the
-   memory would allow it, not that the model was trained for it. */
+   then also each block's MLP in slices of LG_SLICE_ROWS rows; then also --offload activations
+   (the block inputs in host memory, as Unsloth keeps its checkpoints), whose host memory has
+   its own column. Each length is the longest whose CUDA plan, with the CUDA runtime's estimate
+   (lg_cuda_runtime_estimate: no GPU is needed to print this table) and the fit check's margin
+   (lg_args_margin) kept free, fits what the card reports, up to the model's block_size
+   (131,072; a cell there says "block_size"): the kernels run on every card listed
+   (compute capability 8.0 and newer). These are plans: no GPU has run them yet. */
 #define LITGPT_IMPLEMENTATION
 #include "../litgpt.h"
 
@@ -19,16 +20,16 @@
 #include <string.h>
 
 typedef struct {
-    int gib;                  /* the GPU's memory */
+    const char *card;         /* lg_gpu_card's name */
+    int gb;                   /* the size class Unsloth and Hugging Face report */
     int unsloth, huggingface; /* their longest context (0: out of memory) */
 } context_row;
 
 static const context_row rows[] = {
-    {8, 2972, 0},           {12, 21848, 932},       {16, 40724, 2551},   {24, 78475, 5789},
-    {40, 153977, 12264},    {48, 191728, 15502},    {80, 342733, 28454},
+    {"a10", 24, 78475, 5789},      {"l4", 24, 78475, 5789},         {"rtx4090", 24, 78475, 5789},
+    {"rtx5090", 32, 0, 0},         {"a100-40gb", 40, 153977, 12264}, {"l40s", 48, 191728, 15502},
+    {"h100", 80, 342733, 28454},   {"a100-80gb", 80, 342733, 28454},
 };
-
-#define SEARCH_LIMIT (1 << 20) /* tokens: far past any row */
 
 /* Unsloth's run on one GPU, planned for the CUDA backend; head_rows and slice_rows 0: all rows
    at once. */
@@ -50,18 +51,66 @@ static void unsloth_args(lg_args *a, int head_rows, int slice_rows, int offload_
     a->runtime_estimated = 1;
 }
 
-/* The longest T whose device pool fits in limit bytes (lg_plan_checked_bytes_for on a GPU: the
-   device pool; the host pool of --offload activations is not limited here, as the machine
-   around the GPU is not known); 0 when none does. */
+/* 1 when the plan at T fits limit bytes with the margin kept free (the device pool; the host
+   pool of --offload activations is its own column, as the machine around the GPU varies). */
+static int fits_at(const lg_config *cfg, const lg_args *a, int T, size_t limit) {
+    size_t need = lg_plan_checked_bytes_for(cfg, a, T), margin = lg_args_margin(a, limit);
+    return need != 0 && need <= limit && margin <= limit - need;
+}
+
+/* The longest T up to block_size that fits; 0 when none does. */
 static int longest_fitting(const lg_config *cfg, const lg_args *a, size_t limit) {
-    int lo = 1, hi = SEARCH_LIMIT, best = 0;
+    int lo = 1, hi = cfg->block_size, best = 0;
     while (lo <= hi) {
         int mid = lo + (hi - lo) / 2;
-        size_t need = lg_plan_checked_bytes_for(cfg, a, mid);
-        if (need != 0 && need <= limit) { best = mid; lo = mid + 1; }
+        if (fits_at(cfg, a, mid, limit)) { best = mid; lo = mid + 1; }
         else hi = mid - 1;
     }
     return best;
+}
+
+/* The host memory one rank's plan at T takes (the offloaded block inputs, pinned). */
+static size_t host_bytes_at(const lg_config *cfg, const lg_args *a, int T) {
+    lg_plan_spec spec;
+    lg_plan plan;
+    lg_plan_spec_from_args(&spec, a, T);
+    if (lg_plan_make(&plan, cfg, &spec, NULL) != 0) return 0;
+    size_t bytes = lg_plan_host_bytes_per_machine(&plan);
+    lg_plan_free(&plan);
+    return bytes;
+}
+
+/* A cell: the length, "block_size" where the model's context stops it, "-" for none. */
+static const char *cell(int T, const lg_config *cfg, char *buf, size_t size) {
+    if (T == 0) snprintf(buf, size, "-");
+    else if (T == cfg->block_size) snprintf(buf, size, "%d (block_size)", T);
+    else snprintf(buf, size, "%d", T);
+    return buf;
+}
+
+/* Theirs: a figure, OOM, or not published. */
+static const char *published(int tokens, const context_row *row, char *buf, size_t size) {
+    if (tokens) snprintf(buf, size, "%d", tokens);
+    else snprintf(buf, size, "%s", row->unsloth ? "OOM" : "not published");
+    return buf;
+}
+
+static void print_row(const lg_config *cfg, const context_row *row, const lg_args levers[4]) {
+    const lg_gpu_card *card = lg_gpu_card_named(row->card);
+    size_t limit = card->total_mib << 20;
+    char c[4][32], theirs[2][32], host[32];
+    int last = 0;
+    for (int k = 0; k < 4; k++) {
+        int T = longest_fitting(cfg, &levers[k], limit);
+        cell(T, cfg, c[k], sizeof c[k]);
+        if (k == 3) last = T;
+    }
+    lg_format_bytes(last ? host_bytes_at(cfg, &levers[3], last) : 0, host, sizeof host);
+    printf("| %s (%zu MiB%s) | %s | %s | %s | %s | %s | %s | %s |\n", card->label, card->total_mib,
+           card->nominal ? ", not a reading" : "",
+           published(row->unsloth, row, theirs[0], sizeof theirs[0]),
+           published(row->huggingface, row, theirs[1], sizeof theirs[1]), c[0], c[1], c[2], c[3],
+           host);
 }
 
 int main(void) {
@@ -71,27 +120,20 @@ int main(void) {
         fprintf(stderr, "context_table: %s\n", err.msg);
         return 2;
     }
-    cfg.block_size = SEARCH_LIMIT; /* memory decides, not the model's context */
-    lg_args kept, chunked, sliced, offloaded;
-    unsloth_args(&kept, 0, 0, 0);
-    unsloth_args(&chunked, LG_HEAD_CHUNK_ROWS, 0, 0);
-    unsloth_args(&sliced, LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS, 0);
-    unsloth_args(&offloaded, LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS, 1);
+    lg_args levers[4];
+    unsloth_args(&levers[0], 0, 0, 0);
+    unsloth_args(&levers[1], LG_HEAD_CHUNK_ROWS, 0, 0);
+    unsloth_args(&levers[2], LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS, 0);
+    unsloth_args(&levers[3], LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS, 1);
     char runtime[32];
     printf("Llama 3.1 8B, QLoRA nf4 on q,k,v,proj,mlp, r 32, -b 1, bf16-true, --recompute block; "
-           "planned for one GPU, cuda.runtime estimated at %s (no GPU has run these)\n\n",
-           lg_format_bytes(kept.runtime_bytes, runtime, sizeof runtime));
-    printf("| GPU | Unsloth | Hugging Face + FA2 | litgpt.c plan | + head in chunks of %d | + "
-           "MLP in slices of %d | + --offload activations |\n", LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS);
-    printf("|---|---|---|---|---|---|---|\n");
-    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
-        size_t limit = (size_t)rows[i].gib << 30;
-        char hf[16];
-        if (rows[i].huggingface) snprintf(hf, sizeof hf, "%d", rows[i].huggingface);
-        else snprintf(hf, sizeof hf, "OOM");
-        printf("| %d GB | %d | %s | %d | %d | %d | %d |\n", rows[i].gib, rows[i].unsloth, hf,
-               longest_fitting(&cfg, &kept, limit), longest_fitting(&cfg, &chunked, limit),
-               longest_fitting(&cfg, &sliced, limit), longest_fitting(&cfg, &offloaded, limit));
-    }
+           "planned for one GPU, cuda.runtime estimated at %s and the default margin kept free, "
+           "up to block_size %d (no GPU has run these)\n\n",
+           lg_format_bytes(levers[0].runtime_bytes, runtime, sizeof runtime), cfg.block_size);
+    printf("| GPU (memory it reports) | Unsloth | Hugging Face + FA2 | litgpt.c plan | + head in "
+           "chunks of %d | + MLP in slices of %d | + --offload activations | host memory of "
+           "the last |\n", LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS);
+    printf("|---|---|---|---|---|---|---|---|\n");
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) print_row(&cfg, &rows[i], levers);
     return 0;
 }
