@@ -964,6 +964,8 @@ typedef struct {
     int recompute;              /* --recompute block: the blocks share one set of activations,
                                    rebuilt from each block's input during the backward */
     int offload_activations;    /* --offload activations: the kept block inputs in host memory */
+    int skip_kept_waits;        /* tests only: the compute does not wait for the slots' copies
+                                   (a run then reads slots before their data lands) */
     int head_rows;              /* the logits region's rows: the head and loss run over chunks of
                                    this many tokens (B x T: one pass) */
     int slice_rows;             /* the rows of a block's MLP buffers: the MLP runs over slices of
@@ -7385,6 +7387,19 @@ static void lg_copy_beside(const lg_exec *ex, lg_buf dst, lg_buf src, size_t n) 
     lg_copy(ex, dst, src, n);
 }
 
+/* The copies beside queued so far are --offload activations' slot k's (lg_mark_beside); the
+   compute waits for that mark alone (lg_wait_beside) before it touches the slot, not for all
+   the rank has queued, so that the next block's compute runs while the copy does. The CPU's
+   copies are done when they return. */
+static void lg_mark_beside(const lg_exec *ex, int slot) {
+    LG_ON_GPU(ex, lg_cuda_mark_beside(ex, slot));
+    (void)slot;
+}
+static void lg_wait_beside(const lg_exec *ex, int slot) {
+    LG_ON_GPU(ex, lg_cuda_wait_beside(ex, slot));
+    (void)slot;
+}
+
 /* x (n) = 0; n 0 writes nothing (x may be NULL) */
 static void lg_zero(const lg_exec *ex, lg_buf x, size_t n) {
     if (n == 0) return;
@@ -8130,15 +8145,24 @@ static void lg_block_forward(lg_model *m, int l, int B, int T) {
     for (int n0 = 0; n0 < N; n0 += lg_slice_rows(m, N)) lg_block_mlp_forward(m, l, n0, lg_slice_at(m, N, n0));
 }
 
+/* --offload activations: the compute waits until the last copy into or out of a slot has
+   landed (skipped by tests that show a missing wait fails). */
+static void lg_model_kept_wait(lg_model *m, int slot) {
+    if (!m->skip_kept_waits) lg_wait_beside(&m->exec, slot);
+}
+
 /* Block l in the forward; with --offload activations its output goes to host memory on the
    copy stream beside the next block, and its slot is written once the copy that left it two
-   blocks back has landed. */
+   blocks back has landed (the compute waits for that copy alone, not for block l - 1's). */
 static void lg_model_block_forward(lg_model *m, int l, int B, int T) {
     size_t NC = (size_t)B * T * m->cfg.n_embd;
-    if (lg_model_kept_on_host(m, l) && l >= LG_KEPT_SLOTS) lg_rank_sync(m->rank);
+    int slot = l % LG_KEPT_SLOTS;
+    if (lg_model_kept_on_host(m, l) && l >= LG_KEPT_SLOTS) lg_model_kept_wait(m, slot);
     lg_block_forward(m, l, B, T);
-    if (lg_model_kept_on_host(m, l))
+    if (lg_model_kept_on_host(m, l)) {
         lg_copy_beside(&m->exec, m->a.kept_host[l], m->a.residual[l + 1], NC);
+        lg_mark_beside(&m->exec, slot);
+    }
 }
 
 /* The forward in three parts (embedding, blocks, head), so that a sharded trainer can gather
@@ -8357,15 +8381,21 @@ static void lg_model_head_backward(lg_model *m, const int *targets, int B, int T
 }
 
 /* --offload activations, before block l's backward: its input (block l - 1's output, fetched
-   during block l + 1's backward) has landed in its slot, and block l - 2's output starts back
-   into the slot block l + 1 has finished with, beside block l's compute. The last block's input
-   is still in its slot from the forward. */
+   during block l + 1's backward) has landed in its slot (the compute waits for that fetch
+   alone), and block l - 2's output starts back into the slot block l + 1 has finished with,
+   beside block l's compute. The last block's input is still in its slot from the forward, and
+   so is the one before it (block L - 3's output: no later block's output went to its slot),
+   which is not fetched again. */
 static void lg_model_kept_fetch(lg_model *m, int l, int B, int T) {
     size_t NC = (size_t)B * T * m->cfg.n_embd;
-    int ahead = l - LG_KEPT_SLOTS; /* the output whose block's backward comes after the next */
-    if (l >= 1 && lg_model_kept_on_host(m, l)) lg_rank_sync(m->rank);
-    if (ahead >= 0 && lg_model_kept_on_host(m, ahead))
+    int L = m->cfg.n_layer, ahead = l - LG_KEPT_SLOTS; /* whose backward comes after the next */
+    if (l >= 1 && l < L - 1 && lg_model_kept_on_host(m, l - 1))
+        lg_model_kept_wait(m, (l - 1) % LG_KEPT_SLOTS);
+    int still_there = ahead + LG_KEPT_SLOTS > L - 2; /* the slot's last output in the forward */
+    if (ahead >= 0 && lg_model_kept_on_host(m, ahead) && !still_there) {
         lg_copy_beside(&m->exec, m->a.kept_slot[ahead % LG_KEPT_SLOTS], m->a.kept_host[ahead], NC);
+        lg_mark_beside(&m->exec, ahead % LG_KEPT_SLOTS);
+    }
 }
 
 static void lg_model_block_backward(lg_model *m, int l, int B, int T) {

@@ -162,6 +162,8 @@ struct lg_cuda_rank {
     cudaEvent_t compute_done;   /* fences between the two streams */
     cudaEvent_t comm_done;
     cudaEvent_t signals[LG_COMM_SIGNALS]; /* an _async collective raising that signal is done */
+    cudaEvent_t beside_done[LG_KEPT_SLOTS]; /* --offload activations: the last copy beside the
+                                               compute into or out of each slot is done */
 #ifndef LG_CUDA_EMULATE
     cublasLtHandle_t lt;
     lg_lt_plan lt_plans[LG_LT_CACHE]; /* a cache of matmul plans by shape */
@@ -598,6 +600,15 @@ static void lg_cuda_copy_beside(const lg_exec *ex, lg_buf dst, lg_buf src, size_
     LG_CUDA_TRY(cudaStreamWaitEvent(g->comm, g->compute_done, 0));
     LG_CUDA_TRY(cudaMemcpyAsync(dst.data, src.data, n * lg_elem_size(src.dtype), cudaMemcpyDefault,
                                 g->comm));
+}
+
+/* Marks the copies beside queued so far as slot k's (lg_mark_beside), and makes the compute
+   stream wait for that mark alone (lg_wait_beside): the host does not wait. */
+static void lg_cuda_mark_beside(const lg_exec *ex, int slot) {
+    LG_CUDA_TRY(cudaEventRecord(ex->cuda->beside_done[slot], ex->cuda->comm));
+}
+static void lg_cuda_wait_beside(const lg_exec *ex, int slot) {
+    LG_CUDA_TRY(cudaStreamWaitEvent(lg_cuda_stream(ex), ex->cuda->beside_done[slot], 0));
 }
 
 static void lg_cuda_zero(const lg_exec *ex, lg_buf x, size_t n) {
@@ -3235,6 +3246,8 @@ static int lg_cuda_rank_handles(lg_cuda_rank *g, lg_error *err) {
     LG_CUDA_CHECK(cudaEventCreateWithFlags(&g->comm_done, cudaEventDisableTiming), err);
     for (int k = 0; k < LG_COMM_SIGNALS; k++)
         LG_CUDA_CHECK(cudaEventCreateWithFlags(&g->signals[k], cudaEventDisableTiming), err);
+    for (int k = 0; k < LG_KEPT_SLOTS; k++)
+        LG_CUDA_CHECK(cudaEventCreateWithFlags(&g->beside_done[k], cudaEventDisableTiming), err);
 #ifndef LG_CUDA_EMULATE
     cublasStatus_t status = cublasLtCreate(&g->lt);
     if (status != CUBLAS_STATUS_SUCCESS)
@@ -3254,6 +3267,8 @@ static void lg_cuda_rank_handles_free(lg_cuda_rank *g) {
     if (g->comm_done) cudaEventDestroy(g->comm_done);
     for (int k = 0; k < LG_COMM_SIGNALS; k++)
         if (g->signals[k]) cudaEventDestroy(g->signals[k]);
+    for (int k = 0; k < LG_KEPT_SLOTS; k++)
+        if (g->beside_done[k]) cudaEventDestroy(g->beside_done[k]);
     if (g->stream) cudaStreamDestroy(g->stream);
     if (g->comm) cudaStreamDestroy(g->comm);
 }

@@ -26,7 +26,11 @@
       cudaMalloc/cudaMallocManaged bytes of the device. Architecture: LG_EMU_ARCH (sm_75,
       sm_80, sm_86, sm_89, sm_90 or sm_120; default sm_90) sets the compute capability and the limits
       reported and enforced: a launch over its opt-in shared memory, or over 48 KiB without
-      the kernel's cudaFuncSetAttribute on that device, is refused. Launches are synchronous, so every
+      the kernel's cudaFuncSetAttribute on that device, is refused. With LG_EMU_DEFER_COPIES=1
+      cudaMemcpyAsync on a stream between emulator memory waits, as deferred collectives do
+      (section 4), until a synchronization, an event waited on or later work on its stream
+      orders it; lg_emu_launches_beside_copies() counts kernels launched while one was
+      pending. Otherwise launches are synchronous, so every
       stream, event and copy is complete when its call returns. cudaMalloc memory is closed to
       the host (its pages are protected) except while a kernel, copy, memset or collective runs:
       host code that reads or writes it directly aborts naming the allocation, as a GPU's own
@@ -475,11 +479,16 @@ struct lg_emu_runtime {
     std::map<std::pair<int, const void *>, size_t> shared_allowed;
 };
 
-/* A complete collective left for later (deferred mode): every rank's call, and its place in
-   the order of issue. */
+/* Work left for later (deferred modes): a complete collective (every rank's call) or an
+   asynchronous copy on a stream (calls empty: bytes from src to dst), and its place in the
+   order of issue. A copy reads src when it runs, as a GPU's copy engine would. */
 struct lg_emu_deferred_collective {
     std::vector<lg_emu_nccl_call> calls;
     uint64_t seq;
+    void *dst;
+    const void *src;
+    size_t bytes;
+    cudaStream_t stream;
 };
 
 struct lg_emu_nccl_state {
@@ -489,7 +498,11 @@ struct lg_emu_nccl_state {
     /* deferred mode (LG_EMU_DEFER_COLLECTIVES=1): complete collectives wait here, oldest first,
        until something orders them before the host or another stream (see section 4) */
     int defer;
-    uint64_t issued;                           /* collectives deferred so far */
+    int defer_copies;                          /* LG_EMU_DEFER_COPIES=1: cudaMemcpyAsync on a
+                                                  stream waits here too */
+    uint64_t issued;                           /* collectives and copies deferred so far */
+    uint64_t launches_beside_copies;           /* kernels launched while a copy on another
+                                                  stream was still deferred */
     std::deque<lg_emu_deferred_collective> deferred;
 };
 
@@ -547,6 +560,8 @@ inline lg_emu_state_t *lg_emu_state_create(void) {
     s->rt.memory_per_device = lg_emu_parse_bytes(getenv("LG_EMU_MEMORY"), (size_t)16 << 30);
     const char *defer = getenv("LG_EMU_DEFER_COLLECTIVES");
     s->nccl.defer = defer && strcmp(defer, "1") == 0;
+    const char *defer_copies = getenv("LG_EMU_DEFER_COPIES");
+    s->nccl.defer_copies = defer_copies && strcmp(defer_copies, "1") == 0;
     const char *visits = getenv("LG_EMU_HOST_VISITS");
     s->rt.host_visits_allowed = visits && strcmp(visits, "allow") == 0;
     s->rt.host_visits_reported = visits && strcmp(visits, "report") == 0;
@@ -945,6 +960,8 @@ inline const char *lg_emu_launch_refusal(const void *kernel, dim3 grid, dim3 blo
     return nullptr;
 }
 
+inline void lg_emu_before_launch(cudaStream_t stream); /* section 8 */
+
 /* Runs `body(args)` as every thread of every block of the launch, synchronously. */
 inline void lg_emu_run_kernel(const lg_emu_launch_site &site, dim3 grid, dim3 block,
                               size_t shared_bytes, cudaStream_t stream, void (*body)(void *),
@@ -962,6 +979,7 @@ inline void lg_emu_run_kernel(const lg_emu_launch_site &site, dim3 grid, dim3 bl
         return;
     }
     s.launches++;
+    lg_emu_before_launch(stream);
     lg_emu_reserve(s, (int)(block.x * block.y * block.z), shared_bytes);
     s.site = site;
     s.grid_dim = grid;
@@ -1548,8 +1566,18 @@ inline cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemc
     memmove(dst, src, bytes);
     return cudaSuccess;
 }
+inline void lg_emu_run_deferred(cudaStream_t stream, uint64_t mark); /* section 4 */
+inline bool lg_emu_deferred_copy(void *dst, const void *src, size_t bytes, cudaStream_t stream);
+/* With LG_EMU_DEFER_COPIES=1 a copy on a stream between memory the emulator allocated waits
+   until something orders it (a synchronization, an event waited on, later work on its stream):
+   the latest a GPU could land it, so a read that does not wait reads the old bytes. Else, and
+   for pageable host memory (where CUDA copies before returning), at once. */
 inline cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
-                                   cudaStream_t /* stream */ = nullptr) {
+                                   cudaStream_t stream = nullptr) {
+    if ((unsigned)kind <= cudaMemcpyDefault && bytes && dst && src && lg_emu_range_fits(dst, bytes) &&
+        lg_emu_range_fits(src, bytes) && lg_emu_deferred_copy(dst, src, bytes, stream))
+        return cudaSuccess; /* queued behind what the stream holds */
+    if (stream) lg_emu_run_deferred(stream, UINT64_MAX); /* what the stream holds comes first */
     return cudaMemcpy(dst, src, bytes, kind);
 }
 inline cudaError_t cudaMemcpyPeer(void *dst, int dst_device, const void *src, int src_device, size_t bytes) {
@@ -1568,7 +1596,8 @@ inline cudaError_t cudaMemset(void *dst, int value, size_t bytes) {
     memset(dst, value, bytes);
     return cudaSuccess;
 }
-inline cudaError_t cudaMemsetAsync(void *dst, int value, size_t bytes, cudaStream_t /* stream */ = nullptr) {
+inline cudaError_t cudaMemsetAsync(void *dst, int value, size_t bytes, cudaStream_t stream = nullptr) {
+    if (stream) lg_emu_run_deferred(stream, UINT64_MAX);
     return cudaMemset(dst, value, bytes);
 }
 
@@ -1963,10 +1992,11 @@ inline void lg_emu_nccl_defer_or_execute(const std::vector<lg_emu_nccl_call> &ca
         lg_emu_nccl_execute(calls);
         return;
     }
-    nc.deferred.push_back(lg_emu_deferred_collective{calls, ++nc.issued});
+    nc.deferred.push_back(lg_emu_deferred_collective{calls, ++nc.issued, nullptr, nullptr, 0, nullptr});
 }
 
 inline bool lg_emu_deferred_on(const lg_emu_deferred_collective &d, cudaStream_t stream) {
+    if (d.calls.empty()) return d.stream == stream;
     for (const lg_emu_nccl_call &c : d.calls)
         if (c.stream == stream) return true;
     return false;
@@ -1980,10 +2010,42 @@ inline void lg_emu_run_deferred(cudaStream_t stream, uint64_t mark) {
     for (const lg_emu_deferred_collective &d : nc.deferred)
         if (d.seq <= mark && (!stream || lg_emu_deferred_on(d, stream))) last = d.seq;
     while (!nc.deferred.empty() && nc.deferred.front().seq <= last) {
-        lg_emu_nccl_execute(nc.deferred.front().calls);
+        const lg_emu_deferred_collective &d = nc.deferred.front();
+        if (d.calls.empty()) {
+            lg_emu_gpu_work work;
+            memmove(d.dst, d.src, d.bytes);
+        } else {
+            lg_emu_nccl_execute(d.calls);
+        }
         nc.deferred.pop_front();
     }
 }
+
+/* Queues an asynchronous copy in LG_EMU_DEFER_COPIES mode; false: copy it now. */
+inline bool lg_emu_deferred_copy(void *dst, const void *src, size_t bytes, cudaStream_t stream) {
+    lg_emu_nccl_state &nc = lg_emu_state().nccl;
+    uintptr_t base;
+    if (!nc.defer_copies || !stream || !lg_emu_find_allocation(dst, &base) ||
+        !lg_emu_find_allocation(src, &base))
+        return false;
+    nc.deferred.push_back(lg_emu_deferred_collective{{}, ++nc.issued, dst, src, bytes, stream});
+    return true;
+}
+
+/* Before a kernel on `stream`: what that stream holds lands first; one left on another
+   stream is counted (the copy runs beside the kernel). */
+inline void lg_emu_before_launch(cudaStream_t stream) {
+    lg_emu_nccl_state &nc = lg_emu_state().nccl;
+    if (stream) lg_emu_run_deferred(stream, UINT64_MAX);
+    for (const lg_emu_deferred_collective &d : nc.deferred)
+        if (d.calls.empty() && d.stream != stream) {
+            nc.launches_beside_copies++;
+            break;
+        }
+}
+
+/* Kernels launched so far while a copy on another stream was still deferred (tests). */
+inline uint64_t lg_emu_launches_beside_copies(void) { return lg_emu_state().nccl.launches_beside_copies; }
 
 /* Whether rank r's call matches rank 0's (a mismatch is a bug in the caller). */
 inline bool lg_emu_nccl_calls_match(const lg_emu_nccl_call &a, const lg_emu_nccl_call &b) {

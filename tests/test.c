@@ -2000,14 +2000,15 @@ static void run_emulated_cuda_tests(results *r) {
        first run checks them, the second leaves device memory open (its page protection
        changes around every kernel cost over half of a run's time) */
     /* the lever combinations (each family in one mode) only in the second: its collectives
-       deferred, so that a missing wait reads what is not there yet. The first stands for an
+       and asynchronous copies deferred, so that a missing wait reads what is not there yet
+       (test_offload_overlap removes one to show it). The first stands for an
        H100 (sm_90, 227 KiB of shared memory a block), the second for an RTX 4090 or A10
        (sm_86/89: 99 KiB), so that every kernel launches within both limits */
     run_child_tests_side_by_side(r, "OMP_NUM_THREADS=1 LG_EMU_DEVICES=4 LG_EMU_ARCH=sm_90 "
                                     "./build/test_cuda_emulated "
                                     "ops attention steps grads features resume devices memory",
                                  "OMP_NUM_THREADS=1 LG_EMU_DEVICES=4 LG_EMU_ORDER=reverse "
-                                 "LG_EMU_DEFER_COLLECTIVES=1 LG_EMU_ARCH=sm_86 "
+                                 "LG_EMU_DEFER_COLLECTIVES=1 LG_EMU_DEFER_COPIES=1 LG_EMU_ARCH=sm_86 "
                                  "LG_EMU_HOST_VISITS=allow ./build/test_cuda_emulated");
     /* the driver's GPU path: ranks on GPUs, the topology, the fit check against GPU memory */
     const char *small = "-c test-llama -t 16 -b 2 -g 4 --max-steps 2 --eval-every 0";
