@@ -669,6 +669,63 @@ static void test_resume_without_flags(results *r) {
                "--load and --resume: a resumed run already has its weights");
 }
 
+/* The file's size and lg_hash64 of its bytes (0 and 0 when unreadable). */
+static void file_identity(const char *path, unsigned long long *bytes, unsigned long long *hash) {
+    size_t n = 0;
+    char *data = lg_read_file(path, &n, "data", NULL);
+    *bytes = data ? n : 0;
+    *hash = data ? lg_hash64(LG_HASH64_INIT, data, n) : 0;
+    free(data);
+}
+
+/* A token shard of 2,000 tokens below 32 (test-gpt2's vocabulary) drawn from seed at path. */
+static int write_data_shard(const char *path, uint64_t seed) {
+    uint32_t tokens[2000];
+    lg_rng rng;
+    lg_error err;
+    lg_rng_seed(&rng, seed);
+    for (int i = 0; i < 2000; i++) tokens[i] = (uint32_t)(lg_rng_u64(&rng) % 32);
+    return lg_shard_write(path, tokens, 2000, 2, &err);
+}
+
+/* --resume checks its training data: run_settings.txt records the file's size and hash
+   (data_bytes, data_hash: equal to the file's own); the same file, or a copy at another
+   path, resumes; a file re-prepared at the same path (same size, other tokens) is refused
+   naming the file, the checkpoint and both identities, exit 2, unless --data-changed says it
+   changed on purpose; --data-changed without --resume is refused. */
+static void test_resume_data_identity(results *r) {
+    static char out[16384];
+    unsigned long long bytes, hash, new_bytes, new_hash;
+    system("rm -rf build/cli-data build/cli-data.bin build/cli-data-copy.bin");
+    if (write_data_shard("build/cli-data.bin", 1) != 0) { check(r, 0, "cannot write build/cli-data.bin"); return; }
+    file_identity("build/cli-data.bin", &bytes, &hash);
+    int a = run_capture("-c test-gpt2 --data build/cli-data.bin -t 16 -b 2 --max-steps 2 --eval-every 0 "
+                        "--eval-iters 1 --sample-tokens 1 --save-every 1 --out build/cli-data", out, sizeof out);
+    size_t settings_n;
+    char *settings = lg_read_file("build/cli-data/step-1/" LG_RUN_SETTINGS, &settings_n, "settings", NULL);
+    char want[1024];
+    snprintf(want, sizeof want, "\ndata_bytes %llu\ndata_hash %016llx\n", bytes, hash);
+    check(r, a == 0 && settings && strstr(settings, want), "step-1/" LG_RUN_SETTINGS " records the "
+          "data's size and hash (%llu bytes, %016llx), exit %d", bytes, hash, a);
+    free(settings);
+    expect_cli(r, "--resume build/cli-data/step-1", 0, "resumed build/cli-data/step-1: 1 steps done");
+    system("cp build/cli-data.bin build/cli-data-copy.bin");
+    expect_cli(r, "--resume build/cli-data/step-1 --data build/cli-data-copy.bin", 0,
+               "resumed build/cli-data/step-1: 1 steps done");
+    write_data_shard("build/cli-data.bin", 2); /* re-prepared: the same size, other tokens */
+    file_identity("build/cli-data.bin", &new_bytes, &new_hash);
+    snprintf(want, sizeof want, "train: data build/cli-data.bin: not the data checkpoint "
+             "build/cli-data/step-1 was trained on (%llu bytes, hash %016llx; the run's: %llu bytes, "
+             "hash %016llx, in its " LG_RUN_SETTINGS "); give --data-changed to resume on it on "
+             "purpose (see ./train --help)", new_bytes, new_hash, bytes, hash);
+    check(r, new_bytes == bytes && new_hash != hash, "the re-prepared file has the same size, another hash");
+    expect_cli(r, "--resume build/cli-data/step-1", 2, want);
+    expect_cli(r, "--resume build/cli-data/step-1 --data-changed", 0,
+               "resumed build/cli-data/step-1: 1 steps done");
+    expect_cli(r, "--data build/cli-data.bin -c test-gpt2 --data-changed", 2,
+               "--data-changed goes with --resume: a fresh run has no data to compare with");
+}
+
 /* The flags: --save-every and --out, --resume (a step or the latest), --load. */
 static void test_checkpoint_cli(results *r) {
     static char out[16384];
@@ -717,4 +774,5 @@ static void test_checkpoints(results *r) {
     test_corrupt_checkpoints(r);
     test_checkpoint_cli(r);
     test_resume_without_flags(r);
+    test_resume_data_identity(r);
 }
