@@ -1788,6 +1788,9 @@ int main(int argc, char **argv) {
        at start-up holds them (lazy loading would add kernels' code later, outside the plan) */
     setenv("CUDA_MODULE_LOADING", "EAGER", 0);
 #endif
+    /* each line reaches a pipe or file when printed (block-buffered, the header waited for
+       the first step's flush: minutes on a large model) */
+    setvbuf(stdout, NULL, _IOLBF, 0);
     static run_setup rs; /* (large: the data's notes) */
     lg_error err;
     settle_run(argc, argv, &rs);

@@ -272,6 +272,32 @@ static void test_progress(results *r) {
           "full lines at steps 1, 5 and 10 (%d)", count(out, " elapsed | ETA "));
 }
 
+/* Progress on a pipe is line-buffered: the header reaches the reader when it is printed, not
+   with the first step's line (block buffering held it until then, minutes on a large model).
+   The first step's line arrives at least half its own step time ("| X ms |") after the header;
+   block-buffered, both arrive in one write. */
+static void test_progress_line_buffered(results *r) {
+    /* (stdbuf -oL over tests/test would line-buffer the child too: not here) */
+    FILE *p = popen("env -u _STDBUF_O ./train --max-steps 1 -b 64 --eval-iters 1 2>build/stderr.txt", "r");
+    char line[1024];
+    double header_at = -1, step_at = -1, step_ms = 0;
+    while (p && fgets(line, sizeof line, p)) {
+        double now = lg_time_ms();
+        if (header_at < 0 && !strncmp(line, "model ", 6)) header_at = now;
+        const char *ms = strstr(line, " ms | ");
+        if (step_at < 0 && !strncmp(line, "step     1/1 |", 14) && ms) {
+            step_at = now;
+            while (ms > line && ms[-1] != '|') ms--;
+            step_ms = atof(ms);
+        }
+    }
+    int status = p ? pclose(p) : -1;
+    check(r, status == 0 && header_at >= 0 && step_ms >= 5 && step_at - header_at >= step_ms / 2,
+          "stdout on a pipe is line-buffered: the header arrived %.0f ms before step 1's line, "
+          "whose step took %.1f ms (want at least half of it; block-buffered: 0)",
+          step_at - header_at, step_ms);
+}
+
 /* --plan shows the model after LitGPT's defaults: head_size and padded_vocab_size derived */
 static void test_plan_shows_resolved_config(results *r) {
     expect_cli(r, "--plan -c build/test-llama.yaml -t 16", 0,
@@ -412,6 +438,7 @@ static void test_first_hour(results *r) {
     test_remedy_settings(r);
     test_pictures(r);
     test_progress(r);
+    test_progress_line_buffered(r);
     test_design_card_command(r);
     test_plan_json_alone(r);
     test_evaluation_alone(r);
