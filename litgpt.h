@@ -1714,10 +1714,13 @@ size_t lg_config_to_yaml(const lg_config *cfg, char *buf, size_t cap);
 typedef struct lg_trainer lg_trainer; /* 14. trainer */
 #define LG_CHECKPOINT_MARKER "COMPLETE"
 #define LG_TRAINING_STATE "training_state.safetensors"
-/* The tokenizer files a step-N directory carries when the trainer's tokenizer_dir has them. */
+/* The tokenizer files a step-N directory carries when the trainer's tokenizer_dir has them,
+   and the generation settings (generation_config.json: the eos ids generation stops at; made
+   from the directory's config.json eos_token_id and bos_token_id when it has none). */
 #define LG_TOKENIZER_FILES {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", \
-                            "encoder.json", "vocab.bpe", "chat_template.jinja"}
-#define LG_N_TOKENIZER_FILES 6
+                            "encoder.json", "vocab.bpe", "chat_template.jinja", \
+                            "generation_config.json"}
+#define LG_N_TOKENIZER_FILES 7
 
 /* Checks DIR/COMPLETE and each file it lists: present, of its size, of its hash. *step (may
    be NULL) gets the step it records. */
@@ -1866,6 +1869,8 @@ typedef struct lg_trainer {
                               that it was drawn at random: adapter_config.json's
                               base_model_name_or_path */
     int base_loaded;       /* LoRA: 1 the base came from --load (base_model), 0 drawn */
+    lg_dtype base_dtype;   /* LoRA, base_loaded: the type of the base's files, which the merged
+                              model is written in (else: the frozen weights' type) */
     int base_hashed;       /* base_hash holds the hash of the base as it is now */
     uint64_t base_hash;    /* LoRA: FNV-1a of rank 0's frozen base (its stored bytes) */
     char tokenizer_dir[LG_PATH_MAX]; /* a directory whose tokenizer files (LG_TOKENIZER_FILES) each
@@ -13348,6 +13353,23 @@ static int lg_hf_files_open(lg_hf_files *s, const char *dir, lg_error *err) {
     return rc;
 }
 
+/* The type a model directory's weights are stored in: F32 when any floating tensor is, else
+   F16 or BF16 when all are that one (F32 when both appear). */
+static int lg_hf_weights_dtype(const char *dir, lg_dtype *dtype, lg_error *err) {
+    lg_hf_files s;
+    if (lg_hf_files_open(&s, dir, err) != 0) return -1;
+    int seen[3] = {0, 0, 0}; /* F32, BF16, F16 */
+    for (int f = 0; f < s.n; f++)
+        for (int t = 0; t < s.files[f].n_tensors; t++) {
+            lg_st_dtype d = s.files[f].tensors[t].dtype;
+            if (d == LG_ST_F32 || d == LG_ST_BF16 || d == LG_ST_F16)
+                seen[d == LG_ST_F32 ? 0 : d == LG_ST_BF16 ? 1 : 2] = 1;
+        }
+    lg_hf_files_close(&s);
+    *dtype = seen[0] || (seen[1] && seen[2]) ? LG_DTYPE_F32 : seen[2] ? LG_DTYPE_F16 : LG_DTYPE_BF16;
+    return 0;
+}
+
 /* The prefixes of the base model's module inside the *ForCausalLM classes: files saved from
    the base model alone (GPT2Model, openai-community/gpt2's model.safetensors) name tensors
    without them (wte.weight, h.0.attn.c_attn.weight, layers.0..., ...). */
@@ -13918,11 +13940,12 @@ static void lg_merge_adapters(const lg_config *c, const lg_tensor_table *table,
 }
 
 /* DIR's model.safetensors, config.json and model_config.yaml: the base model with every adapter
-   merged (W + (alpha / r) B A; NF4 weights dequantized first), in the weights' dtype: a model
+   merged (W + (alpha / r) B A; NF4 weights dequantized first), in dtype (the base's files'
+   type when it was loaded: an F32 base stays F32 whatever the training precision): a model
    of its own for --load here or in Python. digests: three. With `bring` (frozen_gathered), the
    frozen tensors come unit by unit from it: it gathers frozen unit u on every rank and gives
    where rank 0 holds it; every other process brings each unit in order meanwhile. */
-static int lg_write_merged_model(const lg_model *m0, const lg_real *adapters,
+static int lg_write_merged_model(const lg_model *m0, const lg_real *adapters, lg_dtype dtype,
                                  lg_frozen_at (*bring)(void *, int), void *bring_ctx,
                                  const char *dir, lg_file_digest *digests, lg_error *err) {
     lg_model merged;
@@ -13930,7 +13953,7 @@ static int lg_write_merged_model(const lg_model *m0, const lg_real *adapters,
     merged.cfg = lg_config_base(&m0->cfg);
     if (lg_table_alloc(&merged.param_table, &merged.cfg) != 0) return lg_fail(err, "out of host memory");
     merged.n_params = lg_params_layout(&merged.cfg, lg_no_buf(), NULL, &merged.param_table);
-    merged.params.dtype = m0->frozen.dtype;
+    merged.params.dtype = dtype;
     merged.params.data = LG_MALLOC(merged.n_params * lg_elem_size(merged.params.dtype) + 1);
     lg_real *w = NULL;
     size_t largest = 0;
@@ -16094,6 +16117,40 @@ static int lg_checkpoint_copy_tokenizer(const lg_trainer *tr, const char *dir, c
     return 0;
 }
 
+/* No generation_config.json in tr->tokenizer_dir: one made from its config.json's
+   bos_token_id and eos_token_id (numbers or lists of numbers, as Hugging Face writes them),
+   when it has either, into dir; its name and digest appended at names[*n]. Process 0 only. */
+static int lg_checkpoint_generation_config(const lg_trainer *tr, const char *dir,
+                                           const char **names, lg_file_digest *digests, int *n,
+                                           lg_error *err) {
+    static const char *const keys[2] = {"bos_token_id", "eos_token_id"};
+    char path[LG_PATH_MAX], text[4096];
+    struct stat st;
+    lg_format(path, sizeof path, "%s/generation_config.json", tr->tokenizer_dir);
+    if (!tr->tokenizer_dir[0] || stat(path, &st) == 0) return 0; /* none, or copied */
+    lg_format(path, sizeof path, "%s/config.json", tr->tokenizer_dir);
+    if (stat(path, &st) != 0) return 0;
+    size_t len, at = 0;
+    char *config = lg_read_text_file(path, 1 << 24, &len, err);
+    lg_json doc;
+    if (!config || lg_json_parse(&doc, config, len, path, err) != 0) { LG_FREE(config); return -1; }
+    for (int k = 0; k < 2; k++) {
+        int v = lg_json_find(&doc, 0, keys[k]);
+        lg_json_kind kind = v >= 0 ? doc.nodes[v].kind : LG_JSON_NULL;
+        if (kind == LG_JSON_NUMBER || kind == LG_JSON_ARRAY)
+            lg_st_append(text, sizeof text, &at, "%s\n  \"%s\": %.*s", at ? "," : "{", keys[k],
+                         (int)(doc.nodes[v].end - doc.nodes[v].start), config + doc.nodes[v].start);
+    }
+    lg_json_free(&doc);
+    LG_FREE(config);
+    if (!at) return 0; /* neither id */
+    lg_st_append(text, sizeof text, &at, "\n}\n");
+    lg_format(path, sizeof path, "%s/generation_config.json", dir);
+    if (lg_write_text_file(path, text, &digests[*n], err) != 0) return -1;
+    names[(*n)++] = "generation_config.json";
+    return 0;
+}
+
 /* The last files of a step-N, after its weights and training state: the run's settings (into
    names[settings]), the tokenizer's files (appended after the first n names), then COMPLETE
    over all of them. Each part's outcome reaches every process (process 0 writes). */
@@ -16106,6 +16163,9 @@ static int lg_checkpoint_finish(lg_trainer *tr, const lg_loader *data, const cha
     if (rc == 0)
         rc = lg_checkpoint_outcome(
             tr, writer ? lg_checkpoint_copy_tokenizer(tr, dir, names, digests, &n, err) : 0, err);
+    if (rc == 0)
+        rc = lg_checkpoint_outcome(
+            tr, writer ? lg_checkpoint_generation_config(tr, dir, names, digests, &n, err) : 0, err);
     if (rc == 0)
         rc = lg_checkpoint_outcome(tr, writer ? lg_write_marker(dir, step, names, digests, n, err) : 0,
                                    err);
@@ -16127,7 +16187,8 @@ static int lg_trainer_write_merged(lg_trainer *tr, const lg_real *adapters, cons
     const lg_model *m0 = &tr->ranks[0].model;
     int gathered = m0->frozen_gathered;
     if (tr->process == 0)
-        return lg_write_merged_model(m0, adapters, gathered ? lg_trainer_bring_frozen : NULL, tr,
+        return lg_write_merged_model(m0, adapters, tr->base_loaded ? tr->base_dtype : m0->frozen.dtype,
+                                     gathered ? lg_trainer_bring_frozen : NULL, tr,
                                      dir, digests, err);
     for (int u = 0; gathered && u < tr->plan.frozen_shards.n_units; u++)
         lg_trainer_bring_frozen(tr, u);
@@ -16237,6 +16298,7 @@ static int lg_trainer_load_frozen(lg_trainer *tr, const char *dir, lg_error *err
     lg_real *whole = (lg_real *)LG_MALLOC(n_base * sizeof(lg_real) + 1);
     if (!whole) return lg_fail(err, "out of host memory for the weights");
     int rc = lg_hf_load_weights(&base, lg_buf_of(whole), dir, err);
+    if (rc == 0) rc = lg_hf_weights_dtype(dir, &tr->base_dtype, err);
     if (rc == 0) rc = lg_trainer_set_frozen(tr, whole, err);
     LG_FREE(whole);
     if (rc == 0) lg_format(tr->base_model, sizeof tr->base_model, "%s", dir);

@@ -726,6 +726,80 @@ static void test_resume_data_identity(results *r) {
                "--data-changed goes with --resume: a fresh run has no data to compare with");
 }
 
+/* Every tensor of dir/model.safetensors is of dtype (and there is one). */
+static int all_tensors_of(const char *dir, lg_st_dtype dtype, int *n_tensors, lg_st_dtype *first) {
+    char path[512];
+    lg_st_file f;
+    lg_error err;
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    *n_tensors = 0;
+    if (lg_st_open(&f, path, &err) != 0) return 0;
+    int all = f.n_tensors > 0;
+    *n_tensors = f.n_tensors;
+    *first = f.n_tensors > 0 ? f.tensors[0].dtype : dtype;
+    for (int i = 0; i < f.n_tensors; i++) all = all && f.tensors[i].dtype == dtype;
+    lg_st_close(&f);
+    return all;
+}
+
+/* dir/NAME's text equals want, and COMPLETE lists it (the directory verifies). */
+static int file_is(const char *dir, const char *name, const char *want, char *got, size_t cap) {
+    char path[512];
+    size_t n = 0;
+    lg_error err;
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    char *text = lg_read_file(path, &n, "file", NULL);
+    snprintf(got, cap, "%s", text ? text : "(none)");
+    int same = text && !strcmp(text, want);
+    free(text);
+    FILE *f = NULL;
+    char marker[4096] = "", line[300];
+    snprintf(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
+    if ((f = fopen(path, "r"))) { marker[fread(marker, 1, sizeof marker - 1, f)] = '\0'; fclose(f); }
+    snprintf(line, sizeof line, "file %s ", name);
+    return same && strstr(marker, line) && lg_checkpoint_verify(dir, NULL, &err) == 0;
+}
+
+/* Step directories keep what a model loaded with --load generates by: its eos ids (config.json's
+   bos_token_id and eos_token_id become the step's generation_config.json, a base's own
+   generation_config.json is carried as it is, listed in COMPLETE, and again on --resume); a
+   LoRA run's merged model of an F32 base is F32 (bf16-mixed training wrote it in BF16). */
+static void test_step_generation_settings(results *r) {
+    static char out[16384];
+    char got[1024];
+    const char *want = "{\n  \"bos_token_id\": 4,\n  \"eos_token_id\": [5, 6]\n}\n";
+    system("rm -rf build/eos-base build/eos-run build/eos-lora && mkdir -p build/eos-base && "
+           "cp tests/hf/gpt2/model.safetensors build/eos-base/");
+    size_t n = 0;
+    char *config = lg_read_file("tests/hf/gpt2/config.json", &n, "config", NULL);
+    char *end = config ? strrchr(config, '}') : NULL;
+    if (!end) { check(r, 0, "tests/hf/gpt2/config.json unreadable"); free(config); return; }
+    while (end > config && isspace((unsigned char)end[-1])) end--;
+    FILE *f = fopen("build/eos-base/config.json", "w");
+    if (f) { fprintf(f, "%.*s,\n  \"bos_token_id\": 4,\n  \"eos_token_id\": [5, 6]\n}\n", (int)(end - config), config); fclose(f); }
+    free(config);
+    int a = run_capture("--load build/eos-base -b 2 -t 8 --max-steps 1 --eval-iters 1 --out build/eos-run", out, sizeof out);
+    check(r, a == 0 && file_is("build/eos-run/step-1", "generation_config.json", want, got, sizeof got),
+          "step-1 of a --load run keeps config.json's eos ids as generation_config.json, in COMPLETE "
+          "(exit %d): %s", a, got);
+    int b = run_capture("--resume build/eos-run/step-1 --max-steps 2", out, sizeof out);
+    check(r, b == 0 && file_is("build/eos-run/step-2", "generation_config.json", want, got, sizeof got),
+          "--resume: step-2 carries them on (exit %d): %s", b, got);
+    const char *own = "{\"eos_token_id\": 3, \"max_new_tokens\": 9}\n";
+    write_text("build/eos-base/generation_config.json", own);
+    int c = run_capture("--load build/eos-base --lora-r 2 -b 2 -t 8 --max-steps 1 --eval-iters 1 "
+                        "--out build/eos-lora", out, sizeof out);
+    int n_tensors = 0;
+    lg_st_dtype first = LG_ST_F32, base_first = LG_ST_BF16;
+    int base_f32 = all_tensors_of("build/eos-base", LG_ST_F32, &n_tensors, &base_first);
+    check(r, c == 0 && strstr(out, "bf16-mixed") && base_f32 &&
+          all_tensors_of("build/eos-lora/step-1", LG_ST_F32, &n_tensors, &first),
+          "LoRA over an F32 base, trained in bf16-mixed: the merged model.safetensors is F32, as "
+          "the base (%d tensors, the first of dtype %d; exit %d)", n_tensors, (int)first, c);
+    check(r, c == 0 && file_is("build/eos-lora/step-1", "generation_config.json", own, got, sizeof got),
+          "the base's own generation_config.json is carried byte for byte: %s", got);
+}
+
 /* The flags: --save-every and --out, --resume (a step or the latest), --load. */
 static void test_checkpoint_cli(results *r) {
     static char out[16384];
@@ -775,4 +849,5 @@ static void test_checkpoints(results *r) {
     test_checkpoint_cli(r);
     test_resume_without_flags(r);
     test_resume_data_identity(r);
+    test_step_generation_settings(r);
 }
