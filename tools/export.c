@@ -637,8 +637,8 @@ static int write_zeros(FILE *f, uint64_t n) {
 static void output_path(const char *file, char *out, size_t cap) {
     struct stat st;
     if (strlen(file) + sizeof ".tmp.XXXXXX" > cap)
-        die(2, "%.64s...: the path is %zu bytes, longer than the %zu this tool writes", file,
-            strlen(file), cap - sizeof ".tmp.XXXXXX");
+        die(2, "%s: the path is %zu bytes, longer than the %zu this tool writes", file, strlen(file),
+            cap - sizeof ".tmp.XXXXXX");
     snprintf(out, cap, "%s", file);
     if (lstat(file, &st) != 0) return; /* a new file */
     if (S_ISLNK(st.st_mode)) {
