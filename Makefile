@@ -1,5 +1,6 @@
-# litgpt.c — `make` builds ./train: the CUDA build when nvcc is found and a GPU is visible,
-# else the CPU build (`make cuda` and `make cpu` choose); `make test` builds and runs every test.
+# litgpt.c — `make` builds ./train alone: the CUDA build when nvcc is found and a GPU is visible,
+# else the CPU build (`make cuda` and `make cpu` choose); `make tools` builds tools/prepare,
+# tools/generate and tools/export; `make test` builds and runs every test.
 CC ?= gcc
 CXX ?= g++
 CFLAGS ?= -O3 -march=native -ffp-contract=fast
@@ -33,9 +34,12 @@ CPU_CC = $(if $(MPICC),$(MPICC) -DLG_MPI,$(CC))
 # run's time; -ffp-contract=off keeps every other multiply and add as written)
 EMULATED = $(CXX) -std=c++17 -O2 -march=native -ffp-contract=off -DLG_CUDA_EMULATE -Wall -Wextra -Werror -Wno-unknown-pragmas $(OPENMP) -x c++
 
-.PHONY: all cpu cuda portable test bench clean data tokenizers llama-cpp lora-memory context-table gpu-bin pictures
+.PHONY: all cpu cuda portable test bench clean data tokenizers llama-cpp lora-memory context-table gpu-bin pictures tools
 
 all: train
+
+# the tools README's steps use (make builds ./train alone)
+tools: tools/prepare tools/generate tools/export
 
 train: build/train_$(BACKEND)
 	cp $< $@

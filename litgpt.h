@@ -1375,6 +1375,8 @@ typedef struct {
     uint32_t *sample_length;   /* (n_samples): its tokens, before truncation */
     uint32_t *prompt_length;   /* (n_samples): its prompt's tokens */
     int mask_prompt;           /* 1: targets inside the prompt are LG_IGNORE_INDEX */
+    uint64_t file_bytes;       /* the data's identity, recorded in LG_RUN_SETTINGS: the file's */
+    uint64_t file_hash;        /* bytes and their lg_hash64 (in memory: of the tokens) */
 } lg_loader;
 
 /* Opens a shard or a sample file: checks magic, version, sizes and lengths; names the file
@@ -1740,10 +1742,13 @@ size_t lg_config_to_yaml(const lg_config *cfg, char *buf, size_t cap);
 typedef struct lg_trainer lg_trainer; /* 14. trainer */
 #define LG_CHECKPOINT_MARKER "COMPLETE"
 #define LG_TRAINING_STATE "training_state.safetensors"
-/* The tokenizer files a step-N directory carries when the trainer's tokenizer_dir has them. */
+/* The tokenizer files a step-N directory carries when the trainer's tokenizer_dir has them,
+   and the generation settings (generation_config.json: the eos ids generation stops at; made
+   from the directory's config.json eos_token_id and bos_token_id when it has none). */
 #define LG_TOKENIZER_FILES {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", \
-                            "encoder.json", "vocab.bpe", "chat_template.jinja"}
-#define LG_N_TOKENIZER_FILES 6
+                            "encoder.json", "vocab.bpe", "chat_template.jinja", \
+                            "generation_config.json"}
+#define LG_N_TOKENIZER_FILES 7
 
 /* Checks DIR/COMPLETE and each file it lists: present, of its size, of its hash. *step (may
    be NULL) gets the step it records. */
@@ -1770,9 +1775,11 @@ int lg_trainer_load_hf(lg_trainer *tr, const char *dir, lg_error *err);
 /* LG_RUN_SETTINGS in every step-N: the run's settings, one "key value" line each (the keys
    are lg_args' field names: micro_batch_size, lr, lora.r, ...; floats exact to the bit), and
    for LoRA where the frozen base came from ("base_model load DIR", or "base_model random"
-   for one drawn from the config and seed) and "base_hash" of the base as the run held it.
-   A resumed run takes its settings from here; lg_checkpoint_resume refuses a LoRA
-   checkpoint whose base_hash is missing or is not the trainer's base's. */
+   for one drawn from the config and seed) and "base_hash" of the base as the run held it;
+   "data_bytes" and "data_hash": the training data's identity (lg_loader's file_bytes,
+   file_hash). A resumed run takes its settings from here; lg_checkpoint_resume refuses a LoRA
+   checkpoint whose base_hash is missing or is not the trainer's base's, and
+   lg_checkpoint_same_data data that is not the run's. */
 #define LG_RUN_SETTINGS "run_settings.txt"
 #define LG_RUN_TEXTS 6 /* the string settings: config, data, val_data, prompt, out_dir, base */
 typedef struct {
@@ -1783,6 +1790,8 @@ typedef struct {
     const char *base_dir;  /* into text */
     int has_base_hash;
     uint64_t base_hash;
+    int has_data;          /* the training data's identity is recorded (data_bytes, data_hash) */
+    uint64_t data_bytes, data_hash; /* lg_loader's file_bytes and file_hash as the run read them */
 } lg_run_settings;
 /* Reads DIR/LG_RUN_SETTINGS over lg_args_default, after verifying it against DIR/COMPLETE; 1
    when the checkpoint has none (written before the file existed), -1 naming the file and line
@@ -1795,6 +1804,11 @@ int lg_run_settings_read(const char *dir, lg_run_settings *s, lg_error *err);
    hyperparameters, evaluation, sampling, outputs, data paths and the memory layout (ranks,
    strategy, micro-batch, recompute, offload) may change. */
 const char *lg_args_resume_conflict(const lg_args *run, const lg_args *now);
+/* 0 when data is the training data checkpoint dir's run read (its size and hash in
+   LG_RUN_SETTINGS), or the checkpoint records none (written before it did); else -1 naming
+   the data file, the checkpoint and both identities. A resume onto data that changed on
+   purpose skips this check. */
+int lg_checkpoint_same_data(const char *dir, const lg_loader *data, lg_error *err);
 /* The training state in logical layout, whole tensors by name (see the top of this section),
    whatever the ranks: sharded trainers gather their pieces to write and take their pieces on
    reading, so a run resumes on any number of ranks. */
@@ -1883,6 +1897,8 @@ typedef struct lg_trainer {
                               that it was drawn at random: adapter_config.json's
                               base_model_name_or_path */
     int base_loaded;       /* LoRA: 1 the base came from --load (base_model), 0 drawn */
+    lg_dtype base_dtype;   /* LoRA, base_loaded: the type of the base's files, which the merged
+                              model is written in (else: the frozen weights' type) */
     int base_hashed;       /* base_hash holds the hash of the base as it is now */
     uint64_t base_hash;    /* LoRA: FNV-1a of rank 0's frozen base (its stored bytes) */
     char tokenizer_dir[LG_PATH_MAX]; /* a directory whose tokenizer files (LG_TOKENIZER_FILES) each
@@ -11115,7 +11131,8 @@ static uint32_t lg_u32_le(const unsigned char *b) {
 }
 
 /* The shard's largest token into ld->max_token, read once at opening in chunks of 1 Mi
-   tokens; a token at or past vocab_size is refused now rather than when its window comes. */
+   tokens; a token at or past vocab_size is refused now rather than when its window comes.
+   The tokens' bytes continue ld->file_hash (the header's). */
 static int lg_shard_scan(lg_loader *ld, int vocab_size, lg_error *err) {
     const size_t chunk = (size_t)1 << 20;
     unsigned char *raw = (unsigned char *)LG_MALLOC(chunk * (size_t)ld->token_bytes);
@@ -11124,6 +11141,7 @@ static int lg_shard_scan(lg_loader *ld, int vocab_size, lg_error *err) {
     for (size_t start = 0; start < ld->n_tokens && rc == 0; start += chunk) {
         size_t n = ld->n_tokens - start < chunk ? ld->n_tokens - start : chunk;
         if (fread(raw, (size_t)ld->token_bytes, n, ld->file) != n) { rc = -1; break; }
+        ld->file_hash = lg_hash64(ld->file_hash, raw, n * (size_t)ld->token_bytes);
         for (size_t i = 0; i < n; i++) {
             const unsigned char *b = raw + i * (size_t)ld->token_bytes;
             uint32_t token = ld->token_bytes == 2 ? (uint32_t)(b[0] | b[1] << 8) : lg_u32_le(b);
@@ -11190,6 +11208,8 @@ int lg_loader_open(lg_loader *ld, const char *path, int T, int vocab_size, int s
                             "bytes (truncated or corrupt)", path, (size_t)(uint32_t)header[2],
                        expected, file_bytes);
     }
+    ld->file_bytes = (uint64_t)file_bytes;
+    ld->file_hash = lg_hash64(LG_HASH64_INIT, header, sizeof header);
     if (lg_shard_scan(ld, vocab_size, err) != 0) {
         lg_loader_close(ld);
         return -1;
@@ -11204,6 +11224,8 @@ int lg_loader_from_memory(lg_loader *ld, uint32_t *tokens, size_t n_tokens, int 
     ld->memory = tokens;
     ld->n_tokens = n_tokens;
     ld->token_bytes = 4;
+    ld->file_bytes = sizeof(uint32_t) * n_tokens;
+    ld->file_hash = lg_hash64(LG_HASH64_INIT, tokens, sizeof(uint32_t) * n_tokens);
     return lg_loader_finish(ld, T, vocab_size, shuffle, seed, err);
 }
 
@@ -11421,6 +11443,7 @@ static int lg_samples_open(lg_loader *ld, int T, int shuffle, uint64_t seed, lg_
     else if (fseek(ld->file, 0, SEEK_SET) != 0 || fread(raw, 1, (size_t)size, ld->file) != (size_t)size)
         lg_fail(err, "data %s: read failed", ld->path);
     else rc = lg_samples_parse(ld, raw, (size_t)size, err);
+    if (raw) ld->file_bytes = (uint64_t)size, ld->file_hash = lg_hash64(LG_HASH64_INIT, raw, (size_t)size);
     LG_FREE(raw);
     fclose(ld->file);
     ld->file = NULL;
@@ -11691,6 +11714,8 @@ int lg_builtin_task_samples(lg_loader *ld, uint64_t seed, size_t n_samples, int 
         ld->prompt_length[i] = prompt + 1; /* the letters and '=' */
         ld->n_tokens += len;
     }
+    ld->file_bytes = sizeof(uint32_t) * ld->n_tokens;
+    ld->file_hash = lg_hash64(LG_HASH64_INIT, ld->memory, sizeof(uint32_t) * ld->n_tokens);
     if (lg_samples_finish(ld, T, shuffle, shuffle_seed, err) == 0) return 0;
     lg_loader_close(ld);
     return -1;
@@ -13441,6 +13466,23 @@ static int lg_hf_files_open(lg_hf_files *s, const char *dir, lg_error *err) {
     return rc;
 }
 
+/* The type a model directory's weights are stored in: F32 when any floating tensor is, else
+   F16 or BF16 when all are that one (F32 when both appear). */
+static int lg_hf_weights_dtype(const char *dir, lg_dtype *dtype, lg_error *err) {
+    lg_hf_files s;
+    if (lg_hf_files_open(&s, dir, err) != 0) return -1;
+    int seen[3] = {0, 0, 0}; /* F32, BF16, F16 */
+    for (int f = 0; f < s.n; f++)
+        for (int t = 0; t < s.files[f].n_tensors; t++) {
+            lg_st_dtype d = s.files[f].tensors[t].dtype;
+            if (d == LG_ST_F32 || d == LG_ST_BF16 || d == LG_ST_F16)
+                seen[d == LG_ST_F32 ? 0 : d == LG_ST_BF16 ? 1 : 2] = 1;
+        }
+    lg_hf_files_close(&s);
+    *dtype = seen[0] || (seen[1] && seen[2]) ? LG_DTYPE_F32 : seen[2] ? LG_DTYPE_F16 : LG_DTYPE_BF16;
+    return 0;
+}
+
 /* The prefixes of the base model's module inside the *ForCausalLM classes: files saved from
    the base model alone (GPT2Model, openai-community/gpt2's model.safetensors) name tensors
    without them (wte.weight, h.0.attn.c_attn.weight, layers.0..., ...). */
@@ -14011,11 +14053,12 @@ static void lg_merge_adapters(const lg_config *c, const lg_tensor_table *table,
 }
 
 /* DIR's model.safetensors, config.json and model_config.yaml: the base model with every adapter
-   merged (W + (alpha / r) B A; NF4 weights dequantized first), in the weights' dtype: a model
+   merged (W + (alpha / r) B A; NF4 weights dequantized first), in dtype (the base's files'
+   type when it was loaded: an F32 base stays F32 whatever the training precision): a model
    of its own for --load here or in Python. digests: three. With `bring` (frozen_gathered), the
    frozen tensors come unit by unit from it: it gathers frozen unit u on every rank and gives
    where rank 0 holds it; every other process brings each unit in order meanwhile. */
-static int lg_write_merged_model(const lg_model *m0, const lg_real *adapters,
+static int lg_write_merged_model(const lg_model *m0, const lg_real *adapters, lg_dtype dtype,
                                  lg_frozen_at (*bring)(void *, int), void *bring_ctx,
                                  const char *dir, lg_file_digest *digests, lg_error *err) {
     lg_model merged;
@@ -14023,7 +14066,7 @@ static int lg_write_merged_model(const lg_model *m0, const lg_real *adapters,
     merged.cfg = lg_config_base(&m0->cfg);
     if (lg_table_alloc(&merged.param_table, &merged.cfg) != 0) return lg_fail(err, "out of host memory");
     merged.n_params = lg_params_layout(&merged.cfg, lg_no_buf(), NULL, &merged.param_table);
-    merged.params.dtype = m0->frozen.dtype;
+    merged.params.dtype = dtype;
     merged.params.data = LG_MALLOC(merged.n_params * lg_elem_size(merged.params.dtype) + 1);
     lg_real *w = NULL;
     size_t largest = 0;
@@ -14215,9 +14258,10 @@ static uint64_t lg_trainer_base_hash(lg_trainer *tr) {
     return h;
 }
 
-/* DIR/LG_RUN_SETTINGS of the trainer's run (out_dir: out, the directory it saves under). */
-static int lg_run_settings_write(lg_trainer *tr, const char *out, const char *dir,
-                                 lg_file_digest *digest, lg_error *err) {
+/* DIR/LG_RUN_SETTINGS of the trainer's run (out_dir: out, the directory it saves under; data:
+   its training data, whose identity is recorded). */
+static int lg_run_settings_write(lg_trainer *tr, const lg_loader *data, const char *out,
+                                 const char *dir, lg_file_digest *digest, lg_error *err) {
     size_t cap = (size_t)LG_N_RUN_FIELDS * 64 + (LG_RUN_TEXTS + 1) * LG_PATH_MAX;
     char *text = (char *)LG_MALLOC(cap), value[LG_PATH_MAX], path[LG_PATH_MAX + 32];
     if (!text) return lg_fail(err, "out of host memory for " LG_RUN_SETTINGS);
@@ -14236,13 +14280,27 @@ static int lg_run_settings_write(lg_trainer *tr, const char *out, const char *di
                      loaded ? " " : "", loaded ? tr->base_model : "");
         lg_st_append(text, cap, &at, "base_hash %016llx\n", (unsigned long long)lg_trainer_base_hash(tr));
     }
+    if (data)
+        lg_st_append(text, cap, &at, "data_bytes %llu\ndata_hash %016llx\n",
+                     (unsigned long long)data->file_bytes, (unsigned long long)data->file_hash);
     lg_format(path, sizeof path, "%s/" LG_RUN_SETTINGS, dir);
     int rc = lg_write_text_file(path, text, digest, err);
     LG_FREE(text);
     return rc;
 }
 
-/* One line of LG_RUN_SETTINGS: a setting, or the base's lines. */
+/* A whole unsigned number of that base (digits only) into *v; *seen set. 0, or -1 when not. */
+static int lg_run_u64_parse(const char *value, int base, uint64_t *v, int *seen) {
+    char *end;
+    errno = 0;
+    unsigned long long x = strtoull(value, &end, base);
+    if (end == value || *end || errno || !isxdigit((unsigned char)value[0])) return -1;
+    *v = x;
+    *seen = 1;
+    return 0;
+}
+
+/* One line of LG_RUN_SETTINGS: a setting, or the base's and the data's lines. */
 static int lg_run_settings_line(lg_run_settings *s, char *line) {
     char *space = strchr(line, ' ');
     if (!space) return -1;
@@ -14256,12 +14314,9 @@ static int lg_run_settings_line(lg_run_settings *s, char *line) {
         s->base_dir = s->base_loaded ? s->text[LG_RUN_TEXTS - 1] : NULL;
         return 0;
     }
-    if (strcmp(line, "base_hash") == 0) {
-        char *end;
-        s->base_hash = strtoull(value, &end, 16);
-        s->has_base_hash = end != value && *end == '\0';
-        return s->has_base_hash ? 0 : -1;
-    }
+    if (strcmp(line, "base_hash") == 0) return lg_run_u64_parse(value, 16, &s->base_hash, &s->has_base_hash);
+    if (strcmp(line, "data_bytes") == 0) return lg_run_u64_parse(value, 10, &s->data_bytes, &s->has_data);
+    if (strcmp(line, "data_hash") == 0) return lg_run_u64_parse(value, 16, &s->data_hash, &s->has_data);
     for (int i = 0, texts = 0; i < LG_N_RUN_FIELDS; i++) {
         int is_text = lg_run_fields[i].kind == LG_RUN_TEXT;
         if (strcmp(line, lg_run_fields[i].key) == 0)
@@ -14310,6 +14365,20 @@ const char *lg_args_resume_conflict(const lg_args *run, const lg_args *now) {
         if (strcmp(a, b) != 0) return lg_run_fields[i].key;
     }
     return NULL;
+}
+
+int lg_checkpoint_same_data(const char *dir, const lg_loader *data, lg_error *err) {
+    lg_run_settings *s = (lg_run_settings *)LG_MALLOC(sizeof *s);
+    if (!s) return lg_fail(err, "out of host memory");
+    int rc = lg_run_settings_read(dir, s, err);
+    if (rc == 0 && s->has_data && (s->data_bytes != data->file_bytes || s->data_hash != data->file_hash))
+        rc = lg_fail(err, "data %s: not the data checkpoint %s was trained on (%llu bytes, hash "
+                          "%016llx; the run's: %llu bytes, hash %016llx, in its " LG_RUN_SETTINGS ")",
+                     data->path, dir, (unsigned long long)data->file_bytes,
+                     (unsigned long long)data->file_hash, (unsigned long long)s->data_bytes,
+                     (unsigned long long)s->data_hash);
+    LG_FREE(s);
+    return rc < 0 ? -1 : 0;
 }
 
 /* LoRA: the adapters of checkpoint dir were trained over the base of hash `hash` (ours names
@@ -16162,18 +16231,55 @@ static int lg_checkpoint_copy_tokenizer(const lg_trainer *tr, const char *dir, c
     return 0;
 }
 
+/* No generation_config.json in tr->tokenizer_dir: one made from its config.json's
+   bos_token_id and eos_token_id (numbers or lists of numbers, as Hugging Face writes them),
+   when it has either, into dir; its name and digest appended at names[*n]. Process 0 only. */
+static int lg_checkpoint_generation_config(const lg_trainer *tr, const char *dir,
+                                           const char **names, lg_file_digest *digests, int *n,
+                                           lg_error *err) {
+    static const char *const keys[2] = {"bos_token_id", "eos_token_id"};
+    char path[LG_PATH_MAX], text[4096];
+    struct stat st;
+    lg_format(path, sizeof path, "%s/generation_config.json", tr->tokenizer_dir);
+    if (!tr->tokenizer_dir[0] || stat(path, &st) == 0) return 0; /* none, or copied */
+    lg_format(path, sizeof path, "%s/config.json", tr->tokenizer_dir);
+    if (stat(path, &st) != 0) return 0;
+    size_t len, at = 0;
+    char *config = lg_read_text_file(path, 1 << 24, &len, err);
+    lg_json doc;
+    if (!config || lg_json_parse(&doc, config, len, path, err) != 0) { LG_FREE(config); return -1; }
+    for (int k = 0; k < 2; k++) {
+        int v = lg_json_find(&doc, 0, keys[k]);
+        lg_json_kind kind = v >= 0 ? doc.nodes[v].kind : LG_JSON_NULL;
+        if (kind == LG_JSON_NUMBER || kind == LG_JSON_ARRAY)
+            lg_st_append(text, sizeof text, &at, "%s\n  \"%s\": %.*s", at ? "," : "{", keys[k],
+                         (int)(doc.nodes[v].end - doc.nodes[v].start), config + doc.nodes[v].start);
+    }
+    lg_json_free(&doc);
+    LG_FREE(config);
+    if (!at) return 0; /* neither id */
+    lg_st_append(text, sizeof text, &at, "\n}\n");
+    lg_format(path, sizeof path, "%s/generation_config.json", dir);
+    if (lg_write_text_file(path, text, &digests[*n], err) != 0) return -1;
+    names[(*n)++] = "generation_config.json";
+    return 0;
+}
+
 /* The last files of a step-N, after its weights and training state: the run's settings (into
    names[settings]), the tokenizer's files (appended after the first n names), then COMPLETE
    over all of them. Each part's outcome reaches every process (process 0 writes). */
-static int lg_checkpoint_finish(lg_trainer *tr, const char *out, const char *dir, int step,
-                                const char **names, lg_file_digest *digests, int settings, int n,
-                                lg_error *err) {
+static int lg_checkpoint_finish(lg_trainer *tr, const lg_loader *data, const char *out,
+                                const char *dir, int step, const char **names,
+                                lg_file_digest *digests, int settings, int n, lg_error *err) {
     int writer = tr->process == 0;
     int rc = lg_checkpoint_outcome(
-        tr, writer ? lg_run_settings_write(tr, out, dir, &digests[settings], err) : 0, err);
+        tr, writer ? lg_run_settings_write(tr, data, out, dir, &digests[settings], err) : 0, err);
     if (rc == 0)
         rc = lg_checkpoint_outcome(
             tr, writer ? lg_checkpoint_copy_tokenizer(tr, dir, names, digests, &n, err) : 0, err);
+    if (rc == 0)
+        rc = lg_checkpoint_outcome(
+            tr, writer ? lg_checkpoint_generation_config(tr, dir, names, digests, &n, err) : 0, err);
     if (rc == 0)
         rc = lg_checkpoint_outcome(tr, writer ? lg_write_marker(dir, step, names, digests, n, err) : 0,
                                    err);
@@ -16195,7 +16301,8 @@ static int lg_trainer_write_merged(lg_trainer *tr, const lg_real *adapters, cons
     const lg_model *m0 = &tr->ranks[0].model;
     int gathered = m0->frozen_gathered;
     if (tr->process == 0)
-        return lg_write_merged_model(m0, adapters, gathered ? lg_trainer_bring_frozen : NULL, tr,
+        return lg_write_merged_model(m0, adapters, tr->base_loaded ? tr->base_dtype : m0->frozen.dtype,
+                                     gathered ? lg_trainer_bring_frozen : NULL, tr,
                                      dir, digests, err);
     for (int u = 0; gathered && u < tr->plan.frozen_shards.n_units; u++)
         lg_trainer_bring_frozen(tr, u);
@@ -16242,7 +16349,7 @@ static int lg_lora_checkpoint_save(lg_trainer *tr, const lg_loader *data, int st
         rc = lg_checkpoint_outcome(tr, lg_training_state_write(tr, data, step, path, &digests[4], err),
                                    err);
     if (rc != 0) return rc;
-    return lg_checkpoint_finish(tr, out, dir, step, names, digests, 5, final ? 7 : 6, err);
+    return lg_checkpoint_finish(tr, data, out, dir, step, names, digests, 5, final ? 7 : 6, err);
 }
 
 int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const char *out,
@@ -16268,7 +16375,7 @@ int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const ch
         rc = lg_checkpoint_outcome(tr, lg_training_state_write(tr, data, step, path, &digests[3], err),
                                    err);
     if (rc != 0) return rc;
-    return lg_checkpoint_finish(tr, out, dir, step, names, digests, 4, n, err);
+    return lg_checkpoint_finish(tr, data, out, dir, step, names, digests, 4, n, err);
 }
 
 /* The checkpoint's architecture must be the trainer's. */
@@ -16305,6 +16412,7 @@ static int lg_trainer_load_frozen(lg_trainer *tr, const char *dir, lg_error *err
     lg_real *whole = (lg_real *)LG_MALLOC(n_base * sizeof(lg_real) + 1);
     if (!whole) return lg_fail(err, "out of host memory for the weights");
     int rc = lg_hf_load_weights(&base, lg_buf_of(whole), dir, err);
+    if (rc == 0) rc = lg_hf_weights_dtype(dir, &tr->base_dtype, err);
     if (rc == 0) rc = lg_trainer_set_frozen(tr, whole, err);
     LG_FREE(whole);
     if (rc == 0) lg_format(tr->base_model, sizeof tr->base_model, "%s", dir);

@@ -132,7 +132,10 @@ static const char usage[] =
     "                             evaluation, outputs and the memory layout, and are\n"
     "                             refused where they would change the model; -c must be\n"
     "                             its model; LoRA: its base comes back from the recorded\n"
-    "                             --load DIR (or --load another copy; the hash must match)\n"
+    "                             --load DIR (or --load another copy; the hash must match);\n"
+    "                             its training data must be the run's (size and hash)\n"
+    "      --data-changed         with --resume: continue on training data that changed on\n"
+    "                             purpose (re-prepared, grown); the run's trajectory ends\n"
     "  -h, --help\n";
 
 /* An error line, in one write; under a launcher it starts with the process's rank (the
@@ -245,7 +248,7 @@ enum { OPT_DATA = 256, OPT_VAL_DATA, OPT_LR, OPT_MIN_LR, OPT_WARMUP, OPT_WEIGHT_
        OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_HOST_MEMORY_LIMIT, OPT_GPU, OPT_MEMORY_MARGIN, OPT_BACKEND, OPT_PACK, OPT_HEAD_ROWS, OPT_SLICE_ROWS, OPT_OPTIMIZER_STATE,
        OPT_HESSIAN_INTERVAL, OPT_RHO, OPT_STRATEGY, OPT_NODES, OPT_SAVE_EVERY, OPT_LOAD,
        OPT_RESUME, OPT_CPU, OPT_TF32, OPT_LORA_R, OPT_LORA_ALPHA, OPT_LORA_DROPOUT,
-       OPT_LORA_TARGETS, OPT_QUANTIZE, OPT_LOG_INTERVAL, OPT_PLOT };
+       OPT_LORA_TARGETS, OPT_QUANTIZE, OPT_LOG_INTERVAL, OPT_PLOT, OPT_DATA_CHANGED };
 
 static const struct option long_options[] = {
     {"config", required_argument, 0, 'c'},
@@ -296,6 +299,7 @@ static const struct option long_options[] = {
     {"save-every", required_argument, 0, OPT_SAVE_EVERY},
     {"load", required_argument, 0, OPT_LOAD},
     {"resume", required_argument, 0, OPT_RESUME},
+    {"data-changed", no_argument, 0, OPT_DATA_CHANGED},
     {"cpu", no_argument, 0, OPT_CPU},
     {"tf32", no_argument, 0, OPT_TF32},
     {"lora-r", required_argument, 0, OPT_LORA_R},
@@ -323,6 +327,7 @@ typedef struct {
     const char *load;     /* --load: a Hugging Face directory to start from */
     const char *resume;   /* --resume: a checkpoint, or a --out directory (its latest) */
     char resume_dir[LG_PATH_MAX]; /* the step-N directory --resume resolved to */
+    int data_changed;     /* --data-changed: resume onto training data other than the run's */
 } checkpoint_flags;
 
 /* The flags whose default depends on others: given on the command line or not. */
@@ -478,6 +483,7 @@ static void apply_flags(int argc, char **argv, lg_args *a, given_flags *given,
         case OPT_SAVE_EVERY: a->save_every = parse_int(f, optarg); break;
         case OPT_LOAD: ck->load = optarg; break;
         case OPT_RESUME: ck->resume = optarg; break;
+        case OPT_DATA_CHANGED: ck->data_changed = 1; break;
         case OPT_LORA_R: a->lora.r = parse_int(f, optarg); break;
         case OPT_LORA_ALPHA: a->lora.alpha = parse_float(f, optarg); break;
         case OPT_LORA_DROPOUT: a->lora.dropout = parse_float(f, optarg); break;
@@ -543,6 +549,8 @@ static void check_flags(const lg_args *a, const checkpoint_flags *ck) {
     if (a->nodes < 1) die_usage("--nodes must be at least 1");
     if (a->save_every < 0) die_usage("--save-every must be 0 or more");
     if (a->save_every && !a->out_dir) die_usage("--save-every needs --out DIR");
+    if (ck->data_changed && !ck->resume)
+        die_usage("--data-changed goes with --resume: a fresh run has no data to compare with");
     if (ck->load && !ck->resume && a->config)
         die_usage("--load brings its model's config.json: drop -c/--config");
 }
@@ -1771,6 +1779,9 @@ static int start_weights(lg_trainer *tr, run_setup *rs) {
     if (ck->load) printf("loaded the weights of %s\n", ck->load);
     if (ck->load) /* its tokenizer travels with the checkpoints */
         snprintf(tr->tokenizer_dir, sizeof tr->tokenizer_dir, "%s", ck->load);
+    if (ck->resume && rs->data.has_train && !ck->data_changed &&
+        lg_checkpoint_same_data(ck->resume_dir, &rs->data.train, &err) != 0)
+        die_usage("%s; give --data-changed to resume on it on purpose", err.msg);
     if (ck->resume && lg_checkpoint_resume(tr, &rs->data.train, ck->resume_dir, &first_step, &err) != 0)
         die(2, &err);
     if (ck->resume) printf("resumed %s: %d steps done%s%s\n", ck->resume_dir, first_step,
@@ -1839,6 +1850,9 @@ int main(int argc, char **argv) {
        at start-up holds them (lazy loading would add kernels' code later, outside the plan) */
     setenv("CUDA_MODULE_LOADING", "EAGER", 0);
 #endif
+    /* each line reaches a pipe or file when printed (block-buffered, the header waited for
+       the first step's flush: minutes on a large model) */
+    setvbuf(stdout, NULL, _IOLBF, 0);
     static run_setup rs; /* (large: the data's notes) */
     lg_error err;
     settle_run(argc, argv, &rs);

@@ -1213,7 +1213,7 @@ static void test_families_memorise(results *r) {
 /* Runs `program args`; checks its exit code and that its output holds `want`. */
 static void expect_program(results *r, const char *program, const char *args, int want_code,
                            const char *want) {
-    char cmd[1024], out[8192] = "";
+    char cmd[4096], out[8192] = "";
     snprintf(cmd, sizeof cmd, "%s %s 2>&1", program, args);
     FILE *p = popen(cmd, "r");
     size_t n = p ? fread(out, 1, sizeof out - 1, p) : 0;
@@ -2148,6 +2148,7 @@ int main(int argc, char **argv) {
     if (section("fuzz targets under ASan and UBSan", argc, argv)) test_fuzz_targets(&r);
     if (section("real models and data", argc, argv)) test_real_models_all(&r);
     if (section("GGUF export, checked by llama.cpp", argc, argv)) test_gguf_all(&r);
+    if (section("export: output paths, links, devices, template text", argc, argv)) test_gguf_files(&r);
     if (section("devices and sharding", argc, argv)) test_sharding(&r);
     if (section("processes: launchers, mpirun, rendezvous", argc, argv)) test_processes(&r);
     if (section("LoRA and QLoRA", argc, argv)) test_lora_all(&r);

@@ -669,6 +669,137 @@ static void test_resume_without_flags(results *r) {
                "--load and --resume: a resumed run already has its weights");
 }
 
+/* The file's size and lg_hash64 of its bytes (0 and 0 when unreadable). */
+static void file_identity(const char *path, unsigned long long *bytes, unsigned long long *hash) {
+    size_t n = 0;
+    char *data = lg_read_file(path, &n, "data", NULL);
+    *bytes = data ? n : 0;
+    *hash = data ? lg_hash64(LG_HASH64_INIT, data, n) : 0;
+    free(data);
+}
+
+/* A token shard of 2,000 tokens below 32 (test-gpt2's vocabulary) drawn from seed at path. */
+static int write_data_shard(const char *path, uint64_t seed) {
+    uint32_t tokens[2000];
+    lg_rng rng;
+    lg_error err;
+    lg_rng_seed(&rng, seed);
+    for (int i = 0; i < 2000; i++) tokens[i] = (uint32_t)(lg_rng_u64(&rng) % 32);
+    return lg_shard_write(path, tokens, 2000, 2, &err);
+}
+
+/* --resume checks its training data: run_settings.txt records the file's size and hash
+   (data_bytes, data_hash: equal to the file's own); the same file, or a copy at another
+   path, resumes; a file re-prepared at the same path (same size, other tokens) is refused
+   naming the file, the checkpoint and both identities, exit 2, unless --data-changed says it
+   changed on purpose; --data-changed without --resume is refused. */
+static void test_resume_data_identity(results *r) {
+    static char out[16384];
+    unsigned long long bytes, hash, new_bytes, new_hash;
+    system("rm -rf build/cli-data build/cli-data.bin build/cli-data-copy.bin");
+    if (write_data_shard("build/cli-data.bin", 1) != 0) { check(r, 0, "cannot write build/cli-data.bin"); return; }
+    file_identity("build/cli-data.bin", &bytes, &hash);
+    int a = run_capture("-c test-gpt2 --data build/cli-data.bin -t 16 -b 2 --max-steps 2 --eval-every 0 "
+                        "--eval-iters 1 --sample-tokens 1 --save-every 1 --out build/cli-data", out, sizeof out);
+    size_t settings_n;
+    char *settings = lg_read_file("build/cli-data/step-1/" LG_RUN_SETTINGS, &settings_n, "settings", NULL);
+    char want[1024];
+    snprintf(want, sizeof want, "\ndata_bytes %llu\ndata_hash %016llx\n", bytes, hash);
+    check(r, a == 0 && settings && strstr(settings, want), "step-1/" LG_RUN_SETTINGS " records the "
+          "data's size and hash (%llu bytes, %016llx), exit %d", bytes, hash, a);
+    free(settings);
+    expect_cli(r, "--resume build/cli-data/step-1", 0, "resumed build/cli-data/step-1: 1 steps done");
+    system("cp build/cli-data.bin build/cli-data-copy.bin");
+    expect_cli(r, "--resume build/cli-data/step-1 --data build/cli-data-copy.bin", 0,
+               "resumed build/cli-data/step-1: 1 steps done");
+    write_data_shard("build/cli-data.bin", 2); /* re-prepared: the same size, other tokens */
+    file_identity("build/cli-data.bin", &new_bytes, &new_hash);
+    snprintf(want, sizeof want, "train: data build/cli-data.bin: not the data checkpoint "
+             "build/cli-data/step-1 was trained on (%llu bytes, hash %016llx; the run's: %llu bytes, "
+             "hash %016llx, in its " LG_RUN_SETTINGS "); give --data-changed to resume on it on "
+             "purpose (see ./train --help)", new_bytes, new_hash, bytes, hash);
+    check(r, new_bytes == bytes && new_hash != hash, "the re-prepared file has the same size, another hash");
+    expect_cli(r, "--resume build/cli-data/step-1", 2, want);
+    expect_cli(r, "--resume build/cli-data/step-1 --data-changed", 0,
+               "resumed build/cli-data/step-1: 1 steps done");
+    expect_cli(r, "--data build/cli-data.bin -c test-gpt2 --data-changed", 2,
+               "--data-changed goes with --resume: a fresh run has no data to compare with");
+}
+
+/* Every tensor of dir/model.safetensors is of dtype (and there is one). */
+static int all_tensors_of(const char *dir, lg_st_dtype dtype, int *n_tensors, lg_st_dtype *first) {
+    char path[512];
+    lg_st_file f;
+    lg_error err;
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    *n_tensors = 0;
+    if (lg_st_open(&f, path, &err) != 0) return 0;
+    int all = f.n_tensors > 0;
+    *n_tensors = f.n_tensors;
+    *first = f.n_tensors > 0 ? f.tensors[0].dtype : dtype;
+    for (int i = 0; i < f.n_tensors; i++) all = all && f.tensors[i].dtype == dtype;
+    lg_st_close(&f);
+    return all;
+}
+
+/* dir/NAME's text equals want, and COMPLETE lists it (the directory verifies). */
+static int file_is(const char *dir, const char *name, const char *want, char *got, size_t cap) {
+    char path[512];
+    size_t n = 0;
+    lg_error err;
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    char *text = lg_read_file(path, &n, "file", NULL);
+    snprintf(got, cap, "%s", text ? text : "(none)");
+    int same = text && !strcmp(text, want);
+    free(text);
+    FILE *f = NULL;
+    char marker[4096] = "", line[300];
+    snprintf(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
+    if ((f = fopen(path, "r"))) { marker[fread(marker, 1, sizeof marker - 1, f)] = '\0'; fclose(f); }
+    snprintf(line, sizeof line, "file %s ", name);
+    return same && strstr(marker, line) && lg_checkpoint_verify(dir, NULL, &err) == 0;
+}
+
+/* Step directories keep what a model loaded with --load generates by: its eos ids (config.json's
+   bos_token_id and eos_token_id become the step's generation_config.json, a base's own
+   generation_config.json is carried as it is, listed in COMPLETE, and again on --resume); a
+   LoRA run's merged model of an F32 base is F32 (bf16-mixed training wrote it in BF16). */
+static void test_step_generation_settings(results *r) {
+    static char out[16384];
+    char got[1024];
+    const char *want = "{\n  \"bos_token_id\": 4,\n  \"eos_token_id\": [5, 6]\n}\n";
+    system("rm -rf build/eos-base build/eos-run build/eos-lora && mkdir -p build/eos-base && "
+           "cp tests/hf/gpt2/model.safetensors build/eos-base/");
+    size_t n = 0;
+    char *config = lg_read_file("tests/hf/gpt2/config.json", &n, "config", NULL);
+    char *end = config ? strrchr(config, '}') : NULL;
+    if (!end) { check(r, 0, "tests/hf/gpt2/config.json unreadable"); free(config); return; }
+    while (end > config && isspace((unsigned char)end[-1])) end--;
+    FILE *f = fopen("build/eos-base/config.json", "w");
+    if (f) { fprintf(f, "%.*s,\n  \"bos_token_id\": 4,\n  \"eos_token_id\": [5, 6]\n}\n", (int)(end - config), config); fclose(f); }
+    free(config);
+    int a = run_capture("--load build/eos-base -b 2 -t 8 --max-steps 1 --eval-iters 1 --out build/eos-run", out, sizeof out);
+    check(r, a == 0 && file_is("build/eos-run/step-1", "generation_config.json", want, got, sizeof got),
+          "step-1 of a --load run keeps config.json's eos ids as generation_config.json, in COMPLETE "
+          "(exit %d): %s", a, got);
+    int b = run_capture("--resume build/eos-run/step-1 --max-steps 2", out, sizeof out);
+    check(r, b == 0 && file_is("build/eos-run/step-2", "generation_config.json", want, got, sizeof got),
+          "--resume: step-2 carries them on (exit %d): %s", b, got);
+    const char *own = "{\"eos_token_id\": 3, \"max_new_tokens\": 9}\n";
+    write_text("build/eos-base/generation_config.json", own);
+    int c = run_capture("--load build/eos-base --lora-r 2 -b 2 -t 8 --max-steps 1 --eval-iters 1 "
+                        "--out build/eos-lora", out, sizeof out);
+    int n_tensors = 0;
+    lg_st_dtype first = LG_ST_F32, base_first = LG_ST_BF16;
+    int base_f32 = all_tensors_of("build/eos-base", LG_ST_F32, &n_tensors, &base_first);
+    check(r, c == 0 && strstr(out, "bf16-mixed") && base_f32 &&
+          all_tensors_of("build/eos-lora/step-1", LG_ST_F32, &n_tensors, &first),
+          "LoRA over an F32 base, trained in bf16-mixed: the merged model.safetensors is F32, as "
+          "the base (%d tensors, the first of dtype %d; exit %d)", n_tensors, (int)first, c);
+    check(r, c == 0 && file_is("build/eos-lora/step-1", "generation_config.json", own, got, sizeof got),
+          "the base's own generation_config.json is carried byte for byte: %s", got);
+}
+
 /* The flags: --save-every and --out, --resume (a step or the latest), --load. */
 static void test_checkpoint_cli(results *r) {
     static char out[16384];
@@ -717,4 +848,6 @@ static void test_checkpoints(results *r) {
     test_corrupt_checkpoints(r);
     test_checkpoint_cli(r);
     test_resume_without_flags(r);
+    test_resume_data_identity(r);
+    test_step_generation_settings(r);
 }

@@ -272,6 +272,67 @@ static void test_progress(results *r) {
           "full lines at steps 1, 5 and 10 (%d)", count(out, " elapsed | ETA "));
 }
 
+/* Progress on a pipe is line-buffered: the header reaches the reader when it is printed, not
+   with the first step's line (block buffering held it until then, minutes on a large model).
+   The first step's line arrives at least half its own step time ("| X ms |") after the header;
+   block-buffered, both arrive in one write. */
+static void test_progress_line_buffered(results *r) {
+    /* (stdbuf -oL over tests/test would line-buffer the child too: not here) */
+    FILE *p = popen("env -u _STDBUF_O ./train --max-steps 1 -b 64 --eval-iters 1 2>build/stderr.txt", "r");
+    char line[1024];
+    double header_at = -1, step_at = -1, step_ms = 0;
+    while (p && fgets(line, sizeof line, p)) {
+        double now = lg_time_ms();
+        if (header_at < 0 && !strncmp(line, "model ", 6)) header_at = now;
+        const char *ms = strstr(line, " ms | ");
+        if (step_at < 0 && !strncmp(line, "step     1/1 |", 14) && ms) {
+            step_at = now;
+            while (ms > line && ms[-1] != '|') ms--;
+            step_ms = atof(ms);
+        }
+    }
+    int status = p ? pclose(p) : -1;
+    check(r, status == 0 && header_at >= 0 && step_ms >= 5 && step_at - header_at >= step_ms / 2,
+          "stdout on a pipe is line-buffered: the header arrived %.0f ms before step 1's line, "
+          "whose step took %.1f ms (want at least half of it; block-buffered: 0)",
+          step_at - header_at, step_ms);
+}
+
+/* README's output block for `command`: the ``` block right after the ```sh block that holds
+   the command alone, into out; 0, or -1 when README has no such pair. */
+static int readme_output_of(const char *command, char *out, size_t cap) {
+    static char readme[1 << 17];
+    char pair[512];
+    FILE *f = fopen("README.md", "r");
+    size_t n = f ? fread(readme, 1, sizeof readme - 1, f) : 0;
+    readme[n] = '\0';
+    if (f) fclose(f);
+    snprintf(pair, sizeof pair, "```sh\n%s\n```\n\n```\n", command);
+    const char *at = strstr(readme, pair), *end = at ? strstr(at + strlen(pair), "```\n") : NULL;
+    if (!end) return -1;
+    at += strlen(pair);
+    snprintf(out, cap, "%.*s", (int)(end - at), at);
+    return 0;
+}
+
+/* README's example outputs are what the commands print, byte for byte (stdout and stderr as a
+   terminal shows them): "Will it fit?" (exit 3, the diagnosis, the remedies). */
+static void test_readme_outputs(results *r) {
+    static const struct { const char *command; int code; } examples[] = {
+        {"./train -c tiny-llama-1.1b -b 8 -g 32 -t 2048 --memory-limit 24GiB", 3},
+    };
+    static char shown[16384], printed[16384];
+    for (size_t i = 0; i < sizeof examples / sizeof examples[0]; i++) {
+        int in_readme = readme_output_of(examples[i].command, shown, sizeof shown) == 0;
+        int code = run_capture(examples[i].command + strlen("./train "), printed, sizeof printed);
+        size_t at = 0; /* where they part */
+        while (shown[at] && shown[at] == printed[at]) at++;
+        check(r, in_readme && code == examples[i].code && !strcmp(shown, printed),
+              "README's output of '%s' is what it prints (exit %d; %zu bytes agree; README: "
+              "\"%.40s\", printed: \"%.40s\")", examples[i].command, code, at, shown + at, printed + at);
+    }
+}
+
 /* --plan shows the model after LitGPT's defaults: head_size and padded_vocab_size derived */
 static void test_plan_shows_resolved_config(results *r) {
     expect_cli(r, "--plan -c build/test-llama.yaml -t 16", 0,
@@ -412,6 +473,8 @@ static void test_first_hour(results *r) {
     test_remedy_settings(r);
     test_pictures(r);
     test_progress(r);
+    test_progress_line_buffered(r);
+    test_readme_outputs(r);
     test_design_card_command(r);
     test_plan_json_alone(r);
     test_evaluation_alone(r);

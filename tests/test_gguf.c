@@ -220,6 +220,7 @@ static const gguf_case gguf_cases[] = {
      "padded_vocab_size: 50304\n", "data/gpt2", "falcon", 50257, 0},
 };
 #define GGUF_CASES ((int)(sizeof gguf_cases / sizeof gguf_cases[0]))
+#define GGUF_CASES_GPT2_TOKENIZER "data/gpt2" /* gguf_cases[0]'s */
 
 /* Random weights that give a peaked next-token distribution: matrices N(0, 0.02) x 4, norms
    1 + N(0, 0.1), biases N(0, 0.05); the padded vocabulary rows 0 (their logits never win in
@@ -598,4 +599,144 @@ static void test_gguf_all(results *r) {
     if (p) pclose(p);
     test_gguf_step_dir(r);
     for (int k = 0; k < GGUF_CASES; k++) { lg_tokens_free(&ours[k].text_ids); free(ours[k].logits); }
+}
+
+
+/* ---- where the file goes and what its strings hold (no llama.cpp needed) ------------------ */
+
+#define GGUF_FILES GGUF_DIR "/files"
+#define GGUF_EXPORT "gguf " GGUF_DIR "/gpt2 "
+#define GGUF_TOKENIZER " --tokenizer " GGUF_FILES "/tok"
+#define GGUF_WRITTEN "gpt2, 28 tensors, f32, 50304 tokens"
+
+static int gguf_starts_with(const char *path, const char *want) {
+    char got[16] = "";
+    FILE *f = fopen(path, "rb");
+    size_t n = f ? fread(got, 1, strlen(want), f) : 0;
+    if (f) fclose(f);
+    return n == strlen(want) && !memcmp(got, want, n);
+}
+
+/* The names in dir, one a line, sorted, into out. */
+static void gguf_listing(const char *dir, char *out, size_t cap) {
+    char cmd[1400];
+    snprintf(cmd, sizeof cmd, "ls -A %s", dir);
+    FILE *p = popen(cmd, "r");
+    size_t n = p ? fread(out, 1, cap - 1, p) : 0;
+    out[n] = '\0';
+    if (p) pclose(p);
+}
+
+/* A FILE as long as the tool writes (1,088 bytes) is written under its own name and leaves no
+   other file; a byte more is refused by name before anything is written (the 1,100-byte
+   buffer that held FILE.tmp lost the suffix past 1,095 bytes, or named another file). */
+static void gguf_long_paths(results *r) {
+    char dir[1200] = GGUF_FILES "/long", file[1200], args[1400], cmd[1400], names[512];
+    for (int i = 0; i < 4; i++) { /* four directories of 250 bytes */
+        size_t n = strlen(dir);
+        dir[n] = '/';
+        memset(dir + n + 1, 'd', 250);
+        dir[n + 251] = '\0';
+    }
+    snprintf(cmd, sizeof cmd, "mkdir -p %s", dir);
+    if (system(cmd) != 0) { check(r, 0, "%s", cmd); return; }
+    size_t n = (size_t)snprintf(file, sizeof file, "%s/", dir);
+    memset(file + n, 'f', 1088 - 5 - n);
+    memcpy(file + 1088 - 5, ".gguf", 6);
+    snprintf(args, sizeof args, GGUF_EXPORT "%s" GGUF_TOKENIZER, file);
+    expect_program(r, "./tools/export", args, 0, GGUF_WRITTEN);
+    gguf_listing(dir, names, sizeof names);
+    size_t name_line = 1088 - n + 1; /* the file's name and a newline: nothing else there */
+    check(r, strlen(file) == 1088 && gguf_starts_with(file, "GGUF") && strlen(names) == name_line,
+          "a 1,088-byte FILE holds the GGUF file, alone in its directory (%zu bytes of names)",
+          strlen(names));
+    memmove(file + 1088 - 4, ".gguf", 6); /* 1,089 bytes */
+    snprintf(args, sizeof args, GGUF_EXPORT "%s" GGUF_TOKENIZER, file);
+    char want[1300];
+    snprintf(want, sizeof want, "export: %s: the path is 1089 bytes, longer than the 1088 this tool writes", file);
+    expect_program(r, "./tools/export", args, 2, want);
+    gguf_listing(dir, names, sizeof names);
+    check(r, strlen(names) == name_line, "the refused 1,089-byte FILE wrote nothing beside it");
+}
+
+/* A symbolic link is written through (the link stays, its target gets the file); a link to
+   nothing, a device and a directory are refused by name; a FILE.tmp already there is left as
+   it was (the temporary name is a fresh one). */
+static void gguf_odd_outputs(results *r) {
+    struct stat st;
+    if (write_text(GGUF_FILES "/target.gguf", "old") != 0 ||
+        symlink("target.gguf", GGUF_FILES "/link.gguf") != 0 ||
+        symlink("nowhere.gguf", GGUF_FILES "/dangling.gguf") != 0 ||
+        write_text(GGUF_FILES "/x.gguf.tmp", "mine") != 0) {
+        check(r, 0, "could not make the links in " GGUF_FILES);
+        return;
+    }
+    expect_program(r, "./tools/export", GGUF_EXPORT GGUF_FILES "/link.gguf" GGUF_TOKENIZER, 0,
+                   GGUF_FILES "/link.gguf: " GGUF_WRITTEN);
+    check(r, lstat(GGUF_FILES "/link.gguf", &st) == 0 && S_ISLNK(st.st_mode) &&
+          gguf_starts_with(GGUF_FILES "/target.gguf", "GGUF"),
+          "through a symbolic link: the link stays a link, its target holds the GGUF file");
+    expect_program(r, "./tools/export", GGUF_EXPORT GGUF_FILES "/dangling.gguf" GGUF_TOKENIZER, 2,
+                   "export: " GGUF_FILES "/dangling.gguf: a symbolic link to nothing that exists");
+    check(r, access(GGUF_FILES "/nowhere.gguf", F_OK) != 0, "the link to nothing made no file");
+    expect_program(r, "./tools/export", GGUF_EXPORT "/dev/null" GGUF_TOKENIZER, 2,
+                   "export: /dev/null: not a regular file: GGUF goes to a file");
+    check(r, lstat("/dev/null", &st) == 0 && S_ISCHR(st.st_mode), "/dev/null is still a device");
+    expect_program(r, "./tools/export", GGUF_EXPORT GGUF_FILES GGUF_TOKENIZER, 2,
+                   "export: " GGUF_FILES ": not a regular file: GGUF goes to a file");
+    expect_program(r, "./tools/export", GGUF_EXPORT GGUF_FILES "/x.gguf" GGUF_TOKENIZER, 0, GGUF_WRITTEN);
+    FILE *f = fopen(GGUF_FILES "/x.gguf.tmp", "r");
+    char mine[8] = "";
+    if (f) { mine[fread(mine, 1, sizeof mine - 1, f)] = '\0'; fclose(f); }
+    check(r, !strcmp(mine, "mine") && gguf_starts_with(GGUF_FILES "/x.gguf", "GGUF"),
+          GGUF_FILES "/x.gguf written, the x.gguf.tmp that was there left as it was (\"%s\")", mine);
+}
+
+/* A chat template a GGUF string cannot carry is refused by name and nothing is written: a
+   NUL (\u0000; tokenizer_config.json's reader refuses it, which once dropped the template
+   without a word), bytes that are not UTF-8 in tokenizer_config.json or chat_template.jinja. */
+static void gguf_template_text(results *r) {
+    static const struct { const char *file, *text; size_t n; const char *want; } cases[] = {
+        {"tokenizer_config.json", "{\"chat_template\": \"{{ a }}\\u0000{{ b }}\"}", 0,
+         "export: " GGUF_FILES "/tok/tokenizer_config.json: invalid JSON at line 1 (byte 27): "
+         "\\u0000 (a NUL character) inside a string (its chat_template would be lost)"},
+        {"tokenizer_config.json", "{\"chat_template\": [{\"name\": \"default\", \"template\": \"ab\xC3\"}]}", 0,
+         "export: " GGUF_FILES "/tok/tokenizer_config.json: chat_template: not UTF-8 at byte 2 (0xC3), "
+         "which a GGUF string must be"},
+        {"chat_template.jinja", "{{ messages }}\xFF\xFE", 0,
+         "export: " GGUF_FILES "/tok/chat_template.jinja: not UTF-8 at byte 14 (0xFF)"},
+        {"chat_template.jinja", "ab\0cd", 5,
+         "export: " GGUF_FILES "/tok/chat_template.jinja: a NUL character (\\u0000) at byte 2, "
+         "which a GGUF string cannot hold"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        if (system("rm -f " GGUF_FILES "/tok/tokenizer_config.json " GGUF_FILES "/tok/chat_template.jinja "
+                   GGUF_FILES "/t.gguf") != 0) return;
+        char path[256];
+        snprintf(path, sizeof path, GGUF_FILES "/tok/%s", cases[i].file);
+        FILE *f = fopen(path, "wb");
+        size_t n = cases[i].n ? cases[i].n : strlen(cases[i].text);
+        if (f) { fwrite(cases[i].text, 1, n, f); fclose(f); }
+        expect_program(r, "./tools/export", GGUF_EXPORT GGUF_FILES "/t.gguf" GGUF_TOKENIZER, 2, cases[i].want);
+        check(r, access(GGUF_FILES "/t.gguf", F_OK) != 0, "%s refused: no t.gguf written", path);
+    }
+    if (system("rm -f " GGUF_FILES "/tok/chat_template.jinja") != 0) return;
+    write_text(GGUF_FILES "/tok/tokenizer_config.json", "{\"chat_template\": \"caf\xC3\xA9 {{ m }}\"}");
+    expect_program(r, "./tools/export", GGUF_EXPORT GGUF_FILES "/t.gguf" GGUF_TOKENIZER, 0, GGUF_WRITTEN);
+}
+
+static void test_gguf_files(results *r) {
+    lg_model m;
+    char dir[256];
+    if (system("rm -rf " GGUF_FILES " && mkdir -p " GGUF_FILES "/tok && cp " GGUF_CASES_GPT2_TOKENIZER
+               "/encoder.json " GGUF_CASES_GPT2_TOKENIZER "/vocab.bpe " GGUF_FILES "/tok/") != 0 ||
+        access("./tools/export", X_OK) != 0) {
+        check(r, 0, "tools/export and " GGUF_FILES "/tok: make tools/export tokenizers");
+        return;
+    }
+    if (gguf_make_model(r, &gguf_cases[0], &m, dir, sizeof dir) != 0) return;
+    lg_model_free(&m);
+    gguf_long_paths(r);
+    gguf_odd_outputs(r);
+    gguf_template_text(r);
 }

@@ -10,7 +10,10 @@
    or falcon) and that architecture's keys, the tensors under llama.cpp's names (Llama's q and
    k rows in the order llama.cpp's converter gives them: the pairs that rotate together next to
    each other), Llama 3.1's rope scaling as llama.cpp's rope_freqs factors, and the tokenizer
-   (tokenizer.ggml.*). --type: the 2-D weights in f32 (default), f16, bf16 or q8_0 (llama.cpp's
+   (tokenizer.ggml.*). FILE is written under a fresh temporary name beside it and renamed over
+   it; a symbolic link is written through (its target gets the file); a device, a directory or
+   a path longer than LG_PATH_MAX less the temporary suffix is refused, and so is a chat template
+   or string holding a NUL or bytes that are not UTF-8. --type: the 2-D weights in f32 (default), f16, bf16 or q8_0 (llama.cpp's
    blocks of 32 values, an fp16 scale and 32 int8; a matrix whose rows are not a multiple of 32
    long stays f16, as llama.cpp's converter does); vectors stay f32.
 
@@ -20,11 +23,15 @@
    general.alignment (32) boundary. Exit codes: 0 written, 1 I/O error or unreadable model, 2 bad usage or input (no
    tokenizer, an architecture llama.cpp has no graph for). */
 #define _POSIX_C_SOURCE 200809L /* fileno, fsync */
+#define _XOPEN_SOURCE 700       /* realpath */
 #define LITGPT_IMPLEMENTATION
 #include "../litgpt.h"
 
+#include <limits.h>
 #include <stdarg.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 static const char usage[] =
@@ -84,6 +91,21 @@ static void put_u32(bytes_out *b, uint32_t v) { put(b, &v, 4); }
 static void put_u64(bytes_out *b, uint64_t v) { put(b, &v, 8); }
 static void put_str(bytes_out *b, const char *s, size_t n) { put_u64(b, n); put(b, s, n); }
 
+/* Refuses text that a GGUF string cannot carry as llama.cpp reads it: a NUL (C strings end
+   there, so the rest would be lost) or bytes that are not UTF-8. what names the text. */
+static void check_gguf_text(const char *what, const char *text, size_t n) {
+    const char *nul = (const char *)memchr(text, '\0', n);
+    if (nul) die(2, "%s: a NUL character (\\u0000) at byte %zu, which a GGUF string cannot hold", what,
+                 (size_t)(nul - text));
+    for (size_t at = 0; at < n;) {
+        int size;
+        if (lg_utf8_next((const unsigned char *)text + at, n - at, &size) >= 0x110000u)
+            die(2, "%s: not UTF-8 at byte %zu (0x%02X), which a GGUF string must be", what, at,
+                (unsigned char)text[at]);
+        at += (size_t)size;
+    }
+}
+
 /* Metadata: each kv_* writes one key, its type and its value, and counts it. */
 typedef struct {
     bytes_out b;
@@ -103,6 +125,7 @@ static void kv_bool(metadata *m, const char *key, int v) {
     put(&m->b, &c, 1);
 }
 static void kv_str(metadata *m, const char *key, const char *v) {
+    check_gguf_text(key, v, strlen(v));
     kv_key(m, key, GGUF_STRING);
     put_str(&m->b, v, strlen(v));
 }
@@ -404,6 +427,9 @@ static void write_tokens(metadata *m, const lg_tokenizer *tok, int n_tokens, int
             put_str(&m->b, pad, strlen(pad));
         } else {
             token_text(tok, id, &text);
+            char what[64];
+            snprintf(what, sizeof what, "the tokenizer's token %d", id);
+            check_gguf_text(what, text.bytes, text.n);
             put_str(&m->b, text.bytes, text.n);
         }
     }
@@ -436,25 +462,37 @@ static const char *pre_tokenizer_name(const lg_tokenizer *tok) {
     }
 }
 
-/* DIR/tokenizer_config.json's chat_template (a string, or the "default" of a list of named
-   templates), else DIR/chat_template.jinja; NULL when neither. malloc'd. */
+/* tokenizer_config.json's chat_template: a string, or the "default" of a list of named
+   templates; NULL when there is none. Its length into *len (malloc'd). */
+static char *config_template(const lg_json *doc, size_t *len) {
+    int node = lg_json_find(doc, 0, "chat_template");
+    if (node < 0 || doc->nodes[node].kind != LG_JSON_ARRAY) return lg_json_string(doc, node, len);
+    char *found = NULL;
+    for (int e = doc->nodes[node].first_child; e >= 0 && !found; e = doc->nodes[e].next) {
+        char *name = lg_json_string(doc, lg_json_find(doc, e, "name"), NULL);
+        if (name && !strcmp(name, "default"))
+            found = lg_json_string(doc, lg_json_find(doc, e, "template"), len);
+        LG_FREE(name);
+    }
+    return found;
+}
+
+/* DIR/tokenizer_config.json's chat_template, else DIR/chat_template.jinja; NULL when neither;
+   refused by name when it is not text a GGUF string holds. malloc'd. */
 static char *chat_template(const char *dir, int *add_bos) {
-    char path[LG_PATH_MAX + 32];
-    size_t len;
+    char path[LG_PATH_MAX + 32], what[LG_PATH_MAX + 64];
+    size_t len = 0;
     snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
-    char *text = access(path, R_OK) == 0 ? lg_read_file(path, &len, "tokenizer config", NULL) : NULL;
+    lg_error err;
+    char *text = access(path, R_OK) == 0 ? lg_read_file(path, &len, "tokenizer config", &err) : NULL;
     char *found = NULL;
     lg_json doc;
-    if (text && lg_json_parse(&doc, text, len, path, NULL) == 0) {
-        int node = lg_json_find(&doc, 0, "chat_template");
-        if (node >= 0 && doc.nodes[node].kind == LG_JSON_ARRAY)
-            for (int e = doc.nodes[node].first_child; e >= 0 && !found; e = doc.nodes[e].next) {
-                char *name = lg_json_string(&doc, lg_json_find(&doc, e, "name"), NULL);
-                if (name && !strcmp(name, "default"))
-                    found = lg_json_string(&doc, lg_json_find(&doc, e, "template"), NULL);
-                LG_FREE(name);
-            }
-        else if (node >= 0) found = lg_json_string(&doc, node, NULL);
+    if (access(path, R_OK) == 0 && !text) die(1, "%s", err.msg);
+    if (text && lg_json_parse(&doc, text, len, path, &err) != 0)
+        die(2, "%s (its chat_template would be lost)", err.msg);
+    if (text) {
+        found = config_template(&doc, &len);
+        snprintf(what, sizeof what, "%s: chat_template", path);
         int bos = lg_json_find(&doc, 0, "add_bos_token");
         if (bos >= 0 && doc.nodes[bos].kind == LG_JSON_TRUE) *add_bos = 1;
         if (bos >= 0 && doc.nodes[bos].kind == LG_JSON_FALSE) *add_bos = 0;
@@ -462,7 +500,11 @@ static char *chat_template(const char *dir, int *add_bos) {
     }
     LG_FREE(text);
     snprintf(path, sizeof path, "%s/chat_template.jinja", dir);
-    if (!found && access(path, R_OK) == 0) found = lg_read_file(path, &len, "chat template", NULL);
+    if (!found && access(path, R_OK) == 0) {
+        found = lg_read_file(path, &len, "chat template", NULL);
+        snprintf(what, sizeof what, "%s", path);
+    }
+    if (found) check_gguf_text(what, found, len);
     return found;
 }
 
@@ -589,8 +631,30 @@ static int write_zeros(FILE *f, uint64_t n) {
     return n && fwrite(zeros, 1, (size_t)n, f) != n ? -1 : 0;
 }
 
-/* FILE.tmp, flushed and synced, then renamed over FILE. */
-static void write_file(const char *path, const metadata *m, tensor_list *l) {
+/* Where FILE's bytes go: FILE itself, or the file a symbolic link names (written through, so
+   the link stays); refused by name when that is not a regular file (a device, a FIFO, a
+   directory) or when the path, with the temporary name's suffix, is longer than LG_PATH_MAX. */
+static void output_path(const char *file, char *out, size_t cap) {
+    struct stat st;
+    if (strlen(file) + sizeof ".tmp.XXXXXX" > cap)
+        die(2, "%s: the path is %zu bytes, longer than the %zu this tool writes", file, strlen(file),
+            cap - sizeof ".tmp.XXXXXX");
+    snprintf(out, cap, "%s", file);
+    if (lstat(file, &st) != 0) return; /* a new file */
+    if (S_ISLNK(st.st_mode)) {
+        char *target = realpath(file, NULL);
+        if (!target) die(2, "%s: a symbolic link to nothing that exists (%s)", file, strerror(errno));
+        if (strlen(target) + sizeof ".tmp.XXXXXX" > cap)
+            die(2, "%s: the link's target is %zu bytes, longer than the %zu this tool writes", file,
+                strlen(target), cap - sizeof ".tmp.XXXXXX");
+        snprintf(out, cap, "%s", target);
+        free(target);
+        if (stat(out, &st) != 0) die(2, "%s: cannot read its target %s (%s)", file, out, strerror(errno));
+    }
+    if (!S_ISREG(st.st_mode)) die(2, "%s: not a regular file: GGUF goes to a file", file);
+}
+
+static int write_all(FILE *f, const metadata *m, tensor_list *l) {
     bytes_out head = {NULL, 0, 0};
     put(&head, "GGUF", 4);
     put_u32(&head, 3);
@@ -598,10 +662,6 @@ static void write_file(const char *path, const metadata *m, tensor_list *l) {
     put_u64(&head, m->count);
     put(&head, m->b.bytes, m->b.n);
     tensor_infos(&head, l);
-    char tmp[LG_PATH_MAX];
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    FILE *f = fopen(tmp, "wb");
-    if (!f) die(1, "%s: cannot write (%s)", tmp, strerror(errno));
     int rc = fwrite(head.bytes, 1, head.n, f) == head.n ? 0 : -1;
     uint64_t at = align_up(head.n);
     if (rc == 0) rc = write_zeros(f, at - head.n);
@@ -610,11 +670,27 @@ static void write_file(const char *path, const metadata *m, tensor_list *l) {
         uint64_t end = l->t[i].offset + tensor_bytes(&l->t[i]);
         if (rc == 0 && i + 1 < l->n) rc = write_zeros(f, align_up(end) - end);
     }
-    if (rc == 0) rc = fflush(f) == 0 && fsync(fileno(f)) == 0 ? 0 : -1;
+    free(head.bytes);
+    return rc;
+}
+
+/* FILE (or a symbolic link's target) written under a fresh temporary name beside it
+   (FILE.tmp.XXXXXX, which names no file already there), flushed and synced, then renamed over
+   it. */
+static void write_file(const char *file, const metadata *m, tensor_list *l) {
+    char path[LG_PATH_MAX], tmp[LG_PATH_MAX];
+    output_path(file, path, sizeof path);
+    lg_format(tmp, sizeof tmp, "%s.tmp.XXXXXX", path); /* fits: output_path checked */
+    int fd = mkstemp(tmp);
+    FILE *f = fd >= 0 ? fdopen(fd, "wb") : NULL;
+    if (!f) die(1, "%s: cannot write beside it (%s)", path, strerror(errno));
+    mode_t mask = umask(0);
+    umask(mask);
+    int rc = fchmod(fd, 0666 & ~mask) == 0 ? write_all(f, m, l) : -1;
+    if (rc == 0) rc = fflush(f) == 0 && fsync(fd) == 0 ? 0 : -1;
     if (fclose(f) != 0) rc = -1;
     if (rc == 0) rc = rename(tmp, path);
-    free(head.bytes);
-    if (rc != 0) { remove(tmp); die(1, "%s: write failed (%s)", path, strerror(errno)); }
+    if (rc != 0) { int saved = errno; remove(tmp); die(1, "%s: write failed (%s)", path, strerror(saved)); }
 }
 
 /* The directory of a tokenizer path (itself, or a tokenizer.json's directory). */
