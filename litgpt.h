@@ -1587,6 +1587,13 @@ const char *lg_chat_template_name(lg_chat_template t);
    (refused, naming it, when no template here renders it exactly), else by the tokenizer's
    family (Llama 3, Qwen2 -> chatml, SentencePiece -> llama2); -1 when neither. */
 int lg_chat_template_auto(const lg_tokenizer *tok, lg_chat_template *out, lg_error *err);
+/* The template named (auto: lg_chat_template_auto's) for tok, refused, naming the template,
+   the markers and the tokenizer, when a marker it writes (<|im_start|>, <|start_header_id|>,
+   ...) is not one of tok's special tokens: it would be written as ordinary BPE pieces, the
+   model would learn to spell it and no stop check would see it. tools/prepare chat and
+   tools/generate --chat both pick their template here. */
+int lg_chat_template_pick(const char *name, const lg_tokenizer *tok, lg_chat_template *out,
+                          lg_error *err);
 
 /* A rendered conversation: its text and the byte ranges trained (each assistant turn's
    content and its end-of-turn), span[2k] .. span[2k+1]. */
@@ -12057,6 +12064,52 @@ int lg_chat_template_auto(const lg_tokenizer *tok, lg_chat_template *out, lg_err
     else if (tok->sentencepiece) *out = LG_TEMPLATE_LLAMA2;
     else return lg_fail(err, "--template auto: tokenizer %s has no chat_template and no family "
                              "with a template; name one with --template", tok->path);
+    return 0;
+}
+
+/* The markers each template writes, which must be special tokens of the tokenizer (NULL ends;
+   alpaca, plain and falcon write none: their end of turn is the tokenizer's own EOS). */
+static const char *const *lg_chat_markers(lg_chat_template t) {
+    static const char *const llama3[] = {"<|begin_of_text|>", "<|start_header_id|>",
+                                         "<|end_header_id|>", "<|eot_id|>", NULL};
+    static const char *const chatml[] = {"<|im_start|>", "<|im_end|>", NULL};
+    static const char *const qwen3[] = {"<|im_start|>", "<|im_end|>", "<think>", "</think>", NULL};
+    static const char *const llama2[] = {"<s>", "</s>", NULL};
+    static const char *const none[] = {NULL};
+    switch (t) {
+    case LG_TEMPLATE_LLAMA3: return llama3;
+    case LG_TEMPLATE_CHATML: return chatml;
+    case LG_TEMPLATE_QWEN3: return qwen3;
+    case LG_TEMPLATE_LLAMA2: return llama2;
+    default: return none;
+    }
+}
+
+/* 1 when text is exactly one of tok's special (added) tokens. */
+static int lg_tokenizer_is_special(const lg_tokenizer *tok, const char *text) {
+    int id = lg_tokenizer_find(tok, text, strlen(text));
+    for (int s = 0; id >= 0 && s < tok->n_special; s++)
+        if (tok->special[s] == id) return 1;
+    return 0;
+}
+
+int lg_chat_template_pick(const char *name, const lg_tokenizer *tok, lg_chat_template *out,
+                          lg_error *err) {
+    int rc = !strcmp(name, "auto") ? lg_chat_template_auto(tok, out, err)
+                                   : lg_chat_template_find(name, out, err);
+    if (rc != 0) return -1;
+    char missing[256] = "";
+    int n_missing = 0;
+    for (const char *const *m = lg_chat_markers(*out); *m; m++)
+        if (!lg_tokenizer_is_special(tok, *m))
+            lg_format(missing + strlen(missing), sizeof missing - strlen(missing), "%s%s",
+                      n_missing++ ? ", " : "", *m);
+    if (n_missing)
+        return lg_fail(err, "template %s: marker%s %s %s of tokenizer %s (%s be written as "
+                            "ordinary text pieces); name a template of this tokenizer with "
+                            "--template", lg_chat_template_name(*out), n_missing > 1 ? "s" : "",
+                       missing, n_missing > 1 ? "are not special tokens" : "is not a special token",
+                       tok->path, n_missing > 1 ? "they would" : "it would");
     return 0;
 }
 

@@ -1027,7 +1027,7 @@ static void test_chat_entry(results *r, const lg_json *doc, int node, const lg_c
     lg_error err;
     err.msg[0] = '\0';
     lg_chat_template t;
-    if (lg_chat_template_auto(&tok, &t, &err) != 0 || strcmp(lg_chat_template_name(t), want_name)) {
+    if (lg_chat_template_pick("auto", &tok, &t, &err) != 0 || strcmp(lg_chat_template_name(t), want_name)) {
         check(r, 0, "chat %s: --template auto picks %s, not %s", pkg,
               err.msg[0] ? err.msg : lg_chat_template_name(t), want_name);
         return;
@@ -1094,6 +1094,46 @@ static void test_chat_bad_input(results *r) {
           "unknown template refused: %s", err.msg);
 }
 
+/* A template's markers must be special tokens of the tokenizer (else the model learns to spell
+   <|im_end|> in ordinary pieces and no stop check sees it): chatml with GPT-2's tokenizer and
+   llama3's with Llama 2's are refused by name, in the library and in tools/prepare chat. */
+static void test_chat_markers(results *r) {
+    lg_tokenizer gpt2, llama2;
+    lg_error err;
+    if (lg_tokenizer_load(&gpt2, GPT2_DIR, &err) != 0) { check(r, 0, "%s", err.msg); return; }
+    if (lg_tokenizer_load(&llama2, LLAMA2_JSON, &err) != 0) {
+        check(r, 0, "%s", err.msg);
+        lg_tokenizer_free(&gpt2);
+        return;
+    }
+    lg_tokens ids = {NULL, 0, 0};
+    lg_tokenizer_encode(&gpt2, "<|im_start|>", 12, &ids, &err);
+    check(r, ids.n > 1, "GPT-2's tokenizer writes <|im_start|> as %zu ordinary pieces", ids.n);
+    lg_tokens_free(&ids);
+    lg_chat_template t;
+    int rc = lg_chat_template_pick("chatml", &gpt2, &t, &err);
+    check(r, rc != 0 && strstr(err.msg, "template chatml") && strstr(err.msg, "<|im_start|>, <|im_end|>") &&
+          strstr(err.msg, GPT2_DIR), "chatml with GPT-2's tokenizer refused by name: %s", err.msg);
+    rc = lg_chat_template_pick("llama3", &llama2, &t, &err);
+    check(r, rc != 0 && strstr(err.msg, "template llama3") && strstr(err.msg, "<|start_header_id|>") &&
+          strstr(err.msg, LLAMA2_JSON), "llama3 with Llama 2's tokenizer refused by name: %s", err.msg);
+    rc = lg_chat_template_pick("auto", &llama2, &t, &err);
+    check(r, rc == 0 && t == LG_TEMPLATE_LLAMA2, "auto with Llama 2's tokenizer: llama2, its markers "
+          "<s> and </s> special tokens");
+    rc = lg_chat_template_pick("alpaca", &gpt2, &t, &err);
+    check(r, rc == 0 && t == LG_TEMPLATE_ALPACA, "alpaca (no markers) with GPT-2's tokenizer allowed");
+    lg_tokenizer_free(&gpt2);
+    lg_tokenizer_free(&llama2);
+    static char out[4096];
+    int code = run_command("printf '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}, "
+                           "{\"role\": \"assistant\", \"content\": \"Hello\"}]}\\n' > build/chat-markers.jsonl && "
+                           "./tools/prepare chat --tokenizer " GPT2_DIR " --template chatml --out "
+                           "build/chat-markers.bin build/chat-markers.jsonl 2>&1", out, sizeof out);
+    check(r, code == 2 && strstr(out, "template chatml: markers <|im_start|>, <|im_end|> are not special "
+          "tokens of tokenizer " GPT2_DIR), "tools/prepare chat --template chatml with GPT-2's tokenizer: "
+          "exit %d: %s", code, out);
+}
+
 static void test_chat_templates(results *r) {
     lg_chat_set set;
     lg_error err;
@@ -1118,6 +1158,7 @@ static void test_chat_templates(results *r) {
     LG_FREE(text);
     lg_chat_free(&set);
     test_chat_bad_input(r);
+    test_chat_markers(r);
 }
 
 static void test_data_all(results *r) {

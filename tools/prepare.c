@@ -374,9 +374,7 @@ static lg_chat_template pick_template(const prepare_args *a, const lg_tokenizer 
     lg_chat_template t;
     lg_error err;
     const char *name = a->chat_template ? a->chat_template : "auto";
-    int rc = !strcmp(name, "auto") ? lg_chat_template_auto(tok, &t, &err)
-                                   : lg_chat_template_find(name, &t, &err);
-    if (rc != 0) die(2, "%s", err.msg);
+    if (lg_chat_template_pick(name, tok, &t, &err) != 0) die(2, "%s", err.msg);
     return t;
 }
 
