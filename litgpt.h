@@ -10504,21 +10504,38 @@ static int lg_special_at(const lg_tokenizer *tok, const char *text, size_t len) 
     return best;
 }
 
-int lg_tokenizer_encode(const lg_tokenizer *tok, const char *text, size_t len, lg_tokens *out,
-                        lg_error *err) {
+/* Text split at special tokens, each piece between them encoded alone (SentencePiece: each
+   gets its U+2581, as the Prepend normalizer does to each piece); continued: the text goes on
+   from other text, so its first piece gets none. */
+static int lg_tokenizer_encode_part(const lg_tokenizer *tok, const char *text, size_t len,
+                                    int continued, lg_tokens *out, lg_error *err) {
     lg_encode_ctx ctx = {out, err};
     size_t plain = 0;
-    int first = 1;
     for (size_t i = 0; i < len; i++) {
         int id = tok->n_special ? lg_special_at(tok, text + i, len - i) : -1;
         if (id < 0) continue;
-        if (lg_encode_plain(tok, text + plain, i - plain, first, &ctx) != 0) return -1;
+        if (lg_encode_plain(tok, text + plain, i - plain, !(continued && plain == 0), &ctx) != 0)
+            return -1;
         if (lg_tokens_push(out, id) != 0) return lg_fail(err, "tokenizer: out of host memory");
-        first = 0;
         i += tok->piece_start[id + 1] - tok->piece_start[id] - 1;
         plain = i + 1;
     }
-    return lg_encode_plain(tok, text + plain, len - plain, first, &ctx);
+    return lg_encode_plain(tok, text + plain, len - plain, !(continued && plain == 0), &ctx);
+}
+
+int lg_tokenizer_encode(const lg_tokenizer *tok, const char *text, size_t len, lg_tokens *out,
+                        lg_error *err) {
+    return lg_tokenizer_encode_part(tok, text, len, 0, out, err);
+}
+
+/* 1 when text[0, end) ends with one of tok's special tokens. */
+static int lg_special_ends_at(const lg_tokenizer *tok, const char *text, size_t end) {
+    for (int s = 0; s < tok->n_special; s++) {
+        int id = tok->special[s];
+        size_t start = tok->piece_start[id], n = tok->piece_start[id + 1] - start;
+        if (n <= end && memcmp(tok->pieces + start, text + end - n, n) == 0) return 1;
+    }
+    return 0;
 }
 
 /* A SentencePiece token's text: <0xXX> is that byte, U+2581 a space. */
@@ -11941,27 +11958,39 @@ static int lg_chat_chatml(const lg_chat *c, int gen, int qwen3, lg_chat_rendered
     return rc;
 }
 
-/* Llama 2: <s>[INST] <<SYS>>\nSYSTEM\n<</SYS>>\n\nUSER [/INST] ANSWER </s>, contents trimmed. */
-static int lg_chat_llama2(const lg_chat *c, int gen, lg_chat_rendered *r, lg_error *err) {
+/* Llama 2 (Meta's Llama-2-chat template): each user turn BOS "[INST] " CONTENT " [/INST]", the
+   first one's content "<<SYS>>\nSYSTEM\n<</SYS>>\n\n" + its own when there is a system prompt,
+   then stripped as a whole; each answer " " CONTENT " " EOS, trained with the space before it
+   (SentencePiece's "\xE2\x96\x81Hello" holds it, as Meta's answers are tokenized). */
+static int lg_chat_llama2(const lg_chat *c, const char *bos, const char *eos, lg_chat_rendered *r,
+                          lg_error *err) {
     int rc = 0, k = 0;
     const char *system = NULL;
     if (c->n && c->turns[0].role == LG_ROLE_SYSTEM) system = c->turns[k++].content;
-    for (int first = 1; k < c->n; k++, first = 0) {
-        if (c->turns[k].role == LG_ROLE_SYSTEM)
-            return lg_fail(err, "turn %d: llama2 takes a system prompt only first", k);
-        if (c->turns[k].role == LG_ROLE_ASSISTANT) {
-            rc |= lg_chat_put(r, " ");
-            rc |= lg_chat_answer(r, c->turns[k].content, " </s>", 1);
+    for (int at = 0; k < c->n; k++, at++) {
+        lg_chat_role role = c->turns[k].role;
+        if (role == LG_ROLE_SYSTEM || (role == LG_ROLE_USER) != (at % 2 == 0))
+            return lg_fail(err, "turn %d: llama2 takes a system prompt only first, then user and "
+                                "assistant turns in turn", k);
+        if (role == LG_ROLE_ASSISTANT) {
+            rc |= lg_chat_mark(r, 1) | lg_chat_put(r, " ") | lg_chat_put_trimmed(r, c->turns[k].content);
+            rc |= lg_chat_put(r, " ") | lg_chat_put(r, eos) | lg_chat_mark(r, 0);
             continue;
         }
-        rc |= lg_chat_put(r, "<s>[INST] ");
-        if (first && system)
-            rc |= lg_chat_put(r, "<<SYS>>\n") | lg_chat_put_trimmed(r, system) |
-                  lg_chat_put(r, "\n<</SYS>>\n\n");
-        rc |= lg_chat_put_trimmed(r, c->turns[k].content) | lg_chat_put(r, " [/INST]");
+        lg_text content = {NULL, 0, 0};
+        if (at == 0 && system) {
+            static const char open[] = "<<SYS>>\n", close[] = "\n<</SYS>>\n\n";
+            rc |= lg_text_append(&content, open, sizeof open - 1);
+            rc |= lg_text_append(&content, system, strlen(system));
+            rc |= lg_text_append(&content, close, sizeof close - 1);
+        }
+        rc |= lg_text_append(&content, c->turns[k].content, strlen(c->turns[k].content));
+        rc |= lg_text_append(&content, "", 1); /* its NUL */
+        rc |= lg_chat_put(r, bos) | lg_chat_put(r, "[INST] ");
+        rc |= (content.bytes ? lg_chat_put_trimmed(r, content.bytes) : -1) | lg_chat_put(r, " [/INST]");
+        lg_text_free(&content);
     }
-    (void)gen; /* the prompt already ends with [/INST] */
-    return rc;
+    return rc; /* a generation prompt already ends with [/INST] */
 }
 
 /* Falcon (falcon-7b-instruct): "System: ", "User: ", "Falcon: " lines; the template has no
@@ -12016,7 +12045,7 @@ int lg_chat_render(lg_chat_template t, const lg_chat *chat, const lg_tokenizer *
     case LG_TEMPLATE_LLAMA3: rc |= lg_chat_llama3(chat, generation_prompt, out); break;
     case LG_TEMPLATE_CHATML: rc |= lg_chat_chatml(chat, generation_prompt, 0, out); break;
     case LG_TEMPLATE_QWEN3: rc |= lg_chat_chatml(chat, generation_prompt, 1, out); break;
-    case LG_TEMPLATE_LLAMA2: rc |= lg_chat_llama2(chat, generation_prompt, out, err); break;
+    case LG_TEMPLATE_LLAMA2: rc |= lg_chat_llama2(chat, bos, eos, out, err); break;
     case LG_TEMPLATE_FALCON: rc |= lg_chat_falcon(chat, generation_prompt, eos, out); break;
     case LG_TEMPLATE_ALPACA: case LG_TEMPLATE_PLAIN:
         rc |= lg_chat_single(chat, generation_prompt, t == LG_TEMPLATE_ALPACA, bos, eos, out, err);
@@ -12128,7 +12157,8 @@ int lg_chat_tokenize(const lg_tokenizer *tok, const lg_chat_rendered *r, lg_toke
     for (int s = 0; s <= 2 * r->n_spans && rc == 0; s++) { /* spans and the gaps */
         size_t from = s ? r->span[s - 1] : 0, to = s < 2 * r->n_spans ? r->span[s] : r->text.n;
         size_t before = pieces.n;
-        rc = lg_tokenizer_encode(tok, r->text.bytes + from, to - from, &pieces, err);
+        int continued = from > 0 && !lg_special_ends_at(tok, r->text.bytes, from);
+        rc = lg_tokenizer_encode_part(tok, r->text.bytes + from, to - from, continued, &pieces, err);
         for (size_t i = before; rc == 0 && i < pieces.n; i++)
             if (lg_tokens_push(trained, s % 2) != 0) rc = lg_fail(err, "%s: out of host memory", where);
     }

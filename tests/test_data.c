@@ -1052,7 +1052,7 @@ static void test_chat_entry(results *r, const lg_json *doc, int node, const lg_c
         assistants += set->chats[index].turns[turn].role == LG_ROLE_ASSISTANT;
     lg_text span_text = {NULL, 0, 0};
     for (int s = 0; rc == 0 && s < out.n_spans; s++) { /* each span ends with the end of turn */
-        const char *eot = t == LG_TEMPLATE_LLAMA3 ? "<|eot_id|>" : "<|im_end|>";
+        const char *eot = t == LG_TEMPLATE_LLAMA3 ? "<|eot_id|>" : t == LG_TEMPLATE_LLAMA2 ? " </s>" : "<|im_end|>";
         size_t a = out.span[2 * s], b = out.span[2 * s + 1], n = strlen(eot);
         spans_ok &= b - a > n && !memcmp(out.text.bytes + b - n, eot, n);
     }
@@ -1061,7 +1061,9 @@ static void test_chat_entry(results *r, const lg_json *doc, int node, const lg_c
     lg_tokenizer_decode(&tok, kept.ids, kept.n, &span_text, &err);
     size_t spans_bytes = 0;
     for (int s = 0; s < out.n_spans; s++) spans_bytes += out.span[2 * s + 1] - out.span[2 * s];
-    spans_ok &= out.n_spans == assistants && span_text.n == spans_bytes && trained.n == ids.n &&
+    /* SentencePiece's decoder drops the first space (llama2's answers start with theirs) */
+    size_t dropped = tok.sentencepiece && out.n_spans && out.text.bytes[out.span[0]] == ' ';
+    spans_ok &= out.n_spans == assistants && span_text.n + dropped == spans_bytes && trained.n == ids.n &&
                 trained.n && !trained.ids[0];
     check(r, text_ok && ids_ok && spans_ok, "chat template %s (%s) conversation %ld: text %s, "
           "ids %s, trained tokens %s", lg_chat_template_name(t), pkg, index, text_ok ? "equal" : "differ",
@@ -1134,6 +1136,38 @@ static void test_chat_markers(results *r) {
           "exit %d: %s", code, out);
 }
 
+/* Llama 2's own tokenizer (the real vocabulary) and --template auto: llama2, an ordinary
+   conversation is taken (it was refused: the space before an answer is in SentencePiece's
+   "\xE2\x96\x81Hello") and trains what Meta's chat format does: [BOS] + sp("[INST] Hi [/INST]
+   Hello there ") + [EOS], the ids from llama-tokenizer-js (encode(text, false)), the answer's
+   tokens and EOS trained. */
+static void test_chat_llama2_meta(results *r) {
+    static const int want[] = {1, 518, 25580, 29962, 6324, 518, 29914, 25580, 29962, 15043, 727, 29871, 2};
+    enum { N_WANT = sizeof want / sizeof want[0], N_TRAINED = 4 };
+    lg_tokenizer tok;
+    lg_error err;
+    if (lg_tokenizer_load(&tok, LLAMA2_JSON, &err) != 0) { check(r, 0, "%s", err.msg); return; }
+    const char *text = "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}, "
+                       "{\"role\": \"assistant\", \"content\": \"Hello there\"}]}";
+    lg_chat_set set;
+    lg_chat_rendered out;
+    memset(&out, 0, sizeof out);
+    lg_tokens ids = {NULL, 0, 0}, trained = {NULL, 0, 0};
+    lg_chat_template t;
+    int rc = lg_chat_parse(&set, text, strlen(text), "llama2.jsonl", &err);
+    if (rc == 0) rc = lg_chat_template_pick("auto", &tok, &t, &err);
+    if (rc == 0) rc = lg_chat_render(t, &set.chats[0], &tok, 0, &out, &err);
+    if (rc == 0) rc = lg_chat_tokenize(&tok, &out, &ids, &trained, "llama2.jsonl", &err);
+    int ok = rc == 0 && t == LG_TEMPLATE_LLAMA2 && ids.n == N_WANT && !memcmp(ids.ids, want, sizeof want);
+    for (size_t i = 0; ok && i < ids.n; i++) ok = trained.ids[i] == (i >= N_WANT - N_TRAINED);
+    check(r, ok, "llama2 with Llama 2's tokenizer: Meta's [BOS] [INST] Hi [/INST] Hello there [EOS], "
+          "the answer's 4 tokens trained (%s)", rc ? err.msg : "ids as llama-tokenizer-js's");
+    if (rc == 0 || set.chats) lg_chat_free(&set);
+    lg_chat_rendered_free(&out);
+    lg_tokens_free(&ids); lg_tokens_free(&trained);
+    lg_tokenizer_free(&tok);
+}
+
 static void test_chat_templates(results *r) {
     lg_chat_set set;
     lg_error err;
@@ -1152,13 +1186,14 @@ static void test_chat_templates(results *r) {
             test_chat_entry(r, &doc, e, &set, cache);
         for (int i = 0; i < CHAT_MAX_PACKAGES; i++)
             if (cache[i].loaded > 0) lg_tokenizer_free(&cache[i].tok);
-        check(r, entries == 12, "chat reference: %d renderings (6 conversations, 2 templates)", entries);
+        check(r, entries == 18, "chat reference: %d renderings (6 conversations, 3 templates)", entries);
         lg_json_free(&doc);
     } else check(r, 0, "chat reference: %s", err.msg);
     LG_FREE(text);
     lg_chat_free(&set);
     test_chat_bad_input(r);
     test_chat_markers(r);
+    test_chat_llama2_meta(r);
 }
 
 static void test_data_all(results *r) {
