@@ -1323,6 +1323,10 @@ int lg_rendezvous(const char *init, int process, int processes, void *id, size_t
 #define LG_SAMPLES_TRAINED_BIT 31
 #define LG_SAMPLES_TOKEN_BITS 0x7FFFFFFFu
 #define LG_SAMPLES_VERSION 1
+/* Both kinds of file record the tokenizer that made them (tools/prepare): header ints 8 and 9
+   hold the low and high 32 bits of its files_hash (lg_tokenizer); both 0 in older files and
+   those written without a tokenizer, which nothing checks. */
+#define LG_DATA_TOKENIZER_AT 8
 
 /* A stream of tokens cut into windows of T + 1 (inputs and the targets shifted by one), either
    a token shard read on demand or tokens held in memory; or fine-tuning samples held in
@@ -1347,6 +1351,8 @@ typedef struct {
     uint32_t *sample_length;   /* (n_samples): its tokens, before truncation */
     uint32_t *prompt_length;   /* (n_samples): its prompt's tokens */
     int mask_prompt;           /* 1: targets inside the prompt are LG_IGNORE_INDEX */
+    uint64_t tokenizer_hash;   /* the files_hash of the tokenizer that made the file; 0: not
+                                  recorded */
 } lg_loader;
 
 /* Opens a shard or a sample file: checks magic, version, sizes and lengths; names the file
@@ -1367,6 +1373,10 @@ void lg_loader_close(lg_loader *ld);
 /* Writes a shard (used by tools and tests). token_bytes 2 or 4. */
 int lg_shard_write(const char *path, const uint32_t *tokens, size_t n, int token_bytes,
                    lg_error *err);
+
+/* Records in the header of the shard or sample file at path the files_hash of the tokenizer
+   that made it (LG_DATA_TOKENIZER_AT). */
+int lg_data_record_tokenizer(const char *path, uint64_t tokenizer_hash, lg_error *err);
 
 /* The built-in task: sort the letters of a word, "dcab=abcd\n". Samples have 1 to
    LG_BUILTIN_MAX_LETTERS letters, so their lengths differ. Returns the token stream
@@ -1517,6 +1527,8 @@ typedef struct {
     int *special;            /* (n_special): added tokens matched verbatim before BPE */
     int n_special;
     int bos, eos, pad;       /* special ids named by the files; -1 when none */
+    uint64_t files_hash;     /* lg_hash64 of its files' bytes (tokenizer.json; encoder.json then
+                                vocab.bpe): which tokenizer made a data file */
 } lg_tokenizer;
 
 /* path: a directory holding encoder.json + vocab.bpe or tokenizer.json, or a tokenizer.json. */
@@ -1538,6 +1550,10 @@ int lg_tokens_push(lg_tokens *list, int id);  /* -1 when out of memory */
 int lg_text_append(lg_text *text, const char *bytes, size_t n);
 void lg_tokens_free(lg_tokens *list);
 void lg_text_free(lg_text *text);
+
+/* Fails naming the data file and tok when the file records another tokenizer than tok (its
+   ids would mean other text to the model); passes a file that records none. */
+int lg_loader_check_tokenizer(const lg_loader *ld, const lg_tokenizer *tok, lg_error *err);
 
 /* The built-in task's characters. */
 
@@ -10671,6 +10687,7 @@ static int lg_tokenizer_load_gpt2(lg_tokenizer *tok, const char *dir, lg_error *
     snprintf(path, sizeof path, "%s/encoder.json", dir);
     char *text = lg_read_file(path, &len, "tokenizer", err);
     if (!text) return -1;
+    tok->files_hash = lg_hash64(LG_HASH64_INIT, text, len);
     lg_json doc;
     int rc = lg_json_parse(&doc, text, len, path, err);
     if (rc == 0) rc = lg_vocab_from_json(tok, &doc, 0, 1, path, err);
@@ -10679,6 +10696,7 @@ static int lg_tokenizer_load_gpt2(lg_tokenizer *tok, const char *dir, lg_error *
     snprintf(path, sizeof path, "%s/vocab.bpe", dir);
     text = rc == 0 ? lg_read_file(path, &len, "tokenizer", err) : NULL;
     if (!text) return -1;
+    tok->files_hash = lg_hash64(tok->files_hash, text, len);
     rc = lg_merges_from_bpe_file(tok, text, len, path, err);
     LG_FREE(text);
     tok->pretokenizer = LG_PRETOKENIZE_GPT2;
@@ -10888,6 +10906,7 @@ static int lg_tokenizer_load_json(lg_tokenizer *tok, const char *path, lg_error 
     size_t len;
     char *text = lg_read_file(path, &len, "tokenizer", err);
     if (!text) return -1;
+    tok->files_hash = lg_hash64(LG_HASH64_INIT, text, len);
     lg_json doc;
     int rc = lg_json_parse(&doc, text, len, path, err);
     if (rc != 0) { LG_FREE(text); return -1; }
@@ -11080,6 +11099,8 @@ int lg_loader_open(lg_loader *ld, const char *path, int T, int vocab_size, int s
         return lg_fail(err, "data %s: %ld bytes, shorter than the %ld-byte header", path,
                        file_bytes, header_bytes);
     }
+    ld->tokenizer_hash = (uint64_t)(uint32_t)header[LG_DATA_TOKENIZER_AT] |
+                         (uint64_t)(uint32_t)header[LG_DATA_TOKENIZER_AT + 1] << 32;
     if (header[0] == LG_SAMPLES_MAGIC) {
         ld->vocab_size = vocab_size;
         return lg_samples_open(ld, T, shuffle, seed, err);
@@ -11562,6 +11583,25 @@ int lg_samples_write(const char *path, const uint32_t *tokens, const uint32_t *l
     }
     if (fclose(f) != 0 || !ok) return lg_fail(err, "data %s: write failed", path);
     return 0;
+}
+
+int lg_data_record_tokenizer(const char *path, uint64_t tokenizer_hash, lg_error *err) {
+    unsigned char slot[8];
+    lg_put_u32(slot, (uint32_t)tokenizer_hash);
+    lg_put_u32(slot + 4, (uint32_t)(tokenizer_hash >> 32));
+    FILE *f = fopen(path, "r+b");
+    if (!f) return lg_fail(err, "data %s: cannot open: %s", path, strerror(errno));
+    int ok = fseek(f, LG_DATA_TOKENIZER_AT * 4, SEEK_SET) == 0 && fwrite(slot, 8, 1, f) == 1;
+    if (fclose(f) != 0 || !ok) return lg_fail(err, "data %s: write failed", path);
+    return 0;
+}
+
+int lg_loader_check_tokenizer(const lg_loader *ld, const lg_tokenizer *tok, lg_error *err) {
+    if (!ld->tokenizer_hash || ld->tokenizer_hash == tok->files_hash) return 0;
+    return lg_fail(err, "data %s was made with another tokenizer (files hash %016llx) than "
+                        "tokenizer %s (%016llx), the model's: its ids would mean other text",
+                   ld->path, (unsigned long long)ld->tokenizer_hash, tok->path,
+                   (unsigned long long)tok->files_hash);
 }
 
 void lg_builtin_task_text(lg_rng *rng, char *letters, char *sorted) {

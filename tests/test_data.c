@@ -1196,6 +1196,65 @@ static void test_chat_templates(results *r) {
     test_chat_llama2_meta(r);
 }
 
+/* A 600-token shard of ids under 32 (the test models' vocabulary), recording tokenizer tok
+   (NULL: none, as older files). */
+static int write_tokenizer_shard(const char *path, const lg_tokenizer *tok, lg_error *err) {
+    uint32_t tokens[600];
+    for (int i = 0; i < 600; i++) tokens[i] = (uint32_t)(i * 7 % 32);
+    if (lg_shard_write(path, tokens, 600, 2, err) != 0) return -1;
+    return tok ? lg_data_record_tokenizer(path, tok->files_hash, err) : 0;
+}
+
+/* Data files record the tokenizer that made them (a hash of its files, in the header); ./train
+   --load refuses data from another tokenizer than the model's, by name, unless
+   --any-tokenizer-data; files that record none (older ones) are read as before. */
+static void test_data_tokenizer(results *r) {
+    lg_tokenizer gpt2, llama2;
+    lg_error err;
+    if (lg_tokenizer_load(&gpt2, GPT2_DIR, &err) != 0 || lg_tokenizer_load(&llama2, LLAMA2_JSON, &err) != 0) {
+        check(r, 0, "%s", err.msg);
+        return;
+    }
+    static char out[8192];
+    int code = run_command("printf 'Hello world\\nAgain\\n' > build/tok-text.txt && ./tools/prepare text "
+                           "--tokenizer " GPT2_DIR " --out build/tok-text.bin build/tok-text.txt 2>&1 && "
+                           "./tools/prepare chat --tokenizer " LLAMA2_JSON " --out build/tok-chat.bin "
+                           "build/chat-markers.jsonl 2>&1", out, sizeof out); /* test_chat_markers's */
+    lg_loader ld;
+    int shard_ok = code == 0 && lg_loader_open(&ld, "build/tok-text.bin", 1, 50257, 0, 0, &err) == 0;
+    uint64_t shard_hash = shard_ok ? ld.tokenizer_hash : 0;
+    int refused = shard_ok && lg_loader_check_tokenizer(&ld, &llama2, &err) != 0 &&
+                  strstr(err.msg, "build/tok-text.bin") && strstr(err.msg, LLAMA2_JSON);
+    if (shard_ok) lg_loader_close(&ld);
+    int samples_ok = code == 0 && lg_loader_open(&ld, "build/tok-chat.bin", 0, 32000, 0, 0, &err) == 0;
+    uint64_t samples_hash = samples_ok ? ld.tokenizer_hash : 0;
+    int passes = samples_ok && lg_loader_check_tokenizer(&ld, &llama2, &err) == 0;
+    if (samples_ok) lg_loader_close(&ld);
+    check(r, shard_hash == gpt2.files_hash && samples_hash == llama2.files_hash && gpt2.files_hash != llama2.files_hash &&
+          refused && passes, "tools/prepare text and chat record their tokenizer (%016llx, %016llx); "
+          "Llama 2's refuses GPT-2's shard by name, passes its own samples",
+          (unsigned long long)shard_hash, (unsigned long long)samples_hash);
+    int rc = write_tokenizer_shard("build/tok-gpt2.bin", &gpt2, &err) |
+             write_tokenizer_shard("build/tok-llama2.bin", &llama2, &err) |
+             write_tokenizer_shard("build/tok-none.bin", NULL, &err);
+    code = run_command("rm -rf build/hf-llama-tok && cp -r tests/hf/llama build/hf-llama-tok && cp "
+                       LLAMA2_JSON " build/hf-llama-tok/", out, sizeof out);
+    check(r, rc == 0 && code == 0, "test shards and a model directory with Llama 2's tokenizer");
+    const char *run = "--load build/hf-llama-tok -t 8 -b 1 --max-steps 1 --eval-iters 1 --data";
+    char args[256];
+    snprintf(args, sizeof args, "%s build/tok-gpt2.bin", run);
+    expect_cli(r, args, 2, "data build/tok-gpt2.bin was made with another tokenizer");
+    expect_cli(r, args, 2, "add --any-tokenizer-data to train on it anyway");
+    snprintf(args, sizeof args, "%s build/tok-gpt2.bin --any-tokenizer-data", run);
+    expect_cli(r, args, 0, "sample:");
+    snprintf(args, sizeof args, "%s build/tok-llama2.bin", run);
+    expect_cli(r, args, 0, "sample:");
+    snprintf(args, sizeof args, "%s build/tok-none.bin", run);
+    expect_cli(r, args, 0, "sample:");
+    lg_tokenizer_free(&gpt2);
+    lg_tokenizer_free(&llama2);
+}
+
 static void test_data_all(results *r) {
     printf("data: tokenizers\n");
     test_tokenizer_gpt2(r);
@@ -1214,6 +1273,8 @@ static void test_data_all(results *r) {
     test_prepare_tool(r);
     printf("data: chat templates\n");
     test_chat_templates(r);
+    printf("data: which tokenizer made a file\n");
+    test_data_tokenizer(r);
     printf("data: fuzzing the readers\n");
     test_fuzz_readers(r);
 }
