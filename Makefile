@@ -19,7 +19,7 @@ GPU_ARCH ?= $(if $(HAVE_GPU),-arch=native,-gencode arch=compute_80,code=sm_80 -g
 NVCC_FLAGS = -x cu -std=c++17 -O3 $(GPU_ARCH) -Werror all-warnings \
 	-Xcompiler -Wall,-Wextra,-Werror,-march=native,$(OPENMP)
 BACKEND ?= $(if $(and $(NVCC),$(HAVE_GPU)),cuda,cpu)
-HEADERS = litgpt.h litgpt_cuda.cuh train_svg.h
+HEADERS = litgpt.h litgpt_unicode.h litgpt_cuda.cuh train_svg.h
 # CPU ranks in several processes (mpirun, srun): the CPU build goes through mpicc when it is
 # found (Open MPI: apt-get install openmpi-bin libopenmpi-dev); without it the build has no MPI.
 MPICC ?= $(shell command -v mpicc 2>/dev/null)

@@ -8,7 +8,9 @@
 
    Everywhere else include it without the define to get the API only. Compiled by nvcc
    (`nvcc -x cu`), the implementation includes litgpt_cuda.cuh, the CUDA backend: with
-   args.backend = lg_backend_in_use() the ranks then run on GPUs, one each.
+   args.backend = lg_backend_in_use() the ranks then run on GPUs, one each. The implementation
+   also includes litgpt_unicode.h, generated Unicode data for the tokenizers' NFC, NFKC and
+   Lowercase normalizers (tools/make_unicode_tables.py).
 
    Usage (what train.c does, shortened):
 
@@ -1498,6 +1500,18 @@ int lg_alpaca_prompt(const lg_alpaca_sample *sample, lg_text *out);
 typedef enum { LG_PRETOKENIZE_GPT2, LG_PRETOKENIZE_LLAMA3, LG_PRETOKENIZE_QWEN2,
                LG_PRETOKENIZE_NONE } lg_pretokenizer;
 
+/* What tokenizer.json's "normalizer" does to each piece of text between special tokens, in
+   order: NFC, NFKC (Unicode data: litgpt_unicode.h), Lowercase, Replace (every occurrence of a
+   string), Prepend (to a piece the start or a special token begins); a Sequence is its steps.
+   Any other normalizer is refused by name when the file is loaded. */
+typedef enum { LG_NORMALIZE_NFC, LG_NORMALIZE_NFKC, LG_NORMALIZE_LOWERCASE, LG_NORMALIZE_REPLACE,
+               LG_NORMALIZE_PREPEND } lg_normalize_kind;
+#define LG_NORMALIZE_MAX_STEPS 8
+typedef struct {
+    lg_normalize_kind kind;
+    char text[2][16]; /* Replace: text[0] becomes text[1]; Prepend: text[0] */
+} lg_normalize_step;
+
 
 /* A BPE tokenizer loaded from a directory with GPT-2's encoder.json and vocab.bpe, or from a
    Hugging Face tokenizer.json (model BPE: byte-level, or SentencePiece-style with byte
@@ -1519,6 +1533,8 @@ typedef struct {
     int byte_token[256];     /* byte-level: the id of each single byte; SentencePiece: of its
                                 <0xXX> fallback token; -1 when none */
     lg_pretokenizer pretokenizer;
+    lg_normalize_step normalize[LG_NORMALIZE_MAX_STEPS]; /* (n_normalize) */
+    int n_normalize;
     int sentencepiece;       /* 1: spaces are U+2581, a U+2581 is prepended, merges start
                                 from characters, unknown characters fall back to bytes */
     int ignore_merges;       /* a word that is itself a token is not split (Llama 3) */
@@ -10092,6 +10108,201 @@ static uint32_t lg_utf8_next(const unsigned char *s, size_t n, int *size) {
     return cp;
 }
 
+/* --- normalizers: what tokenizer.json's "normalizer" does to text before it is split -------- */
+
+#include "litgpt_unicode.h" /* generated: tools/make_unicode_tables.py */
+
+/* Code points of text; a byte of invalid UTF-8 stays itself (0x110000 + the byte). */
+typedef struct {
+    uint32_t *cp; /* (n) */
+    size_t n, cap;
+} lg_codepoints;
+
+static int lg_codepoints_push(lg_codepoints *c, uint32_t cp) {
+    if (c->n == c->cap) {
+        size_t cap = c->cap ? 2 * c->cap : 64;
+        uint32_t *grown = (uint32_t *)LG_MALLOC(sizeof(uint32_t) * cap);
+        if (!grown) return -1;
+        if (c->cp) memcpy(grown, c->cp, sizeof(uint32_t) * c->n);
+        LG_FREE(c->cp);
+        c->cp = grown;
+        c->cap = cap;
+    }
+    c->cp[c->n++] = cp;
+    return 0;
+}
+
+/* The row of table (rows of `width` uint32, sorted by their first `keys`) matching key, or
+   NULL: a binary search. */
+static const uint32_t *lg_unicode_row(const uint32_t *table, size_t rows, int width, int keys,
+                                      const uint32_t *key) {
+    size_t lo = 0, hi = rows;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        const uint32_t *row = table + mid * (size_t)width;
+        int cmp = row[0] < key[0] ? -1 : row[0] > key[0] ? 1
+                : keys < 2 ? 0 : row[1] < key[1] ? -1 : row[1] > key[1] ? 1 : 0;
+        if (cmp == 0) return row;
+        if (cmp < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    return NULL;
+}
+#define LG_UNICODE_ROWS(t) (sizeof t / sizeof t[0])
+
+static int lg_unicode_combining_class(uint32_t cp) {
+    size_t lo = 0, hi = LG_UNICODE_ROWS(lg_unicode_combining);
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (cp < lg_unicode_combining[mid][0]) hi = mid;
+        else if (cp > lg_unicode_combining[mid][1]) lo = mid + 1;
+        else return (int)lg_unicode_combining[mid][2];
+    }
+    return 0;
+}
+
+/* Hangul syllables, by Unicode's formula: S = 0xAC00 + (L * 21 + V) * 28 + T. */
+enum { LG_HANGUL_S = 0xAC00, LG_HANGUL_L = 0x1100, LG_HANGUL_V = 0x1161, LG_HANGUL_T = 0x11A7,
+       LG_HANGUL_V_COUNT = 21, LG_HANGUL_T_COUNT = 28, LG_HANGUL_COUNT = 11172 };
+
+/* cp's full decomposition (compat: NFKD's, else NFD's) appended to out. */
+static int lg_unicode_decompose(uint32_t cp, int compat, lg_codepoints *out) {
+    if (cp >= LG_HANGUL_S && cp < LG_HANGUL_S + LG_HANGUL_COUNT) {
+        uint32_t s = cp - LG_HANGUL_S, t = s % LG_HANGUL_T_COUNT;
+        int rc = lg_codepoints_push(out, LG_HANGUL_L + s / (LG_HANGUL_V_COUNT * LG_HANGUL_T_COUNT));
+        rc |= lg_codepoints_push(out, LG_HANGUL_V + s % (LG_HANGUL_V_COUNT * LG_HANGUL_T_COUNT) / LG_HANGUL_T_COUNT);
+        return t ? rc | lg_codepoints_push(out, LG_HANGUL_T + t) : rc;
+    }
+    const uint32_t *row = lg_unicode_row(&lg_unicode_decompositions[0][0],
+                                         LG_UNICODE_ROWS(lg_unicode_decompositions), 5, 1, &cp);
+    uint32_t first = row ? row[compat ? 3 : 1] : 0, n = row ? row[compat ? 4 : 2] : 0;
+    if (n == 0) return lg_codepoints_push(out, cp);
+    int rc = 0;
+    for (uint32_t i = 0; i < n; i++) rc |= lg_codepoints_push(out, lg_unicode_pool[first + i]);
+    return rc;
+}
+
+/* The primary composite of a and b, or 0. */
+static uint32_t lg_unicode_compose_pair(uint32_t a, uint32_t b) {
+    if (a >= LG_HANGUL_L && a < LG_HANGUL_L + 19 && b >= LG_HANGUL_V && b < LG_HANGUL_V + LG_HANGUL_V_COUNT)
+        return LG_HANGUL_S + ((a - LG_HANGUL_L) * LG_HANGUL_V_COUNT + (b - LG_HANGUL_V)) * LG_HANGUL_T_COUNT;
+    if (a >= LG_HANGUL_S && a < LG_HANGUL_S + LG_HANGUL_COUNT && (a - LG_HANGUL_S) % LG_HANGUL_T_COUNT == 0 &&
+        b > LG_HANGUL_T && b < LG_HANGUL_T + LG_HANGUL_T_COUNT)
+        return a + (b - LG_HANGUL_T);
+    uint32_t key[2] = {a, b};
+    const uint32_t *row = lg_unicode_row(&lg_unicode_compositions[0][0],
+                                         LG_UNICODE_ROWS(lg_unicode_compositions), 3, 2, key);
+    return row ? row[2] : 0;
+}
+
+/* Canonical order (each run of combining marks sorted by class, stably), then canonical
+   composition (Unicode's algorithm: a mark joins the last starter unless blocked). */
+static void lg_unicode_order_and_compose(lg_codepoints *d) {
+    for (size_t i = 1; i < d->n; i++)
+        for (size_t j = i; j > 0 && lg_unicode_combining_class(d->cp[j]) &&
+                           lg_unicode_combining_class(d->cp[j - 1]) > lg_unicode_combining_class(d->cp[j]); j--) {
+            uint32_t t = d->cp[j];
+            d->cp[j] = d->cp[j - 1];
+            d->cp[j - 1] = t;
+        }
+    if (d->n == 0) return;
+    size_t starter = 0, kept = 1;
+    int last = lg_unicode_combining_class(d->cp[0]) ? 256 : 0;
+    for (size_t i = 1; i < d->n; i++) {
+        uint32_t c = d->cp[i], composite = lg_unicode_compose_pair(d->cp[starter], c);
+        int cls = lg_unicode_combining_class(c);
+        if (composite && (last < cls || last == 0)) { d->cp[starter] = composite; continue; }
+        if (cls == 0) starter = kept;
+        last = cls;
+        d->cp[kept++] = c;
+    }
+    d->n = kept;
+}
+
+/* NFC (compat 0) or NFKC (compat 1) of the code points in c, in place. */
+static int lg_unicode_nfc(lg_codepoints *c, int compat) {
+    lg_codepoints d = {NULL, 0, 0};
+    int rc = 0;
+    for (size_t i = 0; i < c->n && rc == 0; i++) rc = lg_unicode_decompose(c->cp[i], compat, &d);
+    if (rc == 0) lg_unicode_order_and_compose(&d);
+    LG_FREE(c->cp);
+    *c = d;
+    return rc;
+}
+
+/* Lowercase, each code point alone (Unicode's full mapping without context, as Rust's
+   char::to_lowercase), in place. */
+static int lg_unicode_lowercase_all(lg_codepoints *c) {
+    lg_codepoints out = {NULL, 0, 0};
+    int rc = 0;
+    for (size_t i = 0; i < c->n && rc == 0; i++) {
+        const uint32_t *row = lg_unicode_row(&lg_unicode_lowercase[0][0], LG_UNICODE_ROWS(lg_unicode_lowercase),
+                                             3, 1, &c->cp[i]);
+        rc = lg_codepoints_push(&out, row ? row[1] : c->cp[i]);
+        if (rc == 0 && row && row[2]) rc = lg_codepoints_push(&out, row[2]);
+    }
+    LG_FREE(c->cp);
+    *c = out;
+    return rc;
+}
+
+/* One Unicode step on text: its code points changed, written back as UTF-8 (invalid bytes as
+   they were). */
+static int lg_normalize_unicode(lg_normalize_kind kind, lg_text *text) {
+    lg_codepoints c = {NULL, 0, 0};
+    int rc = 0, size;
+    for (size_t at = 0; at < text->n && rc == 0; at += (size_t)size)
+        rc = lg_codepoints_push(&c, lg_utf8_next((const unsigned char *)text->bytes + at, text->n - at, &size));
+    if (rc == 0) rc = kind == LG_NORMALIZE_LOWERCASE ? lg_unicode_lowercase_all(&c)
+                                                     : lg_unicode_nfc(&c, kind == LG_NORMALIZE_NFKC);
+    text->n = 0;
+    for (size_t i = 0; i < c.n && rc == 0; i++) {
+        char utf8[4];
+        if (c.cp[i] >= 0x110000u) { utf8[0] = (char)(c.cp[i] - 0x110000u); rc = lg_text_append(text, utf8, 1); }
+        else rc = lg_text_append(text, utf8, (size_t)lg_utf8_put(utf8, c.cp[i]));
+    }
+    LG_FREE(c.cp);
+    return rc;
+}
+
+/* Every occurrence of from in text replaced by to (left to right, not overlapping). */
+static int lg_normalize_replace(const char *from, const char *to, lg_text *text) {
+    size_t n_from = strlen(from);
+    lg_text out = {NULL, 0, 0};
+    int rc = lg_text_append(&out, "", 0);
+    for (size_t at = 0; at < text->n && rc == 0;) {
+        int hit = n_from && at + n_from <= text->n && !memcmp(text->bytes + at, from, n_from);
+        rc = hit ? lg_text_append(&out, to, strlen(to)) : lg_text_append(&out, text->bytes + at, 1);
+        at += hit ? n_from : 1;
+    }
+    lg_text_free(text);
+    *text = out;
+    return rc;
+}
+
+/* text's len bytes normalized by tok's steps into out (emptied first). continued: the text
+   goes on from other text, so Prepend adds nothing (it prepends to each piece that a special
+   token or the start begins). */
+static int lg_normalize(const lg_tokenizer *tok, const char *text, size_t len, int continued,
+                        lg_text *out) {
+    out->n = 0;
+    int rc = lg_text_append(out, text, len);
+    for (int s = 0; s < tok->n_normalize && rc == 0 && out->n > 0; s++) {
+        const lg_normalize_step *step = &tok->normalize[s];
+        if (step->kind == LG_NORMALIZE_REPLACE) rc = lg_normalize_replace(step->text[0], step->text[1], out);
+        else if (step->kind != LG_NORMALIZE_PREPEND) rc = lg_normalize_unicode(step->kind, out);
+        else if (!continued) {
+            size_t n = strlen(step->text[0]);
+            rc = lg_text_append(out, step->text[0], n); /* room, then shift */
+            if (rc == 0) {
+                memmove(out->bytes + n, out->bytes, out->n - n);
+                memcpy(out->bytes, step->text[0], n);
+            }
+        }
+    }
+    return rc;
+}
+
 /* --- pre-tokenizers: the regular expressions written out -------------------------------------- */
 
 /* Text as code points, with the byte offset of each (and of the end). */
@@ -10461,14 +10672,13 @@ static int lg_encode_word(const lg_tokenizer *tok, const char *word, size_t len,
     return rc == 0 ? 0 : lg_fail(ctx->err, "tokenizer %s: out of host memory", tok->path);
 }
 
-/* SentencePiece style: spaces become U+2581, one is prepended; symbols start as characters,
-   and a character outside the vocabulary falls back to its bytes' <0xXX> tokens. */
-static int lg_encode_sentencepiece(const lg_tokenizer *tok, const char *text, size_t len,
-                                   int first, lg_encode_ctx *ctx) {
-    lg_text norm = {NULL, 0, 0};
-    int rc = first ? lg_text_append(&norm, "\xE2\x96\x81", 3) : 0;
-    for (size_t i = 0; i < len && rc == 0; i++)
-        rc = text[i] == ' ' ? lg_text_append(&norm, "\xE2\x96\x81", 3) : lg_text_append(&norm, text + i, 1);
+/* SentencePiece style, on text its normalizer has made (spaces already U+2581): symbols start
+   as characters, and a character outside the vocabulary falls back to its bytes' <0xXX>
+   tokens. */
+static int lg_encode_sentencepiece(const lg_tokenizer *tok, const lg_text *normalized,
+                                   lg_encode_ctx *ctx) {
+    const lg_text norm = *normalized;
+    int rc = 0;
     int *sym = rc == 0 ? (int *)LG_MALLOC(sizeof(int) * (norm.n + 1)) : NULL;
     size_t n = 0;
     for (size_t at = 0; sym && at < norm.n;) {
@@ -10487,7 +10697,6 @@ static int lg_encode_sentencepiece(const lg_tokenizer *tok, const char *text, si
     if (rc == 0 && lg_bpe_symbols(tok, sym, n, ctx->out) != 0)
         rc = lg_fail(ctx->err, "tokenizer %s: out of host memory", tok->path);
     LG_FREE(sym);
-    lg_text_free(&norm);
     return rc;
 }
 
@@ -10495,13 +10704,20 @@ static int lg_encode_sentencepiece(const lg_tokenizer *tok, const char *text, si
 static int lg_encode_plain(const lg_tokenizer *tok, const char *text, size_t len, int first,
                            lg_encode_ctx *ctx) {
     if (len == 0) return 0;
-    if (tok->sentencepiece) return lg_encode_sentencepiece(tok, text, len, first, ctx);
+    lg_text norm = {NULL, 0, 0};
+    if (tok->n_normalize && lg_normalize(tok, text, len, !first, &norm) != 0) {
+        lg_text_free(&norm);
+        return lg_fail(ctx->err, "tokenizer %s: out of host memory", tok->path);
+    }
+    if (tok->n_normalize) text = norm.bytes, len = norm.n;
     lg_chars chars = {NULL, NULL, 0, tok->js_whitespace};
-    int rc = lg_chars_decode(&chars, text, len) == 0
+    int rc = tok->sentencepiece ? lg_encode_sentencepiece(tok, &norm, ctx)
+             : lg_chars_decode(&chars, text, len) == 0
                  ? lg_pretokenize(tok, &chars, lg_encode_word, text, ctx)
                  : lg_fail(ctx->err, "tokenizer %s: out of host memory", tok->path);
     LG_FREE(chars.cp);
     LG_FREE(chars.at);
+    lg_text_free(&norm);
     return rc;
 }
 
@@ -10868,6 +11084,44 @@ static int lg_tokenizer_json_vocab(lg_tokenizer *tok, const lg_json *doc, int mo
     return rc;
 }
 
+/* One normalizer (a Sequence: each of its own) as steps of tok->normalize; one not
+   implemented is refused by name. */
+static int lg_tokenizer_json_normalizer(lg_tokenizer *tok, const lg_json *doc, int node,
+                                        lg_error *err) {
+    if (node < 0 || doc->nodes[node].kind == LG_JSON_NULL) return 0;
+    char type[32];
+    lg_json_string_copy(doc, lg_json_find(doc, node, "type"), type, sizeof type);
+    if (!strcmp(type, "Sequence")) {
+        int list = lg_json_find(doc, node, "normalizers");
+        if (list < 0 || doc->nodes[list].kind != LG_JSON_ARRAY)
+            return lg_fail(err, "tokenizer %s: normalizer Sequence without a list", tok->path);
+        for (int e = doc->nodes[list].first_child; e >= 0; e = doc->nodes[e].next)
+            if (lg_tokenizer_json_normalizer(tok, doc, e, err) != 0) return -1;
+        return 0;
+    }
+    static const char *const names[] = {"NFC", "NFKC", "Lowercase", "Replace", "Prepend"};
+    int kind = 0;
+    while (kind < 5 && strcmp(type, names[kind])) kind++;
+    if (kind == 5 || tok->n_normalize == LG_NORMALIZE_MAX_STEPS)
+        return lg_fail(err, "tokenizer %s: normalizer %s is not implemented (NFC, NFKC, Lowercase, "
+                            "Replace, Prepend and a Sequence of at most %d of them are)", tok->path,
+                       type[0] ? type : "(no type)", LG_NORMALIZE_MAX_STEPS);
+    lg_normalize_step *step = &tok->normalize[tok->n_normalize++];
+    memset(step, 0, sizeof *step);
+    step->kind = (lg_normalize_kind)kind;
+    int ok = 1;
+    if (kind == LG_NORMALIZE_REPLACE)
+        ok = lg_json_string_copy(doc, lg_json_find(doc, lg_json_find(doc, node, "pattern"), "String"),
+                                 step->text[0], sizeof step->text[0]) == 0 && step->text[0][0] &&
+             lg_json_string_copy(doc, lg_json_find(doc, node, "content"), step->text[1], sizeof step->text[1]) == 0;
+    if (kind == LG_NORMALIZE_PREPEND)
+        ok = lg_json_string_copy(doc, lg_json_find(doc, node, "prepend"), step->text[0], sizeof step->text[0]) == 0;
+    if (!ok) return lg_fail(err, "tokenizer %s: normalizer %s: only a plain string (under %zu bytes) is "
+                                 "implemented, not a Regex pattern or a longer one", tok->path, type,
+                            sizeof step->text[0]);
+    return 0;
+}
+
 /* BOS, EOS and padding: tokenizer_config.json beside the file when it names them, else the
    usual names of the families. */
 static int lg_tokenizer_guess_special(const lg_tokenizer *tok, const char *const *names) {
@@ -10924,6 +11178,13 @@ static int lg_tokenizer_load_json(lg_tokenizer *tok, const char *path, lg_error 
     if (rc == 0) rc = lg_tokenizer_json_vocab(tok, &doc, model, added, err);
     if (rc == 0) rc = lg_tokenizer_json_merges(tok, &doc, lg_json_find(&doc, model, "merges"), err);
     if (rc == 0) rc = lg_tokenizer_json_added(tok, &doc, added, err);
+    if (rc == 0) rc = lg_tokenizer_json_normalizer(tok, &doc, lg_json_find(&doc, 0, "normalizer"), err);
+    if (rc == 0 && tok->sentencepiece && tok->n_normalize == 0) { /* Metaspace's: the same */
+        lg_normalize_step metaspace[2] = {{LG_NORMALIZE_PREPEND, {"\xE2\x96\x81", ""}},
+                                          {LG_NORMALIZE_REPLACE, {" ", "\xE2\x96\x81"}}};
+        memcpy(tok->normalize, metaspace, sizeof metaspace);
+        tok->n_normalize = 2;
+    }
     if (rc == 0 && tok->sentencepiece) tok->pretokenizer = LG_PRETOKENIZE_NONE;
     else if (rc == 0) rc = lg_tokenizer_json_pattern(tok, &doc, pre, err);
     lg_json_free(&doc);

@@ -1074,6 +1074,98 @@ static void test_chat_entry(results *r, const lg_json *doc, int node, const lg_c
     lg_chat_rendered_free(&out);
 }
 
+/* tokenizer.json's normalizers against JavaScript (tests/make_normalizer_reference.mjs):
+   NFC, NFKC and lowercase of 400 seeded random strings of letters, combining marks, jamo and
+   compatibility characters as String.prototype.normalize and toLowerCase give them, and the
+   npm tokenizers' ids for texts with decomposed characters (Qwen3's NFC: "cafe\u0301" gets
+   the ids of "caf\u00e9"). */
+static int normalized_equal(lg_normalize_kind kind, const char *text, const char *want) {
+    lg_tokenizer tok;
+    memset(&tok, 0, sizeof tok);
+    tok.normalize[0].kind = kind;
+    tok.n_normalize = 1;
+    lg_text out = {NULL, 0, 0};
+    int ok = lg_normalize(&tok, text, strlen(text), 0, &out) == 0 && out.n == strlen(want) &&
+             !memcmp(out.bytes, want, out.n);
+    lg_text_free(&out);
+    return ok;
+}
+
+static void test_normalizer_strings(results *r, const lg_json *doc, int list) {
+    static const char *const forms[3] = {"nfc", "nfkc", "lower"};
+    static const lg_normalize_kind kinds[3] = {LG_NORMALIZE_NFC, LG_NORMALIZE_NFKC, LG_NORMALIZE_LOWERCASE};
+    int equal[3] = {0, 0, 0}, n = 0;
+    for (int e = list >= 0 ? doc->nodes[list].first_child : -1; e >= 0; e = doc->nodes[e].next, n++) {
+        char *text = lg_json_string(doc, lg_json_find(doc, e, "text"), NULL);
+        for (int f = 0; f < 3; f++) {
+            char *want = lg_json_string(doc, lg_json_find(doc, e, forms[f]), NULL);
+            int ok = text && want && normalized_equal(kinds[f], text, want);
+            equal[f] += ok;
+            LG_FREE(want);
+        }
+        LG_FREE(text);
+    }
+    check(r, n == 400 && equal[0] == n && equal[1] == n && equal[2] == n, "normalizers against "
+          "JavaScript on %d random strings: NFC %d equal, NFKC %d, Lowercase %d", n, equal[0], equal[1], equal[2]);
+}
+
+static void test_normalizers(results *r) {
+    lg_error err;
+    size_t len;
+    char *text = lg_read_file("tests/reference/normalizer_reference.json", &len, "reference", &err);
+    lg_json doc;
+    if (!text || lg_json_parse(&doc, text, len, "normalizer_reference.json", &err) != 0) {
+        check(r, 0, "normalizer reference: %s", err.msg);
+        LG_FREE(text);
+        return;
+    }
+    test_normalizer_strings(r, &doc, lg_json_find(&doc, 0, "normalized"));
+    chat_tokenizer cache[CHAT_MAX_PACKAGES];
+    memset(cache, 0, sizeof cache);
+    int list = lg_json_find(&doc, 0, "tokenized"), n = 0, equal = 0;
+    for (int e = list >= 0 ? doc.nodes[list].first_child : -1; e >= 0; e = doc.nodes[e].next, n++) {
+        char pkg[64];
+        lg_json_string_copy(&doc, lg_json_find(&doc, e, "package"), pkg, sizeof pkg);
+        lg_tokenizer *tok = chat_tokenizer_for(r, cache, pkg);
+        size_t n_text = 0;
+        char *sample = lg_json_string(&doc, lg_json_find(&doc, e, "text"), &n_text);
+        lg_tokens ids = {NULL, 0, 0};
+        int ids_node = lg_json_find(&doc, e, "ids");
+        int ok = tok && sample && lg_tokenizer_encode(tok, sample, n_text, &ids, &err) == 0 &&
+                 (size_t)lg_json_count(&doc, ids_node) == ids.n;
+        size_t k = 0;
+        for (int i = ok ? doc.nodes[ids_node].first_child : -1; i >= 0 && ok; i = doc.nodes[i].next) {
+            long id = -1;
+            lg_json_int(&doc, i, &id);
+            ok = id == ids.ids[k++];
+        }
+        if (!ok) check(r, 0, "%s: the ids of \"%s\" differ from the package's", pkg, sample ? sample : "?");
+        equal += ok;
+        LG_FREE(sample);
+        lg_tokens_free(&ids);
+    }
+    for (int i = 0; i < CHAT_MAX_PACKAGES; i++)
+        if (cache[i].loaded > 0) lg_tokenizer_free(&cache[i].tok);
+    check(r, n == 39 && equal == n, "Qwen3 (NFC), Llama 2's kind (Prepend, Replace), Llama 3.1: %d of %d "
+          "texts with decomposed and compatibility characters give the npm tokenizers' ids", equal, n);
+    lg_json_free(&doc);
+    LG_FREE(text);
+    static const char *const refused[][2] = {
+        {"{\"type\":\"NFD\"}", "normalizer NFD is not implemented"},
+        {"{\"type\":\"BertNormalizer\",\"lowercase\":true}", "normalizer BertNormalizer is not implemented"},
+        {"{\"type\":\"Sequence\",\"normalizers\":[{\"type\":\"NFC\"},{\"type\":\"StripAccents\"}]}",
+         "normalizer StripAccents is not implemented"},
+        {"{\"type\":\"Replace\",\"pattern\":{\"Regex\":\" +\"},\"content\":\" \"}",
+         "normalizer Replace: only a plain string"},
+    };
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        char json[512];
+        snprintf(json, sizeof json, "{\"normalizer\":%s,\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":0},"
+                 "\"merges\":[]}}", refused[i][0]);
+        expect_tokenizer_error(r, json, refused[i][1], refused[i][1]);
+    }
+}
+
 static void test_chat_bad_input(results *r) {
     static const char *const bad[][2] = {
         {"{\"messages\": [{\"role\": \"robot\", \"content\": \"x\"}]}", "unknown role \"robot\""},
@@ -1263,6 +1355,7 @@ static void test_data_all(results *r) {
     test_tokenizer_llama(r, "Llama 2 tokenizer.json", LLAMA2_JSON, "tests/reference/tokenizer-llama2.jsonl",
                          "llama-tokenizer-js", 0);
     test_pretokenizers(r);
+    test_normalizers(r);
     test_tokenizer_json_small(r);
     test_tokenizer_errors(r);
     printf("data: fine-tuning samples\n");
