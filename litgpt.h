@@ -12190,11 +12190,39 @@ static int lg_chat_mark(lg_chat_rendered *r, int open) {
     return 0;
 }
 
-/* Text without leading and trailing ASCII whitespace (Jinja's trim), appended. */
+/* Whether the character at s[at] (of n bytes; *size gets its length) is whitespace to a chat
+   template's trim and strip: 1 for what Python (str.strip) and JavaScript (String.trim, in
+   @huggingface/jinja) both strip (ASCII \t \n \v \f \r and space, the Zs spaces, U+2028,
+   U+2029), 2 for what only one strips (U+001C..U+001F and U+0085: Python; U+FEFF: JavaScript),
+   0 for the rest. */
+static int lg_chat_space(const char *s, size_t n, size_t at, int *size) {
+    uint32_t c = lg_utf8_next((const unsigned char *)s + at, n - at, size);
+    if (c == ' ' || (c >= '\t' && c <= '\r') || c == 0xA0 || c == 0x1680 || (c >= 0x2000 && c <= 0x200A) ||
+        c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000)
+        return 1;
+    return (c >= 0x1C && c <= 0x1F) || c == 0x85 || c == 0xFEFF ? 2 : 0;
+}
+
+/* The bytes [*a, *b) of s without leading and trailing whitespace (lg_chat_space); 2 when a
+   character only Python or only JavaScript strips ends it, else 0. */
+static int lg_chat_trim_range(const char *s, size_t *a, size_t *b) {
+    int size, kind = 0;
+    *a = 0, *b = strlen(s);
+    while (*a < *b && (kind = lg_chat_space(s, *b, *a, &size)) == 1) *a += (size_t)size;
+    if (kind == 2) return 2;
+    while (*b > *a) {
+        size_t at = *b - 1;
+        while (at > *a && ((unsigned char)s[at] & 0xC0) == 0x80) at--;
+        if ((kind = lg_chat_space(s, *b, at, &size)) != 1) return kind == 2 ? 2 : 0;
+        *b = at;
+    }
+    return 0;
+}
+
+/* Text without leading and trailing whitespace (Jinja's trim, strip), appended. */
 static int lg_chat_put_trimmed(lg_chat_rendered *r, const char *s) {
-    size_t a = 0, b = strlen(s);
-    while (a < b && strchr(" \t\r\n\v\f", s[a])) a++;
-    while (b > a && strchr(" \t\r\n\v\f", s[b - 1])) b--;
+    size_t a, b;
+    lg_chat_trim_range(s, &a, &b);
     return lg_text_append(&r->text, s + a, b - a);
 }
 
@@ -12334,8 +12362,48 @@ static int lg_chat_single(const lg_chat *c, int gen, int alpaca, const char *bos
     return rc;
 }
 
+/* The 1 when the qwen3 template's last answer is read two ways: its lstrip('\n') strips
+   newlines in Python and all whitespace in @huggingface/jinja, so after its newlines it may
+   not start with other whitespace. */
+static int lg_chat_qwen3_ambiguous(const char *content) {
+    int size;
+    while (*content == '\n') content++;
+    return *content && lg_chat_space(content, strlen(content), 0, &size) != 0;
+}
+
+/* What a template cannot render exactly, refused naming the turn: a content the template
+   trims that ends in whitespace Python and JavaScript strip differently; for qwen3 a turn
+   holding <think> or </think> (the template moves it) or <tool_response> (it moves the last
+   query), and a last answer whose lstrip is read two ways; for llama2 an empty system prompt
+   (system_message != false: true in Python, false in @huggingface/jinja). */
+static int lg_chat_check_exact(lg_chat_template t, const lg_chat *c, lg_error *err) {
+    int trims = t == LG_TEMPLATE_LLAMA3 || t == LG_TEMPLATE_LLAMA2;
+    for (int k = 0; k < c->n; k++) {
+        const char *s = c->turns[k].content;
+        size_t a, b;
+        if (trims && lg_chat_trim_range(s, &a, &b) == 2)
+            return lg_fail(err, "turn %d: the %s template strips its content, and the whitespace "
+                                "it ends in (U+001C-001F, U+0085 or U+FEFF) is stripped by Python "
+                                "and JavaScript differently", k, lg_chat_template_name(t));
+        if (t == LG_TEMPLATE_LLAMA2 && k == 0 && c->turns[0].role == LG_ROLE_SYSTEM && !s[0])
+            return lg_fail(err, "turn 0: an empty system prompt, which Meta's llama2 template "
+                                "writes as an empty <<SYS>> block in Python and leaves out in "
+                                "JavaScript; drop it or give it text");
+        if (t != LG_TEMPLATE_QWEN3) continue;
+        if (strstr(s, "<think>") || strstr(s, "</think>") || strstr(s, "<tool_response>"))
+            return lg_fail(err, "turn %d: holds <think>, </think> or <tool_response>, which the "
+                                "qwen3 template moves; not rendered here", k);
+        if (k == c->n - 1 && c->turns[k].role == LG_ROLE_ASSISTANT && lg_chat_qwen3_ambiguous(s))
+            return lg_fail(err, "turn %d: the qwen3 template's lstrip('\\n') of the last answer strips "
+                                "newlines in Python but all whitespace in JavaScript: start it with "
+                                "neither space nor tab", k);
+    }
+    return 0;
+}
+
 int lg_chat_render(lg_chat_template t, const lg_chat *chat, const lg_tokenizer *tok,
                    int generation_prompt, lg_chat_rendered *out, lg_error *err) {
+    if (lg_chat_check_exact(t, chat, err) != 0) return -1;
     char bos[128], eos[128];
     lg_chat_special(tok, tok ? lg_tokenizer_start_id(tok) : -1, bos, sizeof bos);
     lg_chat_special(tok, tok ? tok->eos : -1, eos, sizeof eos);
