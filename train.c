@@ -124,7 +124,9 @@ static const char usage[] =
     "                             training state, and a COMPLETE marker written last\n"
     "      --save-every N         steps between checkpoints (0: only at the end)\n"
     "      --load DIR             start from the weights of a Hugging Face directory\n"
-    "                             (config.json + model.safetensors or shards), instead of -c\n"
+    "                             (config.json + model.safetensors or shards), instead of -c;\n"
+    "                             data made with another tokenizer than its own is refused\n"
+    "      --any-tokenizer-data   train on such data anyway (a deliberate reuse)\n"
     "      --resume DIR           continue a run from DIR/step-N (or the latest complete\n"
     "                             step-N under DIR) with the settings it records: bitwise\n"
     "                             the same losses as an uninterrupted run, checkpoints to\n"
@@ -248,7 +250,8 @@ enum { OPT_DATA = 256, OPT_VAL_DATA, OPT_LR, OPT_MIN_LR, OPT_WARMUP, OPT_WEIGHT_
        OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_HOST_MEMORY_LIMIT, OPT_GPU, OPT_MEMORY_MARGIN, OPT_BACKEND, OPT_PACK, OPT_HEAD_ROWS, OPT_SLICE_ROWS, OPT_OPTIMIZER_STATE,
        OPT_HESSIAN_INTERVAL, OPT_RHO, OPT_STRATEGY, OPT_NODES, OPT_SAVE_EVERY, OPT_LOAD,
        OPT_RESUME, OPT_CPU, OPT_TF32, OPT_LORA_R, OPT_LORA_ALPHA, OPT_LORA_DROPOUT,
-       OPT_LORA_TARGETS, OPT_QUANTIZE, OPT_LOG_INTERVAL, OPT_PLOT, OPT_DATA_CHANGED };
+       OPT_LORA_TARGETS, OPT_QUANTIZE, OPT_LOG_INTERVAL, OPT_PLOT, OPT_DATA_CHANGED,
+       OPT_ANY_TOKENIZER_DATA };
 
 static const struct option long_options[] = {
     {"config", required_argument, 0, 'c'},
@@ -300,6 +303,7 @@ static const struct option long_options[] = {
     {"load", required_argument, 0, OPT_LOAD},
     {"resume", required_argument, 0, OPT_RESUME},
     {"data-changed", no_argument, 0, OPT_DATA_CHANGED},
+    {"any-tokenizer-data", no_argument, 0, OPT_ANY_TOKENIZER_DATA},
     {"cpu", no_argument, 0, OPT_CPU},
     {"tf32", no_argument, 0, OPT_TF32},
     {"lora-r", required_argument, 0, OPT_LORA_R},
@@ -328,6 +332,8 @@ typedef struct {
     const char *resume;   /* --resume: a checkpoint, or a --out directory (its latest) */
     char resume_dir[LG_PATH_MAX]; /* the step-N directory --resume resolved to */
     int data_changed;     /* --data-changed: resume onto training data other than the run's */
+    int any_tokenizer_data; /* --any-tokenizer-data: data made with another tokenizer than
+                               --load's is used on purpose */
 } checkpoint_flags;
 
 /* The flags whose default depends on others: given on the command line or not. */
@@ -484,6 +490,7 @@ static void apply_flags(int argc, char **argv, lg_args *a, given_flags *given,
         case OPT_LOAD: ck->load = optarg; break;
         case OPT_RESUME: ck->resume = optarg; break;
         case OPT_DATA_CHANGED: ck->data_changed = 1; break;
+        case OPT_ANY_TOKENIZER_DATA: ck->any_tokenizer_data = 1; break;
         case OPT_LORA_R: a->lora.r = parse_int(f, optarg); break;
         case OPT_LORA_ALPHA: a->lora.alpha = parse_float(f, optarg); break;
         case OPT_LORA_DROPOUT: a->lora.dropout = parse_float(f, optarg); break;
@@ -1768,6 +1775,24 @@ static int sample_vocab(const lg_trainer *tr) {
     return vocab;
 }
 
+/* Data made with another tokenizer than the one --load's directory holds is refused (its ids
+   would mean other text to the model); a directory without a tokenizer, or data that records
+   none (older files), passes. */
+static void check_data_tokenizer(const char *load, const run_data *d) {
+    lg_tokenizer tok;
+    lg_error err;
+    if (lg_tokenizer_load(&tok, load, &err) != 0) return;
+    const lg_loader *files[2] = {d->has_train && !d->builtin ? &d->train : NULL,
+                                 d->has_val && !d->builtin ? &d->val : NULL};
+    for (int f = 0; f < 2; f++)
+        if (files[f] && lg_loader_check_tokenizer(files[f], &tok, &err) != 0) {
+            lg_tokenizer_free(&tok);
+            die_usage("%s; prepare it again with tools/prepare --tokenizer %s, or add "
+                      "--any-tokenizer-data to train on it anyway", err.msg, load);
+        }
+    lg_tokenizer_free(&tok);
+}
+
 /* Stage 4: the weights of --load, or a resumed run's whole state; returns the steps done. */
 static int start_weights(lg_trainer *tr, run_setup *rs) {
     const lg_args *a = &rs->a;
@@ -1782,6 +1807,7 @@ static int start_weights(lg_trainer *tr, run_setup *rs) {
     if (ck->resume && rs->data.has_train && !ck->data_changed &&
         lg_checkpoint_same_data(ck->resume_dir, &rs->data.train, &err) != 0)
         die_usage("%s; give --data-changed to resume on it on purpose", err.msg);
+    if (ck->load && !ck->any_tokenizer_data) check_data_tokenizer(ck->load, &rs->data);
     if (ck->resume && lg_checkpoint_resume(tr, &rs->data.train, ck->resume_dir, &first_step, &err) != 0)
         die(2, &err);
     if (ck->resume) printf("resumed %s: %d steps done%s%s\n", ck->resume_dir, first_step,

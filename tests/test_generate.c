@@ -683,6 +683,9 @@ static void test_gen_tool_chat(results *r) {
           "(exit %d): \"%s\"", code, last);
     expect_program(r, "./tools/generate", "--load build/test-gen-chat --chat --template nosuch "
                    "--tokenizer data/llama3 < /dev/null", 2, "nosuch");
+    expect_program(r, "./tools/generate", "--load build/test-gen-chat --chat --template chatml "
+                   "--tokenizer data/gpt2 < /dev/null", 2, "--chat: template chatml: markers "
+                   "<|im_start|>, <|im_end|> are not special tokens of tokenizer data/gpt2");
     expect_program(r, "./tools/generate", "--load build/test-gen-chat --chat --prompt hi", 2,
                    "--chat reads its turns from standard input");
     expect_program(r, "printf 'hi\\n' | ./tools/generate", "--load tests/hf/llama --chat "

@@ -409,8 +409,8 @@ static void run_chat(const generate_args *a, const lg_gen_source *src, const lg_
     lg_error err;
     chat_session cs;
     memset(&cs, 0, sizeof cs);
-    if (a->template_name ? lg_chat_template_find(a->template_name, &cs.template_id, &err)
-                         : lg_chat_template_auto(tok, &cs.template_id, &err))
+    if (lg_chat_template_pick(a->template_name ? a->template_name : "auto", tok, &cs.template_id,
+                              &err) != 0)
         die(2, "--chat: %s", err.msg);
     int positions = a->context ? a->context : src->cfg.block_size < 4096 ? src->cfg.block_size : 4096;
     if (positions > src->cfg.block_size)

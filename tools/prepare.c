@@ -287,13 +287,21 @@ static void tokenize_sample(const lg_tokenizer *tok, const lg_alpaca_sample *s, 
     lg_text_free(&prompt);
 }
 
-static void write_samples(const char *path, const sample_set *set, int vocab_size, int mask) {
+/* The samples or shard at path, made by tok: which tokenizer made it goes in its header. */
+static void record_tokenizer(const char *path, const lg_tokenizer *tok) {
+    lg_error err;
+    if (lg_data_record_tokenizer(path, tok->files_hash, &err) != 0) die(1, "%s", err.msg);
+}
+
+static void write_samples(const char *path, const sample_set *set, const lg_tokenizer *tok, int mask) {
+    int vocab_size = tok->vocab_size;
     lg_error err;
     uint32_t *tokens = (uint32_t *)malloc(sizeof(uint32_t) * (set->tokens.n + 1));
     for (size_t i = 0; i < set->tokens.n; i++) tokens[i] = (uint32_t)set->tokens.ids[i];
     if (lg_samples_write(path, tokens, set->lengths, set->prompts, set->n,
                          vocab_size > 65535 ? 4 : 2, mask, &err) != 0)
         die(1, "%s", err.msg);
+    record_tokenizer(path, tok);
     printf("wrote %s: %zu samples, %zu tokens\n", path, set->n, set->tokens.n);
     free(tokens);
 }
@@ -341,8 +349,8 @@ static int command_alpaca(const prepare_args *a) {
         all_lengths[k] = set->lengths[set->n - 1];
     }
     print_length_stats(all_lengths, data.n);
-    write_samples(a->out, &sets[0], tok.vocab_size, a->mask_prompt);
-    if (n_val) write_samples(a->val, &sets[1], tok.vocab_size, a->mask_prompt);
+    write_samples(a->out, &sets[0], &tok, a->mask_prompt);
+    if (n_val) write_samples(a->val, &sets[1], &tok, a->mask_prompt);
     for (int s = 0; s < 2; s++) {
         lg_tokens_free(&sets[s].tokens);
         free(sets[s].lengths);
@@ -374,9 +382,7 @@ static lg_chat_template pick_template(const prepare_args *a, const lg_tokenizer 
     lg_chat_template t;
     lg_error err;
     const char *name = a->chat_template ? a->chat_template : "auto";
-    int rc = !strcmp(name, "auto") ? lg_chat_template_auto(tok, &t, &err)
-                                   : lg_chat_template_find(name, &t, &err);
-    if (rc != 0) die(2, "%s", err.msg);
+    if (lg_chat_template_pick(name, tok, &t, &err) != 0) die(2, "%s", err.msg);
     return t;
 }
 
@@ -393,13 +399,14 @@ static void tokenize_chat(const lg_tokenizer *tok, const lg_chat_rendered *r, sa
     set->prompts[set->n++] = 0;
 }
 
-static void write_chat_samples(const char *path, const sample_set *set) {
+static void write_chat_samples(const char *path, const sample_set *set, const lg_tokenizer *tok) {
     lg_error err;
     uint32_t *tokens = (uint32_t *)malloc(sizeof(uint32_t) * (set->tokens.n + 1));
     for (size_t i = 0; i < set->tokens.n; i++) tokens[i] = (uint32_t)set->tokens.ids[i];
     if (lg_samples_write(path, tokens, set->lengths, set->prompts, set->n, 4,
                          LG_SAMPLES_MASK_TOKENS, &err) != 0)
         die(1, "%s", err.msg);
+    record_tokenizer(path, tok);
     printf("wrote %s: %zu conversations, %zu tokens\n", path, set->n, set->tokens.n);
     free(tokens);
 }
@@ -435,8 +442,8 @@ static int command_chat(const prepare_args *a) {
     if (!a->render) {
         printf("template %s\n", lg_chat_template_name(t));
         print_length_stats(all_lengths, data.n);
-        write_chat_samples(a->out, &sets[0]);
-        if (n_val) write_chat_samples(a->val, &sets[1]);
+        write_chat_samples(a->out, &sets[0], &tok);
+        if (n_val) write_chat_samples(a->val, &sets[1], &tok);
     }
     for (int s = 0; s < 2; s++) {
         lg_tokens_free(&sets[s].tokens);
@@ -488,6 +495,7 @@ static int command_text(const prepare_args *a) {
         uint32_t *tokens = (uint32_t *)malloc(sizeof(uint32_t) * (sets[s].n + 1));
         for (size_t i = 0; i < sets[s].n; i++) tokens[i] = (uint32_t)sets[s].ids[i];
         if (lg_shard_write(paths[s], tokens, sets[s].n, token_bytes, &err) != 0) die(1, "%s", err.msg);
+        record_tokenizer(paths[s], &tok);
         printf("wrote %s: %zu tokens (uint%d)\n", paths[s], sets[s].n, token_bytes * 8);
         free(tokens);
         lg_tokens_free(&sets[s]);
