@@ -2995,21 +2995,30 @@ static int lg_cuda_matmul_lt(const lg_exec *ex, int trans_a, int trans_b, int M,
     if (bias.data)
         LG_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                      &bias.data, sizeof bias.data));
+    cublasStatus_t status = CUBLAS_STATUS_NOT_SUPPORTED;
     if (fresh) {
         cublasLtMatmulHeuristicResult_t heuristics[LG_LT_CANDIDATES];
         int found = lg_lt_candidates(g, p, A.data, B.data, C.data, heuristics);
         p->usable = 0;
         for (int k = 0; k < found && !done; k++) {
-            done = cublasLtMatmul(g->lt, p->desc, &one, B.data, p->first, A.data, p->second, &beta,
-                                  C.data, p->out, C.data, p->out, &heuristics[k].algo,
-                                  g->matmul_workspace, g->matmul_workspace_bytes,
-                                  stream) == CUBLAS_STATUS_SUCCESS;
+            status = cublasLtMatmul(g->lt, p->desc, &one, B.data, p->first, A.data, p->second,
+                                    &beta, C.data, p->out, C.data, p->out, &heuristics[k].algo,
+                                    g->matmul_workspace, g->matmul_workspace_bytes, stream);
+            done = status == CUBLAS_STATUS_SUCCESS;
             if (done) p->algo = heuristics[k].algo, p->usable = 1;
         }
     } else if (p->usable) {
-        done = cublasLtMatmul(g->lt, p->desc, &one, B.data, p->first, A.data, p->second, &beta,
-                              C.data, p->out, C.data, p->out, &p->algo, g->matmul_workspace,
-                              g->matmul_workspace_bytes, stream) == CUBLAS_STATUS_SUCCESS;
+        status = cublasLtMatmul(g->lt, p->desc, &one, B.data, p->first, A.data, p->second, &beta,
+                                C.data, p->out, C.data, p->out, &p->algo, g->matmul_workspace,
+                                g->matmul_workspace_bytes, stream);
+        done = status == CUBLAS_STATUS_SUCCESS;
+    }
+    if (status == CUBLAS_STATUS_ALLOC_FAILED) { /* a plan that left too little free: say so */
+        fflush(stdout);
+        fprintf(stderr, "GPU %d: out of memory inside cuBLASLt (a %d x %d x %d matmul): the device "
+                "had less free than the plan kept (its margin); --memory-margin SIZE keeps more "
+                "free\n", g->device, M, N, K);
+        abort();
     }
     if (!done && !g->matmul_fallbacks++)
         fprintf(stderr, "GPU %d: cuBLASLt has no algorithm for a (%d x %d x %d) matmul of %s x %s "

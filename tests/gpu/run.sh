@@ -246,12 +246,13 @@ fi
 
 tc=$bin/test_cuda
 if [ -n "$cannot_load" ]; then
-    for s in ops attention steps bench memory bench-attention train grads features combinations resume devices; do
+    for s in ops attention long-context steps bench memory bench-attention train grads features combinations resume devices; do
         skip "$s" "the binaries cannot load (missing $cannot_load)"
     done
 else
     step ops 90 "$tc" ops
     step attention 90 "$tc" attention
+    step long-context 300 "$tc" long-context
     step steps 120 "$tc" steps
     step bench 120 "$tc" bench
     step memory 90 "$tc" memory
@@ -289,6 +290,7 @@ for mode in eager compile; do
     fi
 done
 grep 'GPU memory in use' "$logs/memory.txt" 2>/dev/null >> "$summary"
+grep -E '^ +[0-9]+ ' "$logs/long-context.txt" 2>/dev/null | sed 's/^ */long-context  T /' >> "$summary"
 grep -v '^GPT-2' "$logs/bench.txt" 2>/dev/null | sed 's/^/bench  /' >> "$summary"
 grep 'val loss' "$logs/train.txt" 2>/dev/null | tail -n 1 | sed 's/^/train  /' >> "$summary"
 closing "complete"

@@ -12,7 +12,8 @@
    the plan against the memory the GPU reports. `test_cuda MODE...` runs only the modes named
    (ops, attention, steps, grads, features, resume, devices, memory, combinations; `--list` prints them), so
    that tests/gpu/run.sh runs each in its own process; `bench` times GPT-2 124M instead and
-   `bench-attention` the attention kernels, and `--probe` prints the runtime's and the driver's
+   `bench-attention` the attention kernels, `long-context` README's long-context setup at two
+   lengths, and `--probe` prints the runtime's and the driver's
    CUDA versions and the devices it sees. stdout is line-buffered: what was printed survives an
    abort. The last line is "N passed, N failed". */
 #ifdef LG_CUDA_EMULATE
@@ -850,11 +851,11 @@ static void test_plan_memory(results *r, const char *config, int T, int B) {
     size_t free_bytes;
     lg_cuda_memory(0, &free_bytes, &total, &err);
     size_t used = total - free_bytes, planned = lg_plan_bytes(&tr.plan, LG_POOL_DEVICE);
-    double off = fabs((double)used - (double)planned) / (double)planned;
+    double off = fabs((double)used - (double)planned);
     char used_text[32], plan_text[32];
-    check(r, off < 0.03, "%s -b %d -t %d bf16-mixed: GPU memory in use %s, plan %s (%.2f%% apart, < 3%%)",
-          config, B, T, lg_format_bytes(used, used_text, sizeof used_text),
-          lg_format_bytes(planned, plan_text, sizeof plan_text), 100 * off);
+    check(r, off < 64.0 * (1 << 20), "%s -b %d -t %d bf16-mixed: GPU memory in use %s, plan %s "
+          "(%.1f MiB apart, < 64 MiB)", config, B, T, lg_format_bytes(used, used_text, sizeof used_text),
+          lg_format_bytes(planned, plan_text, sizeof plan_text), off / (1 << 20));
     lg_trainer_free(&tr);
 }
 
@@ -964,6 +965,68 @@ static void bench(void) {
     }
 }
 
+/* `long-context` (a GPU machine's tests/gpu/run.sh, early): README's long-context setup on
+   this GPU at two lengths: Llama 3.1 8B's shapes (random weights), QLoRA nf4 on every linear,
+   r 32, bf16-true, --recompute block, the head in chunks of 1024, the MLP in slices of 2048,
+   --offload activations; 2 steps each, printing the plan's device bytes against the memory in
+   use after them (cudaMemGetInfo; the arena is taken once, so that is the peak) and the second
+   step's time. The lengths fit an H200 in a minute or two. */
+static void long_context(void) {
+    lg_config cfg;
+    lg_error err;
+    if (lg_config_load(&cfg, "configs/Llama-3.1-8B.yaml", &err) != 0) {
+        fprintf(stderr, "%s\n", err.msg);
+        return;
+    }
+    const int lengths[2] = {8192, 32768};
+    printf("%-44s %6s %12s %12s %10s\n", "Llama 3.1 8B QLoRA r 32, every lever", "T", "plan",
+           "in use", "step s");
+    for (int i = 0; i < 2; i++) {
+        int T = lengths[i];
+        lg_args a = step_args(LG_PRECISION_BF16_TRUE, LG_BACKEND_CUDA);
+        a.micro_batch_size = a.global_batch_size = 1;
+        a.lora.r = 32;
+        a.lora.quantize = LG_QUANTIZE_NF4;
+        lg_lora_targets_parse("all", &a.lora.targets, &err);
+        a.recompute = a.offload_activations = 1;
+        a.head_rows = LG_HEAD_CHUNK_ROWS;
+        a.slice_rows = LG_SLICE_ROWS;
+        size_t free_before, total, free_after;
+        lg_cuda_measure_runtime(1, 0, &a.runtime_bytes, &a.device_bytes, &err);
+        lg_cuda_memory(0, &free_before, &total, &err);
+        lg_trainer tr;
+        if (lg_trainer_create(&tr, &cfg, &a, T, &err) != 0) {
+            printf("%-44s %6d   %s\n", "", T, err.msg);
+            continue;
+        }
+        size_t n = (size_t)3 * T + 1;
+        uint32_t *tokens = (uint32_t *)malloc(n * sizeof(uint32_t));
+        lg_rng rng;
+        lg_rng_seed(&rng, 7);
+        for (size_t k = 0; k < n; k++) tokens[k] = (uint32_t)(lg_rng_u64(&rng) % cfg.vocab_size);
+        lg_loader ld;
+        lg_loader_from_memory(&ld, tokens, n, T, cfg.vocab_size, 0, 1, &err);
+        double start = 0;
+        int rc = 0;
+        for (int s = 0; s < 2 && rc == 0; s++) {
+            lg_step_stats st;
+            if (s == 1) start = lg_time_ms();
+            rc = lg_trainer_step(&tr, &ld, s, &st, &err);
+        }
+        double seconds = (lg_time_ms() - start) / 1e3;
+        lg_cuda_memory(0, &free_after, &total, &err);
+        char plan_text[32], used_text[32];
+        lg_format_bytes(lg_plan_bytes(&tr.plan, LG_POOL_DEVICE), plan_text, sizeof plan_text);
+        lg_format_bytes(total - free_after, used_text, sizeof used_text);
+        if (rc == 0)
+            printf("%-44s %6d %12s %12s %10.2f\n", "", T, plan_text, used_text, seconds);
+        else
+            printf("%-44s %6d   step failed: %s\n", "", T, err.msg);
+        lg_loader_close(&ld);
+        lg_trainer_free(&tr);
+    }
+}
+
 /* --- modes: one group of checks a process (tests/gpu/run.sh) ---------------------------------- */
 
 static void mode_ops(results *r, int gpus) {
@@ -1050,7 +1113,8 @@ static const test_mode *find_mode(const char *name) {
 }
 
 static void usage(FILE *to) {
-    fprintf(to, "usage: test_cuda [MODE...] | test_cuda bench | test_cuda bench-attention | test_cuda --list"
+    fprintf(to, "usage: test_cuda [MODE...] | test_cuda bench | test_cuda bench-attention | "
+                "test_cuda long-context | test_cuda --list"
                 " | test_cuda --probe\n"
                 "  no MODE: every mode in this order:");
     for (int i = 0; i < N_MODES; i++) fprintf(to, " %s", modes[i].name);
@@ -1100,7 +1164,9 @@ int main(int argc, char **argv) {
     int bench_mode = argc == 2 && (strcmp(argv[1], "bench") == 0 || strcmp(argv[1], "--bench") == 0);
     int bench_attention_mode = argc == 2 && (strcmp(argv[1], "bench-attention") == 0 ||
                                              strcmp(argv[1], "--bench-attention") == 0);
-    for (int i = 1; i < argc && !bench_mode && !bench_attention_mode; i++) /* before any GPU work */
+    int long_context_mode = argc == 2 && strcmp(argv[1], "long-context") == 0;
+    for (int i = 1; i < argc && !bench_mode && !bench_attention_mode && !long_context_mode; i++)
+        /* before any GPU work */
         if (!find_mode(argv[i])) {
             fprintf(stderr, "test_cuda: unknown mode '%s'\n", argv[i]);
             usage(stderr);
@@ -1114,7 +1180,8 @@ int main(int argc, char **argv) {
     }
     if (bench_mode) bench();
     if (bench_attention_mode) bench_attention();
-    if (bench_mode || bench_attention_mode) return 0;
+    if (long_context_mode) long_context();
+    if (bench_mode || bench_attention_mode || long_context_mode) return 0;
     print_devices(gpus);
     for (int i = 0; i < N_MODES; i++)
         if (argc == 1) modes[i].run(&r, gpus);
