@@ -124,6 +124,9 @@ typedef struct {
 /* Bytes of a path the library builds: a directory (up to 1024) and a file name in it. */
 #define LG_PATH_MAX 1100
 
+/* The index of text among names (count of them), or -1: how every enum's name is parsed. */
+int lg_name_index(const char *const *names, int count, const char *text);
+
 typedef struct {
     uint64_t state;
 } lg_rng;
@@ -330,11 +333,15 @@ int lg_config_rope_dims(const lg_config *cfg); /* rotated dims of each head, eve
 
 typedef enum { LG_OPTIMIZER_ADAMW, LG_OPTIMIZER_SGD, LG_OPTIMIZER_LION,
                LG_OPTIMIZER_SOPHIA } lg_optimizer_kind;
+#define LG_OPTIMIZER_KINDS 4
 
 /* --optimizer-state: how AdamW stores its moments. As the precision says (fp32, or the half
    type in -true modes), bf16, or 8 bits a value with one fp32 scale per block of
    LG_QUANT_BLOCK. Tensors under LG_COMPACT_MIN elements keep fp32 state in the compact formats. */
 typedef enum { LG_STATE_AS_PRECISION, LG_STATE_BF16, LG_STATE_8BIT } lg_state_format;
+#define LG_STATE_FORMATS 3
+/* --optimizer-state's names ("bf16", "8bit"; the default has none): 0, or -1 when unknown. */
+int lg_state_format_parse(const char *text, lg_state_format *out);
 #define LG_QUANT_BLOCK 256
 #define LG_COMPACT_MIN 4096
 
@@ -350,6 +357,7 @@ typedef enum {
 const char *lg_strategy_name(lg_strategy strategy);
 int lg_strategy_parse(const char *text, lg_strategy *out);
 const char *lg_optimizer_name(lg_optimizer_kind kind);
+int lg_optimizer_parse(const char *text, lg_optimizer_kind *out); /* 0, or -1 when unknown */
 /* States a parameter needs: AdamW 2 (m, v), Sophia 2 (m, h), Lion 1 (m), SGD 1 with momentum,
    else 0. */
 int lg_optimizer_states(lg_optimizer_kind kind, int momentum);
@@ -362,6 +370,12 @@ void lg_optimizer_default_betas(lg_optimizer_kind kind, float *beta1, float *bet
 /* Where a rank's memory lives and its ops run. A CUDA build picks LG_BACKEND_CUDA when a GPU
    is visible (lg_backend_in_use); a CPU build always runs on the CPU. */
 typedef enum { LG_BACKEND_CPU, LG_BACKEND_CUDA } lg_backend;
+#define LG_BACKENDS 2
+const char *lg_backend_name(lg_backend backend);             /* "cpu", "cuda" */
+int lg_backend_parse(const char *text, lg_backend *out);     /* 0, or -1 when unknown */
+
+/* --plan's output: none (a run), the table, JSON or SVG alone on stdout. */
+typedef enum { LG_PLAN_NONE, LG_PLAN_TABLE, LG_PLAN_JSON, LG_PLAN_SVG } lg_plan_mode;
 
 /* Everything the user can ask for on the command line; train.c parses argv into this. */
 typedef struct {
@@ -412,7 +426,7 @@ typedef struct {
                                   hidden layer (B x T x intermediate_size) never whole: the
                                   backward computes each slice's again; 0: all rows, or the
                                   planner's choice (lg_plan_auto_rows) */
-    int plan_only;             /* --plan: print the plan and exit (1 table, 2 JSON) */
+    lg_plan_mode plan_only;    /* --plan: print the plan and exit (LG_PLAN_NONE: run) */
     int micro_batch_auto;      /* -b auto: the largest micro-batch that fits */
     int max_seq_length_auto;   /* -t auto: the longest sequence that fits (up to block_size, or
                                   for fine-tuning the longest sample) */
@@ -2645,15 +2659,31 @@ static int lg_format(char *out, size_t cap, const char *fmt, ...) {
     return n;
 }
 
+int lg_name_index(const char *const *names, int count, const char *text) {
+    for (int i = 0; i < count; i++)
+        if (strcmp(text, names[i]) == 0) return i;
+    return -1;
+}
+
+/* A table of names has one name per value of its enum (C and C++). */
+#ifdef __cplusplus
+#define LG_STATIC_ASSERT(cond, what) static_assert(cond, what)
+#else
+#define LG_STATIC_ASSERT(cond, what) _Static_assert(cond, what)
+#endif
+#define LG_COUNT_OF(table) ((int)(sizeof(table) / sizeof((table)[0])))
+
 /* 2. numbers ---------------------------------------------------------------------------------- */
 
 static const char *const lg_precision_names[] = {"32-true", "16-true", "bf16-true", "16-mixed",
                                                  "bf16-mixed"};
+LG_STATIC_ASSERT(LG_COUNT_OF(lg_precision_names) == LG_PRECISION_BF16_MIXED + 1,
+                 "a name for each precision");
 
 int lg_precision_parse(const char *text, lg_precision *out) {
-    for (int i = 0; i < 5; i++)
-        if (strcmp(text, lg_precision_names[i]) == 0) { *out = (lg_precision)i; return 0; }
-    return -1;
+    int i = lg_name_index(lg_precision_names, LG_COUNT_OF(lg_precision_names), text);
+    if (i >= 0) *out = (lg_precision)i;
+    return i >= 0 ? 0 : -1;
 }
 
 const char *lg_precision_name(lg_precision p) { return lg_precision_names[p]; }
@@ -2908,13 +2938,15 @@ typedef struct {
 
 static const char *const lg_quantization_names[] = {"none", "nf4", "nf4-dq"};
 #define LG_QUANTIZATIONS 3
+LG_STATIC_ASSERT(LG_COUNT_OF(lg_quantization_names) == LG_QUANTIZATIONS &&
+                     LG_QUANTIZE_NF4_DQ + 1 == LG_QUANTIZATIONS, "a name for each quantization");
 
 const char *lg_quantization_name(lg_quantization q) { return lg_quantization_names[q]; }
 
 int lg_quantization_parse(const char *text, lg_quantization *out) {
-    for (int i = 0; i < LG_QUANTIZATIONS; i++)
-        if (strcmp(text, lg_quantization_names[i]) == 0) { *out = (lg_quantization)i; return 0; }
-    return -1;
+    int i = lg_name_index(lg_quantization_names, LG_QUANTIZATIONS, text);
+    if (i >= 0) *out = (lg_quantization)i;
+    return i >= 0 ? 0 : -1;
 }
 
 #define LG_NF4_CODES 16
@@ -3789,8 +3821,39 @@ void lg_args_default(lg_args *a) {
 }
 
 static const char *const lg_optimizer_names[] = {"adamw", "sgd", "lion", "sophia"};
+LG_STATIC_ASSERT(LG_COUNT_OF(lg_optimizer_names) == LG_OPTIMIZER_KINDS &&
+                     LG_OPTIMIZER_SOPHIA + 1 == LG_OPTIMIZER_KINDS, "a name for each optimizer");
 
 const char *lg_optimizer_name(lg_optimizer_kind kind) { return lg_optimizer_names[kind]; }
+
+int lg_optimizer_parse(const char *text, lg_optimizer_kind *out) {
+    int i = lg_name_index(lg_optimizer_names, LG_OPTIMIZER_KINDS, text);
+    if (i >= 0) *out = (lg_optimizer_kind)i;
+    return i >= 0 ? 0 : -1;
+}
+
+/* The default format (as the precision) has no name of its own. */
+static const char *const lg_state_format_names[] = {"", "bf16", "8bit"};
+LG_STATIC_ASSERT(LG_COUNT_OF(lg_state_format_names) == LG_STATE_FORMATS &&
+                     LG_STATE_8BIT + 1 == LG_STATE_FORMATS, "a name for each state format");
+
+int lg_state_format_parse(const char *text, lg_state_format *out) {
+    int i = *text ? lg_name_index(lg_state_format_names, LG_STATE_FORMATS, text) : -1;
+    if (i >= 0) *out = (lg_state_format)i;
+    return i >= 0 ? 0 : -1;
+}
+
+static const char *const lg_backend_names[] = {"cpu", "cuda"};
+LG_STATIC_ASSERT(LG_COUNT_OF(lg_backend_names) == LG_BACKENDS && LG_BACKEND_CUDA + 1 == LG_BACKENDS,
+                 "a name for each backend");
+
+const char *lg_backend_name(lg_backend backend) { return lg_backend_names[backend]; }
+
+int lg_backend_parse(const char *text, lg_backend *out) {
+    int i = lg_name_index(lg_backend_names, LG_BACKENDS, text);
+    if (i >= 0) *out = (lg_backend)i;
+    return i >= 0 ? 0 : -1;
+}
 
 int lg_optimizer_states(lg_optimizer_kind kind, int momentum) {
     if (kind == LG_OPTIMIZER_ADAMW || kind == LG_OPTIMIZER_SOPHIA) return 2;
@@ -3811,12 +3874,15 @@ const char *lg_optimizer_state_name(lg_optimizer_kind kind, int i) {
 static const char *const lg_strategy_names[] = {"no-shard", "shard-grad-op", "full-shard",
                                                 "hybrid-shard"};
 
+LG_STATIC_ASSERT(LG_COUNT_OF(lg_strategy_names) == LG_STRATEGY_HYBRID_SHARD + 1,
+                 "a name for each strategy");
+
 const char *lg_strategy_name(lg_strategy strategy) { return lg_strategy_names[strategy]; }
 
 int lg_strategy_parse(const char *text, lg_strategy *out) {
-    for (int i = 0; i < 4; i++)
-        if (strcmp(text, lg_strategy_names[i]) == 0) { *out = (lg_strategy)i; return 0; }
-    return -1;
+    int i = lg_name_index(lg_strategy_names, LG_COUNT_OF(lg_strategy_names), text);
+    if (i >= 0) *out = (lg_strategy)i;
+    return i >= 0 ? 0 : -1;
 }
 
 int lg_args_ranks(const lg_args *a) { return a->devices * a->nodes; }

@@ -413,11 +413,8 @@ static void apply_flags(int argc, char **argv, lg_args *a, given_flags *given,
                           f, optarg);
             break;
         case 'o':
-            if (strcmp(optarg, "adamw") == 0) a->optimizer = LG_OPTIMIZER_ADAMW;
-            else if (strcmp(optarg, "sgd") == 0) a->optimizer = LG_OPTIMIZER_SGD;
-            else if (strcmp(optarg, "lion") == 0) a->optimizer = LG_OPTIMIZER_LION;
-            else if (strcmp(optarg, "sophia") == 0) a->optimizer = LG_OPTIMIZER_SOPHIA;
-            else die_usage("%s: '%s' is not adamw, sgd, lion or sophia", f, optarg);
+            if (lg_optimizer_parse(optarg, &a->optimizer) != 0)
+                die_usage("%s: '%s' is not adamw, sgd, lion or sophia", f, optarg);
             break;
         case OPT_LR:
             a->lr = parse_float(f, optarg);
@@ -470,9 +467,8 @@ static void apply_flags(int argc, char **argv, lg_args *a, given_flags *given,
         case OPT_OFFLOAD: parse_offload(f, argc, argv, a); break;
         case OPT_CPU: a->backend = LG_BACKEND_CPU; break;
         case OPT_BACKEND:
-            if (strcmp(optarg, "cpu") == 0) a->backend = LG_BACKEND_CPU;
-            else if (strcmp(optarg, "cuda") == 0) a->backend = LG_BACKEND_CUDA;
-            else die_usage("%s: '%s' is not cpu or cuda", f, optarg);
+            if (lg_backend_parse(optarg, &a->backend) != 0)
+                die_usage("%s: '%s' is not cpu or cuda", f, optarg);
             break;
         case OPT_TF32: a->tf32 = 1; break;
         case OPT_PACK: a->pack = 1; break;
@@ -504,14 +500,13 @@ static void apply_flags(int argc, char **argv, lg_args *a, given_flags *given,
                 die_usage("%s: '%s' is not nf4 or nf4-dq", f, optarg);
             break;
         case OPT_OPTIMIZER_STATE:
-            if (strcmp(optarg, "bf16") == 0) a->optimizer_state = LG_STATE_BF16;
-            else if (strcmp(optarg, "8bit") == 0) a->optimizer_state = LG_STATE_8BIT;
-            else die_usage("%s: '%s' is not bf16 or 8bit", f, optarg);
+            if (lg_state_format_parse(optarg, &a->optimizer_state) != 0)
+                die_usage("%s: '%s' is not bf16 or 8bit", f, optarg);
             break;
         case OPT_PLAN:
-            if (!optarg) a->plan_only = 1;
-            else if (strcmp(optarg, "json") == 0) a->plan_only = 2;
-            else if (strcmp(optarg, "svg") == 0) a->plan_only = 3;
+            if (!optarg) a->plan_only = LG_PLAN_TABLE;
+            else if (strcmp(optarg, "json") == 0) a->plan_only = LG_PLAN_JSON;
+            else if (strcmp(optarg, "svg") == 0) a->plan_only = LG_PLAN_SVG;
             else die_usage("--plan=%s: only --plan, --plan=json or --plan=svg", optarg);
             break;
         case OPT_MEMORY_LIMIT: a->memory_limit = parse_size(f, optarg); break;
@@ -886,8 +881,8 @@ static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_con
     lg_fit fit;
     lg_plan_check_fit(&plan, a, device_limit(a, &source), &fit);
     if (a->plan_only) {
-        if (a->plan_only == 2 || a->plan_only == 3) {
-            if (a->plan_only == 2) lg_plan_print_json(&plan, &fit, json);
+        if (a->plan_only == LG_PLAN_JSON || a->plan_only == LG_PLAN_SVG) {
+            if (a->plan_only == LG_PLAN_JSON) lg_plan_print_json(&plan, &fit, json);
             else plan_svg(json, &plan, cfg, a, T, fit.limit);
             fclose(json);
         } else {
@@ -1673,7 +1668,8 @@ static void settle_run(int argc, char **argv, run_setup *rs) {
     parse_args(argc, argv, a, &rs->given, &rs->ck, &rs->output);
     if (lg_launch_place(&rs->launch, a->devices, a->nodes, &err) != 0) die_usage("%s", err.msg);
     a->processes = rs->launch.processes; /* the plan counts MPI's buffers */
-    FILE *json = a->plan_only >= 2 ? json_output() : NULL; /* JSON or SVG alone on stdout */
+    FILE *json = a->plan_only == LG_PLAN_JSON || a->plan_only == LG_PLAN_SVG ? json_output() : NULL;
+    /* (JSON or SVG alone on stdout) */
     float beta1, beta2; /* the optimizer's own betas, unless given */
     lg_optimizer_default_betas(a->optimizer, &beta1, &beta2);
     if (!rs->given.beta1) a->beta1 = beta1;

@@ -1231,6 +1231,41 @@ static void expect_cli(results *r, const char *args, int want_code, const char *
     expect_program(r, "./train", args, want_code, want);
 }
 
+/* Every enum's names parse back to their values through the one helper (lg_name_index), and
+   an unknown name is refused; the command line's flags read them so (-o, --backend,
+   --optimizer-state, --strategy, -p, --quantize). */
+static void test_enum_names(results *r) {
+    int ok = 1, names = 0;
+    for (int k = 0; k < LG_OPTIMIZER_KINDS; k++, names++) {
+        lg_optimizer_kind got;
+        ok &= lg_optimizer_parse(lg_optimizer_name((lg_optimizer_kind)k), &got) == 0 && (int)got == k;
+    }
+    for (int k = 0; k < LG_BACKENDS; k++, names++) {
+        lg_backend got;
+        ok &= lg_backend_parse(lg_backend_name((lg_backend)k), &got) == 0 && (int)got == k;
+    }
+    for (int k = 0; k <= LG_PRECISION_BF16_MIXED; k++, names++) {
+        lg_precision got;
+        ok &= lg_precision_parse(lg_precision_name((lg_precision)k), &got) == 0 && (int)got == k;
+    }
+    for (int k = 0; k <= LG_STRATEGY_HYBRID_SHARD; k++, names++) {
+        lg_strategy got;
+        ok &= lg_strategy_parse(lg_strategy_name((lg_strategy)k), &got) == 0 && (int)got == k;
+    }
+    for (int k = 0; k <= LG_QUANTIZE_NF4_DQ; k++, names++) {
+        lg_quantization got;
+        ok &= lg_quantization_parse(lg_quantization_name((lg_quantization)k), &got) == 0 && (int)got == k;
+    }
+    lg_state_format state;
+    lg_optimizer_kind kind;
+    ok &= lg_state_format_parse("8bit", &state) == 0 && state == LG_STATE_8BIT &&
+          lg_state_format_parse("", &state) != 0 && lg_optimizer_parse("adam", &kind) != 0;
+    check(r, ok && names == 18, "enum names: %d names of 5 enums parse back to their values, "
+          "'adam' and an empty state format are refused", names);
+    expect_cli(r, "-o adam", 2, "-o/--optimizer: 'adam' is not adamw, sgd, lion or sophia");
+    expect_cli(r, "--optimizer-state 4bit", 2, "'4bit' is not bf16 or 8bit");
+}
+
 static void test_cli(results *r) {
     expect_cli(r, "--bogus", 2, "unknown option --bogus");
     expect_cli(r, "-b", 2, "-b needs a value");
@@ -2102,7 +2137,10 @@ int main(int argc, char **argv) {
     }
     if (section("gradients written on the first micro-batch", argc, argv)) test_grads_written(&r);
     if (section("checkpoints", argc, argv)) test_checkpoints(&r);
-    if (section("command line", argc, argv)) test_cli(&r);
+    if (section("command line", argc, argv)) {
+        test_enum_names(&r);
+        test_cli(&r);
+    }
     if (section("first hour: the design card, configs, outputs, progress", argc, argv))
         test_first_hour(&r);
     if (section("precision", argc, argv)) {
