@@ -1030,8 +1030,9 @@ void lg_model_point_frozen_unit(lg_model *m, int unit, uint8_t *whole_unit);
 void lg_model_point_unit(lg_model *m, int unit, lg_buf weights, lg_buf grads);
 void lg_model_free(lg_model *m);
 /* GPT-2's initialisation of weights in the whole layout (the trainer does it unit by unit when
-   the weights are sharded, with the same numbers). */
-void lg_model_init_weights(lg_model *m, uint64_t seed);
+   the weights are sharded, with the same numbers). Fails (out of host memory packing the NF4
+   base) with the message in err. */
+int lg_model_init_weights(lg_model *m, uint64_t seed, lg_error *err);
 /* Forward of tokens (B, T) with B <= m->B and T <= m->T. With targets (B, T) (LG_IGNORE_INDEX
    to skip a position) it fills the per-token losses and returns their sum; *n_targets gets the
    count of non-ignored targets. Without targets it only computes logits and returns 0. */
@@ -7892,44 +7893,41 @@ static int lg_pack_frozen(const lg_model *m, lg_frozen_at at, const lg_tensor_in
 }
 
 /* One frozen tensor: drawn as lg_init_tensor, packed in NF4 when the layout stores it so. */
-static void lg_init_frozen_tensor(const lg_model *m, lg_frozen_at at, const lg_tensor_info *t,
-                                  lg_rng *rng) {
+static int lg_init_frozen_tensor(const lg_model *m, lg_frozen_at at, const lg_tensor_info *t,
+                                 lg_rng *rng, lg_error *err) {
     if (t->packed == LG_DTYPE_F32) {
         lg_init_tensor(&m->exec, &m->cfg, t, lg_at(at.values, t->offset), rng);
-        return;
+        return 0;
     }
     lg_real *values = (lg_real *)LG_MALLOC(t->count * sizeof(lg_real));
-    lg_error err;
-    if (!values) {
-        fprintf(stderr, "litgpt: out of host memory initialising %s\n", t->name);
-        abort();
-    }
+    if (!values) return lg_fail(err, "out of host memory initialising %s", t->name);
     lg_init_tensor(NULL, &m->cfg, t, lg_buf_of(values), rng);
-    if (lg_pack_frozen(m, at, t, lg_buf_of(values), &err) != 0) {
-        fprintf(stderr, "litgpt: %s\n", err.msg);
-        abort();
-    }
+    int rc = lg_pack_frozen(m, at, t, lg_buf_of(values), err);
     LG_FREE(values);
+    return rc;
 }
 
 /* LoRA: the base model's initial weights, the same numbers as the model without LoRA draws
    (its random stream: lg_rng_seed(seed)). frozen_gathered: the trainer draws them unit by
    unit (lg_trainer_init_frozen_units). */
-static void lg_model_init_frozen(lg_model *m, uint64_t seed) {
+static int lg_model_init_frozen(lg_model *m, uint64_t seed, lg_error *err) {
     lg_rng rng;
     lg_rng_seed(&rng, seed);
     for (int i = 0; i < m->frozen_table.n_tensors && !m->frozen_gathered; i++)
-        lg_init_frozen_tensor(m, lg_frozen_whole(m), &m->frozen_table.tensors[i], &rng);
+        if (lg_init_frozen_tensor(m, lg_frozen_whole(m), &m->frozen_table.tensors[i], &rng, err) != 0)
+            return -1;
+    return 0;
 }
 
-void lg_model_init_weights(lg_model *m, uint64_t seed) {
+int lg_model_init_weights(lg_model *m, uint64_t seed, lg_error *err) {
     lg_rng rng;
-    lg_model_init_frozen(m, seed);
+    if (lg_model_init_frozen(m, seed, err) != 0) return -1;
     lg_trainable_rng(&m->cfg, seed, &rng);
     for (int i = 0; i < m->param_table.n_tensors; i++) {
         const lg_tensor_info *t = &m->param_table.tensors[i];
         lg_init_tensor(&m->exec, &m->cfg, t, lg_at(m->params, t->offset), &rng);
     }
+    return 0;
 }
 
 void lg_model_zero_grad(lg_model *m) { lg_zero(&m->exec, m->grads, m->n_local); }
@@ -14508,24 +14506,22 @@ static int lg_trainer_set_frozen(lg_trainer *tr, const lg_real *base, lg_error *
 
 /* The base tensor t of rank 0's frozen model, held at `at`, into out (t->count, lg_real),
    dequantized. */
-static void lg_frozen_tensor(const lg_model *m, lg_frozen_at at, const lg_tensor_info *t,
-                             lg_real *out) {
+static int lg_frozen_tensor(const lg_model *m, lg_frozen_at at, const lg_tensor_info *t,
+                            lg_real *out, lg_error *err) {
     if (t->packed == LG_DTYPE_F32) {
         lg_copy(&m->exec, lg_buf_of(out), lg_at(at.values, t->offset), t->count);
         lg_rank_sync(m->rank);
-        return;
+        return 0;
     }
     lg_quantization q = t->packed == LG_DTYPE_NF4 ? LG_QUANTIZE_NF4 : LG_QUANTIZE_NF4_DQ;
     size_t bytes = lg_nf4_bytes(t->count, q);
     uint8_t *packed = (uint8_t *)LG_MALLOC(bytes + 1);
-    if (!packed) {
-        fprintf(stderr, "litgpt: out of host memory reading %s\n", t->name);
-        abort();
-    }
+    if (!packed) return lg_fail(err, "out of host memory reading %s", t->name);
     lg_buf src = {(uint8_t *)at.packed.data + t->offset, LG_DTYPE_U8};
     lg_rank_bytes(&m->exec, src, packed, bytes, 1);
     lg_nf4_dequantize(NULL, packed, t->count, q, lg_buf_of(out));
     LG_FREE(packed);
+    return 0;
 }
 
 /* The base weight an adapter (its A's name) adds to, and its first output row there. */
@@ -14598,7 +14594,7 @@ static int lg_write_merged_model(const lg_model *m0, const lg_real *adapters, lg
         const lg_tensor_info *t = &m0->frozen_table.tensors[i];
         if (bring && t->block + 1 != held) at = bring(bring_ctx, held = t->block + 1);
         if (rc != 0) continue; /* the other processes' gathers go on */
-        lg_frozen_tensor(m0, at, t, w);
+        if ((rc = lg_frozen_tensor(m0, at, t, w, err)) != 0) continue;
         lg_merge_adapters(&m0->cfg, &m0->param_table, adapters, t, w);
         lg_copy(NULL, lg_at(merged.params, t->origin), lg_buf_of(w), t->count);
     }
@@ -15421,10 +15417,11 @@ static void lg_trainer_micro_batches(const lg_trainer *tr, int i, const int **la
 /* LoRA's frozen base sharded: the base one rank draws (lg_model_init_frozen's stream), unit
    by unit on the first rank into its gather slot, hashed there (base_hash), broadcast to the
    process's ranks, each keeping its piece. */
-static void lg_trainer_init_frozen_units(lg_trainer *tr) {
+static int lg_trainer_init_frozen_units(lg_trainer *tr, lg_error *err) {
     const lg_shard_layout *sl = &tr->plan.frozen_shards;
     const lg_model *m0 = &tr->ranks[0].model;
-    if (!m0->frozen_gathered) return;
+    int rc = 0;
+    if (!m0->frozen_gathered) return 0;
     lg_rng rng;
     lg_rng_seed(&rng, tr->args.seed);
     uint64_t h = LG_HASH64_INIT;
@@ -15437,8 +15434,8 @@ static void lg_trainer_init_frozen_units(lg_trainer *tr) {
         lg_zero(&m0->exec, unit, padded); /* the padding too: every rank's shard the same */
         for (int k = 0; k < m0->frozen_table.n_tensors; k++) {
             const lg_tensor_info *t = &m0->frozen_table.tensors[k];
-            if (t->block + 1 != u) continue;
-            lg_init_frozen_tensor(m0, at, t, &rng);
+            if (t->block + 1 != u || rc != 0) continue; /* the broadcasts go on */
+            rc = lg_init_frozen_tensor(m0, at, t, &rng, err);
             h = lg_frozen_tensor_hash(h, m0, at, t);
         }
         for (int r = 0; r < tr->local_ranks; r++) {
@@ -15455,25 +15452,28 @@ static void lg_trainer_init_frozen_units(lg_trainer *tr) {
     }
     tr->base_hash = h;
     tr->base_hashed = 1;
+    return rc;
 }
 
 /* The same initial weights as one rank: with sharded weights, unit by unit in layout order
    from one random stream on rank 0, broadcast, each rank keeping its piece. In several
    processes every process draws the same stream on its first rank and broadcasts it to its
    own ranks. */
-static void lg_trainer_init_weights(lg_trainer *tr) {
+static int lg_trainer_init_weights(lg_trainer *tr, lg_error *err) {
     const lg_sharding *sh = &tr->plan.sharding;
     const lg_shard_layout *sl = &tr->plan.shards;
     const lg_model *m0 = &tr->ranks[0].model;
+    int rc = 0;
     if (!sh->weights_sharded) {
-        for (int r = 0; r < tr->local_ranks; r++)
-            lg_model_init_weights(&tr->ranks[r].model, tr->args.seed);
-        return;
+        for (int r = 0; r < tr->local_ranks && rc == 0; r++)
+            rc = lg_model_init_weights(&tr->ranks[r].model, tr->args.seed, err);
+        return rc;
     }
     lg_rng rng;
     lg_trainable_rng(&tr->plan.cfg, tr->args.seed, &rng);
-    for (int r = 0; r < tr->local_ranks; r++) lg_model_init_frozen(&tr->ranks[r].model, tr->args.seed);
-    lg_trainer_init_frozen_units(tr);
+    for (int r = 0; r < tr->local_ranks && rc == 0; r++)
+        rc = lg_model_init_frozen(&tr->ranks[r].model, tr->args.seed, err);
+    if (lg_trainer_init_frozen_units(tr, err) != 0) rc = -1;
     lg_buf slots[LG_MAX_RANKS];
     for (int u = 0; u < sl->n_units; u++) {
         lg_buf unit = lg_unit_weights(tr, 0, u);
@@ -15493,6 +15493,7 @@ static void lg_trainer_init_weights(lg_trainer *tr) {
                     lg_at(slots[r], first), count);
         }
     }
+    return rc;
 }
 
 /* Shard-grad-op: each rank updated its pieces of the whole weights; an all-gather a unit
@@ -15729,7 +15730,10 @@ int lg_trainer_create_in(lg_trainer *tr, const lg_config *cfg, const lg_args *ar
         lg_trainer_free(tr);
         return -1;
     }
-    lg_trainer_init_weights(tr);
+    if (lg_trainer_init_weights(tr, err) != 0) {
+        lg_trainer_free(tr);
+        return -1;
+    }
     for (int r = 0; r < tr->local_ranks; r++) { /* after the init: the master copies it */
         lg_trainer_rank *tr_r = &tr->ranks[r];
         if (lg_optimizer_create(&tr_r->opt, &tr_r->model, args, err) != 0) {

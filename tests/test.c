@@ -12,6 +12,7 @@
    allocates its arenas and nothing else of size. */
 typedef struct {
     int counting;        /* record while set */
+    size_t refuse;       /* an allocation of exactly this many bytes fails (0: none) */
     int n;               /* allocations recorded */
     size_t sizes[4096];  /* their sizes */
     void *blocks[4096];  /* and addresses */
@@ -20,6 +21,7 @@ static allocation_log test_allocations; /* test-only: the library itself has no 
 
 static void *test_malloc(size_t bytes) {
     allocation_log *log = &test_allocations;
+    if (log->refuse && bytes == log->refuse) return NULL;
     void *p = malloc(bytes);
     if (log->counting && log->n < 4096) {
         log->sizes[log->n] = bytes;

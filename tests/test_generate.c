@@ -502,7 +502,7 @@ static int gen_save_llama(results *r, const char *dir, uint64_t seed) {
     int rc = lg_hf_config_read(&cfg, "tests/hf/llama", &err);
     if (rc == 0) rc = lg_model_create(&m, &cfg, 1, 8, &err);
     if (rc == 0) {
-        lg_model_init_weights(&m, seed);
+        lg_model_init_weights(&m, seed, NULL);
         rc = lg_hf_save(&m, dir, &err);
         lg_model_free(&m);
     }
@@ -603,7 +603,7 @@ static void test_gen_tool_text(results *r) {
     cfg.vocab_size = cfg.padded_vocab_size = 50257;
     cfg.block_size = 32;
     if (lg_model_create(&m, &cfg, 1, 8, &err) != 0) { check(r, 0, "%s", err.msg); return; }
-    lg_model_init_weights(&m, 3);
+    lg_model_init_weights(&m, 3, NULL);
     int rc = lg_hf_save(&m, "build/test-gen-gpt2-vocab", &err);
     lg_model_free(&m);
     if (rc != 0) { check(r, 0, "%s", err.msg); return; }
@@ -667,7 +667,7 @@ static void test_gen_tool_chat(results *r) {
     cfg.vocab_size = cfg.padded_vocab_size = 128256;
     cfg.block_size = 128;
     if (lg_model_create(&m, &cfg, 1, 8, &err) != 0) { check(r, 0, "%s", err.msg); return; }
-    lg_model_init_weights(&m, 5);
+    lg_model_init_weights(&m, 5, NULL);
     int rc = lg_hf_save(&m, "build/test-gen-chat", &err);
     lg_model_free(&m);
     if (rc != 0) { check(r, 0, "%s", err.msg); return; }
@@ -703,7 +703,7 @@ static void test_gen_tool_chat_input(results *r) {
     cfg.vocab_size = cfg.padded_vocab_size = 128256;
     cfg.block_size = 2048;
     if (lg_model_create(&m, &cfg, 1, 8, &err) != 0) { check(r, 0, "%s", err.msg); return; }
-    lg_model_init_weights(&m, 5);
+    lg_model_init_weights(&m, 5, NULL);
     int rc = lg_hf_save(&m, "build/test-gen-chat-long", &err);
     lg_model_free(&m);
     if (rc != 0) { check(r, 0, "%s", err.msg); return; }
@@ -762,7 +762,7 @@ static void test_gen_sample_vocab(results *r) {
     cfg.vocab_size = cfg.padded_vocab_size = ROWS;
     cfg.block_size = 64;
     if (lg_model_create(&m, &cfg, 1, 16, &err) != 0) { check(r, 0, "%s", err.msg); return; }
-    lg_model_init_weights(&m, 7);
+    lg_model_init_weights(&m, 7, NULL);
     lg_real *head = reals(m.p.lm_head_w); /* (ROWS, C) */
     for (size_t k = (size_t)TOKENS * cfg.n_embd; k < (size_t)ROWS * cfg.n_embd; k++) head[k] *= 8;
     int all_rows[16] = {1, 2, 3};

@@ -226,7 +226,7 @@ static const gguf_case gguf_cases[] = {
    1 + N(0, 0.1), biases N(0, 0.05); the padded vocabulary rows 0 (their logits never win in
    llama.cpp, which argmaxes over every row, as ours skip them). */
 static void gguf_random_weights(lg_model *m, uint64_t seed) {
-    lg_model_init_weights(m, seed);
+    lg_model_init_weights(m, seed, NULL);
     lg_rng rng;
     lg_rng_seed(&rng, seed + 1);
     float *w = (float *)m->params.data;

@@ -183,6 +183,38 @@ static void test_nf4_storage(results *r) {
           "nf4 names: none, nf4, nf4-dq parse back; nf8 is refused");
 }
 
+/* Out of host memory while the NF4 base is drawn and packed (the draw's buffer of one frozen
+   tensor refused): lg_trainer_create fails naming the tensor, no abort. */
+static void test_nf4_init_out_of_memory(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    lg_args a;
+    lg_args_default(&a);
+    a.micro_batch_size = 2;
+    a.lora.r = 2;
+    a.lora.quantize = LG_QUANTIZE_NF4;
+    lg_trainer tr;
+    lg_error err;
+    if (lg_trainer_create(&tr, &cfg, &a, 16, &err) != 0) { check(r, 0, "QLoRA: %s", err.msg); return; }
+    const lg_tensor_info *packed = NULL;
+    for (int i = 0; i < tr.ranks[0].model.frozen_table.n_tensors && !packed; i++)
+        if (tr.ranks[0].model.frozen_table.tensors[i].packed != LG_DTYPE_F32)
+            packed = &tr.ranks[0].model.frozen_table.tensors[i];
+    char name[LG_MAX_NAME] = "";
+    size_t bytes = packed ? packed->count * sizeof(lg_real) : 0;
+    if (packed) snprintf(name, sizeof name, "%s", packed->name);
+    lg_trainer_free(&tr);
+    test_allocations.refuse = bytes;
+    int rc = lg_trainer_create(&tr, &cfg, &a, 16, &err);
+    test_allocations.refuse = 0;
+    char want[160];
+    snprintf(want, sizeof want, "out of host memory initialising %s", name);
+    check(r, packed && rc == -1 && strstr(err.msg, want), "QLoRA's base drawn without the host "
+          "memory for %s (%zu bytes): the trainer fails naming it (\"%s\")", name, bytes,
+          rc ? err.msg : "created");
+    if (rc == 0) lg_trainer_free(&tr);
+}
+
 static void test_nf4_all(results *r) {
     printf("nf4 (QLoRA's weight storage)\n");
     ref_file rf;
@@ -195,4 +227,5 @@ static void test_nf4_all(results *r) {
     }
     test_nf4_random(r);
     test_nf4_storage(r);
+    test_nf4_init_out_of_memory(r);
 }
