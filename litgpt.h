@@ -754,9 +754,11 @@ size_t lg_plan_bytes(const lg_plan *plan, lg_pool pool);
 /* Sharded runs (not LoRA): a checkpoint assembles the training state one sharding unit at a
    time in the plan's checkpoint.gather, held by the first rank of each process: the master
    weights (when the precision has them) then each optimizer state, as many elements each as
-   the largest unit (padded). The byte offsets of those parts into at[0] (master), at[1],
-   at[2] (states; SIZE_MAX when absent); returns the region's bytes, 0 when there is none. */
-size_t lg_checkpoint_unit_layout(const lg_plan *plan, size_t at[3]);
+   the largest unit (padded). The byte offsets of those parts into at[LG_PART_MASTER],
+   at[LG_PART_M], at[LG_PART_V] (the optimizer's first and second state; SIZE_MAX when
+   absent); returns the region's bytes, 0 when there is none. */
+enum { LG_PART_MASTER, LG_PART_M, LG_PART_V, LG_UNIT_PARTS };
+size_t lg_checkpoint_unit_layout(const lg_plan *plan, size_t at[LG_UNIT_PARTS]);
 const lg_region *lg_plan_find(const lg_rank_plan *rank, const char *name);
 size_t lg_plan_group_bytes(const lg_rank_plan *rank, lg_group group, lg_pool pool);
 /* --plan: a table per device (grouped, with bars) or JSON. */
@@ -4795,20 +4797,20 @@ const char *lg_mpi_group_region(int ranks, int processes, int first, int stride,
     return rank == first || before / per_process != rank / per_process ? buffers : NULL;
 }
 
-size_t lg_checkpoint_unit_layout(const lg_plan *plan, size_t at[3]) {
+size_t lg_checkpoint_unit_layout(const lg_plan *plan, size_t at[LG_UNIT_PARTS]) {
     const lg_shard_layout *sl = &plan->shards;
     lg_precision_types t = lg_types_of(plan->spec.precision);
     size_t largest = 0, bytes = 0;
-    at[0] = at[1] = at[2] = (size_t)-1;
+    for (int k = 0; k < LG_UNIT_PARTS; k++) at[k] = (size_t)-1;
     if (!plan->sharding.grads_sharded || plan->cfg.lora.r > 0 ||
         plan->spec.optimizer_state != LG_STATE_AS_PRECISION) /* (no checkpoints then) */
         return 0;
     for (int u = 0; u < sl->n_units; u++)
         largest = sl->piece_count[u] > largest ? sl->piece_count[u] : largest;
     largest *= (size_t)sl->n_shards;
-    if (t.master) at[0] = bytes, bytes += largest * lg_elem_size(LG_DTYPE_F32);
+    if (t.master) at[LG_PART_MASTER] = bytes, bytes += largest * lg_elem_size(LG_DTYPE_F32);
     for (int i = 0; i < lg_optimizer_states(plan->spec.optimizer, plan->spec.momentum) && i < 2; i++)
-        at[1 + i] = bytes, bytes += largest * lg_elem_size(t.state);
+        at[LG_PART_M + i] = bytes, bytes += largest * lg_elem_size(t.state);
     return bytes;
 }
 
@@ -4902,7 +4904,7 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
         rc |= lg_plan_add(r, "tokens.inputs", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
         rc |= lg_plan_add(r, "tokens.targets", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
         rc |= lg_plan_mpi_buffers(r, plan, i);
-        size_t unit_at[3], unit_bytes = lg_checkpoint_unit_layout(plan, unit_at);
+        size_t unit_at[LG_UNIT_PARTS], unit_bytes = lg_checkpoint_unit_layout(plan, unit_at);
         if (i % (plan->n_ranks / plan->spec.processes) == 0) /* a process's first rank */
             rc |= lg_plan_add(r, "checkpoint.gather", LG_GROUP_COMMUNICATION, LG_POOL_HOST,
                               LG_DTYPE_U8, unit_bytes);
@@ -9329,7 +9331,7 @@ static uint64_t lg_read_announcement(const char *path, int *done) {
 static int lg_rendezvous_file_root(const char *path, int processes, const void *id,
                                    size_t id_bytes, double deadline, double timeout_s,
                                    lg_error *err) {
-    char name[1100];
+    char name[LG_PATH_MAX];
     uint64_t nonce[LG_MAX_RANKS] = {0}, published[LG_MAX_RANKS] = {0};
     unsigned char taken[LG_MAX_RANKS] = {0}, came[LG_MAX_RANKS] = {0};
     remove(path);
@@ -9413,7 +9415,7 @@ static int lg_read_published(const char *path, int process, uint64_t nonce, unsi
 
 static int lg_rendezvous_file_member(const char *path, int process, void *id, size_t id_bytes,
                                      double deadline, double timeout_s, lg_error *err) {
-    char name[1100], text[64];
+    char name[LG_PATH_MAX], text[64];
     uint64_t nonce = lg_fresh_nonce();
     snprintf(name, sizeof name, "%s.%d", path, process);
     snprintf(text, sizeof text, "%llx waiting\n", (unsigned long long)nonce);
@@ -14382,7 +14384,7 @@ static int lg_peft_write(const lg_model *m0, lg_buf whole, const char *dir, cons
     }
     lg_st_meta meta[1] = {{"format", "pt"}};
     lg_peft_ctx ctx = {&m0->cfg, &m0->param_table, peft, out, whole};
-    char path[1100], text[8192];
+    char path[LG_PATH_MAX], text[8192];
     lg_format(path, sizeof path, "%s/adapter_model.safetensors", dir);
     int rc = out ? lg_st_write(path, out, n, meta, 1, lg_peft_fill, &ctx, &digests[0], err)
                  : lg_fail(err, "out of host memory");
@@ -14400,7 +14402,7 @@ static int lg_peft_read(const lg_model *m0, const char *dir, lg_real *whole, lg_
     lg_peft_tensor *peft = NULL;
     int n = 0;
     if (lg_peft_tensors(&m0->cfg, &m0->param_table, &peft, &n, err) != 0) return -1;
-    char path[1100];
+    char path[LG_PATH_MAX];
     lg_format(path, sizeof path, "%s/adapter_model.safetensors", dir);
     lg_st_file f;
     int rc = lg_st_open(&f, path, err);
@@ -16222,21 +16224,21 @@ static void lg_whole_state_exchange(lg_trainer *tr, lg_whole_state *w, int to_wh
         if (!to_whole) lg_copy_state_to_replicas(tr);
         return;
     }
-    lg_buf whole[3] = {lg_buf_of(w->opt.master), w->opt.m, w->opt.v};
+    lg_buf whole[LG_UNIT_PARTS] = {lg_buf_of(w->opt.master), w->opt.m, w->opt.v};
     for (int r = 0; r < tr->local_ranks; r++) {
         if (to_whole && tr->first_rank + r >= tr->plan.sharding.shard_ranks) break;
         lg_optimizer *opt = &tr->ranks[r].opt;
         const lg_tensor_table *local = tr->ranks[r].model.local;
-        lg_buf shard[3] = {lg_buf_of(opt->master), opt->m, opt->v};
+        lg_buf shard[LG_UNIT_PARTS] = {lg_buf_of(opt->master), opt->m, opt->v};
         const lg_exec *ex = &tr->ranks[r].model.exec;
-        for (int k = 0; k < 3; k++) {
+        for (int k = 0; k < LG_UNIT_PARTS; k++) {
             if (!shard[k].data || !whole[k].data) continue;
             if (to_whole) lg_copy_to_whole(ex, local, whole[k], shard[k]);
             else lg_copy_from_whole(ex, local, shard[k], whole[k]);
         }
         lg_rank_sync(&tr->ranks[r].rank);
     }
-    for (int k = 0; k < 3 && to_whole && tr->process_comm; k++)
+    for (int k = 0; k < LG_UNIT_PARTS && to_whole && tr->process_comm; k++)
         if (whole[k].data) lg_all_reduce_sum(tr->process_comm, 1, &whole[k], tr->ranks[0].model.n_params);
 }
 
@@ -16413,7 +16415,7 @@ typedef struct {
     lg_trainer *tr;
     int state;              /* 1: the training state, 0: the weights */
     lg_tensor_table units;  /* the whole table, each offset within its tensor's unit */
-    lg_buf part[3];         /* state: (largest unit) master, m, v in checkpoint.gather */
+    lg_buf part[LG_UNIT_PARTS]; /* state: (largest unit) master, m, v in checkpoint.gather */
     lg_state_view *views;   /* state: what process 0 writes */
     int current;            /* the unit brought last (-1: none) */
     int changes;            /* units brought so far */
@@ -16433,12 +16435,12 @@ static int lg_unit_walk_start(lg_unit_walk *w, lg_trainer *tr, int state, lg_err
         w->units.tensors[i] = whole->tensors[i];
         w->units.tensors[i].offset -= sl->unit_offset[whole->tensors[i].block + 1];
     }
-    size_t at[3];
+    size_t at[LG_UNIT_PARTS];
     unsigned char *region = (unsigned char *)lg_rank_region(&tr->ranks[0].rank, "checkpoint.gather");
     lg_checkpoint_unit_layout(&tr->plan, at);
     const lg_optimizer *opt = &tr->ranks[0].opt;
-    lg_dtype types[3] = {LG_DTYPE_F32, opt->m.dtype, opt->v.dtype};
-    for (int k = 0; k < 3 && state; k++) {
+    lg_dtype types[LG_UNIT_PARTS] = {LG_DTYPE_F32, opt->m.dtype, opt->v.dtype};
+    for (int k = 0; k < LG_UNIT_PARTS && state; k++) {
         w->part[k].dtype = types[k];
         w->part[k].data = region && at[k] != (size_t)-1 ? region + at[k] : NULL;
     }
@@ -16455,20 +16457,20 @@ static void lg_unit_walk_assemble(lg_unit_walk *w, int u) {
     lg_trainer *tr = w->tr;
     const lg_shard_layout *sl = &tr->plan.shards;
     size_t count = sl->piece_count[u], unit = sl->unit_offset[u + 1] - sl->unit_offset[u];
-    for (int k = 0; k < 3; k++)
+    for (int k = 0; k < LG_UNIT_PARTS; k++)
         if (w->part[k].data) lg_zero(NULL, w->part[k], count * (size_t)sl->n_shards);
     for (int r = 0; r < tr->local_ranks && tr->first_rank + r < sl->n_shards; r++) {
         const lg_optimizer *opt = &tr->ranks[r].opt;
-        lg_buf shard[3] = {lg_buf_of(opt->master), opt->m, opt->v};
+        lg_buf shard[LG_UNIT_PARTS] = {lg_buf_of(opt->master), opt->m, opt->v};
         size_t first = (size_t)(tr->first_rank + r) * count;
         size_t live = first >= unit ? 0 : unit - first < count ? unit - first : count;
-        for (int k = 0; k < 3; k++)
+        for (int k = 0; k < LG_UNIT_PARTS; k++)
             if (w->part[k].data && shard[k].data && live)
                 lg_copy(&tr->ranks[r].model.exec, lg_at(w->part[k], first),
                         lg_at(shard[k], sl->piece_offset[u]), live);
         lg_rank_sync(&tr->ranks[r].rank);
     }
-    for (int k = 0; k < 3 && tr->process_comm; k++)
+    for (int k = 0; k < LG_UNIT_PARTS && tr->process_comm; k++)
         if (w->part[k].data) lg_all_reduce_sum(tr->process_comm, 1, &w->part[k], unit);
 }
 
@@ -16518,15 +16520,15 @@ static int lg_training_state_write_units(lg_trainer *tr, const lg_loader *data, 
     lg_unit_walk w;
     if (lg_unit_walk_start(&w, tr, 1, err) != 0) return -1;
     lg_optimizer opt = tr->ranks[0].opt; /* its state in the parts, in unit-relative layout */
-    if (opt.master) opt.master = (lg_real *)w.part[0].data;
-    opt.m.data = opt.m.data ? w.part[1].data : NULL;
-    opt.v.data = opt.v.data ? w.part[2].data : NULL;
+    if (opt.master) opt.master = (lg_real *)w.part[LG_PART_MASTER].data;
+    opt.m.data = opt.m.data ? w.part[LG_PART_M].data : NULL;
+    opt.v.data = opt.v.data ? w.part[LG_PART_V].data : NULL;
     lg_st_tensor *tensors = NULL;
     int n = 0, rc = 0;
     if (tr->process == 0) {
         if (lg_state_views(&opt, NULL, &w.units, data, &w.views, &n) == 0) /* parts: host */
             tensors = (lg_st_tensor *)lg_alloc_zeroed(sizeof(lg_st_tensor) * (size_t)(n + 1));
-        lg_st_meta meta[24];
+        lg_st_meta meta[LG_N_STATE_SCALARS];
         int n_meta = lg_state_meta(tr, data, step, meta);
         for (int i = 0; tensors && i < n; i++) tensors[i] = w.views[i].desc;
         rc = tensors ? lg_st_write(path, tensors, n, meta, n_meta, lg_state_fill_by_unit, &w, digest, err)

@@ -174,7 +174,7 @@ static void die_write(const char *path) {
 /* An output file (--plot's picture, a file in --out) can be created where it goes: found at
    start, not after the run. Creates path.tmp and removes it. */
 static void probe_writable(const char *flag, const char *path) {
-    char tmp[1100];
+    char tmp[LG_PATH_MAX];
     snprintf(tmp, sizeof tmp, "%s.tmp", path);
     FILE *f = fopen(tmp, "w");
     if (!f || fclose(f) != 0) die_usage("%s %s: cannot create files there: %s", flag, path,
@@ -1710,7 +1710,7 @@ static FILE *check_outputs(const run_setup *rs) {
     if (a->out_dir && mkdir(a->out_dir, 0755) != 0 && errno != EEXIST)
         die_usage("--out %s: cannot create the directory: %s", a->out_dir, strerror(errno));
     if (a->out_dir && first) {
-        char probe[1100];
+        char probe[LG_PATH_MAX];
         snprintf(probe, sizeof probe, "%s/.probe", a->out_dir);
         probe_writable("--out", probe);
     }
