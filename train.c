@@ -350,25 +350,33 @@ typedef struct {
 /* The flags of argv onto a (and the driver's own), from the first: a resumed run applies them
    again over its checkpoint's settings. */
 /* 1 when every part of the comma list `text` is one --offload knows (state, activations). */
-static int offload_parts_known(const char *text) {
+/* The first part of a comma list that is not state or activations, copied into bad (size);
+   NULL when every part is known. */
+static const char *offload_unknown_part(const char *text, char *bad, size_t size) {
     static const char *const parts[] = {"state", "activations"};
     for (const char *p = text;; p++) {
         size_t n = strcspn(p, ","), known = 0;
         for (size_t k = 0; k < sizeof parts / sizeof parts[0]; k++)
             known |= n == strlen(parts[k]) && strncmp(p, parts[k], n) == 0;
-        if (!known) return 0;
+        if (!known) {
+            snprintf(bad, size, "%.*s", (int)n, p);
+            return bad;
+        }
         p += n;
-        if (*p == '\0') return 1;
+        if (*p == '\0') return NULL;
     }
 }
 
-/* --offload, --offload=LIST or --offload LIST (the next word, when it is a list of parts). */
+/* --offload, --offload=LIST or --offload LIST (the next word, when it is not a flag: train
+   takes no other words). */
 static void parse_offload(const char *f, int argc, char **argv, lg_args *a) {
     const char *list = optarg;
-    if (!list && optind < argc && offload_parts_known(argv[optind])) list = argv[optind++];
+    char bad[64];
+    if (!list && optind < argc && argv[optind][0] != '-') list = argv[optind++];
     if (!list) list = "state";
-    if (!offload_parts_known(list))
-        die_usage("%s: '%s' is not a comma list of state and activations", f, list);
+    if (offload_unknown_part(list, bad, sizeof bad))
+        die_usage("%s: '%s' is not a part to offload (a comma list of state and activations)", f,
+                  bad);
     for (const char *p = list; *p; p += strcspn(p, ","), p += *p == ',') {
         if (strncmp(p, "state", strcspn(p, ",")) == 0) a->offload = 1;
         else a->offload_activations = 1;

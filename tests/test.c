@@ -1273,7 +1273,9 @@ static void test_cli(results *r) {
     expect_cli(r, "-b", 2, "-b needs a value");
     expect_cli(r, "-b x", 2, "-b/--micro-batch-size: 'x' is not an integer");
     expect_cli(r, "--lr fast", 2, "--lr: 'fast' is not a number");
-    expect_cli(r, "--offload=state,weights", 2, "--offload: 'state,weights' is not a comma list");
+    expect_cli(r, "--offload=state,weights", 2, "--offload: 'weights' is not a part to offload");
+    expect_cli(r, "--offload gradients --plan", 2, "--offload: 'gradients' is not a part to offload");
+    expect_cli(r, "--offload --plan -c test-llama -t 16", 0, "| offload |");
     expect_cli(r, "--offload activations --max-steps 1", 2, "needs --recompute block");
     expect_cli(r, "--recompute block --offload activations,state --max-steps 1 --eval-iters 1", 0,
                "step     1");
