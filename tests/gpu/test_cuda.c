@@ -453,6 +453,21 @@ static int llama_config(lg_config *cfg, int wide) {
 
 /* Trains a and b 3 steps on test-llama (wide or not); the largest relative difference of their
    weights and of their losses (INFINITY when a run fails). */
+/* How far tb's weights land from ta's (relative) and, into *losses_apart, the largest relative
+   difference of their losses la, lb over steps; frees both trainers. */
+static double trainers_apart(lg_trainer *ta, lg_trainer *tb, const double *la, const double *lb,
+                             int steps, double *losses_apart) {
+    lg_real *wa = trained_weights(ta), *wb = trained_weights(tb);
+    double apart = rel_error(lg_buf_of(wb), lg_buf_of(wa), ta->ranks[0].model.n_params);
+    *losses_apart = 0;
+    for (int s = 0; s < steps; s++) *losses_apart = fmax(*losses_apart, fabs(lb[s] - la[s]) / la[s]);
+    LG_FREE(wa);
+    LG_FREE(wb);
+    lg_trainer_free(ta);
+    lg_trainer_free(tb);
+    return apart;
+}
+
 static double runs_differ(const lg_args *a, const lg_args *b, int wide, double *losses_apart) {
     const int T = 16, steps = 3;
     lg_config cfg;
@@ -465,15 +480,7 @@ static double runs_differ(const lg_args *a, const lg_args *b, int wide, double *
         lg_trainer_free(&ta);
         return INFINITY;
     }
-    lg_real *wa = trained_weights(&ta), *wb = trained_weights(&tb);
-    double apart = rel_error(lg_buf_of(wb), lg_buf_of(wa), ta.ranks[0].model.n_params);
-    *losses_apart = 0;
-    for (int s = 0; s < steps; s++) *losses_apart = fmax(*losses_apart, fabs(lb[s] - la[s]) / la[s]);
-    LG_FREE(wa);
-    LG_FREE(wb);
-    lg_trainer_free(&ta);
-    lg_trainer_free(&tb);
-    return apart;
+    return trainers_apart(&ta, &tb, la, lb, steps, losses_apart);
 }
 
 /* On GPUs: --recompute block gives the same bits as none; --offload (the optimizer on the
@@ -591,18 +598,10 @@ static double offload_run_apart(results *r, int skip, double *losses_apart,
     *beside = 0;
 #endif
     lg_loader_close(&ld);
-    double apart = INFINITY;
-    if (rc == 0) {
-        lg_real *wa = trained_weights(&ta), *wb = trained_weights(&tb);
-        apart = rel_error(lg_buf_of(wb), lg_buf_of(wa), ta.ranks[0].model.n_params);
-        *losses_apart = 0;
-        for (int s = 0; s < steps; s++) *losses_apart = fmax(*losses_apart, fabs(lb[s] - la[s]) / la[s]);
-        LG_FREE(wa);
-        LG_FREE(wb);
-    }
+    if (rc == 0) return trainers_apart(&ta, &tb, la, lb, steps, losses_apart);
     lg_trainer_free(&ta);
     lg_trainer_free(&tb);
-    return apart;
+    return INFINITY;
 }
 
 /* --offload activations on the GPU: the QLoRA run above equals the CPU's; on the emulator
