@@ -1,6 +1,7 @@
 /* tests/fuzz.c — a fuzz target per reader of outside input: config YAML, config.json,
    safetensors, PEFT adapter files, the training state, the checkpoint's COMPLETE marker,
-   JSON/Alpaca, token shards and sample files. Each target mutates its seeds (files the trainer
+   JSON/Alpaca, chat JSONL, token shards and sample files, tokenizer.json and a step's
+   run_settings.txt. Each target mutates its seeds (files the trainer
    writes here, the repository's configs and Hugging Face directories, and the crafted inputs
    of tests/test_hostile.c) with a fixed random stream, writes each mutant where the reader
    looks, and calls the reader: a refusal is fine, a crash or a sanitizer report is a finding.
@@ -291,6 +292,76 @@ static int fuzz_read_tokens(fuzz_models *m, const fuzz_target *t, lg_error *err)
     return rc;
 }
 
+/* tokenizer.json (with the tokenizer_config.json the seeds put beside it): loaded, then a text
+   with special tokens, digits, spaces and characters the normalizers change encoded, its ids
+   decoded, and the vocabulary's ids decoded (the first 4096 and the last: a mutant's sparse
+   ids may make millions). */
+static int fuzz_read_tokenizer(fuzz_models *m, const fuzz_target *t, lg_error *err) {
+    static const char text[] = "ab ab1231 a hi h\xC3\xA9llo e\xCC\x81 <|endoftext|><s>x</s> "
+                               "\xEF\xAC\x81 AB\n\t  \xE2\x96\x81";
+    lg_tokenizer tok;
+    (void)m, (void)t;
+    if (lg_tokenizer_load(&tok, FUZZ_DIR "/tok", err) != 0) return -1;
+    lg_tokens ids = {NULL, 0, 0};
+    lg_text back = {NULL, 0, 0};
+    int rc = lg_tokenizer_encode(&tok, text, sizeof text - 1, &ids, err);
+    if (rc == 0) rc = lg_tokenizer_decode(&tok, ids.ids, ids.n, &back, err);
+    ids.n = 0;
+    for (int id = 0; id < tok.vocab_size && id < 4096 && rc == 0; id++)
+        rc = lg_tokens_push(&ids, id) == 0 ? 0 : lg_fail(err, "out of memory");
+    if (rc == 0 && tok.vocab_size > 4096 && lg_tokens_push(&ids, tok.vocab_size - 1) != 0)
+        rc = lg_fail(err, "out of memory");
+    if (rc == 0) rc = lg_tokenizer_decode(&tok, ids.ids, ids.n, &back, err);
+    (void)lg_tokenizer_start_id(&tok);
+    (void)lg_tokenizer_find(&tok, "<unk>", 5);
+    lg_tokens_free(&ids);
+    lg_text_free(&back);
+    lg_tokenizer_free(&tok);
+    return rc;
+}
+
+/* DIR/COMPLETE's line of DIR/name rewritten for the file as it now is (its size and hash), as
+   tests/test_hostile.c's reseal does, so that a mutant passes the checksum to the parser. */
+static int fuzz_reseal(const char *dir, const char *name) {
+    char path[512], want[300], line[300];
+    size_t n = 0, file_n = 0;
+    lg_error err;
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    char *file = lg_read_file(path, &file_n, "fuzz file", &err);
+    uint64_t hash = file ? lg_hash64(LG_HASH64_INIT, file, file_n) : 0; /* as lg_file_digest_of */
+    LG_FREE(file);
+    snprintf(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
+    snprintf(want, sizeof want, "\nfile %s ", name);
+    char *text = file ? lg_read_file(path, &n, "fuzz marker", &err) : NULL;
+    char *at = text ? strstr(text, want) : NULL, *end = at ? strchr(at + 1, '\n') : NULL;
+    int len = snprintf(line, sizeof line, "\nfile %s %llu %016llx", name,
+                       (unsigned long long)file_n, (unsigned long long)hash);
+    fuzz_bytes marker = {end ? (unsigned char *)malloc(n + sizeof line) : NULL, n};
+    int rc = marker.bytes ? 0 : -1;
+    if (rc == 0) {
+        memcpy(marker.bytes, text, n);
+        fuzz_splice(&marker, (size_t)(at - text), (size_t)(end - at), line, (size_t)len);
+        rc = fuzz_write(path, marker.bytes, marker.n);
+    }
+    free(marker.bytes);
+    LG_FREE(text);
+    return rc;
+}
+
+/* A step's run_settings.txt, sealed in its COMPLETE: read (each line parsed, the fields'
+   ranges, lg_args_check), then compared with the plain trainer's run. */
+static int fuzz_read_run_settings(fuzz_models *m, const fuzz_target *t, lg_error *err) {
+    (void)t;
+    if (fuzz_reseal(FUZZ_DIR "/settings", LG_RUN_SETTINGS) != 0)
+        return lg_fail(err, "fuzz: cannot reseal " FUZZ_DIR "/settings");
+    lg_run_settings *s = (lg_run_settings *)malloc(sizeof *s);
+    if (!s) return lg_fail(err, "out of memory");
+    int rc = lg_run_settings_read(FUZZ_DIR "/settings", s, err);
+    if (rc == 0) (void)lg_args_resume_conflict(&s->args, &m->plain.args);
+    free(s);
+    return rc == 0 ? 0 : -1;
+}
+
 /* ---- the targets --------------------------------------------------------------------------- */
 
 static const char *const fuzz_yaml_words[] = {
@@ -354,6 +425,21 @@ static int fuzz_add_edited(fuzz_corpus *c, int i, const char *from, const char *
     free(edited);
     return rc;
 }
+
+static const char *const fuzz_tokenizer_words[] = {
+    "\"", "{", "}", "[", "]", ",", ":", "null", "true", "\\u0120", "\\u2581", "\\u0000", "\\",
+    "<0x41>", "\"a b\"", "[\"a\",\"b\"]", "\"merges\":[", "\"vocab\":{", "\"id\":", "\"content\":",
+    "\"added_tokens\":[", "{\"id\":0,\"content\":\"a\",\"special\":true}", "\"byte_fallback\":true",
+    "\"ignore_merges\":true", "\"normalizer\":", "{\"type\":\"NFC\"}", "{\"type\":\"NFKC\"}",
+    "{\"type\":\"Lowercase\"}", "{\"type\":\"Prepend\",\"prepend\":\"\\u2581\"}",
+    "{\"type\":\"Replace\",\"pattern\":{\"String\":\" \"},\"content\":\"\\u2581\"}",
+    "{\"type\":\"Sequence\",\"normalizers\":[", "\"Regex\":", "\"type\":\"BPE\"", "16777216", NULL};
+/* run_settings.txt's keys: lg_run_fields' (filled by fuzz_seed_run_settings), then these */
+static const char *const fuzz_settings_other_words[] = {
+    "base_model load ", "base_model random", "base_hash ", "data_bytes ", "data_hash ", "\n", " ",
+    "#", "nan", "inf", "-", "0x", "ffffffffffffffff"};
+static const char *fuzz_settings_words[LG_N_RUN_FIELDS + sizeof fuzz_settings_other_words /
+                                                          sizeof *fuzz_settings_other_words + 1];
 
 #define SEED_PLAIN FUZZ_DIR "/seed/plain/step-1"
 #define SEED_LORA FUZZ_DIR "/seed/lora/step-1"
@@ -454,6 +540,82 @@ static int fuzz_seed_tokens(fuzz_corpus *c) {
     rc |= lg_shard_write(path, tokens, 100, 4, &err) || fuzz_add_file(c, path);
     rc |= lg_samples_write(path, tokens, lengths, prompts, 5, 2, 1, &err) || fuzz_add_file(c, path);
     rc |= lg_samples_write(path, tokens, lengths, prompts, 5, 4, 0, &err) || fuzz_add_file(c, path);
+    return rc;
+}
+
+/* The vocabulary object of a byte-level tokenizer: the 256 bytes in GPT-2's alphabet (ids
+   0 to 255), then `more` ("\"piece\":id,..." after them). */
+static void fuzz_byte_level_vocab(char *out, size_t cap, const char *more) {
+    size_t at = 0;
+    at += (size_t)snprintf(out, cap, "{");
+    for (int b = 0, nth = 0; b < 256 && at < cap; b++) {
+        int cp = lg_byte_is_printable(b) ? b : 256 + nth++;
+        at += (size_t)snprintf(out + at, cap - at, "\"\\u%04x\":%d,", cp, b);
+    }
+    if (at < cap) snprintf(out + at, cap - at, "%s}", more);
+}
+
+/* Small tokenizer.json files in each form the reader knows: byte-level with GPT-2's pattern and
+   merges as strings and pairs, Llama 3's pattern with added specials and a normalizer Sequence
+   of NFKC and Lowercase (and Qwen2's pattern), and SentencePiece style with byte fallback under
+   a normalizer Sequence of NFC, Prepend and Replace; a tokenizer_config.json beside them names
+   BOS and EOS. */
+static int fuzz_seed_tokenizer(fuzz_corpus *c) {
+    static const char llama3_pattern[] =
+        "\"pre_tokenizer\":{\"type\":\"Sequence\",\"pretokenizers\":[{\"type\":\"Split\","
+        "\"pattern\":{\"Regex\":\"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\\\r\\\\n\\\\p{L}\\\\p{N}]?"
+        "\\\\p{L}+|\\\\p{N}{1,3}| ?[^\\\\s\\\\p{L}\\\\p{N}]+[\\\\r\\\\n]*|\\\\s*[\\\\r\\\\n]+|"
+        "\\\\s+(?!\\\\S)|\\\\s+\"}},{\"type\":\"ByteLevel\",\"use_regex\":false}]},";
+    static const char merges[] = "\"merges\":[\"a b\",[\"\\u0120\",\"ab\"],\"1 2\"]";
+    char vocab[4096], json[8192];
+    fuzz_byte_level_vocab(vocab, sizeof vocab, "\"ab\":256,\"\\u0120ab\":257,\"12\":258");
+    snprintf(json, sizeof json,
+             "{\"added_tokens\":[{\"id\":259,\"content\":\"<|endoftext|>\",\"special\":true}],"
+             "\"pre_tokenizer\":{\"type\":\"ByteLevel\"},\"model\":{\"type\":\"BPE\",\"vocab\":%s,%s}}\n",
+             vocab, merges);
+    int rc = fuzz_add_text(c, json);
+    snprintf(json, sizeof json,
+             "{\"added_tokens\":[{\"id\":259,\"content\":\"<s>\",\"special\":true},{\"id\":260,"
+             "\"content\":\"</s>\",\"special\":true}],%s\"normalizer\":{\"type\":\"Sequence\","
+             "\"normalizers\":[{\"type\":\"NFKC\"},{\"type\":\"Lowercase\"}]},\"model\":{\"type\":"
+             "\"BPE\",\"ignore_merges\":true,\"vocab\":%s,%s}}\n", llama3_pattern, vocab, merges);
+    rc |= fuzz_add_text(c, json);
+    rc |= fuzz_add_edited(c, 1, "\\\\p{N}{1,3}", "\\\\p{N}"); /* Qwen2's pattern */
+    size_t at = (size_t)snprintf(vocab, sizeof vocab, "{\"<unk>\":0,\"<s>\":1,\"</s>\":2");
+    for (int b = 0; b < 256; b++)
+        at += (size_t)snprintf(vocab + at, sizeof vocab - at, ",\"<0x%02X>\":%d", b, 3 + b);
+    snprintf(vocab + at, sizeof vocab - at, ",\"\\u2581\":259,\"h\":260,\"i\":261,\"\\u2581h\":262,"
+             "\"\\u2581hi\":263,\"\\u00e9\":264}");
+    snprintf(json, sizeof json,
+             "{\"added_tokens\":[{\"id\":0,\"content\":\"<unk>\",\"special\":true},{\"id\":1,"
+             "\"content\":\"<s>\",\"special\":true},{\"id\":2,\"content\":\"</s>\",\"special\":"
+             "true}],\"normalizer\":{\"type\":\"Sequence\",\"normalizers\":[{\"type\":\"NFC\"},"
+             "{\"type\":\"Prepend\",\"prepend\":\"\\u2581\"},{\"type\":\"Replace\",\"pattern\":"
+             "{\"String\":\" \"},\"content\":\"\\u2581\"}]},\"pre_tokenizer\":null,\"model\":{\"type\":"
+             "\"BPE\",\"byte_fallback\":true,\"vocab\":%s,\"merges\":[\"\\u2581 h\",\"\\u2581h i\"]}}\n",
+             vocab);
+    rc |= fuzz_add_text(c, json);
+    const char *config = "{\"bos_token\":{\"content\":\"<s>\"},\"eos_token\":\"</s>\"}\n";
+    return rc | fuzz_write(FUZZ_DIR "/tok/tokenizer_config.json", (const unsigned char *)config,
+                           strlen(config));
+}
+
+/* The run_settings.txt of the plain and LoRA seed checkpoints, and values at their ranges'
+   edges; the dictionary gets every key of lg_run_fields. */
+static int fuzz_seed_run_settings(fuzz_corpus *c) {
+    int n = 0;
+    for (int i = 0; i < LG_N_RUN_FIELDS; i++) fuzz_settings_words[n++] = lg_run_fields[i].key;
+    for (size_t i = 0; i < sizeof fuzz_settings_other_words / sizeof *fuzz_settings_other_words; i++)
+        fuzz_settings_words[n++] = fuzz_settings_other_words[i];
+    fuzz_settings_words[n] = NULL;
+    int rc = fuzz_add_file(c, SEED_PLAIN "/" LG_RUN_SETTINGS);
+    rc |= fuzz_add_file(c, SEED_LORA "/" LG_RUN_SETTINGS);
+    rc |= fuzz_add_edited(c, 0, "micro_batch_size 2\nglobal_batch_size 2\n",
+                          "micro_batch_size 65536\nglobal_batch_size 2147418112\n");
+    rc |= fuzz_add_edited(c, 0, "temperature 0\n", "temperature 3.40282347e+38\n");
+    rc |= fuzz_add_edited(c, 1, "lora.r 2\n", "lora.r 2147483647\n");
+    rc |= fuzz_add_edited(c, 1, "base_model random", "base_model load /nonexistent");
+    rc |= fuzz_add_edited(c, 1, "devices 2\nnodes 1\n", "devices 64\nnodes 64\n");
     return rc;
 }
 
@@ -572,6 +734,10 @@ static const fuzz_entry fuzz_entries[] = {
     {{"alpaca-json", FUZZ_DIR "/alpaca.json", fuzz_read_alpaca, fuzz_json_words}, fuzz_seed_alpaca, 0},
     {{"chat-json", FUZZ_DIR "/chat.jsonl", fuzz_read_chat, fuzz_json_words}, fuzz_seed_chat, 0},
     {{"token-files", FUZZ_DIR "/tokens.bin", fuzz_read_tokens, NULL}, fuzz_seed_tokens, 0},
+    {{"tokenizer-json", FUZZ_DIR "/tok/tokenizer.json", fuzz_read_tokenizer, fuzz_tokenizer_words},
+     fuzz_seed_tokenizer, 0},
+    {{"run-settings", FUZZ_DIR "/settings/" LG_RUN_SETTINGS, fuzz_read_run_settings,
+      fuzz_settings_words}, fuzz_seed_run_settings, 0},
 };
 
 static int fuzz_seed_peft(fuzz_corpus *c) {
@@ -599,7 +765,7 @@ static int fuzz_make_dir(void) {
     struct stat st;
     int in_memory = stat("/dev/shm", &st) == 0 && S_ISDIR(st.st_mode) && mkdtemp(fresh);
     if (in_memory && symlink(fresh, FUZZ_DIR) != 0) return -1;
-    return system("mkdir -p " FUZZ_DIR "/seed " FUZZ_DIR "/hf " FUZZ_DIR "/peft");
+    return system("mkdir -p " FUZZ_DIR "/seed " FUZZ_DIR "/hf " FUZZ_DIR "/peft " FUZZ_DIR "/tok");
 }
 
 int main(int argc, char **argv) {
@@ -613,7 +779,9 @@ int main(int argc, char **argv) {
         fprintf(stderr, "fuzz: the seed checkpoints: %s\n", err.msg);
         return 1;
     }
-    if (system("cp -r " SEED_PLAIN " " FUZZ_DIR "/step") != 0) return 1;
+    if (system("cp -r " SEED_PLAIN " " FUZZ_DIR "/step") != 0 ||
+        system("cp -r " SEED_PLAIN " " FUZZ_DIR "/settings") != 0)
+        return 1;
     fuzz_bytes mutant = {(unsigned char *)malloc(2 * (size_t)FUZZ_MAX_BYTES + 16), 0};
     int rc = mutant.bytes ? 0 : 1;
     for (size_t i = 0; i < sizeof fuzz_entries / sizeof *fuzz_entries && rc == 0; i++) {
