@@ -13838,6 +13838,16 @@ static int lg_verify_all_listed(const char *dir, const char *marker, lg_error *e
     return rc;
 }
 
+/* The line at *at with its newline cut off, *at moved past it; NULL at the end of the text. */
+static char *lg_take_line(char **at) {
+    char *line = *at;
+    if (!*line) return NULL;
+    char *newline = strchr(line, '\n');
+    *at = newline ? newline + 1 : line + strlen(line);
+    if (newline) *newline = '\0';
+    return line;
+}
+
 int lg_checkpoint_verify(const char *dir, int *step, lg_error *err) {
     char path[LG_PATH_MAX];
     lg_format(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
@@ -13848,10 +13858,8 @@ int lg_checkpoint_verify(const char *dir, int *step, lg_error *err) {
     char *text = lg_read_text_file(path, 1 << 16, NULL, err);
     if (!text) return -1;
     int rc = lg_verify_all_listed(dir, text, err), line_no = 0, files = 0, marker_step = -1;
-    for (char *line = text, *next; *line && rc == 0; line = next) {
-        char *newline = strchr(line, '\n');
-        next = newline ? newline + 1 : line + strlen(line);
-        if (newline) *newline = '\0';
+    char *at = text;
+    for (char *line; rc == 0 && (line = lg_take_line(&at));) {
         line_no++;
         if (line_no == 1 && strcmp(line, LG_MARKER_HEADER) != 0)
             rc = lg_fail(err, "checkpoint %s: " LG_CHECKPOINT_MARKER " does not start with '%s'", dir, LG_MARKER_HEADER);
@@ -13877,10 +13885,8 @@ int lg_checkpoint_verify_file(const char *dir, const char *name, lg_error *err) 
     char *text = lg_read_text_file(path, 1 << 16, NULL, err);
     if (!text) return -1;
     int rc = 1, line_no = 0;
-    for (char *line = text, *next; *line && rc == 1; line = next) {
-        char *newline = strchr(line, '\n');
-        next = newline ? newline + 1 : line + strlen(line);
-        if (newline) *newline = '\0';
+    char *at = text;
+    for (char *line; rc == 1 && (line = lg_take_line(&at));) {
         line_no++;
         if (strncmp(line, want, strlen(want)) == 0)
             rc = lg_verify_marker_line(dir, line, line_no, err);
@@ -14853,10 +14859,8 @@ int lg_run_settings_read(const char *dir, lg_run_settings *s, lg_error *err) {
     char *text = lg_read_text_file(path, 1 << 20, NULL, err);
     if (!text) return -1;
     int rc = 0, line_no = 0;
-    for (char *line = text, *next; *line && rc == 0; line = next) {
-        char *newline = strchr(line, '\n');
-        next = newline ? newline + 1 : line + strlen(line);
-        if (newline) *newline = '\0';
+    char *at = text;
+    for (char *line; rc == 0 && (line = lg_take_line(&at));) {
         line_no++;
         if (line[0] != '#' && line[0] && lg_run_settings_line(s, line) != 0)
             rc = lg_fail(err, "%s: line %d ('%s') is malformed", path, line_no, line);

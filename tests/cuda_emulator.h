@@ -482,7 +482,7 @@ struct lg_emu_runtime {
 /* Work left for later (deferred modes): a complete collective (every rank's call) or an
    asynchronous copy on a stream (calls empty: bytes from src to dst), and its place in the
    order of issue. A copy reads src when it runs, as a GPU's copy engine would. */
-struct lg_emu_deferred_collective {
+struct lg_emu_deferred_work {
     std::vector<lg_emu_nccl_call> calls;
     uint64_t seq;
     void *dst;
@@ -503,7 +503,7 @@ struct lg_emu_nccl_state {
     uint64_t issued;                           /* collectives and copies deferred so far */
     uint64_t launches_beside_copies;           /* kernels launched while a copy on another
                                                   stream was still deferred */
-    std::deque<lg_emu_deferred_collective> deferred;
+    std::deque<lg_emu_deferred_work> deferred;
 };
 
 struct lg_emu_state_t {
@@ -1992,10 +1992,10 @@ inline void lg_emu_nccl_defer_or_execute(const std::vector<lg_emu_nccl_call> &ca
         lg_emu_nccl_execute(calls);
         return;
     }
-    nc.deferred.push_back(lg_emu_deferred_collective{calls, ++nc.issued, nullptr, nullptr, 0, nullptr});
+    nc.deferred.push_back(lg_emu_deferred_work{calls, ++nc.issued, nullptr, nullptr, 0, nullptr});
 }
 
-inline bool lg_emu_deferred_on(const lg_emu_deferred_collective &d, cudaStream_t stream) {
+inline bool lg_emu_deferred_on(const lg_emu_deferred_work &d, cudaStream_t stream) {
     if (d.calls.empty()) return d.stream == stream;
     for (const lg_emu_nccl_call &c : d.calls)
         if (c.stream == stream) return true;
@@ -2007,10 +2007,10 @@ inline bool lg_emu_deferred_on(const lg_emu_deferred_collective &d, cudaStream_t
 inline void lg_emu_run_deferred(cudaStream_t stream, uint64_t mark) {
     lg_emu_nccl_state &nc = lg_emu_state().nccl;
     uint64_t last = 0;
-    for (const lg_emu_deferred_collective &d : nc.deferred)
+    for (const lg_emu_deferred_work &d : nc.deferred)
         if (d.seq <= mark && (!stream || lg_emu_deferred_on(d, stream))) last = d.seq;
     while (!nc.deferred.empty() && nc.deferred.front().seq <= last) {
-        const lg_emu_deferred_collective &d = nc.deferred.front();
+        const lg_emu_deferred_work &d = nc.deferred.front();
         if (d.calls.empty()) {
             lg_emu_gpu_work work;
             memmove(d.dst, d.src, d.bytes);
@@ -2028,7 +2028,7 @@ inline bool lg_emu_deferred_copy(void *dst, const void *src, size_t bytes, cudaS
     if (!nc.defer_copies || !stream || !lg_emu_find_allocation(dst, &base) ||
         !lg_emu_find_allocation(src, &base))
         return false;
-    nc.deferred.push_back(lg_emu_deferred_collective{{}, ++nc.issued, dst, src, bytes, stream});
+    nc.deferred.push_back(lg_emu_deferred_work{{}, ++nc.issued, dst, src, bytes, stream});
     return true;
 }
 
@@ -2037,7 +2037,7 @@ inline bool lg_emu_deferred_copy(void *dst, const void *src, size_t bytes, cudaS
 inline void lg_emu_before_launch(cudaStream_t stream) {
     lg_emu_nccl_state &nc = lg_emu_state().nccl;
     if (stream) lg_emu_run_deferred(stream, UINT64_MAX);
-    for (const lg_emu_deferred_collective &d : nc.deferred)
+    for (const lg_emu_deferred_work &d : nc.deferred)
         if (d.calls.empty() && d.stream != stream) {
             nc.launches_beside_copies++;
             break;

@@ -51,11 +51,23 @@ static void unsloth_args(lg_args *a, int head_rows, int slice_rows, int offload_
     a->runtime_estimated = 1;
 }
 
-/* 1 when the plan at T fits limit bytes with the margin kept free (the device pool; the host
-   pool of --offload activations is its own column, as the machine around the GPU varies). */
+/* The fit check of the plan at T against limit bytes (lg_plan_check_fit: the margin kept
+   free); -1 when it cannot be planned. The device pool decides here: the host pool of
+   --offload activations is its own column (fit->host_bytes), as the machine around the GPU
+   varies. */
+static int plan_fit(const lg_config *cfg, const lg_args *a, int T, size_t limit, lg_fit *fit) {
+    lg_plan_spec spec;
+    lg_plan plan;
+    lg_plan_spec_from_args(&spec, a, T);
+    if (lg_plan_make(&plan, cfg, &spec, NULL) != 0) return -1;
+    lg_plan_check_fit(&plan, a, limit, fit);
+    lg_plan_free(&plan);
+    return 0;
+}
+
 static int fits_at(const lg_config *cfg, const lg_args *a, int T, size_t limit) {
-    size_t need = lg_plan_checked_bytes_for(cfg, a, T), margin = lg_args_margin(a, limit);
-    return need != 0 && need <= limit && margin <= limit - need;
+    lg_fit fit;
+    return plan_fit(cfg, a, T, limit, &fit) == 0 && fit.device_fits;
 }
 
 /* The longest T up to block_size that fits; 0 when none does. */
@@ -67,17 +79,6 @@ static int longest_fitting(const lg_config *cfg, const lg_args *a, size_t limit)
         else hi = mid - 1;
     }
     return best;
-}
-
-/* The host memory one rank's plan at T takes (the offloaded block inputs, pinned). */
-static size_t host_bytes_at(const lg_config *cfg, const lg_args *a, int T) {
-    lg_plan_spec spec;
-    lg_plan plan;
-    lg_plan_spec_from_args(&spec, a, T);
-    if (lg_plan_make(&plan, cfg, &spec, NULL) != 0) return 0;
-    size_t bytes = lg_plan_host_bytes_per_machine(&plan);
-    lg_plan_free(&plan);
-    return bytes;
 }
 
 /* A cell: the length, "block_size" where the model's context stops it, "-" for none. */
@@ -105,7 +106,9 @@ static void print_row(const lg_config *cfg, const context_row *row, const lg_arg
         cell(T, cfg, c[k], sizeof c[k]);
         if (k == 3) last = T;
     }
-    lg_format_bytes(last ? host_bytes_at(cfg, &levers[3], last) : 0, host, sizeof host);
+    lg_fit fit;
+    int planned = last && plan_fit(cfg, &levers[3], last, limit, &fit) == 0;
+    lg_format_bytes(planned ? fit.host_bytes : 0, host, sizeof host);
     printf("| %s (%zu MiB%s) | %s | %s | %s | %s | %s | %s | %s |\n", card->label, card->total_mib,
            card->nominal ? ", not a reading" : "",
            published(row->unsloth, row, theirs[0], sizeof theirs[0]),
