@@ -416,6 +416,9 @@ typedef struct {
     int offload;               /* --offload: 1 (master weights and optimizer state on the host) */
     int offload_activations;   /* --offload activations: 1 (the block inputs that --recompute
                                   block keeps in host memory) */
+    int offload_gradients;     /* --offload gradients: 1 (each block's gradients leave the device
+                                  as its backward ends; the device keeps two blocks' buffers;
+                                  with offload, whose optimizer runs on the host) */
     int pack;                  /* --pack: fine-tuning samples packed first-fit into rows of
                                   T tokens, attention and positions kept inside each sample */
     int head_rows;             /* --head-rows: the head and loss in chunks of this many rows of
@@ -671,6 +674,7 @@ typedef struct {
     int recompute;          /* 1: --recompute block */
     int offload;            /* 1: --offload */
     int offload_activations; /* 1: --offload activations (with recompute) */
+    int offload_gradients;   /* 1: --offload gradients (with offload) */
     int pack;                /* 1: --pack: rows carry their samples' span starts */
     int head_rows;           /* rows of logits at a time, 1 .. B x T (B x T: no chunks) */
     int slice_rows;          /* rows of a block's MLP at a time, 1 .. B x T (B x T: whole) */
@@ -740,6 +744,11 @@ lg_sharding lg_sharding_of(const lg_plan_spec *spec);
    before computes (LG_GRAD_BLOCK_SLOTS). */
 #define LG_GATHER_BLOCK_SLOTS 2
 #define LG_GRAD_BLOCK_SLOTS 2
+/* The copies beside the compute that the compute waits for one at a time (lg_mark_beside):
+   --offload activations' LG_KEPT_SLOTS slots, then --offload gradients' unit buffers (the
+   ends', then LG_GRAD_BLOCK_SLOTS blocks'). */
+#define LG_BESIDE_GRADS LG_KEPT_SLOTS
+#define LG_BESIDE_MARKS (LG_BESIDE_GRADS + 1 + LG_GRAD_BLOCK_SLOTS)
 /* gather.blocks' slots of a run: LG_GATHER_BLOCK_SLOTS with sharded weights, else 1. */
 int lg_gather_block_slots(const lg_sharding *sh);
 /* LoRA's frozen base sharded too: with sharded weights (full-shard, hybrid-shard), as FSDP;
@@ -810,7 +819,9 @@ enum {
     LG_SETTING_MICRO_BATCH = 1 << 11,    /* args.micro_batch_size */
     LG_SETTING_GLOBAL_BATCH = 1 << 12,   /* args.global_batch_size */
     LG_SETTING_OFFLOAD_ACTIVATIONS = 1 << 13, /* args.offload_activations */
-    LG_SETTING_LAST = LG_SETTING_OFFLOAD_ACTIVATIONS
+    LG_SETTING_OFFLOAD_GRADIENTS = 1 << 14,   /* args.offload_gradients (and args.offload,
+                                                 which it needs) */
+    LG_SETTING_LAST = LG_SETTING_OFFLOAD_GRADIENTS
 };
 
 /* One remedy of the OOM guide, priced by the planner. */
@@ -982,8 +993,9 @@ typedef struct {
     int recompute;              /* --recompute block: the blocks share one set of activations,
                                    rebuilt from each block's input during the backward */
     int offload_activations;    /* --offload activations: the kept block inputs in host memory */
-    int skip_kept_waits;        /* tests only: the compute does not wait for the slots' copies
-                                   (a run then reads slots before their data lands) */
+    int skip_kept_waits;        /* tests only: the compute does not wait for the offload slots'
+                                   copies, activations' or gradients' (a run then reads or
+                                   writes slots before their copies are done) */
     int head_rows;              /* the logits region's rows: the head and loss run over chunks of
                                    this many tokens (B x T: one pass) */
     int slice_rows;             /* the rows of a block's MLP buffers: the MLP runs over slices of
@@ -3890,12 +3902,30 @@ int lg_strategy_parse(const char *text, lg_strategy *out) {
 
 int lg_args_ranks(const lg_args *a) { return a->devices * a->nodes; }
 
+/* --offload gradients streams each unit's gradients to the host optimizer that --offload
+   runs; this stage serves one rank, where no collective reads the gradients on the device. */
+static int lg_args_check_offload_gradients(const lg_args *a, lg_error *err) {
+    if (!a->offload_gradients) return 0;
+    if (!a->offload)
+        return lg_fail(err, "--offload gradients needs --offload state (the optimizer runs on "
+                            "the host, where the gradients go)");
+    if (lg_args_ranks(a) > 1)
+        return lg_fail(err, "--offload gradients runs on one rank for now (-d %d x --nodes %d): "
+                            "several ranks reduce their gradients on the devices first",
+                       a->devices, a->nodes);
+    if (a->optimizer == LG_OPTIMIZER_SOPHIA)
+        return lg_fail(err, "--offload gradients: Sophia's Hessian pass reads the whole gradient "
+                            "on the device (-o adamw, lion or sgd stream it)");
+    return 0;
+}
+
 int lg_args_check(const lg_args *a, lg_error *err) {
     if (a->devices < 1) return lg_fail(err, "-d/--devices must be at least 1");
     if (a->nodes < 1) return lg_fail(err, "--nodes must be at least 1");
     if (a->offload_activations && !a->recompute)
         return lg_fail(err, "--offload activations needs --recompute block (the block inputs it "
                             "moves to host memory are the ones recompute keeps)");
+    if (lg_args_check_offload_gradients(a, err) != 0) return -1;
     if (a->pack && a->backend == LG_BACKEND_CUDA && !a->plan_only)
         return lg_fail(err, "--pack: packed rows run on the CPU backend only for now (the CUDA "
                             "attention has no span masks yet): add --backend cpu");
@@ -4460,6 +4490,7 @@ void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
     s->recompute = a->recompute;
     s->offload = a->offload;
     s->offload_activations = a->offload_activations;
+    s->offload_gradients = a->offload_gradients;
     s->pack = a->pack;
     s->head_rows = lg_head_rows_of(a, s->B * T);
     s->slice_rows = lg_slice_rows_of(a, s->B * T);
@@ -4493,6 +4524,13 @@ lg_sharding lg_sharding_of(const lg_plan_spec *s) {
     }
     sh.grads_sharded = sh.shard_ranks > 1;
     return sh;
+}
+
+/* The backward writes a unit's gradients into a unit buffer (gradients.ends, .blocks) rather
+   than into a whole-model gradient buffer: sharded, for the reduce-scatter into the shard;
+   with --offload gradients, for the copy to the host. */
+static int lg_grads_in_units(const lg_plan_spec *s, const lg_sharding *sh) {
+    return sh->grads_sharded || s->offload_gradients;
 }
 
 int lg_gather_block_slots(const lg_sharding *sh) {
@@ -4580,7 +4618,8 @@ static int lg_plan_model_state(lg_rank_plan *r, const lg_plan *plan) {
     int rc = lg_plan_add(r, "weights", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, t.weights, weights);
     if (t.master)
         rc |= lg_plan_add(r, "master_weights", LG_GROUP_MASTER, state_pool, LG_DTYPE_F32, shard);
-    rc |= lg_plan_add(r, "gradients", LG_GROUP_GRADIENTS, LG_POOL_DEVICE, t.grads, shard);
+    if (!s->offload_gradients) /* (streamed: the unit buffers below, and the host's) */
+        rc |= lg_plan_add(r, "gradients", LG_GROUP_GRADIENTS, LG_POOL_DEVICE, t.grads, shard);
     if (s->offload) { /* the gradient shard goes to the host, where the optimizer runs */
         rc |= lg_plan_add(r, "gradients.host", LG_GROUP_GRADIENTS, LG_POOL_HOST, t.grads, shard);
         /* the host's copy of the weights it updates (mixed: the master, and on a GPU, whose
@@ -4627,6 +4666,11 @@ static int lg_plan_model_state(lg_rank_plan *r, const lg_plan *plan) {
                           LG_GRAD_BLOCK_SLOTS * block);
         rc |= lg_plan_add(r, "reduce_scatter.out", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.grads,
                           piece);
+    } else if (s->offload_gradients) { /* one rank: the units the backward fills, in turn */
+        rc |= lg_plan_add(r, "gradients.ends", LG_GROUP_GRADIENTS, LG_POOL_DEVICE, t.grads,
+                          sl->piece_count[0]);
+        rc |= lg_plan_add(r, "gradients.blocks", LG_GROUP_GRADIENTS, LG_POOL_DEVICE, t.grads,
+                          LG_GRAD_BLOCK_SLOTS * sl->piece_count[1]);
     }
     return rc;
 }
@@ -4973,7 +5017,10 @@ size_t lg_plan_host_traffic_bytes(const lg_plan *plan) {
     const lg_rank_plan *r = &plan->ranks[0];
     size_t bytes = 0, kept = 0; /* what the copies move: count x element, not the padded regions */
     const lg_region *grads = lg_plan_find(r, "gradients.host"), *weights = lg_plan_find(r, "weights.host");
-    if (grads) bytes += grads->count * lg_dtype_size(grads->dtype);
+    /* the gradients once a step; streamed (--offload gradients), out every micro-batch and
+       back for each one after the first, which adds to them */
+    size_t grad_trips = plan->spec.offload_gradients ? 2 * (size_t)plan->spec.accumulation - 1 : 1;
+    if (grads) bytes += grad_trips * grads->count * lg_dtype_size(grads->dtype);
     if (weights) bytes += weights->count * lg_dtype_size(weights->dtype);
     for (int i = 0; i < r->n_regions; i++) { /* the kept block outputs in host memory */
         const lg_region *x = &r->regions[i];
@@ -5269,6 +5316,13 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
         a.offload = 1;
         lg_remedy_price(&out[n++], "CPU offload", LG_SETTING_OFFLOAD, cfg, &a, T, limit);
     }
+    if (!args->offload_gradients && lg_args_ranks(args) == 1 &&
+        args->optimizer != LG_OPTIMIZER_SOPHIA) { /* (lg_args_check_offload_gradients) */
+        a = *args;
+        a.offload = a.offload_gradients = 1;
+        lg_remedy_price(&out[n++], "gradients to the host", LG_SETTING_OFFLOAD_GRADIENTS, cfg, &a,
+                        T, limit);
+    }
     if (!args->offload_activations) { /* it moves what recompute keeps: recompute with it */
         a = *args;
         a.recompute = a.offload_activations = 1;
@@ -5512,7 +5566,7 @@ void lg_plan_print(const lg_plan *plan, FILE *out) {
     fprintf(out, "plan: %s | -b %d -t %d (%d accumulation) | %s | %d device%s%s%s%s | %s%s\n",
             plan->cfg.name, s->B, s->T, s->accumulation, lg_precision_name(s->precision),
             s->devices, s->devices > 1 ? "s" : "", ranks, s->recompute ? " | recompute block" : "",
-            s->offload ? " | offload" : "",
+            s->offload_gradients ? " | offload (gradients streamed)" : s->offload ? " | offload" : "",
             s->optimizer == LG_OPTIMIZER_SGD && s->momentum ? "sgd (momentum)"
                                                              : lg_optimizer_name(s->optimizer),
             head);
@@ -7716,12 +7770,15 @@ static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank,
         return lg_fail(err, "out of host memory for the model's tables");
     m->n_params = lg_params_layout(cfg, lg_no_buf(), NULL, &m->param_table);
     m->weights_gathered = rank->plan->sharding.weights_sharded;
-    m->grads_gathered = rank->plan->sharding.grads_sharded;
+    m->grads_gathered = lg_grads_in_units(s, &rank->plan->sharding);
     m->local = &rp->pieces;
     m->n_local = rp->pieces.total;
     m->params = lg_model_view(m, "weights", types.weights, err);
-    m->grads = lg_model_view(m, "gradients", types.grads, err);
-    if (!m->params.data || !m->grads.data) return -1;
+    if (!m->params.data) return -1;
+    if (!s->offload_gradients) { /* (streamed: only unit buffers, which the trainer points at) */
+        m->grads = lg_model_view(m, "gradients", types.grads, err);
+        if (!m->grads.data) return -1;
+    }
     if (!m->weights_gathered) lg_params_layout(cfg, m->params, &m->p, NULL);
     if (!m->grads_gathered) lg_params_layout(cfg, m->grads, &m->g, NULL);
     if (lg_model_bind_frozen(m, types.weights, err) != 0) return -1;
@@ -15031,8 +15088,8 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
     stats->hessian = tr->ranks[0].sampled && step % tr->args.hessian_interval == 0;
     if (stats->hessian) lg_trainer_hessian_pass(tr, step);
     /* --offload with no replicas: the last backward sends gradients to the host as it goes */
-    int offload_in_backward =
-        tr->ranks[0].host_grads.data != NULL && tr->plan.sharding.replicas == 1;
+    int offload_in_backward = tr->ranks[0].host_grads.data != NULL &&
+                              tr->plan.sharding.replicas == 1 && !tr->plan.spec.offload_gradients;
     double loss_sum = lg_trainer_accumulate(tr, step, n_targets, offload_in_backward);
     stats->loss = n_targets ? loss_sum / n_targets : 0;
     stats->loss_scale = tr->loss_scale;
@@ -15223,14 +15280,59 @@ static void lg_trainer_await_unit(lg_trainer *tr, int u) {
     }
 }
 
-/* Sharded gradients: points unit u's gradient views at a zeroed buffer of the whole unit. */
-static void lg_trainer_open_unit_grads(lg_trainer *tr, int u) {
+/* The copy-beside mark of unit u's gradient buffer (--offload gradients). */
+static int lg_grads_mark(int u) { return LG_BESIDE_GRADS + lg_unit_slot(u, LG_GRAD_BLOCK_SLOTS); }
+
+/* --offload gradients: unit u's gradients of the step so far, on the host (one rank: the
+   whole unit, where a whole-model buffer would hold it). */
+static lg_buf lg_host_unit_grads(const lg_trainer *tr, int r, int u) {
+    return lg_at(tr->ranks[r].host_grads, tr->plan.shards.unit_offset[u]);
+}
+
+/* --offload gradients: unit u's buffer holds the step's gradients so far, once the buffer's
+   last copy to the host has left it: written afresh in the step's first micro-batch, else
+   the host's sums brought back for the backward to add to (the sums a whole-model buffer
+   would hold, added in the same order: the same bits). */
+static void lg_trainer_fetch_unit_grads(lg_trainer *tr, int u, int micro) {
+    const lg_shard_layout *sl = &tr->plan.shards;
+    size_t n = sl->unit_offset[u + 1] - sl->unit_offset[u];
+    for (int r = 0; r < tr->local_ranks; r++) {
+        lg_model *m = &tr->ranks[r].model;
+        lg_buf g = lg_unit_grads(tr, r, u);
+        if (!m->skip_kept_waits) lg_wait_beside(&m->exec, lg_grads_mark(u));
+        lg_model_point_unit(m, u, lg_no_buf(), g);
+        if (micro == 0) lg_model_start_unit_grads(m, u, g, n);
+        else lg_copy(&m->exec, g, lg_host_unit_grads(tr, r, u), n);
+    }
+}
+
+/* Gradients in unit buffers (lg_grads_in_units): points unit u's gradient views at its
+   buffer, ready for micro-batch `micro`'s backward: sharded, zeroed (the shard adds the
+   reduce-scatter's piece); with --offload gradients, the step's sums so far. */
+static void lg_trainer_open_unit_grads(lg_trainer *tr, int u, int micro) {
+    if (tr->plan.spec.offload_gradients) {
+        lg_trainer_fetch_unit_grads(tr, u, micro);
+        return;
+    }
     if (!tr->plan.sharding.grads_sharded) return;
     for (int r = 0; r < tr->local_ranks; r++) {
         lg_model *m = &tr->ranks[r].model;
         lg_buf g = lg_unit_grads(tr, r, u);
         lg_model_point_unit(m, u, lg_no_buf(), g);
         lg_model_start_unit_grads(m, u, g, lg_padded_unit(&tr->plan.shards, u));
+    }
+}
+
+/* --offload gradients: unit u's backward is done; its buffer goes to the host beside the
+   compute that follows, and the buffer's next user waits for that copy alone. */
+static void lg_trainer_send_unit_grads(lg_trainer *tr, int u) {
+    const lg_shard_layout *sl = &tr->plan.shards;
+    if (!tr->plan.spec.offload_gradients) return;
+    for (int r = 0; r < tr->local_ranks; r++) {
+        lg_model *m = &tr->ranks[r].model;
+        lg_copy_beside(&m->exec, lg_host_unit_grads(tr, r, u), lg_unit_grads(tr, r, u),
+                       sl->unit_offset[u + 1] - sl->unit_offset[u]);
+        lg_mark_beside(&m->exec, lg_grads_mark(u));
     }
 }
 
@@ -15280,6 +15382,12 @@ static void lg_trainer_sync_replicas(lg_trainer *tr) {
     }
 }
 
+/* Where the host computes on a rank's host pool: the rank's own exec on the CPU backend (the
+   same kernels, so the same bits, as on its device pool), else plain host loops. */
+static const lg_exec *lg_trainer_host_exec(const lg_trainer_rank *tr_r) {
+    return tr_r->model.exec.backend == LG_BACKEND_CPU ? &tr_r->model.exec : NULL;
+}
+
 /* The norm of the whole gradient: each rank squares its shard, the members of shard group 0
    add theirs in order (replicas hold the same); in several processes the squares of all ranks
    are gathered first. */
@@ -15288,7 +15396,13 @@ static float lg_trainer_grad_norm(lg_trainer *tr) {
     double squares[LG_MAX_RANKS]; /* (n_ranks) */
     for (int r = 0; r < tr->local_ranks; r++) {
         const lg_model *m = &tr->ranks[r].model;
-        squares[tr->first_rank + r] = lg_sum_squares(&m->exec, m->grads, m->n_local);
+        if (tr->plan.spec.offload_gradients) { /* the host holds them (lg_trainer_host_exec) */
+            lg_rank_sync(m->rank);
+            squares[tr->first_rank + r] =
+                lg_sum_squares(lg_trainer_host_exec(&tr->ranks[r]), tr->ranks[r].host_grads, m->n_local);
+        } else {
+            squares[tr->first_rank + r] = lg_sum_squares(&m->exec, m->grads, m->n_local);
+        }
     }
     lg_comm_gather_doubles(tr->process_comm, squares, tr->local_ranks);
     lg_real sum = 0; /* host numbers */
@@ -15369,19 +15483,24 @@ static void lg_trainer_offload_unit(lg_trainer *tr, int u, int offload) {
    embedding and go last. offload: each unit's finished gradients go to the host as it goes
    (the step's last backward with --offload and no replicas; lg_trainer_offload_unit). */
 static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float loss_scale,
-                                int offload) {
+                                int micro, int offload) {
     int L = tr->plan.cfg.n_layer;
-    if (tr->plan.sharding.grads_sharded) /* the unit buffers start afresh (open_unit_grads) */
-        for (int r = 0; r < tr->local_ranks; r++)
-            tr->ranks[r].model.grads_overwrite = !tr->ranks[r].model.grads_add_only;
-    lg_trainer_open_unit_grads(tr, 0);
+    for (int r = 0; r < tr->local_ranks; r++) { /* unit buffers: afresh, or the sums so far */
+        lg_model *m = &tr->ranks[r].model;
+        if (tr->plan.sharding.grads_sharded) m->grads_overwrite = !m->grads_add_only;
+        else if (tr->plan.spec.offload_gradients)
+            m->grads_overwrite = micro == 0 && !m->grads_add_only;
+    }
+    lg_trainer_open_unit_grads(tr, 0, micro);
     lg_trainer_layer_backward(tr, mb, L, loss_scale);
     lg_trainer_gather_unit(tr, L);
     for (int l = L - 1; l >= 0; l--) {
         if (l > 0) lg_trainer_gather_unit(tr, l); /* prefetch block l - 1 */
         lg_trainer_await_unit(tr, l + 1);
-        lg_trainer_open_unit_grads(tr, l + 1); /* its slot's last reduce-scatter has finished */
+        lg_trainer_open_unit_grads(tr, l + 1, micro); /* its slot's last reduce-scatter has
+                                                         finished */
         lg_trainer_layer_backward(tr, mb, l, loss_scale);
+        lg_trainer_send_unit_grads(tr, l + 1);
         if (l + 2 <= L) {
             lg_trainer_finish_reduce(tr, l + 2);
             lg_trainer_offload_unit(tr, l + 2, offload);
@@ -15389,6 +15508,7 @@ static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float 
         lg_trainer_start_reduce(tr, l + 1);
     }
     lg_trainer_layer_backward(tr, mb, -1, loss_scale);
+    lg_trainer_send_unit_grads(tr, 0);
     lg_trainer_finish_reduce(tr, 1);
     lg_trainer_offload_unit(tr, 1, offload);
     lg_trainer_start_reduce(tr, 0);
@@ -15765,7 +15885,8 @@ int lg_trainer_create_in(lg_trainer *tr, const lg_config *cfg, const lg_args *ar
    the host updates). */
 static void lg_trainer_offload_grads(lg_trainer_rank *tr_r) {
     lg_model *m = &tr_r->model;
-    if (tr_r->host_grads.data) lg_copy(&m->exec, tr_r->host_grads, m->grads, m->n_local);
+    if (tr_r->host_grads.data && m->grads.data) /* (--offload gradients: there already) */
+        lg_copy(&m->exec, tr_r->host_grads, m->grads, m->n_local);
 }
 
 /* One rank's optimizer step on its shard. --offload: once its gradients are on the host, the
@@ -15823,7 +15944,7 @@ static void lg_trainer_hessian_pass(lg_trainer *tr, int step) {
                 }
         }
         lg_trainer_micro_batches(tr, i, labels, mb);
-        lg_trainer_backward(tr, mb, tr->loss_scale / tokens, 0);
+        lg_trainer_backward(tr, mb, tr->loss_scale / tokens, 0, 0);
     }
     lg_trainer_sync_replicas(tr);
     if (!isfinite(lg_trainer_grad_norm(tr))) return; /* an fp16 overflow: keep the estimate */
@@ -15914,8 +16035,11 @@ static double lg_trainer_accumulate(lg_trainer *tr, int step, long n_targets,
     const int *targets[LG_MAX_RANKS];
     lg_micro_batch mb[LG_MAX_RANKS];
     for (int r = 0; r < tr->local_ranks; r++) { /* sharded: the shards add every piece */
-        if (tr->plan.sharding.grads_sharded) lg_model_zero_grad(&tr->ranks[r].model);
-        else lg_model_start_grads(&tr->ranks[r].model);
+        lg_model *m = &tr->ranks[r].model;
+        if (tr->plan.sharding.grads_sharded) lg_model_zero_grad(m);
+        else if (tr->plan.spec.offload_gradients) m->grads_overwrite = 1; /* (the first
+                                                    micro-batch's units start afresh) */
+        else lg_model_start_grads(m);
         targets[r] = tr->ranks[r].targets;
     }
     double loss_sum = 0;
@@ -15925,11 +16049,13 @@ static double lg_trainer_accumulate(lg_trainer *tr, int step, long n_targets,
         lg_trainer_set_dropout(tr, step, i);
         lg_trainer_fuse_classifier(tr, loss_scale);
         loss_sum += lg_trainer_forward(tr, mb);
-        lg_trainer_backward(tr, mb, loss_scale, offload_in_backward && i == tr->accumulation - 1);
+        lg_trainer_backward(tr, mb, loss_scale, i, offload_in_backward && i == tr->accumulation - 1);
     }
     for (int r = 0; r < tr->local_ranks; r++) { /* no backward ran (no targets): all zero */
         lg_model *m = &tr->ranks[r].model;
-        if (m->grads_overwrite) lg_model_zero_grad(m);
+        if (m->grads_overwrite && tr->plan.spec.offload_gradients)
+            lg_zero(lg_trainer_host_exec(&tr->ranks[r]), tr->ranks[r].host_grads, m->n_local);
+        else if (m->grads_overwrite) lg_model_zero_grad(m);
         m->grads_overwrite = 0;
     }
     lg_trainer_fuse_classifier(tr, 0.0f);

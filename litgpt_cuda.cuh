@@ -162,8 +162,9 @@ struct lg_cuda_rank {
     cudaEvent_t compute_done;   /* fences between the two streams */
     cudaEvent_t comm_done;
     cudaEvent_t signals[LG_COMM_SIGNALS]; /* an _async collective raising that signal is done */
-    cudaEvent_t beside_done[LG_KEPT_SLOTS]; /* --offload activations: the last copy beside the
-                                               compute into or out of each slot is done */
+    cudaEvent_t beside_done[LG_BESIDE_MARKS]; /* the last copy beside the compute into or out
+                                                 of each offload slot is done (--offload
+                                                 activations' slots, then gradients') */
 #ifndef LG_CUDA_EMULATE
     cublasLtHandle_t lt;
     lg_lt_plan lt_plans[LG_LT_CACHE]; /* a cache of matmul plans by shape */
@@ -3255,7 +3256,7 @@ static int lg_cuda_rank_handles(lg_cuda_rank *g, lg_error *err) {
     LG_CUDA_CHECK(cudaEventCreateWithFlags(&g->comm_done, cudaEventDisableTiming), err);
     for (int k = 0; k < LG_COMM_SIGNALS; k++)
         LG_CUDA_CHECK(cudaEventCreateWithFlags(&g->signals[k], cudaEventDisableTiming), err);
-    for (int k = 0; k < LG_KEPT_SLOTS; k++)
+    for (int k = 0; k < LG_BESIDE_MARKS; k++)
         LG_CUDA_CHECK(cudaEventCreateWithFlags(&g->beside_done[k], cudaEventDisableTiming), err);
 #ifndef LG_CUDA_EMULATE
     cublasStatus_t status = cublasLtCreate(&g->lt);
@@ -3276,7 +3277,7 @@ static void lg_cuda_rank_handles_free(lg_cuda_rank *g) {
     if (g->comm_done) cudaEventDestroy(g->comm_done);
     for (int k = 0; k < LG_COMM_SIGNALS; k++)
         if (g->signals[k]) cudaEventDestroy(g->signals[k]);
-    for (int k = 0; k < LG_KEPT_SLOTS; k++)
+    for (int k = 0; k < LG_BESIDE_MARKS; k++)
         if (g->beside_done[k]) cudaEventDestroy(g->beside_done[k]);
     if (g->stream) cudaStreamDestroy(g->stream);
     if (g->comm) cudaStreamDestroy(g->comm);

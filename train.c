@@ -56,7 +56,8 @@ static const char usage[] =
     "      --offload [LIST]       parts in host memory, a comma list (bare: state): state\n"
     "                             (master weights and optimizer state; the optimizer runs\n"
     "                             there), activations (the block inputs --recompute block\n"
-    "                             keeps); same results either way\n"
+    "                             keeps), gradients (each block's as its backward ends;\n"
+    "                             with state); same results either way\n"
     "      --plan[=json|svg]      print the memory plan per device and exit; json and svg\n"
     "                             alone on stdout (svg: stacked groups against the limit)\n"
     "      --memory-limit SIZE    memory a device may use, e.g. 24GiB (default: a GPU's\n"
@@ -349,11 +350,10 @@ typedef struct {
 
 /* The flags of argv onto a (and the driver's own), from the first: a resumed run applies them
    again over its checkpoint's settings. */
-/* 1 when every part of the comma list `text` is one --offload knows (state, activations). */
-/* The first part of a comma list that is not state or activations, copied into bad (size);
+/* The first part of a comma list that is not state, activations or gradients, copied into bad (size);
    NULL when every part is known. */
 static const char *offload_unknown_part(const char *text, char *bad, size_t size) {
-    static const char *const parts[] = {"state", "activations"};
+    static const char *const parts[] = {"state", "activations", "gradients"};
     for (const char *p = text;; p++) {
         size_t n = strcspn(p, ","), known = 0;
         for (size_t k = 0; k < sizeof parts / sizeof parts[0]; k++)
@@ -375,11 +375,13 @@ static void parse_offload(const char *f, int argc, char **argv, lg_args *a) {
     if (!list && optind < argc && argv[optind][0] != '-') list = argv[optind++];
     if (!list) list = "state";
     if (offload_unknown_part(list, bad, sizeof bad))
-        die_usage("%s: '%s' is not a part to offload (a comma list of state and activations)", f,
-                  bad);
+        die_usage("%s: '%s' is not a part to offload (a comma list of state, activations and "
+                  "gradients)", f, bad);
     for (const char *p = list; *p; p += strcspn(p, ","), p += *p == ',') {
-        if (strncmp(p, "state", strcspn(p, ",")) == 0) a->offload = 1;
-        else a->offload_activations = 1;
+        size_t n = strcspn(p, ",");
+        if (strncmp(p, "state", n) == 0) a->offload = 1;
+        else if (strncmp(p, "activations", n) == 0) a->offload_activations = 1;
+        else a->offload = a->offload_gradients = 1; /* where the optimizer runs on them */
     }
 }
 

@@ -2002,22 +2002,52 @@ inline bool lg_emu_deferred_on(const lg_emu_deferred_work &d, cudaStream_t strea
     return false;
 }
 
-/* Runs the deferred collectives issued up to `mark` on `stream` (NULL: on any stream), and every
-   one issued before them, in order (what runs earlier than needed is still a valid order). */
+/* The streams whose deferred work up to `mark` on `stream` must run: the stream, and every
+   stream of a deferred collective among that work (its other ranks' streams wait for it too),
+   to a fixed point; *last gets the newest such work's number. */
+inline std::set<cudaStream_t> lg_emu_streams_held(cudaStream_t stream, uint64_t mark, uint64_t *last) {
+    const lg_emu_nccl_state &nc = lg_emu_state().nccl;
+    std::set<cudaStream_t> held = {stream};
+    *last = 0;
+    for (bool grew = true; grew;) {
+        grew = false;
+        for (const lg_emu_deferred_work &d : nc.deferred) {
+            bool touches = false;
+            for (cudaStream_t s : held) touches = touches || lg_emu_deferred_on(d, s);
+            if (d.seq > mark || !touches) continue;
+            if (d.seq > *last) *last = d.seq;
+            for (const lg_emu_nccl_call &c : d.calls) grew = held.insert(c.stream).second || grew;
+        }
+    }
+    return held;
+}
+
+/* Runs the deferred work issued up to `mark` on `stream` (NULL: on any stream, and every piece
+   issued before it), in order: on a stream, what it holds and what the collectives among that
+   hold on other streams (what runs earlier than needed is still a valid order); a copy on
+   another stream stays deferred, as on a GPU, where nothing orders it yet. */
 inline void lg_emu_run_deferred(cudaStream_t stream, uint64_t mark) {
     lg_emu_nccl_state &nc = lg_emu_state().nccl;
     uint64_t last = 0;
-    for (const lg_emu_deferred_work &d : nc.deferred)
-        if (d.seq <= mark && (!stream || lg_emu_deferred_on(d, stream))) last = d.seq;
-    while (!nc.deferred.empty() && nc.deferred.front().seq <= last) {
-        const lg_emu_deferred_work &d = nc.deferred.front();
-        if (d.calls.empty()) {
-            lg_emu_gpu_work work;
-            memmove(d.dst, d.src, d.bytes);
-        } else {
-            lg_emu_nccl_execute(d.calls);
+    std::set<cudaStream_t> held;
+    if (stream) held = lg_emu_streams_held(stream, mark, &last);
+    else
+        for (const lg_emu_deferred_work &d : nc.deferred)
+            if (d.seq <= mark) last = d.seq;
+    for (auto it = nc.deferred.begin(); it != nc.deferred.end() && it->seq <= last;) {
+        bool runs = !stream;
+        for (cudaStream_t s : held) runs = runs || lg_emu_deferred_on(*it, s);
+        if (!runs) {
+            ++it;
+            continue;
         }
-        nc.deferred.pop_front();
+        if (it->calls.empty()) {
+            lg_emu_gpu_work work;
+            memmove(it->dst, it->src, it->bytes);
+        } else {
+            lg_emu_nccl_execute(it->calls);
+        }
+        it = nc.deferred.erase(it);
     }
 }
 

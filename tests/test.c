@@ -1274,7 +1274,7 @@ static void test_cli(results *r) {
     expect_cli(r, "-b x", 2, "-b/--micro-batch-size: 'x' is not an integer");
     expect_cli(r, "--lr fast", 2, "--lr: 'fast' is not a number");
     expect_cli(r, "--offload=state,weights", 2, "--offload: 'weights' is not a part to offload");
-    expect_cli(r, "--offload gradients --plan", 2, "--offload: 'gradients' is not a part to offload");
+    expect_cli(r, "--offload grads --plan", 2, "--offload: 'grads' is not a part to offload");
     expect_cli(r, "--offload --plan -c test-llama -t 16", 0, "| offload |");
     expect_cli(r, "--offload activations --max-steps 1", 2, "needs --recompute block");
     expect_cli(r, "--recompute block --offload activations,state --max-steps 1 --eval-iters 1", 0,
@@ -1707,6 +1707,124 @@ static void test_offload_activations_memory(results *r) {
     check(r, lg_args_check(&a, &err) != 0 && strstr(err.msg, "--offload activations") &&
           strstr(err.msg, "--recompute block"), "--offload activations without --recompute "
           "block: refused naming both (%s)", err.msg);
+}
+
+/* --offload gradients: each unit's gradients go to the host as its backward ends, and come
+   back for the next micro-batch's backward to add to; bitwise the losses, the host's
+   gradients and the weights of --offload state alone, which keeps the whole gradient on the
+   device: every family, full fine-tuning in fp32 and bf16-true, LoRA and QLoRA (nf4),
+   with and without accumulation, clipping on (the norm is taken from the host's copy). */
+static void test_offload_gradients_bitwise(results *r) {
+    const char *names[] = {"test-gpt2", "test-pythia", "test-llama", "test-falcon", "test-llama31"};
+    const int n_families = (int)(sizeof names / sizeof names[0]);
+    enum { FULL_FP32, FULL_BF16_TRUE, LORA_ALL, QLORA_NF4, N_MODES };
+    static const char *const mode_names[N_MODES] = {"full fp32", "full bf16-true", "lora all",
+                                                    "qlora nf4"};
+    int ok = 1, runs = 0;
+    for (int i = 0; i < n_families; i++)
+        for (int k = 0; k < N_MODES; k++)
+            for (int accumulation = 1; accumulation <= 3; accumulation += 2) {
+                lg_config cfg;
+                if (load_config_or_fail(r, &cfg, names[i])) return;
+                cfg.n_layer = 3; /* both block buffers turn over */
+                lg_args a;
+                lg_args_default(&a);
+                a.precision = k == FULL_FP32 ? LG_PRECISION_32_TRUE
+                              : k == LORA_ALL ? LG_PRECISION_BF16_MIXED : LG_PRECISION_BF16_TRUE;
+                a.micro_batch_size = 2;
+                a.global_batch_size = 2 * accumulation;
+                a.max_norm = 0.05f; /* below the norms of these runs: clipping scales each step */
+                a.offload = 1;
+                if (k == LORA_ALL || k == QLORA_NF4) {
+                    a.lora.r = 4;
+                    a.lora.targets = LG_LORA_QUERY | LG_LORA_KEY | LG_LORA_VALUE |
+                                     LG_LORA_PROJECTION | LG_LORA_MLP;
+                    a.lora.quantize = k == QLORA_NF4 ? LG_QUANTIZE_NF4 : LG_QUANTIZE_NONE;
+                }
+                double whole_losses[3], streamed_losses[3];
+                lg_trainer whole, streamed;
+                int rc = train_steps(&whole, &cfg, &a, 12, 3, whole_losses);
+                a.offload_gradients = 1;
+                rc |= train_steps(&streamed, &cfg, &a, 12, 3, streamed_losses);
+                const lg_trainer_rank *w = &whole.ranks[0], *s = &streamed.ranks[0];
+                int same = rc == 0 && memcmp(whole_losses, streamed_losses, sizeof whole_losses) == 0 &&
+                           same_bits(w->host_grads, s->host_grads, w->model.n_local) &&
+                           same_bits(w->model.params, s->model.params, w->model.n_local) &&
+                           s->model.grads.data == NULL; /* no whole-model buffer */
+                if (!same) printf("    differs: %s %s, %d micro-batches\n", names[i], mode_names[k],
+                                  accumulation);
+                ok = ok && same;
+                runs++;
+                lg_trainer_free(&whole);
+                lg_trainer_free(&streamed);
+            }
+    check(r, ok, "--offload gradients: bitwise the losses, gradients and weights of --offload "
+          "state after 3 clipped AdamW steps (%d runs: %d families with 3 layers x full fp32, "
+          "full bf16-true, LoRA, QLoRA nf4 x 1 and 3 micro-batches)", runs, n_families);
+}
+
+/* --offload gradients as allocated: the arenas are the plan's; the device's whole-model
+   gradient buffer gives way to the ends' and two blocks' buffers; the host traffic counts
+   the trips; the remedies price it; refused where it does not run yet, naming why. */
+static void test_offload_gradients_memory(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-pythia")) return;
+    cfg.n_layer = 5;
+    size_t device[2], host[2], traffic[2];
+    int ok = 1;
+    for (int v = 0; v < 2; v++) {
+        lg_args a;
+        lg_args_default(&a);
+        a.micro_batch_size = 2;
+        a.global_batch_size = 6; /* 3 micro-batches */
+        a.offload = 1;
+        a.offload_gradients = v;
+        lg_error err;
+        lg_trainer tr;
+        if (create_counting(&tr, &cfg, &a, 16, &err) != 0) { check(r, 0, "%s", err.msg); return; }
+        const lg_rank_plan *p = &tr.plan.ranks[0];
+        device[v] = p->pool_bytes[LG_POOL_DEVICE];
+        host[v] = p->pool_bytes[LG_POOL_HOST];
+        traffic[v] = lg_plan_host_traffic_bytes(&tr.plan);
+        ok = ok && arenas_equal_plan(&tr) && (lg_plan_find(p, "gradients") != NULL) == !v &&
+             (lg_plan_find(p, "gradients.blocks") != NULL) == v;
+        lg_trainer_free(&tr);
+    }
+    /* fp32 gradients (bf16-mixed's): the whole model's, against the ends' and two blocks' */
+    size_t f32 = sizeof(float), block = lg_unit_layout(&cfg, 1, lg_no_buf(), NULL);
+    size_t ends = lg_unit_layout(&cfg, 0, lg_no_buf(), NULL), whole = ends + cfg.n_layer * block;
+    size_t saved = lg_align_to(whole * f32, LG_ALIGN) - lg_align_to(ends * f32, LG_ALIGN) -
+                   lg_align_to(2 * block * f32, LG_ALIGN);
+    check(r, ok && device[0] - device[1] == saved && host[0] == host[1] &&
+          traffic[1] - traffic[0] == 2 * 2 * whole * f32,
+          "--offload gradients: arenas as planned, device pool %zu -> %zu B (the whole gradient "
+          "out, the ends' and two blocks' buffers in), host pool the same, host traffic %zu -> "
+          "%zu B (3 micro-batches: out 3 times and back twice, not once)", device[0], device[1],
+          traffic[0], traffic[1]);
+    lg_args a;
+    lg_args_default(&a);
+    a.micro_batch_size = 4;
+    lg_remedy rem[LG_MAX_REMEDIES];
+    int n = lg_plan_remedies(&cfg, &a, 16, 1, rem), streamed = -1, offload = -1;
+    for (int i = 0; i < n; i++) {
+        if (rem[i].changes == LG_SETTING_OFFLOAD_GRADIENTS) streamed = i;
+        if (rem[i].changes == LG_SETTING_OFFLOAD) offload = i;
+    }
+    check(r, streamed > offload && offload >= 0 && rem[streamed].args.offload &&
+          rem[streamed].device_bytes < rem[offload].device_bytes,
+          "the remedies price --offload gradients after --offload: device %zu B against %zu B",
+          streamed < 0 ? 0 : rem[streamed].device_bytes, offload < 0 ? 0 : rem[offload].device_bytes);
+    static const char *const why[3] = {"--offload state", "one rank", "Sophia"};
+    for (int i = 0; i < 3; i++) { /* without state; -d 2; Sophia */
+        lg_args bad = a;
+        lg_error err = {0};
+        bad.offload_gradients = 1;
+        bad.offload = i > 0;
+        if (i == 1) bad.devices = 2;
+        if (i == 2) bad.optimizer = LG_OPTIMIZER_SOPHIA;
+        check(r, lg_args_check(&bad, &err) != 0 && strstr(err.msg, "--offload gradients") &&
+              strstr(err.msg, why[i]), "--offload gradients refused naming %s: %s", why[i], err.msg);
+    }
 }
 
 /* What recompute and offload save, as allocated: the arenas are the plan's, and the device
@@ -2160,6 +2278,8 @@ int main(int argc, char **argv) {
         test_recompute_offload_memory(&r);
         test_offload_activations_bitwise(&r);
         test_offload_activations_memory(&r);
+        test_offload_gradients_bitwise(&r);
+        test_offload_gradients_memory(&r);
     }
     if (section("memory plan", argc, argv)) {
         test_plan_matches_allocations(&r);

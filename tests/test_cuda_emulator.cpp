@@ -893,6 +893,39 @@ static void test_deferred_collectives(void) {
     lg_emu_set_devices(1);
 }
 
+/* Deferred copies: a copy on a second stream stays pending while the first stream's own
+   copies and kernels run (nothing orders it yet, as on a GPU), and lands once an event
+   recorded after it is waited on. */
+static void test_deferred_copies(void) {
+    lg_emu_state().nccl.defer_copies = 1;
+    float *a, *b, *c, *d;
+    cudaMalloc((void **)&a, sizeof(float)), cudaMalloc((void **)&b, sizeof(float));
+    cudaMalloc((void **)&c, sizeof(float)), cudaMalloc((void **)&d, sizeof(float));
+    const float one = 1.0f, two = 2.0f, zero = 0.0f;
+    cudaMemcpy(a, &one, sizeof one, cudaMemcpyDefault);
+    cudaMemcpy(b, &zero, sizeof zero, cudaMemcpyDefault);
+    cudaMemcpy(c, &two, sizeof two, cudaMemcpyDefault);
+    cudaStream_t compute, beside;
+    cudaEvent_t landed;
+    cudaStreamCreate(&compute), cudaStreamCreate(&beside);
+    cudaEventCreate(&landed);
+    cudaMemcpyAsync(b, a, sizeof(float), cudaMemcpyDefault, beside);  /* pending */
+    cudaMemcpyAsync(d, c, sizeof(float), cudaMemcpyDefault, compute); /* issued after it */
+    uint64_t before = lg_emu_launches_beside_copies();
+    std::vector<float> x(32, 1.0f);
+    float *dx = device_copy(x), *dsum = device_copy(std::vector<float>{0});
+    LG_LAUNCH(block_sum_kernel, 1, 32, 0, compute, dx, 32, dsum); /* runs the compute stream's */
+    CHECK(host_copy(d, 1)[0] == 2.0f && lg_emu_launches_beside_copies() == before + 1);
+    CHECK(host_copy(b, 1)[0] == 0.0f); /* still on its way (cudaMemcpy orders nothing here) */
+    cudaEventRecord(landed, beside);
+    cudaStreamWaitEvent(compute, landed, 0);
+    CHECK(host_copy(b, 1)[0] == 1.0f);
+    lg_emu_state().nccl.defer_copies = 0;
+    cudaEventDestroy(landed);
+    cudaStreamDestroy(compute), cudaStreamDestroy(beside);
+    cudaFree(a), cudaFree(b), cudaFree(c), cudaFree(d), cudaFree(dx), cudaFree(dsum);
+}
+
 /* 64 blocks x 256 threads with 9 barriers each: the scale of the backend's tests. */
 static void report_speed(void) {
     const int n = 64 * 256, launches = 20;
@@ -927,6 +960,7 @@ int main(void) {
     test_cp_async();
     test_nccl();
     test_deferred_collectives();
+    test_deferred_copies();
     report_speed();
     printf("%d passed, %d failed\n", passed, failed);
     return failed ? 1 : 0;

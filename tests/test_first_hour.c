@@ -393,6 +393,10 @@ static lg_args with_settings(const lg_args *original, const lg_remedy *m, int *T
     if (c & LG_SETTING_RECOMPUTE) a.recompute = to->recompute;
     if (c & LG_SETTING_OFFLOAD) a.offload = to->offload;
     if (c & LG_SETTING_OFFLOAD_ACTIVATIONS) a.offload_activations = to->offload_activations;
+    if (c & LG_SETTING_OFFLOAD_GRADIENTS) {
+        a.offload = to->offload;
+        a.offload_gradients = to->offload_gradients;
+    }
     if (c & LG_SETTING_PRECISION) a.precision = to->precision;
     if (c & LG_SETTING_LORA_R) a.lora.r = to->lora.r;
     if (c & LG_SETTING_QUANTIZE) a.lora.quantize = to->lora.quantize;

@@ -630,6 +630,75 @@ static void test_offload_overlap(results *r) {
 #endif
 }
 
+/* --offload gradients on the CUDA backend against --offload state alone: test-llama with 5
+   blocks (both block buffers turn over), bf16-mixed, 3 micro-batches a step (the host's sums
+   come back twice), no clipping (the host and the GPU sum the norm's squares in other
+   orders); skip: the compute does not wait for the buffers' copies to the host. Returns how
+   far the weights land apart, the losses' into *losses_apart, and the kernels launched beside
+   a pending copy into *beside (the emulator's count). */
+static double gradients_run_apart(results *r, int skip, double *losses_apart,
+                                  unsigned long long *beside) {
+    const int T = 16, steps = 3;
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return INFINITY;
+    cfg.n_layer = 5;
+    lg_args a = step_args(LG_PRECISION_BF16_MIXED, LG_BACKEND_CUDA);
+    a.global_batch_size = 3 * a.micro_batch_size;
+    a.max_norm = 0.0f;
+    a.offload = 1;
+    lg_args b = a;
+    b.offload_gradients = 1;
+    double la[3], lb[3];
+    lg_trainer ta, tb;
+    lg_loader ld;
+    lg_error err;
+    *losses_apart = INFINITY;
+    if (train_steps(&ta, &cfg, &a, T, steps, la) != 0) return INFINITY;
+    if (lg_trainer_create(&tb, &cfg, &b, T, &err) != 0 || builtin_loader(&ld, &cfg, &b, T, steps) != 0) {
+        lg_trainer_free(&ta);
+        return INFINITY;
+    }
+    tb.ranks[0].model.skip_kept_waits = skip;
+#ifdef LG_CUDA_EMULATE
+    unsigned long long before = lg_emu_launches_beside_copies();
+#endif
+    int rc = run_step_range(&tb, &ld, 0, steps, lb);
+#ifdef LG_CUDA_EMULATE
+    *beside = lg_emu_launches_beside_copies() - before;
+#else
+    *beside = 0;
+#endif
+    lg_loader_close(&ld);
+    if (rc == 0) return trainers_apart(&ta, &tb, la, lb, steps, losses_apart);
+    lg_trainer_free(&ta);
+    lg_trainer_free(&tb);
+    return INFINITY;
+}
+
+/* --offload gradients on the GPU: bitwise the weights and losses of --offload state (the same
+   sums in the same order, only where they wait differs); on the emulator with deferred copies
+   the backward runs while earlier units' gradients are still on their way, and without the
+   waits for those copies a buffer is reopened under its copy and another model trains. */
+static void test_offload_gradients(results *r) {
+    double losses;
+    unsigned long long beside = 0;
+    double apart = gradients_run_apart(r, 0, &losses, &beside);
+    check(r, apart == 0 && losses == 0, "--offload gradients = --offload state on the GPU, "
+          "bf16-mixed, 5 blocks, 3 micro-batches a step, 3 steps: weights %.1e, losses %.1e apart "
+          "(bitwise); %llu kernels launched beside a pending copy", apart, losses, beside);
+#ifdef LG_CUDA_EMULATE
+    const char *defer = getenv("LG_EMU_DEFER_COPIES");
+    if (defer && strcmp(defer, "1") == 0) {
+        double losses_skipped;
+        unsigned long long beside_skipped = 0;
+        double skipped = gradients_run_apart(r, 1, &losses_skipped, &beside_skipped);
+        check(r, beside > 0 && (skipped > 1e-3 || losses_skipped > 1e-3), "the same with the "
+              "gradient buffers' waits removed, copies deferred: weights %.1e, losses %.1e apart "
+              "(a missing wait shows)", skipped, losses_skipped);
+    }
+#endif
+}
+
 /* LoRA (every target of test-llama, dropout 0.1) and QLoRA (nf4, nf4-dq: the frozen linears
    dequantized on the GPU): the CUDA backend's adapters and losses after 3 steps against the
    CPU's, fp32 with AdamW (1e-4) and bf16-mixed with SGD (1e-2); with 2 GPUs when visible,
@@ -1063,6 +1132,7 @@ static void mode_features(results *r, int gpus) {
     test_gpu_features(r);
     test_gpu_lora(r, gpus);
     test_offload_overlap(r);
+    test_offload_gradients(r);
 }
 
 static void mode_combinations(results *r, int gpus) {
