@@ -3902,17 +3902,20 @@ int lg_strategy_parse(const char *text, lg_strategy *out) {
 
 int lg_args_ranks(const lg_args *a) { return a->devices * a->nodes; }
 
-/* --offload gradients streams each unit's gradients to the host optimizer that --offload
-   runs; this stage serves one rank, where no collective reads the gradients on the device. */
+/* --offload gradients streams each unit's gradients (sharded: each rank's piece) to the host
+   optimizer that --offload runs; replicas, which all-reduce the whole gradient once a step on
+   the devices, are not served. */
 static int lg_args_check_offload_gradients(const lg_args *a, lg_error *err) {
     if (!a->offload_gradients) return 0;
     if (!a->offload)
         return lg_fail(err, "--offload gradients needs --offload state (the optimizer runs on "
                             "the host, where the gradients go)");
-    if (lg_args_ranks(a) > 1)
-        return lg_fail(err, "--offload gradients runs on one rank for now (-d %d x --nodes %d): "
-                            "several ranks reduce their gradients on the devices first",
-                       a->devices, a->nodes);
+    int replicas = lg_args_ranks(a) > 1 && (a->strategy == LG_STRATEGY_NO_SHARD ||
+                                            (a->strategy == LG_STRATEGY_HYBRID_SHARD && a->nodes > 1));
+    if (replicas)
+        return lg_fail(err, "--offload gradients: --strategy %s keeps replicas, which add their "
+                            "whole gradients on the devices once a step; full-shard or "
+                            "shard-grad-op stream each rank's piece", lg_strategy_name(a->strategy));
     if (a->optimizer == LG_OPTIMIZER_SOPHIA)
         return lg_fail(err, "--offload gradients: Sophia's Hessian pass reads the whole gradient "
                             "on the device (-o adamw, lion or sgd stream it)");
@@ -5316,13 +5319,12 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
         a.offload = 1;
         lg_remedy_price(&out[n++], "CPU offload", LG_SETTING_OFFLOAD, cfg, &a, T, limit);
     }
-    if (!args->offload_gradients && lg_args_ranks(args) == 1 &&
-        args->optimizer != LG_OPTIMIZER_SOPHIA) { /* (lg_args_check_offload_gradients) */
-        a = *args;
-        a.offload = a.offload_gradients = 1;
+    a = *args;
+    a.offload = a.offload_gradients = 1;
+    lg_error refused;
+    if (!args->offload_gradients && lg_args_check_offload_gradients(&a, &refused) == 0)
         lg_remedy_price(&out[n++], "gradients to the host", LG_SETTING_OFFLOAD_GRADIENTS, cfg, &a,
                         T, limit);
-    }
     if (!args->offload_activations) { /* it moves what recompute keeps: recompute with it */
         a = *args;
         a.recompute = a.offload_activations = 1;
@@ -15310,7 +15312,7 @@ static void lg_trainer_fetch_unit_grads(lg_trainer *tr, int u, int micro) {
    buffer, ready for micro-batch `micro`'s backward: sharded, zeroed (the shard adds the
    reduce-scatter's piece); with --offload gradients, the step's sums so far. */
 static void lg_trainer_open_unit_grads(lg_trainer *tr, int u, int micro) {
-    if (tr->plan.spec.offload_gradients) {
+    if (tr->plan.spec.offload_gradients && !tr->plan.sharding.grads_sharded) {
         lg_trainer_fetch_unit_grads(tr, u, micro);
         return;
     }
@@ -15318,6 +15320,8 @@ static void lg_trainer_open_unit_grads(lg_trainer *tr, int u, int micro) {
     for (int r = 0; r < tr->local_ranks; r++) {
         lg_model *m = &tr->ranks[r].model;
         lg_buf g = lg_unit_grads(tr, r, u);
+        if (tr->plan.spec.offload_gradients && !m->skip_kept_waits) /* its last piece has left */
+            lg_wait_beside(&m->exec, lg_grads_mark(u));
         lg_model_point_unit(m, u, lg_no_buf(), g);
         lg_model_start_unit_grads(m, u, g, lg_padded_unit(&tr->plan.shards, u));
     }
@@ -15327,7 +15331,8 @@ static void lg_trainer_open_unit_grads(lg_trainer *tr, int u, int micro) {
    compute that follows, and the buffer's next user waits for that copy alone. */
 static void lg_trainer_send_unit_grads(lg_trainer *tr, int u) {
     const lg_shard_layout *sl = &tr->plan.shards;
-    if (!tr->plan.spec.offload_gradients) return;
+    if (!tr->plan.spec.offload_gradients || tr->plan.sharding.grads_sharded) return; /* (sharded:
+                                                              lg_trainer_add_piece_on_host) */
     for (int r = 0; r < tr->local_ranks; r++) {
         lg_model *m = &tr->ranks[r].model;
         lg_copy_beside(&m->exec, lg_host_unit_grads(tr, r, u), lg_unit_grads(tr, r, u),
@@ -15356,16 +15361,37 @@ static void lg_trainer_start_reduce(lg_trainer *tr, int u) {
     }
 }
 
+/* --offload gradients, sharded: rank r's piece of unit u joins the step's sums on the host.
+   The sums so far come back into the unit's buffer (free once its reduce-scatter is done;
+   zeroed in the step's first micro-batch, as the shard would be), take the piece in the
+   shard's order, and go out again beside the compute. */
+static void lg_trainer_add_piece_on_host(lg_trainer *tr, int r, int u, int micro) {
+    const lg_shard_layout *sl = &tr->plan.shards;
+    lg_trainer_rank *tr_r = &tr->ranks[r];
+    const lg_exec *ex = &tr_r->model.exec;
+    lg_buf sums = lg_unit_grads(tr, r, u), host = lg_at(tr_r->host_grads, sl->piece_offset[u]);
+    size_t n = sl->piece_count[u];
+    if (micro == 0) lg_zero(ex, sums, n);
+    else lg_copy(ex, sums, host, n);
+    lg_add(ex, sums, sums, tr_r->reduce_out, n);
+    lg_copy_beside(ex, host, sums, n);
+    lg_mark_beside(ex, lg_grads_mark(u));
+}
+
 /* Waits for unit u's reduce-scatter and adds each rank's piece to its gradient shard
-   (accumulating over micro-batches). */
-static void lg_trainer_finish_reduce(lg_trainer *tr, int u) {
+   (accumulating over micro-batches; with --offload gradients the shard is on the host). */
+static void lg_trainer_finish_reduce(lg_trainer *tr, int u, int micro) {
     const lg_shard_layout *sl = &tr->plan.shards;
     if (!tr->plan.sharding.grads_sharded) return;
     for (int q = 0; q < tr->plan.sharding.replicas; q++) lg_comm_await(tr->shard_comm[q], lg_reduce_signal(u));
     for (int r = 0; r < tr->local_ranks; r++) {
         lg_trainer_rank *tr_r = &tr->ranks[r];
-        lg_buf shard = lg_at(tr_r->model.grads, sl->piece_offset[u]);
         lg_rank_await(&tr_r->rank, lg_reduce_signal(u));
+        if (tr->plan.spec.offload_gradients) {
+            lg_trainer_add_piece_on_host(tr, r, u, micro);
+            continue;
+        }
+        lg_buf shard = lg_at(tr_r->model.grads, sl->piece_offset[u]);
         lg_add(&tr_r->model.exec, shard, shard, tr_r->reduce_out, sl->piece_count[u]);
     }
 }
@@ -15502,17 +15528,17 @@ static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float 
         lg_trainer_layer_backward(tr, mb, l, loss_scale);
         lg_trainer_send_unit_grads(tr, l + 1);
         if (l + 2 <= L) {
-            lg_trainer_finish_reduce(tr, l + 2);
+            lg_trainer_finish_reduce(tr, l + 2, micro);
             lg_trainer_offload_unit(tr, l + 2, offload);
         }
         lg_trainer_start_reduce(tr, l + 1);
     }
     lg_trainer_layer_backward(tr, mb, -1, loss_scale);
     lg_trainer_send_unit_grads(tr, 0);
-    lg_trainer_finish_reduce(tr, 1);
+    lg_trainer_finish_reduce(tr, 1, micro);
     lg_trainer_offload_unit(tr, 1, offload);
     lg_trainer_start_reduce(tr, 0);
-    lg_trainer_finish_reduce(tr, 0);
+    lg_trainer_finish_reduce(tr, 0, micro);
     lg_trainer_offload_unit(tr, 0, offload);
     for (int r = 0; r < tr->local_ranks; r++) /* the next micro-batch adds */
         if (mb[r].B) tr->ranks[r].model.grads_overwrite = 0;
@@ -16036,9 +16062,9 @@ static double lg_trainer_accumulate(lg_trainer *tr, int step, long n_targets,
     lg_micro_batch mb[LG_MAX_RANKS];
     for (int r = 0; r < tr->local_ranks; r++) { /* sharded: the shards add every piece */
         lg_model *m = &tr->ranks[r].model;
-        if (tr->plan.sharding.grads_sharded) lg_model_zero_grad(m);
-        else if (tr->plan.spec.offload_gradients) m->grads_overwrite = 1; /* (the first
-                                                    micro-batch's units start afresh) */
+        if (tr->plan.spec.offload_gradients) m->grads_overwrite = 1; /* (the first micro-batch's
+                                                           units start afresh) */
+        else if (tr->plan.sharding.grads_sharded) lg_model_zero_grad(m);
         else lg_model_start_grads(m);
         targets[r] = tr->ranks[r].targets;
     }

@@ -1709,6 +1709,34 @@ static void test_offload_activations_memory(results *r) {
           "block: refused naming both (%s)", err.msg);
 }
 
+/* Trains a (with --offload state) and the same with --offload gradients 3 steps: 1 when
+   their losses, every rank's host gradients and weights are bitwise equal and the streamed
+   run has no whole-gradient buffer on its devices. */
+static int offload_gradients_same(const lg_config *cfg, const lg_args *a, const char *family,
+                                  const char *mode) {
+    double whole_losses[3], streamed_losses[3];
+    lg_trainer whole, streamed;
+    lg_args b = *a;
+    b.offload_gradients = 1;
+    int rc = train_steps(&whole, cfg, a, 12, 3, whole_losses);
+    rc |= train_steps(&streamed, cfg, &b, 12, 3, streamed_losses);
+    int same = rc == 0 && memcmp(whole_losses, streamed_losses, sizeof whole_losses) == 0;
+    for (int q = 0; same && q < whole.local_ranks; q++) {
+        const lg_trainer_rank *w = &whole.ranks[q], *s = &streamed.ranks[q];
+        same = same_bits(w->host_grads, s->host_grads, w->model.n_local) &&
+               same_bits(w->model.params, s->model.params, w->model.n_local) &&
+               s->model.grads.data == NULL;
+    }
+    if (!same)
+        printf("    differs: %s %s, -b %d -g %d -d %d %s\n", family, mode, a->micro_batch_size,
+               a->global_batch_size, a->devices, lg_strategy_name(a->strategy));
+    if (rc == 0) {
+        lg_trainer_free(&whole);
+        lg_trainer_free(&streamed);
+    }
+    return same;
+}
+
 /* --offload gradients: each unit's gradients go to the host as its backward ends, and come
    back for the next micro-batch's backward to add to; bitwise the losses, the host's
    gradients and the weights of --offload state alone, which keeps the whole gradient on the
@@ -1741,26 +1769,20 @@ static void test_offload_gradients_bitwise(results *r) {
                                      LG_LORA_PROJECTION | LG_LORA_MLP;
                     a.lora.quantize = k == QLORA_NF4 ? LG_QUANTIZE_NF4 : LG_QUANTIZE_NONE;
                 }
-                double whole_losses[3], streamed_losses[3];
-                lg_trainer whole, streamed;
-                int rc = train_steps(&whole, &cfg, &a, 12, 3, whole_losses);
-                a.offload_gradients = 1;
-                rc |= train_steps(&streamed, &cfg, &a, 12, 3, streamed_losses);
-                const lg_trainer_rank *w = &whole.ranks[0], *s = &streamed.ranks[0];
-                int same = rc == 0 && memcmp(whole_losses, streamed_losses, sizeof whole_losses) == 0 &&
-                           same_bits(w->host_grads, s->host_grads, w->model.n_local) &&
-                           same_bits(w->model.params, s->model.params, w->model.n_local) &&
-                           s->model.grads.data == NULL; /* no whole-model buffer */
-                if (!same) printf("    differs: %s %s, %d micro-batches\n", names[i], mode_names[k],
-                                  accumulation);
-                ok = ok && same;
-                runs++;
-                lg_trainer_free(&whole);
-                lg_trainer_free(&streamed);
+                for (int sharded = 0; sharded < 3; sharded++) { /* 1 rank, -d 2 two ways */
+                    if (sharded && k != FULL_FP32 && k != QLORA_NF4) continue;
+                    lg_args b = a;
+                    b.devices = sharded ? 2 : 1;
+                    b.strategy = sharded == 2 ? LG_STRATEGY_SHARD_GRAD_OP : LG_STRATEGY_FULL_SHARD;
+                    b.global_batch_size *= b.devices;
+                    ok = offload_gradients_same(&cfg, &b, names[i], mode_names[k]) && ok;
+                    runs++;
+                }
             }
     check(r, ok, "--offload gradients: bitwise the losses, gradients and weights of --offload "
           "state after 3 clipped AdamW steps (%d runs: %d families with 3 layers x full fp32, "
-          "full bf16-true, LoRA, QLoRA nf4 x 1 and 3 micro-batches)", runs, n_families);
+          "full bf16-true, LoRA, QLoRA nf4 x 1 and 3 micro-batches; full fp32 and QLoRA also "
+          "-d 2 full-shard and shard-grad-op)", runs, n_families);
 }
 
 /* --offload gradients as allocated: the arenas are the plan's; the device's whole-model
@@ -1814,13 +1836,13 @@ static void test_offload_gradients_memory(results *r) {
           rem[streamed].device_bytes < rem[offload].device_bytes,
           "the remedies price --offload gradients after --offload: device %zu B against %zu B",
           streamed < 0 ? 0 : rem[streamed].device_bytes, offload < 0 ? 0 : rem[offload].device_bytes);
-    static const char *const why[3] = {"--offload state", "one rank", "Sophia"};
-    for (int i = 0; i < 3; i++) { /* without state; -d 2; Sophia */
+    static const char *const why[3] = {"--offload state", "replicas", "Sophia"};
+    for (int i = 0; i < 3; i++) { /* without state; -d 2 no-shard; Sophia */
         lg_args bad = a;
         lg_error err = {0};
         bad.offload_gradients = 1;
         bad.offload = i > 0;
-        if (i == 1) bad.devices = 2;
+        if (i == 1) bad.devices = 2, bad.strategy = LG_STRATEGY_NO_SHARD;
         if (i == 2) bad.optimizer = LG_OPTIMIZER_SOPHIA;
         check(r, lg_args_check(&bad, &err) != 0 && strstr(err.msg, "--offload gradients") &&
               strstr(err.msg, why[i]), "--offload gradients refused naming %s: %s", why[i], err.msg);

@@ -636,14 +636,15 @@ static void test_offload_overlap(results *r) {
    orders); skip: the compute does not wait for the buffers' copies to the host. Returns how
    far the weights land apart, the losses' into *losses_apart, and the kernels launched beside
    a pending copy into *beside (the emulator's count). */
-static double gradients_run_apart(results *r, int skip, double *losses_apart,
+static double gradients_run_apart(results *r, int devices, int skip, double *losses_apart,
                                   unsigned long long *beside) {
     const int T = 16, steps = 3;
     lg_config cfg;
     if (load_config_or_fail(r, &cfg, "test-llama")) return INFINITY;
     cfg.n_layer = 5;
     lg_args a = step_args(LG_PRECISION_BF16_MIXED, LG_BACKEND_CUDA);
-    a.global_batch_size = 3 * a.micro_batch_size;
+    a.devices = devices; /* (full-shard: each rank's pieces stream) */
+    a.global_batch_size = 3 * a.micro_batch_size * devices;
     a.max_norm = 0.0f;
     a.offload = 1;
     lg_args b = a;
@@ -658,7 +659,7 @@ static double gradients_run_apart(results *r, int skip, double *losses_apart,
         lg_trainer_free(&ta);
         return INFINITY;
     }
-    tb.ranks[0].model.skip_kept_waits = skip;
+    for (int k = 0; k < tb.local_ranks; k++) tb.ranks[k].model.skip_kept_waits = skip;
 #ifdef LG_CUDA_EMULATE
     unsigned long long before = lg_emu_launches_beside_copies();
 #endif
@@ -682,16 +683,23 @@ static double gradients_run_apart(results *r, int skip, double *losses_apart,
 static void test_offload_gradients(results *r) {
     double losses;
     unsigned long long beside = 0;
-    double apart = gradients_run_apart(r, 0, &losses, &beside);
+    double apart = gradients_run_apart(r, 1, 0, &losses, &beside);
     check(r, apart == 0 && losses == 0, "--offload gradients = --offload state on the GPU, "
           "bf16-mixed, 5 blocks, 3 micro-batches a step, 3 steps: weights %.1e, losses %.1e apart "
           "(bitwise); %llu kernels launched beside a pending copy", apart, losses, beside);
+    if (lg_cuda_device_count() >= 2) {
+        unsigned long long beside_sharded = 0;
+        apart = gradients_run_apart(r, 2, 0, &losses, &beside_sharded);
+        check(r, apart == 0 && losses == 0, "the same with -d 2 full-shard (each rank's pieces "
+              "to the host): weights %.1e, losses %.1e apart (bitwise); %llu kernels launched "
+              "beside a pending copy", apart, losses, beside_sharded);
+    }
 #ifdef LG_CUDA_EMULATE
     const char *defer = getenv("LG_EMU_DEFER_COPIES");
     if (defer && strcmp(defer, "1") == 0) {
         double losses_skipped;
         unsigned long long beside_skipped = 0;
-        double skipped = gradients_run_apart(r, 1, &losses_skipped, &beside_skipped);
+        double skipped = gradients_run_apart(r, 1, 1, &losses_skipped, &beside_skipped);
         check(r, beside > 0 && (skipped > 1e-3 || losses_skipped > 1e-3), "the same with the "
               "gradient buffers' waits removed, copies deferred: weights %.1e, losses %.1e apart "
               "(a missing wait shows)", skipped, losses_skipped);
