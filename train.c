@@ -664,10 +664,11 @@ static void print_usage(void) {
     for (int i = 0; i < FLAG_COUNT; i++) {
         const flag_row *f = &flag_table[i];
         size_t used = strlen(names);
-        const char *before = used ? " " : f->letter ? "  -?, " : "      ";
-        snprintf(names + used, sizeof names - used, "%s--%s%s%s", before, f->name,
-                 f->value && strncmp(f->value, "[=", 2) != 0 ? " " : "", f->value ? f->value : "");
-        if (f->letter) names[used + 3] = f->letter; /* the '?' of "  -?, " */
+        char lead[8] = "      "; /* the letters' column, blank */
+        if (f->letter) snprintf(lead, sizeof lead, "  -%c, ", f->letter);
+        const char *space = f->value && strncmp(f->value, "[=", 2) != 0 ? " " : "";
+        snprintf(names + used, sizeof names - used, "%s--%s%s%s", used ? " " : lead, f->name,
+                 space, f->value ? f->value : "");
         if (!f->help) continue; /* its line goes on with the next flag */
         print_usage_entry(names, f->help);
         names[0] = '\0';
@@ -1852,31 +1853,36 @@ static void hang_if_testing(const lg_launch *launch, int step) {
 /* What a run is, settled before anything is allocated: the flags (and a resumed run's
    settings), the model, the data, the GPUs, and a plan that fits (--plan prints it and exits). */
 typedef struct {
+    int argc;   /* the command line, the process flags taken out (take_process_flags) */
+    char **argv;
     lg_args a;
     given_flags given;
     checkpoint_flags ck;
     output_flags output;
     lg_launch launch; /* under a launcher: which process this is, and which ranks it drives */
+    FILE *plan_json;  /* --plan=json or svg: the real stdout, the document's alone */
     lg_config cfg;
     int T;
     run_data data;
 } run_setup;
 
-/* Stage 1: argv to a run that fits, or an exit (usage 2, --plan 0 or 3, no fit 3). */
-static void settle_run(int argc, char **argv, run_setup *rs) {
+/* Stage 1, parse: argv to the run's settings (a resumed run's, the flags given over them),
+   the processes met; or an exit (usage 2, --help 0). */
+static void parse_run(int argc, char **argv, run_setup *rs) {
     static lg_run_settings saved; /* --resume: the run's settings (its strings live here) */
     lg_args *a = &rs->a;
     lg_error err;
     if (lg_launch_from_env(&rs->launch, &err) != 0) die_usage("%s", err.msg);
-    argc = take_process_flags(argc, argv, &rs->launch);
+    rs->argc = argc = take_process_flags(argc, argv, &rs->launch);
+    rs->argv = argv;
     if (rs->launch.process != 0 && !freopen("/dev/null", "w", stdout)) /* process 0 prints */
         die_usage("cannot silence stdout");
     start_processes(&rs->launch, argc, argv);
     parse_args(argc, argv, a, &rs->given, &rs->ck, &rs->output);
     if (lg_launch_place(&rs->launch, a->devices, a->nodes, &err) != 0) die_usage("%s", err.msg);
     a->processes = rs->launch.processes; /* the plan counts MPI's buffers */
-    FILE *json = a->plan_only == LG_PLAN_JSON || a->plan_only == LG_PLAN_SVG ? json_output() : NULL;
-    /* (JSON or SVG alone on stdout) */
+    int alone = a->plan_only == LG_PLAN_JSON || a->plan_only == LG_PLAN_SVG;
+    rs->plan_json = alone ? json_output() : NULL; /* (JSON or SVG alone on stdout) */
     float beta1, beta2; /* the optimizer's own betas, unless given */
     lg_optimizer_default_betas(a->optimizer, &beta1, &beta2);
     if (!rs->given.beta1) a->beta1 = beta1;
@@ -1884,24 +1890,33 @@ static void settle_run(int argc, char **argv, run_setup *rs) {
     if (!rs->given.min_lr) a->min_lr = a->lr / 10; /* the final rate follows --lr */
     if (rs->ck.resume) resume_settings(argc, argv, a, &rs->given, &rs->ck, &rs->output, &saved);
     check_flags(a, &rs->ck);
+}
+
+/* Stage 2, plan: the model, the data, the GPUs, the sizes left to choose (auto), and a plan
+   that fits; or an exit (--plan 0 or 3, no fit 3, a bad file 2). */
+static void plan_run(run_setup *rs) {
+    lg_args *a = &rs->a;
+    lg_error err;
     load_config(a, &rs->cfg, &rs->ck, rs->given.config);
     rs->T = a->max_seq_length ? a->max_seq_length : rs->cfg.block_size;
     open_data(a, &rs->cfg, &rs->T, &rs->data); /* fine-tuning samples: T is the longest one */
     a->finetuning = !a->data || lg_samples_file(a->data); /* LoRA is a remedy (see --plan) */
     prepare_gpus(a, rs->launch.processes > 1);
     a->host_available = lg_host_available_bytes(); /* once: the choices and the check agree */
+    char *note = rs->data.note;
     if (a->max_seq_length_auto) choose_seq_length(a, &rs->cfg, &rs->T, &rs->data);
-    if (a->micro_batch_auto) choose_micro_batch(a, &rs->cfg, rs->T, rs->data.note, sizeof rs->data.note);
-    if (!a->head_rows || !a->slice_rows) choose_rows(a, &rs->cfg, rs->T, rs->data.note, sizeof rs->data.note);
+    if (a->micro_batch_auto) choose_micro_batch(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
+    if (!a->head_rows || !a->slice_rows)
+        choose_rows(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
     if (lg_args_check(a, &err) != 0) die_usage("%s", err.msg);
     char planned_for[512];
     describe_planned_run(a, &rs->cfg, rs->T, &rs->data, planned_for, sizeof planned_for);
-    if (!a->plan_only) fputs(rs->data.note, stdout); /* a run: first what the data are */
-    plan_and_check(argc, argv, a, &rs->cfg, rs->T, json, planned_for, rs->data.note);
-    if (rs->launch.processes > 1) check_same_run(&rs->launch, argc, argv, &rs->data);
+    if (!a->plan_only) fputs(note, stdout); /* a run: first what the data are */
+    plan_and_check(rs->argc, rs->argv, a, &rs->cfg, rs->T, rs->plan_json, planned_for, note);
+    if (rs->launch.processes > 1) check_same_run(&rs->launch, rs->argc, rs->argv, &rs->data);
 }
 
-/* Stage 2: what could stop the run later stops it now (a bad prompt, an --out, --log or --plot
+/* Stage 2 too: what could stop the run later stops it now (a bad prompt, an --out, --log or --plot
    that cannot be written); returns the --log file (NULL without one). */
 static FILE *check_outputs(const run_setup *rs) {
     const lg_args *a = &rs->a;
@@ -1996,7 +2011,8 @@ static void check_data_tokenizer(const char *load, const run_data *d) {
     lg_tokenizer_free(&tok);
 }
 
-/* Stage 4: the weights of --load, or a resumed run's whole state; returns the steps done. */
+/* Stage 3, build: the weights of --load, or a resumed run's whole state; returns the steps
+   done. */
 static int start_weights(lg_trainer *tr, run_setup *rs) {
     const lg_args *a = &rs->a;
     const checkpoint_flags *ck = &rs->ck;
@@ -2022,9 +2038,9 @@ static int start_weights(lg_trainer *tr, run_setup *rs) {
     return first_step;
 }
 
-/* Stage 5: the steps, with progress, the log, checkpoints, evaluations and samples between
-   them; the final samples and checkpoint after. */
-static void train_steps(lg_trainer *tr, run_setup *rs, int first_step, FILE *log) {
+/* Stage 4, train: the steps, with progress, the log, checkpoints, evaluations and samples
+   between them; the final samples after. Returns the step last saved (-1: none). */
+static int train_steps(lg_trainer *tr, run_setup *rs, int first_step, FILE *log) {
     lg_args *a = &rs->a;
     lg_error err;
     int saved_step = -1;
@@ -2064,15 +2080,24 @@ static void train_steps(lg_trainer *tr, run_setup *rs, int first_step, FILE *log
     plot_write(&plot);
     plot_free(&plot);
     print_samples(tr, a, &rs->data, &sample_rng);
+    return saved_step;
+}
+
+/* Stage 5, save: the final checkpoint with --out (unless the last step saved it), and the
+   --log file closed. */
+static void save_run(lg_trainer *tr, run_setup *rs, int first_step, int saved_step, FILE *log) {
+    const lg_args *a = &rs->a;
+    lg_error err;
     int final_step = first_step > a->max_steps ? first_step : a->max_steps;
     if (a->out_dir && saved_step != final_step) {
         if (lg_checkpoint_save(tr, &rs->data.train, final_step, a->out_dir, &err) != 0) die(1, &err);
         printf("saved %s/step-%d\n", a->out_dir, final_step);
     }
+    if (log && fclose(log) != 0) die_write(a->log_path);
 }
 
-/* The guided tour: settle the run, check its outputs, make the trainer (the plan's memory,
-   nothing more), say what it is, start its weights, train. */
+/* The guided tour, in five stages: parse the command line, plan the run (it fits, or it stops
+   before anything is allocated), build the trainer and its weights, train, save. */
 int main(int argc, char **argv) {
 #ifdef LG_CUDA
     /* before CUDA starts: every kernel loads with the context, so the runtime's memory measured
@@ -2084,14 +2109,27 @@ int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     static run_setup rs; /* (large: the data's notes) */
     lg_error err;
-    settle_run(argc, argv, &rs);
+
+    /* 1. parse: the flags, over a resumed run's settings; the processes of a launcher meet */
+    parse_run(argc, argv, &rs);
+
+    /* 2. plan: the model, the data, the GPUs, and a memory plan that fits; the outputs can be
+       written */
+    plan_run(&rs);
     FILE *log = check_outputs(&rs);
+
+    /* 3. build: the trainer (the plan's memory, nothing more), then its weights: fresh, from
+       --load, or a resumed run's */
     lg_trainer tr;
     if (lg_trainer_create_in(&tr, &rs.cfg, &rs.a, rs.T, &rs.launch, &err) != 0) die(1, &err);
     describe_run(&tr, &rs);
     int first_step = start_weights(&tr, &rs);
-    train_steps(&tr, &rs, first_step, log);
-    if (log && fclose(log) != 0) die_write(rs.a.log_path);
+
+    /* 4. train: the steps, with evaluations, samples and checkpoints between them */
+    int saved_step = train_steps(&tr, &rs, first_step, log);
+
+    /* 5. save: the last checkpoint and the log; then everything is handed back */
+    save_run(&tr, &rs, first_step, saved_step, log);
     lg_trainer_free(&tr);
     lg_loader_close(&rs.data.train);
     lg_loader_close(&rs.data.val);
