@@ -225,9 +225,10 @@ static void set_strategy(flag_call *c) {
 }
 
 static void set_recompute(flag_call *c) {
-    if (strcmp(c->value, "none") == 0) c->a->recompute = 0;
-    else if (strcmp(c->value, "block") == 0) c->a->recompute = 1;
-    else die_usage("%s: '%s' is not none or block", c->flag, c->value);
+    static const char *const modes[] = {"none", "block"}; /* a->recompute: 0, 1 */
+    int mode = lg_name_index(modes, LG_COUNT_OF(modes), c->value);
+    if (mode < 0) die_usage("%s: '%s' is not none or block", c->flag, c->value);
+    c->a->recompute = mode;
 }
 
 /* A count of rows, at least 1 (--head-rows, --slice-rows). */
@@ -273,13 +274,15 @@ static void set_offload(flag_call *c) {
     }
 }
 
-/* --plan, --plan=json or --plan=svg */
+/* --plan (the table), --plan=json or --plan=svg */
 static void set_plan(flag_call *c) {
-    if (!c->value) c->a->plan_only = LG_PLAN_TABLE;
-    else if (strcmp(c->value, "json") == 0) c->a->plan_only = LG_PLAN_JSON;
-    else if (strcmp(c->value, "svg") == 0) c->a->plan_only = LG_PLAN_SVG;
-    else die_usage("%s=%s: only %s, %s=json or %s=svg", c->flag, c->value, c->flag, c->flag,
-                   c->flag);
+    static const char *const formats[] = {"json", "svg"};
+    static const lg_plan_mode modes[] = {LG_PLAN_JSON, LG_PLAN_SVG}; /* the formats' */
+    int format = c->value ? lg_name_index(formats, LG_COUNT_OF(formats), c->value) : -1;
+    if (c->value && format < 0)
+        die_usage("%s=%s: only %s, %s=json or %s=svg", c->flag, c->value, c->flag, c->flag,
+                  c->flag);
+    c->a->plan_only = c->value ? modes[format] : LG_PLAN_TABLE;
 }
 
 static void set_memory_limit(flag_call *c) { c->a->memory_limit = parse_size(c->flag, c->value); }
