@@ -735,6 +735,7 @@ static void apply_flags(int argc, char **argv, lg_args *a, given_flags *given,
     if (optind < argc) die_usage("unexpected argument '%s'", argv[optind]);
 }
 
+/* The command line over the defaults (and the backend this machine would use). */
 static void parse_args(int argc, char **argv, lg_args *a, given_flags *given,
                        checkpoint_flags *ck, output_flags *out) {
     lg_args_default(a);
