@@ -17,129 +17,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static const char usage[] =
-    "usage: ./train [options]\n"
-    "  -c, --config NAME|PATH     model: configs/NAME.yaml or a file (default: built-in model)\n"
-    "      --data FILE            training data: an llm.c token shard, or fine-tuning samples\n"
-    "                             from tools/prepare alpaca (default: the built-in task, a\n"
-    "                             fine-tuning set)\n"
-    "      --val-data FILE        validation data, of the same kind; without --data and\n"
-    "                             with --max-steps 0 (and -c or --load): evaluation alone\n"
-    "  -b, --micro-batch-size N   samples per forward/backward (default 16); auto: the\n"
-    "                             largest that fits and divides the per-device batch (-g)\n"
-    "  -g, --global-batch-size N  samples per optimizer step (default: = -b); accumulation\n"
-    "                             steps = global / (devices x nodes) / micro-batch\n"
-    "  -t, --max-seq-length N     tokens per sample: shard windows, or the length fine-tuning\n"
-    "                             samples are truncated to (default: block_size for shards,\n"
-    "                             the longest sample for fine-tuning); auto: the longest\n"
-    "                             that fits, up to those\n"
-    "      --pack                 fine-tuning samples packed first-fit into rows of -t\n"
-    "                             tokens (default: the longest sample), attention and\n"
-    "                             positions kept inside each sample; the CPU backend\n"
-    "  -p, --precision P          bf16-mixed (default), 16-mixed, bf16-true, 16-true, 32-true\n"
-    "  -d, --devices N            GPUs a node (1), one rank each; on the CPU backend,\n"
-    "                             simulated ranks\n"
-    "      --nodes N              nodes (1); ranks = devices x nodes\n"
-    "      --strategy S           with more than one rank: full-shard (default; weights,\n"
-    "                             gradients and optimizer state split), shard-grad-op\n"
-    "                             (gradients and state), no-shard (DDP) or hybrid-shard\n"
-    "                             (full-shard in a node, replicas across nodes)\n"
-    "      --recompute MODE       none (default) or block: keep each block's input only and\n"
-    "                             recompute the block in the backward (same results)\n"
-    "      --head-rows N          the head and loss N rows of logits at a time, computed\n"
-    "                             again in the backward (default: all rows, or chunks of\n"
-    "                             " LG_HEAD_CHUNK_TEXT " where the run does not fit with all)\n"
-    "      --slice-rows N         each block's MLP N rows at a time, its hidden layer\n"
-    "                             computed again in the backward (default: all rows, or\n"
-    "                             with --recompute block slices of " LG_SLICE_TEXT " where the run\n"
-    "                             does not fit with all and the head in chunks)\n"
-    "      --offload [LIST]       parts in host memory, a comma list (bare: state): state\n"
-    "                             (master weights and optimizer state; the optimizer runs\n"
-    "                             there), activations (the block inputs --recompute block\n"
-    "                             keeps), gradients (each block's as its backward ends;\n"
-    "                             with state); same results either way\n"
-    "      --plan[=json|svg]      print the memory plan per device and exit; json and svg\n"
-    "                             alone on stdout (svg: stacked groups against the limit)\n"
-    "      --memory-limit SIZE    memory a device may use, e.g. 24GiB (default: a GPU's\n"
-    "                             memory); on the CPU backend the memory of the machine,\n"
-    "                             which both pools of every simulated rank share (default:\n"
-    "                             what it has available); a run that does not fit exits 3\n"
-    "                             with a diagnosis and the cheapest change that fits\n"
-    "      --host-memory-limit SIZE  host memory the host pools of a machine's ranks may\n"
-    "                             use together (default: what it has available); on the\n"
-    "                             CPU backend a cap on the machine's memory too\n"
-    "      --gpu NAME             with --plan: plan for that card from any machine (its\n"
-    "                             reported memory and limits, the runtime estimated);\n"
-    "                             --gpu list prints the cards\n"
-    "      --memory-margin SIZE   device memory a GPU plan keeps free beyond what it\n"
-    "                             counts (default: 1% of the limit or 256MiB, whichever\n"
-    "                             is more; 0B: none)\n"
-    "      --dist-init URL        GPU processes without MPI meet at tcp://HOST:PORT (process\n"
-    "                             0's machine) or file://PATH (shared); default from\n"
-    "                             MASTER_ADDR and MASTER_PORT + 1\n"
-    "      --dist-timeout S       seconds a process waits for the others there and in any\n"
-    "                             collective before it ends the job naming the late ranks\n"
-    "                             (600: PyTorch's default for NCCL process groups)\n"
-    "      --backend B            cpu or cuda (default: cuda when the build has it and a\n"
-    "                             GPU is visible); --plan --backend cuda plans GPUs from\n"
-    "                             any machine, the CUDA runtime's share estimated\n"
-    "      --cpu                  the same as --backend cpu\n"
-    "      --tf32                 on a GPU, fp32 matmuls may use TF32 tensor cores\n"
-    "  -o, --optimizer NAME       adamw (default), sgd, lion (one state; betas 0.9 0.99\n"
-    "                             unless given) or sophia (SophiaG; betas 0.965 0.99)\n"
-    "      --hessian-interval N   sophia: steps between Hessian estimates, each one more\n"
-    "                             forward and backward on labels drawn from the model (10)\n"
-    "      --rho X                sophia: clipping scale of the update (0.04)\n"
-    "      --optimizer-state FMT  AdamW's moments in bf16 or 8bit (block-wise quantized);\n"
-    "                             tensors under 4096 elements keep fp32 state\n"
-    "      --lora-r R             fine-tune rank-R LoRA adapters over the frozen model\n"
-    "                             (0: off, every weight trains)\n"
-    "      --lora-alpha X         the adapters' scale is alpha / r (16)\n"
-    "      --lora-dropout X       dropout on the adapters' input (0.05)\n"
-    "      --lora-targets LIST    linears with adapters: q,k,v,proj,mlp,head (q,v); all:\n"
-    "                             every linear but the head\n"
-    "      --quantize Q           with --lora-r: frozen linear weights in nf4 or nf4-dq\n"
-    "                             (QLoRA; lm_head included unless tied)\n"
-    "      --lr X --min-lr X      peak and final learning rate (4e-3; --lr / 10)\n"
-    "      --warmup-steps N       linear warmup, then cosine decay to --min-lr (50)\n"
-    "      --weight-decay X       on 2-D weights only (0.1)\n"
-    "      --beta1 X --beta2 X    AdamW (0.9, 0.95)\n"
-    "      --momentum X           SGD (0.9)\n"
-    "      --max-norm X           clip gradients to this global norm, 0: off (1.0)\n"
-    "      --max-steps N          optimizer steps; 0: evaluate and exit (1000)\n"
-    "      --eval-every N         steps between validations, 0: only at the ends (200)\n"
-    "      --eval-iters N         validation micro-batches at most, each sample once (10)\n"
-    "      --sample-every N       steps between generated samples, 0: only at the end (0)\n"
-    "      --sample-tokens N      tokens to generate (16)\n"
-    "      --temperature X        0: greedy (default), else sampling temperature\n"
-    "      --prompt TEXT          built-in task: letters, e.g. \"litgpt=\"; shards: token ids\n"
-    "      --seed N               weights, data order and sampling (1337)\n"
-    "      --log FILE             one JSON object per step and per evaluation\n"
-    "      --plot FILE.svg        the loss (raw, smoothed), validation points and learning\n"
-    "                             rate against steps, rewritten at each evaluation\n"
-    "      --log-interval N       steps between full progress lines (default: about 20 a\n"
-    "                             run); on a terminal one status line refreshes in between\n"
-    "      --out DIR              write checkpoints DIR/step-N/ at the end (and every\n"
-    "                             --save-every steps): model.safetensors and config.json\n"
-    "                             in the Hugging Face layout, model_config.yaml, the\n"
-    "                             training state, and a COMPLETE marker written last\n"
-    "      --save-every N         steps between checkpoints (0: only at the end)\n"
-    "      --load DIR             start from the weights of a Hugging Face directory\n"
-    "                             (config.json + model.safetensors or shards), instead of -c;\n"
-    "                             data made with another tokenizer than its own is refused\n"
-    "      --any-tokenizer-data   train on such data anyway (a deliberate reuse)\n"
-    "      --resume DIR           continue a run from DIR/step-N (or the latest complete\n"
-    "                             step-N under DIR) with the settings it records: bitwise\n"
-    "                             the same losses as an uninterrupted run, checkpoints to\n"
-    "                             its --out; flags given change steps, the learning rate,\n"
-    "                             evaluation, outputs and the memory layout, and are\n"
-    "                             refused where they would change the model; -c must be\n"
-    "                             its model; LoRA: its base comes back from the recorded\n"
-    "                             --load DIR (or --load another copy; the hash must match);\n"
-    "                             its training data must be the run's (size and hash)\n"
-    "      --data-changed         with --resume: continue on training data that changed on\n"
-    "                             purpose (re-prepared, grown); the run's trajectory ends\n"
-    "  -h, --help\n";
+/* --- stopping: every exit of train goes through stop() ---------------------------------------- */
 
 /* An error line, in one write; under a launcher it starts with the process's rank (the
    launcher's). */
@@ -152,15 +30,28 @@ static void print_error_line(const char *message, const char *tail) {
     fprintf(stderr, "%strain: %s%s\n", rank, message, tail);
 }
 
+/* The one way train stops before the end of main. 0 (--help, --plan, --gpu list): every
+   process has the same flags and stops alike, MPI finalized first. Any other code: `message`
+   and `tail` as an error line when there is a message, and under MPI the other processes
+   stop too (MPI_Abort). Codes: 1 the run failed, 2 a bad flag, value or file, 3 no fit. */
+static void stop(int code, const char *message, const char *tail) {
+    if (message) print_error_line(message, tail);
+    if (code == 0) lg_launch_exit(0);
+    lg_launch_abort(code);
+}
+
+/* A bad flag, value or file: exit 2, pointing at the usage text. */
 static void die_usage(const char *fmt, ...) {
     char message[1024];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(message, sizeof message, fmt, ap);
     va_end(ap);
-    print_error_line(message, " (see ./train --help)");
-    lg_launch_abort(2);
+    stop(2, message, " (see ./train --help)");
 }
+
+/* An error the library reported, with the exit code the caller gives it. */
+static void die(int code, const lg_error *err) { stop(code, err->msg, ""); }
 
 /* A write to an output that failed (disk full, file removed, read-only): the run stops with
    the file named, exit 1; checkpoints already complete stay as they are. */
@@ -168,8 +59,14 @@ static void die_write(const char *path) {
     char message[1200];
     snprintf(message, sizeof message, "%s: cannot write: %s", path,
              errno ? strerror(errno) : "write failed");
-    print_error_line(message, "");
-    lg_launch_abort(1);
+    stop(1, message, "");
+}
+
+/* Host memory for `what` that malloc did not give: exit 1. */
+static void die_out_of_memory(const char *what) {
+    char message[256];
+    snprintf(message, sizeof message, "out of host memory for %s", what);
+    stop(1, message, "");
 }
 
 /* An output file (--plot's picture, a file in --out) can be created where it goes: found at
@@ -209,9 +106,9 @@ static size_t parse_margin(const char *flag, const char *text) {
     return bytes;
 }
 
-/* --gpu list: the cards, their memory and compute capability. */
-static void print_gpu_cards(void) {
-    printf("%-10s %-10s %12s  %s\n", "--gpu", "card", "memory", "compute capability");
+/* --gpu list: the cards, their memory and compute capability (flag: the column of names). */
+static void print_gpu_cards(const char *flag) {
+    printf("%-10s %-10s %12s  %s\n", flag, "card", "memory", "compute capability");
     for (int i = 0; i < lg_gpu_card_count(); i++) {
         const lg_gpu_card *g = lg_gpu_card_at(i);
         char mib[32];
@@ -223,16 +120,17 @@ static void print_gpu_cards(void) {
 }
 
 /* --gpu NAME: the card (list: print them and exit). */
-static const lg_gpu_card *parse_gpu(const char *name) {
+static const lg_gpu_card *parse_gpu(const char *flag, const char *name) {
     if (strcmp(name, "list") == 0) {
-        print_gpu_cards();
-        lg_launch_exit(0);
+        print_gpu_cards(flag);
+        stop(0, NULL, NULL);
     }
     const lg_gpu_card *card = lg_gpu_card_named(name);
-    if (!card) die_usage("--gpu: '%s' is not a card this planner knows (--gpu list)", name);
+    if (!card) die_usage("%s: '%s' is not a card this planner knows (%s list)", flag, name, flag);
     if (!lg_gpu_card_supported(card))
-        die_usage("--gpu %s: the %s has compute capability %d.%d, and the CUDA kernels need 8.0 "
-                  "or newer (bf16 tensor cores)", name, card->label, card->major, card->minor);
+        die_usage("%s %s: the %s has compute capability %d.%d, and the CUDA kernels need 8.0 "
+                  "or newer (bf16 tensor cores)", flag, name, card->label, card->major,
+                  card->minor);
     return card;
 }
 
@@ -243,88 +141,6 @@ static float parse_float(const char *flag, const char *text) {
     if (*text == '\0' || *end != '\0' || errno || !isfinite(v))
         die_usage("%s: '%s' is not a number", flag, text);
     return (float)v;
-}
-
-enum { OPT_DATA = 256, OPT_VAL_DATA, OPT_LR, OPT_MIN_LR, OPT_WARMUP, OPT_WEIGHT_DECAY, OPT_BETA1,
-       OPT_BETA2, OPT_MOMENTUM, OPT_MAX_NORM, OPT_MAX_STEPS, OPT_EVAL_EVERY, OPT_EVAL_ITERS,
-       OPT_SAMPLE_EVERY, OPT_SAMPLE_TOKENS, OPT_TEMPERATURE, OPT_PROMPT, OPT_SEED, OPT_LOG,
-       OPT_OUT, OPT_RECOMPUTE, OPT_OFFLOAD, OPT_PLAN, OPT_MEMORY_LIMIT, OPT_HOST_MEMORY_LIMIT, OPT_GPU, OPT_MEMORY_MARGIN, OPT_BACKEND, OPT_PACK, OPT_HEAD_ROWS, OPT_SLICE_ROWS, OPT_OPTIMIZER_STATE,
-       OPT_HESSIAN_INTERVAL, OPT_RHO, OPT_STRATEGY, OPT_NODES, OPT_SAVE_EVERY, OPT_LOAD,
-       OPT_RESUME, OPT_CPU, OPT_TF32, OPT_LORA_R, OPT_LORA_ALPHA, OPT_LORA_DROPOUT,
-       OPT_LORA_TARGETS, OPT_QUANTIZE, OPT_LOG_INTERVAL, OPT_PLOT, OPT_DATA_CHANGED,
-       OPT_ANY_TOKENIZER_DATA };
-
-static const struct option long_options[] = {
-    {"config", required_argument, 0, 'c'},
-    {"data", required_argument, 0, OPT_DATA},
-    {"val-data", required_argument, 0, OPT_VAL_DATA},
-    {"micro-batch-size", required_argument, 0, 'b'},
-    {"global-batch-size", required_argument, 0, 'g'},
-    {"max-seq-length", required_argument, 0, 't'},
-    {"precision", required_argument, 0, 'p'},
-    {"devices", required_argument, 0, 'd'},
-    {"nodes", required_argument, 0, OPT_NODES},
-    {"strategy", required_argument, 0, OPT_STRATEGY},
-    {"optimizer", required_argument, 0, 'o'},
-    {"lr", required_argument, 0, OPT_LR},
-    {"min-lr", required_argument, 0, OPT_MIN_LR},
-    {"warmup-steps", required_argument, 0, OPT_WARMUP},
-    {"weight-decay", required_argument, 0, OPT_WEIGHT_DECAY},
-    {"beta1", required_argument, 0, OPT_BETA1},
-    {"beta2", required_argument, 0, OPT_BETA2},
-    {"momentum", required_argument, 0, OPT_MOMENTUM},
-    {"max-norm", required_argument, 0, OPT_MAX_NORM},
-    {"max-steps", required_argument, 0, OPT_MAX_STEPS},
-    {"eval-every", required_argument, 0, OPT_EVAL_EVERY},
-    {"eval-iters", required_argument, 0, OPT_EVAL_ITERS},
-    {"sample-every", required_argument, 0, OPT_SAMPLE_EVERY},
-    {"sample-tokens", required_argument, 0, OPT_SAMPLE_TOKENS},
-    {"temperature", required_argument, 0, OPT_TEMPERATURE},
-    {"prompt", required_argument, 0, OPT_PROMPT},
-    {"seed", required_argument, 0, OPT_SEED},
-    {"log", required_argument, 0, OPT_LOG},
-    {"log-interval", required_argument, 0, OPT_LOG_INTERVAL},
-    {"plot", required_argument, 0, OPT_PLOT},
-    {"out", required_argument, 0, OPT_OUT},
-    {"recompute", required_argument, 0, OPT_RECOMPUTE},
-    {"offload", optional_argument, 0, OPT_OFFLOAD},
-    {"plan", optional_argument, 0, OPT_PLAN},
-    {"memory-limit", required_argument, 0, OPT_MEMORY_LIMIT},
-    {"host-memory-limit", required_argument, 0, OPT_HOST_MEMORY_LIMIT},
-    {"gpu", required_argument, 0, OPT_GPU},
-    {"memory-margin", required_argument, 0, OPT_MEMORY_MARGIN},
-    {"backend", required_argument, 0, OPT_BACKEND},
-    {"pack", no_argument, 0, OPT_PACK},
-    {"head-rows", required_argument, 0, OPT_HEAD_ROWS},
-    {"slice-rows", required_argument, 0, OPT_SLICE_ROWS},
-    {"optimizer-state", required_argument, 0, OPT_OPTIMIZER_STATE},
-    {"hessian-interval", required_argument, 0, OPT_HESSIAN_INTERVAL},
-    {"rho", required_argument, 0, OPT_RHO},
-    {"save-every", required_argument, 0, OPT_SAVE_EVERY},
-    {"load", required_argument, 0, OPT_LOAD},
-    {"resume", required_argument, 0, OPT_RESUME},
-    {"data-changed", no_argument, 0, OPT_DATA_CHANGED},
-    {"any-tokenizer-data", no_argument, 0, OPT_ANY_TOKENIZER_DATA},
-    {"cpu", no_argument, 0, OPT_CPU},
-    {"tf32", no_argument, 0, OPT_TF32},
-    {"lora-r", required_argument, 0, OPT_LORA_R},
-    {"lora-alpha", required_argument, 0, OPT_LORA_ALPHA},
-    {"lora-dropout", required_argument, 0, OPT_LORA_DROPOUT},
-    {"lora-targets", required_argument, 0, OPT_LORA_TARGETS},
-    {"quantize", required_argument, 0, OPT_QUANTIZE},
-    {"help", no_argument, 0, 'h'},
-    {0, 0, 0, 0},
-};
-
-/* The flag's names for messages: "-b/--micro-batch-size" or "--lr". */
-static const char *flag_name(int opt, char *name, size_t size) {
-    snprintf(name, size, "?");
-    for (const struct option *o = long_options; o->name; o++)
-        if (o->val == opt) {
-            if (opt < 256) snprintf(name, size, "-%c/--%s", opt, o->name);
-            else snprintf(name, size, "--%s", o->name);
-        }
-    return name;
 }
 
 /* --- checkpoints: the flags that read and write them ------------------------------------- */
@@ -348,9 +164,85 @@ typedef struct {
     const char *plot; /* --plot: the loss curve's SVG file */
 } output_flags;
 
-/* The flags of argv onto a (and the driver's own), from the first: a resumed run applies them
-   again over its checkpoint's settings. */
-/* The first part of a comma list that is not state, activations or gradients, copied into bad (size);
+/* --- the command line: one table of flags ------------------------------------------------- */
+
+/* One flag met on the command line, as its handler sees it: its names and value, and where
+   the settings go. */
+typedef struct {
+    const char *flag;        /* its names for messages: "-b/--micro-batch-size" or "--lr" */
+    const char *value;       /* its value; NULL for a flag without one, or --plan bare */
+    lg_args *a;              /* the run's settings (what the library reads) */
+    given_flags *given;
+    checkpoint_flags *ck;
+    output_flags *out;
+    lg_launch *launch;       /* --dist-init and --dist-timeout: where the processes meet */
+    int argc;                /* the command line (--offload LIST takes the next word) */
+    char **argv;
+} flag_call;
+
+typedef void flag_handler(flag_call *c);
+
+static void set_config(flag_call *c) {
+    c->a->config = c->value;
+    c->given->config = 1;
+}
+
+static void set_data(flag_call *c) { c->a->data = c->value; }
+static void set_val_data(flag_call *c) { c->a->val_data = c->value; }
+
+/* -b N, or auto (the largest that fits: choose_micro_batch) */
+static void set_micro_batch_size(flag_call *c) {
+    c->a->micro_batch_auto = strcmp(c->value, "auto") == 0;
+    if (!c->a->micro_batch_auto) c->a->micro_batch_size = parse_int(c->flag, c->value);
+}
+
+static void set_global_batch_size(flag_call *c) {
+    c->a->global_batch_size = parse_int(c->flag, c->value);
+}
+
+/* -t N, or auto (the longest that fits: choose_seq_length) */
+static void set_max_seq_length(flag_call *c) {
+    c->a->max_seq_length_auto = strcmp(c->value, "auto") == 0;
+    c->a->max_seq_length = c->a->max_seq_length_auto ? 0 : parse_int(c->flag, c->value);
+}
+
+static void set_pack(flag_call *c) { c->a->pack = 1; }
+
+static void set_precision(flag_call *c) {
+    c->given->precision = 1;
+    if (lg_precision_parse(c->value, &c->a->precision) != 0)
+        die_usage("%s: '%s' is not one of 32-true, 16-true, bf16-true, 16-mixed, bf16-mixed",
+                  c->flag, c->value);
+}
+
+static void set_devices(flag_call *c) { c->a->devices = parse_int(c->flag, c->value); }
+static void set_nodes(flag_call *c) { c->a->nodes = parse_int(c->flag, c->value); }
+
+static void set_strategy(flag_call *c) {
+    if (lg_strategy_parse(c->value, &c->a->strategy) != 0)
+        die_usage("%s: '%s' is not no-shard, shard-grad-op, full-shard or hybrid-shard",
+                  c->flag, c->value);
+}
+
+static void set_recompute(flag_call *c) {
+    static const char *const modes[] = {"none", "block"}; /* a->recompute: 0, 1 */
+    int mode = lg_name_index(modes, LG_COUNT_OF(modes), c->value);
+    if (mode < 0) die_usage("%s: '%s' is not none or block", c->flag, c->value);
+    c->a->recompute = mode;
+}
+
+/* A count of rows, at least 1 (--head-rows, --slice-rows). */
+static int parse_rows(const char *flag, const char *text) {
+    int rows = parse_int(flag, text);
+    if (rows < 1) die_usage("%s must be at least 1", flag);
+    return rows;
+}
+
+static void set_head_rows(flag_call *c) { c->a->head_rows = parse_rows(c->flag, c->value); }
+static void set_slice_rows(flag_call *c) { c->a->slice_rows = parse_rows(c->flag, c->value); }
+
+/* The first part of a comma list that is not state, activations or gradients, copied into bad
+   (size);
    NULL when every part is known. */
 static const char *offload_unknown_part(const char *text, char *bad, size_t size) {
     static const char *const parts[] = {"state", "activations", "gradients"};
@@ -368,172 +260,486 @@ static const char *offload_unknown_part(const char *text, char *bad, size_t size
 }
 
 /* --offload, --offload=LIST or --offload LIST (the next word, when it is not a flag: train
-   takes no other words). */
-static void parse_offload(const char *f, int argc, char **argv, lg_args *a) {
-    const char *list = optarg;
+   takes no other words; getopt's optind moves past it). */
+static void set_offload(flag_call *c) {
+    const char *list = c->value;
     char bad[64];
-    if (!list && optind < argc && argv[optind][0] != '-') list = argv[optind++];
+    if (!list && optind < c->argc && c->argv[optind][0] != '-') list = c->argv[optind++];
     if (!list) list = "state";
     if (offload_unknown_part(list, bad, sizeof bad))
         die_usage("%s: '%s' is not a part to offload (a comma list of state, activations and "
-                  "gradients)", f, bad);
+                  "gradients)", c->flag, bad);
     for (const char *p = list; *p; p += strcspn(p, ","), p += *p == ',') {
         size_t n = strcspn(p, ",");
-        if (strncmp(p, "state", n) == 0) a->offload = 1;
-        else if (strncmp(p, "activations", n) == 0) a->offload_activations = 1;
-        else a->offload = a->offload_gradients = 1; /* where the optimizer runs on them */
+        if (strncmp(p, "state", n) == 0) c->a->offload = 1;
+        else if (strncmp(p, "activations", n) == 0) c->a->offload_activations = 1;
+        else c->a->offload = c->a->offload_gradients = 1; /* where the optimizer runs on them */
     }
 }
 
+/* --plan (the table), --plan=json or --plan=svg */
+static void set_plan(flag_call *c) {
+    static const char *const formats[] = {"json", "svg"};
+    static const lg_plan_mode modes[] = {LG_PLAN_JSON, LG_PLAN_SVG}; /* the formats' */
+    int format = c->value ? lg_name_index(formats, LG_COUNT_OF(formats), c->value) : -1;
+    if (c->value && format < 0)
+        die_usage("%s=%s: only %s, %s=json or %s=svg", c->flag, c->value, c->flag, c->flag,
+                  c->flag);
+    c->a->plan_only = c->value ? modes[format] : LG_PLAN_TABLE;
+}
+
+static void set_memory_limit(flag_call *c) { c->a->memory_limit = parse_size(c->flag, c->value); }
+
+static void set_host_memory_limit(flag_call *c) {
+    c->a->host_memory_limit = parse_size(c->flag, c->value);
+}
+
+/* --gpu NAME plans for that card, on the CUDA backend */
+static void set_gpu(flag_call *c) {
+    c->a->gpu = parse_gpu(c->flag, c->value);
+    c->a->backend = LG_BACKEND_CUDA;
+}
+
+/* --memory-margin SIZE; a bare 0 is 0B */
+static void set_memory_margin(flag_call *c) {
+    c->a->memory_margin = strcmp(c->value, "0") == 0 ? 0 : parse_margin(c->flag, c->value);
+    c->a->memory_margin_given = 1;
+}
+
+/* --dist-init tcp://HOST:PORT or file://PATH */
+static void set_dist_init(flag_call *c) {
+    static const char *const schemes[] = {"tcp://", "file://"};
+    int known = 0;
+    for (size_t k = 0; k < sizeof schemes / sizeof schemes[0]; k++)
+        known |= strncmp(c->value, schemes[k], strlen(schemes[k])) == 0;
+    if (!known) die_usage("%s: '%s' is not tcp://HOST:PORT or file://PATH", c->flag, c->value);
+    snprintf(c->launch->dist_init, sizeof c->launch->dist_init, "%s", c->value);
+}
+
+static void set_dist_timeout(flag_call *c) {
+    if ((c->launch->dist_timeout = parse_float(c->flag, c->value)) <= 0)
+        die_usage("%s must be more than 0 seconds", c->flag);
+}
+
+static void set_backend(flag_call *c) {
+    if (lg_backend_parse(c->value, &c->a->backend) != 0)
+        die_usage("%s: '%s' is not cpu or cuda", c->flag, c->value);
+}
+
+static void set_cpu(flag_call *c) { c->a->backend = LG_BACKEND_CPU; }
+static void set_tf32(flag_call *c) { c->a->tf32 = 1; }
+
+static void set_optimizer(flag_call *c) {
+    if (lg_optimizer_parse(c->value, &c->a->optimizer) != 0)
+        die_usage("%s: '%s' is not adamw, sgd, lion or sophia", c->flag, c->value);
+}
+
+static void set_hessian_interval(flag_call *c) {
+    c->a->hessian_interval = parse_int(c->flag, c->value);
+}
+
+static void set_rho(flag_call *c) { c->a->rho = parse_float(c->flag, c->value); }
+
+static void set_optimizer_state(flag_call *c) {
+    if (lg_state_format_parse(c->value, &c->a->optimizer_state) != 0)
+        die_usage("%s: '%s' is not bf16 or 8bit", c->flag, c->value);
+}
+
+static void set_lora_r(flag_call *c) { c->a->lora.r = parse_int(c->flag, c->value); }
+static void set_lora_alpha(flag_call *c) { c->a->lora.alpha = parse_float(c->flag, c->value); }
+static void set_lora_dropout(flag_call *c) { c->a->lora.dropout = parse_float(c->flag, c->value); }
+
+static void set_lora_targets(flag_call *c) {
+    lg_error err;
+    if (lg_lora_targets_parse(c->value, &c->a->lora.targets, &err) != 0) die_usage("%s", err.msg);
+}
+
+static void set_quantize(flag_call *c) {
+    if (lg_quantization_parse(c->value, &c->a->lora.quantize) != 0)
+        die_usage("%s: '%s' is not nf4 or nf4-dq", c->flag, c->value);
+}
+
+static void set_lr(flag_call *c) {
+    c->a->lr = parse_float(c->flag, c->value);
+    c->given->lr = 1;
+}
+
+static void set_min_lr(flag_call *c) {
+    c->a->min_lr = parse_float(c->flag, c->value);
+    c->given->min_lr = 1;
+}
+
+static void set_warmup_steps(flag_call *c) { c->a->warmup_steps = parse_int(c->flag, c->value); }
+static void set_weight_decay(flag_call *c) { c->a->weight_decay = parse_float(c->flag, c->value); }
+
+static void set_beta1(flag_call *c) {
+    c->a->beta1 = parse_float(c->flag, c->value);
+    c->given->beta1 = 1;
+}
+
+static void set_beta2(flag_call *c) {
+    c->a->beta2 = parse_float(c->flag, c->value);
+    c->given->beta2 = 1;
+}
+
+static void set_momentum(flag_call *c) { c->a->momentum = parse_float(c->flag, c->value); }
+static void set_max_norm(flag_call *c) { c->a->max_norm = parse_float(c->flag, c->value); }
+static void set_max_steps(flag_call *c) { c->a->max_steps = parse_int(c->flag, c->value); }
+static void set_eval_every(flag_call *c) { c->a->eval_every = parse_int(c->flag, c->value); }
+static void set_eval_iters(flag_call *c) { c->a->eval_iters = parse_int(c->flag, c->value); }
+static void set_sample_every(flag_call *c) { c->a->sample_every = parse_int(c->flag, c->value); }
+static void set_sample_tokens(flag_call *c) { c->a->sample_tokens = parse_int(c->flag, c->value); }
+static void set_temperature(flag_call *c) { c->a->temperature = parse_float(c->flag, c->value); }
+static void set_prompt(flag_call *c) { c->a->prompt = c->value; }
+
+/* --seed N: all 64 bits, not negative */
+static void set_seed(flag_call *c) {
+    char *end;
+    errno = 0;
+    unsigned long long seed = strtoull(c->value, &end, 10);
+    if (*c->value == '\0' || *c->value == '-' || *end != '\0' || errno)
+        die_usage("%s: '%s' is not a non-negative integer", c->flag, c->value);
+    c->a->seed = (uint64_t)seed;
+}
+
+static void set_log(flag_call *c) { c->a->log_path = c->value; }
+static void set_plot(flag_call *c) { c->out->plot = c->value; }
+
+static void set_log_interval(flag_call *c) {
+    c->out->log_interval = parse_int(c->flag, c->value);
+    if (c->out->log_interval < 1) die_usage("%s must be at least 1", c->flag);
+}
+
+static void set_out(flag_call *c) { c->a->out_dir = c->value; }
+static void set_save_every(flag_call *c) { c->a->save_every = parse_int(c->flag, c->value); }
+static void set_load(flag_call *c) { c->ck->load = c->value; }
+static void set_any_tokenizer_data(flag_call *c) { c->ck->any_tokenizer_data = 1; }
+static void set_resume(flag_call *c) { c->ck->resume = c->value; }
+static void set_data_changed(flag_call *c) { c->ck->data_changed = 1; }
+
+static void print_usage(void);
+
+/* -h/--help: the usage text on stdout (every process has it: start_processes) */
+static void set_help(flag_call *c) {
+    (void)c;
+    print_usage();
+    stop(0, NULL, NULL);
+}
+
+/* How a flag takes its value. */
+typedef enum {
+    FLAG_ALONE,         /* none: --pack */
+    FLAG_VALUE,         /* one: --lr X, --lr=X, -b 4, -b4 */
+    FLAG_MAYBE_VALUE,   /* one or none: --plan, --plan=json (and --offload LIST: set_offload) */
+    FLAG_PROCESS_VALUE  /* one, read before the other flags, before the processes meet:
+                           --dist-init URL or --dist-init=URL (take_process_flags) */
+} flag_takes;
+
+/* A flag: what the command line, the usage text and the messages know of it. */
+typedef struct {
+    const char *name;     /* --name */
+    char letter;          /* -x; 0: none */
+    flag_takes takes;
+    const char *value;    /* the value's name in the usage text ("N"); one that starts with
+                             "[=" follows the name without a space */
+    flag_handler *set;
+    const char *setting;  /* its key in LG_RUN_SETTINGS (a resumed run names the flag of a
+                             setting that differs), or NULL */
+    const char *help;     /* its lines in the usage text, "\n" between them; NULL: on the next
+                             flag's line (--lr X --min-lr X) */
+} flag_row;
+
+/* Every flag of train, in the usage text's order. */
+static const flag_row flag_table[] = {
+    {"config", 'c', FLAG_VALUE, "NAME|PATH", set_config, NULL,
+     "model: configs/NAME.yaml or a file (default: built-in model)"},
+    {"data", 0, FLAG_VALUE, "FILE", set_data, NULL,
+     "training data: an llm.c token shard, or fine-tuning samples\n"
+     "from tools/prepare alpaca (default: the built-in task, a\n"
+     "fine-tuning set)"},
+    {"val-data", 0, FLAG_VALUE, "FILE", set_val_data, NULL,
+     "validation data, of the same kind; without --data and\n"
+     "with --max-steps 0 (and -c or --load): evaluation alone"},
+    {"micro-batch-size", 'b', FLAG_VALUE, "N", set_micro_batch_size, NULL,
+     "samples per forward/backward (default 16); auto: the\n"
+     "largest that fits and divides the per-device batch (-g)"},
+    {"global-batch-size", 'g', FLAG_VALUE, "N", set_global_batch_size, "global_batch_size",
+     "samples per optimizer step (default: = -b); accumulation\n"
+     "steps = global / (devices x nodes) / micro-batch"},
+    {"max-seq-length", 't', FLAG_VALUE, "N", set_max_seq_length, "max_seq_length",
+     "tokens per sample: shard windows, or the length fine-tuning\n"
+     "samples are truncated to (default: block_size for shards,\n"
+     "the longest sample for fine-tuning); auto: the longest\n"
+     "that fits, up to those"},
+    {"pack", 0, FLAG_ALONE, NULL, set_pack, NULL,
+     "fine-tuning samples packed first-fit into rows of -t\n"
+     "tokens (default: the longest sample), attention and\n"
+     "positions kept inside each sample; the CPU backend"},
+    {"precision", 'p', FLAG_VALUE, "P", set_precision, "precision",
+     "bf16-mixed (default), 16-mixed, bf16-true, 16-true, 32-true"},
+    {"devices", 'd', FLAG_VALUE, "N", set_devices, NULL,
+     "GPUs a node (1), one rank each; on the CPU backend,\n"
+     "simulated ranks"},
+    {"nodes", 0, FLAG_VALUE, "N", set_nodes, NULL,
+     "nodes (1); ranks = devices x nodes"},
+    {"strategy", 0, FLAG_VALUE, "S", set_strategy, NULL,
+     "with more than one rank: full-shard (default; weights,\n"
+     "gradients and optimizer state split), shard-grad-op\n"
+     "(gradients and state), no-shard (DDP) or hybrid-shard\n"
+     "(full-shard in a node, replicas across nodes)"},
+    {"recompute", 0, FLAG_VALUE, "MODE", set_recompute, NULL,
+     "none (default) or block: keep each block's input only and\n"
+     "recompute the block in the backward (same results)"},
+    {"head-rows", 0, FLAG_VALUE, "N", set_head_rows, NULL,
+     "the head and loss N rows of logits at a time, computed\n"
+     "again in the backward (default: all rows, or chunks of\n"
+     LG_HEAD_CHUNK_TEXT " where the run does not fit with all)"},
+    {"slice-rows", 0, FLAG_VALUE, "N", set_slice_rows, NULL,
+     "each block's MLP N rows at a time, its hidden layer\n"
+     "computed again in the backward (default: all rows, or\n"
+     "with --recompute block slices of " LG_SLICE_TEXT " where the run\n"
+     "does not fit with all and the head in chunks)"},
+    {"offload", 0, FLAG_MAYBE_VALUE, "[LIST]", set_offload, NULL,
+     "parts in host memory, a comma list (bare: state): state\n"
+     "(master weights and optimizer state; the optimizer runs\n"
+     "there), activations (the block inputs --recompute block\n"
+     "keeps), gradients (each block's as its backward ends;\n"
+     "with state); same results either way"},
+    {"plan", 0, FLAG_MAYBE_VALUE, "[=json|svg]", set_plan, NULL,
+     "print the memory plan per device and exit; json and svg\n"
+     "alone on stdout (svg: stacked groups against the limit)"},
+    {"memory-limit", 0, FLAG_VALUE, "SIZE", set_memory_limit, NULL,
+     "memory a device may use, e.g. 24GiB (default: a GPU's\n"
+     "memory); on the CPU backend the memory of the machine,\n"
+     "which both pools of every simulated rank share (default:\n"
+     "what it has available); a run that does not fit exits 3\n"
+     "with a diagnosis and the cheapest change that fits"},
+    {"host-memory-limit", 0, FLAG_VALUE, "SIZE", set_host_memory_limit, NULL,
+     "host memory the host pools of a machine's ranks may\n"
+     "use together (default: what it has available); on the\n"
+     "CPU backend a cap on the machine's memory too"},
+    {"gpu", 0, FLAG_VALUE, "NAME", set_gpu, NULL,
+     "with --plan: plan for that card from any machine (its\n"
+     "reported memory and limits, the runtime estimated);\n"
+     "--gpu list prints the cards"},
+    {"memory-margin", 0, FLAG_VALUE, "SIZE", set_memory_margin, NULL,
+     "device memory a GPU plan keeps free beyond what it\n"
+     "counts (default: 1% of the limit or 256MiB, whichever\n"
+     "is more; 0B: none)"},
+    {"dist-init", 0, FLAG_PROCESS_VALUE, "URL", set_dist_init, NULL,
+     "GPU processes without MPI meet at tcp://HOST:PORT (process\n"
+     "0's machine) or file://PATH (shared); default from\n"
+     "MASTER_ADDR and MASTER_PORT + 1"},
+    {"dist-timeout", 0, FLAG_PROCESS_VALUE, "S", set_dist_timeout, NULL,
+     "seconds a process waits for the others there and in any\n"
+     "collective before it ends the job naming the late ranks\n"
+     "(600: PyTorch's default for NCCL process groups)"},
+    {"backend", 0, FLAG_VALUE, "B", set_backend, NULL,
+     "cpu or cuda (default: cuda when the build has it and a\n"
+     "GPU is visible); --plan --backend cuda plans GPUs from\n"
+     "any machine, the CUDA runtime's share estimated"},
+    {"cpu", 0, FLAG_ALONE, NULL, set_cpu, NULL,
+     "the same as --backend cpu"},
+    {"tf32", 0, FLAG_ALONE, NULL, set_tf32, NULL,
+     "on a GPU, fp32 matmuls may use TF32 tensor cores"},
+    {"optimizer", 'o', FLAG_VALUE, "NAME", set_optimizer, "optimizer",
+     "adamw (default), sgd, lion (one state; betas 0.9 0.99\n"
+     "unless given) or sophia (SophiaG; betas 0.965 0.99)"},
+    {"hessian-interval", 0, FLAG_VALUE, "N", set_hessian_interval, NULL,
+     "sophia: steps between Hessian estimates, each one more\n"
+     "forward and backward on labels drawn from the model (10)"},
+    {"rho", 0, FLAG_VALUE, "X", set_rho, NULL,
+     "sophia: clipping scale of the update (0.04)"},
+    {"optimizer-state", 0, FLAG_VALUE, "FMT", set_optimizer_state, "optimizer_state",
+     "AdamW's moments in bf16 or 8bit (block-wise quantized);\n"
+     "tensors under 4096 elements keep fp32 state"},
+    {"lora-r", 0, FLAG_VALUE, "R", set_lora_r, "lora.r",
+     "fine-tune rank-R LoRA adapters over the frozen model\n"
+     "(0: off, every weight trains)"},
+    {"lora-alpha", 0, FLAG_VALUE, "X", set_lora_alpha, "lora.alpha",
+     "the adapters' scale is alpha / r (16)"},
+    {"lora-dropout", 0, FLAG_VALUE, "X", set_lora_dropout, "lora.dropout",
+     "dropout on the adapters' input (0.05)"},
+    {"lora-targets", 0, FLAG_VALUE, "LIST", set_lora_targets, "lora.targets",
+     "linears with adapters: q,k,v,proj,mlp,head (q,v); all:\n"
+     "every linear but the head"},
+    {"quantize", 0, FLAG_VALUE, "Q", set_quantize, "lora.quantize",
+     "with --lora-r: frozen linear weights in nf4 or nf4-dq\n"
+     "(QLoRA; lm_head included unless tied)"},
+    {"lr", 0, FLAG_VALUE, "X", set_lr, NULL, NULL},
+    {"min-lr", 0, FLAG_VALUE, "X", set_min_lr, NULL,
+     "peak and final learning rate (4e-3; --lr / 10)"},
+    {"warmup-steps", 0, FLAG_VALUE, "N", set_warmup_steps, NULL,
+     "linear warmup, then cosine decay to --min-lr (50)"},
+    {"weight-decay", 0, FLAG_VALUE, "X", set_weight_decay, NULL,
+     "on 2-D weights only (0.1)"},
+    {"beta1", 0, FLAG_VALUE, "X", set_beta1, NULL, NULL},
+    {"beta2", 0, FLAG_VALUE, "X", set_beta2, NULL,
+     "AdamW (0.9, 0.95)"},
+    {"momentum", 0, FLAG_VALUE, "X", set_momentum, NULL,
+     "SGD (0.9)"},
+    {"max-norm", 0, FLAG_VALUE, "X", set_max_norm, NULL,
+     "clip gradients to this global norm, 0: off (1.0)"},
+    {"max-steps", 0, FLAG_VALUE, "N", set_max_steps, NULL,
+     "optimizer steps; 0: evaluate and exit (1000)"},
+    {"eval-every", 0, FLAG_VALUE, "N", set_eval_every, NULL,
+     "steps between validations, 0: only at the ends (200)"},
+    {"eval-iters", 0, FLAG_VALUE, "N", set_eval_iters, NULL,
+     "validation micro-batches at most, each sample once (10)"},
+    {"sample-every", 0, FLAG_VALUE, "N", set_sample_every, NULL,
+     "steps between generated samples, 0: only at the end (0)"},
+    {"sample-tokens", 0, FLAG_VALUE, "N", set_sample_tokens, NULL,
+     "tokens to generate (16)"},
+    {"temperature", 0, FLAG_VALUE, "X", set_temperature, NULL,
+     "0: greedy (default), else sampling temperature"},
+    {"prompt", 0, FLAG_VALUE, "TEXT", set_prompt, NULL,
+     "built-in task: letters, e.g. \"litgpt=\"; shards: token ids"},
+    {"seed", 0, FLAG_VALUE, "N", set_seed, "seed",
+     "weights, data order and sampling (1337)"},
+    {"log", 0, FLAG_VALUE, "FILE", set_log, NULL,
+     "one JSON object per step and per evaluation"},
+    {"plot", 0, FLAG_VALUE, "FILE.svg", set_plot, NULL,
+     "the loss (raw, smoothed), validation points and learning\n"
+     "rate against steps, rewritten at each evaluation"},
+    {"log-interval", 0, FLAG_VALUE, "N", set_log_interval, NULL,
+     "steps between full progress lines (default: about 20 a\n"
+     "run); on a terminal one status line refreshes in between"},
+    {"out", 0, FLAG_VALUE, "DIR", set_out, NULL,
+     "write checkpoints DIR/step-N/ at the end (and every\n"
+     "--save-every steps): model.safetensors and config.json\n"
+     "in the Hugging Face layout, model_config.yaml, the\n"
+     "training state, and a COMPLETE marker written last"},
+    {"save-every", 0, FLAG_VALUE, "N", set_save_every, NULL,
+     "steps between checkpoints (0: only at the end)"},
+    {"load", 0, FLAG_VALUE, "DIR", set_load, NULL,
+     "start from the weights of a Hugging Face directory\n"
+     "(config.json + model.safetensors or shards), instead of -c;\n"
+     "data made with another tokenizer than its own is refused"},
+    {"any-tokenizer-data", 0, FLAG_ALONE, NULL, set_any_tokenizer_data, NULL,
+     "train on such data anyway (a deliberate reuse)"},
+    {"resume", 0, FLAG_VALUE, "DIR", set_resume, NULL,
+     "continue a run from DIR/step-N (or the latest complete\n"
+     "step-N under DIR) with the settings it records: bitwise\n"
+     "the same losses as an uninterrupted run, checkpoints to\n"
+     "its --out; flags given change steps, the learning rate,\n"
+     "evaluation, outputs and the memory layout, and are\n"
+     "refused where they would change the model; -c must be\n"
+     "its model; LoRA: its base comes back from the recorded\n"
+     "--load DIR (or --load another copy; the hash must match);\n"
+     "its training data must be the run's (size and hash)"},
+    {"data-changed", 0, FLAG_ALONE, NULL, set_data_changed, NULL,
+     "with --resume: continue on training data that changed on\n"
+     "purpose (re-prepared, grown); the run's trajectory ends"},
+    {"help", 'h', FLAG_ALONE, NULL, set_help, NULL, ""},
+};
+
+enum {
+    FLAG_COUNT = sizeof flag_table / sizeof flag_table[0],
+    FIRST_LONG_CODE = 256, /* getopt's code of a flag without a letter: this + its row */
+    USAGE_HELP_COLUMN = 29 /* where the usage text's help starts (at least 2 spaces after) */
+};
+
+/* The flag's names for messages: "-b/--micro-batch-size" or "--lr". */
+static const char *flag_name(const flag_row *f, char *name, size_t size) {
+    if (f->letter) snprintf(name, size, "-%c/--%s", f->letter, f->name);
+    else snprintf(name, size, "--%s", f->name);
+    return name;
+}
+
+/* One entry of the usage text: the flags' names (the left column), then the help's lines,
+   the first after the names, the others under it. */
+static void print_usage_entry(const char *names, const char *help) {
+    int width = (int)strlen(names);
+    if (!*help) {
+        printf("%s\n", names);
+        return;
+    }
+    printf("%s%*s", names, width + 2 > USAGE_HELP_COLUMN ? 2 : USAGE_HELP_COLUMN - width, "");
+    for (const char *line = help;; line++) {
+        size_t n = strcspn(line, "\n");
+        printf("%.*s\n", (int)n, line);
+        line += n;
+        if (!*line) return;
+        printf("%*s", USAGE_HELP_COLUMN, "");
+    }
+}
+
+/* The usage text, from the table: "  -b, --micro-batch-size N   samples per ...". */
+static void print_usage(void) {
+    char names[128] = "";
+    fputs("usage: ./train [options]\n", stdout);
+    for (int i = 0; i < FLAG_COUNT; i++) {
+        const flag_row *f = &flag_table[i];
+        size_t used = strlen(names);
+        char lead[8] = "      "; /* the letters' column, blank */
+        if (f->letter) snprintf(lead, sizeof lead, "  -%c, ", f->letter);
+        const char *space = f->value && strncmp(f->value, "[=", 2) != 0 ? " " : "";
+        snprintf(names + used, sizeof names - used, "%s--%s%s%s", used ? " " : lead, f->name,
+                 space, f->value ? f->value : "");
+        if (!f->help) continue; /* its line goes on with the next flag */
+        print_usage_entry(names, f->help);
+        names[0] = '\0';
+    }
+}
+
+/* getopt_long's code for the table's row i (its letter, if it has one). */
+static int flag_code(int i) {
+    return flag_table[i].letter ? flag_table[i].letter : FIRST_LONG_CODE + i;
+}
+
+/* The row getopt_long's code stands for; NULL: none (':' or '?', an error). */
+static const flag_row *flag_of_code(int code) {
+    for (int i = 0; i < FLAG_COUNT; i++)
+        if (flag_code(i) == code) return &flag_table[i];
+    return NULL;
+}
+
+/* getopt_long's lists from the table: the letters (":c:b:...h": ':' first, so that a missing
+   value is told from an unknown flag) and the long options, ended by a zero entry. The
+   process flags are not among them: take_process_flags took them out of argv. */
+static void getopt_lists(char *letters, struct option *longs) {
+    static const int has_arg[] = {no_argument, required_argument, optional_argument};
+    int n = 0;
+    *letters++ = ':';
+    for (int i = 0; i < FLAG_COUNT; i++) {
+        const flag_row *f = &flag_table[i];
+        if (f->takes == FLAG_PROCESS_VALUE) continue;
+        if (f->letter) *letters++ = f->letter;
+        if (f->letter && f->takes != FLAG_ALONE) *letters++ = ':';
+        if (f->letter && f->takes == FLAG_MAYBE_VALUE) *letters++ = ':';
+        longs[n].name = f->name;
+        longs[n].has_arg = has_arg[f->takes];
+        longs[n].flag = NULL;
+        longs[n++].val = flag_code(i);
+    }
+    *letters = '\0';
+    memset(&longs[n], 0, sizeof longs[n]);
+}
+
+/* The flags of argv onto a (and the driver's own), from the first: a resumed run applies them
+   again over its checkpoint's settings. */
 static void apply_flags(int argc, char **argv, lg_args *a, given_flags *given,
                         checkpoint_flags *ck, output_flags *out) {
+    char letters[3 * FLAG_COUNT + 2]; /* ':', then each letter with up to two ':' */
+    struct option longs[FLAG_COUNT + 1];
+    getopt_lists(letters, longs);
+    flag_call call = {NULL, NULL, a, given, ck, out, NULL, argc, argv};
     opterr = 0;
     optind = 0; /* glibc: a fresh scan */
-    int opt;
-    while ((opt = getopt_long(argc, argv, ":c:b:g:t:p:d:o:h", long_options, NULL)) != -1) {
+    int code;
+    while ((code = getopt_long(argc, argv, letters, longs, NULL)) != -1) {
+        if (code == ':') die_usage("%s needs a value", argv[optind - 1]);
+        const flag_row *f = flag_of_code(code);
+        if (!f) die_usage("unknown option %s", argv[optind - 1]);
         char name[64];
-        const char *f = flag_name(opt, name, sizeof name);
-        switch (opt) {
-        case 'c':
-            a->config = optarg;
-            given->config = 1;
-            break;
-        case OPT_DATA: a->data = optarg; break;
-        case OPT_VAL_DATA: a->val_data = optarg; break;
-        case 'b':
-            a->micro_batch_auto = strcmp(optarg, "auto") == 0;
-            if (!a->micro_batch_auto) a->micro_batch_size = parse_int(f, optarg);
-            break;
-        case 'g': a->global_batch_size = parse_int(f, optarg); break;
-        case 't':
-            a->max_seq_length_auto = strcmp(optarg, "auto") == 0;
-            a->max_seq_length = a->max_seq_length_auto ? 0 : parse_int(f, optarg);
-            break;
-        case 'p':
-            given->precision = 1;
-            if (lg_precision_parse(optarg, &a->precision) != 0)
-                die_usage("%s: '%s' is not one of 32-true, 16-true, bf16-true, 16-mixed, "
-                          "bf16-mixed", f, optarg);
-            break;
-        case 'd': a->devices = parse_int(f, optarg); break;
-        case OPT_NODES: a->nodes = parse_int(f, optarg); break;
-        case OPT_STRATEGY:
-            if (lg_strategy_parse(optarg, &a->strategy) != 0)
-                die_usage("%s: '%s' is not no-shard, shard-grad-op, full-shard or hybrid-shard",
-                          f, optarg);
-            break;
-        case 'o':
-            if (lg_optimizer_parse(optarg, &a->optimizer) != 0)
-                die_usage("%s: '%s' is not adamw, sgd, lion or sophia", f, optarg);
-            break;
-        case OPT_LR:
-            a->lr = parse_float(f, optarg);
-            given->lr = 1;
-            break;
-        case OPT_MIN_LR:
-            a->min_lr = parse_float(f, optarg);
-            given->min_lr = 1;
-            break;
-        case OPT_WARMUP: a->warmup_steps = parse_int(f, optarg); break;
-        case OPT_WEIGHT_DECAY: a->weight_decay = parse_float(f, optarg); break;
-        case OPT_BETA1:
-            a->beta1 = parse_float(f, optarg);
-            given->beta1 = 1;
-            break;
-        case OPT_BETA2:
-            a->beta2 = parse_float(f, optarg);
-            given->beta2 = 1;
-            break;
-        case OPT_MOMENTUM: a->momentum = parse_float(f, optarg); break;
-        case OPT_MAX_NORM: a->max_norm = parse_float(f, optarg); break;
-        case OPT_MAX_STEPS: a->max_steps = parse_int(f, optarg); break;
-        case OPT_EVAL_EVERY: a->eval_every = parse_int(f, optarg); break;
-        case OPT_EVAL_ITERS: a->eval_iters = parse_int(f, optarg); break;
-        case OPT_SAMPLE_EVERY: a->sample_every = parse_int(f, optarg); break;
-        case OPT_SAMPLE_TOKENS: a->sample_tokens = parse_int(f, optarg); break;
-        case OPT_TEMPERATURE: a->temperature = parse_float(f, optarg); break;
-        case OPT_PROMPT: a->prompt = optarg; break;
-        case OPT_SEED: {
-            char *end;
-            errno = 0;
-            unsigned long long seed = strtoull(optarg, &end, 10);
-            if (*optarg == '\0' || *optarg == '-' || *end != '\0' || errno)
-                die_usage("%s: '%s' is not a non-negative integer", f, optarg);
-            a->seed = (uint64_t)seed;
-            break;
-        }
-        case OPT_LOG: a->log_path = optarg; break;
-        case OPT_PLOT: out->plot = optarg; break;
-        case OPT_LOG_INTERVAL:
-            out->log_interval = parse_int(f, optarg);
-            if (out->log_interval < 1) die_usage("%s must be at least 1", f);
-            break;
-        case OPT_OUT: a->out_dir = optarg; break;
-        case OPT_RECOMPUTE:
-            if (strcmp(optarg, "none") == 0) a->recompute = 0;
-            else if (strcmp(optarg, "block") == 0) a->recompute = 1;
-            else die_usage("%s: '%s' is not none or block", f, optarg);
-            break;
-        case OPT_OFFLOAD: parse_offload(f, argc, argv, a); break;
-        case OPT_CPU: a->backend = LG_BACKEND_CPU; break;
-        case OPT_BACKEND:
-            if (lg_backend_parse(optarg, &a->backend) != 0)
-                die_usage("%s: '%s' is not cpu or cuda", f, optarg);
-            break;
-        case OPT_TF32: a->tf32 = 1; break;
-        case OPT_PACK: a->pack = 1; break;
-        case OPT_HEAD_ROWS:
-            a->head_rows = parse_int(f, optarg);
-            if (a->head_rows < 1) die_usage("%s must be at least 1", f);
-            break;
-        case OPT_SLICE_ROWS:
-            a->slice_rows = parse_int(f, optarg);
-            if (a->slice_rows < 1) die_usage("%s must be at least 1", f);
-            break;
-        case OPT_HESSIAN_INTERVAL: a->hessian_interval = parse_int(f, optarg); break;
-        case OPT_RHO: a->rho = parse_float(f, optarg); break;
-        case OPT_SAVE_EVERY: a->save_every = parse_int(f, optarg); break;
-        case OPT_LOAD: ck->load = optarg; break;
-        case OPT_RESUME: ck->resume = optarg; break;
-        case OPT_DATA_CHANGED: ck->data_changed = 1; break;
-        case OPT_ANY_TOKENIZER_DATA: ck->any_tokenizer_data = 1; break;
-        case OPT_LORA_R: a->lora.r = parse_int(f, optarg); break;
-        case OPT_LORA_ALPHA: a->lora.alpha = parse_float(f, optarg); break;
-        case OPT_LORA_DROPOUT: a->lora.dropout = parse_float(f, optarg); break;
-        case OPT_LORA_TARGETS: {
-            lg_error err;
-            if (lg_lora_targets_parse(optarg, &a->lora.targets, &err) != 0) die_usage("%s", err.msg);
-            break;
-        }
-        case OPT_QUANTIZE:
-            if (lg_quantization_parse(optarg, &a->lora.quantize) != 0)
-                die_usage("%s: '%s' is not nf4 or nf4-dq", f, optarg);
-            break;
-        case OPT_OPTIMIZER_STATE:
-            if (lg_state_format_parse(optarg, &a->optimizer_state) != 0)
-                die_usage("%s: '%s' is not bf16 or 8bit", f, optarg);
-            break;
-        case OPT_PLAN:
-            if (!optarg) a->plan_only = LG_PLAN_TABLE;
-            else if (strcmp(optarg, "json") == 0) a->plan_only = LG_PLAN_JSON;
-            else if (strcmp(optarg, "svg") == 0) a->plan_only = LG_PLAN_SVG;
-            else die_usage("--plan=%s: only --plan, --plan=json or --plan=svg", optarg);
-            break;
-        case OPT_MEMORY_LIMIT: a->memory_limit = parse_size(f, optarg); break;
-        case OPT_HOST_MEMORY_LIMIT: a->host_memory_limit = parse_size(f, optarg); break;
-        case OPT_GPU: a->gpu = parse_gpu(optarg), a->backend = LG_BACKEND_CUDA; break;
-        case OPT_MEMORY_MARGIN:
-            a->memory_margin = strcmp(optarg, "0") == 0 ? 0 : parse_margin(f, optarg);
-            a->memory_margin_given = 1;
-            break;
-        case 'h': fputs(usage, stdout); lg_launch_exit(0); break; /* (every process has it) */
-        case ':': die_usage("%s needs a value", argv[optind - 1]); break;
-        default: die_usage("unknown option %s", argv[optind - 1]);
-        }
+        call.flag = flag_name(f, name, sizeof name);
+        call.value = optarg;
+        f->set(&call);
     }
     if (optind < argc) die_usage("unexpected argument '%s'", argv[optind]);
 }
 
+/* The command line over the defaults (and the backend this machine would use). */
 static void parse_args(int argc, char **argv, lg_args *a, given_flags *given,
                        checkpoint_flags *ck, output_flags *out) {
     lg_args_default(a);
@@ -542,6 +748,72 @@ static void parse_args(int argc, char **argv, lg_args *a, given_flags *given,
     memset(given, 0, sizeof *given);
     memset(out, 0, sizeof *out);
     apply_flags(argc, argv, a, given, ck, out);
+}
+
+/* argv[*i] is --name (its value the next word, NULL at the end) or --name=VALUE: returns 1
+   with *value, *i past a value taken from the next word; 0 when it is another word. */
+static int long_flag_value(int argc, char **argv, int *i, const char *name, const char **value) {
+    const char *arg = argv[*i];
+    size_t len = strlen(name);
+    if (strncmp(arg, "--", 2) != 0 || strncmp(arg + 2, name, len) != 0) return 0;
+    if (arg[2 + len] == '=') *value = arg + 2 + len + 1;
+    else if (arg[2 + len] == '\0') *value = *i + 1 < argc ? argv[++*i] : NULL;
+    else return 0;
+    return 1;
+}
+
+/* The process flags (--dist-init URL, --dist-timeout S) into launch, taken out of argv before
+   the other flags are read; returns the arguments left. */
+static int take_process_flags(int argc, char **argv, lg_launch *launch) {
+    flag_call call = {NULL, NULL, NULL, NULL, NULL, NULL, launch, argc, argv};
+    char name[64];
+    int kept = 1;
+    for (int i = 1; i < argc; i++) {
+        const flag_row *f = NULL;
+        for (int k = 0; k < FLAG_COUNT && !f; k++)
+            if (flag_table[k].takes == FLAG_PROCESS_VALUE &&
+                long_flag_value(argc, argv, &i, flag_table[k].name, &call.value))
+                f = &flag_table[k];
+        if (!f) {
+            argv[kept++] = argv[i];
+            continue;
+        }
+        call.flag = flag_name(f, name, sizeof name);
+        if (!call.value) die_usage("%s needs a value", call.flag);
+        f->set(&call);
+    }
+    argv[kept] = NULL;
+    return kept;
+}
+
+/* The row of a word of the command line that names a flag exactly ("--name", "--name=V",
+   "-x", "-xV"); sets *takes_value when its value is the next word. NULL: no flag. */
+static const flag_row *flag_of_word(const char *arg, int *takes_value) {
+    *takes_value = 0;
+    if (arg[0] != '-' || arg[1] == '\0') return NULL;
+    for (int i = 0; i < FLAG_COUNT; i++) {
+        const flag_row *f = &flag_table[i];
+        int value = f->takes == FLAG_VALUE;
+        if (arg[1] == '-') {
+            size_t len = strcspn(arg + 2, "=");
+            if (strlen(f->name) != len || strncmp(arg + 2, f->name, len) != 0) continue;
+            *takes_value = value && !strchr(arg, '=');
+        } else {
+            if (!f->letter || f->letter != arg[1]) continue;
+            *takes_value = value && arg[2] == '\0';
+        }
+        return f;
+    }
+    return NULL;
+}
+
+/* The flag of a setting of LG_RUN_SETTINGS (its key), for messages. */
+static const char *setting_flag(const char *key, char *name, size_t size) {
+    for (int i = 0; i < FLAG_COUNT; i++)
+        if (flag_table[i].setting && strcmp(flag_table[i].setting, key) == 0)
+            return flag_name(&flag_table[i], name, size);
+    snprintf(name, size, "%s", key);
+    return name;
 }
 
 /* The flags together, once a resumed run has its checkpoint's settings. */
@@ -567,52 +839,27 @@ static void check_flags(const lg_args *a, const checkpoint_flags *ck) {
         die_usage("--load brings its model's config.json: drop -c/--config");
 }
 
-static void die(int code, const lg_error *err) {
-    print_error_line(err->msg, "");
-    lg_launch_abort(code); /* under MPI: the other processes stop too */
-}
-
 #include "train_svg.h" /* pictures: self-written SVG, no dependency */
 
 /* --- the memory plan: --plan, the fit check, the diagnosis ---------------------------------- */
 
-/* Does argv[i] set one of the options in `codes` (getopt values)? Sets *takes_value when the
-   value is the next argument. */
-static int sets_option(const char *arg, const int *codes, int n_codes, int *takes_value) {
-    *takes_value = 0;
-    if (arg[0] != '-' || arg[1] == '\0') return 0;
-    for (const struct option *o = long_options; o->name; o++) {
-        int match;
-        if (arg[1] == '-') {
-            size_t len = strcspn(arg + 2, "=");
-            match = strlen(o->name) == len && strncmp(arg + 2, o->name, len) == 0;
-            if (match) *takes_value = o->has_arg == required_argument && !strchr(arg, '=');
-        } else {
-            match = o->val == arg[1];
-            if (match) *takes_value = o->has_arg == required_argument && arg[2] == '\0';
-        }
-        if (!match) continue;
-        for (int k = 0; k < n_codes; k++)
-            if (codes[k] == o->val) return 1;
-        return 0;
-    }
-    return 0;
-}
-
-/* The user's command line with the options that `flags` sets replaced by `flags`. */
+/* The user's command line with the flags that `flags` sets replaced by `flags`. */
 static void print_command(int argc, char **argv, const char *flags) {
-    int codes[16], n_codes = 0, takes_value;
+    enum { MOST_REPLACED = 16 };
+    const flag_row *replaced[MOST_REPLACED];
+    int n = 0, takes_value;
     char copy[160];
     snprintf(copy, sizeof copy, "%s", flags);
-    for (char *tok = strtok(copy, " "); tok && n_codes < 16; tok = strtok(NULL, " "))
-        if (tok[0] == '-')
-            for (const struct option *o = long_options; o->name; o++) {
-                int is_long = tok[1] == '-' && strcmp(tok + 2, o->name) == 0;
-                if (is_long || (tok[1] != '-' && o->val == tok[1])) codes[n_codes++] = o->val;
-            }
+    for (char *tok = strtok(copy, " "); tok && n < MOST_REPLACED; tok = strtok(NULL, " ")) {
+        const flag_row *f = flag_of_word(tok, &takes_value);
+        if (f) replaced[n++] = f;
+    }
     printf("  %s", argv[0]);
     for (int i = 1; i < argc; i++) {
-        if (sets_option(argv[i], codes, n_codes, &takes_value)) {
+        const flag_row *f = flag_of_word(argv[i], &takes_value);
+        int k = 0;
+        while (f && k < n && replaced[k] != f) k++;
+        if (f && k < n) {
             i += takes_value;
             continue;
         }
@@ -693,7 +940,7 @@ static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, co
                    lg_format_bytes(best.host_bytes, host, sizeof host),
                    lg_format_bytes(fit->host_limit, need, sizeof need));
     }
-    exit(3);
+    stop(3, NULL, NULL);
 }
 
 /* The memory a device may use: --memory-limit, else a GPU's memory (0: no GPU here to
@@ -871,8 +1118,9 @@ static FILE *json_output(void) {
     int fd = dup(STDOUT_FILENO);
     FILE *json = fd >= 0 ? fdopen(fd, "w") : NULL;
     if (!json || dup2(STDERR_FILENO, STDOUT_FILENO) < 0) {
-        perror("train: --plan=json");
-        exit(1);
+        char message[256];
+        snprintf(message, sizeof message, "--plan=json: %s", strerror(errno));
+        stop(1, message, "");
     }
     return json;
 }
@@ -902,7 +1150,7 @@ static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_con
     }
     if (fit.fits == 0) explain_does_not_fit(argc, argv, cfg, a, T, &plan, &fit, source);
     lg_plan_free(&plan);
-    if (a->plan_only) lg_launch_exit(0); /* (every process has --plan: start_processes) */
+    if (a->plan_only) stop(0, NULL, NULL); /* (every process has --plan: start_processes) */
 }
 
 /* --- -c NAME: where configs are found --------------------------------------------------------- */
@@ -1012,20 +1260,6 @@ static void find_config(const char *name, char *path, size_t cap) {
               getenv("LITGPT_CONFIGS") ? "" : " (nor LITGPT_CONFIGS: not set)",
               close ? "did you mean " : names[0] ? "the configs there: " : "no configs there",
               names, close ? "?" : "");
-}
-
-/* The flag of a setting of LG_RUN_SETTINGS (its key), for messages. */
-static const char *setting_flag(const char *key, char *name, size_t size) {
-    static const struct { const char *key; int opt; } flags[] = {
-        {"global_batch_size", 'g'}, {"max_seq_length", 't'}, {"precision", 'p'},
-        {"optimizer", 'o'}, {"optimizer_state", OPT_OPTIMIZER_STATE}, {"seed", OPT_SEED},
-        {"lora.r", OPT_LORA_R}, {"lora.alpha", OPT_LORA_ALPHA},
-        {"lora.dropout", OPT_LORA_DROPOUT}, {"lora.targets", OPT_LORA_TARGETS},
-        {"lora.quantize", OPT_QUANTIZE}};
-    for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++)
-        if (strcmp(flags[i].key, key) == 0) return flag_name(flags[i].opt, name, size);
-    snprintf(name, size, "%s", key);
-    return name;
 }
 
 /* --resume DIR: the run's settings from its checkpoint's LG_RUN_SETTINGS, the command line's
@@ -1373,7 +1607,7 @@ static void print_sample(lg_trainer *tr, const lg_args *a, const run_data *d, co
        last m->T tokens */
     size_t cap = strlen(prompt) + (size_t)m->T;
     int *tokens = (int *)malloc(sizeof(int) * (cap + (size_t)a->sample_tokens));
-    if (!tokens) { fputs("train: out of host memory for the sample\n", stderr); exit(1); }
+    if (!tokens) die_out_of_memory("the sample");
     int n = prompt_tokens(prompt, d->builtin, m->cfg.padded_vocab_size, tokens, (int)cap);
     lg_trainer_generate(tr, tokens, n, a->sample_tokens, d->sample_vocab, a->temperature, rng);
     printf("sample: ");
@@ -1530,34 +1764,6 @@ static void log_step(FILE *log, const char *path, int step, const lg_step_stats 
 
 /* --- processes: under a launcher (mpirun, srun, torchrun) ------------------------------------ */
 
-/* --dist-init URL and --dist-timeout S (or --flag=value) into launch, taken out of argv before
-   the other flags are read; returns the arguments left. */
-static int take_process_flags(int argc, char **argv, lg_launch *launch) {
-    int kept = 1;
-    for (int i = 1; i < argc; i++) {
-        const char *flags[2] = {"--dist-init", "--dist-timeout"};
-        int which = -1;
-        const char *value = NULL;
-        for (int f = 0; f < 2 && which < 0; f++) {
-            size_t len = strlen(flags[f]);
-            if (strcmp(argv[i], flags[f]) == 0) which = f, value = i + 1 < argc ? argv[++i] : NULL;
-            else if (strncmp(argv[i], flags[f], len) == 0 && argv[i][len] == '=') which = f, value = argv[i] + len + 1;
-        }
-        if (which < 0) {
-            argv[kept++] = argv[i];
-            continue;
-        }
-        if (!value) die_usage("%s needs a value", flags[which]);
-        if (which == 0 && strncmp(value, "tcp://", 6) != 0 && strncmp(value, "file://", 7) != 0)
-            die_usage("--dist-init: '%s' is not tcp://HOST:PORT or file://PATH", value);
-        if (which == 0) snprintf(launch->dist_init, sizeof launch->dist_init, "%s", value);
-        else if ((launch->dist_timeout = parse_float("--dist-timeout", value)) <= 0)
-            die_usage("--dist-timeout must be more than 0 seconds");
-    }
-    argv[kept] = NULL;
-    return kept;
-}
-
 /* A line naming the training data and a hash of it: the tokens when in memory, else the
    file's size and its first and last MiB. */
 static void describe_data(const lg_loader *ld, char *out, size_t cap) {
@@ -1655,31 +1861,36 @@ static void hang_if_testing(const lg_launch *launch, int step) {
 /* What a run is, settled before anything is allocated: the flags (and a resumed run's
    settings), the model, the data, the GPUs, and a plan that fits (--plan prints it and exits). */
 typedef struct {
+    int argc;   /* the command line, the process flags taken out (take_process_flags) */
+    char **argv;
     lg_args a;
     given_flags given;
     checkpoint_flags ck;
     output_flags output;
     lg_launch launch; /* under a launcher: which process this is, and which ranks it drives */
+    FILE *plan_json;  /* --plan=json or svg: the real stdout, the document's alone */
     lg_config cfg;
     int T;
     run_data data;
 } run_setup;
 
-/* Stage 1: argv to a run that fits, or an exit (usage 2, --plan 0 or 3, no fit 3). */
-static void settle_run(int argc, char **argv, run_setup *rs) {
+/* Stage 1, parse: argv to the run's settings (a resumed run's, the flags given over them),
+   the processes met; or an exit (usage 2, --help 0). */
+static void parse_run(int argc, char **argv, run_setup *rs) {
     static lg_run_settings saved; /* --resume: the run's settings (its strings live here) */
     lg_args *a = &rs->a;
     lg_error err;
     if (lg_launch_from_env(&rs->launch, &err) != 0) die_usage("%s", err.msg);
-    argc = take_process_flags(argc, argv, &rs->launch);
+    rs->argc = argc = take_process_flags(argc, argv, &rs->launch);
+    rs->argv = argv;
     if (rs->launch.process != 0 && !freopen("/dev/null", "w", stdout)) /* process 0 prints */
         die_usage("cannot silence stdout");
     start_processes(&rs->launch, argc, argv);
     parse_args(argc, argv, a, &rs->given, &rs->ck, &rs->output);
     if (lg_launch_place(&rs->launch, a->devices, a->nodes, &err) != 0) die_usage("%s", err.msg);
     a->processes = rs->launch.processes; /* the plan counts MPI's buffers */
-    FILE *json = a->plan_only == LG_PLAN_JSON || a->plan_only == LG_PLAN_SVG ? json_output() : NULL;
-    /* (JSON or SVG alone on stdout) */
+    int alone = a->plan_only == LG_PLAN_JSON || a->plan_only == LG_PLAN_SVG;
+    rs->plan_json = alone ? json_output() : NULL; /* (JSON or SVG alone on stdout) */
     float beta1, beta2; /* the optimizer's own betas, unless given */
     lg_optimizer_default_betas(a->optimizer, &beta1, &beta2);
     if (!rs->given.beta1) a->beta1 = beta1;
@@ -1687,24 +1898,33 @@ static void settle_run(int argc, char **argv, run_setup *rs) {
     if (!rs->given.min_lr) a->min_lr = a->lr / 10; /* the final rate follows --lr */
     if (rs->ck.resume) resume_settings(argc, argv, a, &rs->given, &rs->ck, &rs->output, &saved);
     check_flags(a, &rs->ck);
+}
+
+/* Stage 2, plan: the model, the data, the GPUs, the sizes left to choose (auto), and a plan
+   that fits; or an exit (--plan 0 or 3, no fit 3, a bad file 2). */
+static void plan_run(run_setup *rs) {
+    lg_args *a = &rs->a;
+    lg_error err;
     load_config(a, &rs->cfg, &rs->ck, rs->given.config);
     rs->T = a->max_seq_length ? a->max_seq_length : rs->cfg.block_size;
     open_data(a, &rs->cfg, &rs->T, &rs->data); /* fine-tuning samples: T is the longest one */
     a->finetuning = !a->data || lg_samples_file(a->data); /* LoRA is a remedy (see --plan) */
     prepare_gpus(a, rs->launch.processes > 1);
     a->host_available = lg_host_available_bytes(); /* once: the choices and the check agree */
+    char *note = rs->data.note;
     if (a->max_seq_length_auto) choose_seq_length(a, &rs->cfg, &rs->T, &rs->data);
-    if (a->micro_batch_auto) choose_micro_batch(a, &rs->cfg, rs->T, rs->data.note, sizeof rs->data.note);
-    if (!a->head_rows || !a->slice_rows) choose_rows(a, &rs->cfg, rs->T, rs->data.note, sizeof rs->data.note);
+    if (a->micro_batch_auto) choose_micro_batch(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
+    if (!a->head_rows || !a->slice_rows)
+        choose_rows(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
     if (lg_args_check(a, &err) != 0) die_usage("%s", err.msg);
     char planned_for[512];
     describe_planned_run(a, &rs->cfg, rs->T, &rs->data, planned_for, sizeof planned_for);
-    if (!a->plan_only) fputs(rs->data.note, stdout); /* a run: first what the data are */
-    plan_and_check(argc, argv, a, &rs->cfg, rs->T, json, planned_for, rs->data.note);
-    if (rs->launch.processes > 1) check_same_run(&rs->launch, argc, argv, &rs->data);
+    if (!a->plan_only) fputs(note, stdout); /* a run: first what the data are */
+    plan_and_check(rs->argc, rs->argv, a, &rs->cfg, rs->T, rs->plan_json, planned_for, note);
+    if (rs->launch.processes > 1) check_same_run(&rs->launch, rs->argc, rs->argv, &rs->data);
 }
 
-/* Stage 2: what could stop the run later stops it now (a bad prompt, an --out, --log or --plot
+/* Stage 2 too: what could stop the run later stops it now (a bad prompt, an --out, --log or --plot
    that cannot be written); returns the --log file (NULL without one). */
 static FILE *check_outputs(const run_setup *rs) {
     const lg_args *a = &rs->a;
@@ -1799,7 +2019,8 @@ static void check_data_tokenizer(const char *load, const run_data *d) {
     lg_tokenizer_free(&tok);
 }
 
-/* Stage 4: the weights of --load, or a resumed run's whole state; returns the steps done. */
+/* Stage 3, build: the weights of --load, or a resumed run's whole state; returns the steps
+   done. */
 static int start_weights(lg_trainer *tr, run_setup *rs) {
     const lg_args *a = &rs->a;
     const checkpoint_flags *ck = &rs->ck;
@@ -1825,9 +2046,9 @@ static int start_weights(lg_trainer *tr, run_setup *rs) {
     return first_step;
 }
 
-/* Stage 5: the steps, with progress, the log, checkpoints, evaluations and samples between
-   them; the final samples and checkpoint after. */
-static void train_steps(lg_trainer *tr, run_setup *rs, int first_step, FILE *log) {
+/* Stage 4, train: the steps, with progress, the log, checkpoints, evaluations and samples
+   between them; the final samples after. Returns the step last saved (-1: none). */
+static int train_steps(lg_trainer *tr, run_setup *rs, int first_step, FILE *log) {
     lg_args *a = &rs->a;
     lg_error err;
     int saved_step = -1;
@@ -1867,15 +2088,24 @@ static void train_steps(lg_trainer *tr, run_setup *rs, int first_step, FILE *log
     plot_write(&plot);
     plot_free(&plot);
     print_samples(tr, a, &rs->data, &sample_rng);
+    return saved_step;
+}
+
+/* Stage 5, save: the final checkpoint with --out (unless the last step saved it), and the
+   --log file closed. */
+static void save_run(lg_trainer *tr, run_setup *rs, int first_step, int saved_step, FILE *log) {
+    const lg_args *a = &rs->a;
+    lg_error err;
     int final_step = first_step > a->max_steps ? first_step : a->max_steps;
     if (a->out_dir && saved_step != final_step) {
         if (lg_checkpoint_save(tr, &rs->data.train, final_step, a->out_dir, &err) != 0) die(1, &err);
         printf("saved %s/step-%d\n", a->out_dir, final_step);
     }
+    if (log && fclose(log) != 0) die_write(a->log_path);
 }
 
-/* The guided tour: settle the run, check its outputs, make the trainer (the plan's memory,
-   nothing more), say what it is, start its weights, train. */
+/* The guided tour, in five stages: parse the command line, plan the run (it fits, or it stops
+   before anything is allocated), build the trainer and its weights, train, save. */
 int main(int argc, char **argv) {
 #ifdef LG_CUDA
     /* before CUDA starts: every kernel loads with the context, so the runtime's memory measured
@@ -1887,14 +2117,27 @@ int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     static run_setup rs; /* (large: the data's notes) */
     lg_error err;
-    settle_run(argc, argv, &rs);
+
+    /* 1. parse: the flags, over a resumed run's settings; the processes of a launcher meet */
+    parse_run(argc, argv, &rs);
+
+    /* 2. plan: the model, the data, the GPUs, and a memory plan that fits; the outputs can be
+       written */
+    plan_run(&rs);
     FILE *log = check_outputs(&rs);
+
+    /* 3. build: the trainer (the plan's memory, nothing more), then its weights: fresh, from
+       --load, or a resumed run's */
     lg_trainer tr;
     if (lg_trainer_create_in(&tr, &rs.cfg, &rs.a, rs.T, &rs.launch, &err) != 0) die(1, &err);
     describe_run(&tr, &rs);
     int first_step = start_weights(&tr, &rs);
-    train_steps(&tr, &rs, first_step, log);
-    if (log && fclose(log) != 0) die_write(rs.a.log_path);
+
+    /* 4. train: the steps, with evaluations, samples and checkpoints between them */
+    int saved_step = train_steps(&tr, &rs, first_step, log);
+
+    /* 5. save: the last checkpoint and the log; then everything is handed back */
+    save_run(&tr, &rs, first_step, saved_step, log);
     lg_trainer_free(&tr);
     lg_loader_close(&rs.data.train);
     lg_loader_close(&rs.data.val);

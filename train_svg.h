@@ -85,10 +85,7 @@ static void plot_start(loss_plot *p, const char *path, int first, int last) {
     p->lr = (float *)malloc(sizeof(float) * steps);
     p->val_step = (int *)malloc(sizeof(int) * steps);
     p->val_loss = (float *)malloc(sizeof(float) * steps);
-    if (!p->loss || !p->lr || !p->val_step || !p->val_loss) {
-        fputs("train: out of host memory for --plot\n", stderr);
-        exit(1);
-    }
+    if (!p->loss || !p->lr || !p->val_step || !p->val_loss) die_out_of_memory("--plot");
 }
 
 static void plot_free(loss_plot *p) {

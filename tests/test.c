@@ -2062,6 +2062,61 @@ static int run_capture(const char *args, char *out, size_t cap) {
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
+/* The flags in a usage entry's left column ("  -c, --config NAME|PATH", "      --lr X
+   --min-lr X", "      --plan[=json|svg]"): for each, a command line that gives it (with a
+   value, "=1", where the entry shows one; its letter too) and then -h, into args; returns how
+   many. */
+static int usage_entry_flags(const char *left, char args[][96], int cap) {
+    int count = 0;
+    char letter = 0;
+    for (const char *w = left + strspn(left, " "); *w && count + 2 <= cap; w += strspn(w, " ")) {
+        size_t len = strcspn(w, " ");
+        const char *next = w + len + strspn(w + len, " ");
+        int value = (*next && *next != '-') || memchr(w, '[', len) != NULL;
+        if (w[0] == '-' && w[1] != '-') letter = w[1]; /* "-c," */
+        if (strncmp(w, "--", 2) == 0) {
+            snprintf(args[count++], 96, "--plan=json %.*s%s -h", (int)strcspn(w, "[ "), w,
+                     value ? "=1" : "");
+            if (letter)
+                snprintf(args[count++], 96, "--plan=json -%c%s -h", letter, value ? "1" : "");
+            letter = 0;
+        }
+        w += len;
+    }
+    return count;
+}
+
+/* The usage text and the parser come from one table in train.c: every flag --help lists is
+   one the parser knows, taking a value where the text shows one. `./train --plan=json --NAME=1
+   -h` (--NAME -h for a flag shown without a value; -X likewise) stops at -h with the usage
+   (exit 0) or at a value it refuses (exit 2), never at "unknown option" or "needs a value"; a
+   flag shown without a value that took one would swallow -h and print the plan. */
+static void test_usage_flags_parse(results *r) {
+    static char usage[32768], out[32768];
+    char args[4][96], first_bad[256] = "";
+    int tried = 0, bad = 0;
+    int rc = run_capture("--help", usage, sizeof usage);
+    for (char *line = usage; rc == 0 && *line; line += strcspn(line, "\n"), line += *line == '\n') {
+        size_t indent = strspn(line, " "), n = strcspn(line, "\n");
+        if (line[indent] != '-' || indent > 6) continue; /* help lines are indented more */
+        char left[128];
+        snprintf(left, sizeof left, "%.*s", (int)n, line);
+        char *gap = strstr(left + indent, "  "); /* where the help starts */
+        if (gap) *gap = '\0';
+        int k = usage_entry_flags(left, args, 4);
+        for (int i = 0; i < k; i++, tried++) {
+            int code = run_capture(args[i], out, sizeof out);
+            int ok = (code == 0 && strstr(out, "usage: ./train")) ||
+                     (code == 2 && !strstr(out, "unknown option") && !strstr(out, "needs a value"));
+            if (!ok && bad++ == 0)
+                snprintf(first_bad, sizeof first_bad, "%.96s: exit %d", args[i], code);
+        }
+    }
+    check(r, rc == 0 && tried > 0 && bad == 0, "every flag --help lists is one the parser knows, "
+          "with a value where the text shows one: %d command lines, %d wrong %s", tried, bad,
+          first_bad);
+}
+
 /* A limit below the plan: exit 3, the diagnosis, and a suggested command that runs. */
 static void test_memory_limit(results *r) {
     static char out[16384], again[16384];
@@ -2284,6 +2339,7 @@ int main(int argc, char **argv) {
     if (section("command line", argc, argv)) {
         test_enum_names(&r);
         test_cli(&r);
+        test_usage_flags_parse(&r);
     }
     if (section("first hour: the design card, configs, outputs, progress", argc, argv))
         test_first_hour(&r);
