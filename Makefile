@@ -203,9 +203,10 @@ tools/context_table: tools/context_table.c $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tools/context_table.c -o $@ $(LDLIBS)
 
 # The kernel code each architecture loads, from this build and the toolkit's libcublasLt
-# (litgpt.h's lg_cuda_arch_codes; eager loading would load all of cuBLASLt's, lazy what runs)
+# checked against litgpt.h's lg_cuda_arch_codes (eager loading would load all of cuBLASLt's
+# code for the card; lazy, what runs)
 cuda-code-sizes: build/train_cuda
-	python3 tools/cuda_code_sizes.py build/train_cuda $(dir $(NVCC))../lib64/libcublasLt.so
+	python3 tools/cuda_code_sizes.py --check litgpt.h build/train_cuda $(dir $(NVCC))../lib64/libcublasLt.so
 
 # The longest context a GPU of each size fits, planned, beside Unsloth's table (README)
 context-table: tools/context_table

@@ -3,7 +3,10 @@
 no cuobjdump: readelf and zstd read the .nv_fatbin section): litgpt.h's LG_CUDA_ARCH_CODE
 figures (lg_cuda_arch_codes) come from this.
 
-    python3 tools/cuda_code_sizes.py [OUR_BINARY_OR_OBJECT] [LIBCUBLASLT]
+    python3 tools/cuda_code_sizes.py [--check litgpt.h] [OUR_BINARY_OR_OBJECT] [LIBCUBLASLT]
+
+--check: exit 1 unless litgpt.h's lg_cuda_arch_codes hold these figures (our image's code
+where the card runs SASS of ours; cuBLASLt's code and largest kernel for every architecture).
 
 For each architecture (sm_80, 86, 89, 90, 100, 120), the image the driver picks from each
 fatbin container (the SASS of the same major version with the highest minor version not above
@@ -13,6 +16,7 @@ zstd decompression where compressed): what eager loading would put on the card, 
 largest kernel (what one kernel loaded lazily can cost). PTX has no code until compiled: its
 text bytes are given, and litgpt.h counts the SASS of the nearest architecture instead."""
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -90,20 +94,45 @@ def measure(path, arch, scratch):
     return sum(sizes), max(sizes, default=0), len(sizes), sorted(images)
 
 
+def recorded(header):
+    """litgpt.h's lg_cuda_arch_codes: {arch: (own code, cuBLASLt code, largest kernel)}."""
+    table = header[header.index("lg_cuda_arch_codes[] = {"):]
+    table = table[:table.index("};")]
+    rows = re.findall(r'\{(\d+), (\d+), (\d+), "[^"]*", (\d+), (\d+)\}', table)
+    return {int(a) * 10 + int(b): (int(o), int(t), int(k)) for a, b, o, t, k in rows}
+
+
 def main():
-    ours = sys.argv[1] if len(sys.argv) > 1 else "build/train_cuda"
-    lt = sys.argv[2] if len(sys.argv) > 2 else "/usr/local/cuda/lib64/libcublasLt.so"
+    args = sys.argv[1:]
+    check = None
+    if args[:1] == ["--check"]:
+        with open(args[1]) as fh:
+            check = recorded(fh.read())
+        args = args[2:]
+    ours = args[0] if args else "build/train_cuda"
+    lt = args[1] if len(args) > 1 else "/usr/local/cuda/lib64/libcublasLt.so"
     scratch = "build/cuda_code_sizes.cubin"
     os.makedirs("build", exist_ok=True)
     print("arch    ours: code (image)                      cuBLASLt: all kernels' code, "
           "largest kernel (kernels)")
+    differ = []
     for arch in ARCHS:
         own, _, _, own_images = measure(ours, arch, scratch)
         total, largest, n, _ = measure(os.path.realpath(lt), arch, scratch)
         print("sm_%-4d %10d B (%-28s) %11d B, %7d B (%d)" % (arch, own, ", ".join(own_images) or
               "none", total, largest, n))
+        want = check.get(arch) if check is not None else None
+        if check is not None and (not want or (own and want[0] != own) or want[1:] != (total, largest)):
+            differ.append("sm_%d" % arch)
     os.remove(scratch)
+    if differ:
+        print("litgpt.h's lg_cuda_arch_codes differ for %s: update them (and make context-table)"
+              % ", ".join(differ))
+        return 1
+    if check is not None:
+        print("litgpt.h's lg_cuda_arch_codes hold these figures")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
