@@ -382,6 +382,9 @@ typedef struct {
     size_t own_kernels; /* our kernels' code for the card (loaded lazily, counted whole) */
     size_t cublaslt;    /* cuBLASLt's handle and the kernels its matmuls load lazily */
     size_t nccl;        /* NCCL's buffers, for each communicator a rank joins */
+    const char *own_image; /* which image of ours the card runs ("sm_80 SASS", ...) */
+    size_t cublaslt_eager; /* not counted: all of cuBLASLt's code for the card, what eager
+                              module loading would take with the context */
 } lg_cuda_runtime_parts;
 
 /* --plan's output: none (a run), the table, JSON or SVG alone on stdout. */
@@ -5072,8 +5075,9 @@ int lg_gpu_card_supported(const lg_gpu_card *card) { return card->major >= 8; }
        107 MiB / 34 SMs = 2,148 B a thread, RTX 3090 256 MiB / 82 = 2,131, RTX 6000 Ada
        426 MiB / 142 = 2,048, RTX PRO 6000 Blackwell 555 MiB / 188 = 2,015 (all 1,536 threads
        a SM); the largest, rounded up to 128 B. It scales with the SMs, as local memory for
-       CUDA's default stack (LG_CUDA_DEFAULT_STACK_BYTES a thread) would; cards with 2,048
-       threads a SM are assumed to scale with threads, the larger of the two readings */
+       CUDA's default stack (LG_CUDA_DEFAULT_STACK_BYTES a thread) would; for cards with 2,048
+       threads a SM it is taken to scale with threads (a third more a SM than scaling with
+       SMs would give: no reading of such a card was at hand) */
 #define LG_CUDA_DEFAULT_STACK_BYTES 1024 /* cudaLimitStackSize's default (CUDA Runtime API) */
 #define LG_CUDA_STACK_FRAME_MAX 352 /* the largest stack frame of our kernels, sm_80 and sm_90
        (lg_k_norm_backward_chunks; nvcc --resource-usage; build/cuda_compiles checks it with
@@ -5144,6 +5148,8 @@ static void lg_cuda_card_runtime(const lg_gpu_card *card, int communicators,
     p->own_kernels = code.own_code;
     p->cublaslt = LG_CUBLASLT_HANDLE_ESTIMATE + (size_t)LG_CUBLASLT_KERNELS_LOADED * code.cublaslt_kernel;
     p->nccl = (size_t)communicators * LG_NCCL_COMM_ESTIMATE;
+    p->own_image = code.own_image;
+    p->cublaslt_eager = code.cublaslt_eager;
 }
 
 void lg_cuda_runtime_estimate_parts(const lg_gpu_card *card, int communicators,
@@ -5566,12 +5572,14 @@ const char *lg_format_bytes(size_t bytes, char *buf, size_t size) {
 
 const char *lg_cuda_runtime_parts_describe(const lg_cuda_runtime_parts *p, char *buf,
                                            size_t cap) {
-    char context[32], local[32], own[32], lt[32], nccl[32];
-    snprintf(buf, cap, "context %s, local memory beyond the default stack %s, our kernels %s, "
-             "cuBLASLt %s, NCCL %s", lg_format_bytes(p->context, context, sizeof context),
+    char context[32], local[32], own[32], lt[32], eager[32], nccl[32];
+    snprintf(buf, cap, "context %s, local memory beyond the default stack %s, our kernels %s "
+             "(%s), cuBLASLt %s (kernels loaded lazily; eagerly %s), NCCL %s",
+             lg_format_bytes(p->context, context, sizeof context),
              lg_format_bytes(p->local, local, sizeof local),
-             lg_format_bytes(p->own_kernels, own, sizeof own),
+             lg_format_bytes(p->own_kernels, own, sizeof own), p->own_image,
              lg_format_bytes(p->cublaslt, lt, sizeof lt),
+             lg_format_bytes(p->cublaslt_eager, eager, sizeof eager),
              lg_format_bytes(p->nccl, nccl, sizeof nccl));
     return buf;
 }
@@ -5702,8 +5710,10 @@ void lg_plan_print_json(const lg_plan *plan, const lg_fit *fit, FILE *out) {
                 fit->gpu->major, fit->gpu->minor, fit->gpu->shared_optin);
     if (fit && fit->runtime_estimated)
         fprintf(out, "\"runtime_estimate\":{\"context\":%zu,\"local\":%zu,\"own_kernels\":%zu,"
-                     "\"cublaslt\":%zu,\"nccl\":%zu},", fit->runtime.context, fit->runtime.local,
-                fit->runtime.own_kernels, fit->runtime.cublaslt, fit->runtime.nccl);
+                     "\"own_image\":\"%s\",\"cublaslt\":%zu,\"cublaslt_eager\":%zu,\"nccl\":%zu},",
+                fit->runtime.context, fit->runtime.local, fit->runtime.own_kernels,
+                fit->runtime.own_image, fit->runtime.cublaslt, fit->runtime.cublaslt_eager,
+                fit->runtime.nccl);
     fprintf(out, "\"host_traffic_bytes\":%zu,", lg_plan_host_traffic_bytes(plan));
     fprintf(out, "\"devices\":[");
     for (int i = 0; i < plan->n_ranks; i++) {

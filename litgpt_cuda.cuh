@@ -3392,9 +3392,12 @@ static int lg_cuda_reserve_local(lg_error *err) {
 }
 
 /* The code device d loads after the measure (lazy loading, lg_cuda_lazy_code_bytes for its
-   compute capability); 0 on the emulator, which loads no modules. */
+   compute capability); 0 where CUDA_MODULE_LOADING=EAGER (all of it came with the context, in
+   the measure) and on the emulator, which loads no modules. */
 static int lg_cuda_lazy_code(int d, size_t *bytes, lg_error *err) {
+    const char *loading = getenv("CUDA_MODULE_LOADING");
     *bytes = 0;
+    if (loading && strcmp(loading, "EAGER") == 0) return 0;
 #ifndef LG_CUDA_EMULATE
     int major = 0, minor = 0;
     LG_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d), err);

@@ -834,7 +834,7 @@ static void print_plan_with_recompute_choice(const lg_plan *plan, const lg_args 
 static void print_fit(const lg_plan *plan, const lg_fit *fit, const lg_args *a,
                       const char *source) {
     char need[32], have[32], host[32], host_limit[32];
-    char parts[256];
+    char parts[320];
     if (a->runtime_estimated)
         printf("cuda.runtime: %s, an estimate for %s (no GPU here to measure it): %s\n",
                lg_format_bytes(a->runtime_bytes, need, sizeof need),

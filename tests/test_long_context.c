@@ -117,6 +117,8 @@ static size_t json_size_after(const char *from, const char *key) {
 static void test_runtime_estimate_per_card(results *r) {
     static char out[1 << 16];
     const char *names[3] = {"l4", "rtx4090", "h100"}; /* 58, 128, 132 SMs */
+    const char *images[3] = {"\"own_image\":\"sm_80 SASS\"", "\"own_image\":\"sm_80 SASS\"",
+                             "\"own_image\":\"sm_90 SASS\""};
     size_t context[3] = {0}, sums[3] = {0};
     for (int k = 0; k < 3; k++) {
         char args[256];
@@ -133,13 +135,16 @@ static void test_runtime_estimate_per_card(results *r) {
                   json_size_after(parts, "own_kernels") + json_size_after(parts, "cublaslt") +
                   json_size_after(parts, "nccl");
         check(r, code == 0 && parts && context[k] == threads * LG_CUDA_CONTEXT_BYTES_PER_THREAD &&
+              strstr(parts, images[k]) &&
+              json_size_after(parts, "cublaslt_eager") > json_size_after(parts, "cublaslt") &&
               json_size_after(parts, "local") == local &&
               json_size_after(parts, "own_kernels") > ((size_t)1 << 20) &&
               json_size_after(parts, "cublaslt") > LG_CUBLASLT_HANDLE_ESTIMATE &&
               json_size_after(region, "count") == sums[k],
               "--plan=json --gpu %s: the runtime estimate's parts (context %zu B for %d SMs x %d "
-              "threads, local %zu B), summed %zu B = the plan's cuda.runtime", names[k], context[k],
-              card->sms, card->threads_per_sm, local, sums[k]);
+              "threads, local %zu B, %s, cuBLASLt's lazy share under its eager code), summed "
+              "%zu B = the plan's cuda.runtime", names[k], context[k], card->sms,
+              card->threads_per_sm, local, images[k], sums[k]);
     }
     check(r, context[0] < context[1] && context[1] < context[2], "the context estimate grows with "
           "the card's resident threads: L4 %zu < RTX 4090 %zu < H100 %zu bytes", context[0],

@@ -982,7 +982,7 @@ static void runtime_against_estimate(void) {
                         prop.maxThreadsPerMultiProcessor};
     lg_cuda_runtime_parts parts;
     lg_cuda_runtime_estimate_parts(&card, 0, &parts);
-    char measured[32], lazy[32], estimate[32], described[256];
+    char measured[32], lazy[32], estimate[32], described[320];
     printf("cuda.runtime on %s (%d SMs x %d threads, sm_%d%d): measured %s (%s of it the code "
            "loaded lazily later, counted not measured); estimated %s (%s)\n", prop.name,
            card.sms, card.threads_per_sm, card.major, card.minor,
