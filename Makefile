@@ -34,7 +34,7 @@ CPU_CC = $(if $(MPICC),$(MPICC) -DLG_MPI,$(CC))
 # run's time; -ffp-contract=off keeps every other multiply and add as written)
 EMULATED = $(CXX) -std=c++17 -O2 -march=native -ffp-contract=off -DLG_CUDA_EMULATE -Wall -Wextra -Werror -Wno-unknown-pragmas $(OPENMP) -x c++
 
-.PHONY: all cpu cuda portable test bench clean data tokenizers llama-cpp lora-memory context-table gpu-bin pictures tools
+.PHONY: all cpu cuda portable test bench clean data tokenizers llama-cpp lora-memory context-table cuda-code-sizes gpu-bin pictures tools
 
 all: train
 
@@ -202,6 +202,12 @@ lora-memory: tools/lora_memory
 tools/context_table: tools/context_table.c $(HEADERS)
 	$(CC) $(WARNINGS) $(CFLAGS) $(OPENMP) tools/context_table.c -o $@ $(LDLIBS)
 
+# The kernel code each architecture loads, from this build and the toolkit's libcublasLt
+# checked against litgpt.h's lg_cuda_arch_codes (eager loading would load all of cuBLASLt's
+# code for the card; lazy, what runs)
+cuda-code-sizes: build/train_cuda
+	python3 tools/cuda_code_sizes.py --check litgpt.h build/train_cuda $(dir $(NVCC))../lib64/libcublasLt.so
+
 # The longest context a GPU of each size fits, planned, beside Unsloth's table (README)
 context-table: tools/context_table
 	./tools/context_table
@@ -220,10 +226,13 @@ test: train tests/test tests/test64 build/test_portable build/fuzz tools/prepare
 # (half the time of building both of `make cuda`'s; tests/gpu/run.sh builds for its GPUs).
 # train.c goes through ptxas for sm_90; tests/gpu/test_cuda.c, whose device code is the same
 # litgpt_cuda.cuh, stops at PTX (compute_90), which saves ptxas's 30 s of a 100 s compile.
+# ptxas's resource usage for train.c is kept: tests/check_stack_frames.py holds litgpt.h's
+# LG_CUDA_STACK_FRAME_MAX (the local memory reserved before the arena) to its largest stack frame.
 build/cuda_compiles: GPU_ARCH = -arch=sm_90
-build/cuda_compiles: train.c $(GPU_TEST_SOURCES) $(HEADERS)
+build/cuda_compiles: train.c $(GPU_TEST_SOURCES) $(HEADERS) tests/check_stack_frames.py
 	@mkdir -p build
-	$(NVCC) $(NVCC_FLAGS) -c train.c -o build/train_cuda_check.o
+	$(NVCC) $(NVCC_FLAGS) --resource-usage -c train.c -o build/train_cuda_check.o > build/cuda_resource_usage.txt 2>&1 || { cat build/cuda_resource_usage.txt; exit 1; }
+	python3 tests/check_stack_frames.py build/cuda_resource_usage.txt litgpt.h
 	$(NVCC) $(patsubst -arch=sm_90,-arch=compute_90,$(NVCC_FLAGS)) -c tests/gpu/test_cuda.c -o build/test_cuda_check.o
 	touch $@
 

@@ -374,6 +374,19 @@ typedef enum { LG_BACKEND_CPU, LG_BACKEND_CUDA } lg_backend;
 const char *lg_backend_name(lg_backend backend);             /* "cpu", "cuda" */
 int lg_backend_parse(const char *text, lg_backend *out);     /* 0, or -1 when unknown */
 
+/* The CUDA runtime's share of a GPU where no GPU measures it, in its parts (an estimate, per
+   card: lg_cuda_runtime_estimate_parts says where each figure comes from). */
+typedef struct {
+    size_t context;     /* the context, with local memory for CUDA's default stack a thread */
+    size_t local;       /* local memory for our largest stack frame beyond that default */
+    size_t own_kernels; /* our kernels' code for the card (loaded lazily, counted whole) */
+    size_t cublaslt;    /* cuBLASLt's handle and the kernels its matmuls load lazily */
+    size_t nccl;        /* NCCL's buffers, for each communicator a rank joins */
+    const char *own_image; /* which image of ours the card runs ("sm_80 SASS", ...) */
+    size_t cublaslt_eager; /* not counted: all of cuBLASLt's code for the card, what eager
+                              module loading would take with the context */
+} lg_cuda_runtime_parts;
+
 /* --plan's output: none (a run), the table, JSON or SVG alone on stdout. */
 typedef enum { LG_PLAN_NONE, LG_PLAN_TABLE, LG_PLAN_JSON, LG_PLAN_SVG } lg_plan_mode;
 
@@ -446,8 +459,9 @@ typedef struct {
     size_t host_available;     /* the machine's available memory, read once for the run
                                   (lg_host_available_bytes) so that every choice and the fit
                                   check hold the same figure; 0: unknown, not checked */
-    int runtime_estimated;     /* 1: runtime_bytes is lg_cuda_runtime_estimate's figure (a plan
+    int runtime_estimated;     /* 1: runtime_bytes is lg_cuda_estimate_runtime's figure (a plan
                                   for GPUs made where there are none), not a measurement */
+    lg_cuda_runtime_parts runtime_parts; /* its parts, when runtime_estimated */
     lg_lora lora;              /* --lora-r, --lora-alpha, --lora-dropout, --lora-targets,
                                   --quantize: fine-tune adapters over a frozen model */
     int finetuning;            /* the data are fine-tuning samples: LoRA and QLoRA are remedies */
@@ -784,6 +798,8 @@ typedef struct {
     int device_fits;      /* checked_bytes + margin <= limit (1 when limit is unknown) */
     int host_fits;        /* host_bytes <= host_limit (1 on the CPU backend or unknown) */
     int fits;             /* both; -1: the limit is unknown (a plan for a GPU not here) */
+    int runtime_estimated; /* the plan's cuda.runtime is an estimate, of these parts: */
+    lg_cuda_runtime_parts runtime;
 } lg_fit;
 
 /* The bytes rank 0 moves between host and device memory in one optimizer step: with --offload
@@ -892,10 +908,11 @@ size_t lg_plan_host_bytes_per_machine(const lg_plan *plan);
 
 void lg_plan_check_fit(const lg_plan *plan, const lg_args *args, size_t limit, lg_fit *fit);
 /* What the CUDA runtime is planned to take on each GPU where it cannot be measured (--plan
-   --backend cuda on a machine without one): the context, cuBLASLt's handle, and NCCL's buffers
-   for each communicator a rank joins (lg_comms_per_rank). An estimate (the figures are named
-   where it is defined); on a GPU the runtime is measured instead. */
-size_t lg_cuda_runtime_estimate(const lg_args *args);
+   --backend cuda on a machine without one, or --gpu NAME): args->runtime_parts (for --gpu's
+   card, else the largest of the named cards', with the communicators a rank joins,
+   lg_comms_per_rank), their sum in args->runtime_bytes, args->runtime_estimated = 1. An
+   estimate (the figures are named where they are defined); on a GPU the runtime is measured. */
+void lg_cuda_estimate_runtime(lg_args *args);
 
 /* The GPUs people fine-tune on (--gpu NAME plans for one from any machine): the memory each
    reports (nvidia-smi's total; `nominal` where only the marketed size is known), its compute
@@ -907,12 +924,26 @@ typedef struct lg_gpu_card {
     int nominal;          /* 1: not a reading of this card (the marketed size, or a like card's) */
     int major, minor;     /* compute capability */
     int shared_optin;     /* bytes of shared memory a block may have */
+    int sms;              /* streaming multiprocessors */
+    int threads_per_sm;   /* resident threads a SM at most (per compute capability) */
 } lg_gpu_card;
 int lg_gpu_card_count(void);
 const lg_gpu_card *lg_gpu_card_at(int i);
 const lg_gpu_card *lg_gpu_card_named(const char *name); /* NULL: no such card */
 /* 1 when the CUDA kernels run on the card (compute capability 8.0 or newer). */
 int lg_gpu_card_supported(const lg_gpu_card *card);
+/* The runtime's share of a GPU, estimated for card (NULL: the largest of the supported named
+   cards') with `communicators` NCCL communicators a rank (lg_cuda_estimate_runtime's parts). */
+void lg_cuda_runtime_estimate_parts(const lg_gpu_card *card, int communicators,
+                                    lg_cuda_runtime_parts *parts);
+size_t lg_cuda_runtime_parts_sum(const lg_cuda_runtime_parts *parts);
+/* "context 408 MiB, ..." into buf: the parts, named. */
+const char *lg_cuda_runtime_parts_describe(const lg_cuda_runtime_parts *parts, char *buf,
+                                           size_t cap);
+/* Code a GPU of compute capability major.minor loads after the runtime is measured (lazy
+   loading): our kernels' image for it, counted whole, and cuBLASLt's allowance (the parts
+   own_kernels and cublaslt above, less cuBLASLt's handle, which the measure holds). */
+size_t lg_cuda_lazy_code_bytes(int major, int minor);
 /* The device memory a GPU plan keeps free beyond what it counts (allocator rounding, local
    memory a kernel's stack may grow, the driver's own): --memory-margin, else 1% of the limit or
    256 MiB, whichever is more; 0 on the CPU backend. */
@@ -5047,21 +5078,23 @@ size_t lg_plan_host_bytes_per_machine(const lg_plan *plan) {
 
 /* From the shared reference (GPUS.md, NVIDIA's table per compute capability) and nvidia-smi
    readings; nominal: no reading of the card was at hand (the marketed size in MiB; the A40:
-   the L40S's reading, the same 48 GB of GDDR6 with ECC). */
+   the L40S's reading, the same 48 GB of GDDR6 with ECC). SMs: NVIDIA's specifications of each
+   card (the H100 80GB: the SXM's 132; the PCIe card has 114); threads a SM: GPUS.md's, per
+   compute capability. */
 static const lg_gpu_card lg_gpu_cards[] = {
-    {"t4", "T4", 15360, 1, 7, 5, 65536},
-    {"rtx3090", "RTX 3090", 24576, 0, 8, 6, 101376},
-    {"rtx4090", "RTX 4090", 24564, 0, 8, 9, 101376},
-    {"rtx5090", "RTX 5090", 32607, 0, 12, 0, 101376},
-    {"a10", "A10", 23028, 0, 8, 6, 101376},
-    {"l4", "L4", 23034, 0, 8, 9, 101376},
-    {"a40", "A40", 46068, 1, 8, 6, 101376},
-    {"l40s", "L40S", 46068, 0, 8, 9, 101376},
-    {"a100-40gb", "A100 40GB", 40960, 0, 8, 0, 166912},
-    {"a100-80gb", "A100 80GB", 81920, 1, 8, 0, 166912},
-    {"h100", "H100 80GB", 81559, 0, 9, 0, 232448},
-    {"h200", "H200", 143771, 1, 9, 0, 232448},
-    {"b200", "B200", 183359, 0, 10, 0, 232448},
+    {"t4", "T4", 15360, 1, 7, 5, 65536, 40, 1024},
+    {"rtx3090", "RTX 3090", 24576, 0, 8, 6, 101376, 82, 1536},
+    {"rtx4090", "RTX 4090", 24564, 0, 8, 9, 101376, 128, 1536},
+    {"rtx5090", "RTX 5090", 32607, 0, 12, 0, 101376, 170, 1536},
+    {"a10", "A10", 23028, 0, 8, 6, 101376, 72, 1536},
+    {"l4", "L4", 23034, 0, 8, 9, 101376, 58, 1536},
+    {"a40", "A40", 46068, 1, 8, 6, 101376, 84, 1536},
+    {"l40s", "L40S", 46068, 0, 8, 9, 101376, 142, 1536},
+    {"a100-40gb", "A100 40GB", 40960, 0, 8, 0, 166912, 108, 2048},
+    {"a100-80gb", "A100 80GB", 81920, 1, 8, 0, 166912, 108, 2048},
+    {"h100", "H100 80GB", 81559, 0, 9, 0, 232448, 132, 2048},
+    {"h200", "H200", 143771, 1, 9, 0, 232448, 132, 2048},
+    {"b200", "B200", 183359, 0, 10, 0, 232448, 148, 2048},
 };
 
 int lg_gpu_card_count(void) { return (int)(sizeof lg_gpu_cards / sizeof lg_gpu_cards[0]); }
@@ -5077,6 +5110,113 @@ const lg_gpu_card *lg_gpu_card_named(const char *name) {
 }
 
 int lg_gpu_card_supported(const lg_gpu_card *card) { return card->major >= 8; }
+
+/* The CUDA runtime's share of a GPU, estimated per card. Module loading is lazy (CUDA's default
+   since 12.2; train.c asks for it): a kernel's code reaches the card when it is first launched,
+   not with the context. Eager loading would put every cuBLASLt kernel for the card's
+   architecture there at start (93 MiB of code on sm_80/86, 115 MiB on sm_89, 315 MiB on sm_90,
+   lg_cuda_arch_code.cublaslt_eager) for the few dozen a run's matmuls use; nothing here needs it,
+   since what loads later is small and counted: our own kernels' whole image (4 MiB) and an
+   allowance for cuBLASLt's. Local memory for stack frames is reserved before the runtime is
+   measured (lg_cuda_measure_runtime raises cudaLimitStackSize to LG_CUDA_STACK_FRAME_MAX), so
+   no launch grows it after the plan was made. */
+#define LG_CUDA_CONTEXT_BYTES_PER_THREAD 2176 /* a bare context (cudaMemGetInfo after it alone,
+       lazy loading) per resident thread (SMs x threads a SM): public readings RTX 4060 Ti
+       107 MiB / 34 SMs = 2,148 B a thread, RTX 3090 256 MiB / 82 = 2,131, RTX 6000 Ada
+       426 MiB / 142 = 2,048, RTX PRO 6000 Blackwell 555 MiB / 188 = 2,015 (all 1,536 threads
+       a SM); the largest, rounded up to 128 B. It scales with the SMs, as local memory for
+       CUDA's default stack (LG_CUDA_DEFAULT_STACK_BYTES a thread) would; for cards with 2,048
+       threads a SM it is taken to scale with threads (a third more a SM than scaling with
+       SMs would give: no reading of such a card was at hand) */
+#define LG_CUDA_DEFAULT_STACK_BYTES 1024 /* cudaLimitStackSize's default (CUDA Runtime API) */
+#define LG_CUDA_STACK_FRAME_MAX 352 /* the largest stack frame of our kernels, sm_80 and sm_90
+       (lg_k_norm_backward_chunks; nvcc --resource-usage; build/cuda_compiles checks it with
+       tests/check_stack_frames.py) */
+#define LG_CUBLASLT_KERNELS_LOADED 64 /* cuBLASLt kernels a run's matmuls may load: about 7
+       linear shapes x 3 products (forward, input and weight gradients) x 2 epilogues or output
+       types = 42, rounded up; each counted at the card's largest (lg_cuda_arch_code) */
+#define LG_CUBLASLT_HANDLE_ESTIMATE ((size_t)16 << 20) /* cublasLtCreate's own device memory:
+       an allowance, not a reading (the matmul workspace is planned) */
+#define LG_NCCL_COMM_ESTIMATE ((size_t)512 << 20) /* a communicator: about 8 MiB of protocol
+       buffers (NCCL_BUFFSIZE's 4 MiB for Simple, plus LL128 and LL) a channel and direction,
+       2 directions x 32 channels (what NCCL may open over NVLink) */
+
+/* Kernel code per compute capability: bytes of the .text sections of the image the driver
+   picks for that architecture, measured by tools/cuda_code_sizes.py (make cuda-code-sizes) on
+   this build (sm_80 and sm_90 SASS, compute_90 PTX) and the CUDA 13.0 toolkit's libcublasLt.
+   Cards of 8.6 and 8.9 run our sm_80 SASS; 10.0 and 12.0 compile our compute_90 PTX at load,
+   counted as the sm_90 image's size. */
+typedef struct {
+    int major, minor;
+    size_t own_code;        /* our kernels' code on the card */
+    const char *own_image;  /* which image of ours it runs */
+    size_t cublaslt_eager;  /* every cuBLASLt kernel's code for it (what eager loading takes) */
+    size_t cublaslt_kernel; /* cuBLASLt's largest kernel for it */
+} lg_cuda_arch_code;
+
+static const lg_cuda_arch_code lg_cuda_arch_codes[] = {
+    {8, 0, 3832448, "sm_80 SASS", 97535488, 263296},
+    {8, 6, 3832448, "sm_80 SASS", 97260800, 263296},
+    {8, 9, 3832448, "sm_80 SASS", 120418048, 263296},
+    {9, 0, 3982208, "sm_90 SASS", 330747520, 230016},
+    {10, 0, 3982208, "compute_90 PTX, compiled at load", 101936256, 261504},
+    {12, 0, 3982208, "compute_90 PTX, compiled at load", 146878976, 581248},
+};
+
+/* The figures for major.minor; an architecture not measured gets the largest of each. */
+static lg_cuda_arch_code lg_cuda_arch_code_for(int major, int minor) {
+    const int n = (int)(sizeof lg_cuda_arch_codes / sizeof lg_cuda_arch_codes[0]);
+    lg_cuda_arch_code most = {major, minor, 0, "not measured: the largest", 0, 0};
+    for (int i = 0; i < n; i++) {
+        const lg_cuda_arch_code *c = &lg_cuda_arch_codes[i];
+        if (c->major == major && c->minor == minor) return *c;
+        if (c->own_code > most.own_code) most.own_code = c->own_code;
+        if (c->cublaslt_eager > most.cublaslt_eager) most.cublaslt_eager = c->cublaslt_eager;
+        if (c->cublaslt_kernel > most.cublaslt_kernel) most.cublaslt_kernel = c->cublaslt_kernel;
+    }
+    return most;
+}
+
+size_t lg_cuda_lazy_code_bytes(int major, int minor) {
+    lg_cuda_arch_code code = lg_cuda_arch_code_for(major, minor);
+    return code.own_code + (size_t)LG_CUBLASLT_KERNELS_LOADED * code.cublaslt_kernel;
+}
+
+size_t lg_cuda_runtime_parts_sum(const lg_cuda_runtime_parts *p) {
+    return p->context + p->local + p->own_kernels + p->cublaslt + p->nccl;
+}
+
+/* The estimate for one card (lg_cuda_runtime_estimate_parts with a card). */
+static void lg_cuda_card_runtime(const lg_gpu_card *card, int communicators,
+                                 lg_cuda_runtime_parts *p) {
+    size_t threads = (size_t)card->sms * (size_t)card->threads_per_sm;
+    size_t beyond = LG_CUDA_STACK_FRAME_MAX > LG_CUDA_DEFAULT_STACK_BYTES
+                        ? LG_CUDA_STACK_FRAME_MAX - LG_CUDA_DEFAULT_STACK_BYTES : 0;
+    lg_cuda_arch_code code = lg_cuda_arch_code_for(card->major, card->minor);
+    p->context = threads * LG_CUDA_CONTEXT_BYTES_PER_THREAD;
+    p->local = threads * beyond;
+    p->own_kernels = code.own_code;
+    p->cublaslt = LG_CUBLASLT_HANDLE_ESTIMATE + (size_t)LG_CUBLASLT_KERNELS_LOADED * code.cublaslt_kernel;
+    p->nccl = (size_t)communicators * LG_NCCL_COMM_ESTIMATE;
+    p->own_image = code.own_image;
+    p->cublaslt_eager = code.cublaslt_eager;
+}
+
+void lg_cuda_runtime_estimate_parts(const lg_gpu_card *card, int communicators,
+                                    lg_cuda_runtime_parts *parts) {
+    if (card) {
+        lg_cuda_card_runtime(card, communicators, parts);
+        return;
+    }
+    memset(parts, 0, sizeof *parts);
+    for (int i = 0; i < lg_gpu_card_count(); i++) {
+        lg_cuda_runtime_parts p;
+        if (!lg_gpu_card_supported(&lg_gpu_cards[i])) continue;
+        lg_cuda_card_runtime(&lg_gpu_cards[i], communicators, &p);
+        if (lg_cuda_runtime_parts_sum(&p) > lg_cuda_runtime_parts_sum(parts)) *parts = p;
+    }
+}
+
 
 #define LG_MARGIN_FLOOR ((size_t)256 << 20) /* the default margin's least */
 
@@ -5101,6 +5241,8 @@ static void lg_fit_judge(const lg_args *args, size_t limit, size_t checked, size
     fit->host_bytes = host;
     fit->margin = limit ? lg_args_margin(args, limit) : 0;
     fit->gpu = args->gpu;
+    fit->runtime_estimated = args->backend == LG_BACKEND_CUDA && args->runtime_estimated;
+    if (fit->runtime_estimated) fit->runtime = args->runtime_parts;
     fit->device_fits = limit == 0 || (checked <= limit && fit->margin <= limit - checked);
     fit->host_fits = 1;
     if (args->backend != LG_BACKEND_CPU) { /* on the CPU the host pools are in checked_bytes */
@@ -5484,6 +5626,20 @@ const char *lg_format_bytes(size_t bytes, char *buf, size_t size) {
     return buf;
 }
 
+const char *lg_cuda_runtime_parts_describe(const lg_cuda_runtime_parts *p, char *buf,
+                                           size_t cap) {
+    char context[32], local[32], own[32], lt[32], eager[32], nccl[32];
+    snprintf(buf, cap, "context %s, local memory beyond the default stack %s, our kernels %s "
+             "(%s), cuBLASLt %s (kernels loaded lazily; eagerly %s), NCCL %s",
+             lg_format_bytes(p->context, context, sizeof context),
+             lg_format_bytes(p->local, local, sizeof local),
+             lg_format_bytes(p->own_kernels, own, sizeof own), p->own_image,
+             lg_format_bytes(p->cublaslt, lt, sizeof lt),
+             lg_format_bytes(p->cublaslt_eager, eager, sizeof eager),
+             lg_format_bytes(p->nccl, nccl, sizeof nccl));
+    return buf;
+}
+
 /* --- printing ------------------------------------------------------------------------------- */
 
 static void lg_plan_print_rank(const lg_plan *plan, int index, FILE *out) {
@@ -5608,6 +5764,12 @@ void lg_plan_print_json(const lg_plan *plan, const lg_fit *fit, FILE *out) {
     if (fit && fit->gpu)
         fprintf(out, "\"gpu\":\"%s\",\"arch\":\"sm_%d%d\",\"shared_per_block\":%d,", fit->gpu->name,
                 fit->gpu->major, fit->gpu->minor, fit->gpu->shared_optin);
+    if (fit && fit->runtime_estimated)
+        fprintf(out, "\"runtime_estimate\":{\"context\":%zu,\"local\":%zu,\"own_kernels\":%zu,"
+                     "\"own_image\":\"%s\",\"cublaslt\":%zu,\"cublaslt_eager\":%zu,\"nccl\":%zu},",
+                fit->runtime.context, fit->runtime.local, fit->runtime.own_kernels,
+                fit->runtime.own_image, fit->runtime.cublaslt, fit->runtime.cublaslt_eager,
+                fit->runtime.nccl);
     fprintf(out, "\"host_traffic_bytes\":%zu,", lg_plan_host_traffic_bytes(plan));
     fprintf(out, "\"devices\":[");
     for (int i = 0; i < plan->n_ranks; i++) {
@@ -15795,20 +15957,10 @@ int lg_comms_per_rank(const lg_args *args) {
     return (sh.shard_ranks > 1) + (sh.replicas > 1) + sh.weights_sharded;
 }
 
-/* The CUDA runtime's share of a GPU, planned where no GPU can measure it. These are this
-   project's estimates, not measurements; tests/gpu/run.sh prints the measured cuda.runtime
-   (lg_cuda_measure_runtime), which should replace them once a GPU has run it. */
-#define LG_CUDA_CONTEXT_ESTIMATE ((size_t)600 << 20) /* the primary context, modules loaded
-                                                        lazily (CUDA 12+'s default) */
-#define LG_CUBLASLT_ESTIMATE ((size_t)256 << 20)     /* a cuBLASLt handle and its kernels;
-                                                        the matmul workspace is planned */
-#define LG_NCCL_COMM_ESTIMATE ((size_t)512 << 20)    /* a communicator: about 8 MiB of protocol
-       buffers (NCCL_BUFFSIZE's 4 MiB for Simple, plus LL128 and LL) a channel and direction,
-       2 directions x 32 channels (what NCCL may open over NVLink) */
-
-size_t lg_cuda_runtime_estimate(const lg_args *args) {
-    return LG_CUDA_CONTEXT_ESTIMATE + LG_CUBLASLT_ESTIMATE +
-           (size_t)lg_comms_per_rank(args) * LG_NCCL_COMM_ESTIMATE;
+void lg_cuda_estimate_runtime(lg_args *args) {
+    lg_cuda_runtime_estimate_parts(args->gpu, lg_comms_per_rank(args), &args->runtime_parts);
+    args->runtime_bytes = lg_cuda_runtime_parts_sum(&args->runtime_parts);
+    args->runtime_estimated = 1;
 }
 
 

@@ -3380,14 +3380,48 @@ static void lg_cuda_lt_first_matmul(cublasLtHandle_t lt) {
 }
 #endif
 
+/* Local memory for our largest stack frame, reserved now (before the runtime is measured and
+   the arenas taken) rather than grown by the driver at the first launch that needs it: the
+   stack limit a thread is raised to LG_CUDA_STACK_FRAME_MAX when below (it takes effect at
+   once; CUDA's default, 1 KiB, already holds it). */
+static int lg_cuda_reserve_local(lg_error *err) {
+    size_t stack = 0;
+    LG_CUDA_CHECK(cudaDeviceGetLimit(&stack, cudaLimitStackSize), err);
+    if (stack < LG_CUDA_STACK_FRAME_MAX)
+        LG_CUDA_CHECK(cudaDeviceSetLimit(cudaLimitStackSize, LG_CUDA_STACK_FRAME_MAX), err);
+    return 0;
+}
+
+/* The code device d loads after the measure (lazy loading, lg_cuda_lazy_code_bytes for its
+   compute capability); 0 where CUDA_MODULE_LOADING=EAGER (all of it came with the context, in
+   the measure) and on the emulator, which loads no modules. */
+static int lg_cuda_lazy_code(int d, size_t *bytes, lg_error *err) {
+    const char *loading = getenv("CUDA_MODULE_LOADING");
+    *bytes = 0;
+    if (loading && strcmp(loading, "EAGER") == 0) return 0;
+#ifndef LG_CUDA_EMULATE
+    int major = 0, minor = 0;
+    LG_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d), err);
+    LG_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d), err);
+    *bytes = lg_cuda_lazy_code_bytes(major, minor);
+#else
+    (void)d;
+    (void)err;
+#endif
+    return 0;
+}
+
 /* Measures, on GPU 0..devices-1, what the runtime takes before the plan's arenas: the CUDA
-   context (with anything other processes hold), a cuBLASLt handle after its first matmul,
-   and one NCCL communicator after its first collective (times the communicators a rank joins,
-   `communicators`). The most of any GPU goes to *runtime_bytes; *total_bytes gets the smallest
+   context (with anything other processes hold) and local memory for our stack frames
+   (lg_cuda_reserve_local), a cuBLASLt handle after its first matmul, and one NCCL
+   communicator after its first collective (times the communicators a rank joins,
+   `communicators`); plus the code loaded lazily later (lg_cuda_lazy_code), which no measure at
+   start holds. The most of any GPU goes to *runtime_bytes; *total_bytes gets the smallest
    GPU's memory. */
 int lg_cuda_measure_runtime(int devices, int communicators, size_t *runtime_bytes,
                             size_t *total_bytes, lg_error *err) {
-    size_t context[LG_MAX_RANKS], cublas[LG_MAX_RANKS], nccl[LG_MAX_RANKS], total, used;
+    size_t context[LG_MAX_RANKS], cublas[LG_MAX_RANKS], nccl[LG_MAX_RANKS], lazy[LG_MAX_RANKS];
+    size_t total, used;
     int device_ids[LG_MAX_RANKS];
     *runtime_bytes = 0;
     *total_bytes = (size_t)-1;
@@ -3395,6 +3429,7 @@ int lg_cuda_measure_runtime(int devices, int communicators, size_t *runtime_byte
         device_ids[d] = d;
         LG_CUDA_CHECK(cudaSetDevice(d), err);
         LG_CUDA_CHECK(cudaFree(0), err); /* creates the context */
+        if (lg_cuda_reserve_local(err) != 0 || lg_cuda_lazy_code(d, &lazy[d], err) != 0) return -1;
         if (lg_cuda_used_bytes(d, &context[d], &total, err) != 0) return -1;
         if (total < *total_bytes) *total_bytes = total;
         nccl[d] = 0;
@@ -3442,7 +3477,7 @@ int lg_cuda_measure_runtime(int devices, int communicators, size_t *runtime_byte
         }
     }
     for (int d = 0; d < devices; d++) {
-        size_t bytes = context[d] + cublas[d] + nccl[d];
+        size_t bytes = context[d] + cublas[d] + nccl[d] + lazy[d];
         if (bytes > *runtime_bytes) *runtime_bytes = bytes;
     }
     return 0;

@@ -977,8 +977,7 @@ static void plan_gpus_not_here(lg_args *a) {
 #endif
     if (!a->plan_only) die_usage("--backend cuda: %s; --plan --backend cuda plans for GPUs "
                                  "from here", why);
-    a->runtime_bytes = lg_cuda_runtime_estimate(a);
-    a->runtime_estimated = 1;
+    lg_cuda_estimate_runtime(a);
 }
 
 /* GPUs: one a rank; what the CUDA runtime takes on each goes into the plan; how they
@@ -993,8 +992,7 @@ static void prepare_gpus(lg_args *a, int process_per_gpu_or_node) {
     if (a->gpu) { /* a plan for a named card, whatever GPUs this machine has */
         if (!a->plan_only) die_usage("--gpu %s plans for that card (with --plan); a run uses the "
                                      "GPUs it finds", a->gpu->name);
-        a->runtime_bytes = lg_cuda_runtime_estimate(a);
-        a->runtime_estimated = 1;
+        lg_cuda_estimate_runtime(a);
         return;
     }
     /* several processes: the GPUs of one node */
@@ -1085,11 +1083,12 @@ static void print_plan_with_recompute_choice(const lg_plan *plan, const lg_args 
 static void print_fit(const lg_plan *plan, const lg_fit *fit, const lg_args *a,
                       const char *source) {
     char need[32], have[32], host[32], host_limit[32];
+    char parts[320];
     if (a->runtime_estimated)
-        printf("cuda.runtime: %s, an estimate (no GPU here to measure it): the context, "
-               "cuBLASLt and %d NCCL communicator%s\n",
-               lg_format_bytes(a->runtime_bytes, need, sizeof need), lg_comms_per_rank(a),
-               lg_comms_per_rank(a) == 1 ? "" : "s");
+        printf("cuda.runtime: %s, an estimate for %s (no GPU here to measure it): %s\n",
+               lg_format_bytes(a->runtime_bytes, need, sizeof need),
+               a->gpu ? a->gpu->label : "the largest of the named cards",
+               lg_cuda_runtime_parts_describe(&a->runtime_parts, parts, sizeof parts));
     size_t traffic = lg_plan_host_traffic_bytes(plan);
     if (traffic && a->backend == LG_BACKEND_CUDA)
         printf("host <-> device: %s a step, about %.0f ms at %.0f GB/s (a PCIe 4.0 x16 "
@@ -2108,9 +2107,11 @@ static void save_run(lg_trainer *tr, run_setup *rs, int first_step, int saved_st
    before anything is allocated), build the trainer and its weights, train, save. */
 int main(int argc, char **argv) {
 #ifdef LG_CUDA
-    /* before CUDA starts: every kernel loads with the context, so the runtime's memory measured
-       at start-up holds them (lazy loading would add kernels' code later, outside the plan) */
-    setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+    /* before CUDA starts: kernels load when first launched (CUDA's default since 12.2, asked for
+       here unless the environment says otherwise), not every cuBLASLt kernel for the card with
+       the context (93 to 315 MiB of code); what loads after the runtime is measured is counted
+       in it (lg_cuda_lazy_code_bytes) */
+    setenv("CUDA_MODULE_LOADING", "LAZY", 0);
 #endif
     /* each line reaches a pipe or file when printed (block-buffered, the header waited for
        the first step's flush: minutes on a large model) */

@@ -252,6 +252,10 @@ struct cudaMemLocation {
     int id;
 };
 
+enum cudaLimit {
+    cudaLimitStackSize = 0x00, /* the stack a GPU thread has (the only limit emulated) */
+};
+
 enum cudaDeviceAttr {
     cudaDevAttrMaxThreadsPerBlock = 1,
     cudaDevAttrMaxSharedMemoryPerBlock = 8,
@@ -467,6 +471,7 @@ struct lg_emu_runtime {
     int current_device;
     size_t memory_per_device;
     size_t used[LG_EMU_MAX_DEVICES]; /* live cudaMalloc + cudaMallocManaged bytes */
+    size_t stack_limit[LG_EMU_MAX_DEVICES]; /* cudaLimitStackSize set (0: CUDA's default) */
     unsigned char peer_enabled[LG_EMU_MAX_DEVICES][LG_EMU_MAX_DEVICES];
     std::map<uintptr_t, lg_emu_allocation> allocations; /* by base address */
     std::set<const void *> streams, events;             /* live handles */
@@ -1780,6 +1785,23 @@ inline cudaError_t cudaDeviceGetP2PAttribute(int *value, cudaDeviceP2PAttr attr,
     case cudaDevP2PAttrNativeAtomicSupported: *value = 1; break;
     default: return lg_emu_error(cudaErrorInvalidValue);
     }
+    return cudaSuccess;
+}
+
+/* The stack a thread of the current device may have: recorded, nothing allocated (emulated
+   kernels run on the host's stack); CUDA's default is 1 KiB. */
+#define LG_EMU_DEFAULT_STACK_BYTES 1024
+inline cudaError_t cudaDeviceGetLimit(size_t *value, cudaLimit limit) {
+    lg_emu_runtime &rt = lg_emu_state().rt;
+    if (!value || limit != cudaLimitStackSize) return lg_emu_error(cudaErrorInvalidValue);
+    size_t set = rt.stack_limit[rt.current_device];
+    *value = set ? set : LG_EMU_DEFAULT_STACK_BYTES;
+    return cudaSuccess;
+}
+inline cudaError_t cudaDeviceSetLimit(cudaLimit limit, size_t value) {
+    lg_emu_runtime &rt = lg_emu_state().rt;
+    if (limit != cudaLimitStackSize || value == 0) return lg_emu_error(cudaErrorInvalidValue);
+    rt.stack_limit[rt.current_device] = value;
     return cudaSuccess;
 }
 

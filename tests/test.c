@@ -2370,6 +2370,7 @@ int main(int argc, char **argv) {
         test_host_traffic(&r);
         test_cuda_workspace_sized(&r);
         test_gpu_cards_and_margin(&r);
+        test_runtime_estimate_per_card(&r);
         test_auto_seq_length(&r);
         test_auto_seq_length_host(&r);
     }

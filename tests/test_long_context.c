@@ -8,15 +8,20 @@ static void test_plan_for_gpus(results *r) {
     const char *llama8b = "-c Meta-Llama-3-8B -t 2048 -b 1 -p bf16-true";
     char args[512];
     snprintf(args, sizeof args, "--plan --backend cuda %s", llama8b);
-    expect_cli(r, args, 0, "cuda.runtime: 856.0 MiB, an estimate (no GPU here");
+    expect_cli(r, args, 0, "an estimate for the largest of the named cards (no GPU here");
     expect_cli(r, args, 0, "fits: not checked");
     snprintf(args, sizeof args, "--plan --backend cuda %s --memory-limit 80GiB", llama8b);
     expect_cli(r, args, 0, "fits: yes");
     snprintf(args, sizeof args, "--plan --backend cuda %s --memory-limit 24GiB", llama8b);
     expect_cli(r, args, 3, "cheapest change that fits");
-    /* the estimate's figures (LG_CUDA_*_ESTIMATE): context 600 MiB and cuBLASLt 256 MiB, then
-       512 MiB for each communicator; -d 2 full-shard joins 2 (shards, weights gathered) */
-    const size_t one = (size_t)(600 + 256) << 20, two = one + ((size_t)2 * 512 << 20);
+    /* no card named: the largest card's estimate, then LG_NCCL_COMM_ESTIMATE for each
+       communicator; -d 2 full-shard joins 2 (shards, weights gathered) */
+    lg_cuda_runtime_parts parts[2];
+    lg_cuda_runtime_estimate_parts(NULL, 0, &parts[0]);
+    lg_cuda_runtime_estimate_parts(NULL, 2, &parts[1]);
+    const size_t one = lg_cuda_runtime_parts_sum(&parts[0]), two = lg_cuda_runtime_parts_sum(&parts[1]);
+    check(r, two == one + 2 * LG_NCCL_COMM_ESTIMATE, "2 communicators add 2 x %zu bytes",
+          (size_t)LG_NCCL_COMM_ESTIMATE);
     char want[160];
     snprintf(args, sizeof args, "--plan=json --backend cuda %s --memory-limit 24GiB 2>/dev/null",
              llama8b);
@@ -95,6 +100,67 @@ static void test_context_table_in_readme(results *r) {
     check(r, rtx4090 > 0 && verdict[0] == 0 && verdict[1] == 3, "the table's RTX 4090 cell with "
           "every lever, %d tokens: ./train --plan --gpu rtx4090 fits it (exit %d), not one token "
           "more (exit %d)", rtx4090, verdict[0], verdict[1]);
+}
+
+/* A number after "key": in the JSON object that starts at from; 0 when absent. */
+static size_t json_size_after(const char *from, const char *key) {
+    char quoted[64];
+    snprintf(quoted, sizeof quoted, "\"%s\":", key);
+    const char *at = from ? strstr(from, quoted) : NULL;
+    return at ? (size_t)strtoull(at + strlen(quoted), NULL, 10) : 0;
+}
+
+/* The CUDA runtime's estimate per card (lg_cuda_runtime_estimate_parts): --plan=json --gpu
+   carries its parts; the context grows with the card's resident threads, our kernels' code is
+   the image the card runs, the parts sum to the plan's cuda.runtime region; a plan with no card
+   named takes the largest card's; the text plan names each part. */
+static void test_runtime_estimate_per_card(results *r) {
+    static char out[1 << 16];
+    const char *names[3] = {"l4", "rtx4090", "h100"}; /* 58, 128, 132 SMs */
+    const char *images[3] = {"\"own_image\":\"sm_80 SASS\"", "\"own_image\":\"sm_80 SASS\"",
+                             "\"own_image\":\"sm_90 SASS\""};
+    size_t context[3] = {0}, sums[3] = {0};
+    for (int k = 0; k < 3; k++) {
+        char args[256];
+        const lg_gpu_card *card = lg_gpu_card_named(names[k]);
+        snprintf(args, sizeof args, "--plan=json --gpu %s -c test-llama -t 16 2>/dev/null", names[k]);
+        int code = run_stdout(args, out, sizeof out);
+        const char *parts = strstr(out, "\"runtime_estimate\":{");
+        const char *region = strstr(out, "\"name\":\"cuda.runtime\"");
+        size_t threads = (size_t)card->sms * (size_t)card->threads_per_sm;
+        size_t local = LG_CUDA_STACK_FRAME_MAX > LG_CUDA_DEFAULT_STACK_BYTES
+                           ? threads * (LG_CUDA_STACK_FRAME_MAX - LG_CUDA_DEFAULT_STACK_BYTES) : 0;
+        context[k] = json_size_after(parts, "context");
+        sums[k] = context[k] + json_size_after(parts, "local") +
+                  json_size_after(parts, "own_kernels") + json_size_after(parts, "cublaslt") +
+                  json_size_after(parts, "nccl");
+        check(r, code == 0 && parts && context[k] == threads * LG_CUDA_CONTEXT_BYTES_PER_THREAD &&
+              strstr(parts, images[k]) &&
+              json_size_after(parts, "cublaslt_eager") > json_size_after(parts, "cublaslt") &&
+              json_size_after(parts, "local") == local &&
+              json_size_after(parts, "own_kernels") > ((size_t)1 << 20) &&
+              json_size_after(parts, "cublaslt") > LG_CUBLASLT_HANDLE_ESTIMATE &&
+              json_size_after(region, "count") == sums[k],
+              "--plan=json --gpu %s: the runtime estimate's parts (context %zu B for %d SMs x %d "
+              "threads, local %zu B, %s, cuBLASLt's lazy share under its eager code), summed "
+              "%zu B = the plan's cuda.runtime", names[k], context[k], card->sms,
+              card->threads_per_sm, local, images[k], sums[k]);
+    }
+    check(r, context[0] < context[1] && context[1] < context[2], "the context estimate grows with "
+          "the card's resident threads: L4 %zu < RTX 4090 %zu < H100 %zu bytes", context[0],
+          context[1], context[2]);
+    int code = run_stdout("--plan=json --backend cuda -c test-llama -t 16 2>/dev/null", out, sizeof out);
+    size_t unnamed = json_size_after(strstr(out, "\"name\":\"cuda.runtime\""), "count");
+    check(r, code == 0 && unnamed >= sums[0] && unnamed >= sums[1] && unnamed >= sums[2],
+          "--plan --backend cuda with no card named: the largest card's estimate (%zu B)", unnamed);
+    size_t sm80 = lg_cuda_lazy_code_bytes(8, 0), sm86 = lg_cuda_lazy_code_bytes(8, 6);
+    size_t unmeasured = lg_cuda_lazy_code_bytes(7, 5);
+    check(r, sm80 == sm86 && sm80 > 0 && unmeasured >= lg_cuda_lazy_code_bytes(9, 0) &&
+          unmeasured >= lg_cuda_lazy_code_bytes(12, 0), "the code loaded lazily: sm_86 runs "
+          "sm_80's image (%zu B each), an architecture not measured gets the largest figures (%zu B)",
+          sm80, unmeasured);
+    expect_cli(r, "--plan --gpu rtx4090 -c test-llama -t 16", 0, "an estimate for RTX 4090 (no "
+               "GPU here to measure it): context 408.0 MiB, local memory beyond the default stack");
 }
 
 /* The host traffic of a step (lg_plan_host_traffic_bytes) from the model's sizes: --offload
@@ -218,8 +284,7 @@ static void test_gpu_cards_and_margin(results *r) {
     a.lora.quantize = LG_QUANTIZE_NF4;
     lg_error err;
     lg_lora_targets_parse("all", &a.lora.targets, &err);
-    a.runtime_bytes = lg_cuda_runtime_estimate(&a);
-    a.runtime_estimated = 1;
+    lg_cuda_estimate_runtime(&a);
     size_t checked = lg_plan_checked_bytes_for(&cfg, &a, 2048), floor = (size_t)256 << 20;
     int verdicts[4];
     size_t limits[4] = {checked + floor, checked + floor - 1, checked, checked - 1};

@@ -9,7 +9,8 @@
    then also each block's MLP in slices of LG_SLICE_ROWS rows; then also --offload activations
    (the block inputs in host memory, as Unsloth keeps its checkpoints), whose host memory has
    its own column. Each length is the longest whose CUDA plan, with the CUDA runtime's estimate
-   (lg_cuda_runtime_estimate: no GPU is needed to print this table) and the fit check's margin
+   for the card (lg_cuda_estimate_runtime, the last column: no GPU is needed to print this
+   table) and the fit check's margin
    (lg_args_margin) kept free, fits what the card reports, up to the model's block_size
    (131,072; a cell there says "block_size"): the kernels run on every card listed
    (compute capability 8.0 and newer). These are plans: no GPU has run them yet. */
@@ -31,9 +32,10 @@ static const context_row rows[] = {
     {"h100", 80, 342733, 28454},   {"a100-80gb", 80, 342733, 28454},
 };
 
-/* Unsloth's run on one GPU, planned for the CUDA backend; head_rows and slice_rows 0: all rows
-   at once. */
-static void unsloth_args(lg_args *a, int head_rows, int slice_rows, int offload_activations) {
+/* Unsloth's run on one GPU, planned for the CUDA backend on card (its runtime estimate);
+   head_rows and slice_rows 0: all rows at once. */
+static void unsloth_args(lg_args *a, const lg_gpu_card *card, int head_rows, int slice_rows,
+                         int offload_activations) {
     lg_error err;
     lg_args_default(a);
     a->backend = LG_BACKEND_CUDA;
@@ -47,8 +49,8 @@ static void unsloth_args(lg_args *a, int head_rows, int slice_rows, int offload_
     a->lora.alpha = 16.0f;
     a->lora.quantize = LG_QUANTIZE_NF4;
     lg_lora_targets_parse("all", &a->lora.targets, &err);
-    a->runtime_bytes = lg_cuda_runtime_estimate(a);
-    a->runtime_estimated = 1;
+    a->gpu = card;
+    lg_cuda_estimate_runtime(a);
 }
 
 /* The fit check of the plan at T against limit bytes (lg_plan_check_fit: the margin kept
@@ -96,11 +98,16 @@ static const char *published(int tokens, const context_row *row, char *buf, size
     return buf;
 }
 
-static void print_row(const lg_config *cfg, const context_row *row, const lg_args levers[4]) {
+static void print_row(const lg_config *cfg, const context_row *row) {
     const lg_gpu_card *card = lg_gpu_card_named(row->card);
     size_t limit = card->total_mib << 20;
-    char c[4][32], theirs[2][32], host[32];
+    char c[4][32], theirs[2][32], host[32], runtime[32];
     int last = 0;
+    lg_args levers[4];
+    unsloth_args(&levers[0], card, 0, 0, 0);
+    unsloth_args(&levers[1], card, LG_HEAD_CHUNK_ROWS, 0, 0);
+    unsloth_args(&levers[2], card, LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS, 0);
+    unsloth_args(&levers[3], card, LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS, 1);
     for (int k = 0; k < 4; k++) {
         int T = longest_fitting(cfg, &levers[k], limit);
         cell(T, cfg, c[k], sizeof c[k]);
@@ -109,11 +116,12 @@ static void print_row(const lg_config *cfg, const context_row *row, const lg_arg
     lg_fit fit;
     int planned = last && plan_fit(cfg, &levers[3], last, limit, &fit) == 0;
     lg_format_bytes(planned ? fit.host_bytes : 0, host, sizeof host);
-    printf("| %s (%zu MiB%s) | %s | %s | %s | %s | %s | %s | %s |\n", card->label, card->total_mib,
-           card->nominal ? ", not a reading" : "",
+    lg_format_bytes(levers[0].runtime_bytes, runtime, sizeof runtime);
+    printf("| %s (%zu MiB%s) | %s | %s | %s | %s | %s | %s | %s | %s |\n", card->label,
+           card->total_mib, card->nominal ? ", not a reading" : "",
            published(row->unsloth, row, theirs[0], sizeof theirs[0]),
            published(row->huggingface, row, theirs[1], sizeof theirs[1]), c[0], c[1], c[2], c[3],
-           host);
+           host, runtime);
 }
 
 int main(void) {
@@ -123,20 +131,14 @@ int main(void) {
         fprintf(stderr, "context_table: %s\n", err.msg);
         return 2;
     }
-    lg_args levers[4];
-    unsloth_args(&levers[0], 0, 0, 0);
-    unsloth_args(&levers[1], LG_HEAD_CHUNK_ROWS, 0, 0);
-    unsloth_args(&levers[2], LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS, 0);
-    unsloth_args(&levers[3], LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS, 1);
-    char runtime[32];
     printf("Llama 3.1 8B, QLoRA nf4 on q,k,v,proj,mlp, r 32, -b 1, bf16-true, --recompute block; "
-           "planned for one GPU, cuda.runtime estimated at %s and the default margin kept free, "
-           "up to block_size %d (no GPU has run these)\n\n",
-           lg_format_bytes(levers[0].runtime_bytes, runtime, sizeof runtime), cfg.block_size);
+           "planned for one GPU, with the card's cuda.runtime estimate (last column) and the "
+           "default margin kept free, up to block_size %d (no GPU has run these)\n\n",
+           cfg.block_size);
     printf("| GPU (memory it reports) | Unsloth | Hugging Face + FA2 | litgpt.c plan | + head in "
            "chunks of %d | + MLP in slices of %d | + --offload activations | host memory of "
-           "the last |\n", LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS);
-    printf("|---|---|---|---|---|---|---|---|\n");
-    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) print_row(&cfg, &rows[i], levers);
+           "the last | cuda.runtime (estimate) |\n", LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS);
+    printf("|---|---|---|---|---|---|---|---|---|\n");
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) print_row(&cfg, &rows[i]);
     return 0;
 }

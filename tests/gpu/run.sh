@@ -290,6 +290,7 @@ for mode in eager compile; do
     fi
 done
 grep 'GPU memory in use' "$logs/memory.txt" 2>/dev/null >> "$summary"
+grep '^cuda.runtime on' "$logs/long-context.txt" 2>/dev/null | sed 's/^/long-context  /' >> "$summary"
 grep -E '^ +[0-9]+ ' "$logs/long-context.txt" 2>/dev/null | sed 's/^ */long-context  T /' >> "$summary"
 grep -v '^GPT-2' "$logs/bench.txt" 2>/dev/null | sed 's/^/bench  /' >> "$summary"
 grep 'val loss' "$logs/train.txt" 2>/dev/null | tail -n 1 | sed 's/^/train  /' >> "$summary"

@@ -1041,6 +1041,34 @@ static void bench(void) {
     }
 }
 
+/* The runtime measured on GPU 0 (lg_cuda_measure_runtime, the stack limit raised first and the
+   code loaded lazily later counted) against litgpt.h's estimate for a card like it (its SMs,
+   threads a SM and compute capability): the reading that replaces the estimate's figures
+   (LG_CUDA_CONTEXT_BYTES_PER_THREAD, lg_cuda_arch_codes) and README's table with them. */
+static void runtime_against_estimate(void) {
+    cudaDeviceProp prop;
+    lg_error err;
+    size_t runtime = 0, total = 0;
+    if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess ||
+        lg_cuda_measure_runtime(1, 0, &runtime, &total, &err) != 0) {
+        printf("cuda.runtime: not measured\n");
+        return;
+    }
+    lg_gpu_card card = {"this", prop.name, total >> 20, 0, prop.major, prop.minor,
+                        (int)prop.sharedMemPerBlockOptin, prop.multiProcessorCount,
+                        prop.maxThreadsPerMultiProcessor};
+    lg_cuda_runtime_parts parts;
+    lg_cuda_runtime_estimate_parts(&card, 0, &parts);
+    char measured[32], lazy[32], estimate[32], described[320];
+    printf("cuda.runtime on %s (%d SMs x %d threads, sm_%d%d): measured %s (%s of it the code "
+           "loaded lazily later, counted not measured); estimated %s (%s)\n", prop.name,
+           card.sms, card.threads_per_sm, card.major, card.minor,
+           lg_format_bytes(runtime, measured, sizeof measured),
+           lg_format_bytes(lg_cuda_lazy_code_bytes(card.major, card.minor), lazy, sizeof lazy),
+           lg_format_bytes(lg_cuda_runtime_parts_sum(&parts), estimate, sizeof estimate),
+           lg_cuda_runtime_parts_describe(&parts, described, sizeof described));
+}
+
 /* `long-context` (a GPU machine's tests/gpu/run.sh, early): README's long-context setup on
    this GPU at two lengths: Llama 3.1 8B's shapes (random weights), QLoRA nf4 on every linear,
    r 32, bf16-true, --recompute block, the head in chunks of 1024, the MLP in slices of 2048,
@@ -1055,6 +1083,7 @@ static void long_context(void) {
         return;
     }
     const int lengths[2] = {8192, 32768};
+    runtime_against_estimate();
     printf("%-44s %6s %12s %12s %10s\n", "Llama 3.1 8B QLoRA r 32, every lever", "T", "plan",
            "in use", "step s");
     for (int i = 0; i < 2; i++) {
@@ -1249,7 +1278,7 @@ int main(int argc, char **argv) {
             usage(stderr);
             return 2;
         }
-    setenv("CUDA_MODULE_LOADING", "EAGER", 0); /* as train.c: kernels load with the context */
+    setenv("CUDA_MODULE_LOADING", "LAZY", 0); /* as train.c: kernels load when launched */
     int gpus = lg_cuda_device_count();
     if (gpus == 0) {
         printf("test_cuda: no GPU visible\n");
