@@ -432,6 +432,9 @@ typedef struct {
     int offload_gradients;     /* --offload gradients: 1 (each block's gradients leave the device
                                   as its backward ends; the device keeps two blocks' buffers;
                                   with offload, whose optimizer runs on the host) */
+    int offload_weights;       /* --offload weights: 1 (the weights, trainable and frozen, live
+                                  in host memory; each unit is copied onto the device ahead of
+                                  its use, into the ends' slot and two blocks'; with offload) */
     int pack;                  /* --pack: fine-tuning samples packed first-fit into rows of
                                   T tokens, attention and positions kept inside each sample */
     int head_rows;             /* --head-rows: the head and loss in chunks of this many rows of
@@ -689,6 +692,7 @@ typedef struct {
     int offload;            /* 1: --offload */
     int offload_activations; /* 1: --offload activations (with recompute) */
     int offload_gradients;   /* 1: --offload gradients (with offload) */
+    int offload_weights;     /* 1: --offload weights (with offload) */
     int pack;                /* 1: --pack: rows carry their samples' span starts */
     int head_rows;           /* rows of logits at a time, 1 .. B x T (B x T: no chunks) */
     int slice_rows;          /* rows of a block's MLP at a time, 1 .. B x T (B x T: whole) */
@@ -721,6 +725,8 @@ typedef struct {
     int replicas;           /* R: copies of it; S x R = ranks */
     int weights_sharded;    /* full-shard, hybrid-shard: weights gathered unit by unit */
     int grads_sharded;      /* gradients, master weights and optimizer state split (S > 1) */
+    int weights_streamed;   /* --offload weights: the weights in host memory, each unit copied
+                               onto the device ahead of its use (one rank) */
 } lg_sharding;
 
 /* How the parameters split over the S ranks of a shard group: each unit (the ends, then each
@@ -760,13 +766,19 @@ lg_sharding lg_sharding_of(const lg_plan_spec *spec);
 #define LG_GRAD_BLOCK_SLOTS 2
 /* The copies beside the compute that the compute waits for one at a time (lg_mark_beside):
    --offload activations' LG_KEPT_SLOTS slots, then --offload gradients' unit buffers (the
-   ends', then LG_GRAD_BLOCK_SLOTS blocks'). */
+   ends', then LG_GRAD_BLOCK_SLOTS blocks'), then --offload weights' gather slots (the ends',
+   then LG_GATHER_BLOCK_SLOTS blocks'). */
 #define LG_BESIDE_GRADS LG_KEPT_SLOTS
-#define LG_BESIDE_MARKS (LG_BESIDE_GRADS + 1 + LG_GRAD_BLOCK_SLOTS)
-/* gather.blocks' slots of a run: LG_GATHER_BLOCK_SLOTS with sharded weights, else 1. */
+#define LG_BESIDE_WEIGHTS (LG_BESIDE_GRADS + 1 + LG_GRAD_BLOCK_SLOTS)
+#define LG_BESIDE_MARKS (LG_BESIDE_WEIGHTS + 1 + LG_GATHER_BLOCK_SLOTS)
+/* The weights come to the device a unit at a time, into the gather slots: sharded
+   (full-shard, hybrid-shard: all-gathered) or streamed (--offload weights: copied from the
+   host). */
+int lg_weights_in_units(const lg_sharding *sh);
+/* gather.blocks' slots of a run: LG_GATHER_BLOCK_SLOTS with weights in units, else 1. */
 int lg_gather_block_slots(const lg_sharding *sh);
-/* LoRA's frozen base sharded too: with sharded weights (full-shard, hybrid-shard), as FSDP;
-   shard-grad-op and no-shard keep it whole on every rank. */
+/* LoRA's frozen base in units too (sharded or streamed with the weights, as FSDP shards it);
+   shard-grad-op and no-shard keep it whole on every rank's device. */
 int lg_frozen_sharded(const lg_config *cfg, const lg_sharding *sh);
 
 void lg_plan_spec_from_args(lg_plan_spec *spec, const lg_args *args, int T);
@@ -837,7 +849,8 @@ enum {
     LG_SETTING_OFFLOAD_ACTIVATIONS = 1 << 13, /* args.offload_activations */
     LG_SETTING_OFFLOAD_GRADIENTS = 1 << 14,   /* args.offload_gradients (and args.offload,
                                                  which it needs) */
-    LG_SETTING_LAST = LG_SETTING_OFFLOAD_GRADIENTS
+    LG_SETTING_OFFLOAD_WEIGHTS = 1 << 15,     /* args.offload_weights (and args.offload) */
+    LG_SETTING_LAST = LG_SETTING_OFFLOAD_WEIGHTS
 };
 
 /* One remedy of the OOM guide, priced by the planner. */
@@ -856,7 +869,7 @@ typedef struct {
                              memory) */
 } lg_remedy;
 
-#define LG_MAX_REMEDIES 11
+#define LG_MAX_REMEDIES 12
 
 /* Remedies in the order of the OOM guide (micro-batch, sequence, -true precision, devices,
    recompute, offload, activations in host memory, optimizer; when fine-tuning every weight,
@@ -3953,6 +3966,19 @@ static int lg_args_check_offload_gradients(const lg_args *a, lg_error *err) {
     return 0;
 }
 
+/* --offload weights streams each unit's weights from the host, where --offload's optimizer
+   updates them; this stage serves one rank (several would stream their pieces and gather). */
+static int lg_args_check_offload_weights(const lg_args *a, lg_error *err) {
+    if (!a->offload_weights) return 0;
+    if (!a->offload)
+        return lg_fail(err, "--offload weights needs --offload state (the optimizer updates the "
+                            "weights where they live, on the host)");
+    if (lg_args_ranks(a) > 1)
+        return lg_fail(err, "--offload weights runs on one rank for now (-d %d x --nodes %d)",
+                       a->devices, a->nodes);
+    return 0;
+}
+
 int lg_args_check(const lg_args *a, lg_error *err) {
     if (a->devices < 1) return lg_fail(err, "-d/--devices must be at least 1");
     if (a->nodes < 1) return lg_fail(err, "--nodes must be at least 1");
@@ -3960,6 +3986,7 @@ int lg_args_check(const lg_args *a, lg_error *err) {
         return lg_fail(err, "--offload activations needs --recompute block (the block inputs it "
                             "moves to host memory are the ones recompute keeps)");
     if (lg_args_check_offload_gradients(a, err) != 0) return -1;
+    if (lg_args_check_offload_weights(a, err) != 0) return -1;
     if (a->pack && a->backend == LG_BACKEND_CUDA && !a->plan_only)
         return lg_fail(err, "--pack: packed rows run on the CPU backend only for now (the CUDA "
                             "attention has no span masks yet): add --backend cpu");
@@ -4525,6 +4552,7 @@ void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
     s->offload = a->offload;
     s->offload_activations = a->offload_activations;
     s->offload_gradients = a->offload_gradients;
+    s->offload_weights = a->offload_weights;
     s->pack = a->pack;
     s->head_rows = lg_head_rows_of(a, s->B * T);
     s->slice_rows = lg_slice_rows_of(a, s->B * T);
@@ -4543,8 +4571,9 @@ void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
 }
 
 lg_sharding lg_sharding_of(const lg_plan_spec *s) {
-    lg_sharding sh = {1, 1, 0, 0};
+    lg_sharding sh = {1, 1, 0, 0, 0};
     int ranks = s->devices * s->nodes;
+    sh.weights_streamed = s->offload_weights;
     if (ranks == 1) return sh;
     switch (s->strategy) {
     case LG_STRATEGY_NO_SHARD: sh.replicas = ranks; break;
@@ -4567,12 +4596,14 @@ static int lg_grads_in_units(const lg_plan_spec *s, const lg_sharding *sh) {
     return sh->grads_sharded || s->offload_gradients;
 }
 
+int lg_weights_in_units(const lg_sharding *sh) { return sh->weights_sharded || sh->weights_streamed; }
+
 int lg_gather_block_slots(const lg_sharding *sh) {
-    return sh->weights_sharded ? LG_GATHER_BLOCK_SLOTS : 1;
+    return lg_weights_in_units(sh) ? LG_GATHER_BLOCK_SLOTS : 1;
 }
 
 int lg_frozen_sharded(const lg_config *cfg, const lg_sharding *sh) {
-    return cfg->lora.r > 0 && sh->weights_sharded;
+    return cfg->lora.r > 0 && lg_weights_in_units(sh);
 }
 
 static void lg_shard_layout_free(lg_shard_layout *sl) {
@@ -4648,8 +4679,9 @@ static int lg_plan_model_state(lg_rank_plan *r, const lg_plan *plan) {
     size_t whole = sl->unit_offset[sl->n_units], shard = r->pieces.total;
     size_t weights = sh->weights_sharded ? shard : whole;
     lg_pool state_pool = s->offload ? LG_POOL_HOST : LG_POOL_DEVICE;
+    lg_pool weights_pool = sh->weights_streamed ? LG_POOL_HOST : LG_POOL_DEVICE;
     int states = lg_optimizer_states(s->optimizer, s->momentum);
-    int rc = lg_plan_add(r, "weights", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, t.weights, weights);
+    int rc = lg_plan_add(r, "weights", LG_GROUP_WEIGHTS, weights_pool, t.weights, weights);
     if (t.master)
         rc |= lg_plan_add(r, "master_weights", LG_GROUP_MASTER, state_pool, LG_DTYPE_F32, shard);
     if (!s->offload_gradients) /* (streamed: the unit buffers below, and the host's) */
@@ -4657,8 +4689,9 @@ static int lg_plan_model_state(lg_rank_plan *r, const lg_plan *plan) {
     if (s->offload) { /* the gradient shard goes to the host, where the optimizer runs */
         rc |= lg_plan_add(r, "gradients.host", LG_GROUP_GRADIENTS, LG_POOL_HOST, t.grads, shard);
         /* the host's copy of the weights it updates (mixed: the master, and on a GPU, whose
-           memory the host cannot write, the rounded weights too) */
-        if (!t.master || s->backend == LG_BACKEND_CUDA)
+           memory the host cannot write, the rounded weights too; streamed, the weights are
+           the host's already) */
+        if ((!t.master || s->backend == LG_BACKEND_CUDA) && !sh->weights_streamed)
             rc |= lg_plan_add(r, "weights.host", LG_GROUP_WEIGHTS, LG_POOL_HOST, t.weights, shard);
     }
     if (s->optimizer_state == LG_STATE_AS_PRECISION) {
@@ -4706,15 +4739,23 @@ static int lg_plan_model_state(lg_rank_plan *r, const lg_plan *plan) {
         rc |= lg_plan_add(r, "gradients.blocks", LG_GROUP_GRADIENTS, LG_POOL_DEVICE, t.grads,
                           LG_GRAD_BLOCK_SLOTS * sl->piece_count[1]);
     }
+    if (sh->weights_streamed && !sh->grads_sharded) { /* one rank: the units the copies fill */
+        rc |= lg_plan_add(r, "gather.ends", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, t.weights,
+                          sl->piece_count[0]);
+        rc |= lg_plan_add(r, "gather.blocks", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, t.weights,
+                          (size_t)lg_gather_block_slots(sh) * sl->piece_count[1]);
+    }
     return rc;
 }
 
-/* LoRA with sharded weights: each rank's piece of every frozen unit (bytes, as stored), and
-   the gathered units in slots as the trainable ones (the ends for the step, two blocks). */
+/* LoRA with weights in units: each rank's piece of every frozen unit (bytes, as stored; in
+   host memory when streamed), and the gathered units in slots as the trainable ones (the ends
+   for the step, two blocks). */
 static int lg_plan_frozen_shard(lg_rank_plan *r, const lg_plan *plan) {
     const lg_shard_layout *sl = &plan->frozen_shards;
     size_t S = (size_t)sl->n_shards;
-    int rc = lg_plan_add(r, "frozen_weights.shard", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, LG_DTYPE_U8,
+    lg_pool pool = plan->sharding.weights_streamed ? LG_POOL_HOST : LG_POOL_DEVICE;
+    int rc = lg_plan_add(r, "frozen_weights.shard", LG_GROUP_WEIGHTS, pool, LG_DTYPE_U8,
                          sl->piece_offset[sl->n_units]);
     rc |= lg_plan_add(r, "gather.frozen.ends", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, LG_DTYPE_U8,
                       sl->piece_count[0] * S);
@@ -5047,6 +5088,22 @@ size_t lg_plan_checked_bytes(const lg_plan *plan) {
     return most;
 }
 
+/* --offload weights: what one micro-batch copies onto the device: every unit for the forward,
+   the blocks again for the backward (the ends stay in their slot), trainable and frozen. */
+static size_t lg_plan_streamed_weight_bytes(const lg_plan *plan) {
+    const lg_shard_layout *layouts[2] = {&plan->shards, &plan->frozen_shards};
+    size_t bytes = 0;
+    if (!plan->sharding.weights_streamed) return 0;
+    for (int k = 0; k < 2; k++) {
+        const lg_shard_layout *sl = layouts[k];
+        size_t element = k == 0 ? lg_dtype_size(lg_types_of(plan->spec.precision).weights) : 1;
+        if (sl->n_units == 0) continue; /* (no frozen base) */
+        size_t all = sl->piece_offset[sl->n_units], ends = sl->piece_count[0];
+        bytes += (ends + 2 * (all - ends)) * element;
+    }
+    return bytes;
+}
+
 size_t lg_plan_host_traffic_bytes(const lg_plan *plan) {
     const lg_rank_plan *r = &plan->ranks[0];
     size_t bytes = 0, kept = 0; /* what the copies move: count x element, not the padded regions */
@@ -5056,6 +5113,7 @@ size_t lg_plan_host_traffic_bytes(const lg_plan *plan) {
     size_t grad_trips = plan->spec.offload_gradients ? 2 * (size_t)plan->spec.accumulation - 1 : 1;
     if (grads) bytes += grad_trips * grads->count * lg_dtype_size(grads->dtype);
     if (weights) bytes += weights->count * lg_dtype_size(weights->dtype);
+    bytes += lg_plan_streamed_weight_bytes(plan) * (size_t)plan->spec.accumulation;
     for (int i = 0; i < r->n_regions; i++) { /* the kept block outputs in host memory */
         const lg_region *x = &r->regions[i];
         if (x->group == LG_GROUP_ACTIVATIONS && x->pool == LG_POOL_HOST)
@@ -5467,6 +5525,11 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
     if (!args->offload_gradients && lg_args_check_offload_gradients(&a, &refused) == 0)
         lg_remedy_price(&out[n++], "gradients to the host", LG_SETTING_OFFLOAD_GRADIENTS, cfg, &a,
                         T, limit);
+    a = *args;
+    a.offload = a.offload_weights = 1;
+    if (!args->offload_weights && lg_args_check_offload_weights(&a, &refused) == 0)
+        lg_remedy_price(&out[n++], "weights in host memory", LG_SETTING_OFFLOAD_WEIGHTS, cfg, &a, T,
+                        limit);
     if (!args->offload_activations) { /* it moves what recompute keeps: recompute with it */
         a = *args;
         a.recompute = a.offload_activations = 1;
@@ -5707,6 +5770,14 @@ static int lg_rank_plans_alike(const lg_plan *plan, int i, int j) {
     return same;
 }
 
+/* The plan line's offload: " | offload (gradients and weights streamed)", or "" */
+static const char *lg_plan_offload_label(const lg_plan_spec *s) {
+    if (!s->offload) return "";
+    if (s->offload_gradients && s->offload_weights) return " | offload (gradients and weights streamed)";
+    if (s->offload_gradients) return " | offload (gradients streamed)";
+    return s->offload_weights ? " | offload (weights streamed)" : " | offload";
+}
+
 void lg_plan_print(const lg_plan *plan, FILE *out) {
     const lg_plan_spec *s = &plan->spec;
     char a[32], b[32];
@@ -5724,7 +5795,7 @@ void lg_plan_print(const lg_plan *plan, FILE *out) {
     fprintf(out, "plan: %s | -b %d -t %d (%d accumulation) | %s | %d device%s%s%s%s | %s%s\n",
             plan->cfg.name, s->B, s->T, s->accumulation, lg_precision_name(s->precision),
             s->devices, s->devices > 1 ? "s" : "", ranks, s->recompute ? " | recompute block" : "",
-            s->offload_gradients ? " | offload (gradients streamed)" : s->offload ? " | offload" : "",
+            lg_plan_offload_label(s),
             s->optimizer == LG_OPTIMIZER_SGD && s->momentum ? "sgd (momentum)"
                                                              : lg_optimizer_name(s->optimizer),
             head);
@@ -7933,7 +8004,7 @@ static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank,
         (cfg->lora.r > 0 && lg_table_alloc(&m->frozen_table, cfg))) /* LoRA's frozen base */
         return lg_fail(err, "out of host memory for the model's tables");
     m->n_params = lg_params_layout(cfg, lg_no_buf(), NULL, &m->param_table);
-    m->weights_gathered = rank->plan->sharding.weights_sharded;
+    m->weights_gathered = lg_weights_in_units(&rank->plan->sharding);
     m->grads_gathered = lg_grads_in_units(s, &rank->plan->sharding);
     m->local = &rp->pieces;
     m->n_local = rp->pieces.total;
@@ -15404,12 +15475,43 @@ static void lg_trainer_gather_frozen_unit(lg_trainer *tr, int u) {
         lg_model_point_frozen_unit(&tr->ranks[r].model, u, lg_frozen_unit_buffer(tr, r, u));
 }
 
+/* The copy-beside mark of unit u's gather slot (--offload weights). */
+static int lg_weights_mark(const lg_trainer *tr, int u) {
+    return LG_BESIDE_WEIGHTS + lg_unit_slot(u, tr->block_slots);
+}
+
+/* --offload weights: copies unit u's weights (and LoRA's frozen unit u) from the host into
+   its slots beside the compute, after the ops queued so far (the slots' last readers among
+   them), and points the model's views at them; lg_trainer_await_unit waits for the copies. */
+static void lg_trainer_stream_unit(lg_trainer *tr, int u) {
+    const lg_shard_layout *sl = &tr->plan.shards, *fl = &tr->plan.frozen_shards;
+    int frozen = lg_frozen_sharded(&tr->plan.cfg, &tr->plan.sharding);
+    for (int r = 0; r < tr->local_ranks; r++) {
+        lg_model *m = &tr->ranks[r].model;
+        lg_buf slot = lg_unit_weights(tr, r, u);
+        lg_copy_beside(&m->exec, slot, lg_at(m->params, sl->piece_offset[u]), sl->piece_count[u]);
+        if (frozen) {
+            lg_buf to = {lg_frozen_unit_buffer(tr, r, u), LG_DTYPE_U8};
+            lg_buf from = {(uint8_t *)m->frozen_shard.data + fl->piece_offset[u], LG_DTYPE_U8};
+            lg_copy_beside(&m->exec, to, from, fl->piece_count[u]);
+            lg_model_point_frozen_unit(m, u, (uint8_t *)to.data);
+        }
+        lg_mark_beside(&m->exec, lg_weights_mark(tr, u));
+        lg_model_point_unit(m, u, slot, lg_no_buf());
+    }
+}
+
 /* Full-shard: all-gathers unit u's weights (and LoRA's frozen unit u, when sharded) in every
    shard group and points the models' views at them; on GPUs the gather runs beside the
-   compute until lg_trainer_await_unit(u). Nothing to do when every rank holds whole weights. */
+   compute until lg_trainer_await_unit(u). --offload weights: copies them from the host
+   (lg_trainer_stream_unit). Nothing to do when every rank holds whole weights. */
 static void lg_trainer_gather_unit(lg_trainer *tr, int u) {
     const lg_sharding *sh = &tr->plan.sharding;
     const lg_shard_layout *sl = &tr->plan.shards;
+    if (sh->weights_streamed) {
+        lg_trainer_stream_unit(tr, u);
+        return;
+    }
     if (!sh->weights_sharded) return;
     lg_trainer_gather_frozen_unit(tr, u);
     int S = sh->shard_ranks;
@@ -15428,8 +15530,15 @@ static void lg_trainer_gather_unit(lg_trainer *tr, int u) {
         lg_model_point_unit(&tr->ranks[r].model, u, lg_unit_weights(tr, r, u), lg_no_buf());
 }
 
-/* Every rank's ops from here on wait for unit u's gathered weights (full-shard). */
+/* Every rank's ops from here on wait for unit u's gathered weights (full-shard), or for their
+   copies from the host (--offload weights). */
 static void lg_trainer_await_unit(lg_trainer *tr, int u) {
+    if (tr->plan.sharding.weights_streamed) {
+        for (int r = 0; r < tr->local_ranks; r++)
+            if (!tr->ranks[r].model.skip_kept_waits)
+                lg_wait_beside(&tr->ranks[r].model.exec, lg_weights_mark(tr, u));
+        return;
+    }
     if (!tr->plan.sharding.weights_sharded) return;
     int signal = lg_gather_signal(tr, u);
     int frozen = LG_SIGNAL_FROZEN + lg_unit_slot(u, tr->block_slots);
@@ -15778,7 +15887,7 @@ static int lg_trainer_init_weights(lg_trainer *tr, lg_error *err) {
     const lg_shard_layout *sl = &tr->plan.shards;
     const lg_model *m0 = &tr->ranks[0].model;
     int rc = 0;
-    if (!sh->weights_sharded) {
+    if (!lg_weights_in_units(sh)) {
         for (int r = 0; r < tr->local_ranks && rc == 0; r++)
             rc = lg_model_init_weights(&tr->ranks[r].model, tr->args.seed, err);
         return rc;

@@ -198,6 +198,9 @@ static const char *remedy_flags(const lg_remedy *r, char *out, size_t cap) {
         case LG_SETTING_OFFLOAD_GRADIENTS:
             snprintf(one, sizeof one, "--offload gradients");
             break;
+        case LG_SETTING_OFFLOAD_WEIGHTS:
+            snprintf(one, sizeof one, "--offload weights");
+            break;
         case LG_SETTING_PRECISION:
             snprintf(one, sizeof one, "-p %s", lg_precision_name(a->precision));
             break;

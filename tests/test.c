@@ -1273,7 +1273,7 @@ static void test_cli(results *r) {
     expect_cli(r, "-b", 2, "-b needs a value");
     expect_cli(r, "-b x", 2, "-b/--micro-batch-size: 'x' is not an integer");
     expect_cli(r, "--lr fast", 2, "--lr: 'fast' is not a number");
-    expect_cli(r, "--offload=state,weights", 2, "--offload: 'weights' is not a part to offload");
+    expect_cli(r, "--offload=state,ram", 2, "--offload: 'ram' is not a part to offload");
     expect_cli(r, "--offload grads --plan", 2, "--offload: 'grads' is not a part to offload");
     expect_cli(r, "--offload --plan -c test-llama -t 16", 0, "| offload |");
     expect_cli(r, "--offload activations --max-steps 1", 2, "needs --recompute block");
@@ -1641,14 +1641,18 @@ static void test_offload_activations_bitwise(results *r) {
 /* --offload activations as allocated: the arenas are the plan's; L - 1 block outputs move to
    the host pool and two slots join the device pool; the model's views point there. Asked
    without --recompute block it is refused naming both flags. */
-/* Rank 0's arenas, as allocated (test_allocations), equal its plan's pools. */
+/* Rank 0's arenas, as allocated (test_allocations), equal its plan's pools: the last block
+   logged at each arena's address (a block freed earlier may have had the same address). */
 static int arenas_equal_plan(const lg_trainer *tr) {
     const lg_rank_plan *p = &tr->plan.ranks[0];
     int ok = 1;
-    for (int i = 0; i < test_allocations.n; i++)
-        for (int pool = 0; pool < LG_N_POOLS; pool++)
-            if (test_allocations.blocks[i] == tr->ranks[0].rank.arena[pool])
-                ok = ok && test_allocations.sizes[i] == p->pool_bytes[pool] + LG_ALIGN;
+    for (int pool = 0; pool < LG_N_POOLS; pool++) {
+        int last = -1;
+        for (int i = 0; i < test_allocations.n; i++)
+            if (test_allocations.blocks[i] == tr->ranks[0].rank.arena[pool]) last = i;
+        ok = ok && (last >= 0 ? test_allocations.sizes[last] == p->pool_bytes[pool] + LG_ALIGN
+                              : p->pool_bytes[pool] == 0);
+    }
     return ok;
 }
 
@@ -1709,27 +1713,29 @@ static void test_offload_activations_memory(results *r) {
           "block: refused naming both (%s)", err.msg);
 }
 
-/* Trains a (with --offload state) and the same with --offload gradients 3 steps: 1 when
-   their losses, every rank's host gradients and weights are bitwise equal and the streamed
-   run has no whole-gradient buffer on its devices. */
-static int offload_gradients_same(const lg_config *cfg, const lg_args *a, const char *family,
-                                  const char *mode) {
+/* Trains a (with --offload state) and b (the same with more parts offloaded) 3 steps: 1 when
+   their losses, every rank's host gradients and weights are bitwise equal, and the streamed
+   parts have left the devices (--offload gradients: no whole-gradient buffer; weights: the
+   weights in the host pool). */
+static int offload_runs_same(const lg_config *cfg, const lg_args *a, const lg_args *b,
+                             const char *family, const char *mode) {
     double whole_losses[3], streamed_losses[3];
     lg_trainer whole, streamed;
-    lg_args b = *a;
-    b.offload_gradients = 1;
     int rc = train_steps(&whole, cfg, a, 12, 3, whole_losses);
-    rc |= train_steps(&streamed, cfg, &b, 12, 3, streamed_losses);
+    rc |= train_steps(&streamed, cfg, b, 12, 3, streamed_losses);
     int same = rc == 0 && memcmp(whole_losses, streamed_losses, sizeof whole_losses) == 0;
     for (int q = 0; same && q < whole.local_ranks; q++) {
         const lg_trainer_rank *w = &whole.ranks[q], *s = &streamed.ranks[q];
+        const lg_region *weights = lg_plan_find(&streamed.plan.ranks[q], "weights");
         same = same_bits(w->host_grads, s->host_grads, w->model.n_local) &&
                same_bits(w->model.params, s->model.params, w->model.n_local) &&
-               s->model.grads.data == NULL;
+               (s->model.grads.data == NULL) == b->offload_gradients &&
+               (weights->pool == LG_POOL_HOST) == b->offload_weights;
     }
     if (!same)
-        printf("    differs: %s %s, -b %d -g %d -d %d %s\n", family, mode, a->micro_batch_size,
-               a->global_batch_size, a->devices, lg_strategy_name(a->strategy));
+        printf("    differs: %s %s, -b %d -g %d -d %d %s%s%s\n", family, mode, a->micro_batch_size,
+               a->global_batch_size, a->devices, lg_strategy_name(a->strategy),
+               b->offload_gradients ? " gradients" : "", b->offload_weights ? " weights" : "");
     if (rc == 0) {
         lg_trainer_free(&whole);
         lg_trainer_free(&streamed);
@@ -1775,7 +1781,9 @@ static void test_offload_gradients_bitwise(results *r) {
                     b.devices = sharded ? 2 : 1;
                     b.strategy = sharded == 2 ? LG_STRATEGY_SHARD_GRAD_OP : LG_STRATEGY_FULL_SHARD;
                     b.global_batch_size *= b.devices;
-                    ok = offload_gradients_same(&cfg, &b, names[i], mode_names[k]) && ok;
+                    lg_args streamed = b;
+                    streamed.offload_gradients = 1;
+                    ok = offload_runs_same(&cfg, &b, &streamed, names[i], mode_names[k]) && ok;
                     runs++;
                 }
             }
@@ -1783,6 +1791,57 @@ static void test_offload_gradients_bitwise(results *r) {
           "state after 3 clipped AdamW steps (%d runs: %d families with 3 layers x full fp32, "
           "full bf16-true, LoRA, QLoRA nf4 x 1 and 3 micro-batches; full fp32 and QLoRA also "
           "-d 2 full-shard and shard-grad-op)", runs, n_families);
+}
+
+/* --offload weights: the weights (trainable, and LoRA's frozen base as stored, NF4 too) live
+   in the host pool and each unit is copied into a device slot ahead of its use; bitwise the
+   losses, gradients and weights of --offload state alone: every family, full fine-tuning in
+   fp32, bf16-mixed and bf16-true, LoRA, QLoRA nf4 and nf4-dq, 1 and 3 micro-batches, and with
+   --offload gradients too. */
+static void test_offload_weights_bitwise(results *r) {
+    const char *names[] = {"test-gpt2", "test-pythia", "test-llama", "test-falcon", "test-llama31"};
+    const int n_families = (int)(sizeof names / sizeof names[0]);
+    enum { FULL_FP32, FULL_BF16_MIXED, FULL_BF16_TRUE, LORA_ALL, QLORA_NF4, QLORA_NF4_DQ, N_MODES };
+    static const char *const mode_names[N_MODES] = {"full fp32", "full bf16-mixed", "full bf16-true",
+                                                    "lora all", "qlora nf4", "qlora nf4-dq"};
+    static const lg_precision precisions[N_MODES] = {
+        LG_PRECISION_32_TRUE, LG_PRECISION_BF16_MIXED, LG_PRECISION_BF16_TRUE,
+        LG_PRECISION_BF16_MIXED, LG_PRECISION_BF16_TRUE, LG_PRECISION_32_TRUE};
+    int ok = 1, runs = 0;
+    for (int i = 0; i < n_families; i++)
+        for (int k = 0; k < N_MODES; k++)
+            for (int accumulation = 1; accumulation <= 3; accumulation += 2) {
+                lg_config cfg;
+                if (load_config_or_fail(r, &cfg, names[i])) return;
+                cfg.n_layer = 3; /* both block slots turn over */
+                lg_args a;
+                lg_args_default(&a);
+                a.precision = precisions[k];
+                a.micro_batch_size = 2;
+                a.global_batch_size = 2 * accumulation;
+                a.max_norm = 0.05f;
+                a.offload = 1;
+                if (k >= LORA_ALL) {
+                    a.lora.r = 4;
+                    a.lora.targets = LG_LORA_QUERY | LG_LORA_KEY | LG_LORA_VALUE |
+                                     LG_LORA_PROJECTION | LG_LORA_MLP |
+                                     (cfg.tie_embeddings ? 0u : (unsigned)LG_LORA_HEAD);
+                    a.lora.quantize = k == QLORA_NF4      ? LG_QUANTIZE_NF4
+                                      : k == QLORA_NF4_DQ ? LG_QUANTIZE_NF4_DQ
+                                                          : LG_QUANTIZE_NONE;
+                }
+                for (int gradients = 0; gradients < 2; gradients++) {
+                    lg_args streamed = a;
+                    streamed.offload_weights = 1;
+                    streamed.offload_gradients = gradients;
+                    ok = offload_runs_same(&cfg, &a, &streamed, names[i], mode_names[k]) && ok;
+                    runs++;
+                }
+            }
+    check(r, ok, "--offload weights: bitwise the losses, gradients and weights of --offload "
+          "state after 3 clipped AdamW steps (%d runs: %d families with 3 layers x full fp32, "
+          "bf16-mixed, bf16-true, LoRA, QLoRA nf4 and nf4-dq x 1 and 3 micro-batches, alone and "
+          "with --offload gradients)", runs, n_families);
 }
 
 /* --offload gradients as allocated: the arenas are the plan's; the device's whole-model
@@ -1846,6 +1905,84 @@ static void test_offload_gradients_memory(results *r) {
         if (i == 2) bad.optimizer = LG_OPTIMIZER_SOPHIA;
         check(r, lg_args_check(&bad, &err) != 0 && strstr(err.msg, "--offload gradients") &&
               strstr(err.msg, why[i]), "--offload gradients refused naming %s: %s", why[i], err.msg);
+    }
+}
+
+/* --offload weights as allocated: the arenas are the plan's; the device's whole weights give
+   way to the ends' slot and two blocks', the host pool takes them (LoRA: the frozen base as
+   stored, in units); the host traffic counts each unit's trips; the remedies price it; refused
+   where it does not run yet, naming why. */
+static void test_offload_weights_memory(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-pythia")) return;
+    cfg.n_layer = 5;
+    size_t device[2], host[2], traffic[2];
+    int ok = 1;
+    for (int v = 0; v < 2; v++) {
+        lg_args a;
+        lg_args_default(&a); /* bf16-mixed: bf16 weights, the fp32 master on the host */
+        a.micro_batch_size = 2;
+        a.global_batch_size = 6; /* 3 micro-batches */
+        a.offload = 1;
+        a.offload_weights = v;
+        lg_error err;
+        lg_trainer tr;
+        if (create_counting(&tr, &cfg, &a, 16, &err) != 0) { check(r, 0, "%s", err.msg); return; }
+        const lg_rank_plan *p = &tr.plan.ranks[0];
+        device[v] = p->pool_bytes[LG_POOL_DEVICE];
+        host[v] = p->pool_bytes[LG_POOL_HOST];
+        traffic[v] = lg_plan_host_traffic_bytes(&tr.plan);
+        ok = ok && arenas_equal_plan(&tr) && lg_plan_find(p, "weights")->pool == (v ? LG_POOL_HOST : LG_POOL_DEVICE) &&
+             (lg_plan_find(p, "gather.blocks") != NULL) == v;
+        lg_trainer_free(&tr);
+    }
+    size_t bf16 = 2, block = lg_unit_layout(&cfg, 1, lg_no_buf(), NULL);
+    size_t ends = lg_unit_layout(&cfg, 0, lg_no_buf(), NULL), whole = ends + cfg.n_layer * block;
+    size_t saved = lg_align_to(whole * bf16, LG_ALIGN) - lg_align_to(ends * bf16, LG_ALIGN) -
+                   lg_align_to(2 * block * bf16, LG_ALIGN);
+    size_t trips = 3 * (ends + 2 * cfg.n_layer * block) * bf16; /* 3 micro-batches */
+    check(r, ok && device[0] - device[1] == saved &&
+          host[1] - host[0] == lg_align_to(whole * bf16, LG_ALIGN) && traffic[1] - traffic[0] == trips,
+          "--offload weights: arenas as planned, device pool %zu -> %zu B (the weights out, the "
+          "ends' slot and two blocks' in), host pool %zu -> %zu B, host traffic %zu B more (3 "
+          "micro-batches: every unit in the forward, the blocks again in the backward)",
+          device[0], device[1], host[0], host[1], traffic[1] - traffic[0]);
+    lg_args a;
+    lg_args_default(&a);
+    a.micro_batch_size = 2;
+    a.lora.r = 4;
+    a.lora.quantize = LG_QUANTIZE_NF4;
+    a.offload = a.offload_weights = 1;
+    lg_error err;
+    lg_trainer tr;
+    if (create_counting(&tr, &cfg, &a, 16, &err) != 0) { check(r, 0, "%s", err.msg); return; }
+    const lg_rank_plan *p = &tr.plan.ranks[0];
+    const lg_region *frozen = lg_plan_find(p, "frozen_weights.shard");
+    check(r, arenas_equal_plan(&tr) && frozen && frozen->pool == LG_POOL_HOST &&
+          !lg_plan_find(p, "frozen_weights") && lg_plan_find(p, "gather.frozen.blocks"),
+          "--offload weights, QLoRA nf4: the frozen base as stored in the host pool (%zu B), "
+          "gathered a unit at a time into device slots; arenas as planned",
+          frozen ? frozen->bytes : 0);
+    lg_trainer_free(&tr);
+    lg_args_default(&a);
+    a.micro_batch_size = 4;
+    lg_remedy rem[LG_MAX_REMEDIES];
+    int n = lg_plan_remedies(&cfg, &a, 16, 1, rem), streamed = -1;
+    for (int i = 0; i < n; i++)
+        if (rem[i].changes == LG_SETTING_OFFLOAD_WEIGHTS) streamed = i;
+    check(r, streamed >= 0 && rem[streamed].args.offload && rem[streamed].args.offload_weights,
+          "the remedies price --offload weights: device %zu B",
+          streamed < 0 ? 0 : rem[streamed].device_bytes);
+    static const char *const why[2] = {"--offload state", "one rank"};
+    for (int i = 0; i < 2; i++) { /* without state; -d 2 */
+        lg_args bad = a;
+        lg_error refused = {0};
+        bad.offload_weights = 1;
+        bad.offload = i > 0;
+        if (i == 1) bad.devices = 2;
+        check(r, lg_args_check(&bad, &refused) != 0 && strstr(refused.msg, "--offload weights") &&
+              strstr(refused.msg, why[i]), "--offload weights refused naming %s: %s", why[i],
+              refused.msg);
     }
 }
 
@@ -2358,6 +2495,8 @@ int main(int argc, char **argv) {
         test_offload_activations_memory(&r);
         test_offload_gradients_bitwise(&r);
         test_offload_gradients_memory(&r);
+        test_offload_weights_bitwise(&r);
+        test_offload_weights_memory(&r);
     }
     if (section("memory plan", argc, argv)) {
         test_plan_matches_allocations(&r);

@@ -636,12 +636,11 @@ static void test_offload_overlap(results *r) {
    orders); skip: the compute does not wait for the buffers' copies to the host. Returns how
    far the weights land apart, the losses' into *losses_apart, and the kernels launched beside
    a pending copy into *beside (the emulator's count). */
+static double streamed_run_apart(results *r, const lg_args *a, const lg_args *b, int skip,
+                                 double *losses_apart, unsigned long long *beside);
+
 static double gradients_run_apart(results *r, int devices, int skip, double *losses_apart,
                                   unsigned long long *beside) {
-    const int T = 16, steps = 3;
-    lg_config cfg;
-    if (load_config_or_fail(r, &cfg, "test-llama")) return INFINITY;
-    cfg.n_layer = 5;
     lg_args a = step_args(LG_PRECISION_BF16_MIXED, LG_BACKEND_CUDA);
     a.devices = devices; /* (full-shard: each rank's pieces stream) */
     a.global_batch_size = 3 * a.micro_batch_size * devices;
@@ -649,13 +648,26 @@ static double gradients_run_apart(results *r, int devices, int skip, double *los
     a.offload = 1;
     lg_args b = a;
     b.offload_gradients = 1;
+    return streamed_run_apart(r, &a, &b, skip, losses_apart, beside);
+}
+
+/* Runs a and b (the same with more parts offloaded) 3 steps on test-llama with 5 blocks;
+   skip: b's compute does not wait for its slots' copies. How far b's weights land from a's,
+   the losses' into *losses_apart, and the kernels launched beside a pending copy in b into
+   *beside (the emulator's count). */
+static double streamed_run_apart(results *r, const lg_args *a, const lg_args *b, int skip,
+                                 double *losses_apart, unsigned long long *beside) {
+    const int T = 16, steps = 3;
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return INFINITY;
+    cfg.n_layer = 5;
     double la[3], lb[3];
     lg_trainer ta, tb;
     lg_loader ld;
     lg_error err;
     *losses_apart = INFINITY;
-    if (train_steps(&ta, &cfg, &a, T, steps, la) != 0) return INFINITY;
-    if (lg_trainer_create(&tb, &cfg, &b, T, &err) != 0 || builtin_loader(&ld, &cfg, &b, T, steps) != 0) {
+    if (train_steps(&ta, &cfg, a, T, steps, la) != 0) return INFINITY;
+    if (lg_trainer_create(&tb, &cfg, b, T, &err) != 0 || builtin_loader(&ld, &cfg, b, T, steps) != 0) {
         lg_trainer_free(&ta);
         return INFINITY;
     }
@@ -705,6 +717,46 @@ static void test_offload_gradients(results *r) {
               "(a missing wait shows)", skipped, losses_skipped);
     }
 #endif
+}
+
+/* --offload weights on the GPU: the weights (QLoRA: the NF4 base as stored) copied from the
+   host a unit at a time give bitwise the weights and losses of --offload state; on the
+   emulator with deferred copies the forward computes while the next unit's copy is pending,
+   and without the waits for those copies a block computes with the slot's old weights. */
+static void test_offload_weights(results *r) {
+    for (int qlora = 0; qlora < 2; qlora++) {
+        lg_args a = step_args(qlora ? LG_PRECISION_32_TRUE : LG_PRECISION_BF16_MIXED, LG_BACKEND_CUDA);
+        a.global_batch_size = 3 * a.micro_batch_size;
+        a.max_norm = 0.0f;
+        a.offload = 1;
+        if (qlora) {
+            a.lora.r = 2;
+            a.lora.dropout = 0.0f;
+            a.lora.quantize = LG_QUANTIZE_NF4;
+            a.lora.targets = LG_LORA_QUERY | LG_LORA_KEY | LG_LORA_VALUE | LG_LORA_PROJECTION |
+                             LG_LORA_MLP | LG_LORA_HEAD;
+        }
+        lg_args b = a;
+        b.offload_weights = 1;
+        double losses;
+        unsigned long long beside = 0;
+        double apart = streamed_run_apart(r, &a, &b, 0, &losses, &beside);
+        check(r, apart == 0 && losses == 0, "--offload weights = --offload state on the GPU, %s, "
+              "5 blocks, 3 micro-batches a step, 3 steps: weights %.1e, losses %.1e apart "
+              "(bitwise); %llu kernels launched beside a pending copy",
+              qlora ? "QLoRA nf4 32-true" : "bf16-mixed", apart, losses, beside);
+#ifdef LG_CUDA_EMULATE
+        const char *defer = getenv("LG_EMU_DEFER_COPIES");
+        if (!qlora && defer && strcmp(defer, "1") == 0) {
+            double losses_skipped;
+            unsigned long long beside_skipped = 0;
+            double skipped = streamed_run_apart(r, &a, &b, 1, &losses_skipped, &beside_skipped);
+            check(r, beside > 0 && (skipped > 1e-3 || losses_skipped > 1e-3), "the same with the "
+                  "weight slots' waits removed, copies deferred: weights %.1e, losses %.1e apart "
+                  "(a block computed before its weights landed shows)", skipped, losses_skipped);
+        }
+#endif
+    }
 }
 
 /* LoRA (every target of test-llama, dropout 0.1) and QLoRA (nf4, nf4-dq: the frozen linears
@@ -1170,6 +1222,7 @@ static void mode_features(results *r, int gpus) {
     test_gpu_lora(r, gpus);
     test_offload_overlap(r);
     test_offload_gradients(r);
+    test_offload_weights(r);
 }
 
 static void mode_combinations(results *r, int gpus) {
