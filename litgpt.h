@@ -5546,14 +5546,40 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
     return n;
 }
 
-/* The changes the cheapest fit combines. Four keep the training the same: a smaller
-   micro-batch (accumulation keeps the global batch), block recompute, offload and the kept
-   block inputs in host memory (with recompute; all give the same bits, at a cost in time). The others change it, in order of how much: a -true
-   precision changes the numerics a little, an optimizer with less state the optimisation, a
-   shorter sequence what the model sees. */
+/* The changes the cheapest fit combines. Six keep the training the same: a smaller
+   micro-batch (accumulation keeps the global batch), block recompute, offload, the kept block
+   inputs in host memory (with recompute), the gradients streamed to the host and the weights
+   streamed from it (with offload; all give the same bits, at a cost in time). The others
+   change it, in order of how much: a -true precision changes the numerics a little, an
+   optimizer with less state the optimisation, a shorter sequence what the model sees. */
 enum { LG_FIX_MICRO_BATCH = 1, LG_FIX_RECOMPUTE = 2, LG_FIX_OFFLOAD = 4, LG_FIX_PRECISION = 8,
        LG_FIX_OPTIMIZER = 16, LG_FIX_SEQUENCE = 32, LG_FIX_LORA = 64, LG_FIX_QLORA = 128,
-       LG_FIX_ACTIVATIONS = 256 /* --offload activations, always with LG_FIX_RECOMPUTE */ };
+       LG_FIX_ACTIVATIONS = 256, /* --offload activations, always with LG_FIX_RECOMPUTE */
+       LG_FIX_GRADIENTS = 512,   /* --offload gradients (offload with it), where it runs */
+       LG_FIX_WEIGHTS = 1024 };  /* --offload weights (offload with it), where it runs */
+
+/* The gradients or weights streamed (--offload gradients, weights; each brings --offload)
+   where the run allows them (lg_args_check_offload_gradients, _weights); the settings
+   changed. */
+static unsigned lg_apply_streaming(lg_args *a, int fixes) {
+    lg_args b = *a;
+    lg_error refused;
+    unsigned changes = 0;
+    b.offload = 1;
+    b.offload_gradients = a->offload_gradients || (fixes & LG_FIX_GRADIENTS);
+    if (b.offload_gradients != a->offload_gradients && lg_args_check_offload_gradients(&b, &refused) == 0) {
+        *a = b;
+        changes |= LG_SETTING_OFFLOAD_GRADIENTS;
+    }
+    b = *a;
+    b.offload = 1;
+    b.offload_weights = a->offload_weights || (fixes & LG_FIX_WEIGHTS);
+    if (b.offload_weights != a->offload_weights && lg_args_check_offload_weights(&b, &refused) == 0) {
+        *a = b;
+        changes |= LG_SETTING_OFFLOAD_WEIGHTS;
+    }
+    return changes;
+}
 
 /* Applies a set of fixes to args and T; the micro-batch and the sequence length become the
    largest that fit with the others. Returns the settings changed (LG_SETTING_* bits). */
@@ -5575,6 +5601,7 @@ static unsigned lg_apply_fixes(const lg_config *cfg, const lg_args *args, int T,
         a->offload_activations = 1;
         changes |= LG_SETTING_OFFLOAD_ACTIVATIONS;
     }
+    changes |= lg_apply_streaming(a, fixes);
     if (fixes & LG_FIX_PRECISION) {
         a->precision = LG_PRECISION_BF16_TRUE;
         changes |= LG_SETTING_PRECISION;
@@ -5624,7 +5651,19 @@ int lg_plan_cheapest_fit(const lg_config *cfg, const lg_args *args, int T, size_
                                         LG_FIX_MICRO_BATCH | LG_FIX_RECOMPUTE | LG_FIX_ACTIVATIONS,
                                         LG_FIX_RECOMPUTE | LG_FIX_OFFLOAD | LG_FIX_ACTIVATIONS,
                                         LG_FIX_MICRO_BATCH | LG_FIX_RECOMPUTE | LG_FIX_OFFLOAD |
-                                            LG_FIX_ACTIVATIONS};
+                                            LG_FIX_ACTIVATIONS,
+                                        LG_FIX_RECOMPUTE | LG_FIX_GRADIENTS,
+                                        LG_FIX_MICRO_BATCH | LG_FIX_RECOMPUTE | LG_FIX_GRADIENTS,
+                                        LG_FIX_RECOMPUTE | LG_FIX_GRADIENTS | LG_FIX_ACTIVATIONS,
+                                        LG_FIX_MICRO_BATCH | LG_FIX_RECOMPUTE | LG_FIX_GRADIENTS |
+                                            LG_FIX_ACTIVATIONS,
+                                        LG_FIX_RECOMPUTE | LG_FIX_GRADIENTS | LG_FIX_WEIGHTS,
+                                        LG_FIX_MICRO_BATCH | LG_FIX_RECOMPUTE | LG_FIX_GRADIENTS |
+                                            LG_FIX_WEIGHTS,
+                                        LG_FIX_RECOMPUTE | LG_FIX_GRADIENTS | LG_FIX_WEIGHTS |
+                                            LG_FIX_ACTIVATIONS,
+                                        LG_FIX_MICRO_BATCH | LG_FIX_RECOMPUTE | LG_FIX_GRADIENTS |
+                                            LG_FIX_WEIGHTS | LG_FIX_ACTIVATIONS};
     lg_args a;
     int t;
     for (size_t i = 0; i < sizeof changes / sizeof changes[0]; i++)

@@ -862,8 +862,11 @@ static void print_command(int argc, char **argv, const char *flags) {
         const flag_row *f = flag_of_word(argv[i], &takes_value);
         int k = 0;
         while (f && k < n && replaced[k] != f) k++;
-        if (f && k < n) {
+        if (f && k < n) { /* (a word after --offload is its list: train takes no others) */
             i += takes_value;
+            if (f->takes == FLAG_MAYBE_VALUE && !strchr(argv[i], '=') && i + 1 < argc &&
+                argv[i + 1][0] != '-')
+                i++;
             continue;
         }
         printf(strchr(argv[i], ' ') ? " \"%s\"" : " %s", argv[i]);

@@ -1895,6 +1895,13 @@ static void test_offload_gradients_memory(results *r) {
           rem[streamed].device_bytes < rem[offload].device_bytes,
           "the remedies price --offload gradients after --offload: device %zu B against %zu B",
           streamed < 0 ? 0 : rem[streamed].device_bytes, offload < 0 ? 0 : rem[offload].device_bytes);
+    /* the cheapest change keeps the full fine-tune (it trained LoRA adapters instead) */
+    expect_cli(r, "--plan -c Llama-3.1-8B -b 2 -t 2048 -p bf16-true --optimizer-state 8bit "
+                  "--recompute block --offload activations,state --backend cuda --gpu rtx4090 "
+                  "--host-memory-limit 128GiB", 3,
+               "  ./train --plan -c Llama-3.1-8B -b 2 -t 2048 "
+               "-p bf16-true --optimizer-state 8bit --backend cuda --gpu rtx4090 "
+               "--host-memory-limit 128GiB --recompute block --offload activations,gradients");
     static const char *const why[3] = {"--offload state", "replicas", "Sophia"};
     for (int i = 0; i < 3; i++) { /* without state; -d 2 no-shard; Sophia */
         lg_args bad = a;
