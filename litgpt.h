@@ -384,7 +384,9 @@ typedef struct {
 /* --plan's output: none (a run), the table, JSON or SVG alone on stdout. */
 typedef enum { LG_PLAN_NONE, LG_PLAN_TABLE, LG_PLAN_JSON, LG_PLAN_SVG } lg_plan_mode;
 
-/* Everything the user can ask for on the command line; train.c parses argv into this. */
+/* The run's settings: what the user asked for that the library reads (and the run settings a
+   checkpoint records, LG_RUN_SETTINGS). train.c parses argv into this; what only the driver
+   reads (--log, --plot, --log-interval, -b auto and -t auto, --load, --resume) it keeps. */
 typedef struct {
     const char *config;        /* -c: configs/NAME.yaml or a path; NULL: the built-in model */
     const char *data;          /* --data: training token shard; NULL: the built-in task */
@@ -415,7 +417,6 @@ typedef struct {
     float temperature;         /* 0: greedy */
     const char *prompt;
     uint64_t seed;
-    const char *log_path;      /* --log: one JSON object per line */
     const char *out_dir;       /* --out: the final model.safetensors */
     int save_every;            /* --save-every: steps between checkpoints (the driver saves);
                                   0: only at the end */
@@ -437,9 +438,6 @@ typedef struct {
                                   backward computes each slice's again; 0: all rows, or the
                                   planner's choice (lg_plan_auto_rows) */
     lg_plan_mode plan_only;    /* --plan: print the plan and exit (LG_PLAN_NONE: run) */
-    int micro_batch_auto;      /* -b auto: the largest micro-batch that fits */
-    int max_seq_length_auto;   /* -t auto: the longest sequence that fits (up to block_size, or
-                                  for fine-tuning the longest sample) */
     lg_state_format optimizer_state; /* --optimizer-state bf16|8bit (AdamW) */
     int hessian_interval;      /* Sophia: steps between Hessian estimates (10) */
     float rho;                 /* Sophia: the clipping scale of m / h (0.04) */
