@@ -324,7 +324,6 @@ int lg_config_load(lg_config *cfg, const char *path, lg_error *err);
 int lg_config_check(const lg_config *cfg, lg_error *err);
 /* The model of the built-in run (and its character vocabulary), without any file. */
 void lg_config_builtin(lg_config *cfg);
-int lg_config_qkv_size(const lg_config *cfg);  /* (NH + 2 NQG) HS */
 int lg_config_rope_dims(const lg_config *cfg); /* rotated dims of each head, even */
 
 /* ---------------------------------------------------------------------------------------------
@@ -358,11 +357,6 @@ const char *lg_strategy_name(lg_strategy strategy);
 int lg_strategy_parse(const char *text, lg_strategy *out);
 const char *lg_optimizer_name(lg_optimizer_kind kind);
 int lg_optimizer_parse(const char *text, lg_optimizer_kind *out); /* 0, or -1 when unknown */
-/* States a parameter needs: AdamW 2 (m, v), Sophia 2 (m, h), Lion 1 (m), SGD 1 with momentum,
-   else 0. */
-int lg_optimizer_states(lg_optimizer_kind kind, int momentum);
-/* The plan's name of state i ("optimizer.m", "optimizer.v", "optimizer.h", "optimizer.momentum"). */
-const char *lg_optimizer_state_name(lg_optimizer_kind kind, int i);
 /* The betas an optimizer takes unless given: AdamW (0.9, 0.95), the papers' Lion (0.9, 0.99)
    and SophiaG (0.965, 0.99); SGD uses none (AdamW's are returned). */
 void lg_optimizer_default_betas(lg_optimizer_kind kind, float *beta1, float *beta2);
@@ -390,7 +384,9 @@ typedef struct {
 /* --plan's output: none (a run), the table, JSON or SVG alone on stdout. */
 typedef enum { LG_PLAN_NONE, LG_PLAN_TABLE, LG_PLAN_JSON, LG_PLAN_SVG } lg_plan_mode;
 
-/* Everything the user can ask for on the command line; train.c parses argv into this. */
+/* The run's settings: what the user asked for that the library reads (and the run settings a
+   checkpoint records, LG_RUN_SETTINGS). train.c parses argv into this; what only the driver
+   reads (--log, --plot, --log-interval, -b auto and -t auto, --load, --resume) it keeps. */
 typedef struct {
     const char *config;        /* -c: configs/NAME.yaml or a path; NULL: the built-in model */
     const char *data;          /* --data: training token shard; NULL: the built-in task */
@@ -421,7 +417,6 @@ typedef struct {
     float temperature;         /* 0: greedy */
     const char *prompt;
     uint64_t seed;
-    const char *log_path;      /* --log: one JSON object per line */
     const char *out_dir;       /* --out: the final model.safetensors */
     int save_every;            /* --save-every: steps between checkpoints (the driver saves);
                                   0: only at the end */
@@ -446,9 +441,6 @@ typedef struct {
                                   backward computes each slice's again; 0: all rows, or the
                                   planner's choice (lg_plan_auto_rows) */
     lg_plan_mode plan_only;    /* --plan: print the plan and exit (LG_PLAN_NONE: run) */
-    int micro_batch_auto;      /* -b auto: the largest micro-batch that fits */
-    int max_seq_length_auto;   /* -t auto: the longest sequence that fits (up to block_size, or
-                                  for fine-tuning the longest sample) */
     lg_state_format optimizer_state; /* --optimizer-state bf16|8bit (AdamW) */
     int hessian_interval;      /* Sophia: steps between Hessian estimates (10) */
     float rho;                 /* Sophia: the clipping scale of m / h (0.04) */
@@ -475,8 +467,6 @@ void lg_args_default(lg_args *args);
 int lg_args_check(const lg_args *args, lg_error *err);
 /* Ranks of the run: devices x nodes. */
 int lg_args_ranks(const lg_args *args);
-/* Gradient accumulation steps = global batch / ranks / micro-batch; must divide exactly. */
-int lg_args_accumulation_steps(const lg_args *args, lg_error *err);
 
 /* ---------------------------------------------------------------------------------------------
    5. plan (API): where every tensor lives in its buffer
@@ -603,35 +593,13 @@ typedef struct {
    base tensors are laid out by lg_frozen_layout. */
 size_t lg_params_layout(const lg_config *cfg, lg_buf base, lg_param_tensors *tensors,
                         lg_tensor_table *table);
-/* LoRA: the frozen base model, every tensor of the model without LoRA in the same order (0
-   without LoRA). Tensors stored in the compute type go to base; with --quantize the linear
-   weights (lm_head's unless tied) go to `packed` (bytes, lg_nf4_bytes each, typed
-   LG_DTYPE_NF4 or _DQ). Returns the elements of base; *packed_bytes (may be NULL) gets the
-   bytes of packed. The table lists every tensor with offsets into base, or into packed for the
-   packed ones (see lg_tensor_info.packed), and origins in the base model's whole layout. */
-size_t lg_frozen_layout(const lg_config *cfg, lg_buf base, lg_buf packed,
-                        lg_param_tensors *tensors, lg_tensor_table *table, size_t *packed_bytes);
 /* The model without LoRA: the config of its base weights (checkpoints of the base model). */
 lg_config lg_config_base(const lg_config *cfg);
-/* in and out features of an adapted linear (0, 0 when the architecture has no such linear). */
-void lg_lora_dims(const lg_config *cfg, lg_lora_linear linear, int *in, int *out);
-/* Whether the block linear gets adapters under cfg->lora. */
-int lg_lora_adapts(const lg_config *cfg, lg_lora_linear linear);
 void lg_tensor_table_free(lg_tensor_table *table);
 /* The units of sharding, in layout order: 0 the ends, 1 + l block l. Points p's views of one
    unit into base (a buffer holding just that unit) when base is not NULL; returns the unit's
    element count. */
 size_t lg_unit_layout(const lg_config *cfg, int unit, lg_buf base, lg_param_tensors *tensors);
-
-/* LoRA's frozen unit (0 the ends, 1 + l block l) in one byte buffer, as sharded runs gather it:
-   its tensors in the weight type from byte 0, then, from the next LG_ALIGN boundary, its NF4
-   ones as stored. Points p's base views into base (when not NULL) and appends the unit's
-   tensors to table (when not NULL; offsets within the unit, origins from `origin`, the unit's
-   first element in the whole base layout). Returns the unit's bytes; *whole (when not NULL):
-   the elements of the base model it walks. */
-size_t lg_frozen_unit_layout(const lg_config *cfg, int unit, lg_dtype weights, uint8_t *base,
-                             size_t origin, lg_param_tensors *p, lg_tensor_table *table,
-                             size_t *whole);
 
 /* The memory plan: every region of every rank, before anything is allocated. Ranks allocate
    one arena per pool of exactly pool_bytes and carve the regions out of it. */
@@ -755,8 +723,6 @@ typedef struct {
     lg_rank_plan *ranks;    /* (n_ranks) */
 } lg_plan;
 
-lg_sharding lg_sharding_of(const lg_plan_spec *spec);
-
 /* The collective buffers of a sharded run (regions gather.* and gradients.*) hold whole units:
    the ends have one of each kind, the blocks take turns in slots. Full-shard gathers the next
    block while one computes (LG_GATHER_BLOCK_SLOTS); shard-grad-op gathers each updated unit
@@ -771,13 +737,7 @@ lg_sharding lg_sharding_of(const lg_plan_spec *spec);
 #define LG_BESIDE_GRADS LG_KEPT_SLOTS
 #define LG_BESIDE_WEIGHTS (LG_BESIDE_GRADS + 1 + LG_GRAD_BLOCK_SLOTS)
 #define LG_BESIDE_MARKS (LG_BESIDE_WEIGHTS + 1 + LG_GATHER_BLOCK_SLOTS)
-/* The weights come to the device a unit at a time, into the gather slots: sharded
-   (full-shard, hybrid-shard: all-gathered) or streamed (--offload weights: copied from the
-   host). */
-int lg_weights_in_units(const lg_sharding *sh);
-/* gather.blocks' slots of a run: LG_GATHER_BLOCK_SLOTS with weights in units, else 1. */
-int lg_gather_block_slots(const lg_sharding *sh);
-/* LoRA's frozen base in units too (sharded or streamed with the weights, as FSDP shards it);
+/* LoRA's frozen base in units (sharded or streamed with the weights, as FSDP shards it);
    shard-grad-op and no-shard keep it whole on every rank's device. */
 int lg_frozen_sharded(const lg_config *cfg, const lg_sharding *sh);
 
@@ -829,7 +789,6 @@ void lg_plan_print_json(const lg_plan *plan, const lg_fit *fit, FILE *out);
 const char *lg_dtype_name(lg_dtype dtype);
 size_t lg_dtype_size(lg_dtype dtype);
 const char *lg_group_name(lg_group group);
-const char *lg_pool_name(lg_pool pool);
 /* The settings a remedy changes (lg_remedy.changes: bits), in the order a command line names
    them; the new values are the remedy's args (and T). A driver turns them into its flags. */
 enum {
@@ -888,10 +847,6 @@ int lg_plan_cheapest_fit(const lg_config *cfg, const lg_args *args, int T, size_
                          lg_remedy *best);
 /* Device bytes of the run args describes at sequence length T (0 when it cannot be planned). */
 size_t lg_plan_device_bytes_for(const lg_config *cfg, const lg_args *args, int T);
-/* What a run's fit check holds against the limit: on a GPU a device's pool; on the CPU backend
-   (device and host pools, and simulated ranks, share the machine's memory) both pools of all
-   the ranks of one machine (a node), the most of any. */
-size_t lg_plan_checked_bytes(const lg_plan *plan);
 /* The same for the run args describes at sequence length T (0 when it cannot be planned). */
 size_t lg_plan_checked_bytes_for(const lg_config *cfg, const lg_args *args, int T);
 /* -b auto: the largest micro-batch dividing the per-device batch whose plan fits; 0: none. */
@@ -915,9 +870,6 @@ size_t lg_host_available_bytes(void);
 /* The host memory a machine's ranks may use: --host-memory-limit, else what was available
    (args->host_available); 0: unknown. */
 size_t lg_args_host_limit(const lg_args *args);
-/* The host pools of all the ranks of one machine (a node) together, the most of any: what the
-   host memory check holds against lg_args_host_limit on a GPU. */
-size_t lg_plan_host_bytes_per_machine(const lg_plan *plan);
 
 void lg_plan_check_fit(const lg_plan *plan, const lg_args *args, size_t limit, lg_fit *fit);
 /* What the CUDA runtime is planned to take on each GPU where it cannot be measured (--plan
@@ -957,10 +909,6 @@ const char *lg_cuda_runtime_parts_describe(const lg_cuda_runtime_parts *parts, c
    loading): our kernels' image for it, counted whole, and cuBLASLt's allowance (the parts
    own_kernels and cublaslt above, less cuBLASLt's handle, which the measure holds). */
 size_t lg_cuda_lazy_code_bytes(int major, int minor);
-/* The device memory a GPU plan keeps free beyond what it counts (allocator rounding, local
-   memory a kernel's stack may grow, the driver's own): --memory-margin, else 1% of the limit or
-   256 MiB, whichever is more; 0 on the CPU backend. */
-size_t lg_args_margin(const lg_args *args, size_t limit);
 
 /* "24GiB", "512 mib", "1.5GB", "100B" -> bytes; -1 when not a size (a bare number has no unit). */
 int lg_parse_size(const char *text, size_t *bytes);
@@ -1078,14 +1026,6 @@ typedef struct {
 
 /* A model with its own plan (no optimizer state) and rank: for tests and inference. */
 int lg_model_create(lg_model *m, const lg_config *cfg, int B, int T, lg_error *err);
-/* Points the model's tensors into the regions of a rank made from a plan of this config. */
-int lg_model_bind(lg_model *m, const lg_config *cfg, lg_rank *rank, lg_error *err);
-/* LoRA, frozen_gathered: points the base views of frozen unit u at a buffer holding the whole
-   unit (lg_frozen_unit_layout). */
-void lg_model_point_frozen_unit(lg_model *m, int unit, uint8_t *whole_unit);
-/* Points the views of one unit (lg_unit_layout) at buffers holding the whole unit: its gathered
-   weights and/or its gradient buffer (data NULL: leave those views). */
-void lg_model_point_unit(lg_model *m, int unit, lg_buf weights, lg_buf grads);
 void lg_model_free(lg_model *m);
 /* GPT-2's initialisation of weights in the whole layout (the trainer does it unit by unit when
    the weights are sharded, with the same numbers). Fails (out of host memory packing the NF4
@@ -1106,9 +1046,6 @@ void lg_model_backward(lg_model *m, const int *tokens, const int *targets, int B
    NULL: one sample a row. The CPU kernels only: a GPU rank is refused. */
 int lg_model_set_spans(lg_model *m, const int *span_start, lg_error *err);
 void lg_model_zero_grad(lg_model *m);
-/* Before a step's first backward, instead of lg_model_zero_grad: zeroes the gradients that
-   are added to and lets the next backward write the linear layers' (a backward clears it). */
-void lg_model_start_grads(lg_model *m);
 /* Appends n_new tokens to tokens[0..n_prompt) (room for n_prompt + n_new); greedy when
    temperature is 0. Uses the model's buffers with B = 1. */
 void lg_model_generate(lg_model *m, int *tokens, int n_prompt, int n_new, float temperature,
@@ -1141,11 +1078,6 @@ typedef struct {
     int t;             /* updates taken */
 } lg_optimizer;
 
-/* Binds the state to the model's rank; a mixed precision's master weights start as a copy of
-   the model's weights. */
-int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_args *args,
-                        lg_error *err);
-void lg_optimizer_free(lg_optimizer *opt);
 /* Updates every parameter of the model's rank (its shard when sharded) from its gradient times
    grad_multiplier (unscaling and clipping in one factor); writes the weights back in their
    storage type. */
@@ -1156,12 +1088,6 @@ void lg_optimizer_step(lg_optimizer *opt, lg_model *m, float lr, float grad_mult
 void lg_optimizer_update(lg_optimizer *opt, const lg_exec *ex, const lg_tensor_table *table,
                          lg_buf params, int params_whole, lg_buf grads, float lr,
                          float grad_multiplier);
-/* Copies each entry of table between a buffer in the table's layout (offsets) and one in the
-   whole layout (origins). */
-void lg_copy_to_whole(const lg_exec *ex, const lg_tensor_table *table, lg_buf whole,
-                      lg_buf local);
-void lg_copy_from_whole(const lg_exec *ex, const lg_tensor_table *table, lg_buf local,
-                        lg_buf whole);
 /* Sophia: h = beta2 h + (1 - beta2) n_tokens (g_hat * grad_multiplier)^2, from the gradient of
    the loss on labels sampled from the model (the Gauss-Newton-Bartlett estimator). */
 void lg_optimizer_hessian_update(lg_optimizer *opt, const lg_exec *ex, lg_buf sampled_grads,
@@ -1191,17 +1117,8 @@ struct lg_rank {
                                          device arena is GPU memory, the host one pinned */
 };
 
-int lg_rank_create(lg_rank *rank, const lg_plan *plan, int index, lg_error *err);
-/* The same on a chosen GPU of the node (several processes: the process's local ranks). */
-int lg_rank_create_on(lg_rank *rank, const lg_plan *plan, int index, int device, lg_error *err);
-void lg_rank_free(lg_rank *rank);
 /* The memory of a region of this rank's plan; NULL when the plan has no such region. */
 void *lg_rank_region(const lg_rank *rank, const char *name);
-/* The same as a typed view (data NULL when the plan has no such region). */
-lg_buf lg_rank_view(const lg_rank *rank, const char *name, lg_dtype dtype);
-/* Waits for the rank's queued work (a GPU's streams); the host may then read and write its
-   memory. Nothing to wait for on the CPU. */
-void lg_rank_sync(const lg_rank *rank);
 
 /* Host visits to a rank's memory (initialisation, sampling, the offloaded optimizer, copies to
    and from the host): the host reads or writes `count` elements of x, a piece at a time, each
@@ -1226,40 +1143,11 @@ lg_visit lg_visit_start(const lg_exec *ex, lg_buf x, size_t count, size_t unit, 
 /* Ends the last piece (a written one goes back) and starts the next; 0 when none is left. */
 int lg_visit_next(lg_visit *v);
 
-/* Collectives over the members of a group, one buffer per member in member order: the shape of
-   NCCL's grouped calls made from one thread. `comm` is the group's NCCL communicators on GPUs
-   (lg_comm_create); NULL runs them in this process on host-visible memory: sums in lg_real,
-   member by member in order, rounded once to the buffers' type. CPU ranks in several processes
-   (an MPI build): `comm` is the group's MPI communicator (lg_mpi_comm_create), n the members
-   this process drives and bufs theirs; sums in double, rounded once to the buffers' type. */
+/* A group's communicator for the collectives of section 10 (lg_all_reduce_sum and the others):
+   NCCL communicators on GPUs, MPI's for CPU ranks in several processes. */
 typedef struct lg_comm lg_comm;
-/* bufs[m] (count) = the sum over members of bufs */
-void lg_all_reduce_sum(lg_comm *comm, int n, lg_buf *bufs, size_t count);
-/* piece[i] (piece_count) = the sum over members m of whole[m][i piece_count ..], each whole
-   holding n piece_count elements */
-void lg_reduce_scatter_sum(lg_comm *comm, int n, const lg_buf *whole, lg_buf *piece,
-                           size_t piece_count);
-/* whole[m][i piece_count ..] = piece[i] for every m; piece[i] may be that place of whole[i]
-   (in place) */
-void lg_all_gather(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole, size_t piece_count);
-/* bufs[m] = bufs[root] */
-void lg_broadcast(lg_comm *comm, int n, int root, lg_buf *bufs, size_t count);
-/* On GPUs the collectives above start after the ops queued before them on each member, and the
-   ops queued after them wait for them. The _async forms instead raise `signal`
-   (< LG_COMM_SIGNALS) on each member when done, and its ops wait only where
-   lg_rank_await(rank, signal) says: the collective runs beside the compute. On the CPU they
-   run at once and the wait is nothing. */
 /* the trainer's: one a slot of the collective buffers, the ends' and the blocks' */
 #define LG_COMM_SIGNALS (3 + 2 * LG_GATHER_BLOCK_SLOTS + LG_GRAD_BLOCK_SLOTS)
-void lg_all_gather_async(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole,
-                         size_t piece_count, int signal);
-void lg_reduce_scatter_sum_async(lg_comm *comm, int n, const lg_buf *whole, lg_buf *piece,
-                                 size_t piece_count, int signal);
-void lg_rank_await(const lg_rank *rank, int signal);
-/* CPU ranks over MPI: the _async forms start MPI's non-blocking collective (a group of which
-   this process drives one member, and a reduce-scatter of at most 2^20 sums; otherwise they
-   finish at once), and this completes the one that raises `signal`. Nothing elsewhere. */
-void lg_comm_await(lg_comm *comm, int signal);
 /* The NCCL communicators of n GPU ranks (NULL with err set when they cannot be made). */
 lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err);
 void lg_comm_free(lg_comm *comm);
@@ -1298,13 +1186,6 @@ typedef struct {
     double timeout_s;       /* --dist-timeout */
     int ranks_per_process;  /* to name the ranks of a late process */
 } lg_mpi_group;
-int lg_mpi_comm_create(lg_comm **comm, const lg_mpi_group *group, lg_error *err);
-/* The plan's name of the MPI buffers that rank `rank` holds for the group of `count` ranks
-   first + m stride, among `ranks` ranks spread evenly over `processes` processes: `buffers`
-   ("mpi.shard", "mpi.replica" or "mpi.all") when the group spans processes and `rank` is its
-   first member in its process, else NULL (no MPI there, or another member holds them). */
-const char *lg_mpi_group_region(int ranks, int processes, int first, int stride, int count,
-                                int rank, const char *buffers);
 /* Host numbers over all processes, through a group of every rank (NULL: one process, nothing
    to do): values = their sum over processes, in double; */
 void lg_comm_sum_doubles(lg_comm *comm, double *values, int count);
@@ -1378,14 +1259,9 @@ void lg_launch_exit(int code);
    item and both values (the launcher then stops the others, or they stop at the next
    rendezvous's deadline). */
 int lg_launch_same(const lg_launch *launch, const char *const *items, int n, lg_error *err);
-/* Process 0's n bytes reach every process: MPI_Bcast when it joined MPI, else the rendezvous
-   at dist_init (lg_rendezvous). */
-int lg_launch_share(const lg_launch *launch, void *bytes, size_t n, lg_error *err);
 /* Stops every process at once with `code` when this one joined MPI (MPI_Abort: the launcher
    ends the others and names this one), else exits with it. */
 void lg_launch_abort(int code);
-/* 1 when the build has MPI (built by mpicc: make says so). */
-int lg_launch_has_mpi(void);
 /* GPU ranks in several processes without MPI: process 0's NCCL id (id_bytes) reaches every
    process through `init`:
      tcp://HOST:PORT  process 0 listens on PORT; the others connect to HOST (retrying), say who
@@ -1472,8 +1348,6 @@ int lg_loader_from_memory(lg_loader *ld, uint32_t *tokens, size_t n_tokens, int 
    at each new epoch. */
 int lg_loader_next(lg_loader *ld, int B, int *inputs, int *targets, lg_error *err);
 void lg_loader_rewind(lg_loader *ld); /* back to the first window (validation) */
-/* Windows (samples) of this epoch's order not yet read: after lg_loader_rewind, one pass. */
-size_t lg_loader_left(const lg_loader *ld);
 void lg_loader_close(lg_loader *ld);
 /* Writes a shard (used by tools and tests). token_bytes 2 or 4. */
 int lg_shard_write(const char *path, const uint32_t *tokens, size_t n, int token_bytes,
@@ -1718,10 +1592,6 @@ typedef enum { LG_TEMPLATE_PLAIN, LG_TEMPLATE_ALPACA, LG_TEMPLATE_LLAMA3, LG_TEM
 /* -1 naming the template and the known ones when there is none by that name. */
 int lg_chat_template_find(const char *name, lg_chat_template *out, lg_error *err);
 const char *lg_chat_template_name(lg_chat_template t);
-/* The template of a tokenizer: by its tokenizer_config.json's chat_template when it has one
-   (refused, naming it, when no template here renders it exactly), else by the tokenizer's
-   family (Llama 3, Qwen2 -> chatml, SentencePiece -> llama2); -1 when neither. */
-int lg_chat_template_auto(const lg_tokenizer *tok, lg_chat_template *out, lg_error *err);
 /* The template named (auto: lg_chat_template_auto's) for tok, refused, naming the template,
    the markers and the tokenizer, when a marker it writes (<|im_start|>, <|start_header_id|>,
    ...) is not one of tok's special tokens: it would be written as ordinary BPE pieces, the
@@ -1813,7 +1683,6 @@ const char *lg_st_meta_get(const lg_st_file *f, const char *key); /* NULL when a
 /* Reads a tensor's bytes (t->end - t->begin of them) into out. */
 int lg_st_read(const lg_st_file *f, const lg_st_tensor *t, void *out, lg_error *err);
 void lg_st_close(lg_st_file *f);
-size_t lg_st_dtype_size(lg_st_dtype dtype);
 const char *lg_st_dtype_name(lg_st_dtype dtype);
 uint64_t lg_st_count(const lg_st_tensor *t); /* elements */
 
@@ -1865,9 +1734,6 @@ typedef struct lg_trainer lg_trainer; /* 14. trainer */
 /* Checks DIR/COMPLETE and each file it lists: present, of its size, of its hash. *step (may
    be NULL) gets the step it records. */
 int lg_checkpoint_verify(const char *dir, int *step, lg_error *err);
-/* The same for one file of DIR alone, by its line in COMPLETE (a file not listed fails): what
-   is read before the whole checkpoint is verified (LG_RUN_SETTINGS) is verified first. */
-int lg_checkpoint_verify_file(const char *dir, const char *name, lg_error *err);
 /* DIR itself when it holds a complete checkpoint, else its complete step-N with the largest
    N (incomplete ones are skipped); path into found. */
 int lg_checkpoint_find(const char *dir, char *found, size_t cap, lg_error *err);
@@ -1924,8 +1790,6 @@ int lg_checkpoint_same_data(const char *dir, const lg_loader *data, lg_error *er
 /* The training state in logical layout, whole tensors by name (see the top of this section),
    whatever the ranks: sharded trainers gather their pieces to write and take their pieces on
    reading, so a run resumes on any number of ranks. */
-int lg_training_state_write(lg_trainer *tr, const lg_loader *data, int step,
-                            const char *path, lg_file_digest *digest, lg_error *err);
 int lg_training_state_read(lg_trainer *tr, lg_loader *data, int *step, const char *path,
                            lg_error *err);
 
@@ -3598,7 +3462,8 @@ int lg_config_load(lg_config *cfg, const char *path, lg_error *err) {
     return 0;
 }
 
-int lg_config_qkv_size(const lg_config *c) {
+/* (NH + 2 NQG) HS */
+static int lg_config_qkv_size(const lg_config *c) {
     return (c->n_head + 2 * c->n_query_groups) * c->head_size;
 }
 
@@ -3665,7 +3530,8 @@ static unsigned lg_lora_target_of(lg_lora_linear linear) {
     }
 }
 
-void lg_lora_dims(const lg_config *c, lg_lora_linear linear, int *in, int *out) {
+/* in and out features of an adapted linear (0, 0 when the architecture has no such linear). */
+static void lg_lora_dims(const lg_config *c, lg_lora_linear linear, int *in, int *out) {
     int C = c->n_embd, I = c->intermediate_size, HS = c->head_size;
     int llama = c->mlp_class_name == LG_MLP_LLAMA;
     *in = C;
@@ -3692,7 +3558,8 @@ static int lg_lora_first_row(const lg_config *c, lg_lora_linear linear) {
                                  : 0;
 }
 
-int lg_lora_adapts(const lg_config *c, lg_lora_linear linear) {
+/* Whether the block linear gets adapters under cfg->lora. */
+static int lg_lora_adapts(const lg_config *c, lg_lora_linear linear) {
     int in, out;
     lg_lora_dims(c, linear, &in, &out);
     return c->lora.r > 0 && out > 0 && (c->lora.targets & lg_lora_target_of(linear));
@@ -3914,7 +3781,9 @@ int lg_backend_parse(const char *text, lg_backend *out) {
     return i >= 0 ? 0 : -1;
 }
 
-int lg_optimizer_states(lg_optimizer_kind kind, int momentum) {
+/* States a parameter needs: AdamW 2 (m, v), Sophia 2 (m, h), Lion 1 (m), SGD 1 with momentum,
+   else 0. */
+static int lg_optimizer_states(lg_optimizer_kind kind, int momentum) {
     if (kind == LG_OPTIMIZER_ADAMW || kind == LG_OPTIMIZER_SOPHIA) return 2;
     return kind == LG_OPTIMIZER_LION ? 1 : momentum != 0;
 }
@@ -3924,7 +3793,9 @@ void lg_optimizer_default_betas(lg_optimizer_kind kind, float *beta1, float *bet
     *beta2 = kind == LG_OPTIMIZER_LION || kind == LG_OPTIMIZER_SOPHIA ? 0.99f : 0.95f;
 }
 
-const char *lg_optimizer_state_name(lg_optimizer_kind kind, int i) {
+/* The plan's name of state i ("optimizer.m", "optimizer.v", "optimizer.h",
+   "optimizer.momentum"). */
+static const char *lg_optimizer_state_name(lg_optimizer_kind kind, int i) {
     if (kind == LG_OPTIMIZER_SGD) return "optimizer.momentum";
     if (i == 0) return "optimizer.m";
     return kind == LG_OPTIMIZER_SOPHIA ? "optimizer.h" : "optimizer.v";
@@ -3979,6 +3850,19 @@ static int lg_args_check_offload_weights(const lg_args *a, lg_error *err) {
     return 0;
 }
 
+/* Gradient accumulation steps = global batch / ranks / micro-batch; must divide exactly. */
+static int lg_args_accumulation_steps(const lg_args *a, lg_error *err) {
+    int per_step = a->micro_batch_size * lg_args_ranks(a);
+    int global = a->global_batch_size ? a->global_batch_size : per_step;
+    if (per_step < 1) return lg_fail(err, "-b/--micro-batch-size must be at least 1");
+    if (global % per_step != 0)
+        return lg_fail(err,
+                       "-g/--global-batch-size %d is not a multiple of -b/--micro-batch-size %d "
+                       "x -d/--devices %d x --nodes %d",
+                       global, a->micro_batch_size, a->devices, a->nodes);
+    return global / per_step;
+}
+
 int lg_args_check(const lg_args *a, lg_error *err) {
     if (a->devices < 1) return lg_fail(err, "-d/--devices must be at least 1");
     if (a->nodes < 1) return lg_fail(err, "--nodes must be at least 1");
@@ -4023,18 +3907,6 @@ int lg_args_check(const lg_args *a, lg_error *err) {
     if (a->rho <= 0.0f) return lg_fail(err, "--rho must be positive");
     if (a->temperature < 0.0f) return lg_fail(err, "--temperature must be >= 0");
     return lg_args_accumulation_steps(a, err) > 0 ? 0 : -1;
-}
-
-int lg_args_accumulation_steps(const lg_args *a, lg_error *err) {
-    int per_step = a->micro_batch_size * lg_args_ranks(a);
-    int global = a->global_batch_size ? a->global_batch_size : per_step;
-    if (per_step < 1) return lg_fail(err, "-b/--micro-batch-size must be at least 1");
-    if (global % per_step != 0)
-        return lg_fail(err,
-                       "-g/--global-batch-size %d is not a multiple of -b/--micro-batch-size %d "
-                       "x -d/--devices %d x --nodes %d",
-                       global, a->micro_batch_size, a->devices, a->nodes);
-    return global / per_step;
 }
 
 /* 5. plan ------------------------------------------------------------------------------------- */
@@ -4258,8 +4130,14 @@ size_t lg_params_layout(const lg_config *c, lg_buf base, lg_param_tensors *p,
     return L.offset;
 }
 
-size_t lg_frozen_layout(const lg_config *c, lg_buf base, lg_buf packed, lg_param_tensors *p,
-                        lg_tensor_table *table, size_t *packed_bytes) {
+/* LoRA: the frozen base model, every tensor of the model without LoRA in the same order (0
+   without LoRA). Tensors stored in the compute type go to base; with --quantize the linear
+   weights (lm_head's unless tied) go to `packed` (bytes, lg_nf4_bytes each, typed
+   LG_DTYPE_NF4 or _DQ). Returns the elements of base; *packed_bytes (may be NULL) gets the
+   bytes of packed. The table lists every tensor with offsets into base, or into packed for the
+   packed ones (see lg_tensor_info.packed), and origins in the base model's whole layout. */
+static size_t lg_frozen_layout(const lg_config *c, lg_buf base, lg_buf packed, lg_param_tensors *p,
+                               lg_tensor_table *table, size_t *packed_bytes) {
     lg_layout L = lg_params_layout_over(c, LG_PART_FROZEN, base, table);
     L.packed = packed;
     if (c->lora.r > 0) lg_model_layout(c, &L, p);
@@ -4285,9 +4163,15 @@ static size_t lg_frozen_unit_packed_at(const lg_config *c, int unit, lg_dtype we
     return (L.offset * lg_elem_size(weights) + LG_ALIGN - 1) / LG_ALIGN * LG_ALIGN;
 }
 
-size_t lg_frozen_unit_layout(const lg_config *c, int unit, lg_dtype weights, uint8_t *base,
-                             size_t origin, lg_param_tensors *p, lg_tensor_table *table,
-                             size_t *whole) {
+/* LoRA's frozen unit (0 the ends, 1 + l block l) in one byte buffer, as sharded runs gather it:
+   its tensors in the weight type from byte 0, then, from the next LG_ALIGN boundary, its NF4
+   ones as stored. Points p's base views into base (when not NULL) and appends the unit's
+   tensors to table (when not NULL; offsets within the unit, origins from `origin`, the unit's
+   first element in the whole base layout). Returns the unit's bytes; *whole (when not NULL):
+   the elements of the base model it walks. */
+static size_t lg_frozen_unit_layout(const lg_config *c, int unit, lg_dtype weights, uint8_t *base,
+                                    size_t origin, lg_param_tensors *p, lg_tensor_table *table,
+                                    size_t *whole) {
     lg_layout L = lg_params_layout_over(c, LG_PART_FROZEN, lg_no_buf(), NULL);
     lg_frozen_unit_walk(c, unit, &L, NULL);
     size_t values = lg_frozen_unit_packed_at(c, unit, weights, NULL);
@@ -4465,7 +4349,7 @@ static const char *const lg_group_names[] = {
 const char *lg_dtype_name(lg_dtype d) { return lg_dtype_names[d]; }
 size_t lg_dtype_size(lg_dtype d) { return lg_elem_size(d); }
 const char *lg_group_name(lg_group g) { return lg_group_names[g]; }
-const char *lg_pool_name(lg_pool p) { return p == LG_POOL_DEVICE ? "device" : "host"; }
+static const char *lg_pool_name(lg_pool p) { return p == LG_POOL_DEVICE ? "device" : "host"; }
 
 static size_t lg_align_to(size_t bytes, size_t align) { return (bytes + align - 1) / align * align; }
 static size_t lg_align_up(size_t bytes) { return lg_align_to(bytes, LG_ALIGN); }
@@ -4570,7 +4454,7 @@ void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
 #endif
 }
 
-lg_sharding lg_sharding_of(const lg_plan_spec *s) {
+static lg_sharding lg_sharding_of(const lg_plan_spec *s) {
     lg_sharding sh = {1, 1, 0, 0, 0};
     int ranks = s->devices * s->nodes;
     sh.weights_streamed = s->offload_weights;
@@ -4596,9 +4480,15 @@ static int lg_grads_in_units(const lg_plan_spec *s, const lg_sharding *sh) {
     return sh->grads_sharded || s->offload_gradients;
 }
 
-int lg_weights_in_units(const lg_sharding *sh) { return sh->weights_sharded || sh->weights_streamed; }
+/* The weights come to the device a unit at a time, into the gather slots: sharded
+   (full-shard, hybrid-shard: all-gathered) or streamed (--offload weights: copied from the
+   host). */
+static int lg_weights_in_units(const lg_sharding *sh) {
+    return sh->weights_sharded || sh->weights_streamed;
+}
 
-int lg_gather_block_slots(const lg_sharding *sh) {
+/* gather.blocks' slots of a run: LG_GATHER_BLOCK_SLOTS with weights in units, else 1. */
+static int lg_gather_block_slots(const lg_sharding *sh) {
     return lg_weights_in_units(sh) ? LG_GATHER_BLOCK_SLOTS : 1;
 }
 
@@ -4908,8 +4798,12 @@ static int lg_plan_gpu_workspace(lg_rank_plan *r, const lg_config *c, const lg_p
                             LG_DTYPE_U8, s->runtime_bytes);
 }
 
-const char *lg_mpi_group_region(int ranks, int processes, int first, int stride, int count,
-                                int rank, const char *buffers) {
+/* The plan's name of the MPI buffers that rank `rank` holds for the group of `count` ranks
+   first + m stride, among `ranks` ranks spread evenly over `processes` processes: `buffers`
+   ("mpi.shard", "mpi.replica" or "mpi.all") when the group spans processes and `rank` is its
+   first member in its process, else NULL (no MPI there, or another member holds them). */
+static const char *lg_mpi_group_region(int ranks, int processes, int first, int stride, int count,
+                                       int rank, const char *buffers) {
     int per_process = ranks / processes, last = first + (count - 1) * stride;
     if (first / per_process == last / per_process) return NULL; /* in one process: no MPI */
     int before = rank - stride; /* the member before this one */
@@ -5074,7 +4968,10 @@ size_t lg_plan_group_bytes(const lg_rank_plan *r, lg_group group, lg_pool pool) 
 
 /* --- remedies --------------------------------------------------------------------------------- */
 
-size_t lg_plan_checked_bytes(const lg_plan *plan) {
+/* What a run's fit check holds against the limit: on a GPU a device's pool; on the CPU backend
+   (device and host pools, and simulated ranks, share the machine's memory) both pools of all
+   the ranks of one machine (a node), the most of any. */
+static size_t lg_plan_checked_bytes(const lg_plan *plan) {
     if (plan->spec.backend != LG_BACKEND_CPU) return lg_plan_bytes(plan, LG_POOL_DEVICE);
     int per_node = plan->spec.devices > 0 ? plan->spec.devices : 1;
     size_t most = 0;
@@ -5122,7 +5019,9 @@ size_t lg_plan_host_traffic_bytes(const lg_plan *plan) {
     return bytes + 2 * kept * (size_t)plan->spec.accumulation;
 }
 
-size_t lg_plan_host_bytes_per_machine(const lg_plan *plan) {
+/* The host pools of all the ranks of one machine (a node) together, the most of any: what the
+   host memory check holds against lg_args_host_limit on a GPU. */
+static size_t lg_plan_host_bytes_per_machine(const lg_plan *plan) {
     int per_node = plan->spec.devices > 0 ? plan->spec.devices : 1;
     size_t most = 0;
     for (int first = 0; first < plan->n_ranks; first += per_node) {
@@ -5278,7 +5177,10 @@ void lg_cuda_runtime_estimate_parts(const lg_gpu_card *card, int communicators,
 
 #define LG_MARGIN_FLOOR ((size_t)256 << 20) /* the default margin's least */
 
-size_t lg_args_margin(const lg_args *args, size_t limit) {
+/* The device memory a GPU plan keeps free beyond what it counts (allocator rounding, local
+   memory a kernel's stack may grow, the driver's own): --memory-margin, else 1% of the limit or
+   256 MiB, whichever is more; 0 on the CPU backend. */
+static size_t lg_args_margin(const lg_args *args, size_t limit) {
     if (args->backend == LG_BACKEND_CPU) return 0;
     if (args->memory_margin_given) return args->memory_margin;
     return limit / 100 > LG_MARGIN_FLOOR ? limit / 100 : LG_MARGIN_FLOOR;
@@ -5940,11 +5842,23 @@ int lg_cuda_report_topology(int devices, FILE *out) {
 }
 #endif
 
-int lg_rank_create(lg_rank *rank, const lg_plan *plan, int index, lg_error *err) {
-    return lg_rank_create_on(rank, plan, index, index, err);
+static void lg_rank_free(lg_rank *rank) {
+    if (!rank) return;
+#ifdef LG_CUDA
+    if (rank->backend == LG_BACKEND_CUDA) {
+        lg_cuda_rank_free(rank);
+        memset(rank, 0, sizeof *rank);
+        return;
+    }
+#endif
+    for (int pool = 0; pool < LG_N_POOLS; pool++) LG_FREE(rank->arena[pool]);
+    memset(rank, 0, sizeof *rank);
 }
 
-int lg_rank_create_on(lg_rank *rank, const lg_plan *plan, int index, int device, lg_error *err) {
+/* A rank's arenas, as its plan lays them out, on GPU `device` of the node (several processes:
+   the process's local ranks; the CPU backend ignores it). */
+static int lg_rank_create_on(lg_rank *rank, const lg_plan *plan, int index, int device,
+                             lg_error *err) {
     memset(rank, 0, sizeof *rank);
     rank->plan = plan;
     rank->index = index;
@@ -5972,13 +5886,19 @@ int lg_rank_create_on(lg_rank *rank, const lg_plan *plan, int index, int device,
     return 0;
 }
 
+/* The same on the node's GPU `index`. */
+static int lg_rank_create(lg_rank *rank, const lg_plan *plan, int index, lg_error *err) {
+    return lg_rank_create_on(rank, plan, index, index, err);
+}
+
 /* The arena's first LG_ALIGN-aligned byte. */
 static unsigned char *lg_arena_start(const lg_rank *rank, lg_pool pool) {
     uintptr_t p = (uintptr_t)rank->arena[pool];
     return rank->arena[pool] + (LG_ALIGN - p % LG_ALIGN) % LG_ALIGN;
 }
 
-lg_buf lg_rank_view(const lg_rank *rank, const char *name, lg_dtype dtype) {
+/* lg_rank_region as a typed view (data NULL when the plan has no such region). */
+static lg_buf lg_rank_view(const lg_rank *rank, const char *name, lg_dtype dtype) {
     lg_buf b = {lg_rank_region(rank, name), dtype};
     return b;
 }
@@ -5988,20 +5908,9 @@ void *lg_rank_region(const lg_rank *rank, const char *name) {
     return x ? lg_arena_start(rank, x->pool) + x->offset : NULL;
 }
 
-void lg_rank_free(lg_rank *rank) {
-    if (!rank) return;
-#ifdef LG_CUDA
-    if (rank->backend == LG_BACKEND_CUDA) {
-        lg_cuda_rank_free(rank);
-        memset(rank, 0, sizeof *rank);
-        return;
-    }
-#endif
-    for (int pool = 0; pool < LG_N_POOLS; pool++) LG_FREE(rank->arena[pool]);
-    memset(rank, 0, sizeof *rank);
-}
-
-void lg_rank_sync(const lg_rank *rank) {
+/* Waits for the rank's queued work (a GPU's streams); the host may then read and write its
+   memory. Nothing to wait for on the CPU. */
+static void lg_rank_sync(const lg_rank *rank) {
 #ifdef LG_CUDA
     if (rank->backend == LG_BACKEND_CUDA) lg_cuda_rank_sync(rank);
 #else
@@ -7987,11 +7896,14 @@ static int lg_model_bind_frozen(lg_model *m, lg_dtype weights, lg_error *err) {
     return 0;
 }
 
-void lg_model_point_frozen_unit(lg_model *m, int unit, uint8_t *whole_unit) {
+/* LoRA, frozen_gathered: points the base views of frozen unit u at a buffer holding the whole
+   unit (lg_frozen_unit_layout). */
+static void lg_model_point_frozen_unit(lg_model *m, int unit, uint8_t *whole_unit) {
     lg_frozen_unit_layout(&m->cfg, unit, m->frozen.dtype, whole_unit, 0, &m->p, NULL, NULL);
 }
 
-int lg_model_bind(lg_model *m, const lg_config *cfg, lg_rank *rank, lg_error *err) {
+/* Points the model's tensors into the regions of a rank made from a plan of this config. */
+static int lg_model_bind(lg_model *m, const lg_config *cfg, lg_rank *rank, lg_error *err) {
     if (lg_model_bind_views(m, cfg, rank, err) == 0) return 0;
     lg_model_free(m); /* the tables it made */
     return -1;
@@ -8351,8 +8263,10 @@ static void lg_model_start_unit_grads(lg_model *m, int u, lg_buf g, size_t n) {
     lg_zero_rest(&m->exec, g, end, n);
 }
 
-/* Unsharded: m->grads holds the units in order (lg_model_layout: the ends, then the blocks). */
-void lg_model_start_grads(lg_model *m) {
+/* Before a step's first backward, instead of lg_model_zero_grad: zeroes the gradients that
+   are added to and lets the next backward write the linear layers' (a backward clears it).
+   Unsharded: m->grads holds the units in order (lg_model_layout: the ends, then the blocks). */
+static void lg_model_start_grads(lg_model *m) {
     if (m->grads_add_only) {
         lg_model_zero_grad(m);
         m->grads_overwrite = 0;
@@ -8372,7 +8286,9 @@ void lg_model_start_grads(lg_model *m) {
    adds. */
 static float lg_linear_grad_beta(const lg_model *m) { return m->grads_overwrite ? 0.0f : 1.0f; }
 
-void lg_model_point_unit(lg_model *m, int unit, lg_buf weights, lg_buf grads) {
+/* Points the views of one unit (lg_unit_layout) at buffers holding the whole unit: its gathered
+   weights and/or its gradient buffer (data NULL: leave those views). */
+static void lg_model_point_unit(lg_model *m, int unit, lg_buf weights, lg_buf grads) {
     if (weights.data) lg_unit_layout(&m->cfg, unit, weights, &m->p);
     if (grads.data) lg_unit_layout(&m->cfg, unit, grads, &m->g);
 }
@@ -8952,8 +8868,28 @@ static void lg_dynamic_map(float *map, int is_signed) {
 
 
 
-int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_args *args,
-                        lg_error *err) {
+/* Copies each entry of table between a buffer in the table's layout (offsets) and one in the
+   whole layout (origins). */
+static void lg_copy_to_whole(const lg_exec *ex, const lg_tensor_table *table, lg_buf whole,
+                             lg_buf local) {
+    for (int i = 0; i < table->n_tensors; i++) {
+        const lg_tensor_info *t = &table->tensors[i];
+        lg_copy(ex, lg_at(whole, t->origin), lg_at(local, t->offset), t->count);
+    }
+}
+
+static void lg_copy_from_whole(const lg_exec *ex, const lg_tensor_table *table, lg_buf local,
+                               lg_buf whole) {
+    for (int i = 0; i < table->n_tensors; i++) {
+        const lg_tensor_info *t = &table->tensors[i];
+        lg_copy(ex, lg_at(local, t->offset), lg_at(whole, t->origin), t->count);
+    }
+}
+
+/* Binds the state to the model's rank; a mixed precision's master weights start as a copy of
+   the model's weights. */
+static int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_args *args,
+                               lg_error *err) {
     memset(opt, 0, sizeof *opt);
     opt->kind = args->optimizer;
     opt->weight_decay = args->weight_decay;
@@ -8997,7 +8933,8 @@ int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_args *arg
     return 0;
 }
 
-void lg_optimizer_free(lg_optimizer *opt) { memset(opt, 0, sizeof *opt); /* the rank owns the state */ }
+/* The rank owns the state: nothing to free. */
+static void lg_optimizer_free(lg_optimizer *opt) { memset(opt, 0, sizeof *opt); }
 
 /* The updated weight goes to the master copy (at k) and its rounded working copy (at kw), or
    straight to the weights: stochastically rounded when they are half without a master. */
@@ -9028,22 +8965,6 @@ static lg_update_rule lg_update_rule_of(const lg_optimizer *opt, float lr) {
 void lg_optimizer_step(lg_optimizer *opt, lg_model *m, float lr, float grad_multiplier) {
     lg_optimizer_update(opt, &m->exec, m->local, m->params, !m->weights_gathered, m->grads, lr,
                         grad_multiplier);
-}
-
-void lg_copy_to_whole(const lg_exec *ex, const lg_tensor_table *table, lg_buf whole,
-                      lg_buf local) {
-    for (int i = 0; i < table->n_tensors; i++) {
-        const lg_tensor_info *t = &table->tensors[i];
-        lg_copy(ex, lg_at(whole, t->origin), lg_at(local, t->offset), t->count);
-    }
-}
-
-void lg_copy_from_whole(const lg_exec *ex, const lg_tensor_table *table, lg_buf local,
-                        lg_buf whole) {
-    for (int i = 0; i < table->n_tensors; i++) {
-        const lg_tensor_info *t = &table->tensors[i];
-        lg_copy(ex, lg_at(local, t->offset), lg_at(whole, t->origin), t->count);
-    }
 }
 
 /* Running offsets of the compact formats, advanced tensor by tensor in table order. */
@@ -9417,7 +9338,8 @@ int lg_launch_place(lg_launch *l, int devices, int nodes, lg_error *err) {
 }
 
 #ifdef LG_MPI
-int lg_launch_has_mpi(void) { return 1; }
+/* 1 when the build has MPI (built by mpicc: make says so). */
+static int lg_launch_has_mpi(void) { return 1; }
 
 /* MPI's launchers: Open MPI's and MPICH's mpirun, and Slurm (srun speaks PMI); torchrun
    starts no MPI. */
@@ -9583,7 +9505,7 @@ int lg_launch_same(const lg_launch *l, const char *const *items, int n, lg_error
     return rc;
 }
 #else
-int lg_launch_has_mpi(void) { return 0; }
+static int lg_launch_has_mpi(void) { return 0; }
 
 int lg_launch_start(lg_launch *l, lg_error *err) {
     (void)l;
@@ -9914,7 +9836,9 @@ int lg_rendezvous(const char *init, int process, int processes, void *id, size_t
 #endif
 }
 
-int lg_launch_share(const lg_launch *l, void *bytes, size_t n, lg_error *err) {
+/* Process 0's n bytes reach every process: MPI_Bcast when it joined MPI, else the rendezvous
+   at dist_init (lg_rendezvous). */
+static int lg_launch_share(const lg_launch *l, void *bytes, size_t n, lg_error *err) {
     if (l->processes == 1) return 0;
 #ifdef LG_MPI
     if (l->mpi) {
@@ -10118,7 +10042,7 @@ static void lg_mpi_wait(lg_comm *c, MPI_Request *request, const char *what) {
     lg_mpi_take_arrivals(c);
 }
 
-int lg_mpi_comm_create(lg_comm **comm, const lg_mpi_group *g, lg_error *err) {
+static int lg_mpi_comm_create(lg_comm **comm, const lg_mpi_group *g, lg_error *err) {
     MPI_Comm group;
     *comm = NULL;
     /* the key orders the group's processes as their members */
@@ -10265,7 +10189,10 @@ static void lg_mpi_broadcast(lg_comm *c, int n, int root, lg_buf *bufs, size_t c
         if (bufs[m].data != src.data) lg_copy(NULL, bufs[m], src, count);
 }
 
-void lg_comm_await(lg_comm *c, int signal) {
+/* CPU ranks over MPI: the _async forms start MPI's non-blocking collective (a group of which
+   this process drives one member, and a reduce-scatter of at most 2^20 sums; otherwise they
+   finish at once), and this completes the one that raises `signal`. Nothing elsewhere. */
+static void lg_comm_await(lg_comm *c, int signal) {
     if (!c || c->request[signal] == MPI_REQUEST_NULL) return;
     lg_mpi_wait(c, &c->request[signal], c->reduce_count[signal] ? "reduce-scatter" : "all-gather");
     for (int k = 0; k < c->reduce_count[signal]; k++)
@@ -10322,13 +10249,13 @@ void lg_comm_gather_doubles(lg_comm *c, double *values, int per_process) {
     lg_mpi_wait(c, &request, "gather");
 }
 #else
-int lg_mpi_comm_create(lg_comm **comm, const lg_mpi_group *g, lg_error *err) {
+static int lg_mpi_comm_create(lg_comm **comm, const lg_mpi_group *g, lg_error *err) {
     *comm = NULL;
     return g->local ? lg_fail(err, "CPU ranks in several processes need an MPI build without CUDA "
                                 "(make cpu with mpicc present)") : 0;
 }
 
-void lg_comm_await(lg_comm *comm, int signal) {
+static void lg_comm_await(lg_comm *comm, int signal) {
     (void)comm;
     (void)signal;
 }
@@ -10358,7 +10285,19 @@ void lg_comm_gather_doubles(lg_comm *comm, double *values, int per_process) {
 #define LG_ON_COMM(comm, call, mpi_call) (void)(comm)
 #endif
 
-void lg_all_reduce_sum(lg_comm *comm, int n, lg_buf *bufs, size_t count) {
+/* Collectives over the members of a group, one buffer per member in member order: the shape of
+   NCCL's grouped calls made from one thread. `comm` is the group's NCCL communicators on GPUs
+   (lg_comm_create); NULL runs them in this process on host-visible memory: sums in lg_real,
+   member by member in order, rounded once to the buffers' type. CPU ranks in several processes
+   (an MPI build): `comm` is the group's MPI communicator (lg_mpi_comm_create), n the members
+   this process drives and bufs theirs; sums in double, rounded once to the buffers' type. */
+/* On GPUs the collectives below start after the ops queued before them on each member, and the
+   ops queued after them wait for them. The _async forms instead raise `signal`
+   (< LG_COMM_SIGNALS) on each member when done, and its ops wait only where
+   lg_rank_await(rank, signal) says: the collective runs beside the compute. On the CPU they
+   run at once and the wait is nothing. */
+/* bufs[m] (count) = the sum over members of bufs */
+static void lg_all_reduce_sum(lg_comm *comm, int n, lg_buf *bufs, size_t count) {
     LG_ON_COMM(comm, lg_cuda_all_reduce_sum(comm, bufs, count),
                lg_mpi_all_reduce_sum(comm, n, bufs, count));
     LG_OMP(omp parallel for)
@@ -10369,8 +10308,10 @@ void lg_all_reduce_sum(lg_comm *comm, int n, lg_buf *bufs, size_t count) {
     }
 }
 
-void lg_reduce_scatter_sum(lg_comm *comm, int n, const lg_buf *whole, lg_buf *piece,
-                           size_t piece_count) {
+/* piece[i] (piece_count) = the sum over members m of whole[m][i piece_count ..], each whole
+   holding n piece_count elements */
+static void lg_reduce_scatter_sum(lg_comm *comm, int n, const lg_buf *whole, lg_buf *piece,
+                                  size_t piece_count) {
     LG_ON_COMM(comm, lg_cuda_reduce_scatter_sum(comm, whole, piece, piece_count),
                lg_mpi_reduce_scatter_sum(comm, n, whole, piece, piece_count));
     for (int i = 0; i < n; i++) {
@@ -10384,7 +10325,10 @@ void lg_reduce_scatter_sum(lg_comm *comm, int n, const lg_buf *whole, lg_buf *pi
     }
 }
 
-void lg_all_gather(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole, size_t piece_count) {
+/* whole[m][i piece_count ..] = piece[i] for every m; piece[i] may be that place of whole[i]
+   (in place) */
+static void lg_all_gather(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole,
+                          size_t piece_count) {
     LG_ON_COMM(comm, lg_cuda_all_gather(comm, piece, whole, piece_count),
                lg_mpi_all_gather(comm, n, piece, whole, piece_count));
     for (int m = 0; m < n; m++)
@@ -10394,23 +10338,23 @@ void lg_all_gather(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole, siz
         }
 }
 
-void lg_all_gather_async(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole,
-                         size_t piece_count, int signal) {
+static void lg_all_gather_async(lg_comm *comm, int n, const lg_buf *piece, lg_buf *whole,
+                                size_t piece_count, int signal) {
     LG_ON_COMM(comm, lg_cuda_all_gather_async(comm, piece, whole, piece_count, signal),
                lg_mpi_all_gather_async(comm, n, piece, whole, piece_count, signal));
     lg_all_gather(NULL, n, piece, whole, piece_count);
     (void)signal;
 }
 
-void lg_reduce_scatter_sum_async(lg_comm *comm, int n, const lg_buf *whole, lg_buf *piece,
-                                 size_t piece_count, int signal) {
+static void lg_reduce_scatter_sum_async(lg_comm *comm, int n, const lg_buf *whole, lg_buf *piece,
+                                        size_t piece_count, int signal) {
     LG_ON_COMM(comm, lg_cuda_reduce_scatter_sum_async(comm, whole, piece, piece_count, signal),
                lg_mpi_reduce_scatter_sum_async(comm, n, whole, piece, piece_count, signal));
     lg_reduce_scatter_sum(NULL, n, whole, piece, piece_count);
     (void)signal;
 }
 
-void lg_rank_await(const lg_rank *rank, int signal) {
+static void lg_rank_await(const lg_rank *rank, int signal) {
 #ifdef LG_CUDA
     if (rank->backend == LG_BACKEND_CUDA) lg_cuda_await(rank->cuda, signal);
 #endif
@@ -10418,7 +10362,8 @@ void lg_rank_await(const lg_rank *rank, int signal) {
     (void)signal;
 }
 
-void lg_broadcast(lg_comm *comm, int n, int root, lg_buf *bufs, size_t count) {
+/* bufs[m] = bufs[root] */
+static void lg_broadcast(lg_comm *comm, int n, int root, lg_buf *bufs, size_t count) {
     LG_ON_COMM(comm, lg_cuda_broadcast(comm, root, bufs, count),
                lg_mpi_broadcast(comm, n, root, bufs, count));
     for (int m = 0; m < n; m++)
@@ -11980,7 +11925,8 @@ void lg_loader_rewind(lg_loader *ld) {
     ld->epoch = 0;
 }
 
-size_t lg_loader_left(const lg_loader *ld) { return ld->n_windows - ld->position; }
+/* Windows (samples) of this epoch's order not yet read: after lg_loader_rewind, one pass. */
+static size_t lg_loader_left(const lg_loader *ld) { return ld->n_windows - ld->position; }
 
 void lg_loader_close(lg_loader *ld) {
     if (ld->file) fclose(ld->file);
@@ -12966,7 +12912,10 @@ static const struct { uint64_t hash; lg_chat_template t; const char *model; } lg
     {0x2bfdb7aa9754484eull, LG_TEMPLATE_QWEN3, "Qwen3"},
 };
 
-int lg_chat_template_auto(const lg_tokenizer *tok, lg_chat_template *out, lg_error *err) {
+/* The template of a tokenizer: by its tokenizer_config.json's chat_template when it has one
+   (refused, naming it, when no template here renders it exactly), else by the tokenizer's
+   family (Llama 3, Qwen2 -> chatml, SentencePiece -> llama2); -1 when neither. */
+static int lg_chat_template_auto(const lg_tokenizer *tok, lg_chat_template *out, lg_error *err) {
     char path[LG_PATH_MAX];
     size_t n = strlen(tok->path), len;
     int file = n > 5 && !strcmp(tok->path + n - 5, ".json");
@@ -13192,7 +13141,7 @@ static char *lg_read_text_file(const char *path, size_t max_bytes, size_t *lengt
 
 static const char *const lg_st_dtype_names[] = {"F32", "BF16", "F16", "U8", "I64"};
 
-size_t lg_st_dtype_size(lg_st_dtype d) {
+static size_t lg_st_dtype_size(lg_st_dtype d) {
     return d == LG_ST_F32 ? 4 : d == LG_ST_U8 ? 1 : d == LG_ST_I64 ? 8 : 2;
 }
 
@@ -14205,7 +14154,9 @@ int lg_checkpoint_verify(const char *dir, int *step, lg_error *err) {
     return rc;
 }
 
-int lg_checkpoint_verify_file(const char *dir, const char *name, lg_error *err) {
+/* The same for one file of DIR alone, by its line in COMPLETE (a file not listed fails): what
+   is read before the whole checkpoint is verified (LG_RUN_SETTINGS) is verified first. */
+static int lg_checkpoint_verify_file(const char *dir, const char *name, lg_error *err) {
     char path[LG_PATH_MAX], want[300];
     lg_format(path, sizeof path, "%s/" LG_CHECKPOINT_MARKER, dir);
     lg_format(want, sizeof want, "file %s ", name);
@@ -16996,8 +16947,9 @@ static int lg_training_state_write_units(lg_trainer *tr, const lg_loader *data, 
     return rc;
 }
 
-int lg_training_state_write(lg_trainer *tr, const lg_loader *data, int step,
-                            const char *path, lg_file_digest *digest, lg_error *err) {
+/* The training state to path (lg_training_state_read reads it back). */
+static int lg_training_state_write(lg_trainer *tr, const lg_loader *data, int step,
+                                   const char *path, lg_file_digest *digest, lg_error *err) {
     if (lg_rank_region(&tr->ranks[0].rank, "checkpoint.gather"))
         return lg_training_state_write_units(tr, data, step, path, digest, err);
     lg_whole_state w;

@@ -153,15 +153,20 @@ typedef struct {
                                --load's is used on purpose */
 } checkpoint_flags;
 
-/* The flags whose default depends on others: given on the command line or not. */
+/* The flags whose default depends on others: given on the command line or not; and the sizes
+   the driver chooses before it plans (the library sees the numbers chosen). */
 typedef struct {
     int precision, beta1, beta2, min_lr, lr, config;
+    int micro_batch_auto;    /* -b auto: the largest micro-batch that fits */
+    int max_seq_length_auto; /* -t auto: the longest sequence that fits (up to block_size, or
+                                for fine-tuning the longest sample) */
 } given_flags;
 
 /* --- progress: what the driver prints while it trains ------------------------------------- */
 typedef struct {
     int log_interval; /* --log-interval: steps between full lines; 0: about 20 a run */
     const char *plot; /* --plot: the loss curve's SVG file */
+    const char *log_path; /* --log: one JSON object per step and per evaluation */
 } output_flags;
 
 /* --- the command line: one table of flags ------------------------------------------------- */
@@ -192,8 +197,8 @@ static void set_val_data(flag_call *c) { c->a->val_data = c->value; }
 
 /* -b N, or auto (the largest that fits: choose_micro_batch) */
 static void set_micro_batch_size(flag_call *c) {
-    c->a->micro_batch_auto = strcmp(c->value, "auto") == 0;
-    if (!c->a->micro_batch_auto) c->a->micro_batch_size = parse_int(c->flag, c->value);
+    c->given->micro_batch_auto = strcmp(c->value, "auto") == 0;
+    if (!c->given->micro_batch_auto) c->a->micro_batch_size = parse_int(c->flag, c->value);
 }
 
 static void set_global_batch_size(flag_call *c) {
@@ -202,8 +207,8 @@ static void set_global_batch_size(flag_call *c) {
 
 /* -t N, or auto (the longest that fits: choose_seq_length) */
 static void set_max_seq_length(flag_call *c) {
-    c->a->max_seq_length_auto = strcmp(c->value, "auto") == 0;
-    c->a->max_seq_length = c->a->max_seq_length_auto ? 0 : parse_int(c->flag, c->value);
+    c->given->max_seq_length_auto = strcmp(c->value, "auto") == 0;
+    c->a->max_seq_length = c->given->max_seq_length_auto ? 0 : parse_int(c->flag, c->value);
 }
 
 static void set_pack(flag_call *c) { c->a->pack = 1; }
@@ -404,7 +409,7 @@ static void set_seed(flag_call *c) {
     c->a->seed = (uint64_t)seed;
 }
 
-static void set_log(flag_call *c) { c->a->log_path = c->value; }
+static void set_log(flag_call *c) { c->out->log_path = c->value; }
 static void set_plot(flag_call *c) { c->out->plot = c->value; }
 
 static void set_log_interval(flag_call *c) {
@@ -820,8 +825,8 @@ static const char *setting_flag(const char *key, char *name, size_t size) {
 }
 
 /* The flags together, once a resumed run has its checkpoint's settings. */
-static void check_flags(const lg_args *a, const checkpoint_flags *ck) {
-    if (a->micro_batch_auto && !a->global_batch_size)
+static void check_flags(const lg_args *a, const given_flags *given, const checkpoint_flags *ck) {
+    if (given->micro_batch_auto && !a->global_batch_size)
         die_usage("-b auto needs -g/--global-batch-size: it picks a divisor of the per-device "
                   "batch");
     if (a->sample_tokens < 1 || a->sample_tokens > 1000000)
@@ -1527,13 +1532,14 @@ static void describe_limits(const lg_args *a, size_t limit, const char *source, 
 /* -t auto: the longest sequence that fits, up to block_size (token shards, or a plan without
    data) or the longest sample (fine-tuning); the data are opened again at that length when it
    is shorter. With -b auto too, the length is chosen at -b 1. What it chose goes to the note. */
-static void choose_seq_length(lg_args *a, lg_config *cfg, int *T, run_data *d) {
+static void choose_seq_length(lg_args *a, int micro_batch_auto, lg_config *cfg, int *T,
+                              run_data *d) {
     const char *source;
     size_t limit = device_limit(a, &source);
     int cap = *T, samples = d->train.n_samples > 0 || d->val.n_samples > 0;
     const char *cap_name = samples ? "the longest sample" : "block_size";
     lg_args probe = *a;
-    if (probe.micro_batch_auto) probe.micro_batch_size = 1;
+    if (micro_batch_auto) probe.micro_batch_size = 1;
     int t = limit ? lg_plan_auto_seq_length(cfg, &probe, cap, limit) : cap;
     char note[600], within[320];
     describe_limits(a, limit, source, within, sizeof within);
@@ -1733,7 +1739,7 @@ static void log_end(FILE *log, const char *path) {
 }
 
 static void evaluate(lg_trainer *tr, run_data *d, const lg_args *a, int step, FILE *log,
-                     loss_plot *plot) {
+                     const char *log_path, loss_plot *plot) {
     if (!d->has_val) return;
     double loss = 0;
     lg_error err;
@@ -1742,7 +1748,7 @@ static void evaluate(lg_trainer *tr, run_data *d, const lg_args *a, int step, FI
     if (log) {
         fprintf(log, "{\"step\":%d", step);
         log_number(log, "val_loss", "%.6f", loss);
-        log_end(log, a->log_path);
+        log_end(log, log_path);
     }
     plot_val(plot, step, loss);
     if (!isfinite(loss)) {
@@ -1902,7 +1908,7 @@ static void parse_run(int argc, char **argv, run_setup *rs) {
     if (!rs->given.beta2) a->beta2 = beta2;
     if (!rs->given.min_lr) a->min_lr = a->lr / 10; /* the final rate follows --lr */
     if (rs->ck.resume) resume_settings(argc, argv, a, &rs->given, &rs->ck, &rs->output, &saved);
-    check_flags(a, &rs->ck);
+    check_flags(a, &rs->given, &rs->ck);
 }
 
 /* Stage 2, plan: the model, the data, the GPUs, the sizes left to choose (auto), and a plan
@@ -1917,8 +1923,11 @@ static void plan_run(run_setup *rs) {
     prepare_gpus(a, rs->launch.processes > 1);
     a->host_available = lg_host_available_bytes(); /* once: the choices and the check agree */
     char *note = rs->data.note;
-    if (a->max_seq_length_auto) choose_seq_length(a, &rs->cfg, &rs->T, &rs->data);
-    if (a->micro_batch_auto) choose_micro_batch(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
+    const given_flags *given = &rs->given;
+    if (given->max_seq_length_auto)
+        choose_seq_length(a, given->micro_batch_auto, &rs->cfg, &rs->T, &rs->data);
+    if (given->micro_batch_auto)
+        choose_micro_batch(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
     if (!a->head_rows || !a->slice_rows)
         choose_rows(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
     if (lg_args_check(a, &err) != 0) die_usage("%s", err.msg);
@@ -1935,8 +1944,9 @@ static FILE *check_outputs(const run_setup *rs) {
     const lg_args *a = &rs->a;
     FILE *log = NULL;
     int first = rs->launch.process == 0;
-    if (a->log_path && first && !(log = fopen(a->log_path, "w")))
-        die_usage("--log %s: cannot create: %s", a->log_path, strerror(errno));
+    const char *log_path = rs->output.log_path;
+    if (log_path && first && !(log = fopen(log_path, "w")))
+        die_usage("--log %s: cannot create: %s", log_path, strerror(errno));
     if (a->prompt) {
         int *scratch = (int *)malloc(sizeof(int) * (size_t)rs->T);
         prompt_tokens(a->prompt, rs->data.builtin, rs->cfg.padded_vocab_size, scratch, rs->T);
@@ -2061,7 +2071,7 @@ static int train_steps(lg_trainer *tr, run_setup *rs, int first_step, FILE *log)
     lg_rng_seed(&sample_rng, a->seed + 1);
     loss_plot plot;
     plot_start(&plot, rs->output.plot, first_step, a->max_steps > first_step ? a->max_steps : first_step);
-    evaluate(tr, &rs->data, a, first_step, log, &plot);
+    evaluate(tr, &rs->data, a, first_step, log, rs->output.log_path, &plot);
     progress shown;
     progress_start(&shown, &rs->output, rs->launch.process, first_step, a->max_steps);
     for (int step = first_step; step < a->max_steps; step++) {
@@ -2076,7 +2086,7 @@ static int train_steps(lg_trainer *tr, run_setup *rs, int first_step, FILE *log)
         }
         progress_step(&shown, tr, step + 1, &st);
         plot_step(&plot, st.loss, st.lr);
-        if (log) log_step(log, a->log_path, step + 1, &st, tr->scaling);
+        if (log) log_step(log, rs->output.log_path, step + 1, &st, tr->scaling);
         if (a->save_every && (step + 1) % a->save_every == 0) {
             progress_clear(&shown);
             if (lg_checkpoint_save(tr, &rs->data.train, step + 1, a->out_dir, &err) != 0) die(1, &err);
@@ -2086,7 +2096,7 @@ static int train_steps(lg_trainer *tr, run_setup *rs, int first_step, FILE *log)
         int evaluating = last || (a->eval_every && (step + 1) % a->eval_every == 0);
         int sampling = !last && a->sample_every && (step + 1) % a->sample_every == 0;
         if (evaluating || sampling) progress_clear(&shown);
-        if (evaluating) evaluate(tr, &rs->data, a, step + 1, log, &plot);
+        if (evaluating) evaluate(tr, &rs->data, a, step + 1, log, rs->output.log_path, &plot);
         if (sampling) print_samples(tr, a, &rs->data, &sample_rng);
     }
     progress_clear(&shown);
@@ -2106,7 +2116,7 @@ static void save_run(lg_trainer *tr, run_setup *rs, int first_step, int saved_st
         if (lg_checkpoint_save(tr, &rs->data.train, final_step, a->out_dir, &err) != 0) die(1, &err);
         printf("saved %s/step-%d\n", a->out_dir, final_step);
     }
-    if (log && fclose(log) != 0) die_write(a->log_path);
+    if (log && fclose(log) != 0) die_write(rs->output.log_path);
 }
 
 /* The guided tour, in five stages: parse the command line, plan the run (it fits, or it stops
