@@ -212,7 +212,7 @@ static void test_linear(results *r, int reference) {
             lg_buf db_want = copy_buf(db0, OC), db_got = copy_buf(db0, OC);
             lg_linear_forward(NULL, out_want, inp, w, bias, N, IC, OC);
             lg_linear_backward(NULL, dinp_want, dw_want, db_want, dout, inp, w, N, IC, OC, 1.0f, 1.0f);
-            lg_cuda_linear_forward(&ex, out_got, inp, w, bias, N, IC, OC);
+            lg_cuda_linear_forward_into(&ex, out_got, OC, inp, w, bias, N, IC, OC);
             lg_cuda_linear_backward(&ex, dinp_got, dw_got, db_got, dout, inp, w, N, IC, OC, 1.0f, 1.0f);
             lg_buf db_again = copy_buf(db0, OC), dinp_again = copy_buf(dinp0, n_in);
             lg_buf no_weight = {NULL, dtype};
