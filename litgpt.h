@@ -5569,10 +5569,13 @@ static void lg_plan_print_lora(const lg_plan *plan, FILE *out) {
             "%zu); the base model is frozen", c->lora.r, c->lora.alpha, c->lora.dropout,
             lg_lora_targets_name(c->lora.targets, targets, sizeof targets), trainable,
             100.0 * (double)trainable / (double)total, total);
-    if (c->lora.quantize != LG_QUANTIZE_NONE)
-        fprintf(out, ", its linear weights in %s (%s)", lg_quantization_name(c->lora.quantize),
-                c->tie_embeddings ? "lm_head is the tied embedding: kept as is"
-                                  : "lm_head included, as LitGPT does");
+    if (c->lora.quantize != LG_QUANTIZE_NONE && c->tie_embeddings)
+        fprintf(out, ", its linear weights in %s (lm_head is the tied embedding: kept as is)",
+                lg_quantization_name(c->lora.quantize));
+    else if (c->lora.quantize != LG_QUANTIZE_NONE)
+        fprintf(out, ", its linear weights in %s (lm_head included, as LitGPT does, dequantized "
+                "%d vocabulary rows at a time)", lg_quantization_name(c->lora.quantize),
+                lg_head_tile_rows(c));
     fprintf(out, "\n");
 }
 
