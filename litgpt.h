@@ -263,7 +263,22 @@ typedef struct {
     float dropout;        /* --lora-dropout (0.05): on the adapters' input while training */
     unsigned targets;     /* --lora-targets: LG_LORA_* bits (default q, v) */
     lg_quantization quantize; /* --quantize: frozen linear weights in NF4 (QLoRA) */
+    int head_tile_rows;   /* QLoRA: vocabulary rows of the NF4 lm_head dequantized at a time, a
+                             multiple of LG_HEAD_TILE_ALIGN (0: LG_HEAD_TILE_ROWS; tests set
+                             fewer, so that a small vocabulary has several tiles) */
 } lg_lora;
+
+/* QLoRA's untied lm_head is NF4 too; its matmuls dequantize it a tile of vocabulary rows at a
+   time into the one scratch of the frozen linears (nf4.dequantized), each tile's matmul writing
+   (forward) or reading (backward) its columns of the logits, so the scratch holds a tile, not
+   the head: 8192 rows of Llama 3's 4096 channels are 64 MiB in bf16, under its MLP's linears
+   (14336 x 4096, 112 MiB) that size the scratch anyway, where the whole head (128256 rows) is
+   1002 MiB; and a (rows x 8192 x 4096) matmul still fills a GPU. The tiles split the backward's
+   sum over the vocabulary: at multiples of LG_HEAD_TILE_ALIGN, 2 x LG_GEMM_KC (the CPU gemm's
+   K block of bf16, twice its fp32 one), where the gemm's own K blocks already split it, so the
+   CPU's sums are the whole head's, bit for bit. */
+#define LG_HEAD_TILE_ROWS 8192
+#define LG_HEAD_TILE_ALIGN 512
 
 /* The adapted linears of a block, in layout order. */
 typedef enum { LG_LORA_Q, LG_LORA_K, LG_LORA_V, LG_LORA_PROJ, LG_LORA_FC, LG_LORA_FC_2,
@@ -3594,7 +3609,17 @@ static int lg_lora_check(const lg_config *c, lg_error *err) {
                             "too; adapt the other linears");
     if ((lo->targets & LG_LORA_HEAD) && lo->r > c->n_embd)
         return lg_fail(err, "--lora-r %d exceeds lm_head's smaller dimension %d", lo->r, c->n_embd);
+    if (lo->head_tile_rows < 0 || lo->head_tile_rows % LG_HEAD_TILE_ALIGN != 0)
+        return lg_fail(err, "LoRA's head_tile_rows %d is not a multiple of %d (0: %d)",
+                       lo->head_tile_rows, LG_HEAD_TILE_ALIGN, LG_HEAD_TILE_ROWS);
     return 0;
+}
+
+/* The vocabulary rows of a tile of the NF4 lm_head (lg_lora.head_tile_rows), at most the
+   padded vocabulary: Vp is one tile. */
+static int lg_head_tile_rows(const lg_config *c) {
+    int rows = c->lora.head_tile_rows > 0 ? c->lora.head_tile_rows : LG_HEAD_TILE_ROWS;
+    return rows < c->padded_vocab_size ? rows : c->padded_vocab_size;
 }
 
 /* The largest architecture the layouts address: each dimension's limit (far above every
@@ -4654,9 +4679,16 @@ static int lg_plan_frozen_shard(lg_rank_plan *r, const lg_plan *plan) {
                             (size_t)lg_gather_block_slots(&plan->sharding) * sl->piece_count[1] * S);
 }
 
+/* The elements of one NF4 frozen tensor dequantized for a matmul: the whole tensor, but of
+   lm_head a tile of lg_head_tile_rows vocabulary rows. */
+static size_t lg_dequantized_count(const lg_config *c, const lg_tensor_info *t) {
+    if (strcmp(t->name, "lm_head.weight") != 0) return t->count;
+    return (size_t)lg_head_tile_rows(c) * (size_t)t->cols;
+}
+
 /* LoRA: the frozen base model in the compute type, its linear weights packed in NF4 with
    --quantize, whole on every rank (sharded with the weights: lg_plan_frozen_shard); the
-   largest of those dequantized for one matmul at a time. */
+   largest of those dequantized for one matmul at a time (lm_head a tile at a time). */
 static int lg_plan_frozen_model(lg_rank_plan *r, const lg_plan *plan) {
     const lg_config *c = &plan->cfg;
     if (c->lora.r == 0) return 0;
@@ -4671,8 +4703,9 @@ static int lg_plan_frozen_model(lg_rank_plan *r, const lg_plan *plan) {
     if (lg_table_alloc(&table, c) != 0) return -1;
     lg_frozen_layout(c, lg_no_buf(), lg_no_buf(), NULL, &table, NULL);
     for (int i = 0; i < table.n_tensors; i++)
-        if (table.tensors[i].packed != LG_DTYPE_F32 && table.tensors[i].count > largest)
-            largest = table.tensors[i].count;
+        if (table.tensors[i].packed != LG_DTYPE_F32 &&
+            lg_dequantized_count(c, &table.tensors[i]) > largest)
+            largest = lg_dequantized_count(c, &table.tensors[i]);
     lg_tensor_table_free(&table);
     if (!sharded)
         rc |= lg_plan_add(r, "frozen_weights.nf4", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, LG_DTYPE_U8, packed);
@@ -4748,6 +4781,8 @@ static int lg_plan_activations(lg_rank_plan *r, const lg_config *c, const lg_pla
 #ifndef LG_GEMM_NC
 #define LG_GEMM_NC 2048              /* must be a multiple of every NR */
 #endif
+LG_STATIC_ASSERT(LG_HEAD_TILE_ALIGN % (2 * LG_GEMM_KC) == 0,
+                 "the NF4 head's tiles split the vocabulary where the gemm's K blocks do");
 
 /* Elements of one thread's packing buffers (see lg_gemm_workspace), for every path: Ap
    (MC + MR) x KC and Bp KC x (NC + NR) at the largest MR and NR, each rounded up to LG_ALIGN
@@ -5694,10 +5729,13 @@ static void lg_plan_print_lora(const lg_plan *plan, FILE *out) {
             "%zu); the base model is frozen", c->lora.r, c->lora.alpha, c->lora.dropout,
             lg_lora_targets_name(c->lora.targets, targets, sizeof targets), trainable,
             100.0 * (double)trainable / (double)total, total);
-    if (c->lora.quantize != LG_QUANTIZE_NONE)
-        fprintf(out, ", its linear weights in %s (%s)", lg_quantization_name(c->lora.quantize),
-                c->tie_embeddings ? "lm_head is the tied embedding: kept as is"
-                                  : "lm_head included, as LitGPT does");
+    if (c->lora.quantize != LG_QUANTIZE_NONE && c->tie_embeddings)
+        fprintf(out, ", its linear weights in %s (lm_head is the tied embedding: kept as is)",
+                lg_quantization_name(c->lora.quantize));
+    else if (c->lora.quantize != LG_QUANTIZE_NONE)
+        fprintf(out, ", its linear weights in %s (lm_head included, as LitGPT does, dequantized "
+                "%d vocabulary rows at a time)", lg_quantization_name(c->lora.quantize),
+                lg_head_tile_rows(c));
     fprintf(out, "\n");
 }
 
@@ -7242,13 +7280,54 @@ static const lg_gemm_workspace *lg_gemm_space(const lg_exec *ex) { return ex ? &
    arithmetic, sums included, in lg_real. Statistics (norm means and reciprocal deviations,
    rotary tables, per-token losses) are lg_real arrays in every precision. */
 
+/* out (n) = elements first .. first + n of a tensor of count elements stored by
+   lg_nf4_quantize: their NF4 codes x their blocks' absmax. first is even (a byte holds two
+   codes): a tile of whole rows of an even width. */
+static void lg_nf4_dequantize_range(const lg_exec *ex, const uint8_t *src, size_t count,
+                                    lg_quantization q, size_t first, size_t n, lg_buf out) {
+    if (q == LG_QUANTIZE_NONE || n == 0) return;
+    LG_ON_GPU(ex, lg_cuda_nf4_dequantize(ex, src, count, q, first, n, out));
+    lg_nf4_codebook book;
+    lg_nf4_codebook_make(&book);
+    lg_nf4_layout l = lg_nf4_layout_of(count, q);
+    size_t end = first + n, b0 = first / LG_NF4_BLOCK;
+    LG_OMP(omp parallel for)
+    for (long b = (long)b0; b < (long)((end + LG_NF4_BLOCK - 1) / LG_NF4_BLOCK); b++) {
+        float absmax = lg_nf4_block_absmax(&book, src, &l, q, (size_t)b);
+        size_t lo = (size_t)b * LG_NF4_BLOCK, hi = lo + LG_NF4_BLOCK;
+        for (size_t i = lo > first ? lo : first; i < hi && i < end; i++)
+            lg_set(out, i - first, book.nf4[lg_nf4_code_at(src, i)] * absmax);
+    }
+}
+
+/* out (count) = NF4 codes (count) x their blocks' absmax (lg_nf4_quantize's storage) */
+void lg_nf4_dequantize(const lg_exec *ex, const uint8_t *src, size_t count, lg_quantization q,
+                       lg_buf out) {
+    lg_nf4_dequantize_range(ex, src, count, q, 0, count, out);
+}
+
+/* How a weight view is stored: NF4, NF4 with its absmax quantized, or (NONE) a compute type. */
+static lg_quantization lg_quantization_of(lg_buf weight) {
+    return weight.dtype == LG_DTYPE_NF4      ? LG_QUANTIZE_NF4
+           : weight.dtype == LG_DTYPE_NF4_DQ ? LG_QUANTIZE_NF4_DQ
+                                             : LG_QUANTIZE_NONE;
+}
+
+/* Rows r0 .. r0 + n (n, IC) of QLoRA's NF4 weight (OC, IC), dequantized into the exec's
+   workspace for one matmul (a tile of lm_head's vocabulary); other weights as they are. */
+static lg_buf lg_matmul_weight_rows(const lg_exec *ex, lg_buf weight, int OC, int IC, int r0,
+                                    int n) {
+    lg_quantization q = lg_quantization_of(weight);
+    if (q == LG_QUANTIZE_NONE) return weight;
+    lg_nf4_dequantize_range(ex, (const uint8_t *)weight.data, (size_t)OC * IC, q, (size_t)r0 * IC,
+                            (size_t)n * IC, ex->dequantized);
+    return ex->dequantized;
+}
+
 /* QLoRA's NF4 weights (OC, IC) dequantized into the exec's workspace for one matmul; other
    weights as they are. */
 static lg_buf lg_matmul_weight(const lg_exec *ex, lg_buf weight, int OC, int IC) {
-    if (weight.dtype != LG_DTYPE_NF4 && weight.dtype != LG_DTYPE_NF4_DQ) return weight;
-    lg_quantization q = weight.dtype == LG_DTYPE_NF4 ? LG_QUANTIZE_NF4 : LG_QUANTIZE_NF4_DQ;
-    lg_nf4_dequantize(ex, (const uint8_t *)weight.data, (size_t)OC * IC, q, ex->dequantized);
-    return ex->dequantized;
+    return lg_matmul_weight_rows(ex, weight, OC, IC, 0, OC);
 }
 
 /* C (M, N) = beta C + op(A) (M, K) op(B) (K, N), row-major with leading dimensions: the
@@ -7273,20 +7352,25 @@ static void lg_lora_input(const lg_exec *ex, lg_buf out, lg_buf in, size_t n, si
     }
 }
 
-/* out (N, OC) = inp (N, IC) weight (OC, IC)^T + bias (OC) */
-static void lg_linear_forward(const lg_exec *ex, lg_buf out, lg_buf inp, lg_buf weight,
-                              lg_buf bias, int N, int IC, int OC) {
-    weight = lg_matmul_weight(ex, weight, OC, IC);
-    LG_ON_GPU(ex, lg_cuda_linear_forward(ex, out, inp, weight, bias, N, IC, OC));
-    const lg_gemm_workspace *ws = lg_gemm_space(ex);
-    lg_gemm(ws, 0, 1, N, OC, IC, inp, IC, weight, IC, 0, out, OC);
+/* out (N, OC), rows ldo apart (a column range of a wider output when ldo > OC) = inp (N, IC)
+   weight (OC, IC)^T + bias (OC); weight in a compute type (lg_matmul_weight) */
+static void lg_linear_forward_into(const lg_exec *ex, lg_buf out, int ldo, lg_buf inp,
+                                   lg_buf weight, lg_buf bias, int N, int IC, int OC) {
+    LG_ON_GPU(ex, lg_cuda_linear_forward_into(ex, out, ldo, inp, weight, bias, N, IC, OC));
+    lg_gemm(lg_gemm_space(ex), 0, 1, N, OC, IC, inp, IC, weight, IC, 0, out, ldo);
     if (!bias.data) return;
     LG_OMP(omp parallel for)
     for (int n = 0; n < N; n++)
         for (int o = 0; o < OC; o++) {
-            size_t at = (size_t)n * OC + o;
+            size_t at = (size_t)n * ldo + o;
             lg_set(out, at, lg_get(out, at) + lg_get(bias, o));
         }
+}
+
+/* out (N, OC) = inp (N, IC) weight (OC, IC)^T + bias (OC) */
+static void lg_linear_forward(const lg_exec *ex, lg_buf out, lg_buf inp, lg_buf weight,
+                              lg_buf bias, int N, int IC, int OC) {
+    lg_linear_forward_into(ex, out, OC, inp, lg_matmul_weight(ex, weight, OC, IC), bias, N, IC, OC);
 }
 
 /* dinp (N, IC) = inp_beta dinp + dout (N, OC) weight (OC, IC); dweight (OC, IC) = grad_beta
@@ -7766,23 +7850,6 @@ static void lg_zero(const lg_exec *ex, lg_buf x, size_t n) {
     if (n == 0) return;
     LG_ON_GPU(ex, lg_cuda_zero(ex, x, n));
     memset(x.data, 0, n * lg_elem_size(x.dtype));
-}
-
-/* out (count) = NF4 codes (count) x their blocks' absmax (lg_nf4_quantize's storage) */
-void lg_nf4_dequantize(const lg_exec *ex, const uint8_t *src, size_t count, lg_quantization q,
-                       lg_buf out) {
-    if (q == LG_QUANTIZE_NONE) return;
-    LG_ON_GPU(ex, lg_cuda_nf4_dequantize(ex, src, count, q, out));
-    lg_nf4_codebook book;
-    lg_nf4_codebook_make(&book);
-    lg_nf4_layout l = lg_nf4_layout_of(count, q);
-    LG_OMP(omp parallel for)
-    for (long b = 0; b < (long)l.blocks; b++) {
-        float absmax = lg_nf4_block_absmax(&book, src, &l, q, (size_t)b);
-        size_t first = (size_t)b * LG_NF4_BLOCK, end = first + LG_NF4_BLOCK;
-        for (size_t i = first; i < end && i < count; i++)
-            lg_set(out, i, book.nf4[lg_nf4_code_at(src, i)] * absmax);
-    }
 }
 
 /* The residual add and the norm that follows it: sum (N, C) = a + b, then out (N, C), mean and
@@ -8561,13 +8628,42 @@ static int lg_head_chunk_adapters(const lg_model *m, int n0, lg_lora_adapter *he
     return n;
 }
 
-/* The logits (rows, Vp) of ln_f's rows n0 .. n0 + rows, with the head's adapter, into the
-   logits region. */
-static void lg_head_chunk_logits(lg_model *m, int n0, int rows) {
+/* lm_head (Vp, C) as a pass of the head over its chunks uses it: an NF4 head that one tile
+   holds (lg_head_tile_rows) dequantized now, once for the pass, into the exec's workspace (no
+   other matmul of the frozen weights runs before the pass ends); an NF4 head of several tiles
+   stays NF4, each chunk's matmuls dequantizing it a tile at a time; any other as it is. */
+static lg_buf lg_head_pass_weight(const lg_model *m) {
+    const lg_config *c = &m->cfg;
+    lg_buf w = m->p.lm_head_w;
+    if (lg_quantization_of(w) == LG_QUANTIZE_NONE || lg_head_tile_rows(c) < c->padded_vocab_size)
+        return w;
+    return lg_matmul_weight(&m->exec, w, c->padded_vocab_size, c->n_embd);
+}
+
+/* The logits (rows, Vp) = in (rows, C) lm_head^T + bias by an NF4 lm_head (Vp, C), a tile of
+   vocabulary rows at a time: each tile (n, C) dequantized into the exec's workspace, its
+   matmul writing its columns v0 .. v0 + n of the logits region (each logit the same sum as in
+   one matmul over the whole head). */
+static void lg_head_tiles_forward(lg_model *m, lg_buf in, int rows) {
+    const lg_config *c = &m->cfg;
+    const lg_exec *ex = &m->exec;
+    int C = c->n_embd, Vp = c->padded_vocab_size, tile = lg_head_tile_rows(c);
+    for (int v0 = 0; v0 < Vp; v0 += tile) {
+        int n = Vp - v0 < tile ? Vp - v0 : tile;
+        lg_buf w = lg_matmul_weight_rows(ex, m->p.lm_head_w, Vp, C, v0, n); /* (n, C) */
+        lg_buf bias = m->p.lm_head_b.data ? lg_at(m->p.lm_head_b, (size_t)v0) : lg_no_buf();
+        lg_linear_forward_into(ex, lg_at(m->a.logits, (size_t)v0), Vp, in, w, bias, rows, C, n);
+    }
+}
+
+/* The logits (rows, Vp) of ln_f's rows n0 .. n0 + rows by head_w (lg_head_pass_weight), with
+   the head's adapter, into the logits region. */
+static void lg_head_chunk_logits(lg_model *m, int n0, int rows, lg_buf head_w) {
     const lg_config *c = &m->cfg;
     int C = c->n_embd, Vp = c->padded_vocab_size;
     lg_buf in = lg_at(m->a.ln_f, (size_t)n0 * C);
-    lg_linear_forward(&m->exec, m->a.logits, in, m->p.lm_head_w, m->p.lm_head_b, rows, C, Vp);
+    if (lg_quantization_of(head_w) != LG_QUANTIZE_NONE) lg_head_tiles_forward(m, in, rows);
+    else lg_linear_forward(&m->exec, m->a.logits, in, head_w, m->p.lm_head_b, rows, C, Vp);
     lg_lora_adapter head;
     int n = lg_head_chunk_adapters(m, n0, &head);
     lg_lora_forward(m, &head, n, lg_lora_key(m, c->n_layer, 0), n0, m->a.logits, Vp, in, rows, C);
@@ -8588,9 +8684,10 @@ static double lg_model_head_forward(lg_model *m, const int *targets, int B, int 
     if (n_targets) *n_targets = targets ? (int)lg_count_targets(targets, (size_t)N) : 0;
     m->logits_hold_grad = targets && H == N && m->fused_loss_scale > 0.0f;
     double total = 0;
+    lg_buf head_w = lg_head_pass_weight(m);
     for (int n0 = targets ? 0 : lg_head_last_chunk(m, N); n0 < N; n0 += H) {
         int rows = N - n0 < H ? N - n0 : H;
-        lg_head_chunk_logits(m, n0, rows);
+        lg_head_chunk_logits(m, n0, rows, head_w);
         if (!targets) continue;
         if (m->logits_hold_grad)
             total += lg_crossentropy_fused(ex, m->a.losses + n0, m->a.logits, targets + n0, rows,
@@ -8709,15 +8806,36 @@ static lg_buf lg_residual_grad(const lg_model *m, int k) {
     return (m->cfg.n_layer - k) % 2 == 0 ? m->a.d_res_a : m->a.d_res_b;
 }
 
+/* d_in (rows, C) = d_logits (rows, Vp) lm_head by a frozen NF4 lm_head (Vp, C), a tile of
+   vocabulary rows at a time: each tile (n, C) dequantized into the exec's workspace, its
+   matmul reading its columns v0 .. v0 + n of the logits region's gradient and adding into d_in
+   (the first tile writes). The tiles split the sum over the vocabulary where the CPU gemm's K
+   blocks do (LG_HEAD_TILE_ALIGN): the whole head's sums, bit for bit. */
+static void lg_head_tiles_backward(lg_model *m, lg_buf d_in, int rows) {
+    const lg_config *c = &m->cfg;
+    const lg_exec *ex = &m->exec;
+    int C = c->n_embd, Vp = c->padded_vocab_size, tile = lg_head_tile_rows(c);
+    for (int v0 = 0; v0 < Vp; v0 += tile) {
+        int n = Vp - v0 < tile ? Vp - v0 : tile;
+        lg_buf w = lg_matmul_weight_rows(ex, m->p.lm_head_w, Vp, C, v0, n); /* (n, C) */
+        lg_matmul(ex, 0, 0, rows, C, n, lg_at(m->a.logits, (size_t)v0), Vp, w, C,
+                  v0 ? 1.0f : 0.0f, d_in, C);
+    }
+}
+
 /* The head's backward over ln_f's rows n0 .. n0 + rows from their logits' gradient (in the
-   logits region): d_norm's rows written, lm_head's gradient at grad_beta (0 writes, 1 adds),
-   the adapter's added. */
-static void lg_head_chunk_backward(lg_model *m, int n0, int rows, float grad_beta) {
+   logits region) by head_w (lg_head_pass_weight): d_norm's rows written, lm_head's gradient at
+   grad_beta (0 writes, 1 adds; an NF4 head is frozen), the adapter's added. */
+static void lg_head_chunk_backward(lg_model *m, int n0, int rows, float grad_beta,
+                                   lg_buf head_w) {
     const lg_config *c = &m->cfg;
     int C = c->n_embd, Vp = c->padded_vocab_size;
     lg_buf in = lg_at(m->a.ln_f, (size_t)n0 * C), d_in = lg_at(m->a.d_norm, (size_t)n0 * C);
-    lg_linear_backward(&m->exec, d_in, m->g.lm_head_w, m->g.lm_head_b, m->a.logits, in,
-                       m->p.lm_head_w, rows, C, Vp, 0.0f, grad_beta);
+    if (lg_quantization_of(head_w) != LG_QUANTIZE_NONE)
+        lg_head_tiles_backward(m, d_in, rows);
+    else
+        lg_linear_backward(&m->exec, d_in, m->g.lm_head_w, m->g.lm_head_b, m->a.logits, in,
+                           head_w, rows, C, Vp, 0.0f, grad_beta);
     lg_lora_adapter head;
     int n = lg_head_chunk_adapters(m, n0, &head);
     lg_lora_backward(m, &head, n, lg_lora_key(m, c->n_layer, 0), n0, m->a.logits, Vp, in, d_in,
@@ -8732,13 +8850,14 @@ static void lg_model_head_backward(lg_model *m, const int *targets, int B, int T
     const lg_exec *ex = &m->exec;
     int N = B * T, C = c->n_embd, L = c->n_layer, H = lg_head_chunk_rows(m, N);
     float beta = lg_head_grad_overwritten(c) ? lg_linear_grad_beta(m) : 1.0f;
+    lg_buf head_w = lg_head_pass_weight(m);
     for (int n0 = lg_head_last_chunk(m, N); n0 >= 0; n0 -= H) {
         int rows = N - n0 < H ? N - n0 : H;
-        if (n0 + H < N) lg_head_chunk_logits(m, n0, rows);
+        if (n0 + H < N) lg_head_chunk_logits(m, n0, rows, head_w);
         if (!m->logits_hold_grad) /* else the forward wrote them at the same loss_scale */
             lg_crossentropy_backward(ex, m->a.logits, m->a.logits, targets + n0, rows,
                                      c->vocab_size, c->padded_vocab_size, loss_scale);
-        lg_head_chunk_backward(m, n0, rows, beta);
+        lg_head_chunk_backward(m, n0, rows, beta, head_w);
         beta = 1.0f; /* the later chunks add to lm_head's gradient */
     }
     m->logits_hold_grad = 0;

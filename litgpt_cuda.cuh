@@ -617,26 +617,27 @@ static void lg_cuda_zero(const lg_exec *ex, lg_buf x, size_t n) {
     LG_CUDA_TRY(cudaMemsetAsync(x.data, 0, n * lg_elem_size(x.dtype), lg_cuda_stream(ex)));
 }
 
-/* NF4 weights back (lg_nf4_dequantize): one thread a byte of codes, its two elements. */
+/* NF4 weights back (lg_nf4_dequantize_range): out (n) = elements first .. first + n of the
+   stored tensor (first even), one thread a byte of codes, its two elements. */
 __global__ void lg_k_nf4_dequantize(lg_nf4_codebook book, lg_nf4_layout layout, lg_quantization q,
-                                    const uint8_t *src, size_t count, lg_buf out) {
-    size_t pairs = (count + 1) / 2;
+                                    const uint8_t *src, size_t first, size_t n, lg_buf out) {
+    size_t pairs = (n + 1) / 2;
     for (size_t p = lg_k_first(); p < pairs; p += lg_k_stride()) {
-        size_t i = 2 * p;
+        size_t i = first + 2 * p;
         float absmax = lg_nf4_block_absmax(&book, src, &layout, q, i / LG_NF4_BLOCK);
-        lg_set(out, i, book.nf4[lg_nf4_code_at(src, i)] * absmax);
-        if (i + 1 < count) lg_set(out, i + 1, book.nf4[lg_nf4_code_at(src, i + 1)] * absmax);
+        lg_set(out, 2 * p, book.nf4[lg_nf4_code_at(src, i)] * absmax);
+        if (2 * p + 1 < n) lg_set(out, 2 * p + 1, book.nf4[lg_nf4_code_at(src, i + 1)] * absmax);
     }
 }
 
 static void lg_cuda_nf4_dequantize(const lg_exec *ex, const uint8_t *src, size_t count,
-                                   lg_quantization q, lg_buf out) {
-    if (count == 0) return;
+                                   lg_quantization q, size_t first, size_t n, lg_buf out) {
+    if (n == 0) return;
     lg_nf4_codebook book;
     lg_nf4_codebook_make(&book);
-    size_t pairs = (count + 1) / 2;
+    size_t pairs = (n + 1) / 2;
     LG_LAUNCH(lg_k_nf4_dequantize, lg_cuda_element_grid(pairs), LG_CUDA_ELEMENT_THREADS, 0,
-              lg_cuda_stream(ex), book, lg_nf4_layout_of(count, q), q, src, count, out);
+              lg_cuda_stream(ex), book, lg_nf4_layout_of(count, q), q, src, first, n, out);
 }
 
 /* out (n) = gelu(inp (n)) */
@@ -3029,11 +3030,12 @@ static int lg_cuda_matmul_lt(const lg_exec *ex, int trans_a, int trans_b, int M,
 }
 #endif
 
-/* out (N, C) += bias (C) on every row: the reference path's bias. */
-__global__ void lg_k_add_bias(lg_buf out, lg_buf bias, int N, int C) {
+/* out (N, C), rows ld apart, += bias (C) on every row: the reference path's bias. */
+__global__ void lg_k_add_bias(lg_buf out, lg_buf bias, int N, int C, int ld) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)N * C) return;
-    lg_set(out, i, lg_get(out, i) + lg_get(bias, i % C));
+    size_t at = i / (size_t)C * (size_t)ld + i % (size_t)C;
+    lg_set(out, at, lg_get(out, at) + lg_get(bias, i % C));
 }
 
 #define LG_CUDA_THREADS 256 /* threads of a block of the simple kernels */
@@ -3118,13 +3120,14 @@ static void lg_cuda_matmul(const lg_exec *ex, int trans_a, int trans_b, int M, i
     lg_cuda_matmul_reference(ex, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc);
     if (bias.data)
         LG_LAUNCH(lg_k_add_bias, lg_cuda_blocks((size_t)M * N, LG_CUDA_THREADS), LG_CUDA_THREADS,
-                  0, lg_cuda_stream(ex), C, bias, M, N);
+                  0, lg_cuda_stream(ex), C, bias, M, N, ldc);
 }
 
-/* out (N, OC) = inp (N, IC) weight (OC, IC)^T + bias (OC) */
-static void lg_cuda_linear_forward(const lg_exec *ex, lg_buf out, lg_buf inp, lg_buf weight,
-                                   lg_buf bias, int N, int IC, int OC) {
-    lg_cuda_matmul(ex, 0, 1, N, OC, IC, inp, IC, weight, IC, 0.0f, out, OC, bias);
+/* out (N, OC), rows ldo apart (a column range of a wider output when ldo > OC) = inp (N, IC)
+   weight (OC, IC)^T + bias (OC) */
+static void lg_cuda_linear_forward_into(const lg_exec *ex, lg_buf out, int ldo, lg_buf inp,
+                                        lg_buf weight, lg_buf bias, int N, int IC, int OC) {
+    lg_cuda_matmul(ex, 0, 1, N, OC, IC, inp, IC, weight, IC, 0.0f, out, ldo, bias);
 }
 
 /* dinp (N, IC) = inp_beta dinp + dout (N, OC) weight; dweight (OC, IC) = grad_beta dweight +

@@ -2539,6 +2539,7 @@ int main(int argc, char **argv) {
     if (section("devices and sharding", argc, argv)) test_sharding(&r);
     if (section("processes: launchers, mpirun, rendezvous", argc, argv)) test_processes(&r);
     if (section("LoRA and QLoRA", argc, argv)) test_lora_all(&r);
+    if (section("QLoRA's lm_head a vocabulary tile at a time", argc, argv)) test_lora_head_tiles(&r);
     if (section("sample packing", argc, argv)) test_packing_all(&r);
     if (section("generation: KV cache, sampling, tools/generate", argc, argv)) test_generate_all(&r);
     if (section("gradients in double precision", argc, argv)) run_child_tests(&r, "./tests/test64");

@@ -503,6 +503,76 @@ static void test_lora_published_memory(results *r) {
     expect_program(r, "./tools/lora_memory", "", 0, "9 of 9 rows planned below LitGPT's measured peak");
 }
 
+/* One QLoRA run of test_lora_head_tiles: its losses (steps), its adapters (n, LG_MALLOC'd,
+   the caller frees; NULL when it did not train), the elements of its nf4.dequantized scratch,
+   and whether its arenas are exactly its plan. */
+static lg_real *lora_tiles_run(const lg_config *cfg, const lg_args *a, int T, int steps,
+                               double *losses, size_t *n, size_t *scratch, int *as_planned) {
+    lg_trainer tr;
+    lg_error err;
+    if (create_counting(&tr, cfg, a, T, &err) != 0) { printf("    %s\n", err.msg); return NULL; }
+    const lg_region *d = lg_plan_find(&tr.plan.ranks[0], "nf4.dequantized");
+    *scratch = d ? d->count : 0;
+    *as_planned = arenas_equal_plan(&tr);
+    lg_loader ld;
+    builtin_loader(&ld, cfg, T, 5, (size_t)(steps + 1) * a->micro_batch_size * T + 1, a->seed);
+    int rc = run_step_range(&tr, &ld, 0, steps, losses);
+    lg_loader_close(&ld);
+    lg_real *w = rc == 0 ? trained_weights(&tr) : NULL;
+    *n = tr.ranks[0].model.n_params;
+    lg_trainer_free(&tr);
+    return w;
+}
+
+/* QLoRA's NF4 lm_head a vocabulary tile at a time (lg_lora.head_tile_rows) gives bitwise the
+   losses and adapters of the whole head dequantized at once: test-llama with a vocabulary of
+   1250 (padded 1280), tiles of 512 rows (two whole, a last one of 256) against one tile that
+   holds the head, nf4 and nf4-dq, bf16-mixed and fp32, the head in one pass and in chunks of 5
+   rows (their logits computed again in the backward), adapters on every linear and the head,
+   dropout on. The scratch is a tile (512 x 16) rather than the head (1280 x 16), as planned
+   and allocated; a tile that splits the gemm's K blocks is refused, naming the setting. */
+static void test_lora_head_tiles(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    cfg.vocab_size = 1250;
+    cfg.padded_vocab_size = 1280;
+    const int steps = 3, T = 12, tiles[2] = {3 * LG_HEAD_TILE_ALIGN, LG_HEAD_TILE_ALIGN};
+    for (int q = LG_QUANTIZE_NF4; q <= LG_QUANTIZE_NF4_DQ; q++)
+        for (int v = 0; v < 3; v++) { /* bf16-mixed whole, bf16-mixed in chunks, fp32 in chunks */
+            double losses[2][3] = {{0}};
+            lg_real *w[2];
+            size_t scratch[2], n = 0;
+            int planned[2];
+            lg_args a = lora_args(4, 0.1f);
+            a.precision = v == 2 ? LG_PRECISION_32_TRUE : LG_PRECISION_BF16_MIXED;
+            a.lora.quantize = (lg_quantization)q;
+            a.head_rows = v ? 5 : 0;
+            for (int k = 0; k < 2; k++) {
+                a.lora.head_tile_rows = tiles[k];
+                w[k] = lora_tiles_run(&cfg, &a, T, steps, losses[k], &n, &scratch[k], &planned[k]);
+            }
+            int same = w[0] && w[1] && memcmp(w[0], w[1], n * sizeof(lg_real)) == 0 &&
+                       memcmp(losses[0], losses[1], sizeof losses[0]) == 0;
+            check(r, same && scratch[0] == 1280 * 16 && scratch[1] == 512 * 16 && planned[0] &&
+                  planned[1], "test-llama vocab 1280 %-6s %-10s head %s: tiles of 512 rows = "
+                  "the whole head, bitwise (losses %.6f .. %.6f, %zu adapter values); scratch "
+                  "%zu elements, not %zu, arenas as planned", lg_quantization_name(a.lora.quantize),
+                  lg_precision_name(a.precision), v ? "in chunks of 5" : "whole", losses[1][0],
+                  losses[1][steps - 1], n, scratch[1], scratch[0]);
+            LG_FREE(w[0]);
+            LG_FREE(w[1]);
+        }
+    lg_args a = lora_args(4, 0.1f);
+    a.lora.quantize = LG_QUANTIZE_NF4;
+    a.lora.head_tile_rows = 100;
+    lg_trainer tr;
+    lg_error err;
+    int refused = lg_trainer_create(&tr, &cfg, &a, T, &err) != 0;
+    if (!refused) lg_trainer_free(&tr);
+    check(r, refused && strstr(err.msg, "head_tile_rows 100 is not a multiple of 512"),
+          "a head tile of 100 rows is refused: %s", refused ? err.msg : "(created)");
+}
+
 static void test_lora_all(results *r) {
     printf("LoRA and QLoRA\n");
     for (int c = 0; c < 3; c++) {

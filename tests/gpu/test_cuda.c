@@ -212,7 +212,7 @@ static void test_linear(results *r, int reference) {
             lg_buf db_want = copy_buf(db0, OC), db_got = copy_buf(db0, OC);
             lg_linear_forward(NULL, out_want, inp, w, bias, N, IC, OC);
             lg_linear_backward(NULL, dinp_want, dw_want, db_want, dout, inp, w, N, IC, OC, 1.0f, 1.0f);
-            lg_cuda_linear_forward(&ex, out_got, inp, w, bias, N, IC, OC);
+            lg_cuda_linear_forward_into(&ex, out_got, OC, inp, w, bias, N, IC, OC);
             lg_cuda_linear_backward(&ex, dinp_got, dw_got, db_got, dout, inp, w, N, IC, OC, 1.0f, 1.0f);
             lg_buf db_again = copy_buf(db0, OC), dinp_again = copy_buf(dinp0, n_in);
             lg_buf no_weight = {NULL, dtype};
@@ -468,19 +468,27 @@ static double trainers_apart(lg_trainer *ta, lg_trainer *tb, const double *la, c
     return apart;
 }
 
-static double runs_differ(const lg_args *a, const lg_args *b, int wide, double *losses_apart) {
+/* Trains a and b 3 steps on cfg: the largest relative difference of their weights and of
+   their losses (INFINITY when a run fails). */
+static double runs_differ_on(const lg_config *cfg, const lg_args *a, const lg_args *b,
+                             double *losses_apart) {
     const int T = 16, steps = 3;
-    lg_config cfg;
-    *losses_apart = INFINITY;
-    if (llama_config(&cfg, wide) != 0) return INFINITY;
     double la[3], lb[3];
     lg_trainer ta, tb;
-    if (train_steps(&ta, &cfg, a, T, steps, la) != 0) return INFINITY;
-    if (train_steps(&tb, &cfg, b, T, steps, lb) != 0) {
+    *losses_apart = INFINITY;
+    if (train_steps(&ta, cfg, a, T, steps, la) != 0) return INFINITY;
+    if (train_steps(&tb, cfg, b, T, steps, lb) != 0) {
         lg_trainer_free(&ta);
         return INFINITY;
     }
     return trainers_apart(&ta, &tb, la, lb, steps, losses_apart);
+}
+
+static double runs_differ(const lg_args *a, const lg_args *b, int wide, double *losses_apart) {
+    lg_config cfg;
+    *losses_apart = INFINITY;
+    if (llama_config(&cfg, wide) != 0) return INFINITY;
+    return runs_differ_on(&cfg, a, b, losses_apart);
 }
 
 /* On GPUs: --recompute block gives the same bits as none; --offload (the optimizer on the
@@ -787,6 +795,45 @@ static void test_gpu_lora(results *r, int gpus) {
                   "%-6s %-10s 3 steps on %d GPU%s, CUDA vs CPU: adapters %.1e, losses %.1e (< %.0e)",
                   q ? lg_quantization_name(cpu.lora.quantize) : "LoRA", lg_precision_name(precision),
                   gpu.devices, gpu.devices > 1 ? "s" : "", weights, losses, tolerance);
+        }
+}
+
+/* QLoRA's NF4 lm_head a vocabulary tile at a time on the GPU: test-llama with a vocabulary
+   of 1250 (padded 1280) in tiles of 512 rows (512, 512, 256), the head in chunks of 5 rows,
+   adapters on every linear and the head, dropout 0.1: the CUDA backend's adapters and losses
+   after 3 steps against the CPU's tiles and against its own whole head (one tile; the tiles
+   split the sum of d_x over the vocabulary, the same order on the CPU only), within
+   test_gpu_lora's tolerances. */
+static void test_gpu_head_tiles(results *r) {
+    lg_config cfg;
+    if (llama_config(&cfg, 0) != 0) { check(r, 0, "configs/test-llama.yaml loads"); return; }
+    cfg.vocab_size = 1250;
+    cfg.padded_vocab_size = 1280;
+    for (int q = LG_QUANTIZE_NF4; q <= LG_QUANTIZE_NF4_DQ; q++)
+        for (int p = 0; p < 2; p++) {
+            lg_precision precision = p ? LG_PRECISION_BF16_MIXED : LG_PRECISION_32_TRUE;
+            lg_args cpu = step_args(precision, LG_BACKEND_CPU);
+            cpu.lora.r = 4;
+            cpu.lora.dropout = 0.1f;
+            cpu.lora.targets = LG_LORA_QUERY | LG_LORA_KEY | LG_LORA_VALUE | LG_LORA_PROJECTION |
+                               LG_LORA_MLP | LG_LORA_HEAD;
+            cpu.lora.quantize = (lg_quantization)q;
+            cpu.lora.head_tile_rows = LG_HEAD_TILE_ALIGN;
+            cpu.head_rows = 5;
+            cpu.lr = 1e-2f;
+            if (p) cpu.optimizer = LG_OPTIMIZER_SGD; /* as test_gpu_lora */
+            lg_args gpu = cpu, whole = cpu;
+            gpu.backend = whole.backend = LG_BACKEND_CUDA;
+            whole.lora.head_tile_rows = 3 * LG_HEAD_TILE_ALIGN;
+            double losses, losses_whole, weights = runs_differ_on(&cfg, &cpu, &gpu, &losses);
+            double weights_whole = runs_differ_on(&cfg, &whole, &gpu, &losses_whole);
+            double tolerance = p ? 1e-2 : 1e-4;
+            check(r, weights < tolerance && losses < tolerance && weights_whole < tolerance &&
+                  losses_whole < tolerance, "%-6s %-10s vocab 1280, head tiles of 512, chunks of "
+                  "5, 3 steps: CUDA vs CPU adapters %.1e, losses %.1e; vs the GPU's whole head "
+                  "%.1e, %.1e (< %.0e)", lg_quantization_name(cpu.lora.quantize),
+                  lg_precision_name(precision), weights, losses, weights_whole, losses_whole,
+                  tolerance);
         }
 }
 
@@ -1184,6 +1231,44 @@ static void long_context(void) {
     }
 }
 
+/* lg_cuda_linear_forward_into with bias writes its columns of a wider output (the NF4 head's
+   tiles): columns 6 .. 6 + OC of rows 80 apart equal the CPU's (N, OC), the others untouched;
+   each storage type, the reference kernel (its bias add honours the leading dimension) or
+   cuBLASLt (its bias epilogue). */
+static void test_linear_columns(results *r, int reference) {
+    const int N = 37, IC = 40, OC = 70, ld = OC + 10, column = 6;
+    lg_rng rng;
+    lg_rng_seed(&rng, 12);
+    lg_exec ex = gpu_exec(64, 64);
+    ex.cuda->reference_matmul = reference;
+    for (int d = 0; d < 3; d++) {
+        lg_dtype dtype = storage_types[d];
+        lg_buf inp = random_buf(dtype, (size_t)N * IC, 1, &rng);
+        lg_buf w = random_buf(dtype, (size_t)OC * IC, 0.2f, &rng), bias = random_buf(dtype, OC, 1, &rng);
+        lg_buf want = poisoned_buf(dtype, (size_t)N * OC), wide = poisoned_buf(dtype, (size_t)N * ld);
+        lg_buf got = poisoned_buf(dtype, (size_t)N * OC);
+        for (size_t i = 0; i < (size_t)N * ld; i++) lg_set(wide, i, 7.0f);
+        lg_linear_forward(NULL, want, inp, w, bias, N, IC, OC);
+        lg_cuda_linear_forward_into(&ex, lg_at(wide, column), ld, inp, w, bias, N, IC, OC);
+        gpu_sync(&ex);
+        int untouched = 1;
+        for (int n = 0; n < N; n++)
+            for (int o = 0; o < ld; o++) {
+                float x = lg_get(wide, (size_t)n * ld + o);
+                if (o >= column && o < column + OC) lg_set(got, (size_t)n * OC + o - column, x);
+                else untouched = untouched && x == 7.0f;
+            }
+        double worst = rel_error(got, want, (size_t)N * OC);
+        check(r, worst < tolerance_of(dtype, 1e-5) && untouched, "linear forward with bias (%s) "
+              "%s into columns %d .. %d of rows %d apart: rel err %.1e, the other columns "
+              "untouched: %s", reference ? "reference kernel" : "cuBLASLt", lg_dtype_name(dtype),
+              column, column + OC, ld, worst, untouched ? "yes" : "no");
+        lg_buf all[6] = {inp, w, bias, want, wide, got};
+        for (int k = 0; k < 6; k++) gpu_free(all[k].data);
+    }
+    gpu_exec_free(&ex);
+}
+
 /* --- modes: one group of checks a process (tests/gpu/run.sh) ---------------------------------- */
 
 static void mode_ops(results *r, int gpus) {
@@ -1193,10 +1278,12 @@ static void mode_ops(results *r, int gpus) {
     test_residual_norm(r);
     test_matmul(r, 1, 0);
     test_linear(r, 1);
+    test_linear_columns(r, 1);
 #ifndef LG_CUDA_EMULATE
     test_matmul(r, 0, 0);
     test_matmul(r, 0, 1);
     test_linear(r, 0);
+    test_linear_columns(r, 0);
 #endif
 }
 
@@ -1220,6 +1307,7 @@ static void mode_features(results *r, int gpus) {
     printf("features: optimizers, compact state, LoRA\n");
     test_gpu_features(r);
     test_gpu_lora(r, gpus);
+    test_gpu_head_tiles(r);
     test_offload_overlap(r);
     test_offload_gradients(r);
     test_offload_weights(r);
