@@ -5072,9 +5072,13 @@ static size_t lg_plan_host_bytes_per_machine(const lg_plan *plan) {
    readings; nominal: no reading of the card was at hand (the marketed size in MiB; the A40:
    the L40S's reading, the same 48 GB of GDDR6 with ECC). SMs: NVIDIA's specifications of each
    card (the H100 80GB: the SXM's 132; the PCIe card has 114); threads a SM: GPUS.md's, per
-   compute capability. */
+   compute capability. The 8, 12 and 16 GB cards stand for Unsloth's smaller size classes: their
+   marketed memory (no reading at hand), and SMs from NVIDIA's specifications. */
 static const lg_gpu_card lg_gpu_cards[] = {
     {"t4", "T4", 15360, 1, 7, 5, 65536, 40, 1024},
+    {"rtx4060", "RTX 4060", 8192, 1, 8, 9, 101376, 24, 1536},
+    {"rtx4070", "RTX 4070", 12288, 1, 8, 9, 101376, 46, 1536},
+    {"rtx4060ti-16gb", "RTX 4060 Ti 16GB", 16384, 1, 8, 9, 101376, 34, 1536},
     {"rtx3090", "RTX 3090", 24576, 0, 8, 6, 101376, 82, 1536},
     {"rtx4090", "RTX 4090", 24564, 0, 8, 9, 101376, 128, 1536},
     {"rtx5090", "RTX 5090", 32607, 0, 12, 0, 101376, 170, 1536},
@@ -6850,13 +6854,20 @@ static int lg_span_position(const int *span, int n, int T) {
    when it did the op, 0 to leave it to the portable loop (fp16 storage, other paths, no exec,
    a build without the x86 kernels). Elementwise ops take the last partial vector through a
    16-lane copy, so an element's result never depends on where a range starts. */
+/* 1 when ex runs the avx512 path or above on the CPU. Checked before a call enters any of the
+   LG_TARGET_AVX512 functions below: their code may use zmm registers before their first line
+   (AddressSanitizer's prologue does), so a processor without AVX-512 must not enter one. */
+static int lg_avx512_usable(const lg_exec *ex) {
+    return ex && ex->backend == LG_BACKEND_CPU && ex->gemm.path >= LG_GEMM_AVX512;
+}
+
 #if LG_X86_KERNELS
 #define LG_V 16 /* fp32 lanes of a zmm */
 
 /* 1 when ex runs the avx512 path or above on the CPU and these buffers are fp32 or bf16 */
 static int lg_v_ready(const lg_exec *ex, lg_buf a, lg_buf b, lg_buf c) {
     const lg_buf all[3] = {a, b, c};
-    if (!ex || ex->backend != LG_BACKEND_CPU || ex->gemm.path < LG_GEMM_AVX512) return 0;
+    if (!lg_avx512_usable(ex)) return 0;
     for (int i = 0; i < 3; i++)
         if (all[i].data && all[i].dtype != LG_DTYPE_F32 && all[i].dtype != LG_DTYPE_BF16) return 0;
     return 1;
@@ -7432,7 +7443,9 @@ static void lg_embedding_backward(const lg_exec *ex, lg_buf dwte, lg_buf dwpe, l
 static void lg_norm_forward(const lg_exec *ex, lg_buf out, lg_real *mean, lg_real *rstd,
                             lg_buf inp, lg_buf weight, lg_buf bias, int N, int C, float eps) {
     LG_ON_GPU(ex, lg_cuda_norm_forward(ex, out, mean, rstd, inp, weight, bias, N, C, eps));
-    if (lg_norm_forward_avx512(ex, out, mean, rstd, inp, weight, bias, N, C, eps)) return;
+    if (lg_avx512_usable(ex) &&
+        lg_norm_forward_avx512(ex, out, mean, rstd, inp, weight, bias, N, C, eps))
+        return;
     LG_OMP(omp parallel for)
     for (int n = 0; n < N; n++) {
         lg_buf x = lg_at(inp, (size_t)n * C), y = lg_at(out, (size_t)n * C);
@@ -7458,7 +7471,9 @@ static void lg_norm_backward(const lg_exec *ex, lg_buf dinp, lg_buf dweight, lg_
                              lg_buf dout, lg_buf inp, lg_buf weight, const lg_real *mean,
                              const lg_real *rstd, int N, int C) {
     LG_ON_GPU(ex, lg_cuda_norm_backward(ex, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C));
-    if (lg_norm_backward_avx512(ex, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C)) return;
+    if (lg_avx512_usable(ex) && lg_norm_backward_avx512(ex, dinp, dweight, dbias, dout, inp, weight,
+                                                        mean, rstd, N, C))
+        return;
     LG_OMP(omp parallel for)
     for (int n = 0; n < N; n++) {
         lg_buf x = lg_at(inp, (size_t)n * C), dy = lg_at(dout, (size_t)n * C);
@@ -7533,8 +7548,8 @@ static void lg_rope_rotate(const lg_exec *ex, lg_buf qkv, const lg_real *cos_tab
                                      direction));
     int R = rope_dims / 2, heads = NH + NQG, QKV = (NH + 2 * NQG) * HS;
     if (R == 0) return;
-    if (lg_rope_rotate_avx512(ex, qkv, cos_table, sin_table, B, T, NH, NQG, HS, rope_dims, direction,
-                              span))
+    if (lg_avx512_usable(ex) && lg_rope_rotate_avx512(ex, qkv, cos_table, sin_table, B, T, NH, NQG,
+                                                      HS, rope_dims, direction, span))
         return;
     LG_OMP(omp parallel for)
     for (int n = 0; n < B * T; n++) {
@@ -7605,7 +7620,8 @@ static void lg_attention_head_forward(const lg_exec *ex, lg_buf out, lg_real *ls
                                       lg_real scale, lg_real *p) {
     const lg_gemm_workspace *ws = lg_gemm_space(ex);
     lg_gemm(ws, 0, 1, n, n, HS, q, QKV, k, QKV, 0, lg_buf_of(p), n); /* scores = q k^T */
-    if (!lg_causal_softmax_avx512(ex, p, n, scale, lse)) lg_causal_softmax(p, n, scale, lse);
+    if (!lg_avx512_usable(ex) || !lg_causal_softmax_avx512(ex, p, n, scale, lse))
+        lg_causal_softmax(p, n, scale, lse);
     lg_gemm(ws, 0, 0, n, HS, n, lg_buf_of(p), n, v, QKV, 0, out, ld_out); /* y = p v */
 }
 
@@ -7652,13 +7668,14 @@ static void lg_attention_head_backward(const lg_exec *ex, const lg_attention_hea
                                        lg_real scale, lg_real *p, lg_real *dp) {
     const lg_gemm_workspace *ws = lg_gemm_space(ex);
     lg_gemm(ws, 0, 1, n, n, HS, x->q, QKV, x->k, QKV, 0, lg_buf_of(p), n);
-    if (!lg_causal_probabilities_avx512(ex, p, n, scale, lse))
+    if (!lg_avx512_usable(ex) || !lg_causal_probabilities_avx512(ex, p, n, scale, lse))
         lg_causal_probabilities(p, n, scale, lse);
     /* y = p v: dp = dy v^T, dv += p^T dy */
     lg_gemm(ws, 0, 1, n, n, HS, x->dout, ld_out, x->v, QKV, 0, lg_buf_of(dp), n);
     lg_gemm(ws, 1, 0, n, HS, n, lg_buf_of(p), n, x->dout, ld_out, 1, x->dv, QKV);
     /* softmax backward into the scaled scores: ds = p (dp - dy . y) scale */
-    if (!lg_softmax_backward_avx512(ex, p, dp, x->dout, x->out, ld_out, n, HS, scale))
+    if (!lg_avx512_usable(ex) ||
+        !lg_softmax_backward_avx512(ex, p, dp, x->dout, x->out, ld_out, n, HS, scale))
         for (int t = 0; t < n; t++) {
             lg_real *pr = p + (size_t)t * n, *dr = dp + (size_t)t * n, dot = 0;
             for (int i = 0; i < HS; i++)
@@ -7728,7 +7745,7 @@ static void lg_gelu_backward(const lg_exec *ex, lg_buf dinp, lg_buf dout, lg_buf
 /* out (n) = silu(gate) * up */
 static void lg_swiglu_forward(const lg_exec *ex, lg_buf out, lg_buf gate, lg_buf up, size_t n) {
     LG_ON_GPU(ex, lg_cuda_swiglu_forward(ex, out, gate, up, n));
-    if (lg_swiglu_forward_avx512(ex, out, gate, up, n)) return;
+    if (lg_avx512_usable(ex) && lg_swiglu_forward_avx512(ex, out, gate, up, n)) return;
     LG_OMP(omp parallel for)
     for (long i = 0; i < (long)n; i++) {
         lg_real g = lg_get(gate, i);
@@ -7740,7 +7757,8 @@ static void lg_swiglu_forward(const lg_exec *ex, lg_buf out, lg_buf gate, lg_buf
 static void lg_swiglu_backward(const lg_exec *ex, lg_buf dgate, lg_buf dup, lg_buf dout,
                                lg_buf gate, lg_buf up, size_t n) {
     LG_ON_GPU(ex, lg_cuda_swiglu_backward(ex, dgate, dup, dout, gate, up, n));
-    if (lg_swiglu_backward_avx512(ex, dgate, dup, dout, gate, up, n)) return;
+    if (lg_avx512_usable(ex) && lg_swiglu_backward_avx512(ex, dgate, dup, dout, gate, up, n))
+        return;
     LG_OMP(omp parallel for)
     for (long i = 0; i < (long)n; i++) {
         lg_real g = lg_get(gate, i), d = lg_get(dout, i);
@@ -7756,7 +7774,9 @@ static double lg_crossentropy_forward(const lg_exec *ex, lg_real *losses, lg_buf
                                       const int *targets, int N, int V, int Vp) {
     LG_ON_GPU_RETURN(ex, lg_cuda_crossentropy_forward(ex, losses, logits, targets, N, V, Vp));
     double total = 0;
-    if (lg_crossentropy_forward_avx512(ex, losses, logits, targets, N, V, Vp, &total)) return total;
+    if (lg_avx512_usable(ex) &&
+        lg_crossentropy_forward_avx512(ex, losses, logits, targets, N, V, Vp, &total))
+        return total;
     LG_OMP(omp parallel for reduction(+ : total))
     for (int n = 0; n < N; n++) {
         lg_buf z = lg_at(logits, (size_t)n * Vp);
@@ -7775,7 +7795,9 @@ static double lg_crossentropy_forward(const lg_exec *ex, lg_real *losses, lg_buf
 static void lg_crossentropy_backward(const lg_exec *ex, lg_buf dlogits, lg_buf logits,
                                      const int *targets, int N, int V, int Vp, lg_real scale) {
     LG_ON_GPU(ex, lg_cuda_crossentropy_backward(ex, dlogits, logits, targets, N, V, Vp, scale));
-    if (lg_crossentropy_backward_avx512(ex, dlogits, logits, targets, N, V, Vp, scale)) return;
+    if (lg_avx512_usable(ex) &&
+        lg_crossentropy_backward_avx512(ex, dlogits, logits, targets, N, V, Vp, scale))
+        return;
     LG_OMP(omp parallel for)
     for (int n = 0; n < N; n++) {
         lg_buf z = lg_at(logits, (size_t)n * Vp), dz = lg_at(dlogits, (size_t)n * Vp);
@@ -7807,7 +7829,7 @@ static double lg_crossentropy_fused(const lg_exec *ex, lg_real *losses, lg_buf l
 /* out (n) = a + b */
 static void lg_add(const lg_exec *ex, lg_buf out, lg_buf a, lg_buf b, size_t n) {
     LG_ON_GPU(ex, lg_cuda_add(ex, out, a, b, n));
-    if (lg_add_avx512(ex, out, a, b, n)) return;
+    if (lg_avx512_usable(ex) && lg_add_avx512(ex, out, a, b, n)) return;
     LG_OMP(omp parallel for)
     for (long i = 0; i < (long)n; i++) lg_set(out, i, lg_get(a, i) + lg_get(b, i));
 }
@@ -9218,7 +9240,8 @@ static void lg_update_tensor(const lg_optimizer *opt, const lg_exec *ex,
                              lg_buf grads, float grad_multiplier, lg_real decay) {
     LG_ON_GPU(ex, lg_cuda_update_tensor(ex, opt, rule, t, state, params, params_whole, grads,
                                         grad_multiplier, decay));
-    if (lg_adamw_avx512(opt, ex, rule, t, state, params, params_whole, grads, grad_multiplier, decay))
+    if (lg_avx512_usable(ex) && lg_adamw_avx512(opt, ex, rule, t, state, params, params_whole, grads,
+                                                grad_multiplier, decay))
         return;
     lg_tensor_state st = *state;
     int quantized = st.m.dtype == LG_DTYPE_U8;
@@ -9293,7 +9316,7 @@ void lg_optimizer_hessian_update(lg_optimizer *opt, const lg_exec *ex, lg_buf sa
 double lg_sum_squares(const lg_exec *ex, lg_buf x, size_t n) {
     LG_ON_GPU_RETURN(ex, lg_cuda_sum_squares(ex, x, n));
     double sum = 0;
-    if (lg_sum_squares_avx512(ex, x, n, &sum)) return sum;
+    if (lg_avx512_usable(ex) && lg_sum_squares_avx512(ex, x, n, &sum)) return sum;
     LG_OMP(omp parallel for reduction(+ : sum))
     for (long k = 0; k < (long)n; k++) {
         double g = lg_get(x, (size_t)k);
