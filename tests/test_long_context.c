@@ -67,6 +67,13 @@ static void test_plan_for_gpus(results *r) {
 }
 
 
+/* The number in a table row after its bar-th '|' (0 when there is none). */
+static int table_cell(const char *line, int bar) {
+    const char *at = line;
+    for (int k = 0; k < bar && at; k++) at = strchr(at + 1, '|');
+    return at ? atoi(at + 1) : 0;
+}
+
 /* README's context table is make context-table's output, line for line. */
 static void test_context_table_in_readme(results *r) {
     static char out[8192], readme[1 << 17];
@@ -75,16 +82,14 @@ static void test_context_table_in_readme(results *r) {
     size_t n = f ? fread(readme, 1, sizeof readme - 1, f) : 0;
     readme[n] = '\0';
     if (f) fclose(f);
-    int rows = 0, found = 0, rtx4090 = 0;
+    int rows = 0, found = 0, rtx4090 = 0, rtx4060 = 0;
     for (char *line = strtok(out, "\n"); line; line = strtok(NULL, "\n")) {
         if (line[0] != '|') continue;
         rows++;
         found += strstr(readme, line) != NULL;
-        if (strncmp(line, "| RTX 4090 ", 11) == 0) { /* after its 6th bar: every lever */
-            const char *at = line;
-            for (int bar = 0; bar < 6 && at; bar++) at = strchr(at + 1, '|');
-            rtx4090 = at ? atoi(at + 1) : 0;
-        }
+        if (strncmp(line, "| RTX 4090 ", 11) == 0) rtx4090 = table_cell(line, 6); /* --offload
+                                                                         activations */
+        if (strncmp(line, "| RTX 4060 (", 12) == 0) rtx4060 = table_cell(line, 8); /* + weights */
     }
     check(r, code == 0 && rows >= 10 && found == rows, "README's longest-context table is the "
           "planner's (tools/context_table): %d of %d lines", found, rows);
@@ -98,8 +103,17 @@ static void test_context_table_in_readme(results *r) {
         verdict[k] = run_stdout(args, out, sizeof out);
     }
     check(r, rtx4090 > 0 && verdict[0] == 0 && verdict[1] == 3, "the table's RTX 4090 cell with "
-          "every lever, %d tokens: ./train --plan --gpu rtx4090 fits it (exit %d), not one token "
-          "more (exit %d)", rtx4090, verdict[0], verdict[1]);
+          "--offload activations, %d tokens: ./train --plan --gpu rtx4090 fits it (exit %d), not "
+          "one token more (exit %d)", rtx4090, verdict[0], verdict[1]);
+    for (int k = 0; k < 2; k++) {
+        snprintf(args, sizeof args, "--plan --gpu rtx4060 -c Llama-3.1-8B -t %d -b 1 -p bf16-true "
+                 "--lora-r 32 --lora-targets all --quantize nf4 --recompute block --offload "
+                 "activations,weights --host-memory-limit 64GiB > /dev/null 2>&1", rtx4060 + k);
+        verdict[k] = run_stdout(args, out, sizeof out);
+    }
+    check(r, rtx4060 > 2972 && verdict[0] == 0 && verdict[1] == 3, "the table's 8 GB row (RTX "
+          "4060) with --offload weights, %d tokens, past Unsloth's 2,972: ./train --plan --gpu "
+          "rtx4060 fits it (exit %d), not one token more (exit %d)", rtx4060, verdict[0], verdict[1]);
 }
 
 /* A number after "key": in the JSON object that starts at from; 0 when absent. */

@@ -7,8 +7,9 @@
    batch 1. Ours adds bf16-true and --recompute block; then the head and loss in chunks of
    LG_HEAD_CHUNK_ROWS rows (no logits for the whole sequence, as Unsloth's fused cross-entropy);
    then also each block's MLP in slices of LG_SLICE_ROWS rows; then also --offload activations
-   (the block inputs in host memory, as Unsloth keeps its checkpoints), whose host memory has
-   its own column. Each length is the longest whose CUDA plan, with the CUDA runtime's estimate
+   (the block inputs in host memory, as Unsloth keeps its checkpoints); then also --offload
+   weights (the NF4 base in host memory, streamed onto the GPU a block at a time, which Unsloth
+   does not do). The two offloading columns' host memory has a column each. Each length is the longest whose CUDA plan, with the CUDA runtime's estimate
    for the card (lg_cuda_estimate_runtime, the last column: no GPU is needed to print this
    table) and the fit check's margin
    (lg_args_margin) kept free, fits what the card reports, up to the model's block_size
@@ -27,15 +28,17 @@ typedef struct {
 } context_row;
 
 static const context_row rows[] = {
+    {"rtx4060", 8, 2972, 0},       {"rtx4070", 12, 21848, 932},     {"rtx4060ti-16gb", 16, 40724, 2551},
     {"a10", 24, 78475, 5789},      {"l4", 24, 78475, 5789},         {"rtx4090", 24, 78475, 5789},
     {"rtx5090", 32, 0, 0},         {"a100-40gb", 40, 153977, 12264}, {"l40s", 48, 191728, 15502},
     {"h100", 80, 342733, 28454},   {"a100-80gb", 80, 342733, 28454},
 };
 
 /* Unsloth's run on one GPU, planned for the CUDA backend on card (its runtime estimate);
-   head_rows and slice_rows 0: all rows at once. */
+   head_rows and slice_rows 0: all rows at once; offload_weights: the NF4 base in host memory,
+   streamed a block at a time (with --offload, which it needs: the adapters' optimizer there). */
 static void unsloth_args(lg_args *a, const lg_gpu_card *card, int head_rows, int slice_rows,
-                         int offload_activations) {
+                         int offload_activations, int offload_weights) {
     lg_error err;
     lg_args_default(a);
     a->backend = LG_BACKEND_CUDA;
@@ -43,6 +46,7 @@ static void unsloth_args(lg_args *a, const lg_gpu_card *card, int head_rows, int
     a->precision = LG_PRECISION_BF16_TRUE;
     a->recompute = 1;
     a->offload_activations = offload_activations;
+    a->offload = a->offload_weights = offload_weights;
     a->head_rows = head_rows;
     a->slice_rows = slice_rows;
     a->lora.r = 32;
@@ -101,27 +105,30 @@ static const char *published(int tokens, const context_row *row, char *buf, size
 static void print_row(const lg_config *cfg, const context_row *row) {
     const lg_gpu_card *card = lg_gpu_card_named(row->card);
     size_t limit = card->total_mib << 20;
-    char c[4][32], theirs[2][32], host[32], runtime[32];
-    int last = 0;
-    lg_args levers[4];
-    unsloth_args(&levers[0], card, 0, 0, 0);
-    unsloth_args(&levers[1], card, LG_HEAD_CHUNK_ROWS, 0, 0);
-    unsloth_args(&levers[2], card, LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS, 0);
-    unsloth_args(&levers[3], card, LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS, 1);
-    for (int k = 0; k < 4; k++) {
-        int T = longest_fitting(cfg, &levers[k], limit);
-        cell(T, cfg, c[k], sizeof c[k]);
-        if (k == 3) last = T;
+    enum { LEVER_SETS = 5 };
+    char c[LEVER_SETS][32], theirs[2][32], host[2][32], runtime[32];
+    int longest[LEVER_SETS];
+    lg_args levers[LEVER_SETS];
+    unsloth_args(&levers[0], card, 0, 0, 0, 0);
+    unsloth_args(&levers[1], card, LG_HEAD_CHUNK_ROWS, 0, 0, 0);
+    unsloth_args(&levers[2], card, LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS, 0, 0);
+    unsloth_args(&levers[3], card, LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS, 1, 0);
+    unsloth_args(&levers[4], card, LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS, 1, 1);
+    for (int k = 0; k < LEVER_SETS; k++) {
+        longest[k] = longest_fitting(cfg, &levers[k], limit);
+        cell(longest[k], cfg, c[k], sizeof c[k]);
     }
-    lg_fit fit;
-    int planned = last && plan_fit(cfg, &levers[3], last, limit, &fit) == 0;
-    lg_format_bytes(planned ? fit.host_bytes : 0, host, sizeof host);
+    for (int k = 0; k < 2; k++) { /* the host memory of the two offloading columns */
+        lg_fit fit;
+        int at = longest[3 + k], planned = at && plan_fit(cfg, &levers[3 + k], at, limit, &fit) == 0;
+        lg_format_bytes(planned ? fit.host_bytes : 0, host[k], sizeof host[k]);
+    }
     lg_format_bytes(levers[0].runtime_bytes, runtime, sizeof runtime);
-    printf("| %s (%zu MiB%s) | %s | %s | %s | %s | %s | %s | %s | %s |\n", card->label,
+    printf("| %s (%zu MiB%s) | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", card->label,
            card->total_mib, card->nominal ? ", not a reading" : "",
            published(row->unsloth, row, theirs[0], sizeof theirs[0]),
            published(row->huggingface, row, theirs[1], sizeof theirs[1]), c[0], c[1], c[2], c[3],
-           host, runtime);
+           host[0], c[4], host[1], runtime);
 }
 
 int main(void) {
@@ -136,9 +143,10 @@ int main(void) {
            "default margin kept free, up to block_size %d (no GPU has run these)\n\n",
            cfg.block_size);
     printf("| GPU (memory it reports) | Unsloth | Hugging Face + FA2 | litgpt.c plan | + head in "
-           "chunks of %d | + MLP in slices of %d | + --offload activations | host memory of "
-           "the last | cuda.runtime (estimate) |\n", LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS);
-    printf("|---|---|---|---|---|---|---|---|---|\n");
+           "chunks of %d | + MLP in slices of %d | + --offload activations | its host memory | "
+           "+ --offload weights | its host memory | cuda.runtime (estimate) |\n",
+           LG_HEAD_CHUNK_ROWS, LG_SLICE_ROWS);
+    printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) print_row(&cfg, &rows[i]);
     return 0;
 }
