@@ -1844,6 +1844,44 @@ static void test_offload_weights_bitwise(results *r) {
           "with --offload gradients)", runs, n_families);
 }
 
+/* What one --offload run allocates: test-pythia (cfg), --offload state, 3 micro-batches of 2
+   (bf16-mixed: bf16 weights, fp32 gradients, the master on the host), plus gradients and/or
+   weights streamed. */
+typedef struct {
+    size_t device, host, traffic; /* the pools, and the plan's host traffic a step */
+    int arenas_as_planned;
+    int device_gradients;         /* a whole-model gradient region on the device */
+    int weights_on_host;          /* the weights region in the host pool */
+    int gather_blocks;            /* device slots the blocks' weights come into */
+} offload_pools;
+
+static int offload_pools_of(results *r, const lg_config *cfg, int gradients, int weights,
+                            offload_pools *out) {
+    lg_args a;
+    lg_args_default(&a);
+    a.micro_batch_size = 2;
+    a.global_batch_size = 6;
+    a.offload = 1;
+    a.offload_gradients = gradients;
+    a.offload_weights = weights;
+    lg_error err;
+    lg_trainer tr;
+    if (create_counting(&tr, cfg, &a, 16, &err) != 0) {
+        check(r, 0, "%s", err.msg);
+        return -1;
+    }
+    const lg_rank_plan *p = &tr.plan.ranks[0];
+    out->device = p->pool_bytes[LG_POOL_DEVICE];
+    out->host = p->pool_bytes[LG_POOL_HOST];
+    out->traffic = lg_plan_host_traffic_bytes(&tr.plan);
+    out->arenas_as_planned = arenas_equal_plan(&tr);
+    out->device_gradients = lg_plan_find(p, "gradients") != NULL;
+    out->weights_on_host = lg_plan_find(p, "weights")->pool == LG_POOL_HOST;
+    out->gather_blocks = lg_plan_find(p, "gather.blocks") != NULL;
+    lg_trainer_free(&tr);
+    return 0;
+}
+
 /* --offload gradients as allocated: the arenas are the plan's; the device's whole-model
    gradient buffer gives way to the ends' and two blocks' buffers; the host traffic counts
    the trips; the remedies price it; refused where it does not run yet, naming why. */
@@ -1854,22 +1892,10 @@ static void test_offload_gradients_memory(results *r) {
     size_t device[2], host[2], traffic[2];
     int ok = 1;
     for (int v = 0; v < 2; v++) {
-        lg_args a;
-        lg_args_default(&a);
-        a.micro_batch_size = 2;
-        a.global_batch_size = 6; /* 3 micro-batches */
-        a.offload = 1;
-        a.offload_gradients = v;
-        lg_error err;
-        lg_trainer tr;
-        if (create_counting(&tr, &cfg, &a, 16, &err) != 0) { check(r, 0, "%s", err.msg); return; }
-        const lg_rank_plan *p = &tr.plan.ranks[0];
-        device[v] = p->pool_bytes[LG_POOL_DEVICE];
-        host[v] = p->pool_bytes[LG_POOL_HOST];
-        traffic[v] = lg_plan_host_traffic_bytes(&tr.plan);
-        ok = ok && arenas_equal_plan(&tr) && (lg_plan_find(p, "gradients") != NULL) == !v &&
-             (lg_plan_find(p, "gradients.blocks") != NULL) == v;
-        lg_trainer_free(&tr);
+        offload_pools got;
+        if (offload_pools_of(r, &cfg, v, 0, &got) != 0) return;
+        device[v] = got.device, host[v] = got.host, traffic[v] = got.traffic;
+        ok = ok && got.arenas_as_planned && got.device_gradients == !v;
     }
     /* fp32 gradients (bf16-mixed's): the whole model's, against the ends' and two blocks' */
     size_t f32 = sizeof(float), block = lg_unit_layout(&cfg, 1, lg_no_buf(), NULL);
@@ -1926,22 +1952,10 @@ static void test_offload_weights_memory(results *r) {
     size_t device[2], host[2], traffic[2];
     int ok = 1;
     for (int v = 0; v < 2; v++) {
-        lg_args a;
-        lg_args_default(&a); /* bf16-mixed: bf16 weights, the fp32 master on the host */
-        a.micro_batch_size = 2;
-        a.global_batch_size = 6; /* 3 micro-batches */
-        a.offload = 1;
-        a.offload_weights = v;
-        lg_error err;
-        lg_trainer tr;
-        if (create_counting(&tr, &cfg, &a, 16, &err) != 0) { check(r, 0, "%s", err.msg); return; }
-        const lg_rank_plan *p = &tr.plan.ranks[0];
-        device[v] = p->pool_bytes[LG_POOL_DEVICE];
-        host[v] = p->pool_bytes[LG_POOL_HOST];
-        traffic[v] = lg_plan_host_traffic_bytes(&tr.plan);
-        ok = ok && arenas_equal_plan(&tr) && lg_plan_find(p, "weights")->pool == (v ? LG_POOL_HOST : LG_POOL_DEVICE) &&
-             (lg_plan_find(p, "gather.blocks") != NULL) == v;
-        lg_trainer_free(&tr);
+        offload_pools got;
+        if (offload_pools_of(r, &cfg, 0, v, &got) != 0) return;
+        device[v] = got.device, host[v] = got.host, traffic[v] = got.traffic;
+        ok = ok && got.arenas_as_planned && got.weights_on_host == v && got.gather_blocks == v;
     }
     size_t bf16 = 2, block = lg_unit_layout(&cfg, 1, lg_no_buf(), NULL);
     size_t ends = lg_unit_layout(&cfg, 0, lg_no_buf(), NULL), whole = ends + cfg.n_layer * block;

@@ -74,6 +74,18 @@ static int table_cell(const char *line, int bar) {
     return at ? atoi(at + 1) : 0;
 }
 
+/* The exit code of ./train --plan for a context table cell: Unsloth's setup at T tokens on the
+   card, with the head in chunks and the MLP in slices (the planner's choice) and these parts
+   offloaded. */
+static int cell_plan_exit(const char *card, int T, const char *offload) {
+    static char out[8192];
+    char args[512];
+    snprintf(args, sizeof args, "--plan --gpu %s -c Llama-3.1-8B -t %d -b 1 -p bf16-true "
+             "--lora-r 32 --lora-targets all --quantize nf4 --recompute block --offload %s "
+             "--host-memory-limit 64GiB > /dev/null 2>&1", card, T, offload);
+    return run_stdout(args, out, sizeof out);
+}
+
 /* README's context table is make context-table's output, line for line. */
 static void test_context_table_in_readme(results *r) {
     static char out[8192], readme[1 << 17];
@@ -94,23 +106,13 @@ static void test_context_table_in_readme(results *r) {
     check(r, code == 0 && rows >= 10 && found == rows, "README's longest-context table is the "
           "planner's (tools/context_table): %d of %d lines", found, rows);
     /* a cell is what ./train --plan --gpu says: that length fits the card, one more does not */
-    char args[512];
     int verdict[2];
-    for (int k = 0; k < 2; k++) {
-        snprintf(args, sizeof args, "--plan --gpu rtx4090 -c Llama-3.1-8B -t %d -b 1 -p bf16-true "
-                 "--lora-r 32 --lora-targets all --quantize nf4 --recompute block --offload "
-                 "activations --host-memory-limit 64GiB > /dev/null 2>&1", rtx4090 + k);
-        verdict[k] = run_stdout(args, out, sizeof out);
-    }
+    for (int k = 0; k < 2; k++) verdict[k] = cell_plan_exit("rtx4090", rtx4090 + k, "activations");
     check(r, rtx4090 > 0 && verdict[0] == 0 && verdict[1] == 3, "the table's RTX 4090 cell with "
           "--offload activations, %d tokens: ./train --plan --gpu rtx4090 fits it (exit %d), not "
           "one token more (exit %d)", rtx4090, verdict[0], verdict[1]);
-    for (int k = 0; k < 2; k++) {
-        snprintf(args, sizeof args, "--plan --gpu rtx4060 -c Llama-3.1-8B -t %d -b 1 -p bf16-true "
-                 "--lora-r 32 --lora-targets all --quantize nf4 --recompute block --offload "
-                 "activations,weights --host-memory-limit 64GiB > /dev/null 2>&1", rtx4060 + k);
-        verdict[k] = run_stdout(args, out, sizeof out);
-    }
+    for (int k = 0; k < 2; k++)
+        verdict[k] = cell_plan_exit("rtx4060", rtx4060 + k, "activations,weights");
     check(r, rtx4060 > 2972 && verdict[0] == 0 && verdict[1] == 3, "the table's 8 GB row (RTX "
           "4060) with --offload weights, %d tokens, past Unsloth's 2,972: ./train --plan --gpu "
           "rtx4060 fits it (exit %d), not one token more (exit %d)", rtx4060, verdict[0], verdict[1]);

@@ -563,35 +563,23 @@ static void test_gpu_features(results *r) {
     }
 }
 
-/* A QLoRA run of 3 steps with the head in chunks of 5, the MLP in slices of 3 and --offload
-   activations over 6 blocks (both slots turn over, fetched again in the backward), fp32: its
-   losses and adapters on the CUDA backend against the CPU's within 1e-4. skip: the compute
-   does not wait for the slots' copies; *beside: kernels launched while a copy was still
-   pending (the emulator's count). */
-static double offload_run_apart(results *r, int skip, double *losses_apart,
-                                unsigned long long *beside) {
+/* Runs a and b (the same with more parts offloaded, or on another backend) 3 steps on
+   test-llama with `layers` blocks; skip: b's compute does not wait for its slots' copies. How
+   far b's weights land from a's, the losses' into *losses_apart, and the kernels launched
+   beside a pending copy in b into *beside (the emulator's count). */
+static double streamed_run_apart(results *r, const lg_args *a, const lg_args *b, int layers,
+                                 int skip, double *losses_apart, unsigned long long *beside) {
     const int T = 16, steps = 3;
     lg_config cfg;
     if (load_config_or_fail(r, &cfg, "test-llama")) return INFINITY;
-    cfg.n_layer = 6;
-    lg_args a = step_args(LG_PRECISION_32_TRUE, LG_BACKEND_CPU);
-    a.lora.r = 2;
-    a.lora.dropout = 0.0f;
-    a.lora.quantize = LG_QUANTIZE_NF4;
-    a.lora.targets = LG_LORA_QUERY | LG_LORA_KEY | LG_LORA_VALUE | LG_LORA_PROJECTION | LG_LORA_MLP;
-    a.lr = 1e-2f;
-    a.recompute = a.offload_activations = 1;
-    a.head_rows = 5;
-    a.slice_rows = 3;
-    lg_args b = a;
-    b.backend = LG_BACKEND_CUDA;
+    cfg.n_layer = layers;
     double la[3], lb[3];
     lg_trainer ta, tb;
     lg_loader ld;
     lg_error err;
     *losses_apart = INFINITY;
-    if (train_steps(&ta, &cfg, &a, T, steps, la) != 0) return INFINITY;
-    if (lg_trainer_create(&tb, &cfg, &b, T, &err) != 0 || builtin_loader(&ld, &cfg, &b, T, steps) != 0) {
+    if (train_steps(&ta, &cfg, a, T, steps, la) != 0) return INFINITY;
+    if (lg_trainer_create(&tb, &cfg, b, T, &err) != 0 || builtin_loader(&ld, &cfg, b, T, steps) != 0) {
         lg_trainer_free(&ta);
         return INFINITY;
     }
@@ -610,6 +598,27 @@ static double offload_run_apart(results *r, int skip, double *losses_apart,
     lg_trainer_free(&ta);
     lg_trainer_free(&tb);
     return INFINITY;
+}
+
+/* A QLoRA run of 3 steps with the head in chunks of 5, the MLP in slices of 3 and --offload
+   activations over 6 blocks (both slots turn over, fetched again in the backward), fp32: its
+   losses and adapters on the CUDA backend against the CPU's within 1e-4. skip: the compute
+   does not wait for the slots' copies; *beside: kernels launched while a copy was still
+   pending (the emulator's count). */
+static double offload_run_apart(results *r, int skip, double *losses_apart,
+                                unsigned long long *beside) {
+    lg_args a = step_args(LG_PRECISION_32_TRUE, LG_BACKEND_CPU);
+    a.lora.r = 2;
+    a.lora.dropout = 0.0f;
+    a.lora.quantize = LG_QUANTIZE_NF4;
+    a.lora.targets = LG_LORA_QUERY | LG_LORA_KEY | LG_LORA_VALUE | LG_LORA_PROJECTION | LG_LORA_MLP;
+    a.lr = 1e-2f;
+    a.recompute = a.offload_activations = 1;
+    a.head_rows = 5;
+    a.slice_rows = 3;
+    lg_args b = a;
+    b.backend = LG_BACKEND_CUDA;
+    return streamed_run_apart(r, &a, &b, 6, skip, losses_apart, beside);
 }
 
 /* --offload activations on the GPU: the QLoRA run above equals the CPU's; on the emulator
@@ -644,9 +653,6 @@ static void test_offload_overlap(results *r) {
    orders); skip: the compute does not wait for the buffers' copies to the host. Returns how
    far the weights land apart, the losses' into *losses_apart, and the kernels launched beside
    a pending copy into *beside (the emulator's count). */
-static double streamed_run_apart(results *r, const lg_args *a, const lg_args *b, int skip,
-                                 double *losses_apart, unsigned long long *beside);
-
 static double gradients_run_apart(results *r, int devices, int skip, double *losses_apart,
                                   unsigned long long *beside) {
     lg_args a = step_args(LG_PRECISION_BF16_MIXED, LG_BACKEND_CUDA);
@@ -656,44 +662,7 @@ static double gradients_run_apart(results *r, int devices, int skip, double *los
     a.offload = 1;
     lg_args b = a;
     b.offload_gradients = 1;
-    return streamed_run_apart(r, &a, &b, skip, losses_apart, beside);
-}
-
-/* Runs a and b (the same with more parts offloaded) 3 steps on test-llama with 5 blocks;
-   skip: b's compute does not wait for its slots' copies. How far b's weights land from a's,
-   the losses' into *losses_apart, and the kernels launched beside a pending copy in b into
-   *beside (the emulator's count). */
-static double streamed_run_apart(results *r, const lg_args *a, const lg_args *b, int skip,
-                                 double *losses_apart, unsigned long long *beside) {
-    const int T = 16, steps = 3;
-    lg_config cfg;
-    if (load_config_or_fail(r, &cfg, "test-llama")) return INFINITY;
-    cfg.n_layer = 5;
-    double la[3], lb[3];
-    lg_trainer ta, tb;
-    lg_loader ld;
-    lg_error err;
-    *losses_apart = INFINITY;
-    if (train_steps(&ta, &cfg, a, T, steps, la) != 0) return INFINITY;
-    if (lg_trainer_create(&tb, &cfg, b, T, &err) != 0 || builtin_loader(&ld, &cfg, b, T, steps) != 0) {
-        lg_trainer_free(&ta);
-        return INFINITY;
-    }
-    for (int k = 0; k < tb.local_ranks; k++) tb.ranks[k].model.skip_kept_waits = skip;
-#ifdef LG_CUDA_EMULATE
-    unsigned long long before = lg_emu_launches_beside_copies();
-#endif
-    int rc = run_step_range(&tb, &ld, 0, steps, lb);
-#ifdef LG_CUDA_EMULATE
-    *beside = lg_emu_launches_beside_copies() - before;
-#else
-    *beside = 0;
-#endif
-    lg_loader_close(&ld);
-    if (rc == 0) return trainers_apart(&ta, &tb, la, lb, steps, losses_apart);
-    lg_trainer_free(&ta);
-    lg_trainer_free(&tb);
-    return INFINITY;
+    return streamed_run_apart(r, &a, &b, 5, skip, losses_apart, beside);
 }
 
 /* --offload gradients on the GPU: bitwise the weights and losses of --offload state (the same
@@ -748,7 +717,7 @@ static void test_offload_weights(results *r) {
         b.offload_weights = 1;
         double losses;
         unsigned long long beside = 0;
-        double apart = streamed_run_apart(r, &a, &b, 0, &losses, &beside);
+        double apart = streamed_run_apart(r, &a, &b, 5, 0, &losses, &beside);
         check(r, apart == 0 && losses == 0, "--offload weights = --offload state on the GPU, %s, "
               "5 blocks, 3 micro-batches a step, 3 steps: weights %.1e, losses %.1e apart "
               "(bitwise); %llu kernels launched beside a pending copy",
@@ -758,7 +727,7 @@ static void test_offload_weights(results *r) {
         if (!qlora && defer && strcmp(defer, "1") == 0) {
             double losses_skipped;
             unsigned long long beside_skipped = 0;
-            double skipped = streamed_run_apart(r, &a, &b, 1, &losses_skipped, &beside_skipped);
+            double skipped = streamed_run_apart(r, &a, &b, 5, 1, &losses_skipped, &beside_skipped);
             check(r, beside > 0 && (skipped > 1e-3 || losses_skipped > 1e-3), "the same with the "
                   "weight slots' waits removed, copies deferred: weights %.1e, losses %.1e apart "
                   "(a block computed before its weights landed shows)", skipped, losses_skipped);
