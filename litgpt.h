@@ -8662,17 +8662,24 @@ static lg_buf lg_head_pass_weight(const lg_model *m) {
     return lg_matmul_weight(&m->exec, w, c->padded_vocab_size, c->n_embd);
 }
 
+/* The NF4 lm_head's tile of vocabulary rows from v0 (its *n rows: lg_head_tile_rows, fewer at
+   the end), dequantized into the exec's workspace: (n, C). */
+static lg_buf lg_head_tile_weight(const lg_model *m, int v0, int *n) {
+    const lg_config *c = &m->cfg;
+    int Vp = c->padded_vocab_size, tile = lg_head_tile_rows(c);
+    *n = Vp - v0 < tile ? Vp - v0 : tile;
+    return lg_matmul_weight_rows(&m->exec, m->p.lm_head_w, Vp, c->n_embd, v0, *n);
+}
+
 /* The logits (rows, Vp) = in (rows, C) lm_head^T + bias by an NF4 lm_head (Vp, C), a tile of
    vocabulary rows at a time: each tile (n, C) dequantized into the exec's workspace, its
    matmul writing its columns v0 .. v0 + n of the logits region (each logit the same sum as in
    one matmul over the whole head). */
 static void lg_head_tiles_forward(lg_model *m, lg_buf in, int rows) {
-    const lg_config *c = &m->cfg;
     const lg_exec *ex = &m->exec;
-    int C = c->n_embd, Vp = c->padded_vocab_size, tile = lg_head_tile_rows(c);
-    for (int v0 = 0; v0 < Vp; v0 += tile) {
-        int n = Vp - v0 < tile ? Vp - v0 : tile;
-        lg_buf w = lg_matmul_weight_rows(ex, m->p.lm_head_w, Vp, C, v0, n); /* (n, C) */
+    int C = m->cfg.n_embd, Vp = m->cfg.padded_vocab_size;
+    for (int v0 = 0, n; v0 < Vp; v0 += n) {
+        lg_buf w = lg_head_tile_weight(m, v0, &n); /* (n, C) */
         lg_buf bias = m->p.lm_head_b.data ? lg_at(m->p.lm_head_b, (size_t)v0) : lg_no_buf();
         lg_linear_forward_into(ex, lg_at(m->a.logits, (size_t)v0), Vp, in, w, bias, rows, C, n);
     }
@@ -8834,12 +8841,10 @@ static lg_buf lg_residual_grad(const lg_model *m, int k) {
    (the first tile writes). The tiles split the sum over the vocabulary where the CPU gemm's K
    blocks do (LG_HEAD_TILE_ALIGN): the whole head's sums, bit for bit. */
 static void lg_head_tiles_backward(lg_model *m, lg_buf d_in, int rows) {
-    const lg_config *c = &m->cfg;
     const lg_exec *ex = &m->exec;
-    int C = c->n_embd, Vp = c->padded_vocab_size, tile = lg_head_tile_rows(c);
-    for (int v0 = 0; v0 < Vp; v0 += tile) {
-        int n = Vp - v0 < tile ? Vp - v0 : tile;
-        lg_buf w = lg_matmul_weight_rows(ex, m->p.lm_head_w, Vp, C, v0, n); /* (n, C) */
+    int C = m->cfg.n_embd, Vp = m->cfg.padded_vocab_size;
+    for (int v0 = 0, n; v0 < Vp; v0 += n) {
+        lg_buf w = lg_head_tile_weight(m, v0, &n); /* (n, C) */
         lg_matmul(ex, 0, 0, rows, C, n, lg_at(m->a.logits, (size_t)v0), Vp, w, C,
                   v0 ? 1.0f : 0.0f, d_in, C);
     }
