@@ -3863,14 +3863,19 @@ static int lg_args_check_offload_gradients(const lg_args *a, lg_error *err) {
 }
 
 /* --offload weights streams each unit's weights from the host, where --offload's optimizer
-   updates them; this stage serves one rank (several would stream their pieces and gather). */
+   updates them. With several ranks each streams its own piece and its shard group gathers the
+   rest, so the weights must be sharded: replicas of whole weights are not served. */
 static int lg_args_check_offload_weights(const lg_args *a, lg_error *err) {
     if (!a->offload_weights) return 0;
     if (!a->offload)
         return lg_fail(err, "--offload weights needs --offload state (the optimizer updates the "
                             "weights where they live, on the host)");
-    if (lg_args_ranks(a) > 1)
-        return lg_fail(err, "--offload weights runs on one rank for now (-d %d x --nodes %d)",
+    int sharded = a->strategy == LG_STRATEGY_FULL_SHARD ||
+                  (a->strategy == LG_STRATEGY_HYBRID_SHARD && a->devices > 1);
+    if (lg_args_ranks(a) > 1 && !sharded)
+        return lg_fail(err, "--offload weights: --strategy %s with -d %d x --nodes %d keeps whole "
+                            "weights on every rank; full-shard (or hybrid-shard with -d > 1) "
+                            "streams each rank's piece", lg_strategy_name(a->strategy),
                        a->devices, a->nodes);
     return 0;
 }
@@ -15588,28 +15593,33 @@ static uint8_t *lg_frozen_unit_buffer(const lg_trainer *tr, int r, int u) {
            (size_t)(slot - 1) * sl->piece_count[1] * (size_t)sl->n_shards;
 }
 
-/* LoRA's frozen base sharded: all-gathers frozen unit u as stored (bytes) in every shard group
-   and points the models' base views at it, beside the compute until lg_trainer_await_unit. */
+/* Where rank r's own piece of a gathered unit lies in it: at its place in its shard group. */
+static size_t lg_piece_place(const lg_trainer *tr, int r, size_t piece_count) {
+    return (size_t)tr->plan.ranks[tr->first_rank + r].shard_index * piece_count;
+}
+
+/* LoRA's frozen base sharded: all-gathers frozen unit u as stored (bytes) in every shard group,
+   beside the compute until lg_trainer_await_unit; streamed, each rank's piece already lies at
+   its place in the gathered unit (lg_trainer_stream_unit), and the gather fills the rest. */
 static void lg_trainer_gather_frozen_unit(lg_trainer *tr, int u) {
     const lg_sharding *sh = &tr->plan.sharding;
     const lg_shard_layout *sl = &tr->plan.frozen_shards;
-    if (!lg_frozen_sharded(&tr->plan.cfg, sh)) return;
     int S = sh->shard_ranks;
     lg_buf pieces[LG_MAX_RANKS], wholes[LG_MAX_RANKS];
     for (int q = 0; q < sh->replicas; q++) {
         int local[LG_MAX_RANKS], n = lg_trainer_group_local(tr, q * S, 1, S, local);
         for (int i = 0; i < n; i++) {
-            lg_buf piece = {(uint8_t *)tr->ranks[local[i]].model.frozen_shard.data + sl->piece_offset[u],
-                            LG_DTYPE_U8};
             lg_buf whole = {lg_frozen_unit_buffer(tr, local[i], u), LG_DTYPE_U8};
-            pieces[i] = piece, wholes[i] = whole;
+            lg_buf stored = {(uint8_t *)tr->ranks[local[i]].model.frozen_shard.data + sl->piece_offset[u],
+                             LG_DTYPE_U8};
+            wholes[i] = whole;
+            pieces[i] = sh->weights_streamed ? lg_at(whole, lg_piece_place(tr, local[i], sl->piece_count[u]))
+                                             : stored;
         }
         if (n)
             lg_all_gather_async(tr->shard_comm[q], n, pieces, wholes, sl->piece_count[u],
                                 LG_SIGNAL_FROZEN + lg_unit_slot(u, tr->block_slots));
     }
-    for (int r = 0; r < tr->local_ranks; r++)
-        lg_model_point_frozen_unit(&tr->ranks[r].model, u, lg_frozen_unit_buffer(tr, r, u));
 }
 
 /* The copy-beside mark of unit u's gather slot (--offload weights). */
@@ -15617,70 +15627,75 @@ static int lg_weights_mark(const lg_trainer *tr, int u) {
     return LG_BESIDE_WEIGHTS + lg_unit_slot(u, tr->block_slots);
 }
 
-/* --offload weights: copies unit u's weights (and LoRA's frozen unit u) from the host into
-   its slots beside the compute, after the ops queued so far (the slots' last readers among
-   them), and points the model's views at them; lg_trainer_await_unit waits for the copies. */
+/* --offload weights: copies each rank's piece of unit u's weights (and of LoRA's frozen unit
+   u) from the host to its place in the unit's slots, beside the compute, after the ops queued
+   so far (the slots' last readers among them). One rank: the piece is the whole unit. */
 static void lg_trainer_stream_unit(lg_trainer *tr, int u) {
     const lg_shard_layout *sl = &tr->plan.shards, *fl = &tr->plan.frozen_shards;
     int frozen = lg_frozen_sharded(&tr->plan.cfg, &tr->plan.sharding);
     for (int r = 0; r < tr->local_ranks; r++) {
         lg_model *m = &tr->ranks[r].model;
-        lg_buf slot = lg_unit_weights(tr, r, u);
-        lg_copy_beside(&m->exec, slot, lg_at(m->params, sl->piece_offset[u]), sl->piece_count[u]);
+        lg_buf place = lg_at(lg_unit_weights(tr, r, u), lg_piece_place(tr, r, sl->piece_count[u]));
+        lg_copy_beside(&m->exec, place, lg_at(m->params, sl->piece_offset[u]), sl->piece_count[u]);
         if (frozen) {
-            lg_buf to = {lg_frozen_unit_buffer(tr, r, u), LG_DTYPE_U8};
+            lg_buf whole = {lg_frozen_unit_buffer(tr, r, u), LG_DTYPE_U8};
             lg_buf from = {(uint8_t *)m->frozen_shard.data + fl->piece_offset[u], LG_DTYPE_U8};
-            lg_copy_beside(&m->exec, to, from, fl->piece_count[u]);
-            lg_model_point_frozen_unit(m, u, (uint8_t *)to.data);
+            lg_copy_beside(&m->exec, lg_at(whole, lg_piece_place(tr, r, fl->piece_count[u])), from,
+                           fl->piece_count[u]);
         }
         lg_mark_beside(&m->exec, lg_weights_mark(tr, u));
-        lg_model_point_unit(m, u, slot, lg_no_buf());
     }
 }
 
-/* Full-shard: all-gathers unit u's weights (and LoRA's frozen unit u, when sharded) in every
-   shard group and points the models' views at them; on GPUs the gather runs beside the
-   compute until lg_trainer_await_unit(u). --offload weights: copies them from the host
-   (lg_trainer_stream_unit). Nothing to do when every rank holds whole weights. */
+/* Brings unit u's weights (and LoRA's frozen unit u) into its slots on every rank and points
+   the models' views at them, beside the compute until lg_trainer_await_unit(u): streamed
+   (--offload weights), each rank's piece is copied from the host; sharded (full-shard,
+   hybrid-shard), the shard group all-gathers the pieces. Nothing to do when every rank holds
+   whole weights. */
 static void lg_trainer_gather_unit(lg_trainer *tr, int u) {
     const lg_sharding *sh = &tr->plan.sharding;
     const lg_shard_layout *sl = &tr->plan.shards;
-    if (sh->weights_streamed) {
-        lg_trainer_stream_unit(tr, u);
-        return;
-    }
-    if (!sh->weights_sharded) return;
-    lg_trainer_gather_frozen_unit(tr, u);
-    int S = sh->shard_ranks;
-    lg_buf pieces[LG_MAX_RANKS], wholes[LG_MAX_RANKS];
-    for (int q = 0; q < sh->replicas; q++) {
-        int local[LG_MAX_RANKS], n = lg_trainer_group_local(tr, q * S, 1, S, local);
-        for (int i = 0; i < n; i++) {
-            pieces[i] = lg_at(tr->ranks[local[i]].model.params, sl->piece_offset[u]);
-            wholes[i] = lg_unit_weights(tr, local[i], u);
+    if (!lg_weights_in_units(sh)) return;
+    if (sh->weights_streamed) lg_trainer_stream_unit(tr, u);
+    if (sh->weights_sharded) {
+        if (lg_frozen_sharded(&tr->plan.cfg, sh)) lg_trainer_gather_frozen_unit(tr, u);
+        int S = sh->shard_ranks;
+        lg_buf pieces[LG_MAX_RANKS], wholes[LG_MAX_RANKS];
+        for (int q = 0; q < sh->replicas; q++) {
+            int local[LG_MAX_RANKS], n = lg_trainer_group_local(tr, q * S, 1, S, local);
+            for (int i = 0; i < n; i++) {
+                wholes[i] = lg_unit_weights(tr, local[i], u);
+                pieces[i] = sh->weights_streamed /* in place, where the copy put it */
+                                ? lg_at(wholes[i], lg_piece_place(tr, local[i], sl->piece_count[u]))
+                                : lg_at(tr->ranks[local[i]].model.params, sl->piece_offset[u]);
+            }
+            if (n)
+                lg_all_gather_async(tr->shard_comm[q], n, pieces, wholes, sl->piece_count[u],
+                                    lg_gather_signal(tr, u));
         }
-        if (n)
-            lg_all_gather_async(tr->shard_comm[q], n, pieces, wholes, sl->piece_count[u],
-                                lg_gather_signal(tr, u));
     }
-    for (int r = 0; r < tr->local_ranks; r++)
-        lg_model_point_unit(&tr->ranks[r].model, u, lg_unit_weights(tr, r, u), lg_no_buf());
+    for (int r = 0; r < tr->local_ranks; r++) {
+        lg_model *m = &tr->ranks[r].model;
+        if (lg_frozen_sharded(&tr->plan.cfg, sh))
+            lg_model_point_frozen_unit(m, u, lg_frozen_unit_buffer(tr, r, u));
+        lg_model_point_unit(m, u, lg_unit_weights(tr, r, u), lg_no_buf());
+    }
 }
 
-/* Every rank's ops from here on wait for unit u's gathered weights (full-shard), or for their
-   copies from the host (--offload weights). */
+/* Every rank's ops from here on wait for unit u's weights: their copies from the host
+   (--offload weights), then their all-gather (sharded), which on a GPU follows the copies on
+   the same stream. */
 static void lg_trainer_await_unit(lg_trainer *tr, int u) {
-    if (tr->plan.sharding.weights_streamed) {
+    const lg_sharding *sh = &tr->plan.sharding;
+    if (sh->weights_streamed)
         for (int r = 0; r < tr->local_ranks; r++)
             if (!tr->ranks[r].model.skip_kept_waits)
                 lg_wait_beside(&tr->ranks[r].model.exec, lg_weights_mark(tr, u));
-        return;
-    }
-    if (!tr->plan.sharding.weights_sharded) return;
+    if (!sh->weights_sharded) return;
     int signal = lg_gather_signal(tr, u);
     int frozen = LG_SIGNAL_FROZEN + lg_unit_slot(u, tr->block_slots);
-    int has_frozen = lg_frozen_sharded(&tr->plan.cfg, &tr->plan.sharding);
-    for (int q = 0; q < tr->plan.sharding.replicas; q++) {
+    int has_frozen = lg_frozen_sharded(&tr->plan.cfg, sh);
+    for (int q = 0; q < sh->replicas; q++) {
         lg_comm_await(tr->shard_comm[q], signal);
         if (has_frozen) lg_comm_await(tr->shard_comm[q], frozen);
     }
@@ -17365,10 +17380,11 @@ static int lg_checkpoint_finish(lg_trainer *tr, const lg_loader *data, const cha
     return rc;
 }
 
-/* LoRA's frozen base sharded: gathers frozen unit u on every rank; where rank 0 holds it. */
+/* LoRA's frozen base in units (sharded or streamed): brings unit u to every rank (with its
+   trainable weights, which the merge does not read); where rank 0 holds the frozen one. */
 static lg_frozen_at lg_trainer_bring_frozen(void *ctx, int u) {
     lg_trainer *tr = (lg_trainer *)ctx;
-    lg_trainer_gather_frozen_unit(tr, u);
+    lg_trainer_gather_unit(tr, u);
     lg_trainer_await_unit(tr, u);
     return lg_frozen_unit_at(&tr->ranks[0].model, u, lg_frozen_unit_buffer(tr, 0, u));
 }

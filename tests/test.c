@@ -1830,18 +1830,27 @@ static void test_offload_weights_bitwise(results *r) {
                                       : k == QLORA_NF4_DQ ? LG_QUANTIZE_NF4_DQ
                                                           : LG_QUANTIZE_NONE;
                 }
-                for (int gradients = 0; gradients < 2; gradients++) {
-                    lg_args streamed = a;
-                    streamed.offload_weights = 1;
-                    streamed.offload_gradients = gradients;
-                    ok = offload_runs_same(&cfg, &a, &streamed, names[i], mode_names[k]) && ok;
-                    runs++;
+                for (int ranks = 1; ranks <= 4; ranks *= 2) { /* 1, -d 2 full, 2 x 2 hybrid */
+                    if (ranks > 1 && k != FULL_BF16_MIXED && k != QLORA_NF4) continue;
+                    lg_args b = a;
+                    b.strategy = ranks == 4 ? LG_STRATEGY_HYBRID_SHARD : LG_STRATEGY_FULL_SHARD;
+                    b.nodes = ranks == 4 ? 2 : 1;
+                    b.devices = ranks / b.nodes;
+                    b.global_batch_size *= ranks;
+                    for (int gradients = 0; gradients < 2; gradients++) {
+                        lg_args streamed = b;
+                        streamed.offload_weights = 1;
+                        streamed.offload_gradients = gradients && ranks < 4; /* (replicas) */
+                        ok = offload_runs_same(&cfg, &b, &streamed, names[i], mode_names[k]) && ok;
+                        runs++;
+                    }
                 }
             }
     check(r, ok, "--offload weights: bitwise the losses, gradients and weights of --offload "
           "state after 3 clipped AdamW steps (%d runs: %d families with 3 layers x full fp32, "
           "bf16-mixed, bf16-true, LoRA, QLoRA nf4 and nf4-dq x 1 and 3 micro-batches, alone and "
-          "with --offload gradients)", runs, n_families);
+          "with --offload gradients; full bf16-mixed and QLoRA nf4 also -d 2 full-shard and "
+          "-d 2 --nodes 2 hybrid-shard, each rank streaming its piece)", runs, n_families);
 }
 
 /* What one --offload run allocates: test-pythia (cfg), --offload state, 3 micro-batches of 2
@@ -1994,13 +2003,14 @@ static void test_offload_weights_memory(results *r) {
     check(r, streamed >= 0 && rem[streamed].args.offload && rem[streamed].args.offload_weights,
           "the remedies price --offload weights: device %zu B",
           streamed < 0 ? 0 : rem[streamed].device_bytes);
-    static const char *const why[2] = {"--offload state", "one rank"};
-    for (int i = 0; i < 2; i++) { /* without state; -d 2 */
+    static const char *const why[3] = {"--offload state", "no-shard", "shard-grad-op"};
+    for (int i = 0; i < 3; i++) { /* without state; -d 2 with whole weights on every rank */
         lg_args bad = a;
         lg_error refused = {0};
         bad.offload_weights = 1;
         bad.offload = i > 0;
-        if (i == 1) bad.devices = 2;
+        if (i > 0) bad.devices = 2;
+        bad.strategy = i == 2 ? LG_STRATEGY_SHARD_GRAD_OP : LG_STRATEGY_NO_SHARD;
         check(r, lg_args_check(&bad, &refused) != 0 && strstr(refused.msg, "--offload weights") &&
               strstr(refused.msg, why[i]), "--offload weights refused naming %s: %s", why[i],
               refused.msg);

@@ -439,6 +439,9 @@ static void test_mpirun(results *r) {
         {"sophia2", "-d 2 --strategy full-shard -o sophia --hessian-interval 2", 2},
         /* QLoRA: the frozen NF4 base sharded, its units gathered across processes */
         {"qlora2", "-d 2 --strategy full-shard --lora-r 2 --quantize nf4", 2},
+        /* --offload weights: each process streams its pieces from host memory, then gathers */
+        {"streamed2", "-d 2 --strategy full-shard --offload state,weights", 2},
+        {"qlorastreamed2", "-d 2 --strategy full-shard --lora-r 2 --quantize nf4 --offload state,weights", 2},
     };
     int rc = run_captured(MPIRUN "-np 2 ./train -d 2 --plan", out, sizeof out);
     int table = rc == 0 && strstr(out, "processes: 2, 1 rank each") && strstr(out, "largest mpi.shard 16.0 MiB");

@@ -696,44 +696,62 @@ static void test_offload_gradients(results *r) {
 #endif
 }
 
-/* --offload weights on the GPU: the weights (QLoRA: the NF4 base as stored) copied from the
-   host a unit at a time give bitwise the weights and losses of --offload state; on the
-   emulator with deferred copies the forward computes while the next unit's copy is pending,
-   and without the waits for those copies a block computes with the slot's old weights. */
-static void test_offload_weights(results *r) {
-    for (int qlora = 0; qlora < 2; qlora++) {
-        lg_args a = step_args(qlora ? LG_PRECISION_32_TRUE : LG_PRECISION_BF16_MIXED, LG_BACKEND_CUDA);
-        a.global_batch_size = 3 * a.micro_batch_size;
-        a.max_norm = 0.0f;
-        a.offload = 1;
-        if (qlora) {
-            a.lora.r = 2;
-            a.lora.dropout = 0.0f;
-            a.lora.quantize = LG_QUANTIZE_NF4;
-            a.lora.targets = LG_LORA_QUERY | LG_LORA_KEY | LG_LORA_VALUE | LG_LORA_PROJECTION |
-                             LG_LORA_MLP | LG_LORA_HEAD;
-        }
-        lg_args b = a;
-        b.offload_weights = 1;
-        double losses;
-        unsigned long long beside = 0;
-        double apart = streamed_run_apart(r, &a, &b, 5, 0, &losses, &beside);
-        check(r, apart == 0 && losses == 0, "--offload weights = --offload state on the GPU, %s, "
-              "5 blocks, 3 micro-batches a step, 3 steps: weights %.1e, losses %.1e apart "
-              "(bitwise); %llu kernels launched beside a pending copy",
-              qlora ? "QLoRA nf4 32-true" : "bf16-mixed", apart, losses, beside);
-#ifdef LG_CUDA_EMULATE
-        const char *defer = getenv("LG_EMU_DEFER_COPIES");
-        if (!qlora && defer && strcmp(defer, "1") == 0) {
-            double losses_skipped;
-            unsigned long long beside_skipped = 0;
-            double skipped = streamed_run_apart(r, &a, &b, 5, 1, &losses_skipped, &beside_skipped);
-            check(r, beside > 0 && (skipped > 1e-3 || losses_skipped > 1e-3), "the same with the "
-                  "weight slots' waits removed, copies deferred: weights %.1e, losses %.1e apart "
-                  "(a block computed before its weights landed shows)", skipped, losses_skipped);
-        }
-#endif
+/* --offload weights on the GPU, test-llama with 5 blocks, 3 micro-batches a step (bf16-mixed,
+   or QLoRA nf4 in fp32), with `devices` ranks (full-shard: each rank's piece from the host,
+   then the all-gather); skip: the compute does not wait for the slots' copies. How far the
+   weights land from --offload state's, the losses' into *losses_apart, the kernels launched
+   beside a pending copy into *beside. */
+static double weights_run_apart(results *r, int qlora, int devices, int skip,
+                                double *losses_apart, unsigned long long *beside) {
+    lg_args a = step_args(qlora ? LG_PRECISION_32_TRUE : LG_PRECISION_BF16_MIXED, LG_BACKEND_CUDA);
+    a.devices = devices;
+    a.global_batch_size = 3 * a.micro_batch_size * devices;
+    a.max_norm = 0.0f;
+    a.offload = 1;
+    if (qlora) {
+        a.lora.r = 2;
+        a.lora.dropout = 0.0f;
+        a.lora.quantize = LG_QUANTIZE_NF4;
+        a.lora.targets = LG_LORA_QUERY | LG_LORA_KEY | LG_LORA_VALUE | LG_LORA_PROJECTION |
+                         LG_LORA_MLP | LG_LORA_HEAD;
     }
+    lg_args b = a;
+    b.offload_weights = 1;
+    return streamed_run_apart(r, &a, &b, 5, skip, losses_apart, beside);
+}
+
+/* --offload weights on the GPU: the weights (QLoRA: the NF4 base as stored) copied from the
+   host a unit at a time give bitwise the weights and losses of --offload state, on one rank
+   and (2 GPUs visible) -d 2 full-shard; on the emulator with deferred copies the forward
+   computes while the next unit's copy is pending, and without the waits for those copies a
+   block computes with the slot's old weights. */
+static void test_offload_weights(results *r) {
+    int most = lg_cuda_device_count() >= 2 ? 2 : 1;
+    unsigned long long beside_plain = 0; /* bf16-mixed on one rank (the emulator's count) */
+    for (int qlora = 0; qlora < 2; qlora++)
+        for (int devices = 1; devices <= most; devices++) {
+            double losses;
+            unsigned long long beside = 0;
+            double apart = weights_run_apart(r, qlora, devices, 0, &losses, &beside);
+            check(r, apart == 0 && losses == 0, "--offload weights = --offload state on the GPU, "
+                  "%s, -d %d%s, 5 blocks, 3 micro-batches a step, 3 steps: weights %.1e, losses "
+                  "%.1e apart (bitwise); %llu kernels launched beside a pending copy",
+                  qlora ? "QLoRA nf4 32-true" : "bf16-mixed", devices,
+                  devices > 1 ? " full-shard (each rank's piece streamed, then gathered)" : "",
+                  apart, losses, beside);
+            beside_plain += !qlora && devices == 1 ? beside : 0;
+        }
+#ifdef LG_CUDA_EMULATE
+    const char *defer = getenv("LG_EMU_DEFER_COPIES");
+    if (defer && strcmp(defer, "1") == 0) {
+        double losses_skipped;
+        unsigned long long beside_skipped = 0;
+        double skipped = weights_run_apart(r, 0, 1, 1, &losses_skipped, &beside_skipped);
+        check(r, beside_plain > 0 && (skipped > 1e-3 || losses_skipped > 1e-3), "the same with the "
+              "weight slots' waits removed, copies deferred: weights %.1e, losses %.1e apart "
+              "(a block computed before its weights landed shows)", skipped, losses_skipped);
+    }
+#endif
 }
 
 /* LoRA (every target of test-llama, dropout 0.1) and QLoRA (nf4, nf4-dq: the frozen linears
