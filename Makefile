@@ -247,6 +247,7 @@ bench: tools/bench tokenizers
 	./tools/bench --ops
 	./tools/bench --ops -p bf16-mixed
 	./tools/bench --recompute
+	./tools/bench --offload-modes -s 3
 	./tools/bench --pack -b 4 -t 2048 -s 6
 	./tools/bench --generate -c configs/SmolLM2-135M.yaml -t 128 --new 64
 	@if /usr/bin/python3 -c "import torch" 2>/dev/null; then /usr/bin/python3 tools/bench_torch.py --ops; \

@@ -1,6 +1,7 @@
 /* tools/bench.c — training throughput of litgpt.c on the CPU (make bench).
 
-   ./tools/bench [--ops] [--recompute] [--offload] [-c configs/bench.yaml] [-b 4] [-t 256]
+   ./tools/bench [--ops] [--recompute] [--offload] [--offload-modes] [-c configs/bench.yaml]
+                 [-b 4] [-t 256]
                  [-s steps] [-p 32-true]
    ./tools/bench --generate [-c CONFIG] [-t PROMPT] [--new N] [-p 32-true]
 
@@ -15,7 +16,10 @@
    its share, matmuls also in GFLOP/s on the portable path and on the processor's. The paths
    alternate call by call, so load from other processes falls on both alike.
 
-   --generate times the KV-cache generator instead (prefill and decode tokens/s). */
+   --generate times the KV-cache generator instead (prefill and decode tokens/s).
+
+   --offload-modes trains the model plain and with each --offload part, in turns, and prints
+   each one's tokens/s against plain. */
 #define LITGPT_IMPLEMENTATION
 #include "../litgpt.h"
 
@@ -375,12 +379,77 @@ static int bench_pack(lg_config *cfg, int B, int T, int steps) {
     return 0;
 }
 
+/* n random tokens below vocab_size, the same every call (LG_MALLOC: a loader takes them). */
+static uint32_t *random_tokens(size_t n, int vocab_size) {
+    uint32_t *tokens = (uint32_t *)LG_MALLOC(sizeof(uint32_t) * n);
+    lg_rng rng;
+    lg_rng_seed(&rng, 0);
+    for (size_t i = 0; tokens && i < n; i++) tokens[i] = (uint32_t)(lg_rng_u64(&rng) % vocab_size);
+    return tokens;
+}
+
+/* --offload-modes: what each --offload part costs on this machine, where host and device
+   memory are one: the same model and tokens trained plain and with each mode, taking turns
+   step by step so that all see the same machine. Two micro-batches a step, so that streamed
+   gradients also make their trip back. */
+typedef struct {
+    const char *name;
+    int recompute, state, activations, gradients, weights;
+} bench_offload_mode;
+
+static int bench_offload(const lg_config *cfg, int B, int T, int steps, lg_precision precision) {
+    static const bench_offload_mode modes[] = {
+        {"none", 0, 0, 0, 0, 0},
+        {"state", 0, 1, 0, 0, 0},
+        {"state,gradients", 0, 1, 0, 1, 0},
+        {"state,weights", 0, 1, 0, 0, 1},
+        {"state,gradients,weights", 0, 1, 0, 1, 1},
+        {"activations (recompute block)", 1, 0, 1, 0, 0},
+        {"recompute block, no offload", 1, 0, 0, 0, 0},
+    };
+    enum { N_MODES = (int)(sizeof modes / sizeof modes[0]) };
+    lg_trainer tr[N_MODES];
+    lg_loader ld[N_MODES];
+    lg_error err;
+    double rate[N_MODES] = {0};
+    size_t n = (size_t)(steps + 1) * 2 * B * T + 1; /* every step's windows */
+    for (int k = 0; k < N_MODES; k++) {
+        lg_args a;
+        lg_args_default(&a);
+        a.micro_batch_size = B;
+        a.global_batch_size = 2 * B;
+        a.precision = precision;
+        a.recompute = modes[k].recompute;
+        a.offload = modes[k].state;
+        a.offload_activations = modes[k].activations;
+        a.offload_gradients = modes[k].gradients;
+        a.offload_weights = modes[k].weights;
+        uint32_t *tokens = random_tokens(n, cfg->vocab_size); /* (the loader owns them) */
+        if (!tokens || lg_loader_from_memory(&ld[k], tokens, n, T, cfg->vocab_size, 0, 0, &err) != 0 ||
+            lg_trainer_create(&tr[k], cfg, &a, T, &err) != 0) {
+            fprintf(stderr, "bench: --offload %s: %s\n", modes[k].name, tokens ? err.msg : "no memory");
+            return 1;
+        }
+    }
+    for (int round = 0; round < steps; round++) /* turns: one step each, after one warm-up */
+        for (int k = 0; k < N_MODES; k++)
+            rate[k] += bench_real_tokens_per_s(&tr[k], &ld[k], round == 0, 1) / steps;
+    printf("--offload on this CPU: %s, %s, -b %d -g %d -t %d, tokens/s (against none):\n", cfg->name,
+           lg_precision_name(precision), B, 2 * B, T);
+    for (int k = 0; k < N_MODES; k++) {
+        printf("  %-32s %8.0f  %.2fx\n", modes[k].name, rate[k], rate[k] / rate[0]);
+        lg_trainer_free(&tr[k]);
+        lg_loader_close(&ld[k]);
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
     const char *config = "configs/bench.yaml";
     if (argc == 3 && strcmp(argv[1], "--tokenizer") == 0) return bench_tokenizer(argv[2]);
     int B = 4, T = 256, steps = 5, warmup = 2;
     lg_precision precision = LG_PRECISION_32_TRUE; /* as the PyTorch side */
-    int recompute = 0, offload = 0, ops = 0, generate = 0, n_new = 64, pack = 0;
+    int recompute = 0, offload = 0, ops = 0, generate = 0, n_new = 64, pack = 0, modes = 0;
     for (int i = 1; i < argc; i++) {
         const char *value = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(argv[i], "--recompute") == 0) recompute = 1;
@@ -388,6 +457,7 @@ int main(int argc, char **argv) {
         else if (strcmp(argv[i], "--ops") == 0) ops = 1;
         else if (strcmp(argv[i], "--generate") == 0) generate = 1;
         else if (strcmp(argv[i], "--pack") == 0) pack = 1;
+        else if (strcmp(argv[i], "--offload-modes") == 0) modes = 1;
         else if (value && strcmp(argv[i], "--new") == 0) n_new = atoi(argv[++i]);
         else if (value && strcmp(argv[i], "-c") == 0) config = argv[++i];
         else if (value && strcmp(argv[i], "-b") == 0) B = atoi(argv[++i]);
@@ -401,6 +471,7 @@ int main(int argc, char **argv) {
     if (lg_config_load(&cfg, config, &err) != 0) { fprintf(stderr, "bench: %s\n", err.msg); return 2; }
     if (generate) return bench_generate(&cfg, T, n_new, precision);
     if (pack) return bench_pack(&cfg, B, T, steps);
+    if (modes) return bench_offload(&cfg, B, T, steps, precision);
     lg_args args;
     lg_args_default(&args);
     args.micro_batch_size = B;
@@ -413,12 +484,9 @@ int main(int argc, char **argv) {
     if (lg_trainer_create(&tr, &cfg, &args, T, &err) != 0) { fprintf(stderr, "bench: %s\n", err.msg); return 1; }
     /* random tokens, enough windows for every step */
     size_t n = (size_t)(warmup + steps) * B * T + 1;
-    uint32_t *tokens = (uint32_t *)malloc(sizeof(uint32_t) * n);
-    lg_rng rng;
-    lg_rng_seed(&rng, 0);
-    for (size_t i = 0; i < n; i++) tokens[i] = (uint32_t)(lg_rng_u64(&rng) % cfg.vocab_size);
+    uint32_t *tokens = random_tokens(n, cfg.vocab_size);
     lg_loader ld;
-    if (lg_loader_from_memory(&ld, tokens, n, T, cfg.vocab_size, 0, 0, &err) != 0) return 1;
+    if (!tokens || lg_loader_from_memory(&ld, tokens, n, T, cfg.vocab_size, 0, 0, &err) != 0) return 1;
     lg_step_stats st;
     double step_ms[64];
     if (steps > 64) steps = 64;
