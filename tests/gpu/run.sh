@@ -12,7 +12,8 @@
 #      it sees none, or the binaries cannot load, they are built here once if nvcc is found);
 #   2. then the steps, in order of value, each in its own process with its own timeout:
 #      test_cuda's modes (ops, attention, steps, ...; a crash or hang of one loses nothing of
-#      the others), GPT-2 124M throughput, the attention benchmark, the driver end to end,
+#      the others), GPT-2 124M throughput, the attention benchmark, the driver end to end, the
+#      --offload parts' price (bench-offload: ms a step against the plan's copy time),
 #      PyTorch's step on the same GPU, compute-sanitizer over the attention kernels and a step.
 # One deadline for the whole run: RUN_SECONDS (default 540); a step gets at most its own limit
 # and what is left, and is skipped with a line when under RUN_MIN_STEP (10) seconds are left.
@@ -246,7 +247,7 @@ fi
 
 tc=$bin/test_cuda
 if [ -n "$cannot_load" ]; then
-    for s in ops attention long-context steps bench memory bench-attention train grads features combinations resume devices; do
+    for s in ops attention long-context steps bench memory bench-attention train grads features combinations resume bench-offload devices; do
         skip "$s" "the binaries cannot load (missing $cannot_load)"
     done
 else
@@ -262,6 +263,7 @@ else
     step features 90 "$tc" features
     step combinations 120 "$tc" combinations
     step resume 90 "$tc" resume
+    step bench-offload 60 "$tc" bench-offload
     if [ "$nccl" = yes ]; then step devices 90 "$tc" devices
     else skip devices "no libnccl.so.2 found"; fi
 fi

@@ -1127,6 +1127,73 @@ static void bench(void) {
     }
 }
 
+static int compare_doubles(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* What the --offload parts cost on this GPU, and how much of their copies the compute hides:
+   `config` (configs/Llama-3.2-1B.yaml on a GPU; any config on the emulator) in bf16-true with
+   AdamW, -b 1 -t T, two micro-batches a step, --offload state alone and with gradients,
+   weights and both streamed. Each line: ms a step (the median of the timed steps), the plan's
+   host traffic and its time at LG_PCIE_BYTES_PER_S_ESTIMATE, and the step's time beyond
+   state's against that estimate (0%: the copies hidden behind the compute; 100%: none of
+   them). */
+static void bench_offload(const char *config, int T) {
+    static const struct { const char *name; int gradients, weights; } modes[] = {
+        {"state", 0, 0}, {"state,gradients", 1, 0}, {"state,weights", 0, 1},
+        {"state,gradients,weights", 1, 1}};
+    const int warmup = 2, timed = 5;
+    lg_config cfg;
+    lg_error err;
+    if (lg_config_load(&cfg, config, &err) != 0) {
+        printf("bench-offload: %s\n", err.msg);
+        return;
+    }
+    printf("%s, bf16-true, -b 1 -t %d -g 2, AdamW:\n", cfg.name, T);
+    printf("  %-26s %9s %10s %9s %9s\n", "--offload", "ms/step", "host GiB", "plan ms", "exposed");
+    double state_ms = 0;
+    for (size_t i = 0; i < sizeof modes / sizeof modes[0]; i++) {
+        lg_args a = step_args(LG_PRECISION_BF16_TRUE, LG_BACKEND_CUDA);
+        a.micro_batch_size = 1;
+        a.global_batch_size = 2;
+        a.max_norm = 0.0f;
+        a.offload = 1;
+        a.offload_gradients = modes[i].gradients;
+        a.offload_weights = modes[i].weights;
+        lg_trainer tr;
+        if (lg_trainer_create(&tr, &cfg, &a, T, &err) != 0) {
+            printf("  %-26s %s\n", modes[i].name, err.msg);
+            continue;
+        }
+        lg_loader ld;
+        size_t n = (size_t)(warmup + timed + 1) * 2 * T + 1;
+        uint32_t *tokens = (uint32_t *)malloc(n * sizeof(uint32_t)); /* (the loader owns them) */
+        lg_rng rng;
+        lg_rng_seed(&rng, 1);
+        for (size_t k = 0; tokens && k < n; k++) tokens[k] = (uint32_t)(lg_rng_u64(&rng) % cfg.vocab_size);
+        double ms[16];
+        int rc = !tokens || lg_loader_from_memory(&ld, tokens, n, T, cfg.vocab_size, 0, 1, &err);
+        for (int s = 0; rc == 0 && s < warmup + timed; s++) {
+            lg_step_stats st;
+            rc = lg_trainer_step(&tr, &ld, s, &st, &err);
+            if (s >= warmup) ms[s - warmup] = st.ms;
+        }
+        if (rc == 0) {
+            qsort(ms, timed, sizeof ms[0], compare_doubles);
+            double step = ms[timed / 2], bytes = (double)lg_plan_host_traffic_bytes(&tr.plan);
+            double plan_ms = bytes / LG_PCIE_BYTES_PER_S_ESTIMATE * 1e3;
+            if (i == 0) state_ms = step;
+            printf("  %-26s %9.1f %10.3f %9.1f %8.0f%%\n", modes[i].name, step, bytes / 1073741824.0, plan_ms,
+                   plan_ms > 0 ? 100 * (step - state_ms) / plan_ms : 0.0);
+        } else {
+            printf("  %-26s %s\n", modes[i].name, err.msg);
+        }
+        if (tokens) lg_loader_close(&ld);
+        lg_trainer_free(&tr);
+    }
+}
+
 /* The runtime measured on GPU 0 (lg_cuda_measure_runtime, the stack limit raised first and the
    code loaded lazily later counted) against litgpt.h's estimate for a card like it (its SMs,
    threads a SM and compute capability): the reading that replaces the estimate's figures
@@ -1399,7 +1466,10 @@ int main(int argc, char **argv) {
     int bench_attention_mode = argc == 2 && (strcmp(argv[1], "bench-attention") == 0 ||
                                              strcmp(argv[1], "--bench-attention") == 0);
     int long_context_mode = argc == 2 && strcmp(argv[1], "long-context") == 0;
-    for (int i = 1; i < argc && !bench_mode && !bench_attention_mode && !long_context_mode; i++)
+    /* bench-offload [CONFIG [T]] */
+    int bench_offload_mode = argc >= 2 && argc <= 4 && strcmp(argv[1], "bench-offload") == 0;
+    for (int i = 1; i < argc && !bench_mode && !bench_attention_mode && !long_context_mode &&
+                    !bench_offload_mode; i++)
         /* before any GPU work */
         if (!find_mode(argv[i])) {
             fprintf(stderr, "test_cuda: unknown mode '%s'\n", argv[i]);
@@ -1415,7 +1485,9 @@ int main(int argc, char **argv) {
     if (bench_mode) bench();
     if (bench_attention_mode) bench_attention();
     if (long_context_mode) long_context();
-    if (bench_mode || bench_attention_mode || long_context_mode) return 0;
+    if (bench_offload_mode)
+        bench_offload(argc > 2 ? argv[2] : "configs/Llama-3.2-1B.yaml", argc > 3 ? atoi(argv[3]) : 2048);
+    if (bench_mode || bench_attention_mode || long_context_mode || bench_offload_mode) return 0;
     print_devices(gpus);
     for (int i = 0; i < N_MODES; i++)
         if (argc == 1) modes[i].run(&r, gpus);
