@@ -81,6 +81,12 @@
      offload             5 (host pool), 14 (the optimizer on the host)
      recompute           5, 8 (a block recomputed in the backward)
      offload activations 5 (host pool, two device slots), 8 (sent and fetched around blocks)
+     offload gradients   5 (unit buffers), 14 (each unit's gradients to the host as its
+                         backward ends: lg_trainer_send_unit_grads, lg_trainer_open_unit_grads)
+     offload weights     5 (host pool, gather slots), 14 (each rank's piece copied into its
+                         slot, then gathered: lg_trainer_stream_unit, lg_trainer_gather_unit)
+     head in tiles       3 (lg_head_tile_rows), 5, 8 (QLoRA's NF4 lm_head a vocabulary tile
+                         at a time: lg_head_tile_weight)
      Lion, Sophia, 8-bit 2 (per-element updates), 9, 14 (Sophia's Hessian pass)
      AVX-512, AMX        7 (kernel paths chosen at run time), 9 (AdamW's AVX-512 loop)
      MPI, launchers      10; the rendezvous of GPU processes without MPI: 10
