@@ -13,6 +13,8 @@ typedef enum {
     LEVER_SLICE_ROWS,       /* --slice-rows COMBO_SLICE_ROWS */
     LEVER_OFFLOAD_ACTS,     /* --offload activations (with --recompute block, which it needs) */
     LEVER_OFFLOAD_STATE,    /* --offload state */
+    LEVER_OFFLOAD_STREAMS,  /* --offload gradients,weights (with the state they need): each
+                               unit's weights copied in and its gradients out as they finish */
     LEVER_FULL_SHARD,       /* -d 2 --strategy full-shard */
     LEVER_ACCUMULATE,       /* half the micro-batch, two micro-batches a step */
     LEVER_PACK,             /* --pack: two samples a row, half the rows */
@@ -20,8 +22,8 @@ typedef enum {
 } combo_lever;
 
 static const char *const combo_lever_names[LEVER_COUNT] = {
-    "recompute", "head-rows", "slice-rows", "offload-acts", "offload-state", "d2-full-shard",
-    "accumulate", "pack"};
+    "recompute", "head-rows", "slice-rows", "offload-acts", "offload-state", "offload-streams",
+    "d2-full-shard", "accumulate", "pack"};
 
 /* What trains: every weight, or LoRA adapters on these linears (QLoRA: the base in nf4). */
 typedef enum { MODE_FULL, MODE_LORA_ALL, MODE_LORA_MLP, MODE_LORA_QV, MODE_QLORA_ALL, MODE_COUNT } combo_mode;
@@ -57,6 +59,8 @@ static const unsigned combo_planner_sets[] = {
     1u << LEVER_RECOMPUTE | 1u << LEVER_HEAD_ROWS | 1u << LEVER_SLICE_ROWS | 1u << LEVER_OFFLOAD_ACTS,
     1u << LEVER_RECOMPUTE | 1u << LEVER_HEAD_ROWS | 1u << LEVER_SLICE_ROWS | 1u << LEVER_OFFLOAD_ACTS |
         1u << LEVER_OFFLOAD_STATE,
+    1u << LEVER_RECOMPUTE | 1u << LEVER_HEAD_ROWS | 1u << LEVER_SLICE_ROWS | 1u << LEVER_OFFLOAD_ACTS |
+        1u << LEVER_OFFLOAD_STREAMS,
     (1u << LEVER_COUNT) - 1};
 
 /* "recompute+slice-rows" (or "plain") into out. */
@@ -96,7 +100,8 @@ static lg_args combo_args(lg_backend backend, combo_mode mode, unsigned levers) 
     a.finetuning = 1;
     a.recompute = (levers & (1u << LEVER_RECOMPUTE | 1u << LEVER_OFFLOAD_ACTS)) != 0;
     a.offload_activations = (levers & 1u << LEVER_OFFLOAD_ACTS) != 0;
-    a.offload = (levers & 1u << LEVER_OFFLOAD_STATE) != 0;
+    a.offload = (levers & (1u << LEVER_OFFLOAD_STATE | 1u << LEVER_OFFLOAD_STREAMS)) != 0;
+    a.offload_gradients = a.offload_weights = (levers & 1u << LEVER_OFFLOAD_STREAMS) != 0;
     a.head_rows = levers & 1u << LEVER_HEAD_ROWS ? COMBO_HEAD_ROWS : 0;
     a.slice_rows = levers & 1u << LEVER_SLICE_ROWS ? COMBO_SLICE_ROWS : 0;
     if (mode != MODE_FULL) {
