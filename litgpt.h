@@ -15653,6 +15653,28 @@ static void lg_trainer_stream_unit(lg_trainer *tr, int u) {
     }
 }
 
+/* Sharded weights: all-gathers unit u's weights in every shard group, beside the compute
+   until lg_trainer_await_unit; streamed, each rank's piece already lies at its place in the
+   slot (lg_trainer_stream_unit), and the gather fills the rest. */
+static void lg_trainer_gather_trainable_unit(lg_trainer *tr, int u) {
+    const lg_sharding *sh = &tr->plan.sharding;
+    const lg_shard_layout *sl = &tr->plan.shards;
+    int S = sh->shard_ranks;
+    lg_buf pieces[LG_MAX_RANKS], wholes[LG_MAX_RANKS];
+    for (int q = 0; q < sh->replicas; q++) {
+        int local[LG_MAX_RANKS], n = lg_trainer_group_local(tr, q * S, 1, S, local);
+        for (int i = 0; i < n; i++) {
+            wholes[i] = lg_unit_weights(tr, local[i], u);
+            pieces[i] = sh->weights_streamed
+                            ? lg_at(wholes[i], lg_piece_place(tr, local[i], sl->piece_count[u]))
+                            : lg_at(tr->ranks[local[i]].model.params, sl->piece_offset[u]);
+        }
+        if (n)
+            lg_all_gather_async(tr->shard_comm[q], n, pieces, wholes, sl->piece_count[u],
+                                lg_gather_signal(tr, u));
+    }
+}
+
 /* Brings unit u's weights (and LoRA's frozen unit u) into its slots on every rank and points
    the models' views at them, beside the compute until lg_trainer_await_unit(u): streamed
    (--offload weights), each rank's piece is copied from the host; sharded (full-shard,
@@ -15660,30 +15682,14 @@ static void lg_trainer_stream_unit(lg_trainer *tr, int u) {
    whole weights. */
 static void lg_trainer_gather_unit(lg_trainer *tr, int u) {
     const lg_sharding *sh = &tr->plan.sharding;
-    const lg_shard_layout *sl = &tr->plan.shards;
+    int frozen = lg_frozen_sharded(&tr->plan.cfg, sh);
     if (!lg_weights_in_units(sh)) return;
     if (sh->weights_streamed) lg_trainer_stream_unit(tr, u);
-    if (sh->weights_sharded) {
-        if (lg_frozen_sharded(&tr->plan.cfg, sh)) lg_trainer_gather_frozen_unit(tr, u);
-        int S = sh->shard_ranks;
-        lg_buf pieces[LG_MAX_RANKS], wholes[LG_MAX_RANKS];
-        for (int q = 0; q < sh->replicas; q++) {
-            int local[LG_MAX_RANKS], n = lg_trainer_group_local(tr, q * S, 1, S, local);
-            for (int i = 0; i < n; i++) {
-                wholes[i] = lg_unit_weights(tr, local[i], u);
-                pieces[i] = sh->weights_streamed /* in place, where the copy put it */
-                                ? lg_at(wholes[i], lg_piece_place(tr, local[i], sl->piece_count[u]))
-                                : lg_at(tr->ranks[local[i]].model.params, sl->piece_offset[u]);
-            }
-            if (n)
-                lg_all_gather_async(tr->shard_comm[q], n, pieces, wholes, sl->piece_count[u],
-                                    lg_gather_signal(tr, u));
-        }
-    }
+    if (sh->weights_sharded && frozen) lg_trainer_gather_frozen_unit(tr, u);
+    if (sh->weights_sharded) lg_trainer_gather_trainable_unit(tr, u);
     for (int r = 0; r < tr->local_ranks; r++) {
         lg_model *m = &tr->ranks[r].model;
-        if (lg_frozen_sharded(&tr->plan.cfg, sh))
-            lg_model_point_frozen_unit(m, u, lg_frozen_unit_buffer(tr, r, u));
+        if (frozen) lg_model_point_frozen_unit(m, u, lg_frozen_unit_buffer(tr, r, u));
         lg_model_point_unit(m, u, lg_unit_weights(tr, r, u), lg_no_buf());
     }
 }
