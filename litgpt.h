@@ -890,6 +890,13 @@ int lg_plan_auto_seq_length(const lg_config *cfg, const lg_args *args, int max_T
 #define LG_SLICE_TEXT "2048"
 void lg_plan_auto_rows(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                        int *head_rows, int *slice_rows);
+/* Where LoRA's frozen token embedding lives (the value of args->offload_embedding): in host
+   memory when --offload embedding is given; else there too when the run, with args' rows,
+   fits with it there but not on the device, and the model allows it (an untied table, no
+   learned position embeddings; the step's rows are copied in once a micro-batch: no compute
+   added); else on the device (0). On the CPU backend, whose pools are one memory, moving it
+   never makes a run fit. */
+int lg_plan_auto_embedding(const lg_config *cfg, const lg_args *args, int T, size_t limit);
 /* Memory a run may use on this machine's CPU backend: MemAvailable, 0 when unknown. */
 size_t lg_host_available_bytes(void);
 /* The host memory a machine's ranks may use: --host-memory-limit, else what was available
@@ -5390,12 +5397,28 @@ void lg_plan_auto_rows(const lg_config *cfg, const lg_args *args, int T, size_t 
     *slice_rows = lg_slice_rows_of(&a, N);
 }
 
-/* The run with --head-rows and --slice-rows the planner's where they are 0. */
+/* Whether LoRA's frozen token embedding can live in host memory (lg_host_embedding_check). */
+static int lg_host_embedding_possible(const lg_config *cfg, const lg_args *args) {
+    return args->lora.r > 0 && !cfg->tie_embeddings && !cfg->learned_pos_embedding;
+}
+
+int lg_plan_auto_embedding(const lg_config *cfg, const lg_args *args, int T, size_t limit) {
+    if (args->offload_embedding) return 1;
+    if (limit == 0 || !lg_host_embedding_possible(cfg, args) || lg_fits_as_given(cfg, args, T, limit))
+        return 0;
+    lg_args moved = *args;
+    moved.offload_embedding = 1;
+    return lg_fits_as_given(cfg, &moved, T, limit);
+}
+
+/* The run with --head-rows and --slice-rows the planner's where they are 0, and LoRA's token
+   embedding where the planner puts it (lg_plan_auto_embedding). */
 static void lg_args_with_auto_rows(const lg_config *cfg, const lg_args *args, int T,
                                    size_t limit, lg_args *out) {
     *out = *args;
     if (!args->head_rows || !args->slice_rows)
         lg_plan_auto_rows(cfg, args, T, limit, &out->head_rows, &out->slice_rows);
+    out->offload_embedding = lg_plan_auto_embedding(cfg, out, T, limit);
 }
 
 static int lg_fits(const lg_config *cfg, const lg_args *args, int T, size_t limit) {

@@ -1044,6 +1044,20 @@ static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T, char *no
              lg_format_bytes(limit, size, sizeof size), source);
 }
 
+/* LoRA's token embedding when --offload embedding is not given: on the device, or in host
+   memory where that makes the run fit (said in note). */
+static void choose_embedding(lg_args *a, const lg_config *cfg, int T, char *note, size_t cap) {
+    const char *source;
+    size_t limit = device_limit(a, &source);
+    char size[32];
+    if (a->offload_embedding || !lg_plan_auto_embedding(cfg, a, T, limit)) return;
+    a->offload_embedding = 1;
+    size_t used = strlen(note);
+    snprintf(note + used, cap - used, "the run does not fit in %s (%s) with the token embedding "
+             "on the device; LoRA's frozen table in host memory (--offload embedding)\n",
+             lg_format_bytes(limit, size, sizeof size), source);
+}
+
 /* --head-rows and --slice-rows when not given: all rows, or where the run does not fit so the
    planner's chunks and slices (said in note). */
 static void choose_rows(lg_args *a, const lg_config *cfg, int T, char *note, size_t cap) {
@@ -1932,6 +1946,7 @@ static void plan_run(run_setup *rs) {
         choose_micro_batch(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
     if (!a->head_rows || !a->slice_rows)
         choose_rows(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
+    choose_embedding(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
     if (lg_args_check(a, &err) != 0) die_usage("%s", err.msg);
     char planned_for[512];
     describe_planned_run(a, &rs->cfg, rs->T, &rs->data, planned_for, sizeof planned_for);

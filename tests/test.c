@@ -2366,6 +2366,31 @@ static int run_capture(const char *args, char *out, size_t cap) {
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
+/* The planner puts LoRA's token embedding in host memory by itself where that makes the run
+   fit (lg_plan_auto_embedding) and says so: QLoRA Llama-3.1-8B on an 8 GB card at 15,370
+   tokens (the context table's cell: the table on the device does not fit), not at 9,000 (it
+   fits there), never for a tied table (Llama-3.2-1B) nor on the CPU backend (one memory). */
+static void test_auto_embedding(results *r) {
+    static char out[1 << 16];
+    const char *note = "LoRA's frozen table in host memory (--offload embedding)";
+    const char *run = "-c Llama-3.1-8B -b 1 -p bf16-true --lora-r 32 --lora-targets all --quantize "
+                      "nf4 --recompute block --offload activations --host-memory-limit 64GiB";
+    const struct { const char *what, *flags; int T, code, moved; } cases[4] = {
+        {"8 GB, 15370 tokens", "--gpu rtx4060", 15370, 0, 1},
+        {"8 GB, 9000 tokens", "--gpu rtx4060", 9000, 0, 0},
+        {"tied Llama-3.2-1B on 8 GB, 131072 tokens", "--gpu rtx4060 -c Llama-3.2-1B", 131072, 3, 0},
+        {"CPU backend, 4 GiB", "--memory-limit 4GiB", 4096, 3, 0}};
+    for (int k = 0; k < 4; k++) {
+        char args[768];
+        snprintf(args, sizeof args, "--plan %s -t %d %s", run, cases[k].T, cases[k].flags);
+        int code = run_capture(args, out, sizeof out);
+        int moved = strstr(out, note) != NULL, listed = strstr(out, "embedding.host") != NULL;
+        check(r, code == cases[k].code && moved == cases[k].moved && listed == cases[k].moved,
+              "--plan %s: exit %d, the token embedding %s", cases[k].what, code,
+              moved ? "in host memory by the planner's choice" : "on the device");
+    }
+}
+
 /* The flags in a usage entry's left column ("  -c, --config NAME|PATH", "      --lr X
    --min-lr X", "      --plan[=json|svg]"): for each, a command line that gives it (with a
    value, "=1", where the entry shows one; its letter too) and then -h, into args; returns how
@@ -2681,6 +2706,7 @@ int main(int argc, char **argv) {
         test_runtime_estimate_per_card(&r);
         test_auto_seq_length(&r);
         test_auto_seq_length_host(&r);
+        test_auto_embedding(&r);
     }
     if (section("the head and loss in chunks", argc, argv)) {
         test_head_chunks_model(&r);
