@@ -853,12 +853,12 @@ typedef struct {
                              memory) */
 } lg_remedy;
 
-#define LG_MAX_REMEDIES 12
+#define LG_MAX_REMEDIES 13
 
 /* Remedies in the order of the OOM guide (micro-batch, sequence, -true precision, devices,
-   recompute, offload, activations in host memory, optimizer; when fine-tuning every weight,
-   LoRA and QLoRA), each with the
-   planner's total under `limit` bytes. Returns how many; skips those that change nothing. */
+   recompute, offload and its parts: gradients, weights, LoRA's embedding, activations;
+   optimizer; when fine-tuning every weight, LoRA and QLoRA), each with the planner's total
+   under `limit` bytes. Returns how many; skips those that change nothing. */
 int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                      lg_remedy *out);
 /* The cheapest change that fits: changes that keep the training the same first (a
@@ -5567,6 +5567,11 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
     if (!args->offload_weights && lg_args_check_offload_weights(&a, &refused) == 0)
         lg_remedy_price(&out[n++], "weights in host memory", LG_SETTING_OFFLOAD_WEIGHTS, cfg, &a, T,
                         limit);
+    a = *args;
+    a.offload_embedding = 1;
+    if (!args->offload_embedding && lg_host_embedding_possible(cfg, args))
+        lg_remedy_price(&out[n++], "embedding in host memory", LG_SETTING_OFFLOAD_EMBEDDING,
+                        cfg, &a, T, limit);
     if (!args->offload_activations) { /* it moves what recompute keeps: recompute with it */
         a = *args;
         a.recompute = a.offload_activations = 1;

@@ -2134,6 +2134,23 @@ static void test_offload_embedding_memory(results *r) {
           two[0].gather_ends, two[1].gather_ends, table * bf16);
     expect_cli(r, "--plan -c test-llama31 --lora-r 4 --offload embedding", 0,
                "its token embedding in host memory (embedding.host)");
+    for (int tied = 0; tied < 2; tied++) { /* the remedies offer it where the model allows */
+        lg_config model;
+        if (load_config_or_fail(r, &model, tied ? "test-gpt2" : "test-llama31")) return;
+        lg_args a;
+        lg_args_default(&a);
+        a.micro_batch_size = 4;
+        a.lora.r = 4;
+        lg_remedy rem[LG_MAX_REMEDIES];
+        int n = lg_plan_remedies(&model, &a, 16, 1, rem), moved = -1;
+        for (int i = 0; i < n; i++)
+            if (rem[i].changes == LG_SETTING_OFFLOAD_EMBEDDING) moved = i;
+        size_t plain = lg_plan_device_bytes_for(&model, &a, 16);
+        check(r, tied ? moved < 0 : moved >= 0 && rem[moved].args.offload_embedding &&
+                                        rem[moved].device_bytes < plain,
+              "the remedies %s --offload embedding for %s (device %zu B, the table on it %zu B)",
+              tied ? "leave out" : "price", model.name, moved < 0 ? 0 : rem[moved].device_bytes, plain);
+    }
     static const char *const why[2] = {"add --lora-r", "tie_embeddings"};
     for (int i = 0; i < 2; i++) { /* full fine-tuning; a tied table (GPT-2) */
         lg_config model;
