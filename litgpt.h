@@ -81,6 +81,9 @@
      offload             5 (host pool), 14 (the optimizer on the host)
      recompute           5, 8 (a block recomputed in the backward)
      offload activations 5 (host pool, two device slots), 8 (sent and fetched around blocks)
+     offload embedding   3 (lg_lora.host_embedding), 5 (the layouts leave the table out,
+                         embedding.host and .rows, lg_plan_auto_embedding), 8 (the step's rows
+                         gathered on the host, lg_model_embed_from_host)
      Lion, Sophia, 8-bit 2 (per-element updates), 9, 14 (Sophia's Hessian pass)
      AVX-512, AMX        7 (kernel paths chosen at run time), 9 (AdamW's AVX-512 loop)
      MPI, launchers      10; the rendezvous of GPU processes without MPI: 10
@@ -5404,7 +5407,8 @@ static int lg_host_embedding_possible(const lg_config *cfg, const lg_args *args)
 
 int lg_plan_auto_embedding(const lg_config *cfg, const lg_args *args, int T, size_t limit) {
     if (args->offload_embedding) return 1;
-    if (limit == 0 || !lg_host_embedding_possible(cfg, args) || lg_fits_as_given(cfg, args, T, limit))
+    if (limit == 0 || !lg_host_embedding_possible(cfg, args) ||
+        lg_fits_as_given(cfg, args, T, limit))
         return 0;
     lg_args moved = *args;
     moved.offload_embedding = 1;
@@ -8026,7 +8030,8 @@ static int lg_model_bind_activations(lg_model *m, lg_dtype acts, lg_error *err) 
     size_t count;
     lg_buf base = lg_model_view(m, "activations.embedding", acts, err);
     if (!base.data) return -1;
-    if (cfg->lora.host_embedding && !(m->embedding_rows = lg_model_view(m, "embedding.rows", acts, err)).data)
+    if (cfg->lora.host_embedding &&
+        !(m->embedding_rows = lg_model_view(m, "embedding.rows", acts, err)).data)
         return -1;
     for (int k = 0; k < LG_KEPT_SLOTS && lg_model_kept_on_host(m, 0); k++) {
         snprintf(name, sizeof name, "activations.kept_slot.%d", k);
@@ -16139,8 +16144,9 @@ static void lg_trainer_share_host_embedding(lg_trainer *tr) {
     size_t count = (size_t)m0->cfg.padded_vocab_size * m0->cfg.n_embd;
     lg_rank_sync(m0->rank);
     for (int r = 1; r < tr->local_ranks; r++) {
-        lg_copy(&tr->ranks[r].model.exec, tr->ranks[r].model.embedding_host, m0->embedding_host, count);
-        lg_rank_sync(tr->ranks[r].model.rank);
+        const lg_model *m = &tr->ranks[r].model;
+        lg_copy(&m->exec, m->embedding_host, m0->embedding_host, count);
+        lg_rank_sync(m->rank);
     }
 }
 
