@@ -87,6 +87,9 @@
                          slot, then gathered: lg_trainer_stream_unit, lg_trainer_gather_unit)
      head in tiles       3 (lg_head_tile_rows), 5, 8 (QLoRA's NF4 lm_head a vocabulary tile
                          at a time: lg_head_tile_weight)
+     offload embedding   3 (lg_lora.host_embedding), 5 (the layouts leave the table out,
+                         embedding.host and .rows, lg_plan_auto_embedding), 8 (the step's rows
+                         gathered on the host, lg_model_embed_from_host)
      Lion, Sophia, 8-bit 2 (per-element updates), 9, 14 (Sophia's Hessian pass)
      AVX-512, AMX        7 (kernel paths chosen at run time), 9 (AdamW's AVX-512 loop)
      MPI, launchers      10; the rendezvous of GPU processes without MPI: 10
@@ -272,6 +275,9 @@ typedef struct {
     int head_tile_rows;   /* QLoRA: vocabulary rows of the NF4 lm_head dequantized at a time, a
                              multiple of LG_HEAD_TILE_ALIGN (0: LG_HEAD_TILE_ROWS; tests set
                              fewer, so that a small vocabulary has several tiles) */
+    int host_embedding;   /* --offload embedding: the frozen token embedding (wte) lives in its
+                             own host region ("embedding.host"), out of the frozen base; the
+                             plan sets it from lg_plan_spec.offload_embedding */
 } lg_lora;
 
 /* QLoRA's untied lm_head is NF4 too; its matmuls dequantize it a tile of vocabulary rows at a
@@ -451,6 +457,8 @@ typedef struct {
     int offload_weights;       /* --offload weights: 1 (the weights, trainable and frozen, live
                                   in host memory; each unit is copied onto the device ahead of
                                   its use, into the ends' slot and two blocks'; with offload) */
+    int offload_embedding;     /* --offload embedding: 1 (LoRA's frozen token embedding in host
+                                  memory; the step's rows gathered there and copied in once) */
     int pack;                  /* --pack: fine-tuning samples packed first-fit into rows of
                                   T tokens, attention and positions kept inside each sample */
     int head_rows;             /* --head-rows: the head and loss in chunks of this many rows of
@@ -520,6 +528,8 @@ typedef struct {
                                the pieces of tensors that rank holds */
     lg_dtype packed;        /* frozen tables: LG_DTYPE_NF4 or _DQ when stored quantized (offset
                                in bytes of the packed buffer), else LG_DTYPE_F32 */
+    int on_host;            /* frozen tables: 1 for the token embedding under --offload
+                               embedding (offset 0 of its own host region, not in the base) */
 } lg_tensor_info;
 
 typedef struct {
@@ -682,6 +692,7 @@ typedef struct {
     int offload_activations; /* 1: --offload activations (with recompute) */
     int offload_gradients;   /* 1: --offload gradients (with offload) */
     int offload_weights;     /* 1: --offload weights (with offload) */
+    int offload_embedding;   /* 1: --offload embedding (LoRA, an untied table) */
     int pack;                /* 1: --pack: rows carry their samples' span starts */
     int head_rows;           /* rows of logits at a time, 1 .. B x T (B x T: no chunks) */
     int slice_rows;          /* rows of a block's MLP at a time, 1 .. B x T (B x T: whole) */
@@ -754,10 +765,11 @@ typedef struct {
 /* The copies beside the compute that the compute waits for one at a time (lg_mark_beside):
    --offload activations' LG_KEPT_SLOTS slots, then --offload gradients' unit buffers (the
    ends', then LG_GRAD_BLOCK_SLOTS blocks'), then --offload weights' gather slots (the ends',
-   then LG_GATHER_BLOCK_SLOTS blocks'). */
+   then LG_GATHER_BLOCK_SLOTS blocks'), then --offload embedding's rows. */
 #define LG_BESIDE_GRADS LG_KEPT_SLOTS
 #define LG_BESIDE_WEIGHTS (LG_BESIDE_GRADS + 1 + LG_GRAD_BLOCK_SLOTS)
-#define LG_BESIDE_MARKS (LG_BESIDE_WEIGHTS + 1 + LG_GATHER_BLOCK_SLOTS)
+#define LG_BESIDE_EMBEDDING (LG_BESIDE_WEIGHTS + 1 + LG_GATHER_BLOCK_SLOTS)
+#define LG_BESIDE_MARKS (LG_BESIDE_EMBEDDING + 1)
 /* LoRA's frozen base in units (sharded or streamed with the weights, as FSDP shards it);
    shard-grad-op and no-shard keep it whole on every rank's device. */
 int lg_frozen_sharded(const lg_config *cfg, const lg_sharding *sh);
@@ -830,7 +842,8 @@ enum {
     LG_SETTING_OFFLOAD_GRADIENTS = 1 << 14,   /* args.offload_gradients (and args.offload,
                                                  which it needs) */
     LG_SETTING_OFFLOAD_WEIGHTS = 1 << 15,     /* args.offload_weights (and args.offload) */
-    LG_SETTING_LAST = LG_SETTING_OFFLOAD_WEIGHTS
+    LG_SETTING_OFFLOAD_EMBEDDING = 1 << 16,   /* args.offload_embedding */
+    LG_SETTING_LAST = LG_SETTING_OFFLOAD_EMBEDDING
 };
 
 /* One remedy of the OOM guide, priced by the planner. */
@@ -849,12 +862,12 @@ typedef struct {
                              memory) */
 } lg_remedy;
 
-#define LG_MAX_REMEDIES 12
+#define LG_MAX_REMEDIES 13
 
 /* Remedies in the order of the OOM guide (micro-batch, sequence, -true precision, devices,
-   recompute, offload, activations in host memory, optimizer; when fine-tuning every weight,
-   LoRA and QLoRA), each with the
-   planner's total under `limit` bytes. Returns how many; skips those that change nothing. */
+   recompute, offload and its parts: gradients, weights, LoRA's embedding, activations;
+   optimizer; when fine-tuning every weight, LoRA and QLoRA), each with the planner's total
+   under `limit` bytes. Returns how many; skips those that change nothing. */
 int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                      lg_remedy *out);
 /* The cheapest change that fits: changes that keep the training the same first (a
@@ -886,6 +899,13 @@ int lg_plan_auto_seq_length(const lg_config *cfg, const lg_args *args, int max_T
 #define LG_SLICE_TEXT "2048"
 void lg_plan_auto_rows(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                        int *head_rows, int *slice_rows);
+/* Where LoRA's frozen token embedding lives (the value of args->offload_embedding): in host
+   memory when --offload embedding is given; else there too when the run, with args' rows,
+   fits with it there but not on the device, and the model allows it (an untied table, no
+   learned position embeddings; the step's rows are copied in once a micro-batch: no compute
+   added); else on the device (0). On the CPU backend, whose pools are one memory, moving it
+   never makes a run fit. */
+int lg_plan_auto_embedding(const lg_config *cfg, const lg_args *args, int T, size_t limit);
 /* Memory a run may use on this machine's CPU backend: MemAvailable, 0 when unknown. */
 size_t lg_host_available_bytes(void);
 /* The host memory a machine's ranks may use: --host-memory-limit, else what was available
@@ -1029,6 +1049,11 @@ typedef struct {
                                    units, p's base views point at gathered units
                                    (lg_model_point_frozen_unit) */
     lg_buf frozen_shard;        /* frozen_gathered: "frozen_weights.shard", bytes */
+    lg_buf embedding_host;      /* --offload embedding: "embedding.host" (Vp, C) in the weight
+                                   type, host memory; p.wte views it */
+    lg_buf embedding_rows;      /* --offload embedding: "embedding.rows" (B x T, C) in the
+                                   activation type, host memory: the step's rows of it, which
+                                   one copy takes to a.residual[0] */
     uint64_t dropout_key;       /* LoRA dropout's mask of this micro-batch; 0: none (evaluation) */
     float fused_loss_scale;     /* > 0 (a training step): a forward with targets also writes the
                                    logits' gradient at this loss_scale over the logits, in the
@@ -3586,10 +3611,29 @@ static int lg_lora_adapts(const lg_config *c, lg_lora_linear linear) {
     return c->lora.r > 0 && out > 0 && (c->lora.targets & lg_lora_target_of(linear));
 }
 
+/* --offload embedding keeps a frozen, untied token embedding without position embeddings in
+   host memory: LoRA's base (a trained table would need its gradient scattered on the host), a
+   head of its own (a tied head reads every row), the device adding nothing to its rows. */
+static int lg_host_embedding_check(const lg_config *c, lg_error *err) {
+    if (!c->lora.host_embedding) return 0;
+    if (c->lora.r == 0)
+        return lg_fail(err, "--offload embedding keeps a frozen table (LoRA, QLoRA: add --lora-r); "
+                            "fine-tuning every weight trains it, which is not built yet");
+    if (c->tie_embeddings)
+        return lg_fail(err, "--offload embedding: %s ties lm_head to the token embedding "
+                            "(tie_embeddings), whose every row the head reads on the device",
+                       c->name);
+    if (c->learned_pos_embedding)
+        return lg_fail(err, "--offload embedding: %s adds learned position embeddings to the "
+                            "rows, which is not built yet", c->name);
+    return 0;
+}
+
 /* The adapters fit the architecture: r no larger than the smaller side of any adapted linear. */
 static int lg_lora_check(const lg_config *c, lg_error *err) {
     const lg_lora *lo = &c->lora;
     if (lo->r < 0) return lg_fail(err, "--lora-r must be >= 0 (0: no LoRA)");
+    if (lg_host_embedding_check(c, err) != 0) return -1;
     if (lo->r == 0) {
         if (lo->quantize != LG_QUANTIZE_NONE)
             return lg_fail(err, "--quantize %s needs --lora-r: a quantized model cannot be fully "
@@ -3963,6 +4007,7 @@ typedef struct {
     lg_buf packed;
     size_t packed_offset;
     lg_quantization quantize;
+    int host_embedding;     /* frozen layouts with --offload embedding: wte is not taken */
     size_t whole;           /* elements walked, packed ones included: the tensors' origins */
 } lg_layout;
 
@@ -3985,6 +4030,7 @@ static lg_buf lg_layout_add(lg_layout *L, const char *name, int rows, int cols,
         t->block = L->block;
         t->origin = L->whole;
         t->packed = LG_DTYPE_F32;
+        t->on_host = 0;
         L->table->total = L->offset + count;
     }
     lg_buf view = lg_at(L->base, L->offset);
@@ -4011,11 +4057,37 @@ static lg_buf lg_layout_add_linear(lg_layout *L, const char *name, int rows, int
         t->kind = kind;
         t->block = L->block;
         t->packed = dtype;
+        t->on_host = 0;
     }
     lg_buf view = {L->packed.data ? (uint8_t *)L->packed.data + L->packed_offset : NULL, dtype};
     L->packed_offset += lg_nf4_bytes(count, L->quantize);
     L->whole += count;
     return view;
+}
+
+/* The token embedding (Vp, C): in the buffer as any tensor, or, frozen under --offload
+   embedding, in a host region of its own that the layout does not take (the view it returns
+   has data NULL: the model points it at "embedding.host"). */
+static lg_buf lg_layout_add_embedding(lg_layout *L, const char *name, int rows, int cols) {
+    if (L->part != LG_PART_FROZEN || !L->host_embedding)
+        return lg_layout_add(L, name, rows, cols, LG_TENSOR_EMBEDDING);
+    size_t count = (size_t)rows * (size_t)cols;
+    if (L->table) {
+        lg_tensor_info *t = &L->table->tensors[L->table->n_tensors++];
+        snprintf(t->name, sizeof t->name, "%s", name);
+        t->rows = rows;
+        t->cols = cols;
+        t->offset = 0;
+        t->origin = L->whole;
+        t->count = count;
+        t->kind = LG_TENSOR_EMBEDDING;
+        t->block = L->block;
+        t->packed = LG_DTYPE_F32;
+        t->on_host = 1;
+    }
+    L->whole += count;
+    lg_buf apart = {NULL, LG_DTYPE_F32};
+    return apart;
 }
 
 /* A layout over base (data may be NULL to count). */
@@ -4035,6 +4107,7 @@ static lg_layout lg_params_layout_over(const lg_config *c, lg_layout_part part, 
     L.part = part;
     L.lora = c->lora.r > 0;
     L.quantize = c->lora.quantize;
+    L.host_embedding = c->lora.host_embedding;
     return L;
 }
 
@@ -4134,7 +4207,7 @@ static void lg_ends_params_layout(const lg_config *c, lg_layout *L, lg_param_ten
         p->lm_head_lora_b = lg_layout_add(L, "lm_head.lora_B", Vp, c->lora.r, LG_TENSOR_LORA_B);
         return;
     }
-    p->wte = lg_layout_add(L, "transformer.wte.weight", Vp, C, LG_TENSOR_EMBEDDING);
+    p->wte = lg_layout_add_embedding(L, "transformer.wte.weight", Vp, C);
     p->wpe = c->learned_pos_embedding
                  ? lg_layout_add(L, "transformer.wpe.weight", c->block_size, C, LG_TENSOR_EMBEDDING)
                  : lg_no_buf();
@@ -4473,6 +4546,7 @@ void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
     s->offload_activations = a->offload_activations;
     s->offload_gradients = a->offload_gradients;
     s->offload_weights = a->offload_weights;
+    s->offload_embedding = a->offload_embedding;
     s->pack = a->pack;
     s->head_rows = lg_head_rows_of(a, s->B * T);
     s->slice_rows = lg_slice_rows_of(a, s->B * T);
@@ -4709,6 +4783,9 @@ static int lg_plan_frozen_model(lg_rank_plan *r, const lg_plan *plan) {
     int sharded = lg_frozen_sharded(c, &plan->sharding);
     int rc = sharded ? lg_plan_frozen_shard(r, plan)
                      : lg_plan_add(r, "frozen_weights", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, t.weights, count);
+    if (c->lora.host_embedding) /* (Vp, C), out of the frozen base: lg_layout_add_embedding */
+        rc |= lg_plan_add(r, "embedding.host", LG_GROUP_WEIGHTS, LG_POOL_HOST, t.weights,
+                          (size_t)c->padded_vocab_size * c->n_embd);
     if (c->lora.quantize == LG_QUANTIZE_NONE) return rc;
     lg_tensor_table table;
     if (lg_table_alloc(&table, c) != 0) return -1;
@@ -4741,6 +4818,9 @@ static int lg_plan_activations(lg_rank_plan *r, const lg_config *c, const lg_pla
     lg_embedding_acts_layout(B, T, c->n_embd, lg_no_buf(), NULL, &main_count);
     rc |= lg_plan_add(r, "activations.embedding", LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, t.acts,
                       main_count);
+    if (c->lora.host_embedding) /* the step's rows gathered on the host, copied in at once */
+        rc |= lg_plan_add(r, "embedding.rows", LG_GROUP_ACTIVATIONS, LG_POOL_HOST, t.acts,
+                          main_count);
     for (int l = 0; l < c->n_layer; l++) {
         lg_block_acts_layout(c, l, B, T, s->slice_rows, 0, lg_no_buf(), NULL, &main_count);
         lg_block_acts_layout(c, l, B, T, s->slice_rows, 1, lg_no_buf(), NULL, &stats_count);
@@ -4910,6 +4990,7 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
     memset(plan, 0, sizeof *plan);
     plan->cfg = *model; /* the architecture, with the run's adapters */
     plan->cfg.lora = s->lora;
+    plan->cfg.lora.host_embedding = s->offload_embedding;
     const lg_config *c = &plan->cfg;
     if (lg_config_check(c, err) != 0) return -1;
     if (s->B < 1 || s->T < 1 || s->devices < 1 || s->nodes < 1 || s->accumulation < 1)
@@ -5057,9 +5138,11 @@ size_t lg_plan_host_traffic_bytes(const lg_plan *plan) {
     if (grads) bytes += grad_trips * grads->count * lg_dtype_size(grads->dtype);
     if (weights) bytes += weights->count * lg_dtype_size(weights->dtype);
     bytes += lg_plan_streamed_weight_bytes(plan) * (size_t)plan->spec.accumulation;
+    const lg_region *rows = lg_plan_find(r, "embedding.rows"); /* in, each micro-batch */
+    if (rows) bytes += rows->count * lg_dtype_size(rows->dtype) * (size_t)plan->spec.accumulation;
     for (int i = 0; i < r->n_regions; i++) { /* the kept block outputs in host memory */
         const lg_region *x = &r->regions[i];
-        if (x->group == LG_GROUP_ACTIVATIONS && x->pool == LG_POOL_HOST)
+        if (x->group == LG_GROUP_ACTIVATIONS && x->pool == LG_POOL_HOST && x != rows)
             kept += x->count * lg_dtype_size(x->dtype);
     }
     return bytes + 2 * kept * (size_t)plan->spec.accumulation;
@@ -5328,12 +5411,29 @@ void lg_plan_auto_rows(const lg_config *cfg, const lg_args *args, int T, size_t 
     *slice_rows = lg_slice_rows_of(&a, N);
 }
 
-/* The run with --head-rows and --slice-rows the planner's where they are 0. */
+/* Whether LoRA's frozen token embedding can live in host memory (lg_host_embedding_check). */
+static int lg_host_embedding_possible(const lg_config *cfg, const lg_args *args) {
+    return args->lora.r > 0 && !cfg->tie_embeddings && !cfg->learned_pos_embedding;
+}
+
+int lg_plan_auto_embedding(const lg_config *cfg, const lg_args *args, int T, size_t limit) {
+    if (args->offload_embedding) return 1;
+    if (limit == 0 || !lg_host_embedding_possible(cfg, args) ||
+        lg_fits_as_given(cfg, args, T, limit))
+        return 0;
+    lg_args moved = *args;
+    moved.offload_embedding = 1;
+    return lg_fits_as_given(cfg, &moved, T, limit);
+}
+
+/* The run with --head-rows and --slice-rows the planner's where they are 0, and LoRA's token
+   embedding where the planner puts it (lg_plan_auto_embedding). */
 static void lg_args_with_auto_rows(const lg_config *cfg, const lg_args *args, int T,
                                    size_t limit, lg_args *out) {
     *out = *args;
     if (!args->head_rows || !args->slice_rows)
         lg_plan_auto_rows(cfg, args, T, limit, &out->head_rows, &out->slice_rows);
+    out->offload_embedding = lg_plan_auto_embedding(cfg, out, T, limit);
 }
 
 static int lg_fits(const lg_config *cfg, const lg_args *args, int T, size_t limit) {
@@ -5482,6 +5582,11 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
     if (!args->offload_weights && lg_args_check_offload_weights(&a, &refused) == 0)
         lg_remedy_price(&out[n++], "weights in host memory", LG_SETTING_OFFLOAD_WEIGHTS, cfg, &a, T,
                         limit);
+    a = *args;
+    a.offload_embedding = 1;
+    if (!args->offload_embedding && lg_host_embedding_possible(cfg, args))
+        lg_remedy_price(&out[n++], "embedding in host memory", LG_SETTING_OFFLOAD_EMBEDDING,
+                        cfg, &a, T, limit);
     if (!args->offload_activations) { /* it moves what recompute keeps: recompute with it */
         a = *args;
         a.recompute = a.offload_activations = 1;
@@ -5751,6 +5856,9 @@ static void lg_plan_print_lora(const lg_plan *plan, FILE *out) {
         fprintf(out, ", its linear weights in %s (lm_head included, as LitGPT does, dequantized "
                 "%d vocabulary rows at a time)", lg_quantization_name(c->lora.quantize),
                 lg_head_tile_rows(c));
+    if (c->lora.host_embedding)
+        fprintf(out, "; its token embedding in host memory (embedding.host), the step's rows "
+                     "gathered there and copied in (embedding.rows)");
     fprintf(out, "\n");
 }
 
@@ -7877,6 +7985,12 @@ static void lg_wait_beside(const lg_exec *ex, int slot) {
     LG_ON_GPU(ex, lg_cuda_wait_beside(ex, slot));
     (void)slot;
 }
+/* The host waits until the copies marked as slot k's have landed (before it writes what they
+   read). */
+static void lg_finish_beside(const lg_exec *ex, int slot) {
+    LG_ON_GPU(ex, lg_cuda_finish_beside(ex, slot));
+    (void)slot;
+}
 
 /* x (n) = 0; n 0 writes nothing (x may be NULL) */
 static void lg_zero(const lg_exec *ex, lg_buf x, size_t n) {
@@ -7927,6 +8041,9 @@ static int lg_model_bind_activations(lg_model *m, lg_dtype acts, lg_error *err) 
     size_t count;
     lg_buf base = lg_model_view(m, "activations.embedding", acts, err);
     if (!base.data) return -1;
+    if (cfg->lora.host_embedding &&
+        !(m->embedding_rows = lg_model_view(m, "embedding.rows", acts, err)).data)
+        return -1;
     for (int k = 0; k < LG_KEPT_SLOTS && lg_model_kept_on_host(m, 0); k++) {
         snprintf(name, sizeof name, "activations.kept_slot.%d", k);
         if (!(m->a.kept_slot[k] = lg_model_view(m, name, acts, err)).data) return -1;
@@ -7972,6 +8089,10 @@ static int lg_model_bind_frozen(lg_model *m, lg_dtype weights, lg_error *err) {
     if (m->cfg.lora.r == 0) return 0;
     lg_buf packed = lg_no_buf();
     m->frozen_gathered = lg_frozen_sharded(&m->cfg, &m->rank->plan->sharding);
+    if (m->cfg.lora.host_embedding) { /* the layouts below leave wte's view to this */
+        m->embedding_host = lg_model_view(m, "embedding.host", weights, err);
+        if (!m->embedding_host.data) return -1;
+    }
     if (m->cfg.lora.quantize != LG_QUANTIZE_NONE) {
         m->exec.dequantized = lg_model_view(m, "nf4.dequantized", weights, err);
         if (!m->exec.dequantized.data) return -1;
@@ -7993,13 +8114,15 @@ static int lg_model_bind_frozen(lg_model *m, lg_dtype weights, lg_error *err) {
     }
     m->frozen_packed = packed;
     lg_frozen_layout(&m->cfg, m->frozen, packed, &m->p, &m->frozen_table, NULL);
+    if (m->cfg.lora.host_embedding) m->p.wte = m->embedding_host;
     return 0;
 }
 
 /* LoRA, frozen_gathered: points the base views of frozen unit u at a buffer holding the whole
-   unit (lg_frozen_unit_layout). */
+   unit (lg_frozen_unit_layout); the token embedding stays where it lives (embedding_host). */
 static void lg_model_point_frozen_unit(lg_model *m, int unit, uint8_t *whole_unit) {
     lg_frozen_unit_layout(&m->cfg, unit, m->frozen.dtype, whole_unit, 0, &m->p, NULL, NULL);
+    if (unit == 0 && m->cfg.lora.host_embedding) m->p.wte = m->embedding_host;
 }
 
 /* Points the model's tensors into the regions of a rank made from a plan of this config. */
@@ -8207,20 +8330,27 @@ static void lg_rank_bytes(const lg_exec *ex, lg_buf dst_or_src, void *host, size
 /* Where the offsets of frozen tensors point: the whole base (m->frozen, m->frozen_packed), or
    with frozen_gathered one unit's buffer (lg_frozen_unit_layout). */
 typedef struct {
-    lg_buf values; /* the tensors in the weight type */
-    lg_buf packed; /* the NF4 ones (bytes) */
+    lg_buf values;    /* the tensors in the weight type */
+    lg_buf packed;    /* the NF4 ones (bytes) */
+    lg_buf embedding; /* --offload embedding: the token embedding's own region (Vp, C) */
 } lg_frozen_at;
 
 static lg_frozen_at lg_frozen_whole(const lg_model *m) {
-    lg_frozen_at at = {m->frozen, m->frozen_packed};
+    lg_frozen_at at = {m->frozen, m->frozen_packed, m->embedding_host};
     return at;
 }
 
 /* Frozen unit u's tensors in the buffer `unit` (frozen_gathered). */
 static lg_frozen_at lg_frozen_unit_at(const lg_model *m, int u, uint8_t *unit) {
-    lg_frozen_at at = {{unit, m->frozen.dtype}, {NULL, LG_DTYPE_U8}};
+    lg_frozen_at at = {{unit, m->frozen.dtype}, {NULL, LG_DTYPE_U8}, m->embedding_host};
     at.packed.data = unit + lg_frozen_unit_packed_at(&m->cfg, u, m->frozen.dtype, NULL);
     return at;
+}
+
+/* Where frozen tensor t, stored in the weight type, is at `at`: its offset in the values, or
+   the token embedding's own region (lg_tensor_info.on_host). */
+static lg_buf lg_frozen_values(lg_frozen_at at, const lg_tensor_info *t) {
+    return t->on_host ? at.embedding : lg_at(at.values, t->offset);
 }
 
 /* A packed frozen tensor t (its NF4 bytes in the model's memory at `at`) from values
@@ -8241,7 +8371,7 @@ static int lg_pack_frozen(const lg_model *m, lg_frozen_at at, const lg_tensor_in
 static int lg_init_frozen_tensor(const lg_model *m, lg_frozen_at at, const lg_tensor_info *t,
                                  lg_rng *rng, lg_error *err) {
     if (t->packed == LG_DTYPE_F32) {
-        lg_init_tensor(&m->exec, &m->cfg, t, lg_at(at.values, t->offset), rng);
+        lg_init_tensor(&m->exec, &m->cfg, t, lg_frozen_values(at, t), rng);
         return 0;
     }
     lg_real *values = (lg_real *)LG_MALLOC(t->count * sizeof(lg_real));
@@ -8633,9 +8763,41 @@ static void lg_model_block_forward(lg_model *m, int l, int B, int T) {
     }
 }
 
+/* rows (N, C) = wte[tokens] on the host, converted to the rows' type as the embedding's
+   kernels convert; tokens (N), wte (Vp, C) in host memory. */
+static void lg_embedding_gather_rows(lg_buf rows, const int *tokens, lg_buf wte, int N, int C) {
+    size_t row_bytes = (size_t)C * lg_elem_size(rows.dtype);
+    LG_OMP(omp parallel for)
+    for (int n = 0; n < N; n++) {
+        lg_buf to = lg_at(rows, (size_t)n * C), from = lg_at(wte, (size_t)tokens[n] * C);
+        if (rows.dtype == wte.dtype) {
+            memcpy(to.data, from.data, row_bytes);
+            continue;
+        }
+        for (int i = 0; i < C; i++) lg_set(to, i, lg_get(from, i));
+    }
+}
+
+/* --offload embedding: the micro-batch's rows of the host's table gathered into
+   embedding_rows once the copy of the last ones has left them, then copied beside the compute
+   into residual[0] (after the ops queued so far, its last readers among them); the compute
+   waits for that copy alone. Tests skip the compute's wait to show it matters. */
+static void lg_model_embed_from_host(lg_model *m, const int *tokens, int B, int T) {
+    int N = B * T, C = m->cfg.n_embd;
+    lg_finish_beside(&m->exec, LG_BESIDE_EMBEDDING);
+    lg_embedding_gather_rows(m->embedding_rows, tokens, m->embedding_host, N, C);
+    lg_copy_beside(&m->exec, m->a.residual[0], m->embedding_rows, (size_t)N * C);
+    lg_mark_beside(&m->exec, LG_BESIDE_EMBEDDING);
+    if (!m->skip_kept_waits) lg_wait_beside(&m->exec, LG_BESIDE_EMBEDDING);
+}
+
 /* The forward in three parts (embedding, blocks, head), so that a sharded trainer can gather
    each unit's weights in between. */
 static void lg_model_embed(lg_model *m, const int *tokens, int B, int T) {
+    if (m->cfg.lora.host_embedding) {
+        lg_model_embed_from_host(m, tokens, B, T);
+        return;
+    }
     lg_embedding_forward(&m->exec, m->a.residual[0], tokens, m->p.wte, m->p.wpe, B, T, m->cfg.n_embd,
                          m->span_start);
 }
@@ -14886,7 +15048,7 @@ static int lg_peft_read(const lg_model *m0, const char *dir, lg_real *whole, lg_
 /* FNV-1a of frozen tensor t's stored bytes at `at` (the weight type, or NF4), after hash. */
 static uint64_t lg_frozen_tensor_hash(uint64_t hash, const lg_model *m, lg_frozen_at at,
                                       const lg_tensor_info *t) {
-    lg_buf bytes_at = {lg_at(at.values, t->offset).data, LG_DTYPE_U8};
+    lg_buf bytes_at = {lg_frozen_values(at, t).data, LG_DTYPE_U8};
     size_t bytes = t->count * lg_elem_size(at.values.dtype);
     if (t->packed != LG_DTYPE_F32) {
         bytes_at.data = (uint8_t *)at.packed.data + t->offset;
@@ -14903,7 +15065,7 @@ static int lg_frozen_tensor_set(const lg_model *m, lg_frozen_at at, const lg_ten
                                 const lg_real *base, lg_error *err) {
     lg_buf src = lg_buf_of((lg_real *)base + t->origin);
     if (t->packed != LG_DTYPE_F32) return lg_pack_frozen(m, at, t, src, err);
-    lg_copy(&m->exec, lg_at(at.values, t->offset), src, t->count);
+    lg_copy(&m->exec, lg_frozen_values(at, t), src, t->count);
     return 0;
 }
 
@@ -14957,7 +15119,7 @@ static int lg_trainer_set_frozen(lg_trainer *tr, const lg_real *base, lg_error *
 static int lg_frozen_tensor(const lg_model *m, lg_frozen_at at, const lg_tensor_info *t,
                             lg_real *out, lg_error *err) {
     if (t->packed == LG_DTYPE_F32) {
-        lg_copy(&m->exec, lg_buf_of(out), lg_at(at.values, t->offset), t->count);
+        lg_copy(&m->exec, lg_buf_of(out), lg_frozen_values(at, t), t->count);
         lg_rank_sync(m->rank);
         return 0;
     }
@@ -16001,6 +16163,20 @@ static void lg_trainer_micro_batches(const lg_trainer *tr, int i, const int **la
 /* Tokens (rows x their length) of a step's micro-batches on all ranks (lg_trainer_read_step
    counted them). */
 
+/* --offload embedding: the token embedding the first rank drew, copied to the process's other
+   ranks (each holds the whole table in its host pool). */
+static void lg_trainer_share_host_embedding(lg_trainer *tr) {
+    const lg_model *m0 = &tr->ranks[0].model;
+    if (!m0->cfg.lora.host_embedding) return;
+    size_t count = (size_t)m0->cfg.padded_vocab_size * m0->cfg.n_embd;
+    lg_rank_sync(m0->rank);
+    for (int r = 1; r < tr->local_ranks; r++) {
+        const lg_model *m = &tr->ranks[r].model;
+        lg_copy(&m->exec, m->embedding_host, m0->embedding_host, count);
+        lg_rank_sync(m->rank);
+    }
+}
+
 /* LoRA's frozen base sharded: the base one rank draws (lg_model_init_frozen's stream), unit
    by unit on the first rank into its gather slot, hashed there (base_hash), broadcast to the
    process's ranks, each keeping its piece. */
@@ -16037,6 +16213,7 @@ static int lg_trainer_init_frozen_units(lg_trainer *tr, lg_error *err) {
             lg_copy(&m->exec, dst, lg_at(slots[r], first), sl->piece_count[u]);
         }
     }
+    lg_trainer_share_host_embedding(tr);
     tr->base_hash = h;
     tr->base_hashed = 1;
     return rc;

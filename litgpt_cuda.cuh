@@ -611,6 +611,10 @@ static void lg_cuda_mark_beside(const lg_exec *ex, int slot) {
 static void lg_cuda_wait_beside(const lg_exec *ex, int slot) {
     LG_CUDA_TRY(cudaStreamWaitEvent(lg_cuda_stream(ex), ex->cuda->beside_done[slot], 0));
 }
+/* The host waits for slot k's copies (lg_finish_beside). */
+static void lg_cuda_finish_beside(const lg_exec *ex, int slot) {
+    LG_CUDA_TRY(cudaEventSynchronize(ex->cuda->beside_done[slot]));
+}
 
 static void lg_cuda_zero(const lg_exec *ex, lg_buf x, size_t n) {
     if (n == 0) return;

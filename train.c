@@ -246,11 +246,10 @@ static int parse_rows(const char *flag, const char *text) {
 static void set_head_rows(flag_call *c) { c->a->head_rows = parse_rows(c->flag, c->value); }
 static void set_slice_rows(flag_call *c) { c->a->slice_rows = parse_rows(c->flag, c->value); }
 
-/* The first part of a comma list that is not state, activations, gradients or weights, copied
-   into bad (size);
-   NULL when every part is known. */
+/* The first part of a comma list that is not state, activations, gradients, weights or
+   embedding, copied into bad (size); NULL when every part is known. */
 static const char *offload_unknown_part(const char *text, char *bad, size_t size) {
-    static const char *const parts[] = {"state", "activations", "gradients", "weights"};
+    static const char *const parts[] = {"state", "activations", "gradients", "weights", "embedding"};
     for (const char *p = text;; p++) {
         size_t n = strcspn(p, ","), known = 0;
         for (size_t k = 0; k < sizeof parts / sizeof parts[0]; k++)
@@ -273,14 +272,16 @@ static void set_offload(flag_call *c) {
     if (!list) list = "state";
     if (offload_unknown_part(list, bad, sizeof bad))
         die_usage("%s: '%s' is not a part to offload (a comma list of state, activations, "
-                  "gradients and weights)", c->flag, bad);
+                  "gradients, weights and embedding)", c->flag, bad);
     for (const char *p = list; *p; p += strcspn(p, ","), p += *p == ',') {
         size_t n = strcspn(p, ",");
         if (strncmp(p, "state", n) == 0) c->a->offload = 1;
         else if (strncmp(p, "activations", n) == 0) c->a->offload_activations = 1;
         else if (strncmp(p, "gradients", n) == 0) /* with state: the optimizer runs on them */
             c->a->offload = c->a->offload_gradients = 1;
-        else c->a->offload = c->a->offload_weights = 1; /* where the optimizer updates them */
+        else if (strncmp(p, "weights", n) == 0) /* where the optimizer updates them */
+            c->a->offload = c->a->offload_weights = 1;
+        else c->a->offload_embedding = 1; /* LoRA's frozen table: no optimizer on it */
     }
 }
 
@@ -512,7 +513,8 @@ static const flag_row flag_table[] = {
      "there), activations (the block inputs --recompute block\n"
      "keeps), gradients (each block's as its backward ends;\n"
      "with state), weights (streamed in a block at a time; with\n"
-     "state); same results either way"},
+     "state), embedding (LoRA's frozen token table, the step's\n"
+     "rows gathered there); same results either way"},
     {"plan", 0, FLAG_MAYBE_VALUE, "[=json|svg]", set_plan, NULL,
      "print the memory plan per device and exit; json and svg\n"
      "alone on stdout (svg: stacked groups against the limit)"},
@@ -1039,6 +1041,20 @@ static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T, char *no
     size_t used = strlen(note);
     snprintf(note + used, cap - used, "-b auto: micro-batch %d (the largest dividing %d per "
              "device that fits in %s, %s)\n", b, a->global_batch_size / lg_args_ranks(a),
+             lg_format_bytes(limit, size, sizeof size), source);
+}
+
+/* LoRA's token embedding when --offload embedding is not given: on the device, or in host
+   memory where that makes the run fit (said in note). */
+static void choose_embedding(lg_args *a, const lg_config *cfg, int T, char *note, size_t cap) {
+    const char *source;
+    size_t limit = device_limit(a, &source);
+    char size[32];
+    if (a->offload_embedding || !lg_plan_auto_embedding(cfg, a, T, limit)) return;
+    a->offload_embedding = 1;
+    size_t used = strlen(note);
+    snprintf(note + used, cap - used, "the run does not fit in %s (%s) with the token embedding "
+             "on the device; LoRA's frozen table in host memory (--offload embedding)\n",
              lg_format_bytes(limit, size, sizeof size), source);
 }
 
@@ -1930,6 +1946,7 @@ static void plan_run(run_setup *rs) {
         choose_micro_batch(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
     if (!a->head_rows || !a->slice_rows)
         choose_rows(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
+    choose_embedding(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
     if (lg_args_check(a, &err) != 0) die_usage("%s", err.msg);
     char planned_for[512];
     describe_planned_run(a, &rs->cfg, rs->T, &rs->data, planned_for, sizeof planned_for);

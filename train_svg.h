@@ -180,12 +180,13 @@ static void plot_val(loss_plot *p, int step, double loss) {
    command's own: "--offload" (state alone), "--offload activations,gradients" (gradients and
    weights bring state). */
 static void offload_flag(const lg_args *a, char *out, size_t cap) {
-    const char *parts[4];
+    const char *parts[5];
     int n = 0;
     if (a->offload && !a->offload_gradients && !a->offload_weights) parts[n++] = "state";
     if (a->offload_activations) parts[n++] = "activations";
     if (a->offload_gradients) parts[n++] = "gradients";
     if (a->offload_weights) parts[n++] = "weights";
+    if (a->offload_embedding) parts[n++] = "embedding";
     if (n == 1 && a->offload && !a->offload_gradients && !a->offload_weights) {
         snprintf(out, cap, "--offload");
         return;
@@ -200,7 +201,8 @@ static void offload_flag(const lg_args *a, char *out, size_t cap) {
 static const char *remedy_flags(const lg_remedy *r, char *out, size_t cap) {
     static const char *const state_formats[] = {"as-precision", "bf16", "8bit"}; /* by format */
     const unsigned offload_parts = LG_SETTING_OFFLOAD | LG_SETTING_OFFLOAD_ACTIVATIONS |
-                                   LG_SETTING_OFFLOAD_GRADIENTS | LG_SETTING_OFFLOAD_WEIGHTS;
+                                   LG_SETTING_OFFLOAD_GRADIENTS | LG_SETTING_OFFLOAD_WEIGHTS |
+                                   LG_SETTING_OFFLOAD_EMBEDDING;
     const lg_args *a = &r->args;
     char one[64];
     int offload_named = 0;

@@ -1727,15 +1727,20 @@ static int offload_runs_same(const lg_config *cfg, const lg_args *a, const lg_ar
     for (int q = 0; same && q < whole.local_ranks; q++) {
         const lg_trainer_rank *w = &whole.ranks[q], *s = &streamed.ranks[q];
         const lg_region *weights = lg_plan_find(&streamed.plan.ranks[q], "weights");
-        same = same_bits(w->host_grads, s->host_grads, w->model.n_local) &&
+        const lg_region *table = lg_plan_find(&streamed.plan.ranks[q], "embedding.host");
+        lg_buf w_grads = w->host_grads.data ? w->host_grads : w->model.grads; /* (without state: */
+        lg_buf s_grads = s->host_grads.data ? s->host_grads : s->model.grads; /* the device's) */
+        same = same_bits(w_grads, s_grads, w->model.n_local) &&
                same_bits(w->model.params, s->model.params, w->model.n_local) &&
                (s->model.grads.data == NULL) == b->offload_gradients &&
-               (weights->pool == LG_POOL_HOST) == b->offload_weights;
+               (weights->pool == LG_POOL_HOST) == b->offload_weights &&
+               (table && table->pool == LG_POOL_HOST) == b->offload_embedding;
     }
     if (!same)
-        printf("    differs: %s %s, -b %d -g %d -d %d %s%s%s\n", family, mode, a->micro_batch_size,
+        printf("    differs: %s %s, -b %d -g %d -d %d %s%s%s%s\n", family, mode, a->micro_batch_size,
                a->global_batch_size, a->devices, lg_strategy_name(a->strategy),
-               b->offload_gradients ? " gradients" : "", b->offload_weights ? " weights" : "");
+               b->offload_gradients ? " gradients" : "", b->offload_weights ? " weights" : "",
+               b->offload_embedding ? " embedding" : "");
     if (rc == 0) {
         lg_trainer_free(&whole);
         lg_trainer_free(&streamed);
@@ -1851,6 +1856,54 @@ static void test_offload_weights_bitwise(results *r) {
           "bf16-mixed, bf16-true, LoRA, QLoRA nf4 and nf4-dq x 1 and 3 micro-batches, alone and "
           "with --offload gradients; full bf16-mixed and QLoRA nf4 also -d 2 full-shard and "
           "-d 2 --nodes 2 hybrid-shard, each rank streaming its piece)", runs, n_families);
+}
+
+/* --offload embedding: LoRA's frozen token embedding lives in the host pool and the step's rows
+   are gathered there; bitwise the losses, adapters' gradients and adapters of the run that
+   keeps it on the device: every family with a table of its own (GPT-2 ties it), LoRA
+   (bf16-mixed, fp32) and QLoRA nf4 (bf16-true), 1 and 3 micro-batches, alone, with
+   --offload state,activations,weights (recompute), and -d 2 full-shard (its frozen ends
+   unit gathered without the table). */
+static void test_offload_embedding_bitwise(results *r) {
+    const char *names[] = {"test-pythia", "test-llama", "test-falcon", "test-llama31"};
+    const int n_families = (int)(sizeof names / sizeof names[0]);
+    enum { LORA_BF16_MIXED, LORA_FP32, QLORA_NF4, N_MODES };
+    static const char *const mode_names[N_MODES] = {"lora bf16-mixed", "lora fp32", "qlora nf4"};
+    static const lg_precision precisions[N_MODES] = {
+        LG_PRECISION_BF16_MIXED, LG_PRECISION_32_TRUE, LG_PRECISION_BF16_TRUE};
+    enum { ALONE, WITH_STREAMING, FULL_SHARD, N_WAYS };
+    int ok = 1, runs = 0;
+    for (int i = 0; i < n_families; i++)
+        for (int k = 0; k < N_MODES; k++)
+            for (int accumulation = 1; accumulation <= 3; accumulation += 2)
+                for (int way = 0; way < N_WAYS; way++) {
+                    lg_config cfg;
+                    if (load_config_or_fail(r, &cfg, names[i])) return;
+                    cfg.n_layer = 3;
+                    lg_args a;
+                    lg_args_default(&a);
+                    a.precision = precisions[k];
+                    a.micro_batch_size = 2;
+                    a.global_batch_size = 2 * accumulation;
+                    a.max_norm = 0.05f;
+                    a.lora.r = 4;
+                    a.lora.targets = LG_LORA_QUERY | LG_LORA_VALUE | LG_LORA_MLP | LG_LORA_HEAD;
+                    a.lora.quantize = k == QLORA_NF4 ? LG_QUANTIZE_NF4 : LG_QUANTIZE_NONE;
+                    if (way == WITH_STREAMING)
+                        a.offload = a.offload_activations = a.offload_weights = a.recompute = 1;
+                    if (way == FULL_SHARD) {
+                        a.devices = 2;
+                        a.global_batch_size *= 2;
+                    }
+                    lg_args host = a;
+                    host.offload_embedding = 1;
+                    ok = offload_runs_same(&cfg, &a, &host, names[i], mode_names[k]) && ok;
+                    runs++;
+                }
+    check(r, ok, "--offload embedding: bitwise the losses, gradients and adapters of the table "
+          "on the device after 3 clipped AdamW steps (%d runs: %d families with 3 layers x LoRA "
+          "bf16-mixed and fp32, QLoRA nf4 x 1 and 3 micro-batches x alone, with --offload "
+          "state,activations,weights, -d 2 full-shard)", runs, n_families);
 }
 
 /* What one --offload run allocates: test-pythia (cfg), --offload state, 3 micro-batches of 2
@@ -2014,6 +2067,116 @@ static void test_offload_weights_memory(results *r) {
         check(r, lg_args_check(&bad, &refused) != 0 && strstr(refused.msg, "--offload weights") &&
               strstr(refused.msg, why[i]), "--offload weights refused naming %s: %s", why[i],
               refused.msg);
+    }
+}
+
+/* One QLoRA nf4 run of test-llama31 (bf16-true, 3 micro-batches of 2 x 16 tokens) as
+   allocated, with or without --offload embedding, on `devices` ranks (full-shard). */
+typedef struct {
+    size_t device, host, traffic;  /* rank 0's pools, the plan's host traffic a step */
+    size_t frozen_count;           /* frozen_weights' elements (one rank) */
+    size_t gather_ends;            /* gather.frozen.ends' bytes (full-shard) */
+    int arenas_as_planned;
+    int table_on_host;             /* embedding.host in the host pool */
+} embedding_pools;
+
+static int embedding_pools_of(results *r, const lg_config *cfg, int host_table, int devices,
+                              embedding_pools *out) {
+    lg_args a;
+    lg_args_default(&a);
+    a.precision = LG_PRECISION_BF16_TRUE;
+    a.micro_batch_size = 2;
+    a.global_batch_size = 6 * devices;
+    a.devices = devices;
+    a.lora.r = 4;
+    a.lora.quantize = LG_QUANTIZE_NF4;
+    a.offload_embedding = host_table;
+    lg_error err;
+    lg_trainer tr;
+    if (create_counting(&tr, cfg, &a, 16, &err) != 0) {
+        check(r, 0, "%s", err.msg);
+        return -1;
+    }
+    const lg_rank_plan *p = &tr.plan.ranks[0];
+    const lg_region *frozen = lg_plan_find(p, "frozen_weights"), *ends = lg_plan_find(p, "gather.frozen.ends");
+    const lg_region *table = lg_plan_find(p, "embedding.host");
+    out->device = p->pool_bytes[LG_POOL_DEVICE];
+    out->host = p->pool_bytes[LG_POOL_HOST];
+    out->traffic = lg_plan_host_traffic_bytes(&tr.plan);
+    out->frozen_count = frozen ? frozen->count : 0;
+    out->gather_ends = ends ? ends->bytes : 0;
+    out->arenas_as_planned = arenas_equal_plan(&tr);
+    out->table_on_host = table && table->pool == LG_POOL_HOST;
+    lg_trainer_free(&tr);
+    return 0;
+}
+
+/* --offload embedding as allocated: the arenas are the plan's; the frozen base on the device
+   loses the table (Vp x C), the host pool gains it and the step's rows (B T x C), the host
+   traffic the rows of each micro-batch; with -d 2 full-shard the gathered ends unit is the
+   table smaller; --plan says where it lives; refused by name for a tied table and for full
+   fine-tuning (a trained table). */
+static void test_offload_embedding_memory(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-llama31")) return;
+    embedding_pools one[2], two[2];
+    for (int v = 0; v < 2; v++)
+        if (embedding_pools_of(r, &cfg, v, 1, &one[v]) != 0 || embedding_pools_of(r, &cfg, v, 2, &two[v]) != 0)
+            return;
+    size_t bf16 = 2, table = (size_t)cfg.padded_vocab_size * cfg.n_embd, rows = 2 * 16 * (size_t)cfg.n_embd;
+    size_t saved = lg_align_to(one[0].frozen_count * bf16, LG_ALIGN) -
+                   lg_align_to(one[1].frozen_count * bf16, LG_ALIGN);
+    check(r, one[0].arenas_as_planned && one[1].arenas_as_planned && one[1].table_on_host &&
+          !one[0].table_on_host && one[0].frozen_count - one[1].frozen_count == table &&
+          one[0].device - one[1].device == saved &&
+          one[1].host - one[0].host == lg_align_to(table * bf16, LG_ALIGN) + lg_align_to(rows * bf16, LG_ALIGN) &&
+          one[1].traffic - one[0].traffic == 3 * rows * bf16,
+          "--offload embedding, QLoRA nf4: arenas as planned, frozen_weights %zu -> %zu elements "
+          "(the table's %zu out), device pool %zu -> %zu B, host pool %zu -> %zu B (the table and "
+          "one micro-batch's rows), host traffic %zu B more (3 micro-batches of rows)",
+          one[0].frozen_count, one[1].frozen_count, table, one[0].device, one[1].device,
+          one[0].host, one[1].host, one[1].traffic - one[0].traffic);
+    size_t fewer = two[0].gather_ends - two[1].gather_ends, slack = 2 * 2 * LG_ALIGN;
+    check(r, two[0].arenas_as_planned && two[1].arenas_as_planned && two[1].table_on_host &&
+          fewer + slack >= table * bf16 && fewer <= table * bf16 + slack,
+          "--offload embedding, -d 2 full-shard: arenas as planned, the gathered frozen ends "
+          "%zu -> %zu B (the table's %zu B out, up to the pieces' alignment)",
+          two[0].gather_ends, two[1].gather_ends, table * bf16);
+    expect_cli(r, "--plan -c test-llama31 --lora-r 4 --offload embedding", 0,
+               "its token embedding in host memory (embedding.host)");
+    for (int tied = 0; tied < 2; tied++) { /* the remedies offer it where the model allows */
+        lg_config model;
+        if (load_config_or_fail(r, &model, tied ? "test-gpt2" : "test-llama31")) return;
+        lg_args a;
+        lg_args_default(&a);
+        a.micro_batch_size = 4;
+        a.lora.r = 4;
+        lg_remedy rem[LG_MAX_REMEDIES];
+        int n = lg_plan_remedies(&model, &a, 16, 1, rem), moved = -1;
+        for (int i = 0; i < n; i++)
+            if (rem[i].changes == LG_SETTING_OFFLOAD_EMBEDDING) moved = i;
+        size_t plain = lg_plan_device_bytes_for(&model, &a, 16);
+        check(r, tied ? moved < 0 : moved >= 0 && rem[moved].args.offload_embedding &&
+                                        rem[moved].device_bytes < plain,
+              "the remedies %s --offload embedding for %s (device %zu B, the table on it %zu B)",
+              tied ? "leave out" : "price", model.name, moved < 0 ? 0 : rem[moved].device_bytes, plain);
+    }
+    static const char *const why[2] = {"add --lora-r", "tie_embeddings"};
+    for (int i = 0; i < 2; i++) { /* full fine-tuning; a tied table (GPT-2) */
+        lg_config model;
+        if (load_config_or_fail(r, &model, i ? "test-gpt2" : "test-llama31")) return;
+        lg_args a;
+        lg_args_default(&a);
+        a.lora.r = i ? 4 : 0;
+        a.offload_embedding = 1;
+        lg_plan_spec spec;
+        lg_plan plan;
+        lg_error refused = {0};
+        lg_plan_spec_from_args(&spec, &a, 16);
+        int rc = lg_plan_make(&plan, &model, &spec, &refused);
+        if (rc == 0) lg_plan_free(&plan);
+        check(r, rc != 0 && strstr(refused.msg, "--offload embedding") && strstr(refused.msg, why[i]),
+              "--offload embedding refused naming %s: %s", why[i], refused.msg);
     }
 }
 
@@ -2228,6 +2391,31 @@ static int run_capture(const char *args, char *out, size_t cap) {
     while (p && fread(rest, 1, sizeof rest, p) > 0) continue;
     int status = p ? pclose(p) : -1;
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* The planner puts LoRA's token embedding in host memory by itself where that makes the run
+   fit (lg_plan_auto_embedding) and says so: QLoRA Llama-3.1-8B on an 8 GB card at 15,370
+   tokens (the context table's cell: the table on the device does not fit), not at 9,000 (it
+   fits there), never for a tied table (Llama-3.2-1B) nor on the CPU backend (one memory). */
+static void test_auto_embedding(results *r) {
+    static char out[1 << 16];
+    const char *note = "LoRA's frozen table in host memory (--offload embedding)";
+    const char *run = "-c Llama-3.1-8B -b 1 -p bf16-true --lora-r 32 --lora-targets all --quantize "
+                      "nf4 --recompute block --offload activations --host-memory-limit 64GiB";
+    const struct { const char *what, *flags; int T, code, moved; } cases[4] = {
+        {"8 GB, 15370 tokens", "--gpu rtx4060", 15370, 0, 1},
+        {"8 GB, 9000 tokens", "--gpu rtx4060", 9000, 0, 0},
+        {"tied Llama-3.2-1B on 8 GB, 131072 tokens", "--gpu rtx4060 -c Llama-3.2-1B", 131072, 3, 0},
+        {"CPU backend, 4 GiB", "--memory-limit 4GiB", 4096, 3, 0}};
+    for (int k = 0; k < 4; k++) {
+        char args[768];
+        snprintf(args, sizeof args, "--plan %s -t %d %s", run, cases[k].T, cases[k].flags);
+        int code = run_capture(args, out, sizeof out);
+        int moved = strstr(out, note) != NULL, listed = strstr(out, "embedding.host") != NULL;
+        check(r, code == cases[k].code && moved == cases[k].moved && listed == cases[k].moved,
+              "--plan %s: exit %d, the token embedding %s", cases[k].what, code,
+              moved ? "in host memory by the planner's choice" : "on the device");
+    }
 }
 
 /* The flags in a usage entry's left column ("  -c, --config NAME|PATH", "      --lr X
@@ -2528,6 +2716,8 @@ int main(int argc, char **argv) {
         test_offload_gradients_memory(&r);
         test_offload_weights_bitwise(&r);
         test_offload_weights_memory(&r);
+        test_offload_embedding_bitwise(&r);
+        test_offload_embedding_memory(&r);
     }
     if (section("memory plan", argc, argv)) {
         test_plan_matches_allocations(&r);
@@ -2543,6 +2733,7 @@ int main(int argc, char **argv) {
         test_runtime_estimate_per_card(&r);
         test_auto_seq_length(&r);
         test_auto_seq_length_host(&r);
+        test_auto_embedding(&r);
     }
     if (section("the head and loss in chunks", argc, argv)) {
         test_head_chunks_model(&r);

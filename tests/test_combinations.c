@@ -18,12 +18,14 @@ typedef enum {
     LEVER_FULL_SHARD,       /* -d 2 --strategy full-shard */
     LEVER_ACCUMULATE,       /* half the micro-batch, two micro-batches a step */
     LEVER_PACK,             /* --pack: two samples a row, half the rows */
+    LEVER_OFFLOAD_EMBEDDING, /* --offload embedding (LoRA's frozen, untied table: elsewhere
+                                left out) */
     LEVER_COUNT
 } combo_lever;
 
 static const char *const combo_lever_names[LEVER_COUNT] = {
     "recompute", "head-rows", "slice-rows", "offload-acts", "offload-state", "offload-streams",
-    "d2-full-shard", "accumulate", "pack"};
+    "d2-full-shard", "accumulate", "pack", "offload-embedding"};
 
 /* What trains: every weight, or LoRA adapters on these linears (QLoRA: the base in nf4). */
 typedef enum { MODE_FULL, MODE_LORA_ALL, MODE_LORA_MLP, MODE_LORA_QV, MODE_QLORA_ALL, MODE_COUNT } combo_mode;
@@ -102,6 +104,7 @@ static lg_args combo_args(lg_backend backend, combo_mode mode, unsigned levers) 
     a.offload_activations = (levers & 1u << LEVER_OFFLOAD_ACTS) != 0;
     a.offload = (levers & (1u << LEVER_OFFLOAD_STATE | 1u << LEVER_OFFLOAD_STREAMS)) != 0;
     a.offload_gradients = a.offload_weights = (levers & 1u << LEVER_OFFLOAD_STREAMS) != 0;
+    a.offload_embedding = (levers & 1u << LEVER_OFFLOAD_EMBEDDING) != 0;
     a.head_rows = levers & 1u << LEVER_HEAD_ROWS ? COMBO_HEAD_ROWS : 0;
     a.slice_rows = levers & 1u << LEVER_SLICE_ROWS ? COMBO_SLICE_ROWS : 0;
     if (mode != MODE_FULL) {
@@ -214,6 +217,8 @@ static void test_combinations_of(results *r, lg_backend backend, unsigned levers
     lg_config cfg;
     if (load_config_or_fail(r, &cfg, family)) return;
     cfg.n_layer = COMBO_LAYERS;
+    if (mode == MODE_FULL || cfg.tie_embeddings) /* a trained or tied table stays on the device */
+        levers &= ~(1u << LEVER_OFFLOAD_EMBEDDING);
     lg_args a = combo_args(backend, mode, 0);
     lg_trainer plain;
     lg_error err;

@@ -401,6 +401,7 @@ static lg_args with_settings(const lg_args *original, const lg_remedy *m, int *T
         a.offload = to->offload;
         a.offload_weights = to->offload_weights;
     }
+    if (c & LG_SETTING_OFFLOAD_EMBEDDING) a.offload_embedding = to->offload_embedding;
     if (c & LG_SETTING_PRECISION) a.precision = to->precision;
     if (c & LG_SETTING_LORA_R) a.lora.r = to->lora.r;
     if (c & LG_SETTING_QUANTIZE) a.lora.quantize = to->lora.quantize;

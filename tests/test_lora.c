@@ -370,6 +370,36 @@ static void test_lora_sharded_frozen_files(results *r) {
                   "out/test-lora-frozen-full-shard/step-2", 0, "saved out/test-lora-frozen-full-shard/step-3");
 }
 
+/* --offload embedding over a --load'ed base (the table set in host memory from the files),
+   QLoRA nf4, one rank and -d 2 full-shard (the frozen ends unit gathered without the table),
+   a sample each step (generation's forward through the host rows): step-2 holds the same
+   adapters, training state, merged model (the table read back from the host) and config, byte
+   for byte, as the run with the table on the device. */
+static void test_lora_host_embedding_files(results *r) {
+    static const char *const files[4] = {"adapter_model.safetensors", "training_state.safetensors",
+                                          "model.safetensors", "config.json"};
+    char args[512], cmd[512];
+    mkdir("out", 0755);
+    for (int d = 1; d <= 2; d++) {
+        for (int host = 0; host < 2; host++) {
+            snprintf(args, sizeof args, "--load tests/hf/llama --lora-r 2 --lora-targets all "
+                     "--quantize nf4 -p bf16-mixed -d %d -b 1 -t 8 --max-steps 2 --eval-every 0 "
+                     "--sample-every 1 --sample-tokens 2 --out out/test-lora-embedding-%d-%d%s", d,
+                     d, host, host ? " --offload embedding" : "");
+            expect_cli(r, args, 0, "saved out/test-lora-embedding-");
+        }
+        int same = 0;
+        for (int k = 0; k < 4; k++) {
+            snprintf(cmd, sizeof cmd, "cmp -s out/test-lora-embedding-%d-0/step-2/%s "
+                     "out/test-lora-embedding-%d-1/step-2/%s", d, files[k], d, files[k]);
+            same += system(cmd) == 0;
+        }
+        check(r, same == 4, "tests/hf/llama nf4 -d %d: --offload embedding's step-2 has the "
+              "adapters, training state, merged model and config of the table on the device, "
+              "byte for byte (%d of 4 files)", d, same);
+    }
+}
+
 /* Bad settings: one line naming them, exit 2. */
 static void test_lora_cli(results *r) {
     mkdir("out", 0755);
@@ -587,6 +617,7 @@ static void test_lora_all(results *r) {
     test_lora_equivalences(r);
     test_lora_accumulation(r);
     test_lora_merged_and_resume(r);
+    test_lora_host_embedding_files(r);
     test_lora_plan(r);
     test_lora_sharded_frozen_files(r);
     test_lora_cli(r);

@@ -9,7 +9,10 @@
    then also each block's MLP in slices of LG_SLICE_ROWS rows; then also --offload activations
    (the block inputs in host memory, as Unsloth keeps its checkpoints); then also --offload
    weights (the NF4 base in host memory, streamed onto the GPU a block at a time, which Unsloth
-   does not do). The two offloading columns' host memory has a column each. Each length is the longest whose CUDA plan, with the CUDA runtime's estimate
+   does not do). In every column the planner puts the token embedding (1002 MiB) in host memory
+   where that makes a length fit (lg_plan_auto_embedding: --offload embedding, the step's rows
+   copied in), as ./train --plan does. The two offloading columns' host memory has a column
+   each. Each length is the longest whose CUDA plan, with the CUDA runtime's estimate
    for the card (lg_cuda_estimate_runtime, the last column: no GPU is needed to print this
    table) and the fit check's margin
    (lg_args_margin) kept free, fits what the card reports, up to the model's block_size
@@ -58,15 +61,17 @@ static void unsloth_args(lg_args *a, const lg_gpu_card *card, int head_rows, int
 }
 
 /* The fit check of the plan at T against limit bytes (lg_plan_check_fit: the margin kept
-   free); -1 when it cannot be planned. The device pool decides here: the host pool of
-   --offload activations is its own column (fit->host_bytes), as the machine around the GPU
-   varies. */
+   free), with the token embedding where the planner puts it; -1 when it cannot be planned.
+   The device pool decides here: the host pool of --offload activations is its own column
+   (fit->host_bytes), as the machine around the GPU varies. */
 static int plan_fit(const lg_config *cfg, const lg_args *a, int T, size_t limit, lg_fit *fit) {
     lg_plan_spec spec;
     lg_plan plan;
-    lg_plan_spec_from_args(&spec, a, T);
+    lg_args chosen = *a;
+    chosen.offload_embedding = lg_plan_auto_embedding(cfg, a, T, limit);
+    lg_plan_spec_from_args(&spec, &chosen, T);
     if (lg_plan_make(&plan, cfg, &spec, NULL) != 0) return -1;
-    lg_plan_check_fit(&plan, a, limit, fit);
+    lg_plan_check_fit(&plan, &chosen, limit, fit);
     lg_plan_free(&plan);
     return 0;
 }

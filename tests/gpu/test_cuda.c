@@ -754,6 +754,45 @@ static void test_offload_weights(results *r) {
 #endif
 }
 
+/* --offload embedding on the GPU: LoRA's frozen token embedding in host memory, each
+   micro-batch's rows gathered there and copied in beside the compute, give bitwise the
+   adapters and losses of the table on the device: LoRA bf16-mixed alone, QLoRA nf4 32-true
+   with --offload state,activations,weights (recompute); on the emulator with deferred copies,
+   without the compute's wait for the rows' copy block 0 reads the rows before they land. */
+static void test_offload_embedding(results *r) {
+    for (int qlora = 0; qlora < 2; qlora++) {
+        lg_args a = step_args(qlora ? LG_PRECISION_32_TRUE : LG_PRECISION_BF16_MIXED, LG_BACKEND_CUDA);
+        a.global_batch_size = 3 * a.micro_batch_size;
+        a.max_norm = 0.0f;
+        a.lora.r = 2;
+        a.lora.dropout = 0.0f;
+        a.lora.quantize = qlora ? LG_QUANTIZE_NF4 : LG_QUANTIZE_NONE;
+        a.lora.targets = LG_LORA_QUERY | LG_LORA_VALUE | LG_LORA_MLP | LG_LORA_HEAD;
+        if (qlora) a.offload = a.offload_activations = a.offload_weights = a.recompute = 1;
+        lg_args b = a;
+        b.offload_embedding = 1;
+        double losses;
+        unsigned long long beside = 0;
+        double apart = streamed_run_apart(r, &a, &b, 5, 0, &losses, &beside);
+        check(r, apart == 0 && losses == 0, "--offload embedding = the table on the device, on "
+              "the GPU, %s, 5 blocks, 3 micro-batches a step, 3 steps: adapters %.1e, losses "
+              "%.1e apart (bitwise); %llu kernels launched beside a pending copy",
+              qlora ? "QLoRA nf4 32-true with --offload state,activations,weights" : "LoRA bf16-mixed",
+              apart, losses, beside);
+#ifdef LG_CUDA_EMULATE
+        const char *defer = getenv("LG_EMU_DEFER_COPIES");
+        if (!qlora && defer && strcmp(defer, "1") == 0) {
+            double losses_skipped;
+            unsigned long long beside_skipped = 0;
+            double skipped = streamed_run_apart(r, &a, &b, 5, 1, &losses_skipped, &beside_skipped);
+            check(r, skipped > 1e-3 || losses_skipped > 1e-3, "the same with the wait for the "
+                  "rows' copy removed, copies deferred: adapters %.1e, losses %.1e apart (block 0 "
+                  "computed before its rows landed shows)", skipped, losses_skipped);
+        }
+#endif
+    }
+}
+
 /* LoRA (every target of test-llama, dropout 0.1) and QLoRA (nf4, nf4-dq: the frozen linears
    dequantized on the GPU): the CUDA backend's adapters and losses after 3 steps against the
    CPU's, fp32 with AdamW (1e-4) and bf16-mixed with SGD (1e-2); with 2 GPUs when visible,
@@ -1365,6 +1404,7 @@ static void mode_features(results *r, int gpus) {
     test_offload_overlap(r);
     test_offload_gradients(r);
     test_offload_weights(r);
+    test_offload_embedding(r);
 }
 
 static void mode_combinations(results *r, int gpus) {
