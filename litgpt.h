@@ -118,8 +118,21 @@ extern "C" {
 #endif
 
 typedef struct {
-    char msg[512]; /* one line: names the file, flag or sample at fault and what is wrong */
+    char msg[512]; /* one line: names the file, setting or sample at fault and what is wrong */
 } lg_error;
+
+/* Settings in messages. The library names a setting, never a driver's flag: the lg_args field
+   (LG_RUN_SETTINGS' key: "lora.r") between backquotes, alone or with a value:
+   "`micro_batch_size` must be at least 1", "`offload activations` needs `recompute block`",
+   "`devices 2` x `nodes 1`". A library user reads the names; a driver with flags gives
+   lg_spell_settings a speller, which returns a setting's flag (key alone: its names,
+   "-b/--micro-batch-size"; with a value: the word written before the value, "-b"; NULL: no
+   flag, the mark stays). */
+typedef const char *lg_setting_speller(const char *key, int with_value, void *ctx, char *buf,
+                                       size_t cap);
+/* message with each setting mark spelled by spell, into out (cap bytes, cut to fit). */
+void lg_spell_settings(const char *message, lg_setting_speller *spell, void *ctx, char *out,
+                       size_t cap);
 
 /* Bytes of a path the library builds: a directory (up to 1024) and a file name in it. */
 #define LG_PATH_MAX 1100
@@ -284,10 +297,10 @@ typedef struct {
 typedef enum { LG_LORA_Q, LG_LORA_K, LG_LORA_V, LG_LORA_PROJ, LG_LORA_FC, LG_LORA_FC_2,
                LG_LORA_MLP_PROJ, LG_LORA_BLOCK_LINEARS } lg_lora_linear;
 
-/* --lora-targets all: every linear but the head (PEFT's "all-linear"). */
+/* lora.targets all: every linear but the head (PEFT's "all-linear"). */
 #define LG_LORA_ALL_LINEARS "q,k,v,proj,mlp"
 /* "q,v" -> LG_LORA_QUERY | LG_LORA_VALUE ("all": LG_LORA_ALL_LINEARS); -1 naming an unknown
-   name in err. */
+   name in err (the caller names the setting). */
 int lg_lora_targets_parse(const char *text, unsigned *targets, lg_error *err);
 /* The inverse, into buf: "q,v". */
 const char *lg_lora_targets_name(unsigned targets, char *buf, size_t size);
@@ -860,6 +873,11 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
    combination in *best. */
 int lg_plan_cheapest_fit(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                          lg_remedy *best);
+/* A remedy's changed settings with their new values, marked as messages mark settings
+   (lg_spell_settings), in the order of the LG_SETTING_* bits: "`micro_batch_size 2`
+   `global_batch_size 16`"; the offload parts are one setting: "`offload`" (state alone) or
+   "`offload activations,gradients`". Returns out. */
+const char *lg_remedy_settings(const lg_remedy *r, char *out, size_t cap);
 /* Device bytes of the run args describes at sequence length T (0 when it cannot be planned). */
 size_t lg_plan_device_bytes_for(const lg_config *cfg, const lg_args *args, int T);
 /* The same for the run args describes at sequence length T (0 when it cannot be planned). */
@@ -2151,6 +2169,44 @@ static int lg_fail(lg_error *err, const char *fmt, ...) {
         va_end(ap);
     }
     return -1;
+}
+
+/* The mark at text (a backquote): *key_len bytes of key from text + 1, then the value up to
+   the closing backquote (*value at its first byte, or NULL); the mark's length, 0: no mark. */
+static size_t lg_setting_mark(const char *text, size_t *key_len, const char **value) {
+    if (*text != '`') return 0;
+    size_t n = strspn(text + 1, "abcdefghijklmnopqrstuvwxyz0123456789_.");
+    const char *after = text + 1 + n, *close = strchr(after, '`');
+    if (n == 0 || !close || (*after != '`' && *after != ' ') || close == after + 1) return 0;
+    *key_len = n;
+    *value = *after == ' ' ? after + 1 : NULL;
+    return (size_t)(close - text) + 1;
+}
+
+void lg_spell_settings(const char *message, lg_setting_speller *spell, void *ctx, char *out,
+                       size_t cap) {
+    size_t used = 0, key_len, mark;
+    const char *value;
+    for (const char *p = message; *p && used + 1 < cap;) {
+        char key[64], flag[96];
+        const char *spelled = NULL;
+        mark = lg_setting_mark(p, &key_len, &value);
+        if (mark && key_len < sizeof key) {
+            memcpy(key, p + 1, key_len);
+            key[key_len] = '\0';
+            spelled = spell(key, value != NULL, ctx, flag, sizeof flag);
+        }
+        if (!spelled) {
+            out[used++] = *p++;
+            continue;
+        }
+        int n = value ? snprintf(out + used, cap - used, "%s %.*s", spelled,
+                                 (int)(p + mark - 1 - value), value)
+                      : snprintf(out + used, cap - used, "%s", spelled);
+        used = n < 0 ? used : used + (size_t)n < cap ? used + (size_t)n : cap - 1;
+        p += mark;
+    }
+    out[used < cap ? used : cap - 1] = '\0';
 }
 
 static void *lg_alloc_zeroed(size_t bytes) {
@@ -3515,12 +3571,12 @@ int lg_lora_targets_parse(const char *text, unsigned *targets, lg_error *err) {
             if (strlen(lg_lora_target_names[k]) == len && strncmp(at, lg_lora_target_names[k], len) == 0)
                 found = k;
         if (found < 0)
-            return lg_fail(err, "--lora-targets: unknown target '%.*s' in '%s' (known: q, k, v, "
+            return lg_fail(err, "unknown target '%.*s' in '%s' (known: q, k, v, "
                                 "proj, mlp, head; or all)", (int)len, at, text);
         *targets |= 1u << found;
         at += len + (at[len] == ',');
     }
-    if (!*targets) return lg_fail(err, "--lora-targets: no target in '%s'", text);
+    if (!*targets) return lg_fail(err, "no target in '%s'", text);
     return 0;
 }
 
@@ -3583,32 +3639,32 @@ static int lg_lora_adapts(const lg_config *c, lg_lora_linear linear) {
 /* The adapters fit the architecture: r no larger than the smaller side of any adapted linear. */
 static int lg_lora_check(const lg_config *c, lg_error *err) {
     const lg_lora *lo = &c->lora;
-    if (lo->r < 0) return lg_fail(err, "--lora-r must be >= 0 (0: no LoRA)");
+    if (lo->r < 0) return lg_fail(err, "`lora.r` must be >= 0 (0: no LoRA)");
     if (lo->r == 0) {
         if (lo->quantize != LG_QUANTIZE_NONE)
-            return lg_fail(err, "--quantize %s needs --lora-r: a quantized model cannot be fully "
+            return lg_fail(err, "`lora.quantize %s` needs `lora.r`: a quantized model cannot be fully "
                                 "fine-tuned, only adapters over it", lg_quantization_name(lo->quantize));
         return 0;
     }
-    if (!lo->targets) return lg_fail(err, "--lora-targets: no target");
-    if (!(lo->alpha > 0.0f)) return lg_fail(err, "--lora-alpha must be positive");
+    if (!lo->targets) return lg_fail(err, "`lora.targets`: no target");
+    if (!(lo->alpha > 0.0f)) return lg_fail(err, "`lora.alpha` must be positive");
     if (!(lo->dropout >= 0.0f && lo->dropout < 1.0f))
-        return lg_fail(err, "--lora-dropout must be within [0, 1)");
+        return lg_fail(err, "`lora.dropout` must be within [0, 1)");
     int llama = c->mlp_class_name == LG_MLP_LLAMA;
     for (int k = 0; k < LG_LORA_BLOCK_LINEARS; k++) {
         int in, out;
         if (!lg_lora_adapts(c, (lg_lora_linear)k)) continue;
         lg_lora_dims(c, (lg_lora_linear)k, &in, &out);
         if (lo->r > (in < out ? in : out))
-            return lg_fail(err, "--lora-r %d exceeds %s's smaller dimension %d (%d x %d)", lo->r,
+            return lg_fail(err, "`lora.r` %d exceeds %s's smaller dimension %d (%d x %d)", lo->r,
                            lg_lora_linear_names[llama][k], in < out ? in : out, out, in);
     }
     if ((lo->targets & LG_LORA_HEAD) && c->tie_embeddings)
-        return lg_fail(err, "--lora-targets head: this model ties lm_head to the token embeddings "
+        return lg_fail(err, "`lora.targets head`: this model ties lm_head to the token embeddings "
                             "(tie_embeddings), so its merged adapter would change the embeddings "
                             "too; adapt the other linears");
     if ((lo->targets & LG_LORA_HEAD) && lo->r > c->n_embd)
-        return lg_fail(err, "--lora-r %d exceeds lm_head's smaller dimension %d", lo->r, c->n_embd);
+        return lg_fail(err, "`lora.r` %d exceeds lm_head's smaller dimension %d", lo->r, c->n_embd);
     if (lo->head_tile_rows < 0 || lo->head_tile_rows % LG_HEAD_TILE_ALIGN != 0)
         return lg_fail(err, "LoRA's head_tile_rows %d is not a multiple of %d (0: %d)",
                        lo->head_tile_rows, LG_HEAD_TILE_ALIGN, LG_HEAD_TILE_ROWS);
@@ -3848,17 +3904,17 @@ int lg_args_ranks(const lg_args *a) { return a->devices * a->nodes; }
 static int lg_args_check_offload_gradients(const lg_args *a, lg_error *err) {
     if (!a->offload_gradients) return 0;
     if (!a->offload)
-        return lg_fail(err, "--offload gradients needs --offload state (the optimizer runs on "
+        return lg_fail(err, "`offload gradients` needs `offload state` (the optimizer runs on "
                             "the host, where the gradients go)");
     int replicas = lg_args_ranks(a) > 1 && (a->strategy == LG_STRATEGY_NO_SHARD ||
                                             (a->strategy == LG_STRATEGY_HYBRID_SHARD && a->nodes > 1));
     if (replicas)
-        return lg_fail(err, "--offload gradients: --strategy %s keeps replicas, which add their "
+        return lg_fail(err, "`offload gradients`: `strategy %s` keeps replicas, which add their "
                             "whole gradients on the devices once a step; full-shard or "
                             "shard-grad-op stream each rank's piece", lg_strategy_name(a->strategy));
     if (a->optimizer == LG_OPTIMIZER_SOPHIA)
-        return lg_fail(err, "--offload gradients: Sophia's Hessian pass reads the whole gradient "
-                            "on the device (-o adamw, lion or sgd stream it)");
+        return lg_fail(err, "`offload gradients`: Sophia's Hessian pass reads the whole gradient "
+                            "on the device (`optimizer adamw`, lion or sgd stream it)");
     return 0;
 }
 
@@ -3867,10 +3923,10 @@ static int lg_args_check_offload_gradients(const lg_args *a, lg_error *err) {
 static int lg_args_check_offload_weights(const lg_args *a, lg_error *err) {
     if (!a->offload_weights) return 0;
     if (!a->offload)
-        return lg_fail(err, "--offload weights needs --offload state (the optimizer updates the "
+        return lg_fail(err, "`offload weights` needs `offload state` (the optimizer updates the "
                             "weights where they live, on the host)");
     if (lg_args_ranks(a) > 1)
-        return lg_fail(err, "--offload weights runs on one rank for now (-d %d x --nodes %d)",
+        return lg_fail(err, "`offload weights` runs on one rank for now (`devices %d` x `nodes %d`)",
                        a->devices, a->nodes);
     return 0;
 }
@@ -3879,58 +3935,58 @@ static int lg_args_check_offload_weights(const lg_args *a, lg_error *err) {
 static int lg_args_accumulation_steps(const lg_args *a, lg_error *err) {
     int per_step = a->micro_batch_size * lg_args_ranks(a);
     int global = a->global_batch_size ? a->global_batch_size : per_step;
-    if (per_step < 1) return lg_fail(err, "-b/--micro-batch-size must be at least 1");
+    if (per_step < 1) return lg_fail(err, "`micro_batch_size` must be at least 1");
     if (global % per_step != 0)
         return lg_fail(err,
-                       "-g/--global-batch-size %d is not a multiple of -b/--micro-batch-size %d "
-                       "x -d/--devices %d x --nodes %d",
+                       "`global_batch_size` %d is not a multiple of `micro_batch_size` %d x "
+                       "`devices` %d x `nodes` %d",
                        global, a->micro_batch_size, a->devices, a->nodes);
     return global / per_step;
 }
 
 int lg_args_check(const lg_args *a, lg_error *err) {
-    if (a->devices < 1) return lg_fail(err, "-d/--devices must be at least 1");
-    if (a->nodes < 1) return lg_fail(err, "--nodes must be at least 1");
+    if (a->devices < 1) return lg_fail(err, "`devices` must be at least 1");
+    if (a->nodes < 1) return lg_fail(err, "`nodes` must be at least 1");
     if (a->offload_activations && !a->recompute)
-        return lg_fail(err, "--offload activations needs --recompute block (the block inputs it "
+        return lg_fail(err, "`offload activations` needs `recompute block` (the block inputs it "
                             "moves to host memory are the ones recompute keeps)");
     if (lg_args_check_offload_gradients(a, err) != 0) return -1;
     if (lg_args_check_offload_weights(a, err) != 0) return -1;
     if (a->pack && a->backend == LG_BACKEND_CUDA && !a->plan_only)
-        return lg_fail(err, "--pack: packed rows run on the CPU backend only for now (the CUDA "
-                            "attention has no span masks yet): add --backend cpu");
+        return lg_fail(err, "`pack`: packed rows run on the CPU backend only for now (the CUDA "
+                            "attention has no span masks yet): add `backend cpu`");
     if ((long)a->devices * a->nodes > LG_MAX_RANKS)
-        return lg_fail(err, "-d/--devices %d x --nodes %d: at most %d ranks", a->devices, a->nodes,
+        return lg_fail(err, "`devices` %d x `nodes` %d: at most %d ranks", a->devices, a->nodes,
                        LG_MAX_RANKS);
     if (a->optimizer_state != LG_STATE_AS_PRECISION && a->optimizer != LG_OPTIMIZER_ADAMW)
-        return lg_fail(err, "--optimizer-state applies to AdamW only (-o %s)",
+        return lg_fail(err, "`optimizer_state` applies to AdamW only (`optimizer %s`)",
                        lg_optimizer_name(a->optimizer));
     if ((double)a->micro_batch_size * lg_args_ranks(a) > 2147483647.0 ||
         (double)a->global_batch_size > 2147483647.0)
-        return lg_fail(err, "-b/--micro-batch-size %d x %d ranks is too large",
+        return lg_fail(err, "`micro_batch_size` %d x %d ranks is too large",
                        a->micro_batch_size, lg_args_ranks(a));
-    if (a->micro_batch_size < 1) return lg_fail(err, "-b/--micro-batch-size must be at least 1");
-    if (a->global_batch_size < 0) return lg_fail(err, "-g/--global-batch-size must be positive");
-    if (a->max_seq_length < 0) return lg_fail(err, "-t/--max-seq-length must be positive");
-    if (a->lr < 0.0f || a->min_lr < 0.0f) return lg_fail(err, "--lr and --min-lr must be >= 0");
-    if (a->min_lr > a->lr) return lg_fail(err, "--min-lr (%g) exceeds --lr (%g)", a->min_lr, a->lr);
-    if (a->beta1 < 0.0f || a->beta1 >= 1.0f) return lg_fail(err, "--beta1 must be within [0, 1)");
-    if (a->beta2 < 0.0f || a->beta2 >= 1.0f) return lg_fail(err, "--beta2 must be within [0, 1)");
+    if (a->micro_batch_size < 1) return lg_fail(err, "`micro_batch_size` must be at least 1");
+    if (a->global_batch_size < 0) return lg_fail(err, "`global_batch_size` must be positive");
+    if (a->max_seq_length < 0) return lg_fail(err, "`max_seq_length` must be positive");
+    if (a->lr < 0.0f || a->min_lr < 0.0f) return lg_fail(err, "`lr` and `min_lr` must be >= 0");
+    if (a->min_lr > a->lr) return lg_fail(err, "`min_lr` (%g) exceeds `lr` (%g)", a->min_lr, a->lr);
+    if (a->beta1 < 0.0f || a->beta1 >= 1.0f) return lg_fail(err, "`beta1` must be within [0, 1)");
+    if (a->beta2 < 0.0f || a->beta2 >= 1.0f) return lg_fail(err, "`beta2` must be within [0, 1)");
     if (a->momentum < 0.0f || a->momentum >= 1.0f)
-        return lg_fail(err, "--momentum must be within [0, 1)");
-    if (a->weight_decay < 0.0f) return lg_fail(err, "--weight-decay must be >= 0");
-    if (a->max_norm < 0.0f) return lg_fail(err, "--max-norm must be >= 0 (0 turns clipping off)");
-    const struct { const char *flag; int steps; } counts[] = {
-        {"--max-steps", a->max_steps}, {"--warmup-steps", a->warmup_steps},
-        {"--eval-every", a->eval_every}, {"--sample-every", a->sample_every}};
+        return lg_fail(err, "`momentum` must be within [0, 1)");
+    if (a->weight_decay < 0.0f) return lg_fail(err, "`weight_decay` must be >= 0");
+    if (a->max_norm < 0.0f) return lg_fail(err, "`max_norm` must be >= 0 (0 turns clipping off)");
+    const struct { const char *setting; int steps; } counts[] = {
+        {"`max_steps`", a->max_steps}, {"`warmup_steps`", a->warmup_steps},
+        {"`eval_every`", a->eval_every}, {"`sample_every`", a->sample_every}};
     for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
         if (counts[i].steps < 0)
-            return lg_fail(err, "%s %d: a count of steps, must be >= 0", counts[i].flag,
+            return lg_fail(err, "%s %d: a count of steps, must be >= 0", counts[i].setting,
                            counts[i].steps);
-    if (a->eval_iters < 1) return lg_fail(err, "--eval-iters must be at least 1");
-    if (a->hessian_interval < 1) return lg_fail(err, "--hessian-interval must be at least 1");
-    if (a->rho <= 0.0f) return lg_fail(err, "--rho must be positive");
-    if (a->temperature < 0.0f) return lg_fail(err, "--temperature must be >= 0");
+    if (a->eval_iters < 1) return lg_fail(err, "`eval_iters` must be at least 1");
+    if (a->hessian_interval < 1) return lg_fail(err, "`hessian_interval` must be at least 1");
+    if (a->rho <= 0.0f) return lg_fail(err, "`rho` must be positive");
+    if (a->temperature < 0.0f) return lg_fail(err, "`temperature` must be >= 0");
     return lg_args_accumulation_steps(a, err) > 0 ? 0 : -1;
 }
 
@@ -4910,11 +4966,11 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
         return lg_fail(err, "plan: %d ranks do not spread evenly over %d processes",
                        s->devices * s->nodes, s->processes);
     if (s->optimizer_state != LG_STATE_AS_PRECISION && s->optimizer != LG_OPTIMIZER_ADAMW)
-        return lg_fail(err, "plan: --optimizer-state applies to AdamW only");
+        return lg_fail(err, "plan: `optimizer_state` applies to AdamW only");
     /* the layouts count rows in int: B T and B NH T (attention) must fit */
     double rows = (double)s->B * s->T * (c->n_head > 1 ? c->n_head : 1);
     if (rows > 2147483647.0 || (double)s->B * s->accumulation * s->T > 2147483647.0)
-        return lg_fail(err, "plan: -b/--micro-batch-size %d x -t/--max-seq-length %d is too "
+        return lg_fail(err, "plan: `micro_batch_size` %d x `max_seq_length` %d is too "
                             "large to lay out", s->B, s->T);
     plan->spec = *s;
     if (plan->spec.processes < 1) plan->spec.processes = 1; /* (0: a spec made by hand) */
@@ -5415,6 +5471,67 @@ static unsigned lg_lora_remedy(const lg_args *args, int quantized, lg_args *a) {
     return LG_SETTING_LORA_R | (quantized ? LG_SETTING_QUANTIZE : 0);
 }
 
+/* The offload parts a's settings hold, marked: "`offload`" for state alone, else
+   "`offload activations,gradients`" (gradients and weights bring state along). */
+static void lg_offload_setting(const lg_args *a, char *out, size_t cap) {
+    const char *parts[4];
+    int n = 0, state = a->offload && !a->offload_gradients && !a->offload_weights;
+    if (state) parts[n++] = "state";
+    if (a->offload_activations) parts[n++] = "activations";
+    if (a->offload_gradients) parts[n++] = "gradients";
+    if (a->offload_weights) parts[n++] = "weights";
+    if (n == 1 && state) {
+        lg_format(out, cap, "`offload`");
+        return;
+    }
+    char list[40] = ""; /* "activations,gradients,weights" at most */
+    for (int i = 0; i < n; i++) strcat(strcat(list, i ? "," : ""), parts[i]);
+    lg_format(out, cap, "`offload %s`", list);
+}
+
+/* One changed setting of r (bit: one of its LG_SETTING_* bits but the offload parts'),
+   marked with its value. */
+static void lg_remedy_setting(const lg_remedy *r, unsigned bit, char *out, size_t cap) {
+    const lg_args *a = &r->args;
+    switch (bit) {
+    case LG_SETTING_RECOMPUTE: lg_format(out, cap, "`recompute %s`", a->recompute ? "block" : "none"); break;
+    case LG_SETTING_PRECISION: lg_format(out, cap, "`precision %s`", lg_precision_name(a->precision)); break;
+    case LG_SETTING_LORA_R: lg_format(out, cap, "`lora.r %d`", a->lora.r); break;
+    case LG_SETTING_QUANTIZE:
+        lg_format(out, cap, "`lora.quantize %s`", lg_quantization_name(a->lora.quantize));
+        break;
+    case LG_SETTING_OPTIMIZER_STATE:
+        lg_format(out, cap, "`optimizer_state %s`", a->optimizer_state == LG_STATE_AS_PRECISION
+                                                        ? "as-precision"
+                                                        : lg_state_format_names[a->optimizer_state]);
+        break;
+    case LG_SETTING_OPTIMIZER: lg_format(out, cap, "`optimizer %s`", lg_optimizer_name(a->optimizer)); break;
+    case LG_SETTING_MOMENTUM: lg_format(out, cap, "`momentum %g`", a->momentum); break;
+    case LG_SETTING_SEQ_LENGTH: lg_format(out, cap, "`max_seq_length %d`", r->T); break;
+    case LG_SETTING_MICRO_BATCH: lg_format(out, cap, "`micro_batch_size %d`", a->micro_batch_size); break;
+    case LG_SETTING_GLOBAL_BATCH: lg_format(out, cap, "`global_batch_size %d`", a->global_batch_size); break;
+    case LG_SETTING_DEVICES: lg_format(out, cap, "`devices %d`", a->devices); break;
+    case LG_SETTING_STRATEGY: lg_format(out, cap, "`strategy %s`", lg_strategy_name(a->strategy)); break;
+    default: out[0] = '\0';
+    }
+}
+
+const char *lg_remedy_settings(const lg_remedy *r, char *out, size_t cap) {
+    const unsigned offload_parts = LG_SETTING_OFFLOAD | LG_SETTING_OFFLOAD_ACTIVATIONS |
+                                   LG_SETTING_OFFLOAD_GRADIENTS | LG_SETTING_OFFLOAD_WEIGHTS;
+    size_t used = 0;
+    int offload_named = 0;
+    out[0] = '\0';
+    for (unsigned bit = 1; bit <= LG_SETTING_LAST; bit <<= 1) {
+        char one[64];
+        if (!(r->changes & bit) || ((bit & offload_parts) && offload_named++)) continue;
+        if (bit & offload_parts) lg_offload_setting(&r->args, one, sizeof one);
+        else lg_remedy_setting(r, bit, one, sizeof one);
+        if (one[0] && used < cap) used += (size_t)lg_format(out + used, cap - used, "%s%s", used ? " " : "", one);
+    }
+    return out;
+}
+
 int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                      lg_remedy *out) {
     int n = 0, global = lg_global_batch(args);
@@ -5775,7 +5892,7 @@ void lg_plan_print(const lg_plan *plan, FILE *out) {
     if (s->slice_rows < s->B * s->T)
         snprintf(head + strlen(head), sizeof head - strlen(head), " | MLP in slices of %d rows",
                  s->slice_rows);
-    fprintf(out, "plan: %s | -b %d -t %d (%d accumulation) | %s | %d device%s%s%s%s | %s%s\n",
+    fprintf(out, "plan: %s | `micro_batch_size %d` `max_seq_length %d` (%d accumulation) | %s | %d device%s%s%s%s | %s%s\n",
             plan->cfg.name, s->B, s->T, s->accumulation, lg_precision_name(s->precision),
             s->devices, s->devices > 1 ? "s" : "", ranks, s->recompute ? " | recompute block" : "",
             lg_plan_offload_label(s),
@@ -5920,7 +6037,7 @@ static int lg_rank_create_on(lg_rank *rank, const lg_plan *plan, int index, int 
         if (!rank->arena[pool]) {
             char size[32];
             lg_rank_free(rank);
-            return lg_fail(err, "out of %s memory: the plan needs %s (see --plan)",
+            return lg_fail(err, "out of %s memory: the plan needs %s (see `plan_only`)",
                            lg_pool_name((lg_pool)pool),
                            lg_format_bytes(r->pool_bytes[pool], size, sizeof size));
         }
@@ -8935,7 +9052,7 @@ static void lg_model_embed_backward(lg_model *m, const int *tokens, int B, int T
 
 int lg_model_set_spans(lg_model *m, const int *span_start, lg_error *err) {
     if (span_start && m->exec.backend == LG_BACKEND_CUDA)
-        return lg_fail(err, "--pack: packed rows run on the CPU backend only (the CUDA "
+        return lg_fail(err, "`pack`: packed rows run on the CPU backend only (the CUDA "
                             "attention has no span masks yet)");
     m->span_start = span_start;
     return 0;
@@ -9477,7 +9594,7 @@ int lg_launch_place(lg_launch *l, int devices, int nodes, lg_error *err) {
     if (l->processes == world) l->local_ranks = 1;
     else if (l->processes == nodes) l->local_ranks = devices;
     else
-        return lg_fail(err, "%s started %d processes, but -d %d x --nodes %d is %d ranks: start "
+        return lg_fail(err, "%s started %d processes, but `devices %d` x `nodes %d` is %d ranks: start "
                             "%d processes (one a rank) or %d (one a node)", l->launcher,
                        l->processes, devices, nodes, world, world, nodes);
     l->first_rank = l->process * l->local_ranks;
@@ -9774,7 +9891,7 @@ static int lg_rendezvous_file_root(const char *path, int processes, const void *
             lg_list_missing(all_came ? taken : came, processes, missing, sizeof missing);
             return lg_fail(err, "rendezvous file://%s: after %g s process%s %s of %d %s", path,
                            timeout_s, strchr(missing, ',') ? "es" : "", missing, processes,
-                           all_came ? "did not take the id" : "never announced itself (not started, or another --dist-init)");
+                           all_came ? "did not take the id" : "never announced itself (not started, or another `dist_init`)");
         }
         lg_sleep_ms(LG_RENDEZVOUS_POLL_MS);
     }
@@ -9826,7 +9943,7 @@ static int lg_rendezvous_file_member(const char *path, int process, void *id, si
         if (lg_read_published(path, process, nonce, (unsigned char *)id, id_bytes) == 0) break;
         if (lg_time_ms() > deadline)
             return lg_fail(err, "rendezvous file://%s: process 0 did not publish the id for this "
-                                "process within %g s (is it running, with the same --dist-init?)",
+                                "process within %g s (is it running, with the same `dist_init`?)",
                            path, timeout_s);
         lg_sleep_ms(LG_RENDEZVOUS_POLL_MS);
     }
@@ -9994,8 +10111,8 @@ static int lg_launch_share(const lg_launch *l, void *bytes, size_t n, lg_error *
     }
 #endif
     if (!l->dist_init[0])
-        return lg_fail(err, "%s started %d processes and this build has no MPI: give --dist-init "
-                            "tcp://HOST:PORT (HOST: process 0's machine) or file://PATH on a shared "
+        return lg_fail(err, "%s started %d processes and this build has no MPI: give `dist_init "
+                            "tcp://HOST:PORT` (HOST: process 0's machine) or file://PATH on a shared "
                             "file system, or set MASTER_ADDR and MASTER_PORT", l->launcher, l->processes);
     return lg_rendezvous(l->dist_init, l->process, l->processes, bytes, n, l->dist_timeout, err);
 }
@@ -11500,7 +11617,7 @@ static int lg_merges_from_bpe_file(lg_tokenizer *tok, char *text, size_t len, co
             char where[64];
             snprintf(where, sizeof where, "vocab.bpe line %d", line_no);
             if (!space || space == line || space + 1 == end || memchr(space + 1, ' ', (size_t)(end - space - 1)))
-                return lg_fail(err, "tokenizer %s: %s: expected `left right`", tok->path, where);
+                return lg_fail(err, "tokenizer %s: %s: expected 'left right'", tok->path, where);
             size_t left_n = (size_t)(space - line), right_n = (size_t)(end - space - 1);
             if (lg_bytes_from_alphabet(line, &left_n) != 0 ||
                 lg_bytes_from_alphabet(space + 1, &right_n) != 0)
@@ -12323,13 +12440,13 @@ static void lg_pack_place(const lg_loader *ld, size_t sample, int at, int n, int
 static int lg_loader_pack_rows(lg_loader *ld, int B, int T, size_t most, int *inputs,
                                int *targets, int *span_start, int *n_packed, lg_error *err) {
     if (ld->n_samples == 0)
-        return lg_fail(err, "data %s: --pack packs fine-tuning samples (tools/prepare alpaca); "
+        return lg_fail(err, "data %s: `pack` packs fine-tuning samples (tools/prepare alpaca); "
                             "token shards are already full rows", ld->path);
     if (T < ld->T)
         return lg_fail(err, "data %s: packed rows of %d tokens hold no sample of %d (the "
                             "longest after truncation)", ld->path, T, ld->T);
     int used[64]; /* tokens placed in each row */
-    if (B > 64) return lg_fail(err, "data %s: --pack takes micro-batches of at most 64 rows", ld->path);
+    if (B > 64) return lg_fail(err, "data %s: `pack` takes micro-batches of at most 64 rows", ld->path);
     for (int b = 0; b < B; b++) used[b] = 0;
     *n_packed = 0;
     for (size_t tries = 0; tries < most && tries < ld->n_samples; tries++) {
@@ -12433,7 +12550,7 @@ int lg_loader_check_block_size(const lg_loader *ld, int block_size, lg_error *er
         if (n > ld->T) n = ld->T;
         if (n > block_size)
             return lg_fail(err, "data %s: sample %zu has %d tokens, more than the model's "
-                                "block_size %d (truncate with -t/--max-seq-length)", ld->path, i,
+                                "block_size %d (truncate with `max_seq_length`)", ld->path, i,
                            n, block_size);
     }
     return 0;
@@ -12789,7 +12906,7 @@ int lg_chat_template_find(const char *name, lg_chat_template *out, lg_error *err
     static const char *const names[] = LG_TEMPLATE_NAMES;
     for (int t = 0; t < LG_TEMPLATE_COUNT; t++)
         if (!strcmp(name, names[t])) { *out = (lg_chat_template)t; return 0; }
-    return lg_fail(err, "--template %s: no such template (plain, alpaca, llama3, llama2, chatml, "
+    return lg_fail(err, "`template` %s: no such template (plain, alpaca, llama3, llama2, chatml, "
                         "qwen3, falcon or auto)", name);
 }
 
@@ -13081,8 +13198,8 @@ static int lg_chat_template_auto(const lg_tokenizer *tok, lg_chat_template *out,
         uint64_t hash = lg_hash64(LG_HASH64_INIT, chat, len);
         for (size_t k = 0; k < sizeof lg_chat_known / sizeof lg_chat_known[0]; k++)
             if (lg_chat_known[k].hash == hash) { *out = lg_chat_known[k].t; LG_FREE(chat); return 0; }
-        lg_fail(err, "--template auto: %s's chat_template (hash %016llx, \"%.40s...\") is none "
-                     "that a template here renders exactly; name one with --template", path,
+        lg_fail(err, "`template auto`: %s's chat_template (hash %016llx, \"%.40s...\") is none "
+                     "that a template here renders exactly; name one with `template`", path,
                 (unsigned long long)hash, chat);
         LG_FREE(chat);
         return -1;
@@ -13091,8 +13208,8 @@ static int lg_chat_template_auto(const lg_tokenizer *tok, lg_chat_template *out,
     if (tok->pretokenizer == LG_PRETOKENIZE_LLAMA3) *out = LG_TEMPLATE_LLAMA3;
     else if (tok->pretokenizer == LG_PRETOKENIZE_QWEN2) *out = LG_TEMPLATE_CHATML;
     else if (tok->sentencepiece) *out = LG_TEMPLATE_LLAMA2;
-    else return lg_fail(err, "--template auto: tokenizer %s has no chat_template and no family "
-                             "with a template; name one with --template", tok->path);
+    else return lg_fail(err, "`template auto`: tokenizer %s has no chat_template and no family "
+                             "with a template; name one with `template`", tok->path);
     return 0;
 }
 
@@ -13136,7 +13253,7 @@ int lg_chat_template_pick(const char *name, const lg_tokenizer *tok, lg_chat_tem
     if (n_missing)
         return lg_fail(err, "template %s: marker%s %s %s of tokenizer %s (%s be written as "
                             "ordinary text pieces); name a template of this tokenizer with "
-                            "--template", lg_chat_template_name(*out), n_missing > 1 ? "s" : "",
+                            "`template`", lg_chat_template_name(*out), n_missing > 1 ? "s" : "",
                        missing, n_missing > 1 ? "are not special tokens" : "is not a special token",
                        tok->path, n_missing > 1 ? "they would" : "it would");
     return 0;
@@ -14844,13 +14961,13 @@ static int lg_peft_read(const lg_model *m0, const char *dir, lg_real *whole, lg_
     if (rc != 0) { LG_FREE(peft); return -1; }
     if (f.n_tensors != n)
         rc = lg_fail(err, "adapters %s: %d tensors, this run's adapters (r %d) are %d: another "
-                          "base model or --lora-targets", path, f.n_tensors, m0->cfg.lora.r, n);
+                          "base model or `lora.targets`", path, f.n_tensors, m0->cfg.lora.r, n);
     for (int i = 0; i < n && rc == 0; i++) {
         const lg_peft_tensor *p = &peft[i];
         const lg_st_tensor *t = lg_st_find(&f, p->name);
         if (!t || t->ndim != 2 || t->shape[0] != p->rows || t->shape[1] != p->cols) {
             rc = lg_fail(err, "adapters %s: %s is %s, this run needs [%d, %d]: written for another "
-                              "base model, --lora-r or --lora-targets", path, p->name,
+                              "base model, `lora.r` or `lora.targets`", path, p->name,
                          t ? "of another shape" : "missing", p->rows, p->cols);
             break;
         }
@@ -16724,9 +16841,9 @@ typedef struct {
 
 int lg_checkpoint_supported(const lg_trainer *tr, lg_error *err) {
     if (tr->plan.sharding.shard_ranks > 1 && tr->ranks[0].opt.format != LG_STATE_AS_PRECISION)
-        return lg_fail(err, "checkpoints of a sharded run (--strategy %s over %d ranks) with "
-                            "--optimizer-state bf16|8bit are not supported: the state is quantized "
-                            "in blocks of each shard; use --strategy no-shard or the default state",
+        return lg_fail(err, "checkpoints of a sharded run (`strategy %s` over %d ranks) with "
+                            "`optimizer_state bf16|8bit` are not supported: the state is quantized "
+                            "in blocks of each shard; use `strategy no-shard` or the default state",
                        lg_strategy_name(tr->args.strategy), tr->plan.sharding.shard_ranks);
     return 0;
 }
@@ -17442,7 +17559,7 @@ int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const ch
     if (lg_checkpoint_supported(tr, err) != 0) return -1;
     int writer = tr->process == 0; /* the others take part in the gathers */
     if (writer && mkdir(out, 0755) != 0 && errno != EEXIST)
-        return lg_checkpoint_outcome(tr, lg_fail(err, "--out %s: cannot create the directory: %s",
+        return lg_checkpoint_outcome(tr, lg_fail(err, "`out_dir` %s: cannot create the directory: %s",
                                                  out, strerror(errno)), err);
     lg_format(dir, sizeof dir, "%s/step-%d", out, step);
     lg_format(path, sizeof path, "%s/" LG_TRAINING_STATE, dir);

@@ -3190,7 +3190,7 @@ static int lg_cuda_alloc_failure(const lg_rank *rank, const char *what, size_t b
     fprintf(stderr, "the plan of this run:\n");
     lg_plan_print(rank->plan, stderr);
     return lg_fail(err, "GPU %d: %s of %s failed (%s): %s free of %s (the plan is above; see "
-                   "--plan and the remedies it lists)", rank->cuda->device, what,
+                   "`plan_only` and the remedies it lists)", rank->cuda->device, what,
                    lg_format_bytes(bytes, asked, sizeof asked), cudaGetErrorString(status),
                    lg_format_bytes(free_bytes, free_text, sizeof free_text),
                    lg_format_bytes(total_bytes, total_text, sizeof total_text));
@@ -3294,7 +3294,7 @@ static int lg_cuda_check_arch(int device, lg_error *err) {
     LG_CUDA_CHECK(cudaGetDeviceProperties(&prop, device), err);
     if (prop.major < 8)
         return lg_fail(err, "GPU %d (%s) has compute capability %d.%d: the CUDA kernels need 8.0 "
-                       "or newer (bf16 tensor cores: A100, RTX 30xx and later); --backend cpu runs "
+                       "or newer (bf16 tensor cores: A100, RTX 30xx and later); `backend cpu` runs "
                        "on the processor", device, prop.name, prop.major, prop.minor);
     if (prop.sharedMemPerBlockOptin < LG_CUDA_SHARED_OPTIN_MIN)
         return lg_fail(err, "GPU %d (%s) lets a block have %zu bytes of shared memory: the "
@@ -3307,7 +3307,7 @@ static int lg_cuda_check_arch(int device, lg_error *err) {
 static int lg_cuda_rank_create(lg_rank *rank, lg_error *err) {
     int count = lg_cuda_device_count_impl();
     if (rank->device >= count)
-        return lg_fail(err, "rank %d needs GPU %d, but %d GPU%s visible: -d x --nodes ranks run "
+        return lg_fail(err, "rank %d needs GPU %d, but %d GPU%s visible: `devices` x `nodes` ranks run "
                        "one a GPU", rank->index, rank->device, count, count == 1 ? " is" : "s are");
     if (lg_cuda_check_arch(rank->device, err) != 0) return -1;
     lg_cuda_rank *g = (lg_cuda_rank *)lg_alloc_zeroed(sizeof(lg_cuda_rank));

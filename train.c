@@ -50,9 +50,6 @@ static void die_usage(const char *fmt, ...) {
     stop(2, message, " (see ./train --help)");
 }
 
-/* An error the library reported, with the exit code the caller gives it. */
-static void die(int code, const lg_error *err) { stop(code, err->msg, ""); }
-
 /* A write to an output that failed (disk full, file removed, read-only): the run stops with
    the file named, exit 1; checkpoints already complete stay as they are. */
 static void die_write(const char *path) {
@@ -358,7 +355,8 @@ static void set_lora_dropout(flag_call *c) { c->a->lora.dropout = parse_float(c-
 
 static void set_lora_targets(flag_call *c) {
     lg_error err;
-    if (lg_lora_targets_parse(c->value, &c->a->lora.targets, &err) != 0) die_usage("%s", err.msg);
+    if (lg_lora_targets_parse(c->value, &c->a->lora.targets, &err) != 0)
+        die_usage("%s: %s", c->flag, err.msg);
 }
 
 static void set_quantize(flag_call *c) {
@@ -450,24 +448,25 @@ typedef struct {
     const char *value;    /* the value's name in the usage text ("N"); one that starts with
                              "[=" follows the name without a space */
     flag_handler *set;
-    const char *setting;  /* its key in LG_RUN_SETTINGS (a resumed run names the flag of a
-                             setting that differs), or NULL */
+    const char *setting;  /* the setting it sets, as the library's messages name it (the
+                             lg_args field, LG_RUN_SETTINGS' key: lg_spell_settings), or the
+                             driver's own field; NULL: none of its own (--cpu, --help) */
     const char *help;     /* its lines in the usage text, "\n" between them; NULL: on the next
                              flag's line (--lr X --min-lr X) */
 } flag_row;
 
 /* Every flag of train, in the usage text's order. */
 static const flag_row flag_table[] = {
-    {"config", 'c', FLAG_VALUE, "NAME|PATH", set_config, NULL,
+    {"config", 'c', FLAG_VALUE, "NAME|PATH", set_config, "config",
      "model: configs/NAME.yaml or a file (default: built-in model)"},
-    {"data", 0, FLAG_VALUE, "FILE", set_data, NULL,
+    {"data", 0, FLAG_VALUE, "FILE", set_data, "data",
      "training data: an llm.c token shard, or fine-tuning samples\n"
      "from tools/prepare alpaca (default: the built-in task, a\n"
      "fine-tuning set)"},
-    {"val-data", 0, FLAG_VALUE, "FILE", set_val_data, NULL,
+    {"val-data", 0, FLAG_VALUE, "FILE", set_val_data, "val_data",
      "validation data, of the same kind; without --data and\n"
      "with --max-steps 0 (and -c or --load): evaluation alone"},
-    {"micro-batch-size", 'b', FLAG_VALUE, "N", set_micro_batch_size, NULL,
+    {"micro-batch-size", 'b', FLAG_VALUE, "N", set_micro_batch_size, "micro_batch_size",
      "samples per forward/backward (default 16); auto: the\n"
      "largest that fits and divides the per-device batch (-g)"},
     {"global-batch-size", 'g', FLAG_VALUE, "N", set_global_batch_size, "global_batch_size",
@@ -478,85 +477,85 @@ static const flag_row flag_table[] = {
      "samples are truncated to (default: block_size for shards,\n"
      "the longest sample for fine-tuning); auto: the longest\n"
      "that fits, up to those"},
-    {"pack", 0, FLAG_ALONE, NULL, set_pack, NULL,
+    {"pack", 0, FLAG_ALONE, NULL, set_pack, "pack",
      "fine-tuning samples packed first-fit into rows of -t\n"
      "tokens (default: the longest sample), attention and\n"
      "positions kept inside each sample; the CPU backend"},
     {"precision", 'p', FLAG_VALUE, "P", set_precision, "precision",
      "bf16-mixed (default), 16-mixed, bf16-true, 16-true, 32-true"},
-    {"devices", 'd', FLAG_VALUE, "N", set_devices, NULL,
+    {"devices", 'd', FLAG_VALUE, "N", set_devices, "devices",
      "GPUs a node (1), one rank each; on the CPU backend,\n"
      "simulated ranks"},
-    {"nodes", 0, FLAG_VALUE, "N", set_nodes, NULL,
+    {"nodes", 0, FLAG_VALUE, "N", set_nodes, "nodes",
      "nodes (1); ranks = devices x nodes"},
-    {"strategy", 0, FLAG_VALUE, "S", set_strategy, NULL,
+    {"strategy", 0, FLAG_VALUE, "S", set_strategy, "strategy",
      "with more than one rank: full-shard (default; weights,\n"
      "gradients and optimizer state split), shard-grad-op\n"
      "(gradients and state), no-shard (DDP) or hybrid-shard\n"
      "(full-shard in a node, replicas across nodes)"},
-    {"recompute", 0, FLAG_VALUE, "MODE", set_recompute, NULL,
+    {"recompute", 0, FLAG_VALUE, "MODE", set_recompute, "recompute",
      "none (default) or block: keep each block's input only and\n"
      "recompute the block in the backward (same results)"},
-    {"head-rows", 0, FLAG_VALUE, "N", set_head_rows, NULL,
+    {"head-rows", 0, FLAG_VALUE, "N", set_head_rows, "head_rows",
      "the head and loss N rows of logits at a time, computed\n"
      "again in the backward (default: all rows, or chunks of\n"
      LG_HEAD_CHUNK_TEXT " where the run does not fit with all)"},
-    {"slice-rows", 0, FLAG_VALUE, "N", set_slice_rows, NULL,
+    {"slice-rows", 0, FLAG_VALUE, "N", set_slice_rows, "slice_rows",
      "each block's MLP N rows at a time, its hidden layer\n"
      "computed again in the backward (default: all rows, or\n"
      "with --recompute block slices of " LG_SLICE_TEXT " where the run\n"
      "does not fit with all and the head in chunks)"},
-    {"offload", 0, FLAG_MAYBE_VALUE, "[LIST]", set_offload, NULL,
+    {"offload", 0, FLAG_MAYBE_VALUE, "[LIST]", set_offload, "offload",
      "parts in host memory, a comma list (bare: state): state\n"
      "(master weights and optimizer state; the optimizer runs\n"
      "there), activations (the block inputs --recompute block\n"
      "keeps), gradients (each block's as its backward ends;\n"
      "with state), weights (streamed in a block at a time; with\n"
      "state); same results either way"},
-    {"plan", 0, FLAG_MAYBE_VALUE, "[=json|svg]", set_plan, NULL,
+    {"plan", 0, FLAG_MAYBE_VALUE, "[=json|svg]", set_plan, "plan_only",
      "print the memory plan per device and exit; json and svg\n"
      "alone on stdout (svg: stacked groups against the limit)"},
-    {"memory-limit", 0, FLAG_VALUE, "SIZE", set_memory_limit, NULL,
+    {"memory-limit", 0, FLAG_VALUE, "SIZE", set_memory_limit, "memory_limit",
      "memory a device may use, e.g. 24GiB (default: a GPU's\n"
      "memory); on the CPU backend the memory of the machine,\n"
      "which both pools of every simulated rank share (default:\n"
      "what it has available); a run that does not fit exits 3\n"
      "with a diagnosis and the cheapest change that fits"},
-    {"host-memory-limit", 0, FLAG_VALUE, "SIZE", set_host_memory_limit, NULL,
+    {"host-memory-limit", 0, FLAG_VALUE, "SIZE", set_host_memory_limit, "host_memory_limit",
      "host memory the host pools of a machine's ranks may\n"
      "use together (default: what it has available); on the\n"
      "CPU backend a cap on the machine's memory too"},
-    {"gpu", 0, FLAG_VALUE, "NAME", set_gpu, NULL,
+    {"gpu", 0, FLAG_VALUE, "NAME", set_gpu, "gpu",
      "with --plan: plan for that card from any machine (its\n"
      "reported memory and limits, the runtime estimated);\n"
      "--gpu list prints the cards"},
-    {"memory-margin", 0, FLAG_VALUE, "SIZE", set_memory_margin, NULL,
+    {"memory-margin", 0, FLAG_VALUE, "SIZE", set_memory_margin, "memory_margin",
      "device memory a GPU plan keeps free beyond what it\n"
      "counts (default: 1% of the limit or 256MiB, whichever\n"
      "is more; 0B: none)"},
-    {"dist-init", 0, FLAG_PROCESS_VALUE, "URL", set_dist_init, NULL,
+    {"dist-init", 0, FLAG_PROCESS_VALUE, "URL", set_dist_init, "dist_init",
      "GPU processes without MPI meet at tcp://HOST:PORT (process\n"
      "0's machine) or file://PATH (shared); default from\n"
      "MASTER_ADDR and MASTER_PORT + 1"},
-    {"dist-timeout", 0, FLAG_PROCESS_VALUE, "S", set_dist_timeout, NULL,
+    {"dist-timeout", 0, FLAG_PROCESS_VALUE, "S", set_dist_timeout, "dist_timeout",
      "seconds a process waits for the others there and in any\n"
      "collective before it ends the job naming the late ranks\n"
      "(600: PyTorch's default for NCCL process groups)"},
-    {"backend", 0, FLAG_VALUE, "B", set_backend, NULL,
+    {"backend", 0, FLAG_VALUE, "B", set_backend, "backend",
      "cpu or cuda (default: cuda when the build has it and a\n"
      "GPU is visible); --plan --backend cuda plans GPUs from\n"
      "any machine, the CUDA runtime's share estimated"},
     {"cpu", 0, FLAG_ALONE, NULL, set_cpu, NULL,
      "the same as --backend cpu"},
-    {"tf32", 0, FLAG_ALONE, NULL, set_tf32, NULL,
+    {"tf32", 0, FLAG_ALONE, NULL, set_tf32, "tf32",
      "on a GPU, fp32 matmuls may use TF32 tensor cores"},
     {"optimizer", 'o', FLAG_VALUE, "NAME", set_optimizer, "optimizer",
      "adamw (default), sgd, lion (one state; betas 0.9 0.99\n"
      "unless given) or sophia (SophiaG; betas 0.965 0.99)"},
-    {"hessian-interval", 0, FLAG_VALUE, "N", set_hessian_interval, NULL,
+    {"hessian-interval", 0, FLAG_VALUE, "N", set_hessian_interval, "hessian_interval",
      "sophia: steps between Hessian estimates, each one more\n"
      "forward and backward on labels drawn from the model (10)"},
-    {"rho", 0, FLAG_VALUE, "X", set_rho, NULL,
+    {"rho", 0, FLAG_VALUE, "X", set_rho, "rho",
      "sophia: clipping scale of the update (0.04)"},
     {"optimizer-state", 0, FLAG_VALUE, "FMT", set_optimizer_state, "optimizer_state",
      "AdamW's moments in bf16 or 8bit (block-wise quantized);\n"
@@ -574,58 +573,58 @@ static const flag_row flag_table[] = {
     {"quantize", 0, FLAG_VALUE, "Q", set_quantize, "lora.quantize",
      "with --lora-r: frozen linear weights in nf4 or nf4-dq\n"
      "(QLoRA; lm_head included unless tied)"},
-    {"lr", 0, FLAG_VALUE, "X", set_lr, NULL, NULL},
-    {"min-lr", 0, FLAG_VALUE, "X", set_min_lr, NULL,
+    {"lr", 0, FLAG_VALUE, "X", set_lr, "lr", NULL},
+    {"min-lr", 0, FLAG_VALUE, "X", set_min_lr, "min_lr",
      "peak and final learning rate (4e-3; --lr / 10)"},
-    {"warmup-steps", 0, FLAG_VALUE, "N", set_warmup_steps, NULL,
+    {"warmup-steps", 0, FLAG_VALUE, "N", set_warmup_steps, "warmup_steps",
      "linear warmup, then cosine decay to --min-lr (50)"},
-    {"weight-decay", 0, FLAG_VALUE, "X", set_weight_decay, NULL,
+    {"weight-decay", 0, FLAG_VALUE, "X", set_weight_decay, "weight_decay",
      "on 2-D weights only (0.1)"},
-    {"beta1", 0, FLAG_VALUE, "X", set_beta1, NULL, NULL},
-    {"beta2", 0, FLAG_VALUE, "X", set_beta2, NULL,
+    {"beta1", 0, FLAG_VALUE, "X", set_beta1, "beta1", NULL},
+    {"beta2", 0, FLAG_VALUE, "X", set_beta2, "beta2",
      "AdamW (0.9, 0.95)"},
-    {"momentum", 0, FLAG_VALUE, "X", set_momentum, NULL,
+    {"momentum", 0, FLAG_VALUE, "X", set_momentum, "momentum",
      "SGD (0.9)"},
-    {"max-norm", 0, FLAG_VALUE, "X", set_max_norm, NULL,
+    {"max-norm", 0, FLAG_VALUE, "X", set_max_norm, "max_norm",
      "clip gradients to this global norm, 0: off (1.0)"},
-    {"max-steps", 0, FLAG_VALUE, "N", set_max_steps, NULL,
+    {"max-steps", 0, FLAG_VALUE, "N", set_max_steps, "max_steps",
      "optimizer steps; 0: evaluate and exit (1000)"},
-    {"eval-every", 0, FLAG_VALUE, "N", set_eval_every, NULL,
+    {"eval-every", 0, FLAG_VALUE, "N", set_eval_every, "eval_every",
      "steps between validations, 0: only at the ends (200)"},
-    {"eval-iters", 0, FLAG_VALUE, "N", set_eval_iters, NULL,
+    {"eval-iters", 0, FLAG_VALUE, "N", set_eval_iters, "eval_iters",
      "validation micro-batches at most, each sample once (10)"},
-    {"sample-every", 0, FLAG_VALUE, "N", set_sample_every, NULL,
+    {"sample-every", 0, FLAG_VALUE, "N", set_sample_every, "sample_every",
      "steps between generated samples, 0: only at the end (0)"},
-    {"sample-tokens", 0, FLAG_VALUE, "N", set_sample_tokens, NULL,
+    {"sample-tokens", 0, FLAG_VALUE, "N", set_sample_tokens, "sample_tokens",
      "tokens to generate (16)"},
-    {"temperature", 0, FLAG_VALUE, "X", set_temperature, NULL,
+    {"temperature", 0, FLAG_VALUE, "X", set_temperature, "temperature",
      "0: greedy (default), else sampling temperature"},
-    {"prompt", 0, FLAG_VALUE, "TEXT", set_prompt, NULL,
+    {"prompt", 0, FLAG_VALUE, "TEXT", set_prompt, "prompt",
      "built-in task: letters, e.g. \"litgpt=\"; shards: token ids"},
     {"seed", 0, FLAG_VALUE, "N", set_seed, "seed",
      "weights, data order and sampling (1337)"},
-    {"log", 0, FLAG_VALUE, "FILE", set_log, NULL,
+    {"log", 0, FLAG_VALUE, "FILE", set_log, "log_path",
      "one JSON object per step and per evaluation"},
-    {"plot", 0, FLAG_VALUE, "FILE.svg", set_plot, NULL,
+    {"plot", 0, FLAG_VALUE, "FILE.svg", set_plot, "plot",
      "the loss (raw, smoothed), validation points and learning\n"
      "rate against steps, rewritten at each evaluation"},
-    {"log-interval", 0, FLAG_VALUE, "N", set_log_interval, NULL,
+    {"log-interval", 0, FLAG_VALUE, "N", set_log_interval, "log_interval",
      "steps between full progress lines (default: about 20 a\n"
      "run); on a terminal one status line refreshes in between"},
-    {"out", 0, FLAG_VALUE, "DIR", set_out, NULL,
+    {"out", 0, FLAG_VALUE, "DIR", set_out, "out_dir",
      "write checkpoints DIR/step-N/ at the end (and every\n"
      "--save-every steps): model.safetensors and config.json\n"
      "in the Hugging Face layout, model_config.yaml, the\n"
      "training state, and a COMPLETE marker written last"},
-    {"save-every", 0, FLAG_VALUE, "N", set_save_every, NULL,
+    {"save-every", 0, FLAG_VALUE, "N", set_save_every, "save_every",
      "steps between checkpoints (0: only at the end)"},
-    {"load", 0, FLAG_VALUE, "DIR", set_load, NULL,
+    {"load", 0, FLAG_VALUE, "DIR", set_load, "load",
      "start from the weights of a Hugging Face directory\n"
      "(config.json + model.safetensors or shards), instead of -c;\n"
      "data made with another tokenizer than its own is refused"},
-    {"any-tokenizer-data", 0, FLAG_ALONE, NULL, set_any_tokenizer_data, NULL,
+    {"any-tokenizer-data", 0, FLAG_ALONE, NULL, set_any_tokenizer_data, "any_tokenizer_data",
      "train on such data anyway (a deliberate reuse)"},
-    {"resume", 0, FLAG_VALUE, "DIR", set_resume, NULL,
+    {"resume", 0, FLAG_VALUE, "DIR", set_resume, "resume",
      "continue a run from DIR/step-N (or the latest complete\n"
      "step-N under DIR) with the settings it records: bitwise\n"
      "the same losses as an uninterrupted run, checkpoints to\n"
@@ -635,7 +634,7 @@ static const flag_row flag_table[] = {
      "its model; LoRA: its base comes back from the recorded\n"
      "--load DIR (or --load another copy; the hash must match);\n"
      "its training data must be the run's (size and hash)"},
-    {"data-changed", 0, FLAG_ALONE, NULL, set_data_changed, NULL,
+    {"data-changed", 0, FLAG_ALONE, NULL, set_data_changed, "data_changed",
      "with --resume: continue on training data that changed on\n"
      "purpose (re-prepared, grown); the run's trajectory ends"},
     {"help", 'h', FLAG_ALONE, NULL, set_help, NULL, ""},
@@ -815,13 +814,56 @@ static const flag_row *flag_of_word(const char *arg, int *takes_value) {
     return NULL;
 }
 
-/* The flag of a setting of LG_RUN_SETTINGS (its key), for messages. */
+/* The flag of a setting (flag_row.setting), lg_spell_settings' speller: its names, or with a
+   value the word before it ("-b" of "-b 4", "--offload" of "--offload gradients"); NULL: no
+   flag sets it. */
+static const char *flag_of_setting(const char *key, int with_value, void *unused, char *name,
+                                   size_t size) {
+    (void)unused;
+    for (int i = 0; i < FLAG_COUNT; i++) {
+        const flag_row *f = &flag_table[i];
+        if (!f->setting || strcmp(f->setting, key) != 0) continue;
+        if (!with_value) return flag_name(f, name, size);
+        if (f->letter) snprintf(name, size, "-%c", f->letter);
+        else snprintf(name, size, "--%s", f->name);
+        return name;
+    }
+    return NULL;
+}
+
+/* The flag of a setting of LG_RUN_SETTINGS (its key), for messages; the key when none. */
 static const char *setting_flag(const char *key, char *name, size_t size) {
-    for (int i = 0; i < FLAG_COUNT; i++)
-        if (flag_table[i].setting && strcmp(flag_table[i].setting, key) == 0)
-            return flag_name(&flag_table[i], name, size);
+    if (flag_of_setting(key, 0, NULL, name, size)) return name;
     snprintf(name, size, "%s", key);
     return name;
+}
+
+/* A message that names settings (the library's, or train's own) with train's flags. */
+static const char *spell_flags(const char *message, char *out, size_t size) {
+    lg_spell_settings(message, flag_of_setting, NULL, out, size);
+    return out;
+}
+
+/* An error the library reported, its settings as flags, with the exit code the caller gives. */
+static void die(int code, const lg_error *err) {
+    char message[1024];
+    stop(code, spell_flags(err->msg, message, sizeof message), "");
+}
+
+/* A bad value the library found (lg_args_check, ...): die_usage with its settings as flags. */
+static void die_usage_error(const lg_error *err) {
+    char message[1024];
+    die_usage("%s", spell_flags(err->msg, message, sizeof message));
+}
+
+/* die_usage for a message that names settings as the library does ("`lr` must be ..."). */
+static void die_usage_settings(const char *fmt, ...) {
+    char marked[1024], message[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(marked, sizeof marked, fmt, ap);
+    va_end(ap);
+    die_usage("%s", spell_flags(marked, message, sizeof message));
 }
 
 /* The flags together, once a resumed run has its checkpoint's settings. */
@@ -1068,11 +1110,27 @@ static void print_resolved_config(const lg_config *c) {
            c->intermediate_size, c->block_size, c->vocab_size, c->padded_vocab_size);
 }
 
+/* The plan's table (lg_plan_print), its settings spelled as flags. */
+static void print_plan_table(const lg_plan *plan) {
+    char *table = NULL;
+    size_t size = 0;
+    FILE *f = open_memstream(&table, &size);
+    if (!f) die_out_of_memory("the plan's table");
+    lg_plan_print(plan, f);
+    fclose(f);
+    char *spelled = (char *)malloc(2 * size + 1); /* a flag is at most 3 bytes longer than
+                                                     its mark, a mark at least 4 */
+    if (!spelled) die_out_of_memory("the plan's table");
+    fputs(spell_flags(table, spelled, 2 * size + 1), stdout);
+    free(spelled);
+    free(table);
+}
+
 /* The model, the table, then the activation memory of both --recompute choices. */
 static void print_plan_with_recompute_choice(const lg_plan *plan, const lg_args *a,
                                              const lg_config *cfg, int T) {
     print_resolved_config(cfg);
-    lg_plan_print(plan, stdout);
+    print_plan_table(plan);
     lg_args other = *a;
     other.recompute = !a->recompute;
     lg_plan_spec spec;
@@ -1891,14 +1949,14 @@ static void parse_run(int argc, char **argv, run_setup *rs) {
     static lg_run_settings saved; /* --resume: the run's settings (its strings live here) */
     lg_args *a = &rs->a;
     lg_error err;
-    if (lg_launch_from_env(&rs->launch, &err) != 0) die_usage("%s", err.msg);
+    if (lg_launch_from_env(&rs->launch, &err) != 0) die_usage_error(&err);
     rs->argc = argc = take_process_flags(argc, argv, &rs->launch);
     rs->argv = argv;
     if (rs->launch.process != 0 && !freopen("/dev/null", "w", stdout)) /* process 0 prints */
         die_usage("cannot silence stdout");
     start_processes(&rs->launch, argc, argv);
     parse_args(argc, argv, a, &rs->given, &rs->ck, &rs->output);
-    if (lg_launch_place(&rs->launch, a->devices, a->nodes, &err) != 0) die_usage("%s", err.msg);
+    if (lg_launch_place(&rs->launch, a->devices, a->nodes, &err) != 0) die_usage_error(&err);
     a->processes = rs->launch.processes; /* the plan counts MPI's buffers */
     int alone = a->plan_only == LG_PLAN_JSON || a->plan_only == LG_PLAN_SVG;
     rs->plan_json = alone ? json_output() : NULL; /* (JSON or SVG alone on stdout) */
@@ -1930,7 +1988,7 @@ static void plan_run(run_setup *rs) {
         choose_micro_batch(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
     if (!a->head_rows || !a->slice_rows)
         choose_rows(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
-    if (lg_args_check(a, &err) != 0) die_usage("%s", err.msg);
+    if (lg_args_check(a, &err) != 0) die_usage_error(&err);
     char planned_for[512];
     describe_planned_run(a, &rs->cfg, rs->T, &rs->data, planned_for, sizeof planned_for);
     if (!a->plan_only) fputs(note, stdout); /* a run: first what the data are */
@@ -2028,8 +2086,8 @@ static void check_data_tokenizer(const char *load, const run_data *d) {
     for (int f = 0; f < 2; f++)
         if (files[f] && lg_loader_check_tokenizer(files[f], &tok, &err) != 0) {
             lg_tokenizer_free(&tok);
-            die_usage("%s; prepare it again with tools/prepare --tokenizer %s, or add "
-                      "--any-tokenizer-data to train on it anyway", err.msg, load);
+            die_usage_settings("%s; prepare it again with tools/prepare --tokenizer %s, or add "
+                               "`any_tokenizer_data` to train on it anyway", err.msg, load);
         }
     lg_tokenizer_free(&tok);
 }
@@ -2048,7 +2106,7 @@ static int start_weights(lg_trainer *tr, run_setup *rs) {
         snprintf(tr->tokenizer_dir, sizeof tr->tokenizer_dir, "%s", ck->load);
     if (ck->resume && rs->data.has_train && !ck->data_changed &&
         lg_checkpoint_same_data(ck->resume_dir, &rs->data.train, &err) != 0)
-        die_usage("%s; give --data-changed to resume on it on purpose", err.msg);
+        die_usage_settings("%s; give `data_changed` to resume on it on purpose", err.msg);
     if (ck->load && !ck->any_tokenizer_data) check_data_tokenizer(ck->load, &rs->data);
     if (ck->resume && lg_checkpoint_resume(tr, &rs->data.train, ck->resume_dir, &first_step, &err) != 0)
         die(2, &err);
@@ -2080,7 +2138,7 @@ static int train_steps(lg_trainer *tr, run_setup *rs, int first_step, FILE *log)
         if (lg_trainer_step(tr, &rs->data.train, step, &st, &err) != 0) {
             size_t used = strlen(err.msg);
             if (st.diverged)
-                snprintf(err.msg + used, sizeof err.msg - used, " (try a lower --lr or a --max-norm)");
+                snprintf(err.msg + used, sizeof err.msg - used, " (try a lower `lr` or a `max_norm`)");
             progress_clear(&shown);
             die(1, &err);
         }

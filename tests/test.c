@@ -1708,8 +1708,8 @@ static void test_offload_activations_memory(results *r) {
           host[1] - host[0]);
     a.offload_activations = 1;
     lg_error err = {0};
-    check(r, lg_args_check(&a, &err) != 0 && strstr(err.msg, "--offload activations") &&
-          strstr(err.msg, "--recompute block"), "--offload activations without --recompute "
+    check(r, lg_args_check(&a, &err) != 0 && strstr(err.msg, "`offload activations`") &&
+          strstr(err.msg, "`recompute block`"), "--offload activations without --recompute "
           "block: refused naming both (%s)", err.msg);
 }
 
@@ -1928,7 +1928,7 @@ static void test_offload_gradients_memory(results *r) {
                "  ./train --plan -c Llama-3.1-8B -b 2 -t 2048 "
                "-p bf16-true --optimizer-state 8bit --backend cuda --gpu rtx4090 "
                "--host-memory-limit 128GiB --recompute block --offload activations,gradients");
-    static const char *const why[3] = {"--offload state", "replicas", "Sophia"};
+    static const char *const why[3] = {"`offload state`", "replicas", "Sophia"};
     for (int i = 0; i < 3; i++) { /* without state; -d 2 no-shard; Sophia */
         lg_args bad = a;
         lg_error err = {0};
@@ -1936,7 +1936,7 @@ static void test_offload_gradients_memory(results *r) {
         bad.offload = i > 0;
         if (i == 1) bad.devices = 2, bad.strategy = LG_STRATEGY_NO_SHARD;
         if (i == 2) bad.optimizer = LG_OPTIMIZER_SOPHIA;
-        check(r, lg_args_check(&bad, &err) != 0 && strstr(err.msg, "--offload gradients") &&
+        check(r, lg_args_check(&bad, &err) != 0 && strstr(err.msg, "`offload gradients`") &&
               strstr(err.msg, why[i]), "--offload gradients refused naming %s: %s", why[i], err.msg);
     }
 }
@@ -1994,14 +1994,14 @@ static void test_offload_weights_memory(results *r) {
     check(r, streamed >= 0 && rem[streamed].args.offload && rem[streamed].args.offload_weights,
           "the remedies price --offload weights: device %zu B",
           streamed < 0 ? 0 : rem[streamed].device_bytes);
-    static const char *const why[2] = {"--offload state", "one rank"};
+    static const char *const why[2] = {"`offload state`", "one rank"};
     for (int i = 0; i < 2; i++) { /* without state; -d 2 */
         lg_args bad = a;
         lg_error refused = {0};
         bad.offload_weights = 1;
         bad.offload = i > 0;
         if (i == 1) bad.devices = 2;
-        check(r, lg_args_check(&bad, &refused) != 0 && strstr(refused.msg, "--offload weights") &&
+        check(r, lg_args_check(&bad, &refused) != 0 && strstr(refused.msg, "`offload weights`") &&
               strstr(refused.msg, why[i]), "--offload weights refused naming %s: %s", why[i],
               refused.msg);
     }
