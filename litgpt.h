@@ -1179,6 +1179,7 @@ int lg_visit_next(lg_visit *v);
 /* A group's communicator for the collectives of section 10 (lg_all_reduce_sum and the others):
    NCCL communicators on GPUs, MPI's for CPU ranks in several processes. */
 typedef struct lg_comm lg_comm;
+struct lg_launch; /* the processes (lg_launch, below): where a deadline comes from */
 /* the trainer's: one a slot of the collective buffers, the ends' and the blocks' */
 #define LG_COMM_SIGNALS (3 + 2 * LG_GATHER_BLOCK_SLOTS + LG_GRAD_BLOCK_SLOTS)
 /* The NCCL communicators of n GPU ranks (NULL with err set when they cannot be made). */
@@ -1193,12 +1194,14 @@ void lg_comm_free(lg_comm *comm);
 #define LG_NCCL_ID_BYTES 128
 int lg_nccl_unique_id(unsigned char *id, lg_error *err);
 lg_comm *lg_comm_create_global(int world, int first_rank, int n, lg_rank *const *members,
-                               const unsigned char *id, double timeout_s, lg_error *err);
+                               const unsigned char *id, const struct lg_launch *launch,
+                               lg_error *err);
 /* GPUs: names an NCCL group for its errors and sets its deadline: no host wait on it lasts
-   longer than timeout_s (LG_DIST_TIMEOUT unless set; lg_comm_create_global takes it); then
-   its communicators are aborted (ncclCommAbort) and the process ends with a line naming its
-   rank and the collective. MPI groups take theirs from lg_mpi_comm_create; CPU builds: nothing. */
-void lg_comm_watch(lg_comm *comm, const char *name, double timeout_s);
+   longer than launch->dist_timeout (NULL: LG_DIST_TIMEOUT; lg_comm_create_global takes it
+   too); then its communicators are aborted (ncclCommAbort) and the process ends with a line
+   naming its rank and the collective (its settings spelled by launch->speller). MPI groups
+   take theirs from lg_mpi_comm_create; CPU builds: nothing. */
+void lg_comm_watch(lg_comm *comm, const char *name, const struct lg_launch *launch);
 int lg_comm_split(lg_comm *parent, const int *color, const int *key, lg_comm **by_color,
                   lg_error *err);
 /* CPU ranks in several processes (an MPI build without CUDA): the group of `members` ranks
@@ -1216,7 +1219,8 @@ typedef struct {
     const char *name;       /* "shard group 0", ...: what the timeout's line names */
     int members, first_local, local;
     void *scratch;
-    double timeout_s;       /* --dist-timeout */
+    const struct lg_launch *launch; /* its dist_timeout, and the speller of the time-out's
+                                       line (NULL: LG_DIST_TIMEOUT, the settings' names) */
     int ranks_per_process;  /* to name the ranks of a late process */
 } lg_mpi_group;
 /* Host numbers over all processes, through a group of every rank (NULL: one process, nothing
@@ -1250,7 +1254,7 @@ int lg_cuda_report_topology(int devices, FILE *out);
      MPICH (Hydra) PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS
    (the node, where not given: process / processes on a node). A builds with MPI then joins
    MPI_COMM_WORLD (lg_launch_start) and checks that MPI sees the same world. */
-typedef struct {
+typedef struct lg_launch {
     const char *launcher;  /* "torchrun", "Slurm", "Open MPI", "MPICH", or NULL: none */
     int process, processes;             /* this process among all; 0 of 1 without a launcher */
     int local_process, local_processes; /* among those on its node (local_processes 0: the
@@ -1263,6 +1267,10 @@ typedef struct {
        waits for the others there, in seconds */
     char dist_init[512];
     double dist_timeout;
+    /* the lines the library prints itself as a process stops on a deadline name settings
+       (dist_timeout): a driver with flags spells them (lg_spell_settings); NULL: the names */
+    lg_setting_speller *speller;
+    void *speller_context;
 } lg_launch;
 #define LG_DIST_TIMEOUT 600.0 /* seconds: PyTorch's default for NCCL process groups (10 minutes since
                                  pytorch/pytorch#110947); a large cluster's processes may start
@@ -2207,6 +2215,19 @@ void lg_spell_settings(const char *message, lg_setting_speller *spell, void *ctx
         p += mark;
     }
     out[used < cap ? used : cap - 1] = '\0';
+}
+
+/* A line the library prints itself (a process that stops on a deadline), its settings spelled
+   by launch's speller (NULL launch or speller: the settings' names). */
+static inline void lg_print_settings(FILE *out, const lg_launch *launch, const char *fmt, ...) {
+    char marked[1024], spelled[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(marked, sizeof marked, fmt, ap);
+    va_end(ap);
+    if (launch && launch->speller)
+        lg_spell_settings(marked, launch->speller, launch->speller_context, spelled, sizeof spelled);
+    fputs(launch && launch->speller ? spelled : marked, out);
 }
 
 static void *lg_alloc_zeroed(size_t bytes) {
@@ -9485,10 +9506,10 @@ lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err) {
 void lg_comm_free(lg_comm *comm) { (void)comm; }
 #endif
 
-void lg_comm_watch(lg_comm *comm, const char *name, double timeout_s) {
+void lg_comm_watch(lg_comm *comm, const char *name, const lg_launch *launch) {
     (void)comm;
     (void)name;
-    (void)timeout_s;
+    (void)launch;
 }
 
 int lg_nccl_unique_id(unsigned char *id, lg_error *err) {
@@ -9497,8 +9518,8 @@ int lg_nccl_unique_id(unsigned char *id, lg_error *err) {
 }
 
 lg_comm *lg_comm_create_global(int world, int first_rank, int n, lg_rank *const *members,
-                               const unsigned char *id, double timeout_s, lg_error *err) {
-    (void)timeout_s;
+                               const unsigned char *id, const lg_launch *launch, lg_error *err) {
+    (void)launch;
     (void)world;
     (void)first_rank;
     (void)n;
@@ -9633,10 +9654,11 @@ static void *lg_mpi_watch_start(void *arg) {
     int late = !w->done;
     pthread_mutex_unlock(&w->lock);
     if (!late) return NULL;
-    fprintf(stderr, "rank %d: MPI did not start within --dist-timeout %g s: all %d processes that "
-                    "%s started must reach it, and one exited before it (a bad flag, or --plan or "
-                    "--help given to it alone) or never started; stopping\n",
-            w->launch->process, w->launch->dist_timeout, w->launch->processes, w->launch->launcher);
+    lg_print_settings(stderr, w->launch, "rank %d: MPI did not start within `dist_timeout` %g s: "
+                      "all %d processes that %s started must reach it, and one exited before it "
+                      "(a bad flag, or `plan_only` or `help` given to it alone) or never started; "
+                      "stopping\n", w->launch->process, w->launch->dist_timeout,
+                      w->launch->processes, w->launch->launcher);
     fflush(stderr);
     _exit(2);
 }
@@ -10193,6 +10215,7 @@ struct lg_comm {
        which one every other has come (arrived, by group process), the others tell it */
     char name[48];
     double timeout_s;
+    const lg_launch *launch; /* the speller of the time-out's line (NULL: none) */
     int ranks_per_process, process, processes;
     int *world_process;  /* (processes): each group process's place in MPI_COMM_WORLD */
     long started, *arrived, beat;
@@ -10275,14 +10298,15 @@ static void lg_mpi_time_out(lg_comm *c, const char *what) {
     int me = c->world_process[c->process] * c->ranks_per_process;
     if (c->process == 0) {
         lg_mpi_list_late(c, late, sizeof late);
-        fprintf(stderr, "rank %d: the %s of %s (collective %ld) did not complete within "
-                        "--dist-timeout %g s: %s; stopping every process\n", me, what, c->name,
-                c->started, c->timeout_s, late);
+        lg_print_settings(stderr, c->launch, "rank %d: the %s of %s (collective %ld) did not "
+                          "complete within `dist_timeout` %g s: %s; stopping every process\n", me,
+                          what, c->name, c->started, c->timeout_s, late);
     } else {
-        fprintf(stderr, "rank %d: the %s of %s (collective %ld) did not complete within "
-                        "--dist-timeout %g s, and rank %d, which names the late, did not stop the "
-                        "job: it may be the one that hangs; stopping every process\n", me, what,
-                c->name, c->started, c->timeout_s, c->world_process[0] * c->ranks_per_process);
+        lg_print_settings(stderr, c->launch, "rank %d: the %s of %s (collective %ld) did not "
+                          "complete within `dist_timeout` %g s, and rank %d, which names the late, "
+                          "did not stop the job: it may be the one that hangs; stopping every "
+                          "process\n", me, what, c->name, c->started, c->timeout_s,
+                          c->world_process[0] * c->ranks_per_process);
     }
     fflush(stderr);
     MPI_Abort(MPI_COMM_WORLD, 1);
@@ -10338,7 +10362,8 @@ static int lg_mpi_comm_create(lg_comm **comm, const lg_mpi_group *g, lg_error *e
     c->first_local = g->first_local;
     c->local = g->local;
     snprintf(c->name, sizeof c->name, "%s", g->name);
-    c->timeout_s = g->timeout_s > 0 ? g->timeout_s : LG_DIST_TIMEOUT;
+    c->launch = g->launch;
+    c->timeout_s = g->launch && g->launch->dist_timeout > 0 ? g->launch->dist_timeout : LG_DIST_TIMEOUT;
     c->ranks_per_process = g->ranks_per_process > 0 ? g->ranks_per_process : 1;
     c->processes = size;
     MPI_Comm_rank(group, &c->process);
@@ -16207,50 +16232,50 @@ static void lg_trainer_sync(const lg_trainer *tr) {
    they live in more than one process; a group inside one process needs none (its collectives
    run in the process). Every process decides alike and takes part in every split. */
 static int lg_trainer_mpi_group(lg_trainer *tr, int first, int stride, int count,
-                                const char *buffers, const char *name, double timeout_s,
-                                lg_comm **comm, lg_error *err) {
+                                const char *buffers, const char *name,
+                                const lg_launch *launch, lg_comm **comm, lg_error *err) {
     int per_process = tr->local_ranks, last = first + (count - 1) * stride;
     if (first / per_process == last / per_process) return 0;
     int local[LG_MAX_RANKS], n = lg_trainer_group_local(tr, first, stride, count, local);
     lg_mpi_group g = {name, count, n ? (tr->first_rank + local[0] - first) / stride : 0, n,
-                      NULL, timeout_s, per_process};
+                      NULL, launch, per_process};
     if (n) g.scratch = lg_rank_region(&tr->ranks[local[0]].rank, buffers); /* the plan's */
     return lg_mpi_comm_create(comm, &g, err);
 }
 
 /* CPU ranks in several processes: the MPI groups of the shard groups, the replica groups and
    all ranks (process_comm), with the plan's buffers. */
-static int lg_trainer_make_mpi_groups(lg_trainer *tr, double timeout_s, lg_error *err) {
+static int lg_trainer_make_mpi_groups(lg_trainer *tr, const lg_launch *launch, lg_error *err) {
     const lg_sharding *sh = &tr->plan.sharding;
     int S = sh->shard_ranks, R = sh->replicas;
     char name[48];
     for (int q = 0; q < R && S > 1; q++) {
         lg_format(name, sizeof name, "shard group %d", q);
-        if (lg_trainer_mpi_group(tr, q * S, 1, S, "mpi.shard", name, timeout_s, &tr->shard_comm[q],
+        if (lg_trainer_mpi_group(tr, q * S, 1, S, "mpi.shard", name, launch, &tr->shard_comm[q],
                                  err) != 0)
             return -1;
     }
     for (int i = 0; i < S && R > 1; i++) {
         lg_format(name, sizeof name, "replica group %d", i);
-        if (lg_trainer_mpi_group(tr, i, S, R, "mpi.replica", name, timeout_s, &tr->replica_comm[i],
+        if (lg_trainer_mpi_group(tr, i, S, R, "mpi.replica", name, launch, &tr->replica_comm[i],
                                  err) != 0)
             return -1;
     }
-    return lg_trainer_mpi_group(tr, 0, 1, tr->n_ranks, "mpi.all", "all ranks", timeout_s,
+    return lg_trainer_mpi_group(tr, 0, 1, tr->n_ranks, "mpi.all", "all ranks", launch,
                                 &tr->process_comm, err);
 }
 
 /* GPUs: each NCCL group's name and deadline for its errors (lg_comm_watch). */
-static void lg_trainer_name_comms(lg_trainer *tr, double timeout_s) {
+static void lg_trainer_name_comms(lg_trainer *tr, const lg_launch *launch) {
     char name[48];
     for (int i = 0; i < LG_MAX_RANKS; i++) {
         lg_format(name, sizeof name, "shard group %d", i);
-        lg_comm_watch(tr->shard_comm[i], name, timeout_s);
+        lg_comm_watch(tr->shard_comm[i], name, launch);
         lg_format(name, sizeof name, "replica group %d", i);
-        lg_comm_watch(tr->replica_comm[i], name, timeout_s);
+        lg_comm_watch(tr->replica_comm[i], name, launch);
     }
-    lg_comm_watch(tr->world_comm, "all ranks (start)", timeout_s);
-    lg_comm_watch(tr->process_comm, "all ranks", timeout_s);
+    lg_comm_watch(tr->world_comm, "all ranks (start)", launch);
+    lg_comm_watch(tr->process_comm, "all ranks", launch);
 }
 
 /* GPU ranks in several processes: process 0's NCCL id reaches the others (MPI, or the
@@ -16266,7 +16291,7 @@ static int lg_trainer_make_nccl_groups(lg_trainer *tr, const lg_launch *launch, 
     if (lg_launch_share(launch, id, sizeof id, err) != 0) return -1;
     for (int r = 0; r < tr->local_ranks; r++) members[r] = &tr->ranks[r].rank;
     tr->process_comm = lg_comm_create_global(tr->n_ranks, tr->first_rank, tr->local_ranks,
-                                             members, id, launch->dist_timeout, err);
+                                             members, id, launch, err);
     if (!tr->process_comm) return -1;
     for (int r = 0; r < tr->local_ranks; r++) { /* shard group q: ranks q S .. q S + S - 1 */
         color[r] = (tr->first_rank + r) / S;
@@ -16278,7 +16303,7 @@ static int lg_trainer_make_nccl_groups(lg_trainer *tr, const lg_launch *launch, 
         key[r] = (tr->first_rank + r) / S;
     }
     if (R > 1 && lg_comm_split(tr->process_comm, color, key, tr->replica_comm, err) != 0) return -1;
-    lg_trainer_name_comms(tr, launch->dist_timeout);
+    lg_trainer_name_comms(tr, launch);
     if (tr->local_ranks == 1 || !sh->weights_sharded) return 0;
     return (tr->world_comm = lg_comm_create(tr->local_ranks, members, err)) ? 0 : -1;
 }
@@ -16292,7 +16317,7 @@ static int lg_trainer_make_comms(lg_trainer *tr, const lg_launch *launch, lg_err
     if (tr->local_ranks < tr->n_ranks && tr->plan.spec.backend == LG_BACKEND_CUDA)
         return lg_trainer_make_nccl_groups(tr, launch, err);
     if (tr->local_ranks < tr->n_ranks)
-        return lg_trainer_make_mpi_groups(tr, launch->dist_timeout, err);
+        return lg_trainer_make_mpi_groups(tr, launch, err);
     if (tr->plan.spec.backend != LG_BACKEND_CUDA || tr->n_ranks == 1) return 0;
     for (int q = 0; q < R && S > 1; q++) {
         for (int i = 0; i < S; i++) members[i] = &tr->ranks[q * S + i].rank;
@@ -16306,7 +16331,7 @@ static int lg_trainer_make_comms(lg_trainer *tr, const lg_launch *launch, lg_err
         for (int r = 0; r < tr->local_ranks; r++) members[r] = &tr->ranks[r].rank;
         if (!(tr->world_comm = lg_comm_create(tr->n_ranks, members, err))) return -1;
     }
-    lg_trainer_name_comms(tr, launch ? launch->dist_timeout : LG_DIST_TIMEOUT);
+    lg_trainer_name_comms(tr, launch);
     return 0;
 }
 

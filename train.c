@@ -450,7 +450,8 @@ typedef struct {
     flag_handler *set;
     const char *setting;  /* the setting it sets, as the library's messages name it (the
                              lg_args field, LG_RUN_SETTINGS' key: lg_spell_settings), or the
-                             driver's own field; NULL: none of its own (--cpu, --help) */
+                             driver's own field or action ("help"); NULL: none of its own
+                             (--cpu: backend) */
     const char *help;     /* its lines in the usage text, "\n" between them; NULL: on the next
                              flag's line (--lr X --min-lr X) */
 } flag_row;
@@ -637,7 +638,7 @@ static const flag_row flag_table[] = {
     {"data-changed", 0, FLAG_ALONE, NULL, set_data_changed, "data_changed",
      "with --resume: continue on training data that changed on\n"
      "purpose (re-prepared, grown); the run's trajectory ends"},
-    {"help", 'h', FLAG_ALONE, NULL, set_help, NULL, ""},
+    {"help", 'h', FLAG_ALONE, NULL, set_help, "help", ""},
 };
 
 enum {
@@ -1950,6 +1951,7 @@ static void parse_run(int argc, char **argv, run_setup *rs) {
     lg_args *a = &rs->a;
     lg_error err;
     if (lg_launch_from_env(&rs->launch, &err) != 0) die_usage_error(&err);
+    rs->launch.speller = flag_of_setting; /* the lines a process stopping on a deadline prints */
     rs->argc = argc = take_process_flags(argc, argv, &rs->launch);
     rs->argv = argv;
     if (rs->launch.process != 0 && !freopen("/dev/null", "w", stdout)) /* process 0 prints */
