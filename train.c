@@ -870,24 +870,24 @@ static void die_usage_settings(const char *fmt, ...) {
 /* The flags together, once a resumed run has its checkpoint's settings. */
 static void check_flags(const lg_args *a, const given_flags *given, const checkpoint_flags *ck) {
     if (given->micro_batch_auto && !a->global_batch_size)
-        die_usage("-b auto needs -g/--global-batch-size: it picks a divisor of the per-device "
+        die_usage_settings("`micro_batch_size auto` needs `global_batch_size`: it picks a divisor of the per-device "
                   "batch");
     if (a->sample_tokens < 1 || a->sample_tokens > 1000000)
-        die_usage("--sample-tokens must be within 1 and 1000000");
+        die_usage_settings("`sample_tokens` must be within 1 and 1000000");
     if (a->val_data && !a->data && a->max_steps != 0)
-        die_usage("--val-data without --data evaluates a model alone: give --max-steps 0 (and "
-                  "--data to train; the built-in task brings its own validation set)");
+        die_usage_settings("`val_data` without `data` evaluates a model alone: give `max_steps` 0 (and "
+                  "`data` to train; the built-in task brings its own validation set)");
     if (a->val_data && !a->data && (a->out_dir || ck->resume))
-        die_usage("%s: --val-data without --data only evaluates (--max-steps 0) and saves "
-                  "nothing", a->out_dir ? "--out" : "--resume");
-    if (a->devices < 1) die_usage("-d/--devices must be at least 1");
-    if (a->nodes < 1) die_usage("--nodes must be at least 1");
-    if (a->save_every < 0) die_usage("--save-every must be 0 or more");
-    if (a->save_every && !a->out_dir) die_usage("--save-every needs --out DIR");
+        die_usage_settings("%s: `val_data` without `data` only evaluates (`max_steps` 0) and saves "
+                  "nothing", a->out_dir ? "`out_dir`" : "`resume`");
+    if (a->devices < 1) die_usage_settings("`devices` must be at least 1");
+    if (a->nodes < 1) die_usage_settings("`nodes` must be at least 1");
+    if (a->save_every < 0) die_usage_settings("`save_every` must be 0 or more");
+    if (a->save_every && !a->out_dir) die_usage_settings("`save_every` needs `out_dir` DIR");
     if (ck->data_changed && !ck->resume)
-        die_usage("--data-changed goes with --resume: a fresh run has no data to compare with");
+        die_usage_settings("`data_changed` goes with `resume`: a fresh run has no data to compare with");
     if (ck->load && !ck->resume && a->config)
-        die_usage("--load brings its model's config.json: drop -c/--config");
+        die_usage_settings("`load` brings its model's config.json: drop `config`");
 }
 
 #include "train_svg.h" /* pictures: self-written SVG, no dependency */
@@ -1029,7 +1029,7 @@ static void plan_gpus_not_here(lg_args *a) {
 #else
     const char *why = "this build has no CUDA backend (make cuda builds build/train_cuda)";
 #endif
-    if (!a->plan_only) die_usage("--backend cuda: %s; --plan --backend cuda plans for GPUs "
+    if (!a->plan_only) die_usage_settings("`backend` cuda: %s; `plan_only` `backend` cuda plans for GPUs "
                                  "from here", why);
     lg_cuda_estimate_runtime(a);
 }
@@ -1044,7 +1044,7 @@ static void prepare_gpus(lg_args *a, int process_per_gpu_or_node) {
 #endif
     if (a->backend != LG_BACKEND_CUDA) return;
     if (a->gpu) { /* a plan for a named card, whatever GPUs this machine has */
-        if (!a->plan_only) die_usage("--gpu %s plans for that card (with --plan); a run uses the "
+        if (!a->plan_only) die_usage_settings("`gpu` %s plans for that card (with `plan_only`); a run uses the "
                                      "GPUs it finds", a->gpu->name);
         lg_cuda_estimate_runtime(a);
         return;
@@ -1056,7 +1056,7 @@ static void prepare_gpus(lg_args *a, int process_per_gpu_or_node) {
         return;
     }
     if (ranks > visible)
-        die_usage("-d/--devices %d x --nodes %d = %d ranks, one a GPU, but %d GPU%s visible",
+        die_usage_settings("`devices` %d x `nodes` %d = %d ranks, one a GPU, but %d GPU%s visible",
                   a->devices, a->nodes, ranks, visible, visible == 1 ? " is" : "s are");
     if (lg_cuda_measure_runtime(ranks, lg_comms_per_rank(a), &a->runtime_bytes, &a->device_bytes,
                                 &err) != 0)
@@ -1325,7 +1325,7 @@ static void find_config(const char *name, char *path, size_t cap) {
         snprintf(looked + strlen(looked), sizeof looked - strlen(looked), "%s%s", d ? ", " : "",
                  dirs[d]);
     int close = close_config_names(name, dirs, n, names, sizeof names);
-    die_usage("-c/--config %s: no such file, and no %s.yaml in %s%s; %s%s%s", name, name, looked,
+    die_usage_settings("`config` %s: no such file, and no %s.yaml in %s%s; %s%s%s", name, name, looked,
               getenv("LITGPT_CONFIGS") ? "" : " (nor LITGPT_CONFIGS: not set)",
               close ? "did you mean " : names[0] ? "the configs there: " : "no configs there",
               names, close ? "?" : "");
@@ -1345,7 +1345,7 @@ static void resume_settings(int argc, char **argv, lg_args *a, given_flags *give
     if (rc == 1) {
         printf("resume: %s has no %s (an older checkpoint): the settings are the command "
                "line's\n", ck->resume_dir, LG_RUN_SETTINGS);
-        if (ck->load) die_usage("--load and --resume: a resumed run already has its weights");
+        if (ck->load) die_usage_settings("`load` and `resume`: a resumed run already has its weights");
         return;
     }
     lg_args now = saved->args;
@@ -1354,12 +1354,12 @@ static void resume_settings(int argc, char **argv, lg_args *a, given_flags *give
     if (given->lr && !given->min_lr) now.min_lr = now.lr / 10; /* as on a fresh command line */
     const char *key = lg_args_resume_conflict(&saved->args, &now);
     if (key)
-        die_usage("--resume %s: %s differs from the run's (%s/%s): it would train another "
+        die_usage_settings("`resume` %s: %s differs from the run's (%s/%s): it would train another "
                   "model than the checkpoint's; drop it to resume with the run's", ck->resume_dir,
                   setting_flag(key, name, sizeof name), ck->resume_dir, LG_RUN_SETTINGS);
     if (ck->load && now.lora.r == 0)
-        die_usage("--load and --resume: a resumed run already has its weights (only a LoRA "
-                  "run's --load, its frozen base, may point elsewhere)");
+        die_usage_settings("`load` and `resume`: a resumed run already has its weights (only a LoRA "
+                  "run's `load`, its frozen base, may point elsewhere)");
     if (now.lora.r > 0 && !ck->load && saved->base_loaded) ck->load = saved->base_dir;
     *a = now;
 }
@@ -1393,8 +1393,8 @@ static void load_config(lg_args *a, lg_config *cfg, checkpoint_flags *ck, int co
             lg_config named;
             load_config_file(a->config, &named);
             if (!same_model(&named, cfg))
-                die_usage("-c/--config %s: the checkpoint %s holds another model (%s); drop -c "
-                          "to resume it", a->config, dir, cfg->name);
+                die_usage_settings("`config` %s: the checkpoint %s holds another model (%s); drop "
+                                   "`config` to resume it", a->config, dir, cfg->name);
         }
         a->config = dir; /* the model now has a config: --data may follow */
         return;
@@ -1424,7 +1424,7 @@ typedef struct {
 /* Rows of T tokens (shard windows, or -t planned as asked) must fit the model. */
 static void check_block_size(int T, const lg_config *cfg) {
     if (T > cfg->block_size)
-        die_usage("-t/--max-seq-length %d exceeds the model's block_size %d", T, cfg->block_size);
+        die_usage_settings("`max_seq_length` %d exceeds the model's block_size %d", T, cfg->block_size);
 }
 
 /* Fine-tuning samples, LitGPT's rule: -t is a cap, the rows are min(longest sample, -t) long
@@ -1528,8 +1528,8 @@ static void open_data(const lg_args *a, lg_config *cfg, int *T, run_data *d) {
     }
     if (!a->data && !a->val_data) {
         if (cfg->vocab_size < LG_CHAR_VOCAB)
-            die_usage("-c/--config %s: vocab_size %d is smaller than the built-in task's %d "
-                      "characters; give --data", a->config, cfg->vocab_size, LG_CHAR_VOCAB);
+            die_usage_settings("`config` %s: vocab_size %d is smaller than the built-in task's %d "
+                      "characters; give `data`", a->config, cfg->vocab_size, LG_CHAR_VOCAB);
         if (lg_builtin_task_samples(&d->train, BUILTIN_TRAIN_SEED, BUILTIN_TRAIN_SAMPLES,
                                     a->max_seq_length, 1, a->seed, &err) ||
             lg_builtin_task_samples(&d->val, BUILTIN_VAL_SEED, BUILTIN_VAL_SAMPLES,
@@ -1549,15 +1549,15 @@ static void open_data(const lg_args *a, lg_config *cfg, int *T, run_data *d) {
         return;
     }
     if (!a->config)
-        die_usage("%s needs -c/--config: the built-in model knows only the built-in task's "
-                  "%d characters", a->data ? "--data" : "--val-data", LG_CHAR_VOCAB);
+        die_usage_settings("%s needs `config`: the built-in model knows only the built-in task's "
+                  "%d characters", a->data ? "`data`" : "`val_data`", LG_CHAR_VOCAB);
     int samples = lg_samples_file(a->data ? a->data : a->val_data);
     if (a->data && a->val_data && lg_samples_file(a->val_data) != samples)
-        die_usage("--data %s and --val-data %s: one is a token shard, the other fine-tuning "
+        die_usage_settings("`data` %s and `val_data` %s: one is a token shard, the other fine-tuning "
                   "samples", a->data, a->val_data);
     if (!samples) check_block_size(*T, cfg); /* a shard's windows are -t long */
     if (!samples && a->pack)
-        die_usage("--pack packs fine-tuning samples (tools/prepare alpaca or chat); %s is a "
+        die_usage_settings("`pack` packs fine-tuning samples (tools/prepare alpaca or chat); %s is a "
                   "token shard, already full rows", a->data ? a->data : a->val_data);
     int t = samples ? a->max_seq_length : *T; /* samples: truncation, 0 for none */
     if (a->data) {
@@ -1646,9 +1646,9 @@ static int prompt_tokens(const char *prompt, int builtin, int vocab_size, int *t
     if (builtin) {
         for (const char *c = prompt; *c; c++) {
             char one[2] = {*c, '\0'};
-            if (n == cap) die_usage("--prompt: %zu characters, longer than -t %d", strlen(prompt), cap);
+            if (n == cap) die_usage_settings("`prompt`: %zu characters, longer than `max_seq_length %d`", strlen(prompt), cap);
             if (lg_char_encode(one, tokens + n, 1) != 1)
-                die_usage("--prompt '%s': the built-in task knows only a-z and '='", prompt);
+                die_usage_settings("`prompt` '%s': the built-in task knows only a-z and '='", prompt);
             n++;
         }
     } else {
@@ -1656,15 +1656,15 @@ static int prompt_tokens(const char *prompt, int builtin, int vocab_size, int *t
             char *end;
             long id = strtol(at, &end, 10);
             if (end == at || id < 0 || id >= vocab_size)
-                die_usage("--prompt '%s': expected token ids below %d separated by spaces",
+                die_usage_settings("`prompt` '%s': expected token ids below %d separated by spaces",
                           prompt, vocab_size);
-            if (n == cap) die_usage("--prompt: more than -t %d tokens", cap);
+            if (n == cap) die_usage_settings("`prompt`: more than `max_seq_length %d` tokens", cap);
             tokens[n++] = (int)id;
             at = end;
             while (*at == ' ' || *at == ',') at++;
         }
     }
-    if (n == 0) die_usage("--prompt: empty");
+    if (n == 0) die_usage_settings("`prompt`: empty");
     return n;
 }
 
@@ -2006,14 +2006,14 @@ static FILE *check_outputs(const run_setup *rs) {
     int first = rs->launch.process == 0;
     const char *log_path = rs->output.log_path;
     if (log_path && first && !(log = fopen(log_path, "w")))
-        die_usage("--log %s: cannot create: %s", log_path, strerror(errno));
+        die_usage_settings("`log_path` %s: cannot create: %s", log_path, strerror(errno));
     if (a->prompt) {
         int *scratch = (int *)malloc(sizeof(int) * (size_t)rs->T);
         prompt_tokens(a->prompt, rs->data.builtin, rs->cfg.padded_vocab_size, scratch, rs->T);
         free(scratch);
     }
     if (a->out_dir && mkdir(a->out_dir, 0755) != 0 && errno != EEXIST)
-        die_usage("--out %s: cannot create the directory: %s", a->out_dir, strerror(errno));
+        die_usage_settings("`out_dir` %s: cannot create the directory: %s", a->out_dir, strerror(errno));
     if (a->out_dir && first) {
         char probe[LG_PATH_MAX];
         snprintf(probe, sizeof probe, "%s/.probe", a->out_dir);
