@@ -867,6 +867,23 @@ static void die_usage_settings(const char *fmt, ...) {
     die_usage("%s", spell_flags(marked, message, sizeof message));
 }
 
+/* printf for text that names settings as the library does, spelled as train's flags. */
+static void print_settings(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    size_t size = n > 0 ? (size_t)n + 1 : 1;
+    char *marked = (char *)malloc(size), *spelled = (char *)malloc(2 * size);
+    if (!marked || !spelled) die_out_of_memory("a line of output");
+    va_start(ap, fmt);
+    vsnprintf(marked, size, fmt, ap);
+    va_end(ap);
+    fputs(spell_flags(marked, spelled, 2 * size), stdout);
+    free(marked);
+    free(spelled);
+}
+
 /* The flags together, once a resumed run has its checkpoint's settings. */
 static void check_flags(const lg_args *a, const given_flags *given, const checkpoint_flags *ck) {
     if (given->micro_batch_auto && !a->global_batch_size)
@@ -951,20 +968,20 @@ static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, co
     char need[32], have[32], size[32], flags[160];
     size_t limit = fit->limit;
     if (a->backend == LG_BACKEND_CPU)
-        printf("train: this run needs %s of the machine's memory (the CPU backend: device and "
+        print_settings("train: this run needs %s of the machine's memory (the CPU backend: device and "
                "host pools of %d rank%s together), but %s is available (%s)\n",
                lg_format_bytes(fit->checked_bytes, need, sizeof need), a->devices,
                a->devices > 1 ? "s" : "", lg_format_bytes(limit, have, sizeof have), source);
     else if (!fit->device_fits)
-        printf("train: this run needs %s on each device, but %s is available (%s)\n",
+        print_settings("train: this run needs %s on each device, but %s is available (%s)\n",
                lg_format_bytes(fit->checked_bytes, need, sizeof need),
                lg_format_bytes(limit, have, sizeof have), source);
     else
-        printf("train: this run's host pools need %s of host memory (%d rank%s on a machine), "
+        print_settings("train: this run's host pools need %s of host memory (%d rank%s on a machine), "
                "but %s is available (%s)\n",
                lg_format_bytes(fit->host_bytes, need, sizeof need), a->devices,
                a->devices > 1 ? "s" : "", lg_format_bytes(fit->host_limit, have, sizeof have),
-               a->host_memory_limit ? "--host-memory-limit" : "available host memory");
+               a->host_memory_limit ? "`host_memory_limit`" : "available host memory");
     printf("largest regions:\n");
     print_largest_regions(plan, 5);
     lg_remedy remedies[LG_MAX_REMEDIES];
@@ -1004,20 +1021,20 @@ static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, co
 static size_t device_limit(const lg_args *a, const char **source) {
     size_t host = a->host_memory_limit;
     if (a->memory_limit && (a->backend == LG_BACKEND_CUDA || !host || a->memory_limit <= host)) {
-        *source = "--memory-limit";
+        *source = "`memory_limit`";
         return a->memory_limit;
     }
     if (a->gpu) {
-        *source = a->gpu->nominal ? "--gpu: the card's memory, not a reading" : "--gpu: what the card reports";
+        *source = a->gpu->nominal ? "`gpu`: the card's memory, not a reading" : "`gpu`: what the card reports";
         return a->gpu->total_mib << 20;
     }
     if (a->backend == LG_BACKEND_CUDA) {
-        *source = a->runtime_estimated ? "no GPU here to measure; --memory-limit SIZE checks one"
+        *source = a->runtime_estimated ? "no GPU here to measure; `memory_limit` SIZE checks one"
                                        : "the GPU's memory, of which the CUDA runtime's share "
                                          "is in the plan";
         return a->runtime_estimated ? 0 : a->device_bytes;
     }
-    *source = host ? "--host-memory-limit" : "available host memory";
+    *source = host ? "`host_memory_limit`" : "available host memory";
     return lg_args_host_limit(a);
 }
 
@@ -1080,7 +1097,7 @@ static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T, char *no
     }
     a->micro_batch_size = b;
     size_t used = strlen(note);
-    snprintf(note + used, cap - used, "-b auto: micro-batch %d (the largest dividing %d per "
+    snprintf(note + used, cap - used, "`micro_batch_size auto`: micro-batch %d (the largest dividing %d per "
              "device that fits in %s, %s)\n", b, a->global_batch_size / lg_args_ranks(a),
              lg_format_bytes(limit, size, sizeof size), source);
 }
@@ -1140,7 +1157,7 @@ static void print_plan_with_recompute_choice(const lg_plan *plan, const lg_args 
     if (lg_plan_make(&alternative, cfg, &spec, NULL) != 0) return;
     char none_size[32], block_size[32];
     const lg_plan *none = a->recompute ? &alternative : plan, *block = a->recompute ? plan : &alternative;
-    printf("activations: %s with --recompute none, %s with --recompute block\n",
+    print_settings("activations: %s with `recompute` none, %s with `recompute` block\n",
            lg_format_bytes(lg_plan_group_bytes(&none->ranks[0], LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE),
                            none_size, sizeof none_size),
            lg_format_bytes(lg_plan_group_bytes(&block->ranks[0], LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE),
@@ -1166,14 +1183,14 @@ static void print_fit(const lg_plan *plan, const lg_fit *fit, const lg_args *a,
                1e3 * (double)traffic / LG_PCIE_BYTES_PER_S_ESTIMATE, LG_PCIE_BYTES_PER_S_ESTIMATE / 1e9);
     lg_format_bytes(fit->checked_bytes, need, sizeof need);
     if (fit->fits < 0) {
-        printf("fits: not checked: %s needed, %s\n", need, source);
+        print_settings("fits: not checked: %s needed, %s\n", need, source);
         return;
     }
-    printf("fits: %s, %s needed of %s (%s)", fit->fits ? "yes" : "no", need,
+    print_settings("fits: %s, %s needed of %s (%s)", fit->fits ? "yes" : "no", need,
            lg_format_bytes(fit->limit, have, sizeof have), source);
     if (fit->margin)
-        printf(", %s kept free (%s)", lg_format_bytes(fit->margin, have, sizeof have),
-               a->memory_margin_given ? "--memory-margin" : "the default margin");
+        print_settings(", %s kept free (%s)", lg_format_bytes(fit->margin, have, sizeof have),
+               a->memory_margin_given ? "`memory_margin`" : "the default margin");
     if (a->backend != LG_BACKEND_CPU && fit->host_limit)
         printf("; host %s of %s", lg_format_bytes(fit->host_bytes, host, sizeof host),
                lg_format_bytes(fit->host_limit, host_limit, sizeof host_limit));
@@ -1187,9 +1204,9 @@ static FILE *json_output(void) {
     int fd = dup(STDOUT_FILENO);
     FILE *json = fd >= 0 ? fdopen(fd, "w") : NULL;
     if (!json || dup2(STDERR_FILENO, STDOUT_FILENO) < 0) {
-        char message[256];
-        snprintf(message, sizeof message, "--plan=json: %s", strerror(errno));
-        stop(1, message, "");
+        char marked[256], message[256];
+        snprintf(marked, sizeof marked, "`plan_only`=json: %s", strerror(errno));
+        stop(1, spell_flags(marked, message, sizeof message), "");
     }
     return json;
 }
@@ -1201,7 +1218,7 @@ static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_con
     lg_plan_spec spec;
     lg_plan plan;
     lg_error err;
-    if (a->plan_only) printf("%s\n%s", planned_for, notes); /* JSON, SVG: on stderr */
+    if (a->plan_only) print_settings("%s\n%s", planned_for, notes); /* JSON, SVG: on stderr */
     lg_plan_spec_from_args(&spec, a, T);
     if (lg_plan_make(&plan, cfg, &spec, &err) != 0) die(2, &err);
     const char *source;
@@ -1436,11 +1453,11 @@ static void note_packing(const lg_args *a, int *T, run_data *d) {
     lg_packing_stats st;
     lg_loader_packing_stats(&d->train, a->micro_batch_size, *T, &st);
     size_t used = strlen(d->note);
-    snprintf(d->note + used, sizeof d->note - used, "--pack: rows of %d tokens hold %.2f samples "
-             "on average; padding %.1f%% of the tokens packed, %.1f%% one sample a row (-b %d)\n",
+    snprintf(d->note + used, sizeof d->note - used, "`pack`: rows of %d tokens hold %.2f samples "
+             "on average; padding %.1f%% of the tokens packed, %.1f%% one sample a row (`micro_batch_size %d`)\n",
              *T, st.samples_per_row, 100 * st.padding_packed, 100 * st.padding_unpacked,
              a->micro_batch_size);
-    d->length_from = a->max_seq_length ? "-t, the packed rows" : "--pack: the longest sample";
+    d->length_from = a->max_seq_length ? "-t, the packed rows" : "`pack`: the longest sample";
 }
 
 /* Samples of which none keeps a trained target at its truncation (every one cut off by -t or
@@ -1454,9 +1471,9 @@ static void check_trained(const lg_args *a, const lg_loader *ld, const char *wha
         lg_fail(&err, "%s: no sample has a trained token (every target lies in a masked prompt): "
                       "nothing to learn or evaluate", what);
     else
-        lg_fail(&err, "-t/--max-seq-length %d: no sample of %s has a trained token in its first "
+        lg_fail(&err, "`max_seq_length` %d: no sample of %s has a trained token in its first "
                       "%d tokens (every target there lies in a masked prompt): nothing to learn "
-                      "or evaluate; -t %d is the shortest that keeps one", a->max_seq_length,
+                      "or evaluate; `max_seq_length %d` is the shortest that keeps one", a->max_seq_length,
                 what, ld->T, shortest);
     die(2, &err);
 }
@@ -1466,12 +1483,12 @@ static void check_trained_data(const lg_args *a, const run_data *d) {
     char what[600];
     if (d->has_train) {
         if (d->builtin) snprintf(what, sizeof what, "the built-in task");
-        else snprintf(what, sizeof what, "--data %s", a->data);
+        else snprintf(what, sizeof what, "`data` %s", a->data);
         check_trained(a, &d->train, what);
     }
     if (d->has_val) {
         if (d->builtin) snprintf(what, sizeof what, "the built-in task's validation set");
-        else snprintf(what, sizeof what, "--val-data %s", a->val_data);
+        else snprintf(what, sizeof what, "`val_data` %s", a->val_data);
         check_trained(a, &d->val, what);
     }
 }
@@ -1486,7 +1503,7 @@ static void fit_samples(const lg_args *a, const lg_config *cfg, int *T, run_data
     if (d->has_val && lg_loader_longest(&d->val) > *T) *T = lg_loader_longest(&d->val);
     char cap[64] = "";
     if (a->max_seq_length)
-        snprintf(cap, sizeof cap, " (-t %d caps them)", a->max_seq_length);
+        snprintf(cap, sizeof cap, " (`max_seq_length %d` caps them)", a->max_seq_length);
     size_t used = strlen(d->note);
     snprintf(d->note + used, sizeof d->note - used, "%s: %zu (validation %zu), the longest %d "
              "tokens%s: micro-batches are padded to their longest sample, at most %d\n",
@@ -1541,8 +1558,8 @@ static void open_data(const lg_args *a, lg_config *cfg, int *T, run_data *d) {
             *T = a->max_seq_length;
             check_block_size(*T, cfg);
             size_t used = strlen(d->note);
-            snprintf(d->note + used, sizeof d->note - used, "-t %d: planned and allocated as "
-                     "asked, though the built-in task's samples are shorter (--data for your "
+            snprintf(d->note + used, sizeof d->note - used, "`max_seq_length %d`: planned and allocated as "
+                     "asked, though the built-in task's samples are shorter (`data` for your "
                      "own)\n", *T);
             d->length_from = "-t";
         }
@@ -1585,7 +1602,7 @@ static void describe_limits(const lg_args *a, size_t limit, const char *source, 
     size_t used = strlen(out);
     snprintf(out + used, cap - used, " and %s of host memory (%s)",
              lg_format_bytes(host_limit, host, sizeof host),
-             a->host_memory_limit ? "--host-memory-limit" : "available host memory");
+             a->host_memory_limit ? "`host_memory_limit`" : "available host memory");
 }
 
 /* -t auto: the longest sequence that fits, up to block_size (token shards, or a plan without
@@ -1603,14 +1620,14 @@ static void choose_seq_length(lg_args *a, int micro_batch_auto, lg_config *cfg, 
     char note[600], within[320];
     describe_limits(a, limit, source, within, sizeof within);
     if (!limit)
-        snprintf(note, sizeof note, "-t auto: %d tokens, %s (%s)\n", cap, cap_name, source);
+        snprintf(note, sizeof note, "`max_seq_length auto`: %d tokens, %s (%s)\n", cap, cap_name, source);
     else if (t == 0)
-        snprintf(note, sizeof note, "-t auto: not even 1 token fits in %s\n", within);
+        snprintf(note, sizeof note, "`max_seq_length auto`: not even 1 token fits in %s\n", within);
     else if (t == cap)
-        snprintf(note, sizeof note, "-t auto: %d tokens, %s, which limits it (it fits in %s)\n",
+        snprintf(note, sizeof note, "`max_seq_length auto`: %d tokens, %s, which limits it (it fits in %s)\n",
                  t, cap_name, within);
     else
-        snprintf(note, sizeof note, "-t auto: %d tokens, the longest up to %s %d that fits in "
+        snprintf(note, sizeof note, "`max_seq_length auto`: %d tokens, the longest up to %s %d that fits in "
                  "%s\n", t, cap_name, cap, within);
     if (t > 0 && t < cap) {
         a->max_seq_length = t;
@@ -1634,7 +1651,7 @@ static void describe_planned_run(const lg_args *a, const lg_config *cfg, int T,
     else
         snprintf(devices, sizeof devices, "%d %s on the CPU backend", ranks,
                  ranks > 1 ? "simulated ranks" : "device");
-    snprintf(out, cap, "plan for %s%s: -b %d, T %d tokens (%s) | %s | %s",
+    snprintf(out, cap, "plan for %s%s: `micro_batch_size %d`, T %d tokens (%s) | %s | %s",
              d->builtin ? "the built-in task on " : "", cfg->name, a->micro_batch_size, T,
              d->length_from, lg_precision_name(a->precision), devices);
 }
@@ -1811,8 +1828,8 @@ static void evaluate(lg_trainer *tr, run_data *d, const lg_args *a, int step, FI
     }
     plot_val(plot, step, loss);
     if (!isfinite(loss)) {
-        lg_fail(&err, "validation loss is %s at step %d: the model diverged (try a lower --lr or "
-                      "a --max-norm)", isnan(loss) ? "NaN" : "infinite", step);
+        lg_fail(&err, "validation loss is %s at step %d: the model diverged (try a lower `lr` or "
+                      "a `max_norm`)", isnan(loss) ? "NaN" : "infinite", step);
         die(1, &err);
     }
 }
@@ -1993,7 +2010,7 @@ static void plan_run(run_setup *rs) {
     if (lg_args_check(a, &err) != 0) die_usage_error(&err);
     char planned_for[512];
     describe_planned_run(a, &rs->cfg, rs->T, &rs->data, planned_for, sizeof planned_for);
-    if (!a->plan_only) fputs(note, stdout); /* a run: first what the data are */
+    if (!a->plan_only) print_settings("%s", note); /* a run: first what the data are */
     plan_and_check(rs->argc, rs->argv, a, &rs->cfg, rs->T, rs->plan_json, planned_for, note);
     if (rs->launch.processes > 1) check_same_run(&rs->launch, rs->argc, rs->argv, &rs->data);
 }
@@ -2005,6 +2022,7 @@ static FILE *check_outputs(const run_setup *rs) {
     FILE *log = NULL;
     int first = rs->launch.process == 0;
     const char *log_path = rs->output.log_path;
+    char name[64]; /* a flag's names, for probe_writable */
     if (log_path && first && !(log = fopen(log_path, "w")))
         die_usage_settings("`log_path` %s: cannot create: %s", log_path, strerror(errno));
     if (a->prompt) {
@@ -2017,9 +2035,9 @@ static FILE *check_outputs(const run_setup *rs) {
     if (a->out_dir && first) {
         char probe[LG_PATH_MAX];
         snprintf(probe, sizeof probe, "%s/.probe", a->out_dir);
-        probe_writable("--out", probe);
+        probe_writable(setting_flag("out_dir", name, sizeof name), probe);
     }
-    if (rs->output.plot && first) probe_writable("--plot", rs->output.plot);
+    if (rs->output.plot && first) probe_writable(setting_flag("plot", name, sizeof name), rs->output.plot);
     return log;
 }
 
@@ -2041,7 +2059,7 @@ static void describe_run(const lg_trainer *tr, const run_setup *rs) {
         snprintf(where, sizeof where, "%d GPU%s", tr->n_ranks, tr->n_ranks > 1 ? "s" : "");
     else snprintf(where, sizeof where, "CPU, %d threads, %s matmuls", threads,
                   lg_gemm_path_name(model->exec.gemm.path));
-    printf("batch: -b %d x %d accumulation x %d rank%s = %d samples of %d tokens a step | %s | "
+    print_settings("batch: `micro_batch_size %d` x %d accumulation x %d rank%s = %d samples of %d tokens a step | %s | "
            "%s\n", B, accumulation, tr->n_ranks, tr->n_ranks > 1 ? "s" : "",
            B * accumulation * tr->n_ranks, rs->T, where, lg_optimizer_name(a->optimizer));
     if (tr->n_ranks > 1)
@@ -2054,14 +2072,14 @@ static void describe_run(const lg_trainer *tr, const run_setup *rs) {
         printf("processes: %d started by %s, %d rank%s each\n", rs->launch.processes,
                rs->launch.launcher, rs->launch.local_ranks, rs->launch.local_ranks > 1 ? "s" : "");
     if (a->optimizer == LG_OPTIMIZER_LION)
-        printf("lion: wants a learning rate 3-10x smaller and a weight decay 3-10x larger than "
-               "AdamW (here --lr %g, --weight-decay %g, betas %g %g)\n", a->lr, a->weight_decay,
+        print_settings("lion: wants a learning rate 3-10x smaller and a weight decay 3-10x larger than "
+               "AdamW (here `lr` %g, `weight_decay` %g, betas %g %g)\n", a->lr, a->weight_decay,
                a->beta1, a->beta2);
     if (rs->given.precision)
         printf("precision: %s\n", lg_precision_name(a->precision));
     else
-        printf("precision: %s (the default: bf16 weights and activations, fp32 accumulation "
-               "and master weights; -p 32-true for full fp32)\n", lg_precision_name(a->precision));
+        print_settings("precision: %s (the default: bf16 weights and activations, fp32 accumulation "
+               "and master weights; `precision 32-true` for full fp32)\n", lg_precision_name(a->precision));
 }
 
 /* The ids samples draw from: lg_gen_vocab with the tokenizer of tr's tokenizer_dir, if any. */
@@ -2112,8 +2130,8 @@ static int start_weights(lg_trainer *tr, run_setup *rs) {
     if (ck->load && !ck->any_tokenizer_data) check_data_tokenizer(ck->load, &rs->data);
     if (ck->resume && lg_checkpoint_resume(tr, &rs->data.train, ck->resume_dir, &first_step, &err) != 0)
         die(2, &err);
-    if (ck->resume) printf("resumed %s: %d steps done%s%s\n", ck->resume_dir, first_step,
-                           a->out_dir ? ", checkpoints to " : "; no --out: it saves no checkpoint",
+    if (ck->resume) print_settings("resumed %s: %d steps done%s%s\n", ck->resume_dir, first_step,
+                           a->out_dir ? ", checkpoints to " : "; no `out_dir`: it saves no checkpoint",
                            a->out_dir ? a->out_dir : "");
     if (ck->resume && !ck->load) /* the tokenizer the checkpoint carries goes on */
         snprintf(tr->tokenizer_dir, sizeof tr->tokenizer_dir, "%s", ck->resume_dir);

@@ -85,7 +85,9 @@ static void plot_start(loss_plot *p, const char *path, int first, int last) {
     p->lr = (float *)malloc(sizeof(float) * steps);
     p->val_step = (int *)malloc(sizeof(int) * steps);
     p->val_loss = (float *)malloc(sizeof(float) * steps);
-    if (!p->loss || !p->lr || !p->val_step || !p->val_loss) die_out_of_memory("--plot");
+    char flag[64];
+    if (!p->loss || !p->lr || !p->val_step || !p->val_loss)
+        die_out_of_memory(setting_flag("plot", flag, sizeof flag));
 }
 
 static void plot_free(loss_plot *p) {
@@ -226,9 +228,10 @@ static void plan_svg(FILE *f, const lg_plan *plan, const lg_config *cfg, const l
                     ? SVG_LEFT + SVG_RIGHT + bars * SVG_BAR_SLOT : SVG_W;
     double slot = (double)(width - SVG_LEFT - SVG_RIGHT) / bars;
     svg_scale y = {0, top * 1.08, SVG_H - SVG_BOTTOM - 60, SVG_TOP + 10};
-    char title[160];
-    snprintf(title, sizeof title, "memory per device: %s, -b %d -t %d, %s", cfg->name,
-             a->micro_batch_size, T, lg_precision_name(a->precision));
+    char marked[160], title[160];
+    snprintf(marked, sizeof marked, "memory per device: %s, `micro_batch_size %d` `max_seq_length %d`, %s",
+             cfg->name, a->micro_batch_size, T, lg_precision_name(a->precision));
+    spell_flags(marked, title, sizeof title);
     svg_begin(f, title, width);
     svg_axis_ticks(f, &y, SVG_LEFT, 0, unit == gib ? "%.1f GiB" : "%.0f MiB", unit);
     for (int r = 0; r < plan->n_ranks; r++) {
