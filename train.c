@@ -1425,12 +1425,19 @@ typedef struct {
     int has_train;  /* 0: evaluation alone (--val-data without --data) */
     int has_val;
     int builtin;  /* the built-in task: character tokens */
-    const char *length_from; /* where the run's T came from, for the plan's first line */
+    char length_from[96]; /* where the run's T came from, for the plan's first line */
     int sample_vocab; /* the ids samples draw from (lg_gen_vocab: the tokenizer's ids where the
                          model's rows pass them) */
     char note[768]; /* what the data say (lengths, vocabulary), printed after the plan's first
                        line, or first of all for a run */
 } run_data;
+
+/* d->length_from: words (a format) with %s where -t's flag goes ("%s; no `data`"). */
+static void set_length_from(run_data *d, const char *words) {
+    char t[16];
+    snprintf(d->length_from, sizeof d->length_from, words,
+             flag_of_setting("max_seq_length", 1, NULL, t, sizeof t));
+}
 
 /* The built-in task is a fine-tuning set: samples of 4 to 18 characters, prompts masked. */
 #define BUILTIN_TRAIN_SAMPLES 20000
@@ -1457,7 +1464,7 @@ static void note_packing(const lg_args *a, int *T, run_data *d) {
              "on average; padding %.1f%% of the tokens packed, %.1f%% one sample a row (`micro_batch_size %d`)\n",
              *T, st.samples_per_row, 100 * st.padding_packed, 100 * st.padding_unpacked,
              a->micro_batch_size);
-    d->length_from = a->max_seq_length ? "-t, the packed rows" : "`pack`: the longest sample";
+    set_length_from(d, a->max_seq_length ? "%s, the packed rows" : "`pack`: the longest sample");
 }
 
 /* Samples of which none keeps a trained target at its truncation (every one cut off by -t or
@@ -1509,10 +1516,9 @@ static void fit_samples(const lg_args *a, const lg_config *cfg, int *T, run_data
              "tokens%s: micro-batches are padded to their longest sample, at most %d\n",
              d->builtin ? "the built-in task (sort the letters), fine-tuning samples"
                         : "fine-tuning samples", d->train.n_samples, d->val.n_samples, *T, cap, *T);
-    d->length_from = a->max_seq_length && *T == a->max_seq_length
-                         ? "-t, the cap of the samples"
-                         : d->builtin ? "the built-in task's longest sample"
-                                      : "the data's longest sample";
+    set_length_from(d, a->max_seq_length && *T == a->max_seq_length ? "%s, the cap of the samples"
+                       : d->builtin ? "the built-in task's longest sample"
+                                    : "the data's longest sample");
     if (a->pack) note_packing(a, T, d);
 }
 
@@ -1537,10 +1543,10 @@ static void widen_vocabulary(lg_config *cfg, run_data *d) {
 static void open_data(const lg_args *a, lg_config *cfg, int *T, run_data *d) {
     lg_error err;
     memset(d, 0, sizeof *d);
-    d->length_from = a->max_seq_length ? "-t" : "block_size";
+    set_length_from(d, a->max_seq_length ? "%s" : "block_size");
     if (!a->data && !a->val_data && a->plan_only && a->config) {
         check_block_size(*T, cfg);
-        d->length_from = a->max_seq_length ? "-t; no --data" : "block_size; neither --data nor -t";
+        set_length_from(d, a->max_seq_length ? "%s; no `data`" : "block_size; neither `data` nor %s");
         return;
     }
     if (!a->data && !a->val_data) {
@@ -1561,7 +1567,7 @@ static void open_data(const lg_args *a, lg_config *cfg, int *T, run_data *d) {
             snprintf(d->note + used, sizeof d->note - used, "`max_seq_length %d`: planned and allocated as "
                      "asked, though the built-in task's samples are shorter (`data` for your "
                      "own)\n", *T);
-            d->length_from = "-t";
+            set_length_from(d, "%s");
         }
         return;
     }

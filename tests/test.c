@@ -2393,6 +2393,48 @@ static void test_library_names_settings(results *r) {
     LG_FREE(prepare);
 }
 
+/* Where the driver's literals spell a flag: the count and the first (exceptions: the usage
+   pointer of every refusal, and tools/prepare's own --tokenizer). */
+typedef struct {
+    int flags;
+    char first[160];
+} driver_literals;
+
+static void gather_driver_literal(const char *text, void *ctx) {
+    static const char *const allowed[] = {"(see ./train --help)", "tools/prepare --tokenizer"};
+    driver_literals *lit = (driver_literals *)ctx;
+    char copy[8192];
+    snprintf(copy, sizeof copy, "%s", text);
+    for (size_t k = 0; k < sizeof allowed / sizeof allowed[0]; k++)
+        for (char *at = strstr(copy, allowed[k]); at; at = strstr(at, allowed[k]))
+            memset(at, '.', strlen(allowed[k]));
+    for (size_t i = 0; copy[i]; i++)
+        if (flag_spelled_at(copy, i) && lit->flags++ == 0)
+            snprintf(lit->first, sizeof lit->first, "%.150s", text);
+}
+
+/* Each flag is spelled once in train.c, in its flag table: every other literal of train.c and
+   train_svg.h names settings (print_settings, die_usage_settings, spell_flags), so the usage
+   text, the parser, the messages and the remedies' command lines all come from the table. */
+static void test_driver_spells_flags_once(results *r) {
+    static const char *const sources[] = {"train.c", "train_svg.h"};
+    driver_literals lit;
+    memset(&lit, 0, sizeof lit);
+    lg_error err;
+    for (size_t i = 0; i < sizeof sources / sizeof sources[0]; i++) {
+        size_t length;
+        char *text = lg_read_file(sources[i], &length, "source", &err);
+        if (!text) { check(r, 0, "%s", err.msg); return; }
+        char *table = strstr(text, "static const flag_row flag_table[] = {");
+        char *end = table ? strstr(table, "\n};") : NULL;
+        if (end) memset(table, ' ', (size_t)(end - table)); /* the table itself spells them */
+        each_string_literal(text, gather_driver_literal, &lit);
+        LG_FREE(text);
+    }
+    check(r, lit.flags == 0, "train.c spells each flag once, in its table (train.c and "
+          "train_svg.h elsewhere: %d spellings) %s", lit.flags, lit.first);
+}
+
 /* A limit below the plan: exit 3, the diagnosis, and a suggested command that runs. */
 static void test_memory_limit(results *r) {
     static char out[16384], again[16384];
@@ -2617,6 +2659,7 @@ int main(int argc, char **argv) {
         test_cli(&r);
         test_usage_flags_parse(&r);
         test_library_names_settings(&r);
+        test_driver_spells_flags_once(&r);
     }
     if (section("first hour: the design card, configs, outputs, progress", argc, argv))
         test_first_hour(&r);
