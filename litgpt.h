@@ -30,6 +30,10 @@
        }
        lg_trainer_free(&tr);
 
+   Messages name settings, not a program's flags: "`micro_batch_size` must be at least 1" (the
+   lg_args field between backquotes); a program with flags rewrites them with its own spellings
+   through lg_spell_settings (train.c: "-b/--micro-batch-size must be at least 1").
+
    Data (sections 12, 11): lg_loader_open also reads fine-tuning sample files (tools/prepare
    alpaca), whose micro-batches lg_loader_next_batch pads to their longest sample; text becomes
    ids with a BPE tokenizer:
@@ -491,7 +495,7 @@ typedef struct {
 } lg_args;
 
 void lg_args_default(lg_args *args);
-/* Checks values that do not need the config; names the flag at fault. */
+/* Checks values that do not need the config; names the setting at fault (lg_spell_settings). */
 int lg_args_check(const lg_args *args, lg_error *err);
 /* Ranks of the run: devices x nodes. */
 int lg_args_ranks(const lg_args *args);
