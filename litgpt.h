@@ -30,6 +30,10 @@
        }
        lg_trainer_free(&tr);
 
+   Messages name settings, not a program's flags: "`micro_batch_size` must be at least 1" (the
+   lg_args field between backquotes); a program with flags rewrites them with its own spellings
+   through lg_spell_settings (train.c: "-b/--micro-batch-size must be at least 1").
+
    Data (sections 12, 11): lg_loader_open also reads fine-tuning sample files (tools/prepare
    alpaca), whose micro-batches lg_loader_next_batch pads to their longest sample; text becomes
    ids with a BPE tokenizer:
@@ -127,8 +131,21 @@ extern "C" {
 #endif
 
 typedef struct {
-    char msg[512]; /* one line: names the file, flag or sample at fault and what is wrong */
+    char msg[512]; /* one line: names the file, setting or sample at fault and what is wrong */
 } lg_error;
+
+/* Settings in messages. The library names a setting, never a driver's flag: the lg_args field
+   (LG_RUN_SETTINGS' key: "lora.r") between backquotes, alone or with a value:
+   "`micro_batch_size` must be at least 1", "`offload activations` needs `recompute block`",
+   "`devices 2` x `nodes 1`". A library user reads the names; a driver with flags gives
+   lg_spell_settings a speller, which returns a setting's flag (key alone: its names,
+   "-b/--micro-batch-size"; with a value: the word written before the value, "-b"; NULL: no
+   flag, the mark stays). */
+typedef const char *lg_setting_speller(const char *key, int with_value, void *ctx, char *buf,
+                                       size_t cap);
+/* message with each setting mark spelled by spell, into out (cap bytes, cut to fit). */
+void lg_spell_settings(const char *message, lg_setting_speller *spell, void *ctx, char *out,
+                       size_t cap);
 
 /* Bytes of a path the library builds: a directory (up to 1024) and a file name in it. */
 #define LG_PATH_MAX 1100
@@ -296,10 +313,10 @@ typedef struct {
 typedef enum { LG_LORA_Q, LG_LORA_K, LG_LORA_V, LG_LORA_PROJ, LG_LORA_FC, LG_LORA_FC_2,
                LG_LORA_MLP_PROJ, LG_LORA_BLOCK_LINEARS } lg_lora_linear;
 
-/* --lora-targets all: every linear but the head (PEFT's "all-linear"). */
+/* lora.targets all: every linear but the head (PEFT's "all-linear"). */
 #define LG_LORA_ALL_LINEARS "q,k,v,proj,mlp"
 /* "q,v" -> LG_LORA_QUERY | LG_LORA_VALUE ("all": LG_LORA_ALL_LINEARS); -1 naming an unknown
-   name in err. */
+   name in err (the caller names the setting). */
 int lg_lora_targets_parse(const char *text, unsigned *targets, lg_error *err);
 /* The inverse, into buf: "q,v". */
 const char *lg_lora_targets_name(unsigned targets, char *buf, size_t size);
@@ -492,7 +509,7 @@ typedef struct {
 } lg_args;
 
 void lg_args_default(lg_args *args);
-/* Checks values that do not need the config; names the flag at fault. */
+/* Checks values that do not need the config; names the setting at fault (lg_spell_settings). */
 int lg_args_check(const lg_args *args, lg_error *err);
 /* Ranks of the run: devices x nodes. */
 int lg_args_ranks(const lg_args *args);
@@ -879,6 +896,11 @@ int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t li
    combination in *best. */
 int lg_plan_cheapest_fit(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                          lg_remedy *best);
+/* A remedy's changed settings with their new values, marked as messages mark settings
+   (lg_spell_settings), in the order of the LG_SETTING_* bits: "`micro_batch_size 2`
+   `global_batch_size 16`"; the offload parts are one setting: "`offload`" (state alone) or
+   "`offload activations,gradients`". Returns out. */
+const char *lg_remedy_settings(const lg_remedy *r, char *out, size_t cap);
 /* Device bytes of the run args describes at sequence length T (0 when it cannot be planned). */
 size_t lg_plan_device_bytes_for(const lg_config *cfg, const lg_args *args, int T);
 /* The same for the run args describes at sequence length T (0 when it cannot be planned). */
@@ -1192,6 +1214,7 @@ int lg_visit_next(lg_visit *v);
 /* A group's communicator for the collectives of section 10 (lg_all_reduce_sum and the others):
    NCCL communicators on GPUs, MPI's for CPU ranks in several processes. */
 typedef struct lg_comm lg_comm;
+struct lg_launch; /* the processes (lg_launch, below): where a deadline comes from */
 /* the trainer's: one a slot of the collective buffers, the ends' and the blocks' */
 #define LG_COMM_SIGNALS (3 + 2 * LG_GATHER_BLOCK_SLOTS + LG_GRAD_BLOCK_SLOTS)
 /* The NCCL communicators of n GPU ranks (NULL with err set when they cannot be made). */
@@ -1206,12 +1229,14 @@ void lg_comm_free(lg_comm *comm);
 #define LG_NCCL_ID_BYTES 128
 int lg_nccl_unique_id(unsigned char *id, lg_error *err);
 lg_comm *lg_comm_create_global(int world, int first_rank, int n, lg_rank *const *members,
-                               const unsigned char *id, double timeout_s, lg_error *err);
+                               const unsigned char *id, const struct lg_launch *launch,
+                               lg_error *err);
 /* GPUs: names an NCCL group for its errors and sets its deadline: no host wait on it lasts
-   longer than timeout_s (LG_DIST_TIMEOUT unless set; lg_comm_create_global takes it); then
-   its communicators are aborted (ncclCommAbort) and the process ends with a line naming its
-   rank and the collective. MPI groups take theirs from lg_mpi_comm_create; CPU builds: nothing. */
-void lg_comm_watch(lg_comm *comm, const char *name, double timeout_s);
+   longer than launch->dist_timeout (NULL: LG_DIST_TIMEOUT; lg_comm_create_global takes it
+   too); then its communicators are aborted (ncclCommAbort) and the process ends with a line
+   naming its rank and the collective (its settings spelled by launch->speller). MPI groups
+   take theirs from lg_mpi_comm_create; CPU builds: nothing. */
+void lg_comm_watch(lg_comm *comm, const char *name, const struct lg_launch *launch);
 int lg_comm_split(lg_comm *parent, const int *color, const int *key, lg_comm **by_color,
                   lg_error *err);
 /* CPU ranks in several processes (an MPI build without CUDA): the group of `members` ranks
@@ -1229,7 +1254,8 @@ typedef struct {
     const char *name;       /* "shard group 0", ...: what the timeout's line names */
     int members, first_local, local;
     void *scratch;
-    double timeout_s;       /* --dist-timeout */
+    const struct lg_launch *launch; /* its dist_timeout, and the speller of the time-out's
+                                       line (NULL: LG_DIST_TIMEOUT, the settings' names) */
     int ranks_per_process;  /* to name the ranks of a late process */
 } lg_mpi_group;
 /* Host numbers over all processes, through a group of every rank (NULL: one process, nothing
@@ -1263,7 +1289,7 @@ int lg_cuda_report_topology(int devices, FILE *out);
      MPICH (Hydra) PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS
    (the node, where not given: process / processes on a node). A builds with MPI then joins
    MPI_COMM_WORLD (lg_launch_start) and checks that MPI sees the same world. */
-typedef struct {
+typedef struct lg_launch {
     const char *launcher;  /* "torchrun", "Slurm", "Open MPI", "MPICH", or NULL: none */
     int process, processes;             /* this process among all; 0 of 1 without a launcher */
     int local_process, local_processes; /* among those on its node (local_processes 0: the
@@ -1276,6 +1302,10 @@ typedef struct {
        waits for the others there, in seconds */
     char dist_init[512];
     double dist_timeout;
+    /* the lines the library prints itself as a process stops on a deadline name settings
+       (dist_timeout): a driver with flags spells them (lg_spell_settings); NULL: the names */
+    lg_setting_speller *speller;
+    void *speller_context;
 } lg_launch;
 #define LG_DIST_TIMEOUT 600.0 /* seconds: PyTorch's default for NCCL process groups (10 minutes since
                                  pytorch/pytorch#110947); a large cluster's processes may start
@@ -2182,6 +2212,57 @@ static int lg_fail(lg_error *err, const char *fmt, ...) {
         va_end(ap);
     }
     return -1;
+}
+
+/* The mark at text (a backquote): *key_len bytes of key from text + 1, then the value up to
+   the closing backquote (*value at its first byte, or NULL); the mark's length, 0: no mark. */
+static size_t lg_setting_mark(const char *text, size_t *key_len, const char **value) {
+    if (*text != '`') return 0;
+    size_t n = strspn(text + 1, "abcdefghijklmnopqrstuvwxyz0123456789_.");
+    const char *after = text + 1 + n, *close = strchr(after, '`');
+    if (n == 0 || !close || (*after != '`' && *after != ' ') || close == after + 1) return 0;
+    *key_len = n;
+    *value = *after == ' ' ? after + 1 : NULL;
+    return (size_t)(close - text) + 1;
+}
+
+void lg_spell_settings(const char *message, lg_setting_speller *spell, void *ctx, char *out,
+                       size_t cap) {
+    size_t used = 0, key_len, mark;
+    const char *value;
+    for (const char *p = message; *p && used + 1 < cap;) {
+        char key[64], flag[96];
+        const char *spelled = NULL;
+        mark = lg_setting_mark(p, &key_len, &value);
+        if (mark && key_len < sizeof key) {
+            memcpy(key, p + 1, key_len);
+            key[key_len] = '\0';
+            spelled = spell(key, value != NULL, ctx, flag, sizeof flag);
+        }
+        if (!spelled) {
+            out[used++] = *p++;
+            continue;
+        }
+        int n = value ? snprintf(out + used, cap - used, "%s %.*s", spelled,
+                                 (int)(p + mark - 1 - value), value)
+                      : snprintf(out + used, cap - used, "%s", spelled);
+        used = n < 0 ? used : used + (size_t)n < cap ? used + (size_t)n : cap - 1;
+        p += mark;
+    }
+    out[used < cap ? used : cap - 1] = '\0';
+}
+
+/* A line the library prints itself (a process that stops on a deadline), its settings spelled
+   by launch's speller (NULL launch or speller: the settings' names). */
+static inline void lg_print_settings(FILE *out, const lg_launch *launch, const char *fmt, ...) {
+    char marked[1024], spelled[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(marked, sizeof marked, fmt, ap);
+    va_end(ap);
+    if (launch && launch->speller)
+        lg_spell_settings(marked, launch->speller, launch->speller_context, spelled, sizeof spelled);
+    fputs(launch && launch->speller ? spelled : marked, out);
 }
 
 static void *lg_alloc_zeroed(size_t bytes) {
@@ -3546,12 +3627,12 @@ int lg_lora_targets_parse(const char *text, unsigned *targets, lg_error *err) {
             if (strlen(lg_lora_target_names[k]) == len && strncmp(at, lg_lora_target_names[k], len) == 0)
                 found = k;
         if (found < 0)
-            return lg_fail(err, "--lora-targets: unknown target '%.*s' in '%s' (known: q, k, v, "
+            return lg_fail(err, "unknown target '%.*s' in '%s' (known: q, k, v, "
                                 "proj, mlp, head; or all)", (int)len, at, text);
         *targets |= 1u << found;
         at += len + (at[len] == ',');
     }
-    if (!*targets) return lg_fail(err, "--lora-targets: no target in '%s'", text);
+    if (!*targets) return lg_fail(err, "no target in '%s'", text);
     return 0;
 }
 
@@ -3617,14 +3698,14 @@ static int lg_lora_adapts(const lg_config *c, lg_lora_linear linear) {
 static int lg_host_embedding_check(const lg_config *c, lg_error *err) {
     if (!c->lora.host_embedding) return 0;
     if (c->lora.r == 0)
-        return lg_fail(err, "--offload embedding keeps a frozen table (LoRA, QLoRA: add --lora-r); "
+        return lg_fail(err, "`offload embedding` keeps a frozen table (LoRA, QLoRA: add `lora.r`); "
                             "fine-tuning every weight trains it, which is not built yet");
     if (c->tie_embeddings)
-        return lg_fail(err, "--offload embedding: %s ties lm_head to the token embedding "
+        return lg_fail(err, "`offload embedding`: %s ties lm_head to the token embedding "
                             "(tie_embeddings), whose every row the head reads on the device",
                        c->name);
     if (c->learned_pos_embedding)
-        return lg_fail(err, "--offload embedding: %s adds learned position embeddings to the "
+        return lg_fail(err, "`offload embedding`: %s adds learned position embeddings to the "
                             "rows, which is not built yet", c->name);
     return 0;
 }
@@ -3632,33 +3713,33 @@ static int lg_host_embedding_check(const lg_config *c, lg_error *err) {
 /* The adapters fit the architecture: r no larger than the smaller side of any adapted linear. */
 static int lg_lora_check(const lg_config *c, lg_error *err) {
     const lg_lora *lo = &c->lora;
-    if (lo->r < 0) return lg_fail(err, "--lora-r must be >= 0 (0: no LoRA)");
+    if (lo->r < 0) return lg_fail(err, "`lora.r` must be >= 0 (0: no LoRA)");
     if (lg_host_embedding_check(c, err) != 0) return -1;
     if (lo->r == 0) {
         if (lo->quantize != LG_QUANTIZE_NONE)
-            return lg_fail(err, "--quantize %s needs --lora-r: a quantized model cannot be fully "
+            return lg_fail(err, "`lora.quantize %s` needs `lora.r`: a quantized model cannot be fully "
                                 "fine-tuned, only adapters over it", lg_quantization_name(lo->quantize));
         return 0;
     }
-    if (!lo->targets) return lg_fail(err, "--lora-targets: no target");
-    if (!(lo->alpha > 0.0f)) return lg_fail(err, "--lora-alpha must be positive");
+    if (!lo->targets) return lg_fail(err, "`lora.targets`: no target");
+    if (!(lo->alpha > 0.0f)) return lg_fail(err, "`lora.alpha` must be positive");
     if (!(lo->dropout >= 0.0f && lo->dropout < 1.0f))
-        return lg_fail(err, "--lora-dropout must be within [0, 1)");
+        return lg_fail(err, "`lora.dropout` must be within [0, 1)");
     int llama = c->mlp_class_name == LG_MLP_LLAMA;
     for (int k = 0; k < LG_LORA_BLOCK_LINEARS; k++) {
         int in, out;
         if (!lg_lora_adapts(c, (lg_lora_linear)k)) continue;
         lg_lora_dims(c, (lg_lora_linear)k, &in, &out);
         if (lo->r > (in < out ? in : out))
-            return lg_fail(err, "--lora-r %d exceeds %s's smaller dimension %d (%d x %d)", lo->r,
+            return lg_fail(err, "`lora.r` %d exceeds %s's smaller dimension %d (%d x %d)", lo->r,
                            lg_lora_linear_names[llama][k], in < out ? in : out, out, in);
     }
     if ((lo->targets & LG_LORA_HEAD) && c->tie_embeddings)
-        return lg_fail(err, "--lora-targets head: this model ties lm_head to the token embeddings "
+        return lg_fail(err, "`lora.targets head`: this model ties lm_head to the token embeddings "
                             "(tie_embeddings), so its merged adapter would change the embeddings "
                             "too; adapt the other linears");
     if ((lo->targets & LG_LORA_HEAD) && lo->r > c->n_embd)
-        return lg_fail(err, "--lora-r %d exceeds lm_head's smaller dimension %d", lo->r, c->n_embd);
+        return lg_fail(err, "`lora.r` %d exceeds lm_head's smaller dimension %d", lo->r, c->n_embd);
     if (lo->head_tile_rows < 0 || lo->head_tile_rows % LG_HEAD_TILE_ALIGN != 0)
         return lg_fail(err, "LoRA's head_tile_rows %d is not a multiple of %d (0: %d)",
                        lo->head_tile_rows, LG_HEAD_TILE_ALIGN, LG_HEAD_TILE_ROWS);
@@ -3898,17 +3979,17 @@ int lg_args_ranks(const lg_args *a) { return a->devices * a->nodes; }
 static int lg_args_check_offload_gradients(const lg_args *a, lg_error *err) {
     if (!a->offload_gradients) return 0;
     if (!a->offload)
-        return lg_fail(err, "--offload gradients needs --offload state (the optimizer runs on "
+        return lg_fail(err, "`offload gradients` needs `offload state` (the optimizer runs on "
                             "the host, where the gradients go)");
     int replicas = lg_args_ranks(a) > 1 && (a->strategy == LG_STRATEGY_NO_SHARD ||
                                             (a->strategy == LG_STRATEGY_HYBRID_SHARD && a->nodes > 1));
     if (replicas)
-        return lg_fail(err, "--offload gradients: --strategy %s keeps replicas, which add their "
+        return lg_fail(err, "`offload gradients`: `strategy %s` keeps replicas, which add their "
                             "whole gradients on the devices once a step; full-shard or "
                             "shard-grad-op stream each rank's piece", lg_strategy_name(a->strategy));
     if (a->optimizer == LG_OPTIMIZER_SOPHIA)
-        return lg_fail(err, "--offload gradients: Sophia's Hessian pass reads the whole gradient "
-                            "on the device (-o adamw, lion or sgd stream it)");
+        return lg_fail(err, "`offload gradients`: Sophia's Hessian pass reads the whole gradient "
+                            "on the device (`optimizer adamw`, lion or sgd stream it)");
     return 0;
 }
 
@@ -3918,14 +3999,15 @@ static int lg_args_check_offload_gradients(const lg_args *a, lg_error *err) {
 static int lg_args_check_offload_weights(const lg_args *a, lg_error *err) {
     if (!a->offload_weights) return 0;
     if (!a->offload)
-        return lg_fail(err, "--offload weights needs --offload state (the optimizer updates the "
+        return lg_fail(err, "`offload weights` needs `offload state` (the optimizer updates the "
                             "weights where they live, on the host)");
     int sharded = a->strategy == LG_STRATEGY_FULL_SHARD ||
                   (a->strategy == LG_STRATEGY_HYBRID_SHARD && a->devices > 1);
     if (lg_args_ranks(a) > 1 && !sharded)
-        return lg_fail(err, "--offload weights: --strategy %s with -d %d x --nodes %d keeps whole "
-                            "weights on every rank; full-shard (or hybrid-shard with -d > 1) "
-                            "streams each rank's piece", lg_strategy_name(a->strategy),
+        return lg_fail(err, "`offload weights`: `strategy %s` with `devices %d` x `nodes %d` keeps "
+                            "whole weights on every rank; full-shard (or hybrid-shard over "
+                            "several `devices`) streams each rank's piece",
+                       lg_strategy_name(a->strategy),
                        a->devices, a->nodes);
     return 0;
 }
@@ -3934,58 +4016,58 @@ static int lg_args_check_offload_weights(const lg_args *a, lg_error *err) {
 static int lg_args_accumulation_steps(const lg_args *a, lg_error *err) {
     int per_step = a->micro_batch_size * lg_args_ranks(a);
     int global = a->global_batch_size ? a->global_batch_size : per_step;
-    if (per_step < 1) return lg_fail(err, "-b/--micro-batch-size must be at least 1");
+    if (per_step < 1) return lg_fail(err, "`micro_batch_size` must be at least 1");
     if (global % per_step != 0)
         return lg_fail(err,
-                       "-g/--global-batch-size %d is not a multiple of -b/--micro-batch-size %d "
-                       "x -d/--devices %d x --nodes %d",
+                       "`global_batch_size` %d is not a multiple of `micro_batch_size` %d x "
+                       "`devices` %d x `nodes` %d",
                        global, a->micro_batch_size, a->devices, a->nodes);
     return global / per_step;
 }
 
 int lg_args_check(const lg_args *a, lg_error *err) {
-    if (a->devices < 1) return lg_fail(err, "-d/--devices must be at least 1");
-    if (a->nodes < 1) return lg_fail(err, "--nodes must be at least 1");
+    if (a->devices < 1) return lg_fail(err, "`devices` must be at least 1");
+    if (a->nodes < 1) return lg_fail(err, "`nodes` must be at least 1");
     if (a->offload_activations && !a->recompute)
-        return lg_fail(err, "--offload activations needs --recompute block (the block inputs it "
+        return lg_fail(err, "`offload activations` needs `recompute block` (the block inputs it "
                             "moves to host memory are the ones recompute keeps)");
     if (lg_args_check_offload_gradients(a, err) != 0) return -1;
     if (lg_args_check_offload_weights(a, err) != 0) return -1;
     if (a->pack && a->backend == LG_BACKEND_CUDA && !a->plan_only)
-        return lg_fail(err, "--pack: packed rows run on the CPU backend only for now (the CUDA "
-                            "attention has no span masks yet): add --backend cpu");
+        return lg_fail(err, "`pack`: packed rows run on the CPU backend only for now (the CUDA "
+                            "attention has no span masks yet): add `backend cpu`");
     if ((long)a->devices * a->nodes > LG_MAX_RANKS)
-        return lg_fail(err, "-d/--devices %d x --nodes %d: at most %d ranks", a->devices, a->nodes,
+        return lg_fail(err, "`devices` %d x `nodes` %d: at most %d ranks", a->devices, a->nodes,
                        LG_MAX_RANKS);
     if (a->optimizer_state != LG_STATE_AS_PRECISION && a->optimizer != LG_OPTIMIZER_ADAMW)
-        return lg_fail(err, "--optimizer-state applies to AdamW only (-o %s)",
+        return lg_fail(err, "`optimizer_state` applies to AdamW only (`optimizer %s`)",
                        lg_optimizer_name(a->optimizer));
     if ((double)a->micro_batch_size * lg_args_ranks(a) > 2147483647.0 ||
         (double)a->global_batch_size > 2147483647.0)
-        return lg_fail(err, "-b/--micro-batch-size %d x %d ranks is too large",
+        return lg_fail(err, "`micro_batch_size` %d x %d ranks is too large",
                        a->micro_batch_size, lg_args_ranks(a));
-    if (a->micro_batch_size < 1) return lg_fail(err, "-b/--micro-batch-size must be at least 1");
-    if (a->global_batch_size < 0) return lg_fail(err, "-g/--global-batch-size must be positive");
-    if (a->max_seq_length < 0) return lg_fail(err, "-t/--max-seq-length must be positive");
-    if (a->lr < 0.0f || a->min_lr < 0.0f) return lg_fail(err, "--lr and --min-lr must be >= 0");
-    if (a->min_lr > a->lr) return lg_fail(err, "--min-lr (%g) exceeds --lr (%g)", a->min_lr, a->lr);
-    if (a->beta1 < 0.0f || a->beta1 >= 1.0f) return lg_fail(err, "--beta1 must be within [0, 1)");
-    if (a->beta2 < 0.0f || a->beta2 >= 1.0f) return lg_fail(err, "--beta2 must be within [0, 1)");
+    if (a->micro_batch_size < 1) return lg_fail(err, "`micro_batch_size` must be at least 1");
+    if (a->global_batch_size < 0) return lg_fail(err, "`global_batch_size` must be positive");
+    if (a->max_seq_length < 0) return lg_fail(err, "`max_seq_length` must be positive");
+    if (a->lr < 0.0f || a->min_lr < 0.0f) return lg_fail(err, "`lr` and `min_lr` must be >= 0");
+    if (a->min_lr > a->lr) return lg_fail(err, "`min_lr` (%g) exceeds `lr` (%g)", a->min_lr, a->lr);
+    if (a->beta1 < 0.0f || a->beta1 >= 1.0f) return lg_fail(err, "`beta1` must be within [0, 1)");
+    if (a->beta2 < 0.0f || a->beta2 >= 1.0f) return lg_fail(err, "`beta2` must be within [0, 1)");
     if (a->momentum < 0.0f || a->momentum >= 1.0f)
-        return lg_fail(err, "--momentum must be within [0, 1)");
-    if (a->weight_decay < 0.0f) return lg_fail(err, "--weight-decay must be >= 0");
-    if (a->max_norm < 0.0f) return lg_fail(err, "--max-norm must be >= 0 (0 turns clipping off)");
-    const struct { const char *flag; int steps; } counts[] = {
-        {"--max-steps", a->max_steps}, {"--warmup-steps", a->warmup_steps},
-        {"--eval-every", a->eval_every}, {"--sample-every", a->sample_every}};
+        return lg_fail(err, "`momentum` must be within [0, 1)");
+    if (a->weight_decay < 0.0f) return lg_fail(err, "`weight_decay` must be >= 0");
+    if (a->max_norm < 0.0f) return lg_fail(err, "`max_norm` must be >= 0 (0 turns clipping off)");
+    const struct { const char *setting; int steps; } counts[] = {
+        {"`max_steps`", a->max_steps}, {"`warmup_steps`", a->warmup_steps},
+        {"`eval_every`", a->eval_every}, {"`sample_every`", a->sample_every}};
     for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
         if (counts[i].steps < 0)
-            return lg_fail(err, "%s %d: a count of steps, must be >= 0", counts[i].flag,
+            return lg_fail(err, "%s %d: a count of steps, must be >= 0", counts[i].setting,
                            counts[i].steps);
-    if (a->eval_iters < 1) return lg_fail(err, "--eval-iters must be at least 1");
-    if (a->hessian_interval < 1) return lg_fail(err, "--hessian-interval must be at least 1");
-    if (a->rho <= 0.0f) return lg_fail(err, "--rho must be positive");
-    if (a->temperature < 0.0f) return lg_fail(err, "--temperature must be >= 0");
+    if (a->eval_iters < 1) return lg_fail(err, "`eval_iters` must be at least 1");
+    if (a->hessian_interval < 1) return lg_fail(err, "`hessian_interval` must be at least 1");
+    if (a->rho <= 0.0f) return lg_fail(err, "`rho` must be positive");
+    if (a->temperature < 0.0f) return lg_fail(err, "`temperature` must be >= 0");
     return lg_args_accumulation_steps(a, err) > 0 ? 0 : -1;
 }
 
@@ -5002,11 +5084,11 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
         return lg_fail(err, "plan: %d ranks do not spread evenly over %d processes",
                        s->devices * s->nodes, s->processes);
     if (s->optimizer_state != LG_STATE_AS_PRECISION && s->optimizer != LG_OPTIMIZER_ADAMW)
-        return lg_fail(err, "plan: --optimizer-state applies to AdamW only");
+        return lg_fail(err, "plan: `optimizer_state` applies to AdamW only");
     /* the layouts count rows in int: B T and B NH T (attention) must fit */
     double rows = (double)s->B * s->T * (c->n_head > 1 ? c->n_head : 1);
     if (rows > 2147483647.0 || (double)s->B * s->accumulation * s->T > 2147483647.0)
-        return lg_fail(err, "plan: -b/--micro-batch-size %d x -t/--max-seq-length %d is too "
+        return lg_fail(err, "plan: `micro_batch_size` %d x `max_seq_length` %d is too "
                             "large to lay out", s->B, s->T);
     plan->spec = *s;
     if (plan->spec.processes < 1) plan->spec.processes = 1; /* (0: a spec made by hand) */
@@ -5526,6 +5608,69 @@ static unsigned lg_lora_remedy(const lg_args *args, int quantized, lg_args *a) {
     return LG_SETTING_LORA_R | (quantized ? LG_SETTING_QUANTIZE : 0);
 }
 
+/* The offload parts a's settings hold, marked: "`offload`" for state alone, else
+   "`offload activations,gradients`" (gradients and weights bring state along). */
+static void lg_offload_setting(const lg_args *a, char *out, size_t cap) {
+    const char *parts[5];
+    int n = 0, state = a->offload && !a->offload_gradients && !a->offload_weights;
+    if (state) parts[n++] = "state";
+    if (a->offload_activations) parts[n++] = "activations";
+    if (a->offload_gradients) parts[n++] = "gradients";
+    if (a->offload_weights) parts[n++] = "weights";
+    if (a->offload_embedding) parts[n++] = "embedding";
+    if (n == 1 && state) {
+        lg_format(out, cap, "`offload`");
+        return;
+    }
+    char list[48] = ""; /* "activations,gradients,weights,embedding" at most */
+    for (int i = 0; i < n; i++) strcat(strcat(list, i ? "," : ""), parts[i]);
+    lg_format(out, cap, "`offload %s`", list);
+}
+
+/* One changed setting of r (bit: one of its LG_SETTING_* bits but the offload parts'),
+   marked with its value. */
+static void lg_remedy_setting(const lg_remedy *r, unsigned bit, char *out, size_t cap) {
+    const lg_args *a = &r->args;
+    switch (bit) {
+    case LG_SETTING_RECOMPUTE: lg_format(out, cap, "`recompute %s`", a->recompute ? "block" : "none"); break;
+    case LG_SETTING_PRECISION: lg_format(out, cap, "`precision %s`", lg_precision_name(a->precision)); break;
+    case LG_SETTING_LORA_R: lg_format(out, cap, "`lora.r %d`", a->lora.r); break;
+    case LG_SETTING_QUANTIZE:
+        lg_format(out, cap, "`lora.quantize %s`", lg_quantization_name(a->lora.quantize));
+        break;
+    case LG_SETTING_OPTIMIZER_STATE:
+        lg_format(out, cap, "`optimizer_state %s`", a->optimizer_state == LG_STATE_AS_PRECISION
+                                                        ? "as-precision"
+                                                        : lg_state_format_names[a->optimizer_state]);
+        break;
+    case LG_SETTING_OPTIMIZER: lg_format(out, cap, "`optimizer %s`", lg_optimizer_name(a->optimizer)); break;
+    case LG_SETTING_MOMENTUM: lg_format(out, cap, "`momentum %g`", a->momentum); break;
+    case LG_SETTING_SEQ_LENGTH: lg_format(out, cap, "`max_seq_length %d`", r->T); break;
+    case LG_SETTING_MICRO_BATCH: lg_format(out, cap, "`micro_batch_size %d`", a->micro_batch_size); break;
+    case LG_SETTING_GLOBAL_BATCH: lg_format(out, cap, "`global_batch_size %d`", a->global_batch_size); break;
+    case LG_SETTING_DEVICES: lg_format(out, cap, "`devices %d`", a->devices); break;
+    case LG_SETTING_STRATEGY: lg_format(out, cap, "`strategy %s`", lg_strategy_name(a->strategy)); break;
+    default: out[0] = '\0';
+    }
+}
+
+const char *lg_remedy_settings(const lg_remedy *r, char *out, size_t cap) {
+    const unsigned offload_parts = LG_SETTING_OFFLOAD | LG_SETTING_OFFLOAD_ACTIVATIONS |
+                                   LG_SETTING_OFFLOAD_GRADIENTS | LG_SETTING_OFFLOAD_WEIGHTS |
+                                   LG_SETTING_OFFLOAD_EMBEDDING;
+    size_t used = 0;
+    int offload_named = 0;
+    out[0] = '\0';
+    for (unsigned bit = 1; bit <= LG_SETTING_LAST; bit <<= 1) {
+        char one[64];
+        if (!(r->changes & bit) || ((bit & offload_parts) && offload_named++)) continue;
+        if (bit & offload_parts) lg_offload_setting(&r->args, one, sizeof one);
+        else lg_remedy_setting(r, bit, one, sizeof one);
+        if (one[0] && used < cap) used += (size_t)lg_format(out + used, cap - used, "%s%s", used ? " " : "", one);
+    }
+    return out;
+}
+
 int lg_plan_remedies(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                      lg_remedy *out) {
     int n = 0, global = lg_global_batch(args);
@@ -5894,7 +6039,7 @@ void lg_plan_print(const lg_plan *plan, FILE *out) {
     if (s->slice_rows < s->B * s->T)
         snprintf(head + strlen(head), sizeof head - strlen(head), " | MLP in slices of %d rows",
                  s->slice_rows);
-    fprintf(out, "plan: %s | -b %d -t %d (%d accumulation) | %s | %d device%s%s%s%s | %s%s\n",
+    fprintf(out, "plan: %s | `micro_batch_size %d` `max_seq_length %d` (%d accumulation) | %s | %d device%s%s%s%s | %s%s\n",
             plan->cfg.name, s->B, s->T, s->accumulation, lg_precision_name(s->precision),
             s->devices, s->devices > 1 ? "s" : "", ranks, s->recompute ? " | recompute block" : "",
             lg_plan_offload_label(s),
@@ -6039,7 +6184,7 @@ static int lg_rank_create_on(lg_rank *rank, const lg_plan *plan, int index, int 
         if (!rank->arena[pool]) {
             char size[32];
             lg_rank_free(rank);
-            return lg_fail(err, "out of %s memory: the plan needs %s (see --plan)",
+            return lg_fail(err, "out of %s memory: the plan needs %s (see `plan_only`)",
                            lg_pool_name((lg_pool)pool),
                            lg_format_bytes(r->pool_bytes[pool], size, sizeof size));
         }
@@ -9108,7 +9253,7 @@ static void lg_model_embed_backward(lg_model *m, const int *tokens, int B, int T
 
 int lg_model_set_spans(lg_model *m, const int *span_start, lg_error *err) {
     if (span_start && m->exec.backend == LG_BACKEND_CUDA)
-        return lg_fail(err, "--pack: packed rows run on the CPU backend only (the CUDA "
+        return lg_fail(err, "`pack`: packed rows run on the CPU backend only (the CUDA "
                             "attention has no span masks yet)");
     m->span_start = span_start;
     return 0;
@@ -9541,10 +9686,10 @@ lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err) {
 void lg_comm_free(lg_comm *comm) { (void)comm; }
 #endif
 
-void lg_comm_watch(lg_comm *comm, const char *name, double timeout_s) {
+void lg_comm_watch(lg_comm *comm, const char *name, const lg_launch *launch) {
     (void)comm;
     (void)name;
-    (void)timeout_s;
+    (void)launch;
 }
 
 int lg_nccl_unique_id(unsigned char *id, lg_error *err) {
@@ -9553,8 +9698,8 @@ int lg_nccl_unique_id(unsigned char *id, lg_error *err) {
 }
 
 lg_comm *lg_comm_create_global(int world, int first_rank, int n, lg_rank *const *members,
-                               const unsigned char *id, double timeout_s, lg_error *err) {
-    (void)timeout_s;
+                               const unsigned char *id, const lg_launch *launch, lg_error *err) {
+    (void)launch;
     (void)world;
     (void)first_rank;
     (void)n;
@@ -9650,7 +9795,7 @@ int lg_launch_place(lg_launch *l, int devices, int nodes, lg_error *err) {
     if (l->processes == world) l->local_ranks = 1;
     else if (l->processes == nodes) l->local_ranks = devices;
     else
-        return lg_fail(err, "%s started %d processes, but -d %d x --nodes %d is %d ranks: start "
+        return lg_fail(err, "%s started %d processes, but `devices %d` x `nodes %d` is %d ranks: start "
                             "%d processes (one a rank) or %d (one a node)", l->launcher,
                        l->processes, devices, nodes, world, world, nodes);
     l->first_rank = l->process * l->local_ranks;
@@ -9689,10 +9834,11 @@ static void *lg_mpi_watch_start(void *arg) {
     int late = !w->done;
     pthread_mutex_unlock(&w->lock);
     if (!late) return NULL;
-    fprintf(stderr, "rank %d: MPI did not start within --dist-timeout %g s: all %d processes that "
-                    "%s started must reach it, and one exited before it (a bad flag, or --plan or "
-                    "--help given to it alone) or never started; stopping\n",
-            w->launch->process, w->launch->dist_timeout, w->launch->processes, w->launch->launcher);
+    lg_print_settings(stderr, w->launch, "rank %d: MPI did not start within `dist_timeout` %g s: "
+                      "all %d processes that %s started must reach it, and one exited before it "
+                      "(a bad flag, or `plan_only` or `help` given to it alone) or never started; "
+                      "stopping\n", w->launch->process, w->launch->dist_timeout,
+                      w->launch->processes, w->launch->launcher);
     fflush(stderr);
     _exit(2);
 }
@@ -9947,7 +10093,7 @@ static int lg_rendezvous_file_root(const char *path, int processes, const void *
             lg_list_missing(all_came ? taken : came, processes, missing, sizeof missing);
             return lg_fail(err, "rendezvous file://%s: after %g s process%s %s of %d %s", path,
                            timeout_s, strchr(missing, ',') ? "es" : "", missing, processes,
-                           all_came ? "did not take the id" : "never announced itself (not started, or another --dist-init)");
+                           all_came ? "did not take the id" : "never announced itself (not started, or another `dist_init`)");
         }
         lg_sleep_ms(LG_RENDEZVOUS_POLL_MS);
     }
@@ -9999,7 +10145,7 @@ static int lg_rendezvous_file_member(const char *path, int process, void *id, si
         if (lg_read_published(path, process, nonce, (unsigned char *)id, id_bytes) == 0) break;
         if (lg_time_ms() > deadline)
             return lg_fail(err, "rendezvous file://%s: process 0 did not publish the id for this "
-                                "process within %g s (is it running, with the same --dist-init?)",
+                                "process within %g s (is it running, with the same `dist_init`?)",
                            path, timeout_s);
         lg_sleep_ms(LG_RENDEZVOUS_POLL_MS);
     }
@@ -10167,8 +10313,8 @@ static int lg_launch_share(const lg_launch *l, void *bytes, size_t n, lg_error *
     }
 #endif
     if (!l->dist_init[0])
-        return lg_fail(err, "%s started %d processes and this build has no MPI: give --dist-init "
-                            "tcp://HOST:PORT (HOST: process 0's machine) or file://PATH on a shared "
+        return lg_fail(err, "%s started %d processes and this build has no MPI: give `dist_init "
+                            "tcp://HOST:PORT` (HOST: process 0's machine) or file://PATH on a shared "
                             "file system, or set MASTER_ADDR and MASTER_PORT", l->launcher, l->processes);
     return lg_rendezvous(l->dist_init, l->process, l->processes, bytes, n, l->dist_timeout, err);
 }
@@ -10249,6 +10395,7 @@ struct lg_comm {
        which one every other has come (arrived, by group process), the others tell it */
     char name[48];
     double timeout_s;
+    const lg_launch *launch; /* the speller of the time-out's line (NULL: none) */
     int ranks_per_process, process, processes;
     int *world_process;  /* (processes): each group process's place in MPI_COMM_WORLD */
     long started, *arrived, beat;
@@ -10331,14 +10478,15 @@ static void lg_mpi_time_out(lg_comm *c, const char *what) {
     int me = c->world_process[c->process] * c->ranks_per_process;
     if (c->process == 0) {
         lg_mpi_list_late(c, late, sizeof late);
-        fprintf(stderr, "rank %d: the %s of %s (collective %ld) did not complete within "
-                        "--dist-timeout %g s: %s; stopping every process\n", me, what, c->name,
-                c->started, c->timeout_s, late);
+        lg_print_settings(stderr, c->launch, "rank %d: the %s of %s (collective %ld) did not "
+                          "complete within `dist_timeout` %g s: %s; stopping every process\n", me,
+                          what, c->name, c->started, c->timeout_s, late);
     } else {
-        fprintf(stderr, "rank %d: the %s of %s (collective %ld) did not complete within "
-                        "--dist-timeout %g s, and rank %d, which names the late, did not stop the "
-                        "job: it may be the one that hangs; stopping every process\n", me, what,
-                c->name, c->started, c->timeout_s, c->world_process[0] * c->ranks_per_process);
+        lg_print_settings(stderr, c->launch, "rank %d: the %s of %s (collective %ld) did not "
+                          "complete within `dist_timeout` %g s, and rank %d, which names the late, "
+                          "did not stop the job: it may be the one that hangs; stopping every "
+                          "process\n", me, what, c->name, c->started, c->timeout_s,
+                          c->world_process[0] * c->ranks_per_process);
     }
     fflush(stderr);
     MPI_Abort(MPI_COMM_WORLD, 1);
@@ -10394,7 +10542,8 @@ static int lg_mpi_comm_create(lg_comm **comm, const lg_mpi_group *g, lg_error *e
     c->first_local = g->first_local;
     c->local = g->local;
     snprintf(c->name, sizeof c->name, "%s", g->name);
-    c->timeout_s = g->timeout_s > 0 ? g->timeout_s : LG_DIST_TIMEOUT;
+    c->launch = g->launch;
+    c->timeout_s = g->launch && g->launch->dist_timeout > 0 ? g->launch->dist_timeout : LG_DIST_TIMEOUT;
     c->ranks_per_process = g->ranks_per_process > 0 ? g->ranks_per_process : 1;
     c->processes = size;
     MPI_Comm_rank(group, &c->process);
@@ -11673,7 +11822,7 @@ static int lg_merges_from_bpe_file(lg_tokenizer *tok, char *text, size_t len, co
             char where[64];
             snprintf(where, sizeof where, "vocab.bpe line %d", line_no);
             if (!space || space == line || space + 1 == end || memchr(space + 1, ' ', (size_t)(end - space - 1)))
-                return lg_fail(err, "tokenizer %s: %s: expected `left right`", tok->path, where);
+                return lg_fail(err, "tokenizer %s: %s: expected 'left right'", tok->path, where);
             size_t left_n = (size_t)(space - line), right_n = (size_t)(end - space - 1);
             if (lg_bytes_from_alphabet(line, &left_n) != 0 ||
                 lg_bytes_from_alphabet(space + 1, &right_n) != 0)
@@ -12496,13 +12645,13 @@ static void lg_pack_place(const lg_loader *ld, size_t sample, int at, int n, int
 static int lg_loader_pack_rows(lg_loader *ld, int B, int T, size_t most, int *inputs,
                                int *targets, int *span_start, int *n_packed, lg_error *err) {
     if (ld->n_samples == 0)
-        return lg_fail(err, "data %s: --pack packs fine-tuning samples (tools/prepare alpaca); "
+        return lg_fail(err, "data %s: `pack` packs fine-tuning samples (tools/prepare alpaca); "
                             "token shards are already full rows", ld->path);
     if (T < ld->T)
         return lg_fail(err, "data %s: packed rows of %d tokens hold no sample of %d (the "
                             "longest after truncation)", ld->path, T, ld->T);
     int used[64]; /* tokens placed in each row */
-    if (B > 64) return lg_fail(err, "data %s: --pack takes micro-batches of at most 64 rows", ld->path);
+    if (B > 64) return lg_fail(err, "data %s: `pack` takes micro-batches of at most 64 rows", ld->path);
     for (int b = 0; b < B; b++) used[b] = 0;
     *n_packed = 0;
     for (size_t tries = 0; tries < most && tries < ld->n_samples; tries++) {
@@ -12606,7 +12755,7 @@ int lg_loader_check_block_size(const lg_loader *ld, int block_size, lg_error *er
         if (n > ld->T) n = ld->T;
         if (n > block_size)
             return lg_fail(err, "data %s: sample %zu has %d tokens, more than the model's "
-                                "block_size %d (truncate with -t/--max-seq-length)", ld->path, i,
+                                "block_size %d (truncate with `max_seq_length`)", ld->path, i,
                            n, block_size);
     }
     return 0;
@@ -12962,7 +13111,7 @@ int lg_chat_template_find(const char *name, lg_chat_template *out, lg_error *err
     static const char *const names[] = LG_TEMPLATE_NAMES;
     for (int t = 0; t < LG_TEMPLATE_COUNT; t++)
         if (!strcmp(name, names[t])) { *out = (lg_chat_template)t; return 0; }
-    return lg_fail(err, "--template %s: no such template (plain, alpaca, llama3, llama2, chatml, "
+    return lg_fail(err, "`template` %s: no such template (plain, alpaca, llama3, llama2, chatml, "
                         "qwen3, falcon or auto)", name);
 }
 
@@ -13254,8 +13403,8 @@ static int lg_chat_template_auto(const lg_tokenizer *tok, lg_chat_template *out,
         uint64_t hash = lg_hash64(LG_HASH64_INIT, chat, len);
         for (size_t k = 0; k < sizeof lg_chat_known / sizeof lg_chat_known[0]; k++)
             if (lg_chat_known[k].hash == hash) { *out = lg_chat_known[k].t; LG_FREE(chat); return 0; }
-        lg_fail(err, "--template auto: %s's chat_template (hash %016llx, \"%.40s...\") is none "
-                     "that a template here renders exactly; name one with --template", path,
+        lg_fail(err, "`template auto`: %s's chat_template (hash %016llx, \"%.40s...\") is none "
+                     "that a template here renders exactly; name one with `template`", path,
                 (unsigned long long)hash, chat);
         LG_FREE(chat);
         return -1;
@@ -13264,8 +13413,8 @@ static int lg_chat_template_auto(const lg_tokenizer *tok, lg_chat_template *out,
     if (tok->pretokenizer == LG_PRETOKENIZE_LLAMA3) *out = LG_TEMPLATE_LLAMA3;
     else if (tok->pretokenizer == LG_PRETOKENIZE_QWEN2) *out = LG_TEMPLATE_CHATML;
     else if (tok->sentencepiece) *out = LG_TEMPLATE_LLAMA2;
-    else return lg_fail(err, "--template auto: tokenizer %s has no chat_template and no family "
-                             "with a template; name one with --template", tok->path);
+    else return lg_fail(err, "`template auto`: tokenizer %s has no chat_template and no family "
+                             "with a template; name one with `template`", tok->path);
     return 0;
 }
 
@@ -13309,7 +13458,7 @@ int lg_chat_template_pick(const char *name, const lg_tokenizer *tok, lg_chat_tem
     if (n_missing)
         return lg_fail(err, "template %s: marker%s %s %s of tokenizer %s (%s be written as "
                             "ordinary text pieces); name a template of this tokenizer with "
-                            "--template", lg_chat_template_name(*out), n_missing > 1 ? "s" : "",
+                            "`template`", lg_chat_template_name(*out), n_missing > 1 ? "s" : "",
                        missing, n_missing > 1 ? "are not special tokens" : "is not a special token",
                        tok->path, n_missing > 1 ? "they would" : "it would");
     return 0;
@@ -15017,13 +15166,13 @@ static int lg_peft_read(const lg_model *m0, const char *dir, lg_real *whole, lg_
     if (rc != 0) { LG_FREE(peft); return -1; }
     if (f.n_tensors != n)
         rc = lg_fail(err, "adapters %s: %d tensors, this run's adapters (r %d) are %d: another "
-                          "base model or --lora-targets", path, f.n_tensors, m0->cfg.lora.r, n);
+                          "base model or `lora.targets`", path, f.n_tensors, m0->cfg.lora.r, n);
     for (int i = 0; i < n && rc == 0; i++) {
         const lg_peft_tensor *p = &peft[i];
         const lg_st_tensor *t = lg_st_find(&f, p->name);
         if (!t || t->ndim != 2 || t->shape[0] != p->rows || t->shape[1] != p->cols) {
             rc = lg_fail(err, "adapters %s: %s is %s, this run needs [%d, %d]: written for another "
-                              "base model, --lora-r or --lora-targets", path, p->name,
+                              "base model, `lora.r` or `lora.targets`", path, p->name,
                          t ? "of another shape" : "missing", p->rows, p->cols);
             break;
         }
@@ -16294,50 +16443,50 @@ static void lg_trainer_sync(const lg_trainer *tr) {
    they live in more than one process; a group inside one process needs none (its collectives
    run in the process). Every process decides alike and takes part in every split. */
 static int lg_trainer_mpi_group(lg_trainer *tr, int first, int stride, int count,
-                                const char *buffers, const char *name, double timeout_s,
-                                lg_comm **comm, lg_error *err) {
+                                const char *buffers, const char *name,
+                                const lg_launch *launch, lg_comm **comm, lg_error *err) {
     int per_process = tr->local_ranks, last = first + (count - 1) * stride;
     if (first / per_process == last / per_process) return 0;
     int local[LG_MAX_RANKS], n = lg_trainer_group_local(tr, first, stride, count, local);
     lg_mpi_group g = {name, count, n ? (tr->first_rank + local[0] - first) / stride : 0, n,
-                      NULL, timeout_s, per_process};
+                      NULL, launch, per_process};
     if (n) g.scratch = lg_rank_region(&tr->ranks[local[0]].rank, buffers); /* the plan's */
     return lg_mpi_comm_create(comm, &g, err);
 }
 
 /* CPU ranks in several processes: the MPI groups of the shard groups, the replica groups and
    all ranks (process_comm), with the plan's buffers. */
-static int lg_trainer_make_mpi_groups(lg_trainer *tr, double timeout_s, lg_error *err) {
+static int lg_trainer_make_mpi_groups(lg_trainer *tr, const lg_launch *launch, lg_error *err) {
     const lg_sharding *sh = &tr->plan.sharding;
     int S = sh->shard_ranks, R = sh->replicas;
     char name[48];
     for (int q = 0; q < R && S > 1; q++) {
         lg_format(name, sizeof name, "shard group %d", q);
-        if (lg_trainer_mpi_group(tr, q * S, 1, S, "mpi.shard", name, timeout_s, &tr->shard_comm[q],
+        if (lg_trainer_mpi_group(tr, q * S, 1, S, "mpi.shard", name, launch, &tr->shard_comm[q],
                                  err) != 0)
             return -1;
     }
     for (int i = 0; i < S && R > 1; i++) {
         lg_format(name, sizeof name, "replica group %d", i);
-        if (lg_trainer_mpi_group(tr, i, S, R, "mpi.replica", name, timeout_s, &tr->replica_comm[i],
+        if (lg_trainer_mpi_group(tr, i, S, R, "mpi.replica", name, launch, &tr->replica_comm[i],
                                  err) != 0)
             return -1;
     }
-    return lg_trainer_mpi_group(tr, 0, 1, tr->n_ranks, "mpi.all", "all ranks", timeout_s,
+    return lg_trainer_mpi_group(tr, 0, 1, tr->n_ranks, "mpi.all", "all ranks", launch,
                                 &tr->process_comm, err);
 }
 
 /* GPUs: each NCCL group's name and deadline for its errors (lg_comm_watch). */
-static void lg_trainer_name_comms(lg_trainer *tr, double timeout_s) {
+static void lg_trainer_name_comms(lg_trainer *tr, const lg_launch *launch) {
     char name[48];
     for (int i = 0; i < LG_MAX_RANKS; i++) {
         lg_format(name, sizeof name, "shard group %d", i);
-        lg_comm_watch(tr->shard_comm[i], name, timeout_s);
+        lg_comm_watch(tr->shard_comm[i], name, launch);
         lg_format(name, sizeof name, "replica group %d", i);
-        lg_comm_watch(tr->replica_comm[i], name, timeout_s);
+        lg_comm_watch(tr->replica_comm[i], name, launch);
     }
-    lg_comm_watch(tr->world_comm, "all ranks (start)", timeout_s);
-    lg_comm_watch(tr->process_comm, "all ranks", timeout_s);
+    lg_comm_watch(tr->world_comm, "all ranks (start)", launch);
+    lg_comm_watch(tr->process_comm, "all ranks", launch);
 }
 
 /* GPU ranks in several processes: process 0's NCCL id reaches the others (MPI, or the
@@ -16353,7 +16502,7 @@ static int lg_trainer_make_nccl_groups(lg_trainer *tr, const lg_launch *launch, 
     if (lg_launch_share(launch, id, sizeof id, err) != 0) return -1;
     for (int r = 0; r < tr->local_ranks; r++) members[r] = &tr->ranks[r].rank;
     tr->process_comm = lg_comm_create_global(tr->n_ranks, tr->first_rank, tr->local_ranks,
-                                             members, id, launch->dist_timeout, err);
+                                             members, id, launch, err);
     if (!tr->process_comm) return -1;
     for (int r = 0; r < tr->local_ranks; r++) { /* shard group q: ranks q S .. q S + S - 1 */
         color[r] = (tr->first_rank + r) / S;
@@ -16365,7 +16514,7 @@ static int lg_trainer_make_nccl_groups(lg_trainer *tr, const lg_launch *launch, 
         key[r] = (tr->first_rank + r) / S;
     }
     if (R > 1 && lg_comm_split(tr->process_comm, color, key, tr->replica_comm, err) != 0) return -1;
-    lg_trainer_name_comms(tr, launch->dist_timeout);
+    lg_trainer_name_comms(tr, launch);
     if (tr->local_ranks == 1 || !sh->weights_sharded) return 0;
     return (tr->world_comm = lg_comm_create(tr->local_ranks, members, err)) ? 0 : -1;
 }
@@ -16379,7 +16528,7 @@ static int lg_trainer_make_comms(lg_trainer *tr, const lg_launch *launch, lg_err
     if (tr->local_ranks < tr->n_ranks && tr->plan.spec.backend == LG_BACKEND_CUDA)
         return lg_trainer_make_nccl_groups(tr, launch, err);
     if (tr->local_ranks < tr->n_ranks)
-        return lg_trainer_make_mpi_groups(tr, launch->dist_timeout, err);
+        return lg_trainer_make_mpi_groups(tr, launch, err);
     if (tr->plan.spec.backend != LG_BACKEND_CUDA || tr->n_ranks == 1) return 0;
     for (int q = 0; q < R && S > 1; q++) {
         for (int i = 0; i < S; i++) members[i] = &tr->ranks[q * S + i].rank;
@@ -16393,7 +16542,7 @@ static int lg_trainer_make_comms(lg_trainer *tr, const lg_launch *launch, lg_err
         for (int r = 0; r < tr->local_ranks; r++) members[r] = &tr->ranks[r].rank;
         if (!(tr->world_comm = lg_comm_create(tr->n_ranks, members, err))) return -1;
     }
-    lg_trainer_name_comms(tr, launch ? launch->dist_timeout : LG_DIST_TIMEOUT);
+    lg_trainer_name_comms(tr, launch);
     return 0;
 }
 
@@ -16928,9 +17077,9 @@ typedef struct {
 
 int lg_checkpoint_supported(const lg_trainer *tr, lg_error *err) {
     if (tr->plan.sharding.shard_ranks > 1 && tr->ranks[0].opt.format != LG_STATE_AS_PRECISION)
-        return lg_fail(err, "checkpoints of a sharded run (--strategy %s over %d ranks) with "
-                            "--optimizer-state bf16|8bit are not supported: the state is quantized "
-                            "in blocks of each shard; use --strategy no-shard or the default state",
+        return lg_fail(err, "checkpoints of a sharded run (`strategy %s` over %d ranks) with "
+                            "`optimizer_state bf16|8bit` are not supported: the state is quantized "
+                            "in blocks of each shard; use `strategy no-shard` or the default state",
                        lg_strategy_name(tr->args.strategy), tr->plan.sharding.shard_ranks);
     return 0;
 }
@@ -17647,7 +17796,7 @@ int lg_checkpoint_save(lg_trainer *tr, const lg_loader *data, int step, const ch
     if (lg_checkpoint_supported(tr, err) != 0) return -1;
     int writer = tr->process == 0; /* the others take part in the gathers */
     if (writer && mkdir(out, 0755) != 0 && errno != EEXIST)
-        return lg_checkpoint_outcome(tr, lg_fail(err, "--out %s: cannot create the directory: %s",
+        return lg_checkpoint_outcome(tr, lg_fail(err, "`out_dir` %s: cannot create the directory: %s",
                                                  out, strerror(errno)), err);
     lg_format(dir, sizeof dir, "%s/step-%d", out, step);
     lg_format(path, sizeof path, "%s/" LG_TRAINING_STATE, dir);

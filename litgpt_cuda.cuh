@@ -3022,8 +3022,8 @@ static int lg_cuda_matmul_lt(const lg_exec *ex, int trans_a, int trans_b, int M,
     if (status == CUBLAS_STATUS_ALLOC_FAILED) { /* a plan that left too little free: say so */
         fflush(stdout);
         fprintf(stderr, "GPU %d: out of memory inside cuBLASLt (a %d x %d x %d matmul): the device "
-                "had less free than the plan kept (its margin); --memory-margin SIZE keeps more "
-                "free\n", g->device, M, N, K);
+                "had less free than the plan kept (its margin); a larger `memory_margin` keeps "
+                "more free\n", g->device, M, N, K);
         abort();
     }
     if (!done && !g->matmul_fallbacks++)
@@ -3194,7 +3194,7 @@ static int lg_cuda_alloc_failure(const lg_rank *rank, const char *what, size_t b
     fprintf(stderr, "the plan of this run:\n");
     lg_plan_print(rank->plan, stderr);
     return lg_fail(err, "GPU %d: %s of %s failed (%s): %s free of %s (the plan is above; see "
-                   "--plan and the remedies it lists)", rank->cuda->device, what,
+                   "`plan_only` and the remedies it lists)", rank->cuda->device, what,
                    lg_format_bytes(bytes, asked, sizeof asked), cudaGetErrorString(status),
                    lg_format_bytes(free_bytes, free_text, sizeof free_text),
                    lg_format_bytes(total_bytes, total_text, sizeof total_text));
@@ -3298,7 +3298,7 @@ static int lg_cuda_check_arch(int device, lg_error *err) {
     LG_CUDA_CHECK(cudaGetDeviceProperties(&prop, device), err);
     if (prop.major < 8)
         return lg_fail(err, "GPU %d (%s) has compute capability %d.%d: the CUDA kernels need 8.0 "
-                       "or newer (bf16 tensor cores: A100, RTX 30xx and later); --backend cpu runs "
+                       "or newer (bf16 tensor cores: A100, RTX 30xx and later); `backend cpu` runs "
                        "on the processor", device, prop.name, prop.major, prop.minor);
     if (prop.sharedMemPerBlockOptin < LG_CUDA_SHARED_OPTIN_MIN)
         return lg_fail(err, "GPU %d (%s) lets a block have %zu bytes of shared memory: the "
@@ -3311,7 +3311,7 @@ static int lg_cuda_check_arch(int device, lg_error *err) {
 static int lg_cuda_rank_create(lg_rank *rank, lg_error *err) {
     int count = lg_cuda_device_count_impl();
     if (rank->device >= count)
-        return lg_fail(err, "rank %d needs GPU %d, but %d GPU%s visible: -d x --nodes ranks run "
+        return lg_fail(err, "rank %d needs GPU %d, but %d GPU%s visible: `devices` x `nodes` ranks run "
                        "one a GPU", rank->index, rank->device, count, count == 1 ? " is" : "s are");
     if (lg_cuda_check_arch(rank->device, err) != 0) return -1;
     lg_cuda_rank *g = (lg_cuda_rank *)lg_alloc_zeroed(sizeof(lg_cuda_rank));
@@ -3530,6 +3530,7 @@ struct lg_comm {
     /* the deadline (lg_comm_watch): no host wait on the group lasts longer than timeout_s */
     char name[48];                  /* "shard group 0", ...: what its errors name */
     double timeout_s;
+    const lg_launch *launch;        /* the speller of the time-out's line (NULL: none) */
     int rank_of[LG_MAX_RANKS];      /* (n): each member's global rank */
     lg_nccl_api nccl;               /* the NCCL functions (lg_nccl_load) */
 };
@@ -3543,10 +3544,10 @@ struct lg_comm {
    for it each print the line (NCCL does not say which rank did not arrive). */
 static void lg_nccl_give_up(lg_comm *c, const char *what, ncclResult_t status) {
     if (status == ncclSuccess || status == ncclInProgress)
-        fprintf(stderr, "rank %d: the %s of %s did not complete within --dist-timeout %g s: a rank "
-                        "of the group did not arrive (hung or stopped; it is one that does not print "
-                        "this line); aborting the communicators\n", c->rank_of[0], what, c->name,
-                c->timeout_s);
+        lg_print_settings(stderr, c->launch, "rank %d: the %s of %s did not complete within "
+                          "`dist_timeout` %g s: a rank of the group did not arrive (hung or "
+                          "stopped; it is one that does not print this line); aborting the "
+                          "communicators\n", c->rank_of[0], what, c->name, c->timeout_s);
     else
         fprintf(stderr, "rank %d: the %s of %s failed in NCCL: %s (NCCL_DEBUG=WARN says more); "
                         "aborting the communicators\n", c->rank_of[0], what, c->name,
@@ -3618,7 +3619,7 @@ lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err) {
         return NULL;
     }
     c->n = n;
-    lg_comm_watch(c, "the ranks of this process", LG_DIST_TIMEOUT);
+    lg_comm_watch(c, "the ranks of this process", NULL);
     for (int i = 0; i < n; i++) {
         c->member[i] = members[i]->cuda;
         c->rank_of[i] = members[i]->index;
@@ -3633,10 +3634,11 @@ lg_comm *lg_comm_create(int n, lg_rank *const *members, lg_error *err) {
     return c;
 }
 
-void lg_comm_watch(lg_comm *c, const char *name, double timeout_s) {
+void lg_comm_watch(lg_comm *c, const char *name, const lg_launch *launch) {
     if (!c) return;
     snprintf(c->name, sizeof c->name, "%s", name);
-    c->timeout_s = timeout_s > 0 ? timeout_s : LG_DIST_TIMEOUT;
+    c->timeout_s = launch && launch->dist_timeout > 0 ? launch->dist_timeout : LG_DIST_TIMEOUT;
+    c->launch = launch;
 }
 
 void lg_comm_free(lg_comm *c) {
@@ -3664,7 +3666,7 @@ int lg_nccl_unique_id(unsigned char *id, lg_error *err) {
 }
 
 lg_comm *lg_comm_create_global(int world, int first_rank, int n, lg_rank *const *members,
-                               const unsigned char *id, double timeout_s, lg_error *err) {
+                               const unsigned char *id, const lg_launch *launch, lg_error *err) {
     lg_comm *c = (lg_comm *)lg_alloc_zeroed(sizeof(lg_comm));
     ncclUniqueId unique;
     if (!c) {
@@ -3677,7 +3679,7 @@ lg_comm *lg_comm_create_global(int world, int first_rank, int n, lg_rank *const 
     }
     memcpy(unique.internal, id, LG_NCCL_ID_BYTES);
     c->n = n;
-    lg_comm_watch(c, "all ranks", timeout_s);
+    lg_comm_watch(c, "all ranks", launch);
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0; /* enqueueing returns at once; lg_nccl_wait polls against the deadline */
     ncclResult_t status = c->nccl.GroupStart();
@@ -3723,7 +3725,7 @@ int lg_comm_split(lg_comm *parent, const int *color, const int *key, lg_comm **b
         lg_comm **group = &by_color[color[i]];
         if (!*group && !(*group = (lg_comm *)lg_alloc_zeroed(sizeof(lg_comm))))
             return lg_fail(err, "out of host memory");
-        lg_comm_watch(*group, "a group of ranks", parent->timeout_s);
+        lg_comm_watch(*group, "a group of ranks", parent->launch);
         (*group)->nccl = parent->nccl;
         (*group)->comm[(*group)->n] = made[i];
         (*group)->rank_of[(*group)->n] = parent->rank_of[i];

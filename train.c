@@ -50,9 +50,6 @@ static void die_usage(const char *fmt, ...) {
     stop(2, message, " (see ./train --help)");
 }
 
-/* An error the library reported, with the exit code the caller gives it. */
-static void die(int code, const lg_error *err) { stop(code, err->msg, ""); }
-
 /* A write to an output that failed (disk full, file removed, read-only): the run stops with
    the file named, exit 1; checkpoints already complete stay as they are. */
 static void die_write(const char *path) {
@@ -359,7 +356,8 @@ static void set_lora_dropout(flag_call *c) { c->a->lora.dropout = parse_float(c-
 
 static void set_lora_targets(flag_call *c) {
     lg_error err;
-    if (lg_lora_targets_parse(c->value, &c->a->lora.targets, &err) != 0) die_usage("%s", err.msg);
+    if (lg_lora_targets_parse(c->value, &c->a->lora.targets, &err) != 0)
+        die_usage("%s: %s", c->flag, err.msg);
 }
 
 static void set_quantize(flag_call *c) {
@@ -451,24 +449,26 @@ typedef struct {
     const char *value;    /* the value's name in the usage text ("N"); one that starts with
                              "[=" follows the name without a space */
     flag_handler *set;
-    const char *setting;  /* its key in LG_RUN_SETTINGS (a resumed run names the flag of a
-                             setting that differs), or NULL */
+    const char *setting;  /* the setting it sets, as the library's messages name it (the
+                             lg_args field, LG_RUN_SETTINGS' key: lg_spell_settings), or the
+                             driver's own field or action ("help"); NULL: none of its own
+                             (--cpu: backend) */
     const char *help;     /* its lines in the usage text, "\n" between them; NULL: on the next
                              flag's line (--lr X --min-lr X) */
 } flag_row;
 
 /* Every flag of train, in the usage text's order. */
 static const flag_row flag_table[] = {
-    {"config", 'c', FLAG_VALUE, "NAME|PATH", set_config, NULL,
+    {"config", 'c', FLAG_VALUE, "NAME|PATH", set_config, "config",
      "model: configs/NAME.yaml or a file (default: built-in model)"},
-    {"data", 0, FLAG_VALUE, "FILE", set_data, NULL,
+    {"data", 0, FLAG_VALUE, "FILE", set_data, "data",
      "training data: an llm.c token shard, or fine-tuning samples\n"
      "from tools/prepare alpaca (default: the built-in task, a\n"
      "fine-tuning set)"},
-    {"val-data", 0, FLAG_VALUE, "FILE", set_val_data, NULL,
+    {"val-data", 0, FLAG_VALUE, "FILE", set_val_data, "val_data",
      "validation data, of the same kind; without --data and\n"
      "with --max-steps 0 (and -c or --load): evaluation alone"},
-    {"micro-batch-size", 'b', FLAG_VALUE, "N", set_micro_batch_size, NULL,
+    {"micro-batch-size", 'b', FLAG_VALUE, "N", set_micro_batch_size, "micro_batch_size",
      "samples per forward/backward (default 16); auto: the\n"
      "largest that fits and divides the per-device batch (-g)"},
     {"global-batch-size", 'g', FLAG_VALUE, "N", set_global_batch_size, "global_batch_size",
@@ -479,35 +479,35 @@ static const flag_row flag_table[] = {
      "samples are truncated to (default: block_size for shards,\n"
      "the longest sample for fine-tuning); auto: the longest\n"
      "that fits, up to those"},
-    {"pack", 0, FLAG_ALONE, NULL, set_pack, NULL,
+    {"pack", 0, FLAG_ALONE, NULL, set_pack, "pack",
      "fine-tuning samples packed first-fit into rows of -t\n"
      "tokens (default: the longest sample), attention and\n"
      "positions kept inside each sample; the CPU backend"},
     {"precision", 'p', FLAG_VALUE, "P", set_precision, "precision",
      "bf16-mixed (default), 16-mixed, bf16-true, 16-true, 32-true"},
-    {"devices", 'd', FLAG_VALUE, "N", set_devices, NULL,
+    {"devices", 'd', FLAG_VALUE, "N", set_devices, "devices",
      "GPUs a node (1), one rank each; on the CPU backend,\n"
      "simulated ranks"},
-    {"nodes", 0, FLAG_VALUE, "N", set_nodes, NULL,
+    {"nodes", 0, FLAG_VALUE, "N", set_nodes, "nodes",
      "nodes (1); ranks = devices x nodes"},
-    {"strategy", 0, FLAG_VALUE, "S", set_strategy, NULL,
+    {"strategy", 0, FLAG_VALUE, "S", set_strategy, "strategy",
      "with more than one rank: full-shard (default; weights,\n"
      "gradients and optimizer state split), shard-grad-op\n"
      "(gradients and state), no-shard (DDP) or hybrid-shard\n"
      "(full-shard in a node, replicas across nodes)"},
-    {"recompute", 0, FLAG_VALUE, "MODE", set_recompute, NULL,
+    {"recompute", 0, FLAG_VALUE, "MODE", set_recompute, "recompute",
      "none (default) or block: keep each block's input only and\n"
      "recompute the block in the backward (same results)"},
-    {"head-rows", 0, FLAG_VALUE, "N", set_head_rows, NULL,
+    {"head-rows", 0, FLAG_VALUE, "N", set_head_rows, "head_rows",
      "the head and loss N rows of logits at a time, computed\n"
      "again in the backward (default: all rows, or chunks of\n"
      LG_HEAD_CHUNK_TEXT " where the run does not fit with all)"},
-    {"slice-rows", 0, FLAG_VALUE, "N", set_slice_rows, NULL,
+    {"slice-rows", 0, FLAG_VALUE, "N", set_slice_rows, "slice_rows",
      "each block's MLP N rows at a time, its hidden layer\n"
      "computed again in the backward (default: all rows, or\n"
      "with --recompute block slices of " LG_SLICE_TEXT " where the run\n"
      "does not fit with all and the head in chunks)"},
-    {"offload", 0, FLAG_MAYBE_VALUE, "[LIST]", set_offload, NULL,
+    {"offload", 0, FLAG_MAYBE_VALUE, "[LIST]", set_offload, "offload",
      "parts in host memory, a comma list (bare: state): state\n"
      "(master weights and optimizer state; the optimizer runs\n"
      "there), activations (the block inputs --recompute block\n"
@@ -515,50 +515,50 @@ static const flag_row flag_table[] = {
      "with state), weights (streamed in a block at a time; with\n"
      "state), embedding (LoRA's frozen token table, the step's\n"
      "rows gathered there); same results either way"},
-    {"plan", 0, FLAG_MAYBE_VALUE, "[=json|svg]", set_plan, NULL,
+    {"plan", 0, FLAG_MAYBE_VALUE, "[=json|svg]", set_plan, "plan_only",
      "print the memory plan per device and exit; json and svg\n"
      "alone on stdout (svg: stacked groups against the limit)"},
-    {"memory-limit", 0, FLAG_VALUE, "SIZE", set_memory_limit, NULL,
+    {"memory-limit", 0, FLAG_VALUE, "SIZE", set_memory_limit, "memory_limit",
      "memory a device may use, e.g. 24GiB (default: a GPU's\n"
      "memory); on the CPU backend the memory of the machine,\n"
      "which both pools of every simulated rank share (default:\n"
      "what it has available); a run that does not fit exits 3\n"
      "with a diagnosis and the cheapest change that fits"},
-    {"host-memory-limit", 0, FLAG_VALUE, "SIZE", set_host_memory_limit, NULL,
+    {"host-memory-limit", 0, FLAG_VALUE, "SIZE", set_host_memory_limit, "host_memory_limit",
      "host memory the host pools of a machine's ranks may\n"
      "use together (default: what it has available); on the\n"
      "CPU backend a cap on the machine's memory too"},
-    {"gpu", 0, FLAG_VALUE, "NAME", set_gpu, NULL,
+    {"gpu", 0, FLAG_VALUE, "NAME", set_gpu, "gpu",
      "with --plan: plan for that card from any machine (its\n"
      "reported memory and limits, the runtime estimated);\n"
      "--gpu list prints the cards"},
-    {"memory-margin", 0, FLAG_VALUE, "SIZE", set_memory_margin, NULL,
+    {"memory-margin", 0, FLAG_VALUE, "SIZE", set_memory_margin, "memory_margin",
      "device memory a GPU plan keeps free beyond what it\n"
      "counts (default: 1% of the limit or 256MiB, whichever\n"
      "is more; 0B: none)"},
-    {"dist-init", 0, FLAG_PROCESS_VALUE, "URL", set_dist_init, NULL,
+    {"dist-init", 0, FLAG_PROCESS_VALUE, "URL", set_dist_init, "dist_init",
      "GPU processes without MPI meet at tcp://HOST:PORT (process\n"
      "0's machine) or file://PATH (shared); default from\n"
      "MASTER_ADDR and MASTER_PORT + 1"},
-    {"dist-timeout", 0, FLAG_PROCESS_VALUE, "S", set_dist_timeout, NULL,
+    {"dist-timeout", 0, FLAG_PROCESS_VALUE, "S", set_dist_timeout, "dist_timeout",
      "seconds a process waits for the others there and in any\n"
      "collective before it ends the job naming the late ranks\n"
      "(600: PyTorch's default for NCCL process groups)"},
-    {"backend", 0, FLAG_VALUE, "B", set_backend, NULL,
+    {"backend", 0, FLAG_VALUE, "B", set_backend, "backend",
      "cpu or cuda (default: cuda when the build has it and a\n"
      "GPU is visible); --plan --backend cuda plans GPUs from\n"
      "any machine, the CUDA runtime's share estimated"},
     {"cpu", 0, FLAG_ALONE, NULL, set_cpu, NULL,
      "the same as --backend cpu"},
-    {"tf32", 0, FLAG_ALONE, NULL, set_tf32, NULL,
+    {"tf32", 0, FLAG_ALONE, NULL, set_tf32, "tf32",
      "on a GPU, fp32 matmuls may use TF32 tensor cores"},
     {"optimizer", 'o', FLAG_VALUE, "NAME", set_optimizer, "optimizer",
      "adamw (default), sgd, lion (one state; betas 0.9 0.99\n"
      "unless given) or sophia (SophiaG; betas 0.965 0.99)"},
-    {"hessian-interval", 0, FLAG_VALUE, "N", set_hessian_interval, NULL,
+    {"hessian-interval", 0, FLAG_VALUE, "N", set_hessian_interval, "hessian_interval",
      "sophia: steps between Hessian estimates, each one more\n"
      "forward and backward on labels drawn from the model (10)"},
-    {"rho", 0, FLAG_VALUE, "X", set_rho, NULL,
+    {"rho", 0, FLAG_VALUE, "X", set_rho, "rho",
      "sophia: clipping scale of the update (0.04)"},
     {"optimizer-state", 0, FLAG_VALUE, "FMT", set_optimizer_state, "optimizer_state",
      "AdamW's moments in bf16 or 8bit (block-wise quantized);\n"
@@ -576,58 +576,58 @@ static const flag_row flag_table[] = {
     {"quantize", 0, FLAG_VALUE, "Q", set_quantize, "lora.quantize",
      "with --lora-r: frozen linear weights in nf4 or nf4-dq\n"
      "(QLoRA; lm_head included unless tied)"},
-    {"lr", 0, FLAG_VALUE, "X", set_lr, NULL, NULL},
-    {"min-lr", 0, FLAG_VALUE, "X", set_min_lr, NULL,
+    {"lr", 0, FLAG_VALUE, "X", set_lr, "lr", NULL},
+    {"min-lr", 0, FLAG_VALUE, "X", set_min_lr, "min_lr",
      "peak and final learning rate (4e-3; --lr / 10)"},
-    {"warmup-steps", 0, FLAG_VALUE, "N", set_warmup_steps, NULL,
+    {"warmup-steps", 0, FLAG_VALUE, "N", set_warmup_steps, "warmup_steps",
      "linear warmup, then cosine decay to --min-lr (50)"},
-    {"weight-decay", 0, FLAG_VALUE, "X", set_weight_decay, NULL,
+    {"weight-decay", 0, FLAG_VALUE, "X", set_weight_decay, "weight_decay",
      "on 2-D weights only (0.1)"},
-    {"beta1", 0, FLAG_VALUE, "X", set_beta1, NULL, NULL},
-    {"beta2", 0, FLAG_VALUE, "X", set_beta2, NULL,
+    {"beta1", 0, FLAG_VALUE, "X", set_beta1, "beta1", NULL},
+    {"beta2", 0, FLAG_VALUE, "X", set_beta2, "beta2",
      "AdamW (0.9, 0.95)"},
-    {"momentum", 0, FLAG_VALUE, "X", set_momentum, NULL,
+    {"momentum", 0, FLAG_VALUE, "X", set_momentum, "momentum",
      "SGD (0.9)"},
-    {"max-norm", 0, FLAG_VALUE, "X", set_max_norm, NULL,
+    {"max-norm", 0, FLAG_VALUE, "X", set_max_norm, "max_norm",
      "clip gradients to this global norm, 0: off (1.0)"},
-    {"max-steps", 0, FLAG_VALUE, "N", set_max_steps, NULL,
+    {"max-steps", 0, FLAG_VALUE, "N", set_max_steps, "max_steps",
      "optimizer steps; 0: evaluate and exit (1000)"},
-    {"eval-every", 0, FLAG_VALUE, "N", set_eval_every, NULL,
+    {"eval-every", 0, FLAG_VALUE, "N", set_eval_every, "eval_every",
      "steps between validations, 0: only at the ends (200)"},
-    {"eval-iters", 0, FLAG_VALUE, "N", set_eval_iters, NULL,
+    {"eval-iters", 0, FLAG_VALUE, "N", set_eval_iters, "eval_iters",
      "validation micro-batches at most, each sample once (10)"},
-    {"sample-every", 0, FLAG_VALUE, "N", set_sample_every, NULL,
+    {"sample-every", 0, FLAG_VALUE, "N", set_sample_every, "sample_every",
      "steps between generated samples, 0: only at the end (0)"},
-    {"sample-tokens", 0, FLAG_VALUE, "N", set_sample_tokens, NULL,
+    {"sample-tokens", 0, FLAG_VALUE, "N", set_sample_tokens, "sample_tokens",
      "tokens to generate (16)"},
-    {"temperature", 0, FLAG_VALUE, "X", set_temperature, NULL,
+    {"temperature", 0, FLAG_VALUE, "X", set_temperature, "temperature",
      "0: greedy (default), else sampling temperature"},
-    {"prompt", 0, FLAG_VALUE, "TEXT", set_prompt, NULL,
+    {"prompt", 0, FLAG_VALUE, "TEXT", set_prompt, "prompt",
      "built-in task: letters, e.g. \"litgpt=\"; shards: token ids"},
     {"seed", 0, FLAG_VALUE, "N", set_seed, "seed",
      "weights, data order and sampling (1337)"},
-    {"log", 0, FLAG_VALUE, "FILE", set_log, NULL,
+    {"log", 0, FLAG_VALUE, "FILE", set_log, "log_path",
      "one JSON object per step and per evaluation"},
-    {"plot", 0, FLAG_VALUE, "FILE.svg", set_plot, NULL,
+    {"plot", 0, FLAG_VALUE, "FILE.svg", set_plot, "plot",
      "the loss (raw, smoothed), validation points and learning\n"
      "rate against steps, rewritten at each evaluation"},
-    {"log-interval", 0, FLAG_VALUE, "N", set_log_interval, NULL,
+    {"log-interval", 0, FLAG_VALUE, "N", set_log_interval, "log_interval",
      "steps between full progress lines (default: about 20 a\n"
      "run); on a terminal one status line refreshes in between"},
-    {"out", 0, FLAG_VALUE, "DIR", set_out, NULL,
+    {"out", 0, FLAG_VALUE, "DIR", set_out, "out_dir",
      "write checkpoints DIR/step-N/ at the end (and every\n"
      "--save-every steps): model.safetensors and config.json\n"
      "in the Hugging Face layout, model_config.yaml, the\n"
      "training state, and a COMPLETE marker written last"},
-    {"save-every", 0, FLAG_VALUE, "N", set_save_every, NULL,
+    {"save-every", 0, FLAG_VALUE, "N", set_save_every, "save_every",
      "steps between checkpoints (0: only at the end)"},
-    {"load", 0, FLAG_VALUE, "DIR", set_load, NULL,
+    {"load", 0, FLAG_VALUE, "DIR", set_load, "load",
      "start from the weights of a Hugging Face directory\n"
      "(config.json + model.safetensors or shards), instead of -c;\n"
      "data made with another tokenizer than its own is refused"},
-    {"any-tokenizer-data", 0, FLAG_ALONE, NULL, set_any_tokenizer_data, NULL,
+    {"any-tokenizer-data", 0, FLAG_ALONE, NULL, set_any_tokenizer_data, "any_tokenizer_data",
      "train on such data anyway (a deliberate reuse)"},
-    {"resume", 0, FLAG_VALUE, "DIR", set_resume, NULL,
+    {"resume", 0, FLAG_VALUE, "DIR", set_resume, "resume",
      "continue a run from DIR/step-N (or the latest complete\n"
      "step-N under DIR) with the settings it records: bitwise\n"
      "the same losses as an uninterrupted run, checkpoints to\n"
@@ -637,10 +637,10 @@ static const flag_row flag_table[] = {
      "its model; LoRA: its base comes back from the recorded\n"
      "--load DIR (or --load another copy; the hash must match);\n"
      "its training data must be the run's (size and hash)"},
-    {"data-changed", 0, FLAG_ALONE, NULL, set_data_changed, NULL,
+    {"data-changed", 0, FLAG_ALONE, NULL, set_data_changed, "data_changed",
      "with --resume: continue on training data that changed on\n"
      "purpose (re-prepared, grown); the run's trajectory ends"},
-    {"help", 'h', FLAG_ALONE, NULL, set_help, NULL, ""},
+    {"help", 'h', FLAG_ALONE, NULL, set_help, "help", ""},
 };
 
 enum {
@@ -817,36 +817,96 @@ static const flag_row *flag_of_word(const char *arg, int *takes_value) {
     return NULL;
 }
 
-/* The flag of a setting of LG_RUN_SETTINGS (its key), for messages. */
+/* The flag of a setting (flag_row.setting), lg_spell_settings' speller: its names, or with a
+   value the word before it ("-b" of "-b 4", "--offload" of "--offload gradients"); NULL: no
+   flag sets it. */
+static const char *flag_of_setting(const char *key, int with_value, void *unused, char *name,
+                                   size_t size) {
+    (void)unused;
+    for (int i = 0; i < FLAG_COUNT; i++) {
+        const flag_row *f = &flag_table[i];
+        if (!f->setting || strcmp(f->setting, key) != 0) continue;
+        if (!with_value) return flag_name(f, name, size);
+        if (f->letter) snprintf(name, size, "-%c", f->letter);
+        else snprintf(name, size, "--%s", f->name);
+        return name;
+    }
+    return NULL;
+}
+
+/* The flag of a setting of LG_RUN_SETTINGS (its key), for messages; the key when none. */
 static const char *setting_flag(const char *key, char *name, size_t size) {
-    for (int i = 0; i < FLAG_COUNT; i++)
-        if (flag_table[i].setting && strcmp(flag_table[i].setting, key) == 0)
-            return flag_name(&flag_table[i], name, size);
+    if (flag_of_setting(key, 0, NULL, name, size)) return name;
     snprintf(name, size, "%s", key);
     return name;
+}
+
+/* A message that names settings (the library's, or train's own) with train's flags. */
+static const char *spell_flags(const char *message, char *out, size_t size) {
+    lg_spell_settings(message, flag_of_setting, NULL, out, size);
+    return out;
+}
+
+/* An error the library reported, its settings as flags, with the exit code the caller gives. */
+static void die(int code, const lg_error *err) {
+    char message[1024];
+    stop(code, spell_flags(err->msg, message, sizeof message), "");
+}
+
+/* A bad value the library found (lg_args_check, ...): die_usage with its settings as flags. */
+static void die_usage_error(const lg_error *err) {
+    char message[1024];
+    die_usage("%s", spell_flags(err->msg, message, sizeof message));
+}
+
+/* die_usage for a message that names settings as the library does ("`lr` must be ..."). */
+static void die_usage_settings(const char *fmt, ...) {
+    char marked[1024], message[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(marked, sizeof marked, fmt, ap);
+    va_end(ap);
+    die_usage("%s", spell_flags(marked, message, sizeof message));
+}
+
+/* printf for text that names settings as the library does, spelled as train's flags. */
+static void print_settings(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    size_t size = n > 0 ? (size_t)n + 1 : 1;
+    char *marked = (char *)malloc(size), *spelled = (char *)malloc(2 * size);
+    if (!marked || !spelled) die_out_of_memory("a line of output");
+    va_start(ap, fmt);
+    vsnprintf(marked, size, fmt, ap);
+    va_end(ap);
+    fputs(spell_flags(marked, spelled, 2 * size), stdout);
+    free(marked);
+    free(spelled);
 }
 
 /* The flags together, once a resumed run has its checkpoint's settings. */
 static void check_flags(const lg_args *a, const given_flags *given, const checkpoint_flags *ck) {
     if (given->micro_batch_auto && !a->global_batch_size)
-        die_usage("-b auto needs -g/--global-batch-size: it picks a divisor of the per-device "
+        die_usage_settings("`micro_batch_size auto` needs `global_batch_size`: it picks a divisor of the per-device "
                   "batch");
     if (a->sample_tokens < 1 || a->sample_tokens > 1000000)
-        die_usage("--sample-tokens must be within 1 and 1000000");
+        die_usage_settings("`sample_tokens` must be within 1 and 1000000");
     if (a->val_data && !a->data && a->max_steps != 0)
-        die_usage("--val-data without --data evaluates a model alone: give --max-steps 0 (and "
-                  "--data to train; the built-in task brings its own validation set)");
+        die_usage_settings("`val_data` without `data` evaluates a model alone: give `max_steps` 0 (and "
+                  "`data` to train; the built-in task brings its own validation set)");
     if (a->val_data && !a->data && (a->out_dir || ck->resume))
-        die_usage("%s: --val-data without --data only evaluates (--max-steps 0) and saves "
-                  "nothing", a->out_dir ? "--out" : "--resume");
-    if (a->devices < 1) die_usage("-d/--devices must be at least 1");
-    if (a->nodes < 1) die_usage("--nodes must be at least 1");
-    if (a->save_every < 0) die_usage("--save-every must be 0 or more");
-    if (a->save_every && !a->out_dir) die_usage("--save-every needs --out DIR");
+        die_usage_settings("%s: `val_data` without `data` only evaluates (`max_steps` 0) and saves "
+                  "nothing", a->out_dir ? "`out_dir`" : "`resume`");
+    if (a->devices < 1) die_usage_settings("`devices` must be at least 1");
+    if (a->nodes < 1) die_usage_settings("`nodes` must be at least 1");
+    if (a->save_every < 0) die_usage_settings("`save_every` must be 0 or more");
+    if (a->save_every && !a->out_dir) die_usage_settings("`save_every` needs `out_dir` DIR");
     if (ck->data_changed && !ck->resume)
-        die_usage("--data-changed goes with --resume: a fresh run has no data to compare with");
+        die_usage_settings("`data_changed` goes with `resume`: a fresh run has no data to compare with");
     if (ck->load && !ck->resume && a->config)
-        die_usage("--load brings its model's config.json: drop -c/--config");
+        die_usage_settings("`load` brings its model's config.json: drop `config`");
 }
 
 #include "train_svg.h" /* pictures: self-written SVG, no dependency */
@@ -910,20 +970,20 @@ static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, co
     char need[32], have[32], size[32], flags[160];
     size_t limit = fit->limit;
     if (a->backend == LG_BACKEND_CPU)
-        printf("train: this run needs %s of the machine's memory (the CPU backend: device and "
+        print_settings("train: this run needs %s of the machine's memory (the CPU backend: device and "
                "host pools of %d rank%s together), but %s is available (%s)\n",
                lg_format_bytes(fit->checked_bytes, need, sizeof need), a->devices,
                a->devices > 1 ? "s" : "", lg_format_bytes(limit, have, sizeof have), source);
     else if (!fit->device_fits)
-        printf("train: this run needs %s on each device, but %s is available (%s)\n",
+        print_settings("train: this run needs %s on each device, but %s is available (%s)\n",
                lg_format_bytes(fit->checked_bytes, need, sizeof need),
                lg_format_bytes(limit, have, sizeof have), source);
     else
-        printf("train: this run's host pools need %s of host memory (%d rank%s on a machine), "
+        print_settings("train: this run's host pools need %s of host memory (%d rank%s on a machine), "
                "but %s is available (%s)\n",
                lg_format_bytes(fit->host_bytes, need, sizeof need), a->devices,
                a->devices > 1 ? "s" : "", lg_format_bytes(fit->host_limit, have, sizeof have),
-               a->host_memory_limit ? "--host-memory-limit" : "available host memory");
+               a->host_memory_limit ? "`host_memory_limit`" : "available host memory");
     printf("largest regions:\n");
     print_largest_regions(plan, 5);
     lg_remedy remedies[LG_MAX_REMEDIES];
@@ -963,20 +1023,20 @@ static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, co
 static size_t device_limit(const lg_args *a, const char **source) {
     size_t host = a->host_memory_limit;
     if (a->memory_limit && (a->backend == LG_BACKEND_CUDA || !host || a->memory_limit <= host)) {
-        *source = "--memory-limit";
+        *source = "`memory_limit`";
         return a->memory_limit;
     }
     if (a->gpu) {
-        *source = a->gpu->nominal ? "--gpu: the card's memory, not a reading" : "--gpu: what the card reports";
+        *source = a->gpu->nominal ? "`gpu`: the card's memory, not a reading" : "`gpu`: what the card reports";
         return a->gpu->total_mib << 20;
     }
     if (a->backend == LG_BACKEND_CUDA) {
-        *source = a->runtime_estimated ? "no GPU here to measure; --memory-limit SIZE checks one"
+        *source = a->runtime_estimated ? "no GPU here to measure; `memory_limit` SIZE checks one"
                                        : "the GPU's memory, of which the CUDA runtime's share "
                                          "is in the plan";
         return a->runtime_estimated ? 0 : a->device_bytes;
     }
-    *source = host ? "--host-memory-limit" : "available host memory";
+    *source = host ? "`host_memory_limit`" : "available host memory";
     return lg_args_host_limit(a);
 }
 
@@ -988,7 +1048,7 @@ static void plan_gpus_not_here(lg_args *a) {
 #else
     const char *why = "this build has no CUDA backend (make cuda builds build/train_cuda)";
 #endif
-    if (!a->plan_only) die_usage("--backend cuda: %s; --plan --backend cuda plans for GPUs "
+    if (!a->plan_only) die_usage_settings("`backend` cuda: %s; `plan_only` `backend` cuda plans for GPUs "
                                  "from here", why);
     lg_cuda_estimate_runtime(a);
 }
@@ -1003,7 +1063,7 @@ static void prepare_gpus(lg_args *a, int process_per_gpu_or_node) {
 #endif
     if (a->backend != LG_BACKEND_CUDA) return;
     if (a->gpu) { /* a plan for a named card, whatever GPUs this machine has */
-        if (!a->plan_only) die_usage("--gpu %s plans for that card (with --plan); a run uses the "
+        if (!a->plan_only) die_usage_settings("`gpu` %s plans for that card (with `plan_only`); a run uses the "
                                      "GPUs it finds", a->gpu->name);
         lg_cuda_estimate_runtime(a);
         return;
@@ -1015,7 +1075,7 @@ static void prepare_gpus(lg_args *a, int process_per_gpu_or_node) {
         return;
     }
     if (ranks > visible)
-        die_usage("-d/--devices %d x --nodes %d = %d ranks, one a GPU, but %d GPU%s visible",
+        die_usage_settings("`devices` %d x `nodes` %d = %d ranks, one a GPU, but %d GPU%s visible",
                   a->devices, a->nodes, ranks, visible, visible == 1 ? " is" : "s are");
     if (lg_cuda_measure_runtime(ranks, lg_comms_per_rank(a), &a->runtime_bytes, &a->device_bytes,
                                 &err) != 0)
@@ -1039,7 +1099,7 @@ static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T, char *no
     }
     a->micro_batch_size = b;
     size_t used = strlen(note);
-    snprintf(note + used, cap - used, "-b auto: micro-batch %d (the largest dividing %d per "
+    snprintf(note + used, cap - used, "`micro_batch_size auto`: micro-batch %d (the largest dividing %d per "
              "device that fits in %s, %s)\n", b, a->global_batch_size / lg_args_ranks(a),
              lg_format_bytes(limit, size, sizeof size), source);
 }
@@ -1054,7 +1114,7 @@ static void choose_embedding(lg_args *a, const lg_config *cfg, int T, char *note
     a->offload_embedding = 1;
     size_t used = strlen(note);
     snprintf(note + used, cap - used, "the run does not fit in %s (%s) with the token embedding "
-             "on the device; LoRA's frozen table in host memory (--offload embedding)\n",
+             "on the device; LoRA's frozen table in host memory (`offload embedding`)\n",
              lg_format_bytes(limit, size, sizeof size), source);
 }
 
@@ -1084,11 +1144,27 @@ static void print_resolved_config(const lg_config *c) {
            c->intermediate_size, c->block_size, c->vocab_size, c->padded_vocab_size);
 }
 
+/* The plan's table (lg_plan_print), its settings spelled as flags. */
+static void print_plan_table(const lg_plan *plan) {
+    char *table = NULL;
+    size_t size = 0;
+    FILE *f = open_memstream(&table, &size);
+    if (!f) die_out_of_memory("the plan's table");
+    lg_plan_print(plan, f);
+    fclose(f);
+    char *spelled = (char *)malloc(2 * size + 1); /* a flag is at most 3 bytes longer than
+                                                     its mark, a mark at least 4 */
+    if (!spelled) die_out_of_memory("the plan's table");
+    fputs(spell_flags(table, spelled, 2 * size + 1), stdout);
+    free(spelled);
+    free(table);
+}
+
 /* The model, the table, then the activation memory of both --recompute choices. */
 static void print_plan_with_recompute_choice(const lg_plan *plan, const lg_args *a,
                                              const lg_config *cfg, int T) {
     print_resolved_config(cfg);
-    lg_plan_print(plan, stdout);
+    print_plan_table(plan);
     lg_args other = *a;
     other.recompute = !a->recompute;
     lg_plan_spec spec;
@@ -1097,7 +1173,7 @@ static void print_plan_with_recompute_choice(const lg_plan *plan, const lg_args 
     if (lg_plan_make(&alternative, cfg, &spec, NULL) != 0) return;
     char none_size[32], block_size[32];
     const lg_plan *none = a->recompute ? &alternative : plan, *block = a->recompute ? plan : &alternative;
-    printf("activations: %s with --recompute none, %s with --recompute block\n",
+    print_settings("activations: %s with `recompute` none, %s with `recompute` block\n",
            lg_format_bytes(lg_plan_group_bytes(&none->ranks[0], LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE),
                            none_size, sizeof none_size),
            lg_format_bytes(lg_plan_group_bytes(&block->ranks[0], LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE),
@@ -1123,14 +1199,14 @@ static void print_fit(const lg_plan *plan, const lg_fit *fit, const lg_args *a,
                1e3 * (double)traffic / LG_PCIE_BYTES_PER_S_ESTIMATE, LG_PCIE_BYTES_PER_S_ESTIMATE / 1e9);
     lg_format_bytes(fit->checked_bytes, need, sizeof need);
     if (fit->fits < 0) {
-        printf("fits: not checked: %s needed, %s\n", need, source);
+        print_settings("fits: not checked: %s needed, %s\n", need, source);
         return;
     }
-    printf("fits: %s, %s needed of %s (%s)", fit->fits ? "yes" : "no", need,
+    print_settings("fits: %s, %s needed of %s (%s)", fit->fits ? "yes" : "no", need,
            lg_format_bytes(fit->limit, have, sizeof have), source);
     if (fit->margin)
-        printf(", %s kept free (%s)", lg_format_bytes(fit->margin, have, sizeof have),
-               a->memory_margin_given ? "--memory-margin" : "the default margin");
+        print_settings(", %s kept free (%s)", lg_format_bytes(fit->margin, have, sizeof have),
+               a->memory_margin_given ? "`memory_margin`" : "the default margin");
     if (a->backend != LG_BACKEND_CPU && fit->host_limit)
         printf("; host %s of %s", lg_format_bytes(fit->host_bytes, host, sizeof host),
                lg_format_bytes(fit->host_limit, host_limit, sizeof host_limit));
@@ -1144,9 +1220,9 @@ static FILE *json_output(void) {
     int fd = dup(STDOUT_FILENO);
     FILE *json = fd >= 0 ? fdopen(fd, "w") : NULL;
     if (!json || dup2(STDERR_FILENO, STDOUT_FILENO) < 0) {
-        char message[256];
-        snprintf(message, sizeof message, "--plan=json: %s", strerror(errno));
-        stop(1, message, "");
+        char marked[256], message[256];
+        snprintf(marked, sizeof marked, "`plan_only`=json: %s", strerror(errno));
+        stop(1, spell_flags(marked, message, sizeof message), "");
     }
     return json;
 }
@@ -1158,7 +1234,7 @@ static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_con
     lg_plan_spec spec;
     lg_plan plan;
     lg_error err;
-    if (a->plan_only) printf("%s\n%s", planned_for, notes); /* JSON, SVG: on stderr */
+    if (a->plan_only) print_settings("%s\n%s", planned_for, notes); /* JSON, SVG: on stderr */
     lg_plan_spec_from_args(&spec, a, T);
     if (lg_plan_make(&plan, cfg, &spec, &err) != 0) die(2, &err);
     const char *source;
@@ -1282,7 +1358,7 @@ static void find_config(const char *name, char *path, size_t cap) {
         snprintf(looked + strlen(looked), sizeof looked - strlen(looked), "%s%s", d ? ", " : "",
                  dirs[d]);
     int close = close_config_names(name, dirs, n, names, sizeof names);
-    die_usage("-c/--config %s: no such file, and no %s.yaml in %s%s; %s%s%s", name, name, looked,
+    die_usage_settings("`config` %s: no such file, and no %s.yaml in %s%s; %s%s%s", name, name, looked,
               getenv("LITGPT_CONFIGS") ? "" : " (nor LITGPT_CONFIGS: not set)",
               close ? "did you mean " : names[0] ? "the configs there: " : "no configs there",
               names, close ? "?" : "");
@@ -1302,7 +1378,7 @@ static void resume_settings(int argc, char **argv, lg_args *a, given_flags *give
     if (rc == 1) {
         printf("resume: %s has no %s (an older checkpoint): the settings are the command "
                "line's\n", ck->resume_dir, LG_RUN_SETTINGS);
-        if (ck->load) die_usage("--load and --resume: a resumed run already has its weights");
+        if (ck->load) die_usage_settings("`load` and `resume`: a resumed run already has its weights");
         return;
     }
     lg_args now = saved->args;
@@ -1311,12 +1387,12 @@ static void resume_settings(int argc, char **argv, lg_args *a, given_flags *give
     if (given->lr && !given->min_lr) now.min_lr = now.lr / 10; /* as on a fresh command line */
     const char *key = lg_args_resume_conflict(&saved->args, &now);
     if (key)
-        die_usage("--resume %s: %s differs from the run's (%s/%s): it would train another "
+        die_usage_settings("`resume` %s: %s differs from the run's (%s/%s): it would train another "
                   "model than the checkpoint's; drop it to resume with the run's", ck->resume_dir,
                   setting_flag(key, name, sizeof name), ck->resume_dir, LG_RUN_SETTINGS);
     if (ck->load && now.lora.r == 0)
-        die_usage("--load and --resume: a resumed run already has its weights (only a LoRA "
-                  "run's --load, its frozen base, may point elsewhere)");
+        die_usage_settings("`load` and `resume`: a resumed run already has its weights (only a LoRA "
+                  "run's `load`, its frozen base, may point elsewhere)");
     if (now.lora.r > 0 && !ck->load && saved->base_loaded) ck->load = saved->base_dir;
     *a = now;
 }
@@ -1350,8 +1426,8 @@ static void load_config(lg_args *a, lg_config *cfg, checkpoint_flags *ck, int co
             lg_config named;
             load_config_file(a->config, &named);
             if (!same_model(&named, cfg))
-                die_usage("-c/--config %s: the checkpoint %s holds another model (%s); drop -c "
-                          "to resume it", a->config, dir, cfg->name);
+                die_usage_settings("`config` %s: the checkpoint %s holds another model (%s); drop "
+                                   "`config` to resume it", a->config, dir, cfg->name);
         }
         a->config = dir; /* the model now has a config: --data may follow */
         return;
@@ -1365,12 +1441,19 @@ typedef struct {
     int has_train;  /* 0: evaluation alone (--val-data without --data) */
     int has_val;
     int builtin;  /* the built-in task: character tokens */
-    const char *length_from; /* where the run's T came from, for the plan's first line */
+    char length_from[96]; /* where the run's T came from, for the plan's first line */
     int sample_vocab; /* the ids samples draw from (lg_gen_vocab: the tokenizer's ids where the
                          model's rows pass them) */
     char note[768]; /* what the data say (lengths, vocabulary), printed after the plan's first
                        line, or first of all for a run */
 } run_data;
+
+/* d->length_from: words (a format) with %s where -t's flag goes ("%s; no `data`"). */
+static void set_length_from(run_data *d, const char *words) {
+    char t[16];
+    snprintf(d->length_from, sizeof d->length_from, words,
+             flag_of_setting("max_seq_length", 1, NULL, t, sizeof t));
+}
 
 /* The built-in task is a fine-tuning set: samples of 4 to 18 characters, prompts masked. */
 #define BUILTIN_TRAIN_SAMPLES 20000
@@ -1381,7 +1464,7 @@ typedef struct {
 /* Rows of T tokens (shard windows, or -t planned as asked) must fit the model. */
 static void check_block_size(int T, const lg_config *cfg) {
     if (T > cfg->block_size)
-        die_usage("-t/--max-seq-length %d exceeds the model's block_size %d", T, cfg->block_size);
+        die_usage_settings("`max_seq_length` %d exceeds the model's block_size %d", T, cfg->block_size);
 }
 
 /* Fine-tuning samples, LitGPT's rule: -t is a cap, the rows are min(longest sample, -t) long
@@ -1393,11 +1476,11 @@ static void note_packing(const lg_args *a, int *T, run_data *d) {
     lg_packing_stats st;
     lg_loader_packing_stats(&d->train, a->micro_batch_size, *T, &st);
     size_t used = strlen(d->note);
-    snprintf(d->note + used, sizeof d->note - used, "--pack: rows of %d tokens hold %.2f samples "
-             "on average; padding %.1f%% of the tokens packed, %.1f%% one sample a row (-b %d)\n",
+    snprintf(d->note + used, sizeof d->note - used, "`pack`: rows of %d tokens hold %.2f samples "
+             "on average; padding %.1f%% of the tokens packed, %.1f%% one sample a row (`micro_batch_size %d`)\n",
              *T, st.samples_per_row, 100 * st.padding_packed, 100 * st.padding_unpacked,
              a->micro_batch_size);
-    d->length_from = a->max_seq_length ? "-t, the packed rows" : "--pack: the longest sample";
+    set_length_from(d, a->max_seq_length ? "%s, the packed rows" : "`pack`: the longest sample");
 }
 
 /* Samples of which none keeps a trained target at its truncation (every one cut off by -t or
@@ -1411,9 +1494,9 @@ static void check_trained(const lg_args *a, const lg_loader *ld, const char *wha
         lg_fail(&err, "%s: no sample has a trained token (every target lies in a masked prompt): "
                       "nothing to learn or evaluate", what);
     else
-        lg_fail(&err, "-t/--max-seq-length %d: no sample of %s has a trained token in its first "
+        lg_fail(&err, "`max_seq_length` %d: no sample of %s has a trained token in its first "
                       "%d tokens (every target there lies in a masked prompt): nothing to learn "
-                      "or evaluate; -t %d is the shortest that keeps one", a->max_seq_length,
+                      "or evaluate; `max_seq_length %d` is the shortest that keeps one", a->max_seq_length,
                 what, ld->T, shortest);
     die(2, &err);
 }
@@ -1423,12 +1506,12 @@ static void check_trained_data(const lg_args *a, const run_data *d) {
     char what[600];
     if (d->has_train) {
         if (d->builtin) snprintf(what, sizeof what, "the built-in task");
-        else snprintf(what, sizeof what, "--data %s", a->data);
+        else snprintf(what, sizeof what, "`data` %s", a->data);
         check_trained(a, &d->train, what);
     }
     if (d->has_val) {
         if (d->builtin) snprintf(what, sizeof what, "the built-in task's validation set");
-        else snprintf(what, sizeof what, "--val-data %s", a->val_data);
+        else snprintf(what, sizeof what, "`val_data` %s", a->val_data);
         check_trained(a, &d->val, what);
     }
 }
@@ -1443,16 +1526,15 @@ static void fit_samples(const lg_args *a, const lg_config *cfg, int *T, run_data
     if (d->has_val && lg_loader_longest(&d->val) > *T) *T = lg_loader_longest(&d->val);
     char cap[64] = "";
     if (a->max_seq_length)
-        snprintf(cap, sizeof cap, " (-t %d caps them)", a->max_seq_length);
+        snprintf(cap, sizeof cap, " (`max_seq_length %d` caps them)", a->max_seq_length);
     size_t used = strlen(d->note);
     snprintf(d->note + used, sizeof d->note - used, "%s: %zu (validation %zu), the longest %d "
              "tokens%s: micro-batches are padded to their longest sample, at most %d\n",
              d->builtin ? "the built-in task (sort the letters), fine-tuning samples"
                         : "fine-tuning samples", d->train.n_samples, d->val.n_samples, *T, cap, *T);
-    d->length_from = a->max_seq_length && *T == a->max_seq_length
-                         ? "-t, the cap of the samples"
-                         : d->builtin ? "the built-in task's longest sample"
-                                      : "the data's longest sample";
+    set_length_from(d, a->max_seq_length && *T == a->max_seq_length ? "%s, the cap of the samples"
+                       : d->builtin ? "the built-in task's longest sample"
+                                    : "the data's longest sample");
     if (a->pack) note_packing(a, T, d);
 }
 
@@ -1477,16 +1559,16 @@ static void widen_vocabulary(lg_config *cfg, run_data *d) {
 static void open_data(const lg_args *a, lg_config *cfg, int *T, run_data *d) {
     lg_error err;
     memset(d, 0, sizeof *d);
-    d->length_from = a->max_seq_length ? "-t" : "block_size";
+    set_length_from(d, a->max_seq_length ? "%s" : "block_size");
     if (!a->data && !a->val_data && a->plan_only && a->config) {
         check_block_size(*T, cfg);
-        d->length_from = a->max_seq_length ? "-t; no --data" : "block_size; neither --data nor -t";
+        set_length_from(d, a->max_seq_length ? "%s; no `data`" : "block_size; neither `data` nor %s");
         return;
     }
     if (!a->data && !a->val_data) {
         if (cfg->vocab_size < LG_CHAR_VOCAB)
-            die_usage("-c/--config %s: vocab_size %d is smaller than the built-in task's %d "
-                      "characters; give --data", a->config, cfg->vocab_size, LG_CHAR_VOCAB);
+            die_usage_settings("`config` %s: vocab_size %d is smaller than the built-in task's %d "
+                      "characters; give `data`", a->config, cfg->vocab_size, LG_CHAR_VOCAB);
         if (lg_builtin_task_samples(&d->train, BUILTIN_TRAIN_SEED, BUILTIN_TRAIN_SAMPLES,
                                     a->max_seq_length, 1, a->seed, &err) ||
             lg_builtin_task_samples(&d->val, BUILTIN_VAL_SEED, BUILTIN_VAL_SAMPLES,
@@ -1498,23 +1580,23 @@ static void open_data(const lg_args *a, lg_config *cfg, int *T, run_data *d) {
             *T = a->max_seq_length;
             check_block_size(*T, cfg);
             size_t used = strlen(d->note);
-            snprintf(d->note + used, sizeof d->note - used, "-t %d: planned and allocated as "
-                     "asked, though the built-in task's samples are shorter (--data for your "
+            snprintf(d->note + used, sizeof d->note - used, "`max_seq_length %d`: planned and allocated as "
+                     "asked, though the built-in task's samples are shorter (`data` for your "
                      "own)\n", *T);
-            d->length_from = "-t";
+            set_length_from(d, "%s");
         }
         return;
     }
     if (!a->config)
-        die_usage("%s needs -c/--config: the built-in model knows only the built-in task's "
-                  "%d characters", a->data ? "--data" : "--val-data", LG_CHAR_VOCAB);
+        die_usage_settings("%s needs `config`: the built-in model knows only the built-in task's "
+                  "%d characters", a->data ? "`data`" : "`val_data`", LG_CHAR_VOCAB);
     int samples = lg_samples_file(a->data ? a->data : a->val_data);
     if (a->data && a->val_data && lg_samples_file(a->val_data) != samples)
-        die_usage("--data %s and --val-data %s: one is a token shard, the other fine-tuning "
+        die_usage_settings("`data` %s and `val_data` %s: one is a token shard, the other fine-tuning "
                   "samples", a->data, a->val_data);
     if (!samples) check_block_size(*T, cfg); /* a shard's windows are -t long */
     if (!samples && a->pack)
-        die_usage("--pack packs fine-tuning samples (tools/prepare alpaca or chat); %s is a "
+        die_usage_settings("`pack` packs fine-tuning samples (tools/prepare alpaca or chat); %s is a "
                   "token shard, already full rows", a->data ? a->data : a->val_data);
     int t = samples ? a->max_seq_length : *T; /* samples: truncation, 0 for none */
     if (a->data) {
@@ -1542,7 +1624,7 @@ static void describe_limits(const lg_args *a, size_t limit, const char *source, 
     size_t used = strlen(out);
     snprintf(out + used, cap - used, " and %s of host memory (%s)",
              lg_format_bytes(host_limit, host, sizeof host),
-             a->host_memory_limit ? "--host-memory-limit" : "available host memory");
+             a->host_memory_limit ? "`host_memory_limit`" : "available host memory");
 }
 
 /* -t auto: the longest sequence that fits, up to block_size (token shards, or a plan without
@@ -1560,14 +1642,14 @@ static void choose_seq_length(lg_args *a, int micro_batch_auto, lg_config *cfg, 
     char note[600], within[320];
     describe_limits(a, limit, source, within, sizeof within);
     if (!limit)
-        snprintf(note, sizeof note, "-t auto: %d tokens, %s (%s)\n", cap, cap_name, source);
+        snprintf(note, sizeof note, "`max_seq_length auto`: %d tokens, %s (%s)\n", cap, cap_name, source);
     else if (t == 0)
-        snprintf(note, sizeof note, "-t auto: not even 1 token fits in %s\n", within);
+        snprintf(note, sizeof note, "`max_seq_length auto`: not even 1 token fits in %s\n", within);
     else if (t == cap)
-        snprintf(note, sizeof note, "-t auto: %d tokens, %s, which limits it (it fits in %s)\n",
+        snprintf(note, sizeof note, "`max_seq_length auto`: %d tokens, %s, which limits it (it fits in %s)\n",
                  t, cap_name, within);
     else
-        snprintf(note, sizeof note, "-t auto: %d tokens, the longest up to %s %d that fits in "
+        snprintf(note, sizeof note, "`max_seq_length auto`: %d tokens, the longest up to %s %d that fits in "
                  "%s\n", t, cap_name, cap, within);
     if (t > 0 && t < cap) {
         a->max_seq_length = t;
@@ -1591,7 +1673,7 @@ static void describe_planned_run(const lg_args *a, const lg_config *cfg, int T,
     else
         snprintf(devices, sizeof devices, "%d %s on the CPU backend", ranks,
                  ranks > 1 ? "simulated ranks" : "device");
-    snprintf(out, cap, "plan for %s%s: -b %d, T %d tokens (%s) | %s | %s",
+    snprintf(out, cap, "plan for %s%s: `micro_batch_size %d`, T %d tokens (%s) | %s | %s",
              d->builtin ? "the built-in task on " : "", cfg->name, a->micro_batch_size, T,
              d->length_from, lg_precision_name(a->precision), devices);
 }
@@ -1603,9 +1685,9 @@ static int prompt_tokens(const char *prompt, int builtin, int vocab_size, int *t
     if (builtin) {
         for (const char *c = prompt; *c; c++) {
             char one[2] = {*c, '\0'};
-            if (n == cap) die_usage("--prompt: %zu characters, longer than -t %d", strlen(prompt), cap);
+            if (n == cap) die_usage_settings("`prompt`: %zu characters, longer than `max_seq_length %d`", strlen(prompt), cap);
             if (lg_char_encode(one, tokens + n, 1) != 1)
-                die_usage("--prompt '%s': the built-in task knows only a-z and '='", prompt);
+                die_usage_settings("`prompt` '%s': the built-in task knows only a-z and '='", prompt);
             n++;
         }
     } else {
@@ -1613,15 +1695,15 @@ static int prompt_tokens(const char *prompt, int builtin, int vocab_size, int *t
             char *end;
             long id = strtol(at, &end, 10);
             if (end == at || id < 0 || id >= vocab_size)
-                die_usage("--prompt '%s': expected token ids below %d separated by spaces",
+                die_usage_settings("`prompt` '%s': expected token ids below %d separated by spaces",
                           prompt, vocab_size);
-            if (n == cap) die_usage("--prompt: more than -t %d tokens", cap);
+            if (n == cap) die_usage_settings("`prompt`: more than `max_seq_length %d` tokens", cap);
             tokens[n++] = (int)id;
             at = end;
             while (*at == ' ' || *at == ',') at++;
         }
     }
-    if (n == 0) die_usage("--prompt: empty");
+    if (n == 0) die_usage_settings("`prompt`: empty");
     return n;
 }
 
@@ -1768,8 +1850,8 @@ static void evaluate(lg_trainer *tr, run_data *d, const lg_args *a, int step, FI
     }
     plot_val(plot, step, loss);
     if (!isfinite(loss)) {
-        lg_fail(&err, "validation loss is %s at step %d: the model diverged (try a lower --lr or "
-                      "a --max-norm)", isnan(loss) ? "NaN" : "infinite", step);
+        lg_fail(&err, "validation loss is %s at step %d: the model diverged (try a lower `lr` or "
+                      "a `max_norm`)", isnan(loss) ? "NaN" : "infinite", step);
         die(1, &err);
     }
 }
@@ -1907,14 +1989,15 @@ static void parse_run(int argc, char **argv, run_setup *rs) {
     static lg_run_settings saved; /* --resume: the run's settings (its strings live here) */
     lg_args *a = &rs->a;
     lg_error err;
-    if (lg_launch_from_env(&rs->launch, &err) != 0) die_usage("%s", err.msg);
+    if (lg_launch_from_env(&rs->launch, &err) != 0) die_usage_error(&err);
+    rs->launch.speller = flag_of_setting; /* the lines a process stopping on a deadline prints */
     rs->argc = argc = take_process_flags(argc, argv, &rs->launch);
     rs->argv = argv;
     if (rs->launch.process != 0 && !freopen("/dev/null", "w", stdout)) /* process 0 prints */
         die_usage("cannot silence stdout");
     start_processes(&rs->launch, argc, argv);
     parse_args(argc, argv, a, &rs->given, &rs->ck, &rs->output);
-    if (lg_launch_place(&rs->launch, a->devices, a->nodes, &err) != 0) die_usage("%s", err.msg);
+    if (lg_launch_place(&rs->launch, a->devices, a->nodes, &err) != 0) die_usage_error(&err);
     a->processes = rs->launch.processes; /* the plan counts MPI's buffers */
     int alone = a->plan_only == LG_PLAN_JSON || a->plan_only == LG_PLAN_SVG;
     rs->plan_json = alone ? json_output() : NULL; /* (JSON or SVG alone on stdout) */
@@ -1947,10 +2030,10 @@ static void plan_run(run_setup *rs) {
     if (!a->head_rows || !a->slice_rows)
         choose_rows(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
     choose_embedding(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
-    if (lg_args_check(a, &err) != 0) die_usage("%s", err.msg);
+    if (lg_args_check(a, &err) != 0) die_usage_error(&err);
     char planned_for[512];
     describe_planned_run(a, &rs->cfg, rs->T, &rs->data, planned_for, sizeof planned_for);
-    if (!a->plan_only) fputs(note, stdout); /* a run: first what the data are */
+    if (!a->plan_only) print_settings("%s", note); /* a run: first what the data are */
     plan_and_check(rs->argc, rs->argv, a, &rs->cfg, rs->T, rs->plan_json, planned_for, note);
     if (rs->launch.processes > 1) check_same_run(&rs->launch, rs->argc, rs->argv, &rs->data);
 }
@@ -1962,21 +2045,22 @@ static FILE *check_outputs(const run_setup *rs) {
     FILE *log = NULL;
     int first = rs->launch.process == 0;
     const char *log_path = rs->output.log_path;
+    char name[64]; /* a flag's names, for probe_writable */
     if (log_path && first && !(log = fopen(log_path, "w")))
-        die_usage("--log %s: cannot create: %s", log_path, strerror(errno));
+        die_usage_settings("`log_path` %s: cannot create: %s", log_path, strerror(errno));
     if (a->prompt) {
         int *scratch = (int *)malloc(sizeof(int) * (size_t)rs->T);
         prompt_tokens(a->prompt, rs->data.builtin, rs->cfg.padded_vocab_size, scratch, rs->T);
         free(scratch);
     }
     if (a->out_dir && mkdir(a->out_dir, 0755) != 0 && errno != EEXIST)
-        die_usage("--out %s: cannot create the directory: %s", a->out_dir, strerror(errno));
+        die_usage_settings("`out_dir` %s: cannot create the directory: %s", a->out_dir, strerror(errno));
     if (a->out_dir && first) {
         char probe[LG_PATH_MAX];
         snprintf(probe, sizeof probe, "%s/.probe", a->out_dir);
-        probe_writable("--out", probe);
+        probe_writable(setting_flag("out_dir", name, sizeof name), probe);
     }
-    if (rs->output.plot && first) probe_writable("--plot", rs->output.plot);
+    if (rs->output.plot && first) probe_writable(setting_flag("plot", name, sizeof name), rs->output.plot);
     return log;
 }
 
@@ -1998,7 +2082,7 @@ static void describe_run(const lg_trainer *tr, const run_setup *rs) {
         snprintf(where, sizeof where, "%d GPU%s", tr->n_ranks, tr->n_ranks > 1 ? "s" : "");
     else snprintf(where, sizeof where, "CPU, %d threads, %s matmuls", threads,
                   lg_gemm_path_name(model->exec.gemm.path));
-    printf("batch: -b %d x %d accumulation x %d rank%s = %d samples of %d tokens a step | %s | "
+    print_settings("batch: `micro_batch_size %d` x %d accumulation x %d rank%s = %d samples of %d tokens a step | %s | "
            "%s\n", B, accumulation, tr->n_ranks, tr->n_ranks > 1 ? "s" : "",
            B * accumulation * tr->n_ranks, rs->T, where, lg_optimizer_name(a->optimizer));
     if (tr->n_ranks > 1)
@@ -2011,14 +2095,14 @@ static void describe_run(const lg_trainer *tr, const run_setup *rs) {
         printf("processes: %d started by %s, %d rank%s each\n", rs->launch.processes,
                rs->launch.launcher, rs->launch.local_ranks, rs->launch.local_ranks > 1 ? "s" : "");
     if (a->optimizer == LG_OPTIMIZER_LION)
-        printf("lion: wants a learning rate 3-10x smaller and a weight decay 3-10x larger than "
-               "AdamW (here --lr %g, --weight-decay %g, betas %g %g)\n", a->lr, a->weight_decay,
+        print_settings("lion: wants a learning rate 3-10x smaller and a weight decay 3-10x larger than "
+               "AdamW (here `lr` %g, `weight_decay` %g, betas %g %g)\n", a->lr, a->weight_decay,
                a->beta1, a->beta2);
     if (rs->given.precision)
         printf("precision: %s\n", lg_precision_name(a->precision));
     else
-        printf("precision: %s (the default: bf16 weights and activations, fp32 accumulation "
-               "and master weights; -p 32-true for full fp32)\n", lg_precision_name(a->precision));
+        print_settings("precision: %s (the default: bf16 weights and activations, fp32 accumulation "
+               "and master weights; `precision 32-true` for full fp32)\n", lg_precision_name(a->precision));
 }
 
 /* The ids samples draw from: lg_gen_vocab with the tokenizer of tr's tokenizer_dir, if any. */
@@ -2045,8 +2129,8 @@ static void check_data_tokenizer(const char *load, const run_data *d) {
     for (int f = 0; f < 2; f++)
         if (files[f] && lg_loader_check_tokenizer(files[f], &tok, &err) != 0) {
             lg_tokenizer_free(&tok);
-            die_usage("%s; prepare it again with tools/prepare --tokenizer %s, or add "
-                      "--any-tokenizer-data to train on it anyway", err.msg, load);
+            die_usage_settings("%s; prepare it again with tools/prepare --tokenizer %s, or add "
+                               "`any_tokenizer_data` to train on it anyway", err.msg, load);
         }
     lg_tokenizer_free(&tok);
 }
@@ -2065,12 +2149,12 @@ static int start_weights(lg_trainer *tr, run_setup *rs) {
         snprintf(tr->tokenizer_dir, sizeof tr->tokenizer_dir, "%s", ck->load);
     if (ck->resume && rs->data.has_train && !ck->data_changed &&
         lg_checkpoint_same_data(ck->resume_dir, &rs->data.train, &err) != 0)
-        die_usage("%s; give --data-changed to resume on it on purpose", err.msg);
+        die_usage_settings("%s; give `data_changed` to resume on it on purpose", err.msg);
     if (ck->load && !ck->any_tokenizer_data) check_data_tokenizer(ck->load, &rs->data);
     if (ck->resume && lg_checkpoint_resume(tr, &rs->data.train, ck->resume_dir, &first_step, &err) != 0)
         die(2, &err);
-    if (ck->resume) printf("resumed %s: %d steps done%s%s\n", ck->resume_dir, first_step,
-                           a->out_dir ? ", checkpoints to " : "; no --out: it saves no checkpoint",
+    if (ck->resume) print_settings("resumed %s: %d steps done%s%s\n", ck->resume_dir, first_step,
+                           a->out_dir ? ", checkpoints to " : "; no `out_dir`: it saves no checkpoint",
                            a->out_dir ? a->out_dir : "");
     if (ck->resume && !ck->load) /* the tokenizer the checkpoint carries goes on */
         snprintf(tr->tokenizer_dir, sizeof tr->tokenizer_dir, "%s", ck->resume_dir);
@@ -2097,7 +2181,7 @@ static int train_steps(lg_trainer *tr, run_setup *rs, int first_step, FILE *log)
         if (lg_trainer_step(tr, &rs->data.train, step, &st, &err) != 0) {
             size_t used = strlen(err.msg);
             if (st.diverged)
-                snprintf(err.msg + used, sizeof err.msg - used, " (try a lower --lr or a --max-norm)");
+                snprintf(err.msg + used, sizeof err.msg - used, " (try a lower `lr` or a `max_norm`)");
             progress_clear(&shown);
             die(1, &err);
         }

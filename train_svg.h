@@ -85,7 +85,9 @@ static void plot_start(loss_plot *p, const char *path, int first, int last) {
     p->lr = (float *)malloc(sizeof(float) * steps);
     p->val_step = (int *)malloc(sizeof(int) * steps);
     p->val_loss = (float *)malloc(sizeof(float) * steps);
-    if (!p->loss || !p->lr || !p->val_step || !p->val_loss) die_out_of_memory("--plot");
+    char flag[64];
+    if (!p->loss || !p->lr || !p->val_step || !p->val_loss)
+        die_out_of_memory(setting_flag("plot", flag, sizeof flag));
 }
 
 static void plot_free(loss_plot *p) {
@@ -176,89 +178,11 @@ static void plot_val(loss_plot *p, int step, double loss) {
     plot_write(p);
 }
 
-/* The remedy run's --offload with every part it offloads, as the flag that replaces the
-   command's own: "--offload" (state alone), "--offload activations,gradients" (gradients and
-   weights bring state). */
-static void offload_flag(const lg_args *a, char *out, size_t cap) {
-    const char *parts[5];
-    int n = 0;
-    if (a->offload && !a->offload_gradients && !a->offload_weights) parts[n++] = "state";
-    if (a->offload_activations) parts[n++] = "activations";
-    if (a->offload_gradients) parts[n++] = "gradients";
-    if (a->offload_weights) parts[n++] = "weights";
-    if (a->offload_embedding) parts[n++] = "embedding";
-    if (n == 1 && a->offload && !a->offload_gradients && !a->offload_weights) {
-        snprintf(out, cap, "--offload");
-        return;
-    }
-    int used = snprintf(out, cap, "--offload ");
-    for (int i = 0; i < n && used > 0 && (size_t)used < cap; i++)
-        used += snprintf(out + used, cap - (size_t)used, "%s%s", i ? "," : "", parts[i]);
-}
-
-/* A remedy's changed settings (lg_remedy.changes) as this driver's flags, in the library's
-   order of the settings: "-b 2 -g 16". The offload parts are one flag (offload_flag). */
+/* A remedy's changed settings (lg_remedy_settings) as this driver's flags, in the library's
+   order of the settings: "-b 2 -g 16", "--offload activations,gradients". */
 static const char *remedy_flags(const lg_remedy *r, char *out, size_t cap) {
-    static const char *const state_formats[] = {"as-precision", "bf16", "8bit"}; /* by format */
-    const unsigned offload_parts = LG_SETTING_OFFLOAD | LG_SETTING_OFFLOAD_ACTIVATIONS |
-                                   LG_SETTING_OFFLOAD_GRADIENTS | LG_SETTING_OFFLOAD_WEIGHTS |
-                                   LG_SETTING_OFFLOAD_EMBEDDING;
-    const lg_args *a = &r->args;
-    char one[64];
-    int offload_named = 0;
-    out[0] = '\0';
-    for (unsigned bit = 1; bit <= LG_SETTING_LAST; bit <<= 1) {
-        if (!(r->changes & bit)) continue;
-        if (bit & offload_parts) {
-            if (offload_named++) continue;
-            offload_flag(a, one, sizeof one);
-            size_t used = strlen(out);
-            snprintf(out + used, cap - used, "%s%s", used ? " " : "", one);
-            continue;
-        }
-        switch (bit) {
-        case LG_SETTING_RECOMPUTE:
-            snprintf(one, sizeof one, "--recompute %s", a->recompute ? "block" : "none");
-            break;
-        case LG_SETTING_PRECISION:
-            snprintf(one, sizeof one, "-p %s", lg_precision_name(a->precision));
-            break;
-        case LG_SETTING_LORA_R:
-            snprintf(one, sizeof one, "--lora-r %d", a->lora.r);
-            break;
-        case LG_SETTING_QUANTIZE:
-            snprintf(one, sizeof one, "--quantize %s", lg_quantization_name(a->lora.quantize));
-            break;
-        case LG_SETTING_OPTIMIZER_STATE:
-            snprintf(one, sizeof one, "--optimizer-state %s", state_formats[a->optimizer_state]);
-            break;
-        case LG_SETTING_OPTIMIZER:
-            snprintf(one, sizeof one, "-o %s", lg_optimizer_name(a->optimizer));
-            break;
-        case LG_SETTING_MOMENTUM:
-            snprintf(one, sizeof one, "--momentum %g", a->momentum);
-            break;
-        case LG_SETTING_SEQ_LENGTH:
-            snprintf(one, sizeof one, "-t %d", r->T);
-            break;
-        case LG_SETTING_MICRO_BATCH:
-            snprintf(one, sizeof one, "-b %d", a->micro_batch_size);
-            break;
-        case LG_SETTING_GLOBAL_BATCH:
-            snprintf(one, sizeof one, "-g %d", a->global_batch_size);
-            break;
-        case LG_SETTING_DEVICES:
-            snprintf(one, sizeof one, "-d %d", a->devices);
-            break;
-        case LG_SETTING_STRATEGY:
-            snprintf(one, sizeof one, "--strategy %s", lg_strategy_name(a->strategy));
-            break;
-        default: continue;
-        }
-        size_t used = strlen(out);
-        snprintf(out + used, cap - used, "%s%s", used ? " " : "", one);
-    }
-    return out;
+    char settings[256];
+    return spell_flags(lg_remedy_settings(r, settings, sizeof settings), out, cap);
 }
 
 /* A remedy's flags under its bar, centred at x: one line a flag with its value, the value on
@@ -304,9 +228,10 @@ static void plan_svg(FILE *f, const lg_plan *plan, const lg_config *cfg, const l
                     ? SVG_LEFT + SVG_RIGHT + bars * SVG_BAR_SLOT : SVG_W;
     double slot = (double)(width - SVG_LEFT - SVG_RIGHT) / bars;
     svg_scale y = {0, top * 1.08, SVG_H - SVG_BOTTOM - 60, SVG_TOP + 10};
-    char title[160];
-    snprintf(title, sizeof title, "memory per device: %s, -b %d -t %d, %s", cfg->name,
-             a->micro_batch_size, T, lg_precision_name(a->precision));
+    char marked[160], title[160];
+    snprintf(marked, sizeof marked, "memory per device: %s, `micro_batch_size %d` `max_seq_length %d`, %s",
+             cfg->name, a->micro_batch_size, T, lg_precision_name(a->precision));
+    spell_flags(marked, title, sizeof title);
     svg_begin(f, title, width);
     svg_axis_ticks(f, &y, SVG_LEFT, 0, unit == gib ? "%.1f GiB" : "%.0f MiB", unit);
     for (int r = 0; r < plan->n_ranks; r++) {

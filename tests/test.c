@@ -1708,8 +1708,8 @@ static void test_offload_activations_memory(results *r) {
           host[1] - host[0]);
     a.offload_activations = 1;
     lg_error err = {0};
-    check(r, lg_args_check(&a, &err) != 0 && strstr(err.msg, "--offload activations") &&
-          strstr(err.msg, "--recompute block"), "--offload activations without --recompute "
+    check(r, lg_args_check(&a, &err) != 0 && strstr(err.msg, "`offload activations`") &&
+          strstr(err.msg, "`recompute block`"), "--offload activations without --recompute "
           "block: refused naming both (%s)", err.msg);
 }
 
@@ -1990,7 +1990,7 @@ static void test_offload_gradients_memory(results *r) {
                "  ./train --plan -c Llama-3.1-8B -b 2 -t 2048 "
                "-p bf16-true --optimizer-state 8bit --backend cuda --gpu rtx4090 "
                "--host-memory-limit 128GiB --recompute block --offload activations,gradients");
-    static const char *const why[3] = {"--offload state", "replicas", "Sophia"};
+    static const char *const why[3] = {"`offload state`", "replicas", "Sophia"};
     for (int i = 0; i < 3; i++) { /* without state; -d 2 no-shard; Sophia */
         lg_args bad = a;
         lg_error err = {0};
@@ -1998,7 +1998,7 @@ static void test_offload_gradients_memory(results *r) {
         bad.offload = i > 0;
         if (i == 1) bad.devices = 2, bad.strategy = LG_STRATEGY_NO_SHARD;
         if (i == 2) bad.optimizer = LG_OPTIMIZER_SOPHIA;
-        check(r, lg_args_check(&bad, &err) != 0 && strstr(err.msg, "--offload gradients") &&
+        check(r, lg_args_check(&bad, &err) != 0 && strstr(err.msg, "`offload gradients`") &&
               strstr(err.msg, why[i]), "--offload gradients refused naming %s: %s", why[i], err.msg);
     }
 }
@@ -2056,7 +2056,8 @@ static void test_offload_weights_memory(results *r) {
     check(r, streamed >= 0 && rem[streamed].args.offload && rem[streamed].args.offload_weights,
           "the remedies price --offload weights: device %zu B",
           streamed < 0 ? 0 : rem[streamed].device_bytes);
-    static const char *const why[3] = {"--offload state", "no-shard", "shard-grad-op"};
+    static const char *const why[3] = {"`offload state`", "`strategy no-shard`",
+                                       "`strategy shard-grad-op`"};
     for (int i = 0; i < 3; i++) { /* without state; -d 2 with whole weights on every rank */
         lg_args bad = a;
         lg_error refused = {0};
@@ -2064,7 +2065,7 @@ static void test_offload_weights_memory(results *r) {
         bad.offload = i > 0;
         if (i > 0) bad.devices = 2;
         bad.strategy = i == 2 ? LG_STRATEGY_SHARD_GRAD_OP : LG_STRATEGY_NO_SHARD;
-        check(r, lg_args_check(&bad, &refused) != 0 && strstr(refused.msg, "--offload weights") &&
+        check(r, lg_args_check(&bad, &refused) != 0 && strstr(refused.msg, "`offload weights`") &&
               strstr(refused.msg, why[i]), "--offload weights refused naming %s: %s", why[i],
               refused.msg);
     }
@@ -2161,7 +2162,7 @@ static void test_offload_embedding_memory(results *r) {
               "the remedies %s --offload embedding for %s (device %zu B, the table on it %zu B)",
               tied ? "leave out" : "price", model.name, moved < 0 ? 0 : rem[moved].device_bytes, plain);
     }
-    static const char *const why[2] = {"add --lora-r", "tie_embeddings"};
+    static const char *const why[2] = {"add `lora.r`", "tie_embeddings"};
     for (int i = 0; i < 2; i++) { /* full fine-tuning; a tied table (GPT-2) */
         lg_config model;
         if (load_config_or_fail(r, &model, i ? "test-gpt2" : "test-llama31")) return;
@@ -2175,7 +2176,7 @@ static void test_offload_embedding_memory(results *r) {
         lg_plan_spec_from_args(&spec, &a, 16);
         int rc = lg_plan_make(&plan, &model, &spec, &refused);
         if (rc == 0) lg_plan_free(&plan);
-        check(r, rc != 0 && strstr(refused.msg, "--offload embedding") && strstr(refused.msg, why[i]),
+        check(r, rc != 0 && strstr(refused.msg, "`offload embedding`") && strstr(refused.msg, why[i]),
               "--offload embedding refused naming %s: %s", why[i], refused.msg);
     }
 }
@@ -2473,6 +2474,166 @@ static void test_usage_flags_parse(results *r) {
           first_bad);
 }
 
+/* The string literals of C source text, each run of adjacent literals joined into one (a
+   message split over lines), comments and character constants skipped; each is handed to
+   `visit` with ctx. */
+static void each_string_literal(const char *src, void (*visit)(const char *text, void *ctx),
+                                void *ctx) {
+    static char joined[8192];
+    size_t n = 0;
+    int open = 0; /* a literal ended and only blanks followed so far */
+    for (const char *p = src; *p;) {
+        if (strncmp(p, "/*", 2) == 0 || strncmp(p, "//", 2) == 0) {
+            const char *end = p[1] == '*' ? strstr(p + 2, "*/") : strchr(p, '\n');
+            p = end ? end + (p[1] == '*' ? 2 : 0) : p + strlen(p);
+            continue;
+        }
+        if (*p == '"' || *p == '\'') {
+            char quote = *p++;
+            for (; *p && *p != quote; p++) {
+                if (*p == '\\' && p[1]) p++;
+                if (quote == '"' && n + 2 < sizeof joined) joined[n++] = *p;
+            }
+            if (*p) p++;
+            open = quote == '"';
+            continue;
+        }
+        if (open && !strchr(" \t\r\n", *p)) { /* the run of literals ended */
+            joined[n] = '\0';
+            visit(joined, ctx);
+            n = 0;
+            open = 0;
+        }
+        p++;
+    }
+}
+
+/* What the no-flags test gathers from the library's literals. */
+typedef struct {
+    int flags;            /* flag spellings found */
+    char first_flag[160]; /* the first literal with one */
+    char keys[64][40];    /* the settings its messages mark (lg_setting_mark) */
+    int n_keys;
+} library_literals;
+
+/* A flag's spelling at text[i]: "--name", or "-x" as a word ("-b 4", "(-d", "-t/--"). */
+static int flag_spelled_at(const char *text, size_t i) {
+    int word_start = i == 0 || strchr(" (/[,'\"", text[i - 1]) != NULL;
+    if (!word_start || text[i] != '-') return 0;
+    if (text[i + 1] == '-') return text[i + 2] >= 'a' && text[i + 2] <= 'z';
+    int letter = (text[i + 1] >= 'a' && text[i + 1] <= 'z') || (text[i + 1] >= 'A' && text[i + 1] <= 'Z');
+    return letter && (text[i + 2] == '\0' || strchr(" /,)", text[i + 2]) != NULL);
+}
+
+static void gather_library_literal(const char *text, void *ctx) {
+    library_literals *lit = (library_literals *)ctx;
+    for (size_t i = 0; text[i]; i++) {
+        size_t key_len;
+        const char *value;
+        if (flag_spelled_at(text, i) && lit->flags++ == 0)
+            snprintf(lit->first_flag, sizeof lit->first_flag, "%.150s", text);
+        if (!lg_setting_mark(text + i, &key_len, &value) || key_len >= sizeof lit->keys[0])
+            continue;
+        int known = 0;
+        for (int k = 0; k < lit->n_keys; k++)
+            known |= strlen(lit->keys[k]) == key_len && strncmp(lit->keys[k], text + i + 1, key_len) == 0;
+        if (!known && lit->n_keys < 64) snprintf(lit->keys[lit->n_keys++], 40, "%.*s", (int)key_len, text + i + 1);
+    }
+}
+
+/* The setting key names a row of train.c's flag table: "key" is the column after the row's
+   handler (set_...), e.g. {"micro-batch-size", 'b', FLAG_VALUE, "N", set_micro_batch_size,
+   "micro_batch_size", ...}. */
+static int flag_table_has_setting(const char *table, const char *key) {
+    char quoted[48];
+    snprintf(quoted, sizeof quoted, ", \"%s\",", key);
+    for (const char *at = strstr(table, quoted); at; at = strstr(at + 1, quoted)) {
+        const char *handler = at;
+        while (handler > table && (isalnum((unsigned char)handler[-1]) || handler[-1] == '_')) handler--;
+        if (strncmp(handler, "set_", 4) == 0) return 1;
+    }
+    return 0;
+}
+
+/* The library knows settings, not train's flags: no string literal of litgpt.h or
+   litgpt_cuda.cuh spells a flag ("--name", "-x"), and every setting its messages mark
+   (`key`, `key value`: lg_spell_settings) is one that train.c's flag table maps to a flag, so
+   that ./train's messages name the flag at fault. */
+static void test_library_names_settings(results *r) {
+    static const char *const sources[] = {"litgpt.h", "litgpt_cuda.cuh"};
+    library_literals lit;
+    memset(&lit, 0, sizeof lit);
+    lg_error err;
+    for (size_t i = 0; i < sizeof sources / sizeof sources[0]; i++) {
+        size_t length;
+        char *text = lg_read_file(sources[i], &length, "source", &err);
+        if (!text) { check(r, 0, "%s", err.msg); return; }
+        each_string_literal(text, gather_library_literal, &lit);
+        LG_FREE(text);
+    }
+    check(r, lit.flags == 0, "no flag spelled in the string literals of litgpt.h and "
+          "litgpt_cuda.cuh: %d found %s", lit.flags, lit.first_flag);
+    size_t length;
+    char *train = lg_read_file("train.c", &length, "source", &err);
+    const char *table = train ? strstr(train, "static const flag_row flag_table[] = {") : NULL;
+    char unmapped[256] = "";
+    /* a tool's own setting, which that tool spells: the chat template (tools/prepare) */
+    size_t prepare_length;
+    char *prepare = lg_read_file("tools/prepare.c", &prepare_length, "source", &err);
+    int tool_spells = prepare && strstr(prepare, "strcmp(key, \"template\")") != NULL;
+    for (int k = 0; table && k < lit.n_keys; k++)
+        if (!flag_table_has_setting(table, lit.keys[k]) &&
+            !(tool_spells && strcmp(lit.keys[k], "template") == 0))
+            snprintf(unmapped + strlen(unmapped), sizeof unmapped - strlen(unmapped), " %s", lit.keys[k]);
+    check(r, table && lit.n_keys > 20 && !unmapped[0], "each of the %d settings the library's "
+          "messages name maps to a flag in train.c's table (template: tools/prepare's "
+          "--template); unmapped:%s", lit.n_keys, unmapped[0] ? unmapped : " none");
+    LG_FREE(train);
+    LG_FREE(prepare);
+}
+
+/* Where the driver's literals spell a flag: the count and the first (exceptions: the usage
+   pointer of every refusal, and tools/prepare's own --tokenizer). */
+typedef struct {
+    int flags;
+    char first[160];
+} driver_literals;
+
+static void gather_driver_literal(const char *text, void *ctx) {
+    static const char *const allowed[] = {"(see ./train --help)", "tools/prepare --tokenizer"};
+    driver_literals *lit = (driver_literals *)ctx;
+    char copy[8192];
+    snprintf(copy, sizeof copy, "%s", text);
+    for (size_t k = 0; k < sizeof allowed / sizeof allowed[0]; k++)
+        for (char *at = strstr(copy, allowed[k]); at; at = strstr(at, allowed[k]))
+            memset(at, '.', strlen(allowed[k]));
+    for (size_t i = 0; copy[i]; i++)
+        if (flag_spelled_at(copy, i) && lit->flags++ == 0)
+            snprintf(lit->first, sizeof lit->first, "%.150s", text);
+}
+
+/* Each flag is spelled once in train.c, in its flag table: every other literal of train.c and
+   train_svg.h names settings (print_settings, die_usage_settings, spell_flags), so the usage
+   text, the parser, the messages and the remedies' command lines all come from the table. */
+static void test_driver_spells_flags_once(results *r) {
+    static const char *const sources[] = {"train.c", "train_svg.h"};
+    driver_literals lit;
+    memset(&lit, 0, sizeof lit);
+    lg_error err;
+    for (size_t i = 0; i < sizeof sources / sizeof sources[0]; i++) {
+        size_t length;
+        char *text = lg_read_file(sources[i], &length, "source", &err);
+        if (!text) { check(r, 0, "%s", err.msg); return; }
+        char *table = strstr(text, "static const flag_row flag_table[] = {");
+        char *end = table ? strstr(table, "\n};") : NULL;
+        if (end) memset(table, ' ', (size_t)(end - table)); /* the table itself spells them */
+        each_string_literal(text, gather_driver_literal, &lit);
+        LG_FREE(text);
+    }
+    check(r, lit.flags == 0, "train.c spells each flag once, in its table (train.c and "
+          "train_svg.h elsewhere: %d spellings) %s", lit.flags, lit.first);
+}
+
 /* A limit below the plan: exit 3, the diagnosis, and a suggested command that runs. */
 static void test_memory_limit(results *r) {
     static char out[16384], again[16384];
@@ -2696,6 +2857,8 @@ int main(int argc, char **argv) {
         test_enum_names(&r);
         test_cli(&r);
         test_usage_flags_parse(&r);
+        test_library_names_settings(&r);
+        test_driver_spells_flags_once(&r);
     }
     if (section("first hour: the design card, configs, outputs, progress", argc, argv))
         test_first_hour(&r);

@@ -401,7 +401,7 @@ static void test_resume_sharded(results *r) {
     lg_error err;
     int refused = lg_trainer_create(&tr, &cfg, &a, 8, &err) == 0 &&
                   lg_checkpoint_save(&tr, NULL, 0, "build/refused", &err) != 0 &&
-                  strstr(err.msg, "--optimizer-state") != NULL;
+                  strstr(err.msg, "`optimizer_state bf16|8bit`") != NULL;
     lg_trainer_free(&tr);
     check(r, refused, "a sharded run with 8-bit state has no whole-layout state: \"%s\"", err.msg);
 }

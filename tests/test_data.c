@@ -640,7 +640,7 @@ static void test_tokenizer_errors(results *r) {
     write_text("build/bad-gpt2/encoder.json", "{\"a\": 0, \"b\": 1, \"ab\": 2}");
     write_text("build/bad-gpt2/vocab.bpe", "#version: 0.2\na b\nab\n");
     rc = lg_tokenizer_load(&tok, "build/bad-gpt2", &err);
-    check(r, rc != 0 && strstr(err.msg, "vocab.bpe line 3: expected `left right`"),
+    check(r, rc != 0 && strstr(err.msg, "vocab.bpe line 3: expected 'left right'"),
           "vocab.bpe with a bad line: \"%s\"", err.msg);
     if (lg_tokenizer_load(&tok, GPT2_DIR, &err) == 0) {
         int ids[2] = {5, 50257};

@@ -107,7 +107,7 @@ static void test_launch_place(results *r) {
     l.launcher = "Slurm";
     l.processes = 3;
     int rc = lg_launch_place(&l, 2, 2, &err);
-    check(r, rc != 0 && strstr(err.msg, "Slurm started 3 processes, but -d 2 x --nodes 2 is 4 ranks"),
+    check(r, rc != 0 && strstr(err.msg, "Slurm started 3 processes, but `devices 2` x `nodes 2` is 4 ranks"),
           "3 processes for -d 2 --nodes 2 refused: %s", err.msg);
 }
 

@@ -378,11 +378,26 @@ static void print_json_string(const char *text, size_t n) {
     puts("\"");
 }
 
+/* The library names settings in its messages (lg_spell_settings); the one a message of
+   prepare's can name is the chat template, --template. */
+static const char *template_flag(const char *key, int with_value, void *unused, char *out,
+                                 size_t cap) {
+    (void)with_value;
+    (void)unused;
+    if (strcmp(key, "template") != 0) return NULL;
+    snprintf(out, cap, "--template");
+    return out;
+}
+
 static lg_chat_template pick_template(const prepare_args *a, const lg_tokenizer *tok) {
     lg_chat_template t;
     lg_error err;
+    char message[1024];
     const char *name = a->chat_template ? a->chat_template : "auto";
-    if (lg_chat_template_pick(name, tok, &t, &err) != 0) die(2, "%s", err.msg);
+    if (lg_chat_template_pick(name, tok, &t, &err) != 0) {
+        lg_spell_settings(err.msg, template_flag, NULL, message, sizeof message);
+        die(2, "%s", message);
+    }
     return t;
 }
 
