@@ -4098,23 +4098,30 @@ static int lg_layout_takes_base(const lg_layout *L) {
     return L->lora ? L->part == LG_PART_FROZEN : L->part == LG_PART_TRAINABLE;
 }
 
+/* The table's entry of the tensor the layout takes next (rows x cols at `offset` of its
+   storage, in the layout's block, at its place in the whole layout); NULL when only counting. */
+static lg_tensor_info *lg_layout_entry(lg_layout *L, const char *name, int rows, int cols,
+                                       lg_tensor_kind kind, size_t offset, lg_dtype packed) {
+    if (!L->table) return NULL;
+    lg_tensor_info *t = &L->table->tensors[L->table->n_tensors++];
+    snprintf(t->name, sizeof t->name, "%s", name);
+    t->rows = rows;
+    t->cols = cols;
+    t->offset = offset;
+    t->count = (size_t)rows * (size_t)cols;
+    t->kind = kind;
+    t->block = L->block;
+    t->origin = L->whole;
+    t->packed = packed;
+    t->on_host = 0;
+    return t;
+}
+
 static lg_buf lg_layout_add(lg_layout *L, const char *name, int rows, int cols,
                             lg_tensor_kind kind) {
     size_t count = (size_t)rows * (size_t)cols;
-    if (L->table) {
-        lg_tensor_info *t = &L->table->tensors[L->table->n_tensors++];
-        snprintf(t->name, sizeof t->name, "%s", name);
-        t->rows = rows;
-        t->cols = cols;
-        t->offset = L->offset;
-        t->count = count;
-        t->kind = kind;
-        t->block = L->block;
-        t->origin = L->whole;
-        t->packed = LG_DTYPE_F32;
-        t->on_host = 0;
+    if (lg_layout_entry(L, name, rows, cols, kind, L->offset, LG_DTYPE_F32))
         L->table->total = L->offset + count;
-    }
     lg_buf view = lg_at(L->base, L->offset);
     L->offset += count;
     L->whole += count;
@@ -4128,19 +4135,7 @@ static lg_buf lg_layout_add_linear(lg_layout *L, const char *name, int rows, int
         return lg_layout_add(L, name, rows, cols, kind);
     size_t count = (size_t)rows * (size_t)cols;
     lg_dtype dtype = L->quantize == LG_QUANTIZE_NF4 ? LG_DTYPE_NF4 : LG_DTYPE_NF4_DQ;
-    if (L->table) {
-        lg_tensor_info *t = &L->table->tensors[L->table->n_tensors++];
-        snprintf(t->name, sizeof t->name, "%s", name);
-        t->rows = rows;
-        t->cols = cols;
-        t->offset = L->packed_offset;
-        t->origin = L->whole;
-        t->count = count;
-        t->kind = kind;
-        t->block = L->block;
-        t->packed = dtype;
-        t->on_host = 0;
-    }
+    lg_layout_entry(L, name, rows, cols, kind, L->packed_offset, dtype);
     lg_buf view = {L->packed.data ? (uint8_t *)L->packed.data + L->packed_offset : NULL, dtype};
     L->packed_offset += lg_nf4_bytes(count, L->quantize);
     L->whole += count;
@@ -4153,21 +4148,9 @@ static lg_buf lg_layout_add_linear(lg_layout *L, const char *name, int rows, int
 static lg_buf lg_layout_add_embedding(lg_layout *L, const char *name, int rows, int cols) {
     if (L->part != LG_PART_FROZEN || !L->host_embedding)
         return lg_layout_add(L, name, rows, cols, LG_TENSOR_EMBEDDING);
-    size_t count = (size_t)rows * (size_t)cols;
-    if (L->table) {
-        lg_tensor_info *t = &L->table->tensors[L->table->n_tensors++];
-        snprintf(t->name, sizeof t->name, "%s", name);
-        t->rows = rows;
-        t->cols = cols;
-        t->offset = 0;
-        t->origin = L->whole;
-        t->count = count;
-        t->kind = LG_TENSOR_EMBEDDING;
-        t->block = L->block;
-        t->packed = LG_DTYPE_F32;
-        t->on_host = 1;
-    }
-    L->whole += count;
+    lg_tensor_info *t = lg_layout_entry(L, name, rows, cols, LG_TENSOR_EMBEDDING, 0, LG_DTYPE_F32);
+    if (t) t->on_host = 1;
+    L->whole += (size_t)rows * (size_t)cols;
     lg_buf apart = {NULL, LG_DTYPE_F32};
     return apart;
 }
