@@ -563,6 +563,15 @@ static void test_gpu_features(results *r) {
     }
 }
 
+#ifdef LG_CUDA_EMULATE
+/* Whether the emulator defers copies on other streams (LG_EMU_DEFER_COPIES=1, which make test
+   sets): only then does a missing wait for a copy show. */
+static int copies_deferred(void) {
+    const char *defer = getenv("LG_EMU_DEFER_COPIES");
+    return defer && strcmp(defer, "1") == 0;
+}
+#endif
+
 /* Runs a and b (the same with more parts offloaded, or on another backend) 3 steps on
    test-llama with `layers` blocks; skip: b's compute does not wait for its slots' copies. How
    far b's weights land from a's, the losses' into *losses_apart, and the kernels launched
@@ -634,8 +643,7 @@ static void test_offload_overlap(results *r) {
           "--offload activations, 3 steps, CUDA vs CPU, 32-true: adapters %.1e, losses %.1e "
           "(< 1e-4); %llu kernels launched beside a pending copy", apart, losses, beside);
 #ifdef LG_CUDA_EMULATE
-    const char *defer = getenv("LG_EMU_DEFER_COPIES");
-    if (defer && strcmp(defer, "1") == 0) {
+    if (copies_deferred()) {
         double losses_skipped;
         unsigned long long beside_skipped = 0;
         double skipped = offload_run_apart(r, 1, &losses_skipped, &beside_skipped);
@@ -647,62 +655,19 @@ static void test_offload_overlap(results *r) {
 #endif
 }
 
-/* --offload gradients on the CUDA backend against --offload state alone: test-llama with 5
-   blocks (both block buffers turn over), bf16-mixed, 3 micro-batches a step (the host's sums
-   come back twice), no clipping (the host and the GPU sum the norm's squares in other
-   orders); skip: the compute does not wait for the buffers' copies to the host. Returns how
-   far the weights land apart, the losses' into *losses_apart, and the kernels launched beside
-   a pending copy into *beside (the emulator's count). */
-static double gradients_run_apart(results *r, int devices, int skip, double *losses_apart,
-                                  unsigned long long *beside) {
-    lg_args a = step_args(LG_PRECISION_BF16_MIXED, LG_BACKEND_CUDA);
-    a.devices = devices; /* (full-shard: each rank's pieces stream) */
-    a.global_batch_size = 3 * a.micro_batch_size * devices;
-    a.max_norm = 0.0f;
-    a.offload = 1;
-    lg_args b = a;
-    b.offload_gradients = 1;
-    return streamed_run_apart(r, &a, &b, 5, skip, losses_apart, beside);
-}
+/* The part of --offload a streaming run adds to --offload state alone. */
+typedef enum { STREAM_GRADIENTS, STREAM_WEIGHTS } stream_part;
 
-/* --offload gradients on the GPU: bitwise the weights and losses of --offload state (the same
-   sums in the same order, only where they wait differs); on the emulator with deferred copies
-   the backward runs while earlier units' gradients are still on their way, and without the
-   waits for those copies a buffer is reopened under its copy and another model trains. */
-static void test_offload_gradients(results *r) {
-    double losses;
-    unsigned long long beside = 0;
-    double apart = gradients_run_apart(r, 1, 0, &losses, &beside);
-    check(r, apart == 0 && losses == 0, "--offload gradients = --offload state on the GPU, "
-          "bf16-mixed, 5 blocks, 3 micro-batches a step, 3 steps: weights %.1e, losses %.1e apart "
-          "(bitwise); %llu kernels launched beside a pending copy", apart, losses, beside);
-    if (lg_cuda_device_count() >= 2) {
-        unsigned long long beside_sharded = 0;
-        apart = gradients_run_apart(r, 2, 0, &losses, &beside_sharded);
-        check(r, apart == 0 && losses == 0, "the same with -d 2 full-shard (each rank's pieces "
-              "to the host): weights %.1e, losses %.1e apart (bitwise); %llu kernels launched "
-              "beside a pending copy", apart, losses, beside_sharded);
-    }
-#ifdef LG_CUDA_EMULATE
-    const char *defer = getenv("LG_EMU_DEFER_COPIES");
-    if (defer && strcmp(defer, "1") == 0) {
-        double losses_skipped;
-        unsigned long long beside_skipped = 0;
-        double skipped = gradients_run_apart(r, 1, 1, &losses_skipped, &beside_skipped);
-        check(r, beside > 0 && (skipped > 1e-3 || losses_skipped > 1e-3), "the same with the "
-              "gradient buffers' waits removed, copies deferred: weights %.1e, losses %.1e apart "
-              "(a missing wait shows)", skipped, losses_skipped);
-    }
-#endif
-}
-
-/* --offload weights on the GPU, test-llama with 5 blocks, 3 micro-batches a step (bf16-mixed,
-   or QLoRA nf4 in fp32), with `devices` ranks (full-shard: each rank's piece from the host,
-   then the all-gather); skip: the compute does not wait for the slots' copies. How far the
-   weights land from --offload state's, the losses' into *losses_apart, the kernels launched
-   beside a pending copy into *beside. */
-static double weights_run_apart(results *r, int qlora, int devices, int skip,
-                                double *losses_apart, unsigned long long *beside) {
+/* --offload gradients or weights on the CUDA backend against --offload state alone:
+   test-llama with 5 blocks (both block buffers and slots turn over), 3 micro-batches a step
+   (the host's gradient sums come back twice), no clipping (the host and the GPU sum the
+   norm's squares in other orders), bf16-mixed, or QLoRA nf4 (every target, the head's too) in
+   fp32, with `devices` ranks (full-shard: each rank's pieces stream); skip: the compute does
+   not wait for the copies. Returns how far the weights land apart, the losses' into
+   *losses_apart, and the kernels launched beside a pending copy into *beside (the emulator's
+   count). */
+static double stream_run_apart(results *r, stream_part part, int qlora, int devices, int skip,
+                               double *losses_apart, unsigned long long *beside) {
     lg_args a = step_args(qlora ? LG_PRECISION_32_TRUE : LG_PRECISION_BF16_MIXED, LG_BACKEND_CUDA);
     a.devices = devices;
     a.global_batch_size = 3 * a.micro_batch_size * devices;
@@ -716,8 +681,39 @@ static double weights_run_apart(results *r, int qlora, int devices, int skip,
                          LG_LORA_MLP | LG_LORA_HEAD;
     }
     lg_args b = a;
-    b.offload_weights = 1;
+    b.offload_gradients = part == STREAM_GRADIENTS;
+    b.offload_weights = part == STREAM_WEIGHTS;
     return streamed_run_apart(r, &a, &b, 5, skip, losses_apart, beside);
+}
+
+/* --offload gradients on the GPU: bitwise the weights and losses of --offload state (the same
+   sums in the same order, only where they wait differs); on the emulator with deferred copies
+   the backward runs while earlier units' gradients are still on their way, and without the
+   waits for those copies a buffer is reopened under its copy and another model trains. */
+static void test_offload_gradients(results *r) {
+    double losses;
+    unsigned long long beside = 0;
+    double apart = stream_run_apart(r, STREAM_GRADIENTS, 0, 1, 0, &losses, &beside);
+    check(r, apart == 0 && losses == 0, "--offload gradients = --offload state on the GPU, "
+          "bf16-mixed, 5 blocks, 3 micro-batches a step, 3 steps: weights %.1e, losses %.1e apart "
+          "(bitwise); %llu kernels launched beside a pending copy", apart, losses, beside);
+    if (lg_cuda_device_count() >= 2) {
+        unsigned long long beside_sharded = 0;
+        apart = stream_run_apart(r, STREAM_GRADIENTS, 0, 2, 0, &losses, &beside_sharded);
+        check(r, apart == 0 && losses == 0, "the same with -d 2 full-shard (each rank's pieces "
+              "to the host): weights %.1e, losses %.1e apart (bitwise); %llu kernels launched "
+              "beside a pending copy", apart, losses, beside_sharded);
+    }
+#ifdef LG_CUDA_EMULATE
+    if (copies_deferred()) {
+        double losses_skipped;
+        unsigned long long beside_skipped = 0;
+        double skipped = stream_run_apart(r, STREAM_GRADIENTS, 0, 1, 1, &losses_skipped, &beside_skipped);
+        check(r, beside > 0 && (skipped > 1e-3 || losses_skipped > 1e-3), "the same with the "
+              "gradient buffers' waits removed, copies deferred: weights %.1e, losses %.1e apart "
+              "(a missing wait shows)", skipped, losses_skipped);
+    }
+#endif
 }
 
 /* --offload weights on the GPU: the weights (QLoRA: the NF4 base as stored) copied from the
@@ -732,7 +728,7 @@ static void test_offload_weights(results *r) {
         for (int devices = 1; devices <= most; devices++) {
             double losses;
             unsigned long long beside = 0;
-            double apart = weights_run_apart(r, qlora, devices, 0, &losses, &beside);
+            double apart = stream_run_apart(r, STREAM_WEIGHTS, qlora, devices, 0, &losses, &beside);
             check(r, apart == 0 && losses == 0, "--offload weights = --offload state on the GPU, "
                   "%s, -d %d%s, 5 blocks, 3 micro-batches a step, 3 steps: weights %.1e, losses "
                   "%.1e apart (bitwise); %llu kernels launched beside a pending copy",
@@ -742,11 +738,10 @@ static void test_offload_weights(results *r) {
             beside_plain += !qlora && devices == 1 ? beside : 0;
         }
 #ifdef LG_CUDA_EMULATE
-    const char *defer = getenv("LG_EMU_DEFER_COPIES");
-    if (defer && strcmp(defer, "1") == 0) {
+    if (copies_deferred()) {
         double losses_skipped;
         unsigned long long beside_skipped = 0;
-        double skipped = weights_run_apart(r, 0, 1, 1, &losses_skipped, &beside_skipped);
+        double skipped = stream_run_apart(r, STREAM_WEIGHTS, 0, 1, 1, &losses_skipped, &beside_skipped);
         check(r, beside_plain > 0 && (skipped > 1e-3 || losses_skipped > 1e-3), "the same with the "
               "weight slots' waits removed, copies deferred: weights %.1e, losses %.1e apart "
               "(a block computed before its weights landed shows)", skipped, losses_skipped);
@@ -780,8 +775,7 @@ static void test_offload_embedding(results *r) {
               qlora ? "QLoRA nf4 32-true with --offload state,activations,weights" : "LoRA bf16-mixed",
               apart, losses, beside);
 #ifdef LG_CUDA_EMULATE
-        const char *defer = getenv("LG_EMU_DEFER_COPIES");
-        if (!qlora && defer && strcmp(defer, "1") == 0) {
+        if (!qlora && copies_deferred()) {
             double losses_skipped;
             unsigned long long beside_skipped = 0;
             double skipped = streamed_run_apart(r, &a, &b, 5, 1, &losses_skipped, &beside_skipped);
