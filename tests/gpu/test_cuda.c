@@ -1115,6 +1115,18 @@ static double bf16_peak(const char *name) {
     return 0;
 }
 
+/* ld over n random tokens below vocab_size drawn from seed (the loader owns them); 0, or -1
+   with the message in err. */
+static int random_loader(lg_loader *ld, size_t n, int T, int vocab_size, uint64_t seed,
+                         lg_error *err) {
+    uint32_t *tokens = (uint32_t *)malloc(n * sizeof(uint32_t));
+    if (!tokens) return lg_fail(err, "random tokens: out of memory");
+    lg_rng rng;
+    lg_rng_seed(&rng, seed);
+    for (size_t k = 0; k < n; k++) tokens[k] = (uint32_t)(lg_rng_u64(&rng) % vocab_size);
+    return lg_loader_from_memory(ld, tokens, n, T, vocab_size, 0, 1, err);
+}
+
 /* GPT-2 124M, bf16-mixed, T 1024, B 16..64: tokens/s and MFU (6N + 12 L C T FLOPs a token). */
 static void bench(void) {
     lg_config cfg;
@@ -1138,12 +1150,7 @@ static void bench(void) {
             continue;
         }
         lg_loader ld;
-        size_t n = (size_t)(warmup + timed + 1) * batches[i] * T + 1;
-        uint32_t *tokens = (uint32_t *)malloc(n * sizeof(uint32_t));
-        lg_rng rng;
-        lg_rng_seed(&rng, 1);
-        for (size_t k = 0; k < n; k++) tokens[k] = (uint32_t)(lg_rng_u64(&rng) % cfg.vocab_size);
-        lg_loader_from_memory(&ld, tokens, n, T, cfg.vocab_size, 0, 1, &err);
+        random_loader(&ld, (size_t)(warmup + timed + 1) * batches[i] * T + 1, T, cfg.vocab_size, 1, &err);
         double start = 0;
         for (int s = 0; s < warmup + timed; s++) {
             if (s == warmup) start = lg_time_ms();
@@ -1200,13 +1207,9 @@ static void bench_offload(const char *config, int T) {
             continue;
         }
         lg_loader ld;
-        size_t n = (size_t)(warmup + timed + 1) * 2 * T + 1;
-        uint32_t *tokens = (uint32_t *)malloc(n * sizeof(uint32_t)); /* (the loader owns them) */
-        lg_rng rng;
-        lg_rng_seed(&rng, 1);
-        for (size_t k = 0; tokens && k < n; k++) tokens[k] = (uint32_t)(lg_rng_u64(&rng) % cfg.vocab_size);
         double ms[16];
-        int rc = !tokens || lg_loader_from_memory(&ld, tokens, n, T, cfg.vocab_size, 0, 1, &err);
+        int loaded = random_loader(&ld, (size_t)(warmup + timed + 1) * 2 * T + 1, T, cfg.vocab_size, 1, &err) == 0;
+        int rc = !loaded;
         for (int s = 0; rc == 0 && s < warmup + timed; s++) {
             lg_step_stats st;
             rc = lg_trainer_step(&tr, &ld, s, &st, &err);
@@ -1222,7 +1225,7 @@ static void bench_offload(const char *config, int T) {
         } else {
             printf("  %-26s %s\n", modes[i].name, err.msg);
         }
-        if (tokens) lg_loader_close(&ld);
+        if (loaded) lg_loader_close(&ld);
         lg_trainer_free(&tr);
     }
 }
@@ -1290,13 +1293,8 @@ static void long_context(void) {
             printf("%-44s %6d   %s\n", "", T, err.msg);
             continue;
         }
-        size_t n = (size_t)3 * T + 1;
-        uint32_t *tokens = (uint32_t *)malloc(n * sizeof(uint32_t));
-        lg_rng rng;
-        lg_rng_seed(&rng, 7);
-        for (size_t k = 0; k < n; k++) tokens[k] = (uint32_t)(lg_rng_u64(&rng) % cfg.vocab_size);
         lg_loader ld;
-        lg_loader_from_memory(&ld, tokens, n, T, cfg.vocab_size, 0, 1, &err);
+        random_loader(&ld, (size_t)3 * T + 1, T, cfg.vocab_size, 7, &err);
         double start = 0;
         int rc = 0;
         for (int s = 0; s < 2 && rc == 0; s++) {
