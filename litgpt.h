@@ -92,8 +92,10 @@
      head in tiles       3 (lg_head_tile_rows), 5, 8 (QLoRA's NF4 lm_head a vocabulary tile
                          at a time: lg_head_tile_weight)
      offload embedding   3 (lg_lora.host_embedding), 5 (the layouts leave the table out,
-                         embedding.host and .rows, lg_plan_auto_embedding), 8 (the step's rows
-                         gathered on the host, lg_model_embed_from_host)
+                         embedding.host and .rows, lg_plan_auto_embedding; trained:
+                         lg_unit_host_part), 8 (the step's rows gathered on the host,
+                         lg_model_embed_from_host), 14 (a trained table's gradient scattered
+                         on the host: lg_trainer_scatter_embedding_grads)
      Lion, Sophia, 8-bit 2 (per-element updates), 9, 14 (Sophia's Hessian pass)
      AVX-512, AMX        7 (kernel paths chosen at run time), 9 (AdamW's AVX-512 loop)
      MPI, launchers      10; the rendezvous of GPU processes without MPI: 10
@@ -292,9 +294,12 @@ typedef struct {
     int head_tile_rows;   /* QLoRA: vocabulary rows of the NF4 lm_head dequantized at a time, a
                              multiple of LG_HEAD_TILE_ALIGN (0: LG_HEAD_TILE_ROWS; tests set
                              fewer, so that a small vocabulary has several tiles) */
-    int host_embedding;   /* --offload embedding: the frozen token embedding (wte) lives in its
-                             own host region ("embedding.host"), out of the frozen base; the
-                             plan sets it from lg_plan_spec.offload_embedding */
+    int host_embedding;   /* --offload embedding: the token embedding (wte) lives in host
+                             memory: with adapters (r > 0) frozen, in its own region
+                             ("embedding.host"), out of the frozen base; with r = 0 trained, in
+                             the streamed weights, out of the ends unit's device buffers
+                             (lg_unit_host_part). The plan sets it from
+                             lg_plan_spec.offload_embedding */
 } lg_lora;
 
 /* QLoRA's untied lm_head is NF4 too; its matmuls dequantize it a tile of vocabulary rows at a
@@ -474,8 +479,10 @@ typedef struct {
     int offload_weights;       /* --offload weights: 1 (the weights, trainable and frozen, live
                                   in host memory; each unit is copied onto the device ahead of
                                   its use, into the ends' slot and two blocks'; with offload) */
-    int offload_embedding;     /* --offload embedding: 1 (LoRA's frozen token embedding in host
-                                  memory; the step's rows gathered there and copied in once) */
+    int offload_embedding;     /* --offload embedding: 1 (the token embedding in host memory;
+                                  the step's rows gathered there and copied in once: LoRA's
+                                  frozen table, or trained with offload gradients and weights
+                                  on one rank, its gradient scattered there) */
     int pack;                  /* --pack: fine-tuning samples packed first-fit into rows of
                                   T tokens, attention and positions kept inside each sample */
     int head_rows;             /* --head-rows: the head and loss in chunks of this many rows of
@@ -709,7 +716,7 @@ typedef struct {
     int offload_activations; /* 1: --offload activations (with recompute) */
     int offload_gradients;   /* 1: --offload gradients (with offload) */
     int offload_weights;     /* 1: --offload weights (with offload) */
-    int offload_embedding;   /* 1: --offload embedding (LoRA, an untied table) */
+    int offload_embedding;   /* 1: --offload embedding (an untied table) */
     int pack;                /* 1: --pack: rows carry their samples' span starts */
     int head_rows;           /* rows of logits at a time, 1 .. B x T (B x T: no chunks) */
     int slice_rows;          /* rows of a block's MLP at a time, 1 .. B x T (B x T: whole) */
@@ -921,11 +928,12 @@ int lg_plan_auto_seq_length(const lg_config *cfg, const lg_args *args, int max_T
 #define LG_SLICE_TEXT "2048"
 void lg_plan_auto_rows(const lg_config *cfg, const lg_args *args, int T, size_t limit,
                        int *head_rows, int *slice_rows);
-/* Where LoRA's frozen token embedding lives (the value of args->offload_embedding): in host
-   memory when --offload embedding is given; else there too when the run, with args' rows,
-   fits with it there but not on the device, and the model allows it (an untied table, no
-   learned position embeddings; the step's rows are copied in once a micro-batch: no compute
-   added); else on the device (0). On the CPU backend, whose pools are one memory, moving it
+/* Where the token embedding lives (the value of args->offload_embedding): in host memory when
+   --offload embedding is given; else there too when the run, with args' rows, fits with it
+   there but not on the device, and the model and run allow it (an untied table, no learned
+   position embeddings; trained, --offload gradients,weights on one rank; the step's rows are
+   copied in once a micro-batch, and trained, their gradient out: no compute added); else on
+   the device (0). On the CPU backend, whose pools are one memory, moving it
    never makes a run fit. */
 int lg_plan_auto_embedding(const lg_config *cfg, const lg_args *args, int T, size_t limit);
 /* Memory a run may use on this machine's CPU backend: MemAvailable, 0 when unknown. */
@@ -1071,8 +1079,9 @@ typedef struct {
                                    units, p's base views point at gathered units
                                    (lg_model_point_frozen_unit) */
     lg_buf frozen_shard;        /* frozen_gathered: "frozen_weights.shard", bytes */
-    lg_buf embedding_host;      /* --offload embedding: "embedding.host" (Vp, C) in the weight
-                                   type, host memory; p.wte views it */
+    lg_buf embedding_host;      /* --offload embedding: the table (Vp, C) in the weight type,
+                                   host memory: LoRA's "embedding.host", or trained, its place
+                                   in the host's "weights"; p.wte views it */
     lg_buf embedding_rows;      /* --offload embedding: "embedding.rows" (B x T, C) in the
                                    activation type, host memory: the step's rows of it, which
                                    one copy takes to a.residual[0] */
@@ -3692,14 +3701,12 @@ static int lg_lora_adapts(const lg_config *c, lg_lora_linear linear) {
     return c->lora.r > 0 && out > 0 && (c->lora.targets & lg_lora_target_of(linear));
 }
 
-/* --offload embedding keeps a frozen, untied token embedding without position embeddings in
-   host memory: LoRA's base (a trained table would need its gradient scattered on the host), a
-   head of its own (a tied head reads every row), the device adding nothing to its rows. */
+/* --offload embedding keeps an untied token embedding without position embeddings in host
+   memory: a head of its own (a tied head reads every row), the device adding nothing to its
+   rows. LoRA's base table is frozen; a trained one needs the run's checks too
+   (lg_args_check_offload_embedding). */
 static int lg_host_embedding_check(const lg_config *c, lg_error *err) {
     if (!c->lora.host_embedding) return 0;
-    if (c->lora.r == 0)
-        return lg_fail(err, "`offload embedding` keeps a frozen table (LoRA, QLoRA: add `lora.r`); "
-                            "fine-tuning every weight trains it, which is not built yet");
     if (c->tie_embeddings)
         return lg_fail(err, "`offload embedding`: %s ties lm_head to the token embedding "
                             "(tie_embeddings), whose every row the head reads on the device",
@@ -4012,6 +4019,22 @@ static int lg_args_check_offload_weights(const lg_args *a, lg_error *err) {
     return 0;
 }
 
+/* --offload embedding with every weight training: the table trains where the host's
+   optimizer updates it, in the streamed weights, its gradient scattered into the streamed
+   gradients; one rank, whose host holds them whole. */
+static int lg_args_check_offload_embedding(const lg_args *a, lg_error *err) {
+    if (!a->offload_embedding || a->lora.r > 0) return 0;
+    if (!a->offload_weights || !a->offload_gradients)
+        return lg_fail(err, "`offload embedding` with every weight training keeps the table in "
+                            "the host's weights and its gradient in the host's: it needs "
+                            "`offload weights` and `offload gradients` (or LoRA: `lora.r`)");
+    if (lg_args_ranks(a) > 1)
+        return lg_fail(err, "`offload embedding` with every weight training runs on one rank "
+                            "(`devices %d` x `nodes %d`): each rank's host holds a piece of the "
+                            "table", a->devices, a->nodes);
+    return 0;
+}
+
 /* Gradient accumulation steps = global batch / ranks / micro-batch; must divide exactly. */
 static int lg_args_accumulation_steps(const lg_args *a, lg_error *err) {
     int per_step = a->micro_batch_size * lg_args_ranks(a);
@@ -4033,6 +4056,7 @@ int lg_args_check(const lg_args *a, lg_error *err) {
                             "moves to host memory are the ones recompute keeps)");
     if (lg_args_check_offload_gradients(a, err) != 0) return -1;
     if (lg_args_check_offload_weights(a, err) != 0) return -1;
+    if (lg_args_check_offload_embedding(a, err) != 0) return -1;
     if (a->pack && a->backend == LG_BACKEND_CUDA && !a->plan_only)
         return lg_fail(err, "`pack`: packed rows run on the CPU backend only for now (the CUDA "
                             "attention has no span masks yet): add `backend cpu`");
@@ -4089,7 +4113,8 @@ typedef struct {
     lg_buf packed;
     size_t packed_offset;
     lg_quantization quantize;
-    int host_embedding;     /* frozen layouts with --offload embedding: wte is not taken */
+    int host_embedding;     /* --offload embedding: wte is not taken (frozen layouts, and a
+                               trained unit's device buffers) */
     size_t whole;           /* elements walked, packed ones included: the tensors' origins */
 } lg_layout;
 
@@ -4142,12 +4167,12 @@ static lg_buf lg_layout_add_linear(lg_layout *L, const char *name, int rows, int
     return view;
 }
 
-/* The token embedding (Vp, C): in the buffer as any tensor, or, frozen under --offload
-   embedding, in a host region of its own that the layout does not take (the view it returns
-   has data NULL: the model points it at "embedding.host"). */
+/* The token embedding (Vp, C): in the buffer as any tensor, or under --offload embedding in
+   host memory the layout does not take (the view it returns has data NULL: the model points
+   it at the host's table): frozen, in a region of its own ("embedding.host"); trained, in the
+   host's weights, out of the device's buffers of the ends unit (lg_unit_device_layout). */
 static lg_buf lg_layout_add_embedding(lg_layout *L, const char *name, int rows, int cols) {
-    if (L->part != LG_PART_FROZEN || !L->host_embedding)
-        return lg_layout_add(L, name, rows, cols, LG_TENSOR_EMBEDDING);
+    if (!L->host_embedding) return lg_layout_add(L, name, rows, cols, LG_TENSOR_EMBEDDING);
     lg_tensor_info *t = lg_layout_entry(L, name, rows, cols, LG_TENSOR_EMBEDDING, 0, LG_DTYPE_F32);
     if (t) t->on_host = 1;
     L->whole += (size_t)rows * (size_t)cols;
@@ -4172,7 +4197,7 @@ static lg_layout lg_params_layout_over(const lg_config *c, lg_layout_part part, 
     L.part = part;
     L.lora = c->lora.r > 0;
     L.quantize = c->lora.quantize;
-    L.host_embedding = c->lora.host_embedding;
+    L.host_embedding = part == LG_PART_FROZEN && c->lora.host_embedding;
     return L;
 }
 
@@ -4319,8 +4344,8 @@ static size_t lg_frozen_layout(const lg_config *c, lg_buf base, lg_buf packed, l
     return L.offset;
 }
 
-/* The frozen tensors of one unit, walked by L. */
-static void lg_frozen_unit_walk(const lg_config *c, int unit, lg_layout *L, lg_param_tensors *p) {
+/* The tensors of one unit (0 the ends, 1 + l block l) that L takes, walked by L. */
+static void lg_walk_unit(const lg_config *c, int unit, lg_layout *L, lg_param_tensors *p) {
     lg_param_tensors scratch;
     lg_block_tensors block;
     if (unit == 0) lg_ends_params_layout(c, L, p ? p : &scratch);
@@ -4332,7 +4357,7 @@ static void lg_frozen_unit_walk(const lg_config *c, int unit, lg_layout *L, lg_p
 static size_t lg_frozen_unit_packed_at(const lg_config *c, int unit, lg_dtype weights,
                                        size_t *packed) {
     lg_layout L = lg_params_layout_over(c, LG_PART_FROZEN, lg_no_buf(), NULL);
-    lg_frozen_unit_walk(c, unit, &L, NULL);
+    lg_walk_unit(c, unit, &L, NULL);
     if (packed) *packed = L.packed_offset;
     return (L.offset * lg_elem_size(weights) + LG_ALIGN - 1) / LG_ALIGN * LG_ALIGN;
 }
@@ -4347,7 +4372,7 @@ static size_t lg_frozen_unit_layout(const lg_config *c, int unit, lg_dtype weigh
                                     size_t origin, lg_param_tensors *p, lg_tensor_table *table,
                                     size_t *whole) {
     lg_layout L = lg_params_layout_over(c, LG_PART_FROZEN, lg_no_buf(), NULL);
-    lg_frozen_unit_walk(c, unit, &L, NULL);
+    lg_walk_unit(c, unit, &L, NULL);
     size_t values = lg_frozen_unit_packed_at(c, unit, weights, NULL);
     size_t bytes = values + L.packed_offset;
     if (whole) *whole = L.whole;
@@ -4358,7 +4383,7 @@ static size_t lg_frozen_unit_layout(const lg_config *c, int unit, lg_dtype weigh
     L.packed.data = base ? base + values : NULL;
     L.packed.dtype = LG_DTYPE_U8;
     L.whole = origin;
-    lg_frozen_unit_walk(c, unit, &L, p);
+    lg_walk_unit(c, unit, &L, p);
     return bytes;
 }
 
@@ -4368,12 +4393,43 @@ lg_config lg_config_base(const lg_config *cfg) {
     return base;
 }
 
+/* A trained token embedding (Vp, C) in the whole model's weights (lg_params_layout over
+   weights): the ends unit's first tensor. */
+static lg_buf lg_trained_embedding_view(const lg_config *c, lg_buf weights) {
+    lg_layout L = lg_params_layout_over(c, LG_PART_TRAINABLE, weights, NULL);
+    lg_param_tensors ends;
+    memset(&ends, 0, sizeof ends);
+    lg_ends_params_layout(c, &L, &ends);
+    return ends.wte;
+}
+
 size_t lg_unit_layout(const lg_config *c, int unit, lg_buf base, lg_param_tensors *p) {
     lg_layout L = lg_params_layout_over(c, LG_PART_TRAINABLE, base, NULL);
-    lg_param_tensors scratch;
-    lg_block_tensors block;
-    if (unit == 0) lg_ends_params_layout(c, &L, p ? p : &scratch);
-    else lg_block_params_layout(c, &L, unit - 1, p && p->h ? &p->h[unit - 1] : &block);
+    lg_walk_unit(c, unit, &L, p);
+    return L.offset;
+}
+
+/* --offload embedding with every weight training: the token embedding trains in host memory
+   (its rows gathered, its gradient scattered there), one rank streaming weights and
+   gradients (lg_args_check_offload_embedding). */
+static int lg_embedding_trained_on_host(const lg_config *c) {
+    return c->lora.host_embedding && c->lora.r == 0;
+}
+
+/* The elements at the start of trainable unit u that stay on the host: the ends unit's first
+   tensor, wte, when it trains there (lg_embedding_trained_on_host); else none. */
+static size_t lg_unit_host_part(const lg_config *c, int u) {
+    if (u != 0 || !lg_embedding_trained_on_host(c)) return 0;
+    return (size_t)c->padded_vocab_size * (size_t)c->n_embd;
+}
+
+/* Trainable unit u over a device buffer (a gather slot, a gradient buffer) holding what of it
+   the device keeps: the whole unit but its host part (lg_unit_host_part), whose views get
+   data NULL. Returns the buffer's elements. */
+static size_t lg_unit_device_layout(const lg_config *c, int unit, lg_buf base, lg_param_tensors *p) {
+    lg_layout L = lg_params_layout_over(c, LG_PART_TRAINABLE, base, NULL);
+    L.host_embedding = lg_unit_host_part(c, unit) > 0;
+    lg_walk_unit(c, unit, &L, p);
     return L.offset;
 }
 
@@ -4800,13 +4856,13 @@ static int lg_plan_model_state(lg_rank_plan *r, const lg_plan *plan) {
                           piece);
     } else if (s->offload_gradients) { /* one rank: the units the backward fills, in turn */
         rc |= lg_plan_add(r, "gradients.ends", LG_GROUP_GRADIENTS, LG_POOL_DEVICE, t.grads,
-                          sl->piece_count[0]);
+                          sl->piece_count[0] - lg_unit_host_part(&plan->cfg, 0));
         rc |= lg_plan_add(r, "gradients.blocks", LG_GROUP_GRADIENTS, LG_POOL_DEVICE, t.grads,
                           LG_GRAD_BLOCK_SLOTS * sl->piece_count[1]);
     }
     if (sh->weights_streamed && !sh->grads_sharded) { /* one rank: the units the copies fill */
         rc |= lg_plan_add(r, "gather.ends", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, t.weights,
-                          sl->piece_count[0]);
+                          sl->piece_count[0] - lg_unit_host_part(&plan->cfg, 0));
         rc |= lg_plan_add(r, "gather.blocks", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, t.weights,
                           (size_t)lg_gather_block_slots(sh) * sl->piece_count[1]);
     }
@@ -5068,6 +5124,10 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
                        s->devices * s->nodes, s->processes);
     if (s->optimizer_state != LG_STATE_AS_PRECISION && s->optimizer != LG_OPTIMIZER_ADAMW)
         return lg_fail(err, "plan: `optimizer_state` applies to AdamW only");
+    if (lg_embedding_trained_on_host(c) &&
+        (!s->offload_weights || !s->offload_gradients || s->devices * s->nodes > 1))
+        return lg_fail(err, "plan: `offload embedding` with every weight training needs "
+                            "`offload weights` and `offload gradients` on one rank");
     /* the layouts count rows in int: B T and B NH T (attention) must fit */
     double rows = (double)s->B * s->T * (c->n_head > 1 ? c->n_head : 1);
     if (rows > 2147483647.0 || (double)s->B * s->accumulation * s->T > 2147483647.0)
@@ -5178,7 +5238,8 @@ static size_t lg_plan_checked_bytes(const lg_plan *plan) {
 }
 
 /* --offload weights: what one micro-batch copies onto the device: every unit for the forward,
-   the blocks again for the backward (the ends stay in their slot), trainable and frozen. */
+   the blocks again for the backward (the ends stay in their slot), trainable and frozen; a
+   token embedding trained on the host stays there. */
 static size_t lg_plan_streamed_weight_bytes(const lg_plan *plan) {
     const lg_shard_layout *layouts[2] = {&plan->shards, &plan->frozen_shards};
     size_t bytes = 0;
@@ -5187,7 +5248,8 @@ static size_t lg_plan_streamed_weight_bytes(const lg_plan *plan) {
         const lg_shard_layout *sl = layouts[k];
         size_t element = k == 0 ? lg_dtype_size(lg_types_of(plan->spec.precision).weights) : 1;
         if (sl->n_units == 0) continue; /* (no frozen base) */
-        size_t all = sl->piece_offset[sl->n_units], ends = sl->piece_count[0];
+        size_t apart = k == 0 ? lg_unit_host_part(&plan->cfg, 0) : 0;
+        size_t all = sl->piece_offset[sl->n_units] - apart, ends = sl->piece_count[0] - apart;
         bytes += (ends + 2 * (all - ends)) * element;
     }
     return bytes;
@@ -5200,11 +5262,14 @@ size_t lg_plan_host_traffic_bytes(const lg_plan *plan) {
     /* the gradients once a step; streamed (--offload gradients), out every micro-batch and
        back for each one after the first, which adds to them */
     size_t grad_trips = plan->spec.offload_gradients ? 2 * (size_t)plan->spec.accumulation - 1 : 1;
-    if (grads) bytes += grad_trips * grads->count * lg_dtype_size(grads->dtype);
+    size_t apart = lg_unit_host_part(&plan->cfg, 0); /* a table trained on the host stays */
+    if (grads) bytes += grad_trips * (grads->count - apart) * lg_dtype_size(grads->dtype);
     if (weights) bytes += weights->count * lg_dtype_size(weights->dtype);
     bytes += lg_plan_streamed_weight_bytes(plan) * (size_t)plan->spec.accumulation;
-    const lg_region *rows = lg_plan_find(r, "embedding.rows"); /* in, each micro-batch */
-    if (rows) bytes += rows->count * lg_dtype_size(rows->dtype) * (size_t)plan->spec.accumulation;
+    /* the rows in, each micro-batch; trained, their gradient out too */
+    const lg_region *rows = lg_plan_find(r, "embedding.rows");
+    size_t row_trips = (apart ? 2 : 1) * (size_t)plan->spec.accumulation;
+    if (rows) bytes += rows->count * lg_dtype_size(rows->dtype) * row_trips;
     for (int i = 0; i < r->n_regions; i++) { /* the kept block outputs in host memory */
         const lg_region *x = &r->regions[i];
         if (x->group == LG_GROUP_ACTIVATIONS && x->pool == LG_POOL_HOST && x != rows)
@@ -5476,9 +5541,14 @@ void lg_plan_auto_rows(const lg_config *cfg, const lg_args *args, int T, size_t 
     *slice_rows = lg_slice_rows_of(&a, N);
 }
 
-/* Whether LoRA's frozen token embedding can live in host memory (lg_host_embedding_check). */
+/* Whether the token embedding can live in host memory (lg_host_embedding_check,
+   lg_args_check_offload_embedding). */
 static int lg_host_embedding_possible(const lg_config *cfg, const lg_args *args) {
-    return args->lora.r > 0 && !cfg->tie_embeddings && !cfg->learned_pos_embedding;
+    lg_args moved = *args;
+    lg_error refused;
+    moved.offload_embedding = 1;
+    return !cfg->tie_embeddings && !cfg->learned_pos_embedding &&
+           lg_args_check_offload_embedding(&moved, &refused) == 0;
 }
 
 int lg_plan_auto_embedding(const lg_config *cfg, const lg_args *args, int T, size_t limit) {
@@ -6001,8 +6071,11 @@ static int lg_rank_plans_alike(const lg_plan *plan, int i, int j) {
 }
 
 /* The plan line's offload: " | offload (gradients and weights streamed)", or "" */
-static const char *lg_plan_offload_label(const lg_plan_spec *s) {
+static const char *lg_plan_offload_label(const lg_plan *plan) {
+    const lg_plan_spec *s = &plan->spec;
     if (!s->offload) return "";
+    if (lg_embedding_trained_on_host(&plan->cfg))
+        return " | offload (gradients and weights streamed, the token embedding trained on the host)";
     if (s->offload_gradients && s->offload_weights) return " | offload (gradients and weights streamed)";
     if (s->offload_gradients) return " | offload (gradients streamed)";
     return s->offload_weights ? " | offload (weights streamed)" : " | offload";
@@ -6025,7 +6098,7 @@ void lg_plan_print(const lg_plan *plan, FILE *out) {
     fprintf(out, "plan: %s | `micro_batch_size %d` `max_seq_length %d` (%d accumulation) | %s | %d device%s%s%s%s | %s%s\n",
             plan->cfg.name, s->B, s->T, s->accumulation, lg_precision_name(s->precision),
             s->devices, s->devices > 1 ? "s" : "", ranks, s->recompute ? " | recompute block" : "",
-            lg_plan_offload_label(s),
+            lg_plan_offload_label(plan),
             s->optimizer == LG_OPTIMIZER_SGD && s->momentum ? "sgd (momentum)"
                                                              : lg_optimizer_name(s->optimizer),
             head);
@@ -8318,6 +8391,7 @@ static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank,
     }
     if (!m->weights_gathered) lg_params_layout(cfg, m->params, &m->p, NULL);
     if (!m->grads_gathered) lg_params_layout(cfg, m->grads, &m->g, NULL);
+    if (lg_embedding_trained_on_host(cfg)) m->embedding_host = lg_trained_embedding_view(cfg, m->params);
     if (lg_model_bind_frozen(m, types.weights, err) != 0) return -1;
     if (lg_model_bind_activations(m, types.acts, err) != 0) return -1;
     if (lg_model_bind_exec(m, err) != 0) return -1;
@@ -8644,11 +8718,14 @@ static void lg_model_start_grads(lg_model *m) {
    adds. */
 static float lg_linear_grad_beta(const lg_model *m) { return m->grads_overwrite ? 0.0f : 1.0f; }
 
-/* Points the views of one unit (lg_unit_layout) at buffers holding the whole unit: its gathered
-   weights and/or its gradient buffer (data NULL: leave those views). */
+/* Points the views of one unit at device buffers holding it (lg_unit_device_layout): its
+   gathered weights and/or its gradient buffer (data NULL: leave those views). A token
+   embedding trained on the host keeps its weights' view there and has no gradient's view:
+   the trainer scatters its gradient on the host. */
 static void lg_model_point_unit(lg_model *m, int unit, lg_buf weights, lg_buf grads) {
-    if (weights.data) lg_unit_layout(&m->cfg, unit, weights, &m->p);
-    if (grads.data) lg_unit_layout(&m->cfg, unit, grads, &m->g);
+    if (weights.data) lg_unit_device_layout(&m->cfg, unit, weights, &m->p);
+    if (grads.data) lg_unit_device_layout(&m->cfg, unit, grads, &m->g);
+    if (weights.data && lg_unit_host_part(&m->cfg, unit)) m->p.wte = m->embedding_host;
 }
 
 static lg_real *lg_norm_mean_or_null(const lg_config *c, lg_real *mean) {
@@ -15929,14 +16006,17 @@ static int lg_weights_mark(const lg_trainer *tr, int u) {
 
 /* --offload weights: copies each rank's piece of unit u's weights (and of LoRA's frozen unit
    u) from the host to its place in the unit's slots, beside the compute, after the ops queued
-   so far (the slots' last readers among them). One rank: the piece is the whole unit. */
+   so far (the slots' last readers among them). One rank: the piece is the whole unit, but
+   for a token embedding trained on the host (lg_unit_host_part), which stays there. */
 static void lg_trainer_stream_unit(lg_trainer *tr, int u) {
     const lg_shard_layout *sl = &tr->plan.shards, *fl = &tr->plan.frozen_shards;
     int frozen = lg_frozen_sharded(&tr->plan.cfg, &tr->plan.sharding);
+    size_t apart = lg_unit_host_part(&tr->plan.cfg, u);
     for (int r = 0; r < tr->local_ranks; r++) {
         lg_model *m = &tr->ranks[r].model;
         lg_buf place = lg_at(lg_unit_weights(tr, r, u), lg_piece_place(tr, r, sl->piece_count[u]));
-        lg_copy_beside(&m->exec, place, lg_at(m->params, sl->piece_offset[u]), sl->piece_count[u]);
+        lg_copy_beside(&m->exec, place, lg_at(m->params, sl->piece_offset[u] + apart),
+                       sl->piece_count[u] - apart);
         if (frozen) {
             lg_buf whole = {lg_frozen_unit_buffer(tr, r, u), LG_DTYPE_U8};
             lg_buf from = {(uint8_t *)m->frozen_shard.data + fl->piece_offset[u], LG_DTYPE_U8};
@@ -16014,10 +16094,18 @@ static void lg_trainer_await_unit(lg_trainer *tr, int u) {
 /* The copy-beside mark of unit u's gradient buffer (--offload gradients). */
 static int lg_grads_mark(int u) { return LG_BESIDE_GRADS + lg_unit_slot(u, LG_GRAD_BLOCK_SLOTS); }
 
+/* --offload gradients, one rank: the elements of unit u's gradients that travel, all but its
+   host part (lg_unit_host_part). */
+static size_t lg_unit_device_count(const lg_trainer *tr, int u) {
+    const lg_shard_layout *sl = &tr->plan.shards;
+    return sl->unit_offset[u + 1] - sl->unit_offset[u] - lg_unit_host_part(&tr->plan.cfg, u);
+}
+
 /* --offload gradients: unit u's gradients of the step so far, on the host (one rank: the
-   whole unit, where a whole-model buffer would hold it). */
+   whole unit, where a whole-model buffer would hold it), from where its device part starts. */
 static lg_buf lg_host_unit_grads(const lg_trainer *tr, int r, int u) {
-    return lg_at(tr->ranks[r].host_grads, tr->plan.shards.unit_offset[u]);
+    return lg_at(tr->ranks[r].host_grads,
+                 tr->plan.shards.unit_offset[u] + lg_unit_host_part(&tr->plan.cfg, u));
 }
 
 /* --offload gradients: unit u's buffer holds the step's gradients so far, once the buffer's
@@ -16025,8 +16113,7 @@ static lg_buf lg_host_unit_grads(const lg_trainer *tr, int r, int u) {
    the host's sums brought back for the backward to add to (the sums a whole-model buffer
    would hold, added in the same order: the same bits). */
 static void lg_trainer_fetch_unit_grads(lg_trainer *tr, int u, int micro) {
-    const lg_shard_layout *sl = &tr->plan.shards;
-    size_t n = sl->unit_offset[u + 1] - sl->unit_offset[u];
+    size_t n = lg_unit_device_count(tr, u);
     for (int r = 0; r < tr->local_ranks; r++) {
         lg_model *m = &tr->ranks[r].model;
         lg_buf g = lg_unit_grads(tr, r, u);
@@ -16059,13 +16146,12 @@ static void lg_trainer_open_unit_grads(lg_trainer *tr, int u, int micro) {
 /* --offload gradients: unit u's backward is done; its buffer goes to the host beside the
    compute that follows, and the buffer's next user waits for that copy alone. */
 static void lg_trainer_send_unit_grads(lg_trainer *tr, int u) {
-    const lg_shard_layout *sl = &tr->plan.shards;
     if (!tr->plan.spec.offload_gradients || tr->plan.sharding.grads_sharded) return; /* (sharded:
                                                               lg_trainer_add_piece_on_host) */
     for (int r = 0; r < tr->local_ranks; r++) {
         lg_model *m = &tr->ranks[r].model;
         lg_copy_beside(&m->exec, lg_host_unit_grads(tr, r, u), lg_unit_grads(tr, r, u),
-                       sl->unit_offset[u + 1] - sl->unit_offset[u]);
+                       lg_unit_device_count(tr, u));
         lg_mark_beside(&m->exec, lg_grads_mark(u));
     }
 }
@@ -16214,6 +16300,31 @@ static double lg_trainer_forward(lg_trainer *tr, const lg_micro_batch *mb) {
     return lg_trainer_layer_forward(tr, mb, L);
 }
 
+/* A token embedding trained on the host (lg_embedding_trained_on_host): the gradient of the
+   embedding's output (B T, C) comes to the host, into embedding.rows (the forward's copy out of
+   it is done), and the host scatters it into the table's gradient there, adding in token
+   order as the device's embedding backward does: onto zeros in the step's first micro-batch,
+   then onto the sums so far, so the same bits. Tests skip the host's wait to show it matters. */
+static void lg_trainer_scatter_embedding_grads(lg_trainer *tr, const lg_micro_batch *mb, int micro) {
+    const lg_config *c = &tr->plan.cfg;
+    if (!lg_embedding_trained_on_host(c)) return;
+    for (int r = 0; r < tr->local_ranks; r++) {
+        lg_trainer_rank *tr_r = &tr->ranks[r];
+        lg_model *m = &tr_r->model;
+        const lg_micro_batch *b = &mb[r];
+        const lg_exec *host = lg_trainer_host_exec(tr_r);
+        lg_buf table_grads = lg_trained_embedding_view(c, tr_r->host_grads); /* (Vp, C) */
+        if (micro == 0) lg_zero(host, table_grads, lg_unit_host_part(c, 0));
+        if (!b->B) continue;
+        lg_copy_beside(&m->exec, m->embedding_rows, lg_residual_grad(m, 0),
+                       (size_t)b->B * b->T * c->n_embd);
+        lg_mark_beside(&m->exec, LG_BESIDE_EMBEDDING);
+        if (!m->skip_kept_waits) lg_finish_beside(&m->exec, LG_BESIDE_EMBEDDING);
+        lg_embedding_backward(host, table_grads, lg_no_buf(), m->embedding_rows, b->inputs, b->B,
+                              b->T, c->n_embd, b->span_start);
+    }
+}
+
 /* --offload, in the step's last backward, with no replicas left to add (their all-reduce
    comes after the backward): unit u's gradient shard is final, so its copy to the host starts
    beside the compute that remains. */
@@ -16263,6 +16374,7 @@ static void lg_trainer_backward(lg_trainer *tr, const lg_micro_batch *mb, float 
         lg_trainer_start_reduce(tr, l + 1);
     }
     lg_trainer_layer_backward(tr, mb, -1, loss_scale);
+    lg_trainer_scatter_embedding_grads(tr, mb, micro);
     lg_trainer_send_unit_grads(tr, 0);
     lg_trainer_finish_reduce(tr, 1, micro);
     lg_trainer_offload_unit(tr, 1, offload);
@@ -16351,6 +16463,25 @@ static int lg_trainer_init_frozen_units(lg_trainer *tr, lg_error *err) {
     return rc;
 }
 
+/* Trainable unit u's initial weights, its tensors in layout order from rng, into rank 0's slot
+   for it; its host part (lg_unit_host_part) where it lives, in the host's weights. */
+static void lg_trainer_init_unit(lg_trainer *tr, int u, lg_rng *rng) {
+    const lg_shard_layout *sl = &tr->plan.shards;
+    const lg_model *m0 = &tr->ranks[0].model;
+    size_t apart = lg_unit_host_part(&tr->plan.cfg, u);
+    lg_buf unit = lg_unit_weights(tr, 0, u);
+    for (int k = 0; k < m0->param_table.n_tensors; k++) {
+        const lg_tensor_info *t = &m0->param_table.tensors[k];
+        if (t->block + 1 != u) continue;
+        size_t at = t->offset - sl->unit_offset[u];
+        if (at < apart)
+            lg_init_tensor(lg_trainer_host_exec(&tr->ranks[0]), &tr->plan.cfg, t,
+                           lg_at(m0->params, t->offset), rng);
+        else
+            lg_init_tensor(&m0->exec, &tr->plan.cfg, t, lg_at(unit, at - apart), rng);
+    }
+}
+
 /* The same initial weights as one rank: with sharded weights, unit by unit in layout order
    from one random stream on rank 0, broadcast, each rank keeping its piece. In several
    processes every process draws the same stream on its first rank and broadcasts it to its
@@ -16372,20 +16503,17 @@ static int lg_trainer_init_weights(lg_trainer *tr, lg_error *err) {
     if (lg_trainer_init_frozen_units(tr, err) != 0) rc = -1;
     lg_buf slots[LG_MAX_RANKS];
     for (int u = 0; u < sl->n_units; u++) {
-        lg_buf unit = lg_unit_weights(tr, 0, u);
+        size_t apart = lg_unit_host_part(&tr->plan.cfg, u); /* (one rank: its piece is the unit) */
         lg_rank_sync(m0->rank); /* the slot's last broadcast has left it */
-        for (int k = 0; k < m0->param_table.n_tensors; k++) {
-            const lg_tensor_info *t = &m0->param_table.tensors[k];
-            if (t->block + 1 == u)
-                lg_init_tensor(&m0->exec, &tr->plan.cfg, t,
-                               lg_at(unit, t->offset - sl->unit_offset[u]), &rng);
-        }
+        lg_trainer_init_unit(tr, u, &rng);
         for (int r = 0; r < tr->local_ranks; r++) slots[r] = lg_unit_weights(tr, r, u);
-        lg_broadcast(tr->world_comm, tr->local_ranks, 0, slots, sl->unit_offset[u + 1] - sl->unit_offset[u]);
+        lg_broadcast(tr->world_comm, tr->local_ranks, 0, slots,
+                     sl->unit_offset[u + 1] - sl->unit_offset[u] - apart);
         for (int r = 0; r < tr->local_ranks; r++) {
-            size_t count = sl->piece_count[u];
+            size_t count = sl->piece_count[u] - apart;
             size_t first = tr->plan.ranks[tr->first_rank + r].shard_index * count;
-            lg_copy(&tr->ranks[r].model.exec, lg_at(tr->ranks[r].model.params, sl->piece_offset[u]),
+            lg_copy(&tr->ranks[r].model.exec,
+                    lg_at(tr->ranks[r].model.params, sl->piece_offset[u] + apart),
                     lg_at(slots[r], first), count);
         }
     }
@@ -16919,7 +17047,7 @@ void lg_trainer_generate(lg_trainer *tr, int *tokens, int n_prompt, int n_new, i
 void lg_trainer_weights(lg_trainer *tr, lg_buf whole) {
     const lg_shard_layout *sl = &tr->plan.shards;
     const lg_model *m0 = &tr->ranks[0].model;
-    if (!m0->weights_gathered) {
+    if (!tr->plan.sharding.weights_sharded) { /* whole: on the device, or streamed from the host */
         lg_copy(&m0->exec, whole, m0->params, m0->n_params);
         lg_rank_sync(m0->rank);
         return;
@@ -17600,12 +17728,13 @@ int lg_training_state_read(lg_trainer *tr, lg_loader *data, int *step, const cha
 
 /* --- trainer checkpoints ----------------------------------------------------------------------- */
 
-/* model.safetensors of the trainer's weights: rank 0's when whole, else gathered unit by unit
-   (lg_unit_walk). */
+/* model.safetensors of the trainer's weights: rank 0's when whole, else (sharded) gathered
+   unit by unit (lg_unit_walk). */
 static int lg_trainer_write_model(lg_trainer *tr, const char *dir, lg_file_digest *digests,
                                   lg_error *err) {
     const lg_model *m0 = &tr->ranks[0].model;
-    if (!m0->weights_gathered) return tr->process == 0 ? lg_hf_write_model(m0, dir, digests, err) : 0;
+    if (!tr->plan.sharding.weights_sharded) /* whole: on the device, or streamed from the host */
+        return tr->process == 0 ? lg_hf_write_model(m0, dir, digests, err) : 0;
     lg_unit_walk w; /* full-shard: unit by unit through the gather regions */
     if (lg_unit_walk_start(&w, tr, 0, err) != 0) return -1;
     int rc = tr->process == 0 ? lg_hf_write_model_from(m0, &w.units, lg_unit_walk_weights, &w, dir,

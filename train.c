@@ -278,7 +278,7 @@ static void set_offload(flag_call *c) {
             c->a->offload = c->a->offload_gradients = 1;
         else if (strncmp(p, "weights", n) == 0) /* where the optimizer updates them */
             c->a->offload = c->a->offload_weights = 1;
-        else c->a->offload_embedding = 1; /* LoRA's frozen table: no optimizer on it */
+        else c->a->offload_embedding = 1; /* the token table (trained: the checks' rules) */
     }
 }
 
@@ -513,8 +513,10 @@ static const flag_row flag_table[] = {
      "there), activations (the block inputs --recompute block\n"
      "keeps), gradients (each block's as its backward ends;\n"
      "with state), weights (streamed in a block at a time; with\n"
-     "state), embedding (LoRA's frozen token table, the step's\n"
-     "rows gathered there); same results either way"},
+     "state), embedding (the token table, the step's rows\n"
+     "gathered there; LoRA's frozen one, or trained with\n"
+     "gradients,weights on one device, its gradient scattered\n"
+     "there); same results either way"},
     {"plan", 0, FLAG_MAYBE_VALUE, "[=json|svg]", set_plan, "plan_only",
      "print the memory plan per device and exit; json and svg\n"
      "alone on stdout (svg: stacked groups against the limit)"},
@@ -1104,8 +1106,8 @@ static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T, char *no
              lg_format_bytes(limit, size, sizeof size), source);
 }
 
-/* LoRA's token embedding when --offload embedding is not given: on the device, or in host
-   memory where that makes the run fit (said in note). */
+/* The token embedding when --offload embedding is not given: on the device, or in host memory
+   where that makes the run fit and the run allows it (said in note). */
 static void choose_embedding(lg_args *a, const lg_config *cfg, int T, char *note, size_t cap) {
     const char *source;
     size_t limit = device_limit(a, &source);
@@ -1114,8 +1116,9 @@ static void choose_embedding(lg_args *a, const lg_config *cfg, int T, char *note
     a->offload_embedding = 1;
     size_t used = strlen(note);
     snprintf(note + used, cap - used, "the run does not fit in %s (%s) with the token embedding "
-             "on the device; LoRA's frozen table in host memory (`offload embedding`)\n",
-             lg_format_bytes(limit, size, sizeof size), source);
+             "on the device; %s in host memory (`offload embedding`)\n",
+             lg_format_bytes(limit, size, sizeof size), source,
+             a->lora.r > 0 ? "LoRA's frozen table" : "the table, trained there,");
 }
 
 /* --head-rows and --slice-rows when not given: all rows, or where the run does not fit so the

@@ -1727,14 +1727,14 @@ static int offload_runs_same(const lg_config *cfg, const lg_args *a, const lg_ar
     for (int q = 0; same && q < whole.local_ranks; q++) {
         const lg_trainer_rank *w = &whole.ranks[q], *s = &streamed.ranks[q];
         const lg_region *weights = lg_plan_find(&streamed.plan.ranks[q], "weights");
-        const lg_region *table = lg_plan_find(&streamed.plan.ranks[q], "embedding.host");
+        const lg_region *rows = lg_plan_find(&streamed.plan.ranks[q], "embedding.rows");
         lg_buf w_grads = w->host_grads.data ? w->host_grads : w->model.grads; /* (without state: */
         lg_buf s_grads = s->host_grads.data ? s->host_grads : s->model.grads; /* the device's) */
         same = same_bits(w_grads, s_grads, w->model.n_local) &&
                same_bits(w->model.params, s->model.params, w->model.n_local) &&
                (s->model.grads.data == NULL) == b->offload_gradients &&
                (weights->pool == LG_POOL_HOST) == b->offload_weights &&
-               (table && table->pool == LG_POOL_HOST) == b->offload_embedding;
+               (rows && rows->pool == LG_POOL_HOST) == b->offload_embedding;
     }
     if (!same)
         printf("    differs: %s %s, -b %d -g %d -d %d %s%s%s%s\n", family, mode, a->micro_batch_size,
@@ -1858,25 +1858,32 @@ static void test_offload_weights_bitwise(results *r) {
           "-d 2 --nodes 2 hybrid-shard, each rank streaming its piece)", runs, n_families);
 }
 
-/* --offload embedding: LoRA's frozen token embedding lives in the host pool and the step's rows
-   are gathered there; bitwise the losses, adapters' gradients and adapters of the run that
-   keeps it on the device: every family with a table of its own (GPT-2 ties it), LoRA
-   (bf16-mixed, fp32) and QLoRA nf4 (bf16-true), 1 and 3 micro-batches, alone, with
-   --offload state,activations,weights (recompute), and -d 2 full-shard (its frozen ends
-   unit gathered without the table). */
+/* --offload embedding: the token embedding lives in host memory and the step's rows are
+   gathered there; trained, its gradient is scattered there too. Bitwise the losses, gradients
+   and weights of the run that keeps it on the device: every family with a table of its own
+   (GPT-2 ties it), LoRA (bf16-mixed, fp32) and QLoRA nf4 (bf16-true) 1 and 3 micro-batches x
+   alone, with --offload state,activations,weights (recompute), and -d 2 full-shard (the frozen
+   ends unit gathered without the table); every weight trained (fp32, bf16-mixed, bf16-true),
+   which needs --offload state,gradients,weights, alone and with activations. */
 static void test_offload_embedding_bitwise(results *r) {
     const char *names[] = {"test-pythia", "test-llama", "test-falcon", "test-llama31"};
     const int n_families = (int)(sizeof names / sizeof names[0]);
-    enum { LORA_BF16_MIXED, LORA_FP32, QLORA_NF4, N_MODES };
-    static const char *const mode_names[N_MODES] = {"lora bf16-mixed", "lora fp32", "qlora nf4"};
+    enum { LORA_BF16_MIXED, LORA_FP32, QLORA_NF4, FULL_FP32, FULL_BF16_MIXED, FULL_BF16_TRUE,
+           N_MODES };
+    static const char *const mode_names[N_MODES] = {"lora bf16-mixed", "lora fp32", "qlora nf4",
+                                                    "full fp32", "full bf16-mixed",
+                                                    "full bf16-true"};
     static const lg_precision precisions[N_MODES] = {
-        LG_PRECISION_BF16_MIXED, LG_PRECISION_32_TRUE, LG_PRECISION_BF16_TRUE};
+        LG_PRECISION_BF16_MIXED, LG_PRECISION_32_TRUE, LG_PRECISION_BF16_TRUE,
+        LG_PRECISION_32_TRUE, LG_PRECISION_BF16_MIXED, LG_PRECISION_BF16_TRUE};
     enum { ALONE, WITH_STREAMING, FULL_SHARD, N_WAYS };
-    int ok = 1, runs = 0;
+    int ok = 1, runs = 0, full_runs = 0;
     for (int i = 0; i < n_families; i++)
         for (int k = 0; k < N_MODES; k++)
             for (int accumulation = 1; accumulation <= 3; accumulation += 2)
                 for (int way = 0; way < N_WAYS; way++) {
+                    int full = k >= FULL_FP32;
+                    if (full && way == FULL_SHARD) continue; /* (one rank: refused) */
                     lg_config cfg;
                     if (load_config_or_fail(r, &cfg, names[i])) return;
                     cfg.n_layer = 3;
@@ -1886,9 +1893,12 @@ static void test_offload_embedding_bitwise(results *r) {
                     a.micro_batch_size = 2;
                     a.global_batch_size = 2 * accumulation;
                     a.max_norm = 0.05f;
-                    a.lora.r = 4;
-                    a.lora.targets = LG_LORA_QUERY | LG_LORA_VALUE | LG_LORA_MLP | LG_LORA_HEAD;
-                    a.lora.quantize = k == QLORA_NF4 ? LG_QUANTIZE_NF4 : LG_QUANTIZE_NONE;
+                    if (!full) {
+                        a.lora.r = 4;
+                        a.lora.targets = LG_LORA_QUERY | LG_LORA_VALUE | LG_LORA_MLP | LG_LORA_HEAD;
+                        a.lora.quantize = k == QLORA_NF4 ? LG_QUANTIZE_NF4 : LG_QUANTIZE_NONE;
+                    }
+                    if (full) a.offload = a.offload_gradients = a.offload_weights = 1;
                     if (way == WITH_STREAMING)
                         a.offload = a.offload_activations = a.offload_weights = a.recompute = 1;
                     if (way == FULL_SHARD) {
@@ -1899,11 +1909,14 @@ static void test_offload_embedding_bitwise(results *r) {
                     host.offload_embedding = 1;
                     ok = offload_runs_same(&cfg, &a, &host, names[i], mode_names[k]) && ok;
                     runs++;
+                    full_runs += full;
                 }
-    check(r, ok, "--offload embedding: bitwise the losses, gradients and adapters of the table "
+    check(r, ok, "--offload embedding: bitwise the losses, gradients and weights of the table "
           "on the device after 3 clipped AdamW steps (%d runs: %d families with 3 layers x LoRA "
           "bf16-mixed and fp32, QLoRA nf4 x 1 and 3 micro-batches x alone, with --offload "
-          "state,activations,weights, -d 2 full-shard)", runs, n_families);
+          "state,activations,weights, -d 2 full-shard; %d of them training every weight, the "
+          "table's gradient scattered on the host: fp32, bf16-mixed, bf16-true with --offload "
+          "state,gradients,weights, alone and with activations)", runs, n_families, full_runs);
 }
 
 /* What one --offload run allocates: test-pythia (cfg), --offload state, 3 micro-batches of 2
@@ -2112,6 +2125,55 @@ static int embedding_pools_of(results *r, const lg_config *cfg, int host_table, 
     return 0;
 }
 
+/* A token embedding trained on the host as allocated: test-llama31, every weight, bf16-true,
+   3 micro-batches of 2 x 16 with --offload state,gradients,weights, with and without
+   embedding. The arenas are the plan's; the ends' weight slot and gradient buffer on the
+   device each lose the table (Vp x C); the host pool gains one micro-batch's rows; the host
+   traffic loses the table's gradient (out 3 times, back twice) and its weights (in once a
+   micro-batch) and gains the rows, in and out each micro-batch; the table's view is the
+   start of the host's weights; --plan says so. */
+static void test_trained_embedding_memory(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-llama31")) return;
+    size_t device[2], host[2], traffic[2], ends[2][2]; /* ends: gather.ends, gradients.ends B */
+    int ok = 1;
+    for (int v = 0; v < 2; v++) {
+        lg_args a;
+        lg_args_default(&a);
+        a.precision = LG_PRECISION_BF16_TRUE;
+        a.micro_batch_size = 2;
+        a.global_batch_size = 6;
+        a.offload = a.offload_gradients = a.offload_weights = 1;
+        a.offload_embedding = v;
+        lg_error err;
+        lg_trainer tr;
+        if (create_counting(&tr, &cfg, &a, 16, &err) != 0) { check(r, 0, "%s", err.msg); return; }
+        const lg_rank_plan *p = &tr.plan.ranks[0];
+        device[v] = p->pool_bytes[LG_POOL_DEVICE];
+        host[v] = p->pool_bytes[LG_POOL_HOST];
+        traffic[v] = lg_plan_host_traffic_bytes(&tr.plan);
+        ends[v][0] = lg_plan_find(p, "gather.ends")->bytes;
+        ends[v][1] = lg_plan_find(p, "gradients.ends")->bytes;
+        ok = ok && arenas_equal_plan(&tr) &&
+             (!v || tr.ranks[0].model.embedding_host.data == lg_rank_region(&tr.ranks[0].rank, "weights"));
+        lg_trainer_free(&tr);
+    }
+    size_t bf16 = 2, table = (size_t)cfg.padded_vocab_size * cfg.n_embd * bf16;
+    size_t rows = 2 * 16 * (size_t)cfg.n_embd * bf16;
+    size_t slots = lg_align_to(ends[0][0], LG_ALIGN) - lg_align_to(ends[1][0], LG_ALIGN) +
+                   lg_align_to(ends[0][1], LG_ALIGN) - lg_align_to(ends[1][1], LG_ALIGN);
+    check(r, ok && ends[0][0] - ends[1][0] == table && ends[0][1] - ends[1][1] == table &&
+          device[0] - device[1] == slots && host[1] - host[0] == lg_align_to(rows, LG_ALIGN) &&
+          traffic[0] + 6 * rows - traffic[1] == (5 + 3) * table,
+          "--offload embedding, every weight trained: arenas as planned, gather.ends and "
+          "gradients.ends each %zu B smaller (the table), device pool %zu -> %zu B, host pool "
+          "%zu -> %zu B (one micro-batch's rows), host traffic %zu -> %zu B (the table 8 times "
+          "less, the rows 6 times more)", table, device[0], device[1], host[0], host[1],
+          traffic[0], traffic[1]);
+    expect_cli(r, "--plan -c test-llama31 --offload state,gradients,weights,embedding", 0,
+               "the token embedding trained on the host");
+}
+
 /* --offload embedding as allocated: the arenas are the plan's; the frozen base on the device
    loses the table (Vp x C), the host pool gains it and the step's rows (B T x C), the host
    traffic the rows of each micro-batch; with -d 2 full-shard the gathered ends unit is the
@@ -2162,22 +2224,33 @@ static void test_offload_embedding_memory(results *r) {
               "the remedies %s --offload embedding for %s (device %zu B, the table on it %zu B)",
               tied ? "leave out" : "price", model.name, moved < 0 ? 0 : rem[moved].device_bytes, plain);
     }
-    static const char *const why[2] = {"add `lora.r`", "tie_embeddings"};
-    for (int i = 0; i < 2; i++) { /* full fine-tuning; a tied table (GPT-2) */
+    static const struct {
+        const char *model, *why;
+        int lora_r, devices, streamed; /* streamed: --offload state,gradients,weights */
+    } refusals[] = {
+        {"test-llama31", "`offload weights` and `offload gradients`", 0, 1, 0}, /* trained */
+        {"test-llama31", "`devices 2`", 0, 2, 1},                      /* trained, two ranks */
+        {"test-gpt2", "tie_embeddings", 4, 1, 0},                      /* a tied table */
+    };
+    for (int i = 0; i < (int)(sizeof refusals / sizeof refusals[0]); i++) {
         lg_config model;
-        if (load_config_or_fail(r, &model, i ? "test-gpt2" : "test-llama31")) return;
+        if (load_config_or_fail(r, &model, refusals[i].model)) return;
         lg_args a;
         lg_args_default(&a);
-        a.lora.r = i ? 4 : 0;
+        a.lora.r = refusals[i].lora_r;
+        a.devices = refusals[i].devices;
+        a.offload = a.offload_gradients = a.offload_weights = refusals[i].streamed;
         a.offload_embedding = 1;
         lg_plan_spec spec;
         lg_plan plan;
-        lg_error refused = {0};
+        lg_error refused = {0}, planned = {0};
+        int args_rc = lg_args_check(&a, &refused);
         lg_plan_spec_from_args(&spec, &a, 16);
-        int rc = lg_plan_make(&plan, &model, &spec, &refused);
-        if (rc == 0) lg_plan_free(&plan);
-        check(r, rc != 0 && strstr(refused.msg, "`offload embedding`") && strstr(refused.msg, why[i]),
-              "--offload embedding refused naming %s: %s", why[i], refused.msg);
+        int plan_rc = lg_plan_make(&plan, &model, &spec, &planned); /* a library's own spec */
+        if (plan_rc == 0) lg_plan_free(&plan);
+        const char *msg = args_rc != 0 ? refused.msg : planned.msg;
+        check(r, plan_rc != 0 && strstr(msg, "`offload embedding`") && strstr(msg, refusals[i].why),
+              "--offload embedding refused naming %s (the plan too): %s", refusals[i].why, msg);
     }
 }
 
@@ -2881,6 +2954,7 @@ int main(int argc, char **argv) {
         test_offload_weights_memory(&r);
         test_offload_embedding_bitwise(&r);
         test_offload_embedding_memory(&r);
+        test_trained_embedding_memory(&r);
     }
     if (section("memory plan", argc, argv)) {
         test_plan_matches_allocations(&r);

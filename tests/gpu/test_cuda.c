@@ -749,33 +749,42 @@ static void test_offload_weights(results *r) {
 #endif
 }
 
-/* --offload embedding on the GPU: LoRA's frozen token embedding in host memory, each
-   micro-batch's rows gathered there and copied in beside the compute, give bitwise the
-   adapters and losses of the table on the device: LoRA bf16-mixed alone, QLoRA nf4 32-true
-   with --offload state,activations,weights (recompute); on the emulator with deferred copies,
-   without the compute's wait for the rows' copy block 0 reads the rows before they land. */
+/* --offload embedding on the GPU: the token embedding in host memory, each micro-batch's rows
+   gathered there and copied in beside the compute, give bitwise the weights and losses of the
+   table on the device: LoRA bf16-mixed alone, QLoRA nf4 32-true with --offload
+   state,activations,weights (recompute), and every weight trained (bf16-mixed, --offload
+   state,gradients,weights), the table's gradient copied out and scattered on the host; on the
+   emulator with deferred copies, without the compute's wait for the rows' copy block 0 reads
+   the rows before they land. */
 static void test_offload_embedding(results *r) {
-    for (int qlora = 0; qlora < 2; qlora++) {
-        lg_args a = step_args(qlora ? LG_PRECISION_32_TRUE : LG_PRECISION_BF16_MIXED, LG_BACKEND_CUDA);
+    enum { LORA, QLORA, TRAINED, N_KINDS };
+    static const char *const kinds[N_KINDS] = {
+        "LoRA bf16-mixed", "QLoRA nf4 32-true with --offload state,activations,weights",
+        "every weight trained, bf16-mixed with --offload state,gradients,weights"};
+    for (int kind = 0; kind < N_KINDS; kind++) {
+        lg_args a = step_args(kind == QLORA ? LG_PRECISION_32_TRUE : LG_PRECISION_BF16_MIXED,
+                              LG_BACKEND_CUDA);
         a.global_batch_size = 3 * a.micro_batch_size;
         a.max_norm = 0.0f;
-        a.lora.r = 2;
-        a.lora.dropout = 0.0f;
-        a.lora.quantize = qlora ? LG_QUANTIZE_NF4 : LG_QUANTIZE_NONE;
-        a.lora.targets = LG_LORA_QUERY | LG_LORA_VALUE | LG_LORA_MLP | LG_LORA_HEAD;
-        if (qlora) a.offload = a.offload_activations = a.offload_weights = a.recompute = 1;
+        if (kind != TRAINED) {
+            a.lora.r = 2;
+            a.lora.dropout = 0.0f;
+            a.lora.quantize = kind == QLORA ? LG_QUANTIZE_NF4 : LG_QUANTIZE_NONE;
+            a.lora.targets = LG_LORA_QUERY | LG_LORA_VALUE | LG_LORA_MLP | LG_LORA_HEAD;
+        }
+        if (kind == QLORA) a.offload = a.offload_activations = a.offload_weights = a.recompute = 1;
+        if (kind == TRAINED) a.offload = a.offload_gradients = a.offload_weights = 1;
         lg_args b = a;
         b.offload_embedding = 1;
         double losses;
         unsigned long long beside = 0;
         double apart = streamed_run_apart(r, &a, &b, 5, 0, &losses, &beside);
         check(r, apart == 0 && losses == 0, "--offload embedding = the table on the device, on "
-              "the GPU, %s, 5 blocks, 3 micro-batches a step, 3 steps: adapters %.1e, losses "
-              "%.1e apart (bitwise); %llu kernels launched beside a pending copy",
-              qlora ? "QLoRA nf4 32-true with --offload state,activations,weights" : "LoRA bf16-mixed",
+              "the GPU, %s, 5 blocks, 3 micro-batches a step, 3 steps: weights %.1e, losses "
+              "%.1e apart (bitwise); %llu kernels launched beside a pending copy", kinds[kind],
               apart, losses, beside);
 #ifdef LG_CUDA_EMULATE
-        if (!qlora && copies_deferred()) {
+        if (kind == LORA && copies_deferred()) {
             double losses_skipped;
             unsigned long long beside_skipped = 0;
             double skipped = streamed_run_apart(r, &a, &b, 5, 1, &losses_skipped, &beside_skipped);
