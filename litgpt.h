@@ -836,6 +836,15 @@ typedef struct {
    block output down in the forward and up in the backward, every micro-batch. On a GPU they
    cross PCIe (or NVLink-C2C); on the CPU backend they are copies within one memory. */
 size_t lg_plan_host_traffic_bytes(const lg_plan *plan);
+/* An estimate of the floating-point operations one rank computes in an optimizer step: 2 for
+   each multiply-add of every matmul (the block linears, the head, LoRA's adapters, causal
+   attention's two products on the half at and below the diagonal) in the forward, in what the
+   step computes again (--recompute block: every block; MLP slices: their hidden layer; head
+   chunks: the logits), and in the backward (each matmul's input gradient, its weight gradient
+   where the weight trains: not LoRA's frozen base; attention's backward twice its forward).
+   Norms, activations, the loss, the optimizer and NF4's dequantization are left out: few
+   operations a byte moved. */
+double lg_plan_step_flops(const lg_plan *plan);
 /* A planning figure for that traffic's time: 25 GB/s, about what a PCIe 4.0 x16 link (31.5
    GB/s a direction in its specification) carries in practice; an estimate, not a measurement. */
 #define LG_PCIE_BYTES_PER_S_ESTIMATE 25e9
@@ -5255,6 +5264,52 @@ static size_t lg_plan_streamed_weight_bytes(const lg_plan *plan) {
     return bytes;
 }
 
+/* Multiply-adds of one token through a block's linears (lg_lora_dims: q, k and v apart, as
+   the fused qkv computes them), those of `which` (a mask of 1 << lg_lora_linear); adapters:
+   through their LoRA adapters (r x (in + out)) instead. */
+static double lg_block_token_macs(const lg_config *c, unsigned which, int adapters) {
+    double macs = 0;
+    for (int k = 0; k < LG_LORA_BLOCK_LINEARS; k++) {
+        int in, out;
+        lg_lora_dims(c, (lg_lora_linear)k, &in, &out);
+        if (!(which & 1u << k)) continue;
+        if (!adapters) macs += (double)in * out;
+        else if (lg_lora_adapts(c, (lg_lora_linear)k)) macs += (double)c->lora.r * (in + out);
+    }
+    return macs;
+}
+
+/* A micro-batch's multiply-adds (lg_plan_step_flops), from what one token costs in each part. */
+static double lg_micro_batch_macs(const lg_plan *plan) {
+    const lg_config *c = &plan->cfg;
+    const lg_plan_spec *s = &plan->spec;
+    double N = (double)s->B * s->T, L = c->n_layer, C = c->n_embd, Vp = c->padded_vocab_size;
+    unsigned all = (1u << LG_LORA_BLOCK_LINEARS) - 1;
+    unsigned hidden = 1u << LG_LORA_FC | 1u << LG_LORA_FC_2; /* what an MLP slice rebuilds */
+    unsigned attention = 1u << LG_LORA_Q | 1u << LG_LORA_K | 1u << LG_LORA_V | 1u << LG_LORA_PROJ;
+    int head_adapter = c->lora.r > 0 && (c->lora.targets & LG_LORA_HEAD);
+    double head = Vp * C + (head_adapter ? c->lora.r * (C + Vp) : 0); /* a token, with adapter */
+    double attend = (double)s->B * c->n_head * c->head_size * s->T * (s->T + 1.0); /* a block */
+    double block = lg_block_token_macs(c, all, 0) + lg_block_token_macs(c, all, 1);
+    double trained = c->lora.r > 0 ? N * (L * lg_block_token_macs(c, all, 1) + (head - Vp * C))
+                                   : N * (L * block + head); /* the weight gradients */
+    double forward = N * (L * block + head) + L * attend;
+    double backward = N * (L * block + head) + trained + 2 * L * attend;
+    double again = 0;
+    int sliced = s->slice_rows < s->B * s->T, chunked = s->head_rows < s->B * s->T;
+    if (s->recompute)
+        again += sliced ? N * L * (lg_block_token_macs(c, attention, 0) +
+                                   lg_block_token_macs(c, attention, 1)) + L * attend
+                        : N * L * block + L * attend;
+    if (sliced) again += N * L * (lg_block_token_macs(c, hidden, 0) + lg_block_token_macs(c, hidden, 1));
+    if (chunked) again += N * head;
+    return forward + again + backward;
+}
+
+double lg_plan_step_flops(const lg_plan *plan) {
+    return 2.0 * lg_micro_batch_macs(plan) * plan->spec.accumulation;
+}
+
 size_t lg_plan_host_traffic_bytes(const lg_plan *plan) {
     const lg_rank_plan *r = &plan->ranks[0];
     size_t bytes = 0, kept = 0; /* what the copies move: count x element, not the padded regions */
@@ -6145,6 +6200,7 @@ void lg_plan_print_json(const lg_plan *plan, const lg_fit *fit, FILE *out) {
                 fit->runtime.own_image, fit->runtime.cublaslt, fit->runtime.cublaslt_eager,
                 fit->runtime.nccl);
     fprintf(out, "\"host_traffic_bytes\":%zu,", lg_plan_host_traffic_bytes(plan));
+    fprintf(out, "\"step_flops\":%.6g,", lg_plan_step_flops(plan));
     fprintf(out, "\"devices\":[");
     for (int i = 0; i < plan->n_ranks; i++) {
         const lg_rank_plan *r = &plan->ranks[i];

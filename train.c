@@ -1184,8 +1184,25 @@ static void print_plan_with_recompute_choice(const lg_plan *plan, const lg_args 
     lg_plan_free(&alternative);
 }
 
-/* --plan's last lines: the host traffic of a step on a GPU, where the CUDA runtime's share is
-   estimated, and whether the run fits. */
+/* --plan on a GPU: the step's compute and its host traffic, estimated; the copies run beside
+   the compute, so they can hide behind it only where the card computes no faster than the
+   copies take. */
+static void print_step_costs(const lg_plan *plan, const lg_args *a) {
+    char bytes[32];
+    if (a->backend != LG_BACKEND_CUDA) return;
+    double flops = lg_plan_step_flops(plan), traffic = (double)lg_plan_host_traffic_bytes(plan);
+    double seconds = traffic / LG_PCIE_BYTES_PER_S_ESTIMATE;
+    printf("compute: %.3g TFLOP a step (an estimate: the matmuls and attention, recomputed parts "
+           "included)\n", flops / 1e12);
+    if (traffic == 0) return;
+    printf("host <-> device: %s a step, about %.0f ms at %.0f GB/s (a PCIe 4.0 x16 estimate): "
+           "hidden behind the compute at best, on a card that sustains at most %.0f TFLOP/s\n",
+           lg_format_bytes((size_t)traffic, bytes, sizeof bytes), 1e3 * seconds,
+           LG_PCIE_BYTES_PER_S_ESTIMATE / 1e9, flops / seconds / 1e12);
+}
+
+/* --plan's last lines: the CUDA runtime's share where it is estimated, the step's costs, and
+   whether the run fits. */
 static void print_fit(const lg_plan *plan, const lg_fit *fit, const lg_args *a,
                       const char *source) {
     char need[32], have[32], host[32], host_limit[32];
@@ -1195,11 +1212,7 @@ static void print_fit(const lg_plan *plan, const lg_fit *fit, const lg_args *a,
                lg_format_bytes(a->runtime_bytes, need, sizeof need),
                a->gpu ? a->gpu->label : "the largest of the named cards",
                lg_cuda_runtime_parts_describe(&a->runtime_parts, parts, sizeof parts));
-    size_t traffic = lg_plan_host_traffic_bytes(plan);
-    if (traffic && a->backend == LG_BACKEND_CUDA)
-        printf("host <-> device: %s a step, about %.0f ms at %.0f GB/s (a PCIe 4.0 x16 "
-               "estimate)\n", lg_format_bytes(traffic, need, sizeof need),
-               1e3 * (double)traffic / LG_PCIE_BYTES_PER_S_ESTIMATE, LG_PCIE_BYTES_PER_S_ESTIMATE / 1e9);
+    print_step_costs(plan, a);
     lg_format_bytes(fit->checked_bytes, need, sizeof need);
     if (fit->fits < 0) {
         print_settings("fits: not checked: %s needed, %s\n", need, source);

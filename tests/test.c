@@ -2965,6 +2965,7 @@ int main(int argc, char **argv) {
         test_plan_for_gpus(&r);
         test_context_table_in_readme(&r);
         test_host_traffic(&r);
+        test_step_flops(&r);
         test_cuda_workspace_sized(&r);
         test_gpu_cards_and_margin(&r);
         test_runtime_estimate_per_card(&r);

@@ -216,6 +216,71 @@ static void test_host_traffic(results *r) {
                "--memory-limit 2GiB", 0, "host <-> device:");
 }
 
+/* The plan's step FLOPs for args a (T tokens a row) on cfg; -1 when it does not plan. */
+static double step_flops_of(const lg_config *cfg, const lg_args *a, int T) {
+    lg_plan_spec spec;
+    lg_plan plan;
+    lg_error err;
+    lg_plan_spec_from_args(&spec, a, T);
+    if (lg_plan_make(&plan, cfg, &spec, &err) != 0) return -1;
+    double flops = lg_plan_step_flops(&plan);
+    lg_plan_free(&plan);
+    return flops;
+}
+
+/* The step's FLOPs (lg_plan_step_flops) from the model's tensor table: test-llama, 2
+   micro-batches of 2 x 16 tokens. Every weight trained: 6 x tokens x the block linears' and the
+   head's matrices (forward, input and weight gradients), plus causal attention's 2 x 2 x B x
+   heads x head_size x T (T + 1) / 2 a block, 3 times (forward, backward twice);
+   --recompute block adds the blocks' forward once more; LoRA on q and v (r 2): the frozen
+   matrices lose their weight gradients and the adapters (r x (in + out)) add 6 x tokens;
+   --head-rows 5 adds the head's forward again. */
+static void test_step_flops(results *r) {
+    lg_config cfg;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    const int T = 16, B = 2, micro = 2;
+    lg_tensor_table table;
+    if (lg_table_alloc(&table, &cfg) != 0) return;
+    lg_params_layout(&cfg, lg_no_buf(), NULL, &table);
+    double blocks = 0, head = (double)cfg.padded_vocab_size * cfg.n_embd, tokens = (double)B * T;
+    for (int i = 0; i < table.n_tensors; i++) {
+        const lg_tensor_info *t = &table.tensors[i];
+        if (t->block >= 0 && (t->kind == LG_TENSOR_WEIGHT || t->kind == LG_TENSOR_RESIDUAL))
+            blocks += (double)t->count;
+    }
+    lg_tensor_table_free(&table);
+    double attention = 2.0 * 2 * B * cfg.n_head * cfg.head_size * T * (T + 1) / 2 * cfg.n_layer;
+    double adapters = 2.0 * cfg.n_layer * (cfg.n_embd + cfg.n_head * cfg.head_size) +
+                      2.0 * cfg.n_layer * (cfg.n_embd + cfg.n_query_groups * cfg.head_size);
+    lg_args a;
+    lg_args_default(&a);
+    a.backend = LG_BACKEND_CUDA;
+    a.micro_batch_size = B;
+    a.global_batch_size = B * micro;
+    double full = step_flops_of(&cfg, &a, T);
+    double want_full = micro * (6 * tokens * (blocks + head) + 3 * attention);
+    a.recompute = 1;
+    double recompute = step_flops_of(&cfg, &a, T);
+    double want_recompute = want_full + micro * (2 * tokens * blocks + attention);
+    a.recompute = 0;
+    a.lora.r = 2;
+    a.lora.targets = LG_LORA_QUERY | LG_LORA_VALUE;
+    double lora = step_flops_of(&cfg, &a, T);
+    double want_lora = micro * (4 * tokens * (blocks + head) + 6 * tokens * adapters + 3 * attention);
+    a.head_rows = 5;
+    double chunked = step_flops_of(&cfg, &a, T);
+    double want_chunked = want_lora + micro * 2 * tokens * head;
+    check(r, fabs(full - want_full) <= 1e-12 * want_full &&
+          fabs(recompute - want_recompute) <= 1e-12 * want_recompute &&
+          fabs(lora - want_lora) <= 1e-12 * want_lora && fabs(chunked - want_chunked) <= 1e-12 * want_chunked,
+          "the step's FLOPs from the tensor table: every weight %.6g (want %.6g), + recompute "
+          "%.6g (%.6g), LoRA q,v r 2 %.6g (%.6g), + head chunks %.6g (%.6g)", full, want_full,
+          recompute, want_recompute, lora, want_lora, chunked, want_chunked);
+    expect_cli(r, "--plan --backend cuda -c test-llama -t 16 -b 2 -g 4 -p 32-true --offload "
+               "--memory-limit 2GiB", 0, "hidden behind the compute at best, on a card that "
+               "sustains at most");
+}
+
 /* A GPU's matmul workspace holds one sequence's attention statistic D (n_head, T) fp32,
    which the backward keeps there: 32 MiB up to 2,097,152 tokens at 4 heads (262,144 at 32),
    past that D's own size, so that no length aborts in the backward. */
