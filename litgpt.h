@@ -15850,7 +15850,10 @@ static int lg_base_hash_of(const lg_config *cfg, lg_dtype weights, const lg_real
                                          lg_trainer_open_unit_grads, the unit's backward,
                                          lg_trainer_start_reduce and lg_trainer_finish_reduce
                                          (sharded gradients; one rank: nothing),
-                                         lg_trainer_offload_unit (--offload, last micro-batch)
+                                         lg_trainer_send_unit_grads (--offload gradients),
+                                         lg_trainer_offload_unit (--offload, last micro-batch),
+                                         lg_trainer_scatter_embedding_grads (a token table
+                                         trained on the host; else nothing)
        lg_comm_sum_doubles               the losses of other processes' ranks (one process:
                                          nothing)
        lg_trainer_sync_replicas          all-reduce over replicas (no-shard, hybrid-shard; one
