@@ -506,6 +506,10 @@ typedef struct {
     lg_lora lora;              /* --lora-r, --lora-alpha, --lora-dropout, --lora-targets,
                                   --quantize: fine-tune adapters over a frozen model */
     int finetuning;            /* the data are fine-tuning samples: LoRA and QLoRA are remedies */
+    /* the lines a GPU rank prints itself as it stops (cuBLASLt out of memory) name settings:
+       a driver with flags spells them (lg_spell_settings); NULL: the names */
+    lg_setting_speller *speller;
+    void *speller_context;
 } lg_args;
 
 void lg_args_default(lg_args *args);
@@ -721,6 +725,9 @@ typedef struct {
     size_t runtime_bytes;   /* GPU: what the CUDA context, cuBLAS and NCCL take, measured at
                                start-up (lg_args.runtime_bytes); planned, not in the arena */
     int tf32;               /* GPU: fp32 matmuls may use TF32 (no memory; the ranks read it) */
+    lg_setting_speller *speller; /* GPU: how a rank's own lines name settings (no memory;
+                                    lg_args.speller) */
+    void *speller_context;
     lg_lora lora;           /* LoRA: the plan's config carries it (lg_config.lora) */
 } lg_plan_spec;
 
@@ -2252,6 +2259,15 @@ void lg_spell_settings(const char *message, lg_setting_speller *spell, void *ctx
     out[used < cap ? used : cap - 1] = '\0';
 }
 
+/* marked (a line that names settings) with its settings spelled by spell, in out (cap bytes);
+   NULL spell: marked itself, the settings' names. */
+static inline const char *lg_spelled(const char *marked, lg_setting_speller *spell, void *ctx,
+                                     char *out, size_t cap) {
+    if (!spell) return marked;
+    lg_spell_settings(marked, spell, ctx, out, cap);
+    return out;
+}
+
 /* A line the library prints itself (a process that stops on a deadline), its settings spelled
    by launch's speller (NULL launch or speller: the settings' names). */
 static inline void lg_print_settings(FILE *out, const lg_launch *launch, const char *fmt, ...) {
@@ -2260,9 +2276,8 @@ static inline void lg_print_settings(FILE *out, const lg_launch *launch, const c
     va_start(ap, fmt);
     vsnprintf(marked, sizeof marked, fmt, ap);
     va_end(ap);
-    if (launch && launch->speller)
-        lg_spell_settings(marked, launch->speller, launch->speller_context, spelled, sizeof spelled);
-    fputs(launch && launch->speller ? spelled : marked, out);
+    fputs(lg_spelled(marked, launch ? launch->speller : NULL,
+                     launch ? launch->speller_context : NULL, spelled, sizeof spelled), out);
 }
 
 static void *lg_alloc_zeroed(size_t bytes) {
@@ -4619,6 +4634,8 @@ void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
     s->backend = a->backend;
     s->runtime_bytes = a->runtime_bytes;
     s->tf32 = a->tf32;
+    s->speller = a->speller;
+    s->speller_context = a->speller_context;
     s->momentum = a->momentum != 0.0f;
     s->optimizer_state = a->optimizer == LG_OPTIMIZER_ADAMW ? a->optimizer_state
                                                             : LG_STATE_AS_PRECISION;

@@ -2008,6 +2008,7 @@ static void parse_run(int argc, char **argv, run_setup *rs) {
     if (!rs->given.min_lr) a->min_lr = a->lr / 10; /* the final rate follows --lr */
     if (rs->ck.resume) resume_settings(argc, argv, a, &rs->given, &rs->ck, &rs->output, &saved);
     check_flags(a, &rs->given, &rs->ck);
+    a->speller = flag_of_setting; /* the lines a GPU rank prints as it stops */
 }
 
 /* Stage 2, plan: the model, the data, the GPUs, the sizes left to choose (auto), and a plan
