@@ -146,6 +146,15 @@ typedef const char *lg_setting_speller(const char *key, int with_value, void *ct
 /* message with each setting mark spelled by spell, into out (cap bytes, cut to fit). */
 void lg_spell_settings(const char *message, lg_setting_speller *spell, void *ctx, char *out,
                        size_t cap);
+/* A speller for a program with a few flags (the tools): ctx is its table of {setting, flag}
+   rows, ending with {NULL, NULL}; a setting of the table is spelled as its flag, any other by
+   its name alone, the backquotes gone, so that no mark reaches the program's user (NULL
+   table: every setting by its name). */
+typedef struct {
+    const char *setting; /* the lg_args field: "template" */
+    const char *flag;    /* the program's flag that sets it */
+} lg_setting_flag_row;
+const char *lg_setting_flag(const char *key, int with_value, void *table, char *buf, size_t cap);
 
 /* Bytes of a path the library builds: a directory (up to 1024) and a file name in it. */
 #define LG_PATH_MAX 1100
@@ -2257,6 +2266,15 @@ void lg_spell_settings(const char *message, lg_setting_speller *spell, void *ctx
         p += mark;
     }
     out[used < cap ? used : cap - 1] = '\0';
+}
+
+const char *lg_setting_flag(const char *key, int with_value, void *table, char *buf, size_t cap) {
+    (void)with_value; /* the flag, or the name, comes before the value either way */
+    for (const lg_setting_flag_row *row = (const lg_setting_flag_row *)table; row && row->setting;
+         row++)
+        if (strcmp(row->setting, key) == 0) return row->flag;
+    snprintf(buf, cap, "%s", key);
+    return buf;
 }
 
 /* marked (a line that names settings) with its settings spelled by spell, in out (cap bytes);
