@@ -148,6 +148,15 @@ typedef const char *lg_setting_speller(const char *key, int with_value, void *ct
 /* message with each setting mark spelled by spell, into out (cap bytes, cut to fit). */
 void lg_spell_settings(const char *message, lg_setting_speller *spell, void *ctx, char *out,
                        size_t cap);
+/* A speller for a program with a few flags (the tools): ctx is its table of {setting, flag}
+   rows, ending with {NULL, NULL}; a setting of the table is spelled as its flag, any other by
+   its name alone, the backquotes gone, so that no mark reaches the program's user (NULL
+   table: every setting by its name). */
+typedef struct {
+    const char *setting; /* the lg_args field: "template" */
+    const char *flag;    /* the program's flag that sets it */
+} lg_setting_flag_row;
+const char *lg_setting_flag(const char *key, int with_value, void *table, char *buf, size_t cap);
 
 /* Bytes of a path the library builds: a directory (up to 1024) and a file name in it. */
 #define LG_PATH_MAX 1100
@@ -433,9 +442,14 @@ typedef struct {
 /* --plan's output: none (a run), the table, JSON or SVG alone on stdout. */
 typedef enum { LG_PLAN_NONE, LG_PLAN_TABLE, LG_PLAN_JSON, LG_PLAN_SVG } lg_plan_mode;
 
+/* A driver's setting that LG_RUN_SETTINGS records (its key), as the text of its line into buf
+   (cap bytes); NULL: the driver has no such setting, no line. */
+typedef const char *lg_run_driver_value(const char *key, void *ctx, char *buf, size_t cap);
+
 /* The run's settings: what the user asked for that the library reads (and the run settings a
    checkpoint records, LG_RUN_SETTINGS). train.c parses argv into this; what only the driver
-   reads (--log, --plot, --log-interval, -b auto and -t auto, --load, --resume) it keeps. */
+   reads (--log, --plot, --log-interval, -b auto and -t auto, --load, --resume; evaluation,
+   sampling and saving, which LG_RUN_SETTINGS records through driver_value) it keeps. */
 typedef struct {
     const char *config;        /* -c: configs/NAME.yaml or a path; NULL: the built-in model */
     const char *data;          /* --data: training token shard; NULL: the built-in task */
@@ -460,15 +474,9 @@ typedef struct {
     float weight_decay, beta1, beta2, eps, momentum;
     float max_norm;            /* gradient clipping by global norm; 0: off */
     int max_steps;             /* 0: evaluate and exit */
-    int eval_every;
-    int eval_iters;            /* validation micro-batches at most; each window (sample) once */
-    int sample_every, sample_tokens;
-    float temperature;         /* 0: greedy */
     const char *prompt;
     uint64_t seed;
     const char *out_dir;       /* --out: the final model.safetensors */
-    int save_every;            /* --save-every: steps between checkpoints (the driver saves);
-                                  0: only at the end */
     int recompute;             /* --recompute block: 1 (keep each block's input, recompute it) */
     int offload;               /* --offload: 1 (master weights and optimizer state on the host) */
     int offload_activations;   /* --offload activations: 1 (the block inputs that --recompute
@@ -513,6 +521,15 @@ typedef struct {
     lg_lora lora;              /* --lora-r, --lora-alpha, --lora-dropout, --lora-targets,
                                   --quantize: fine-tune adapters over a frozen model */
     int finetuning;            /* the data are fine-tuning samples: LoRA and QLoRA are remedies */
+    /* the lines a GPU rank prints itself as it stops (cuBLASLt out of memory) name settings:
+       a driver with flags spells them (lg_spell_settings); NULL: the names */
+    lg_setting_speller *speller;
+    void *speller_context;
+    /* the settings the driver keeps itself that LG_RUN_SETTINGS records for it (its
+       evaluation, sampling and saving): a key's value as its line's text
+       (NULL: no such line) */
+    lg_run_driver_value *driver_value;
+    void *driver_context;
 } lg_args;
 
 void lg_args_default(lg_args *args);
@@ -728,6 +745,9 @@ typedef struct {
     size_t runtime_bytes;   /* GPU: what the CUDA context, cuBLAS and NCCL take, measured at
                                start-up (lg_args.runtime_bytes); planned, not in the arena */
     int tf32;               /* GPU: fp32 matmuls may use TF32 (no memory; the ranks read it) */
+    lg_setting_speller *speller; /* GPU: how a rank's own lines name settings (no memory;
+                                    lg_args.speller) */
+    void *speller_context;
     lg_lora lora;           /* LoRA: the plan's config carries it (lg_config.lora) */
 } lg_plan_spec;
 
@@ -1854,9 +1874,13 @@ int lg_trainer_load_hf(lg_trainer *tr, const char *dir, lg_error *err);
    lg_checkpoint_same_data data that is not the run's. */
 #define LG_RUN_SETTINGS "run_settings.txt"
 #define LG_RUN_TEXTS 6 /* the string settings: config, data, val_data, prompt, out_dir, base */
+#define LG_RUN_DRIVER_FIELDS 6 /* the driver's settings it records (lg_args.driver_value) */
 typedef struct {
     lg_args args;          /* the run's settings; its strings point into text */
     char text[LG_RUN_TEXTS][LG_PATH_MAX];
+    char driver_text[LG_RUN_DRIVER_FIELDS][64]; /* the driver's settings' lines, as written
+                                                   (lg_run_settings_driver) */
+    int driver_given[LG_RUN_DRIVER_FIELDS];     /* 1: the file has that line */
     int has_base;          /* LoRA: the file says where the base came from */
     int base_loaded;       /* 1: from base_dir (--load), 0: drawn from the config and seed */
     const char *base_dir;  /* into text */
@@ -1870,6 +1894,9 @@ typedef struct {
    when malformed, the file and field when a value is out of its range (lg_run_fields), or the
    settings that do not go together (lg_args_check). */
 int lg_run_settings_read(const char *dir, lg_run_settings *s, lg_error *err);
+/* The text of a driver's setting (key) as s's file has it; NULL when it has no such line (a
+   checkpoint written before the setting was recorded). The driver parses and checks it. */
+const char *lg_run_settings_driver(const lg_run_settings *s, const char *key);
 /* The first setting (its key in LG_RUN_SETTINGS) in which `now` would change the model the
    run trains from `run`'s: shapes, LoRA, quantization, precision, optimizer and its state
    format, seed, global batch; NULL when none. Steps, the learning-rate schedule, optimizer
@@ -2270,6 +2297,24 @@ void lg_spell_settings(const char *message, lg_setting_speller *spell, void *ctx
     out[used < cap ? used : cap - 1] = '\0';
 }
 
+const char *lg_setting_flag(const char *key, int with_value, void *table, char *buf, size_t cap) {
+    (void)with_value; /* the flag, or the name, comes before the value either way */
+    for (const lg_setting_flag_row *row = (const lg_setting_flag_row *)table; row && row->setting;
+         row++)
+        if (strcmp(row->setting, key) == 0) return row->flag;
+    snprintf(buf, cap, "%s", key);
+    return buf;
+}
+
+/* marked (a line that names settings) with its settings spelled by spell, in out (cap bytes);
+   NULL spell: marked itself, the settings' names. */
+static inline const char *lg_spelled(const char *marked, lg_setting_speller *spell, void *ctx,
+                                     char *out, size_t cap) {
+    if (!spell) return marked;
+    lg_spell_settings(marked, spell, ctx, out, cap);
+    return out;
+}
+
 /* A line the library prints itself (a process that stops on a deadline), its settings spelled
    by launch's speller (NULL launch or speller: the settings' names). */
 static inline void lg_print_settings(FILE *out, const lg_launch *launch, const char *fmt, ...) {
@@ -2278,9 +2323,8 @@ static inline void lg_print_settings(FILE *out, const lg_launch *launch, const c
     va_start(ap, fmt);
     vsnprintf(marked, sizeof marked, fmt, ap);
     va_end(ap);
-    if (launch && launch->speller)
-        lg_spell_settings(marked, launch->speller, launch->speller_context, spelled, sizeof spelled);
-    fputs(launch && launch->speller ? spelled : marked, out);
+    fputs(lg_spelled(marked, launch ? launch->speller : NULL,
+                     launch ? launch->speller_context : NULL, spelled, sizeof spelled), out);
 }
 
 static void *lg_alloc_zeroed(size_t bytes) {
@@ -3907,9 +3951,6 @@ void lg_args_default(lg_args *a) {
     a->momentum = 0.9f;
     a->max_norm = 1.0f;
     a->max_steps = 1000;
-    a->eval_every = 200;
-    a->eval_iters = 10;
-    a->sample_tokens = 16;
     a->seed = 1337;
     a->hessian_interval = 10;
     a->rho = 0.04f;
@@ -4091,16 +4132,13 @@ int lg_args_check(const lg_args *a, lg_error *err) {
     if (a->weight_decay < 0.0f) return lg_fail(err, "`weight_decay` must be >= 0");
     if (a->max_norm < 0.0f) return lg_fail(err, "`max_norm` must be >= 0 (0 turns clipping off)");
     const struct { const char *setting; int steps; } counts[] = {
-        {"`max_steps`", a->max_steps}, {"`warmup_steps`", a->warmup_steps},
-        {"`eval_every`", a->eval_every}, {"`sample_every`", a->sample_every}};
+        {"`max_steps`", a->max_steps}, {"`warmup_steps`", a->warmup_steps}};
     for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
         if (counts[i].steps < 0)
             return lg_fail(err, "%s %d: a count of steps, must be >= 0", counts[i].setting,
                            counts[i].steps);
-    if (a->eval_iters < 1) return lg_fail(err, "`eval_iters` must be at least 1");
     if (a->hessian_interval < 1) return lg_fail(err, "`hessian_interval` must be at least 1");
     if (a->rho <= 0.0f) return lg_fail(err, "`rho` must be positive");
-    if (a->temperature < 0.0f) return lg_fail(err, "`temperature` must be >= 0");
     return lg_args_accumulation_steps(a, err) > 0 ? 0 : -1;
 }
 
@@ -4684,6 +4722,8 @@ void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
     s->backend = a->backend;
     s->runtime_bytes = a->runtime_bytes;
     s->tf32 = a->tf32;
+    s->speller = a->speller;
+    s->speller_context = a->speller_context;
     s->momentum = a->momentum != 0.0f;
     s->optimizer_state = a->optimizer == LG_OPTIMIZER_ADAMW ? a->optimizer_state
                                                             : LG_STATE_AS_PRECISION;
@@ -15482,14 +15522,18 @@ static int lg_write_merged_model(const lg_model *m0, const lg_real *adapters, lg
 
 /* --- run settings: what a resumed run takes from its checkpoint (LG_RUN_SETTINGS) ---------- */
 
-typedef enum { LG_RUN_INT, LG_RUN_FLOAT, LG_RUN_U64, LG_RUN_SIZE, LG_RUN_TEXT } lg_run_kind;
+typedef enum { LG_RUN_INT, LG_RUN_FLOAT, LG_RUN_U64, LG_RUN_SIZE, LG_RUN_TEXT,
+               LG_RUN_DRIVER } lg_run_kind;
 
 /* One table that the writer, the reader and the resume check walk. model: a resumed run
    that changed it would train another model than the checkpoint's. Enums are stored as
    their numbers (lg_args' enum fields are int-sized). Not recorded: what belongs to the
-   machine or the session (backend, measured memory, processes, --plan, --log). */
+   machine or the session (backend, measured memory, processes, --plan, --log). A driver's
+   setting (LG_RUN_DRIVER: not in lg_args) keeps its place in the file: its line's text comes
+   from lg_args.driver_value and goes back to the driver as text (lg_run_settings_driver). */
 #define LG_RUN_FIELD(field, kind, model, lo, hi) \
     {#field, offsetof(lg_args, field), kind, model, lo, hi}
+#define LG_RUN_DRIVER_FIELD(key) {#key, 0, LG_RUN_DRIVER, 0, 0, 0}
 static const struct {
     const char *key;
     size_t offset; /* in lg_args */
@@ -15529,12 +15573,12 @@ static const struct {
     LG_RUN_FIELD(hessian_interval, LG_RUN_INT, 0, 1, INT_MAX),
     LG_RUN_FIELD(rho, LG_RUN_FLOAT, 0, FLT_MIN, INFINITY),
     LG_RUN_FIELD(max_steps, LG_RUN_INT, 0, 0, INT_MAX),
-    LG_RUN_FIELD(eval_every, LG_RUN_INT, 0, 0, INT_MAX),
-    LG_RUN_FIELD(eval_iters, LG_RUN_INT, 0, 1, INT_MAX),
-    LG_RUN_FIELD(sample_every, LG_RUN_INT, 0, 0, INT_MAX),
-    LG_RUN_FIELD(sample_tokens, LG_RUN_INT, 0, 1, 1000000),
-    LG_RUN_FIELD(temperature, LG_RUN_FLOAT, 0, 0, INFINITY),
-    LG_RUN_FIELD(save_every, LG_RUN_INT, 0, 0, INT_MAX),
+    LG_RUN_DRIVER_FIELD(eval_every),
+    LG_RUN_DRIVER_FIELD(eval_iters),
+    LG_RUN_DRIVER_FIELD(sample_every),
+    LG_RUN_DRIVER_FIELD(sample_tokens),
+    LG_RUN_DRIVER_FIELD(temperature),
+    LG_RUN_DRIVER_FIELD(save_every),
     LG_RUN_FIELD(recompute, LG_RUN_INT, 0, 0, 1),
     LG_RUN_FIELD(offload, LG_RUN_INT, 0, 0, 1),
     LG_RUN_FIELD(tf32, LG_RUN_INT, 0, 0, 1),
@@ -15567,7 +15611,19 @@ static void lg_run_field_text(const lg_args *a, int i, char *out, size_t cap) {
         memcpy(&text, at, sizeof text);
         lg_format(out, cap, "%s", text && !strchr(text, '\n') ? text : ""); /* "": none */
         break;
+    case LG_RUN_DRIVER: lg_format(out, cap, "%s", ""); break; /* not a field of a */
     }
+}
+
+/* The value of line i of LG_RUN_SETTINGS for a's run, into out: a field of a, or the driver's
+   setting (NULL: the driver has none, no line). */
+static const char *lg_run_line_value(const lg_args *a, int i, char *out, size_t cap) {
+    if (lg_run_fields[i].kind != LG_RUN_DRIVER) {
+        lg_run_field_text(a, i, out, cap);
+        return out;
+    }
+    return a->driver_value ? a->driver_value(lg_run_fields[i].key, a->driver_context, out, cap)
+                           : NULL;
 }
 
 /* Field i of a's settings from its line's value (text: the string settings' storage). */
@@ -15602,6 +15658,7 @@ static int lg_run_field_parse(lg_args *a, int i, const char *value, char *text, 
         memcpy(at, &p, sizeof p);
         return 0;
     }
+    case LG_RUN_DRIVER: return -1; /* not a field of a: lg_run_settings_line keeps its text */
     }
     return !end || end == value || *end || errno ? -1 : 0;
 }
@@ -15659,10 +15716,9 @@ static int lg_run_settings_write(lg_trainer *tr, const lg_loader *data, const ch
     a.global_batch_size = a.micro_batch_size * tr->accumulation * tr->n_ranks; /* as run */
     a.out_dir = out;
     lg_st_append(text, cap, &at, "# litgpt.c run settings 1\n");
-    for (int i = 0; i < LG_N_RUN_FIELDS; i++) {
-        lg_run_field_text(&a, i, value, sizeof value);
-        lg_st_append(text, cap, &at, "%s %s\n", lg_run_fields[i].key, value);
-    }
+    for (int i = 0; i < LG_N_RUN_FIELDS; i++)
+        if (lg_run_line_value(&a, i, value, sizeof value))
+            lg_st_append(text, cap, &at, "%s %s\n", lg_run_fields[i].key, value);
     if (tr->plan.cfg.lora.r > 0) {
         int loaded = tr->base_loaded && !strchr(tr->base_model, '\n');
         lg_st_append(text, cap, &at, "base_model %s%s%s\n", loaded ? "load" : "random",
@@ -15689,6 +15745,25 @@ static int lg_run_u64_parse(const char *value, int base, uint64_t *v, int *seen)
     return 0;
 }
 
+/* The line of the driver's setting number `driver` (in the table's order): its text, kept for
+   the driver; -1 when it does not fit. */
+static int lg_run_driver_line(lg_run_settings *s, int driver, const char *value) {
+    if (driver >= LG_RUN_DRIVER_FIELDS || strlen(value) >= sizeof s->driver_text[driver]) return -1;
+    lg_format(s->driver_text[driver], sizeof s->driver_text[driver], "%s", value);
+    s->driver_given[driver] = 1;
+    return 0;
+}
+
+const char *lg_run_settings_driver(const lg_run_settings *s, const char *key) {
+    for (int i = 0, driver = 0; i < LG_N_RUN_FIELDS; i++) {
+        if (lg_run_fields[i].kind != LG_RUN_DRIVER) continue;
+        if (strcmp(lg_run_fields[i].key, key) == 0 && driver < LG_RUN_DRIVER_FIELDS)
+            return s->driver_given[driver] ? s->driver_text[driver] : NULL;
+        driver++;
+    }
+    return NULL;
+}
+
 /* One line of LG_RUN_SETTINGS: a setting, or the base's and the data's lines. */
 static int lg_run_settings_line(lg_run_settings *s, char *line) {
     char *space = strchr(line, ' ');
@@ -15706,11 +15781,15 @@ static int lg_run_settings_line(lg_run_settings *s, char *line) {
     if (strcmp(line, "base_hash") == 0) return lg_run_u64_parse(value, 16, &s->base_hash, &s->has_base_hash);
     if (strcmp(line, "data_bytes") == 0) return lg_run_u64_parse(value, 10, &s->data_bytes, &s->has_data);
     if (strcmp(line, "data_hash") == 0) return lg_run_u64_parse(value, 16, &s->data_hash, &s->has_data);
-    for (int i = 0, texts = 0; i < LG_N_RUN_FIELDS; i++) {
+    for (int i = 0, texts = 0, driver = 0; i < LG_N_RUN_FIELDS; i++) {
         int is_text = lg_run_fields[i].kind == LG_RUN_TEXT;
+        int is_driver = lg_run_fields[i].kind == LG_RUN_DRIVER;
+        if (strcmp(line, lg_run_fields[i].key) == 0 && is_driver)
+            return lg_run_driver_line(s, driver, value);
         if (strcmp(line, lg_run_fields[i].key) == 0)
             return lg_run_field_parse(&s->args, i, value, s->text[texts], LG_PATH_MAX);
         texts += is_text;
+        driver += is_driver;
     }
     return 0; /* a setting of a later version: not ours */
 }

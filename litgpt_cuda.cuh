@@ -184,6 +184,9 @@ struct lg_cuda_rank {
     int reference_matmul;       /* matmuls by the reference kernel instead of cuBLASLt (tests) */
     int matmul_fallbacks;       /* matmuls cuBLASLt had no algorithm for (the reference ran) */
     int cuda_core_attention;    /* attention on CUDA cores even where tensor cores apply (tests) */
+    lg_setting_speller *speller; /* how the lines it prints as it stops name settings (the
+                                    plan's, from lg_args.speller; NULL: the names) */
+    void *speller_context;
 };
 
 /* 1 when the GPU can read p (device, managed or pinned memory), 0 for pageable host memory. */
@@ -2868,6 +2871,20 @@ static void lg_cuda_matmul_reference(const lg_exec *ex, int trans_a, int trans_b
               K, A, lda, B, ldb, beta, C, ldc);
 }
 
+/* The line a rank prints as cuBLASLt runs out of memory inside an (M x N x K) matmul and the
+   run stops, its setting spelled by the rank's speller, in out (cap bytes). Outside the
+   cuBLASLt code so that the emulator's tests read it. */
+static inline const char *lg_lt_out_of_memory_line(const lg_cuda_rank *g, int M, int N, int K,
+                                                   char *out, size_t cap) {
+    char marked[512];
+    snprintf(marked, sizeof marked, "GPU %d: out of memory inside cuBLASLt (a %d x %d x %d "
+             "matmul): the device had less free than the plan kept (its margin); a larger "
+             "`memory_margin` keeps more free\n", g->device, M, N, K);
+    const char *line = lg_spelled(marked, g->speller, g->speller_context, out, cap);
+    if (line != out) snprintf(out, cap, "%s", line);
+    return out;
+}
+
 #ifndef LG_CUDA_EMULATE
 static cudaDataType_t lg_cuda_data_type(lg_dtype dtype) {
     return dtype == LG_DTYPE_BF16 ? CUDA_R_16BF : dtype == LG_DTYPE_F16 ? CUDA_R_16F : CUDA_R_32F;
@@ -3020,10 +3037,9 @@ static int lg_cuda_matmul_lt(const lg_exec *ex, int trans_a, int trans_b, int M,
         done = status == CUBLAS_STATUS_SUCCESS;
     }
     if (status == CUBLAS_STATUS_ALLOC_FAILED) { /* a plan that left too little free: say so */
+        char line[1024];
         fflush(stdout);
-        fprintf(stderr, "GPU %d: out of memory inside cuBLASLt (a %d x %d x %d matmul): the device "
-                "had less free than the plan kept (its margin); a larger `memory_margin` keeps "
-                "more free\n", g->device, M, N, K);
+        fputs(lg_lt_out_of_memory_line(g, M, N, K, line, sizeof line), stderr);
         abort();
     }
     if (!done && !g->matmul_fallbacks++)
@@ -3251,6 +3267,8 @@ static void lg_cuda_bind_regions(lg_rank *rank) {
     g->tokens = (int *)lg_rank_region(rank, "cuda.ids");
     g->targets = g->tokens + g->token_capacity;
     g->tf32 = s->tf32;
+    g->speller = s->speller;
+    g->speller_context = s->speller_context;
     g->staging = (unsigned char *)lg_rank_region(rank, "cuda.staging");
     g->staging_bytes = lg_plan_find(&rank->plan->ranks[rank->index], "cuda.staging")->bytes;
 }

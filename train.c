@@ -166,6 +166,101 @@ typedef struct {
     const char *log_path; /* --log: one JSON object per step and per evaluation */
 } output_flags;
 
+/* --- the driver's options: when it evaluates, samples and saves -------------------------- */
+/* Settings the library never reads; LG_RUN_SETTINGS records them for a resumed run, each in
+   the line option_fields names (lg_args.driver_value writes it, lg_run_settings_driver reads
+   it back). */
+typedef struct {
+    int eval_every;    /* --eval-every: steps between evaluations; 0: at the end only */
+    int eval_iters;    /* --eval-iters: validation micro-batches at most; each window once */
+    int sample_every;  /* --sample-every: steps between samples; 0: at the end only */
+    int sample_tokens; /* --sample-tokens: tokens a sample generates */
+    float temperature; /* --temperature: the samples'; 0: greedy */
+    int save_every;    /* --save-every: steps between checkpoints; 0: only at the end */
+} run_options;
+
+/* The options' lines: key (the setting's name), place, and range (a float: at least lo); an
+   int, or the temperature (a float, written as the library writes its floats: exact to the
+   bit). */
+static const struct {
+    const char *key;
+    size_t offset;
+    int is_float;
+    double lo, hi;
+} option_fields[] = {
+    {"eval_every", offsetof(run_options, eval_every), 0, 0, INT_MAX},
+    {"eval_iters", offsetof(run_options, eval_iters), 0, 1, INT_MAX},
+    {"sample_every", offsetof(run_options, sample_every), 0, 0, INT_MAX},
+    {"sample_tokens", offsetof(run_options, sample_tokens), 0, 1, 1000000},
+    {"temperature", offsetof(run_options, temperature), 1, 0, 0},
+    {"save_every", offsetof(run_options, save_every), 0, 0, INT_MAX},
+};
+enum { OPTION_COUNT = sizeof option_fields / sizeof option_fields[0] };
+LG_STATIC_ASSERT(OPTION_COUNT == LG_RUN_DRIVER_FIELDS, "LG_RUN_SETTINGS keeps a line for each option");
+
+static void options_default(run_options *o) {
+    memset(o, 0, sizeof *o);
+    o->eval_every = 200;
+    o->eval_iters = 10;
+    o->sample_tokens = 16;
+}
+
+/* Option i of o as a number. */
+static double option_number(const run_options *o, int i) {
+    const unsigned char *at = (const unsigned char *)o + option_fields[i].offset;
+    float v_float;
+    int v_int;
+    if (option_fields[i].is_float) {
+        memcpy(&v_float, at, sizeof v_float);
+        return v_float;
+    }
+    memcpy(&v_int, at, sizeof v_int);
+    return v_int;
+}
+
+/* Option i of o from text (its line's value); -1 when it is not a number of its kind. */
+static int option_parse(run_options *o, int i, const char *text) {
+    unsigned char *at = (unsigned char *)o + option_fields[i].offset;
+    char *end;
+    errno = 0;
+    if (option_fields[i].is_float) {
+        float v_float = strtof(text, &end);
+        memcpy(at, &v_float, sizeof v_float);
+    } else {
+        long v = strtol(text, &end, 10);
+        int v_int = (int)v;
+        if (v < INT_MIN || v > INT_MAX) return -1;
+        memcpy(at, &v_int, sizeof v_int);
+    }
+    return end == text || *end || errno ? -1 : 0;
+}
+
+/* Option i of o outside its range: says so into why (as the library says it of its settings)
+   and returns 1; 0 when within. An int within lo .. hi, a float finite and at least lo. */
+static int option_out_of_range(const run_options *o, int i, char *why, size_t cap) {
+    double v = option_number(o, i), lo = option_fields[i].lo, hi = option_fields[i].hi;
+    const char *key = option_fields[i].key;
+    if (!option_fields[i].is_float && (v < lo || v > hi))
+        snprintf(why, cap, "%s %d is out of range: expected %.0f to %.0f", key, (int)v, lo, hi);
+    else if (option_fields[i].is_float && (!isfinite(v) || v < lo))
+        snprintf(why, cap, "%s %g is out of range: expected a finite number at least %g", key, v,
+                 lo);
+    else return 0;
+    return 1;
+}
+
+/* lg_args.driver_value: the line of an option (key) as the library writes its numbers. */
+static const char *option_value(const char *key, void *options, char *buf, size_t cap) {
+    for (int i = 0; i < OPTION_COUNT; i++) {
+        if (strcmp(option_fields[i].key, key) != 0) continue;
+        double v = option_number((const run_options *)options, i);
+        if (option_fields[i].is_float) snprintf(buf, cap, "%.9g", v);
+        else snprintf(buf, cap, "%d", (int)v);
+        return buf;
+    }
+    return NULL;
+}
+
 /* --- the command line: one table of flags ------------------------------------------------- */
 
 /* One flag met on the command line, as its handler sees it: its names and value, and where
@@ -174,6 +269,7 @@ typedef struct {
     const char *flag;        /* its names for messages: "-b/--micro-batch-size" or "--lr" */
     const char *value;       /* its value; NULL for a flag without one, or --plan bare */
     lg_args *a;              /* the run's settings (what the library reads) */
+    run_options *o;          /* the driver's own */
     given_flags *given;
     checkpoint_flags *ck;
     output_flags *out;
@@ -391,11 +487,11 @@ static void set_beta2(flag_call *c) {
 static void set_momentum(flag_call *c) { c->a->momentum = parse_float(c->flag, c->value); }
 static void set_max_norm(flag_call *c) { c->a->max_norm = parse_float(c->flag, c->value); }
 static void set_max_steps(flag_call *c) { c->a->max_steps = parse_int(c->flag, c->value); }
-static void set_eval_every(flag_call *c) { c->a->eval_every = parse_int(c->flag, c->value); }
-static void set_eval_iters(flag_call *c) { c->a->eval_iters = parse_int(c->flag, c->value); }
-static void set_sample_every(flag_call *c) { c->a->sample_every = parse_int(c->flag, c->value); }
-static void set_sample_tokens(flag_call *c) { c->a->sample_tokens = parse_int(c->flag, c->value); }
-static void set_temperature(flag_call *c) { c->a->temperature = parse_float(c->flag, c->value); }
+static void set_eval_every(flag_call *c) { c->o->eval_every = parse_int(c->flag, c->value); }
+static void set_eval_iters(flag_call *c) { c->o->eval_iters = parse_int(c->flag, c->value); }
+static void set_sample_every(flag_call *c) { c->o->sample_every = parse_int(c->flag, c->value); }
+static void set_sample_tokens(flag_call *c) { c->o->sample_tokens = parse_int(c->flag, c->value); }
+static void set_temperature(flag_call *c) { c->o->temperature = parse_float(c->flag, c->value); }
 static void set_prompt(flag_call *c) { c->a->prompt = c->value; }
 
 /* --seed N: all 64 bits, not negative */
@@ -417,7 +513,7 @@ static void set_log_interval(flag_call *c) {
 }
 
 static void set_out(flag_call *c) { c->a->out_dir = c->value; }
-static void set_save_every(flag_call *c) { c->a->save_every = parse_int(c->flag, c->value); }
+static void set_save_every(flag_call *c) { c->o->save_every = parse_int(c->flag, c->value); }
 static void set_load(flag_call *c) { c->ck->load = c->value; }
 static void set_any_tokenizer_data(flag_call *c) { c->ck->any_tokenizer_data = 1; }
 static void set_resume(flag_call *c) { c->ck->resume = c->value; }
@@ -728,14 +824,14 @@ static void getopt_lists(char *letters, struct option *longs) {
     memset(&longs[n], 0, sizeof longs[n]);
 }
 
-/* The flags of argv onto a (and the driver's own), from the first: a resumed run applies them
-   again over its checkpoint's settings. */
-static void apply_flags(int argc, char **argv, lg_args *a, given_flags *given,
+/* The flags of argv onto a and o (and the driver's other flags), from the first: a resumed run
+   applies them again over its checkpoint's settings. */
+static void apply_flags(int argc, char **argv, lg_args *a, run_options *o, given_flags *given,
                         checkpoint_flags *ck, output_flags *out) {
     char letters[3 * FLAG_COUNT + 2]; /* ':', then each letter with up to two ':' */
     struct option longs[FLAG_COUNT + 1];
     getopt_lists(letters, longs);
-    flag_call call = {NULL, NULL, a, given, ck, out, NULL, argc, argv};
+    flag_call call = {NULL, NULL, a, o, given, ck, out, NULL, argc, argv};
     opterr = 0;
     optind = 0; /* glibc: a fresh scan */
     int code;
@@ -752,14 +848,15 @@ static void apply_flags(int argc, char **argv, lg_args *a, given_flags *given,
 }
 
 /* The command line over the defaults (and the backend this machine would use). */
-static void parse_args(int argc, char **argv, lg_args *a, given_flags *given,
+static void parse_args(int argc, char **argv, lg_args *a, run_options *o, given_flags *given,
                        checkpoint_flags *ck, output_flags *out) {
     lg_args_default(a);
+    options_default(o);
     a->backend = lg_backend_in_use(); /* a GPU when the build has CUDA and one is visible */
     memset(ck, 0, sizeof *ck);
     memset(given, 0, sizeof *given);
     memset(out, 0, sizeof *out);
-    apply_flags(argc, argv, a, given, ck, out);
+    apply_flags(argc, argv, a, o, given, ck, out);
 }
 
 /* argv[*i] is --name (its value the next word, NULL at the end) or --name=VALUE: returns 1
@@ -777,7 +874,7 @@ static int long_flag_value(int argc, char **argv, int *i, const char *name, cons
 /* The process flags (--dist-init URL, --dist-timeout S) into launch, taken out of argv before
    the other flags are read; returns the arguments left. */
 static int take_process_flags(int argc, char **argv, lg_launch *launch) {
-    flag_call call = {NULL, NULL, NULL, NULL, NULL, NULL, launch, argc, argv};
+    flag_call call = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, launch, argc, argv};
     char name[64];
     int kept = 1;
     for (int i = 1; i < argc; i++) {
@@ -888,13 +985,28 @@ static void print_settings(const char *fmt, ...) {
     free(spelled);
 }
 
+/* The options' values (the library checks its settings: lg_args_check). */
+static void check_options(const run_options *o) {
+    const struct { const char *setting; int steps; } counts[] = {
+        {"`eval_every`", o->eval_every}, {"`sample_every`", o->sample_every}};
+    for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
+        if (counts[i].steps < 0)
+            die_usage_settings("%s %d: a count of steps, must be >= 0", counts[i].setting,
+                               counts[i].steps);
+    if (o->eval_iters < 1) die_usage_settings("`eval_iters` must be at least 1");
+    if (o->temperature < 0.0f) die_usage_settings("`temperature` must be >= 0");
+    if (o->sample_tokens < 1 || o->sample_tokens > 1000000)
+        die_usage_settings("`sample_tokens` must be within 1 and 1000000");
+    if (o->save_every < 0) die_usage_settings("`save_every` must be 0 or more");
+}
+
 /* The flags together, once a resumed run has its checkpoint's settings. */
-static void check_flags(const lg_args *a, const given_flags *given, const checkpoint_flags *ck) {
+static void check_flags(const lg_args *a, const run_options *o, const given_flags *given,
+                        const checkpoint_flags *ck) {
+    check_options(o);
     if (given->micro_batch_auto && !a->global_batch_size)
         die_usage_settings("`micro_batch_size auto` needs `global_batch_size`: it picks a divisor of the per-device "
                   "batch");
-    if (a->sample_tokens < 1 || a->sample_tokens > 1000000)
-        die_usage_settings("`sample_tokens` must be within 1 and 1000000");
     if (a->val_data && !a->data && a->max_steps != 0)
         die_usage_settings("`val_data` without `data` evaluates a model alone: give `max_steps` 0 (and "
                   "`data` to train; the built-in task brings its own validation set)");
@@ -903,8 +1015,7 @@ static void check_flags(const lg_args *a, const given_flags *given, const checkp
                   "nothing", a->out_dir ? "`out_dir`" : "`resume`");
     if (a->devices < 1) die_usage_settings("`devices` must be at least 1");
     if (a->nodes < 1) die_usage_settings("`nodes` must be at least 1");
-    if (a->save_every < 0) die_usage_settings("`save_every` must be 0 or more");
-    if (a->save_every && !a->out_dir) die_usage_settings("`save_every` needs `out_dir` DIR");
+    if (o->save_every && !a->out_dir) die_usage_settings("`save_every` needs `out_dir` DIR");
     if (ck->data_changed && !ck->resume)
         die_usage_settings("`data_changed` goes with `resume`: a fresh run has no data to compare with");
     if (ck->load && !ck->resume && a->config)
@@ -1384,7 +1495,28 @@ static void find_config(const char *name, char *path, size_t cap) {
    flags over them where they do not change the trained model (refused, naming the flag, where
    they would); a LoRA run's frozen base from where the run loaded it unless --load points
    elsewhere. saved keeps the settings' strings. */
-static void resume_settings(int argc, char **argv, lg_args *a, given_flags *given,
+/* The run's options as dir's LG_RUN_SETTINGS has them (an option it has no line for keeps the
+   default); a value that is not a number, or out of its range, stops the run naming it. */
+static void saved_options(run_options *o, const lg_run_settings *saved, const char *dir) {
+    lg_error err;
+    options_default(o);
+    for (int i = 0; i < OPTION_COUNT; i++) {
+        const char *key = option_fields[i].key, *text = lg_run_settings_driver(saved, key);
+        if (!text) continue;
+        if (option_parse(o, i, text) != 0) {
+            snprintf(err.msg, sizeof err.msg, "%s/%s: %s '%s' is not a number", dir,
+                     LG_RUN_SETTINGS, key, text);
+            die(2, &err);
+        }
+        char why[160];
+        if (option_out_of_range(o, i, why, sizeof why)) {
+            snprintf(err.msg, sizeof err.msg, "%s/%s: %s", dir, LG_RUN_SETTINGS, why);
+            die(2, &err);
+        }
+    }
+}
+
+static void resume_settings(int argc, char **argv, lg_args *a, run_options *o, given_flags *given,
                             checkpoint_flags *ck, output_flags *out, lg_run_settings *saved) {
     lg_error err;
     char name[64];
@@ -1399,7 +1531,8 @@ static void resume_settings(int argc, char **argv, lg_args *a, given_flags *give
     }
     lg_args now = saved->args;
     now.backend = lg_backend_in_use();
-    apply_flags(argc, argv, &now, given, ck, out);
+    saved_options(o, saved, ck->resume_dir);
+    apply_flags(argc, argv, &now, o, given, ck, out);
     if (given->lr && !given->min_lr) now.min_lr = now.lr / 10; /* as on a fresh command line */
     const char *key = lg_args_resume_conflict(&saved->args, &now);
     if (key)
@@ -1725,18 +1858,18 @@ static int prompt_tokens(const char *prompt, int builtin, int vocab_size, int *t
 
 /* Generates from one prompt and prints it: characters for the built-in task (with the answer
    it should give), token ids otherwise. */
-static void print_sample(lg_trainer *tr, const lg_args *a, const run_data *d, const char *prompt,
-                         lg_rng *rng) {
+static void print_sample(lg_trainer *tr, const run_options *o, const run_data *d,
+                         const char *prompt, lg_rng *rng) {
     const lg_model *m = &tr->ranks[0].model;
     /* a prompt may be longer than the rows (short fine-tuning samples): generation reads the
        last m->T tokens */
     size_t cap = strlen(prompt) + (size_t)m->T;
-    int *tokens = (int *)malloc(sizeof(int) * (cap + (size_t)a->sample_tokens));
+    int *tokens = (int *)malloc(sizeof(int) * (cap + (size_t)o->sample_tokens));
     if (!tokens) die_out_of_memory("the sample");
     int n = prompt_tokens(prompt, d->builtin, m->cfg.padded_vocab_size, tokens, (int)cap);
-    lg_trainer_generate(tr, tokens, n, a->sample_tokens, d->sample_vocab, a->temperature, rng);
+    lg_trainer_generate(tr, tokens, n, o->sample_tokens, d->sample_vocab, o->temperature, rng);
     printf("sample: ");
-    for (int i = 0; i < n + a->sample_tokens; i++) {
+    for (int i = 0; i < n + o->sample_tokens; i++) {
         if (!d->builtin) { printf("%d ", tokens[i]); continue; }
         if (i >= n && tokens[i] == 0) break; /* the built-in task's samples end at a newline */
         putchar(lg_char_decode(tokens[i]));
@@ -1759,12 +1892,13 @@ static void print_sample(lg_trainer *tr, const lg_args *a, const run_data *d, co
 }
 
 /* --prompt, or for the built-in task a few words, or token 0 for a shard run. */
-static void print_samples(lg_trainer *tr, const lg_args *a, const run_data *d, lg_rng *rng) {
+static void print_samples(lg_trainer *tr, const lg_args *a, const run_options *o,
+                          const run_data *d, lg_rng *rng) {
     static const char *const words[] = {"litgpt=", "memory=", "zebra="};
-    if (a->prompt) print_sample(tr, a, d, a->prompt, rng);
-    else if (!d->builtin) print_sample(tr, a, d, "0", rng);
+    if (a->prompt) print_sample(tr, o, d, a->prompt, rng);
+    else if (!d->builtin) print_sample(tr, o, d, "0", rng);
     else
-        for (int i = 0; i < 3; i++) print_sample(tr, a, d, words[i], rng);
+        for (int i = 0; i < 3; i++) print_sample(tr, o, d, words[i], rng);
 }
 
 /* Progress of the training loop. On a terminal one status line (step/total, loss, tokens/s,
@@ -1852,12 +1986,12 @@ static void log_end(FILE *log, const char *path) {
     if (fflush(log) != 0 || ferror(log)) die_write(path);
 }
 
-static void evaluate(lg_trainer *tr, run_data *d, const lg_args *a, int step, FILE *log,
+static void evaluate(lg_trainer *tr, run_data *d, const run_options *o, int step, FILE *log,
                      const char *log_path, loss_plot *plot) {
     if (!d->has_val) return;
     double loss = 0;
     lg_error err;
-    if (lg_trainer_evaluate(tr, &d->val, a->eval_iters, &loss, &err) != 0) die(2, &err);
+    if (lg_trainer_evaluate(tr, &d->val, o->eval_iters, &loss, &err) != 0) die(2, &err);
     printf("step %5d | val loss %.4f\n", step, loss);
     if (log) {
         fprintf(log, "{\"step\":%d", step);
@@ -1989,6 +2123,7 @@ typedef struct {
     int argc;   /* the command line, the process flags taken out (take_process_flags) */
     char **argv;
     lg_args a;
+    run_options o;    /* what only the driver reads */
     given_flags given;
     checkpoint_flags ck;
     output_flags output;
@@ -2012,7 +2147,7 @@ static void parse_run(int argc, char **argv, run_setup *rs) {
     if (rs->launch.process != 0 && !freopen("/dev/null", "w", stdout)) /* process 0 prints */
         die_usage("cannot silence stdout");
     start_processes(&rs->launch, argc, argv);
-    parse_args(argc, argv, a, &rs->given, &rs->ck, &rs->output);
+    parse_args(argc, argv, a, &rs->o, &rs->given, &rs->ck, &rs->output);
     if (lg_launch_place(&rs->launch, a->devices, a->nodes, &err) != 0) die_usage_error(&err);
     a->processes = rs->launch.processes; /* the plan counts MPI's buffers */
     int alone = a->plan_only == LG_PLAN_JSON || a->plan_only == LG_PLAN_SVG;
@@ -2022,8 +2157,12 @@ static void parse_run(int argc, char **argv, run_setup *rs) {
     if (!rs->given.beta1) a->beta1 = beta1;
     if (!rs->given.beta2) a->beta2 = beta2;
     if (!rs->given.min_lr) a->min_lr = a->lr / 10; /* the final rate follows --lr */
-    if (rs->ck.resume) resume_settings(argc, argv, a, &rs->given, &rs->ck, &rs->output, &saved);
-    check_flags(a, &rs->given, &rs->ck);
+    if (rs->ck.resume)
+        resume_settings(argc, argv, a, &rs->o, &rs->given, &rs->ck, &rs->output, &saved);
+    check_flags(a, &rs->o, &rs->given, &rs->ck);
+    a->speller = flag_of_setting; /* the lines a GPU rank prints as it stops */
+    a->driver_value = option_value; /* the options' lines of a checkpoint's settings */
+    a->driver_context = &rs->o;
 }
 
 /* Stage 2, plan: the model, the data, the GPUs, the sizes left to choose (auto), and a plan
@@ -2188,7 +2327,8 @@ static int train_steps(lg_trainer *tr, run_setup *rs, int first_step, FILE *log)
     lg_rng_seed(&sample_rng, a->seed + 1);
     loss_plot plot;
     plot_start(&plot, rs->output.plot, first_step, a->max_steps > first_step ? a->max_steps : first_step);
-    evaluate(tr, &rs->data, a, first_step, log, rs->output.log_path, &plot);
+    const run_options *o = &rs->o;
+    evaluate(tr, &rs->data, o, first_step, log, rs->output.log_path, &plot);
     progress shown;
     progress_start(&shown, &rs->output, rs->launch.process, first_step, a->max_steps);
     for (int step = first_step; step < a->max_steps; step++) {
@@ -2204,22 +2344,22 @@ static int train_steps(lg_trainer *tr, run_setup *rs, int first_step, FILE *log)
         progress_step(&shown, tr, step + 1, &st);
         plot_step(&plot, st.loss, st.lr);
         if (log) log_step(log, rs->output.log_path, step + 1, &st, tr->scaling);
-        if (a->save_every && (step + 1) % a->save_every == 0) {
+        if (o->save_every && (step + 1) % o->save_every == 0) {
             progress_clear(&shown);
             if (lg_checkpoint_save(tr, &rs->data.train, step + 1, a->out_dir, &err) != 0) die(1, &err);
             printf("saved %s/step-%d\n", a->out_dir, saved_step = step + 1);
         }
         int last = step + 1 == a->max_steps;
-        int evaluating = last || (a->eval_every && (step + 1) % a->eval_every == 0);
-        int sampling = !last && a->sample_every && (step + 1) % a->sample_every == 0;
+        int evaluating = last || (o->eval_every && (step + 1) % o->eval_every == 0);
+        int sampling = !last && o->sample_every && (step + 1) % o->sample_every == 0;
         if (evaluating || sampling) progress_clear(&shown);
-        if (evaluating) evaluate(tr, &rs->data, a, step + 1, log, rs->output.log_path, &plot);
-        if (sampling) print_samples(tr, a, &rs->data, &sample_rng);
+        if (evaluating) evaluate(tr, &rs->data, o, step + 1, log, rs->output.log_path, &plot);
+        if (sampling) print_samples(tr, a, o, &rs->data, &sample_rng);
     }
     progress_clear(&shown);
     plot_write(&plot);
     plot_free(&plot);
-    print_samples(tr, a, &rs->data, &sample_rng);
+    print_samples(tr, a, o, &rs->data, &sample_rng);
     return saved_step;
 }
 

@@ -612,7 +612,8 @@ static int fuzz_seed_run_settings(fuzz_corpus *c) {
     rc |= fuzz_add_file(c, SEED_LORA "/" LG_RUN_SETTINGS);
     rc |= fuzz_add_edited(c, 0, "micro_batch_size 2\nglobal_batch_size 2\n",
                           "micro_batch_size 65536\nglobal_batch_size 2147418112\n");
-    rc |= fuzz_add_edited(c, 0, "temperature 0\n", "temperature 3.40282347e+38\n");
+    /* a library float at its edge, and a line of the driver's (kept as text) */
+    rc |= fuzz_add_edited(c, 0, "max_norm 1\n", "max_norm 3.40282347e+38\ntemperature 0\n");
     rc |= fuzz_add_edited(c, 1, "lora.r 2\n", "lora.r 2147483647\n");
     rc |= fuzz_add_edited(c, 1, "base_model random", "base_model load /nonexistent");
     rc |= fuzz_add_edited(c, 1, "devices 2\nnodes 1\n", "devices 64\nnodes 64\n");

@@ -2653,7 +2653,7 @@ static void test_library_names_settings(results *r) {
     /* a tool's own setting, which that tool spells: the chat template (tools/prepare) */
     size_t prepare_length;
     char *prepare = lg_read_file("tools/prepare.c", &prepare_length, "source", &err);
-    int tool_spells = prepare && strstr(prepare, "strcmp(key, \"template\")") != NULL;
+    int tool_spells = prepare && strstr(prepare, "{\"template\", \"--template\"}") != NULL;
     for (int k = 0; table && k < lit.n_keys; k++)
         if (!flag_table_has_setting(table, lit.keys[k]) &&
             !(tool_spells && strcmp(lit.keys[k], "template") == 0))
@@ -2663,6 +2663,23 @@ static void test_library_names_settings(results *r) {
           "--template); unmapped:%s", lit.n_keys, unmapped[0] ? unmapped : " none");
     LG_FREE(train);
     LG_FREE(prepare);
+}
+
+/* A tool's speller (lg_setting_flag): the settings of its table as its flags, with or without
+   a value; any other by its name, the backquotes gone; no table: every one by its name. */
+static void test_tool_speller(results *r) {
+    static const lg_setting_flag_row flags[] = {{"template", "--template"}, {NULL, NULL}};
+    const char *marked = "`template auto`: none fits; name one with `template` (`devices 2` x "
+                         "`nodes` 1, `lora.r`)";
+    char with[256], without[256];
+    lg_spell_settings(marked, lg_setting_flag, (void *)flags, with, sizeof with);
+    lg_spell_settings(marked, lg_setting_flag, NULL, without, sizeof without);
+    check(r, strcmp(with, "--template auto: none fits; name one with --template (devices 2 x "
+                          "nodes 1, lora.r)") == 0 &&
+                 strcmp(without, "template auto: none fits; name one with template (devices 2 x "
+                                 "nodes 1, lora.r)") == 0,
+          "a tool's speller: its flags, other settings by name, no marks left: \"%s\", without "
+          "flags \"%s\"", with, without);
 }
 
 /* Where the driver's literals spell a flag: the count and the first (exceptions: the usage
@@ -2931,6 +2948,7 @@ int main(int argc, char **argv) {
         test_cli(&r);
         test_usage_flags_parse(&r);
         test_library_names_settings(&r);
+        test_tool_speller(&r);
         test_driver_spells_flags_once(&r);
     }
     if (section("first hour: the design card, configs, outputs, progress", argc, argv))

@@ -669,6 +669,30 @@ static void test_resume_without_flags(results *r) {
                "--load and --resume: a resumed run already has its weights");
 }
 
+/* The driver's options (train.c's evaluation, sampling and saving: not lg_args) keep their
+   lines in the place run_settings.txt always had them, after max_steps, and come back to the
+   driver as text (lg_run_settings_driver); the step-2 of test_resume_without_flags. */
+static void test_driver_settings(results *r) {
+    const char *dir = "build/cli-settings/step-2";
+    size_t n = 0;
+    char *text = lg_read_file("build/cli-settings/step-2/" LG_RUN_SETTINGS, &n, "settings", NULL);
+    const char *lines = "\nmax_steps 4\neval_every 0\neval_iters 10\nsample_every 0\n"
+                        "sample_tokens 1\ntemperature 0\nsave_every 2\nrecompute 0\n";
+    check(r, text && strstr(text, lines), "%s/" LG_RUN_SETTINGS ": the driver's options in their "
+          "old place between max_steps and recompute", dir);
+    free(text);
+    lg_run_settings *s = (lg_run_settings *)malloc(sizeof *s);
+    lg_error err;
+    int rc = s ? lg_run_settings_read(dir, s, &err) : -1;
+    const char *save = rc == 0 ? lg_run_settings_driver(s, "save_every") : NULL;
+    const char *tokens = rc == 0 ? lg_run_settings_driver(s, "sample_tokens") : NULL;
+    check(r, save && tokens && strcmp(save, "2") == 0 && strcmp(tokens, "1") == 0 &&
+                 !lg_run_settings_driver(s, "max_steps") && !lg_run_settings_driver(s, "nothing"),
+          "lg_run_settings_driver: save_every \"%s\", sample_tokens \"%s\"; none for a setting "
+          "of lg_args or an unknown key", save ? save : "(none)", tokens ? tokens : "(none)");
+    free(s);
+}
+
 /* The file's size and lg_hash64 of its bytes (0 and 0 when unreadable). */
 static void file_identity(const char *path, unsigned long long *bytes, unsigned long long *hash) {
     size_t n = 0;
@@ -848,6 +872,7 @@ static void test_checkpoints(results *r) {
     test_corrupt_checkpoints(r);
     test_checkpoint_cli(r);
     test_resume_without_flags(r);
+    test_driver_settings(r);
     test_resume_data_identity(r);
     test_step_generation_settings(r);
 }

@@ -1276,6 +1276,11 @@ static void test_chat_markers(results *r) {
     check(r, code == 2 && strstr(out, "template chatml: markers <|im_start|>, <|im_end|> are not special "
           "tokens of tokenizer " GPT2_DIR), "tools/prepare chat --template chatml with GPT-2's tokenizer: "
           "exit %d: %s", code, out);
+    /* the library's message names the setting; prepare spells it as its flag */
+    code = run_command("./tools/prepare chat --tokenizer " GPT2_DIR " --template nosuch --out "
+                       "build/chat-markers.bin build/chat-markers.jsonl 2>&1", out, sizeof out);
+    check(r, code == 2 && strstr(out, "prepare: --template nosuch: no such template") &&
+          !strchr(out, '`'), "tools/prepare chat --template nosuch: exit %d: %s", code, out);
 }
 
 /* Llama 2's own tokenizer (the real vocabulary) and --template auto: llama2, an ordinary

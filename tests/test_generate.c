@@ -681,8 +681,10 @@ static void test_gen_tool_chat(results *r) {
     check(r, code == 0 && strstr(all, "chat: template llama3") && lines == 2,
           "tools/generate --chat --template llama3: 2 turns from standard input, 2 replies "
           "(exit %d): \"%s\"", code, last);
+    /* the library's message names the setting; generate spells it as its flag */
     expect_program(r, "./tools/generate", "--load build/test-gen-chat --chat --template nosuch "
-                   "--tokenizer data/llama3 < /dev/null", 2, "nosuch");
+                   "--tokenizer data/llama3 < /dev/null", 2,
+                   "generate: --chat: --template nosuch: no such template");
     expect_program(r, "./tools/generate", "--load build/test-gen-chat --chat --template chatml "
                    "--tokenizer data/gpt2 < /dev/null", 2, "--chat: template chatml: markers "
                    "<|im_start|>, <|im_end|> are not special tokens of tokenizer data/gpt2");

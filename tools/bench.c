@@ -23,9 +23,26 @@
 #define LITGPT_IMPLEMENTATION
 #include "../litgpt.h"
 
+#include <stdarg.h>
 #include <string.h>
 
 #define BENCH_REPS 7 /* calls timed per op; the median is reported */
+
+/* The settings the library's messages may name that a flag of bench's sets; any other is
+   named alone (lg_setting_flag). */
+static const lg_setting_flag_row setting_flags[] = {
+    {"micro_batch_size", "-b"}, {"max_seq_length", "-t"}, {"precision", "-p"}, {NULL, NULL}};
+
+/* A line on stderr, its settings spelled as bench's flags. */
+static void complain(const char *fmt, ...) {
+    char marked[4096], message[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(marked, sizeof marked, fmt, ap);
+    va_end(ap);
+    lg_spell_settings(marked, lg_setting_flag, (void *)setting_flags, message, sizeof message);
+    fprintf(stderr, "bench: %s\n", message);
+}
 
 static int compare_doubles(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
@@ -243,7 +260,7 @@ static char *bench_text(size_t bytes, int spaces, uint64_t seed) {
 static int bench_tokenizer(const char *dir) {
     lg_tokenizer tok;
     lg_error err;
-    if (lg_tokenizer_load(&tok, dir, &err) != 0) { fprintf(stderr, "bench: %s\n", err.msg); return 2; }
+    if (lg_tokenizer_load(&tok, dir, &err) != 0) { complain("%s", err.msg); return 2; }
     const struct { const char *what; size_t bytes; int spaces; } cases[] = {
         {"one word of 1 MiB", 1 << 20, 0}, {"50 MB of words", 50000000, 1}};
     for (int k = 0; k < 2; k++) {
@@ -252,7 +269,7 @@ static int bench_tokenizer(const char *dir) {
         double t0 = lg_time_ms();
         int rc = text ? lg_tokenizer_encode(&tok, text, cases[k].bytes, &ids, &err) : -1;
         double ms = lg_time_ms() - t0;
-        if (rc != 0) { fprintf(stderr, "bench: %s\n", text ? err.msg : "out of memory"); return 1; }
+        if (rc != 0) { complain("%s", text ? err.msg : "out of memory"); return 1; }
         printf("tokenizer %s: %s: %.0f ms, %.1f MB/s, %zu tokens\n", dir, cases[k].what, ms,
                cases[k].bytes / (ms * 1e3), ids.n);
         LG_FREE(ids.ids);
@@ -274,7 +291,7 @@ static int bench_generate(const lg_config *cfg, int P, int n_new, lg_precision p
 #endif
     lg_gen_spec spec = {P + n_new, P, precision, threads, 0};
     lg_generator g;
-    if (lg_generator_create(&g, cfg, &spec, &err) != 0) { fprintf(stderr, "bench: %s\n", err.msg); return 1; }
+    if (lg_generator_create(&g, cfg, &spec, &err) != 0) { complain("%s", err.msg); return 1; }
     size_t n = lg_params_layout(&g.cfg, lg_no_buf(), NULL, NULL);
     for (size_t i = 0; i < n; i++) /* uniform in +-0.035, about N(0, 0.02): cheap for 1B weights */
         lg_set(g.params, i, 0.07f * ((float)((i * 2654435761u) % 1024) / 1024.0f - 0.5f));
@@ -286,7 +303,7 @@ static int bench_generate(const lg_config *cfg, int P, int n_new, lg_precision p
     lg_gen_stats st;
     int n_out, rc = lg_generate(&g, prompt, P < 8 ? P : 8, 4, &s, &rng, out, &n_out, NULL, NULL, &st, &err);
     if (rc == 0) rc = lg_generate(&g, prompt, P, n_new, &s, &rng, out, &n_out, NULL, NULL, &st, &err);
-    if (rc != 0) fprintf(stderr, "bench: %s\n", err.msg);
+    if (rc != 0) complain("%s", err.msg);
     double weights = (double)lg_plan_find(&g.plan.ranks[0], "weights")->bytes;
     double decode_s = st.decode_ms / 1e3 / (st.decode_tokens ? st.decode_tokens : 1);
     if (rc == 0)
@@ -329,7 +346,7 @@ static double bench_real_tokens_per_s(lg_trainer *tr, lg_loader *ld, int warmup,
     double ms = 0;
     long targets = 0;
     for (int s = 0; s < warmup + steps; s++) {
-        if (lg_trainer_step(tr, ld, s, &st, &err) != 0) { fprintf(stderr, "bench: %s\n", err.msg); return 0; }
+        if (lg_trainer_step(tr, ld, s, &st, &err) != 0) { complain("%s", err.msg); return 0; }
         if (s < warmup) continue;
         ms += st.ms;
         targets += st.n_targets;
@@ -358,7 +375,7 @@ static int bench_pack(lg_config *cfg, int B, int T, int steps) {
         a.precision = LG_PRECISION_BF16_MIXED;
         if (lg_loader_open(&ld[packed], path, T, cfg->vocab_size, 1, 7, &err) != 0 ||
             lg_trainer_create(&tr[packed], cfg, &a, T, &err) != 0) {
-            fprintf(stderr, "bench: %s\n", err.msg);
+            complain("%s", err.msg);
             return 1;
         }
     }
@@ -427,7 +444,7 @@ static int bench_offload(const lg_config *cfg, int B, int T, int steps, lg_preci
         uint32_t *tokens = random_tokens(n, cfg->vocab_size); /* (the loader owns them) */
         if (!tokens || lg_loader_from_memory(&ld[k], tokens, n, T, cfg->vocab_size, 0, 0, &err) != 0 ||
             lg_trainer_create(&tr[k], cfg, &a, T, &err) != 0) {
-            fprintf(stderr, "bench: --offload %s: %s\n", modes[k].name, tokens ? err.msg : "no memory");
+            complain("--offload %s: %s", modes[k].name, tokens ? err.msg : "no memory");
             return 1;
         }
     }
@@ -464,11 +481,11 @@ int main(int argc, char **argv) {
         else if (value && strcmp(argv[i], "-t") == 0) T = atoi(argv[++i]);
         else if (value && strcmp(argv[i], "-s") == 0) steps = atoi(argv[++i]);
         else if (value && strcmp(argv[i], "-p") == 0 && lg_precision_parse(value, &precision) == 0) i++;
-        else { fprintf(stderr, "bench: unknown or incomplete option %s\n", argv[i]); return 2; }
+        else { complain("unknown or incomplete option %s", argv[i]); return 2; }
     }
     lg_error err;
     lg_config cfg;
-    if (lg_config_load(&cfg, config, &err) != 0) { fprintf(stderr, "bench: %s\n", err.msg); return 2; }
+    if (lg_config_load(&cfg, config, &err) != 0) { complain("%s", err.msg); return 2; }
     if (generate) return bench_generate(&cfg, T, n_new, precision);
     if (pack) return bench_pack(&cfg, B, T, steps);
     if (modes) return bench_offload(&cfg, B, T, steps, precision);
@@ -481,7 +498,7 @@ int main(int argc, char **argv) {
     args.lr = 3e-4f;
     args.warmup_steps = 0;
     lg_trainer tr;
-    if (lg_trainer_create(&tr, &cfg, &args, T, &err) != 0) { fprintf(stderr, "bench: %s\n", err.msg); return 1; }
+    if (lg_trainer_create(&tr, &cfg, &args, T, &err) != 0) { complain("%s", err.msg); return 1; }
     /* random tokens, enough windows for every step */
     size_t n = (size_t)(warmup + steps) * B * T + 1;
     uint32_t *tokens = random_tokens(n, cfg.vocab_size);
@@ -491,7 +508,7 @@ int main(int argc, char **argv) {
     double step_ms[64];
     if (steps > 64) steps = 64;
     for (int s = 0; s < warmup + steps; s++) {
-        if (lg_trainer_step(&tr, &ld, s, &st, &err) != 0) { fprintf(stderr, "bench: %s\n", err.msg); return 1; }
+        if (lg_trainer_step(&tr, &ld, s, &st, &err) != 0) { complain("%s", err.msg); return 1; }
         if (s >= warmup) step_ms[s - warmup] = st.ms;
     }
     int threads = 1;

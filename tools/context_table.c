@@ -140,7 +140,9 @@ int main(void) {
     lg_config cfg;
     lg_error err;
     if (lg_config_load(&cfg, "configs/Llama-3.1-8B.yaml", &err) != 0) {
-        fprintf(stderr, "context_table: %s\n", err.msg);
+        char message[1024]; /* a setting it names by its name alone (no flags here) */
+        lg_spell_settings(err.msg, lg_setting_flag, NULL, message, sizeof message);
+        fprintf(stderr, "context_table: %s\n", message);
         return 2;
     }
     printf("Llama 3.1 8B, QLoRA nf4 on q,k,v,proj,mlp, r 32, -b 1, bf16-true, --recompute block; "

@@ -42,13 +42,16 @@ static const char usage[] =
     "  --type  the matrices' type: f32 (default), f16, bf16, q8_0\n"
     "  --tokenizer PATH  the tokenizer's directory (or tokenizer.json) when DIR has none\n";
 
+/* Stops with the message; a setting the library's messages name (no flag of export's sets
+   one) by its name alone (lg_setting_flag). */
 static void die(int code, const char *fmt, ...) {
+    char marked[4096], message[4096];
     va_list ap;
     va_start(ap, fmt);
-    fputs("export: ", stderr);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    vsnprintf(marked, sizeof marked, fmt, ap);
     va_end(ap);
+    lg_spell_settings(marked, lg_setting_flag, NULL, message, sizeof message);
+    fprintf(stderr, "export: %s\n", message);
     exit(code);
 }
 

@@ -57,13 +57,22 @@ typedef struct {
     size_t memory_limit; /* 0: MemAvailable */
 } generate_args;
 
+/* The settings the library's messages may name that a flag of generate's sets; any other is
+   named alone (lg_setting_flag). */
+static const lg_setting_flag_row setting_flags[] = {
+    {"template", "--template"},       {"precision", "--precision"}, {"plan_only", "--plan"},
+    {"memory_limit", "--memory-limit"}, {"temperature", "--temperature"}, {"seed", "--seed"},
+    {NULL, NULL}};
+
+/* Stops with the message, its settings spelled as generate's flags. */
 static void die(int code, const char *fmt, ...) {
+    char marked[4096], message[4096];
     va_list ap;
     va_start(ap, fmt);
-    fputs("generate: ", stderr);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    vsnprintf(marked, sizeof marked, fmt, ap);
     va_end(ap);
+    lg_spell_settings(marked, lg_setting_flag, (void *)setting_flags, message, sizeof message);
+    fprintf(stderr, "generate: %s\n", message);
     exit(code);
 }
 

@@ -51,6 +51,14 @@ static size_t planned_bytes(const lg_config *cfg, const lora_row *row, lg_error 
     return bytes;
 }
 
+/* A table row that reports the library's error, a setting it names by its name alone (no flags
+   here). */
+static void print_error_row(const lora_row *row, const lg_error *err) {
+    char message[1024];
+    lg_spell_settings(err->msg, lg_setting_flag, NULL, message, sizeof message);
+    printf("| %s | %s | %s |\n", row->what, row->config, message);
+}
+
 int main(void) {
     printf("| run (LitGPT's source) | model | r | micro-batch | tokens | quantize | litgpt.c plan "
            "| LitGPT measured |\n|---|---|---|---|---|---|---|---|\n");
@@ -62,12 +70,12 @@ int main(void) {
         lg_error err;
         snprintf(path, sizeof path, "configs/%s.yaml", row->config);
         if (lg_config_load(&cfg, path, &err) != 0) {
-            printf("| %s | %s | %s |\n", row->what, row->config, err.msg);
+            print_error_row(row, &err);
             continue;
         }
         size_t bytes = planned_bytes(&cfg, row, &err);
         if (!bytes) {
-            printf("| %s | %s | %s |\n", row->what, row->config, err.msg);
+            print_error_row(row, &err);
             continue;
         }
         double gb = (double)bytes / 1e9;

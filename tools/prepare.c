@@ -65,13 +65,19 @@ typedef struct {
     int n_files;
 } prepare_args;
 
+/* The one setting the library's messages name that a flag of prepare's sets: the chat
+   template; any other is named alone (lg_setting_flag). */
+static const lg_setting_flag_row setting_flags[] = {{"template", "--template"}, {NULL, NULL}};
+
+/* Stops with the message, its settings spelled as prepare's flags. */
 static void die(int code, const char *fmt, ...) {
+    char marked[4096], message[4096];
     va_list ap;
     va_start(ap, fmt);
-    fputs("prepare: ", stderr);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    vsnprintf(marked, sizeof marked, fmt, ap);
     va_end(ap);
+    lg_spell_settings(marked, lg_setting_flag, (void *)setting_flags, message, sizeof message);
+    fprintf(stderr, "prepare: %s\n", message);
     exit(code);
 }
 
@@ -378,26 +384,11 @@ static void print_json_string(const char *text, size_t n) {
     puts("\"");
 }
 
-/* The library names settings in its messages (lg_spell_settings); the one a message of
-   prepare's can name is the chat template, --template. */
-static const char *template_flag(const char *key, int with_value, void *unused, char *out,
-                                 size_t cap) {
-    (void)with_value;
-    (void)unused;
-    if (strcmp(key, "template") != 0) return NULL;
-    snprintf(out, cap, "--template");
-    return out;
-}
-
 static lg_chat_template pick_template(const prepare_args *a, const lg_tokenizer *tok) {
     lg_chat_template t;
     lg_error err;
-    char message[1024];
     const char *name = a->chat_template ? a->chat_template : "auto";
-    if (lg_chat_template_pick(name, tok, &t, &err) != 0) {
-        lg_spell_settings(err.msg, template_flag, NULL, message, sizeof message);
-        die(2, "%s", message);
-    }
+    if (lg_chat_template_pick(name, tok, &t, &err) != 0) die(2, "%s", err.msg);
     return t;
 }
 

@@ -1111,6 +1111,41 @@ static void test_plan_refused(results *r) {
     if (rc == 0) lg_trainer_free(&tr);
 }
 
+/* A driver's speller for the test: `memory_margin` is --memory-margin, nothing else a flag. */
+static const char *margin_flag(const char *key, int with_value, void *unused, char *name,
+                               size_t size) {
+    (void)with_value, (void)unused;
+    if (strcmp(key, "memory_margin") != 0) return NULL;
+    snprintf(name, size, "--memory-margin");
+    return name;
+}
+
+/* The line a rank prints as cuBLASLt runs out of memory names the margin as the driver spells
+   it (lg_args.speller reaches the rank through its plan), and by its name without a speller. */
+static void test_out_of_memory_line(results *r) {
+    lg_config cfg;
+    lg_error err;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    for (int spelled = 0; spelled < 2; spelled++) {
+        lg_args a = step_args(LG_PRECISION_32_TRUE, LG_BACKEND_CUDA);
+        a.speller = spelled ? margin_flag : NULL;
+        lg_trainer tr;
+        if (lg_trainer_create(&tr, &cfg, &a, 16, &err) != 0) {
+            check(r, 0, "out-of-memory line: %s", err.msg);
+            return;
+        }
+        char line[1024];
+        lg_lt_out_of_memory_line(tr.ranks[0].rank.cuda, 64, 32, 16, line, sizeof line);
+        const char *want = spelled ? "a larger --memory-margin keeps more free\n"
+                                   : "a larger `memory_margin` keeps more free\n";
+        check(r, strstr(line, "a 64 x 32 x 16 matmul") && strstr(line, want) &&
+                     (!spelled || !strchr(line, '`')),
+              "cuBLASLt's out-of-memory line %s: %s", spelled ? "spelled by the driver" : "unspelled",
+              line);
+        lg_trainer_free(&tr);
+    }
+}
+
 /* --- benchmark --------------------------------------------------------------------------------- */
 
 /* Dense bf16 peaks (FLOP/s) of the GPUs the table knows, by name. */
@@ -1434,6 +1469,7 @@ static void mode_memory(results *r, int gpus) {
     printf("memory\n");
     test_plan_memory(r, "test-llama", 16, 2);
     test_plan_refused(r);
+    test_out_of_memory_line(r);
 #ifndef LG_CUDA_EMULATE
     test_plan_memory(r, "Llama-3.2-1B", 2048, 4);
 #endif
