@@ -114,6 +114,7 @@
 #ifndef LITGPT_H
 #define LITGPT_H
 
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -157,6 +158,10 @@ typedef struct {
     const char *flag;    /* the program's flag that sets it */
 } lg_setting_flag_row;
 const char *lg_setting_flag(const char *key, int with_value, void *table, char *buf, size_t cap);
+/* A tool's line on stderr: "tool: " then fmt's text, its settings spelled by the tool's table
+   (lg_setting_flag). */
+void lg_tool_vcomplain(const char *tool, const lg_setting_flag_row *flags, const char *fmt,
+                       va_list ap);
 
 /* Bytes of a path the library builds: a directory (up to 1024) and a file name in it. */
 #define LG_PATH_MAX 1100
@@ -2304,6 +2309,14 @@ const char *lg_setting_flag(const char *key, int with_value, void *table, char *
         if (strcmp(row->setting, key) == 0) return row->flag;
     snprintf(buf, cap, "%s", key);
     return buf;
+}
+
+void lg_tool_vcomplain(const char *tool, const lg_setting_flag_row *flags, const char *fmt,
+                       va_list ap) {
+    char marked[4096], message[4096];
+    vsnprintf(marked, sizeof marked, fmt, ap);
+    lg_spell_settings(marked, lg_setting_flag, (void *)flags, message, sizeof message);
+    fprintf(stderr, "%s: %s\n", tool, message);
 }
 
 /* marked (a line that names settings) with its settings spelled by spell, in out (cap bytes);

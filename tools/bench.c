@@ -35,13 +35,10 @@ static const lg_setting_flag_row setting_flags[] = {
 
 /* A line on stderr, its settings spelled as bench's flags. */
 static void complain(const char *fmt, ...) {
-    char marked[4096], message[4096];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(marked, sizeof marked, fmt, ap);
+    lg_tool_vcomplain("bench", setting_flags, fmt, ap);
     va_end(ap);
-    lg_spell_settings(marked, lg_setting_flag, (void *)setting_flags, message, sizeof message);
-    fprintf(stderr, "bench: %s\n", message);
 }
 
 static int compare_doubles(const void *a, const void *b) {

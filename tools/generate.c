@@ -66,13 +66,10 @@ static const lg_setting_flag_row setting_flags[] = {
 
 /* Stops with the message, its settings spelled as generate's flags. */
 static void die(int code, const char *fmt, ...) {
-    char marked[4096], message[4096];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(marked, sizeof marked, fmt, ap);
+    lg_tool_vcomplain("generate", setting_flags, fmt, ap);
     va_end(ap);
-    lg_spell_settings(marked, lg_setting_flag, (void *)setting_flags, message, sizeof message);
-    fprintf(stderr, "generate: %s\n", message);
     exit(code);
 }
 

@@ -71,13 +71,10 @@ static const lg_setting_flag_row setting_flags[] = {{"template", "--template"}, 
 
 /* Stops with the message, its settings spelled as prepare's flags. */
 static void die(int code, const char *fmt, ...) {
-    char marked[4096], message[4096];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(marked, sizeof marked, fmt, ap);
+    lg_tool_vcomplain("prepare", setting_flags, fmt, ap);
     va_end(ap);
-    lg_spell_settings(marked, lg_setting_flag, (void *)setting_flags, message, sizeof message);
-    fprintf(stderr, "prepare: %s\n", message);
     exit(code);
 }
 
