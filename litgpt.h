@@ -449,8 +449,9 @@ typedef const char *lg_run_driver_value(const char *key, void *ctx, char *buf, s
 /* The run's settings: what the user asked for that the library reads (and the run settings a
    checkpoint records, LG_RUN_SETTINGS). train.c parses argv into this; what only the driver
    reads (--log, --plot, --log-interval, -b auto and -t auto, --load, --resume; the config,
-   data, validation data and prompt it opens, where it saves, evaluation, sampling and saving,
-   which LG_RUN_SETTINGS records through driver_value) it keeps. */
+   data, validation data and prompt it opens, where it saves, the device memory it plans
+   within (--memory-limit: the planners take the limit as an argument), evaluation, sampling
+   and saving, which LG_RUN_SETTINGS records through driver_value) it keeps. */
 typedef struct {
     lg_backend backend;        /* where the ranks run: the CPU, or the GPUs of a CUDA build */
     size_t runtime_bytes;      /* GPU: the runtime's own memory a device, measured (the plan
@@ -501,7 +502,6 @@ typedef struct {
     lg_state_format optimizer_state; /* --optimizer-state bf16|8bit (AdamW) */
     int hessian_interval;      /* Sophia: steps between Hessian estimates (10) */
     float rho;                 /* Sophia: the clipping scale of m / h (0.04) */
-    size_t memory_limit;       /* --memory-limit: bytes a device may use; 0: no limit */
     size_t host_memory_limit;  /* --host-memory-limit: bytes the host pools of one machine's
                                   ranks may use together; 0: what the machine has available
                                   (lg_args_host_limit) */
@@ -1872,7 +1872,7 @@ int lg_trainer_load_hf(lg_trainer *tr, const char *dir, lg_error *err);
 #define LG_RUN_SETTINGS "run_settings.txt"
 /* the lines kept as text for the driver: its settings (lg_args.driver_value) and out_dir, the
    directory the checkpoint was saved under (lg_checkpoint_save's out) */
-#define LG_RUN_DRIVER_FIELDS 11
+#define LG_RUN_DRIVER_FIELDS 12
 typedef struct {
     lg_args args;          /* the run's settings */
     char driver_text[LG_RUN_DRIVER_FIELDS][LG_PATH_MAX]; /* those lines, as written
@@ -15521,8 +15521,7 @@ static int lg_write_merged_model(const lg_model *m0, const lg_real *adapters, lg
 
 /* --- run settings: what a resumed run takes from its checkpoint (LG_RUN_SETTINGS) ---------- */
 
-typedef enum { LG_RUN_INT, LG_RUN_FLOAT, LG_RUN_U64, LG_RUN_SIZE, LG_RUN_DRIVER,
-               LG_RUN_OUT } lg_run_kind;
+typedef enum { LG_RUN_INT, LG_RUN_FLOAT, LG_RUN_U64, LG_RUN_DRIVER, LG_RUN_OUT } lg_run_kind;
 
 /* One table that the writer, the reader and the resume check walk. model: a resumed run
    that changed it would train another model than the checkpoint's. Enums are stored as
@@ -15583,7 +15582,7 @@ static const struct {
     LG_RUN_FIELD(recompute, LG_RUN_INT, 0, 0, 1),
     LG_RUN_FIELD(offload, LG_RUN_INT, 0, 0, 1),
     LG_RUN_FIELD(tf32, LG_RUN_INT, 0, 0, 1),
-    LG_RUN_FIELD(memory_limit, LG_RUN_SIZE, 0, 0, 0),
+    LG_RUN_DRIVER_FIELD(memory_limit),
     LG_RUN_FIELD(pack, LG_RUN_INT, 1, 0, 1), /* the rows the data order makes */
     LG_RUN_FIELD(head_rows, LG_RUN_INT, 0, 0, INT_MAX), /* the head's chunks: the same loss
                                                            to rounding */
@@ -15598,7 +15597,6 @@ static void lg_run_field_text(const lg_args *a, int i, char *out, size_t cap) {
     int v_int;
     float v_float;
     uint64_t v_u64;
-    size_t v_size;
     switch (lg_run_fields[i].kind) {
     case LG_RUN_INT: memcpy(&v_int, at, sizeof v_int); lg_format(out, cap, "%d", v_int); break;
     case LG_RUN_FLOAT:
@@ -15606,7 +15604,6 @@ static void lg_run_field_text(const lg_args *a, int i, char *out, size_t cap) {
         lg_format(out, cap, "%.9g", (double)v_float); /* exact for a float */
         break;
     case LG_RUN_U64: memcpy(&v_u64, at, 8); lg_format(out, cap, "%llu", (unsigned long long)v_u64); break;
-    case LG_RUN_SIZE: memcpy(&v_size, at, sizeof v_size); lg_format(out, cap, "%zu", v_size); break;
     case LG_RUN_DRIVER: case LG_RUN_OUT: lg_format(out, cap, "%s", ""); break; /* not in a */
     }
 }
@@ -15643,12 +15640,9 @@ static int lg_run_field_parse(lg_args *a, int i, const char *value) {
         memcpy(at, &v, sizeof v);
         break;
     }
-    case LG_RUN_U64: case LG_RUN_SIZE: {
-        unsigned long long v = strtoull(value, &end, 10);
-        uint64_t v_u64 = v;
-        size_t v_size = (size_t)v;
-        if (lg_run_fields[i].kind == LG_RUN_U64) memcpy(at, &v_u64, 8);
-        else memcpy(at, &v_size, sizeof v_size);
+    case LG_RUN_U64: {
+        uint64_t v_u64 = strtoull(value, &end, 10);
+        memcpy(at, &v_u64, 8);
         break;
     }
     case LG_RUN_DRIVER: case LG_RUN_OUT: return -1; /* not in a: lg_run_settings_line keeps

@@ -183,11 +183,12 @@ typedef struct {
     int sample_tokens; /* --sample-tokens: tokens a sample generates */
     float temperature; /* --temperature: the samples'; 0: greedy */
     int save_every;    /* --save-every: steps between checkpoints; 0: only at the end */
+    size_t memory_limit; /* --memory-limit: bytes a device may use (device_limit); 0: no limit */
 } run_options;
 
 /* What an option is: an int, a float (written as the library writes its floats: exact to the
-   bit) or text (a line's text, "" for none). */
-typedef enum { OPTION_INT, OPTION_FLOAT, OPTION_TEXT } option_kind;
+   bit), a size (bytes) or text (a line's text, "" for none). */
+typedef enum { OPTION_INT, OPTION_FLOAT, OPTION_SIZE, OPTION_TEXT } option_kind;
 
 /* The options' lines: key (the setting's name), place, kind and range (a float: at least lo). */
 static const struct {
@@ -207,6 +208,7 @@ static const struct {
     {"sample_tokens", offsetof(run_options, sample_tokens), OPTION_INT, 1, 1000000},
     {"temperature", offsetof(run_options, temperature), OPTION_FLOAT, 0, 0},
     {"save_every", offsetof(run_options, save_every), OPTION_INT, 0, INT_MAX},
+    {"memory_limit", offsetof(run_options, memory_limit), OPTION_SIZE, 0, 0},
 };
 enum { OPTION_COUNT = sizeof option_fields / sizeof option_fields[0] };
 LG_STATIC_ASSERT(OPTION_COUNT == LG_RUN_DRIVER_FIELDS, "LG_RUN_SETTINGS keeps a line for each option");
@@ -245,6 +247,9 @@ static int option_parse(run_options *o, int i, const char *text) {
     if (option_fields[i].kind == OPTION_FLOAT) {
         float v_float = strtof(text, &end);
         memcpy(at, &v_float, sizeof v_float);
+    } else if (option_fields[i].kind == OPTION_SIZE) {
+        size_t v_size = (size_t)strtoull(text, &end, 10);
+        memcpy(at, &v_size, sizeof v_size);
     } else {
         long v = strtol(text, &end, 10);
         int v_int = (int)v;
@@ -255,11 +260,11 @@ static int option_parse(run_options *o, int i, const char *text) {
 }
 
 /* Option i of o outside its range: says so into why (as the library says it of its settings)
-   and returns 1; 0 when within. An int within lo .. hi, a float finite and at least lo; text
-   any. */
+   and returns 1; 0 when within. An int within lo .. hi, a float finite and at least lo; a size
+   or text any. */
 static int option_out_of_range(const run_options *o, int i, char *why, size_t cap) {
     option_kind kind = option_fields[i].kind;
-    if (kind == OPTION_TEXT) return 0;
+    if (kind == OPTION_TEXT || kind == OPTION_SIZE) return 0;
     double v = option_number(o, i), lo = option_fields[i].lo, hi = option_fields[i].hi;
     const char *key = option_fields[i].key;
     if (kind == OPTION_INT && (v < lo || v > hi))
@@ -276,10 +281,15 @@ static int option_out_of_range(const run_options *o, int i, char *why, size_t ca
 static const char *option_value(const char *key, void *options, char *buf, size_t cap) {
     for (int i = 0; i < OPTION_COUNT; i++) {
         if (strcmp(option_fields[i].key, key) != 0) continue;
+        const unsigned char *at = (const unsigned char *)options + option_fields[i].offset;
         const char *text;
+        size_t size;
         if (option_fields[i].kind == OPTION_TEXT) {
-            memcpy(&text, (const unsigned char *)options + option_fields[i].offset, sizeof text);
+            memcpy(&text, at, sizeof text);
             snprintf(buf, cap, "%s", text ? text : "");
+        } else if (option_fields[i].kind == OPTION_SIZE) {
+            memcpy(&size, at, sizeof size);
+            snprintf(buf, cap, "%zu", size);
         } else if (option_fields[i].kind == OPTION_FLOAT) {
             snprintf(buf, cap, "%.9g", option_number((const run_options *)options, i));
         } else {
@@ -418,7 +428,7 @@ static void set_plan(flag_call *c) {
     c->a->plan_only = c->value ? modes[format] : LG_PLAN_TABLE;
 }
 
-static void set_memory_limit(flag_call *c) { c->a->memory_limit = parse_size(c->flag, c->value); }
+static void set_memory_limit(flag_call *c) { c->o->memory_limit = parse_size(c->flag, c->value); }
 
 static void set_host_memory_limit(flag_call *c) {
     c->a->host_memory_limit = parse_size(c->flag, c->value);
@@ -1162,11 +1172,11 @@ static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, co
    measure). On the CPU backend the memory of the machine, which its pools and simulated ranks
    share (lg_plan_checked_bytes): the smaller of --memory-limit and --host-memory-limit, else
    what it had available (a->host_available, read once). */
-static size_t device_limit(const lg_args *a, const char **source) {
+static size_t device_limit(const lg_args *a, const run_options *o, const char **source) {
     size_t host = a->host_memory_limit;
-    if (a->memory_limit && (a->backend == LG_BACKEND_CUDA || !host || a->memory_limit <= host)) {
+    if (o->memory_limit && (a->backend == LG_BACKEND_CUDA || !host || o->memory_limit <= host)) {
         *source = "`memory_limit`";
-        return a->memory_limit;
+        return o->memory_limit;
     }
     if (a->gpu) {
         *source = a->gpu->nominal ? "`gpu`: the card's memory, not a reading" : "`gpu`: what the card reports";
@@ -1229,9 +1239,10 @@ static void prepare_gpus(lg_args *a, int process_per_gpu_or_node) {
 
 /* -b auto: the largest micro-batch that fits and divides the per-device batch; what it chose
    is added to note. */
-static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T, char *note, size_t cap) {
+static void choose_micro_batch(lg_args *a, const run_options *o, const lg_config *cfg,
+                               int T, char *note, size_t cap) {
     const char *source;
-    size_t limit = device_limit(a, &source);
+    size_t limit = device_limit(a, o, &source);
     if (limit == 0) limit = (size_t)-1; /* unknown: no limit */
     int b = lg_plan_auto_micro_batch(cfg, a, T, limit);
     char size[32];
@@ -1248,9 +1259,10 @@ static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T, char *no
 
 /* The token embedding when --offload embedding is not given: on the device, or in host memory
    where that makes the run fit and the run allows it (said in note). */
-static void choose_embedding(lg_args *a, const lg_config *cfg, int T, char *note, size_t cap) {
+static void choose_embedding(lg_args *a, const run_options *o, const lg_config *cfg,
+                             int T, char *note, size_t cap) {
     const char *source;
-    size_t limit = device_limit(a, &source);
+    size_t limit = device_limit(a, o, &source);
     char size[32];
     if (a->offload_embedding || !lg_plan_auto_embedding(cfg, a, T, limit)) return;
     a->offload_embedding = 1;
@@ -1263,9 +1275,10 @@ static void choose_embedding(lg_args *a, const lg_config *cfg, int T, char *note
 
 /* --head-rows and --slice-rows when not given: all rows, or where the run does not fit so the
    planner's chunks and slices (said in note). */
-static void choose_rows(lg_args *a, const lg_config *cfg, int T, char *note, size_t cap) {
+static void choose_rows(lg_args *a, const run_options *o, const lg_config *cfg,
+                        int T, char *note, size_t cap) {
     const char *source;
-    size_t limit = device_limit(a, &source);
+    size_t limit = device_limit(a, o, &source);
     int N = a->micro_batch_size * T, head_given = a->head_rows, slice_given = a->slice_rows;
     if (limit == 0) return; /* unknown: all rows */
     lg_plan_auto_rows(cfg, a, T, limit, &a->head_rows, &a->slice_rows);
@@ -1385,8 +1398,9 @@ static FILE *json_output(void) {
 
 /* --plan (json: the stream from json_output; planned_for its first line, then the notes on
    the data), and the check that the run fits before anything is allocated. */
-static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_config *cfg, int T,
-                           FILE *json, const char *planned_for, const char *notes) {
+static void plan_and_check(int argc, char **argv, const lg_args *a, const run_options *o,
+                           const lg_config *cfg, int T, FILE *json, const char *planned_for,
+                           const char *notes) {
     lg_plan_spec spec;
     lg_plan plan;
     lg_error err;
@@ -1395,7 +1409,7 @@ static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_con
     if (lg_plan_make(&plan, cfg, &spec, &err) != 0) die(2, &err);
     const char *source;
     lg_fit fit;
-    lg_plan_check_fit(&plan, a, device_limit(a, &source), &fit);
+    lg_plan_check_fit(&plan, a, device_limit(a, o, &source), &fit);
     if (a->plan_only) {
         if (a->plan_only == LG_PLAN_JSON || a->plan_only == LG_PLAN_SVG) {
             if (a->plan_only == LG_PLAN_JSON) lg_plan_print_json(&plan, &fit, json);
@@ -1813,7 +1827,7 @@ static void describe_limits(const lg_args *a, size_t limit, const char *source, 
 static void choose_seq_length(lg_args *a, const run_options *o, int micro_batch_auto,
                               lg_config *cfg, int *T, run_data *d) {
     const char *source;
-    size_t limit = device_limit(a, &source);
+    size_t limit = device_limit(a, o, &source);
     int cap = *T, samples = d->train.n_samples > 0 || d->val.n_samples > 0;
     const char *cap_name = samples ? "the longest sample" : "block_size";
     lg_args probe = *a;
@@ -2211,15 +2225,16 @@ static void plan_run(run_setup *rs) {
     if (given->max_seq_length_auto)
         choose_seq_length(a, &rs->o, given->micro_batch_auto, &rs->cfg, &rs->T, &rs->data);
     if (given->micro_batch_auto)
-        choose_micro_batch(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
+        choose_micro_batch(a, &rs->o, &rs->cfg, rs->T, note, sizeof rs->data.note);
     if (!a->head_rows || !a->slice_rows)
-        choose_rows(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
-    choose_embedding(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
+        choose_rows(a, &rs->o, &rs->cfg, rs->T, note, sizeof rs->data.note);
+    choose_embedding(a, &rs->o, &rs->cfg, rs->T, note, sizeof rs->data.note);
     if (lg_args_check(a, &err) != 0) die_usage_error(&err);
     char planned_for[512];
     describe_planned_run(a, &rs->cfg, rs->T, &rs->data, planned_for, sizeof planned_for);
     if (!a->plan_only) print_settings("%s", note); /* a run: first what the data are */
-    plan_and_check(rs->argc, rs->argv, a, &rs->cfg, rs->T, rs->plan_json, planned_for, note);
+    plan_and_check(rs->argc, rs->argv, a, &rs->o, &rs->cfg, rs->T, rs->plan_json, planned_for,
+                   note);
     if (rs->launch.processes > 1) check_same_run(&rs->launch, rs->argc, rs->argv, &rs->data);
 }
 
