@@ -453,17 +453,16 @@ typedef const char *lg_run_driver_value(const char *key, void *ctx, char *buf, s
 
 /* The run's settings: what the user asked for that the library reads (and the run settings a
    checkpoint records, LG_RUN_SETTINGS). train.c parses argv into this; what only the driver
-   reads (--log, --plot, --log-interval, -b auto and -t auto, --load, --resume; evaluation,
-   sampling and saving, which LG_RUN_SETTINGS records through driver_value) it keeps. */
+   reads (--log, --plot, --log-interval, -b auto and -t auto, --load, --resume; the config,
+   data, validation data and prompt it opens, where it saves, the device memory it plans
+   within (--memory-limit: the planners take the limit as an argument), evaluation, sampling
+   and saving, which LG_RUN_SETTINGS records through driver_value) it keeps. */
 typedef struct {
-    const char *config;        /* -c: configs/NAME.yaml or a path; NULL: the built-in model */
-    const char *data;          /* --data: training token shard; NULL: the built-in task */
     lg_backend backend;        /* where the ranks run: the CPU, or the GPUs of a CUDA build */
     size_t runtime_bytes;      /* GPU: the runtime's own memory a device, measured (the plan
                                   counts it); 0 on the CPU */
     size_t device_bytes;       /* GPU: the smallest GPU's memory, measured; 0 on the CPU */
     int tf32;                  /* --tf32: fp32 matmuls on a GPU may use TF32 */
-    const char *val_data;      /* --val-data: validation token shard */
     int micro_batch_size;      /* -b: samples per forward/backward */
     int global_batch_size;     /* -g: samples per optimizer step over all devices; 0: = -b */
     int max_seq_length;        /* -t: tokens per sample; 0: the model's block_size */
@@ -479,9 +478,7 @@ typedef struct {
     float weight_decay, beta1, beta2, eps, momentum;
     float max_norm;            /* gradient clipping by global norm; 0: off */
     int max_steps;             /* 0: evaluate and exit */
-    const char *prompt;
     uint64_t seed;
-    const char *out_dir;       /* --out: the final model.safetensors */
     int recompute;             /* --recompute block: 1 (keep each block's input, recompute it) */
     int offload;               /* --offload: 1 (master weights and optimizer state on the host) */
     int offload_activations;   /* --offload activations: 1 (the block inputs that --recompute
@@ -510,7 +507,6 @@ typedef struct {
     lg_state_format optimizer_state; /* --optimizer-state bf16|8bit (AdamW) */
     int hessian_interval;      /* Sophia: steps between Hessian estimates (10) */
     float rho;                 /* Sophia: the clipping scale of m / h (0.04) */
-    size_t memory_limit;       /* --memory-limit: bytes a device may use; 0: no limit */
     size_t host_memory_limit;  /* --host-memory-limit: bytes the host pools of one machine's
                                   ranks may use together; 0: what the machine has available
                                   (lg_args_host_limit) */
@@ -530,9 +526,9 @@ typedef struct {
        a driver with flags spells them (lg_spell_settings); NULL: the names */
     lg_setting_speller *speller;
     void *speller_context;
-    /* the settings the driver keeps itself that LG_RUN_SETTINGS records for it (its
-       evaluation, sampling and saving): a key's value as its line's text
-       (NULL: no such line) */
+    /* the settings the driver keeps itself that LG_RUN_SETTINGS records for it (the files it
+       opens, its evaluation, sampling and saving): a key's value as its line's text (NULL: no
+       such line; "": none, as for a line holding a newline) */
     lg_run_driver_value *driver_value;
     void *driver_context;
 } lg_args;
@@ -1870,7 +1866,8 @@ int lg_checkpoint_resume(lg_trainer *tr, lg_loader *data, const char *dir, int *
 int lg_trainer_load_hf(lg_trainer *tr, const char *dir, lg_error *err);
 
 /* LG_RUN_SETTINGS in every step-N: the run's settings, one "key value" line each (the keys
-   are lg_args' field names: micro_batch_size, lr, lora.r, ...; floats exact to the bit), and
+   are lg_args' field names: micro_batch_size, lr, lora.r, ...; floats exact to the bit; the
+   driver's settings as lg_args.driver_value gives them: config, data, prompt, ...), and
    for LoRA where the frozen base came from ("base_model load DIR", or "base_model random"
    for one drawn from the config and seed) and "base_hash" of the base as the run held it;
    "data_bytes" and "data_hash": the training data's identity (lg_loader's file_bytes,
@@ -1878,17 +1875,18 @@ int lg_trainer_load_hf(lg_trainer *tr, const char *dir, lg_error *err);
    checkpoint whose base_hash is missing or is not the trainer's base's, and
    lg_checkpoint_same_data data that is not the run's. */
 #define LG_RUN_SETTINGS "run_settings.txt"
-#define LG_RUN_TEXTS 6 /* the string settings: config, data, val_data, prompt, out_dir, base */
-#define LG_RUN_DRIVER_FIELDS 6 /* the driver's settings it records (lg_args.driver_value) */
+/* the lines kept as text for the driver: its settings (lg_args.driver_value) and out_dir, the
+   directory the checkpoint was saved under (lg_checkpoint_save's out) */
+#define LG_RUN_DRIVER_FIELDS 12
 typedef struct {
-    lg_args args;          /* the run's settings; its strings point into text */
-    char text[LG_RUN_TEXTS][LG_PATH_MAX];
-    char driver_text[LG_RUN_DRIVER_FIELDS][64]; /* the driver's settings' lines, as written
-                                                   (lg_run_settings_driver) */
+    lg_args args;          /* the run's settings */
+    char driver_text[LG_RUN_DRIVER_FIELDS][LG_PATH_MAX]; /* those lines, as written
+                                                            (lg_run_settings_driver) */
     int driver_given[LG_RUN_DRIVER_FIELDS];     /* 1: the file has that line */
     int has_base;          /* LoRA: the file says where the base came from */
     int base_loaded;       /* 1: from base_dir (--load), 0: drawn from the config and seed */
-    const char *base_dir;  /* into text */
+    char base_text[LG_PATH_MAX];
+    const char *base_dir;  /* into base_text */
     int has_base_hash;
     uint64_t base_hash;
     int has_data;          /* the training data's identity is recorded (data_bytes, data_hash) */
@@ -1899,8 +1897,9 @@ typedef struct {
    when malformed, the file and field when a value is out of its range (lg_run_fields), or the
    settings that do not go together (lg_args_check). */
 int lg_run_settings_read(const char *dir, lg_run_settings *s, lg_error *err);
-/* The text of a driver's setting (key) as s's file has it; NULL when it has no such line (a
-   checkpoint written before the setting was recorded). The driver parses and checks it. */
+/* The text of a driver's setting (key; or out_dir) as s's file has it ("": none); NULL when it
+   has no such line (a checkpoint written before the setting was recorded). The driver parses
+   and checks it. */
 const char *lg_run_settings_driver(const lg_run_settings *s, const char *key);
 /* The first setting (its key in LG_RUN_SETTINGS) in which `now` would change the model the
    run trains from `run`'s: shapes, LoRA, quantization, precision, optimizer and its state
@@ -15535,18 +15534,19 @@ static int lg_write_merged_model(const lg_model *m0, const lg_real *adapters, lg
 
 /* --- run settings: what a resumed run takes from its checkpoint (LG_RUN_SETTINGS) ---------- */
 
-typedef enum { LG_RUN_INT, LG_RUN_FLOAT, LG_RUN_U64, LG_RUN_SIZE, LG_RUN_TEXT,
-               LG_RUN_DRIVER } lg_run_kind;
+typedef enum { LG_RUN_INT, LG_RUN_FLOAT, LG_RUN_U64, LG_RUN_DRIVER, LG_RUN_OUT } lg_run_kind;
 
 /* One table that the writer, the reader and the resume check walk. model: a resumed run
    that changed it would train another model than the checkpoint's. Enums are stored as
    their numbers (lg_args' enum fields are int-sized). Not recorded: what belongs to the
    machine or the session (backend, measured memory, processes, --plan, --log). A driver's
    setting (LG_RUN_DRIVER: not in lg_args) keeps its place in the file: its line's text comes
-   from lg_args.driver_value and goes back to the driver as text (lg_run_settings_driver). */
+   from lg_args.driver_value and goes back to the driver as text (lg_run_settings_driver), as
+   does out_dir's (LG_RUN_OUT), the directory lg_checkpoint_save writes under. */
 #define LG_RUN_FIELD(field, kind, model, lo, hi) \
     {#field, offsetof(lg_args, field), kind, model, lo, hi}
 #define LG_RUN_DRIVER_FIELD(key) {#key, 0, LG_RUN_DRIVER, 0, 0, 0}
+#define LG_RUN_KEPT_AS_TEXT(kind) ((kind) == LG_RUN_DRIVER || (kind) == LG_RUN_OUT)
 static const struct {
     const char *key;
     size_t offset; /* in lg_args */
@@ -15554,11 +15554,11 @@ static const struct {
     int model;
     double lo, hi; /* LG_RUN_INT: lo .. hi; LG_RUN_FLOAT: finite, at least lo, below hi */
 } lg_run_fields[] = {
-    LG_RUN_FIELD(config, LG_RUN_TEXT, 0, 0, 0), /* the model itself: config.json */
-    LG_RUN_FIELD(data, LG_RUN_TEXT, 0, 0, 0),
-    LG_RUN_FIELD(val_data, LG_RUN_TEXT, 0, 0, 0),
-    LG_RUN_FIELD(prompt, LG_RUN_TEXT, 0, 0, 0),
-    LG_RUN_FIELD(out_dir, LG_RUN_TEXT, 0, 0, 0),
+    LG_RUN_DRIVER_FIELD(config), /* the model itself: config.json */
+    LG_RUN_DRIVER_FIELD(data),
+    LG_RUN_DRIVER_FIELD(val_data),
+    LG_RUN_DRIVER_FIELD(prompt),
+    {"out_dir", 0, LG_RUN_OUT, 0, 0, 0},
     LG_RUN_FIELD(micro_batch_size, LG_RUN_INT, 0, 1, INT_MAX),
     LG_RUN_FIELD(global_batch_size, LG_RUN_INT, 1, 0, INT_MAX),
     LG_RUN_FIELD(max_seq_length, LG_RUN_INT, 1, 0, INT_MAX),
@@ -15595,7 +15595,7 @@ static const struct {
     LG_RUN_FIELD(recompute, LG_RUN_INT, 0, 0, 1),
     LG_RUN_FIELD(offload, LG_RUN_INT, 0, 0, 1),
     LG_RUN_FIELD(tf32, LG_RUN_INT, 0, 0, 1),
-    LG_RUN_FIELD(memory_limit, LG_RUN_SIZE, 0, 0, 0),
+    LG_RUN_DRIVER_FIELD(memory_limit),
     LG_RUN_FIELD(pack, LG_RUN_INT, 1, 0, 1), /* the rows the data order makes */
     LG_RUN_FIELD(head_rows, LG_RUN_INT, 0, 0, INT_MAX), /* the head's chunks: the same loss
                                                            to rounding */
@@ -15607,11 +15607,9 @@ typedef char lg_run_enums_are_ints[sizeof(lg_precision) == sizeof(int) ? 1 : -1]
 /* Field i of a's settings as its line's value. */
 static void lg_run_field_text(const lg_args *a, int i, char *out, size_t cap) {
     const unsigned char *at = (const unsigned char *)a + lg_run_fields[i].offset;
-    const char *text;
     int v_int;
     float v_float;
     uint64_t v_u64;
-    size_t v_size;
     switch (lg_run_fields[i].kind) {
     case LG_RUN_INT: memcpy(&v_int, at, sizeof v_int); lg_format(out, cap, "%d", v_int); break;
     case LG_RUN_FLOAT:
@@ -15619,28 +15617,26 @@ static void lg_run_field_text(const lg_args *a, int i, char *out, size_t cap) {
         lg_format(out, cap, "%.9g", (double)v_float); /* exact for a float */
         break;
     case LG_RUN_U64: memcpy(&v_u64, at, 8); lg_format(out, cap, "%llu", (unsigned long long)v_u64); break;
-    case LG_RUN_SIZE: memcpy(&v_size, at, sizeof v_size); lg_format(out, cap, "%zu", v_size); break;
-    case LG_RUN_TEXT:
-        memcpy(&text, at, sizeof text);
-        lg_format(out, cap, "%s", text && !strchr(text, '\n') ? text : ""); /* "": none */
-        break;
-    case LG_RUN_DRIVER: lg_format(out, cap, "%s", ""); break; /* not a field of a */
+    case LG_RUN_DRIVER: case LG_RUN_OUT: lg_format(out, cap, "%s", ""); break; /* not in a */
     }
 }
 
-/* The value of line i of LG_RUN_SETTINGS for a's run, into out: a field of a, or the driver's
-   setting (NULL: the driver has none, no line). */
-static const char *lg_run_line_value(const lg_args *a, int i, char *out, size_t cap) {
-    if (lg_run_fields[i].kind != LG_RUN_DRIVER) {
-        lg_run_field_text(a, i, out, cap);
-        return out;
-    }
-    return a->driver_value ? a->driver_value(lg_run_fields[i].key, a->driver_context, out, cap)
-                           : NULL;
+/* The value of line i of LG_RUN_SETTINGS for a's run saved under out_dir, into out: a field of
+   a, out_dir, or the driver's setting (NULL: the driver has none, no line); "" for none, or
+   for text that would break the line. */
+static const char *lg_run_line_value(const lg_args *a, int i, const char *out_dir, char *out,
+                                     size_t cap) {
+    const char *v = out;
+    if (lg_run_fields[i].kind == LG_RUN_OUT) lg_format(out, cap, "%s", out_dir ? out_dir : "");
+    else if (lg_run_fields[i].kind != LG_RUN_DRIVER) lg_run_field_text(a, i, out, cap);
+    else v = a->driver_value ? a->driver_value(lg_run_fields[i].key, a->driver_context, out, cap)
+                             : NULL;
+    if (v && strchr(v, '\n')) lg_format(out, cap, "%s", "");
+    return v;
 }
 
-/* Field i of a's settings from its line's value (text: the string settings' storage). */
-static int lg_run_field_parse(lg_args *a, int i, const char *value, char *text, size_t cap) {
+/* Field i of a's settings from its line's value. */
+static int lg_run_field_parse(lg_args *a, int i, const char *value) {
     unsigned char *at = (unsigned char *)a + lg_run_fields[i].offset;
     char *end = NULL;
     errno = 0;
@@ -15657,21 +15653,13 @@ static int lg_run_field_parse(lg_args *a, int i, const char *value, char *text, 
         memcpy(at, &v, sizeof v);
         break;
     }
-    case LG_RUN_U64: case LG_RUN_SIZE: {
-        unsigned long long v = strtoull(value, &end, 10);
-        uint64_t v_u64 = v;
-        size_t v_size = (size_t)v;
-        if (lg_run_fields[i].kind == LG_RUN_U64) memcpy(at, &v_u64, 8);
-        else memcpy(at, &v_size, sizeof v_size);
+    case LG_RUN_U64: {
+        uint64_t v_u64 = strtoull(value, &end, 10);
+        memcpy(at, &v_u64, 8);
         break;
     }
-    case LG_RUN_TEXT: {
-        const char *p = *value ? text : NULL;
-        lg_format(text, cap, "%s", value);
-        memcpy(at, &p, sizeof p);
-        return 0;
-    }
-    case LG_RUN_DRIVER: return -1; /* not a field of a: lg_run_settings_line keeps its text */
+    case LG_RUN_DRIVER: case LG_RUN_OUT: return -1; /* not in a: lg_run_settings_line keeps
+                                                       its text */
     }
     return !end || end == value || *end || errno ? -1 : 0;
 }
@@ -15721,16 +15709,15 @@ static uint64_t lg_trainer_base_hash(lg_trainer *tr) {
    its training data, whose identity is recorded). */
 static int lg_run_settings_write(lg_trainer *tr, const lg_loader *data, const char *out,
                                  const char *dir, lg_file_digest *digest, lg_error *err) {
-    size_t cap = (size_t)LG_N_RUN_FIELDS * 64 + (LG_RUN_TEXTS + 1) * LG_PATH_MAX;
+    size_t cap = (size_t)LG_N_RUN_FIELDS * 64 + (LG_RUN_DRIVER_FIELDS + 2) * LG_PATH_MAX;
     char *text = (char *)LG_MALLOC(cap), value[LG_PATH_MAX], path[LG_PATH_MAX + 32];
     if (!text) return lg_fail(err, "out of host memory for " LG_RUN_SETTINGS);
     lg_args a = tr->args;
     size_t at = 0;
     a.global_batch_size = a.micro_batch_size * tr->accumulation * tr->n_ranks; /* as run */
-    a.out_dir = out;
     lg_st_append(text, cap, &at, "# litgpt.c run settings 1\n");
     for (int i = 0; i < LG_N_RUN_FIELDS; i++)
-        if (lg_run_line_value(&a, i, value, sizeof value))
+        if (lg_run_line_value(&a, i, out, value, sizeof value))
             lg_st_append(text, cap, &at, "%s %s\n", lg_run_fields[i].key, value);
     if (tr->plan.cfg.lora.r > 0) {
         int loaded = tr->base_loaded && !strchr(tr->base_model, '\n');
@@ -15769,7 +15756,7 @@ static int lg_run_driver_line(lg_run_settings *s, int driver, const char *value)
 
 const char *lg_run_settings_driver(const lg_run_settings *s, const char *key) {
     for (int i = 0, driver = 0; i < LG_N_RUN_FIELDS; i++) {
-        if (lg_run_fields[i].kind != LG_RUN_DRIVER) continue;
+        if (!LG_RUN_KEPT_AS_TEXT(lg_run_fields[i].kind)) continue;
         if (strcmp(lg_run_fields[i].key, key) == 0 && driver < LG_RUN_DRIVER_FIELDS)
             return s->driver_given[driver] ? s->driver_text[driver] : NULL;
         driver++;
@@ -15787,21 +15774,18 @@ static int lg_run_settings_line(lg_run_settings *s, char *line) {
         s->has_base = 1;
         s->base_loaded = strncmp(value, "load ", 5) == 0;
         if (!s->base_loaded && strcmp(value, "random") != 0) return -1;
-        lg_format(s->text[LG_RUN_TEXTS - 1], LG_PATH_MAX, "%s", s->base_loaded ? value + 5 : "");
-        s->base_dir = s->base_loaded ? s->text[LG_RUN_TEXTS - 1] : NULL;
+        lg_format(s->base_text, sizeof s->base_text, "%s", s->base_loaded ? value + 5 : "");
+        s->base_dir = s->base_loaded ? s->base_text : NULL;
         return 0;
     }
     if (strcmp(line, "base_hash") == 0) return lg_run_u64_parse(value, 16, &s->base_hash, &s->has_base_hash);
     if (strcmp(line, "data_bytes") == 0) return lg_run_u64_parse(value, 10, &s->data_bytes, &s->has_data);
     if (strcmp(line, "data_hash") == 0) return lg_run_u64_parse(value, 16, &s->data_hash, &s->has_data);
-    for (int i = 0, texts = 0, driver = 0; i < LG_N_RUN_FIELDS; i++) {
-        int is_text = lg_run_fields[i].kind == LG_RUN_TEXT;
-        int is_driver = lg_run_fields[i].kind == LG_RUN_DRIVER;
+    for (int i = 0, driver = 0; i < LG_N_RUN_FIELDS; i++) {
+        int is_driver = LG_RUN_KEPT_AS_TEXT(lg_run_fields[i].kind);
         if (strcmp(line, lg_run_fields[i].key) == 0 && is_driver)
             return lg_run_driver_line(s, driver, value);
-        if (strcmp(line, lg_run_fields[i].key) == 0)
-            return lg_run_field_parse(&s->args, i, value, s->text[texts], LG_PATH_MAX);
-        texts += is_text;
+        if (strcmp(line, lg_run_fields[i].key) == 0) return lg_run_field_parse(&s->args, i, value);
         driver += is_driver;
     }
     return 0; /* a setting of a later version: not ours */

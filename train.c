@@ -166,34 +166,49 @@ typedef struct {
     const char *log_path; /* --log: one JSON object per step and per evaluation */
 } output_flags;
 
-/* --- the driver's options: when it evaluates, samples and saves -------------------------- */
+/* --- the driver's options: what it opens, when it evaluates, samples and saves ----------- */
 /* Settings the library never reads; LG_RUN_SETTINGS records them for a resumed run, each in
-   the line option_fields names (lg_args.driver_value writes it, lg_run_settings_driver reads
-   it back). */
+   the line option_fields names (lg_args.driver_value writes it, but out_dir's is the library's:
+   where lg_checkpoint_save writes; lg_run_settings_driver reads it back). */
 typedef struct {
+    const char *config;   /* -c: configs/NAME.yaml or a path, or the directory --load or
+                             --resume reads (load_config); NULL: the built-in model */
+    const char *data;     /* --data: training token shard or samples; NULL: the built-in task */
+    const char *val_data; /* --val-data: validation token shard or samples */
+    const char *prompt;   /* --prompt: what samples start from; NULL: a few of the task's */
+    const char *out_dir;  /* --out: where checkpoints go; NULL: none saved */
     int eval_every;    /* --eval-every: steps between evaluations; 0: at the end only */
     int eval_iters;    /* --eval-iters: validation micro-batches at most; each window once */
     int sample_every;  /* --sample-every: steps between samples; 0: at the end only */
     int sample_tokens; /* --sample-tokens: tokens a sample generates */
     float temperature; /* --temperature: the samples'; 0: greedy */
     int save_every;    /* --save-every: steps between checkpoints; 0: only at the end */
+    size_t memory_limit; /* --memory-limit: bytes a device may use (device_limit); 0: no limit */
 } run_options;
 
-/* The options' lines: key (the setting's name), place, and range (a float: at least lo); an
-   int, or the temperature (a float, written as the library writes its floats: exact to the
-   bit). */
+/* What an option is: an int, a float (written as the library writes its floats: exact to the
+   bit), a size (bytes) or text (a line's text, "" for none). */
+typedef enum { OPTION_INT, OPTION_FLOAT, OPTION_SIZE, OPTION_TEXT } option_kind;
+
+/* The options' lines: key (the setting's name), place, kind and range (a float: at least lo). */
 static const struct {
     const char *key;
     size_t offset;
-    int is_float;
+    option_kind kind;
     double lo, hi;
 } option_fields[] = {
-    {"eval_every", offsetof(run_options, eval_every), 0, 0, INT_MAX},
-    {"eval_iters", offsetof(run_options, eval_iters), 0, 1, INT_MAX},
-    {"sample_every", offsetof(run_options, sample_every), 0, 0, INT_MAX},
-    {"sample_tokens", offsetof(run_options, sample_tokens), 0, 1, 1000000},
-    {"temperature", offsetof(run_options, temperature), 1, 0, 0},
-    {"save_every", offsetof(run_options, save_every), 0, 0, INT_MAX},
+    {"config", offsetof(run_options, config), OPTION_TEXT, 0, 0},
+    {"data", offsetof(run_options, data), OPTION_TEXT, 0, 0},
+    {"val_data", offsetof(run_options, val_data), OPTION_TEXT, 0, 0},
+    {"prompt", offsetof(run_options, prompt), OPTION_TEXT, 0, 0},
+    {"out_dir", offsetof(run_options, out_dir), OPTION_TEXT, 0, 0},
+    {"eval_every", offsetof(run_options, eval_every), OPTION_INT, 0, INT_MAX},
+    {"eval_iters", offsetof(run_options, eval_iters), OPTION_INT, 1, INT_MAX},
+    {"sample_every", offsetof(run_options, sample_every), OPTION_INT, 0, INT_MAX},
+    {"sample_tokens", offsetof(run_options, sample_tokens), OPTION_INT, 1, 1000000},
+    {"temperature", offsetof(run_options, temperature), OPTION_FLOAT, 0, 0},
+    {"save_every", offsetof(run_options, save_every), OPTION_INT, 0, INT_MAX},
+    {"memory_limit", offsetof(run_options, memory_limit), OPTION_SIZE, 0, 0},
 };
 enum { OPTION_COUNT = sizeof option_fields / sizeof option_fields[0] };
 LG_STATIC_ASSERT(OPTION_COUNT == LG_RUN_DRIVER_FIELDS, "LG_RUN_SETTINGS keeps a line for each option");
@@ -205,12 +220,12 @@ static void options_default(run_options *o) {
     o->sample_tokens = 16;
 }
 
-/* Option i of o as a number. */
+/* Option i of o as a number (an int or a float). */
 static double option_number(const run_options *o, int i) {
     const unsigned char *at = (const unsigned char *)o + option_fields[i].offset;
     float v_float;
     int v_int;
-    if (option_fields[i].is_float) {
+    if (option_fields[i].kind == OPTION_FLOAT) {
         memcpy(&v_float, at, sizeof v_float);
         return v_float;
     }
@@ -218,14 +233,23 @@ static double option_number(const run_options *o, int i) {
     return v_int;
 }
 
-/* Option i of o from text (its line's value); -1 when it is not a number of its kind. */
+/* Option i of o from text (its line's value, kept: a text option points into it; "": none);
+   -1 when it is not a number of its kind. */
 static int option_parse(run_options *o, int i, const char *text) {
     unsigned char *at = (unsigned char *)o + option_fields[i].offset;
     char *end;
     errno = 0;
-    if (option_fields[i].is_float) {
+    if (option_fields[i].kind == OPTION_TEXT) {
+        const char *v_text = *text ? text : NULL;
+        memcpy(at, &v_text, sizeof v_text);
+        return 0;
+    }
+    if (option_fields[i].kind == OPTION_FLOAT) {
         float v_float = strtof(text, &end);
         memcpy(at, &v_float, sizeof v_float);
+    } else if (option_fields[i].kind == OPTION_SIZE) {
+        size_t v_size = (size_t)strtoull(text, &end, 10);
+        memcpy(at, &v_size, sizeof v_size);
     } else {
         long v = strtol(text, &end, 10);
         int v_int = (int)v;
@@ -236,26 +260,41 @@ static int option_parse(run_options *o, int i, const char *text) {
 }
 
 /* Option i of o outside its range: says so into why (as the library says it of its settings)
-   and returns 1; 0 when within. An int within lo .. hi, a float finite and at least lo. */
+   and returns 1; 0 when within. An int within lo .. hi, a float finite and at least lo; a size
+   or text any. */
 static int option_out_of_range(const run_options *o, int i, char *why, size_t cap) {
+    option_kind kind = option_fields[i].kind;
+    if (kind == OPTION_TEXT || kind == OPTION_SIZE) return 0;
     double v = option_number(o, i), lo = option_fields[i].lo, hi = option_fields[i].hi;
     const char *key = option_fields[i].key;
-    if (!option_fields[i].is_float && (v < lo || v > hi))
+    if (kind == OPTION_INT && (v < lo || v > hi))
         snprintf(why, cap, "%s %d is out of range: expected %.0f to %.0f", key, (int)v, lo, hi);
-    else if (option_fields[i].is_float && (!isfinite(v) || v < lo))
+    else if (kind == OPTION_FLOAT && (!isfinite(v) || v < lo))
         snprintf(why, cap, "%s %g is out of range: expected a finite number at least %g", key, v,
                  lo);
     else return 0;
     return 1;
 }
 
-/* lg_args.driver_value: the line of an option (key) as the library writes its numbers. */
+/* lg_args.driver_value: the line of an option (key) as the library writes its numbers (a text
+   option: its text, "" for none). */
 static const char *option_value(const char *key, void *options, char *buf, size_t cap) {
     for (int i = 0; i < OPTION_COUNT; i++) {
         if (strcmp(option_fields[i].key, key) != 0) continue;
-        double v = option_number((const run_options *)options, i);
-        if (option_fields[i].is_float) snprintf(buf, cap, "%.9g", v);
-        else snprintf(buf, cap, "%d", (int)v);
+        const unsigned char *at = (const unsigned char *)options + option_fields[i].offset;
+        const char *text;
+        size_t size;
+        if (option_fields[i].kind == OPTION_TEXT) {
+            memcpy(&text, at, sizeof text);
+            snprintf(buf, cap, "%s", text ? text : "");
+        } else if (option_fields[i].kind == OPTION_SIZE) {
+            memcpy(&size, at, sizeof size);
+            snprintf(buf, cap, "%zu", size);
+        } else if (option_fields[i].kind == OPTION_FLOAT) {
+            snprintf(buf, cap, "%.9g", option_number((const run_options *)options, i));
+        } else {
+            snprintf(buf, cap, "%d", (int)option_number((const run_options *)options, i));
+        }
         return buf;
     }
     return NULL;
@@ -281,12 +320,12 @@ typedef struct {
 typedef void flag_handler(flag_call *c);
 
 static void set_config(flag_call *c) {
-    c->a->config = c->value;
+    c->o->config = c->value;
     c->given->config = 1;
 }
 
-static void set_data(flag_call *c) { c->a->data = c->value; }
-static void set_val_data(flag_call *c) { c->a->val_data = c->value; }
+static void set_data(flag_call *c) { c->o->data = c->value; }
+static void set_val_data(flag_call *c) { c->o->val_data = c->value; }
 
 /* -b N, or auto (the largest that fits: choose_micro_batch) */
 static void set_micro_batch_size(flag_call *c) {
@@ -389,7 +428,7 @@ static void set_plan(flag_call *c) {
     c->a->plan_only = c->value ? modes[format] : LG_PLAN_TABLE;
 }
 
-static void set_memory_limit(flag_call *c) { c->a->memory_limit = parse_size(c->flag, c->value); }
+static void set_memory_limit(flag_call *c) { c->o->memory_limit = parse_size(c->flag, c->value); }
 
 static void set_host_memory_limit(flag_call *c) {
     c->a->host_memory_limit = parse_size(c->flag, c->value);
@@ -492,7 +531,7 @@ static void set_eval_iters(flag_call *c) { c->o->eval_iters = parse_int(c->flag,
 static void set_sample_every(flag_call *c) { c->o->sample_every = parse_int(c->flag, c->value); }
 static void set_sample_tokens(flag_call *c) { c->o->sample_tokens = parse_int(c->flag, c->value); }
 static void set_temperature(flag_call *c) { c->o->temperature = parse_float(c->flag, c->value); }
-static void set_prompt(flag_call *c) { c->a->prompt = c->value; }
+static void set_prompt(flag_call *c) { c->o->prompt = c->value; }
 
 /* --seed N: all 64 bits, not negative */
 static void set_seed(flag_call *c) {
@@ -512,7 +551,7 @@ static void set_log_interval(flag_call *c) {
     if (c->out->log_interval < 1) die_usage("%s must be at least 1", c->flag);
 }
 
-static void set_out(flag_call *c) { c->a->out_dir = c->value; }
+static void set_out(flag_call *c) { c->o->out_dir = c->value; }
 static void set_save_every(flag_call *c) { c->o->save_every = parse_int(c->flag, c->value); }
 static void set_load(flag_call *c) { c->ck->load = c->value; }
 static void set_any_tokenizer_data(flag_call *c) { c->ck->any_tokenizer_data = 1; }
@@ -1007,18 +1046,18 @@ static void check_flags(const lg_args *a, const run_options *o, const given_flag
     if (given->micro_batch_auto && !a->global_batch_size)
         die_usage_settings("`micro_batch_size auto` needs `global_batch_size`: it picks a divisor of the per-device "
                   "batch");
-    if (a->val_data && !a->data && a->max_steps != 0)
+    if (o->val_data && !o->data && a->max_steps != 0)
         die_usage_settings("`val_data` without `data` evaluates a model alone: give `max_steps` 0 (and "
                   "`data` to train; the built-in task brings its own validation set)");
-    if (a->val_data && !a->data && (a->out_dir || ck->resume))
+    if (o->val_data && !o->data && (o->out_dir || ck->resume))
         die_usage_settings("%s: `val_data` without `data` only evaluates (`max_steps` 0) and saves "
-                  "nothing", a->out_dir ? "`out_dir`" : "`resume`");
+                  "nothing", o->out_dir ? "`out_dir`" : "`resume`");
     if (a->devices < 1) die_usage_settings("`devices` must be at least 1");
     if (a->nodes < 1) die_usage_settings("`nodes` must be at least 1");
-    if (o->save_every && !a->out_dir) die_usage_settings("`save_every` needs `out_dir` DIR");
+    if (o->save_every && !o->out_dir) die_usage_settings("`save_every` needs `out_dir` DIR");
     if (ck->data_changed && !ck->resume)
         die_usage_settings("`data_changed` goes with `resume`: a fresh run has no data to compare with");
-    if (ck->load && !ck->resume && a->config)
+    if (ck->load && !ck->resume && o->config)
         die_usage_settings("`load` brings its model's config.json: drop `config`");
 }
 
@@ -1133,11 +1172,11 @@ static void explain_does_not_fit(int argc, char **argv, const lg_config *cfg, co
    measure). On the CPU backend the memory of the machine, which its pools and simulated ranks
    share (lg_plan_checked_bytes): the smaller of --memory-limit and --host-memory-limit, else
    what it had available (a->host_available, read once). */
-static size_t device_limit(const lg_args *a, const char **source) {
+static size_t device_limit(const lg_args *a, const run_options *o, const char **source) {
     size_t host = a->host_memory_limit;
-    if (a->memory_limit && (a->backend == LG_BACKEND_CUDA || !host || a->memory_limit <= host)) {
+    if (o->memory_limit && (a->backend == LG_BACKEND_CUDA || !host || o->memory_limit <= host)) {
         *source = "`memory_limit`";
-        return a->memory_limit;
+        return o->memory_limit;
     }
     if (a->gpu) {
         *source = a->gpu->nominal ? "`gpu`: the card's memory, not a reading" : "`gpu`: what the card reports";
@@ -1200,9 +1239,10 @@ static void prepare_gpus(lg_args *a, int process_per_gpu_or_node) {
 
 /* -b auto: the largest micro-batch that fits and divides the per-device batch; what it chose
    is added to note. */
-static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T, char *note, size_t cap) {
+static void choose_micro_batch(lg_args *a, const run_options *o, const lg_config *cfg,
+                               int T, char *note, size_t cap) {
     const char *source;
-    size_t limit = device_limit(a, &source);
+    size_t limit = device_limit(a, o, &source);
     if (limit == 0) limit = (size_t)-1; /* unknown: no limit */
     int b = lg_plan_auto_micro_batch(cfg, a, T, limit);
     char size[32];
@@ -1219,9 +1259,10 @@ static void choose_micro_batch(lg_args *a, const lg_config *cfg, int T, char *no
 
 /* The token embedding when --offload embedding is not given: on the device, or in host memory
    where that makes the run fit and the run allows it (said in note). */
-static void choose_embedding(lg_args *a, const lg_config *cfg, int T, char *note, size_t cap) {
+static void choose_embedding(lg_args *a, const run_options *o, const lg_config *cfg,
+                             int T, char *note, size_t cap) {
     const char *source;
-    size_t limit = device_limit(a, &source);
+    size_t limit = device_limit(a, o, &source);
     char size[32];
     if (a->offload_embedding || !lg_plan_auto_embedding(cfg, a, T, limit)) return;
     a->offload_embedding = 1;
@@ -1234,9 +1275,10 @@ static void choose_embedding(lg_args *a, const lg_config *cfg, int T, char *note
 
 /* --head-rows and --slice-rows when not given: all rows, or where the run does not fit so the
    planner's chunks and slices (said in note). */
-static void choose_rows(lg_args *a, const lg_config *cfg, int T, char *note, size_t cap) {
+static void choose_rows(lg_args *a, const run_options *o, const lg_config *cfg,
+                        int T, char *note, size_t cap) {
     const char *source;
-    size_t limit = device_limit(a, &source);
+    size_t limit = device_limit(a, o, &source);
     int N = a->micro_batch_size * T, head_given = a->head_rows, slice_given = a->slice_rows;
     if (limit == 0) return; /* unknown: all rows */
     lg_plan_auto_rows(cfg, a, T, limit, &a->head_rows, &a->slice_rows);
@@ -1356,8 +1398,9 @@ static FILE *json_output(void) {
 
 /* --plan (json: the stream from json_output; planned_for its first line, then the notes on
    the data), and the check that the run fits before anything is allocated. */
-static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_config *cfg, int T,
-                           FILE *json, const char *planned_for, const char *notes) {
+static void plan_and_check(int argc, char **argv, const lg_args *a, const run_options *o,
+                           const lg_config *cfg, int T, FILE *json, const char *planned_for,
+                           const char *notes) {
     lg_plan_spec spec;
     lg_plan plan;
     lg_error err;
@@ -1366,7 +1409,7 @@ static void plan_and_check(int argc, char **argv, const lg_args *a, const lg_con
     if (lg_plan_make(&plan, cfg, &spec, &err) != 0) die(2, &err);
     const char *source;
     lg_fit fit;
-    lg_plan_check_fit(&plan, a, device_limit(a, &source), &fit);
+    lg_plan_check_fit(&plan, a, device_limit(a, o, &source), &fit);
     if (a->plan_only) {
         if (a->plan_only == LG_PLAN_JSON || a->plan_only == LG_PLAN_SVG) {
             if (a->plan_only == LG_PLAN_JSON) lg_plan_print_json(&plan, &fit, json);
@@ -1566,23 +1609,23 @@ static int same_model(const lg_config *x, const lg_config *y) {
 
 /* -c NAME (load_config_file); --load or --resume: the directory's config.json (with -c given,
    a resumed run's must be the same model); none: the built-in model. */
-static void load_config(lg_args *a, lg_config *cfg, checkpoint_flags *ck, int config_given) {
+static void load_config(run_options *o, lg_config *cfg, checkpoint_flags *ck, int config_given) {
     lg_error err;
     const char *dir = ck->resume ? ck->resume_dir : ck->load;
     if (dir) {
         if (lg_hf_config_read(cfg, dir, &err) != 0) die(2, &err);
         if (ck->resume && config_given) {
             lg_config named;
-            load_config_file(a->config, &named);
+            load_config_file(o->config, &named);
             if (!same_model(&named, cfg))
                 die_usage_settings("`config` %s: the checkpoint %s holds another model (%s); drop "
-                                   "`config` to resume it", a->config, dir, cfg->name);
+                                   "`config` to resume it", o->config, dir, cfg->name);
         }
-        a->config = dir; /* the model now has a config: --data may follow */
+        o->config = dir; /* the model now has a config: --data may follow */
         return;
     }
-    if (!a->config) { lg_config_builtin(cfg); return; }
-    load_config_file(a->config, cfg);
+    if (!o->config) { lg_config_builtin(cfg); return; }
+    load_config_file(o->config, cfg);
 }
 
 typedef struct {
@@ -1651,26 +1694,27 @@ static void check_trained(const lg_args *a, const lg_loader *ld, const char *wha
 }
 
 /* check_trained on the train and validation samples. */
-static void check_trained_data(const lg_args *a, const run_data *d) {
+static void check_trained_data(const lg_args *a, const run_options *o, const run_data *d) {
     char what[600];
     if (d->has_train) {
         if (d->builtin) snprintf(what, sizeof what, "the built-in task");
-        else snprintf(what, sizeof what, "`data` %s", a->data);
+        else snprintf(what, sizeof what, "`data` %s", o->data);
         check_trained(a, &d->train, what);
     }
     if (d->has_val) {
         if (d->builtin) snprintf(what, sizeof what, "the built-in task's validation set");
-        else snprintf(what, sizeof what, "`val_data` %s", a->val_data);
+        else snprintf(what, sizeof what, "`val_data` %s", o->val_data);
         check_trained(a, &d->val, what);
     }
 }
 
-static void fit_samples(const lg_args *a, const lg_config *cfg, int *T, run_data *d) {
+static void fit_samples(const lg_args *a, const run_options *o, const lg_config *cfg, int *T,
+                        run_data *d) {
     lg_error err;
     if ((d->has_train && lg_loader_check_block_size(&d->train, cfg->block_size, &err) != 0) ||
         (d->has_val && lg_loader_check_block_size(&d->val, cfg->block_size, &err) != 0))
         die(2, &err);
-    check_trained_data(a, d);
+    check_trained_data(a, o, d);
     *T = d->has_train ? lg_loader_longest(&d->train) : 0;
     if (d->has_val && lg_loader_longest(&d->val) > *T) *T = lg_loader_longest(&d->val);
     char cap[64] = "";
@@ -1705,27 +1749,28 @@ static void widen_vocabulary(lg_config *cfg, run_data *d) {
    --data but with --val-data (and --max-steps 0) only the validation data: evaluation alone.
    A plan of a model (-c or --load) without data is a plan of windows of text, -t or
    block_size long: the built-in task's lengths are for a run on it. */
-static void open_data(const lg_args *a, lg_config *cfg, int *T, run_data *d) {
+static void open_data(const lg_args *a, const run_options *o, lg_config *cfg, int *T,
+                      run_data *d) {
     lg_error err;
     memset(d, 0, sizeof *d);
     set_length_from(d, a->max_seq_length ? "%s" : "block_size");
-    if (!a->data && !a->val_data && a->plan_only && a->config) {
+    if (!o->data && !o->val_data && a->plan_only && o->config) {
         check_block_size(*T, cfg);
         set_length_from(d, a->max_seq_length ? "%s; no `data`" : "block_size; neither `data` nor %s");
         return;
     }
-    if (!a->data && !a->val_data) {
+    if (!o->data && !o->val_data) {
         if (cfg->vocab_size < LG_CHAR_VOCAB)
             die_usage_settings("`config` %s: vocab_size %d is smaller than the built-in task's %d "
-                      "characters; give `data`", a->config, cfg->vocab_size, LG_CHAR_VOCAB);
+                      "characters; give `data`", o->config, cfg->vocab_size, LG_CHAR_VOCAB);
         if (lg_builtin_task_samples(&d->train, BUILTIN_TRAIN_SEED, BUILTIN_TRAIN_SAMPLES,
                                     a->max_seq_length, 1, a->seed, &err) ||
             lg_builtin_task_samples(&d->val, BUILTIN_VAL_SEED, BUILTIN_VAL_SAMPLES,
                                     a->max_seq_length, 0, 0, &err))
             die(2, &err);
         d->has_train = d->has_val = d->builtin = 1;
-        fit_samples(a, cfg, T, d);
-        if (a->config && a->max_seq_length > *T) { /* a real model on the toy task */
+        fit_samples(a, o, cfg, T, d);
+        if (o->config && a->max_seq_length > *T) { /* a real model on the toy task */
             *T = a->max_seq_length;
             check_block_size(*T, cfg);
             size_t used = strlen(d->note);
@@ -1736,30 +1781,30 @@ static void open_data(const lg_args *a, lg_config *cfg, int *T, run_data *d) {
         }
         return;
     }
-    if (!a->config)
+    if (!o->config)
         die_usage_settings("%s needs `config`: the built-in model knows only the built-in task's "
-                  "%d characters", a->data ? "`data`" : "`val_data`", LG_CHAR_VOCAB);
-    int samples = lg_samples_file(a->data ? a->data : a->val_data);
-    if (a->data && a->val_data && lg_samples_file(a->val_data) != samples)
+                  "%d characters", o->data ? "`data`" : "`val_data`", LG_CHAR_VOCAB);
+    int samples = lg_samples_file(o->data ? o->data : o->val_data);
+    if (o->data && o->val_data && lg_samples_file(o->val_data) != samples)
         die_usage_settings("`data` %s and `val_data` %s: one is a token shard, the other fine-tuning "
-                  "samples", a->data, a->val_data);
+                  "samples", o->data, o->val_data);
     if (!samples) check_block_size(*T, cfg); /* a shard's windows are -t long */
     if (!samples && a->pack)
         die_usage_settings("`pack` packs fine-tuning samples (tools/prepare alpaca or chat); %s is a "
-                  "token shard, already full rows", a->data ? a->data : a->val_data);
+                  "token shard, already full rows", o->data ? o->data : o->val_data);
     int t = samples ? a->max_seq_length : *T; /* samples: truncation, 0 for none */
-    if (a->data) {
-        if (lg_loader_open(&d->train, a->data, t, cfg->padded_vocab_size, 1, a->seed, &err) != 0)
+    if (o->data) {
+        if (lg_loader_open(&d->train, o->data, t, cfg->padded_vocab_size, 1, a->seed, &err) != 0)
             die(2, &err);
         d->has_train = 1;
     }
-    if (a->val_data) {
-        if (lg_loader_open(&d->val, a->val_data, t, cfg->padded_vocab_size, 0, 0, &err) != 0)
+    if (o->val_data) {
+        if (lg_loader_open(&d->val, o->val_data, t, cfg->padded_vocab_size, 0, 0, &err) != 0)
             die(2, &err);
         d->has_val = 1;
     }
     widen_vocabulary(cfg, d);
-    if (samples) fit_samples(a, cfg, T, d);
+    if (samples) fit_samples(a, o, cfg, T, d);
 }
 
 /* "80.00 GiB (--memory-limit)", and on a GPU with a known host limit " and 23.03 GiB of host
@@ -1779,10 +1824,10 @@ static void describe_limits(const lg_args *a, size_t limit, const char *source, 
 /* -t auto: the longest sequence that fits, up to block_size (token shards, or a plan without
    data) or the longest sample (fine-tuning); the data are opened again at that length when it
    is shorter. With -b auto too, the length is chosen at -b 1. What it chose goes to the note. */
-static void choose_seq_length(lg_args *a, int micro_batch_auto, lg_config *cfg, int *T,
-                              run_data *d) {
+static void choose_seq_length(lg_args *a, const run_options *o, int micro_batch_auto,
+                              lg_config *cfg, int *T, run_data *d) {
     const char *source;
-    size_t limit = device_limit(a, &source);
+    size_t limit = device_limit(a, o, &source);
     int cap = *T, samples = d->train.n_samples > 0 || d->val.n_samples > 0;
     const char *cap_name = samples ? "the longest sample" : "block_size";
     lg_args probe = *a;
@@ -1805,7 +1850,7 @@ static void choose_seq_length(lg_args *a, int micro_batch_auto, lg_config *cfg, 
         lg_loader_close(&d->train);
         lg_loader_close(&d->val);
         *T = t;
-        open_data(a, cfg, T, d);
+        open_data(a, o, cfg, T, d);
     }
     size_t used = strlen(d->note);
     snprintf(d->note + used, sizeof d->note - used, "%s", note);
@@ -1892,10 +1937,9 @@ static void print_sample(lg_trainer *tr, const run_options *o, const run_data *d
 }
 
 /* --prompt, or for the built-in task a few words, or token 0 for a shard run. */
-static void print_samples(lg_trainer *tr, const lg_args *a, const run_options *o,
-                          const run_data *d, lg_rng *rng) {
+static void print_samples(lg_trainer *tr, const run_options *o, const run_data *d, lg_rng *rng) {
     static const char *const words[] = {"litgpt=", "memory=", "zebra="};
-    if (a->prompt) print_sample(tr, o, d, a->prompt, rng);
+    if (o->prompt) print_sample(tr, o, d, o->prompt, rng);
     else if (!d->builtin) print_sample(tr, o, d, "0", rng);
     else
         for (int i = 0; i < 3; i++) print_sample(tr, o, d, words[i], rng);
@@ -2170,49 +2214,50 @@ static void parse_run(int argc, char **argv, run_setup *rs) {
 static void plan_run(run_setup *rs) {
     lg_args *a = &rs->a;
     lg_error err;
-    load_config(a, &rs->cfg, &rs->ck, rs->given.config);
+    load_config(&rs->o, &rs->cfg, &rs->ck, rs->given.config);
     rs->T = a->max_seq_length ? a->max_seq_length : rs->cfg.block_size;
-    open_data(a, &rs->cfg, &rs->T, &rs->data); /* fine-tuning samples: T is the longest one */
-    a->finetuning = !a->data || lg_samples_file(a->data); /* LoRA is a remedy (see --plan) */
+    open_data(a, &rs->o, &rs->cfg, &rs->T, &rs->data); /* samples: T is the longest one */
+    a->finetuning = !rs->o.data || lg_samples_file(rs->o.data); /* LoRA is a remedy (--plan) */
     prepare_gpus(a, rs->launch.processes > 1);
     a->host_available = lg_host_available_bytes(); /* once: the choices and the check agree */
     char *note = rs->data.note;
     const given_flags *given = &rs->given;
     if (given->max_seq_length_auto)
-        choose_seq_length(a, given->micro_batch_auto, &rs->cfg, &rs->T, &rs->data);
+        choose_seq_length(a, &rs->o, given->micro_batch_auto, &rs->cfg, &rs->T, &rs->data);
     if (given->micro_batch_auto)
-        choose_micro_batch(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
+        choose_micro_batch(a, &rs->o, &rs->cfg, rs->T, note, sizeof rs->data.note);
     if (!a->head_rows || !a->slice_rows)
-        choose_rows(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
-    choose_embedding(a, &rs->cfg, rs->T, note, sizeof rs->data.note);
+        choose_rows(a, &rs->o, &rs->cfg, rs->T, note, sizeof rs->data.note);
+    choose_embedding(a, &rs->o, &rs->cfg, rs->T, note, sizeof rs->data.note);
     if (lg_args_check(a, &err) != 0) die_usage_error(&err);
     char planned_for[512];
     describe_planned_run(a, &rs->cfg, rs->T, &rs->data, planned_for, sizeof planned_for);
     if (!a->plan_only) print_settings("%s", note); /* a run: first what the data are */
-    plan_and_check(rs->argc, rs->argv, a, &rs->cfg, rs->T, rs->plan_json, planned_for, note);
+    plan_and_check(rs->argc, rs->argv, a, &rs->o, &rs->cfg, rs->T, rs->plan_json, planned_for,
+                   note);
     if (rs->launch.processes > 1) check_same_run(&rs->launch, rs->argc, rs->argv, &rs->data);
 }
 
 /* Stage 2 too: what could stop the run later stops it now (a bad prompt, an --out, --log or --plot
    that cannot be written); returns the --log file (NULL without one). */
 static FILE *check_outputs(const run_setup *rs) {
-    const lg_args *a = &rs->a;
+    const run_options *o = &rs->o;
     FILE *log = NULL;
     int first = rs->launch.process == 0;
     const char *log_path = rs->output.log_path;
     char name[64]; /* a flag's names, for probe_writable */
     if (log_path && first && !(log = fopen(log_path, "w")))
         die_usage_settings("`log_path` %s: cannot create: %s", log_path, strerror(errno));
-    if (a->prompt) {
+    if (o->prompt) {
         int *scratch = (int *)malloc(sizeof(int) * (size_t)rs->T);
-        prompt_tokens(a->prompt, rs->data.builtin, rs->cfg.padded_vocab_size, scratch, rs->T);
+        prompt_tokens(o->prompt, rs->data.builtin, rs->cfg.padded_vocab_size, scratch, rs->T);
         free(scratch);
     }
-    if (a->out_dir && mkdir(a->out_dir, 0755) != 0 && errno != EEXIST)
-        die_usage_settings("`out_dir` %s: cannot create the directory: %s", a->out_dir, strerror(errno));
-    if (a->out_dir && first) {
+    if (o->out_dir && mkdir(o->out_dir, 0755) != 0 && errno != EEXIST)
+        die_usage_settings("`out_dir` %s: cannot create the directory: %s", o->out_dir, strerror(errno));
+    if (o->out_dir && first) {
         char probe[LG_PATH_MAX];
-        snprintf(probe, sizeof probe, "%s/.probe", a->out_dir);
+        snprintf(probe, sizeof probe, "%s/.probe", o->out_dir);
         probe_writable(setting_flag("out_dir", name, sizeof name), probe);
     }
     if (rs->output.plot && first) probe_writable(setting_flag("plot", name, sizeof name), rs->output.plot);
@@ -2293,11 +2338,11 @@ static void check_data_tokenizer(const char *load, const run_data *d) {
 /* Stage 3, build: the weights of --load, or a resumed run's whole state; returns the steps
    done. */
 static int start_weights(lg_trainer *tr, run_setup *rs) {
-    const lg_args *a = &rs->a;
+    const run_options *o = &rs->o;
     const checkpoint_flags *ck = &rs->ck;
     lg_error err;
     int first_step = 0;
-    if ((a->out_dir || ck->resume) && lg_checkpoint_supported(tr, &err) != 0) die(2, &err);
+    if ((o->out_dir || ck->resume) && lg_checkpoint_supported(tr, &err) != 0) die(2, &err);
     if (ck->load && lg_trainer_load_hf(tr, ck->load, &err) != 0) die(2, &err);
     if (ck->load) printf("loaded the weights of %s\n", ck->load);
     if (ck->load) /* its tokenizer travels with the checkpoints */
@@ -2309,8 +2354,8 @@ static int start_weights(lg_trainer *tr, run_setup *rs) {
     if (ck->resume && lg_checkpoint_resume(tr, &rs->data.train, ck->resume_dir, &first_step, &err) != 0)
         die(2, &err);
     if (ck->resume) print_settings("resumed %s: %d steps done%s%s\n", ck->resume_dir, first_step,
-                           a->out_dir ? ", checkpoints to " : "; no `out_dir`: it saves no checkpoint",
-                           a->out_dir ? a->out_dir : "");
+                           o->out_dir ? ", checkpoints to " : "; no `out_dir`: it saves no checkpoint",
+                           o->out_dir ? o->out_dir : "");
     if (ck->resume && !ck->load) /* the tokenizer the checkpoint carries goes on */
         snprintf(tr->tokenizer_dir, sizeof tr->tokenizer_dir, "%s", ck->resume_dir);
     rs->data.sample_vocab = sample_vocab(tr);
@@ -2346,20 +2391,20 @@ static int train_steps(lg_trainer *tr, run_setup *rs, int first_step, FILE *log)
         if (log) log_step(log, rs->output.log_path, step + 1, &st, tr->scaling);
         if (o->save_every && (step + 1) % o->save_every == 0) {
             progress_clear(&shown);
-            if (lg_checkpoint_save(tr, &rs->data.train, step + 1, a->out_dir, &err) != 0) die(1, &err);
-            printf("saved %s/step-%d\n", a->out_dir, saved_step = step + 1);
+            if (lg_checkpoint_save(tr, &rs->data.train, step + 1, o->out_dir, &err) != 0) die(1, &err);
+            printf("saved %s/step-%d\n", o->out_dir, saved_step = step + 1);
         }
         int last = step + 1 == a->max_steps;
         int evaluating = last || (o->eval_every && (step + 1) % o->eval_every == 0);
         int sampling = !last && o->sample_every && (step + 1) % o->sample_every == 0;
         if (evaluating || sampling) progress_clear(&shown);
         if (evaluating) evaluate(tr, &rs->data, o, step + 1, log, rs->output.log_path, &plot);
-        if (sampling) print_samples(tr, a, o, &rs->data, &sample_rng);
+        if (sampling) print_samples(tr, o, &rs->data, &sample_rng);
     }
     progress_clear(&shown);
     plot_write(&plot);
     plot_free(&plot);
-    print_samples(tr, a, o, &rs->data, &sample_rng);
+    print_samples(tr, o, &rs->data, &sample_rng);
     return saved_step;
 }
 
@@ -2367,11 +2412,12 @@ static int train_steps(lg_trainer *tr, run_setup *rs, int first_step, FILE *log)
    --log file closed. */
 static void save_run(lg_trainer *tr, run_setup *rs, int first_step, int saved_step, FILE *log) {
     const lg_args *a = &rs->a;
+    const char *out_dir = rs->o.out_dir;
     lg_error err;
     int final_step = first_step > a->max_steps ? first_step : a->max_steps;
-    if (a->out_dir && saved_step != final_step) {
-        if (lg_checkpoint_save(tr, &rs->data.train, final_step, a->out_dir, &err) != 0) die(1, &err);
-        printf("saved %s/step-%d\n", a->out_dir, final_step);
+    if (out_dir && saved_step != final_step) {
+        if (lg_checkpoint_save(tr, &rs->data.train, final_step, out_dir, &err) != 0) die(1, &err);
+        printf("saved %s/step-%d\n", out_dir, final_step);
     }
     if (log && fclose(log) != 0) die_write(rs->output.log_path);
 }
