@@ -2589,6 +2589,28 @@ typedef struct {
     int n_keys;
 } library_literals;
 
+
+/* Visits the string literals of each source file (n of them), with the table that starts at
+   `blank` (up to its closing "\n};") left out when blank is not NULL; 0, or -1 after a
+   failed check naming a file that does not read. */
+static int each_literal_of(results *r, const char *const *sources, size_t n, const char *blank,
+                           void (*visit)(const char *text, void *ctx), void *ctx) {
+    lg_error err;
+    for (size_t i = 0; i < n; i++) {
+        size_t length;
+        char *text = lg_read_file(sources[i], &length, "source", &err);
+        if (!text) {
+            check(r, 0, "%s", err.msg);
+            return -1;
+        }
+        char *table = blank ? strstr(text, blank) : NULL;
+        char *end = table ? strstr(table, "\n};") : NULL;
+        if (end) memset(table, ' ', (size_t)(end - table));
+        each_string_literal(text, visit, ctx);
+        LG_FREE(text);
+    }
+    return 0;
+}
 /* A flag's spelling at text[i]: "--name", or "-x" as a word ("-b 4", "(-d", "-t/--"). */
 static int flag_spelled_at(const char *text, size_t i) {
     int word_start = i == 0 || strchr(" (/[,'\"", text[i - 1]) != NULL;
@@ -2637,13 +2659,9 @@ static void test_library_names_settings(results *r) {
     library_literals lit;
     memset(&lit, 0, sizeof lit);
     lg_error err;
-    for (size_t i = 0; i < sizeof sources / sizeof sources[0]; i++) {
-        size_t length;
-        char *text = lg_read_file(sources[i], &length, "source", &err);
-        if (!text) { check(r, 0, "%s", err.msg); return; }
-        each_string_literal(text, gather_library_literal, &lit);
-        LG_FREE(text);
-    }
+    if (each_literal_of(r, sources, sizeof sources / sizeof sources[0], NULL,
+                        gather_library_literal, &lit) != 0)
+        return;
     check(r, lit.flags == 0, "no flag spelled in the string literals of litgpt.h and "
           "litgpt_cuda.cuh: %d found %s", lit.flags, lit.first_flag);
     size_t length;
@@ -2709,17 +2727,10 @@ static void test_driver_spells_flags_once(results *r) {
     static const char *const sources[] = {"train.c", "train_svg.h"};
     driver_literals lit;
     memset(&lit, 0, sizeof lit);
-    lg_error err;
-    for (size_t i = 0; i < sizeof sources / sizeof sources[0]; i++) {
-        size_t length;
-        char *text = lg_read_file(sources[i], &length, "source", &err);
-        if (!text) { check(r, 0, "%s", err.msg); return; }
-        char *table = strstr(text, "static const flag_row flag_table[] = {");
-        char *end = table ? strstr(table, "\n};") : NULL;
-        if (end) memset(table, ' ', (size_t)(end - table)); /* the table itself spells them */
-        each_string_literal(text, gather_driver_literal, &lit);
-        LG_FREE(text);
-    }
+    if (each_literal_of(r, sources, sizeof sources / sizeof sources[0],
+                        "static const flag_row flag_table[] = {", /* it spells them */
+                        gather_driver_literal, &lit) != 0)
+        return;
     check(r, lit.flags == 0, "train.c spells each flag once, in its table (train.c and "
           "train_svg.h elsewhere: %d spellings) %s", lit.flags, lit.first);
 }

@@ -686,6 +686,25 @@ static double stream_run_apart(results *r, stream_part part, int qlora, int devi
     return streamed_run_apart(r, &a, &b, 5, skip, losses_apart, beside);
 }
 
+/* On the emulator with deferred copies: `part` streamed on one rank, bf16-mixed, with the
+   compute's waits for its copies (`waits`) removed, lands apart from --offload state (`shows`:
+   what that reveals); beside, the kernels the run with its waits launched beside a pending
+   copy, must be some. Elsewhere nothing. */
+static void check_stream_waits_matter(results *r, stream_part part, unsigned long long beside,
+                                      const char *waits, const char *shows) {
+#ifdef LG_CUDA_EMULATE
+    if (!copies_deferred()) return;
+    double losses_skipped;
+    unsigned long long beside_skipped = 0;
+    double skipped = stream_run_apart(r, part, 0, 1, 1, &losses_skipped, &beside_skipped);
+    check(r, beside > 0 && (skipped > 1e-3 || losses_skipped > 1e-3), "the same with the %s "
+          "waits removed, copies deferred: weights %.1e, losses %.1e apart (%s)", waits, skipped,
+          losses_skipped, shows);
+#else
+    (void)r, (void)part, (void)beside, (void)waits, (void)shows;
+#endif
+}
+
 /* --offload gradients on the GPU: bitwise the weights and losses of --offload state (the same
    sums in the same order, only where they wait differs); on the emulator with deferred copies
    the backward runs while earlier units' gradients are still on their way, and without the
@@ -704,16 +723,8 @@ static void test_offload_gradients(results *r) {
               "to the host): weights %.1e, losses %.1e apart (bitwise); %llu kernels launched "
               "beside a pending copy", apart, losses, beside_sharded);
     }
-#ifdef LG_CUDA_EMULATE
-    if (copies_deferred()) {
-        double losses_skipped;
-        unsigned long long beside_skipped = 0;
-        double skipped = stream_run_apart(r, STREAM_GRADIENTS, 0, 1, 1, &losses_skipped, &beside_skipped);
-        check(r, beside > 0 && (skipped > 1e-3 || losses_skipped > 1e-3), "the same with the "
-              "gradient buffers' waits removed, copies deferred: weights %.1e, losses %.1e apart "
-              "(a missing wait shows)", skipped, losses_skipped);
-    }
-#endif
+    check_stream_waits_matter(r, STREAM_GRADIENTS, beside, "gradient buffers'",
+                              "a missing wait shows");
 }
 
 /* --offload weights on the GPU: the weights (QLoRA: the NF4 base as stored) copied from the
@@ -737,16 +748,8 @@ static void test_offload_weights(results *r) {
                   apart, losses, beside);
             beside_plain += !qlora && devices == 1 ? beside : 0;
         }
-#ifdef LG_CUDA_EMULATE
-    if (copies_deferred()) {
-        double losses_skipped;
-        unsigned long long beside_skipped = 0;
-        double skipped = stream_run_apart(r, STREAM_WEIGHTS, 0, 1, 1, &losses_skipped, &beside_skipped);
-        check(r, beside_plain > 0 && (skipped > 1e-3 || losses_skipped > 1e-3), "the same with the "
-              "weight slots' waits removed, copies deferred: weights %.1e, losses %.1e apart "
-              "(a block computed before its weights landed shows)", skipped, losses_skipped);
-    }
-#endif
+    check_stream_waits_matter(r, STREAM_WEIGHTS, beside_plain, "weight slots'",
+                              "a block computed before its weights landed shows");
 }
 
 /* --offload embedding on the GPU: the token embedding in host memory, each micro-batch's rows
