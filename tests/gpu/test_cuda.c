@@ -872,6 +872,13 @@ static void test_gpu_head_tiles(results *r) {
 /* Trains `steps` steps uninterrupted and, in two other trainers, `half` steps, a checkpoint,
    a resume, the rest and the final checkpoint (a->max_steps = steps): 1 when both give bitwise the same losses after the checkpoint and the
    same weights, 0 (with err) when they differ or a part fails. */
+/* Removes a folder the test made, with what it holds (a path of our own, no quoting needed). */
+static void remove_folder(const char *path) {
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", path);
+    if (system(cmd) != 0) fprintf(stderr, "  (could not remove %s)\n", path);
+}
+
 static int resumed_equals_uninterrupted(const lg_config *cfg, const lg_args *a, const char *out,
                                         lg_error *err) {
     const int T = 16, steps = 4, half = 2;
@@ -934,14 +941,15 @@ static void test_gpu_resume(results *r, int gpus) {
             a.lora.targets = LG_LORA_QUERY | LG_LORA_VALUE | LG_LORA_MLP;
             a.lr = 1e-2f;
         }
-        char out[64];
-        snprintf(out, sizeof out, "build/gpu_resume_%zu", c);
+        char out[64]; /* one folder a process: the emulated suite runs two side by side */
+        snprintf(out, sizeof out, "build/gpu_resume_%ld_%zu", (long)getpid(), c);
         lg_error err;
         int same = resumed_equals_uninterrupted(&cfg, &a, out, &err);
         check(r, same, "checkpoint of %d GPU%s%s %-10s%s%s, resumed: bitwise the uninterrupted run%s%s",
               devices, devices > 1 ? "s" : "", devices > 1 ? (cases[c].devices < 0 ? " no-shard" : " full-shard") : "",
               lg_precision_name(a.precision), cases[c].eight_bit ? " 8-bit state" : "",
               cases[c].lora ? " LoRA" : "", err.msg[0] ? ": " : "", err.msg);
+        if (same) remove_folder(out); /* a failed case's checkpoints stay, to look at */
     }
 }
 
