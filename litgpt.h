@@ -2019,6 +2019,8 @@ typedef struct {
     float loss_scale;   /* the scale this step used (1 without scaling) */
     int diverged;       /* the step failed on a non-finite gradient norm without loss scaling
                            (a driver may suggest a lower learning rate or clipping) */
+    int out_of_memory;  /* the step failed because a GPU ran out of memory inside a library
+                           (cuBLASLt) after the plan: nothing was updated */
 } lg_step_stats;
 
 int lg_trainer_create(lg_trainer *tr, const lg_config *cfg, const lg_args *args, int T,
@@ -6386,6 +6388,18 @@ static void lg_rank_sync(const lg_rank *rank) {
 #else
     (void)rank;
 #endif
+}
+
+/* Why the rank stopped computing, or NULL while it computes (always on the CPU): a GPU op
+   that failed where it could not return an error (cuBLASLt out of memory) records its line
+   there, and the rank's later matmuls do nothing; the trainer discards the step's results and
+   returns the line (lg_trainer_check_ranks). */
+static const char *lg_rank_failure(const lg_rank *rank) {
+#ifdef LG_CUDA
+    if (rank->backend == LG_BACKEND_CUDA) return lg_cuda_rank_failure(rank);
+#endif
+    (void)rank;
+    return NULL;
 }
 
 lg_visit lg_visit_start(const lg_exec *ex, lg_buf x, size_t count, size_t unit, int mode) {
@@ -15936,6 +15950,9 @@ static int lg_base_hash_of(const lg_config *cfg, lg_dtype weights, const lg_real
                                          rank: nothing)
      lg_trainer_grad_norm              the global gradient norm (other processes' squares
                                        gathered first; one process: only the sum)
+     lg_trainer_check_ranks            a GPU that stopped on a failure its op could not return
+                                       (cuBLASLt out of memory): the step ends there, its
+                                       error that failure's line, nothing updated
      lg_trainer_update                 the loss scaler's skip, or on every rank:
        lg_trainer_offload_grads          --offload: the gradient shard to the host
        lg_trainer_update_rank            the optimizer on the rank's shard (on the host with
@@ -15960,6 +15977,7 @@ static void lg_trainer_hessian_pass(lg_trainer *tr, int step);
 static double lg_trainer_accumulate(lg_trainer *tr, int step, long n_targets,
                                     int offload_in_backward);
 static float lg_trainer_grad_norm(lg_trainer *tr);
+static int lg_trainer_check_ranks(const lg_trainer *tr, lg_error *err);
 static int lg_trainer_update(lg_trainer *tr, int step, lg_step_stats *stats,
                              int offload_in_backward, lg_error *err);
 static void lg_trainer_sync(const lg_trainer *tr);
@@ -15985,6 +16003,8 @@ int lg_trainer_step(lg_trainer *tr, lg_loader *train, int step, lg_step_stats *s
     stats->n_targets = n_targets;
     stats->lr = lg_learning_rate(&tr->args, step);
     stats->grad_norm = lg_trainer_grad_norm(tr) / tr->loss_scale;
+    stats->out_of_memory = lg_trainer_check_ranks(tr, err) != 0;
+    if (stats->out_of_memory) return -1;
     if (lg_trainer_update(tr, step, stats, offload_in_backward, err) != 0) return -1;
     lg_trainer_sync(tr);
     stats->ms = lg_time_ms() - start; /* with Sophia's extra pass when it ran */
@@ -16384,6 +16404,17 @@ static float lg_trainer_grad_norm(lg_trainer *tr) {
     lg_real sum = 0; /* host numbers */
     for (int i = 0; i < S; i++) sum += (lg_real)squares[i];
     return (float)sqrt((double)sum);
+}
+
+/* -1 with the line of the first of this process's ranks that stopped computing (a GPU out of
+   memory inside cuBLASLt: lg_rank_failure), after waiting for their queued work; else 0. */
+static int lg_trainer_check_ranks(const lg_trainer *tr, lg_error *err) {
+    for (int r = 0; r < tr->local_ranks; r++) {
+        lg_rank_sync(&tr->ranks[r].rank);
+        const char *why = lg_rank_failure(&tr->ranks[r].rank);
+        if (why) return lg_fail(err, "%s", why);
+    }
+    return 0;
 }
 
 /* Layer l's forward on every rank that has a micro-batch: l = -1 the embedding, 0 .. L - 1
@@ -17155,7 +17186,7 @@ int lg_trainer_evaluate(lg_trainer *tr, lg_loader *ld, int n_batches, double *me
     }
     lg_comm_sum_doubles(tr->process_comm, &sum, 1);
     *mean_loss = count ? sum / count : 0;
-    return 0;
+    return lg_trainer_check_ranks(tr, err);
 }
 
 void lg_trainer_generate(lg_trainer *tr, int *tokens, int n_prompt, int n_new, int vocab,

@@ -187,6 +187,8 @@ struct lg_cuda_rank {
     lg_setting_speller *speller; /* how the lines it prints as it stops name settings (the
                                     plan's, from lg_args.speller; NULL: the names) */
     void *speller_context;
+    char stopped[1024];         /* why the rank stopped computing (its first failure an op could
+                                   not return: lg_cuda_stop); "" while it computes */
 };
 
 /* 1 when the GPU can read p (device, managed or pinned memory), 0 for pageable host memory. */
@@ -2879,10 +2881,17 @@ static inline const char *lg_lt_out_of_memory_line(const lg_cuda_rank *g, int M,
     char marked[512];
     snprintf(marked, sizeof marked, "GPU %d: out of memory inside cuBLASLt (a %d x %d x %d "
              "matmul): the device had less free than the plan kept (its margin); a larger "
-             "`memory_margin` keeps more free\n", g->device, M, N, K);
+             "`memory_margin` keeps more free", g->device, M, N, K);
     const char *line = lg_spelled(marked, g->speller, g->speller_context, out, cap);
     if (line != out) snprintf(out, cap, "%s", line);
     return out;
+}
+
+/* Stops the rank's computing on a failure an op cannot return (it returns nothing): the first
+   one's line is kept for the trainer, which discards the step and returns it as its error
+   (lg_rank_failure); the rank's later matmuls do nothing. */
+static void lg_cuda_stop(lg_cuda_rank *g, const char *line) {
+    if (!g->stopped[0]) snprintf(g->stopped, sizeof g->stopped, "%s", line);
 }
 
 #ifndef LG_CUDA_EMULATE
@@ -3036,11 +3045,10 @@ static int lg_cuda_matmul_lt(const lg_exec *ex, int trans_a, int trans_b, int M,
                                 g->matmul_workspace_bytes, stream);
         done = status == CUBLAS_STATUS_SUCCESS;
     }
-    if (status == CUBLAS_STATUS_ALLOC_FAILED) { /* a plan that left too little free: say so */
+    if (status == CUBLAS_STATUS_ALLOC_FAILED) { /* a plan that left too little free: stop */
         char line[1024];
-        fflush(stdout);
-        fputs(lg_lt_out_of_memory_line(g, M, N, K, line, sizeof line), stderr);
-        abort();
+        lg_cuda_stop(g, lg_lt_out_of_memory_line(g, M, N, K, line, sizeof line));
+        return 0; /* (nothing queued, and nothing to run instead) */
     }
     if (!done && !g->matmul_fallbacks++)
         fprintf(stderr, "GPU %d: cuBLASLt has no algorithm for a (%d x %d x %d) matmul of %s x %s "
@@ -3131,7 +3139,8 @@ static void lg_cuda_bias_grad(const lg_exec *ex, lg_buf dbias, lg_buf dout, int 
 static void lg_cuda_matmul(const lg_exec *ex, int trans_a, int trans_b, int M, int N, int K,
                            lg_buf A, int lda, lg_buf B, int ldb, float beta, lg_buf C, int ldc,
                            lg_buf bias) {
-    if (M <= 0 || N <= 0) return;
+    if (M <= 0 || N <= 0 || ex->cuda->stopped[0]) return; /* (a stopped rank's results are
+                                                               discarded) */
 #ifndef LG_CUDA_EMULATE
     if (!ex->cuda->reference_matmul &&
         lg_cuda_matmul_lt(ex, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc, bias) == 0)
@@ -3341,6 +3350,11 @@ static int lg_cuda_rank_create(lg_rank *rank, lg_error *err) {
     lg_cuda_bind_regions(rank);
     LG_CUDA_CHECK(cudaStreamSynchronize(g->stream), err); /* the arena is zero from here */
     return 0;
+}
+
+/* lg_rank_failure on a GPU: the line of the failure that stopped the rank, or NULL. */
+static const char *lg_cuda_rank_failure(const lg_rank *rank) {
+    return rank->cuda->stopped[0] ? rank->cuda->stopped : NULL;
 }
 
 static void lg_cuda_rank_sync(const lg_rank *rank) {

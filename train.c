@@ -2384,7 +2384,7 @@ static int train_steps(lg_trainer *tr, run_setup *rs, int first_step, FILE *log)
             if (st.diverged)
                 snprintf(err.msg + used, sizeof err.msg - used, " (try a lower `lr` or a `max_norm`)");
             progress_clear(&shown);
-            die(1, &err);
+            die(st.out_of_memory ? 3 : 1, &err); /* 3: as a run that does not fit */
         }
         progress_step(&shown, tr, step + 1, &st);
         plot_step(&plot, st.loss, st.lr);

@@ -1147,14 +1147,53 @@ static void test_out_of_memory_line(results *r) {
         }
         char line[1024];
         lg_lt_out_of_memory_line(tr.ranks[0].rank.cuda, 64, 32, 16, line, sizeof line);
-        const char *want = spelled ? "a larger --memory-margin keeps more free\n"
-                                   : "a larger `memory_margin` keeps more free\n";
+        const char *want = spelled ? "a larger --memory-margin keeps more free"
+                                   : "a larger `memory_margin` keeps more free";
         check(r, strstr(line, "a 64 x 32 x 16 matmul") && strstr(line, want) &&
                      (!spelled || !strchr(line, '`')),
               "cuBLASLt's out-of-memory line %s: %s", spelled ? "spelled by the driver" : "unspelled",
               line);
         lg_trainer_free(&tr);
     }
+}
+
+/* A GPU that stops on a failure its op cannot return: cuBLASLt out of memory, which only a
+   real GPU runs into, so here the rank is stopped with its line as that branch does
+   (lg_cuda_stop). The next step returns the line with out_of_memory set and updates no weight,
+   and evaluation returns it too. Without the trainer's check the step would succeed. */
+static void test_stopped_rank(results *r) {
+    const int T = 16;
+    lg_config cfg;
+    lg_error err, eval_err;
+    if (load_config_or_fail(r, &cfg, "test-llama")) return;
+    lg_args a = step_args(LG_PRECISION_32_TRUE, LG_BACKEND_CUDA);
+    lg_trainer tr;
+    lg_loader ld;
+    double first_loss;
+    if (train_steps(&tr, &cfg, &a, T, 1, &first_loss) != 0 || builtin_loader(&ld, &cfg, &a, T, 2)) {
+        check(r, 0, "a stopped GPU: test-llama trains a step");
+        return;
+    }
+    lg_cuda_rank *g = tr.ranks[0].rank.cuda;
+    char line[1024];
+    lg_cuda_stop(g, lg_lt_out_of_memory_line(g, 64, 32, 16, line, sizeof line));
+    lg_real *before = trained_weights(&tr);
+    lg_step_stats st;
+    memset(&st, 0, sizeof st);
+    int rc = lg_trainer_step(&tr, &ld, 1, &st, &err);
+    lg_real *after = trained_weights(&tr);
+    int unchanged = memcmp(before, after, tr.ranks[0].model.n_params * sizeof(lg_real)) == 0;
+    double mean = 0;
+    int eval_rc = lg_trainer_evaluate(&tr, &ld, 1, &mean, &eval_err);
+    check(r, rc != 0 && st.out_of_memory && !strcmp(err.msg, line) && unchanged && eval_rc != 0 &&
+                 !strcmp(eval_err.msg, line),
+          "a GPU stopped by cuBLASLt's out-of-memory: the step returns %d (out_of_memory %d), "
+          "weights %s, evaluation returns %d, with the line: %s", rc, st.out_of_memory,
+          unchanged ? "unchanged" : "CHANGED", eval_rc, err.msg);
+    LG_FREE(before);
+    LG_FREE(after);
+    lg_loader_close(&ld);
+    lg_trainer_free(&tr);
 }
 
 /* --- benchmark --------------------------------------------------------------------------------- */
@@ -1481,6 +1520,7 @@ static void mode_memory(results *r, int gpus) {
     test_plan_memory(r, "test-llama", 16, 2);
     test_plan_refused(r);
     test_out_of_memory_line(r);
+    test_stopped_rank(r);
 #ifndef LG_CUDA_EMULATE
     test_plan_memory(r, "Llama-3.2-1B", 2048, 4);
 #endif
