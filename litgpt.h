@@ -4645,6 +4645,62 @@ static const char *lg_pool_name(lg_pool p) { return p == LG_POOL_DEVICE ? "devic
 static size_t lg_align_to(size_t bytes, size_t align) { return (bytes + align - 1) / align * align; }
 static size_t lg_align_up(size_t bytes) { return lg_align_to(bytes, LG_ALIGN); }
 
+/* The names of the plan's regions that the code finds (lg_rank_region, lg_plan_find): each
+   spelled once, here; the plan adds them, the model, optimizer, trainer, generator and the
+   CUDA backend find them. The --plan table and JSON print them. */
+#define LG_REGION_ACTIVATIONS_EMBEDDING  "activations.embedding"
+#define LG_REGION_ATTENTION_SCORES       "attention.scores"
+#define LG_REGION_ATTENTION_SCRATCH      "attention.scratch"
+#define LG_REGION_BACKWARD               "backward"
+#define LG_REGION_CHECKPOINT_GATHER      "checkpoint.gather"
+#define LG_REGION_CUDA_IDS               "cuda.ids"
+#define LG_REGION_CUDA_MATMUL_WORKSPACE  "cuda.matmul_workspace"
+#define LG_REGION_CUDA_ROW_SUMS          "cuda.row_sums"
+#define LG_REGION_CUDA_STAGING           "cuda.staging"
+#define LG_REGION_CUDA_TOTALS            "cuda.totals"
+#define LG_REGION_EMBEDDING_HOST         "embedding.host"
+#define LG_REGION_EMBEDDING_ROWS         "embedding.rows"
+#define LG_REGION_FROZEN_WEIGHTS         "frozen_weights"
+#define LG_REGION_FROZEN_WEIGHTS_NF4     "frozen_weights.nf4"
+#define LG_REGION_FROZEN_WEIGHTS_SHARD   "frozen_weights.shard"
+#define LG_REGION_GATHER_BLOCKS          "gather.blocks"
+#define LG_REGION_GATHER_ENDS            "gather.ends"
+#define LG_REGION_GATHER_FROZEN_BLOCKS   "gather.frozen.blocks"
+#define LG_REGION_GATHER_FROZEN_ENDS     "gather.frozen.ends"
+#define LG_REGION_GEMM_WORKSPACE         "gemm.workspace"
+#define LG_REGION_GENERATION_LOGITS      "generation.logits"
+#define LG_REGION_GENERATION_ROW         "generation.row"
+#define LG_REGION_GENERATION_STATS       "generation.stats"
+#define LG_REGION_GENERATION_WORKING     "generation.working"
+#define LG_REGION_GRADIENTS              "gradients"
+#define LG_REGION_GRADIENTS_BLOCKS       "gradients.blocks"
+#define LG_REGION_GRADIENTS_ENDS         "gradients.ends"
+#define LG_REGION_GRADIENTS_HOST         "gradients.host"
+#define LG_REGION_HEAD                   "head"
+#define LG_REGION_HEAD_STATS             "head.stats"
+#define LG_REGION_KV_CACHE_KEYS          "kv_cache.keys"
+#define LG_REGION_KV_CACHE_VALUES        "kv_cache.values"
+#define LG_REGION_MASTER_WEIGHTS         "master_weights"
+#define LG_REGION_NF4_DEQUANTIZED        "nf4.dequantized"
+#define LG_REGION_RECOMPUTE_BLOCK        "recompute.block"
+#define LG_REGION_RECOMPUTE_BLOCK_STATS  "recompute.block.stats"
+#define LG_REGION_REDUCE_SCATTER_OUT     "reduce_scatter.out"
+#define LG_REGION_ROPE                   "rope"
+#define LG_REGION_SAMPLING_ORDER         "sampling.order"
+#define LG_REGION_SAMPLING_PROBS         "sampling.probs"
+#define LG_REGION_TOKENS_INPUTS          "tokens.inputs"
+#define LG_REGION_TOKENS_SAMPLED         "tokens.sampled"
+#define LG_REGION_TOKENS_SPANS           "tokens.spans"
+#define LG_REGION_TOKENS_TARGETS         "tokens.targets"
+#define LG_REGION_WEIGHTS                "weights"
+#define LG_REGION_WEIGHTS_HOST           "weights.host"
+/* ... and the families of names with a number or a state's name (snprintf formats) */
+#define LG_REGION_BLOCK_ACTS             "activations.h.%d"
+#define LG_REGION_BLOCK_STATS            "activations.h.%d.stats"
+#define LG_REGION_KEPT_SLOT              "activations.kept_slot.%d"
+#define LG_REGION_STATE_SMALL            "%s.small"
+#define LG_REGION_STATE_SCALES           "%s.scales"
+
 /* A pool past this many bytes (1 EiB) is no plan but wrapped arithmetic: lg_plan_add stops
    there, so no sum of regions wraps, and lg_plan_make refuses. */
 #define LG_MAX_POOL_BYTES ((size_t)1 << 60)
@@ -4865,18 +4921,22 @@ static int lg_plan_model_state(lg_rank_plan *r, const lg_plan *plan) {
     lg_pool state_pool = s->offload ? LG_POOL_HOST : LG_POOL_DEVICE;
     lg_pool weights_pool = sh->weights_streamed ? LG_POOL_HOST : LG_POOL_DEVICE;
     int states = lg_optimizer_states(s->optimizer, s->momentum);
-    int rc = lg_plan_add(r, "weights", LG_GROUP_WEIGHTS, weights_pool, t.weights, weights);
+    int rc = lg_plan_add(r, LG_REGION_WEIGHTS, LG_GROUP_WEIGHTS, weights_pool, t.weights, weights);
     if (t.master)
-        rc |= lg_plan_add(r, "master_weights", LG_GROUP_MASTER, state_pool, LG_DTYPE_F32, shard);
+        rc |= lg_plan_add(r, LG_REGION_MASTER_WEIGHTS, LG_GROUP_MASTER, state_pool, LG_DTYPE_F32,
+                          shard);
     if (!s->offload_gradients) /* (streamed: the unit buffers below, and the host's) */
-        rc |= lg_plan_add(r, "gradients", LG_GROUP_GRADIENTS, LG_POOL_DEVICE, t.grads, shard);
+        rc |= lg_plan_add(r, LG_REGION_GRADIENTS, LG_GROUP_GRADIENTS, LG_POOL_DEVICE, t.grads,
+                          shard);
     if (s->offload) { /* the gradient shard goes to the host, where the optimizer runs */
-        rc |= lg_plan_add(r, "gradients.host", LG_GROUP_GRADIENTS, LG_POOL_HOST, t.grads, shard);
+        rc |= lg_plan_add(r, LG_REGION_GRADIENTS_HOST, LG_GROUP_GRADIENTS, LG_POOL_HOST, t.grads,
+                          shard);
         /* the host's copy of the weights it updates (mixed: the master, and on a GPU, whose
            memory the host cannot write, the rounded weights too; streamed, the weights are
            the host's already) */
         if ((!t.master || s->backend == LG_BACKEND_CUDA) && !sh->weights_streamed)
-            rc |= lg_plan_add(r, "weights.host", LG_GROUP_WEIGHTS, LG_POOL_HOST, t.weights, shard);
+            rc |= lg_plan_add(r, LG_REGION_WEIGHTS_HOST, LG_GROUP_WEIGHTS, LG_POOL_HOST, t.weights,
+                              shard);
     }
     if (s->optimizer_state == LG_STATE_AS_PRECISION) {
         for (int i = 0; i < states; i++)
@@ -4896,10 +4956,10 @@ static int lg_plan_model_state(lg_rank_plan *r, const lg_plan *plan) {
             rc |= lg_plan_add(r, base, LG_GROUP_OPTIMIZER, state_pool,
                               quantized ? LG_DTYPE_U8 : LG_DTYPE_BF16,
                               quantized ? blocks * LG_QUANT_BLOCK : large);
-            snprintf(name, sizeof name, "%s.small", base);
+            snprintf(name, sizeof name, LG_REGION_STATE_SMALL, base);
             rc |= lg_plan_add(r, name, LG_GROUP_OPTIMIZER, state_pool, LG_DTYPE_F32, small);
             if (quantized) {
-                snprintf(name, sizeof name, "%s.scales", base);
+                snprintf(name, sizeof name, LG_REGION_STATE_SCALES, base);
                 rc |= lg_plan_add(r, name, LG_GROUP_OPTIMIZER, state_pool, LG_DTYPE_F32, blocks);
             }
         }
@@ -4909,24 +4969,26 @@ static int lg_plan_model_state(lg_rank_plan *r, const lg_plan *plan) {
         size_t block = sl->piece_count[1] * S, piece = 0;
         for (int u = 0; u < sl->n_units; u++)
             piece = sl->piece_count[u] > piece ? sl->piece_count[u] : piece;
-        rc |= lg_plan_add(r, "gather.ends", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.weights, ends);
-        rc |= lg_plan_add(r, "gather.blocks", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.weights,
-                          lg_gather_block_slots(sh) * block);
-        rc |= lg_plan_add(r, "gradients.ends", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.grads, ends);
-        rc |= lg_plan_add(r, "gradients.blocks", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.grads,
-                          LG_GRAD_BLOCK_SLOTS * block);
-        rc |= lg_plan_add(r, "reduce_scatter.out", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, t.grads,
-                          piece);
+        rc |= lg_plan_add(r, LG_REGION_GATHER_ENDS, LG_GROUP_COMMUNICATION, LG_POOL_DEVICE,
+                          t.weights, ends);
+        rc |= lg_plan_add(r, LG_REGION_GATHER_BLOCKS, LG_GROUP_COMMUNICATION, LG_POOL_DEVICE,
+                          t.weights, lg_gather_block_slots(sh) * block);
+        rc |= lg_plan_add(r, LG_REGION_GRADIENTS_ENDS, LG_GROUP_COMMUNICATION, LG_POOL_DEVICE,
+                          t.grads, ends);
+        rc |= lg_plan_add(r, LG_REGION_GRADIENTS_BLOCKS, LG_GROUP_COMMUNICATION, LG_POOL_DEVICE,
+                          t.grads, LG_GRAD_BLOCK_SLOTS * block);
+        rc |= lg_plan_add(r, LG_REGION_REDUCE_SCATTER_OUT, LG_GROUP_COMMUNICATION, LG_POOL_DEVICE,
+                          t.grads, piece);
     } else if (s->offload_gradients) { /* one rank: the units the backward fills, in turn */
-        rc |= lg_plan_add(r, "gradients.ends", LG_GROUP_GRADIENTS, LG_POOL_DEVICE, t.grads,
+        rc |= lg_plan_add(r, LG_REGION_GRADIENTS_ENDS, LG_GROUP_GRADIENTS, LG_POOL_DEVICE, t.grads,
                           sl->piece_count[0] - lg_unit_host_part(&plan->cfg, 0));
-        rc |= lg_plan_add(r, "gradients.blocks", LG_GROUP_GRADIENTS, LG_POOL_DEVICE, t.grads,
-                          LG_GRAD_BLOCK_SLOTS * sl->piece_count[1]);
+        rc |= lg_plan_add(r, LG_REGION_GRADIENTS_BLOCKS, LG_GROUP_GRADIENTS, LG_POOL_DEVICE,
+                          t.grads, LG_GRAD_BLOCK_SLOTS * sl->piece_count[1]);
     }
     if (sh->weights_streamed && !sh->grads_sharded) { /* one rank: the units the copies fill */
-        rc |= lg_plan_add(r, "gather.ends", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, t.weights,
+        rc |= lg_plan_add(r, LG_REGION_GATHER_ENDS, LG_GROUP_WEIGHTS, LG_POOL_DEVICE, t.weights,
                           sl->piece_count[0] - lg_unit_host_part(&plan->cfg, 0));
-        rc |= lg_plan_add(r, "gather.blocks", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, t.weights,
+        rc |= lg_plan_add(r, LG_REGION_GATHER_BLOCKS, LG_GROUP_WEIGHTS, LG_POOL_DEVICE, t.weights,
                           (size_t)lg_gather_block_slots(sh) * sl->piece_count[1]);
     }
     return rc;
@@ -4939,12 +5001,12 @@ static int lg_plan_frozen_shard(lg_rank_plan *r, const lg_plan *plan) {
     const lg_shard_layout *sl = &plan->frozen_shards;
     size_t S = (size_t)sl->n_shards;
     lg_pool pool = plan->sharding.weights_streamed ? LG_POOL_HOST : LG_POOL_DEVICE;
-    int rc = lg_plan_add(r, "frozen_weights.shard", LG_GROUP_WEIGHTS, pool, LG_DTYPE_U8,
+    int rc = lg_plan_add(r, LG_REGION_FROZEN_WEIGHTS_SHARD, LG_GROUP_WEIGHTS, pool, LG_DTYPE_U8,
                          sl->piece_offset[sl->n_units]);
-    rc |= lg_plan_add(r, "gather.frozen.ends", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE, LG_DTYPE_U8,
-                      sl->piece_count[0] * S);
-    return rc | lg_plan_add(r, "gather.frozen.blocks", LG_GROUP_COMMUNICATION, LG_POOL_DEVICE,
-                            LG_DTYPE_U8,
+    rc |= lg_plan_add(r, LG_REGION_GATHER_FROZEN_ENDS, LG_GROUP_COMMUNICATION, LG_POOL_DEVICE,
+                      LG_DTYPE_U8, sl->piece_count[0] * S);
+    return rc | lg_plan_add(r, LG_REGION_GATHER_FROZEN_BLOCKS, LG_GROUP_COMMUNICATION,
+                            LG_POOL_DEVICE, LG_DTYPE_U8,
                             (size_t)lg_gather_block_slots(&plan->sharding) * sl->piece_count[1] * S);
 }
 
@@ -4966,9 +5028,10 @@ static int lg_plan_frozen_model(lg_rank_plan *r, const lg_plan *plan) {
     size_t count = lg_frozen_layout(c, lg_no_buf(), lg_no_buf(), NULL, NULL, &packed);
     int sharded = lg_frozen_sharded(c, &plan->sharding);
     int rc = sharded ? lg_plan_frozen_shard(r, plan)
-                     : lg_plan_add(r, "frozen_weights", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, t.weights, count);
+                     : lg_plan_add(r, LG_REGION_FROZEN_WEIGHTS, LG_GROUP_WEIGHTS, LG_POOL_DEVICE,
+                                   t.weights, count);
     if (c->lora.host_embedding) /* (Vp, C), out of the frozen base: lg_layout_add_embedding */
-        rc |= lg_plan_add(r, "embedding.host", LG_GROUP_WEIGHTS, LG_POOL_HOST, t.weights,
+        rc |= lg_plan_add(r, LG_REGION_EMBEDDING_HOST, LG_GROUP_WEIGHTS, LG_POOL_HOST, t.weights,
                           (size_t)c->padded_vocab_size * c->n_embd);
     if (c->lora.quantize == LG_QUANTIZE_NONE) return rc;
     lg_tensor_table table;
@@ -4980,9 +5043,10 @@ static int lg_plan_frozen_model(lg_rank_plan *r, const lg_plan *plan) {
             largest = lg_dequantized_count(c, &table.tensors[i]);
     lg_tensor_table_free(&table);
     if (!sharded)
-        rc |= lg_plan_add(r, "frozen_weights.nf4", LG_GROUP_WEIGHTS, LG_POOL_DEVICE, LG_DTYPE_U8, packed);
-    return rc | lg_plan_add(r, "nf4.dequantized", LG_GROUP_WORKSPACE, LG_POOL_DEVICE, t.weights,
-                            largest);
+        rc |= lg_plan_add(r, LG_REGION_FROZEN_WEIGHTS_NF4, LG_GROUP_WEIGHTS, LG_POOL_DEVICE,
+                          LG_DTYPE_U8, packed);
+    return rc | lg_plan_add(r, LG_REGION_NF4_DEQUANTIZED, LG_GROUP_WORKSPACE, LG_POOL_DEVICE,
+                            t.weights, largest);
 }
 
 /* Whether block l's output (the input of block l + 1) lives in host memory: --offload
@@ -5000,10 +5064,10 @@ static int lg_plan_activations(lg_rank_plan *r, const lg_config *c, const lg_pla
     size_t main_count, stats_count;
     char name[LG_MAX_NAME];
     lg_embedding_acts_layout(B, T, c->n_embd, lg_no_buf(), NULL, &main_count);
-    rc |= lg_plan_add(r, "activations.embedding", LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, t.acts,
-                      main_count);
+    rc |= lg_plan_add(r, LG_REGION_ACTIVATIONS_EMBEDDING, LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE,
+                      t.acts, main_count);
     if (c->lora.host_embedding) /* the step's rows gathered on the host, copied in at once */
-        rc |= lg_plan_add(r, "embedding.rows", LG_GROUP_ACTIVATIONS, LG_POOL_HOST, t.acts,
+        rc |= lg_plan_add(r, LG_REGION_EMBEDDING_ROWS, LG_GROUP_ACTIVATIONS, LG_POOL_HOST, t.acts,
                           main_count);
     for (int l = 0; l < c->n_layer; l++) {
         lg_block_acts_layout(c, l, B, T, s->slice_rows, 0, lg_no_buf(), NULL, &main_count);
@@ -5012,34 +5076,36 @@ static int lg_plan_activations(lg_rank_plan *r, const lg_config *c, const lg_pla
             main_count = (size_t)B * T * c->n_embd; /* the block's output only */
             stats_count = 0;
         }
-        snprintf(name, sizeof name, "activations.h.%d", l);
+        snprintf(name, sizeof name, LG_REGION_BLOCK_ACTS, l);
         rc |= lg_plan_add(r, name, LG_GROUP_ACTIVATIONS,
                           lg_kept_on_host(c, s, l) ? LG_POOL_HOST : LG_POOL_DEVICE, t.acts,
                           main_count);
-        snprintf(name, sizeof name, "activations.h.%d.stats", l);
+        snprintf(name, sizeof name, LG_REGION_BLOCK_STATS, l);
         rc |= lg_plan_add(r, name, LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, LG_DTYPE_F32, stats_count);
     }
     if (s->recompute) {
         lg_block_acts_layout(c, 0, B, T, s->slice_rows, 0, lg_no_buf(), NULL, &main_count);
         lg_block_acts_layout(c, 0, B, T, s->slice_rows, 1, lg_no_buf(), NULL, &stats_count);
-        rc |= lg_plan_add(r, "recompute.block", LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, t.acts,
-                          main_count);
-        rc |= lg_plan_add(r, "recompute.block.stats", LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE,
+        rc |= lg_plan_add(r, LG_REGION_RECOMPUTE_BLOCK, LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE,
+                          t.acts, main_count);
+        rc |= lg_plan_add(r, LG_REGION_RECOMPUTE_BLOCK_STATS, LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE,
                           LG_DTYPE_F32, stats_count);
     }
     for (int k = 0; k < LG_KEPT_SLOTS && lg_kept_on_host(c, s, 0); k++) {
-        snprintf(name, sizeof name, "activations.kept_slot.%d", k);
+        snprintf(name, sizeof name, LG_REGION_KEPT_SLOT, k);
         rc |= lg_plan_add(r, name, LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, t.acts,
                           (size_t)B * T * c->n_embd);
     }
     lg_rope_layout(c, T, NULL, NULL, &main_count);
-    rc |= lg_plan_add(r, "rope", LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, LG_DTYPE_F32, main_count);
+    rc |= lg_plan_add(r, LG_REGION_ROPE, LG_GROUP_ACTIVATIONS, LG_POOL_DEVICE, LG_DTYPE_F32,
+                      main_count);
     lg_head_acts_layout(c, B, T, s->head_rows, 0, lg_no_buf(), NULL, &main_count);
     lg_head_acts_layout(c, B, T, s->head_rows, 1, lg_no_buf(), NULL, &stats_count);
-    rc |= lg_plan_add(r, "head", LG_GROUP_LOGITS, LG_POOL_DEVICE, t.acts, main_count);
-    rc |= lg_plan_add(r, "head.stats", LG_GROUP_LOGITS, LG_POOL_DEVICE, LG_DTYPE_F32, stats_count);
+    rc |= lg_plan_add(r, LG_REGION_HEAD, LG_GROUP_LOGITS, LG_POOL_DEVICE, t.acts, main_count);
+    rc |= lg_plan_add(r, LG_REGION_HEAD_STATS, LG_GROUP_LOGITS, LG_POOL_DEVICE, LG_DTYPE_F32,
+                      stats_count);
     lg_backward_layout(c, B, T, s->slice_rows, lg_no_buf(), NULL, &main_count);
-    rc |= lg_plan_add(r, "backward", LG_GROUP_BACKWARD, LG_POOL_DEVICE, t.acts, main_count);
+    rc |= lg_plan_add(r, LG_REGION_BACKWARD, LG_GROUP_BACKWARD, LG_POOL_DEVICE, t.acts, main_count);
     return rc;
 }
 #define LG_GEMM_MR_MAX 32 /* the largest MR and NR of any path (workspace sizes) */
@@ -5074,9 +5140,9 @@ static size_t lg_gemm_workspace_count(void) {
 
 /* The CPU's scratch: the matmul's packing buffers and attention's rows, one set a thread. */
 static int lg_plan_cpu_workspace(lg_rank_plan *r, const lg_plan_spec *s) {
-    int rc = lg_plan_add(r, "gemm.workspace", LG_GROUP_WORKSPACE, LG_POOL_DEVICE, LG_DTYPE_F32,
-                         lg_gemm_workspace_count() * (size_t)s->threads);
-    return rc | lg_plan_add(r, "attention.scratch", LG_GROUP_WORKSPACE, LG_POOL_DEVICE,
+    int rc = lg_plan_add(r, LG_REGION_GEMM_WORKSPACE, LG_GROUP_WORKSPACE, LG_POOL_DEVICE,
+                         LG_DTYPE_F32, lg_gemm_workspace_count() * (size_t)s->threads);
+    return rc | lg_plan_add(r, LG_REGION_ATTENTION_SCRATCH, LG_GROUP_WORKSPACE, LG_POOL_DEVICE,
                             LG_DTYPE_F32, 2 * (size_t)s->T * s->T * (size_t)s->threads);
 }
 
@@ -5093,16 +5159,16 @@ static size_t lg_cuda_workspace_bytes(const lg_config *c, int T) {
 /* A GPU's own regions (see LG_CUDA_MATMUL_WORKSPACE), and last the runtime's memory, which the
    rank's arena stops before. */
 static int lg_plan_gpu_workspace(lg_rank_plan *r, const lg_config *c, const lg_plan_spec *s) {
-    int rc = lg_plan_add(r, "cuda.matmul_workspace", LG_GROUP_WORKSPACE, LG_POOL_DEVICE,
+    int rc = lg_plan_add(r, LG_REGION_CUDA_MATMUL_WORKSPACE, LG_GROUP_WORKSPACE, LG_POOL_DEVICE,
                          LG_DTYPE_U8, lg_cuda_workspace_bytes(c, s->T));
-    rc |= lg_plan_add(r, "cuda.row_sums", LG_GROUP_WORKSPACE, LG_POOL_DEVICE, LG_DTYPE_F32,
+    rc |= lg_plan_add(r, LG_REGION_CUDA_ROW_SUMS, LG_GROUP_WORKSPACE, LG_POOL_DEVICE, LG_DTYPE_F32,
                       (size_t)LG_CUDA_ROW_CHUNKS * 2 * c->n_embd);
-    rc |= lg_plan_add(r, "cuda.totals", LG_GROUP_WORKSPACE, LG_POOL_DEVICE, LG_DTYPE_U8,
+    rc |= lg_plan_add(r, LG_REGION_CUDA_TOTALS, LG_GROUP_WORKSPACE, LG_POOL_DEVICE, LG_DTYPE_U8,
                       LG_CUDA_REDUCE_SLOTS * sizeof(double));
-    rc |= lg_plan_add(r, "cuda.ids", LG_GROUP_DATA, LG_POOL_DEVICE, LG_DTYPE_I32,
+    rc |= lg_plan_add(r, LG_REGION_CUDA_IDS, LG_GROUP_DATA, LG_POOL_DEVICE, LG_DTYPE_I32,
                       2 * (size_t)s->B * s->T);
     size_t logits_row = sizeof(float) * (size_t)c->padded_vocab_size;
-    rc |= lg_plan_add(r, "cuda.staging", LG_GROUP_WORKSPACE, LG_POOL_HOST, LG_DTYPE_U8,
+    rc |= lg_plan_add(r, LG_REGION_CUDA_STAGING, LG_GROUP_WORKSPACE, LG_POOL_HOST, LG_DTYPE_U8,
                       logits_row > LG_CUDA_STAGING ? logits_row : LG_CUDA_STAGING);
     return rc | lg_plan_add(r, LG_CUDA_RUNTIME_REGION, LG_GROUP_WORKSPACE, LG_POOL_DEVICE,
                             LG_DTYPE_U8, s->runtime_bytes);
@@ -5229,17 +5295,21 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
         rc |= lg_plan_activations(r, c, s);
         rc |= s->backend == LG_BACKEND_CUDA ? lg_plan_gpu_workspace(r, c, s)
                                             : lg_plan_cpu_workspace(r, s);
-        rc |= lg_plan_add(r, "tokens.inputs", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
-        rc |= lg_plan_add(r, "tokens.targets", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
+        rc |= lg_plan_add(r, LG_REGION_TOKENS_INPUTS, LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32,
+                          tokens);
+        rc |= lg_plan_add(r, LG_REGION_TOKENS_TARGETS, LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32,
+                          tokens);
         rc |= lg_plan_mpi_buffers(r, plan, i);
         size_t unit_at[LG_UNIT_PARTS], unit_bytes = lg_checkpoint_unit_layout(plan, unit_at);
         if (i % (plan->n_ranks / plan->spec.processes) == 0) /* a process's first rank */
-            rc |= lg_plan_add(r, "checkpoint.gather", LG_GROUP_COMMUNICATION, LG_POOL_HOST,
+            rc |= lg_plan_add(r, LG_REGION_CHECKPOINT_GATHER, LG_GROUP_COMMUNICATION, LG_POOL_HOST,
                               LG_DTYPE_U8, unit_bytes);
         if (s->optimizer == LG_OPTIMIZER_SOPHIA) /* labels drawn from the model for its Hessian */
-            rc |= lg_plan_add(r, "tokens.sampled", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
+            rc |= lg_plan_add(r, LG_REGION_TOKENS_SAMPLED, LG_GROUP_DATA, LG_POOL_HOST,
+                              LG_DTYPE_I32, tokens);
         if (s->pack) /* where each token's sample starts in its packed row */
-            rc |= lg_plan_add(r, "tokens.spans", LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32, tokens);
+            rc |= lg_plan_add(r, LG_REGION_TOKENS_SPANS, LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32,
+                              tokens);
     }
     lg_tensor_table_free(&params);
     if (rc != 0) {
@@ -5367,7 +5437,8 @@ double lg_plan_step_flops(const lg_plan *plan) {
 size_t lg_plan_host_traffic_bytes(const lg_plan *plan) {
     const lg_rank_plan *r = &plan->ranks[0];
     size_t bytes = 0, kept = 0; /* what the copies move: count x element, not the padded regions */
-    const lg_region *grads = lg_plan_find(r, "gradients.host"), *weights = lg_plan_find(r, "weights.host");
+    const lg_region *grads = lg_plan_find(r, LG_REGION_GRADIENTS_HOST);
+    const lg_region *weights = lg_plan_find(r, LG_REGION_WEIGHTS_HOST);
     /* the gradients once a step; streamed (--offload gradients), out every micro-batch and
        back for each one after the first, which adds to them */
     size_t grad_trips = plan->spec.offload_gradients ? 2 * (size_t)plan->spec.accumulation - 1 : 1;
@@ -5376,7 +5447,7 @@ size_t lg_plan_host_traffic_bytes(const lg_plan *plan) {
     if (weights) bytes += weights->count * lg_dtype_size(weights->dtype);
     bytes += lg_plan_streamed_weight_bytes(plan) * (size_t)plan->spec.accumulation;
     /* the rows in, each micro-batch; trained, their gradient out too */
-    const lg_region *rows = lg_plan_find(r, "embedding.rows");
+    const lg_region *rows = lg_plan_find(r, LG_REGION_EMBEDDING_ROWS);
     size_t row_trips = (apart ? 2 : 1) * (size_t)plan->spec.accumulation;
     if (rows) bytes += rows->count * lg_dtype_size(rows->dtype) * row_trips;
     for (int i = 0; i < r->n_regions; i++) { /* the kept block outputs in host memory */
@@ -8362,23 +8433,24 @@ static int lg_model_bind_activations(lg_model *m, lg_dtype acts, lg_error *err) 
     int B = m->B, T = m->T;
     char name[LG_MAX_NAME];
     size_t count;
-    lg_buf base = lg_model_view(m, "activations.embedding", acts, err);
+    lg_buf base = lg_model_view(m, LG_REGION_ACTIVATIONS_EMBEDDING, acts, err);
     if (!base.data) return -1;
     if (cfg->lora.host_embedding &&
-        !(m->embedding_rows = lg_model_view(m, "embedding.rows", acts, err)).data)
+        !(m->embedding_rows = lg_model_view(m, LG_REGION_EMBEDDING_ROWS, acts, err)).data)
         return -1;
     for (int k = 0; k < LG_KEPT_SLOTS && lg_model_kept_on_host(m, 0); k++) {
-        snprintf(name, sizeof name, "activations.kept_slot.%d", k);
+        snprintf(name, sizeof name, LG_REGION_KEPT_SLOT, k);
         if (!(m->a.kept_slot[k] = lg_model_view(m, name, acts, err)).data) return -1;
     }
     lg_embedding_acts_layout(B, T, cfg->n_embd, base, &m->a, &count);
     for (int l = 0; l < cfg->n_layer; l++) {
         lg_buf own, stats;
-        snprintf(name, sizeof name, "activations.h.%d", l);
+        snprintf(name, sizeof name, LG_REGION_BLOCK_ACTS, l);
         if (!(own = lg_model_view(m, name, acts, err)).data) return -1;
         if (m->recompute) { /* every block lays out in the shared region; its output is its own */
-            lg_buf shared = lg_model_view(m, "recompute.block", acts, err);
-            if (!(stats = lg_model_view(m, "recompute.block.stats", LG_DTYPE_F32, err)).data ||
+            lg_buf shared = lg_model_view(m, LG_REGION_RECOMPUTE_BLOCK, acts, err);
+            if (!(stats = lg_model_view(m, LG_REGION_RECOMPUTE_BLOCK_STATS, LG_DTYPE_F32,
+                                        err)).data ||
                 !shared.data)
                 return -1;
             lg_block_acts_layout(cfg, l, B, T, m->slice_rows, 0, shared, &m->a, &count);
@@ -8388,19 +8460,19 @@ static int lg_model_bind_activations(lg_model *m, lg_dtype acts, lg_error *err) 
                 m->a.residual[l + 1] = m->a.kept_slot[l % LG_KEPT_SLOTS];
             }
         } else {
-            snprintf(name, sizeof name, "activations.h.%d.stats", l);
+            snprintf(name, sizeof name, LG_REGION_BLOCK_STATS, l);
             if (!(stats = lg_model_view(m, name, LG_DTYPE_F32, err)).data) return -1;
             lg_block_acts_layout(cfg, l, B, T, m->slice_rows, 0, own, &m->a, &count);
         }
         lg_block_acts_layout(cfg, l, B, T, m->slice_rows, 1, stats, &m->a, &count);
     }
-    lg_real *rope = (lg_real *)lg_rank_region(m->rank, "rope"); /* absent without rotary */
+    lg_real *rope = (lg_real *)lg_rank_region(m->rank, LG_REGION_ROPE); /* absent without rotary */
     lg_rope_layout(cfg, T, rope, &m->a, &count);
-    if (!(base = lg_model_view(m, "head", acts, err)).data) return -1;
+    if (!(base = lg_model_view(m, LG_REGION_HEAD, acts, err)).data) return -1;
     lg_head_acts_layout(cfg, B, T, m->head_rows, 0, base, &m->a, &count);
-    if (!(base = lg_model_view(m, "head.stats", LG_DTYPE_F32, err)).data) return -1;
+    if (!(base = lg_model_view(m, LG_REGION_HEAD_STATS, LG_DTYPE_F32, err)).data) return -1;
     lg_head_acts_layout(cfg, B, T, m->head_rows, 1, base, &m->a, &count);
-    if (!(base = lg_model_view(m, "backward", acts, err)).data) return -1;
+    if (!(base = lg_model_view(m, LG_REGION_BACKWARD, acts, err)).data) return -1;
     lg_backward_layout(cfg, B, T, m->slice_rows, base, &m->a, &count);
     return 0;
 }
@@ -8413,15 +8485,15 @@ static int lg_model_bind_frozen(lg_model *m, lg_dtype weights, lg_error *err) {
     lg_buf packed = lg_no_buf();
     m->frozen_gathered = lg_frozen_sharded(&m->cfg, &m->rank->plan->sharding);
     if (m->cfg.lora.host_embedding) { /* the layouts below leave wte's view to this */
-        m->embedding_host = lg_model_view(m, "embedding.host", weights, err);
+        m->embedding_host = lg_model_view(m, LG_REGION_EMBEDDING_HOST, weights, err);
         if (!m->embedding_host.data) return -1;
     }
     if (m->cfg.lora.quantize != LG_QUANTIZE_NONE) {
-        m->exec.dequantized = lg_model_view(m, "nf4.dequantized", weights, err);
+        m->exec.dequantized = lg_model_view(m, LG_REGION_NF4_DEQUANTIZED, weights, err);
         if (!m->exec.dequantized.data) return -1;
     }
     if (m->frozen_gathered) { /* the table in units; the views follow the gathers */
-        m->frozen_shard = lg_model_view(m, "frozen_weights.shard", LG_DTYPE_U8, err);
+        m->frozen_shard = lg_model_view(m, LG_REGION_FROZEN_WEIGHTS_SHARD, LG_DTYPE_U8, err);
         m->frozen.dtype = weights;
         size_t origin = 0, whole = 0;
         for (int u = 0; u <= m->cfg.n_layer; u++, origin += whole)
@@ -8429,10 +8501,10 @@ static int lg_model_bind_frozen(lg_model *m, lg_dtype weights, lg_error *err) {
         m->frozen_table.total = 0;
         return m->frozen_shard.data ? 0 : -1;
     }
-    m->frozen = lg_model_view(m, "frozen_weights", weights, err);
+    m->frozen = lg_model_view(m, LG_REGION_FROZEN_WEIGHTS, weights, err);
     if (!m->frozen.data) return -1;
     if (m->cfg.lora.quantize != LG_QUANTIZE_NONE) {
-        packed = lg_model_view(m, "frozen_weights.nf4", LG_DTYPE_U8, err);
+        packed = lg_model_view(m, LG_REGION_FROZEN_WEIGHTS_NF4, LG_DTYPE_U8, err);
         if (!packed.data) return -1;
     }
     m->frozen_packed = packed;
@@ -8462,11 +8534,12 @@ static int lg_model_bind_exec(lg_model *m, lg_error *err) {
     ex->backend = m->rank->backend;
     ex->cuda = m->rank->cuda;
     if (ex->backend == LG_BACKEND_CUDA) return 0; /* the GPU's workspace is its own region */
-    if (!(ex->gemm.base = (lg_real *)lg_model_region(m, "gemm.workspace", err))) return -1;
+    if (!(ex->gemm.base = (lg_real *)lg_model_region(m, LG_REGION_GEMM_WORKSPACE, err))) return -1;
     ex->gemm.per_thread = lg_gemm_workspace_count();
     ex->gemm.threads = s->threads;
     ex->gemm.path = lg_cpu_gemm_path();
-    if (!(ex->attention.base = (lg_real *)lg_model_region(m, "attention.scratch", err))) return -1;
+    if (!(ex->attention.base = (lg_real *)lg_model_region(m, LG_REGION_ATTENTION_SCRATCH,
+                                                          err))) return -1;
     ex->attention.per_thread = 2 * (size_t)m->T * m->T;
     ex->attention.threads = s->threads;
     return 0;
@@ -8505,10 +8578,10 @@ static int lg_model_bind_views(lg_model *m, const lg_config *cfg, lg_rank *rank,
     m->grads_gathered = lg_grads_in_units(s, &rank->plan->sharding);
     m->local = &rp->pieces;
     m->n_local = rp->pieces.total;
-    m->params = lg_model_view(m, "weights", types.weights, err);
+    m->params = lg_model_view(m, LG_REGION_WEIGHTS, types.weights, err);
     if (!m->params.data) return -1;
     if (!s->offload_gradients) { /* (streamed: only unit buffers, which the trainer points at) */
-        m->grads = lg_model_view(m, "gradients", types.grads, err);
+        m->grads = lg_model_view(m, LG_REGION_GRADIENTS, types.grads, err);
         if (!m->grads.data) return -1;
     }
     if (!m->weights_gathered) lg_params_layout(cfg, m->params, &m->p, NULL);
@@ -9559,9 +9632,9 @@ static int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_ar
                                                          : types.state;
         state[i]->data = lg_rank_region(m->rank, name);
         small[i]->dtype = LG_DTYPE_F32;
-        snprintf(extra, sizeof extra, "%s.small", name);
+        snprintf(extra, sizeof extra, LG_REGION_STATE_SMALL, name);
         small[i]->data = lg_rank_region(m->rank, extra);
-        snprintf(extra, sizeof extra, "%s.scales", name);
+        snprintf(extra, sizeof extra, LG_REGION_STATE_SCALES, name);
         *scales[i] = (float *)lg_rank_region(m->rank, extra);
         if (!state[i]->data && !small[i]->data)
             return lg_fail(err, "the plan has no region %s for the optimizer", name);
@@ -9569,7 +9642,7 @@ static int lg_optimizer_create(lg_optimizer *opt, const lg_model *m, const lg_ar
     lg_dynamic_map(opt->signed_map, 1);
     lg_dynamic_map(opt->unsigned_map, 0);
     if (types.master) {
-        if (!(opt->master = (lg_real *)lg_rank_region(m->rank, "master_weights")))
+        if (!(opt->master = (lg_real *)lg_rank_region(m->rank, LG_REGION_MASTER_WEIGHTS)))
             return lg_fail(err, "the plan has no region master_weights");
         if (m->weights_gathered) lg_copy(&m->exec, lg_buf_of(opt->master), m->params, m->n_local);
         else lg_copy_from_whole(&m->exec, m->local, lg_buf_of(opt->master), m->params);
@@ -16017,8 +16090,8 @@ int lg_evaluate(lg_model *m, lg_loader *ld, int B, int T, int n_batches, double 
                 lg_error *err) {
     *mean_loss = 0;
     /* the plan's token buffers hold at least one micro-batch */
-    int *inputs = (int *)lg_rank_region(m->rank, "tokens.inputs");
-    int *targets = (int *)lg_rank_region(m->rank, "tokens.targets");
+    int *inputs = (int *)lg_rank_region(m->rank, LG_REGION_TOKENS_INPUTS);
+    int *targets = (int *)lg_rank_region(m->rank, LG_REGION_TOKENS_TARGETS);
     if (!inputs || !targets) return lg_fail(err, "evaluation: the plan has no token buffers");
     if (B > m->B || T > m->T || ld->T > T)
         return lg_fail(err, "evaluation of %s: micro-batch %d x %d tokens (rows of %d) does "
@@ -16040,19 +16113,20 @@ int lg_evaluate(lg_model *m, lg_loader *ld, int B, int T, int n_batches, double 
 
 static void lg_trainer_bind_rank(lg_trainer *tr, lg_trainer_rank *tr_r) {
     lg_precision_types types = lg_types_of(tr->args.precision);
-    tr_r->inputs = (int *)lg_rank_region(&tr_r->rank, "tokens.inputs");
-    tr_r->targets = (int *)lg_rank_region(&tr_r->rank, "tokens.targets");
-    tr_r->sampled = (int *)lg_rank_region(&tr_r->rank, "tokens.sampled");
-    tr_r->spans = (int *)lg_rank_region(&tr_r->rank, "tokens.spans");
-    tr_r->host_grads = lg_rank_view(&tr_r->rank, "gradients.host", types.grads);
-    tr_r->host_weights = lg_rank_view(&tr_r->rank, "weights.host", types.weights);
-    tr_r->gather_ends = lg_rank_view(&tr_r->rank, "gather.ends", types.weights);
-    tr_r->gather_blocks = lg_rank_view(&tr_r->rank, "gather.blocks", types.weights);
-    tr_r->grad_ends = lg_rank_view(&tr_r->rank, "gradients.ends", types.grads);
-    tr_r->grad_blocks = lg_rank_view(&tr_r->rank, "gradients.blocks", types.grads);
-    tr_r->reduce_out = lg_rank_view(&tr_r->rank, "reduce_scatter.out", types.grads);
-    tr_r->frozen_gather_ends = lg_rank_view(&tr_r->rank, "gather.frozen.ends", LG_DTYPE_U8);
-    tr_r->frozen_gather_blocks = lg_rank_view(&tr_r->rank, "gather.frozen.blocks", LG_DTYPE_U8);
+    tr_r->inputs = (int *)lg_rank_region(&tr_r->rank, LG_REGION_TOKENS_INPUTS);
+    tr_r->targets = (int *)lg_rank_region(&tr_r->rank, LG_REGION_TOKENS_TARGETS);
+    tr_r->sampled = (int *)lg_rank_region(&tr_r->rank, LG_REGION_TOKENS_SAMPLED);
+    tr_r->spans = (int *)lg_rank_region(&tr_r->rank, LG_REGION_TOKENS_SPANS);
+    tr_r->host_grads = lg_rank_view(&tr_r->rank, LG_REGION_GRADIENTS_HOST, types.grads);
+    tr_r->host_weights = lg_rank_view(&tr_r->rank, LG_REGION_WEIGHTS_HOST, types.weights);
+    tr_r->gather_ends = lg_rank_view(&tr_r->rank, LG_REGION_GATHER_ENDS, types.weights);
+    tr_r->gather_blocks = lg_rank_view(&tr_r->rank, LG_REGION_GATHER_BLOCKS, types.weights);
+    tr_r->grad_ends = lg_rank_view(&tr_r->rank, LG_REGION_GRADIENTS_ENDS, types.grads);
+    tr_r->grad_blocks = lg_rank_view(&tr_r->rank, LG_REGION_GRADIENTS_BLOCKS, types.grads);
+    tr_r->reduce_out = lg_rank_view(&tr_r->rank, LG_REGION_REDUCE_SCATTER_OUT, types.grads);
+    tr_r->frozen_gather_ends = lg_rank_view(&tr_r->rank, LG_REGION_GATHER_FROZEN_ENDS, LG_DTYPE_U8);
+    tr_r->frozen_gather_blocks = lg_rank_view(&tr_r->rank, LG_REGION_GATHER_FROZEN_BLOCKS,
+                                              LG_DTYPE_U8);
 }
 
 /* Elements of unit u padded to S pieces: the size of its gathered and gradient buffers. */
@@ -17620,7 +17694,8 @@ static int lg_unit_walk_start(lg_unit_walk *w, lg_trainer *tr, int state, lg_err
         w->units.tensors[i].offset -= sl->unit_offset[whole->tensors[i].block + 1];
     }
     size_t at[LG_UNIT_PARTS];
-    unsigned char *region = (unsigned char *)lg_rank_region(&tr->ranks[0].rank, "checkpoint.gather");
+    unsigned char *region = (unsigned char *)lg_rank_region(&tr->ranks[0].rank,
+                                                            LG_REGION_CHECKPOINT_GATHER);
     lg_checkpoint_unit_layout(&tr->plan, at);
     const lg_optimizer *opt = &tr->ranks[0].opt;
     lg_dtype types[LG_UNIT_PARTS] = {LG_DTYPE_F32, opt->m.dtype, opt->v.dtype};
@@ -17727,7 +17802,7 @@ static int lg_training_state_write_units(lg_trainer *tr, const lg_loader *data, 
 /* The training state to path (lg_training_state_read reads it back). */
 static int lg_training_state_write(lg_trainer *tr, const lg_loader *data, int step,
                                    const char *path, lg_file_digest *digest, lg_error *err) {
-    if (lg_rank_region(&tr->ranks[0].rank, "checkpoint.gather"))
+    if (lg_rank_region(&tr->ranks[0].rank, LG_REGION_CHECKPOINT_GATHER))
         return lg_training_state_write_units(tr, data, step, path, digest, err);
     lg_whole_state w;
     if (lg_whole_state_make(tr, &w, err) != 0) return -1;
@@ -18207,24 +18282,24 @@ static int lg_gen_plan_regions(lg_rank_plan *r, const lg_config *c, const lg_gen
     size_t working = lg_gen_working_layout(c, s->prefill, lg_no_buf(), NULL);
     size_t cache = lg_gen_cache_count(c, s->positions), V = (size_t)c->vocab_size;
     lg_pool pool = LG_POOL_DEVICE;
-    int rc = lg_plan_add(r, "weights", LG_GROUP_WEIGHTS, pool, t.weights,
+    int rc = lg_plan_add(r, LG_REGION_WEIGHTS, LG_GROUP_WEIGHTS, pool, t.weights,
                          lg_params_layout(c, lg_no_buf(), NULL, NULL));
-    rc |= lg_plan_add(r, "kv_cache.keys", LG_GROUP_ACTIVATIONS, pool, t.acts, cache);
-    rc |= lg_plan_add(r, "kv_cache.values", LG_GROUP_ACTIVATIONS, pool, t.acts, cache);
-    rc |= lg_plan_add(r, "generation.working", LG_GROUP_ACTIVATIONS, pool, t.acts, working);
-    rc |= lg_plan_add(r, "generation.stats", LG_GROUP_ACTIVATIONS, pool, LG_DTYPE_F32,
+    rc |= lg_plan_add(r, LG_REGION_KV_CACHE_KEYS, LG_GROUP_ACTIVATIONS, pool, t.acts, cache);
+    rc |= lg_plan_add(r, LG_REGION_KV_CACHE_VALUES, LG_GROUP_ACTIVATIONS, pool, t.acts, cache);
+    rc |= lg_plan_add(r, LG_REGION_GENERATION_WORKING, LG_GROUP_ACTIVATIONS, pool, t.acts, working);
+    rc |= lg_plan_add(r, LG_REGION_GENERATION_STATS, LG_GROUP_ACTIVATIONS, pool, LG_DTYPE_F32,
                       2 * (size_t)s->prefill);
-    rc |= lg_plan_add(r, "rope", LG_GROUP_ACTIVATIONS, pool, LG_DTYPE_F32, rope);
-    rc |= lg_plan_add(r, "generation.logits", LG_GROUP_LOGITS, pool, LG_DTYPE_F32, V);
+    rc |= lg_plan_add(r, LG_REGION_ROPE, LG_GROUP_ACTIVATIONS, pool, LG_DTYPE_F32, rope);
+    rc |= lg_plan_add(r, LG_REGION_GENERATION_LOGITS, LG_GROUP_LOGITS, pool, LG_DTYPE_F32, V);
     if (s->prefill > 1) /* one token's linears are dot products of their own */
-        rc |= lg_plan_add(r, "gemm.workspace", LG_GROUP_WORKSPACE, pool, LG_DTYPE_F32,
+        rc |= lg_plan_add(r, LG_REGION_GEMM_WORKSPACE, LG_GROUP_WORKSPACE, pool, LG_DTYPE_F32,
                           lg_gemm_workspace_count() * (size_t)s->threads);
-    rc |= lg_plan_add(r, "generation.row", LG_GROUP_WORKSPACE, pool, LG_DTYPE_F32,
+    rc |= lg_plan_add(r, LG_REGION_GENERATION_ROW, LG_GROUP_WORKSPACE, pool, LG_DTYPE_F32,
                       (size_t)lg_gen_widest_input(c));
-    rc |= lg_plan_add(r, "attention.scores", LG_GROUP_WORKSPACE, pool, LG_DTYPE_F32,
+    rc |= lg_plan_add(r, LG_REGION_ATTENTION_SCORES, LG_GROUP_WORKSPACE, pool, LG_DTYPE_F32,
                       (size_t)s->threads * ((size_t)s->positions + 2 * (size_t)c->head_size));
-    rc |= lg_plan_add(r, "sampling.probs", LG_GROUP_WORKSPACE, pool, LG_DTYPE_F32, V);
-    return rc | lg_plan_add(r, "sampling.order", LG_GROUP_WORKSPACE, pool, LG_DTYPE_I32, V);
+    rc |= lg_plan_add(r, LG_REGION_SAMPLING_PROBS, LG_GROUP_WORKSPACE, pool, LG_DTYPE_F32, V);
+    return rc | lg_plan_add(r, LG_REGION_SAMPLING_ORDER, LG_GROUP_WORKSPACE, pool, LG_DTYPE_I32, V);
 }
 
 int lg_gen_plan(lg_plan *plan, const lg_config *cfg, const lg_gen_spec *s, lg_error *err) {
@@ -18261,7 +18336,7 @@ int lg_gen_plan(lg_plan *plan, const lg_config *cfg, const lg_gen_spec *s, lg_er
 }
 
 void lg_gen_plan_print(const lg_plan *plan, FILE *out) {
-    const lg_region *stats = lg_plan_find(&plan->ranks[0], "generation.stats");
+    const lg_region *stats = lg_plan_find(&plan->ranks[0], LG_REGION_GENERATION_STATS);
     char a[32];
     fprintf(out, "generation plan: %s | cache of %d positions (prompt + new tokens) | prefill of up "
             "to %zu tokens | %s | %d thread%s\n", plan->cfg.name, plan->spec.T,
@@ -18280,25 +18355,27 @@ static int lg_gen_bind(lg_generator *g, lg_error *err) {
     const lg_rank *rank = &g->rank;
     g->p.h = (lg_block_tensors *)lg_alloc_zeroed(sizeof(lg_block_tensors) * (size_t)c->n_layer);
     if (!g->p.h) return lg_fail(err, "out of host memory for the model's tables");
-    g->params = lg_rank_view(rank, "weights", t.weights);
+    g->params = lg_rank_view(rank, LG_REGION_WEIGHTS, t.weights);
     lg_params_layout(c, g->params, &g->p, NULL);
-    g->keys = lg_rank_view(rank, "kv_cache.keys", t.acts);
-    g->values = lg_rank_view(rank, "kv_cache.values", t.acts);
-    lg_gen_working_layout(c, s->prefill, lg_rank_view(rank, "generation.working", t.acts), g);
-    g->mean = (lg_real *)lg_rank_region(rank, "generation.stats");
+    g->keys = lg_rank_view(rank, LG_REGION_KV_CACHE_KEYS, t.acts);
+    g->values = lg_rank_view(rank, LG_REGION_KV_CACHE_VALUES, t.acts);
+    lg_gen_working_layout(c, s->prefill, lg_rank_view(rank, LG_REGION_GENERATION_WORKING, t.acts),
+                          g);
+    g->mean = (lg_real *)lg_rank_region(rank, LG_REGION_GENERATION_STATS);
     g->rstd = g->mean + s->prefill;
     lg_act_tensors rope;
     size_t count;
-    lg_rope_layout(c, s->positions, (lg_real *)lg_rank_region(rank, "rope"), &rope, &count);
+    lg_rope_layout(c, s->positions, (lg_real *)lg_rank_region(rank, LG_REGION_ROPE), &rope, &count);
     g->rope_cos = rope.rope_cos;
     g->rope_sin = rope.rope_sin;
-    g->logits = (lg_real *)lg_rank_region(rank, "generation.logits");
-    g->row = (lg_real *)lg_rank_region(rank, "generation.row");
-    g->scores = (lg_real *)lg_rank_region(rank, "attention.scores");
-    g->probs = (lg_real *)lg_rank_region(rank, "sampling.probs");
-    g->order = (int *)lg_rank_region(rank, "sampling.order");
+    g->logits = (lg_real *)lg_rank_region(rank, LG_REGION_GENERATION_LOGITS);
+    g->row = (lg_real *)lg_rank_region(rank, LG_REGION_GENERATION_ROW);
+    g->scores = (lg_real *)lg_rank_region(rank, LG_REGION_ATTENTION_SCORES);
+    g->probs = (lg_real *)lg_rank_region(rank, LG_REGION_SAMPLING_PROBS);
+    g->order = (int *)lg_rank_region(rank, LG_REGION_SAMPLING_ORDER);
     g->exec.backend = LG_BACKEND_CPU;
-    g->exec.gemm.base = (lg_real *)lg_rank_region(rank, "gemm.workspace"); /* NULL: prefill 1 */
+    g->exec.gemm.base = (lg_real *)lg_rank_region(rank,
+                                                  LG_REGION_GEMM_WORKSPACE); /* NULL: prefill 1 */
     g->exec.gemm.per_thread = lg_gemm_workspace_count();
     g->exec.gemm.threads = s->threads;
     g->exec.gemm.path = lg_cpu_gemm_path();

@@ -3266,20 +3266,20 @@ static int lg_cuda_alloc_arenas(lg_rank *rank, lg_error *err) {
 static void lg_cuda_bind_regions(lg_rank *rank) {
     lg_cuda_rank *g = rank->cuda;
     const lg_plan_spec *s = &rank->plan->spec;
-    g->matmul_workspace = lg_rank_region(rank, "cuda.matmul_workspace");
+    g->matmul_workspace = lg_rank_region(rank, LG_REGION_CUDA_MATMUL_WORKSPACE);
     g->matmul_workspace_bytes =
-        lg_plan_find(&rank->plan->ranks[rank->index], "cuda.matmul_workspace")->bytes;
-    g->row_sums = (float *)lg_rank_region(rank, "cuda.row_sums");
+        lg_plan_find(&rank->plan->ranks[rank->index], LG_REGION_CUDA_MATMUL_WORKSPACE)->bytes;
+    g->row_sums = (float *)lg_rank_region(rank, LG_REGION_CUDA_ROW_SUMS);
     g->C = rank->plan->cfg.n_embd;
-    g->totals = (double *)lg_rank_region(rank, "cuda.totals");
+    g->totals = (double *)lg_rank_region(rank, LG_REGION_CUDA_TOTALS);
     g->token_capacity = (size_t)s->B * s->T;
-    g->tokens = (int *)lg_rank_region(rank, "cuda.ids");
+    g->tokens = (int *)lg_rank_region(rank, LG_REGION_CUDA_IDS);
     g->targets = g->tokens + g->token_capacity;
     g->tf32 = s->tf32;
     g->speller = s->speller;
     g->speller_context = s->speller_context;
-    g->staging = (unsigned char *)lg_rank_region(rank, "cuda.staging");
-    g->staging_bytes = lg_plan_find(&rank->plan->ranks[rank->index], "cuda.staging")->bytes;
+    g->staging = (unsigned char *)lg_rank_region(rank, LG_REGION_CUDA_STAGING);
+    g->staging_bytes = lg_plan_find(&rank->plan->ranks[rank->index], LG_REGION_CUDA_STAGING)->bytes;
 }
 
 /* A GPU's streams, events and cuBLASLt handle (device already current). */
