@@ -14359,47 +14359,81 @@ static const char *lg_hf_dtype_label(lg_st_dtype d) {
     return d == LG_ST_BF16 ? "bfloat16" : d == LG_ST_F16 ? "float16" : "float32";
 }
 
-/* config.json of each family: its keys in the file's order, each the value of a config field
-   (lg_config_fields, named by its LitGPT key and written as its type says) or a fixed JSON
-   value. gelu_approximate is written as the family's activation: `fixed` names its tanh form,
-   "gelu" the exact one. */
+/* config.json of each family: its keys in the file's order. The writer writes each as the value
+   of a config field (lg_config_fields, named by its LitGPT key and written as its type says)
+   or as a fixed JSON value; the reader reads each key that carries a field into it, as its type
+   says, or takes `absent` where the file leaves the key out (lg_hf_read_keys). gelu_approximate
+   is written as the family's activation: `fixed` names its tanh form, "gelu" the exact one.
+   What the table cannot say (the family's constants, refusals of fixed values, keys that must
+   agree) is its reader's (lg_hf_config_gpt2 ...). */
 typedef struct {
     const char *key;    /* Hugging Face's */
     const char *field;  /* LitGPT's, or NULL */
     const char *fixed;  /* the JSON value without a field; the tanh activation's name with one */
+    const char *absent; /* read where the file leaves the key out: the field's value as a config
+                           YAML spells it (gelu_approximate: the activation's name), or one of
+                           LG_HF_REQUIRED, LG_HF_DERIVED, LG_HF_UNREAD */
+    const char *older;  /* the key's older name, read where the file has only that, or NULL */
 } lg_hf_key;
+#define LG_HF_REQUIRED NULL /* a file without it is refused naming the key */
+#define LG_HF_DERIVED ""    /* from the fields read before it (lg_hf_derived) */
+#define LG_HF_UNREAD "-"    /* written only: another key carries the field, or the reader checks it */
 
 static const lg_hf_key lg_hf_gpt2_keys[] = {
-    {"vocab_size", "padded_vocab_size", NULL}, {"n_positions", "block_size", NULL},
-    {"n_ctx", "block_size", NULL}, {"n_embd", "n_embd", NULL}, {"n_layer", "n_layer", NULL},
-    {"n_head", "n_head", NULL}, {"n_inner", "intermediate_size", NULL},
-    {"activation_function", "gelu_approximate", "gelu_new"},
-    {"layer_norm_epsilon", "norm_eps", NULL}};
+    {"vocab_size", "padded_vocab_size", NULL, LG_HF_UNREAD, NULL},
+    {"n_positions", "block_size", NULL, LG_HF_REQUIRED, NULL},
+    {"n_ctx", "block_size", NULL, LG_HF_UNREAD, NULL},
+    {"n_embd", "n_embd", NULL, LG_HF_REQUIRED, NULL},
+    {"n_layer", "n_layer", NULL, LG_HF_REQUIRED, NULL},
+    {"n_head", "n_head", NULL, LG_HF_REQUIRED, NULL},
+    {"n_inner", "intermediate_size", NULL, LG_HF_DERIVED, NULL},
+    {"activation_function", "gelu_approximate", "gelu_new", "gelu_new", NULL},
+    {"layer_norm_epsilon", "norm_eps", NULL, "1e-5", NULL}};
 static const lg_hf_key lg_hf_neox_keys[] = {
-    {"vocab_size", "padded_vocab_size", NULL}, {"max_position_embeddings", "block_size", NULL},
-    {"hidden_size", "n_embd", NULL}, {"num_hidden_layers", "n_layer", NULL},
-    {"num_attention_heads", "n_head", NULL}, {"intermediate_size", "intermediate_size", NULL},
-    {"hidden_act", "gelu_approximate", "gelu_new"}, {"rotary_pct", "rotary_percentage", NULL},
-    {"rotary_emb_base", "rope_base", NULL}, {"layer_norm_eps", "norm_eps", NULL},
-    {"use_parallel_residual", "parallel_residual", NULL}, {"attention_bias", NULL, "true"}};
-/* Falcon-7B's layout: multi-query, attention and MLP in parallel on one norm */
+    {"vocab_size", "padded_vocab_size", NULL, LG_HF_UNREAD, NULL},
+    {"max_position_embeddings", "block_size", NULL, LG_HF_REQUIRED, NULL},
+    {"hidden_size", "n_embd", NULL, LG_HF_REQUIRED, NULL},
+    {"num_hidden_layers", "n_layer", NULL, LG_HF_REQUIRED, NULL},
+    {"num_attention_heads", "n_head", NULL, LG_HF_REQUIRED, NULL},
+    {"intermediate_size", "intermediate_size", NULL, LG_HF_REQUIRED, NULL},
+    {"hidden_act", "gelu_approximate", "gelu_new", "gelu", NULL},
+    {"rotary_pct", "rotary_percentage", NULL, "0.25", NULL},
+    {"rotary_emb_base", "rope_base", NULL, "10000", NULL},
+    {"layer_norm_eps", "norm_eps", NULL, "1e-5", NULL},
+    {"use_parallel_residual", "parallel_residual", NULL, "true", NULL},
+    {"attention_bias", NULL, "true", LG_HF_UNREAD, NULL}};
+/* Falcon-7B's layout: multi-query, attention and MLP in parallel on one norm (RWForCausalLM:
+   the older names) */
 static const lg_hf_key lg_hf_falcon_keys[] = {
-    {"vocab_size", "padded_vocab_size", NULL}, {"max_position_embeddings", "block_size", NULL},
-    {"hidden_size", "n_embd", NULL}, {"num_hidden_layers", "n_layer", NULL},
-    {"num_attention_heads", "n_head", NULL}, {"num_kv_heads", NULL, "1"},
-    {"multi_query", NULL, "true"}, {"new_decoder_architecture", NULL, "false"},
-    {"parallel_attn", NULL, "true"}, {"alibi", NULL, "false"}, {"bias", NULL, "false"},
-    {"ffn_hidden_size", "intermediate_size", NULL},
-    {"activation", "gelu_approximate", "gelu_pytorch_tanh"},
-    {"layer_norm_epsilon", "norm_eps", NULL}, {"rope_theta", "rope_base", NULL}};
+    {"vocab_size", "padded_vocab_size", NULL, LG_HF_UNREAD, NULL},
+    {"max_position_embeddings", "block_size", NULL, "2048", NULL},
+    {"hidden_size", "n_embd", NULL, LG_HF_REQUIRED, NULL},
+    {"num_hidden_layers", "n_layer", NULL, LG_HF_REQUIRED, "n_layer"},
+    {"num_attention_heads", "n_head", NULL, LG_HF_REQUIRED, "n_head"},
+    {"num_kv_heads", NULL, "1", LG_HF_UNREAD, NULL},
+    {"multi_query", NULL, "true", LG_HF_UNREAD, NULL},
+    {"new_decoder_architecture", NULL, "false", LG_HF_UNREAD, NULL},
+    {"parallel_attn", NULL, "true", LG_HF_UNREAD, NULL},
+    {"alibi", NULL, "false", LG_HF_UNREAD, NULL},
+    {"bias", NULL, "false", LG_HF_UNREAD, NULL},
+    {"ffn_hidden_size", "intermediate_size", NULL, LG_HF_DERIVED, NULL},
+    {"activation", "gelu_approximate", "gelu_pytorch_tanh", "gelu", NULL},
+    {"layer_norm_epsilon", "norm_eps", NULL, "1e-5", NULL},
+    {"rope_theta", "rope_base", NULL, "10000", NULL}};
 static const lg_hf_key lg_hf_llama_keys[] = { /* and Qwen2's */
-    {"vocab_size", "padded_vocab_size", NULL}, {"max_position_embeddings", "block_size", NULL},
-    {"hidden_size", "n_embd", NULL}, {"num_hidden_layers", "n_layer", NULL},
-    {"num_attention_heads", "n_head", NULL}, {"num_key_value_heads", "n_query_groups", NULL},
-    {"head_dim", "head_size", NULL}, {"intermediate_size", "intermediate_size", NULL},
-    {"hidden_act", NULL, "\"silu\""}, {"rms_norm_eps", "norm_eps", NULL},
-    {"rope_theta", "rope_base", NULL}, {"attention_bias", "bias", NULL},
-    {"mlp_bias", "bias", NULL}};
+    {"vocab_size", "padded_vocab_size", NULL, LG_HF_UNREAD, NULL},
+    {"max_position_embeddings", "block_size", NULL, LG_HF_REQUIRED, NULL},
+    {"hidden_size", "n_embd", NULL, LG_HF_REQUIRED, NULL},
+    {"num_hidden_layers", "n_layer", NULL, LG_HF_REQUIRED, NULL},
+    {"num_attention_heads", "n_head", NULL, LG_HF_REQUIRED, NULL},
+    {"num_key_value_heads", "n_query_groups", NULL, LG_HF_DERIVED, NULL},
+    {"head_dim", "head_size", NULL, LG_HF_DERIVED, NULL},
+    {"intermediate_size", "intermediate_size", NULL, LG_HF_REQUIRED, NULL},
+    {"hidden_act", NULL, "\"silu\"", LG_HF_UNREAD, NULL},
+    {"rms_norm_eps", "norm_eps", NULL, "1e-6", NULL},
+    {"rope_theta", "rope_base", NULL, "10000", NULL},
+    {"attention_bias", "bias", NULL, "false", NULL},
+    {"mlp_bias", "bias", NULL, LG_HF_UNREAD, NULL}};
 
 static const struct {
     const char *architecture, *model_type;
@@ -14529,6 +14563,50 @@ static void lg_hf_refuse(lg_hf_fields *f, const char *what) {
     f->failed = 1;
 }
 
+/* A field the file leaves out that follows from those read: a head's size from the width and
+   the heads, one key/value group a head, an MLP 4 times the width (LitGPT's rules too). */
+static int lg_hf_derived(const lg_config *c, const lg_config_field *field) {
+    if (field->offset == offsetof(lg_config, head_size)) return c->n_head ? c->n_embd / c->n_head : 0;
+    if (field->offset == offsetof(lg_config, n_query_groups)) return c->n_head;
+    return lg_size_times(c->n_embd, 4); /* intermediate_size */
+}
+
+/* Key h of the family's table into its field: read as the field's type says where the file has
+   it (or its older name), else the table's `absent`; derived only when `derive` (after the
+   others). */
+static void lg_hf_read_key(lg_hf_fields *f, lg_config *c, const lg_hf_key *h, int derive) {
+    const lg_config_field *field = &lg_config_fields[lg_config_field_index(h->field)];
+    const char *key = h->older && lg_hf_find(f, h->key) < 0 && lg_hf_find(f, h->older) >= 0
+                          ? h->older : h->key;
+    int present = lg_hf_find(f, key) >= 0, derived = h->absent && !h->absent[0];
+    void *at = (char *)c + field->offset;
+    if (derive) {
+        if (derived && !present) *(int *)at = lg_hf_derived(c, field);
+    } else if (field->type == LG_FIELD_GELU) {
+        char act[32];
+        lg_hf_string(f, key, act, sizeof act);
+        *(int *)at = lg_hf_gelu(f, act[0] ? act : h->absent);
+    } else if (field->type == LG_FIELD_INT && (present || h->absent == LG_HF_REQUIRED)) {
+        *(int *)at = lg_hf_int(f, key, 0, h->absent == LG_HF_REQUIRED);
+    } else if (field->type == LG_FIELD_FLOAT && present) {
+        *(float *)at = lg_hf_float(f, key, 0.0f);
+    } else if (field->type == LG_FIELD_BOOL && present) {
+        *(int *)at = lg_hf_bool(f, key, 0);
+    } else if (!present && !derived) {
+        lg_config_set(c, field, h->absent); /* (the table's own text: it parses) */
+    }
+}
+
+/* Every key of the family's table that carries a field, in the table's order; the derived
+   ones last. */
+static void lg_hf_read_keys(lg_hf_fields *f, lg_config *c, lg_hf_family family) {
+    const lg_hf_key *keys = lg_hf_layouts[family].keys;
+    for (int derive = 0; derive < 2; derive++)
+        for (int k = 0; k < lg_hf_layouts[family].n_keys; k++)
+            if (keys[k].field && !(keys[k].absent && !strcmp(keys[k].absent, LG_HF_UNREAD)))
+                lg_hf_read_key(f, c, &keys[k], derive);
+}
+
 /* The rotary settings beyond rope_theta: rope_scaling (transformers 4), or rope_parameters
    (transformers 5, which moves rope_theta into it). Absent, null or rope_type "default": plain
    rotary; "llama3" (where llama3 is allowed) -> rope_adjustments; other kinds (linear, dynamic,
@@ -14584,41 +14662,25 @@ static void lg_hf_rope(lg_hf_fields *f, lg_config *c, int llama3) {
     }
 }
 
+/* Each family's reader: its table's keys (lg_hf_read_keys), then what the table cannot say. */
 static void lg_hf_config_gpt2(lg_hf_fields *f, lg_config *c) {
-    char act[32];
-    c->n_layer = lg_hf_int(f, "n_layer", 0, 1);
-    c->n_head = c->n_query_groups = lg_hf_int(f, "n_head", 0, 1);
-    c->n_embd = lg_hf_int(f, "n_embd", 0, 1);
+    lg_hf_read_keys(f, c, LG_HF_GPT2);
+    c->n_query_groups = c->n_head;
     c->head_size = c->n_head ? c->n_embd / c->n_head : 0;
-    c->intermediate_size = lg_hf_int(f, "n_inner", lg_size_times(c->n_embd, 4), 0);
-    c->block_size = lg_hf_int(f, "n_positions", 0, 1);
     c->norm_class_name = LG_NORM_LAYERNORM;
-    c->norm_eps = lg_hf_float(f, "layer_norm_epsilon", 1e-5f);
     c->mlp_class_name = LG_MLP_GPTNEOX;
-    lg_hf_string(f, "activation_function", act, sizeof act);
-    c->gelu_approximate_tanh = lg_hf_gelu(f, act[0] ? act : "gelu_new");
     c->rope_base = 10000.0f; /* unused: no rotary embeddings */
     c->bias = c->learned_pos_embedding = 1;
     c->tie_embeddings = lg_hf_bool(f, "tie_word_embeddings", 1);
 }
 
 static void lg_hf_config_neox(lg_hf_fields *f, lg_config *c) {
-    char act[32];
-    c->n_layer = lg_hf_int(f, "num_hidden_layers", 0, 1);
-    c->n_head = c->n_query_groups = lg_hf_int(f, "num_attention_heads", 0, 1);
-    c->n_embd = lg_hf_int(f, "hidden_size", 0, 1);
+    lg_hf_read_keys(f, c, LG_HF_GPTNEOX);
+    c->n_query_groups = c->n_head;
     c->head_size = c->n_head ? c->n_embd / c->n_head : 0;
-    c->intermediate_size = lg_hf_int(f, "intermediate_size", 0, 1);
-    c->block_size = lg_hf_int(f, "max_position_embeddings", 0, 1);
     c->norm_class_name = LG_NORM_LAYERNORM;
-    c->norm_eps = lg_hf_float(f, "layer_norm_eps", 1e-5f);
     c->mlp_class_name = LG_MLP_GPTNEOX;
-    lg_hf_string(f, "hidden_act", act, sizeof act);
-    c->gelu_approximate_tanh = lg_hf_gelu(f, act[0] ? act : "gelu");
-    c->rotary_percentage = lg_hf_float(f, "rotary_pct", 0.25f);
-    c->rope_base = lg_hf_float(f, "rotary_emb_base", 10000.0f);
     lg_hf_rope(f, c, 0);
-    c->parallel_residual = lg_hf_bool(f, "use_parallel_residual", 1);
     c->bias = 1;
     if (!lg_hf_bool(f, "attention_bias", 1) && !f->failed) {
         lg_fail(f->err, "%s: attention_bias false is not supported (LitGPT's GPT-NeoX has biases)", f->path);
@@ -14629,27 +14691,19 @@ static void lg_hf_config_neox(lg_hf_fields *f, lg_config *c) {
 
 static void lg_hf_config_llama(lg_hf_fields *f, lg_config *c, int qwen2) {
     char act[32];
-    c->n_layer = lg_hf_int(f, "num_hidden_layers", 0, 1);
-    c->n_head = lg_hf_int(f, "num_attention_heads", 0, 1);
-    c->n_query_groups = lg_hf_int(f, "num_key_value_heads", c->n_head, 0);
-    c->n_embd = lg_hf_int(f, "hidden_size", 0, 1);
-    c->head_size = lg_hf_int(f, "head_dim", c->n_head ? c->n_embd / c->n_head : 0, 0);
-    c->intermediate_size = lg_hf_int(f, "intermediate_size", 0, 1);
-    c->block_size = lg_hf_int(f, "max_position_embeddings", 0, 1);
+    lg_hf_read_keys(f, c, qwen2 ? LG_HF_QWEN2 : LG_HF_LLAMA);
     int window = lg_hf_int(f, "sliding_window", 0, 0); /* Mistral: exact up to the window */
     if (window > 0 && window < c->block_size) c->block_size = window;
     c->norm_class_name = LG_NORM_RMSNORM;
-    c->norm_eps = lg_hf_float(f, "rms_norm_eps", 1e-6f);
     c->mlp_class_name = LG_MLP_LLAMA;
     c->rotary_percentage = 1.0f;
-    c->rope_base = lg_hf_float(f, "rope_theta", 10000.0f);
     lg_hf_string(f, "hidden_act", act, sizeof act);
     if (act[0] && strcmp(act, "silu") != 0 && !f->failed) {
         lg_fail(f->err, "%s: hidden_act '%s' is not silu", f->path, act);
         f->failed = 1;
     }
     lg_hf_rope(f, c, 1);
-    c->bias = !qwen2 && lg_hf_bool(f, "attention_bias", 0);
+    if (qwen2) c->bias = 0; /* Qwen2: biases on q, k and v only (attn_bias) */
     if (!qwen2 && lg_hf_bool(f, "mlp_bias", 0) != c->bias && !f->failed) {
         lg_fail(f->err, "%s: attention_bias and mlp_bias differ, which LitGPT's bias cannot express", f->path);
         f->failed = 1;
@@ -14661,22 +14715,13 @@ static void lg_hf_config_llama(lg_hf_fields *f, lg_config *c, int qwen2) {
 /* Falcon (FalconForCausalLM, or RWForCausalLM's older names): Falcon-7B's layout only --
    multi-query attention, attention and MLP in parallel on one LayerNorm, rotary, no alibi. */
 static void lg_hf_config_falcon(lg_hf_fields *f, lg_config *c) {
-    char act[32], type[64];
-    int old_names = lg_hf_find(f, "num_hidden_layers") < 0; /* RWForCausalLM: n_layer, n_head */
-    c->n_layer = lg_hf_int(f, old_names ? "n_layer" : "num_hidden_layers", 0, 1);
-    c->n_head = lg_hf_int(f, old_names ? "n_head" : "num_attention_heads", 0, 1);
-    c->n_embd = lg_hf_int(f, "hidden_size", 0, 1);
+    char type[64];
+    lg_hf_read_keys(f, c, LG_HF_FALCON);
     c->head_size = c->n_head ? c->n_embd / c->n_head : 0;
     c->n_query_groups = 1;
-    c->intermediate_size = lg_hf_int(f, "ffn_hidden_size", lg_size_times(c->n_embd, 4), 0);
-    c->block_size = lg_hf_int(f, "max_position_embeddings", 2048, 0);
     c->norm_class_name = LG_NORM_LAYERNORM;
-    c->norm_eps = lg_hf_float(f, "layer_norm_epsilon", 1e-5f);
     c->mlp_class_name = LG_MLP_GPTNEOX;
-    lg_hf_string(f, "activation", act, sizeof act);
-    c->gelu_approximate_tanh = lg_hf_gelu(f, act[0] ? act : "gelu");
     c->rotary_percentage = 1.0f;
-    c->rope_base = lg_hf_float(f, "rope_theta", 10000.0f);
     c->parallel_residual = c->shared_attention_norm = 1;
     c->tie_embeddings = lg_hf_bool(f, "tie_word_embeddings", 1);
     lg_hf_string(f, "model_type", type, sizeof type); /* "RefinedWeb": the 40B layout */
