@@ -16050,7 +16050,8 @@ static int lg_base_hash_of(const lg_config *cfg, lg_dtype weights, const lg_real
      lg_trainer_hessian_pass           Sophia, every hessian_interval steps: a forward and
                                        backward on labels drawn from the model (else nothing)
      lg_trainer_accumulate             the gradients of the step, micro-batch by micro-batch:
-       lg_trainer_set_dropout            LoRA dropout's masks of the micro-batch
+       lg_trainer_set_micro_step         LoRA dropout's masks of the micro-batch, the scale the
+                                         classifier writes the logits' gradient at
        lg_trainer_forward                unit by unit: lg_trainer_gather_unit and
                                          lg_trainer_await_unit (full-shard; one rank: nothing),
                                          then the unit's forward on every rank
@@ -17180,24 +17181,20 @@ static long lg_trainer_read_step(lg_trainer *tr, lg_loader *train, lg_error *err
     return n_targets;
 }
 
-/* LoRA dropout's masks for micro-batch i of the step on every rank: each depends on the seed,
-   the step and the micro-batch's place in the global batch, as with one rank. step < 0: no
-   dropout. */
-static void lg_trainer_set_dropout(lg_trainer *tr, int step, int i) {
+/* Micro-batch i of the step on every rank: LoRA dropout's masks, each depending on the seed,
+   the step and the micro-batch's place in the global batch, as with one rank; and the scale at
+   which the forward's classifier pass writes the logits' gradient (lg_crossentropy_fused).
+   step < 0: no dropout, and loss_scale 0: the forward keeps the logits (evaluation, sampling,
+   Sophia's labels). */
+static void lg_trainer_set_micro_step(lg_trainer *tr, int step, int i, float loss_scale) {
     for (int r = 0; r < tr->local_ranks; r++) { /* this process's ranks */
         uint64_t global = (uint64_t)i * (uint64_t)tr->n_ranks + (uint64_t)(tr->first_rank + r);
         lg_rng rng; /* the seed, step and micro-batch mixed into one key, never 0 */
         lg_rng_seed(&rng, (tr->args.seed ^ 0x64726f706f7574ULL /* "dropout" */) +
                               ((uint64_t)step << 32) + global);
         tr->ranks[r].model.dropout_key = step < 0 ? 0 : lg_rng_u64(&rng) | 1;
+        tr->ranks[r].model.fused_loss_scale = loss_scale;
     }
-}
-
-/* loss_scale > 0: the forwards of the step's micro-batches write the logits' gradient at
-   loss_scale in the classifier's pass (lg_crossentropy_fused); 0: they keep the logits
-   (evaluation, sampling, Sophia's labels). */
-static void lg_trainer_fuse_classifier(lg_trainer *tr, float loss_scale) {
-    for (int r = 0; r < tr->local_ranks; r++) tr->ranks[r].model.fused_loss_scale = loss_scale;
 }
 
 /* The gradients of the step's global mean loss on every rank: each micro-batch's forward and
@@ -17219,8 +17216,7 @@ static double lg_trainer_accumulate(lg_trainer *tr, int step, long n_targets,
     float loss_scale = n_targets ? tr->loss_scale / n_targets : 0.0f;
     for (int i = 0; i < tr->accumulation && n_targets > 0; i++) {
         lg_trainer_micro_batches(tr, i, targets, mb);
-        lg_trainer_set_dropout(tr, step, i);
-        lg_trainer_fuse_classifier(tr, loss_scale);
+        lg_trainer_set_micro_step(tr, step, i, loss_scale);
         loss_sum += lg_trainer_forward(tr, mb);
         lg_trainer_backward(tr, mb, loss_scale, i, offload_in_backward && i == tr->accumulation - 1);
     }
@@ -17231,8 +17227,8 @@ static double lg_trainer_accumulate(lg_trainer *tr, int step, long n_targets,
         else if (m->grads_overwrite) lg_model_zero_grad(m);
         m->grads_overwrite = 0;
     }
-    lg_trainer_fuse_classifier(tr, 0.0f);
-    lg_trainer_set_dropout(tr, -1, 0); /* evaluation and sampling run without dropout */
+    lg_trainer_set_micro_step(tr, -1, 0, 0.0f); /* evaluation and sampling: no dropout, the
+                                                   logits kept */
     lg_comm_sum_doubles(tr->process_comm, &loss_sum, 1); /* the other processes' ranks' */
     lg_trainer_sync_replicas(tr);
     return loss_sum;
