@@ -522,10 +522,6 @@ typedef struct {
     lg_lora lora;              /* --lora-r, --lora-alpha, --lora-dropout, --lora-targets,
                                   --quantize: fine-tune adapters over a frozen model */
     int finetuning;            /* the data are fine-tuning samples: LoRA and QLoRA are remedies */
-    /* the lines a GPU rank prints itself as it stops (cuBLASLt out of memory) name settings:
-       a driver with flags spells them (lg_spell_settings); NULL: the names */
-    lg_setting_speller *speller;
-    void *speller_context;
     /* the settings the driver keeps itself that LG_RUN_SETTINGS records for it (the files it
        opens, its evaluation, sampling and saving): a key's value as its line's text (NULL: no
        such line; "": none, as for a line holding a newline) */
@@ -746,9 +742,6 @@ typedef struct {
     size_t runtime_bytes;   /* GPU: what the CUDA context, cuBLAS and NCCL take, measured at
                                start-up (lg_args.runtime_bytes); planned, not in the arena */
     int tf32;               /* GPU: fp32 matmuls may use TF32 (no memory; the ranks read it) */
-    lg_setting_speller *speller; /* GPU: how a rank's own lines name settings (no memory;
-                                    lg_args.speller) */
-    void *speller_context;
     lg_lora lora;           /* LoRA: the plan's config carries it (lg_config.lora) */
 } lg_plan_spec;
 
@@ -4792,8 +4785,6 @@ void lg_plan_spec_from_args(lg_plan_spec *s, const lg_args *a, int T) {
     s->backend = a->backend;
     s->runtime_bytes = a->runtime_bytes;
     s->tf32 = a->tf32;
-    s->speller = a->speller;
-    s->speller_context = a->speller_context;
     s->momentum = a->momentum != 0.0f;
     s->optimizer_state = a->optimizer == LG_OPTIMIZER_ADAMW ? a->optimizer_state
                                                             : LG_STATE_AS_PRECISION;

@@ -184,9 +184,6 @@ struct lg_cuda_rank {
     int reference_matmul;       /* matmuls by the reference kernel instead of cuBLASLt (tests) */
     int matmul_fallbacks;       /* matmuls cuBLASLt had no algorithm for (the reference ran) */
     int cuda_core_attention;    /* attention on CUDA cores even where tensor cores apply (tests) */
-    lg_setting_speller *speller; /* how the lines it prints as it stops name settings (the
-                                    plan's, from lg_args.speller; NULL: the names) */
-    void *speller_context;
     char stopped[1024];         /* why the rank stopped computing (its first failure an op could
                                    not return: lg_cuda_stop); "" while it computes */
 };
@@ -2873,17 +2870,15 @@ static void lg_cuda_matmul_reference(const lg_exec *ex, int trans_a, int trans_b
               K, A, lda, B, ldb, beta, C, ldc);
 }
 
-/* The line a rank prints as cuBLASLt runs out of memory inside an (M x N x K) matmul and the
-   run stops, its setting spelled by the rank's speller, in out (cap bytes). Outside the
-   cuBLASLt code so that the emulator's tests read it. */
+/* The line of a rank stopped by cuBLASLt running out of memory inside an (M x N x K) matmul,
+   in out (cap bytes): the step's error (lg_cuda_stop), its setting named as the library names
+   them (a driver spells it as its flag). Outside the cuBLASLt code so that the emulator's tests
+   read it. */
 static inline const char *lg_lt_out_of_memory_line(const lg_cuda_rank *g, int M, int N, int K,
                                                    char *out, size_t cap) {
-    char marked[512];
-    snprintf(marked, sizeof marked, "GPU %d: out of memory inside cuBLASLt (a %d x %d x %d "
-             "matmul): the device had less free than the plan kept (its margin); a larger "
-             "`memory_margin` keeps more free", g->device, M, N, K);
-    const char *line = lg_spelled(marked, g->speller, g->speller_context, out, cap);
-    if (line != out) snprintf(out, cap, "%s", line);
+    snprintf(out, cap, "GPU %d: out of memory inside cuBLASLt (a %d x %d x %d matmul): the "
+             "device had less free than the plan kept (its margin); a larger `memory_margin` "
+             "keeps more free", g->device, M, N, K);
     return out;
 }
 
@@ -3276,8 +3271,6 @@ static void lg_cuda_bind_regions(lg_rank *rank) {
     g->tokens = (int *)lg_rank_region(rank, LG_REGION_CUDA_IDS);
     g->targets = g->tokens + g->token_capacity;
     g->tf32 = s->tf32;
-    g->speller = s->speller;
-    g->speller_context = s->speller_context;
     g->staging = (unsigned char *)lg_rank_region(rank, LG_REGION_CUDA_STAGING);
     g->staging_bytes = lg_plan_find(&rank->plan->ranks[rank->index], LG_REGION_CUDA_STAGING)->bytes;
 }

@@ -2204,7 +2204,6 @@ static void parse_run(int argc, char **argv, run_setup *rs) {
     if (rs->ck.resume)
         resume_settings(argc, argv, a, &rs->o, &rs->given, &rs->ck, &rs->output, &saved);
     check_flags(a, &rs->o, &rs->given, &rs->ck);
-    a->speller = flag_of_setting; /* the lines a GPU rank prints as it stops */
     a->driver_value = option_value; /* the options' lines of a checkpoint's settings */
     a->driver_context = &rs->o;
 }

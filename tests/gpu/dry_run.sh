@@ -102,7 +102,7 @@ check $? "run 1: the hung mode's processes are gone"
 has "$s" '^grads  *exit 1: 1 passed, 1 failed' && has "$s" '^  FAIL  stand-in grads 2'
 check $? "run 1: a failed check: the mode's counts and its FAIL line in the summary"
 has "$s" '^memory  *ok: 5 passed, 0 failed' && has "$s" 'GPU memory in use'
-check $? "run 1: the emulated test_cuda memory mode, after the crash and the hang: 5 passed (the plan, a refusal, cuBLASLt's out-of-memory line spelled and not, a stopped GPU's step)"
+check $? "run 1: the emulated test_cuda memory mode, after the crash and the hang: 5 passed (the plan, a refusal, cuBLASLt's out-of-memory line named and spelled, a stopped GPU's step)"
 has "$s" '^bench  *ok' && has "$s" '^bench  stand-in GPU  *16  *1024  *400000' && has "$s" '^train  .*val loss 1.69'
 check $? "run 1: the benchmark's table and the driver's last validation loss in the summary"
 has "$s" '^torch  *skipped: no PyTorch' && has "$s" '^racecheck  *CRASHED' && has "$s" '^memcheck-step  *ok'

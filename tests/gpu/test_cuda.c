@@ -1131,30 +1131,28 @@ static const char *margin_flag(const char *key, int with_value, void *unused, ch
     return name;
 }
 
-/* The line a rank prints as cuBLASLt runs out of memory names the margin as the driver spells
-   it (lg_args.speller reaches the rank through its plan), and by its name without a speller. */
+/* The line of a rank that cuBLASLt stopped names the margin by its setting, as the library's
+   messages do, and a driver's speller makes it the driver's flag (lg_spell_settings, as
+   train.c does with the step's error). */
 static void test_out_of_memory_line(results *r) {
     lg_config cfg;
     lg_error err;
     if (load_config_or_fail(r, &cfg, "test-llama")) return;
-    for (int spelled = 0; spelled < 2; spelled++) {
-        lg_args a = step_args(LG_PRECISION_32_TRUE, LG_BACKEND_CUDA);
-        a.speller = spelled ? margin_flag : NULL;
-        lg_trainer tr;
-        if (lg_trainer_create(&tr, &cfg, &a, 16, &err) != 0) {
-            check(r, 0, "out-of-memory line: %s", err.msg);
-            return;
-        }
-        char line[1024];
-        lg_lt_out_of_memory_line(tr.ranks[0].rank.cuda, 64, 32, 16, line, sizeof line);
-        const char *want = spelled ? "a larger --memory-margin keeps more free"
-                                   : "a larger `memory_margin` keeps more free";
-        check(r, strstr(line, "a 64 x 32 x 16 matmul") && strstr(line, want) &&
-                     (!spelled || !strchr(line, '`')),
-              "cuBLASLt's out-of-memory line %s: %s", spelled ? "spelled by the driver" : "unspelled",
-              line);
-        lg_trainer_free(&tr);
+    lg_args a = step_args(LG_PRECISION_32_TRUE, LG_BACKEND_CUDA);
+    lg_trainer tr;
+    if (lg_trainer_create(&tr, &cfg, &a, 16, &err) != 0) {
+        check(r, 0, "out-of-memory line: %s", err.msg);
+        return;
     }
+    char line[1024], spelled[1024];
+    lg_lt_out_of_memory_line(tr.ranks[0].rank.cuda, 64, 32, 16, line, sizeof line);
+    check(r, strstr(line, "a 64 x 32 x 16 matmul") &&
+                 strstr(line, "a larger `memory_margin` keeps more free"),
+          "cuBLASLt's out-of-memory line names the setting: %s", line);
+    lg_spell_settings(line, margin_flag, NULL, spelled, sizeof spelled);
+    check(r, strstr(spelled, "a larger --memory-margin keeps more free") && !strchr(spelled, '`'),
+          "cuBLASLt's out-of-memory line spelled by a driver: %s", spelled);
+    lg_trainer_free(&tr);
 }
 
 /* A GPU that stops on a failure its op cannot return: cuBLASLt out of memory, which only a
