@@ -17060,20 +17060,15 @@ static void lg_trainer_offload_grads(lg_trainer_rank *tr_r) {
    the device in its precision. */
 static void lg_trainer_update_rank(lg_trainer_rank *tr_r, float lr, float multiplier) {
     lg_model *m = &tr_r->model;
-    int whole = !m->weights_gathered;
-    if (!tr_r->host_grads.data) {
-        lg_optimizer_step(&tr_r->opt, m, lr, multiplier);
-        return;
-    }
-    lg_rank_sync(m->rank); /* the gradients have arrived (lg_trainer_offload_grads) */
-    if (!tr_r->host_weights.data) {
-        lg_optimizer_update(&tr_r->opt, NULL, m->local, m->params, whole, tr_r->host_grads, lr,
-                            multiplier);
-        return;
-    }
-    lg_optimizer_update(&tr_r->opt, NULL, m->local, tr_r->host_weights, 0, tr_r->host_grads, lr,
-                        multiplier);
-    if (whole) lg_copy_to_whole(&m->exec, m->local, m->params, tr_r->host_weights);
+    int on_host = tr_r->host_grads.data != NULL;
+    int weights_on_host = on_host && tr_r->host_weights.data != NULL;
+    if (on_host) lg_rank_sync(m->rank); /* the gradients have arrived (lg_trainer_offload_grads) */
+    lg_optimizer_update(&tr_r->opt, on_host ? NULL : &m->exec, m->local,
+                        weights_on_host ? tr_r->host_weights : m->params,
+                        !weights_on_host && !m->weights_gathered,
+                        on_host ? tr_r->host_grads : m->grads, lr, multiplier);
+    if (!weights_on_host) return;
+    if (!m->weights_gathered) lg_copy_to_whole(&m->exec, m->local, m->params, tr_r->host_weights);
     else lg_copy(&m->exec, m->params, tr_r->host_weights, m->n_local);
 }
 
