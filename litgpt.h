@@ -53,7 +53,8 @@
      3. config           lg_config: the architecture, LitGPT field names, YAML loader, bounds
      4. args             lg_args: what the user asked for, defaults, checks
      5. plan             the layouts of every buffer (sizes in one place), each rank's memory
-                         plan, --plan tables, fit checks, remedies, sizes with units
+                         plan and its regions' names (LG_REGION_*), --plan tables, fit checks,
+                         remedies, sizes with units
      6. ranks: memory    arenas per pool, named regions, visits (host access to any buffer)
      7. kernels (CPU)    the gemm (plain loops, packing, AVX-512 and AMX micro-kernels), then
                          every op: linear, norms, rotary, attention, GELU/SwiGLU, embeddings,
@@ -69,8 +70,9 @@
                          the built-in task's characters
     12. data             token shards, fine-tuning samples (truncation, padding, prompt masks,
                          packing), the built-in task, Alpaca-style JSON
-    13. model files      atomic files, safetensors, Hugging Face layouts and config.json,
-                         step-N directories with COMPLETE, PEFT adapters
+    13. model files      atomic files, safetensors, Hugging Face layouts and config.json (one
+                         table of keys a family, for the writer and the reader), step-N
+                         directories with COMPLETE, PEFT adapters
     14. trainer          lg_trainer: one optimizer step (accumulation, loss scaling, clipping,
                          sharding's gathers and reductions, offload), evaluation
     15. run checkpoints  training state per rank, resume, saving and loading through the trainer
