@@ -2884,8 +2884,9 @@ static inline const char *lg_lt_out_of_memory_line(const lg_cuda_rank *g, int M,
 
 /* Stops the rank's computing on a failure an op cannot return (it returns nothing): the first
    one's line is kept for the trainer, which discards the step and returns it as its error
-   (lg_rank_failure); the rank's later matmuls do nothing. */
-static void lg_cuda_stop(lg_cuda_rank *g, const char *line) {
+   (lg_rank_failure); the rank's later matmuls do nothing. (inline: the emulator's driver has
+   no cuBLASLt to call it; its tests do.) */
+static inline void lg_cuda_stop(lg_cuda_rank *g, const char *line) {
     if (!g->stopped[0]) snprintf(g->stopped, sizeof g->stopped, "%s", line);
 }
 
