@@ -4899,6 +4899,34 @@ static void lg_shard_table(const lg_shard_layout *sl, const lg_tensor_table *who
     }
 }
 
+/* The optimizer's `states` moments of the rank's shard in a compact format (bf16, or 8-bit
+   codes in blocks of LG_QUANT_BLOCK with each block's scale) for the large tensors, fp32 for
+   the small ones (LG_COMPACT_MIN). */
+static int lg_plan_compact_state(lg_rank_plan *r, const lg_plan_spec *s, lg_pool state_pool,
+                                 int states) {
+    size_t large = 0, small = 0, blocks = 0;
+    for (int i = 0; i < r->pieces.n_tensors; i++) {
+        size_t count = r->pieces.tensors[i].count;
+        if (count < LG_COMPACT_MIN) small += count;
+        else large += count, blocks += (count + LG_QUANT_BLOCK - 1) / LG_QUANT_BLOCK;
+    }
+    int quantized = s->optimizer_state == LG_STATE_8BIT, rc = 0;
+    char name[LG_MAX_NAME];
+    for (int i = 0; i < states; i++) {
+        const char *base = lg_optimizer_state_name(s->optimizer, i);
+        rc |= lg_plan_add(r, base, LG_GROUP_OPTIMIZER, state_pool,
+                          quantized ? LG_DTYPE_U8 : LG_DTYPE_BF16,
+                          quantized ? blocks * LG_QUANT_BLOCK : large);
+        snprintf(name, sizeof name, LG_REGION_STATE_SMALL, base);
+        rc |= lg_plan_add(r, name, LG_GROUP_OPTIMIZER, state_pool, LG_DTYPE_F32, small);
+        if (quantized) {
+            snprintf(name, sizeof name, LG_REGION_STATE_SCALES, base);
+            rc |= lg_plan_add(r, name, LG_GROUP_OPTIMIZER, state_pool, LG_DTYPE_F32, blocks);
+        }
+    }
+    return rc;
+}
+
 /* Parameters, their master copy, gradients and optimizer state: the model state. Sharded, each
    rank holds its shard (lg_shard_layout) of what the strategy splits; full-shard gathers the
    weights one unit at a time: the ends for the whole step, two blocks (one computing, the
@@ -4935,27 +4963,8 @@ static int lg_plan_model_state(lg_rank_plan *r, const lg_plan *plan) {
         for (int i = 0; i < states; i++)
             rc |= lg_plan_add(r, lg_optimizer_state_name(s->optimizer, i), LG_GROUP_OPTIMIZER,
                               state_pool, t.state, shard);
-    } else { /* compact moments for the large tensors, fp32 for the small ones */
-        size_t large = 0, small = 0, blocks = 0;
-        for (int i = 0; i < r->pieces.n_tensors; i++) {
-            size_t count = r->pieces.tensors[i].count;
-            if (count < LG_COMPACT_MIN) small += count;
-            else large += count, blocks += (count + LG_QUANT_BLOCK - 1) / LG_QUANT_BLOCK;
-        }
-        int quantized = s->optimizer_state == LG_STATE_8BIT;
-        char name[LG_MAX_NAME];
-        for (int i = 0; i < states; i++) {
-            const char *base = lg_optimizer_state_name(s->optimizer, i);
-            rc |= lg_plan_add(r, base, LG_GROUP_OPTIMIZER, state_pool,
-                              quantized ? LG_DTYPE_U8 : LG_DTYPE_BF16,
-                              quantized ? blocks * LG_QUANT_BLOCK : large);
-            snprintf(name, sizeof name, LG_REGION_STATE_SMALL, base);
-            rc |= lg_plan_add(r, name, LG_GROUP_OPTIMIZER, state_pool, LG_DTYPE_F32, small);
-            if (quantized) {
-                snprintf(name, sizeof name, LG_REGION_STATE_SCALES, base);
-                rc |= lg_plan_add(r, name, LG_GROUP_OPTIMIZER, state_pool, LG_DTYPE_F32, blocks);
-            }
-        }
+    } else {
+        rc |= lg_plan_compact_state(r, s, state_pool, states);
     }
     if (sh->grads_sharded) { /* whole units, padded to S pieces, for the collectives */
         size_t S = (size_t)sl->n_shards, ends = sl->piece_count[0] * S;
@@ -5229,6 +5238,29 @@ static int lg_plan_check_pools(lg_plan *plan, lg_error *err) {
     return 0;
 }
 
+/* Rank i's buffers in host memory: the step's token ids and targets, MPI's, a process's
+   checkpoint gather (on its first rank), Sophia's drawn labels, --pack's span starts. */
+static int lg_plan_host_buffers(lg_rank_plan *r, const lg_plan *plan, int i) {
+    const lg_plan_spec *s = &plan->spec;
+    size_t tokens = (size_t)s->accumulation * s->B * s->T;
+    int rc = lg_plan_add(r, LG_REGION_TOKENS_INPUTS, LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32,
+                         tokens);
+    rc |= lg_plan_add(r, LG_REGION_TOKENS_TARGETS, LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32,
+                      tokens);
+    rc |= lg_plan_mpi_buffers(r, plan, i);
+    size_t unit_at[LG_UNIT_PARTS], unit_bytes = lg_checkpoint_unit_layout(plan, unit_at);
+    if (i % (plan->n_ranks / s->processes) == 0) /* a process's first rank */
+        rc |= lg_plan_add(r, LG_REGION_CHECKPOINT_GATHER, LG_GROUP_COMMUNICATION, LG_POOL_HOST,
+                          LG_DTYPE_U8, unit_bytes);
+    if (s->optimizer == LG_OPTIMIZER_SOPHIA) /* labels drawn from the model for its Hessian */
+        rc |= lg_plan_add(r, LG_REGION_TOKENS_SAMPLED, LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32,
+                          tokens);
+    if (s->pack) /* where each token's sample starts in its packed row */
+        rc |= lg_plan_add(r, LG_REGION_TOKENS_SPANS, LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32,
+                          tokens);
+    return rc;
+}
+
 int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, lg_error *err) {
     memset(plan, 0, sizeof *plan);
     plan->cfg = *model; /* the architecture, with the run's adapters */
@@ -5275,7 +5307,6 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
         return lg_fail(err, "plan: out of host memory");
     }
     lg_params_layout(c, lg_no_buf(), NULL, &params);
-    size_t tokens = (size_t)s->accumulation * s->B * s->T;
     int rc = 0;
     for (int i = 0; i < plan->n_ranks && rc == 0; i++) {
         lg_rank_plan *r = &plan->ranks[i];
@@ -5288,21 +5319,7 @@ int lg_plan_make(lg_plan *plan, const lg_config *model, const lg_plan_spec *s, l
         rc |= lg_plan_activations(r, c, s);
         rc |= s->backend == LG_BACKEND_CUDA ? lg_plan_gpu_workspace(r, c, s)
                                             : lg_plan_cpu_workspace(r, s);
-        rc |= lg_plan_add(r, LG_REGION_TOKENS_INPUTS, LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32,
-                          tokens);
-        rc |= lg_plan_add(r, LG_REGION_TOKENS_TARGETS, LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32,
-                          tokens);
-        rc |= lg_plan_mpi_buffers(r, plan, i);
-        size_t unit_at[LG_UNIT_PARTS], unit_bytes = lg_checkpoint_unit_layout(plan, unit_at);
-        if (i % (plan->n_ranks / plan->spec.processes) == 0) /* a process's first rank */
-            rc |= lg_plan_add(r, LG_REGION_CHECKPOINT_GATHER, LG_GROUP_COMMUNICATION, LG_POOL_HOST,
-                              LG_DTYPE_U8, unit_bytes);
-        if (s->optimizer == LG_OPTIMIZER_SOPHIA) /* labels drawn from the model for its Hessian */
-            rc |= lg_plan_add(r, LG_REGION_TOKENS_SAMPLED, LG_GROUP_DATA, LG_POOL_HOST,
-                              LG_DTYPE_I32, tokens);
-        if (s->pack) /* where each token's sample starts in its packed row */
-            rc |= lg_plan_add(r, LG_REGION_TOKENS_SPANS, LG_GROUP_DATA, LG_POOL_HOST, LG_DTYPE_I32,
-                              tokens);
+        rc |= lg_plan_host_buffers(r, plan, i);
     }
     lg_tensor_table_free(&params);
     if (rc != 0) {
