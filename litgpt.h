@@ -16537,10 +16537,10 @@ static float lg_trainer_grad_norm(lg_trainer *tr) {
 }
 
 /* -1 with the line of the first of this process's ranks that stopped computing (a GPU out of
-   memory inside cuBLASLt: lg_rank_failure), after waiting for their queued work; else 0. */
+   memory inside cuBLASLt: lg_rank_failure), else 0. No wait: the host records the line as it
+   queues the op that failed. */
 static int lg_trainer_check_ranks(const lg_trainer *tr, lg_error *err) {
     for (int r = 0; r < tr->local_ranks; r++) {
-        lg_rank_sync(&tr->ranks[r].rank);
         const char *why = lg_rank_failure(&tr->ranks[r].rank);
         if (why) return lg_fail(err, "%s", why);
     }
